@@ -1,0 +1,20 @@
+"""attnkit: attention from the textbook to production.
+
+The core is :func:`attention` (one call for every mask, bias, head layout and backend) with
+:mod:`attnkit.masks` (what may attend to what) and :mod:`attnkit.bias` (score modifiers).
+
+Example::
+
+    >>> import torch, attnkit
+    >>> q = k = v = torch.randn(1, 4, 32, 16)
+    >>> out = attnkit.attention(q, k, v, mask=attnkit.masks.causal() & attnkit.masks.sliding_window(7))
+    >>> out.shape
+    torch.Size([1, 4, 32, 16])
+"""
+
+from . import backends, bias, masks, softmax
+from .functional import attention, attention_weights
+
+__version__ = "0.1.0"
+
+__all__ = ["attention", "attention_weights", "masks", "bias", "softmax", "backends"]

@@ -1,0 +1,111 @@
+"""Ways of computing attention, registered by name, and the rule ``auto`` uses to pick one.
+
+``math`` is the oracle (materialised scores, any dtype, attention weights); ``sdpa`` is PyTorch's fused
+kernel for the calls it takes exactly.  Each backend is three things: ``check(call)`` says why it cannot
+take a call (or ``None``), ``cost(call)`` estimates its work, and ``run(call)`` computes.  ``auto`` picks
+the cheapest backend whose check passes; :func:`explain` says which and why.
+
+Example::
+
+    >>> import torch
+    >>> from attnkit import backends, masks
+    >>> q = k = v = torch.randn(1, 2, 16, 8)
+    >>> "math" in backends.available()
+    True
+    >>> print(backends.explain(q, k, v, mask=masks.causal()).splitlines()[0])
+    auto picks 'sdpa' for q (1, 2, 16, 8) float32, k (1, 2, 16, 8), v (1, 2, 16, 8), mask causal(align='bottom_right')
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from . import math as _math
+from . import sdpa as _sdpa
+from ._common import Call
+
+__all__ = ["available", "explain", "Backend", "register"]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A registered way of computing attention."""
+
+    name: str
+    run: Callable[[Call], object]  # -> out, or (out, lse) when call.return_lse
+    check: Callable[[Call], str | None]  # None when the call is supported, else the reason it is not
+    cost: Callable[[Call], float]  # estimated work; auto picks the cheapest supported backend
+    available: Callable[[], bool] = lambda: True
+    description: str = ""
+
+
+_REGISTRY: dict[str, Backend] = {}
+
+
+def register(backend: Backend) -> None:
+    """Add a backend (replacing one of the same name)."""
+    _REGISTRY[backend.name] = backend
+
+
+register(Backend("math", _math.run, _math.check, _math.cost,
+                 description="textbook formula, materialised scores; the oracle; any dtype"))
+register(Backend("sdpa", _sdpa.run, _sdpa.check, _sdpa.cost,
+                 description="torch.nn.functional.scaled_dot_product_attention"))
+
+
+def available() -> list[str]:
+    """Names of the backends that can run on this machine."""
+    return [name for name, b in _REGISTRY.items() if b.available()]
+
+
+def _get(name: str) -> Backend:
+    b = _REGISTRY.get(name)
+    if b is None or not b.available():
+        raise ValueError(f"backend={name!r} is not available here: choose one of {['auto', *available()]}")
+    return b
+
+
+def select(call: Call, backend: str) -> Backend:
+    """The backend that runs ``call``: the named one (if it takes the call) or auto's pick."""
+    if backend != "auto":
+        b = _get(backend)
+        reason = b.check(call)
+        if reason is not None:
+            takers = [n for n in available() if n != backend and _REGISTRY[n].check(call) is None]
+            raise ValueError(f"backend={backend!r} cannot take this call: {reason}; "
+                             f"backends that can: {takers} (or backend='auto')")
+        return b
+    best, best_cost = None, float("inf")
+    for b in _REGISTRY.values():
+        if b.available() and b.check(call) is None:
+            c = b.cost(call)
+            if c < best_cost:
+                best, best_cost = b, c
+    return best  # math takes every call, so there is always one
+
+
+def explain(q, k, v, **kwargs) -> str:
+    """Which backend ``attention(q, k, v, **kwargs)`` would use, and why each other one would not."""
+    from ..functional import _make_call
+
+    backend = kwargs.pop("backend", "auto")
+    call = _make_call(q, k, v, **kwargs)
+    chosen = select(call, backend)
+    desc = [f"q {tuple(q.shape)} {str(q.dtype).replace('torch.', '')}", f"k {tuple(k.shape)}", f"v {tuple(v.shape)}"]
+    if call.mask is not None:
+        desc.append(f"mask {call.mask!r}")
+    if call.bias is not None:
+        desc.append(f"bias {call.bias!r}" if not hasattr(call.bias, "shape") else f"bias {tuple(call.bias.shape)}")
+    lines = [f"{'auto picks' if backend == 'auto' else 'uses'} {chosen.name!r} for {', '.join(desc)}"]
+    for name, b in _REGISTRY.items():
+        if not b.available():
+            lines.append(f"  {name:7s} not available on this machine")
+            continue
+        reason = b.check(call)
+        if reason is None:
+            lines.append(f"  {name:7s} takes it; estimated cost {b.cost(call) / 1e9:.3g} GFLOP-equivalents"
+                         f"{'  <- chosen' if b is chosen else ''}")
+        else:
+            lines.append(f"  {name:7s} cannot: {reason}")
+    return "\n".join(lines)

@@ -1,0 +1,108 @@
+"""What every backend shares: the description of one call, and the score pipeline on a block."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..bias import ScoreMod
+from ..masks import Mask
+
+Tensor = torch.Tensor
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half-precision inputs, the input's own dtype otherwise (float64 stays float64)."""
+    return torch.float32 if dtype in HALF else dtype
+
+
+@dataclass
+class Call:
+    """One validated ``attention()`` call.  ``mask`` is a Mask (bool tensors were wrapped), ``scale`` a float."""
+
+    q: Tensor  # (B, Hq, Lq, D)
+    k: Tensor  # (B, Hkv, Lk, D)
+    v: Tensor  # (B, Hkv, Lk, Dv)
+    mask: Mask | None
+    bias: Tensor | ScoreMod | None
+    scale: float
+    softcap: float | None
+    dropout_p: float
+    return_lse: bool
+    cache: dict = field(default_factory=dict)  # per-call memo shared by support checks and the run
+
+    @property
+    def batch(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def heads(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def group(self) -> int:
+        return self.q.shape[1] // self.k.shape[1]
+
+    @property
+    def q_len(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def kv_len(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def needs_grad(self) -> bool:
+        return torch.is_grad_enabled() and any(t.requires_grad for t in (self.q, self.k, self.v)) or (
+            isinstance(self.bias, Tensor) and self.bias.requires_grad and torch.is_grad_enabled())
+
+    def flops(self) -> float:
+        """Forward multiply-adds x 2 of the dense computation."""
+        return 2.0 * self.batch * self.heads * self.q_len * self.kv_len * (self.q.shape[3] + self.v.shape[3])
+
+
+def grouped_index(call: Call, q_rows: Tensor, k_cols: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Index tensors that broadcast over the grouped score layout (B, Hkv, G, rows, cols).
+
+    ``h`` counts query heads: query head ``hkv * G + g`` shares key/value head ``hkv``.
+    """
+    dev = call.q.device
+    b = torch.arange(call.batch, device=dev).view(-1, 1, 1, 1, 1)
+    h = torch.arange(call.heads, device=dev).view(1, call.kv_heads, call.group, 1, 1)
+    return b, h, q_rows.view(1, 1, 1, -1, 1), k_cols.view(1, 1, 1, 1, -1)
+
+
+def grouped_bias(bias: Tensor, call: Call) -> Tensor:
+    """A float bias broadcastable to (B, Hq, Lq, Lk), viewed as (B', Hkv|1, G|1, Lq', Lk')."""
+    while bias.dim() < 4:
+        bias = bias.unsqueeze(0)
+    b, h, lq, lk = bias.shape
+    if h == 1:
+        return bias.view(b, 1, 1, lq, lk)
+    return bias.reshape(b, call.kv_heads, call.group, lq, lk)
+
+
+def modify_scores(s: Tensor, call: Call, b: Tensor, h: Tensor, q: Tensor, k: Tensor,
+                  bias_block: Tensor | None = None, apply_mask: bool = True) -> Tensor:
+    """softcap, then bias, then mask, on a block of scaled scores in the grouped layout.
+
+    ``q``/``k`` are the block's query rows / keys as broadcastable index tensors; ``bias_block`` is the
+    matching slice of a tensor bias (the caller slices it).
+    """
+    if call.softcap is not None:
+        s = call.softcap * torch.tanh(s / call.softcap)
+    if isinstance(call.bias, ScoreMod):
+        s = call.bias._mod(s, b, h, q, k, call.q_len, call.kv_len)
+    elif bias_block is not None:
+        s = s + bias_block.to(s.dtype)
+    if apply_mask and call.mask is not None:
+        allowed = call.mask._mod(b, h, q, k, call.q_len, call.kv_len)
+        s = s.masked_fill(~allowed, float("-inf"))
+    return s

@@ -1,0 +1,275 @@
+"""Score modifiers: functions of ``(score, b, h, q_idx, kv_idx)`` applied to the scaled scores.
+
+They are applied after ``scale`` and ``softcap`` and before the mask (FlashAttention's order), so
+``attention(q, k, v, bias=alibi(slopes), mask=causal())`` computes
+``softmax(where(mask, softcap(q·k * scale) - slope_h * |p - j|, -inf)) @ v``.
+
+Positions follow the contract: query row ``i`` sits at ``p = i + Lk - Lq`` unless ``align="top_left"``.
+The head index ``h`` counts *query* heads (``0 .. Hq-1``), also under grouped-query attention.
+
+Example::
+
+    >>> import torch, attnkit
+    >>> from attnkit import bias, masks
+    >>> q = k = v = torch.randn(1, 4, 8, 16)
+    >>> out = attnkit.attention(q, k, v, bias=bias.alibi(bias.alibi_slopes(4)), mask=masks.causal())
+    >>> out.shape
+    torch.Size([1, 4, 8, 16])
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from .masks import _check_align, _offset
+
+Tensor = torch.Tensor
+
+__all__ = ["ScoreMod", "alibi", "alibi_slopes", "relative_buckets", "t5_bucket", "temperature", "from_fn", "compose"]
+
+
+class ScoreMod:
+    """A score modifier.  Subclasses implement ``_mod(score, b, h, q, k, q_len, kv_len)`` (``q`` are
+    query rows; position-aware modifiers apply their alignment) with broadcastable index tensors.
+
+    ``additive`` modifiers (ALiBi, T5 buckets) can also be materialised as a float bias tensor
+    (:meth:`materialize`) for backends that only take a dense bias.
+    """
+
+    additive = False
+    scale_factor: float | None = None  # a pure rescaling of every score (temperature), foldable into `scale`
+
+    def _mod(self, score: Tensor, b: Tensor, h: Tensor, q: Tensor, k: Tensor, q_len: int, kv_len: int) -> Tensor:
+        raise NotImplementedError
+
+    def _validate(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
+        """Raise ValueError when the modifier cannot apply to these sizes."""
+
+    def validate(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
+        self._validate(batch, heads, q_len, kv_len)
+
+    def score_mod(self, q_len: int, kv_len: int) -> Callable[..., Tensor]:
+        """Bound to a shape, as FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx) -> score``."""
+        def mod(score, b, h, q_idx, kv_idx):
+            return self._mod(score, b, h, q_idx, kv_idx, q_len, kv_len)
+        return mod
+
+    def materialize(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1,
+                    device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The additive term as a float tensor ``(B', H', q_len, kv_len)`` (additive modifiers only)."""
+        if not self.additive:
+            raise TypeError(f"{self!r} is not additive and cannot be materialised as a bias tensor")
+        self._validate(batch, heads, q_len, kv_len)
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
+        h = torch.arange(heads, device=device).view(1, -1, 1, 1)
+        q = torch.arange(q_len, device=device).view(1, 1, -1, 1)
+        k = torch.arange(kv_len, device=device).view(1, 1, 1, -1)
+        zero = torch.zeros((), device=device, dtype=dtype)
+        out = self._mod(zero, b, h, q, k, q_len, kv_len).to(dtype)
+        while out.dim() < 4:
+            out = out.unsqueeze(0)
+        return out.expand(out.shape[0], out.shape[1], q_len, kv_len)
+
+
+def _head_param(name: str, values, *, positive: bool) -> Tensor:
+    t = values if isinstance(values, torch.Tensor) else torch.as_tensor(values, dtype=torch.float32)
+    if not t.is_floating_point():
+        t = t.to(torch.float32)
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be a 1-D tensor with one value per query head, got shape {tuple(t.shape)}")
+    if positive and bool((t.detach() <= 0).any()):
+        raise ValueError(f"{name} must be > 0, got {t.detach().tolist()}")
+    return t
+
+
+class _ALiBi(ScoreMod):
+    additive = True
+
+    def __init__(self, slopes: Tensor, align: str):
+        self.slopes, self.align = slopes, _check_align(align)
+
+    def _mod(self, score, b, h, q, k, q_len, kv_len):
+        slopes = self.slopes.to(device=h.device)
+        p = q + _offset(self.align, q_len, kv_len)
+        return score - slopes[h] * (p - k).abs().to(slopes.dtype)
+
+    def _validate(self, batch, heads, q_len, kv_len):
+        if len(self.slopes) != heads:
+            raise ValueError(f"alibi: got {len(self.slopes)} slopes for Hq={heads} query heads: "
+                             f"give one slope per query head (attnkit.bias.alibi_slopes({heads}))")
+
+    def __repr__(self):
+        return f"alibi({len(self.slopes)} slopes, align={self.align!r})"
+
+
+def alibi(slopes, *, align: str = "bottom_right") -> ScoreMod:
+    """ALiBi (Press et al. 2022): adds ``-slopes[h] * |p - j|`` to the score of query position ``p``
+    and key ``j``.  ``slopes`` is ``(Hq,)``, a tensor (learnable if it requires grad) or a list."""
+    return _ALiBi(_head_param("alibi slopes", slopes, positive=False), align)
+
+
+def alibi_slopes(n_heads: int) -> Tensor:
+    """The paper's geometric slopes ``2^(-8 i / n)``, ``i = 1..n``, for ``n`` a power of two; otherwise
+    the slopes of the nearest smaller power of two followed by every other slope of the next one.
+
+    Example::
+
+        >>> from attnkit.bias import alibi_slopes
+        >>> alibi_slopes(4).tolist()
+        [0.25, 0.0625, 0.015625, 0.00390625]
+    """
+    if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads < 1:
+        raise ValueError(f"alibi_slopes: n_heads must be a positive int, got {n_heads!r}")
+
+    def power_of_two(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    closest = 2 ** int(math.floor(math.log2(n_heads)))
+    slopes = power_of_two(closest)
+    if closest < n_heads:
+        slopes += power_of_two(2 * closest)[0::2][: n_heads - closest]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def t5_bucket(relative_position: Tensor, *, bidirectional: bool = True, num_buckets: int = 32,
+              max_distance: int = 128) -> Tensor:
+    """T5's bucket of ``relative_position = j - p``: exact buckets for small distances, logarithmic
+    ones up to ``max_distance``; with ``bidirectional=False`` only the past (``j <= p``) is bucketed."""
+    n = -relative_position
+    ret = torch.zeros_like(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        ret = ret + (n < 0).to(ret.dtype) * num_buckets
+        n = n.abs()
+    else:
+        n = n.clamp(min=0)
+    max_exact = num_buckets // 2
+    is_small = n < max_exact
+    large = max_exact + (torch.log(n.clamp(min=1).float() / max_exact) / math.log(max_distance / max_exact)
+                         * (num_buckets - max_exact)).to(ret.dtype)
+    large = large.clamp(max=num_buckets - 1)
+    return ret + torch.where(is_small, n, large)
+
+
+class _RelativeBuckets(ScoreMod):
+    additive = True
+
+    def __init__(self, table: Tensor, bidirectional: bool, max_distance: int, align: str):
+        self.table, self.bidirectional, self.max_distance = table, bool(bidirectional), max_distance
+        self.align = _check_align(align)
+
+    def _mod(self, score, b, h, q, k, q_len, kv_len):
+        p = q + _offset(self.align, q_len, kv_len)
+        bucket = t5_bucket(k - p, bidirectional=self.bidirectional, num_buckets=self.table.shape[1],
+                           max_distance=self.max_distance)
+        return score + self.table.to(h.device)[h, bucket]
+
+    def _validate(self, batch, heads, q_len, kv_len):
+        if self.table.shape[0] != heads:
+            raise ValueError(f"relative_buckets: the table has {self.table.shape[0]} rows for Hq={heads} query "
+                             f"heads: give a (Hq, num_buckets) table")
+
+    def __repr__(self):
+        h, n = self.table.shape
+        return f"relative_buckets({h}x{n}, bidirectional={self.bidirectional}, max_distance={self.max_distance})"
+
+
+def relative_buckets(table: Tensor, *, bidirectional: bool = True, max_distance: int = 128,
+                     align: str = "bottom_right") -> ScoreMod:
+    """T5's relative position bias: adds ``table[h, bucket(j - p)]``.
+
+    ``table``: ``(Hq, num_buckets)`` float tensor, usually a learned parameter (gradients flow into it).
+    ``bidirectional=False`` is the decoder's (causal) bucketing.
+    """
+    if not isinstance(table, torch.Tensor) or not table.is_floating_point() or table.dim() != 2:
+        got = tuple(table.shape) if isinstance(table, torch.Tensor) else type(table).__name__
+        raise ValueError(f"relative_buckets: table must be a float tensor (Hq, num_buckets), got {got}")
+    if table.shape[1] < 2 or (bidirectional and table.shape[1] < 4):
+        raise ValueError(f"relative_buckets: num_buckets={table.shape[1]} is too small (need >= 4 bidirectional)")
+    if isinstance(max_distance, bool) or not isinstance(max_distance, int) or max_distance < 2:
+        raise ValueError(f"relative_buckets: max_distance must be an int >= 2, got {max_distance!r}")
+    return _RelativeBuckets(table, bidirectional, max_distance, align)
+
+
+class _Temperature(ScoreMod):
+    def __init__(self, t):
+        self.t = t
+        self.scale_factor = (1.0 / float(t)) if not isinstance(t, torch.Tensor) else None
+
+    def _mod(self, score, b, h, q, k, q_len, kv_len):
+        if isinstance(self.t, torch.Tensor):
+            return score / self.t.to(h.device)[h]
+        return score / self.t
+
+    def _validate(self, batch, heads, q_len, kv_len):
+        if isinstance(self.t, torch.Tensor) and len(self.t) != heads:
+            raise ValueError(f"temperature: got {len(self.t)} temperatures for Hq={heads} query heads")
+
+    def __repr__(self):
+        return f"temperature({self.t if not isinstance(self.t, torch.Tensor) else self.t.tolist()})"
+
+
+def temperature(t) -> ScoreMod:
+    """Divide every score by ``t`` (> 0): ``t > 1`` flattens the attention, ``t < 1`` sharpens it.
+    ``t`` is a number or a ``(Hq,)`` tensor of per-head temperatures."""
+    if isinstance(t, torch.Tensor):
+        t = _head_param("temperature", t, positive=True)
+    else:
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+            raise ValueError(f"temperature: t must be a finite number > 0, got {t!r}")
+        t = float(t)
+    return _Temperature(t)
+
+
+class _FromFn(ScoreMod):
+    def __init__(self, fn, name):
+        if not callable(fn):
+            raise TypeError(f"from_fn: fn must be callable as fn(score, b, h, q_idx, kv_idx) -> score, got {fn!r}")
+        self.fn, self.name = fn, name or getattr(fn, "__name__", "fn")
+
+    def _mod(self, score, b, h, q, k, q_len, kv_len):
+        out = self.fn(score, b, h, q, k)
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+            raise TypeError(f"{self!r}: fn must return a float tensor of scores, got "
+                            f"{out.dtype if isinstance(out, torch.Tensor) else type(out).__name__}")
+        return out
+
+    def __repr__(self):
+        return f"from_fn({self.name})"
+
+
+def from_fn(fn: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor], *, name: str | None = None) -> ScoreMod:
+    """A modifier from ``fn(score, b, h, q_idx, kv_idx) -> score`` (FlexAttention's ``score_mod``);
+    ``q_idx`` is the query row.  It must be elementwise in ``score`` and broadcast over the indices."""
+    return _FromFn(fn, name)
+
+
+class _Compose(ScoreMod):
+    def __init__(self, mods: tuple[ScoreMod, ...]):
+        self.mods = mods
+        self.additive = all(m.additive for m in mods)
+
+    def _mod(self, score, b, h, q, k, q_len, kv_len):
+        for m in self.mods:
+            score = m._mod(score, b, h, q, k, q_len, kv_len)
+        return score
+
+    def _validate(self, *args):
+        for m in self.mods:
+            m._validate(*args)
+
+    def __repr__(self):
+        return " then ".join(map(repr, self.mods))
+
+
+def compose(*mods: ScoreMod) -> ScoreMod:
+    """Apply several modifiers in order, e.g. ``compose(temperature(2.0), alibi(slopes))``."""
+    for m in mods:
+        if not isinstance(m, ScoreMod):
+            raise TypeError(f"compose: expected attnkit.bias modifiers, got {type(m).__name__}")
+    return _Compose(tuple(mods))

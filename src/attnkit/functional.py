@@ -1,0 +1,211 @@
+"""``attention()``: validate, pick a backend, run it."""
+
+from __future__ import annotations
+
+import math
+from numbers import Real
+
+import torch
+
+from . import backends as _backends
+from .backends import _math
+from .backends._common import Call
+from .bias import ScoreMod
+from .masks import Mask, from_dense
+
+Tensor = torch.Tensor
+
+__all__ = ["attention", "attention_weights"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+# ------------------------------------------------------------------- input checks
+
+
+def _check_qkv(q, k, v) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dims (B, H, L, D), got shape {tuple(t.shape)}: "
+                             f"add the missing dims with {name}.view(...) or {name}[None]")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; attention takes float16, bfloat16, float32 or float64")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}: cast them with .to()")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    (B, Hq, Lq, D), (Bk, Hkv, Lk, Dk), (Bv, Hv, Lv, Dv) = q.shape, k.shape, v.shape
+    if not (B == Bk == Bv):
+        raise ValueError(f"batch sizes differ: q has B={B}, k has B={Bk}, v has B={Bv}")
+    if Hkv != Hv:
+        raise ValueError(f"k and v must have the same number of heads, got Hk={Hkv} and Hv={Hv}")
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"got Hq={Hq} and Hkv={Hkv}: Hq must be a multiple of Hkv (grouped-query attention)")
+    if D != Dk:
+        raise ValueError(f"q and k must have the same head dim, got D={D} for q and D={Dk} for k")
+    if Lk != Lv:
+        raise ValueError(f"k and v must have the same length, got Lk={Lk} and Lv={Lv}")
+
+
+def _broadcasts(shape, target) -> bool:
+    if len(shape) > len(target):
+        return False
+    return all(s in (1, t) for s, t in zip(reversed(shape), reversed(target)))
+
+
+def _check_mask(mask, q: Tensor, shape) -> Mask | None:
+    if mask is None:
+        return None
+    if isinstance(mask, Mask):
+        mask.validate(*shape)
+        return mask
+    if isinstance(mask, torch.Tensor):
+        if mask.dtype != torch.bool:
+            raise TypeError(f"mask must be a bool tensor (True = may attend), got dtype {mask.dtype}: use "
+                            f"mask.bool() for a 0/1 mask, or pass additive float scores as bias=")
+        if not _broadcasts(mask.shape, shape):
+            raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to (B, H, Lq, Lk)={shape}")
+        if mask.device != q.device:
+            raise ValueError(f"mask is on {mask.device} but q is on {q.device}: move it with mask.to(q.device)")
+        return from_dense(mask)
+    raise TypeError(f"mask must be None, an attnkit.masks.Mask or a bool tensor, got {type(mask).__name__}")
+
+
+def _check_bias(bias, q: Tensor, shape):
+    if bias is None:
+        return None
+    if isinstance(bias, ScoreMod):
+        bias.validate(*shape)
+        return bias
+    if isinstance(bias, torch.Tensor):
+        if not bias.is_floating_point():
+            raise TypeError(f"bias must be a float tensor of additive scores, got dtype {bias.dtype} "
+                            f"(a bool tensor belongs in mask=)")
+        if not _broadcasts(bias.shape, shape):
+            raise ValueError(f"bias of shape {tuple(bias.shape)} does not broadcast to (B, H, Lq, Lk)={shape}")
+        if bias.device != q.device:
+            raise ValueError(f"bias is on {bias.device} but q is on {q.device}: move it with bias.to(q.device)")
+        return bias
+    if callable(bias):
+        raise TypeError("bias must be None, a float tensor or an attnkit.bias modifier; wrap a function "
+                        "fn(score, b, h, q_idx, kv_idx) with attnkit.bias.from_fn(fn)")
+    raise TypeError(f"bias must be None, a float tensor or an attnkit.bias modifier, got {type(bias).__name__}")
+
+
+def _check_number(name: str, value, *, low: float | None = None, high: float | None = None,
+                  low_open: bool = False, high_open: bool = False, fix: str = "") -> float:
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(float(value)):
+        raise ValueError(f"{name}={value!r} must be a finite number{fix}")
+    x = float(value)
+    if low is not None and (x < low or (low_open and x == low)):
+        raise ValueError(f"{name}={value!r} must be {'>' if low_open else '>='} {low}{fix}")
+    if high is not None and (x > high or (high_open and x == high)):
+        raise ValueError(f"{name}={value!r} must be {'<' if high_open else '<='} {high}{fix}")
+    return x
+
+
+def _make_call(q, k, v, *, mask=None, bias=None, scale=None, softcap=None, dropout_p=0.0,
+               return_lse=False) -> Call:
+    _check_qkv(q, k, v)
+    shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    mask = _check_mask(mask, q, shape)
+    bias = _check_bias(bias, q, shape)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else _check_number("scale", scale)
+    if softcap is not None:
+        softcap = _check_number("softcap", softcap, low=0.0, low_open=True, fix=" (or None for no softcap)")
+    dropout_p = _check_number("dropout_p", dropout_p, low=0.0, high=1.0, high_open=True)
+    return Call(q, k, v, mask, bias, scale, softcap, dropout_p, bool(return_lse))
+
+
+def _empty_result(call: Call):
+    """Lq == 0 or Lk == 0: zero output and -inf lse, still attached to the graph (zero gradients)."""
+    q, k, v = call.q, call.k, call.v
+    zero = (q.sum() + k.sum() + v.sum()) * 0
+    out = torch.zeros(call.batch, call.heads, call.q_len, v.shape[-1], dtype=q.dtype, device=q.device) + zero
+    if not call.return_lse:
+        return out
+    lse_dtype = torch.promote_types(q.dtype, torch.float32)
+    return out, torch.full((call.batch, call.heads, call.q_len), float("-inf"), dtype=lse_dtype, device=q.device)
+
+
+# ---------------------------------------------------------------------- public API
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, scale: float | None = None,
+              softcap: float | None = None, dropout_p: float = 0.0, return_lse: bool = False,
+              backend: str = "auto"):
+    """Scaled dot-product attention: ``softmax(mask(bias(softcap(q @ k^T * scale)))) @ v``.
+
+    Args:
+        q: ``(B, Hq, Lq, D)`` queries.
+        k: ``(B, Hkv, Lk, D)`` keys; ``Hq`` must be a multiple of ``Hkv`` (grouped-query attention;
+            ``Hkv = 1`` is multi-query).  Query head ``h`` uses key/value head ``h // (Hq // Hkv)``.
+        v: ``(B, Hkv, Lk, Dv)`` values; ``Dv`` may differ from ``D``.
+        mask: ``None``, an :class:`attnkit.masks.Mask`, or a bool tensor broadcastable to
+            ``(B, Hq, Lq, Lk)``; True means "may attend".
+        bias: ``None``, a float tensor broadcastable to ``(B, Hq, Lq, Lk)`` added to the scores, or an
+            :mod:`attnkit.bias` modifier (ALiBi, T5 buckets, temperature, ``from_fn``).
+        scale: multiplies ``q @ k^T``; default ``1 / sqrt(D)``.
+        softcap: ``s`` maps a score ``x`` to ``s * tanh(x / s)`` (Gemma 2); applied before the bias.
+        dropout_p: dropout on the attention weights (reproducible under ``torch.manual_seed``).
+        return_lse: also return the log-sum-exp of each row's final scores.
+        backend: ``"auto"`` or a name from :func:`attnkit.backends.available`.
+
+    Returns:
+        ``out (B, Hq, Lq, Dv)`` in the input dtype; with ``return_lse``, also ``lse (B, Hq, Lq)``
+        (float32, float64 for float64 inputs).
+
+    Query row ``i`` sits at position ``i + Lk - Lq`` (bottom-right), so with a causal mask and
+    ``Lq < Lk`` the last query sees every key, and with ``Lq > Lk`` the first rows see none::
+
+        Lq=2, Lk=5 causal      Lq=5, Lk=2 causal
+           █ █ █ █ ·              · ·    <- sees nothing: output 0, lse -inf
+           █ █ █ █ █              · ·
+                                  · ·
+                                  █ ·
+                                  █ █
+
+    A row that may attend to nothing gives output 0, ``lse = -inf`` and zero gradients, never NaN.
+
+    Example::
+
+        >>> import torch, attnkit
+        >>> from attnkit import masks
+        >>> q = torch.randn(2, 8, 10, 64); k = v = torch.randn(2, 2, 10, 64)
+        >>> out = attnkit.attention(q, k, v, mask=masks.causal())
+        >>> out.shape
+        torch.Size([2, 8, 10, 64])
+    """
+    call = _make_call(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, dropout_p=dropout_p,
+                      return_lse=return_lse)
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string, got {type(backend).__name__}")
+    chosen = _backends.select(call, backend)
+    if call.q_len == 0 or call.kv_len == 0:
+        return _empty_result(call)
+    return chosen.run(call)
+
+
+def attention_weights(q: Tensor, k: Tensor, v: Tensor | None = None, *, mask=None, bias=None,
+                      scale: float | None = None, softcap: float | None = None) -> Tensor:
+    """The attention weights ``(B, Hq, Lq, Lk)`` that :func:`attention` would apply (before dropout).
+
+    Computed by the ``math`` backend (the weights are materialised by definition).  ``v`` is accepted
+    for symmetry with :func:`attention` and only used for validation.  A fully masked row is all zeros.
+
+    Example::
+
+        >>> import torch, attnkit
+        >>> q = k = torch.randn(1, 1, 3, 4)
+        >>> w = attnkit.attention_weights(q, k, mask=attnkit.masks.causal())
+        >>> torch.allclose(w.sum(-1), torch.ones(1, 1, 3))
+        True
+    """
+    if v is None:
+        v = k
+    call = _make_call(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap)
+    if call.q_len == 0 or call.kv_len == 0:
+        return torch.zeros(call.batch, call.heads, call.q_len, call.kv_len, dtype=q.dtype, device=q.device)
+    return _math.weights(call)

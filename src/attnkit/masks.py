@@ -1,0 +1,1092 @@
+"""What may attend to what.
+
+A :class:`Mask` is a vectorised predicate over ``(batch, head, query row, key
+index)`` plus its *block structure*: for a tiling of the ``(Lq, Lk)`` score
+matrix into ``(block_q, block_k)`` tiles, which tiles are empty, which are full
+(every element may attend) and which are partial.  Built-in masks compute their
+block structure arithmetically, so a sliding window over a million tokens never
+materialises ``Lq x Lk`` anything.
+
+Positions follow the library's contract: query row ``i`` sits at absolute
+position ``p = i + Lk - Lq`` ("bottom-right", the alignment of decoding against
+a cache).  Masks that care about positions take ``align="top_left"`` to use
+``p = i`` instead::
+
+    Lq=2, Lk=5, causal(align="bottom_right")   causal(align="top_left")
+        k: 0 1 2 3 4                               k: 0 1 2 3 4
+    q0     █ █ █ █ ·                           q0     █ · · · ·
+    q1     █ █ █ █ █                           q1     █ █ · · ·
+
+Masks combine with ``&``, ``|`` and ``~``.  ``True`` means "may attend".
+
+Example::
+
+    >>> from attnkit import masks
+    >>> m = masks.causal() & masks.sliding_window(3)
+    >>> m.to_dense(4, 4)[0, 0].int().tolist()
+    [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+Tensor = torch.Tensor
+
+__all__ = [
+    "Mask",
+    "BlockStructure",
+    "causal",
+    "sliding_window",
+    "key_padding",
+    "document",
+    "prefix_lm",
+    "block_local",
+    "strided",
+    "fixed",
+    "dilated",
+    "global_tokens",
+    "random_blocks",
+    "from_fn",
+    "from_dense",
+]
+
+_ALIGNS = ("bottom_right", "top_left")
+_BIG = 1 << 40  # stands for "unbounded" in key-index arithmetic; far beyond any length
+_EVAL_CHUNK = 1 << 22  # elements evaluated at once when a tile grid is derived by evaluation
+
+EMPTY, PARTIAL, FULL = 0, 1, 2  # tile kinds
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _check_align(align: str) -> str:
+    if align not in _ALIGNS:
+        raise ValueError(f"align={align!r} is not one of {_ALIGNS}: use 'bottom_right' (query row i at "
+                         f"position i + Lk - Lq, the decoding alignment) or 'top_left' (row i at position i)")
+    return align
+
+
+def _offset(align: str, q_len: int, kv_len: int) -> int:
+    return kv_len - q_len if align == "bottom_right" else 0
+
+
+def _check_int(name: str, value, *, minimum: int = 0, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int{' or None' if allow_none else ''}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be >= {minimum}")
+
+
+def _index_tensor(name: str, values, *, ndim: Sequence[int]) -> Tensor:
+    t = torch.as_tensor(values)
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise TypeError(f"{name} must hold integers, got dtype {t.dtype}")
+    if t.dim() not in ndim:
+        raise ValueError(f"{name} must have {' or '.join(map(str, ndim))} dimensions, got shape {tuple(t.shape)}")
+    return t.to(torch.long)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class _Tiling:
+    q_len: int
+    kv_len: int
+    block_q: int
+    block_k: int
+    batch: int
+    heads: int
+    device: torch.device
+
+    @property
+    def nq(self) -> int:
+        return _ceil_div(self.q_len, self.block_q)
+
+    @property
+    def nk(self) -> int:
+        return _ceil_div(self.kv_len, self.block_k)
+
+    def rows(self) -> tuple[Tensor, Tensor]:
+        """First and last query row of every query tile, each (nq,)."""
+        r0 = torch.arange(self.nq, device=self.device) * self.block_q
+        return r0, torch.clamp(r0 + self.block_q, max=self.q_len) - 1
+
+    def cols(self) -> tuple[Tensor, Tensor]:
+        """First and last key of every key tile, each (nk,)."""
+        s0 = torch.arange(self.nk, device=self.device) * self.block_k
+        return s0, torch.clamp(s0 + self.block_k, max=self.kv_len) - 1
+
+    def index(self) -> tuple[Tensor, Tensor]:
+        """Batch and head index tensors shaped to broadcast as (B, H, 1)."""
+        b = torch.arange(self.batch, device=self.device).view(-1, 1, 1)
+        h = torch.arange(self.heads, device=self.device).view(1, -1, 1)
+        return b, h
+
+
+@dataclass
+class _Band:
+    """Per query tile, candidate key tiles [lo, hi) with the full ones [flo, fhi) inside; each (B', H', nq)."""
+
+    lo: Tensor
+    hi: Tensor
+    flo: Tensor
+    fhi: Tensor
+
+    def grid(self, nk: int) -> "_Grid":
+        s = torch.arange(nk, device=self.lo.device)
+        inside = (s >= self.lo[..., None]) & (s < self.hi[..., None])
+        full = (s >= self.flo[..., None]) & (s < self.fhi[..., None])
+        kinds = torch.where(full, FULL, torch.where(inside, PARTIAL, EMPTY)).to(torch.int8)
+        return _Grid(kinds)
+
+
+@dataclass
+class _Grid:
+    """Tile kinds (B', H', nq', nk) int8, each leading dim 1 where the mask does not depend on it."""
+
+    kinds: Tensor
+
+
+def _band_from_keys(t: _Tiling, kmin: Tensor, kmax: Tensor, fmin: Tensor, fmax: Tensor) -> _Band:
+    """Tile ranges from key-index bounds: candidates [kmin, kmax], full [fmin, fmax] (both inclusive)."""
+    bk, nk, last = t.block_k, t.nk, t.kv_len - 1
+    kmin, kmax = kmin.clamp(min=0), kmax.clamp(max=last)
+    empty = kmin > kmax
+    lo = torch.where(empty, 0, torch.div(kmin, bk, rounding_mode="floor"))
+    hi = torch.where(empty, 0, torch.div(kmax, bk, rounding_mode="floor") + 1)
+    fmin, fmax = fmin.clamp(min=0), fmax.clamp(max=last)
+    flo = torch.div(fmin + bk - 1, bk, rounding_mode="floor")
+    fhi = torch.where(fmax >= last, nk, torch.div(fmax + 1, bk, rounding_mode="floor"))
+    flo, fhi = torch.maximum(flo, lo), torch.minimum(fhi, hi)
+    fempty = (fhi <= flo) | empty | (fmin > fmax)
+    flo, fhi = torch.where(fempty, lo, flo), torch.where(fempty, lo, fhi)
+    lo, hi, flo, fhi = torch.broadcast_tensors(lo, hi, flo, fhi)
+    return _Band(lo, hi, flo, fhi)
+
+
+def _as_grid(x: _Band | _Grid, t: _Tiling) -> _Grid:
+    return x.grid(t.nk) if isinstance(x, _Band) else x
+
+
+def _and_tiles(a: _Band | _Grid, b: _Band | _Grid, t: _Tiling) -> _Band | _Grid:
+    if isinstance(a, _Band) and isinstance(b, _Band):
+        lo, hi = torch.maximum(a.lo, b.lo), torch.minimum(a.hi, b.hi)
+        flo, fhi = torch.maximum(a.flo, b.flo), torch.minimum(a.fhi, b.fhi)
+        empty, fempty = hi <= lo, fhi <= flo
+        lo, hi = torch.where(empty, 0, lo), torch.where(empty, 0, hi)
+        flo, fhi = torch.where(fempty | empty, lo, flo), torch.where(fempty | empty, lo, fhi)
+        return _Band(lo, hi, flo, fhi)
+    return _Grid(torch.minimum(_as_grid(a, t).kinds, _as_grid(b, t).kinds))
+
+
+def _or_tiles(a: _Band | _Grid, b: _Band | _Grid, t: _Tiling) -> _Band | _Grid:
+    if isinstance(a, _Band) and isinstance(b, _Band):
+        ea, eb = a.hi <= a.lo, b.hi <= b.lo
+        contiguous = ea | eb | (torch.maximum(a.lo, b.lo) <= torch.minimum(a.hi, b.hi))
+        if bool(contiguous.all()):
+            lo = torch.minimum(torch.where(ea, _BIG, a.lo), torch.where(eb, _BIG, b.lo))
+            hi = torch.maximum(torch.where(ea, -_BIG, a.hi), torch.where(eb, -_BIG, b.hi))
+            empty = ea & eb
+            lo, hi = torch.where(empty, 0, lo), torch.where(empty, 0, hi)
+            fa, fb = a.fhi > a.flo, b.fhi > b.flo
+            touch = fa & fb & (torch.maximum(a.flo, b.flo) <= torch.minimum(a.fhi, b.fhi))
+            a_bigger = (a.fhi - a.flo) >= (b.fhi - b.flo)
+            flo = torch.where(touch, torch.minimum(a.flo, b.flo), torch.where(a_bigger, a.flo, b.flo))
+            fhi = torch.where(touch, torch.maximum(a.fhi, b.fhi), torch.where(a_bigger, a.fhi, b.fhi))
+            none = ~(fa | fb)
+            flo, fhi = torch.where(none, lo, flo), torch.where(none, lo, fhi)
+            lo, hi, flo, fhi = torch.broadcast_tensors(lo, hi, flo, fhi)
+            return _Band(lo, hi, flo, fhi)
+    return _Grid(torch.maximum(_as_grid(a, t).kinds, _as_grid(b, t).kinds))
+
+
+def _pool_kinds(allowed: Tensor, valid: Tensor, bq: int, bk: int) -> Tensor:
+    """Tile kinds of an element mask (..., nq*bq, nk*bk), counting only `valid` elements."""
+    *lead, rows, cols = allowed.shape
+    shape = (*lead, rows // bq, bq, cols // bk, bk)
+    any_ = (allowed & valid).reshape(shape).any(dim=-1).any(dim=-2)
+    all_ = (allowed | ~valid).reshape(shape).all(dim=-1).all(dim=-2)
+    return torch.where(all_, FULL, torch.where(any_, PARTIAL, EMPTY)).to(torch.int8)
+
+
+def _grid_by_eval(mask: "Mask", t: _Tiling) -> _Grid:
+    """Tile kinds by evaluating the predicate one chunk of query tiles at a time (never all of Lq x Lk)."""
+    bq, bk, nq, nk = t.block_q, t.block_k, t.nq, t.nk
+    kp = nk * bk
+    b = torch.arange(t.batch, device=t.device).view(-1, 1, 1, 1)
+    h = torch.arange(t.heads, device=t.device).view(1, -1, 1, 1)
+    k = torch.arange(kp, device=t.device).view(1, 1, 1, -1)
+    kvalid = k < t.kv_len
+    k = k.clamp(max=t.kv_len - 1)
+    per_tile_row = max(1, t.batch * t.heads * bq * kp)
+    step = max(1, _EVAL_CHUNK // per_tile_row)
+    parts = []
+    for start in range(0, nq, step):
+        stop = min(nq, start + step)
+        q = torch.arange(start * bq, stop * bq, device=t.device).view(1, 1, -1, 1)
+        valid = (q < t.q_len) & kvalid
+        allowed = mask._mod(b, h, q.clamp(max=t.q_len - 1), k, t.q_len, t.kv_len)
+        allowed = _checked_bool(mask, allowed)
+        lead = (allowed.shape[0], allowed.shape[1])
+        allowed = allowed.expand(*lead, q.shape[2], kp)
+        parts.append(_pool_kinds(allowed, valid, bq, bk))
+    return _Grid(torch.cat(parts, dim=2))
+
+
+def _checked_bool(mask: "Mask", out) -> Tensor:
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
+        got = out.dtype if isinstance(out, torch.Tensor) else type(out).__name__
+        raise TypeError(f"{mask!r}: the mask function must return a bool tensor, got {got}")
+    while out.dim() < 4:
+        out = out.unsqueeze(0)
+    return out
+
+
+# ------------------------------------------------------------------ block structure
+
+
+@dataclass
+class BlockStructure:
+    """Which tiles of the ``(Lq, Lk)`` score matrix a kernel must visit.
+
+    For every ``(batch, head, query tile)`` (a leading dim is 1 where the mask does not depend on it),
+    the key tiles that are *full* (every element may attend: no element mask needed) and *partial*
+    (the element mask must be applied), as counts plus index tensors padded to the row maximum (the
+    layout of FlexAttention's ``BlockMask``).  Empty tiles appear in neither list.
+
+    Attributes:
+        q_len, kv_len, block_q, block_k: the tiling.
+        full_count: ``(B', H', nq)`` int32.
+        full_index: ``(B', H', nq, max_full)`` int32; entries past ``full_count`` are padding (0).
+        partial_count, partial_index: the same for partial tiles.
+    """
+
+    q_len: int
+    kv_len: int
+    block_q: int
+    block_k: int
+    full_count: Tensor
+    full_index: Tensor
+    partial_count: Tensor
+    partial_index: Tensor
+
+    @property
+    def num_q_tiles(self) -> int:
+        return _ceil_div(self.q_len, self.block_q)
+
+    @property
+    def num_k_tiles(self) -> int:
+        return _ceil_div(self.kv_len, self.block_k)
+
+    def kinds(self) -> Tensor:
+        """Dense tile kinds ``(B', H', nq, nk)`` int8: 0 empty, 1 partial, 2 full (for small tilings)."""
+        nk = self.num_k_tiles
+        out = torch.zeros(*self.full_count.shape, nk, dtype=torch.int8, device=self.full_count.device)
+        for count, index, kind in ((self.partial_count, self.partial_index, PARTIAL),
+                                   (self.full_count, self.full_index, FULL)):
+            if index.shape[-1] == 0:
+                continue
+            live = torch.arange(index.shape[-1], device=index.device) < count[..., None].long()
+            src = torch.where(live, kind, EMPTY).to(torch.int8)
+            out.scatter_reduce_(-1, index.long(), src, reduce="amax")
+        return out
+
+    def visited_fraction(self) -> float:
+        """Share of all tiles a kernel visits (full plus partial)."""
+        n = self.full_count.numel() * self.num_k_tiles
+        return float((self.full_count.sum() + self.partial_count.sum()) / max(1, n))
+
+    def __str__(self) -> str:
+        kinds = self.kinds()
+        lines = [f"BlockStructure({self.q_len}x{self.kv_len}, tiles {self.block_q}x{self.block_k}, "
+                 f"{kinds.shape[-2]}x{kinds.shape[-1]} tiles, visited {self.visited_fraction():.1%}; "
+                 f"█ full, ░ partial, · empty)"]
+        chars = {EMPTY: "·", PARTIAL: "░", FULL: "█"}
+        for row in kinds[0, 0].tolist():
+            lines.append(" " + "".join(chars[c] for c in row))
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def _structure_from_band(band: _Band, t: _Tiling) -> BlockStructure:
+    nfull = band.fhi - band.flo
+    npart = (band.hi - band.lo) - nfull
+    mf = int(nfull.max()) if nfull.numel() else 0
+    mp = int(npart.max()) if npart.numel() else 0
+    j = torch.arange(mf, device=band.lo.device)
+    full_index = band.flo[..., None] + j
+    full_index = torch.where(j < nfull[..., None], full_index, 0)
+    j = torch.arange(mp, device=band.lo.device)
+    before = (band.flo - band.lo)[..., None]
+    partial_index = torch.where(j < before, band.lo[..., None] + j, band.fhi[..., None] + j - before)
+    partial_index = torch.where(j < npart[..., None], partial_index, 0)
+    return BlockStructure(t.q_len, t.kv_len, t.block_q, t.block_k, nfull.to(torch.int32),
+                          full_index.to(torch.int32), npart.to(torch.int32), partial_index.to(torch.int32))
+
+
+def _structure_from_grid(grid: _Grid, t: _Tiling) -> BlockStructure:
+    kinds = grid.kinds
+    if kinds.shape[-2] != t.nq:
+        kinds = kinds.expand(*kinds.shape[:-2], t.nq, kinds.shape[-1])
+    kinds = kinds.expand(*kinds.shape[:-1], t.nk) if kinds.shape[-1] == 1 else kinds
+    out = []
+    for kind in (FULL, PARTIAL):
+        hit = kinds == kind
+        count = hit.sum(-1)
+        m = int(count.max()) if count.numel() else 0
+        order = torch.argsort((~hit).to(torch.int8), dim=-1, stable=True)[..., :m]
+        live = torch.arange(m, device=kinds.device) < count[..., None]
+        out += [count.to(torch.int32), torch.where(live, order, 0).to(torch.int32)]
+    return BlockStructure(t.q_len, t.kv_len, t.block_q, t.block_k, *out)
+
+
+# ---------------------------------------------------------------------------- masks
+
+
+class Mask:
+    """A vectorised predicate ``(b, h, q_idx, kv_idx) -> bool`` and its block structure.
+
+    Subclasses implement ``_mod(b, h, q, k, q_len, kv_len)`` (``q`` are query *rows*; masks that use
+    positions apply their alignment) and may implement ``_tiles`` arithmetically; the default derives
+    tiles by evaluating the predicate one chunk of query tiles at a time.
+    """
+
+    # ---- to implement
+    def _mod(self, b: Tensor, h: Tensor, q: Tensor, k: Tensor, q_len: int, kv_len: int) -> Tensor:
+        raise NotImplementedError
+
+    def _tiles(self, t: _Tiling) -> _Band | _Grid:
+        return _grid_by_eval(self, t)
+
+    def _validate(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
+        """Raise ValueError when the mask cannot apply to these sizes."""
+
+    def _size(self) -> tuple[int, int] | None:
+        """The (Lq, Lk) the mask is defined for, when it carries one (used to draw it)."""
+        return None
+
+    def _batch_size(self) -> int:
+        """The batch size the mask carries data for (1 when it does not depend on the batch)."""
+        return 1
+
+    # ---- public
+    def mask_mod(self, q_len: int, kv_len: int) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
+        """The predicate bound to a shape, as FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) -> bool``."""
+        def mod(b, h, q_idx, kv_idx):
+            return self._mod(b, h, q_idx, kv_idx, q_len, kv_len)
+        return mod
+
+    def validate(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
+        """Check that the mask applies to a ``(batch, heads, q_len, kv_len)`` score matrix."""
+        self._validate(batch, heads, q_len, kv_len)
+
+    def to_dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1,
+                 device: torch.device | str | None = None) -> Tensor:
+        """The mask as a bool tensor ``(B', H', q_len, kv_len)``; ``B'``/``H'`` are 1 where it does not vary."""
+        _check_int("q_len", q_len)
+        _check_int("kv_len", kv_len)
+        self._validate(batch, heads, q_len, kv_len)
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
+        h = torch.arange(heads, device=device).view(1, -1, 1, 1)
+        q = torch.arange(q_len, device=device).view(1, 1, -1, 1)
+        k = torch.arange(kv_len, device=device).view(1, 1, 1, -1)
+        out = _checked_bool(self, self._mod(b, h, q, k, q_len, kv_len))
+        return out.expand(out.shape[0], out.shape[1], q_len, kv_len)
+
+    def block_structure(self, q_len: int, kv_len: int, block_q: int = 128, block_k: int | None = None, *,
+                        batch: int = 1, heads: int = 1,
+                        device: torch.device | str | None = None) -> BlockStructure:
+        """The tiles a kernel must visit for a ``(q_len, kv_len)`` score matrix.
+
+        Example::
+
+            >>> from attnkit import masks
+            >>> s = masks.causal().block_structure(256, 256, 128)
+            >>> s.full_count[0, 0].tolist(), s.partial_count[0, 0].tolist()
+            ([0, 1], [1, 1])
+        """
+        block_k = block_q if block_k is None else block_k
+        _check_int("block_q", block_q, minimum=1)
+        _check_int("block_k", block_k, minimum=1)
+        _check_int("q_len", q_len)
+        _check_int("kv_len", kv_len)
+        self._validate(batch, heads, q_len, kv_len)
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        t = _Tiling(q_len, kv_len, block_q, block_k, batch, heads, device)
+        if t.nq == 0 or t.nk == 0:
+            z = torch.zeros(1, 1, t.nq, dtype=torch.int32, device=device)
+            zi = torch.zeros(1, 1, t.nq, 0, dtype=torch.int32, device=device)
+            return BlockStructure(q_len, kv_len, block_q, block_k, z, zi, z.clone(), zi.clone())
+        tiles = self._tiles(t)
+        if isinstance(tiles, _Band):
+            return _structure_from_band(tiles, t)
+        return _structure_from_grid(tiles, t)
+
+    def density(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> float:
+        """Share of ``(query, key)`` pairs that may attend, counted a chunk of rows at a time."""
+        self._validate(batch, heads, q_len, kv_len)
+        if q_len == 0 or kv_len == 0:
+            return 0.0
+        b = torch.arange(batch).view(-1, 1, 1, 1)
+        h = torch.arange(heads).view(1, -1, 1, 1)
+        k = torch.arange(kv_len).view(1, 1, 1, -1)
+        step = max(1, _EVAL_CHUNK // max(1, batch * heads * kv_len))
+        total = 0
+        for start in range(0, q_len, step):
+            q = torch.arange(start, min(q_len, start + step)).view(1, 1, -1, 1)
+            m = _checked_bool(self, self._mod(b, h, q, k, q_len, kv_len))
+            m = m.expand(batch, heads, q.shape[2], kv_len)
+            total += int(m.sum())
+        return total / (batch * heads * q_len * kv_len)
+
+    def show(self, q_len: int | None = None, kv_len: int | None = None, *, batch: int = 0, head: int = 0,
+             max_width: int = 64) -> str:
+        """Draw the mask: one character per element (█ may attend, · may not), or per tile when wide."""
+        size = self._size()
+        if q_len is None:
+            q_len = size[0] if size else 16
+        if kv_len is None:
+            kv_len = size[1] if size else q_len
+        nb, nh = max(batch + 1, self._batch_size()), head + 1
+        header = f"{self!r}  {q_len}x{kv_len}, density {self.density(q_len, kv_len, batch=nb, heads=nh):.1%}"
+        if max(q_len, kv_len) <= max_width:
+            dense = self.to_dense(q_len, kv_len, batch=nb, heads=nh)
+            dense = dense[min(batch, dense.shape[0] - 1), min(head, dense.shape[1] - 1)]
+            rows = ["".join("█" if x else "·" for x in row) for row in dense.tolist()]
+            return "\n".join([header, *(" " + r for r in rows)])
+        block = _ceil_div(max(q_len, kv_len), max_width)
+        s = self.block_structure(q_len, kv_len, block, batch=nb, heads=nh)
+        kinds = s.kinds()
+        kinds = kinds[min(batch, kinds.shape[0] - 1), min(head, kinds.shape[1] - 1)]
+        chars = {EMPTY: "·", PARTIAL: "░", FULL: "█"}
+        rows = ["".join(chars[c] for c in row) for row in kinds.tolist()]
+        legend = f"  (one character per {block}x{block} tile: █ full, ░ partial, · empty)"
+        return "\n".join([header + legend, *(" " + r for r in rows)])
+
+    def __str__(self) -> str:
+        return self.show()
+
+    def __and__(self, other: "Mask") -> "Mask":
+        return _And(self, _as_mask(other, "&"))
+
+    def __or__(self, other: "Mask") -> "Mask":
+        return _Or(self, _as_mask(other, "|"))
+
+    def __invert__(self) -> "Mask":
+        return _Not(self)
+
+
+def _as_mask(x, op: str) -> Mask:
+    if not isinstance(x, Mask):
+        raise TypeError(f"cannot combine a Mask with {type(x).__name__} using {op!r}: "
+                        f"wrap a bool tensor with attnkit.masks.from_dense(t)")
+    return x
+
+
+class _And(Mask):
+    def __init__(self, a: Mask, b: Mask):
+        self.a, self.b = a, b
+
+    def _mod(self, b, h, q, k, q_len, kv_len):
+        return self.a._mod(b, h, q, k, q_len, kv_len) & self.b._mod(b, h, q, k, q_len, kv_len)
+
+    def _tiles(self, t):
+        return _and_tiles(self.a._tiles(t), self.b._tiles(t), t)
+
+    def _validate(self, *args):
+        self.a._validate(*args)
+        self.b._validate(*args)
+
+    def _size(self):
+        return self.a._size() or self.b._size()
+
+    def _batch_size(self):
+        return max(self.a._batch_size(), self.b._batch_size())
+
+    def __repr__(self):
+        return f"({self.a!r} & {self.b!r})"
+
+
+class _Or(_And):
+    def _mod(self, b, h, q, k, q_len, kv_len):
+        return self.a._mod(b, h, q, k, q_len, kv_len) | self.b._mod(b, h, q, k, q_len, kv_len)
+
+    def _tiles(self, t):
+        return _or_tiles(self.a._tiles(t), self.b._tiles(t), t)
+
+    def __repr__(self):
+        return f"({self.a!r} | {self.b!r})"
+
+
+class _Not(Mask):
+    def __init__(self, a: Mask):
+        self.a = a
+
+    def _mod(self, b, h, q, k, q_len, kv_len):
+        return ~self.a._mod(b, h, q, k, q_len, kv_len)
+
+    def _tiles(self, t):
+        return _Grid((FULL - _as_grid(self.a._tiles(t), t).kinds).to(torch.int8))
+
+    def _validate(self, *args):
+        self.a._validate(*args)
+
+    def _size(self):
+        return self.a._size()
+
+    def _batch_size(self):
+        return self.a._batch_size()
+
+    def __repr__(self):
+        return f"~{self.a!r}"
+
+
+class _Named(Mask):
+    """A mask defined as a combination of others, shown under its own name."""
+
+    def __init__(self, name: str, inner: Mask):
+        self.name, self.inner = name, inner
+
+    def _mod(self, *args):
+        return self.inner._mod(*args)
+
+    def _tiles(self, t):
+        return self.inner._tiles(t)
+
+    def _validate(self, *args):
+        self.inner._validate(*args)
+
+    def _size(self):
+        return self.inner._size()
+
+    def _batch_size(self):
+        return self.inner._batch_size()
+
+    def __repr__(self):
+        return self.name
+
+
+class _Interval(Mask):
+    """Key j visible from query position p iff lo(p) <= j <= hi(p), with lo and hi nondecreasing in p.
+
+    Such masks have an arithmetic block structure: a query tile spanning positions [P0, P1] sees the
+    keys [lo(P0), hi(P1)], and every one of its rows sees the keys [lo(P1), hi(P0)].
+    """
+
+    align = "bottom_right"
+
+    def _bounds(self, b: Tensor, h: Tensor, p: Tensor) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError
+
+    def _mod(self, b, h, q, k, q_len, kv_len):
+        lo, hi = self._bounds(b, h, q + _offset(self.align, q_len, kv_len))
+        return (k >= lo) & (k <= hi)
+
+    def _tiles(self, t):
+        r0, r1 = t.rows()
+        off = _offset(self.align, t.q_len, t.kv_len)
+        b, h = t.index()
+        lo0, hi0 = self._bounds(b, h, (r0 + off).view(1, 1, -1))
+        lo1, hi1 = self._bounds(b, h, (r1 + off).view(1, 1, -1))
+        return _band_from_keys(t, lo0, hi1, lo1, hi0)
+
+
+def _const(p: Tensor, value: int) -> Tensor:
+    return torch.full_like(p, value)
+
+
+class _Causal(_Interval):
+    def __init__(self, align: str):
+        self.align = _check_align(align)
+
+    def _bounds(self, b, h, p):
+        return _const(p, -_BIG), p
+
+    def __repr__(self):
+        return f"causal(align={self.align!r})"
+
+
+class _SlidingWindow(_Interval):
+    def __init__(self, left, right, align):
+        _check_int("left", left, allow_none=True)
+        _check_int("right", right, allow_none=True)
+        self.left, self.right, self.align = left, right, _check_align(align)
+
+    def _bounds(self, b, h, p):
+        lo = _const(p, -_BIG) if self.left is None else p - self.left
+        hi = _const(p, _BIG) if self.right is None else p + self.right
+        return lo, hi
+
+    def __repr__(self):
+        return f"sliding_window(left={self.left}, right={self.right}, align={self.align!r})"
+
+
+class _PrefixLM(_Interval):
+    def __init__(self, n: int, align: str):
+        _check_int("n", n)
+        self.n, self.align = n, _check_align(align)
+
+    def _bounds(self, b, h, p):
+        return _const(p, -_BIG), torch.clamp(p, min=self.n - 1)
+
+    def __repr__(self):
+        return f"prefix_lm({self.n}, align={self.align!r})"
+
+
+class _BlockLocal(_Interval):
+    def __init__(self, block: int, align: str):
+        _check_int("block", block, minimum=1)
+        self.block, self.align = block, _check_align(align)
+
+    def _bounds(self, b, h, p):
+        lo = torch.div(p, self.block, rounding_mode="floor") * self.block
+        return lo, lo + self.block - 1
+
+    def __repr__(self):
+        return f"block_local({self.block}, align={self.align!r})"
+
+
+class _KeyLengths(_Interval):
+    def __init__(self, lengths: Tensor):
+        self.lengths = lengths
+
+    def _bounds(self, b, h, p):
+        lengths = self.lengths.to(p.device)
+        return _const(p, 0), lengths[b.clamp(max=len(lengths) - 1)] - 1 + torch.zeros_like(p)
+
+    def _mod(self, b, h, q, k, q_len, kv_len):
+        lengths = self.lengths.to(k.device)
+        return k < lengths[b.clamp(max=len(lengths) - 1)]
+
+    def _validate(self, batch, heads, q_len, kv_len):
+        n = len(self.lengths)
+        if n not in (1, batch):
+            raise ValueError(f"key_padding: got {n} lengths for a batch of {batch}: give one length per sequence")
+        too_long = self.lengths > kv_len
+        if bool(too_long.any()):
+            i = int(too_long.nonzero()[0, 0])
+            raise ValueError(f"key_padding: lengths[{i}]={int(self.lengths[i])} exceeds the key length "
+                             f"Lk={kv_len}; each length must be <= Lk")
+
+    def _size(self):
+        n = int(self.lengths.max()) if len(self.lengths) else 0
+        return (n, n)
+
+    def _batch_size(self):
+        return len(self.lengths)
+
+    def __repr__(self):
+        return f"key_padding(lengths={self.lengths.tolist()})"
+
+
+class _KeyColumns(Mask):
+    """A mask that depends on the key only: key j visible iff keep[b, j] (keep is (B', Lk) or a rule)."""
+
+    def __init__(self, name: str, keep: Tensor | None = None, rule: Callable[[Tensor], Tensor] | None = None):
+        self.name, self.keep, self.rule = name, keep, rule
+
+    def _keep(self, kv_len: int, device) -> Tensor:
+        if self.keep is not None:
+            return self.keep.to(device)
+        return self.rule(torch.arange(kv_len, device=device)).view(1, -1)
+
+    def _mod(self, b, h, q, k, q_len, kv_len):
+        keep = self._keep(kv_len, k.device)  # (B', Lk)
+        return keep[b.clamp(max=keep.shape[0] - 1), k] & torch.ones_like(q, dtype=torch.bool)
+
+    def _tiles(self, t):
+        keep = self._keep(t.kv_len, t.device)
+        pad = t.nk * t.block_k - t.kv_len
+        valid = torch.arange(t.nk * t.block_k, device=t.device) < t.kv_len
+        keep = torch.nn.functional.pad(keep, (0, pad))
+        kinds = _pool_kinds(keep[:, None, :], valid.view(1, 1, -1), 1, t.block_k)  # (B', 1, nk)
+        return _Grid(kinds[:, None, :, :])  # (B', 1, 1, nk)
+
+    def _validate(self, batch, heads, q_len, kv_len):
+        if self.keep is not None:
+            n, lk = self.keep.shape
+            if n not in (1, batch) or lk != kv_len:
+                raise ValueError(f"key_padding: the key mask has shape {(n, lk)}, expected ({batch}, {kv_len}) "
+                                 f"(one row per sequence, one column per key)")
+
+    def _size(self):
+        return None if self.keep is None else (self.keep.shape[1], self.keep.shape[1])
+
+    def _batch_size(self):
+        return 1 if self.keep is None else self.keep.shape[0]
+
+    def __repr__(self):
+        return self.name
+
+
+class _Document(Mask):
+    def __init__(self, q_ids: Tensor, kv_ids: Tensor | None):
+        self.q_ids = q_ids if q_ids.dim() == 2 else q_ids.view(1, -1)
+        self.kv_ids = None if kv_ids is None else (kv_ids if kv_ids.dim() == 2 else kv_ids.view(1, -1))
+
+    def _ids(self, q_len, kv_len, device):
+        if self.kv_ids is None:  # one id sequence for the keys; queries sit at their bottom-right positions
+            kv = self.q_ids.to(device)
+            off = kv_len - q_len
+            return kv[:, off:off + q_len], kv
+        return self.q_ids.to(device), self.kv_ids.to(device)
+
+    def _mod(self, b, h, q, k, q_len, kv_len):
+        qi, ki = self._ids(q_len, kv_len, q.device)
+        bq = b.clamp(max=qi.shape[0] - 1)
+        bk = b.clamp(max=ki.shape[0] - 1)
+        return qi[bq, q] == ki[bk, k]
+
+    def _tiles(self, t):
+        qi, ki = self._ids(t.q_len, t.kv_len, t.device)
+
+        def tile_range(ids, block, n):
+            pad = n * block - ids.shape[1]
+            lo = torch.nn.functional.pad(ids, (0, pad), value=int(ids.max()) + 1 if ids.numel() else 0)
+            hi = torch.nn.functional.pad(ids, (0, pad), value=int(ids.min()) - 1 if ids.numel() else 0)
+            return lo.view(ids.shape[0], n, block).amin(-1), hi.view(ids.shape[0], n, block).amax(-1)
+
+        qmin, qmax = tile_range(qi, t.block_q, t.nq)  # (B', nq)
+        kmin, kmax = tile_range(ki, t.block_k, t.nk)  # (B', nk)
+        qmin, qmax = qmin[:, None, :, None], qmax[:, None, :, None]
+        kmin, kmax = kmin[:, None, None, :], kmax[:, None, None, :]
+        full = (qmin == qmax) & (kmin == kmax) & (qmin == kmin)
+        overlap = (qmax >= kmin) & (kmax >= qmin)
+        return _Grid(torch.where(full, FULL, torch.where(overlap, PARTIAL, EMPTY)).to(torch.int8))
+
+    def _validate(self, batch, heads, q_len, kv_len):
+        for name, ids, n in (("ids", self.q_ids, None), ("kv_ids", self.kv_ids, kv_len)):
+            if ids is None:
+                continue
+            if ids.shape[0] not in (1, batch):
+                raise ValueError(f"document: {name} has {ids.shape[0]} rows for a batch of {batch}: "
+                                 f"give one row per sequence or a single 1-D tensor")
+        if self.kv_ids is None:
+            if self.q_ids.shape[1] != kv_len or q_len > kv_len:
+                raise ValueError(f"document: ids has length {self.q_ids.shape[1]} but the keys have Lk={kv_len} "
+                                 f"(and Lq={q_len} must be <= Lk): give one id per key, or pass kv_ids")
+        elif self.q_ids.shape[1] != q_len or self.kv_ids.shape[1] != kv_len:
+            raise ValueError(f"document: ids/kv_ids have lengths {self.q_ids.shape[1]}/{self.kv_ids.shape[1]}, "
+                             f"expected Lq={q_len} and Lk={kv_len}")
+
+    def _batch_size(self):
+        return max(self.q_ids.shape[0], 1 if self.kv_ids is None else self.kv_ids.shape[0])
+
+    def _size(self):
+        n = self.q_ids.shape[1]
+        return (n, n) if self.kv_ids is None else (n, self.kv_ids.shape[1])
+
+    def __repr__(self):
+        return f"document({self.q_ids.shape[1]} ids)" if self.kv_ids is None else "document(ids, kv_ids)"
+
+
+class _Strided(Mask):
+    def __init__(self, stride: int, causal: bool, align: str):
+        _check_int("stride", stride, minimum=1)
+        self.stride, self.causal, self.align = stride, bool(causal), _check_align(align)
+
+    def _mod(self, b, h, q, k, q_len, kv_len):
+        d = q + _offset(self.align, q_len, kv_len) - k
+        ok = (d.abs() < self.stride) | (torch.remainder(d, self.stride) == 0)
+        return ok & (d >= 0) if self.causal else ok
+
+    def _tiles(self, t):
+        s = self.stride
+        local = _SlidingWindow(s - 1, 0 if self.causal else s - 1, self.align)._tiles(t)
+        r0, r1 = t.rows()
+        c0, c1 = t.cols()
+        off = _offset(self.align, t.q_len, t.kv_len)
+        dlo = (r0 + off).view(-1, 1) - c1.view(1, -1)  # smallest p - j in the tile, (nq, nk)
+        dhi = (r1 + off).view(-1, 1) - c0.view(1, -1)
+        if self.causal:
+            dlo = dlo.clamp(min=0)
+        hit = (dhi >= dlo) & (torch.div(dhi, s, rounding_mode="floor") * s >= dlo)
+        full = hit & (s == 1) & ((r0 + off).view(-1, 1) - c1.view(1, -1) >= (0 if self.causal else -_BIG))
+        grid = _Grid(torch.where(full, FULL, torch.where(hit, PARTIAL, EMPTY)).to(torch.int8)[None, None])
+        return _or_tiles(local, grid, t)
+
+    def __repr__(self):
+        return f"strided({self.stride}, causal={self.causal}, align={self.align!r})"
+
+
+class _Dilated(Mask):
+    def __init__(self, window: int, dilation: int, causal: bool, align: str):
+        _check_int("window", window)
+        _check_int("dilation", dilation, minimum=1)
+        self.window, self.dilation, self.causal, self.align = window, dilation, bool(causal), _check_align(align)
+
+    def _mod(self, b, h, q, k, q_len, kv_len):
+        d = q + _offset(self.align, q_len, kv_len) - k
+        span = self.window * self.dilation
+        ok = (torch.remainder(d, self.dilation) == 0) & (d <= span) & (d >= (0 if self.causal else -span))
+        return ok
+
+    def _tiles(self, t):
+        s, span = self.dilation, self.window * self.dilation
+        r0, r1 = t.rows()
+        c0, c1 = t.cols()
+        off = _offset(self.align, t.q_len, t.kv_len)
+        dmin = (r0 + off).view(-1, 1) - c1.view(1, -1)
+        dmax = (r1 + off).view(-1, 1) - c0.view(1, -1)
+        low = 0 if self.causal else -span
+        dlo, dhi = dmin.clamp(min=low), dmax.clamp(max=span)
+        hit = (dhi >= dlo) & (torch.div(dhi, s, rounding_mode="floor") * s >= dlo)
+        full = hit & (s == 1) & (dmin >= low) & (dmax <= span)
+        return _Grid(torch.where(full, FULL, torch.where(hit, PARTIAL, EMPTY)).to(torch.int8)[None, None])
+
+    def __repr__(self):
+        return f"dilated(window={self.window}, dilation={self.dilation}, causal={self.causal}, align={self.align!r})"
+
+
+class _GlobalTokens(Mask):
+    def __init__(self, indices: Tensor, align: str):
+        self.indices, self.align = indices, _check_align(align)
+
+    def _member(self, positions: Tensor) -> Tensor:
+        return torch.isin(positions, self.indices.to(positions.device))
+
+    def _mod(self, b, h, q, k, q_len, kv_len):
+        return self._member(q + _offset(self.align, q_len, kv_len)) | self._member(k)
+
+    def _tiles(self, t):
+        off = _offset(self.align, t.q_len, t.kv_len)
+        rows = torch.arange(t.nq * t.block_q, device=t.device)
+        keys = torch.arange(t.nk * t.block_k, device=t.device)
+        qm = self._member(rows + off).view(1, -1)
+        km = self._member(keys).view(1, -1)
+        qk = _pool_kinds(qm, (rows < t.q_len).view(1, -1), 1, t.block_q)  # (1, nq)
+        kk = _pool_kinds(km, (keys < t.kv_len).view(1, -1), 1, t.block_k)  # (1, nk)
+        kinds = torch.maximum(qk.view(-1, 1), kk.view(1, -1))
+        return _Grid(kinds[None, None])
+
+    def __repr__(self):
+        return f"global_tokens({self.indices.tolist()}, align={self.align!r})"
+
+
+class _RandomBlocks(Mask):
+    def __init__(self, block: int, n: int, seed: int):
+        _check_int("block", block, minimum=1)
+        _check_int("n", n)
+        _check_int("seed", seed)
+        self.block, self.n, self.seed = block, n, seed
+        self._cache: dict[tuple[int, int], Tensor] = {}
+
+    def table(self, q_len: int, kv_len: int) -> Tensor:
+        """The bool table ``(ceil(Lq/block), ceil(Lk/block))`` of chosen key blocks per query block."""
+        key = (q_len, kv_len)
+        if key not in self._cache:
+            nqb, nkb = _ceil_div(q_len, self.block), _ceil_div(kv_len, self.block)
+            g = torch.Generator().manual_seed(self.seed)
+            order = torch.rand(nqb, nkb, generator=g).argsort(dim=-1)[:, : min(self.n, nkb)]
+            table = torch.zeros(nqb, nkb, dtype=torch.bool)
+            table.scatter_(1, order, True)
+            self._cache[key] = table
+        return self._cache[key]
+
+    def _mod(self, b, h, q, k, q_len, kv_len):
+        table = self.table(q_len, kv_len).to(q.device)
+        return table[torch.div(q, self.block, rounding_mode="floor"), torch.div(k, self.block, rounding_mode="floor")]
+
+    def _tiles(self, t):
+        table = self.table(t.q_len, t.kv_len).to(t.device).to(torch.int64)
+        ii = torch.nn.functional.pad(table.cumsum(0).cumsum(1), (1, 0, 1, 0))  # integral image
+        r0, r1 = t.rows()
+        c0, c1 = t.cols()
+        a0, a1 = (r0 // self.block).view(-1, 1), (r1 // self.block + 1).view(-1, 1)
+        b0, b1 = (c0 // self.block).view(1, -1), (c1 // self.block + 1).view(1, -1)
+        count = ii[a1, b1] - ii[a0, b1] - ii[a1, b0] + ii[a0, b0]
+        area = (a1 - a0) * (b1 - b0)
+        kinds = torch.where(count == area, FULL, torch.where(count > 0, PARTIAL, EMPTY)).to(torch.int8)
+        return _Grid(kinds[None, None])
+
+    def __repr__(self):
+        return f"random_blocks(block={self.block}, n={self.n}, seed={self.seed})"
+
+
+class _FromFn(Mask):
+    def __init__(self, fn: Callable, name: str | None):
+        if not callable(fn):
+            raise TypeError(f"from_fn: fn must be callable as fn(b, h, q_idx, kv_idx) -> bool tensor, got {fn!r}")
+        self.fn, self.name = fn, name or getattr(fn, "__name__", "fn")
+
+    def _mod(self, b, h, q, k, q_len, kv_len):
+        return _checked_bool(self, self.fn(b, h, q, k))
+
+    def __repr__(self):
+        return f"from_fn({self.name})"
+
+
+class _FromDense(Mask):
+    def __init__(self, t: Tensor):
+        self.t = t
+
+    def _mod(self, b, h, q, k, q_len, kv_len):
+        t = self.t.to(q.device)
+        bi = b.clamp(max=t.shape[0] - 1) if t.shape[0] > 1 else torch.zeros_like(b)
+        hi = h.clamp(max=t.shape[1] - 1) if t.shape[1] > 1 else torch.zeros_like(h)
+        qi = q if t.shape[2] > 1 else torch.zeros_like(q)
+        ki = k if t.shape[3] > 1 else torch.zeros_like(k)
+        return t[bi, hi, qi, ki]
+
+    def _tiles(self, t):
+        m = self.t.to(t.device).expand(self.t.shape[0], self.t.shape[1], t.q_len, t.kv_len)
+        qp, kp = t.nq * t.block_q - t.q_len, t.nk * t.block_k - t.kv_len
+        m = torch.nn.functional.pad(m, (0, kp, 0, qp))
+        rows = torch.arange(m.shape[2], device=t.device).view(-1, 1) < t.q_len
+        cols = torch.arange(m.shape[3], device=t.device).view(1, -1) < t.kv_len
+        return _Grid(_pool_kinds(m, rows & cols, t.block_q, t.block_k))
+
+    def _validate(self, batch, heads, q_len, kv_len):
+        b, h, lq, lk = self.t.shape
+        ok = b in (1, batch) and h in (1, heads) and lq in (1, q_len) and lk in (1, kv_len)
+        if not ok:
+            raise ValueError(f"from_dense: the mask has shape {tuple(self.t.shape)}, which does not broadcast to "
+                             f"(B, H, Lq, Lk)=({batch}, {heads}, {q_len}, {kv_len})")
+
+    def _size(self):
+        return (self.t.shape[2], self.t.shape[3])
+
+    def _batch_size(self):
+        return self.t.shape[0]
+
+    def __repr__(self):
+        return f"from_dense({tuple(self.t.shape)})"
+
+
+# ------------------------------------------------------------------ public builders
+
+
+def causal(align: str = "bottom_right") -> Mask:
+    """Each query sees the keys at or before its position: ``kv_idx <= p``.
+
+    With ``Lq < Lk`` (decoding against a cache) the default alignment lets the last query see every key;
+    with ``Lq > Lk`` the first ``Lq - Lk`` rows see nothing and their output is 0 (never NaN).
+    """
+    return _Causal(align)
+
+
+def sliding_window(left: int | None, right: int | None = 0, *, align: str = "bottom_right") -> Mask:
+    """Key ``j`` is visible from query position ``p`` iff ``p - left <= j <= p + right``.
+
+    ``None`` means unbounded on that side, so ``sliding_window(255)`` is a causal window of 256 keys
+    (Mistral's ``sliding_window=256``) and ``sliding_window(w, w)`` a symmetric one (Longformer).
+    """
+    return _SlidingWindow(left, right, align)
+
+
+def key_padding(lengths) -> Mask:
+    """Padding: only real keys may be attended to.
+
+    ``lengths``: a sequence or ``(B,)`` int tensor with the number of real keys of each sequence (the
+    first ``lengths[b]`` keys are real), or a ``(B, Lk)`` bool tensor with True for real keys (also for
+    left padding).
+    """
+    t = torch.as_tensor(lengths)
+    if t.dtype == torch.bool:
+        if t.dim() != 2:
+            raise ValueError(f"key_padding: a bool key mask must have shape (B, Lk), got {tuple(t.shape)}")
+        return _KeyColumns(f"key_padding(bool {tuple(t.shape)})", keep=t)
+    t = _index_tensor("key_padding lengths", t, ndim=(1,))
+    if bool((t < 0).any()):
+        raise ValueError(f"key_padding: lengths must be >= 0, got {t.tolist()}")
+    return _KeyLengths(t)
+
+
+def document(ids, kv_ids=None) -> Mask:
+    """Packed sequences: a query sees only keys of the same document.
+
+    ``ids``: ``(Lk,)`` or ``(B, Lk)`` document id of every token (queries use the ids at their
+    bottom-right positions), or the query ids ``(Lq,)``/``(B, Lq)`` when ``kv_ids`` gives the keys'.
+    Combine with :func:`causal` for packed causal language modelling.
+    """
+    q_ids = _index_tensor("document ids", ids, ndim=(1, 2))
+    k_ids = None if kv_ids is None else _index_tensor("document kv_ids", kv_ids, ndim=(1, 2))
+    return _Document(q_ids, k_ids)
+
+
+def prefix_lm(n: int, *, align: str = "bottom_right") -> Mask:
+    """Prefix LM: every query sees the first ``n`` keys (the prefix, bidirectional) and is causal after."""
+    return _PrefixLM(n, align)
+
+
+def block_local(block: int, *, align: str = "bottom_right") -> Mask:
+    """Local attention within fixed blocks: ``p // block == j // block``."""
+    return _BlockLocal(block, align)
+
+
+def strided(stride: int, *, causal: bool = True, align: str = "bottom_right") -> Mask:
+    """Sparse Transformer's strided pattern (Child et al. 2019): a query at ``p`` sees the previous
+    ``stride`` positions (``0 <= p - j < stride``) and every ``stride``-th one (``(p - j) % stride == 0``).
+    With ``causal=False`` both parts extend to both sides."""
+    return _Strided(stride, causal, align)
+
+
+def fixed(block: int, summary: int, *, causal: bool = True, align: str = "bottom_right") -> Mask:
+    """Sparse Transformer's fixed pattern: a query sees its own block (``p // block == j // block``) and
+    the last ``summary`` positions of every block (``j % block >= block - summary``); causal by default."""
+    _check_int("block", block, minimum=1)
+    _check_int("summary", summary, minimum=1)
+    if summary > block:
+        raise ValueError(f"fixed: summary={summary} must be <= block={block}")
+    cols = _KeyColumns(f"summary_columns({block}, {summary})", rule=lambda j: (j % block) >= block - summary)
+    inner = _BlockLocal(block, align) | cols
+    if causal:
+        inner = inner & _Causal(align)
+    return _Named(f"fixed({block}, {summary}, causal={bool(causal)}, align={align!r})", inner)
+
+
+def dilated(window: int, dilation: int, *, causal: bool = False, align: str = "bottom_right") -> Mask:
+    """Longformer's dilated sliding window: key ``j`` is visible iff ``d = p - j`` is a multiple of
+    ``dilation`` and ``|d| <= window * dilation`` (``0 <= d`` when causal): ``window`` keys on each side."""
+    return _Dilated(window, dilation, causal, align)
+
+
+def global_tokens(indices, *, align: str = "bottom_right") -> Mask:
+    """Longformer / BigBird global attention: tokens at ``indices`` see everything and are seen by all.
+    Combine with a local pattern: ``sliding_window(w, w) | global_tokens([0])``."""
+    t = _index_tensor("global_tokens indices", indices, ndim=(1,))
+    if bool((t < 0).any()):
+        raise ValueError(f"global_tokens: indices must be >= 0, got {t.tolist()}")
+    return _GlobalTokens(t, align)
+
+
+def random_blocks(block: int, n: int, seed: int = 0) -> Mask:
+    """BigBird's random attention: each block of ``block`` queries sees ``n`` key blocks drawn at random
+    (reproducibly from ``seed``; the same draw for every batch element and head)."""
+    return _RandomBlocks(block, n, seed)
+
+
+def from_fn(fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor], *, name: str | None = None) -> Mask:
+    """A mask from a vectorised predicate ``fn(b, h, q_idx, kv_idx) -> bool tensor``.
+
+    The arguments are broadcastable int64 index tensors; ``q_idx`` is the query *row* (add ``Lk - Lq``
+    for bottom-right positions).  Its block structure is derived by evaluating ``fn`` one chunk of tiles
+    at a time, never on the whole ``Lq x Lk``.
+    """
+    return _FromFn(fn, name)
+
+
+def from_dense(t: Tensor) -> Mask:
+    """A mask from a bool tensor broadcastable to ``(B, H, Lq, Lk)`` (True = may attend)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"from_dense: expected a bool tensor, got {type(t).__name__}")
+    if t.dtype != torch.bool:
+        raise TypeError(f"from_dense: the mask must be a bool tensor (True = may attend), got dtype {t.dtype}; "
+                        f"convert with t.bool() or pass a float tensor as bias=")
+    if t.dim() > 4 or t.dim() < 2:
+        raise ValueError(f"from_dense: the mask must have 2 to 4 dims (..., Lq, Lk), got shape {tuple(t.shape)}")
+    while t.dim() < 4:
+        t = t.unsqueeze(0)
+    return _FromDense(t)

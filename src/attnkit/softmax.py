@@ -1,0 +1,91 @@
+"""Numerically stable softmax, log-sum-exp, and merging partial attention results.
+
+Attention over a long key sequence can be computed in pieces: each piece gives its output
+``out_i = softmax(s_i) @ v_i`` and the log-sum-exp ``lse_i = log(sum(exp(s_i)))`` of its scores.
+:func:`merge` combines two pieces exactly; it is the step of online softmax (flash attention) and of
+ring attention.  A row whose scores are all ``-inf`` (a fully masked row) has ``lse = -inf`` and
+output 0, and merging with it changes nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Tensor = torch.Tensor
+
+__all__ = ["stable_softmax", "logsumexp", "merge"]
+
+
+def stable_softmax(x: Tensor, dim: int = -1) -> Tensor:
+    """Softmax that subtracts the row maximum first, so ``exp`` never overflows.
+
+    A slice that is all ``-inf`` (nothing may be attended to) gives zeros, not NaN, and zero gradients.
+
+    Example::
+
+        >>> import torch
+        >>> from attnkit.softmax import stable_softmax
+        >>> stable_softmax(torch.tensor([1000.0, 1000.0])).tolist()
+        [0.5, 0.5]
+        >>> stable_softmax(torch.tensor([float("-inf"), float("-inf")])).tolist()
+        [0.0, 0.0]
+    """
+    m = x.amax(dim=dim, keepdim=True).detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(x - m)
+    s = e.sum(dim=dim, keepdim=True)
+    return e / torch.where(s == 0, torch.ones_like(s), s)
+
+
+def logsumexp(x: Tensor, dim: int = -1) -> Tensor:
+    """``log(sum(exp(x)))`` along ``dim``, stable for large scores; ``-inf`` for an all ``-inf`` slice.
+
+    Example::
+
+        >>> import torch
+        >>> from attnkit.softmax import logsumexp
+        >>> round(logsumexp(torch.tensor([1000.0, 1000.0], dtype=torch.float64)).item(), 4)
+        1000.6931
+    """
+    m = x.amax(dim=dim, keepdim=True).detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    s = torch.exp(x - m).sum(dim=dim, keepdim=True)
+    empty = s == 0
+    out = torch.where(empty, torch.full_like(s, float("-inf")), m + torch.log(torch.where(empty, 1.0, s)))
+    return out.squeeze(dim)
+
+
+def merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    """Combine two partial attention results over disjoint sets of keys.
+
+    Args:
+        out_a, out_b: ``(..., L, Dv)`` outputs, each normalised over its own keys.
+        lse_a, lse_b: ``(..., L)`` their log-sum-exps (``-inf`` where a row saw no key).
+
+    Returns:
+        ``(out, lse)``: the output over the union of keys (in ``out_a``'s dtype, computed in float32
+        at least) and its log-sum-exp (float32 at least).  Exact when either side is empty.
+
+    Example::
+
+        >>> import torch
+        >>> from attnkit.softmax import merge
+        >>> s, v = torch.randn(4, 6), torch.randn(6, 3)
+        >>> full = torch.softmax(s, -1) @ v
+        >>> parts = [(torch.softmax(s[:, i:i+3], -1) @ v[i:i+3], torch.logsumexp(s[:, i:i+3], -1)) for i in (0, 3)]
+        >>> out, lse = merge(*parts[0], *parts[1])
+        >>> torch.allclose(out, full, atol=1e-6)
+        True
+    """
+    acc = torch.promote_types(torch.promote_types(lse_a.dtype, lse_b.dtype), torch.float32)
+    la, lb = lse_a.to(acc), lse_b.to(acc)
+    m = torch.maximum(la, lb)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    wa, wb = torch.exp(la - m), torch.exp(lb - m)
+    total = wa + wb
+    empty = total == 0
+    safe = torch.where(empty, torch.ones_like(total), total)
+    lse = torch.where(empty, torch.full_like(total, float("-inf")), m + torch.log(safe))
+    oacc = torch.promote_types(out_a.dtype, acc)
+    out = (out_a.to(oacc) * (wa / safe)[..., None] + out_b.to(oacc) * (wb / safe)[..., None]).to(out_a.dtype)
+    return out, lse

@@ -1,0 +1,115 @@
+"""Checking an attention implementation against the float64 oracle with the numerical rule.
+
+The rule (DESIGN.md): ``max|out - oracle| <= 2 * max|naive - oracle| + 1e-6``, where ``oracle`` is the
+textbook formula in float64 and ``naive`` the same formula in the input's dtype; gradients use factor 3.
+
+Example::
+
+    >>> import torch, attnkit
+    >>> from attnkit.testing import check_against_oracle
+    >>> q = torch.randn(1, 4, 9, 16, requires_grad=True); k = torch.randn(1, 2, 11, 16, requires_grad=True)
+    >>> v = torch.randn(1, 2, 11, 16, requires_grad=True)
+    >>> report = check_against_oracle(attnkit.attention, q, k, v, mask=attnkit.masks.causal())
+    >>> report["out"]["ok"]
+    True
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from .bias import ScoreMod
+from .masks import Mask
+
+Tensor = torch.Tensor
+
+__all__ = ["reference", "check_against_oracle"]
+
+
+def reference(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, scale: float | None = None,
+              softcap: float | None = None, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+    """The textbook formula, written out, in ``dtype`` (default: the inputs' dtype).
+
+    Heads are repeated for grouped-query attention and the mask is materialised: this is the
+    definition, not an implementation to use.  Returns ``(out, lse)``; a row that may attend to
+    nothing gives 0 and ``-inf``.
+    """
+    dtype = dtype or q.dtype
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    k = k.repeat_interleave(Hq // Hkv, dim=1)  # (B, Hq, Lk, D)
+    v = v.repeat_interleave(Hq // Hkv, dim=1)  # (B, Hq, Lk, Dv)
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    s = (q @ k.transpose(-1, -2)) * scale  # (B, Hq, Lq, Lk)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if isinstance(bias, ScoreMod):
+        b = torch.arange(B).view(-1, 1, 1, 1)
+        h = torch.arange(Hq).view(1, -1, 1, 1)
+        qi = torch.arange(Lq).view(1, 1, -1, 1)
+        ki = torch.arange(Lk).view(1, 1, 1, -1)
+        s = bias._mod(s, b, h, qi, ki, Lq, Lk).to(dtype)
+    elif bias is not None:
+        s = s + bias.to(dtype)
+    if mask is not None:
+        dense = mask.to_dense(Lq, Lk, batch=B, heads=Hq, device=q.device) if isinstance(mask, Mask) else mask
+        s = s.masked_fill(~dense, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    w = torch.softmax(s, dim=-1)
+    w = torch.where(torch.isnan(w), torch.zeros_like(w), w)  # rows with nothing to attend to
+    return w @ v, lse
+
+
+def _max_err(a: Tensor, b: Tensor) -> float:
+    if a.numel() == 0:
+        return 0.0
+    a, b = a.double(), b.double()
+    both_inf = torch.isinf(a) & torch.isinf(b) & (torch.sign(a) == torch.sign(b))
+    d = torch.where(both_inf, torch.zeros_like(a), (a - b).abs())
+    return float(d.max())
+
+
+def check_against_oracle(fn: Callable[..., object], q: Tensor, k: Tensor, v: Tensor, *, grad: bool = True,
+                         factor: float = 2.0, grad_factor: float = 3.0, atol: float = 1e-6,
+                         seed: int = 0, **kwargs) -> dict:
+    """Run ``fn(q, k, v, **kwargs)`` and compare it with the float64 oracle under the numerical rule.
+
+    ``kwargs`` may hold ``mask``, ``bias``, ``scale``, ``softcap`` (passed to the reference too) and
+    anything else ``fn`` takes.  With ``grad=True`` (and inputs that require grad) the gradients of
+    ``q``, ``k``, ``v`` for a random output gradient are checked too.  Raises ``AssertionError`` with
+    the errors and bounds when the rule does not hold; returns them otherwise.
+    """
+    ref_kw = {n: kwargs[n] for n in ("mask", "bias", "scale", "softcap") if n in kwargs}
+    grad = grad and all(t.requires_grad for t in (q, k, v))
+    leaves = [t.detach().clone().requires_grad_(grad) for t in (q, k, v)]
+    out = fn(*leaves, **kwargs)
+    out = out[0] if isinstance(out, tuple) else out
+    o64 = [t.detach().double().requires_grad_(grad) for t in (q, k, v)]
+    oracle, _ = reference(*o64, **ref_kw, dtype=torch.float64)
+    nv = [t.detach().clone().requires_grad_(grad) for t in (q, k, v)]
+    naive, _ = reference(*nv, **ref_kw)
+    report = {}
+    e_out, e_naive = _max_err(out, oracle), _max_err(naive, oracle)
+    report["out"] = {"err": e_out, "naive": e_naive, "bound": factor * e_naive + atol}
+    if grad:
+        g = torch.Generator().manual_seed(seed)
+        go = torch.randn(oracle.shape, generator=g, dtype=torch.float64)
+        out.backward(go.to(out.dtype))
+        oracle.backward(go)
+        naive.backward(go.to(naive.dtype))
+        for name, a, o, n in zip("qkv", leaves, o64, nv):
+            ga = a.grad if a.grad is not None else torch.zeros_like(a)
+            gn = n.grad if n.grad is not None else torch.zeros_like(n)
+            e, en = _max_err(ga, o.grad), _max_err(gn, o.grad)
+            report[f"d{name}"] = {"err": e, "naive": en, "bound": grad_factor * en + atol}
+    for item in report.values():
+        item["ok"] = bool(item["err"] <= item["bound"])
+    bad = {n: r for n, r in report.items() if not r["ok"]}
+    if bad:
+        raise AssertionError("numerical rule violated: " + "; ".join(
+            f"{n}: max|err|={r['err']:.3e} > bound {r['bound']:.3e} (naive {r['naive']:.3e})" for n, r in bad.items()))
+    return report
