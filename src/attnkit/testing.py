@@ -67,9 +67,9 @@ def reference(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, scale: f
 def _max_err(a: Tensor, b: Tensor) -> float:
     if a.numel() == 0:
         return 0.0
-    a, b = a.double(), b.double()
+    a, b = a.detach().double(), b.detach().double()
     both_inf = torch.isinf(a) & torch.isinf(b) & (torch.sign(a) == torch.sign(b))
-    d = torch.where(both_inf, torch.zeros_like(a), (a - b).abs())
+    d = torch.where(both_inf, torch.zeros_like(a), (a - b).abs()).detach()
     return float(d.max())
 
 
