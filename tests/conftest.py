@@ -1,0 +1,15 @@
+"""Shared test settings: hypothesis without deadlines (CI machines are shared and noisy), seeded torch."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("attnkit", deadline=None, max_examples=40,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile("attnkit")
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_threads():
+    torch.manual_seed(0)
+    yield
