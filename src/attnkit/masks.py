@@ -813,7 +813,8 @@ class _Strided(Mask):
         if self.causal:
             dlo = dlo.clamp(min=0)
         hit = (dhi >= dlo) & (torch.div(dhi, s, rounding_mode="floor") * s >= dlo)
-        full = hit & (s == 1) & ((r0 + off).view(-1, 1) - c1.view(1, -1) >= (0 if self.causal else -_BIG))
+        dmin = (r0 + off).view(-1, 1) - c1.view(1, -1)
+        full = hit & ((s == 1) | (dmin == dhi)) & (dmin >= (0 if self.causal else -_BIG))
         grid = _Grid(torch.where(full, FULL, torch.where(hit, PARTIAL, EMPTY)).to(torch.int8)[None, None])
         return _or_tiles(local, grid, t)
 
@@ -843,7 +844,7 @@ class _Dilated(Mask):
         low = 0 if self.causal else -span
         dlo, dhi = dmin.clamp(min=low), dmax.clamp(max=span)
         hit = (dhi >= dlo) & (torch.div(dhi, s, rounding_mode="floor") * s >= dlo)
-        full = hit & (s == 1) & (dmin >= low) & (dmax <= span)
+        full = hit & ((s == 1) | (dmin == dmax)) & (dmin >= low) & (dmax <= span)
         return _Grid(torch.where(full, FULL, torch.where(hit, PARTIAL, EMPTY)).to(torch.int8)[None, None])
 
     def __repr__(self):

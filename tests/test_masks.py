@@ -1,0 +1,296 @@
+"""Masks against dense definitions written from their papers, and block structures against the dense masks."""
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from attnkit import masks
+from attnkit.masks import EMPTY, FULL, PARTIAL
+
+
+def dense_from_rule(rule, lq, lk, align="bottom_right"):
+    """A (Lq, Lk) bool mask from a rule(p, j) written with plain Python loops."""
+    off = lk - lq if align == "bottom_right" else 0
+    return torch.tensor([[bool(rule(i + off, j)) for j in range(lk)] for i in range(lq)], dtype=torch.bool)
+
+
+# Each entry: (mask, rule(p, j)) where p is the query position and j the key index.
+def paper_cases():
+    g = [0, 5, 9]
+    return [
+        ("causal", masks.causal(), lambda p, j: j <= p),
+        ("sliding_window", masks.sliding_window(3), lambda p, j: p - 3 <= j <= p),
+        ("sliding_window_sym", masks.sliding_window(2, 4), lambda p, j: p - 2 <= j <= p + 4),
+        ("sliding_window_left_unbounded", masks.sliding_window(None, 1), lambda p, j: j <= p + 1),
+        ("prefix_lm", masks.prefix_lm(4), lambda p, j: j < 4 or j <= p),
+        ("block_local", masks.block_local(4), lambda p, j: p // 4 == j // 4),
+        # Child et al. 2019, strided: A(1) = {t, ..., i} with t = max(0, i - l); A(2) = {j: (i - j) mod l = 0}
+        ("strided", masks.strided(4), lambda p, j: j <= p and (p - j < 4 or (p - j) % 4 == 0)),
+        ("strided_bidirectional", masks.strided(3, causal=False), lambda p, j: abs(p - j) < 3 or (p - j) % 3 == 0),
+        # fixed: A(1) = {j: floor(j/l) = floor(i/l)}, A(2) = {j: j mod l in {l - c, ..., l - 1}}, causal
+        ("fixed", masks.fixed(4, 1), lambda p, j: j <= p and (p // 4 == j // 4 or j % 4 >= 3)),
+        ("fixed_c2", masks.fixed(5, 2, causal=False), lambda p, j: p // 5 == j // 5 or j % 5 >= 3),
+        # Longformer dilated window: w keys each side with gaps of d
+        ("dilated", masks.dilated(2, 3), lambda p, j: (p - j) % 3 == 0 and abs(p - j) <= 6),
+        ("dilated_causal", masks.dilated(3, 2, causal=True), lambda p, j: (p - j) % 2 == 0 and 0 <= p - j <= 6),
+        # Longformer global attention: symmetric
+        ("global", masks.global_tokens(g), lambda p, j: p in g or j in g),
+        ("window|global", masks.sliding_window(1, 1) | masks.global_tokens([0]),
+         lambda p, j: abs(p - j) <= 1 or p == 0 or j == 0),
+        ("causal&window", masks.causal() & masks.sliding_window(2, 2), lambda p, j: p - 2 <= j <= p),
+        ("~causal", ~masks.causal(), lambda p, j: j > p),
+    ]
+
+
+@pytest.mark.parametrize("name,mask,rule", paper_cases(), ids=[c[0] for c in paper_cases()])
+@pytest.mark.parametrize("lq,lk", [(13, 13), (7, 13), (13, 7), (1, 9), (16, 16)])
+def test_mask_matches_paper_definition(name, mask, rule, lq, lk):
+    expected = dense_from_rule(rule, lq, lk)
+    got = mask.to_dense(lq, lk)[0, 0]
+    assert torch.equal(got, expected), f"{name}\n{got.int()}\n{expected.int()}"
+
+
+def test_top_left_alignment():
+    expected = dense_from_rule(lambda p, j: j <= p, 3, 6, align="top_left")
+    assert torch.equal(masks.causal(align="top_left").to_dense(3, 6)[0, 0], expected)
+    expected = dense_from_rule(lambda p, j: p - 1 <= j <= p, 5, 3, align="top_left")
+    assert torch.equal(masks.sliding_window(1, align="top_left").to_dense(5, 3)[0, 0], expected)
+
+
+def test_bottom_right_causal_against_cache_has_last_row_full():
+    d = masks.causal().to_dense(2, 5)[0, 0]
+    assert d.tolist() == [[True] * 4 + [False], [True] * 5]
+    d = masks.causal().to_dense(5, 2)[0, 0]
+    assert not d[:3].any() and d[3].tolist() == [True, False] and d[4].all()
+
+
+def test_key_padding_lengths_and_bool():
+    m = masks.key_padding([2, 4])
+    d = m.to_dense(3, 5, batch=2)
+    assert d.shape == (2, 1, 3, 5)
+    assert d[0, 0, 0].tolist() == [True, True, False, False, False]
+    assert d[1, 0, 2].tolist() == [True] * 4 + [False]
+    left = torch.tensor([[False, False, True, True, True], [True] * 5])
+    d = masks.key_padding(left).to_dense(2, 5, batch=2)
+    assert torch.equal(d[:, 0, 0], left)
+
+
+def test_document_masks_packed_sequences():
+    ids = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2])
+    m = masks.document(ids) & masks.causal()
+    rule = lambda p, j: ids[p] == ids[j] and j <= p  # noqa: E731
+    assert torch.equal(m.to_dense(9, 9)[0, 0], dense_from_rule(rule, 9, 9))
+    # decoding: the last 3 queries of the packed sequence
+    assert torch.equal(m.to_dense(3, 9)[0, 0], dense_from_rule(rule, 3, 9))
+    # separate query and key ids (cross attention between packed sequences)
+    cross = masks.document(torch.tensor([0, 1, 1]), torch.tensor([0, 0, 1, 1, 1]))
+    assert cross.to_dense(3, 5)[0, 0].int().tolist() == [[1, 1, 0, 0, 0], [0, 0, 1, 1, 1], [0, 0, 1, 1, 1]]
+    batched = masks.document(torch.tensor([[0, 0, 1], [0, 1, 1]]))
+    d = batched.to_dense(3, 3, batch=2)
+    assert d.shape == (2, 1, 3, 3) and d[0, 0, 1, 0] and not d[1, 0, 1, 0]
+
+
+def test_random_blocks_bigbird():
+    m = masks.random_blocks(block=4, n=2, seed=7)
+    d = m.to_dense(16, 20)[0, 0]
+    table = m.table(16, 20)
+    assert table.shape == (4, 5) and (table.sum(1) == 2).all()
+    for i, j in itertools.product(range(16), range(20)):
+        assert bool(d[i, j]) == bool(table[i // 4, j // 4])
+    # reproducible from the seed, different for another seed
+    assert torch.equal(masks.random_blocks(4, 2, seed=7).to_dense(16, 20), m.to_dense(16, 20))
+    assert not torch.equal(masks.random_blocks(4, 2, seed=8).to_dense(64, 64), m.to_dense(64, 64))
+
+
+def test_from_fn_and_from_dense():
+    m = masks.from_fn(lambda b, h, q, k: (q + k) % 2 == 0, name="checker")
+    d = m.to_dense(5, 6)[0, 0]
+    assert torch.equal(d, dense_from_rule(lambda p, j: (p - 1 + j) % 2 == 0, 5, 6))  # rows, not positions
+    t = torch.rand(2, 3, 5, 6) > 0.5
+    assert torch.equal(masks.from_dense(t).to_dense(5, 6, batch=2, heads=3), t)
+    per_head = masks.from_fn(lambda b, h, q, k: k <= q + h)
+    d = per_head.to_dense(4, 4, heads=2)
+    assert d.shape == (1, 2, 4, 4) and not torch.equal(d[0, 0], d[0, 1])
+
+
+def _dense_kinds(dense, bq, bk):
+    """Tile kinds (0 empty, 1 partial, 2 full) by pooling a dense (..., Lq, Lk) mask."""
+    lq, lk = dense.shape[-2:]
+    nq, nk = -(-lq // bq), -(-lk // bk)
+    out = torch.zeros(*dense.shape[:-2], nq, nk, dtype=torch.int8)
+    for i, j in itertools.product(range(nq), range(nk)):
+        tile = dense[..., i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
+        allv, anyv = tile.flatten(-2).all(-1), tile.flatten(-2).any(-1)
+        out[..., i, j] = torch.where(allv, FULL, torch.where(anyv, PARTIAL, EMPTY))
+    return out
+
+
+def _check_structure(mask, lq, lk, bq, bk, batch=1, heads=1, exact=True):
+    dense = mask.to_dense(lq, lk, batch=batch, heads=heads)
+    s = mask.block_structure(lq, lk, bq, bk, batch=batch, heads=heads)
+    kinds = s.kinds()
+    truth = _dense_kinds(dense, bq, bk)
+    kinds, truth = torch.broadcast_tensors(kinds, truth)
+    # sound: an empty tile has nothing allowed; a full tile has everything allowed
+    assert not ((kinds == EMPTY) & (truth != EMPTY)).any(), f"{mask!r}: a tile with allowed keys is skipped"
+    assert not ((kinds == FULL) & (truth != FULL)).any(), f"{mask!r}: a tile marked full is not"
+    if exact:
+        assert torch.equal(kinds, truth), f"{mask!r}\n{kinds}\n{truth}"
+    # counts and indices agree with each other
+    assert (s.full_count + s.partial_count <= s.num_k_tiles).all()
+
+
+EXACT = [
+    masks.causal(), masks.causal(align="top_left"), masks.sliding_window(5), masks.sliding_window(3, 6),
+    masks.sliding_window(None, 2), masks.prefix_lm(6), masks.block_local(5), masks.dilated(2, 3),
+    masks.dilated(4, 1, causal=True), masks.global_tokens([0, 7, 8]), masks.random_blocks(3, 2, seed=1),
+    "document", masks.causal() & masks.sliding_window(4),
+    masks.from_fn(lambda b, h, q, k: (q // 3 + k // 4) % 2 == 0), ~masks.causal(),
+    masks.strided(1), "causal&document",
+]
+
+
+def _sized(mask, lk):
+    """Document masks carry one id per key, so they are built for the key length under test."""
+    ids = torch.arange(lk) * 3 // max(lk, 1)  # three packed documents
+    if mask == "document":
+        return masks.document(ids)
+    if mask == "causal&document":
+        return masks.causal() & masks.document(ids)
+    return mask
+SOUND = [masks.strided(4), masks.strided(3, causal=False), masks.fixed(4, 1), masks.fixed(6, 2, causal=False),
+         masks.sliding_window(1, 1) | masks.global_tokens([3]), masks.prefix_lm(3) | masks.sliding_window(0, 2)]
+
+
+@pytest.mark.parametrize("mask", EXACT, ids=repr)
+@pytest.mark.parametrize("lq,lk,bq,bk", [(21, 21, 4, 4), (13, 21, 4, 3), (21, 13, 5, 2), (21, 21, 1, 1),
+                                          (21, 21, 32, 32), (9, 21, 2, 7)])
+def test_block_structure_exact_for_builtins(mask, lq, lk, bq, bk):
+    if isinstance(mask, str) and lq > lk:
+        lq = lk  # a document mask's queries are a suffix of its keys
+    _check_structure(_sized(mask, lk), lq, lk, bq, bk, exact=True)
+
+
+@pytest.mark.parametrize("mask", SOUND, ids=repr)
+@pytest.mark.parametrize("lq,lk,bq,bk", [(21, 21, 4, 4), (13, 21, 4, 3), (21, 13, 5, 2), (21, 21, 1, 1)])
+def test_block_structure_sound_for_unions(mask, lq, lk, bq, bk):
+    _check_structure(mask, lq, lk, bq, bk, exact=False)
+    if bq == bk == 1:  # with 1x1 tiles there is no partial tile: the structure is the mask itself
+        _check_structure(mask, lq, lk, bq, bk, exact=True)
+
+
+def test_block_structure_depends_on_batch_and_head():
+    _check_structure(masks.key_padding([3, 17, 0]), 20, 20, 4, 4, batch=3)
+    keep = torch.rand(2, 20) > 0.3
+    _check_structure(masks.key_padding(keep) & masks.causal(), 20, 20, 4, 4, batch=2)
+    _check_structure(masks.document(torch.tensor([[0] * 10 + [1] * 10, [0] * 3 + [1] * 17])), 20, 20, 4, 4, batch=2)
+    _check_structure(masks.from_fn(lambda b, h, q, k: k <= q + 3 * h), 20, 20, 4, 4, heads=3)
+    _check_structure(masks.from_dense(torch.rand(2, 3, 20, 20) > 0.5), 20, 20, 4, 4, batch=2, heads=3)
+
+
+@st.composite
+def band_masks(draw):
+    kind = draw(st.sampled_from(["causal", "window", "prefix", "local", "padding"]))
+    align = draw(st.sampled_from(["bottom_right", "top_left"]))
+    if kind == "causal":
+        return masks.causal(align=align)
+    if kind == "window":
+        left = draw(st.one_of(st.none(), st.integers(0, 12)))
+        right = draw(st.one_of(st.none(), st.integers(0, 12)))
+        return masks.sliding_window(left, right, align=align)
+    if kind == "prefix":
+        return masks.prefix_lm(draw(st.integers(0, 12)), align=align)
+    if kind == "local":
+        return masks.block_local(draw(st.integers(1, 9)), align=align)
+    return masks.key_padding([draw(st.integers(0, 8))])
+
+
+@given(a=band_masks(), b=band_masks(), op=st.sampled_from(["&", "|", "~"]),
+       lq=st.integers(1, 24), lk=st.integers(1, 24), bq=st.integers(1, 8), bk=st.integers(1, 8))
+def test_combined_structures_are_sound(a, b, op, lq, lk, bq, bk):
+    m = a & b if op == "&" else (a | b if op == "|" else ~a)
+    if max(len(getattr(x, "lengths", [0])) for x in (a, b)) and any(
+            int(getattr(x, "lengths", torch.tensor([0])).max()) > lk for x in (a, b)):
+        return  # padding longer than the keys is an error, tested elsewhere
+    _check_structure(m, lq, lk, bq, bk, exact=(bq == bk == 1 and op != "|"))
+
+
+def test_million_token_window_structure_is_small():
+    m = masks.causal() & masks.sliding_window(4095)
+    s = m.block_structure(1_000_000, 1_000_000, 128)
+    nq = -(-1_000_000 // 128)
+    assert s.full_count.shape == (1, 1, nq)
+    # a 4096-token window covers at most 33 key tiles per query tile: nothing of size Lq x Lk exists
+    assert s.full_index.shape[-1] + s.partial_index.shape[-1] <= 34
+    assert int(s.full_count[0, 0, -1]) == 31 and int(s.partial_count[0, 0, -1]) == 2
+    assert int(s.full_count[0, 0, 0]) == 0 and int(s.partial_count[0, 0, 0]) == 1
+
+
+def test_indices_list_each_tile_once():
+    s = (masks.causal() & masks.sliding_window(10)).block_structure(64, 64, 8)
+    for row in range(s.num_q_tiles):
+        f = s.full_index[0, 0, row, : s.full_count[0, 0, row]].tolist()
+        p = s.partial_index[0, 0, row, : s.partial_count[0, 0, row]].tolist()
+        assert len(set(f + p)) == len(f) + len(p)
+        assert sorted(f + p) == list(range(min(f + p), max(f + p) + 1))
+
+
+def test_str_draws_pattern_and_density():
+    text = str(masks.causal())
+    assert "density" in text and "█" in text and "·" in text
+    assert "53.1%" in text  # 136 of 256
+    big = masks.sliding_window(100).show(1000)
+    assert "tile" in big and "░" in big
+    assert "key_padding" in masks.key_padding([2, 3]).show(batch=1)
+    s = masks.causal().block_structure(64, 64, 16)
+    assert "visited" in str(s)
+
+
+def test_density():
+    assert masks.causal().density(4, 4) == pytest.approx(10 / 16)
+    assert masks.key_padding([1, 2]).density(2, 4, batch=2) == pytest.approx(3 / 8)
+
+
+def test_mask_mod_binds_shape():
+    mod = masks.causal().mask_mod(2, 5)
+    q = torch.arange(2).view(-1, 1)
+    k = torch.arange(5).view(1, -1)
+    assert mod(0, 0, q, k).tolist() == [[True] * 4 + [False], [True] * 5]
+
+
+@pytest.mark.parametrize("make,exc,match", [
+    (lambda: masks.sliding_window(-1), ValueError, "left=-1"),
+    (lambda: masks.sliding_window(2, -3), ValueError, "right=-3"),
+    (lambda: masks.sliding_window(2.5), TypeError, "left"),
+    (lambda: masks.causal(align="center"), ValueError, "align='center'"),
+    (lambda: masks.key_padding([3, -1]), ValueError, "lengths"),
+    (lambda: masks.key_padding(torch.ones(2, 3, 4, dtype=torch.bool)), ValueError, "key_padding"),
+    (lambda: masks.block_local(0), ValueError, "block=0"),
+    (lambda: masks.strided(0), ValueError, "stride=0"),
+    (lambda: masks.fixed(4, 5), ValueError, "summary=5"),
+    (lambda: masks.dilated(2, 0), ValueError, "dilation=0"),
+    (lambda: masks.global_tokens([-1]), ValueError, "indices"),
+    (lambda: masks.document(torch.rand(5)), TypeError, "integers"),
+    (lambda: masks.from_fn(3), TypeError, "callable"),
+    (lambda: masks.from_dense(torch.ones(3, 3)), TypeError, "bool"),
+    (lambda: masks.causal() & torch.ones(2, 2, dtype=torch.bool), TypeError, "from_dense"),
+])
+def test_bad_mask_arguments(make, exc, match):
+    with pytest.raises(exc, match=match):
+        make()
+
+
+def test_mask_shape_errors():
+    with pytest.raises(ValueError, match="lengths\\[1\\]=9 exceeds"):
+        masks.key_padding([3, 9]).to_dense(4, 8, batch=2)
+    with pytest.raises(ValueError, match="3 lengths for a batch of 2"):
+        masks.key_padding([1, 2, 3]).to_dense(4, 8, batch=2)
+    with pytest.raises(ValueError, match="ids has length 5"):
+        masks.document(torch.zeros(5, dtype=torch.long)).to_dense(4, 8)
+    with pytest.raises(ValueError, match="does not broadcast"):
+        masks.from_dense(torch.ones(3, 4, dtype=torch.bool)).to_dense(4, 8)
+    with pytest.raises(TypeError, match="bool tensor"):
+        masks.from_fn(lambda b, h, q, k: q - k).to_dense(3, 3)
