@@ -57,6 +57,9 @@ def run(call: Call):
     elif isinstance(bias, ScoreMod):
         bias = bias.materialize(call.q_len, call.kv_len, batch=call.batch, heads=call.heads,
                                 device=q.device, dtype=q.dtype)
+    if bias is not None:
+        while bias.dim() < 4:  # SDPA wants a mask of at least 2 dims; (B', H', Lq', Lk') broadcasts
+            bias = bias.unsqueeze(0)
     gqa = call.group > 1
     if call.mask is None or _is_plain_causal(call):
         causal = call.mask is not None

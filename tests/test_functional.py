@@ -1,0 +1,282 @@
+"""attention(): the contract of DESIGN.md against the float64 oracle, for the math and sdpa backends."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import attnkit
+from attnkit import backends, bias, masks
+from attnkit.testing import check_against_oracle, reference
+
+CORE = ["math", "sdpa"]
+DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+
+
+def qkv(b=2, hq=4, hkv=2, lq=9, lk=11, d=16, dv=None, dtype=torch.float32, grad=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, lq, d, generator=g).to(dtype)
+    k = torch.randn(b, hkv, lk, d, generator=g).to(dtype)
+    v = torch.randn(b, hkv, lk, dv or d, generator=g).to(dtype)
+    return [t.requires_grad_(grad) for t in (q, k, v)]
+
+
+def run_or_refuse(backend, q, k, v, **kw):
+    """Check the backend against the oracle, or that it refuses the call with a ValueError naming itself."""
+    call = attnkit.functional._make_call(q, k, v, **{n: kw[n] for n in kw if n != "grad"})
+    reason = backends._REGISTRY[backend].check(call)
+    if reason is not None:
+        with pytest.raises(ValueError, match=f"backend='{backend}' cannot take this call"):
+            attnkit.attention(q, k, v, backend=backend, **kw)
+        return None
+    return check_against_oracle(attnkit.attention, q, k, v, backend=backend, **kw)
+
+
+MASKS = {
+    "none": lambda lq, lk, b: None,
+    "causal": lambda lq, lk, b: masks.causal(),
+    "causal_top_left": lambda lq, lk, b: masks.causal(align="top_left"),
+    "window": lambda lq, lk, b: masks.sliding_window(3),
+    "window_sym": lambda lq, lk, b: masks.sliding_window(2, 2),
+    "padding": lambda lq, lk, b: masks.key_padding([lk, max(1, lk // 2)][:b]),
+    "document": lambda lq, lk, b: masks.document(torch.arange(lk) * 3 // lk) & masks.causal(),
+    "prefix_lm": lambda lq, lk, b: masks.prefix_lm(3),
+    "block_local": lambda lq, lk, b: masks.block_local(4),
+    "strided": lambda lq, lk, b: masks.strided(3),
+    "fixed": lambda lq, lk, b: masks.fixed(4, 1),
+    "dilated": lambda lq, lk, b: masks.dilated(2, 2),
+    "global": lambda lq, lk, b: masks.sliding_window(1, 1) | masks.global_tokens([0]),
+    "random": lambda lq, lk, b: masks.random_blocks(3, 2, seed=0),
+    "from_fn": lambda lq, lk, b: masks.from_fn(lambda b_, h, q, k: (q + k) % 3 != 0),
+    "bool_tensor": lambda lq, lk, b: torch.rand(b, 1, lq, lk, generator=torch.Generator().manual_seed(1)) > 0.4,
+}
+
+
+@pytest.mark.parametrize("backend", CORE)
+@pytest.mark.parametrize("mask_name", list(MASKS))
+@pytest.mark.parametrize("lq,lk", [(9, 11), (11, 9), (1, 7), (8, 8)])
+def test_every_mask_against_oracle(backend, mask_name, lq, lk):
+    if mask_name == "document" and lq > lk:
+        lq = lk
+    q, k, v = qkv(lq=lq, lk=lk)
+    run_or_refuse(backend, q, k, v, mask=MASKS[mask_name](lq, lk, 2))
+
+
+BIASES = {
+    "tensor": lambda: torch.randn(1, 4, 9, 11),
+    "tensor_broadcast": lambda: torch.randn(11),
+    "alibi": lambda: bias.alibi(bias.alibi_slopes(4)),
+    "t5": lambda: bias.relative_buckets(torch.randn(4, 8), max_distance=16),
+    "t5_causal": lambda: bias.relative_buckets(torch.randn(4, 8), bidirectional=False, max_distance=16),
+    "temperature": lambda: bias.temperature(0.5),
+    "temperature_per_head": lambda: bias.temperature(torch.tensor([0.5, 1.0, 2.0, 4.0])),
+    "from_fn": lambda: bias.from_fn(lambda s, b, h, q, k: s - 0.1 * (q - k).abs()),
+    "compose": lambda: bias.compose(bias.temperature(2.0), bias.alibi(bias.alibi_slopes(4))),
+}
+
+
+@pytest.mark.parametrize("backend", CORE)
+@pytest.mark.parametrize("bias_name", list(BIASES))
+@pytest.mark.parametrize("mask", [None, masks.causal()], ids=["nomask", "causal"])
+def test_every_bias_against_oracle(backend, bias_name, mask):
+    q, k, v = qkv(lq=9, lk=11)
+    run_or_refuse(backend, q, k, v, bias=BIASES[bias_name](), mask=mask)
+
+
+@pytest.mark.parametrize("backend", CORE)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d", [16, 40, 64, 128, 256])
+@pytest.mark.parametrize("heads", [(1, 1), (8, 2), (8, 1)], ids=["mha", "gqa", "mqa"])
+def test_dtypes_head_dims_and_groups(backend, dtype, d, heads):
+    hq, hkv = heads
+    q, k, v = qkv(b=1, hq=hq, hkv=hkv, lq=7, lk=13, d=d, dv=d if d != 40 else 24, dtype=dtype)
+    run_or_refuse(backend, q, k, v, mask=masks.causal())
+
+
+@pytest.mark.parametrize("backend", CORE)
+def test_softcap_and_scale(backend):
+    q, k, v = qkv()
+    run_or_refuse(backend, q * 4, k * 4, v, softcap=5.0, scale=0.3, mask=masks.causal())
+    run_or_refuse(backend, q, k, v, scale=0.05)
+
+
+@given(
+    b=st.integers(1, 2), hkv=st.integers(1, 2), group=st.sampled_from([1, 2, 4]),
+    lq=st.integers(1, 17), lk=st.integers(1, 17), d=st.sampled_from([16, 24, 64]),
+    dv=st.sampled_from([8, 16, 32]), mask=st.sampled_from(list(MASKS)),
+    use_bias=st.booleans(), softcap=st.sampled_from([None, 3.0]),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+    backend=st.sampled_from(CORE + ["auto"]),
+)
+def test_hypothesis_cases_against_oracle(b, hkv, group, lq, lk, d, dv, mask, use_bias, softcap, dtype, backend):
+    if mask == "document":
+        lq = min(lq, lk)
+    q, k, v = qkv(b=b, hq=hkv * group, hkv=hkv, lq=lq, lk=lk, d=d, dv=dv, dtype=dtype)
+    kw = {"mask": MASKS[mask](lq, lk, b), "softcap": softcap}
+    if use_bias:
+        kw["bias"] = bias.alibi(bias.alibi_slopes(hkv * group))
+    if backend == "auto":
+        check_against_oracle(attnkit.attention, q, k, v, **kw)
+    else:
+        run_or_refuse(backend, q, k, v, **kw)
+
+
+@pytest.mark.parametrize("backend", CORE)
+def test_gradcheck_float64(backend):
+    q, k, v = qkv(b=1, hq=2, hkv=1, lq=4, lk=5, d=3, dtype=torch.float64)
+    fn = lambda q, k, v: attnkit.attention(q, k, v, mask=masks.causal(), backend=backend)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+    b = torch.randn(1, 2, 4, 5, dtype=torch.float64, requires_grad=True)
+    fn = lambda q, k, v, b: attnkit.attention(q, k, v, bias=b, backend="math", softcap=2.0)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (q, k, v, b))
+
+
+def test_gradients_flow_into_learnable_bias_parameters():
+    q, k, v = qkv(dtype=torch.float64)
+    slopes = bias.alibi_slopes(4).double().requires_grad_()
+    table = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    fn = lambda s, t: attnkit.attention(  # noqa: E731
+        q, k, v, bias=bias.compose(bias.alibi(s), bias.relative_buckets(t, max_distance=16)), backend="math")
+    assert torch.autograd.gradcheck(fn, (slopes, table))
+
+
+@pytest.mark.parametrize("backend", CORE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_fully_masked_rows_give_zero_and_zero_grads(backend, dtype):
+    q, k, v = qkv(lq=6, lk=4, dtype=dtype)
+    m = masks.causal()  # bottom-right with Lq > Lk: the first two rows see nothing
+    out = attnkit.attention(q, k, v, mask=m, backend=backend)
+    assert torch.isfinite(out).all()
+    assert (out[:, :, :2] == 0).all()
+    out.sum().backward()
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+    assert (q.grad[:, :, :2] == 0).all()
+    dense = torch.zeros(2, 1, 6, 4, dtype=torch.bool)
+    dense[:, :, 3:] = True
+    q2, k2, v2 = qkv(lq=6, lk=4, dtype=dtype)
+    out2 = attnkit.attention(q2, k2, v2, mask=dense, backend=backend)
+    assert (out2[:, :, :3] == 0).all() and torch.isfinite(out2).all()
+    out2.sum().backward()
+    assert (q2.grad[:, :, :3] == 0).all() and torch.isfinite(k2.grad).all()
+
+
+def test_fully_masked_lse_is_minus_inf():
+    q, k, v = qkv(lq=6, lk=4, grad=False)
+    out, lse = attnkit.attention(q, k, v, mask=masks.causal(), return_lse=True)
+    assert lse.dtype == torch.float32 and lse.shape == (2, 4, 6)
+    assert torch.isinf(lse[:, :, :2]).all() and (lse[:, :, :2] < 0).all()
+    assert torch.isfinite(lse[:, :, 2:]).all()
+
+
+def test_lse_matches_reference():
+    q, k, v = qkv(grad=False, dtype=torch.float64)
+    kw = dict(mask=masks.sliding_window(2), bias=bias.alibi(bias.alibi_slopes(4)), softcap=4.0)
+    out, lse = attnkit.attention(q, k, v, return_lse=True, **kw)
+    ref_out, ref_lse = reference(q, k, v, **kw)
+    assert lse.dtype == torch.float64
+    torch.testing.assert_close(lse, ref_lse, atol=1e-12, rtol=0)
+    torch.testing.assert_close(out, ref_out, atol=1e-12, rtol=0)
+
+
+def test_empty_sequences():
+    for lq, lk in [(0, 5), (5, 0), (0, 0)]:
+        q, k, v = qkv(lq=lq, lk=lk)
+        out, lse = attnkit.attention(q, k, v, return_lse=True)
+        assert out.shape == (2, 4, lq, 16) and (out == 0).all() and (lse == -math.inf).all()
+        out.sum().backward()
+        assert (q.grad == 0).all()
+
+
+def test_gqa_uses_no_copies_of_kv():
+    """Query head h uses key/value head h // G, and the result equals explicitly repeated heads."""
+    q, k, v = qkv(hq=8, hkv=2, grad=False, dtype=torch.float64)
+    out = attnkit.attention(q, k, v, backend="math")
+    rep = attnkit.attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), backend="math")
+    torch.testing.assert_close(out, rep, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("backend", CORE)
+def test_dropout_is_reproducible(backend):
+    q, k, v = qkv(grad=False)
+    torch.manual_seed(3)
+    a = attnkit.attention(q, k, v, dropout_p=0.3, backend=backend)
+    torch.manual_seed(3)
+    b = attnkit.attention(q, k, v, dropout_p=0.3, backend=backend)
+    c = attnkit.attention(q, k, v, dropout_p=0.3, backend=backend)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    # the expectation over dropout masks is the undropped output
+    torch.manual_seed(0)
+    mean = torch.stack([attnkit.attention(q, k, v, dropout_p=0.5, backend=backend) for _ in range(400)]).mean(0)
+    assert (mean - attnkit.attention(q, k, v)).abs().mean() < 0.05
+
+
+def test_attention_weights():
+    q, k, v = qkv(grad=False, dtype=torch.float64)
+    w = attnkit.attention_weights(q, k, v, mask=masks.causal())
+    assert w.shape == (2, 4, 9, 11)
+    torch.testing.assert_close(w.sum(-1), torch.ones(2, 4, 9, dtype=torch.float64))
+    out = attnkit.attention(q, k, v, mask=masks.causal())
+    torch.testing.assert_close(w @ v.repeat_interleave(2, 1), out)
+    w = attnkit.attention_weights(q[:, :, :6], k[:, :, :4], mask=masks.causal())
+    assert (w[:, :, :2] == 0).all()
+
+
+def test_auto_and_explain():
+    q, k, v = qkv(grad=False)
+    assert attnkit.backends.select(attnkit.functional._make_call(q, k, v), "auto").name != "math"
+    text = backends.explain(q, k, v, softcap=2.0)
+    assert "auto picks 'math'" in text and "sdpa" in text and "softcap" in text
+    assert "math" in backends.available() and "sdpa" in backends.available()
+    text = backends.explain(q, k, v, backend="sdpa", mask=masks.causal())
+    assert text.startswith("uses 'sdpa'")
+
+
+# ------------------------------------------------------------------------- bad input
+
+
+def bad_cases():
+    q, k, v = qkv(grad=False)
+    return [
+        ("rank", lambda: attnkit.attention(q[0], k, v), ValueError, r"q must have 4 dims .* got shape \(4, 9, 16\)"),
+        ("batch", lambda: attnkit.attention(q, k[:1], v[:1]), ValueError, "batch sizes differ: q has B=2"),
+        ("head_dim", lambda: attnkit.attention(q, k[..., :8], v), ValueError, "same head dim, got D=16"),
+        ("kv_len", lambda: attnkit.attention(q, k, v[:, :, :5]), ValueError, "Lk=11 and Lv=5"),
+        ("gqa", lambda: attnkit.attention(q[:, :3], k, v), ValueError, "Hq=3 and Hkv=2: Hq must be a multiple"),
+        ("kv_heads", lambda: attnkit.attention(q, k, v[:, :1]), ValueError, "Hk=2 and Hv=1"),
+        ("dtype", lambda: attnkit.attention(q, k.double(), v), TypeError, "share one dtype"),
+        ("int dtype", lambda: attnkit.attention(q.long(), k.long(), v.long()), TypeError, "dtype torch.int64"),
+        ("not tensor", lambda: attnkit.attention(q.tolist(), k, v), TypeError, "q must be a torch.Tensor"),
+        ("device", lambda: attnkit.attention(q, k.to("meta"), v), ValueError, "one device"),
+        ("mask shape", lambda: attnkit.attention(q, k, v, mask=torch.ones(3, 11, dtype=torch.bool)),
+         ValueError, r"mask of shape \(3, 11\) does not broadcast"),
+        ("mask dtype", lambda: attnkit.attention(q, k, v, mask=torch.ones(9, 11)), TypeError, "bool tensor"),
+        ("mask type", lambda: attnkit.attention(q, k, v, mask="causal"), TypeError, "mask must be None"),
+        ("bias shape", lambda: attnkit.attention(q, k, v, bias=torch.zeros(5, 11)), ValueError,
+         r"bias of shape \(5, 11\) does not broadcast"),
+        ("bias dtype", lambda: attnkit.attention(q, k, v, bias=torch.zeros(9, 11, dtype=torch.bool)), TypeError,
+         "belongs in mask="),
+        ("bias fn", lambda: attnkit.attention(q, k, v, bias=lambda s, b, h, i, j: s), TypeError, "from_fn"),
+        ("alibi heads", lambda: attnkit.attention(q, k, v, bias=bias.alibi(bias.alibi_slopes(3))), ValueError,
+         "3 slopes for Hq=4"),
+        ("softcap", lambda: attnkit.attention(q, k, v, softcap=0.0), ValueError, "softcap=0.0 must be > 0"),
+        ("softcap neg", lambda: attnkit.attention(q, k, v, softcap=-1), ValueError, "softcap=-1"),
+        ("dropout", lambda: attnkit.attention(q, k, v, dropout_p=1.0), ValueError, "dropout_p=1.0 must be < 1"),
+        ("dropout neg", lambda: attnkit.attention(q, k, v, dropout_p=-0.1), ValueError, "dropout_p=-0.1"),
+        ("scale nan", lambda: attnkit.attention(q, k, v, scale=float("nan")), ValueError, "scale=nan"),
+        ("window", lambda: attnkit.attention(q, k, v, mask=masks.sliding_window(-2)), ValueError, "left=-2"),
+        ("backend", lambda: attnkit.attention(q, k, v, backend="cuda"), ValueError,
+         "backend='cuda' is not available here: choose one of"),
+        ("backend cannot", lambda: attnkit.attention(q, k, v, softcap=2.0, backend="sdpa"), ValueError,
+         r"backend='sdpa' cannot take this call: SDPA has no softcap; backends that can: \[.*'math'"),
+        ("padding", lambda: attnkit.attention(q, k, v, mask=masks.key_padding([3, 3, 3])), ValueError, "3 lengths for a batch of 2"),
+    ]
+
+
+@pytest.mark.parametrize("case", bad_cases(), ids=lambda c: c[0])
+def test_bad_input_gets_a_clear_error(case):
+    name, fn, exc, match = case
+    with pytest.raises(exc, match=match):
+        fn()
