@@ -60,8 +60,10 @@ class Call:
 
     @property
     def needs_grad(self) -> bool:
-        return torch.is_grad_enabled() and any(t.requires_grad for t in (self.q, self.k, self.v)) or (
-            isinstance(self.bias, Tensor) and self.bias.requires_grad and torch.is_grad_enabled())
+        if not torch.is_grad_enabled():
+            return False
+        tensors = (self.q, self.k, self.v, self.bias) if isinstance(self.bias, Tensor) else (self.q, self.k, self.v)
+        return any(t.requires_grad for t in tensors)
 
     def flops(self) -> float:
         """Forward multiply-adds x 2 of the dense computation."""

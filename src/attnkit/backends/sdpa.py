@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..bias import ScoreMod
-from ..masks import _Causal
+from ..masks import _Causal, _FromDense
 from ._common import Call
 
 Tensor = torch.Tensor
@@ -70,7 +70,10 @@ def run(call: Call):
             causal = False
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p,
                                               is_causal=causal, scale=scale, enable_gqa=gqa)
-    allowed = call.mask.to_dense(call.q_len, call.kv_len, batch=call.batch, heads=call.heads, device=q.device)
+    if isinstance(call.mask, _FromDense):  # a user's bool tensor: pass it as it is
+        allowed = call.mask.t
+    else:
+        allowed = call.mask.to_dense(call.q_len, call.kv_len, batch=call.batch, heads=call.heads, device=q.device)
     live = allowed.any(dim=-1, keepdim=True)  # (B', H', Lq, 1): rows that see at least one key
     all_live = bool(live.all())
     if not all_live:
