@@ -1,0 +1,423 @@
+"""The ``attnkit`` command.
+
+Subcommands (each takes ``--help``)::
+
+    attnkit explain                         # the first article's worked example, the four steps written out
+    attnkit explain --input FILE.json       # your own X, W_q, W_k, W_v
+    attnkit explain --softmax 2.0,-1.0,0.5  # one softmax, step by step
+    attnkit explain --check FILE.json       # check hand-computed claims; exit 1 if any is wrong
+    attnkit masks list                      # the built-in masks and their arguments
+    attnkit masks show NAME [ARGS] --len N  # draw a mask with its density
+    attnkit bench [--quick]                 # run the benchmark scripts in benchmarks/
+
+Bad arguments, missing or malformed files and inputs of the wrong shape print one line on stderr and exit
+with code 2.
+
+Example::
+
+    >>> from attnkit.cli import main
+    >>> main(["explain", "--softmax", "1,1"])
+    softmax([1.0, 1.0])
+      exp(1.0) = 2.7183
+      exp(1.0) = 2.7183
+      sum = 2.7183 + 2.7183 = 5.4366
+      weights = [2.7183/5.4366, 2.7183/5.4366]
+              = [0.5, 0.5]   (sum 1.0)
+    0
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import json
+import math
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Sequence
+
+from . import explain as _explain
+from . import masks as _masks
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_CLAIMS_WRONG, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """A problem with the command line or its input files (exit code 2, one line on stderr)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line on stderr and exit code 2."""
+
+    def error(self, message: str):  # noqa: D102 (argparse API)
+        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+# ----------------------------------------------------------------------------------- explain
+
+
+def _read_json(path: str, *, keep_written: bool = False) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"{path}: no such file")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"{path}: cannot read it ({e})") from None
+    try:
+        data = _explain.load_claims(text) if keep_written else json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    except ValueError as e:
+        raise UsageError(f"{path}: {e}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}: expected a JSON object with keys X, W_q, W_k, W_v, got {type(data).__name__}")
+    return data
+
+
+def _parse_numbers(text: str, what: str) -> list[float]:
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            x = float(part)
+        except ValueError:
+            raise UsageError(f"{what}: {part!r} is not a number (write e.g. 2.0,-1.0,0.5)") from None
+        if math.isnan(x) or x == math.inf:
+            raise UsageError(f"{what}: {part!r} is not allowed (scores are finite numbers or -inf for masked)")
+        out.append(x)
+    return out
+
+
+def _cmd_explain(args) -> int:
+    chosen = [a for a in ("input", "softmax", "check") if getattr(args, a) is not None]
+    if len(chosen) > 1:
+        raise UsageError(f"attnkit explain: give at most one of --input, --softmax, --check (got {', '.join(chosen)})")
+    if args.softmax is not None:
+        print(_explain.explain_softmax(_parse_numbers(args.softmax, "--softmax"), digits=args.digits))
+        return EXIT_OK
+    if args.check is not None:
+        spec = _read_json(args.check, keep_written=True)
+        try:
+            report = _explain.check(spec)
+        except (ValueError, TypeError) as e:
+            raise UsageError(f"{args.check}: {e}") from None
+        print(report)
+        return EXIT_OK if report.ok else EXIT_CLAIMS_WRONG
+    if args.input is not None:
+        spec = _read_json(args.input)
+        missing = [k for k in ("X", "W_q", "W_k", "W_v") if k not in spec]
+        if missing:
+            raise UsageError(f"{args.input}: missing key(s) {', '.join(missing)} (need X, W_q, W_k, W_v)")
+        where = f"{args.input}: "
+        header = ""
+    else:
+        spec, where = _explain.ARTICLE, ""
+        header = "The worked example of the first article (section 3): three tokens, d_model=4, d_k=2.\n\n"
+    try:
+        t = _explain.trace(spec["X"], spec["W_q"], spec["W_k"], spec["W_v"], mask=spec.get("mask"),
+                           scale=spec.get("scale"))
+        t.digits = args.digits
+        text = t.explain(args.row)
+    except (ValueError, TypeError) as e:
+        raise UsageError(f"{where}{e}") from None
+    print(header + text)
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------------------- masks
+
+
+def _mask_builders() -> dict:
+    """Every public mask builder in attnkit.masks (functions returning a Mask) except from_fn/from_dense."""
+    out = {}
+    for name in _masks.__all__:
+        obj = getattr(_masks, name)
+        if inspect.isfunction(obj) and name not in ("from_fn", "from_dense"):
+            out[name] = obj
+    return out
+
+
+def _signature_text(name: str, fn) -> str:
+    parts = []
+    for p in inspect.signature(fn).parameters.values():
+        if p.kind == p.KEYWORD_ONLY:
+            parts.append(f"[{p.name}={p.default!r}]")
+        elif p.default is p.empty:
+            parts.append(p.name.upper())
+        else:
+            parts.append(f"[{p.name.upper()}={p.default!r}]")
+    return f"{name} {' '.join(parts)}".strip()
+
+
+def _word_value(text: str):
+    """A command-line word as a mask argument: int, float, None, bool, a comma list, or a string."""
+    low = text.strip().lower()
+    if low == "none":
+        return None
+    if low in ("true", "false"):
+        return low == "true"
+    if "," in text:
+        return [_word_value(t) for t in text.split(",") if t.strip()]
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _build_from_words(name: str, words: Sequence[str]):
+    builders = _mask_builders()
+    if name not in builders:
+        raise UsageError(f"attnkit masks show: unknown mask {name!r}; choose from {', '.join(builders)} "
+                         f"(or write an expression such as 'causal() & sliding_window(3)')")
+    fn = builders[name]
+    args, kwargs = [], {}
+    for w in words:
+        if "=" in w:
+            k, v = w.split("=", 1)
+            kwargs[k.strip()] = _word_value(v)
+        else:
+            args.append(_word_value(w))
+    try:
+        inspect.signature(fn).bind(*args, **kwargs)
+    except TypeError as e:
+        raise UsageError(f"attnkit masks show {name}: {e}; usage: {_signature_text(name, fn)}") from None
+    return fn(*args, **kwargs)
+
+
+_AST_OPS = {ast.BitAnd: "__and__", ast.BitOr: "__or__"}
+
+
+def _build_from_expression(text: str):
+    """A mask from a safe expression: builder calls with literal arguments combined by &, | and ~."""
+    builders = _mask_builders()
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except SyntaxError as e:
+        raise UsageError(f"attnkit masks show: cannot parse {text!r} ({e.msg})") from None
+
+    def literal(node):
+        try:
+            return ast.literal_eval(node)
+        except ValueError:
+            raise UsageError(f"attnkit masks show: arguments must be literal numbers, lists, strings, True/False "
+                             f"or None, got {ast.unparse(node)!r}") from None
+
+    def build(node):
+        if isinstance(node, ast.BinOp) and type(node.op) in _AST_OPS:
+            return getattr(build(node.left), _AST_OPS[type(node.op)])(build(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Invert):
+            return ~build(node.operand)
+        if isinstance(node, ast.Name) and node.id in builders:
+            return builders[node.id]()
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in builders:
+            args = [literal(a) for a in node.args]
+            kwargs = {k.arg: literal(k.value) for k in node.keywords if k.arg is not None}
+            return builders[node.func.id](*args, **kwargs)
+        raise UsageError(f"attnkit masks show: {ast.unparse(node)!r} is not a built-in mask; expressions combine "
+                         f"{', '.join(builders)} with &, | and ~")
+
+    return build(tree.body)
+
+
+def _masks_without_action(args) -> int:
+    raise UsageError("attnkit masks: choose an action, list or show (see attnkit masks --help)")
+
+
+def _cmd_masks_list(args) -> int:
+    print("Built-in masks (attnkit.masks); draw one with: attnkit masks show NAME [ARGS] --len N")
+    for name, fn in _mask_builders().items():
+        doc = (inspect.getdoc(fn) or "").split("\n\n")[0].replace("\n", " ")
+        print(f"  {_signature_text(name, fn)}")
+        print(textwrap.fill(doc, width=100, initial_indent="      ", subsequent_indent="      "))
+    return EXIT_OK
+
+
+def _cmd_masks_show(args) -> int:
+    name = args.name
+    is_expr = any(c in name for c in "()&|~ ")
+    if is_expr and args.args:
+        raise UsageError("attnkit masks show: give either NAME with ARGS or one expression in quotes, not both")
+    try:
+        mask = _build_from_expression(name) if is_expr else _build_from_words(name, args.args)
+        kv_len = args.len if args.kv_len is None else args.kv_len
+        text = mask.show(args.len, kv_len, batch=args.batch, head=args.head, max_width=args.width)
+    except (ValueError, TypeError, IndexError) as e:
+        raise UsageError(f"attnkit masks show {name}: {e}") from None
+    print(text)
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------------------- bench
+
+
+def _default_bench_dir() -> Path | None:
+    here = Path(__file__).resolve().parents[2] / "benchmarks"  # a source checkout: <repo>/src/attnkit/cli.py
+    for candidate in (Path.cwd() / "benchmarks", here):
+        if candidate.is_dir():
+            return candidate
+    return None
+
+
+def _cmd_bench(args) -> int:
+    folder = Path(args.dir) if args.dir else _default_bench_dir()
+    if folder is None or not folder.is_dir():
+        raise UsageError("attnkit bench: no benchmarks/ folder found; run it from the attnkit repository "
+                         "or pass --dir PATH")
+    scripts = sorted(p for p in folder.glob("*.py") if not p.name.startswith("_"))
+    if args.only:
+        wanted = set(args.only.split(","))
+        unknown = wanted - {p.stem for p in scripts}
+        if unknown:
+            raise UsageError(f"attnkit bench: no benchmark named {', '.join(sorted(unknown))} in {folder} "
+                             f"(have {', '.join(p.stem for p in scripts) or 'none'})")
+        scripts = [p for p in scripts if p.stem in wanted]
+    if not scripts:
+        raise UsageError(f"attnkit bench: {folder} holds no benchmark scripts")
+    failures = 0
+    for script in scripts:
+        quick_ok = re.search(r"""["']--quick["']""", script.read_text(encoding="utf-8", errors="replace"))
+        if args.quick and not quick_ok:
+            print(f"== {script.name}: skipped (it has no --quick option)\n", flush=True)
+            continue
+        cmd = [sys.executable, str(script)] + (["--quick"] if args.quick else [])
+        print(f"== {script.name}: {' '.join(cmd[1:])}", flush=True)
+        try:
+            rc = subprocess.run(cmd, cwd=folder.parent, timeout=args.timeout).returncode
+        except subprocess.TimeoutExpired:
+            print(f"== {script.name}: stopped after {args.timeout} s", flush=True)
+            rc = 1
+        if rc != 0:
+            failures += 1
+            print(f"== {script.name}: exit code {rc}", flush=True)
+        print(flush=True)
+    return EXIT_OK if failures == 0 else EXIT_CLAIMS_WRONG
+
+
+# ---------------------------------------------------------------------------------- the parser
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} must be >= 1")
+    return n
+
+
+def _nonnegative(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n} must be >= 0")
+    return n
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``attnkit`` command (every subcommand has ``--help``)."""
+    p = _Parser(prog="attnkit", description="attnkit: attention from the textbook to production.",
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    e = sub.add_parser("explain", help="the four steps of attention worked by hand; check hand computations",
+                       description="Without options: the first article's worked example (section 3), every step "
+                                   "written out. Exit code 1 when --check finds a wrong claim.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="FILE.json for --input holds X (L x d_model), W_q, W_k (d_model x d_k), W_v "
+                              "(d_model x d_v), optional scale and mask ('causal' or an L x L 0/1 matrix).\n"
+                              "For --check add claims: full matrices under Q, K, V, scores, scaled_scores, "
+                              "exp_scores, weights, output,\nor one 0-based row as \"scores[0]\": [...]; each is "
+                              "compared at the precision it is written in, against the exact\nvalues and against "
+                              "what follows from the claimed previous steps. 'softmax': [{\"scores\": [...], "
+                              "\"weights\": [...]}]\nchecks one-row softmax examples (with 'values' and 'output' "
+                              "for the weighted sum).")
+    e.add_argument("--input", metavar="FILE.json", help="explain your own X, W_q, W_k, W_v")
+    e.add_argument("--softmax", metavar="S1,S2,...", help="explain one softmax, e.g. 2.0,-1.0,0.5")
+    e.add_argument("--check", metavar="FILE.json", help="check hand-computed claims (exit 1 if any is wrong)")
+    e.add_argument("--row", type=_nonnegative, default=0, help="0-based query row to write out (default 0)")
+    e.add_argument("--digits", type=_positive, default=4, help="decimals shown (default 4)")
+    e.set_defaults(func=_cmd_explain)
+
+    m = sub.add_parser("masks", help="list and draw the built-in masks",
+                       description="List the built-in masks or draw one in the terminal with its density.")
+    msub = m.add_subparsers(dest="masks_command", metavar="ACTION", parser_class=_Parser)
+    ml = msub.add_parser("list", help="the built-in masks and their arguments")
+    ml.set_defaults(func=_cmd_masks_list)
+    ms = msub.add_parser("show", help="draw a mask: attnkit masks show sliding_window 3 --len 12",
+                         description="Draw a built-in mask (█ may attend, · may not) with its density. ARGS are "
+                                     "the builder's arguments in order, or name=value (none, true/false, comma "
+                                     "lists like 3,5). NAME may also be an expression in quotes, e.g. "
+                                     "'causal() & sliding_window(3)'.",
+                         epilog="examples: attnkit masks show causal --len 8 | attnkit masks show key_padding "
+                                "3,5 --len 6 --batch 1 | attnkit masks show strided 4 causal=false --len 16")
+    ms.add_argument("name", metavar="NAME", help="a mask name (see attnkit masks list) or an expression")
+    ms.add_argument("args", metavar="ARGS", nargs="*", help="the mask's arguments")
+    ms.add_argument("--len", type=_positive, default=16, help="query length (default 16)")
+    ms.add_argument("--kv-len", type=_positive, default=None, help="key length (default: --len)")
+    ms.add_argument("--batch", type=_nonnegative, default=0, help="batch element to draw (default 0)")
+    ms.add_argument("--head", type=_nonnegative, default=0, help="head to draw (default 0)")
+    ms.add_argument("--width", type=_positive, default=64, help="widest drawing in characters before tiles "
+                                                                "are drawn instead of elements (default 64)")
+    ms.set_defaults(func=_cmd_masks_show)
+    m.set_defaults(func=_masks_without_action)
+
+    b = sub.add_parser("bench", help="run the benchmark scripts in benchmarks/ and print their tables",
+                       description="Runs every benchmarks/*.py (with --quick: at a small size; scripts without "
+                                   "--quick are skipped). Exit code 1 if a script fails.")
+    b.add_argument("--quick", action="store_true", help="small sizes, a few repeats")
+    b.add_argument("--only", metavar="NAMES", help="comma-separated script names, e.g. dense,model")
+    b.add_argument("--dir", metavar="PATH", help="the benchmarks folder (default: ./benchmarks)")
+    b.add_argument("--timeout", type=_positive, default=1800, help="seconds per script (default 1800)")
+    b.set_defaults(func=_cmd_bench)
+    return p
+
+
+def _join_negative_values(argv: list[str]) -> list[str]:
+    """``--softmax -1,2`` -> ``--softmax=-1,2`` (argparse would take ``-1,2`` for an option)."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--softmax" and i + 1 < len(argv) and argv[i + 1].startswith("-") and argv[i + 1][1:2] in \
+                set("0123456789.i"):
+            out.append(f"{a}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``attnkit`` command with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(_join_negative_values(argv))
+        if getattr(args, "func", None) is None:
+            parser.print_help()
+            return EXIT_OK
+        return args.func(args)
+    except SystemExit as e:  # --help
+        return e.code if isinstance(e.code, int) else EXIT_OK
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

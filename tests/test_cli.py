@@ -1,0 +1,249 @@
+"""The `attnkit` command: explain, masks, bench; --help everywhere; bad input -> one line on stderr, exit 2."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnkit import masks
+from attnkit.cli import build_parser, main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_usage_error(capsys, *argv, match=""):
+    code, out, err = run(capsys, *argv)
+    assert code == 2, (out, err)
+    assert "Traceback" not in err and "Traceback" not in out
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: ")
+    assert match in lines[0], lines[0]
+    return lines[0]
+
+
+# ---------------------------------------------------------------------------------------- explain
+
+
+def test_explain_without_arguments_is_the_article_example(capsys):
+    code, out, _ = run(capsys, "explain")
+    assert code == 0
+    assert "Q1[1] = x1·W_q[:, 1] = 1.0*0.1 + 0.5*(-0.2) + (-0.2)*0.5 + 1.2*0.2" in out
+    assert "output = [[0.2657, -0.0702], [-0.0551, 0.041], [0.0141, -0.0198]]" in out
+
+
+def test_explain_input_file_and_row(capsys, tmp_path):
+    f = tmp_path / "mine.json"
+    f.write_text(json.dumps({"X": [[1, 0], [0, 1]], "W_q": [[1, 0], [0, 1]], "W_k": [[2, 0], [0, 2]],
+                             "W_v": [[1], [3]], "scale": 1.0}))
+    code, out, _ = run(capsys, "explain", "--input", str(f), "--row", "1")
+    assert code == 0
+    assert "score(x2,x2) = 0.0*0.0 + 1.0*2.0 = 0.0 + 2.0 = 2.0" in out
+    assert "multiply by the given scale 1.0" in out
+    w = torch.softmax(torch.tensor([0.0, 2.0], dtype=torch.float64), -1)
+    assert f"output2 = {float(w[0]):.4f}*[1.0] + {float(w[1]):.4f}*[3.0]" in out
+
+
+def test_explain_softmax(capsys):
+    code, out, _ = run(capsys, "explain", "--softmax", "2.0,-1.0,0.5")
+    assert code == 0
+    assert "= [0.7856, 0.0391, 0.1753]" in out
+    code, out, _ = run(capsys, "explain", "--softmax", "-1,-inf")  # a leading minus is a value, not an option
+    assert code == 0 and "= [1.0, 0.0]" in out
+
+
+def test_explain_check_article_exits_1_with_claimed_and_exact(capsys):
+    code, out, _ = run(capsys, "explain", "--check", str(ROOT / "docs" / "examples" / "article.json"))
+    assert code == 1
+    assert "K[0]               claimed [-0.24, 0.33]  WRONG" in out
+    assert "exact   [-0.45, 0.85]" in out
+    assert "weights[0]         claimed [0.339, 0.240, 0.421]" in out  # written precision kept
+    assert "slips: Q[1], Q[2], K[0], K[1], K[2], V[0], V[1], V[2], softmax[0].weights" in out
+
+
+def test_explain_check_exits_0_when_all_claims_hold(capsys, tmp_path):
+    f = tmp_path / "good.json"
+    f.write_text('{"X": [[1.0, 0.5, -0.2, 1.2], [0.3, -1.0, 0.8, 0.4], [-0.7, 0.6, 1.1, -0.5]],'
+                 ' "W_q": [[0.1, 0.4], [-0.2, 0.3], [0.5, -0.1], [0.2, 0.1]],'
+                 ' "W_k": [[-0.3, 0.2], [0.1, 0.5], [0.4, -0.2], [-0.1, 0.3]],'
+                 ' "W_v": [[0.2, -0.1], [0.3, 0.4], [-0.2, 0.1], [0.5, -0.3]],'
+                 ' "K[0]": [-0.45, 0.85], "scores[0]": [0.524, -0.319, -0.039], "weights[0]": [0.450, 0.248, 0.302],'
+                 ' "softmax": [{"scores": [2.0, -1.0, 0.5], "weights": [0.79, 0.04, 0.18]}]}')
+    code, out, _ = run(capsys, "explain", "--check", str(f))
+    assert code == 0, out
+    assert "All 4 claims hold." in out
+
+
+@pytest.mark.parametrize("content, match", [
+    (None, "no such file"),
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "expected a JSON object"),
+    ('{"X": [[1, 2]], "W_q": [[1], [2]], "W_k": [[1], [2]]}', "missing key(s) W_v"),
+    ('{"X": [[1, 2]], "W_q": [[1]], "W_k": [[1], [2]], "W_v": [[1], [2]]}', "w_q has 1 rows but x has d_model=2"),
+    ('{"X": [[1, 2], [3]], "W_q": [[1], [2]], "W_k": [[1], [2]], "W_v": [[1], [2]]}', "equal-length rows"),
+    ('{"X": [[1, 2]], "W_q": [[1], [2]], "W_k": [[1], [2]], "W_v": [[1], [2]], "mask": [[1, 1]]}', "(L, L)"),
+])
+def test_explain_input_errors(capsys, tmp_path, content, match):
+    f = tmp_path / "in.json"
+    if content is not None:
+        f.write_text(content)
+    assert_usage_error(capsys, "explain", "--input", str(f), match=match)
+
+
+@pytest.mark.parametrize("content, match", [
+    ("{bad", "not valid JSON"),
+    ('{"X": [[1.0]], "W_q": [[1.0]], "W_k": [[1.0]], "W_v": [[1.0]], "scores[5]": [1]}', "index 5 out of range"),
+    ('{"X": [[1.0]], "W_q": [[1.0]], "W_k": [[1.0]], "W_v": [[1.0]], "weight": [1]}', "unknown key 'weight'"),
+    ('{"X": [[1.0]], "W_q": [[1.0]], "W_k": [[1.0]], "W_v": [[1.0]], "scores": [[NaN]]}', "NaN is not allowed"),
+    ('{"X": [[1.0]], "W_q": [[1.0]], "W_k": [[1.0]], "W_v": [[1.0]]}', "nothing to check"),
+])
+def test_explain_check_errors(capsys, tmp_path, content, match):
+    f = tmp_path / "claims.json"
+    f.write_text(content)
+    assert_usage_error(capsys, "explain", "--check", str(f), match=match)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["explain", "--softmax", "1,x"], "'x' is not a number"),
+    (["explain", "--softmax", "1,inf"], "not allowed"),
+    (["explain", "--softmax", "1", "--check", "f.json"], "at most one of"),
+    (["explain", "--row", "7"], "row=7"),
+    (["explain", "--row", "-1"], "must be >= 0"),
+    (["explain", "--digits", "two"], "not an integer"),
+    (["explain", "--frobnicate"], "unrecognized arguments"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_bad_arguments(capsys, argv, match):
+    assert_usage_error(capsys, *argv, match=match)
+
+
+# ------------------------------------------------------------------------------------------ masks
+
+
+def _drawn(out: str) -> torch.Tensor:
+    rows = [ln[1:] for ln in out.splitlines()[1:] if ln.startswith(" ")]
+    return torch.tensor([[c == "█" for c in r] for r in rows])
+
+
+EXAMPLES = {  # every built-in, with command-line arguments and the same mask built in Python
+    "causal": ([], masks.causal()),
+    "sliding_window": (["2", "1"], masks.sliding_window(2, 1)),
+    "key_padding": (["3,5"], masks.key_padding([3, 5])),
+    "document": (["0,0,0,1,1,2,2,2,2,2"], masks.document([0, 0, 0, 1, 1, 2, 2, 2, 2, 2])),
+    "prefix_lm": (["3"], masks.prefix_lm(3)),
+    "block_local": (["4"], masks.block_local(4)),
+    "strided": (["3", "causal=false"], masks.strided(3, causal=False)),
+    "fixed": (["4", "1"], masks.fixed(4, 1)),
+    "dilated": (["2", "2", "causal=true"], masks.dilated(2, 2, causal=True)),
+    "global_tokens": (["0,5"], masks.global_tokens([0, 5])),
+    "random_blocks": (["2", "2", "7"], masks.random_blocks(2, 2, 7)),
+}
+
+
+def test_every_builtin_mask_is_covered():
+    from attnkit.cli import _mask_builders
+    assert set(_mask_builders()) == set(EXAMPLES)
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_masks_show_draws_every_builtin(capsys, name):
+    words, mask = EXAMPLES[name]
+    batch = ["--batch", "1"] if name == "key_padding" else []
+    code, out, _ = run(capsys, "masks", "show", name, *words, "--len", "10", *batch)
+    assert code == 0
+    b = 1 if batch else 0
+    expected = mask.to_dense(10, 10, batch=b + 1)[b if mask.to_dense(10, 10, batch=b + 1).shape[0] > 1 else 0, 0]
+    assert torch.equal(_drawn(out), expected)
+    assert f"density {mask.density(10, 10, batch=b + 1, heads=1):.1%}" in out.splitlines()[0]
+
+
+def test_masks_show_expression_and_tiles(capsys):
+    code, out, _ = run(capsys, "masks", "show", "causal() & ~sliding_window(2)", "--len", "8")
+    assert code == 0
+    expected = (masks.causal() & ~masks.sliding_window(2)).to_dense(8, 8)[0, 0]
+    assert torch.equal(_drawn(out), expected)
+    code, out, _ = run(capsys, "masks", "show", "sliding_window", "64", "--len", "4096", "--width", "32")
+    assert code == 0 and "one character per 128x128 tile" in out
+    code, out, _ = run(capsys, "masks", "list")
+    assert code == 0 and all(name in out for name in EXAMPLES)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["masks", "show", "nope"], "unknown mask 'nope'"),
+    (["masks", "show", "sliding_window"], "missing a required argument"),
+    (["masks", "show", "sliding_window", "1", "2", "3", "4"], "too many positional arguments"),
+    (["masks", "show", "sliding_window", "-3x"], "unrecognized arguments"),
+    (["masks", "show", "strided", "0"], "stride=0 must be >= 1"),
+    (["masks", "show", "causal", "align=middle"], "align='middle'"),
+    (["masks", "show", "causal", "--len", "0"], "must be >= 1"),
+    (["masks", "show", "causal() & os.system('x')"], "is not a built-in mask"),
+    (["masks", "show", "causal(__import__('os'))"], "literal"),
+    (["masks", "show", "causal(("], "cannot parse"),
+    (["masks"], "choose an action"),
+])
+def test_masks_errors(capsys, argv, match):
+    assert_usage_error(capsys, *argv, match=match)
+
+
+# ------------------------------------------------------------------------------------------ bench
+
+
+def test_bench_runs_scripts_that_take_quick(capfd, tmp_path):
+    (tmp_path / "fast.py").write_text("import sys\nassert sys.argv[1:] == ['--quick']\nprint('| fast | 1.0x |')\n")
+    (tmp_path / "slowonly.py").write_text("print('only the full size')  # mentions --quick in a comment only\n")
+    (tmp_path / "_common.py").write_text("raise SystemExit(3)\n")  # helpers are not benchmarks
+    code = main(["bench", "--quick", "--dir", str(tmp_path)])
+    out = capfd.readouterr().out
+    assert code == 0
+    assert "== fast.py: fast.py --quick" in out.replace(str(tmp_path) + "/", "")
+    assert "| fast | 1.0x |" in out and "only the full size" not in out
+    assert "slowonly.py: skipped (it has no --quick option)" in out
+    (tmp_path / "broken.py").write_text("QUICK = '--quick'\nraise SystemExit(4)\n")
+    assert main(["bench", "--quick", "--dir", str(tmp_path), "--only", "broken"]) == 1
+    assert "exit code 4" in capfd.readouterr().out
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["bench", "--dir", "/nonexistent/benchmarks"], "no benchmarks/ folder"),
+    (["bench", "--only", "nope", "--dir", "."], "no benchmark named nope"),
+])
+def test_bench_errors(capsys, tmp_path, argv, match):
+    argv = [str(tmp_path) if a == "." else a for a in argv]
+    assert_usage_error(capsys, *argv, match=match)
+
+
+# ------------------------------------------------------------------------------------- everywhere
+
+
+def _subcommands(parser, prefix=()):
+    for action in parser._actions:
+        if action.__class__.__name__ == "_SubParsersAction":
+            for name, sub in action.choices.items():
+                yield prefix + (name,)
+                yield from _subcommands(sub, prefix + (name,))
+
+
+def test_help_on_every_command(capsys):
+    commands = [()] + list(_subcommands(build_parser()))
+    assert ("explain",) in commands and ("masks", "show") in commands and ("bench",) in commands
+    for cmd in commands:
+        code, out, err = run(capsys, *cmd, "--help")
+        assert code == 0 and out.startswith("usage: attnkit"), cmd
+        assert err == ""
+
+
+def test_console_script_entry_point():
+    text = (ROOT / "pyproject.toml").read_text()
+    assert 'attnkit = "attnkit.cli:main"' in text
+    r = subprocess.run([sys.executable, "-m", "attnkit.cli", "explain", "--input", "missing.json"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip() == "error: missing.json: no such file"
