@@ -1,0 +1,531 @@
+"""Ring attention: exact attention over a sequence sharded across the ranks of a process group.
+
+Each of the ``W`` ranks holds ``L / W`` queries, keys and values (see :func:`attnkit.distributed.shard`).
+The key/value blocks travel around the ring (rank ``r`` sends to ``r + 1`` and receives from ``r - 1``)
+with batched point-to-point ops that run while the rank computes on the block it holds; partial results
+over each block are merged in float32 with their log-sum-exps (:func:`attnkit.softmax.merge`).  The
+backward pass sends the key/value blocks around once more, together with their gradient accumulators,
+and recomputes each block's scores from ``(q, k, out, lse)``.
+
+Masks and score modifiers are evaluated at *global* positions, so every mask of :mod:`attnkit.masks` and
+modifier of :mod:`attnkit.bias` means what it means on one process.  The mask's block structure over the
+global ``L x L`` score matrix says which (query tile, key tile) pairs are empty: those are never computed,
+and when the trailing steps of the ring are empty on every rank (a sliding window with
+``layout="contiguous"``) the ring stops early and the gradients go straight home.
+
+Within one step a rank works through its (query rows, key columns) items of at most ``_BLOCK`` rows and
+``4 * _BLOCK`` columns, so the memory a step needs does not grow with ``L``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..bias import ScoreMod
+from ..functional import _check_bias, _check_mask, _check_number, _check_qkv, attention
+from ..masks import EMPTY, FULL, Mask
+from ..softmax import merge
+from ._layout import Layout, check_divisible, check_layout, group_info
+
+Tensor = torch.Tensor
+
+__all__ = ["ring_attention"]
+
+_BLOCK = 512  # query rows per work item (and the key-tile width used to find empty tiles); 4x that in keys
+
+_profile: dict | None = None  # set to a dict to accumulate per-rank timings (benchmarks/ring.py reads it)
+
+
+# ------------------------------------------------------------------ global positions
+
+
+class _Placed(Mask):
+    """``inner`` evaluated at global positions: local row ``i`` is position ``row0 + i``, column ``j`` is
+    ``col0 + j``, in a ``seq_len x seq_len`` score matrix."""
+
+    def __init__(self, inner: Mask, row0: int, col0: int, seq_len: int):
+        self.inner, self.row0, self.col0, self.seq_len = inner, row0, col0, seq_len
+
+    def _mod(self, b, h, q, k, q_len, kv_len):
+        return self.inner._mod(b, h, q + self.row0, k + self.col0, self.seq_len, self.seq_len)
+
+    def _batch_size(self):
+        return self.inner._batch_size()
+
+    def __repr__(self):
+        return f"placed({self.inner!r}, rows from {self.row0}, keys from {self.col0}, L={self.seq_len})"
+
+
+class _PlacedBias(ScoreMod):
+    """A score modifier evaluated at global positions (see :class:`_Placed`)."""
+
+    def __init__(self, inner: ScoreMod, row0: int, col0: int, seq_len: int):
+        self.inner, self.row0, self.col0, self.seq_len = inner, row0, col0, seq_len
+        self.additive, self.scale_factor = inner.additive, inner.scale_factor
+
+    def _mod(self, score, b, h, q, k, q_len, kv_len):
+        return self.inner._mod(score, b, h, q + self.row0, k + self.col0, self.seq_len, self.seq_len)
+
+    def __repr__(self):
+        return f"placed({self.inner!r}, rows from {self.row0}, keys from {self.col0}, L={self.seq_len})"
+
+
+# ------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class _Item:
+    """One piece of work: local query ``rows`` against the ``cols`` of the key block being held."""
+
+    rows: slice
+    cols: slice
+    row0: int  # global position of rows.start
+    col0: int  # global position of cols.start
+    masked: bool  # some tile inside is partial: the mask must be evaluated elementwise
+
+
+@dataclass
+class _Plan:
+    hops: int  # ring steps after the first: step i (0..hops) holds the block of rank (r - i) % W
+    items: list[list[_Item]]  # this rank's work at each step
+    work: int  # score elements this rank computes per forward (B x Hq x rows x cols summed)
+
+
+def _tile_size(chunk: int) -> int:
+    """Width of the tiles used to find empty regions: a divisor of ``chunk`` (so tiles never straddle two
+    ranks' chunks) close to ``_BLOCK``; the whole chunk when it has no usable divisor."""
+    if chunk <= _BLOCK:
+        return chunk
+    best = next(d for d in range(_BLOCK, 0, -1) if chunk % d == 0)
+    return best if 4 * best >= _BLOCK else chunk
+
+
+def _tile_kinds(mask: Mask | None, lay: Layout, g: int, batch: int, heads: int, device) -> tuple[Tensor, Tensor]:
+    """``(kmax, kmin)``, each ``(NT, NT)`` int8 over the global tile grid: the most and least visible kind of
+    every tile over batch and heads (EMPTY only where no (b, h) sees anything; FULL only where all see all)."""
+    nt = lay.seq_len // g
+    if mask is None:
+        full = torch.full((nt, nt), FULL, dtype=torch.int8)
+        return full, full
+    kinds = mask.block_structure(lay.seq_len, lay.seq_len, g, g, batch=batch, heads=heads, device=device).kinds()
+    return kinds.amax(dim=(0, 1)).cpu(), kinds.amin(dim=(0, 1)).cpu()
+
+
+def _hops(kmax: Tensor, lay: Layout, g: int) -> int:
+    """The last ring step at which some rank has a non-empty tile (the same number on every rank)."""
+    W = lay.world
+    owner = lay.owner().repeat_interleave(lay.chunk // g)  # (NT,): the rank holding each tile
+    onehot = torch.nn.functional.one_hot(owner, W).to(torch.float32)  # (NT, W)
+    need = (onehot.T @ (kmax > EMPTY).to(torch.float32) @ onehot) > 0  # (W, W): rank r needs rank s's keys
+    hops = 0
+    for r in range(W):
+        for i in range(W):
+            if need[r, (r - i) % W]:
+                hops = max(hops, i)
+    return hops
+
+
+def _runs(kmax_row: list[int], kmin_row: list[int]) -> list[tuple[int, int, bool]]:
+    """Maximal runs ``[a, b)`` of non-empty tiles with one ``masked`` flag."""
+    out, j, n = [], 0, len(kmax_row)
+    while j < n:
+        if kmax_row[j] == EMPTY:
+            j += 1
+            continue
+        masked = kmin_row[j] != FULL
+        e = j + 1
+        while e < n and kmax_row[e] != EMPTY and (kmin_row[e] != FULL) == masked:
+            e += 1
+        out.append((j, e, masked))
+        j = e
+    return out
+
+
+def _make_plan(mask: Mask | None, lay: Layout, rank: int, batch: int, heads: int, device) -> _Plan:
+    c = lay.chunk
+    g = _tile_size(c)
+    tpc = c // g  # tiles per chunk
+    kmax, kmin = _tile_kinds(mask, lay, g, batch, heads, device)
+    hops = _hops(kmax, lay, g) if lay.world > 1 else 0
+    my_tiles = [s // g + t for s in lay.starts(rank) for t in range(tpc)]
+    kmax_rows, kmin_rows = kmax[my_tiles].tolist(), kmin[my_tiles].tolist()
+    cols_per_item = 4 * _BLOCK
+    items: list[list[_Item]] = []
+    work = 0
+    for i in range(hops + 1):
+        src = (rank - i) % lay.world
+        step: list[_Item] = []
+        for qi, q_start in enumerate(lay.starts(rank)):
+            for t in range(tpc):
+                tile_row = qi * tpc + t
+                local_row0, row0 = qi * c + t * g, q_start + t * g
+                for ki, k_start in enumerate(lay.starts(src)):
+                    first = k_start // g
+                    runs = _runs(kmax_rows[tile_row][first:first + tpc], kmin_rows[tile_row][first:first + tpc])
+                    for a, b, masked in runs:
+                        for c0 in range(a * g, b * g, cols_per_item):
+                            c1 = min(b * g, c0 + cols_per_item)
+                            cols = slice(ki * c + c0, ki * c + c1)
+                            for p0 in range(0, g, _BLOCK):
+                                p1 = min(g, p0 + _BLOCK)
+                                step.append(_Item(slice(local_row0 + p0, local_row0 + p1), cols, row0 + p0,
+                                                  k_start + c0, masked))
+                                work += (p1 - p0) * (c1 - c0)
+        items.append(step)
+    return _Plan(hops, items, work * batch * heads)
+
+
+# ------------------------------------------------------------------- communication
+
+
+@dataclass
+class _Config:
+    group: object
+    rank: int
+    world: int
+    layout: Layout
+    plan: _Plan
+    mask: Mask | None
+    bias: ScoreMod | None
+    scale: float
+    softcap: float | None
+    timings: dict = field(default_factory=lambda: {"compute_s": 0.0, "cpu_s": 0.0, "wait_s": 0.0})
+
+    @property
+    def next(self) -> int:
+        return (self.rank + 1) % self.world
+
+    @property
+    def prev(self) -> int:
+        return (self.rank - 1) % self.world
+
+
+_TAG_KV, _TAG_DKV, _TAG_HOME = 0, 2, 4  # gloo matches messages by tag: keys/values, their grads, the last hop
+
+
+def _exchange(send: list[Tensor], to: int, frm: int, group, tag: int) -> tuple[list[Tensor], list]:
+    """Post sends of ``send`` to group rank ``to`` and receives of same-shaped tensors from ``frm``."""
+    recv = [torch.empty_like(t) for t in send]
+    ops = []
+    for j, (s, r) in enumerate(zip(send, recv)):
+        ops.append(dist.P2POp(dist.isend, s, group=group, group_peer=to, tag=tag + j))
+        ops.append(dist.P2POp(dist.irecv, r, group=group, group_peer=frm, tag=tag + j))
+    return recv, dist.batch_isend_irecv(ops)
+
+
+def _wait(reqs, cfg: _Config) -> None:
+    t0 = time.perf_counter()
+    for req in reqs:
+        req.wait()
+    cfg.timings["wait_s"] += time.perf_counter() - t0
+
+
+class _Clock:
+    """Adds the wall and CPU time of a block of compute to ``cfg.timings``."""
+
+    def __init__(self, cfg: _Config):
+        self.cfg = cfg
+
+    def __enter__(self):
+        self.t0, self.c0 = time.perf_counter(), time.process_time()
+
+    def __exit__(self, *exc):
+        self.cfg.timings["compute_s"] += time.perf_counter() - self.t0
+        self.cfg.timings["cpu_s"] += time.process_time() - self.c0
+
+
+# ------------------------------------------------------------------------ the op
+
+
+def _forward(q: Tensor, k: Tensor, v: Tensor, cfg: _Config) -> tuple[Tensor, Tensor]:
+    """Local ``out (B, Hq, n, Dv)`` in q's dtype and ``lse (B, Hq, n)`` (float32 at least)."""
+    B, Hq, n, _ = q.shape
+    acc = torch.promote_types(q.dtype, torch.float32)
+    out = torch.zeros(B, Hq, n, v.shape[-1], dtype=acc, device=q.device)
+    lse = torch.full((B, Hq, n), float("-inf"), dtype=acc, device=q.device)
+    L = cfg.layout.seq_len
+    kv = [k, v]
+    for i in range(cfg.plan.hops + 1):
+        nxt, reqs = _exchange(kv, cfg.next, cfg.prev, cfg.group, _TAG_KV) if i < cfg.plan.hops else (None, [])
+        with _Clock(cfg):
+            kb, vb = kv
+            for it in cfg.plan.items[i]:
+                mask = _Placed(cfg.mask, it.row0, it.col0, L) if it.masked else None
+                bias = None if cfg.bias is None else _PlacedBias(cfg.bias, it.row0, it.col0, L)
+                o, l = attention(q[:, :, it.rows], kb[:, :, it.cols], vb[:, :, it.cols], mask=mask, bias=bias,
+                                 scale=cfg.scale, softcap=cfg.softcap, return_lse=True)
+                out[:, :, it.rows], lse[:, :, it.rows] = merge(out[:, :, it.rows], lse[:, :, it.rows], o, l)
+        _wait(reqs, cfg)
+        if nxt is not None:
+            kv = nxt
+    return out.to(q.dtype), lse
+
+
+def _block_grads(q: Tensor, kb: Tensor, vb: Tensor, dout: Tensor, lse: Tensor, delta: Tensor, it: _Item,
+                 cfg: _Config) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of one item: ``dq (B, Hq, r, D)``, ``dk (B, Hkv, c, D)``, ``dv (B, Hkv, c, Dv)``.
+
+    ``p = exp(s - lse)`` with the scores ``s`` recomputed at global positions; ``ds = p * (dp - delta)``
+    where ``dp = dout @ v^T`` and ``delta = rowsum(dout * out) - dlse``; a softcap or a non-additive
+    modifier is differentiated through with autograd.
+    """
+    B, Hq, _, D = q.shape
+    Hkv = kb.shape[1]
+    G = Hq // Hkv
+    acc = lse.dtype
+    r, c = it.rows.stop - it.rows.start, it.cols.stop - it.cols.start
+    qg = q[:, :, it.rows].to(acc).reshape(B, Hkv, G, r, D)  # (B, Hkv, G, r, D)
+    kg = kb[:, :, it.cols].to(acc).unsqueeze(2)  # (B, Hkv, 1, c, D): shared by the G query heads
+    vg = vb[:, :, it.cols].to(acc).unsqueeze(2)  # (B, Hkv, 1, c, Dv)
+    dog = dout[:, :, it.rows].to(acc).reshape(B, Hkv, G, r, -1)  # (B, Hkv, G, r, Dv)
+    dev = q.device
+    bi = torch.arange(B, device=dev).view(-1, 1, 1, 1, 1)
+    hi = torch.arange(Hq, device=dev).view(1, Hkv, G, 1, 1)
+    qi = (it.row0 + torch.arange(r, device=dev)).view(1, 1, 1, -1, 1)
+    ki = (it.col0 + torch.arange(c, device=dev)).view(1, 1, 1, 1, -1)
+    L = cfg.layout.seq_len
+
+    raw = torch.matmul(qg, kg.transpose(-1, -2)) * cfg.scale  # (B, Hkv, G, r, c)
+    chain = cfg.softcap is not None or (cfg.bias is not None and not cfg.bias.additive)
+    with torch.enable_grad():
+        if chain:
+            raw = raw.detach().requires_grad_(True)
+        s = raw
+        if cfg.softcap is not None:
+            s = cfg.softcap * torch.tanh(s / cfg.softcap)
+        if cfg.bias is not None:
+            s = cfg.bias._mod(s, bi, hi, qi, ki, L, L).to(acc)
+    if it.masked:
+        allowed = cfg.mask._mod(bi, hi, qi, ki, L, L)
+        s_masked = s.detach().masked_fill(~allowed, float("-inf"))
+    else:
+        s_masked = s.detach()
+    lse_g = lse[:, :, it.rows].reshape(B, Hkv, G, r, 1)
+    lse_g = torch.where(torch.isfinite(lse_g), lse_g, torch.full_like(lse_g, float("inf")))  # empty rows: p = 0
+    p = torch.exp(s_masked - lse_g)  # (B, Hkv, G, r, c)
+    dp = torch.matmul(dog, vg.transpose(-1, -2))  # (B, Hkv, G, r, c)
+    ds = p * (dp - delta[:, :, it.rows].reshape(B, Hkv, G, r, 1))
+    if chain:
+        (ds,) = torch.autograd.grad(s, raw, ds)
+    dq = torch.matmul(ds, kg).reshape(B, Hq, r, D) * cfg.scale  # (B, Hq, r, D)
+    dk = torch.einsum("bhgrc,bhgrd->bhcd", ds, qg) * cfg.scale  # (B, Hkv, c, D): summed over the group
+    dv = torch.einsum("bhgrc,bhgrd->bhcd", p, dog)  # (B, Hkv, c, Dv)
+    return dq, dk, dv
+
+
+def _backward(q, k, v, out, lse, dout, dlse, cfg: _Config) -> tuple[Tensor, Tensor, Tensor]:
+    acc = lse.dtype
+    if dout is None:
+        dout = torch.zeros_like(out)
+    delta = (dout.to(acc) * out.to(acc)).sum(-1)  # (B, Hq, n): rowsum(dout * out)
+    if dlse is not None:
+        delta = delta - dlse.to(acc)  # d lse / d s = p, so ds = p * (dp - delta + dlse)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    kv = [k, v]
+    dkv: list[Tensor] | None = None  # accumulated grads of the block held, summed over the ranks it visited
+    dkv_reqs: list = []
+    hops = cfg.plan.hops
+    for i in range(hops + 1):
+        nxt, kv_reqs = _exchange(kv, cfg.next, cfg.prev, cfg.group, _TAG_KV) if i < hops else (None, [])
+        mine = [torch.zeros(kv[0].shape, dtype=acc, device=q.device),
+                torch.zeros(kv[1].shape, dtype=acc, device=q.device)]
+        with _Clock(cfg):
+            for it in cfg.plan.items[i]:
+                gq, gk, gv = _block_grads(q, kv[0], kv[1], dout, lse, delta, it, cfg)
+                dq[:, :, it.rows] += gq
+                mine[0][:, :, it.cols] += gk
+                mine[1][:, :, it.cols] += gv
+        if i > 0:  # the grads of this block from the ranks that held it before
+            _wait(dkv_reqs, cfg)
+            mine = [a + b for a, b in zip(mine, dkv)]
+        if i < hops:
+            dkv, dkv_reqs = _exchange(mine, cfg.next, cfg.prev, cfg.group, _TAG_DKV)
+        elif hops > 0:  # the block held now belongs to rank r - hops: send its grads home, receive ours
+            dkv, dkv_reqs = _exchange(mine, (cfg.rank - hops) % cfg.world, (cfg.rank + hops) % cfg.world,
+                                      cfg.group, _TAG_HOME)
+        else:
+            dkv, dkv_reqs = mine, []
+        _wait(kv_reqs, cfg)
+        if nxt is not None:
+            kv = nxt
+    _wait(dkv_reqs, cfg)
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+def _record(cfg: _Config, phase: str) -> None:
+    if _profile is not None:
+        for name, value in cfg.timings.items():
+            _profile[f"{phase}_{name}"] = _profile.get(f"{phase}_{name}", 0.0) + value
+        _profile[f"{phase}_elements"] = _profile.get(f"{phase}_elements", 0) + cfg.plan.work
+        cfg.timings = {name: 0.0 for name in cfg.timings}
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cfg):
+        out, lse = _forward(q, k, v, cfg)
+        _record(cfg, "forward")
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cfg = cfg
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(q, k, v, out, lse, dout, dlse, ctx.cfg)
+        _record(ctx.cfg, "backward")
+        return dq, dk, dv, None
+
+
+# ------------------------------------------------------------------- input checks
+
+
+def _describe(x) -> str:
+    if x is None:
+        return "None"
+    if isinstance(x, torch.Tensor):
+        return f"{x.dtype} tensor {tuple(x.shape)}"
+    return repr(x)
+
+
+def _agree(group, rank: int, world: int, q, k, v, **settings) -> None:
+    """Share every rank's view of the call and raise the same error on every rank when they differ.
+
+    One ``all_gather_object`` before any other communication: a rank with bad input cannot leave the
+    others waiting for its key/value blocks.
+    """
+    error = None
+    try:
+        _check_qkv(q, k, v)
+    except (TypeError, ValueError) as e:
+        error = (type(e).__name__, str(e))
+    tensors = all(isinstance(t, torch.Tensor) for t in (q, k, v))
+    mine = {
+        "q shape": tuple(q.shape) if tensors else None,
+        "k shape": tuple(k.shape) if tensors else None,
+        "v shape": tuple(v.shape) if tensors else None,
+        "dtype": str(q.dtype) if tensors else None,
+        "device type": q.device.type if tensors else None,
+        "requires grad": bool(tensors and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))),
+        **{name: _describe(value) for name, value in settings.items()},
+        "error": error,
+    }
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine, group=group)
+    if error is not None:
+        raise (TypeError if error[0] == "TypeError" else ValueError)(f"ring_attention on rank {rank}: {error[1]}")
+    for r, e in enumerate(everyone):
+        if e["error"] is not None:
+            raise ValueError(f"ring_attention: rank {r} rejected its input, so this rank stops too: {e['error'][1]}")
+    for name in mine:
+        values = [e[name] for e in everyone]
+        if any(x != values[0] for x in values):
+            listing = ", ".join(f"rank {r}: {x}" for r, x in enumerate(values))
+            fix = ("every rank must hold an equal part of one sequence, (B, H, L/W, D), cut with "
+                   "attnkit.distributed.shard; to ring-attend an uneven length, pad it to a multiple of 2W "
+                   "(zigzag) or W (contiguous) and mask the padding with attnkit.masks.key_padding"
+                   if name.endswith("shape") else "every rank must make the same call")
+            raise ValueError(f"ring_attention: the {name} differs across the {world} ranks ({listing}): {fix}")
+
+
+def _check_bias_constant(bias: ScoreMod, q: Tensor, heads: int, seq_len: int) -> None:
+    """ring_attention gives no gradient to a modifier's own tensors: refuse ones that require grad."""
+    if not torch.is_grad_enabled():
+        return
+    one = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=q.device)
+    h = torch.arange(heads, device=q.device).view(1, -1, 1, 1)
+    with torch.enable_grad():
+        probe = bias._mod(torch.zeros((), dtype=q.dtype, device=q.device), one, h, one, one, seq_len, seq_len)
+    if isinstance(probe, torch.Tensor) and probe.requires_grad:
+        raise ValueError(f"ring_attention: bias={bias!r} holds tensors that require grad (learnable slopes, "
+                         f"tables or temperatures); ring_attention does not train them: pass them detached "
+                         f"(e.g. alibi(slopes.detach())) or use attnkit.attention on one process")
+
+
+# ---------------------------------------------------------------------- public API
+
+
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, scale: float | None = None,
+                   softcap: float | None = None, group=None, layout: str = "zigzag", return_lse: bool = False):
+    """Attention over a sequence sharded across a process group (context parallelism).
+
+    Call it on every rank of ``group`` with that rank's shards; the result equals this rank's rows of
+    ``attnkit.attention`` on the full sequence (self-attention: queries and keys are the same positions).
+
+    Args:
+        q: ``(B, Hq, L/W, D)`` this rank's queries, cut by :func:`attnkit.distributed.shard` with ``layout``.
+        k: ``(B, Hkv, L/W, D)`` this rank's keys; ``Hq`` a multiple of ``Hkv`` (grouped-query attention,
+            no copies of k or v).
+        v: ``(B, Hkv, L/W, Dv)`` this rank's values.
+        mask: ``None``, an :class:`attnkit.masks.Mask` for the full ``L x L`` matrix (e.g. ``causal()``,
+            ``sliding_window(w)``, ``document(ids)`` with the ``L`` global ids), or a bool tensor
+            broadcastable to ``(B, Hq, L, L)``.  Evaluated at global positions; empty tiles are skipped.
+        bias: ``None`` or an :mod:`attnkit.bias` modifier (ALiBi, T5 buckets, temperature, ``from_fn``),
+            evaluated at global positions.  Its own tensors get no gradient (ones that require grad are
+            refused); a dense ``(L, L)`` float bias is refused too (it would not fit a long sequence).
+        scale: multiplies ``q @ k^T``; default ``1 / sqrt(D)``.
+        softcap: ``s`` maps a score ``x`` to ``s * tanh(x / s)``, before the bias.
+        group: the process group (default: the world); ``W`` is its size.
+        layout: how the sequence was cut: ``"zigzag"`` (default; balanced causal work) or ``"contiguous"``
+            (a sliding window then only talks to the neighbouring rank).
+        return_lse: also return the log-sum-exp ``(B, Hq, L/W)`` of each row (differentiable).
+
+    Returns:
+        ``out (B, Hq, L/W, Dv)`` in q's dtype, and with ``return_lse`` also ``lse (B, Hq, L/W)`` (float32,
+        float64 for float64 inputs).  A row that may attend to nothing gives 0 and ``-inf``.
+
+    Every rank must call it with the same shapes, dtype, mask, bias and settings; that is checked first
+    (one small all-gather), so a mismatch, e.g. uneven shards, raises the same ``ValueError`` on every
+    rank instead of hanging.  The backward pass is collective too: every rank must backpropagate.
+
+    Example::
+
+        >>> import torch, torch.distributed as dist, attnkit
+        >>> from attnkit.distributed import ring_attention, shard
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # torchrun: W ranks
+        >>> q, k, v = torch.randn(3, 1, 4, 32, 16).unbind(0)
+        >>> out = ring_attention(shard(q), shard(k), shard(v), mask=attnkit.masks.causal())
+        >>> torch.allclose(out, shard(attnkit.attention(q, k, v, mask=attnkit.masks.causal())), atol=1e-6)
+        True
+        >>> dist.destroy_process_group()
+    """
+    layout = check_layout(layout)
+    rank, world = group_info(group)
+    _agree(group, rank, world, q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, layout=layout,
+           return_lse=bool(return_lse))
+    B, Hq, n, D = q.shape
+    if k.shape[2] != n:
+        raise ValueError(f"ring_attention is self-attention over one sharded sequence: q and k must hold the "
+                         f"same positions, got local lengths Lq={n} and Lk={k.shape[2]}")
+    if layout == "zigzag" and n % 2:
+        raise ValueError(f"ring_attention: layout='zigzag' shards hold two equal chunks, but the local length is "
+                         f"{n} (odd): cut the sequence with attnkit.distributed.shard(x, layout='zigzag'), or "
+                         f"pass layout='contiguous' if that is how it was cut")
+    L = n * world
+    check_divisible(L, world, layout, "ring_attention")
+    shape = (B, Hq, L, L)
+    if isinstance(bias, torch.Tensor):
+        raise TypeError(f"ring_attention: bias must be None or an attnkit.bias modifier, got a "
+                        f"{tuple(bias.shape)} tensor: a dense (L, L) bias defeats sharding the sequence; express "
+                        f"it as a function of positions with attnkit.bias.from_fn(fn)")
+    mask = _check_mask(mask, q, shape)
+    bias = _check_bias(bias, q, shape)
+    if bias is not None:
+        _check_bias_constant(bias, q, Hq, L)
+    scale = 1.0 / math.sqrt(D) if scale is None else _check_number("scale", scale)
+    if softcap is not None:
+        softcap = _check_number("softcap", softcap, low=0.0, low_open=True, fix=" (or None for no softcap)")
+    if n == 0:
+        out = attention(q, k, v, return_lse=True)
+        return out if return_lse else out[0]
+    lay = Layout(layout, world, L)
+    plan = _make_plan(mask, lay, rank, B, Hq, q.device)
+    cfg = _Config(group, rank, world, lay, plan, mask, bias, scale, softcap)
+    out, lse = _RingAttention.apply(q, k.contiguous(), v.contiguous(), cfg)
+    return (out, lse) if return_lse else out
