@@ -1,0 +1,174 @@
+"""What every cache shares: the model-level container, input checks, the shapes read off a model."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+Tensor = torch.Tensor
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_int(name: str, value, *, minimum: int = 0) -> int:
+    """``value`` as an int ``>= minimum``, or a ValueError/TypeError that says what to pass."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be >= {minimum}")
+    return value
+
+
+def check_dtype(name: str, dtype) -> torch.dtype:
+    if dtype not in _FLOATS:
+        raise TypeError(f"{name}={dtype!r} must be a floating dtype: one of {list(_FLOATS)}")
+    return dtype
+
+
+def check_new_kv(k, v, *, batch: int | None, heads: int | None, d_head: int | None, d_value: int | None,
+                 dtype: torch.dtype | None, device: torch.device | None) -> None:
+    """Check the new keys/values ``k (B, Hkv, L, D)``, ``v (B, Hkv, L, Dv)`` against a cache's layout."""
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"cache update: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"cache update: {name} must be (B, Hkv, L_new, D), got shape {tuple(t.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"cache update: k {tuple(k.shape)} and v {tuple(v.shape)} must agree on (B, Hkv, L_new)")
+    B, H, _, D = k.shape
+    Dv = v.shape[3]
+    for what, got, want in (("batch size B", B, batch), ("kv heads Hkv", H, heads), ("key dim D", D, d_head),
+                            ("value dim Dv", Dv, d_value)):
+        if want is not None and got != want:
+            raise ValueError(f"cache update: got {what}={got} but the cache was made for {want}: "
+                             f"create the cache with matching sizes (e.g. Cache.for_model(model, ...))")
+    if dtype is not None and (k.dtype != dtype or v.dtype != dtype):
+        raise TypeError(f"cache update: k/v have dtype {k.dtype}/{v.dtype} but the cache stores {dtype}: "
+                        f"create the cache with dtype={k.dtype}")
+    if device is not None and (k.device != device or v.device != device):
+        raise ValueError(f"cache update: k/v are on {k.device} but the cache lives on {device}")
+
+
+def model_dims(model) -> dict:
+    """``n_layers``, ``n_kv_heads``, ``d_head``, ``d_value``, ``dtype``, ``device``, ``max_seq_len`` of a
+    decoder model with a ``config`` (an :class:`attnkit.nn.DecoderConfig` or anything with those fields)."""
+    cfg = getattr(model, "config", model)
+    try:
+        n_layers, n_heads, d_model = cfg.n_layers, cfg.n_heads, cfg.d_model
+    except AttributeError as e:
+        raise TypeError(f"cannot read the cache layout off {type(model).__name__}: it needs a .config with "
+                        f"n_layers, n_heads, d_model (and optionally n_kv_heads, d_head); pass the sizes "
+                        f"to the cache constructor instead") from e
+    n_kv = getattr(cfg, "n_kv_heads", None) or n_heads
+    d_head = getattr(cfg, "d_head", None) or d_model // n_heads
+    params = [p for p in model.parameters()] if hasattr(model, "parameters") else []
+    dtype = params[0].dtype if params and params[0].is_floating_point() else torch.float32
+    device = params[0].device if params else torch.device("cpu")
+    return {"n_layers": n_layers, "n_kv_heads": n_kv, "d_head": d_head, "d_value": d_head, "dtype": dtype,
+            "device": device, "max_seq_len": getattr(cfg, "max_seq_len", None)}
+
+
+def padding_mask(pad: Tensor | None, start: int, end: int, memo: dict) -> Tensor | None:
+    """``(B, 1, 1, end - start)`` bool, True for keys at padded-row indices ``>= pad[b]`` (None: no padding)."""
+    if pad is None:
+        return None
+    key = (start, end)
+    m = memo.get(key)
+    if m is None:
+        idx = torch.arange(start, end, device=pad.device)
+        m = (idx.view(1, -1) >= pad.view(-1, 1))[:, None, None, :]  # (B, 1, 1, Lk)
+        memo.clear()
+        memo[key] = m
+    return m
+
+
+class ModelCache:
+    """A model-level cache: one per-layer cache per decoder layer and the number of tokens stored.
+
+    ``cache.layers[i]`` is handed to decoder layer ``i``; ``cache.seq_len`` is the number of positions
+    stored before the current forward (a model uses ``seq_len + arange(L)`` as default positions).
+    A ragged batch is left-padded: :meth:`set_left_padding` marks the first ``pad[b]`` positions of row
+    ``b`` as padding, which every layer then hides from attention through its ``extra_mask``.
+    """
+
+    layers: Sequence
+    left_padding: Tensor | None = None
+
+    def __init__(self) -> None:
+        self.left_padding = None
+        self._mask_memo: dict = {}
+
+    @property
+    def seq_len(self) -> int:
+        """Positions stored so far (the last layer is updated last, so this is the value before a forward)."""
+        return self.layers[-1].length
+
+    def set_left_padding(self, pad) -> None:
+        """Mark the first ``pad[b]`` positions of each row as padding (``pad``: ``(B,)`` ints, or None)."""
+        if pad is None:
+            self.left_padding = None
+        else:
+            pad = torch.as_tensor(pad, dtype=torch.long)
+            if pad.dim() != 1 or bool((pad < 0).any()):
+                raise ValueError(f"left padding must be a (B,) tensor of counts >= 0, got {pad.tolist()}")
+            self.left_padding = pad if bool(pad.any()) else None
+        self._mask_memo = {}
+
+    def _key_mask(self, start: int, end: int) -> Tensor | None:
+        pad = self.left_padding
+        if pad is not None and pad.device != self._device():
+            pad = self.left_padding = pad.to(self._device())
+        return padding_mask(pad, start, end, self._mask_memo)
+
+    def _device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def nbytes(self) -> int:
+        """Bytes held by every layer's storage."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def reset(self) -> None:
+        """Forget every stored token (the storage is kept)."""
+        for layer in self.layers:
+            layer.reset()
+        self.set_left_padding(None)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+
+def attend(kv, q: Tensor, *, mask=None, bias=None, scale: float | None = None, softcap: float | None = None,
+           backend: str = "auto") -> Tensor:
+    """Attention of ``q (B, Hq, L_new, D)`` over what a layer cache's ``update`` returned.
+
+    ``kv`` is ``(k_all, v_all)``, ``(k_all, v_all, extra_mask)`` (AND-ed with ``mask``) or an object with
+    ``attend(q, *, mask, bias, scale, softcap)``.  ``mask``/``bias`` are the layer's own, in the bottom-right
+    alignment of the contract.  Returns ``(B, Hq, L_new, Dv)``.
+
+    Example::
+
+        >>> import torch, attnkit
+        >>> from attnkit.cache import StaticCache, attend
+        >>> layer = StaticCache(1, max_len=8).layers[0]
+        >>> kv = layer.update(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4))
+        >>> attend(kv, torch.randn(1, 2, 3, 4), mask=attnkit.masks.causal()).shape
+        torch.Size([1, 2, 3, 4])
+    """
+    from ..functional import attention
+    from ..masks import Mask, from_dense
+
+    if hasattr(kv, "attend"):
+        return kv.attend(q, mask=mask, bias=bias, scale=scale, softcap=softcap)
+    if not isinstance(kv, tuple) or len(kv) not in (2, 3):
+        raise TypeError(f"a cache update must return (k, v), (k, v, extra_mask) or an object with attend(), "
+                        f"got {type(kv).__name__}")
+    k, v = kv[0], kv[1]
+    extra = kv[2] if len(kv) == 3 else None
+    if extra is not None:
+        if mask is None:
+            mask = extra
+        else:
+            m = mask if isinstance(mask, Mask) else from_dense(mask)
+            mask = m & (extra if isinstance(extra, Mask) else from_dense(extra))
+    return attention(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, backend=backend)

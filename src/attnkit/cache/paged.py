@@ -1,0 +1,613 @@
+"""``PagedCache``: keys and values in a pool of fixed-size blocks, one block table per sequence.
+
+Layout (shared with the Triton decode kernel), per layer::
+
+    k_pool (num_blocks, Hkv, block_size, D)      v_pool (num_blocks, Hkv, block_size, Dv)
+    block_table (B, max_blocks) int32            seq_lens (B,) int32
+
+Position ``p`` of sequence ``b`` lives in block ``block_table[b, p // block_size]`` at offset
+``p % block_size``.  Blocks are taken from the pool when a sequence grows into them and given back when it
+ends; :meth:`PagedCache.fork` shares every block of a sequence with a new one (reference counts) and copies
+the partially filled last block only when one of them writes to it (copy-on-write).  With prefix caching a
+new sequence whose prompt starts with a run of full blocks already computed (identified by a hash of their
+tokens chained with the hash of everything before them) reuses those blocks instead of recomputing them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+import torch
+
+from ..bias import ScoreMod
+from ..masks import Mask, _Causal
+from ..softmax import stable_softmax
+from ._common import check_dtype, check_int, check_new_kv, model_dims
+
+Tensor = torch.Tensor
+
+__all__ = ["PagedCache", "PagedBatch", "PoolExhausted", "paged_attention"]
+
+
+class PoolExhausted(RuntimeError):
+    """The block pool has fewer free blocks than a step needs."""
+
+
+# ----------------------------------------------------------------------------- the decode
+
+
+def _accumulation(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _check_paged_args(q, k_pool, v_pool, block_table, seq_lens) -> None:
+    for name, t, nd in (("q", q, 4), ("k_pool", k_pool, 4), ("v_pool", v_pool, 4), ("block_table", block_table, 2),
+                        ("seq_lens", seq_lens, 1)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"paged_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != nd:
+            raise ValueError(f"paged_attention: {name} must have {nd} dims, got shape {tuple(t.shape)}")
+    B, Hq, _, D = q.shape
+    NB, Hkv, bs, Dk = k_pool.shape
+    if v_pool.shape[:3] != k_pool.shape[:3]:
+        raise ValueError(f"paged_attention: v_pool {tuple(v_pool.shape)} must match k_pool {tuple(k_pool.shape)} "
+                         f"in (num_blocks, Hkv, block_size)")
+    if Dk != D:
+        raise ValueError(f"paged_attention: q has head dim {D} but k_pool has {Dk}")
+    if Hq % Hkv:
+        raise ValueError(f"paged_attention: got Hq={Hq} and Hkv={Hkv}: Hq must be a multiple of Hkv")
+    if block_table.shape[0] != B or seq_lens.shape[0] != B:
+        raise ValueError(f"paged_attention: block_table {tuple(block_table.shape)} and seq_lens "
+                         f"{tuple(seq_lens.shape)} must have one row per sequence (B={B})")
+    if block_table.dtype.is_floating_point or seq_lens.dtype.is_floating_point:
+        raise TypeError("paged_attention: block_table and seq_lens must be integer tensors (int32)")
+    if not (q.dtype == k_pool.dtype == v_pool.dtype):
+        raise TypeError(f"paged_attention: q, k_pool, v_pool must share one dtype, got {q.dtype}, "
+                        f"{k_pool.dtype}, {v_pool.dtype}")
+    if B and int(seq_lens.max()) > block_table.shape[1] * bs:
+        raise ValueError(f"paged_attention: seq_lens up to {int(seq_lens.max())} do not fit in "
+                         f"{block_table.shape[1]} blocks of {bs}")
+
+
+def _triton_paged_decode():
+    try:
+        from ..backends.triton import paged_decode  # the GPU kernel, when the Triton backend is installed
+    except ImportError:
+        return None
+    return paged_decode
+
+
+def _grouped(t: Tensor, B: int, Hkv: int, G: int, Lq: int, Lk: int) -> Tensor:
+    """A tensor broadcastable to (B, Hq, Lq, >=Lk) as (Hkv, B, G, Lq, Lk)."""
+    while t.dim() < 4:
+        t = t.unsqueeze(0)
+    t = t[..., :Lk].expand(B, Hkv * G, Lq, Lk)
+    return t.reshape(B, Hkv, G, Lq, Lk).transpose(0, 1)
+
+
+def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor, seq_lens: Tensor, *,
+                    scale: float | None = None, softcap: float | None = None, bias=None, mask=None) -> Tensor:
+    """Attention of each sequence's newest queries over its keys, read through its block table.
+
+    Args:
+        q: ``(B, Hq, Lq, D)``; query row ``i`` of sequence ``b`` sits at position ``seq_lens[b] - Lq + i``
+            (``Lq = 1`` when decoding).
+        k_pool: ``(num_blocks, Hkv, block_size, D)``; ``Hq`` a multiple of ``Hkv`` (grouped-query heads
+            share their key/value head: nothing is repeated).
+        v_pool: ``(num_blocks, Hkv, block_size, Dv)``.
+        block_table: ``(B, max_blocks)`` int32; position ``p`` of sequence ``b`` is in block
+            ``block_table[b, p // block_size]``.  Entries past a sequence's blocks are ignored.
+        seq_lens: ``(B,)`` int32 keys stored per sequence (the new ones included).
+        scale, softcap: as in :func:`attnkit.attention`.
+        bias: None, an :mod:`attnkit.bias` modifier (ALiBi, T5 buckets, ...) evaluated per sequence with
+            its own length, or a float tensor broadcastable to ``(B, Hq, Lq, Lk)`` indexed by key position.
+        mask: None, an :class:`attnkit.masks.Mask` evaluated per sequence (bottom-right: the last query of
+            sequence ``b`` at position ``seq_lens[b] - 1``), or a bool tensor like ``bias``.
+
+    Returns:
+        ``(B, Hq, Lq, Dv)`` in ``q``'s dtype.  A sequence with ``seq_lens[b] = 0`` gets zeros.
+
+    On CUDA tensors, with no mask beyond causal, the Triton kernel ``attnkit.backends.triton.paged_decode``
+    runs when it is installed; elsewhere the blocks are gathered (one read through the block table, no
+    copies of grouped heads) and attention is computed in the accumulation dtype (float32 for half inputs).
+
+    Example::
+
+        >>> import torch
+        >>> from attnkit.cache import paged_attention
+        >>> k_pool = v_pool = torch.randn(8, 2, 4, 16)             # 8 blocks of 4 positions, 2 kv heads
+        >>> table = torch.tensor([[3, 5, 0], [1, 0, 0]], dtype=torch.int32)
+        >>> lens = torch.tensor([7, 2], dtype=torch.int32)
+        >>> paged_attention(torch.randn(2, 4, 1, 16), k_pool, v_pool, table, lens).shape
+        torch.Size([2, 4, 1, 16])
+    """
+    _check_paged_args(q, k_pool, v_pool, block_table, seq_lens)
+    B, Hq, Lq, D = q.shape
+    NB, Hkv, bs, _ = k_pool.shape
+    Dv = v_pool.shape[3]
+    G = Hq // Hkv
+    scale = D ** -0.5 if scale is None else float(scale)
+    if isinstance(mask, _Causal) and mask.align == "bottom_right" and Lq == 1:
+        mask = None  # the newest query sees every stored key
+    if q.is_cuda and Lq == 1 and mask is None and not isinstance(bias, ScoreMod):
+        kernel = _triton_paged_decode()
+        if kernel is not None:
+            return kernel(q, k_pool, v_pool, block_table, seq_lens, scale=scale, softcap=softcap, bias=bias)
+    if B == 0:
+        return q.new_zeros(B, Hq, Lq, Dv)
+    lens = seq_lens.to(device=q.device, dtype=torch.long)
+    n_used = max(1, -(-int(lens.max()) // bs))
+    table = block_table[:, :n_used].to(device=q.device, dtype=torch.long).clamp(min=0, max=NB - 1)
+    Lk = n_used * bs
+    acc = _accumulation(q.dtype)
+    k = k_pool.transpose(0, 1)[:, table].reshape(Hkv, B, Lk, D)  # (Hkv, B, Lk, D): one gather, no GQA copies
+    v = v_pool.transpose(0, 1)[:, table].reshape(Hkv, B, Lk, Dv)  # (Hkv, B, Lk, Dv)
+    qg = q.reshape(B, Hkv, G * Lq, D).transpose(0, 1)  # (Hkv, B, G*Lq, D)
+    s = torch.matmul(qg.to(acc), k.to(acc).transpose(-1, -2)) * scale  # (Hkv, B, G*Lq, Lk)
+    s = s.view(Hkv, B, G, Lq, Lk)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    dev = q.device
+    bi = torch.arange(B, device=dev).view(1, B, 1, 1, 1)
+    hi = (torch.arange(Hkv, device=dev).view(Hkv, 1) * G + torch.arange(G, device=dev)).view(Hkv, 1, G, 1, 1)
+    qi = torch.arange(Lq, device=dev).view(1, 1, 1, Lq, 1)
+    ki = torch.arange(Lk, device=dev).view(1, 1, 1, 1, Lk)
+    kv_len = lens.view(1, B, 1, 1, 1)  # each sequence aligned bottom-right against its own length
+    if isinstance(bias, ScoreMod):
+        s = bias._mod(s, bi, hi, qi, ki, Lq, kv_len)
+    elif isinstance(bias, Tensor):
+        s = s + _grouped(bias, B, Hkv, G, Lq, Lk).to(s.dtype)
+    elif bias is not None:
+        raise TypeError(f"paged_attention: bias must be None, an attnkit.bias modifier or a float tensor, "
+                        f"got {type(bias).__name__}")
+    allowed = ki < kv_len  # (1, B, 1, 1, Lk)
+    if isinstance(mask, Mask):
+        allowed = allowed & mask._mod(bi, hi, qi, ki, Lq, kv_len)
+    elif isinstance(mask, Tensor):
+        if mask.dtype != torch.bool:
+            raise TypeError(f"paged_attention: a tensor mask must be bool (True = may attend), got {mask.dtype}")
+        allowed = allowed & _grouped(mask, B, Hkv, G, Lq, Lk)
+    elif mask is not None:
+        raise TypeError(f"paged_attention: mask must be None, an attnkit.masks.Mask or a bool tensor, "
+                        f"got {type(mask).__name__}")
+    s = s.masked_fill(~allowed, float("-inf"))
+    p = stable_softmax(s, dim=-1).view(Hkv, B, G * Lq, Lk)
+    out = torch.matmul(p, v.to(acc))  # (Hkv, B, G*Lq, Dv)
+    return out.transpose(0, 1).reshape(B, Hq, Lq, Dv).to(q.dtype)
+
+
+# ----------------------------------------------------------------------------- the block pool
+
+
+@dataclass
+class _Sequence:
+    blocks: list[int] = field(default_factory=list)
+    length: int = 0  # positions whose keys/values are stored
+    tokens: list[int] = field(default_factory=list)  # known token ids (for prefix hashing)
+    hashes: list[int] = field(default_factory=list)  # chained hash of each full block registered so far
+
+
+class _Allocator:
+    """Free list, reference counts, and the prefix table of full blocks (hash -> block)."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.free: deque[int] = deque(range(num_blocks))
+        self.refs = [0] * num_blocks
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 but cached: reusable until evicted (LRU)
+        self.table: dict[int, int] = {}  # chained hash -> block
+        self.key: dict[int, tuple] = {}  # block -> (hash, parent hash, tokens): verified on lookup
+
+    def num_free(self) -> int:
+        return len(self.free) + len(self.evictable)
+
+    def allocate(self) -> int:
+        if self.free:
+            b = self.free.popleft()
+        elif self.evictable:
+            b, _ = self.evictable.popitem(last=False)  # least recently used cached block
+            h = self.key.pop(b)[0]
+            if self.table.get(h) == b:
+                del self.table[h]
+        else:
+            raise PoolExhausted("no free block")
+        self.refs[b] = 1
+        return b
+
+    def incref(self, b: int) -> None:
+        if self.refs[b] == 0:
+            self.evictable.pop(b, None)
+        self.refs[b] += 1
+
+    def decref(self, b: int) -> None:
+        self.refs[b] -= 1
+        if self.refs[b] == 0:
+            if b in self.key:
+                self.evictable[b] = None
+            else:
+                self.free.append(b)
+
+    def lookup(self, h: int, parent: int, tokens: tuple) -> int | None:
+        b = self.table.get(h)
+        if b is None or self.key.get(b) != (h, parent, tokens):
+            return None
+        self.incref(b)
+        return b
+
+    def register(self, b: int, h: int, parent: int, tokens: tuple) -> None:
+        if h in self.table or b in self.key:
+            return  # the same content is cached in another block already
+        self.table[h] = b
+        self.key[b] = (h, parent, tokens)
+
+
+def _chain(parent: int, tokens: tuple) -> int:
+    return hash((parent, tokens))
+
+
+_ROOT = hash("attnkit.paged.root")
+
+
+class PagedCache:
+    """A KV cache in a shared pool of fixed-size blocks, for many sequences of different lengths.
+
+    Args:
+        n_layers: decoder layers (each has its own ``k_pools[i]``/``v_pools[i]``; a block id is the same
+            slot in every layer).
+        num_blocks: blocks in the pool; ``block_size``: positions per block.
+        n_kv_heads, d_head, d_value, dtype, device: the layout of one layer.
+        prefix_caching: reuse full blocks of an identical prompt prefix (see :meth:`add_sequence`).
+
+    Use: :meth:`add_sequence` (optionally with the prompt's token ids) returns a sequence id;
+    :meth:`batch` gives the model-level cache for a forward over some sequences (``cache.layers``,
+    ``cache.seq_len``, ``cache.positions(n)``); :meth:`free` returns a finished sequence's blocks at once.
+    Blocks are reserved on demand (:meth:`reserve`, called by the first layer of a forward if not done
+    before); when the pool cannot supply them a :class:`PoolExhausted` error names what was needed.
+
+    Decoding one token per sequence returns an object whose ``attend`` runs :func:`paged_attention`
+    through the block table; a multi-token step (a prompt) gathers the sequence's keys in position order.
+
+    Example::
+
+        >>> import torch
+        >>> from attnkit.cache import PagedCache
+        >>> cache = PagedCache(1, num_blocks=8, block_size=4, n_kv_heads=2, d_head=8)
+        >>> a = cache.add_sequence()
+        >>> k_all, v_all = cache.batch([a]).layers[0].update(torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8))
+        >>> k_all.shape, cache.length(a), cache.num_free_blocks
+        (torch.Size([1, 2, 6, 8]), 6, 6)
+        >>> b = cache.fork(a)                    # shares both blocks; the partial one is copied on write
+        >>> cache.free(a); cache.free(b); cache.num_free_blocks
+        8
+    """
+
+    def __init__(self, n_layers: int, num_blocks: int, block_size: int = 16, *, n_kv_heads: int, d_head: int,
+                 d_value: int | None = None, dtype: torch.dtype = torch.float32, device=None,
+                 prefix_caching: bool = True):
+        self.n_layers = check_int("n_layers", n_layers, minimum=1)
+        self.num_blocks = check_int("num_blocks", num_blocks, minimum=1)
+        self.block_size = check_int("block_size", block_size, minimum=1)
+        self.n_kv_heads = check_int("n_kv_heads", n_kv_heads, minimum=1)
+        self.d_head = check_int("d_head", d_head, minimum=1)
+        self.d_value = check_int("d_value", d_value if d_value is not None else d_head, minimum=1)
+        self.dtype = check_dtype("dtype", dtype)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.prefix_caching = bool(prefix_caching)
+        shape_k = (num_blocks, n_kv_heads, block_size, d_head)
+        shape_v = (num_blocks, n_kv_heads, block_size, self.d_value)
+        self.k_pools = [torch.zeros(shape_k, dtype=dtype, device=self.device) for _ in range(n_layers)]
+        self.v_pools = [torch.zeros(shape_v, dtype=dtype, device=self.device) for _ in range(n_layers)]
+        self._alloc = _Allocator(num_blocks)
+        self._seqs: dict[int, _Sequence] = {}
+        self._next_id = 0
+        self.prefix_hits = 0  # blocks reused from the prefix cache so far
+
+    @classmethod
+    def for_model(cls, model, num_blocks: int, block_size: int = 16, *, dtype: torch.dtype | None = None,
+                  device=None, prefix_caching: bool = True) -> "PagedCache":
+        """A pool laid out for ``model`` (read from ``model.config`` and its parameters)."""
+        d = model_dims(model)
+        return cls(d["n_layers"], num_blocks, block_size, n_kv_heads=d["n_kv_heads"], d_head=d["d_head"],
+                   d_value=d["d_value"], dtype=dtype or d["dtype"], device=device or d["device"],
+                   prefix_caching=prefix_caching)
+
+    # ------------------------------------------------------------------ sequences
+
+    def _seq(self, sid: int) -> _Sequence:
+        s = self._seqs.get(sid)
+        if s is None:
+            raise KeyError(f"PagedCache: no sequence {sid!r} (live ones: {sorted(self._seqs)})")
+        return s
+
+    def add_sequence(self, tokens=None) -> int:
+        """Start a sequence and return its id.  With the prompt's token ids (and prefix caching on), the
+        longest run of its full blocks already in the cache is reused: :meth:`length` then tells how many
+        positions are stored (at most ``len(tokens) - 1``, so the last prompt token is always computed)."""
+        sid = self._next_id
+        self._next_id += 1
+        seq = _Sequence()
+        if tokens is not None:
+            seq.tokens = [int(t) for t in tokens]
+        self._seqs[sid] = seq
+        if self.prefix_caching and seq.tokens:
+            bs, parent = self.block_size, _ROOT
+            for i in range((len(seq.tokens) - 1) // bs):
+                chunk = tuple(seq.tokens[i * bs:(i + 1) * bs])
+                h = _chain(parent, chunk)
+                b = self._alloc.lookup(h, parent, chunk)
+                if b is None:
+                    break
+                seq.blocks.append(b)
+                seq.hashes.append(h)
+                parent = h
+            seq.length = len(seq.blocks) * bs
+            self.prefix_hits += len(seq.blocks)
+        return sid
+
+    def append_tokens(self, sid: int, tokens) -> None:
+        """Record token ids of sequence ``sid`` (prompt continuation or sampled tokens) for prefix hashing."""
+        seq = self._seq(sid)
+        seq.tokens.extend(int(t) for t in tokens)
+        self._register(seq)
+
+    def fork(self, sid: int) -> int:
+        """A new sequence sharing every block of ``sid`` (reference counts; the partial last block is
+        copied when either one writes to it).  Returns the new id."""
+        src = self._seq(sid)
+        for b in src.blocks:
+            self._alloc.incref(b)
+        new = self._next_id
+        self._next_id += 1
+        self._seqs[new] = _Sequence(list(src.blocks), src.length, list(src.tokens), list(src.hashes))
+        return new
+
+    def free(self, sid: int) -> None:
+        """End sequence ``sid``: its blocks go back to the pool (full ones stay findable by their hash
+        until the pool needs them)."""
+        seq = self._seqs.pop(sid, None)
+        if seq is None:
+            raise KeyError(f"PagedCache: no sequence {sid!r} to free (live ones: {sorted(self._seqs)})")
+        for b in reversed(seq.blocks):  # the deepest blocks are evicted first
+            self._alloc.decref(b)
+
+    def length(self, sid: int) -> int:
+        """Positions stored for sequence ``sid``."""
+        return self._seq(sid).length
+
+    def sequences(self) -> list[int]:
+        return sorted(self._seqs)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (never used, or cached and unreferenced)."""
+        return self._alloc.num_free()
+
+    def blocks_needed(self, sid: int, n_new: int) -> int:
+        """Blocks that storing ``n_new`` more positions of ``sid`` takes from the pool (copy-on-write included)."""
+        seq = self._seq(sid)
+        bs = self.block_size
+        need = -(-(seq.length + n_new) // bs) - len(seq.blocks)
+        if n_new > 0 and seq.length % bs and self._alloc.refs[seq.blocks[seq.length // bs]] > 1:
+            need += 1
+        return max(0, need)
+
+    def reserve(self, sid: int, n_new: int) -> None:
+        """Make room for ``n_new`` more positions of ``sid`` (new blocks, copy-on-write of a shared partial
+        block); all or nothing: raises :class:`PoolExhausted` and changes nothing when the pool is short."""
+        seq = self._seq(sid)
+        need = self.blocks_needed(sid, n_new)
+        if need > self._alloc.num_free():
+            raise PoolExhausted(
+                f"PagedCache pool exhausted: sequence {sid} needs {need} more block(s) of {self.block_size} "
+                f"positions for {n_new} new token(s), but only {self._alloc.num_free()} of {self.num_blocks} "
+                f"are free; free finished sequences, create the cache with more blocks, or let the Engine "
+                f"preempt")
+        bs = self.block_size
+        if n_new > 0 and seq.length % bs:
+            i = seq.length // bs
+            old = seq.blocks[i]
+            if self._alloc.refs[old] > 1:  # copy-on-write of the shared, partially filled block
+                new = self._alloc.allocate()
+                for kp, vp in zip(self.k_pools, self.v_pools):
+                    kp[new].copy_(kp[old])
+                    vp[new].copy_(vp[old])
+                self._alloc.decref(old)
+                seq.blocks[i] = new
+        while len(seq.blocks) * bs < seq.length + n_new:
+            seq.blocks.append(self._alloc.allocate())
+
+    def _register(self, seq: _Sequence) -> None:
+        if not self.prefix_caching:
+            return
+        bs = self.block_size
+        full = min(seq.length, len(seq.tokens)) // bs
+        for i in range(len(seq.hashes), full):
+            parent = seq.hashes[-1] if seq.hashes else _ROOT
+            chunk = tuple(seq.tokens[i * bs:(i + 1) * bs])
+            h = _chain(parent, chunk)
+            self._alloc.register(seq.blocks[i], h, parent, chunk)
+            seq.hashes.append(h)
+
+    # ------------------------------------------------------------------ forwards
+
+    def batch(self, seq_ids) -> "PagedBatch":
+        """The model-level cache for one forward over sequences ``seq_ids`` (in this order)."""
+        ids = [int(s) for s in seq_ids]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"PagedCache.batch: sequence ids repeat in {ids}; fork a sequence to decode it twice")
+        for s in ids:
+            self._seq(s)
+        return PagedBatch(self, ids)
+
+    def block_table(self, seq_ids) -> Tensor:
+        """``(B, max_blocks)`` int32 block ids of ``seq_ids`` (rows padded with 0)."""
+        seqs = [self._seq(s) for s in seq_ids]
+        width = max([len(s.blocks) for s in seqs], default=0)
+        rows = [s.blocks + [0] * (width - len(s.blocks)) for s in seqs]
+        return torch.tensor(rows, dtype=torch.int32, device=self.device).view(len(seqs), width)
+
+    def seq_lens(self, seq_ids) -> Tensor:
+        """``(B,)`` int32 positions stored per sequence."""
+        return torch.tensor([self._seq(s).length for s in seq_ids], dtype=torch.int32, device=self.device)
+
+    # ------------------------------------------------------------------ accounting
+
+    def nbytes(self) -> int:
+        """Bytes of the pools (every layer)."""
+        return sum(t.nbytes for t in self.k_pools) + sum(t.nbytes for t in self.v_pools)
+
+    def stats(self) -> dict:
+        """Blocks in use, positions stored, and the share of the pool allocated but not filled (``waste``)."""
+        fill: dict[int, int] = {}
+        bs = self.block_size
+        for seq in self._seqs.values():
+            for i, b in enumerate(seq.blocks):
+                fill[b] = max(fill.get(b, 0), min(bs, max(0, seq.length - i * bs)))
+        used = len(fill)
+        stored = sum(fill.values())
+        return {"blocks_used": used, "blocks_free": self.num_free_blocks, "positions_stored": stored,
+                "slots_allocated": used * bs, "waste": (used * bs - stored) / (self.num_blocks * bs),
+                "prefix_hits": self.prefix_hits}
+
+    def __repr__(self) -> str:
+        st = self.stats()
+        return (f"PagedCache({self.n_layers} layers, {self.num_blocks} blocks x {self.block_size}, "
+                f"{len(self._seqs)} sequences, {st['blocks_used']} blocks used, {self.nbytes() / 2**20:.2f} MiB)")
+
+
+class _Plan:
+    """Where one forward writes and what it reads: computed once, shared by every layer."""
+
+    def __init__(self, cache: PagedCache, ids: list[int], n_new: int):
+        seqs = [cache._seqs[s] for s in ids]
+        for s in ids:
+            cache.reserve(s, n_new)
+        bs, dev = cache.block_size, cache.device
+        self.n_new = n_new
+        self.starts = [s.length for s in seqs]
+        ends = [st + n_new for st in self.starts]
+        blk, off = [], []
+        for s, st in zip(seqs, self.starts):
+            for p in range(st, st + n_new):
+                blk.append(s.blocks[p // bs])
+                off.append(p % bs)
+        self.write_blocks = torch.tensor(blk, dtype=torch.long, device=dev)  # (B * n_new,)
+        self.write_offsets = torch.tensor(off, dtype=torch.long, device=dev)
+        self.block_table = cache.block_table(ids)  # (B, max_blocks) int32
+        self.seq_lens = torch.tensor(ends, dtype=torch.int32, device=dev)  # (B,) after the write
+        self.gather = None
+        if n_new > 1:
+            L = max(ends)
+            gb, go, pad = [], [], []
+            for s, e in zip(seqs, ends):
+                shift = L - e  # right-align: every sequence ends at column L - 1, as bottom-right wants
+                pad.append(shift)
+                rows = [max(0, j - shift) for j in range(L)]
+                gb.append([s.blocks[p // bs] for p in rows])
+                go.append([p % bs for p in rows])
+            mask = None
+            if any(pad):
+                cols = torch.arange(L, device=dev).view(1, -1)
+                mask = (cols >= torch.tensor(pad, device=dev).view(-1, 1))[:, None, None, :]  # (B, 1, 1, L)
+            self.gather = (torch.tensor(gb, dtype=torch.long, device=dev),
+                           torch.tensor(go, dtype=torch.long, device=dev), mask)
+
+
+class _PagedDecode:
+    """What a decode step's layer returns: attention through the block table (see ``paged_attention``)."""
+
+    def __init__(self, k_pool: Tensor, v_pool: Tensor, block_table: Tensor, seq_lens: Tensor):
+        self.k_pool, self.v_pool, self.block_table, self.seq_lens = k_pool, v_pool, block_table, seq_lens
+
+    def attend(self, q: Tensor, *, mask=None, bias=None, scale=None, softcap=None) -> Tensor:
+        return paged_attention(q, self.k_pool, self.v_pool, self.block_table, self.seq_lens, scale=scale,
+                               softcap=softcap, bias=bias, mask=mask)
+
+
+class PagedLayerCache:
+    """Layer ``index`` of a :class:`PagedBatch`: writes new keys/values into the pool through the plan."""
+
+    def __init__(self, owner: "PagedBatch", index: int):
+        self._owner, self.index = owner, index
+
+    @property
+    def length(self) -> int:
+        return self._owner.seq_len
+
+    def update(self, k: Tensor, v: Tensor):
+        """Store ``k (B, Hkv, L_new, D)``, ``v`` for the batch's sequences; one new token each returns a
+        paged decode object (``attend``), more return the gathered keys/values in position order."""
+        o = self._owner
+        c = o.cache
+        check_new_kv(k, v, batch=len(o.ids), heads=c.n_kv_heads, d_head=c.d_head, d_value=c.d_value,
+                     dtype=c.dtype, device=c.device)
+        plan = o._plan_for(k.shape[2])
+        kp, vp = c.k_pools[self.index], c.v_pools[self.index]
+        B, H, n, _ = k.shape
+        kp[plan.write_blocks, :, plan.write_offsets] = k.transpose(1, 2).reshape(B * n, H, -1)  # (B*n, Hkv, D)
+        vp[plan.write_blocks, :, plan.write_offsets] = v.transpose(1, 2).reshape(B * n, H, -1)
+        if n == 1:
+            out = _PagedDecode(kp, vp, plan.block_table, plan.seq_lens)
+        else:
+            gb, go, mask = plan.gather
+            k_all = kp[gb, :, go].permute(0, 2, 1, 3)  # (B, Hkv, L, D), right-aligned
+            v_all = vp[gb, :, go].permute(0, 2, 1, 3)
+            out = (k_all, v_all) if mask is None else (k_all, v_all, mask)
+        if self.index == c.n_layers - 1:
+            o._commit()
+        return out
+
+    def nbytes(self) -> int:
+        c = self._owner.cache
+        return c.k_pools[self.index].nbytes + c.v_pools[self.index].nbytes
+
+    def reset(self) -> None:
+        raise TypeError("a PagedBatch layer cannot be reset: free the sequences in the PagedCache instead")
+
+
+class PagedBatch:
+    """The model-level view of a :class:`PagedCache` for a forward over some of its sequences.
+
+    ``layers[i]`` writes layer ``i``; the last layer's update commits the new lengths (and registers
+    newly filled blocks for prefix caching).  ``seq_len`` is the longest stored length: a batch whose
+    sequences differ in length must pass ``positions=batch.positions(L)`` to the model.
+    """
+
+    def __init__(self, cache: PagedCache, ids: list[int]):
+        self.cache, self.ids = cache, ids
+        self.layers = tuple(PagedLayerCache(self, i) for i in range(cache.n_layers))
+        self._plan: _Plan | None = None
+
+    @property
+    def seq_len(self) -> int:
+        return max((self.cache._seqs[s].length for s in self.ids), default=0)
+
+    def positions(self, n_new: int) -> Tensor:
+        """``(B, n_new)`` absolute positions of the next ``n_new`` tokens of each sequence."""
+        lens = torch.tensor([self.cache._seqs[s].length for s in self.ids], dtype=torch.long, device=self.cache.device)
+        return lens.view(-1, 1) + torch.arange(n_new, device=self.cache.device).view(1, -1)
+
+    def _plan_for(self, n_new: int) -> _Plan:
+        if self._plan is None:
+            self._plan = _Plan(self.cache, self.ids, n_new)
+        elif self._plan.n_new != n_new:
+            raise ValueError(f"PagedBatch: layers of one forward got {self._plan.n_new} and {n_new} new tokens")
+        return self._plan
+
+    def _commit(self) -> None:
+        plan = self._plan
+        for s in self.ids:
+            seq = self.cache._seqs[s]
+            seq.length += plan.n_new
+            self.cache._register(seq)
+        self._plan = None
+
+    def nbytes(self) -> int:
+        return self.cache.nbytes()
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __repr__(self) -> str:
+        return f"PagedBatch(sequences {self.ids}, lengths {[self.cache._seqs[s].length for s in self.ids]})"

@@ -1,0 +1,269 @@
+"""``QuantizedCache``: keys and values stored in int8 or int4 with per-group scales (KIVI's layout).
+
+Keys have a few channels with large magnitudes, so they are quantized **per channel** over groups of
+``group_size`` tokens; values are quantized **per token** over groups of ``group_size`` channels.  Each
+group stores a scale and a zero point (asymmetric: ``x ~ q * scale + zero``, ``q`` in ``0 .. 2^bits - 1``).
+The newest tokens stay in full precision in a small residual buffer (between 1 and ``residual`` of them) and
+are quantized a whole group at a time when it overflows.
+
+Bytes per stored value against float32 (4 bytes), with float16 scales and zero points (4 bytes a group):
+``1 + 4 / group_size`` for int8 (3.6x smaller at ``group_size=32``, 3.8x at 64) and ``0.5 + 4 / group_size``
+for int4 (6.4x / 7.1x), plus the residual buffer, a constant that matters only for short sequences.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import ModelCache, check_dtype, check_int, check_new_kv, model_dims
+
+Tensor = torch.Tensor
+
+__all__ = ["QuantizedCache", "QuantizedLayerCache", "quantize_groups", "dequantize_groups"]
+
+_FP16_MAX = 65504.0
+
+
+def quantize_groups(x: Tensor, dim: int, bits: int, scale_dtype: torch.dtype = torch.float16):
+    """Asymmetric quantization of ``x`` with one scale and zero point per slice along ``dim``.
+
+    Returns ``(q, scale, zero)``: ``q`` uint8 in ``0 .. 2^bits - 1`` (not packed) with ``x``'s shape, and
+    ``scale``/``zero`` in ``scale_dtype`` with ``dim`` kept as size 1.  The stored (rounded) scale and zero
+    are the ones used to quantize, so :func:`dequantize_groups` is off by at most half a step (plus the
+    clamping of the extremes when rounding the scale shrank it by a float16 ulp).
+
+    Example::
+
+        >>> import torch
+        >>> from attnkit.cache import quantize_groups, dequantize_groups
+        >>> x = torch.randn(4, 32)
+        >>> q, s, z = quantize_groups(x, dim=1, bits=8)
+        >>> bool(((dequantize_groups(q, s, z) - x).abs() <= s.float() * 0.51 + 1e-3).all())
+        True
+    """
+    levels = (1 << bits) - 1
+    xf = x.float()
+    lo = xf.amin(dim, keepdim=True)
+    hi = xf.amax(dim, keepdim=True)
+    if scale_dtype == torch.float16 and bool((torch.maximum(hi.abs(), lo.abs()) > _FP16_MAX).any()):
+        raise ValueError(f"QuantizedCache: a key/value exceeds the float16 range (|x| > {_FP16_MAX}); create the "
+                         f"cache with scale_dtype=torch.float32")
+    zero = lo.to(scale_dtype)
+    scale = ((hi - zero.float()) / levels).to(scale_dtype)
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)  # constant group: q = 0, x = zero
+    q = ((xf - zero.float()) / scale.float()).round_().clamp_(0, levels).to(torch.uint8)
+    return q, scale, zero
+
+
+def dequantize_groups(q: Tensor, scale: Tensor, zero: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """``q * scale + zero`` in ``dtype`` (``scale``/``zero`` broadcast against ``q``)."""
+    return (q.to(dtype) * scale.to(dtype) + zero.to(dtype))
+
+
+def _pack4(q: Tensor) -> Tensor:
+    return q[..., 0::2] | (q[..., 1::2] << 4)  # (..., D/2): two 4-bit values a byte
+
+
+def _unpack4(p: Tensor) -> Tensor:
+    return torch.stack([p & 15, p >> 4], dim=-1).flatten(-2)  # (..., D)
+
+
+class QuantizedLayerCache:
+    """One layer's quantized store plus a full-precision residual of the newest tokens.
+
+    Storage, with ``C = max_len`` rounded up to a whole group, ``g = group_size``, ``gv`` the value group::
+
+        keys    q (B, Hkv, C, D or D/2) uint8    scale, zero (B, Hkv, C/g, D)        per channel
+        values  q (B, Hkv, C, Dv or Dv/2) uint8  scale, zero (B, Hkv, C, Dv/gv)      per token
+        residual k (B, Hkv, R, D), v (B, Hkv, R, Dv) in the model's dtype
+    """
+
+    def __init__(self, owner: "QuantizedCache", index: int):
+        self._owner, self.index = owner, index
+        self.length = 0
+        self.n_quant = 0  # tokens in the quantized store (a multiple of group_size)
+        self.n_res = 0  # tokens in the residual
+        self.kq = None
+
+    def _allocate(self, k: Tensor, v: Tensor) -> None:
+        o = self._owner
+        B, H, _, D = k.shape
+        Dv = v.shape[3]
+        g = o.group_size
+        gv = min(g, Dv)
+        if Dv % gv:
+            raise ValueError(f"QuantizedCache: value dim Dv={Dv} is not a multiple of group_size={g}: pick a "
+                             f"group_size that divides {Dv}")
+        if o.bits == 4 and (D % 2 or Dv % 2):
+            raise ValueError(f"QuantizedCache(bits=4) packs two values a byte: D={D} and Dv={Dv} must be even")
+        self.gv = gv
+        C = -(-o.max_len // g) * g
+        pk = D // 2 if o.bits == 4 else D
+        pv = Dv // 2 if o.bits == 4 else Dv
+        u8, sd, dev = torch.uint8, o.scale_dtype, k.device
+        self.kq = torch.zeros(B, H, C, pk, dtype=u8, device=dev)
+        self.k_scale = torch.zeros(B, H, C // g, D, dtype=sd, device=dev)
+        self.k_zero = torch.zeros(B, H, C // g, D, dtype=sd, device=dev)
+        self.vq = torch.zeros(B, H, C, pv, dtype=u8, device=dev)
+        self.v_scale = torch.zeros(B, H, C, Dv // gv, dtype=sd, device=dev)
+        self.v_zero = torch.zeros(B, H, C, Dv // gv, dtype=sd, device=dev)
+        self.rk = torch.zeros(B, H, o.residual, D, dtype=k.dtype, device=dev)
+        self.rv = torch.zeros(B, H, o.residual, Dv, dtype=v.dtype, device=dev)
+
+    def _flush(self, k: Tensor, v: Tensor) -> None:
+        """Quantize ``k``/``v`` (B, Hkv, f, D), f a multiple of group_size, onto the end of the store."""
+        o = self._owner
+        B, H, f, D = k.shape
+        Dv = v.shape[3]
+        g, gv = o.group_size, self.gv
+        a, b = self.n_quant, self.n_quant + f
+        if b > self.kq.shape[2]:
+            raise ValueError(f"QuantizedCache overflow in layer {self.index}: it holds max_len={o.max_len} "
+                             f"positions; create it with a larger max_len")
+        q, s, z = quantize_groups(k.reshape(B, H, f // g, g, D), 3, o.bits, o.scale_dtype)  # per channel
+        q = q.view(B, H, f, D)
+        self.kq[:, :, a:b] = _pack4(q) if o.bits == 4 else q
+        self.k_scale[:, :, a // g:b // g] = s.squeeze(3)
+        self.k_zero[:, :, a // g:b // g] = z.squeeze(3)
+        q, s, z = quantize_groups(v.reshape(B, H, f, Dv // gv, gv), 4, o.bits, o.scale_dtype)  # per token
+        q = q.view(B, H, f, Dv)
+        self.vq[:, :, a:b] = _pack4(q) if o.bits == 4 else q
+        self.v_scale[:, :, a:b] = s.squeeze(4)
+        self.v_zero[:, :, a:b] = z.squeeze(4)
+        self.n_quant = b
+
+    def _dequantized(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        o = self._owner
+        n, g, gv = self.n_quant, o.group_size, self.gv
+        kq, vq = self.kq[:, :, :n], self.vq[:, :, :n]
+        if o.bits == 4:
+            kq, vq = _unpack4(kq), _unpack4(vq)
+        B, H, _, D = kq.shape
+        Dv = vq.shape[3]
+        k = dequantize_groups(kq.view(B, H, n // g, g, D), self.k_scale[:, :, :n // g, None],
+                              self.k_zero[:, :, :n // g, None], dtype).view(B, H, n, D)
+        v = dequantize_groups(vq.view(B, H, n, Dv // gv, gv), self.v_scale[:, :, :n, :, None],
+                              self.v_zero[:, :, :n, :, None], dtype).view(B, H, n, Dv)
+        return k, v
+
+    def update(self, k: Tensor, v: Tensor):
+        """Store ``k (B, Hkv, L_new, D)``, ``v``; return every position, dequantized, in position order
+        (the residual's full-precision tokens last), plus the padding mask of a left-padded batch."""
+        if self.kq is None:
+            self._allocate(k, v)
+        check_new_kv(k, v, batch=self.kq.shape[0], heads=self.kq.shape[1], d_head=self.rk.shape[3],
+                     d_value=self.rv.shape[3], dtype=self.rk.dtype, device=self.rk.device)
+        o = self._owner
+        R, g, n = o.residual, o.group_size, k.shape[2]
+        total = self.n_res + n
+        if self.length + n > o.max_len:
+            raise ValueError(f"QuantizedCache overflow in layer {self.index}: it holds max_len={o.max_len} "
+                             f"positions, {self.length} are stored and {n} more were given; create the cache "
+                             f"with a larger max_len (at least {self.length + n})")
+        if total <= R:
+            self.rk[:, :, self.n_res:total] = k
+            self.rv[:, :, self.n_res:total] = v
+            self.n_res = total
+        else:
+            ks = torch.cat([self.rk[:, :, :self.n_res], k], dim=2)  # (B, Hkv, total, D)
+            vs = torch.cat([self.rv[:, :, :self.n_res], v], dim=2)
+            f = -(-(total - R) // g) * g  # whole groups, leaving 1..R tokens in the residual
+            self._flush(ks[:, :, :f], vs[:, :, :f])
+            self.n_res = total - f
+            self.rk[:, :, :self.n_res] = ks[:, :, f:]
+            self.rv[:, :, :self.n_res] = vs[:, :, f:]
+        self.length += n
+        kd, vd = self._dequantized(self.rk.dtype)
+        k_all = torch.cat([kd, self.rk[:, :, :self.n_res]], dim=2)  # (B, Hkv, length, D)
+        v_all = torch.cat([vd, self.rv[:, :, :self.n_res]], dim=2)
+        mask = o._key_mask(0, self.length)
+        return (k_all, v_all) if mask is None else (k_all, v_all, mask)
+
+    def nbytes(self) -> int:
+        if self.kq is None:
+            return 0
+        return sum(t.nbytes for t in (self.kq, self.k_scale, self.k_zero, self.vq, self.v_scale, self.v_zero,
+                                      self.rk, self.rv))
+
+    def reset(self) -> None:
+        self.length = self.n_quant = self.n_res = 0
+
+    def __repr__(self) -> str:
+        return (f"QuantizedLayerCache(layer {self.index}, {self.n_quant} quantized + {self.n_res} full-precision "
+                f"positions, int{self._owner.bits})")
+
+
+class QuantizedCache(ModelCache):
+    """A KV cache in int8 or int4 with per-group scales; the newest tokens stay in full precision.
+
+    Args:
+        n_layers: decoder layers.
+        max_len: positions each layer can hold.
+        bits: 8 or 4 (two values a byte).
+        group_size: tokens per key group (keys are scaled per channel) and channels per value group
+            (values are scaled per token; capped at ``Dv``).
+        residual: most full-precision newest tokens kept (a multiple of ``group_size``; default one group).
+        batch_size, n_kv_heads, d_head, d_value, dtype, device: the layout (allocated now when given).
+        scale_dtype: dtype of scales and zero points (float16 halves their cost; float32 for huge values).
+
+    ``update`` returns the dequantized keys/values in the model's dtype, ``(B, Hkv, length, D)``; attention
+    then runs as usual.  :meth:`nbytes` is the storage actually held (compare ``StaticCache.nbytes``).
+
+    Example::
+
+        >>> import torch
+        >>> from attnkit.cache import QuantizedCache
+        >>> cache = QuantizedCache(1, max_len=256, bits=8, batch_size=1, n_kv_heads=2, d_head=64)
+        >>> k = torch.randn(1, 2, 100, 64)
+        >>> k_all, v_all = cache.layers[0].update(k, k)
+        >>> k_all.shape, bool((k_all - k).abs().max() < 0.05)
+        (torch.Size([1, 2, 100, 64]), True)
+    """
+
+    def __init__(self, n_layers: int, max_len: int, *, bits: int = 8, group_size: int = 32,
+                 residual: int | None = None, batch_size: int | None = None, n_kv_heads: int | None = None,
+                 d_head: int | None = None, d_value: int | None = None, dtype: torch.dtype | None = None,
+                 device=None, scale_dtype: torch.dtype = torch.float16):
+        super().__init__()
+        check_int("n_layers", n_layers, minimum=1)
+        self.max_len = check_int("max_len", max_len, minimum=1)
+        if bits not in (4, 8):
+            raise ValueError(f"QuantizedCache: bits={bits!r} must be 8 (int8) or 4 (int4)")
+        self.bits = bits
+        self.group_size = check_int("group_size", group_size, minimum=1)
+        residual = group_size if residual is None else check_int("residual", residual, minimum=1)
+        if residual % group_size:
+            raise ValueError(f"QuantizedCache: residual={residual} must be a multiple of group_size={group_size} "
+                             f"(tokens leave the residual a whole group at a time)")
+        self.residual = residual
+        self.scale_dtype = check_dtype("scale_dtype", scale_dtype)
+        self.dtype = check_dtype("dtype", dtype) if dtype is not None else None
+        self.device = torch.device(device) if device is not None else None
+        self.layers = tuple(QuantizedLayerCache(self, i) for i in range(n_layers))
+        if None not in (batch_size, n_kv_heads, d_head):
+            dt = self.dtype or torch.float32
+            dv = d_value if d_value is not None else d_head
+            pk = torch.empty(batch_size, n_kv_heads, 0, d_head, dtype=dt, device=self.device)
+            pv = torch.empty(batch_size, n_kv_heads, 0, dv, dtype=dt, device=self.device)
+            for layer in self.layers:
+                layer._allocate(pk, pv)
+
+    @classmethod
+    def for_model(cls, model, batch_size: int, max_len: int | None = None, *, bits: int = 8, group_size: int = 32,
+                  residual: int | None = None, dtype: torch.dtype | None = None, device=None) -> "QuantizedCache":
+        """A cache laid out for ``model``; ``max_len`` defaults to its ``max_seq_len``."""
+        d = model_dims(model)
+        max_len = max_len if max_len is not None else d["max_seq_len"]
+        if max_len is None:
+            raise ValueError("max_len is required: the model's config has no max_seq_len")
+        return cls(d["n_layers"], max_len, bits=bits, group_size=group_size, residual=residual,
+                   batch_size=batch_size, n_kv_heads=d["n_kv_heads"], d_head=d["d_head"], d_value=d["d_value"],
+                   dtype=dtype or d["dtype"], device=device or d["device"])
+
+    def _device(self) -> torch.device:
+        layer = self.layers[0]
+        return layer.rk.device if layer.kq is not None else (self.device or torch.device("cpu"))
+
+    def __repr__(self) -> str:
+        return (f"QuantizedCache({len(self.layers)} layers, int{self.bits}, group {self.group_size}, "
+                f"{self.seq_len}/{self.max_len} positions, {self.nbytes() / 2**20:.2f} MiB)")

@@ -1,0 +1,178 @@
+"""``SlidingWindowCache``: a ring buffer that keeps only the last ``window`` positions of each layer."""
+
+from __future__ import annotations
+
+import torch
+
+from ..masks import Mask, _And, _Named, _SlidingWindow
+from ._common import ModelCache, check_dtype, check_int, check_new_kv, model_dims
+
+Tensor = torch.Tensor
+
+__all__ = ["SlidingWindowCache", "SlidingWindowLayerCache", "window_of"]
+
+
+def window_of(mask) -> int | None:
+    """The number of positions a query may see (itself included) under ``mask``, when it is a causal
+    sliding window (``masks.sliding_window(left)``, alone or AND-ed with other masks), else None.
+
+    Example::
+
+        >>> from attnkit import masks
+        >>> from attnkit.cache import window_of
+        >>> window_of(masks.causal() & masks.sliding_window(255))
+        256
+    """
+    if isinstance(mask, _SlidingWindow):
+        return None if mask.left is None else mask.left + 1
+    if isinstance(mask, _Named):
+        return window_of(mask.inner)
+    if type(mask) is _And:
+        wins = [w for w in (window_of(mask.a), window_of(mask.b)) if w is not None]
+        return min(wins) if wins else None
+    return None
+
+
+class SlidingWindowLayerCache:
+    """One layer's last ``window`` keys and values in a ring of ``2 * window`` slots.
+
+    Position ``p`` is written to slots ``p % window`` and ``p % window + window``, so the last ``n <= window``
+    positions always sit, in position order, in the contiguous slots ``[(end - n) % window, ... + n)``:
+    a decode step returns a view, never a copy.
+    """
+
+    def __init__(self, owner: "SlidingWindowCache", index: int):
+        self._owner, self.index = owner, index
+        self.length = 0  # positions seen, including those that left the window
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+
+    def _allocate(self, k: Tensor, v: Tensor) -> None:
+        o = self._owner
+        B = o.batch_size if o.batch_size is not None else k.shape[0]
+        H = o.n_kv_heads if o.n_kv_heads is not None else k.shape[1]
+        D = o.d_head if o.d_head is not None else k.shape[3]
+        Dv = o.d_value if o.d_value is not None else v.shape[3]
+        dtype, device = o.dtype or k.dtype, o.device or k.device
+        self.k = torch.zeros(B, H, 2 * o.window, D, dtype=dtype, device=device)  # (B, Hkv, 2W, D)
+        self.v = torch.zeros(B, H, 2 * o.window, Dv, dtype=dtype, device=device)  # (B, Hkv, 2W, Dv)
+
+    def update(self, k: Tensor, v: Tensor):
+        """Store ``k (B, Hkv, L_new, D)``, ``v``; return the window's keys/values in position order, the new
+        ones last, with a mask when some query may not see every returned key (window or padding)."""
+        if self.k is None:
+            self._allocate(k, v)
+        K, V, W = self.k, self.v, self._owner.window
+        check_new_kv(k, v, batch=K.shape[0], heads=K.shape[1], d_head=K.shape[3], d_value=V.shape[3],
+                     dtype=K.dtype, device=K.device)
+        start, n = self.length, k.shape[2]
+        end = start + n
+        if n == 1:
+            s = start % W
+            K[:, :, s:s + 1] = k
+            K[:, :, s + W:s + W + 1] = k
+            V[:, :, s:s + 1] = v
+            V[:, :, s + W:s + W + 1] = v
+            self.length = end
+            cnt = min(end, W)
+            lo = (end - cnt) % W
+            k_all, v_all = K[:, :, lo:lo + cnt], V[:, :, lo:lo + cnt]  # (B, Hkv, cnt, D): positions end-cnt..end-1
+            mask = self._owner._key_mask(end - cnt, end)
+            return (k_all, v_all) if mask is None else (k_all, v_all, mask)
+        old = min(start, W)
+        lo = (start - old) % W
+        k_all = torch.cat([K[:, :, lo:lo + old], k], dim=2)  # (B, Hkv, old + n, D): positions start-old..end-1
+        v_all = torch.cat([V[:, :, lo:lo + old], v], dim=2)
+        m = min(n, W)
+        pos = torch.arange(end - m, end, device=K.device)
+        slots = torch.cat([pos % W, pos % W + W])  # (2m,)
+        K.index_copy_(2, slots, k[:, :, n - m:].repeat(1, 1, 2, 1))
+        V.index_copy_(2, slots, v[:, :, n - m:].repeat(1, 1, 2, 1))
+        self.length = end
+        mask = self._owner._key_mask(start - old, end)
+        if old + n > W:  # some of the returned keys are older than a later query's window
+            qpos = torch.arange(start, end, device=K.device).view(-1, 1)
+            kpos = torch.arange(start - old, end, device=K.device).view(1, -1)
+            win = (kpos > qpos - W)[None, None]  # (1, 1, n, Lk)
+            mask = win if mask is None else mask & win
+        return (k_all, v_all) if mask is None else (k_all, v_all, mask)
+
+    def nbytes(self) -> int:
+        return 0 if self.k is None else self.k.nbytes + self.v.nbytes
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def __repr__(self) -> str:
+        return f"SlidingWindowLayerCache(layer {self.index}, {self.length} seen, window {self._owner.window})"
+
+
+class SlidingWindowCache(ModelCache):
+    """A KV cache that keeps only the last ``window`` positions of each layer (Mistral-style decoding).
+
+    Args:
+        n_layers: decoder layers.
+        window: positions a query may see, itself included: ``left + 1`` for a model whose mask is
+            ``masks.sliding_window(left)``.  Memory does not grow with the sequence.
+        batch_size, n_kv_heads, d_head, d_value, dtype, device: the layout (allocated now when given,
+            else on the first update).
+
+    ``update`` returns the window's keys and values in position order with the new ones last, so the
+    model's bottom-right aligned masks and distance biases (ALiBi, T5) see the true distances, and RoPE keys
+    keep the rotation of their absolute position.  ``seq_len`` counts every position seen.  With a model
+    that has no window in its mask the cache truncates the context to ``window`` (a different model).
+
+    Example::
+
+        >>> import torch
+        >>> from attnkit.cache import SlidingWindowCache
+        >>> cache = SlidingWindowCache(1, window=4)
+        >>> for t in range(6):
+        ...     k_all, v_all = cache.layers[0].update(torch.full((1, 1, 1, 2), float(t)), torch.zeros(1, 1, 1, 2))
+        >>> k_all[0, 0, :, 0].tolist(), cache.seq_len
+        ([2.0, 3.0, 4.0, 5.0], 6)
+    """
+
+    def __init__(self, n_layers: int, window: int, *, batch_size: int | None = None, n_kv_heads: int | None = None,
+                 d_head: int | None = None, d_value: int | None = None, dtype: torch.dtype | None = None,
+                 device=None):
+        super().__init__()
+        check_int("n_layers", n_layers, minimum=1)
+        self.window = check_int("window", window, minimum=1)
+        for name, val in (("batch_size", batch_size), ("n_kv_heads", n_kv_heads), ("d_head", d_head),
+                          ("d_value", d_value)):
+            if val is not None:
+                check_int(name, val, minimum=1)
+        self.batch_size, self.n_kv_heads, self.d_head = batch_size, n_kv_heads, d_head
+        self.d_value = d_value if d_value is not None else d_head
+        self.dtype = check_dtype("dtype", dtype) if dtype is not None else None
+        self.device = torch.device(device) if device is not None else None
+        self.layers = tuple(SlidingWindowLayerCache(self, i) for i in range(n_layers))
+        if None not in (batch_size, n_kv_heads, d_head):
+            dt = self.dtype or torch.float32
+            pk = torch.empty(batch_size, n_kv_heads, 0, d_head, dtype=dt, device=self.device)
+            pv = torch.empty(batch_size, n_kv_heads, 0, self.d_value, dtype=dt, device=self.device)
+            for layer in self.layers:
+                layer._allocate(pk, pv)
+
+    @classmethod
+    def for_model(cls, model, batch_size: int, window: int | None = None, *, dtype: torch.dtype | None = None,
+                  device=None) -> "SlidingWindowCache":
+        """A cache for ``model``; ``window`` defaults to the sliding window of ``model.config.mask``."""
+        d = model_dims(model)
+        if window is None:
+            mask = getattr(getattr(model, "config", None), "mask", None)
+            window = window_of(mask) if isinstance(mask, Mask) else None
+            if window is None:
+                raise ValueError(f"window is required: the model's mask {mask!r} is not a causal sliding window "
+                                 f"(masks.sliding_window(left)); pass window=... (the positions to keep)")
+        return cls(d["n_layers"], window, batch_size=batch_size, n_kv_heads=d["n_kv_heads"], d_head=d["d_head"],
+                   d_value=d["d_value"], dtype=dtype or d["dtype"], device=device or d["device"])
+
+    def _device(self) -> torch.device:
+        k = self.layers[0].k
+        return k.device if k is not None else (self.device or torch.device("cpu"))
+
+    def __repr__(self) -> str:
+        return (f"SlidingWindowCache({len(self.layers)} layers, window {self.window}, {self.seq_len} seen, "
+                f"{self.nbytes() / 2**20:.2f} MiB)")

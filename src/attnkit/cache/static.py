@@ -1,0 +1,137 @@
+"""``StaticCache``: keys and values preallocated for ``max_len`` positions, written in place."""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import ModelCache, check_dtype, check_int, check_new_kv, model_dims
+
+Tensor = torch.Tensor
+
+__all__ = ["StaticCache", "StaticLayerCache"]
+
+
+class StaticLayerCache:
+    """One layer's keys ``(B, Hkv, max_len, D)`` and values ``(B, Hkv, max_len, Dv)``, allocated once.
+
+    :meth:`update` writes the new positions in place and returns views of every position stored so far,
+    in position order; nothing is reallocated or concatenated while decoding.
+    """
+
+    def __init__(self, owner: "StaticCache", index: int):
+        self._owner, self.index = owner, index
+        self.length = 0
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+
+    def _allocate(self, k: Tensor, v: Tensor) -> None:
+        o = self._owner
+        B = o.batch_size if o.batch_size is not None else k.shape[0]
+        H = o.n_kv_heads if o.n_kv_heads is not None else k.shape[1]
+        D = o.d_head if o.d_head is not None else k.shape[3]
+        Dv = o.d_value if o.d_value is not None else v.shape[3]
+        dtype = o.dtype or k.dtype
+        device = o.device or k.device
+        self.k = torch.zeros(B, H, o.max_len, D, dtype=dtype, device=device)  # (B, Hkv, max_len, D)
+        self.v = torch.zeros(B, H, o.max_len, Dv, dtype=dtype, device=device)  # (B, Hkv, max_len, Dv)
+
+    def update(self, k: Tensor, v: Tensor):
+        """Store ``k (B, Hkv, L_new, D)``, ``v (B, Hkv, L_new, Dv)``; return everything attention should see:
+        ``(k_all, v_all)`` of length ``length + L_new``, plus the padding mask of a left-padded batch."""
+        if self.k is None:
+            self._allocate(k, v)
+        K, V = self.k, self.v
+        check_new_kv(k, v, batch=K.shape[0], heads=K.shape[1], d_head=K.shape[3], d_value=V.shape[3],
+                     dtype=K.dtype, device=K.device)
+        start, n = self.length, k.shape[2]
+        end = start + n
+        if end > K.shape[2]:
+            raise ValueError(f"StaticCache overflow in layer {self.index}: it holds max_len={K.shape[2]} positions, "
+                             f"{start} are stored and {n} more were given; create the cache with a larger "
+                             f"max_len (at least {end})")
+        K[:, :, start:end] = k
+        V[:, :, start:end] = v
+        self.length = end
+        mask = self._owner._key_mask(0, end)
+        if mask is None:
+            return K[:, :, :end], V[:, :, :end]  # (B, Hkv, end, D), (B, Hkv, end, Dv): views
+        return K[:, :, :end], V[:, :, :end], mask
+
+    def nbytes(self) -> int:
+        return 0 if self.k is None else self.k.nbytes + self.v.nbytes
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def __repr__(self) -> str:
+        shape = "unallocated" if self.k is None else f"k {tuple(self.k.shape)} {self.k.dtype}"
+        return f"StaticLayerCache(layer {self.index}, {self.length} stored, {shape})"
+
+
+class StaticCache(ModelCache):
+    """A KV cache preallocated for ``max_len`` positions in every layer (static shapes, no reallocation).
+
+    Args:
+        n_layers: decoder layers (one :class:`StaticLayerCache` each, in ``cache.layers``).
+        max_len: positions each layer can hold (prompt plus new tokens).
+        batch_size, n_kv_heads, d_head, d_value, dtype, device: the layout; when given, storage is
+            allocated now, otherwise on the first update from the shapes it sees.
+
+    Storage per layer: keys ``(B, Hkv, max_len, D)`` and values ``(B, Hkv, max_len, Dv)``.  ``update``
+    returns views ``(B, Hkv, length, D)`` of the stored positions in position order.  Writing past
+    ``max_len`` raises a ValueError.  The buffers never move, so a model using the cache runs under
+    ``torch.compile`` (the growing length becomes a dynamic size after the first recompilation).
+
+    Example::
+
+        >>> import torch
+        >>> from attnkit.cache import StaticCache
+        >>> cache = StaticCache(2, max_len=16, batch_size=1, n_kv_heads=2, d_head=8)
+        >>> k = v = torch.randn(1, 2, 5, 8)
+        >>> k_all, v_all = cache.layers[0].update(k, v)
+        >>> _ = cache.layers[1].update(k, v)
+        >>> k_all.shape, cache.seq_len
+        (torch.Size([1, 2, 5, 8]), 5)
+    """
+
+    def __init__(self, n_layers: int, max_len: int, *, batch_size: int | None = None,
+                 n_kv_heads: int | None = None, d_head: int | None = None, d_value: int | None = None,
+                 dtype: torch.dtype | None = None, device=None):
+        super().__init__()
+        check_int("n_layers", n_layers, minimum=1)
+        self.max_len = check_int("max_len", max_len, minimum=1)
+        for name, val in (("batch_size", batch_size), ("n_kv_heads", n_kv_heads), ("d_head", d_head),
+                          ("d_value", d_value)):
+            if val is not None:
+                check_int(name, val, minimum=1)
+        self.batch_size, self.n_kv_heads, self.d_head = batch_size, n_kv_heads, d_head
+        self.d_value = d_value if d_value is not None else d_head
+        self.dtype = check_dtype("dtype", dtype) if dtype is not None else None
+        self.device = torch.device(device) if device is not None else None
+        self.layers = tuple(StaticLayerCache(self, i) for i in range(n_layers))
+        if None not in (batch_size, n_kv_heads, d_head):
+            dt = self.dtype or torch.float32
+            probe_k = torch.empty(batch_size, n_kv_heads, 0, d_head, dtype=dt, device=self.device)
+            probe_v = torch.empty(batch_size, n_kv_heads, 0, self.d_value, dtype=dt, device=self.device)
+            for layer in self.layers:
+                layer._allocate(probe_k, probe_v)
+
+    @classmethod
+    def for_model(cls, model, batch_size: int, max_len: int | None = None, *, dtype: torch.dtype | None = None,
+                  device=None) -> "StaticCache":
+        """A cache laid out for ``model`` (read from ``model.config``); ``max_len`` defaults to its
+        ``max_seq_len``, ``dtype``/``device`` to its parameters'."""
+        d = model_dims(model)
+        max_len = max_len if max_len is not None else d["max_seq_len"]
+        if max_len is None:
+            raise ValueError("max_len is required: the model's config has no max_seq_len")
+        return cls(d["n_layers"], max_len, batch_size=batch_size, n_kv_heads=d["n_kv_heads"], d_head=d["d_head"],
+                   d_value=d["d_value"], dtype=dtype or d["dtype"], device=device or d["device"])
+
+    def _device(self) -> torch.device:
+        k = self.layers[0].k
+        return k.device if k is not None else (self.device or torch.device("cpu"))
+
+    def __repr__(self) -> str:
+        return (f"StaticCache({len(self.layers)} layers, {self.seq_len}/{self.max_len} positions, "
+                f"{self.nbytes() / 2**20:.2f} MiB)")

@@ -1,0 +1,221 @@
+"""PagedCache: the decode through the block table, ragged batches, fork with copy-on-write, prefix caching,
+the allocator's invariants, and the exhausted pool."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnkit
+from attnkit import bias as B_
+from attnkit import masks
+from attnkit.cache import PagedCache, PoolExhausted, StaticCache, attend, paged_attention
+
+F64 = torch.float64
+
+
+def _pool(nb=10, hkv=2, bs=4, d=8, dv=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(nb, hkv, bs, d, generator=g, dtype=F64), torch.randn(nb, hkv, bs, dv, generator=g, dtype=F64))
+
+
+def _gathered(pool, table, n):
+    """A sequence's first n positions, read block by block: (1, Hkv, n, D)."""
+    bs = pool.shape[2]
+    rows = [pool[int(table[p // bs]), :, p % bs] for p in range(n)]
+    return torch.stack(rows, dim=1)[None]
+
+
+@pytest.mark.parametrize("mask,bias,softcap", [
+    (None, None, None),
+    (masks.causal(), B_.alibi(B_.alibi_slopes(4).double()), None),
+    (masks.sliding_window(3), B_.relative_buckets(torch.randn(4, 8, dtype=F64), bidirectional=False), 2.0),
+])
+@pytest.mark.parametrize("lq", [1, 3])
+def test_paged_attention_equals_attention_on_gathered(mask, bias, softcap, lq):
+    k_pool, v_pool = _pool()
+    table = torch.tensor([[3, 5, 9], [1, 0, 0], [7, 2, 4]], dtype=torch.int32)
+    lens = torch.tensor([9, 3, 12], dtype=torch.int32)
+    q = torch.randn(3, 4, lq, 8, dtype=F64)
+    got = paged_attention(q, k_pool, v_pool, table, lens, mask=mask, bias=bias, softcap=softcap)
+    for b in range(3):
+        n = int(lens[b])
+        k, v = _gathered(k_pool, table[b], n), _gathered(v_pool, table[b], n)
+        want = attnkit.attention(q[b:b + 1], k, v, mask=mask, bias=bias, softcap=softcap)
+        torch.testing.assert_close(got[b:b + 1], want, rtol=0, atol=1e-12)
+
+
+def test_paged_attention_does_not_repeat_grouped_heads(monkeypatch):
+    """The gathered keys hold Hkv heads, not Hq: no copies of grouped heads are made."""
+    seen = []
+    real = torch.matmul
+
+    def spy(a, b):
+        seen.append((tuple(a.shape), tuple(b.shape)))
+        return real(a, b)
+
+    monkeypatch.setattr(torch, "matmul", spy)
+    k_pool, v_pool = _pool(hkv=2)
+    paged_attention(torch.randn(2, 8, 1, 8, dtype=F64), k_pool, v_pool, torch.tensor([[1], [2]], dtype=torch.int32),
+                    torch.tensor([4, 2], dtype=torch.int32))
+    assert seen and all(b_shape[0] == 2 for _, b_shape in seen)  # (Hkv=2, B, ...) operands only
+
+
+def test_ragged_batch_decode_and_prefill_equal_each_sequence_alone():
+    g = torch.Generator().manual_seed(1)
+    cache = PagedCache(1, num_blocks=20, block_size=4, n_kv_heads=2, d_head=8, dtype=F64)
+    lens = [5, 9, 2]
+    ids = [cache.add_sequence() for _ in lens]
+    data = [[torch.randn(1, h, 20, 8, generator=g, dtype=F64) for h in (4, 2, 2)] for _ in lens]
+    mask, bias = masks.causal(), B_.alibi(B_.alibi_slopes(4).double())
+    for s, n, (q, k, v) in zip(ids, lens, data):  # prompts one at a time
+        attend(cache.batch([s]).layers[0].update(k[:, :, :n], v[:, :, :n]), q[:, :, :n], mask=mask, bias=bias)
+    for step in range(4):  # ragged decode: one token each
+        cur = [n + step for n in lens]
+        qs = torch.cat([q[:, :, c:c + 1] for (q, _, _), c in zip(data, cur)])
+        ks = torch.cat([k[:, :, c:c + 1] for (_, k, _), c in zip(data, cur)])
+        vs = torch.cat([v[:, :, c:c + 1] for (_, _, v), c in zip(data, cur)])
+        batch = cache.batch(ids)
+        assert batch.positions(1)[:, 0].tolist() == cur
+        out = attend(batch.layers[0].update(ks, vs), qs, mask=mask, bias=bias)
+        for b, ((q, k, v), c) in enumerate(zip(data, cur)):
+            want = attnkit.attention(q[:, :, c:c + 1], k[:, :, :c + 1], v[:, :, :c + 1], mask=mask, bias=bias)
+            torch.testing.assert_close(out[b:b + 1], want, rtol=0, atol=1e-12)
+    # a ragged multi-token step (two tokens each) is right-aligned with a padding mask
+    cur = [n + 4 for n in lens]
+    qs = torch.cat([q[:, :, c:c + 2] for (q, _, _), c in zip(data, cur)])
+    ks = torch.cat([k[:, :, c:c + 2] for (_, k, _), c in zip(data, cur)])
+    vs = torch.cat([v[:, :, c:c + 2] for (_, _, v), c in zip(data, cur)])
+    out = attend(cache.batch(ids).layers[0].update(ks, vs), qs, mask=mask, bias=bias)
+    for b, ((q, k, v), c) in enumerate(zip(data, cur)):
+        want = attnkit.attention(q[:, :, c:c + 2], k[:, :, :c + 2], v[:, :, :c + 2], mask=mask, bias=bias)
+        torch.testing.assert_close(out[b:b + 1], want, rtol=0, atol=1e-12)
+
+
+def test_paged_equals_static():
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, h, 13, 8, generator=g) for h in (4, 2, 2))
+    static = StaticCache(2, max_len=13)
+    paged = PagedCache(2, num_blocks=8, block_size=4, n_kv_heads=2, d_head=8)
+    sid = paged.add_sequence()
+    for a, b in [(0, 6), (6, 7), (7, 8), (8, 13)]:
+        pb = paged.batch([sid])
+        for i in range(2):
+            o_s = attend(static.layers[i].update(k[:, :, a:b], v[:, :, a:b]), q[:, :, a:b], mask=masks.causal())
+            o_p = attend(pb.layers[i].update(k[:, :, a:b], v[:, :, a:b]), q[:, :, a:b], mask=masks.causal())
+            torch.testing.assert_close(o_p, o_s, rtol=1e-6, atol=1e-6)
+    assert paged.length(sid) == static.seq_len == 13
+
+
+def _fill(cache, sid, k, v):
+    """Write k/v (1, Hkv, n, D) into sequence sid, one forward."""
+    return cache.batch([sid]).layers[0].update(k, v)
+
+
+def test_fork_shares_blocks_and_copies_the_partial_block_on_write():
+    cache = PagedCache(1, num_blocks=6, block_size=4, n_kv_heads=1, d_head=2, dtype=F64)
+    a = cache.add_sequence()
+    base_k = torch.arange(12, dtype=F64).view(1, 1, 6, 2)
+    _fill(cache, a, base_k, base_k)  # 6 positions: one full block, one half-filled
+    assert cache.num_free_blocks == 4
+    b = cache.fork(a)
+    assert cache.num_free_blocks == 4  # nothing copied yet
+    assert cache.blocks_needed(b, 1) == 1  # the shared partial block must be copied before writing
+    _fill(cache, b, torch.full((1, 1, 1, 2), -1.0, dtype=F64), torch.full((1, 1, 1, 2), -1.0, dtype=F64))
+    _fill(cache, a, torch.full((1, 1, 1, 2), 7.0, dtype=F64), torch.full((1, 1, 1, 2), 7.0, dtype=F64))
+    ta, tb = cache.block_table([a])[0], cache.block_table([b])[0]
+    assert ta[0] == tb[0] and ta[1] != tb[1]  # full block shared, partial block copied
+    ka, kb = _gathered(cache.k_pools[0], ta, 7), _gathered(cache.k_pools[0], tb, 7)
+    assert torch.equal(ka[:, :, :6], base_k) and torch.equal(kb[:, :, :6], base_k)
+    assert ka[0, 0, 6].tolist() == [7.0, 7.0] and kb[0, 0, 6].tolist() == [-1.0, -1.0]
+    cache.free(a)
+    assert cache.num_free_blocks == 6 - 2  # b still holds the shared full block and its own copy
+    cache.free(b)
+    assert cache.num_free_blocks == 6
+
+
+def _kv_of(tokens, start=0):
+    """Deterministic keys/values of a token run: what a model would compute for them at those positions."""
+    t = torch.tensor(tokens, dtype=F64)
+    pos = torch.arange(start, start + len(tokens), dtype=F64)
+    k = torch.stack([t, pos], dim=-1).view(1, 1, len(tokens), 2)
+    return k, k + 0.5
+
+
+def test_prefix_caching_reuses_full_blocks_of_the_same_prefix():
+    cache = PagedCache(1, num_blocks=8, block_size=4, n_kv_heads=1, d_head=2, dtype=F64)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    a = cache.add_sequence(prompt)
+    assert cache.length(a) == 0  # nothing cached yet
+    _fill(cache, a, *_kv_of(prompt))
+    cache.free(a)
+    b = cache.add_sequence(prompt[:9] + [99, 98])  # same first two full blocks
+    assert cache.length(b) == 8 and cache.stats()["prefix_hits"] == 2
+    kv = _fill(cache, b, *_kv_of([13, 99, 98], start=8))
+    k_all = kv[0]
+    torch.testing.assert_close(k_all, _kv_of(prompt[:9] + [99, 98])[0])
+    c = cache.add_sequence([5, 6, 7, 8, 1, 2, 3, 4, 0])  # shares only the first block
+    assert cache.length(c) == 4
+    d = cache.add_sequence([5, 6, 7, 8])  # a prompt of exactly one block: its last token is recomputed
+    assert cache.length(d) == 0
+
+
+def test_prefix_blocks_are_evicted_only_when_the_pool_needs_them():
+    cache = PagedCache(1, num_blocks=3, block_size=2, n_kv_heads=1, d_head=2, dtype=F64)
+    a = cache.add_sequence([1, 2, 3, 4, 5])
+    _fill(cache, a, *_kv_of([1, 2, 3, 4, 5]))
+    cache.free(a)
+    assert cache.num_free_blocks == 3
+    b = cache.add_sequence([9, 9, 9, 9, 9, 9])  # needs all three blocks: the cached ones are evicted
+    _fill(cache, b, *_kv_of([9] * 6))
+    cache.free(b)
+    c = cache.add_sequence([1, 2, 3, 4, 5])
+    assert cache.length(c) == 0  # the old prefix is gone
+
+
+def test_exhausted_pool_error_and_all_or_nothing_reserve():
+    cache = PagedCache(1, num_blocks=2, block_size=4, n_kv_heads=1, d_head=2)
+    a = cache.add_sequence()
+    cache.reserve(a, 5)
+    b = cache.add_sequence()
+    with pytest.raises(PoolExhausted, match="needs 1 more block.*only 0 of 2 are free"):
+        cache.reserve(b, 1)
+    with pytest.raises(PoolExhausted, match="needs 2 more block.*for 16 new"):
+        cache.reserve(a, 16)
+    assert cache.blocks_needed(a, 3) == 0 and cache.num_free_blocks == 0
+    with pytest.raises(KeyError, match="no sequence 42"):
+        cache.free(42)
+    with pytest.raises(ValueError, match="repeat"):
+        cache.batch([a, a])
+
+
+@settings(max_examples=30)
+@given(ops=st.lists(st.tuples(st.sampled_from(["add", "grow", "fork", "free"]), st.integers(0, 7),
+                              st.integers(1, 9)), max_size=40))
+def test_allocator_invariants(ops):
+    """Reference counts equal the number of sequences holding each block; blocks are never lost."""
+    cache = PagedCache(1, num_blocks=12, block_size=3, n_kv_heads=1, d_head=1, prefix_caching=True)
+    for op, pick, n in ops:
+        live = cache.sequences()
+        if op == "add" or not live:
+            cache.add_sequence([pick] * n)
+            continue
+        sid = live[pick % len(live)]
+        if op == "grow":
+            try:
+                _fill(cache, sid, torch.ones(1, 1, n, 1), torch.ones(1, 1, n, 1))
+            except PoolExhausted:
+                pass
+        elif op == "fork":
+            cache.fork(sid)
+        else:
+            cache.free(sid)
+        refs = [0] * 12
+        for s in cache.sequences():
+            seq = cache._seqs[s]
+            assert len(seq.blocks) * 3 >= seq.length
+            for blk in seq.blocks:
+                refs[blk] += 1
+        assert refs == cache._alloc.refs
+        held = sum(1 for r in refs if r > 0)
+        assert held + cache.num_free_blocks == 12

@@ -1,0 +1,88 @@
+"""QuantizedCache: error bounds of the groups, the full-precision residual, memory, and attention error."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnkit
+from attnkit import masks
+from attnkit.cache import QuantizedCache, StaticCache, attend, dequantize_groups, quantize_groups
+
+
+@settings(max_examples=30)
+@given(bits=st.sampled_from([4, 8]), rows=st.integers(1, 5), cols=st.integers(1, 40),
+       spread=st.floats(1e-3, 1e3), seed=st.integers(0, 1000))
+def test_group_quantization_error_is_half_a_step(bits, rows, cols, spread, seed):
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * spread
+    q, s, z = quantize_groups(x, dim=1, bits=bits)
+    assert q.dtype == torch.uint8 and int(q.max()) <= (1 << bits) - 1
+    err = (dequantize_groups(q, s, z) - x).abs()
+    # half a step, plus a float16 ulp of the zero point and of the scale times the largest level
+    bound = s.float() * 0.5 + z.float().abs() * 2 ** -10 + s.float() * (1 << bits) * 2 ** -10
+    assert bool((err <= bound + 1e-6).all())
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_keys_per_channel_values_per_token_and_residual_exact(bits):
+    torch.manual_seed(0)
+    cache = QuantizedCache(1, max_len=100, bits=bits, group_size=8, residual=16)
+    layer = cache.layers[0]
+    k = torch.randn(1, 2, 37, 16)
+    k[..., 3] *= 50  # an outlier channel: per-channel key scales keep the other channels precise
+    v = torch.randn(1, 2, 37, 16)
+    k_all, v_all = layer.update(k[:, :, :30], v[:, :, :30])
+    for t in range(30, 37):
+        k_all, v_all = layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
+    n_res = layer.n_res
+    assert layer.n_quant % 8 == 0 and 1 <= n_res <= 16 and layer.n_quant + n_res == 37
+    assert torch.equal(k_all[:, :, -n_res:], k[:, :, -n_res:])  # the newest tokens: full precision
+    assert torch.equal(v_all[:, :, -n_res:], v[:, :, -n_res:])
+    err_k = (k_all - k).abs()[:, :, :layer.n_quant]
+    step = 1.0 / ((1 << bits) - 1)
+    # other channels: error bounded by their own range (about 6) times half a step, not by the outlier's
+    assert float(err_k[..., [0, 1, 2, 4, 5]].max()) < 8 * step
+    assert float((v_all - v).abs().max()) < 8 * step
+
+
+@pytest.mark.parametrize("bits,min_ratio,min_store_ratio", [(8, 3.2, 3.5), (4, 5.3, 6.3)])
+def test_memory_against_float32(bits, min_ratio, min_store_ratio):
+    """~4x (int8) / ~8x (int4) smaller: per stored token 3.56x / 6.4x at group 32 with float16 scales;
+    with the full-precision residual, at 1024 positions, above 3.2x / 5.3x."""
+    args = dict(batch_size=1, n_kv_heads=8, d_head=64)
+    q = QuantizedCache(1, max_len=1024, bits=bits, group_size=32, **args)
+    s = StaticCache(1, max_len=1024, **args)
+    assert s.nbytes() / q.nbytes() >= min_ratio
+    layer = q.layers[0]
+    store = sum(t.nbytes for t in (layer.kq, layer.k_scale, layer.k_zero, layer.vq, layer.v_scale, layer.v_zero))
+    assert s.nbytes() / store >= min_store_ratio
+
+
+@pytest.mark.parametrize("bits,tol", [(8, 0.02), (4, 0.3)])
+def test_attention_error_is_bounded(bits, tol):
+    """Decode attention over the quantized cache stays close to the exact one (Gaussian keys/values)."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, h, 96, 32, generator=g) for h in (4, 2, 2))
+    cache = QuantizedCache(1, max_len=96, bits=bits, group_size=16)
+    attend(cache.layers[0].update(k[:, :, :64], v[:, :, :64]), q[:, :, :64], mask=masks.causal())
+    worst = 0.0
+    for t in range(64, 96):
+        out = attend(cache.layers[0].update(k[:, :, t:t + 1], v[:, :, t:t + 1]), q[:, :, t:t + 1],
+                     mask=masks.causal())
+        want = attnkit.attention(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1])
+        worst = max(worst, float((out - want).abs().max()))
+    assert worst < tol
+
+
+def test_quantized_errors():
+    with pytest.raises(ValueError, match="bits=3"):
+        QuantizedCache(1, max_len=8, bits=3)
+    with pytest.raises(ValueError, match="residual=12 must be a multiple of group_size=8"):
+        QuantizedCache(1, max_len=8, group_size=8, residual=12)
+    cache = QuantizedCache(1, max_len=8, group_size=4)
+    cache.layers[0].update(torch.randn(1, 1, 6, 4), torch.randn(1, 1, 6, 4))
+    with pytest.raises(ValueError, match="overflow.*max_len=8.*6 are stored and 3 more"):
+        cache.layers[0].update(torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4))
+    big = QuantizedCache(1, max_len=8, group_size=4, residual=4)
+    with pytest.raises(ValueError, match="float16 range"):
+        big.layers[0].update(torch.full((1, 1, 6, 4), 1e6), torch.zeros(1, 1, 6, 4))
