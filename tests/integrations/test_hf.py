@@ -405,8 +405,9 @@ def test_register_with_a_backend_and_bad_arguments():
         hf.register("")
 
 
-@pytest.mark.parametrize("version, ok", [("5.0.0", True), ("5.24.0", True), ("5.99.1.dev0", True),
-                                         ("4.57.6", False), ("6.0.0", False), ("6.0.0rc1", False)])
+@pytest.mark.parametrize("version, ok", [("5.4.0", True), ("5.24.0", True), ("5.99.1.dev0", True),
+                                         ("5.3.0", False), ("4.57.6", False), ("6.0.0", False),
+                                         ("6.0.0rc1", False)])
 def test_version_gate(version, ok):
     if ok:
         hf._check_version(version)

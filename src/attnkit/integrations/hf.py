@@ -57,8 +57,9 @@ Tensor = torch.Tensor
 
 __all__ = ["register", "attention_forward", "build_mask", "SUPPORTED_TRANSFORMERS"]
 
-SUPPORTED_TRANSFORMERS = (">=5.0", "<6")  # the versions this module is tested against (the `hf` extra's pin)
-_MIN_VERSION, _MAX_VERSION = "5.0", "6"
+# the versions this module is tested against (the `hf` extra's pin); 5.0-5.3 built masks from `cache_position`
+SUPPORTED_TRANSFORMERS = (">=5.4", "<6")
+_MIN_VERSION, _MAX_VERSION = "5.4", "6"
 
 # names transformers itself defines; registering one of them would replace it for every model in the process
 _RESERVED = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4",
