@@ -78,7 +78,7 @@ CASES: dict[str, dict] = {
 
 ERROR_CASES = ("uneven_lengths", "mismatched_heads", "one_rank_bad_input", "mismatched_mask", "odd_zigzag_shard",
                "indivisible_shard", "learnable_bias", "dense_bias", "unshard_mismatch", "usable_after_errors")
-OTHER_CASES = ("shard_positions", "unshard_roundtrip", "unshard_gradient", "no_grad_forward")
+OTHER_CASES = ("shard_positions", "unshard_roundtrip", "unshard_gradient", "no_grad_forward", "gradcheck")
 
 
 def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -227,6 +227,8 @@ def _other_case(name: str, rank: int, world: int) -> dict:
         if _max_err(local.grad, want) > 1e-12:
             raise AssertionError(f"unshard gradient off by {_max_err(local.grad, want)}")
         return {}
+    if name == "gradcheck":
+        return _gradcheck(rank, world)
     if name == "no_grad_forward":
         x = torch.randn(1, 2, 8, 4, requires_grad=True)
         with torch.no_grad():
@@ -235,6 +237,54 @@ def _other_case(name: str, rank: int, world: int) -> dict:
             raise AssertionError("output requires grad under torch.no_grad()")
         return {}
     raise KeyError(name)
+
+
+def _gradcheck(rank: int, world: int) -> dict:
+    """torch.autograd.gradcheck of the whole distributed function of the full inputs, on every rank.
+
+    Every rank perturbs the same input entry at the same time, so all ranks evaluate one global function.
+    The test's own scatter/gather make each rank's analytic gradient the full one: scatter's backward
+    sums the ranks' shard gradients, gather's backward takes this rank's rows only.
+    """
+    import torch.distributed as dist
+    from attnkit.distributed import ring_attention, shard, unshard
+
+    class Scatter(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return shard(x, layout="zigzag")
+
+        @staticmethod
+        def backward(ctx, g):
+            full = unshard(g.contiguous(), layout="zigzag").detach()  # every rank's shard gradient, in place
+            return full
+
+    class Gather(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return unshard(x, layout="zigzag").detach()
+
+        @staticmethod
+        def backward(ctx, g):
+            return shard(g, layout="zigzag")
+
+    L = 4 * world
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(1, 2, L, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 1, L, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 1, L, 2, generator=g, dtype=torch.float64, requires_grad=True)
+
+    def fn(q_, k_, v_):
+        out, lse = ring_attention(Scatter.apply(q_), Scatter.apply(k_), Scatter.apply(v_), mask=M.causal(),
+                                  bias=B.alibi(B.alibi_slopes(2)), softcap=3.0, return_lse=True)
+        return Gather.apply(out), Gather.apply(lse)
+
+    torch.manual_seed(0)  # fast mode draws random directions: the same ones on every rank
+    ok = torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-8, fast_mode=True)
+    dist.barrier()
+    if not ok:
+        raise AssertionError("gradcheck failed")
+    return {}
 
 
 # ------------------------------------------------------------------------ the worker
@@ -326,7 +376,7 @@ def test_bad_input_raises_on_every_rank(reports, world, case):
 
 @pytest.mark.parametrize("case", OTHER_CASES)
 @pytest.mark.parametrize("world", WORLDS)
-def test_shard_unshard(reports, world, case):
+def test_shard_unshard_and_autograd(reports, world, case):
     _all_ranks(reports, world, case)
 
 
