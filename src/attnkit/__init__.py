@@ -15,7 +15,8 @@ Example::
 from . import backends, bias, masks, softmax
 from .functional import attention, attention_weights
 from . import explain  # noqa: E402  (the four steps traced; imports masks only)
+from . import nn  # noqa: E402  (modules, positions, blocks, models)
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "attention_weights", "masks", "bias", "softmax", "backends", "explain"]
+__all__ = ["attention", "attention_weights", "masks", "bias", "softmax", "backends", "explain", "nn"]

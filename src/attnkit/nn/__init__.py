@@ -1,0 +1,45 @@
+"""Attention modules, position encodings, transformer blocks and models, batch-first ``(B, L, d_model)``.
+
+* Attention: :class:`MultiHeadAttention` (self, grouped-query, cross, cached; ``from_torch``).
+* Positions: :class:`RotaryEmbedding`, :class:`ALiBi`, :class:`T5RelativeBias`, :class:`SinusoidalPositions`.
+* Blocks and models: :class:`TransformerBlock`, :class:`Encoder`, :class:`Decoder`, :class:`DecoderLM`
+  (:class:`DecoderConfig`), :class:`EncoderDecoder`.
+* Layers: :class:`Linear` (column-major weights for fast decoding), :class:`RMSNorm`, :class:`FeedForward`.
+
+Every attention score in this package is computed by one method, ``_attend`` (see
+:class:`MultiHeadAttention`), which calls :func:`attnkit.attention`.
+
+Example::
+
+    >>> import torch
+    >>> from attnkit.nn import DecoderConfig, DecoderLM
+    >>> model = DecoderLM(DecoderConfig.preset("tiny", positions="alibi", n_kv_heads=1))
+    >>> model(torch.randint(0, 256, (1, 8))).shape
+    torch.Size([1, 8, 256])
+"""
+
+from .attention import MultiHeadAttention
+from .blocks import Decoder, Encoder, TransformerBlock, default_d_ff
+from .layers import FeedForward, Linear, RMSNorm, to_decode_layout
+from .models import DecoderConfig, DecoderLM, EncoderDecoder
+from .positions import ALiBi, PositionEncoding, RotaryEmbedding, SinusoidalPositions, T5RelativeBias
+
+__all__ = [
+    "MultiHeadAttention",
+    "RotaryEmbedding",
+    "ALiBi",
+    "T5RelativeBias",
+    "SinusoidalPositions",
+    "PositionEncoding",
+    "TransformerBlock",
+    "Encoder",
+    "Decoder",
+    "DecoderConfig",
+    "DecoderLM",
+    "EncoderDecoder",
+    "Linear",
+    "RMSNorm",
+    "FeedForward",
+    "to_decode_layout",
+    "default_d_ff",
+]

@@ -1,0 +1,132 @@
+"""Input checks shared by the modules: each raises ValueError/TypeError naming the argument, the value and the fix."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import masks as _masks
+
+Tensor = torch.Tensor
+
+
+def positive_int(name: str, value, *, allow_none: bool = False) -> int | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int{' or None' if allow_none else ''}, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name}={value} must be >= 1")
+    return value
+
+
+def probability(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) < 1.0:
+        raise ValueError(f"{name}={value!r} must be a number in [0, 1)")
+    return float(value)
+
+
+def positive_float(name: str, value, *, allow_none: bool = False) -> float | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a finite number > 0{' (or None)' if allow_none else ''}")
+    return float(value)
+
+
+def choice(name: str, value, options: tuple[str, ...]) -> str:
+    if value not in options:
+        raise ValueError(f"{name}={value!r} is not one of {options}")
+    return value
+
+
+def head_layout(d_model: int, n_heads: int, n_kv_heads: int | None, d_head: int | None) -> tuple[int, int]:
+    """Validated ``(n_kv_heads, d_head)``."""
+    positive_int("d_model", d_model)
+    positive_int("n_heads", n_heads)
+    positive_int("n_kv_heads", n_kv_heads, allow_none=True)
+    positive_int("d_head", d_head, allow_none=True)
+    n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+    if n_heads % n_kv_heads != 0:
+        raise ValueError(f"got n_heads={n_heads} and n_kv_heads={n_kv_heads}: n_heads must be a multiple of "
+                         f"n_kv_heads (grouped-query attention); try n_kv_heads in "
+                         f"{[h for h in range(1, n_heads + 1) if n_heads % h == 0]}")
+    if d_head is None:
+        if d_model % n_heads != 0:
+            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}: choose n_heads that "
+                             f"divides d_model, or give d_head explicitly (the heads then project to "
+                             f"n_heads * d_head and back)")
+        d_head = d_model // n_heads
+    return n_kv_heads, d_head
+
+
+def features(name: str, x, width: int, *, what: str, ndim: int | None = 3) -> None:
+    """``x`` is a float tensor whose last dim is ``width``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a float tensor, got dtype {x.dtype}")
+    if ndim is not None and x.dim() != ndim:
+        raise ValueError(f"{name} must have shape {what}, got {tuple(x.shape)}")
+    if x.shape[-1] != width:
+        raise ValueError(f"{name} has width {x.shape[-1]} (shape {tuple(x.shape)}) but this module expects "
+                         f"{width}: {what}")
+
+
+def token_ids(name: str, ids, vocab_size: int) -> None:
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"{name} must be a LongTensor (B, L) of token ids, got {type(ids).__name__}")
+    if ids.dtype not in (torch.long, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise TypeError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
+    if ids.dim() != 2:
+        raise ValueError(f"{name} must have shape (B, L), got {tuple(ids.shape)}: add a batch dim with {name}[None]")
+
+
+def as_mask(name: str, mask) -> _masks.Mask | None:
+    """``None``, a Mask, or a bool tensor (2 to 4 dims, broadcastable to (B, H, Lq, Lk)) as a Mask."""
+    if mask is None or isinstance(mask, _masks.Mask):
+        return mask
+    if isinstance(mask, torch.Tensor):
+        if mask.dtype != torch.bool:
+            raise TypeError(f"{name} must be a bool tensor (True = may attend), got dtype {mask.dtype}: "
+                            f"use {name}.bool() for a 0/1 mask")
+        if not 2 <= mask.dim() <= 4:
+            raise ValueError(f"{name} must have 2 to 4 dims broadcastable to (B, H, Lq, Lk), got shape "
+                             f"{tuple(mask.shape)}; for key padding use attnkit.masks.key_padding(lengths)")
+        return _masks.from_dense(mask)
+    raise TypeError(f"{name} must be None, an attnkit.masks.Mask or a bool tensor, got {type(mask).__name__}")
+
+
+def check_mask_shape(name: str, mask: _masks.Mask | None, batch: int, heads: int, q_len: int, kv_len: int) -> None:
+    if mask is None:
+        return
+    try:
+        mask.validate(batch, heads, q_len, kv_len)
+    except ValueError as e:
+        raise ValueError(f"{name} does not fit the attention scores (B, H, Lq, Lk)=({batch}, {heads}, {q_len}, "
+                         f"{kv_len}): {e}") from None
+
+
+def combine(*ms: _masks.Mask | None) -> _masks.Mask | None:
+    out = None
+    for m in ms:
+        if m is not None:
+            out = m if out is None else out & m
+    return out
+
+
+def positions_tensor(name: str, positions, batch: int, length: int, device) -> Tensor:
+    """Absolute positions as a long tensor (L,) or (B, L)."""
+    if not isinstance(positions, torch.Tensor):
+        positions = torch.as_tensor(positions)
+    if positions.dtype == torch.bool or positions.is_floating_point() or positions.is_complex():
+        raise TypeError(f"{name} must hold integer positions, got dtype {positions.dtype}")
+    if positions.dim() == 1 and positions.shape[0] == length:
+        pass
+    elif positions.dim() == 2 and positions.shape[1] == length and positions.shape[0] in (1, batch):
+        pass
+    else:
+        raise ValueError(f"{name} must have shape (L,)=({length},) or (B, L)=({batch}, {length}), got "
+                         f"{tuple(positions.shape)}")
+    return positions.to(device=device, dtype=torch.long)

@@ -1,0 +1,387 @@
+"""Multi-head attention: self, grouped-query, cross and cached, with every score computed by ``_attend``."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from .. import masks as _masks
+from ..functional import attention, attention_weights
+from . import _checks
+from .layers import Linear, RMSNorm
+from .positions import PositionEncoding
+
+Tensor = torch.Tensor
+
+__all__ = ["MultiHeadAttention"]
+
+
+class _Attends(nn.Module):
+    """The one place where attention is computed inside :mod:`attnkit.nn` (see ``_attend``)."""
+
+    backend: str = "auto"
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, *, mask, bias, scale: float | None,
+                softcap: float | None, dropout_p: float) -> Tensor:
+        """``q (B, Hq, Lq, D)``, ``k (B, Hkv, Lk, D)``, ``v (B, Hkv, Lk, Dv)`` -> ``(B, Hq, Lq, Dv)``.
+
+        Every attention computed in :mod:`attnkit.nn` calls this method, which calls
+        :func:`attnkit.attention` with the module's ``backend``.  Diagnostics and ring attention wrap or
+        replace it on an instance (``module._attend = wrapped``).
+        """
+        return attention(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, dropout_p=dropout_p,
+                         backend=self.backend)
+
+
+def _is_bottom_right_causal(m) -> bool:
+    return isinstance(m, _masks._Causal) and m.align == "bottom_right"
+
+
+class MultiHeadAttention(_Attends):
+    """Multi-head attention, batch-first: ``(B, L, d_model) -> (B, L, d_model)``.
+
+    ``n_heads`` query heads share ``n_kv_heads`` key/value heads (grouped-query attention; 1 is
+    multi-query); each head has ``d_head`` dims (default ``d_model // n_heads``).
+
+    **Projections.**  Self-attention uses one fused projection ``qkv_proj: d_model -> (Hq + 2 Hkv) d_head``
+    whose weight stacks rows ``[q (Hq d_head); k (Hkv d_head); v (Hkv d_head)]`` (the articles' "widen
+    W_q, W_k, W_v to d_model x (h d_k)").  Cross attention ``forward(x, context)`` applies the q rows to
+    ``x`` and the k/v rows to ``context``.  When the context has another width (``kdim``/``vdim``, e.g.
+    image patches attending to text) the module has ``q_proj`` and a fused ``kv_proj: kdim -> 2 Hkv d_head``
+    (rows ``[k; v]``), or ``k_proj``/``v_proj`` when ``kdim != vdim`` (then ``context`` is a pair
+    ``(key_input, value_input)``).  ``out_proj`` maps ``Hq d_head -> d_model``.  Weights are stored
+    column-major for fast decoding (:class:`~attnkit.nn.Linear`).
+
+    **Scores.**  ``q.k * scale`` with ``scale = 1 / (sqrt(d_head) * temperature)``, then ``softcap``, then
+    the position bias (ALiBi/T5), then the masks; optional ``qk_norm`` (RMSNorm of every query and key
+    head) before rotary positions.  Every score goes through :meth:`_attend` (one method per module,
+    calling :func:`attnkit.attention` with ``backend``; diagnostics and ring attention wrap it).
+
+    **Masks.**  ``mask`` (constructor, e.g. ``masks.causal()``) and ``mask`` (call) are AND-ed; either is
+    an :class:`attnkit.masks.Mask` or a bool tensor broadcastable to ``(B, n_heads, Lq, Lk)``.  Query row
+    ``i`` sits at position ``i + Lk - Lq`` (bottom-right), which is what a KV cache needs.
+
+    **Positions** (``positions=``, self-attention only): :class:`~attnkit.nn.RotaryEmbedding` rotates
+    queries and keys at absolute positions (``forward(positions=...)``: ``(L,)`` or ``(B, L)``; default
+    ``offset + arange(L)`` with ``offset = cache.seq_len`` when the cache has one, else 0);
+    :class:`~attnkit.nn.ALiBi` / :class:`~attnkit.nn.T5RelativeBias` add a bias from relative distances
+    (key order, bottom-right); :class:`~attnkit.nn.SinusoidalPositions` is added to the query and key
+    inputs.
+
+    **KV cache** (``cache=`` a per-layer cache).  Self-attention: the new keys/values ``(B, Hkv, L, d_head)``
+    (keys already rotated at their absolute positions) go to ``kv = cache.update(k, v)``, which returns
+    ``(k_all, v_all)``, ``(k_all, v_all, extra_mask)`` (``extra_mask``: None, a Mask or a bool tensor
+    broadcastable to ``(B, Hq, L, Lk)``, AND-ed with the masks) or an object with
+    ``attend(q, *, mask, bias, scale, softcap) -> (B, Hq, L, d_head)`` that computes attention itself
+    (paged/quantized caches; this bypasses ``_attend`` and cannot return weights).
+
+    **Cross-attention cache.**  The context's keys and values are computed once: with ``cache=``, the
+    module reads ``cache.seq_len``; while it is 0 it projects ``context`` and calls
+    ``cache.update(k, v)`` with all ``Lc`` context positions; afterwards it does not project the context
+    and calls ``cache.update(k0, v0)`` with zero-length ``(B, Hkv, 0, d_head)`` tensors, using what the
+    cache returns.  So any per-layer cache that appends and exposes ``seq_len`` serves as a cross cache;
+    ``context`` must still be passed on every call (its width and batch are checked; it is not read
+    once cached).  Cross attention has no causal mask and no positions.
+
+    Args:
+        d_model: width of ``x`` and of the output.
+        n_heads, n_kv_heads, d_head: head layout (see above).
+        kdim, vdim: widths of the cross-attention key and value inputs (default ``d_model``).
+        bias: bias on the q/k/v projections; ``out_bias`` (default: ``bias``) on ``out_proj``.
+        dropout: dropout on the attention weights while training.
+        qk_norm: RMSNorm on each query and key head.
+        positions: a :class:`~attnkit.nn.PositionEncoding` or None.
+        mask: a mask applied to every call (e.g. ``masks.causal()``).
+        softcap: ``s * tanh(score / s)`` on the scores (Gemma 2).
+        temperature: divides the scores (> 1 flattens the attention).
+        backend: ``"auto"`` or a name from :func:`attnkit.backends.available`.
+
+    ``forward(x, context=None, *, mask=None, cache=None, positions=None, need_weights=False)`` returns
+    ``out (B, L, d_model)``, or ``(out, weights (B, n_heads, L, Lk))`` with ``need_weights=True``.
+
+    Example::
+
+        >>> import torch
+        >>> from attnkit import masks
+        >>> from attnkit.nn import MultiHeadAttention
+        >>> mha = MultiHeadAttention(64, 8, n_kv_heads=2, mask=masks.causal())
+        >>> mha.qkv_proj.weight.shape  # rows [q (8*8); k (2*8); v (2*8)]
+        torch.Size([96, 64])
+        >>> out, w = mha(torch.randn(2, 10, 64), need_weights=True)
+        >>> out.shape, w.shape
+        (torch.Size([2, 10, 64]), torch.Size([2, 8, 10, 10]))
+        >>> cross = MultiHeadAttention(64, 8, kdim=32)  # 64-wide queries attend to a 32-wide context
+        >>> cross(torch.randn(2, 10, 64), torch.randn(2, 7, 32)).shape
+        torch.Size([2, 10, 64])
+    """
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, d_head: int | None = None,
+                 kdim: int | None = None, vdim: int | None = None, bias: bool = True, dropout: float = 0.0,
+                 qk_norm: bool = False, positions: PositionEncoding | None = None, mask=None,
+                 softcap: float | None = None, temperature: float = 1.0, backend: str = "auto",
+                 out_bias: bool | None = None):
+        super().__init__()
+        n_kv_heads, d_head = _checks.head_layout(d_model, n_heads, n_kv_heads, d_head)
+        kdim = d_model if kdim is None else _checks.positive_int("kdim", kdim)
+        vdim = kdim if vdim is None else _checks.positive_int("vdim", vdim)
+        self.d_model, self.n_heads, self.n_kv_heads, self.d_head = d_model, n_heads, n_kv_heads, d_head
+        self.kdim, self.vdim = kdim, vdim
+        self.dropout = _checks.probability("dropout", dropout)
+        self.softcap = _checks.positive_float("softcap", softcap, allow_none=True)
+        self.temperature = _checks.positive_float("temperature", temperature)
+        if not isinstance(backend, str):
+            raise TypeError(f"backend must be a string such as 'auto', got {type(backend).__name__}")
+        self.backend = backend
+        if positions is not None and not isinstance(positions, PositionEncoding):
+            raise TypeError(f"positions must be None or an attnkit.nn PositionEncoding (RotaryEmbedding, ALiBi, "
+                            f"T5RelativeBias, SinusoidalPositions), got {type(positions).__name__}")
+        if positions is not None:
+            positions.check_heads(n_heads, d_head, d_model)
+        self.positions = positions
+        self.mask = _checks.as_mask("mask", mask)
+        q_out, kv_out = n_heads * d_head, n_kv_heads * d_head
+        self._split = (q_out, kv_out, kv_out)
+        out_bias = bias if out_bias is None else bool(out_bias)
+        self.self_capable = kdim == d_model and vdim == d_model
+        if self.self_capable:
+            self.qkv_proj = Linear(d_model, q_out + 2 * kv_out, bias=bias)
+        else:
+            self.q_proj = Linear(d_model, q_out, bias=bias)
+            if kdim == vdim:
+                self.kv_proj = Linear(kdim, 2 * kv_out, bias=bias)
+            else:
+                self.k_proj = Linear(kdim, kv_out, bias=bias)
+                self.v_proj = Linear(vdim, kv_out, bias=bias)
+        self.out_proj = Linear(q_out, d_model, bias=out_bias)
+        self.q_norm = RMSNorm(d_head) if qk_norm else None
+        self.k_norm = RMSNorm(d_head) if qk_norm else None
+        self._plain_causal = _is_bottom_right_causal(self.mask)
+
+    # ------------------------------------------------------------------------ projections
+
+    def _heads(self, t: Tensor, n: int) -> Tensor:
+        B, L, _ = t.shape
+        return t.view(B, L, n, self.d_head).transpose(1, 2)  # (B, n, L, d_head)
+
+    def _project_self(self, x: Tensor, positions: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        q_out, kv_out, _ = self._split
+        pe = self.positions.encode(positions) if self.positions is not None else None
+        if pe is None:
+            qkv = self.qkv_proj(x)  # (B, L, (Hq + 2 Hkv) d_head)
+            q, k, v = qkv.split(self._split, dim=-1)
+        else:  # absolute encodings join the query and key inputs only
+            w, b = self.qkv_proj.weight, self.qkv_proj.bias
+            qk = nn.functional.linear(x + pe.to(x.dtype), w[: q_out + kv_out], None if b is None else b[: q_out + kv_out])
+            v = nn.functional.linear(x, w[q_out + kv_out:], None if b is None else b[q_out + kv_out:])
+            q, k = qk.split((q_out, kv_out), dim=-1)
+        return self._heads(q, self.n_heads), self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
+
+    def _project_query(self, x: Tensor) -> Tensor:
+        if self.self_capable:
+            q_out = self._split[0]
+            b = self.qkv_proj.bias
+            q = nn.functional.linear(x, self.qkv_proj.weight[:q_out], None if b is None else b[:q_out])
+        else:
+            q = self.q_proj(x)
+        return self._heads(q, self.n_heads)  # (B, Hq, L, d_head)
+
+    def _context_inputs(self, context, batch: int) -> tuple[Tensor, Tensor]:
+        if isinstance(context, (tuple, list)):
+            if len(context) != 2:
+                raise ValueError(f"context must be a tensor or a pair (key_input, value_input), got "
+                                 f"{len(context)} items")
+            key_in, value_in = context
+        else:
+            if self.kdim != self.vdim:
+                raise ValueError(f"this MultiHeadAttention has kdim={self.kdim} != vdim={self.vdim}: pass "
+                                 f"context=(key_input, value_input)")
+            key_in = value_in = context
+        _checks.features("context", key_in, self.kdim, what=f"(B, Lc, kdim={self.kdim})")
+        _checks.features("context values", value_in, self.vdim, what=f"(B, Lc, vdim={self.vdim})")
+        if key_in.shape[0] != batch or value_in.shape[:2] != key_in.shape[:2]:
+            raise ValueError(f"context of shape {tuple(key_in.shape)} (values {tuple(value_in.shape)}) does not "
+                             f"match the batch of x (B={batch}) or its keys' length")
+        return key_in, value_in
+
+    def _project_context(self, key_in: Tensor, value_in: Tensor) -> tuple[Tensor, Tensor]:
+        q_out, kv_out, _ = self._split
+        if self.self_capable:
+            w, b = self.qkv_proj.weight, self.qkv_proj.bias
+            if key_in is value_in:
+                kv = nn.functional.linear(key_in, w[q_out:], None if b is None else b[q_out:])
+                k, v = kv.split(kv_out, dim=-1)
+            else:
+                k = nn.functional.linear(key_in, w[q_out:q_out + kv_out], None if b is None else b[q_out:q_out + kv_out])
+                v = nn.functional.linear(value_in, w[q_out + kv_out:], None if b is None else b[q_out + kv_out:])
+        elif hasattr(self, "kv_proj"):
+            if key_in is value_in:
+                k, v = self.kv_proj(key_in).split(kv_out, dim=-1)
+            else:
+                w, b = self.kv_proj.weight, self.kv_proj.bias
+                k = nn.functional.linear(key_in, w[:kv_out], None if b is None else b[:kv_out])
+                v = nn.functional.linear(value_in, w[kv_out:], None if b is None else b[kv_out:])
+        else:
+            k, v = self.k_proj(key_in), self.v_proj(value_in)
+        return self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
+
+    # ---------------------------------------------------------------------------- forward
+
+    def _default_positions(self, cache, length: int, device) -> Tensor:
+        offset = 0
+        if cache is not None:
+            offset = getattr(cache, "seq_len", None)
+            if not isinstance(offset, int):
+                raise ValueError(f"{type(self.positions).__name__} needs absolute positions with a cache: pass "
+                                 f"positions=..., or give the cache an int attribute seq_len")
+        return torch.arange(offset, offset + length, device=device)
+
+    def forward(self, x: Tensor, context=None, *, mask=None, cache=None, positions=None,
+                need_weights: bool = False):
+        """Attention of ``x (B, L, d_model)`` to itself or to ``context (B, Lc, kdim)``; see the class doc."""
+        _checks.features("x", x, self.d_model, what=f"(B, L, d_model={self.d_model})")
+        B, L, _ = x.shape
+        call_mask = _checks.as_mask("mask", mask)
+        if context is None:
+            if not self.self_capable:
+                raise ValueError(f"this MultiHeadAttention has kdim={self.kdim}, vdim={self.vdim} != "
+                                 f"d_model={self.d_model}, so it only does cross attention: pass context")
+            pos = None
+            if self.positions is not None and self.positions.absolute:
+                pos = (self._default_positions(cache, L, x.device) if positions is None
+                       else _checks.positions_tensor("positions", positions, B, L, x.device))
+            q, k, v = self._project_self(x, pos)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            if pos is not None:
+                q, k = self.positions.rotate(q, pos), self.positions.rotate(k, pos)
+            bias = self.positions.score_mod() if self.positions is not None else None
+            layer_mask = self.mask
+        else:
+            if self.positions is not None:
+                raise ValueError("positions= applies to self-attention; this module was built with "
+                                 f"{type(self.positions).__name__}: build the cross-attention module without it")
+            key_in, value_in = self._context_inputs(context, B)
+            q = self._project_query(x)
+            if cache is not None:
+                filled = getattr(cache, "seq_len", None)
+                if not isinstance(filled, int):
+                    raise TypeError(f"a cross-attention cache needs an int attribute seq_len (0 until filled), "
+                                    f"got {type(cache).__name__} without one")
+                if filled == 0:
+                    k, v = self._project_context(key_in, value_in)
+                else:
+                    k = q.new_empty(B, self.n_kv_heads, 0, self.d_head)
+                    v = q.new_empty(B, self.n_kv_heads, 0, self.d_head)
+            else:
+                k, v = self._project_context(key_in, value_in)
+            if self.q_norm is not None:
+                q = self.q_norm(q)
+                if k.shape[2]:
+                    k = self.k_norm(k)
+            bias = None
+            layer_mask = self.mask
+        scale = 1.0 / (math.sqrt(self.d_head) * self.temperature)
+        dropout_p = self.dropout if self.training else 0.0
+        extra = None
+        if cache is not None:
+            kv = cache.update(k, v)
+            if hasattr(kv, "attend"):
+                if need_weights:
+                    raise ValueError("need_weights=True is not available with a cache that computes attention "
+                                     "itself (its update() returned an object with attend())")
+                m = _checks.combine(layer_mask, call_mask)
+                out = kv.attend(q, mask=m, bias=bias, scale=scale, softcap=self.softcap)
+                return self._output(out)
+            if not isinstance(kv, (tuple, list)) or len(kv) not in (2, 3):
+                raise TypeError(f"cache.update(k, v) must return (k, v), (k, v, extra_mask) or an object with "
+                                f"attend(), got {type(kv).__name__}")
+            k, v = kv[0], kv[1]
+            extra = _checks.as_mask("the cache's extra_mask", kv[2]) if len(kv) == 3 else None
+        Lk = k.shape[2]
+        if self._plain_causal and L == 1 and call_mask is None and extra is None:
+            layer_mask = None  # one query at the last position sees every key: no mask to evaluate
+        _checks.check_mask_shape("mask", call_mask, B, self.n_heads, L, Lk)
+        m = _checks.combine(layer_mask, call_mask, extra)
+        out = self._attend(q, k, v, mask=m, bias=bias, scale=scale, softcap=self.softcap, dropout_p=dropout_p)
+        out = self._output(out)
+        if need_weights:
+            w = attention_weights(q.detach(), k.detach(), v.detach(), mask=m, bias=bias, scale=scale,
+                                  softcap=self.softcap)
+            return out, w
+        return out
+
+    def _output(self, out: Tensor) -> Tensor:
+        B, H, L, D = out.shape
+        return self.out_proj(out.transpose(1, 2).reshape(B, L, H * D))  # (B, L, d_model)
+
+    # --------------------------------------------------------------------------- convert
+
+    @classmethod
+    def from_torch(cls, m: nn.MultiheadAttention, *, backend: str = "auto") -> "MultiHeadAttention":
+        """An equivalent module from a ``torch.nn.MultiheadAttention`` (weights copied, dtype/device kept).
+
+        The result is batch-first: for a module with ``batch_first=False`` transpose its inputs
+        ``(L, B, E) -> (B, L, E)``.  Masks: torch's ``key_padding_mask (B, S)`` (True = ignore) becomes
+        ``mask=~key_padding_mask[:, None, None, :]``; a bool ``attn_mask (L, S)`` or ``(B*H, L, S)``
+        (True = not allowed) becomes ``~attn_mask`` (reshaped to ``(B, H, L, S)``); AND them.  torch's
+        averaged weights are ``weights.mean(1)``.  ``add_bias_kv`` and ``add_zero_attn`` are not supported.
+
+        Example::
+
+            >>> import torch
+            >>> from attnkit.nn import MultiHeadAttention
+            >>> tm = torch.nn.MultiheadAttention(16, 4, batch_first=True)
+            >>> x = torch.randn(2, 5, 16)
+            >>> torch.allclose(MultiHeadAttention.from_torch(tm)(x), tm(x, x, x)[0], atol=1e-6)
+            True
+        """
+        if not isinstance(m, nn.MultiheadAttention):
+            raise TypeError(f"from_torch expects a torch.nn.MultiheadAttention, got {type(m).__name__}")
+        if m.bias_k is not None or m.add_zero_attn:
+            raise ValueError("from_torch: add_bias_kv=True and add_zero_attn=True have no equivalent here")
+        E, H = m.embed_dim, m.num_heads
+        has_bias = m.in_proj_bias is not None
+        ref = m.out_proj.weight
+        out = cls(E, H, kdim=m.kdim, vdim=m.vdim, bias=has_bias, dropout=m.dropout, backend=backend,
+                  out_bias=m.out_proj.bias is not None).to(device=ref.device, dtype=ref.dtype)
+        with torch.no_grad():
+            if m._qkv_same_embed_dim:
+                wq, wk, wv = m.in_proj_weight.split(E)
+            else:
+                wq, wk, wv = m.q_proj_weight, m.k_proj_weight, m.v_proj_weight
+            b = m.in_proj_bias
+            bq, bk, bv = b.split(E) if has_bias else (None, None, None)
+            if out.self_capable:
+                pairs = [(out.qkv_proj, torch.cat([wq, wk, wv]), b)]
+            elif hasattr(out, "kv_proj"):
+                pairs = [(out.q_proj, wq, bq), (out.kv_proj, torch.cat([wk, wv]), None if b is None else b[E:])]
+            else:
+                pairs = [(out.q_proj, wq, bq), (out.k_proj, wk, bk), (out.v_proj, wv, bv)]
+            for lin, w, bb in pairs:
+                lin.weight.copy_(w)
+                if bb is not None:
+                    lin.bias.copy_(bb)
+            out.out_proj.weight.copy_(m.out_proj.weight)
+            if m.out_proj.bias is not None:
+                out.out_proj.bias.copy_(m.out_proj.bias)
+        return out
+
+    def extra_repr(self) -> str:
+        s = f"d_model={self.d_model}, n_heads={self.n_heads}"
+        if self.n_kv_heads != self.n_heads:
+            s += f", n_kv_heads={self.n_kv_heads}"
+        s += f", d_head={self.d_head}"
+        if not self.self_capable:
+            s += f", kdim={self.kdim}, vdim={self.vdim}"
+        if self.mask is not None:
+            s += f", mask={self.mask!r}"
+        for name in ("softcap",):
+            if getattr(self, name) is not None:
+                s += f", {name}={getattr(self, name)}"
+        if self.temperature != 1.0:
+            s += f", temperature={self.temperature}"
+        if self.backend != "auto":
+            s += f", backend={self.backend!r}"
+        return s

@@ -1,0 +1,215 @@
+"""Transformer blocks and stacks: :class:`TransformerBlock`, :class:`Encoder`, :class:`Decoder`."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .. import masks as _masks
+from . import _checks
+from .attention import MultiHeadAttention
+from .layers import FeedForward, make_norm
+
+Tensor = torch.Tensor
+
+__all__ = ["TransformerBlock", "Encoder", "Decoder", "default_d_ff"]
+
+
+def default_d_ff(d_model: int, ffn: str) -> int:
+    """``4 d_model`` for GELU; for SwiGLU ``8/3 d_model`` rounded up to a multiple of 64 (same parameters).
+
+    Example::
+
+        >>> default_d_ff(512, "gelu"), default_d_ff(512, "swiglu")
+        (2048, 1408)
+    """
+    if ffn == "gelu":
+        return 4 * d_model
+    return -(-(8 * d_model // 3) // 64) * 64
+
+
+class TransformerBlock(nn.Module):
+    """One transformer layer: self-attention, optional cross attention, feed-forward; each with a residual.
+
+    ``norm_first=True`` (Pre-LN): ``x = x + attn(norm(x))``, then ``x = x + ffn(norm(x))`` (a stack
+    needs a final norm).  ``norm_first=False`` (Post-LN, the original Transformer):
+    ``x = norm(x + attn(x))``, ``x = norm(x + ffn(x))``.  With ``cross_attention=True`` a cross-attention
+    sub-layer over ``context (B, Lc, context_dim)`` sits between the two.
+
+    Args:
+        d_model, n_heads, n_kv_heads, d_head: see :class:`MultiHeadAttention`.
+        d_ff: hidden width of the feed-forward network (default :func:`default_d_ff`).
+        dropout: residual and attention dropout.
+        norm: ``"layer"`` (LayerNorm) or ``"rms"`` (RMSNorm); ``norm_eps`` its epsilon.
+        ffn: ``"gelu"`` or ``"swiglu"``.
+        cross_attention: add the cross-attention sub-layer; ``context_dim`` its context width.
+        positions, mask, qk_norm, softcap, temperature, backend: passed to the self-attention.
+        bias: default for ``qkv_bias`` (q/k/v projections), ``out_bias`` (attention output) and ``ffn_bias``.
+
+    Submodules: ``attn_norm``, ``attn``, (``cross_norm``, ``cross_attn``), ``ffn_norm``, ``ffn``.
+
+    ``forward(x, context=None, *, mask=None, context_mask=None, cache=None, cross_cache=None,
+    positions=None)``: ``x (B, L, d_model) -> (B, L, d_model)``; ``mask`` joins the self-attention's
+    mask, ``context_mask`` (e.g. the context's key padding) the cross attention's; ``cache`` and
+    ``cross_cache`` are per-layer caches (see :class:`MultiHeadAttention`).
+
+    Example::
+
+        >>> import torch
+        >>> from attnkit import masks
+        >>> from attnkit.nn import TransformerBlock
+        >>> block = TransformerBlock(32, 4, norm="rms", ffn="swiglu", mask=masks.causal(), cross_attention=True)
+        >>> block(torch.randn(2, 6, 32), torch.randn(2, 9, 32)).shape
+        torch.Size([2, 6, 32])
+    """
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, d_head: int | None = None,
+                 d_ff: int | None = None, *, dropout: float = 0.0, norm_first: bool = True, norm: str = "layer",
+                 norm_eps: float = 1e-5, ffn: str = "gelu", cross_attention: bool = False,
+                 context_dim: int | None = None, positions=None, mask=None, bias: bool = True,
+                 qkv_bias: bool | None = None, out_bias: bool | None = None, ffn_bias: bool | None = None,
+                 qk_norm: bool = False, softcap: float | None = None, temperature: float = 1.0,
+                 backend: str = "auto"):
+        super().__init__()
+        _checks.choice("norm", norm, ("layer", "rms"))
+        _checks.choice("ffn", ffn, ("gelu", "swiglu"))
+        d_ff = default_d_ff(d_model, ffn) if d_ff is None else _checks.positive_int("d_ff", d_ff)
+        qkv_bias = bias if qkv_bias is None else qkv_bias
+        out_bias = bias if out_bias is None else out_bias
+        ffn_bias = bias if ffn_bias is None else ffn_bias
+        self.norm_first = bool(norm_first)
+        attn_kw = dict(n_kv_heads=n_kv_heads, d_head=d_head, bias=qkv_bias, out_bias=out_bias, dropout=dropout,
+                       qk_norm=qk_norm, softcap=softcap, temperature=temperature, backend=backend)
+        self.attn_norm = make_norm(norm, d_model, norm_eps)
+        self.attn = MultiHeadAttention(d_model, n_heads, positions=positions, mask=mask, **attn_kw)
+        self.cross_attention = bool(cross_attention)
+        if self.cross_attention:
+            self.cross_norm = make_norm(norm, d_model, norm_eps)
+            self.cross_attn = MultiHeadAttention(d_model, n_heads, kdim=context_dim, **attn_kw)
+        self.ffn_norm = make_norm(norm, d_model, norm_eps)
+        self.ffn = FeedForward(d_model, d_ff, ffn, bias=ffn_bias)
+        self.dropout = nn.Dropout(_checks.probability("dropout", dropout))
+
+    def forward(self, x: Tensor, context=None, *, mask=None, context_mask=None, cache=None, cross_cache=None,
+                positions=None) -> Tensor:
+        if self.cross_attention and context is None:
+            raise ValueError("this TransformerBlock has cross_attention=True: pass context (B, Lc, context_dim)")
+        if not self.cross_attention and context is not None:
+            raise ValueError("context was given but this TransformerBlock has no cross attention: build it "
+                             "with cross_attention=True")
+        drop = self.dropout
+        if self.norm_first:
+            x = x + drop(self.attn(self.attn_norm(x), mask=mask, cache=cache, positions=positions))
+            if self.cross_attention:
+                x = x + drop(self.cross_attn(self.cross_norm(x), context, mask=context_mask, cache=cross_cache))
+            return x + drop(self.ffn(self.ffn_norm(x)))
+        x = self.attn_norm(x + drop(self.attn(x, mask=mask, cache=cache, positions=positions)))
+        if self.cross_attention:
+            x = self.cross_norm(x + drop(self.cross_attn(x, context, mask=context_mask, cache=cross_cache)))
+        return self.ffn_norm(x + drop(self.ffn(x)))
+
+
+def _layer_caches(cache, name: str, n: int):
+    if cache is None:
+        return [None] * n
+    layers = getattr(cache, name, None)
+    if layers is None:
+        raise TypeError(f"cache must expose {name!r} (one per-layer cache per layer), got {type(cache).__name__}")
+    if len(layers) != n:
+        raise ValueError(f"cache.{name} has {len(layers)} per-layer caches for {n} layers")
+    return layers
+
+
+def _cache_positions(cache, batch: int, length: int, device, positions) -> Tensor:
+    """Absolute positions ``(L,)`` or ``(B, L)``: given, or ``cache.seq_len + arange(L)``."""
+    if positions is not None:
+        return _checks.positions_tensor("positions", positions, batch, length, device)
+    start = 0
+    if cache is not None:
+        start = getattr(cache, "seq_len", None)
+        if isinstance(start, torch.Tensor) and start.numel() == 1:
+            start = int(start)
+        if isinstance(start, bool) or not isinstance(start, int):
+            raise TypeError(f"cache.seq_len must be an int (tokens already stored), got {start!r}")
+    return torch.arange(start, start + length, device=device)
+
+
+class _Stack(nn.Module):
+    def _build(self, d_model, n_layers, n_heads, causal, cross, block_options):
+        _checks.positive_int("n_layers", n_layers)
+        opts = dict(block_options)
+        user_mask = _checks.as_mask("mask", opts.pop("mask", None))
+        mask = _masks.causal() & user_mask if causal and user_mask is not None else (
+            _masks.causal() if causal else user_mask)
+        self.layers = nn.ModuleList(
+            TransformerBlock(d_model, n_heads, mask=mask, cross_attention=cross, **opts) for _ in range(n_layers))
+        norm_first = opts.get("norm_first", True)
+        self.norm = make_norm(opts.get("norm", "layer"), d_model, opts.get("norm_eps", 1e-5)) if norm_first else None
+        self.d_model = d_model
+
+
+class Encoder(_Stack):
+    """A stack of bidirectional :class:`TransformerBlock` s (no causal mask), with a final norm when Pre-LN.
+
+    ``block_options`` go to every block (``norm``, ``ffn``, ``positions`` (one instance shared by all
+    layers), ``mask``, ``dropout``, ...).  ``forward(x (B, L, d_model), *, mask=None, positions=None)``
+    returns ``(B, L, d_model)``; ``mask`` is e.g. the inputs' key padding.
+
+    Example::
+
+        >>> import torch
+        >>> from attnkit import masks
+        >>> from attnkit.nn import Encoder
+        >>> enc = Encoder(32, 2, 4)
+        >>> enc(torch.randn(2, 7, 32), mask=masks.key_padding([7, 5])).shape
+        torch.Size([2, 7, 32])
+    """
+
+    def __init__(self, d_model: int, n_layers: int, n_heads: int, **block_options):
+        super().__init__()
+        if "cross_attention" in block_options:
+            raise ValueError("Encoder layers have no cross attention; use Decoder(cross_attention=True)")
+        self._build(d_model, n_layers, n_heads, causal=False, cross=False, block_options=block_options)
+
+    def forward(self, x: Tensor, *, mask=None, positions=None) -> Tensor:
+        _checks.features("x", x, self.d_model, what=f"(B, L, d_model={self.d_model})")
+        pos = _cache_positions(None, x.shape[0], x.shape[1], x.device, positions)
+        for layer in self.layers:
+            x = layer(x, mask=mask, positions=pos)
+        return self.norm(x) if self.norm is not None else x
+
+
+class Decoder(_Stack):
+    """A stack of causal :class:`TransformerBlock` s (``masks.causal()`` AND-ed with ``mask``), optionally
+    with cross attention to an encoder's output, and a final norm when Pre-LN.
+
+    ``forward(x (B, L, d_model), context=None, *, mask=None, context_mask=None, cache=None,
+    positions=None) -> (B, L, d_model)``.  ``cache`` is a model-level cache: ``cache.layers[i]`` (self
+    attention of layer ``i``), ``cache.cross_layers[i]`` (its cross attention; filled from ``context``
+    on the first call, see :class:`MultiHeadAttention`) and ``cache.seq_len`` (tokens stored before this
+    call; default positions are ``seq_len + arange(L)``).
+
+    Example::
+
+        >>> import torch
+        >>> from attnkit.nn import Decoder
+        >>> dec = Decoder(32, 2, 4, cross_attention=True)
+        >>> dec(torch.randn(2, 5, 32), torch.randn(2, 8, 32)).shape
+        torch.Size([2, 5, 32])
+    """
+
+    def __init__(self, d_model: int, n_layers: int, n_heads: int, *, cross_attention: bool = False,
+                 **block_options):
+        super().__init__()
+        self.cross_attention = bool(cross_attention)
+        self._build(d_model, n_layers, n_heads, causal=True, cross=self.cross_attention, block_options=block_options)
+
+    def forward(self, x: Tensor, context=None, *, mask=None, context_mask=None, cache=None, positions=None) -> Tensor:
+        _checks.features("x", x, self.d_model, what=f"(B, L, d_model={self.d_model})")
+        n = len(self.layers)
+        self_caches = _layer_caches(cache, "layers", n)
+        cross_caches = _layer_caches(cache, "cross_layers", n) if self.cross_attention else [None] * n
+        pos = _cache_positions(cache, x.shape[0], x.shape[1], x.device, positions)
+        for layer, c, cc in zip(self.layers, self_caches, cross_caches):
+            x = layer(x, context, mask=mask, context_mask=context_mask, cache=c, cross_cache=cc, positions=pos)
+        return self.norm(x) if self.norm is not None else x

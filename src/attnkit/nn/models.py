@@ -1,0 +1,324 @@
+"""Language models: :class:`DecoderConfig`, :class:`DecoderLM` (decoder-only) and :class:`EncoderDecoder`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .. import masks as _masks
+from . import _checks
+from .blocks import Decoder, Encoder, TransformerBlock, _cache_positions, _layer_caches, default_d_ff
+from .layers import Linear, _column_major, make_norm
+from .positions import ALiBi, PositionEncoding, RotaryEmbedding, SinusoidalPositions, T5RelativeBias
+
+Tensor = torch.Tensor
+
+__all__ = ["DecoderConfig", "DecoderLM", "EncoderDecoder"]
+
+_POSITIONS = ("rope", "alibi", "t5", "sinusoidal", "none")
+
+
+@dataclass
+class DecoderConfig:
+    """Configuration of a decoder-only language model (:class:`DecoderLM`); also builds :class:`EncoderDecoder`.
+
+    Expresses Llama (``norm="rms", ffn="swiglu"``, RoPE, no biases), Mistral (plus
+    ``mask=masks.sliding_window(W - 1)``) and Qwen2 (plus ``qkv_bias=True``) as well as GPT-style
+    models (``norm="layer", ffn="gelu"``, biases, ``positions="sinusoidal"`` or ``"alibi"``).
+
+    Example::
+
+        >>> from attnkit.nn import DecoderConfig
+        >>> cfg = DecoderConfig.preset("llama-like")
+        >>> cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.d_ff, cfg.vocab_size
+        (512, 8, 8, 1408, 32000)
+        >>> DecoderConfig.preset("tiny", positions="alibi").positions
+        'alibi'
+    """
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int | None = None  # key/value heads (grouped-query); None = n_heads, 1 = multi-query
+    d_head: int | None = None  # None = d_model // n_heads
+    d_ff: int | None = None  # feed-forward hidden width (Llama's intermediate_size); None = default_d_ff
+    max_seq_len: int = 2048  # positions >= this raise, unless the position method extrapolates (alibi, t5, none)
+    positions: str = "rope"  # "rope" | "alibi" | "t5" | "sinusoidal" | "none"
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"type": "linear" | "ntk" | "llama3", "factor": f, ...} (HF format too)
+    rotary_dim: int | None = None  # partial rotary: rotate the first rotary_dim dims of each head
+    rope_interleaved: bool = False  # pair dims (2i, 2i+1) instead of (i, i + d/2)
+    t5_num_buckets: int = 32
+    t5_max_distance: int = 128
+    mask: _masks.Mask | None = None  # AND-ed with causal, e.g. masks.sliding_window(4095) (Mistral)
+    norm: str = "rms"  # "rms" | "layer"
+    norm_eps: float = 1e-5
+    norm_first: bool = True  # Pre-LN (with a final norm); False = Post-LN
+    ffn: str = "swiglu"  # "swiglu" | "gelu"
+    qkv_bias: bool = False  # bias on the q/k/v projections (Qwen2: True)
+    out_bias: bool = False  # bias on the attention output projection
+    ffn_bias: bool = False  # biases in the feed-forward network
+    qk_norm: bool = False  # RMSNorm on every query and key head
+    softcap: float | None = None  # attention score softcap
+    tie_embeddings: bool = True  # the output head reuses the token embedding
+    dropout: float = 0.0
+    init_std: float = 0.02
+    backend: str = "auto"
+
+    _PRESETS = {
+        "tiny": dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, max_seq_len=512),
+        "small": dict(vocab_size=32000, d_model=256, n_layers=4, n_heads=4, max_seq_len=1024),
+        "llama-like": dict(vocab_size=32000, d_model=512, n_layers=8, n_heads=8, d_ff=1408, max_seq_len=2048,
+                           norm_eps=1e-6, tie_embeddings=False),
+    }
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "t5_max_distance"):
+            _checks.positive_int(name, getattr(self, name))
+        self.n_kv_heads_, self.d_head_ = _checks.head_layout(self.d_model, self.n_heads, self.n_kv_heads, self.d_head)
+        _checks.choice("positions", self.positions, _POSITIONS)
+        _checks.choice("norm", self.norm, ("rms", "layer"))
+        _checks.choice("ffn", self.ffn, ("swiglu", "gelu"))
+        _checks.positive_int("d_ff", self.d_ff, allow_none=True)
+        _checks.positive_int("rotary_dim", self.rotary_dim, allow_none=True)
+        _checks.positive_float("rope_theta", self.rope_theta)
+        _checks.positive_float("norm_eps", self.norm_eps)
+        _checks.positive_float("softcap", self.softcap, allow_none=True)
+        _checks.positive_float("init_std", self.init_std)
+        _checks.probability("dropout", self.dropout)
+        _checks.as_mask("mask", self.mask)
+        if self.rotary_dim is not None and (self.rotary_dim > self.d_head_ or self.rotary_dim % 2):
+            raise ValueError(f"rotary_dim={self.rotary_dim} must be even and <= d_head={self.d_head_}")
+        if self.positions == "sinusoidal" and self.d_model % 2:
+            raise ValueError(f"positions='sinusoidal' needs an even d_model, got {self.d_model}")
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "DecoderConfig":
+        """A named configuration, with fields overridden by keyword.
+
+        ``"tiny"``: vocab 256, d_model 64, 2 layers, 4 heads (tests, demos).  ``"small"``: vocab 32000,
+        d_model 256, 4 layers, 4 heads.  ``"llama-like"``: vocab 32000, hidden 512, 8 layers, 8 heads,
+        intermediate 1408, RMSNorm eps 1e-6, untied embeddings (Hugging Face ``LlamaConfig`` of that size).
+        """
+        if name not in cls._PRESETS:
+            raise ValueError(f"unknown preset {name!r}: choose one of {sorted(cls._PRESETS)}")
+        return cls(**{**cls._PRESETS[name], **overrides})
+
+    def replace(self, **changes) -> "DecoderConfig":
+        """A copy with some fields changed (validated)."""
+        return replace(self, **changes)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads_
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_head_
+
+    @property
+    def ff_dim(self) -> int:
+        return self.d_ff if self.d_ff is not None else default_d_ff(self.d_model, self.ffn)
+
+
+def _make_positions(cfg: DecoderConfig, *, bidirectional: bool) -> PositionEncoding | None:
+    if cfg.positions == "rope":
+        return RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, base=cfg.rope_theta, interleaved=cfg.rope_interleaved,
+                               scaling=cfg.rope_scaling)
+    if cfg.positions == "alibi":
+        return ALiBi(cfg.n_heads)
+    if cfg.positions == "t5":
+        return T5RelativeBias(cfg.n_heads, cfg.t5_num_buckets, cfg.t5_max_distance, bidirectional=bidirectional)
+    return None
+
+
+def _block_options(cfg: DecoderConfig, positions) -> dict:
+    return dict(n_kv_heads=cfg.n_kv_heads, d_head=cfg.d_head, d_ff=cfg.ff_dim, dropout=cfg.dropout,
+                norm_first=cfg.norm_first, norm=cfg.norm, norm_eps=cfg.norm_eps, ffn=cfg.ffn, positions=positions,
+                qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias, ffn_bias=cfg.ffn_bias, qk_norm=cfg.qk_norm,
+                softcap=cfg.softcap, backend=cfg.backend)
+
+
+class _LMBase(nn.Module):
+    """Token embedding, optional sinusoidal positions, output head; shared by the two models."""
+
+    def _build_io(self, cfg: DecoderConfig):
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.abs_positions = SinusoidalPositions(cfg.d_model) if cfg.positions == "sinusoidal" else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.lm_head = None if cfg.tie_embeddings else Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def _init_weights(self, n_layers: int):
+        std = self.config.init_std
+        for name, p in self.named_parameters():
+            if p.dim() < 2:
+                if name.endswith("bias"):
+                    nn.init.zeros_(p)
+                continue
+            if name.endswith("table"):  # T5 buckets
+                nn.init.normal_(p, std=std)
+            elif name.endswith(("out_proj.weight", "down_proj.weight")):  # residual branches, GPT-2 style
+                nn.init.normal_(p, std=std / math.sqrt(2 * n_layers))
+            else:
+                nn.init.normal_(p, std=std)
+        if self.lm_head is None:  # the tied head streams the embedding: keep it column-major for decoding
+            self.embed.weight.data = _column_major(self.embed.weight.data)
+
+    def _check_positions(self, pos: Tensor) -> None:
+        cfg = self.config
+        if cfg.positions in ("alibi", "t5", "none") or pos.numel() == 0:
+            return
+        hi = int(pos.max())
+        if hi >= cfg.max_seq_len:
+            raise ValueError(f"position {hi} is beyond max_seq_len={cfg.max_seq_len} and positions="
+                             f"{cfg.positions!r} does not extrapolate: raise max_seq_len (with rope_scaling for "
+                             f"RoPE) or use positions='alibi'")
+        if int(pos.min()) < 0:
+            raise ValueError(f"positions must be >= 0, got {int(pos.min())}")
+
+    def _embed(self, ids: Tensor, pos: Tensor) -> Tensor:
+        x = self.embed(ids)  # (B, L, d_model)
+        if self.abs_positions is not None:
+            x = x + self.abs_positions.encode(pos).to(x.dtype)
+        return self.drop(x)
+
+    def _logits(self, x: Tensor) -> Tensor:
+        if self.lm_head is None:
+            return F.linear(x, self.embed.weight)  # (B, L, vocab)
+        return self.lm_head(x)
+
+    def _positions(self, ids: Tensor, cache, positions) -> Tensor:
+        B, L = ids.shape
+        if positions is None and cache is not None and self.config.positions in ("rope", "sinusoidal"):
+            start = getattr(cache, "seq_len", 0)
+            if isinstance(start, int) and start + L > self.config.max_seq_len:
+                raise ValueError(f"the cache holds {start} tokens and {L} more would reach position "
+                                 f"{start + L - 1}, beyond max_seq_len={self.config.max_seq_len}")
+        pos = _cache_positions(cache, B, L, ids.device, positions)
+        if positions is not None or cache is None:
+            self._check_positions(pos)
+        return pos
+
+
+class DecoderLM(_LMBase):
+    """A decoder-only language model: token embedding, ``n_layers`` causal :class:`TransformerBlock` s,
+    final norm (Pre-LN), output head (tied to the embedding by default).
+
+    Submodules (for converting checkpoints): ``embed`` (``nn.Embedding``), ``layers[i]`` with
+    ``attn_norm``, ``attn.qkv_proj`` (rows ``[q; k; v]``), ``attn.out_proj``, ``ffn_norm``,
+    ``ffn.up_proj`` (SwiGLU: rows ``[gate; up]``), ``ffn.down_proj``; ``norm``; ``lm_head`` (``None`` when
+    tied).  Weights are stored column-major for fast decoding; load them with ``load_state_dict`` or
+    ``weight.copy_(...)`` (or call :func:`attnkit.nn.to_decode_layout` after assigning ``.data``).
+
+    ``forward(ids (B, L) long, *, cache=None, positions=None, mask=None) -> logits (B, L, vocab_size)``.
+
+    * ``cache``: a model-level KV cache with ``cache.layers`` (one per-layer cache per layer, see
+      :class:`MultiHeadAttention` for the per-layer protocol) and ``cache.seq_len`` (int, tokens stored
+      before this call, read once at the start).
+    * ``positions``: absolute positions ``(L,)`` or ``(B, L)`` (ragged batches); default
+      ``cache.seq_len + arange(L)`` (``arange(L)`` without a cache).  They drive RoPE and sinusoidal
+      positions; ALiBi and T5 use relative distances in key order.  Beyond ``max_seq_len`` raises unless
+      the method extrapolates (ALiBi, T5, none).
+    * ``mask``: extra mask AND-ed with the causal one (and ``config.mask``), e.g.
+      ``masks.key_padding(lengths)`` or a bool ``(B, 1, L, Lk)`` tensor.
+
+    Example::
+
+        >>> import torch
+        >>> from attnkit.nn import DecoderConfig, DecoderLM
+        >>> model = DecoderLM(DecoderConfig.preset("tiny"))
+        >>> model(torch.randint(0, 256, (2, 12))).shape
+        torch.Size([2, 12, 256])
+    """
+
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        if not isinstance(config, DecoderConfig):
+            raise TypeError(f"DecoderLM takes a DecoderConfig, got {type(config).__name__}")
+        cfg = config
+        self._build_io(cfg)
+        self.positions = _make_positions(cfg, bidirectional=False)
+        mask = _masks.causal() if cfg.mask is None else _masks.causal() & cfg.mask
+        opts = _block_options(cfg, self.positions)
+        self.layers = nn.ModuleList(TransformerBlock(cfg.d_model, cfg.n_heads, mask=mask, **opts)
+                                    for _ in range(cfg.n_layers))
+        self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps) if cfg.norm_first else None
+        self._init_weights(cfg.n_layers)
+
+    def forward(self, ids: Tensor, *, cache=None, positions=None, mask=None) -> Tensor:
+        _checks.token_ids("ids", ids, self.config.vocab_size)
+        caches = _layer_caches(cache, "layers", len(self.layers))
+        pos = self._positions(ids, cache, positions)
+        x = self._embed(ids, pos)
+        for layer, c in zip(self.layers, caches):
+            x = layer(x, mask=mask, cache=c, positions=pos)
+        if self.norm is not None:
+            x = self.norm(x)
+        return self._logits(x)
+
+
+class EncoderDecoder(_LMBase):
+    """An encoder-decoder (sequence-to-sequence) model with one shared vocabulary (as T5).
+
+    The encoder is bidirectional (T5 positions bucket both directions), the decoder causal with cross
+    attention to the encoder output ``memory``.  ``config`` gives the decoder (and, unless
+    ``n_encoder_layers`` is given, the encoder depth); ``config.mask`` applies to the decoder only.
+
+    * ``encode(src (B, Ls), *, src_mask=None) -> memory (B, Ls, d_model)``; ``src_mask`` (e.g.
+      ``masks.key_padding(lengths)``) masks the encoder's keys.
+    * ``decode(tgt (B, L), memory, *, memory_mask=None, cache=None, positions=None) -> logits``;
+      ``memory_mask`` masks the memory's keys in cross attention (give the source's key padding again).
+    * ``forward(src, tgt, *, src_mask=None) = decode(tgt, encode(src, src_mask), memory_mask=src_mask)``.
+
+    **Caching** (incremental decoding): ``cache.layers[i]`` is layer ``i``'s self-attention cache,
+    ``cache.cross_layers[i]`` its cross-attention cache, ``cache.seq_len`` the target tokens already
+    stored.  Compute ``memory`` once and pass it to every ``decode`` call; on the first call each cross
+    cache has ``seq_len == 0``, the layer projects ``memory`` to keys/values ``(B, Hkv, Ls, d_head)`` and
+    calls ``cross_cache.update(k, v)`` once; on later calls it skips the projection and calls
+    ``cross_cache.update`` with zero-length keys/values, using the stored ones.  A plain appending
+    per-layer cache with ``seq_len`` works as a cross cache.
+
+    Example::
+
+        >>> import torch
+        >>> from attnkit.nn import DecoderConfig, EncoderDecoder
+        >>> model = EncoderDecoder(DecoderConfig.preset("tiny", positions="t5"))
+        >>> model(torch.randint(0, 256, (2, 9)), torch.randint(0, 256, (2, 5))).shape
+        torch.Size([2, 5, 256])
+    """
+
+    def __init__(self, config: DecoderConfig, n_encoder_layers: int | None = None):
+        super().__init__()
+        if not isinstance(config, DecoderConfig):
+            raise TypeError(f"EncoderDecoder takes a DecoderConfig, got {type(config).__name__}")
+        cfg = config
+        n_enc = cfg.n_layers if n_encoder_layers is None else _checks.positive_int("n_encoder_layers",
+                                                                                   n_encoder_layers)
+        self._build_io(cfg)
+        self.encoder_positions = _make_positions(cfg, bidirectional=True)
+        self.decoder_positions = (self.encoder_positions if cfg.positions in ("rope", "alibi")
+                                  else _make_positions(cfg, bidirectional=False))
+        self.encoder = Encoder(cfg.d_model, n_enc, cfg.n_heads, **_block_options(cfg, self.encoder_positions))
+        self.decoder = Decoder(cfg.d_model, cfg.n_layers, cfg.n_heads, cross_attention=True, mask=cfg.mask,
+                               **_block_options(cfg, self.decoder_positions))
+        self._init_weights(cfg.n_layers + n_enc)
+
+    def encode(self, src: Tensor, *, src_mask=None) -> Tensor:
+        _checks.token_ids("src", src, self.config.vocab_size)
+        pos = self._positions(src, None, None)
+        return self.encoder(self._embed(src, pos), mask=src_mask, positions=pos)
+
+    def decode(self, tgt: Tensor, memory: Tensor, *, memory_mask=None, cache=None, positions=None) -> Tensor:
+        _checks.token_ids("tgt", tgt, self.config.vocab_size)
+        pos = self._positions(tgt, cache, positions)
+        x = self.decoder(self._embed(tgt, pos), memory, context_mask=memory_mask, cache=cache, positions=pos)
+        return self._logits(x)
+
+    def forward(self, src: Tensor, tgt: Tensor, *, src_mask=None) -> Tensor:
+        return self.decode(tgt, self.encode(src, src_mask=src_mask), memory_mask=src_mask)

@@ -1,0 +1,49 @@
+"""Test helpers for attnkit.nn: a tiny contiguous KV cache (test-only; the real caches live in attnkit.cache)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+class ConcatLayerCache:
+    """Appends new keys/values along the length dim and returns everything stored, in position order."""
+
+    def __init__(self, extra_mask=None):
+        self.k = self.v = None
+        self.extra_mask = extra_mask  # a callable(kv_len) -> mask, to exercise the 3-tuple form
+        self.calls = 0
+
+    @property
+    def seq_len(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def update(self, k, v):
+        self.calls += 1
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)  # (B, Hkv, Lk, D)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        if self.extra_mask is not None:
+            return self.k, self.v, self.extra_mask(self.k.shape[2])
+        return self.k, self.v
+
+
+class ConcatCache:
+    """Model-level cache: ``layers``, ``cross_layers`` and ``seq_len`` (tokens stored in layer 0)."""
+
+    def __init__(self, n_layers: int, *, cross: bool = False, extra_mask=None):
+        self.layers = [ConcatLayerCache(extra_mask) for _ in range(n_layers)]
+        self.cross_layers = [ConcatLayerCache() for _ in range(n_layers)] if cross else None
+
+    @property
+    def seq_len(self) -> int:
+        return self.layers[0].seq_len
+
+
+@pytest.fixture
+def concat_cache():
+    return ConcatCache
+
+
+@pytest.fixture
+def concat_layer_cache():
+    return ConcatLayerCache
