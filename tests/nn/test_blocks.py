@@ -1,0 +1,92 @@
+"""TransformerBlock, Encoder, Decoder, FeedForward, RMSNorm, Linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnkit import masks
+from attnkit.nn import Decoder, Encoder, FeedForward, Linear, RMSNorm, TransformerBlock
+
+D64 = torch.float64
+
+
+@pytest.mark.parametrize("norm_first", [True, False])
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_block_composes_its_sublayers_in_the_stated_order(norm_first, norm):
+    block = TransformerBlock(16, 4, norm_first=norm_first, norm=norm, ffn="swiglu", cross_attention=True,
+                             mask=masks.causal()).to(D64)
+    for p in block.parameters():  # non-trivial norms
+        if p.dim() == 1:
+            torch.nn.init.uniform_(p, 0.5, 1.5)
+    x, ctx = torch.randn(2, 5, 16, dtype=D64), torch.randn(2, 7, 16, dtype=D64)
+    if norm_first:
+        h = x + block.attn(block.attn_norm(x))
+        h = h + block.cross_attn(block.cross_norm(h), ctx)
+        expected = h + block.ffn(block.ffn_norm(h))
+    else:
+        h = block.attn_norm(x + block.attn(x))
+        h = block.cross_norm(h + block.cross_attn(h, ctx))
+        expected = block.ffn_norm(h + block.ffn(h))
+    torch.testing.assert_close(block(x, ctx), expected, rtol=0, atol=1e-12)
+    assert isinstance(block.attn_norm, torch.nn.LayerNorm if norm == "layer" else RMSNorm)
+
+
+def test_feed_forward_written_out():
+    x = torch.randn(2, 3, 8, dtype=D64)
+    gelu = FeedForward(8, 12, "gelu").to(D64)
+    torch.testing.assert_close(gelu(x), F.gelu(x @ gelu.up_proj.weight.T + gelu.up_proj.bias) @ gelu.down_proj.weight.T
+                               + gelu.down_proj.bias, rtol=0, atol=1e-12)
+    sw = FeedForward(8, 12, "swiglu", bias=False).to(D64)
+    gate, up = sw.up_proj.weight[:12], sw.up_proj.weight[12:]
+    torch.testing.assert_close(sw(x), (F.silu(x @ gate.T) * (x @ up.T)) @ sw.down_proj.weight.T, rtol=0, atol=1e-12)
+
+
+def test_rms_norm_and_linear_match_their_definitions():
+    x = torch.randn(4, 6, dtype=D64)
+    n = RMSNorm(6, eps=1e-5).to(D64)
+    torch.nn.init.uniform_(n.weight)
+    torch.testing.assert_close(n(x), x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-5) * n.weight, rtol=0,
+                               atol=1e-12)
+    lin, ref = Linear(6, 3).to(D64), torch.nn.Linear(6, 3).to(D64)
+    ref.load_state_dict(lin.state_dict())
+    torch.testing.assert_close(lin(x), ref(x), rtol=0, atol=1e-12)
+    assert lin.weight.stride() == (1, 3) and lin.weight.grad is None
+    lin(x).sum().backward()
+    assert lin.weight.grad.shape == (3, 6)
+
+
+def test_encoder_is_bidirectional_and_decoder_causal():
+    torch.manual_seed(0)
+    x = torch.randn(1, 6, 16)
+    enc, dec = Encoder(16, 2, 4).eval(), Decoder(16, 2, 4).eval()
+    changed = x.clone()
+    changed[:, -1] += torch.randn(16)  # not a constant: LayerNorm would remove it
+    assert (enc(changed)[:, 0] - enc(x)[:, 0]).abs().max() > 1e-4  # the first token sees the last
+    torch.testing.assert_close(dec(changed)[:, :-1], dec(x)[:, :-1])  # the past never sees the future
+    assert dec.norm is not None and Decoder(16, 1, 4, norm_first=False).norm is None
+
+
+def test_decoder_mask_is_and_ed_with_causal():
+    dec = Decoder(16, 1, 4, mask=masks.sliding_window(1)).eval()
+    x = torch.randn(1, 6, 16)
+    changed = x.clone()
+    changed[:, 0] += torch.randn(16)
+    torch.testing.assert_close(dec(changed)[:, 2:], dec(x)[:, 2:])  # one layer, window of 2: token 0 gone
+    assert (dec(changed)[:, 1] - dec(x)[:, 1]).abs().max() > 1e-4
+
+
+def test_block_errors():
+    with pytest.raises(ValueError, match="cross_attention=True: pass context"):
+        TransformerBlock(8, 2, cross_attention=True)(torch.randn(1, 2, 8))
+    with pytest.raises(ValueError, match="no cross attention"):
+        TransformerBlock(8, 2)(torch.randn(1, 2, 8), torch.randn(1, 2, 8))
+    with pytest.raises(ValueError, match="norm='batch' is not one of"):
+        TransformerBlock(8, 2, norm="batch")
+    with pytest.raises(ValueError, match="ffn='relu' is not one of"):
+        TransformerBlock(8, 2, ffn="relu")
+    with pytest.raises(ValueError, match="context has width 3"):
+        TransformerBlock(8, 2, cross_attention=True, context_dim=4)(torch.randn(1, 2, 8), torch.randn(1, 2, 3))
+    with pytest.raises(ValueError, match="Encoder layers have no cross attention"):
+        Encoder(8, 1, 2, cross_attention=True)

@@ -1,0 +1,188 @@
+"""Position encodings: RoPE (pairings, partial, offsets, scaling), ALiBi, T5 buckets, sinusoidal."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from attnkit import bias as kbias
+from attnkit import masks
+from attnkit.nn import ALiBi, MultiHeadAttention, RotaryEmbedding, SinusoidalPositions, T5RelativeBias
+from attnkit.testing import reference
+
+D64 = torch.float64
+
+
+def rope_complex(x, positions, dim, base, interleaved, pos_scale=1.0):
+    """RoPE written as complex multiplication (float64), the definition in the RoFormer paper."""
+    xr, rest = x[..., :dim].double(), x[..., dim:]
+    theta = base ** (-torch.arange(0, dim, 2, dtype=D64) / dim)
+    angle = positions.double()[..., None] / pos_scale * theta  # (..., L, dim/2)
+    if interleaved:
+        z = torch.complex(xr[..., 0::2], xr[..., 1::2])
+    else:
+        z = torch.complex(xr[..., : dim // 2], xr[..., dim // 2:])
+    z = z * torch.polar(torch.ones_like(angle), angle)
+    if interleaved:
+        out = torch.stack([z.real, z.imag], dim=-1).flatten(-2)
+    else:
+        out = torch.cat([z.real, z.imag], dim=-1)
+    return torch.cat([out, rest.double()], dim=-1)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dim", [8, 4])
+def test_rope_is_a_rotation_of_pairs(interleaved, dim):
+    rope = RotaryEmbedding(dim, base=100.0, interleaved=interleaved)
+    x = torch.randn(2, 3, 7, 8, dtype=D64)
+    pos = torch.arange(7) + 5
+    expected = rope_complex(x, pos, dim, 100.0, interleaved)
+    torch.testing.assert_close(rope.rotate(x, pos), expected, rtol=0, atol=1e-6)  # angles in float32
+    if dim < 8:
+        assert torch.equal(rope.rotate(x, pos)[..., dim:], x[..., dim:])  # partial rotary passes the rest
+
+
+@given(st.integers(0, 50), st.integers(0, 50))
+def test_rope_scores_depend_only_on_distance(shift, length_extra):
+    rope = RotaryEmbedding(8)
+    q, k = torch.randn(1, 1, 1, 8, dtype=D64), torch.randn(1, 1, 1, 8, dtype=D64)
+    d = length_extra % 7
+    a = rope.rotate(q, torch.tensor([d])) @ rope.rotate(k, torch.tensor([0])).transpose(-1, -2)
+    b = rope.rotate(q, torch.tensor([d + shift])) @ rope.rotate(k, torch.tensor([shift])).transpose(-1, -2)
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_rope_batched_positions_and_offsets():
+    rope = RotaryEmbedding(8)
+    x = torch.randn(2, 2, 4, 8)
+    pos = torch.tensor([[0, 1, 2, 3], [7, 8, 9, 10]])
+    out = rope.rotate(x, pos)
+    torch.testing.assert_close(out[0], rope.rotate(x[:1], torch.arange(4))[0])
+    torch.testing.assert_close(out[1], rope.rotate(x[1:], torch.arange(7, 11))[0])
+
+
+def test_rope_linear_and_ntk_scaling():
+    x = torch.randn(1, 1, 6, 8, dtype=D64)
+    pos = torch.arange(6) * 3
+    linear = RotaryEmbedding(8, scaling={"type": "linear", "factor": 4.0})
+    torch.testing.assert_close(linear.rotate(x, pos), rope_complex(x, pos, 8, 10000.0, False, pos_scale=4.0),
+                               rtol=0, atol=1e-6)
+    ntk = RotaryEmbedding(8, scaling={"rope_type": "ntk", "factor": 4.0})
+    base = 10000.0 * 4.0 ** (8 / 6)
+    torch.testing.assert_close(ntk.rotate(x, pos), rope_complex(x, pos, 8, base, False), rtol=0, atol=1e-6)
+    llama3 = RotaryEmbedding(8, scaling={"type": "llama3", "factor": 8.0, "original_max_position_embeddings": 16})
+    inv = RotaryEmbedding(8).inv_freq
+    wavelen = 2 * math.pi / inv
+    assert torch.equal(llama3.inv_freq[wavelen < 16 / 4], inv[wavelen < 16 / 4])  # high frequencies kept
+    torch.testing.assert_close(llama3.inv_freq[wavelen > 16], inv[wavelen > 16] / 8)  # low ones scaled
+
+
+def test_rope_errors():
+    with pytest.raises(ValueError, match="must be even"):
+        RotaryEmbedding(5)
+    with pytest.raises(ValueError, match="beyond max_seq_len=4"):
+        RotaryEmbedding(4, max_seq_len=4).rotate(torch.randn(1, 1, 5, 4), torch.arange(5))
+    with pytest.raises(ValueError, match="scaling\\['factor'\\]"):
+        RotaryEmbedding(4, scaling={"type": "linear"})
+    with pytest.raises(ValueError, match="does not use"):
+        RotaryEmbedding(4, scaling={"type": "linear", "factor": 2.0, "beta": 1})
+
+
+def test_rope_inside_attention_rotates_queries_and_keys_at_positions():
+    rope = RotaryEmbedding(4)
+    m = MultiHeadAttention(8, 2, positions=rope, mask=masks.causal()).to(D64)
+    x = torch.randn(2, 5, 8, dtype=D64)
+    pos = torch.arange(5) + 11
+    qkv = m.qkv_proj(x)
+    q, k, v = (t.view(2, 5, 2, 4).transpose(1, 2) for t in qkv.split(8, -1))
+    q, k = rope_complex(q, pos, 4, 10000.0, False), rope_complex(k, pos, 4, 10000.0, False)
+    out, _ = reference(q, k, v, mask=masks.causal())
+    expected = m.out_proj(out.transpose(1, 2).reshape(2, 5, 8))
+    torch.testing.assert_close(m(x, positions=pos), expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(m(x, positions=pos[None].expand(2, 5)), expected, rtol=0, atol=1e-6)
+
+
+def _scores_bias(m, x, expected_bias):
+    qkv = m.qkv_proj(x)
+    B, L, _ = x.shape
+    H, D = m.n_heads, m.d_head
+    q, k, v = (t.view(B, L, H, D).transpose(1, 2) for t in qkv.split(H * D, -1))
+    out, _ = reference(q, k, v, bias=expected_bias, mask=m.mask)
+    return m.out_proj(out.transpose(1, 2).reshape(B, L, H * D))
+
+
+def test_alibi_adds_minus_slope_times_distance():
+    m = MultiHeadAttention(8, 4, positions=ALiBi(4), mask=masks.causal()).to(D64)
+    x = torch.randn(2, 6, 8, dtype=D64)
+    i = torch.arange(6)
+    slopes = kbias.alibi_slopes(4).double()
+    expected_bias = -slopes.view(1, 4, 1, 1) * (i.view(-1, 1) - i.view(1, -1)).abs().double()
+    torch.testing.assert_close(m(x), _scores_bias(m, x, expected_bias), rtol=0, atol=1e-12)
+
+
+def t5_bucket_loop(rel, bidirectional, num_buckets, max_distance):
+    """T5's bucketing written out for one relative position ``j - p`` (as in the T5 paper's code)."""
+    n = -rel
+    ret = 0
+    if bidirectional:
+        num_buckets //= 2
+        if n < 0:
+            ret += num_buckets
+        n = abs(n)
+    else:
+        n = max(n, 0)
+    max_exact = num_buckets // 2
+    if n < max_exact:
+        return ret + n
+    val = max_exact + int(math.log(n / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact))
+    return ret + min(val, num_buckets - 1)
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_t5_bias_reads_the_learned_table_at_the_bucket(bidirectional):
+    t5 = T5RelativeBias(2, num_buckets=8, max_distance=20, bidirectional=bidirectional)
+    mask = None if bidirectional else masks.causal()
+    m = MultiHeadAttention(8, 2, positions=t5, mask=mask).to(D64)
+    L = 30
+    x = torch.randn(1, L, 8, dtype=D64)
+    table = t5.table.detach()
+    bucket = torch.tensor([[t5_bucket_loop(j - p, bidirectional, 8, 20) for j in range(L)] for p in range(L)])
+    expected_bias = table[:, bucket][None]  # (1, H, L, L)
+    torch.testing.assert_close(m(x), _scores_bias(m, x, expected_bias), rtol=0, atol=1e-12)
+    m(x).sum().backward()
+    assert t5.table.grad is not None and bool((t5.table.grad != 0).any())  # the table learns
+
+
+def test_sinusoidal_values_and_use_inside_attention():
+    pe = SinusoidalPositions(6, base=100.0)
+    pos = torch.arange(5)
+    table = pe.encode(pos)
+    for p in range(5):
+        for i in range(3):
+            angle = p / 100.0 ** (2 * i / 6)
+            assert table[p, 2 * i].item() == pytest.approx(math.sin(angle), abs=1e-6)
+            assert table[p, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
+    m = MultiHeadAttention(6, 2, positions=SinusoidalPositions(6)).to(D64)
+    x = torch.randn(2, 5, 6, dtype=D64)
+    w, b = m.qkv_proj.weight, m.qkv_proj.bias
+    xp = x + SinusoidalPositions(6).encode(pos).double()
+    q, k = (xp @ w[:6].T + b[:6]), (xp @ w[6:12].T + b[6:12])
+    v = x @ w[12:].T + b[12:]  # values do not see the positions
+    q, k, v = (t.view(2, 5, 2, 3).transpose(1, 2) for t in (q, k, v))
+    out, _ = reference(q, k, v)
+    torch.testing.assert_close(m(x), m.out_proj(out.transpose(1, 2).reshape(2, 5, 6)), rtol=0, atol=1e-6)
+
+
+def test_position_errors():
+    with pytest.raises(ValueError, match="SinusoidalPositions\\(dim=8\\) is added to inputs of width d_model=6"):
+        MultiHeadAttention(6, 2, positions=SinusoidalPositions(8))
+    with pytest.raises(ValueError, match="T5RelativeBias was built for n_heads=2"):
+        MultiHeadAttention(8, 4, positions=T5RelativeBias(2))
+    with pytest.raises(ValueError, match="slopes must have shape"):
+        ALiBi(4, slopes=[1.0, 2.0])
+    with pytest.raises(ValueError, match="beyond max_seq_len=3"):
+        SinusoidalPositions(4, max_seq_len=3).encode(torch.arange(4))
