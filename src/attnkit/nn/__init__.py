@@ -1,6 +1,8 @@
 """Attention modules, position encodings, transformer blocks and models, batch-first ``(B, L, d_model)``.
 
-* Attention: :class:`MultiHeadAttention` (self, grouped-query, cross, cached; ``from_torch``).
+* Attention: :class:`MultiHeadAttention` (self, grouped-query, cross, cached; ``from_torch``),
+  :class:`SingleHeadAttention` (the articles' one head), :class:`AdditiveAttention` (Bahdanau),
+  :class:`AxialAttention` (grids).
 * Positions: :class:`RotaryEmbedding`, :class:`ALiBi`, :class:`T5RelativeBias`, :class:`SinusoidalPositions`.
 * Blocks and models: :class:`TransformerBlock`, :class:`Encoder`, :class:`Decoder`, :class:`DecoderLM`
   (:class:`DecoderConfig`), :class:`EncoderDecoder`.
@@ -19,13 +21,18 @@ Example::
 """
 
 from .attention import MultiHeadAttention
+from .axial import AxialAttention
 from .blocks import Decoder, Encoder, TransformerBlock, default_d_ff
 from .layers import FeedForward, Linear, RMSNorm, to_decode_layout
 from .models import DecoderConfig, DecoderLM, EncoderDecoder
 from .positions import ALiBi, PositionEncoding, RotaryEmbedding, SinusoidalPositions, T5RelativeBias
+from .simple import AdditiveAttention, SingleHeadAttention
 
 __all__ = [
     "MultiHeadAttention",
+    "SingleHeadAttention",
+    "AdditiveAttention",
+    "AxialAttention",
     "RotaryEmbedding",
     "ALiBi",
     "T5RelativeBias",
