@@ -36,7 +36,7 @@ Tensor = torch.Tensor
 
 __all__ = ["ring_attention"]
 
-_BLOCK = 512  # query rows per work item (and the key-tile width used to find empty tiles); 4x that in keys
+_BLOCK = 256  # query rows per work item (and the key-tile width used to find empty tiles); 4x that in keys
 
 _profile: dict | None = None  # set to a dict to accumulate per-rank timings (benchmarks/ring.py reads it)
 
@@ -290,26 +290,26 @@ def _block_grads(q: Tensor, kb: Tensor, vb: Tensor, dout: Tensor, lse: Tensor, d
     ki = (it.col0 + torch.arange(c, device=dev)).view(1, 1, 1, 1, -1)
     L = cfg.layout.seq_len
 
-    raw = torch.matmul(qg, kg.transpose(-1, -2)) * cfg.scale  # (B, Hkv, G, r, c)
     chain = cfg.softcap is not None or (cfg.bias is not None and not cfg.bias.additive)
-    with torch.enable_grad():
-        if chain:
-            raw = raw.detach().requires_grad_(True)
-        s = raw
-        if cfg.softcap is not None:
-            s = cfg.softcap * torch.tanh(s / cfg.softcap)
-        if cfg.bias is not None:
-            s = cfg.bias._mod(s, bi, hi, qi, ki, L, L).to(acc)
-    if it.masked:
-        allowed = cfg.mask._mod(bi, hi, qi, ki, L, L)
-        s_masked = s.detach().masked_fill(~allowed, float("-inf"))
+    s = torch.matmul(qg, kg.transpose(-1, -2)).mul_(cfg.scale)  # (B, Hkv, G, r, c)
+    if chain:  # differentiate through the softcap / modifier: keep its graph, work on a copy
+        raw = s.requires_grad_(True)
+        with torch.enable_grad():
+            if cfg.softcap is not None:
+                s = cfg.softcap * torch.tanh(s / cfg.softcap)
+            if cfg.bias is not None:
+                s = cfg.bias._mod(s, bi, hi, qi, ki, L, L).to(acc)
+        p = s.detach().clone()
     else:
-        s_masked = s.detach()
+        p = s if cfg.bias is None else cfg.bias._mod(s, bi, hi, qi, ki, L, L).to(acc)
+    # in place from here: p holds the scores, then the weights; ds starts as dp = dout @ v^T
+    if it.masked:
+        p.masked_fill_(~cfg.mask._mod(bi, hi, qi, ki, L, L), float("-inf"))
     lse_g = lse[:, :, it.rows].reshape(B, Hkv, G, r, 1)
     lse_g = torch.where(torch.isfinite(lse_g), lse_g, torch.full_like(lse_g, float("inf")))  # empty rows: p = 0
-    p = torch.exp(s_masked - lse_g)  # (B, Hkv, G, r, c)
-    dp = torch.matmul(dog, vg.transpose(-1, -2))  # (B, Hkv, G, r, c)
-    ds = p * (dp - delta[:, :, it.rows].reshape(B, Hkv, G, r, 1))
+    p.sub_(lse_g).exp_()  # (B, Hkv, G, r, c): exp(s - lse)
+    ds = torch.matmul(dog, vg.transpose(-1, -2))  # (B, Hkv, G, r, c)
+    ds.sub_(delta[:, :, it.rows].reshape(B, Hkv, G, r, 1)).mul_(p)
     if chain:
         (ds,) = torch.autograd.grad(s, raw, ds)
     dq = torch.matmul(ds, kg).reshape(B, Hq, r, D) * cfg.scale  # (B, Hq, r, D)
@@ -376,6 +376,7 @@ class _RingAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _backward(q, k, v, out, lse, dout, dlse, ctx.cfg)

@@ -1,0 +1,180 @@
+"""Ring attention: one causal sequence on 1, 2 and 4 gloo processes; time, per-rank peak memory, balance.
+
+float32, B=1, H=8, D=64, L=32768, causal, forward and forward+backward.  Every configuration starts its
+own processes (on 127.0.0.1), each rank holding L/W tokens; the 2 and 4 process runs compare the zigzag
+and contiguous layouts.  Reported per configuration: wall time (slowest rank, one run at full size,
+median of 3 with --quick), the peak resident memory each rank added over its start (max and min over
+ranks), and the balance of the causal work: per-rank forward compute CPU time, max / min across ranks.
+"attention" is one process calling attnkit.attention on the whole sequence (the library's best path).
+
+The processes share this machine's cores (torch threads per rank = cores // W, at least 1), so time
+cannot fall with W here: it measures overhead, while memory per rank shows the 1/W.
+
+    python benchmarks/ring.py            # L=32768, H=8, D=64 (several minutes on 2 cores)
+    python benchmarks/ring.py --quick    # L=4096, H=4, D=32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import machine, save, table  # noqa: E402
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def _worker(args) -> None:
+    import torch.distributed as dist
+
+    import attnkit
+    from attnkit.distributed import ring
+
+    W, rank = args.world, args.rank
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // W))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=W,
+                            timeout=timedelta(seconds=1800))
+    L, H, D = args.seq_len, args.heads, args.head_dim
+    mask = attnkit.masks.causal()
+    g = torch.Generator().manual_seed(rank)
+    n = L if args.mode == "attention" else L // W
+    q, k, v = (torch.randn(1, H, n, D, generator=g).requires_grad_(True) for _ in range(3))
+
+    def run(backward: bool):
+        if args.mode == "attention":
+            out = attnkit.attention(q, k, v, mask=mask)
+        else:
+            out = ring.ring_attention(q, k, v, mask=mask, layout=args.layout)
+        if backward:
+            out.sum().backward()
+
+    with torch.no_grad():  # load the kernels at a tiny size first
+        tiny = torch.randn(1, H, 16, D)
+        attnkit.attention(tiny, tiny, tiny, mask=mask)
+        if args.mode == "ring":
+            ring.ring_attention(tiny, tiny, tiny, mask=mask, layout=args.layout)  # 16 tokens per rank
+    base = _rss_mb()
+    result = {"rank": rank}
+    for phase in ("fwd", "fwd+bwd"):
+        times, profiles = [], []
+        for _ in range(args.repeat):
+            ring._profile = {}
+            dist.barrier()
+            t0 = time.perf_counter()
+            if phase == "fwd":
+                with torch.no_grad():
+                    run(False)
+            else:
+                run(True)
+                q.grad = k.grad = v.grad = None
+            dist.barrier()
+            times.append(time.perf_counter() - t0)
+            profiles.append(ring._profile)
+        result[phase] = {"s": statistics.median(times), "peak_mb": _peak_mb() - base,
+                         "forward_cpu_s": statistics.median(p.get("forward_cpu_s", 0.0) for p in profiles),
+                         "forward_wait_s": statistics.median(p.get("forward_wait_s", 0.0) for p in profiles),
+                         "elements": profiles[0].get("forward_elements", 0)}
+    ring._profile = None
+    dist.destroy_process_group()
+    Path(args.out).write_text(json.dumps(result))
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(mode: str, world: int, layout: str, args, tmp: Path) -> list[dict]:
+    port = _free_port()
+    common = ["--seq-len", str(args.seq_len), "--heads", str(args.heads), "--head-dim", str(args.head_dim),
+              "--repeat", str(args.repeat), "--mode", mode, "--layout", layout, "--world", str(world),
+              "--port", str(port)]
+    procs = [subprocess.Popen([sys.executable, __file__, "--worker", "--rank", str(r), "--out",
+                               str(tmp / f"{mode}_{layout}_{world}_{r}.json"), *common]) for r in range(world)]
+    for p in procs:
+        if p.wait() != 0:
+            raise SystemExit(f"a worker of {mode} W={world} {layout} failed with exit code {p.returncode}")
+    return [json.loads((tmp / f"{mode}_{layout}_{world}_{r}.json").read_text()) for r in range(world)]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="L=4096, H=4, D=32, median of 3")
+    ap.add_argument("--seq-len", type=int, default=None)
+    ap.add_argument("--heads", type=int, default=None)
+    ap.add_argument("--head-dim", type=int, default=None)
+    ap.add_argument("--repeat", type=int, default=None)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--mode", default="ring", help=argparse.SUPPRESS)
+    ap.add_argument("--layout", default="zigzag", help=argparse.SUPPRESS)
+    ap.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    quick = args.quick
+    args.seq_len = args.seq_len or (4096 if quick else 32768)
+    args.heads = args.heads or (4 if quick else 8)
+    args.head_dim = args.head_dim or (32 if quick else 64)
+    args.repeat = args.repeat or (3 if quick else 1)
+    if args.worker:
+        _worker(args)
+        return
+
+    configs = [("attention", 1, "-"), ("ring", 1, "zigzag"), ("ring", 2, "zigzag"), ("ring", 2, "contiguous"),
+               ("ring", 4, "zigzag"), ("ring", 4, "contiguous")]
+    rows, raw = [], []
+    base_time = None
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode, world, layout in configs:
+            ranks = _launch(mode, world, layout if layout != "-" else "zigzag", args, Path(tmp))
+            raw.append({"mode": mode, "world": world, "layout": layout, "ranks": ranks})
+            fwd = max(r["fwd"]["s"] for r in ranks)
+            fb = max(r["fwd+bwd"]["s"] for r in ranks)
+            peaks = [r["fwd+bwd"]["peak_mb"] for r in ranks]
+            cpu = [r["fwd"]["forward_cpu_s"] for r in ranks]
+            elems = [r["fwd"]["elements"] for r in ranks]
+            base_time = base_time if base_time is not None or mode != "ring" else fb
+            row = {"run": "attnkit.attention, 1 process" if mode == "attention" else f"ring, {world} x {layout}",
+                   "fwd s": f"{fwd:.2f}", "fwd+bwd s": f"{fb:.2f}",
+                   "peak MB/rank (max)": f"{max(peaks):.0f}", "peak MB/rank (min)": f"{min(peaks):.0f}"}
+            if mode == "ring":
+                row["fwd+bwd vs ring 1"] = f"{fb / base_time:.2f}x"
+                row["fwd compute CPU s/rank"] = " ".join(f"{c:.2f}" for c in cpu)
+                row["balance max/min"] = f"{max(cpu) / max(min(cpu), 1e-9):.2f}" if world > 1 else "-"
+                row["work max/min"] = f"{max(elems) / max(min(elems), 1):.2f}" if world > 1 else "-"
+            rows.append(row)
+            print(f"done: {row['run']}", flush=True)
+    columns = ["run", "fwd s", "fwd+bwd s", "fwd+bwd vs ring 1", "peak MB/rank (max)", "peak MB/rank (min)",
+               "fwd compute CPU s/rank", "balance max/min", "work max/min"]
+    print(f"\nring attention, causal, float32, B=1 H={args.heads} L={args.seq_len} D={args.head_dim}; "
+          f"{machine()}; {'median of ' + str(args.repeat) if args.repeat > 1 else 'one run'} per cell")
+    print(table(rows, columns))
+    path = save("ring_quick" if quick else "ring", {"seq_len": args.seq_len, "heads": args.heads,
+                                                    "head_dim": args.head_dim, "rows": rows, "raw": raw})
+    print(f"\nwritten to {path}")
+
+
+if __name__ == "__main__":
+    main()
