@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from . import flash as _flash
 from . import math as _math
 from . import sdpa as _sdpa
 from ._common import Call
@@ -52,6 +53,8 @@ register(Backend("math", _math.run, _math.check, _math.cost,
                  description="textbook formula, materialised scores; the oracle; any dtype"))
 register(Backend("sdpa", _sdpa.run, _sdpa.check, _sdpa.cost,
                  description="torch.nn.functional.scaled_dot_product_attention"))
+register(Backend("flash", _flash.run, _flash.check, _flash.cost,
+                 description="tiled block-sparse attention in PyTorch ops; memory-efficient backward"))
 
 
 def available() -> list[str]:

@@ -1,0 +1,657 @@
+"""The flash backend's compute: one plan job at a time, split into chunks that bound memory.
+
+Layout: ``q``/``k``/``v`` are flattened to ``(B*H, L_pad, D)`` (padded to whole tiles, a copy only when
+``L`` is not a multiple of the tile).  A chunk of a job is ``N`` query tiles of ``R`` rows with key
+windows of ``W`` keys; its query rows and (for bands) key windows are ``as_strided`` views of those
+tensors, so the hot path copies neither ``k`` nor ``v`` (grouped-query heads share them: the fused
+kernel maps query head ``i`` to key head ``i // G``, the explicit path folds the ``G`` heads into rows).
+
+Each chunk is computed either by PyTorch's fused CPU flash kernel (``aten::_scaled_dot_product_flash_
+attention_for_cpu``, which returns the log-sum-exp; its backward recomputes from ``out`` and ``lse``)
+with the element mask and any additive bias passed as a float mask, or by explicit matmuls and online
+softmax in float32 (softcap, any score modifier, dropout, learnable biases, non-CPU devices).  Partial
+results of a query tile are merged with their log-sum-exps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..bias import ScoreMod
+from ..masks import FULL
+from ._common import accumulation_dtype
+from ._flash_plan import Heads, Job, Plan
+
+Tensor = torch.Tensor
+
+WORK_ELEMENTS = 1 << 23  # elements of per-chunk temporaries (scores, masks, window gradients): ~32 MB fp32
+
+_FWD_ARGS = ["query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale"]
+_BWD_ARGS = ["grad_out", "query", "key", "value", "out", "logsumexp", "dropout_p", "is_causal", "attn_mask", "scale"]
+
+
+def fused_ops():
+    """PyTorch's fused CPU flash kernel ``(forward, backward)``, or None when this build lacks it or its
+    signature changed (the explicit path then computes everything)."""
+    try:
+        fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+        bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    except (AttributeError, RuntimeError):
+        return None
+    fa = [a.name for a in fwd._schema.arguments]
+    ba = [a.name for a in bwd._schema.arguments]
+    if fa != _FWD_ARGS or ba != _BWD_ARGS or len(fwd._schema.returns) != 2 or len(bwd._schema.returns) != 3:
+        return None
+    return fwd, bwd
+
+
+_FUSED = fused_ops()
+
+
+# ----------------------------------------------------------------------------- dropout
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    """``x * c mod 2**32`` for int64 ``x`` in [0, 2**32), without int64 overflow."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """murmur3's 32-bit finaliser: a bijective avalanche on [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def dropout_keep(seed: int, b: Tensor, h: Tensor, q: Tensor, k: Tensor, p: float) -> Tensor:
+    """Which attention weights dropout keeps, as a pure function of ``(seed, b, h, q_row, kv_idx)``.
+
+    The forward and the backward evaluate it tile by tile and get the same pattern, without storing
+    an ``Lq x Lk`` mask.  Each weight is kept with probability ``1 - p``.
+    """
+    s = _mix32(torch.tensor(seed & _M32) ^ 0x5BD1E995)
+    row = _mix32((s ^ _mix32(b.to(torch.int64) * 40503 + h.to(torch.int64) + 1)) & _M32)
+    row = _mix32(row ^ (q.to(torch.int64) & _M32))
+    x = _mix32(row ^ _mul32(k.to(torch.int64) & _M32, 0x9E3779B1))
+    threshold = min(int(round(p * (1 << 24))), 1 << 24)
+    return (x >> 8) >= threshold
+
+
+def draw_seed() -> int:
+    """A dropout seed from torch's default generator (so ``torch.manual_seed`` makes it reproducible)."""
+    return int(torch.randint(0, 2**31 - 1, (1,)).item())
+
+
+# ---------------------------------------------------------------------- score modifiers
+
+
+def mod_params(obj, _seen=None) -> list[Tensor]:
+    """Tensors that require grad held by a score modifier: its own tensors (ALiBi slopes, T5 table,
+    per-head temperatures), those of composed modifiers, and those a ``from_fn`` function closes over
+    (directly, or as parameters of an ``nn.Module``)."""
+    seen = set() if _seen is None else _seen
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, Tensor):
+        return [obj] if obj.requires_grad else []
+    if isinstance(obj, torch.nn.Module):
+        return [p for p in obj.parameters() if p.requires_grad and id(p) not in seen and not seen.add(id(p))]
+    out: list[Tensor] = []
+    if isinstance(obj, (list, tuple)):
+        items = list(obj)
+    elif isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, ScoreMod):
+        items = list(vars(obj).values())
+    elif callable(obj):
+        items = [c.cell_contents for c in (getattr(obj, "__closure__", None) or ()) if _has_contents(c)]
+        items += [getattr(obj, "__self__", None)]
+        if hasattr(obj, "__dict__") and not hasattr(obj, "__code__"):
+            items += list(vars(obj).values())
+    else:
+        return []
+    for item in items:
+        if item is not None:
+            out += mod_params(item, seen)
+    return out
+
+
+def _has_contents(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+# ------------------------------------------------------------------------- the work
+
+
+@dataclass
+class Work:
+    """Everything one forward/backward needs: the padded flat tensors, the plan and the settings."""
+
+    plan: Plan
+    batch: int
+    hq: int
+    hkv: int
+    q3: Tensor  # (B*Hq, Lq_pad, D) input dtype, contiguous
+    k3: Tensor  # (B*Hkv, Lk_pad, D)
+    v3: Tensor  # (B*Hkv, Lk_pad, Dv)
+    scale: float
+    softcap: float | None
+    mask: object  # Mask | None
+    bias: object  # (B', H', Lq', Lk') float tensor | ScoreMod | None
+    dropout_p: float
+    seed: int
+    fused: bool  # forward on the fused kernel
+    bias_params: list[Tensor] = field(default_factory=list)  # tensors of a ScoreMod that need grads
+
+    @property
+    def acc(self) -> torch.dtype:
+        return accumulation_dtype(self.q3.dtype)
+
+    @property
+    def lse_dtype(self) -> torch.dtype:
+        return torch.promote_types(self.acc, torch.float32)
+
+    @property
+    def mask_dtype(self) -> torch.dtype:
+        """dtype of the float mask handed to the fused kernel (float32 for half inputs)."""
+        return self.acc
+
+
+@dataclass
+class Chunk:
+    """Items ``[i0, i1)`` of a job: ``N`` query blocks of ``R`` rows, each with a window of ``W`` keys."""
+
+    job: Job
+    N: int
+    R: int
+    qrows: Tensor  # (N, R) query rows (padded coordinates)
+    q_consecutive: bool
+    qstart: int
+    kcols: Tensor  # (N, W) key columns
+    band: bool
+    kstart: int
+    kstep: int  # keys between the windows of consecutive items (bands)
+    kinds: Tensor  # (N, w)
+
+    @property
+    def W(self) -> int:
+        return self.kcols.shape[1]
+
+
+def chunks(work: Work, job: Job, per_item: int):
+    """Split a job into chunks whose temporaries stay under ``WORK_ELEMENTS``."""
+    plan = work.plan
+    bq, bk = plan.block_q, plan.block_k
+    n, W = job.n, job.w * bk
+    step = max(1, WORK_ELEMENTS // max(1, per_item))
+    merged = job.tiles is None and job.kstep == 0  # every row shares one window: one tall query block
+    ar_r, ar_w = torch.arange(bq), torch.arange(W)
+    for i0 in range(0, n, step):
+        i1 = min(n, i0 + step)
+        rows = job.rows[i0:i1]
+        if merged:
+            qstart = int(rows[0]) * bq
+            R = (i1 - i0) * bq
+            yield Chunk(job, 1, R, (qstart + torch.arange(R)).view(1, R), True, qstart,
+                        (job.k0 * bk + ar_w).view(1, W), True, job.k0 * bk, 0,
+                        job.kinds[i0:i1].amin(0, keepdim=True))
+            continue
+        N = i1 - i0
+        qrows = rows.view(-1, 1) * bq + ar_r
+        if job.tiles is None:
+            kstart = (job.k0 + i0 * job.kstep) * bk
+            kcols = kstart + torch.arange(N).view(-1, 1) * (job.kstep * bk) + ar_w
+            yield Chunk(job, N, bq, qrows, job.consecutive, int(rows[0]) * bq, kcols, True, kstart,
+                        job.kstep * bk, job.kinds[i0:i1])
+        else:
+            kcols = (job.tiles[i0:i1, :, None] * bk + torch.arange(bk)).reshape(N, W)
+            yield Chunk(job, N, bq, qrows, job.consecutive, int(rows[0]) * bq, kcols, False, 0, 0,
+                        job.kinds[i0:i1])
+
+
+# ------------------------------------------------------------------- views and scatters
+
+
+def _heads_slice(x: Tensor, start: int, step: int, count: int) -> Tensor:
+    return x[start:start + step * (count - 1) + 1:step]
+
+
+def rows_of(x: Tensor, heads: Heads, ch: Chunk) -> Tensor:
+    """The chunk's query rows of a flat ``(B*Hq, L_pad, ...)`` tensor as ``(N, count, R, ...)``."""
+    nh, lp = x.shape[0], x.shape[1]
+    tail = tuple(x.shape[2:])
+    e = int(math.prod(tail)) if tail else 1
+    if ch.q_consecutive:
+        size = (ch.N, heads.count, ch.R, *tail)
+        stride = (ch.R * e, heads.qstep * lp * e, e, *([1] if tail else []))
+        return x.as_strided(size, stride, x.storage_offset() + (heads.q0 * lp + ch.qstart) * e)
+    xs = _heads_slice(x, heads.q0, heads.qstep, heads.count)
+    g = xs.index_select(1, ch.qrows.reshape(-1).to(x.device))  # (count, N*R, ...)
+    return g.view(heads.count, ch.N, ch.R, *tail).transpose(0, 1)
+
+
+def put_rows(x: Tensor, heads: Heads, ch: Chunk, value: Tensor, *, add: bool) -> None:
+    """Write (or add) ``value (N, count, R, ...)`` into the chunk's rows of ``x``."""
+    if ch.q_consecutive:
+        view = rows_of(x, heads, ch)
+        view.add_(value) if add else view.copy_(value)
+        return
+    xs = _heads_slice(x, heads.q0, heads.qstep, heads.count)
+    idx = ch.qrows.reshape(-1).to(x.device)
+    flat = value.transpose(0, 1).reshape(heads.count, ch.N * ch.R, *x.shape[2:]).to(x.dtype)
+    xs.index_add_(1, idx, flat) if add else xs.index_copy_(1, idx, flat)
+
+
+def keys_of(x: Tensor, heads: Heads, ch: Chunk) -> Tensor:
+    """The chunk's key windows of a flat ``(B*Hkv, Lk_pad, E)`` tensor as ``(N, kcount, W, E)``."""
+    lp, e = x.shape[1], x.shape[2]
+    if ch.band:
+        size = (ch.N, heads.kcount, ch.W, e)
+        stride = (ch.kstep * e, heads.kstep * lp * e, e, 1)
+        return x.as_strided(size, stride, x.storage_offset() + (heads.k0 * lp + ch.kstart) * e)
+    xs = _heads_slice(x, heads.k0, heads.kstep, heads.kcount)
+    g = xs.index_select(1, ch.kcols.reshape(-1).to(x.device))  # (kcount, N*W, E)
+    return g.view(heads.kcount, ch.N, ch.W, e).transpose(0, 1)
+
+
+def add_keys(x: Tensor, heads: Heads, ch: Chunk, value: Tensor) -> None:
+    """Add window gradients ``value (N, kcount, W, E)`` into ``x`` (windows may overlap)."""
+    lp, e = x.shape[1], x.shape[2]
+    if not ch.band:
+        xs = _heads_slice(x, heads.k0, heads.kstep, heads.kcount)
+        flat = value.transpose(0, 1).reshape(heads.kcount, ch.N * ch.W, e)
+        xs.index_add_(1, ch.kcols.reshape(-1).to(x.device), flat.to(x.dtype))
+        return
+    base = x.storage_offset() + (heads.k0 * lp + ch.kstart) * e
+    hstride = heads.kstep * lp * e
+    if ch.N == 1 or ch.kstep == 0:
+        x.as_strided((heads.kcount, ch.W, e), (hstride, e, 1), base).add_(value.sum(0))
+        return
+    step = ch.kstep
+    for p0 in range(0, ch.W, step):  # pieces of one window step: those of different items never overlap
+        r = min(step, ch.W - p0)
+        view = x.as_strided((ch.N, heads.kcount, r, e), (step * e, hstride, e, 1), base + p0 * e)
+        view.add_(value[:, :, p0:p0 + r])
+
+
+# ------------------------------------------------------------------ masks and biases
+
+
+def _index_shapes(work: Work, heads: Heads, ch: Chunk, grouped: bool):
+    """Index tensors (batch, head, query row, key) for the chunk's scores.
+
+    grouped: scores laid out (N, kcount, G, R, W) (explicit path); else (N, count, R, W) (fused mask).
+    Rows and keys past the real lengths are clamped (their scores are discarded or masked).
+    """
+    dev = work.q3.device
+    nh = heads.q0 + heads.qstep * torch.arange(heads.count, device=dev)
+    b, h = nh // work.hq, nh % work.hq
+    q = ch.qrows.to(dev).clamp(max=work.plan.q_len - 1)
+    k = ch.kcols.to(dev).clamp(max=work.plan.kv_len - 1)
+    if grouped:
+        g = heads.count // heads.kcount
+        hs = (1, heads.kcount, g, 1, 1)
+        return b.view(hs), h.view(hs), q.view(ch.N, 1, 1, ch.R, 1), k.view(ch.N, 1, 1, 1, ch.W)
+    hs = (1, heads.count, 1, 1)
+    return b.view(hs), h.view(hs), q.view(ch.N, 1, ch.R, 1), k.view(ch.N, 1, 1, ch.W)
+
+
+def _squeeze_to(x, shape: tuple[int, ...], what: str) -> Tensor:
+    if not isinstance(x, Tensor):
+        x = torch.as_tensor(x)
+    while x.dim() > len(shape):
+        if x.shape[0] != 1:
+            raise ValueError(f"{what} returned shape {tuple(x.shape)} for index tensors of shape {shape}: it varies "
+                             f"along a batch/head dimension its block structure said it does not depend on")
+        x = x[0]
+    return x.expand(shape)
+
+
+def _eval_mask(work: Work, heads: Heads, rows: Tensor, cols: Tensor) -> Tensor:
+    """The element mask (N, R, Wc) on the given rows (N, R) and columns (N, Wc), padding masked."""
+    plan = work.plan
+    dev = work.q3.device
+    rows, cols = rows.to(dev), cols.to(dev)
+    valid = (cols < plan.kv_len)[:, None, :]
+    shape = (rows.shape[0], rows.shape[1], cols.shape[1])
+    if work.mask is None:
+        return valid.expand(shape)
+    b = torch.tensor(heads.b or 0, device=dev).view(1, 1, 1)
+    h = torch.tensor(heads.h or 0, device=dev).view(1, 1, 1)
+    q = rows.clamp(max=plan.q_len - 1)[:, :, None]
+    k = cols.clamp(max=plan.kv_len - 1)[:, None, :]
+    allowed = work.mask._mod(b, h, q, k, plan.q_len, plan.kv_len)
+    if not isinstance(allowed, Tensor) or allowed.dtype != torch.bool:
+        raise TypeError(f"{work.mask!r}: the mask function must return a bool tensor")
+    return _squeeze_to(allowed, shape, repr(work.mask)) & valid
+
+
+def element_mask(work: Work, ch: Chunk) -> Tensor | None:
+    """The chunk's element mask ``(N or 1, R, W)`` bool, or None when every tile is full.
+
+    Only key-tile slots holding a partial tile are evaluated; a mask equal for every item (a sliding
+    window, a causal diagonal) collapses to one item so the kernel reads it from cache.
+    """
+    need = (ch.kinds != FULL).any(0)  # (w,)
+    if not bool(need.any()):
+        return None
+    bk = work.plan.block_k
+    if bool(need.all()):
+        m = _eval_mask(work, ch.job.heads, ch.qrows, ch.kcols)
+    else:
+        m = torch.ones(ch.N, ch.R, ch.W, dtype=torch.bool, device=work.q3.device)
+        slots = need.tolist()
+        j = 0
+        while j < len(slots):
+            if not slots[j]:
+                j += 1
+                continue
+            j1 = j
+            while j1 < len(slots) and slots[j1]:
+                j1 += 1
+            m[:, :, j * bk:j1 * bk] = _eval_mask(work, ch.job.heads, ch.qrows, ch.kcols[:, j * bk:j1 * bk])
+            j = j1
+    if m.shape[0] > 1 and bool((m == m[:1]).all()):
+        m = m[:1]
+    return m
+
+
+MASK_CACHE_BYTES = 64 << 20  # element masks kept on a plan (beyond this they are re-evaluated on use)
+
+
+@dataclass
+class Prepared:
+    """A chunk with its element mask, evaluated once and kept on the plan (when small enough)."""
+
+    chunk: Chunk
+    mask: Tensor | None  # (N|1, R, W) bool; None when every tile is full (or when lazy)
+    lazy: bool  # too big to keep: evaluate the mask on use
+    live: Tensor | None  # (N|1, 1, R) rows with at least one allowed key; None when all are
+    fmask: dict = field(default_factory=dict)  # float masks for the fused kernel, by dtype
+
+    def element_mask(self, work: "Work") -> Tensor | None:
+        return element_mask(work, self.chunk) if self.lazy else self.mask
+
+    def float_mask(self, work: "Work", m: Tensor | None) -> Tensor | None:
+        if work.bias is not None or m is None or self.lazy:
+            return float_mask(work, self.chunk.job.heads, self.chunk, m)
+        dt = work.mask_dtype
+        if dt not in self.fmask:
+            self.fmask[dt] = float_mask(work, self.chunk.job.heads, self.chunk, m)
+        return self.fmask[dt]
+
+
+def prepared(work: Work, fused: bool) -> list[tuple[Job, list[Prepared]]]:
+    """The plan's jobs split into chunks for the fused or explicit path, with their element masks."""
+    plan = work.plan
+    key = ("chunks", fused, work.bias is not None, str(work.q3.device))
+    if key in plan.cache:
+        return plan.cache[key]
+    budget = MASK_CACHE_BYTES - plan.cache.get("mask_bytes", 0)
+    out = []
+    for job in plan.jobs:
+        items = []
+        for ch in chunks(work, job, _per_item(work, job.heads, job, True, fused)):
+            partial = bool((ch.kinds != FULL).any())
+            size = ch.N * ch.R * ch.W
+            if partial and size > budget:
+                items.append(Prepared(ch, None, True, None))
+                continue
+            m = element_mask(work, ch) if partial else None
+            live = None
+            if m is not None:
+                budget -= m.numel()
+                live = m.any(-1)[:, None]
+                live = None if bool(live.all()) else live
+            items.append(Prepared(ch, m, False, live))
+        out.append((job, items))
+    plan.cache["mask_bytes"] = MASK_CACHE_BYTES - budget
+    plan.cache[key] = out
+    return out
+
+
+def bias_block(work: Work, heads: Heads, ch: Chunk, grouped: bool, dtype: torch.dtype, score: Tensor | None = None):
+    """The bias on the chunk's scores: a gathered tensor-bias block, or a score modifier applied.
+
+    With ``score`` given (explicit path) returns the modified score; otherwise the additive term alone.
+    """
+    b, h, q, k = _index_shapes(work, heads, ch, grouped)
+    bias = work.bias
+    if isinstance(bias, ScoreMod):
+        base = torch.zeros((), dtype=dtype, device=q.device) if score is None else score
+        out = bias._mod(base, b, h, q, k, work.plan.q_len, work.plan.kv_len)
+        return out.to(dtype) if score is None else out
+    block = bias[b if bias.shape[0] > 1 else 0, h if bias.shape[1] > 1 else 0,
+                 q if bias.shape[2] > 1 else 0, k if bias.shape[3] > 1 else 0].to(dtype)
+    return block if score is None else score + block
+
+
+def bias_index(work: Work, heads: Heads, ch: Chunk):
+    """Index tuple into the (B', H', Lq', Lk') bias for the grouped score layout (for its gradient)."""
+    b, h, q, k = _index_shapes(work, heads, ch, True)
+    bias = work.bias
+    zero = torch.zeros((), dtype=torch.int64, device=q.device)
+    return (b if bias.shape[0] > 1 else zero, h if bias.shape[1] > 1 else zero,
+            q if bias.shape[2] > 1 else zero, k if bias.shape[3] > 1 else zero)
+
+
+def float_mask(work: Work, heads: Heads, ch: Chunk, m: Tensor | None) -> Tensor | None:
+    """The float ``attn_mask`` for the fused kernel: the additive bias with -inf where the mask forbids."""
+    dt = work.mask_dtype
+    if work.bias is not None:
+        fm = bias_block(work, heads, ch, False, dt).expand(ch.N, heads.count, ch.R, ch.W).contiguous()
+        if m is not None:
+            fm.masked_fill_(~m[:, None], float("-inf"))
+        return fm
+    if m is None:
+        return None
+    return torch.zeros(m.shape[0], 1, ch.R, ch.W, dtype=dt, device=m.device).masked_fill_(~m[:, None], float("-inf"))
+
+
+# ------------------------------------------------------------------------- explicit path
+
+
+def _scores(work: Work, heads: Heads, ch: Chunk, qw: Tensor, kw: Tensor) -> tuple[Tensor, Tensor]:
+    """Raw ``q·k`` (N, kcount, G, R, W) in the accumulation dtype, and the grouped queries (N, kcount, G*R, D)."""
+    g = heads.count // heads.kcount
+    qg = qw.reshape(ch.N, heads.kcount, g * ch.R, qw.shape[-1]).to(work.acc)  # (N, Hkv, G*R, D)
+    s = torch.matmul(qg, kw.to(work.acc).transpose(-1, -2))  # (N, Hkv, G*R, W)
+    return s.view(ch.N, heads.kcount, g, ch.R, ch.W), qg
+
+
+def _pipeline(work: Work, heads: Heads, ch: Chunk, s: Tensor, m: Tensor | None) -> Tensor:
+    """scale, softcap, bias, mask on raw scores in the grouped layout."""
+    x = s * work.scale
+    if work.softcap is not None:
+        x = work.softcap * torch.tanh(x / work.softcap)
+    if work.bias is not None:
+        x = bias_block(work, heads, ch, True, work.acc, score=x)
+    if m is not None:
+        x = x.masked_fill(~m[:, None, None], float("-inf"))
+    return x
+
+
+def _keep(work: Work, heads: Heads, ch: Chunk) -> Tensor:
+    dev = work.q3.device
+    nh = heads.q0 + heads.qstep * torch.arange(heads.count, device=dev)
+    g = heads.count // heads.kcount
+    hs = (1, heads.kcount, g, 1, 1)
+    b, h = (nh // work.hq).view(hs), (nh % work.hq).view(hs)
+    q = ch.qrows.to(dev).view(ch.N, 1, 1, ch.R, 1)
+    k = ch.kcols.to(dev).view(ch.N, 1, 1, 1, ch.W)
+    return dropout_keep(work.seed, b, h, q, k, work.dropout_p)
+
+
+def explicit_forward(work: Work, ch: Chunk, m: Tensor | None) -> tuple[Tensor, Tensor]:
+    heads = ch.job.heads
+    qw, kw, vw = rows_of(work.q3, heads, ch), keys_of(work.k3, heads, ch), keys_of(work.v3, heads, ch)
+    s, _ = _scores(work, heads, ch, qw, kw)
+    x = _pipeline(work, heads, ch, s, m)
+    mx = x.amax(-1, keepdim=True)
+    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+    p = torch.exp(x - mx)
+    l = p.sum(-1, keepdim=True)  # noqa: E741
+    lse = torch.where(l > 0, mx + torch.log(l), torch.full_like(l, float("-inf")))
+    if work.dropout_p > 0:
+        p = p * _keep(work, heads, ch) / (1.0 - work.dropout_p)
+    g = heads.count // heads.kcount
+    o = torch.matmul(p.view(ch.N, heads.kcount, g * ch.R, ch.W), vw.to(work.acc))  # (N, Hkv, G*R, Dv)
+    o = o / torch.where(l > 0, l, torch.ones_like(l)).view(ch.N, heads.kcount, g * ch.R, 1)
+    return o.view(ch.N, heads.count, ch.R, -1), lse.view(ch.N, heads.count, ch.R)
+
+
+def explicit_backward(work: Work, ch: Chunk, m: Tensor | None, do: Tensor, lse: Tensor, delta: Tensor,
+                      dbias: Tensor | None, dparams: list[Tensor | None]):
+    """Gradients of one chunk: (dq (N, count, R, D), dk, dv (N, kcount, W, .)); bias grads accumulate."""
+    heads = ch.job.heads
+    g = heads.count // heads.kcount
+    qw, kw, vw = rows_of(work.q3, heads, ch), keys_of(work.k3, heads, ch), keys_of(work.v3, heads, ch)
+    s, qg = _scores(work, heads, ch, qw, kw)
+    kg, vg = kw.to(work.acc), vw.to(work.acc)
+    mod = work.bias if isinstance(work.bias, ScoreMod) else None
+    autograd = mod is not None and (not mod.additive or bool(work.bias_params))
+    if autograd:
+        s_leaf = s.detach().requires_grad_(True)
+        with torch.enable_grad():
+            x = _pipeline(work, heads, ch, s_leaf, m)
+    else:
+        x = _pipeline(work, heads, ch, s, m)
+    shape5 = (ch.N, heads.kcount, g, ch.R, 1)
+    p = torch.exp(x.detach() - lse.reshape(shape5).to(work.acc))
+    dog = do.reshape(ch.N, heads.kcount, g * ch.R, do.shape[-1]).to(work.acc)  # (N, Hkv, G*R, Dv)
+    if work.dropout_p > 0:
+        z = _keep(work, heads, ch).to(work.acc) / (1.0 - work.dropout_p)
+        pz = p * z
+    else:
+        z, pz = None, p
+    dv = torch.matmul(pz.view(ch.N, heads.kcount, g * ch.R, ch.W).transpose(-1, -2), dog)  # (N, Hkv, W, Dv)
+    dp = torch.matmul(dog, vg.transpose(-1, -2)).view(ch.N, heads.kcount, g, ch.R, ch.W)
+    if z is not None:
+        dp = dp * z
+    dx = p * (dp - delta.reshape(shape5).to(work.acc))
+    if dbias is not None:
+        dbias.index_put_(bias_index(work, heads, ch), dx.to(dbias.dtype), accumulate=True)
+    if autograd:
+        grads = torch.autograd.grad(x, [s_leaf, *work.bias_params], dx, allow_unused=True)
+        ds = grads[0]
+        for i, gp in enumerate(grads[1:]):
+            if gp is not None:
+                dparams[i] = gp if dparams[i] is None else dparams[i] + gp
+    else:
+        ds = dx * work.scale
+        if work.softcap is not None:
+            t = torch.tanh(s * (work.scale / work.softcap))
+            ds = ds * (1 - t * t)
+    ds = ds.view(ch.N, heads.kcount, g * ch.R, ch.W)
+    dq = torch.matmul(ds, kg).view(ch.N, heads.count, ch.R, -1)
+    dk = torch.matmul(ds.transpose(-1, -2), qg)
+    return dq, dk, dv
+
+
+# ------------------------------------------------------------------------------ drivers
+
+
+def _merge_into(o_acc: Tensor, l_acc: Tensor, o: Tensor, l: Tensor) -> tuple[Tensor, Tensor]:  # noqa: E741
+    """Online-softmax merge of a partial result (o, l) into (o_acc, l_acc); returns the new pair."""
+    mx = torch.maximum(l_acc, l)
+    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+    wa, wb = torch.exp(l_acc - mx), torch.exp(l - mx)
+    tot = wa + wb
+    live = tot > 0
+    safe = torch.where(live, tot, torch.ones_like(tot))
+    lse = torch.where(live, mx + torch.log(safe), torch.full_like(tot, float("-inf")))
+    out = torch.lerp(o_acc, o.to(o_acc.dtype), (wb / safe)[..., None].to(o_acc.dtype))
+    return out, lse
+
+
+def _per_item(work: Work, heads: Heads, job: Job, backward: bool, fused: bool) -> int:
+    bk, bq = work.plan.block_k, work.plan.block_q
+    W = job.w * bk
+    d = work.q3.shape[-1] + work.v3.shape[-1]
+    if fused:
+        partial = bool((job.kinds != FULL).any())
+        per = (bq * W if partial else 0) + (heads.count * bq * W if work.bias is not None else 0)
+        return per + (heads.kcount * W * d if backward else 0)
+    return 5 * heads.count * bq * W + 2 * heads.kcount * W * d
+
+
+def forward(work: Work) -> tuple[Tensor, Tensor]:
+    """Run the plan: ``(out (B*Hq, Lq_pad, Dv) in the accumulation dtype, lse (B*Hq, Lq_pad))``."""
+    plan = work.plan
+    nh, dv = work.q3.shape[0], work.v3.shape[-1]
+    dev = work.q3.device
+    new = torch.empty if plan.covered else torch.zeros
+    out = new(nh, plan.q_pad, dv, dtype=work.acc, device=dev)
+    lse = torch.full((nh, plan.q_pad), float("-inf"), dtype=work.lse_dtype, device=dev)
+    for job, items in prepared(work, work.fused):
+        heads = job.heads
+        for item in items:
+            ch = item.chunk
+            m = item.element_mask(work)
+            if work.fused:
+                qw = rows_of(work.q3, heads, ch)
+                kw, vw = keys_of(work.k3, heads, ch), keys_of(work.v3, heads, ch)
+                o, l = _FUSED[0](qw, kw, vw, 0.0, False, attn_mask=item.float_mask(work, m),  # noqa: E741
+                                 scale=work.scale)
+                live = item.live if not item.lazy else (None if m is None else m.any(-1)[:, None])
+                if live is not None:
+                    l = torch.where(live, l, torch.full_like(l, float("-inf")))  # noqa: E741
+            else:
+                o, l = explicit_forward(work, ch, m)  # noqa: E741
+            if job.first:
+                put_rows(out, heads, ch, o, add=False)
+                put_rows(lse, heads, ch, l.to(lse.dtype), add=False)
+            else:
+                o_new, l_new = _merge_into(rows_of(out, heads, ch), rows_of(lse, heads, ch), o, l.to(lse.dtype))
+                put_rows(out, heads, ch, o_new, add=False)
+                put_rows(lse, heads, ch, l_new, add=False)
+    return out, lse
+
+
+def backward(work: Work, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | None, fused: bool,
+             dbias: Tensor | None, dparams: list[Tensor | None]) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients ``(dq3, dk3, dv3)`` in the accumulation dtype; ``out``/``dout`` are ``(B*Hq, Lq_pad, Dv)``
+    in the input dtype, ``lse`` ``(B*Hq, Lq_pad)``.  Nothing of size ``Lq x Lk`` is kept: each chunk's
+    scores are recomputed from ``q``, ``k`` and ``lse``."""
+    dev = work.q3.device
+    dq3 = torch.zeros(work.q3.shape, dtype=work.acc, device=dev)
+    dk3 = torch.zeros(work.k3.shape, dtype=work.acc, device=dev)
+    dv3 = torch.zeros(work.v3.shape, dtype=work.acc, device=dev)
+    lse_b = torch.where(lse == float("-inf"), torch.full_like(lse, float("inf")), lse)  # dead rows: P = 0
+    delta = None
+    if not fused:
+        delta = (dout.to(work.acc) * out.to(work.acc)).sum(-1)  # (B*Hq, Lq_pad)
+        if dlse is not None:
+            delta = delta - dlse.to(work.acc)
+    for job, items in prepared(work, fused):
+        heads = job.heads
+        for item in items:
+            ch = item.chunk
+            m = item.element_mask(work)
+            if fused:
+                qw = rows_of(work.q3, heads, ch)
+                kw, vw = keys_of(work.k3, heads, ch), keys_of(work.v3, heads, ch)
+                dq, dk, dv = _FUSED[1](rows_of(dout, heads, ch), qw, kw, vw, rows_of(out, heads, ch),
+                                       rows_of(lse_b, heads, ch), 0.0, False,
+                                       attn_mask=item.float_mask(work, m), scale=work.scale)
+            else:
+                dq, dk, dv = explicit_backward(work, ch, m, rows_of(dout, heads, ch), rows_of(lse_b, heads, ch),
+                                               rows_of(delta, heads, ch), dbias, dparams)
+            put_rows(dq3, heads, ch, dq, add=True)
+            add_keys(dk3, heads, ch, dk)
+            add_keys(dv3, heads, ch, dv)
+    return dq3, dk3, dv3

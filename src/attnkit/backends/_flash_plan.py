@@ -1,0 +1,246 @@
+"""The flash backend's plan: which (query tile, key window) pairs to compute, grouped into a few big calls.
+
+The score matrix ``(Lq, Lk)`` is tiled into ``(block_q, block_k)`` tiles and the mask's block structure
+says which tiles are visited (full or partial).  The plan turns the visited tiles into *jobs*; one job is
+computed by one batched call (or a few, when it is split to bound memory):
+
+* a **band** job: consecutive query tiles whose visited key tiles form one contiguous run of the same
+  length ``w``, starting ``kstep`` tiles further for each query tile.  Its key windows are an
+  ``as_strided`` view of ``k`` (no copy): a sliding window is one band, a causal mask one band per query
+  tile, no mask one band whose window is shared by every query tile.
+* a **gather** job: query tiles whose visited key tiles are scattered (random blocks, strided, BigBird).
+  The key tiles are gathered into contiguous windows of at most ``MAX_GATHER_KEYS`` keys; query tiles
+  with the same number of tiles in one window step share a job.
+
+A query tile covered by several jobs (several runs, or a long gathered list) merges the partial results
+with their log-sum-exps (online softmax).  Jobs are ordered so that each query tile's first job writes
+its rows and later ones merge.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..masks import FULL, PARTIAL, Mask
+
+Tensor = torch.Tensor
+
+BLOCK_Q = 128  # query rows per tile: big enough for efficient GEMMs, small enough to skip empty tiles
+BLOCK_K = 128  # keys per tile (the granularity of skipping and of the element mask)
+MAX_GATHER_KEYS = 1024  # keys gathered into one window in the irregular (gather) path
+BAND_MIN_PAIRS = 4  # bands are used when they average at least this many visited tile pairs per call ...
+BAND_MAX_CALLS = 16  # ... or when there are this few of them
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class Heads:
+    """The heads one job computes, as strided ranges of the flat ``(B*Hq)`` and ``(B*Hkv)`` layouts.
+
+    Query head ``q0 + qstep*i`` uses key/value head ``k0 + kstep*(i // (count // kcount))``.
+    ``b``/``h`` are the batch element / query head the job is restricted to (masks that depend on them),
+    or None when the job covers all of them.
+    """
+
+    q0: int
+    qstep: int
+    count: int
+    k0: int
+    kstep: int
+    kcount: int
+    b: int | None
+    h: int | None
+
+
+@dataclass
+class Job:
+    """Query tiles ``rows`` (n,) with their key windows of ``w`` tiles each.
+
+    ``tiles is None``: a band; row ``i``'s window starts at key tile ``k0 + i*kstep`` (``rows`` are
+    consecutive; ``kstep == 0`` means every row shares one window).  Otherwise ``tiles (n, w)`` lists
+    the gathered key tiles.  ``kinds (n, w)`` int8 says which tiles are FULL or PARTIAL.
+    """
+
+    heads: Heads
+    rows: Tensor  # (n,) int64 query tile indices
+    consecutive: bool
+    w: int
+    k0: int
+    kstep: int
+    tiles: Tensor | None  # (n, w) int64 for gather jobs
+    kinds: Tensor  # (n, w) int8
+    first: bool  # no earlier job covered these rows: write instead of merge
+
+    @property
+    def n(self) -> int:
+        return self.rows.shape[0]
+
+    @property
+    def pairs(self) -> int:
+        return self.n * self.w
+
+
+@dataclass
+class Plan:
+    """The tiling and the jobs for one ``(B, Hq, Hkv, Lq, Lk)`` shape and mask."""
+
+    block_q: int
+    block_k: int
+    q_len: int
+    kv_len: int
+    nq: int
+    nk: int
+    jobs: list[Job]
+    visited_pairs: int  # visited (query tile, key tile) pairs, summed over the structure's (B', H')
+    total_pairs: int  # all pairs over the same (B', H')
+    covered: bool  # every query tile has a job (else rows without one are zero)
+    cache: dict = field(default_factory=dict)  # prepared chunks (with element masks) per chunking
+
+    @property
+    def q_pad(self) -> int:
+        return self.nq * self.block_q
+
+    @property
+    def kv_pad(self) -> int:
+        return self.nk * self.block_k
+
+    @property
+    def visited_fraction(self) -> float:
+        return self.visited_pairs / max(1, self.total_pairs)
+
+
+def choose_tiling(q_len: int, kv_len: int, block_q: int | None = None, block_k: int | None = None) -> tuple[int, int]:
+    """Tile sizes: the defaults, shrunk to the sequence when it is shorter (no padding for short inputs)."""
+    bq = BLOCK_Q if block_q is None else block_q
+    bk = BLOCK_K if block_k is None else block_k
+    return max(1, min(bq, q_len)), max(1, min(bk, kv_len))
+
+
+def structure(mask: Mask | None, batch: int, heads: int, q_len: int, kv_len: int, bq: int, bk: int,
+              device) -> tuple[Tensor, Tensor, Tensor]:
+    """Visited key tiles per (b', h', query tile), sorted: ``(tiles, kinds, counts)``.
+
+    ``tiles``/``kinds``: (B', H', nq, C) int64 / int8, padded with tile ``nk`` (sorted last) past
+    ``counts`` (B', H', nq).  With no mask every tile is visited and full.  A key tile that holds
+    padding (``Lk`` not a multiple of ``bk``) is marked PARTIAL so that the padding is masked.
+    """
+    nq, nk = _ceil_div(q_len, bq), _ceil_div(kv_len, bk)
+    if mask is None:
+        tiles = torch.arange(nk).view(1, 1, 1, nk).expand(1, 1, nq, nk)
+        kinds = torch.full((1, 1, nq, nk), FULL, dtype=torch.int8)
+        counts = torch.full((1, 1, nq), nk, dtype=torch.int64)
+    else:
+        s = mask.block_structure(q_len, kv_len, bq, bk, batch=batch, heads=heads, device=device)
+        fc, fi = s.full_count.long().cpu(), s.full_index.long().cpu()
+        pc, pi = s.partial_count.long().cpu(), s.partial_index.long().cpu()
+        fc, pc = torch.broadcast_tensors(fc, pc)
+        lead = fc.shape
+        fi, pi = fi.expand(*lead, fi.shape[-1]), pi.expand(*lead, pi.shape[-1])
+        fvalid = torch.arange(fi.shape[-1]) < fc[..., None]
+        pvalid = torch.arange(pi.shape[-1]) < pc[..., None]
+        tiles = torch.cat([torch.where(fvalid, fi, nk), torch.where(pvalid, pi, nk)], dim=-1)
+        kinds = torch.cat([torch.full(fi.shape, FULL, dtype=torch.int8),
+                           torch.full(pi.shape, PARTIAL, dtype=torch.int8)], dim=-1)
+        tiles, order = tiles.sort(dim=-1, stable=True)
+        kinds = kinds.gather(-1, order)
+        counts = fc + pc
+    if kv_len % bk:
+        kinds = torch.where(tiles == nk - 1, torch.tensor(PARTIAL, dtype=torch.int8), kinds)
+    return tiles, kinds, counts
+
+
+def _heads_for(bi: int | None, hi: int | None, batch: int, hq: int, hkv: int) -> Heads:
+    g = hq // hkv
+    if bi is None and hi is None:
+        return Heads(0, 1, batch * hq, 0, 1, batch * hkv, None, None)
+    if hi is None:
+        return Heads(bi * hq, 1, hq, bi * hkv, 1, hkv, bi, None)
+    if bi is None:
+        return Heads(hi, hq, batch, hi // g, hkv, batch, None, hi)
+    return Heads(bi * hq + hi, 1, 1, bi * hkv + hi // g, 1, 1, bi, hi)
+
+
+def _runs(tiles: list[int], kinds: list[int]) -> list[tuple[int, int, list[int]]]:
+    """Maximal runs of consecutive tiles: (first tile, length, kinds)."""
+    out = []
+    for t, k in zip(tiles, kinds):
+        if out and t == out[-1][0] + out[-1][1]:
+            out[-1][1] += 1
+            out[-1][2].append(k)
+        else:
+            out.append([t, 1, [k]])
+    return [tuple(r) for r in out]
+
+
+def _band_jobs(heads: Heads, rows_tiles: list[list[int]], rows_kinds: list[list[int]]) -> list[Job]:
+    runs = [_runs(t, k) for t, k in zip(rows_tiles, rows_kinds)]
+    max_runs = max((len(r) for r in runs), default=0)
+    raw = []  # (run index, rows, first window tile, w, kstep, kinds)
+    for ri in range(max_runs):
+        cur = None
+        for t, rr in enumerate(runs):
+            if ri >= len(rr):
+                continue
+            lo, w, ks = rr[ri]
+            if cur is not None and cur["rows"][-1] == t - 1 and cur["w"] == w:
+                step = lo - cur["last"]
+                if (len(cur["rows"]) == 1 and step >= 0) or step == cur["kstep"]:
+                    cur["rows"].append(t)
+                    cur["kstep"], cur["last"] = step, lo
+                    cur["kinds"].append(ks)
+                    continue
+            cur = {"ri": ri, "rows": [t], "lo": lo, "w": w, "kstep": 0, "last": lo, "kinds": [ks]}
+            raw.append(cur)
+    return [Job(heads, torch.tensor(r["rows"]), True, r["w"], r["lo"], r["kstep"], None,
+                torch.tensor(r["kinds"], dtype=torch.int8), r["ri"] == 0) for r in raw]
+
+
+def _gather_jobs(heads: Heads, rows_tiles: list[list[int]], rows_kinds: list[list[int]], per_window: int) -> list[Job]:
+    groups: dict[tuple[int, int], list] = {}
+    for t, (tl, kl) in enumerate(zip(rows_tiles, rows_kinds)):
+        for j in range(0, len(tl), per_window):
+            chunk = tl[j:j + per_window]
+            g = groups.setdefault((j // per_window, len(chunk)), [[], [], []])
+            g[0].append(t)
+            g[1].append(chunk)
+            g[2].append(kl[j:j + per_window])
+    jobs = []
+    for (step, w), (rows, tiles, kinds) in sorted(groups.items()):
+        rows_t = torch.tensor(rows)
+        consecutive = bool(rows_t.numel() == 1 or (rows_t.diff() == 1).all())
+        jobs.append(Job(heads, rows_t, consecutive, w, 0, 0, torch.tensor(tiles), torch.tensor(kinds, dtype=torch.int8),
+                        step == 0))
+    return jobs
+
+
+def build(mask: Mask | None, batch: int, hq: int, hkv: int, q_len: int, kv_len: int, bq: int, bk: int,
+          device) -> Plan:
+    """The plan for one call shape (see the module docstring)."""
+    nq, nk = _ceil_div(q_len, bq), _ceil_div(kv_len, bk)
+    tiles, kinds, counts = structure(mask, batch, hq, q_len, kv_len, bq, bk, device)
+    bp, hp = counts.shape[0], counts.shape[1]
+    per_b, per_h = bp > 1, hp > 1
+    jobs: list[Job] = []
+    visited = int(counts.sum())
+    c_list, t_list, k_list = counts.tolist(), tiles.tolist(), kinds.tolist()
+    per_window = max(1, MAX_GATHER_KEYS // bk)
+    for bi in range(bp):
+        for hi in range(hp):
+            heads = _heads_for(bi if per_b else None, hi if per_h else None, batch, hq, hkv)
+            cnt = c_list[bi][hi]
+            rows_tiles = [t_list[bi][hi][t][:cnt[t]] for t in range(nq)]
+            rows_kinds = [k_list[bi][hi][t][:cnt[t]] for t in range(nq)]
+            bands = _band_jobs(heads, rows_tiles, rows_kinds)
+            pairs = sum(cnt)
+            if len(bands) <= BAND_MAX_CALLS or len(bands) * BAND_MIN_PAIRS <= pairs:
+                jobs += bands
+            else:
+                jobs += _gather_jobs(heads, rows_tiles, rows_kinds, per_window)
+    jobs.sort(key=lambda j: not j.first)  # every row's first job writes before any job merges into it
+    covered = sum(j.n for j in jobs if j.first) == bp * hp * nq
+    return Plan(bq, bk, q_len, kv_len, nq, nk, jobs, visited, bp * hp * nq * nk, covered)

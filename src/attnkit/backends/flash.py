@@ -1,0 +1,310 @@
+"""The ``flash`` backend: tiled, block-sparse attention in PyTorch ops, with a memory-efficient backward.
+
+The ``(Lq, Lk)`` score matrix is cut into tiles (128 x 128 by default) and only the tiles the mask's
+block structure marks non-empty are computed; the element mask is applied only on partial tiles.  The
+visited tiles are grouped into a few large batched calls (see ``_flash_plan``): a sliding window is one
+call whose key windows are strided views of ``k`` and ``v``, a scattered pattern gathers its key tiles
+into contiguous windows.  Rows covered by several calls are merged with their log-sum-exps (online
+softmax, float32).  The backward recomputes each tile's scores from ``(q, k, v, out, lse)``: it keeps
+``O((Lq + Lk) * D)`` memory plus a bounded working set per call, never ``O(Lq * Lk)``.
+
+Two ways to compute a call, chosen per call:
+
+* on CPU, PyTorch's fused flash kernel (``aten::_scaled_dot_product_flash_attention_for_cpu`` and its
+  backward), fed the element mask and any additive bias (tensor, ALiBi, T5 buckets) as a float mask;
+* everywhere else, and for softcap, non-additive score modifiers, dropout and biases that need
+  gradients: explicit matmuls with float32 online softmax (the public-API path).
+
+Dropout draws one seed from torch's generator and derives each weight's keep decision from
+``(seed, b, h, q_idx, kv_idx)``, so the backward regenerates exactly the forward's pattern.
+
+Example::
+
+    >>> import torch, attnkit
+    >>> from attnkit import masks
+    >>> q, k, v = (torch.randn(1, 2, 300, 32) for _ in range(3))
+    >>> out = attnkit.attention(q, k, v, mask=masks.sliding_window(63), backend="flash")
+    >>> ref = attnkit.attention(q, k, v, mask=masks.sliding_window(63), backend="math")
+    >>> bool(torch.allclose(out, ref, atol=1e-5))
+    True
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from ..bias import ScoreMod
+from ..masks import Mask
+from . import _flash_ops as ops
+from . import _flash_plan as planning
+from ._common import Call
+
+Tensor = torch.Tensor
+
+__all__ = ["flash_attention"]
+
+CALL_OVERHEAD_FLOPS = 2e6  # one batched call costs about this many flop-equivalents of Python and setup
+FUSED_FACTOR = 1.15  # fused kernel on gathered tiles vs SDPA on the dense problem
+EXPLICIT_FACTOR = 3.0  # explicit matmuls + elementwise softmax
+
+
+# ------------------------------------------------------------------------- helpers
+
+
+def _check_block(name: str, value) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int (or None for the default "
+                         f"{planning.BLOCK_Q if name == 'block_q' else planning.BLOCK_K})")
+    return value
+
+
+PLANS_PER_MASK = 8  # plans kept per mask object (one per shape and tiling)
+_PLANS: "weakref.WeakKeyDictionary[Mask, dict]" = weakref.WeakKeyDictionary()
+_UNMASKED_PLANS: dict = {}
+
+
+def _versions(obj, seen: set) -> tuple:
+    """(id, version) of every tensor a mask holds (also through combinators and function closures), so
+    that a cached plan is rebuilt when one of them is modified in place."""
+    if id(obj) in seen:
+        return ()
+    seen.add(id(obj))
+    if isinstance(obj, Tensor):
+        return ((id(obj), obj._version),)
+    if isinstance(obj, (list, tuple)):
+        items = obj
+    elif isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, Mask):
+        items = list(vars(obj).values())
+    elif callable(obj):
+        items = [c.cell_contents for c in (getattr(obj, "__closure__", None) or ()) if ops._has_contents(c)]
+    else:
+        return ()
+    return tuple(v for item in items for v in _versions(item, seen))
+
+
+def _plan(call: Call, block_q: int | None = None, block_k: int | None = None) -> planning.Plan:
+    """The plan for a call.  Plans (with their evaluated element masks) are kept per mask object, so a
+    mask reused across layers and steps is planned once; a mask's tensors modified in place are noticed."""
+    bq, bk = planning.choose_tiling(call.q_len, call.kv_len, block_q, block_k)
+    key = (call.batch, call.heads, call.kv_heads, call.q_len, call.kv_len, bq, bk, str(call.q.device))
+    if key in call.cache:
+        return call.cache[key]
+    if call.mask is None:
+        store = _UNMASKED_PLANS
+    else:
+        store = _PLANS.setdefault(call.mask, {})
+        key = key + (_versions(call.mask, set()),)
+    plan = store.get(key)
+    if plan is None:
+        plan = planning.build(call.mask, call.batch, call.heads, call.kv_heads, call.q_len, call.kv_len,
+                              bq, bk, call.q.device)
+        while len(store) >= PLANS_PER_MASK:
+            store.pop(next(iter(store)))
+        store[key] = plan
+    call.cache[key[:8]] = plan
+    return plan
+
+
+def _bias_needs_grad(call: Call) -> tuple[bool, list[Tensor]]:
+    if not torch.is_grad_enabled():
+        return False, []
+    if isinstance(call.bias, Tensor):
+        return call.bias.requires_grad, []
+    if isinstance(call.bias, ScoreMod):
+        params = ops.mod_params(call.bias)
+        return bool(params), params
+    return False, []
+
+
+def _fusable(call: Call, bias_grad: bool) -> bool:
+    """Whether the fused CPU kernel computes this call exactly."""
+    if ops._FUSED is None or call.q.device.type != "cpu" or call.softcap is not None or call.dropout_p > 0:
+        return False
+    if call.v.shape[-1] != call.q.shape[-1]:
+        return False  # the fused kernel needs one head size for q, k and v
+    if bias_grad:
+        return False
+    b = call.bias
+    return b is None or isinstance(b, Tensor) or b.additive or b.scale_factor is not None
+
+
+def _flat(x: Tensor, length: int) -> Tensor:
+    """(B, H, L, E) -> contiguous (B*H, length, E), zero-padded past L."""
+    B, H, L, E = x.shape
+    x3 = x.reshape(B * H, L, E)
+    if length != L:
+        x3 = F.pad(x3, (0, 0, 0, length - L))
+    return x3.contiguous()
+
+
+def _bias4(bias) -> Tensor | None:
+    if not isinstance(bias, Tensor):
+        return None
+    while bias.dim() < 4:
+        bias = bias.unsqueeze(0)
+    return bias
+
+
+def _work(call: Call, plan: planning.Plan, fused: bool, params: list[Tensor], seed: int) -> ops.Work:
+    bias, scale = call.bias, call.scale
+    if fused and isinstance(bias, ScoreMod) and not bias.additive:
+        bias, scale = None, scale * bias.scale_factor  # a scalar temperature folds into the scale
+    if isinstance(bias, Tensor):
+        bias = _bias4(bias).detach()
+    return ops.Work(plan, call.batch, call.heads, call.kv_heads, _flat(call.q, plan.q_pad),
+                    _flat(call.k, plan.kv_pad), _flat(call.v, plan.kv_pad), scale, call.softcap, call.mask,
+                    bias, call.dropout_p, seed, fused, params)
+
+
+def _unflat(x3: Tensor, call: Call, dtype: torch.dtype) -> Tensor:
+    B, H = call.batch, call.heads
+    x = x3[:, :call.q_len]
+    return x.reshape(B, H, call.q_len, *x3.shape[2:]).to(dtype)
+
+
+# ---------------------------------------------------------------------- autograd
+
+
+class _FlashFunction(torch.autograd.Function):
+    """Inputs ``(q, k, v, bias_tensor, work, *bias_params)``; outputs ``(out, lse)``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias_t, state, *params):
+        call, plan, fused, seed, allow_fused = state
+        work = _work(call, plan, fused, list(params), seed)
+        out3, lse3 = ops.forward(work)
+        out_in = out3.to(q.dtype)
+        ctx.save_for_backward(work.q3, work.k3, work.v3, out_in, lse3)
+        ctx.state = (call, plan, seed, allow_fused)
+        ctx.has_bias_t = bias_t is not None
+        ctx.set_materialize_grads(False)
+        out = _unflat(out_in, call, q.dtype)
+        lse = _unflat(lse3, call, lse3.dtype)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        call, plan, seed, allow_fused = ctx.state
+        q3, k3, v3, out3, lse3 = ctx.saved_tensors
+        n_params = len(ctx.needs_input_grad) - 5
+        if dout is None and dlse is None:
+            return (None,) * (5 + n_params)
+        bias_grad = ctx.has_bias_t and ctx.needs_input_grad[3]
+        params = ops.mod_params(call.bias) if n_params else []
+        fused = allow_fused and _fusable(call, bias_grad or bool(params)) and dlse is None
+        work = _work(call, plan, fused, params, seed)
+        work.q3, work.k3, work.v3 = q3, k3, v3
+        if dout is None:
+            dout = torch.zeros(call.batch, call.heads, call.q_len, call.v.shape[-1], dtype=out3.dtype,
+                               device=out3.device)
+        dout3 = _flat(dout.to(out3.dtype), plan.q_pad)
+        dlse3 = None
+        if dlse is not None:
+            dlse3 = F.pad(dlse.reshape(-1, call.q_len), (0, plan.q_pad - call.q_len))
+        dbias = None
+        if bias_grad:
+            dbias = torch.zeros(work.bias.shape, dtype=work.acc, device=q3.device)
+        dparams: list[Tensor | None] = [None] * len(params)
+        dq3, dk3, dv3 = ops.backward(work, out3, lse3, dout3, dlse3, fused, dbias, dparams)
+        B, Hkv, Lk = call.batch, call.kv_heads, call.kv_len
+        dq = _unflat(dq3, call, call.q.dtype)
+        dk = dk3[:, :Lk].reshape(B, Hkv, Lk, -1).to(call.k.dtype)
+        dv = dv3[:, :Lk].reshape(B, Hkv, Lk, -1).to(call.v.dtype)
+        if dbias is not None:
+            dbias = dbias.reshape(call.bias.shape).to(call.bias.dtype)
+        dparams = [None if g is None else g.to(p.dtype) for g, p in zip(dparams, params)]
+        return (dq, dk, dv, dbias, None, *dparams)
+
+
+# --------------------------------------------------------------------------- run
+
+
+def _run(call: Call, block_q: int | None = None, block_k: int | None = None, *, fused: bool | None = None):
+    """Compute a validated call; ``fused=False`` forces the explicit (public-API) path."""
+    plan = _plan(call, block_q, block_k)
+    bias_grad, params = _bias_needs_grad(call)
+    use_fused = _fusable(call, bias_grad) if fused is None else (fused and _fusable(call, bias_grad))
+    seed = ops.draw_seed() if call.dropout_p > 0 else 0
+    needs_grad = call.needs_grad or bias_grad
+    if not needs_grad:
+        work = _work(call, plan, use_fused, [], seed)
+        out3, lse3 = ops.forward(work)
+        out = _unflat(out3, call, call.q.dtype)
+        return (out, _unflat(lse3, call, lse3.dtype)) if call.return_lse else out
+    bias_t = call.bias if isinstance(call.bias, Tensor) else None
+    state = (call, plan, use_fused, seed, fused is not False)
+    out, lse = _FlashFunction.apply(call.q, call.k, call.v, bias_t, state, *params)
+    return (out, lse) if call.return_lse else out
+
+
+def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, scale: float | None = None,
+                    softcap: float | None = None, dropout_p: float = 0.0, return_lse: bool = False,
+                    block_q: int | None = None, block_k: int | None = None):
+    """Block-sparse tiled attention (the ``flash`` backend), with the arguments of :func:`attnkit.attention`.
+
+    Args:
+        q: ``(B, Hq, Lq, D)``; k: ``(B, Hkv, Lk, D)``; v: ``(B, Hkv, Lk, Dv)``, ``Hq % Hkv == 0``
+            (grouped-query heads share ``k``/``v`` without copies).
+        mask, bias, scale, softcap, dropout_p, return_lse: as in :func:`attnkit.attention`.
+        block_q, block_k: tile sizes (default 128 x 128, shrunk to short sequences).  Smaller tiles skip
+            more of a sparse mask but make smaller matrix products.
+
+    Returns:
+        ``out (B, Hq, Lq, Dv)`` in the input dtype; with ``return_lse``, also ``lse (B, Hq, Lq)`` (float32,
+        float64 for float64 inputs).  A row that may attend to nothing gives 0 and ``lse = -inf``.
+
+    Only tiles the mask's block structure marks non-empty are computed::
+
+        causal sliding window, 128 x 128 tiles          visited   element mask
+            q tile 0   █ · · · · ·                       1 tile    diagonal only
+            q tile 1   █ ░ · · · ·                       2 tiles
+            q tile 2   ░ █ ░ · · ·   <- one strided      3 tiles   first and last
+            q tile 3   · ░ █ ░ · ·      view of k, v
+                                                         (█ full, ░ partial, · skipped)
+
+    Example::
+
+        >>> import torch
+        >>> from attnkit import masks
+        >>> from attnkit.backends.flash import flash_attention
+        >>> q = torch.randn(1, 8, 1000, 64); k = v = torch.randn(1, 2, 1000, 64)
+        >>> out, lse = flash_attention(q, k, v, mask=masks.sliding_window(255), return_lse=True)
+        >>> out.shape, lse.shape
+        (torch.Size([1, 8, 1000, 64]), torch.Size([1, 8, 1000]))
+    """
+    from ..functional import _empty_result, _make_call
+
+    call = _make_call(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, dropout_p=dropout_p,
+                      return_lse=return_lse)
+    block_q, block_k = _check_block("block_q", block_q), _check_block("block_k", block_k)
+    if call.q_len == 0 or call.kv_len == 0:
+        return _empty_result(call)
+    return _run(call, block_q, block_k)
+
+
+# ----------------------------------------------------------------- backend hooks
+
+
+def run(call: Call):
+    return _run(call)
+
+
+def check(call: Call) -> str | None:
+    return None  # every mask, bias, dtype and device
+
+
+def cost(call: Call) -> float:
+    """Visited share of the dense work, times the cost of the path that would compute it, plus calls."""
+    if call.q_len == 0 or call.kv_len == 0:
+        return 0.0
+    plan = _plan(call)
+    bias_grad, _ = _bias_needs_grad(call)
+    factor = FUSED_FACTOR if _fusable(call, bias_grad) else EXPLICIT_FACTOR
+    return call.flops() * plan.visited_fraction * factor + len(plan.jobs) * CALL_OVERHEAD_FLOPS

@@ -1,0 +1,387 @@
+"""The flash backend against the float64 oracle: every mask, bias, softcap, dtype and head layout, on both
+the fused-kernel path and the explicit (public-API) path, with ragged tile counts, empty tiles, fully
+masked rows and Lq != Lk."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnkit
+from attnkit import bias as B
+from attnkit import masks as M
+from attnkit.backends import flash
+from attnkit.backends import _flash_ops as ops
+from attnkit.functional import _make_call
+from attnkit.testing import check_against_oracle, reference
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: one thread avoids OpenMP barriers, which cost milliseconds on a shared machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def run_flash(q, k, v, *, fused=True, block=16, **kw):
+    """flash on a validated call; ``fused=False`` forces the explicit path."""
+    call = _make_call(q, k, v, **kw)
+    if call.q_len == 0 or call.kv_len == 0:
+        return attnkit.attention(q, k, v, backend="flash", **kw)
+    return flash._run(call, block, block, fused=None if fused else False)
+
+
+def qkv(b=2, hq=4, hkv=2, lq=50, lk=50, d=16, dv=None, dtype=torch.float32, grad=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, lq, d, generator=g).to(dtype)
+    k = torch.randn(b, hkv, lk, d, generator=g).to(dtype)
+    v = torch.randn(b, hkv, lk, dv or d, generator=g).to(dtype)
+    return [t.requires_grad_(grad) for t in (q, k, v)]
+
+
+def doc_ids(n, cuts):
+    ids = torch.zeros(n, dtype=torch.long)
+    for c in cuts:
+        ids[c:] += 1
+    return ids
+
+
+MASKS = {
+    "none": lambda lq, lk: None,
+    "causal": lambda lq, lk: M.causal(),
+    "causal_tl": lambda lq, lk: M.causal(align="top_left"),
+    "window": lambda lq, lk: M.sliding_window(13),
+    "window_sym": lambda lq, lk: M.sliding_window(7, 9),
+    "causal_window": lambda lq, lk: M.causal() & M.sliding_window(20),
+    "padding": lambda lq, lk: M.key_padding([lk // 3, lk]),
+    "document": lambda lq, lk: M.document(doc_ids(lk, [5, 17, 40])),
+    "document_causal": lambda lq, lk: M.document(doc_ids(lk, [11, 30])) & M.causal(),
+    "prefix": lambda lq, lk: M.prefix_lm(9),
+    "block_local": lambda lq, lk: M.block_local(12),
+    "strided": lambda lq, lk: M.strided(6),
+    "strided_bi": lambda lq, lk: M.strided(5, causal=False),
+    "fixed": lambda lq, lk: M.fixed(8, 2),
+    "dilated": lambda lq, lk: M.dilated(4, 3),
+    "global_window": lambda lq, lk: M.global_tokens([0, 21]) | M.sliding_window(4, 4),
+    "random_blocks": lambda lq, lk: M.random_blocks(16, 1, seed=3),
+    "from_fn": lambda lq, lk: M.from_fn(lambda b, h, qi, ki: (qi * 7 + ki * 3) % 5 != 0),
+    "from_fn_heads": lambda lq, lk: M.from_fn(lambda b, h, qi, ki: (ki <= qi + h * 5) | (b == 1)),
+    "from_dense": lambda lq, lk: M.from_dense(torch.rand(lq, lk, generator=torch.Generator().manual_seed(1)) > 0.6),
+    "not_window": lambda lq, lk: ~M.sliding_window(10, 10),
+}
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
+@pytest.mark.parametrize("name", list(MASKS))
+def test_every_mask(name, fused):
+    for lq, lk in ((50, 50), (37, 61)):
+        if name.startswith("document") and lq != lk:
+            lq = 29  # ids are per key: queries sit at their bottom-right positions
+        q, k, v = qkv(lq=lq, lk=lk)
+        check_against_oracle(lambda *a, **kw: run_flash(*a, fused=fused, **kw), q, k, v, mask=MASKS[name](lq, lk))
+
+
+@pytest.mark.parametrize("shape", [
+    (1, 1, 1, 1, 1, 16), (1, 2, 1, 1, 9, 40), (2, 8, 2, 70, 33, 64), (1, 8, 1, 33, 70, 128),
+    (1, 2, 2, 17, 17, 256), (3, 4, 4, 16, 48, 16), (1, 8, 8, 129, 5, 40),
+])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
+def test_shapes(shape, fused):
+    b, hq, hkv, lq, lk, d = shape
+    q, k, v = qkv(b, hq, hkv, lq, lk, d)
+    for mask in (None, M.causal(), M.sliding_window(6, 2)):
+        check_against_oracle(lambda *a, **kw: run_flash(*a, fused=fused, **kw), q, k, v, mask=mask)
+
+
+def test_value_dim_differs():
+    q, k, v = qkv(lq=40, lk=45, d=16, dv=24)
+    check_against_oracle(run_flash, q, k, v, mask=M.causal())
+    check_against_oracle(lambda *a, **kw: run_flash(*a, fused=False, **kw), q, k, v, mask=M.causal())
+
+
+BIASES = {
+    "tensor_full": lambda b, h, lq, lk: torch.randn(b, h, lq, lk),
+    "tensor_2d": lambda b, h, lq, lk: torch.randn(lq, lk),
+    "tensor_keys": lambda b, h, lq, lk: torch.randn(1, h, 1, lk),
+    "alibi": lambda b, h, lq, lk: B.alibi(B.alibi_slopes(h)),
+    "t5": lambda b, h, lq, lk: B.relative_buckets(torch.randn(h, 16), max_distance=20),
+    "t5_causal": lambda b, h, lq, lk: B.relative_buckets(torch.randn(h, 8), bidirectional=False, max_distance=20),
+    "temperature": lambda b, h, lq, lk: B.temperature(1.7),
+    "temperature_heads": lambda b, h, lq, lk: B.temperature(torch.linspace(0.5, 2.0, h)),
+    "score_fn": lambda b, h, lq, lk: B.from_fn(lambda s, b_, h_, qi, ki: s * 0.5 + torch.cos(qi - ki + h_)),
+    "compose": lambda b, h, lq, lk: B.compose(B.temperature(2.0), B.alibi(B.alibi_slopes(h))),
+}
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("name", list(BIASES))
+def test_biases_and_softcap(name, softcap):
+    q, k, v = qkv(lq=45, lk=52)
+    bias = BIASES[name](2, 4, 45, 52)
+    for mask in (None, M.causal() & M.sliding_window(17)):
+        for fused in (True, False):
+            check_against_oracle(lambda *a, **kw: run_flash(*a, fused=fused, **kw), q, k, v, mask=mask, bias=bias,
+                                 softcap=softcap, scale=0.3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
+def test_dtypes(dtype, fused):
+    q, k, v = qkv(lq=60, lk=75, d=40, dtype=dtype)
+    for mask, bias in ((M.causal(), None), (M.sliding_window(20, 3), B.alibi(B.alibi_slopes(4))),
+                       (M.document(doc_ids(75, [30])), torch.randn(60, 75).to(dtype))):
+        check_against_oracle(lambda *a, **kw: run_flash(*a, fused=fused, **kw), q, k, v, mask=mask, bias=bias)
+    out = run_flash(q, k, v, fused=fused, mask=M.causal(), return_lse=True)
+    assert out[0].dtype == dtype and out[1].dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
+def test_lse_matches_oracle(fused):
+    q, k, v = qkv(lq=50, lk=64, grad=False)
+    for mask, bias in ((M.sliding_window(9), None), (M.strided(7), B.alibi(B.alibi_slopes(4))), (None, None)):
+        _, lse = run_flash(q, k, v, fused=fused, mask=mask, bias=bias, return_lse=True)
+        _, ref = reference(q.double(), k.double(), v.double(), mask=mask, bias=bias)
+        _, naive = reference(q, k, v, mask=mask, bias=bias)
+        assert lse.shape == (2, 4, 50)
+        finite = torch.isfinite(ref)
+        assert torch.equal(torch.isfinite(lse), finite)
+        bound = 2 * (naive.double() - ref)[finite].abs().max() + 1e-6
+        assert (lse.double() - ref)[finite].abs().max() <= bound
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
+def test_fully_masked_rows(fused):
+    q, k, v = qkv(lq=40, lk=24)
+    allowed = torch.rand(40, 24, generator=torch.Generator().manual_seed(2)) > 0.5
+    allowed[3] = False
+    allowed[17:33] = False  # a whole empty 16-row tile and parts of others
+    for mask in (M.from_dense(allowed), M.causal(), M.key_padding([0, 24])):
+        out, lse = run_flash(q, k, v, fused=fused, mask=mask, return_lse=True)
+        dense = mask.to_dense(40, 24, batch=2, heads=4).expand(2, 4, 40, 24)
+        dead = ~dense.any(-1)
+        assert dead.any()
+        assert torch.isfinite(out).all()
+        assert (out[dead] == 0).all() and (lse[dead] == float("-inf")).all()
+        assert torch.isfinite(lse[~dead]).all()
+        out.sum().backward()
+        for t in (q, k, v):
+            assert torch.isfinite(t.grad).all()
+        assert (q.grad[dead] == 0).all()
+        for t in (q, k, v):
+            t.grad = None
+        check_against_oracle(lambda *a, **kw: run_flash(*a, fused=fused, **kw), q, k, v, mask=mask)
+
+
+def test_empty_lengths():
+    q, k, v = qkv(lq=0, lk=7)
+    out = flash.flash_attention(q, k, v, mask=M.causal())
+    assert out.shape == (2, 4, 0, 16)
+    q, k, v = qkv(lq=5, lk=0)
+    out, lse = flash.flash_attention(q, k, v, return_lse=True)
+    assert (out == 0).all() and (lse == float("-inf")).all()
+
+
+# ------------------------------------------------------------------------ gradients
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
+def test_gradcheck_float64(fused):
+    q, k, v = qkv(1, 4, 2, 9, 11, 4, dtype=torch.float64)
+    bias = torch.randn(1, 4, 9, 11, dtype=torch.float64, requires_grad=True)
+
+    def fn(q, k, v, bias):
+        out, lse = run_flash(q, k, v, fused=fused, block=3, mask=M.causal() & M.sliding_window(5), bias=bias,
+                             return_lse=True)
+        return out, torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+
+    assert torch.autograd.gradcheck(fn, (q, k, v, bias), eps=1e-6, atol=1e-5, fast_mode=True)
+    tiny = [t.detach().requires_grad_() for t in (q[:, :2, :5, :2], k[:, :1, :6, :2], v[:, :1, :6, :2],
+                                                    bias[:, :2, :5, :6])]
+    assert torch.autograd.gradcheck(fn, tiny, eps=1e-6, atol=1e-5)  # the full Jacobian on a tiny case
+
+    def fn2(q, k, v):
+        return run_flash(q, k, v, fused=fused, block=3, mask=M.strided(3), softcap=2.0)
+
+    assert torch.autograd.gradcheck(fn2, (q, k, v), eps=1e-6, atol=1e-5, fast_mode=True)
+
+
+def test_gradcheck_learnable_modifiers():
+    q, k, v = qkv(1, 4, 4, 7, 9, 4, dtype=torch.float64)
+    slopes = torch.tensor([0.5, 0.25, 0.1, 0.05], dtype=torch.float64, requires_grad=True)
+    table = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
+
+    def fn(q, k, v, slopes, table, w):
+        mod = B.compose(B.alibi(slopes), B.relative_buckets(table, max_distance=10),
+                        B.from_fn(lambda s, b, h, qi, ki: s * w))
+        return run_flash(q, k, v, block=3, mask=M.sliding_window(4, 2), bias=mod)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v, slopes, table, w), eps=1e-6, atol=1e-5, fast_mode=True)
+
+
+@pytest.mark.parametrize("kind", ["tensor", "alibi", "t5"])
+def test_bias_gradients_match_math(kind):
+    q, k, v = qkv(2, 4, 2, 30, 41, 16, dtype=torch.float64)
+    if kind == "tensor":
+        p = torch.randn(1, 4, 30, 41, dtype=torch.float64, requires_grad=True)
+        make = lambda: p  # noqa: E731
+    elif kind == "alibi":
+        p = B.alibi_slopes(4).double().requires_grad_()
+        make = lambda: B.alibi(p)  # noqa: E731
+    else:
+        p = torch.randn(4, 16, dtype=torch.float64, requires_grad=True)
+        make = lambda: B.relative_buckets(p, max_distance=30)  # noqa: E731
+    go = torch.randn(2, 4, 30, 16, dtype=torch.float64)
+    grads = []
+    for backend in ("flash", "math"):
+        out = attnkit.attention(q, k, v, mask=M.sliding_window(11), bias=make(), backend=backend)
+        grads.append(torch.autograd.grad(out, [q, k, v, p], go))
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-10), (a - b).abs().max()
+
+
+def test_lse_gradient_flows():
+    """Gradients through the returned lse (ring attention merges partial results with it)."""
+    q, k, v = qkv(1, 2, 2, 20, 26, 8, dtype=torch.float64)
+    go, gl = torch.randn(1, 2, 20, 8, dtype=torch.float64), torch.randn(1, 2, 20, dtype=torch.float64)
+    grads = []
+    for fn in (lambda: run_flash(q, k, v, block=8, mask=M.sliding_window(9), return_lse=True),
+               lambda: reference(q, k, v, mask=M.sliding_window(9))):
+        out, lse = fn()
+        grads.append(torch.autograd.grad((out * go).sum() + (lse * gl).sum(), [q, k, v]))
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-10)
+
+
+# -------------------------------------------------------------------------- dropout
+
+
+def _dropout_reference(q, k, v, mask, p, seed):
+    """The textbook formula in float64 with the keep pattern flash derives from ``seed``."""
+    Bn, Hq, Lq, _ = q.shape
+    g = Hq // k.shape[1]
+    kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = q @ kk.transpose(-1, -2) / q.shape[-1] ** 0.5
+    s = s.masked_fill(~mask.to_dense(Lq, k.shape[2]), float("-inf"))
+    w = torch.softmax(s, -1)
+    keep = ops.dropout_keep(seed, torch.arange(Bn).view(-1, 1, 1, 1), torch.arange(Hq).view(1, -1, 1, 1),
+                            torch.arange(Lq).view(1, 1, -1, 1), torch.arange(k.shape[2]).view(1, 1, 1, -1), p)
+    return (w * keep / (1 - p)) @ vv, keep
+
+
+def test_dropout_matches_reference_with_same_pattern():
+    q, k, v = qkv(2, 4, 2, 40, 50, 16, dtype=torch.float64)
+    mask, p = M.sliding_window(20, 5), 0.3
+    torch.manual_seed(123)
+    out = run_flash(q, k, v, mask=mask, dropout_p=p)
+    torch.manual_seed(123)
+    seed = ops.draw_seed()
+    ref, keep = _dropout_reference(q, k, v, mask, p, seed)
+    assert torch.allclose(out, ref, atol=1e-12)
+    go = torch.randn_like(out)
+    ga = torch.autograd.grad(out, [q, k, v], go)
+    gb = torch.autograd.grad(ref, [q, k, v], go)
+    for a, b in zip(ga, gb):
+        assert torch.allclose(a, b, atol=1e-10)
+    assert abs(keep.float().mean().item() - (1 - p)) < 0.02
+
+
+def test_dropout_reproducible_and_varies():
+    q, k, v = qkv(grad=False)
+    torch.manual_seed(5)
+    a = flash.flash_attention(q, k, v, mask=M.causal(), dropout_p=0.5)
+    torch.manual_seed(5)
+    b = flash.flash_attention(q, k, v, mask=M.causal(), dropout_p=0.5)
+    c = flash.flash_attention(q, k, v, mask=M.causal(), dropout_p=0.5)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_dropout_gradcheck():
+    q, k, v = qkv(1, 2, 1, 7, 9, 4, dtype=torch.float64)
+
+    def fn(q, k, v):
+        torch.manual_seed(0)  # the same seed on every evaluation: a fixed dropout pattern
+        return run_flash(q, k, v, block=4, mask=M.causal(), dropout_p=0.4)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-5, fast_mode=True)
+
+
+# ---------------------------------------------------------------- plan, cost, auto
+
+
+def test_sliding_window_is_few_strided_calls():
+    call = _make_call(*qkv(1, 8, 8, 4096, 4096, 64, grad=False), mask=M.sliding_window(255))
+    plan = flash._plan(call)
+    assert len(plan.jobs) == 3 and all(j.tiles is None for j in plan.jobs)  # edge tiles 0, 1 and one band
+    assert plan.visited_pairs == 1 + 2 + 3 * 30
+    assert plan.jobs[-1].n == 30 and plan.jobs[-1].kstep == 1
+
+
+def test_scattered_pattern_gathers():
+    call = _make_call(*qkv(1, 2, 2, 4096, 4096, 16, grad=False), mask=M.random_blocks(128, 4, seed=0))
+    plan = flash._plan(call)
+    assert all(j.tiles is not None for j in plan.jobs)
+    assert sum(j.pairs for j in plan.jobs) == plan.visited_pairs == 32 * 4
+
+
+def test_element_mask_only_on_partial_tiles():
+    seen = []
+
+    def fn(b, h, qi, ki):
+        seen.append(torch.broadcast_shapes(qi.shape, ki.shape))
+        return qi >= ki
+
+    mask = M.from_fn(fn)
+    q, k, v = qkv(1, 2, 2, 256, 256, 16, grad=False)
+    call = _make_call(q, k, v, mask=mask)
+    flash._plan(call, 64, 64)  # the block structure evaluates the predicate tile by tile
+    seen.clear()
+    out = flash._run(call, 64, 64)
+    evaluated = sum(torch.Size(s).numel() for s in seen)
+    assert evaluated == 4 * 64 * 64  # the four diagonal tiles; the six full ones need no element mask
+    ref, _ = reference(q, k, v, mask=M.causal())
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_plan_cache_notices_in_place_changes():
+    ids = doc_ids(64, [20])
+    mask = M.document(ids)
+    q, k, v = qkv(1, 2, 2, 64, 64, 16, grad=False)
+    a = flash.flash_attention(q, k, v, mask=mask, block_q=16, block_k=16)
+    ids[40:] += 1  # a third document, same mask object
+    b = flash.flash_attention(q, k, v, mask=mask, block_q=16, block_k=16)
+    ref, _ = reference(q, k, v, mask=M.document(ids.clone()))
+    assert not torch.allclose(a, b) and torch.allclose(b, ref, atol=1e-5)
+
+
+def test_auto_picks_flash_when_sparse():
+    q, k, v = qkv(1, 8, 8, 4096, 4096, 64, grad=False)
+    text = attnkit.backends.explain(q, k, v, mask=M.sliding_window(255))
+    assert text.startswith("auto picks 'flash'") and "flash   takes it" in text
+    q, k, v = qkv(1, 8, 8, 1024, 1024, 64, grad=False)
+    assert attnkit.backends.explain(q, k, v, mask=M.causal()).startswith("auto picks 'sdpa'")
+    assert attnkit.backends.explain(q, k, v).startswith("auto picks 'sdpa'")
+    assert attnkit.backends.explain(q, k, v, softcap=30.0).startswith("auto picks 'flash'")
+
+
+def test_bad_block_sizes():
+    q, k, v = qkv(grad=False)
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="block_q"):
+            flash.flash_attention(q, k, v, block_q=bad)
+
+
+def test_fused_op_signature():
+    """The fused path leans on a private PyTorch op: notice when its signature changes (the explicit path
+    then takes over, see fused_ops)."""
+    if not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        assert ops.fused_ops() is None
+        return
+    assert ops.fused_ops() is not None, "the private CPU flash op changed its signature"
+    fwd, bwd = ops.fused_ops()
+    q, k, v = qkv(1, 4, 2, 20, 30, 8, dtype=torch.float64, grad=False)
+    o, lse = fwd(q, k, v, 0.0, False, attn_mask=None, scale=0.5)
+    ref, ref_lse = reference(q, k, v, scale=0.5)
+    assert torch.allclose(o, ref) and torch.allclose(lse, ref_lse)
