@@ -24,6 +24,7 @@ from typing import Callable
 from . import flash as _flash
 from . import math as _math
 from . import sdpa as _sdpa
+from . import triton as _triton
 from ._common import Call
 
 __all__ = ["available", "explain", "Backend", "register"]
@@ -55,6 +56,8 @@ register(Backend("sdpa", _sdpa.run, _sdpa.check, _sdpa.cost,
                  description="torch.nn.functional.scaled_dot_product_attention"))
 register(Backend("flash", _flash.run, _flash.check, _flash.cost,
                  description="tiled block-sparse attention in PyTorch ops; memory-efficient backward"))
+register(Backend("triton", _triton.run, _triton.check, _triton.cost, _triton.available,
+                 description="Triton block-sparse flash kernels; CUDA GPUs (or TRITON_INTERPRET=1 on CPU)"))
 
 
 def available() -> list[str]:

@@ -1,0 +1,554 @@
+"""The Triton backend, run by Triton's interpreter on the CPU, against the float64 oracle.
+
+How the interpreter is had (read before changing the fixture below): Triton picks its interpreter or its
+GPU compiler once, when ``triton`` is first imported (it builds its own standard library, ``tl.zeros``,
+``tl.max``..., for one or the other), so ``TRITON_INTERPRET=1`` must be in the environment before that
+import, and it cannot be undone in a running process.  This pytest process may already hold triton
+compiled for the GPU (anything may have imported it), and setting the variable here would leave triton in
+interpreter mode for every later test.  So the kernel cases run in ONE child Python started with
+``TRITON_INTERPRET=1`` (this very file run as a script): the module fixture starts it with the names of the
+selected cases, the child runs each and writes its verdict (or traceback) to a JSON file, and each test
+here fails with the child's traceback when its case failed.  The case code is ordinary test code; only
+where it runs differs.  Tests of the host-side planning (pure PyTorch) run in this process.
+
+Shapes are tiny (the interpreter runs every program instance in Python): 16 x 16 tiles, lengths of a few
+tiles, odd on purpose, so full, partial and empty tiles and ragged edges all occur.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import attnkit
+from attnkit import bias as biases
+from attnkit import masks
+from attnkit.backends import _triton_plan as plan
+from attnkit.backends import sdpa as sdpa_backend
+from attnkit.backends import triton as tb
+from attnkit.functional import _make_call
+from attnkit.testing import check_against_oracle, reference
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+# ----------------------------------------------------------------------------- cases run by the child
+
+CASES: dict = {}
+
+
+def case(name: str):
+    def register(fn):
+        CASES[name] = fn
+        return fn
+    return register
+
+
+def _qkv(B=1, Hq=2, Hkv=1, Lq=37, Lk=37, D=24, Dv=None, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    Dv = D if Dv is None else Dv
+    make = lambda *shape: torch.randn(*shape, generator=g).to(dtype).requires_grad_(True)  # noqa: E731
+    return make(B, Hq, Lq, D), make(B, Hkv, Lk, D), make(B, Hkv, Lk, Dv)
+
+
+def _triton(q, k, v, **kwargs):
+    return attnkit.attention(q, k, v, backend="triton", **kwargs)
+
+
+def _ids(lengths, batch=1):
+    """Document ids (B, sum(lengths)) for documents of the given lengths, rolled per batch row."""
+    row = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    return torch.stack([row.roll(7 * b) for b in range(batch)])
+
+
+# (mask factory, B, Hq, Lq, Lk, dtype): one dtype per mask, rotating, so every path sees every dtype
+_MASKS = {
+    "none": (lambda: None, 1, 1, 37, 37, "fp16"),
+    "causal": (lambda: masks.causal(), 1, 1, 37, 37, "bf16"),
+    "causal-decode-Lq<Lk": (lambda: masks.causal(), 1, 1, 5, 41, "fp32"),
+    "causal-top-left": (lambda: masks.causal(align="top_left"), 1, 1, 21, 45, "fp16"),
+    "sliding-window": (lambda: masks.sliding_window(6, 2), 1, 1, 45, 45, "fp32"),
+    "sliding-window-left-unbounded": (lambda: masks.sliding_window(None, 3), 1, 1, 33, 40, "bf16"),
+    "sliding-window-and-causal": (lambda: masks.sliding_window(9) & masks.causal(), 1, 1, 40, 40, "fp16"),
+    "document-causal-batched": (lambda: masks.document(_ids([9, 20, 11], batch=2)) & masks.causal(),
+                                2, 1, 40, 40, "fp32"),
+    "document-cross": (lambda: masks.document(_ids([10, 13]), _ids([20, 17])), 1, 1, 23, 37, "bf16"),
+    "prefix-lm": (lambda: masks.prefix_lm(11), 1, 1, 37, 37, "fp16"),
+    "key-padding-lengths": (lambda: masks.key_padding([30, 12]) & masks.causal(), 2, 1, 33, 33, "fp32"),
+    "key-padding-bool": (lambda: masks.key_padding(torch.rand(2, 35, generator=torch.Generator().manual_seed(1))
+                                                   > 0.3), 2, 1, 20, 35, "bf16"),
+    "strided": (lambda: masks.strided(4), 1, 1, 37, 37, "fp16"),
+    "random-blocks": (lambda: masks.random_blocks(8, 2, seed=3), 1, 1, 40, 40, "fp32"),
+    "from-fn": (lambda: masks.from_fn(lambda b, h, q, k: (q + 2 * k) % 3 != 0, name="mod3"), 1, 1, 30, 35, "bf16"),
+    "from-dense-per-head": (lambda: masks.from_dense(torch.rand(1, 2, 29, 35, generator=torch.Generator()
+                                                                .manual_seed(2)) > 0.5), 1, 2, 29, 35, "fp16"),
+    "not-causal": (lambda: ~masks.causal(), 1, 1, 33, 33, "fp32"),
+    "window-or-global": (lambda: masks.sliding_window(3, 3) | masks.global_tokens([0, 20]), 1, 1, 37, 37, "bf16"),
+    "causal-and-strided": (lambda: masks.causal() & masks.strided(5, causal=False), 1, 1, 37, 37, "fp16"),
+    "fixed": (lambda: masks.fixed(8, 2), 1, 1, 40, 40, "fp32"),
+}
+
+
+def _mask_case(name):
+    make, B, Hq, Lq, Lk, dt = _MASKS[name]
+
+    def run():
+        q, k, v = _qkv(B=B, Hq=Hq, Lq=Lq, Lk=Lk, dtype=DTYPES[dt])
+        check_against_oracle(_triton, q, k, v, mask=make())
+    return run
+
+
+for _name in _MASKS:
+    CASES[f"mask-{_name}"] = _mask_case(_name)
+
+
+@case("dtype-fp32-causal")
+def _():
+    q, k, v = _qkv(Hq=1, dtype=torch.float32, Lq=45, Lk=45)
+    check_against_oracle(_triton, q, k, v, mask=masks.causal())
+
+
+@case("gqa-6-query-heads-on-2")
+def _():
+    q, k, v = _qkv(Hq=6, Hkv=2, Lq=20, Lk=35, dtype=torch.bfloat16)
+    check_against_oracle(_triton, q, k, v, mask=masks.causal())
+
+
+@case("mqa-4-query-heads-on-1-windowed")
+def _():
+    q, k, v = _qkv(Hq=3, Hkv=1, Lq=17, Lk=40, dtype=torch.float16)
+    check_against_oracle(_triton, q, k, v, mask=masks.sliding_window(7, 7))
+
+
+@case("odd-lengths-and-head-dims")
+def _():
+    q, k, v = _qkv(Hq=1, Lq=19, Lk=53, D=40, Dv=24, dtype=torch.float32)
+    check_against_oracle(_triton, q, k, v, mask=masks.causal())
+
+
+def _head_dim(D):
+    q, k, v = _qkv(Hq=1, Lq=20, Lk=20, D=D, dtype=torch.float16)
+    check_against_oracle(_triton, q, k, v, mask=masks.causal())
+
+
+for _D in (16, 96, 256):
+    CASES[f"head-dim-{_D}"] = (lambda D: lambda: _head_dim(D))(_D)
+
+
+@case("softcap-fp32")
+def _():
+    q, k, v = _qkv(Hq=1, Lq=33, Lk=33, dtype=torch.float32)
+    check_against_oracle(_triton, q * 4, k, v, mask=masks.causal(), softcap=5.0)
+
+
+@case("softcap-bf16-document")
+def _():
+    q, k, v = _qkv(Hq=1, Lq=40, Lk=40, dtype=torch.bfloat16)
+    check_against_oracle(_triton, q, k, v, mask=masks.document(_ids([15, 25])), softcap=2.0)
+
+
+@case("alibi-causal")
+def _():
+    q, k, v = _qkv(Hq=2, Hkv=1, Lq=37, Lk=37, dtype=torch.float32)
+    check_against_oracle(_triton, q, k, v, mask=masks.causal(), bias=biases.alibi(biases.alibi_slopes(2)))
+
+
+@case("alibi-top-left-Lq<Lk-fp16")
+def _():
+    q, k, v = _qkv(Hq=2, Hkv=2, Lq=17, Lk=40, dtype=torch.float16)
+    check_against_oracle(_triton, q, k, v, bias=biases.alibi(biases.alibi_slopes(2), align="top_left"))
+
+
+@case("temperature-and-scale")
+def _():
+    q, k, v = _qkv(Hq=1, Lq=30, Lk=30, dtype=torch.float32)
+    check_against_oracle(_triton, q, k, v, mask=masks.causal(), bias=biases.temperature(2.0), scale=0.3)
+
+
+@case("tensor-bias-broadcast")
+def _():
+    q, k, v = _qkv(B=2, Hq=2, Lq=21, Lk=35, dtype=torch.float16)
+    bias = torch.randn(1, 2, 1, 35) + torch.randn(21, 1)  # (1, H, Lq, Lk) from two broadcast parts
+    check_against_oracle(_triton, q, k, v, mask=masks.causal(), bias=bias.expand(1, 2, 21, 35)[..., :, :])
+
+
+@case("views-with-model-strides")
+def _():
+    # q from a (B, L, H, D) projection viewed as (B, H, L, D): rows are not contiguous, as in a model
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(1, 35, 3 * 2 * 16, generator=g)
+    q, k, v = x.view(1, 35, 3, 2, 16).permute(2, 0, 3, 1, 4)  # each (B, H, L, D), strided
+    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+    check_against_oracle(_triton, q, k, v, mask=masks.sliding_window(10))
+
+
+@case("fully-masked-rows")
+def _():
+    # bottom-right causal with Lq > Lk: the first Lq - Lk query rows see no key
+    q, k, v = _qkv(Hq=1, Lq=40, Lk=23, dtype=torch.float16)
+    check_against_oracle(_triton, q, k, v, mask=masks.causal())
+    out, lse = _triton(q, k, v, mask=masks.causal(), return_lse=True)
+    assert lse.dtype == torch.float32
+    assert torch.equal(out[:, :, :17], torch.zeros_like(out[:, :, :17]))
+    assert torch.isneginf(lse[:, :, :17]).all() and torch.isfinite(lse[:, :, 17:]).all()
+    out.float().pow(2).sum().backward()
+    assert torch.equal(q.grad[:, :, :17], torch.zeros_like(q.grad[:, :, :17]))
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def _max_err(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    same_inf = torch.isinf(a) & torch.isinf(b) & (a.sign() == b.sign())
+    return float(torch.where(same_inf, 0.0, (a - b).abs()).max())
+
+
+@case("lse-and-its-gradient")
+def _():
+    # lse against the oracle by the numerical rule; then a loss that uses lse (as merging partial results
+    # does) differentiated through the kernels, against the float64 oracle with factor 3
+    for dt in (torch.bfloat16,):
+        q, k, v = _qkv(Hq=2, Hkv=1, Lq=20, Lk=35, dtype=dt)
+        mask = masks.causal() & masks.sliding_window(12)
+        out, lse = _triton(q, k, v, mask=mask, return_lse=True)
+        _, lse64 = reference(q.double(), k.double(), v.double(), mask=mask)
+        _, lse_naive = reference(q, k, v, mask=mask)
+        assert _max_err(lse, lse64) <= 2 * _max_err(lse_naive, lse64) + 1e-6
+        g = torch.Generator().manual_seed(5)
+        go, gl = torch.randn(out.shape, generator=g), torch.randn(lse.shape, generator=g)
+        grads = {}
+        for name, dtype, backend in (("kernel", dt, "triton"), ("oracle", torch.float64, "math"),
+                                     ("naive", dt, "math")):
+            leaves = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
+            o, ls = attnkit.attention(*leaves, mask=mask, return_lse=True, backend=backend)
+            ((o.double() * go.double()).sum() + (ls.double() * gl.double()).sum()).backward()
+            grads[name] = [t.grad for t in leaves]
+        for kern, orac, naive in zip(grads["kernel"], grads["oracle"], grads["naive"]):
+            assert _max_err(kern, orac) <= 3 * _max_err(naive, orac) + 1e-6
+
+
+@case("auto-never-picks-the-interpreter")
+def _():
+    q, k, v = _qkv(Lq=20, Lk=20)
+    call = _make_call(q, k, v, mask=masks.causal())
+    assert tb.check(call) is None  # the interpreter takes it...
+    assert attnkit.backends.select(call, "auto").name != "triton"  # ...but auto does not choose it
+    assert "triton  takes it" in attnkit.backends.explain(q, k, v, mask=masks.causal())
+
+
+@case("plan-reused-until-ids-change")
+def _():
+    ids = _ids([10, 27])
+    m = masks.document(ids) & masks.causal()
+    q, k, v = _qkv(Hq=1, Lq=37, Lk=37)
+    p1 = tb._plans(_make_call(q, k, v, mask=m)).forward()
+    p2 = tb._plans(_make_call(q, k, v, mask=m)).forward()
+    assert p1 is p2
+    ids[0, 5:] = 1  # edited in place: the plan must follow
+    p3 = tb._plans(_make_call(q, k, v, mask=m)).forward()
+    assert p3 is not p1
+    check_against_oracle(_triton, q, k, v, mask=m)
+
+
+# paged decode: the same keys as a dense tensor (oracle) and scattered over shuffled pages (kernel)
+
+
+def _paged_case(dtype, B=3, Hq=4, Hkv=2, D=24, Dv=16, page=8, lens=(37, 1, 20), splits=None, **kwargs):
+    lens = torch.tensor(lens, dtype=torch.int32)
+    n_pages = -(-int(lens.max()) // page) + 1  # one page more than the longest needs: never read
+    g = torch.Generator().manual_seed(6)
+    table = torch.randperm(B * n_pages + 3, generator=g)[: B * n_pages].view(B, n_pages).to(torch.int32)
+    q = torch.randn(B, Hq, 1, D, generator=g).to(dtype)
+    k = torch.randn(B, Hkv, n_pages * page, D, generator=g).to(dtype)
+    v = torch.randn(B, Hkv, n_pages * page, Dv, generator=g).to(dtype)
+
+    def paged(q, k, v, mask, bias=None, softcap=None):
+        k_pool = torch.zeros(B * n_pages + 3, Hkv, page, D, dtype=dtype)  # (num_blocks, Hkv, block_size, D)
+        v_pool = torch.zeros(B * n_pages + 3, Hkv, page, Dv, dtype=dtype)
+        for b in range(B):
+            for j in range(n_pages):
+                k_pool[table[b, j]] = k[b, :, j * page:(j + 1) * page]
+                v_pool[table[b, j]] = v[b, :, j * page:(j + 1) * page]
+        if splits is None:
+            return tb.paged_decode(q, k_pool, v_pool, table, lens, bias=bias, softcap=softcap)
+        slopes = bias.slopes if isinstance(bias, biases.ScoreMod) else None
+        return tb._paged_decode(q, k_pool, v_pool, table, lens, scale=D ** -0.5, softcap=softcap, slopes=slopes,
+                                bias=bias if isinstance(bias, torch.Tensor) else None, num_splits=splits)
+
+    out = paged(q, k, v, None, **kwargs)
+    assert out.shape == (B, Hq, 1, Dv) and out.dtype == dtype
+    # keys past a sequence's length are padding in the dense oracle; its query sits at the end of the
+    # padded row, which shifts ALiBi by a constant per row: the softmax does not see it
+    check_against_oracle(paged, q, k, v, mask=masks.key_padding(lens.long()), grad=False, **kwargs)
+    return out
+
+
+@case("paged-fp32-one-split")
+def _():
+    _paged_case(torch.float32, splits=1)
+
+
+@case("paged-fp16-three-splits-gqa")
+def _():
+    _paged_case(torch.float16, Hq=8, Hkv=2, splits=3)
+
+
+@case("paged-bf16-page-6-mqa")
+def _():
+    _paged_case(torch.bfloat16, Hq=3, Hkv=1, page=6, lens=(31, 17, 4), splits=2)
+
+
+@case("paged-empty-sequence")
+def _():
+    out = _paged_case(torch.float32, lens=(0, 25, 9), splits=4)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+
+
+@case("paged-softcap-and-alibi")
+def _():
+    _paged_case(torch.float32, softcap=3.0, bias=biases.alibi(biases.alibi_slopes(4)), splits=2)
+
+
+@case("paged-tensor-bias-public-entry")
+def _():
+    _paged_case(torch.float16, lens=(40, 3, 22), bias=torch.randn(3, 1, 1, 48))
+
+
+# ----------------------------------------------------------------------------------- the child runner
+
+
+def _child_main(out_path: str, names: list[str]) -> None:
+    """Run the named cases in this (interpreter) process and write {name: null | traceback} as JSON."""
+    verdicts = {}
+    for name in names:
+        torch.manual_seed(0)
+        try:
+            CASES[name]()
+            verdicts[name] = None
+        except Exception:  # every failure, assertion or crash, goes back to the parent test
+            verdicts[name] = traceback.format_exc()
+    Path(out_path).write_text(json.dumps(verdicts))
+
+
+@pytest.fixture(scope="module")
+def interpreted(request):
+    """Verdicts of the selected cases, run in one child process under TRITON_INTERPRET=1."""
+    selected = [item.callspec.params["name"] for item in request.session.items
+                if item.path == Path(__file__) and hasattr(item, "callspec") and "name" in item.callspec.params]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "verdicts.json"
+        proc = subprocess.run([sys.executable, __file__, str(out), *selected], env=env, capture_output=True,
+                              text=True, timeout=500)
+        if proc.returncode != 0 or not out.exists():
+            pytest.fail(f"the interpreter child failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+        return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_kernel_case(name, interpreted):
+    verdict = interpreted[name]
+    if verdict is not None:
+        pytest.fail(f"case {name!r} failed under the Triton interpreter:\n{verdict}", pytrace=False)
+
+
+def test_child_sees_a_triton_imported_for_the_gpu_as_unusable_on_cpu():
+    # triton imported without TRITON_INTERPRET, the variable set afterwards: the backend must say why not
+    code = ("import os, torch, triton, attnkit\n"
+            "from attnkit.backends import triton as tb\n"
+            "from attnkit.functional import _make_call\n"
+            "os.environ['TRITON_INTERPRET'] = '1'\n"
+            "q = torch.randn(1, 1, 4, 16)\n"
+            "print(tb.check(_make_call(q, q, q)))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "triton was imported before TRITON_INTERPRET=1 was set" in proc.stdout
+
+
+# ------------------------------------------------------------------------- in this process (no triton)
+
+
+def test_cpu_without_interpreter_is_declined_without_importing_triton(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q = torch.randn(1, 2, 8, 16)
+    reason = tb.check(_make_call(q, q, q))
+    assert "set TRITON_INTERPRET=1" in reason
+    if not torch.cuda.is_available():
+        assert not tb.available() and "triton" not in attnkit.backends.available()
+        with pytest.raises(ValueError, match="backend='triton' is not available"):
+            attnkit.attention(q, q, q, backend="triton")
+
+
+@pytest.mark.parametrize("kwargs, dtype, expected", [
+    ({}, torch.float64, "float64 is not supported"),
+    ({"dropout_p": 0.1}, torch.float32, "no dropout"),
+    ({"bias": biases.from_fn(lambda s, b, h, q, k: s * 2)}, torch.float32, "not computed by the Triton kernels"),
+    ({"bias": biases.relative_buckets(torch.zeros(2, 8))}, torch.float32, "not computed by the Triton kernels"),
+    ({"bias": biases.alibi(torch.ones(2, requires_grad=True))}, torch.float32, "learnable ALiBi slopes"),
+    ({"bias": torch.zeros(8, 8, requires_grad=True)}, torch.float32, "bias gradient"),
+    ({"bias": biases.temperature(2.0), "softcap": 3.0}, torch.float32, "temperature after a softcap"),
+])
+def test_check_names_what_it_declines(monkeypatch, kwargs, dtype, expected):
+    # these reasons come before any device question, so no triton import is needed to reach them...
+    monkeypatch.setattr(tb, "_device_reason", lambda device: None)
+    q = torch.randn(1, 2, 8, 16, dtype=dtype)
+    assert expected in tb.check(_make_call(q, q, q, **kwargs))
+
+
+def test_head_dim_over_256_is_declined(monkeypatch):
+    monkeypatch.setattr(tb, "_device_reason", lambda device: None)
+    q = torch.randn(1, 1, 4, 320)
+    assert "at most 256" in tb.check(_make_call(q, q, q))
+
+
+def _gpu_costs(mask, L):
+    """The triton and sdpa costs of a bf16 call as they would be on a GPU (its tile plan, no launch)."""
+    q = torch.randn(1, 1, L, 64, dtype=torch.bfloat16)
+    call = _make_call(q, q, q, mask=mask)
+    fwd, _ = tb._configs(64, torch.bfloat16, False)
+    p = tb._build_plan(mask, L, L, 1, 1, fwd, torch.device("cpu"))
+    return tb._tile_cost(call.flops(), p), sdpa_backend.cost(call)
+
+
+def test_auto_would_pick_triton_on_gpu_for_sparse_masks_and_sdpa_for_dense():
+    t, s = _gpu_costs(masks.sliding_window(255), 4096)
+    assert t < s / 4  # a 256-key window over 4096 keys: a small share of the tiles
+    t, s = _gpu_costs(masks.document(_ids([1000, 2000, 1096])) & masks.causal(), 4096)
+    assert t < s
+    t, s = _gpu_costs(masks.causal(), 4096)
+    assert s < t  # plain causal and dense: SDPA's flash kernel is the faster one
+    t, s = _gpu_costs(None, 4096)
+    assert s < t
+
+
+def test_paged_decode_rejects_malformed_inputs():
+    q, pool = torch.randn(2, 4, 1, 16), torch.randn(5, 2, 8, 16)
+    table, lens = torch.zeros(2, 3, dtype=torch.int32), torch.tensor([3, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="one query token per sequence"):
+        tb.paged_decode(torch.randn(2, 4, 3, 16), pool, pool, table, lens)
+    with pytest.raises(ValueError, match="Hq must be a multiple of Hkv"):
+        tb.paged_decode(torch.randn(2, 3, 1, 16), pool, pool, table, lens)
+    with pytest.raises(ValueError, match="block_table must be"):
+        tb.paged_decode(q, pool, pool, table[:1], lens)
+    with pytest.raises(TypeError, match="block_table must be int32"):
+        tb.paged_decode(q, pool, pool, table.float(), lens)
+    with pytest.raises(ValueError, match="does not broadcast"):
+        tb.check_paged_decode(q, pool, pool, table, lens, bias=torch.randn(3, 4, 1, 24))
+    with pytest.raises(ValueError, match="slopes for Hq=4"):
+        tb.check_paged_decode(q, pool, pool, table, lens, bias=biases.alibi(biases.alibi_slopes(2)))
+
+
+# ------------------------------------------------------------------ host-side planning, property-tested
+
+_PLAN_MASKS = [  # factories of (Lq, Lk)
+    lambda Lq, Lk: masks.causal(),
+    lambda Lq, Lk: masks.sliding_window(5, 2, align="top_left"),
+    lambda Lq, Lk: masks.prefix_lm(7) & masks.sliding_window(None, 4),
+    lambda Lq, Lk: masks.document(_ids([Lk // 3, Lk - Lk // 3], batch=2)),
+    lambda Lq, Lk: masks.key_padding([Lk // 2, Lk]) & masks.causal(),
+    lambda Lq, Lk: masks.strided(3),
+    lambda Lq, Lk: masks.random_blocks(5, 2, seed=1),
+    lambda Lq, Lk: masks.from_dense(torch.rand(1, 2, Lq, Lk, generator=torch.Generator().manual_seed(Lq)) > 0.6),
+]
+
+
+def _eval_predicates(p: plan.Predicates, b, q, k):
+    ok = torch.ones(torch.broadcast_shapes(q.shape, k.shape), dtype=torch.bool)
+    if p.lo_off is not None:
+        ok &= k >= q + p.lo_off
+    if p.hi_off is not None:
+        ok &= k <= q + p.hi_off
+    if p.prefix is not None:
+        ok &= (k <= q + p.prefix[0]) | (k < p.prefix[1])
+    if p.doc is not None:
+        qi, ki = p.doc
+        ok &= qi[min(b, qi.shape[0] - 1)][q] == ki[min(b, ki.shape[0] - 1)][k]
+    if p.key_lengths is not None:
+        ok &= k < p.key_lengths[min(b, len(p.key_lengths) - 1)]
+    return ok
+
+
+@given(kind=st.integers(0, len(_PLAN_MASKS) - 1), L=st.integers(9, 40), shrink=st.integers(0, 8),
+       bm=st.sampled_from([4, 8, 16]), bn=st.sampled_from([4, 8, 16, 48]))
+def test_tile_lists_with_predicates_or_bitmaps_rebuild_the_mask(kind, L, shrink, bm, bn):
+    Lq, Lk = L - shrink * (kind != 3), L  # documents keep Lq == Lk
+    B, H = 2, 2
+    mask = _PLAN_MASKS[kind](Lq, Lk)
+    dense = mask.to_dense(Lq, Lk, batch=B, heads=H).expand(B, H, Lq, Lk)
+    lists = plan.tile_lists(mask.block_structure(Lq, Lk, bm, bn, batch=B, heads=H))
+    preds = plan.predicates(mask, Lq, Lk, torch.device("cpu"))
+    bits = plan.bitmap(mask, lists, Lq, Lk, bm, bn) if preds is None else None
+    rebuilt = torch.zeros(B, H, Lq, Lk, dtype=torch.bool)
+    Bp, Hp, R, _ = lists.index.shape
+    for b in range(B):
+        for h in range(H):
+            for r in range(R):
+                n_part, n_total = lists.count[min(b, Bp - 1), min(h, Hp - 1), r].tolist()
+                for j in range(n_total):
+                    kt = int(lists.index[min(b, Bp - 1), min(h, Hp - 1), r, j])
+                    q = torch.arange(r * bm, min(Lq, (r + 1) * bm)).view(-1, 1)
+                    k = torch.arange(kt * bn, min(Lk, (kt + 1) * bn)).view(1, -1)
+                    if j >= n_part:
+                        tile = torch.ones(q.shape[0], k.shape[1], dtype=torch.bool)
+                    elif preds is not None:
+                        tile = _eval_predicates(preds, b, q, k)
+                    else:
+                        words = bits[int(lists.tile_id[min(b, Bp - 1), min(h, Hp - 1), r, j])]
+                        c = k - kt * bn
+                        tile = ((words[q - r * bm, c // 32] >> (c % 32)) & 1).bool()
+                    rebuilt[b, h, q, k] = tile
+    assert torch.equal(rebuilt, dense)
+
+
+@given(kind=st.integers(0, len(_PLAN_MASKS) - 1), L=st.integers(9, 40), bm=st.sampled_from([4, 8, 16]),
+       bn=st.sampled_from([4, 8, 16]))
+def test_transposed_lists_hold_the_same_tiles(kind, L, bm, bn):
+    mask = _PLAN_MASKS[kind](L, L)
+    lists = plan.tile_lists(mask.block_structure(L, L, bm, bn, batch=2, heads=2))
+    nk = -(-L // bn)
+    t = plan.transpose(lists, nk)
+
+    def entries(lst, transposed):
+        out = set()
+        Bp, Hp, R, _ = lst.index.shape
+        for b in range(Bp):
+            for h in range(Hp):
+                for r in range(R):
+                    n_part, n_total = lst.count[b, h, r].tolist()
+                    for j in range(n_total):
+                        other = int(lst.index[b, h, r, j])
+                        tid = int(lst.tile_id[b, h, r, j]) if j < n_part else -1
+                        out.add((b, h, other, r, tid) if transposed else (b, h, r, other, tid))
+        return out
+
+    assert entries(t, True) == entries(lists, False)
+    # partial entries first, and rows ascending within each kind
+    for row_count, row_index in zip(t.count.view(-1, 2).tolist(), t.index.view(-1, t.index.shape[-1]).tolist()):
+        n_part, n_total = row_count
+        assert row_index[:n_part] == sorted(row_index[:n_part])
+        assert row_index[n_part:n_total] == sorted(row_index[n_part:n_total])
+
+
+def test_predicates_cover_the_built_in_masks_and_only_those():
+    cpu = torch.device("cpu")
+    assert plan.predicates(masks.causal() & masks.document(_ids([4, 6])), 10, 10, cpu).doc is not None
+    assert plan.predicates(masks.prefix_lm(3), 10, 10, cpu).prefix == (0, 3)
+    assert plan.predicates(masks.key_padding([5]), 6, 10, cpu).key_lengths.tolist() == [5]
+    assert plan.predicates(masks.sliding_window(2, 1, align="top_left"), 6, 10, cpu).lo_off == -2
+    for m in (masks.causal() | masks.prefix_lm(2), ~masks.causal(), masks.block_local(4), masks.prefix_lm(2)
+              & masks.prefix_lm(3), masks.from_fn(lambda b, h, q, k: q >= k)):
+        assert plan.predicates(m, 10, 10, cpu) is None
+
+
+if __name__ == "__main__":  # the child process of the `interpreted` fixture
+    _child_main(sys.argv[1], sys.argv[2:])
