@@ -1,0 +1,129 @@
+"""flash: hypothesis-drawn calls under the numerical rule, and memory that grows linearly with L."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from attnkit import bias as B
+from attnkit import masks as M
+from attnkit.backends import flash
+from attnkit.functional import _make_call
+from attnkit.testing import check_against_oracle
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _mask(kind: str, p: int, lq: int, lk: int):
+    return {
+        "none": None,
+        "causal": M.causal(),
+        "window": M.sliding_window(p, p // 3),
+        "causal_window": M.causal() & M.sliding_window(p),
+        "strided": M.strided(max(1, p // 2)),
+        "dilated": M.dilated(3, max(1, p // 4)),
+        "random": M.random_blocks(max(1, p // 2), 2, seed=p),
+        "prefix": M.prefix_lm(p),
+        "global": M.global_tokens([0, p % max(1, lk)]) | M.sliding_window(2, 2),
+        "fn": M.from_fn(lambda b, h, qi, ki: ((qi + ki) % (p % 4 + 2)) != 0),
+        "padding": M.key_padding([min(p, lk)]),
+    }[kind]
+
+
+def _bias(kind: str, hq: int, lq: int, lk: int):
+    g = torch.Generator().manual_seed(lq * 131 + lk)
+    return {
+        "none": None,
+        "tensor": torch.randn(1, hq, lq, lk, generator=g),
+        "alibi": B.alibi(B.alibi_slopes(hq)),
+        "t5": B.relative_buckets(torch.randn(hq, 8, generator=g), max_distance=16),
+    }[kind]
+
+
+@given(
+    b=st.integers(1, 2), hkv=st.integers(1, 2), group=st.sampled_from([1, 2, 4]),
+    lq=st.integers(1, 70), lk=st.integers(1, 70), d=st.sampled_from([4, 8, 16]),
+    block=st.sampled_from([4, 8, 16, 32]), p=st.integers(1, 40),
+    mask=st.sampled_from(["none", "causal", "window", "causal_window", "strided", "dilated", "random", "prefix",
+                          "global", "fn", "padding"]),
+    bias=st.sampled_from(["none", "tensor", "alibi", "t5"]), softcap=st.sampled_from([None, 5.0]),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]), fused=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_numerical_rule_on_drawn_calls(b, hkv, group, lq, lk, d, block, p, mask, bias, softcap, dtype, fused, seed):
+    g = torch.Generator().manual_seed(seed)
+    hq = hkv * group
+    q = torch.randn(b, hq, lq, d, generator=g).to(dtype).requires_grad_()
+    k = torch.randn(b, hkv, lk, d, generator=g).to(dtype).requires_grad_()
+    v = torch.randn(b, hkv, lk, d, generator=g).to(dtype).requires_grad_()
+
+    def fn(q, k, v, **kw):
+        return flash._run(_make_call(q, k, v, **kw), block, block, fused=None if fused else False)
+
+    check_against_oracle(fn, q, k, v, mask=_mask(mask, p, lq, lk), bias=_bias(bias, hq, lq, lk), softcap=softcap)
+
+
+# ------------------------------------------------------------------------------ memory
+
+
+def test_saved_tensors_are_linear_in_length():
+    """Only (q, k, v, out, lse) are kept for the backward: no probabilities, no Lq x Lk anything."""
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    L, D = 2048, 32
+    q, k, v = (torch.randn(1, 2, L, D, requires_grad=True) for _ in range(3))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = flash.flash_attention(q, k, v, mask=M.sliding_window(255))
+    assert sum(saved) <= 4 * 2 * L * D + 2 * L  # q, k, v, out and lse
+    out.sum().backward()
+
+
+_MEMORY_SCRIPT = textwrap.dedent("""
+    import json, resource, sys, torch
+    from attnkit import masks
+    from attnkit.backends.flash import flash_attention
+    torch.set_num_threads(1)
+    L = int(sys.argv[1])
+    page = resource.getpagesize()
+    def rss():
+        return int(open("/proc/self/statm").read().split()[1]) * page
+    w = [torch.randn(1, 1, 256, 64, requires_grad=True) for _ in range(3)]
+    flash_attention(*w, mask=masks.sliding_window(511)).sum().backward()  # warm up
+    q, k, v = (torch.randn(1, 1, L, 64, requires_grad=True) for _ in range(3))
+    go = torch.randn(1, 1, L, 64)
+    base = rss()
+    flash_attention(q, k, v, mask=masks.sliding_window(511)).backward(go)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"extra": peak - base}))
+""")
+
+
+def _extra_bytes(L: int) -> int:
+    res = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, str(L)], capture_output=True, text=True,
+                         timeout=300, check=True)
+    return json.loads(res.stdout.strip().splitlines()[-1])["extra"]
+
+
+def test_forward_backward_memory_grows_linearly():
+    """Peak extra memory of forward+backward (sliding window 512, one head, D=64) between L = 4096 and
+    16384: linear growth is 4x, quadratic would be 16x (the 16384 score matrix alone is 1 GiB)."""
+    small, large = _extra_bytes(4096), _extra_bytes(16384)
+    assert large < 8 * max(small, 4 << 20), (small, large)
+    assert large < 256 << 20, large
