@@ -1,16 +1,18 @@
 """Ring attention: one causal sequence on 1, 2 and 4 gloo processes; time, per-rank peak memory, balance.
 
-float32, B=1, H=8, D=64, L=32768, causal, forward and forward+backward.  Every configuration starts its
+float32, B=1, H=8, D=64, L=32768, causal: a forward then its backward.  Every configuration starts its
 own processes (on 127.0.0.1), each rank holding L/W tokens; the 2 and 4 process runs compare the zigzag
-and contiguous layouts.  Reported per configuration: wall time (slowest rank, one run at full size,
-median of 3 with --quick), the peak resident memory each rank added over its start (max and min over
-ranks), and the balance of the causal work: per-rank forward compute CPU time, max / min across ranks.
-"attention" is one process calling attnkit.attention on the whole sequence (the library's best path).
+and contiguous layouts.  Reported per configuration: wall time of the slowest rank (one run at full size,
+median of 3 with --quick); the peak resident memory a rank added over its start, inputs included
+(largest rank, smallest in parentheses); and the balance of the causal work, max / min across ranks of
+the compute CPU time in the forward and the backward, and of the score elements computed.
+"attnkit.attention, 1 process" is one process calling attnkit.attention on the whole sequence.
 
-The processes share this machine's cores (torch threads per rank = cores // W, at least 1), so time
-cannot fall with W here: it measures overhead, while memory per rank shows the 1/W.
+The processes share this machine's cores (one torch thread each by default, --threads), so time cannot
+fall with W here: wall time and the CPU seconds of all ranks show the overhead, while the memory per
+rank shows the 1/W.
 
-    python benchmarks/ring.py            # L=32768, H=8, D=64 (several minutes on 2 cores)
+    python benchmarks/ring.py            # L=32768, H=8, D=64 (tens of minutes on 2 cores)
     python benchmarks/ring.py --quick    # L=4096, H=4, D=32
 """
 
@@ -51,49 +53,46 @@ def _worker(args) -> None:
     from attnkit.distributed import ring
 
     W, rank = args.world, args.rank
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // W))
+    torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=W,
                             timeout=timedelta(seconds=1800))
     L, H, D = args.seq_len, args.heads, args.head_dim
     mask = attnkit.masks.causal()
     g = torch.Generator().manual_seed(rank)
-    n = L if args.mode == "attention" else L // W
-    q, k, v = (torch.randn(1, H, n, D, generator=g).requires_grad_(True) for _ in range(3))
-
-    def run(backward: bool):
-        if args.mode == "attention":
-            out = attnkit.attention(q, k, v, mask=mask)
-        else:
-            out = ring.ring_attention(q, k, v, mask=mask, layout=args.layout)
-        if backward:
-            out.sum().backward()
-
     with torch.no_grad():  # load the kernels at a tiny size first
         tiny = torch.randn(1, H, 16, D)
         attnkit.attention(tiny, tiny, tiny, mask=mask)
         if args.mode == "ring":
             ring.ring_attention(tiny, tiny, tiny, mask=mask, layout=args.layout)  # 16 tokens per rank
-    base = _rss_mb()
-    result = {"rank": rank}
-    for phase in ("fwd", "fwd+bwd"):
-        times, profiles = [], []
-        for _ in range(args.repeat):
-            ring._profile = {}
-            dist.barrier()
-            t0 = time.perf_counter()
-            if phase == "fwd":
-                with torch.no_grad():
-                    run(False)
-            else:
-                run(True)
-                q.grad = k.grad = v.grad = None
-            dist.barrier()
-            times.append(time.perf_counter() - t0)
-            profiles.append(ring._profile)
-        result[phase] = {"s": statistics.median(times), "peak_mb": _peak_mb() - base,
-                         "forward_cpu_s": statistics.median(p.get("forward_cpu_s", 0.0) for p in profiles),
-                         "forward_wait_s": statistics.median(p.get("forward_wait_s", 0.0) for p in profiles),
-                         "elements": profiles[0].get("forward_elements", 0)}
+    n = L if args.mode == "attention" else L // W
+    base = _rss_mb()  # before the inputs: they are part of what each rank holds
+    q, k, v = (torch.randn(1, H, n, D, generator=g).requires_grad_(True) for _ in range(3))
+
+    def forward():
+        if args.mode == "attention":
+            return attnkit.attention(q, k, v, mask=mask)
+        return ring.ring_attention(q, k, v, mask=mask, layout=args.layout)
+
+    result = {"rank": rank, "fwd_s": [], "bwd_s": [], "cpu_s": [], "fwd_peak_mb": 0.0, "peak_mb": 0.0}
+    for _ in range(args.repeat):
+        ring._profile = {}
+        dist.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        out = forward()
+        dist.barrier()
+        t1 = time.perf_counter()
+        result["fwd_peak_mb"] = max(result["fwd_peak_mb"], _peak_mb() - base)
+        out.sum().backward()
+        dist.barrier()
+        result["fwd_s"].append(t1 - t0)
+        result["bwd_s"].append(time.perf_counter() - t1)
+        result["cpu_s"].append(time.process_time() - c0)
+        result["peak_mb"] = max(result["peak_mb"], _peak_mb() - base)
+        del out
+        q.grad = k.grad = v.grad = None
+        for name, value in ring._profile.items():
+            result.setdefault(name, []).append(value)
+    result = {name: statistics.median(x) if isinstance(x, list) else x for name, x in result.items()}
     ring._profile = None
     dist.destroy_process_group()
     Path(args.out).write_text(json.dumps(result))
@@ -108,8 +107,8 @@ def _free_port() -> int:
 def _launch(mode: str, world: int, layout: str, args, tmp: Path) -> list[dict]:
     port = _free_port()
     common = ["--seq-len", str(args.seq_len), "--heads", str(args.heads), "--head-dim", str(args.head_dim),
-              "--repeat", str(args.repeat), "--mode", mode, "--layout", layout, "--world", str(world),
-              "--port", str(port)]
+              "--repeat", str(args.repeat), "--threads", str(args.threads), "--mode", mode, "--layout", layout,
+              "--world", str(world), "--port", str(port)]
     procs = [subprocess.Popen([sys.executable, __file__, "--worker", "--rank", str(r), "--out",
                                str(tmp / f"{mode}_{layout}_{world}_{r}.json"), *common]) for r in range(world)]
     for p in procs:
@@ -125,6 +124,8 @@ def main(argv=None) -> None:
     ap.add_argument("--heads", type=int, default=None)
     ap.add_argument("--head-dim", type=int, default=None)
     ap.add_argument("--repeat", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1: on a shared, "
+                    "oversubscribed machine multi-threaded regions stall whenever one thread is descheduled)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mode", default="ring", help=argparse.SUPPRESS)
     ap.add_argument("--layout", default="zigzag", help=argparse.SUPPRESS)
@@ -145,31 +146,40 @@ def main(argv=None) -> None:
     configs = [("attention", 1, "-"), ("ring", 1, "zigzag"), ("ring", 2, "zigzag"), ("ring", 2, "contiguous"),
                ("ring", 4, "zigzag"), ("ring", 4, "contiguous")]
     rows, raw = [], []
-    base_time = None
+    base_time = base_peak = None
     with tempfile.TemporaryDirectory() as tmp:
         for mode, world, layout in configs:
             ranks = _launch(mode, world, layout if layout != "-" else "zigzag", args, Path(tmp))
             raw.append({"mode": mode, "world": world, "layout": layout, "ranks": ranks})
-            fwd = max(r["fwd"]["s"] for r in ranks)
-            fb = max(r["fwd+bwd"]["s"] for r in ranks)
-            peaks = [r["fwd+bwd"]["peak_mb"] for r in ranks]
-            cpu = [r["fwd"]["forward_cpu_s"] for r in ranks]
-            elems = [r["fwd"]["elements"] for r in ranks]
-            base_time = base_time if base_time is not None or mode != "ring" else fb
+            fwd = max(r["fwd_s"] for r in ranks)
+            fb = fwd + max(r["bwd_s"] for r in ranks)
+            peaks = [r["peak_mb"] for r in ranks]
+            fwd_peaks = [r["fwd_peak_mb"] for r in ranks]
+            cpu = [r.get("forward_cpu_s", 0.0) for r in ranks]
+            bcpu = [r.get("backward_cpu_s", 0.0) for r in ranks]
+            elems = [r.get("forward_elements", 0) for r in ranks]
+            if mode == "ring" and world == 1:
+                base_time, base_peak = fb, max(peaks)
             row = {"run": "attnkit.attention, 1 process" if mode == "attention" else f"ring, {world} x {layout}",
                    "fwd s": f"{fwd:.2f}", "fwd+bwd s": f"{fb:.2f}",
-                   "peak MB/rank (max)": f"{max(peaks):.0f}", "peak MB/rank (min)": f"{min(peaks):.0f}"}
+                   "CPU s, all ranks": f"{sum(r['cpu_s'] for r in ranks):.2f}",
+                   "fwd peak MB/rank": f"{max(fwd_peaks):.0f}",
+                   "fwd+bwd peak MB/rank": f"{max(peaks):.0f}" + (f" ({min(peaks):.0f})" if world > 1 else "")}
             if mode == "ring":
-                row["fwd+bwd vs ring 1"] = f"{fb / base_time:.2f}x"
-                row["fwd compute CPU s/rank"] = " ".join(f"{c:.2f}" for c in cpu)
-                row["balance max/min"] = f"{max(cpu) / max(min(cpu), 1e-9):.2f}" if world > 1 else "-"
-                row["work max/min"] = f"{max(elems) / max(min(elems), 1):.2f}" if world > 1 else "-"
+                row["time vs ring 1"] = f"{fb / base_time:.2f}x"
+                row["memory vs ring 1"] = f"{max(peaks) / base_peak:.2f}"
+                row["fwd CPU s per rank"] = " ".join(f"{c:.2f}" for c in cpu)
+                if world > 1:
+                    row["fwd balance"] = f"{max(cpu) / max(min(cpu), 1e-9):.2f}"
+                    row["bwd balance"] = f"{max(bcpu) / max(min(bcpu), 1e-9):.2f}"
+                    row["work balance"] = f"{max(elems) / max(min(elems), 1):.2f}"
             rows.append(row)
             print(f"done: {row['run']}", flush=True)
-    columns = ["run", "fwd s", "fwd+bwd s", "fwd+bwd vs ring 1", "peak MB/rank (max)", "peak MB/rank (min)",
-               "fwd compute CPU s/rank", "balance max/min", "work max/min"]
+    columns = ["run", "fwd s", "fwd+bwd s", "CPU s, all ranks", "time vs ring 1", "fwd peak MB/rank",
+               "fwd+bwd peak MB/rank", "memory vs ring 1", "fwd CPU s per rank", "fwd balance", "bwd balance", "work balance"]
     print(f"\nring attention, causal, float32, B=1 H={args.heads} L={args.seq_len} D={args.head_dim}; "
-          f"{machine()}; {'median of ' + str(args.repeat) if args.repeat > 1 else 'one run'} per cell")
+          f"{machine()}; {args.threads} torch thread(s) per process; "
+          f"{'median of ' + str(args.repeat) if args.repeat > 1 else 'one run'} per cell")
     print(table(rows, columns))
     path = save("ring_quick" if quick else "ring", {"seq_len": args.seq_len, "heads": args.heads,
                                                     "head_dim": args.head_dim, "rows": rows, "raw": raw})
