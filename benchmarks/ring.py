@@ -176,7 +176,8 @@ def main(argv=None) -> None:
             rows.append(row)
             print(f"done: {row['run']}", flush=True)
     columns = ["run", "fwd s", "fwd+bwd s", "CPU s, all ranks", "time vs ring 1", "fwd peak MB/rank",
-               "fwd+bwd peak MB/rank", "memory vs ring 1", "fwd CPU s per rank", "fwd balance", "bwd balance", "work balance"]
+               "fwd+bwd peak MB/rank", "memory vs ring 1", "fwd CPU s per rank", "fwd balance", "bwd balance",
+               "work balance"]
     print(f"\nring attention, causal, float32, B=1 H={args.heads} L={args.seq_len} D={args.head_dim}; "
           f"{machine()}; {args.threads} torch thread(s) per process; "
           f"{'median of ' + str(args.repeat) if args.repeat > 1 else 'one run'} per cell")
