@@ -27,11 +27,12 @@ Example::
     torch.Size([1, 4, 1, 4])
 """
 
-from ._common import ModelCache, attend
+from ._common import EncoderDecoderCache, ModelCache, attend
 from .paged import PagedBatch, PagedCache, PoolExhausted, paged_attention
 from .quantized import QuantizedCache, dequantize_groups, quantize_groups
 from .sliding import SlidingWindowCache, window_of
 from .static import StaticCache
 
 __all__ = ["attend", "ModelCache", "StaticCache", "SlidingWindowCache", "PagedCache", "PagedBatch", "QuantizedCache",
-           "PoolExhausted", "paged_attention", "window_of", "quantize_groups", "dequantize_groups"]
+           "EncoderDecoderCache", "PoolExhausted", "paged_attention", "window_of", "quantize_groups",
+           "dequantize_groups"]

@@ -535,6 +535,11 @@ class PagedLayerCache:
     def length(self) -> int:
         return self._owner.seq_len
 
+    @property
+    def seq_len(self) -> int:
+        """The batch's longest stored length (a ragged batch passes explicit positions to the model)."""
+        return self._owner.seq_len
+
     def update(self, k: Tensor, v: Tensor):
         """Store ``k (B, Hkv, L_new, D)``, ``v`` for the batch's sequences; one new token each returns a
         paged decode object (``attend``), more return the gathered keys/values in position order."""

@@ -179,6 +179,11 @@ class QuantizedLayerCache:
         mask = o._key_mask(0, self.length)
         return (k_all, v_all) if mask is None else (k_all, v_all, mask)
 
+    @property
+    def seq_len(self) -> int:
+        """Positions stored in this layer (what an attention layer reads for its default positions)."""
+        return self.length
+
     def nbytes(self) -> int:
         if self.kq is None:
             return 0

@@ -97,6 +97,11 @@ class SlidingWindowLayerCache:
             mask = win if mask is None else mask & win
         return (k_all, v_all) if mask is None else (k_all, v_all, mask)
 
+    @property
+    def seq_len(self) -> int:
+        """Positions stored in this layer (what an attention layer reads for its default positions)."""
+        return self.length
+
     def nbytes(self) -> int:
         return 0 if self.k is None else self.k.nbytes + self.v.nbytes
 

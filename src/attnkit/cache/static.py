@@ -57,6 +57,11 @@ class StaticLayerCache:
             return K[:, :, :end], V[:, :, :end]  # (B, Hkv, end, D), (B, Hkv, end, Dv): views
         return K[:, :, :end], V[:, :, :end], mask
 
+    @property
+    def seq_len(self) -> int:
+        """Positions stored in this layer (what an attention layer reads for its default positions)."""
+        return self.length
+
     def nbytes(self) -> int:
         return 0 if self.k is None else self.k.nbytes + self.v.nbytes
 

@@ -1,0 +1,197 @@
+"""attnkit.generate and the caches inside real models: cached logits equal full recomputation for every
+cache and model variant; ragged batches equal one-by-one generation; sampling, streaming, eos, errors."""
+
+import pytest
+import torch
+
+import attnkit
+from attnkit import masks
+from attnkit.cache import (EncoderDecoderCache, PagedCache, QuantizedCache, SlidingWindowCache, StaticCache)
+from attnkit.generate import SamplingParams, generate, sample
+from attnkit.nn import DecoderConfig, DecoderLM, EncoderDecoder
+
+VARIANTS = {
+    "rope": dict(positions="rope"),
+    "alibi": dict(positions="alibi"),
+    "t5": dict(positions="t5"),
+    "sinusoidal": dict(positions="sinusoidal"),
+    "gqa": dict(positions="rope", n_kv_heads=1),
+    "window": dict(positions="rope", mask=masks.sliding_window(5), n_kv_heads=2),
+    "window_alibi": dict(positions="alibi", mask=masks.sliding_window(4)),
+    "qwen_like": dict(positions="rope", qkv_bias=True, n_kv_heads=2, tie_embeddings=False),
+}
+_MODELS: dict = {}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: one intra-op thread is faster than two, and far faster on a loaded machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _model(variant: str) -> DecoderLM:
+    if variant not in _MODELS:
+        torch.manual_seed(len(_MODELS))
+        cfg = DecoderConfig.preset("tiny", vocab_size=64, init_std=0.1, **VARIANTS[variant])
+        _MODELS[variant] = DecoderLM(cfg).eval()
+    return _MODELS[variant]
+
+
+def _cache(kind: str, model: DecoderLM, batch: int, max_len: int):
+    cfg = model.config
+    if kind == "static":
+        return StaticCache.for_model(model, batch, max_len)
+    if kind == "sliding":
+        window = cfg.mask.left + 1 if cfg.mask is not None else max_len  # no window: the ring holds it all
+        return SlidingWindowCache.for_model(model, batch, window)
+    if kind == "quantized":  # exact while every position sits in the full-precision residual
+        return QuantizedCache.for_model(model, batch, max_len, bits=4, group_size=32)
+    pool = PagedCache.for_model(model, num_blocks=16, block_size=4)
+    ids = [pool.add_sequence() for _ in range(batch)]
+    return pool, ids
+
+
+CHUNKS = [(0, 7), (7, 8), (8, 9), (9, 13), (13, 14), (14, 15), (15, 20)]
+
+
+@pytest.mark.parametrize("kind", ["static", "sliding", "paged", "quantized"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_cached_logits_equal_full_recomputation(variant, kind):
+    model = _model(variant)
+    ids = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(ids)  # (2, 20, V)
+        cache = _cache(kind, model, 2, 20)
+        for a, b in CHUNKS:
+            kv = cache[0].batch(cache[1]) if kind == "paged" else cache
+            got = model(ids[:, a:b], cache=kv)
+            torch.testing.assert_close(got, full[:, a:b], rtol=1e-5, atol=1e-5)
+    if kind == "quantized":
+        assert cache.layers[0].n_quant == 0  # nothing was quantized: this checks the exact path
+
+
+@pytest.mark.parametrize("positions", ["t5", "rope"])
+def test_encoder_decoder_cross_attention_cache(positions):
+    torch.manual_seed(0)
+    model = EncoderDecoder(DecoderConfig.preset("tiny", vocab_size=64, positions=positions, n_kv_heads=2,
+                                                init_std=0.1)).eval()
+    g = torch.Generator().manual_seed(2)
+    src, tgt = torch.randint(0, 64, (2, 11), generator=g), torch.randint(0, 64, (2, 9), generator=g)
+    with torch.no_grad():
+        memory = model.encode(src)
+        full = model.decode(tgt, memory)
+        cache = EncoderDecoderCache.for_model(model, 2, max_len=9, source_len=11)
+        for a, b in [(0, 4), (4, 5), (5, 6), (6, 9)]:
+            got = model.decode(tgt[:, a:b], memory, cache=cache)
+            torch.testing.assert_close(got, full[:, a:b], rtol=1e-5, atol=1e-5)
+        assert cache.seq_len == 9 and cache.cross_layers[0].seq_len == 11  # the cross keys were stored once
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17], [3]]
+
+
+RAGGED = [(v, c) for v in ["rope", "alibi", "window", "t5"] for c in ["static", "paged", "int8", None]]
+RAGGED += [("window", "sliding"), ("window_alibi", "sliding")]  # the ring is exact for sliding-window models
+
+
+@pytest.mark.parametrize("variant,cache", RAGGED)
+def test_ragged_batch_equals_one_by_one(variant, cache):
+    model = _model(variant)
+    alone = [generate(model, [p], 12, cache=cache)[0] for p in PROMPTS]
+    assert generate(model, PROMPTS, 12, cache=cache) == alone
+    assert alone == [generate(model, [p], 12, cache=None)[0] for p in PROMPTS]
+
+
+def test_sampling_with_a_seed_is_per_sequence():
+    model = _model("rope")
+    kw = dict(temperature=0.9, top_k=20, top_p=0.9, seed=7)
+    alone = [generate(model, [p], 10, **kw)[0] for p in PROMPTS]
+    assert generate(model, PROMPTS, 10, **kw) == alone
+    assert generate(model, PROMPTS, 10, cache="paged", **kw) == alone
+    assert generate(model, PROMPTS, 10, cache=None, **kw) == alone
+    assert generate(model, PROMPTS, 10, **{**kw, "seed": 8}) != alone  # the seed matters
+    greedy = generate(model, PROMPTS, 10)
+    assert generate(model, PROMPTS, 10, temperature=1.0, top_k=1, seed=3) == greedy
+
+
+def test_top_k_and_top_p_filter_the_distribution():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]).repeat(4000, 1)
+    p = SamplingParams(temperature=1.0, top_k=2, seed=0)
+    gens = [torch.Generator().manual_seed(i) for i in range(4000)]
+    toks = sample(logits, p, gens)
+    assert set(toks.tolist()) == {0, 1}
+    frac = float((toks == 0).float().mean())
+    assert abs(frac - 1 / (1 + torch.e ** -1)) < 0.03  # softmax over the two kept tokens
+    probs = torch.softmax(logits[0], -1)  # top_p=0.8 keeps tokens 0 and 1 (0.64 + 0.24 >= 0.8)
+    assert float(probs[0]) < 0.8 <= float(probs[:2].sum())
+    toks = sample(logits, SamplingParams(temperature=1.0, top_p=0.8), gens)
+    assert set(toks.tolist()) == {0, 1}
+
+
+def test_stream_yields_tokens_as_they_come_and_eos_stops_a_sequence():
+    model = _model("alibi")
+    full = generate(model, PROMPTS, 8)
+    it = generate(model, PROMPTS, 8, stream=True)
+    assert next(it) == (0, full[0][0])  # the first step's tokens come before the rest is computed
+    rest = list(it)
+    got = [[full[0][0]], [], [], []]
+    for i, t in rest:
+        got[i].append(t)
+    assert got == full
+    eos = full[1][2]
+    stopped = generate(model, PROMPTS, 8, eos_id=eos)
+    assert stopped[1] == full[1][:full[1].index(eos) + 1]  # ends with eos, included
+    for s, f in zip(stopped, full):
+        assert s == (f[:f.index(eos) + 1] if eos in f else f)
+
+
+def test_tensor_prompts_and_zero_new_tokens():
+    model = _model("rope")
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    assert generate(model, ids, 5) == generate(model, ids.tolist(), 5)
+    assert generate(model, [[1, 2]], 0) == [[]]
+
+
+def test_clear_errors():
+    model = _model("rope")  # max_seq_len 512, RoPE does not extrapolate
+    with pytest.raises(ValueError, match="beyond the model's max_seq_len=512"):
+        generate(model, [[1] * 500], 20)
+    with pytest.raises(ValueError, match="beyond max_seq_len=512"):
+        model(torch.zeros(1, 1, dtype=torch.long), positions=torch.tensor([512]))
+    with pytest.raises(ValueError, match="overflow.*max_len=4"):
+        model(torch.zeros(1, 5, dtype=torch.long), cache=StaticCache.for_model(model, 1, 4))
+    generate(_model("alibi"), [[1] * 500], 20)  # ALiBi extrapolates: no error
+    with pytest.raises(TypeError, match=r"wrap a single prompt as \[prompt\]"):
+        generate(model, [1, 2, 3], 4)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        generate(model, [[1, 99]], 4)
+    with pytest.raises(ValueError, match="cache='dense'"):
+        generate(model, [[1]], 4, cache="dense")
+    with pytest.raises(ValueError, match="temperature=-1"):
+        generate(model, [[1]], 4, temperature=-1)
+    with pytest.raises(ValueError, match="top_p=1.5"):
+        generate(model, [[1]], 4, top_p=1.5)
+    with pytest.raises(ValueError, match="max_new_tokens=-1"):
+        generate(model, [[1]], -1)
+    with pytest.raises(ValueError, match="window is required"):
+        generate(model, [[1]], 4, cache="sliding")
+
+
+def test_generate_restores_training_mode_and_keeps_grad_mode():
+    model = _model("rope").train()
+    try:
+        generate(model, [[1, 2]], 3)
+        assert model.training
+        it = generate(model, [[1, 2]], 3, stream=True)
+        next(it)
+        assert torch.is_grad_enabled()  # the caller is not left in no_grad between tokens
+    finally:
+        model.eval()
+
+
+def test_top_level_exports():
+    assert attnkit.generate is generate
+    assert {"generate", "cache"} <= set(attnkit.__all__)
