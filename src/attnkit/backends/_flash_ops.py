@@ -27,7 +27,7 @@ from ._flash_plan import Heads, Job, Plan
 
 Tensor = torch.Tensor
 
-WORK_ELEMENTS = 1 << 23  # elements of per-chunk temporaries (scores, masks, window gradients): ~32 MB fp32
+WORK_ELEMENTS = 1 << 24  # elements of per-chunk temporaries (scores, masks, window gradients): ~64 MB fp32
 
 _FWD_ARGS = ["query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale"]
 _BWD_ARGS = ["grad_out", "query", "key", "value", "out", "logsumexp", "dropout_p", "is_causal", "attn_mask", "scale"]
@@ -256,6 +256,28 @@ def put_rows(x: Tensor, heads: Heads, ch: Chunk, value: Tensor, *, add: bool) ->
     xs.index_add_(1, idx, flat) if add else xs.index_copy_(1, idx, flat)
 
 
+def lse_rows(x: Tensor, heads: Heads, ch: Chunk) -> Tensor:
+    """The chunk's rows of a log-sum-exp kept row-major as ``(L_pad, B*Hq)`` (the fused kernel's own
+    order, so writing its result is a plain copy) as ``(N, count, R)``."""
+    nh = x.shape[1]
+    if ch.q_consecutive:
+        return x.as_strided((ch.N, heads.count, ch.R), (ch.R * nh, heads.qstep, nh),
+                            x.storage_offset() + ch.qstart * nh + heads.q0)
+    xs = _heads_slice(x.t(), heads.q0, heads.qstep, heads.count).t()  # (L_pad, count)
+    g = xs.index_select(0, ch.qrows.reshape(-1).to(x.device))  # (N*R, count)
+    return g.view(ch.N, ch.R, heads.count).permute(0, 2, 1)
+
+
+def put_lse(x: Tensor, heads: Heads, ch: Chunk, value: Tensor) -> None:
+    """Write ``value (N, count, R)`` into the chunk's rows of a row-major ``(L_pad, B*Hq)`` lse."""
+    if ch.q_consecutive:
+        lse_rows(x, heads, ch).copy_(value)
+        return
+    xs = _heads_slice(x.t(), heads.q0, heads.qstep, heads.count).t()
+    flat = value.permute(0, 2, 1).reshape(ch.N * ch.R, heads.count).to(x.dtype)
+    xs.index_copy_(0, ch.qrows.reshape(-1).to(x.device), flat)
+
+
 def keys_of(x: Tensor, heads: Heads, ch: Chunk) -> Tensor:
     """The chunk's key windows of a flat ``(B*Hkv, Lk_pad, E)`` tensor as ``(N, kcount, W, E)``."""
     lp, e = x.shape[1], x.shape[2]
@@ -279,7 +301,7 @@ def add_keys(x: Tensor, heads: Heads, ch: Chunk, value: Tensor) -> None:
     base = x.storage_offset() + (heads.k0 * lp + ch.kstart) * e
     hstride = heads.kstep * lp * e
     if ch.N == 1 or ch.kstep == 0:
-        x.as_strided((heads.kcount, ch.W, e), (hstride, e, 1), base).add_(value.sum(0))
+        x.as_strided((heads.kcount, ch.W, e), (hstride, e, 1), base).add_(value[0] if ch.N == 1 else value.sum(0))
         return
     step = ch.kstep
     for p0 in range(0, ch.W, step):  # pieces of one window step: those of different items never overlap
@@ -395,17 +417,17 @@ class Prepared:
         return self.fmask[dt]
 
 
-def prepared(work: Work, fused: bool) -> list[tuple[Job, list[Prepared]]]:
-    """The plan's jobs split into chunks for the fused or explicit path, with their element masks."""
+def prepared(work: Work, fused: bool, backward: bool) -> list[tuple[Job, list[Prepared]]]:
+    """The plan's jobs split into chunks for one path and direction, with their element masks."""
     plan = work.plan
-    key = ("chunks", fused, work.bias is not None, str(work.q3.device))
+    key = ("chunks", fused, backward, work.bias is not None, str(work.q3.device))
     if key in plan.cache:
         return plan.cache[key]
     budget = MASK_CACHE_BYTES - plan.cache.get("mask_bytes", 0)
     out = []
     for job in plan.jobs:
         items = []
-        for ch in chunks(work, job, _per_item(work, job.heads, job, True, fused)):
+        for ch in chunks(work, job, _per_item(work, job.heads, job, backward, fused)):
             partial = bool((ch.kinds != FULL).any())
             size = ch.N * ch.R * ch.W
             if partial and size > budget:
@@ -590,14 +612,16 @@ def _per_item(work: Work, heads: Heads, job: Job, backward: bool, fused: bool) -
 
 
 def forward(work: Work) -> tuple[Tensor, Tensor]:
-    """Run the plan: ``(out (B*Hq, Lq_pad, Dv) in the accumulation dtype, lse (B*Hq, Lq_pad))``."""
+    """Run the plan: ``(out (B*Hq, Lq_pad, Dv) in the accumulation dtype, lse (Lq_pad, B*Hq))``."""
     plan = work.plan
     nh, dv = work.q3.shape[0], work.v3.shape[-1]
     dev = work.q3.device
     new = torch.empty if plan.covered else torch.zeros
     out = new(nh, plan.q_pad, dv, dtype=work.acc, device=dev)
-    lse = torch.full((nh, plan.q_pad), float("-inf"), dtype=work.lse_dtype, device=dev)
-    for job, items in prepared(work, work.fused):
+    lse = (torch.empty if plan.covered else torch.zeros)(plan.q_pad, nh, dtype=work.lse_dtype, device=dev)
+    if not plan.covered:
+        lse.fill_(float("-inf"))
+    for job, items in prepared(work, work.fused, False):
         heads = job.heads
         for item in items:
             ch = item.chunk
@@ -614,18 +638,18 @@ def forward(work: Work) -> tuple[Tensor, Tensor]:
                 o, l = explicit_forward(work, ch, m)  # noqa: E741
             if job.first:
                 put_rows(out, heads, ch, o, add=False)
-                put_rows(lse, heads, ch, l.to(lse.dtype), add=False)
+                put_lse(lse, heads, ch, l)
             else:
-                o_new, l_new = _merge_into(rows_of(out, heads, ch), rows_of(lse, heads, ch), o, l.to(lse.dtype))
+                o_new, l_new = _merge_into(rows_of(out, heads, ch), lse_rows(lse, heads, ch), o, l.to(lse.dtype))
                 put_rows(out, heads, ch, o_new, add=False)
-                put_rows(lse, heads, ch, l_new, add=False)
+                put_lse(lse, heads, ch, l_new)
     return out, lse
 
 
 def backward(work: Work, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | None, fused: bool,
              dbias: Tensor | None, dparams: list[Tensor | None]) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq3, dk3, dv3)`` in the accumulation dtype; ``out``/``dout`` are ``(B*Hq, Lq_pad, Dv)``
-    in the input dtype, ``lse`` ``(B*Hq, Lq_pad)``.  Nothing of size ``Lq x Lk`` is kept: each chunk's
+    in the input dtype, ``lse`` ``(Lq_pad, B*Hq)``.  Nothing of size ``Lq x Lk`` is kept: each chunk's
     scores are recomputed from ``q``, ``k`` and ``lse``."""
     dev = work.q3.device
     dq3 = torch.zeros(work.q3.shape, dtype=work.acc, device=dev)
@@ -637,7 +661,7 @@ def backward(work: Work, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | 
         delta = (dout.to(work.acc) * out.to(work.acc)).sum(-1)  # (B*Hq, Lq_pad)
         if dlse is not None:
             delta = delta - dlse.to(work.acc)
-    for job, items in prepared(work, fused):
+    for job, items in prepared(work, fused, True):
         heads = job.heads
         for item in items:
             ch = item.chunk
@@ -646,10 +670,10 @@ def backward(work: Work, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | 
                 qw = rows_of(work.q3, heads, ch)
                 kw, vw = keys_of(work.k3, heads, ch), keys_of(work.v3, heads, ch)
                 dq, dk, dv = _FUSED[1](rows_of(dout, heads, ch), qw, kw, vw, rows_of(out, heads, ch),
-                                       rows_of(lse_b, heads, ch), 0.0, False,
+                                       lse_rows(lse_b, heads, ch), 0.0, False,
                                        attn_mask=item.float_mask(work, m), scale=work.scale)
             else:
-                dq, dk, dv = explicit_backward(work, ch, m, rows_of(dout, heads, ch), rows_of(lse_b, heads, ch),
+                dq, dk, dv = explicit_backward(work, ch, m, rows_of(dout, heads, ch), lse_rows(lse_b, heads, ch),
                                                rows_of(delta, heads, ch), dbias, dparams)
             put_rows(dq3, heads, ch, dq, add=True)
             add_keys(dk3, heads, ch, dk)

@@ -186,7 +186,7 @@ class _FlashFunction(torch.autograd.Function):
         ctx.has_bias_t = bias_t is not None
         ctx.set_materialize_grads(False)
         out = _unflat(out_in, call, q.dtype)
-        lse = _unflat(lse3, call, lse3.dtype)
+        lse = _unflat(lse3.t(), call, lse3.dtype).contiguous()
         return out, lse
 
     @staticmethod
@@ -207,7 +207,7 @@ class _FlashFunction(torch.autograd.Function):
         dout3 = _flat(dout.to(out3.dtype), plan.q_pad)
         dlse3 = None
         if dlse is not None:
-            dlse3 = F.pad(dlse.reshape(-1, call.q_len), (0, plan.q_pad - call.q_len))
+            dlse3 = F.pad(dlse.reshape(-1, call.q_len), (0, plan.q_pad - call.q_len))  # (B*Hq, Lq_pad)
         dbias = None
         if bias_grad:
             dbias = torch.zeros(work.bias.shape, dtype=work.acc, device=q3.device)
@@ -237,7 +237,7 @@ def _run(call: Call, block_q: int | None = None, block_k: int | None = None, *, 
         work = _work(call, plan, use_fused, [], seed)
         out3, lse3 = ops.forward(work)
         out = _unflat(out3, call, call.q.dtype)
-        return (out, _unflat(lse3, call, lse3.dtype)) if call.return_lse else out
+        return (out, _unflat(lse3.t(), call, lse3.dtype)) if call.return_lse else out
     bias_t = call.bias if isinstance(call.bias, Tensor) else None
     state = (call, plan, use_fused, seed, fused is not False)
     out, lse = _FlashFunction.apply(call.q, call.k, call.v, bias_t, state, *params)
