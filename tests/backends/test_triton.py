@@ -361,18 +361,82 @@ def test_kernel_case(name, interpreted):
         pytest.fail(f"case {name!r} failed under the Triton interpreter:\n{verdict}", pytrace=False)
 
 
-def test_child_sees_a_triton_imported_for_the_gpu_as_unusable_on_cpu():
-    # triton imported without TRITON_INTERPRET, the variable set afterwards: the backend must say why not
-    code = ("import os, torch, triton, attnkit\n"
-            "from attnkit.backends import triton as tb\n"
-            "from attnkit.functional import _make_call\n"
-            "os.environ['TRITON_INTERPRET'] = '1'\n"
-            "q = torch.randn(1, 1, 4, 16)\n"
-            "print(tb.check(_make_call(q, q, q)))\n")
+# The GPU compiler's checks, without a GPU: a second child imports triton for the compiler (no
+# TRITON_INTERPRET), compiles every kernel for an H100 (sm_90) through Triton's front end and its GPU layout
+# passes (TTIR, TTGIR), which reject what the interpreter lets through (types that differ between branches,
+# non-constexpr shapes, ...), and then asks the backend about CPU tensors with TRITON_INTERPRET set too late.
+
+_POINTERS = {"Lse": "*fp32", "Delta": "*fp32", "DQ": "*fp32", "DK": "*fp32", "DV_": "*fp32", "Count": "*i32",
+             "Index": "*i32", "TileId": "*i32", "Bitmap": "*i32", "Slopes": "*fp32", "Bias": "*fp32", "QDoc": "*i64",
+             "KDoc": "*i64", "KeyLen": "*i64", "BlockTable": "*i32", "SeqLens": "*i32", "PartOut": "*fp32",
+             "PartLse": "*fp32", "scale": "fp32", "softcap": "fp32"}
+_FLAGS = ("HAS_SOFTCAP", "HAS_ALIBI", "HAS_BIAS", "HAS_LO", "HAS_HI", "HAS_PREFIX", "HAS_DOC", "HAS_KEYLEN",
+          "HAS_BITMAP", "EVEN_N", "ALIBI_AT_END", "SPLIT")
+
+
+def _compile_main(out_path: str) -> None:
+    import triton  # noqa: F401  (first import, for the compiler)
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource, make_backend
+
+    K = tb._kernels()
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    results = {"interpreted": K.INTERPRETED}
+    meta = dict(D=64, DV=64, BLOCK_D=64, BLOCK_DV=64, BLOCK_M=64, BLOCK_N=64, WORDS=2, BLOCK_G=16, BLOCK_S=16,
+                EMULATE_BF16=False, PRECISION="tf32")
+    for name in ("_attn_fwd", "_attn_bwd_dq", "_attn_bwd_dkdv", "_paged_decode", "_paged_combine"):
+        fn = getattr(K, name)
+        for on in (False, True):
+            constexprs = {a: (on if a in _FLAGS else meta[a]) for a in fn.arg_names if a in _FLAGS or a in meta}
+            data = {a: "*bf16" for a in ("Q", "K", "V", "Out", "DO", "KPool", "VPool")}
+            signature = {a: "constexpr" if a in constexprs else _POINTERS.get(a, data.get(a, "i32"))
+                         for a in fn.arg_names}
+            try:
+                src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+                options = backend.parse_options({"num_warps": 4, "num_stages": 2})
+                stages = {}
+                backend.add_stages(stages, options, src.language)
+                context = ir.context()
+                ir.load_dialects(context)
+                backend.load_dialects(context)
+                module = src.make_ir(target, options, backend.get_codegen_implementation(options),
+                                     backend.get_module_map(), context)
+                metadata = {"hash": "0", "target": target, **options.__dict__}
+                for stage in ("ttir", "ttgir"):
+                    module = stages[stage](module, metadata)
+                results[f"{name}[flags={on}]"] = None
+            except Exception:
+                results[f"{name}[flags={on}]"] = traceback.format_exc()
+    os.environ["TRITON_INTERPRET"] = "1"  # too late: triton is already imported for the compiler
+    q = torch.randn(1, 1, 4, 16)
+    results["cpu_reason"] = tb.check(_make_call(q, q, q))
+    Path(out_path).write_text(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def compiled():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    assert "triton was imported before TRITON_INTERPRET=1 was set" in proc.stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "compiled.json"
+        proc = subprocess.run([sys.executable, __file__, "--compile", str(out)], env=env, capture_output=True,
+                              text=True, timeout=500)
+        if proc.returncode != 0 or not out.exists():
+            pytest.fail(f"the compiler child failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+        return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("kernel", ["_attn_fwd", "_attn_bwd_dq", "_attn_bwd_dkdv", "_paged_decode", "_paged_combine"])
+def test_kernels_compile_for_an_h100_without_a_gpu(kernel, compiled):
+    assert compiled["interpreted"] is False
+    for on in (False, True):
+        error = compiled[f"{kernel}[flags={on}]"]
+        assert error is None, f"{kernel} with every feature flag {on} does not compile for sm_90:\n{error}"
+
+
+def test_triton_imported_for_the_gpu_declines_cpu_tensors_with_the_reason(compiled):
+    assert "triton was imported before TRITON_INTERPRET=1 was set" in compiled["cpu_reason"]
 
 
 # ------------------------------------------------------------------------- in this process (no triton)
@@ -550,5 +614,8 @@ def test_predicates_cover_the_built_in_masks_and_only_those():
         assert plan.predicates(m, 10, 10, cpu) is None
 
 
-if __name__ == "__main__":  # the child process of the `interpreted` fixture
-    _child_main(sys.argv[1], sys.argv[2:])
+if __name__ == "__main__":  # the child processes of the `interpreted` and `compiled` fixtures
+    if sys.argv[1] == "--compile":
+        _compile_main(sys.argv[2])
+    else:
+        _child_main(sys.argv[1], sys.argv[2:])

@@ -20,6 +20,9 @@ Layout shared by the attention kernels (all index math is in elements, not bytes
 - ``Bitmap (n_tiles, BLOCK_M, WORDS)`` int32: bit ``c % 32`` of word ``c // 32`` in row ``r`` of a tile
   says whether query ``r`` may attend to key ``c`` of that tile.
 
+Batch and head indices (and page numbers) are widened to int64 before they multiply strides, so offsets
+into tensors of more than 2^31 elements do not overflow.
+
 Scores are kept in base 2 inside the online softmax (``exp2`` is the GPU's native exponential):
 ``s2 = s * 1.44269504`` (1/ln 2), and the log-sum-exp is turned back into natural log on the way out.
 """
@@ -148,8 +151,8 @@ def _attn_fwd(Q, K, V, Out, Lse, Count, Index, TileId, Bitmap, Slopes, Bias, QDo
     Grid ``(query tiles, Hq, B)``.  ``EVEN_N``: Lk is a multiple of BLOCK_N, so key loads need no bounds.
     """
     pid_m = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
     hk = h // GROUP
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     dq = tl.arange(0, BLOCK_D)
@@ -233,8 +236,8 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Count, Index, TileId, Bitmap, Slop
     softcap's derivative ``1 - tanh^2``; ``dq = scale * ds @ k``.  ``DQ`` is float32 ``(B, Hq, Lq, D)``.
     """
     pid_m = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
     hk = h // GROUP
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     dq_ = tl.arange(0, BLOCK_D)
@@ -307,8 +310,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV_, Lse, Delta, Count, Index, TileId, Bitma
     ``DK``/``DV_`` are float32 ``(B, Hkv, Lk, D|DV)``.
     """
     pid_n = tl.program_id(0)
-    hk = tl.program_id(1)
-    b = tl.program_id(2)
+    hk = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     dq_ = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
@@ -386,8 +389,8 @@ def _paged_decode(Q, KPool, VPool, BlockTable, SeqLens, Out, PartOut, PartLse, S
     ``PartLse (B, Hq, S)`` for :func:`_paged_combine`; without, the output is written directly.
     """
     split = tl.program_id(0)
-    hk = tl.program_id(1)
-    b = tl.program_id(2)
+    hk = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
     g = tl.arange(0, BLOCK_G)
     heads = hk * GROUP + g
     g_ok = g < GROUP
@@ -407,7 +410,7 @@ def _paged_decode(Q, KPool, VPool, BlockTable, SeqLens, Out, PartOut, PartLse, S
     for n0 in range(start, stop, BLOCK_N):
         keys = n0 + tl.arange(0, BLOCK_N)
         key_ok = keys < stop
-        page = tl.load(BlockTable + b * stride_tb + keys // page_size, mask=key_ok, other=0)
+        page = tl.load(BlockTable + b * stride_tb + keys // page_size, mask=key_ok, other=0).to(tl.int64)
         slot = keys % page_size
         k = tl.load(KPool + page[None, :] * stride_kp + hk * stride_kh + slot[None, :] * stride_ks + dq_[:, None],
                     mask=key_ok[None, :] & (dq_[:, None] < D), other=0.0)  # (BLOCK_D, BLOCK_N)
@@ -447,8 +450,8 @@ def _paged_combine(PartOut, PartLse, Out, stride_ob, stride_oh, NUM_SPLITS,
 
     Splits that saw no key have lse -inf and weigh nothing; a sequence with no keys at all gives 0.
     """
-    h = tl.program_id(0)
-    b = tl.program_id(1)
+    h = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
     s = tl.arange(0, BLOCK_S)
     dv = tl.arange(0, BLOCK_DV)
     row = b * tl.num_programs(0) + h
