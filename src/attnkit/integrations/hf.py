@@ -52,10 +52,11 @@ from .. import backends as _backends
 from .. import masks as _masks
 from ..functional import attention, attention_weights
 from ..masks import Mask
+from ._hf_models import from_hf, to_hf
 
 Tensor = torch.Tensor
 
-__all__ = ["register", "attention_forward", "build_mask", "SUPPORTED_TRANSFORMERS"]
+__all__ = ["register", "attention_forward", "build_mask", "from_hf", "to_hf", "SUPPORTED_TRANSFORMERS"]
 
 # the versions this module is tested against (the `hf` extra's pin); 5.0-5.3 built masks from `cache_position`
 SUPPORTED_TRANSFORMERS = (">=5.4", "<6")

@@ -1,0 +1,308 @@
+"""Converting Llama-family causal LMs between Hugging Face ``transformers`` and :class:`attnkit.nn.DecoderLM`.
+
+The three families share one layout — RMSNorm Pre-LN blocks, grouped-query attention with rotate-half RoPE,
+a SwiGLU MLP — and differ in biases and the sliding window:
+
+* ``llama``: biases on q/k/v/o (``attention_bias``) and the MLP (``mlp_bias``) or none; no window;
+* ``mistral``: no biases; ``sliding_window`` on every layer, or none;
+* ``qwen2``: biases on q/k/v only; a window only when every layer slides (``use_sliding_window``).
+
+HF's window ``w`` counts the query itself, so it becomes ``masks.sliding_window(w - 1)``.  Weights map
+one to one except two fusions: attnkit's ``attn.qkv_proj`` stacks ``[q_proj; k_proj; v_proj]`` and
+``ffn.up_proj`` stacks ``[gate_proj; up_proj]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import masks as _masks
+
+Tensor = torch.Tensor
+
+FAMILIES = ("llama", "mistral", "qwen2")
+_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def _transformers():
+    from .hf import _transformers as load
+
+    return load()[0]
+
+
+# ---------------------------------------------------------------------------------- HF -> attnkit
+
+
+def _rope(cfg) -> tuple[float, dict | None]:
+    """(theta, attnkit rope scaling) from an HF config (``rope_parameters``, or the older fields)."""
+    params = getattr(cfg, "rope_parameters", None)
+    if not isinstance(params, dict) or "rope_theta" not in params:
+        params = dict(getattr(cfg, "rope_scaling", None) or {})
+        params["rope_theta"] = getattr(cfg, "rope_theta", 10000.0)
+    params = dict(params)
+    theta = float(params.pop("rope_theta"))
+    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    if kind not in _ROPE_TYPES:
+        raise ValueError(f"rope_type={kind!r} is not supported by attnkit.nn's RotaryEmbedding: convertible "
+                         f"rope types are {_ROPE_TYPES}")
+    if params.pop("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported by from_hf")
+    if kind == "default":
+        return theta, None
+    if params.get("attention_factor") not in (None, 1.0):
+        raise ValueError(f"rope attention_factor={params['attention_factor']} is not supported by from_hf")
+    keep = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    return theta, {"type": kind, **{k: params[k] for k in keep if k in params}}
+
+
+def _window(cfg, family: str) -> int | None:
+    if family == "llama":
+        return None
+    if family == "mistral":
+        return getattr(cfg, "sliding_window", None)
+    types = list(getattr(cfg, "layer_types", None) or [])
+    sliding = [t == "sliding_attention" for t in types]
+    if not any(sliding):
+        return None
+    if not all(sliding):
+        raise ValueError(f"this Qwen2 config mixes full and sliding-window layers (layer_types={types}): "
+                         f"attnkit.nn.DecoderConfig has one mask for every layer, so it cannot be converted")
+    return cfg.sliding_window
+
+
+def _family(model) -> str:
+    transformers = _transformers()
+    if not isinstance(model, transformers.PreTrainedModel):
+        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    family = getattr(model.config, "model_type", None)
+    if family not in FAMILIES:
+        raise ValueError(f"from_hf converts Llama-family causal LMs {FAMILIES}, got model_type={family!r}: run "
+                         f"other models in transformers with attn_implementation='attnkit' (register())")
+    if not (hasattr(model, "model") and hasattr(model, "lm_head")):
+        raise ValueError(f"from_hf needs a causal LM with an output head ({family.capitalize()}ForCausalLM), got "
+                         f"{type(model).__name__}")
+    return family
+
+
+def decoder_config(hf_config, *, backend: str = "auto"):
+    """The :class:`attnkit.nn.DecoderConfig` of a Llama / Mistral / Qwen2 ``transformers`` config."""
+    from ..nn import DecoderConfig
+
+    cfg, family = hf_config, hf_config.model_type
+    if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
+        raise ValueError(f"hidden_act={cfg.hidden_act!r}: attnkit's SwiGLU uses silu")
+    theta, scaling = _rope(cfg)
+    window = _window(cfg, family)
+    heads = cfg.num_attention_heads
+    biased = family == "llama" and bool(getattr(cfg, "attention_bias", False))
+    return DecoderConfig(
+        vocab_size=cfg.vocab_size, d_model=cfg.hidden_size, n_layers=cfg.num_hidden_layers, n_heads=heads,
+        n_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+        d_head=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads, d_ff=cfg.intermediate_size,
+        max_seq_len=cfg.max_position_embeddings, positions="rope", rope_theta=theta, rope_scaling=scaling,
+        mask=None if window is None else _masks.sliding_window(int(window) - 1), norm="rms",
+        norm_eps=cfg.rms_norm_eps, norm_first=True, ffn="swiglu", qkv_bias=biased or family == "qwen2",
+        out_bias=biased, ffn_bias=family == "llama" and bool(getattr(cfg, "mlp_bias", False)),
+        tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)), dropout=0.0,
+        init_std=getattr(cfg, "initializer_range", 0.02), backend=backend)
+
+
+def _to_attnkit_state(hf_state: dict, n_layers: int, tied: bool) -> dict:
+    s = {"embed.weight": hf_state["model.embed_tokens.weight"], "norm.weight": hf_state["model.norm.weight"]}
+    if not tied:
+        s["lm_head.weight"] = hf_state["lm_head.weight"]
+    for i in range(n_layers):
+        h, a = f"model.layers.{i}.", f"layers.{i}."
+        s[a + "attn_norm.weight"] = hf_state[h + "input_layernorm.weight"]
+        s[a + "ffn_norm.weight"] = hf_state[h + "post_attention_layernorm.weight"]
+        for kind in ("weight", "bias"):
+            qkv = [hf_state.get(f"{h}self_attn.{p}_proj.{kind}") for p in "qkv"]
+            if qkv[0] is not None:
+                s[f"{a}attn.qkv_proj.{kind}"] = torch.cat(qkv, 0)  # rows [q; k; v]
+            if h + f"self_attn.o_proj.{kind}" in hf_state:
+                s[f"{a}attn.out_proj.{kind}"] = hf_state[h + f"self_attn.o_proj.{kind}"]
+            if h + f"mlp.gate_proj.{kind}" in hf_state:
+                gate_up = [hf_state[h + f"mlp.gate_proj.{kind}"], hf_state[h + f"mlp.up_proj.{kind}"]]
+                s[f"{a}ffn.up_proj.{kind}"] = torch.cat(gate_up, 0)  # rows [gate; up]
+                s[f"{a}ffn.down_proj.{kind}"] = hf_state[h + f"mlp.down_proj.{kind}"]
+    return s
+
+
+def _dtype_device(model) -> tuple[torch.dtype, torch.device]:
+    p = next(model.parameters())
+    return p.dtype, p.device
+
+
+def from_hf(model, *, backend: str = "auto"):
+    """Convert a ``transformers`` Llama / Mistral / Qwen2 causal LM into an :class:`attnkit.nn.DecoderLM`.
+
+    The result computes the same logits (up to float rounding) on the same device and dtype, and is served
+    by attnkit's caches, :func:`attnkit.generate` and the engine.  ``backend`` is the attnkit attention
+    backend it uses.  Dropout is not carried over (the converted model has none).  Raises ``ValueError``
+    for configurations attnkit cannot express (other rope types, Qwen2 with mixed window layers, ...).
+
+    Left-padded batches: give ``positions`` (B, L) and ``mask=masks.key_padding(attention_mask.bool())``
+    to the attnkit model, as HF derives ``position_ids`` from the attention mask in ``generate``.
+
+    Example::
+
+        >>> import torch, transformers
+        >>> from attnkit.integrations.hf import from_hf
+        >>> hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        ...     vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        ...     num_attention_heads=4, num_key_value_heads=2)).eval()
+        >>> model = from_hf(hf_model)
+        >>> ids = torch.randint(0, 64, (2, 7))
+        >>> torch.allclose(model(ids), hf_model(ids).logits, atol=1e-5)
+        True
+    """
+    from ..nn import DecoderLM
+
+    _family(model)
+    cfg = decoder_config(model.config, backend=backend)
+    dtype, device = _dtype_device(model)
+    out = DecoderLM(cfg).to(device=device, dtype=dtype)
+    out.load_state_dict(_to_attnkit_state(model.state_dict(), cfg.n_layers, cfg.tie_embeddings), strict=True)
+    return out.train(model.training)
+
+
+# ---------------------------------------------------------------------------------- attnkit -> HF
+
+
+def _sliding_left(mask) -> int | None:
+    """``left`` of a (causal-compatible) sliding window mask, None for no mask; ValueError otherwise."""
+    if mask is None:
+        return None
+    parts, todo = [], [mask]
+    while todo:
+        m = todo.pop()
+        if isinstance(m, _masks._And):
+            todo += [m.a, m.b]
+        else:
+            parts.append(m)
+    lefts = []
+    for m in parts:
+        if isinstance(m, _masks._Causal) and m.align == "bottom_right":
+            continue
+        if isinstance(m, _masks._SlidingWindow) and m.align == "bottom_right" and m.right in (0, None):
+            if m.left is not None:
+                lefts.append(m.left)
+            continue
+        raise ValueError(f"config.mask={mask!r}: only a causal sliding window (masks.sliding_window(left)) has a "
+                         f"transformers equivalent")
+    return min(lefts) if lefts else None
+
+
+def _hf_family(cfg, left: int | None) -> str:
+    biases = (cfg.qkv_bias, cfg.out_bias, cfg.ffn_bias)
+    if left is None and cfg.qkv_bias == cfg.out_bias:
+        return "llama"
+    if biases == (False, False, False):
+        return "mistral"
+    if biases == (True, False, False):
+        return "qwen2"
+    raise ValueError(f"qkv_bias={cfg.qkv_bias}, out_bias={cfg.out_bias}, ffn_bias={cfg.ffn_bias}"
+                     f"{' with a sliding window' if left is not None else ''}: no transformers Llama-family "
+                     f"model has these biases (Llama: q/k/v/o alike; Mistral: none; Qwen2: q/k/v only)")
+
+
+def hf_config(config, *, attn_implementation: str | None = None):
+    """The ``transformers`` config (Llama, Mistral or Qwen2) of an :class:`attnkit.nn.DecoderConfig`."""
+    transformers = _transformers()
+    cfg = config
+    checks = [("positions", cfg.positions, "rope"), ("rope_interleaved", cfg.rope_interleaved, False),
+              ("norm", cfg.norm, "rms"), ("norm_first", cfg.norm_first, True), ("ffn", cfg.ffn, "swiglu"),
+              ("qk_norm", cfg.qk_norm, False), ("softcap", cfg.softcap, None)]
+    for name, value, want in checks:
+        if value != want:
+            raise ValueError(f"config.{name}={value!r}: transformers' Llama-family models need {name}={want!r}")
+    if cfg.rotary_dim not in (None, cfg.head_dim):
+        raise ValueError(f"config.rotary_dim={cfg.rotary_dim}: partial rotary has no Llama-family equivalent")
+    rope = {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}
+    if cfg.rope_scaling is not None:
+        from ..nn.positions import _parse_scaling
+
+        s = _parse_scaling(cfg.rope_scaling)
+        if s is not None and s["type"] not in ("linear", "llama3"):
+            raise ValueError(f"rope scaling {s['type']!r} has no transformers equivalent (linear and llama3 do)")
+        if s is not None:
+            rope.update(rope_type=s["type"], factor=s["factor"])
+            if s["type"] == "llama3":
+                rope.update(low_freq_factor=s["low_freq_factor"], high_freq_factor=s["high_freq_factor"],
+                            original_max_position_embeddings=s["original_max_seq_len"])
+    left = _sliding_left(cfg.mask)
+    family = _hf_family(cfg, left)
+    common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ff_dim,
+                  num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
+                  head_dim=cfg.head_dim, max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
+                  hidden_act="silu", rope_parameters=rope, tie_word_embeddings=cfg.tie_embeddings,
+                  attention_dropout=0.0, initializer_range=cfg.init_std)
+    if attn_implementation is not None:
+        common["attn_implementation"] = attn_implementation
+    if family == "llama":
+        return transformers.LlamaConfig(**common, attention_bias=cfg.qkv_bias, mlp_bias=cfg.ffn_bias)
+    if family == "mistral":
+        return transformers.MistralConfig(**common, sliding_window=None if left is None else left + 1)
+    window = dict(use_sliding_window=True, sliding_window=left + 1, max_window_layers=0) if left is not None else {}
+    return transformers.Qwen2Config(**common, **window)
+
+
+def _to_hf_state(state: dict, n_layers: int, tied: bool, dims: tuple[int, int, int]) -> dict:
+    q, kv, ff = dims
+    s = {"model.embed_tokens.weight": state["embed.weight"], "model.norm.weight": state["norm.weight"],
+         "lm_head.weight": state["embed.weight"] if tied else state["lm_head.weight"]}
+    for i in range(n_layers):
+        h, a = f"model.layers.{i}.", f"layers.{i}."
+        s[h + "input_layernorm.weight"] = state[a + "attn_norm.weight"]
+        s[h + "post_attention_layernorm.weight"] = state[a + "ffn_norm.weight"]
+        for kind in ("weight", "bias"):
+            if f"{a}attn.qkv_proj.{kind}" in state:
+                for name, part in zip("qkv", state[f"{a}attn.qkv_proj.{kind}"].split((q, kv, kv), 0)):
+                    s[f"{h}self_attn.{name}_proj.{kind}"] = part
+            if f"{a}attn.out_proj.{kind}" in state:
+                s[f"{h}self_attn.o_proj.{kind}"] = state[f"{a}attn.out_proj.{kind}"]
+            if f"{a}ffn.up_proj.{kind}" in state:
+                gate, up = state[f"{a}ffn.up_proj.{kind}"].split(ff, 0)
+                s[f"{h}mlp.gate_proj.{kind}"], s[f"{h}mlp.up_proj.{kind}"] = gate, up
+                s[f"{h}mlp.down_proj.{kind}"] = state[f"{a}ffn.down_proj.{kind}"]
+    return s
+
+
+def to_hf(model, *, attn_implementation: str | None = None):
+    """Convert an :class:`attnkit.nn.DecoderLM` into the equivalent ``transformers`` causal LM.
+
+    RoPE, RMSNorm Pre-LN and SwiGLU models become ``LlamaForCausalLM`` (no biases, or q/k/v/o biases),
+    ``MistralForCausalLM`` (a causal sliding window, no biases) or ``Qwen2ForCausalLM`` (q/k/v biases);
+    anything else (ALiBi, LayerNorm, GELU, soft-cap, other masks) raises ``ValueError`` naming the field.
+    The result has the same dtype, device and training mode, and computes the same logits;
+    ``attn_implementation`` is passed to the config (e.g. ``"attnkit"`` after :func:`register`).
+
+    Example::
+
+        >>> import torch
+        >>> from attnkit import masks
+        >>> from attnkit.nn import DecoderConfig, DecoderLM
+        >>> from attnkit.integrations.hf import to_hf
+        >>> model = DecoderLM(DecoderConfig.preset("tiny", n_kv_heads=2, mask=masks.sliding_window(3))).eval()
+        >>> hf_model = to_hf(model)
+        >>> type(hf_model).__name__, hf_model.config.sliding_window
+        ('MistralForCausalLM', 4)
+        >>> ids = torch.randint(0, 256, (2, 9))
+        >>> torch.allclose(hf_model(ids).logits, model(ids), atol=1e-5)
+        True
+    """
+    from ..nn import DecoderLM
+
+    transformers = _transformers()
+    if not isinstance(model, DecoderLM):
+        raise TypeError(f"to_hf converts an attnkit.nn.DecoderLM, got {type(model).__name__}")
+    cfg = model.config
+    config = hf_config(cfg, attn_implementation=attn_implementation)
+    classes = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
+               "qwen2": transformers.Qwen2ForCausalLM}
+    dtype, device = _dtype_device(model)
+    out = classes[config.model_type](config).to(device=device, dtype=dtype)
+    dims = (cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.ff_dim)
+    state = _to_hf_state(model.state_dict(), cfg.n_layers, cfg.tie_embeddings, dims)
+    out.load_state_dict({k: v.contiguous() for k, v in state.items()}, strict=True)
+    return out.train(model.training)

@@ -1,0 +1,207 @@
+"""from_hf / to_hf: Llama-family causal LMs between transformers and attnkit.nn.DecoderLM, identical logits."""
+
+import pytest
+import torch
+
+from attnkit import masks
+
+transformers = pytest.importorskip("transformers")
+from attnkit.integrations.hf import from_hf, to_hf  # noqa: E402
+from attnkit.cache import SlidingWindowCache, StaticCache  # noqa: E402
+from attnkit.nn import DecoderConfig, DecoderLM  # noqa: E402
+
+V = 96
+TOL = 1e-4
+_COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=64)
+
+HF_CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**_COMMON),
+    "llama-biases-untied-llama3": lambda: transformers.LlamaConfig(
+        **_COMMON, attention_bias=True, mlp_bias=True, tie_word_embeddings=False, head_dim=32,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+    "mistral-window": lambda: transformers.MistralConfig(**_COMMON, sliding_window=4),
+    "qwen2": lambda: transformers.Qwen2Config(**_COMMON, tie_word_embeddings=True),
+    "qwen2-window-linear-rope": lambda: transformers.Qwen2Config(
+        **_COMMON, use_sliding_window=True, sliding_window=5, max_window_layers=0,
+        rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
+}
+
+
+def _hf(name: str):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(HF_CONFIGS[name](), attn_implementation="eager")
+    with torch.no_grad():  # biases are zero at init: make them count
+        for n, p in model.named_parameters():
+            if n.endswith("bias"):
+                p.normal_(0, 0.1)
+    return model.eval()
+
+
+def _left_padded(length: int = 12):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, V, (3, length), generator=g)
+    am = torch.ones_like(ids)
+    am[0, :4] = 0
+    am[1, :1] = 0
+    pos = (am.cumsum(-1) - 1).clamp(min=0)  # HF's generate positions: count real tokens only
+    return ids.masked_fill(am == 0, 0), am, pos
+
+
+@pytest.mark.parametrize("name", sorted(HF_CONFIGS))
+def test_from_hf_logits_match(name):
+    hf_model = _hf(name)
+    model = from_hf(hf_model)
+    assert isinstance(model, DecoderLM) and not model.training
+    ids = torch.randint(3, V, (2, 14), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        err = (model(ids) - hf_model(ids).logits).abs().max().item()
+    assert err <= TOL, f"{name}: max |logits - HF| = {err:.2e}"
+    # left-padded batch: HF with position_ids from the mask, attnkit with positions and key padding
+    ids, am, pos = _left_padded()
+    with torch.no_grad():
+        ref = hf_model(ids, attention_mask=am, position_ids=pos).logits
+        out = model(ids, positions=pos, mask=masks.key_padding(am.bool()))
+    err = (out - ref)[am.bool()].abs().max().item()
+    assert err <= TOL, f"{name}: left-padded max |logits - HF| = {err:.2e}"
+
+
+def test_from_hf_config_and_sensitivity():
+    """The conversion carries what matters: the window, the biases, the rope scaling (each changes logits)."""
+    cfg = from_hf(_hf("mistral-window")).config
+    assert repr(cfg.mask) == "sliding_window(left=3, right=0, align='bottom_right')"
+    cfg = from_hf(_hf("llama-biases-untied-llama3")).config
+    assert (cfg.qkv_bias, cfg.out_bias, cfg.ffn_bias, cfg.tie_embeddings) == (True, True, True, False)
+    assert cfg.rope_scaling["type"] == "llama3" and cfg.rope_theta == 500000.0 and cfg.head_dim == 32
+    cfg = from_hf(_hf("qwen2")).config
+    assert (cfg.qkv_bias, cfg.out_bias, cfg.ffn_bias, cfg.tie_embeddings) == (True, False, False, True)
+    model = from_hf(_hf("mistral-window"))
+    ids = torch.randint(3, V, (1, 12))
+    with torch.no_grad():
+        windowed = model(ids)
+        model.config.mask = None
+        full = DecoderLM(model.config)
+        full.load_state_dict(model.state_dict())
+        assert (full.eval()(ids) - windowed).abs().max() > 1e-3
+
+
+def _greedy(model, ids, am, new: int, cache):
+    """Greedy decoding of a left-padded batch through an attnkit KV cache, one token per step."""
+    cache.set_left_padding((am == 0).sum(-1))
+    pos = (am.cumsum(-1) - 1).clamp(min=0)  # (B, L) per-row positions
+    with torch.no_grad():
+        nxt = model(ids, cache=cache, positions=pos)[:, -1].argmax(-1)  # prefill
+        out, last = [nxt], pos[:, -1:]
+        for _ in range(new - 1):
+            last = last + 1
+            nxt = model(nxt[:, None], cache=cache, positions=last)[:, -1].argmax(-1)  # (B,)
+            out.append(nxt)
+    return torch.stack(out, 1)
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral-window", "qwen2"])
+def test_from_hf_decodes_with_attnkit_caches_like_hf_generate(name):
+    hf_model = _hf(name)
+    hf_model.generation_config.eos_token_id = None  # run to max_new_tokens
+    model = from_hf(hf_model)
+    ids, am, _ = _left_padded(7)
+    want = hf_model.generate(ids, attention_mask=am, max_new_tokens=8, do_sample=False, pad_token_id=0)[:, 7:]
+    caches = [StaticCache(2, max_len=15)]
+    if name == "mistral-window":  # 15 positions through a window of 4
+        caches.append(SlidingWindowCache(2, window=4))
+    for cache in caches:
+        got = _greedy(model, ids, am, 8, cache)
+        assert torch.equal(got, want), f"{name}, {type(cache).__name__}:\n{got}\n{want}"
+
+
+def test_from_hf_gradients_match():
+    hf_model = _hf("qwen2").train()
+    model = from_hf(hf_model)
+    assert model.training
+    ids = torch.randint(3, V, (2, 10), generator=torch.Generator().manual_seed(3))
+    hf_model(ids, labels=ids).loss.backward()
+    logits = model(ids)
+    torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1)).backward()
+    g_ours = model.layers[1].attn.qkv_proj.weight.grad
+    a = hf_model.model.layers[1].self_attn
+    g_hf = torch.cat([a.q_proj.weight.grad, a.k_proj.weight.grad, a.v_proj.weight.grad], 0)
+    assert (g_ours - g_hf).abs().max() <= TOL * max(1.0, g_hf.abs().max().item())
+
+
+def test_from_hf_keeps_dtype():
+    hf_model = _hf("llama").to(torch.float64)
+    model = from_hf(hf_model)
+    assert model.embed.weight.dtype == torch.float64
+    ids = torch.randint(3, V, (1, 9))
+    with torch.no_grad():  # both compute RoPE angles and RMSNorm statistics in float32
+        assert (model(ids) - hf_model(ids).logits).abs().max() <= 1e-6
+
+
+_ATTNKIT = {
+    "llama-like": dict(),
+    "llama-biases": dict(qkv_bias=True, out_bias=True, ffn_bias=True, tie_embeddings=False,
+                         rope_scaling={"type": "linear", "factor": 2.0}),
+    "mistral-like": dict(mask=masks.sliding_window(3)),
+    "qwen2-like": dict(qkv_bias=True, rope_theta=1e6),
+    "qwen2-window": dict(qkv_bias=True, mask=masks.causal() & masks.sliding_window(5)),
+}
+_FAMILY = {"llama-like": "Llama", "llama-biases": "Llama", "mistral-like": "Mistral", "qwen2-like": "Qwen2",
+           "qwen2-window": "Qwen2"}
+
+
+@pytest.mark.parametrize("name", sorted(_ATTNKIT))
+def test_to_hf_logits_match_and_round_trip(name):
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny", n_kv_heads=2, d_ff=96, max_seq_len=64, **_ATTNKIT[name])).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("bias"):
+                p.normal_(0, 0.1)
+    hf_model = to_hf(model)
+    assert type(hf_model).__name__ == f"{_FAMILY[name]}ForCausalLM" and not hf_model.training
+    ids = torch.randint(0, 256, (2, 13), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        err = (hf_model(ids).logits - model(ids)).abs().max().item()
+    assert err <= TOL, f"{name}: max |HF logits - attnkit| = {err:.2e}"
+    back = from_hf(hf_model)
+    a, b = model.state_dict(), back.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_to_hf_with_attnkit_attention():
+    from attnkit.integrations import hf
+
+    name = hf.register()
+    model = DecoderLM(DecoderConfig.preset("tiny", n_kv_heads=1, mask=masks.sliding_window(2))).eval()
+    hf_model = to_hf(model, attn_implementation=name)
+    assert hf_model.config._attn_implementation == name
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        assert (hf_model(ids).logits - model(ids)).abs().max() <= TOL
+
+
+def test_conversion_errors_name_the_problem():
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=V, n_embd=32, n_layer=1, n_head=2))
+    with pytest.raises(ValueError, match="model_type='gpt2'"):
+        from_hf(gpt2)
+    with pytest.raises(ValueError, match="ForCausalLM"):
+        from_hf(transformers.LlamaModel(HF_CONFIGS["llama"]()))
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        from_hf(torch.nn.Linear(2, 2))
+    yarn = transformers.LlamaConfig(**_COMMON, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4,
+                                                                "factor": 2.0})
+    with pytest.raises(ValueError, match="rope_type='yarn'"):
+        from_hf(transformers.LlamaForCausalLM(yarn))
+    mixed = transformers.Qwen2Config(**_COMMON, use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    with pytest.raises(ValueError, match="mixes full and sliding-window layers"):
+        from_hf(transformers.Qwen2ForCausalLM(mixed))
+    for field, value, match in [("positions", "alibi", "config.positions='alibi'"),
+                                ("norm", "layer", "config.norm='layer'"), ("softcap", 5.0, "config.softcap=5.0"),
+                                ("mask", masks.prefix_lm(3), "only a causal sliding window"),
+                                ("out_bias", True, "no transformers Llama-family model")]:
+        model = DecoderLM(DecoderConfig.preset("tiny", **{field: value}))
+        with pytest.raises(ValueError, match=match):
+            to_hf(model)
+    with pytest.raises(TypeError, match="DecoderLM"):
+        to_hf(torch.nn.Linear(2, 2))
