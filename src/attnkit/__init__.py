@@ -17,9 +17,11 @@ from .functional import attention, attention_weights
 from . import explain  # noqa: E402  (the four steps traced; imports masks only)
 from . import cache  # noqa: E402  (KV caches: static, sliding window, paged, quantized)
 from .generate import generate  # noqa: E402
+from .engine import Engine  # noqa: E402
+from .quantize import quantize  # noqa: E402
 from . import nn  # noqa: E402  (modules, positions, blocks, models)
 
 __version__ = "0.1.0"
 
 __all__ = ["attention", "attention_weights", "masks", "bias", "softmax", "backends", "explain", "nn", "cache",
-           "generate"]
+           "generate", "Engine", "quantize"]

@@ -1,0 +1,198 @@
+"""Weight quantisation for decoding: ``quantize(model, "int8")`` swaps every Linear for a weight-only version.
+
+Decoding a token reads every weight once, so a step takes about (weight bytes) / (memory bandwidth):
+int8 weights are 4x smaller than float32.  :class:`Int8Linear` stores ``W ~ q * scale`` with ``q`` int8 in
+``[-127, 127]`` and one float scale per output channel (row), and multiplies with PyTorch's
+``_weight_int8pack_mm`` (activations in ``compute_dtype``, bfloat16 by default: its float32 path is far
+slower on CPU); where that operator is missing it dequantizes the weight per call.  ``quantize(model,
+"bfloat16")`` keeps float32 activations and stores the Linear weights in bfloat16 (2x smaller).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+
+__all__ = ["quantize", "Int8Linear", "BF16Linear", "weight_bytes"]
+
+DTYPES = ("int8", "bfloat16")
+
+
+def _int8pack_works(device: torch.device, dtype: torch.dtype) -> bool:
+    try:
+        x = torch.zeros(1, 64, dtype=dtype, device=device)
+        w = torch.zeros(8, 64, dtype=torch.int8, device=device)
+        torch._weight_int8pack_mm(x, w, torch.ones(8, dtype=dtype, device=device))
+        return True
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+
+
+class Int8Linear(nn.Module):
+    """A Linear layer with int8 weights and one scale per output channel (weight-only quantisation).
+
+    ``weight_int8 (out, in)`` int8, ``scale (out,)`` float32, optional ``bias (out,)``.  Input
+    ``(..., in)`` in any float dtype; the product runs in ``compute_dtype`` and the output comes back in the
+    input's dtype.  The quantisation error of a weight is at most half its row's step ``max|w_row| / 254``.
+
+    Example::
+
+        >>> import torch
+        >>> from attnkit.quantize import Int8Linear
+        >>> lin = torch.nn.Linear(64, 32)
+        >>> q = Int8Linear.from_linear(lin)
+        >>> x = torch.randn(3, 64)
+        >>> bool((q(x) - lin(x)).abs().max() < 0.05)
+        True
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 compute_dtype: torch.dtype = torch.bfloat16, device=None):
+        super().__init__()
+        if compute_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"compute_dtype={compute_dtype} must be torch.bfloat16, torch.float16 or torch.float32")
+        self.in_features, self.out_features = in_features, out_features
+        self.compute_dtype = compute_dtype
+        self.register_buffer("weight_int8", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("scale", torch.ones(out_features, dtype=torch.float32, device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None
+        self._fast: bool | None = None
+        self._scale_c: Tensor | None = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, compute_dtype: torch.dtype = torch.bfloat16) -> "Int8Linear":
+        """Quantize ``linear`` per output channel (symmetric, round to nearest)."""
+        w = linear.weight.detach().float()
+        q = cls(linear.in_features, linear.out_features, linear.bias is not None, compute_dtype=compute_dtype,
+                device=w.device)
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # (out,)
+        q.weight_int8.copy_((w / scale[:, None]).round().clamp(-127, 127).to(torch.int8))
+        q.scale.copy_(scale)
+        if linear.bias is not None:
+            q.bias = nn.Parameter(linear.bias.detach().clone())
+        return q
+
+    def dequantized(self) -> Tensor:
+        """The weight the layer multiplies by, ``(out, in)`` float32."""
+        return self.weight_int8.float() * self.scale[:, None]
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"Int8Linear: input has {x.shape[-1]} features, expected in_features={self.in_features}")
+        lead = x.shape[:-1]
+        cd = self.compute_dtype
+        x2 = x.reshape(-1, self.in_features).to(cd).contiguous()  # (N, in)
+        if self._fast is None:
+            self._fast = _int8pack_works(x.device, cd)
+        if self._scale_c is None or self._scale_c.dtype != cd or self._scale_c.device != x.device:
+            self._scale_c = self.scale.to(device=x.device, dtype=cd)
+        if self._fast:
+            y = torch._weight_int8pack_mm(x2, self.weight_int8, self._scale_c)  # (N, out)
+        else:
+            y = F.linear(x2, self.weight_int8.to(cd)) * self._scale_c
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.view(*lead, self.out_features)
+
+    def _apply(self, fn, recurse=True):
+        self._scale_c = None  # dtype/device moves invalidate the cached compute-dtype scales
+        self._fast = None
+        return super()._apply(fn, recurse)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"compute_dtype={self.compute_dtype}")
+
+
+class BF16Linear(nn.Module):
+    """A Linear layer whose weight is stored in bfloat16; input and output keep their dtype.
+
+    Example::
+
+        >>> import torch
+        >>> from attnkit.quantize import BF16Linear
+        >>> lin = torch.nn.Linear(64, 32)
+        >>> x = torch.randn(3, 64)
+        >>> bool((BF16Linear.from_linear(lin)(x) - lin(x)).abs().max() < 0.05)
+        True
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=torch.bfloat16, device=device),
+                                   requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "BF16Linear":
+        m = cls(linear.in_features, linear.out_features, linear.bias is not None, device=linear.weight.device)
+        m.weight.data.copy_(linear.weight.detach())
+        if linear.bias is not None:
+            m.bias = nn.Parameter(linear.bias.detach().clone())
+        return m
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and buffer of ``model`` (shared tensors counted once)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        key = (t.data_ptr(), t.nbytes)
+        if key not in seen:
+            seen.add(key)
+            total += t.nbytes
+    return total
+
+
+def quantize(model: nn.Module, dtype: str = "int8", *, compute_dtype: torch.dtype = torch.bfloat16,
+             skip=()) -> nn.Module:
+    """Replace every ``nn.Linear`` in ``model`` (in place) by a weight-only quantized version; returns it.
+
+    Args:
+        model: any module (e.g. an :class:`attnkit.nn.DecoderLM`).
+        dtype: ``"int8"`` (:class:`Int8Linear`, per-output-channel scales, 4x smaller than float32) or
+            ``"bfloat16"`` (:class:`BF16Linear`, 2x smaller, float32 activations).
+        compute_dtype: the activations' dtype inside an int8 product (bfloat16: the fast CPU kernel).
+        skip: names of submodules (as in ``model.named_modules()``) to leave as they are.
+
+    Embeddings (and an output head that reuses the embedding matrix) are not Linear layers and stay as
+    they are.  Gradients do not flow through quantized weights: this is for inference.
+
+    Example::
+
+        >>> import torch, attnkit
+        >>> from attnkit.quantize import weight_bytes
+        >>> m = torch.nn.Sequential(torch.nn.Linear(256, 256, bias=False), torch.nn.ReLU())
+        >>> before = weight_bytes(m)
+        >>> attnkit.quantize(m, "int8")[0].__class__.__name__, round(before / weight_bytes(m), 2)
+        ('Int8Linear', 3.94)
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not one of {DTYPES}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    skip = set(skip)
+    unknown = skip - {n for n, _ in model.named_modules()}
+    if unknown:
+        raise ValueError(f"skip names {sorted(unknown)} are not submodules of the model")
+    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in skip]
+    if isinstance(model, nn.Linear):
+        raise TypeError("quantize replaces Linear layers inside a model; wrap a lone Linear with "
+                        "Int8Linear.from_linear(linear) instead")
+    for name, lin in targets:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        new = Int8Linear.from_linear(lin, compute_dtype=compute_dtype) if dtype == "int8" else BF16Linear.from_linear(lin)
+        setattr(parent, attr, new)
+    return model

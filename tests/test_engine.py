@@ -1,0 +1,113 @@
+"""attnkit.Engine: continuous batching gives every request exactly the tokens it gets alone, also when the
+pool runs out and sequences are preempted and recomputed; blocks are freed at once; clear errors."""
+
+import random
+
+import pytest
+import torch
+
+import attnkit
+from attnkit.cache import PoolExhausted
+from attnkit.nn import DecoderConfig, DecoderLM
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: one intra-op thread is faster than two, and far faster on a loaded machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return DecoderLM(DecoderConfig.preset("tiny", vocab_size=64, n_kv_heads=2, init_std=0.1)).eval()
+
+
+def _requests(n=10, seed=0):
+    rng = random.Random(seed)
+    reqs = []
+    for i in range(n):
+        prompt = [rng.randrange(64) for _ in range(rng.randint(1, 13))]
+        sampling = {} if i % 3 else dict(temperature=0.8, top_p=0.9, seed=i)
+        reqs.append((prompt, rng.randint(1, 14), sampling))
+    return reqs
+
+
+def _alone(model, reqs):
+    return [attnkit.generate(model, [p], n, **s)[0] for p, n, s in reqs]
+
+
+def test_engine_equals_one_by_one_under_preemption(model):
+    reqs = _requests()
+    engine = attnkit.Engine(model, cache_blocks=9, block_size=4, max_batch=5)
+    rids = [engine.add(p, n, **s) for p, n, s in reqs]
+    done = engine.run()
+    assert engine.stats["preemptions"] > 0  # the pool was too small for every running sequence
+    assert [done[r] for r in rids] == _alone(model, reqs)
+    assert engine.cache.num_free_blocks == 9 and not engine.has_work  # every block came back
+
+
+def test_requests_join_while_others_run_and_finished_ones_free_at_once(model):
+    reqs = _requests(6, seed=1)
+    engine = attnkit.Engine(model, cache_blocks=40, block_size=4, max_batch=3)
+    rids = [engine.add(p, n, **s) for p, n, s in reqs[:4]]
+    produced = {}
+    for _ in range(3):
+        for rid, tok in engine.step():
+            produced.setdefault(rid, []).append(tok)
+        assert len(engine.running) <= 3
+    rids += [engine.add(p, n, **s) for p, n, s in reqs[4:]]  # added at any time
+    while engine.has_work:
+        before = {r.rid for r in engine.running}
+        for rid, tok in engine.step():
+            produced.setdefault(rid, []).append(tok)
+        ended = before - {r.rid for r in engine.running}
+        assert all(rid in engine.results for rid in ended)
+        held = {b for s in engine.cache._seqs.values() for b in s.blocks}  # only live sequences hold blocks
+        assert len(engine.cache._seqs) == len(engine.running)
+        assert engine.cache.num_free_blocks == 40 - len(held)
+    want = _alone(model, reqs)
+    assert [produced[r] for r in rids] == want == [engine.results[r] for r in rids]
+
+
+def test_prefix_caching_reuses_a_shared_prompt(model):
+    shared = list(range(1, 30))
+    reqs = [(shared + [40], 6, {}), (shared + [41, 42], 6, {})]
+    engine = attnkit.Engine(model, cache_blocks=30, block_size=4, max_batch=1)
+    out = engine.generate([p for p, _, _ in reqs], 6)
+    assert engine.cache.stats()["prefix_hits"] == 7  # 28 of the second prompt's 31 tokens came from the cache
+    assert engine.stats["prefill_tokens"] == 30 + 3
+    assert out == _alone(model, reqs)
+
+
+def test_eos_ends_a_request(model):
+    (prompt, _, _), = _requests(1, seed=4)
+    full = attnkit.generate(model, [prompt], 10)[0]
+    eos = full[3]
+    engine = attnkit.Engine(model, cache_blocks=10, block_size=4)
+    rid = engine.add(prompt, 10, eos_id=eos)
+    assert engine.run()[rid] == full[:full.index(eos) + 1]
+
+
+def test_exhausted_pool_without_preemption_raises(model):
+    engine = attnkit.Engine(model, cache_blocks=4, block_size=4, max_batch=4, preempt=False)
+    for p in ([1, 2, 3], [4, 5, 6], [7, 8, 9]):
+        engine.add(p, 12)
+    with pytest.raises(PoolExhausted, match="preemption is off.*more cache_blocks"):
+        engine.run()
+
+
+def test_bad_requests(model):
+    engine = attnkit.Engine(model, cache_blocks=4, block_size=4)
+    with pytest.raises(ValueError, match="needs 5 blocks.*cache_blocks=4"):
+        engine.add(list(range(10)), 11)
+    with pytest.raises(ValueError, match="non-empty list of int token ids"):
+        engine.add([], 3)
+    with pytest.raises(ValueError, match="top_k=0"):
+        engine.add([1], 3, top_k=0)
+    with pytest.raises(ValueError, match="max_batch=0"):
+        attnkit.Engine(model, cache_blocks=4, max_batch=0)
+    assert engine.run() == {} and engine.add([1], 0) == 0 and engine.results[0] == []

@@ -1,0 +1,140 @@
+"""Quantisation for decoding, on a tiny model trained inside the test (a few seconds): int8/int4 KV caches
+and int8/bfloat16 weights keep >= 99% of greedy tokens and a bounded logit error; weights shrink 4x/2x.
+
+The task: random blocks of 16 tokens repeated, so the next token is the one 16 positions back (the model
+must attend 15 positions back, into the quantized part of the cache).  The model has a 32-token sliding
+window and is trained at random position offsets, so it stays exact on the 288-position test sequences.
+"""
+
+import copy
+
+import pytest
+import torch
+
+import attnkit
+from attnkit import masks
+from attnkit.cache import QuantizedCache
+from attnkit.nn import DecoderConfig, DecoderLM
+from attnkit.quantize import BF16Linear, Int8Linear, weight_bytes
+
+V, P = 32, 16  # vocabulary, period of the task
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: one intra-op thread is faster than two, and far faster on a loaded machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def trained():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = DecoderConfig(vocab_size=V, d_model=64, n_layers=2, n_heads=4, max_seq_len=320, positions="rope",
+                        mask=masks.sliding_window(31))
+    model = DecoderLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
+    g = torch.Generator().manual_seed(0)
+    T = 64
+    for step in range(300):
+        x = torch.randint(0, V, (16, P), generator=g).repeat(1, T // P + 1)[:, :T + 1]  # (16, T+1)
+        pos = torch.randint(0, cfg.max_seq_len - T, (16, 1), generator=g) + torch.arange(T)
+        logits = model(x[:, :-1], positions=pos)
+        loss = torch.nn.functional.cross_entropy(logits[:, P:].reshape(-1, V), x[:, P + 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if loss.item() < 0.05:  # about 70 steps
+            break
+    model.eval()
+    seq = torch.randint(0, V, (4, P), generator=g).repeat(1, 18)  # (4, 288): a 32-token prompt + 256 steps
+    with torch.no_grad():
+        full = model(seq)
+    assert float((full[:, P:-1].argmax(-1) == seq[:, P + 1:]).float().mean()) == 1.0  # it learned the task
+    greedy = torch.tensor(attnkit.generate(model, seq[:, :32].tolist(), 256))  # (4, 256) float32 reference
+    torch.set_num_threads(n)
+    return model, seq, full, greedy
+
+
+def _decode(model, seq, cache):
+    """Logits for positions 32..287 decoding one token at a time (teacher forcing with ``seq``)."""
+    with torch.no_grad():
+        out = [model(seq[:, :32], cache=cache)[:, -1:]]
+        for t in range(32, seq.shape[1] - 1):
+            out.append(model(seq[:, t:t + 1], cache=cache))
+    return torch.cat(out, dim=1)  # (4, 256, V)
+
+
+@pytest.mark.parametrize("bits,max_err", [(8, 0.25), (4, 2.5)])
+def test_quantized_cache_keeps_greedy_tokens(trained, bits, max_err):
+    """Teacher-forced over 4 x 256 decode steps: argmax agreement >= 99% and a bound on the logit error."""
+    model, seq, full, _ = trained
+    ref = full[:, 31:-1]  # (4, 256, V): what full recomputation predicts at each step
+    cache = QuantizedCache.for_model(model, 4, 288, bits=bits, group_size=8, residual=8)
+    got = _decode(model, seq, cache)
+    assert cache.layers[0].n_quant >= 280  # nearly every key was read back from int8/int4
+    agree = float((got.argmax(-1) == ref.argmax(-1)).float().mean())
+    assert agree >= 0.99
+    assert float((got - ref).abs().max()) < max_err  # logits span about +-9
+
+
+def test_free_running_generation_agrees(trained):
+    model, seq, _, greedy = trained
+    got = torch.tensor(attnkit.generate(model, seq[:, :32].tolist(), 256, cache="int8"))  # default groups of 32
+    assert float((got == greedy).float().mean()) >= 0.99
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
+def test_weight_quantization_keeps_greedy_tokens(trained, dtype):
+    model, seq, full, greedy = trained
+    q = attnkit.quantize(copy.deepcopy(model), dtype)
+    kinds = {type(m) for m in q.modules()}
+    assert (Int8Linear if dtype == "int8" else BF16Linear) in kinds and torch.nn.Linear not in kinds
+    with torch.no_grad():
+        logits = q(seq)
+    assert float((logits.argmax(-1) == full.argmax(-1)).float().mean()) >= 0.99
+    assert float((logits - full).abs().max()) < 1.0
+    got = torch.tensor(attnkit.generate(q, seq[:, :32].tolist(), 256))
+    assert float((got == greedy).float().mean()) >= 0.99
+
+
+def test_bfloat16_model_generates_the_same_tokens(trained):
+    model, seq, _, greedy = trained
+    b16 = copy.deepcopy(model).to(torch.bfloat16)
+    got = torch.tensor(attnkit.generate(b16, seq[:, :32].tolist(), 256))
+    assert float((got == greedy).float().mean()) >= 0.99
+
+
+def test_int8_weights_are_4x_smaller_and_error_is_half_a_step():
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny", tie_embeddings=False))
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    before = sum(m.weight.nbytes for m in linears)
+    ref = [m.weight.detach().clone() for m in linears]
+    total_before = weight_bytes(model)
+    attnkit.quantize(model, "int8")
+    qs = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    after = sum(m.weight_int8.nbytes + m.scale.nbytes for m in qs)
+    assert len(qs) == len(linears) and before / after > 3.75  # 4 bytes of scale per 64-wide row
+    assert weight_bytes(model) < total_before
+    for w, m in zip(ref, qs):  # per-channel symmetric rounding: error <= half of the row's step
+        step = w.abs().amax(dim=1, keepdim=True) / 127
+        assert bool(((m.dequantized() - w).abs() <= step / 2 + 1e-7).all())
+
+
+def test_quantize_errors():
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="dtype='int3'"):
+        attnkit.quantize(m, "int3")
+    with pytest.raises(ValueError, match=r"skip names \['nope'\]"):
+        attnkit.quantize(m, "int8", skip=["nope"])
+    with pytest.raises(TypeError, match="Int8Linear.from_linear"):
+        attnkit.quantize(torch.nn.Linear(4, 4))
+    kept = attnkit.quantize(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)), skip=["1"])
+    assert isinstance(kept[0], Int8Linear) and type(kept[1]) is torch.nn.Linear
+    with pytest.raises(ValueError, match="in_features=4"):
+        kept[0](torch.randn(2, 5))
