@@ -488,23 +488,33 @@ def float_mask(work: Work, heads: Heads, ch: Chunk, m: Tensor | None) -> Tensor 
 
 
 def _scores(work: Work, heads: Heads, ch: Chunk, qw: Tensor, kw: Tensor) -> tuple[Tensor, Tensor]:
-    """Raw ``q·k`` (N, kcount, G, R, W) in the accumulation dtype, and the grouped queries (N, kcount, G*R, D)."""
+    """Scaled scores ``q·k * scale`` (N, kcount, G, R, W) in the accumulation dtype, and the scaled
+    grouped queries (N, kcount, G*R, D) they came from (the scale is folded into the queries)."""
     g = heads.count // heads.kcount
-    qg = qw.reshape(ch.N, heads.kcount, g * ch.R, qw.shape[-1]).to(work.acc)  # (N, Hkv, G*R, D)
+    qg = qw.reshape(ch.N, heads.kcount, g * ch.R, qw.shape[-1]).to(work.acc) * work.scale  # (N, Hkv, G*R, D)
     s = torch.matmul(qg, kw.to(work.acc).transpose(-1, -2))  # (N, Hkv, G*R, W)
     return s.view(ch.N, heads.kcount, g, ch.R, ch.W), qg
 
 
-def _pipeline(work: Work, heads: Heads, ch: Chunk, s: Tensor, m: Tensor | None) -> Tensor:
-    """scale, softcap, bias, mask on raw scores in the grouped layout."""
-    x = s * work.scale
+def _modify(work: Work, heads: Heads, ch: Chunk, x: Tensor, m: Tensor | None, inplace: bool) -> tuple[Tensor, Tensor | None]:
+    """softcap, bias, mask on scaled scores in the grouped layout; also returns ``tanh`` of the softcap
+    (for its derivative).  ``inplace`` overwrites ``x`` (no autograd through it)."""
+    t = None
     if work.softcap is not None:
-        x = work.softcap * torch.tanh(x / work.softcap)
+        if inplace:
+            t = x.div_(work.softcap).tanh_()
+            x = t.mul(work.softcap)
+        else:
+            x = work.softcap * torch.tanh(x / work.softcap)
     if work.bias is not None:
-        x = bias_block(work, heads, ch, True, work.acc, score=x)
+        if inplace and not isinstance(work.bias, ScoreMod):
+            x = x.add_(bias_block(work, heads, ch, True, work.acc))
+        else:
+            x = bias_block(work, heads, ch, True, work.acc, score=x)
     if m is not None:
-        x = x.masked_fill(~m[:, None, None], float("-inf"))
-    return x
+        fill = ~m[:, None, None]
+        x = x.masked_fill_(fill, float("-inf")) if inplace else x.masked_fill(fill, float("-inf"))
+    return x, t
 
 
 def _keep(work: Work, heads: Heads, ch: Chunk) -> Tensor:
@@ -519,20 +529,21 @@ def _keep(work: Work, heads: Heads, ch: Chunk) -> Tensor:
 
 
 def explicit_forward(work: Work, ch: Chunk, m: Tensor | None) -> tuple[Tensor, Tensor]:
+    """One chunk by matmuls and a float32 softmax: ``(out (N, count, R, Dv), lse (N, count, R))``."""
     heads = ch.job.heads
+    g = heads.count // heads.kcount
     qw, kw, vw = rows_of(work.q3, heads, ch), keys_of(work.k3, heads, ch), keys_of(work.v3, heads, ch)
     s, _ = _scores(work, heads, ch, qw, kw)
-    x = _pipeline(work, heads, ch, s, m)
+    x, _ = _modify(work, heads, ch, s, m, inplace=True)
     mx = x.amax(-1, keepdim=True)
     mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
-    p = torch.exp(x - mx)
+    p = x.sub_(mx).exp_()  # unnormalised weights, in place
     l = p.sum(-1, keepdim=True)  # noqa: E741
     lse = torch.where(l > 0, mx + torch.log(l), torch.full_like(l, float("-inf")))
     if work.dropout_p > 0:
-        p = p * _keep(work, heads, ch) / (1.0 - work.dropout_p)
-    g = heads.count // heads.kcount
+        p.mul_(_keep(work, heads, ch)).mul_(1.0 / (1.0 - work.dropout_p))
     o = torch.matmul(p.view(ch.N, heads.kcount, g * ch.R, ch.W), vw.to(work.acc))  # (N, Hkv, G*R, Dv)
-    o = o / torch.where(l > 0, l, torch.ones_like(l)).view(ch.N, heads.kcount, g * ch.R, 1)
+    o.div_(torch.where(l > 0, l, torch.ones_like(l)).view(ch.N, heads.kcount, g * ch.R, 1))
     return o.view(ch.N, heads.count, ch.R, -1), lse.view(ch.N, heads.count, ch.R)
 
 
@@ -546,25 +557,25 @@ def explicit_backward(work: Work, ch: Chunk, m: Tensor | None, do: Tensor, lse: 
     kg, vg = kw.to(work.acc), vw.to(work.acc)
     mod = work.bias if isinstance(work.bias, ScoreMod) else None
     autograd = mod is not None and (not mod.additive or bool(work.bias_params))
+    shape5 = (ch.N, heads.kcount, g, ch.R, 1)
     if autograd:
         s_leaf = s.detach().requires_grad_(True)
         with torch.enable_grad():
-            x = _pipeline(work, heads, ch, s_leaf, m)
+            x, t = _modify(work, heads, ch, s_leaf, m, inplace=False)
+        p = torch.exp(x.detach() - lse.reshape(shape5).to(work.acc))
     else:
-        x = _pipeline(work, heads, ch, s, m)
-    shape5 = (ch.N, heads.kcount, g, ch.R, 1)
-    p = torch.exp(x.detach() - lse.reshape(shape5).to(work.acc))
+        x, t = _modify(work, heads, ch, s, m, inplace=True)
+        p = x.sub_(lse.reshape(shape5).to(work.acc)).exp_()  # dead rows have lse = +inf: p = 0
     dog = do.reshape(ch.N, heads.kcount, g * ch.R, do.shape[-1]).to(work.acc)  # (N, Hkv, G*R, Dv)
-    if work.dropout_p > 0:
-        z = _keep(work, heads, ch).to(work.acc) / (1.0 - work.dropout_p)
-        pz = p * z
-    else:
-        z, pz = None, p
-    dv = torch.matmul(pz.view(ch.N, heads.kcount, g * ch.R, ch.W).transpose(-1, -2), dog)  # (N, Hkv, W, Dv)
     dp = torch.matmul(dog, vg.transpose(-1, -2)).view(ch.N, heads.kcount, g, ch.R, ch.W)
-    if z is not None:
-        dp = dp * z
-    dx = p * (dp - delta.reshape(shape5).to(work.acc))
+    if work.dropout_p > 0:
+        z = _keep(work, heads, ch).to(work.acc).mul_(1.0 / (1.0 - work.dropout_p))
+        pz = p * z
+        dp.mul_(z)
+    else:
+        pz = p
+    dv = torch.matmul(pz.view(ch.N, heads.kcount, g * ch.R, ch.W).transpose(-1, -2), dog)  # (N, Hkv, W, Dv)
+    dx = dp.sub_(delta.reshape(shape5).to(work.acc)).mul_(p)  # d(modified score), in place on dp
     if dbias is not None:
         dbias.index_put_(bias_index(work, heads, ch), dx.to(dbias.dtype), accumulate=True)
     if autograd:
@@ -574,13 +585,12 @@ def explicit_backward(work: Work, ch: Chunk, m: Tensor | None, do: Tensor, lse: 
             if gp is not None:
                 dparams[i] = gp if dparams[i] is None else dparams[i] + gp
     else:
-        ds = dx * work.scale
-        if work.softcap is not None:
-            t = torch.tanh(s * (work.scale / work.softcap))
-            ds = ds * (1 - t * t)
+        ds = dx
+        if t is not None:
+            ds = ds.mul_(t.mul_(t).neg_().add_(1.0))  # d softcap = 1 - tanh^2
     ds = ds.view(ch.N, heads.kcount, g * ch.R, ch.W)
-    dq = torch.matmul(ds, kg).view(ch.N, heads.count, ch.R, -1)
-    dk = torch.matmul(ds.transpose(-1, -2), qg)
+    dq = torch.matmul(ds, kg).mul_(work.scale).view(ch.N, heads.count, ch.R, -1)
+    dk = torch.matmul(ds.transpose(-1, -2), qg)  # qg carries the scale already
     return dq, dk, dv
 
 
@@ -608,7 +618,7 @@ def _per_item(work: Work, heads: Heads, job: Job, backward: bool, fused: bool) -
         partial = bool((job.kinds != FULL).any())
         per = (bq * W if partial else 0) + (heads.count * bq * W if work.bias is not None else 0)
         return per + (heads.kcount * W * d if backward else 0)
-    return 5 * heads.count * bq * W + 2 * heads.kcount * W * d
+    return 3 * heads.count * bq * W + 2 * heads.kcount * W * d
 
 
 def forward(work: Work) -> tuple[Tensor, Tensor]:
