@@ -258,7 +258,8 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
                             attention_mask=attention_mask, local_size=local_size, allow_is_causal_skip=False,
                             allow_is_bidirectional_skip=False, use_vmap=use_vmap, device=device)
     device = torch.device(device)
-    mask = pattern.mask()
+    # one query at the last position sees every key unless a window bounds it on the left (decoding)
+    mask = None if q_length == 1 and pattern.left is None else pattern.mask()
     if attention_mask is not None:
         keep = _key_mask(attention_mask.to(device), kv_length, kv_offset)
         if not bool(keep.all()):
