@@ -144,8 +144,9 @@ def test_greedy_generate_matches_eager(name):
     assert torch.equal(eager, ours), f"{name}: greedy tokens differ\n{eager}\n{ours}"
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma2"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma2"])
 def test_greedy_generate_with_static_cache_matches_eager(name):
+    """Static caches: generate builds the masks ahead of the forward (a structured one for Mistral's prefill)."""
     model = _model(name)
     ids, am = _batch(7)
     kw = dict(attention_mask=am, max_new_tokens=5, do_sample=False, pad_token_id=0, cache_implementation="static")
