@@ -186,7 +186,7 @@ def _bert():
     cfg = transformers.BertConfig(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                   intermediate_size=128, max_position_embeddings=32, hidden_dropout_prob=0.0,
                                   attention_probs_dropout_prob=0.0, pad_token_id=0)
-    return transformers.BertForMaskedLM._from_config(cfg, attn_implementation="eager").eval()
+    return transformers.AutoModelForMaskedLM.from_config(cfg, attn_implementation="eager").eval()
 
 
 def test_bert_logits_and_gradients_match_eager():
