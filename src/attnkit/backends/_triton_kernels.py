@@ -301,7 +301,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV_, Lse, Delta, Count, Index, TileId, Bitma
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
                    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
                    HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_DOC: tl.constexpr,
-                   HAS_KEYLEN: tl.constexpr, HAS_BITMAP: tl.constexpr, EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr):
+                   HAS_KEYLEN: tl.constexpr, HAS_BITMAP: tl.constexpr, EMULATE_BF16: tl.constexpr,
+                   PRECISION: tl.constexpr):
     """dk and dv of one key tile of one key/value head (grid ``(key tiles, Hkv, B)``).
 
     The GROUP query heads sharing the key/value head are summed here, one after the other, so grouped-query
@@ -440,7 +441,8 @@ def _paged_decode(Q, KPool, VPool, BlockTable, SeqLens, Out, PartOut, PartLse, S
         tl.store(PartOut + part[:, None] * DV + dv[None, :], out, mask=g_ok[:, None] & (dv[None, :] < DV))
         tl.store(PartLse + part, lse, mask=g_ok)
     else:
-        tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + dv[None, :], _round(out, Out.dtype.element_ty, EMULATE_BF16),
+        tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + dv[None, :],
+                 _round(out, Out.dtype.element_ty, EMULATE_BF16),
                  mask=g_ok[:, None] & (dv[None, :] < DV))
 
 

@@ -8,7 +8,12 @@ computed without any element mask; partial tiles evaluate the built-in masks' pr
 computed once on the host for every other mask.  Grouped-query heads read their shared key/value head (no
 copies); dk/dv of a key/value head sum its query heads in one program (no atomics).  float16 and bfloat16
 accumulate in float32; float32 uses IEEE float32 products (no TF32).  ``scale``, ``softcap``, ALiBi, a
-scalar temperature and a float tensor bias (without gradient) are applied in the kernels.
+scalar temperature and a float tensor bias (without gradient) are applied in the kernels.  The tile
+sizes and warp counts follow FlashAttention-2's usual choices; they have not been tuned on a GPU yet.
+
+:func:`paged_decode` attends one new token per sequence over a paged KV cache (the layout of
+``attnkit.cache.PagedCache``), splitting long sequences across programs when the batch is small;
+:func:`check_paged_decode` says whether it can run a call here.
 
 When it runs: ``triton`` must import, and the tensors must be on a CUDA GPU, or on the CPU with
 ``TRITON_INTERPRET=1`` set in the environment (Triton's interpreter: exact but slow, for tests).  Triton
@@ -44,7 +49,7 @@ from ._common import Call
 
 Tensor = torch.Tensor
 
-__all__ = ["paged_decode"]
+__all__ = ["paged_decode", "check_paged_decode"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 256
@@ -338,14 +343,17 @@ def _rows_contiguous(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+@lru_cache(maxsize=16)
+def _placeholders(device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """int32, int64 and float32 tensors that stand in for pointers a kernel's flags say it will not read."""
+    return tuple(torch.zeros(1, dtype=dt, device=device) for dt in (torch.int32, torch.int64, torch.float32))
+
+
 def _kernel_kwargs(q: Tensor, k: Tensor, v: Tensor, mods: _Mods, plan: _MaskPlan,
                    lists: _plan.TileLists) -> dict:
     """The arguments the three attention kernels share: strides, mask, score modifiers, meta-parameters."""
-    dev = q.device
     K = _kernels()
-    i32 = torch.zeros(1, dtype=torch.int32, device=dev)  # stands in for pointers a kernel will not read
-    f32 = torch.zeros(1, dtype=torch.float32, device=dev)
-    i64 = torch.zeros(1, dtype=torch.int64, device=dev)
+    i32, i64, f32 = _placeholders(q.device)
     preds = plan.preds or _plan.Predicates()
     q_ids, kv_ids = preds.doc if preds.doc is not None else (i64.view(1, 1), i64.view(1, 1))
     bias = mods.bias
@@ -523,7 +531,8 @@ def _validate_paged(q, k_pool, v_pool, block_table, seq_lens) -> None:
             raise TypeError(f"{name} must be int32 (or int64), got dtype {t.dtype}")
     devices = {t.device for t in (q, k_pool, v_pool, block_table, seq_lens)}
     if len(devices) > 1:
-        raise ValueError(f"q, k_pool, v_pool, block_table, seq_lens must be on one device, got {sorted(map(str, devices))}")
+        raise ValueError(f"q, k_pool, v_pool, block_table, seq_lens must be on one device, "
+                         f"got {sorted(map(str, devices))}")
 
 
 def _validate_paged_bias(q: Tensor, bias) -> None:
@@ -592,11 +601,15 @@ def check_paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: T
             f"softcap) or a float tensor")
 
 
+@lru_cache(maxsize=16)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
 def _num_splits(programs: int, max_len: int, device: torch.device) -> int:
     """How many pieces to cut each sequence's keys into: enough programs for two waves over the GPU's
     multiprocessors, but at least 256 keys per piece (below that, merging costs more than it saves)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    want = -(-2 * sms // max(1, programs))
+    want = -(-2 * _multiprocessors(device) // max(1, programs))
     return max(1, min(want, max_len // 256, 64))
 
 
@@ -615,9 +628,9 @@ def _paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor
     per_split = -(-max(1, -(-max_len // splits)) // block_n) * block_n  # keys per split, whole BLOCK_Ns
     splits = max(1, -(-max_len // per_split))
     out = torch.empty(B, Hq, 1, Dv, dtype=q.dtype, device=q.device)
-    part_out = torch.empty(B, Hq, splits, Dv, dtype=torch.float32, device=q.device) if splits > 1 else out
-    part_lse = torch.empty(B, Hq, splits, dtype=torch.float32, device=q.device) if splits > 1 else out
-    dummy = torch.zeros(1, dtype=torch.float32, device=q.device)
+    dummy = _placeholders(q.device)[2]
+    part_out = torch.empty(B, Hq, splits, Dv, dtype=torch.float32, device=q.device) if splits > 1 else dummy
+    part_lse = torch.empty(B, Hq, splits, dtype=torch.float32, device=q.device) if splits > 1 else dummy
     if bias is not None:
         bias = bias.detach()
         while bias.dim() < 4:
@@ -631,11 +644,13 @@ def _paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor
         stride_vs=v_pool.stride(2), stride_tb=block_table.stride(0), stride_ob=out.stride(0),
         stride_oh=out.stride(1), stride_bb=_stride(bias, 0) if bias is not None else 0,
         stride_bh=_stride(bias, 1) if bias is not None else 0, stride_bn=bias.stride(2) if bias is not None else 0,
-        bias_len=bias.shape[2] if bias is not None else 0, scale=float(scale), softcap=float(softcap or 1.0), keys_per_split=per_split,
+        bias_len=bias.shape[2] if bias is not None else 0, scale=float(scale), softcap=float(softcap or 1.0),
+        keys_per_split=per_split,
         page_size=page, GROUP=Hq // Hkv, NUM_SPLITS=splits, D=D, DV=Dv, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv),
         BLOCK_G=_pow2(Hq // Hkv), BLOCK_N=block_n, HAS_SOFTCAP=softcap is not None,
         HAS_ALIBI=slopes is not None, ALIBI_AT_END=alibi_at_end, HAS_BIAS=bias is not None, SPLIT=splits > 1,
-        EMULATE_BF16=K.INTERPRETED and q.dtype == torch.bfloat16, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        EMULATE_BF16=K.INTERPRETED and q.dtype == torch.bfloat16,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=2)
     if splits > 1:
         K._paged_combine[(Hq, B)](PartOut=part_out, PartLse=part_lse, Out=out, stride_ob=out.stride(0),
