@@ -25,8 +25,10 @@ def test_png_grid_of_heads_with_token_labels(tmp_path):
     assert [ax.get_title() for ax in panels] == ["head 0", "head 1", "head 2"]
     for h, ax in enumerate(panels):
         assert torch.equal(torch.as_tensor(ax.images[0].get_array().data), w[1, h].float())  # the drawn data
-        assert [t.get_text() for t in ax.get_xticklabels()] == tokens
-        assert [t.get_text() for t in ax.get_yticklabels()] == tokens[2:]  # queries: the last Lq (bottom-right)
+        assert [t.get_text() for t in ax.get_xticklabels()] == tokens  # keys, under every panel of the last row
+    # queries are the last Lq tokens (bottom-right alignment), labelled on the left column only
+    assert [t.get_text() for t in panels[0].get_yticklabels()] == tokens[2:]
+    assert not any(t.get_visible() for ax in panels[1:] for t in ax.get_yticklabels())
 
 
 def test_layers_are_rows_and_heads_select():
@@ -34,7 +36,8 @@ def test_layers_are_rows_and_heads_select():
     fig = plot_attention({"layer 0": w, "layer 1": w * 0 + 0.2}, heads=[3, 1], query_tokens=list("vwxyz"))
     assert [ax.get_title() for ax in _panels(fig)] == ["layer 0, head 3", "layer 0, head 1", "layer 1, head 3",
                                                        "layer 1, head 1"]
-    assert [t.get_text() for t in _panels(fig)[0].get_yticklabels()] == list("vwxyz")
+    assert [t.get_text() for t in _panels(fig)[2].get_yticklabels()] == list("vwxyz")
+    assert not any(t.get_visible() for t in _panels(fig)[0].get_xticklabels())  # inner row: no key labels
     one = plot_attention(w[0], heads=0)
     assert [ax.get_title() for ax in _panels(one)] == ["head 0"]
 

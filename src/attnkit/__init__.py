@@ -20,8 +20,9 @@ from .generate import generate  # noqa: E402
 from .engine import Engine  # noqa: E402
 from .quantize import quantize  # noqa: E402
 from . import nn  # noqa: E402  (modules, positions, blocks, models)
+from . import diagnostics  # noqa: E402  (probe, doctor)
 
 __version__ = "0.1.0"
 
 __all__ = ["attention", "attention_weights", "masks", "bias", "softmax", "backends", "explain", "nn", "cache",
-           "generate", "Engine", "quantize"]
+           "generate", "Engine", "quantize", "diagnostics"]

@@ -24,7 +24,7 @@ Tensor = torch.Tensor
 
 __all__ = ["plot_attention"]
 
-_MAX_LABELS = 48  # more tokens than this per axis: label every n-th one
+_MAX_LABELS = 32  # more tokens than this per axis: label every n-th one
 
 
 def _require_matplotlib():
@@ -79,12 +79,14 @@ def _labels(name: str, tokens, length: int) -> list[str] | None:
 
 
 def _set_ticks(ax, labels: list[str] | None, length: int, axis: str) -> None:
+    if labels is None:  # positions: a few integer ticks chosen by matplotlib
+        return
     step = max(1, -(-length // _MAX_LABELS))
     ticks = list(range(0, length, step))
     if axis == "x":
         ax.set_xticks(ticks)
         if labels is not None:
-            ax.set_xticklabels([labels[i] for i in ticks], rotation=90, fontsize=7)
+            ax.set_xticklabels([labels[i] for i in ticks], fontsize=7)
     else:
         ax.set_yticks(ticks)
         if labels is not None:
@@ -140,10 +142,9 @@ def plot_attention(weights, tokens: Sequence | None = None, heads=None, *, path:
     ncols = max(len(c) for c in chosen.values())
     nrows = len(layers)
     panel = 2.2 + 0.06 * min(max(lq, lk), 64)
-    fig = Figure(figsize=(panel * ncols + 0.8, panel * nrows + (0.6 if title else 0.2)), dpi=dpi,
-                 layout="constrained")
+    fig = Figure(figsize=(panel * ncols + 1.2, panel * nrows + (0.7 if title else 0.3)), dpi=dpi)
     FigureCanvasAgg(fig)
-    grid = fig.subplots(nrows, ncols, squeeze=False)
+    grid = fig.subplots(nrows, ncols, squeeze=False, sharex=True, sharey=True)
     image = None
     for r, (name, w) in enumerate(layers.items()):
         for c in range(ncols):
@@ -154,17 +155,25 @@ def plot_attention(weights, tokens: Sequence | None = None, heads=None, *, path:
             h = chosen[name][c]
             image = ax.imshow(w[h].numpy(), cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto", interpolation="nearest")
             ax.set_title(f"{name}, head {h}" if name else f"head {h}", fontsize=8)
-            _set_ticks(ax, xlabels, lk, "x")
-            _set_ticks(ax, ylabels, lq, "y")
             ax.tick_params(length=0, labelsize=7)
+            ax.tick_params(axis="x", labelrotation=90)
             if c == 0:
                 ax.set_ylabel("query", fontsize=8)
             if r == nrows - 1:
                 ax.set_xlabel("key", fontsize=8)
+    # shared axes: ticks set once; only the outer panels show labels (text layout is what costs time)
+    _set_ticks(grid[0][0], xlabels, lk, "x")
+    _set_ticks(grid[0][0], ylabels, lq, "y")
+    for row in grid:
+        for ax in row:
+            ax.label_outer()
     if title:
         fig.suptitle(title, fontsize=10)
+    fig.subplots_adjust(left=0.7 / fig.get_figwidth() + 0.02, right=0.88, bottom=0.12 if xlabels else 0.08,
+                        top=0.88 if title else 0.94, wspace=0.08, hspace=0.25)
     if image is not None:
-        fig.colorbar(image, ax=[a for row in grid for a in row], shrink=0.6, label="weight")
+        cax = fig.add_axes((0.91, 0.2, 0.015, 0.6))
+        fig.colorbar(image, cax=cax, label="weight")
     if path is not None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)

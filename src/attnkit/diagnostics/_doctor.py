@@ -1,0 +1,424 @@
+"""``doctor(model, batch)``: per-head statistics of attention and the first article's debugging guide.
+
+The first source article ends with three symptoms and what to do about them (section 5): attention weights
+that are too uniform, too sharp, and vanishing gradients.  The doctor runs one forward and backward pass
+under :func:`~attnkit.diagnostics.probe`, measures every head, and names the symptoms it sees with the
+article's likely causes and fixes:
+
+- ``uniform``: weights close to ``1/L`` (normalised entropy near 1);
+- ``sharp``: nearly all of each row's weight on one key;
+- ``saturated``: rows that are numerically one-hot, where softmax passes back almost no gradient (the
+  extreme of ``sharp``, reported instead of it);
+- ``vanishing_gradient``: the gradient of a layer's scores is orders of magnitude below the largest
+  layer's (or zero), while its weights are not saturated.
+
+A layer shows a symptom when at least ``head_share`` of its heads do (see :class:`Thresholds`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ._probe import SATURATION, LayerRecord, attention_modules, probe
+
+Tensor = torch.Tensor
+
+__all__ = ["doctor", "Report", "Finding", "HeadStats", "Thresholds", "SYMPTOMS"]
+
+
+# The article's guide (section 5), in English, with the attnkit switches that act on each cause.
+SYMPTOMS: dict[str, dict] = {
+    "uniform": {
+        "title": "attention weights too uniform",
+        "symptom": "every weight is close to 1/L: the layer averages its inputs instead of selecting",
+        "causes": ["parameter initialisation, especially of W_q and W_k, too small",
+                   "a wrong scaling factor (d_k taken too large, or the scores scaled twice)",
+                   "embeddings with too small a norm"],
+        "fixes": ["check the initialisation range (Xavier is the usual choice)",
+                  "check the scaling factor 1/sqrt(d_k), in particular the value of d_k",
+                  "add layer normalisation before attention (Pre-LN: norm_first=True)"],
+    },
+    "sharp": {
+        "title": "attention weights too sharp",
+        "symptom": "almost all of each row's weight falls on one key",
+        "causes": ["scores so large that softmax saturates", "keys with too large a norm",
+                   "queries and keys nearly parallel (too small an angle between them)"],
+        "fixes": ["make sure the 1/sqrt(d_k) scaling is applied",
+                  "add a temperature to soften the softmax (MultiHeadAttention(temperature=...) > 1)",
+                  "normalise the vectors: qk_norm=True (RMSNorm of every query and key head)"],
+    },
+    "saturated": {
+        "title": "softmax saturated",
+        "symptom": "rows are numerically one-hot, so softmax passes back almost no gradient to the scores",
+        "causes": ["scores far too large: the 1/sqrt(d_k) scaling missing, or huge query/key norms",
+                   "keys with too large a norm"],
+        "fixes": ["apply the 1/sqrt(d_k) scaling", "normalise queries and keys (qk_norm=True) or cap the "
+                  "scores (softcap=...)", "add a temperature > 1 or reduce the initialisation of W_q and W_k"],
+    },
+    "vanishing_gradient": {
+        "title": "vanishing gradients",
+        "symptom": "the gradient reaching this layer's attention scores is close to zero",
+        "causes": ["softmax in its saturated region", "an unreasonable range of scores",
+                   "a network too deep for its normalisation (e.g. Post-LN without residual paths)"],
+        "fixes": ["use a numerically stable softmax (attnkit always does)", "adjust the initialisation",
+                  "add residual connections (and prefer Pre-LN, norm_first=True, for deep stacks)"],
+    },
+}
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """When a head (and a layer) shows each symptom.
+
+    Attributes:
+        uniform_entropy: a head is uniform when its mean normalised entropy is at least this.
+        sharp_max_weight: a head is sharp when its rows' mean largest weight is at least this.
+        saturated_rows: a head is saturated when at least this share of its rows is saturated (largest
+            weight within ``SATURATION`` = 1e-3 of 1).
+        vanishing_ratio: a layer's score gradient (RMS) below this times the largest layer's is vanishing.
+        head_share: a layer shows a symptom when at least this share of its heads do.
+    """
+
+    uniform_entropy: float = 0.98
+    sharp_max_weight: float = 0.9
+    saturated_rows: float = 0.5
+    vanishing_ratio: float = 1e-3
+    head_share: float = 0.5
+
+    def __post_init__(self):
+        for name in ("uniform_entropy", "sharp_max_weight", "saturated_rows", "head_share"):
+            x = getattr(self, name)
+            if not (isinstance(x, (int, float)) and 0.0 < x <= 1.0):
+                raise ValueError(f"{name}={x!r} must be in (0, 1]")
+        if not (isinstance(self.vanishing_ratio, (int, float)) and 0.0 < self.vanishing_ratio < 1.0):
+            raise ValueError(f"vanishing_ratio={self.vanishing_ratio!r} must be in (0, 1)")
+
+
+@dataclass
+class HeadStats:
+    """Statistics of one head over the batch (rows that may attend to at least two keys).
+
+    Attributes:
+        layer: module name; head: query head index.
+        entropy: mean normalised entropy of its rows (1 = uniform, 0 = one key).
+        max_weight: mean of each row's largest weight.
+        saturated: share of rows whose largest weight is within 1e-3 of 1.
+        score_std: mean standard deviation of a row's final scores (how far apart softmax's inputs are).
+        grad_norm: RMS over rows of the norm of a row's ``dL/d(scores)``, or None without a backward pass.
+        rows: rows counted.
+        symptom: ``"uniform"``, ``"sharp"``, ``"saturated"`` or None.
+    """
+
+    layer: str
+    head: int
+    entropy: float
+    max_weight: float
+    saturated: float
+    score_std: float
+    grad_norm: float | None
+    rows: int
+    symptom: str | None = None
+
+
+@dataclass
+class Finding:
+    """One symptom in one layer, with the heads that show it and the article's causes and fixes."""
+
+    kind: str
+    layer: str
+    heads: list[int]
+    evidence: str
+    causes: list[str] = field(default_factory=list)
+    fixes: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        info = SYMPTOMS[self.kind]
+        lines = [f"[{self.kind}] {info['title']} in {self.layer or '(model)'}, heads {self.heads}: {self.evidence}",
+                 "  likely causes: " + "; ".join(self.causes),
+                 "  fixes: " + "; ".join(self.fixes)]
+        return "\n".join(lines)
+
+
+@dataclass
+class Report:
+    """The doctor's report: per-head statistics, findings, and the recorded weights (batch element 0).
+
+    ``str(report)`` is a table and the findings; :meth:`to_markdown` the same as Markdown; :meth:`plot`
+    writes heatmaps.  ``report.kinds`` is the set of symptoms found (empty when healthy).
+    """
+
+    heads: list[HeadStats]
+    findings: list[Finding]
+    weights: dict[str, Tensor] = field(default_factory=dict, repr=False)
+    layer_grad: dict[str, float | None] = field(default_factory=dict)
+    output_grad: float | None = None
+
+    @property
+    def kinds(self) -> set[str]:
+        return {f.kind for f in self.findings}
+
+    @property
+    def healthy(self) -> bool:
+        return not self.findings
+
+    def _rows(self) -> list[list[str]]:
+        out = []
+        for s in self.heads:
+            grad = "-" if s.grad_norm is None else f"{s.grad_norm:.2e}"
+            out.append([s.layer or "(model)", str(s.head), f"{s.entropy:.3f}", f"{s.max_weight:.3f}",
+                        f"{s.saturated:.0%}", f"{s.score_std:.2f}", grad, s.symptom or ""])
+        return out
+
+    _HEADER = ["layer", "head", "entropy", "max weight", "saturated rows", "score std", "grad norm", "symptom"]
+
+    def __str__(self) -> str:
+        rows = [self._HEADER] + self._rows()
+        widths = [max(len(r[i]) for r in rows) for i in range(len(self._HEADER))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        lines.append("")
+        if not self.findings:
+            lines.append("No findings: no layer shows uniform, sharp or saturated weights or vanishing gradients.")
+        else:
+            lines.append(f"{len(self.findings)} finding(s):")
+            lines += [str(f) for f in self.findings]
+        return "\n".join(lines)
+
+    def to_markdown(self, title: str = "Attention doctor") -> str:
+        """The report as Markdown: the per-head table, then each finding with causes and fixes."""
+        lines = [f"# {title}", "", "| " + " | ".join(self._HEADER) + " |",
+                 "|" + "|".join("---" for _ in self._HEADER) + "|"]
+        lines += ["| " + " | ".join(r) + " |" for r in self._rows()]
+        lines += ["", "Entropy is normalised (1 = uniform over the keys a row may see, 0 = one key); a row is "
+                      f"saturated when its largest weight is within {SATURATION:g} of 1; grad norm is the RMS over rows of the "
+                      "norm of the gradient of the loss with respect to a row of scores.", ""]
+        if not self.findings:
+            lines.append("**No findings.**")
+        for f in self.findings:
+            info = SYMPTOMS[f.kind]
+            lines += [f"## `{f.kind}`: {info['title']} in `{f.layer or '(model)'}`", "",
+                      f"Heads {f.heads}: {f.evidence}. Symptom: {info['symptom']}.", "", "Likely causes:", ""]
+            lines += [f"- {c}" for c in f.causes]
+            lines += ["", "Fixes:", ""]
+            lines += [f"- {x}" for x in f.fixes]
+            lines.append("")
+        return "\n".join(lines).rstrip() + "\n"
+
+    def plot(self, folder: str | Path, tokens=None) -> list[Path]:
+        """Write ``attention.png`` (every recorded layer, one row each) and one PNG per layer into ``folder``.
+
+        Needs matplotlib (the ``plot`` extra).  Returns the paths written.
+        """
+        from ..plot import plot_attention
+
+        if not self.weights:
+            raise ValueError("no attention weights were kept (the sequences were longer than max_elements): "
+                             "rerun doctor with a shorter batch or a larger max_elements to plot")
+        folder = Path(folder)
+        paths = []
+        shapes = {tuple(w.shape[-2:]) for w in self.weights.values()}
+        if len(shapes) == 1:
+            paths.append(folder / "attention.png")
+            plot_attention(self.weights, tokens=tokens, path=paths[-1], title="attention weights (batch element 0)")
+        for name, w in self.weights.items():
+            safe = (name or "model").replace(".", "_")
+            paths.append(folder / f"{safe}.png")
+            plot_attention(w, tokens=tokens if w.shape[-1] == (len(tokens) if tokens else -1) else None,
+                           path=paths[-1], title=name or "attention")
+        return paths
+
+
+def _head_stats(record: LayerRecord) -> list[HeadStats]:
+    if not record.calls:
+        return []
+    heads = record.calls[0].shape[1]
+    out = []
+    for h in range(heads):
+        ent, mx, sstd, rows, sq, cnt = [], [], [], 0, 0.0, 0
+        have_grad = False
+        for c in record.calls:
+            if c.shape[1] != heads:
+                continue
+            live = c.allowed[:, h] >= 2  # (B, Lq)
+            rows += int(live.sum())
+            ent.append(c.entropy[:, h][live])
+            mx.append(c.max_weight[:, h][live])
+            sstd.append(c.score_std[:, h][live])
+            if c.grad_sq is not None:
+                have_grad = True
+                sq += float(c.grad_sq[:, h].sum())
+                cnt += c.grad_rows * c.shape[0]
+        e, m, s = torch.cat(ent), torch.cat(mx), torch.cat(sstd)
+        if rows == 0:
+            e = m = s = torch.tensor([float("nan")])
+        grad = math.sqrt(sq / cnt) if have_grad and cnt else None
+        out.append(HeadStats(record.name, h, float(e.mean()), float(m.mean()),
+                             float((m >= 1 - SATURATION).float().mean()) if rows else float("nan"),
+                             float(s.mean()), grad, rows))
+    return out
+
+
+def _classify(s: HeadStats, t: Thresholds) -> str | None:
+    if s.rows == 0:
+        return None
+    if s.saturated >= t.saturated_rows:
+        return "saturated"
+    if s.max_weight >= t.sharp_max_weight:
+        return "sharp"
+    if s.entropy >= t.uniform_entropy:
+        return "uniform"
+    return None
+
+
+def _evidence(kind: str, heads: list[HeadStats]) -> str:
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    if kind == "uniform":
+        return f"mean normalised entropy {mean([h.entropy for h in heads]):.3f} (1 = exactly uniform)"
+    if kind == "sharp":
+        return (f"mean largest weight {mean([h.max_weight for h in heads]):.3f}, "
+                f"score std {mean([h.score_std for h in heads]):.1f}")
+    return (f"{mean([h.saturated for h in heads]):.0%} of rows saturated, "
+            f"score std {mean([h.score_std for h in heads]):.1f}")
+
+
+def _layer_grads(layers: dict[str, list[HeadStats]]) -> dict[str, float | None]:
+    grads: dict[str, float | None] = {}
+    for name, heads in layers.items():
+        g = [h.grad_norm for h in heads if h.grad_norm is not None]
+        grads[name] = math.sqrt(sum(x * x for x in g) / len(g)) if g else None
+    return grads
+
+
+def _findings(stats: list[HeadStats], t: Thresholds, output_grad: float | None
+              ) -> tuple[list[Finding], dict[str, float | None]]:
+    """At most one finding per layer, the most severe: saturated, vanishing_gradient, sharp, uniform.
+
+    (Saturation explains a vanishing gradient; a layer whose scores get no gradient cannot be tuned, so its
+    weights' shape is secondary.)
+    """
+    layers: dict[str, list[HeadStats]] = {}
+    for s in stats:
+        s.symptom = _classify(s, t)
+        layers.setdefault(s.layer, []).append(s)
+    grads = _layer_grads(layers)
+    top = max((g for g in grads.values() if g is not None), default=0.0)
+    findings = []
+    for name, heads in layers.items():
+        shown = {}
+        for kind in ("saturated", "sharp", "uniform"):
+            hit = [h for h in heads if h.symptom == kind]
+            if hit and len(hit) >= t.head_share * len(heads):
+                shown[kind] = Finding(kind, name, [h.head for h in hit], _evidence(kind, hit))
+        g = grads[name]
+        if g is not None:
+            vs_top = top > 0 and g < t.vanishing_ratio * top
+            vs_out = output_grad is not None and output_grad > 0 and g < t.vanishing_ratio * output_grad
+            if vs_top or vs_out or (g == 0 and (top > 0 or (output_grad or 0) > 0)):
+                ref = (f"{g / output_grad:.1e} of the gradient at the model's output ({output_grad:.2e})"
+                       if vs_out else f"{g / top:.1e} of the largest layer's ({top:.2e})")
+                shown["vanishing_gradient"] = Finding("vanishing_gradient", name, [h.head for h in heads],
+                                                      f"score gradient rms {g:.2e}, {ref}")
+        for kind in ("saturated", "vanishing_gradient", "sharp", "uniform"):
+            if kind in shown:
+                f = shown[kind]
+                f.causes, f.fixes = list(SYMPTOMS[kind]["causes"]), list(SYMPTOMS[kind]["fixes"])
+                findings.append(f)
+                break
+    return findings, grads
+
+
+def _run(model: nn.Module, batch):
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def _output_tensor(output) -> Tensor | None:
+    out = output[0] if isinstance(output, (tuple, list)) and output else output
+    return out if isinstance(out, Tensor) and out.is_floating_point() else None
+
+
+def _default_loss(output, batch) -> Tensor:
+    out = output[0] if isinstance(output, (tuple, list)) else output
+    if not isinstance(out, Tensor):
+        raise TypeError(f"the model returned {type(output).__name__}; pass loss_fn(output, batch) -> scalar tensor")
+    if (isinstance(batch, Tensor) and batch.dtype == torch.long and out.dim() == 3 and batch.dim() == 2
+            and out.shape[:2] == batch.shape and batch.shape[1] >= 2):
+        vocab = out.shape[-1]  # a language model: next-token cross-entropy
+        return F.cross_entropy(out[:, :-1].reshape(-1, vocab).float(), batch[:, 1:].reshape(-1))
+    return 0.5 * out.float().pow(2).mean()
+
+
+def doctor(model: nn.Module, batch, loss_fn: Callable | None = None, *, thresholds: Thresholds | None = None,
+           max_elements: int = 1 << 22) -> Report:
+    """Examine every attnkit attention layer of ``model`` on ``batch`` and name what looks wrong.
+
+    Runs ``model(batch)`` (``model(*batch)`` for a tuple, ``model(**batch)`` for a dict) in eval mode under
+    :func:`~attnkit.diagnostics.probe`, then the gradient of the loss with respect to every attention
+    output (parameters' ``.grad`` are not touched).  The loss is ``loss_fn(output, batch)``; by default
+    next-token cross-entropy when ``batch`` is token ids ``(B, L)`` and the output logits ``(B, L, V)``,
+    else ``0.5 * mean(output**2)``.
+
+    Returns:
+        A :class:`Report`: per layer and head the normalised entropy, mean largest weight, share of
+        saturated rows, spread of the scores and RMS gradient of the scores; and the findings
+        (``uniform``, ``sharp``, ``saturated``, ``vanishing_gradient``), each with the first article's
+        likely causes and fixes.
+
+    Example::
+
+        >>> from attnkit.diagnostics import doctor
+        >>> from attnkit.diagnostics.examples import example
+        >>> model, ids = example("uniform")  # a DecoderLM whose W_q, W_k were initialised far too small
+        >>> report = doctor(model, ids)
+        >>> sorted(report.kinds), report.findings[0].layer
+        (['uniform'], 'layers.0.attn')
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(output, batch) -> scalar, got {loss_fn!r}")
+    thresholds = Thresholds() if thresholds is None else thresholds
+    if not isinstance(thresholds, Thresholds):
+        raise TypeError(f"thresholds must be a Thresholds, got {type(thresholds).__name__}")
+    if not attention_modules(model):
+        raise ValueError(f"{type(model).__name__} has no attnkit attention layers: the doctor inspects models "
+                         f"built from attnkit.nn (modules that compute attention through _attend)")
+    was_training = model.training
+    model.eval()
+    try:
+        with probe(model, max_elements=max_elements) as p:
+            try:
+                with torch.enable_grad():
+                    output = _run(model, batch)
+                    loss = (loss_fn or _default_loss)(output, batch)
+                    if not isinstance(loss, Tensor) or loss.numel() != 1:
+                        raise TypeError(f"the loss must be a scalar tensor, got {loss!r:.80}")
+                    outs = p.outputs()
+                    final = _output_tensor(output)
+                    targets = outs + ([final] if final is not None and final.requires_grad else [])
+                    output_grad = None
+                    if outs and loss.requires_grad:
+                        grads = torch.autograd.grad(loss, targets, allow_unused=True)
+                        if len(targets) > len(outs) and grads[-1] is not None:
+                            g = grads[-1].detach().double()
+                            output_grad = float(g.pow(2).sum(-1).mean().sqrt())  # RMS of per-row norms
+            finally:
+                p.release()
+    finally:
+        model.train(was_training)
+    stats = [s for rec in p.layers.values() for s in _head_stats(rec)]
+    if not stats:
+        raise ValueError("the model ran but none of its attention layers was called on this batch")
+    findings, grads = _findings(stats, thresholds, output_grad)
+    weights = {name: rec.weights[0] for name, rec in p.layers.items() if rec.weights is not None}
+    return Report(stats, findings, weights, grads, output_grad)

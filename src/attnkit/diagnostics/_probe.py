@@ -1,0 +1,248 @@
+"""``probe(model)``: record what every attnkit attention layer does, without changing what it computes.
+
+Every attention inside :mod:`attnkit.nn` goes through one method, ``module._attend(q, k, v, *, mask, bias,
+scale, softcap, dropout_p)``.  While the probe is active it wraps that method on each attention module
+(per instance; the class is untouched): the original still computes the output, and on the side the probe
+recomputes the attention weights from the same ``q, k, v`` and score modifiers, one block of query rows at
+a time, and keeps them (or, for long sequences, only their per-row statistics).  A hook on the output
+records the gradient of the scores when a backward pass runs: with ``g = dL/d(out)``,
+``dL/d(scores) = w * (g v^T - rowsum(w * g v^T))`` (the softmax backward; dropout is not modelled, so
+probe a model in ``eval()`` mode).  On exit every wrapped method is restored, also after an error.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from ..backends._common import Call, accumulation_dtype, grouped_bias, grouped_index, modify_scores
+from ..functional import _make_call
+from ..softmax import stable_softmax
+
+Tensor = torch.Tensor
+
+__all__ = ["probe", "Probe", "LayerRecord", "CallRecord", "attention_modules", "SATURATION"]
+
+SATURATION = 1e-4  # a row is saturated when its largest weight is within this of 1: softmax's gradient ~ 0
+_ROW_BLOCK_ELEMENTS = 1 << 22  # score elements per block of query rows while recomputing weights
+
+
+def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every attnkit attention module inside ``model`` (those computing attention through ``_attend``).
+
+    Example::
+
+        >>> from attnkit.nn import MultiHeadAttention
+        >>> [name for name, _ in attention_modules(MultiHeadAttention(16, 2))]
+        ['']
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    return [(name, m) for name, m in model.named_modules() if callable(getattr(type(m), "_attend", None))]
+
+
+@dataclass
+class CallRecord:
+    """One call of a layer's ``_attend``.
+
+    Attributes:
+        shape: ``(B, Hq, Lq, Lk)``.
+        weights: ``(B, Hq, Lq, Lk)`` float32 on the CPU, or None when larger than the probe's
+            ``max_elements`` (then only the statistics are kept).
+        entropy: ``(B, Hq, Lq)`` normalised entropy of each row, ``H / log(n)`` with ``n`` the keys the row
+            may attend to (1 = uniform, 0 = one key); NaN for rows with fewer than two keys.
+        max_weight: ``(B, Hq, Lq)`` the largest weight of each row.
+        allowed: ``(B, Hq, Lq)`` int, how many keys each row may attend to.
+        score_std: ``(B, Hq, Lq)`` standard deviation of each row's final (allowed) scores.
+        grad_sq: ``(B, Hq)`` sum of squared ``dL/d(scores)`` over rows and keys, once a backward pass ran.
+        grad_rows: rows summed in ``grad_sq`` per batch element and head (over all backward passes), so
+            ``sqrt(grad_sq / grad_rows)`` is the RMS over rows of each row's gradient norm.
+    """
+
+    shape: tuple[int, int, int, int]
+    weights: Tensor | None
+    entropy: Tensor
+    max_weight: Tensor
+    allowed: Tensor
+    score_std: Tensor
+    grad_sq: Tensor | None = None
+    grad_rows: int = 0
+    _inputs: tuple | None = field(default=None, repr=False)  # (call, keep) until the backward pass ran
+
+
+@dataclass
+class LayerRecord:
+    """What the probe saw in one attention module: one :class:`CallRecord` per ``_attend`` call."""
+
+    name: str
+    module: nn.Module
+    calls: list[CallRecord] = field(default_factory=list)
+
+    @property
+    def weights(self) -> Tensor | None:
+        """The weights ``(B, Hq, Lq, Lk)`` of the last call, if they were kept."""
+        return self.calls[-1].weights if self.calls else None
+
+
+def _row_blocks(call: Call):
+    """Yield ``(r0, r1, scores, weights)`` for blocks of query rows; scores/weights ``(B, Hkv, G, r, Lk)``."""
+    q, k = call.q, call.k
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    acc = torch.promote_types(accumulation_dtype(q.dtype), torch.float32)
+    kg = k.unsqueeze(2).to(acc)  # (B, Hkv, 1, Lk, D)
+    bias = grouped_bias(call.bias, call) if isinstance(call.bias, Tensor) else None
+    step = max(1, _ROW_BLOCK_ELEMENTS // max(1, B * Hq * Lk))
+    for r0 in range(0, Lq, step):
+        r1 = min(Lq, r0 + step)
+        qg = q[:, :, r0:r1].reshape(B, Hkv, call.group, r1 - r0, D).to(acc)  # (B, Hkv, G, r, D)
+        s = torch.matmul(qg, kg.transpose(-1, -2)) * call.scale  # (B, Hkv, G, r, Lk)
+        b, h, qi, ki = grouped_index(call, torch.arange(r0, r1, device=q.device), torch.arange(Lk, device=q.device))
+        block_bias = None
+        if bias is not None:
+            block_bias = bias[..., r0:r1, :] if bias.shape[-2] > 1 else bias
+        s = modify_scores(s, call, b, h, qi, ki, bias_block=block_bias)
+        yield r0, r1, s, stable_softmax(s, dim=-1)
+
+
+def _flat(t: Tensor, call: Call) -> Tensor:
+    """``(B, Hkv, G, r, ...)`` -> ``(B, Hq, r, ...)``."""
+    return t.reshape(call.batch, call.heads, *t.shape[3:])
+
+
+def _statistics(call: Call, keep: bool) -> CallRecord:
+    B, Hq, Lq, Lk = call.batch, call.heads, call.q_len, call.kv_len
+    weights = torch.empty(B, Hq, Lq, Lk, dtype=torch.float32) if keep else None
+    ent, mx, allowed, sstd = (torch.empty(B, Hq, Lq) for _ in range(4))
+    for r0, r1, s, w in _row_blocks(call):
+        ok = torch.isfinite(s)
+        n = ok.sum(-1)  # (B, Hkv, G, r)
+        plogp = torch.where(w > 0, w * torch.log(w.clamp_min(1e-45)), torch.zeros_like(w))
+        h = -plogp.sum(-1) / torch.log(n.clamp_min(2).to(w.dtype))
+        h = torch.where(n >= 2, h, torch.full_like(h, float("nan")))
+        sz = torch.where(ok, s, torch.zeros_like(s))
+        mean = sz.sum(-1) / n.clamp_min(1)
+        var = torch.where(ok, (sz - mean[..., None]) ** 2, torch.zeros_like(s)).sum(-1) / n.clamp_min(1)
+        ent[:, :, r0:r1] = _flat(h, call).float().cpu()
+        mx[:, :, r0:r1] = _flat(w.amax(-1), call).float().cpu()
+        allowed[:, :, r0:r1] = _flat(n, call).float().cpu()
+        sstd[:, :, r0:r1] = _flat(var.sqrt(), call).float().cpu()
+        if keep:
+            weights[:, :, r0:r1] = _flat(w, call).float().cpu()
+    return CallRecord((B, Hq, Lq, Lk), weights, ent, mx, allowed.long(), sstd)
+
+
+def _score_gradient(record: CallRecord, call: Call, grad_out: Tensor) -> None:
+    """Accumulate ``|dL/d(scores)|^2`` per batch element and head from ``grad_out (B, Hq, Lq, Dv)``."""
+    B, Hq, Lq, _ = grad_out.shape
+    acc = torch.promote_types(accumulation_dtype(grad_out.dtype), torch.float32)
+    vg = call.v.detach().unsqueeze(2).to(acc)  # (B, Hkv, 1, Lk, Dv)
+    sq = torch.zeros(B, Hq, dtype=torch.float64)
+    for r0, r1, _, w in _row_blocks(call):
+        g = grad_out[:, :, r0:r1].reshape(B, call.kv_heads, call.group, r1 - r0, -1).to(acc)  # (B, Hkv, G, r, Dv)
+        dw = torch.matmul(g, vg.transpose(-1, -2))  # (B, Hkv, G, r, Lk)
+        ds = w * (dw - (dw * w).sum(-1, keepdim=True))
+        sq += _flat(ds.pow(2).sum(dim=(-1, -2)), call).double().cpu()
+    record.grad_sq = sq if record.grad_sq is None else record.grad_sq + sq
+    record.grad_rows += Lq  # per batch element and head, summed over backward passes
+
+
+class Probe:
+    """The records of an active (or finished) :func:`probe`: ``layers`` maps module names to records."""
+
+    def __init__(self, model: nn.Module, max_elements: int):
+        self.model = model
+        self.max_elements = max_elements
+        self.layers: dict[str, LayerRecord] = {}
+        self._outputs: list[Tensor] = []
+
+    def outputs(self) -> list[Tensor]:
+        """The outputs of every recorded ``_attend`` call that are part of an autograd graph."""
+        return [o for o in self._outputs if o.requires_grad]
+
+    def release(self) -> None:
+        """Drop the references to the recorded calls' inputs and outputs (frees the autograd graph)."""
+        self._outputs.clear()
+        for layer in self.layers.values():
+            for c in layer.calls:
+                c._inputs = None
+
+    def _wrap(self, name: str, module: nn.Module):
+        record = self.layers.setdefault(name, LayerRecord(name, module))
+        inner = module._attend  # the bound method, or whatever wrapper is installed already
+
+        def _attend(q, k, v, *, mask, bias, scale, softcap, dropout_p):
+            out = inner(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, dropout_p=dropout_p)
+            with torch.no_grad():
+                call = _make_call(q.detach(), k.detach(), v.detach(), mask=mask, bias=bias, scale=scale,
+                                  softcap=softcap)
+                if call.q_len == 0 or call.kv_len == 0:
+                    return out
+                keep = call.batch * call.heads * call.q_len * call.kv_len <= self.max_elements
+                rec = _statistics(call, keep)
+            rec._inputs = (call,)
+            record.calls.append(rec)
+            if out.requires_grad:
+                def hook(grad, rec=rec):
+                    if rec._inputs is not None:
+                        with torch.no_grad():
+                            _score_gradient(rec, rec._inputs[0], grad.detach())
+                    return None
+                out.register_hook(hook)
+                self._outputs.append(out)
+            return out
+
+        return _attend
+
+
+@contextmanager
+def probe(model: nn.Module, *, max_elements: int = 1 << 22):
+    """Record every attnkit attention layer of ``model`` while the context is active.
+
+    For each ``_attend`` call the probe keeps a :class:`CallRecord`: the weights ``(B, Hq, Lq, Lk)`` when
+    they have at most ``max_elements`` entries (else only per-row statistics: normalised entropy, largest
+    weight, allowed keys, spread of the scores), and, once a backward pass runs through the output, the
+    squared norm of the gradient of the scores per batch element and head.  The model computes exactly
+    what it computes without the probe.  Wrapped methods are restored on exit, also after an error.
+
+    Yields:
+        A :class:`Probe`; ``probe.layers`` maps module names (as in ``model.named_modules()``) to
+        :class:`LayerRecord`.
+
+    Example::
+
+        >>> import torch
+        >>> from attnkit import masks
+        >>> from attnkit.diagnostics import probe
+        >>> from attnkit.nn import MultiHeadAttention
+        >>> mha = MultiHeadAttention(16, 2, mask=masks.causal())
+        >>> with probe(mha) as p:
+        ...     mha(torch.randn(1, 5, 16)).sum().backward()
+        >>> rec = p.layers[""].calls[0]
+        >>> rec.weights.shape, rec.grad_sq.shape
+        (torch.Size([1, 2, 5, 5]), torch.Size([1, 2]))
+        >>> "_attend" in vars(mha)  # restored
+        False
+    """
+    if isinstance(max_elements, bool) or not isinstance(max_elements, int) or max_elements < 0:
+        raise ValueError(f"max_elements={max_elements!r} must be an int >= 0 (weights larger than this are "
+                         f"summarised, not kept)")
+    modules = attention_modules(model)
+    p = Probe(model, max_elements)
+    saved: list[tuple[nn.Module, bool, object]] = []
+    try:
+        for name, module in modules:
+            had = "_attend" in vars(module)
+            saved.append((module, had, vars(module).get("_attend")))
+            module._attend = p._wrap(name, module)
+        yield p
+    finally:
+        for module, had, previous in reversed(saved):
+            if had:
+                module._attend = previous
+            else:
+                del module._attend
+

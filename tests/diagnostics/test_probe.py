@@ -1,0 +1,146 @@
+"""probe(): the recorded weights and score gradients are the model's own, nothing changes, all is restored."""
+
+import math
+
+import pytest
+import torch
+
+from attnkit import masks
+from attnkit.diagnostics import attention_modules, probe
+from attnkit.diagnostics import _probe as probe_module
+from attnkit.nn import DecoderConfig, DecoderLM, MultiHeadAttention
+
+
+def _mha(**kw):
+    torch.manual_seed(0)
+    return MultiHeadAttention(32, 4, n_kv_heads=2, **kw).double()
+
+
+CASES = {
+    "gqa causal window": dict(mask=masks.causal() & masks.sliding_window(3)),
+    "alibi softcap": dict(positions="alibi", mask=masks.causal(), softcap=5.0),
+    "t5 bias": dict(positions="t5"),
+}
+
+
+def _positions(name):
+    from attnkit.nn import ALiBi, T5RelativeBias
+    return {"alibi": lambda: ALiBi(4), "t5": lambda: T5RelativeBias(4, bidirectional=True)}[name]()
+
+
+def _build(case):
+    kw = dict(CASES[case])
+    if isinstance(kw.get("positions"), str):
+        kw["positions"] = _positions(kw["positions"])
+    return _mha(**kw)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_weights_are_the_modules_own_and_the_output_is_unchanged(case):
+    mha = _build(case)
+    x = torch.randn(2, 7, 32, dtype=torch.float64)
+    plain, w_ref = mha(x, need_weights=True)
+    with probe(mha) as p:
+        out = mha(x)
+    assert torch.equal(out, plain)
+    rec = p.layers[""].calls[0]
+    assert rec.shape == (2, 4, 7, 7)
+    torch.testing.assert_close(rec.weights, w_ref.float(), rtol=0, atol=1e-6)
+    # the statistics are those of these weights
+    w = w_ref
+    allowed = (w > 0).sum(-1)
+    ent = -(torch.where(w > 0, w * w.log(), torch.zeros_like(w))).sum(-1) / allowed.clamp_min(2).double().log()
+    live = allowed >= 2
+    torch.testing.assert_close(rec.entropy[live], ent[live].float(), rtol=0, atol=1e-5)
+    assert torch.isnan(rec.entropy[~live]).all()
+    torch.testing.assert_close(rec.max_weight, w.amax(-1).float(), rtol=0, atol=1e-6)
+    assert torch.equal(rec.allowed, allowed)
+
+
+def _reference_attend(module, store):
+    """A float64 _attend that materialises the scores as a leaf of the graph and keeps their gradient."""
+    def attend(q, k, v, *, mask, bias, scale, softcap, dropout_p):
+        from attnkit.testing import reference  # the textbook formula, for the mask/bias semantics
+        g = q.shape[1] // k.shape[1]
+        k2, v2 = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)  # (B, Hq, L, D)
+        s = q @ k2.transpose(-1, -2) * scale
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        if mask is not None:
+            s = s.masked_fill(~mask.to_dense(q.shape[2], k.shape[2], batch=q.shape[0], heads=q.shape[1]), -math.inf)
+        s.retain_grad()
+        store.append(s)
+        out = torch.softmax(s, -1) @ v2
+        torch.testing.assert_close(out, reference(q, k, v, mask=mask, scale=scale, softcap=softcap)[0])
+        return out
+    return attend
+
+
+@pytest.mark.parametrize("rows_per_block", [None, 2])
+def test_score_gradient_matches_autograd(monkeypatch, rows_per_block):
+    if rows_per_block:  # recompute in blocks of query rows: offsets of masks and rows must line up
+        monkeypatch.setattr(probe_module, "_ROW_BLOCK_ELEMENTS", rows_per_block * 2 * 4 * 9)  # B * Hq * Lk per row
+    mha = _mha(mask=masks.causal() & masks.sliding_window(4), softcap=3.0)
+    store = []
+    ref = _reference_attend(mha, store)
+    mha._attend = ref  # an instance attribute, as ring attention would install
+    x = torch.randn(2, 9, 32, dtype=torch.float64)
+    g = torch.randn(2, 9, 32, dtype=torch.float64)
+    with probe(mha) as p:
+        (mha(x) * g).sum().backward()
+    assert mha._attend is ref  # restored to what was there, not to the class method
+    rec = p.layers[""].calls[0]
+    expected = store[0].grad.pow(2).sum(dim=(-1, -2))  # (B, Hq)
+    torch.testing.assert_close(rec.grad_sq, expected, rtol=1e-9, atol=1e-12)
+    assert rec.grad_rows == 9
+
+
+def test_long_sequences_keep_statistics_not_weights():
+    mha = _build("gqa causal window")
+    x = torch.randn(1, 12, 32, dtype=torch.float64)
+    with probe(mha) as full:
+        mha(x).sum().backward()
+    with probe(mha, max_elements=0) as small:
+        mha(x).sum().backward()
+    a, b = full.layers[""].calls[0], small.layers[""].calls[0]
+    assert a.weights is not None and b.weights is None
+    for name in ("entropy", "max_weight", "score_std", "allowed", "grad_sq"):
+        torch.testing.assert_close(getattr(a, name), getattr(b, name), equal_nan=True)
+
+
+def test_every_attention_layer_of_a_model_is_probed_and_restored_after_an_error():
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny", n_layers=3))
+    names = [n for n, _ in attention_modules(model)]
+    assert names == ["layers.0.attn", "layers.1.attn", "layers.2.attn"]
+    ids = torch.randint(0, 256, (2, 6))
+    with pytest.raises(RuntimeError, match="boom"):
+        with probe(model) as p:
+            model(ids)
+            raise RuntimeError("boom")
+    assert all(len(p.layers[n].calls) == 1 for n in names)
+    assert all("_attend" not in vars(m) for _, m in attention_modules(model))
+    assert not hasattr(MultiHeadAttention._attend, "__wrapped__")
+    with probe(model) as outer, probe(model) as inner:  # nested probes both see every call
+        model(ids)
+    assert all(len(outer.layers[n].calls) == len(inner.layers[n].calls) == 1 for n in names)
+    assert all("_attend" not in vars(m) for _, m in attention_modules(model))
+
+
+def test_cross_attention_and_no_grad():
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(16, 2, kdim=8, vdim=8)
+    with torch.no_grad(), probe(mha) as p:
+        mha(torch.randn(1, 3, 16), torch.randn(1, 5, 8))
+    rec = p.layers[""].calls[0]
+    assert rec.shape == (1, 2, 3, 5) and rec.grad_sq is None
+    torch.testing.assert_close(rec.weights.sum(-1), torch.ones(1, 2, 3))
+
+
+@pytest.mark.parametrize("call, error", [
+    (lambda: probe("model").__enter__(), TypeError),
+    (lambda: probe(MultiHeadAttention(8, 2), max_elements=-1).__enter__(), ValueError),
+])
+def test_bad_arguments(call, error):
+    with pytest.raises(error):
+        call()
