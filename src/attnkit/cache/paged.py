@@ -70,12 +70,12 @@ def _check_paged_args(q, k_pool, v_pool, block_table, seq_lens) -> None:
                          f"{block_table.shape[1]} blocks of {bs}")
 
 
-def _triton_paged_decode():
+def _triton_backend():
     try:
-        from ..backends.triton import paged_decode  # the GPU kernel, when the Triton backend is installed
+        from ..backends import triton as tb  # the GPU kernel, when the Triton backend is installed
     except ImportError:
         return None
-    return paged_decode
+    return tb if hasattr(tb, "paged_decode") and hasattr(tb, "check_paged_decode") else None
 
 
 def _grouped(t: Tensor, B: int, Hkv: int, G: int, Lq: int, Lk: int) -> Tensor:
@@ -109,7 +109,7 @@ def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tens
         ``(B, Hq, Lq, Dv)`` in ``q``'s dtype.  A sequence with ``seq_lens[b] = 0`` gets zeros.
 
     On CUDA tensors, with no mask beyond causal, the Triton kernel ``attnkit.backends.triton.paged_decode``
-    runs when it is installed; elsewhere the blocks are gathered (one read through the block table, no
+    runs when it takes the call (its ``check_paged_decode``); elsewhere the blocks are gathered (one read through the block table, no
     copies of grouped heads) and attention is computed in the accumulation dtype (float32 for half inputs).
 
     Example::
@@ -130,10 +130,11 @@ def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tens
     scale = D ** -0.5 if scale is None else float(scale)
     if isinstance(mask, _Causal) and mask.align == "bottom_right" and Lq == 1:
         mask = None  # the newest query sees every stored key
-    if q.is_cuda and Lq == 1 and mask is None and not isinstance(bias, ScoreMod):
-        kernel = _triton_paged_decode()
-        if kernel is not None:
-            return kernel(q, k_pool, v_pool, block_table, seq_lens, scale=scale, softcap=softcap, bias=bias)
+    if q.is_cuda and Lq == 1 and mask is None:
+        tb = _triton_backend()
+        kw = dict(scale=scale, softcap=softcap, bias=bias)
+        if tb is not None and tb.check_paged_decode(q, k_pool, v_pool, block_table, seq_lens, **kw) is None:
+            return tb.paged_decode(q, k_pool, v_pool, block_table, seq_lens, **kw)
     if B == 0:
         return q.new_zeros(B, Hq, Lq, Dv)
     lens = seq_lens.to(device=q.device, dtype=torch.long)

@@ -1,0 +1,282 @@
+"""Decoding: attnkit.generate against Hugging Face generate, caches against recomputation, the Engine
+against static batching, quantized caches and weights.
+
+One llama-like model (hidden 512, 8 layers, 8 heads, intermediate 1408, vocab 32000, random weights) built
+as a Hugging Face ``LlamaForCausalLM`` (sdpa attention) and converted with ``attnkit.integrations.hf.from_hf``
+(same weights); 32-token prompts, greedy decoding.  Every timing is a median of interleaved repeats in one
+process; each decode speed is also shown against the memory-bandwidth limit at batch 1: the bytes of every
+weight but the embedding rows, read once per step, over ~38 GB/s.
+
+    python benchmarks/generate.py            # full run (tens of minutes on 2 cores)
+    python benchmarks/generate.py --quick    # fewer tokens and requests
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import attnkit  # noqa: E402
+from _common import machine, save, table, timeit  # noqa: E402
+from attnkit.cache import QuantizedCache, StaticCache  # noqa: E402
+from attnkit.quantize import weight_bytes  # noqa: E402
+
+BANDWIDTH = 38e9  # bytes/s this kind of machine streams from memory (measured before this benchmark)
+PROMPT = 32
+
+
+def hf_llama(seed: int = 0):
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                                   num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=2048,
+                                   rms_norm_eps=1e-6, tie_word_embeddings=False, attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = None  # random weights: never stop early
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def hf_generate(model, prompts: torch.Tensor, n: int) -> list[list[int]]:
+    with torch.no_grad():
+        out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=n,
+                             min_new_tokens=n, do_sample=False)
+    return out[:, prompts.shape[1]:].tolist()
+
+
+def streamed_bytes(model) -> int:
+    """Bytes read per decode step: every parameter/buffer except the token embedding table."""
+    emb = model.embed.weight
+    tied = model.lm_head is None
+    return weight_bytes(model) - (0 if tied else emb.nbytes)
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    x, y = torch.tensor(a), torch.tensor(b)
+    return float((x == y).float().mean())
+
+
+def decode_rows(args, hf, model, rows, results):
+    n = args.new_tokens
+    limit_ms = {}
+    variants = {"attnkit float32": model}
+    b16 = copy.deepcopy(model).to(torch.bfloat16)
+    variants["attnkit bfloat16"] = b16
+    q8 = attnkit.quantize(copy.deepcopy(model), "int8")
+    variants["attnkit int8 weights"] = q8
+    for name, m in variants.items():
+        limit_ms[name] = streamed_bytes(m) / BANDWIDTH * 1e3
+    limit_ms["HF float32"] = limit_ms["attnkit float32"]
+    for B in (1, 8):
+        g = torch.Generator().manual_seed(B)
+        prompts = torch.randint(0, 32000, (B, PROMPT), generator=g)
+        plist = prompts.tolist()
+        toks = {}
+
+        def run_hf():
+            toks["HF float32"] = hf_generate(hf, prompts, n)
+
+        fns = {"HF float32": run_hf}
+        for name, m in variants.items():
+            fns[name] = (lambda m=m, name=name: toks.__setitem__(name, attnkit.generate(m, plist, n)))
+        t = timeit(fns, repeat=args.repeat, warmup=1, budget_s=args.budget)
+        base = t["HF float32"]
+        for name in fns:
+            step_ms = t[name] / n * 1e3
+            row = {"measure": "decode", "what": name, "batch": B, "new tokens": n,
+                   "tokens/s": f"{B * n / t[name]:.0f}", "ms/step": f"{step_ms:.1f}",
+                   "vs HF fp32": f"{base / t[name]:.2f}x",
+                   "x limit": f"{step_ms / limit_ms[name]:.2f}" if B == 1 else "-",
+                   "same tokens as HF": f"{agreement(toks[name], toks['HF float32']):.1%}"}
+            rows.append(row)
+            print(row, flush=True)
+        results.setdefault("decode", []).append({"batch": B, "seconds": t, "new_tokens": n,
+                                                 "limit_ms": limit_ms})
+    # logit error of the int8 / bf16 weights on one batch
+    ids = torch.randint(0, 32000, (4, 64), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        ref = model(ids)
+        for name in ("attnkit bfloat16", "attnkit int8 weights"):
+            out = variants[name](ids).float()
+            err = float((out - ref).abs().max())
+            agree = float((out.argmax(-1) == ref.argmax(-1)).float().mean())
+            mem = streamed_bytes(variants[name])
+            rows.append({"measure": "weights", "what": name, "batch": 4, "new tokens": "-", "tokens/s": "-",
+                         "ms/step": "-", "vs HF fp32": f"{streamed_bytes(model) / mem:.2f}x fewer bytes a step",
+                         "x limit": f"{limit_ms[name]:.1f} ms limit",
+                         "same tokens as HF": f"max|dlogit| {err:.3f}, argmax {agree:.1%}"})
+            results.setdefault("weights", {})[name] = {"bytes": mem, "max_logit_err": err, "argmax_agree": agree,
+                                                      "fp32_bytes": streamed_bytes(model)}
+
+
+def profile_step(model, rows, results):
+    """Share of a batch-1 decode step spent in matrix products (the projections and the head)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cache = StaticCache.for_model(model, 1, 64)
+    tok = torch.tensor([[7]])
+    with torch.no_grad():
+        model(torch.randint(0, 32000, (1, PROMPT)), cache=cache)
+        for _ in range(3):
+            model(tok, cache=cache)
+        t0 = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(10):
+                model(tok, cache=cache)
+        wall = (time.perf_counter() - t0) / 10
+    ev = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+    total = sum(ev.values())
+    mm = sum(v for k, v in ev.items() if k in ("aten::mm", "aten::addmm", "aten::bmm"))
+    attn = sum(v for k, v in ev.items() if "scaled_dot_product" in k)
+    share = {"matmul": mm / total, "attention": attn / total, "other": 1 - (mm + attn) / total}
+    rows.append({"measure": "profile", "what": "batch-1 step (profiled)", "batch": 1, "new tokens": "-",
+                 "tokens/s": "-", "ms/step": f"{wall * 1e3:.1f}", "vs HF fp32": "-", "x limit": "-",
+                 "same tokens as HF": ", ".join(f"{k} {v:.0%}" for k, v in share.items())})
+    results["profile"] = share
+
+
+def cache_vs_recompute(args, model, rows, results):
+    plist = torch.randint(0, 32000, (1, PROMPT), generator=torch.Generator().manual_seed(3)).tolist()
+    out = []
+    for n in args.lengths:
+        t = timeit({"static": lambda: attnkit.generate(model, plist, n),
+                    "none": lambda: attnkit.generate(model, plist, n, cache=None)},
+                   repeat=max(1, args.repeat - 2), warmup=0, budget_s=args.budget)
+        ratio = t["none"] / t["static"]
+        rows.append({"measure": "KV cache vs none", "what": "static / recompute", "batch": 1, "new tokens": n,
+                     "tokens/s": f"{n / t['static']:.0f} / {n / t['none']:.0f}",
+                     "ms/step": f"{t['static'] / n * 1e3:.1f} / {t['none'] / n * 1e3:.1f}",
+                     "vs HF fp32": f"cache {ratio:.1f}x faster", "x limit": "-", "same tokens as HF": "-"})
+        print(rows[-1], flush=True)
+        out.append({"new_tokens": n, "seconds": t, "ratio": ratio})
+    results["cache_vs_none"] = out
+
+
+def mixed_workload(args, model, rows, results):
+    rng = random.Random(0)
+    lo, hi = args.mixed_lengths
+    reqs = [([rng.randrange(32000) for _ in range(rng.randint(lo, hi))], rng.randint(lo, hi))
+            for _ in range(args.requests)]
+    B = args.static_batch
+    max_len = 2 * hi  # static preallocation: every slot holds the longest prompt plus the longest output
+    static_out: dict[int, list[int]] = {}
+    t0 = time.perf_counter()
+    waste_num = waste_den = 0
+    for s in range(0, len(reqs), B):
+        chunk = reqs[s:s + B]
+        n = max(o for _, o in chunk)
+        toks = attnkit.generate(model, [p for p, _ in chunk], n,
+                                cache=lambda m, b, _len: StaticCache.for_model(m, b, max_len))
+        for i, ((p, o), t) in enumerate(zip(chunk, toks)):
+            static_out[s + i] = t[:o]
+        for step in range(n):  # positions held by unfinished sequences / preallocated positions
+            waste_num += sum(len(p) + min(step, o) for p, o in chunk if step < o)
+            waste_den += B * max_len
+    t_static = time.perf_counter() - t0
+    static_waste = 1 - waste_num / waste_den
+    block = 16
+    blocks = B * max_len // block  # the same memory as the static preallocation
+    engine = attnkit.Engine(model, cache_blocks=blocks, block_size=block, max_batch=args.engine_batch)
+    t0 = time.perf_counter()
+    rids = [engine.add(p, o) for p, o in reqs]
+    done = engine.run()
+    t_engine = time.perf_counter() - t0
+    engine_out = [done[r] for r in rids]
+    same = sum(engine_out[i] == static_out[i] for i in range(len(reqs))) / len(reqs)
+    n_tok = sum(o for _, o in reqs)
+    waste = engine.stats["waste"]
+    for name, t, w in (("static batching", t_static, static_waste), ("Engine (paged)", t_engine, sum(waste) / len(waste))):
+        rows.append({"measure": "mixed workload", "what": name, "batch": B if name.startswith("static") else
+                     f"<= {args.engine_batch}", "new tokens": n_tok, "tokens/s": f"{n_tok / t:.1f}",
+                     "ms/step": "-", "vs HF fp32": f"{t_static / t:.2f}x static",
+                     "x limit": f"waste {w:.1%}",
+                     "same tokens as HF": f"{same:.0%} of requests equal" if name.startswith("Engine") else "-"})
+        print(rows[-1], flush=True)
+    results["mixed"] = {"requests": len(reqs), "lengths": [lo, hi], "static_batch": B, "engine_batch":
+                        args.engine_batch, "pool_blocks": blocks, "block_size": block, "seconds_static": t_static,
+                        "seconds_engine": t_engine, "static_waste": static_waste,
+                        "engine_waste_mean": sum(waste) / len(waste), "engine_waste_max": max(waste),
+                        "preemptions": engine.stats["preemptions"], "same_tokens": same,
+                        "peak_blocks": engine.stats["peak_blocks"]}
+
+
+def quantized_cache(args, model, rows, results):
+    n = args.new_tokens
+    out = {}
+    for B in (1, 8):
+        plist = torch.randint(0, 32000, (B, PROMPT), generator=torch.Generator().manual_seed(5)).tolist()
+        toks = {}
+        fns = {c: (lambda c=c: toks.__setitem__(c, attnkit.generate(model, plist, n, cache=c)))
+               for c in ("static", "int8", "int4")}
+        t = timeit(fns, repeat=max(1, args.repeat - 2), warmup=1, budget_s=args.budget)
+        for c in fns:
+            L = PROMPT + n
+            s = StaticCache.for_model(model, B, L).nbytes()
+            q = s if c == "static" else QuantizedCache.for_model(model, B, L, bits=8 if c == "int8" else 4).nbytes()
+            long_ratio = "-" if c == "static" else f"{StaticCache.for_model(model, 1, 2048).nbytes() / QuantizedCache.for_model(model, 1, 2048, bits=8 if c == 'int8' else 4).nbytes():.2f}x at 2048"  # noqa: E501
+            rows.append({"measure": "KV cache storage", "what": c, "batch": B, "new tokens": n,
+                         "tokens/s": f"{B * n / t[c]:.0f}", "ms/step": f"{t[c] / n * 1e3:.1f}",
+                         "vs HF fp32": f"{s / q:.2f}x smaller at {L}", "x limit": long_ratio,
+                         "same tokens as HF": f"{agreement(toks[c], toks['static']):.1%} = static"})
+            print(rows[-1], flush=True)
+        out[B] = {"seconds": t}
+    results["quantized_cache"] = out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer tokens, requests and repeats")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--only", nargs="*", default=None,
+                    help="sections to run: decode profile cache mixed quantized (default: all)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.new_tokens = 64 if args.quick else 256
+    args.repeat = 2 if args.quick else 5
+    args.budget = 30 if args.quick else 240
+    args.lengths = [16, 64] if args.quick else [32, 64, 128, 256]
+    args.requests = 16 if args.quick else 64
+    args.mixed_lengths = (16, 128) if args.quick else (16, 1024)
+    args.static_batch = 8
+    args.engine_batch = 16
+    sections = set(args.only or ["decode", "profile", "cache", "mixed", "quantized"])
+    from attnkit.integrations.hf import from_hf
+
+    hf = hf_llama()
+    model = from_hf(hf).eval()
+    load = os.getloadavg()[0]
+    rows: list[dict] = []
+    results: dict = {"load_average_start": load}
+    if "decode" in sections:
+        decode_rows(args, hf, model, rows, results)
+    if "profile" in sections:
+        profile_step(model, rows, results)
+    if "cache" in sections:
+        cache_vs_recompute(args, model, rows, results)
+    if "quantized" in sections:
+        quantized_cache(args, model, rows, results)
+    if "mixed" in sections:
+        mixed_workload(args, model, rows, results)
+    results["load_average_end"] = os.getloadavg()[0]
+    cols = ["measure", "what", "batch", "new tokens", "tokens/s", "ms/step", "vs HF fp32", "x limit",
+            "same tokens as HF"]
+    print()
+    print(f"generate, llama-like (58M), {PROMPT}-token prompts, greedy; {machine()}; load average "
+          f"{results['load_average_start']:.1f} -> {results['load_average_end']:.1f}")
+    print(table(rows, cols))
+    path = save("generate_quick" if args.quick else "generate", {"rows": rows, **results})
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
