@@ -356,6 +356,31 @@ def test_plan_cache_notices_in_place_changes():
     assert not torch.allclose(a, b) and torch.allclose(b, ref, atol=1e-5)
 
 
+def test_plans_are_shared_by_value_for_builtin_masks():
+    q, k, v = qkv(1, 2, 2, 300, 300, 16, grad=False)
+    a = flash._plan(_make_call(q, k, v, mask=M.causal() & M.sliding_window(50)))
+    b = flash._plan(_make_call(q, k, v, mask=M.causal() & M.sliding_window(50)))  # a new but equal mask
+    c = flash._plan(_make_call(q, k, v, mask=M.causal() & M.sliding_window(51)))
+    assert a is b and a is not c
+
+
+def test_non_contiguous_inputs():
+    x = torch.randn(2, 37, 4, 16, requires_grad=True)  # (B, L, H, D), as projections produce it
+    kv = torch.randn(2, 41, 2, 16, requires_grad=True)
+    q, k, v = x.transpose(1, 2), kv.transpose(1, 2), kv.transpose(1, 2)
+    for fused in (True, False):
+        check_against_oracle(lambda *a, **kw: run_flash(*a, fused=fused, **kw), q, k, v, mask=M.sliding_window(9))
+
+
+def test_double_backward_is_refused():
+    q, k, v = qkv(1, 2, 2, 20, 20, 8, dtype=torch.float64)
+    out = flash.flash_attention(q, k, v, mask=M.causal())
+    go = torch.randn_like(out, requires_grad=True)
+    (gq,) = torch.autograd.grad(out, q, go, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        gq.sum().backward()
+
+
 def test_auto_picks_flash_when_sparse():
     q, k, v = qkv(1, 8, 8, 4096, 4096, 64, grad=False)
     text = attnkit.backends.explain(q, k, v, mask=M.sliding_window(255))

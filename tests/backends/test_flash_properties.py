@@ -39,6 +39,7 @@ def _mask(kind: str, p: int, lq: int, lk: int):
         "prefix": M.prefix_lm(p),
         "global": M.global_tokens([0, p % max(1, lk)]) | M.sliding_window(2, 2),
         "fn": M.from_fn(lambda b, h, qi, ki: ((qi + ki) % (p % 4 + 2)) != 0),
+        "fn_heads": M.from_fn(lambda b, h, qi, ki: ki <= qi + h * (p % 7)),
         "padding": M.key_padding([min(p, lk)]),
     }[kind]
 
@@ -58,7 +59,7 @@ def _bias(kind: str, hq: int, lq: int, lk: int):
     lq=st.integers(1, 70), lk=st.integers(1, 70), d=st.sampled_from([4, 8, 16]),
     block=st.sampled_from([4, 8, 16, 32]), p=st.integers(1, 40),
     mask=st.sampled_from(["none", "causal", "window", "causal_window", "strided", "dilated", "random", "prefix",
-                          "global", "fn", "padding"]),
+                          "global", "fn", "fn_heads", "padding"]),
     bias=st.sampled_from(["none", "tensor", "alibi", "t5"]), softcap=st.sampled_from([None, 5.0]),
     dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]), fused=st.booleans(),
     seed=st.integers(0, 2**16),

@@ -165,56 +165,60 @@ def _heads_for(bi: int | None, hi: int | None, batch: int, hq: int, hkv: int) ->
     return Heads(bi * hq + hi, 1, 1, bi * hkv + hi // g, 1, 1, bi, hi)
 
 
-def _runs(tiles: list[int], kinds: list[int]) -> list[tuple[int, int, list[int]]]:
-    """Maximal runs of consecutive tiles: (first tile, length, kinds)."""
-    out = []
-    for t, k in zip(tiles, kinds):
-        if out and t == out[-1][0] + out[-1][1]:
-            out[-1][1] += 1
-            out[-1][2].append(k)
-        else:
-            out.append([t, 1, [k]])
-    return [tuple(r) for r in out]
+def _segments(tiles: Tensor, counts: Tensor) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+    """Maximal runs of consecutive visited tiles, row by row (vectorised).
+
+    ``tiles`` (nq, C) sorted per row, valid below ``counts`` (nq,).  Returns, per run in (row, position)
+    order: row, run index within the row, first tile, length, and its position in the row's list.
+    """
+    nq, C = tiles.shape
+    valid = torch.arange(C) < counts[:, None]
+    prev = torch.cat([torch.full((nq, 1), -2, dtype=tiles.dtype), tiles[:, :-1]], dim=1)
+    new = valid & (tiles != prev + 1)
+    rows, pos = new.nonzero(as_tuple=True)
+    ri = (new.cumsum(1) - 1)[rows, pos]
+    same_row = torch.cat([rows[1:] == rows[:-1], torch.zeros(1, dtype=torch.bool)])
+    end = torch.where(same_row, torch.cat([pos[1:], pos.new_zeros(1)]), counts[rows])
+    return rows.tolist(), ri.tolist(), tiles[rows, pos].tolist(), (end - pos).tolist(), pos.tolist()
 
 
-def _band_jobs(heads: Heads, rows_tiles: list[list[int]], rows_kinds: list[list[int]]) -> list[Job]:
-    runs = [_runs(t, k) for t, k in zip(rows_tiles, rows_kinds)]
-    max_runs = max((len(r) for r in runs), default=0)
-    raw = []  # (run index, rows, first window tile, w, kstep, kinds)
-    for ri in range(max_runs):
-        cur = None
-        for t, rr in enumerate(runs):
-            if ri >= len(rr):
+def _band_jobs(heads: Heads, tiles: Tensor, kinds: Tensor, counts: Tensor) -> list[Job]:
+    """Consecutive query tiles whose r-th runs have one length and evenly spaced starts: one job each."""
+    rows, ris, los, ws, poss = _segments(tiles, counts)
+    order = sorted(range(len(rows)), key=lambda i: (ris[i], rows[i]))
+    raw = []
+    cur = None
+    for i in order:
+        t, ri, lo, w = rows[i], ris[i], los[i], ws[i]
+        if cur is not None and cur["ri"] == ri and cur["rows"][-1] == t - 1 and cur["w"] == w:
+            step = lo - cur["last"]
+            if (len(cur["rows"]) == 1 and step >= 0) or step == cur["kstep"]:
+                cur["rows"].append(t)
+                cur["pos"].append(poss[i])
+                cur["kstep"], cur["last"] = step, lo
                 continue
-            lo, w, ks = rr[ri]
-            if cur is not None and cur["rows"][-1] == t - 1 and cur["w"] == w:
-                step = lo - cur["last"]
-                if (len(cur["rows"]) == 1 and step >= 0) or step == cur["kstep"]:
-                    cur["rows"].append(t)
-                    cur["kstep"], cur["last"] = step, lo
-                    cur["kinds"].append(ks)
-                    continue
-            cur = {"ri": ri, "rows": [t], "lo": lo, "w": w, "kstep": 0, "last": lo, "kinds": [ks]}
-            raw.append(cur)
-    return [Job(heads, torch.tensor(r["rows"]), True, r["w"], r["lo"], r["kstep"], None,
-                torch.tensor(r["kinds"], dtype=torch.int8), r["ri"] == 0) for r in raw]
-
-
-def _gather_jobs(heads: Heads, rows_tiles: list[list[int]], rows_kinds: list[list[int]], per_window: int) -> list[Job]:
-    groups: dict[tuple[int, int], list] = {}
-    for t, (tl, kl) in enumerate(zip(rows_tiles, rows_kinds)):
-        for j in range(0, len(tl), per_window):
-            chunk = tl[j:j + per_window]
-            g = groups.setdefault((j // per_window, len(chunk)), [[], [], []])
-            g[0].append(t)
-            g[1].append(chunk)
-            g[2].append(kl[j:j + per_window])
+        cur = {"ri": ri, "rows": [t], "pos": [poss[i]], "lo": lo, "w": w, "kstep": 0, "last": lo}
+        raw.append(cur)
     jobs = []
-    for (step, w), (rows, tiles, kinds) in sorted(groups.items()):
-        rows_t = torch.tensor(rows)
-        consecutive = bool(rows_t.numel() == 1 or (rows_t.diff() == 1).all())
-        jobs.append(Job(heads, rows_t, consecutive, w, 0, 0, torch.tensor(tiles), torch.tensor(kinds, dtype=torch.int8),
-                        step == 0))
+    for r in raw:
+        rows_t, pos_t = torch.tensor(r["rows"]), torch.tensor(r["pos"])
+        job_kinds = kinds[rows_t[:, None], pos_t[:, None] + torch.arange(r["w"])]  # (n, w)
+        jobs.append(Job(heads, rows_t, True, r["w"], r["lo"], r["kstep"], None, job_kinds, r["ri"] == 0))
+    return jobs
+
+
+def _gather_jobs(heads: Heads, tiles: Tensor, kinds: Tensor, counts: Tensor, per_window: int) -> list[Job]:
+    """Each query tile's visited key tiles in windows of ``per_window`` tiles; query tiles with the same
+    number of tiles in the same window step share a job."""
+    jobs = []
+    steps = _ceil_div(int(counts.max()), per_window) if counts.numel() else 0
+    for j in range(steps):
+        lengths = (counts - j * per_window).clamp(0, per_window)
+        for w in sorted(set(lengths.tolist()) - {0}):
+            rows_t = (lengths == w).nonzero().view(-1)
+            cols = slice(j * per_window, j * per_window + w)
+            consecutive = bool(rows_t.numel() == 1 or (rows_t.diff() == 1).all())
+            jobs.append(Job(heads, rows_t, consecutive, w, 0, 0, tiles[rows_t, cols], kinds[rows_t, cols], j == 0))
     return jobs
 
 
@@ -227,20 +231,16 @@ def build(mask: Mask | None, batch: int, hq: int, hkv: int, q_len: int, kv_len: 
     per_b, per_h = bp > 1, hp > 1
     jobs: list[Job] = []
     visited = int(counts.sum())
-    c_list, t_list, k_list = counts.tolist(), tiles.tolist(), kinds.tolist()
     per_window = max(1, MAX_GATHER_KEYS // bk)
     for bi in range(bp):
         for hi in range(hp):
             heads = _heads_for(bi if per_b else None, hi if per_h else None, batch, hq, hkv)
-            cnt = c_list[bi][hi]
-            rows_tiles = [t_list[bi][hi][t][:cnt[t]] for t in range(nq)]
-            rows_kinds = [k_list[bi][hi][t][:cnt[t]] for t in range(nq)]
-            bands = _band_jobs(heads, rows_tiles, rows_kinds)
-            pairs = sum(cnt)
-            if len(bands) <= BAND_MAX_CALLS or len(bands) * BAND_MIN_PAIRS <= pairs:
+            t, k, c = tiles[bi, hi], kinds[bi, hi], counts[bi, hi]  # (nq, C), (nq, C), (nq,)
+            bands = _band_jobs(heads, t, k, c)
+            if len(bands) <= BAND_MAX_CALLS or len(bands) * BAND_MIN_PAIRS <= int(c.sum()):
                 jobs += bands
             else:
-                jobs += _gather_jobs(heads, rows_tiles, rows_kinds, per_window)
+                jobs += _gather_jobs(heads, t, k, c, per_window)
     jobs.sort(key=lambda j: not j.first)  # every row's first job writes before any job merges into it
     covered = sum(j.n for j in jobs if j.first) == bp * hp * nq
     return Plan(bq, bk, q_len, kv_len, nq, nk, jobs, visited, bp * hp * nq * nk, covered)

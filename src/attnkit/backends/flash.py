@@ -35,7 +35,9 @@ import weakref
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
+from .. import masks as M
 from ..bias import ScoreMod
 from ..masks import Mask
 from . import _flash_ops as ops
@@ -64,8 +66,30 @@ def _check_block(name: str, value) -> int | None:
 
 
 PLANS_PER_MASK = 8  # plans kept per mask object (one per shape and tiling)
+SHARED_PLANS = 64  # plans kept for masks identified by value (no mask, or built-ins without tensors)
 _PLANS: "weakref.WeakKeyDictionary[Mask, dict]" = weakref.WeakKeyDictionary()
-_UNMASKED_PLANS: dict = {}
+_SHARED: dict = {}
+_PURE = (M._Causal, M._SlidingWindow, M._PrefixLM, M._BlockLocal, M._Strided, M._Dilated, M._RandomBlocks)
+
+
+def _value_key(mask: Mask | None) -> str | None:
+    """A key that identifies a mask by value, for masks made only of built-ins that hold no tensors and no
+    user functions (``causal()``, ``sliding_window(w)``, their combinations...), so a mask rebuilt on every
+    call still finds its plan; None for others (they are cached per object)."""
+    def pure(m) -> bool:
+        if isinstance(m, M._And):  # also _Or
+            return pure(m.a) and pure(m.b)
+        if isinstance(m, M._Not):
+            return pure(m.a)
+        if isinstance(m, M._Named):
+            return pure(m.inner)
+        if isinstance(m, M._KeyColumns):
+            return m.keep is None  # a column rule named by its parameters (fixed())
+        return type(m) in _PURE
+
+    if mask is None:
+        return "none"
+    return repr(mask) if pure(mask) else None
 
 
 def _versions(obj, seen: set) -> tuple:
@@ -96,19 +120,20 @@ def _plan(call: Call, block_q: int | None = None, block_k: int | None = None) ->
     key = (call.batch, call.heads, call.kv_heads, call.q_len, call.kv_len, bq, bk, str(call.q.device))
     if key in call.cache:
         return call.cache[key]
-    if call.mask is None:
-        store = _UNMASKED_PLANS
+    value = _value_key(call.mask)
+    if value is not None:
+        store, limit, full_key = _SHARED, SHARED_PLANS, key + (value,)
     else:
-        store = _PLANS.setdefault(call.mask, {})
-        key = key + (_versions(call.mask, set()),)
-    plan = store.get(key)
+        store, limit = _PLANS.setdefault(call.mask, {}), PLANS_PER_MASK
+        full_key = key + (_versions(call.mask, set()),)
+    plan = store.pop(full_key, None)  # re-inserted below: the dict keeps least recently used first
     if plan is None:
         plan = planning.build(call.mask, call.batch, call.heads, call.kv_heads, call.q_len, call.kv_len,
                               bq, bk, call.q.device)
-        while len(store) >= PLANS_PER_MASK:
+        while len(store) >= limit:
             store.pop(next(iter(store)))
-        store[key] = plan
-    call.cache[key[:8]] = plan
+    store[full_key] = plan
+    call.cache[key] = plan
     return plan
 
 
@@ -182,7 +207,7 @@ class _FlashFunction(torch.autograd.Function):
         out3, lse3 = ops.forward(work)
         out_in = out3.to(q.dtype)
         ctx.save_for_backward(work.q3, work.k3, work.v3, out_in, lse3)
-        ctx.state = (call, plan, seed, allow_fused)
+        ctx.state = (call, plan, seed, allow_fused, params)
         ctx.has_bias_t = bias_t is not None
         ctx.set_materialize_grads(False)
         out = _unflat(out_in, call, q.dtype)
@@ -190,14 +215,14 @@ class _FlashFunction(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dout, dlse):
-        call, plan, seed, allow_fused = ctx.state
+        call, plan, seed, allow_fused, params = ctx.state
         q3, k3, v3, out3, lse3 = ctx.saved_tensors
         n_params = len(ctx.needs_input_grad) - 5
         if dout is None and dlse is None:
             return (None,) * (5 + n_params)
         bias_grad = ctx.has_bias_t and ctx.needs_input_grad[3]
-        params = ops.mod_params(call.bias) if n_params else []
         fused = allow_fused and _fusable(call, bias_grad or bool(params)) and dlse is None
         work = _work(call, plan, fused, params, seed)
         work.q3, work.k3, work.v3 = q3, k3, v3
