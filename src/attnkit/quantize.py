@@ -145,7 +145,15 @@ class BF16Linear(nn.Module):
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter and buffer of ``model`` (shared tensors counted once)."""
+    """Bytes of every parameter and buffer of ``model`` (shared tensors counted once).
+
+    Example::
+
+        >>> import torch
+        >>> from attnkit.quantize import weight_bytes
+        >>> weight_bytes(torch.nn.Linear(4, 3))                  # 12 weights + 3 biases, float32
+        60
+    """
     seen, total = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
         key = (t.data_ptr(), t.nbytes)

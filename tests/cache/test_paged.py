@@ -183,7 +183,7 @@ def test_exhausted_pool_error_and_all_or_nothing_reserve():
     with pytest.raises(PoolExhausted, match="needs 2 more block.*for 16 new"):
         cache.reserve(a, 16)
     assert cache.blocks_needed(a, 3) == 0 and cache.num_free_blocks == 0
-    with pytest.raises(KeyError, match="no sequence 42"):
+    with pytest.raises(ValueError, match="no sequence 42"):
         cache.free(42)
     with pytest.raises(ValueError, match="repeat"):
         cache.batch([a, a])

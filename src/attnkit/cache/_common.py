@@ -89,7 +89,18 @@ class ModelCache:
     ``cache.layers[i]`` is handed to decoder layer ``i``; ``cache.seq_len`` is the number of positions
     stored before the current forward (a model uses ``seq_len + arange(L)`` as default positions).
     A ragged batch is left-padded: :meth:`set_left_padding` marks the first ``pad[b]`` positions of row
-    ``b`` as padding, which every layer then hides from attention through its ``extra_mask``.
+    ``b`` as padding, which every layer then hides from attention through its ``extra_mask``
+    (``(B, 1, 1, Lk)`` bool).
+
+    Example::
+
+        >>> import torch
+        >>> from attnkit.cache import StaticCache
+        >>> cache = StaticCache(1, max_len=8)                    # a ModelCache
+        >>> cache.set_left_padding([2, 0])                       # row 0 starts with 2 padding positions
+        >>> k, v, extra = cache.layers[0].update(torch.randn(2, 1, 4, 2), torch.randn(2, 1, 4, 2))
+        >>> extra[:, 0, 0].tolist()
+        [[False, False, True, True], [True, True, True, True]]
     """
 
     layers: Sequence

@@ -318,7 +318,8 @@ class PagedCache:
     def _seq(self, sid: int) -> _Sequence:
         s = self._seqs.get(sid)
         if s is None:
-            raise KeyError(f"PagedCache: no sequence {sid!r} (live ones: {sorted(self._seqs)})")
+            raise ValueError(f"PagedCache: no sequence {sid!r} (live ones: {sorted(self._seqs)}); add it with "
+                             f"add_sequence() first")
         return s
 
     def add_sequence(self, tokens=None) -> int:
@@ -368,7 +369,7 @@ class PagedCache:
         until the pool needs them)."""
         seq = self._seqs.pop(sid, None)
         if seq is None:
-            raise KeyError(f"PagedCache: no sequence {sid!r} to free (live ones: {sorted(self._seqs)})")
+            raise ValueError(f"PagedCache: no sequence {sid!r} to free (live ones: {sorted(self._seqs)})")
         for b in reversed(seq.blocks):  # the deepest blocks are evicted first
             self._alloc.decref(b)
 
@@ -386,6 +387,7 @@ class PagedCache:
 
     def blocks_needed(self, sid: int, n_new: int) -> int:
         """Blocks that storing ``n_new`` more positions of ``sid`` takes from the pool (copy-on-write included)."""
+        check_int("n_new", n_new)
         seq = self._seq(sid)
         bs = self.block_size
         need = -(-(seq.length + n_new) // bs) - len(seq.blocks)
@@ -577,7 +579,18 @@ class PagedBatch:
 
     ``layers[i]`` writes layer ``i``; the last layer's update commits the new lengths (and registers
     newly filled blocks for prefix caching).  ``seq_len`` is the longest stored length: a batch whose
-    sequences differ in length must pass ``positions=batch.positions(L)`` to the model.
+    sequences differ in length must pass ``positions=batch.positions(L)`` (``(B, L)`` long) to the model.
+
+    Example::
+
+        >>> import torch
+        >>> from attnkit.cache import PagedCache
+        >>> pool = PagedCache(1, num_blocks=4, block_size=4, n_kv_heads=1, d_head=2)
+        >>> a, b = pool.add_sequence(), pool.add_sequence()
+        >>> _ = pool.batch([a]).layers[0].update(torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 3, 2))
+        >>> view = pool.batch([a, b])
+        >>> view.positions(1).tolist(), view.seq_len
+        ([[3], [0]], 3)
     """
 
     def __init__(self, cache: PagedCache, ids: list[int]):

@@ -56,7 +56,15 @@ def quantize_groups(x: Tensor, dim: int, bits: int, scale_dtype: torch.dtype = t
 
 
 def dequantize_groups(q: Tensor, scale: Tensor, zero: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    """``q * scale + zero`` in ``dtype`` (``scale``/``zero`` broadcast against ``q``)."""
+    """``q * scale + zero`` in ``dtype`` (``scale``/``zero`` broadcast against ``q``).
+
+    Example::
+
+        >>> import torch
+        >>> from attnkit.cache import dequantize_groups
+        >>> dequantize_groups(torch.tensor([[0, 255]], dtype=torch.uint8), torch.tensor([[0.5]]), torch.tensor([[-1.0]]))
+        tensor([[ -1.0000, 126.5000]])
+    """
     return (q.to(dtype) * scale.to(dtype) + zero.to(dtype))
 
 
