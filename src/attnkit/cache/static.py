@@ -49,13 +49,12 @@ class StaticLayerCache:
             raise ValueError(f"StaticCache overflow in layer {self.index}: it holds max_len={K.shape[2]} positions, "
                              f"{start} are stored and {n} more were given; create the cache with a larger "
                              f"max_len (at least {end})")
-        K[:, :, start:end] = k
-        V[:, :, start:end] = v
+        K.narrow(2, start, n).copy_(k)
+        V.narrow(2, start, n).copy_(v)
         self.length = end
-        mask = self._owner._key_mask(0, end)
-        if mask is None:
-            return K[:, :, :end], V[:, :, :end]  # (B, Hkv, end, D), (B, Hkv, end, Dv): views
-        return K[:, :, :end], V[:, :, :end], mask
+        k_all, v_all = K.narrow(2, 0, end), V.narrow(2, 0, end)  # (B, Hkv, end, D), (B, Hkv, end, Dv): views
+        mask = self._owner._key_mask(0, end) if self._owner.left_padding is not None else None
+        return (k_all, v_all) if mask is None else (k_all, v_all, mask)
 
     @property
     def seq_len(self) -> int:
