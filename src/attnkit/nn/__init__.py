@@ -7,6 +7,7 @@
 * Blocks and models: :class:`TransformerBlock`, :class:`Encoder`, :class:`Decoder`, :class:`DecoderLM`
   (:class:`DecoderConfig`), :class:`EncoderDecoder`.
 * Layers: :class:`Linear` (column-major weights for fast decoding), :class:`RMSNorm`, :class:`FeedForward`.
+* Generated training tasks: :mod:`attnkit.nn.tasks` (copying, associative recall).
 
 Every attention score in this package is computed by one method, ``_attend`` (see
 :class:`MultiHeadAttention`), which calls :func:`attnkit.attention`.
@@ -20,6 +21,7 @@ Example::
     torch.Size([1, 8, 256])
 """
 
+from . import tasks
 from .attention import MultiHeadAttention
 from .axial import AxialAttention
 from .blocks import Decoder, Encoder, TransformerBlock, default_d_ff
@@ -49,4 +51,5 @@ __all__ = [
     "FeedForward",
     "to_decode_layout",
     "default_d_ff",
+    "tasks",
 ]

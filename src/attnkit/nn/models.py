@@ -167,6 +167,8 @@ class _LMBase(nn.Module):
                 nn.init.normal_(p, std=std / math.sqrt(2 * n_layers))
             else:
                 nn.init.normal_(p, std=std)
+        if self.abs_positions is not None:  # the original Transformer: embeddings * sqrt(d) join unit-size waves
+            nn.init.normal_(self.embed.weight, std=self.config.d_model ** -0.5)
         if self.lm_head is None:  # the tied head streams the embedding: keep it column-major for decoding
             self.embed.weight.data = _column_major(self.embed.weight.data)
 
@@ -185,7 +187,7 @@ class _LMBase(nn.Module):
     def _embed(self, ids: Tensor, pos: Tensor) -> Tensor:
         x = self.embed(ids)  # (B, L, d_model)
         if self.abs_positions is not None:
-            x = x + self.abs_positions.encode(pos).to(x.dtype)
+            x = x * math.sqrt(self.config.d_model) + self.abs_positions.encode(pos).to(x.dtype)
         return self.drop(x)
 
     def _logits(self, x: Tensor) -> Tensor:
