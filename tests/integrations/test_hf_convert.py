@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import attnkit
 from attnkit import masks
 
 transformers = pytest.importorskip("transformers")
@@ -113,6 +114,21 @@ def test_from_hf_decodes_with_attnkit_caches_like_hf_generate(name):
     for cache in caches:
         got = _greedy(model, ids, am, 8, cache)
         assert torch.equal(got, want), f"{name}, {type(cache).__name__}:\n{got}\n{want}"
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral-window", "qwen2"])
+def test_from_hf_serves_attnkit_generate_and_engine_like_hf(name):
+    hf_model = _hf(name)
+    hf_model.generation_config.eos_token_id = None  # run to max_new_tokens
+    model = from_hf(hf_model)
+    prompts = [[5, 9, 14, 3, 22, 7, 40], [11, 12, 13], [30, 31, 32, 33, 34]]
+    want = [hf_model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p):].tolist()
+            for p in prompts]
+    caches = ["static", "paged"] + (["sliding"] if name == "mistral-window" else [])
+    for cache in caches:
+        assert attnkit.generate(model, prompts, 8, cache=cache) == want, f"{name}, cache={cache}"
+    engine = attnkit.Engine(model, cache_blocks=16, block_size=4, max_batch=2)
+    assert engine.generate(prompts, 8) == want, f"{name}, Engine"
 
 
 def test_from_hf_gradients_match():
