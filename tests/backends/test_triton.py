@@ -245,6 +245,26 @@ def _():
     assert "triton  takes it" in attnkit.backends.explain(q, k, v, mask=masks.causal())
 
 
+@case("empty-tiles-are-never-read")
+def _():
+    # keys in tiles that no query tile lists hold NaN: had a kernel loaded them, NaN would reach the output
+    # (0 * NaN) or dk/dv; the results must equal those of the same call on clean keys, and dk, dv be 0 there
+    for mask in (masks.key_padding([20]), masks.from_dense((torch.arange(64) < 20).view(1, 64))):  # predicate, bitmap
+        q, k, v = _qkv(Hq=2, Lq=40, Lk=64, dtype=torch.float16)
+        dirty_k, dirty_v = (t.detach().clone() for t in (k, v))
+        dirty_k[:, :, 32:], dirty_v[:, :, 32:] = float("nan"), float("nan")  # key tiles 2 and 3
+        runs = []
+        for kk, vv in ((k.detach(), v.detach()), (dirty_k, dirty_v)):
+            leaves = [q.detach().clone().requires_grad_(True), kk.requires_grad_(True), vv.requires_grad_(True)]
+            out = _triton(*leaves, mask=mask)
+            out.float().sum().backward()
+            runs.append([out, *(t.grad for t in leaves)])
+        for clean, dirty in zip(*runs):
+            assert torch.equal(clean[..., :32, :] if clean.shape[-2] == 64 else clean,
+                               dirty[..., :32, :] if dirty.shape[-2] == 64 else dirty)
+        assert (runs[1][2][:, :, 32:] == 0).all() and (runs[1][3][:, :, 32:] == 0).all()
+
+
 @case("plan-reused-until-ids-change")
 def _():
     ids = _ids([10, 27])
@@ -601,6 +621,18 @@ def test_transposed_lists_hold_the_same_tiles(kind, L, bm, bn):
         n_part, n_total = row_count
         assert row_index[:n_part] == sorted(row_index[:n_part])
         assert row_index[n_part:n_total] == sorted(row_index[n_part:n_total])
+
+
+def test_a_million_token_window_plans_a_few_tiles_per_row():
+    # the kernels' work and the plan's size follow the visited tiles, not Lq x Lk
+    fwd, _ = tb._configs(128, torch.bfloat16, False)  # 128 x 64 tiles
+    L = 1 << 20
+    p = tb._build_plan(masks.sliding_window(255), L, L, 1, 1, fwd, torch.device("cpu"))
+    # a query tile of 128 rows sees keys [r0 - 255, r0 + 127]: 383 keys, six tiles of 64
+    assert p.lists.index.shape == (1, 1, L // 128, 6) and p.preds.lo_off == -255 and p.bitmap is None
+    assert p.visited < 1e-3
+    t = p.transposed()
+    assert t.index.shape[-1] <= 4 and int(t.count[..., 1].sum()) == int(p.lists.count[..., 1].sum())
 
 
 def test_predicates_cover_the_built_in_masks_and_only_those():
