@@ -155,10 +155,10 @@ def _attn_fwd(Q, K, V, Out, Lse, Count, Index, TileId, Bitmap, Slopes, Bias, QDo
     b = tl.program_id(2).to(tl.int64)
     hk = h // GROUP
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    dq = tl.arange(0, BLOCK_D)
-    dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + dq[None, :],
-                mask=(rows[:, None] < q_len) & (dq[None, :] < D), other=0.0)  # (BLOCK_M, BLOCK_D)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
+                mask=(rows[:, None] < q_len) & (offs_d[None, :] < D), other=0.0)  # (BLOCK_M, BLOCK_D)
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
     # scores go straight to base 2 when nothing sits between the scale and the softmax
@@ -178,13 +178,13 @@ def _attn_fwd(Q, K, V, Out, Lse, Count, Index, TileId, Bitmap, Slopes, Bias, QDo
         kt = tl.load(index + j)
         cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
         if EVEN_N:
-            k = tl.load(k_base + cols[None, :] * stride_kn + dq[:, None], mask=dq[:, None] < D, other=0.0)
-            v = tl.load(v_base + cols[:, None] * stride_vn + dv[None, :], mask=dv[None, :] < DV, other=0.0)
+            k = tl.load(k_base + cols[None, :] * stride_kn + offs_d[:, None], mask=offs_d[:, None] < D, other=0.0)
+            v = tl.load(v_base + cols[:, None] * stride_vn + offs_dv[None, :], mask=offs_dv[None, :] < DV, other=0.0)
         else:
-            k = tl.load(k_base + cols[None, :] * stride_kn + dq[:, None],
-                        mask=(cols[None, :] < kv_len) & (dq[:, None] < D), other=0.0)  # (BLOCK_D, BLOCK_N)
-            v = tl.load(v_base + cols[:, None] * stride_vn + dv[None, :],
-                        mask=(cols[:, None] < kv_len) & (dv[None, :] < DV), other=0.0)  # (BLOCK_N, BLOCK_DV)
+            k = tl.load(k_base + cols[None, :] * stride_kn + offs_d[:, None],
+                        mask=(cols[None, :] < kv_len) & (offs_d[:, None] < D), other=0.0)  # (BLOCK_D, BLOCK_N)
+            v = tl.load(v_base + cols[:, None] * stride_vn + offs_dv[None, :],
+                        mask=(cols[:, None] < kv_len) & (offs_dv[None, :] < DV), other=0.0)  # (BLOCK_N, BLOCK_DV)
         s = _dot(q, k, EMULATE_BF16, PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
         if not PLAIN:
             s, _t = _score_mods(s, rows[:, None], cols[None, :], b, h, softcap, Slopes, alibi_off, Bias,
@@ -210,8 +210,8 @@ def _attn_fwd(Q, K, V, Out, Lse, Count, Index, TileId, Bitmap, Slopes, Bias, QDo
     empty = l_i == 0.0  # nothing visible: output 0 and lse -inf
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)  # ln 2
-    tl.store(Out + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + dv[None, :],
-             _round(out, Out.dtype.element_ty, EMULATE_BF16), mask=(rows[:, None] < q_len) & (dv[None, :] < DV))
+    tl.store(Out + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + offs_dv[None, :],
+             _round(out, Out.dtype.element_ty, EMULATE_BF16), mask=(rows[:, None] < q_len) & (offs_dv[None, :] < DV))
     tl.store(Lse + b * stride_lb + h * stride_lh + rows, lse, mask=rows < q_len)
 
 
@@ -240,13 +240,13 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Count, Index, TileId, Bitmap, Slop
     b = tl.program_id(2).to(tl.int64)
     hk = h // GROUP
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    dq_ = tl.arange(0, BLOCK_D)
-    dv = tl.arange(0, BLOCK_DV)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = rows < q_len
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + dq_[None, :],
-                mask=row_ok[:, None] & (dq_[None, :] < D), other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_dom + dv[None, :],
-                 mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
+                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_dom + offs_dv[None, :],
+                 mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
     lse = tl.load(Lse + b * stride_lb + h * stride_lh + rows, mask=row_ok, other=float("inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse) * 1.44269504  # empty rows: p = 0; 1/ln(2)
     delta = tl.load(Delta + b * stride_lb + h * stride_lh + rows, mask=row_ok, other=0.0)
@@ -264,10 +264,10 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Count, Index, TileId, Bitmap, Slop
         kt = tl.load(index + j)
         cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < kv_len
-        k = tl.load(k_base + cols[:, None] * stride_kn + dq_[None, :],
-                    mask=col_ok[:, None] & (dq_[None, :] < D), other=0.0)  # (BLOCK_N, BLOCK_D)
-        v = tl.load(v_base + cols[:, None] * stride_vn + dv[None, :],
-                    mask=col_ok[:, None] & (dv[None, :] < DV), other=0.0)  # (BLOCK_N, BLOCK_DV)
+        k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :],
+                    mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)  # (BLOCK_N, BLOCK_D)
+        v = tl.load(v_base + cols[:, None] * stride_vn + offs_dv[None, :],
+                    mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)  # (BLOCK_N, BLOCK_DV)
         s = _dot(q, tl.trans(k), EMULATE_BF16, PRECISION) * scale  # (BLOCK_M, BLOCK_N)
         s, t = _score_mods(s, rows[:, None], cols[None, :], b, h, softcap, Slopes, alibi_off, Bias,
                            stride_bb, stride_bh, stride_bm, stride_bn, q_len, kv_len,
@@ -287,8 +287,8 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Count, Index, TileId, Bitmap, Slop
         if HAS_SOFTCAP:
             ds = ds * (1.0 - t * t)
         acc += _dot(_round(ds, K.dtype.element_ty, EMULATE_BF16), k, EMULATE_BF16, PRECISION)
-    tl.store(DQ + ((b * tl.num_programs(1) + h) * q_len + rows[:, None]) * D + dq_[None, :], acc * scale,
-             mask=row_ok[:, None] & (dq_[None, :] < D))
+    tl.store(DQ + ((b * tl.num_programs(1) + h) * q_len + rows[:, None]) * D + offs_d[None, :], acc * scale,
+             mask=row_ok[:, None] & (offs_d[None, :] < D))
 
 
 def _attn_bwd_dkdv(Q, K, V, DO, DK, DV_, Lse, Delta, Count, Index, TileId, Bitmap, Slopes, Bias, QDoc, KDoc,
@@ -314,13 +314,13 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV_, Lse, Delta, Count, Index, TileId, Bitma
     hk = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    dq_ = tl.arange(0, BLOCK_D)
-    dv = tl.arange(0, BLOCK_DV)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     col_ok = cols < kv_len
-    k = tl.load(K + b * stride_kb + hk * stride_kh + cols[:, None] * stride_kn + dq_[None, :],
-                mask=col_ok[:, None] & (dq_[None, :] < D), other=0.0)  # (BLOCK_N, BLOCK_D)
-    v = tl.load(V + b * stride_vb + hk * stride_vh + cols[:, None] * stride_vn + dv[None, :],
-                mask=col_ok[:, None] & (dv[None, :] < DV), other=0.0)  # (BLOCK_N, BLOCK_DV)
+    k = tl.load(K + b * stride_kb + hk * stride_kh + cols[:, None] * stride_kn + offs_d[None, :],
+                mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)  # (BLOCK_N, BLOCK_D)
+    v = tl.load(V + b * stride_vb + hk * stride_vh + cols[:, None] * stride_vn + offs_dv[None, :],
+                mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)  # (BLOCK_N, BLOCK_DV)
     dk_acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     for g in range(0, GROUP):
@@ -336,10 +336,10 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV_, Lse, Delta, Count, Index, TileId, Bitma
             mt = tl.load(index + j)
             rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)
             row_ok = rows < q_len
-            q = tl.load(q_base + rows[:, None] * stride_qm + dq_[None, :],
-                        mask=row_ok[:, None] & (dq_[None, :] < D), other=0.0)  # (BLOCK_M, BLOCK_D)
-            do = tl.load(do_base + rows[:, None] * stride_dom + dv[None, :],
-                         mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0)  # (BLOCK_M, BLOCK_DV)
+            q = tl.load(q_base + rows[:, None] * stride_qm + offs_d[None, :],
+                        mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)  # (BLOCK_M, BLOCK_D)
+            do = tl.load(do_base + rows[:, None] * stride_dom + offs_dv[None, :],
+                         mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)  # (BLOCK_M, BLOCK_DV)
             lse = tl.load(Lse + b * stride_lb + h * stride_lh + rows, mask=row_ok, other=float("inf"))
             lse2 = tl.where(lse == float("-inf"), float("inf"), lse) * 1.44269504  # empty rows: p = 0
             delta = tl.load(Delta + b * stride_lb + h * stride_lh + rows, mask=row_ok, other=0.0)
@@ -363,8 +363,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV_, Lse, Delta, Count, Index, TileId, Bitma
                 dst = dst * (1.0 - tt * tt)
             dk_acc += _dot(_round(dst, Q.dtype.element_ty, EMULATE_BF16), q, EMULATE_BF16, PRECISION)
     base = (b * tl.num_programs(1) + hk) * kv_len + cols[:, None]
-    tl.store(DK + base * D + dq_[None, :], dk_acc * scale, mask=col_ok[:, None] & (dq_[None, :] < D))
-    tl.store(DV_ + base * DV + dv[None, :], dv_acc, mask=col_ok[:, None] & (dv[None, :] < DV))
+    tl.store(DK + base * D + offs_d[None, :], dk_acc * scale, mask=col_ok[:, None] & (offs_d[None, :] < D))
+    tl.store(DV_ + base * DV + offs_dv[None, :], dv_acc, mask=col_ok[:, None] & (offs_dv[None, :] < DV))
 
 
 # ------------------------------------------------------------------------------------------ paged decode
@@ -395,10 +395,10 @@ def _paged_decode(Q, KPool, VPool, BlockTable, SeqLens, Out, PartOut, PartLse, S
     g = tl.arange(0, BLOCK_G)
     heads = hk * GROUP + g
     g_ok = g < GROUP
-    dq_ = tl.arange(0, BLOCK_D)
-    dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + dq_[None, :],
-                mask=g_ok[:, None] & (dq_[None, :] < D), other=0.0)  # (BLOCK_G, BLOCK_D)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_ok[:, None] & (offs_d[None, :] < D), other=0.0)  # (BLOCK_G, BLOCK_D)
     seq_len = tl.load(SeqLens + b)
     start = split * keys_per_split
     stop = tl.minimum(start + keys_per_split, seq_len)
@@ -413,10 +413,10 @@ def _paged_decode(Q, KPool, VPool, BlockTable, SeqLens, Out, PartOut, PartLse, S
         key_ok = keys < stop
         page = tl.load(BlockTable + b * stride_tb + keys // page_size, mask=key_ok, other=0).to(tl.int64)
         slot = keys % page_size
-        k = tl.load(KPool + page[None, :] * stride_kp + hk * stride_kh + slot[None, :] * stride_ks + dq_[:, None],
-                    mask=key_ok[None, :] & (dq_[:, None] < D), other=0.0)  # (BLOCK_D, BLOCK_N)
-        v = tl.load(VPool + page[:, None] * stride_vp + hk * stride_vh + slot[:, None] * stride_vs + dv[None, :],
-                    mask=key_ok[:, None] & (dv[None, :] < DV), other=0.0)  # (BLOCK_N, BLOCK_DV)
+        k = tl.load(KPool + page[None, :] * stride_kp + hk * stride_kh + slot[None, :] * stride_ks + offs_d[:, None],
+                    mask=key_ok[None, :] & (offs_d[:, None] < D), other=0.0)  # (BLOCK_D, BLOCK_N)
+        v = tl.load(VPool + page[:, None] * stride_vp + hk * stride_vh + slot[:, None] * stride_vs + offs_dv[None, :],
+                    mask=key_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)  # (BLOCK_N, BLOCK_DV)
         s = _dot(q, k, EMULATE_BF16, PRECISION) * scale  # (BLOCK_G, BLOCK_N)
         if HAS_SOFTCAP:
             s = softcap * _tanh(s / softcap)
@@ -438,12 +438,12 @@ def _paged_decode(Q, KPool, VPool, BlockTable, SeqLens, Out, PartOut, PartLse, S
     if SPLIT:
         lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
         part = (b * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split  # (B, Hq, S) flattened
-        tl.store(PartOut + part[:, None] * DV + dv[None, :], out, mask=g_ok[:, None] & (dv[None, :] < DV))
+        tl.store(PartOut + part[:, None] * DV + offs_dv[None, :], out, mask=g_ok[:, None] & (offs_dv[None, :] < DV))
         tl.store(PartLse + part, lse, mask=g_ok)
     else:
-        tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + dv[None, :],
+        tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :],
                  _round(out, Out.dtype.element_ty, EMULATE_BF16),
-                 mask=g_ok[:, None] & (dv[None, :] < DV))
+                 mask=g_ok[:, None] & (offs_dv[None, :] < DV))
 
 
 def _paged_combine(PartOut, PartLse, Out, stride_ob, stride_oh, NUM_SPLITS,
@@ -455,17 +455,18 @@ def _paged_combine(PartOut, PartLse, Out, stride_ob, stride_oh, NUM_SPLITS,
     h = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     s = tl.arange(0, BLOCK_S)
-    dv = tl.arange(0, BLOCK_DV)
+    offs_dv = tl.arange(0, BLOCK_DV)
     row = b * tl.num_programs(0) + h
     lse = tl.load(PartLse + row * NUM_SPLITS + s, mask=s < NUM_SPLITS, other=float("-inf"))
     m = tl.max(lse, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp(lse - m_safe)  # (BLOCK_S,)
-    parts = tl.load(PartOut + (row * NUM_SPLITS + s[:, None]) * DV + dv[None, :],
-                    mask=(s[:, None] < NUM_SPLITS) & (dv[None, :] < DV), other=0.0)  # (BLOCK_S, BLOCK_DV)
+    parts = tl.load(PartOut + (row * NUM_SPLITS + s[:, None]) * DV + offs_dv[None, :],
+                    mask=(s[:, None] < NUM_SPLITS) & (offs_dv[None, :] < DV), other=0.0)  # (BLOCK_S, BLOCK_DV)
     total = tl.sum(w, 0)
     out = tl.sum(parts * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(Out + b * stride_ob + h * stride_oh + dv, _round(out, Out.dtype.element_ty, EMULATE_BF16), mask=dv < DV)
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_dv, _round(out, Out.dtype.element_ty, EMULATE_BF16),
+             mask=offs_dv < DV)
 
 
 # ------------------------------------------------------------------------------------------------- build
