@@ -314,9 +314,24 @@ def test_dropout_gradcheck():
 def test_sliding_window_is_few_strided_calls():
     call = _make_call(*qkv(1, 8, 8, 4096, 4096, 64, grad=False), mask=M.sliding_window(255))
     plan = flash._plan(call)
-    assert len(plan.jobs) == 3 and all(j.tiles is None for j in plan.jobs)  # edge tiles 0, 1 and one band
     assert plan.visited_pairs == 1 + 2 + 3 * 30
-    assert plan.jobs[-1].n == 30 and plan.jobs[-1].kstep == 1
+    assert len(plan.jobs) == 2 and all(j.tiles is None for j in plan.jobs)
+    lead, band = plan.jobs
+    assert lead.rows.tolist() == [0, 1, 2] and lead.kstep == 0 and lead.w == 3  # clipped windows: one call
+    assert band.n == 29 and band.kstep == 1 and band.k0 == 1  # one strided view of k and v
+    assert flash._forward_plan(call).block_q == 64  # a narrow window wastes less on 64-row tiles
+    wide = _make_call(*qkv(1, 8, 8, 4096, 4096, 64, grad=False), mask=M.sliding_window(2047))
+    assert flash._forward_plan(wide).block_q == 128
+
+
+def test_forward_and_backward_tilings_differ():
+    """The forward may use 64-row tiles and the backward 128-row ones, padded differently (L=300)."""
+    q, k, v = qkv(1, 4, 2, 300, 300, 16)
+    call = _make_call(q, k, v, mask=M.sliding_window(30))
+    assert flash._forward_plan(call).q_pad == 320 and flash._plan(call).q_pad == 384
+    for bias in (None, B.alibi(B.alibi_slopes(4))):
+        check_against_oracle(lambda *a, **kw: attnkit.attention(*a, backend="flash", **kw), q, k, v,
+                             mask=M.sliding_window(30), bias=bias)
 
 
 def test_scattered_pattern_gathers():

@@ -104,9 +104,13 @@ def mod_params(obj, _seen=None) -> list[Tensor]:
     seen.add(id(obj))
     if isinstance(obj, Tensor):
         return [obj] if obj.requires_grad else []
-    if isinstance(obj, torch.nn.Module):
-        return [p for p in obj.parameters() if p.requires_grad and id(p) not in seen and not seen.add(id(p))]
     out: list[Tensor] = []
+    if isinstance(obj, torch.nn.Module):
+        for p in obj.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+        return out
     if isinstance(obj, (list, tuple)):
         items = list(obj)
     elif isinstance(obj, dict):

@@ -32,6 +32,7 @@ BLOCK_K = 128  # keys per tile (the granularity of skipping and of the element m
 MAX_GATHER_KEYS = 1024  # keys gathered into one window in the irregular (gather) path
 BAND_MIN_PAIRS = 4  # bands are used when they average at least this many visited tile pairs per call ...
 BAND_MAX_CALLS = 16  # ... or when there are this few of them
+ABSORB_WASTE = 2  # extra masked windows allowed when folding a band's clipped leading windows into one call
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -199,11 +200,49 @@ def _band_jobs(heads: Heads, tiles: Tensor, kinds: Tensor, counts: Tensor) -> li
                 continue
         cur = {"ri": ri, "rows": [t], "pos": [poss[i]], "lo": lo, "w": w, "kstep": 0, "last": lo}
         raw.append(cur)
-    jobs = []
+    jobs = _absorb_leading_rows(heads, raw, kinds)
     for r in raw:
+        if not r["rows"]:
+            continue
         rows_t, pos_t = torch.tensor(r["rows"]), torch.tensor(r["pos"])
         job_kinds = kinds[rows_t[:, None], pos_t[:, None] + torch.arange(r["w"])]  # (n, w)
         jobs.append(Job(heads, rows_t, True, r["w"], r["lo"], r["kstep"], None, job_kinds, r["ri"] == 0))
+    return jobs
+
+
+def _absorb_leading_rows(heads: Heads, raw: list[dict], kinds: Tensor) -> list[Job]:
+    """Fold the short windows in front of a band (the first tiles of a sliding window, whose windows are
+    clipped at key 0) into one call with the band's first window, at most ``ABSORB_WASTE`` windows of
+    extra (masked) work.  One call instead of one per leading row.  Mutates ``raw``; returns new jobs."""
+    jobs = []
+    for j, r in enumerate(raw):
+        if len(r["rows"]) < 2 or r["kstep"] <= 0:
+            continue
+        lo0, w0 = r["lo"], r["w"]
+        take, waste, expect = [], 0, r["rows"][0] - 1
+        for p in reversed(raw[:j]):
+            if p["ri"] != r["ri"] or len(p["rows"]) != 1 or p["rows"][0] != expect:
+                break
+            if p["lo"] < lo0 or p["lo"] + p["w"] > lo0 + w0 or waste + w0 - p["w"] > ABSORB_WASTE * w0:
+                break
+            waste += w0 - p["w"]
+            take.append(p)
+            expect -= 1
+        if not take:
+            continue
+        members = [(p["rows"][0], p["lo"], p["w"], p["pos"][0]) for p in reversed(take)]
+        members.append((r["rows"][0], lo0, w0, r["pos"][0]))
+        window = torch.arange(lo0, lo0 + w0)
+        rows_kinds = []
+        for t, lo, w, pos in members:
+            inside = (window >= lo) & (window < lo + w)
+            own = kinds[t, (pos + (window - lo)).clamp(0, kinds.shape[1] - 1)]
+            rows_kinds.append(torch.where(inside, own, torch.tensor(PARTIAL, dtype=torch.int8)))
+        jobs.append(Job(heads, torch.tensor([m[0] for m in members]), True, w0, lo0, 0, None,
+                        torch.stack(rows_kinds), r["ri"] == 0))
+        for p in take:
+            p["rows"], p["pos"] = [], []
+        r["rows"], r["pos"], r["lo"] = r["rows"][1:], r["pos"][1:], lo0 + r["kstep"]
     return jobs
 
 
