@@ -45,20 +45,22 @@ def test_paged_attention_equals_attention_on_gathered(mask, bias, softcap, lq):
         torch.testing.assert_close(got[b:b + 1], want, rtol=0, atol=1e-12)
 
 
-def test_paged_attention_does_not_repeat_grouped_heads(monkeypatch):
-    """The gathered keys hold Hkv heads, not Hq: no copies of grouped heads are made."""
+def test_paged_attention_reads_views_of_the_pool_without_repeating_heads(monkeypatch):
+    """Keys and values enter the products as views of the pool (no gather, no copy) with Hkv heads, not Hq."""
     seen = []
     real = torch.matmul
 
     def spy(a, b):
-        seen.append((tuple(a.shape), tuple(b.shape)))
+        seen.append(b)
         return real(a, b)
 
     monkeypatch.setattr(torch, "matmul", spy)
     k_pool, v_pool = _pool(hkv=2)
-    paged_attention(torch.randn(2, 8, 1, 8, dtype=F64), k_pool, v_pool, torch.tensor([[1], [2]], dtype=torch.int32),
-                    torch.tensor([4, 2], dtype=torch.int32))
-    assert seen and all(b_shape[0] == 2 for _, b_shape in seen)  # (Hkv=2, B, ...) operands only
+    table = torch.tensor([[1, 2, 7], [4, 0, 0]], dtype=torch.int32)  # sequence 0: runs [1, 2] and [7]
+    paged_attention(torch.randn(2, 8, 1, 8, dtype=F64), k_pool, v_pool, table, torch.tensor([10, 2], dtype=torch.int32))
+    pools = {k_pool.untyped_storage().data_ptr(), v_pool.untyped_storage().data_ptr()}
+    assert len(seen) == 2 * 3  # one product for keys and one for values per run
+    assert all(b.shape[1] == 2 and b.untyped_storage().data_ptr() in pools for b in seen)
 
 
 def test_ragged_batch_decode_and_prefill_equal_each_sequence_alone():

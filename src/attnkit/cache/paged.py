@@ -15,7 +15,8 @@ tokens chained with the hash of everything before them) reuses those blocks inst
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from bisect import bisect_left, insort
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -78,14 +79,6 @@ def _triton_backend():
     return tb if hasattr(tb, "paged_decode") and hasattr(tb, "check_paged_decode") else None
 
 
-def _grouped(t: Tensor, B: int, Hkv: int, G: int, Lq: int, Lk: int) -> Tensor:
-    """A tensor broadcastable to (B, Hq, Lq, >=Lk) as (Hkv, B, G, Lq, Lk)."""
-    while t.dim() < 4:
-        t = t.unsqueeze(0)
-    t = t[..., :Lk].expand(B, Hkv * G, Lq, Lk)
-    return t.reshape(B, Hkv, G, Lq, Lk).transpose(0, 1)
-
-
 def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor, seq_lens: Tensor, *,
                     scale: float | None = None, softcap: float | None = None, bias=None, mask=None) -> Tensor:
     """Attention of each sequence's newest queries over its keys, read through its block table.
@@ -109,8 +102,9 @@ def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tens
         ``(B, Hq, Lq, Dv)`` in ``q``'s dtype.  A sequence with ``seq_lens[b] = 0`` gets zeros.
 
     On CUDA tensors, with no mask beyond causal, the Triton kernel ``attnkit.backends.triton.paged_decode``
-    runs when it takes the call (its ``check_paged_decode``); elsewhere the blocks are gathered (one read through the block table, no
-    copies of grouped heads) and attention is computed in the accumulation dtype (float32 for half inputs).
+    runs when it takes the call (its ``check_paged_decode``).  Elsewhere each sequence's blocks are read as
+    views of the pool, one matrix product per run of consecutive block ids (nothing is gathered or copied,
+    grouped-query heads are not repeated); the softmax runs in float32 for half inputs.
 
     Example::
 
@@ -137,45 +131,92 @@ def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tens
             return tb.paged_decode(q, k_pool, v_pool, block_table, seq_lens, **kw)
     if B == 0:
         return q.new_zeros(B, Hq, Lq, Dv)
-    lens = seq_lens.to(device=q.device, dtype=torch.long)
-    n_used = max(1, -(-int(lens.max()) // bs))
-    table = block_table[:, :n_used].to(device=q.device, dtype=torch.long).clamp(min=0, max=NB - 1)
-    Lk = n_used * bs
+    lens = [int(n) for n in seq_lens.tolist()]
+    rows = block_table.tolist()
+    runs = []
+    for b, (row, n) in enumerate(zip(rows, lens)):
+        used = row[:-(-n // bs)]
+        if any(not 0 <= x < NB for x in used):
+            raise ValueError(f"paged_attention: block_table[{b}] holds block ids outside [0, {NB}) among the "
+                             f"{len(used)} blocks its seq_lens[{b}]={n} uses")
+        runs.append(_runs(used))
+    return _attend_runs(q, k_pool, v_pool, lens, runs, scale=scale, softcap=softcap, bias=bias, mask=mask)
+
+
+def _runs(blocks: list[int]) -> list[tuple[int, int]]:
+    """Consecutive block ids as ``(first, count)`` runs: each run is one view of the pool, no copy."""
+    out: list[list[int]] = []
+    for b in blocks:
+        if out and out[-1][0] + out[-1][1] == b:
+            out[-1][1] += 1
+        else:
+            out.append([b, 1])
+    return [(a, n) for a, n in out]
+
+
+def _row_bias(bias: Tensor, b: int, Hkv: int, G: int, Lq: int, L: int) -> Tensor:
+    """Sequence ``b``'s slice of a tensor broadcastable to (B, Hq, Lq, >=L), as (Hkv, G, Lq, L)."""
+    while bias.dim() < 4:
+        bias = bias.unsqueeze(0)
+    if bias.shape[-1] < L:
+        raise ValueError(f"paged_attention: the bias/mask covers {bias.shape[-1]} keys but sequence {b} has {L}")
+    row = bias[b if bias.shape[0] > 1 else 0, :, :, :L]  # (Hq|1, Lq|1, L)
+    return row.expand(Hkv * G, Lq, L).reshape(Hkv, G, Lq, L)
+
+
+def _attend_runs(q: Tensor, k_pool: Tensor, v_pool: Tensor, lens: list[int], runs: list[list[tuple[int, int]]], *,
+                 scale: float, softcap, bias, mask) -> Tensor:
+    """Attention per sequence over views of its runs of consecutive blocks (nothing is gathered)."""
+    B, Hq, Lq, D = q.shape
+    _, Hkv, bs, _ = k_pool.shape
+    Dv = v_pool.shape[3]
+    G = Hq // Hkv
     acc = _accumulation(q.dtype)
-    k = k_pool.transpose(0, 1)[:, table].reshape(Hkv, B, Lk, D)  # (Hkv, B, Lk, D): one gather, no GQA copies
-    v = v_pool.transpose(0, 1)[:, table].reshape(Hkv, B, Lk, Dv)  # (Hkv, B, Lk, Dv)
-    qg = q.reshape(B, Hkv, G * Lq, D).transpose(0, 1)  # (Hkv, B, G*Lq, D)
-    s = torch.matmul(qg.to(acc), k.to(acc).transpose(-1, -2)) * scale  # (Hkv, B, G*Lq, Lk)
-    s = s.view(Hkv, B, G, Lq, Lk)
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
     dev = q.device
-    bi = torch.arange(B, device=dev).view(1, B, 1, 1, 1)
-    hi = (torch.arange(Hkv, device=dev).view(Hkv, 1) * G + torch.arange(G, device=dev)).view(Hkv, 1, G, 1, 1)
-    qi = torch.arange(Lq, device=dev).view(1, 1, 1, Lq, 1)
-    ki = torch.arange(Lk, device=dev).view(1, 1, 1, 1, Lk)
-    kv_len = lens.view(1, B, 1, 1, 1)  # each sequence aligned bottom-right against its own length
-    if isinstance(bias, ScoreMod):
-        s = bias._mod(s, bi, hi, qi, ki, Lq, kv_len)
-    elif isinstance(bias, Tensor):
-        s = s + _grouped(bias, B, Hkv, G, Lq, Lk).to(s.dtype)
-    elif bias is not None:
-        raise TypeError(f"paged_attention: bias must be None, an attnkit.bias modifier or a float tensor, "
-                        f"got {type(bias).__name__}")
-    allowed = ki < kv_len  # (1, B, 1, 1, Lk)
-    if isinstance(mask, Mask):
-        allowed = allowed & mask._mod(bi, hi, qi, ki, Lq, kv_len)
-    elif isinstance(mask, Tensor):
-        if mask.dtype != torch.bool:
-            raise TypeError(f"paged_attention: a tensor mask must be bool (True = may attend), got {mask.dtype}")
-        allowed = allowed & _grouped(mask, B, Hkv, G, Lq, Lk)
-    elif mask is not None:
-        raise TypeError(f"paged_attention: mask must be None, an attnkit.masks.Mask or a bool tensor, "
-                        f"got {type(mask).__name__}")
-    s = s.masked_fill(~allowed, float("-inf"))
-    p = stable_softmax(s, dim=-1).view(Hkv, B, G * Lq, Lk)
-    out = torch.matmul(p, v.to(acc))  # (Hkv, B, G*Lq, Dv)
-    return out.transpose(0, 1).reshape(B, Hq, Lq, Dv).to(q.dtype)
+    out = q.new_zeros(B, Hq, Lq, Dv)
+    hi = (torch.arange(Hkv, device=dev).view(Hkv, 1) * G + torch.arange(G, device=dev)).view(Hkv, G, 1, 1)
+    qi = torch.arange(Lq, device=dev).view(1, 1, Lq, 1)
+    for b in range(B):
+        L = lens[b]
+        if L == 0:
+            continue
+        qb = q[b].reshape(Hkv, G * Lq, D)  # (Hkv, G*Lq, D): the G query heads of a kv head together
+        parts = [torch.matmul(qb, k_pool[a:a + n].transpose(-1, -2)) for a, n in runs[b]]  # (n, Hkv, G*Lq, bs)
+        sc = parts[0] if len(parts) == 1 else torch.cat(parts)  # (N, Hkv, G*Lq, bs)
+        N = sc.shape[0]
+        sc = sc.permute(1, 2, 0, 3).reshape(Hkv, G, Lq, N * bs)[..., :L].to(acc) * scale  # (Hkv, G, Lq, L)
+        if softcap is not None:
+            sc = softcap * torch.tanh(sc / softcap)
+        if bias is not None or mask is not None:
+            bi = torch.full((1, 1, 1, 1), b, device=dev)
+            ki = torch.arange(L, device=dev).view(1, 1, 1, L)
+            if isinstance(bias, ScoreMod):
+                sc = bias._mod(sc, bi, hi, qi, ki, Lq, L)
+            elif isinstance(bias, Tensor):
+                sc = sc + _row_bias(bias, b, Hkv, G, Lq, L).to(sc.dtype)
+            elif bias is not None:
+                raise TypeError(f"paged_attention: bias must be None, an attnkit.bias modifier or a float tensor, "
+                                f"got {type(bias).__name__}")
+            if isinstance(mask, Mask):
+                sc = sc.masked_fill(~mask._mod(bi, hi, qi, ki, Lq, L), float("-inf"))
+            elif isinstance(mask, Tensor):
+                if mask.dtype != torch.bool:
+                    raise TypeError(f"paged_attention: a tensor mask must be bool (True = may attend), got {mask.dtype}")
+                sc = sc.masked_fill(~_row_bias(mask, b, Hkv, G, Lq, L), float("-inf"))
+            elif mask is not None:
+                raise TypeError(f"paged_attention: mask must be None, an attnkit.masks.Mask or a bool tensor, "
+                                f"got {type(mask).__name__}")
+        p = stable_softmax(sc, dim=-1)  # (Hkv, G, Lq, L)
+        if L < N * bs:
+            p = torch.nn.functional.pad(p, (0, N * bs - L))
+        p = p.reshape(Hkv, G * Lq, N, bs).permute(2, 0, 1, 3).to(v_pool.dtype)  # (N, Hkv, G*Lq, bs)
+        o, ob = 0, None
+        for a, n in runs[b]:
+            part = torch.matmul(p[o:o + n], v_pool[a:a + n]).to(acc).sum(0)  # (Hkv, G*Lq, Dv)
+            ob = part if ob is None else ob + part
+            o += n
+        out[b] = ob.reshape(Hq, Lq, Dv).to(out.dtype)
+    return out
 
 
 # ----------------------------------------------------------------------------- the block pool
@@ -190,11 +231,17 @@ class _Sequence:
 
 
 class _Allocator:
-    """Free list, reference counts, and the prefix table of full blocks (hash -> block)."""
+    """Free blocks, reference counts, and the prefix table of full blocks (hash -> block).
+
+    The free blocks are kept sorted so that a sequence can grow into the block right after its last one:
+    a sequence whose blocks are consecutive is read as one view of the pool (see ``_attend_runs``).  A new
+    run starts at the beginning of the largest free range, or in its middle when used blocks precede it
+    (leaving them room to grow).
+    """
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
-        self.free: deque[int] = deque(range(num_blocks))
+        self.free: list[int] = list(range(num_blocks))  # sorted
         self.refs = [0] * num_blocks
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 but cached: reusable until evicted (LRU)
         self.table: dict[int, int] = {}  # chained hash -> block
@@ -203,9 +250,30 @@ class _Allocator:
     def num_free(self) -> int:
         return len(self.free) + len(self.evictable)
 
-    def allocate(self) -> int:
+    def _is_free(self, b: int) -> bool:
+        i = bisect_left(self.free, b)
+        return i < len(self.free) and self.free[i] == b
+
+    def _place(self, want: int) -> int:
+        free = self.free
+        best_start, best_len = free[0], 0
+        start = prev = free[0]
+        for b in free[1:] + [-1]:
+            if b != prev + 1:
+                if prev - start + 1 > best_len:
+                    best_start, best_len = start, prev - start + 1
+                start = b
+            prev = b
+        if best_start == 0 or best_len <= want:
+            return best_start
+        return best_start + (best_len - want) // 2
+
+    def allocate(self, prefer: int | None = None, want: int = 1) -> int:
+        """A block: ``prefer`` when it is free, else the start of a new run with room for ``want`` blocks,
+        else the least recently used cached block."""
         if self.free:
-            b = self.free.popleft()
+            b = prefer if prefer is not None and self._is_free(prefer) else self._place(want)
+            del self.free[bisect_left(self.free, b)]
         elif self.evictable:
             b, _ = self.evictable.popitem(last=False)  # least recently used cached block
             h = self.key.pop(b)[0]
@@ -227,7 +295,7 @@ class _Allocator:
             if b in self.key:
                 self.evictable[b] = None
             else:
-                self.free.append(b)
+                insort(self.free, b)
 
     def lookup(self, h: int, parent: int, tokens: tuple) -> int | None:
         b = self.table.get(h)
@@ -411,14 +479,16 @@ class PagedCache:
             i = seq.length // bs
             old = seq.blocks[i]
             if self._alloc.refs[old] > 1:  # copy-on-write of the shared, partially filled block
-                new = self._alloc.allocate()
+                new = self._alloc.allocate(prefer=seq.blocks[i - 1] + 1 if i else None)
                 for kp, vp in zip(self.k_pools, self.v_pools):
                     kp[new].copy_(kp[old])
                     vp[new].copy_(vp[old])
                 self._alloc.decref(old)
                 seq.blocks[i] = new
-        while len(seq.blocks) * bs < seq.length + n_new:
-            seq.blocks.append(self._alloc.allocate())
+        missing = -(-(seq.length + n_new) // bs) - len(seq.blocks)
+        for j in range(missing):  # grow into the block after the last one when it is free
+            prev = seq.blocks[-1] if seq.blocks else None
+            seq.blocks.append(self._alloc.allocate(prefer=None if prev is None else prev + 1, want=missing - j))
 
     def _register(self, seq: _Sequence) -> None:
         if not self.prefix_caching:
@@ -487,45 +557,62 @@ class _Plan:
         for s in ids:
             cache.reserve(s, n_new)
         bs, dev = cache.block_size, cache.device
-        self.n_new = n_new
-        self.starts = [s.length for s in seqs]
-        ends = [st + n_new for st in self.starts]
+        self.cache, self.ids, self.n_new = cache, ids, n_new
+        starts = [s.length for s in seqs]
+        self.lens = [st + n_new for st in starts]  # after the write
         blk, off = [], []
-        for s, st in zip(seqs, self.starts):
+        for s, st in zip(seqs, starts):
             for p in range(st, st + n_new):
                 blk.append(s.blocks[p // bs])
                 off.append(p % bs)
         self.write_blocks = torch.tensor(blk, dtype=torch.long, device=dev)  # (B * n_new,)
         self.write_offsets = torch.tensor(off, dtype=torch.long, device=dev)
-        self.block_table = cache.block_table(ids)  # (B, max_blocks) int32
-        self.seq_lens = torch.tensor(ends, dtype=torch.int32, device=dev)  # (B,) after the write
-        self.gather = None
-        if n_new > 1:
-            L = max(ends)
-            gb, go, pad = [], [], []
-            for s, e in zip(seqs, ends):
-                shift = L - e  # right-align: every sequence ends at column L - 1, as bottom-right wants
-                pad.append(shift)
-                rows = [max(0, j - shift) for j in range(L)]
-                gb.append([s.blocks[p // bs] for p in rows])
-                go.append([p % bs for p in rows])
-            mask = None
-            if any(pad):
-                cols = torch.arange(L, device=dev).view(1, -1)
-                mask = (cols >= torch.tensor(pad, device=dev).view(-1, 1))[:, None, None, :]  # (B, 1, 1, L)
-            self.gather = (torch.tensor(gb, dtype=torch.long, device=dev),
-                           torch.tensor(go, dtype=torch.long, device=dev), mask)
+        self.runs = [_runs(s.blocks[:-(-n // bs)]) for s, n in zip(seqs, self.lens)]
+        self._tables = None
+
+    def tables(self) -> tuple[Tensor, Tensor]:
+        """``block_table (B, max_blocks)`` and ``seq_lens (B,)`` int32 tensors (for the GPU kernel)."""
+        if self._tables is None:
+            self._tables = (self.cache.block_table(self.ids),
+                            torch.tensor(self.lens, dtype=torch.int32, device=self.cache.device))
+        return self._tables
+
+    def gather(self, pool: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Every stored position of each sequence, right-aligned: ``(B, Hkv, max_len, D)`` and the padding mask."""
+        _, H, bs, D = pool.shape
+        rows = []
+        for runs, n in zip(self.runs, self.lens):
+            views = [pool[a:a + m].transpose(0, 1).reshape(H, m * bs, D) for a, m in runs]  # (Hkv, m*bs, D)
+            rows.append((views[0] if len(views) == 1 else torch.cat(views, dim=1))[:, :n])
+        if len(rows) == 1:
+            return rows[0][None], None
+        L = max(self.lens)
+        out = pool.new_zeros(len(rows), H, L, D)
+        for b, r in enumerate(rows):
+            out[b, :, L - r.shape[1]:] = r  # right-align: every sequence ends at column L - 1 (bottom-right)
+        if all(n == L for n in self.lens):
+            return out, None
+        cols = torch.arange(L, device=pool.device).view(1, -1)
+        pad = torch.tensor([L - n for n in self.lens], device=pool.device).view(-1, 1)
+        return out, (cols >= pad)[:, None, None, :]  # (B, 1, 1, L)
 
 
 class _PagedDecode:
     """What a decode step's layer returns: attention through the block table (see ``paged_attention``)."""
 
-    def __init__(self, k_pool: Tensor, v_pool: Tensor, block_table: Tensor, seq_lens: Tensor):
-        self.k_pool, self.v_pool, self.block_table, self.seq_lens = k_pool, v_pool, block_table, seq_lens
+    def __init__(self, k_pool: Tensor, v_pool: Tensor, plan: _Plan):
+        self.k_pool, self.v_pool, self.plan = k_pool, v_pool, plan
 
     def attend(self, q: Tensor, *, mask=None, bias=None, scale=None, softcap=None) -> Tensor:
-        return paged_attention(q, self.k_pool, self.v_pool, self.block_table, self.seq_lens, scale=scale,
-                               softcap=softcap, bias=bias, mask=mask)
+        if q.is_cuda:  # the Triton kernel when it takes the call
+            table, lens = self.plan.tables()
+            return paged_attention(q, self.k_pool, self.v_pool, table, lens, scale=scale, softcap=softcap,
+                                   bias=bias, mask=mask)
+        if isinstance(mask, _Causal) and mask.align == "bottom_right" and q.shape[2] == 1:
+            mask = None
+        scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+        return _attend_runs(q, self.k_pool, self.v_pool, self.plan.lens, self.plan.runs, scale=scale,
+                            softcap=softcap, bias=bias, mask=mask)
 
 
 class PagedLayerCache:
@@ -556,11 +643,10 @@ class PagedLayerCache:
         kp[plan.write_blocks, :, plan.write_offsets] = k.transpose(1, 2).reshape(B * n, H, -1)  # (B*n, Hkv, D)
         vp[plan.write_blocks, :, plan.write_offsets] = v.transpose(1, 2).reshape(B * n, H, -1)
         if n == 1:
-            out = _PagedDecode(kp, vp, plan.block_table, plan.seq_lens)
+            out = _PagedDecode(kp, vp, plan)
         else:
-            gb, go, mask = plan.gather
-            k_all = kp[gb, :, go].permute(0, 2, 1, 3)  # (B, Hkv, L, D), right-aligned
-            v_all = vp[gb, :, go].permute(0, 2, 1, 3)
+            k_all, mask = plan.gather(kp)  # (B, Hkv, L, D), right-aligned
+            v_all, _ = plan.gather(vp)
             out = (k_all, v_all) if mask is None else (k_all, v_all, mask)
         if self.index == c.n_layers - 1:
             o._commit()
