@@ -208,14 +208,21 @@ class _Config:
 _TAG_KV, _TAG_DKV, _TAG_HOME = 0, 2, 4  # gloo matches messages by tag: keys/values, their grads, the last hop
 
 
-def _exchange(send: list[Tensor], to: int, frm: int, group, tag: int) -> tuple[list[Tensor], list]:
-    """Post sends of ``send`` to group rank ``to`` and receives of same-shaped tensors from ``frm``."""
+def _exchange(send: list[Tensor], to: int, frm: int, group, tag: int) -> tuple[list[Tensor], list, list]:
+    """Post sends of ``send`` to group rank ``to`` and receives of same-shaped tensors from ``frm``.
+
+    Returns the receive buffers and the pending works as ``(sends, receives)``; a backend that coalesces
+    the batch into one work (NCCL) gives no separate sends, and everything is in ``receives``.
+    """
     recv = [torch.empty_like(t) for t in send]
     ops = []
     for j, (s, r) in enumerate(zip(send, recv)):
         ops.append(dist.P2POp(dist.isend, s, group=group, group_peer=to, tag=tag + j))
         ops.append(dist.P2POp(dist.irecv, r, group=group, group_peer=frm, tag=tag + j))
-    return recv, dist.batch_isend_irecv(ops)
+    works = dist.batch_isend_irecv(ops)
+    if len(works) == len(ops):
+        return recv, works[0::2], works[1::2]
+    return recv, [], works
 
 
 def _wait(reqs, cfg: _Config) -> None:
@@ -251,7 +258,8 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, cfg: _Config) -> tuple[Tensor, Ten
     L = cfg.layout.seq_len
     kv = [k, v]
     for i in range(cfg.plan.hops + 1):
-        nxt, reqs = _exchange(kv, cfg.next, cfg.prev, cfg.group, _TAG_KV) if i < cfg.plan.hops else (None, [])
+        nxt, sends, recvs = (_exchange(kv, cfg.next, cfg.prev, cfg.group, _TAG_KV) if i < cfg.plan.hops
+                             else (None, [], []))
         with _Clock(cfg):
             kb, vb = kv
             for it in cfg.plan.items[i]:
@@ -260,7 +268,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, cfg: _Config) -> tuple[Tensor, Ten
                 o, l = attention(q[:, :, it.rows], kb[:, :, it.cols], vb[:, :, it.cols], mask=mask, bias=bias,
                                  scale=cfg.scale, softcap=cfg.softcap, return_lse=True)
                 out[:, :, it.rows], lse[:, :, it.rows] = merge(out[:, :, it.rows], lse[:, :, it.rows], o, l)
-        _wait(reqs, cfg)
+        _wait(sends + recvs, cfg)
         if nxt is not None:
             kv = nxt
     return out.to(q.dtype), lse
@@ -327,34 +335,46 @@ def _backward(q, k, v, out, lse, dout, dlse, cfg: _Config) -> tuple[Tensor, Tens
         delta = delta - dlse.to(acc)  # d lse / d s = p, so ds = p * (dp - delta + dlse)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     kv = [k, v]
-    dkv: list[Tensor] | None = None  # accumulated grads of the block held, summed over the ranks it visited
-    dkv_reqs: list = []
+    dkv_in: list[Tensor] | None = None  # grads of the block held, from the ranks that held it before
+    dkv_sends: list = []  # our grads of the previous block, on their way to the next rank
+    dkv_recvs: list = []
     hops = cfg.plan.hops
     for i in range(hops + 1):
-        nxt, kv_reqs = _exchange(kv, cfg.next, cfg.prev, cfg.group, _TAG_KV) if i < hops else (None, [])
-        mine = [torch.zeros(kv[0].shape, dtype=acc, device=q.device),
-                torch.zeros(kv[1].shape, dtype=acc, device=q.device)]
-        with _Clock(cfg):
-            for it in cfg.plan.items[i]:
-                gq, gk, gv = _block_grads(q, kv[0], kv[1], dout, lse, delta, it, cfg)
-                dq[:, :, it.rows] += gq
-                mine[0][:, :, it.cols] += gk
-                mine[1][:, :, it.cols] += gv
-        if i > 0:  # the grads of this block from the ranks that held it before
-            _wait(dkv_reqs, cfg)
-            mine = [a + b for a, b in zip(mine, dkv)]
+        nxt, kv_sends, kv_recvs = (_exchange(kv, cfg.next, cfg.prev, cfg.group, _TAG_KV) if i < hops
+                                   else (None, [], []))
+        _wait(dkv_sends, cfg)  # sent while the last step ended: lets those buffers go before new ones come
+        dkv_sends = []
+        mine = None  # this rank's grads for the block held
+        if cfg.plan.items[i] or i == 0:
+            mine = [torch.zeros(t.shape, dtype=acc, device=q.device) for t in kv]
+            with _Clock(cfg):
+                for it in cfg.plan.items[i]:
+                    gq, gk, gv = _block_grads(q, kv[0], kv[1], dout, lse, delta, it, cfg)
+                    dq[:, :, it.rows] += gq
+                    mine[0][:, :, it.cols] += gk
+                    mine[1][:, :, it.cols] += gv
+        if i > 0:
+            _wait(dkv_recvs, cfg)
+            if mine is None:
+                mine = dkv_in
+            else:
+                for a, b in zip(mine, dkv_in):
+                    a += b
+            dkv_in = None
         if i < hops:
-            dkv, dkv_reqs = _exchange(mine, cfg.next, cfg.prev, cfg.group, _TAG_DKV)
+            dkv_in, dkv_sends, dkv_recvs = _exchange(mine, cfg.next, cfg.prev, cfg.group, _TAG_DKV)
         elif hops > 0:  # the block held now belongs to rank r - hops: send its grads home, receive ours
-            dkv, dkv_reqs = _exchange(mine, (cfg.rank - hops) % cfg.world, (cfg.rank + hops) % cfg.world,
-                                      cfg.group, _TAG_HOME)
+            kv = nxt = None
+            dkv_in, dkv_sends, dkv_recvs = _exchange(mine, (cfg.rank - hops) % cfg.world,
+                                                     (cfg.rank + hops) % cfg.world, cfg.group, _TAG_HOME)
         else:
-            dkv, dkv_reqs = mine, []
-        _wait(kv_reqs, cfg)
+            dkv_in = mine
+        del mine  # the sends in flight keep it alive until they are done
+        _wait(kv_sends + kv_recvs, cfg)
         if nxt is not None:
             kv = nxt
-    _wait(dkv_reqs, cfg)
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    _wait(dkv_sends + dkv_recvs, cfg)
+    return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype)
 
 
 def _record(cfg: _Config, phase: str) -> None:
@@ -441,8 +461,9 @@ def _check_bias_constant(bias: ScoreMod, q: Tensor, heads: int, seq_len: int) ->
         return
     one = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=q.device)
     h = torch.arange(heads, device=q.device).view(1, -1, 1, 1)
+    score = torch.zeros(1, heads, 1, 1, dtype=q.dtype, device=q.device)
     with torch.enable_grad():
-        probe = bias._mod(torch.zeros((), dtype=q.dtype, device=q.device), one, h, one, one, seq_len, seq_len)
+        probe = bias._mod(score, one, h, one, one, seq_len, seq_len)
     if isinstance(probe, torch.Tensor) and probe.requires_grad:
         raise ValueError(f"ring_attention: bias={bias!r} holds tensors that require grad (learnable slopes, "
                          f"tables or temperatures); ring_attention does not train them: pass them detached "
@@ -515,8 +536,13 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, sca
         raise TypeError(f"ring_attention: bias must be None or an attnkit.bias modifier, got a "
                         f"{tuple(bias.shape)} tensor: a dense (L, L) bias defeats sharding the sequence; express "
                         f"it as a function of positions with attnkit.bias.from_fn(fn)")
-    mask = _check_mask(mask, q, shape)
-    bias = _check_bias(bias, q, shape)
+    try:
+        mask = _check_mask(mask, q, shape)
+        bias = _check_bias(bias, q, shape)
+    except ValueError as e:
+        raise ValueError(f"ring_attention: the mask and bias describe the full sequence, an L x L score matrix "
+                         f"with L = {world} ranks x {n} local tokens = {L} (e.g. document ids for all L tokens): "
+                         f"{e}") from None
     if bias is not None:
         _check_bias_constant(bias, q, Hq, L)
     scale = 1.0 / math.sqrt(D) if scale is None else _check_number("scale", scale)
