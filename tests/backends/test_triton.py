@@ -79,7 +79,6 @@ _MASKS = {
     "causal-top-left": (lambda: masks.causal(align="top_left"), 1, 1, 21, 45, "fp16"),
     "sliding-window": (lambda: masks.sliding_window(6, 2), 1, 1, 45, 45, "fp32"),
     "sliding-window-left-unbounded": (lambda: masks.sliding_window(None, 3), 1, 1, 33, 40, "bf16"),
-    "sliding-window-and-causal": (lambda: masks.sliding_window(9) & masks.causal(), 1, 1, 40, 40, "fp16"),
     "document-causal-batched": (lambda: masks.document(_ids([9, 20, 11], batch=2)) & masks.causal(),
                                 2, 1, 40, 40, "fp32"),
     "document-cross": (lambda: masks.document(_ids([10, 13]), _ids([20, 17])), 1, 1, 23, 37, "bf16"),
@@ -112,12 +111,6 @@ for _name in _MASKS:
     CASES[f"mask-{_name}"] = _mask_case(_name)
 
 
-@case("dtype-fp32-causal")
-def _():
-    q, k, v = _qkv(Hq=1, dtype=torch.float32, Lq=45, Lk=45)
-    check_against_oracle(_triton, q, k, v, mask=masks.causal())
-
-
 @case("gqa-6-query-heads-on-2")
 def _():
     q, k, v = _qkv(Hq=6, Hkv=2, Lq=20, Lk=35, dtype=torch.bfloat16)
@@ -141,7 +134,7 @@ def _head_dim(D):
     check_against_oracle(_triton, q, k, v, mask=masks.causal())
 
 
-for _D in (16, 96, 256):
+for _D in (16, 256):  # and D=40, Dv=24 in "odd-lengths-and-head-dims"
     CASES[f"head-dim-{_D}"] = (lambda D: lambda: _head_dim(D))(_D)
 
 
@@ -159,7 +152,7 @@ def _():
 
 @case("alibi-causal")
 def _():
-    q, k, v = _qkv(Hq=2, Hkv=1, Lq=37, Lk=37, dtype=torch.float32)
+    q, k, v = _qkv(Hq=2, Hkv=1, Lq=30, Lk=30, dtype=torch.float32)
     check_against_oracle(_triton, q, k, v, mask=masks.causal(), bias=biases.alibi(biases.alibi_slopes(2)))
 
 
@@ -250,7 +243,7 @@ def _():
     # keys in tiles that no query tile lists hold NaN: had a kernel loaded them, NaN would reach the output
     # (0 * NaN) or dk/dv; the results must equal those of the same call on clean keys, and dk, dv be 0 there
     for mask in (masks.key_padding([20]), masks.from_dense((torch.arange(64) < 20).view(1, 64))):  # predicate, bitmap
-        q, k, v = _qkv(Hq=2, Lq=40, Lk=64, dtype=torch.float16)
+        q, k, v = _qkv(Hq=1, Lq=20, Lk=64, dtype=torch.float16)
         dirty_k, dirty_v = (t.detach().clone() for t in (k, v))
         dirty_k[:, :, 32:], dirty_v[:, :, 32:] = float("nan"), float("nan")  # key tiles 2 and 3
         runs = []
