@@ -13,9 +13,9 @@
   structure.  Patterns it does not recognise (packed sequences, image-token overlays, chunked attention,
   static caches) are built densely by ``transformers``' own ``sdpa_mask``, so they are exact too.
 
-Registering the attention function alone is not enough: ``transformers`` skips mask creation for names
-without a mask function, and the model would silently attend to the future.  :func:`register` always
-registers both, and checks, once per process, that its masks equal ``transformers``' own on a grid of
+Registering the attention function alone is not enough: ``transformers`` builds no mask at all for a name
+without a mask function, so padding (and causality, for attention functions that do not fall back to the
+layer's ``is_causal``) would be silently lost.  :func:`register` always registers both, and checks, once per process, that its masks equal ``transformers``' own on a grid of
 shapes, offsets and paddings, so a version that changed the mask semantics fails loudly instead of
 giving wrong results.
 
