@@ -177,7 +177,9 @@ def attention_rows(lengths, dims, kinds, budget_s, device):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import flex_attention
 
-    torch._dynamo.config.cache_size_limit = 64  # one compiled graph per shape and mask: never fall back to eager
+    # one compiled graph per shape and mask: raise the recompile limit so FlexAttention never falls back to eager
+    config = torch._dynamo.config
+    setattr(config, "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit", 64)
     flex = torch.compile(flex_attention)
     rows, start = [], time.perf_counter()
     for D in dims:
