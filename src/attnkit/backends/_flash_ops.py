@@ -626,10 +626,13 @@ def _per_item(work: Work, heads: Heads, job: Job, backward: bool, fused: bool) -
 
 
 def forward(work: Work) -> tuple[Tensor, Tensor]:
-    """Run the plan: ``(out (B*Hq, Lq_pad, Dv) in the accumulation dtype, lse (Lq_pad, B*Hq))``."""
+    """Run the plan: ``(out (B*Hq, Lq_pad, Dv), lse (Lq_pad, B*Hq))``; ``out`` in the accumulation dtype
+    (or the input dtype when the fused kernel wrote every row once)."""
     plan = work.plan
     nh, dv = work.q3.shape[0], work.v3.shape[-1]
     dev = work.q3.device
+    if work.fused and plan.covered and all(j.first and j.consecutive and j.heads.count == nh for j in plan.jobs):
+        return _forward_pieces(work)
     new = torch.empty if plan.covered else torch.zeros
     out = new(nh, plan.q_pad, dv, dtype=work.acc, device=dev)
     lse = (torch.empty if plan.covered else torch.zeros)(plan.q_pad, nh, dtype=work.lse_dtype, device=dev)
@@ -639,17 +642,10 @@ def forward(work: Work) -> tuple[Tensor, Tensor]:
         heads = job.heads
         for item in items:
             ch = item.chunk
-            m = item.element_mask(work)
             if work.fused:
-                qw = rows_of(work.q3, heads, ch)
-                kw, vw = keys_of(work.k3, heads, ch), keys_of(work.v3, heads, ch)
-                o, l = _FUSED[0](qw, kw, vw, 0.0, False, attn_mask=item.float_mask(work, m),  # noqa: E741
-                                 scale=work.scale)
-                live = item.live if not item.lazy else (None if m is None else m.any(-1)[:, None])
-                if live is not None:
-                    l = torch.where(live, l, torch.full_like(l, float("-inf")))  # noqa: E741
+                o, l = _fused_chunk(work, item)  # noqa: E741
             else:
-                o, l = explicit_forward(work, ch, m)  # noqa: E741
+                o, l = explicit_forward(work, ch, item.element_mask(work))  # noqa: E741
             if job.first:
                 put_rows(out, heads, ch, o, add=False)
                 put_lse(lse, heads, ch, l)
@@ -658,6 +654,37 @@ def forward(work: Work) -> tuple[Tensor, Tensor]:
                 put_rows(out, heads, ch, o_new, add=False)
                 put_lse(lse, heads, ch, l_new)
     return out, lse
+
+
+def _fused_chunk(work: Work, item: Prepared) -> tuple[Tensor, Tensor]:
+    """One chunk on the fused kernel: ``(out (N, count, R, Dv), lse (N, count, R))``, -inf lse on rows
+    that may attend to nothing here."""
+    ch, heads = item.chunk, item.chunk.job.heads
+    m = item.element_mask(work)
+    qw = rows_of(work.q3, heads, ch)
+    kw, vw = keys_of(work.k3, heads, ch), keys_of(work.v3, heads, ch)
+    o, l = _FUSED[0](qw, kw, vw, 0.0, False, attn_mask=item.float_mask(work, m), scale=work.scale)  # noqa: E741
+    live = item.live if not item.lazy else (None if m is None else m.any(-1)[:, None])
+    if live is not None:
+        l = torch.where(live, l, torch.full_like(l, float("-inf")))  # noqa: E741
+    return o, l
+
+
+def _forward_pieces(work: Work) -> tuple[Tensor, Tensor]:
+    """Every row written once by a call over all heads (the usual band plan): concatenate the calls'
+    outputs in row order (one copy) instead of copying each into a preallocated output."""
+    nh = work.q3.shape[0]
+    pieces = []
+    for _, items in prepared(work, True, False):
+        for item in items:
+            o, l = _fused_chunk(work, item)  # noqa: E741
+            ch = item.chunk
+            pieces.append((ch.qstart, o.transpose(0, 1).reshape(nh, ch.N * ch.R, -1),
+                           l.permute(0, 2, 1).reshape(ch.N * ch.R, nh)))
+    pieces.sort(key=lambda p: p[0])
+    if len(pieces) == 1:
+        return pieces[0][1], pieces[0][2]
+    return torch.cat([p[1] for p in pieces], dim=1), torch.cat([p[2] for p in pieces], dim=0)
 
 
 def backward(work: Work, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | None, fused: bool,
