@@ -173,21 +173,27 @@ def _attend_runs(q: Tensor, k_pool: Tensor, v_pool: Tensor, lens: list[int], run
     G = Hq // Hkv
     acc = _accumulation(q.dtype)
     dev = q.device
-    out = q.new_zeros(B, Hq, Lq, Dv)
-    hi = (torch.arange(Hkv, device=dev).view(Hkv, 1) * G + torch.arange(G, device=dev)).view(Hkv, G, 1, 1)
-    qi = torch.arange(Lq, device=dev).view(1, 1, Lq, 1)
+    modified = bias is not None or mask is not None
+    if modified:
+        hi = (torch.arange(Hkv, device=dev).view(Hkv, 1) * G + torch.arange(G, device=dev)).view(Hkv, G, 1, 1)
+        qi = torch.arange(Lq, device=dev).view(1, 1, Lq, 1)
+    outs = []
     for b in range(B):
-        L = lens[b]
+        L, rb = lens[b], runs[b]
         if L == 0:
+            outs.append(q.new_zeros(Hq, Lq, Dv))
             continue
         qb = q[b].reshape(Hkv, G * Lq, D)  # (Hkv, G*Lq, D): the G query heads of a kv head together
-        parts = [torch.matmul(qb, k_pool[a:a + n].transpose(-1, -2)) for a, n in runs[b]]  # (n, Hkv, G*Lq, bs)
+        parts = [torch.matmul(qb, k_pool[a:a + n].transpose(-1, -2)) for a, n in rb]  # (n, Hkv, G*Lq, bs)
         sc = parts[0] if len(parts) == 1 else torch.cat(parts)  # (N, Hkv, G*Lq, bs)
         N = sc.shape[0]
-        sc = sc.permute(1, 2, 0, 3).reshape(Hkv, G, Lq, N * bs)[..., :L].to(acc) * scale  # (Hkv, G, Lq, L)
+        sc = sc.permute(1, 2, 0, 3).reshape(Hkv, G, Lq, N * bs)[..., :L]  # (Hkv, G, Lq, L), position order
+        if sc.dtype != acc:
+            sc = sc.to(acc)
+        sc = sc * scale
         if softcap is not None:
             sc = softcap * torch.tanh(sc / softcap)
-        if bias is not None or mask is not None:
+        if modified:
             bi = torch.full((1, 1, 1, 1), b, device=dev)
             ki = torch.arange(L, device=dev).view(1, 1, 1, L)
             if isinstance(bias, ScoreMod):
@@ -206,17 +212,24 @@ def _attend_runs(q: Tensor, k_pool: Tensor, v_pool: Tensor, lens: list[int], run
             elif mask is not None:
                 raise TypeError(f"paged_attention: mask must be None, an attnkit.masks.Mask or a bool tensor, "
                                 f"got {type(mask).__name__}")
-        p = stable_softmax(sc, dim=-1)  # (Hkv, G, Lq, L)
+            p = stable_softmax(sc, dim=-1)  # a row may see nothing under a mask: 0, not NaN
+        else:
+            p = torch.softmax(sc, dim=-1)  # every row sees at least its first key
         if L < N * bs:
             p = torch.nn.functional.pad(p, (0, N * bs - L))
-        p = p.reshape(Hkv, G * Lq, N, bs).permute(2, 0, 1, 3).to(v_pool.dtype)  # (N, Hkv, G*Lq, bs)
-        o, ob = 0, None
-        for a, n in runs[b]:
-            part = torch.matmul(p[o:o + n], v_pool[a:a + n]).to(acc).sum(0)  # (Hkv, G*Lq, Dv)
-            ob = part if ob is None else ob + part
-            o += n
-        out[b] = ob.reshape(Hq, Lq, Dv).to(out.dtype)
-    return out
+        p = p.reshape(Hkv, G * Lq, N, bs).permute(2, 0, 1, 3)  # (N, Hkv, G*Lq, bs)
+        if p.dtype != v_pool.dtype:
+            p = p.to(v_pool.dtype)
+        if len(rb) == 1:
+            ob = torch.matmul(p, v_pool[rb[0][0]:rb[0][0] + N]).sum(0, dtype=acc)  # (Hkv, G*Lq, Dv)
+        else:
+            o, ob = 0, None
+            for a, n in rb:
+                part = torch.matmul(p[o:o + n], v_pool[a:a + n]).sum(0, dtype=acc)
+                ob = part if ob is None else ob + part
+                o += n
+        outs.append(ob.reshape(Hq, Lq, Dv))
+    return torch.stack(outs).to(q.dtype)
 
 
 # ----------------------------------------------------------------------------- the block pool
