@@ -9,7 +9,9 @@ interpreter mode for every later test.  So the kernel cases run in ONE child Pyt
 ``TRITON_INTERPRET=1`` (this very file run as a script): the module fixture starts it with the names of the
 selected cases, the child runs each and writes its verdict (or traceback) to a JSON file, and each test
 here fails with the child's traceback when its case failed.  The case code is ordinary test code; only
-where it runs differs.  Tests of the host-side planning (pure PyTorch) run in this process.
+where it runs differs.  A second child imports triton for the GPU compiler and compiles every kernel for
+an H100 (no GPU needed) to catch what the interpreter lets through.  Tests of the host-side planning (pure
+PyTorch) run in this process.
 
 Shapes are tiny (the interpreter runs every program instance in Python): 16 x 16 tiles, lengths of a few
 tiles, odd on purpose, so full, partial and empty tiles and ragged edges all occur.
@@ -18,7 +20,6 @@ tiles, odd on purpose, so full, partial and empty tiles and ragged edges all occ
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
