@@ -48,10 +48,11 @@ def reference(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, scale: f
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
     if isinstance(bias, ScoreMod):
-        b = torch.arange(B).view(-1, 1, 1, 1)
-        h = torch.arange(Hq).view(1, -1, 1, 1)
-        qi = torch.arange(Lq).view(1, 1, -1, 1)
-        ki = torch.arange(Lk).view(1, 1, 1, -1)
+        dev = q.device
+        b = torch.arange(B, device=dev).view(-1, 1, 1, 1)
+        h = torch.arange(Hq, device=dev).view(1, -1, 1, 1)
+        qi = torch.arange(Lq, device=dev).view(1, 1, -1, 1)
+        ki = torch.arange(Lk, device=dev).view(1, 1, 1, -1)
         s = bias._mod(s, b, h, qi, ki, Lq, Lk).to(dtype)
     elif bias is not None:
         s = s + bias.to(dtype)
@@ -97,8 +98,8 @@ def check_against_oracle(fn: Callable[..., object], q: Tensor, k: Tensor, v: Ten
     report["out"] = {"err": e_out, "naive": e_naive, "bound": factor * e_naive + atol}
     if grad:
         g = torch.Generator().manual_seed(seed)
-        go = torch.randn(oracle.shape, generator=g, dtype=torch.float64)
-        out.backward(go.to(out.dtype))
+        go = torch.randn(oracle.shape, generator=g, dtype=torch.float64).to(oracle.device)
+        out.backward(go.to(device=out.device, dtype=out.dtype))
         oracle.backward(go)
         naive.backward(go.to(naive.dtype))
         for name, a, o, n in zip("qkv", leaves, o64, nv):
