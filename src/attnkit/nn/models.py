@@ -172,17 +172,23 @@ class _LMBase(nn.Module):
         if self.lm_head is None:  # the tied head streams the embedding: keep it column-major for decoding
             self.embed.weight.data = _column_major(self.embed.weight.data)
 
-    def _check_positions(self, pos: Tensor) -> None:
+    def _check_positions(self, pos: Tensor) -> int:
+        """The largest position (read from the tensor), checked against ``max_seq_len``."""
         cfg = self.config
-        if cfg.positions in ("alibi", "t5", "none") or pos.numel() == 0:
-            return
-        hi = int(pos.max())
-        if hi >= cfg.max_seq_len:
+        if pos.numel() == 0:
+            return 0
+        lo, hi = int(pos.min()), int(pos.max())
+        if lo < 0:
+            raise ValueError(f"positions must be >= 0, got {lo}")
+        self._check_max(hi)
+        return hi
+
+    def _check_max(self, hi: int) -> None:
+        cfg = self.config
+        if hi >= cfg.max_seq_len and cfg.positions not in ("alibi", "t5", "none"):
             raise ValueError(f"position {hi} is beyond max_seq_len={cfg.max_seq_len} and positions="
                              f"{cfg.positions!r} does not extrapolate: raise max_seq_len (with rope_scaling for "
                              f"RoPE) or use positions='alibi'")
-        if int(pos.min()) < 0:
-            raise ValueError(f"positions must be >= 0, got {int(pos.min())}")
 
     def _embed(self, ids: Tensor, pos: Tensor) -> Tensor:
         x = self.embed(ids)  # (B, L, d_model)
@@ -195,16 +201,18 @@ class _LMBase(nn.Module):
             return F.linear(x, self.embed.weight)  # (B, L, vocab)
         return self.lm_head(x)
 
-    def _positions(self, ids: Tensor, cache, positions) -> Tensor:
+    def _positions(self, ids: Tensor, cache, positions, rope: RotaryEmbedding | None) -> Tensor:
+        """Absolute positions ``(L,)`` or ``(B, L)``, checked; RoPE's cos/sin are gathered once for all layers."""
         B, L = ids.shape
-        if positions is None and cache is not None and self.config.positions in ("rope", "sinusoidal"):
-            start = getattr(cache, "seq_len", 0)
-            if isinstance(start, int) and start + L > self.config.max_seq_len:
-                raise ValueError(f"the cache holds {start} tokens and {L} more would reach position "
-                                 f"{start + L - 1}, beyond max_seq_len={self.config.max_seq_len}")
         pos = _cache_positions(cache, B, L, ids.device, positions)
-        if positions is not None or cache is None:
-            self._check_positions(pos)
+        if positions is None:  # seq_len + arange(L): the bound is known without reading the tensor
+            hi = (0 if cache is None else int(cache.seq_len)) + L - 1  # seq_len was validated above
+            if L:
+                self._check_max(hi)
+        else:
+            hi = self._check_positions(pos)
+        if rope is not None and L:
+            rope._gather(pos, hi)
         return pos
 
 
@@ -256,7 +264,8 @@ class DecoderLM(_LMBase):
     def forward(self, ids: Tensor, *, cache=None, positions=None, mask=None) -> Tensor:
         _checks.token_ids("ids", ids, self.config.vocab_size)
         caches = _layer_caches(cache, "layers", len(self.layers))
-        pos = self._positions(ids, cache, positions)
+        pos = self._positions(ids, cache, positions, self.positions if isinstance(self.positions, RotaryEmbedding)
+                              else None)
         x = self._embed(ids, pos)
         for layer, c in zip(self.layers, caches):
             x = layer(x, mask=mask, cache=c, positions=pos)
@@ -311,14 +320,18 @@ class EncoderDecoder(_LMBase):
                                **_block_options(cfg, self.decoder_positions))
         self._init_weights(cfg.n_layers + n_enc)
 
+    @staticmethod
+    def _rope(p):
+        return p if isinstance(p, RotaryEmbedding) else None
+
     def encode(self, src: Tensor, *, src_mask=None) -> Tensor:
         _checks.token_ids("src", src, self.config.vocab_size)
-        pos = self._positions(src, None, None)
+        pos = self._positions(src, None, None, self._rope(self.encoder_positions))
         return self.encoder(self._embed(src, pos), mask=src_mask, positions=pos)
 
     def decode(self, tgt: Tensor, memory: Tensor, *, memory_mask=None, cache=None, positions=None) -> Tensor:
         _checks.token_ids("tgt", tgt, self.config.vocab_size)
-        pos = self._positions(tgt, cache, positions)
+        pos = self._positions(tgt, cache, positions, self._rope(self.decoder_positions))
         x = self.decoder(self._embed(tgt, pos), memory, context_mask=memory_mask, cache=cache, positions=pos)
         return self._logits(x)
 

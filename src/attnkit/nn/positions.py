@@ -175,22 +175,34 @@ class RotaryEmbedding(PositionEncoding):
         return cached
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
-        """cos and sin at ``positions`` ((L,) -> (L, dim); (B, L) -> (B, L, dim))."""
+        """cos and sin at ``positions`` ((L,) -> (L, dim); (B, L) -> (B, L, dim)) in ``dtype``."""
         memo = self._last
-        if memo is not None and memo[0] is positions and memo[1] == (positions._version, dtype):
-            return memo[2]  # the layers of one model share this module and one positions tensor
+        if memo is not None and memo[0] is positions and (
+                torch.compiler.is_compiling() or memo[1] == positions._version):
+            cos, sin = memo[2]  # the layers of one model share this module and one positions tensor
+        else:
+            cos, sin = self._gather(positions, None)
+        return cos.to(dtype), sin.to(dtype)
+
+    def _gather(self, positions: Tensor, max_position: int | None) -> tuple[Tensor, Tensor]:
+        """float32 cos/sin at ``positions``, remembered for the next call with the same tensor.  A caller
+        that knows the largest position (and checked it) passes ``max_position`` to skip reading it."""
         if positions.numel() == 0:
-            z = torch.zeros(*positions.shape, self.dim, device=positions.device, dtype=dtype)
+            z = torch.zeros(*positions.shape, self.dim, device=positions.device)
             return z, z
-        lo, hi = int(positions.min()), int(positions.max())
-        if lo < 0:
-            raise ValueError(f"RotaryEmbedding: positions must be >= 0, got min {lo}")
-        if self.max_seq_len is not None and hi >= self.max_seq_len:
-            raise ValueError(f"RotaryEmbedding: position {hi} is beyond max_seq_len={self.max_seq_len}; rotary "
-                             f"positions do not extrapolate: raise max_seq_len (with rope scaling) or use ALiBi")
-        cos, sin = self._table(hi + 1, positions.device, dtype)
+        if max_position is None:
+            lo, hi = int(positions.min()), int(positions.max())
+            if lo < 0:
+                raise ValueError(f"RotaryEmbedding: positions must be >= 0, got min {lo}")
+            if self.max_seq_len is not None and hi >= self.max_seq_len:
+                raise ValueError(f"RotaryEmbedding: position {hi} is beyond max_seq_len={self.max_seq_len}; "
+                                 f"rotary positions do not extrapolate: raise max_seq_len (with rope scaling) "
+                                 f"or use ALiBi")
+        else:
+            hi = max_position
+        cos, sin = self._table(hi + 1, positions.device, torch.float32)
         out = (cos[positions], sin[positions])
-        self._last = (positions, (positions._version, dtype), out)
+        self._last = (positions, positions._version, out)
         return out
 
     def _rotate_pairs(self, x: Tensor) -> Tensor:
