@@ -345,19 +345,34 @@ def test_element_mask_only_on_partial_tiles():
     seen = []
 
     def fn(b, h, qi, ki):
-        seen.append(torch.broadcast_shapes(qi.shape, ki.shape))
+        seen.append((qi.flatten() // 64, ki.flatten() // 64))
         return qi >= ki
 
     mask = M.from_fn(fn)
-    q, k, v = qkv(1, 2, 2, 256, 256, 16, grad=False)
+    q, k, v = qkv(1, 2, 2, 512, 512, 16, grad=False)
     call = _make_call(q, k, v, mask=mask)
     flash._plan(call, 64, 64)  # the block structure evaluates the predicate tile by tile
     seen.clear()
     out = flash._run(call, 64, 64)
-    evaluated = sum(torch.Size(s).numel() for s in seen)
-    assert evaluated == 4 * 64 * 64  # the four diagonal tiles; the six full ones need no element mask
+    assert seen
+    for qt, kt in seen:  # every tile pair evaluated element-wise is a diagonal (partial) or skipped one
+        assert int(kt.min()) >= int(qt.min()), "a full tile below the diagonal was evaluated"
     ref, _ = reference(q, k, v, mask=M.causal())
     assert torch.allclose(out, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
+def test_causal_blocks_and_full_prefixes(fused, monkeypatch):
+    """Dense causal: rows share growing windows; the all-full prefix of a big block runs without a mask
+    and the square diagonal block on the kernel's is_causal."""
+    monkeypatch.setattr(ops, "SPLIT_MASK_ELEMENTS", 1 << 12)  # split even these small blocks
+    monkeypatch.setattr(flash, "_SHARED", {})
+    q, k, v = qkv(1, 2, 1, 1024, 1024, 16)
+    check_against_oracle(lambda *a, **kw: run_flash(*a, fused=fused, block=32, **kw), q, k, v, mask=M.causal())
+    plan = flash._plan(_make_call(q, k, v, mask=M.causal()), 32, 32)
+    items = [i for key, val in plan.cache.items() if key[0] == "chunks" for _, its in val for i in its]
+    assert any(i.causal for i in items) and any(i.chunk.kinds.eq(2).all() for i in items)
+    assert len(plan.jobs) < 12  # 32 query tiles in a few shared windows
 
 
 def test_plan_cache_notices_in_place_changes():

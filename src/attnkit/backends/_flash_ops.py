@@ -28,6 +28,7 @@ from ._flash_plan import Heads, Job, Plan
 Tensor = torch.Tensor
 
 WORK_ELEMENTS = 1 << 24  # elements of per-chunk temporaries (scores, masks, window gradients): ~64 MB fp32
+SPLIT_MASK_ELEMENTS = 1 << 20  # bigger element masks are confined to the partial key tiles of a chunk
 
 _FWD_ARGS = ["query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale"]
 _BWD_ARGS = ["grad_out", "query", "key", "value", "out", "logsumexp", "dropout_p", "is_causal", "attn_mask", "scale"]
@@ -190,14 +191,39 @@ class Chunk:
     kstart: int
     kstep: int  # keys between the windows of consecutive items (bands)
     kinds: Tensor  # (N, w)
+    first: bool  # writes its rows (the job's first chunk over them); later ones merge
 
     @property
     def W(self) -> int:
         return self.kcols.shape[1]
 
 
+def _split_full(ch: Chunk, bk: int):
+    """A chunk whose element mask would be large computes its runs of all-full key tiles without a mask
+    and the rest with one (then merges): a causal block's prefix, a document's interior."""
+    full = (ch.kinds == FULL).all(0).tolist()  # (w,)
+    if ch.N * ch.R * ch.W <= SPLIT_MASK_ELEMENTS or all(full) or not any(full):
+        yield ch
+        return
+    runs, a = [], 0
+    for j in range(1, len(full) + 1):
+        if j == len(full) or full[j] != full[a]:
+            runs.append((a, j))
+            a = j
+    for i, (a, b) in enumerate(runs):
+        yield Chunk(ch.job, ch.N, ch.R, ch.qrows, ch.q_consecutive, ch.qstart, ch.kcols[:, a * bk:b * bk],
+                    ch.band, ch.kstart + a * bk if ch.band else 0, ch.kstep, ch.kinds[:, a:b],
+                    ch.first and i == 0)
+
+
 def chunks(work: Work, job: Job, per_item: int):
-    """Split a job into chunks whose temporaries stay under ``WORK_ELEMENTS``."""
+    """Split a job into chunks whose temporaries stay under ``WORK_ELEMENTS`` (and big masked chunks
+    into their full and partial key ranges)."""
+    for ch in _chunks(work, job, per_item):
+        yield from _split_full(ch, work.plan.block_k)
+
+
+def _chunks(work: Work, job: Job, per_item: int):
     plan = work.plan
     bq, bk = plan.block_q, plan.block_k
     n, W = job.n, job.w * bk
@@ -212,7 +238,7 @@ def chunks(work: Work, job: Job, per_item: int):
             R = (i1 - i0) * bq
             yield Chunk(job, 1, R, (qstart + torch.arange(R)).view(1, R), True, qstart,
                         (job.k0 * bk + ar_w).view(1, W), True, job.k0 * bk, 0,
-                        job.kinds[i0:i1].amin(0, keepdim=True))
+                        job.kinds[i0:i1].amin(0, keepdim=True), job.first)
             continue
         N = i1 - i0
         qrows = rows.view(-1, 1) * bq + ar_r
@@ -220,11 +246,11 @@ def chunks(work: Work, job: Job, per_item: int):
             kstart = (job.k0 + i0 * job.kstep) * bk
             kcols = kstart + torch.arange(N).view(-1, 1) * (job.kstep * bk) + ar_w
             yield Chunk(job, N, bq, qrows, job.consecutive, int(rows[0]) * bq, kcols, True, kstart,
-                        job.kstep * bk, job.kinds[i0:i1])
+                        job.kstep * bk, job.kinds[i0:i1], job.first)
         else:
             kcols = (job.tiles[i0:i1, :, None] * bk + torch.arange(bk)).reshape(N, W)
             yield Chunk(job, N, bq, qrows, job.consecutive, int(rows[0]) * bq, kcols, False, 0, 0,
-                        job.kinds[i0:i1])
+                        job.kinds[i0:i1], job.first)
 
 
 # ------------------------------------------------------------------- views and scatters
@@ -407,12 +433,22 @@ class Prepared:
     mask: Tensor | None  # (N|1, R, W) bool; None when every tile is full (or when lazy)
     lazy: bool  # too big to keep: evaluate the mask on use
     live: Tensor | None  # (N|1, 1, R) rows with at least one allowed key; None when all are
+    causal: bool = False  # the element mask is exactly the lower triangle of a square block
     fmask: dict = field(default_factory=dict)  # float masks for the fused kernel, by dtype
 
     def element_mask(self, work: "Work") -> Tensor | None:
+        if self.causal:
+            ch = self.chunk
+            return torch.ones(ch.R, ch.W, dtype=torch.bool, device=work.q3.device).tril()[None]
         return element_mask(work, self.chunk) if self.lazy else self.mask
 
+    def kernel_causal(self, work: "Work") -> bool:
+        """Whether the fused kernel's own ``is_causal`` replaces the mask (it cannot add a bias too)."""
+        return self.causal and work.bias is None
+
     def float_mask(self, work: "Work", m: Tensor | None) -> Tensor | None:
+        if self.kernel_causal(work):
+            return None
         if work.bias is not None or m is None or self.lazy:
             return float_mask(work, self.chunk.job.heads, self.chunk, m)
         dt = work.mask_dtype
@@ -434,10 +470,13 @@ def prepared(work: Work, fused: bool, backward: bool) -> list[tuple[Job, list[Pr
         for ch in chunks(work, job, _per_item(work, job.heads, job, backward, fused)):
             partial = bool((ch.kinds != FULL).any())
             size = ch.N * ch.R * ch.W
+            m = element_mask(work, ch) if partial and (size <= budget or ch.R == ch.W) else None
+            if m is not None and ch.R == ch.W and m.shape[0] == 1 and torch.equal(m[0], torch.ones_like(m[0]).tril()):
+                items.append(Prepared(ch, None, False, None, causal=True))  # the kernel's is_causal does it
+                continue
             if partial and size > budget:
                 items.append(Prepared(ch, None, True, None))
                 continue
-            m = element_mask(work, ch) if partial else None
             live = None
             if m is not None:
                 budget -= m.numel()
@@ -631,7 +670,9 @@ def forward(work: Work) -> tuple[Tensor, Tensor]:
     plan = work.plan
     nh, dv = work.q3.shape[0], work.v3.shape[-1]
     dev = work.q3.device
-    if work.fused and plan.covered and all(j.first and j.consecutive and j.heads.count == nh for j in plan.jobs):
+    items = prepared(work, work.fused, False)
+    if work.fused and plan.covered and all(i.chunk.first and i.chunk.q_consecutive and j.heads.count == nh
+                                           for j, its in items for i in its):
         return _forward_pieces(work)
     new = torch.empty if plan.covered else torch.zeros
     out = new(nh, plan.q_pad, dv, dtype=work.acc, device=dev)
@@ -646,7 +687,7 @@ def forward(work: Work) -> tuple[Tensor, Tensor]:
                 o, l = _fused_chunk(work, item)  # noqa: E741
             else:
                 o, l = explicit_forward(work, ch, item.element_mask(work))  # noqa: E741
-            if job.first:
+            if ch.first:
                 put_rows(out, heads, ch, o, add=False)
                 put_lse(lse, heads, ch, l)
             else:
@@ -660,10 +701,11 @@ def _fused_chunk(work: Work, item: Prepared) -> tuple[Tensor, Tensor]:
     """One chunk on the fused kernel: ``(out (N, count, R, Dv), lse (N, count, R))``, -inf lse on rows
     that may attend to nothing here."""
     ch, heads = item.chunk, item.chunk.job.heads
-    m = item.element_mask(work)
+    m = None if item.kernel_causal(work) else item.element_mask(work)
     qw = rows_of(work.q3, heads, ch)
     kw, vw = keys_of(work.k3, heads, ch), keys_of(work.v3, heads, ch)
-    o, l = _FUSED[0](qw, kw, vw, 0.0, False, attn_mask=item.float_mask(work, m), scale=work.scale)  # noqa: E741
+    o, l = _FUSED[0](qw, kw, vw, 0.0, item.kernel_causal(work), attn_mask=item.float_mask(work, m),  # noqa: E741
+                     scale=work.scale)
     live = item.live if not item.lazy else (None if m is None else m.any(-1)[:, None])
     if live is not None:
         l = torch.where(live, l, torch.full_like(l, float("-inf")))  # noqa: E741
@@ -706,12 +748,12 @@ def backward(work: Work, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | 
         heads = job.heads
         for item in items:
             ch = item.chunk
-            m = item.element_mask(work)
+            m = None if fused and item.kernel_causal(work) else item.element_mask(work)
             if fused:
                 qw = rows_of(work.q3, heads, ch)
                 kw, vw = keys_of(work.k3, heads, ch), keys_of(work.v3, heads, ch)
                 dq, dk, dv = _FUSED[1](rows_of(dout, heads, ch), qw, kw, vw, rows_of(out, heads, ch),
-                                       lse_rows(lse_b, heads, ch), 0.0, False,
+                                       lse_rows(lse_b, heads, ch), 0.0, item.kernel_causal(work),
                                        attn_mask=item.float_mask(work, m), scale=work.scale)
             else:
                 dq, dk, dv = explicit_backward(work, ch, m, rows_of(dout, heads, ch), lse_rows(lse_b, heads, ch),

@@ -30,9 +30,9 @@ Tensor = torch.Tensor
 BLOCK_Q = 128  # query rows per tile: big enough for efficient GEMMs, small enough to skip empty tiles
 BLOCK_K = 128  # keys per tile (the granularity of skipping and of the element mask)
 MAX_GATHER_KEYS = 1024  # keys gathered into one window in the irregular (gather) path
-BAND_MIN_PAIRS = 4  # bands are used when they average at least this many visited tile pairs per call ...
-BAND_MAX_CALLS = 16  # ... or when there are this few of them
+BAND_CALLS_PER_GATHER = 2  # bands (no copies) are preferred unless gathering needs less than half the calls
 ABSORB_WASTE = 2  # extra masked windows allowed when folding a band's clipped leading windows into one call
+SHARED_WASTE = 0.25  # extra (masked) work allowed when single-row windows share one call
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -201,12 +201,50 @@ def _band_jobs(heads: Heads, tiles: Tensor, kinds: Tensor, counts: Tensor) -> li
         cur = {"ri": ri, "rows": [t], "pos": [poss[i]], "lo": lo, "w": w, "kstep": 0, "last": lo}
         raw.append(cur)
     jobs = _absorb_leading_rows(heads, raw, kinds)
+    singles: list[dict] = []
     for r in raw:
-        if not r["rows"]:
-            continue
-        rows_t, pos_t = torch.tensor(r["rows"]), torch.tensor(r["pos"])
-        job_kinds = kinds[rows_t[:, None], pos_t[:, None] + torch.arange(r["w"])]  # (n, w)
-        jobs.append(Job(heads, rows_t, True, r["w"], r["lo"], r["kstep"], None, job_kinds, r["ri"] == 0))
+        if len(r["rows"]) == 1:
+            singles.append(r)
+        elif r["rows"]:
+            rows_t, pos_t = torch.tensor(r["rows"]), torch.tensor(r["pos"])
+            job_kinds = kinds[rows_t[:, None], pos_t[:, None] + torch.arange(r["w"])]  # (n, w)
+            jobs.append(Job(heads, rows_t, True, r["w"], r["lo"], r["kstep"], None, job_kinds, r["ri"] == 0))
+    return jobs + _shared_windows(heads, singles, kinds)
+
+
+def _shared_windows(heads: Heads, singles: list[dict], kinds: Tensor) -> list[Job]:
+    """Group consecutive single-row windows (a causal mask's growing prefixes, a document's boundary
+    tiles) into calls over the union of their windows while the padded work stays within
+    ``1 + SHARED_WASTE`` of the visited work; the padding is masked."""
+    jobs = []
+    group: list[dict] = []
+
+    def flush():
+        if not group:
+            return
+        lo = min(r["lo"] for r in group)
+        hi = max(r["lo"] + r["w"] for r in group)
+        window = torch.arange(lo, hi)
+        rows_kinds = []
+        for r in group:
+            inside = (window >= r["lo"]) & (window < r["lo"] + r["w"])
+            own = kinds[r["rows"][0], (r["pos"][0] + (window - r["lo"])).clamp(0, kinds.shape[1] - 1)]
+            rows_kinds.append(torch.where(inside, own, torch.tensor(PARTIAL, dtype=torch.int8)))
+        jobs.append(Job(heads, torch.tensor([r["rows"][0] for r in group]), True, hi - lo, lo, 0, None,
+                        torch.stack(rows_kinds), group[0]["ri"] == 0))
+        group.clear()
+
+    for r in sorted(singles, key=lambda r: (r["ri"], r["rows"][0])):
+        if group and group[-1]["ri"] == r["ri"] and group[-1]["rows"][0] == r["rows"][0] - 1:
+            lo = min(r["lo"], *(g["lo"] for g in group))
+            hi = max(r["lo"] + r["w"], *(g["lo"] + g["w"] for g in group))
+            visited = r["w"] + sum(g["w"] for g in group)
+            if (len(group) + 1) * (hi - lo) <= (1 + SHARED_WASTE) * visited:
+                group.append(r)
+                continue
+        flush()
+        group.append(r)
+    flush()
     return jobs
 
 
@@ -275,11 +313,8 @@ def build(mask: Mask | None, batch: int, hq: int, hkv: int, q_len: int, kv_len: 
         for hi in range(hp):
             heads = _heads_for(bi if per_b else None, hi if per_h else None, batch, hq, hkv)
             t, k, c = tiles[bi, hi], kinds[bi, hi], counts[bi, hi]  # (nq, C), (nq, C), (nq,)
-            bands = _band_jobs(heads, t, k, c)
-            if len(bands) <= BAND_MAX_CALLS or len(bands) * BAND_MIN_PAIRS <= int(c.sum()):
-                jobs += bands
-            else:
-                jobs += _gather_jobs(heads, t, k, c, per_window)
+            bands, gathers = _band_jobs(heads, t, k, c), _gather_jobs(heads, t, k, c, per_window)
+            jobs += bands if len(bands) <= BAND_CALLS_PER_GATHER * len(gathers) else gathers
     jobs.sort(key=lambda j: not j.first)  # every row's first job writes before any job merges into it
     covered = sum(j.n for j in jobs if j.first) == bp * hp * nq
     return Plan(bq, bk, q_len, kv_len, nq, nk, jobs, visited, bp * hp * nq * nk, covered)
