@@ -11,12 +11,14 @@ import torch
 import torch.nn.functional as F
 
 from ..bias import ScoreMod
-from ..masks import _Causal, _FromDense
+from ..masks import Mask, _Causal, _FromDense, _Interval, _KeyLengths
 from ._common import Call
 
 Tensor = torch.Tensor
 
 _MAX_DENSE = 1 << 28  # largest mask/bias (elements) this backend materialises
+_DENSE_CACHE: dict[tuple, tuple[Mask, Tensor, Tensor, bool]] = {}  # the layers of one model share a mask
+_DENSE_CACHE_SIZE = 8
 
 
 def _is_plain_causal(call: Call) -> bool:
@@ -26,6 +28,38 @@ def _is_plain_causal(call: Call) -> bool:
 
 def _dense_size(call: Call) -> int:
     return call.batch * call.heads * call.q_len * call.kv_len
+
+
+def _single_query_window(call: Call) -> tuple[int, int] | None:
+    """For one query row under a batch-independent interval mask (causal, sliding window, ...) and no
+    bias, the visible keys are one contiguous range [lo, hi]: decoding then needs no mask at all."""
+    m = call.mask
+    if call.q_len != 1 or call.bias is not None or not isinstance(m, _Interval) or isinstance(m, _KeyLengths):
+        return None
+    pos = call.kv_len - 1 if m.align == "bottom_right" else 0
+    zero = torch.zeros((), dtype=torch.long)
+    lo, hi = m._bounds(zero, zero, torch.full((), pos, dtype=torch.long))
+    return max(int(lo), 0), min(int(hi), call.kv_len - 1)
+
+
+def _dense(call: Call) -> tuple[Tensor, Tensor, bool]:
+    """The mask as bool (B', H', Lq, Lk), which rows see a key, and whether all do; memoised per mask."""
+    m = call.mask
+    if isinstance(m, _FromDense):  # a user's bool tensor: pass it as it is
+        allowed = m.t
+        live = allowed.any(dim=-1, keepdim=True)
+        return allowed, live, bool(live.all())
+    key = (id(m), call.batch, call.heads, call.q_len, call.kv_len, call.q.device)
+    hit = _DENSE_CACHE.get(key)
+    if hit is not None and hit[0] is m:
+        return hit[1], hit[2], hit[3]
+    allowed = m.to_dense(call.q_len, call.kv_len, batch=call.batch, heads=call.heads, device=call.q.device)
+    live = allowed.any(dim=-1, keepdim=True)  # (B', H', Lq, 1): rows that see at least one key
+    entry = (m, allowed, live, bool(live.all()))
+    if len(_DENSE_CACHE) >= _DENSE_CACHE_SIZE:
+        _DENSE_CACHE.pop(next(iter(_DENSE_CACHE)))
+    _DENSE_CACHE[key] = entry
+    return entry[1], entry[2], entry[3]
 
 
 def check(call: Call) -> str | None:
@@ -70,12 +104,15 @@ def run(call: Call):
             causal = False
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p,
                                               is_causal=causal, scale=scale, enable_gqa=gqa)
-    if isinstance(call.mask, _FromDense):  # a user's bool tensor: pass it as it is
-        allowed = call.mask.t
-    else:
-        allowed = call.mask.to_dense(call.q_len, call.kv_len, batch=call.batch, heads=call.heads, device=q.device)
-    live = allowed.any(dim=-1, keepdim=True)  # (B', H', Lq, 1): rows that see at least one key
-    all_live = bool(live.all())
+    window = _single_query_window(call)
+    if window is not None:  # decoding one token against a cache: slice the visible keys
+        lo, hi = window
+        if hi < lo:
+            zero = (q.sum() + k.sum() + v.sum()) * 0  # keeps zero gradients flowing
+            return torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device) + zero
+        return F.scaled_dot_product_attention(q, k[:, :, lo:hi + 1], v[:, :, lo:hi + 1],
+                                              dropout_p=call.dropout_p, scale=scale, enable_gqa=gqa)
+    allowed, live, all_live = _dense(call)
     if not all_live:
         allowed = allowed | ~live  # compute empty rows against every key, then zero them below
     attn_mask = allowed if bias is None else bias.to(q.dtype).masked_fill(~allowed, float("-inf"))
