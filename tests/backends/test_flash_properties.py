@@ -118,7 +118,8 @@ _MEMORY_SCRIPT = textwrap.dedent("""
 
 def _extra_bytes(L: int) -> int:
     res = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, str(L)], capture_output=True, text=True,
-                         timeout=300, check=True)
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
     return json.loads(res.stdout.strip().splitlines()[-1])["extra"]
 
 

@@ -641,16 +641,13 @@ def explicit_backward(work: Work, ch: Chunk, m: Tensor | None, do: Tensor, lse: 
 
 
 def _merge_into(o_acc: Tensor, l_acc: Tensor, o: Tensor, l: Tensor) -> tuple[Tensor, Tensor]:  # noqa: E741
-    """Online-softmax merge of a partial result (o, l) into (o_acc, l_acc); returns the new pair."""
-    mx = torch.maximum(l_acc, l)
-    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
-    wa, wb = torch.exp(l_acc - mx), torch.exp(l - mx)
-    tot = wa + wb
-    live = tot > 0
-    safe = torch.where(live, tot, torch.ones_like(tot))
-    lse = torch.where(live, mx + torch.log(safe), torch.full_like(tot, float("-inf")))
-    out = torch.lerp(o_acc, o.to(o_acc.dtype), (wb / safe)[..., None].to(o_acc.dtype))
-    return out, lse
+    """Online-softmax merge of a partial result (o, l) into (o_acc, l_acc); returns the new pair.
+
+    ``lse = logaddexp(l_acc, l)`` and ``out = o_acc + (o - o_acc) * exp(l - lse)``; a row empty on both
+    sides keeps ``lse = -inf`` and its zero output (the NaN weight of -inf - -inf is zeroed)."""
+    lse = torch.logaddexp(l_acc, l)
+    w = torch.exp(l - lse).nan_to_num_(0.0)
+    return torch.lerp(o_acc, o.to(o_acc.dtype), w[..., None].to(o_acc.dtype)), lse
 
 
 def _per_item(work: Work, heads: Heads, job: Job, backward: bool, fused: bool) -> int:
