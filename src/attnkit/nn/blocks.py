@@ -8,7 +8,7 @@ import torch.nn as nn
 from .. import masks as _masks
 from . import _checks
 from .attention import MultiHeadAttention
-from .layers import FeedForward, make_norm
+from .layers import FeedForward, _dropout, make_norm
 
 Tensor = torch.Tensor
 
@@ -88,7 +88,7 @@ class TransformerBlock(nn.Module):
             self.cross_attn = MultiHeadAttention(d_model, n_heads, kdim=context_dim, **attn_kw)
         self.ffn_norm = make_norm(norm, d_model, norm_eps)
         self.ffn = FeedForward(d_model, d_ff, ffn, bias=ffn_bias)
-        self.dropout = nn.Dropout(_checks.probability("dropout", dropout))
+        self.dropout = _dropout(dropout)
 
     def forward(self, x: Tensor, context=None, *, mask=None, context_mask=None, cache=None, cross_cache=None,
                 positions=None) -> Tensor:

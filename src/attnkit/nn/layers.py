@@ -100,6 +100,12 @@ class RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
+def _dropout(p: float) -> nn.Module:
+    """``nn.Dropout(p)``, or ``nn.Identity`` for ``p == 0`` (one call less per use when decoding)."""
+    p = _checks.probability("dropout", p)
+    return nn.Dropout(p) if p > 0 else nn.Identity()
+
+
 def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
     _checks.choice("norm", kind, ("layer", "rms"))
     return nn.LayerNorm(dim, eps=eps) if kind == "layer" else RMSNorm(dim, eps=eps)
@@ -130,7 +136,7 @@ class FeedForward(nn.Module):
         self.d_ff = d_ff
         self.up_proj = Linear(d_model, d_ff * (2 if kind == "swiglu" else 1), bias=bias)
         self.down_proj = Linear(d_ff, d_model, bias=bias)
-        self.dropout = nn.Dropout(_checks.probability("dropout", dropout))
+        self.dropout = _dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.up_proj(x)  # (B, L, d_ff) or (B, L, 2 d_ff)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from .. import masks as _masks
 from . import _checks
 from .blocks import Decoder, Encoder, TransformerBlock, _cache_positions, _layer_caches, default_d_ff
-from .layers import Linear, _column_major, make_norm
+from .layers import Linear, _column_major, _dropout, make_norm
 from .positions import ALiBi, PositionEncoding, RotaryEmbedding, SinusoidalPositions, T5RelativeBias
 
 Tensor = torch.Tensor
@@ -151,7 +151,7 @@ class _LMBase(nn.Module):
         self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.abs_positions = SinusoidalPositions(cfg.d_model) if cfg.positions == "sinusoidal" else None
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = _dropout(cfg.dropout)
         self.lm_head = None if cfg.tie_embeddings else Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
     def _init_weights(self, n_layers: int):
@@ -201,8 +201,8 @@ class _LMBase(nn.Module):
             return F.linear(x, self.embed.weight)  # (B, L, vocab)
         return self.lm_head(x)
 
-    def _positions(self, ids: Tensor, cache, positions, rope: RotaryEmbedding | None) -> Tensor:
-        """Absolute positions ``(L,)`` or ``(B, L)``, checked; RoPE's cos/sin are gathered once for all layers."""
+    def _positions(self, ids: Tensor, cache, positions) -> tuple[Tensor, int]:
+        """Absolute positions ``(L,)`` or ``(B, L)`` and the largest one, checked against ``max_seq_len``."""
         B, L = ids.shape
         pos = _cache_positions(cache, B, L, ids.device, positions)
         if positions is None:  # seq_len + arange(L): the bound is known without reading the tensor
@@ -211,9 +211,7 @@ class _LMBase(nn.Module):
                 self._check_max(hi)
         else:
             hi = self._check_positions(pos)
-        if rope is not None and L:
-            rope._gather(pos, hi)
-        return pos
+        return pos, hi
 
 
 class DecoderLM(_LMBase):
@@ -264,11 +262,17 @@ class DecoderLM(_LMBase):
     def forward(self, ids: Tensor, *, cache=None, positions=None, mask=None) -> Tensor:
         _checks.token_ids("ids", ids, self.config.vocab_size)
         caches = _layer_caches(cache, "layers", len(self.layers))
-        pos = self._positions(ids, cache, positions, self.positions if isinstance(self.positions, RotaryEmbedding)
-                              else None)
+        pos, hi = self._positions(ids, cache, positions)
+        rope = self.positions if isinstance(self.positions, RotaryEmbedding) and ids.shape[1] else None
         x = self._embed(ids, pos)
-        for layer, c in zip(self.layers, caches):
-            x = layer(x, mask=mask, cache=c, positions=pos)
+        if rope is not None:
+            rope._share(pos, hi)  # one cos/sin gather for every layer
+        try:
+            for layer, c in zip(self.layers, caches):
+                x = layer(x, mask=mask, cache=c, positions=pos)
+        finally:
+            if rope is not None:
+                rope._share(None)
         if self.norm is not None:
             x = self.norm(x)
         return self._logits(x)
@@ -320,18 +324,14 @@ class EncoderDecoder(_LMBase):
                                **_block_options(cfg, self.decoder_positions))
         self._init_weights(cfg.n_layers + n_enc)
 
-    @staticmethod
-    def _rope(p):
-        return p if isinstance(p, RotaryEmbedding) else None
-
     def encode(self, src: Tensor, *, src_mask=None) -> Tensor:
         _checks.token_ids("src", src, self.config.vocab_size)
-        pos = self._positions(src, None, None, self._rope(self.encoder_positions))
+        pos, _ = self._positions(src, None, None)
         return self.encoder(self._embed(src, pos), mask=src_mask, positions=pos)
 
     def decode(self, tgt: Tensor, memory: Tensor, *, memory_mask=None, cache=None, positions=None) -> Tensor:
         _checks.token_ids("tgt", tgt, self.config.vocab_size)
-        pos = self._positions(tgt, cache, positions, self._rope(self.decoder_positions))
+        pos, _ = self._positions(tgt, cache, positions)
         x = self.decoder(self._embed(tgt, pos), memory, context_mask=memory_mask, cache=cache, positions=pos)
         return self._logits(x)
 

@@ -141,7 +141,7 @@ class RotaryEmbedding(PositionEncoding):
         self.max_seq_len = _checks.positive_int("max_seq_len", max_seq_len, allow_none=True)
         self.inv_freq = self._inv_freq()  # (dim/2,) float32; not a buffer, so model.to(dtype) keeps it exact
         self._tables: dict = {}
-        self._last = None  # (positions, (version, dtype), (cos, sin)) of the latest call
+        self._shared = None  # (positions, (cos, sin)) while a model's forward shares one gather
 
     def _inv_freq(self) -> Tensor:
         d, base, s = self.dim, self.base, self.scaling
@@ -176,17 +176,16 @@ class RotaryEmbedding(PositionEncoding):
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
         """cos and sin at ``positions`` ((L,) -> (L, dim); (B, L) -> (B, L, dim)) in ``dtype``."""
-        memo = self._last
-        if memo is not None and memo[0] is positions and (
-                torch.compiler.is_compiling() or memo[1] == positions._version):
-            cos, sin = memo[2]  # the layers of one model share this module and one positions tensor
+        shared = self._shared
+        if shared is not None and shared[0] is positions:
+            cos, sin = shared[1]  # gathered once by the model for all its layers
         else:
             cos, sin = self._gather(positions, None)
         return cos.to(dtype), sin.to(dtype)
 
     def _gather(self, positions: Tensor, max_position: int | None) -> tuple[Tensor, Tensor]:
-        """float32 cos/sin at ``positions``, remembered for the next call with the same tensor.  A caller
-        that knows the largest position (and checked it) passes ``max_position`` to skip reading it."""
+        """float32 cos/sin at ``positions``.  A caller that knows (and checked) the largest position passes
+        ``max_position`` so that the tensor is not read."""
         if positions.numel() == 0:
             z = torch.zeros(*positions.shape, self.dim, device=positions.device)
             return z, z
@@ -201,9 +200,11 @@ class RotaryEmbedding(PositionEncoding):
         else:
             hi = max_position
         cos, sin = self._table(hi + 1, positions.device, torch.float32)
-        out = (cos[positions], sin[positions])
-        self._last = (positions, positions._version, out)
-        return out
+        return cos[positions], sin[positions]
+
+    def _share(self, positions: Tensor | None, max_position: int = 0) -> None:
+        """Gather cos/sin for ``positions`` once for every layer of one forward; ``None`` ends the sharing."""
+        self._shared = None if positions is None else (positions, self._gather(positions, max_position))
 
     def _rotate_pairs(self, x: Tensor) -> Tensor:
         if self.interleaved:

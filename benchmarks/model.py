@@ -1,0 +1,167 @@
+"""DecoderLM against Hugging Face LlamaForCausalLM (sdpa) and x-transformers of the same size.
+
+The "llama-like" preset (hidden 512, 8 layers, 8 heads, intermediate 1408, vocab 32000, untied), random
+weights, float32, built from configs.  Measured interleaved in one process (medians):
+
+* forward tokens/s (inference mode) and forward+backward tokens/s (cross-entropy loss) of a batch;
+* decoding: milliseconds per token of one-token forwards against a KV cache after a prompt
+  (attnkit.cache.StaticCache for DecoderLM, HF's DynamicCache for Llama), and the same DecoderLM with its
+  weights laid out row-major (``nn.Linear``'s default) to show what the column-major layout buys.
+
+    python benchmarks/model.py            # B=4, L=256; prompt 128 + 32 decoded tokens
+    python benchmarks/model.py --quick    # B=1, L=128; prompt 32 + 8 tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import machine, save, table, timeit  # noqa: E402
+
+from attnkit.cache import StaticCache  # noqa: E402
+from attnkit.nn import DecoderConfig, DecoderLM  # noqa: E402
+
+
+def build_attnkit(cfg: DecoderConfig) -> DecoderLM:
+    torch.manual_seed(0)
+    return DecoderLM(cfg)
+
+
+def build_hf(cfg: DecoderConfig):
+    import transformers
+
+    hc = transformers.LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ff_dim,
+                                  num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+                                  num_key_value_heads=cfg.kv_heads, max_position_embeddings=cfg.max_seq_len,
+                                  rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM._from_config(hc, attn_implementation="sdpa")
+
+
+def build_xt(cfg: DecoderConfig):
+    from x_transformers import Decoder, TransformerWrapper
+
+    torch.manual_seed(0)
+    return TransformerWrapper(
+        num_tokens=cfg.vocab_size, max_seq_len=cfg.max_seq_len, use_abs_pos_emb=False,
+        tie_embedding=cfg.tie_embeddings,
+        attn_layers=Decoder(dim=cfg.d_model, depth=cfg.n_layers, heads=cfg.n_heads, attn_dim_head=cfg.head_dim,
+                            rotary_pos_emb=True, attn_flash=True, use_rmsnorm=True, ff_glu=True, ff_swish=True,
+                            ff_mult=cfg.ff_dim / cfg.d_model, ff_no_bias=True))
+
+
+def logits_of(name: str, model, ids):
+    out = model(ids)
+    return out.logits if name == "HF Llama (sdpa)" else out
+
+
+def row_major(model: DecoderLM) -> DecoderLM:
+    """The same model with every weight laid out as nn.Linear does by default (the ablation)."""
+    m = copy.deepcopy(model)
+    for p in m.parameters():
+        if p.dim() == 2:
+            p.data = p.data.contiguous()
+    return m
+
+
+def decode_fns(models: dict, prompt: torch.Tensor, n_new: int, cfg: DecoderConfig) -> dict:
+    """One prompt forward then ``n_new`` one-token forwards, each against the model's KV cache."""
+    fns = {}
+    B, P = prompt.shape
+
+    def ours(model):
+        def run():
+            cache = StaticCache.for_model(model, batch_size=B, max_len=P + n_new)
+            with torch.inference_mode():
+                tok = model(prompt, cache=cache)[:, -1:].argmax(-1)
+                for _ in range(n_new):
+                    tok = model(tok, cache=cache)[:, -1:].argmax(-1)
+        return run
+
+    def hf(model):
+        def run():
+            with torch.inference_mode():
+                out = model(prompt, use_cache=True)
+                past, tok = out.cache, out.logits[:, -1:].argmax(-1)
+                for _ in range(n_new):
+                    out = model(tok, cache=past, use_cache=True)  # transformers 5.2x: cache= (was past_key_values)
+                    past, tok = out.cache, out.logits[:, -1:].argmax(-1)
+        return run
+
+    for name, model in models.items():
+        fns[name] = hf(model) if name.startswith("HF") else ours(model)
+    return fns
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small batch and few repeats")
+    ap.add_argument("--repeat", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    B, L, P, N = (1, 128, 32, 8) if args.quick else (4, 256, 128, 32)
+    repeat = args.repeat or (3 if args.quick else 5)
+    cfg = DecoderConfig.preset("llama-like")
+    models = {"attnkit DecoderLM": build_attnkit(cfg), "HF Llama (sdpa)": build_hf(cfg)}
+    try:
+        models["x-transformers"] = build_xt(cfg)
+    except ImportError as e:  # the bench extra is not installed
+        print(f"x-transformers not available ({e}); skipping it")
+    for m in models.values():
+        m.eval()
+    params = {n: sum(p.numel() for p in m.parameters()) for n, m in models.items()}
+    ids = torch.randint(0, cfg.vocab_size, (B, L), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        ref = logits_of("attnkit DecoderLM", models["attnkit DecoderLM"], ids[:, :8])
+        for n, m in models.items():
+            assert logits_of(n, m, ids[:, :8]).shape == ref.shape, n
+
+    def fwd(name, model):
+        def run():
+            with torch.inference_mode():
+                logits_of(name, model, ids)
+        return run
+
+    def train(name, model):
+        def run():
+            model.zero_grad(set_to_none=True)
+            logits = logits_of(name, model, ids)
+            F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+        return run
+
+    print(f"model.py: llama-like ({params['attnkit DecoderLM'] / 1e6:.1f}M parameters), float32, "
+          f"B={B}, L={L}; {machine()}")
+    t_fwd = timeit({n: fwd(n, m) for n, m in models.items()}, repeat=repeat, budget_s=120)
+    t_train = timeit({n: train(n, m) for n, m in models.items()}, repeat=repeat, budget_s=240)
+    dec_models = {"attnkit DecoderLM": models["attnkit DecoderLM"],
+                  "attnkit DecoderLM, row-major weights": row_major(models["attnkit DecoderLM"]),
+                  "HF Llama (sdpa)": models["HF Llama (sdpa)"]}
+    prompt = ids[:1, :P]
+    t_dec = timeit(decode_fns(dec_models, prompt, N, cfg), repeat=repeat, budget_s=120)
+    hf = "HF Llama (sdpa)"
+    rows = []
+    for n in models:
+        rows.append({"model": n, "params (M)": f"{params[n] / 1e6:.1f}",
+                     "forward tok/s": f"{B * L / t_fwd[n]:,.0f}", "fwd vs HF": f"{t_fwd[hf] / t_fwd[n]:.2f}x",
+                     "fwd+bwd tok/s": f"{B * L / t_train[n]:,.0f}", "fwd+bwd vs HF": f"{t_train[hf] / t_train[n]:.2f}x"})
+    print(table(rows, list(rows[0])))
+    drows = [{"decoding (B=1)": n, "ms / token": f"{t_dec[n] / (N + 1) * 1e3:.2f}",
+              "vs HF": f"{t_dec[hf] / t_dec[n]:.2f}x"} for n in dec_models]
+    print(f"\ndecoding: prompt {P}, then {N} one-token forwards with a KV cache (time per forward, prompt included)")
+    print(table(drows, list(drows[0])))
+    path = save("model", {"config": "llama-like", "batch": B, "length": L, "prompt": P, "new_tokens": N,
+                          "params": params, "forward_s": t_fwd, "train_s": t_train, "decode_s": t_dec})
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
