@@ -375,6 +375,22 @@ def test_causal_blocks_and_full_prefixes(fused, monkeypatch):
     assert len(plan.jobs) < 12  # 32 query tiles in a few shared windows
 
 
+@pytest.mark.parametrize("name", ["causal", "document_causal", "global_window", "random_blocks", "from_dense",
+                                  "padding", "strided"])
+def test_split_and_lazy_chunks(name, monkeypatch):
+    """Tiny thresholds: every masked chunk is split into full and partial key ranges (merged by lse),
+    element masks are re-evaluated on use instead of kept, and work is cut into many chunks."""
+    monkeypatch.setattr(ops, "SPLIT_MASK_ELEMENTS", 16)
+    monkeypatch.setattr(ops, "MASK_CACHE_BYTES", 256)
+    monkeypatch.setattr(ops, "WORK_ELEMENTS", 1 << 12)
+    monkeypatch.setattr(flash, "_SHARED", {})
+    q, k, v = qkv(2, 4, 2, 64, 64, 8)
+    for fused in (True, False):
+        for bias in (None, B.alibi(B.alibi_slopes(4))):
+            check_against_oracle(lambda *a, **kw: run_flash(*a, fused=fused, block=8, **kw), q, k, v,
+                                 mask=MASKS[name](64, 64), bias=bias)
+
+
 def test_plan_cache_notices_in_place_changes():
     ids = doc_ids(64, [20])
     mask = M.document(ids)
@@ -419,6 +435,8 @@ def test_auto_picks_flash_when_sparse():
     assert attnkit.backends.explain(q, k, v, mask=M.causal()).startswith("auto picks 'sdpa'")
     assert attnkit.backends.explain(q, k, v).startswith("auto picks 'sdpa'")
     assert attnkit.backends.explain(q, k, v, softcap=30.0).startswith("auto picks 'flash'")
+    speckled = torch.rand(1024, 1024, generator=torch.Generator().manual_seed(0)) > 0.3  # every tile partial
+    assert attnkit.backends.explain(q, k, v, mask=speckled).startswith("auto picks 'sdpa'")
 
 
 def test_bad_block_sizes():

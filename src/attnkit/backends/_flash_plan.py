@@ -98,6 +98,7 @@ class Plan:
     nk: int
     jobs: list[Job]
     visited_pairs: int  # visited (query tile, key tile) pairs, summed over the structure's (B', H')
+    partial_pairs: int  # ... of which partial (need the element mask)
     total_pairs: int  # all pairs over the same (B', H')
     covered: bool  # every query tile has a job (else rows without one are zero)
     cache: dict = field(default_factory=dict)  # prepared chunks (with element masks) per chunking
@@ -113,6 +114,10 @@ class Plan:
     @property
     def visited_fraction(self) -> float:
         return self.visited_pairs / max(1, self.total_pairs)
+
+    @property
+    def partial_fraction(self) -> float:
+        return self.partial_pairs / max(1, self.total_pairs)
 
 
 def choose_tiling(q_len: int, kv_len: int, block_q: int | None = None, block_k: int | None = None) -> tuple[int, int]:
@@ -308,6 +313,7 @@ def build(mask: Mask | None, batch: int, hq: int, hkv: int, q_len: int, kv_len: 
     per_b, per_h = bp > 1, hp > 1
     jobs: list[Job] = []
     visited = int(counts.sum())
+    partial = int(((kinds == PARTIAL) & (torch.arange(kinds.shape[-1]) < counts[..., None])).sum())
     per_window = max(1, MAX_GATHER_KEYS // bk)
     for bi in range(bp):
         for hi in range(hp):
@@ -317,4 +323,4 @@ def build(mask: Mask | None, batch: int, hq: int, hkv: int, q_len: int, kv_len: 
             jobs += bands if len(bands) <= BAND_CALLS_PER_GATHER * len(gathers) else gathers
     jobs.sort(key=lambda j: not j.first)  # every row's first job writes before any job merges into it
     covered = sum(j.n for j in jobs if j.first) == bp * hp * nq
-    return Plan(bq, bk, q_len, kv_len, nq, nk, jobs, visited, bp * hp * nq * nk, covered)
+    return Plan(bq, bk, q_len, kv_len, nq, nk, jobs, visited, partial, bp * hp * nq * nk, covered)

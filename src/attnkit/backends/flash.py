@@ -52,7 +52,8 @@ CALL_OVERHEAD_FLOPS = 2e6  # one batched call costs about this many flop-equival
 CALL_OVERHEAD_ELEMENTS = 2e5  # ... or score elements, in the tiling estimate
 TILE_OVERHEAD_ROWS = 12  # per-element cost of a query tile of R rows grows as 1 + 12 / R (measured)
 SMALL_TILE = 64  # the alternative forward tile for narrow bands
-FUSED_FACTOR = 1.15  # fused kernel on gathered tiles vs SDPA on the dense problem
+FUSED_FACTOR = 1.15  # fused kernel on full tiles vs SDPA on the dense problem
+FUSED_MASKED_FACTOR = 1.6  # ... on partial tiles, which read a float mask (as SDPA with a dense mask)
 EXPLICIT_FACTOR = 3.5  # explicit matmuls + elementwise softmax passes (measured ~4x the fused path)
 
 
@@ -351,5 +352,9 @@ def cost(call: Call) -> float:
         return 0.0
     plan = _forward_plan(call)
     bias_grad, _ = _bias_needs_grad(call)
-    factor = FUSED_FACTOR if _fusable(call, bias_grad) else EXPLICIT_FACTOR
-    return call.flops() * plan.visited_fraction * factor + len(plan.jobs) * CALL_OVERHEAD_FLOPS
+    if _fusable(call, bias_grad):
+        full = plan.visited_fraction - plan.partial_fraction
+        work = full * FUSED_FACTOR + plan.partial_fraction * FUSED_MASKED_FACTOR
+    else:
+        work = plan.visited_fraction * EXPLICIT_FACTOR
+    return call.flops() * work + len(plan.jobs) * CALL_OVERHEAD_FLOPS
