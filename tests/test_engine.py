@@ -111,3 +111,14 @@ def test_bad_requests(model):
     with pytest.raises(ValueError, match="max_batch=0"):
         attnkit.Engine(model, cache_blocks=4, max_batch=0)
     assert engine.run() == {} and engine.add([1], 0) == 0 and engine.results[0] == []
+
+
+@pytest.mark.parametrize("variant", [dict(positions="alibi", mask=attnkit.masks.sliding_window(6)),
+                                     dict(positions="t5", n_kv_heads=1)])
+def test_engine_with_windows_and_relative_biases(variant):
+    """The paged decode evaluates the model's window and its ALiBi/T5 bias per sequence."""
+    torch.manual_seed(1)
+    model = DecoderLM(DecoderConfig.preset("tiny", vocab_size=64, init_std=0.1, **variant)).eval()
+    reqs = _requests(6, seed=2)
+    engine = attnkit.Engine(model, cache_blocks=12, block_size=4, max_batch=4)
+    assert engine.generate([p for p, _, _ in reqs], 10) == [attnkit.generate(model, [p], 10)[0] for p, _, _ in reqs]
