@@ -77,8 +77,8 @@ def features(name: str, x, width: int, *, what: str, ndim: int | None = 3) -> No
 def token_ids(name: str, ids, vocab_size: int) -> None:
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"{name} must be a LongTensor (B, L) of token ids, got {type(ids).__name__}")
-    if ids.dtype not in (torch.long, torch.int32, torch.int16, torch.uint8, torch.int8):
-        raise TypeError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
+    if ids.dtype not in (torch.long, torch.int32):
+        raise TypeError(f"{name} must hold integer token ids (int64 or int32), got dtype {ids.dtype}")
     if ids.dim() != 2:
         raise ValueError(f"{name} must have shape (B, L), got {tuple(ids.shape)}: add a batch dim with {name}[None]")
 

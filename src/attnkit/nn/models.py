@@ -191,7 +191,11 @@ class _LMBase(nn.Module):
                              f"RoPE) or use positions='alibi'")
 
     def _embed(self, ids: Tensor, pos: Tensor) -> Tensor:
-        x = self.embed(ids)  # (B, L, d_model)
+        w = self.embed.weight
+        if w.stride(0) == 1 and w.shape[0] > 1:  # column-major (tied head): gather columns of the (d, vocab) view
+            x = w.t().index_select(1, ids.reshape(-1)).t().reshape(*ids.shape, w.shape[1])  # (B, L, d_model)
+        else:
+            x = self.embed(ids)  # (B, L, d_model)
         if self.abs_positions is not None:
             x = x * math.sqrt(self.config.d_model) + self.abs_positions.encode(pos).to(x.dtype)
         return self.drop(x)
@@ -235,6 +239,9 @@ class DecoderLM(_LMBase):
       the method extrapolates (ALiBi, T5, none).
     * ``mask``: extra mask AND-ed with the causal one (and ``config.mask``), e.g.
       ``masks.key_padding(lengths)`` or a bool ``(B, 1, L, Lk)`` tensor.
+
+    A decoder-only model has no cross attention; for encoder-decoder caching (the cross caches filled once
+    from the encoder output) see :class:`EncoderDecoder` and :class:`MultiHeadAttention`.
 
     Example::
 
