@@ -18,7 +18,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m attnkit
+	$(BIN)/attnkit demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest src tests

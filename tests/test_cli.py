@@ -247,3 +247,59 @@ def test_console_script_entry_point():
     r = subprocess.run([sys.executable, "-m", "attnkit.cli", "explain", "--input", "missing.json"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.strip() == "error: missing.json: no such file"
+
+
+# ------------------------------------------------------------------------------------------- doctor
+
+
+def test_doctor_examples_brief_and_one_in_full(capsys, tmp_path):
+    code, out, _ = run(capsys, "doctor", "--seq-len", "32")
+    assert code == 0
+    for name in ("healthy", "uniform", "sharp", "saturated", "vanishing_gradient"):
+        assert f"== example {name!r}" in out
+    assert "[sharp] in layers.0.attn, layers.1.attn" in out
+    assert "[vanishing_gradient] in 16 layers, layers.0 to layers.15" in out
+    code, out, _ = run(capsys, "doctor", "--example", "uniform", "--plot", str(tmp_path / "p"),
+                       "--markdown", str(tmp_path / "r.md"))
+    assert code == 0
+    assert out.splitlines()[1].split()[:3] == ["layer", "head", "entropy"]
+    assert (tmp_path / "p" / "attention.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "r.md").read_text().startswith("# Attention doctor: uniform")
+
+
+def test_doctor_on_a_saved_model(capsys, tmp_path):
+    from attnkit.diagnostics.examples import example
+    model, _ = example("saturated")
+    torch.save(model, tmp_path / "m.pt")
+    code, out, _ = run(capsys, "doctor", "--model", str(tmp_path / "m.pt"), "--seq-len", "32")
+    assert code == 0 and "[saturated] softmax saturated in layers.0.attn" in out
+    torch.save({"not": "a model"}, tmp_path / "d.pt")
+    assert_usage_error(capsys, "doctor", "--model", str(tmp_path / "d.pt"), match="not a torch.nn.Module")
+    (tmp_path / "bad.pt").write_text("garbage")
+    assert_usage_error(capsys, "doctor", "--model", str(tmp_path / "bad.pt"), match="cannot load a model")
+    assert_usage_error(capsys, "doctor", "--model", str(tmp_path / "none.pt"), match="no such file")
+    assert_usage_error(capsys, "doctor", "--model", str(tmp_path / "m.pt"), "--example", "sharp", match="not both")
+    assert_usage_error(capsys, "doctor", "--example", "nope", match="invalid choice")
+
+
+# --------------------------------------------------------------------------------------------- demo
+
+
+def test_demo_quick_runs_every_step(capsys, tmp_path):
+    code, out, _ = run(capsys, "demo", "--quick", "--out", str(tmp_path / "demo"))
+    assert code == 0, out
+    headings = ["1. Attention in four steps", "2. A small DecoderLM learns associative recall",
+                "3. Where the model looks", "4. Generation with a KV cache"]
+    assert all(h in out for h in headings)
+    assert "Q1[1] = x1·W_q[:, 1] = 1.0*0.1 + 0.5*(-0.2) + (-0.2)*0.5 + 1.2*0.2" in out
+    assert "slips: Q[1], Q[2], K[0], K[1], K[2], V[0], V[1], V[2], softmax[0].weights" in out
+    assert "The recall head is layers." in out
+    assert "the tokens are identical" in out
+    assert (tmp_path / "demo" / "attention.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "demo" / "doctor.md").read_text().startswith("# Attention doctor")
+
+
+def test_python_dash_m_attnkit_is_the_demo():
+    text = (ROOT / "src" / "attnkit" / "__main__.py").read_text()
+    assert 'main(sys.argv[1:] or ["demo"])' in text
+    assert "attnkit demo" in (ROOT / "Makefile").read_text().split("demo: $(STAMP)")[1].splitlines()[1]

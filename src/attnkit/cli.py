@@ -8,6 +8,9 @@ Subcommands (each takes ``--help``)::
     attnkit explain --check FILE.json       # check hand-computed claims; exit 1 if any is wrong
     attnkit masks list                      # the built-in masks and their arguments
     attnkit masks show NAME [ARGS] --len N  # draw a mask with its density
+    attnkit doctor [--example NAME] [--plot DIR]  # the attention doctor on models that show each symptom
+    attnkit doctor --model FILE.pt          # ... or on your own model
+    attnkit demo [--quick]                  # the library at work (what make demo runs)
     attnkit bench [--quick]                 # run the benchmark scripts in benchmarks/
 
 Bad arguments, missing or malformed files and inputs of the wrong shape print one line on stderr and exit
@@ -256,6 +259,94 @@ def _cmd_masks_show(args) -> int:
     return EXIT_OK
 
 
+# ------------------------------------------------------------------------------------ doctor
+
+
+def _load_model(path: str):
+    import torch
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"{path}: no such file")
+    try:
+        model = torch.load(p, map_location="cpu", weights_only=False)  # a whole module: unpickling runs code
+    except Exception as e:  # noqa: BLE001 (any unpickling failure is a bad file for the user)
+        raise UsageError(f"{path}: cannot load a model from it ({type(e).__name__}: {e})") from None
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(f"{path}: holds a {type(model).__name__}, not a torch.nn.Module; save the whole model "
+                         f"with torch.save(model, path)")
+    return model
+
+
+def _print_findings(report) -> None:
+    """One line per symptom (the layers that show it, the first one's evidence) and its first cause and fix."""
+    if report.healthy:
+        print("  no findings")
+    kinds: dict[str, list] = {}
+    for f in report.findings:
+        kinds.setdefault(f.kind, []).append(f)
+    for kind, fs in kinds.items():
+        layers = ", ".join(f.layer or "(model)" for f in fs) if len(fs) <= 3 else \
+            f"{len(fs)} layers, {fs[0].layer} to {fs[-1].layer}"
+        print(f"  [{kind}] in {layers}; {fs[0].layer or '(model)'}: {fs[0].evidence}")
+        print(f"      likely cause: {fs[0].causes[0]}; fix: {fs[0].fixes[0]}")
+
+
+def _cmd_doctor(args) -> int:
+    import torch
+
+    from .diagnostics import doctor
+    from .diagnostics.examples import EXAMPLES, example
+
+    if args.model is not None and args.example is not None:
+        raise UsageError("attnkit doctor: give --model or --example, not both")
+    if args.model is not None:
+        model = _load_model(args.model)
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None) or args.vocab
+        if vocab is None:
+            raise UsageError(f"attnkit doctor: {type(model).__name__} has no config.vocab_size; pass --vocab V "
+                             f"(random token ids are drawn from [0, V))")
+        g = torch.Generator().manual_seed(args.seed)
+        batch = torch.randint(0, int(vocab), (args.batch_size, args.seq_len), generator=g)
+        runs = [(args.model, model, batch)]
+    else:
+        names = EXAMPLES if args.example in (None, "all") else [args.example]
+        runs = [(n, *example(n, seed=args.seed, batch_size=args.batch_size, seq_len=args.seq_len)) for n in names]
+    for name, model, batch in runs:
+        try:
+            report = doctor(model, batch)
+        except (ValueError, TypeError) as e:
+            raise UsageError(f"attnkit doctor {name}: {e}") from None
+        if len(runs) > 1:
+            print(f"== example {name!r}")
+            _print_findings(report)
+        else:
+            print(f"== {'model ' + name if args.model else 'example ' + repr(name)}")
+            print(report)
+        if args.plot:
+            folder = Path(args.plot) / name if len(runs) > 1 else Path(args.plot)
+            paths = report.plot(folder)
+            print(f"  heatmaps: {', '.join(str(p) for p in paths)}")
+        if args.markdown:
+            target = Path(args.markdown)
+            if len(runs) > 1:
+                target = target.with_name(f"{target.stem}-{name}{target.suffix or '.md'}")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(report.to_markdown(f"Attention doctor: {name}"), encoding="utf-8")
+            print(f"  report: {target}")
+        if len(runs) > 1:
+            print()
+    return EXIT_OK
+
+
+# -------------------------------------------------------------------------------------- demo
+
+
+def _cmd_demo(args) -> int:
+    from ._demo import run
+
+    return run(args.out, quick=args.quick, seed=args.seed, threads=args.threads)
+
+
 # ------------------------------------------------------------------------------------- bench
 
 
@@ -372,6 +463,35 @@ def build_parser() -> argparse.ArgumentParser:
                                                                 "are drawn instead of elements (default 64)")
     ms.set_defaults(func=_cmd_masks_show)
     m.set_defaults(func=_masks_without_action)
+
+    d = sub.add_parser("doctor", help="per-head attention statistics and the article's debugging guide",
+                       description="Run the attention doctor: per layer and head the normalised entropy, largest "
+                                   "weight, share of saturated rows and gradient norm of the scores, and findings "
+                                   "(uniform, sharp, saturated, vanishing_gradient) with likely causes and fixes. "
+                                   "Without --model it examines the example models that show each symptom.")
+    d.add_argument("--example", choices=["all", "healthy", "uniform", "sharp", "saturated", "vanishing_gradient"],
+                   help="one example model (default: all of them, briefly)")
+    d.add_argument("--model", metavar="FILE.pt", help="a whole model saved with torch.save(model, path); loading "
+                                                      "unpickles it, so only load files you trust")
+    d.add_argument("--vocab", type=_positive, help="vocabulary size for --model without config.vocab_size")
+    d.add_argument("--seq-len", type=_positive, default=32, help="tokens per sequence (default 32)")
+    d.add_argument("--batch-size", type=_positive, default=4, help="sequences (default 4)")
+    d.add_argument("--seed", type=_nonnegative, default=0, help="seed of the example weights and tokens")
+    d.add_argument("--plot", metavar="DIR", help="write attention heatmaps (PNG) into DIR (needs matplotlib)")
+    d.add_argument("--markdown", metavar="FILE.md", help="write the report as Markdown")
+    d.set_defaults(func=_cmd_doctor)
+
+    dm = sub.add_parser("demo", help="the library at work: explain, train, heatmaps, doctor, KV-cache generation",
+                        description="What make demo runs (under 3 minutes on 2 CPU cores): the article's example "
+                                    "traced and its claims checked; a small DecoderLM trained on associative recall "
+                                    "to >= 95% accuracy; attention heatmaps and the doctor's report written to "
+                                    "OUT/attention.png and OUT/doctor.md; generation with the KV cache against "
+                                    "recomputation. Exit code 1 if the model misses 95% or cached tokens differ.")
+    dm.add_argument("--quick", action="store_true", help="a small, fast run (used by the tests; no accuracy target)")
+    dm.add_argument("--out", metavar="DIR", default="attnkit-demo", help="output folder (default attnkit-demo)")
+    dm.add_argument("--seed", type=_nonnegative, default=0, help="seed of the model and data (default 0)")
+    dm.add_argument("--threads", type=_positive, default=1, help="torch threads (default 1: the models are tiny)")
+    dm.set_defaults(func=_cmd_demo)
 
     b = sub.add_parser("bench", help="run the benchmark scripts in benchmarks/ and print their tables",
                        description="Runs every benchmarks/*.py (with --quick: at a small size; scripts without "

@@ -101,6 +101,23 @@ def test_thresholds_change_the_verdict():
     assert doctor(model, ids, thresholds=Thresholds(sharp_max_weight=0.99)).healthy
 
 
+def test_a_layer_with_idle_heads_is_not_uniform():
+    """Uniform needs every head of a layer; a working head next to idle ones is a healthy layer."""
+    model, ids = example("uniform")
+    m = model.layers[0].attn
+    with torch.no_grad():  # give head 0 of the first layer back its normal queries and keys
+        q_rows = slice(0, m.d_head)
+        k_rows = slice(m.n_heads * m.d_head, (m.n_heads + 1) * m.d_head)
+        m.qkv_proj.weight[q_rows] *= 1e3
+        m.qkv_proj.weight[k_rows] *= 1e3
+    report = doctor(model, ids)
+    assert [f.layer for f in report.findings] == ["layers.1.attn"]
+    assert [s.symptom for s in report.heads if s.layer == "layers.0.attn"] == [None, "uniform", "uniform", "uniform"]
+    assert doctor(model, ids, thresholds=Thresholds(uniform_heads=0.75)).kinds == {"uniform"}
+    assert [f.layer for f in doctor(model, ids, thresholds=Thresholds(uniform_heads=0.75)).findings] == [
+        "layers.0.attn", "layers.1.attn"]
+
+
 class _NoAttention(nn.Module):
     def forward(self, x):
         return x
@@ -111,10 +128,38 @@ class _NoAttention(nn.Module):
     (lambda: doctor(_NoAttention(), torch.zeros(1)), ValueError, "no attnkit attention layers"),
     (lambda: doctor(example("healthy")[0], example("healthy")[1], loss_fn=lambda o, b: o), TypeError, "scalar"),
     (lambda: doctor(example("healthy")[0], example("healthy")[1], loss_fn=3), TypeError, "callable"),
-    (lambda: Thresholds(head_share=0.0), ValueError, "head_share"),
+    (lambda: Thresholds(sharp_heads=0.0), ValueError, "sharp_heads"),
     (lambda: Thresholds(vanishing_ratio=2.0), ValueError, "vanishing_ratio"),
     (lambda: example("broken"), ValueError, "unknown example"),
 ])
 def test_bad_input(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+def test_a_healthy_trained_model_gets_no_findings(one_thread):
+    """A DecoderLM trained to copy (an induction circuit, with ALiBi) until >= 95% accuracy: a clean bill."""
+    from attnkit.nn import DecoderConfig, DecoderLM
+    from attnkit.nn.tasks import accuracy, copy_task, train_lm
+
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig(vocab_size=17, d_model=64, n_layers=2, n_heads=4, max_seq_len=64,
+                                    positions="alibi", tie_embeddings=False))
+    g = torch.Generator().manual_seed(1)
+    task = lambda n, gen: copy_task(n, length=8, n_symbols=16, distinct=True, generator=gen)  # noqa: E731
+    check = task(128, torch.Generator().manual_seed(2))
+
+    def done(step, loss):
+        if (step + 1) % 25:
+            return False
+        with torch.no_grad():
+            acc = accuracy(model(check.ids), check.targets)
+        model.train()
+        return acc >= 0.98
+
+    train_lm(model, lambda step: task(32, g), steps=500, lr=5e-3, on_step=done)
+    test = task(256, torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert accuracy(model(test.ids), test.targets) >= 0.95
+    report = doctor(model, test.ids[:8])
+    assert report.healthy, str(report)

@@ -9,10 +9,12 @@ article's likely causes and fixes:
 - ``sharp``: nearly all of each row's weight on one key;
 - ``saturated``: rows that are numerically one-hot, where softmax passes back almost no gradient (the
   extreme of ``sharp``, reported instead of it);
-- ``vanishing_gradient``: the gradient of a layer's scores is orders of magnitude below the largest
-  layer's (or zero), while its weights are not saturated.
+- ``vanishing_gradient``: the gradient reaching a layer's scores is orders of magnitude below the gradient
+  at the model's output (or the largest layer's), while its weights are not saturated.
 
-A layer shows a symptom when at least ``head_share`` of its heads do (see :class:`Thresholds`).
+A layer shows a weight symptom when enough of its heads do: every head for ``uniform``, three quarters for
+``sharp``, half for ``saturated`` (see :class:`Thresholds`).  Each layer is given its most severe symptom
+only: saturated, then vanishing_gradient, then sharp, then uniform.
 """
 
 from __future__ import annotations
@@ -65,10 +67,12 @@ SYMPTOMS: dict[str, dict] = {
     "vanishing_gradient": {
         "title": "vanishing gradients",
         "symptom": "the gradient reaching this layer's attention scores is close to zero",
-        "causes": ["softmax in its saturated region", "an unreasonable range of scores",
-                   "a network too deep for its normalisation (e.g. Post-LN without residual paths)"],
-        "fixes": ["use a numerically stable softmax (attnkit always does)", "adjust the initialisation",
-                  "add residual connections (and prefer Pre-LN, norm_first=True, for deep stacks)"],
+        # the article lists saturation first; a layer with saturated weights is reported as `saturated`
+        # instead, so here depth and initialisation come first
+        "causes": ["a network too deep for its normalisation (e.g. Post-LN without residual paths)",
+                   "an unreasonable range of scores", "softmax in its saturated region"],
+        "fixes": ["add residual connections (and prefer Pre-LN, norm_first=True, for deep stacks)",
+                  "adjust the initialisation", "use a numerically stable softmax (attnkit always does)"],
     },
 }
 
@@ -81,19 +85,26 @@ class Thresholds:
         uniform_entropy: a head is uniform when its mean normalised entropy is at least this.
         sharp_max_weight: a head is sharp when its rows' mean largest weight is at least this.
         saturated_rows: a head is saturated when at least this share of its rows is saturated (largest
-            weight within ``SATURATION`` = 1e-3 of 1).
-        vanishing_ratio: a layer's score gradient (RMS) below this times the largest layer's is vanishing.
-        head_share: a layer shows a symptom when at least this share of its heads do.
+            weight within ``SATURATION`` = 1e-4 of 1).
+        vanishing_ratio: a layer's score gradient norm is vanishing below this times the gradient norm at the
+            model's output (per row of logits) or this times the largest layer's.
+        uniform_heads, sharp_heads, saturated_heads: a layer shows the symptom when at least this share of its
+            heads do.  A trained layer often keeps a few idle, near-uniform heads next to working ones, and a
+            few sharp ones that look up one position; a problem of initialisation or scale hits every head.
+            Saturation is flagged early (half the heads): it stops learning wherever it happens.
     """
 
     uniform_entropy: float = 0.98
     sharp_max_weight: float = 0.9
     saturated_rows: float = 0.5
     vanishing_ratio: float = 1e-3
-    head_share: float = 0.5
+    uniform_heads: float = 1.0
+    sharp_heads: float = 0.75
+    saturated_heads: float = 0.5
 
     def __post_init__(self):
-        for name in ("uniform_entropy", "sharp_max_weight", "saturated_rows", "head_share"):
+        for name in ("uniform_entropy", "sharp_max_weight", "saturated_rows", "uniform_heads", "sharp_heads",
+                     "saturated_heads"):
             x = getattr(self, name)
             if not (isinstance(x, (int, float)) and 0.0 < x <= 1.0):
                 raise ValueError(f"{name}={x!r} must be in (0, 1]")
@@ -109,7 +120,7 @@ class HeadStats:
         layer: module name; head: query head index.
         entropy: mean normalised entropy of its rows (1 = uniform, 0 = one key).
         max_weight: mean of each row's largest weight.
-        saturated: share of rows whose largest weight is within 1e-3 of 1.
+        saturated: share of rows whose largest weight is within 1e-4 of 1 (SATURATION).
         score_std: mean standard deviation of a row's final scores (how far apart softmax's inputs are).
         grad_norm: RMS over rows of the norm of a row's ``dL/d(scores)``, or None without a backward pass.
         rows: rows counted.
@@ -197,8 +208,8 @@ class Report:
                  "|" + "|".join("---" for _ in self._HEADER) + "|"]
         lines += ["| " + " | ".join(r) + " |" for r in self._rows()]
         lines += ["", "Entropy is normalised (1 = uniform over the keys a row may see, 0 = one key); a row is "
-                      f"saturated when its largest weight is within {SATURATION:g} of 1; grad norm is the RMS over rows of the "
-                      "norm of the gradient of the loss with respect to a row of scores.", ""]
+                      f"saturated when its largest weight is within {SATURATION:g} of 1; grad norm is the RMS over "
+                      "rows of the norm of the gradient of the loss with respect to a row of scores.", ""]
         if not self.findings:
             lines.append("**No findings.**")
         for f in self.findings:
@@ -314,7 +325,7 @@ def _findings(stats: list[HeadStats], t: Thresholds, output_grad: float | None
         shown = {}
         for kind in ("saturated", "sharp", "uniform"):
             hit = [h for h in heads if h.symptom == kind]
-            if hit and len(hit) >= t.head_share * len(heads):
+            if hit and len(hit) >= getattr(t, f"{kind}_heads") * len(heads):
                 shown[kind] = Finding(kind, name, [h.head for h in hit], _evidence(kind, hit))
         g = grads[name]
         if g is not None:
@@ -324,7 +335,7 @@ def _findings(stats: list[HeadStats], t: Thresholds, output_grad: float | None
                 ref = (f"{g / output_grad:.1e} of the gradient at the model's output ({output_grad:.2e})"
                        if vs_out else f"{g / top:.1e} of the largest layer's ({top:.2e})")
                 shown["vanishing_gradient"] = Finding("vanishing_gradient", name, [h.head for h in heads],
-                                                      f"score gradient rms {g:.2e}, {ref}")
+                                                      f"score gradient norm {g:.2e}, {ref}")
         for kind in ("saturated", "vanishing_gradient", "sharp", "uniform"):
             if kind in shown:
                 f = shown[kind]
