@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -117,15 +118,19 @@ _MEMORY_SCRIPT = textwrap.dedent("""
 
 
 def _extra_bytes(L: int) -> int:
+    # a fixed mmap threshold: freed blocks go back to the OS, so RSS follows live allocations
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     res = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, str(L)], capture_output=True, text=True,
-                         timeout=600)
+                         timeout=600, env=env)
     assert res.returncode == 0, res.stderr[-2000:]
     return json.loads(res.stdout.strip().splitlines()[-1])["extra"]
 
 
 def test_forward_backward_memory_grows_linearly():
-    """Peak extra memory of forward+backward (sliding window 512, one head, D=64) between L = 4096 and
-    16384: linear growth is 4x, quadratic would be 16x (the 16384 score matrix alone is 1 GiB)."""
+    """Peak extra memory of forward+backward (sliding window 512, one head, D=64) at L = 4096 and 16384.
+    Linear memory grows by ~40 MB between them; a quadratic one would by ~1 GiB (the 16384 score matrix
+    alone is 1 GiB).  The growth is what is checked: a process may also hold a constant of a few hundred
+    MB of lazily initialised library buffers."""
     small, large = _extra_bytes(4096), _extra_bytes(16384)
-    assert large < 8 * max(small, 4 << 20), (small, large)
-    assert large < 256 << 20, large
+    assert large - small < 160 << 20, (small, large)
+    assert large < 640 << 20, (small, large)

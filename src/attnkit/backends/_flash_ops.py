@@ -192,6 +192,8 @@ class Chunk:
     kstep: int  # keys between the windows of consecutive items (bands)
     kinds: Tensor  # (N, w)
     first: bool  # writes its rows (the job's first chunk over them); later ones merge
+    tiles: Tensor | None = None  # (N, w) gathered key tiles (gather chunks)
+    block_k: int = 0
 
     @property
     def W(self) -> int:
@@ -213,7 +215,7 @@ def _split_full(ch: Chunk, bk: int):
     for i, (a, b) in enumerate(runs):
         yield Chunk(ch.job, ch.N, ch.R, ch.qrows, ch.q_consecutive, ch.qstart, ch.kcols[:, a * bk:b * bk],
                     ch.band, ch.kstart + a * bk if ch.band else 0, ch.kstep, ch.kinds[:, a:b],
-                    ch.first and i == 0)
+                    ch.first and i == 0, None if ch.tiles is None else ch.tiles[:, a:b], ch.block_k)
 
 
 def chunks(work: Work, job: Job, per_item: int):
@@ -250,7 +252,7 @@ def _chunks(work: Work, job: Job, per_item: int):
         else:
             kcols = (job.tiles[i0:i1, :, None] * bk + torch.arange(bk)).reshape(N, W)
             yield Chunk(job, N, bq, qrows, job.consecutive, int(rows[0]) * bq, kcols, False, 0, 0,
-                        job.kinds[i0:i1], job.first)
+                        job.kinds[i0:i1], job.first, job.tiles[i0:i1], bk)
 
 
 # ------------------------------------------------------------------- views and scatters
@@ -269,8 +271,8 @@ def rows_of(x: Tensor, heads: Heads, ch: Chunk) -> Tensor:
         size = (ch.N, heads.count, ch.R, *tail)
         stride = (ch.R * e, heads.qstep * lp * e, e, *([1] if tail else []))
         return x.as_strided(size, stride, x.storage_offset() + (heads.q0 * lp + ch.qstart) * e)
-    xs = _heads_slice(x, heads.q0, heads.qstep, heads.count)
-    g = xs.index_select(1, ch.qrows.reshape(-1).to(x.device))  # (count, N*R, ...)
+    xs = _heads_slice(x, heads.q0, heads.qstep, heads.count).view(heads.count, lp // ch.R, ch.R * e)
+    g = xs.index_select(1, (ch.qrows[:, 0] // ch.R).to(x.device))  # (count, N, R*e): whole tiles
     return g.view(heads.count, ch.N, ch.R, *tail).transpose(0, 1)
 
 
@@ -280,9 +282,10 @@ def put_rows(x: Tensor, heads: Heads, ch: Chunk, value: Tensor, *, add: bool) ->
         view = rows_of(x, heads, ch)
         view.add_(value) if add else view.copy_(value)
         return
-    xs = _heads_slice(x, heads.q0, heads.qstep, heads.count)
-    idx = ch.qrows.reshape(-1).to(x.device)
-    flat = value.transpose(0, 1).reshape(heads.count, ch.N * ch.R, *x.shape[2:]).to(x.dtype)
+    lp, e = x.shape[1], int(math.prod(x.shape[2:]))
+    xs = _heads_slice(x, heads.q0, heads.qstep, heads.count).view(heads.count, lp // ch.R, ch.R * e)
+    idx = (ch.qrows[:, 0] // ch.R).to(x.device)  # whole query tiles
+    flat = value.transpose(0, 1).reshape(heads.count, ch.N, ch.R * e).to(x.dtype)
     xs.index_add_(1, idx, flat) if add else xs.index_copy_(1, idx, flat)
 
 
@@ -315,8 +318,9 @@ def keys_of(x: Tensor, heads: Heads, ch: Chunk) -> Tensor:
         size = (ch.N, heads.kcount, ch.W, e)
         stride = (ch.kstep * e, heads.kstep * lp * e, e, 1)
         return x.as_strided(size, stride, x.storage_offset() + (heads.k0 * lp + ch.kstart) * e)
-    xs = _heads_slice(x, heads.k0, heads.kstep, heads.kcount)
-    g = xs.index_select(1, ch.kcols.reshape(-1).to(x.device))  # (kcount, N*W, E)
+    bk = ch.block_k
+    xs = _heads_slice(x, heads.k0, heads.kstep, heads.kcount).view(heads.kcount, lp // bk, bk * e)
+    g = xs.index_select(1, ch.tiles.reshape(-1).to(x.device))  # (kcount, N*w, bk*E): whole tiles
     return g.view(heads.kcount, ch.N, ch.W, e).transpose(0, 1)
 
 
@@ -324,9 +328,10 @@ def add_keys(x: Tensor, heads: Heads, ch: Chunk, value: Tensor) -> None:
     """Add window gradients ``value (N, kcount, W, E)`` into ``x`` (windows may overlap)."""
     lp, e = x.shape[1], x.shape[2]
     if not ch.band:
-        xs = _heads_slice(x, heads.k0, heads.kstep, heads.kcount)
-        flat = value.transpose(0, 1).reshape(heads.kcount, ch.N * ch.W, e)
-        xs.index_add_(1, ch.kcols.reshape(-1).to(x.device), flat.to(x.dtype))
+        bk = ch.block_k
+        xs = _heads_slice(x, heads.k0, heads.kstep, heads.kcount).view(heads.kcount, lp // bk, bk * e)
+        flat = value.transpose(0, 1).reshape(heads.kcount, ch.N * (ch.W // bk), bk * e)
+        xs.index_add_(1, ch.tiles.reshape(-1).to(x.device), flat.to(x.dtype))
         return
     base = x.storage_offset() + (heads.k0 * lp + ch.kstart) * e
     hstride = heads.kstep * lp * e
