@@ -8,6 +8,9 @@ median of 3 with --quick); the peak resident memory a rank added over its start,
 the compute CPU time in the forward and the backward, and of the score elements computed.
 "attnkit.attention, 1 process" is one process calling attnkit.attention on the whole sequence.
 
+glibc keeps freed memory for reuse, so the resident peak over-counts live tensors by what it cached;
+--live-memory makes it hand every freed block back at once (slower: every large tensor page-faults).
+
 The processes share this machine's cores (one torch thread each by default, --threads), so time cannot
 fall with W here: wall time and the CPU seconds of all ranks show the overhead, while the memory per
 rank shows the 1/W.
@@ -109,8 +112,12 @@ def _launch(mode: str, world: int, layout: str, args, tmp: Path) -> list[dict]:
     common = ["--seq-len", str(args.seq_len), "--heads", str(args.heads), "--head-dim", str(args.head_dim),
               "--repeat", str(args.repeat), "--threads", str(args.threads), "--mode", mode, "--layout", layout,
               "--world", str(world), "--port", str(port)]
+    env = dict(os.environ)
+    if args.live_memory:  # glibc then returns every freed tensor to the OS at once: peak RSS ~ live tensors
+        env["MALLOC_MMAP_THRESHOLD_"] = str(1 << 16)
     procs = [subprocess.Popen([sys.executable, __file__, "--worker", "--rank", str(r), "--out",
-                               str(tmp / f"{mode}_{layout}_{world}_{r}.json"), *common]) for r in range(world)]
+                               str(tmp / f"{mode}_{layout}_{world}_{r}.json"), *common], env=env)
+             for r in range(world)]
     for p in procs:
         if p.wait() != 0:
             raise SystemExit(f"a worker of {mode} W={world} {layout} failed with exit code {p.returncode}")
@@ -126,6 +133,8 @@ def main(argv=None) -> None:
     ap.add_argument("--repeat", type=int, default=None)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1: on a shared, "
                     "oversubscribed machine multi-threaded regions stall whenever one thread is descheduled)")
+    ap.add_argument("--live-memory", action="store_true", help="fix glibc's mmap threshold so that the peak "
+                    "resident memory counts live tensors, not allocator caching (costs page faults: slower)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mode", default="ring", help=argparse.SUPPRESS)
     ap.add_argument("--layout", default="zigzag", help=argparse.SUPPRESS)
@@ -180,9 +189,11 @@ def main(argv=None) -> None:
                "work balance"]
     print(f"\nring attention, causal, float32, B=1 H={args.heads} L={args.seq_len} D={args.head_dim}; "
           f"{machine()}; {args.threads} torch thread(s) per process; "
+          f"{'glibc mmap threshold 64 KiB (--live-memory); ' if args.live_memory else ''}"
           f"{'median of ' + str(args.repeat) if args.repeat > 1 else 'one run'} per cell")
     print(table(rows, columns))
-    path = save("ring_quick" if quick else "ring", {"seq_len": args.seq_len, "heads": args.heads,
+    name = ("ring_quick" if quick else "ring") + ("_live_memory" if args.live_memory else "")
+    path = save(name, {"seq_len": args.seq_len, "heads": args.heads,
                                                     "head_dim": args.head_dim, "rows": rows, "raw": raw})
     print(f"\nwritten to {path}")
 

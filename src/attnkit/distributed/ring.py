@@ -489,8 +489,8 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, sca
             ``sliding_window(w)``, ``document(ids)`` with the ``L`` global ids), or a bool tensor
             broadcastable to ``(B, Hq, L, L)``.  Evaluated at global positions; empty tiles are skipped.
         bias: ``None`` or an :mod:`attnkit.bias` modifier (ALiBi, T5 buckets, temperature, ``from_fn``),
-            evaluated at global positions.  Its own tensors get no gradient (ones that require grad are
-            refused); a dense ``(L, L)`` float bias is refused too (it would not fit a long sequence).
+            evaluated at global positions.  Its own tensors get no gradient: ones that require grad (a
+            learned T5 table) are refused, and so is a dense ``(L, L)`` float bias (it defeats sharding).
         scale: multiplies ``q @ k^T``; default ``1 / sqrt(D)``.
         softcap: ``s`` maps a score ``x`` to ``s * tanh(x / s)``, before the bias.
         group: the process group (default: the world); ``W`` is its size.
