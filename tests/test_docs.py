@@ -8,8 +8,6 @@
 `python docs/update_outputs.py`).  Blocks run in a scratch folder where `docs/` points at the real one.
 """
 
-import contextlib
-import io
 import re
 import shlex
 from pathlib import Path
@@ -83,7 +81,8 @@ def test_code_blocks_run(path, tmp_path, monkeypatch, capsys):
                 capsys.readouterr()
                 code_ = main(argv)
                 out, err = capsys.readouterr()
-                assert code_ == expected, f"{where}: attnkit {' '.join(argv)} exited {code_}, expected {expected}\n{err}"
+                assert code_ == expected, (f"{where}: attnkit {' '.join(argv)} exited {code_}, "
+                                           f"expected {expected}\n{err}")
                 shown = found[i + 1] if i + 1 < len(found) else None
                 if len(cmds) == 1 and shown and shown[0] == "text" and _adjacent(text, line, shown[2], code):
                     assert out.rstrip() == shown[1].rstrip(), (

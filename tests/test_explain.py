@@ -74,15 +74,13 @@ def test_printed_trace_walks_the_four_steps_like_the_article():
     assert "= [0.2657, -0.0702]" in text
 
 
-_PRODUCT = re.compile(r"^\s*(?:\(?(-?[\d.]+)\)?\*\(?(-?[\d.]+)\)?)(?:\s*\+\s*\(?(-?[\d.]+)\)?\*\(?(-?[\d.]+)\)?)*")
-
-
 @given(seed=st.integers(0, 10_000), L=st.integers(1, 4), dm=st.integers(1, 5), row=st.integers(0, 3))
 def test_written_arithmetic_adds_up(seed, L, dm, row):
     """Every 'a*b + c*d + ... = p1 + p2 + ... = r' line is true at the printed precision."""
     row = min(row, L - 1)
     g = torch.Generator().manual_seed(seed)
-    vals = lambda *s: (torch.randint(-9, 10, s, generator=g) / 10).tolist()  # noqa: E731 (one decimal, like the article)
+    def vals(*shape):  # one decimal, like the article
+        return (torch.randint(-9, 10, shape, generator=g) / 10).tolist()
     t = trace(vals(L, dm), vals(dm, 2), vals(dm, 2), vals(dm, 2))
     text = t.explain(row)
     lines = [ln for ln in text.splitlines() if ln.strip().startswith("score(x")]

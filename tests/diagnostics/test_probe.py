@@ -144,3 +144,25 @@ def test_cross_attention_and_no_grad():
 def test_bad_arguments(call, error):
     with pytest.raises(error):
         call()
+
+
+def test_additive_and_single_head_attention_are_probed():
+    """Bahdanau attention reaches _attend as a bias on zero-width scores: weights and gradients still hold."""
+    from attnkit.nn import AdditiveAttention, SingleHeadAttention
+
+    torch.manual_seed(0)
+    add = AdditiveAttention(8, 6, 16).double()
+    q, k = torch.randn(2, 3, 8, dtype=torch.float64), torch.randn(2, 5, 6, dtype=torch.float64)
+    v = torch.randn(2, 5, 4, dtype=torch.float64)
+    g = torch.randn(2, 3, 4, dtype=torch.float64)
+    with probe(add) as p:
+        (add(q, k, v) * g).sum().backward()
+    rec = p.layers[""].calls[0]
+    s = add.scores(q, k).detach().requires_grad_(True)  # (B, Lq, Lk)
+    (torch.softmax(s, -1) @ v * g).sum().backward()
+    torch.testing.assert_close(rec.weights[:, 0], torch.softmax(s, -1).float().detach(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(rec.grad_sq[:, 0], s.grad.pow(2).sum(dim=(-1, -2)), rtol=1e-9, atol=1e-12)
+    head = SingleHeadAttention(4, 2)
+    with probe(head) as p:
+        head(torch.randn(3, 4))
+    assert p.layers[""].calls[0].shape == (1, 1, 3, 3)
