@@ -244,8 +244,15 @@ def _cmd_masks_list(args) -> int:
     return EXIT_OK
 
 
+_MAX_SHOW_LEN = 16384  # show() counts the density element by element: beyond this it takes minutes
+
+
 def _cmd_masks_show(args) -> int:
     name = args.name
+    for flag, value in (("--len", args.len), ("--kv-len", args.kv_len)):
+        if value is not None and value > _MAX_SHOW_LEN:
+            raise UsageError(f"attnkit masks show: {flag} {value} is more than the {_MAX_SHOW_LEN} positions it "
+                             f"draws (its density is counted element by element); pass a smaller {flag}")
     is_expr = any(c in name for c in "()&|~ ")
     if is_expr and args.args:
         raise UsageError("attnkit masks show: give either NAME with ARGS or one expression in quotes, not both")
