@@ -161,6 +161,17 @@ class Work:
     seed: int
     fused: bool  # forward on the fused kernel
     bias_params: list[Tensor] = field(default_factory=list)  # tensors of a ScoreMod that need grads
+    buffers: dict = field(default_factory=dict)  # gather workspaces reused by the chunks of one call
+
+    def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        """A reusable workspace: fresh large tensors are page-faulted in on first touch, which costs
+        more than the gather that fills them."""
+        n = math.prod(shape)
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != dtype:
+            buf = torch.empty(n, dtype=dtype, device=self.q3.device)
+            self.buffers[name] = buf
+        return buf[:n].view(shape)
 
     @property
     def acc(self) -> torch.dtype:
@@ -311,8 +322,9 @@ def put_lse(x: Tensor, heads: Heads, ch: Chunk, value: Tensor) -> None:
     xs.index_copy_(0, ch.qrows.reshape(-1).to(x.device), flat)
 
 
-def keys_of(x: Tensor, heads: Heads, ch: Chunk) -> Tensor:
-    """The chunk's key windows of a flat ``(B*Hkv, Lk_pad, E)`` tensor as ``(N, kcount, W, E)``."""
+def keys_of(x: Tensor, heads: Heads, ch: Chunk, buf: Tensor | None = None) -> Tensor:
+    """The chunk's key windows of a flat ``(B*Hkv, Lk_pad, E)`` tensor as ``(N, kcount, W, E)``; gathered
+    windows are written into ``buf`` (``(kcount, N*w, bk*E)``) when given."""
     lp, e = x.shape[1], x.shape[2]
     if ch.band:
         size = (ch.N, heads.kcount, ch.W, e)
@@ -320,8 +332,21 @@ def keys_of(x: Tensor, heads: Heads, ch: Chunk) -> Tensor:
         return x.as_strided(size, stride, x.storage_offset() + (heads.k0 * lp + ch.kstart) * e)
     bk = ch.block_k
     xs = _heads_slice(x, heads.k0, heads.kstep, heads.kcount).view(heads.kcount, lp // bk, bk * e)
-    g = xs.index_select(1, ch.tiles.reshape(-1).to(x.device))  # (kcount, N*w, bk*E): whole tiles
+    g = torch.index_select(xs, 1, ch.tiles.reshape(-1).to(x.device), out=buf)  # (kcount, N*w, bk*E): tiles
     return g.view(heads.kcount, ch.N, ch.W, e).transpose(0, 1)
+
+
+def kv_of(work: Work, ch: Chunk) -> tuple[Tensor, Tensor]:
+    """The chunk's key and value windows ``(N, kcount, W, D)``, ``(N, kcount, W, Dv)``: strided views for
+    bands, gathered tiles (into reused workspaces) otherwise."""
+    heads = ch.job.heads
+    if ch.band:
+        return keys_of(work.k3, heads, ch), keys_of(work.v3, heads, ch)
+    n = ch.N * (ch.W // ch.block_k)
+    bk = ch.block_k
+    kb = work.buffer("k", (heads.kcount, n, bk * work.k3.shape[-1]), work.k3.dtype)
+    vb = work.buffer("v", (heads.kcount, n, bk * work.v3.shape[-1]), work.v3.dtype)
+    return keys_of(work.k3, heads, ch, kb), keys_of(work.v3, heads, ch, vb)
 
 
 def add_keys(x: Tensor, heads: Heads, ch: Chunk, value: Tensor) -> None:
@@ -580,7 +605,7 @@ def explicit_forward(work: Work, ch: Chunk, m: Tensor | None) -> tuple[Tensor, T
     """One chunk by matmuls and a float32 softmax: ``(out (N, count, R, Dv), lse (N, count, R))``."""
     heads = ch.job.heads
     g = heads.count // heads.kcount
-    qw, kw, vw = rows_of(work.q3, heads, ch), keys_of(work.k3, heads, ch), keys_of(work.v3, heads, ch)
+    qw, (kw, vw) = rows_of(work.q3, heads, ch), kv_of(work, ch)
     s, _ = _scores(work, heads, ch, qw, kw)
     x, _ = _modify(work, heads, ch, s, m, inplace=True)
     mx = x.amax(-1, keepdim=True)
@@ -600,7 +625,7 @@ def explicit_backward(work: Work, ch: Chunk, m: Tensor | None, do: Tensor, lse: 
     """Gradients of one chunk: (dq (N, count, R, D), dk, dv (N, kcount, W, .)); bias grads accumulate."""
     heads = ch.job.heads
     g = heads.count // heads.kcount
-    qw, kw, vw = rows_of(work.q3, heads, ch), keys_of(work.k3, heads, ch), keys_of(work.v3, heads, ch)
+    qw, (kw, vw) = rows_of(work.q3, heads, ch), kv_of(work, ch)
     s, qg = _scores(work, heads, ch, qw, kw)
     kg, vg = kw.to(work.acc), vw.to(work.acc)
     mod = work.bias if isinstance(work.bias, ScoreMod) else None
@@ -659,10 +684,11 @@ def _per_item(work: Work, heads: Heads, job: Job, backward: bool, fused: bool) -
     bk, bq = work.plan.block_k, work.plan.block_q
     W = job.w * bk
     d = work.q3.shape[-1] + work.v3.shape[-1]
+    gathered = heads.kcount * W * d if job.tiles is not None else 0  # key/value windows copied per item
     if fused:
         partial = bool((job.kinds != FULL).any())
         per = (bq * W if partial else 0) + (heads.count * bq * W if work.bias is not None else 0)
-        return per + (heads.kcount * W * d if backward else 0)
+        return per + gathered + (heads.kcount * W * d if backward else 0)
     return 3 * heads.count * bq * W + 2 * heads.kcount * W * d
 
 
@@ -692,6 +718,12 @@ def forward(work: Work) -> tuple[Tensor, Tensor]:
             if ch.first:
                 put_rows(out, heads, ch, o, add=False)
                 put_lse(lse, heads, ch, l)
+            elif ch.q_consecutive:  # merge in place into the output rows
+                acc_l = lse_rows(lse, heads, ch)
+                new_l = torch.logaddexp(acc_l, l.to(lse.dtype))
+                w = torch.exp(l - new_l).nan_to_num_(0.0)
+                rows_of(out, heads, ch).lerp_(o.to(out.dtype), w[..., None].to(out.dtype))
+                acc_l.copy_(new_l)
             else:
                 o_new, l_new = _merge_into(rows_of(out, heads, ch), lse_rows(lse, heads, ch), o, l.to(lse.dtype))
                 put_rows(out, heads, ch, o_new, add=False)
@@ -704,8 +736,7 @@ def _fused_chunk(work: Work, item: Prepared) -> tuple[Tensor, Tensor]:
     that may attend to nothing here."""
     ch, heads = item.chunk, item.chunk.job.heads
     m = None if item.kernel_causal(work) else item.element_mask(work)
-    qw = rows_of(work.q3, heads, ch)
-    kw, vw = keys_of(work.k3, heads, ch), keys_of(work.v3, heads, ch)
+    qw, (kw, vw) = rows_of(work.q3, heads, ch), kv_of(work, ch)
     o, l = _FUSED[0](qw, kw, vw, 0.0, item.kernel_causal(work), attn_mask=item.float_mask(work, m),  # noqa: E741
                      scale=work.scale)
     live = item.live if not item.lazy else (None if m is None else m.any(-1)[:, None])
@@ -752,8 +783,7 @@ def backward(work: Work, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | 
             ch = item.chunk
             m = None if fused and item.kernel_causal(work) else item.element_mask(work)
             if fused:
-                qw = rows_of(work.q3, heads, ch)
-                kw, vw = keys_of(work.k3, heads, ch), keys_of(work.v3, heads, ch)
+                qw, (kw, vw) = rows_of(work.q3, heads, ch), kv_of(work, ch)
                 dq, dk, dv = _FUSED[1](rows_of(dout, heads, ch), qw, kw, vw, rows_of(out, heads, ch),
                                        lse_rows(lse_b, heads, ch), 0.0, item.kernel_causal(work),
                                        attn_mask=item.float_mask(work, m), scale=work.scale)
