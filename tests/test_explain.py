@@ -268,6 +268,8 @@ def test_masked_claims_and_partial_rows():
     ({**ARTICLE, "scores[7]": [1, 2, 3]}, "index 7 out of range"),
     ({**ARTICLE, "scores[0]": [1, 2]}, r"has shape \(2,\), expected \(3,\)"),
     ({**ARTICLE, "scores[0]": ["x", 1, 2]}, "not a number"),
+    ({**ARTICLE, "scores[0]": [{"a": 1}, 1, 2]}, "not a number"),
+    ({**ARTICLE, "scores[0]": [True, 1, 2]}, "not a number"),
     ({"X": ARTICLE["X"], "scores": [[1]]}, "missing key"),
     ({**ARTICLE}, "nothing to check"),
     ({"softmax": [{"weights": [1]}]}, "needs 'scores'"),

@@ -170,7 +170,10 @@ def _plain(value):
             raise ValueError(f"{value!r} is not a number") from None
     if isinstance(value, bool) or value is None:
         raise ValueError(f"{value!r} is not a number")
-    return float(value)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{_short(value)} is not a number") from None
 
 
 def _short(value) -> str:
@@ -223,6 +226,13 @@ class SoftmaxSteps:
             show plain ``exp(s)``, as the article does; the row maximum otherwise).
         exps: ``(R, L)`` ``exp(s - m)``; sums: ``(R,)``; weights: ``(R, L)``, each row sums to 1
             (a fully masked row is all zeros).
+
+    Example::
+
+        >>> from attnkit.explain import explain_softmax
+        >>> steps = explain_softmax([0.0, float("-inf")])
+        >>> steps.exps.tolist(), steps.weights.tolist()
+        ([[1.0, 0.0]], [[1.0, 0.0]])
     """
 
     scores: Tensor
@@ -268,6 +278,12 @@ class WeightedSum:
 
     Attributes:
         weights: ``(R, L)``; values: ``(L, Dv)``; output: ``(R, Dv)``, all float64.
+
+    Example::
+
+        >>> from attnkit.explain import explain_weighted_sum
+        >>> explain_weighted_sum([1.0, 0.0], [[1.0, 2.0], [3.0, 4.0]]).output.tolist()
+        [[1.0, 2.0]]
     """
 
     weights: Tensor
@@ -373,6 +389,13 @@ class Trace:
         default_scale: whether ``scale`` is ``1/sqrt(d_k)``.
 
     ``print(trace)`` walks the four steps with row 1 written out; :meth:`explain` does any row.
+
+    Example::
+
+        >>> from attnkit.explain import trace
+        >>> t = trace([[1.0, 0.0], [0.0, 1.0]], [[1.0], [0.0]], [[1.0], [0.0]], [[1.0], [2.0]], mask="causal")
+        >>> t.scaled_scores.tolist(), t.output.tolist()
+        ([[1.0, -inf], [0.0, 0.0]], [[1.0], [1.5]])
     """
 
     x: Tensor
@@ -620,6 +643,13 @@ class ClaimResult:
             ``"wrong"`` (a slip made in this step).
         decimals: the precision the claim is written in (the fewest decimals among its entries).
         follows_from: for an inherited claim, the earlier wrong claims it follows from.
+
+    Example::
+
+        >>> from attnkit.explain import ARTICLE, check
+        >>> r = check({**ARTICLE, "K[0]": ["-0.24", "0.33"]}).results[0]
+        >>> r.name, r.status, r.claimed, [round(x, 2) for x in r.exact]
+        ('K[0]', 'wrong', ['-0.24', '0.33'], [-0.45, 0.85])
     """
 
     chain: str
@@ -642,7 +672,17 @@ class ClaimResult:
 
 @dataclass
 class CheckReport:
-    """The result of :func:`check`: one :class:`ClaimResult` per claim, in step order."""
+    """The result of :func:`check`: one :class:`ClaimResult` per claim, in step order.
+
+    ``print(report)`` lists every claim with the claimed and the exact values where they differ.
+
+    Example::
+
+        >>> from attnkit.explain import ARTICLE, check
+        >>> report = check({**ARTICLE, "K[0]": ["-0.24", "0.33"], "scores[0][0]": "0.194"})
+        >>> report.ok, [r.name for r in report.slips], report.inherited[0].follows_from
+        (False, ['K[0]'], ['K[0]'])
+    """
 
     results: list[ClaimResult]
 

@@ -92,6 +92,13 @@ class Thresholds:
             heads do.  A trained layer often keeps a few idle, near-uniform heads next to working ones, and a
             few sharp ones that look up one position; a problem of initialisation or scale hits every head.
             Saturation is flagged early (half the heads): it stops learning wherever it happens.
+
+    Example::
+
+        >>> from attnkit.diagnostics import Thresholds, doctor
+        >>> from attnkit.diagnostics.examples import example
+        >>> doctor(*example("sharp"), thresholds=Thresholds(sharp_max_weight=0.99)).healthy
+        True
     """
 
     uniform_entropy: float = 0.98
@@ -125,6 +132,14 @@ class HeadStats:
         grad_norm: RMS over rows of the norm of a row's ``dL/d(scores)``, or None without a backward pass.
         rows: rows counted.
         symptom: ``"uniform"``, ``"sharp"``, ``"saturated"`` or None.
+
+    Example::
+
+        >>> from attnkit.diagnostics import doctor
+        >>> from attnkit.diagnostics.examples import example
+        >>> s = doctor(*example("uniform")).heads[0]
+        >>> s.layer, s.head, round(s.entropy, 3), s.symptom
+        ('layers.0.attn', 0, 1.0, 'uniform')
     """
 
     layer: str
@@ -140,7 +155,16 @@ class HeadStats:
 
 @dataclass
 class Finding:
-    """One symptom in one layer, with the heads that show it and the article's causes and fixes."""
+    """One symptom in one layer, with the heads that show it and the article's causes and fixes.
+
+    Example::
+
+        >>> from attnkit.diagnostics import doctor
+        >>> from attnkit.diagnostics.examples import example
+        >>> f = doctor(*example("saturated")).findings[0]
+        >>> f.kind, f.layer, f.heads, f.fixes[0]
+        ('saturated', 'layers.0.attn', [0, 1, 2, 3], 'apply the 1/sqrt(d_k) scaling')
+    """
 
     kind: str
     layer: str
@@ -163,6 +187,14 @@ class Report:
 
     ``str(report)`` is a table and the findings; :meth:`to_markdown` the same as Markdown; :meth:`plot`
     writes heatmaps.  ``report.kinds`` is the set of symptoms found (empty when healthy).
+
+    Example::
+
+        >>> from attnkit.diagnostics import doctor
+        >>> from attnkit.diagnostics.examples import example
+        >>> report = doctor(*example("healthy"))
+        >>> report.healthy, len(report.heads), sorted(report.weights)
+        (True, 8, ['layers.0.attn', 'layers.1.attn'])
     """
 
     heads: list[HeadStats]

@@ -60,6 +60,18 @@ class CallRecord:
         grad_sq: ``(B, Hq)`` sum of squared ``dL/d(scores)`` over rows and keys, once a backward pass ran.
         grad_rows: rows summed in ``grad_sq`` per batch element and head (over all backward passes), so
             ``sqrt(grad_sq / grad_rows)`` is the RMS over rows of each row's gradient norm.
+
+    Example::
+
+        >>> import torch
+        >>> from attnkit.diagnostics import probe
+        >>> from attnkit.nn import MultiHeadAttention
+        >>> mha = MultiHeadAttention(8, 2)
+        >>> with probe(mha) as p:
+        ...     _ = mha(torch.randn(1, 4, 8))
+        >>> rec = p.layers[""].calls[0]
+        >>> rec.shape, rec.allowed.tolist()[0][0], rec.grad_sq is None
+        ((1, 2, 4, 4), [4, 4, 4, 4], True)
     """
 
     shape: tuple[int, int, int, int]
@@ -75,7 +87,19 @@ class CallRecord:
 
 @dataclass
 class LayerRecord:
-    """What the probe saw in one attention module: one :class:`CallRecord` per ``_attend`` call."""
+    """What the probe saw in one attention module: one :class:`CallRecord` per ``_attend`` call.
+
+    Example::
+
+        >>> import torch
+        >>> from attnkit.diagnostics import probe
+        >>> from attnkit.nn import MultiHeadAttention
+        >>> mha = MultiHeadAttention(8, 2)
+        >>> with probe(mha) as p:
+        ...     _ = mha(torch.randn(1, 3, 8)); _ = mha(torch.randn(1, 5, 8))
+        >>> [c.shape for c in p.layers[""].calls], p.layers[""].weights.shape
+        ([(1, 2, 3, 3), (1, 2, 5, 5)], torch.Size([1, 2, 5, 5]))
+    """
 
     name: str
     module: nn.Module
@@ -151,7 +175,19 @@ def _score_gradient(record: CallRecord, call: Call, grad_out: Tensor) -> None:
 
 
 class Probe:
-    """The records of an active (or finished) :func:`probe`: ``layers`` maps module names to records."""
+    """The records of an active (or finished) :func:`probe`: ``layers`` maps module names to records.
+
+    Example::
+
+        >>> import torch
+        >>> from attnkit.diagnostics import probe
+        >>> from attnkit.nn import DecoderConfig, DecoderLM
+        >>> model = DecoderLM(DecoderConfig.preset("tiny"))
+        >>> with probe(model) as p:
+        ...     _ = model(torch.randint(0, 256, (1, 6)))
+        >>> sorted(p.layers), len(p.outputs())
+        (['layers.0.attn', 'layers.1.attn'], 2)
+    """
 
     def __init__(self, model: nn.Module, max_elements: int):
         self.model = model
