@@ -452,7 +452,8 @@ def element_mask(work: Work, ch: Chunk) -> Tensor | None:
     return m
 
 
-MASK_CACHE_BYTES = 64 << 20  # element masks kept on a plan (beyond this they are re-evaluated on use)
+MASK_CACHE_BYTES = 32 << 20  # element masks kept on a plan (beyond this they are re-evaluated on use)
+FLOAT_MASK_CACHE_ELEMENTS = 1 << 20  # float masks for the fused kernel kept per chunk (4 MB in float32)
 
 
 @dataclass
@@ -482,9 +483,12 @@ class Prepared:
         if work.bias is not None or m is None or self.lazy:
             return float_mask(work, self.chunk.job.heads, self.chunk, m)
         dt = work.mask_dtype
-        if dt not in self.fmask:
-            self.fmask[dt] = float_mask(work, self.chunk.job.heads, self.chunk, m)
-        return self.fmask[dt]
+        if dt in self.fmask:
+            return self.fmask[dt]
+        fm = float_mask(work, self.chunk.job.heads, self.chunk, m)
+        if fm.numel() <= FLOAT_MASK_CACHE_ELEMENTS:  # a broadcast window pattern: keep it
+            self.fmask[dt] = fm
+        return fm
 
 
 def prepared(work: Work, fused: bool, backward: bool) -> list[tuple[Job, list[Prepared]]]:

@@ -70,7 +70,7 @@ def _check_block(name: str, value) -> int | None:
 
 
 PLANS_PER_MASK = 8  # plans kept per mask object (one per shape and tiling)
-SHARED_PLANS = 64  # plans kept for masks identified by value (no mask, or built-ins without tensors)
+SHARED_PLANS = 32  # plans kept for masks identified by value (no mask, or built-ins without tensors)
 _PLANS: "weakref.WeakKeyDictionary[Mask, dict]" = weakref.WeakKeyDictionary()
 _SHARED: dict = {}
 _PURE = (M._Causal, M._SlidingWindow, M._PrefixLM, M._BlockLocal, M._Strided, M._Dilated, M._RandomBlocks)
