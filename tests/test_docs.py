@@ -2,7 +2,7 @@
 
 ```python blocks run in order, sharing one namespace per file.  In ```bash blocks, each line that starts with
 `attnkit ` runs through the CLI in-process and must exit 0 (or the code named by a trailing
-`# exit code N` comment); other lines (make, pip) are not run.  `attnkit demo` and `attnkit bench` run with
+comment holding `exit code N`); other lines (make, pip) are not run.  `attnkit demo` and `attnkit bench` run with
 --quick, their documented small size.  A ```bash block holding one `attnkit` command followed directly by a
 ```text block shows that command's output, which must match exactly (regenerate with
 `python docs/update_outputs.py`).  Blocks run in a scratch folder where `docs/` points at the real one.
@@ -19,7 +19,7 @@ from attnkit.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 FILES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
-EXIT = re.compile(r"#\s*exit code\s+(\d+)\s*$")
+EXIT = re.compile(r"#.*\bexit code\s+(\d+)")
 QUICK = {"demo", "bench"}
 
 
@@ -58,6 +58,7 @@ def test_block_parser():
     assert (lang, line, lang2, code2, line2) == ("bash", 2, "text", "out\n", 7)
     assert commands(code) == [(["explain", "--check", "f.json"], 1)]
     assert commands("attnkit demo\n") == [(["demo", "--quick"], 0)]
+    assert commands("attnkit explain --check f.json  # finds the slips; exit code 1\n")[0][1] == 1
     assert _adjacent(text, 2, 7, code)
     apart = text.replace("```\n\n```text", "```\nsome words\n```text")
     assert blocks(apart)[1][2] == 7 and not _adjacent(apart, 2, 7, code)
