@@ -56,6 +56,7 @@ MASKS = {
     "window_sym": lambda lq, lk: M.sliding_window(7, 9),
     "causal_window": lambda lq, lk: M.causal() & M.sliding_window(20),
     "padding": lambda lq, lk: M.key_padding([lk // 3, lk]),
+    "padding_bool": lambda lq, lk: M.key_padding(torch.arange(lk).expand(2, lk) % torch.tensor([[3], [7]]) != 1),
     "document": lambda lq, lk: M.document(doc_ids(lk, [5, 17, 40])),
     "document_causal": lambda lq, lk: M.document(doc_ids(lk, [11, 30])) & M.causal(),
     "prefix": lambda lq, lk: M.prefix_lm(9),

@@ -339,15 +339,18 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, sc
 
 
 def run(call: Call):
+    """Backend hook: compute a validated call (``out``, or ``(out, lse)`` with ``return_lse``)."""
     return _run(call)
 
 
 def check(call: Call) -> str | None:
-    return None  # every mask, bias, dtype and device
+    """Backend hook: None, since flash takes every mask, bias, dtype and device."""
+    return None
 
 
 def cost(call: Call) -> float:
-    """Visited share of the dense work, times the cost of the path that would compute it, plus calls."""
+    """Backend hook: the visited share of the dense work (full tiles at the fused kernel's rate, partial
+    ones at the masked rate, or all at the explicit path's), plus a cost per batched call."""
     if call.q_len == 0 or call.kv_len == 0:
         return 0.0
     plan = _forward_plan(call)
