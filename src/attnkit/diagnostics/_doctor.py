@@ -257,7 +257,8 @@ class Report:
     def plot(self, folder: str | Path, tokens=None) -> list[Path]:
         """Write ``attention.png`` (every recorded layer, one row each) and one PNG per layer into ``folder``.
 
-        Needs matplotlib (the ``plot`` extra).  Returns the paths written.
+        ``tokens`` labels the keys (and queries) when given.  Needs matplotlib (the ``plot`` extra).  Returns
+        the paths written.
         """
         from ..plot import plot_attention
 
@@ -271,10 +272,9 @@ class Report:
             paths.append(folder / "attention.png")
             plot_attention(self.weights, tokens=tokens, path=paths[-1], title="attention weights (batch element 0)")
         for name, w in self.weights.items():
-            safe = (name or "model").replace(".", "_")
-            paths.append(folder / f"{safe}.png")
-            plot_attention(w, tokens=tokens if w.shape[-1] == (len(tokens) if tokens else -1) else None,
-                           path=paths[-1], title=name or "attention")
+            paths.append(folder / f"{(name or 'model').replace('.', '_')}.png")
+            labels = tokens if tokens is not None and len(tokens) == w.shape[-1] else None
+            plot_attention(w, tokens=labels, path=paths[-1], title=name or "attention")
         return paths
 
 
