@@ -127,7 +127,7 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     B, L, P, N = (1, 128, 32, 8) if args.quick else (4, 256, 128, 32)
-    repeat = args.repeat or (3 if args.quick else 5)
+    repeat = args.repeat or (3 if args.quick else 7)
     cfg = DecoderConfig.preset("llama-like")
     models = {"attnkit DecoderLM": build_attnkit(cfg), "HF Llama (sdpa)": build_hf(cfg)}
     try:

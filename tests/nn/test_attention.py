@@ -371,3 +371,11 @@ def test_bad_inputs_raise_clear_errors():
         MultiHeadAttention(8, 2, positions=RotaryEmbedding(4))(torch.randn(1, 3, 8), torch.randn(1, 3, 8))
     with pytest.raises(ValueError, match=r"positions must have shape \(L,\)"):
         MultiHeadAttention(8, 2, positions=RotaryEmbedding(4))(torch.randn(1, 3, 8), positions=torch.arange(4))
+
+
+def test_returned_weights_are_differentiable():
+    m = MultiHeadAttention(8, 2).to(D64)
+    x = torch.randn(1, 4, 8, dtype=D64, requires_grad=True)
+    _, w = m(x, need_weights=True)
+    (w[..., 0] ** 2).sum().backward()  # e.g. an attention-supervision loss
+    assert x.grad is not None and m.qkv_proj.weight.grad.abs().sum() > 0

@@ -99,7 +99,8 @@ class MultiHeadAttention(_Attends):
         backend: ``"auto"`` or a name from :func:`attnkit.backends.available`.
 
     ``forward(x, context=None, *, mask=None, cache=None, positions=None, need_weights=False)`` returns
-    ``out (B, L, d_model)``, or ``(out, weights (B, n_heads, L, Lk))`` with ``need_weights=True``.
+    ``out (B, L, d_model)``, or ``(out, weights (B, n_heads, L, Lk))`` with ``need_weights=True`` (weights before
+    dropout, differentiable, computed by :func:`attnkit.attention_weights`).
 
     Example::
 
@@ -307,8 +308,7 @@ class MultiHeadAttention(_Attends):
         out = self._attend(q, k, v, mask=m, bias=bias, scale=scale, softcap=self.softcap, dropout_p=dropout_p)
         out = self._output(out)
         if need_weights:
-            w = attention_weights(q.detach(), k.detach(), v.detach(), mask=m, bias=bias, scale=scale,
-                                  softcap=self.softcap)
+            w = attention_weights(q, k, v, mask=m, bias=bias, scale=scale, softcap=self.softcap)
             return out, w
         return out
 
