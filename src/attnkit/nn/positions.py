@@ -43,6 +43,18 @@ class PositionEncoding(nn.Module):
     Hooks (each a no-op by default): :meth:`rotate` queries/keys ``(B, H, L, D)`` at absolute positions;
     :meth:`score_mod` gives an :mod:`attnkit.bias` modifier; :meth:`encode` gives vectors ``(..., L, dim)``
     to add to the query/key inputs.
+
+    Example (a custom encoding: a fixed bias that only lets queries see keys within distance 2)::
+
+        >>> import torch
+        >>> from attnkit import bias
+        >>> from attnkit.nn import MultiHeadAttention, PositionEncoding
+        >>> class Near(PositionEncoding):
+        ...     extrapolates = True
+        ...     def score_mod(self):
+        ...         return bias.from_fn(lambda s, b, h, q, k: s - 1e4 * ((q - k).abs() > 2).float())
+        >>> MultiHeadAttention(16, 2, positions=Near())(torch.randn(1, 5, 16)).shape
+        torch.Size([1, 5, 16])
     """
 
     extrapolates = False  # meaningful beyond the trained max_seq_len

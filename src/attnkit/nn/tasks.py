@@ -30,7 +30,13 @@ IGNORE = -100
 
 @dataclass
 class TaskBatch:
-    """Token ids ``(B, L)``, next-token targets ``(B, L)`` (``-100`` = not scored), and the vocabulary size."""
+    """Token ids ``(B, L)``, next-token targets ``(B, L)`` (``-100`` = not scored), and the vocabulary size.
+
+    Example::
+
+        >>> copy_task(2, length=3).ids.shape
+        torch.Size([2, 7])
+    """
 
     ids: Tensor
     targets: Tensor
@@ -47,6 +53,15 @@ def associative_recall(batch: int, *, n_pairs: int = 8, n_queries: int = 4, n_ke
     attending from the query back to the matching key, then to the token after it (an induction head).
 
     Returns ``ids`` and ``targets`` ``(batch, 2 (n_pairs + n_queries))``.
+
+    Example::
+
+        >>> import torch
+        >>> b = associative_recall(1, n_pairs=2, n_queries=1, n_keys=4, n_values=4,
+        ...                        generator=torch.Generator().manual_seed(1))
+        >>> ids, t = b.ids[0].tolist(), b.targets[0].tolist()
+        >>> t[4] == dict(zip(ids[0:4:2], ids[1:4:2]))[ids[4]]  # the answer to the query at position 4
+        True
     """
     for name, v in (("batch", batch), ("n_pairs", n_pairs), ("n_queries", n_queries), ("n_keys", n_keys),
                     ("n_values", n_values)):
@@ -99,7 +114,14 @@ def copy_task(batch: int, *, length: int = 8, n_symbols: int = 16, distinct: boo
 
 
 def accuracy(logits: Tensor, targets: Tensor) -> float:
-    """Share of scored positions (``targets != -100``) where the arg-max of ``logits (B, L, V)`` is right."""
+    """Share of scored positions (``targets != -100``) where the arg-max of ``logits (B, L, V)`` is right.
+
+    Example::
+
+        >>> import torch
+        >>> accuracy(torch.tensor([[[0.0, 1.0], [1.0, 0.0]]]), torch.tensor([[1, -100]]))
+        1.0
+    """
     scored = targets != IGNORE
     if not bool(scored.any()):
         raise ValueError("accuracy: no scored positions (every target is -100)")
