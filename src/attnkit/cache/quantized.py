@@ -69,11 +69,12 @@ def dequantize_groups(q: Tensor, scale: Tensor, zero: Tensor, dtype: torch.dtype
 
 
 def _pack4(q: Tensor) -> Tensor:
-    return q[..., 0::2] | (q[..., 1::2] << 4)  # (..., D/2): two 4-bit values a byte
+    half = q.shape[-1] // 2
+    return q[..., :half] | (q[..., half:] << 4)  # (..., D/2): channel i and channel i + D/2 share a byte
 
 
 def _unpack4(p: Tensor) -> Tensor:
-    return torch.stack([p & 15, p >> 4], dim=-1).flatten(-2)  # (..., D)
+    return torch.cat([p & 15, p >> 4], dim=-1)  # (..., D)
 
 
 class QuantizedLayerCache:
@@ -140,19 +141,33 @@ class QuantizedLayerCache:
         self.v_zero[:, :, a:b] = z.squeeze(4)
         self.n_quant = b
 
-    def _dequantized(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    def _read(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Every stored position in position order, written into the cache's shared workspace: the store
+        dequantized (``q * scale + zero``: a converting copy, then one in-place ``addcmul``) followed by the
+        full-precision residual.  No memory is allocated per step."""
         o = self._owner
-        n, g, gv = self.n_quant, o.group_size, self.gv
-        kq, vq = self.kq[:, :, :n], self.vq[:, :, :n]
-        if o.bits == 4:
-            kq, vq = _unpack4(kq), _unpack4(vq)
-        B, H, _, D = kq.shape
-        Dv = vq.shape[3]
-        k = dequantize_groups(kq.view(B, H, n // g, g, D), self.k_scale[:, :, :n // g, None],
-                              self.k_zero[:, :, :n // g, None], dtype).view(B, H, n, D)
-        v = dequantize_groups(vq.view(B, H, n, Dv // gv, gv), self.v_scale[:, :, :n, :, None],
-                              self.v_zero[:, :, :n, :, None], dtype).view(B, H, n, Dv)
-        return k, v
+        n, r, g, gv = self.n_quant, self.n_res, o.group_size, self.gv
+        B, H = self.kq.shape[:2]
+        D, Dv = self.rk.shape[3], self.rv.shape[3]
+        wk, wv = o._workspace(B, H, D, Dv, dtype, self.rk.device)
+        k_all, v_all = wk[:, :, :n + r], wv[:, :, :n + r]  # (B, Hkv, length, D), (B, Hkv, length, Dv)
+        if n:
+            for q, out in ((self.kq[:, :, :n], k_all[:, :, :n]), (self.vq[:, :, :n], v_all[:, :, :n])):
+                if o.bits == 4:  # low nibble: channel i, high nibble: channel i + D/2
+                    half = q.shape[-1]
+                    out[..., :half].copy_(q & 15)
+                    out[..., half:].copy_(q >> 4)
+                else:
+                    out.copy_(q)
+            kd = k_all[:, :, :n].view(B, H, n // g, g, D)  # per channel, groups of g tokens
+            torch.addcmul(self.k_zero[:, :, :n // g, None].to(dtype), kd, self.k_scale[:, :, :n // g, None].to(dtype),
+                          out=kd)
+            vd = v_all[:, :, :n].view(B, H, n, Dv // gv, gv)  # per token, groups of gv channels
+            torch.addcmul(self.v_zero[:, :, :n, :, None].to(dtype), vd, self.v_scale[:, :, :n, :, None].to(dtype),
+                          out=vd)
+        k_all[:, :, n:] = self.rk[:, :, :r]
+        v_all[:, :, n:] = self.rv[:, :, :r]
+        return k_all, v_all
 
     def update(self, k: Tensor, v: Tensor):
         """Store ``k (B, Hkv, L_new, D)``, ``v``; return every position, dequantized, in position order
@@ -181,9 +196,7 @@ class QuantizedLayerCache:
             self.rk[:, :, :self.n_res] = ks[:, :, f:]
             self.rv[:, :, :self.n_res] = vs[:, :, f:]
         self.length += n
-        kd, vd = self._dequantized(self.rk.dtype)
-        k_all = torch.cat([kd, self.rk[:, :, :self.n_res]], dim=2)  # (B, Hkv, length, D)
-        v_all = torch.cat([vd, self.rv[:, :, :self.n_res]], dim=2)
+        k_all, v_all = self._read(self.rk.dtype)  # (B, Hkv, length, D), (B, Hkv, length, Dv)
         mask = o._key_mask(0, self.length)
         return (k_all, v_all) if mask is None else (k_all, v_all, mask)
 
@@ -220,7 +233,10 @@ class QuantizedCache(ModelCache):
         scale_dtype: dtype of scales and zero points (float16 halves their cost; float32 for huge values).
 
     ``update`` returns the dequantized keys/values in the model's dtype, ``(B, Hkv, length, D)``; attention
-    then runs as usual.  :meth:`nbytes` is the storage actually held (compare ``StaticCache.nbytes``).
+    then runs as usual.  They are written into one workspace shared by all layers (no allocation per step)
+    and stay valid until the next layer's update: copy them to keep them longer.  :meth:`nbytes` is the
+    storage held (compare ``StaticCache.nbytes``); :meth:`workspace_nbytes` the workspace, one layer's
+    worth in full precision.
 
     Example::
 
@@ -253,6 +269,7 @@ class QuantizedCache(ModelCache):
         self.dtype = check_dtype("dtype", dtype) if dtype is not None else None
         self.device = torch.device(device) if device is not None else None
         self.layers = tuple(QuantizedLayerCache(self, i) for i in range(n_layers))
+        self._ws: tuple[Tensor, Tensor] | None = None
         if None not in (batch_size, n_kv_heads, d_head):
             dt = self.dtype or torch.float32
             dv = d_value if d_value is not None else d_head
@@ -272,6 +289,20 @@ class QuantizedCache(ModelCache):
         return cls(d["n_layers"], max_len, bits=bits, group_size=group_size, residual=residual,
                    batch_size=batch_size, n_kv_heads=d["n_kv_heads"], d_head=d["d_head"], d_value=d["d_value"],
                    dtype=dtype or d["dtype"], device=device or d["device"])
+
+    def _workspace(self, B: int, H: int, D: int, Dv: int, dtype: torch.dtype, device) -> tuple[Tensor, Tensor]:
+        """One pair of full-precision buffers ``(B, Hkv, max_len, D)`` shared by every layer: what ``update``
+        returns lives here until the next layer's update (attention reads it at once)."""
+        ws = self._ws
+        if ws is None or ws[0].dtype != dtype or ws[0].device != torch.device(device) or ws[0].shape[:2] != (B, H):
+            cap = self.max_len
+            ws = self._ws = (torch.empty(B, H, cap, D, dtype=dtype, device=device),
+                             torch.empty(B, H, cap, Dv, dtype=dtype, device=device))
+        return ws
+
+    def workspace_nbytes(self) -> int:
+        """Bytes of the shared full-precision workspace (one layer's worth, reused by every layer)."""
+        return 0 if self._ws is None else self._ws[0].nbytes + self._ws[1].nbytes
 
     def _device(self) -> torch.device:
         layer = self.layers[0]
