@@ -72,16 +72,43 @@ def _get(name: str) -> Backend:
     return b
 
 
+_PICKS: dict[tuple, tuple[object, object, Backend]] = {}  # auto's recent decisions, by call signature
+_PICKS_SIZE = 64
+
+
+def _signature(call: Call) -> tuple:
+    """Everything a backend's check and cost may depend on.  The layers of a model call attention with
+    the same signature, so auto decides once per forward (and once per decoding step)."""
+    bias = call.bias
+    bias_key = (id(bias), bias.requires_grad, tuple(bias.shape)) if hasattr(bias, "shape") else id(bias)
+    return (tuple(call.q.shape), tuple(call.k.shape), tuple(call.v.shape), call.q.dtype, call.q.device,
+            call.q.stride(), call.k.stride(), call.v.stride(), id(call.mask), bias_key, call.scale,
+            call.softcap, call.dropout_p > 0, call.return_lse, call.needs_grad)
+
+
 def select(call: Call, backend: str) -> Backend:
     """The backend that runs ``call``: the named one (if it takes the call) or auto's pick."""
-    if backend != "auto":
-        b = _get(backend)
-        reason = b.check(call)
-        if reason is not None:
-            takers = [n for n in available() if n != backend and _REGISTRY[n].check(call) is None]
-            raise ValueError(f"backend={backend!r} cannot take this call: {reason}; "
-                             f"backends that can: {takers} (or backend='auto')")
-        return b
+    if backend == "auto":
+        key = _signature(call)
+        hit = _PICKS.get(key)
+        # the stored mask and bias keep their ids from being reused while the entry lives
+        if hit is not None and hit[0] is call.mask and hit[1] is call.bias and _REGISTRY.get(hit[2].name) is hit[2]:
+            return hit[2]
+        chosen = _pick(call)
+        if len(_PICKS) >= _PICKS_SIZE:
+            _PICKS.pop(next(iter(_PICKS)))
+        _PICKS[key] = (call.mask, call.bias, chosen)
+        return chosen
+    b = _get(backend)
+    reason = b.check(call)
+    if reason is not None:
+        takers = [n for n in available() if n != backend and _REGISTRY[n].check(call) is None]
+        raise ValueError(f"backend={backend!r} cannot take this call: {reason}; "
+                         f"backends that can: {takers} (or backend='auto')")
+    return b
+
+
+def _pick(call: Call) -> Backend:
     best, best_cost = None, float("inf")
     for b in _REGISTRY.values():
         if b.available() and b.check(call) is None:

@@ -67,7 +67,11 @@ class Call:
 
     def flops(self) -> float:
         """Forward multiply-adds x 2 of the dense computation."""
-        return 2.0 * self.batch * self.heads * self.q_len * self.kv_len * (self.q.shape[3] + self.v.shape[3])
+        f = self.cache.get("flops")
+        if f is None:
+            (b, h, lq, d), lk, dv = self.q.shape, self.k.shape[2], self.v.shape[3]
+            f = self.cache["flops"] = 2.0 * b * h * lq * lk * (d + dv)
+        return f
 
 
 def grouped_index(call: Call, q_rows: Tensor, k_cols: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:

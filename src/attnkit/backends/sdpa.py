@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..bias import ScoreMod
-from ..masks import Mask, _Causal, _FromDense, _Interval, _KeyLengths
+from ..masks import Mask, _BlockLocal, _Causal, _FromDense, _Interval, _KeyLengths, _PrefixLM, _SlidingWindow
 from ._common import Call
 
 Tensor = torch.Tensor
@@ -30,16 +30,34 @@ def _dense_size(call: Call) -> int:
     return call.batch * call.heads * call.q_len * call.kv_len
 
 
+def _interval_bounds(m: _Interval, p: int) -> tuple[float, float]:
+    """Visible keys [lo, hi] of query position p, in plain integers (no tensor work on the decode path)."""
+    inf = float("inf")
+    if isinstance(m, _Causal):
+        return -inf, p
+    if isinstance(m, _SlidingWindow):
+        return (-inf if m.left is None else p - m.left), (inf if m.right is None else p + m.right)
+    if isinstance(m, _PrefixLM):
+        return -inf, max(p, m.n - 1)
+    if isinstance(m, _BlockLocal):
+        lo = p // m.block * m.block
+        return lo, lo + m.block - 1
+    zero = torch.zeros((), dtype=torch.long)
+    lo, hi = m._bounds(zero, zero, torch.full((), p, dtype=torch.long))
+    return int(lo), int(hi)
+
+
 def _single_query_window(call: Call) -> tuple[int, int] | None:
     """For one query row under a batch-independent interval mask (causal, sliding window, ...) and no
     bias, the visible keys are one contiguous range [lo, hi]: decoding then needs no mask at all."""
-    m = call.mask
-    if call.q_len != 1 or call.bias is not None or not isinstance(m, _Interval) or isinstance(m, _KeyLengths):
-        return None
-    pos = call.kv_len - 1 if m.align == "bottom_right" else 0
-    zero = torch.zeros((), dtype=torch.long)
-    lo, hi = m._bounds(zero, zero, torch.full((), pos, dtype=torch.long))
-    return max(int(lo), 0), min(int(hi), call.kv_len - 1)
+    if "window" in call.cache:
+        return call.cache["window"]
+    m, window = call.mask, None
+    if call.q_len == 1 and call.bias is None and isinstance(m, _Interval) and not isinstance(m, _KeyLengths):
+        lo, hi = _interval_bounds(m, call.kv_len - 1 if m.align == "bottom_right" else 0)
+        window = int(max(lo, 0)), int(min(hi, call.kv_len - 1))
+    call.cache["window"] = window
+    return window
 
 
 def _dense(call: Call) -> tuple[Tensor, Tensor, bool]:
@@ -78,6 +96,9 @@ def check(call: Call) -> str | None:
 
 
 def cost(call: Call) -> float:
+    window = _single_query_window(call)
+    if window is not None:  # decoding: only the visible keys are read
+        return call.flops() * max(window[1] - window[0] + 1, 0) / call.kv_len
     dense = call.mask is not None and not _is_plain_causal(call)
     return call.flops() * (1.6 if dense else (0.55 if call.mask is not None else 1.0))
 
