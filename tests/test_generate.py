@@ -73,8 +73,9 @@ def test_cached_logits_equal_full_recomputation(variant, kind):
         assert cache.layers[0].n_quant == 0  # nothing was quantized: this checks the exact path
 
 
+@pytest.mark.parametrize("kind", ["static", "sliding", "paged", "quantized"])
 @pytest.mark.parametrize("positions", ["t5", "rope"])
-def test_encoder_decoder_cross_attention_cache(positions):
+def test_encoder_decoder_cross_attention_cache(positions, kind):
     torch.manual_seed(0)
     model = EncoderDecoder(DecoderConfig.preset("tiny", vocab_size=64, positions=positions, n_kv_heads=2,
                                                 init_std=0.1)).eval()
@@ -83,11 +84,16 @@ def test_encoder_decoder_cross_attention_cache(positions):
     with torch.no_grad():
         memory = model.encode(src)
         full = model.decode(tgt, memory)
-        cache = EncoderDecoderCache.for_model(model, 2, max_len=9, source_len=11)
+        cross = StaticCache.for_model(model, 2, 11)  # filled by the first decode call, read afterwards
+        self_cache = _cache(kind, model, 2, 9)
         for a, b in [(0, 4), (4, 5), (5, 6), (6, 9)]:
+            own = self_cache[0].batch(self_cache[1]) if kind == "paged" else self_cache
+            cache = EncoderDecoderCache(own, cross)
             got = model.decode(tgt[:, a:b], memory, cache=cache)
             torch.testing.assert_close(got, full[:, a:b], rtol=1e-5, atol=1e-5)
-        assert cache.seq_len == 9 and cache.cross_layers[0].seq_len == 11  # the cross keys were stored once
+        assert cache.seq_len == 9 and cross.layers[0].seq_len == 11  # the cross keys were stored once
+    laid_out = EncoderDecoderCache.for_model(model, 2, max_len=9, source_len=11)
+    assert laid_out.cross_cache.max_len == 11 and laid_out.self_cache.max_len == 9 and len(laid_out.cross_layers) == 2
 
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17], [3]]
