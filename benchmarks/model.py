@@ -1,7 +1,8 @@
 """DecoderLM against Hugging Face LlamaForCausalLM (sdpa) and x-transformers of the same size.
 
 The "llama-like" preset (hidden 512, 8 layers, 8 heads, intermediate 1408, vocab 32000, untied), random
-weights, float32, built from configs.  Measured interleaved in one process (medians):
+weights, float32, built from configs.  Measured interleaved in one process, the order reversed every other
+round (medians):
 
 * forward tokens/s (inference mode) and forward+backward tokens/s (cross-entropy loss) of a batch;
 * decoding: milliseconds per one-token forward against a KV cache after a prompt (the prompt is not timed)
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import machine, save, table, timeit  # noqa: E402
+from _common import machine, save, table  # noqa: E402
 
 from attnkit.cache import StaticCache  # noqa: E402
 from attnkit.nn import DecoderConfig, DecoderLM  # noqa: E402
@@ -107,14 +108,18 @@ def decode_fns(models: dict, prompt: torch.Tensor, n_new: int) -> dict:
     return fns
 
 
-def time_decoding(fns: dict, repeat: int) -> dict:
-    """Median decode seconds of each function, run round-robin after one warm-up each."""
+def median_times(fns: dict, repeat: int, *, timed_inside: bool = False) -> dict:
+    """Median seconds of each function after one warm-up each, run round-robin with the order reversed every
+    other round (whoever runs first after another model pays for cold caches equally).  With
+    ``timed_inside`` the functions return their own seconds."""
     for fn in fns.values():
         fn()
     runs = {name: [] for name in fns}
-    for _ in range(repeat):
-        for name, fn in fns.items():
-            runs[name].append(fn())
+    for i in range(repeat):
+        for name in (list(fns) if i % 2 == 0 else list(reversed(fns))):
+            start = time.perf_counter()
+            inside = fns[name]()
+            runs[name].append(inside if timed_inside else time.perf_counter() - start)
     return {name: statistics.median(ts) for name, ts in runs.items()}
 
 
@@ -158,13 +163,13 @@ def main(argv=None) -> None:
 
     print(f"model.py: llama-like ({params['attnkit DecoderLM'] / 1e6:.1f}M parameters), float32, "
           f"B={B}, L={L}; {machine()}")
-    t_fwd = timeit({n: fwd(n, m) for n, m in models.items()}, repeat=repeat, budget_s=120)
-    t_train = timeit({n: train(n, m) for n, m in models.items()}, repeat=repeat, budget_s=240)
+    t_fwd = median_times({n: fwd(n, m) for n, m in models.items()}, repeat)
+    t_train = median_times({n: train(n, m) for n, m in models.items()}, repeat)
     dec_models = {"attnkit DecoderLM": models["attnkit DecoderLM"],
                   "attnkit DecoderLM, row-major weights": row_major(models["attnkit DecoderLM"]),
                   "HF Llama (sdpa)": models["HF Llama (sdpa)"]}
     prompt = ids[:1, :P]
-    t_dec = time_decoding(decode_fns(dec_models, prompt, N), repeat)
+    t_dec = median_times(decode_fns(dec_models, prompt, N), repeat, timed_inside=True)
     hf = "HF Llama (sdpa)"
     rows = []
     for n in models:
