@@ -689,11 +689,13 @@ def _per_item(work: Work, heads: Heads, job: Job, backward: bool, fused: bool) -
     W = job.w * bk
     d = work.q3.shape[-1] + work.v3.shape[-1]
     gathered = heads.kcount * W * d if job.tiles is not None else 0  # key/value windows copied per item
+    shared = job.tiles is None and job.kstep == 0  # one window for all rows: its gradients do not grow
+    windows = 0 if shared else heads.kcount * W * d
     if fused:
         partial = bool((job.kinds != FULL).any())
         per = (bq * W if partial else 0) + (heads.count * bq * W if work.bias is not None else 0)
-        return per + gathered + (heads.kcount * W * d if backward else 0)
-    return 3 * heads.count * bq * W + 2 * heads.kcount * W * d
+        return per + gathered + (windows if backward else 0)
+    return 3 * heads.count * bq * W + 2 * windows
 
 
 def forward(work: Work) -> tuple[Tensor, Tensor]:
