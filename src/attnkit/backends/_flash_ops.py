@@ -212,10 +212,11 @@ class Chunk:
 
 
 def _split_full(ch: Chunk, bk: int):
-    """A chunk whose element mask would be large computes its runs of all-full key tiles without a mask
-    and the rest with one (then merges): a causal block's prefix, a document's interior."""
+    """A tall shared-window chunk whose element mask would be large computes its runs of all-full key
+    tiles without a mask and the rest with one (then merges): a causal block's prefix, a document's
+    interior.  (Bands keep one call: their mask is one window pattern shared by every item.)"""
     full = (ch.kinds == FULL).all(0).tolist()  # (w,)
-    if ch.N * ch.R * ch.W <= SPLIT_MASK_ELEMENTS or all(full) or not any(full):
+    if ch.N > 1 or ch.R * ch.W <= SPLIT_MASK_ELEMENTS or all(full) or not any(full):
         yield ch
         return
     runs, a = [], 0
