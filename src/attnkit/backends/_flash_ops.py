@@ -771,11 +771,17 @@ def _forward_pieces(work: Work) -> tuple[Tensor, Tensor]:
 
 def backward(work: Work, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | None, fused: bool,
              dbias: Tensor | None, dparams: list[Tensor | None]) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients ``(dq3, dk3, dv3)`` in the accumulation dtype; ``out``/``dout`` are ``(B*Hq, Lq_pad, Dv)``
+    """Gradients ``(dq3, dk3, dv3)`` (``dk3``/``dv3`` in the accumulation dtype, ``dq3`` in it or in the
+    input dtype when assembled from the calls' own results); ``out``/``dout`` are ``(B*Hq, Lq_pad, Dv)``
     in the input dtype, ``lse`` ``(Lq_pad, B*Hq)``.  Nothing of size ``Lq x Lk`` is kept: each chunk's
     scores are recomputed from ``q``, ``k`` and ``lse``."""
     dev = work.q3.device
-    dq3 = torch.zeros(work.q3.shape, dtype=work.acc, device=dev)
+    nh = work.q3.shape[0]
+    items = prepared(work, fused, True)
+    # every query row in exactly one call over all heads: concatenate dq instead of zeros + adds
+    pieces = [] if work.plan.covered and all(i.chunk.first and i.chunk.q_consecutive and j.heads.count == nh
+                                             for j, its in items for i in its) else None
+    dq3 = None if pieces is not None else torch.zeros(work.q3.shape, dtype=work.acc, device=dev)
     dk3 = torch.zeros(work.k3.shape, dtype=work.acc, device=dev)
     dv3 = torch.zeros(work.v3.shape, dtype=work.acc, device=dev)
     lse_b = torch.where(lse == float("-inf"), torch.full_like(lse, float("inf")), lse)  # dead rows: P = 0
@@ -784,9 +790,9 @@ def backward(work: Work, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | 
         delta = (dout.to(work.acc) * out.to(work.acc)).sum(-1)  # (B*Hq, Lq_pad)
         if dlse is not None:
             delta = delta - dlse.to(work.acc)
-    for job, items in prepared(work, fused, True):
+    for job, its in items:
         heads = job.heads
-        for item in items:
+        for item in its:
             ch = item.chunk
             m = None if fused and item.kernel_causal(work) else item.element_mask(work)
             if fused:
@@ -797,7 +803,13 @@ def backward(work: Work, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | 
             else:
                 dq, dk, dv = explicit_backward(work, ch, m, rows_of(dout, heads, ch), lse_rows(lse_b, heads, ch),
                                                rows_of(delta, heads, ch), dbias, dparams)
-            put_rows(dq3, heads, ch, dq, add=True)
+            if pieces is not None:
+                pieces.append((ch.qstart, dq.transpose(0, 1).reshape(nh, ch.N * ch.R, -1)))
+            else:
+                put_rows(dq3, heads, ch, dq, add=True)
             add_keys(dk3, heads, ch, dk)
             add_keys(dv3, heads, ch, dv)
+    if pieces is not None:
+        pieces.sort(key=lambda p: p[0])
+        dq3 = pieces[0][1] if len(pieces) == 1 else torch.cat([p[1] for p in pieces], dim=1)
     return dq3, dk3, dv3
