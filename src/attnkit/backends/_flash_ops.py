@@ -276,7 +276,7 @@ def _heads_slice(x: Tensor, start: int, step: int, count: int) -> Tensor:
 
 def rows_of(x: Tensor, heads: Heads, ch: Chunk) -> Tensor:
     """The chunk's query rows of a flat ``(B*Hq, L_pad, ...)`` tensor as ``(N, count, R, ...)``."""
-    nh, lp = x.shape[0], x.shape[1]
+    lp = x.shape[1]
     tail = tuple(x.shape[2:])
     e = int(math.prod(tail)) if tail else 1
     if ch.q_consecutive:
@@ -574,7 +574,8 @@ def _scores(work: Work, heads: Heads, ch: Chunk, qw: Tensor, kw: Tensor) -> tupl
     return s.view(ch.N, heads.kcount, g, ch.R, ch.W), qg
 
 
-def _modify(work: Work, heads: Heads, ch: Chunk, x: Tensor, m: Tensor | None, inplace: bool) -> tuple[Tensor, Tensor | None]:
+def _modify(work: Work, heads: Heads, ch: Chunk, x: Tensor, m: Tensor | None,
+            inplace: bool) -> tuple[Tensor, Tensor | None]:
     """softcap, bias, mask on scaled scores in the grouped layout; also returns ``tanh`` of the softcap
     (for its derivative).  ``inplace`` overwrites ``x`` (no autograd through it)."""
     t = None
