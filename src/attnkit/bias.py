@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from .masks import _check_align, _offset
+from .masks import _check_align, _index_grid, _offset
 
 Tensor = torch.Tensor
 
@@ -63,12 +63,8 @@ class ScoreMod:
         if not self.additive:
             raise TypeError(f"{self!r} is not additive and cannot be materialised as a bias tensor")
         self._validate(batch, heads, q_len, kv_len)
-        device = torch.device(device) if device is not None else torch.device("cpu")
-        b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
-        h = torch.arange(heads, device=device).view(1, -1, 1, 1)
-        q = torch.arange(q_len, device=device).view(1, 1, -1, 1)
-        k = torch.arange(kv_len, device=device).view(1, 1, 1, -1)
-        zero = torch.zeros((), device=device, dtype=dtype)
+        b, h, q, k = _index_grid(batch, heads, q_len, kv_len, device)
+        zero = torch.zeros((), device=b.device, dtype=dtype)
         out = self._mod(zero, b, h, q, k, q_len, kv_len).to(dtype)
         while out.dim() < 4:
             out = out.unsqueeze(0)

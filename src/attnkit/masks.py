@@ -94,6 +94,13 @@ def _index_tensor(name: str, values, *, ndim: Sequence[int]) -> Tensor:
     return t.to(torch.long)
 
 
+def _index_grid(batch: int, heads: int, q_len: int, kv_len: int, device=None) -> tuple[Tensor, ...]:
+    """Index tensors b (B,1,1,1), h (1,H,1,1), q (1,1,Lq,1), k (1,1,1,Lk) that broadcast to (B, H, Lq, Lk)."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    return (torch.arange(batch, device=device).view(-1, 1, 1, 1), torch.arange(heads, device=device).view(1, -1, 1, 1),
+            torch.arange(q_len, device=device).view(1, 1, -1, 1), torch.arange(kv_len, device=device).view(1, 1, 1, -1))
+
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -397,11 +404,7 @@ class Mask:
         _check_int("q_len", q_len)
         _check_int("kv_len", kv_len)
         self._validate(batch, heads, q_len, kv_len)
-        device = torch.device(device) if device is not None else torch.device("cpu")
-        b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
-        h = torch.arange(heads, device=device).view(1, -1, 1, 1)
-        q = torch.arange(q_len, device=device).view(1, 1, -1, 1)
-        k = torch.arange(kv_len, device=device).view(1, 1, 1, -1)
+        b, h, q, k = _index_grid(batch, heads, q_len, kv_len, device)
         out = _checked_bool(self, self._mod(b, h, q, k, q_len, kv_len))
         return out.expand(out.shape[0], out.shape[1], q_len, kv_len)
 

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from .bias import ScoreMod
-from .masks import Mask
+from .masks import Mask, _index_grid
 
 Tensor = torch.Tensor
 
@@ -48,11 +48,7 @@ def reference(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, scale: f
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
     if isinstance(bias, ScoreMod):
-        dev = q.device
-        b = torch.arange(B, device=dev).view(-1, 1, 1, 1)
-        h = torch.arange(Hq, device=dev).view(1, -1, 1, 1)
-        qi = torch.arange(Lq, device=dev).view(1, 1, -1, 1)
-        ki = torch.arange(Lk, device=dev).view(1, 1, 1, -1)
+        b, h, qi, ki = _index_grid(B, Hq, Lq, Lk, q.device)
         s = bias._mod(s, b, h, qi, ki, Lq, Lk).to(dtype)
     elif bias is not None:
         s = s + bias.to(dtype)
