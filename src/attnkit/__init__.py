@@ -1,7 +1,11 @@
 """attnkit: attention from the textbook to production.
 
 The core is :func:`attention` (one call for every mask, bias, head layout and backend) with
-:mod:`attnkit.masks` (what may attend to what) and :mod:`attnkit.bias` (score modifiers).
+:mod:`attnkit.masks` (what may attend to what) and :mod:`attnkit.bias` (score modifiers).  Around it:
+:mod:`attnkit.nn` (modules, positions, blocks, models), :mod:`attnkit.cache` with :func:`generate`,
+:class:`Engine` and :func:`quantize` (inference), :mod:`attnkit.explain` and :mod:`attnkit.diagnostics`
+(the four steps traced; the doctor).  Imported on demand: ``attnkit.distributed`` (ring attention over
+``torch.distributed``), ``attnkit.integrations.hf`` (Hugging Face transformers), ``attnkit.plot``.
 
 Example::
 
@@ -12,17 +16,13 @@ Example::
     torch.Size([1, 4, 32, 16])
 """
 
-from . import backends, bias, masks, softmax
+from . import backends, bias, cache, diagnostics, explain, masks, nn, softmax
+from .engine import Engine
 from .functional import attention, attention_weights
-from . import explain  # noqa: E402  (the four steps traced; imports masks only)
-from . import cache  # noqa: E402  (KV caches: static, sliding window, paged, quantized)
-from .generate import generate  # noqa: E402
-from .engine import Engine  # noqa: E402
-from .quantize import quantize  # noqa: E402
-from . import nn  # noqa: E402  (modules, positions, blocks, models)
-from . import diagnostics  # noqa: E402  (probe, doctor)
+from .generate import generate
+from .quantize import quantize
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "attention_weights", "masks", "bias", "softmax", "backends", "explain", "nn", "cache",
-           "generate", "Engine", "quantize", "diagnostics"]
+__all__ = ["attention", "attention_weights", "masks", "bias", "softmax", "backends", "nn", "cache", "generate",
+           "Engine", "quantize", "explain", "diagnostics"]
