@@ -29,7 +29,7 @@ Tensor = torch.Tensor
 
 BLOCK_Q = 128  # query rows per tile: big enough for efficient GEMMs, small enough to skip empty tiles
 BLOCK_K = 128  # keys per tile (the granularity of skipping and of the element mask)
-MAX_GATHER_KEYS = 1024  # keys gathered into one window in the irregular (gather) path
+MAX_GATHER_KEYS = 4096  # keys gathered into one window in the irregular (gather) path (the kernel loops over them)
 BAND_CALLS_PER_GATHER = 2  # bands (no copies) are preferred unless gathering needs less than half the calls
 ABSORB_WASTE = 2  # extra masked windows allowed when folding a band's clipped leading windows into one call
 SHARED_WASTE = 0.25  # extra (masked) work allowed when single-row windows share one call
