@@ -369,8 +369,9 @@ def test_causal_blocks_and_full_prefixes(fused, monkeypatch):
     monkeypatch.setattr(ops, "SPLIT_MASK_ELEMENTS", 1 << 12)  # split even these small blocks
     monkeypatch.setattr(flash, "_SHARED", {})
     q, k, v = qkv(1, 2, 1, 1024, 1024, 16)
-    check_against_oracle(lambda *a, **kw: run_flash(*a, fused=fused, block=32, **kw), q, k, v, mask=M.causal())
-    plan = flash._plan(_make_call(q, k, v, mask=M.causal()), 32, 32)
+    causal = M.causal() & M.sliding_window(None)  # the same mask, not recognised as the kernel's own causal
+    check_against_oracle(lambda *a, **kw: run_flash(*a, fused=fused, block=32, **kw), q, k, v, mask=causal)
+    plan = flash._plan(_make_call(q, k, v, mask=causal), 32, 32)
     items = [i for key, val in plan.cache.items() if key[0] == "chunks" for _, its in val for i in its]
     assert any(i.causal for i in items) and any(i.chunk.kinds.eq(2).all() for i in items)
     assert len(plan.jobs) < 12  # 32 query tiles in a few shared windows
@@ -390,6 +391,18 @@ def test_split_and_lazy_chunks(name, monkeypatch):
         for bias in (None, B.alibi(B.alibi_slopes(4))):
             check_against_oracle(lambda *a, **kw: run_flash(*a, fused=fused, block=8, **kw), q, k, v,
                                  mask=MASKS[name](64, 64), bias=bias)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
+def test_plain_causal_is_one_kernel_call(fused):
+    q, k, v = qkv(2, 4, 2, 300, 300, 16)
+    assert flash._plan(_make_call(q, k, v, mask=M.causal())).whole_causal
+    k2, v2 = k[:, :, :299], v[:, :, :299]
+    assert not flash._plan(_make_call(q, k2, v2, mask=M.causal())).whole_causal  # Lq != Lk
+    for bias in (None, B.alibi(B.alibi_slopes(4))):
+        check_against_oracle(lambda *a, **kw: run_flash(*a, fused=fused, block=64, **kw), q, k, v,
+                             mask=M.causal(), bias=bias)
+    check_against_oracle(lambda *a, **kw: run_flash(*a, fused=fused, block=64, **kw), q, k2, v2, mask=M.causal())
 
 
 def test_plan_cache_notices_in_place_changes():

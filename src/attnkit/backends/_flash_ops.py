@@ -706,6 +706,9 @@ def forward(work: Work) -> tuple[Tensor, Tensor]:
     plan = work.plan
     nh, dv = work.q3.shape[0], work.v3.shape[-1]
     dev = work.q3.device
+    if work.fused and plan.whole_causal and work.bias is None:  # one call: the kernel's own causal mask
+        o, l = _FUSED[0](work.q3[None], work.k3[None], work.v3[None], 0.0, True, scale=work.scale)  # noqa: E741
+        return o[0], l[0].t()
     items = prepared(work, work.fused, False)
     if work.fused and plan.covered and all(i.chunk.first and i.chunk.q_consecutive and j.heads.count == nh
                                            for j, its in items for i in its):
@@ -778,6 +781,10 @@ def backward(work: Work, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | 
     scores are recomputed from ``q``, ``k`` and ``lse``."""
     dev = work.q3.device
     nh = work.q3.shape[0]
+    if fused and work.plan.whole_causal and work.bias is None:
+        dq, dk, dv = _FUSED[1](dout[None], work.q3[None], work.k3[None], work.v3[None], out[None],
+                               lse.t()[None], 0.0, True, scale=work.scale)
+        return dq[0], dk[0], dv[0]
     items = prepared(work, fused, True)
     # every query row in exactly one call over all heads: concatenate dq instead of zeros + adds
     pieces = [] if work.plan.covered and all(i.chunk.first and i.chunk.q_consecutive and j.heads.count == nh

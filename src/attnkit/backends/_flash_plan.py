@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..masks import FULL, PARTIAL, Mask
+from ..masks import FULL, PARTIAL, Mask, _Causal
 
 Tensor = torch.Tensor
 
@@ -101,6 +101,7 @@ class Plan:
     partial_pairs: int  # ... of which partial (need the element mask)
     total_pairs: int  # all pairs over the same (B', H')
     covered: bool  # every query tile has a job (else rows without one are zero)
+    whole_causal: bool = False  # a plain causal mask on Lq == Lk: the fused kernel's own is_causal does it
     cache: dict = field(default_factory=dict)  # prepared chunks (with element masks) per chunking
 
     @property
@@ -323,4 +324,5 @@ def build(mask: Mask | None, batch: int, hq: int, hkv: int, q_len: int, kv_len: 
             jobs += bands if len(bands) <= BAND_CALLS_PER_GATHER * len(gathers) else gathers
     jobs.sort(key=lambda j: not j.first)  # every row's first job writes before any job merges into it
     covered = sum(j.n for j in jobs if j.first) == bp * hp * nq
-    return Plan(bq, bk, q_len, kv_len, nq, nk, jobs, visited, partial, bp * hp * nq * nk, covered)
+    whole_causal = isinstance(mask, _Causal) and q_len == kv_len and bq == bk
+    return Plan(bq, bk, q_len, kv_len, nq, nk, jobs, visited, partial, bp * hp * nq * nk, covered, whole_causal)
