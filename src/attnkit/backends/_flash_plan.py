@@ -4,17 +4,21 @@ The score matrix ``(Lq, Lk)`` is tiled into ``(block_q, block_k)`` tiles and the
 says which tiles are visited (full or partial).  The plan turns the visited tiles into *jobs*; one job is
 computed by one batched call (or a few, when it is split to bound memory):
 
-* a **band** job: consecutive query tiles whose visited key tiles form one contiguous run of the same
-  length ``w``, starting ``kstep`` tiles further for each query tile.  Its key windows are an
-  ``as_strided`` view of ``k`` (no copy): a sliding window is one band, a causal mask one band per query
-  tile, no mask one band whose window is shared by every query tile.
-* a **gather** job: query tiles whose visited key tiles are scattered (random blocks, strided, BigBird).
-  The key tiles are gathered into contiguous windows of at most ``MAX_GATHER_KEYS`` keys; query tiles
-  with the same number of tiles in one window step share a job.
+* a **band**: consecutive query tiles whose visited key tiles form one run of the same length ``w``,
+  starting ``kstep`` tiles further for each query tile.  Its key windows are an ``as_strided`` view of
+  ``k`` and ``v`` (no copy): the interior of a sliding window is one band.  The clipped windows in
+  front of it (the first tiles, whose windows start at key 0) are folded into one call.
+* a **shared window** (``kstep == 0``): consecutive query tiles computed as one tall block against one
+  window: no mask, a document's interior, and a causal mask's growing prefixes grouped while the
+  padded work stays within ``1 + SHARED_WASTE`` of the visited work (about ten calls at L = 16384).
+* a **gather**: query tiles whose visited key tiles are scattered (random blocks, BigBird); their key
+  tiles are copied into contiguous windows of at most ``MAX_GATHER_KEYS`` keys, and query tiles with
+  the same number of tiles in one window step share a job.  Used when it needs far fewer calls.
 
-A query tile covered by several jobs (several runs, or a long gathered list) merges the partial results
-with their log-sum-exps (online softmax).  Jobs are ordered so that each query tile's first job writes
-its rows and later ones merge.
+A query tile covered by several jobs merges the partial results with their log-sum-exps (online
+softmax); jobs are ordered so that each query tile's first job writes its rows and later ones merge.
+A plain causal mask on ``Lq == Lk`` needs none of this: the fused kernel's own ``is_causal`` computes it
+in one call (``Plan.whole_causal``).
 """
 
 from __future__ import annotations
