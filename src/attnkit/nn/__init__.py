@@ -25,7 +25,7 @@ from . import tasks
 from .attention import MultiHeadAttention
 from .axial import AxialAttention
 from .blocks import Decoder, Encoder, TransformerBlock, default_d_ff
-from .layers import FeedForward, Linear, RMSNorm, to_decode_layout
+from .layers import FeedForward, Linear, RMSNorm, linear, to_decode_layout
 from .models import DecoderConfig, DecoderLM, EncoderDecoder
 from .positions import ALiBi, PositionEncoding, RotaryEmbedding, SinusoidalPositions, T5RelativeBias
 from .simple import AdditiveAttention, SingleHeadAttention
@@ -47,6 +47,7 @@ __all__ = [
     "DecoderLM",
     "EncoderDecoder",
     "Linear",
+    "linear",
     "RMSNorm",
     "FeedForward",
     "to_decode_layout",

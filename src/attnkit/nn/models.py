@@ -7,12 +7,11 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .. import masks as _masks
 from . import _checks
 from .blocks import Decoder, Encoder, TransformerBlock, _cache_positions, _layer_caches, default_d_ff
-from .layers import Linear, _column_major, _dropout, make_norm
+from .layers import Linear, _column_major, _dropout, linear, make_norm
 from .positions import ALiBi, PositionEncoding, RotaryEmbedding, SinusoidalPositions, T5RelativeBias
 
 Tensor = torch.Tensor
@@ -202,7 +201,7 @@ class _LMBase(nn.Module):
 
     def _logits(self, x: Tensor) -> Tensor:
         if self.lm_head is None:
-            return F.linear(x, self.embed.weight)  # (B, L, vocab)
+            return linear(x, self.embed.weight)  # (B, L, vocab)
         return self.lm_head(x)
 
     def _positions(self, ids: Tensor, cache, positions) -> tuple[Tensor, int]:

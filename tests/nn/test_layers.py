@@ -1,0 +1,63 @@
+"""attnkit.nn.linear / Linear: the oneDNN fast path agrees with F.linear and steps aside where it must."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attnkit.nn.layers as layers
+from attnkit.nn import Linear, linear
+
+
+def test_onednn_operator_is_found_where_pytorch_has_onednn():
+    """Notices when PyTorch renames or changes the private operator the fast path relies on."""
+    layers._ONEDNN = None
+    assert layers._onednn_linear_works() == torch.backends.mkldnn.is_available()
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (1, 1, 64), (3, 5, 64), (0, 64), (2, 0, 64)])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_linear_matches_f_linear(shape, with_bias, threads):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g)
+    w = layers._column_major(torch.randn(48, 64, generator=g))
+    b = torch.randn(48, generator=g) if with_bias else None
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            got = linear(x, w, b)
+    finally:
+        torch.set_num_threads(old)
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert got.shape == ref.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_non_contiguous_input_and_row_major_weight():
+    x = torch.randn(4, 64, 3)[..., 1]
+    w = torch.randn(16, 64)
+    torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_gradients_and_other_dtypes_use_f_linear():
+    lin = Linear(32, 8)
+    x = torch.randn(5, 32, requires_grad=True)
+    lin(x).square().sum().backward()
+    ref = torch.nn.Linear(32, 8)
+    ref.load_state_dict(lin.state_dict())
+    x2 = x.detach().clone().requires_grad_()
+    ref(x2).square().sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(lin.weight.grad, ref.weight.grad)
+    xd = torch.randn(3, 32, dtype=torch.float64)
+    torch.testing.assert_close(linear(xd, lin.weight.double()), F.linear(xd, lin.weight.double()))
+    xb = torch.randn(3, 32, dtype=torch.bfloat16)
+    torch.testing.assert_close(linear(xb, lin.weight.bfloat16()), F.linear(xb, lin.weight.bfloat16()))
+
+
+def test_fallback_when_operator_is_missing(monkeypatch):
+    monkeypatch.setattr(layers, "_ONEDNN", False)
+    x, w = torch.randn(3, 16), torch.randn(4, 16)
+    with torch.no_grad():
+        assert torch.equal(linear(x, w), F.linear(x, w))
