@@ -342,6 +342,44 @@ def test_scattered_pattern_gathers():
     assert sum(j.pairs for j in plan.jobs) == plan.visited_pairs == 32 * 4
 
 
+def test_gather_workspace_is_reused_and_per_thread(monkeypatch):
+    """Gathered key/value windows go to a workspace kept between calls (no fresh pages per call), cut into
+    chunks that fit it; consecutive calls with other patterns and calls from other threads stay exact."""
+    import threading
+
+    monkeypatch.setattr(ops, "GATHER_ELEMENTS", 2 * 16 * 24)  # one query tile per chunk below
+    monkeypatch.setattr(flash, "_SHARED", {})
+    q, k, v = qkv(1, 2, 2, 64, 64, 8)
+    for seed in (0, 1):  # the second call reuses the first one's workspace
+        check_against_oracle(lambda *a, **kw: run_flash(*a, block=8, **kw), q, k, v,
+                             mask=M.random_blocks(8, 3, seed=seed))
+    buf = ops._workspaces()[("k", torch.float32, "cpu")]
+    out = run_flash(q, k, v, block=8, mask=M.random_blocks(8, 3, seed=2))
+    assert ops._workspaces()[("k", torch.float32, "cpu")] is buf  # kept, not reallocated
+    results, errors = {}, []
+
+    def worker(seed):
+        try:
+            torch.set_num_threads(1)
+            x = run_flash(q, k, v, block=8, mask=M.random_blocks(8, 3, seed=seed))
+            results[seed] = (x, ops._workspaces()[("k", torch.float32, "cpu")])
+        except Exception as e:  # noqa: BLE001  (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in (3, 4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert results[3][1] is not buf and results[3][1] is not results[4][1]  # one workspace per thread
+    for seed, (x, _) in results.items():
+        ref, _ = reference(q, k, v, mask=M.random_blocks(8, 3, seed=seed))
+        assert torch.allclose(x, ref, atol=1e-5)
+    ref, _ = reference(q, k, v, mask=M.random_blocks(8, 3, seed=2))
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
 def test_element_mask_only_on_partial_tiles():
     seen = []
 

@@ -16,6 +16,7 @@ results of a query tile are merged with their log-sum-exps.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +29,8 @@ from ._flash_plan import Heads, Job, Plan
 Tensor = torch.Tensor
 
 WORK_ELEMENTS = 1 << 24  # elements of per-chunk temporaries (scores, masks, window gradients): ~64 MB fp32
+GATHER_ELEMENTS = 1 << 22  # gathered key + value elements per chunk (16 MB fp32): the workspace kept per thread
+WORKSPACE_BYTES = 64 << 20  # gather workspaces larger than this are not kept between calls
 SPLIT_MASK_ELEMENTS = 1 << 20  # bigger element masks are confined to the partial key tiles of a chunk
 
 _FWD_ARGS = ["query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale"]
@@ -142,6 +145,17 @@ def _has_contents(cell) -> bool:
 # ------------------------------------------------------------------------- the work
 
 
+_LOCAL = threading.local()
+
+
+def _workspaces() -> dict:
+    """This thread's gather workspaces ``{(name, dtype, device): flat tensor}`` (threads never share one)."""
+    ws = getattr(_LOCAL, "ws", None)
+    if ws is None:
+        ws = _LOCAL.ws = {}
+    return ws
+
+
 @dataclass
 class Work:
     """Everything one forward/backward needs: the padded flat tensors, the plan and the settings."""
@@ -161,16 +175,21 @@ class Work:
     seed: int
     fused: bool  # forward on the fused kernel
     bias_params: list[Tensor] = field(default_factory=list)  # tensors of a ScoreMod that need grads
-    buffers: dict = field(default_factory=dict)  # gather workspaces reused by the chunks of one call
+    buffers: dict = field(default_factory=dict)  # gather workspaces too big to keep between calls
 
     def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         """A reusable workspace: fresh large tensors are page-faulted in on first touch, which costs
-        more than the gather that fills them."""
+        far more (~10x) than the gather that fills them, so gather workspaces are kept per thread
+        between calls (up to ``WORKSPACE_BYTES``; bigger ones only for the chunks of one call)."""
         n = math.prod(shape)
-        buf = self.buffers.get(name)
-        if buf is None or buf.numel() < n or buf.dtype != dtype:
-            buf = torch.empty(n, dtype=dtype, device=self.q3.device)
-            self.buffers[name] = buf
+        dev = self.q3.device
+        keep = n * dtype.itemsize <= WORKSPACE_BYTES
+        store = _workspaces() if keep else self.buffers
+        key = (name, dtype, str(dev))
+        buf = store.get(key)
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(n, dtype=dtype, device=dev)
+            store[key] = buf
         return buf[:n].view(shape)
 
     @property
@@ -242,6 +261,9 @@ def _chunks(work: Work, job: Job, per_item: int):
     bq, bk = plan.block_q, plan.block_k
     n, W = job.n, job.w * bk
     step = max(1, WORK_ELEMENTS // max(1, per_item))
+    if job.tiles is not None:  # gathered windows: a chunk's copies fit the kept workspace
+        d = work.k3.shape[-1] + work.v3.shape[-1]
+        step = max(1, min(step, GATHER_ELEMENTS // max(1, job.heads.kcount * W * d)))
     merged = job.tiles is None and job.kstep == 0  # every row shares one window: one tall query block
     ar_r, ar_w = torch.arange(bq), torch.arange(W)
     for i0 in range(0, n, step):
