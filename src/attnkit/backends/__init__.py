@@ -5,6 +5,11 @@ kernel for the calls it takes exactly.  Each backend is three things: ``check(ca
 take a call (or ``None``), ``cost(call)`` estimates its work, and ``run(call)`` computes.  ``auto`` picks
 the cheapest backend whose check passes; :func:`explain` says which and why.
 
+While ``torch.compile`` traces (``torch.compiler.is_compiling()``), ``auto`` picks from the backends that
+trace into one graph, :data:`COMPILE_FRIENDLY` (``sdpa`` where it takes the call, else ``math``): the
+others plan each call in Python (``flash`` lays out its tiles per mask and shape) and would break the
+graph.  Name a backend explicitly to trace that one instead.
+
 Example::
 
     >>> import torch
@@ -21,13 +26,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from . import flash as _flash
 from . import math as _math
 from . import sdpa as _sdpa
 from . import triton as _triton
 from ._common import Call
 
-__all__ = ["available", "explain", "Backend", "register"]
+__all__ = ["available", "explain", "Backend", "register", "COMPILE_FRIENDLY"]
 
 
 @dataclass(frozen=True)
@@ -86,8 +93,15 @@ def _signature(call: Call) -> tuple:
             call.softcap, call.dropout_p > 0, call.return_lse, call.needs_grad)
 
 
+# What auto picks from while torch.compile traces, in order of preference: backends whose run is plain
+# tensor code with no Python-side planning, so a model compiles to one graph (fullgraph=True works)
+COMPILE_FRIENDLY = ("sdpa", "math")
+
+
 def select(call: Call, backend: str) -> Backend:
     """The backend that runs ``call``: the named one (if it takes the call) or auto's pick."""
+    if backend == "auto" and torch.compiler.is_compiling():
+        return _pick_compile_friendly(call)  # no memo: dynamo guards on what the checks read
     if backend == "auto":
         key = _signature(call)
         hit = _PICKS.get(key)
@@ -118,8 +132,29 @@ def _pick(call: Call) -> Backend:
     return best  # math takes every call, so there is always one
 
 
+def _pick_compile_friendly(call: Call) -> Backend:
+    """The first of :data:`COMPILE_FRIENDLY` that takes ``call`` (math takes every call)."""
+    for name in COMPILE_FRIENDLY:
+        b = _REGISTRY.get(name)
+        if b is not None and b.available() and b.check(call) is None:
+            return b
+    return _REGISTRY["math"]
+
+
 def explain(q, k, v, **kwargs) -> str:
-    """Which backend ``attention(q, k, v, **kwargs)`` would use, and why each other one would not."""
+    """Which backend ``attention(q, k, v, **kwargs)`` would use, and why each other one would not.
+
+    For ``backend="auto"`` the last line names the backend auto picks instead while ``torch.compile``
+    traces the call (see :data:`COMPILE_FRIENDLY`).
+
+    Example::
+
+        >>> import torch
+        >>> from attnkit import backends
+        >>> q = k = v = torch.randn(1, 2, 16, 8)
+        >>> print(backends.explain(q, k, v, softcap=30.0).splitlines()[-1])
+        under torch.compile auto picks 'math' (the first of sdpa, math that takes the call)
+    """
     from ..functional import _make_call
 
     backend = kwargs.pop("backend", "auto")
@@ -141,4 +176,8 @@ def explain(q, k, v, **kwargs) -> str:
                          f"{'  <- chosen' if b is chosen else ''}")
         else:
             lines.append(f"  {name:7s} cannot: {reason}")
+    if backend == "auto":
+        traced = _pick_compile_friendly(call)
+        lines.append(f"under torch.compile auto picks {traced.name!r} "
+                     f"(the first of {', '.join(COMPILE_FRIENDLY)} that takes the call)")
     return "\n".join(lines)

@@ -1,0 +1,111 @@
+"""``backend="auto"`` under ``torch.compile``: while dynamo traces, auto picks from the compile-friendly
+backends (sdpa where it takes the call, else math), so a model with the default backend compiles to one
+graph (``fullgraph=True``) and computes what it computes eagerly, also where eager auto picks flash."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import attnkit
+from attnkit import backends
+from attnkit import masks as M
+from attnkit.nn import DecoderConfig, DecoderLM
+from attnkit.testing import check_against_oracle
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Every test traces from scratch (no compiled code or recompile counts carried over), on one thread."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+    torch.set_num_threads(n)
+
+
+def _qkv(L, *, grad=True):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, L, 16, generator=g)
+    k, v = torch.randn(1, 2, L, 16, generator=g), torch.randn(1, 2, L, 16, generator=g)
+    return [t.requires_grad_(grad) for t in (q, k, v)]
+
+
+# Each case: DecoderConfig overrides, sequence length, what eager auto picks, what auto picks while tracing.
+CASES = {
+    "default": (dict(), 24, "sdpa", "sdpa"),
+    "sliding_window": (dict(mask=M.sliding_window(15)), 256, "flash", "sdpa"),
+    "softcap": (dict(softcap=5.0), 256, "flash", "math"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_default_backend_model_compiles_to_one_graph_and_matches_eager(case):
+    overrides, L, eager_pick, traced_pick = CASES[case]
+    torch.manual_seed(0)
+    cfg = DecoderConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, **overrides)
+    assert cfg.backend == "auto"
+    model = DecoderLM(cfg).double().eval()  # float64: eager and compiled may run different backends
+    ids = torch.randint(0, 32, (1, L), generator=torch.Generator().manual_seed(1))
+
+    # what a layer's attention call looks like: (1, 4, L, 8) queries against (1, 2, L, 8) keys
+    q = torch.randn(1, 4, L, 8, dtype=torch.float64)
+    k = torch.randn(1, 2, L, 8, dtype=torch.float64)
+    kw = dict(mask=M.causal() & overrides["mask"] if "mask" in overrides else M.causal(),
+              softcap=overrides.get("softcap"))
+    text = backends.explain(q, k, k, **kw)
+    assert text.startswith(f"auto picks {eager_pick!r}"), text
+    assert text.splitlines()[-1].startswith(f"under torch.compile auto picks {traced_pick!r}"), text
+
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")  # fullgraph: any graph break raises
+    with torch.no_grad():
+        expected = model(ids)
+        got = compiled(ids)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+    # eager decisions are unaffected by tracing
+    assert backends.explain(q, k, k, **kw).startswith(f"auto picks {eager_pick!r}")
+
+
+def test_compiled_attention_with_gradients_against_the_oracle():
+    """attnkit.attention itself, compiled with fullgraph=True where eager auto would pick flash: forward
+    and backward under the numerical rule."""
+    q, k, v = _qkv(256)
+    mask = M.causal() & M.sliding_window(15)
+    assert backends.explain(q, k, v, mask=mask).startswith("auto picks 'flash'")
+    compiled = torch.compile(attnkit.attention, fullgraph=True, backend="aot_eager")
+    report = check_against_oracle(compiled, q, k, v, mask=mask)
+    assert set(report) == {"out", "dq", "dk", "dv"}, report
+
+
+def test_compiled_sdpa_with_rows_that_see_no_key():
+    """Lq > Lk with a causal mask: the first rows see nothing (output 0, zero gradients), also when traced."""
+    q, k, v = _qkv(8)
+    q = q[:, :, :, :].detach().repeat(1, 1, 2, 1).requires_grad_()  # (1, 4, 16, 16) against 8 keys
+    assert "under torch.compile auto picks 'sdpa'" in backends.explain(q, k, v, mask=M.causal())
+    compiled = torch.compile(attnkit.attention, fullgraph=True, backend="aot_eager")
+    check_against_oracle(compiled, q, k, v, mask=M.causal())
+    out = compiled(q, k, v, mask=M.causal())
+    assert out[:, :, :8].abs().max() == 0 and out[:, :, 8:].abs().min() > 0
+
+
+def test_explain_names_the_pick_under_compile_only_for_auto():
+    q, k, v = _qkv(16, grad=False)
+    last = backends.explain(q, k, v, mask=M.causal()).splitlines()[-1]
+    assert last == "under torch.compile auto picks 'sdpa' (the first of sdpa, math that takes the call)"
+    assert "under torch.compile auto picks 'math'" in backends.explain(q, k, v, softcap=3.0)
+    assert "under torch.compile" not in backends.explain(q, k, v, backend="flash")
+    assert backends.COMPILE_FRIENDLY == ("sdpa", "math")
+
+
+def test_named_backend_is_kept_under_compile():
+    """Only auto changes while tracing: a named backend still runs (math here, which traces)."""
+    q, k, v = _qkv(16, grad=False)
+    compiled = torch.compile(functools.partial(attnkit.attention, backend="math"), fullgraph=True,
+                             backend="aot_eager")
+    check_against_oracle(compiled, q, k, v, softcap=3.0, grad=False)
+    with pytest.raises(Exception, match="backend='sdpa' cannot take this call: SDPA has no softcap"):
+        torch.compile(functools.partial(attnkit.attention, backend="sdpa"), fullgraph=True,
+                      backend="aot_eager")(q, k, v, softcap=3.0)
