@@ -9,6 +9,13 @@ settings.register_profile("attnkit", deadline=None, max_examples=40, derandomize
 settings.load_profile("attnkit")
 
 
+def pytest_configure(config):
+    """Keep pytest's final "N passed in X s" line, which CI reads.  addopts already holds ``-q``, so one more
+    ``-q`` on the command line makes ``-qq``, and below ``-q`` pytest prints no summary line at all."""
+    if config.option.verbose < -1:
+        config.option.verbose = -1
+
+
 @pytest.fixture(autouse=True)
 def _seed_and_threads():
     torch.manual_seed(0)
