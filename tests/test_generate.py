@@ -184,6 +184,21 @@ def test_clear_errors():
         generate(model, [[1]], -1)
     with pytest.raises(ValueError, match="window is required"):
         generate(model, [[1]], 4, cache="sliding")
+    with pytest.raises(ValueError, match="compile=True needs cache='static'"):
+        generate(model, [[1]], 4, cache="paged", compile=True)
+    with pytest.raises(TypeError, match="compile='yes' must be True or False"):
+        generate(model, [[1]], 4, compile="yes")
+
+
+def test_compiled_decode_steps_give_the_eager_tokens():
+    """generate(compile=True): the torch.compile'd one-token steps (ragged rows, then an even batch that
+    recompiles for its batch size) produce exactly the eager tokens, and positions are still checked."""
+    model = _model("gqa")
+    prompts = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]]
+    assert generate(model, prompts, 6, compile=True) == generate(model, prompts, 6)
+    assert generate(model, [[3, 1, 4]], 5, compile=True) == generate(model, [[3, 1, 4]], 5)
+    with pytest.raises(ValueError, match="beyond the model's max_seq_len=512"):
+        generate(model, [[1] * 500], 20, compile=True)
 
 
 def test_generate_restores_training_mode_and_keeps_grad_mode():

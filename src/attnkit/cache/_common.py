@@ -73,6 +73,8 @@ def padding_mask(pad: Tensor | None, start: int, end: int, memo: dict) -> Tensor
     """``(B, 1, 1, end - start)`` bool, True for keys at padded-row indices ``>= pad[b]`` (None: no padding)."""
     if pad is None:
         return None
+    if torch.compiler.is_compiling():  # a memo keyed on lengths would make every step recompile
+        return (torch.arange(start, end, device=pad.device).view(1, -1) >= pad.view(-1, 1))[:, None, None, :]
     key = (start, end)
     m = memo.get(key)
     if m is None:

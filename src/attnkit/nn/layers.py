@@ -58,13 +58,13 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         >>> torch.allclose(linear(x, w), x @ w.T, atol=1e-5)
         True
     """
-    if (x.dtype is torch.float32 and weight.dtype is torch.float32 and x.device.type == "cpu"
+    if (not torch.compiler.is_compiling() and x.dtype is torch.float32 and weight.dtype is torch.float32
+            and x.device.type == "cpu"
             and weight.device.type == "cpu"
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                   or (bias is not None and bias.requires_grad)))
             and (bias is None or (bias.dtype is torch.float32 and bias.device.type == "cpu"))
-            and (x.numel() > x.shape[-1] or torch.get_num_threads() > 1)
-            and not torch.compiler.is_compiling() and _onednn_linear_works()):
+            and (x.numel() > x.shape[-1] or torch.get_num_threads() > 1) and _onednn_linear_works()):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 

@@ -176,6 +176,12 @@ class _LMBase(nn.Module):
         cfg = self.config
         if pos.numel() == 0:
             return 0
+        if torch.compiler.is_compiling():  # reading the tensor would split the graph: check inside it instead
+            torch._assert_async((pos >= 0).all(), "positions must be >= 0")
+            if cfg.positions not in ("alibi", "t5", "none"):
+                torch._assert_async((pos < cfg.max_seq_len).all(), f"positions must be < max_seq_len="
+                                    f"{cfg.max_seq_len} (positions={cfg.positions!r} does not extrapolate)")
+            return cfg.max_seq_len - 1  # a bound, not the maximum: sizes the rotary table without a read
         lo, hi = int(pos.min()), int(pos.max())
         if lo < 0:
             raise ValueError(f"positions must be >= 0, got {lo}")
