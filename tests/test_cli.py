@@ -260,6 +260,8 @@ def test_doctor_one_example_in_full(capsys, tmp_path):
     assert code == 0
     assert out.splitlines()[1].split()[:3] == ["layer", "head", "entropy"]
     assert "[uniform] attention weights too uniform in layers.0.attn, heads [0, 1, 2, 3]" in out
+    marked, named = _doctor_table_and_findings(out)
+    assert marked == named and set(named.values()) == {"uniform"}
     assert (tmp_path / "p" / "attention.png").read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "r.md").read_text().startswith("# Attention doctor: uniform")
 
@@ -294,6 +296,31 @@ def test_demo_quick_runs_every_step(capsys, tmp_path):
     assert "the tokens are identical" in out
     assert (tmp_path / "demo" / "attention.png").read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "demo" / "doctor.md").read_text().startswith("# Attention doctor")
+    marked, named = _doctor_table_and_findings(out)
+    assert marked == named, out  # the doctor's per-head symptom column and its findings tell the same story
+
+
+def _doctor_table_and_findings(out: str) -> tuple[dict, dict]:
+    """From printed doctor output: {(layer, head): symptom} of the table's marked rows, and the same map
+    built from the findings' lines ("[kind] <title> in <layer>, heads [0, 1]: ...")."""
+    import re
+
+    lines = out.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.split()[:3] == ["layer", "head", "entropy"])
+    marked = {}
+    for ln in lines[start + 2:]:
+        if not ln.strip():
+            break
+        cells = ln.split()
+        assert len(cells) in (7, 8), ln
+        if len(cells) == 8:
+            marked[(cells[0], int(cells[1]))] = cells[7]
+    named = {}
+    for m in re.finditer(r"^\[(\w+)\] .* in (\S+), heads \[([\d, ]*)\]:", out, re.M):
+        for h in m.group(3).split(","):
+            named[(m.group(2), int(h))] = m.group(1)
+    assert bool(named) != ("No findings" in out), out
+    return marked, named
 
 
 def test_python_dash_m_attnkit_is_the_demo():

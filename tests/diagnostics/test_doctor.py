@@ -6,8 +6,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
 
-from attnkit.diagnostics import SYMPTOMS, Thresholds, doctor
+from attnkit.diagnostics import SYMPTOMS, HeadStats, Report, Thresholds, doctor
+from attnkit.diagnostics._doctor import _diagnose
 from attnkit.diagnostics.examples import EXAMPLES, example
 from attnkit.nn import MultiHeadAttention
 
@@ -110,10 +113,61 @@ def test_a_layer_with_idle_heads_is_not_uniform():
         m.qkv_proj.weight[k_rows] *= 1e3
     report = doctor(model, ids)
     assert [f.layer for f in report.findings] == ["layers.1.attn"]
-    assert [s.symptom for s in report.heads if s.layer == "layers.0.attn"] == [None, "uniform", "uniform", "uniform"]
-    assert doctor(model, ids, thresholds=Thresholds(uniform_heads=0.75)).kinds == {"uniform"}
-    assert [f.layer for f in doctor(model, ids, thresholds=Thresholds(uniform_heads=0.75)).findings] == [
-        "layers.0.attn", "layers.1.attn"]
+    # heads 1-3 are near-uniform on their own, but the layer has no finding: the table marks none of them
+    assert [s.entropy > 0.98 for s in report.heads if s.layer == "layers.0.attn"] == [False, True, True, True]
+    assert [s.symptom for s in report.heads if s.layer == "layers.0.attn"] == [None, None, None, None]
+    assert [s.symptom for s in report.heads if s.layer == "layers.1.attn"] == ["uniform"] * 4
+    assert_table_agrees_with_findings(report)
+    relaxed = doctor(model, ids, thresholds=Thresholds(uniform_heads=0.75))
+    assert relaxed.kinds == {"uniform"}
+    assert [(f.layer, f.heads) for f in relaxed.findings] == [("layers.0.attn", [1, 2, 3]),
+                                                              ("layers.1.attn", [0, 1, 2, 3])]
+    assert [s.symptom for s in relaxed.heads if s.layer == "layers.0.attn"] == [None, "uniform", "uniform", "uniform"]
+    assert_table_agrees_with_findings(relaxed)
+
+
+# ------------------------------------------------------------ the table and the findings agree
+
+
+def assert_table_agrees_with_findings(report):
+    """Every head marked in the table is named by a finding of that kind, and every head a finding names is
+    marked with its kind: in the HeadStats, in str(report) (what the CLI and the demo print) and in Markdown."""
+    marked = {(s.layer, s.head): s.symptom for s in report.heads if s.symptom is not None}
+    named = {(f.layer, h): f.kind for f in report.findings for h in f.heads}
+    assert marked == named, str(report)
+    text = str(report).splitlines()
+    rows = [line.split() for line in text[2:text.index("")]]  # layer, head, 5 numbers, [symptom]
+    assert len(rows) == len(report.heads)
+    assert {(r[0], int(r[1])): r[7] for r in rows if len(r) == 8} == named, str(report)
+    assert all(len(r) in (7, 8) for r in rows)
+    assert ("No findings" in str(report)) == (not named and report.healthy)
+    md_rows = [line.strip("|").split("|") for line in report.to_markdown().splitlines()[4:4 + len(report.heads)]]
+    assert {(r[0].strip(), int(r[1])): r[7].strip() for r in md_rows if r[7].strip()} == named
+
+
+@pytest.mark.parametrize("name, seed", CASES)
+def test_table_agrees_with_findings_on_every_example(name, seed):
+    report = doctor(*example(name, seed=seed))
+    assert_table_agrees_with_findings(report)
+    assert any(s.symptom for s in report.heads) == (name != "healthy")
+
+
+def test_table_agrees_with_findings_where_heads_alone_meet_a_threshold():
+    """The healthy example under thresholds that single heads meet but whole layers do not, and the same
+    statistics under thresholds that make them findings: either way the table and the findings agree."""
+    model, ids = example("healthy")
+    base = doctor(model, ids)
+    entropy = sorted(s.entropy for s in base.heads)
+    # the three most uniform heads are uniform on their own; uniform findings need every head of a layer
+    loose = Thresholds(uniform_entropy=entropy[-3])
+    report = doctor(model, ids, thresholds=loose)
+    assert report.healthy and all(s.symptom is None for s in report.heads)
+    assert_table_agrees_with_findings(report)
+    # once a single head is enough, those heads (and only they) are marked, each in its layer's finding
+    report = doctor(model, ids, thresholds=Thresholds(uniform_entropy=entropy[-3], uniform_heads=0.25))
+    assert sorted(s.entropy for s in report.heads if s.symptom == "uniform") == entropy[-3:]
+    assert report.kinds == {"uniform"}
+    assert_table_agrees_with_findings(report)
 
 
 class _NoAttention(nn.Module):
@@ -161,3 +215,40 @@ def test_a_healthy_trained_model_gets_no_findings(one_thread):
         assert accuracy(model(test.ids), test.targets) >= 0.95
     report = doctor(model, test.ids[:8])
     assert report.healthy, str(report)
+
+
+_share = st.floats(0.01, 1.0)
+
+
+@st.composite
+def _head_tables(draw):
+    """Random per-head statistics (1-3 layers of 1-4 heads) and thresholds, as the doctor would see them."""
+    stats = []
+    for layer in range(draw(st.integers(1, 3))):
+        for head in range(draw(st.integers(1, 4))):
+            rows = draw(st.sampled_from([0, 5]))
+            stats.append(HeadStats(f"layers.{layer}.attn", head, draw(st.floats(0, 1)), draw(st.floats(0, 1)),
+                                   draw(st.floats(0, 1)), draw(st.floats(0, 20)),
+                                   draw(st.none() | st.sampled_from([0.0, 1e-9, 1e-5, 1e-2, 1.0])), rows))
+    t = Thresholds(uniform_entropy=draw(_share), sharp_max_weight=draw(_share), saturated_rows=draw(_share),
+                   uniform_heads=draw(_share), sharp_heads=draw(_share), saturated_heads=draw(_share))
+    return stats, t, draw(st.none() | st.sampled_from([0.0, 1e-3, 1.0]))
+
+
+@given(_head_tables())
+def test_one_rule_for_table_and_findings(table):
+    """Whatever the statistics and thresholds: the table marks exactly the heads the findings name, each
+    layer has at most one finding, and a weight finding names only heads whose own statistics show it."""
+    stats, t, output_grad = table
+    findings, grads = _diagnose(stats, t, output_grad)
+    report = Report(stats, findings, {}, grads, output_grad)
+    assert_table_agrees_with_findings(report)
+    assert len({f.layer for f in findings}) == len(findings)
+    for f in findings:
+        heads = [s for s in stats if s.layer == f.layer and s.head in f.heads]
+        if f.kind == "uniform":
+            assert all(s.rows and s.entropy >= t.uniform_entropy for s in heads)
+        elif f.kind == "sharp":
+            assert all(s.rows and s.max_weight >= t.sharp_max_weight for s in heads)
+        elif f.kind == "saturated":
+            assert all(s.rows and s.saturated >= t.saturated_rows for s in heads)

@@ -14,7 +14,9 @@ article's likely causes and fixes:
 
 A layer shows a weight symptom when enough of its heads do: every head for ``uniform``, three quarters for
 ``sharp``, half for ``saturated`` (see :class:`Thresholds`).  Each layer is given its most severe symptom
-only: saturated, then vanishing_gradient, then sharp, then uniform.
+only: saturated, then vanishing_gradient, then sharp, then uniform.  The table's per-head ``symptom`` column
+comes from the same decision: it marks exactly the heads that a finding names, so the table and the
+findings always agree.
 """
 
 from __future__ import annotations
@@ -131,7 +133,10 @@ class HeadStats:
         score_std: mean standard deviation of a row's final scores (how far apart softmax's inputs are).
         grad_norm: RMS over rows of the norm of a row's ``dL/d(scores)``, or None without a backward pass.
         rows: rows counted.
-        symptom: ``"uniform"``, ``"sharp"``, ``"saturated"`` or None.
+        symptom: the kind of the report's finding that names this head (``"uniform"``, ``"sharp"``,
+            ``"saturated"``, ``"vanishing_gradient"``), or None.  The table and the findings come from one
+            rule, so a head of a layer without a finding has None even when its own statistics meet a head
+            threshold (a near-uniform head next to working ones: see :class:`Thresholds`).
 
     Example::
 
@@ -308,7 +313,8 @@ def _head_stats(record: LayerRecord) -> list[HeadStats]:
     return out
 
 
-def _classify(s: HeadStats, t: Thresholds) -> str | None:
+def _head_symptom(s: HeadStats, t: Thresholds) -> str | None:
+    """The weight symptom a head's own statistics meet (the most severe), before its layer is considered."""
     if s.rows == 0:
         return None
     if s.saturated >= t.saturated_rows:
@@ -339,41 +345,54 @@ def _layer_grads(layers: dict[str, list[HeadStats]]) -> dict[str, float | None]:
     return grads
 
 
-def _findings(stats: list[HeadStats], t: Thresholds, output_grad: float | None
+def _layer_finding(name: str, heads: list[HeadStats], t: Thresholds, grad: float | None, top: float,
+                   output_grad: float | None) -> Finding | None:
+    """The layer's finding, if any: its most severe symptom (saturated, vanishing_gradient, sharp, uniform)
+    and the heads that show it.  A weight symptom needs its share of the layer's heads (``Thresholds``)."""
+    shown: dict[str, Finding] = {}
+    own = {h.head: _head_symptom(h, t) for h in heads}
+    for kind in ("saturated", "sharp", "uniform"):
+        hit = [h for h in heads if own[h.head] == kind]
+        if hit and len(hit) >= getattr(t, f"{kind}_heads") * len(heads):
+            shown[kind] = Finding(kind, name, [h.head for h in hit], _evidence(kind, hit))
+    if grad is not None:
+        vs_top = top > 0 and grad < t.vanishing_ratio * top
+        vs_out = output_grad is not None and output_grad > 0 and grad < t.vanishing_ratio * output_grad
+        if vs_top or vs_out or (grad == 0 and (top > 0 or (output_grad or 0) > 0)):
+            ref = (f"{grad / output_grad:.1e} of the gradient at the model's output ({output_grad:.2e})"
+                   if vs_out else f"{grad / top:.1e} of the largest layer's ({top:.2e})")
+            shown["vanishing_gradient"] = Finding("vanishing_gradient", name, [h.head for h in heads],
+                                                  f"score gradient norm {grad:.2e}, {ref}")
+    for kind in ("saturated", "vanishing_gradient", "sharp", "uniform"):
+        if kind in shown:
+            f = shown[kind]
+            f.causes, f.fixes = list(SYMPTOMS[kind]["causes"]), list(SYMPTOMS[kind]["fixes"])
+            return f
+    return None
+
+
+def _diagnose(stats: list[HeadStats], t: Thresholds, output_grad: float | None
               ) -> tuple[list[Finding], dict[str, float | None]]:
-    """At most one finding per layer, the most severe: saturated, vanishing_gradient, sharp, uniform.
+    """The one rule behind both the table and the findings: at most one finding per layer (the most
+    severe: saturated, vanishing_gradient, sharp, uniform), and every head's ``symptom`` is the kind of the
+    finding that names it, else None.
 
     (Saturation explains a vanishing gradient; a layer whose scores get no gradient cannot be tuned, so its
     weights' shape is secondary.)
     """
     layers: dict[str, list[HeadStats]] = {}
     for s in stats:
-        s.symptom = _classify(s, t)
         layers.setdefault(s.layer, []).append(s)
     grads = _layer_grads(layers)
     top = max((g for g in grads.values() if g is not None), default=0.0)
     findings = []
     for name, heads in layers.items():
-        shown = {}
-        for kind in ("saturated", "sharp", "uniform"):
-            hit = [h for h in heads if h.symptom == kind]
-            if hit and len(hit) >= getattr(t, f"{kind}_heads") * len(heads):
-                shown[kind] = Finding(kind, name, [h.head for h in hit], _evidence(kind, hit))
-        g = grads[name]
-        if g is not None:
-            vs_top = top > 0 and g < t.vanishing_ratio * top
-            vs_out = output_grad is not None and output_grad > 0 and g < t.vanishing_ratio * output_grad
-            if vs_top or vs_out or (g == 0 and (top > 0 or (output_grad or 0) > 0)):
-                ref = (f"{g / output_grad:.1e} of the gradient at the model's output ({output_grad:.2e})"
-                       if vs_out else f"{g / top:.1e} of the largest layer's ({top:.2e})")
-                shown["vanishing_gradient"] = Finding("vanishing_gradient", name, [h.head for h in heads],
-                                                      f"score gradient norm {g:.2e}, {ref}")
-        for kind in ("saturated", "vanishing_gradient", "sharp", "uniform"):
-            if kind in shown:
-                f = shown[kind]
-                f.causes, f.fixes = list(SYMPTOMS[kind]["causes"]), list(SYMPTOMS[kind]["fixes"])
-                findings.append(f)
-                break
+        f = _layer_finding(name, heads, t, grads[name], top, output_grad)
+        named = set(f.heads) if f is not None else set()
+        for h in heads:
+            h.symptom = f.kind if h.head in named else None
+        if f is not None:
+            findings.append(f)
     return findings, grads
 
 
@@ -462,6 +481,6 @@ def doctor(model: nn.Module, batch, loss_fn: Callable | None = None, *, threshol
     stats = [s for rec in p.layers.values() for s in _head_stats(rec)]
     if not stats:
         raise ValueError("the model ran but none of its attention layers was called on this batch")
-    findings, grads = _findings(stats, thresholds, output_grad)
+    findings, grads = _diagnose(stats, thresholds, output_grad)
     weights = {name: rec.weights[0] for name, rec in p.layers.items() if rec.weights is not None}
     return Report(stats, findings, weights, grads, output_grad)
