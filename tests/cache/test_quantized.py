@@ -45,6 +45,30 @@ def test_keys_per_channel_values_per_token_and_residual_exact(bits):
     assert float((v_all - v).abs().max()) < 8 * step
 
 
+@settings(max_examples=25)
+@given(max_len=st.integers(1, 40), group=st.sampled_from([4, 8]), groups=st.integers(1, 2),
+       chunks=st.lists(st.integers(1, 9), min_size=1, max_size=12))
+def test_fills_exactly_max_len_then_overflows(max_len, group, groups, chunks):
+    """The store holds max_len - 1 tokens rounded down to whole groups (the residual keeps >= 1 token): any
+    sequence of updates fills exactly max_len positions, and one more is a clear overflow error."""
+    cache = QuantizedCache(1, max_len=max_len, bits=8, group_size=group, residual=group * groups,
+                           batch_size=1, n_kv_heads=1, d_head=8, scale_dtype=torch.float32)
+    layer = cache.layers[0]
+    assert layer.kq.shape[2] == (max_len - 1) // group * group
+    x = torch.randn(1, 1, max_len, 8, generator=torch.Generator().manual_seed(max_len))
+    done = 0
+    for c in chunks + [max_len]:
+        c = min(c, max_len - done)
+        if c == 0:
+            break
+        k_all, _ = layer.update(x[:, :, done:done + c], x[:, :, done:done + c])
+        done += c
+        assert k_all.shape[2] == done and float((k_all - x[:, :, :done]).abs().max()) < 0.05
+    assert done == max_len
+    with pytest.raises(ValueError, match=f"overflow.*max_len={max_len}"):
+        layer.update(x[:, :, :1], x[:, :, :1])
+
+
 @pytest.mark.parametrize("bits,min_ratio,min_store_ratio", [(8, 3.2, 3.5), (4, 5.3, 6.3)])
 def test_memory_against_float32(bits, min_ratio, min_store_ratio):
     """~4x (int8) / ~8x (int4) smaller: per stored token 3.56x / 6.4x at group 32 with float16 scales;
