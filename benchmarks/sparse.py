@@ -18,6 +18,8 @@ memory (the naive formula's L x L scores) are skipped and the table says so.
     python benchmarks/sparse.py            # full run (tens of minutes on 2 cores)
     python benchmarks/sparse.py --quick    # small sizes
     python benchmarks/sparse.py --only window
+    python benchmarks/sparse.py --only window --lengths 2048    # one size
+    python benchmarks/sparse.py --only density --densities 0.05 0.5
 """
 
 from __future__ import annotations
@@ -285,6 +287,10 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--only", choices=SECTIONS, action="append", help="run only these sections")
     ap.add_argument("--repeat", type=int, default=None)
+    ap.add_argument("--lengths", type=int, nargs="+", default=None,
+                    help="sequence lengths of the window section (default 2048 8192 16384; --quick: 1024 2048)")
+    ap.add_argument("--densities", type=float, nargs="+", default=None,
+                    help="densities of the density section (default 0.05 0.10 0.25 0.50)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
@@ -293,17 +299,22 @@ def main(argv=None) -> None:
     sections = args.only or SECTIONS
     notes: set[str] = set()
     results = {}
-    print(f"# sparse attention, float32, B={B} H={H} D={D}; {machine()}", flush=True)
+    print(f"# sparse attention, float32, B={B} H={H} D={D}; {machine()}; load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    load_start = os.getloadavg()
     if "window" in sections:
-        results["window"] = window_section([1024, 2048] if quick else [2048, 8192, 16384], repeat, notes)
+        lengths = args.lengths or ([1024, 2048] if quick else [2048, 8192, 16384])
+        results["window"] = window_section(lengths, repeat, notes)
     if "density" in sections:
-        results["density"] = density_section(2048 if quick else 8192, [0.05, 0.10, 0.25, 0.50], repeat, notes)
+        results["density"] = density_section(2048 if quick else 8192, args.densities or [0.05, 0.10, 0.25, 0.50],
+                                             repeat, notes)
     if "document" in sections:
         results["document"] = document_section(4096 if quick else 16384, repeat, notes)
     if "causal" in sections:
         results["causal"] = causal_section([1024] if quick else [2048, 8192], repeat, notes)
     if "memory" in sections:
         results["memory"] = memory_section(16384 if quick else 65536, args.threads, notes)
+    notes.add(f"load average (1/5/15 min) {load_start} at the start, {os.getloadavg()} at the end")
     for n in sorted(notes):
         print("note:", n)
     path = save("sparse_quick" if quick else "sparse", {"results": results, "notes": sorted(notes)})

@@ -29,8 +29,8 @@ from ._flash_plan import Heads, Job, Plan
 Tensor = torch.Tensor
 
 WORK_ELEMENTS = 1 << 24  # elements of per-chunk temporaries (scores, masks, window gradients): ~64 MB fp32
-GATHER_ELEMENTS = 1 << 22  # gathered key + value elements per chunk (16 MB fp32): the workspace kept per thread
-WORKSPACE_BYTES = 64 << 20  # gather workspaces larger than this are not kept between calls
+GATHER_ELEMENTS = 1 << 24  # gathered key + value elements per chunk (64 MB fp32): the workspace kept per thread
+WORKSPACE_BYTES = 64 << 20  # a gather workspace (keys or values) larger than this is not kept between calls
 SPLIT_MASK_ELEMENTS = 1 << 20  # bigger element masks are confined to the partial key tiles of a chunk
 
 _FWD_ARGS = ["query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale"]
