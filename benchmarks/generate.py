@@ -9,6 +9,7 @@ weight but the embedding rows, read once per step, over ~38 GB/s.
 
     python benchmarks/generate.py            # full run (tens of minutes on 2 cores)
     python benchmarks/generate.py --quick    # fewer tokens and requests
+    python benchmarks/generate.py --only decode --no-compile   # one section, eager steps only
 """
 
 from __future__ import annotations
@@ -78,9 +79,16 @@ def decode_rows(args, hf, model, rows, results):
     variants["attnkit bfloat16"] = b16
     q8 = attnkit.quantize(copy.deepcopy(model), "int8")
     variants["attnkit int8 weights"] = q8
-    for name, m in variants.items():
+    compiled = {"attnkit float32, compiled": model, "attnkit bfloat16, compiled": b16} if args.compile else {}
+    for name, m in {**variants, **compiled}.items():
         limit_ms[name] = streamed_bytes(m) / BANDWIDTH * 1e3
     limit_ms["HF float32"] = limit_ms["attnkit float32"]
+    for name, m in compiled.items():  # compile before timing (reported separately)
+        t0 = time.perf_counter()
+        for B in (1, 8):
+            attnkit.generate(m, torch.zeros(B, PROMPT, dtype=torch.long).tolist(), 3, compile=True)
+        results.setdefault("compile_seconds", {})[name] = time.perf_counter() - t0
+        print(f"{name}: compiled in {time.perf_counter() - t0:.1f} s", flush=True)
     for B in (1, 8):
         g = torch.Generator().manual_seed(B)
         prompts = torch.randint(0, 32000, (B, PROMPT), generator=g)
@@ -93,6 +101,8 @@ def decode_rows(args, hf, model, rows, results):
         fns = {"HF float32": run_hf}
         for name, m in variants.items():
             fns[name] = (lambda m=m, name=name: toks.__setitem__(name, attnkit.generate(m, plist, n)))
+        for name, m in compiled.items():
+            fns[name] = (lambda m=m, name=name: toks.__setitem__(name, attnkit.generate(m, plist, n, compile=True)))
         t = timeit(fns, repeat=args.repeat, warmup=1, budget_s=args.budget)
         base = t["HF float32"]
         for name in fns:
@@ -230,14 +240,14 @@ def quantized_cache(args, model, rows, results):
             else:
                 bits = 8 if c == "int8" else 4
                 ratios = []
-                for length in (L, 2048):
+                for length in (L, 2048, 8192):
                     s = StaticCache.for_model(model, 1, length).nbytes()
                     q = QuantizedCache.for_model(model, 1, length, bits=bits)
                     q.layers[0].update(*(torch.zeros(1, 8, 1, 64),) * 2)  # allocates the storage ...
                     q._read_workspace = q.layers[0]._read(torch.float32)  # ... and the shared workspace
                     ratios.append((s / q.nbytes(), s / (q.nbytes() + q.workspace_nbytes())))
                 ratio = f"{ratios[0][0]:.2f}x ({ratios[0][1]:.2f}x with workspace) at {L}"
-                long_ratio = f"{ratios[1][0]:.2f}x ({ratios[1][1]:.2f}x) at 2048"
+                long_ratio = f"{ratios[1][0]:.2f}x ({ratios[1][1]:.2f}x) at 2048, {ratios[2][0]:.2f}x at 8192"
             rows.append({"measure": "KV cache storage", "what": c, "batch": B, "new tokens": n,
                          "tokens/s": f"{B * n / t[c]:.0f}", "ms/step": f"{t[c] / n * 1e3:.1f}",
                          "vs HF fp32": f"{ratio} smaller", "x limit": long_ratio,
@@ -251,6 +261,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer tokens, requests and repeats")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--no-compile", dest="compile", action="store_false",
+                    help="skip the generate(compile=True) rows (they compile for ~1 minute first)")
     ap.add_argument("--only", nargs="*", default=None,
                     help="sections to run: decode profile cache mixed quantized (default: all)")
     args = ap.parse_args(argv)

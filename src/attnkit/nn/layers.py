@@ -47,8 +47,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)``: ``x (..., in)``, ``weight (out, in)``, ``bias (out,)`` -> ``(..., out)``.
 
     Float32 CPU products that autograd does not track run on oneDNN's multi-threaded kernel (see the module
-    doc); everything else (gradients, other dtypes and devices, ``torch.compile`` tracing, one thread with
-    one row, where MKL is as fast) is ``F.linear``.  Results agree with ``F.linear`` to float32 rounding.
+    doc); everything else (gradients, other dtypes and devices, one thread with one row, where MKL is as
+    fast, and ``torch.compile`` graphs) is ``F.linear``.  Results agree with ``F.linear`` to float32
+    rounding.
 
     Example::
 
@@ -58,9 +59,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         >>> torch.allclose(linear(x, w), x @ w.T, atol=1e-5)
         True
     """
+    # (torch.compile: Inductor lowers this operator only for frozen weights, so graphs keep F.linear)
     if (not torch.compiler.is_compiling() and x.dtype is torch.float32 and weight.dtype is torch.float32
-            and x.device.type == "cpu"
-            and weight.device.type == "cpu"
+            and x.device.type == "cpu" and weight.device.type == "cpu"
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                   or (bias is not None and bias.requires_grad)))
             and (bias is None or (bias.dtype is torch.float32 and bias.device.type == "cpu"))
