@@ -155,3 +155,116 @@ def test_weights_are_column_major_and_survive_load_state_dict_and_dtype_changes(
     with torch.no_grad():
         other.layers[0].attn.qkv_proj.weight.data = torch.randn(w.shape)
     assert to_decode_layout(other).layers[0].attn.qkv_proj.weight.stride() == (1, w.shape[0])
+
+
+# ------------------------------------------------------------------ per-layer masks and attention dropout
+
+MIXED = (masks.sliding_window(2), None, masks.sliding_window(4))  # sliding, full, sliding (Gemma 2-like)
+
+
+def _mixed(**kw) -> DecoderLM:
+    torch.manual_seed(0)
+    cfg = DecoderConfig.preset("tiny", n_layers=3, n_kv_heads=2, layer_masks=MIXED, **kw)
+    return DecoderLM(cfg).eval()
+
+
+def test_layer_masks_config_validation():
+    base = DecoderConfig.preset("tiny")  # 2 layers
+    with pytest.raises(ValueError, match=r"layer_masks has 3 entries but n_layers=2: give exactly one"):
+        base.replace(layer_masks=MIXED)
+    with pytest.raises(ValueError, match=r"layer_masks has 2 entries but n_layers=3"):
+        DecoderConfig.preset("tiny", n_layers=2, layer_masks=MIXED[:2]).replace(n_layers=3)
+    with pytest.raises(TypeError, match=r"layer_masks must be a tuple .* got _SlidingWindow: .* use mask="):
+        base.replace(layer_masks=masks.sliding_window(3))
+    with pytest.raises(TypeError, match=r"layer_masks\[1\] must be None, an attnkit.masks.Mask"):
+        base.replace(layer_masks=[None, "sliding"])
+    with pytest.raises(ValueError, match=r"attention_dropout=1.5 must be a number in \[0, 1\)"):
+        base.replace(attention_dropout=1.5)
+    with pytest.raises(ValueError, match=r"layer index i=2 must be an int in \[0, n_layers=2\)"):
+        base.layer_mask(2)
+    with pytest.raises(ValueError, match="layer_masks is not supported by EncoderDecoder"):
+        EncoderDecoder(base.replace(layer_masks=(None, None)))
+    cfg = base.replace(layer_masks=[masks.sliding_window(3), torch.ones(4, 4, dtype=torch.bool)])
+    assert isinstance(cfg.layer_masks, tuple) and all(isinstance(m, masks.Mask) for m in cfg.layer_masks)
+    assert "layer_masks=(sliding_window(left=3" in repr(cfg) and "attention_dropout=0.0" in repr(cfg)
+    both = base.replace(mask=masks.sliding_window(5), layer_masks=(masks.sliding_window(1), None))
+    assert torch.equal(both.layer_mask(0).to_dense(8, 8), masks.sliding_window(1).to_dense(8, 8))
+    assert both.layer_mask(1) is both.mask and base.layer_mask(0) is None
+
+
+def test_decoder_lm_with_layer_masks_equals_a_hand_built_stack():
+    from attnkit.nn import TransformerBlock
+    from attnkit.nn.models import _block_options
+
+    model = _mixed().double()
+    cfg = model.config
+    blocks = [TransformerBlock(cfg.d_model, cfg.n_heads, mask=masks.causal() & m if m is not None else masks.causal(),
+                               **_block_options(cfg, model.positions)).double() for m in MIXED]
+    for block, layer in zip(blocks, model.layers):
+        block.load_state_dict(layer.state_dict())
+    ids = torch.randint(0, cfg.vocab_size, (2, 11), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        x = model.embed(ids)  # (B, L, d_model)
+        for block in blocks:
+            x = block(x, positions=torch.arange(ids.shape[1]))
+        want = model.norm(x) @ model.embed.weight.t()  # tied head
+        got = model(ids)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        # not vacuous: each layer's own mask matters (all-causal, or the masks moved to other layers, differ)
+        for other in [(None, None, None), (None, MIXED[0], MIXED[2]), (MIXED[2], None, MIXED[0])]:
+            alt = DecoderLM(cfg.replace(layer_masks=other)).double().eval()
+            alt.load_state_dict(model.state_dict())
+            assert (alt(ids) - got).abs().max() > 1e-4, other
+
+
+def test_layer_masks_decode_with_caches_like_full_recomputation():
+    import attnkit
+    from attnkit.cache import StaticCache
+
+    model = _mixed(init_std=0.2)  # larger weights than the default: greedy tokens vary, so they test something
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        full = model(ids)
+        cache = StaticCache.for_model(model, 2, 16)
+        inc = torch.cat([model(ids[:, a:b], cache=cache) for a, b in [(0, 5), (5, 6), (6, 7), (7, 10), (10, 12)]], 1)
+    torch.testing.assert_close(inc, full, rtol=0, atol=1e-5)
+    prompts = [[5, 9, 14, 3, 22, 7, 40], [11, 12, 13]]  # ragged: left padding in the batch
+    want = attnkit.generate(model, prompts, 9, cache=None)  # recomputes every position at every step
+    causal_only = DecoderLM(model.config.replace(layer_masks=None)).eval()
+    causal_only.load_state_dict(model.state_dict())
+    assert attnkit.generate(causal_only, prompts, 9, cache=None) != want  # the windows matter in these 16 tokens
+    for cache in ("static", "paged", "int8"):
+        got = attnkit.generate(model, prompts, 9, cache=cache)
+        if cache == "int8":  # quantized keys/values: most tokens agree, not all need to
+            assert sum(a == b for g, w in zip(got, want) for a, b in zip(g, w)) >= 14
+        else:
+            assert got == want, cache
+
+
+def test_sliding_window_cache_with_layer_masks():
+    """The ring cache keeps config.mask's window for every layer: exact when config.mask bounds every layer
+    (per-layer masks may narrow it further), refused when only some layers slide (no common window)."""
+    import attnkit
+    from attnkit.cache import SlidingWindowCache
+
+    model = _mixed(mask=masks.sliding_window(5), init_std=0.2)
+    prompts = [[5, 9, 14, 3, 22, 7, 40, 8], [11, 12, 13]]
+    assert SlidingWindowCache.for_model(model, 2).window == 6
+    assert attnkit.generate(model, prompts, 8, cache="sliding") == attnkit.generate(model, prompts, 8, cache=None)
+    with pytest.raises(ValueError, match="window is required"):
+        SlidingWindowCache.for_model(_mixed(), 2)
+
+
+def test_attention_dropout_is_separate_from_residual_dropout():
+    ids = torch.randint(0, 256, (2, 9))
+    only_attn = DecoderLM(DecoderConfig.preset("tiny", attention_dropout=0.5))
+    only_resid = DecoderLM(DecoderConfig.preset("tiny", dropout=0.5))
+    for layer in only_attn.layers:
+        assert layer.attn.dropout == 0.5 and isinstance(layer.dropout, torch.nn.Identity)
+    for layer in only_resid.layers:
+        assert layer.attn.dropout == 0.0 and isinstance(layer.dropout, torch.nn.Dropout)
+    assert isinstance(only_attn.drop, torch.nn.Identity) and isinstance(only_resid.drop, torch.nn.Dropout)
+    for model in (only_attn, only_resid):
+        with torch.no_grad():
+            assert (model.train()(ids) - model(ids)).abs().max() > 1e-3  # random in training
+            assert torch.equal(model.eval()(ids), model(ids))  # off in eval

@@ -39,7 +39,8 @@ class TransformerBlock(nn.Module):
     Args:
         d_model, n_heads, n_kv_heads, d_head: see :class:`MultiHeadAttention`.
         d_ff: hidden width of the feed-forward network (default :func:`default_d_ff`).
-        dropout: residual and attention dropout.
+        dropout: residual dropout (and attention dropout unless ``attention_dropout`` is given).
+        attention_dropout: dropout on the attention probabilities; None = ``dropout``.
         norm: ``"layer"`` (LayerNorm) or ``"rms"`` (RMSNorm); ``norm_eps`` its epsilon.
         ffn: ``"gelu"`` or ``"swiglu"``.
         cross_attention: add the cross-attention sub-layer; ``context_dim`` its context width.
@@ -69,7 +70,7 @@ class TransformerBlock(nn.Module):
                  context_dim: int | None = None, positions=None, mask=None, bias: bool = True,
                  qkv_bias: bool | None = None, out_bias: bool | None = None, ffn_bias: bool | None = None,
                  qk_norm: bool = False, softcap: float | None = None, temperature: float = 1.0,
-                 backend: str = "auto"):
+                 backend: str = "auto", attention_dropout: float | None = None):
         super().__init__()
         _checks.choice("norm", norm, ("layer", "rms"))
         _checks.choice("ffn", ffn, ("gelu", "swiglu"))
@@ -78,7 +79,8 @@ class TransformerBlock(nn.Module):
         out_bias = bias if out_bias is None else out_bias
         ffn_bias = bias if ffn_bias is None else ffn_bias
         self.norm_first = bool(norm_first)
-        attn_kw = dict(n_kv_heads=n_kv_heads, d_head=d_head, bias=qkv_bias, out_bias=out_bias, dropout=dropout,
+        attn_p = dropout if attention_dropout is None else _checks.probability("attention_dropout", attention_dropout)
+        attn_kw = dict(n_kv_heads=n_kv_heads, d_head=d_head, bias=qkv_bias, out_bias=out_bias, dropout=attn_p,
                        qk_norm=qk_norm, softcap=softcap, temperature=temperature, backend=backend)
         self.attn_norm = make_norm(norm, d_model, norm_eps)
         self.attn = MultiHeadAttention(d_model, n_heads, positions=positions, mask=mask, **attn_kw)

@@ -29,6 +29,15 @@ class DecoderConfig:
     ``mask=masks.sliding_window(W - 1)``) and Qwen2 (plus ``qkv_bias=True``) as well as GPT-style
     models (``norm="layer", ffn="gelu"``, biases, ``positions="sinusoidal"`` or ``"alibi"``).
 
+    **Masks.**  Every layer is causal.  ``mask`` is AND-ed into every layer; ``layer_masks`` (one entry per
+    layer, ``None`` for none) is AND-ed into its own layer only, on top of ``mask``: layer ``i`` attends
+    under ``causal & mask & layer_masks[i]`` (:meth:`layer_mask` gives the part besides causal).  Models
+    that mix full-attention and sliding-window layers (Gemma 2, Qwen2 with mixed ``layer_types``) use
+    ``layer_masks``, e.g. ``(masks.sliding_window(W - 1), None) * (n_layers // 2)``.
+
+    **Dropout** (training only): ``dropout`` on the embeddings and every residual branch,
+    ``attention_dropout`` on the attention probabilities (Hugging Face's ``attention_dropout``).
+
     Example::
 
         >>> from attnkit.nn import DecoderConfig
@@ -37,6 +46,10 @@ class DecoderConfig:
         (512, 8, 8, 1408, 32000)
         >>> DecoderConfig.preset("tiny", positions="alibi").positions
         'alibi'
+        >>> from attnkit import masks
+        >>> cfg = DecoderConfig.preset("tiny", n_layers=4, layer_masks=(masks.sliding_window(3), None) * 2)
+        >>> cfg.layer_mask(0), cfg.layer_mask(1)
+        (sliding_window(left=3, right=0, align='bottom_right'), None)
     """
 
     vocab_size: int
@@ -54,7 +67,8 @@ class DecoderConfig:
     rope_interleaved: bool = False  # pair dims (2i, 2i+1) instead of (i, i + d/2)
     t5_num_buckets: int = 32
     t5_max_distance: int = 128
-    mask: _masks.Mask | None = None  # AND-ed with causal, e.g. masks.sliding_window(4095) (Mistral)
+    mask: _masks.Mask | None = None  # every layer: AND-ed with causal, e.g. masks.sliding_window(4095) (Mistral)
+    layer_masks: tuple[_masks.Mask | None, ...] | None = None  # one per layer, AND-ed with causal and mask
     norm: str = "rms"  # "rms" | "layer"
     norm_eps: float = 1e-5
     norm_first: bool = True  # Pre-LN (with a final norm); False = Post-LN
@@ -65,7 +79,8 @@ class DecoderConfig:
     qk_norm: bool = False  # RMSNorm on every query and key head
     softcap: float | None = None  # attention score softcap
     tie_embeddings: bool = True  # the output head reuses the token embedding
-    dropout: float = 0.0
+    dropout: float = 0.0  # embedding and residual dropout (training)
+    attention_dropout: float = 0.0  # dropout on the attention probabilities (training)
     init_std: float = 0.02
     backend: str = "auto"
 
@@ -90,7 +105,9 @@ class DecoderConfig:
         _checks.positive_float("softcap", self.softcap, allow_none=True)
         _checks.positive_float("init_std", self.init_std)
         _checks.probability("dropout", self.dropout)
+        _checks.probability("attention_dropout", self.attention_dropout)
         _checks.as_mask("mask", self.mask)
+        self.layer_masks = _check_layer_masks(self.layer_masks, self.n_layers)
         if self.rotary_dim is not None and (self.rotary_dim > self.d_head_ or self.rotary_dim % 2):
             raise ValueError(f"rotary_dim={self.rotary_dim} must be even and <= d_head={self.d_head_}")
         if self.positions == "sinusoidal" and self.d_model % 2:
@@ -112,6 +129,28 @@ class DecoderConfig:
         """A copy with some fields changed (validated)."""
         return replace(self, **changes)
 
+    def layer_mask(self, i: int) -> _masks.Mask | None:
+        """Layer ``i``'s mask besides causal: ``mask`` AND-ed with ``layer_masks[i]`` (None: causal only).
+
+        Example::
+
+            >>> from attnkit import masks
+            >>> cfg = DecoderConfig.preset("tiny", mask=masks.sliding_window(7),
+            ...                            layer_masks=(None, masks.sliding_window(3)))
+            >>> cfg.layer_mask(0)
+            sliding_window(left=7, right=0, align='bottom_right')
+            >>> print(cfg.layer_mask(1).to_dense(5, 5).int()[0, 0])  # both windows: the narrower one wins
+            tensor([[1, 0, 0, 0, 0],
+                    [1, 1, 0, 0, 0],
+                    [1, 1, 1, 0, 0],
+                    [1, 1, 1, 1, 0],
+                    [0, 1, 1, 1, 1]], dtype=torch.int32)
+        """
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.n_layers:
+            raise ValueError(f"layer index i={i!r} must be an int in [0, n_layers={self.n_layers})")
+        own = None if self.layer_masks is None else self.layer_masks[i]
+        return _checks.combine(_checks.as_mask("mask", self.mask), own)
+
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads_
@@ -123,6 +162,20 @@ class DecoderConfig:
     @property
     def ff_dim(self) -> int:
         return self.d_ff if self.d_ff is not None else default_d_ff(self.d_model, self.ffn)
+
+
+def _check_layer_masks(value, n_layers: int) -> tuple[_masks.Mask | None, ...] | None:
+    """``layer_masks`` as a tuple of ``n_layers`` Masks or Nones (bool tensors become Masks)."""
+    if value is None:
+        return None
+    if isinstance(value, (_masks.Mask, torch.Tensor)) or not isinstance(value, (list, tuple)):
+        raise TypeError(f"layer_masks must be a tuple with one Mask (or None) per layer, got "
+                        f"{type(value).__name__}: for one mask on every layer use mask=... instead")
+    if len(value) != n_layers:
+        raise ValueError(f"layer_masks has {len(value)} entries but n_layers={n_layers}: give exactly one Mask or "
+                         f"None per layer (None: that layer is causal only), e.g. "
+                         f"(masks.sliding_window(W - 1), None) * {n_layers // 2 or 1} for alternating layers")
+    return tuple(_checks.as_mask(f"layer_masks[{i}]", m) for i, m in enumerate(value))
 
 
 def _make_positions(cfg: DecoderConfig, *, bidirectional: bool) -> PositionEncoding | None:
@@ -138,7 +191,8 @@ def _make_positions(cfg: DecoderConfig, *, bidirectional: bool) -> PositionEncod
 
 def _block_options(cfg: DecoderConfig, positions) -> dict:
     return dict(n_kv_heads=cfg.n_kv_heads, d_head=cfg.d_head, d_ff=cfg.ff_dim, dropout=cfg.dropout,
-                norm_first=cfg.norm_first, norm=cfg.norm, norm_eps=cfg.norm_eps, ffn=cfg.ffn, positions=positions,
+                attention_dropout=cfg.attention_dropout, norm_first=cfg.norm_first, norm=cfg.norm,
+                norm_eps=cfg.norm_eps, ffn=cfg.ffn, positions=positions,
                 qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias, ffn_bias=cfg.ffn_bias, qk_norm=cfg.qk_norm,
                 softcap=cfg.softcap, backend=cfg.backend)
 
@@ -242,8 +296,11 @@ class DecoderLM(_LMBase):
       ``cache.seq_len + arange(L)`` (``arange(L)`` without a cache).  They drive RoPE and sinusoidal
       positions; ALiBi and T5 use relative distances in key order.  Beyond ``max_seq_len`` raises unless
       the method extrapolates (ALiBi, T5, none).
-    * ``mask``: extra mask AND-ed with the causal one (and ``config.mask``), e.g.
-      ``masks.key_padding(lengths)`` or a bool ``(B, 1, L, Lk)`` tensor.
+    * ``mask``: extra mask for this call, AND-ed in every layer with the layer's own mask (causal,
+      ``config.mask`` and ``config.layer_masks[i]``), e.g. ``masks.key_padding(lengths)`` or a bool
+      ``(B, 1, L, Lk)`` tensor.
+
+    Layer ``i`` is built with the mask ``causal & config.layer_mask(i)``; ``layers[i].attn.mask`` shows it.
 
     A decoder-only model has no cross attention; for encoder-decoder caching (the cross caches filled once
     from the encoder output) see :class:`EncoderDecoder` and :class:`MultiHeadAttention`.
@@ -264,10 +321,10 @@ class DecoderLM(_LMBase):
         cfg = config
         self._build_io(cfg)
         self.positions = _make_positions(cfg, bidirectional=False)
-        mask = _masks.causal() if cfg.mask is None else _masks.causal() & cfg.mask
         opts = _block_options(cfg, self.positions)
-        self.layers = nn.ModuleList(TransformerBlock(cfg.d_model, cfg.n_heads, mask=mask, **opts)
-                                    for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(
+            TransformerBlock(cfg.d_model, cfg.n_heads, mask=_checks.combine(_masks.causal(), cfg.layer_mask(i)), **opts)
+            for i in range(cfg.n_layers))
         self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps) if cfg.norm_first else None
         self._init_weights(cfg.n_layers)
 
@@ -295,7 +352,8 @@ class EncoderDecoder(_LMBase):
 
     The encoder is bidirectional (T5 positions bucket both directions), the decoder causal with cross
     attention to the encoder output ``memory``.  ``config`` gives the decoder (and, unless
-    ``n_encoder_layers`` is given, the encoder depth); ``config.mask`` applies to the decoder only.
+    ``n_encoder_layers`` is given, the encoder depth); ``config.mask`` applies to the decoder only
+    (``config.layer_masks`` is for :class:`DecoderLM`: here it raises ``ValueError``).
 
     * ``encode(src (B, Ls), *, src_mask=None) -> memory (B, Ls, d_model)``; ``src_mask`` (e.g.
       ``masks.key_padding(lengths)``) masks the encoder's keys.
@@ -325,6 +383,9 @@ class EncoderDecoder(_LMBase):
         if not isinstance(config, DecoderConfig):
             raise TypeError(f"EncoderDecoder takes a DecoderConfig, got {type(config).__name__}")
         cfg = config
+        if cfg.layer_masks is not None:
+            raise ValueError("config.layer_masks is not supported by EncoderDecoder (its decoder applies config.mask "
+                             "to every layer): set layer_masks=None, or use DecoderLM for per-layer masks")
         n_enc = cfg.n_layers if n_encoder_layers is None else _checks.positive_int("n_encoder_layers",
                                                                                    n_encoder_layers)
         self._build_io(cfg)
