@@ -27,6 +27,9 @@ HF_CONFIGS = {
     "qwen2-window-linear-rope": lambda: transformers.Qwen2Config(
         **_COMMON, use_sliding_window=True, sliding_window=5, max_window_layers=0,
         rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
+    "qwen2-mixed-layers": lambda: transformers.Qwen2Config(  # sliding, full, sliding; attention dropout
+        **{**_COMMON, "num_hidden_layers": 3}, use_sliding_window=True, sliding_window=4, attention_dropout=0.25,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
 }
 
 
@@ -77,6 +80,22 @@ def test_from_hf_config_and_sensitivity():
     assert cfg.rope_scaling["type"] == "llama3" and cfg.rope_theta == 500000.0 and cfg.head_dim == 32
     cfg = from_hf(_hf("qwen2")).config
     assert (cfg.qkv_bias, cfg.out_bias, cfg.ffn_bias, cfg.tie_embeddings) == (True, False, False, True)
+    assert cfg.layer_masks is None and cfg.mask is None and cfg.attention_dropout == 0.0
+    cfg = from_hf(_hf("qwen2-window-linear-rope")).config  # every layer slides: one mask for all
+    assert repr(cfg.mask) == "sliding_window(left=4, right=0, align='bottom_right')" and cfg.layer_masks is None
+    mixed = from_hf(_hf("qwen2-mixed-layers"))
+    cfg = mixed.config
+    assert cfg.mask is None and cfg.attention_dropout == 0.25
+    assert [repr(m) for m in cfg.layer_masks] == ["sliding_window(left=3, right=0, align='bottom_right')", "None",
+                                                  "sliding_window(left=3, right=0, align='bottom_right')"]
+    assert [layer.attn.dropout for layer in mixed.layers] == [0.25] * 3
+    ids = torch.randint(3, V, (1, 12))
+    with torch.no_grad():  # the per-layer windows change the logits
+        windowed = mixed(ids)
+        for other in [(None, None, None), (None, cfg.layer_masks[0], None)]:
+            alt = DecoderLM(cfg.replace(layer_masks=other))
+            alt.load_state_dict(mixed.state_dict())
+            assert (alt.eval()(ids) - windowed).abs().max() > 1e-3
     model = from_hf(_hf("mistral-window"))
     ids = torch.randint(3, V, (1, 12))
     with torch.no_grad():
@@ -116,7 +135,7 @@ def test_from_hf_decodes_with_attnkit_caches_like_hf_generate(name):
         assert torch.equal(got, want), f"{name}, {type(cache).__name__}:\n{got}\n{want}"
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral-window", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", "mistral-window", "qwen2", "qwen2-mixed-layers"])
 def test_from_hf_serves_attnkit_generate_and_engine_like_hf(name):
     hf_model = _hf(name)
     hf_model.generation_config.eos_token_id = None  # run to max_new_tokens
@@ -161,9 +180,14 @@ _ATTNKIT = {
     "mistral-like": dict(mask=masks.sliding_window(3)),
     "qwen2-like": dict(qkv_bias=True, rope_theta=1e6),
     "qwen2-window": dict(qkv_bias=True, mask=masks.causal() & masks.sliding_window(5)),
+    "qwen2-mixed": dict(qkv_bias=True, n_layers=3, attention_dropout=0.125,
+                        layer_masks=(None, masks.sliding_window(3), masks.sliding_window(3))),
+    "qwen2-mixed-with-mask": dict(qkv_bias=True, n_layers=3, mask=masks.causal(),
+                                  layer_masks=(masks.sliding_window(2), masks.causal(),
+                                               masks.sliding_window(6) & masks.sliding_window(2))),
 }
 _FAMILY = {"llama-like": "Llama", "llama-biases": "Llama", "mistral-like": "Mistral", "qwen2-like": "Qwen2",
-           "qwen2-window": "Qwen2"}
+           "qwen2-window": "Qwen2", "qwen2-mixed": "Qwen2", "qwen2-mixed-with-mask": "Qwen2"}
 
 
 @pytest.mark.parametrize("name", sorted(_ATTNKIT))
@@ -183,6 +207,11 @@ def test_to_hf_logits_match_and_round_trip(name):
     back = from_hf(hf_model)
     a, b = model.state_dict(), back.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    cfg = model.config
+    assert hf_model.config.attention_dropout == back.config.attention_dropout == cfg.attention_dropout
+    for i in range(cfg.n_layers):  # each layer keeps what it may see (the same keys for every query)
+        want, got = [masks.causal() & (c.layer_mask(i) or masks.causal()) for c in (cfg, back.config)]
+        assert torch.equal(want.to_dense(13, 13), got.to_dense(13, 13)), i
 
 
 def test_to_hf_with_attnkit_attention():
@@ -209,9 +238,18 @@ def test_conversion_errors_name_the_problem():
                                                                 "factor": 2.0})
     with pytest.raises(ValueError, match="rope_type='yarn'"):
         from_hf(transformers.LlamaForCausalLM(yarn))
-    mixed = transformers.Qwen2Config(**_COMMON, use_sliding_window=True, sliding_window=4, max_window_layers=1)
-    with pytest.raises(ValueError, match="mixes full and sliding-window layers"):
-        from_hf(transformers.Qwen2ForCausalLM(mixed))
+    chunked = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**_COMMON, use_sliding_window=True,
+                                                                     sliding_window=4))
+    chunked.config.layer_types = ["full_attention", "chunked_attention"]
+    with pytest.raises(ValueError, match=r"layer_types=\['full_attention', 'chunked_attention'\]: from_hf converts"):
+        from_hf(chunked)
+    two_windows = (masks.sliding_window(3), masks.sliding_window(5))
+    for kw, match in [(dict(qkv_bias=True, layer_masks=two_windows), r"sliding windows differ \(left=\[3, 5\]"),
+                      (dict(layer_masks=(None, masks.sliding_window(3))), "mixed: the Llama-family model that mixes "
+                                                                          "them is Qwen2"),
+                      (dict(layer_masks=(None, masks.prefix_lm(2))), r"config.layer_mask\(1\)=prefix_lm")]:
+        with pytest.raises(ValueError, match=match):
+            to_hf(DecoderLM(DecoderConfig.preset("tiny", **kw)))
     for field, value, match in [("positions", "alibi", "config.positions='alibi'"),
                                 ("norm", "layer", "config.norm='layer'"), ("softcap", 5.0, "config.softcap=5.0"),
                                 ("mask", masks.prefix_lm(3), "only a causal sliding window"),

@@ -5,10 +5,13 @@ a SwiGLU MLP — and differ in biases and the sliding window:
 
 * ``llama``: biases on q/k/v/o (``attention_bias``) and the MLP (``mlp_bias``) or none; no window;
 * ``mistral``: no biases; ``sliding_window`` on every layer, or none;
-* ``qwen2``: biases on q/k/v only; a window only when every layer slides (``use_sliding_window``).
+* ``qwen2``: biases on q/k/v only; ``layer_types`` says which layers slide (all, none, or a mix).
 
-HF's window ``w`` counts the query itself, so it becomes ``masks.sliding_window(w - 1)``.  Weights map
-one to one except two fusions: attnkit's ``attn.qkv_proj`` stacks ``[q_proj; k_proj; v_proj]`` and
+HF's window ``w`` counts the query itself, so it becomes ``masks.sliding_window(w - 1)``: in
+``DecoderConfig.mask`` when every layer slides, in ``DecoderConfig.layer_masks`` (``None`` for the
+full-attention layers) when only some do.  HF's ``attention_dropout`` is ``DecoderConfig.attention_dropout``.
+
+Weights map one to one except two fusions: attnkit's ``attn.qkv_proj`` stacks ``[q_proj; k_proj; v_proj]`` and
 ``ffn.up_proj`` stacks ``[gate_proj; up_proj]``.
 """
 
@@ -55,19 +58,28 @@ def _rope(cfg) -> tuple[float, dict | None]:
     return theta, {"type": kind, **{k: params[k] for k in keep if k in params}}
 
 
-def _window(cfg, family: str) -> int | None:
+def _windows(cfg, family: str) -> list[int | None]:
+    """Each layer's HF sliding window (keys a query sees, itself included), None for full attention."""
+    n = cfg.num_hidden_layers
     if family == "llama":
-        return None
-    if family == "mistral":
-        return getattr(cfg, "sliding_window", None)
-    types = list(getattr(cfg, "layer_types", None) or [])
-    sliding = [t == "sliding_attention" for t in types]
-    if not any(sliding):
-        return None
-    if not all(sliding):
-        raise ValueError(f"this Qwen2 config mixes full and sliding-window layers (layer_types={types}): "
-                         f"attnkit.nn.DecoderConfig has one mask for every layer, so it cannot be converted")
-    return cfg.sliding_window
+        return [None] * n
+    window = getattr(cfg, "sliding_window", None)
+    if family == "mistral" or window is None:
+        return [window] * n
+    types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * n)
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown or len(types) != n:
+        raise ValueError(f"layer_types={types}: from_hf converts 'full_attention' and 'sliding_attention' layers, "
+                         f"one per layer ({n})")
+    return [window if t == "sliding_attention" else None for t in types]
+
+
+def _layer_masks(windows: list[int | None]) -> dict:
+    """``mask`` (the same window on every layer) or ``layer_masks`` (windows that differ) of DecoderConfig."""
+    masks = [None if w is None else _masks.sliding_window(int(w) - 1) for w in windows]
+    if len(set(windows)) == 1:
+        return dict(mask=masks[0], layer_masks=None)
+    return dict(mask=None, layer_masks=tuple(masks))
 
 
 def _family(model) -> str:
@@ -92,7 +104,6 @@ def decoder_config(hf_config, *, backend: str = "auto"):
     if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
         raise ValueError(f"hidden_act={cfg.hidden_act!r}: attnkit's SwiGLU uses silu")
     theta, scaling = _rope(cfg)
-    window = _window(cfg, family)
     heads = cfg.num_attention_heads
     biased = family == "llama" and bool(getattr(cfg, "attention_bias", False))
     return DecoderConfig(
@@ -100,10 +111,11 @@ def decoder_config(hf_config, *, backend: str = "auto"):
         n_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
         d_head=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads, d_ff=cfg.intermediate_size,
         max_seq_len=cfg.max_position_embeddings, positions="rope", rope_theta=theta, rope_scaling=scaling,
-        mask=None if window is None else _masks.sliding_window(int(window) - 1), norm="rms",
+        **_layer_masks(_windows(cfg, family)), norm="rms",
         norm_eps=cfg.rms_norm_eps, norm_first=True, ffn="swiglu", qkv_bias=biased or family == "qwen2",
         out_bias=biased, ffn_bias=family == "llama" and bool(getattr(cfg, "mlp_bias", False)),
         tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)), dropout=0.0,
+        attention_dropout=float(getattr(cfg, "attention_dropout", 0.0) or 0.0),
         init_std=getattr(cfg, "initializer_range", 0.02), backend=backend)
 
 
@@ -138,8 +150,10 @@ def from_hf(model, *, backend: str = "auto"):
 
     The result computes the same logits (up to float rounding) on the same device and dtype, and is served
     by attnkit's caches, :func:`attnkit.generate` and the engine.  ``backend`` is the attnkit attention
-    backend it uses.  Dropout is not carried over (the converted model has none).  Raises ``ValueError``
-    for configurations attnkit cannot express (other rope types, Qwen2 with mixed window layers, ...).
+    backend it uses.  Qwen2 models whose ``layer_types`` mix full and sliding-window layers get
+    ``config.layer_masks``; HF's ``attention_dropout`` becomes ``config.attention_dropout`` (these models
+    have no other dropout).  Raises ``ValueError`` for configurations attnkit cannot express (other rope
+    types, other layer types, ...).
 
     Left-padded batches: give ``positions`` (B, L) and ``mask=masks.key_padding(attention_mask.bool())``
     to the attnkit model, as HF derives ``position_ids`` from the attention mask in ``generate``.
@@ -169,7 +183,7 @@ def from_hf(model, *, backend: str = "auto"):
 # ---------------------------------------------------------------------------------- attnkit -> HF
 
 
-def _sliding_left(mask) -> int | None:
+def _sliding_left(mask, name: str = "config.mask") -> int | None:
     """``left`` of a (causal-compatible) sliding window mask, None for no mask; ValueError otherwise."""
     if mask is None:
         return None
@@ -188,21 +202,37 @@ def _sliding_left(mask) -> int | None:
             if m.left is not None:
                 lefts.append(m.left)
             continue
-        raise ValueError(f"config.mask={mask!r}: only a causal sliding window (masks.sliding_window(left)) has a "
+        raise ValueError(f"{name}={mask!r}: only a causal sliding window (masks.sliding_window(left)) has a "
                          f"transformers equivalent")
     return min(lefts) if lefts else None
 
 
-def _hf_family(cfg, left: int | None) -> str:
+def _layer_lefts(cfg) -> list[int | None]:
+    """Each layer's sliding window ``left`` (None: full causal attention); ValueError for other masks."""
+    names = ["config.mask" if cfg.layer_masks is None else f"config.layer_mask({i})" for i in range(cfg.n_layers)]
+    return [_sliding_left(cfg.layer_mask(i), names[i]) for i in range(cfg.n_layers)]
+
+
+def _hf_family(cfg, lefts: list[int | None]) -> str:
     biases = (cfg.qkv_bias, cfg.out_bias, cfg.ffn_bias)
-    if left is None and cfg.qkv_bias == cfg.out_bias:
+    slides = {left for left in lefts if left is not None}
+    if len(set(lefts)) > 1:  # layers differ: Qwen2's layer_types, with one window for all sliding layers
+        if len(slides) > 1:
+            raise ValueError(f"the layers' sliding windows differ (left={sorted(slides)}, per layer {lefts}): "
+                             f"transformers' Qwen2 gives every sliding layer the same window; use one window")
+        if biases != (True, False, False):
+            raise ValueError(f"qkv_bias={cfg.qkv_bias}, out_bias={cfg.out_bias}, ffn_bias={cfg.ffn_bias} with "
+                             f"full and sliding-window layers mixed: the Llama-family model that mixes them is "
+                             f"Qwen2, which has biases on q/k/v only (qkv_bias=True, out_bias=ffn_bias=False)")
+        return "qwen2"
+    if not slides and cfg.qkv_bias == cfg.out_bias:
         return "llama"
     if biases == (False, False, False):
         return "mistral"
     if biases == (True, False, False):
         return "qwen2"
     raise ValueError(f"qkv_bias={cfg.qkv_bias}, out_bias={cfg.out_bias}, ffn_bias={cfg.ffn_bias}"
-                     f"{' with a sliding window' if left is not None else ''}: no transformers Llama-family "
+                     f"{' with a sliding window' if slides else ''}: no transformers Llama-family "
                      f"model has these biases (Llama: q/k/v/o alike; Mistral: none; Qwen2: q/k/v only)")
 
 
@@ -230,20 +260,24 @@ def hf_config(config, *, attn_implementation: str | None = None):
             if s["type"] == "llama3":
                 rope.update(low_freq_factor=s["low_freq_factor"], high_freq_factor=s["high_freq_factor"],
                             original_max_position_embeddings=s["original_max_seq_len"])
-    left = _sliding_left(cfg.mask)
-    family = _hf_family(cfg, left)
+    lefts = _layer_lefts(cfg)
+    family = _hf_family(cfg, lefts)
+    left = next((x for x in lefts if x is not None), None)
     common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ff_dim,
                   num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
                   head_dim=cfg.head_dim, max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
                   hidden_act="silu", rope_parameters=rope, tie_word_embeddings=cfg.tie_embeddings,
-                  attention_dropout=0.0, initializer_range=cfg.init_std)
+                  attention_dropout=cfg.attention_dropout, initializer_range=cfg.init_std)
     if attn_implementation is not None:
         common["attn_implementation"] = attn_implementation
     if family == "llama":
         return transformers.LlamaConfig(**common, attention_bias=cfg.qkv_bias, mlp_bias=cfg.ffn_bias)
     if family == "mistral":
         return transformers.MistralConfig(**common, sliding_window=None if left is None else left + 1)
-    window = dict(use_sliding_window=True, sliding_window=left + 1, max_window_layers=0) if left is not None else {}
+    window = {}
+    if left is not None:
+        types = ["full_attention" if x is None else "sliding_attention" for x in lefts]
+        window = dict(use_sliding_window=True, sliding_window=left + 1, max_window_layers=0, layer_types=types)
     return transformers.Qwen2Config(**common, **window)
 
 
@@ -272,8 +306,11 @@ def to_hf(model, *, attn_implementation: str | None = None):
     """Convert an :class:`attnkit.nn.DecoderLM` into the equivalent ``transformers`` causal LM.
 
     RoPE, RMSNorm Pre-LN and SwiGLU models become ``LlamaForCausalLM`` (no biases, or q/k/v/o biases),
-    ``MistralForCausalLM`` (a causal sliding window, no biases) or ``Qwen2ForCausalLM`` (q/k/v biases);
+    ``MistralForCausalLM`` (a causal sliding window, no biases) or ``Qwen2ForCausalLM`` (q/k/v biases; also
+    full and sliding-window layers mixed through ``config.layer_masks``, one window size, as ``layer_types``);
     anything else (ALiBi, LayerNorm, GELU, soft-cap, other masks) raises ``ValueError`` naming the field.
+    ``config.attention_dropout`` becomes HF's ``attention_dropout``; ``config.dropout`` (embedding and
+    residual dropout, training only) has no equivalent in these models and is not carried over.
     The result has the same dtype, device and training mode, and computes the same logits;
     ``attn_implementation`` is passed to the config (e.g. ``"attnkit"`` after :func:`register`).
 
