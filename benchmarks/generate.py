@@ -150,7 +150,7 @@ def profile_step(model, rows, results):
         wall = (time.perf_counter() - t0) / 10
     ev = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
     total = sum(ev.values())
-    mm = sum(v for k, v in ev.items() if k in ("aten::mm", "aten::addmm", "aten::bmm"))
+    mm = sum(v for k, v in ev.items() if k in ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise"))
     attn = sum(v for k, v in ev.items() if "scaled_dot_product" in k)
     share = {"matmul": mm / total, "attention": attn / total, "other": 1 - (mm + attn) / total}
     rows.append({"measure": "profile", "what": "batch-1 step (profiled)", "batch": 1, "new tokens": "-",
