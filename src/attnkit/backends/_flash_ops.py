@@ -29,7 +29,10 @@ from ._flash_plan import Heads, Job, Plan
 Tensor = torch.Tensor
 
 WORK_ELEMENTS = 1 << 24  # elements of per-chunk temporaries (scores, masks, window gradients): ~64 MB fp32
-GATHER_ELEMENTS = 1 << 24  # gathered key + value elements per chunk (64 MB fp32): the workspace kept per thread
+# Gathered key + value elements per chunk (128 MB fp32), in workspaces kept per thread.  Few big chunks:
+# every call is a parallel region (costly on a busy machine) and every extra chunk makes the output an
+# assembly of fresh pieces (page faults cost ~0.75 ms per MB here, as much as the attention on them).
+GATHER_ELEMENTS = 1 << 25
 WORKSPACE_BYTES = 64 << 20  # a gather workspace (keys or values) larger than this is not kept between calls
 SPLIT_MASK_ELEMENTS = 1 << 20  # bigger element masks are confined to the partial key tiles of a chunk
 
@@ -712,13 +715,12 @@ def _per_item(work: Work, heads: Heads, job: Job, backward: bool, fused: bool) -
     bk, bq = work.plan.block_k, work.plan.block_q
     W = job.w * bk
     d = work.q3.shape[-1] + work.v3.shape[-1]
-    gathered = heads.kcount * W * d if job.tiles is not None else 0  # key/value windows copied per item
     shared = job.tiles is None and job.kstep == 0  # one window for all rows: its gradients do not grow
     windows = 0 if shared else heads.kcount * W * d
     if fused:
         partial = bool((job.kinds != FULL).any())
         per = (bq * W if partial else 0) + (heads.count * bq * W if work.bias is not None else 0)
-        return per + gathered + (windows if backward else 0)
+        return per + (windows if backward else 0)  # gathered windows: bounded by GATHER_ELEMENTS
     return 3 * heads.count * bq * W + 2 * windows
 
 
