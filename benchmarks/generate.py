@@ -165,7 +165,8 @@ def cache_vs_recompute(args, model, rows, results):
     for n in args.lengths:
         t = timeit({"static": lambda: attnkit.generate(model, plist, n),
                     "none": lambda: attnkit.generate(model, plist, n, cache=None)},
-                   repeat=max(1, args.repeat - 2), warmup=0, budget_s=args.budget)
+                   repeat=args.repeat if n <= 64 else max(1, args.repeat - 2), warmup=int(n <= 64),
+                   budget_s=args.budget)
         ratio = t["none"] / t["static"]
         rows.append({"measure": "KV cache vs none", "what": "static / recompute", "batch": 1, "new tokens": n,
                      "tokens/s": f"{n / t['static']:.0f} / {n / t['none']:.0f}",
