@@ -30,6 +30,14 @@ HF_CONFIGS = {
     "qwen2-mixed-layers": lambda: transformers.Qwen2Config(  # sliding, full, sliding; attention dropout
         **{**_COMMON, "num_hidden_layers": 3}, use_sliding_window=True, sliding_window=4, attention_dropout=0.25,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    # Gemma 2: sliding / global / sliding, score and logit soft-caps, query_pre_attn_scalar != head_dim; weights
+    # large enough (initializer_range) that every one of these changes the logits
+    "gemma2": lambda: transformers.Gemma2Config(
+        **{**_COMMON, "num_hidden_layers": 3}, head_dim=16, sliding_window=4, query_pre_attn_scalar=24,
+        attn_logit_softcapping=3.0, final_logit_softcapping=5.0, initializer_range=0.1),
+    "gemma2-biases-untied": lambda: transformers.Gemma2Config(
+        **_COMMON, head_dim=16, sliding_window=5, query_pre_attn_scalar=16, attention_bias=True,
+        tie_word_embeddings=False, final_logit_softcapping=None, initializer_range=0.1),
 }
 
 
@@ -40,6 +48,8 @@ def _hf(name: str):
         for n, p in model.named_parameters():
             if n.endswith("bias"):
                 p.normal_(0, 0.1)
+            if name.startswith("gemma2") and "norm" in n:  # stored as w - 1, zero at init: make the fold count
+                p.normal_(0, 0.2)
     return model.eval()
 
 
@@ -106,6 +116,27 @@ def test_from_hf_config_and_sensitivity():
         assert (full.eval()(ids) - windowed).abs().max() > 1e-3
 
 
+def test_from_hf_gemma2_config_and_sensitivity():
+    """Gemma 2 converts with everything that makes it Gemma 2, and each piece changes the logits."""
+    model = from_hf(_hf("gemma2"))
+    cfg = model.config
+    assert (cfg.ffn, cfg.post_norms, cfg.embed_scale, cfg.softcap, cfg.logit_softcap) == ("geglu", True, 8.0, 3.0, 5.0)
+    assert cfg.attn_scale == pytest.approx(24 ** -0.5) and cfg.tie_embeddings and cfg.mask is None
+    assert [m is None for m in cfg.layer_masks] == [False, True, False]  # sliding, global, sliding
+    assert repr(cfg.layer_masks[0]) == "sliding_window(left=3, right=0, align='bottom_right')"
+    other = from_hf(_hf("gemma2-biases-untied")).config
+    assert (other.qkv_bias, other.out_bias, other.tie_embeddings, other.attn_scale, other.logit_softcap) == (
+        True, True, False, None, None)
+    ids = torch.randint(3, V, (2, 12), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ref = model(ids)
+        for change in [dict(softcap=None), dict(logit_softcap=None), dict(attn_scale=None), dict(layer_masks=None),
+                       dict(embed_scale=None)]:
+            alt = DecoderLM(cfg.replace(**change)).eval()
+            alt.load_state_dict(model.state_dict())
+            assert (alt(ids) - ref).abs().max() > 1e-2, change
+
+
 def _greedy(model, ids, am, new: int, cache):
     """Greedy decoding of a left-padded batch through an attnkit KV cache, one token per step."""
     cache.set_left_padding((am == 0).sum(-1))
@@ -135,7 +166,7 @@ def test_from_hf_decodes_with_attnkit_caches_like_hf_generate(name):
         assert torch.equal(got, want), f"{name}, {type(cache).__name__}:\n{got}\n{want}"
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral-window", "qwen2", "qwen2-mixed-layers"])
+@pytest.mark.parametrize("name", ["llama", "mistral-window", "qwen2", "qwen2-mixed-layers", "gemma2"])
 def test_from_hf_serves_attnkit_generate_and_engine_like_hf(name):
     hf_model = _hf(name)
     hf_model.generation_config.eos_token_id = None  # run to max_new_tokens
@@ -185,9 +216,15 @@ _ATTNKIT = {
     "qwen2-mixed-with-mask": dict(qkv_bias=True, n_layers=3, mask=masks.causal(),
                                   layer_masks=(masks.sliding_window(2), masks.causal(),
                                                masks.sliding_window(6) & masks.sliding_window(2))),
+    "gemma2-like": dict(ffn="geglu", post_norms=True, embed_scale=8.0, softcap=2.0, logit_softcap=4.0, attn_scale=0.2,
+                        n_layers=3, layer_masks=(masks.sliding_window(3), None, masks.sliding_window(3)),
+                        attention_dropout=0.1),
+    "gemma2-biases-global": dict(ffn="geglu", post_norms=True, embed_scale=8.0, qkv_bias=True, out_bias=True,
+                                 tie_embeddings=False),
 }
 _FAMILY = {"llama-like": "Llama", "llama-biases": "Llama", "mistral-like": "Mistral", "qwen2-like": "Qwen2",
-           "qwen2-window": "Qwen2", "qwen2-mixed": "Qwen2", "qwen2-mixed-with-mask": "Qwen2"}
+           "qwen2-window": "Qwen2", "qwen2-mixed": "Qwen2", "qwen2-mixed-with-mask": "Qwen2",
+           "gemma2-like": "Gemma2", "gemma2-biases-global": "Gemma2"}
 
 
 @pytest.mark.parametrize("name", sorted(_ATTNKIT))
@@ -198,6 +235,8 @@ def test_to_hf_logits_match_and_round_trip(name):
         for n, p in model.named_parameters():
             if n.endswith("bias"):
                 p.normal_(0, 0.1)
+            if n.endswith("norm.weight"):  # (Gemma 2 stores them as w - 1)
+                p.normal_(1.0, 0.1)
     hf_model = to_hf(model)
     assert type(hf_model).__name__ == f"{_FAMILY[name]}ForCausalLM" and not hf_model.training
     ids = torch.randint(0, 256, (2, 13), generator=torch.Generator().manual_seed(4))
@@ -257,5 +296,18 @@ def test_conversion_errors_name_the_problem():
         model = DecoderLM(DecoderConfig.preset("tiny", **{field: value}))
         with pytest.raises(ValueError, match=match):
             to_hf(model)
+    gemma = dict(ffn="geglu", post_norms=True, embed_scale=8.0)
+    for kw, match in [(dict(gemma, post_norms=False), "config.post_norms=False: transformers' Gemma 2 needs"),
+                      (dict(gemma, embed_scale=2.0), r"config.embed_scale=2.0: .* sqrt\(d_model\)=8.0"),
+                      (dict(gemma, ffn="swiglu"), "config.ffn='swiglu': transformers' Gemma 2 needs ffn='geglu'"),
+                      (dict(gemma, qkv_bias=True), "config.out_bias=False: transformers' Gemma 2 needs out_bias=True"),
+                      (dict(gemma, layer_masks=(masks.sliding_window(2), masks.sliding_window(4))),
+                       r"sliding windows differ \(left=\[2, 4\]"),
+                      (dict(attn_scale=0.5), "config.attn_scale=0.5: transformers' Llama-family models need")]:
+        with pytest.raises(ValueError, match=match):
+            to_hf(DecoderLM(DecoderConfig.preset("tiny", **kw)))
+    gelu = transformers.Gemma2Config(**_COMMON, head_dim=16, hidden_activation="gelu")
+    with pytest.raises(ValueError, match="hidden_activation='gelu': attnkit's GeGLU"):
+        from_hf(transformers.Gemma2ForCausalLM(gelu))
     with pytest.raises(TypeError, match="DecoderLM"):
         to_hf(torch.nn.Linear(2, 2))

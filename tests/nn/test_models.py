@@ -268,3 +268,53 @@ def test_attention_dropout_is_separate_from_residual_dropout():
         with torch.no_grad():
             assert (model.train()(ids) - model(ids)).abs().max() > 1e-3  # random in training
             assert torch.equal(model.eval()(ids), model(ids))  # off in eval
+
+
+def test_gemma_style_fields_do_what_they_say():
+    """attn_scale, embed_scale, logit_softcap, ffn='geglu' and post_norms, in float64 against their formulas."""
+    import math
+
+    from attnkit.nn import RMSNorm
+
+    with pytest.raises(ValueError, match="post_norms=True needs norm_first=True"):
+        DecoderConfig.preset("tiny", post_norms=True, norm_first=False)
+    for name in ("attn_scale", "embed_scale", "logit_softcap"):
+        with pytest.raises(ValueError, match=f"{name}=0 must be a finite number > 0"):
+            DecoderConfig.preset("tiny", **{name: 0})
+    with pytest.raises(ValueError, match="ffn='reglu' is not one of"):
+        DecoderConfig.preset("tiny", ffn="reglu")
+    ids = torch.randint(0, 256, (2, 7))
+    torch.manual_seed(0)
+    plain = DecoderLM(DecoderConfig.preset("tiny")).double().eval()
+
+    def variant(**kw):
+        m = DecoderLM(plain.config.replace(**kw)).double().eval()
+        m.load_state_dict(plain.state_dict())
+        return m
+
+    with torch.no_grad():
+        raw = plain(ids)
+        torch.testing.assert_close(variant(logit_softcap=0.05)(ids), 0.05 * torch.tanh(raw / 0.05), rtol=0, atol=1e-12)
+        torch.testing.assert_close(variant(attn_scale=16 ** -0.5)(ids), raw, rtol=0, atol=1e-12)  # d_head = 16
+        assert (variant(attn_scale=0.5)(ids) - raw).abs().max() > 1e-6
+        # embed_scale multiplies the token embeddings: equal to scaling the (untied) embedding table
+        scaled = variant(embed_scale=3.0)
+        x = scaled.embed(ids) * 3.0
+        for layer in scaled.layers:
+            x = layer(x, positions=torch.arange(7))
+        torch.testing.assert_close(scaled(ids), scaled.norm(x) @ scaled.embed.weight.t(), rtol=0, atol=1e-12)
+        # GeGLU and the sandwich norms of one block
+        torch.manual_seed(1)
+        gem = DecoderLM(DecoderConfig.preset("tiny", ffn="geglu", post_norms=True)).double().eval()
+        block = gem.layers[0]
+        assert isinstance(block.attn_post_norm, RMSNorm) and isinstance(block.ffn_post_norm, RMSNorm)
+        for norm in (block.attn_post_norm, block.ffn_post_norm):
+            norm.weight.normal_(1.0, 0.3)
+        h = torch.randn(2, 7, 64, dtype=torch.float64)
+        ffn = block.ffn
+        gate, up = ffn.up_proj(h).split(ffn.d_ff, -1)
+        gelu_tanh = 0.5 * gate * (1 + torch.tanh(math.sqrt(2 / math.pi) * (gate + 0.044715 * gate ** 3)))
+        torch.testing.assert_close(ffn(h), ffn.down_proj(gelu_tanh * up), rtol=0, atol=1e-12)
+        a = h + block.attn_post_norm(block.attn(block.attn_norm(h), positions=torch.arange(7)))
+        want = a + block.ffn_post_norm(ffn(block.ffn_norm(a)))
+        torch.testing.assert_close(block(h, positions=torch.arange(7)), want, rtol=0, atol=1e-12)

@@ -1,7 +1,8 @@
-"""Converting Llama-family causal LMs between Hugging Face ``transformers`` and :class:`attnkit.nn.DecoderLM`.
+"""Converting Llama-family and Gemma 2 causal LMs between Hugging Face ``transformers`` and
+:class:`attnkit.nn.DecoderLM`.
 
-The three families share one layout — RMSNorm Pre-LN blocks, grouped-query attention with rotate-half RoPE,
-a SwiGLU MLP — and differ in biases and the sliding window:
+The Llama family shares one layout — RMSNorm Pre-LN blocks, grouped-query attention with rotate-half RoPE,
+a SwiGLU MLP — and differs in biases and the sliding window:
 
 * ``llama``: biases on q/k/v/o (``attention_bias``) and the MLP (``mlp_bias``) or none; no window;
 * ``mistral``: no biases; ``sliding_window`` on every layer, or none;
@@ -10,6 +11,13 @@ a SwiGLU MLP — and differ in biases and the sliding window:
 HF's window ``w`` counts the query itself, so it becomes ``masks.sliding_window(w - 1)``: in
 ``DecoderConfig.mask`` when every layer slides, in ``DecoderConfig.layer_masks`` (``None`` for the
 full-attention layers) when only some do.  HF's ``attention_dropout`` is ``DecoderConfig.attention_dropout``.
+
+``gemma2`` adds to that layout: ``embed_scale=sqrt(hidden_size)``, a tanh-GELU gated MLP
+(``ffn="geglu"``), a norm after each sub-layer as well as before (``post_norms``; HF's
+``post_attention_layernorm`` is the attention's *output* norm there, ``pre_feedforward_layernorm`` the
+MLP's input norm), ``attn_scale=query_pre_attn_scalar ** -0.5``, score and logit soft-caps, sliding and
+global layers alternating through ``layer_types``, and RMSNorm weights stored as ``w - 1`` (HF multiplies
+by ``1 + w``; attnkit stores ``1 + w``).
 
 Weights map one to one except two fusions: attnkit's ``attn.qkv_proj`` stacks ``[q_proj; k_proj; v_proj]`` and
 ``ffn.up_proj`` stacks ``[gate_proj; up_proj]``.
@@ -23,7 +31,7 @@ from .. import masks as _masks
 
 Tensor = torch.Tensor
 
-FAMILIES = ("llama", "mistral", "qwen2")
+FAMILIES = ("llama", "mistral", "qwen2", "gemma2")
 _ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -88,7 +96,7 @@ def _family(model) -> str:
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
     family = getattr(model.config, "model_type", None)
     if family not in FAMILIES:
-        raise ValueError(f"from_hf converts Llama-family causal LMs {FAMILIES}, got model_type={family!r}: run "
+        raise ValueError(f"from_hf converts these causal LMs {FAMILIES}, got model_type={family!r}: run "
                          f"other models in transformers with attn_implementation='attnkit' (register())")
     if not (hasattr(model, "model") and hasattr(model, "lm_head")):
         raise ValueError(f"from_hf needs a causal LM with an output head ({family.capitalize()}ForCausalLM), got "
@@ -97,10 +105,12 @@ def _family(model) -> str:
 
 
 def decoder_config(hf_config, *, backend: str = "auto"):
-    """The :class:`attnkit.nn.DecoderConfig` of a Llama / Mistral / Qwen2 ``transformers`` config."""
+    """The :class:`attnkit.nn.DecoderConfig` of a Llama / Mistral / Qwen2 / Gemma 2 ``transformers`` config."""
     from ..nn import DecoderConfig
 
     cfg, family = hf_config, hf_config.model_type
+    if family == "gemma2":
+        return _gemma2_config(cfg, backend)
     if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
         raise ValueError(f"hidden_act={cfg.hidden_act!r}: attnkit's SwiGLU uses silu")
     theta, scaling = _rope(cfg)
@@ -119,14 +129,51 @@ def decoder_config(hf_config, *, backend: str = "auto"):
         init_std=getattr(cfg, "initializer_range", 0.02), backend=backend)
 
 
-def _to_attnkit_state(hf_state: dict, n_layers: int, tied: bool) -> dict:
-    s = {"embed.weight": hf_state["model.embed_tokens.weight"], "norm.weight": hf_state["model.norm.weight"]}
+def _gemma2_config(cfg, backend: str):
+    from ..nn import DecoderConfig
+
+    act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(f"hidden_activation={act!r}: attnkit's GeGLU (ffn='geglu') uses gelu_pytorch_tanh")
+    if getattr(cfg, "use_bidirectional_attention", None):
+        raise ValueError("use_bidirectional_attention=True: from_hf converts causal Gemma 2 models only")
+    theta, scaling = _rope(cfg)
+    heads, biased = cfg.num_attention_heads, bool(getattr(cfg, "attention_bias", False))
+    d_head = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    scalar = cfg.query_pre_attn_scalar
+    return DecoderConfig(
+        vocab_size=cfg.vocab_size, d_model=cfg.hidden_size, n_layers=cfg.num_hidden_layers, n_heads=heads,
+        n_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, d_head=d_head, d_ff=cfg.intermediate_size,
+        max_seq_len=cfg.max_position_embeddings, positions="rope", rope_theta=theta, rope_scaling=scaling,
+        **_layer_masks(_windows(cfg, "gemma2")), norm="rms", norm_eps=cfg.rms_norm_eps, norm_first=True,
+        post_norms=True, ffn="geglu", qkv_bias=biased, out_bias=biased, ffn_bias=False,
+        softcap=cfg.attn_logit_softcapping, logit_softcap=cfg.final_logit_softcapping,
+        attn_scale=None if scalar == d_head else float(scalar) ** -0.5, embed_scale=cfg.hidden_size ** 0.5,
+        tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", True)), dropout=0.0,
+        attention_dropout=float(getattr(cfg, "attention_dropout", 0.0) or 0.0),
+        init_std=getattr(cfg, "initializer_range", 0.02), backend=backend)
+
+
+# HF norm name -> attnkit norm name, per family (Gemma 2's post_attention_layernorm is the attention's output norm)
+_NORMS = {"gemma2": {"input_layernorm": "attn_norm", "post_attention_layernorm": "attn_post_norm",
+                     "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "ffn_post_norm"},
+          None: {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}}
+
+
+def _norm_offset(family: str) -> float:
+    """What HF's stored RMSNorm weight lacks: Gemma multiplies by ``1 + weight``."""
+    return 1.0 if family == "gemma2" else 0.0
+
+
+def _to_attnkit_state(hf_state: dict, n_layers: int, tied: bool, family: str) -> dict:
+    off = _norm_offset(family)
+    s = {"embed.weight": hf_state["model.embed_tokens.weight"], "norm.weight": hf_state["model.norm.weight"] + off}
     if not tied:
         s["lm_head.weight"] = hf_state["lm_head.weight"]
     for i in range(n_layers):
         h, a = f"model.layers.{i}.", f"layers.{i}."
-        s[a + "attn_norm.weight"] = hf_state[h + "input_layernorm.weight"]
-        s[a + "ffn_norm.weight"] = hf_state[h + "post_attention_layernorm.weight"]
+        for hf_name, name in _NORMS.get(family, _NORMS[None]).items():
+            s[f"{a}{name}.weight"] = hf_state[f"{h}{hf_name}.weight"] + off
         for kind in ("weight", "bias"):
             qkv = [hf_state.get(f"{h}self_attn.{p}_proj.{kind}") for p in "qkv"]
             if qkv[0] is not None:
@@ -146,11 +193,11 @@ def _dtype_device(model) -> tuple[torch.dtype, torch.device]:
 
 
 def from_hf(model, *, backend: str = "auto"):
-    """Convert a ``transformers`` Llama / Mistral / Qwen2 causal LM into an :class:`attnkit.nn.DecoderLM`.
+    """Convert a ``transformers`` Llama / Mistral / Qwen2 / Gemma 2 causal LM into an :class:`attnkit.nn.DecoderLM`.
 
     The result computes the same logits (up to float rounding) on the same device and dtype, and is served
     by attnkit's caches, :func:`attnkit.generate` and the engine.  ``backend`` is the attnkit attention
-    backend it uses.  Qwen2 models whose ``layer_types`` mix full and sliding-window layers get
+    backend it uses.  Qwen2 and Gemma 2 models whose ``layer_types`` mix full and sliding-window layers get
     ``config.layer_masks``; HF's ``attention_dropout`` becomes ``config.attention_dropout`` (these models
     have no other dropout).  Raises ``ValueError`` for configurations attnkit cannot express (other rope
     types, other layer types, ...).
@@ -172,11 +219,12 @@ def from_hf(model, *, backend: str = "auto"):
     """
     from ..nn import DecoderLM
 
-    _family(model)
+    family = _family(model)
     cfg = decoder_config(model.config, backend=backend)
     dtype, device = _dtype_device(model)
     out = DecoderLM(cfg).to(device=device, dtype=dtype)
-    out.load_state_dict(_to_attnkit_state(model.state_dict(), cfg.n_layers, cfg.tie_embeddings), strict=True)
+    state = _to_attnkit_state(model.state_dict(), cfg.n_layers, cfg.tie_embeddings, family)
+    out.load_state_dict(state, strict=True)
     return out.train(model.training)
 
 
@@ -236,18 +284,20 @@ def _hf_family(cfg, lefts: list[int | None]) -> str:
                      f"model has these biases (Llama: q/k/v/o alike; Mistral: none; Qwen2: q/k/v only)")
 
 
-def hf_config(config, *, attn_implementation: str | None = None):
-    """The ``transformers`` config (Llama, Mistral or Qwen2) of an :class:`attnkit.nn.DecoderConfig`."""
-    transformers = _transformers()
-    cfg = config
-    checks = [("positions", cfg.positions, "rope"), ("rope_interleaved", cfg.rope_interleaved, False),
-              ("norm", cfg.norm, "rms"), ("norm_first", cfg.norm_first, True), ("ffn", cfg.ffn, "swiglu"),
-              ("qk_norm", cfg.qk_norm, False), ("softcap", cfg.softcap, None)]
+def _is_gemma(cfg) -> bool:
+    """Whether ``cfg`` uses a feature only Gemma 2 has among the convertible families."""
+    return cfg.ffn == "geglu" or cfg.post_norms or cfg.embed_scale is not None or cfg.logit_softcap is not None
+
+
+def _check_fields(cfg, checks: list, family: str) -> None:
     for name, value, want in checks:
         if value != want:
-            raise ValueError(f"config.{name}={value!r}: transformers' Llama-family models need {name}={want!r}")
+            raise ValueError(f"config.{name}={value!r}: transformers' {family} needs {name}={want!r}")
     if cfg.rotary_dim not in (None, cfg.head_dim):
-        raise ValueError(f"config.rotary_dim={cfg.rotary_dim}: partial rotary has no Llama-family equivalent")
+        raise ValueError(f"config.rotary_dim={cfg.rotary_dim}: partial rotary has no {family} equivalent")
+
+
+def _hf_rope(cfg) -> dict:
     rope = {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}
     if cfg.rope_scaling is not None:
         from ..nn.positions import _parse_scaling
@@ -260,16 +310,55 @@ def hf_config(config, *, attn_implementation: str | None = None):
             if s["type"] == "llama3":
                 rope.update(low_freq_factor=s["low_freq_factor"], high_freq_factor=s["high_freq_factor"],
                             original_max_position_embeddings=s["original_max_seq_len"])
+    return rope
+
+
+def _gemma2_hf_config(cfg, common: dict, lefts: list[int | None]):
+    transformers = _transformers()
+    checks = [("positions", cfg.positions, "rope"), ("rope_interleaved", cfg.rope_interleaved, False),
+              ("norm", cfg.norm, "rms"), ("norm_first", cfg.norm_first, True), ("ffn", cfg.ffn, "geglu"),
+              ("post_norms", cfg.post_norms, True), ("qk_norm", cfg.qk_norm, False), ("ffn_bias", cfg.ffn_bias, False),
+              ("out_bias", cfg.out_bias, cfg.qkv_bias)]
+    _check_fields(cfg, checks, "Gemma 2")
+    if cfg.embed_scale is None or abs(cfg.embed_scale - cfg.d_model ** 0.5) > 1e-9 * cfg.d_model ** 0.5:
+        raise ValueError(f"config.embed_scale={cfg.embed_scale!r}: transformers' Gemma 2 scales embeddings by "
+                         f"sqrt(d_model)={cfg.d_model ** 0.5!r}")
+    slides = sorted({x for x in lefts if x is not None})
+    if len(slides) > 1:
+        raise ValueError(f"the layers' sliding windows differ (left={slides}, per layer {lefts}): transformers' "
+                         f"Gemma 2 gives every sliding layer the same window; use one window")
+    scalar = cfg.head_dim if cfg.attn_scale is None else cfg.attn_scale ** -2.0
+    if abs(scalar - round(scalar)) < 1e-6 * scalar:
+        scalar = int(round(scalar))
+    common = {k: v for k, v in common.items() if k != "hidden_act"}
+    return transformers.Gemma2Config(
+        **common, hidden_activation="gelu_pytorch_tanh", attention_bias=cfg.qkv_bias, query_pre_attn_scalar=scalar,
+        # with no sliding layer the window is unused, but Gemma 2 builds its sliding mask anyway: one that hides nothing
+        sliding_window=slides[0] + 1 if slides else cfg.max_seq_len, attn_logit_softcapping=cfg.softcap,
+        final_logit_softcapping=cfg.logit_softcap,
+        layer_types=["full_attention" if x is None else "sliding_attention" for x in lefts])
+
+
+def hf_config(config, *, attn_implementation: str | None = None):
+    """The ``transformers`` config (Llama, Mistral, Qwen2 or Gemma 2) of an :class:`attnkit.nn.DecoderConfig`."""
+    transformers = _transformers()
+    cfg = config
     lefts = _layer_lefts(cfg)
-    family = _hf_family(cfg, lefts)
-    left = next((x for x in lefts if x is not None), None)
     common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ff_dim,
                   num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
                   head_dim=cfg.head_dim, max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
-                  hidden_act="silu", rope_parameters=rope, tie_word_embeddings=cfg.tie_embeddings,
+                  hidden_act="silu", rope_parameters=_hf_rope(cfg), tie_word_embeddings=cfg.tie_embeddings,
                   attention_dropout=cfg.attention_dropout, initializer_range=cfg.init_std)
     if attn_implementation is not None:
         common["attn_implementation"] = attn_implementation
+    if _is_gemma(cfg):
+        return _gemma2_hf_config(cfg, common, lefts)
+    checks = [("positions", cfg.positions, "rope"), ("rope_interleaved", cfg.rope_interleaved, False),
+              ("norm", cfg.norm, "rms"), ("norm_first", cfg.norm_first, True), ("ffn", cfg.ffn, "swiglu"),
+              ("qk_norm", cfg.qk_norm, False), ("softcap", cfg.softcap, None), ("attn_scale", cfg.attn_scale, None)]
+    _check_fields(cfg, checks, "Llama-family models")
+    family = _hf_family(cfg, lefts)
+    left = next((x for x in lefts if x is not None), None)
     if family == "llama":
         return transformers.LlamaConfig(**common, attention_bias=cfg.qkv_bias, mlp_bias=cfg.ffn_bias)
     if family == "mistral":
@@ -281,14 +370,15 @@ def hf_config(config, *, attn_implementation: str | None = None):
     return transformers.Qwen2Config(**common, **window)
 
 
-def _to_hf_state(state: dict, n_layers: int, tied: bool, dims: tuple[int, int, int]) -> dict:
+def _to_hf_state(state: dict, n_layers: int, tied: bool, dims: tuple[int, int, int], family: str) -> dict:
     q, kv, ff = dims
-    s = {"model.embed_tokens.weight": state["embed.weight"], "model.norm.weight": state["norm.weight"],
+    off = _norm_offset(family)
+    s = {"model.embed_tokens.weight": state["embed.weight"], "model.norm.weight": state["norm.weight"] - off,
          "lm_head.weight": state["embed.weight"] if tied else state["lm_head.weight"]}
     for i in range(n_layers):
         h, a = f"model.layers.{i}.", f"layers.{i}."
-        s[h + "input_layernorm.weight"] = state[a + "attn_norm.weight"]
-        s[h + "post_attention_layernorm.weight"] = state[a + "ffn_norm.weight"]
+        for hf_name, name in _NORMS.get(family, _NORMS[None]).items():
+            s[f"{h}{hf_name}.weight"] = state[f"{a}{name}.weight"] - off
         for kind in ("weight", "bias"):
             if f"{a}attn.qkv_proj.{kind}" in state:
                 for name, part in zip("qkv", state[f"{a}attn.qkv_proj.{kind}"].split((q, kv, kv), 0)):
@@ -309,6 +399,8 @@ def to_hf(model, *, attn_implementation: str | None = None):
     ``MistralForCausalLM`` (a causal sliding window, no biases) or ``Qwen2ForCausalLM`` (q/k/v biases; also
     full and sliding-window layers mixed through ``config.layer_masks``, one window size, as ``layer_types``);
     anything else (ALiBi, LayerNorm, GELU, soft-cap, other masks) raises ``ValueError`` naming the field.
+    Gemma 2-style models (``ffn="geglu"``, ``post_norms``, ``embed_scale=sqrt(d_model)``, soft-caps, one
+    sliding window on some layers) become ``Gemma2ForCausalLM``.
     ``config.attention_dropout`` becomes HF's ``attention_dropout``; ``config.dropout`` (embedding and
     residual dropout, training only) has no equivalent in these models and is not carried over.
     The result has the same dtype, device and training mode, and computes the same logits;
@@ -336,10 +428,10 @@ def to_hf(model, *, attn_implementation: str | None = None):
     cfg = model.config
     config = hf_config(cfg, attn_implementation=attn_implementation)
     classes = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
-               "qwen2": transformers.Qwen2ForCausalLM}
+               "qwen2": transformers.Qwen2ForCausalLM, "gemma2": transformers.Gemma2ForCausalLM}
     dtype, device = _dtype_device(model)
     out = classes[config.model_type](config).to(device=device, dtype=dtype)
     dims = (cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.ff_dim)
-    state = _to_hf_state(model.state_dict(), cfg.n_layers, cfg.tie_embeddings, dims)
+    state = _to_hf_state(model.state_dict(), cfg.n_layers, cfg.tie_embeddings, dims, config.model_type)
     out.load_state_dict({k: v.contiguous() for k, v in state.items()}, strict=True)
     return out.train(model.training)

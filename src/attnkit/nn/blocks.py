@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from .. import masks as _masks
 from . import _checks
@@ -15,8 +16,12 @@ Tensor = torch.Tensor
 __all__ = ["TransformerBlock", "Encoder", "Decoder", "default_d_ff"]
 
 
+_FFNS = ("gelu", "swiglu", "geglu")
+
+
 def default_d_ff(d_model: int, ffn: str) -> int:
-    """``4 d_model`` for GELU; for SwiGLU ``8/3 d_model`` rounded up to a multiple of 64 (same parameters).
+    """``4 d_model`` for GELU; for the gated SwiGLU and GeGLU ``8/3 d_model`` rounded up to a multiple of 64
+    (the same parameters).
 
     Example::
 
@@ -28,12 +33,27 @@ def default_d_ff(d_model: int, ffn: str) -> int:
     return -(-(8 * d_model // 3) // 64) * 64
 
 
+class _GeGLU(FeedForward):
+    """Gemma's MLP: ``down(gelu_tanh(gate) * up)``, weight rows of ``up_proj`` stacked ``[gate; up]`` as in
+    SwiGLU (``gelu_tanh``: GELU with the tanh approximation, HF's ``gelu_pytorch_tanh``)."""
+
+    def __init__(self, d_model: int, d_ff: int, *, bias: bool):
+        super().__init__(d_model, d_ff, "swiglu", bias=bias)  # the same fused [gate; up] projection
+        self.kind = "geglu"
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.up_proj(x).split(self.d_ff, dim=-1)  # (B, L, d_ff) each
+        return self.down_proj(self.dropout(F.gelu(gate, approximate="tanh") * up))
+
+
 class TransformerBlock(nn.Module):
     """One transformer layer: self-attention, optional cross attention, feed-forward; each with a residual.
 
     ``norm_first=True`` (Pre-LN): ``x = x + attn(norm(x))``, then ``x = x + ffn(norm(x))`` (a stack
     needs a final norm).  ``norm_first=False`` (Post-LN, the original Transformer):
-    ``x = norm(x + attn(x))``, ``x = norm(x + ffn(x))``.  With ``cross_attention=True`` a cross-attention
+    ``x = norm(x + attn(x))``, ``x = norm(x + ffn(x))``.  ``post_norms=True`` (Pre-LN only; Gemma 2's
+    "sandwich" norms) also normalises each sub-layer's output before its residual add:
+    ``x = x + post_norm(attn(norm(x)))``.  With ``cross_attention=True`` a cross-attention
     sub-layer over ``context (B, Lc, context_dim)`` sits between the two.
 
     Args:
@@ -42,12 +62,14 @@ class TransformerBlock(nn.Module):
         dropout: residual dropout (and attention dropout unless ``attention_dropout`` is given).
         attention_dropout: dropout on the attention probabilities; None = ``dropout``.
         norm: ``"layer"`` (LayerNorm) or ``"rms"`` (RMSNorm); ``norm_eps`` its epsilon.
-        ffn: ``"gelu"`` or ``"swiglu"``.
+        ffn: ``"gelu"``, ``"swiglu"`` or ``"geglu"`` (gated, tanh-approximated GELU: Gemma).
+        post_norms: a norm on the output of each sub-layer (``attn_post_norm``, ``ffn_post_norm``).
         cross_attention: add the cross-attention sub-layer; ``context_dim`` its context width.
         positions, mask, qk_norm, softcap, temperature, backend: passed to the self-attention.
         bias: default for ``qkv_bias`` (q/k/v projections), ``out_bias`` (attention output) and ``ffn_bias``.
 
-    Submodules: ``attn_norm``, ``attn``, (``cross_norm``, ``cross_attn``), ``ffn_norm``, ``ffn``.
+    Submodules: ``attn_norm``, ``attn``, (``cross_norm``, ``cross_attn``), ``ffn_norm``, ``ffn``; with
+    ``post_norms`` also ``attn_post_norm``, (``cross_post_norm``), ``ffn_post_norm``.
 
     ``forward(x, context=None, *, mask=None, context_mask=None, cache=None, cross_cache=None,
     positions=None)``: ``x (B, L, d_model) -> (B, L, d_model)``; ``mask`` joins the self-attention's
@@ -70,10 +92,13 @@ class TransformerBlock(nn.Module):
                  context_dim: int | None = None, positions=None, mask=None, bias: bool = True,
                  qkv_bias: bool | None = None, out_bias: bool | None = None, ffn_bias: bool | None = None,
                  qk_norm: bool = False, softcap: float | None = None, temperature: float = 1.0,
-                 backend: str = "auto", attention_dropout: float | None = None):
+                 backend: str = "auto", attention_dropout: float | None = None, post_norms: bool = False):
         super().__init__()
         _checks.choice("norm", norm, ("layer", "rms"))
-        _checks.choice("ffn", ffn, ("gelu", "swiglu"))
+        _checks.choice("ffn", ffn, _FFNS)
+        if post_norms and not norm_first:
+            raise ValueError("post_norms=True needs norm_first=True (Pre-LN): a Post-LN block already normalises "
+                             "after every residual add")
         d_ff = default_d_ff(d_model, ffn) if d_ff is None else _checks.positive_int("d_ff", d_ff)
         qkv_bias = bias if qkv_bias is None else qkv_bias
         out_bias = bias if out_bias is None else out_bias
@@ -89,7 +114,14 @@ class TransformerBlock(nn.Module):
             self.cross_norm = make_norm(norm, d_model, norm_eps)
             self.cross_attn = MultiHeadAttention(d_model, n_heads, kdim=context_dim, **attn_kw)
         self.ffn_norm = make_norm(norm, d_model, norm_eps)
-        self.ffn = FeedForward(d_model, d_ff, ffn, bias=ffn_bias)
+        self.ffn = _GeGLU(d_model, d_ff, bias=ffn_bias) if ffn == "geglu" else FeedForward(d_model, d_ff, ffn,
+                                                                                           bias=ffn_bias)
+        self.post_norms = bool(post_norms)
+        if self.post_norms:
+            self.attn_post_norm = make_norm(norm, d_model, norm_eps)
+            if self.cross_attention:
+                self.cross_post_norm = make_norm(norm, d_model, norm_eps)
+            self.ffn_post_norm = make_norm(norm, d_model, norm_eps)
         self.dropout = _dropout(dropout)
 
     def forward(self, x: Tensor, context=None, *, mask=None, context_mask=None, cache=None, cross_cache=None,
@@ -100,6 +132,12 @@ class TransformerBlock(nn.Module):
             raise ValueError("context was given but this TransformerBlock has no cross attention: build it "
                              "with cross_attention=True")
         drop = self.dropout
+        if self.post_norms:
+            x = x + drop(self.attn_post_norm(self.attn(self.attn_norm(x), mask=mask, cache=cache, positions=positions)))
+            if self.cross_attention:
+                h = self.cross_attn(self.cross_norm(x), context, mask=context_mask, cache=cross_cache)
+                x = x + drop(self.cross_post_norm(h))
+            return x + drop(self.ffn_post_norm(self.ffn(self.ffn_norm(x))))
         if self.norm_first:
             x = x + drop(self.attn(self.attn_norm(x), mask=mask, cache=cache, positions=positions))
             if self.cross_attention:

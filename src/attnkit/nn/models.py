@@ -26,8 +26,10 @@ class DecoderConfig:
     """Configuration of a decoder-only language model (:class:`DecoderLM`); also builds :class:`EncoderDecoder`.
 
     Expresses Llama (``norm="rms", ffn="swiglu"``, RoPE, no biases), Mistral (plus
-    ``mask=masks.sliding_window(W - 1)``) and Qwen2 (plus ``qkv_bias=True``) as well as GPT-style
-    models (``norm="layer", ffn="gelu"``, biases, ``positions="sinusoidal"`` or ``"alibi"``).
+    ``mask=masks.sliding_window(W - 1)``), Qwen2 (plus ``qkv_bias=True``), Gemma 2 (``ffn="geglu",
+    post_norms=True, embed_scale=sqrt(d_model)``, ``attn_scale``, ``softcap``, ``logit_softcap`` and
+    alternating ``layer_masks``) as well as GPT-style models (``norm="layer", ffn="gelu"``, biases,
+    ``positions="sinusoidal"`` or ``"alibi"``).
 
     **Masks.**  Every layer is causal.  ``mask`` is AND-ed into every layer; ``layer_masks`` (one entry per
     layer, ``None`` for none) is AND-ed into its own layer only, on top of ``mask``: layer ``i`` attends
@@ -72,12 +74,16 @@ class DecoderConfig:
     norm: str = "rms"  # "rms" | "layer"
     norm_eps: float = 1e-5
     norm_first: bool = True  # Pre-LN (with a final norm); False = Post-LN
-    ffn: str = "swiglu"  # "swiglu" | "gelu"
+    ffn: str = "swiglu"  # "swiglu" | "gelu" | "geglu" (gated tanh-GELU, Gemma)
     qkv_bias: bool = False  # bias on the q/k/v projections (Qwen2: True)
     out_bias: bool = False  # bias on the attention output projection
     ffn_bias: bool = False  # biases in the feed-forward network
     qk_norm: bool = False  # RMSNorm on every query and key head
     softcap: float | None = None  # attention score softcap
+    attn_scale: float | None = None  # score scale; None = 1/sqrt(d_head) (Gemma 2: query_pre_attn_scalar^-0.5)
+    post_norms: bool = False  # Pre-LN plus a norm on each sub-layer's output before its residual add (Gemma 2)
+    embed_scale: float | None = None  # token embeddings times this (Gemma: sqrt(d_model))
+    logit_softcap: float | None = None  # s * tanh(logits / s) on the output logits (Gemma 2: 30)
     tie_embeddings: bool = True  # the output head reuses the token embedding
     dropout: float = 0.0  # embedding and residual dropout (training)
     attention_dropout: float = 0.0  # dropout on the attention probabilities (training)
@@ -97,12 +103,16 @@ class DecoderConfig:
         self.n_kv_heads_, self.d_head_ = _checks.head_layout(self.d_model, self.n_heads, self.n_kv_heads, self.d_head)
         _checks.choice("positions", self.positions, _POSITIONS)
         _checks.choice("norm", self.norm, ("rms", "layer"))
-        _checks.choice("ffn", self.ffn, ("swiglu", "gelu"))
+        _checks.choice("ffn", self.ffn, ("swiglu", "gelu", "geglu"))
         _checks.positive_int("d_ff", self.d_ff, allow_none=True)
         _checks.positive_int("rotary_dim", self.rotary_dim, allow_none=True)
         _checks.positive_float("rope_theta", self.rope_theta)
         _checks.positive_float("norm_eps", self.norm_eps)
-        _checks.positive_float("softcap", self.softcap, allow_none=True)
+        for name in ("softcap", "attn_scale", "embed_scale", "logit_softcap"):
+            _checks.positive_float(name, getattr(self, name), allow_none=True)
+        if self.post_norms and not self.norm_first:
+            raise ValueError("post_norms=True needs norm_first=True (Pre-LN): a Post-LN block already normalises "
+                             "after every residual add")
         _checks.positive_float("init_std", self.init_std)
         _checks.probability("dropout", self.dropout)
         _checks.probability("attention_dropout", self.attention_dropout)
@@ -194,7 +204,8 @@ def _block_options(cfg: DecoderConfig, positions) -> dict:
                 attention_dropout=cfg.attention_dropout, norm_first=cfg.norm_first, norm=cfg.norm,
                 norm_eps=cfg.norm_eps, ffn=cfg.ffn, positions=positions,
                 qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias, ffn_bias=cfg.ffn_bias, qk_norm=cfg.qk_norm,
-                softcap=cfg.softcap, backend=cfg.backend)
+                softcap=cfg.softcap, backend=cfg.backend, post_norms=cfg.post_norms,
+                temperature=1.0 if cfg.attn_scale is None else 1.0 / (cfg.attn_scale * math.sqrt(cfg.head_dim)))
 
 
 class _LMBase(nn.Module):
@@ -255,14 +266,16 @@ class _LMBase(nn.Module):
             x = w.t().index_select(1, ids.reshape(-1)).t().reshape(*ids.shape, w.shape[1])  # (B, L, d_model)
         else:
             x = self.embed(ids)  # (B, L, d_model)
+        if self.config.embed_scale is not None:
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)  # rounded to the weights' dtype, as HF
         if self.abs_positions is not None:
             x = x * math.sqrt(self.config.d_model) + self.abs_positions.encode(pos).to(x.dtype)
         return self.drop(x)
 
     def _logits(self, x: Tensor) -> Tensor:
-        if self.lm_head is None:
-            return linear(x, self.embed.weight)  # (B, L, vocab)
-        return self.lm_head(x)
+        logits = linear(x, self.embed.weight) if self.lm_head is None else self.lm_head(x)  # (B, L, vocab)
+        cap = self.config.logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _positions(self, ids: Tensor, cache, positions) -> tuple[Tensor, int]:
         """Absolute positions ``(L,)`` or ``(B, L)`` and the largest one, checked against ``max_seq_len``."""
