@@ -181,8 +181,9 @@ def test_from_hf_serves_attnkit_generate_and_engine_like_hf(name):
     assert engine.generate(prompts, 8) == want, f"{name}, Engine"
 
 
-def test_from_hf_gradients_match():
-    hf_model = _hf("qwen2").train()
+@pytest.mark.parametrize("name", ["qwen2", "gemma2"])
+def test_from_hf_gradients_match(name):
+    hf_model = _hf(name).train()
     model = from_hf(hf_model)
     assert model.training
     ids = torch.randint(3, V, (2, 10), generator=torch.Generator().manual_seed(3))
