@@ -242,8 +242,8 @@ def test_layer_masks_decode_with_caches_like_full_recomputation():
 
 
 def test_sliding_window_cache_with_layer_masks():
-    """The ring cache keeps config.mask's window for every layer: exact when config.mask bounds every layer
-    (per-layer masks may narrow it further), refused when only some layers slide (no common window)."""
+    """The ring cache keeps the widest layer window: exact when every layer slides (config.mask and/or its own
+    layer mask), refused with the full layers named when some layers attend to everything."""
     import attnkit
     from attnkit.cache import SlidingWindowCache
 
@@ -251,8 +251,15 @@ def test_sliding_window_cache_with_layer_masks():
     prompts = [[5, 9, 14, 3, 22, 7, 40, 8], [11, 12, 13]]
     assert SlidingWindowCache.for_model(model, 2).window == 6
     assert attnkit.generate(model, prompts, 8, cache="sliding") == attnkit.generate(model, prompts, 8, cache=None)
-    with pytest.raises(ValueError, match="window is required"):
+    with pytest.raises(ValueError, match=r"window is required: layers \[1\] of the model attend without"):
         SlidingWindowCache.for_model(_mixed(), 2)
+    # every layer slides, with different windows: the ring keeps the widest, each layer applies its own
+    torch.manual_seed(0)
+    cfg = DecoderConfig.preset("tiny", n_layers=3, n_kv_heads=2, init_std=0.2,
+                               layer_masks=(masks.sliding_window(2), masks.sliding_window(6), masks.sliding_window(4)))
+    windowed = DecoderLM(cfg).eval()
+    assert SlidingWindowCache.for_model(windowed, 2).window == 7
+    assert attnkit.generate(windowed, prompts, 8, cache="sliding") == attnkit.generate(windowed, prompts, 8, cache=None)
 
 
 def test_attention_dropout_is_separate_from_residual_dropout():

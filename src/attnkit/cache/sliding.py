@@ -163,14 +163,22 @@ class SlidingWindowCache(ModelCache):
     @classmethod
     def for_model(cls, model, batch_size: int, window: int | None = None, *, dtype: torch.dtype | None = None,
                   device=None) -> "SlidingWindowCache":
-        """A cache for ``model``; ``window`` defaults to the sliding window of ``model.config.mask``."""
+        """A cache for ``model``; ``window`` defaults to the widest sliding window of the model's layers
+        (``model.config.layer_mask(i)``, else ``model.config.mask``), which must bound every layer."""
         d = model_dims(model)
         if window is None:
-            mask = getattr(getattr(model, "config", None), "mask", None)
-            window = window_of(mask) if isinstance(mask, Mask) else None
-            if window is None:
-                raise ValueError(f"window is required: the model's mask {mask!r} is not a causal sliding window "
-                                 f"(masks.sliding_window(left)); pass window=... (the positions to keep)")
+            cfg = getattr(model, "config", None)
+            if hasattr(cfg, "layer_mask") and getattr(cfg, "layer_masks", None) is not None:
+                masks = [cfg.layer_mask(i) for i in range(d["n_layers"])]
+            else:
+                masks = [getattr(cfg, "mask", None)] * d["n_layers"]
+            wins = [window_of(m) if isinstance(m, Mask) else None for m in masks]
+            full = [i for i, w in enumerate(wins) if w is None]
+            if full:
+                raise ValueError(f"window is required: layers {full} of the model attend without a causal sliding "
+                                 f"window (their mask: {masks[full[0]]!r}), so a ring buffer would drop keys they "
+                                 f"read; use cache='static' (or pass window=... to keep that many positions)")
+            window = max(wins)
         return cls(d["n_layers"], window, batch_size=batch_size, n_kv_heads=d["n_kv_heads"], d_head=d["d_head"],
                    d_value=d["d_value"], dtype=dtype or d["dtype"], device=device or d["device"])
 
