@@ -61,3 +61,17 @@ def test_fallback_when_operator_is_missing(monkeypatch):
     x, w = torch.randn(3, 16), torch.randn(4, 16)
     with torch.no_grad():
         assert torch.equal(linear(x, w), F.linear(x, w))
+
+
+def test_feed_forward_kinds_against_their_formulas():
+    from attnkit.nn import FeedForward
+
+    x = torch.randn(2, 3, 8, dtype=torch.float64)
+    for kind, act in (("swiglu", F.silu), ("geglu", lambda t: F.gelu(t, approximate="tanh"))):
+        ffn = FeedForward(8, 12, kind).double()
+        w_gate, w_up = ffn.up_proj.weight[:12], ffn.up_proj.weight[12:]
+        b_gate, b_up = ffn.up_proj.bias[:12], ffn.up_proj.bias[12:]
+        h = act(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up)
+        torch.testing.assert_close(ffn(x), h @ ffn.down_proj.weight.T + ffn.down_proj.bias)
+    with pytest.raises(ValueError, match="ffn"):
+        FeedForward(8, 12, "relu")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .. import masks as _masks
 from . import _checks
@@ -31,19 +30,6 @@ def default_d_ff(d_model: int, ffn: str) -> int:
     if ffn == "gelu":
         return 4 * d_model
     return -(-(8 * d_model // 3) // 64) * 64
-
-
-class _GeGLU(FeedForward):
-    """Gemma's MLP: ``down(gelu_tanh(gate) * up)``, weight rows of ``up_proj`` stacked ``[gate; up]`` as in
-    SwiGLU (``gelu_tanh``: GELU with the tanh approximation, HF's ``gelu_pytorch_tanh``)."""
-
-    def __init__(self, d_model: int, d_ff: int, *, bias: bool):
-        super().__init__(d_model, d_ff, "swiglu", bias=bias)  # the same fused [gate; up] projection
-        self.kind = "geglu"
-
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.up_proj(x).split(self.d_ff, dim=-1)  # (B, L, d_ff) each
-        return self.down_proj(self.dropout(F.gelu(gate, approximate="tanh") * up))
 
 
 class TransformerBlock(nn.Module):
@@ -114,8 +100,7 @@ class TransformerBlock(nn.Module):
             self.cross_norm = make_norm(norm, d_model, norm_eps)
             self.cross_attn = MultiHeadAttention(d_model, n_heads, kdim=context_dim, **attn_kw)
         self.ffn_norm = make_norm(norm, d_model, norm_eps)
-        self.ffn = _GeGLU(d_model, d_ff, bias=ffn_bias) if ffn == "geglu" else FeedForward(d_model, d_ff, ffn,
-                                                                                           bias=ffn_bias)
+        self.ffn = FeedForward(d_model, d_ff, ffn, bias=ffn_bias)
         self.post_norms = bool(post_norms)
         if self.post_norms:
             self.attn_post_norm = make_norm(norm, d_model, norm_eps)

@@ -170,7 +170,8 @@ class FeedForward(nn.Module):
     ``kind="gelu"``: ``up`` maps ``d_model -> d_ff``, GELU, ``down`` maps back.
     ``kind="swiglu"``: ``up`` maps ``d_model -> 2 * d_ff`` with its weight rows stacked ``[gate; up]``
     (one matmul), then ``silu(gate) * up`` and ``down`` (Llama's MLP with ``gate_proj``/``up_proj`` fused).
-    Input and output ``(B, L, d_model)``.
+    ``kind="geglu"``: the same with ``gelu_tanh(gate) * up`` (GELU with the tanh approximation, Hugging
+    Face's ``gelu_pytorch_tanh``: Gemma's MLP).  Input and output ``(B, L, d_model)``.
 
     Example::
 
@@ -185,17 +186,17 @@ class FeedForward(nn.Module):
         super().__init__()
         _checks.positive_int("d_model", d_model)
         _checks.positive_int("d_ff", d_ff)
-        self.kind = _checks.choice("ffn", kind, ("gelu", "swiglu"))
+        self.kind = _checks.choice("ffn", kind, ("gelu", "swiglu", "geglu"))
         self.d_ff = d_ff
-        self.up_proj = Linear(d_model, d_ff * (2 if kind == "swiglu" else 1), bias=bias)
+        self.up_proj = Linear(d_model, d_ff * (1 if kind == "gelu" else 2), bias=bias)
         self.down_proj = Linear(d_ff, d_model, bias=bias)
         self.dropout = _dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        h = self.up_proj(x)  # (B, L, d_ff) or (B, L, 2 d_ff)
-        if self.kind == "swiglu":
-            gate, up = h.split(self.d_ff, dim=-1)
-            h = F.silu(gate) * up
-        else:
+        h = self.up_proj(x)  # (B, L, d_ff) or, gated, (B, L, 2 d_ff)
+        if self.kind == "gelu":
             h = F.gelu(h)
+        else:
+            gate, up = h.split(self.d_ff, dim=-1)
+            h = (F.silu(gate) if self.kind == "swiglu" else F.gelu(gate, approximate="tanh")) * up
         return self.down_proj(self.dropout(h))
