@@ -1,8 +1,8 @@
 """Sparse attention: attnkit's ``flash`` backend against SDPA with a dense mask, FlexAttention,
 ``local-attention`` and the naive formula.
 
-float32, B=1, H=8, D=64, 2 threads (default), measured in one process with interleaved repeats
-(medians).  Sections:
+float32, B=1, H=8, D=64, 2 threads (default), measured in one process with interleaved repeats, the
+order reversed every other round (medians).  Sections:
 
 * window   -- causal sliding window of 256 (keys ``p-256 .. p``: local-attention's ``window_size=256``)
               at L = 2048 / 8192 / 16384, forward and forward+backward;
@@ -28,6 +28,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -40,7 +41,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 import attnkit  # noqa: E402
 from attnkit import masks  # noqa: E402
-from _common import machine, save, table, timeit  # noqa: E402
+from _common import machine, save, table  # noqa: E402
 
 B, H, D = 1, 8, 64
 NAIVE_LIMIT = 1 << 28  # score elements (B*H*L*L) above which the naive formula is skipped (1 GiB per tensor)
@@ -88,6 +89,26 @@ def local_attention_peer(window: int):
 
 
 # ---------------------------------------------------------------------------- helpers
+
+
+def timeit(fns: dict, *, repeat: int = 5, warmup: int = 1, budget_s: float = 60.0) -> dict[str, float]:
+    """Median seconds per call of each function, run round-robin with the order reversed every other round
+    (so that no peer always runs right after the same one, e.g. after the naive formula's large
+    allocations); stops early once ``budget_s`` is spent (every peer runs at least once)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    names = list(fns)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    start = time.perf_counter()
+    for i in range(repeat):
+        for n in (names if i % 2 == 0 else names[::-1]):
+            t0 = time.perf_counter()
+            fns[n]()
+            times[n].append(time.perf_counter() - t0)
+        if time.perf_counter() - start > budget_s:
+            break
+    return {n: statistics.median(ts) for n, ts in times.items()}
 
 
 def inputs(L, heads=H, grad=False, seed=0):
@@ -161,7 +182,7 @@ def window_section(lengths, repeat, notes):
             ref = peers["flash"](q, k, v)
             for name, fn in peers.items():
                 check_same(f"{name} at L={L}", fn(q, k, v), ref)
-        t = timeit({n: fwd(f, q, k, v) for n, f in peers.items()}, repeat=repeat, warmup=0)
+        t = timeit({n: fwd(f, q, k, v) for n, f in peers.items()}, repeat=repeat, warmup=1)
         qg, kg, vg = inputs(L, grad=True)
         go = torch.randn(B, H, L, D)
         flex_bwd = try_backward(flex, qg, kg, vg, go)
