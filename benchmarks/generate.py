@@ -283,8 +283,8 @@ def main(argv=None) -> None:
     from attnkit.integrations.hf import from_hf
 
     hf = hf_llama()
-    # backend "sdpa": "auto" weighs every backend on every call, and the flash backend plans each new key
-    # length, which a decode step meets every time (the "backend auto" row shows what that costs)
+    # backend "sdpa" names the kernel every decode step runs; the "backend auto" row is the default (auto
+    # checks a call's signature, and for an unmasked call picks sdpa without weighing the tiled backends)
     model = from_hf(hf, backend="sdpa").eval()
     load = os.getloadavg()[0]
     rows: list[dict] = []

@@ -123,7 +123,20 @@ def select(call: Call, backend: str) -> Backend:
     return b
 
 
+def _dense_fused(call: Call) -> Backend | None:
+    """``sdpa`` for a call without mask or bias when it takes it: nothing to skip, so no tiled backend beats
+    the fused kernel, and deciding so costs no planning (a decode step meets a new key length each time)."""
+    if call.mask is None and call.bias is None:
+        b = _REGISTRY.get("sdpa")
+        if b is not None and b.available() and b.check(call) is None:
+            return b
+    return None
+
+
 def _pick(call: Call) -> Backend:
+    fused = _dense_fused(call)
+    if fused is not None:
+        return fused
     best, best_cost = None, float("inf")
     for b in _REGISTRY.values():
         if b.available() and b.check(call) is None:
@@ -189,7 +202,9 @@ def explain(q, k, v, **kwargs) -> str:
             lines.append(f"  {name:7s} not available on this machine")
             continue
         reason = b.check(call)
-        if reason is None:
+        if reason is None and backend == "auto" and chosen is _dense_fused(call) and b is not chosen:
+            lines.append(f"  {name:7s} takes it; not weighed: without mask or bias there is nothing to skip")
+        elif reason is None:
             lines.append(f"  {name:7s} takes it; estimated cost {b.cost(call) / 1e9:.3g} GFLOP-equivalents"
                          f"{'  <- chosen' if b is chosen else ''}")
         else:
