@@ -325,6 +325,23 @@ def test_sliding_window_is_few_strided_calls():
     assert flash._forward_plan(wide).block_q == 128
 
 
+def test_small_tiles_for_documents_in_both_directions():
+    """A document mask wastes less on 64-row tiles (its interiors are tall shared windows, so the smaller
+    tiles cost no efficiency): forward and backward both take them; a window keeps 128-row tiles in the
+    backward (overlapping key windows); user functions are planned once, on the default tiles."""
+    q, k, v = qkv(1, 2, 1, 2048, 2048, 8)
+    doc = M.document(doc_ids(2048, [190, 470, 1230, 1250, 1590]))
+    call = _make_call(q, k, v, mask=doc)
+    assert flash._forward_plan(call).block_q == 64 and flash._backward_plan(call) is flash._forward_plan(call)
+    check_against_oracle(lambda *a, **kw: attnkit.attention(*a, backend="flash", **kw), q, k, v, mask=doc)
+    check_against_oracle(lambda *a, **kw: attnkit.attention(*a, backend="flash", **kw), q, k, v,
+                         mask=doc & M.causal())
+    window = _make_call(q, k, v, mask=M.sliding_window(100))
+    assert flash._forward_plan(window).block_q == 64 and flash._backward_plan(window).block_q == 128
+    fn = _make_call(q, k, v, mask=M.from_fn(lambda b, h, qi, ki: (qi // 90) == (ki // 90)))
+    assert flash._forward_plan(fn).block_q == 128 and flash._backward_plan(fn).block_q == 128
+
+
 def test_forward_and_backward_tilings_differ():
     """The forward may use 64-row tiles and the backward 128-row ones, padded differently (L=300)."""
     q, k, v = qkv(1, 4, 2, 300, 300, 16)

@@ -143,19 +143,51 @@ def _plan(call: Call, block_q: int | None = None, block_k: int | None = None) ->
 
 def _estimate(plan: planning.Plan) -> float:
     """Relative forward time of a plan on the fused kernel: score elements computed, dearer per element
-    for short query tiles (smaller matrix products), plus a cost per call."""
+    for short query blocks (smaller matrix products; a shared window's rows form one tall block), plus a
+    cost per call."""
     bq, bk = plan.block_q, plan.block_k
-    work = sum(j.heads.count * j.n * bq * j.w * bk for j in plan.jobs)
-    return work * (1 + TILE_OVERHEAD_ROWS / bq) + len(plan.jobs) * CALL_OVERHEAD_ELEMENTS
+    work = 0.0
+    for j in plan.jobs:
+        rows = j.n * bq if j.tiles is None and j.kstep == 0 else bq  # the kernel's query block
+        work += j.heads.count * j.n * bq * j.w * bk * (1 + TILE_OVERHEAD_ROWS / rows)
+    return work + len(plan.jobs) * CALL_OVERHEAD_ELEMENTS
+
+
+def _cheap_structure(mask: Mask | None) -> bool:
+    """Whether a mask's block structure is cheap to evaluate for a second tiling: built-ins, also those
+    holding tensors (documents, key padding), but no user function or dense tensor (evaluated per element)."""
+    if mask is None:
+        return False  # no mask: every tile is full, the default tiles are best
+    if isinstance(mask, M._And):  # also _Or
+        return _cheap_structure(mask.a) and _cheap_structure(mask.b)
+    if isinstance(mask, M._Not):
+        return _cheap_structure(mask.a)
+    if isinstance(mask, M._Named):
+        return _cheap_structure(mask.inner)
+    if isinstance(mask, M._KeyColumns):
+        return mask.keep is None
+    return not isinstance(mask, (M._FromFn, M._FromDense))
 
 
 def _forward_plan(call: Call, block_q: int | None = None, block_k: int | None = None) -> planning.Plan:
-    """The forward's plan: for built-in masks, the cheaper of 128- and 64-row tiles (a narrow window wastes
-    less on 64-row tiles); the backward keeps the default tiles, where the fused kernel is faster."""
-    if block_q is not None or block_k is not None or _value_key(call.mask) in (None, "none"):
+    """The forward's plan: for built-in masks, the cheaper of 128- and 64-row tiles (a narrow window or a
+    document's boundaries waste less on 64-row tiles)."""
+    if block_q is not None or block_k is not None or not _cheap_structure(call.mask):
         return _plan(call, block_q, block_k)
     plans = [_plan(call), _plan(call, SMALL_TILE, SMALL_TILE)]
     return min(plans, key=_estimate)
+
+
+def _backward_plan(call: Call, block_q: int | None = None, block_k: int | None = None) -> planning.Plan:
+    """The backward's plan: the forward's, unless that has bands of overlapping key windows on small tiles
+    (each item's window gradients are computed apart and summed: on 64-row tiles a window is read and
+    written 5 times instead of 3), where the default tiles are faster."""
+    if block_q is not None or block_k is not None:
+        return _plan(call, block_q, block_k)
+    plan = _forward_plan(call)
+    if plan.block_q != planning.BLOCK_Q and any(j.tiles is None and j.kstep > 0 and j.n > 1 for j in plan.jobs):
+        return _plan(call)
+    return plan
 
 
 def _bias_needs_grad(call: Call) -> tuple[bool, list[Tensor]]:
@@ -285,7 +317,7 @@ def _run(call: Call, block_q: int | None = None, block_k: int | None = None, *, 
         out = _unflat(out3, call, call.q.dtype)
         return (out, _unflat(lse3.t(), call, lse3.dtype)) if call.return_lse else out
     bias_t = call.bias if isinstance(call.bias, Tensor) else None
-    state = (call, plan, _plan(call, block_q, block_k), use_fused, seed, fused is not False)
+    state = (call, plan, _backward_plan(call, block_q, block_k), use_fused, seed, fused is not False)
     out, lse = _FlashFunction.apply(call.q, call.k, call.v, bias_t, state, *params)
     return (out, lse) if call.return_lse else out
 
