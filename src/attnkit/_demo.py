@@ -224,10 +224,16 @@ def run(out_dir: str | Path = "attnkit-demo", *, quick: bool = False, seed: int 
         console.print(table)
         recall = max(roles, key=lambda r: r[2])
         previous = max((r for r in roles if r[0] != recall[0]), key=lambda r: r[4], default=recall)
-        console.print(f"The recall head is {recall[0]} head {recall[1]}: {recall[2]:.0%} of each query's attention "
-                      f"goes to the value stored with the queried key. It relies on {previous[0]} head "
-                      f"{previous[1]}, which moves each key into the next position ({previous[4]:.0%} of a value's "
-                      f"attention is on the token before it): an induction circuit.", markup=False)
+        uniform = 1 / (P + Q)
+        if recall[2] >= 3 * uniform and previous[4] >= 2 * uniform:  # both clearly above a uniform spread
+            console.print(f"The recall head is {recall[0]} head {recall[1]}: {recall[2]:.0%} of each query's "
+                          f"attention goes to the value stored with the queried key. It relies on {previous[0]} "
+                          f"head {previous[1]}, which moves each key into the next position ({previous[4]:.0%} of a "
+                          f"value's attention is on the token before it): an induction circuit.", markup=False)
+        else:
+            console.print(f"No induction circuit has formed in {len(losses)} training steps: the most any head "
+                          f"puts on the queried pair's value is {recall[2]:.0%} and on the previous token "
+                          f"{previous[4]:.0%}, against {uniform:.0%} for a uniform spread.", markup=False)
         sample = associative_recall(8, **task, generator=torch.Generator().manual_seed(seed + 5))
 
         def recall_loss(logits, ids):
