@@ -10,7 +10,7 @@ import torch.nn as nn
 from .. import masks as _masks
 from ..functional import attention, attention_weights
 from . import _checks
-from .layers import Linear, RMSNorm
+from .layers import Linear, RMSNorm, linear
 from .positions import PositionEncoding
 
 Tensor = torch.Tensor
@@ -174,8 +174,8 @@ class MultiHeadAttention(_Attends):
             q, k, v = qkv.split(self._split, dim=-1)
         else:  # absolute encodings join the query and key inputs only
             w, b = self.qkv_proj.weight, self.qkv_proj.bias
-            qk = nn.functional.linear(x + pe.to(x.dtype), w[: q_out + kv_out], None if b is None else b[: q_out + kv_out])
-            v = nn.functional.linear(x, w[q_out + kv_out:], None if b is None else b[q_out + kv_out:])
+            qk = linear(x + pe.to(x.dtype), w[: q_out + kv_out], None if b is None else b[: q_out + kv_out])
+            v = linear(x, w[q_out + kv_out:], None if b is None else b[q_out + kv_out:])
             q, k = qk.split((q_out, kv_out), dim=-1)
         return self._heads(q, self.n_heads), self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
 
@@ -183,7 +183,7 @@ class MultiHeadAttention(_Attends):
         if self.self_capable:
             q_out = self._split[0]
             b = self.qkv_proj.bias
-            q = nn.functional.linear(x, self.qkv_proj.weight[:q_out], None if b is None else b[:q_out])
+            q = linear(x, self.qkv_proj.weight[:q_out], None if b is None else b[:q_out])
         else:
             q = self.q_proj(x)
         return self._heads(q, self.n_heads)  # (B, Hq, L, d_head)
@@ -211,18 +211,18 @@ class MultiHeadAttention(_Attends):
         if self.self_capable:
             w, b = self.qkv_proj.weight, self.qkv_proj.bias
             if key_in is value_in:
-                kv = nn.functional.linear(key_in, w[q_out:], None if b is None else b[q_out:])
+                kv = linear(key_in, w[q_out:], None if b is None else b[q_out:])
                 k, v = kv.split(kv_out, dim=-1)
             else:
-                k = nn.functional.linear(key_in, w[q_out:q_out + kv_out], None if b is None else b[q_out:q_out + kv_out])
-                v = nn.functional.linear(value_in, w[q_out + kv_out:], None if b is None else b[q_out + kv_out:])
+                k = linear(key_in, w[q_out:q_out + kv_out], None if b is None else b[q_out:q_out + kv_out])
+                v = linear(value_in, w[q_out + kv_out:], None if b is None else b[q_out + kv_out:])
         elif hasattr(self, "kv_proj"):
             if key_in is value_in:
                 k, v = self.kv_proj(key_in).split(kv_out, dim=-1)
             else:
                 w, b = self.kv_proj.weight, self.kv_proj.bias
-                k = nn.functional.linear(key_in, w[:kv_out], None if b is None else b[:kv_out])
-                v = nn.functional.linear(value_in, w[kv_out:], None if b is None else b[kv_out:])
+                k = linear(key_in, w[:kv_out], None if b is None else b[:kv_out])
+                v = linear(value_in, w[kv_out:], None if b is None else b[kv_out:])
         else:
             k, v = self.k_proj(key_in), self.v_proj(value_in)
         return self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
