@@ -32,11 +32,19 @@ def _gathered(pool, table, n):
     (masks.sliding_window(3), B_.relative_buckets(torch.randn(4, 8, dtype=F64), bidirectional=False), 2.0),
 ])
 @pytest.mark.parametrize("lq", [1, 3])
-def test_paged_attention_equals_attention_on_gathered(mask, bias, softcap, lq):
+@pytest.mark.parametrize("layout,hq", [("block", 4), ("head", 4), ("head", 2)])
+def test_paged_attention_equals_attention_on_gathered(mask, bias, softcap, lq, layout, hq):
+    """Both pool layouts: block-major (contiguous (NB, Hkv, bs, D)) and PagedCache's head-major storage;
+    grouped heads and not (the fused per-sequence kernel), a multi-run table, one- and many-query steps."""
     k_pool, v_pool = _pool()
+    if layout == "head":
+        k_pool, v_pool = (t.transpose(0, 1).contiguous().transpose(0, 1) for t in (k_pool, v_pool))
+    if hq == 2 and bias is not None:
+        bias = B_.alibi(B_.alibi_slopes(2).double()) if mask is not None and softcap is None else \
+            B_.relative_buckets(torch.randn(2, 8, dtype=F64), bidirectional=False)
     table = torch.tensor([[3, 5, 9], [1, 0, 0], [7, 2, 4]], dtype=torch.int32)
     lens = torch.tensor([9, 3, 12], dtype=torch.int32)
-    q = torch.randn(3, 4, lq, 8, dtype=F64)
+    q = torch.randn(3, hq, lq, 8, dtype=F64)
     got = paged_attention(q, k_pool, v_pool, table, lens, mask=mask, bias=bias, softcap=softcap)
     for b in range(3):
         n = int(lens[b])
@@ -61,6 +69,33 @@ def test_paged_attention_reads_views_of_the_pool_without_repeating_heads(monkeyp
     pools = {k_pool.untyped_storage().data_ptr(), v_pool.untyped_storage().data_ptr()}
     assert len(seen) == 2 * 3  # one product for keys and one for values per run
     assert all(b.shape[1] == 2 and b.untyped_storage().data_ptr() in pools for b in seen)
+
+
+def test_head_major_pool_reads_one_view_per_sequence(monkeypatch):
+    """PagedCache's head-major pool: a sequence stored in one run of blocks enters attention as a view of
+    the pool (Hkv, L, D), with no copy, and a zero-length sequence gives zeros."""
+    seen = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        seen.append((k, v))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    cache = PagedCache(1, num_blocks=8, block_size=4, n_kv_heads=2, d_head=8, dtype=F64)
+    k_pool, v_pool = cache.k_pools[0], cache.v_pools[0]
+    k_pool.normal_(), v_pool.normal_()
+    table = torch.tensor([[2, 3, 4], [0, 0, 0]], dtype=torch.int32)
+    lens = torch.tensor([10, 0], dtype=torch.int32)
+    q = torch.randn(2, 2, 1, 8, dtype=F64)
+    out = paged_attention(q, k_pool, v_pool, table, lens)
+    assert len(seen) == 1
+    k, v = seen[0]
+    assert k.shape == (1, 2, 10, 8) and k.untyped_storage().data_ptr() == k_pool.untyped_storage().data_ptr()
+    assert v.untyped_storage().data_ptr() == v_pool.untyped_storage().data_ptr()
+    want = attnkit.attention(q[:1], _gathered(k_pool, table[0], 10), _gathered(v_pool, table[0], 10))
+    torch.testing.assert_close(out[:1], want, rtol=0, atol=1e-12)
+    assert out[1].abs().max() == 0
 
 
 def test_ragged_batch_decode_and_prefill_equal_each_sequence_alone():

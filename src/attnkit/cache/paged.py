@@ -103,8 +103,10 @@ def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tens
 
     On CUDA tensors, with no mask beyond causal, the Triton kernel ``attnkit.backends.triton.paged_decode``
     runs when it takes the call (its ``check_paged_decode``).  Elsewhere each sequence's blocks are read as
-    views of the pool, one matrix product per run of consecutive block ids (nothing is gathered or copied,
-    grouped-query heads are not repeated); the softmax runs in float32 for half inputs.
+    views of the pool (grouped-query heads are not repeated; the softmax runs in float32 for half inputs):
+    in :class:`PagedCache`'s head-major storage a run of consecutive block ids is one ``(Hkv, L, D)`` view
+    and each sequence is one attention call (PyTorch's fused kernel when nothing modifies the scores);
+    a contiguous ``(num_blocks, Hkv, block_size, D)`` pool takes one matrix product per run.
 
     Example::
 
@@ -167,6 +169,8 @@ def _row_bias(bias: Tensor, b: int, Hkv: int, G: int, Lq: int, L: int) -> Tensor
 def _attend_runs(q: Tensor, k_pool: Tensor, v_pool: Tensor, lens: list[int], runs: list[list[tuple[int, int]]], *,
                  scale: float, softcap, bias, mask) -> Tensor:
     """Attention per sequence over views of its runs of consecutive blocks (nothing is gathered)."""
+    if _head_major(k_pool) and _head_major(v_pool):
+        return _attend_views(q, k_pool, v_pool, lens, runs, scale=scale, softcap=softcap, bias=bias, mask=mask)
     B, Hq, Lq, D = q.shape
     _, Hkv, bs, _ = k_pool.shape
     Dv = v_pool.shape[3]
@@ -229,6 +233,79 @@ def _attend_runs(q: Tensor, k_pool: Tensor, v_pool: Tensor, lens: list[int], run
                 ob = part if ob is None else ob + part
                 o += n
         outs.append(ob.reshape(Hq, Lq, Dv))
+    return torch.stack(outs).to(q.dtype)
+
+
+def _head_major(pool: Tensor) -> bool:
+    """Whether consecutive blocks of one head are adjacent in memory (``PagedCache``'s layout), so a run of
+    blocks is a ``(Hkv, positions, D)`` view."""
+    NB, H, bs, D = pool.shape
+    return pool.stride(3) == 1 and pool.stride(2) == D and (pool.stride(0) == bs * D or NB == 1) \
+        and (pool.stride(1) == NB * bs * D or H == 1)
+
+
+def _seq_view(pool: Tensor, runs: list[tuple[int, int]], L: int) -> Tensor:
+    """A sequence's first ``L`` positions ``(Hkv, L, D)``: a view of a head-major pool for one run of blocks,
+    a copy of its runs otherwise."""
+    H, bs, D = pool.shape[1:]
+    views = [pool[a:a + n].transpose(0, 1).reshape(H, n * bs, D) for a, n in runs]  # views when head-major
+    return (views[0] if len(views) == 1 else torch.cat(views, dim=1))[:, :L]
+
+
+def _attend_views(q: Tensor, k_pool: Tensor, v_pool: Tensor, lens: list[int], runs, *, scale: float, softcap,
+                  bias, mask) -> Tensor:
+    """``_attend_runs`` on a head-major pool: one attention per sequence over ``(Hkv, L, D)`` views of its
+    blocks (PyTorch's fused kernel when nothing modifies the scores and heads are not grouped)."""
+    B, Hq, Lq, D = q.shape
+    Hkv = k_pool.shape[1]
+    Dv = v_pool.shape[3]
+    G = Hq // Hkv
+    acc = _accumulation(q.dtype)
+    dev = q.device
+    modified = bias is not None or mask is not None
+    fused = not modified and softcap is None and G == 1
+    if modified:
+        hi = (torch.arange(Hkv, device=dev).view(Hkv, 1) * G + torch.arange(G, device=dev)).view(Hkv, G, 1, 1)
+        qi = torch.arange(Lq, device=dev).view(1, 1, Lq, 1)
+    outs = []
+    for b in range(B):
+        L = lens[b]
+        if L == 0:
+            outs.append(q.new_zeros(Hq, Lq, Dv))
+            continue
+        k, v = _seq_view(k_pool, runs[b], L), _seq_view(v_pool, runs[b], L)  # (Hkv, L, D), (Hkv, L, Dv)
+        if fused:
+            outs.append(torch.nn.functional.scaled_dot_product_attention(q[b:b + 1], k[None], v[None],
+                                                                         scale=scale)[0])
+            continue
+        sc = torch.matmul(q[b].reshape(Hkv, G * Lq, D), k.transpose(-1, -2)).view(Hkv, G, Lq, L)
+        sc = sc.to(acc) * scale
+        if softcap is not None:
+            sc = softcap * torch.tanh(sc / softcap)
+        if modified:
+            bi = torch.full((1, 1, 1, 1), b, device=dev)
+            ki = torch.arange(L, device=dev).view(1, 1, 1, L)
+            if isinstance(bias, ScoreMod):
+                sc = bias._mod(sc, bi, hi, qi, ki, Lq, L)
+            elif isinstance(bias, Tensor):
+                sc = sc + _row_bias(bias, b, Hkv, G, Lq, L).to(sc.dtype)
+            elif bias is not None:
+                raise TypeError(f"paged_attention: bias must be None, an attnkit.bias modifier or a float tensor, "
+                                f"got {type(bias).__name__}")
+            if isinstance(mask, Mask):
+                sc = sc.masked_fill(~mask._mod(bi, hi, qi, ki, Lq, L), float("-inf"))
+            elif isinstance(mask, Tensor):
+                if mask.dtype != torch.bool:
+                    raise TypeError(f"paged_attention: a tensor mask must be bool (True = may attend), got {mask.dtype}")
+                sc = sc.masked_fill(~_row_bias(mask, b, Hkv, G, Lq, L), float("-inf"))
+            elif mask is not None:
+                raise TypeError(f"paged_attention: mask must be None, an attnkit.masks.Mask or a bool tensor, "
+                                f"got {type(mask).__name__}")
+            p = stable_softmax(sc, dim=-1)  # a row may see nothing under a mask: 0, not NaN
+        else:
+            p = torch.softmax(sc, dim=-1)
+        o = torch.matmul(p.view(Hkv, G * Lq, L).to(v.dtype), v)  # (Hkv, G*Lq, Dv)
+        outs.append(o.reshape(Hq, Lq, Dv))
     return torch.stack(outs).to(q.dtype)
 
 
@@ -376,10 +453,12 @@ class PagedCache:
         self.dtype = check_dtype("dtype", dtype)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.prefix_caching = bool(prefix_caching)
-        shape_k = (num_blocks, n_kv_heads, block_size, d_head)
-        shape_v = (num_blocks, n_kv_heads, block_size, self.d_value)
-        self.k_pools = [torch.zeros(shape_k, dtype=dtype, device=self.device) for _ in range(n_layers)]
-        self.v_pools = [torch.zeros(shape_v, dtype=dtype, device=self.device) for _ in range(n_layers)]
+        # stored head-major, (Hkv, num_blocks, block_size, D), seen as (num_blocks, Hkv, block_size, D): a run
+        # of consecutive blocks is then a strided (Hkv, positions, D) view that one attention call reads
+        shape_k = (n_kv_heads, num_blocks, block_size, d_head)
+        shape_v = (n_kv_heads, num_blocks, block_size, self.d_value)
+        self.k_pools = [torch.zeros(shape_k, dtype=dtype, device=self.device).transpose(0, 1) for _ in range(n_layers)]
+        self.v_pools = [torch.zeros(shape_v, dtype=dtype, device=self.device).transpose(0, 1) for _ in range(n_layers)]
         self._alloc = _Allocator(num_blocks)
         self._seqs: dict[int, _Sequence] = {}
         self._next_id = 0
