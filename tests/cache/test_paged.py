@@ -53,27 +53,38 @@ def test_paged_attention_equals_attention_on_gathered(mask, bias, softcap, lq, l
         torch.testing.assert_close(got[b:b + 1], want, rtol=0, atol=1e-12)
 
 
-def test_paged_attention_reads_views_of_the_pool_without_repeating_heads(monkeypatch):
-    """Keys and values enter the products as views of the pool (no gather, no copy) with Hkv heads, not Hq."""
+@pytest.mark.parametrize("bias,products", [(None, 2), (B_.alibi(B_.alibi_slopes(8).double()), 2 * 3)])
+def test_paged_attention_reads_views_of_the_pool_without_repeating_heads(monkeypatch, bias, products):
+    """Keys and values enter the products as views of the pool (no gather, no copy) with Hkv heads, not Hq:
+    an unmodified decode reads the used span of the pool in one product for keys and one for values; a
+    modified one takes a product per run of consecutive blocks."""
     seen = []
     real = torch.matmul
 
-    def spy(a, b):
+    def spy(a, b, **kw):
         seen.append(b)
-        return real(a, b)
+        return real(a, b, **kw)
 
     monkeypatch.setattr(torch, "matmul", spy)
     k_pool, v_pool = _pool(hkv=2)
     table = torch.tensor([[1, 2, 7], [4, 0, 0]], dtype=torch.int32)  # sequence 0: runs [1, 2] and [7]
-    paged_attention(torch.randn(2, 8, 1, 8, dtype=F64), k_pool, v_pool, table, torch.tensor([10, 2], dtype=torch.int32))
+    lens = torch.tensor([10, 2], dtype=torch.int32)
+    q = torch.randn(2, 8, 1, 8, dtype=F64)
+    out = paged_attention(q, k_pool, v_pool, table, lens, bias=bias)
     pools = {k_pool.untyped_storage().data_ptr(), v_pool.untyped_storage().data_ptr()}
-    assert len(seen) == 2 * 3  # one product for keys and one for values per run
+    assert len(seen) == products
     assert all(b.shape[1] == 2 and b.untyped_storage().data_ptr() in pools for b in seen)
+    monkeypatch.setattr(torch, "matmul", real)
+    for r in range(2):
+        n = int(lens[r])
+        want = attnkit.attention(q[r:r + 1], _gathered(k_pool, table[r], n), _gathered(v_pool, table[r], n), bias=bias)
+        torch.testing.assert_close(out[r:r + 1], want, rtol=0, atol=1e-12)
 
 
 def test_head_major_pool_reads_one_view_per_sequence(monkeypatch):
-    """PagedCache's head-major pool: a sequence stored in one run of blocks enters attention as a view of
-    the pool (Hkv, L, D), with no copy, and a zero-length sequence gives zeros."""
+    """A head-major pool ((Hkv, num_blocks, ...) storage seen as (num_blocks, Hkv, ...)): a sequence stored in
+    one run of blocks enters the fused kernel as a view of the pool (Hkv, L, D), with no copy, and a
+    zero-length sequence gives zeros."""
     seen = []
     real = torch.nn.functional.scaled_dot_product_attention
 
@@ -82,9 +93,7 @@ def test_head_major_pool_reads_one_view_per_sequence(monkeypatch):
         return real(q, k, v, **kw)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
-    cache = PagedCache(1, num_blocks=8, block_size=4, n_kv_heads=2, d_head=8, dtype=F64)
-    k_pool, v_pool = cache.k_pools[0], cache.v_pools[0]
-    k_pool.normal_(), v_pool.normal_()
+    k_pool, v_pool = (torch.randn(2, 8, 4, 8, dtype=F64).transpose(0, 1) for _ in range(2))
     table = torch.tensor([[2, 3, 4], [0, 0, 0]], dtype=torch.int32)
     lens = torch.tensor([10, 0], dtype=torch.int32)
     q = torch.randn(2, 2, 1, 8, dtype=F64)
@@ -96,6 +105,70 @@ def test_head_major_pool_reads_one_view_per_sequence(monkeypatch):
     want = attnkit.attention(q[:1], _gathered(k_pool, table[0], 10), _gathered(v_pool, table[0], 10))
     torch.testing.assert_close(out[:1], want, rtol=0, atol=1e-12)
     assert out[1].abs().max() == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), layout=st.sampled_from(["block", "head"]), hkv=st.sampled_from([1, 2]),
+       group=st.sampled_from([1, 2]), softcap=st.sampled_from([None, 3.0]), nb=st.integers(4, 96))
+def test_pool_decode_equals_the_gathered_oracle(data, layout, hkv, group, softcap, nb):
+    """The decode over spans of the pool (any scatter of blocks, gaps, blocks shared by several rows, empty
+    rows, grouped heads, softcap, both storage orders) equals attention on each row's gathered keys."""
+    bs, d = 4, 8
+    g = torch.Generator().manual_seed(nb)
+    k_pool, v_pool = (torch.randn(nb, hkv, bs, d, generator=g, dtype=F64) for _ in range(2))
+    if layout == "head":
+        k_pool, v_pool = (t.transpose(0, 1).contiguous().transpose(0, 1) for t in (k_pool, v_pool))
+    B = data.draw(st.integers(1, 5))
+    free = list(range(0, nb, data.draw(st.sampled_from([1, 9]))))  # every block, or gaps that split spans
+    rows, lens = [], []
+    for r in range(B):
+        n = data.draw(st.integers(0, 6 * bs))
+        shared = []
+        if r and rows[0] and data.draw(st.booleans()):  # start with row 0's first blocks (a shared prefix)
+            shared = rows[0][:data.draw(st.integers(1, len(rows[0])))]
+        need = max(0, -(-n // bs) - len(shared))
+        if need > len(free):
+            n, need = len(shared) * bs, 0
+        own = data.draw(st.permutations(free))[:need]
+        free = [b for b in free if b not in own]
+        rows.append(shared[:-(-n // bs)] + own)
+        lens.append(n)
+    width = max(1, max(len(r) for r in rows))
+    table = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
+    q = torch.randn(B, hkv * group, 1, d, generator=g, dtype=F64)
+    got = paged_attention(q, k_pool, v_pool, table, torch.tensor(lens, dtype=torch.int32), softcap=softcap)
+    for r in range(B):
+        if lens[r] == 0:
+            assert got[r].abs().max() == 0
+            continue
+        k, v = _gathered(k_pool, table[r], lens[r]), _gathered(v_pool, table[r], lens[r])
+        want = attnkit.attention(q[r:r + 1], k, v, softcap=softcap)
+        torch.testing.assert_close(got[r:r + 1], want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_pool_decode_numerical_rule_in_low_precision(monkeypatch, dtype):
+    """In float32 and half types the pool decode's error against the float64 oracle is at most twice the naive
+    formula's in the same dtype (scores and softmax run in float32)."""
+    from attnkit.cache import paged as P
+    from attnkit.testing import _max_err, reference
+    calls = []
+    real = P._attend_pool
+    monkeypatch.setattr(P, "_attend_pool", lambda *a, **k: calls.append(1) or real(*a, **k))
+    g = torch.Generator().manual_seed(3)
+    nb, hkv, bs, d = 40, 2, 16, 64
+    k_pool, v_pool = torch.randn(nb, hkv, bs, d, generator=g), torch.randn(nb, hkv, bs, d, generator=g)
+    table = torch.randperm(nb, generator=g)[:36].view(4, 9).to(torch.int32)
+    lens = torch.tensor([144, 97, 1, 130], dtype=torch.int32)
+    q = torch.randn(4, 4, 1, d, generator=g) * 2
+    got = paged_attention(q.to(dtype), k_pool.to(dtype), v_pool.to(dtype), table, lens)
+    assert calls, "the decode did not take the pool path"
+    for r in range(4):
+        n = int(lens[r])
+        k, v = _gathered(k_pool, table[r], n), _gathered(v_pool, table[r], n)
+        oracle, _ = reference(q[r:r + 1].double(), k.double(), v.double())
+        naive, _ = reference(q[r:r + 1].to(dtype), k.to(dtype), v.to(dtype))
+        assert _max_err(got[r:r + 1], oracle) <= 2 * _max_err(naive, oracle) + 1e-6
 
 
 def test_ragged_batch_decode_and_prefill_equal_each_sequence_alone():

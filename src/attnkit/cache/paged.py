@@ -15,6 +15,7 @@ tokens chained with the hash of everything before them) reuses those blocks inst
 
 from __future__ import annotations
 
+import functools
 from bisect import bisect_left, insort
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -102,11 +103,16 @@ def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tens
         ``(B, Hq, Lq, Dv)`` in ``q``'s dtype.  A sequence with ``seq_lens[b] = 0`` gets zeros.
 
     On CUDA tensors, with no mask beyond causal, the Triton kernel ``attnkit.backends.triton.paged_decode``
-    runs when it takes the call (its ``check_paged_decode``).  Elsewhere each sequence's blocks are read as
-    views of the pool (grouped-query heads are not repeated; the softmax runs in float32 for half inputs):
-    in :class:`PagedCache`'s head-major storage a run of consecutive block ids is one ``(Hkv, L, D)`` view
-    and each sequence is one attention call (PyTorch's fused kernel when nothing modifies the scores);
-    a contiguous ``(num_blocks, Hkv, block_size, D)`` pool takes one matrix product per run.
+    runs when it takes the call (its ``check_paged_decode``).  Elsewhere the pool is read where it lies
+    (grouped-query heads are not repeated; the softmax runs in float32 for half inputs).  A decode step
+    (``Lq = 1``) with nothing modifying the scores but a softcap reads the used spans of the pool in one
+    pass for the whole batch: each block is scored with the query of the sequence that owns it, in one
+    batched product per span however the blocks are scattered, and a softmax over each sequence's blocks
+    follows.  Otherwise each sequence is attended alone: a contiguous ``(num_blocks, Hkv, block_size, D)``
+    pool (:class:`PagedCache`'s storage) takes one matrix product per run of consecutive block ids, and
+    a head-major pool (``(Hkv, num_blocks, ...)`` storage) reads a run as one ``(Hkv, L, D)`` view, with
+    PyTorch's fused kernel when nothing modifies the scores (a head-major decode step takes whichever
+    of the two reads fewer bytes).
 
     Example::
 
@@ -142,6 +148,10 @@ def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tens
             raise ValueError(f"paged_attention: block_table[{b}] holds block ids outside [0, {NB}) among the "
                              f"{len(used)} blocks its seq_lens[{b}]={n} uses")
         runs.append(_runs(used))
+    layout = _pool_layout(q, k_pool, v_pool, bias, mask, functools.cache(
+        lambda whole: _PoolLayout(rows, lens, bs, q.device, NB if whole else None)))
+    if layout is not None:
+        return _attend_pool(q, k_pool, v_pool, layout, scale=scale, softcap=softcap)
     return _attend_runs(q, k_pool, v_pool, lens, runs, scale=scale, softcap=softcap, bias=bias, mask=mask)
 
 
@@ -236,6 +246,32 @@ def _attend_runs(q: Tensor, k_pool: Tensor, v_pool: Tensor, lens: list[int], run
     return torch.stack(outs).to(q.dtype)
 
 
+def _pool_layout(q: Tensor, k_pool: Tensor, v_pool: Tensor, bias, mask, layouts) -> "_PoolLayout | None":
+    """The layout ``_attend_pool`` should read, or None for one attention call per sequence.
+
+    The pool path takes decode steps (one query per sequence) with nothing modifying the scores but a
+    softcap.  A block-major pool folds (blocks, kv heads) of a span into one batch; a head-major pool (where
+    a run of blocks is one ``(Hkv, L, D)`` view for the fused per-sequence kernel) folds them only over the
+    whole pool, and a shorter span takes one product per kv head: there the cheapest of the three is read.
+    ``layouts(whole)`` builds the layout (``whole``: one span over the whole pool)."""
+    if q.shape[2] != 1 or bias is not None or mask is not None:
+        return None
+    lay = layouts(False)
+    Hkv, NB = k_pool.shape[1], k_pool.shape[0]
+    if not lay.rows_read:
+        return None
+    if not (_head_major(k_pool) and _head_major(v_pool)) or Hkv == 1:
+        return lay
+    if lay.rows_read == 1 and lay.per_sequence_cost <= lay.cost:
+        return None
+    spans = lay.cost + len(lay.spans) * 4 * Hkv
+    whole = NB + _PoolLayout._SPAN_COST + (lay.cost - sum(hi - lo + _PoolLayout._SPAN_COST for lo, hi in lay.spans))
+    best = min(lay.per_sequence_cost, spans, whole)
+    if best == lay.per_sequence_cost:
+        return None
+    return lay if best == spans else layouts(True)
+
+
 def _head_major(pool: Tensor) -> bool:
     """Whether consecutive blocks of one head are adjacent in memory (``PagedCache``'s layout), so a run of
     blocks is a ``(Hkv, positions, D)`` view."""
@@ -307,6 +343,118 @@ def _attend_views(q: Tensor, k_pool: Tensor, v_pool: Tensor, lens: list[int], ru
         o = torch.matmul(p.view(Hkv, G * Lq, L).to(v.dtype), v)  # (Hkv, G*Lq, Dv)
         outs.append(o.reshape(Hq, Lq, Dv))
     return torch.stack(outs).to(q.dtype)
+
+
+class _PoolLayout:
+    """Which sequence owns each block that a decode step reads, for :func:`_attend_pool`.
+
+    The blocks are read as ``spans`` ``(lo, hi)`` of the pool (the used blocks, gaps shorter than ``_GAP``
+    blocks left in: a separate span costs more calls than reading them) followed by ``extra`` blocks that
+    are gathered (a block several rows read, e.g. a shared prefix, has its first reader in a span).  Over
+    that concatenation ``owner[j]`` is the batch row of entry ``j`` (``B`` for a block no row reads) and
+    ``pad[j]`` is ``-inf`` on its unfilled positions."""
+
+    _GAP = 8  # blocks: a gap this long splits the span
+    _SPAN_COST = 6  # blocks' worth of reading that one more span costs (its two products)
+    _CALL_COST = 4  # the same for one attention call per sequence
+
+    def __init__(self, blocks: list[list[int]], lens: list[int], bs: int, device, whole: int | None = None):
+        B = len(blocks)
+        used = [row[:-(-n // bs)] for row, n in zip(blocks, lens)]
+        first: dict[int, tuple[int, int]] = {}  # block -> (row, filled positions)
+        extra: list[tuple[int, int, int]] = []
+        for r, (row, n) in enumerate(zip(used, lens)):
+            for j, blk in enumerate(row):
+                f = min(bs, n - j * bs)
+                if blk in first:
+                    extra.append((blk, r, f))
+                else:
+                    first[blk] = (r, f)
+        ids = sorted(first)
+        bounds: list[list[int]] = []
+        for blk in ids:
+            if bounds and blk - bounds[-1][1] < self._GAP:
+                bounds[-1][1] = blk + 1
+            else:
+                bounds.append([blk, blk + 1])
+        if whole is not None and ids:
+            bounds = [[0, whole]]
+        self.spans = [(lo, hi) for lo, hi in bounds]
+        owner, fill = [], []
+        for lo, hi in bounds:
+            for blk in range(lo, hi):
+                r, f = first.get(blk, (B, 0))
+                owner.append(r)
+                fill.append(f)
+        self.extra = torch.tensor([e[0] for e in extra], dtype=torch.long, device=device) if extra else None
+        owner += [e[1] for e in extra]
+        fill += [e[2] for e in extra]
+        self.owner = torch.tensor(owner, dtype=torch.long, device=device)
+        self.pad = torch.zeros(len(owner), bs, device=device).masked_fill_(
+            torch.arange(bs, device=device).view(1, bs) >= torch.tensor(fill, device=device).view(-1, 1),
+            float("-inf"))
+        # what reading the sequences one by one touches, in blocks (a sequence split into several runs of
+        # blocks is copied first) plus a cost per call, against the spans read whole
+        runs = [_runs(row) for row in used if row]
+        self.rows_read = len(runs)
+        self.per_sequence_cost = sum(sum(n for _, n in r) * (1 if len(r) == 1 else 3) + self._CALL_COST
+                                     for r in runs)
+        self.cost = sum(hi - lo + self._SPAN_COST for lo, hi in bounds) + len(extra) * 3
+
+
+def _attend_pool(q: Tensor, k_pool: Tensor, v_pool: Tensor, layout: _PoolLayout, *, scale: float, softcap) -> Tensor:
+    """One decode query per sequence against the blocks of some spans of the pool at once.
+
+    Each block's scores come from the query of the row that owns it: one batched matrix product per span
+    over its ``(blocks, Hkv)`` pairs (one per kv head on a head-major pool unless the span is all of it),
+    reading the keys where they are, however the blocks are scattered; then one softmax over each row's
+    blocks (segment max and sums, in float32 for half inputs) and the weighted values summed per row.
+    Unread blocks inside a span cost their bytes but count for nothing (their positions are ``-inf``)."""
+    B, Hq, _, D = q.shape
+    _, Hkv, bs, _ = k_pool.shape
+    Dv = v_pool.shape[3]
+    G = Hq // Hkv
+    acc = _accumulation(q.dtype)
+    dev = q.device
+    own = layout.owner
+    N = own.shape[0]
+    parts = [(k_pool[lo:hi], v_pool[lo:hi]) for lo, hi in layout.spans]
+    if layout.extra is not None:
+        parts.append((k_pool.index_select(0, layout.extra), v_pool.index_select(0, layout.extra)))
+
+    def products(a: Tensor, pool_part: int, y: int, dtype) -> Tensor:
+        """``a[j] @ part[j]`` for every entry ``j`` (``(N, Hkv, G, x) @ (n, Hkv, x, y)`` per part), written into
+        one ``(N, Hkv, G, y)`` tensor without copying the pool."""
+        out = torch.empty(N, Hkv, G, y, dtype=dtype, device=dev)
+        o = 0
+        for kv in parts:
+            b = kv[pool_part]
+            b = b.transpose(-1, -2) if pool_part == 0 else b
+            n = b.shape[0]
+            if b.stride(0) == Hkv * b.stride(1) or Hkv == 1:  # (n, Hkv) folds into one batch dimension
+                torch.matmul(a[o:o + n], b, out=out[o:o + n])
+            elif b.stride(1) == n * b.stride(0):  # all of a head-major pool: (Hkv, n) folds
+                out[o:o + n] = torch.matmul(a[o:o + n].transpose(0, 1), b.transpose(0, 1)).transpose(0, 1)
+            else:
+                for h in range(Hkv):  # a span of a head-major pool: one product per kv head
+                    out[o:o + n, h] = torch.matmul(a[o:o + n, h], b[:, h])
+            o += n
+        return out
+
+    qb = torch.cat([q.reshape(B, Hkv, G, D), q.new_zeros(1, Hkv, G, D)])  # row B: blocks no row reads
+    sc = products(qb[own], 0, bs, q.dtype).to(acc) * scale  # (N, Hkv, G, bs)
+    if softcap is not None:
+        sc = softcap * torch.tanh(sc / softcap)
+    sc = sc + layout.pad.to(acc)[:, None, None, :]
+    m = torch.full((B + 1, Hkv, G), float("-inf"), dtype=acc, device=dev)
+    m.scatter_reduce_(0, own.view(-1, 1, 1).expand(-1, Hkv, G), sc.amax(-1), "amax")
+    m = torch.where(torch.isfinite(m), m, torch.zeros((), dtype=acc, device=dev))  # rows reading nothing
+    e = torch.exp(sc - m[own].unsqueeze(-1))  # (N, Hkv, G, bs)
+    l = torch.zeros(B + 1, Hkv, G, dtype=acc, device=dev).index_add_(0, own, e.sum(-1))[:B]
+    ob = products(e.to(v_pool.dtype), 1, Dv, v_pool.dtype)  # (N, Hkv, G, Dv)
+    o = torch.zeros(B + 1, Hkv, G, Dv, dtype=acc, device=dev).index_add_(0, own, ob.to(acc))[:B]
+    out = o / torch.where(l > 0, l, torch.ones((), dtype=acc, device=dev)).unsqueeze(-1)
+    return out.reshape(B, Hq, 1, Dv).to(q.dtype)
 
 
 # ----------------------------------------------------------------------------- the block pool
@@ -453,12 +601,12 @@ class PagedCache:
         self.dtype = check_dtype("dtype", dtype)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.prefix_caching = bool(prefix_caching)
-        # stored head-major, (Hkv, num_blocks, block_size, D), seen as (num_blocks, Hkv, block_size, D): a run
-        # of consecutive blocks is then a strided (Hkv, positions, D) view that one attention call reads
-        shape_k = (n_kv_heads, num_blocks, block_size, d_head)
-        shape_v = (n_kv_heads, num_blocks, block_size, self.d_value)
-        self.k_pools = [torch.zeros(shape_k, dtype=dtype, device=self.device).transpose(0, 1) for _ in range(n_layers)]
-        self.v_pools = [torch.zeros(shape_v, dtype=dtype, device=self.device).transpose(0, 1) for _ in range(n_layers)]
+        # stored block-major and contiguous: a span of block ids is one (blocks * Hkv, block_size, D) batch
+        # that the decode's products read in place (see _attend_pool)
+        shape_k = (num_blocks, n_kv_heads, block_size, d_head)
+        shape_v = (num_blocks, n_kv_heads, block_size, self.d_value)
+        self.k_pools = [torch.zeros(shape_k, dtype=dtype, device=self.device) for _ in range(n_layers)]
+        self.v_pools = [torch.zeros(shape_v, dtype=dtype, device=self.device) for _ in range(n_layers)]
         self._alloc = _Allocator(num_blocks)
         self._seqs: dict[int, _Sequence] = {}
         self._next_id = 0
@@ -659,8 +807,19 @@ class _Plan:
                 off.append(p % bs)
         self.write_blocks = torch.tensor(blk, dtype=torch.long, device=dev)  # (B * n_new,)
         self.write_offsets = torch.tensor(off, dtype=torch.long, device=dev)
-        self.runs = [_runs(s.blocks[:-(-n // bs)]) for s, n in zip(seqs, self.lens)]
+        self.blocks = [s.blocks[:-(-n // bs)] for s, n in zip(seqs, self.lens)]
+        self.runs = [_runs(b) for b in self.blocks]
         self._tables = None
+        self._layout = None
+
+    def layout(self, whole: bool = False) -> _PoolLayout:
+        """The pool-wide decode layout (built once per step, shared by every layer)."""
+        if self._layout is None:
+            self._layout = {}
+        if whole not in self._layout:
+            self._layout[whole] = _PoolLayout(self.blocks, self.lens, self.cache.block_size, self.cache.device,
+                                              self.cache.num_blocks if whole else None)
+        return self._layout[whole]
 
     def tables(self) -> tuple[Tensor, Tensor]:
         """``block_table (B, max_blocks)`` and ``seq_lens (B,)`` int32 tensors (for the GPU kernel)."""
@@ -703,6 +862,9 @@ class _PagedDecode:
         if isinstance(mask, _Causal) and mask.align == "bottom_right" and q.shape[2] == 1:
             mask = None
         scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+        layout = _pool_layout(q, self.k_pool, self.v_pool, bias, mask, self.plan.layout)
+        if layout is not None:
+            return _attend_pool(q, self.k_pool, self.v_pool, layout, scale=scale, softcap=softcap)
         return _attend_runs(q, self.k_pool, self.v_pool, self.plan.lens, self.plan.runs, scale=scale,
                             softcap=softcap, bias=bias, mask=mask)
 
