@@ -349,7 +349,7 @@ def put_lse(x: Tensor, heads: Heads, ch: Chunk, value: Tensor) -> None:
 
 
 def keys_of(x: Tensor, heads: Heads, ch: Chunk, buf: Tensor | None = None) -> Tensor:
-    """The chunk's key windows of a flat ``(B*Hkv, Lk_pad, E)`` tensor as ``(N, kcount, W, E)``; gathered
+    """The chunk's key windows of a flat contiguous ``(B*Hkv, Lk_pad, E)`` tensor as ``(N, kcount, W, E)``; gathered
     windows are written into ``buf`` (``(kcount, N*w, bk*E)``) when given."""
     lp, e = x.shape[1], x.shape[2]
     if ch.band:
@@ -357,9 +357,13 @@ def keys_of(x: Tensor, heads: Heads, ch: Chunk, buf: Tensor | None = None) -> Te
         stride = (ch.kstep * e, heads.kstep * lp * e, e, 1)
         return x.as_strided(size, stride, x.storage_offset() + (heads.k0 * lp + ch.kstart) * e)
     bk = ch.block_k
-    xs = _heads_slice(x, heads.k0, heads.kstep, heads.kcount).view(heads.kcount, lp // bk, bk * e)
-    g = torch.index_select(xs, 1, ch.tiles.reshape(-1).to(x.device), out=buf)  # (kcount, N*w, bk*E): tiles
-    return g.view(heads.kcount, ch.N, ch.W, e).transpose(0, 1)
+    nt = lp // bk
+    # one gather of (head, key tile) rows of the contiguous flat tensor, along dim 0 (PyTorch splits that
+    # copy among its threads, not the one along dim 1)
+    first = (heads.k0 + heads.kstep * torch.arange(heads.kcount, device=x.device)) * nt
+    rows = (first.view(-1, 1) + ch.tiles.reshape(1, -1).to(x.device)).reshape(-1)
+    g = torch.index_select(x.view(-1, bk * e), 0, rows, out=None if buf is None else buf.view(-1, bk * e))
+    return g.view(heads.kcount, ch.N, ch.W, e).transpose(0, 1)  # from (kcount * N * w, bk * E)
 
 
 def kv_of(work: Work, ch: Chunk) -> tuple[Tensor, Tensor]:
