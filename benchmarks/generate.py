@@ -246,8 +246,8 @@ def quantized_cache(args, model, rows, results):
                 for length in (L, 2048, 8192):
                     s = StaticCache.for_model(model, 1, length).nbytes()
                     q = QuantizedCache.for_model(model, 1, length, bits=bits)
-                    q.layers[0].update(*(torch.zeros(1, 8, 1, 64),) * 2)  # allocates the storage ...
-                    q._read_workspace = q.layers[0]._read(torch.float32)  # ... and the shared workspace
+                    kv = q.layers[0].update(*(torch.zeros(1, 8, 1, 64),) * 2)  # allocates the storage ...
+                    kv.attend(torch.zeros(1, 8, 1, 64))  # ... and the decode read's chunk workspace
                     ratios.append((s / q.nbytes(), s / (q.nbytes() + q.workspace_nbytes())))
                 ratio = f"{ratios[0][0]:.2f}x ({ratios[0][1]:.2f}x with workspace) at {L}"
                 long_ratio = f"{ratios[1][0]:.2f}x ({ratios[1][1]:.2f}x) at 2048, {ratios[2][0]:.2f}x at 8192"

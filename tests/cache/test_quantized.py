@@ -33,7 +33,8 @@ def test_keys_per_channel_values_per_token_and_residual_exact(bits):
     v = torch.randn(1, 2, 37, 16)
     k_all, v_all = layer.update(k[:, :, :30], v[:, :, :30])
     for t in range(30, 37):
-        k_all, v_all = layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
+    k_all, v_all = layer.read()
     n_res = layer.n_res
     assert layer.n_quant % 8 == 0 and 1 <= n_res <= 16 and layer.n_quant + n_res == 37
     assert torch.equal(k_all[:, :, -n_res:], k[:, :, -n_res:])  # the newest tokens: full precision
@@ -61,7 +62,8 @@ def test_fills_exactly_max_len_then_overflows(max_len, group, groups, chunks):
         c = min(c, max_len - done)
         if c == 0:
             break
-        k_all, _ = layer.update(x[:, :, done:done + c], x[:, :, done:done + c])
+        layer.update(x[:, :, done:done + c], x[:, :, done:done + c])
+        k_all, _ = layer.read()
         done += c
         assert k_all.shape[2] == done and float((k_all - x[:, :, :done]).abs().max()) < 0.05
     assert done == max_len
@@ -110,3 +112,56 @@ def test_quantized_errors():
     big = QuantizedCache(1, max_len=8, group_size=4, residual=4)
     with pytest.raises(ValueError, match="float16 range"):
         big.layers[0].update(torch.full((1, 1, 6, 4), 1e6), torch.zeros(1, 1, 6, 4))
+
+
+@pytest.mark.parametrize("bits,chunk", [(8, 24), (4, 24), (8, 512)])
+@pytest.mark.parametrize("mask,bias,softcap,hq", [
+    (None, None, None, 2),
+    (masks.causal(), None, None, 4),
+    (masks.causal(), attnkit.bias.alibi(attnkit.bias.alibi_slopes(4)), None, 4),
+    (masks.sliding_window(40), None, 5.0, 4),
+])
+def test_decode_read_in_chunks_equals_attention_on_the_dequantized_cache(bits, chunk, mask, bias, softcap, hq):
+    """A decode step reads the store a chunk at a time (chunks of 3 groups: several of them; or one chunk
+    holding the whole store), with grouped heads, masks, biases and softcap: the same as attention over
+    every position dequantized at once, and nothing the size of a long sequence is kept in full precision."""
+    g = torch.Generator().manual_seed(bits)
+    cache = QuantizedCache(1, max_len=200, bits=bits, group_size=8, residual=8)
+    cache.chunk = chunk
+    layer = cache.layers[0]
+    k, v = torch.randn(2, 2, 151, 16, generator=g), torch.randn(2, 2, 151, 16, generator=g)
+    layer.update(k[:, :, :150], v[:, :, :150])
+    kv = layer.update(k[:, :, 150:], v[:, :, 150:])
+    assert hasattr(kv, "attend") and layer.n_quant >= 144
+    q = torch.randn(2, hq, 1, 16, generator=g)
+    got = attend(kv, q, mask=mask, bias=bias, softcap=softcap)
+    k_all, v_all = layer.read()
+    want = attnkit.attention(q, k_all, v_all, mask=mask, bias=bias, softcap=softcap)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    cap = min(chunk + 8, 200)  # (B, Hkv, chunk + residual, D) for keys and values
+    assert cache.workspace_nbytes() == 2 * 2 * 2 * cap * 16 * 4
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_read_with_left_padding_and_half_precision(padded, dtype):
+    """Chunked decode reads, plain and left-padded (padded positions are never attended: the cache's padding
+    mask joins the layer's); bfloat16 storage computes the softmax in float32."""
+    g = torch.Generator().manual_seed(0)
+    cache = QuantizedCache(1, max_len=64, bits=8, group_size=8)
+    cache.chunk = 16
+    if padded:
+        cache.set_left_padding(torch.tensor([0, 5]))
+    layer = cache.layers[0]
+    k, v = (torch.randn(2, 2, 41, 16, generator=g).to(dtype) for _ in range(2))
+    layer.update(k[:, :, :40], v[:, :, :40])
+    kv = layer.update(k[:, :, 40:], v[:, :, 40:])
+    q = torch.randn(2, 2, 1, 16, generator=g).to(dtype)
+    got = attend(kv, q, mask=masks.causal())
+    k_all, v_all = layer.read()
+    keep = torch.ones(2, 1, 1, 41, dtype=torch.bool)
+    if padded:
+        keep[1, ..., :5] = False
+    want = attnkit.attention(q.float(), k_all.float(), v_all.float(), mask=keep)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, rtol=0, atol=1e-5 if dtype == torch.float32 else 2e-2)

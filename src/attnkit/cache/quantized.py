@@ -12,13 +12,17 @@ Bytes per stored value against float32 (4 bytes), with float16 scales and zero p
 buffer (``residual`` tokens in full precision, one group by default), a constant that matters only for
 short sequences.  At 64-dim heads the default int8 / int4 caches are 2.8x / 4.0x smaller than float32 at 288
 tokens, 3.4x / 5.9x at 2048 and 3.5x / 6.3x at 8192; ``group_size=64`` trades short for long (2.2x / 2.9x at
-288, 3.7x / 6.8x at 8192).
+288, 3.7x / 6.8x at 8192).  Decoding reads the store in chunks of 512 positions: the only full-precision
+copy is one chunk (plus the residual) of one layer, whatever the length.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from ..masks import _Causal
 from ._common import ModelCache, check_dtype, check_int, check_new_kv, model_dims
 
 Tensor = torch.Tensor
@@ -146,37 +150,57 @@ class QuantizedLayerCache:
         self.v_zero[:, :, a:b] = z.squeeze(4)
         self.n_quant = b
 
-    def _read(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """Every stored position in position order, written into the cache's shared workspace: the store
-        dequantized (``q * scale + zero``: a converting copy, then one in-place ``addcmul``) followed by the
-        full-precision residual.  No memory is allocated per step."""
+    def _dequantize(self, which: str, a: int, b: int, out: Tensor) -> Tensor:
+        """Store positions ``a:b`` (whole groups) of the keys (``which="k"``) or values, dequantized into
+        ``out`` ``(B, Hkv, b - a, D)``: a converting copy, then one in-place ``addcmul``."""
         o = self._owner
-        n, r, g, gv = self.n_quant, self.n_res, o.group_size, self.gv
+        g, gv = o.group_size, self.gv
+        q = (self.kq if which == "k" else self.vq)[:, :, a:b]
+        if o.bits == 4:  # low nibble: channel i, high nibble: channel i + D/2
+            half = q.shape[-1]
+            out[..., :half].copy_(q & 15)
+            out[..., half:].copy_(q >> 4)
+        else:
+            out.copy_(q)
+        B, H, n, D = out.shape
+        dt = out.dtype
+        if which == "k":  # per channel, groups of g tokens
+            kd = out.view(B, H, n // g, g, D)
+            torch.addcmul(self.k_zero[:, :, a // g:b // g, None].to(dt), kd,
+                          self.k_scale[:, :, a // g:b // g, None].to(dt), out=kd)
+        else:  # per token, groups of gv channels
+            vd = out.view(B, H, n, D // gv, gv)
+            torch.addcmul(self.v_zero[:, :, a:b, :, None].to(dt), vd, self.v_scale[:, :, a:b, :, None].to(dt), out=vd)
+        return out
+
+    def _read(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Every stored position in position order, in new tensors: the store dequantized, then the
+        full-precision residual (a multi-token step's read; a decode step reads in chunks instead)."""
+        n, r = self.n_quant, self.n_res
         B, H = self.kq.shape[:2]
         D, Dv = self.rk.shape[3], self.rv.shape[3]
-        wk, wv = o._workspace(B, H, D, Dv, dtype, self.rk.device)
-        k_all, v_all = wk[:, :, :n + r], wv[:, :, :n + r]  # (B, Hkv, length, D), (B, Hkv, length, Dv)
+        dev = self.rk.device
+        k_all = torch.empty(B, H, n + r, D, dtype=dtype, device=dev)
+        v_all = torch.empty(B, H, n + r, Dv, dtype=dtype, device=dev)
         if n:
-            for q, out in ((self.kq[:, :, :n], k_all[:, :, :n]), (self.vq[:, :, :n], v_all[:, :, :n])):
-                if o.bits == 4:  # low nibble: channel i, high nibble: channel i + D/2
-                    half = q.shape[-1]
-                    out[..., :half].copy_(q & 15)
-                    out[..., half:].copy_(q >> 4)
-                else:
-                    out.copy_(q)
-            kd = k_all[:, :, :n].view(B, H, n // g, g, D)  # per channel, groups of g tokens
-            torch.addcmul(self.k_zero[:, :, :n // g, None].to(dtype), kd, self.k_scale[:, :, :n // g, None].to(dtype),
-                          out=kd)
-            vd = v_all[:, :, :n].view(B, H, n, Dv // gv, gv)  # per token, groups of gv channels
-            torch.addcmul(self.v_zero[:, :, :n, :, None].to(dtype), vd, self.v_scale[:, :, :n, :, None].to(dtype),
-                          out=vd)
+            self._dequantize("k", 0, n, k_all[:, :, :n])
+            self._dequantize("v", 0, n, v_all[:, :, :n])
         k_all[:, :, n:] = self.rk[:, :, :r]
         v_all[:, :, n:] = self.rv[:, :, :r]
         return k_all, v_all
 
+    def read(self) -> tuple[Tensor, Tensor]:
+        """Every stored position, dequantized into new ``(B, Hkv, length, D)`` / ``(..., Dv)`` tensors in the
+        model's dtype, in position order (the residual's full-precision tokens last): for inspection."""
+        if self.kq is None:
+            raise ValueError(f"QuantizedLayerCache {self.index} holds nothing yet: update it first")
+        return self._read(self.rk.dtype)
+
     def update(self, k: Tensor, v: Tensor):
-        """Store ``k (B, Hkv, L_new, D)``, ``v``; return every position, dequantized, in position order
-        (the residual's full-precision tokens last), plus the padding mask of a left-padded batch."""
+        """Store ``k (B, Hkv, L_new, D)``, ``v``.  A decode step (at most 16 new tokens) returns an object
+        whose ``attend`` reads the store a chunk at a time; a longer step returns every position dequantized
+        in position order (the residual's full-precision tokens last), plus the padding mask of a
+        left-padded batch."""
         if self.kq is None:
             self._allocate(k, v)
         check_new_kv(k, v, batch=self.kq.shape[0], heads=self.kq.shape[1], d_head=self.rk.shape[3],
@@ -201,8 +225,10 @@ class QuantizedLayerCache:
             self.rk[:, :, :self.n_res] = ks[:, :, f:]
             self.rv[:, :, :self.n_res] = vs[:, :, f:]
         self.length += n
-        k_all, v_all = self._read(self.rk.dtype)  # (B, Hkv, length, D), (B, Hkv, length, Dv)
         mask = o._key_mask(0, self.length)
+        if n <= _DECODE_QUERIES:
+            return _QuantizedDecode(self, mask)
+        k_all, v_all = self._read(self.rk.dtype)  # (B, Hkv, length, D), (B, Hkv, length, Dv)
         return (k_all, v_all) if mask is None else (k_all, v_all, mask)
 
     @property
@@ -224,6 +250,108 @@ class QuantizedLayerCache:
                 f"positions, int{self._owner.bits})")
 
 
+_DECODE_QUERIES = 16  # new tokens up to which an update returns the chunked reader
+_CHUNK = 512  # store positions dequantized at a time by the decode read
+
+
+class _QuantizedDecode:
+    """What a decode step's ``update`` returns: attention that reads the quantized store a chunk at a time.
+
+    Scores ``q @ k^T`` are computed chunk by chunk from keys dequantized into a small workspace shared by
+    every layer (``_CHUNK`` positions), then the residual's; softcap, bias and mask are applied as in
+    :func:`attnkit.attention` (with the cache's padding mask), a softmax in float32 for half inputs, and
+    the weighted values are summed chunk by chunk the same way.  Nothing the size of the stored sequence
+    is materialised in full precision."""
+
+    def __init__(self, layer: QuantizedLayerCache, pad_mask: Tensor | None):
+        self.layer, self.pad_mask = layer, pad_mask
+
+    def attend(self, q: Tensor, *, mask=None, bias=None, scale=None, softcap=None) -> Tensor:
+        from ..backends._common import accumulation_dtype, grouped_bias, grouped_index, modify_scores
+        from ..functional import _make_call
+        from ..masks import Mask, from_dense
+        from ..softmax import stable_softmax
+
+        layer, o = self.layer, self.layer._owner
+        n, r = layer.n_quant, layer.n_res
+        L = n + r
+        B, Hq, Lq, D = q.shape
+        H, Dv = layer.rk.shape[1], layer.rv.shape[3]
+        if isinstance(mask, _Causal) and mask.align == "bottom_right" and Lq == 1:
+            mask = None  # the newest query sees every stored key
+        if mask is None and bias is None and softcap is None and self.pad_mask is None and _plain_query(q, layer):
+            return self._plain(q, 1.0 / math.sqrt(D) if scale is None else float(scale))
+        if self.pad_mask is not None:
+            pad = from_dense(self.pad_mask)
+            mask = pad if mask is None else (mask if isinstance(mask, Mask) else from_dense(mask)) & pad
+        # the call's keys and values are shape-only stand-ins (nothing reads them): the contract's checks
+        # and the score modifiers see the real (B, Hkv, L, D) layout
+        k_shape = q.new_empty(1, 1, 1, 1).expand(B, H, L, D)
+        v_shape = q.new_empty(1, 1, 1, 1).expand(B, H, L, Dv)
+        call = _make_call(q, k_shape, v_shape, mask=mask, bias=bias, scale=scale, softcap=softcap)
+        G = Hq // H
+        dt = layer.rk.dtype
+        acc = accumulation_dtype(q.dtype)
+        qg = q.reshape(B, H, G * Lq, D).to(dt)
+        spans = [(a, min(n, a + o.chunk)) for a in range(0, n, o.chunk)]
+        wk, wv = o._workspace(B, H, D, Dv, dt, q.device)
+        parts = [torch.matmul(qg, layer._dequantize("k", a, b, wk[:, :, :b - a]).transpose(-1, -2))
+                 for a, b in spans]
+        parts.append(torch.matmul(qg, layer.rk[:, :, :r].transpose(-1, -2)))
+        s = torch.cat(parts, dim=-1).to(acc).view(B, H, G, Lq, L) * call.scale
+        dev = q.device
+        bi, hi, qi, ki = grouped_index(call, torch.arange(Lq, device=dev), torch.arange(L, device=dev))
+        s = modify_scores(s, call, bi, hi, qi, ki,
+                          bias_block=grouped_bias(call.bias, call) if isinstance(call.bias, Tensor) else None)
+        p = stable_softmax(s, dim=-1).view(B, H, G * Lq, L).to(dt)  # a row that sees nothing: zeros
+        out = torch.matmul(p[..., n:], layer.rv[:, :, :r]).to(acc)
+        for a, b in spans:
+            out += torch.matmul(p[..., a:b], layer._dequantize("v", a, b, wv[:, :, :b - a]))
+        return out.view(B, Hq, Lq, Dv).to(q.dtype)
+
+    def _plain(self, q: Tensor, scale: float) -> Tensor:
+        """Nothing modifies the scores: a store of one chunk is dequantized with the residual behind it for one
+        fused attention call; a longer one takes batched products per chunk and one softmax."""
+        layer, o = self.layer, self.layer._owner
+        n, r = layer.n_quant, layer.n_res
+        B, Hq, Lq, D = q.shape
+        H, Dv = layer.rk.shape[1], layer.rv.shape[3]
+        G = Hq // H
+        dt = layer.rk.dtype
+        acc = torch.float32 if dt in (torch.float16, torch.bfloat16) else dt
+        qg = q.reshape(B * H, G * Lq, D).to(dt)
+        spans = [(a, min(n, a + o.chunk)) for a in range(0, n, o.chunk)]
+        wk, wv = o._workspace(B, H, D, Dv, dt, q.device)
+        if len(spans) <= 1:  # the store fits one chunk: the residual behind it, one fused attention call
+            if n:
+                layer._dequantize("k", 0, n, wk[:, :, :n])
+                layer._dequantize("v", 0, n, wv[:, :, :n])
+            wk[:, :, n:n + r] = layer.rk[:, :, :r]
+            wv[:, :, n:n + r] = layer.rv[:, :, :r]
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, wk[:, :, :n + r], wv[:, :, :n + r], scale=scale, enable_gqa=G > 1)
+        parts = [torch.bmm(qg, layer._dequantize("k", a, b, wk[:, :, :b - a]).flatten(0, 1).transpose(1, 2))
+                 for a, b in spans]
+        parts.append(torch.bmm(qg, layer.rk[:, :, :r].flatten(0, 1).transpose(1, 2)))
+        s = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        p = torch.softmax(s.to(acc) * scale, dim=-1).to(dt)  # (B*H, G*Lq, L): every row sees its own key
+        out = torch.bmm(p[:, :, n:], layer.rv[:, :, :r].flatten(0, 1)).to(acc)
+        for a, b in spans:
+            vc = layer._dequantize("v", a, b, wv[:, :, :b - a]).flatten(0, 1)
+            if dt == acc:
+                out.baddbmm_(p[:, :, a:b], vc)
+            else:
+                out += torch.bmm(p[:, :, a:b], vc).to(acc)
+        return out.view(B, Hq, Lq, Dv).to(q.dtype)
+
+
+def _plain_query(q, layer: QuantizedLayerCache) -> bool:
+    """Whether ``q`` fits the store as is (anything else takes the checked path, whose errors are clear)."""
+    return (isinstance(q, Tensor) and q.dim() == 4 and q.dtype == layer.rk.dtype and q.device == layer.rk.device
+            and q.shape[0] == layer.rk.shape[0] and q.shape[1] % layer.rk.shape[1] == 0
+            and q.shape[3] == layer.rk.shape[3])
+
+
 class QuantizedCache(ModelCache):
     """A KV cache in int8 or int4 with per-group scales; the newest tokens stay in full precision.
 
@@ -237,11 +365,13 @@ class QuantizedCache(ModelCache):
         batch_size, n_kv_heads, d_head, d_value, dtype, device: the layout (allocated now when given).
         scale_dtype: dtype of scales and zero points (float16 halves their cost; float32 for huge values).
 
-    ``update`` returns the dequantized keys/values in the model's dtype, ``(B, Hkv, length, D)``; attention
-    then runs as usual.  They are written into one workspace shared by all layers (no allocation per step)
-    and stay valid until the next layer's update: copy them to keep them longer.  :meth:`nbytes` is the
-    storage held (compare ``StaticCache.nbytes``); :meth:`workspace_nbytes` the workspace, one layer's
-    worth in full precision.
+    A decode step's ``update`` (at most 16 new tokens) returns an object whose ``attend`` computes attention
+    from the store a chunk of 512 positions at a time, dequantized into one small workspace shared by all
+    layers (a store that fits one chunk is dequantized with the residual behind it for one fused call); a
+    longer step (a prompt) returns the dequantized keys/values ``(B, Hkv, length, D)`` in the model's dtype
+    as new tensors, and attention runs as usual.  :meth:`nbytes` is the storage held (compare
+    ``StaticCache.nbytes``); :meth:`workspace_nbytes` the workspace (at most a chunk plus the residual of
+    one layer in full precision); ``layers[i].read()`` dequantizes a layer for inspection.
 
     Example::
 
@@ -274,6 +404,7 @@ class QuantizedCache(ModelCache):
         self.dtype = check_dtype("dtype", dtype) if dtype is not None else None
         self.device = torch.device(device) if device is not None else None
         self.layers = tuple(QuantizedLayerCache(self, i) for i in range(n_layers))
+        self.chunk = max(group_size, _CHUNK // group_size * group_size)  # whole groups per decode chunk
         self._ws: tuple[Tensor, Tensor] | None = None
         if None not in (batch_size, n_kv_heads, d_head):
             dt = self.dtype or torch.float32
@@ -296,17 +427,17 @@ class QuantizedCache(ModelCache):
                    dtype=dtype or d["dtype"], device=device or d["device"])
 
     def _workspace(self, B: int, H: int, D: int, Dv: int, dtype: torch.dtype, device) -> tuple[Tensor, Tensor]:
-        """One pair of full-precision buffers ``(B, Hkv, max_len, D)`` shared by every layer: what ``update``
-        returns lives here until the next layer's update (attention reads it at once)."""
+        """One pair of full-precision buffers ``(B, Hkv, chunk + residual, D)`` shared by every layer: a decode
+        step dequantizes the store into it a chunk at a time (kept: fresh pages cost more than the copy)."""
         ws = self._ws
         if ws is None or ws[0].dtype != dtype or ws[0].device != torch.device(device) or ws[0].shape[:2] != (B, H):
-            cap = self.max_len
+            cap = min(self.chunk + self.residual, self.max_len)  # a chunk, or a short store and its residual
             ws = self._ws = (torch.empty(B, H, cap, D, dtype=dtype, device=device),
                              torch.empty(B, H, cap, Dv, dtype=dtype, device=device))
         return ws
 
     def workspace_nbytes(self) -> int:
-        """Bytes of the shared full-precision workspace (one layer's worth, reused by every layer)."""
+        """Bytes of the shared decode workspace (one chunk of positions in full precision, for every layer)."""
         return 0 if self._ws is None else self._ws[0].nbytes + self._ws[1].nbytes
 
     def _device(self) -> torch.device:
