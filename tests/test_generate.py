@@ -1,6 +1,8 @@
 """attnkit.generate and the caches inside real models: cached logits equal full recomputation for every
 cache and model variant; ragged batches equal one-by-one generation; sampling, streaming, eos, errors."""
 
+import copy
+
 import pytest
 import torch
 
@@ -199,6 +201,25 @@ def test_compiled_decode_steps_give_the_eager_tokens():
     assert generate(model, [[3, 1, 4]], 5, compile=True) == generate(model, [[3, 1, 4]], 5)
     with pytest.raises(ValueError, match="beyond the model's max_seq_len=512"):
         generate(model, [[1] * 500], 20, compile=True)
+
+
+def test_compiled_weights_are_frozen_per_model_and_refreshed_after_in_place_changes():
+    """The compiled steps freeze the weights into the code: a second model of the same shape gets its own
+    tokens, and weights changed in place after compiling are noticed by the next generate."""
+    a, b = copy.deepcopy(_model("rope")), copy.deepcopy(_model("rope"))  # changed below: not the shared one
+    with torch.no_grad():
+        for p in b.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    prompt = [[3, 1, 4, 1, 5]]
+    ea, eb = generate(a, prompt, 8), generate(b, prompt, 8)
+    assert ea != eb  # the two models disagree, so a shared frozen copy would show
+    assert generate(a, prompt, 8, compile=True) == ea
+    assert generate(b, prompt, 8, compile=True) == eb
+    with torch.no_grad():
+        a.embed.weight.mul_(-1.0)  # in place: same tensor, new values
+    ea2 = generate(a, prompt, 8)
+    assert ea2 != ea
+    assert generate(a, prompt, 8, compile=True) == ea2
 
 
 def test_generate_restores_training_mode_and_keeps_grad_mode():
