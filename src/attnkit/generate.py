@@ -217,7 +217,8 @@ def _compiled_step(model):
     becomes a dynamic size at the second step, so a generation compiles twice and then reuses the code.
     The code is compiled with Inductor's freezing: the weights are constants of the compiled graph (packed
     for oneDNN's linear kernels, which is what makes float32 and bfloat16 products fast on a CPU), so a model
-    whose weights changed in place since it was compiled is compiled again (the compiled code is reset)."""
+    whose weights changed in place since it was compiled is compiled again (the compiled code is reset).
+    Up to 64 graphs are kept for the step (dynamo's default keeps 8: four models or batch sizes)."""
     global _COMPILED_STEP
     if _COMPILED_STEP is None:
         _COMPILED_STEP = torch.compile(_call)
@@ -227,9 +228,15 @@ def _compiled_step(model):
     _FROZEN[model] = key
 
     def step(ids, **kw):
-        with torch._inductor.config.patch(freezing=True):
+        with torch._inductor.config.patch(freezing=True), torch._dynamo.config.patch(**_RECOMPILES):
             return _COMPILED_STEP(model, ids, **kw)
     return step
+
+
+# each (model, batch size) takes two graphs, and dynamo's default limit of 8 per function would send the
+# fifth pair back to eager steps (the name changed in PyTorch 2.6)
+_RECOMPILES = ({"recompile_limit": 64} if hasattr(torch._dynamo.config, "recompile_limit")
+               else {"cache_size_limit": 64})
 
 
 def _steps_padded(model, prompts, max_new_tokens, cache, compiled: bool = False) -> Iterator[Tensor]:
