@@ -102,10 +102,13 @@ def test_weight_quantization_keeps_greedy_tokens(trained, dtype):
     assert float((got == greedy).float().mean()) >= 0.99
 
 
-def test_bfloat16_model_generates_the_same_tokens(trained):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_bfloat16_model_generates_the_same_tokens(trained, compiled):
+    """A bfloat16 copy of the model keeps >= 99% of the float32 greedy tokens, eagerly and through
+    generate(compile=True) (whose compiled code holds the frozen, packed bfloat16 weights)."""
     model, seq, _, greedy = trained
     b16 = copy.deepcopy(model).to(torch.bfloat16)
-    got = torch.tensor(attnkit.generate(b16, seq[:, :32].tolist(), 256))
+    got = torch.tensor(attnkit.generate(b16, seq[:, :32].tolist(), 256, compile=compiled))
     assert float((got == greedy).float().mean()) >= 0.99
 
 
