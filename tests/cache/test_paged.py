@@ -53,11 +53,15 @@ def test_paged_attention_equals_attention_on_gathered(mask, bias, softcap, lq, l
         torch.testing.assert_close(got[b:b + 1], want, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("bias,products", [(None, 2), (B_.alibi(B_.alibi_slopes(8).double()), 2 * 3)])
+@pytest.mark.parametrize("bias,products", [
+    (None, 2),
+    (B_.alibi(B_.alibi_slopes(8).double()), 2),
+    (B_.from_fn(lambda s, b, h, q, k: s + 0.1 * torch.cos(k.to(s.dtype))), 2 * 3),
+])
 def test_paged_attention_reads_views_of_the_pool_without_repeating_heads(monkeypatch, bias, products):
     """Keys and values enter the products as views of the pool (no gather, no copy) with Hkv heads, not Hq:
-    an unmodified decode reads the used span of the pool in one product for keys and one for values; a
-    modified one takes a product per run of consecutive blocks."""
+    a decode whose modifiers read only positions reads the used span of the pool in one product for keys
+    and one for values; any other modifier takes a product per run of consecutive blocks."""
     seen = []
     real = torch.matmul
 
@@ -107,12 +111,28 @@ def test_head_major_pool_reads_one_view_per_sequence(monkeypatch):
     assert out[1].abs().max() == 0
 
 
-@settings(max_examples=40, deadline=None)
+_POSITION_MODS = ["none", "window", "prefix", "block_local", "alibi", "t5", "temperature", "window+alibi"]
+
+
+def _position_mods(kind: str, hq: int):
+    mask = {"window": masks.sliding_window(5), "prefix": masks.prefix_lm(6), "block_local": masks.block_local(8),
+            "window+alibi": masks.sliding_window(9)}.get(kind)
+    g = torch.Generator().manual_seed(hq)
+    bias = {"alibi": B_.alibi(B_.alibi_slopes(hq).double()), "window+alibi": B_.alibi(B_.alibi_slopes(hq).double()),
+            "t5": B_.relative_buckets(torch.randn(hq, 8, generator=g, dtype=F64), bidirectional=False),
+            "temperature": B_.temperature(torch.rand(hq, generator=g, dtype=F64) + 0.5)}.get(kind)
+    return mask, bias
+
+
+@settings(max_examples=60, deadline=None)
 @given(data=st.data(), layout=st.sampled_from(["block", "head"]), hkv=st.sampled_from([1, 2]),
-       group=st.sampled_from([1, 2]), softcap=st.sampled_from([None, 3.0]), nb=st.integers(4, 96))
-def test_pool_decode_equals_the_gathered_oracle(data, layout, hkv, group, softcap, nb):
+       group=st.sampled_from([1, 2]), softcap=st.sampled_from([None, 3.0]), nb=st.integers(4, 96),
+       mods=st.sampled_from(_POSITION_MODS))
+def test_pool_decode_equals_the_gathered_oracle(data, layout, hkv, group, softcap, nb, mods):
     """The decode over spans of the pool (any scatter of blocks, gaps, blocks shared by several rows, empty
-    rows, grouped heads, softcap, both storage orders) equals attention on each row's gathered keys."""
+    rows, grouped heads, softcap, both storage orders, masks and biases evaluated at each block's own
+    positions) equals attention on each row's gathered keys."""
+    mask, bias = _position_mods(mods, hkv * group)
     bs, d = 4, 8
     g = torch.Generator().manual_seed(nb)
     k_pool, v_pool = (torch.randn(nb, hkv, bs, d, generator=g, dtype=F64) for _ in range(2))
@@ -136,13 +156,36 @@ def test_pool_decode_equals_the_gathered_oracle(data, layout, hkv, group, softca
     width = max(1, max(len(r) for r in rows))
     table = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
     q = torch.randn(B, hkv * group, 1, d, generator=g, dtype=F64)
-    got = paged_attention(q, k_pool, v_pool, table, torch.tensor(lens, dtype=torch.int32), softcap=softcap)
+    got = paged_attention(q, k_pool, v_pool, table, torch.tensor(lens, dtype=torch.int32), softcap=softcap,
+                          mask=mask, bias=bias)
     for r in range(B):
         if lens[r] == 0:
             assert got[r].abs().max() == 0
             continue
         k, v = _gathered(k_pool, table[r], lens[r]), _gathered(v_pool, table[r], lens[r])
-        want = attnkit.attention(q[r:r + 1], k, v, softcap=softcap)
+        want = attnkit.attention(q[r:r + 1], k, v, softcap=softcap, mask=mask, bias=bias)
+        torch.testing.assert_close(got[r:r + 1], want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("mods", _POSITION_MODS[1:])
+def test_pool_decode_takes_position_only_modifiers(monkeypatch, mods):
+    """Every built-in mask and bias that reads only positions runs on the pool path (scattered blocks, a
+    shared prefix block, grouped heads) and equals the gathered oracle."""
+    from attnkit.cache import paged as P
+    calls = []
+    real = P._attend_pool
+    monkeypatch.setattr(P, "_attend_pool", lambda *a, **k: calls.append(1) or real(*a, **k))
+    mask, bias = _position_mods(mods, 4)
+    k_pool, v_pool = _pool(nb=40, hkv=2)
+    table = torch.tensor([[31, 2, 17, 9], [31, 5, 0, 0], [22, 23, 24, 38]], dtype=torch.int32)
+    lens = torch.tensor([15, 6, 16], dtype=torch.int32)
+    q = torch.randn(3, 4, 1, 8, dtype=F64)
+    got = paged_attention(q, k_pool, v_pool, table, lens, mask=mask, bias=bias)
+    assert calls
+    for r in range(3):
+        n = int(lens[r])
+        want = attnkit.attention(q[r:r + 1], _gathered(k_pool, table[r], n), _gathered(v_pool, table[r], n),
+                                 mask=mask, bias=bias)
         torch.testing.assert_close(got[r:r + 1], want, rtol=0, atol=1e-12)
 
 

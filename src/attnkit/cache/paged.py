@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..bias import ScoreMod
-from ..masks import Mask, _Causal
+from ..bias import ScoreMod, _ALiBi, _RelativeBuckets, _Temperature
+from ..masks import Mask, _BlockLocal, _Causal, _PrefixLM, _SlidingWindow
 from ..softmax import stable_softmax
 from ._common import check_dtype, check_int, check_new_kv, model_dims
 
@@ -105,10 +105,11 @@ def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tens
     On CUDA tensors, with no mask beyond causal, the Triton kernel ``attnkit.backends.triton.paged_decode``
     runs when it takes the call (its ``check_paged_decode``).  Elsewhere the pool is read where it lies
     (grouped-query heads are not repeated; the softmax runs in float32 for half inputs).  A decode step
-    (``Lq = 1``) with nothing modifying the scores but a softcap reads the used spans of the pool in one
+    (``Lq = 1``) whose mask and bias read only positions and heads (causal, sliding window, prefix-LM and
+    block-local masks; ALiBi, T5 buckets, temperature; softcap) reads the used spans of the pool in one
     pass for the whole batch: each block is scored with the query of the sequence that owns it, in one
-    batched product per span however the blocks are scattered, and a softmax over each sequence's blocks
-    follows.  Otherwise each sequence is attended alone: a contiguous ``(num_blocks, Hkv, block_size, D)``
+    batched product per span however the blocks are scattered, modified at its own positions, and a
+    softmax over each sequence's blocks follows.  Otherwise each sequence is attended alone: a contiguous ``(num_blocks, Hkv, block_size, D)``
     pool (:class:`PagedCache`'s storage) takes one matrix product per run of consecutive block ids, and
     a head-major pool (``(Hkv, num_blocks, ...)`` storage) reads a run as one ``(Hkv, L, D)`` view, with
     PyTorch's fused kernel when nothing modifies the scores (a head-major decode step takes whichever
@@ -151,7 +152,7 @@ def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tens
     layout = _pool_layout(q, k_pool, v_pool, bias, mask, functools.cache(
         lambda whole: _PoolLayout(rows, lens, bs, q.device, NB if whole else None)))
     if layout is not None:
-        return _attend_pool(q, k_pool, v_pool, layout, scale=scale, softcap=softcap)
+        return _attend_pool(q, k_pool, v_pool, layout, scale=scale, softcap=softcap, mask=mask, bias=bias)
     return _attend_runs(q, k_pool, v_pool, lens, runs, scale=scale, softcap=softcap, bias=bias, mask=mask)
 
 
@@ -249,12 +250,12 @@ def _attend_runs(q: Tensor, k_pool: Tensor, v_pool: Tensor, lens: list[int], run
 def _pool_layout(q: Tensor, k_pool: Tensor, v_pool: Tensor, bias, mask, layouts) -> "_PoolLayout | None":
     """The layout ``_attend_pool`` should read, or None for one attention call per sequence.
 
-    The pool path takes decode steps (one query per sequence) with nothing modifying the scores but a
-    softcap.  A block-major pool folds (blocks, kv heads) of a span into one batch; a head-major pool (where
+    The pool path takes decode steps (one query per sequence) whose mask and bias depend only on the query
+    and key positions and the head (``_position_only``).  A block-major pool folds (blocks, kv heads) of a span into one batch; a head-major pool (where
     a run of blocks is one ``(Hkv, L, D)`` view for the fused per-sequence kernel) folds them only over the
     whole pool, and a shorter span takes one product per kv head: there the cheapest of the three is read.
     ``layouts(whole)`` builds the layout (``whole``: one span over the whole pool)."""
-    if q.shape[2] != 1 or bias is not None or mask is not None:
+    if q.shape[2] != 1 or not _position_only(mask, bias):
         return None
     lay = layouts(False)
     Hkv, NB = k_pool.shape[1], k_pool.shape[0]
@@ -270,6 +271,18 @@ def _pool_layout(q: Tensor, k_pool: Tensor, v_pool: Tensor, bias, mask, layouts)
     if best == lay.per_sequence_cost:
         return None
     return lay if best == spans else layouts(True)
+
+
+_POSITION_MASKS = (_Causal, _SlidingWindow, _PrefixLM, _BlockLocal)
+_POSITION_BIASES = (_ALiBi, _RelativeBuckets, _Temperature)
+
+
+def _position_only(mask, bias) -> bool:
+    """Whether ``mask`` and ``bias`` (None or built-ins, bottom-right aligned) read nothing but the head and
+    the query and key positions, so the pool path can evaluate them per block of each sequence."""
+    return ((mask is None or (type(mask) in _POSITION_MASKS and mask.align == "bottom_right"))
+            and (bias is None or (type(bias) in _POSITION_BIASES and getattr(bias, "align", "bottom_right")
+                                  == "bottom_right")))
 
 
 def _head_major(pool: Tensor) -> bool:
@@ -361,15 +374,15 @@ class _PoolLayout:
     def __init__(self, blocks: list[list[int]], lens: list[int], bs: int, device, whole: int | None = None):
         B = len(blocks)
         used = [row[:-(-n // bs)] for row, n in zip(blocks, lens)]
-        first: dict[int, tuple[int, int]] = {}  # block -> (row, filled positions)
-        extra: list[tuple[int, int, int]] = []
+        first: dict[int, tuple[int, int, int]] = {}  # block -> (row, filled positions, its index in the row)
+        extra: list[tuple[int, int, int, int]] = []
         for r, (row, n) in enumerate(zip(used, lens)):
             for j, blk in enumerate(row):
                 f = min(bs, n - j * bs)
                 if blk in first:
-                    extra.append((blk, r, f))
+                    extra.append((blk, r, f, j))
                 else:
-                    first[blk] = (r, f)
+                    first[blk] = (r, f, j)
         ids = sorted(first)
         bounds: list[list[int]] = []
         for blk in ids:
@@ -380,16 +393,20 @@ class _PoolLayout:
         if whole is not None and ids:
             bounds = [[0, whole]]
         self.spans = [(lo, hi) for lo, hi in bounds]
-        owner, fill = [], []
+        owner, fill, index = [], [], []
         for lo, hi in bounds:
             for blk in range(lo, hi):
-                r, f = first.get(blk, (B, 0))
+                r, f, j = first.get(blk, (B, 0, 0))
                 owner.append(r)
                 fill.append(f)
+                index.append(j)
         self.extra = torch.tensor([e[0] for e in extra], dtype=torch.long, device=device) if extra else None
         owner += [e[1] for e in extra]
         fill += [e[2] for e in extra]
+        index += [e[3] for e in extra]
         self.owner = torch.tensor(owner, dtype=torch.long, device=device)
+        self._index, self._lens, self._bs = index, lens, bs
+        self._positions = None
         self.pad = torch.zeros(len(owner), bs, device=device).masked_fill_(
             torch.arange(bs, device=device).view(1, bs) >= torch.tensor(fill, device=device).view(-1, 1),
             float("-inf"))
@@ -401,8 +418,21 @@ class _PoolLayout:
                                      for r in runs)
         self.cost = sum(hi - lo + self._SPAN_COST for lo, hi in bounds) + len(extra) * 3
 
+    def positions(self) -> tuple[Tensor, Tensor]:
+        """``(query (N, 1, 1, 1), keys (N, 1, 1, bs))`` positions of each entry: its row's newest position
+        and the positions its block holds in that row (built once, for masks and biases)."""
+        if self._positions is None:
+            dev, bs = self.owner.device, self._bs
+            lens = torch.tensor(self._lens + [1], dtype=torch.long, device=dev)  # row B: unread blocks
+            p = (lens[self.owner] - 1).view(-1, 1, 1, 1)
+            k = (torch.tensor(self._index, dtype=torch.long, device=dev).view(-1, 1) * bs
+                 + torch.arange(bs, device=dev)).view(-1, 1, 1, bs)
+            self._positions = (p, k)
+        return self._positions
 
-def _attend_pool(q: Tensor, k_pool: Tensor, v_pool: Tensor, layout: _PoolLayout, *, scale: float, softcap) -> Tensor:
+
+def _attend_pool(q: Tensor, k_pool: Tensor, v_pool: Tensor, layout: _PoolLayout, *, scale: float, softcap,
+                 mask=None, bias=None) -> Tensor:
     """One decode query per sequence against the blocks of some spans of the pool at once.
 
     Each block's scores come from the query of the row that owns it: one batched matrix product per span
@@ -445,6 +475,14 @@ def _attend_pool(q: Tensor, k_pool: Tensor, v_pool: Tensor, layout: _PoolLayout,
     sc = products(qb[own], 0, bs, q.dtype).to(acc) * scale  # (N, Hkv, G, bs)
     if softcap is not None:
         sc = softcap * torch.tanh(sc / softcap)
+    if mask is not None or bias is not None:  # position-only modifiers: each entry's own positions
+        p, kpos = layout.positions()
+        b = own.view(-1, 1, 1, 1)
+        h = (torch.arange(Hkv, device=dev).view(Hkv, 1) * G + torch.arange(G, device=dev)).view(1, Hkv, G, 1)
+        if bias is not None:  # lengths of 1 and 1: no alignment offset, p is the query's position already
+            sc = bias._mod(sc, b, h, p, kpos, 1, 1).to(acc)
+        if mask is not None:
+            sc = sc.masked_fill(~mask._mod(b, h, p, kpos, 1, 1), float("-inf"))
     sc = sc + layout.pad.to(acc)[:, None, None, :]
     m = torch.full((B + 1, Hkv, G), float("-inf"), dtype=acc, device=dev)
     m.scatter_reduce_(0, own.view(-1, 1, 1).expand(-1, Hkv, G), sc.amax(-1), "amax")
@@ -864,7 +902,8 @@ class _PagedDecode:
         scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
         layout = _pool_layout(q, self.k_pool, self.v_pool, bias, mask, self.plan.layout)
         if layout is not None:
-            return _attend_pool(q, self.k_pool, self.v_pool, layout, scale=scale, softcap=softcap)
+            return _attend_pool(q, self.k_pool, self.v_pool, layout, scale=scale, softcap=softcap, mask=mask,
+                                bias=bias)
         return _attend_runs(q, self.k_pool, self.v_pool, self.plan.lens, self.plan.runs, scale=scale,
                             softcap=softcap, bias=bias, mask=mask)
 
