@@ -9,7 +9,9 @@ when generated alone.  ``cache=None`` recomputes the whole sequence every step (
 
 from __future__ import annotations
 
+import itertools
 import math
+import types
 import weakref
 from numbers import Integral, Real
 from typing import Callable, Iterator, Sequence
@@ -197,8 +199,9 @@ def _last_logits(out) -> Tensor:
     return logits[:, -1].float()  # (B, V)
 
 
-_COMPILED_STEP = None  # torch.compile(_call), built on first use
-_FROZEN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its weights when compiled
+# model -> (its weights when compiled, its compiled step, that step's code object)
+_COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_STEP_IDS = itertools.count()
 
 
 def _call(model, ids: Tensor, **kwargs):
@@ -211,30 +214,35 @@ def _weights_key(model) -> tuple:
 
 
 def _compiled_step(model):
-    """``model(ids, **kw)`` through ``torch.compile`` (compiled code is kept per model, keyed on its identity).
+    """``model(ids, **kw)`` through ``torch.compile``, with compiled code of its own for each model.
 
     Only one-token decode steps go through it: their shapes are fixed but for the cache length, which
     becomes a dynamic size at the second step, so a generation compiles twice and then reuses the code.
     The code is compiled with Inductor's freezing: the weights are constants of the compiled graph (packed
-    for oneDNN's linear kernels, which is what makes float32 and bfloat16 products fast on a CPU), so a model
-    whose weights changed in place since it was compiled is compiled again (the compiled code is reset).
-    Up to 64 graphs are kept for the step (dynamo's default keeps 8: four models or batch sizes)."""
-    global _COMPILED_STEP
-    if _COMPILED_STEP is None:
-        _COMPILED_STEP = torch.compile(_call)
+    for oneDNN's linear kernels, which is what makes float32 and bfloat16 products fast on a CPU).  Each
+    model gets its own code object, so its compiled code is its own: when its weights changed in place since
+    it was compiled, that code alone is dropped and compiled again.  Up to 64 graphs (batch sizes) are kept
+    per model (dynamo's default keeps 8)."""
     key = _weights_key(model)
-    if model in _FROZEN and _FROZEN[model] != key:
-        torch._dynamo.reset()  # the frozen constants are stale
-    _FROZEN[model] = key
+    entry = _COMPILED.get(model)
+    if entry is not None and entry[0] != key:  # the frozen constants are stale
+        if hasattr(torch._dynamo, "reset_code"):
+            torch._dynamo.reset_code(entry[2])
+        entry = None
+    if entry is None:
+        code = _call.__code__.replace(co_name=f"_decode_step_{next(_STEP_IDS)}")  # a code object of its own
+        fn = types.FunctionType(code, _call.__globals__, code.co_name)
+        entry = _COMPILED[model] = (key, torch.compile(fn), code)
+    compiled = entry[1]
 
     def step(ids, **kw):
         with torch._inductor.config.patch(freezing=True), torch._dynamo.config.patch(**_RECOMPILES):
-            return _COMPILED_STEP(model, ids, **kw)
+            return compiled(model, ids, **kw)
     return step
 
 
-# each (model, batch size) takes two graphs, and dynamo's default limit of 8 per function would send the
-# fifth pair back to eager steps (the name changed in PyTorch 2.6)
+# each batch size takes two graphs, and dynamo's default limit of 8 per function would send the fifth back
+# to eager steps (the name changed in PyTorch 2.6)
 _RECOMPILES = ({"recompile_limit": 64} if hasattr(torch._dynamo.config, "recompile_limit")
                else {"cache_size_limit": 64})
 
