@@ -437,9 +437,11 @@ def _attend_pool(q: Tensor, k_pool: Tensor, v_pool: Tensor, layout: _PoolLayout,
 
     Each block's scores come from the query of the row that owns it: one batched matrix product per span
     over its ``(blocks, Hkv)`` pairs (one per kv head on a head-major pool unless the span is all of it),
-    reading the keys where they are, however the blocks are scattered; then one softmax over each row's
-    blocks (segment max and sums, in float32 for half inputs) and the weighted values summed per row.
-    Unread blocks inside a span cost their bytes but count for nothing (their positions are ``-inf``)."""
+    reading the keys where they are, however the blocks are scattered; softcap, then a position-only bias
+    and mask evaluated at each block's own key positions against its row's newest position; then one
+    softmax over each row's blocks (segment max and sums, in float32 for half inputs) and the weighted
+    values summed per row.  Unread blocks inside a span cost their bytes but count for nothing (their
+    positions are ``-inf``)."""
     B, Hq, _, D = q.shape
     _, Hkv, bs, _ = k_pool.shape
     Dv = v_pool.shape[3]
