@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import attnkit  # noqa: E402
 from _common import machine, save, table, timeit  # noqa: E402
 from attnkit.cache import QuantizedCache, StaticCache  # noqa: E402
+from attnkit.nn import to_decode_layout  # noqa: E402
 from attnkit.quantize import weight_bytes  # noqa: E402
 
 BANDWIDTH = 38e9  # bytes/s this kind of machine streams from memory (measured before this benchmark)
@@ -75,12 +76,17 @@ def decode_rows(args, hf, model, rows, results):
         if hasattr(mod, "backend"):
             mod.backend = "auto"
     variants["attnkit float32, backend auto"] = auto
+    # generate lays the weights out for its batch; these rows keep one layout at both batch sizes
+    variants["attnkit float32, row-major kept"] = copy.deepcopy(model)
+    variants["attnkit float32, column-major kept"] = to_decode_layout(copy.deepcopy(model), batch_size=8)
     b16 = copy.deepcopy(model).to(torch.bfloat16)
     variants["attnkit bfloat16"] = b16
     q8 = attnkit.quantize(copy.deepcopy(model), "int8")
     variants["attnkit int8 weights"] = q8
     # compiled rows use backend "auto": while tracing it picks math for decode steps, which Inductor fuses
-    compiled = ({"attnkit float32, compiled": auto, "attnkit bfloat16, compiled": copy.deepcopy(auto).to(torch.bfloat16)}
+    # (copies: a compiled model keeps its weights' layout, which the eager rows change with the batch)
+    compiled = ({"attnkit float32, compiled": copy.deepcopy(auto),
+                 "attnkit bfloat16, compiled": copy.deepcopy(auto).to(torch.bfloat16)}
                 if args.compile else {})
     for name, m in {**variants, **compiled}.items():
         limit_ms[name] = streamed_bytes(m) / BANDWIDTH * 1e3
@@ -102,7 +108,8 @@ def decode_rows(args, hf, model, rows, results):
 
         fns = {"HF float32": run_hf}
         for name, m in variants.items():
-            fns[name] = (lambda m=m, name=name: toks.__setitem__(name, attnkit.generate(m, plist, n)))
+            kw = {"relayout": False} if name.endswith("kept") else {}
+            fns[name] = (lambda m=m, name=name, kw=kw: toks.__setitem__(name, attnkit.generate(m, plist, n, **kw)))
         for name, m in compiled.items():
             fns[name] = (lambda m=m, name=name: toks.__setitem__(name, attnkit.generate(m, plist, n, compile=True)))
         t = timeit(fns, repeat=args.repeat, warmup=1, budget_s=args.budget)

@@ -118,6 +118,23 @@ def test_bad_requests(model):
     assert engine.run() == {} and engine.add([1], 0) == 0 and engine.results[0] == []
 
 
+def test_engine_lays_the_weights_out_for_max_batch(model):
+    import copy
+
+    m = copy.deepcopy(model)
+    w = m.layers[0].attn.qkv_proj.weight
+    attnkit.Engine(m, cache_blocks=8, block_size=4, max_batch=2)
+    assert w.stride() == (w.shape[1], 1)  # up to 3 sequences a step: row-major
+    engine = attnkit.Engine(m, cache_blocks=16, block_size=4, max_batch=8)
+    assert w.stride() == (1, w.shape[0])  # from 4: column-major
+    rid = engine.add([1, 2, 3], 6)
+    assert engine.run()[rid] == attnkit.generate(model, [[1, 2, 3]], 6)[0]
+    attnkit.Engine(m, cache_blocks=8, block_size=4, max_batch=1, relayout=False)
+    assert w.stride() == (1, w.shape[0])
+    with pytest.raises(TypeError, match="relayout='no' must be True or False"):
+        attnkit.Engine(m, cache_blocks=8, relayout="no")
+
+
 @pytest.mark.parametrize("variant", [dict(positions="alibi", mask=attnkit.masks.sliding_window(6)),
                                      dict(positions="t5", n_kv_heads=1)])
 def test_engine_with_windows_and_relative_biases(variant):

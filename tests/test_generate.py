@@ -220,6 +220,30 @@ def test_compiled_weights_are_frozen_per_model_and_refreshed_after_in_place_chan
     ea2 = generate(a, prompt, 8)
     assert ea2 != ea
     assert generate(a, prompt, 8, compile=True) == ea2
+    generate(a, prompt * 4, 2)  # eager, 4 sequences: a compiled model keeps its layout (and frozen code)
+    assert a.layers[0].attn.qkv_proj.weight.is_contiguous()
+
+
+def test_generate_lays_the_weights_out_for_its_batch():
+    """Row-major weights for 1-3 sequences a step, column-major from 4 (float32 on CPU), the same tokens
+    either way; relayout=False and compiled models leave the memory alone."""
+    model = copy.deepcopy(_model("rope"))
+    w, head = model.layers[0].attn.qkv_proj.weight, model.embed.weight  # tied head
+    prompts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]]
+    alone = [generate(model, [p], 5)[0] for p in prompts]
+    assert w.stride() == (w.shape[1], 1)
+    assert generate(model, prompts, 5) == alone
+    assert w.stride() == (1, w.shape[0]) and head.stride() == (1, head.shape[0])
+    assert model.layers[0].attn.qkv_proj.weight is w
+    assert generate(model, prompts[:3], 5, relayout=False) == alone[:3]
+    assert w.stride() == (1, w.shape[0])
+    generate(model, prompts[:3], 5)
+    assert w.stride() == (w.shape[1], 1)
+    with pytest.raises(TypeError, match="relayout=1 must be True or False"):
+        generate(model, prompts, 5, relayout=1)
+    b16 = copy.deepcopy(model).to(torch.bfloat16)
+    generate(b16, prompts, 2)
+    assert b16.layers[0].attn.qkv_proj.weight.is_contiguous()  # bfloat16 reads row-major faster everywhere
 
 
 def test_generate_restores_training_mode_and_keeps_grad_mode():

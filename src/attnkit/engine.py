@@ -25,7 +25,7 @@ import torch
 
 from .cache import PagedCache, PoolExhausted
 from .cache._common import check_int
-from .generate import SamplingParams, _check_positions, _check_tokens, _last_logits, sample
+from .generate import SamplingParams, _check_positions, _check_tokens, _last_logits, _lay_out, sample
 
 Tensor = torch.Tensor
 
@@ -59,6 +59,9 @@ class Engine:
         preempt: when the pool runs out, preempt the newest sequence and recompute it later; with False a
             :class:`~attnkit.cache.PoolExhausted` error is raised instead.
         prefix_caching: reuse the cached blocks of a prompt prefix seen before.
+        relayout: lay the model's weights out for decoding ``max_batch`` sequences a step, as
+            :func:`attnkit.generate` does for its batch (:func:`attnkit.nn.to_decode_layout`; values and
+            parameters stay the same).
 
     The model is put in eval mode (no dropout while decoding).
 
@@ -84,11 +87,15 @@ class Engine:
     """
 
     def __init__(self, model, cache_blocks: int, block_size: int = 16, max_batch: int = 16, *, preempt: bool = True,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, relayout: bool = True):
         check_int("cache_blocks", cache_blocks, minimum=1)
         check_int("block_size", block_size, minimum=1)
         self.max_batch = check_int("max_batch", max_batch, minimum=1)
         self.model = model.eval()  # decoding: no dropout
+        if not isinstance(relayout, bool):
+            raise TypeError(f"relayout={relayout!r} must be True or False")
+        if relayout:
+            _lay_out(model, self.max_batch)
         self.preempt = bool(preempt)
         self.cache = PagedCache.for_model(model, cache_blocks, block_size, prefix_caching=prefix_caching)
         self.waiting: deque[_Request] = deque()

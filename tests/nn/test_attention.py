@@ -50,7 +50,7 @@ def test_fused_projection_stacks_q_k_v_rows():
     m = MultiHeadAttention(16, 4, n_kv_heads=2)
     assert m.qkv_proj.weight.shape == ((4 + 2 * 2) * 4, 16)
     assert m.out_proj.weight.shape == (16, 16)
-    assert m.qkv_proj.weight.stride() == (1, 32)  # column-major storage for decoding
+    assert m.qkv_proj.weight.stride() == (16, 1)  # nn.Linear's row-major storage
 
 
 def test_d_head_may_differ_from_d_model_over_heads():

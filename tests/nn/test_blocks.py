@@ -52,7 +52,7 @@ def test_rms_norm_and_linear_match_their_definitions():
     lin, ref = Linear(6, 3).to(D64), torch.nn.Linear(6, 3).to(D64)
     ref.load_state_dict(lin.state_dict())
     torch.testing.assert_close(lin(x), ref(x), rtol=0, atol=1e-12)
-    assert lin.weight.stride() == (1, 3) and lin.weight.grad is None
+    assert lin.weight.stride() == (6, 1) and lin.weight.grad is None
     lin(x).sum().backward()
     assert lin.weight.grad.shape == (3, 6)
 

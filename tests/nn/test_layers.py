@@ -1,4 +1,4 @@
-"""attnkit.nn.linear / Linear: the oneDNN fast path agrees with F.linear and steps aside where it must."""
+"""attnkit.nn.linear / Linear: the MKL and oneDNN fast paths agree with F.linear and step aside where they must."""
 
 import pytest
 import torch
@@ -14,13 +14,17 @@ def test_onednn_operator_is_found_where_pytorch_has_onednn():
     assert layers._onednn_linear_works() == torch.backends.mkldnn.is_available()
 
 
-@pytest.mark.parametrize("shape", [(1, 64), (1, 1, 64), (3, 5, 64), (0, 64), (2, 0, 64)])
+@pytest.mark.parametrize("shape", [(1, 64), (1, 1, 64), (2, 64), (1, 3, 64), (4, 64), (3, 5, 64), (0, 64),
+                                   (2, 0, 64)])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_linear_matches_f_linear(shape, with_bias, threads):
+@pytest.mark.parametrize("layout", ["row", "column", "row slice"])
+def test_linear_matches_f_linear(shape, with_bias, threads, layout):
+    """Every kernel :func:`linear` picks (by rows, threads and weight layout) against float64."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(*shape, generator=g)
-    w = layers._column_major(torch.randn(48, 64, generator=g))
+    w = torch.randn(96 if layout == "row slice" else 48, 64, generator=g)
+    w = layers._column_major(w) if layout == "column" else w[:48] if layout == "row slice" else w
     b = torch.randn(48, generator=g) if with_bias else None
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -58,7 +62,7 @@ def test_linear_gradients_and_other_dtypes_use_f_linear():
 
 def test_fallback_when_operator_is_missing(monkeypatch):
     monkeypatch.setattr(layers, "_ONEDNN", False)
-    x, w = torch.randn(3, 16), torch.randn(4, 16)
+    x, w = torch.randn(5, 16), torch.randn(4, 16)  # 5 rows: oneDNN's case
     with torch.no_grad():
         assert torch.equal(linear(x, w), F.linear(x, w))
 

@@ -143,18 +143,28 @@ def test_bad_model_inputs_raise_clear_errors(concat_cache):
         model(torch.zeros(1, 5, dtype=torch.long), cache=object())
 
 
-def test_weights_are_column_major_and_survive_load_state_dict_and_dtype_changes():
+def test_decode_layout_follows_the_batch_and_survives_load_state_dict_and_dtype_changes():
     model = DecoderLM(DecoderConfig.preset("tiny", tie_embeddings=True))
     w = model.layers[0].attn.qkv_proj.weight
-    assert w.stride() == (1, w.shape[0])
-    assert model.embed.weight.stride() == (1, 256)  # tied: the head streams it
+    assert w.stride() == (w.shape[1], 1) and model.embed.weight.stride() == (64, 1)  # nn.Linear's layout
+    ids = torch.randint(0, 256, (2, 7))
+    ref = model(ids)
+    assert to_decode_layout(model, batch_size=8) is model
+    assert w.stride() == (1, w.shape[0]) and model.embed.weight is not None
+    assert model.embed.weight.stride() == (1, 256)  # tied: the head streams the embedding
+    assert model.layers[0].attn.qkv_proj.weight is w  # parameters keep their identity
+    torch.testing.assert_close(model(ids), ref, rtol=1e-5, atol=1e-5)  # the same model, laid out otherwise
     other = DecoderLM(DecoderConfig.preset("tiny"))
     other.load_state_dict(model.state_dict())
-    assert other.layers[0].attn.qkv_proj.weight.stride() == (1, w.shape[0])
+    assert other.layers[0].attn.qkv_proj.weight.stride() == (w.shape[1], 1)  # load_state_dict keeps the layout
+    untied = DecoderLM(DecoderConfig.preset("tiny", tie_embeddings=False))
+    assert to_decode_layout(untied, 4).embed.weight.stride() == (64, 1)  # untied: lookups want rows
+    assert untied.lm_head.weight.stride() == (1, 256)
     assert model.to(torch.bfloat16).layers[0].ffn.up_proj.weight.stride()[0] == 1
-    with torch.no_grad():
-        other.layers[0].attn.qkv_proj.weight.data = torch.randn(w.shape)
-    assert to_decode_layout(other).layers[0].attn.qkv_proj.weight.stride() == (1, w.shape[0])
+    to_decode_layout(model, batch_size=3)
+    assert w.stride() == (w.shape[1], 1) and model.embed.weight.stride() == (64, 1)
+    with pytest.raises(ValueError, match="batch_size"):
+        to_decode_layout(model, batch_size=0)
 
 
 # ------------------------------------------------------------------ per-layer masks and attention dropout

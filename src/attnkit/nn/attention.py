@@ -51,8 +51,8 @@ class MultiHeadAttention(_Attends):
     ``x`` and the k/v rows to ``context``.  When the context has another width (``kdim``/``vdim``, e.g.
     image patches attending to text) the module has ``q_proj`` and a fused ``kv_proj: kdim -> 2 Hkv d_head``
     (rows ``[k; v]``), or ``k_proj``/``v_proj`` when ``kdim != vdim`` (then ``context`` is a pair
-    ``(key_input, value_input)``).  ``out_proj`` maps ``Hq d_head -> d_model``.  Weights are stored
-    column-major for fast decoding (:class:`~attnkit.nn.Linear`).
+    ``(key_input, value_input)``).  ``out_proj`` maps ``Hq d_head -> d_model``.  Projections are
+    :class:`~attnkit.nn.Linear` layers (the fastest CPU kernel for the weights' layout when decoding).
 
     **Scores.**  ``q.k * scale`` with ``scale = 1 / (sqrt(d_head) * temperature)``, then ``softcap``, then
     the position bias (ALiBi/T5), then the masks; optional ``qk_norm`` (RMSNorm of every query and key

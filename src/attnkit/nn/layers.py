@@ -1,16 +1,22 @@
 """Building blocks below attention: a decode-friendly linear layer, RMSNorm, feed-forward networks.
 
-Weights are stored *column-major*: a weight has the logical shape ``(out, in)`` of ``torch.nn.Linear`` (so
-``state_dict`` keys, ``load_state_dict`` and ``weight.copy_(w)`` work unchanged) but its memory is laid out
-as ``(in, out)``.  Decoding one token is a matrix-vector product bound by memory bandwidth, and on CPU
-``F.linear`` streams a weight laid out as ``(in, out)`` about 1.6x faster than the default layout
-(``benchmarks/model.py`` measures it); training matmuls run at the same speed in both layouts.
+Decoding one token is a matrix-vector product bound by memory bandwidth, and how fast PyTorch's CPU kernels
+stream a weight depends on its memory layout and on the number of rows a step feeds.  Weights keep
+``torch.nn.Linear``'s logical shape ``(out, in)`` and, by default, its row-major memory; :func:`linear`
+picks the kernel from the layout and the row count, for float32 CPU products that need no gradient
+(decoding, prefill, evaluation):
 
-Float32 products on CPU that need no gradient (decoding, prefill, evaluation) go through oneDNN's linear
-kernel, which uses every thread for a matrix-vector product where ``F.linear`` (MKL) uses one: about 1.4x
-faster at one token and 2x at 8 tokens per step on a 2-core machine (``benchmarks/generate.py``).  That
-kernel is a private PyTorch operator; :func:`linear` checks it once against ``F.linear`` and falls back to
-``F.linear`` when it is missing or disagrees.
+* 1 to 3 rows and a row-major weight: ``weight @ x.T`` through MKL, with a single row padded to two
+  (MKL's two-column product streams the weight with every thread, ~1.8x faster than oneDNN at one row and
+  ~1.4x at two on the 2-core machine of ``benchmarks/generate.py``; one row alone takes a slower path);
+* more rows, or a column-major weight (memory ``(in, out)``): oneDNN's linear kernel, which uses every
+  thread where ``F.linear`` (MKL) uses one for a matrix-vector product.  From 4 rows up it streams a
+  column-major weight 10-40% faster than a row-major one; :func:`to_decode_layout` lays a model out for
+  the batch it will decode;
+* anything else (gradients, other dtypes and devices, ``torch.compile`` graphs): ``F.linear``.
+
+oneDNN's kernel is a private PyTorch operator; :func:`linear` checks it once against ``F.linear`` and
+falls back to ``F.linear`` when it is missing or disagrees.
 """
 
 from __future__ import annotations
@@ -46,10 +52,9 @@ def _onednn_linear_works() -> bool:
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)``: ``x (..., in)``, ``weight (out, in)``, ``bias (out,)`` -> ``(..., out)``.
 
-    Float32 CPU products that autograd does not track run on oneDNN's multi-threaded kernel (see the module
-    doc); everything else (gradients, other dtypes and devices, one thread with one row, where MKL is as
-    fast, and ``torch.compile`` graphs) is ``F.linear``.  Results agree with ``F.linear`` to float32
-    rounding.
+    Float32 CPU products that autograd does not track take the fastest kernel for the weight's layout and
+    the number of rows (see the module doc); everything else (gradients, other dtypes and devices,
+    ``torch.compile`` graphs) is ``F.linear``.  Results agree with ``F.linear`` to float32 rounding.
 
     Example::
 
@@ -59,15 +64,27 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         >>> torch.allclose(linear(x, w), x @ w.T, atol=1e-5)
         True
     """
-    # (torch.compile: Inductor lowers this operator only for frozen weights, so graphs keep F.linear)
+    # (torch.compile: Inductor lowers these operators only for frozen weights, so graphs keep F.linear)
     if (not torch.compiler.is_compiling() and x.dtype is torch.float32 and weight.dtype is torch.float32
             and x.device.type == "cpu" and weight.device.type == "cpu"
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                   or (bias is not None and bias.requires_grad)))
-            and (bias is None or (bias.dtype is torch.float32 and bias.device.type == "cpu"))
-            and (x.numel() > x.shape[-1] or torch.get_num_threads() > 1) and _onednn_linear_works()):
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+            and (bias is None or (bias.dtype is torch.float32 and bias.device.type == "cpu"))):
+        k = x.shape[-1]
+        rows = x.numel() // k if k else 0
+        if 1 <= rows <= _MKL_ROWS and weight.dim() == 2 and weight.stride(1) == 1 and weight.stride(0) == k:
+            x2 = x.reshape(rows, k)
+            if rows == 1:
+                x2 = torch.cat([x2, x2])  # MKL streams (out, in) @ (in, 2) with every thread, (in, 1) with one
+            y = torch.mm(weight, x2.t()).t()[:rows]  # (rows, out), a view of (out, 2 or 3)
+            y = y + bias if bias is not None else y.contiguous()
+            return y.view(*x.shape[:-1], weight.shape[0])
+        if (rows > 1 or torch.get_num_threads() > 1) and _onednn_linear_works():
+            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+_MKL_ROWS = 3  # up to this many rows a row-major weight goes through MKL's few-column product (module doc)
 
 
 def _column_major(w: Tensor) -> Tensor:
@@ -77,10 +94,17 @@ def _column_major(w: Tensor) -> Tensor:
     return w.detach().t().contiguous().t()
 
 
-class Linear(nn.Linear):
-    """``torch.nn.Linear`` with its ``(out, in)`` weight stored column-major (memory ``(in, out)``).
+def _row_major(w: Tensor) -> Tensor:
+    """The same values, contiguous (a no-op when already so)."""
+    return w if w.is_contiguous() else w.detach().contiguous()
 
-    Input ``(..., in_features)``, output ``(..., out_features)``; numerically identical to ``nn.Linear``.
+
+class Linear(nn.Linear):
+    """``torch.nn.Linear`` whose forward is :func:`linear` (the fastest CPU kernel for the weight's layout
+    and the number of rows; ``F.linear`` everywhere else).
+
+    Input ``(..., in_features)``, output ``(..., out_features)``; numerically ``nn.Linear`` up to float32
+    rounding.  The weight is row-major like ``nn.Linear``'s until :func:`to_decode_layout` changes it.
 
     Example::
 
@@ -88,37 +112,45 @@ class Linear(nn.Linear):
         >>> from attnkit.nn import Linear
         >>> lin = Linear(4, 3)
         >>> lin.weight.shape, lin.weight.stride()
-        (torch.Size([3, 4]), (1, 3))
+        (torch.Size([3, 4]), (4, 1))
         >>> lin(torch.randn(2, 4)).shape
         torch.Size([2, 3])
     """
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None):
-        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.weight = nn.Parameter(_column_major(self.weight))
 
     def forward(self, x: Tensor) -> Tensor:
         return linear(x, self.weight, self.bias)
 
 
-def to_decode_layout(module: nn.Module) -> nn.Module:
-    """Store every ``nn.Linear`` / ``nn.Embedding`` weight in ``module`` column-major, in place; returns it.
+def to_decode_layout(module: nn.Module, batch_size: int = 1) -> nn.Module:
+    """Lay out every ``nn.Linear`` weight (and a tied head's embedding) in ``module`` for decoding
+    ``batch_size`` sequences a step, in place; returns ``module``.
 
-    Use it after assigning weights with ``param.data = ...`` (``load_state_dict`` and ``copy_`` keep the
-    layout by themselves).  Values, shapes and parameter identity are unchanged.
+    Float32 weights on CPU are read fastest row-major (``nn.Linear``'s default) up to 3 rows a step and
+    column-major (memory ``(in, out)``) from 4: 10-40% faster for 4-16 rows and 4-12% for prefill-sized
+    products on the machine of ``benchmarks/generate.py``.  Other dtypes and devices are laid out row-major
+    (bfloat16 reads 5-12% faster so at every batch size).  Values, shapes and parameter identity are
+    unchanged; ``load_state_dict`` and ``weight.copy_`` keep the layout, assigning ``.data`` does not.
+    :func:`attnkit.generate` and :class:`attnkit.Engine` call this for the batch they decode.
 
     Example::
 
         >>> import torch
         >>> m = torch.nn.Linear(4, 3)
-        >>> to_decode_layout(m).weight.stride()
-        (1, 3)
+        >>> to_decode_layout(m, batch_size=8).weight.stride(), to_decode_layout(m).weight.stride()
+        ((1, 3), (4, 1))
     """
+    batch_size = _checks.positive_int("batch_size", batch_size)
+    # a language model whose head is tied (lm_head None) streams its embedding like a Linear weight
+    tied = {id(m.embed.weight) for m in module.modules()
+            if isinstance(getattr(m, "embed", None), nn.Embedding) and getattr(m, "lm_head", False) is None}
     for sub in module.modules():
-        if isinstance(sub, (nn.Linear, nn.Embedding)):
+        if isinstance(sub, nn.Linear) or (isinstance(sub, nn.Embedding) and id(sub.weight) in tied):
             w = sub.weight
-            if w.dim() == 2 and not (w.stride(0) == 1 and w.stride(1) == w.shape[0]):
-                w.data = _column_major(w.data)
+            if w.dim() == 2:
+                column = batch_size > _MKL_ROWS and w.dtype is torch.float32 and w.device.type == "cpu"
+                new = _column_major(w.data) if column else _row_major(w.data)
+                if new is not w.data:
+                    w.data = new
     return module
 
 

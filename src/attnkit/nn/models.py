@@ -11,7 +11,7 @@ import torch.nn as nn
 from .. import masks as _masks
 from . import _checks
 from .blocks import Decoder, Encoder, TransformerBlock, _cache_positions, _layer_caches, default_d_ff
-from .layers import Linear, _column_major, _dropout, linear, make_norm
+from .layers import Linear, _dropout, linear, make_norm
 from .positions import ALiBi, PositionEncoding, RotaryEmbedding, SinusoidalPositions, T5RelativeBias
 
 Tensor = torch.Tensor
@@ -233,8 +233,6 @@ class _LMBase(nn.Module):
                 nn.init.normal_(p, std=std)
         if self.abs_positions is not None:  # the original Transformer: embeddings * sqrt(d) join unit-size waves
             nn.init.normal_(self.embed.weight, std=self.config.d_model ** -0.5)
-        if self.lm_head is None:  # the tied head streams the embedding: keep it column-major for decoding
-            self.embed.weight.data = _column_major(self.embed.weight.data)
 
     def _check_positions(self, pos: Tensor) -> int:
         """The largest position (read from the tensor), checked against ``max_seq_len``."""
@@ -262,7 +260,7 @@ class _LMBase(nn.Module):
 
     def _embed(self, ids: Tensor, pos: Tensor) -> Tensor:
         w = self.embed.weight
-        if w.stride(0) == 1 and w.shape[0] > 1:  # column-major (tied head): gather columns of the (d, vocab) view
+        if w.stride(0) == 1 and w.shape[0] > 1:  # column-major (a tied head laid out for batches): gather columns
             x = w.t().index_select(1, ids.reshape(-1)).t().reshape(*ids.shape, w.shape[1])  # (B, L, d_model)
         else:
             x = self.embed(ids)  # (B, L, d_model)
@@ -297,8 +295,8 @@ class DecoderLM(_LMBase):
     Submodules (for converting checkpoints): ``embed`` (``nn.Embedding``), ``layers[i]`` with
     ``attn_norm``, ``attn.qkv_proj`` (rows ``[q; k; v]``), ``attn.out_proj``, ``ffn_norm``,
     ``ffn.up_proj`` (SwiGLU: rows ``[gate; up]``), ``ffn.down_proj``; ``norm``; ``lm_head`` (``None`` when
-    tied).  Weights are stored column-major for fast decoding; load them with ``load_state_dict`` or
-    ``weight.copy_(...)`` (or call :func:`attnkit.nn.to_decode_layout` after assigning ``.data``).
+    tied).  Weights are row-major like ``nn.Linear``'s, the fastest layout for decoding up to 3 sequences
+    a step on CPU; :func:`attnkit.nn.to_decode_layout` lays them out for bigger batches.
 
     ``forward(ids (B, L) long, *, cache=None, positions=None, mask=None) -> logits (B, L, vocab_size)``.
 
