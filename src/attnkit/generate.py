@@ -381,8 +381,8 @@ def generate(model, prompts, max_new_tokens: int, *, cache: str | Callable | Non
             floating-point rounding.
         relayout: without ``compile``, first lay the model's weights out for decoding ``len(prompts)``
             sequences a step (:func:`attnkit.nn.to_decode_layout`: on CPU, float32 weights row-major up to 3
-            sequences, column-major from 4; a no-op when they already are, ~0.1 s for 58M parameters when
-            not).  Values and parameters stay the same; False leaves the weights' memory untouched, as does
+            sequences, column-major from 4, bfloat16 column-major; a no-op when they already are, ~0.1 s for
+            58M parameters when not).  Values and parameters stay the same; False leaves the weights' memory untouched, as does
             a model that ``compile=True`` has compiled (its frozen code keeps its own copy).
 
     Returns:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -160,7 +162,9 @@ def test_decode_layout_follows_the_batch_and_survives_load_state_dict_and_dtype_
     untied = DecoderLM(DecoderConfig.preset("tiny", tie_embeddings=False))
     assert to_decode_layout(untied, 4).embed.weight.stride() == (64, 1)  # untied: lookups want rows
     assert untied.lm_head.weight.stride() == (1, 256)
-    assert model.to(torch.bfloat16).layers[0].ffn.up_proj.weight.stride()[0] == 1
+    b16 = copy.deepcopy(model).to(torch.bfloat16)
+    assert b16.layers[0].ffn.up_proj.weight.stride()[0] == 1  # .to keeps the layout
+    assert to_decode_layout(b16, 1).layers[0].ffn.up_proj.weight.stride()[0] == 1  # bfloat16: column-major
     to_decode_layout(model, batch_size=3)
     assert w.stride() == (w.shape[1], 1) and model.embed.weight.stride() == (64, 1)
     with pytest.raises(ValueError, match="batch_size"):

@@ -11,8 +11,8 @@ picks the kernel from the layout and the row count, for float32 CPU products tha
   ~1.4x at two on the 2-core machine of ``benchmarks/generate.py``; one row alone takes a slower path);
 * more rows, or a column-major weight (memory ``(in, out)``): oneDNN's linear kernel, which uses every
   thread where ``F.linear`` (MKL) uses one for a matrix-vector product.  From 4 rows up it streams a
-  column-major weight 10-40% faster than a row-major one; :func:`to_decode_layout` lays a model out for
-  the batch it will decode;
+  column-major weight 1.25-1.35x faster than a row-major one; :func:`to_decode_layout` lays a model out
+  for the batch it will decode;
 * anything else (gradients, other dtypes and devices, ``torch.compile`` graphs): ``F.linear``.
 
 oneDNN's kernel is a private PyTorch operator; :func:`linear` checks it once against ``F.linear`` and
@@ -125,12 +125,13 @@ def to_decode_layout(module: nn.Module, batch_size: int = 1) -> nn.Module:
     """Lay out every ``nn.Linear`` weight (and a tied head's embedding) in ``module`` for decoding
     ``batch_size`` sequences a step, in place; returns ``module``.
 
-    Float32 weights on CPU are read fastest row-major (``nn.Linear``'s default) up to 3 rows a step and
-    column-major (memory ``(in, out)``) from 4: 10-40% faster for 4-16 rows and 4-12% for prefill-sized
-    products on the machine of ``benchmarks/generate.py``.  Other dtypes and devices are laid out row-major
-    (bfloat16 reads 5-12% faster so at every batch size).  Values, shapes and parameter identity are
-    unchanged; ``load_state_dict`` and ``weight.copy_`` keep the layout, assigning ``.data`` does not.
-    :func:`attnkit.generate` and :class:`attnkit.Engine` call this for the batch they decode.
+    On CPU, float32 weights are read fastest row-major (``nn.Linear``'s default) up to 3 rows a step
+    (1.5x faster at 1-2 rows) and column-major (memory ``(in, out)``) from 4 (1.25-1.35x faster for 4-32
+    rows), bfloat16 weights column-major at every batch size (1.1-1.15x), on the machine of
+    ``benchmarks/generate.py``.  Other dtypes and devices are laid out row-major.  Values, shapes and
+    parameter identity are unchanged; ``load_state_dict`` and ``weight.copy_`` keep the layout, assigning
+    ``.data`` does not.  :func:`attnkit.generate` and :class:`attnkit.Engine` call this for the batch they
+    decode.
 
     Example::
 
@@ -147,7 +148,8 @@ def to_decode_layout(module: nn.Module, batch_size: int = 1) -> nn.Module:
         if isinstance(sub, nn.Linear) or (isinstance(sub, nn.Embedding) and id(sub.weight) in tied):
             w = sub.weight
             if w.dim() == 2:
-                column = batch_size > _MKL_ROWS and w.dtype is torch.float32 and w.device.type == "cpu"
+                column = w.device.type == "cpu" and (w.dtype is torch.bfloat16 or (
+                    w.dtype is torch.float32 and batch_size > _MKL_ROWS))
                 new = _column_major(w.data) if column else _row_major(w.data)
                 if new is not w.data:
                     w.data = new
