@@ -241,9 +241,24 @@ def test_generate_lays_the_weights_out_for_its_batch():
     assert w.stride() == (w.shape[1], 1)
     with pytest.raises(TypeError, match="relayout=1 must be True or False"):
         generate(model, prompts, 5, relayout=1)
+    with torch.inference_mode():  # the new layout is made of ordinary tensors: the model still trains
+        generate(model, prompts, 2)
+    assert w.stride() == (1, w.shape[0]) and not w.is_inference()
+    model(torch.tensor([[1, 2, 3]])).sum().backward()
+    assert w.grad is not None
     b16 = copy.deepcopy(model).to(torch.bfloat16)
     generate(b16, prompts[:1], 2)
     assert b16.layers[0].attn.qkv_proj.weight.stride()[0] == 1  # bfloat16 reads column-major faster everywhere
+
+
+def test_generate_under_inference_mode():
+    """Ragged prompts (a padding mask of inference tensors) under torch.inference_mode, every backend choice."""
+    model = _model("window")
+    prompts = [[1, 2, 3, 4, 5], [6, 7]]
+    ref = generate(model, prompts, 5)
+    with torch.inference_mode():
+        assert generate(model, prompts, 5) == ref
+        assert generate(model, prompts, 5, cache="paged") == ref
 
 
 def test_generate_restores_training_mode_and_keeps_grad_mode():

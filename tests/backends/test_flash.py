@@ -471,6 +471,19 @@ def test_plan_cache_notices_in_place_changes():
     assert not torch.allclose(a, b) and torch.allclose(b, ref, atol=1e-5)
 
 
+def test_masks_made_under_inference_mode_are_planned_and_their_changes_noticed():
+    """Inference-mode tensors have no version counter: such masks are planned at every call instead."""
+    q, k, v = qkv(1, 2, 2, 64, 64, 16, grad=False)
+    with torch.inference_mode():
+        ids = doc_ids(64, [20])
+        mask = M.document(ids)
+        a = flash.flash_attention(q, k, v, mask=mask, block_q=16, block_k=16)
+        ids[40:] += 1  # in place, same mask object
+        b = flash.flash_attention(q, k, v, mask=mask, block_q=16, block_k=16)
+        ref, _ = reference(q, k, v, mask=M.document(ids.clone()))
+    assert not torch.allclose(a, b) and torch.allclose(b, ref, atol=1e-5)
+
+
 def test_plans_are_shared_by_value_for_builtin_masks():
     q, k, v = qkv(1, 2, 2, 300, 300, 16, grad=False)
     a = flash._plan(_make_call(q, k, v, mask=M.causal() & M.sliding_window(50)))

@@ -98,12 +98,14 @@ def _value_key(mask: Mask | None) -> str | None:
 
 def _versions(obj, seen: set) -> tuple:
     """(id, version) of every tensor a mask holds (also through combinators and function closures), so
-    that a cached plan is rebuilt when one of them is modified in place."""
+    that a cached plan is rebuilt when one of them is modified in place.  A tensor made under
+    ``torch.inference_mode`` has no version counter: a new object in its place makes the key match nothing,
+    so such a mask is planned again at each call."""
     if id(obj) in seen:
         return ()
     seen.add(id(obj))
     if isinstance(obj, Tensor):
-        return ((id(obj), obj._version),)
+        return ((id(obj), object() if obj.is_inference() else obj._version),)
     if isinstance(obj, (list, tuple)):
         items = obj
     elif isinstance(obj, dict):

@@ -274,6 +274,8 @@ def _mask_state(mask: Mask) -> tuple | None:
             if isinstance(value, Mask):
                 stack.append(value)
             elif isinstance(value, Tensor):
+                if value.is_inference():  # no version counter: in-place changes could not be noticed
+                    return None
                 state.append((name, id(value), value._version, value.data_ptr(), tuple(value.shape)))
             elif value is None or isinstance(value, (bool, int, float, str)):
                 state.append((name, value))

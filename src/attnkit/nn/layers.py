@@ -144,15 +144,18 @@ def to_decode_layout(module: nn.Module, batch_size: int = 1) -> nn.Module:
     # a language model whose head is tied (lm_head None) streams its embedding like a Linear weight
     tied = {id(m.embed.weight) for m in module.modules()
             if isinstance(getattr(m, "embed", None), nn.Embedding) and getattr(m, "lm_head", False) is None}
-    for sub in module.modules():
-        if isinstance(sub, nn.Linear) or (isinstance(sub, nn.Embedding) and id(sub.weight) in tied):
-            w = sub.weight
-            if w.dim() == 2:
-                column = w.device.type == "cpu" and (w.dtype is torch.bfloat16 or (
-                    w.dtype is torch.float32 and batch_size > _MKL_ROWS))
-                new = _column_major(w.data) if column else _row_major(w.data)
-                if new is not w.data:
-                    w.data = new
+    # the copies must be ordinary tensors even when called under inference_mode (as generate may be), or the
+    # parameters could not be used for training afterwards
+    with torch.inference_mode(False), torch.no_grad():
+        for sub in module.modules():
+            if isinstance(sub, nn.Linear) or (isinstance(sub, nn.Embedding) and id(sub.weight) in tied):
+                w = sub.weight
+                if w.dim() == 2:
+                    column = w.device.type == "cpu" and (w.dtype is torch.bfloat16 or (
+                        w.dtype is torch.float32 and batch_size > _MKL_ROWS))
+                    new = _column_major(w.data) if column else _row_major(w.data)
+                    if new is not w.data:
+                        w.data = new
     return module
 
 
