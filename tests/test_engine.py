@@ -144,3 +144,36 @@ def test_engine_with_windows_and_relative_biases(variant):
     reqs = _requests(6, seed=2)
     engine = attnkit.Engine(model, cache_blocks=12, block_size=4, max_batch=4)
     assert engine.generate([p for p, _, _ in reqs], 10) == [attnkit.generate(model, [p], 10)[0] for p, _, _ in reqs]
+
+
+def test_engine_made_under_inference_mode_runs_outside_it(model):
+    with torch.inference_mode():
+        engine = attnkit.Engine(model, cache_blocks=8, block_size=4, max_batch=2)
+    rid = engine.add([1, 2, 3], 4)
+    assert engine.run()[rid] == attnkit.generate(model, [[1, 2, 3]], 4)[0]
+
+
+def test_prefix_hits_count_admitted_sequences_only(model):
+    """A request that waits for room is not counted as reusing its cached prefix at every failed try."""
+    shared = list(range(1, 9))  # two full blocks of 4
+    engine = attnkit.Engine(model, cache_blocks=6, block_size=4, max_batch=4)
+    first = engine.add(shared + [20], 12)  # grows to 5 blocks
+    for _ in range(6):
+        engine.step()  # first now holds 4 blocks
+    second = engine.add(shared + list(range(30, 39)), 3)  # shares 2 blocks, needs 3 more: waits
+    waited = 0
+    while second not in engine.results:
+        waited += bool(engine.waiting)
+        engine.step()
+    assert waited >= 2
+    assert engine.cache.stats()["prefix_hits"] == 2
+    assert engine.results[first] == attnkit.generate(model, [shared + [20]], 12)[0]
+    assert engine.results[second] == attnkit.generate(model, [shared + list(range(30, 39))], 3)[0]
+
+
+def test_engine_request_errors_name_the_argument(model):
+    engine = attnkit.Engine(model, cache_blocks=4, block_size=4)
+    with pytest.raises(ValueError, match=r"^prompt has token ids \[999\]"):
+        engine.add([1, 999], 2)
+    with pytest.raises(ValueError, match="eos_id=5000 is outside the vocabulary"):
+        engine.add([1], 2, eos_id=5000)

@@ -276,3 +276,54 @@ def test_generate_restores_training_mode_and_keeps_grad_mode():
 def test_top_level_exports():
     assert attnkit.generate is generate
     assert {"generate", "cache"} <= set(attnkit.__all__)
+
+
+def test_sampling_survives_tiny_temperatures_and_huge_logits():
+    """The row maximum is subtracted before the temperature divides: no inf - inf, no NaN, no wrong token."""
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, -2.0]])
+    for t in (1e-30, 1e-38, 1e-45):
+        p = SamplingParams(temperature=t, seed=0)
+        assert sample(logits, p, [p.generator("cpu")] * 2).tolist() == [1, 0]
+    p = SamplingParams(temperature=0.5, top_p=0.9, seed=0)
+    assert sample(torch.tensor([[0.0, 3e38, 1.0]]), p, [p.generator("cpu")]).tolist() == [1]
+    with pytest.raises(ValueError, match=r"rows \[1\] hold NaN"):
+        sample(torch.tensor([[0.0, 1.0], [float("nan"), 0.0]]))
+
+
+def test_more_clear_errors():
+    model = _model("rope")
+    with pytest.raises(ValueError, match="longer than the model's max_seq_len=512.*at most 512 tokens"):
+        generate(model, [[1] * 600], 3)  # (not "at most -87 new tokens")
+    with pytest.raises(TypeError, match="returned NoneType, not a cache"):
+        generate(model, [[1, 2, 3]], 3, cache=lambda m, b, n: None)
+    with pytest.raises(ValueError, match="eos_id=64 is outside the vocabulary"):
+        generate(model, [[1, 2, 3]], 3, eos_id=64)
+
+
+def test_caches_made_under_inference_mode_work_outside_it():
+    """A stream started under inference_mode and read outside it: the cache holds ordinary tensors."""
+    model = _model("rope")
+    ref = generate(model, [[1, 2, 3], [4, 5]], 6)
+    for cache in ("static", "int8"):
+        with torch.inference_mode():
+            it = generate(model, [[1, 2, 3], [4, 5]], 6, cache=cache, stream=True)
+            first = [next(it), next(it)]
+        rest = list(it)
+        toks = [[], []]
+        for i, t in first + rest:
+            toks[i].append(t)
+        if cache == "static":
+            assert toks == ref
+
+
+def test_quantized_prefill_is_full_precision():
+    """A prompt longer than the residual attends to its own keys in full precision: its logits (and first
+    token) are those of a full-precision cache, in a ragged batch too."""
+    model = _model("rope")
+    prompts = [list(range(1, 60)), list(range(3, 20))]
+    for bits in (8, 4):
+        q = QuantizedCache.for_model(model, 1, 64, bits=bits, group_size=8)
+        ids = torch.tensor([prompts[0]])
+        assert torch.allclose(model(ids, cache=q), model(ids), atol=1e-5)
+        batch = generate(model, prompts, 1, cache=f"int{bits}")
+        assert batch == [generate(model, [p], 1)[0] for p in prompts]

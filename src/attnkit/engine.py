@@ -25,7 +25,7 @@ import torch
 
 from .cache import PagedCache, PoolExhausted
 from .cache._common import check_int
-from .generate import SamplingParams, _check_positions, _check_tokens, _last_logits, _lay_out, sample
+from .generate import SamplingParams, _check_eos, _check_positions, _check_tokens, _last_logits, _lay_out, sample
 
 Tensor = torch.Tensor
 
@@ -119,7 +119,7 @@ class Engine:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, Integral) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 0")
         prompt = [int(t) for t in prompt]
-        _check_tokens([prompt], getattr(getattr(self.model, "config", None), "vocab_size", None))
+        _check_tokens([prompt], getattr(getattr(self.model, "config", None), "vocab_size", None), "prompt")
         _check_positions(self.model, len(prompt), max_new_tokens)
         bs = self.cache.block_size
         blocks = -(-(len(prompt) + max(max_new_tokens, 1) - 1) // bs)
@@ -128,6 +128,7 @@ class Engine:
                              f"of {bs}, more than the pool's cache_blocks={self.cache.num_blocks}: create the Engine "
                              f"with more cache_blocks")
         params = SamplingParams(temperature, top_k, top_p, eos_id, seed)
+        _check_eos(params, getattr(getattr(self.model, "config", None), "vocab_size", None))
         rid = self._next_rid
         self._next_rid += 1
         req = _Request(rid, prompt, int(max_new_tokens), params, params.generator(self.cache.device))
@@ -165,10 +166,12 @@ class Engine:
         while self.waiting and len(self.running) < self.max_batch:
             req = self.waiting[0]
             tokens = req.prompt + req.out  # after a preemption: recompute what it had produced
+            hits = cache.prefix_hits
             sid = cache.add_sequence(tokens)
             n_new = len(tokens) - cache.length(sid)
             if cache.blocks_needed(sid, n_new) > cache.num_free_blocks:
                 cache.free(sid)
+                cache.prefix_hits = hits  # not admitted: nothing was reused
                 break
             self.waiting.popleft()
             req.sid, req.admitted, req.fresh = sid, self._admissions, True

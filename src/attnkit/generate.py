@@ -85,8 +85,12 @@ class SamplingParams:
 
 
 def _filtered(logits: Tensor, params: SamplingParams) -> Tensor:
-    """Temperature, then top-k, then top-p on ``(N, V)`` float32 logits."""
-    logits = logits / params.temperature
+    """Temperature, then top-k, then top-p on ``(N, V)`` float32 logits.
+
+    The row maximum is subtracted before dividing by the temperature, so a tiny temperature or huge logits
+    give ``-inf`` for the unlikely tokens (never ``inf - inf``): the softmax stays finite."""
+    top = logits.amax(dim=-1, keepdim=True)
+    logits = (logits - torch.where(torch.isfinite(top), top, torch.zeros_like(top))) / params.temperature
     V = logits.shape[-1]
     if params.top_k is not None and params.top_k < V:
         kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]  # (N, 1)
@@ -119,6 +123,10 @@ def sample(logits: Tensor, params: SamplingParams | None = None,
         [1, 0]
     """
     params = params or SamplingParams()
+    if logits.numel() and bool(torch.isnan(logits).any()):
+        rows = torch.isnan(logits).any(-1).nonzero().view(-1).tolist()
+        raise ValueError(f"sample: logits of rows {rows[:5]} hold NaN (the model's output is broken): check the "
+                         f"model's weights and inputs")
     if params.greedy:
         return logits.argmax(dim=-1)
     probs = torch.softmax(_filtered(logits.float(), params), dim=-1)  # (N, V)
@@ -160,13 +168,20 @@ def _prompts(prompts) -> list[list[int]]:
     return out
 
 
-def _check_tokens(prompts: list[list[int]], vocab: int | None) -> None:
+def _check_tokens(prompts: list[list[int]], vocab: int | None, name: str | None = None) -> None:
+    """Every token id inside ``[0, vocab)``; ``name`` names a single prompt's argument (else ``prompts[i]``)."""
     if vocab is None:
         return
     for i, p in enumerate(prompts):
         bad = [t for t in p if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompts[{i}] has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+            raise ValueError(f"{name or f'prompts[{i}]'} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+
+
+def _check_eos(params: SamplingParams, vocab: int | None) -> None:
+    if vocab is not None and params.eos_id is not None and params.eos_id >= vocab:
+        raise ValueError(f"eos_id={params.eos_id} is outside the vocabulary [0, {vocab}): the model can never emit "
+                         f"it; pass the tokenizer's end-of-sequence id (or None)")
 
 
 def _check_positions(model, longest: int, max_new_tokens: int) -> None:
@@ -174,6 +189,10 @@ def _check_positions(model, longest: int, max_new_tokens: int) -> None:
     max_len = getattr(cfg, "max_seq_len", None)
     method = getattr(cfg, "positions", None)
     need = longest + max_new_tokens - 1  # the last new token is never fed back
+    if max_len is not None and method not in _EXTRAPOLATING and longest > max_len:
+        raise ValueError(f"a prompt of {longest} tokens is longer than the model's max_seq_len={max_len} "
+                         f"(positions={method!r} does not extrapolate): shorten the prompt to at most {max_len} "
+                         f"tokens (e.g. keep its last {max_len})")
     if max_len is not None and method not in _EXTRAPOLATING and need > max_len:
         raise ValueError(f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} needs positions up to "
                          f"{need - 1}, beyond the model's max_seq_len={max_len} (positions={method!r} does not "
@@ -182,7 +201,12 @@ def _check_positions(model, longest: int, max_new_tokens: int) -> None:
 
 def _make_cache(model, cache, batch: int, max_len: int):
     if callable(cache) and not isinstance(cache, str):
-        return cache(model, batch, max_len)
+        made = cache(model, batch, max_len)
+        if not (hasattr(made, "layers") and hasattr(made, "set_left_padding")):
+            raise TypeError(f"cache={cache!r} returned {type(made).__name__}, not a cache: a callable passed as cache "
+                            f"must return a model-level cache for (model, batch={batch}, max_len={max_len}), e.g. "
+                            f"attnkit.cache.StaticCache.for_model(model, batch, max_len)")
+        return made
     if cache == "static":
         return StaticCache.for_model(model, batch, max_len)
     if cache == "sliding":
@@ -389,7 +413,8 @@ def generate(model, prompts, max_new_tokens: int, *, cache: str | Callable | Non
         ``list[list[int]]``: the new tokens of each prompt (or, with ``stream=True``, the iterator).
 
     Ragged prompts are left-padded; each row gets its own positions and a padding mask, so each sequence's
-    tokens are exactly those it gets alone.  Runs under ``torch.no_grad`` with the model in eval mode.
+    tokens are exactly those it gets alone (with ``cache="int8"``/``"int4"`` only as closely as the
+    quantization allows: a padded row's key groups start at the batch's first position).  Runs under ``torch.no_grad`` with the model in eval mode.
 
     Example::
 
@@ -417,7 +442,9 @@ def generate(model, prompts, max_new_tokens: int, *, cache: str | Callable | Non
     if compile and not (cache == "static" or (callable(cache) and not isinstance(cache, str))):
         raise ValueError(f"compile=True needs cache='static' (or a callable making a StaticCache), got "
                          f"cache={cache!r}: its fixed buffers are what lets the decode step compile once")
-    _check_tokens(prompts, getattr(getattr(model, "config", None), "vocab_size", None))
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    _check_tokens(prompts, vocab)
+    _check_eos(params, vocab)
     _check_positions(model, max(len(p) for p in prompts), max_new_tokens)
     if relayout and not compile:  # (compiled code packs its own copy of the weights)
         _lay_out(model, len(prompts))

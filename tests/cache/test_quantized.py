@@ -165,3 +165,25 @@ def test_decode_read_with_left_padding_and_half_precision(padded, dtype):
     want = attnkit.attention(q.float(), k_all.float(), v_all.float(), mask=keep)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want, rtol=0, atol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_a_large_steady_offset_costs_nothing():
+    """The float16 zero point is rounded down and the scale up: values near 1000.3 stay within half a step
+    (rounding the zero to nearest once flipped the scale's sign, an error of the whole range)."""
+    x = torch.linspace(1000.3, 1000.4, 32).view(1, 32)
+    for bits in (8, 4):
+        q, s, z = quantize_groups(x, dim=1, bits=bits)
+        assert float(s) > 0 and float(z) <= 1000.3
+        assert float((dequantize_groups(q, s, z) - x).abs().max()) <= float(s) * 0.5 + 1e-4
+
+
+def test_left_padding_does_not_widen_key_groups():
+    """A padded row's padding slots (whatever the model wrote there) are left out of its key groups' range."""
+    cache = QuantizedCache(1, max_len=64, bits=8, group_size=8, residual=8, batch_size=2, n_kv_heads=1, d_head=4)
+    cache.set_left_padding([5, 0])
+    k = torch.randn(2, 1, 20, 4)
+    k[0, :, :5] = 1e4  # huge padding keys in row 0
+    cache.layers[0].update(k, k)
+    k_all, _ = cache.layers[0].read()
+    err = (k_all[0, :, 5:] - k[0, :, 5:]).abs().max()
+    assert float(err) < 0.05  # a range of ~6 over 255 levels, not 1e4 over 255

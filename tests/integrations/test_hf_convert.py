@@ -196,6 +196,24 @@ def test_from_hf_gradients_match(name):
     assert (g_ours - g_hf).abs().max() <= TOL * max(1.0, g_hf.abs().max().item())
 
 
+def test_gemma2_bfloat16_round_trip_is_bit_exact_and_logits_match():
+    """Gemma's norms multiply by 1 + w: attnkit keeps w as stored (norm_offset=1.0) and computes 1 + w in
+    float32 as HF does, so bfloat16 weights survive the round trip and the logits are HF's own."""
+    hf_model = _hf("gemma2").to(torch.bfloat16)
+    model = from_hf(hf_model)
+    assert model.config.norm_offset == 1.0
+    back = to_hf(model).state_dict()
+    assert all(torch.equal(v, back[k]) for k, v in hf_model.state_dict().items())
+    ids = torch.randint(3, V, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        hf_bf16, ours = hf_model(ids).logits.float(), model(ids).float()
+        truth = hf_model.float()(ids).logits  # the same (bfloat16-valued) weights computed in float32
+    # the numerical rule: within twice HF's own bfloat16 error (it was ~50x off in float32 when the
+    # conversion stored 1 + w in bfloat16)
+    assert (ours - truth).abs().max() <= 2 * (hf_bf16 - truth).abs().max()
+    assert (model.float()(ids) - truth).abs().max() <= 1e-3
+
+
 def test_from_hf_keeps_dtype():
     hf_model = _hf("llama").to(torch.float64)
     model = from_hf(hf_model)
@@ -219,13 +237,15 @@ _ATTNKIT = {
                                                masks.sliding_window(6) & masks.sliding_window(2))),
     "gemma2-like": dict(ffn="geglu", post_norms=True, embed_scale=8.0, softcap=2.0, logit_softcap=4.0, attn_scale=0.2,
                         n_layers=3, layer_masks=(masks.sliding_window(3), None, masks.sliding_window(3)),
-                        attention_dropout=0.1),
+                        attention_dropout=0.1, norm_offset=1.0),
     "gemma2-biases-global": dict(ffn="geglu", post_norms=True, embed_scale=8.0, qkv_bias=True, out_bias=True,
-                                 tie_embeddings=False),
+                                 tie_embeddings=False, norm_offset=1.0),
+    # norms without Gemma's offset: converted through w - 1 (logits match; the round trip has offset 1.0)
+    "gemma2-no-offset": dict(ffn="geglu", post_norms=True, embed_scale=8.0, softcap=2.0),
 }
 _FAMILY = {"llama-like": "Llama", "llama-biases": "Llama", "mistral-like": "Mistral", "qwen2-like": "Qwen2",
            "qwen2-window": "Qwen2", "qwen2-mixed": "Qwen2", "qwen2-mixed-with-mask": "Qwen2",
-           "gemma2-like": "Gemma2", "gemma2-biases-global": "Gemma2"}
+           "gemma2-like": "Gemma2", "gemma2-biases-global": "Gemma2", "gemma2-no-offset": "Gemma2"}
 
 
 @pytest.mark.parametrize("name", sorted(_ATTNKIT))
@@ -236,8 +256,8 @@ def test_to_hf_logits_match_and_round_trip(name):
         for n, p in model.named_parameters():
             if n.endswith("bias"):
                 p.normal_(0, 0.1)
-            if n.endswith("norm.weight"):  # (Gemma 2 stores them as w - 1)
-                p.normal_(1.0, 0.1)
+            if n.endswith("norm.weight"):  # (Gemma 2 stores them as w - 1: norm_offset=1.0)
+                p.normal_(1.0 - model.config.norm_offset, 0.1)
     hf_model = to_hf(model)
     assert type(hf_model).__name__ == f"{_FAMILY[name]}ForCausalLM" and not hf_model.training
     ids = torch.randint(0, 256, (2, 13), generator=torch.Generator().manual_seed(4))
@@ -246,7 +266,12 @@ def test_to_hf_logits_match_and_round_trip(name):
     assert err <= TOL, f"{name}: max |HF logits - attnkit| = {err:.2e}"
     back = from_hf(hf_model)
     a, b = model.state_dict(), back.state_dict()
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    if back.config.norm_offset == model.config.norm_offset:
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    else:  # the norms' weights moved by the offset; the function is the same
+        assert back.config.norm_offset == 1.0 and a.keys() == b.keys()
+        with torch.no_grad():
+            assert (back(ids) - model(ids)).abs().max().item() <= TOL
     cfg = model.config
     assert hf_model.config.attention_dropout == back.config.attention_dropout == cfg.attention_dropout
     for i in range(cfg.n_layers):  # each layer keeps what it may see (the same keys for every query)

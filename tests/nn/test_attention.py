@@ -379,3 +379,13 @@ def test_returned_weights_are_differentiable():
     _, w = m(x, need_weights=True)
     (w[..., 0] ** 2).sum().backward()  # e.g. an attention-supervision loss
     assert x.grad is not None and m.qkv_proj.weight.grad.abs().sum() > 0
+
+
+def test_from_torch_keeps_the_training_mode():
+    torch.manual_seed(0)
+    tm = torch.nn.MultiheadAttention(16, 4, dropout=0.1, batch_first=True).eval()
+    am = MultiHeadAttention.from_torch(tm)
+    assert not am.training
+    x = torch.randn(2, 5, 16)
+    assert torch.allclose(am(x), tm(x, x, x)[0], atol=1e-6)
+    assert MultiHeadAttention.from_torch(tm.train()).training

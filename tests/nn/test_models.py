@@ -339,3 +339,23 @@ def test_gemma_style_fields_do_what_they_say():
         a = h + block.attn_post_norm(block.attn(block.attn_norm(h), positions=torch.arange(7)))
         want = a + block.ffn_post_norm(ffn(block.ffn_norm(a)))
         torch.testing.assert_close(block(h, positions=torch.arange(7)), want, rtol=0, atol=1e-12)
+
+
+def test_token_ids_outside_the_vocabulary_are_clear_errors():
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    for bad in (300, -1):
+        with pytest.raises(ValueError, match=f"ids holds token id {bad}, outside the vocabulary \\[0, 256\\)"):
+            model(torch.tensor([[1, bad, 3]]))
+
+
+def test_rms_norm_offset_is_gemmas_one_plus_weight():
+    from attnkit.nn import RMSNorm
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    norm = RMSNorm(16, offset=1.0)
+    assert torch.equal(norm.weight, torch.zeros(16))  # the identity
+    with torch.no_grad():
+        norm.weight.normal_()
+    h = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert torch.equal(norm.to(torch.bfloat16)(x), (h * (1.0 + norm.weight.float())).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="norm_offset=1.0 applies to RMSNorm only"):
+        DecoderConfig.preset("tiny", norm="layer", norm_offset=1.0)

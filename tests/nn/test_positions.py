@@ -186,3 +186,18 @@ def test_position_errors():
         ALiBi(4, slopes=[1.0, 2.0])
     with pytest.raises(ValueError, match="beyond max_seq_len=3"):
         SinusoidalPositions(4, max_seq_len=3).encode(torch.arange(4))
+
+
+def test_rope_scaling_in_hugging_face_form():
+    """transformers stores type and rope_type side by side, with rope_theta: accepted; a rope_theta that
+    differs from the base, or two different types, are clear errors."""
+    hf = {"type": "linear", "factor": 2.0, "rope_theta": 10000.0, "rope_type": "linear"}
+    a, b = RotaryEmbedding(8, scaling=hf), RotaryEmbedding(8, scaling={"type": "linear", "factor": 2.0})
+    assert torch.equal(a.inv_freq, b.inv_freq) and a.scaling == b.scaling
+    with pytest.raises(ValueError, match=r"rope_theta'\]=500000.0 differs from the rotary base 10000.0"):
+        RotaryEmbedding(8, scaling={**hf, "rope_theta": 500000.0})
+    with pytest.raises(ValueError, match="type='linear' and rope_type='llama3'"):
+        RotaryEmbedding(8, scaling={**hf, "rope_type": "llama3"})
+    from attnkit.nn import DecoderConfig
+    with pytest.raises(ValueError, match="differs from the rotary base"):  # at configuration time
+        DecoderConfig.preset("tiny", rope_scaling={**hf, "rope_theta": 1.0})

@@ -645,8 +645,9 @@ class PagedCache:
         # that the decode's products read in place (see _attend_pool)
         shape_k = (num_blocks, n_kv_heads, block_size, d_head)
         shape_v = (num_blocks, n_kv_heads, block_size, self.d_value)
-        self.k_pools = [torch.zeros(shape_k, dtype=dtype, device=self.device) for _ in range(n_layers)]
-        self.v_pools = [torch.zeros(shape_v, dtype=dtype, device=self.device) for _ in range(n_layers)]
+        with torch.inference_mode(False):  # ordinary tensors: written in and outside inference_mode alike
+            self.k_pools = [torch.zeros(shape_k, dtype=dtype, device=self.device) for _ in range(n_layers)]
+            self.v_pools = [torch.zeros(shape_v, dtype=dtype, device=self.device) for _ in range(n_layers)]
         self._alloc = _Allocator(num_blocks)
         self._seqs: dict[int, _Sequence] = {}
         self._next_id = 0

@@ -4,7 +4,8 @@ Keys have a few channels with large magnitudes, so they are quantized **per chan
 ``group_size`` tokens; values are quantized **per token** over groups of ``group_size`` channels.  Each
 group stores a scale and a zero point (asymmetric: ``x ~ q * scale + zero``, ``q`` in ``0 .. 2^bits - 1``).
 The newest tokens stay in full precision in a small residual buffer (between 1 and ``residual`` of them) and
-are quantized a whole group at a time when it overflows.
+are quantized a whole group at a time when it overflows.  A prompt (a step of more than 16 tokens) attends
+to its own keys and values in full precision and stores them quantized for the steps after it.
 
 Bytes per stored value against float32 (4 bytes), with float16 scales and zero points (4 bytes a group):
 ``1 + 4 / group_size`` for int8 (3.6x smaller at the default ``group_size=32``, 3.8x at 64) and
@@ -36,9 +37,10 @@ def quantize_groups(x: Tensor, dim: int, bits: int, scale_dtype: torch.dtype = t
     """Asymmetric quantization of ``x`` with one scale and zero point per slice along ``dim``.
 
     Returns ``(q, scale, zero)``: ``q`` uint8 in ``0 .. 2^bits - 1`` (not packed) with ``x``'s shape, and
-    ``scale``/``zero`` in ``scale_dtype`` with ``dim`` kept as size 1.  The stored (rounded) scale and zero
-    are the ones used to quantize, so :func:`dequantize_groups` is off by at most half a step (plus the
-    clamping of the extremes when rounding the scale shrank it by a float16 ulp).
+    ``scale``/``zero`` in ``scale_dtype`` with ``dim`` kept as size 1.  The zero is rounded down and the scale
+    up to ``scale_dtype``, and the stored (rounded) values are the ones used to quantize, so the grid covers
+    every value and :func:`dequantize_groups` is off by at most half a step (a large steady offset, e.g.
+    values near 1000.3, costs nothing).
 
     Example::
 
@@ -56,8 +58,13 @@ def quantize_groups(x: Tensor, dim: int, bits: int, scale_dtype: torch.dtype = t
     if scale_dtype == torch.float16 and bool((torch.maximum(hi.abs(), lo.abs()) > _FP16_MAX).any()):
         raise ValueError(f"QuantizedCache: a key/value exceeds the float16 range (|x| > {_FP16_MAX}); create the "
                          f"cache with scale_dtype=torch.float32")
+    # round the stored zero down and the stored scale up, so the grid zero .. zero + levels * scale covers
+    # [lo, hi] after rounding to scale_dtype: nothing is clamped, every value is within half a step
     zero = lo.to(scale_dtype)
+    zero = torch.where(zero.float() > lo, torch.nextafter(zero, torch.full_like(zero, float("-inf"))), zero)
     scale = ((hi - zero.float()) / levels).to(scale_dtype)
+    short = zero.float() + scale.float() * levels < hi
+    scale = torch.where(short, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)  # constant group: q = 0, x = zero
     q = ((xf - zero.float()) / scale.float()).round_().clamp_(0, levels).to(torch.uint8)
     return q, scale, zero
@@ -103,6 +110,7 @@ class QuantizedLayerCache:
         self.n_res = 0  # tokens in the residual
         self.kq = None
 
+    @torch.inference_mode(False)  # ordinary tensors: the cache may be written outside inference_mode later
     def _allocate(self, k: Tensor, v: Tensor) -> None:
         o = self._owner
         B, H, _, D = k.shape
@@ -138,6 +146,12 @@ class QuantizedLayerCache:
         if b > self.kq.shape[2]:
             raise ValueError(f"QuantizedCache overflow in layer {self.index}: it holds max_len={o.max_len} "
                              f"positions; create it with a larger max_len")
+        pad = o.left_padding
+        if pad is not None and int(pad.max()) > a:  # a left-padded row's padding must not widen its key groups:
+            pad = pad.to(k.device)                  # padding slots take the row's first real key
+            first = (pad - a).clamp(0, f - 1).view(B, 1, 1, 1).expand(B, H, 1, D)
+            is_pad = torch.arange(a, b, device=k.device).view(1, 1, f, 1) < pad.view(B, 1, 1, 1)
+            k = torch.where(is_pad, k.gather(2, first), k)
         q, s, z = quantize_groups(k.reshape(B, H, f // g, g, D), 3, o.bits, o.scale_dtype)  # per channel
         q = q.view(B, H, f, D)
         self.kq[:, :, a:b] = _pack4(q) if o.bits == 4 else q
@@ -198,9 +212,9 @@ class QuantizedLayerCache:
 
     def update(self, k: Tensor, v: Tensor):
         """Store ``k (B, Hkv, L_new, D)``, ``v``.  A decode step (at most 16 new tokens) returns an object
-        whose ``attend`` reads the store a chunk at a time; a longer step returns every position dequantized
-        in position order (the residual's full-precision tokens last), plus the padding mask of a
-        left-padded batch."""
+        whose ``attend`` reads the store a chunk at a time; a longer step returns every position in position
+        order, what was stored before it dequantized and its own tokens (with the residual's) in full
+        precision, plus the padding mask of a left-padded batch."""
         if self.kq is None:
             self._allocate(k, v)
         check_new_kv(k, v, batch=self.kq.shape[0], heads=self.kq.shape[1], d_head=self.rk.shape[3],
@@ -208,6 +222,7 @@ class QuantizedLayerCache:
         o = self._owner
         R, g, n = o.residual, o.group_size, k.shape[2]
         total = self.n_res + n
+        n_old = self.n_quant  # a longer step reads the store before it and its own tokens in full precision
         if self.length + n > o.max_len:
             raise ValueError(f"QuantizedCache overflow in layer {self.index}: it holds max_len={o.max_len} "
                              f"positions, {self.length} are stored and {n} more were given; create the cache "
@@ -216,6 +231,7 @@ class QuantizedLayerCache:
             self.rk[:, :, self.n_res:total] = k
             self.rv[:, :, self.n_res:total] = v
             self.n_res = total
+            ks, vs = self.rk[:, :, :total], self.rv[:, :, :total]
         else:
             ks = torch.cat([self.rk[:, :, :self.n_res], k], dim=2)  # (B, Hkv, total, D)
             vs = torch.cat([self.rv[:, :, :self.n_res], v], dim=2)
@@ -228,7 +244,16 @@ class QuantizedLayerCache:
         mask = o._key_mask(0, self.length)
         if n <= _DECODE_QUERIES:
             return _QuantizedDecode(self, mask)
-        k_all, v_all = self._read(self.rk.dtype)  # (B, Hkv, length, D), (B, Hkv, length, Dv)
+        # a prompt attends to its own keys and values (and the residual's) in full precision, to the store
+        # before it dequantized: its logits are those of a full-precision cache
+        B, H = k.shape[:2]
+        k_all = torch.empty(B, H, n_old + total, k.shape[3], dtype=self.rk.dtype, device=k.device)
+        v_all = torch.empty(B, H, n_old + total, v.shape[3], dtype=self.rv.dtype, device=v.device)
+        if n_old:
+            self._dequantize("k", 0, n_old, k_all[:, :, :n_old])
+            self._dequantize("v", 0, n_old, v_all[:, :, :n_old])
+        k_all[:, :, n_old:] = ks
+        v_all[:, :, n_old:] = vs
         return (k_all, v_all) if mask is None else (k_all, v_all, mask)
 
     @property
@@ -368,8 +393,12 @@ class QuantizedCache(ModelCache):
     A decode step's ``update`` (at most 16 new tokens) returns an object whose ``attend`` computes attention
     from the store a chunk of 512 positions at a time, dequantized into one small workspace shared by all
     layers (a store that fits one chunk is dequantized with the residual behind it for one fused call); a
-    longer step (a prompt) returns the dequantized keys/values ``(B, Hkv, length, D)`` in the model's dtype
-    as new tensors, and attention runs as usual.  :meth:`nbytes` is the storage held (compare
+    longer step (a prompt) returns the keys/values ``(B, Hkv, length, D)`` in the model's dtype as new
+    tensors — the earlier positions dequantized, its own in full precision, so a prompt's logits are those
+    of a full-precision cache — and attention runs as usual.  In a left-padded batch the padding never
+    widens a key group's range, but a row's key groups are counted from the batch's first position, not
+    from its own first token: its tokens agree with decoding it alone as closely as the quantization
+    allows, not exactly.  :meth:`nbytes` is the storage held (compare
     ``StaticCache.nbytes``); :meth:`workspace_nbytes` the workspace (at most a chunk plus the residual of
     one layer in full precision); ``layers[i].read()`` dequantizes a layer for inspection.
 
@@ -426,6 +455,7 @@ class QuantizedCache(ModelCache):
                    batch_size=batch_size, n_kv_heads=d["n_kv_heads"], d_head=d["d_head"], d_value=d["d_value"],
                    dtype=dtype or d["dtype"], device=device or d["device"])
 
+    @torch.inference_mode(False)  # ordinary tensors: the cache may be written outside inference_mode later
     def _workspace(self, B: int, H: int, D: int, Dv: int, dtype: torch.dtype, device) -> tuple[Tensor, Tensor]:
         """One pair of full-precision buffers ``(B, Hkv, chunk + residual, D)`` shared by every layer: a decode
         step dequantizes the store into it a chunk at a time (kept: fresh pages cost more than the copy)."""

@@ -47,6 +47,7 @@ class SlidingWindowLayerCache:
         self.k: Tensor | None = None
         self.v: Tensor | None = None
 
+    @torch.inference_mode(False)  # ordinary tensors: the cache may be written outside inference_mode later
     def _allocate(self, k: Tensor, v: Tensor) -> None:
         o = self._owner
         B = o.batch_size if o.batch_size is not None else k.shape[0]

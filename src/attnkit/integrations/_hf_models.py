@@ -17,7 +17,7 @@ full-attention layers) when only some do.  HF's ``attention_dropout`` is ``Decod
 ``post_attention_layernorm`` is the attention's *output* norm there, ``pre_feedforward_layernorm`` the
 MLP's input norm), ``attn_scale=query_pre_attn_scalar ** -0.5``, score and logit soft-caps, sliding and
 global layers alternating through ``layer_types``, and RMSNorm weights stored as ``w - 1`` (HF multiplies
-by ``1 + w``; attnkit stores ``1 + w``).
+by ``1 + w`` in float32; attnkit's ``norm_offset=1.0`` does the same, so the weights copy bit for bit).
 
 Weights map one to one except two fusions: attnkit's ``attn.qkv_proj`` stacks ``[q_proj; k_proj; v_proj]`` and
 ``ffn.up_proj`` stacks ``[gate_proj; up_proj]``.
@@ -145,8 +145,8 @@ def _gemma2_config(cfg, backend: str):
         vocab_size=cfg.vocab_size, d_model=cfg.hidden_size, n_layers=cfg.num_hidden_layers, n_heads=heads,
         n_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, d_head=d_head, d_ff=cfg.intermediate_size,
         max_seq_len=cfg.max_position_embeddings, positions="rope", rope_theta=theta, rope_scaling=scaling,
-        **_layer_masks(_windows(cfg, "gemma2")), norm="rms", norm_eps=cfg.rms_norm_eps, norm_first=True,
-        post_norms=True, ffn="geglu", qkv_bias=biased, out_bias=biased, ffn_bias=False,
+        **_layer_masks(_windows(cfg, "gemma2")), norm="rms", norm_eps=cfg.rms_norm_eps, norm_offset=1.0,
+        norm_first=True, post_norms=True, ffn="geglu", qkv_bias=biased, out_bias=biased, ffn_bias=False,
         softcap=cfg.attn_logit_softcapping, logit_softcap=cfg.final_logit_softcapping,
         attn_scale=None if scalar == d_head else float(scalar) ** -0.5, embed_scale=cfg.hidden_size ** 0.5,
         tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", True)), dropout=0.0,
@@ -160,20 +160,25 @@ _NORMS = {"gemma2": {"input_layernorm": "attn_norm", "post_attention_layernorm":
           None: {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}}
 
 
-def _norm_offset(family: str) -> float:
-    """What HF's stored RMSNorm weight lacks: Gemma multiplies by ``1 + weight``."""
-    return 1.0 if family == "gemma2" else 0.0
+def _norm_shift(family: str, norm_offset: float) -> float:
+    """attnkit's RMSNorm weight minus HF's: both multiply by ``offset + weight``, HF's offset is 1 for Gemma
+    (``1 + weight``) and 0 otherwise.  0 for converted models (``norm_offset`` is HF's): weights copy as is."""
+    return (1.0 if family == "gemma2" else 0.0) - norm_offset
 
 
-def _to_attnkit_state(hf_state: dict, n_layers: int, tied: bool, family: str) -> dict:
-    off = _norm_offset(family)
-    s = {"embed.weight": hf_state["model.embed_tokens.weight"], "norm.weight": hf_state["model.norm.weight"] + off}
+def _shifted(w: Tensor, shift: float) -> Tensor:
+    return w if shift == 0 else (w.float() + shift).to(w.dtype)
+
+
+def _to_attnkit_state(hf_state: dict, n_layers: int, tied: bool, family: str, norm_offset: float) -> dict:
+    off = _norm_shift(family, norm_offset)
+    s = {"embed.weight": hf_state["model.embed_tokens.weight"], "norm.weight": _shifted(hf_state["model.norm.weight"], off)}
     if not tied:
         s["lm_head.weight"] = hf_state["lm_head.weight"]
     for i in range(n_layers):
         h, a = f"model.layers.{i}.", f"layers.{i}."
         for hf_name, name in _NORMS.get(family, _NORMS[None]).items():
-            s[f"{a}{name}.weight"] = hf_state[f"{h}{hf_name}.weight"] + off
+            s[f"{a}{name}.weight"] = _shifted(hf_state[f"{h}{hf_name}.weight"], off)
         for kind in ("weight", "bias"):
             qkv = [hf_state.get(f"{h}self_attn.{p}_proj.{kind}") for p in "qkv"]
             if qkv[0] is not None:
@@ -223,7 +228,7 @@ def from_hf(model, *, backend: str = "auto"):
     cfg = decoder_config(model.config, backend=backend)
     dtype, device = _dtype_device(model)
     out = DecoderLM(cfg).to(device=device, dtype=dtype)
-    state = _to_attnkit_state(model.state_dict(), cfg.n_layers, cfg.tie_embeddings, family)
+    state = _to_attnkit_state(model.state_dict(), cfg.n_layers, cfg.tie_embeddings, family, cfg.norm_offset)
     out.load_state_dict(state, strict=True)
     return out.train(model.training)
 
@@ -370,15 +375,16 @@ def hf_config(config, *, attn_implementation: str | None = None):
     return transformers.Qwen2Config(**common, **window)
 
 
-def _to_hf_state(state: dict, n_layers: int, tied: bool, dims: tuple[int, int, int], family: str) -> dict:
+def _to_hf_state(state: dict, n_layers: int, tied: bool, dims: tuple[int, int, int], family: str,
+                 norm_offset: float) -> dict:
     q, kv, ff = dims
-    off = _norm_offset(family)
-    s = {"model.embed_tokens.weight": state["embed.weight"], "model.norm.weight": state["norm.weight"] - off,
+    off = -_norm_shift(family, norm_offset)
+    s = {"model.embed_tokens.weight": state["embed.weight"], "model.norm.weight": _shifted(state["norm.weight"], off),
          "lm_head.weight": state["embed.weight"] if tied else state["lm_head.weight"]}
     for i in range(n_layers):
         h, a = f"model.layers.{i}.", f"layers.{i}."
         for hf_name, name in _NORMS.get(family, _NORMS[None]).items():
-            s[f"{h}{hf_name}.weight"] = state[f"{a}{name}.weight"] - off
+            s[f"{h}{hf_name}.weight"] = _shifted(state[f"{a}{name}.weight"], off)
         for kind in ("weight", "bias"):
             if f"{a}attn.qkv_proj.{kind}" in state:
                 for name, part in zip("qkv", state[f"{a}attn.qkv_proj.{kind}"].split((q, kv, kv), 0)):
@@ -432,6 +438,7 @@ def to_hf(model, *, attn_implementation: str | None = None):
     dtype, device = _dtype_device(model)
     out = classes[config.model_type](config).to(device=device, dtype=dtype)
     dims = (cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.ff_dim)
-    state = _to_hf_state(model.state_dict(), cfg.n_layers, cfg.tie_embeddings, dims, config.model_type)
+    state = _to_hf_state(model.state_dict(), cfg.n_layers, cfg.tie_embeddings, dims, config.model_type,
+                         cfg.norm_offset)
     out.load_state_dict({k: v.contiguous() for k, v in state.items()}, strict=True)
     return out.train(model.training)

@@ -35,6 +35,12 @@ def positive_float(name: str, value, *, allow_none: bool = False) -> float | Non
     return float(value)
 
 
+def finite_float(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name}={value!r} must be a finite number")
+    return float(value)
+
+
 def choice(name: str, value, options: tuple[str, ...]) -> str:
     if value not in options:
         raise ValueError(f"{name}={value!r} is not one of {options}")
@@ -81,6 +87,12 @@ def token_ids(name: str, ids, vocab_size: int) -> None:
         raise TypeError(f"{name} must hold integer token ids (int64 or int32), got dtype {ids.dtype}")
     if ids.dim() != 2:
         raise ValueError(f"{name} must have shape (B, L), got {tuple(ids.shape)}: add a batch dim with {name}[None]")
+    if ids.numel() and vocab_size is not None and not torch.compiler.is_compiling():  # (a value check breaks graphs)
+        lo, hi = (int(t) for t in torch.aminmax(ids))
+        if lo < 0 or hi >= vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"{name} holds token id {bad}, outside the vocabulary [0, {vocab_size}): check the "
+                             f"tokenizer matches the model (config.vocab_size={vocab_size})")
 
 
 def as_mask(name: str, mask) -> _masks.Mask | None:

@@ -88,7 +88,8 @@ class MultiHeadAttention(_Attends):
     Args:
         d_model: width of ``x`` and of the output.
         n_heads, n_kv_heads, d_head: head layout (see above).
-        kdim, vdim: widths of the cross-attention key and value inputs (default ``d_model``).
+        kdim, vdim: widths of the cross-attention key and value inputs (``kdim`` defaults to ``d_model``,
+            ``vdim`` to ``kdim``: keys and values usually come from one context).
         bias: bias on the q/k/v projections; ``out_bias`` (default: ``bias``) on ``out_proj``.
         dropout: dropout on the attention weights while training.
         qk_norm: RMSNorm on each query and key head.
@@ -320,7 +321,7 @@ class MultiHeadAttention(_Attends):
 
     @classmethod
     def from_torch(cls, m: nn.MultiheadAttention, *, backend: str = "auto") -> "MultiHeadAttention":
-        """An equivalent module from a ``torch.nn.MultiheadAttention`` (weights copied, dtype/device kept).
+        """An equivalent module from a ``torch.nn.MultiheadAttention`` (weights copied; dtype, device and training mode kept).
 
         The result is batch-first: for a module with ``batch_first=False`` transpose its inputs
         ``(L, B, E) -> (B, L, E)``.  Masks: torch's ``key_padding_mask (B, S)`` (True = ignore) becomes
@@ -366,7 +367,7 @@ class MultiHeadAttention(_Attends):
             out.out_proj.weight.copy_(m.out_proj.weight)
             if m.out_proj.bias is not None:
                 out.out_proj.bias.copy_(m.out_proj.bias)
-        return out
+        return out.train(m.training)
 
     def extra_repr(self) -> str:
         s = f"d_model={self.d_model}, n_heads={self.n_heads}"

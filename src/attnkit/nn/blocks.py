@@ -47,7 +47,8 @@ class TransformerBlock(nn.Module):
         d_ff: hidden width of the feed-forward network (default :func:`default_d_ff`).
         dropout: residual dropout (and attention dropout unless ``attention_dropout`` is given).
         attention_dropout: dropout on the attention probabilities; None = ``dropout``.
-        norm: ``"layer"`` (LayerNorm) or ``"rms"`` (RMSNorm); ``norm_eps`` its epsilon.
+        norm: ``"layer"`` (LayerNorm) or ``"rms"`` (RMSNorm); ``norm_eps`` its epsilon; ``norm_offset`` what
+            an RMSNorm's stored weight lacks (Gemma's ``1 + weight``: 1.0; see :class:`RMSNorm`).
         ffn: ``"gelu"``, ``"swiglu"`` or ``"geglu"`` (gated, tanh-approximated GELU: Gemma).
         post_norms: a norm on the output of each sub-layer (``attn_post_norm``, ``ffn_post_norm``).
         cross_attention: add the cross-attention sub-layer; ``context_dim`` its context width.
@@ -78,7 +79,8 @@ class TransformerBlock(nn.Module):
                  context_dim: int | None = None, positions=None, mask=None, bias: bool = True,
                  qkv_bias: bool | None = None, out_bias: bool | None = None, ffn_bias: bool | None = None,
                  qk_norm: bool = False, softcap: float | None = None, temperature: float = 1.0,
-                 backend: str = "auto", attention_dropout: float | None = None, post_norms: bool = False):
+                 backend: str = "auto", attention_dropout: float | None = None, post_norms: bool = False,
+                 norm_offset: float = 0.0):
         super().__init__()
         _checks.choice("norm", norm, ("layer", "rms"))
         _checks.choice("ffn", ffn, _FFNS)
@@ -93,20 +95,20 @@ class TransformerBlock(nn.Module):
         attn_p = dropout if attention_dropout is None else _checks.probability("attention_dropout", attention_dropout)
         attn_kw = dict(n_kv_heads=n_kv_heads, d_head=d_head, bias=qkv_bias, out_bias=out_bias, dropout=attn_p,
                        qk_norm=qk_norm, softcap=softcap, temperature=temperature, backend=backend)
-        self.attn_norm = make_norm(norm, d_model, norm_eps)
+        self.attn_norm = make_norm(norm, d_model, norm_eps, norm_offset)
         self.attn = MultiHeadAttention(d_model, n_heads, positions=positions, mask=mask, **attn_kw)
         self.cross_attention = bool(cross_attention)
         if self.cross_attention:
-            self.cross_norm = make_norm(norm, d_model, norm_eps)
+            self.cross_norm = make_norm(norm, d_model, norm_eps, norm_offset)
             self.cross_attn = MultiHeadAttention(d_model, n_heads, kdim=context_dim, **attn_kw)
-        self.ffn_norm = make_norm(norm, d_model, norm_eps)
+        self.ffn_norm = make_norm(norm, d_model, norm_eps, norm_offset)
         self.ffn = FeedForward(d_model, d_ff, ffn, bias=ffn_bias)
         self.post_norms = bool(post_norms)
         if self.post_norms:
-            self.attn_post_norm = make_norm(norm, d_model, norm_eps)
+            self.attn_post_norm = make_norm(norm, d_model, norm_eps, norm_offset)
             if self.cross_attention:
-                self.cross_post_norm = make_norm(norm, d_model, norm_eps)
-            self.ffn_post_norm = make_norm(norm, d_model, norm_eps)
+                self.cross_post_norm = make_norm(norm, d_model, norm_eps, norm_offset)
+            self.ffn_post_norm = make_norm(norm, d_model, norm_eps, norm_offset)
         self.dropout = _dropout(dropout)
 
     def forward(self, x: Tensor, context=None, *, mask=None, context_mask=None, cache=None, cross_cache=None,
@@ -169,7 +171,8 @@ class _Stack(nn.Module):
         self.layers = nn.ModuleList(
             TransformerBlock(d_model, n_heads, mask=mask, cross_attention=cross, **opts) for _ in range(n_layers))
         norm_first = opts.get("norm_first", True)
-        self.norm = make_norm(opts.get("norm", "layer"), d_model, opts.get("norm_eps", 1e-5)) if norm_first else None
+        self.norm = make_norm(opts.get("norm", "layer"), d_model, opts.get("norm_eps", 1e-5),
+                              opts.get("norm_offset", 0.0)) if norm_first else None
         self.d_model = d_model
 
 

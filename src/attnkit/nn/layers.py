@@ -160,10 +160,12 @@ def to_decode_layout(module: nn.Module, batch_size: int = 1) -> nn.Module:
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm: ``x / sqrt(mean(x^2) + eps) * weight`` over the last dim.
+    """Root-mean-square norm: ``x / sqrt(mean(x^2) + eps) * (offset + weight)`` over the last dim.
 
     Computed in float32 (float64 for float64 inputs) and cast back before the weight, as Llama does.
-    Input and output ``(..., dim)``.
+    ``offset`` is what the stored weight lacks (Gemma stores ``w - 1`` and multiplies by ``1 + weight``;
+    ``offset=1.0`` does that, in float32 with one cast at the end, as Gemma does); the weight starts at
+    ``1 - offset``, the identity.  Input and output ``(..., dim)``.
 
     Example::
 
@@ -174,20 +176,23 @@ class RMSNorm(nn.Module):
         True
     """
 
-    def __init__(self, dim: int, eps: float = 1e-6):
+    def __init__(self, dim: int, eps: float = 1e-6, offset: float = 0.0):
         super().__init__()
         _checks.positive_int("dim", dim)
         self.eps = _checks.positive_float("eps", eps)
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.offset = _checks.finite_float("offset", offset)
+        self.weight = nn.Parameter(torch.full((dim,), 1.0 - self.offset))
 
     def forward(self, x: Tensor) -> Tensor:
         dtype = x.dtype
         h = x.to(torch.promote_types(dtype, torch.float32))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (h * (self.weight.to(h.dtype) + self.offset)).to(dtype)
         return self.weight * h.to(dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
+        return f"{self.weight.shape[0]}, eps={self.eps}" + (f", offset={self.offset}" if self.offset else "")
 
 
 def _dropout(p: float) -> nn.Module:
@@ -196,9 +201,11 @@ def _dropout(p: float) -> nn.Module:
     return nn.Dropout(p) if p > 0 else nn.Identity()
 
 
-def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
+def make_norm(kind: str, dim: int, eps: float, offset: float = 0.0) -> nn.Module:
     _checks.choice("norm", kind, ("layer", "rms"))
-    return nn.LayerNorm(dim, eps=eps) if kind == "layer" else RMSNorm(dim, eps=eps)
+    if kind == "layer" and offset:
+        raise ValueError(f"norm_offset={offset!r} applies to RMSNorm only: use norm='rms' or norm_offset=0.0")
+    return nn.LayerNorm(dim, eps=eps) if kind == "layer" else RMSNorm(dim, eps=eps, offset=offset)
 
 
 class FeedForward(nn.Module):

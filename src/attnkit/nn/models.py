@@ -12,7 +12,7 @@ from .. import masks as _masks
 from . import _checks
 from .blocks import Decoder, Encoder, TransformerBlock, _cache_positions, _layer_caches, default_d_ff
 from .layers import Linear, _dropout, linear, make_norm
-from .positions import ALiBi, PositionEncoding, RotaryEmbedding, SinusoidalPositions, T5RelativeBias
+from .positions import ALiBi, PositionEncoding, RotaryEmbedding, SinusoidalPositions, T5RelativeBias, _parse_scaling
 
 Tensor = torch.Tensor
 
@@ -73,6 +73,7 @@ class DecoderConfig:
     layer_masks: tuple[_masks.Mask | None, ...] | None = None  # one per layer, AND-ed with causal and mask
     norm: str = "rms"  # "rms" | "layer"
     norm_eps: float = 1e-5
+    norm_offset: float = 0.0  # RMSNorm multiplies by norm_offset + weight (Gemma: 1.0, its weights stored as w - 1)
     norm_first: bool = True  # Pre-LN (with a final norm); False = Post-LN
     ffn: str = "swiglu"  # "swiglu" | "gelu" | "geglu" (gated tanh-GELU, Gemma)
     qkv_bias: bool = False  # bias on the q/k/v projections (Qwen2: True)
@@ -107,7 +108,12 @@ class DecoderConfig:
         _checks.positive_int("d_ff", self.d_ff, allow_none=True)
         _checks.positive_int("rotary_dim", self.rotary_dim, allow_none=True)
         _checks.positive_float("rope_theta", self.rope_theta)
+        _parse_scaling(self.rope_scaling, self.rope_theta)  # errors at configuration time, not when building
         _checks.positive_float("norm_eps", self.norm_eps)
+        self.norm_offset = _checks.finite_float("norm_offset", self.norm_offset)
+        if self.norm_offset and self.norm != "rms":
+            raise ValueError(f"norm_offset={self.norm_offset!r} applies to RMSNorm only: use norm='rms' or "
+                             f"norm_offset=0.0")
         for name in ("softcap", "attn_scale", "embed_scale", "logit_softcap"):
             _checks.positive_float(name, getattr(self, name), allow_none=True)
         if self.post_norms and not self.norm_first:
@@ -202,7 +208,7 @@ def _make_positions(cfg: DecoderConfig, *, bidirectional: bool) -> PositionEncod
 def _block_options(cfg: DecoderConfig, positions) -> dict:
     return dict(n_kv_heads=cfg.n_kv_heads, d_head=cfg.d_head, d_ff=cfg.ff_dim, dropout=cfg.dropout,
                 attention_dropout=cfg.attention_dropout, norm_first=cfg.norm_first, norm=cfg.norm,
-                norm_eps=cfg.norm_eps, ffn=cfg.ffn, positions=positions,
+                norm_eps=cfg.norm_eps, norm_offset=cfg.norm_offset, ffn=cfg.ffn, positions=positions,
                 qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias, ffn_bias=cfg.ffn_bias, qk_norm=cfg.qk_norm,
                 softcap=cfg.softcap, backend=cfg.backend, post_norms=cfg.post_norms,
                 temperature=1.0 if cfg.attn_scale is None else 1.0 / (cfg.attn_scale * math.sqrt(cfg.head_dim)))
@@ -336,7 +342,7 @@ class DecoderLM(_LMBase):
         self.layers = nn.ModuleList(
             TransformerBlock(cfg.d_model, cfg.n_heads, mask=_checks.combine(_masks.causal(), cfg.layer_mask(i)), **opts)
             for i in range(cfg.n_layers))
-        self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps) if cfg.norm_first else None
+        self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_offset) if cfg.norm_first else None
         self._init_weights(cfg.n_layers)
 
     def forward(self, ids: Tensor, *, cache=None, positions=None, mask=None) -> Tensor:

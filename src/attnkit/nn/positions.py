@@ -78,14 +78,25 @@ class PositionEncoding(nn.Module):
 _SCALINGS = ("linear", "ntk", "llama3")
 
 
-def _parse_scaling(scaling) -> dict | None:
+def _parse_scaling(scaling, base: float | None = None) -> dict | None:
+    """The validated scaling dict (``type``, ``factor``, llama3's factors), or None.  Hugging Face's form is
+    accepted: ``rope_type`` beside or instead of ``type``, and ``rope_theta``, which must equal ``base``."""
     if scaling is None:
         return None
     if not isinstance(scaling, dict):
         raise TypeError(f"scaling must be None or a dict like {{'type': 'linear', 'factor': 2.0}}, got {scaling!r}")
     s = dict(scaling)
-    kind = s.pop("type", None) or s.pop("rope_type", None)
+    kind, hf_kind = s.pop("type", None), s.pop("rope_type", None)
+    if kind is not None and hf_kind is not None and kind != hf_kind:
+        raise ValueError(f"scaling has type={kind!r} and rope_type={hf_kind!r}: give one")
+    kind = kind if kind is not None else hf_kind
+    theta = s.pop("rope_theta", None)
+    if theta is not None and base is not None and float(theta) != float(base):
+        raise ValueError(f"scaling['rope_theta']={theta!r} differs from the rotary base {base!r}: pass the same "
+                         f"value as base (rope_theta in a DecoderConfig), or drop it from the scaling dict")
     if kind == "default":
+        if s:
+            raise ValueError(f"scaling has keys {sorted(s)} that the 'default' rope type does not use")
         return None
     if kind not in _SCALINGS:
         raise ValueError(f"scaling type {kind!r} is not one of {_SCALINGS} (give it as scaling['type'])")
@@ -149,7 +160,7 @@ class RotaryEmbedding(PositionEncoding):
         self.dim = dim
         self.base = _checks.positive_float("base", base)
         self.interleaved = bool(interleaved)
-        self.scaling = _parse_scaling(scaling)
+        self.scaling = _parse_scaling(scaling, self.base)
         self.max_seq_len = _checks.positive_int("max_seq_len", max_seq_len, allow_none=True)
         self.inv_freq = self._inv_freq()  # (dim/2,) float32; not a buffer, so model.to(dtype) keeps it exact
         self._tables: dict = {}
