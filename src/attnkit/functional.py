@@ -69,6 +69,8 @@ def _check_mask(mask, q: Tensor, shape) -> Mask | None:
             raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to (B, H, Lq, Lk)={shape}")
         if mask.device != q.device:
             raise ValueError(f"mask is on {mask.device} but q is on {q.device}: move it with mask.to(q.device)")
+        while mask.dim() < 2:  # (Lk,) or (): broadcast like a bias of that shape
+            mask = mask.unsqueeze(0)
         return from_dense(mask)
     raise TypeError(f"mask must be None, an attnkit.masks.Mask or a bool tensor, got {type(mask).__name__}")
 
@@ -96,6 +98,9 @@ def _check_bias(bias, q: Tensor, shape):
 
 def _check_number(name: str, value, *, low: float | None = None, high: float | None = None,
                   low_open: bool = False, high_open: bool = False, fix: str = "") -> float:
+    if isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}={value!r} must be a Python number, not a tensor: pass float({name}) (a tensor "
+                        f"{name} would get no gradient here)")
     if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(float(value)):
         raise ValueError(f"{name}={value!r} must be a finite number{fix}")
     x = float(value)

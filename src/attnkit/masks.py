@@ -259,6 +259,18 @@ def _checked_bool(mask: "Mask", out) -> Tensor:
     return out
 
 
+def _checked_shape(mask: "Mask", out: Tensor, *index: Tensor) -> Tensor:
+    """``out`` when it broadcasts against the index tensors it was computed from, else a clear error."""
+    shape = torch.broadcast_shapes(*(i.shape for i in index))
+    try:
+        torch.broadcast_shapes(out.shape, shape)
+        return out
+    except RuntimeError:
+        raise ValueError(f"{mask!r}: the mask function returned shape {tuple(out.shape)} for index tensors that "
+                         f"broadcast to {tuple(shape)}: build the result from b, h, q_idx, kv_idx with "
+                         f"broadcasting ops (e.g. q_idx >= kv_idx), without reshaping them") from None
+
+
 # ------------------------------------------------------------------ block structure
 
 
@@ -440,19 +452,23 @@ class Mask:
     def density(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> float:
         """Share of ``(query, key)`` pairs that may attend, counted a chunk of rows at a time."""
         self._validate(batch, heads, q_len, kv_len)
+        return self._density(q_len, kv_len, torch.arange(batch), torch.arange(heads))
+
+    def _density(self, q_len: int, kv_len: int, bs: Tensor, hs: Tensor) -> float:
+        """Share of allowed pairs over the batch elements ``bs`` and heads ``hs`` (int64 index tensors)."""
         if q_len == 0 or kv_len == 0:
             return 0.0
-        b = torch.arange(batch).view(-1, 1, 1, 1)
-        h = torch.arange(heads).view(1, -1, 1, 1)
+        nb, nh = bs.numel(), hs.numel()
+        b, h = bs.view(-1, 1, 1, 1), hs.view(1, -1, 1, 1)
         k = torch.arange(kv_len).view(1, 1, 1, -1)
-        step = max(1, _EVAL_CHUNK // max(1, batch * heads * kv_len))
+        step = max(1, _EVAL_CHUNK // max(1, nb * nh * kv_len))
         total = 0
         for start in range(0, q_len, step):
             q = torch.arange(start, min(q_len, start + step)).view(1, 1, -1, 1)
             m = _checked_bool(self, self._mod(b, h, q, k, q_len, kv_len))
-            m = m.expand(batch, heads, q.shape[2], kv_len)
+            m = m.expand(nb, nh, q.shape[2], kv_len)
             total += int(m.sum())
-        return total / (batch * heads * q_len * kv_len)
+        return total / (nb * nh * q_len * kv_len)
 
     def show(self, q_len: int | None = None, kv_len: int | None = None, *, batch: int = 0, head: int = 0,
              max_width: int = 64) -> str:
@@ -463,7 +479,9 @@ class Mask:
         if kv_len is None:
             kv_len = size[1] if size else q_len
         nb, nh = max(batch + 1, self._batch_size()), head + 1
-        header = f"{self!r}  {q_len}x{kv_len}, density {self.density(q_len, kv_len, batch=nb, heads=nh):.1%}"
+        self._validate(nb, nh, q_len, kv_len)
+        density = self._density(q_len, kv_len, torch.tensor([batch]), torch.tensor([head]))  # of what is drawn
+        header = f"{self!r}  {q_len}x{kv_len}, density {density:.1%}"
         if max(q_len, kv_len) <= max_width:
             dense = self.to_dense(q_len, kv_len, batch=nb, heads=nh)
             dense = dense[min(batch, dense.shape[0] - 1), min(head, dense.shape[1] - 1)]
@@ -777,9 +795,12 @@ class _Document(Mask):
                 raise ValueError(f"document: {name} has {ids.shape[0]} rows for a batch of {batch}: "
                                  f"give one row per sequence or a single 1-D tensor")
         if self.kv_ids is None:
-            if self.q_ids.shape[1] != kv_len or q_len > kv_len:
-                raise ValueError(f"document: ids has length {self.q_ids.shape[1]} but the keys have Lk={kv_len} "
-                                 f"(and Lq={q_len} must be <= Lk): give one id per key, or pass kv_ids")
+            if self.q_ids.shape[1] != kv_len:
+                raise ValueError(f"document: ids has length {self.q_ids.shape[1]} but the keys have Lk={kv_len}: "
+                                 f"give one id per key, or pass kv_ids")
+            if q_len > kv_len:
+                raise ValueError(f"document: Lq={q_len} queries but only Lk={kv_len} keys: with one ids tensor the "
+                                 f"queries are the last Lq keys (Lq <= Lk); pass kv_ids for separate query ids")
         elif self.q_ids.shape[1] != q_len or self.kv_ids.shape[1] != kv_len:
             raise ValueError(f"document: ids/kv_ids have lengths {self.q_ids.shape[1]}/{self.kv_ids.shape[1]}, "
                              f"expected Lq={q_len} and Lk={kv_len}")
@@ -926,7 +947,7 @@ class _FromFn(Mask):
         self.fn, self.name = fn, name or getattr(fn, "__name__", "fn")
 
     def _mod(self, b, h, q, k, q_len, kv_len):
-        return _checked_bool(self, self.fn(b, h, q, k))
+        return _checked_shape(self, _checked_bool(self, self.fn(b, h, q, k)), b, h, q, k)
 
     def __repr__(self):
         return f"from_fn({self.name})"
@@ -1078,6 +1099,21 @@ def from_fn(fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor], *, name: str
     The arguments are broadcastable int64 index tensors; ``q_idx`` is the query *row* (add ``Lk - Lq``
     for bottom-right positions).  Its block structure is derived by evaluating ``fn`` one chunk of tiles
     at a time, never on the whole ``Lq x Lk``.
+
+    ``fn`` must be a pure function of its arguments and of the tensors it reads: backends keep what they
+    derive (block structure, dense form) per mask object, and notice when a tensor it reads — through a
+    closure, a default argument, a global it names, a bound method's object — is changed in place or
+    rebound.  Python state it reads otherwise (a list, a counter) is not watched: make a new mask when it
+    changes.
+
+    Example::
+
+        >>> import torch
+        >>> from attnkit import masks
+        >>> doc = torch.tensor([0, 0, 1, 1, 1])
+        >>> m = masks.from_fn(lambda b, h, i, j: doc[i] == doc[j])
+        >>> m.to_dense(5, 5)[0, 0].int().tolist()[2]
+        [0, 0, 1, 1, 1]
     """
     return _FromFn(fn, name)
 

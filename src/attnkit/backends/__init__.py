@@ -24,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -84,6 +85,14 @@ _PICKS: dict[tuple, tuple[object, object, Backend]] = {}  # auto's recent decisi
 _PICKS_SIZE = 64
 
 
+def _ref(obj):
+    return None if obj is None else weakref.ref(obj)
+
+
+def _alive(ref):
+    return None if ref is None else ref()
+
+
 def _signature(call: Call) -> tuple:
     """Everything a backend's check and cost may depend on.  The layers of a model call attention with
     the same signature, so auto decides once per forward (and once per decoding step)."""
@@ -91,7 +100,7 @@ def _signature(call: Call) -> tuple:
     bias_key = (id(bias), bias.requires_grad, tuple(bias.shape)) if hasattr(bias, "shape") else id(bias)
     return (tuple(call.q.shape), tuple(call.k.shape), tuple(call.v.shape), call.q.dtype, call.q.device,
             call.q.stride(), call.k.stride(), call.v.stride(), id(call.mask), bias_key, call.scale,
-            call.softcap, call.dropout_p > 0, call.return_lse, call.needs_grad)
+            call.softcap, call.dropout_p > 0, call.return_lse, call.needs_grad, torch.is_grad_enabled())
 
 
 # What auto picks from while torch.compile traces, in order of preference: backends whose run is plain
@@ -106,13 +115,15 @@ def select(call: Call, backend: str) -> Backend:
     if backend == "auto":
         key = _signature(call)
         hit = _PICKS.get(key)
-        # the stored mask and bias keep their ids from being reused while the entry lives
-        if hit is not None and hit[0] is call.mask and hit[1] is call.bias and _REGISTRY.get(hit[2].name) is hit[2]:
+        # weak references to the mask and bias tell a reused id from the same object without keeping
+        # either alive (a bool tensor mask is a new Mask at every call: its entry just dies)
+        if hit is not None and _alive(hit[0]) is call.mask and _alive(hit[1]) is call.bias \
+                and _REGISTRY.get(hit[2].name) is hit[2]:
             return hit[2]
         chosen = _pick(call)
         if len(_PICKS) >= _PICKS_SIZE:
             _PICKS.pop(next(iter(_PICKS)))
-        _PICKS[key] = (call.mask, call.bias, chosen)
+        _PICKS[key] = (_ref(call.mask), _ref(call.bias), chosen)
         return chosen
     b = _get(backend)
     reason = b.check(call)

@@ -112,3 +112,72 @@ def modify_scores(s: Tensor, call: Call, b: Tensor, h: Tensor, q: Tensor, k: Ten
         allowed = call.mask._mod(b, h, q, k, call.q_len, call.kv_len)
         s = s.masked_fill(~allowed, float("-inf"))
     return s
+
+
+# ------------------------------------------------------------------ what a mask or modifier reads
+
+_REACH_DEPTH = 8  # objects followed from a mask or modifier (closures, globals, attributes) before giving up
+
+
+def reachable_tensors(obj) -> list[Tensor]:
+    """Every tensor a mask or score modifier can read: its own attributes, combined masks/modifiers, and
+    what a ``from_fn`` function reaches — closure cells, default arguments, the module globals it names
+    (also from nested functions), ``functools.partial`` arguments, a bound method's object, a callable
+    object's attributes, ``nn.Module`` parameters and buffers, lists, tuples, sets and dicts.  Modules,
+    classes and objects further than ``_REACH_DEPTH`` steps are not followed.  In first-reached order,
+    each tensor once."""
+    import functools
+    import types
+
+    out: list[Tensor] = []
+    seen: set[int] = set()
+
+    def names(code: types.CodeType):
+        yield from code.co_names
+        for c in code.co_consts:
+            if isinstance(c, types.CodeType):
+                yield from names(c)
+
+    def walk(x, depth: int) -> None:
+        if id(x) in seen or depth > _REACH_DEPTH or x is None or isinstance(x, (str, bytes, int, float, bool)):
+            return
+        seen.add(id(x))
+        if isinstance(x, Tensor):
+            out.append(x)
+            return
+        if isinstance(x, (types.ModuleType, type)):
+            return
+        if isinstance(x, torch.nn.Module):
+            for t in (*x.parameters(), *x.buffers()):
+                walk(t, depth + 1)
+            return
+        if isinstance(x, dict):
+            items = list(x.values())
+        elif isinstance(x, (list, tuple, set, frozenset)):
+            items = list(x)
+        elif isinstance(x, functools.partial):
+            items = [x.func, *x.args, *(x.keywords or {}).values()]
+        elif isinstance(x, types.MethodType):
+            items = [x.__self__, x.__func__]
+        elif isinstance(x, types.FunctionType):
+            items = [c.cell_contents for c in (x.__closure__ or ()) if _has_contents(c)]
+            items += list(x.__defaults__ or ()) + list((x.__kwdefaults__ or {}).values())
+            g = x.__globals__
+            items += [g[n] for n in dict.fromkeys(names(x.__code__)) if n in g]
+        elif hasattr(x, "__dict__"):
+            items = list(vars(x).values())
+        else:
+            return
+        for item in items:
+            walk(item, depth + 1)
+
+    walk(obj, 0)
+    return out
+
+
+def _has_contents(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True

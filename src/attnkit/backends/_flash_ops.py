@@ -23,7 +23,7 @@ import torch
 
 from ..bias import ScoreMod
 from ..masks import FULL
-from ._common import accumulation_dtype
+from ._common import accumulation_dtype, reachable_tensors
 from ._flash_plan import Heads, Job, Plan
 
 Tensor = torch.Tensor
@@ -101,48 +101,35 @@ def draw_seed() -> int:
 # ---------------------------------------------------------------------- score modifiers
 
 
-def mod_params(obj, _seen=None) -> list[Tensor]:
-    """Tensors that require grad held by a score modifier: its own tensors (ALiBi slopes, T5 table,
-    per-head temperatures), those of composed modifiers, and those a ``from_fn`` function closes over
-    (directly, or as parameters of an ``nn.Module``)."""
-    seen = set() if _seen is None else _seen
-    if id(obj) in seen:
-        return []
-    seen.add(id(obj))
-    if isinstance(obj, Tensor):
-        return [obj] if obj.requires_grad else []
-    out: list[Tensor] = []
-    if isinstance(obj, torch.nn.Module):
-        for p in obj.parameters():
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-        return out
-    if isinstance(obj, (list, tuple)):
-        items = list(obj)
-    elif isinstance(obj, dict):
-        items = list(obj.values())
-    elif isinstance(obj, ScoreMod):
-        items = list(vars(obj).values())
-    elif callable(obj):
-        items = [c.cell_contents for c in (getattr(obj, "__closure__", None) or ()) if _has_contents(c)]
-        items += [getattr(obj, "__self__", None)]
-        if hasattr(obj, "__dict__") and not hasattr(obj, "__code__"):
-            items += list(vars(obj).values())
-    else:
-        return []
-    for item in items:
-        if item is not None:
-            out += mod_params(item, seen)
-    return out
+def mod_params(obj) -> list[Tensor]:
+    """Tensors that require grad that a score modifier reads: its own (ALiBi slopes, T5 table, per-head
+    temperatures), those of composed modifiers, and whatever a ``from_fn`` function reaches (closures,
+    globals it names, a bound method's object, ``nn.Module`` parameters; see ``reachable_tensors``)."""
+    return [t for t in reachable_tensors(obj) if t.requires_grad]
 
 
-def _has_contents(cell) -> bool:
-    try:
-        cell.cell_contents
-    except ValueError:
-        return False
-    return True
+def unreached_params(mod: ScoreMod, params: list[Tensor], device) -> list[Tensor]:
+    """Leaf tensors requiring grad that ``mod``'s result depends on but that are not (and are not behind)
+    ``params``: found by applying the modifier to one score and walking its autograd graph.  The flash
+    backward can give gradients only to ``params``; anything listed here would silently get none."""
+    zero = torch.zeros((1, 1, 1, 1), dtype=torch.long, device=device)
+    with torch.enable_grad():
+        out = mod._mod(torch.zeros((1, 1, 1, 1), device=device), zero, zero, zero, zero, 1, 1)
+    if not isinstance(out, Tensor) or out.grad_fn is None:
+        return []
+    known = {id(p) for p in params}
+    stops = {id(p.grad_fn) for p in params if p.grad_fn is not None}
+    missing, seen, todo = [], set(), [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen or id(node) in stops:
+            continue
+        seen.add(id(node))
+        var = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf
+        if var is not None and id(var) not in known:
+            missing.append(var)
+        todo += [n for n, _ in node.next_functions]
+    return missing
 
 
 # ------------------------------------------------------------------------- the work
@@ -504,8 +491,9 @@ class Prepared:
         return element_mask(work, self.chunk) if self.lazy else self.mask
 
     def kernel_causal(self, work: "Work") -> bool:
-        """Whether the fused kernel's own ``is_causal`` replaces the mask (it cannot add a bias too)."""
-        return self.causal and work.bias is None
+        """Whether the fused kernel's own ``is_causal`` replaces the mask (it cannot add a bias too, and it
+        gives NaN for a negative scale)."""
+        return self.causal and work.bias is None and work.scale > 0
 
     def float_mask(self, work: "Work", m: Tensor | None) -> Tensor | None:
         if self.kernel_causal(work):
@@ -576,6 +564,16 @@ def bias_index(work: Work, heads: Heads, ch: Chunk):
     zero = torch.zeros((), dtype=torch.int64, device=q.device)
     return (b if bias.shape[0] > 1 else zero, h if bias.shape[1] > 1 else zero,
             q if bias.shape[2] > 1 else zero, k if bias.shape[3] > 1 else zero)
+
+
+def _add_bias_grad(dbias: Tensor, index: tuple[Tensor, ...], dx: Tensor) -> None:
+    """Accumulate the scores' gradient ``dx`` into the bias gradient at ``index``: summed first over the
+    dims the bias broadcasts along (where the index does not vary), so every value lands once per element."""
+    shape = torch.broadcast_shapes(*(i.shape for i in index))
+    full = (1,) * (dx.dim() - len(shape)) + tuple(shape)
+    dims = [d for d in range(dx.dim()) if full[d] == 1 and dx.shape[d] > 1]
+    value = dx.sum(dims, keepdim=True) if dims else dx
+    dbias.index_put_(index, value.reshape(shape).to(dbias.dtype), accumulate=True)
 
 
 def float_mask(work: Work, heads: Heads, ch: Chunk, m: Tensor | None) -> Tensor | None:
@@ -685,7 +683,7 @@ def explicit_backward(work: Work, ch: Chunk, m: Tensor | None, do: Tensor, lse: 
     dv = torch.matmul(pz.view(ch.N, heads.kcount, g * ch.R, ch.W).transpose(-1, -2), dog)  # (N, Hkv, W, Dv)
     dx = dp.sub_(delta.reshape(shape5).to(work.acc)).mul_(p)  # d(modified score), in place on dp
     if dbias is not None:
-        dbias.index_put_(bias_index(work, heads, ch), dx.to(dbias.dtype), accumulate=True)
+        _add_bias_grad(dbias, bias_index(work, heads, ch), dx)
     if autograd:
         grads = torch.autograd.grad(x, [s_leaf, *work.bias_params], dx, allow_unused=True)
         ds = grads[0]
@@ -734,7 +732,7 @@ def forward(work: Work) -> tuple[Tensor, Tensor]:
     plan = work.plan
     nh, dv = work.q3.shape[0], work.v3.shape[-1]
     dev = work.q3.device
-    if work.fused and plan.whole_causal and work.bias is None:  # one call: the kernel's own causal mask
+    if work.fused and plan.whole_causal and work.bias is None and work.scale > 0:  # one call: the kernel's causal
         o, l = _FUSED[0](work.q3[None], work.k3[None], work.v3[None], 0.0, True, scale=work.scale)  # noqa: E741
         return o[0], l[0].t()
     items = prepared(work, work.fused, False)
@@ -809,7 +807,7 @@ def backward(work: Work, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | 
     scores are recomputed from ``q``, ``k`` and ``lse``."""
     dev = work.q3.device
     nh = work.q3.shape[0]
-    if fused and work.plan.whole_causal and work.bias is None:
+    if fused and work.plan.whole_causal and work.bias is None and work.scale > 0:
         dq, dk, dv = _FUSED[1](dout[None], work.q3[None], work.k3[None], work.v3[None], out[None],
                                lse.t()[None], 0.0, True, scale=work.scale)
         return dq[0], dk[0], dv[0]

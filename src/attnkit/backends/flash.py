@@ -42,7 +42,7 @@ from ..bias import ScoreMod
 from ..masks import Mask
 from . import _flash_ops as ops
 from . import _flash_plan as planning
-from ._common import Call
+from ._common import Call, reachable_tensors
 
 Tensor = torch.Tensor
 
@@ -96,27 +96,13 @@ def _value_key(mask: Mask | None) -> str | None:
     return repr(mask) if pure(mask) else None
 
 
-def _versions(obj, seen: set) -> tuple:
-    """(id, version) of every tensor a mask holds (also through combinators and function closures), so
-    that a cached plan is rebuilt when one of them is modified in place.  A tensor made under
-    ``torch.inference_mode`` has no version counter: a new object in its place makes the key match nothing,
-    so such a mask is planned again at each call."""
-    if id(obj) in seen:
-        return ()
-    seen.add(id(obj))
-    if isinstance(obj, Tensor):
-        return ((id(obj), object() if obj.is_inference() else obj._version),)
-    if isinstance(obj, (list, tuple)):
-        items = obj
-    elif isinstance(obj, dict):
-        items = list(obj.values())
-    elif isinstance(obj, Mask):
-        items = list(vars(obj).values())
-    elif callable(obj):
-        items = [c.cell_contents for c in (getattr(obj, "__closure__", None) or ()) if ops._has_contents(c)]
-    else:
-        return ()
-    return tuple(v for item in items for v in _versions(item, seen))
+def _versions(obj) -> tuple:
+    """(id, version) of every tensor a mask can read (its own, through combinators, and what a ``from_fn``
+    predicate reaches: closures, the globals it names, ...), so that a cached plan is rebuilt when one of
+    them is modified in place or rebound.  A tensor made under ``torch.inference_mode`` has no version
+    counter: a new object in its place makes the key match nothing, so such a mask is planned again at each
+    call."""
+    return tuple((id(t), object() if t.is_inference() else t._version) for t in reachable_tensors(obj))
 
 
 def _plan(call: Call, block_q: int | None = None, block_k: int | None = None) -> planning.Plan:
@@ -131,7 +117,7 @@ def _plan(call: Call, block_q: int | None = None, block_k: int | None = None) ->
         store, limit, full_key = _SHARED, SHARED_PLANS, key + (value,)
     else:
         store, limit = _PLANS.setdefault(call.mask, {}), PLANS_PER_MASK
-        full_key = key + (_versions(call.mask, set()),)
+        full_key = key + (_versions(call.mask),)
     plan = store.pop(full_key, None)  # re-inserted below: the dict keeps least recently used first
     if plan is None:
         plan = planning.build(call.mask, call.batch, call.heads, call.kv_heads, call.q_len, call.kv_len,
@@ -193,12 +179,16 @@ def _backward_plan(call: Call, block_q: int | None = None, block_k: int | None =
 
 
 def _bias_needs_grad(call: Call) -> tuple[bool, list[Tensor]]:
+    """Whether the bias needs a gradient, and the modifier's tensors that require one (memoised per call)."""
     if not torch.is_grad_enabled():
         return False, []
     if isinstance(call.bias, Tensor):
         return call.bias.requires_grad, []
     if isinstance(call.bias, ScoreMod):
-        params = ops.mod_params(call.bias)
+        if "bias_params" not in call.cache:
+            params = ops.mod_params(call.bias)
+            call.cache["bias_params"] = params, ops.unreached_params(call.bias, params, call.q.device)
+        params = call.cache["bias_params"][0]
         return bool(params), params
     return False, []
 
@@ -378,7 +368,16 @@ def run(call: Call):
 
 
 def check(call: Call) -> str | None:
-    """Backend hook: None, since flash takes every mask, bias, dtype and device."""
+    """Backend hook: None (flash takes every mask, bias, dtype and device), unless a score modifier's
+    function reads a tensor that requires grad where flash cannot find it to give it its gradient."""
+    _bias_needs_grad(call)
+    missing = call.cache.get("bias_params", (None, []))[1]
+    if missing:
+        shapes = ", ".join(str(tuple(t.shape)) for t in missing[:3])
+        return (f"the score modifier's function reads {len(missing)} tensor(s) that require grad (shapes {shapes}) "
+                f"that flash cannot reach to give them their gradient (not through a closure, default, the "
+                f"globals it names, a bound method's object, an nn.Module, list or dict): pass them in one of "
+                f"those ways, or use backend='math'")
     return None
 
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from ..bias import ScoreMod
 from ..masks import Mask, _BlockLocal, _Causal, _FromDense, _Interval, _KeyLengths, _PrefixLM, _SlidingWindow
-from ._common import Call
+from ._common import Call, reachable_tensors
 
 Tensor = torch.Tensor
 
@@ -22,8 +22,10 @@ _DENSE_CACHE_SIZE = 8
 
 
 def _is_plain_causal(call: Call) -> bool:
+    """A causal mask SDPA's ``is_causal`` computes (top-left aligned; the fused kernel gives NaN for a
+    negative scale, so such a call takes the mask as a tensor)."""
     m = call.mask
-    return isinstance(m, _Causal) and (m.align == "top_left" or call.q_len == call.kv_len)
+    return isinstance(m, _Causal) and (m.align == "top_left" or call.q_len == call.kv_len) and call.scale > 0
 
 
 def _dense_size(call: Call) -> int:
@@ -72,12 +74,14 @@ def _dense(call: Call) -> tuple[Tensor, Tensor, bool]:
         live = allowed.any(dim=-1, keepdim=True)
         return allowed, live, bool(live.all())
     key = (id(m), call.batch, call.heads, call.q_len, call.kv_len, call.q.device)
+    # the tensors the mask reads, with their in-place versions: an edited tensor makes the memo stale
+    state = tuple((id(t), object() if t.is_inference() else t._version) for t in reachable_tensors(m))
     hit = _DENSE_CACHE.get(key)
-    if hit is not None and hit[0] is m:
+    if hit is not None and hit[0] is m and hit[4] == state:
         return hit[1], hit[2], hit[3]
     allowed = m.to_dense(call.q_len, call.kv_len, batch=call.batch, heads=call.heads, device=call.q.device)
     live = allowed.any(dim=-1, keepdim=True)  # (B', H', Lq, 1): rows that see at least one key
-    entry = (m, allowed, live, bool(live.all()))
+    entry = (m, allowed, live, bool(live.all()), state)
     if len(_DENSE_CACHE) >= _DENSE_CACHE_SIZE:
         _DENSE_CACHE.pop(next(iter(_DENSE_CACHE)))
     _DENSE_CACHE[key] = entry

@@ -1,0 +1,173 @@
+"""What a backend must see of a mask or a score modifier: gradients for every tensor a ``from_fn`` function
+reads, in-place changes to the tensors a mask reads, broadcast bias gradients, and no memo that keeps a
+call's tensors alive."""
+
+import functools
+import gc
+import weakref
+
+import pytest
+import torch
+
+import attnkit
+from attnkit import backends, bias, masks
+
+W_GLOBAL = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
+DOC_GLOBAL = torch.zeros(40, dtype=torch.long)
+
+
+def _qkv(b=1, hq=2, hkv=2, lq=40, lk=40, d=8, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, h, n, d, generator=g, dtype=dtype).requires_grad_() for h, n in ((hq, lq), (hkv, lk),
+                                                                                             (hkv, lk))]
+
+
+def _grad_of(param, backend, mod, mask=None):
+    q, k, v = _qkv()
+    param.grad = None
+    attnkit.attention(q, k, v, bias=mod, mask=mask, backend=backend).square().sum().backward()
+    return param.grad.clone()
+
+
+def _shift_global(s, b, h, i, j):
+    return s + W_GLOBAL * (i - j).to(s.dtype)
+
+
+class _Holder:
+    def __init__(self):
+        self.w = torch.tensor(0.2, dtype=torch.float64, requires_grad=True)
+
+    def mod(self, s, b, h, i, j):
+        return s - self.w * (i - j).abs().to(s.dtype)
+
+
+def _scaled(s, b, h, i, j, w):
+    return s * w
+
+
+def test_flash_gives_gradients_to_tensors_reached_through_globals_methods_and_partials():
+    holder = _Holder()
+    w_partial = torch.tensor(0.9, dtype=torch.float64, requires_grad=True)
+    cases = [(W_GLOBAL, bias.from_fn(_shift_global)), (holder.w, bias.from_fn(holder.mod)),
+             (w_partial, bias.from_fn(functools.partial(_scaled, w=w_partial)))]
+    for param, mod in cases:
+        want = _grad_of(param, "math", mod, masks.sliding_window(7))
+        got = _grad_of(param, "flash", mod, masks.sliding_window(7))
+        assert torch.allclose(got, want, rtol=1e-9, atol=1e-9), mod
+
+
+class _Unreachable:  # a class attribute: classes are not searched
+    w = torch.tensor(0.5, dtype=torch.float64, requires_grad=True)
+
+
+def test_a_tensor_flash_cannot_reach_is_refused_not_silently_dropped():
+    mod = bias.from_fn(lambda s, b, h, i, j: s + _Unreachable.w * (i - j).to(s.dtype))
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"backend='flash' cannot take this call: the score modifier's function "
+                                         r"reads 1 tensor\(s\) that require grad"):
+        attnkit.attention(q, k, v, bias=mod, backend="flash")
+    want = _grad_of(_Unreachable.w, "math", mod)
+    assert torch.allclose(_grad_of(_Unreachable.w, "auto", mod), want)  # auto takes another backend
+    with torch.no_grad():  # no gradient wanted: flash takes it
+        attnkit.attention(q, k, v, bias=mod, backend="flash")
+
+
+def test_gradcheck_of_a_global_parameter_through_flash():
+    q, k, v = _qkv(lq=6, lk=7, d=3)
+    mod = bias.from_fn(_shift_global)
+
+    def fn(q, k, v, w):
+        with torch.no_grad():
+            W_GLOBAL.copy_(w.detach())
+        return attnkit.attention(q, k, v, bias=mod, mask=masks.causal(), backend="flash")
+    # gradients w.r.t. q, k, v (W_GLOBAL itself is checked against math above)
+    assert torch.autograd.gradcheck(lambda q, k, v: fn(q, k, v, W_GLOBAL), (q, k, v))
+
+
+@pytest.mark.parametrize("shape", [(40, 40), (40,), (4, 1, 40), (2, 1, 1, 40), (1, 1, 1, 1), (2, 4, 40, 40),
+                                   (1, 4, 40, 1)])
+def test_flash_gradient_of_a_broadcast_tensor_bias(shape):
+    q, k, v = _qkv(b=2, hq=4, hkv=2)
+    b = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).requires_grad_()
+    grads = {}
+    for backend in ("math", "flash"):
+        for t in (q, k, v, b):
+            t.grad = None
+        attnkit.attention(q, k, v, bias=b, mask=masks.sliding_window(9), backend=backend).square().sum().backward()
+        grads[backend] = [t.grad.clone() for t in (q, k, v, b)]
+    for want, got in zip(grads["math"], grads["flash"]):
+        assert torch.allclose(got, want, rtol=1e-9, atol=1e-9)
+
+
+def test_gradcheck_broadcast_bias_through_flash():
+    q, k, v = _qkv(b=1, hq=2, hkv=1, lq=5, lk=6, d=3)
+    b = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    fn = lambda q, k, v, b: attnkit.attention(q, k, v, bias=b, mask=masks.causal(), backend="flash")  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (q, k, v, b))
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flash", "auto"])
+def test_in_place_changes_to_what_a_mask_reads_are_noticed(backend):
+    q, k, v = _qkv(b=2, lq=8, lk=8, dtype=torch.float32)
+    lengths = torch.tensor([8, 8])
+    m = masks.key_padding(lengths)
+    attnkit.attention(q, k, v, mask=m, backend=backend)
+    lengths[0] = 3
+    want = attnkit.attention(q, k, v, mask=masks.key_padding(torch.tensor([3, 8])), backend="math")
+    assert torch.allclose(attnkit.attention(q, k, v, mask=m, backend=backend), want, atol=1e-5)
+    DOC_GLOBAL.zero_()
+    doc = masks.from_fn(lambda b, h, i, j: DOC_GLOBAL[i] == DOC_GLOBAL[j])  # reads a global
+    q, k, v = _qkv(lq=40, lk=40, dtype=torch.float32)
+    attnkit.attention(q, k, v, mask=doc, backend=backend)
+    DOC_GLOBAL[20:] = 1
+    want = attnkit.attention(q, k, v, mask=masks.document(DOC_GLOBAL.clone()), backend="math")
+    assert torch.allclose(attnkit.attention(q, k, v, mask=doc, backend=backend), want, atol=1e-5)
+
+
+def test_autos_memo_keeps_no_tensor_alive():
+    q, k, v = _qkv(b=1, hq=2, lq=64, lk=64, dtype=torch.float32)
+    b = torch.randn(1, 2, 64, 64)
+    m = torch.rand(1, 2, 64, 64) > 0.5
+    attnkit.attention(q, k, v, bias=b, mask=m)
+    refs = [weakref.ref(b), weakref.ref(m)]
+    del b, m
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flash", "auto"])
+@pytest.mark.parametrize("scale", [-0.5, 0.0])
+def test_non_positive_scale_with_a_causal_mask(backend, scale):
+    """PyTorch's fused causal kernel gives NaN for a negative (or zero) scale: such calls take the mask as a
+    tensor and match the oracle."""
+    q, k, v = _qkv(lq=9, lk=9, dtype=torch.float64)
+    out = attnkit.attention(q, k, v, mask=masks.causal(), scale=scale, backend=backend)
+    want = attnkit.attention(q, k, v, mask=masks.causal(), scale=scale, backend="math")
+    assert torch.allclose(out, want, atol=1e-10)
+    out.sum().backward()
+    assert all(bool(t.grad.isfinite().all()) for t in (q, k, v))
+
+
+def test_bool_masks_of_one_and_zero_dims_broadcast_like_a_bias():
+    q, k, v = _qkv(lq=5, lk=6, dtype=torch.float32)
+    keys = torch.tensor([True, True, False, True, False, True])
+    want = attnkit.attention(q, k, v, mask=keys[None, None, None, :], backend="math")
+    for backend in ("math", "sdpa", "flash"):
+        assert torch.allclose(attnkit.attention(q, k, v, mask=keys, backend=backend), want, atol=1e-6)
+        assert torch.allclose(attnkit.attention(q, k, v, mask=torch.tensor(True), backend=backend),
+                              attnkit.attention(q, k, v, backend="math"), atol=1e-6)
+    with pytest.raises(TypeError, match=r"scale=tensor\(0.5000\) must be a Python number, not a tensor: pass "
+                                        r"float\(scale\)"):
+        attnkit.attention(q, k, v, scale=torch.tensor(0.5))
+
+
+def test_mask_function_errors_and_drawn_density():
+    q, k, v = _qkv(lq=9, lk=9, dtype=torch.float32)
+    bad = masks.from_fn(lambda b, h, i, j: torch.ones(3, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"returned shape \(1, 1, 1, 3\) for index tensors that broadcast to"):
+        attnkit.attention(q, k, v, mask=bad)
+    with pytest.raises(ValueError, match="document: Lq=9 queries but only Lk=4 keys"):
+        masks.document(torch.tensor([0, 0, 1, 1])).to_dense(9, 4)
+    # the header's density is the drawn element's: batch 0 sees 3 of 6 keys, batch 1 five
+    assert "density 50.0%" in masks.key_padding([3, 5]).show(6, 6).splitlines()[0]
+    assert "density 83.3%" in masks.key_padding([3, 5]).show(6, 6, batch=1).splitlines()[0]
