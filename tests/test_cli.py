@@ -163,7 +163,7 @@ def test_masks_show_draws_every_builtin(capsys, name):
     b = 1 if batch else 0
     expected = mask.to_dense(10, 10, batch=b + 1)[b if mask.to_dense(10, 10, batch=b + 1).shape[0] > 1 else 0, 0]
     assert torch.equal(_drawn(out), expected)
-    assert f"density {mask.density(10, 10, batch=b + 1, heads=1):.1%}" in out.splitlines()[0]
+    assert f"density {expected.float().mean().item():.1%}" in out.splitlines()[0]  # of the element drawn
 
 
 def test_masks_show_expression_and_tiles(capsys):
@@ -327,3 +327,103 @@ def test_python_dash_m_attnkit_is_the_demo():
     text = (ROOT / "src" / "attnkit" / "__main__.py").read_text()
     assert 'main(sys.argv[1:] or ["demo"])' in text
     assert "attnkit demo" in (ROOT / "Makefile").read_text().split("demo: $(STAMP)")[1].splitlines()[1]
+
+
+# ------------------------------------------------------------- doctor: bad arguments and paths
+
+
+class _EmbeddingModel(torch.nn.Module):
+    """A language model without config.vocab_size whose token embedding has 50 rows."""
+
+    def __init__(self):
+        super().__init__()
+        from attnkit.nn import MultiHeadAttention
+        self.emb = torch.nn.Embedding(50, 16)
+        self.attention = MultiHeadAttention(16, 2, mask=masks.causal())
+        self.out = torch.nn.Linear(16, 50)
+
+    def forward(self, ids):
+        return self.out(self.attention(self.emb(ids)))  # (B, L, 50)
+
+
+class _TableModel(torch.nn.Module):
+    """Looks tokens up in a plain tensor: no nn.Embedding tells its vocabulary."""
+
+    def __init__(self):
+        super().__init__()
+        from attnkit.nn import MultiHeadAttention
+        self.table = torch.nn.Parameter(torch.randn(50, 16))
+        self.attention = MultiHeadAttention(16, 2, mask=masks.causal())
+
+    def forward(self, ids):
+        return self.attention(self.table[ids])
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["doctor", "--seq-len", "1"], "--seq-len: 1 must be >= 2"),
+    (["doctor", "--batch-size", "1", "--example", "healthy"], "--batch-size 1: the example models take at least 2"),
+    (["doctor", "--example", "healthy", "--plot", "{file}"], "is a file, not a directory"),
+    (["doctor", "--example", "healthy", "--markdown", "{dir}"], "is a directory; give a file name"),
+    (["doctor", "--markdown", "{dir}"], "is a directory; give a file name"),
+    (["doctor", "--model", "{dir}"], "is a directory, not a file"),
+    (["explain", "--check", "{dir}"], "is a directory, not a file"),
+    (["explain", "--input", "{dir}"], "is a directory, not a file"),
+    (["doctor", "--model", "{emb}", "--vocab", "5000"], "--vocab 5000 is more than the model's vocabulary: its first "
+                                                        "embedding, 'emb', has 50 rows; pass --vocab 50"),
+    (["doctor", "--model", "{emb}"], "pass --vocab V (random token ids are drawn from [0, V)) (its first "
+                                     "embedding, 'emb', has 50 rows)"),
+    (["doctor", "--model", "{table}", "--vocab", "5000"], "the model failed on random token ids of shape (4, 32) "
+                                                          "(IndexError"),
+])
+def test_doctor_bad_arguments_and_paths_are_one_line(capsys, tmp_path, argv, match):
+    (tmp_path / "afile").write_text("")
+    torch.save(_EmbeddingModel(), tmp_path / "emb.pt")
+    torch.save(_TableModel(), tmp_path / "table.pt")
+    names = {"file": tmp_path / "afile", "dir": tmp_path, "emb": tmp_path / "emb.pt", "table": tmp_path / "table.pt"}
+    argv = [a.format(**names) for a in argv]
+    assert_usage_error(capsys, *argv, match=match)
+
+
+def test_doctor_on_a_model_without_config_within_its_vocabulary(capsys, tmp_path):
+    torch.manual_seed(0)
+    torch.save(_EmbeddingModel(), tmp_path / "emb.pt")
+    code, out, err = run(capsys, "doctor", "--model", str(tmp_path / "emb.pt"), "--vocab", "50", "--batch-size", "1",
+                         "--plot", str(tmp_path / "p"))
+    assert code == 0, err
+    # the layer is named `attention`: its heatmap must not overwrite the grid attention.png
+    assert "heatmaps: " + ", ".join(str(tmp_path / "p" / n) for n in ("attention.png", "attention_2.png")) in out
+
+
+def test_explain_input_takes_a_mask_of_json_booleans(capsys, tmp_path):
+    f = tmp_path / "mine.json"
+    f.write_text('{"X": [[1, 0], [0, 1]], "W_q": [[1, 0], [0, 1]], "W_k": [[2, 0], [0, 2]], "W_v": [[1], [3]],'
+                 ' "mask": [[true, false], [true, true]]}')
+    code, out, _ = run(capsys, "explain", "--input", str(f))
+    assert code == 0
+    assert "scaled(x1,x2) = -inf   (masked: x1 may not attend to x2)" in out
+
+
+def test_demo_circuit_claim_uses_each_roles_baseline_and_an_untrained_model_fails_it():
+    from attnkit._demo import _circuit, _head_roles, _recall_model, _uniform_roles
+    from attnkit.nn.tasks import associative_recall
+
+    P, Q = 6, 4
+    batch = associative_recall(64, n_pairs=P, n_queries=Q, generator=torch.Generator().manual_seed(4))
+    length = batch.ids.shape[1]  # k v k v ... then q a q a ...
+    pair, prev = _uniform_roles(length, P)
+    assert pair == pytest.approx(sum(1 / (p + 1) for p in range(2 * P, length, 2)) / Q)  # about 0.064
+    assert prev == pytest.approx(sum(1 / (p + 1) for p in range(1, 2 * P, 2)) / P)  # about 0.204
+    assert round(pair, 3) == 0.064 and round(prev, 3) == 0.204
+    model = _recall_model(0).eval()
+    roles = _head_roles(model, batch, P)
+    before = {(name, h): r for name, h, *r in roles}
+    previous = max(r[4] for r in roles)
+    assert previous > 1.2 * prev  # ALiBi alone favours the previous token: a uniform baseline is not enough
+    _, _, recall_ok, previous_ok = _circuit(roles, before, pair, prev)
+    assert not recall_ok and not previous_ok
+    # a head that learned the roles passes: the same table with one recall and one previous-token head
+    trained = [(n, h, 0.9 if (n, h) == ("layers.1.attn", 2) else v, k, 0.6 if (n, h) == ("layers.0.attn", 0) else p)
+               for n, h, v, k, p in roles]
+    recall, previous_head, recall_ok, previous_ok = _circuit(trained, before, pair, prev)
+    assert recall[:2] == ("layers.1.attn", 2) and previous_head[:2] == ("layers.0.attn", 0)
+    assert recall_ok and previous_ok

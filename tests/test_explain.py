@@ -278,3 +278,61 @@ def test_masked_claims_and_partial_rows():
 def test_check_errors_name_the_problem(spec, match):
     with pytest.raises(ValueError, match=match):
         check(spec)
+
+
+def test_a_right_claim_after_a_slip_holds_and_says_it_does_not_follow():
+    """By the documented rule a claim holds when the exact value rounds to it, also when an earlier claim
+    slipped and the right value therefore does not follow from the claimed steps."""
+    report = check({"softmax": [{"scores": [2.0, -1.0, 0.5], "exp_scores": ["7.389", "0.368", "1.000"],
+                                 "weights": ["0.786", "0.039", "0.175"]}]})
+    exps, weights = report.results
+    assert (exps.status, weights.status) == ("wrong", "ok")
+    assert not weights.follows and weights.holds
+    assert [r.label() for r in report.slips] == ["softmax[0].exp_scores"] and not report.inherited
+    text = str(report)
+    assert "weights            [0.786, 0.039, 0.175]  ok (the exact values; it does not follow from your " \
+           "previous steps, which give [0.844, 0.042, 0.114])" in text
+    assert "1 of 2 claims hold; slips: softmax[0].exp_scores" in text
+    # the same in the main chain: a wrong K, then the exact scores; what follows the exact scores is clean
+    e = trace(ARTICLE["X"], ARTICLE["W_q"], ARTICLE["W_k"], ARTICLE["W_v"])
+    report = check({**ARTICLE, "K[0]": ["-0.24", "0.33"], "scores[0]": _written(e.scores[:1], 3)[0],
+                    "scaled_scores[0]": _written(e.scaled_scores[:1], 3)[0]})
+    assert [r.status for r in report.results] == ["wrong", "ok", "ok"]
+    assert [r.follows for r in report.results] == [False, False, True]
+
+
+@pytest.mark.parametrize("mask", [
+    [[True, False, False], [True, True, False], [True, True, True]],
+    [[1, 0, 0], [1, 1, 0], [1, 1, 1]],
+    [[1.0, 0.0, 0.0], [1.0, 1.0, 0.0], [1.0, 1.0, 1.0]],
+    json.loads("[[true, false, false], [true, true, false], [true, true, true]]"),
+    torch.tril(torch.ones(3, 3, dtype=torch.bool)),
+    torch.tril(torch.ones(3, 3)),
+    "numpy bool",
+    "numpy int",
+])
+def test_a_mask_as_bools_numbers_numpy_or_tensor(mask):
+    if isinstance(mask, str):
+        np = pytest.importorskip("numpy")
+        mask = np.tril(np.ones((3, 3), dtype=bool if mask == "numpy bool" else np.int64))
+    t = trace(ARTICLE["X"], ARTICLE["W_q"], ARTICLE["W_k"], ARTICLE["W_v"], mask=mask)
+    causal = trace(ARTICLE["X"], ARTICLE["W_q"], ARTICLE["W_k"], ARTICLE["W_v"], mask="causal")
+    assert torch.equal(t.mask, causal.mask)
+    torch.testing.assert_close(t.output, causal.output, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mask, match", [
+    ([[1, 2, 0], [1, 1, 0], [1, 1, 1]], "bool or 0/1"),
+    ([[True, False], [True, True]], r"shape \(L, L\)"),
+    ([[True, "x", False], [True, True, False], [True, True, True]], "not a number"),
+])
+def test_a_bad_mask_is_named(mask, match):
+    with pytest.raises(ValueError, match=match):
+        trace(ARTICLE["X"], ARTICLE["W_q"], ARTICLE["W_k"], ARTICLE["W_v"], mask=mask)
+
+
+def test_the_shift_guards_against_underflow_too():
+    text = str(explain_softmax([-1000.0, -999.0]))
+    assert "subtract the row maximum m = -999.0 first" in text
+    assert "nothing overflows and the sum cannot underflow to 0" in text and "never overflows" not in text
+    assert "= [0.2689, 0.7311]" in text  # without the shift both exps would be 0

@@ -93,6 +93,28 @@ def _head_roles(model, batch, n_pairs: int) -> list[tuple[str, int, float, float
     return rows
 
 
+def _uniform_roles(length: int, n_pairs: int) -> tuple[float, float]:
+    """What a uniform causal spread gives the roles of :func:`_head_roles`: a row at position ``p`` (0-based)
+    puts ``1/(p+1)`` on each key, so ``(mean over queries, mean over values)`` of that."""
+    first = 2 * n_pairs
+    on_pair = [1 / (p + 1) for p in range(first, length, 2)]  # query rows
+    prev = [1 / (p + 1) for p in range(1, first, 2)]  # value rows
+    return sum(on_pair) / len(on_pair), sum(prev) / len(prev)
+
+
+def _circuit(roles, before: dict, uniform_pair: float, uniform_prev: float):
+    """``(recall, previous, recall_ok, previous_ok)``: the head that most attends from a query to its pair's
+    value, the head of another layer that most attends from a value to its key, and whether each clearly
+    does more than both a uniform spread and the same head before training (``before`` maps ``(layer,
+    head)`` to its roles at initialisation: ALiBi alone already puts about 25% on the previous token).
+    An untrained model passes neither test."""
+    recall = max(roles, key=lambda r: r[2])
+    previous = max((r for r in roles if r[0] != recall[0]), key=lambda r: r[4], default=recall)
+    recall_ok = recall[2] >= 3 * max(uniform_pair, before[recall[:2]][0])
+    previous_ok = previous[4] >= 1.5 * max(uniform_prev, before[previous[:2]][2])
+    return recall, previous, recall_ok, previous_ok
+
+
 def _timed(fn):
     start = time.perf_counter()
     out = fn()
@@ -137,7 +159,7 @@ def run(out_dir: str | Path = "attnkit-demo", *, quick: bool = False, seed: int 
         t = trace(ARTICLE["X"], ARTICLE["W_q"], ARTICLE["W_k"], ARTICLE["W_v"])
         console.print(str(t), markup=False)
         console.print()
-        console.print("Checking every value the article claims against the exact ones:", markup=False)
+        console.print("Checking the article's claimed results of every step against the exact ones:", markup=False)
         report = check(ARTICLE_CLAIMS)
         console.print(str(report), markup=False)
         console.print()
@@ -147,6 +169,8 @@ def run(out_dir: str | Path = "attnkit-demo", *, quick: bool = False, seed: int 
         P, Q = sizes.n_pairs, sizes.n_queries
         task = dict(n_pairs=P, n_queries=Q)
         model = _recall_model(seed)
+        roles_batch = associative_recall(256, **task, generator=torch.Generator().manual_seed(seed + 4))
+        before = {(name, h): r for name, h, *r in _head_roles(model, roles_batch, P)}  # at init: ALiBi's recency
         example = associative_recall(1, **task, generator=torch.Generator().manual_seed(seed + 7))
         console.print(f"Each sequence holds {P} key-value pairs, then {Q} keys whose values must be recalled, e.g.\n"
                       f"  {' '.join(_labels(example.ids[0].tolist()))}\n"
@@ -215,25 +239,33 @@ def run(out_dir: str | Path = "attnkit-demo", *, quick: bool = False, seed: int 
 
         # ------------------------------------------------------------------ 3. heads and doctor
         console.rule("[bold]3. Where the model looks: heatmaps and the attention doctor")
-        roles = _head_roles(model, associative_recall(256, **task, generator=torch.Generator().manual_seed(seed + 4)),
-                            P)
+        roles = _head_roles(model, roles_batch, P)
+        uniform_pair, uniform_prev = _uniform_roles(roles_batch.ids.shape[1], P)
         table = Table("layer", "head", "query -> value of its pair", "query -> its key", "value -> previous token",
-                      title=f"mean attention weight (uniform would be about {1 / (P + Q):.2f})")
+                      title=f"mean attention weight (a uniform spread gives {uniform_pair:.2f} for a query's pair, "
+                            f"{uniform_prev:.2f} for a value's previous token)")
         for name, h, on_value, on_key, prev in roles:
             table.add_row(name, str(h), f"{on_value:.2f}", f"{on_key:.2f}", f"{prev:.2f}")
         console.print(table)
-        recall = max(roles, key=lambda r: r[2])
-        previous = max((r for r in roles if r[0] != recall[0]), key=lambda r: r[4], default=recall)
-        uniform = 1 / (P + Q)
-        if recall[2] >= 3 * uniform and previous[4] >= 2 * uniform:  # both clearly above a uniform spread
+        recall, previous, recall_ok, previous_ok = _circuit(roles, before, uniform_pair, uniform_prev)
+        recall_init, prev_init = before[recall[:2]][0], before[previous[:2]][2]
+        if recall_ok:
             console.print(f"The recall head is {recall[0]} head {recall[1]}: {recall[2]:.0%} of each query's "
-                          f"attention goes to the value stored with the queried key. It relies on {previous[0]} "
-                          f"head {previous[1]}, which moves each key into the next position ({previous[4]:.0%} of a "
-                          f"value's attention is on the token before it): an induction circuit.", markup=False)
+                          f"attention goes to the value stored with the queried key ({recall_init:.0%} before "
+                          f"training, {uniform_pair:.0%} for a uniform spread).", markup=False)
+        if recall_ok and previous_ok:
+            console.print(f"It builds on {previous[0]} head {previous[1]}, which has learned to look at the token "
+                          f"before each value, its key: {previous[4]:.0%} of a value's attention, against "
+                          f"{prev_init:.0%} before training and {uniform_prev:.0%} for a uniform spread. Together: "
+                          f"an induction circuit.", markup=False)
+        elif recall_ok:
+            console.print(f"No head of the other layer looks at the previous token much more than before training "
+                          f"(at most {previous[4]:.0%}, against {prev_init:.0%}): the key reaches its value some "
+                          f"other way.", markup=False)
         else:
             console.print(f"No induction circuit has formed in {len(losses)} training steps: the most any head "
-                          f"puts on the queried pair's value is {recall[2]:.0%} and on the previous token "
-                          f"{previous[4]:.0%}, against {uniform:.0%} for a uniform spread.", markup=False)
+                          f"puts on the queried pair's value is {recall[2]:.0%} ({recall_init:.0%} before training, "
+                          f"{uniform_pair:.0%} for a uniform spread).", markup=False)
         sample = associative_recall(8, **task, generator=torch.Generator().manual_seed(seed + 5))
 
         def recall_loss(logits, ids):

@@ -65,10 +65,18 @@ class _Parser(argparse.ArgumentParser):
 # ----------------------------------------------------------------------------------- explain
 
 
-def _read_json(path: str, *, keep_written: bool = False) -> dict:
+def _existing_file(path: str) -> Path:
+    """``path`` as a Path when it names a file; a UsageError saying what it is otherwise."""
     p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"{path}: is a directory, not a file")
     if not p.is_file():
         raise UsageError(f"{path}: no such file")
+    return p
+
+
+def _read_json(path: str, *, keep_written: bool = False) -> dict:
+    p = _existing_file(path)
     try:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -271,9 +279,7 @@ def _cmd_masks_show(args) -> int:
 
 def _load_model(path: str):
     import torch
-    p = Path(path)
-    if not p.is_file():
-        raise UsageError(f"{path}: no such file")
+    p = _existing_file(path)
     try:
         model = torch.load(p, map_location="cpu", weights_only=False)  # a whole module: unpickling runs code
     except Exception as e:  # noqa: BLE001 (any unpickling failure is a bad file for the user)
@@ -298,24 +304,60 @@ def _print_findings(report) -> None:
         print(f"      likely cause: {fs[0].causes[0]}; fix: {fs[0].fixes[0]}")
 
 
-def _cmd_doctor(args) -> int:
+def _first_embedding(model):
+    """``(name, rows)`` of the model's first ``nn.Embedding`` (its token embedding, usually), or None."""
+    import torch.nn as nn
+
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Embedding):
+            return name, m.num_embeddings
+    return None
+
+
+def _model_run(args):
+    """``(name, model, token ids (B, L))`` for ``--model``, the ids drawn from the model's vocabulary."""
     import torch
 
+    model = _load_model(args.model)
+    embedding = _first_embedding(model)
+    config_vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    vocab = config_vocab or args.vocab
+    if vocab is None:
+        hint = f" (its first embedding, {embedding[0]!r}, has {embedding[1]} rows)" if embedding else ""
+        raise UsageError(f"attnkit doctor: {type(model).__name__} has no config.vocab_size; pass --vocab V "
+                         f"(random token ids are drawn from [0, V)){hint}")
+    if config_vocab is None and embedding is not None and args.vocab > embedding[1]:
+        raise UsageError(f"attnkit doctor: --vocab {args.vocab} is more than the model's vocabulary: its first "
+                         f"embedding, {embedding[0]!r}, has {embedding[1]} rows; pass --vocab {embedding[1]} "
+                         f"or less")
+    g = torch.Generator().manual_seed(args.seed)
+    batch = torch.randint(0, int(vocab), (args.batch_size, args.seq_len), generator=g)
+    return args.model, model, batch
+
+
+def _check_outputs(args) -> None:
+    """Refuse, before any work, a --plot that is a file or a --markdown that is a directory."""
+    if args.plot is not None and Path(args.plot).exists() and not Path(args.plot).is_dir():
+        raise UsageError(f"attnkit doctor: --plot {args.plot}: is a file, not a directory (heatmaps are written "
+                         f"into the directory DIR)")
+    if args.markdown is not None and Path(args.markdown).is_dir():
+        raise UsageError(f"attnkit doctor: --markdown {args.markdown}: is a directory; give a file name such as "
+                         f"{Path(args.markdown) / 'doctor.md'}")
+
+
+def _cmd_doctor(args) -> int:
     from .diagnostics import doctor
     from .diagnostics.examples import EXAMPLES, example
 
     if args.model is not None and args.example is not None:
         raise UsageError("attnkit doctor: give --model or --example, not both")
+    _check_outputs(args)
     if args.model is not None:
-        model = _load_model(args.model)
-        vocab = getattr(getattr(model, "config", None), "vocab_size", None) or args.vocab
-        if vocab is None:
-            raise UsageError(f"attnkit doctor: {type(model).__name__} has no config.vocab_size; pass --vocab V "
-                             f"(random token ids are drawn from [0, V))")
-        g = torch.Generator().manual_seed(args.seed)
-        batch = torch.randint(0, int(vocab), (args.batch_size, args.seq_len), generator=g)
-        runs = [(args.model, model, batch)]
+        runs = [_model_run(args)]
     else:
+        if args.batch_size < 2:
+            raise UsageError(f"attnkit doctor: --batch-size {args.batch_size}: the example models take at least 2 "
+                             f"sequences (--batch-size 1 works with --model)")
         names = EXAMPLES if args.example in (None, "all") else [args.example]
         runs = [(n, *example(n, seed=args.seed, batch_size=args.batch_size, seq_len=args.seq_len)) for n in names]
     for name, model, batch in runs:
@@ -323,23 +365,33 @@ def _cmd_doctor(args) -> int:
             report = doctor(model, batch)
         except (ValueError, TypeError) as e:
             raise UsageError(f"attnkit doctor {name}: {e}") from None
+        except (IndexError, RuntimeError) as e:
+            if args.model is None:  # a built-in example failing is a bug, not a bad argument
+                raise
+            first = (str(e).splitlines() or [""])[0]  # the user's model failed on the random batch
+            raise UsageError(f"attnkit doctor {name}: the model failed on random token ids of shape "
+                             f"{tuple(batch.shape)} ({type(e).__name__}: {first}); check --vocab and --seq-len"
+                             ) from None
         if len(runs) > 1:
             print(f"== example {name!r}")
             _print_findings(report)
         else:
             print(f"== {'model ' + name if args.model else 'example ' + repr(name)}")
             print(report)
-        if args.plot:
-            folder = Path(args.plot) / name if len(runs) > 1 else Path(args.plot)
-            paths = report.plot(folder)
-            print(f"  heatmaps: {', '.join(str(p) for p in paths)}")
-        if args.markdown:
-            target = Path(args.markdown)
-            if len(runs) > 1:
-                target = target.with_name(f"{target.stem}-{name}{target.suffix or '.md'}")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(report.to_markdown(f"Attention doctor: {name}"), encoding="utf-8")
-            print(f"  report: {target}")
+        try:
+            if args.plot:
+                folder = Path(args.plot) / name if len(runs) > 1 else Path(args.plot)
+                paths = report.plot(folder)
+                print(f"  heatmaps: {', '.join(str(p) for p in paths)}")
+            if args.markdown:
+                target = Path(args.markdown)
+                if len(runs) > 1:
+                    target = target.with_name(f"{target.stem}-{name}{target.suffix or '.md'}")
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_text(report.to_markdown(f"Attention doctor: {name}"), encoding="utf-8")
+                print(f"  report: {target}")
+        except OSError as e:
+            raise UsageError(f"attnkit doctor: cannot write {e.filename or 'the output'}: {e.strerror or e}") from None
         if len(runs) > 1:
             print()
     return EXIT_OK
@@ -413,6 +465,13 @@ def _positive(text: str) -> int:
     return n
 
 
+def _at_least_two(text: str) -> int:
+    n = _positive(text)
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"{n} must be >= 2")
+    return n
+
+
 def _nonnegative(text: str) -> int:
     try:
         n = int(text)
@@ -434,7 +493,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "written out. Exit code 1 when --check finds a wrong claim.",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog="FILE.json for --input holds X (L x d_model), W_q, W_k (d_model x d_k), W_v "
-                              "(d_model x d_v), optional scale and mask ('causal' or an L x L 0/1 matrix).\n"
+                              "(d_model x d_v), optional scale and mask\n('causal', or an L x L matrix of 0/1 or "
+                              "true/false, true = may attend).\n"
                               "For --check add claims: full matrices under Q, K, V, scores, scaled_scores, "
                               "exp_scores, weights, output,\nor one 0-based row as \"scores[0]\": [...]; each is "
                               "compared at the precision it is written in, against the exact\nvalues and against "
@@ -481,8 +541,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--model", metavar="FILE.pt", help="a whole model saved with torch.save(model, path); loading "
                                                       "unpickles it, so only load files you trust")
     d.add_argument("--vocab", type=_positive, help="vocabulary size for --model without config.vocab_size")
-    d.add_argument("--seq-len", type=_positive, default=32, help="tokens per sequence (default 32)")
-    d.add_argument("--batch-size", type=_positive, default=4, help="sequences (default 4)")
+    d.add_argument("--seq-len", type=_at_least_two, default=32,
+                   help="tokens per sequence (default 32; at least 2: the doctor measures rows that may attend "
+                        "to two or more keys)")
+    d.add_argument("--batch-size", type=_positive, default=4,
+                   help="sequences (default 4; at least 2 for the example models)")
     d.add_argument("--seed", type=_nonnegative, default=0, help="seed of the example weights and tokens")
     d.add_argument("--plot", metavar="DIR", help="write attention heatmaps (PNG) into DIR (needs matplotlib)")
     d.add_argument("--markdown", metavar="FILE.md", help="write the report as Markdown")

@@ -63,8 +63,10 @@ ARTICLE: dict[str, list] = {
     "W_v": [[0.2, -0.1], [0.3, 0.4], [-0.2, 0.1], [0.5, -0.3]],
 }
 
-# Every number the article claims, transcribed as written (strings keep the written precision):
-# section 3 for the example above, and the one-row softmax and weighted sum of sections 2.3 and 2.4.
+# The result of every step the article states, transcribed as written (strings keep the written precision):
+# section 3 for the example above (Q, K, V and row 1 of each later step), and the one-row softmax and weighted
+# sum of sections 2.3 and 2.4.  The arithmetic inside a step (the products, the sum of the exponentials, the
+# terms of the weighted sum) is left out: check() takes step results.
 # Nothing here says which claims are right: check() finds that by computing.
 ARTICLE_CLAIMS: dict[str, Any] = {
     **ARTICLE,
@@ -189,8 +191,32 @@ def _check_scale(scale) -> float | None:
     return float(scale)
 
 
+def _mask_tensor(mask) -> Tensor:
+    """A tensor from a mask given as a tensor, a numpy array, or nested lists of bools (JSON true/false) or
+    numbers; the values are checked by the caller."""
+    if isinstance(mask, torch.Tensor):
+        return mask.detach()
+    if hasattr(mask, "__array__") and not isinstance(mask, (list, tuple)):  # a numpy array
+        try:
+            return torch.as_tensor(mask)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise ValueError(f"mask must be bool or 0/1 (1 = may attend), got {_short(mask)} ({e})") from None
+
+    def plain(v):
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        return float(v) if isinstance(v, bool) else _plain(v)
+
+    try:
+        return torch.tensor(plain(mask), dtype=torch.float64)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"mask must be an (L, L) matrix of bools or 0/1 with equal-length rows, got "
+                         f"{_short(mask)} ({e})") from None
+
+
 def _dense_mask(mask, length: int) -> Tensor | None:
-    """``(L, L)`` bool from None, a Mask, a bool tensor, nested 0/1 lists, or the word ``"causal"``."""
+    """``(L, L)`` bool from None, a Mask, a tensor or numpy array, nested lists of bools or 0/1, or the word
+    ``"causal"``."""
     if mask is None:
         return None
     if isinstance(mask, str):
@@ -201,10 +227,10 @@ def _dense_mask(mask, length: int) -> Tensor | None:
         mask = causal()
     if isinstance(mask, Mask):
         return mask.to_dense(length, length)[0, 0]
-    t = mask if isinstance(mask, torch.Tensor) else torch.tensor(_plain(mask))
+    t = _mask_tensor(mask)
     if t.dtype != torch.bool:
-        if not bool(((t == 0) | (t == 1)).all()):
-            raise ValueError("mask must be bool or 0/1 (1 = may attend)")
+        if t.is_complex() or not bool(((t == 0) | (t == 1)).all()):
+            raise ValueError(f"mask must be bool or 0/1 (1 = may attend), got {_short(t.tolist())}")
         t = t.bool()
     while t.dim() > 2 and t.shape[0] == 1:
         t = t[0]
@@ -222,8 +248,8 @@ class SoftmaxSteps:
 
     Attributes:
         scores: ``(R, L)`` float64 input rows (``-inf`` where masked).
-        shift: ``(R,)`` the value ``m`` subtracted before ``exp`` (0 when the scores are small enough to
-            show plain ``exp(s)``, as the article does; the row maximum otherwise).
+        shift: ``(R,)`` the value ``m`` subtracted before ``exp`` (0 when the scores are close enough to 0 to
+            show plain ``exp(s)``, as the article does; the row maximum otherwise, against over- and underflow).
         exps: ``(R, L)`` ``exp(s - m)``; sums: ``(R,)``; weights: ``(R, L)``, each row sums to 1
             (a fully masked row is all zeros).
 
@@ -249,8 +275,8 @@ class SoftmaxSteps:
         e, total, w = self.exps[row].tolist(), float(self.sums[row]), self.weights[row].tolist()
         lines = []
         if m != 0.0:
-            lines.append(f"subtract the row maximum m = {_num(m, d)} first (exp never overflows; "
-                         f"the weights do not change)")
+            lines.append(f"subtract the row maximum m = {_num(m, d)} first (the largest exp is then exp(0) = 1: "
+                         f"nothing overflows and the sum cannot underflow to 0; the weights do not change)")
         for j, (sj, ej) in enumerate(zip(s, e)):
             arg = _num(sj, d) if m == 0.0 else f"{_num(sj, d)} - {_factor(m, d)}"
             note = "   (masked)" if math.isinf(sj) else ""
@@ -308,7 +334,7 @@ class WeightedSum:
 
 def _softmax_steps(scores: Tensor, digits: int = 4) -> SoftmaxSteps:
     finite = torch.where(torch.isinf(scores), torch.zeros_like(scores), scores)
-    big = finite.abs().amax(dim=-1) > 30  # exp(30) ~ 1e13: past that, show the stable form
+    big = finite.abs().amax(dim=-1) > 30  # exp(+-30) ~ 1e13 or 1e-13: past that, show the stable form
     rowmax = scores.amax(dim=-1)
     shift = torch.where(big & torch.isfinite(rowmax), rowmax, torch.zeros_like(rowmax))
     exps = torch.exp(scores - shift[:, None])  # (R, L); exp(-inf) = 0 where masked
@@ -321,7 +347,9 @@ def explain_softmax(scores, *, digits: int = 4) -> SoftmaxSteps:
     """Softmax of one row ``(L,)`` or of each row of ``(R, L)``, every step kept and printable.
 
     ``-inf`` entries are masked (weight 0).  Printing shows ``exp`` of each score, their sum and the
-    division, as the article does; when a score is large the row maximum is subtracted first.
+    division, as the article does; when a score is far from 0 (``|s| > 30``: ``exp`` would overflow for large
+    scores, or every ``exp`` underflow towards 0 for very negative ones, e.g. ``[-1000, -999]``) the row maximum
+    is subtracted first.
 
     Example::
 
@@ -643,6 +671,9 @@ class ClaimResult:
             ``"wrong"`` (a slip made in this step).
         decimals: the precision the claim is written in (the fewest decimals among its entries).
         follows_from: for an inherited claim, the earlier wrong claims it follows from.
+        follows: False when the claimed values of the previous steps do not lead to this claim.  A claim that
+            the exact values round to holds (status ``"ok"``) even then: it was computed right, but the
+            earlier claims it should follow from are wrong.
 
     Example::
 
@@ -661,6 +692,7 @@ class ClaimResult:
     status: str
     decimals: int
     follows_from: list[str] = field(default_factory=list)
+    follows: bool = True
 
     @property
     def holds(self) -> bool:
@@ -713,6 +745,9 @@ class CheckReport:
             claimed = _fmt_nested(r.claimed, d, keep=True)
             if r.status in ("ok", "rounding"):
                 extra = " (within the rounding of the earlier claimed values)" if r.status == "rounding" else ""
+                if not r.follows:
+                    extra = (f" (the exact values; it does not follow from your previous steps, which give "
+                             f"{_fmt_nested(r.chained, d)})")
                 lines.append(f"  {r.name:18s} {claimed}  ok{extra}")
                 continue
             lines.append(f"  {r.name:18s} claimed {claimed}  {marks[r.status]}")
@@ -863,15 +898,16 @@ class _Chain:
                 both_inf = torch.isinf(clo) & torch.isinf(chi)
                 chain_ok = ((c + h + slack >= clo) & (c - h - slack <= chi) & ~both_inf) | ~present
                 differs = ~exact_ok
+                slipped = differs & ~chain_ok  # matches neither the exact values nor the claimed steps
                 tainted = upstream.any(-1)
-                if bool((~chain_ok).any()):
+                if not bool(differs.any()):
+                    status = "ok"  # the exact value rounds to it, whatever the earlier claims say
+                elif bool(slipped.any()):
                     status = "wrong"
                 elif bool((differs & tainted).any()):
                     status = "inherited"
-                elif bool(differs.any()):
-                    status = "rounding"
                 else:
-                    status = "ok"
+                    status = "rounding"
                 me = len(labels)
                 labels.append(key)
                 sources = upstream[differs & present].any(0) if bool((differs & present).any()) else None
@@ -879,12 +915,13 @@ class _Chain:
                 self.results.append(ClaimResult(
                     self.label, key, step.name, _as_claimed(value), e.tolist(), centre.tolist(), status,
                     _min_decimals(value),
-                    [labels[j] for j in range(me) if sources is not None and bool(sources[j])]))
+                    [labels[j] for j in range(me) if sources is not None and bool(sources[j])],
+                    bool(chain_ok.all())))
                 # later steps use the claimed values, widened by their rounding; a wrong value carries its
                 # own label (and those it came from) downstream, a right one carries nothing
                 own = torch.zeros(self.n, dtype=torch.bool)
                 own[me] = True
-                new_prov = torch.where((~chain_ok)[..., None], upstream | own,
+                new_prov = torch.where(slipped[..., None], upstream | own,
                                        torch.where(differs[..., None], upstream, torch.zeros_like(upstream)))
                 new_prov = torch.where(present[..., None], new_prov, upstream)
                 new_lo, new_hi = torch.where(present, c - h, clo), torch.where(present, c + h, chi)
@@ -1019,9 +1056,10 @@ def check(spec: Mapping) -> CheckReport:
 
     Numbers are read at the precision they are written in: give them as strings (``"0.240"``) or load
     the file with :func:`load_claims`; a plain float counts the decimals of its shortest form.  A claim
-    holds when the exact value rounds to it.  Each claim is also recomputed from the *claimed* values of
-    the steps before it (interval arithmetic over their rounding), so a slip is reported once, in the
-    step where it happened; later claims that follow from it correctly are marked ``"inherited"``.
+    holds when the exact value rounds to it, even when it does not follow from earlier wrong claims (its
+    ``follows`` is then False and the report says so).  Each claim is also recomputed from the *claimed*
+    values of the steps before it (interval arithmetic over their rounding), so a slip is reported once, in
+    the step where it happened; later claims that follow from it correctly are marked ``"inherited"``.
 
     Example::
 

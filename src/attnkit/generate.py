@@ -38,6 +38,8 @@ class SamplingParams:
 
     Validated on construction.  With a ``seed`` each sequence draws from its own generator seeded with it,
     so a sequence samples the same tokens in any batch (identical prompts in one batch sample alike).
+    ``top_k``, ``top_p`` and ``seed`` shape sampling only: with ``temperature=0`` the argmax is taken and
+    they change nothing.
 
     Example::
 

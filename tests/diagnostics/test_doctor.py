@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from attnkit.diagnostics import SYMPTOMS, HeadStats, Report, Thresholds, doctor
 from attnkit.diagnostics._doctor import _diagnose
 from attnkit.diagnostics.examples import EXAMPLES, example
+from attnkit import masks
 from attnkit.nn import MultiHeadAttention
 
 
@@ -79,8 +80,9 @@ def test_report_text_markdown_and_plots(tmp_path):
     text = str(report)
     assert text.splitlines()[0].split() == ["layer", "head", "entropy", "max", "weight", "saturated", "rows",
                                             "score", "std", "grad", "norm", "symptom"]
-    assert "[sharp] attention weights too sharp in layers.0.attn" in text
+    assert "[sharp] attention weights very sharp in layers.0.attn" in text
     assert "likely causes: scores so large that softmax saturates" in text
+    assert "nothing, if the model is trained and does its task: lookup heads are meant to pick one key" in text
     md = report.to_markdown()
     assert md.startswith("# Attention doctor") and "## `sharp`" in md and "- make sure the 1/sqrt(d_k)" in md
     paths = report.plot(tmp_path / "plots")
@@ -255,3 +257,75 @@ def test_one_rule_for_table_and_findings(table):
             assert all(s.rows and s.max_weight >= t.sharp_max_weight for s in heads)
         elif f.kind == "saturated":
             assert all(s.rows and s.saturated >= t.saturated_rows for s in heads)
+
+
+# ----------------------------------------------------- rows with fewer than two keys; file names
+
+
+def test_heads_without_a_row_of_two_keys_have_no_finding_and_no_nan():
+    """sliding_window(0): every token attends only to itself, so softmax gives weight 1 whatever the scores
+    and there is nothing to measure: no finding (not a vanishing gradient), and '-' instead of NaN."""
+    torch.manual_seed(0)
+    report = doctor(MultiHeadAttention(16, 2, mask=masks.sliding_window(0)), torch.randn(2, 8, 16))
+    assert report.healthy, str(report)
+    assert all(s.rows == 0 and s.grad_norm is None and s.symptom is None for s in report.heads)
+    assert report.layer_grad == {"": None}
+    for text in (str(report), report.to_markdown()):
+        assert "nan" not in text.lower()
+        assert "no row of the head may attend to two or more keys" in text
+    assert str(report).splitlines()[2].split() == ["(model)", "0", "-", "-", "-", "-", "-"]
+    assert_table_agrees_with_findings(report)
+
+
+def test_a_layer_is_judged_on_its_heads_with_rows():
+    """Head 0 sees only itself (no rows), head 1 is uniform: the layer is uniform, head 0 is not named."""
+    stats = [HeadStats("a", 0, math.nan, math.nan, math.nan, math.nan, None, 0),
+             HeadStats("a", 1, 0.999, 0.1, 0.0, 0.01, 1e-2, 10)]
+    findings, grads = _diagnose(stats, Thresholds(), 1e-2)
+    assert [(f.kind, f.heads) for f in findings] == [("uniform", [1])] and grads == {"a": 1e-2}
+
+
+def test_grad_norm_is_over_rows_with_two_or_more_keys():
+    """The grad norm column is the RMS over the rows the other columns are over: rows with one key (the
+    first row of a causal mask) have no score gradient and must not dilute it."""
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(16, 2, mask=masks.causal()).double()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    g = torch.randn(2, 5, 16, dtype=torch.float64)
+    report = doctor(mha, x, loss_fn=lambda out, batch: (out * g).sum())
+    scores = []
+    def attend(q, k, v, *, mask, bias, scale, softcap, dropout_p):
+        s = (q @ k.transpose(-1, -2) * scale).masked_fill(~torch.ones(5, 5, dtype=torch.bool).tril(), -math.inf)
+        s.retain_grad()
+        scores.append(s)
+        return torch.softmax(s, -1) @ v
+    mha._attend = attend
+    (mha(x) * g).sum().backward()
+    ds = scores[0].grad  # (B, H, L, L)
+    assert ds[:, :, 0].abs().max() == 0  # the row with one key has no gradient
+    for s in report.heads:
+        rows = ds[:, s.head, 1:]  # the rows with at least two keys
+        expected = rows.pow(2).sum(-1).mean().sqrt()
+        assert s.rows == 8 and s.grad_norm == pytest.approx(float(expected), rel=1e-9)
+
+
+class _Named(nn.Module):
+    """Two attention layers whose file names would collide with the grid and with each other."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention = MultiHeadAttention(16, 2, mask=masks.causal())
+        self.inner = nn.Module()
+        self.inner.attn = MultiHeadAttention(16, 2, mask=masks.causal())
+        self.inner_attn = MultiHeadAttention(16, 2, mask=masks.causal())
+
+    def forward(self, x):
+        return self.inner_attn(self.inner.attn(self.attention(x)))
+
+
+def test_plot_file_names_never_collide(tmp_path):
+    torch.manual_seed(0)
+    report = doctor(_Named(), torch.randn(2, 6, 16))
+    paths = report.plot(tmp_path)
+    assert [p.name for p in paths] == ["attention.png", "attention_2.png", "inner_attn.png", "inner_attn_2.png"]
+    assert len(set(paths)) == len(paths) and all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)

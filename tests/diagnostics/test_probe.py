@@ -92,7 +92,9 @@ def test_score_gradient_matches_autograd(monkeypatch, rows_per_block):
     rec = p.layers[""].calls[0]
     expected = store[0].grad.pow(2).sum(dim=(-1, -2))  # (B, Hq)
     torch.testing.assert_close(rec.grad_sq, expected, rtol=1e-9, atol=1e-12)
-    assert rec.grad_rows == 9
+    # rows with at least two keys: row 0 sees only itself, has no score gradient, and is not counted
+    assert torch.equal(rec.grad_rows, torch.full((2, 4), 8))
+    assert torch.equal(rec.grad_rows, (rec.allowed >= 2).sum(-1))
 
 
 def test_long_sequences_keep_statistics_not_weights():

@@ -6,7 +6,8 @@ under :func:`~attnkit.diagnostics.probe`, measures every head, and names the sym
 article's likely causes and fixes:
 
 - ``uniform``: weights close to ``1/L`` (normalised entropy near 1);
-- ``sharp``: nearly all of each row's weight on one key;
+- ``sharp``: nearly all of each row's weight on one key (a trained lookup head looks the same: the finding
+  says what to check);
 - ``saturated``: rows that are numerically one-hot, where softmax passes back almost no gradient (the
   extreme of ``sharp``, reported instead of it);
 - ``vanishing_gradient``: the gradient reaching a layer's scores is orders of magnitude below the gradient
@@ -50,11 +51,18 @@ SYMPTOMS: dict[str, dict] = {
                   "add layer normalisation before attention (Pre-LN: norm_first=True)"],
     },
     "sharp": {
-        "title": "attention weights too sharp",
-        "symptom": "almost all of each row's weight falls on one key",
-        "causes": ["scores so large that softmax saturates", "keys with too large a norm",
-                   "queries and keys nearly parallel (too small an angle between them)"],
-        "fixes": ["make sure the 1/sqrt(d_k) scaling is applied",
+        # The doctor cannot tell a trained lookup head (copying, induction, recall: one key on purpose) from
+        # scores that are merely too large: both give very sharp rows with large score spreads and some
+        # saturated rows.  So the finding says what to check rather than assuming a bug.
+        "title": "attention weights very sharp",
+        "symptom": "almost all of each row's weight falls on one key: intended in a trained head that looks up "
+                   "one position (copying, induction, recall), a problem in an untrained or badly scaled model",
+        "causes": ["scores so large that softmax saturates (in an untrained model usually the 1/sqrt(d_k) "
+                   "scaling missing)", "keys with too large a norm",
+                   "queries and keys nearly parallel (too small an angle between them)",
+                   "nothing, if the model is trained and does its task: lookup heads are meant to pick one key"],
+        "fixes": ["make sure the 1/sqrt(d_k) scaling is applied; if it is and the model does its task, look at "
+                  "where these heads point (report.plot) before changing anything",
                   "add a temperature to soften the softmax (MultiHeadAttention(temperature=...) > 1)",
                   "normalise the vectors: qk_norm=True (RMSNorm of every query and key head)"],
     },
@@ -131,8 +139,10 @@ class HeadStats:
         max_weight: mean of each row's largest weight.
         saturated: share of rows whose largest weight is within 1e-4 of 1 (SATURATION).
         score_std: mean standard deviation of a row's final scores (how far apart softmax's inputs are).
-        grad_norm: RMS over rows of the norm of a row's ``dL/d(scores)``, or None without a backward pass.
-        rows: rows counted.
+        grad_norm: RMS over the same rows of the norm of a row's ``dL/d(scores)``, or None without a backward
+            pass (or without rows).
+        rows: rows counted.  When it is 0 (no row may attend to two or more keys: nothing to measure), entropy,
+            max_weight, saturated and score_std are NaN, printed ``-``, grad_norm is None and there is no finding.
         symptom: the kind of the report's finding that names this head (``"uniform"``, ``"sharp"``,
             ``"saturated"``, ``"vanishing_gradient"``), or None.  The table and the findings come from one
             rule, so a head of a layer without a finding has None even when its own statistics meet a head
@@ -220,9 +230,12 @@ class Report:
         out = []
         for s in self.heads:
             grad = "-" if s.grad_norm is None else f"{s.grad_norm:.2e}"
-            out.append([s.layer or "(model)", str(s.head), f"{s.entropy:.3f}", f"{s.max_weight:.3f}",
-                        f"{s.saturated:.0%}", f"{s.score_std:.2f}", grad, s.symptom or ""])
+            stats = [f"{s.entropy:.3f}", f"{s.max_weight:.3f}", f"{s.saturated:.0%}", f"{s.score_std:.2f}"] \
+                if s.rows else ["-"] * 4
+            out.append([s.layer or "(model)", str(s.head), *stats, grad, s.symptom or ""])
         return out
+
+    _NO_ROWS = "- : no row of the head may attend to two or more keys (one key gets weight 1 whatever its score)"
 
     _HEADER = ["layer", "head", "entropy", "max weight", "saturated rows", "score std", "grad norm", "symptom"]
 
@@ -232,6 +245,8 @@ class Report:
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
         lines.append("")
+        if any(not s.rows for s in self.heads):
+            lines += [self._NO_ROWS, ""]
         if not self.findings:
             lines.append("No findings: no layer shows uniform, sharp or saturated weights or vanishing gradients.")
         else:
@@ -246,7 +261,10 @@ class Report:
         lines += ["| " + " | ".join(r) + " |" for r in self._rows()]
         lines += ["", "Entropy is normalised (1 = uniform over the keys a row may see, 0 = one key); a row is "
                       f"saturated when its largest weight is within {SATURATION:g} of 1; grad norm is the RMS over "
-                      "rows of the norm of the gradient of the loss with respect to a row of scores.", ""]
+                      "rows of the norm of the gradient of the loss with respect to a row of scores; all are over "
+                      "the rows that may attend to at least two keys.", ""]
+        if any(not s.rows for s in self.heads):
+            lines[-1:-1] = ["", self._NO_ROWS.replace("- :", "`-`:")]
         if not self.findings:
             lines.append("**No findings.**")
         for f in self.findings:
@@ -262,6 +280,10 @@ class Report:
     def plot(self, folder: str | Path, tokens=None) -> list[Path]:
         """Write ``attention.png`` (every recorded layer, one row each) and one PNG per layer into ``folder``.
 
+        A layer's file is its name with dots as underscores (``layers_0_attn.png``; ``model.png`` for the model
+        itself); a name already taken, by ``attention.png`` or another layer, gets ``_2``, ``_3``, ... so no
+        file overwrites another.
+
         ``tokens`` labels the keys (and queries) when given.  Needs matplotlib (the ``plot`` extra).  Returns
         the paths written.
         """
@@ -272,15 +294,26 @@ class Report:
                              "rerun doctor with a shorter batch or a larger max_elements to plot")
         folder = Path(folder)
         paths = []
+        taken = {"attention"}  # the grid's name, also where no grid is written: the names never move
         shapes = {tuple(w.shape[-2:]) for w in self.weights.values()}
         if len(shapes) == 1:
             paths.append(folder / "attention.png")
             plot_attention(self.weights, tokens=tokens, path=paths[-1], title="attention weights (batch element 0)")
         for name, w in self.weights.items():
-            paths.append(folder / f"{(name or 'model').replace('.', '_')}.png")
+            paths.append(folder / f"{_file_stem(name, taken)}.png")
             labels = tokens if tokens is not None and len(tokens) == w.shape[-1] else None
             plot_attention(w, tokens=labels, path=paths[-1], title=name or "attention")
         return paths
+
+
+def _file_stem(name: str, taken: set[str]) -> str:
+    """A file name for layer ``name`` that is not in ``taken`` (and is added to it)."""
+    base = (name or "model").replace(".", "_")
+    stem, n = base, 2
+    while stem in taken:
+        stem, n = f"{base}_{n}", n + 1
+    taken.add(stem)
+    return stem
 
 
 def _head_stats(record: LayerRecord) -> list[HeadStats]:
@@ -302,7 +335,7 @@ def _head_stats(record: LayerRecord) -> list[HeadStats]:
             if c.grad_sq is not None:
                 have_grad = True
                 sq += float(c.grad_sq[:, h].sum())
-                cnt += c.grad_rows * c.shape[0]
+                cnt += int(c.grad_rows[:, h].sum())  # rows with at least two keys
         e, m, s = torch.cat(ent), torch.cat(mx), torch.cat(sstd)
         if rows == 0:
             e = m = s = torch.tensor([float("nan")])
@@ -340,7 +373,7 @@ def _evidence(kind: str, heads: list[HeadStats]) -> str:
 def _layer_grads(layers: dict[str, list[HeadStats]]) -> dict[str, float | None]:
     grads: dict[str, float | None] = {}
     for name, heads in layers.items():
-        g = [h.grad_norm for h in heads if h.grad_norm is not None]
+        g = [h.grad_norm for h in heads if h.grad_norm is not None and h.rows]
         grads[name] = math.sqrt(sum(x * x for x in g) / len(g)) if g else None
     return grads
 
@@ -350,6 +383,9 @@ def _layer_finding(name: str, heads: list[HeadStats], t: Thresholds, grad: float
     """The layer's finding, if any: its most severe symptom (saturated, vanishing_gradient, sharp, uniform)
     and the heads that show it.  A weight symptom needs its share of the layer's heads (``Thresholds``)."""
     shown: dict[str, Finding] = {}
+    heads = [h for h in heads if h.rows]  # a head without a row of two or more keys has nothing to show
+    if not heads:
+        return None
     own = {h.head: _head_symptom(h, t) for h in heads}
     for kind in ("saturated", "sharp", "uniform"):
         hit = [h for h in heads if own[h.head] == kind]

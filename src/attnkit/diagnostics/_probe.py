@@ -58,8 +58,9 @@ class CallRecord:
         allowed: ``(B, Hq, Lq)`` int, how many keys each row may attend to.
         score_std: ``(B, Hq, Lq)`` standard deviation of each row's final (allowed) scores.
         grad_sq: ``(B, Hq)`` sum of squared ``dL/d(scores)`` over rows and keys, once a backward pass ran.
-        grad_rows: rows summed in ``grad_sq`` per batch element and head (over all backward passes), so
-            ``sqrt(grad_sq / grad_rows)`` is the RMS over rows of each row's gradient norm.
+        grad_rows: ``(B, Hq)`` int, the rows that may attend to at least two keys, summed over backward passes
+            (None before one), so ``sqrt(grad_sq / grad_rows)`` is the RMS of a row's gradient norm over those
+            rows.  A row with one key (or none) gets no gradient: its weight is 1 (or 0) whatever its score.
 
     Example::
 
@@ -81,7 +82,7 @@ class CallRecord:
     allowed: Tensor
     score_std: Tensor
     grad_sq: Tensor | None = None
-    grad_rows: int = 0
+    grad_rows: Tensor | None = None
     _inputs: tuple | None = field(default=None, repr=False)  # (call, keep) until the backward pass ran
 
 
@@ -161,7 +162,7 @@ def _statistics(call: Call, keep: bool) -> CallRecord:
 
 def _score_gradient(record: CallRecord, call: Call, grad_out: Tensor) -> None:
     """Accumulate ``|dL/d(scores)|^2`` per batch element and head from ``grad_out (B, Hq, Lq, Dv)``."""
-    B, Hq, Lq, _ = grad_out.shape
+    B, Hq = grad_out.shape[:2]
     acc = torch.promote_types(accumulation_dtype(grad_out.dtype), torch.float32)
     vg = call.v.detach().unsqueeze(2).to(acc)  # (B, Hkv, 1, Lk, Dv)
     sq = torch.zeros(B, Hq, dtype=torch.float64)
@@ -170,8 +171,9 @@ def _score_gradient(record: CallRecord, call: Call, grad_out: Tensor) -> None:
         dw = torch.matmul(g, vg.transpose(-1, -2))  # (B, Hkv, G, r, Lk)
         ds = w * (dw - (dw * w).sum(-1, keepdim=True))
         sq += _flat(ds.pow(2).sum(dim=(-1, -2)), call).double().cpu()
+    live = (record.allowed >= 2).sum(-1)  # (B, Hq): rows with a gradient to measure
     record.grad_sq = sq if record.grad_sq is None else record.grad_sq + sq
-    record.grad_rows += Lq  # per batch element and head, summed over backward passes
+    record.grad_rows = live if record.grad_rows is None else record.grad_rows + live
 
 
 class Probe:
