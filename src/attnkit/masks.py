@@ -1103,8 +1103,9 @@ def from_fn(fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor], *, name: str
     ``fn`` must be a pure function of its arguments and of the tensors it reads: backends keep what they
     derive (block structure, dense form) per mask object, and notice when a tensor it reads — through a
     closure, a default argument, a global it names, a bound method's object — is changed in place or
-    rebound.  Python state it reads otherwise (a list, a counter) is not watched: make a new mask when it
-    changes.
+    rebound between calls (between a forward and its backward such a change is an error, as for autograd's
+    saved tensors).  Python state it reads otherwise (a list, a counter), and writes that bypass PyTorch's
+    version counter (through a numpy view), are not seen: make a new mask when they change.
 
     Example::
 

@@ -76,12 +76,9 @@ def test_gradcheck_of_a_global_parameter_through_flash():
     q, k, v = _qkv(lq=6, lk=7, d=3)
     mod = bias.from_fn(_shift_global)
 
-    def fn(q, k, v, w):
-        with torch.no_grad():
-            W_GLOBAL.copy_(w.detach())
+    def fn(q, k, v):  # gradients w.r.t. q, k, v (W_GLOBAL's is checked against math above)
         return attnkit.attention(q, k, v, bias=mod, mask=masks.causal(), backend="flash")
-    # gradients w.r.t. q, k, v (W_GLOBAL itself is checked against math above)
-    assert torch.autograd.gradcheck(lambda q, k, v: fn(q, k, v, W_GLOBAL), (q, k, v))
+    assert torch.autograd.gradcheck(fn, (q, k, v))
 
 
 @pytest.mark.parametrize("shape", [(40, 40), (40,), (4, 1, 40), (2, 1, 1, 40), (1, 1, 1, 1), (2, 4, 40, 40),
@@ -171,3 +168,30 @@ def test_mask_function_errors_and_drawn_density():
     # the header's density is the drawn element's: batch 0 sees 3 of 6 keys, batch 1 five
     assert "density 50.0%" in masks.key_padding([3, 5]).show(6, 6).splitlines()[0]
     assert "density 83.3%" in masks.key_padding([3, 5]).show(6, 6, batch=1).splitlines()[0]
+
+
+def test_flash_refuses_a_backward_after_what_the_mask_or_bias_reads_changed():
+    q, k, v = _qkv(b=2, lq=40, lk=40, dtype=torch.float32)
+    lengths = torch.tensor([40, 30])
+    out = attnkit.attention(q, k, v, mask=masks.key_padding(lengths) & masks.sliding_window(7), backend="flash")
+    lengths[0] = 5
+    with pytest.raises(RuntimeError, match="modified in place between the forward and the backward"):
+        out.sum().backward()
+    b = torch.randn(1, 2, 40, 40)
+    out = attnkit.attention(q, k, v, bias=b, mask=masks.sliding_window(7), backend="flash")
+    b.mul_(5.0)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        out.sum().backward()
+
+
+def test_paged_attention_checks_the_block_ids_a_sequence_reads():
+    from attnkit.cache import paged_attention
+    q, pool = torch.randn(2, 4, 1, 16), torch.randn(5, 2, 8, 16)
+    lens = torch.tensor([3, 9], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"block_table\[1, 1\] = 5 is not a block of the pool \[0, 5\)"):
+        paged_attention(q, pool, pool, torch.tensor([[0, -1], [1, 5]], dtype=torch.int32), lens)
+    with pytest.raises(ValueError, match=r"seq_lens holds -1"):
+        paged_attention(q, pool, pool, torch.tensor([[0, 2], [1, 3]], dtype=torch.int32),
+                        torch.tensor([-1, 9], dtype=torch.int32))
+    out = paged_attention(q, pool, pool, torch.tensor([[0, -1], [1, 3]], dtype=torch.int32), lens)  # -1 unread
+    assert out.shape == (2, 4, 1, 16)

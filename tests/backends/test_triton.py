@@ -337,6 +337,47 @@ def _():
     _paged_case(torch.float16, lens=(40, 3, 22), bias=torch.randn(3, 1, 1, 48))
 
 
+@case("paged-non-contiguous-table-and-lengths")
+def _():
+    g = torch.Generator().manual_seed(2)
+    q, k_pool, v_pool = (torch.randn(*s, generator=g) for s in ((2, 4, 1, 16), (6, 2, 16, 16), (6, 2, 16, 16)))
+    table = torch.tensor([[4, 0, 2], [1, 5, 3]], dtype=torch.int32)
+    lens = torch.tensor([40, 17], dtype=torch.int32)
+    wide = torch.stack([table, torch.zeros_like(table)], -1).view(2, 6)[:, ::2]  # equal values, stride 2
+    lens2 = torch.stack([lens, torch.zeros_like(lens)], -1)[:, 0]
+    want = tb.paged_decode(q, k_pool, v_pool, table, lens)
+    assert torch.equal(tb.paged_decode(q, k_pool, v_pool, wide, lens2), want)
+
+
+@case("key-padding-one-length-broadcast-over-the-batch")
+def _():
+    q, k, v = _qkv(B=3, Hq=1, Lq=16, Lk=16, D=16)
+    check_against_oracle(_triton, q, k, v, mask=masks.key_padding([9]))
+
+
+@case("in-place-change-between-forward-and-backward-is-an-error")
+def _():
+    q, k, v = _qkv(B=2, Hq=1, Lq=20, Lk=20, D=16)
+    lengths = torch.tensor([20, 12])
+    out = _triton(q, k, v, mask=masks.key_padding(lengths))
+    lengths[0] = 5
+    try:
+        out.sum().backward()
+    except RuntimeError as e:
+        assert "modified in place between the forward and the backward" in str(e)
+    else:
+        raise AssertionError("the backward ran on a changed mask")
+    bias = torch.randn(1, 1, 20, 20)
+    out = _triton(q, k, v, bias=bias)
+    bias.mul_(5.0)
+    try:
+        out.sum().backward()
+    except RuntimeError as e:
+        assert "modified in place" in str(e)
+    else:
+        raise AssertionError("the backward ran on a changed bias")
+
+
 # ----------------------------------------------------------------------------------- the child runner
 
 
@@ -524,6 +565,18 @@ def test_paged_decode_rejects_malformed_inputs():
         tb.check_paged_decode(q, pool, pool, table, lens, bias=torch.randn(3, 4, 1, 24))
     with pytest.raises(ValueError, match="slopes for Hq=4"):
         tb.check_paged_decode(q, pool, pool, table, lens, bias=biases.alibi(biases.alibi_slopes(2)))
+    # values the kernel would misread: checked, never computed on
+    with pytest.raises(ValueError, match=r"seq_lens holds 25, outside \[0, 24\]"):
+        tb.check_paged_decode(q, pool, pool, table, torch.tensor([3, 25], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"block_table\[1, 0\] = 7 is not a block of the pool \[0, 5\)"):
+        tb.check_paged_decode(q, pool, pool, torch.tensor([[0, 1, 2], [7, 1, 2]], dtype=torch.int32), lens)
+    tb.check_paged_decode(q, pool, pool, torch.tensor([[0, -1, -1], [1, -1, -1]], dtype=torch.int32), lens)  # unread
+    with pytest.raises(ValueError, match="the bias covers 3 keys but seq_lens holds 4"):
+        tb.check_paged_decode(q, pool, pool, table, lens, bias=torch.randn(1, 1, 1, 3))
+    with pytest.raises(ValueError, match="softcap=0.0 must be a finite number > 0"):
+        tb.check_paged_decode(q, pool, pool, table, lens, softcap=0.0)
+    with pytest.raises(ValueError, match="scale=nan must be a finite number"):
+        tb.check_paged_decode(q, pool, pool, table, lens, scale=float("nan"))
 
 
 # ------------------------------------------------------------------ host-side planning, property-tested

@@ -49,6 +49,7 @@ class Backend:
     cost: Callable[[Call], float]  # estimated work; auto picks the cheapest supported backend
     available: Callable[[], bool] = lambda: True
     description: str = ""
+    unavailable_reason: Callable[[], str] | None = None  # what to change when available() is False
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -66,7 +67,8 @@ register(Backend("sdpa", _sdpa.run, _sdpa.check, _sdpa.cost,
 register(Backend("flash", _flash.run, _flash.check, _flash.cost,
                  description="tiled block-sparse attention in PyTorch ops; memory-efficient backward"))
 register(Backend("triton", _triton.run, _triton.check, _triton.cost, _triton.available,
-                 description="Triton block-sparse flash kernels; CUDA GPUs (or TRITON_INTERPRET=1 on CPU)"))
+                 description="Triton block-sparse flash kernels; CUDA GPUs (or TRITON_INTERPRET=1 on CPU)",
+                 unavailable_reason=_triton.unavailable_reason))
 
 
 def available() -> list[str]:
@@ -77,7 +79,8 @@ def available() -> list[str]:
 def _get(name: str) -> Backend:
     b = _REGISTRY.get(name)
     if b is None or not b.available():
-        raise ValueError(f"backend={name!r} is not available here: choose one of {['auto', *available()]}")
+        why = f" ({b.unavailable_reason()})" if b is not None and b.unavailable_reason is not None else ""
+        raise ValueError(f"backend={name!r} is not available here{why}: choose one of {['auto', *available()]}")
     return b
 
 

@@ -181,3 +181,54 @@ def _has_contents(cell) -> bool:
     except ValueError:
         return False
     return True
+
+
+def tensor_versions(*objs) -> list[tuple[Tensor, int]]:
+    """Every tensor the masks and biases ``objs`` can read, with its in-place version now (inference
+    tensors have none and are left out): what a backward that reads them again must find unchanged."""
+    return [(t, t._version) for o in objs for t in reachable_tensors(o) if not t.is_inference()]
+
+
+def check_unchanged(versions: list[tuple[Tensor, int]]) -> None:
+    """Raise, as autograd does for its saved tensors, when one of ``versions``' tensors was modified in place
+    between the forward and this backward (the backward would compute the gradients of another function)."""
+    for t, v in versions:
+        if t._version != v:
+            raise RuntimeError(f"a tensor the attention's mask or bias reads (shape {tuple(t.shape)}, {t.dtype}) was "
+                               f"modified in place between the forward and the backward (version {v} -> "
+                               f"{t._version}), so the backward cannot recompute what the forward did: modify a "
+                               f"clone, or change it only after backward()")
+
+
+_CHECKED_TABLES: list = []  # the last (block_table, seq_lens, versions) checked: a decode step checks once
+
+
+def check_paged_values(who: str, block_table: Tensor, seq_lens: Tensor, num_blocks: int, block_size: int,
+                       bias_len: int | None = None) -> None:
+    """Raise ValueError unless every ``seq_lens`` is in ``[0, max_blocks * block_size]`` (and at most
+    ``bias_len``) and every block id a sequence reads is in ``[0, num_blocks)``.  One host sync; the layers of
+    a decode step share their table, so a table checked last time (same tensors, same versions) is not
+    checked again."""
+    versioned = not (block_table.is_inference() or seq_lens.is_inference())  # (no version counter to trust)
+    key = (block_table, seq_lens, block_table._version, seq_lens._version, num_blocks, block_size,
+           bias_len) if versioned else None
+    if key is not None and _CHECKED_TABLES and all(
+            a is b if isinstance(a, Tensor) else a == b for a, b in zip(_CHECKED_TABLES[0], key)):
+        return
+    B, max_blocks = block_table.shape
+    if B:
+        lo, hi = (int(x) for x in torch.aminmax(seq_lens))
+        if lo < 0 or hi > max_blocks * block_size:
+            raise ValueError(f"{who}: seq_lens holds {lo if lo < 0 else hi}, outside [0, {max_blocks * block_size}] "
+                             f"(block_table has {max_blocks} blocks of {block_size} per sequence)")
+        if bias_len is not None and hi > bias_len:
+            raise ValueError(f"{who}: the bias covers {bias_len} keys but seq_lens holds {hi}: give a bias of at "
+                             f"least max(seq_lens) keys")
+        used = torch.arange(max_blocks, device=block_table.device) < (seq_lens.long() + block_size - 1)[:, None] \
+            // block_size
+        bad = used & ((block_table < 0) | (block_table >= num_blocks))
+        if bool(bad.any()):
+            b, j = (int(x) for x in bad.nonzero()[0])
+            raise ValueError(f"{who}: block_table[{b}, {j}] = {int(block_table[b, j])} is not a block of the pool "
+                             f"[0, {num_blocks}) but sequence {b} reads it (seq_lens[{b}] = {int(seq_lens[b])})")
+    _CHECKED_TABLES[:] = [key] if key is not None else []

@@ -47,8 +47,9 @@ def _terms(mask: Mask) -> list[Mask]:
     return [mask]
 
 
-def predicates(mask: Mask, q_len: int, kv_len: int, device: torch.device) -> Predicates | None:
-    """The in-kernel form of ``mask``, or None when it needs a bitmap.
+def predicates(mask: Mask, q_len: int, kv_len: int, device: torch.device, batch: int = 1) -> Predicates | None:
+    """The in-kernel form of ``mask`` for a batch of ``batch``, or None when it needs a bitmap.  Per-batch
+    tables (key lengths) are one row per batch element: the kernels read them at ``b`` without broadcasting.
 
     Example::
 
@@ -83,7 +84,8 @@ def predicates(mask: Mask, q_len: int, kv_len: int, device: torch.device) -> Pre
             q_ids, kv_ids = term._ids(q_len, kv_len, device)
             out.doc = (q_ids.to(torch.int64).contiguous(), kv_ids.to(torch.int64).contiguous())
         elif kind is _KeyLengths and out.key_lengths is None:
-            out.key_lengths = term.lengths.to(device=device, dtype=torch.int64).contiguous()
+            lengths = term.lengths.to(device=device, dtype=torch.int64)
+            out.key_lengths = lengths.expand(batch).contiguous() if lengths.shape[0] == 1 else lengths.contiguous()
         else:
             return None
     return out

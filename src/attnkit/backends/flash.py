@@ -42,7 +42,7 @@ from ..bias import ScoreMod
 from ..masks import Mask
 from . import _flash_ops as ops
 from . import _flash_plan as planning
-from ._common import Call, reachable_tensors
+from ._common import Call, check_unchanged, reachable_tensors, tensor_versions
 
 Tensor = torch.Tensor
 
@@ -254,6 +254,7 @@ class _FlashFunction(torch.autograd.Function):
         lse = _unflat(lse3.t(), call, lse3.dtype).contiguous()
         ctx.save_for_backward(q, k, v, out, lse)  # O((Lq + Lk) * D): the backward recomputes the rest
         ctx.state = (call, plan_b, seed, allow_fused, params)
+        ctx.versions = tensor_versions(call.mask, call.bias)  # the backward reads them again
         ctx.has_bias_t = bias_t is not None
         ctx.set_materialize_grads(False)
         return out, lse
@@ -261,6 +262,7 @@ class _FlashFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dout, dlse):
+        check_unchanged(ctx.versions)
         call, plan, seed, allow_fused, params = ctx.state
         q, k, v, out, lse = ctx.saved_tensors
         n_params = len(ctx.needs_input_grad) - 5

@@ -45,7 +45,7 @@ import torch
 from ..bias import ScoreMod, _ALiBi, _Temperature
 from ..masks import Mask, _FromFn
 from . import _triton_plan as _plan
-from ._common import Call
+from ._common import Call, check_paged_values, check_unchanged, tensor_versions
 
 Tensor = torch.Tensor
 
@@ -94,6 +94,13 @@ def available() -> bool:
     if not (torch.cuda.is_available() or _interpret_requested()):
         return False
     return _import_error() is None
+
+
+def unavailable_reason() -> str:
+    """Why :func:`available` is False here (what to change), for the error of an explicit ``backend="triton"``."""
+    if not (torch.cuda.is_available() or _interpret_requested()):
+        return _device_reason(torch.device("cpu")) or "no CUDA GPU"
+    return f"triton does not import ({_import_error()})"
 
 
 def _device_reason(device: torch.device) -> str | None:
@@ -162,6 +169,7 @@ class _Mods:
     slopes: Tensor | None = None  # (Hq,) float32 ALiBi slopes
     alibi_off: int = 0  # query row i sits at i + alibi_off for ALiBi
     bias: Tensor | None = None  # (B, Hq, Lq, Lk), broadcast strides 0
+    source: object = None  # the call's bias (tensor or modifier): its tensors must not change before backward
 
 
 def _bias_reason(call: Call) -> str | None:
@@ -186,7 +194,7 @@ def _bias_reason(call: Call) -> str | None:
 
 
 def _mods(call: Call) -> _Mods:
-    m = _Mods(call.scale, call.softcap)
+    m = _Mods(call.scale, call.softcap, source=call.bias)
     b = call.bias
     if isinstance(b, _Temperature):
         m.scale = call.scale * b.scale_factor  # dividing every score by t is scaling by 1/t (no softcap here)
@@ -245,7 +253,7 @@ def _build_plan(mask: Mask | None, q_len: int, kv_len: int, batch: int, heads: i
     n_partial = lists.num_partial
     plan = _MaskPlan(tiles, lists, visited=structure.visited_fraction(), partial=n_partial / max(1, rows * nk),
                      num_k_tiles=nk)
-    plan.preds = _plan.predicates(mask, q_len, kv_len, device)
+    plan.preds = _plan.predicates(mask, q_len, kv_len, device, batch)
     if plan.preds is None and n_partial:
         size = n_partial * bm * -(-bn // 32) * 4
         if size > _MAX_BITMAP_BYTES:
@@ -436,10 +444,12 @@ class _Attention(torch.autograd.Function):
         out, lse = _forward(q, k, v, mods, plans.forward())
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mods, ctx.plans = mods, plans
+        ctx.versions = tensor_versions(plans.mask, mods.source)  # the backward reads them again
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        check_unchanged(ctx.versions)
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _backward(q, k, v, out, lse, dout, dlse, ctx.mods, ctx.plans.backward())
         return dq, dk, dv, None, None
@@ -574,6 +584,12 @@ def check_paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: T
     """
     _validate_paged(q, k_pool, v_pool, block_table, seq_lens)
     _validate_paged_bias(q, bias)
+    for name, x, positive in (("scale", scale, False), ("softcap", softcap, True)):
+        if x is not None and (isinstance(x, (bool, Tensor)) or not isinstance(x, (int, float))
+                              or not math.isfinite(x) or (positive and x <= 0)):
+            raise ValueError(f"{name}={x!r} must be a finite number{' > 0' if positive else ''} (or None)")
+    check_paged_values("paged_decode", block_table, seq_lens, k_pool.shape[0], k_pool.shape[2],
+                       bias.shape[-1] if isinstance(bias, Tensor) else None)
     if q.dtype not in _DTYPES:
         return f"dtype {q.dtype} is not supported by the paged decode kernel (float16, bfloat16, float32)"
     reason = _device_reason(q.device)
@@ -702,6 +718,7 @@ def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor,
     reason = check_paged_decode(q, k_pool, v_pool, block_table, seq_lens, scale=scale, softcap=softcap, bias=bias)
     if reason is not None:
         raise ValueError(f"paged_decode cannot run this call: {reason}; attnkit.cache.paged_attention takes it")
+    block_table, seq_lens = block_table.contiguous(), seq_lens.contiguous()  # the kernel reads them with stride 1
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     slopes, at_end = None, True

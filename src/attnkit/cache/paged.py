@@ -25,6 +25,7 @@ import torch
 from ..bias import ScoreMod, _ALiBi, _RelativeBuckets, _Temperature
 from ..masks import Mask, _BlockLocal, _Causal, _PrefixLM, _SlidingWindow
 from ..softmax import stable_softmax
+from ..backends._common import check_paged_values
 from ._common import check_dtype, check_int, check_new_kv, model_dims
 
 Tensor = torch.Tensor
@@ -67,9 +68,7 @@ def _check_paged_args(q, k_pool, v_pool, block_table, seq_lens) -> None:
     if not (q.dtype == k_pool.dtype == v_pool.dtype):
         raise TypeError(f"paged_attention: q, k_pool, v_pool must share one dtype, got {q.dtype}, "
                         f"{k_pool.dtype}, {v_pool.dtype}")
-    if B and int(seq_lens.max()) > block_table.shape[1] * bs:
-        raise ValueError(f"paged_attention: seq_lens up to {int(seq_lens.max())} do not fit in "
-                         f"{block_table.shape[1]} blocks of {bs}")
+    check_paged_values("paged_attention", block_table, seq_lens, NB, bs)
 
 
 def _triton_backend():
