@@ -119,13 +119,13 @@ def modify_scores(s: Tensor, call: Call, b: Tensor, h: Tensor, q: Tensor, k: Ten
 _REACH_DEPTH = 8  # objects followed from a mask or modifier (closures, globals, attributes) before giving up
 
 
-def reachable_tensors(obj) -> list[Tensor]:
+def reachable_tensors(obj, buffers: bool = True) -> list[Tensor]:
     """Every tensor a mask or score modifier can read: its own attributes, combined masks/modifiers, and
     what a ``from_fn`` function reaches — closure cells, default arguments, the module globals it names
     (also from nested functions), ``functools.partial`` arguments, a bound method's object, a callable
     object's attributes, ``nn.Module`` parameters and buffers, lists, tuples, sets and dicts.  Modules,
-    classes and objects further than ``_REACH_DEPTH`` steps are not followed.  In first-reached order,
-    each tensor once."""
+    classes and objects further than ``_REACH_DEPTH`` steps are not followed (``buffers=False`` leaves out
+    modules' buffers too).  In first-reached order, each tensor once."""
     import functools
     import types
 
@@ -148,7 +148,7 @@ def reachable_tensors(obj) -> list[Tensor]:
         if isinstance(x, (types.ModuleType, type)):
             return
         if isinstance(x, torch.nn.Module):
-            for t in (*x.parameters(), *x.buffers()):
+            for t in (*x.parameters(), *(x.buffers() if buffers else ())):
                 walk(t, depth + 1)
             return
         if isinstance(x, dict):
@@ -185,8 +185,10 @@ def _has_contents(cell) -> bool:
 
 def tensor_versions(*objs) -> list[tuple[Tensor, int]]:
     """Every tensor the masks and biases ``objs`` can read, with its in-place version now (inference
-    tensors have none and are left out): what a backward that reads them again must find unchanged."""
-    return [(t, t._version) for o in objs for t in reachable_tensors(o) if not t.is_inference()]
+    tensors have none and are left out): what a backward that reads them again must find unchanged.
+    Modules' buffers are left out: a module a bias function reaches (through a bound method) may update
+    its own running statistics during the forward."""
+    return [(t, t._version) for o in objs for t in reachable_tensors(o, buffers=False) if not t.is_inference()]
 
 
 def check_unchanged(versions: list[tuple[Tensor, int]]) -> None:
