@@ -50,6 +50,8 @@ def save(name: str, payload: dict) -> Path:
     return path
 
 
-def machine() -> str:
-    return (f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
-            f"{torch.get_num_threads()} threads")
+def machine(threads: bool = True) -> str:
+    """The machine in one line; ``threads=False`` leaves out this process's thread count (a script whose
+    timed work runs in other processes says theirs)."""
+    return (f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}"
+            + (f", {torch.get_num_threads()} threads" if threads else ""))

@@ -79,7 +79,7 @@ def main(argv=None) -> None:
     print()
     print(f"dense attention, float32, B={B}, H={H}, D={D}; {machine()}")
     print(table(rows, cols))
-    path = save("dense", {"rows": rows})
+    path = save("dense_quick" if args.quick else "dense", {"rows": rows})
     print(f"\nwritten to {path}")
 
 

@@ -94,7 +94,7 @@ def main(argv=None) -> None:
     print(f"HF models (width {width}, {layers} layers, batch {batch}, length {length}, left padding), float32, "
           f"{machine()}")
     print(table(rows, cols))
-    print("saved", save("hf_models", {"rows": rows, "width": width, "layers": layers, "batch": batch,
+    print("saved", save("hf_models_quick" if args.quick else "hf_models", {"rows": rows, "width": width, "layers": layers, "batch": batch,
                                        "length": length}))
 
 

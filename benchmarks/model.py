@@ -178,7 +178,7 @@ def main(argv=None) -> None:
               "vs HF": f"{t_dec[hf] / t_dec[n]:.2f}x"} for n in dec_models]
     print(f"\ndecoding: after a {P}-token prompt, {N} one-token forwards with a KV cache (prompt not timed)")
     print(table(drows, list(drows[0])))
-    path = save("model", {"config": "llama-like", "batch": B, "length": L, "prompt": P, "new_tokens": N,
+    path = save("model_quick" if args.quick else "model", {"config": "llama-like", "batch": B, "length": L, "prompt": P, "new_tokens": N,
                           "params": params, "forward_s": t_fwd, "train_s": t_train, "decode_s": t_dec})
     print(f"\nwrote {path}")
 

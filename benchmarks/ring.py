@@ -188,7 +188,7 @@ def main(argv=None) -> None:
                "fwd+bwd peak MB/rank", "memory vs ring 1", "fwd CPU s per rank", "fwd balance", "bwd balance",
                "work balance"]
     print(f"\nring attention, causal, float32, B=1 H={args.heads} L={args.seq_len} D={args.head_dim}; "
-          f"{machine()}; {args.threads} torch thread(s) per process; "
+          f"{machine(threads=False)}; {args.threads} torch thread(s) per process; "
           f"{'glibc mmap threshold 64 KiB (--live-memory); ' if args.live_memory else ''}"
           f"{'median of ' + str(args.repeat) if args.repeat > 1 else 'one run'} per cell")
     print(table(rows, columns))

@@ -141,3 +141,60 @@ def test_quantize_errors():
     assert isinstance(kept[0], Int8Linear) and type(kept[1]) is torch.nn.Linear
     with pytest.raises(ValueError, match="in_features=4"):
         kept[0](torch.randn(2, 5))
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
+def test_quantized_fused_projections_serve_every_attention_path(dtype):
+    """Cross attention, encoder-decoder models and absolute positions read parts of a fused projection:
+    quantized layers give them through forward_rows."""
+    from attnkit.nn import EncoderDecoder, MultiHeadAttention, SinusoidalPositions
+    torch.manual_seed(0)
+    ed = EncoderDecoder(DecoderConfig.preset("tiny", positions="t5")).eval()
+    src, tgt = torch.randint(0, 256, (2, 9)), torch.randint(0, 256, (2, 7))
+    mha = MultiHeadAttention(32, 4, positions=SinusoidalPositions(32)).eval()
+    cross = MultiHeadAttention(32, 4).eval()
+    x, ctx = torch.randn(2, 5, 32), torch.randn(2, 6, 32)
+    with torch.no_grad():
+        for model, run in ((ed, lambda m: m(src, tgt)), (mha, lambda m: m(x)), (cross, lambda m: m(x, context=ctx)),
+                           (cross, lambda m: m(x, context=(ctx, ctx + 1)))):
+            want = run(model)
+            got = run(attnkit.quantize(copy.deepcopy(model), dtype))
+            assert (got - want).abs().max() < 0.05
+
+
+def test_torch_attention_layers_stay_float_and_run():
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, batch_first=True).eval()
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        want = layer(x)
+        q = attnkit.quantize(torch.nn.Sequential(copy.deepcopy(layer)), "int8")
+        assert torch.allclose(q(x), want) and type(q[0].linear1) is torch.nn.Linear
+
+
+def test_loading_scales_after_a_forward_is_seen():
+    torch.manual_seed(0)
+    cfg = DecoderConfig.preset("tiny")
+    a = attnkit.quantize(DecoderLM(cfg).eval(), "int8")
+    b = attnkit.quantize(DecoderLM(cfg).eval(), "int8")
+    ids = torch.randint(0, 256, (1, 8))
+    with torch.no_grad():
+        b(ids)  # caches its compute-dtype scales
+        b.load_state_dict(a.state_dict())
+        assert torch.equal(b(ids), a(ids))
+
+
+def test_gradients_reach_inputs_and_biases_of_a_quantized_model():
+    torch.manual_seed(0)
+    model = attnkit.quantize(DecoderLM(DecoderConfig.preset("tiny", qkv_bias=True)), "int8").train()
+    model(torch.randint(0, 256, (2, 8))).logsumexp(-1).mean().backward()
+    assert model.embed.weight.grad is not None and model.layers[0].attn.qkv_proj.bias.grad is not None
+    assert not hasattr(model.layers[0].attn.qkv_proj, "weight")  # int8: no weight parameter to train
+
+
+def test_skip_leaves_whole_submodules_and_takes_one_name():
+    model = DecoderLM(DecoderConfig.preset("tiny", tie_embeddings=False))
+    q = attnkit.quantize(copy.deepcopy(model), "int8", skip=["layers.0"])
+    assert type(q.layers[0].attn.qkv_proj) is type(model.layers[0].attn.qkv_proj)
+    assert type(q.layers[1].attn.qkv_proj) is Int8Linear
+    q = attnkit.quantize(copy.deepcopy(model), "int8", skip="lm_head")
+    assert type(q.lm_head) is type(model.lm_head) and type(q.layers[0].ffn.up_proj) is Int8Linear

@@ -80,6 +80,14 @@ class Int8Linear(nn.Module):
         return self.weight_int8.float() * self.scale[:, None]
 
     def forward(self, x: Tensor) -> Tensor:
+        return self.forward_rows(x, 0, self.out_features)
+
+    def forward_rows(self, x: Tensor, start: int, stop: int) -> Tensor:
+        """Output features ``start:stop`` only (rows of the weight): what a fused projection's part needs.
+
+        Without gradients the int8 product runs in PyTorch's kernel; when the input or the bias needs a
+        gradient the weight is dequantized for the product, so gradients reach the input and the bias (never
+        the int8 weight)."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"Int8Linear: input has {x.shape[-1]} features, expected in_features={self.in_features}")
         lead = x.shape[:-1]
@@ -87,16 +95,20 @@ class Int8Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features).to(cd).contiguous()  # (N, in)
         if self._fast is None:
             self._fast = _int8pack_works(x.device, cd)
-        if self._scale_c is None or self._scale_c.dtype != cd or self._scale_c.device != x.device:
-            self._scale_c = self.scale.to(device=x.device, dtype=cd)
-        if self._fast:
-            y = torch._weight_int8pack_mm(x2, self.weight_int8, self._scale_c)  # (N, out)
+        key = (cd, x.device, self.scale.data_ptr(), self.scale._version)
+        if self._scale_c is None or self._scale_c[0] != key:  # also after load_state_dict's in-place copy
+            self._scale_c = (key, self.scale.to(device=x.device, dtype=cd))
+        scale = self._scale_c[1][start:stop]
+        w = self.weight_int8[start:stop]
+        grad = torch.is_grad_enabled() and (x.requires_grad or (self.bias is not None and self.bias.requires_grad))
+        if self._fast and not grad:  # (the int8 kernel has no derivative)
+            y = torch._weight_int8pack_mm(x2, w, scale)  # (N, out)
         else:
-            y = F.linear(x2, self.weight_int8.to(cd)) * self._scale_c
+            y = F.linear(x2, w.to(cd)) * scale
         y = y.to(x.dtype)
         if self.bias is not None:
-            y = y + self.bias.to(x.dtype)
-        return y.view(*lead, self.out_features)
+            y = y + self.bias[start:stop].to(x.dtype)
+        return y.view(*lead, stop - start)
 
     def _apply(self, fn, recurse=True):
         self._scale_c = None  # dtype/device moves invalidate the cached compute-dtype scales
@@ -137,8 +149,12 @@ class BF16Linear(nn.Module):
         return m
 
     def forward(self, x: Tensor) -> Tensor:
-        y = F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
-        return y if self.bias is None else y + self.bias.to(x.dtype)
+        return self.forward_rows(x, 0, self.out_features)
+
+    def forward_rows(self, x: Tensor, start: int, stop: int) -> Tensor:
+        """Output features ``start:stop`` only (rows of the weight): what a fused projection's part needs."""
+        y = F.linear(x.to(torch.bfloat16), self.weight[start:stop]).to(x.dtype)
+        return y if self.bias is None else y + self.bias[start:stop].to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -163,6 +179,9 @@ def weight_bytes(model: nn.Module) -> int:
     return total
 
 
+_READS_WEIGHTS = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+
+
 def quantize(model: nn.Module, dtype: str = "int8", *, compute_dtype: torch.dtype = torch.bfloat16,
              skip=()) -> nn.Module:
     """Replace every ``nn.Linear`` in ``model`` (in place) by a weight-only quantized version; returns it.
@@ -172,10 +191,15 @@ def quantize(model: nn.Module, dtype: str = "int8", *, compute_dtype: torch.dtyp
         dtype: ``"int8"`` (:class:`Int8Linear`, per-output-channel scales, 4x smaller than float32) or
             ``"bfloat16"`` (:class:`BF16Linear`, 2x smaller, float32 activations).
         compute_dtype: the activations' dtype inside an int8 product (bfloat16: the fast CPU kernel).
-        skip: names of submodules (as in ``model.named_modules()``) to leave as they are.
+        skip: a name or names of submodules (as in ``model.named_modules()``) to leave as they are, with
+            everything inside them.
 
     Embeddings (and an output head that reuses the embedding matrix) are not Linear layers and stay as
-    they are.  Gradients do not flow through quantized weights: this is for inference.
+    they are, and so do the Linear layers inside PyTorch's own ``nn.MultiheadAttention``,
+    ``nn.TransformerEncoderLayer`` and ``nn.TransformerDecoderLayer`` (PyTorch reads their weights
+    directly).  attnkit's fused projections take quantized layers (cross attention reads parts of them
+    through ``forward_rows``).
+    Gradients reach the inputs and the biases but never the quantized weights: this is for inference.
 
     Example::
 
@@ -190,11 +214,18 @@ def quantize(model: nn.Module, dtype: str = "int8", *, compute_dtype: torch.dtyp
         raise ValueError(f"dtype={dtype!r} is not one of {DTYPES}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    skip = set(skip)
+    skip = {skip} if isinstance(skip, str) else set(skip)
     unknown = skip - {n for n, _ in model.named_modules()}
     if unknown:
         raise ValueError(f"skip names {sorted(unknown)} are not submodules of the model")
-    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in skip]
+
+    def skipped(name: str) -> bool:
+        return any(name == s or name.startswith(s + ".") or s == "" for s in skip)
+
+    # PyTorch's own attention and Transformer layers read their Linear weights directly: they stay float
+    torch_owned = {id(c) for m in model.modules() if isinstance(m, _READS_WEIGHTS) for c in m.modules()}
+    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and not skipped(n)
+               and id(m) not in torch_owned]
     if isinstance(model, nn.Linear):
         raise TypeError("quantize replaces Linear layers inside a model; wrap a lone Linear with "
                         "Int8Linear.from_linear(linear) instead")

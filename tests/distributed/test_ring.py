@@ -77,8 +77,8 @@ CASES: dict[str, dict] = {
 }
 
 ERROR_CASES = ("uneven_lengths", "mismatched_heads", "one_rank_bad_input", "mismatched_mask", "odd_zigzag_shard",
-               "indivisible_shard", "learnable_bias", "dense_bias", "local_document_ids", "unshard_mismatch",
-               "usable_after_errors")
+               "indivisible_shard", "learnable_bias", "dense_bias", "plain_function_bias", "local_document_ids",
+               "unshard_mismatch", "usable_after_errors")
 OTHER_CASES = ("shard_positions", "unshard_roundtrip", "unshard_gradient", "no_grad_forward", "gradcheck")
 
 
@@ -190,6 +190,9 @@ def _error_case(name: str, rank: int, world: int) -> dict:
     if name == "dense_bias":
         return _expect_error(lambda: ring_attention(x, x, x, bias=torch.zeros(8 * world, 8 * world)), TypeError,
                              "from_fn")
+    if name == "plain_function_bias":  # the same TypeError as attention's, not "differs across ranks"
+        return _expect_error(lambda: ring_attention(x, x, x, bias=lambda s, b, h, i, j: s), TypeError,
+                             "wrap a function", "from_fn")
     if name == "local_document_ids":  # ids for this rank's 8 tokens instead of all 8W
         return _expect_error(lambda: ring_attention(x, x, x, mask=M.document(torch.zeros(8, dtype=torch.long))),
                              ValueError, "full sequence", f"L = {world} ranks x 8 local tokens")

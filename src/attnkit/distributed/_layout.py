@@ -30,6 +30,13 @@ def check_layout(layout) -> str:
     return layout
 
 
+def _ranks(group) -> str:
+    try:
+        return str(dist.get_process_group_ranks(group))
+    except Exception:  # (older PyTorch, or a group this process cannot inspect)
+        return "unknown"
+
+
 def group_info(group) -> tuple[int, int]:
     """(rank in the group, world size of the group); raises when torch.distributed is not ready."""
     if not dist.is_available() or not dist.is_initialized():
@@ -38,8 +45,9 @@ def group_info(group) -> tuple[int, int]:
                            "'nccl') first; on one process, use attnkit.attention")
     rank = dist.get_rank(group)
     if rank < 0:
-        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of group={group!r}: "
-                         f"call with a group that contains it, or group=None for the default group")
+        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the group passed as "
+                         f"group= (ranks {_ranks(group)}): call with a group that contains it, or group=None for "
+                         f"the default group")
     return rank, dist.get_world_size(group)
 
 

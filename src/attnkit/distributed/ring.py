@@ -408,10 +408,13 @@ class _RingAttention(torch.autograd.Function):
 
 
 def _describe(x) -> str:
+    """How a setting reads on every rank alike (no per-process addresses)."""
     if x is None:
         return "None"
     if isinstance(x, torch.Tensor):
         return f"{x.dtype} tensor {tuple(x.shape)}"
+    if callable(x) and not isinstance(x, (Mask, ScoreMod)):
+        return f"{type(x).__name__} {getattr(x, '__qualname__', '')}".rstrip()
     return repr(x)
 
 
@@ -424,6 +427,10 @@ def _agree(group, rank: int, world: int, q, k, v, **settings) -> None:
     error = None
     try:
         _check_qkv(q, k, v)
+        b = settings.get("bias")
+        if callable(b) and not isinstance(b, (ScoreMod, torch.Tensor)):
+            raise TypeError("bias must be None or an attnkit.bias modifier; wrap a function "
+                            "fn(score, b, h, q_idx, kv_idx) with attnkit.bias.from_fn(fn)")
     except (TypeError, ValueError) as e:
         error = (type(e).__name__, str(e))
     tensors = all(isinstance(t, torch.Tensor) for t in (q, k, v))

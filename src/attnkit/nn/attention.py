@@ -39,6 +39,16 @@ def _is_bottom_right_causal(m) -> bool:
     return isinstance(m, _masks._Causal) and m.align == "bottom_right"
 
 
+def _rows(proj: nn.Module, x: Tensor, start: int, stop: int) -> Tensor:
+    """Output features ``start:stop`` of the projection ``proj`` on ``x`` (a part of a fused projection):
+    its weight rows sliced, or its own ``forward_rows`` (quantized layers, see :func:`attnkit.quantize`)."""
+    part = getattr(proj, "forward_rows", None)
+    if part is not None:
+        return part(x, start, stop)
+    b = proj.bias
+    return linear(x, proj.weight[start:stop], None if b is None else b[start:stop])
+
+
 class MultiHeadAttention(_Attends):
     """Multi-head attention, batch-first: ``(B, L, d_model) -> (B, L, d_model)``.
 
@@ -174,17 +184,14 @@ class MultiHeadAttention(_Attends):
             qkv = self.qkv_proj(x)  # (B, L, (Hq + 2 Hkv) d_head)
             q, k, v = qkv.split(self._split, dim=-1)
         else:  # absolute encodings join the query and key inputs only
-            w, b = self.qkv_proj.weight, self.qkv_proj.bias
-            qk = linear(x + pe.to(x.dtype), w[: q_out + kv_out], None if b is None else b[: q_out + kv_out])
-            v = linear(x, w[q_out + kv_out:], None if b is None else b[q_out + kv_out:])
+            qk = _rows(self.qkv_proj, x + pe.to(x.dtype), 0, q_out + kv_out)
+            v = _rows(self.qkv_proj, x, q_out + kv_out, q_out + 2 * kv_out)
             q, k = qk.split((q_out, kv_out), dim=-1)
         return self._heads(q, self.n_heads), self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
 
     def _project_query(self, x: Tensor) -> Tensor:
         if self.self_capable:
-            q_out = self._split[0]
-            b = self.qkv_proj.bias
-            q = linear(x, self.qkv_proj.weight[:q_out], None if b is None else b[:q_out])
+            q = _rows(self.qkv_proj, x, 0, self._split[0])
         else:
             q = self.q_proj(x)
         return self._heads(q, self.n_heads)  # (B, Hq, L, d_head)
@@ -210,20 +217,17 @@ class MultiHeadAttention(_Attends):
     def _project_context(self, key_in: Tensor, value_in: Tensor) -> tuple[Tensor, Tensor]:
         q_out, kv_out, _ = self._split
         if self.self_capable:
-            w, b = self.qkv_proj.weight, self.qkv_proj.bias
             if key_in is value_in:
-                kv = linear(key_in, w[q_out:], None if b is None else b[q_out:])
-                k, v = kv.split(kv_out, dim=-1)
+                k, v = _rows(self.qkv_proj, key_in, q_out, q_out + 2 * kv_out).split(kv_out, dim=-1)
             else:
-                k = linear(key_in, w[q_out:q_out + kv_out], None if b is None else b[q_out:q_out + kv_out])
-                v = linear(value_in, w[q_out + kv_out:], None if b is None else b[q_out + kv_out:])
+                k = _rows(self.qkv_proj, key_in, q_out, q_out + kv_out)
+                v = _rows(self.qkv_proj, value_in, q_out + kv_out, q_out + 2 * kv_out)
         elif hasattr(self, "kv_proj"):
             if key_in is value_in:
                 k, v = self.kv_proj(key_in).split(kv_out, dim=-1)
             else:
-                w, b = self.kv_proj.weight, self.kv_proj.bias
-                k = linear(key_in, w[:kv_out], None if b is None else b[:kv_out])
-                v = linear(value_in, w[kv_out:], None if b is None else b[kv_out:])
+                k = _rows(self.kv_proj, key_in, 0, kv_out)
+                v = _rows(self.kv_proj, value_in, kv_out, 2 * kv_out)
         else:
             k, v = self.k_proj(key_in), self.v_proj(value_in)
         return self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
