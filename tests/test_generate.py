@@ -327,3 +327,13 @@ def test_quantized_prefill_is_full_precision():
         assert torch.allclose(model(ids, cache=q), model(ids), atol=1e-5)
         batch = generate(model, prompts, 1, cache=f"int{bits}")
         assert batch == [generate(model, [p], 1)[0] for p in prompts]
+
+
+def test_a_cache_callable_may_return_a_paged_batch():
+    model = _model("rope")
+    pool = PagedCache.for_model(model, num_blocks=32, block_size=4)
+    make = lambda m, b, n: pool.batch([pool.add_sequence() for _ in range(b)])  # noqa: E731
+    prompts = [[1, 2, 3], [4, 5, 6]]
+    assert generate(model, prompts, 4, cache=make) == generate(model, prompts, 4)
+    with pytest.raises(TypeError, match="has no set_left_padding"):
+        generate(model, [[1, 2, 3], [4, 5]], 4, cache=make)

@@ -198,3 +198,11 @@ def test_skip_leaves_whole_submodules_and_takes_one_name():
     assert type(q.layers[1].attn.qkv_proj) is Int8Linear
     q = attnkit.quantize(copy.deepcopy(model), "int8", skip="lm_head")
     assert type(q.lm_head) is type(model.lm_head) and type(q.layers[0].ffn.up_proj) is Int8Linear
+
+
+def test_a_model_quantized_under_inference_mode_runs_in_and_out_of_it():
+    with torch.inference_mode():
+        q = attnkit.quantize(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)))
+        assert q(torch.randn(2, 16)).shape == (2, 4)
+    with torch.no_grad():
+        assert q(torch.randn(2, 16)).shape == (2, 4)

@@ -204,7 +204,7 @@ def _check_positions(model, longest: int, max_new_tokens: int) -> None:
 def _make_cache(model, cache, batch: int, max_len: int):
     if callable(cache) and not isinstance(cache, str):
         made = cache(model, batch, max_len)
-        if not (hasattr(made, "layers") and hasattr(made, "set_left_padding")):
+        if not hasattr(made, "layers"):
             raise TypeError(f"cache={cache!r} returned {type(made).__name__}, not a cache: a callable passed as cache "
                             f"must return a model-level cache for (model, batch={batch}, max_len={max_len}), e.g. "
                             f"attnkit.cache.StaticCache.for_model(model, batch, max_len)")
@@ -293,6 +293,10 @@ def _steps_padded(model, prompts, max_new_tokens, cache, compiled: bool = False)
     kv = _make_cache(model, cache, B, L + max_new_tokens)
     ragged = any(pad)
     if ragged:
+        if not hasattr(kv, "set_left_padding"):
+            raise TypeError(f"prompts of different lengths are left-padded, and the {type(kv).__name__} made by the "
+                            f"cache callable has no set_left_padding to hide the padding: return a StaticCache, "
+                            f"SlidingWindowCache or QuantizedCache, or use cache='paged'")
         kv.set_left_padding(pad)
         offs = torch.tensor(pad, device=device).view(-1, 1)
         pos = (torch.arange(L, device=device).view(1, -1) - offs).clamp(min=0)  # (B, L) per-row positions

@@ -1101,11 +1101,12 @@ def from_fn(fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor], *, name: str
     at a time, never on the whole ``Lq x Lk``.
 
     ``fn`` must be a pure function of its arguments and of the tensors it reads: backends keep what they
-    derive (block structure, dense form) per mask object, and notice when a tensor it reads — through a
-    closure, a default argument, a global it names, a bound method's object — is changed in place or
-    rebound between calls (between a forward and its backward such a change is an error, as for autograd's
-    saved tensors).  Python state it reads otherwise (a list, a counter), and writes that bypass PyTorch's
-    version counter (through a numpy view), are not seen: make a new mask when they change.
+    derive (block structure, dense form) per mask object, and notice when a tensor it holds — through a
+    closure, a default argument, a bound method's object (or a list or dict among those), or a global
+    tensor it names — is changed in place or rebound between calls (between a forward and its backward such
+    a change is an error, as for autograd's saved tensors).  Python state it reads otherwise (a counter, a
+    global list of tensors), and writes that bypass PyTorch's version counter (through a numpy view), are
+    not seen: make a new mask when they change.
 
     Example::
 

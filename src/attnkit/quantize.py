@@ -95,10 +95,13 @@ class Int8Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features).to(cd).contiguous()  # (N, in)
         if self._fast is None:
             self._fast = _int8pack_works(x.device, cd)
-        key = (cd, x.device, self.scale.data_ptr(), self.scale._version)
-        if self._scale_c is None or self._scale_c[0] != key:  # also after load_state_dict's in-place copy
-            self._scale_c = (key, self.scale.to(device=x.device, dtype=cd))
-        scale = self._scale_c[1][start:stop]
+        if self.scale.is_inference():  # (no version counter: cast at each call, a vector of out_features)
+            scale = self.scale.to(device=x.device, dtype=cd)[start:stop]
+        else:
+            key = (cd, x.device, self.scale.data_ptr(), self.scale._version)
+            if self._scale_c is None or self._scale_c[0] != key:  # also after load_state_dict's in-place copy
+                self._scale_c = (key, self.scale.to(device=x.device, dtype=cd))
+            scale = self._scale_c[1][start:stop]
         w = self.weight_int8[start:stop]
         grad = torch.is_grad_enabled() and (x.requires_grad or (self.bias is not None and self.bias.requires_grad))
         if self._fast and not grad:  # (the int8 kernel has no derivative)

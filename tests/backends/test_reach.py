@@ -195,3 +195,97 @@ def test_paged_attention_checks_the_block_ids_a_sequence_reads():
                         torch.tensor([-1, 9], dtype=torch.int32))
     out = paged_attention(q, pool, pool, torch.tensor([[0, -1], [1, 3]], dtype=torch.int32), lens)  # -1 unread
     assert out.shape == (2, 4, 1, 16)
+
+
+@pytest.mark.parametrize("backend", ["flash", "sdpa"])
+def test_a_rebound_tensor_never_reuses_an_old_plan(backend):
+    """A predicate reading a global that is rebound to a new tensor at each step: the memo entry holds the
+    tensors it was built from, so a freed tensor's id cannot be taken for the new one's."""
+    from attnkit.backends import flash, sdpa
+    from attnkit.backends.flash import flash_attention
+    global DOC_STEP
+    run = flash_attention if backend == "flash" else functools.partial(attnkit.attention, backend="sdpa")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 64, 16, generator=g) for _ in range(3))
+    m = masks.from_fn(lambda b, h, i, j: DOC_STEP[i] == DOC_STEP[j])
+    bad = []
+    for step in range(20):
+        DOC_STEP = (torch.arange(64) // (4 + 4 * (step % 5))).long()  # a new tensor, version 0
+        got = run(q, k, v, mask=m)
+        want = attnkit.attention(q, k, v, mask=DOC_STEP[:, None] == DOC_STEP[None, :], backend="math")
+        if not torch.allclose(got, want, atol=1e-5):
+            bad.append(step)
+    assert not bad
+    # and by construction: the memo holds the tensor its entry was built from
+    held = flash._PLANS[m].values() if backend == "flash" else [e[5:] for e in sdpa._DENSE_CACHE.values()]
+    assert any(DOC_STEP is t for entry in held for part in entry if isinstance(part, list) for t in part)
+
+
+DOC_STEP = torch.zeros(64, dtype=torch.long)
+
+
+class _Packer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.doc = torch.zeros(64, dtype=torch.long)  # a plain tensor attribute, not a buffer
+
+    def allowed(self, b, h, i, j):
+        return self.doc[i] == self.doc[j]
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flash"])
+def test_tensors_of_a_bound_methods_module_and_of_a_global_slots_object_are_watched(backend):
+    import dataclasses
+
+    @dataclasses.dataclass(slots=True)
+    class Docs:
+        ids: torch.Tensor
+
+    packer = _Packer()
+    global SLOTS_DOCS
+    SLOTS_DOCS = Docs(torch.zeros(64, dtype=torch.long))
+    q, k, v = _qkv(lq=64, lk=64, dtype=torch.float32)
+    for m, t in ((masks.from_fn(packer.allowed), packer.doc),
+                 (masks.from_fn(lambda b, h, i, j: SLOTS_DOCS.ids[i] == SLOTS_DOCS.ids[j]), SLOTS_DOCS.ids)):
+        attnkit.attention(q, k, v, mask=m, backend=backend)
+        t.copy_(torch.arange(64) // 8)
+        want = attnkit.attention(q, k, v, mask=t[:, None] == t[None, :], backend="math")
+        assert torch.allclose(attnkit.attention(q, k, v, mask=m, backend=backend), want, atol=1e-5)
+
+
+SLOTS_DOCS = None
+
+
+def test_public_flash_attention_refuses_an_unreachable_gradient_too():
+    from attnkit.backends.flash import flash_attention
+    q, k, v = _qkv(lq=8, lk=8)
+    mod = bias.from_fn(lambda s, b, h, i, j: s + _Unreachable.w * (i - j).to(s.dtype))
+    with pytest.raises(ValueError, match="flash_attention cannot take this call: the score modifier's function"):
+        flash_attention(q, k, v, bias=mod)
+
+
+def test_parameters_rewritten_in_place_by_the_model_are_not_a_false_error():
+    """An embedding with max_norm renormalises its weight in place at each lookup; the bias (a bound method
+    of the model) never reads it: two forwards, one backward must work on flash as on math."""
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(20, 16, max_norm=1.0)
+            self.rel = torch.nn.Parameter(torch.zeros(2, 64))
+
+        def rel_bias(self, s, b, h, i, j):
+            return s + self.rel[h, j - i + 32]
+
+        def forward(self, ids, backend):
+            x = self.emb(ids).view(1, -1, 2, 8).transpose(1, 2)
+            return attnkit.attention(x, x, x, bias=bias.from_fn(self.rel_bias), backend=backend).sum()
+
+    torch.manual_seed(0)
+    model = Model()
+    grads = []
+    for backend in ("math", "flash"):
+        model.zero_grad()
+        ids = [torch.randint(0, 20, (1, 8), generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+        (model(ids[0], backend) + model(ids[1], backend)).backward()
+        grads.append(model.rel.grad.clone())
+    assert torch.allclose(grads[0], grads[1], atol=1e-5)

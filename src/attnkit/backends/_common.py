@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -116,18 +117,24 @@ def modify_scores(s: Tensor, call: Call, b: Tensor, h: Tensor, q: Tensor, k: Ten
 
 # ------------------------------------------------------------------ what a mask or modifier reads
 
-_REACH_DEPTH = 8  # objects followed from a mask or modifier (closures, globals, attributes) before giving up
+_REACH_DEPTH = 5  # steps followed from a mask or modifier (closures, attributes, containers) before giving up
 
 
-def reachable_tensors(obj, buffers: bool = True) -> list[Tensor]:
-    """Every tensor a mask or score modifier can read: its own attributes, combined masks/modifiers, and
-    what a ``from_fn`` function reaches — closure cells, default arguments, the module globals it names
-    (also from nested functions), ``functools.partial`` arguments, a bound method's object, a callable
-    object's attributes, ``nn.Module`` parameters and buffers, lists, tuples, sets and dicts.  Modules,
-    classes and objects further than ``_REACH_DEPTH`` steps are not followed (``buffers=False`` leaves out
-    modules' buffers too).  In first-reached order, each tensor once."""
+# globals a function names that are not searched for tensor attributes (containers could be huge)
+_NOT_FOLLOWED = (types.ModuleType, type, dict, list, tuple, set, frozenset, str, bytes, int, float, bool, complex)
+
+
+def reachable_tensors(obj, *, modules: bool = True) -> list[Tensor]:
+    """The tensors a mask or score modifier reads, as far as they can be seen without running it: its own
+    attributes, combined masks/modifiers, and what a ``from_fn`` function holds — closure cells, default
+    arguments, ``functools.partial`` arguments, a bound method's object (its attributes, ``__slots__`` too),
+    a callable object's attributes, lists, tuples, sets and dicts among those, and the module globals the
+    function's code names when they are tensors, ``nn.Module`` objects, or other objects' own tensor
+    attributes (containers and functions reached through globals are not searched: a global list of
+    tensors is not).  An ``nn.Module``'s parameters, buffers and plain
+    tensor attributes count, unless ``modules=False``.  Modules, classes and anything further than
+    ``_REACH_DEPTH`` steps are not followed.  In first-reached order, each tensor once."""
     import functools
-    import types
 
     out: list[Tensor] = []
     seen: set[int] = set()
@@ -138,8 +145,20 @@ def reachable_tensors(obj, buffers: bool = True) -> list[Tensor]:
             if isinstance(c, types.CodeType):
                 yield from names(c)
 
+    def attributes(x) -> list:
+        items = list(vars(x).values()) if hasattr(x, "__dict__") else []
+        for cls in type(x).__mro__:
+            for slot in getattr(cls, "__slots__", ()):
+                if isinstance(slot, str) and not slot.startswith("__"):
+                    try:
+                        items.append(getattr(x, slot))
+                    except AttributeError:
+                        pass
+        return items
+
     def walk(x, depth: int) -> None:
-        if id(x) in seen or depth > _REACH_DEPTH or x is None or isinstance(x, (str, bytes, int, float, bool)):
+        if depth > _REACH_DEPTH or x is None or isinstance(x, (str, bytes, int, float, bool, complex)) \
+                or id(x) in seen:
             return
         seen.add(id(x))
         if isinstance(x, Tensor):
@@ -148,8 +167,12 @@ def reachable_tensors(obj, buffers: bool = True) -> list[Tensor]:
         if isinstance(x, (types.ModuleType, type)):
             return
         if isinstance(x, torch.nn.Module):
-            for t in (*x.parameters(), *(x.buffers() if buffers else ())):
-                walk(t, depth + 1)
+            if modules:
+                for t in (*x.parameters(), *x.buffers()):
+                    walk(t, depth + 1)
+                for t in vars(x).values():
+                    if isinstance(t, Tensor):
+                        walk(t, depth + 1)
             return
         if isinstance(x, dict):
             items = list(x.values())
@@ -163,16 +186,29 @@ def reachable_tensors(obj, buffers: bool = True) -> list[Tensor]:
             items = [c.cell_contents for c in (x.__closure__ or ()) if _has_contents(c)]
             items += list(x.__defaults__ or ()) + list((x.__kwdefaults__ or {}).values())
             g = x.__globals__
-            items += [g[n] for n in dict.fromkeys(names(x.__code__)) if n in g]
-        elif hasattr(x, "__dict__"):
-            items = list(vars(x).values())
+            for n in dict.fromkeys(names(x.__code__)):  # globals: tensors, modules, objects' own tensors
+                value = g.get(n)
+                if isinstance(value, (Tensor, torch.nn.Module)):
+                    walk(value, depth + 1)
+                elif not isinstance(value, _NOT_FOLLOWED) and not callable(value) and id(value) not in seen:
+                    seen.add(id(value))
+                    for t in attributes(value):
+                        if isinstance(t, Tensor):
+                            walk(t, depth + 2)
         else:
-            return
+            items = attributes(x)
         for item in items:
             walk(item, depth + 1)
 
     walk(obj, 0)
     return out
+
+
+def tensor_key(tensors: list[Tensor]) -> tuple:
+    """A memo key part for these tensors' identities and in-place versions.  Hold the tensors with the
+    memoised entry: while they live their ids cannot be reused by other tensors.  An inference tensor has
+    no version counter: its key matches nothing, so what depends on it is recomputed."""
+    return tuple((id(t), object() if t.is_inference() else t._version) for t in tensors)
 
 
 def _has_contents(cell) -> bool:
@@ -184,11 +220,13 @@ def _has_contents(cell) -> bool:
 
 
 def tensor_versions(*objs) -> list[tuple[Tensor, int]]:
-    """Every tensor the masks and biases ``objs`` can read, with its in-place version now (inference
-    tensors have none and are left out): what a backward that reads them again must find unchanged.
-    Modules' buffers are left out: a module a bias function reaches (through a bound method) may update
-    its own running statistics during the forward."""
-    return [(t, t._version) for o in objs for t in reachable_tensors(o, buffers=False) if not t.is_inference()]
+    """The tensors the masks and biases ``objs`` read that no gradient flows into (index tables, lengths,
+    constant biases), with their in-place versions now: what a backward that reads them again must find
+    unchanged.  Left out: inference tensors (no version counter), tensors that require grad (parameters an
+    optimizer or a layer, e.g. an embedding's max_norm, may legitimately rewrite), and everything inside
+    ``nn.Module`` objects."""
+    return [(t, t._version) for o in objs for t in reachable_tensors(o, modules=False)
+            if not (t.is_inference() or t.requires_grad)]
 
 
 def check_unchanged(versions: list[tuple[Tensor, int]]) -> None:

@@ -42,7 +42,7 @@ from ..bias import ScoreMod
 from ..masks import Mask
 from . import _flash_ops as ops
 from . import _flash_plan as planning
-from ._common import Call, check_unchanged, reachable_tensors, tensor_versions
+from ._common import Call, check_unchanged, reachable_tensors, tensor_key, tensor_versions
 
 Tensor = torch.Tensor
 
@@ -96,15 +96,6 @@ def _value_key(mask: Mask | None) -> str | None:
     return repr(mask) if pure(mask) else None
 
 
-def _versions(obj) -> tuple:
-    """(id, version) of every tensor a mask can read (its own, through combinators, and what a ``from_fn``
-    predicate reaches: closures, the globals it names, ...), so that a cached plan is rebuilt when one of
-    them is modified in place or rebound.  A tensor made under ``torch.inference_mode`` has no version
-    counter: a new object in its place makes the key match nothing, so such a mask is planned again at each
-    call."""
-    return tuple((id(t), object() if t.is_inference() else t._version) for t in reachable_tensors(obj))
-
-
 def _plan(call: Call, block_q: int | None = None, block_k: int | None = None) -> planning.Plan:
     """The plan for a call.  Plans (with their evaluated element masks) are kept per mask object, so a
     mask reused across layers and steps is planned once; a mask's tensors modified in place are noticed."""
@@ -113,20 +104,24 @@ def _plan(call: Call, block_q: int | None = None, block_k: int | None = None) ->
     if key in call.cache:
         return call.cache[key]
     value = _value_key(call.mask)
+    tensors: list = []
     if value is not None:
         store, limit, full_key = _SHARED, SHARED_PLANS, key + (value,)
     else:
+        # the tensors the mask reads, by identity and in-place version (an edited or rebound tensor makes a
+        # new key); the entry holds them, so their ids cannot be reused by other tensors while it lives
+        tensors = reachable_tensors(call.mask)
         store, limit = _PLANS.setdefault(call.mask, {}), PLANS_PER_MASK
-        full_key = key + (_versions(call.mask),)
-    plan = store.pop(full_key, None)  # re-inserted below: the dict keeps least recently used first
-    if plan is None:
-        plan = planning.build(call.mask, call.batch, call.heads, call.kv_heads, call.q_len, call.kv_len,
-                              bq, bk, call.q.device)
+        full_key = key + (tensor_key(tensors),)
+    entry = store.pop(full_key, None)  # re-inserted below: the dict keeps least recently used first
+    if entry is None:
+        entry = (planning.build(call.mask, call.batch, call.heads, call.kv_heads, call.q_len, call.kv_len,
+                                bq, bk, call.q.device), tensors)
         while len(store) >= limit:
             store.pop(next(iter(store)))
-    store[full_key] = plan
-    call.cache[key] = plan
-    return plan
+    store[full_key] = entry
+    call.cache[key] = entry[0]
+    return entry[0]
 
 
 def _estimate(plan: planning.Plan) -> float:
@@ -302,6 +297,9 @@ def _run(call: Call, block_q: int | None = None, block_k: int | None = None, *, 
     """Compute a validated call; ``fused=False`` forces the explicit (public-API) path."""
     plan = _forward_plan(call, block_q, block_k)
     bias_grad, params = _bias_needs_grad(call)
+    reason = _unreached_reason(call)
+    if reason is not None:
+        raise ValueError(f"flash_attention cannot take this call: {reason}")
     use_fused = _fusable(call, bias_grad) if fused is None else (fused and _fusable(call, bias_grad))
     seed = ops.draw_seed() if call.dropout_p > 0 else 0
     needs_grad = call.needs_grad or bias_grad
@@ -372,15 +370,19 @@ def run(call: Call):
 def check(call: Call) -> str | None:
     """Backend hook: None (flash takes every mask, bias, dtype and device), unless a score modifier's
     function reads a tensor that requires grad where flash cannot find it to give it its gradient."""
+    return _unreached_reason(call)
+
+
+def _unreached_reason(call: Call) -> str | None:
     _bias_needs_grad(call)
     missing = call.cache.get("bias_params", (None, []))[1]
-    if missing:
-        shapes = ", ".join(str(tuple(t.shape)) for t in missing[:3])
-        return (f"the score modifier's function reads {len(missing)} tensor(s) that require grad (shapes {shapes}) "
-                f"that flash cannot reach to give them their gradient (not through a closure, default, the "
-                f"globals it names, a bound method's object, an nn.Module, list or dict): pass them in one of "
-                f"those ways, or use backend='math'")
-    return None
+    if not missing:
+        return None
+    shapes = ", ".join(str(tuple(t.shape)) for t in missing[:3])
+    return (f"the score modifier's function reads {len(missing)} tensor(s) that require grad (shapes {shapes}) "
+            f"that flash cannot reach to give them their gradient (not through a closure, a default, a partial, "
+            f"a global tensor or module it names, a bound method's object, or a list or dict among those): "
+            f"pass them in one of those ways, or use backend='math'")
 
 
 def cost(call: Call) -> float:

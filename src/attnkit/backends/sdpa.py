@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from ..bias import ScoreMod
 from ..masks import Mask, _BlockLocal, _Causal, _FromDense, _Interval, _KeyLengths, _PrefixLM, _SlidingWindow
-from ._common import Call, reachable_tensors
+from ._common import Call, reachable_tensors, tensor_key
 
 Tensor = torch.Tensor
 
@@ -74,14 +74,16 @@ def _dense(call: Call) -> tuple[Tensor, Tensor, bool]:
         live = allowed.any(dim=-1, keepdim=True)
         return allowed, live, bool(live.all())
     key = (id(m), call.batch, call.heads, call.q_len, call.kv_len, call.q.device)
-    # the tensors the mask reads, with their in-place versions: an edited tensor makes the memo stale
-    state = tuple((id(t), object() if t.is_inference() else t._version) for t in reachable_tensors(m))
+    # the tensors the mask reads, by identity and in-place version: an edited or rebound tensor makes the
+    # memo stale (the entry holds them, so their ids cannot be reused meanwhile)
+    tensors = reachable_tensors(m)
+    state = tensor_key(tensors)
     hit = _DENSE_CACHE.get(key)
     if hit is not None and hit[0] is m and hit[4] == state:
         return hit[1], hit[2], hit[3]
     allowed = m.to_dense(call.q_len, call.kv_len, batch=call.batch, heads=call.heads, device=call.q.device)
     live = allowed.any(dim=-1, keepdim=True)  # (B', H', Lq, 1): rows that see at least one key
-    entry = (m, allowed, live, bool(live.all()), state)
+    entry = (m, allowed, live, bool(live.all()), state, tensors)
     if len(_DENSE_CACHE) >= _DENSE_CACHE_SIZE:
         _DENSE_CACHE.pop(next(iter(_DENSE_CACHE)))
     _DENSE_CACHE[key] = entry
