@@ -13,7 +13,7 @@ glibc keeps freed memory for reuse, so the resident peak over-counts live tensor
 
 The processes share this machine's cores (one torch thread each by default, --threads), so time cannot
 fall with W here: wall time and the CPU seconds of all ranks show the overhead, while the memory per
-rank shows the 1/W.
+rank shows how it falls with W (not quite as 1/W: the travelling blocks are double-buffered).
 
     python benchmarks/ring.py            # L=32768, H=8, D=64 (tens of minutes on 2 cores)
     python benchmarks/ring.py --quick    # L=4096, H=4, D=32

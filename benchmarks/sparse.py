@@ -81,7 +81,11 @@ class Flex:
 
 
 def local_attention_peer(window: int):
-    from local_attention import LocalAttention
+    """The ``local-attention`` package's causal window, or None when it is not installed (the bench extra)."""
+    try:
+        from local_attention import LocalAttention
+    except ImportError:
+        return None
 
     la = LocalAttention(window_size=window, causal=True, look_backward=1, look_forward=0, exact_windowsize=True,
                         dropout=0.0, autopad=True, scale=D ** -0.5, use_rotary_pos_emb=False)
@@ -172,6 +176,9 @@ def window_section(lengths, repeat, notes):
             "sdpa+mask": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed),
             "local-attention": local_attention_peer(W),
         }
+        if peers["local-attention"] is None:
+            del peers["local-attention"]
+            notes.add("local-attention is not installed: .venv/bin/pip install -e '.[bench]'")
         flex = Flex(mod, L)
         peers["flex"] = flex
         if B * H * L * L <= NAIVE_LIMIT:

@@ -35,12 +35,15 @@ def _check_qkv(q, k, v) -> None:
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}: cast them with .to()")
     if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}: move them with "
+                         f".to(q.device)")
     (B, Hq, Lq, D), (Bk, Hkv, Lk, Dk), (Bv, Hv, Lv, Dv) = q.shape, k.shape, v.shape
     if not (B == Bk == Bv):
-        raise ValueError(f"batch sizes differ: q has B={B}, k has B={Bk}, v has B={Bv}")
+        raise ValueError(f"batch sizes differ: q has B={B}, k has B={Bk}, v has B={Bv}: give every tensor the "
+                         f"same batch (expand a shared k/v with k.expand({B}, -1, -1, -1))")
     if Hkv != Hv:
-        raise ValueError(f"k and v must have the same number of heads, got Hk={Hkv} and Hv={Hv}")
+        raise ValueError(f"k and v must have the same number of heads, got Hk={Hkv} and Hv={Hv}: project both "
+                         f"to the same number of key/value heads")
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"got Hq={Hq} and Hkv={Hkv}: Hq must be a multiple of Hkv (grouped-query attention)")
     if D != Dk:

@@ -1,6 +1,6 @@
 """Checking an attention implementation against the float64 oracle with the numerical rule.
 
-The rule (DESIGN.md): ``max|out - oracle| <= 2 * max|naive - oracle| + 1e-6``, where ``oracle`` is the
+The rule (README, "The contract"): ``max|out - oracle| <= 2 * max|naive - oracle| + 1e-6``, where ``oracle`` is the
 textbook formula in float64 and ``naive`` the same formula in the input's dtype; gradients use factor 3.
 
 Example::
