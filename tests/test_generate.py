@@ -337,3 +337,21 @@ def test_a_cache_callable_may_return_a_paged_batch():
     assert generate(model, prompts, 4, cache=make) == generate(model, prompts, 4)
     with pytest.raises(TypeError, match="has no set_left_padding"):
         generate(model, [[1, 2, 3], [4, 5]], 4, cache=make)
+
+
+@pytest.mark.parametrize("cache", ["static", "paged"])
+def test_generate_under_autocast(cache):
+    """Keys and values come out in autocast's dtype: the cache is made in it (a bias-carrying projection
+    keeps autocast's dtype for one-token steps too)."""
+    model = DecoderLM(DecoderConfig.preset("tiny", vocab_size=64, qkv_bias=True)).eval()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = generate(model, [[1, 2, 3, 4, 5], [6, 7]], 4, cache=cache)
+    assert [len(t) for t in out] == [4, 4]
+
+
+def test_linear_follows_autocast_for_every_row_count():
+    from attnkit.nn import Linear
+    lin = Linear(64, 32, bias=True)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for rows in (1, 2, 3, 4, 8):
+            assert lin(torch.randn(rows, 64)).dtype == torch.bfloat16

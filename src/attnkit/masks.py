@@ -695,6 +695,8 @@ class _KeyLengths(_Interval):
         n = len(self.lengths)
         if n not in (1, batch):
             raise ValueError(f"key_padding: got {n} lengths for a batch of {batch}: give one length per sequence")
+        if torch.compiler.is_compiling():  # (a check on the values would break the graph; eager calls make it)
+            return
         too_long = self.lengths > kv_len
         if bool(too_long.any()):
             i = int(too_long.nonzero()[0, 0])

@@ -113,3 +113,13 @@ def test_named_backend_is_kept_under_compile():
     with pytest.raises(Exception, match="backend='sdpa' cannot take this call: SDPA has no softcap"):
         torch.compile(functools.partial(attnkit.attention, backend="sdpa"), fullgraph=True,
                       backend="aot_eager")(q, k, v, softcap=3.0)
+
+
+def test_a_key_padding_mask_traces_into_one_graph():
+    """Its length check reads tensor values: skipped while tracing (eager calls make it)."""
+    q, k, v = _qkv(16, grad=False)
+    q, k, v = (t.expand(2, -1, -1, -1) for t in (q, k, v))
+    mask = M.key_padding(torch.tensor([16, 9]))
+    compiled = torch.compile(lambda q, k, v: attnkit.attention(q, k, v, mask=mask), fullgraph=True,
+                             backend="aot_eager")
+    torch.testing.assert_close(compiled(q, k, v), attnkit.attention(q, k, v, mask=mask, backend="math"))

@@ -65,6 +65,8 @@ def model_dims(model) -> dict:
     params = [p for p in model.parameters()] if hasattr(model, "parameters") else []
     dtype = params[0].dtype if params and params[0].is_floating_point() else torch.float32
     device = params[0].device if params else torch.device("cpu")
+    if dtype is torch.float32 and torch.is_autocast_enabled(device.type):  # keys/values come out in autocast's dtype
+        dtype = torch.get_autocast_dtype(device.type)
     return {"n_layers": n_layers, "n_kv_heads": n_kv, "d_head": d_head, "d_value": d_head, "dtype": dtype,
             "device": device, "max_seq_len": getattr(cfg, "max_seq_len", None)}
 

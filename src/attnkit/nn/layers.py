@@ -65,8 +65,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         True
     """
     # (torch.compile: Inductor lowers these operators only for frozen weights, so graphs keep F.linear)
+    # (autocast: F.linear, whose output dtype autocast decides; the fast paths would mix dtypes)
     if (not torch.compiler.is_compiling() and x.dtype is torch.float32 and weight.dtype is torch.float32
-            and x.device.type == "cpu" and weight.device.type == "cpu"
+            and x.device.type == "cpu" and weight.device.type == "cpu" and not torch.is_autocast_enabled("cpu")
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                   or (bias is not None and bias.requires_grad)))
             and (bias is None or (bias.dtype is torch.float32 and bias.device.type == "cpu"))):
