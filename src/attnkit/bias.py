@@ -189,6 +189,11 @@ def relative_buckets(table: Tensor, *, bidirectional: bool = True, max_distance:
         raise ValueError(f"relative_buckets: num_buckets={table.shape[1]} is too small (need >= 4 bidirectional)")
     if isinstance(max_distance, bool) or not isinstance(max_distance, int) or max_distance < 2:
         raise ValueError(f"relative_buckets: max_distance must be an int >= 2, got {max_distance!r}")
+    max_exact = (table.shape[1] // 2 if bidirectional else table.shape[1]) // 2
+    if max_distance <= max_exact:
+        raise ValueError(f"relative_buckets: max_distance={max_distance} must exceed the {max_exact} exact buckets "
+                         f"({table.shape[1]} buckets{', half per direction' if bidirectional else ''}): the "
+                         f"logarithmic buckets span max_exact .. max_distance; raise max_distance or use fewer buckets")
     return _RelativeBuckets(table, bidirectional, max_distance, align)
 
 

@@ -289,3 +289,23 @@ def test_parameters_rewritten_in_place_by_the_model_are_not_a_false_error():
         (model(ids[0], backend) + model(ids[1], backend)).backward()
         grads.append(model.rel.grad.clone())
     assert torch.allclose(grads[0], grads[1], atol=1e-5)
+
+
+def test_rows_with_one_key_give_bias_parameters_no_gradient():
+    """A row whose weight is all on one key has a zero score gradient; the backward's rounding residue
+    (dP and delta summed in different orders), times ALiBi's distances over 256 rows, reached the slopes."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 256, 64, generator=g)
+    k = v = torch.randn(1, 2, 300, 64, generator=g)
+    slopes = torch.full((2,), 0.5, requires_grad=True)
+    out = attnkit.attention(q, k, v, mask=masks.key_padding([1]), bias=bias.alibi(slopes), backend="flash")
+    (grad,) = torch.autograd.grad(out.pow(2).sum(), slopes)
+    assert torch.equal(grad, torch.zeros(2))
+
+
+def test_relative_buckets_needs_a_max_distance_beyond_the_exact_buckets():
+    with pytest.raises(ValueError, match="max_distance=16 must exceed the 16 exact buckets"):
+        bias.relative_buckets(torch.randn(1, 32), bidirectional=False, max_distance=16)
+    with pytest.raises(ValueError, match="max_distance=8 must exceed the 8 exact buckets"):
+        bias.relative_buckets(torch.randn(1, 32), max_distance=8)
+    bias.relative_buckets(torch.randn(1, 32), max_distance=9)  # one logarithmic bucket range: fine

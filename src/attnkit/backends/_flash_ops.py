@@ -682,6 +682,9 @@ def explicit_backward(work: Work, ch: Chunk, m: Tensor | None, do: Tensor, lse: 
         pz = p
     dv = torch.matmul(pz.view(ch.N, heads.kcount, g * ch.R, ch.W).transpose(-1, -2), dog)  # (N, Hkv, W, Dv)
     dx = dp.sub_(delta.reshape(shape5).to(work.acc)).mul_(p)  # d(modified score), in place on dp
+    # a row whose weight is all on one key (p == 1) has a zero score gradient; dp and delta round differently,
+    # and their residue, times a bias's distances summed over rows, would reach the bias parameters
+    dx.masked_fill_(p == 1, 0.0)
     if dbias is not None:
         _add_bias_grad(dbias, bias_index(work, heads, ch), dx)
     if autograd:

@@ -210,7 +210,18 @@ def _band_jobs(heads: Heads, tiles: Tensor, kinds: Tensor, counts: Tensor) -> li
                 continue
         cur = {"ri": ri, "rows": [t], "pos": [poss[i]], "lo": lo, "w": w, "kstep": 0, "last": lo}
         raw.append(cur)
-    jobs = _absorb_leading_rows(heads, raw, kinds)
+    row_tiles: dict[int, list[int]] = {}
+
+    def elsewhere(r: dict, lo: int, hi: int) -> bool:
+        """Whether row ``r["rows"][0]`` visits a tile in ``[lo, hi)`` outside its own run ``r``: padding a
+        window over it would compute that tile twice (once here, once in the job of its other run)."""
+        t = r["rows"][0]
+        if t not in row_tiles:
+            row_tiles[t] = tiles[t, :int(counts[t])].tolist()
+        own = range(r["lo"], r["lo"] + r["w"])
+        return any(lo <= x < hi and x not in own for x in row_tiles[t])
+
+    jobs = _absorb_leading_rows(heads, raw, kinds, elsewhere)
     singles: list[dict] = []
     for r in raw:
         if len(r["rows"]) == 1:
@@ -219,13 +230,14 @@ def _band_jobs(heads: Heads, tiles: Tensor, kinds: Tensor, counts: Tensor) -> li
             rows_t, pos_t = torch.tensor(r["rows"]), torch.tensor(r["pos"])
             job_kinds = kinds[rows_t[:, None], pos_t[:, None] + torch.arange(r["w"])]  # (n, w)
             jobs.append(Job(heads, rows_t, True, r["w"], r["lo"], r["kstep"], None, job_kinds, r["ri"] == 0))
-    return jobs + _shared_windows(heads, singles, kinds)
+    return jobs + _shared_windows(heads, singles, kinds, elsewhere)
 
 
-def _shared_windows(heads: Heads, singles: list[dict], kinds: Tensor) -> list[Job]:
+def _shared_windows(heads: Heads, singles: list[dict], kinds: Tensor, elsewhere) -> list[Job]:
     """Group consecutive single-row windows (a causal mask's growing prefixes, a document's boundary
     tiles) into calls over the union of their windows while the padded work stays within
-    ``1 + SHARED_WASTE`` of the visited work; the padding is masked."""
+    ``1 + SHARED_WASTE`` of the visited work; the padding is masked.  A row joins only when the union
+    holds no tile the row visits in another run (``elsewhere``): that tile would be counted twice."""
     jobs = []
     group: list[dict] = []
 
@@ -249,7 +261,8 @@ def _shared_windows(heads: Heads, singles: list[dict], kinds: Tensor) -> list[Jo
             lo = min(r["lo"], *(g["lo"] for g in group))
             hi = max(r["lo"] + r["w"], *(g["lo"] + g["w"] for g in group))
             visited = r["w"] + sum(g["w"] for g in group)
-            if (len(group) + 1) * (hi - lo) <= (1 + SHARED_WASTE) * visited:
+            if (len(group) + 1) * (hi - lo) <= (1 + SHARED_WASTE) * visited and \
+                    not any(elsewhere(m, lo, hi) for m in (*group, r)):
                 group.append(r)
                 continue
         flush()
@@ -258,10 +271,11 @@ def _shared_windows(heads: Heads, singles: list[dict], kinds: Tensor) -> list[Jo
     return jobs
 
 
-def _absorb_leading_rows(heads: Heads, raw: list[dict], kinds: Tensor) -> list[Job]:
+def _absorb_leading_rows(heads: Heads, raw: list[dict], kinds: Tensor, elsewhere) -> list[Job]:
     """Fold the short windows in front of a band (the first tiles of a sliding window, whose windows are
     clipped at key 0) into one call with the band's first window, at most ``ABSORB_WASTE`` windows of
-    extra (masked) work.  One call instead of one per leading row.  Mutates ``raw``; returns new jobs."""
+    extra (masked) work, and only rows that visit no other tile of that window in another run
+    (``elsewhere``).  One call instead of one per leading row.  Mutates ``raw``; returns new jobs."""
     jobs = []
     for j, r in enumerate(raw):
         if len(r["rows"]) < 2 or r["kstep"] <= 0:
@@ -271,7 +285,8 @@ def _absorb_leading_rows(heads: Heads, raw: list[dict], kinds: Tensor) -> list[J
         for p in reversed(raw[:j]):
             if p["ri"] != r["ri"] or len(p["rows"]) != 1 or p["rows"][0] != expect:
                 break
-            if p["lo"] < lo0 or p["lo"] + p["w"] > lo0 + w0 or waste + w0 - p["w"] > ABSORB_WASTE * w0:
+            if p["lo"] < lo0 or p["lo"] + p["w"] > lo0 + w0 or waste + w0 - p["w"] > ABSORB_WASTE * w0 \
+                    or elsewhere(p, lo0, lo0 + w0):
                 break
             waste += w0 - p["w"]
             take.append(p)
