@@ -218,8 +218,7 @@ def mixed_workload(args, model, rows, results):
     engine_out = [done[r] for r in rids]
     same = sum(engine_out[i] == static_out[i] for i in range(len(reqs))) / len(reqs)
     n_tok = sum(o for _, o in reqs)
-    waste = engine.stats["waste"]
-    for name, t, w in (("static batching", t_static, static_waste), ("Engine (paged)", t_engine, sum(waste) / len(waste))):
+    for name, t, w in (("static batching", t_static, static_waste), ("Engine (paged)", t_engine, engine.mean_waste)):
         rows.append({"measure": "mixed workload", "what": name, "batch": B if name.startswith("static") else
                      f"<= {args.engine_batch}", "new tokens": n_tok, "tokens/s": f"{n_tok / t:.1f}",
                      "ms/step": "-", "vs HF fp32": f"{t_static / t:.2f}x static",

@@ -177,3 +177,18 @@ def test_engine_request_errors_name_the_argument(model):
         engine.add([1, 999], 2)
     with pytest.raises(ValueError, match="eos_id=5000 is outside the vocabulary"):
         engine.add([1], 2, eos_id=5000)
+
+
+def test_a_long_running_engine_keeps_no_per_request_state(model):
+    """Finished results leave with take(), the waste statistic is a running sum: nothing grows per request."""
+    engine = attnkit.Engine(model, cache_blocks=16, block_size=4, max_batch=2)
+    for i in range(30):
+        rid = engine.add([1 + i % 7, 2], 3)
+        while rid not in engine.results:
+            engine.step()
+        assert engine.take(rid) == attnkit.generate(model, [[1 + i % 7, 2]], 3)[0]
+    assert engine.results == {} and 0.0 <= engine.mean_waste < 1.0 and engine.stats["waste_steps"] > 0
+    with pytest.raises(KeyError, match="not finished"):
+        engine.take(rid)
+    assert engine.generate([[3, 4], [5]], 2) == [attnkit.generate(model, [p], 2)[0] for p in ([3, 4], [5])]
+    assert engine.results == {}  # generate takes its own results

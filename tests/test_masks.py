@@ -294,3 +294,12 @@ def test_mask_shape_errors():
         masks.from_dense(torch.ones(3, 4, dtype=torch.bool)).to_dense(4, 8)
     with pytest.raises(TypeError, match="bool tensor"):
         masks.from_fn(lambda b, h, q, k: q - k).to_dense(3, 3)
+
+
+def test_random_blocks_keeps_a_bounded_number_of_tables():
+    """Decoding meets a new key length every step: the mask keeps only the recent shapes' tables."""
+    m = masks.random_blocks(16, 2, seed=0)
+    first = m.table(8, 8).clone()
+    for n in range(1, 200):
+        m.table(1, n)
+    assert len(m._cache) <= 16 and torch.equal(m.table(8, 8), first)  # recomputed alike

@@ -67,8 +67,11 @@ class Engine:
 
     :meth:`add` queues a request and returns its id; :meth:`step` advances every running request by one
     token and returns the ``(request_id, token)`` pairs produced; :meth:`run` steps until every request is
-    done and returns ``{request_id: tokens}``.  ``engine.stats`` counts steps, preemptions, prefilled and
-    decoded tokens, the peak number of blocks in use and the pool's unfilled share (``waste``) over time.
+    done and returns ``{request_id: tokens}``.  Finished requests stay in ``engine.results`` until
+    :meth:`take` removes them (a long-running service takes each one it has delivered; :meth:`generate`
+    takes its own).  ``engine.stats`` counts steps, preemptions, prefilled and decoded tokens, the peak
+    number of blocks in use, and the pool's unfilled share summed over the decode steps (``waste_sum`` over
+    ``waste_steps``; the mean is :attr:`mean_waste`).
 
     Example::
 
@@ -104,7 +107,7 @@ class Engine:
         self._next_rid = 0
         self._admissions = 0
         self.stats = {"steps": 0, "preemptions": 0, "prefill_tokens": 0, "decode_tokens": 0, "peak_blocks": 0,
-                      "waste": []}
+                      "waste_sum": 0.0, "waste_steps": 0}
 
     # ------------------------------------------------------------------ requests
 
@@ -227,7 +230,19 @@ class Engine:
     def _track(self) -> None:
         st = self.cache.stats()
         self.stats["peak_blocks"] = max(self.stats["peak_blocks"], st["blocks_used"])
-        self.stats["waste"].append(st["waste"])
+        self.stats["waste_sum"] += st["waste"]
+        self.stats["waste_steps"] += 1
+
+    @property
+    def mean_waste(self) -> float:
+        """The pool's unfilled share (allocated slots holding nothing), averaged over the steps so far."""
+        return self.stats["waste_sum"] / max(1, self.stats["waste_steps"])
+
+    def take(self, rid: int) -> list[int]:
+        """The new tokens of finished request ``rid``, removed from ``results`` (KeyError if it is not done)."""
+        if rid not in self.results:
+            raise KeyError(f"request {rid} is not finished (or was taken already): step() or run() until it is")
+        return self.results.pop(rid)
 
     def run(self) -> dict[int, list[int]]:
         """Step until no request waits or runs; returns ``{request_id: new tokens}`` of every finished request."""
@@ -238,8 +253,8 @@ class Engine:
     def generate(self, prompts, max_new_tokens: int, **sampling) -> list[list[int]]:
         """Queue every prompt with the same settings, run, and return the tokens in prompt order."""
         rids = [self.add(p, max_new_tokens, **sampling) for p in prompts]
-        done = self.run()
-        return [done[r] for r in rids]
+        self.run()
+        return [self.take(r) for r in rids]
 
     def __repr__(self) -> str:
         return (f"Engine({len(self.running)} running, {len(self.waiting)} waiting, {len(self.results)} done, "

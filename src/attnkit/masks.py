@@ -902,6 +902,9 @@ class _GlobalTokens(Mask):
         return f"global_tokens({self.indices.tolist()}, align={self.align!r})"
 
 
+_RANDOM_TABLES = 16  # block tables a random_blocks mask keeps (one per (Lq, Lk) seen recently)
+
+
 class _RandomBlocks(Mask):
     def __init__(self, block: int, n: int, seed: int):
         _check_int("block", block, minimum=1)
@@ -913,14 +916,17 @@ class _RandomBlocks(Mask):
     def table(self, q_len: int, kv_len: int) -> Tensor:
         """The bool table ``(ceil(Lq/block), ceil(Lk/block))`` of chosen key blocks per query block."""
         key = (q_len, kv_len)
-        if key not in self._cache:
+        table = self._cache.pop(key, None)  # re-inserted: the memo keeps the most recent shapes
+        if table is None:
             nqb, nkb = _ceil_div(q_len, self.block), _ceil_div(kv_len, self.block)
             g = torch.Generator().manual_seed(self.seed)
             order = torch.rand(nqb, nkb, generator=g).argsort(dim=-1)[:, : min(self.n, nkb)]
             table = torch.zeros(nqb, nkb, dtype=torch.bool)
             table.scatter_(1, order, True)
-            self._cache[key] = table
-        return self._cache[key]
+            while len(self._cache) >= _RANDOM_TABLES:  # (decoding meets a new key length every step)
+                self._cache.pop(next(iter(self._cache)), None)
+        self._cache[key] = table
+        return table
 
     def _mod(self, b, h, q, k, q_len, kv_len):
         table = self.table(q_len, kv_len).to(q.device)

@@ -79,3 +79,27 @@ def test_feed_forward_kinds_against_their_formulas():
         torch.testing.assert_close(ffn(x), h @ ffn.down_proj.weight.T + ffn.down_proj.bias)
     with pytest.raises(ValueError, match="ffn"):
         FeedForward(8, 12, "relu")
+
+
+def test_linear_sends_only_decode_sized_products_to_onednn(monkeypatch):
+    """oneDNN keeps memory per distinct row count: beyond _ONEDNN_ROWS rows products take F.linear."""
+    from attnkit.nn import layers
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(torch.ops.mkldnn, name)
+
+        def _linear_pointwise(self, *a):
+            calls.append(a[0].shape)
+            return real(*a)
+
+    monkeypatch.setattr(torch.ops, "mkldnn", Spy(), raising=False)
+    w = layers._column_major(torch.randn(32, 16))
+    with torch.no_grad():
+        for rows in (8, layers._ONEDNN_ROWS, layers._ONEDNN_ROWS + 1, 1000):
+            x = torch.randn(rows, 16)
+            assert torch.allclose(layers.linear(x, w), x @ w.T, atol=1e-5)
+    used = [s[0] for s in calls]
+    assert layers._ONEDNN_ROWS in used and all(r <= layers._ONEDNN_ROWS for r in used)

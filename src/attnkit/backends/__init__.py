@@ -24,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Callable
@@ -86,6 +87,7 @@ def _get(name: str) -> Backend:
 
 _PICKS: dict[tuple, tuple[object, object, Backend]] = {}  # auto's recent decisions, by call signature
 _PICKS_SIZE = 64
+_PICKS_LOCK = threading.Lock()
 
 
 def _ref(obj):
@@ -124,9 +126,10 @@ def select(call: Call, backend: str) -> Backend:
                 and _REGISTRY.get(hit[2].name) is hit[2]:
             return hit[2]
         chosen = _pick(call)
-        if len(_PICKS) >= _PICKS_SIZE:
-            _PICKS.pop(next(iter(_PICKS)))
-        _PICKS[key] = (_ref(call.mask), _ref(call.bias), chosen)
+        with _PICKS_LOCK:  # (threads share the memo)
+            while len(_PICKS) >= _PICKS_SIZE:
+                _PICKS.pop(next(iter(_PICKS)))
+            _PICKS[key] = (_ref(call.mask), _ref(call.bias), chosen)
         return chosen
     b = _get(backend)
     reason = b.check(call)

@@ -31,6 +31,7 @@ Example::
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import torch
@@ -73,6 +74,7 @@ PLANS_PER_MASK = 8  # plans kept per mask object (one per shape and tiling)
 SHARED_PLANS = 32  # plans kept for masks identified by value (no mask, or built-ins without tensors)
 _PLANS: "weakref.WeakKeyDictionary[Mask, dict]" = weakref.WeakKeyDictionary()
 _SHARED: dict = {}
+_LOCK = threading.Lock()
 _PURE = (M._Causal, M._SlidingWindow, M._PrefixLM, M._BlockLocal, M._Strided, M._Dilated, M._RandomBlocks)
 
 
@@ -111,15 +113,18 @@ def _plan(call: Call, block_q: int | None = None, block_k: int | None = None) ->
         # the tensors the mask reads, by identity and in-place version (an edited or rebound tensor makes a
         # new key); the entry holds them, so their ids cannot be reused by other tensors while it lives
         tensors = reachable_tensors(call.mask)
-        store, limit = _PLANS.setdefault(call.mask, {}), PLANS_PER_MASK
-        full_key = key + (tensor_key(tensors),)
-    entry = store.pop(full_key, None)  # re-inserted below: the dict keeps least recently used first
+        with _LOCK:
+            store = _PLANS.setdefault(call.mask, {})
+        limit, full_key = PLANS_PER_MASK, key + (tensor_key(tensors),)
+    with _LOCK:  # (threads share the stores)
+        entry = store.pop(full_key, None)  # re-inserted below: the dict keeps least recently used first
     if entry is None:
         entry = (planning.build(call.mask, call.batch, call.heads, call.kv_heads, call.q_len, call.kv_len,
                                 bq, bk, call.q.device), tensors)
+    with _LOCK:
         while len(store) >= limit:
             store.pop(next(iter(store)))
-    store[full_key] = entry
+        store[full_key] = entry
     call.cache[key] = entry[0]
     return entry[0]
 

@@ -7,6 +7,9 @@ against every key and then zeroed, so their output is 0 and their gradients are 
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -17,8 +20,11 @@ from ._common import Call, reachable_tensors, tensor_key
 Tensor = torch.Tensor
 
 _MAX_DENSE = 1 << 28  # largest mask/bias (elements) this backend materialises
-_DENSE_CACHE: dict[tuple, tuple[Mask, Tensor, Tensor, bool]] = {}  # the layers of one model share a mask
-_DENSE_CACHE_SIZE = 8
+# mask -> {shape key: (dense mask, live rows, all live, tensor key, tensors)}: the layers of one model share
+# a mask; weakly keyed, so a dropped mask frees its dense forms, and a few shapes are kept per mask
+_DENSE_CACHE: "weakref.WeakKeyDictionary[Mask, dict]" = weakref.WeakKeyDictionary()
+_DENSE_PER_MASK = 4
+_LOCK = threading.Lock()
 
 
 def _is_plain_causal(call: Call) -> bool:
@@ -73,21 +79,25 @@ def _dense(call: Call) -> tuple[Tensor, Tensor, bool]:
         allowed = m.t
         live = allowed.any(dim=-1, keepdim=True)
         return allowed, live, bool(live.all())
-    key = (id(m), call.batch, call.heads, call.q_len, call.kv_len, call.q.device)
+    key = (call.batch, call.heads, call.q_len, call.kv_len, call.q.device)
     # the tensors the mask reads, by identity and in-place version: an edited or rebound tensor makes the
     # memo stale (the entry holds them, so their ids cannot be reused meanwhile)
     tensors = reachable_tensors(m)
     state = tensor_key(tensors)
-    hit = _DENSE_CACHE.get(key)
-    if hit is not None and hit[0] is m and hit[4] == state:
-        return hit[1], hit[2], hit[3]
+    with _LOCK:
+        store = _DENSE_CACHE.setdefault(m, {})
+        hit = store.get(key)
+    if hit is not None and hit[3] == state:
+        return hit[0], hit[1], hit[2]
     allowed = m.to_dense(call.q_len, call.kv_len, batch=call.batch, heads=call.heads, device=call.q.device)
     live = allowed.any(dim=-1, keepdim=True)  # (B', H', Lq, 1): rows that see at least one key
-    entry = (m, allowed, live, bool(live.all()), state, tensors)
-    if len(_DENSE_CACHE) >= _DENSE_CACHE_SIZE:
-        _DENSE_CACHE.pop(next(iter(_DENSE_CACHE)))
-    _DENSE_CACHE[key] = entry
-    return entry[1], entry[2], entry[3]
+    entry = (allowed, live, bool(live.all()), state, tensors)
+    with _LOCK:
+        store.pop(key, None)
+        while len(store) >= _DENSE_PER_MASK:
+            store.pop(next(iter(store)))
+        store[key] = entry
+    return entry[0], entry[1], entry[2]
 
 
 def check(call: Call) -> str | None:

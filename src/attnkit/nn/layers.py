@@ -9,10 +9,13 @@ picks the kernel from the layout and the row count, for float32 CPU products tha
 * 1 to 3 rows and a row-major weight: ``weight @ x.T`` through MKL, with a single row padded to two
   (MKL's two-column product streams the weight with every thread, ~1.8x faster than oneDNN at one row and
   ~1.4x at two on the 2-core machine of ``benchmarks/generate.py``; one row alone takes a slower path);
-* more rows, or a column-major weight (memory ``(in, out)``): oneDNN's linear kernel, which uses every
-  thread where ``F.linear`` (MKL) uses one for a matrix-vector product.  From 4 rows up it streams a
-  column-major weight 1.25-1.35x faster than a row-major one; :func:`to_decode_layout` lays a model out
-  for the batch it will decode;
+* more rows up to 64, or a column-major weight (memory ``(in, out)``): oneDNN's linear kernel, which uses
+  every thread where ``F.linear`` (MKL) uses one for a matrix-vector product.  From 4 rows up it streams
+  a column-major weight 1.25-1.35x faster than a row-major one; :func:`to_decode_layout` lays a model out
+  for the batch it will decode.  oneDNN keeps about 1 MiB per distinct row count for good (measured:
+  2 GiB after 2,000 prompt lengths), so it serves decode-sized products only: beyond 64 rows (prefill,
+  training-sized batches) ``F.linear`` runs, 5-15% slower there but with no memory that grows with the
+  shapes seen;
 * anything else (gradients, other dtypes and devices, ``torch.compile`` graphs): ``F.linear``.
 
 oneDNN's kernel is a private PyTorch operator; :func:`linear` checks it once against ``F.linear`` and
@@ -80,12 +83,13 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
             y = torch.mm(weight, x2.t()).t()[:rows]  # (rows, out), a view of (out, 2 or 3)
             y = y + bias if bias is not None else y.contiguous()
             return y.view(*x.shape[:-1], weight.shape[0])
-        if (rows > 1 or torch.get_num_threads() > 1) and _onednn_linear_works():
+        if (rows > 1 or torch.get_num_threads() > 1) and rows <= _ONEDNN_ROWS and _onednn_linear_works():
             return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
 _MKL_ROWS = 3  # up to this many rows a row-major weight goes through MKL's few-column product (module doc)
+_ONEDNN_ROWS = 64  # up to this many rows oneDNN (its per-shape memory stays bounded); beyond, F.linear
 
 
 def _column_major(w: Tensor) -> Tensor:
