@@ -309,3 +309,36 @@ def test_relative_buckets_needs_a_max_distance_beyond_the_exact_buckets():
     with pytest.raises(ValueError, match="max_distance=8 must exceed the 8 exact buckets"):
         bias.relative_buckets(torch.randn(1, 32), max_distance=8)
     bias.relative_buckets(torch.randn(1, 32), max_distance=9)  # one logarithmic bucket range: fine
+
+
+def test_the_lse_gradient_of_a_one_key_row_is_kept():
+    """p == 1: the score gradient is dlse, not 0 (zeroing it is right only without a gradient of lse)."""
+    q = torch.tensor([[[[1.0, 0.0]]]], dtype=torch.float64, requires_grad=True)
+    k = torch.tensor([[[[60.0, 0.0], [0.0, 1.0]]]], dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 1, 2, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    grads = []
+    for backend in ("math", "flash"):
+        _, lse = attnkit.attention(q, k, v, scale=1.0, return_lse=True, backend=backend)
+        grads.append(torch.autograd.grad(lse.sum(), (q, k)))
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-9)
+    q, k, v = _qkv(lq=4, lk=4, d=3)  # causal's first row sees one key; softcap takes the explicit path
+    fn = lambda q, k, v: attnkit.attention(q, k, v, mask=masks.causal(), softcap=30.0, return_lse=True,  # noqa: E731
+                                           backend="flash")
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+def test_a_minus_inf_bias_on_the_fused_path_gives_empty_rows_lse_minus_inf():
+    from attnkit.backends.flash import flash_attention
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, n, 8, generator=g) for n in (4, 12, 12))
+    allowed = torch.zeros(4, 12, dtype=torch.bool)
+    allowed[:, 0:4] = allowed[:, 8:12] = True  # two key tiles per row: two jobs, merged by lse
+    b = torch.zeros(4, 12)
+    b[0, 0:4] = float("-inf")  # row 0: nothing in its first job
+    b[1] = float("-inf")  # row 1: nothing at all
+    out, lse = flash_attention(q, k, v, mask=masks.from_dense(allowed), bias=b, block_q=4, block_k=4,
+                               return_lse=True)
+    want, want_lse = attnkit.attention(q, k, v, mask=allowed, bias=b, backend="math", return_lse=True)
+    assert torch.allclose(out, want, atol=1e-5) and torch.allclose(lse, want_lse, atol=1e-5)
+    assert lse[0, 0, 1] == float("-inf") and bool((out[0, 0, 1] == 0).all())

@@ -166,6 +166,7 @@ class Work:
     fused: bool  # forward on the fused kernel
     bias_params: list[Tensor] = field(default_factory=list)  # tensors of a ScoreMod that need grads
     buffers: dict = field(default_factory=dict)  # gather workspaces too big to keep between calls
+    bias_neginf: bool = False  # the tensor bias holds -inf: rows it leaves empty must get lse = -inf
 
     def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         """A reusable workspace: fresh large tensors are page-faulted in on first touch, which costs
@@ -654,7 +655,7 @@ def explicit_forward(work: Work, ch: Chunk, m: Tensor | None) -> tuple[Tensor, T
 
 
 def explicit_backward(work: Work, ch: Chunk, m: Tensor | None, do: Tensor, lse: Tensor, delta: Tensor,
-                      dbias: Tensor | None, dparams: list[Tensor | None]):
+                      dbias: Tensor | None, dparams: list[Tensor | None], dlse: Tensor | None = None):
     """Gradients of one chunk: (dq (N, count, R, D), dk, dv (N, kcount, W, .)); bias grads accumulate."""
     heads = ch.job.heads
     g = heads.count // heads.kcount
@@ -682,9 +683,13 @@ def explicit_backward(work: Work, ch: Chunk, m: Tensor | None, do: Tensor, lse: 
         pz = p
     dv = torch.matmul(pz.view(ch.N, heads.kcount, g * ch.R, ch.W).transpose(-1, -2), dog)  # (N, Hkv, W, Dv)
     dx = dp.sub_(delta.reshape(shape5).to(work.acc)).mul_(p)  # d(modified score), in place on dp
-    # a row whose weight is all on one key (p == 1) has a zero score gradient; dp and delta round differently,
-    # and their residue, times a bias's distances summed over rows, would reach the bias parameters
-    dx.masked_fill_(p == 1, 0.0)
+    # a row whose weight is all on one key (p == 1): that key's score gradient is exactly dlse (0 without a
+    # gradient of lse); dp and delta round differently, and their residue, times a bias's distances summed
+    # over rows, would reach the bias parameters
+    if dlse is None:
+        dx.masked_fill_(p == 1, 0.0)
+    else:
+        dx = torch.where(p == 1, dlse.reshape(shape5).to(work.acc).expand_as(dx), dx)
     if dbias is not None:
         _add_bias_grad(dbias, bias_index(work, heads, ch), dx)
     if autograd:
@@ -780,6 +785,10 @@ def _fused_chunk(work: Work, item: Prepared) -> tuple[Tensor, Tensor]:
     o, l = _FUSED[0](qw, kw, vw, 0.0, item.kernel_causal(work), attn_mask=item.float_mask(work, m),  # noqa: E741
                      scale=work.scale)
     live = item.live if not item.lazy else (None if m is None else m.any(-1)[:, None])
+    if work.bias_neginf:  # a row the bias leaves without a finite score attends to nothing (the kernel says 0)
+        fm = item.float_mask(work, m)
+        seen = (fm != float("-inf")).any(-1)
+        live = seen if live is None else live & seen
     if live is not None:
         l = torch.where(live, l, torch.full_like(l, float("-inf")))  # noqa: E741
     return o, l
@@ -839,7 +848,8 @@ def backward(work: Work, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | 
                                        attn_mask=item.float_mask(work, m), scale=work.scale)
             else:
                 dq, dk, dv = explicit_backward(work, ch, m, rows_of(dout, heads, ch), lse_rows(lse_b, heads, ch),
-                                               rows_of(delta, heads, ch), dbias, dparams)
+                                               rows_of(delta, heads, ch), dbias, dparams,
+                                               None if dlse is None else rows_of(dlse.to(work.acc), heads, ch))
             if pieces is not None:
                 pieces.append((ch.qstart, dq.transpose(0, 1).reshape(nh, ch.N * ch.R, -1)))
             else:

@@ -226,11 +226,13 @@ def _work(call: Call, plan: planning.Plan, fused: bool, params: list[Tensor], se
     bias, scale = call.bias, call.scale
     if fused and isinstance(bias, ScoreMod) and not bias.additive:
         bias, scale = None, scale * bias.scale_factor  # a scalar temperature folds into the scale
+    neginf = False
     if isinstance(bias, Tensor):
         bias = _bias4(bias).detach()
+        neginf = fused and bool(torch.isneginf(bias).any())  # (the fused kernel gives such rows lse 0)
     return ops.Work(plan, call.batch, call.heads, call.kv_heads, _flat(call.q, plan.q_pad),
                     _flat(call.k, plan.kv_pad), _flat(call.v, plan.kv_pad), scale, call.softcap, call.mask,
-                    bias, call.dropout_p, seed, fused, params)
+                    bias, call.dropout_p, seed, fused, params, bias_neginf=neginf)
 
 
 def _unflat(x3: Tensor, call: Call, dtype: torch.dtype) -> Tensor:
