@@ -192,3 +192,13 @@ def test_a_long_running_engine_keeps_no_per_request_state(model):
         engine.take(rid)
     assert engine.generate([[3, 4], [5]], 2) == [attnkit.generate(model, [p], 2)[0] for p in ([3, 4], [5])]
     assert engine.results == {}  # generate takes its own results
+
+
+def test_an_engine_keeps_the_precision_it_was_built_under():
+    m = DecoderLM(DecoderConfig.preset("tiny", vocab_size=64, qkv_bias=True)).eval()
+    outside = attnkit.Engine(m, cache_blocks=32, block_size=4, relayout=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = attnkit.Engine(m, cache_blocks=32, block_size=4, relayout=False)
+        assert inside.cache.dtype == torch.bfloat16
+        assert outside.generate([[1, 2, 3]], 3) == attnkit.Engine(m, 32, 4, relayout=False).generate([[1, 2, 3]], 3)
+    assert len(inside.generate([[1, 2, 3]], 3)[0]) == 3  # run outside autocast: still bfloat16 steps

@@ -63,7 +63,9 @@ class Engine:
             :func:`attnkit.generate` does for its batch (:func:`attnkit.nn.to_decode_layout`; values and
             parameters stay the same).
 
-    The model is put in eval mode (no dropout while decoding).
+    The model is put in eval mode (no dropout while decoding).  An Engine keeps the precision it was built
+    under: built inside ``torch.autocast`` its pool holds autocast's dtype and every step runs under that
+    autocast; built outside, every step runs without autocast.
 
     :meth:`add` queues a request and returns its id; :meth:`step` advances every running request by one
     token and returns the ``(request_id, token)`` pairs produced; :meth:`run` steps until every request is
@@ -101,6 +103,11 @@ class Engine:
             _lay_out(model, self.max_batch)
         self.preempt = bool(preempt)
         self.cache = PagedCache.for_model(model, cache_blocks, block_size, prefix_caching=prefix_caching)
+        # the precision it is built under (autocast's dtype inside torch.autocast): every step runs in it,
+        # whatever autocast says at the step, so the pool and the keys written to it always agree
+        self._device_type = self.cache.device.type
+        self._autocast = torch.is_autocast_enabled(self._device_type)
+        self._autocast_dtype = torch.get_autocast_dtype(self._device_type) if self._autocast else None
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
         self.results: dict[int, list[int]] = {}
@@ -199,7 +206,7 @@ class Engine:
         ``(request_id, token)`` pairs produced in this step."""
         events: list[tuple[int, int]] = []
         cache = self.cache
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast(self._device_type, dtype=self._autocast_dtype, enabled=self._autocast):
             self._admit(events)
             while True:
                 dec = [r for r in self.running if not r.fresh]

@@ -342,3 +342,24 @@ def test_a_minus_inf_bias_on_the_fused_path_gives_empty_rows_lse_minus_inf():
     want, want_lse = attnkit.attention(q, k, v, mask=allowed, bias=b, backend="math", return_lse=True)
     assert torch.allclose(out, want, atol=1e-5) and torch.allclose(lse, want_lse, atol=1e-5)
     assert lse[0, 0, 1] == float("-inf") and bool((out[0, 0, 1] == 0).all())
+
+
+class _Band(masks.Mask):
+    """A user's mask subclass that defines __eq__ (and so is unhashable): memos skip it, results stay right."""
+
+    def __init__(self, w):
+        self.w = w
+
+    def _mod(self, b, h, q, k, q_len, kv_len):
+        return (q - k).abs() <= self.w
+
+    def __eq__(self, other):
+        return isinstance(other, _Band) and other.w == self.w
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flash", "auto"])
+def test_an_unhashable_mask_subclass_runs_on_every_backend(backend):
+    q, k, v = _qkv(lq=20, lk=20, dtype=torch.float32)
+    want = attnkit.attention(q, k, v, mask=_Band(2), backend="math")
+    for _ in range(2):
+        assert torch.allclose(attnkit.attention(q, k, v, mask=_Band(2), backend=backend), want, atol=1e-5)

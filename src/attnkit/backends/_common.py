@@ -272,3 +272,13 @@ def check_paged_values(who: str, block_table: Tensor, seq_lens: Tensor, num_bloc
             raise ValueError(f"{who}: block_table[{b}, {j}] = {int(block_table[b, j])} is not a block of the pool "
                              f"[0, {num_blocks}) but sequence {b} reads it (seq_lens[{b}] = {int(seq_lens[b])})")
     _CHECKED_TABLES[:] = [key] if key is not None else []
+
+
+def per_mask(store, mask) -> dict | None:
+    """``mask``'s own memo dict in the weakly keyed ``store``, or None for a mask that cannot be a key (a
+    subclass that defines ``__eq__`` without ``__hash__``, or uses ``__slots__`` without ``__weakref__``):
+    such a mask is simply not memoised."""
+    try:
+        return store.setdefault(mask, {})
+    except TypeError:
+        return None

@@ -211,11 +211,14 @@ def _band_jobs(heads: Heads, tiles: Tensor, kinds: Tensor, counts: Tensor) -> li
         cur = {"ri": ri, "rows": [t], "pos": [poss[i]], "lo": lo, "w": w, "kstep": 0, "last": lo}
         raw.append(cur)
     row_tiles: dict[int, list[int]] = {}
+    several = {t for t, ri in zip(rows, ris) if ri > 0}  # rows with more than one run of tiles
 
     def elsewhere(r: dict, lo: int, hi: int) -> bool:
         """Whether row ``r["rows"][0]`` visits a tile in ``[lo, hi)`` outside its own run ``r``: padding a
         window over it would compute that tile twice (once here, once in the job of its other run)."""
         t = r["rows"][0]
+        if t not in several:  # one run (every row of a causal or window mask): nothing elsewhere
+            return False
         if t not in row_tiles:
             row_tiles[t] = tiles[t, :int(counts[t])].tolist()
         own = range(r["lo"], r["lo"] + r["w"])

@@ -43,7 +43,7 @@ from ..bias import ScoreMod
 from ..masks import Mask
 from . import _flash_ops as ops
 from . import _flash_plan as planning
-from ._common import Call, check_unchanged, reachable_tensors, tensor_key, tensor_versions
+from ._common import Call, check_unchanged, per_mask, reachable_tensors, tensor_key, tensor_versions
 
 Tensor = torch.Tensor
 
@@ -114,7 +114,9 @@ def _plan(call: Call, block_q: int | None = None, block_k: int | None = None) ->
         # new key); the entry holds them, so their ids cannot be reused by other tensors while it lives
         tensors = reachable_tensors(call.mask)
         with _LOCK:
-            store = _PLANS.setdefault(call.mask, {})
+            store = per_mask(_PLANS, call.mask)
+        if store is None:
+            store = {}  # (an unhashable mask: planned at each call)
         limit, full_key = PLANS_PER_MASK, key + (tensor_key(tensors),)
     with _LOCK:  # (threads share the stores)
         entry = store.pop(full_key, None)  # re-inserted below: the dict keeps least recently used first

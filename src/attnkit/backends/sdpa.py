@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ..bias import ScoreMod
 from ..masks import Mask, _BlockLocal, _Causal, _FromDense, _Interval, _KeyLengths, _PrefixLM, _SlidingWindow
-from ._common import Call, reachable_tensors, tensor_key
+from ._common import Call, per_mask, reachable_tensors, tensor_key
 
 Tensor = torch.Tensor
 
@@ -85,7 +85,9 @@ def _dense(call: Call) -> tuple[Tensor, Tensor, bool]:
     tensors = reachable_tensors(m)
     state = tensor_key(tensors)
     with _LOCK:
-        store = _DENSE_CACHE.setdefault(m, {})
+        store = per_mask(_DENSE_CACHE, m)
+        if store is None:
+            store = {}  # (an unhashable mask: no memo)
         hit = store.get(key)
     if hit is not None and hit[3] == state:
         return hit[0], hit[1], hit[2]

@@ -299,7 +299,10 @@ def _cached_plan(mask: Mask | None, q_len: int, kv_len: int, batch: int, heads: 
     state = None if mask is None else _mask_state(mask)
     if state is None:
         return _build_plan(mask, q_len, kv_len, batch, heads, tiles, device)
-    per_mask = _PLAN_CACHE.setdefault(mask, OrderedDict())
+    try:
+        per_mask = _PLAN_CACHE.setdefault(mask, OrderedDict())
+    except TypeError:  # a mask that cannot be a key (unhashable subclass): planned at each call
+        return _build_plan(mask, q_len, kv_len, batch, heads, tiles, device)
     key = (q_len, kv_len, batch, heads, tiles, device, state)
     plan = per_mask.get(key)
     if plan is None:
