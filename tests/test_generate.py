@@ -355,3 +355,10 @@ def test_linear_follows_autocast_for_every_row_count():
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         for rows in (1, 2, 3, 4, 8):
             assert lin(torch.randn(rows, 64)).dtype == torch.bfloat16
+
+
+def test_empty_tensor_prompts_are_a_clear_error():
+    model = _model("rope")
+    for shape in ((0, 3), (2, 0)):
+        with pytest.raises(ValueError, match=r"prompts as a tensor must be 2-D token ids \(B, L\) with B, L >= 1"):
+            generate(model, torch.zeros(*shape, dtype=torch.long), 2)

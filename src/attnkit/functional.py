@@ -127,10 +127,22 @@ def _make_call(q, k, v, *, mask=None, bias=None, scale=None, softcap=None, dropo
     return Call(q, k, v, mask, bias, scale, softcap, dropout_p, bool(return_lse))
 
 
+def graph_zero(*tensors: Tensor) -> Tensor:
+    """A 0 attached to the tensors' graph (their gradients through it are zeros), never NaN: summed over
+    an empty slice, so an inf or NaN in them does not leak in (``x.sum() * 0`` would be NaN)."""
+    return sum(t.narrow(-1, 0, 0).sum() for t in tensors)
+
+
+def _is_empty(call: Call) -> bool:
+    """Nothing to compute: no batch, no query heads, no queries or no keys."""
+    return call.batch == 0 or call.heads == 0 or call.q_len == 0 or call.kv_len == 0
+
+
 def _empty_result(call: Call):
-    """Lq == 0 or Lk == 0: zero output and -inf lse, still attached to the graph (zero gradients)."""
+    """An empty call (or Lq == 0 or Lk == 0): zero output and -inf lse, still attached to the graph (zero
+    gradients)."""
     q, k, v = call.q, call.k, call.v
-    zero = (q.sum() + k.sum() + v.sum()) * 0
+    zero = graph_zero(q, k, v)
     out = torch.zeros(call.batch, call.heads, call.q_len, v.shape[-1], dtype=q.dtype, device=q.device) + zero
     if not call.return_lse:
         return out
@@ -191,7 +203,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, scale: f
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string, got {type(backend).__name__}")
     chosen = _backends.select(call, backend)
-    if call.q_len == 0 or call.kv_len == 0:
+    if _is_empty(call):
         return _empty_result(call)
     return chosen.run(call)
 
@@ -214,6 +226,7 @@ def attention_weights(q: Tensor, k: Tensor, v: Tensor | None = None, *, mask=Non
     if v is None:
         v = k
     call = _make_call(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap)
-    if call.q_len == 0 or call.kv_len == 0:
-        return torch.zeros(call.batch, call.heads, call.q_len, call.kv_len, dtype=q.dtype, device=q.device)
+    if _is_empty(call):
+        return torch.zeros(call.batch, call.heads, call.q_len, call.kv_len, dtype=q.dtype,
+                           device=q.device) + graph_zero(q, k)
     return _math.weights(call)

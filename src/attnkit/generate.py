@@ -150,8 +150,8 @@ def sample(logits: Tensor, params: SamplingParams | None = None,
 
 def _prompts(prompts) -> list[list[int]]:
     if isinstance(prompts, Tensor):
-        if prompts.dim() != 2 or prompts.dtype.is_floating_point:
-            raise ValueError(f"prompts as a tensor must be 2-D token ids (B, L), got {prompts.dtype} "
+        if prompts.dim() != 2 or prompts.dtype.is_floating_point or 0 in prompts.shape:
+            raise ValueError(f"prompts as a tensor must be 2-D token ids (B, L) with B, L >= 1, got {prompts.dtype} "
                              f"{tuple(prompts.shape)}")
         return [[int(t) for t in row] for row in prompts.tolist()]
     if not isinstance(prompts, (list, tuple)) or not prompts:

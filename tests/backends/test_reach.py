@@ -363,3 +363,26 @@ def test_an_unhashable_mask_subclass_runs_on_every_backend(backend):
     want = attnkit.attention(q, k, v, mask=_Band(2), backend="math")
     for _ in range(2):
         assert torch.allclose(attnkit.attention(q, k, v, mask=_Band(2), backend=backend), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa", "flash", "auto"])
+def test_empty_batches_and_heads_and_nan_outside_what_a_row_sees(backend):
+    """B=0 or Hq=0 give an empty result (flash's fused kernel died of SIGFPE at B=0); a row that sees no key
+    gives 0 even when a key it cannot see holds NaN; Lk=0 gives zeros even with inf in q."""
+    for shapes in (((0, 2, 3, 5), (0, 1, 4, 5), (0, 1, 4, 7)), ((1, 0, 3, 5), (1, 1, 4, 5), (1, 1, 4, 5))):
+        q, k, v = (torch.randn(*s) for s in shapes)
+        out = attnkit.attention(q, k, v, backend=backend, mask=masks.causal())
+        assert out.shape == (*shapes[0][:3], shapes[2][3])
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 2, 4, generator=g) for _ in range(3))
+    k[0, 0, 1] = float("nan")
+    mask = torch.tensor([[False, False], [True, False]])  # row 0 sees nothing, row 1 only key 0
+    out = attnkit.attention(q, k, v, mask=mask, backend=backend)
+    assert torch.equal(out[0, 0, 0], torch.zeros(4))  # (row 1 is NaN on PyTorch's fused kernels, finite on math)
+    q = torch.randn(2, 2, 3, 4, requires_grad=True)
+    with torch.no_grad():
+        q[0, 0, 0, 0] = float("inf")
+    out = attnkit.attention(q, torch.randn(2, 2, 0, 4), torch.randn(2, 2, 0, 4), backend=backend)
+    assert torch.equal(out, torch.zeros(2, 2, 3, 4)) and out.requires_grad
+    w = attnkit.attention_weights(q, torch.randn(2, 2, 0, 4))
+    assert w.shape == (2, 2, 3, 0) and w.requires_grad

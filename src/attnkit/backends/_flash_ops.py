@@ -789,8 +789,9 @@ def _fused_chunk(work: Work, item: Prepared) -> tuple[Tensor, Tensor]:
         fm = item.float_mask(work, m)
         seen = (fm != float("-inf")).any(-1)
         live = seen if live is None else live & seen
-    if live is not None:
+    if live is not None:  # rows with nothing to see: output 0 (a NaN in a key they cannot see stays out)
         l = torch.where(live, l, torch.full_like(l, float("-inf")))  # noqa: E741
+        o = torch.where(live[..., None], o, torch.zeros((), dtype=o.dtype, device=o.device))
     return o, l
 
 

@@ -358,12 +358,12 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, sc
         >>> out.shape, lse.shape
         (torch.Size([1, 8, 1000, 64]), torch.Size([1, 8, 1000]))
     """
-    from ..functional import _empty_result, _make_call
+    from ..functional import _empty_result, _is_empty, _make_call
 
     call = _make_call(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, dropout_p=dropout_p,
                       return_lse=return_lse)
     block_q, block_k = _check_block("block_q", block_q), _check_block("block_k", block_k)
-    if call.q_len == 0 or call.kv_len == 0:
+    if _is_empty(call):
         return _empty_result(call)
     return _run(call, block_q, block_k)
 

@@ -151,8 +151,8 @@ def run(call: Call):
     if window is not None:  # decoding one token against a cache: slice the visible keys
         lo, hi = window
         if hi < lo:
-            zero = (q.sum() + k.sum() + v.sum()) * 0  # keeps zero gradients flowing
-            return torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device) + zero
+            from ..functional import graph_zero
+            return torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device) + graph_zero(q, k, v)
         return F.scaled_dot_product_attention(q, k[:, :, lo:hi + 1], v[:, :, lo:hi + 1],
                                               dropout_p=call.dropout_p, scale=scale, enable_gqa=gqa)
     allowed, live, all_live = _dense(call)
@@ -161,6 +161,6 @@ def run(call: Call):
     attn_mask = allowed if bias is None else bias.to(q.dtype).masked_fill(~allowed, float("-inf"))
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p,
                                          scale=scale, enable_gqa=gqa)
-    if not all_live:
-        out = out * live.to(out.dtype)
+    if not all_live:  # (where, not a product: a NaN in a key such a row cannot see must not leak into it)
+        out = torch.where(live, out, torch.zeros((), dtype=out.dtype, device=out.device))
     return out
