@@ -415,3 +415,20 @@ def test_version_gate(version, ok):
     else:
         with pytest.raises(RuntimeError, match=f"found {version}"):
             hf._check_version(version)
+
+
+def test_models_that_do_their_own_attention_get_the_eager_mask():
+    """Bloom has no attention interface (``_supports_attention_backend = False``) but builds its mask
+    through create_causal_mask: with attn_implementation="attnkit" it gets the mask "eager" gets (an
+    attnkit structured mask crashed its own attention code), so its logits are eager's."""
+    name = hf.register()
+    cfg = dict(vocab_size=100, hidden_size=64, n_head=4, n_layer=2)
+    torch.manual_seed(0)
+    eager = transformers.BloomForCausalLM(transformers.BloomConfig(**cfg, attn_implementation="eager")).eval()
+    ours = transformers.BloomForCausalLM(transformers.BloomConfig(**cfg, attn_implementation=name)).eval()
+    ours.load_state_dict(eager.state_dict())
+    ids = torch.randint(2, 100, (2, 9), generator=torch.Generator().manual_seed(1))
+    am = torch.ones_like(ids)
+    am[1, :3] = 0
+    with torch.no_grad():
+        assert torch.equal(ours(ids, attention_mask=am).logits, eager(ids, attention_mask=am).logits)

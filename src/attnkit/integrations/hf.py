@@ -223,7 +223,10 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
     (HF's window ``w`` counts the query itself), ``key_padding(keep (B, Lk))`` or their ``&`` — whenever the
     offsets put query ``i`` at key position ``i + Lk - Lq`` (attnkit's bottom-right alignment; true without
     a cache and with dynamic caches).  Anything else (packed sequences, custom overlays, static caches,
-    callers that need a real tensor) comes back as ``transformers``' own boolean ``(B, 1, Lq, Lk)`` mask.
+    callers that need a real tensor) comes back as ``transformers``' own boolean ``(B, 1, Lq, Lk)`` mask;
+    models that do their own attention instead of calling the attention interface (``config.model_type``
+    of a model with ``_supports_attention_backend = False``: Bloom, MPT, ...) get the mask transformers
+    builds for ``"eager"``, which their code reads.
 
     Returns an object the attnkit attention function understands: a structured mask with ``.mask`` and
     ``.shape = (B, 1, Lq, Lk)``, or a bool tensor.
@@ -242,6 +245,14 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
     _, mu = _transformers()
     if isinstance(attention_mask, _StructuredMask):  # already prepared (generate builds masks ahead)
         return attention_mask
+    if not _uses_attention_interface(kwargs.get("config")):
+        # a model that does its own attention (Bloom, MPT, ...) never calls attnkit: it gets the mask its
+        # own code reads, the one transformers builds for "eager"
+        return mu.eager_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                             kv_offset=kv_offset, mask_function=mask_function or mu.causal_mask_function,
+                             attention_mask=attention_mask, dtype=kwargs.get("dtype") or torch.float32,
+                             allow_is_bidirectional_skip=allow_is_bidirectional_skip, use_vmap=use_vmap,
+                             device=device)
     pattern = _pattern(mask_function)
     structured = (
         pattern is not None and not use_vmap
@@ -269,6 +280,24 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
 
 
 # ------------------------------------------------------------------------------- the attention function
+
+
+@functools.lru_cache(maxsize=None)
+def _model_type_uses_interface(model_type: str) -> bool:
+    transformers, _ = _transformers()
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+        return bool(getattr(getattr(transformers, MODEL_MAPPING_NAMES[model_type]), "_supports_attention_backend",
+                            True))
+    except Exception:  # (an unknown or custom model type: assume it calls the attention interface)
+        return True
+
+
+def _uses_attention_interface(config) -> bool:
+    """Whether models of ``config`` call transformers' attention interface (and so read attnkit's structured
+    masks); models that do their own attention (Bloom, MPT, ...) need transformers' tensor mask."""
+    model_type = getattr(config, "model_type", None)
+    return True if not isinstance(model_type, str) else _model_type_uses_interface(model_type)
 
 
 def _resolve_mask(module, attention_mask, q: Tensor, k: Tensor, is_causal, sliding_window):
