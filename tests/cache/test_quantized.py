@@ -187,3 +187,23 @@ def test_left_padding_does_not_widen_key_groups():
     k_all, _ = cache.layers[0].read()
     err = (k_all[0, :, 5:] - k[0, :, 5:]).abs().max()
     assert float(err) < 0.05  # a range of ~6 over 255 levels, not 1e4 over 255
+
+
+def test_a_step_of_zero_tokens_on_every_cache():
+    """A forward with no new tokens returns (B, 0, vocab) logits on an empty cache and on a filled one."""
+    from attnkit.cache import PagedCache
+    from attnkit.nn import DecoderConfig, DecoderLM
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny", vocab_size=64)).eval()
+    none = torch.zeros(1, 0, dtype=torch.long)
+    with torch.no_grad():
+        for make in (lambda: StaticCache.for_model(model, 1, 32), lambda: QuantizedCache.for_model(model, 1, 32)):
+            c = make()
+            assert model(none, cache=c).shape == (1, 0, 64)
+            model(torch.tensor([[1, 2, 3, 4, 5]]), cache=c)
+            assert model(none, cache=c).shape == (1, 0, 64)
+        pool = PagedCache.for_model(model, 8, 4)
+        sid = pool.add_sequence()
+        for ids in (none, torch.tensor([[1, 2, 3, 4, 5]]), none):
+            view = pool.batch([sid])
+            assert model(ids, cache=view, positions=view.positions(ids.shape[1])).shape == (1, ids.shape[1], 64)

@@ -874,6 +874,8 @@ class _Plan:
         rows = []
         for runs, n in zip(self.runs, self.lens):
             views = [pool[a:a + m].transpose(0, 1).reshape(H, m * bs, D) for a, m in runs]  # (Hkv, m*bs, D)
+            if not views:  # a sequence with nothing stored yet
+                views = [pool.new_zeros(H, 0, D)]
             rows.append((views[0] if len(views) == 1 else torch.cat(views, dim=1))[:, :n])
         if len(rows) == 1:
             return rows[0][None], None
@@ -935,8 +937,8 @@ class PagedLayerCache:
         plan = o._plan_for(k.shape[2])
         kp, vp = c.k_pools[self.index], c.v_pools[self.index]
         B, H, n, _ = k.shape
-        kp[plan.write_blocks, :, plan.write_offsets] = k.transpose(1, 2).reshape(B * n, H, -1)  # (B*n, Hkv, D)
-        vp[plan.write_blocks, :, plan.write_offsets] = v.transpose(1, 2).reshape(B * n, H, -1)
+        kp[plan.write_blocks, :, plan.write_offsets] = k.transpose(1, 2).reshape(B * n, H, k.shape[3])  # (B*n, Hkv, D)
+        vp[plan.write_blocks, :, plan.write_offsets] = v.transpose(1, 2).reshape(B * n, H, v.shape[3])
         if n == 1:
             out = _PagedDecode(kp, vp, plan)
         else:

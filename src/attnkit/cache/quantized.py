@@ -302,6 +302,9 @@ class _QuantizedDecode:
         L = n + r
         B, Hq, Lq, D = q.shape
         H, Dv = layer.rk.shape[1], layer.rv.shape[3]
+        if Lq == 0 or L == 0:  # no queries, or nothing stored: rows that see nothing give 0
+            from ..functional import graph_zero
+            return q.new_zeros(B, Hq, Lq, Dv) + graph_zero(q)
         if isinstance(mask, _Causal) and mask.align == "bottom_right" and Lq == 1:
             mask = None  # the newest query sees every stored key
         if mask is None and bias is None and softcap is None and self.pad_mask is None and _plain_query(q, layer):
