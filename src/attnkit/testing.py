@@ -70,35 +70,54 @@ def _max_err(a: Tensor, b: Tensor) -> float:
     return float(d.max())
 
 
-def check_against_oracle(fn: Callable[..., object], q: Tensor, k: Tensor, v: Tensor, *, grad: bool = True,
+def check_against_oracle(fn: Callable[..., object], q: Tensor, k: Tensor, v: Tensor, *, grad: bool | None = None,
                          factor: float = 2.0, grad_factor: float = 3.0, atol: float = 1e-6,
                          seed: int = 0, **kwargs) -> dict:
     """Run ``fn(q, k, v, **kwargs)`` and compare it with the float64 oracle under the numerical rule.
 
     ``kwargs`` may hold ``mask``, ``bias``, ``scale``, ``softcap`` (passed to the reference too) and
-    anything else ``fn`` takes.  With ``grad=True`` (and inputs that require grad) the gradients of
-    ``q``, ``k``, ``v`` for a random output gradient are checked too.  Raises ``AssertionError`` with
-    the errors and bounds when the rule does not hold; returns them otherwise.
+    anything else ``fn`` takes.  The output must have the oracle's shape and the input's dtype; with
+    ``return_lse=True`` the log-sum-exp is checked too.  Gradients: ``grad=None`` checks those of the
+    inputs that require grad (the report says ``"grads": "none checked"`` when none does), ``grad=True``
+    requires at least one, ``grad=False`` checks none.  ``dropout_p > 0`` is refused (the oracle has no
+    dropout: compare dropout under a shared keep pattern instead).  Raises ``AssertionError`` with the
+    errors and bounds when the rule does not hold; returns them otherwise.
     """
+    if float(kwargs.get("dropout_p", 0.0) or 0.0) > 0:
+        raise ValueError(f"check_against_oracle: dropout_p={kwargs['dropout_p']} — the oracle has no dropout; "
+                         f"check dropout against a formula using the same keep pattern")
     ref_kw = {n: kwargs[n] for n in ("mask", "bias", "scale", "softcap") if n in kwargs}
-    grad = grad and all(t.requires_grad for t in (q, k, v))
-    leaves = [t.detach().clone().requires_grad_(grad) for t in (q, k, v)]
-    out = fn(*leaves, **kwargs)
-    out = out[0] if isinstance(out, tuple) else out
-    o64 = [t.detach().double().requires_grad_(grad) for t in (q, k, v)]
-    oracle, _ = reference(*o64, **ref_kw, dtype=torch.float64)
-    nv = [t.detach().clone().requires_grad_(grad) for t in (q, k, v)]
-    naive, _ = reference(*nv, **ref_kw)
+    wants = [bool(t.requires_grad) for t in (q, k, v)] if grad is not False else [False] * 3
+    if grad is True and not any(wants):
+        raise ValueError("check_against_oracle: grad=True but none of q, k, v requires grad: call "
+                         "requires_grad_() on the inputs whose gradients should be checked")
+    leaves = [t.detach().clone().requires_grad_(w) for t, w in zip((q, k, v), wants)]
+    result = fn(*leaves, **kwargs)
+    out, lse = (result[0], result[1]) if isinstance(result, tuple) else (result, None)
+    o64 = [t.detach().double().requires_grad_(w) for t, w in zip((q, k, v), wants)]
+    oracle, oracle_lse = reference(*o64, **ref_kw, dtype=torch.float64)
+    nv = [t.detach().clone().requires_grad_(w) for t, w in zip((q, k, v), wants)]
+    naive, naive_lse = reference(*nv, **ref_kw)
+    if tuple(out.shape) != tuple(oracle.shape) or out.dtype != q.dtype:
+        raise AssertionError(f"output of shape {tuple(out.shape)} and dtype {out.dtype}, expected "
+                             f"{tuple(oracle.shape)} and {q.dtype}")
     report = {}
     e_out, e_naive = _max_err(out, oracle), _max_err(naive, oracle)
     report["out"] = {"err": e_out, "naive": e_naive, "bound": factor * e_naive + atol}
-    if grad:
+    if kwargs.get("return_lse") and lse is not None:
+        if tuple(lse.shape) != tuple(oracle_lse.shape):
+            raise AssertionError(f"lse of shape {tuple(lse.shape)}, expected {tuple(oracle_lse.shape)}")
+        e, en = _max_err(lse, oracle_lse), _max_err(naive_lse, oracle_lse)
+        report["lse"] = {"err": e, "naive": en, "bound": factor * en + atol}
+    if any(wants):
         g = torch.Generator().manual_seed(seed)
         go = torch.randn(oracle.shape, generator=g, dtype=torch.float64).to(oracle.device)
         out.backward(go.to(device=out.device, dtype=out.dtype))
         oracle.backward(go)
         naive.backward(go.to(naive.dtype))
-        for name, a, o, n in zip("qkv", leaves, o64, nv):
+        for name, a, o, n, w in zip("qkv", leaves, o64, nv, wants):
+            if not w:
+                continue
             ga = a.grad if a.grad is not None else torch.zeros_like(a)
             gn = n.grad if n.grad is not None else torch.zeros_like(n)
             e, en = _max_err(ga, o.grad), _max_err(gn, o.grad)
@@ -106,6 +125,8 @@ def check_against_oracle(fn: Callable[..., object], q: Tensor, k: Tensor, v: Ten
     for item in report.values():
         item["ok"] = bool(item["err"] <= item["bound"])
     bad = {n: r for n, r in report.items() if not r["ok"]}
+    if not any(wants):
+        report["grads"] = "none checked"
     if bad:
         raise AssertionError("numerical rule violated: " + "; ".join(
             f"{n}: max|err|={r['err']:.3e} > bound {r['bound']:.3e} (naive {r['naive']:.3e})" for n, r in bad.items()))
