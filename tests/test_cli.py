@@ -105,6 +105,7 @@ def test_explain_input_errors(capsys, tmp_path, content, match):
     ('{"X": [[1.0]], "W_q": [[1.0]], "W_k": [[1.0]], "W_v": [[1.0]], "weight": [1]}', "unknown key 'weight'"),
     ('{"X": [[1.0]], "W_q": [[1.0]], "W_k": [[1.0]], "W_v": [[1.0]], "scores": [[NaN]]}', "NaN is not allowed"),
     ('{"X": [[1.0]], "W_q": [[1.0]], "W_k": [[1.0]], "W_v": [[1.0]]}', "nothing to check"),
+    ('{"softmax": [{"scores": [], "weights": []}]}', "scores is empty"),
 ])
 def test_explain_check_errors(capsys, tmp_path, content, match):
     f = tmp_path / "claims.json"
@@ -121,6 +122,8 @@ def test_explain_check_errors(capsys, tmp_path, content, match):
     (["explain", "--digits", "two"], "not an integer"),
     (["explain", "--frobnicate"], "unrecognized arguments"),
     (["frobnicate"], "invalid choice"),
+    (["masks", "show", "global_tokens", "none"], "indices must be integers"),
+    (["masks", "show", "strided", "4", "causal=maybe"], "causal must be True or False"),
 ])
 def test_bad_arguments(capsys, argv, match):
     assert_usage_error(capsys, *argv, match=match)

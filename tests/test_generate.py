@@ -362,3 +362,34 @@ def test_empty_tensor_prompts_are_a_clear_error():
     for shape in ((0, 3), (2, 0)):
         with pytest.raises(ValueError, match=r"prompts as a tensor must be 2-D token ids \(B, L\) with B, L >= 1"):
             generate(model, torch.zeros(*shape, dtype=torch.long), 2)
+
+
+def test_random_blocks_decode_like_a_full_forward():
+    """A causal random-blocks model: cached decoding sees the blocks a full forward sees (the draw follows
+    positions); the non-causal draw, which changes with the key length, is refused by the config."""
+    mask = masks.sliding_window(1) | masks.random_blocks(4, 1, seed=0, causal=True)
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny", mask=mask, init_std=0.3)).eval()
+    prompt = [[17, 3, 99, 41, 5, 230, 8, 61, 12]]
+    assert generate(model, prompt, 16) == generate(model, prompt, 16, cache=None)
+    with pytest.raises(ValueError, match=r"random_blocks\(4, 1, seed=0, causal=True\)"):
+        DecoderConfig.preset("tiny", mask=masks.sliding_window(1) | masks.random_blocks(4, 1))
+    with pytest.raises(ValueError, match="layer_masks\\[1\\] contains random_blocks"):
+        DecoderConfig.preset("tiny", n_layers=2, layer_masks=(None, ~masks.random_blocks(2, 1)))
+
+
+@pytest.mark.parametrize("mask", [masks.global_tokens([0, 5]), masks.block_local(4),
+                                  masks.random_blocks(4, 1, seed=0, causal=True)], ids=repr)
+def test_ragged_prompts_with_absolute_position_masks(mask):
+    """Left padding shifts a row's slots: masks reading absolute positions are refused on the padded path
+    (they gave other tokens than the prompt alone), and the paged and recomputing paths are exact."""
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny", mask=masks.sliding_window(1) | mask, init_std=0.3)).eval()
+    prompts = [[17, 3, 99, 41, 5, 230, 8, 61, 12], [3, 4, 5]]
+    alone = [generate(model, [p], 10)[0] for p in prompts]
+    assert generate(model, prompts, 10, cache="paged") == alone
+    assert generate(model, prompts, 10, cache=None) == alone
+    for cache in ("static", "int8"):
+        with pytest.raises(ValueError, match="reads absolute positions"):
+            generate(model, prompts, 10, cache=cache)
+    assert generate(model, [prompts[1], [6, 7, 8]], 10)[0] == alone[1]  # equal lengths: no padding, allowed

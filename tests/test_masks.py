@@ -105,6 +105,33 @@ def test_random_blocks_bigbird():
     assert not torch.equal(masks.random_blocks(4, 2, seed=8).to_dense(64, 64), m.to_dense(64, 64))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_random_blocks_follow_positions_not_the_call_shape(causal):
+    """A query block's draw depends on its position (and, without causal, on Lk), never on Lq: the rows of a
+    shorter call are the last rows of the full matrix, and with causal=True every decoding step and chunk
+    sees what the full forward sees."""
+    m = masks.random_blocks(4, 2, seed=3, causal=causal)
+    full = m.to_dense(23, 23)[0, 0]
+    for lq in (1, 2, 5, 22):
+        assert torch.equal(m.to_dense(lq, 23)[0, 0], full[23 - lq:])
+    if causal:
+        assert not full.triu(1).any()  # no key after the query's position
+        for p in range(23):
+            assert torch.equal(m.to_dense(1, p + 1)[0, 0, 0], full[p, :p + 1]), p
+        assert torch.equal(m.to_dense(4, 10)[0, 0], full[6:10, :10])
+        blocks = m.to_dense(24, 24)[0, 0].view(6, 4, 6, 4)[:, -1].any(-1)  # (query block, key block), last rows
+        assert (blocks.sum(1) == torch.tensor([1, 2, 2, 2, 2, 2])).all()  # min(n, blocks up to its own)
+
+
+def test_boolean_arguments_refuse_non_bools():
+    """A string such as "false" is truthy: it must not silently build the causal pattern."""
+    for make in (lambda c: masks.strided(4, causal=c), lambda c: masks.dilated(2, 2, causal=c),
+                 lambda c: masks.fixed(4, 1, causal=c), lambda c: masks.random_blocks(4, 1, causal=c)):
+        with pytest.raises(TypeError, match="causal must be True or False"):
+            make("false")
+    assert masks.strided(4, causal=False).causal is False
+
+
 def test_from_fn_and_from_dense():
     m = masks.from_fn(lambda b, h, q, k: (q + k) % 2 == 0, name="checker")
     d = m.to_dense(5, 6)[0, 0]
@@ -147,6 +174,7 @@ EXACT = [
     masks.causal(), masks.causal(align="top_left"), masks.sliding_window(5), masks.sliding_window(3, 6),
     masks.sliding_window(None, 2), masks.prefix_lm(6), masks.block_local(5), masks.dilated(2, 3),
     masks.dilated(4, 1, causal=True), masks.global_tokens([0, 7, 8]), masks.random_blocks(3, 2, seed=1),
+    masks.random_blocks(4, 2, seed=5, causal=True), masks.random_blocks(3, 1, seed=2, align="top_left"),
     "document", masks.causal() & masks.sliding_window(4),
     masks.from_fn(lambda b, h, q, k: (q // 3 + k // 4) % 2 == 0), ~masks.causal(),
     masks.strided(1), "causal&document",

@@ -156,6 +156,8 @@ def _as_matrix(name: str, value, *, ndim: tuple[int, ...] = (2,)) -> Tensor:
     if t.dim() not in ndim:
         want = " or ".join(f"{d}-D" for d in ndim)
         raise ValueError(f"{name} must be {want}, got shape {tuple(t.shape)}")
+    if t.numel() == 0:
+        raise ValueError(f"{name} is empty (shape {tuple(t.shape)}): give at least one number per row")
     if not bool(torch.isfinite(t).all()):
         raise ValueError(f"{name} must hold finite numbers, got {_short(t.tolist())}")
     return t

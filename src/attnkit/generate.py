@@ -281,6 +281,19 @@ _RECOMPILES = ({"recompile_limit": 64} if hasattr(torch._dynamo.config, "recompi
                else {"cache_size_limit": 64})
 
 
+def _check_shiftable(model) -> None:
+    """Left padding shifts a row's slots by its padding: refuse masks that read absolute positions."""
+    from .masks import Mask, _reads_absolute_positions
+    for name, module in model.named_modules():
+        mask = getattr(module, "mask", None)
+        part = _reads_absolute_positions(mask) if isinstance(mask, Mask) else None
+        if part is not None:
+            raise ValueError(f"prompts of different lengths are left-padded into one batch, which shifts each row's "
+                             f"slots, and {name or 'the model'}'s mask reads absolute positions ({part!r}): its "
+                             f"tokens would differ from generating each prompt alone; use cache='paged' or "
+                             f"cache=None (exact for ragged prompts), or give prompts of one length")
+
+
 def _steps_padded(model, prompts, max_new_tokens, cache, compiled: bool = False) -> Iterator[Tensor]:
     """Left-padded batch through a model-level cache: yields logits (B, V), then receives next tokens (B,)."""
     step = _compiled_step(model) if compiled else model
@@ -419,7 +432,9 @@ def generate(model, prompts, max_new_tokens: int, *, cache: str | Callable | Non
         ``list[list[int]]``: the new tokens of each prompt (or, with ``stream=True``, the iterator).
 
     Ragged prompts are left-padded; each row gets its own positions and a padding mask, so each sequence's
-    tokens are exactly those it gets alone (with ``cache="int8"``/``"int4"`` only as closely as the
+    tokens are exactly those it gets alone (a model whose masks read absolute positions — ``global_tokens``,
+    ``block_local``, ``random_blocks``, ... rather than distances such as ``causal`` or ``sliding_window`` — is
+    refused there: use ``cache="paged"`` or ``None``, which never pad) (with ``cache="int8"``/``"int4"`` only as closely as the
     quantization allows: a padded row's key groups start at the batch's first position).  Runs under ``torch.no_grad`` with the model in eval mode.
 
     Example::
@@ -452,6 +467,8 @@ def generate(model, prompts, max_new_tokens: int, *, cache: str | Callable | Non
     _check_tokens(prompts, vocab)
     _check_eos(params, vocab)
     _check_positions(model, max(len(p) for p in prompts), max_new_tokens)
+    if cache is not None and cache != "paged" and len({len(p) for p in prompts}) > 1:
+        _check_shiftable(model)
     if relayout and not compile:  # (compiled code packs its own copy of the weights)
         _lay_out(model, len(prompts))
 

@@ -85,8 +85,17 @@ def _check_int(name: str, value, *, minimum: int = 0, allow_none: bool = False) 
         raise ValueError(f"{name}={value} must be >= {minimum}")
 
 
+def _check_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):  # (a string such as "false" would be truthy)
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
 def _index_tensor(name: str, values, *, ndim: Sequence[int]) -> Tensor:
-    t = torch.as_tensor(values)
+    try:
+        t = torch.as_tensor(values)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"{name} must be integers (a list or an int tensor), got {values!r}") from None
     if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
         raise TypeError(f"{name} must hold integers, got dtype {t.dtype}")
     if t.dim() not in ndim:
@@ -509,6 +518,35 @@ class Mask:
         return _Not(self)
 
 
+def _leaves(mask: Mask):
+    """The masks a combination (``&``, ``|``, ``~``, a named pattern) is built from, recursively."""
+    stack = [mask]
+    while stack:
+        m = stack.pop()
+        if isinstance(m, _And):  # (and _Or)
+            stack += [m.a, m.b]
+        elif isinstance(m, _Not):
+            stack.append(m.a)
+        elif isinstance(m, _Named):
+            stack.append(m.inner)
+        else:
+            yield m
+
+
+def _grows_with_keys(mask: Mask) -> Mask | None:
+    """A part of ``mask`` whose pattern for a query position changes with ``Lk`` (so a causal model would
+    decode with a KV cache differently from a full forward), or None."""
+    return next((m for m in _leaves(mask) if isinstance(m, _RandomBlocks) and not m.causal), None)
+
+
+def _reads_absolute_positions(mask: Mask) -> Mask | None:
+    """A part of ``mask`` that reads absolute query/key positions (or may: ``from_fn``, ``from_dense``, ...)
+    rather than only their distance ``p - j``, or None: shifting every position of a row by the same amount
+    (left padding) changes what such a part allows."""
+    relative = (_Causal, _SlidingWindow, _Strided, _Dilated)
+    return next((m for m in _leaves(mask) if not isinstance(m, relative)), None)
+
+
 def _as_mask(x, op: str) -> Mask:
     if not isinstance(x, Mask):
         raise TypeError(f"cannot combine a Mask with {type(x).__name__} using {op!r}: "
@@ -821,7 +859,7 @@ class _Document(Mask):
 class _Strided(Mask):
     def __init__(self, stride: int, causal: bool, align: str):
         _check_int("stride", stride, minimum=1)
-        self.stride, self.causal, self.align = stride, bool(causal), _check_align(align)
+        self.stride, self.causal, self.align = stride, _check_bool("causal", causal), _check_align(align)
 
     def _mod(self, b, h, q, k, q_len, kv_len):
         d = q + _offset(self.align, q_len, kv_len) - k
@@ -852,7 +890,8 @@ class _Dilated(Mask):
     def __init__(self, window: int, dilation: int, causal: bool, align: str):
         _check_int("window", window)
         _check_int("dilation", dilation, minimum=1)
-        self.window, self.dilation, self.causal, self.align = window, dilation, bool(causal), _check_align(align)
+        self.window, self.dilation = window, dilation
+        self.causal, self.align = _check_bool("causal", causal), _check_align(align)
 
     def _mod(self, b, h, q, k, q_len, kv_len):
         d = q + _offset(self.align, q_len, kv_len) - k
@@ -902,27 +941,64 @@ class _GlobalTokens(Mask):
         return f"global_tokens({self.indices.tolist()}, align={self.align!r})"
 
 
-_RANDOM_TABLES = 16  # block tables a random_blocks mask keeps (one per (Lq, Lk) seen recently)
+_RANDOM_TABLES = 16  # block tables a random_blocks mask keeps (one per query-block range and key-block count)
+_M31 = (1 << 31) - 1
+
+
+def _mix31(x: Tensor) -> Tensor:
+    """A 31-bit integer hash (int64 tensors, every intermediate below 2^62: no overflow)."""
+    x = x & _M31
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _M31
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _M31
+    return x ^ (x >> 16)
 
 
 class _RandomBlocks(Mask):
-    def __init__(self, block: int, n: int, seed: int):
+    def __init__(self, block: int, n: int, seed: int, causal: bool, align: str):
         _check_int("block", block, minimum=1)
         _check_int("n", n)
         _check_int("seed", seed)
         self.block, self.n, self.seed = block, n, seed
-        self._cache: dict[tuple[int, int], Tensor] = {}
+        self.causal, self.align = _check_bool("causal", causal), _check_align(align)
+        self._cache: dict[tuple[int, int, int], Tensor] = {}
+
+    def _rows(self, q_len: int, kv_len: int) -> tuple[int, int]:
+        """The first query block (by position) of a ``(q_len, kv_len)`` call and how many there are."""
+        off = _offset(self.align, q_len, kv_len)
+        if q_len == 0:
+            return 0, 0
+        first, last = off // self.block, (off + q_len - 1) // self.block
+        return first, last - first + 1
+
+    def _draw(self, first: int, rows: int, nkb: int) -> Tensor:
+        """Chosen key blocks of query blocks ``first .. first + rows - 1`` among ``nkb``: the ``n`` with the
+        smallest hash of (seed, query block, key block) among the candidates (all ``nkb``, or with
+        ``causal`` those up to the query's own block)."""
+        table = torch.zeros(rows, nkb, dtype=torch.bool)
+        n = min(self.n, nkb)
+        if rows == 0 or n == 0:
+            return table
+        c = torch.arange(nkb, dtype=torch.int64).view(1, -1)
+        base = _mix31(torch.tensor(self.seed, dtype=torch.int64))
+        step = max(1, (1 << 22) // nkb)  # rows drawn at a time: bounded memory at any length
+        for a in range(0, rows, step):
+            r = torch.arange(first + a, first + min(rows, a + step), dtype=torch.int64).view(-1, 1)
+            key = (_mix31(_mix31(base ^ (r & _M31)) ^ c) << 31) | c  # ties broken by the key block
+            if self.causal:
+                key = torch.where(c <= r, key, torch.full_like(key, torch.iinfo(torch.int64).max))
+            top = key.topk(n, dim=1, largest=False)
+            part = table[a:a + r.shape[0]]
+            part.scatter_(1, top.indices, top.values != torch.iinfo(torch.int64).max)
+        return table
 
     def table(self, q_len: int, kv_len: int) -> Tensor:
-        """The bool table ``(ceil(Lq/block), ceil(Lk/block))`` of chosen key blocks per query block."""
-        key = (q_len, kv_len)
+        """The bool table ``(query blocks, ceil(Lk/block))`` of chosen key blocks, one row per query block a
+        ``(q_len, kv_len)`` call's positions touch (the block holding the first query's position first)."""
+        first, rows = self._rows(q_len, kv_len)
+        key = (first, rows, _ceil_div(kv_len, self.block))
         table = self._cache.pop(key, None)  # re-inserted: the memo keeps the most recent shapes
         if table is None:
-            nqb, nkb = _ceil_div(q_len, self.block), _ceil_div(kv_len, self.block)
-            g = torch.Generator().manual_seed(self.seed)
-            order = torch.rand(nqb, nkb, generator=g).argsort(dim=-1)[:, : min(self.n, nkb)]
-            table = torch.zeros(nqb, nkb, dtype=torch.bool)
-            table.scatter_(1, order, True)
+            table = self._draw(*key)
             while len(self._cache) >= _RANDOM_TABLES:  # (decoding meets a new key length every step)
                 self._cache.pop(next(iter(self._cache)), None)
         self._cache[key] = table
@@ -930,22 +1006,31 @@ class _RandomBlocks(Mask):
 
     def _mod(self, b, h, q, k, q_len, kv_len):
         table = self.table(q_len, kv_len).to(q.device)
-        return table[torch.div(q, self.block, rounding_mode="floor"), torch.div(k, self.block, rounding_mode="floor")]
+        first = self._rows(q_len, kv_len)[0]
+        p = q + _offset(self.align, q_len, kv_len)
+        out = table[torch.div(p, self.block, rounding_mode="floor") - first,
+                    torch.div(k, self.block, rounding_mode="floor")]
+        return out & (k <= p) if self.causal else out
 
     def _tiles(self, t):
         table = self.table(t.q_len, t.kv_len).to(t.device).to(torch.int64)
+        first = self._rows(t.q_len, t.kv_len)[0]
+        off = _offset(self.align, t.q_len, t.kv_len)
         ii = torch.nn.functional.pad(table.cumsum(0).cumsum(1), (1, 0, 1, 0))  # integral image
         r0, r1 = t.rows()
         c0, c1 = t.cols()
-        a0, a1 = (r0 // self.block).view(-1, 1), (r1 // self.block + 1).view(-1, 1)
+        a0 = (torch.div(r0 + off, self.block, rounding_mode="floor") - first).view(-1, 1)
+        a1 = (torch.div(r1 + off, self.block, rounding_mode="floor") - first + 1).view(-1, 1)
         b0, b1 = (c0 // self.block).view(1, -1), (c1 // self.block + 1).view(1, -1)
         count = ii[a1, b1] - ii[a0, b1] - ii[a1, b0] + ii[a0, b0]
         area = (a1 - a0) * (b1 - b0)
         kinds = torch.where(count == area, FULL, torch.where(count > 0, PARTIAL, EMPTY)).to(torch.int8)
-        return _Grid(kinds[None, None])
+        grid = _Grid(kinds[None, None])
+        return _and_tiles(grid, _Causal(self.align)._tiles(t), t) if self.causal else grid
 
     def __repr__(self):
-        return f"random_blocks(block={self.block}, n={self.n}, seed={self.seed})"
+        return (f"random_blocks(block={self.block}, n={self.n}, seed={self.seed}, causal={self.causal}, "
+                f"align={self.align!r})")
 
 
 class _FromFn(Mask):
@@ -1073,11 +1158,13 @@ def fixed(block: int, summary: int, *, causal: bool = True, align: str = "bottom
     _check_int("summary", summary, minimum=1)
     if summary > block:
         raise ValueError(f"fixed: summary={summary} must be <= block={block}")
+    _check_bool("causal", causal)
+    _check_align(align)
     cols = _KeyColumns(f"summary_columns({block}, {summary})", rule=lambda j: (j % block) >= block - summary)
     inner = _BlockLocal(block, align) | cols
     if causal:
         inner = inner & _Causal(align)
-    return _Named(f"fixed({block}, {summary}, causal={bool(causal)}, align={align!r})", inner)
+    return _Named(f"fixed({block}, {summary}, causal={causal}, align={align!r})", inner)
 
 
 def dilated(window: int, dilation: int, *, causal: bool = False, align: str = "bottom_right") -> Mask:
@@ -1095,10 +1182,26 @@ def global_tokens(indices, *, align: str = "bottom_right") -> Mask:
     return _GlobalTokens(t, align)
 
 
-def random_blocks(block: int, n: int, seed: int = 0) -> Mask:
-    """BigBird's random attention: each block of ``block`` queries sees ``n`` key blocks drawn at random
-    (reproducibly from ``seed``; the same draw for every batch element and head)."""
-    return _RandomBlocks(block, n, seed)
+def random_blocks(block: int, n: int, seed: int = 0, *, causal: bool = False, align: str = "bottom_right") -> Mask:
+    """BigBird's random attention: each block of ``block`` query positions sees ``n`` key blocks drawn at random.
+
+    The draw is a hash of ``(seed, query block, key block)``: the same for every batch element and head,
+    reproducible, and it depends on a query's *position* (its row plus ``Lk - Lq`` under the default
+    alignment), never on ``Lq``.  Without ``causal`` a query block draws among all ``ceil(Lk / block)`` key
+    blocks, so the draw depends on ``Lk`` (an encoder's whole sequence).  With ``causal=True`` it draws among
+    the blocks up to its own and sees no key after its position: the draw depends on the position alone, so
+    decoding with a KV cache sees what a full forward sees — use it in causal models (a ``DecoderLM``
+    refuses the non-causal form, whose draw would change as the cache grows).
+
+    Example::
+
+        >>> from attnkit import masks
+        >>> m = masks.random_blocks(4, 1, seed=0, causal=True)
+        >>> full = m.to_dense(16, 16)[0, 0]
+        >>> bool((m.to_dense(1, 11)[0, 0, 0] == full[10, :11]).all())  # one decoding step, position 10
+        True
+    """
+    return _RandomBlocks(block, n, seed, causal, align)
 
 
 def from_fn(fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor], *, name: str | None = None) -> Mask:

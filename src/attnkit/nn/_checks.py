@@ -112,6 +112,17 @@ def as_mask(name: str, mask) -> _masks.Mask | None:
     raise TypeError(f"{name} must be None, an attnkit.masks.Mask or a bool tensor, got {type(mask).__name__}")
 
 
+def causal_model_mask(name: str, mask) -> _masks.Mask | None:
+    """:func:`as_mask` for a causal model's mask: refuses parts that would decode differently with a cache."""
+    mask = as_mask(name, mask)
+    part = None if mask is None else _masks._grows_with_keys(mask)
+    if part is not None:
+        raise ValueError(f"{name} contains {part!r}, whose draw changes with the key length: decoding with a KV "
+                         f"cache would see other blocks than a full forward; use "
+                         f"masks.random_blocks({part.block}, {part.n}, seed={part.seed}, causal=True)")
+    return mask
+
+
 def check_mask_shape(name: str, mask: _masks.Mask | None, batch: int, heads: int, q_len: int, kv_len: int) -> None:
     if mask is None:
         return

@@ -122,7 +122,7 @@ class DecoderConfig:
         _checks.positive_float("init_std", self.init_std)
         _checks.probability("dropout", self.dropout)
         _checks.probability("attention_dropout", self.attention_dropout)
-        _checks.as_mask("mask", self.mask)
+        _checks.causal_model_mask("mask", self.mask)
         self.layer_masks = _check_layer_masks(self.layer_masks, self.n_layers)
         if self.rotary_dim is not None and (self.rotary_dim > self.d_head_ or self.rotary_dim % 2):
             raise ValueError(f"rotary_dim={self.rotary_dim} must be even and <= d_head={self.d_head_}")
@@ -191,7 +191,7 @@ def _check_layer_masks(value, n_layers: int) -> tuple[_masks.Mask | None, ...] |
         raise ValueError(f"layer_masks has {len(value)} entries but n_layers={n_layers}: give exactly one Mask or "
                          f"None per layer (None: that layer is causal only), e.g. "
                          f"(masks.sliding_window(W - 1), None) * {n_layers // 2 or 1} for alternating layers")
-    return tuple(_checks.as_mask(f"layer_masks[{i}]", m) for i, m in enumerate(value))
+    return tuple(_checks.causal_model_mask(f"layer_masks[{i}]", m) for i, m in enumerate(value))
 
 
 def _make_positions(cfg: DecoderConfig, *, bidirectional: bool) -> PositionEncoding | None:
