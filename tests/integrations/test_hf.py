@@ -432,3 +432,37 @@ def test_models_that_do_their_own_attention_get_the_eager_mask():
     am[1, :3] = 0
     with torch.no_grad():
         assert torch.equal(ours(ids, attention_mask=am).logits, eager(ids, attention_mask=am).logits)
+
+
+def test_sparse_indexer_models_keep_their_top_k_selection():
+    """DeepSeek-V3.2-style models pass their indexer's top-k keys as ``indices=`` to every implementation but
+    eager/sdpa (which turn them into a mask): attnkit applies them (it attended densely before)."""
+    name = hf.register()
+    cfg = transformers.DeepseekV32Config(
+        vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, kv_lora_rank=16,
+        q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=8, n_group=1, topk_group=1,
+        num_experts_per_tok=2, max_position_embeddings=64, index_topk=3, index_head_dim=16, index_n_heads=2,
+        head_dim=16, first_k_dense_replace=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    ids = torch.randint(3, 64, (1, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids).logits
+        model.set_attn_implementation(name)
+        assert (model(ids).logits - ref).abs().max() <= TOL
+    q = k = v = torch.randn(1, 2, 4, 8)
+    picked = torch.tensor([[[0, -1], [1, 0], [2, 2], [3, 1]]])  # -1 selects nothing
+    allowed = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 1, 0, 1]], dtype=torch.bool)
+    out, _ = hf.attention_forward(torch.nn.Module(), q, k, v, None, indices=picked)
+    assert torch.allclose(out.transpose(1, 2), attnkit.attention(q, k, v, mask=allowed[None, None]), atol=1e-6)
+    with pytest.raises(ValueError, match="beyond the Lk=4 keys"):
+        hf.attention_forward(torch.nn.Module(), q, k, v, None, indices=picked + 4)
+    with pytest.raises(ValueError, match="block_indices"):
+        hf.attention_forward(torch.nn.Module(), q, k, v, None, block_indices=torch.zeros(1, 1, 4, 1, dtype=torch.long))
+
+
+@pytest.mark.parametrize("bad", ["attnkit_flash", "my_sdpa", "flex_attention_x", "org/kernel"])
+def test_register_refuses_names_transformers_routes_by_substring(bad):
+    with pytest.raises(ValueError, match="routes by substring"):
+        hf.register(bad)

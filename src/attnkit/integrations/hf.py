@@ -68,7 +68,26 @@ _RESERVED = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_atte
 _UNSUPPORTED_KWARGS = {
     "s_aux": "attention sinks (an extra logit per head in the softmax denominator, GPT-OSS)",
     "sinks": "attention sinks (an extra logit per head in the softmax denominator)",
+    "block_indices": "an indexer's selected key blocks (MiniMax-M3 sparse attention)",
 }
+
+
+def _selected_keys(indices, query: Tensor, key: Tensor) -> Tensor:
+    """A top-k indexer's selection ``indices (B, Lq, topk)`` (DeepSeek-V3.2's sparse attention: the keys each
+    query may read; negative entries select nothing) as a bool mask ``(B, 1, Lq, Lk)``."""
+    if not isinstance(indices, Tensor) or indices.dim() != 3 or indices.dtype.is_floating_point \
+            or indices.dtype == torch.bool:
+        raise ValueError(f"indices= must be an integer tensor (B, Lq, topk) of selected key positions, got "
+                         f"{type(indices).__name__ if not isinstance(indices, Tensor) else tuple(indices.shape)}")
+    B, Lq, Lk = query.shape[0], query.shape[2], key.shape[2]
+    if indices.shape[0] not in (1, B) or indices.shape[1] != Lq:
+        raise ValueError(f"indices= has shape {tuple(indices.shape)}, expected (B={B}, Lq={Lq}, topk)")
+    idx = indices.long()
+    if bool((idx >= Lk).any()):
+        raise ValueError(f"indices= selects key {int(idx.max())}, beyond the Lk={Lk} keys")
+    sel = torch.zeros(indices.shape[0], Lq, Lk + 1, dtype=torch.bool, device=query.device)
+    sel.scatter_(-1, torch.where(idx < 0, Lk, idx), True)  # negative entries land in a dropped column
+    return sel[:, None, :, :Lk]
 
 
 # --------------------------------------------------------------------------- transformers, checked
@@ -359,8 +378,10 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         position_bias: an additive float bias broadcastable to ``(B, Hq, Lq, Lk)`` (T5-style models).
         backend: the attnkit backend (bound by :func:`register`).
         kwargs: ``output_attentions=True`` (or transformers' output recorder asking for attentions) returns
-            the weights; other flash-attention keywords are ignored; attention sinks (``s_aux``/``sinks``)
-            raise ``ValueError``.
+            the weights; ``indices`` (a sparse indexer's top-k keys per query, ``(B, Lq, topk)``: DeepSeek-V3.2,
+            GLM-MoE-DSA and their relatives) restricts each query to those keys, as eager attention does;
+            other flash-attention keywords are ignored; attention sinks (``s_aux``/``sinks``) and block
+            selections (``block_indices``) raise ``ValueError``.
 
     Returns:
         ``(out (B, Lq, Hq, Dv), weights (B, Hq, Lq, Lk) or None)`` — HF's layout.
@@ -379,6 +400,12 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
             raise ValueError(f"{name}= ({what}) is not supported by attnkit's attention; load this model with "
                              f"attn_implementation='eager' or 'sdpa'")
     mask, additive = _resolve_mask(module, attention_mask, query, key, is_causal, sliding_window)
+    if kwargs.get("indices") is not None:  # a sparse indexer's top-k keys (eager applies them as a mask)
+        sel = _selected_keys(kwargs["indices"], query, key)
+        if mask is None or isinstance(mask, Tensor):
+            mask = sel if mask is None else mask & sel
+        else:
+            mask = mask & _masks.from_dense(sel)
     bias = position_bias
     if additive is not None:
         bias = additive if bias is None else bias + additive
@@ -436,7 +463,9 @@ def register(name: str = "attnkit", *, backend: str = "auto") -> str:
     ``model.set_attn_implementation(name)``.  Calling it again is harmless.
 
     Args:
-        name: the implementation name; not one of transformers' own (``"eager"``, ``"sdpa"``, ...).
+        name: the implementation name; not one of transformers' own (``"eager"``, ``"sdpa"``, ...), and
+            without ``"flash"``, ``"sdpa"``, ``"flex_attention"`` or ``"/"`` in it (transformers routes such
+            names by substring).
         backend: the attnkit backend every call uses (``"auto"`` picks per call; see
             :func:`attnkit.backends.explain`).
 
@@ -464,6 +493,11 @@ def register(name: str = "attnkit", *, backend: str = "auto") -> str:
     if name in _RESERVED or name.startswith("paged|"):
         raise ValueError(f"name={name!r} is one of transformers' own attention implementations; registering it "
                          f"would replace that implementation for every model: choose another name, e.g. 'attnkit'")
+    routed = next((w for w in ("flash", "sdpa", "flex_attention", "/") if w in name), None)
+    if routed is not None:
+        raise ValueError(f"name={name!r} contains {routed!r}, which transformers routes by substring (to a "
+                         f"flash-attention kernel from the hub, or through its SDPA/flex support checks) instead of "
+                         f"to the registered function: choose a name without it, e.g. 'attnkit'")
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string, got {type(backend).__name__}")
     if backend != "auto" and backend not in _backends.available():
