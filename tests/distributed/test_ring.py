@@ -78,6 +78,7 @@ CASES: dict[str, dict] = {
 
 ERROR_CASES = ("uneven_lengths", "mismatched_heads", "one_rank_bad_input", "mismatched_mask", "odd_zigzag_shard",
                "indivisible_shard", "learnable_bias", "dense_bias", "plain_function_bias", "local_document_ids",
+               "mismatched_mask_values", "mismatched_bias_values", "one_rank_learnable_bias",
                "unshard_mismatch", "usable_after_errors")
 OTHER_CASES = ("shard_positions", "unshard_roundtrip", "unshard_gradient", "no_grad_forward", "gradcheck")
 
@@ -196,6 +197,18 @@ def _error_case(name: str, rank: int, world: int) -> dict:
     if name == "local_document_ids":  # ids for this rank's 8 tokens instead of all 8W
         return _expect_error(lambda: ring_attention(x, x, x, mask=M.document(torch.zeros(8, dtype=torch.long))),
                              ValueError, "full sequence", f"L = {world} ranks x 8 local tokens")
+    if name == "mismatched_mask_values":  # prints as document(8W ids) on every rank: the values are compared
+        ids = torch.zeros(8 * world, dtype=torch.long) if rank == 0 else torch.arange(8 * world)
+        return _expect_error(lambda: ring_attention(x, x, x, mask=M.document(ids)), ValueError,
+                             "mask holds different values")
+    if name == "mismatched_bias_values":
+        slopes = torch.tensor([0.5, 0.25 + 0.125 * (rank == world - 1)])
+        return _expect_error(lambda: ring_attention(x, x, x, bias=B.alibi(slopes)), ValueError,
+                             "bias holds different values")
+    if name == "one_rank_learnable_bias":  # refused on one rank: every rank stops (a peer crashed in the ring)
+        slopes = torch.ones(2).requires_grad_(rank == 0)
+        return _expect_error(lambda: ring_attention(x, x, x, bias=B.alibi(slopes)), ValueError,
+                             "require grad" if rank == 0 else "rank 0 rejected")
     if name == "unshard_mismatch":
         y = torch.randn(1, 2, 8 + 2 * rank, 4)
         return _expect_error(lambda: unshard(y), ValueError, "differ across ranks")

@@ -418,19 +418,55 @@ def _describe(x) -> str:
     return repr(x)
 
 
-def _agree(group, rank: int, world: int, q, k, v, **settings) -> None:
+def _tensor_digest(t: torch.Tensor) -> tuple:
+    """A tensor's shape, dtype, requires_grad and two checksums of its values (equal on every rank that holds
+    the same values; a differing element changes them)."""
+    x = t.detach()
+    if x.is_complex():
+        x = torch.view_as_real(x)
+    x = x.to(torch.float64).flatten()
+    w = torch.arange(1, x.numel() + 1, dtype=torch.float64, device=x.device).remainder_(977).add_(1)
+    return (tuple(t.shape), str(t.dtype), bool(t.requires_grad), float(x.nan_to_num(7.0, 11.0, -13.0).sum()),
+            float((x.nan_to_num(7.0, 11.0, -13.0) * w).sum()))
+
+
+def _contents(x, depth: int = 0) -> list:
+    """What a mask or bias holds, comparable across processes: the values of its tensors (and of those its
+    functions reach), not only how it prints (``document(32 ids)`` looks alike whatever the ids)."""
+    from ..backends._common import reachable_tensors
+    if depth > 8:
+        return []
+    if isinstance(x, torch.Tensor):
+        return [_tensor_digest(x)]
+    if isinstance(x, (Mask, ScoreMod)):
+        out: list = [type(x).__name__]
+        for name, value in sorted(vars(x).items()):
+            if not name.startswith("_"):  # (private attributes hold derived memos)
+                out += [name, *_contents(value, depth + 1)]
+        return out
+    if isinstance(x, (list, tuple)):
+        return [c for item in x for c in _contents(item, depth + 1)]
+    if callable(x):
+        return [_tensor_digest(t) for t in reachable_tensors(x)]
+    return [repr(x)]
+
+
+def _agree(group, rank: int, world: int, q, k, v, check=None, **settings):
     """Share every rank's view of the call and raise the same error on every rank when they differ.
 
     One ``all_gather_object`` before any other communication: a rank with bad input cannot leave the
-    others waiting for its key/value blocks.
+    others waiting for its key/value blocks.  ``check()`` (the call's remaining validation) runs first on
+    every rank, and its error is shared too; its result is returned.
     """
-    error = None
+    error = result = None
     try:
         _check_qkv(q, k, v)
         b = settings.get("bias")
         if callable(b) and not isinstance(b, (ScoreMod, torch.Tensor)):
             raise TypeError("bias must be None or an attnkit.bias modifier; wrap a function "
                             "fn(score, b, h, q_idx, kv_idx) with attnkit.bias.from_fn(fn)")
+        if check is not None:
+            result = check()
     except (TypeError, ValueError) as e:
         error = (type(e).__name__, str(e))
     tensors = all(isinstance(t, torch.Tensor) for t in (q, k, v))
@@ -442,6 +478,7 @@ def _agree(group, rank: int, world: int, q, k, v, **settings) -> None:
         "device type": q.device.type if tensors else None,
         "requires grad": bool(tensors and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))),
         **{name: _describe(value) for name, value in settings.items()},
+        **{f"{name}'s values": _contents(settings[name]) for name in ("mask", "bias") if name in settings},
         "error": error,
     }
     everyone: list = [None] * world
@@ -454,12 +491,19 @@ def _agree(group, rank: int, world: int, q, k, v, **settings) -> None:
     for name in mine:
         values = [e[name] for e in everyone]
         if any(x != values[0] for x in values):
+            if name.endswith("values"):
+                same = [r for r, x in enumerate(values) if x == values[0]]
+                raise ValueError(f"ring_attention: the {name.split(chr(39))[0]} holds different values on the "
+                                 f"{world} ranks (ranks {same} agree with rank 0; the tensors it holds, or those "
+                                 f"its functions read, differ elsewhere): every rank must pass the same mask and "
+                                 f"bias, describing the full sequence")
             listing = ", ".join(f"rank {r}: {x}" for r, x in enumerate(values))
             fix = ("every rank must hold an equal part of one sequence, (B, H, L/W, D), cut with "
                    "attnkit.distributed.shard; to ring-attend an uneven length, pad it to a multiple of 2W "
                    "(zigzag) or W (contiguous) and mask the padding with attnkit.masks.key_padding"
                    if name.endswith("shape") else "every rank must make the same call")
             raise ValueError(f"ring_attention: the {name} differs across the {world} ranks ({listing}): {fix}")
+    return result
 
 
 def _check_bias_constant(bias: ScoreMod, q: Tensor, heads: int, seq_len: int) -> None:
@@ -526,35 +570,40 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, sca
     """
     layout = check_layout(layout)
     rank, world = group_info(group)
-    _agree(group, rank, world, q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, layout=layout,
-           return_lse=bool(return_lse))
+
+    def check():  # on every rank inside _agree, so that one rank's bad input stops them all
+        n = q.shape[2]
+        if k.shape[2] != n:
+            raise ValueError(f"ring_attention is self-attention over one sharded sequence: q and k must hold the "
+                             f"same positions, got local lengths Lq={n} and Lk={k.shape[2]}")
+        if layout == "zigzag" and n % 2:
+            raise ValueError(f"ring_attention: layout='zigzag' shards hold two equal chunks, but the local length "
+                             f"is {n} (odd): cut the sequence with attnkit.distributed.shard(x, layout='zigzag'), "
+                             f"or pass layout='contiguous' if that is how it was cut")
+        L = n * world
+        check_divisible(L, world, layout, "ring_attention")
+        shape = (q.shape[0], q.shape[1], L, L)
+        if isinstance(bias, torch.Tensor):
+            raise TypeError(f"ring_attention: bias must be None or an attnkit.bias modifier, got a "
+                            f"{tuple(bias.shape)} tensor: a dense (L, L) bias defeats sharding the sequence; "
+                            f"express it as a function of positions with attnkit.bias.from_fn(fn)")
+        try:
+            m, b = _check_mask(mask, q, shape), _check_bias(bias, q, shape)
+        except ValueError as e:
+            raise ValueError(f"ring_attention: the mask and bias describe the full sequence, an L x L score "
+                             f"matrix with L = {world} ranks x {n} local tokens = {L} (e.g. document ids for all "
+                             f"L tokens): {e}") from None
+        if b is not None:
+            _check_bias_constant(b, q, q.shape[1], L)
+        s = 1.0 / math.sqrt(q.shape[3]) if scale is None else _check_number("scale", scale)
+        c = None if softcap is None else _check_number("softcap", softcap, low=0.0, low_open=True,
+                                                        fix=" (or None for no softcap)")
+        return m, b, s, c
+
+    mask, bias, scale, softcap = _agree(group, rank, world, q, k, v, check, mask=mask, bias=bias, scale=scale,
+                                        softcap=softcap, layout=layout, return_lse=bool(return_lse))
     B, Hq, n, D = q.shape
-    if k.shape[2] != n:
-        raise ValueError(f"ring_attention is self-attention over one sharded sequence: q and k must hold the "
-                         f"same positions, got local lengths Lq={n} and Lk={k.shape[2]}")
-    if layout == "zigzag" and n % 2:
-        raise ValueError(f"ring_attention: layout='zigzag' shards hold two equal chunks, but the local length is "
-                         f"{n} (odd): cut the sequence with attnkit.distributed.shard(x, layout='zigzag'), or "
-                         f"pass layout='contiguous' if that is how it was cut")
     L = n * world
-    check_divisible(L, world, layout, "ring_attention")
-    shape = (B, Hq, L, L)
-    if isinstance(bias, torch.Tensor):
-        raise TypeError(f"ring_attention: bias must be None or an attnkit.bias modifier, got a "
-                        f"{tuple(bias.shape)} tensor: a dense (L, L) bias defeats sharding the sequence; express "
-                        f"it as a function of positions with attnkit.bias.from_fn(fn)")
-    try:
-        mask = _check_mask(mask, q, shape)
-        bias = _check_bias(bias, q, shape)
-    except ValueError as e:
-        raise ValueError(f"ring_attention: the mask and bias describe the full sequence, an L x L score matrix "
-                         f"with L = {world} ranks x {n} local tokens = {L} (e.g. document ids for all L tokens): "
-                         f"{e}") from None
-    if bias is not None:
-        _check_bias_constant(bias, q, Hq, L)
-    scale = 1.0 / math.sqrt(D) if scale is None else _check_number("scale", scale)
-    if softcap is not None:
-        softcap = _check_number("softcap", softcap, low=0.0, low_open=True, fix=" (or None for no softcap)")
     if n == 0:
         out = attention(q, k, v, return_lse=True)
         return out if return_lse else out[0]
