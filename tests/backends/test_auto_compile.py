@@ -123,3 +123,24 @@ def test_a_key_padding_mask_traces_into_one_graph():
     compiled = torch.compile(lambda q, k, v: attnkit.attention(q, k, v, mask=mask), fullgraph=True,
                              backend="aot_eager")
     torch.testing.assert_close(compiled(q, k, v), attnkit.attention(q, k, v, mask=mask, backend="math"))
+
+
+def test_rotary_stacks_and_layers_compile_to_one_graph():
+    """Encoder, Decoder, EncoderDecoder and a lone MultiHeadAttention with rotary positions: default positions
+    are offset + arange(L), so the rotary tables are gathered without reading the positions tensor (its
+    min/max broke the graph)."""
+    from attnkit.nn import Decoder, Encoder, EncoderDecoder, MultiHeadAttention, RotaryEmbedding
+
+    torch.manual_seed(0)
+    ed = EncoderDecoder(DecoderConfig.preset("tiny", d_model=32, n_heads=4, n_layers=2)).eval()
+    src, tgt = torch.randint(0, 256, (2, 9)), torch.randint(0, 256, (2, 5))
+    x, ctx = torch.randn(2, 5, 32), torch.randn(2, 7, 32)
+    calls = [(ed, (src, tgt)),
+             (Encoder(32, 2, 4, positions=RotaryEmbedding(8)).eval(), (x,)),
+             (Decoder(32, 2, 4, cross_attention=True, positions=RotaryEmbedding(8)).eval(), (x, ctx)),
+             (MultiHeadAttention(32, 4, positions=RotaryEmbedding(8)).eval(), (x,))]
+    with torch.no_grad():
+        for module, args in calls:
+            torch._dynamo.reset()
+            got = torch.compile(module, fullgraph=True, backend="aot_eager")(*args)
+            torch.testing.assert_close(got, module(*args), rtol=1e-5, atol=1e-5)

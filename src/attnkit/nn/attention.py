@@ -253,15 +253,18 @@ class MultiHeadAttention(_Attends):
             if not self.self_capable:
                 raise ValueError(f"this MultiHeadAttention has kdim={self.kdim}, vdim={self.vdim} != "
                                  f"d_model={self.d_model}, so it only does cross attention: pass context")
-            pos = None
+            pos = hi = None
             if self.positions is not None and self.positions.absolute:
-                pos = (self._default_positions(cache, L, x.device) if positions is None
-                       else _checks.positions_tensor("positions", positions, B, L, x.device))
+                if positions is None:  # offset + arange(L): the largest is known without reading the tensor
+                    pos = self._default_positions(cache, L, x.device)
+                    hi = (0 if cache is None else cache.seq_len) + L - 1
+                else:
+                    pos = _checks.positions_tensor("positions", positions, B, L, x.device)
             q, k, v = self._project_self(x, pos)
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             if pos is not None:
-                q, k = self.positions.rotate(q, pos), self.positions.rotate(k, pos)
+                q, k = self.positions.rotate(q, pos, max_position=hi), self.positions.rotate(k, pos, max_position=hi)
             bias = self.positions.score_mod() if self.positions is not None else None
             layer_mask = self.mask
         else:

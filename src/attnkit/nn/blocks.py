@@ -175,6 +175,31 @@ class _Stack(nn.Module):
                               opts.get("norm_offset", 0.0)) if norm_first else None
         self.d_model = d_model
 
+    def _shared_rotary(self, pos: Tensor, hi: int | None) -> _SharedRotary:
+        from .positions import RotaryEmbedding
+        rope = getattr(self.layers[0].attn, "positions", None) if len(self.layers) else None
+        ok = isinstance(rope, RotaryEmbedding) and hi is not None and pos.numel() > 0
+        return _SharedRotary(rope if ok else None, pos, hi)
+
+
+class _SharedRotary:
+    """While a stack runs its layers with default positions (``offset + arange(L)``, largest ``hi``), its
+    rotary embedding gathers cos/sin once for all of them without reading the positions tensor (a compiled
+    stack stays one graph); given positions are gathered (and checked) per layer as usual."""
+
+    def __init__(self, rope, pos, hi):
+        self.rope, self.pos, self.hi = rope, pos, hi
+
+    def __enter__(self):
+        if self.rope is not None:
+            self.before = self.rope._shared
+            self.rope._share(self.pos, self.hi)
+
+    def __exit__(self, *exc):
+        if self.rope is not None:
+            self.rope._shared = self.before
+        return False
+
 
 class Encoder(_Stack):
     """A stack of bidirectional :class:`TransformerBlock` s (no causal mask), with a final norm when Pre-LN.
@@ -202,8 +227,9 @@ class Encoder(_Stack):
     def forward(self, x: Tensor, *, mask=None, positions=None) -> Tensor:
         _checks.features("x", x, self.d_model, what=f"(B, L, d_model={self.d_model})")
         pos = _cache_positions(None, x.shape[0], x.shape[1], x.device, positions)
-        for layer in self.layers:
-            x = layer(x, mask=mask, positions=pos)
+        with self._shared_rotary(pos, None if positions is not None else x.shape[1] - 1):
+            for layer in self.layers:
+                x = layer(x, mask=mask, positions=pos)
         return self.norm(x) if self.norm is not None else x
 
 
@@ -238,6 +264,8 @@ class Decoder(_Stack):
         self_caches = _layer_caches(cache, "layers", n)
         cross_caches = _layer_caches(cache, "cross_layers", n) if self.cross_attention else [None] * n
         pos = _cache_positions(cache, x.shape[0], x.shape[1], x.device, positions)
-        for layer, c, cc in zip(self.layers, self_caches, cross_caches):
-            x = layer(x, context, mask=mask, context_mask=context_mask, cache=c, cross_cache=cc, positions=pos)
+        hi = None if positions is not None else (0 if cache is None else int(cache.seq_len)) + x.shape[1] - 1
+        with self._shared_rotary(pos, hi):
+            for layer, c, cc in zip(self.layers, self_caches, cross_caches):
+                x = layer(x, context, mask=mask, context_mask=context_mask, cache=c, cross_cache=cc, positions=pos)
         return self.norm(x) if self.norm is not None else x

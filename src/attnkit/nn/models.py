@@ -416,13 +416,15 @@ class EncoderDecoder(_LMBase):
 
     def encode(self, src: Tensor, *, src_mask=None) -> Tensor:
         _checks.token_ids("src", src, self.config.vocab_size)
-        pos, _ = self._positions(src, None, None)
-        return self.encoder(self._embed(src, pos), mask=src_mask, positions=pos)
+        pos, hi = self._positions(src, None, None)
+        with self.encoder._shared_rotary(pos, hi):  # one cos/sin gather for every layer
+            return self.encoder(self._embed(src, pos), mask=src_mask, positions=pos)
 
     def decode(self, tgt: Tensor, memory: Tensor, *, memory_mask=None, cache=None, positions=None) -> Tensor:
         _checks.token_ids("tgt", tgt, self.config.vocab_size)
-        pos, _ = self._positions(tgt, cache, positions)
-        x = self.decoder(self._embed(tgt, pos), memory, context_mask=memory_mask, cache=cache, positions=pos)
+        pos, hi = self._positions(tgt, cache, positions)
+        with self.decoder._shared_rotary(pos, hi):
+            x = self.decoder(self._embed(tgt, pos), memory, context_mask=memory_mask, cache=cache, positions=pos)
         return self._logits(x)
 
     def forward(self, src: Tensor, tgt: Tensor, *, src_mask=None) -> Tensor:

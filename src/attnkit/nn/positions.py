@@ -60,7 +60,7 @@ class PositionEncoding(nn.Module):
     extrapolates = False  # meaningful beyond the trained max_seq_len
     absolute = False  # needs the tokens' absolute positions (rotary, sinusoidal) rather than key order
 
-    def rotate(self, x: Tensor, positions: Tensor) -> Tensor:
+    def rotate(self, x: Tensor, positions: Tensor, *, max_position: int | None = None) -> Tensor:
         return x
 
     def score_mod(self) -> _bias.ScoreMod | None:
@@ -197,13 +197,17 @@ class RotaryEmbedding(PositionEncoding):
             self._tables[key] = cached
         return cached
 
-    def cos_sin(self, positions: Tensor, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
-        """cos and sin at ``positions`` ((L,) -> (L, dim); (B, L) -> (B, L, dim)) in ``dtype``."""
+    def cos_sin(self, positions: Tensor, dtype: torch.dtype = torch.float32, *,
+                max_position: int | None = None) -> tuple[Tensor, Tensor]:
+        """cos and sin at ``positions`` ((L,) -> (L, dim); (B, L) -> (B, L, dim)) in ``dtype``.
+
+        ``max_position``: the largest position, when the caller knows it without reading the tensor (and
+        has checked it against ``max_seq_len``): nothing is synchronised or breaks a compiled graph."""
         shared = self._shared
         if shared is not None and shared[0] is positions:
             cos, sin = shared[1]  # gathered once by the model for all its layers
         else:
-            cos, sin = self._gather(positions, None)
+            cos, sin = self._gather(positions, max_position)
         return cos.to(dtype), sin.to(dtype)
 
     def _gather(self, positions: Tensor, max_position: int | None) -> tuple[Tensor, Tensor]:
@@ -222,6 +226,10 @@ class RotaryEmbedding(PositionEncoding):
                                  f"or use ALiBi")
         else:
             hi = max_position
+            if self.max_seq_len is not None and hi >= self.max_seq_len:
+                raise ValueError(f"RotaryEmbedding: position {hi} is beyond max_seq_len={self.max_seq_len}; "
+                                 f"rotary positions do not extrapolate: raise max_seq_len (with rope scaling) "
+                                 f"or use ALiBi")
         cos, sin = self._table(hi + 1, positions.device, torch.float32)
         return cos[positions], sin[positions]
 
@@ -236,11 +244,12 @@ class RotaryEmbedding(PositionEncoding):
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((-x2, x1), dim=-1)
 
-    def rotate(self, x: Tensor, positions: Tensor) -> Tensor:
-        """``x (B, H, L, D)`` rotated at ``positions`` ``(L,)`` or ``(B, L)``; dims past ``dim`` pass through."""
+    def rotate(self, x: Tensor, positions: Tensor, *, max_position: int | None = None) -> Tensor:
+        """``x (B, H, L, D)`` rotated at ``positions`` ``(L,)`` or ``(B, L)``; dims past ``dim`` pass through
+        (``max_position`` as in :meth:`cos_sin`)."""
         if x.shape[-1] < self.dim:
             raise ValueError(f"RotaryEmbedding(dim={self.dim}) cannot rotate heads of size {x.shape[-1]}")
-        cos, sin = self.cos_sin(positions, x.dtype)
+        cos, sin = self.cos_sin(positions, x.dtype, max_position=max_position)
         if cos.dim() == 3:  # (B, L, dim) -> (B, 1, L, dim)
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         if self.dim == x.shape[-1]:
