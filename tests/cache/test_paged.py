@@ -245,6 +245,26 @@ def test_ragged_batch_decode_and_prefill_equal_each_sequence_alone():
         torch.testing.assert_close(out[b:b + 1], want, rtol=0, atol=1e-12)
 
 
+def test_a_ragged_batch_without_positions_is_an_error():
+    """Default positions are seq_len + arange(L): one seq_len for sequences of different lengths gave the
+    shorter ones wrong positions (silently wrong logits); the batch's seq_len now refuses."""
+    from attnkit.nn import DecoderConfig, DecoderLM
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny")).eval()
+    pool = PagedCache.for_model(model, 8, 4)
+    a, b = pool.add_sequence(), pool.add_sequence()
+    with torch.no_grad():
+        model(torch.tensor([[5, 6, 7, 8, 9, 10, 11]]), cache=pool.batch([a]))
+        model(torch.tensor([[5, 6]]), cache=pool.batch([b]))
+        view = pool.batch([a, b])
+        with pytest.raises(ValueError, match=r"different lengths \[7, 2\].*positions=batch.positions"):
+            model(torch.tensor([[10], [11]]), cache=view)
+        got = model(torch.tensor([[10], [11]]), cache=pool.batch([a, b]), positions=view.positions(1))
+        want = model(torch.tensor([[5, 6, 11]]))[:, -1]
+    torch.testing.assert_close(got[1, -1], want[0], rtol=1e-5, atol=1e-5)
+    assert pool.batch([a]).seq_len == 8  # one sequence: its own length
+
+
 def test_paged_equals_static():
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, h, 13, 8, generator=g) for h in (4, 2, 2))

@@ -961,8 +961,9 @@ class PagedBatch:
     """The model-level view of a :class:`PagedCache` for a forward over some of its sequences.
 
     ``layers[i]`` writes layer ``i``; the last layer's update commits the new lengths (and registers
-    newly filled blocks for prefix caching).  ``seq_len`` is the longest stored length: a batch whose
-    sequences differ in length must pass ``positions=batch.positions(L)`` (``(B, L)`` long) to the model.
+    newly filled blocks for prefix caching).  ``seq_len`` is the stored length when every sequence holds the
+    same; a batch whose sequences differ in length must pass ``positions=batch.positions(L)`` (``(B, L)``
+    long) to the model (its ``seq_len`` raises).
 
     Example::
 
@@ -972,7 +973,7 @@ class PagedBatch:
         >>> a, b = pool.add_sequence(), pool.add_sequence()
         >>> _ = pool.batch([a]).layers[0].update(torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 3, 2))
         >>> view = pool.batch([a, b])
-        >>> view.positions(1).tolist(), view.seq_len
+        >>> view.positions(1).tolist(), pool.batch([a]).seq_len
         ([[3], [0]], 3)
     """
 
@@ -983,7 +984,14 @@ class PagedBatch:
 
     @property
     def seq_len(self) -> int:
-        return max((self.cache._seqs[s].length for s in self.ids), default=0)
+        """The stored length of the batch's sequences, when they all hold the same (what a model's default
+        positions read); sequences of different lengths raise: pass ``positions=batch.positions(L)``."""
+        lens = [self.cache._seqs[s].length for s in self.ids]
+        if len(set(lens)) > 1:
+            raise ValueError(f"PagedBatch: its sequences hold different lengths {lens}, so default positions "
+                             f"(seq_len + arange(L)) would be wrong for all but the longest: pass "
+                             f"positions=batch.positions(L) to the model")
+        return lens[0] if lens else 0
 
     def positions(self, n_new: int) -> Tensor:
         """``(B, n_new)`` absolute positions of the next ``n_new`` tokens of each sequence."""
