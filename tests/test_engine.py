@@ -202,3 +202,21 @@ def test_an_engine_keeps_the_precision_it_was_built_under():
         assert inside.cache.dtype == torch.bfloat16
         assert outside.generate([[1, 2, 3]], 3) == attnkit.Engine(m, 32, 4, relayout=False).generate([[1, 2, 3]], 3)
     assert len(inside.generate([[1, 2, 3]], 3)[0]) == 3  # run outside autocast: still bfloat16 steps
+
+
+def test_peak_blocks_counts_blocks_held_during_prefill(model):
+    """Requests that finish at their first token never reach a decode step; their prompts' blocks count."""
+    engine = attnkit.Engine(model, cache_blocks=16, block_size=4)
+    for i in range(3):
+        engine.add(list(range(i, i + 16)), 1)
+    engine.run()
+    assert engine.stats["peak_blocks"] >= 4 and engine.cache.stats()["blocks_used"] == 0
+
+
+def test_an_encoder_decoder_is_a_clear_error():
+    from attnkit.nn import EncoderDecoder
+    ed = EncoderDecoder(DecoderConfig.preset("tiny"))
+    with pytest.raises(TypeError, match="decoder-only.*EncoderDecoderCache"):
+        attnkit.Engine(ed, cache_blocks=4)
+    with pytest.raises(TypeError, match="decoder-only.*EncoderDecoderCache"):
+        attnkit.generate(ed, [[1, 2]], 3)

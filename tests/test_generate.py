@@ -393,3 +393,22 @@ def test_ragged_prompts_with_absolute_position_masks(mask):
         with pytest.raises(ValueError, match="reads absolute positions"):
             generate(model, prompts, 10, cache=cache)
     assert generate(model, [prompts[1], [6, 7, 8]], 10)[0] == alone[1]  # equal lengths: no padding, allowed
+
+
+def test_sample_refuses_what_it_cannot_sample():
+    """A wrong number of generators broadcast one uniform to every row (or crashed); +inf or all -inf
+    logits gave an arbitrary token; bool token ids passed as a tensor."""
+    p = SamplingParams(temperature=1.0)
+    logits = torch.randn(3, 10)
+    with pytest.raises(ValueError, match="1 generators for 3 rows"):
+        sample(logits, p, [torch.Generator().manual_seed(0)])
+    with pytest.raises(ValueError, match=r"rows \[0\] are \+inf somewhere or -inf everywhere"):
+        sample(torch.tensor([[float("inf"), 0.0, 1.0]]), p)
+    with pytest.raises(ValueError, match=r"rows \[1\]"):
+        sample(torch.tensor([[0.0, 1.0], [float("-inf"), float("-inf")]]), p)
+    with pytest.raises(ValueError, match="float tensor \\(N, V\\)"):
+        sample(torch.randn(10), p)
+    assert sample(torch.tensor([[float("inf"), 0.0, 1.0]])).tolist() == [0]  # greedy: the argmax
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    with pytest.raises(ValueError, match="2-D token ids"):
+        generate(model, torch.tensor([[True, False]]), 2)

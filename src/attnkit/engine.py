@@ -12,7 +12,9 @@ Requests (a prompt, how many tokens, how to sample) are added at any time.  Each
 When a decode step needs more blocks than the pool has, the newest running sequence is **preempted**: its
 blocks are freed and it goes back to the front of the queue with the tokens it produced; when admitted again
 its prompt plus those tokens are recomputed (prefill), and it continues exactly where it stopped.  Every
-request ends with the tokens it gets alone (its own sampling generator is never rewound or shared).
+request ends with the tokens it gets alone (its own sampling generator is never rewound or shared) — in
+float32 and float64; in bfloat16/float16 a batch rounds some products differently, so a near tie between two
+tokens may go the other way.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import torch
 
 from .cache import PagedCache, PoolExhausted
 from .cache._common import check_int
-from .generate import SamplingParams, _check_eos, _check_positions, _check_tokens, _last_logits, _lay_out, sample
+from .generate import (SamplingParams, _check_decoder_only, _check_eos, _check_positions, _check_tokens, _last_logits,
+                       _lay_out, sample)
 
 Tensor = torch.Tensor
 
@@ -96,6 +99,7 @@ class Engine:
         check_int("cache_blocks", cache_blocks, minimum=1)
         check_int("block_size", block_size, minimum=1)
         self.max_batch = check_int("max_batch", max_batch, minimum=1)
+        _check_decoder_only(model, "Engine")
         self.model = model.eval()  # decoding: no dropout
         if not isinstance(relayout, bool):
             raise TypeError(f"relayout={relayout!r} must be True or False")
@@ -191,6 +195,7 @@ class Engine:
             ids = torch.tensor([tokens[len(tokens) - n_new:]], dtype=torch.long, device=cache.device)
             logits = _last_logits(self.model(ids, cache=view, positions=view.positions(n_new)))
             self.stats["prefill_tokens"] += n_new
+            self.stats["peak_blocks"] = max(self.stats["peak_blocks"], cache.stats()["blocks_used"])
             self._emit(req, self._sample([req], logits)[0], events)
 
     def _preempt_newest(self) -> None:

@@ -125,10 +125,23 @@ def sample(logits: Tensor, params: SamplingParams | None = None,
         [1, 0]
     """
     params = params or SamplingParams()
+    if not isinstance(logits, Tensor) or logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(f"sample: logits must be a float tensor (N, V), one row per sequence, got "
+                         f"{tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__}")
     if logits.numel() and bool(torch.isnan(logits).any()):
         rows = torch.isnan(logits).any(-1).nonzero().view(-1).tolist()
         raise ValueError(f"sample: logits of rows {rows[:5]} hold NaN (the model's output is broken): check the "
                          f"model's weights and inputs")
+    if logits.numel() and not params.greedy:
+        bad = (logits == float("inf")).any(-1) | (logits == float("-inf")).all(-1)
+        if bool(bad.any()):
+            rows = bad.nonzero().view(-1).tolist()
+            raise ValueError(f"sample: logits of rows {rows[:5]} are +inf somewhere or -inf everywhere, which "
+                             f"leaves no distribution to sample from: check the model's output (or the logit "
+                             f"processor that produced them)")
+    if generators is not None and len(generators) != logits.shape[0]:
+        raise ValueError(f"sample: got {len(generators)} generators for {logits.shape[0]} rows of logits: give one "
+                         f"per row (None for the global generator)")
     if params.greedy:
         return logits.argmax(dim=-1)
     probs = torch.softmax(_filtered(logits.float(), params), dim=-1)  # (N, V)
@@ -150,7 +163,8 @@ def sample(logits: Tensor, params: SamplingParams | None = None,
 
 def _prompts(prompts) -> list[list[int]]:
     if isinstance(prompts, Tensor):
-        if prompts.dim() != 2 or prompts.dtype.is_floating_point or 0 in prompts.shape:
+        if prompts.dim() != 2 or prompts.dtype.is_floating_point or prompts.dtype.is_complex \
+                or prompts.dtype == torch.bool or 0 in prompts.shape:
             raise ValueError(f"prompts as a tensor must be 2-D token ids (B, L) with B, L >= 1, got {prompts.dtype} "
                              f"{tuple(prompts.shape)}")
         return [[int(t) for t in row] for row in prompts.tolist()]
@@ -168,6 +182,15 @@ def _prompts(prompts) -> list[list[int]]:
             raise ValueError(f"prompts[{i}] must be a non-empty list of int token ids, got {p!r:.80}")
         out.append([int(t) for t in p])
     return out
+
+
+def _check_decoder_only(model, who: str) -> None:
+    """generate and Engine run decoder-only LMs: an encoder-decoder gets a clear error, not a missing argument."""
+    from .nn import EncoderDecoder
+    if isinstance(model, EncoderDecoder):
+        raise TypeError(f"{who} takes a decoder-only language model (e.g. attnkit.nn.DecoderLM), got an "
+                        f"EncoderDecoder: encode once with model.encode(src), then decode step by step with "
+                        f"model.decode(tgt, memory, cache=attnkit.cache.EncoderDecoderCache(...))")
 
 
 def _check_tokens(prompts: list[list[int]], vocab: int | None, name: str | None = None) -> None:
@@ -432,10 +455,12 @@ def generate(model, prompts, max_new_tokens: int, *, cache: str | Callable | Non
         ``list[list[int]]``: the new tokens of each prompt (or, with ``stream=True``, the iterator).
 
     Ragged prompts are left-padded; each row gets its own positions and a padding mask, so each sequence's
-    tokens are exactly those it gets alone (a model whose masks read absolute positions — ``global_tokens``,
-    ``block_local``, ``random_blocks``, ... rather than distances such as ``causal`` or ``sliding_window`` — is
-    refused there: use ``cache="paged"`` or ``None``, which never pad) (with ``cache="int8"``/``"int4"`` only as closely as the
-    quantization allows: a padded row's key groups start at the batch's first position).  Runs under ``torch.no_grad`` with the model in eval mode.
+    tokens are exactly those it gets alone in float32/float64 (in bfloat16/float16 a batch rounds some
+    products differently, so a near tie may go the other way; with ``cache="int8"``/``"int4"`` only as closely
+    as the quantization allows: a padded row's key groups start at the batch's first position).  A model whose
+    masks read absolute positions (``global_tokens``, ``block_local``, ``random_blocks``, ... rather than
+    distances such as ``causal`` or ``sliding_window``) is refused on that path: use ``cache="paged"`` or
+    ``None``, which never pad.  Runs under ``torch.no_grad`` with the model in eval mode.
 
     Example::
 
@@ -450,6 +475,7 @@ def generate(model, prompts, max_new_tokens: int, *, cache: str | Callable | Non
         >>> out[1] == attnkit.generate(model, [[4, 5]], 4)[0] == attnkit.generate(model, [[4, 5]], 4, cache=None)[0]
         True
     """
+    _check_decoder_only(model, "generate")
     prompts = _prompts(prompts)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, Integral) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 0")
