@@ -285,9 +285,10 @@ def test_a_layer_is_judged_on_its_heads_with_rows():
     assert [(f.kind, f.heads) for f in findings] == [("uniform", [1])] and grads == {"a": 1e-2}
 
 
-def test_grad_norm_is_over_rows_with_two_or_more_keys():
-    """The grad norm column is the RMS over the rows the other columns are over: rows with one key (the
-    first row of a causal mask) have no score gradient and must not dilute it."""
+def test_grad_norm_is_over_the_rows_the_loss_reaches_on_one_key_scale():
+    """The grad norm column is the RMS over the rows the loss reaches of a row's score-gradient norm times
+    sqrt(n), n its keys: rows with one key (the first row of a causal mask) have no score gradient and must
+    not dilute it, and diffuse weights (which split a row's gradient over n keys) are put on one scale."""
     torch.manual_seed(0)
     mha = MultiHeadAttention(16, 2, mask=masks.causal()).double()
     x = torch.randn(2, 5, 16, dtype=torch.float64)
@@ -304,8 +305,9 @@ def test_grad_norm_is_over_rows_with_two_or_more_keys():
     ds = scores[0].grad  # (B, H, L, L)
     assert ds[:, :, 0].abs().max() == 0  # the row with one key has no gradient
     for s in report.heads:
-        rows = ds[:, s.head, 1:]  # the rows with at least two keys
-        expected = rows.pow(2).sum(-1).mean().sqrt()
+        rows = ds[:, s.head, 1:]  # the rows with at least two keys (all reached by this loss)
+        n = torch.arange(2, 6, dtype=torch.float64).view(1, -1)  # keys of rows 1..4
+        expected = (rows.pow(2).sum(-1) * n).mean().sqrt()
         assert s.rows == 8 and s.grad_norm == pytest.approx(float(expected), rel=1e-9)
 
 
@@ -329,3 +331,38 @@ def test_plot_file_names_never_collide(tmp_path):
     paths = report.plot(tmp_path)
     assert [p.name for p in paths] == ["attention.png", "attention_2.png", "inner_attn.png", "inner_attn_2.png"]
     assert len(set(paths)) == len(paths) and all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)
+
+
+def test_a_loss_reading_one_position_is_not_a_vanishing_gradient():
+    """A classifier reading position 0 of a healthy two-layer encoder: its last layer's other rows get no
+    gradient and diffuse weights spread each row's over many keys; neither is a vanishing gradient (both
+    were reported as one at 256 and 1024 tokens)."""
+    from attnkit.diagnostics.examples import _scale_qk
+    from attnkit.nn import Encoder
+
+    class Cls(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.enc, self.head = nn.Embedding(100, 64), Encoder(64, 2, 4), nn.Linear(64, 5)
+            nn.init.normal_(self.emb.weight, std=1.0)
+
+        def forward(self, ids):
+            return self.head(self.enc(self.emb(ids))[:, 0])
+
+    for L in (32, 1024):
+        torch.manual_seed(0)
+        m = Cls()
+        _scale_qk(m, 6.0)
+        ids, y = torch.randint(0, 100, (2, L)), torch.randint(0, 5, (2,))
+        report = doctor(m, ids, lambda out, b: nn.functional.cross_entropy(out, y))
+        assert "vanishing_gradient" not in report.kinds, (L, report.findings)
+
+
+def test_a_saturated_head_counts_toward_a_sharp_layer():
+    """Three sharp heads and one even sharper (saturated) one: the layer is sharp (making one head sharper
+    made the finding disappear, since a saturated head was not counted)."""
+    t = Thresholds()
+    stats = [HeadStats("l", 0, 0.0, 1.0, 0.3, 9.0, None, 5)] + [
+        HeadStats("l", h, 0.1, 0.95, 0.0, 5.0, None, 5) for h in (1, 2, 3)]
+    findings, _ = _diagnose(stats, t, None)
+    assert [(f.kind, f.heads) for f in findings] == [("sharp", [0, 1, 2, 3])]

@@ -90,11 +90,11 @@ def test_score_gradient_matches_autograd(monkeypatch, rows_per_block):
         (mha(x) * g).sum().backward()
     assert mha._attend is ref  # restored to what was there, not to the class method
     rec = p.layers[""].calls[0]
-    expected = store[0].grad.pow(2).sum(dim=(-1, -2))  # (B, Hq)
+    expected = (store[0].grad.pow(2).sum(-1) * rec.allowed).sum(-1)  # (B, Hq): rows' squared norms x keys
     torch.testing.assert_close(rec.grad_sq, expected, rtol=1e-9, atol=1e-12)
-    # rows with at least two keys: row 0 sees only itself, has no score gradient, and is not counted
+    # the rows the loss reaches: row 0 sees only itself, has no score gradient, and is not counted
     assert torch.equal(rec.grad_rows, torch.full((2, 4), 8))
-    assert torch.equal(rec.grad_rows, (rec.allowed >= 2).sum(-1))
+    assert torch.equal(rec.grad_rows, (store[0].grad.pow(2).sum(-1) > 0).sum(-1))
 
 
 def test_long_sequences_keep_statistics_not_weights():
@@ -163,7 +163,7 @@ def test_additive_and_single_head_attention_are_probed():
     s = add.scores(q, k).detach().requires_grad_(True)  # (B, Lq, Lk)
     (torch.softmax(s, -1) @ v * g).sum().backward()
     torch.testing.assert_close(rec.weights[:, 0], torch.softmax(s, -1).float().detach(), rtol=0, atol=1e-6)
-    torch.testing.assert_close(rec.grad_sq[:, 0], s.grad.pow(2).sum(dim=(-1, -2)), rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(rec.grad_sq[:, 0], s.grad.pow(2).sum(dim=(-1, -2)) * 5, rtol=1e-9, atol=1e-12)  # x 5 keys
     head = SingleHeadAttention(4, 2)
     with probe(head) as p:
         head(torch.randn(3, 4))

@@ -139,8 +139,8 @@ class HeadStats:
         max_weight: mean of each row's largest weight.
         saturated: share of rows whose largest weight is within 1e-4 of 1 (SATURATION).
         score_std: mean standard deviation of a row's final scores (how far apart softmax's inputs are).
-        grad_norm: RMS over the same rows of the norm of a row's ``dL/d(scores)``, or None without a backward
-            pass (or without rows).
+        grad_norm: RMS of the norm of a row's ``dL/d(scores)`` over the rows the loss reaches (0 when it
+            reaches none), or None without a backward pass (or without rows).
         rows: rows counted.  When it is 0 (no row may attend to two or more keys: nothing to measure), entropy,
             max_weight, saturated and score_std are NaN, printed ``-``, grad_norm is None and there is no finding.
         symptom: the kind of the report's finding that names this head (``"uniform"``, ``"sharp"``,
@@ -335,11 +335,11 @@ def _head_stats(record: LayerRecord) -> list[HeadStats]:
             if c.grad_sq is not None:
                 have_grad = True
                 sq += float(c.grad_sq[:, h].sum())
-                cnt += int(c.grad_rows[:, h].sum())  # rows with at least two keys
+                cnt += int(c.grad_rows[:, h].sum())  # rows the loss reaches
         e, m, s = torch.cat(ent), torch.cat(mx), torch.cat(sstd)
         if rows == 0:
             e = m = s = torch.tensor([float("nan")])
-        grad = math.sqrt(sq / cnt) if have_grad and cnt else None
+        grad = (math.sqrt(sq / cnt) if cnt else 0.0) if have_grad and rows else None  # no row reached: 0
         out.append(HeadStats(record.name, h, float(e.mean()), float(m.mean()),
                              float((m >= 1 - SATURATION).float().mean()) if rows else float("nan"),
                              float(s.mean()), grad, rows))
@@ -387,8 +387,9 @@ def _layer_finding(name: str, heads: list[HeadStats], t: Thresholds, grad: float
     if not heads:
         return None
     own = {h.head: _head_symptom(h, t) for h in heads}
-    for kind in ("saturated", "sharp", "uniform"):
-        hit = [h for h in heads if own[h.head] == kind]
+    for kind in ("saturated", "sharp", "uniform"):  # a saturated head that is also sharp counts as sharp
+        hit = [h for h in heads if own[h.head] == kind
+               or (kind == "sharp" and own[h.head] == "saturated" and h.max_weight >= t.sharp_max_weight)]
         if hit and len(hit) >= getattr(t, f"{kind}_heads") * len(heads):
             shown[kind] = Finding(kind, name, [h.head for h in hit], _evidence(kind, hit))
     if grad is not None:

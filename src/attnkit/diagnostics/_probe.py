@@ -57,8 +57,11 @@ class CallRecord:
         max_weight: ``(B, Hq, Lq)`` the largest weight of each row.
         allowed: ``(B, Hq, Lq)`` int, how many keys each row may attend to.
         score_std: ``(B, Hq, Lq)`` standard deviation of each row's final (allowed) scores.
-        grad_sq: ``(B, Hq)`` sum of squared ``dL/d(scores)`` over rows and keys, once a backward pass ran.
-        grad_rows: ``(B, Hq)`` int, the rows that may attend to at least two keys, summed over backward passes
+        grad_sq: ``(B, Hq)`` sum over rows of a row's squared ``dL/d(scores)`` norm times the keys ``n`` it may
+            attend to, once a backward pass ran (diffuse weights split a row's gradient over its keys, so its
+            norm falls as ``1/sqrt(n)`` with the length alone; the factor puts rows of any length on one scale).
+        grad_rows: ``(B, Hq)`` int, the rows whose score gradient is not zero (the rows the loss reaches: a
+            classifier reading one position reaches one row of its last layer), summed over backward passes
             (None before one), so ``sqrt(grad_sq / grad_rows)`` is the RMS of a row's gradient norm over those
             rows.  A row with one key (or none) gets no gradient: its weight is 1 (or 0) whatever its score.
 
@@ -166,12 +169,16 @@ def _score_gradient(record: CallRecord, call: Call, grad_out: Tensor) -> None:
     acc = torch.promote_types(accumulation_dtype(grad_out.dtype), torch.float32)
     vg = call.v.detach().unsqueeze(2).to(acc)  # (B, Hkv, 1, Lk, Dv)
     sq = torch.zeros(B, Hq, dtype=torch.float64)
+    live = torch.zeros(B, Hq, dtype=torch.long)
     for r0, r1, _, w in _row_blocks(call):
         g = grad_out[:, :, r0:r1].reshape(B, call.kv_heads, call.group, r1 - r0, -1).to(acc)  # (B, Hkv, G, r, Dv)
         dw = torch.matmul(g, vg.transpose(-1, -2))  # (B, Hkv, G, r, Lk)
         ds = w * (dw - (dw * w).sum(-1, keepdim=True))
-        sq += _flat(ds.pow(2).sum(dim=(-1, -2)), call).double().cpu()
-    live = (record.allowed >= 2).sum(-1)  # (B, Hq): rows with a gradient to measure
+        row_sq = _flat(ds.pow(2).sum(-1), call).double().cpu()  # (B, Hq, r)
+        # diffuse weights split a row's gradient over its n keys (|dL/ds| ~ spread / sqrt(n)): scaled by n,
+        # the squared norm is on one key's scale, so a long sequence alone does not look like a vanishing one
+        sq += (row_sq * record.allowed[:, :, r0:r1].double()).sum(-1)
+        live += (row_sq > 0).sum(-1)  # rows the loss reaches
     record.grad_sq = sq if record.grad_sq is None else record.grad_sq + sq
     record.grad_rows = live if record.grad_rows is None else record.grad_rows + live
 
