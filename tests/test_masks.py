@@ -331,3 +331,14 @@ def test_random_blocks_keeps_a_bounded_number_of_tables():
     for n in range(1, 200):
         m.table(1, n)
     assert len(m._cache) <= 16 and torch.equal(m.table(8, 8), first)  # recomputed alike
+
+
+def test_show_draws_combinations_in_either_order():
+    """key_padding only guesses a size (its longest length): a part that fixes one (document, from_dense)
+    wins in either operand order (the guess won on the left and drawing raised)."""
+    doc = masks.document(torch.tensor([0, 0, 0, 1, 1, 1, 1, 2, 2, 2]))
+    kp = masks.key_padding([3, 5])
+    for m in (doc & kp, kp & doc, kp | doc, ~(kp & doc)):
+        assert "10x10" in str(m).splitlines()[0]
+    assert "7x7" in str(kp & masks.from_dense(torch.ones(7, 7, dtype=torch.bool))).splitlines()[0]
+    assert "5x5" in kp.show().splitlines()[0]

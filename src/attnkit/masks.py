@@ -404,6 +404,10 @@ class Mask:
         """The (Lq, Lk) the mask is defined for, when it carries one (used to draw it)."""
         return None
 
+    def _size_guess(self) -> tuple[int, int] | None:
+        """A size to draw it at: the size it is defined for, else one that suits it (key lengths)."""
+        return self._size()
+
     def _batch_size(self) -> int:
         """The batch size the mask carries data for (1 when it does not depend on the batch)."""
         return 1
@@ -482,7 +486,7 @@ class Mask:
     def show(self, q_len: int | None = None, kv_len: int | None = None, *, batch: int = 0, head: int = 0,
              max_width: int = 64) -> str:
         """Draw the mask: one character per element (█ may attend, · may not), or per tile when wide."""
-        size = self._size()
+        size = self._size_guess()
         if q_len is None:
             q_len = size[0] if size else 16
         if kv_len is None:
@@ -571,6 +575,9 @@ class _And(Mask):
     def _size(self):
         return self.a._size() or self.b._size()
 
+    def _size_guess(self):
+        return self._size() or self.a._size_guess() or self.b._size_guess()
+
     def _batch_size(self):
         return max(self.a._batch_size(), self.b._batch_size())
 
@@ -605,6 +612,9 @@ class _Not(Mask):
     def _size(self):
         return self.a._size()
 
+    def _size_guess(self):
+        return self.a._size_guess()
+
     def _batch_size(self):
         return self.a._batch_size()
 
@@ -629,6 +639,9 @@ class _Named(Mask):
 
     def _size(self):
         return self.inner._size()
+
+    def _size_guess(self):
+        return self.inner._size_guess()
 
     def _batch_size(self):
         return self.inner._batch_size()
@@ -741,7 +754,7 @@ class _KeyLengths(_Interval):
             raise ValueError(f"key_padding: lengths[{i}]={int(self.lengths[i])} exceeds the key length "
                              f"Lk={kv_len}; each length must be <= Lk")
 
-    def _size(self):
+    def _size_guess(self):  # (the lengths fix no key length: any Lk >= the longest fits)
         n = int(self.lengths.max()) if len(self.lengths) else 0
         return (n, n)
 

@@ -135,4 +135,22 @@ def test_axial_attention_causal_axes_and_errors():
         AxialAttention(8, 2, axes=(1, 3))(torch.randn(1, 3, 4, 8))
     with pytest.raises(ValueError, match="x has width 6"):
         AxialAttention(8, 2)(torch.randn(1, 3, 4, 6))
+    with pytest.raises(ValueError, match="one entry per sequence"):  # (it named the flattened batch of 6)
+        AxialAttention(8, 2, mask=masks.key_padding([3, 2]))
+    assert AxialAttention(8, 2)(torch.randn(2, 0, 5, 8)).shape == (2, 0, 5, 8)  # an empty grid (it crashed)
     assert isinstance(axial.attn[0], MultiHeadAttention)
+
+
+def test_small_module_argument_errors():
+    from attnkit.nn import AdditiveAttention, DecoderConfig, SingleHeadAttention
+    with pytest.raises(TypeError, match="backend must be a string"):
+        SingleHeadAttention(4, 2, backend=3)
+    with pytest.raises(TypeError, match="values has dtype torch.int64"):
+        AdditiveAttention(4, 4, 8)(torch.randn(1, 2, 4), torch.randn(1, 3, 4), torch.ones(1, 3, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="t5_num_buckets=0"):
+        DecoderConfig.preset("tiny", positions="t5", t5_num_buckets=0)
+    with pytest.raises(ValueError, match="t5_max_distance=8.*must exceed"):
+        DecoderConfig.preset("tiny", positions="t5", t5_max_distance=8)
+    mha = MultiHeadAttention(16, 2, positions=None)
+    with pytest.raises(ValueError, match="positions"):  # not read without rotary/sinusoidal, still checked
+        mha(torch.randn(1, 4, 16), positions=torch.arange(7))

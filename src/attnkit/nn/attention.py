@@ -260,6 +260,8 @@ class MultiHeadAttention(_Attends):
                     hi = (0 if cache is None else cache.seq_len) + L - 1
                 else:
                     pos = _checks.positions_tensor("positions", positions, B, L, x.device)
+            elif positions is not None:  # relative encodings (ALiBi, T5) or none do not read them: still checked
+                _checks.positions_tensor("positions", positions, B, L, x.device)
             q, k, v = self._project_self(x, pos)
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)

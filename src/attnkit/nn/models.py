@@ -122,6 +122,14 @@ class DecoderConfig:
         _checks.positive_float("init_std", self.init_std)
         _checks.probability("dropout", self.dropout)
         _checks.probability("attention_dropout", self.attention_dropout)
+        if self.positions == "t5":  # the bucket layout's errors at configuration time, not when building
+            for bidirectional in (False, True):
+                try:
+                    T5RelativeBias(self.n_heads, self.t5_num_buckets, self.t5_max_distance,
+                                   bidirectional=bidirectional)
+                except (TypeError, ValueError) as e:
+                    raise type(e)(f"t5_num_buckets={self.t5_num_buckets!r}, t5_max_distance={self.t5_max_distance!r}: "
+                                  f"{e}") from None
         _checks.causal_model_mask("mask", self.mask)
         self.layer_masks = _check_layer_masks(self.layer_masks, self.n_layers)
         if self.rotary_dim is not None and (self.rotary_dim > self.d_head_ or self.rotary_dim % 2):

@@ -57,6 +57,8 @@ class SingleHeadAttention(_Attends):
         _checks.positive_int("d_model", d_model)
         _checks.positive_int("d_k", d_k)
         d_v = d_k if d_v is None else _checks.positive_int("d_v", d_v)
+        if not isinstance(backend, str):
+            raise TypeError(f"backend must be a string such as 'auto', got {type(backend).__name__}")
         self.d_model, self.d_k, self.d_v, self.backend = d_model, d_k, d_v, backend
         bound = 1.0 / math.sqrt(d_model)
         self.W_q = nn.Parameter(torch.empty(d_model, d_k).uniform_(-bound, bound))
@@ -121,6 +123,8 @@ class AdditiveAttention(_Attends):
         super().__init__()
         for name, val in (("q_dim", q_dim), ("k_dim", k_dim), ("hidden", hidden)):
             _checks.positive_int(name, val)
+        if not isinstance(backend, str):
+            raise TypeError(f"backend must be a string such as 'auto', got {type(backend).__name__}")
         self.q_dim, self.k_dim, self.hidden, self.backend = q_dim, k_dim, hidden, backend
         self.dropout = _checks.probability("dropout", dropout)
         self.W_q = Linear(q_dim, hidden, bias=True)  # the one bias of the tanh layer
@@ -141,6 +145,8 @@ class AdditiveAttention(_Attends):
         if not isinstance(values, torch.Tensor) or values.dim() != 3 or values.shape[:2] != keys.shape[:2]:
             got = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
             raise ValueError(f"values must have shape (B, Lk, Dv) with (B, Lk)={tuple(keys.shape[:2])}, got {got}")
+        if not values.is_floating_point():
+            raise TypeError(f"values has dtype {values.dtype}: pass a float tensor (e.g. values.float())")
         if query.shape[0] != keys.shape[0]:
             raise ValueError(f"query has batch {query.shape[0]} but keys have {keys.shape[0]}")
         B, Lq, Lk = query.shape[0], query.shape[1], keys.shape[1]
