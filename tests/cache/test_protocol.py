@@ -172,3 +172,39 @@ def test_static_overflow_and_layout_errors():
         StaticCache(1, max_len=0)
     with pytest.raises(ValueError, match="window=0"):
         SlidingWindowCache(1, window=0)
+
+
+@pytest.mark.parametrize("kind", ["static", "sliding", "int8", "paged"])
+def test_a_rejected_call_leaves_the_cache_unchanged(kind):
+    """The attention layer checks the call (mask shape, need_weights) against the cache's peek() before the
+    update: a rejected step stores nothing, so the retry gives the logits of the same steps without the
+    rejected one (layer 0 had stored the step and the retry was off by 3e-2)."""
+    from attnkit.nn import DecoderConfig, DecoderLM
+    torch.manual_seed(0)
+    lm = DecoderLM(DecoderConfig.preset("tiny", mask=masks.sliding_window(7))).eval()
+    ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(1))
+
+    def make():
+        if kind == "paged":
+            pool = PagedCache.for_model(lm, 8, 4)
+            sid = pool.add_sequence()
+            return lambda: pool.batch([sid])
+        made = {"static": lambda: StaticCache.for_model(lm, 1, 16),
+                "sliding": lambda: SlidingWindowCache.for_model(lm, 1),
+                "int8": lambda: QuantizedCache.for_model(lm, 1, 64, group_size=4)}[kind]()
+        return lambda: made
+
+    with torch.no_grad():
+        clean = make()
+        lm(ids[:, :5], cache=clean())
+        ref = lm(ids[:, 5:], cache=clean())[:, -1]
+        cache = make()
+        lm(ids[:, :5], cache=cache())
+        before = [layer.seq_len for layer in cache().layers]
+        with pytest.raises(ValueError, match="does not fit"):
+            lm(ids[:, 5:], cache=cache(), mask=torch.ones(1, 1, 1, 3, dtype=torch.bool))
+        if kind in ("int8", "paged"):  # their decode step computes attention itself: no weights
+            with pytest.raises(ValueError, match="need_weights"):
+                lm.layers[0].attn(torch.randn(1, 1, lm.config.d_model), cache=cache().layers[0], need_weights=True)
+        assert [layer.seq_len for layer in cache().layers] == before
+        assert torch.equal(lm(ids[:, 5:], cache=cache())[:, -1], ref)

@@ -924,8 +924,15 @@ class PagedLayerCache:
 
     @property
     def seq_len(self) -> int:
-        """The batch's longest stored length (a ragged batch passes explicit positions to the model)."""
+        """The batch's stored length when its sequences hold the same (a ragged batch raises: it passes
+        explicit positions to the model)."""
         return self._owner.seq_len
+
+    def peek(self, n_new: int) -> tuple[int | None, bool]:
+        """``(Lk, attends)`` of an update of ``n_new`` tokens (see ``StaticLayerCache.peek``): one token
+        returns the paged decode object; more return the gathered keys, as long as the longest sequence."""
+        o = self._owner
+        return max((o.cache._seqs[s].length for s in o.ids), default=0) + n_new, n_new == 1
 
     def update(self, k: Tensor, v: Tensor):
         """Store ``k (B, Hkv, L_new, D)``, ``v`` for the batch's sequences; one new token each returns a

@@ -261,6 +261,10 @@ class QuantizedLayerCache:
         """Positions stored in this layer (what an attention layer reads for its default positions)."""
         return self.length
 
+    def peek(self, n_new: int) -> tuple[int, bool]:
+        """``(Lk, attends)`` of an update of ``n_new`` tokens (see ``StaticLayerCache.peek``)."""
+        return self.length + n_new, n_new <= _DECODE_QUERIES
+
     def nbytes(self) -> int:
         if self.kq is None:
             return 0

@@ -103,6 +103,11 @@ class SlidingWindowLayerCache:
         """Positions stored in this layer (what an attention layer reads for its default positions)."""
         return self.length
 
+    def peek(self, n_new: int) -> tuple[int, bool]:
+        """``(Lk, attends)`` of an update of ``n_new`` tokens (see ``StaticLayerCache.peek``)."""
+        W = self._owner.window
+        return (min(self.length + 1, W) if n_new == 1 else min(self.length, W) + n_new), False
+
     def nbytes(self) -> int:
         return 0 if self.k is None else self.k.nbytes + self.v.nbytes
 

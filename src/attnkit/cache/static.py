@@ -62,6 +62,12 @@ class StaticLayerCache:
         """Positions stored in this layer (what an attention layer reads for its default positions)."""
         return self.length
 
+    def peek(self, n_new: int) -> tuple[int, bool]:
+        """``(Lk, attends)`` of an update of ``n_new`` tokens, before it is made: the key length it returns and
+        whether it returns an object computing attention (an attention layer checks its call first, so a
+        rejected call leaves the cache as it was)."""
+        return self.length + n_new, False
+
     def nbytes(self) -> int:
         return 0 if self.k is None else self.k.nbytes + self.v.nbytes
 

@@ -85,7 +85,9 @@ class MultiHeadAttention(_Attends):
     ``(k_all, v_all)``, ``(k_all, v_all, extra_mask)`` (``extra_mask``: None, a Mask or a bool tensor
     broadcastable to ``(B, Hq, L, Lk)``, AND-ed with the masks) or an object with
     ``attend(q, *, mask, bias, scale, softcap) -> (B, Hq, L, d_head)`` that computes attention itself
-    (paged/quantized caches; this bypasses ``_attend`` and cannot return weights).
+    (paged/quantized caches; this bypasses ``_attend`` and cannot return weights).  A cache with
+    ``peek(n_new) -> (Lk or None, attends)`` (the built-in ones) lets the module check the call mask and
+    ``need_weights`` before the update, so a rejected call leaves the cache unchanged.
 
     **Cross-attention cache.**  The context's keys and values are computed once: with ``cache=``, the
     module reads ``cache.seq_len``; while it is 0 it projects ``context`` and calls
@@ -297,6 +299,14 @@ class MultiHeadAttention(_Attends):
         dropout_p = self.dropout if self.training else 0.0
         extra = None
         if cache is not None:
+            peek = getattr(cache, "peek", None)
+            if callable(peek):  # check the call before the cache stores anything: a rejected call changes nothing
+                lk_next, attends = peek(k.shape[2])
+                if attends and need_weights:
+                    raise ValueError("need_weights=True is not available with a cache that computes attention "
+                                     "itself (its update() returns an object with attend())")
+                if lk_next is not None:
+                    _checks.check_mask_shape("mask", call_mask, B, self.n_heads, L, lk_next)
             kv = cache.update(k, v)
             if hasattr(kv, "attend"):
                 if need_weights:
