@@ -466,3 +466,32 @@ def test_sparse_indexer_models_keep_their_top_k_selection():
 def test_register_refuses_names_transformers_routes_by_substring(bad):
     with pytest.raises(ValueError, match="routes by substring"):
         hf.register(bad)
+
+
+def test_seq2seq_models_that_call_the_interface_get_structured_masks(monkeypatch):
+    """BART sets _supports_attention_backend = False yet calls the attention interface: its masks reach
+    attnkit structured (key padding, causal), not as dense float biases, and its logits stay eager's."""
+    name = hf.register()
+    cfg = dict(vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+               decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32,
+               pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+    torch.manual_seed(0)
+    eager = transformers.BartForConditionalGeneration(transformers.BartConfig(**cfg, attn_implementation="eager"))
+    ours = transformers.BartForConditionalGeneration(transformers.BartConfig(**cfg, attn_implementation=name))
+    ours.load_state_dict(eager.state_dict())
+    ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    am = torch.ones_like(ids)
+    am[1, 6:] = 0
+    seen = []
+    real = hf.attention
+
+    def spy(q, k, v, **kw):
+        seen.append((kw.get("mask"), kw.get("bias")))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(hf, "attention", spy)
+    with torch.no_grad():
+        got = ours.eval()(input_ids=ids, attention_mask=am, decoder_input_ids=ids[:, :5]).logits
+        want = eager.eval()(input_ids=ids, attention_mask=am, decoder_input_ids=ids[:, :5]).logits
+    assert (got - want).abs().max() <= TOL
+    assert seen and all(isinstance(m, masks.Mask) and b is None for m, b in seen)

@@ -243,9 +243,11 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
     offsets put query ``i`` at key position ``i + Lk - Lq`` (attnkit's bottom-right alignment; true without
     a cache and with dynamic caches).  Anything else (packed sequences, custom overlays, static caches,
     callers that need a real tensor) comes back as ``transformers``' own boolean ``(B, 1, Lq, Lk)`` mask;
-    models that do their own attention instead of calling the attention interface (``config.model_type``
-    of a model with ``_supports_attention_backend = False``: Bloom, MPT, ...) get the mask transformers
-    builds for ``"eager"``, which their code reads.
+    models that do their own attention instead of calling the attention interface (Bloom, MPT, ...: the
+    model class of ``config.model_type`` has ``_supports_attention_backend = False`` and its source never
+    calls ``ALL_ATTENTION_FUNCTIONS.get_interface``, transformers' own test; BART, T5 and Whisper set the
+    flag but call the interface, so they get structured masks) get the mask transformers builds for
+    ``"eager"``, which their code reads.
 
     Returns an object the attnkit attention function understands: a structured mask with ``.mask`` and
     ``.shape = (B, 1, Lq, Lk)``, or a bool tensor.
@@ -306,10 +308,18 @@ def _model_type_uses_interface(model_type: str) -> bool:
     transformers, _ = _transformers()
     try:
         from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
-        return bool(getattr(getattr(transformers, MODEL_MAPPING_NAMES[model_type]), "_supports_attention_backend",
-                            True))
+        cls = getattr(transformers, MODEL_MAPPING_NAMES[model_type])
     except Exception:  # (an unknown or custom model type: assume it calls the attention interface)
         return True
+    if getattr(cls, "_supports_attention_backend", True):
+        return True
+    # the flag is also False on models that do call the interface (BART, T5, Whisper): transformers' own test
+    # reads the model's source for ALL_ATTENTION_FUNCTIONS.get_interface(...)
+    can_set = getattr(cls, "_can_set_attn_implementation", None)
+    try:
+        return bool(can_set()) if callable(can_set) else False
+    except Exception:
+        return False
 
 
 def _uses_attention_interface(config) -> bool:
