@@ -113,11 +113,17 @@ def _vec(xs: Sequence[float], digits: int = 4) -> str:
 
 
 def _mat(t: Tensor, digits: int = 4, indent: str = "      ") -> str:
+    """A matrix on one line, or one row a line with the rows aligned under the first (``indent`` is what
+    precedes the matrix on its first line)."""
     rows = [_vec(r, digits) for r in t.tolist()]
     one = "[" + ", ".join(rows) + "]"
     if len(one) <= 78:
         return one
-    return "[" + (",\n" + indent + " ").join(rows) + "]"
+    return "[" + (",\n" + " " * (len(indent) + 1)).join(rows) + "]"
+
+
+def _assigned(prefix: str, t: Tensor, digits: int) -> str:
+    return prefix + _mat(t, digits, prefix)
 
 
 def _terms(pairs: Sequence[tuple[float, float]], digits: int = 4, keep: int = 6) -> tuple[str, str]:
@@ -458,7 +464,7 @@ class Trace:
         out = [f"Attention in four steps: L={L} tokens, d_model={dm}, d_k={dk}, d_v={dv} (computed in float64)",
                "", "Inputs (one row per token)"]
         for name, t in (("X", self.x), ("W_q", self.w_q), ("W_k", self.w_k), ("W_v", self.w_v)):
-            out.append(f"  {name} ({t.shape[0]}x{t.shape[1]}) = {_mat(t, d)}")
+            out.append(_assigned(f"  {name} ({t.shape[0]}x{t.shape[1]}) = ", t, d))
         if self.mask is not None:
             out.append("  mask (█ may attend, · may not):")
             out += ["    " + "".join("█" if b else "·" for b in r) for r in self.mask.tolist()]
@@ -473,13 +479,13 @@ class Trace:
                 out.append(f"  (the other rows and K, V the same way)")
                 break
         for name, t in (("Q", self.q), ("K", self.k), ("V", self.v)):
-            out.append(f"  {name} = {_mat(t, d)}")
+            out.append(_assigned(f"  {name} = ", t, d))
         out += ["", f"Step 1, similarity: score(x{n}, xj) = Q{n}·Kj"]
         qi = self.q[i].tolist()
         for j in range(L):
             written, psum = _terms(list(zip(qi, self.k[j].tolist())), d)
             out.append(f"  score(x{n},x{j + 1}) = {written} = {psum} = {_num(float(self.scores[i, j]), d)}")
-        out.append(f"  scores = Q·K^T = {_mat(self.scores, d)}")
+        out.append(_assigned("  scores = Q·K^T = ", self.scores, d))
         if self.default_scale:
             out += ["", f"Step 2, scaling: divide by sqrt(d_k) = sqrt({dk}) = {_num(math.sqrt(dk), d)} "
                         f"(keeps softmax out of its flat, saturated region)"]
@@ -491,14 +497,14 @@ class Trace:
             masked = self.mask is not None and not bool(self.mask[i, j])
             out.append(f"  scaled(x{n},x{j + 1}) = " + (f"-inf   (masked: x{n} may not attend to x{j + 1})"
                                                         if masked else f"{op} = {_num(ss, d)}"))
-        out.append(f"  scaled_scores = {_mat(self.scaled_scores, d)}")
+        out.append(_assigned("  scaled_scores = ", self.scaled_scores, d))
         out += ["", f"Step 3, softmax: weight(x{n}, xj) = exp(scaled(x{n}, xj)) / sum_k exp(scaled(x{n}, xk))"]
         out += ["  " + line for line in self.softmax_steps().explain(i).splitlines()]
-        out.append(f"  weights = {_mat(self.weights, d)}")
+        out.append(_assigned("  weights = ", self.weights, d))
         out += ["", f"Step 4, weighted sum: output{n} = sum_j weight(x{n}, xj) * Vj"]
         ws = WeightedSum(self.weights, self.v, self.output, d)
         out += ["  " + line for line in ws.explain(i).splitlines()]
-        out.append(f"  output = {_mat(self.output, d)}")
+        out.append(_assigned("  output = ", self.output, d))
         return "\n".join(out)
 
     def __str__(self) -> str:
