@@ -206,3 +206,26 @@ def test_a_model_quantized_under_inference_mode_runs_in_and_out_of_it():
         assert q(torch.randn(2, 16)).shape == (2, 4)
     with torch.no_grad():
         assert q(torch.randn(2, 16)).shape == (2, 4)
+
+
+def test_shared_and_tied_linears():
+    """A Linear under two names becomes one quantized layer under both (one name was left float); a Linear
+    whose weight an embedding also holds (a tied head) stays float and tied (quantizing it added a copy);
+    weight_bytes counts shared storage once and meta tensors each."""
+    m = torch.nn.Module()
+    m.a = m.b = torch.nn.Linear(32, 32)
+    m.emb = torch.nn.Embedding(10, 32)
+    m.head = torch.nn.Linear(32, 10, bias=False)
+    m.head.weight = m.emb.weight
+    before = weight_bytes(m)
+    attnkit.quantize(m, "int8")
+    assert isinstance(m.a, Int8Linear) and m.a is m.b
+    assert isinstance(m.head, torch.nn.Linear) and m.head.weight is m.emb.weight
+    assert weight_bytes(m) < before
+    base = torch.zeros(100)
+    views = torch.nn.Module()
+    views.register_buffer("x", base[:60])
+    views.register_buffer("y", base[40:])  # overlapping views of one 400-byte tensor
+    assert weight_bytes(views) == 400
+    meta = torch.nn.Sequential(torch.nn.Linear(4, 4, device="meta"), torch.nn.Linear(4, 4, device="meta"))
+    assert weight_bytes(meta) == 160

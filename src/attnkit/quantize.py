@@ -175,10 +175,14 @@ def weight_bytes(model: nn.Module) -> int:
     """
     seen, total = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
-        key = (t.data_ptr(), t.nbytes)
+        if t.is_meta:  # (no memory to share: every meta tensor reports address 0)
+            total += t.nbytes
+            continue
+        storage = t.untyped_storage()  # views of one tensor share it: counted once, whole
+        key = (storage.data_ptr(), t.device)
         if key not in seen:
             seen.add(key)
-            total += t.nbytes
+            total += storage.nbytes()
     return total
 
 
@@ -197,8 +201,10 @@ def quantize(model: nn.Module, dtype: str = "int8", *, compute_dtype: torch.dtyp
         skip: a name or names of submodules (as in ``model.named_modules()``) to leave as they are, with
             everything inside them.
 
-    Embeddings (and an output head that reuses the embedding matrix) are not Linear layers and stay as
-    they are, and so do the Linear layers inside PyTorch's own ``nn.MultiheadAttention``,
+    Embeddings are not Linear layers and stay as they are, and so does a Linear layer whose weight another
+    module holds too (an output head tied to the embedding: quantizing it would untie them and add a copy);
+    a Linear reachable under several names is replaced by one quantized layer under all of them.  The
+    Linear layers inside PyTorch's own ``nn.MultiheadAttention``,
     ``nn.TransformerEncoderLayer`` and ``nn.TransformerDecoderLayer`` (PyTorch reads their weights
     directly).  attnkit's fused projections take quantized layers (cross attention reads parts of them
     through ``forward_rows``).
@@ -225,16 +231,30 @@ def quantize(model: nn.Module, dtype: str = "int8", *, compute_dtype: torch.dtyp
     def skipped(name: str) -> bool:
         return any(name == s or name.startswith(s + ".") or s == "" for s in skip)
 
-    # PyTorch's own attention and Transformer layers read their Linear weights directly: they stay float
-    torch_owned = {id(c) for m in model.modules() if isinstance(m, _READS_WEIGHTS) for c in m.modules()}
-    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and not skipped(n)
-               and id(m) not in torch_owned]
     if isinstance(model, nn.Linear):
         raise TypeError("quantize replaces Linear layers inside a model; wrap a lone Linear with "
                         "Int8Linear.from_linear(linear) instead")
-    for name, lin in targets:
+    # PyTorch's own attention and Transformer layers read their Linear weights directly: they stay float
+    torch_owned = {id(c) for m in model.modules() if isinstance(m, _READS_WEIGHTS) for c in m.modules()}
+    # a Linear whose weight another module also holds (an output head tied to the embedding) stays float:
+    # quantizing it would untie the two and add a copy
+    holders: dict[int, set[int]] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            holders.setdefault(id(p), set()).add(id(m))
+    all_names = list(model.named_modules(remove_duplicate=False))  # a module reachable by two names: both
+    skipped_ids = {id(m) for n, m in all_names if skipped(n)}
+    replaced: dict[int, nn.Module] = {}
+    for name, lin in all_names:
+        if not isinstance(lin, nn.Linear) or id(lin) in torch_owned or id(lin) in skipped_ids:
+            continue
+        if holders.get(id(lin.weight), {id(lin)}) != {id(lin)}:
+            continue
+        new = replaced.get(id(lin))
+        if new is None:
+            new = replaced[id(lin)] = (Int8Linear.from_linear(lin, compute_dtype=compute_dtype) if dtype == "int8"
+                                       else BF16Linear.from_linear(lin))
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        new = Int8Linear.from_linear(lin, compute_dtype=compute_dtype) if dtype == "int8" else BF16Linear.from_linear(lin)
         setattr(parent, attr, new)
     return model

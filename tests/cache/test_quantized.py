@@ -167,7 +167,7 @@ def test_decode_read_with_left_padding_and_half_precision(padded, dtype):
     torch.testing.assert_close(got.float(), want, rtol=0, atol=1e-5 if dtype == torch.float32 else 2e-2)
 
 
-def test_a_large_steady_offset_costs_nothing():
+def test_a_large_steady_offset_stays_within_half_a_step():
     """The float16 zero point is rounded down and the scale up: values near 1000.3 stay within half a step
     (rounding the zero to nearest once flipped the scale's sign, an error of the whole range)."""
     x = torch.linspace(1000.3, 1000.4, 32).view(1, 32)
@@ -207,3 +207,40 @@ def test_a_step_of_zero_tokens_on_every_cache():
         for ids in (none, torch.tensor([[1, 2, 3, 4, 5]]), none):
             view = pool.batch([sid])
             assert model(ids, cache=view, positions=view.positions(ids.shape[1])).shape == (1, ids.shape[1], 64)
+
+
+def test_decoding_with_gradients_on():
+    """A decode step with autograd on (keys carrying a graph, or a query requiring grad) works like a
+    StaticCache's: the store is dequantized into fresh tensors (it raised: addcmul(out=) and the shared
+    workspace in the graph); gradients reach the full-precision residual and the query."""
+    torch.manual_seed(0)
+    w = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(1, 2, 41, 16)
+    grads = {}
+    for name, cache in (("static", StaticCache(1, max_len=64)), ("int8", QuantizedCache(1, max_len=64))):
+        layer = cache.layers[0]
+        kv = x @ w
+        layer.update(kv[:, :, :40], kv[:, :, :40])
+        step = layer.update(kv[:, :, 40:], kv[:, :, 40:])
+        q = torch.randn(1, 2, 1, 16, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        attend(step, q).sum().backward()
+        grads[name] = (w.grad.clone(), q.grad.clone())
+        w.grad = None
+    assert torch.isfinite(grads["int8"][0]).all() and grads["int8"][0].abs().sum() > 0
+    torch.testing.assert_close(grads["int8"][1], grads["static"][1], rtol=0.05, atol=0.05)
+
+
+def test_non_finite_values_and_the_float16_top():
+    """NaN/inf would make a whole group NaN: a clear error; a float16 group reaching 65504 reads back
+    65504, not inf (the rounded-up scale put the grid's top past the float16 range)."""
+    cache = QuantizedCache(1, max_len=64, group_size=4)
+    k = torch.randn(1, 1, 8, 4)
+    k[0, 0, 1, 1] = float("nan")  # in the group the update quantizes
+    with pytest.raises(ValueError, match="NaN or inf"):
+        cache.layers[0].update(k, torch.randn(1, 1, 8, 4))
+    x = torch.linspace(0, 65504, 32, dtype=torch.float16).view(1, 1, 32, 1).expand(1, 1, 32, 2).contiguous()
+    c16 = QuantizedCache(1, max_len=64, group_size=32, dtype=torch.float16)
+    c16.layers[0].update(x, x)
+    c16.layers[0].update(x[:, :, :1], x[:, :, :1])  # flushes the first group into the store
+    k_all, _ = c16.layers[0].read()
+    assert torch.isfinite(k_all).all() and float(k_all.max()) == 65504.0

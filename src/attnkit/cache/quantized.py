@@ -39,8 +39,10 @@ def quantize_groups(x: Tensor, dim: int, bits: int, scale_dtype: torch.dtype = t
     Returns ``(q, scale, zero)``: ``q`` uint8 in ``0 .. 2^bits - 1`` (not packed) with ``x``'s shape, and
     ``scale``/``zero`` in ``scale_dtype`` with ``dim`` kept as size 1.  The zero is rounded down and the scale
     up to ``scale_dtype``, and the stored (rounded) values are the ones used to quantize, so the grid covers
-    every value and :func:`dequantize_groups` is off by at most half a step (a large steady offset, e.g.
-    values near 1000.3, costs nothing).
+    every value and :func:`dequantize_groups` is off by at most half a step.  A large steady offset widens
+    the step only by ``scale_dtype``'s rounding of the zero point (float16 spaces numbers near 1000 by 0.5:
+    a group at 1000.3 with a range of 0.001 gets a step of about 0.5/255; use float32 scales for such data).
+    NaN or inf raise ``ValueError``.
 
     Example::
 
@@ -53,6 +55,10 @@ def quantize_groups(x: Tensor, dim: int, bits: int, scale_dtype: torch.dtype = t
     """
     levels = (1 << bits) - 1
     xf = x.float()
+    bad = ~torch.isfinite(xf)
+    if bool(bad.any()):  # one NaN would make its whole group (every key of a channel's group) NaN
+        raise ValueError(f"QuantizedCache: {int(bad.sum())} key/value entries are NaN or inf; quantization needs "
+                         f"finite values (a group's scale spans its range): check the model's keys and values")
     lo = xf.amin(dim, keepdim=True)
     hi = xf.amax(dim, keepdim=True)
     if scale_dtype == torch.float16 and bool((torch.maximum(hi.abs(), lo.abs()) > _FP16_MAX).any()):
@@ -137,7 +143,9 @@ class QuantizedLayerCache:
         self.rv = torch.zeros(B, H, o.residual, Dv, dtype=v.dtype, device=dev)
 
     def _flush(self, k: Tensor, v: Tensor) -> None:
-        """Quantize ``k``/``v`` (B, Hkv, f, D), f a multiple of group_size, onto the end of the store."""
+        """Quantize ``k``/``v`` (B, Hkv, f, D), f a multiple of group_size, onto the end of the store (no
+        gradient flows through rounding: the store holds plain tensors)."""
+        k, v = k.detach(), v.detach()
         o = self._owner
         B, H, f, D = k.shape
         Dv = v.shape[3]
@@ -185,6 +193,8 @@ class QuantizedLayerCache:
         else:  # per token, groups of gv channels
             vd = out.view(B, H, n, D // gv, gv)
             torch.addcmul(self.v_zero[:, :, a:b, :, None].to(dt), vd, self.v_scale[:, :, a:b, :, None].to(dt), out=vd)
+        if dt == torch.float16:  # the grid's top (zero + levels * a rounded-up scale) may pass 65504 by a hair
+            out.clamp_(-_FP16_MAX, _FP16_MAX)
         return out
 
     def _read(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -309,6 +319,8 @@ class _QuantizedDecode:
         if Lq == 0 or L == 0:  # no queries, or nothing stored: rows that see nothing give 0
             from ..functional import graph_zero
             return q.new_zeros(B, Hq, Lq, Dv) + graph_zero(q)
+        if torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in (q, layer.rk, layer.rv)):
+            return self._differentiable(q, mask=mask, bias=bias, scale=scale, softcap=softcap)
         if isinstance(mask, _Causal) and mask.align == "bottom_right" and Lq == 1:
             mask = None  # the newest query sees every stored key
         if mask is None and bias is None and softcap is None and self.pad_mask is None and _plain_query(q, layer):
@@ -340,6 +352,18 @@ class _QuantizedDecode:
         for a, b in spans:
             out += torch.matmul(p[..., a:b], layer._dequantize("v", a, b, wv[:, :, :b - a]))
         return out.view(B, Hq, Lq, Dv).to(q.dtype)
+
+    def _differentiable(self, q: Tensor, *, mask, bias, scale, softcap) -> Tensor:
+        """With gradients on (the query or the residual's new keys carry a graph): the store dequantized into
+        new tensors and one ordinary attention call, so the shared workspace is never part of a graph; the
+        gradient reaches the query and the full-precision residual (quantized keys have none)."""
+        from ..functional import attention
+        from ..masks import Mask, from_dense
+        k_all, v_all = self.layer._read(self.layer.rk.dtype)  # fresh tensors; the residual copied in last
+        if self.pad_mask is not None:
+            pad = from_dense(self.pad_mask)
+            mask = pad if mask is None else (mask if isinstance(mask, Mask) else from_dense(mask)) & pad
+        return attention(q, k_all, v_all, mask=mask, bias=bias, scale=scale, softcap=softcap)
 
     def _plain(self, q: Tensor, scale: float) -> Tensor:
         """Nothing modifies the scores: a store of one chunk is dequantized with the residual behind it for one
