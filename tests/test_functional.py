@@ -280,3 +280,12 @@ def test_bad_input_gets_a_clear_error(case):
     name, fn, exc, match = case
     with pytest.raises(exc, match=match):
         fn()
+
+
+def test_zero_width_heads_need_an_explicit_scale():
+    """D=0 made the default scale 1/sqrt(0) a ZeroDivisionError on every backend."""
+    q = k = torch.randn(1, 1, 5, 0)
+    v = torch.randn(1, 1, 5, 3)
+    with pytest.raises(ValueError, match="head dimension D=0"):
+        attnkit.attention(q, k, v)
+    assert attnkit.attention(q, k, v, scale=1.0).shape == (1, 1, 5, 3)

@@ -120,6 +120,9 @@ def _make_call(q, k, v, *, mask=None, bias=None, scale=None, softcap=None, dropo
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     mask = _check_mask(mask, q, shape)
     bias = _check_bias(bias, q, shape)
+    if q.shape[-1] == 0 and scale is None:
+        raise ValueError(f"q has head dimension D=0 (shape {tuple(q.shape)}): the default scale 1/sqrt(D) is "
+                         f"undefined; give heads of size >= 1 (or an explicit scale)")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else _check_number("scale", scale)
     if softcap is not None:
         softcap = _check_number("softcap", softcap, low=0.0, low_open=True, fix=" (or None for no softcap)")

@@ -392,3 +392,9 @@ def test_allocator_invariants(ops):
         assert refs == cache._alloc.refs
         held = sum(1 for r in refs if r > 0)
         assert held + cache.num_free_blocks == 12
+
+
+def test_a_pool_with_empty_blocks_is_a_clear_error():
+    with pytest.raises(ValueError, match="blocks hold 0 positions"):
+        paged_attention(torch.randn(2, 2, 1, 16), torch.randn(4, 1, 0, 16), torch.randn(4, 1, 0, 16),
+                        torch.zeros(2, 3, dtype=torch.int32), torch.tensor([0, 0], dtype=torch.int32))

@@ -256,6 +256,9 @@ def check_paged_values(who: str, block_table: Tensor, seq_lens: Tensor, num_bloc
             a is b if isinstance(a, Tensor) else a == b for a, b in zip(_CHECKED_TABLES[0], key)):
         return
     B, max_blocks = block_table.shape
+    if block_size < 1:
+        raise ValueError(f"{who}: the pool's blocks hold {block_size} positions (its block dimension is empty): "
+                         f"give a pool (num_blocks, Hkv, block_size >= 1, D)")
     if B:
         lo, hi = (int(x) for x in torch.aminmax(seq_lens))
         if lo < 0 or hi > max_blocks * block_size:

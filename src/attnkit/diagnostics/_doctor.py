@@ -45,7 +45,9 @@ SYMPTOMS: dict[str, dict] = {
         "symptom": "every weight is close to 1/L: the layer averages its inputs instead of selecting",
         "causes": ["parameter initialisation, especially of W_q and W_k, too small",
                    "a wrong scaling factor (d_k taken too large, or the scores scaled twice)",
-                   "embeddings with too small a norm"],
+                   "embeddings with too small a norm",
+                   "or simply an untrained model: with the usual small initialisation (std 0.02) every layer "
+                   "starts near uniform and sharpens as it trains; check again after some training steps"],
         "fixes": ["check the initialisation range (Xavier is the usual choice)",
                   "check the scaling factor 1/sqrt(d_k), in particular the value of d_k",
                   "add layer normalisation before attention (Pre-LN: norm_first=True)"],
