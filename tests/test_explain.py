@@ -336,3 +336,16 @@ def test_the_shift_guards_against_underflow_too():
     assert "subtract the row maximum m = -999.0 first" in text
     assert "nothing overflows and the sum cannot underflow to 0" in text and "never overflows" not in text
     assert "= [0.2689, 0.7311]" in text  # without the shift both exps would be 0
+
+
+def test_check_softmax_examples_take_masked_scores():
+    """check()'s softmax examples read -inf as a masked score, as explain_softmax does (they refused it);
+    NaN and +inf are still refused."""
+    from attnkit.explain import check
+    ok = check({"softmax": [{"scores": [1.0, "-inf", 0.5], "exp_scores": ["2.718", "0", "1.649"],
+                             "weights": ["0.622", "0", "0.378"]}]})
+    assert ok.ok
+    assert not check({"softmax": [{"scores": [1.0, "-inf", 0.5], "weights": ["0.5", "0", "0.5"]}]}).ok
+    for bad in ("inf", "nan"):
+        with pytest.raises(ValueError, match="finite numbers or -inf"):
+            check({"softmax": [{"scores": [1.0, bad], "weights": ["1", "0"]}]})

@@ -146,7 +146,7 @@ def _terms(pairs: Sequence[tuple[float, float]], digits: int = 4, keep: int = 6)
 # --------------------------------------------------------------------------- input checks
 
 
-def _as_matrix(name: str, value, *, ndim: tuple[int, ...] = (2,)) -> Tensor:
+def _as_matrix(name: str, value, *, ndim: tuple[int, ...] = (2,), masked_ok: bool = False) -> Tensor:
     """A float64 tensor from a tensor or nested lists, with a clear error for anything else."""
     if isinstance(value, torch.Tensor):
         t = value.detach()
@@ -164,8 +164,11 @@ def _as_matrix(name: str, value, *, ndim: tuple[int, ...] = (2,)) -> Tensor:
         raise ValueError(f"{name} must be {want}, got shape {tuple(t.shape)}")
     if t.numel() == 0:
         raise ValueError(f"{name} is empty (shape {tuple(t.shape)}): give at least one number per row")
+    if masked_ok and not bool((torch.isnan(t) | (t == float("inf"))).any()):
+        return t  # -inf marks a masked score (weight 0), as explain_softmax reads it
     if not bool(torch.isfinite(t).all()):
-        raise ValueError(f"{name} must hold finite numbers, got {_short(t.tolist())}")
+        raise ValueError(f"{name} must hold finite numbers{' or -inf (masked)' if masked_ok else ''}, got "
+                         f"{_short(t.tolist())}")
     return t
 
 
@@ -1021,7 +1024,7 @@ def _softmax_chain(spec: Mapping, label: str) -> _Chain:
         raise ValueError(f"{label} must be an object with 'scores' and claims, got {_short(spec)}")
     if "scores" not in spec:
         raise ValueError(f"{label} needs 'scores' (the scaled scores that go into softmax)")
-    s = _as_matrix(f"{label}.scores", spec["scores"], ndim=(1, 2))
+    s = _as_matrix(f"{label}.scores", spec["scores"], ndim=(1, 2), masked_ok=True)
     one_row = s.dim() == 1
     s2 = s.view(-1, s.shape[-1])  # (R, L)
     exact = {"exp_scores": torch.exp(s2), "weights": _softmax_steps(s2).weights}
