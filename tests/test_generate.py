@@ -374,6 +374,11 @@ def test_random_blocks_decode_like_a_full_forward():
     assert generate(model, prompt, 16) == generate(model, prompt, 16, cache=None)
     with pytest.raises(ValueError, match=r"random_blocks\(4, 1, seed=0, causal=True\)"):
         DecoderConfig.preset("tiny", mask=masks.sliding_window(1) | masks.random_blocks(4, 1))
+    with pytest.raises(ValueError, match="aligned top_left"):  # a step's query would sit at row 0
+        DecoderConfig.preset("tiny", mask=masks.sliding_window(3, align="top_left"))
+    from attnkit.nn import Decoder
+    with pytest.raises(ValueError, match="draw changes with the key length"):
+        Decoder(32, 1, 4, mask=masks.random_blocks(2, 1))
     with pytest.raises(ValueError, match="layer_masks\\[1\\] contains random_blocks"):
         DecoderConfig.preset("tiny", n_layers=2, layer_masks=(None, ~masks.random_blocks(2, 1)))
 

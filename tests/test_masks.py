@@ -123,6 +123,13 @@ def test_random_blocks_follow_positions_not_the_call_shape(causal):
         assert (blocks.sum(1) == torch.tensor([1, 2, 2, 2, 2, 2])).all()  # min(n, blocks up to its own)
 
 
+def test_random_blocks_seeds_use_every_bit():
+    """The draw folds the whole seed (0 and 2^31 drew alike; seeds >= 2^63 failed at first use)."""
+    dense = lambda seed: masks.random_blocks(2, 1, seed=seed).to_dense(32, 32)  # noqa: E731
+    assert not torch.equal(dense(0), dense(2 ** 31))
+    assert dense(2 ** 64 + 3).shape == (1, 1, 32, 32)
+
+
 def test_boolean_arguments_refuse_non_bools():
     """A string such as "false" is truthy: it must not silently build the causal pattern."""
     for make in (lambda c: masks.strided(4, causal=c), lambda c: masks.dilated(2, 2, causal=c),

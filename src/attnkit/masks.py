@@ -537,18 +537,27 @@ def _leaves(mask: Mask):
             yield m
 
 
-def _grows_with_keys(mask: Mask) -> Mask | None:
-    """A part of ``mask`` whose pattern for a query position changes with ``Lk`` (so a causal model would
-    decode with a KV cache differently from a full forward), or None."""
-    return next((m for m in _leaves(mask) if isinstance(m, _RandomBlocks) and not m.causal), None)
+def _decodes_differently(mask: Mask) -> tuple[Mask, str] | None:
+    """A part of ``mask`` that a causal model would apply differently when decoding with a KV cache than in
+    a full forward, and why; or None.  A non-causal ``random_blocks`` draws among ``ceil(Lk / block)`` key
+    blocks, which grow as the cache does; a ``top_left`` part puts a step's query at row 0."""
+    for m in _leaves(mask):
+        if isinstance(m, _RandomBlocks) and not m.causal:
+            return m, (f"whose draw changes with the key length; use masks.random_blocks({m.block}, {m.n}, "
+                       f"seed={m.seed}, causal=True)")
+        if getattr(m, "align", None) == "top_left":
+            return m, ("aligned top_left: a decoding step's query sits at row 0, not at its position; use "
+                       "align='bottom_right' (the default)")
+    return None
 
 
 def _reads_absolute_positions(mask: Mask) -> Mask | None:
     """A part of ``mask`` that reads absolute query/key positions (or may: ``from_fn``, ``from_dense``, ...)
     rather than only their distance ``p - j``, or None: shifting every position of a row by the same amount
-    (left padding) changes what such a part allows."""
+    (left padding) changes what such a part allows.  A top-left aligned part counts: its queries sit at
+    their row numbers, which do not move with the keys."""
     relative = (_Causal, _SlidingWindow, _Strided, _Dilated)
-    return next((m for m in _leaves(mask) if not isinstance(m, relative)), None)
+    return next((m for m in _leaves(mask) if not (isinstance(m, relative) and m.align == "bottom_right")), None)
 
 
 def _as_mask(x, op: str) -> Mask:
@@ -958,12 +967,22 @@ _RANDOM_TABLES = 16  # block tables a random_blocks mask keeps (one per query-bl
 _M31 = (1 << 31) - 1
 
 
-def _mix31(x: Tensor) -> Tensor:
-    """A 31-bit integer hash (int64 tensors, every intermediate below 2^62: no overflow)."""
+def _mix31(x):
+    """A 31-bit integer hash of int64 tensors or Python ints (every intermediate below 2^62: no overflow)."""
     x = x & _M31
     x = ((x ^ (x >> 16)) * 0x45D9F3B) & _M31
     x = ((x ^ (x >> 16)) * 0x45D9F3B) & _M31
     return x ^ (x >> 16)
+
+
+def _seed31(seed: int) -> int:
+    """Every bit of a seed of any size folded into 31 bits (seeds 0 and 2^31 draw differently)."""
+    x = 0x2545F491
+    while True:
+        x = _mix31(x ^ (seed & _M31))
+        seed >>= 31
+        if not seed:
+            return x
 
 
 class _RandomBlocks(Mask):
@@ -992,7 +1011,7 @@ class _RandomBlocks(Mask):
         if rows == 0 or n == 0:
             return table
         c = torch.arange(nkb, dtype=torch.int64).view(1, -1)
-        base = _mix31(torch.tensor(self.seed, dtype=torch.int64))
+        base = torch.tensor(_seed31(self.seed), dtype=torch.int64)
         step = max(1, (1 << 22) // nkb)  # rows drawn at a time: bounded memory at any length
         for a in range(0, rows, step):
             r = torch.arange(first + a, first + min(rows, a + step), dtype=torch.int64).view(-1, 1)

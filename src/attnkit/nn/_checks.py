@@ -115,11 +115,11 @@ def as_mask(name: str, mask) -> _masks.Mask | None:
 def causal_model_mask(name: str, mask) -> _masks.Mask | None:
     """:func:`as_mask` for a causal model's mask: refuses parts that would decode differently with a cache."""
     mask = as_mask(name, mask)
-    part = None if mask is None else _masks._grows_with_keys(mask)
-    if part is not None:
-        raise ValueError(f"{name} contains {part!r}, whose draw changes with the key length: decoding with a KV "
-                         f"cache would see other blocks than a full forward; use "
-                         f"masks.random_blocks({part.block}, {part.n}, seed={part.seed}, causal=True)")
+    found = None if mask is None else _masks._decodes_differently(mask)
+    if found is not None:
+        part, why = found
+        raise ValueError(f"{name} contains {part!r}, {why}: decoding with a KV cache would see other keys than "
+                         f"a full forward")
     return mask
 
 

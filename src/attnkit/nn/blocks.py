@@ -165,7 +165,7 @@ class _Stack(nn.Module):
     def _build(self, d_model, n_layers, n_heads, causal, cross, block_options):
         _checks.positive_int("n_layers", n_layers)
         opts = dict(block_options)
-        user_mask = _checks.as_mask("mask", opts.pop("mask", None))
+        user_mask = (_checks.causal_model_mask if causal else _checks.as_mask)("mask", opts.pop("mask", None))
         mask = _masks.causal() & user_mask if causal and user_mask is not None else (
             _masks.causal() if causal else user_mask)
         self.layers = nn.ModuleList(
