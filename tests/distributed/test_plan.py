@@ -107,3 +107,19 @@ def test_zigzag_sliding_window_skips_the_middle_steps():
     assert all(p.hops == 3 for p in plans)  # the chunk 2W-1-r needs the next rank's keys: the ring goes round
     for p in plans:
         assert p.items[2] == []  # ... but no rank computes on the block two hops away
+
+
+def test_mask_digests_follow_values_and_versions():
+    """What ranks compare: equal bytes give equal digests (NaN included), an in-place edit changes the
+    digest (the per-tensor memo follows the version), and a large mask is read a chunk at a time."""
+    from attnkit.distributed import ring
+    a = torch.tensor([1.0, float("nan"), 3.0])
+    assert ring._tensor_digest(a) == ring._tensor_digest(a.clone())
+    before = ring._tensor_digest(a)
+    a[0] += 1
+    assert ring._tensor_digest(a) != before
+    big = torch.ones(3 * ring._DIGEST_CHUNK + 5, dtype=torch.bool)
+    other = big.clone()
+    other[-1] = False
+    assert ring._tensor_digest(big) != ring._tensor_digest(other)
+    assert ring._tensor_digest(big) == ring._tensor_digest(big.clone())
