@@ -10,6 +10,10 @@ attention must see, in position order, so query row ``i`` sits at position ``i +
 - an object with ``attend(q, *, mask, bias, scale, softcap) -> (B, Hq, L_new, Dv)`` that computes the
   attention itself (the paged cache's decode step reads the pool through the block table).
 
+A layer cache may also offer ``peek(n_new) -> (Lk or None, attends)``: what an update of ``n_new`` tokens
+would return, before it is made (the built-in ones do), so an attention layer rejects a bad call without
+storing anything.
+
 The caches: :class:`StaticCache` (preallocated), :class:`SlidingWindowCache` (a ring holding the window),
 :class:`PagedCache` (a block pool shared by many sequences, with fork and prefix caching) and
 :class:`QuantizedCache` (int8/int4 with per-group scales).
