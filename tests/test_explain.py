@@ -349,3 +349,10 @@ def test_check_softmax_examples_take_masked_scores():
     for bad in ("inf", "nan"):
         with pytest.raises(ValueError, match="finite numbers or -inf"):
             check({"softmax": [{"scores": [1.0, bad], "weights": ["1", "0"]}]})
+
+
+def test_a_masked_claim_says_to_write_null():
+    from attnkit.explain import ARTICLE, check
+    with pytest.raises(ValueError, match="write null for a masked entry"):
+        check({**ARTICLE, "mask": "causal", "scaled_scores[0]": ["0.370", "-inf", "-inf"]})
+    assert check({**ARTICLE, "mask": "causal", "scaled_scores[0]": ["0.370", None, None]}).ok

@@ -613,6 +613,9 @@ def _decimals(value) -> int:
         raise ValueError(f"{_short(value)} is not a number")
     m = _FLOAT_RE.match(text)
     if not m or not (m.group(1) or m.group(2)):
+        if text.strip().lower().lstrip("+-") in ("inf", "infinity", "nan"):
+            raise ValueError(f"{text!r} cannot be claimed: write null for a masked entry (-inf in the trace), "
+                             f"which skips it")
         raise ValueError(f"{text!r} is not a number")
     return max(0, len(m.group(2) or "") - int(m.group(3) or 0))
 
