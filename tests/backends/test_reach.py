@@ -386,3 +386,94 @@ def test_empty_batches_and_heads_and_nan_outside_what_a_row_sees(backend):
     assert torch.equal(out, torch.zeros(2, 2, 3, 4)) and out.requires_grad
     w = attnkit.attention_weights(q, torch.randn(2, 2, 0, 4))
     assert w.shape == (2, 2, 3, 0) and w.requires_grad
+
+
+def test_a_value_derived_from_a_parameter_gets_the_gradient_once():
+    """A module keeps slope = log_slope.exp() (or + 0.0) and its bias reads slope: flash gives slope its own
+    gradient and autograd carries it to log_slope (both were inputs, so log_slope got the path twice:
+    2x the gradient, or 'backward through the graph a second time'); a function reading both a parameter
+    and a value computed from it is refused by flash, and auto takes math."""
+    class Model(torch.nn.Module):
+        def __init__(self, derive):
+            super().__init__()
+            self.log_slope = torch.nn.Parameter(torch.tensor([0.1, -0.3], dtype=torch.float64))
+            self.derive = derive
+
+        def score(self, s, b, h, i, j):
+            return s - self.slope[h] * (i - j).abs()
+
+        def forward(self, q, k, v, backend):
+            self.slope = self.derive(self.log_slope)
+            return attnkit.attention(q, k, v, bias=bias.from_fn(self.score), mask=masks.causal(), backend=backend)
+
+    q, k, v = _qkv()
+    for derive in (lambda p: p + 0.0, torch.exp):
+        model = Model(derive)
+        grads = []
+        for backend in ("math", "flash"):
+            model.zero_grad()
+            model(q, k, v, backend).sum().backward()
+            grads.append(model.log_slope.grad.clone())
+        torch.testing.assert_close(grads[1], grads[0], rtol=1e-9, atol=1e-9)
+    p = torch.tensor([0.2, 0.5], dtype=torch.float64, requires_grad=True)
+    w = p * 2
+    both = bias.from_fn(lambda s, b, h, i, j: s + (p[h] + w[h]) * 0.1 * (i - j))
+    with pytest.raises(ValueError, match="computed from another it also reaches"):
+        attnkit.attention(q, k, v, bias=both, backend="flash")
+    attnkit.attention(q, k, v, bias=both).sum().backward()  # auto: math
+    assert p.grad is not None and torch.isfinite(p.grad).all()
+
+
+def test_flash_probes_a_float64_bias_function_in_float64():
+    """The probe applied the modifier to a float32 score: a float64 network in the bias failed on dtype."""
+    net = torch.nn.Linear(1, 1).double()
+    mod = bias.from_fn(lambda s, b, h, i, j: s + net((i - j).to(s.dtype)[..., None])[..., 0])
+    q, k, v = _qkv(lq=12, lk=12)
+    got = _grad_of(net.weight, "flash", mod)
+    torch.testing.assert_close(got, _grad_of(net.weight, "math", mod), rtol=1e-9, atol=1e-12)
+
+
+def test_changes_between_forward_and_backward_are_caught():
+    """The backward recomputes the scores from the bias: a variable it reads rebound before backward(), or
+    a bias tensor requiring grad edited in place, raised nothing and gave the gradients of another function."""
+    q, k, v = _qkv(lq=12, lk=12)
+    params = [torch.tensor([0.1, 0.2], dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    w = params[0] * 1.0
+    mod = bias.from_fn(lambda s, b, h, i, j: s + w[h] * (i - j))
+    out = attnkit.attention(q, k, v, bias=mod, backend="flash")
+    w = params[1] * 1.0  # noqa: F841 (the function reads w when called again)
+    with pytest.raises(RuntimeError, match="rebound"):
+        out.sum().backward()
+    wt = torch.randn(12, 12, dtype=torch.float64, requires_grad=True)
+    b = wt * 1.0
+    out = attnkit.attention(q, k, v, bias=b, backend="flash")
+    with torch.no_grad():
+        b.mul_(3)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+def test_checkpointing_frees_the_inputs_and_torch_func_uses_another_backend():
+    """q, k, v went through the autograd Function's context, not save_for_backward: non-reentrant
+    checkpointing could not free them; under torch.func transforms auto skips flash (no functorch rule)."""
+    from torch.utils.checkpoint import checkpoint
+    q, k, v = _qkv(lq=64, lk=64)
+    inner = {}
+
+    def block(x):
+        y = x * 1.0
+        inner["q"] = weakref.ref(y)
+        return attnkit.attention(y, k, v, mask=masks.causal(), backend="flash")
+
+    out = checkpoint(block, q, use_reentrant=False)
+    gc.collect()
+    assert inner["q"]() is None
+    out.sum().backward()
+    assert q.grad is not None
+    q2, k2, v2 = _qkv(lq=512, lk=512, d=8, dtype=torch.float64)
+    window = masks.sliding_window(32)
+    g = torch.func.grad(lambda x: attnkit.attention(x, k2, v2, mask=window).sum())(q2.detach())
+    ref = torch.autograd.grad(attnkit.attention(q2, k2, v2, mask=window, backend="math").sum(), q2)[0]
+    torch.testing.assert_close(g, ref, rtol=1e-9, atol=1e-9)
+    with pytest.raises(ValueError, match="torch.func transform"):
+        torch.func.grad(lambda x: attnkit.attention(x, k2, v2, mask=window, backend="flash").sum())(q2.detach())

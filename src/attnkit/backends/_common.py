@@ -146,6 +146,8 @@ def reachable_tensors(obj, *, modules: bool = True) -> list[Tensor]:
                 yield from names(c)
 
     def attributes(x) -> list:
+        if isinstance(x, Mask):  # a mask's private attributes are derived memos (random_blocks' tables)
+            return [v for k, v in vars(x).items() if not k.startswith("_")]
         items = list(vars(x).values()) if hasattr(x, "__dict__") else []
         for cls in type(x).__mro__:
             for slot in getattr(cls, "__slots__", ()):

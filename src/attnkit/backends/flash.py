@@ -31,12 +31,12 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from .. import masks as M
 from ..bias import ScoreMod
@@ -187,9 +187,9 @@ def _bias_needs_grad(call: Call) -> tuple[bool, list[Tensor]]:
     if isinstance(call.bias, Tensor):
         return call.bias.requires_grad, []
     if isinstance(call.bias, ScoreMod):
-        if "bias_params" not in call.cache:
-            params = ops.mod_params(call.bias)
-            call.cache["bias_params"] = params, ops.unreached_params(call.bias, params, call.q.device)
+        if "bias_params" not in call.cache:  # the reachable tensors the modifier's result depends on
+            call.cache["bias_params"] = ops.probe_params(call.bias, ops.mod_params(call.bias), call.q.device,
+                                                         call.q.dtype)
         params = call.cache["bias_params"][0]
         return bool(params), params
     return False, []
@@ -256,19 +256,27 @@ class _FlashFunction(torch.autograd.Function):
         out3, lse3 = ops.forward(work)
         out = _unflat(out3, call, q.dtype)
         lse = _unflat(lse3.t(), call, lse3.dtype).contiguous()
-        ctx.save_for_backward(q, k, v, out, lse)  # O((Lq + Lk) * D): the backward recomputes the rest
-        ctx.state = (call, plan_b, seed, allow_fused, params)
+        # O((Lq + Lk) * D): the backward recomputes the rest.  Saved, not kept on ctx: saved-tensor hooks
+        # (checkpointing, offloading) see them, and autograd checks the bias tensors for in-place edits
+        ctx.save_for_backward(q, k, v, out, lse, bias_t, *params)
+        ctx.state = (dataclasses.replace(call, q=None, k=None, v=None, bias=None if bias_t is not None else call.bias),
+                     plan_b, seed, allow_fused)
         ctx.versions = tensor_versions(call.mask, call.bias)  # the backward reads them again
+        ctx.reach = tuple(reachable_tensors(call.mask, modules=False)) + tuple(reachable_tensors(call.bias, modules=False))
         ctx.has_bias_t = bias_t is not None
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dout, dlse):
+        if torch.is_grad_enabled():  # create_graph=True: the recomputing backward builds no graph of its own
+            raise RuntimeError("the flash backend's backward is not differentiable (create_graph=True or a double "
+                               "backward, e.g. a gradient penalty): use backend='math' or 'sdpa' for such a loss")
         check_unchanged(ctx.versions)
-        call, plan, seed, allow_fused, params = ctx.state
-        q, k, v, out, lse = ctx.saved_tensors
+        stripped, plan, seed, allow_fused = ctx.state
+        q, k, v, out, lse, bias_t, *params = ctx.saved_tensors
+        call = dataclasses.replace(stripped, q=q, k=k, v=v, bias=bias_t if ctx.has_bias_t else stripped.bias)
+        _check_reach(ctx.reach, call)
         n_params = len(ctx.needs_input_grad) - 5
         if dout is None and dlse is None:
             return (None,) * (5 + n_params)
@@ -300,6 +308,20 @@ class _FlashFunction(torch.autograd.Function):
 
 
 # --------------------------------------------------------------------------- run
+
+
+def _check_reach(before: tuple[Tensor, ...], call: Call) -> None:
+    """The backward recomputes the scores by calling the mask and bias again: every tensor they reached in
+    the forward must still be what they reach (a closure variable rebound between the forward and the
+    backward would give the gradients of another function)."""
+    now = {id(t) for o in (call.mask, call.bias) for t in reachable_tensors(o, modules=False)}
+    gone = [t for t in before if id(t) not in now]
+    if gone:
+        t = gone[0]
+        raise RuntimeError(f"a tensor the attention's mask or bias read in the forward (shape {tuple(t.shape)}, "
+                           f"{t.dtype}) is no longer what it reads at the backward (a variable it names was "
+                           f"rebound), so the backward cannot recompute what the forward did: bind a new mask "
+                           f"or bias object per call instead of rebinding what one reads before backward()")
 
 
 def _run(call: Call, block_q: int | None = None, block_k: int | None = None, *, fused: bool | None = None):
@@ -383,8 +405,19 @@ def check(call: Call) -> str | None:
 
 
 def _unreached_reason(call: Call) -> str | None:
+    if not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(call.q):
+        return ("a torch.func transform (grad, vmap, jacrev, ...) is active, and flash's autograd.Function has "
+                "no functorch rule: use backend='math' or 'sdpa' (auto does)")
     _bias_needs_grad(call)
-    missing = call.cache.get("bias_params", (None, []))[1]
+    params, missing = call.cache.get("bias_params", ([], []))
+    if "derived" not in call.cache:
+        call.cache["derived"] = ops.derived_params(params)
+    if call.cache["derived"] is not None:
+        a, b = call.cache["derived"]
+        return (f"the score modifier's function reaches a tensor {tuple(a.shape)} computed from another it also "
+                f"reaches {tuple(b.shape)} (e.g. a parameter and a value derived from it), whose gradients "
+                f"flash's backward cannot separate: compute the derived value inside the function, or use "
+                f"backend='math'")
     if not missing:
         return None
     shapes = ", ".join(str(tuple(t.shape)) for t in missing[:3])
