@@ -417,3 +417,30 @@ def test_sample_refuses_what_it_cannot_sample():
     model = DecoderLM(DecoderConfig.preset("tiny"))
     with pytest.raises(ValueError, match="2-D token ids"):
         generate(model, torch.tensor([[True, False]]), 2)
+
+
+def test_threads_generating_on_one_model_get_their_own_tokens():
+    """Two threads generate with different batch sizes on one model: a generation relays the weights out only
+    while no other runs on the model (moving them under another thread's forward gave wrong tokens)."""
+    import threading
+
+    import sys
+    gen_module = sys.modules["attnkit.generate"]
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny", init_std=0.5))
+    a, b = [[5, 17, 99, 3, 42, 7]], [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]]
+    ref = {1: generate(model, a, 5), 4: generate(model, b, 5)}
+    bad = []
+
+    def run(prompts):
+        for _ in range(15):
+            out = generate(model, prompts, 5)
+            if out != ref[len(prompts)]:
+                bad.append(out)
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert bad == [] and model not in gen_module._ACTIVE

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 import types
 import weakref
 from numbers import Integral, Real
@@ -258,6 +259,34 @@ def _call(model, ids: Tensor, **kwargs):
     return model(ids, **kwargs)
 
 
+_ACTIVE_LOCK = threading.Lock()
+_ACTIVE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> generations running on it
+
+
+def _begin(model, relayout_batch: int | None) -> None:
+    """Count a generation on ``model``; lay its weights out for ``relayout_batch`` sequences first, but only
+    when no other generation (another thread) is running on it: moving weights under a running forward
+    would make it read memory being replaced (wrong tokens)."""
+    if not isinstance(model, torch.nn.Module):
+        return
+    with _ACTIVE_LOCK:
+        n = _ACTIVE.get(model, 0)
+        if relayout_batch is not None and n == 0:
+            _lay_out(model, relayout_batch)
+        _ACTIVE[model] = n + 1
+
+
+def _end(model) -> None:
+    if not isinstance(model, torch.nn.Module):
+        return
+    with _ACTIVE_LOCK:
+        n = _ACTIVE.get(model, 1) - 1
+        if n > 0:
+            _ACTIVE[model] = n
+        else:
+            _ACTIVE.pop(model, None)
+
+
 def _lay_out(model, batch: int) -> None:
     """:func:`~attnkit.nn.to_decode_layout` for ``batch`` sequences a step, unless compiled code holds this
     model's weights (moving them would make the next compiled generation compile again)."""
@@ -449,7 +478,9 @@ def generate(model, prompts, max_new_tokens: int, *, cache: str | Callable | Non
             sequences a step (:func:`attnkit.nn.to_decode_layout`: on CPU, float32 weights row-major up to 3
             sequences, column-major from 4, bfloat16 column-major; a no-op when they already are, ~0.1 s for
             58M parameters when not).  Values and parameters stay the same; False leaves the weights' memory untouched, as does
-            a model that ``compile=True`` has compiled (its frozen code keeps its own copy).
+            a model that ``compile=True`` has compiled (its frozen code keeps its own copy).  Generations
+            running on one model from several threads relayout only while none other runs; pass False when
+            other code (an Engine, plain forwards) uses the model from another thread meanwhile.
 
     Returns:
         ``list[list[int]]``: the new tokens of each prompt (or, with ``stream=True``, the iterator).
@@ -495,16 +526,16 @@ def generate(model, prompts, max_new_tokens: int, *, cache: str | Callable | Non
     _check_positions(model, max(len(p) for p in prompts), max_new_tokens)
     if cache is not None and cache != "paged" and len({len(p) for p in prompts}) > 1:
         _check_shiftable(model)
-    if relayout and not compile:  # (compiled code packs its own copy of the weights)
-        _lay_out(model, len(prompts))
-
     def run() -> Iterator[tuple[int, int]]:
+        # (compiled code packs its own copy of the weights; relaid out only while no other generation uses them)
+        _begin(model, len(prompts) if relayout and not compile else None)
         was_training = model.training
         model.eval()
         try:
             yield from _stream(model, prompts, max_new_tokens, cache, params, compile)
         finally:
             model.train(was_training)
+            _end(model)
 
     if stream:
         return run()
