@@ -220,3 +220,20 @@ def test_an_encoder_decoder_is_a_clear_error():
         attnkit.Engine(ed, cache_blocks=4)
     with pytest.raises(TypeError, match="decoder-only.*EncoderDecoderCache"):
         attnkit.generate(ed, [[1, 2]], 3)
+
+
+def test_new_weights_drop_the_cached_prefixes():
+    """After load_state_dict the Engine reused prefix blocks computed with the old weights (other tokens
+    than a fresh generate); a change of the weights now clears the prefix cache."""
+    torch.manual_seed(0)
+    m1 = DecoderLM(DecoderConfig.preset("tiny", vocab_size=64, init_std=0.3)).eval()
+    m2 = DecoderLM(DecoderConfig.preset("tiny", vocab_size=64, init_std=0.3)).eval()
+    prompt = list(range(3, 40))
+    engine = attnkit.Engine(m1, cache_blocks=32, block_size=4)
+    engine.generate([prompt], 6)
+    m1.load_state_dict(m2.state_dict())
+    hits = engine.cache.prefix_hits
+    assert engine.generate([prompt], 6) == attnkit.generate(m2, [prompt], 6)
+    assert engine.cache.prefix_hits == hits
+    assert engine.generate([prompt], 6) == attnkit.generate(m2, [prompt], 6)  # cached again, new weights
+    assert engine.cache.prefix_hits > hits

@@ -28,7 +28,7 @@ import torch
 from .cache import PagedCache, PoolExhausted
 from .cache._common import check_int
 from .generate import (SamplingParams, _check_decoder_only, _check_eos, _check_positions, _check_tokens, _last_logits,
-                       _lay_out, sample)
+                       _lay_out, _weights_key, sample)
 
 Tensor = torch.Tensor
 
@@ -107,6 +107,7 @@ class Engine:
             _lay_out(model, self.max_batch)
         self.preempt = bool(preempt)
         self.cache = PagedCache.for_model(model, cache_blocks, block_size, prefix_caching=prefix_caching)
+        self._weights = _weights_key(model)  # a change drops the cached prefixes (computed with the old weights)
         # the precision it is built under (autocast's dtype inside torch.autocast): every step runs in it,
         # whatever autocast says at the step, so the pool and the keys written to it always agree
         self._device_type = self.cache.device.type
@@ -211,6 +212,10 @@ class Engine:
         ``(request_id, token)`` pairs produced in this step."""
         events: list[tuple[int, int]] = []
         cache = self.cache
+        key = _weights_key(self.model)
+        if key != self._weights:  # new weights (load_state_dict, an optimizer step): cached prefixes are stale
+            cache.clear_prefix_cache()
+            self._weights = key
         with torch.no_grad(), torch.autocast(self._device_type, dtype=self._autocast_dtype, enabled=self._autocast):
             self._admit(events)
             while True:

@@ -505,6 +505,7 @@ class _Sequence:
     length: int = 0  # positions whose keys/values are stored
     tokens: list[int] = field(default_factory=list)  # known token ids (for prefix hashing)
     hashes: list[int] = field(default_factory=list)  # chained hash of each full block registered so far
+    unshared: bool = False  # registers no more blocks (its contents predate clear_prefix_cache)
 
 
 class _Allocator:
@@ -580,6 +581,15 @@ class _Allocator:
             return None
         self.incref(b)
         return b
+
+    def forget(self) -> None:
+        """Drop the prefix table: cached blocks nobody holds become free; blocks in use stay with their
+        sequences but are no longer offered to new ones."""
+        for b in self.evictable:
+            insort(self.free, b)
+        self.evictable.clear()
+        self.table.clear()
+        self.key.clear()
 
     def register(self, b: int, h: int, parent: int, tokens: tuple) -> None:
         if h in self.table or b in self.key:
@@ -712,6 +722,13 @@ class PagedCache:
         self._seqs[new] = _Sequence(list(src.blocks), src.length, list(src.tokens), list(src.hashes))
         return new
 
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached prefix (e.g. after the model's weights changed: cached keys and values were
+        computed with the old ones); sequences keep their blocks, new ones no longer reuse any."""
+        self._alloc.forget()
+        for seq in self._seqs.values():
+            seq.unshared = True  # its blocks hold keys/values of the old weights: never offered again
+
     def free(self, sid: int) -> None:
         """End sequence ``sid``: its blocks go back to the pool (full ones stay findable by their hash
         until the pool needs them)."""
@@ -771,7 +788,7 @@ class PagedCache:
             seq.blocks.append(self._alloc.allocate(prefer=None if prev is None else prev + 1, want=missing - j))
 
     def _register(self, seq: _Sequence) -> None:
-        if not self.prefix_caching:
+        if not self.prefix_caching or seq.unshared:
             return
         bs = self.block_size
         full = min(seq.length, len(seq.tokens)) // bs
