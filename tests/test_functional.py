@@ -289,3 +289,38 @@ def test_zero_width_heads_need_an_explicit_scale():
     with pytest.raises(ValueError, match="head dimension D=0"):
         attnkit.attention(q, k, v)
     assert attnkit.attention(q, k, v, scale=1.0).shape == (1, 1, 5, 3)
+
+
+def test_common_mistakes_name_their_fix():
+    """A Hugging Face (B, Lk) padding mask, an int 0/1 key mask, a non-bool return_lse, a module fed another
+    dtype than its weights, 3-D token ids: each gets a clear error with the fix (no fix, or a raw PyTorch
+    error, before)."""
+    from attnkit import masks, nn
+    q = k = v = torch.randn(2, 2, 8, 4)
+    pad = torch.tensor([[1] * 8, [1] * 5 + [0] * 3])
+    with pytest.raises(ValueError, match=r"mask\[:, None, None, :\], or masks.key_padding\(mask\)"):
+        attnkit.attention(q, k, v, mask=pad.bool())
+    with pytest.raises(ValueError, match=r"bias\[:, None, None, :\]"):
+        attnkit.attention(q, k, v, bias=torch.zeros(2, 8))
+    with pytest.raises(TypeError, match="must be a bool tensor.*mask.bool\\(\\)"):
+        masks.key_padding(pad)
+    assert torch.equal(attnkit.attention(q, k, v, mask=masks.key_padding(pad.bool())),
+                       attnkit.attention(q, k, v, mask=pad.bool()[:, None, None, :]))
+    with pytest.raises(TypeError, match="return_lse must be True or False"):
+        attnkit.attention(q, k, v, return_lse="no")
+    mha = nn.MultiHeadAttention(16, 2)
+    with pytest.raises(ValueError, match="looks like a \\(B, Lk\\) padding mask"):
+        mha(torch.randn(2, 8, 16), mask=pad.bool())
+    with pytest.raises(TypeError, match="x has dtype torch.float64 but this module's weights are torch.float32"):
+        mha(torch.randn(2, 8, 16, dtype=torch.float64))
+    lm = nn.DecoderLM(nn.DecoderConfig.preset("tiny"))
+    with pytest.raises(ValueError, match="one row of token ids per sequence"):
+        lm(torch.zeros(1, 2, 7, dtype=torch.long))
+
+
+def test_fixed_masks_pickle():
+    import pickle
+
+    from attnkit import masks
+    m = masks.fixed(16, 4)
+    assert torch.equal(pickle.loads(pickle.dumps(m)).to_dense(40, 40), m.to_dense(40, 40))

@@ -279,7 +279,7 @@ class SoftmaxSteps:
     weights: Tensor
     digits: int = 4
 
-    def explain(self, row: int = 0, name: str = "s") -> str:
+    def explain(self, row: int = 0) -> str:
         """The arithmetic of one row (0-based) as text."""
         d = self.digits
         s, m = self.scores[row].tolist(), float(self.shift[row])
@@ -294,7 +294,7 @@ class SoftmaxSteps:
             lines.append(f"exp({arg}) = {_num(ej, d)}{note}")
         lines.append("sum = " + " + ".join(_num(x, d) for x in e) + f" = {_num(total, d)}")
         if total == 0.0:
-            lines.append(f"{name}: nothing may be attended to; the weights are all 0 (never NaN)")
+            lines.append("weights = all 0: nothing may be attended to (never NaN)")
         else:
             lines.append("weights = [" + ", ".join(f"{_num(x, d)}/{_num(total, d)}" for x in e) + "]")
             lines.append(f"        = {_vec(w, d)}   (sum {_num(sum(w), d)})")

@@ -58,6 +58,16 @@ def _broadcasts(shape, target) -> bool:
     return all(s in (1, t) for s, t in zip(reversed(shape), reversed(target)))
 
 
+def _shape_hint(t: Tensor, shape, name: str) -> str:
+    """A fix for a mask/bias that does not broadcast: a Hugging Face style (B, Lk) padding mask, mostly."""
+    B, _, _, Lk = shape
+    if t.dim() == 2 and t.shape == (B, Lk) and B > 1:
+        fix = (f"{name}[:, None, None, :]" + ("" if name == "bias" else f", or masks.key_padding({name})"))
+        return f": a (B, Lk) padding {name} needs the head and query axes: pass {fix}"
+    return (f": give it shape (B, H, Lq, Lk) or one that broadcasts to it (size 1 or missing leading axes), "
+            f"e.g. (Lq, Lk) or (B, 1, 1, Lk)")
+
+
 def _check_mask(mask, q: Tensor, shape) -> Mask | None:
     if mask is None:
         return None
@@ -69,7 +79,8 @@ def _check_mask(mask, q: Tensor, shape) -> Mask | None:
             raise TypeError(f"mask must be a bool tensor (True = may attend), got dtype {mask.dtype}: use "
                             f"mask.bool() for a 0/1 mask, or pass additive float scores as bias=")
         if not _broadcasts(mask.shape, shape):
-            raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to (B, H, Lq, Lk)={shape}")
+            raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to (B, H, Lq, Lk)={shape}"
+                             f"{_shape_hint(mask, shape, 'mask')}")
         if mask.device != q.device:
             raise ValueError(f"mask is on {mask.device} but q is on {q.device}: move it with mask.to(q.device)")
         while mask.dim() < 2:  # (Lk,) or (): broadcast like a bias of that shape
@@ -89,7 +100,8 @@ def _check_bias(bias, q: Tensor, shape):
             raise TypeError(f"bias must be a float tensor of additive scores, got dtype {bias.dtype} "
                             f"(a bool tensor belongs in mask=)")
         if not _broadcasts(bias.shape, shape):
-            raise ValueError(f"bias of shape {tuple(bias.shape)} does not broadcast to (B, H, Lq, Lk)={shape}")
+            raise ValueError(f"bias of shape {tuple(bias.shape)} does not broadcast to (B, H, Lq, Lk)={shape}"
+                             f"{_shape_hint(bias, shape, 'bias')}")
         if bias.device != q.device:
             raise ValueError(f"bias is on {bias.device} but q is on {q.device}: move it with bias.to(q.device)")
         return bias
@@ -127,7 +139,9 @@ def _make_call(q, k, v, *, mask=None, bias=None, scale=None, softcap=None, dropo
     if softcap is not None:
         softcap = _check_number("softcap", softcap, low=0.0, low_open=True, fix=" (or None for no softcap)")
     dropout_p = _check_number("dropout_p", dropout_p, low=0.0, high=1.0, high_open=True)
-    return Call(q, k, v, mask, bias, scale, softcap, dropout_p, bool(return_lse))
+    if not isinstance(return_lse, bool):  # (a string such as "no" would be truthy)
+        raise TypeError(f"return_lse must be True or False, got {return_lse!r}")
+    return Call(q, k, v, mask, bias, scale, softcap, dropout_p, return_lse)
 
 
 def graph_zero(*tensors: Tensor) -> Tensor:

@@ -1102,8 +1102,12 @@ class _FromDense(Mask):
         b, h, lq, lk = self.t.shape
         ok = b in (1, batch) and h in (1, heads) and lq in (1, q_len) and lk in (1, kv_len)
         if not ok:
+            hint = ""
+            if (b, h) == (1, 1) and lq == batch != q_len and lk == kv_len:
+                hint = (": it looks like a (B, Lk) padding mask, which needs the head and query axes: pass "
+                        "mask[:, None, None, :], or masks.key_padding(mask)")
             raise ValueError(f"from_dense: the mask has shape {tuple(self.t.shape)}, which does not broadcast to "
-                             f"(B, H, Lq, Lk)=({batch}, {heads}, {q_len}, {kv_len})")
+                             f"(B, H, Lq, Lk)=({batch}, {heads}, {q_len}, {kv_len}){hint}")
 
     def _size(self):
         return (self.t.shape[2], self.t.shape[3])
@@ -1148,6 +1152,9 @@ def key_padding(lengths) -> Mask:
         if t.dim() != 2:
             raise ValueError(f"key_padding: a bool key mask must have shape (B, Lk), got {tuple(t.shape)}")
         return _KeyColumns(f"key_padding(bool {tuple(t.shape)})", keep=t)
+    if t.dim() == 2 and not t.is_floating_point():
+        raise TypeError(f"key_padding: a (B, Lk) key mask must be a bool tensor (True = real key), got dtype "
+                        f"{t.dtype}: pass mask.bool() (a 0/1 attention_mask), or lengths (B,)")
     t = _index_tensor("key_padding lengths", t, ndim=(1,))
     if bool((t < 0).any()):
         raise ValueError(f"key_padding: lengths must be >= 0, got {t.tolist()}")
@@ -1183,6 +1190,18 @@ def strided(stride: int, *, causal: bool = True, align: str = "bottom_right") ->
     return _Strided(stride, causal, align)
 
 
+@dataclass(frozen=True)
+class _SummaryColumns:
+    """The rule of :func:`fixed`'s summary columns: key ``j`` is one iff ``j % block >= block - summary``
+    (a class, not a lambda: masks pickle, so do the models holding them)."""
+
+    block: int
+    summary: int
+
+    def __call__(self, j: Tensor) -> Tensor:
+        return (j % self.block) >= self.block - self.summary
+
+
 def fixed(block: int, summary: int, *, causal: bool = True, align: str = "bottom_right") -> Mask:
     """Sparse Transformer's fixed pattern: a query sees its own block (``p // block == j // block``) and
     the last ``summary`` positions of every block (``j % block >= block - summary``); causal by default."""
@@ -1192,7 +1211,7 @@ def fixed(block: int, summary: int, *, causal: bool = True, align: str = "bottom
         raise ValueError(f"fixed: summary={summary} must be <= block={block}")
     _check_bool("causal", causal)
     _check_align(align)
-    cols = _KeyColumns(f"summary_columns({block}, {summary})", rule=lambda j: (j % block) >= block - summary)
+    cols = _KeyColumns(f"summary_columns({block}, {summary})", rule=_SummaryColumns(block, summary))
     inner = _BlockLocal(block, align) | cols
     if causal:
         inner = inner & _Causal(align)

@@ -86,7 +86,8 @@ def token_ids(name: str, ids, vocab_size: int) -> None:
     if ids.dtype not in (torch.long, torch.int32):
         raise TypeError(f"{name} must hold integer token ids (int64 or int32), got dtype {ids.dtype}")
     if ids.dim() != 2:
-        raise ValueError(f"{name} must have shape (B, L), got {tuple(ids.shape)}: add a batch dim with {name}[None]")
+        fix = f"add a batch dim with {name}[None]" if ids.dim() == 1 else "one row of token ids per sequence"
+        raise ValueError(f"{name} must have shape (B, L), got {tuple(ids.shape)}: {fix}")
     # on the CPU (where a bad id is an IndexError deep in the embedding): on a GPU the check would cost a
     # host sync every forward; under torch.compile it would break the graph
     if ids.numel() and vocab_size is not None and ids.device.type == "cpu" and not torch.compiler.is_compiling():
