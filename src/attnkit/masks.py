@@ -17,7 +17,10 @@ a cache).  Masks that care about positions take ``align="top_left"`` to use
     q0     █ █ █ █ ·                           q0     █ · · · ·
     q1     █ █ █ █ █                           q1     █ █ · · ·
 
-Masks combine with ``&``, ``|`` and ``~``.  ``True`` means "may attend".
+Masks combine with ``&``, ``|`` and ``~``.  ``True`` means "may attend".  A mask is a value: build a new one
+rather than changing its attributes.  The tensors it holds (ids, lengths, indices) may be changed in place
+(backends notice it through PyTorch's version counter); lists and numpy arrays are copied when the mask is
+built, and writes that bypass PyTorch (through a numpy view of a tensor, or ``.data``) are not seen.
 
 Example::
 
@@ -93,7 +96,7 @@ def _check_bool(name: str, value) -> bool:
 
 def _index_tensor(name: str, values, *, ndim: Sequence[int]) -> Tensor:
     try:
-        t = torch.as_tensor(values)
+        t = values if isinstance(values, Tensor) else torch.tensor(values)  # (a numpy array is copied)
     except (TypeError, ValueError, RuntimeError):
         raise TypeError(f"{name} must be integers (a list or an int tensor), got {values!r}") from None
     if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
@@ -1147,7 +1150,11 @@ def key_padding(lengths) -> Mask:
     first ``lengths[b]`` keys are real), or a ``(B, Lk)`` bool tensor with True for real keys (also for
     left padding).
     """
-    t = torch.as_tensor(lengths)
+    try:  # a tensor is held (in-place changes are seen); anything else is copied (a numpy array's later
+        t = lengths if isinstance(lengths, Tensor) else torch.tensor(lengths)  # writes are not)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"key_padding: lengths must be a list or tensor of ints, or a (B, Lk) bool tensor, got "
+                        f"{lengths!r}") from None
     if t.dtype == torch.bool:
         if t.dim() != 2:
             raise ValueError(f"key_padding: a bool key mask must have shape (B, Lk), got {tuple(t.shape)}")
