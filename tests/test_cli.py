@@ -377,6 +377,10 @@ class _TableModel(torch.nn.Module):
                                      "embedding, 'emb', has 50 rows)"),
     (["doctor", "--model", "{table}", "--vocab", "5000"], "the model failed on random token ids of shape (4, 32) "
                                                           "(IndexError"),
+    (["doctor", "--model", "{table}"], "pass --vocab V if it takes token ids, or run a model that takes other inputs "
+                                       "from Python"),
+    (["doctor", "--seq-len", "1"], "1 must be >= 2"),
+    (["doctor", "--seq-len", "0"], "0 must be >= 2"),
 ])
 def test_doctor_bad_arguments_and_paths_are_one_line(capsys, tmp_path, argv, match):
     (tmp_path / "afile").write_text("")

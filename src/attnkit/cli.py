@@ -323,9 +323,14 @@ def _model_run(args):
     config_vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     vocab = config_vocab or args.vocab
     if vocab is None:
-        hint = f" (its first embedding, {embedding[0]!r}, has {embedding[1]} rows)" if embedding else ""
+        if embedding is None:
+            raise UsageError(f"attnkit doctor: {type(model).__name__} has no config.vocab_size and no embedding; "
+                             f"the command feeds random token ids: pass --vocab V if it takes token ids, or run a "
+                             f"model that takes other inputs from Python with attnkit.diagnostics.doctor(model, "
+                             f"batch, loss_fn=...)")
         raise UsageError(f"attnkit doctor: {type(model).__name__} has no config.vocab_size; pass --vocab V "
-                         f"(random token ids are drawn from [0, V)){hint}")
+                         f"(random token ids are drawn from [0, V)) (its first embedding, {embedding[0]!r}, has "
+                         f"{embedding[1]} rows)")
     if config_vocab is None and embedding is not None and args.vocab > embedding[1]:
         raise UsageError(f"attnkit doctor: --vocab {args.vocab} is more than the model's vocabulary: its first "
                          f"embedding, {embedding[0]!r}, has {embedding[1]} rows; pass --vocab {embedding[1]} "
@@ -466,9 +471,12 @@ def _positive(text: str) -> int:
 
 
 def _at_least_two(text: str) -> int:
-    n = _positive(text)
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if n < 2:
-        raise argparse.ArgumentTypeError(f"{n} must be >= 2")
+        raise argparse.ArgumentTypeError(f"{n} must be >= 2 (a row needs two keys to show a weight pattern)")
     return n
 
 
