@@ -380,6 +380,8 @@ class _TableModel(torch.nn.Module):
     (["doctor", "--model", "{table}"], "pass --vocab V if it takes token ids, or run a model that takes other inputs "
                                        "from Python"),
     (["doctor", "--seq-len", "1"], "1 must be >= 2"),
+    (["masks", "show", "key_padding", "3,5", "--len", "6", "--batch", "2"], "--batch 2 is out of range: the mask "
+                                                                         "holds 2 sequences"),
     (["doctor", "--seq-len", "0"], "0 must be >= 2"),
 ])
 def test_doctor_bad_arguments_and_paths_are_one_line(capsys, tmp_path, argv, match):

@@ -267,6 +267,10 @@ def _cmd_masks_show(args) -> int:
     try:
         mask = _build_from_expression(name) if is_expr else _build_from_words(name, args.args)
         kv_len = args.len if args.kv_len is None else args.kv_len
+        rows = mask._batch_size()
+        if rows > 1 and args.batch >= rows:
+            raise UsageError(f"attnkit masks show {name}: --batch {args.batch} is out of range: the mask holds "
+                             f"{rows} sequences (0-based: --batch 0 .. {rows - 1})")
         text = mask.show(args.len, kv_len, batch=args.batch, head=args.head, max_width=args.width)
     except (ValueError, TypeError, IndexError) as e:
         raise UsageError(f"attnkit masks show {name}: {e}") from None
@@ -612,6 +616,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:  # the reader went away (e.g. `| head`): stop quietly, as other commands do
+        import os
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the interpreter's final flush)
+        return EXIT_OK
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
