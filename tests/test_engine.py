@@ -237,3 +237,12 @@ def test_new_weights_drop_the_cached_prefixes():
     assert engine.cache.prefix_hits == hits
     assert engine.generate([prompt], 6) == attnkit.generate(m2, [prompt], 6)  # cached again, new weights
     assert engine.cache.prefix_hits > hits
+
+
+def test_a_model_converted_after_the_engine_was_built_is_a_clear_error(model):
+    import copy
+    m = copy.deepcopy(model)
+    engine = attnkit.Engine(m, cache_blocks=8, block_size=4)
+    m.double()
+    with pytest.raises(ValueError, match="make a new Engine"):
+        engine.generate([[1, 2, 3]], 2)

@@ -35,6 +35,12 @@ Tensor = torch.Tensor
 __all__ = ["Engine"]
 
 
+def _param_dtype(model) -> torch.dtype | None:
+    """The dtype of the model's first parameter (what a conversion like model.double() changes)."""
+    p = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
+    return None if p is None else p.dtype
+
+
 @dataclass
 class _Request:
     rid: int
@@ -108,6 +114,7 @@ class Engine:
         self.preempt = bool(preempt)
         self.cache = PagedCache.for_model(model, cache_blocks, block_size, prefix_caching=prefix_caching)
         self._weights = _weights_key(model)  # a change drops the cached prefixes (computed with the old weights)
+        self._model_dtype = _param_dtype(model)
         # the precision it is built under (autocast's dtype inside torch.autocast): every step runs in it,
         # whatever autocast says at the step, so the pool and the keys written to it always agree
         self._device_type = self.cache.device.type
@@ -212,6 +219,11 @@ class Engine:
         ``(request_id, token)`` pairs produced in this step."""
         events: list[tuple[int, int]] = []
         cache = self.cache
+        dtype = _param_dtype(self.model)
+        if dtype != self._model_dtype:
+            raise ValueError(f"Engine: the model's weights are now {dtype} but the Engine was built for "
+                             f"{self._model_dtype} (its block pool holds that dtype): make a new Engine for the "
+                             f"converted model")
         key = _weights_key(self.model)
         if key != self._weights:  # new weights (load_state_dict, an optimizer step): cached prefixes are stale
             cache.clear_prefix_cache()
