@@ -14,7 +14,9 @@ blocks are freed and it goes back to the front of the queue with the tokens it p
 its prompt plus those tokens are recomputed (prefill), and it continues exactly where it stopped.  Every
 request ends with the tokens it gets alone (its own sampling generator is never rewound or shared) — in
 float32 and float64; in bfloat16/float16 a batch rounds some products differently, so a near tie between two
-tokens may go the other way.
+tokens may go the other way.  Prompts that share full blocks with earlier ones reuse their keys and values
+(prefix caching); when the model's weights change (``load_state_dict``, an optimizer step) the next step
+drops every cached prefix, since those were computed with the old weights.
 """
 
 from __future__ import annotations
