@@ -467,6 +467,7 @@ def _compile_main(out_path: str) -> None:
     os.environ["TRITON_INTERPRET"] = "1"  # too late: triton is already imported for the compiler
     q = torch.randn(1, 1, 4, 16)
     results["cpu_reason"] = tb.check(_make_call(q, q, q))
+    results["listed"] = "triton" in attnkit.backends.available()
     Path(out_path).write_text(json.dumps(results))
 
 
@@ -492,6 +493,7 @@ def test_kernels_compile_for_an_h100_without_a_gpu(kernel, compiled):
 
 def test_triton_imported_for_the_gpu_declines_cpu_tensors_with_the_reason(compiled):
     assert "triton was imported before TRITON_INTERPRET=1 was set" in compiled["cpu_reason"]
+    assert compiled["listed"] == torch.cuda.is_available()  # listed only where it takes calls (a GPU)
 
 
 # ------------------------------------------------------------------------- in this process (no triton)

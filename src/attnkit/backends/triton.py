@@ -90,17 +90,18 @@ def _kernels():
 
 
 def available() -> bool:
-    """Triton imports, and there is a CUDA GPU or TRITON_INTERPRET=1 is set (checked at call time)."""
-    if not (torch.cuda.is_available() or _interpret_requested()):
-        return False
-    return _import_error() is None
+    """Triton imports, and there is a CUDA GPU, or Triton runs in its interpreter (TRITON_INTERPRET=1 set
+    before triton was first imported; checked at call time)."""
+    if torch.cuda.is_available():
+        return _import_error() is None
+    return _interpret_requested() and _device_reason(torch.device("cpu")) is None
 
 
 def unavailable_reason() -> str:
     """Why :func:`available` is False here (what to change), for the error of an explicit ``backend="triton"``."""
-    if not (torch.cuda.is_available() or _interpret_requested()):
-        return _device_reason(torch.device("cpu")) or "no CUDA GPU"
-    return f"triton does not import ({_import_error()})"
+    if torch.cuda.is_available():
+        return f"triton does not import ({_import_error()})"
+    return _device_reason(torch.device("cpu")) or "no CUDA GPU"
 
 
 def _device_reason(device: torch.device) -> str | None:
