@@ -319,9 +319,10 @@ def _check_reach(before: tuple[Tensor, ...], call: Call) -> None:
     if gone:
         t = gone[0]
         raise RuntimeError(f"a tensor the attention's mask or bias read in the forward (shape {tuple(t.shape)}, "
-                           f"{t.dtype}) is no longer what it reads at the backward (a variable it names was "
-                           f"rebound), so the backward cannot recompute what the forward did: bind a new mask "
-                           f"or bias object per call instead of rebinding what one reads before backward()")
+                           f"{t.dtype}) is no longer what it reads at the backward (a variable or attribute it "
+                           f"names was rebound, e.g. by a second forward), so the flash backward cannot "
+                           f"recompute what the forward did: compute such tensors inside the bias function, call "
+                           f"backward() before rebinding them, or use backend='math' or 'sdpa'")
 
 
 def _run(call: Call, block_q: int | None = None, block_k: int | None = None, *, fused: bool | None = None):
