@@ -444,3 +444,14 @@ def test_threads_generating_on_one_model_get_their_own_tokens():
     for t in threads:
         t.join()
     assert bad == [] and model not in gen_module._ACTIVE
+
+
+def test_causal_models_refuse_row_predicates_and_odd_rotary_heads():
+    """A from_fn predicate gets query rows, so a cached step (row 0) saw other keys than the full forward
+    (logits off by 6, paged generation wrong): refused in a causal model; an odd rotary head size is a
+    configuration error (it failed only when building the model)."""
+    with pytest.raises(ValueError, match="from_fn predicate gets query rows"):
+        DecoderConfig.preset("tiny", mask=masks.from_fn(lambda b, h, i, j: i - j <= 3))
+    with pytest.raises(ValueError, match="head size d_head=15 must be even"):
+        DecoderConfig.preset("tiny", d_model=45, n_heads=3)
+    DecoderConfig.preset("tiny", d_model=45, n_heads=3, positions="alibi")  # not rotary: fine

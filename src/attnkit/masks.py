@@ -89,9 +89,9 @@ def _check_int(name: str, value, *, minimum: int = 0, allow_none: bool = False) 
 
 
 def _check_bool(name: str, value) -> bool:
-    if not isinstance(value, bool):  # (a string such as "false" would be truthy)
+    if isinstance(value, str) or value is None:  # (a string such as "false" would be truthy)
         raise TypeError(f"{name} must be True or False, got {value!r}")
-    return value
+    return bool(value)
 
 
 def _index_tensor(name: str, values, *, ndim: Sequence[int]) -> Tensor:
@@ -551,6 +551,10 @@ def _decodes_differently(mask: Mask) -> tuple[Mask, str] | None:
         if getattr(m, "align", None) == "top_left":
             return m, ("aligned top_left: a decoding step's query sits at row 0, not at its position; use "
                        "align='bottom_right' (the default)")
+        if isinstance(m, _FromFn):
+            return m, ("a from_fn predicate gets query rows, not positions (a decoding step's query is row 0); "
+                       "build the pattern from the position-aware masks (sliding_window, strided, dilated, "
+                       "global_tokens, random_blocks(causal=True), ...) or pass it per call as mask=")
     return None
 
 

@@ -477,3 +477,61 @@ def test_checkpointing_frees_the_inputs_and_torch_func_uses_another_backend():
     torch.testing.assert_close(g, ref, rtol=1e-9, atol=1e-9)
     with pytest.raises(ValueError, match="torch.func transform"):
         torch.func.grad(lambda x: attnkit.attention(x, k2, v2, mask=window, backend="flash").sum())(q2.detach())
+
+
+def test_saved_tensor_hooks_and_module_attributes():
+    """A tensor bias under saved-tensor hooks (save_on_cpu, checkpointing) gave a false 'rebound' error once
+    it was saved; a module attribute the bias reads, reassigned by a second forward before the backward,
+    gave silently wrong gradients (module tensors were not watched): now an error."""
+    from torch.utils.checkpoint import checkpoint
+    q, k, v = _qkv(lq=16, lk=16)
+    w = torch.randn(1, 2, 16, 16, dtype=torch.float64, requires_grad=True)
+
+    def f(q, k, v, w):
+        return attnkit.attention(q, k, v, bias=w * 2.0, backend="flash")
+
+    ref = torch.autograd.grad(f(q, k, v, w).square().sum(), w)[0]
+    with torch.autograd.graph.save_on_cpu():
+        got = torch.autograd.grad(f(q, k, v, w).square().sum(), w)[0]
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    got = torch.autograd.grad(checkpoint(f, q, k, v, w, use_reentrant=False).square().sum(), w)[0]
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.tensor(0.3, dtype=torch.float64))
+            self.mod = bias.from_fn(self.fn)
+
+        def fn(self, s, b, h, i, j):
+            return s + self.w * self.scale * (i - j)
+
+        def forward(self, q, scale):
+            self.scale = torch.tensor(scale, dtype=torch.float64)
+            return attnkit.attention(q, k, v, bias=self.mod, backend="flash")
+
+    m = Scaled()
+    total = m(q, 1.0).sum() + m(q, 3.0).sum()
+    with pytest.raises(RuntimeError, match="rebound"):
+        total.backward()
+
+
+def test_linear_subclasses_and_bool_likes_are_accepted():
+    """The dtype check of MultiHeadAttention applies to plain Linear layers only (a subclass may cast its
+    weight, e.g. a float32 master weight used in bfloat16); numpy and tensor bools are bools for return_lse."""
+    import numpy as np
+
+    from attnkit.nn import MultiHeadAttention
+
+    class CastedLinear(torch.nn.Linear):
+        def forward(self, x):
+            return torch.nn.functional.linear(x, self.weight.to(x.dtype),
+                                              None if self.bias is None else self.bias.to(x.dtype))
+
+    mha = MultiHeadAttention(16, 2)
+    mha.out_proj = CastedLinear(16, 16)
+    mha.qkv_proj = CastedLinear(16, 48)
+    assert mha(torch.randn(1, 4, 16, dtype=torch.bfloat16)).dtype == torch.bfloat16
+    q, k, v = _qkv(lq=4, lk=4)
+    for flag in (np.bool_(True), torch.tensor(True), 1):
+        assert isinstance(attnkit.attention(q, k, v, return_lse=flag), tuple)

@@ -145,10 +145,11 @@ def probe_params(mod: ScoreMod, params: list[Tensor], device, dtype: torch.dtype
     return [p for p in params if id(p) in used], missing
 
 
-def derived_params(params: list[Tensor], limit: int = 20000) -> tuple[Tensor, Tensor] | None:
+def derived_params(params: list[Tensor], limit: int = 200_000) -> tuple[Tensor, Tensor] | None:
     """A pair ``(a, b)`` of ``params`` where ``a`` was computed from ``b`` (its autograd graph reaches ``b``),
     or None.  The backward's gradient for ``b`` already includes the path through ``a``; giving ``a`` its
-    own gradient too would count that path twice.  (At most ``limit`` graph nodes are walked.)"""
+    own gradient too would count that path twice.  A graph of more than ``limit`` nodes is not walked to
+    its end: the pair ``(a, a)`` says it could not be checked (the call is refused, to be safe)."""
     if len(params) < 2:
         return None
     targets = {id(p.grad_fn) if p.grad_fn is not None else id(p): p for p in params}
@@ -157,7 +158,9 @@ def derived_params(params: list[Tensor], limit: int = 20000) -> tuple[Tensor, Te
             continue
         seen: set[int] = set()
         todo = [n for n, _ in a.grad_fn.next_functions]
-        while todo and len(seen) < limit:
+        while todo:
+            if len(seen) >= limit:
+                return a, a
             node = todo.pop()
             if node is None or id(node) in seen:
                 continue

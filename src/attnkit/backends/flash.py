@@ -258,11 +258,14 @@ class _FlashFunction(torch.autograd.Function):
         lse = _unflat(lse3.t(), call, lse3.dtype).contiguous()
         # O((Lq + Lk) * D): the backward recomputes the rest.  Saved, not kept on ctx: saved-tensor hooks
         # (checkpointing, offloading) see them, and autograd checks the bias tensors for in-place edits
-        ctx.save_for_backward(q, k, v, out, lse, bias_t, *params)
+        # (the modifier's own tensors stay on ctx: the recomputing backward differentiates the very tensors its
+        # function reads, which an unpacking hook would replace by copies)
+        ctx.save_for_backward(q, k, v, out, lse, bias_t)
         ctx.state = (dataclasses.replace(call, q=None, k=None, v=None, bias=None if bias_t is not None else call.bias),
-                     plan_b, seed, allow_fused)
-        ctx.versions = tensor_versions(call.mask, call.bias)  # the backward reads them again
-        ctx.reach = tuple(reachable_tensors(call.mask, modules=False)) + tuple(reachable_tensors(call.bias, modules=False))
+                     plan_b, seed, allow_fused, params)
+        ctx.versions = tensor_versions(call.mask, call.bias) + [(p, p._version) for p in params]  # read again
+        mod = None if bias_t is not None else call.bias
+        ctx.reach = tuple(reachable_tensors(call.mask)) + tuple(reachable_tensors(mod))  # modules' tensors too
         ctx.has_bias_t = bias_t is not None
         ctx.set_materialize_grads(False)
         return out, lse
@@ -273,8 +276,8 @@ class _FlashFunction(torch.autograd.Function):
             raise RuntimeError("the flash backend's backward is not differentiable (create_graph=True or a double "
                                "backward, e.g. a gradient penalty): use backend='math' or 'sdpa' for such a loss")
         check_unchanged(ctx.versions)
-        stripped, plan, seed, allow_fused = ctx.state
-        q, k, v, out, lse, bias_t, *params = ctx.saved_tensors
+        stripped, plan, seed, allow_fused, params = ctx.state
+        q, k, v, out, lse, bias_t = ctx.saved_tensors
         call = dataclasses.replace(stripped, q=q, k=k, v=v, bias=bias_t if ctx.has_bias_t else stripped.bias)
         _check_reach(ctx.reach, call)
         n_params = len(ctx.needs_input_grad) - 5
@@ -314,7 +317,8 @@ def _check_reach(before: tuple[Tensor, ...], call: Call) -> None:
     """The backward recomputes the scores by calling the mask and bias again: every tensor they reached in
     the forward must still be what they reach (a closure variable rebound between the forward and the
     backward would give the gradients of another function)."""
-    now = {id(t) for o in (call.mask, call.bias) for t in reachable_tensors(o, modules=False)}
+    mod = None if isinstance(call.bias, Tensor) else call.bias
+    now = {id(t) for o in (call.mask, mod) for t in reachable_tensors(o)}
     gone = [t for t in before if id(t) not in now]
     if gone:
         t = gone[0]
@@ -415,6 +419,10 @@ def _unreached_reason(call: Call) -> str | None:
         call.cache["derived"] = ops.derived_params(params)
     if call.cache["derived"] is not None:
         a, b = call.cache["derived"]
+        if a is b:
+            return (f"the score modifier's function reads several tensors requiring grad, one of them computed "
+                    f"through a graph too large to check against the others (shape {tuple(a.shape)}): use "
+                    f"backend='math'")
         return (f"the score modifier's function reaches a tensor {tuple(a.shape)} computed from another it also "
                 f"reaches {tuple(b.shape)} (e.g. a parameter and a value derived from it), whose gradients "
                 f"flash's backward cannot separate: compute the derived value inside the function, or use "

@@ -249,7 +249,7 @@ class MultiHeadAttention(_Attends):
                 need_weights: bool = False):
         """Attention of ``x (B, L, d_model)`` to itself or to ``context (B, Lc, kdim)``; see the class doc."""
         _checks.features("x", x, self.d_model, what=f"(B, L, d_model={self.d_model})")
-        w = self.out_proj.weight if isinstance(self.out_proj, nn.Linear) else None
+        w = self.out_proj.weight if type(self.out_proj) in (Linear, nn.Linear) else None  # (a subclass may cast)
         if w is not None and x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
             raise TypeError(f"x has dtype {x.dtype} but this module's weights are {w.dtype}: convert one to the "
                             f"other (module.to({x.dtype}) or x.to({w.dtype})), or run under torch.autocast")

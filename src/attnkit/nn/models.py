@@ -132,6 +132,9 @@ class DecoderConfig:
                                   f"{e}") from None
         _checks.causal_model_mask("mask", self.mask)
         self.layer_masks = _check_layer_masks(self.layer_masks, self.n_layers)
+        if self.positions == "rope" and self.rotary_dim is None and self.d_head_ % 2:
+            raise ValueError(f"positions='rope' rotates pairs of channels: the head size d_head={self.d_head_} must "
+                             f"be even (pick d_model/n_heads or d_head even, or rotary_dim=an even size)")
         if self.rotary_dim is not None and (self.rotary_dim > self.d_head_ or self.rotary_dim % 2):
             raise ValueError(f"rotary_dim={self.rotary_dim} must be even and <= d_head={self.d_head_}")
         if self.positions == "sinusoidal" and self.d_model % 2:
