@@ -535,3 +535,29 @@ def test_linear_subclasses_and_bool_likes_are_accepted():
     q, k, v = _qkv(lq=4, lk=4)
     for flag in (np.bool_(True), torch.tensor(True), 1):
         assert isinstance(attnkit.attention(q, k, v, return_lse=flag), tuple)
+
+
+def test_a_module_attribute_the_bias_does_not_read_may_change():
+    """Only the attributes the bound method's code names are watched: a module keeping its last output
+    between two forwards and one backward is no error, and its gradients are math's."""
+    q, k, v = _qkv(lq=12, lk=12)
+
+    class Keeps(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.tensor(0.3, dtype=torch.float64))
+
+        def fn(self, s, b, h, i, j):
+            return s + self.w * (i - j)
+
+        def forward(self, q, backend):
+            out = attnkit.attention(q, k, v, bias=bias.from_fn(self.fn), backend=backend)
+            self.last = out.detach()
+            return out
+
+    grads = []
+    for backend in ("math", "flash"):
+        m = Keeps()
+        (m(q, backend).sum() + m(q * 2, backend).sum()).backward()
+        grads.append(m.w.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-9, atol=1e-12)

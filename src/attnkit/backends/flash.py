@@ -265,7 +265,7 @@ class _FlashFunction(torch.autograd.Function):
                      plan_b, seed, allow_fused, params)
         ctx.versions = tensor_versions(call.mask, call.bias) + [(p, p._version) for p in params]  # read again
         mod = None if bias_t is not None else call.bias
-        ctx.reach = tuple(reachable_tensors(call.mask)) + tuple(reachable_tensors(mod))  # modules' tensors too
+        ctx.reach = _read_tensors(call.mask, mod)
         ctx.has_bias_t = bias_t is not None
         ctx.set_materialize_grads(False)
         return out, lse
@@ -313,12 +313,41 @@ class _FlashFunction(torch.autograd.Function):
 # --------------------------------------------------------------------------- run
 
 
+def _read_tensors(*objs) -> tuple[Tensor, ...]:
+    """The tensors the masks/modifiers ``objs`` read, for the rebinding check: what ``reachable_tensors``
+    finds outside modules, plus the tensor attributes of a module whose bound method is the function that
+    its code names (``self.scale`` in ``def fn(self, ...)``: a module's other attributes may change freely)."""
+    import types
+    out = [t for o in objs for t in reachable_tensors(o, modules=False)]
+    stack, seen = list(objs), set()
+    while stack:
+        x = stack.pop()
+        if x is None or id(x) in seen or isinstance(x, Tensor):
+            continue
+        seen.add(id(x))
+        if isinstance(x, types.MethodType) and isinstance(x.__self__, torch.nn.Module):
+            names, codes = set(), [x.__func__.__code__]
+            while codes:
+                code = codes.pop()
+                names.update(code.co_names)
+                codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+            for name in names:
+                t = getattr(x.__self__, name, None)
+                if isinstance(t, Tensor):
+                    out.append(t)
+        elif isinstance(x, (Mask, ScoreMod)):
+            stack += [v for v in vars(x).values() if not isinstance(v, Tensor)]
+        elif isinstance(x, (list, tuple)):
+            stack += list(x)
+    return tuple(out)
+
+
 def _check_reach(before: tuple[Tensor, ...], call: Call) -> None:
     """The backward recomputes the scores by calling the mask and bias again: every tensor they reached in
     the forward must still be what they reach (a closure variable rebound between the forward and the
     backward would give the gradients of another function)."""
     mod = None if isinstance(call.bias, Tensor) else call.bias
-    now = {id(t) for o in (call.mask, mod) for t in reachable_tensors(o)}
+    now = {id(t) for t in _read_tensors(call.mask, mod)}
     gone = [t for t in before if id(t) not in now]
     if gone:
         t = gone[0]
