@@ -228,7 +228,7 @@ def mixed_workload(args, model, rows, results):
     results["mixed"] = {"requests": len(reqs), "lengths": [lo, hi], "static_batch": B, "engine_batch":
                         args.engine_batch, "pool_blocks": blocks, "block_size": block, "seconds_static": t_static,
                         "seconds_engine": t_engine, "static_waste": static_waste,
-                        "engine_waste_mean": sum(waste) / len(waste), "engine_waste_max": max(waste),
+                        "engine_waste_mean": engine.mean_waste,
                         "preemptions": engine.stats["preemptions"], "same_tokens": same,
                         "peak_blocks": engine.stats["peak_blocks"]}
 
