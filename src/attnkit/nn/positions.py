@@ -44,7 +44,10 @@ class PositionEncoding(nn.Module):
     :meth:`score_mod` gives an :mod:`attnkit.bias` modifier; :meth:`encode` gives vectors ``(..., L, dim)``
     to add to the query/key inputs.
 
-    Example (a custom encoding: a fixed bias that only lets queries see keys within distance 2)::
+    Example (a custom encoding: a fixed bias that only lets queries see keys within distance 2; a
+    ``bias.from_fn`` function gets query *rows*, which are positions only without a KV cache: with a cache,
+    build position-dependent biases from :func:`attnkit.bias.alibi` / :func:`~attnkit.bias.relative_buckets`,
+    or the pattern as a mask, here ``masks.sliding_window(2, 2)``)::
 
         >>> import torch
         >>> from attnkit import bias
