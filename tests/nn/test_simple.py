@@ -154,3 +154,32 @@ def test_small_module_argument_errors():
     mha = MultiHeadAttention(16, 2, positions=None)
     with pytest.raises(ValueError, match="positions"):  # not read without rotary/sinusoidal, still checked
         mha(torch.randn(1, 4, 16), positions=torch.arange(7))
+
+
+def test_threads_sharing_a_rotary_stack_leave_nothing_behind():
+    """Concurrent Encoder forwards share one RotaryEmbedding: results stay exact and no forward's gathered
+    tables stay attached afterwards (a thread restored another's share and kept its tensors alive)."""
+    import threading
+
+    from attnkit.nn import Encoder, RotaryEmbedding
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(8)
+    enc = Encoder(32, 1, 4, positions=rope).eval()
+    xs = [torch.randn(1, n, 32) for n in (5, 9, 33)]
+    with torch.no_grad():
+        refs = [enc(x) for x in xs]
+    bad = []
+
+    def work(t):
+        with torch.no_grad():
+            for i in range(60):
+                j = (i + t) % 3
+                if not torch.allclose(enc(xs[j]), refs[j], atol=1e-6):
+                    bad.append(j)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert bad == [] and rope._shared is None

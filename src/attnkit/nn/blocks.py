@@ -192,12 +192,14 @@ class _SharedRotary:
 
     def __enter__(self):
         if self.rope is not None:
-            self.before = self.rope._shared
             self.rope._share(self.pos, self.hi)
+            self.mine = self.rope._shared
 
     def __exit__(self, *exc):
-        if self.rope is not None:
-            self.rope._shared = self.before
+        # cleared only if still ours: another thread's forward may have shared its own meanwhile (its layers
+        # then gather for themselves, since the shared positions are not theirs; nothing is left behind)
+        if self.rope is not None and self.rope._shared is self.mine:
+            self.rope._shared = None
         return False
 
 
