@@ -324,3 +324,15 @@ def test_fixed_masks_pickle():
     from attnkit import masks
     m = masks.fixed(16, 4)
     assert torch.equal(pickle.loads(pickle.dumps(m)).to_dense(40, 40), m.to_dense(40, 40))
+
+
+def test_on_demand_submodules_load_when_named():
+    """README writes attnkit.testing.check_against_oracle: it failed after a plain `import attnkit`."""
+    import subprocess
+    import sys
+    code = ("import attnkit; print(attnkit.testing.check_against_oracle.__name__, "
+            "attnkit.distributed.ring_attention.__name__, attnkit.plot.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "check_against_oracle ring_attention attnkit.plot" in out.stdout, out.stderr
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        attnkit.nope  # noqa: B018

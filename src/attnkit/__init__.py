@@ -4,8 +4,10 @@ The core is :func:`attention` (one call for every mask, bias, head layout and ba
 :mod:`attnkit.masks` (what may attend to what) and :mod:`attnkit.bias` (score modifiers).  Around it:
 :mod:`attnkit.nn` (modules, positions, blocks, models), :mod:`attnkit.cache` with :func:`generate`,
 :class:`Engine` and :func:`quantize` (inference), :mod:`attnkit.explain` and :mod:`attnkit.diagnostics`
-(the four steps traced; the doctor).  Imported on demand: ``attnkit.distributed`` (ring attention over
-``torch.distributed``), ``attnkit.integrations.hf`` (Hugging Face transformers), ``attnkit.plot``.
+(the four steps traced; the doctor).  Loaded on first use (``attnkit.testing...`` works after a plain
+``import attnkit``): ``attnkit.distributed`` (ring attention over ``torch.distributed``),
+``attnkit.integrations`` (Hugging Face transformers), ``attnkit.plot``, ``attnkit.testing`` (the oracle
+check).
 
 Example::
 
@@ -23,6 +25,16 @@ from .generate import generate
 from .quantize import quantize
 
 __version__ = "0.1.0"
+
+_ON_DEMAND = ("distributed", "integrations", "plot", "testing", "cli")
+
+
+def __getattr__(name: str):
+    """The submodules that import heavier dependencies load when first named (PEP 562)."""
+    if name in _ON_DEMAND:
+        import importlib
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'attnkit' has no attribute {name!r}")
 
 __all__ = ["attention", "attention_weights", "masks", "bias", "softmax", "backends", "nn", "cache", "generate",
            "Engine", "quantize", "explain", "diagnostics"]
