@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from ._checks import flag
 from .masks import _check_align, _index_grid, _offset
 
 Tensor = torch.Tensor
@@ -72,11 +73,21 @@ class ScoreMod:
 
 
 def _head_param(name: str, values, *, positive: bool) -> Tensor:
-    t = values if isinstance(values, torch.Tensor) else torch.as_tensor(values, dtype=torch.float32)
+    what = f"{name} must be a 1-D float tensor or a list of numbers, one per query head"
+    if isinstance(values, (str, bytes)):  # (a string would be read as one number per character)
+        raise TypeError(f"{what}, got {values!r:.80}")
+    try:
+        t = values if isinstance(values, torch.Tensor) else torch.as_tensor(values)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"{what}, got {values!r:.80}") from None
+    if t.dtype == torch.bool or t.is_complex():
+        raise TypeError(f"{what}, got dtype {t.dtype}")
     if not t.is_floating_point():
         t = t.to(torch.float32)
     if t.dim() != 1:
         raise ValueError(f"{name} must be a 1-D tensor with one value per query head, got shape {tuple(t.shape)}")
+    if t.device.type != "meta" and not bool(torch.isfinite(t.detach()).all()):
+        raise ValueError(f"{name} must be finite numbers, got {t.detach().tolist()}")
     if positive and bool((t.detach() <= 0).any()):
         raise ValueError(f"{name} must be > 0, got {t.detach().tolist()}")
     return t
@@ -136,6 +147,7 @@ def t5_bucket(relative_position: Tensor, *, bidirectional: bool = True, num_buck
               max_distance: int = 128) -> Tensor:
     """T5's bucket of ``relative_position = j - p``: exact buckets for small distances, logarithmic
     ones up to ``max_distance``; with ``bidirectional=False`` only the past (``j <= p``) is bucketed."""
+    bidirectional = flag("bidirectional", bidirectional)
     n = -relative_position
     ret = torch.zeros_like(relative_position)
     if bidirectional:
@@ -185,6 +197,7 @@ def relative_buckets(table: Tensor, *, bidirectional: bool = True, max_distance:
     if not isinstance(table, torch.Tensor) or not table.is_floating_point() or table.dim() != 2:
         got = tuple(table.shape) if isinstance(table, torch.Tensor) else type(table).__name__
         raise ValueError(f"relative_buckets: table must be a float tensor (Hq, num_buckets), got {got}")
+    bidirectional = flag("bidirectional", bidirectional)
     if table.shape[1] < 2 or (bidirectional and table.shape[1] < 4):
         raise ValueError(f"relative_buckets: num_buckets={table.shape[1]} is too small (need >= 4 bidirectional)")
     if isinstance(max_distance, bool) or not isinstance(max_distance, int) or max_distance < 2:

@@ -27,6 +27,7 @@ from numbers import Integral
 
 import torch
 
+from ._checks import flag
 from .cache import PagedCache, PoolExhausted
 from .cache._common import check_int
 from .generate import (SamplingParams, _check_decoder_only, _check_eos, _check_positions, _check_tokens, _last_logits,
@@ -107,13 +108,13 @@ class Engine:
         check_int("cache_blocks", cache_blocks, minimum=1)
         check_int("block_size", block_size, minimum=1)
         self.max_batch = check_int("max_batch", max_batch, minimum=1)
+        preempt, prefix_caching = flag("preempt", preempt), flag("prefix_caching", prefix_caching)
+        relayout = flag("relayout", relayout)
         _check_decoder_only(model, "Engine")
         self.model = model.eval()  # decoding: no dropout
-        if not isinstance(relayout, bool):
-            raise TypeError(f"relayout={relayout!r} must be True or False")
         if relayout:
             _lay_out(model, self.max_batch)
-        self.preempt = bool(preempt)
+        self.preempt = preempt
         self.cache = PagedCache.for_model(model, cache_blocks, block_size, prefix_caching=prefix_caching)
         self._weights = _weights_key(model)  # a change drops the cached prefixes (computed with the old weights)
         self._model_dtype = _param_dtype(model)

@@ -8,6 +8,7 @@ from numbers import Real
 import torch
 
 from . import backends as _backends
+from ._checks import flag
 from .backends import _math
 from .backends._common import Call
 from .bias import ScoreMod
@@ -139,9 +140,7 @@ def _make_call(q, k, v, *, mask=None, bias=None, scale=None, softcap=None, dropo
     if softcap is not None:
         softcap = _check_number("softcap", softcap, low=0.0, low_open=True, fix=" (or None for no softcap)")
     dropout_p = _check_number("dropout_p", dropout_p, low=0.0, high=1.0, high_open=True)
-    if isinstance(return_lse, str) or return_lse is None:  # (a string such as "no" would be truthy)
-        raise TypeError(f"return_lse must be True or False, got {return_lse!r}")
-    return Call(q, k, v, mask, bias, scale, softcap, dropout_p, bool(return_lse))
+    return Call(q, k, v, mask, bias, scale, softcap, dropout_p, flag("return_lse", return_lse))
 
 
 def graph_zero(*tensors: Tensor) -> Tensor:

@@ -20,6 +20,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from .cache import PagedCache, QuantizedCache, SlidingWindowCache, StaticCache
+from ._checks import flag
 from .cache._common import model_dims
 from .nn.layers import to_decode_layout
 
@@ -188,6 +189,10 @@ def _prompts(prompts) -> list[list[int]]:
 def _check_decoder_only(model, who: str) -> None:
     """generate and Engine run decoder-only LMs: an encoder-decoder gets a clear error, not a missing argument."""
     from .nn import EncoderDecoder
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{who} takes a decoder language model, a torch.nn.Module called as model(ids, cache=..., "
+                        f"positions=...) -> logits with a .config (e.g. attnkit.nn.DecoderLM), got "
+                        f"{type(model).__name__} {model!r:.60}")
     if isinstance(model, EncoderDecoder):
         raise TypeError(f"{who} takes a decoder-only language model (e.g. attnkit.nn.DecoderLM), got an "
                         f"EncoderDecoder: encode once with model.encode(src), then decode step by step with "
@@ -514,9 +519,7 @@ def generate(model, prompts, max_new_tokens: int, *, cache: str | Callable | Non
     params = SamplingParams(temperature, top_k, top_p, eos_id, seed)
     if cache is not None and not callable(cache) and cache not in CACHES:
         raise ValueError(f"cache={cache!r} is not one of {CACHES + (None,)} or a callable (model, batch, max_len)")
-    for name, flag in (("compile", compile), ("relayout", relayout)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name}={flag!r} must be True or False")
+    stream, compile, relayout = flag("stream", stream), flag("compile", compile), flag("relayout", relayout)
     if compile and not (cache == "static" or (callable(cache) and not isinstance(cache, str))):
         raise ValueError(f"compile=True needs cache='static' (or a callable making a StaticCache), got "
                          f"cache={cache!r}: its fixed buffers are what lets the decode step compile once")

@@ -38,6 +38,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from ._checks import flag
+
 Tensor = torch.Tensor
 
 __all__ = [
@@ -89,9 +91,7 @@ def _check_int(name: str, value, *, minimum: int = 0, allow_none: bool = False) 
 
 
 def _check_bool(name: str, value) -> bool:
-    if isinstance(value, str) or value is None:  # (a string such as "false" would be truthy)
-        raise TypeError(f"{name} must be True or False, got {value!r}")
-    return bool(value)
+    return flag(name, value)  # (a string such as "false" would be truthy)
 
 
 def _index_tensor(name: str, values, *, ndim: Sequence[int]) -> Tensor:

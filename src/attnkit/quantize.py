@@ -14,11 +14,26 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ._checks import flag
+from .nn._checks import positive_int
+
 Tensor = torch.Tensor
 
 __all__ = ["quantize", "Int8Linear", "BF16Linear", "weight_bytes"]
 
 DTYPES = ("int8", "bfloat16")
+_COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check_compute_dtype(compute_dtype) -> torch.dtype:
+    if compute_dtype not in _COMPUTE_DTYPES:
+        raise ValueError(f"compute_dtype={compute_dtype!r} must be torch.bfloat16, torch.float16 or torch.float32")
+    return compute_dtype
+
+
+def _check_features(in_features, out_features) -> None:
+    for name, value in (("in_features", in_features), ("out_features", out_features)):
+        positive_int(name, value)
 
 
 def _int8pack_works(device: torch.device, dtype: torch.dtype) -> bool:
@@ -52,10 +67,10 @@ class Int8Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  compute_dtype: torch.dtype = torch.bfloat16, device=None):
         super().__init__()
-        if compute_dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise ValueError(f"compute_dtype={compute_dtype} must be torch.bfloat16, torch.float16 or torch.float32")
+        _check_features(in_features, out_features)
+        bias = flag("bias", bias)
         self.in_features, self.out_features = in_features, out_features
-        self.compute_dtype = compute_dtype
+        self.compute_dtype = _check_compute_dtype(compute_dtype)
         self.register_buffer("weight_int8", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
         self.register_buffer("scale", torch.ones(out_features, dtype=torch.float32, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None
@@ -138,6 +153,8 @@ class BF16Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None):
         super().__init__()
+        _check_features(in_features, out_features)
+        bias = flag("bias", bias)
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=torch.bfloat16, device=device),
                                    requires_grad=False)
@@ -189,6 +206,16 @@ def weight_bytes(model: nn.Module) -> int:
 _READS_WEIGHTS = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 
 
+def _skip_names(skip) -> set[str]:
+    if isinstance(skip, str):
+        return {skip}
+    names = list(skip) if isinstance(skip, (list, tuple, set, frozenset)) else None
+    if names is None or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"skip must be a submodule name or a list of names (as in model.named_modules()), "
+                        f"e.g. skip=['lm_head'], got {skip!r:.80}")
+    return set(names)
+
+
 def quantize(model: nn.Module, dtype: str = "int8", *, compute_dtype: torch.dtype = torch.bfloat16,
              skip=()) -> nn.Module:
     """Replace every ``nn.Linear`` in ``model`` (in place) by a weight-only quantized version; returns it.
@@ -223,7 +250,8 @@ def quantize(model: nn.Module, dtype: str = "int8", *, compute_dtype: torch.dtyp
         raise ValueError(f"dtype={dtype!r} is not one of {DTYPES}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    skip = {skip} if isinstance(skip, str) else set(skip)
+    _check_compute_dtype(compute_dtype)
+    skip = _skip_names(skip)
     unknown = skip - {n for n, _ in model.named_modules()}
     if unknown:
         raise ValueError(f"skip names {sorted(unknown)} are not submodules of the model")

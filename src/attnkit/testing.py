@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from ._checks import flag
 from .bias import ScoreMod
 from .masks import Mask, _index_grid
 
@@ -86,6 +87,7 @@ def check_against_oracle(fn: Callable[..., object], q: Tensor, k: Tensor, v: Ten
     if float(kwargs.get("dropout_p", 0.0) or 0.0) > 0:
         raise ValueError(f"check_against_oracle: dropout_p={kwargs['dropout_p']} — the oracle has no dropout; "
                          f"check dropout against a formula using the same keep pattern")
+    grad = None if grad is None else flag("grad", grad)
     ref_kw = {n: kwargs[n] for n in ("mask", "bias", "scale", "softcap") if n in kwargs}
     wants = [bool(t.requires_grad) for t in (q, k, v)] if grad is not False else [False] * 3
     if grad is True and not any(wants):

@@ -24,6 +24,7 @@ import torch
 
 from ..bias import ScoreMod, _ALiBi, _RelativeBuckets, _Temperature
 from ..masks import Mask, _BlockLocal, _Causal, _PrefixLM, _SlidingWindow
+from .._checks import flag
 from ..softmax import stable_softmax
 from ..backends._common import check_paged_values
 from ._common import check_dtype, check_int, check_new_kv, model_dims
@@ -649,7 +650,7 @@ class PagedCache:
         self.d_value = check_int("d_value", d_value if d_value is not None else d_head, minimum=1)
         self.dtype = check_dtype("dtype", dtype)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.prefix_caching = bool(prefix_caching)
+        self.prefix_caching = flag("prefix_caching", prefix_caching)
         # stored block-major and contiguous: a span of block ids is one (blocks * Hkv, block_size, D) batch
         # that the decode's products read in place (see _attend_pool)
         shape_k = (num_blocks, n_kv_heads, block_size, d_head)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .._checks import flag
 from ..bias import ScoreMod
 from ..functional import _check_bias, _check_mask, _check_number, _check_qkv, attention
 from ..masks import EMPTY, FULL, Mask
@@ -591,6 +592,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, sca
     rank, world = group_info(group)
 
     def check():  # on every rank inside _agree, so that one rank's bad input stops them all
+        flag("return_lse", return_lse)
         n = q.shape[2]
         if k.shape[2] != n:
             raise ValueError(f"ring_attention is self-attention over one sharded sequence: q and k must hold the "

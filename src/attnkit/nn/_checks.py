@@ -7,6 +7,7 @@ import math
 import torch
 
 from .. import masks as _masks
+from .._checks import flag  # noqa: F401  (re-exported: the modules' bool options)
 
 Tensor = torch.Tensor
 

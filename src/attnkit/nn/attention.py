@@ -138,6 +138,7 @@ class MultiHeadAttention(_Attends):
                  out_bias: bool | None = None):
         super().__init__()
         n_kv_heads, d_head = _checks.head_layout(d_model, n_heads, n_kv_heads, d_head)
+        bias, qk_norm = _checks.flag("bias", bias), _checks.flag("qk_norm", qk_norm)
         kdim = d_model if kdim is None else _checks.positive_int("kdim", kdim)
         vdim = kdim if vdim is None else _checks.positive_int("vdim", vdim)
         self.d_model, self.n_heads, self.n_kv_heads, self.d_head = d_model, n_heads, n_kv_heads, d_head
@@ -157,7 +158,7 @@ class MultiHeadAttention(_Attends):
         self.mask = _checks.as_mask("mask", mask)
         q_out, kv_out = n_heads * d_head, n_kv_heads * d_head
         self._split = (q_out, kv_out, kv_out)
-        out_bias = bias if out_bias is None else bool(out_bias)
+        out_bias = bias if out_bias is None else _checks.flag("out_bias", out_bias)
         self.self_capable = kdim == d_model and vdim == d_model
         if self.self_capable:
             self.qkv_proj = Linear(d_model, q_out + 2 * kv_out, bias=bias)
@@ -249,6 +250,7 @@ class MultiHeadAttention(_Attends):
                 need_weights: bool = False):
         """Attention of ``x (B, L, d_model)`` to itself or to ``context (B, Lc, kdim)``; see the class doc."""
         _checks.features("x", x, self.d_model, what=f"(B, L, d_model={self.d_model})")
+        need_weights = _checks.flag("need_weights", need_weights)
         w = self.out_proj.weight if type(self.out_proj) in (Linear, nn.Linear) else None  # (a subclass may cast)
         if w is not None and x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
             raise TypeError(f"x has dtype {x.dtype} but this module's weights are {w.dtype}: convert one to the "

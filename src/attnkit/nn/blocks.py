@@ -84,13 +84,16 @@ class TransformerBlock(nn.Module):
         super().__init__()
         _checks.choice("norm", norm, ("layer", "rms"))
         _checks.choice("ffn", ffn, _FFNS)
+        norm_first, post_norms = _checks.flag("norm_first", norm_first), _checks.flag("post_norms", post_norms)
+        bias, qk_norm = _checks.flag("bias", bias), _checks.flag("qk_norm", qk_norm)
+        cross_attention = _checks.flag("cross_attention", cross_attention)
         if post_norms and not norm_first:
             raise ValueError("post_norms=True needs norm_first=True (Pre-LN): a Post-LN block already normalises "
                              "after every residual add")
         d_ff = default_d_ff(d_model, ffn) if d_ff is None else _checks.positive_int("d_ff", d_ff)
-        qkv_bias = bias if qkv_bias is None else qkv_bias
-        out_bias = bias if out_bias is None else out_bias
-        ffn_bias = bias if ffn_bias is None else ffn_bias
+        qkv_bias = bias if qkv_bias is None else _checks.flag("qkv_bias", qkv_bias)
+        out_bias = bias if out_bias is None else _checks.flag("out_bias", out_bias)
+        ffn_bias = bias if ffn_bias is None else _checks.flag("ffn_bias", ffn_bias)
         self.norm_first = bool(norm_first)
         attn_p = dropout if attention_dropout is None else _checks.probability("attention_dropout", attention_dropout)
         attn_kw = dict(n_kv_heads=n_kv_heads, d_head=d_head, bias=qkv_bias, out_bias=out_bias, dropout=attn_p,
@@ -257,7 +260,7 @@ class Decoder(_Stack):
     def __init__(self, d_model: int, n_layers: int, n_heads: int, *, cross_attention: bool = False,
                  **block_options):
         super().__init__()
-        self.cross_attention = bool(cross_attention)
+        self.cross_attention = _checks.flag("cross_attention", cross_attention)
         self._build(d_model, n_layers, n_heads, causal=True, cross=self.cross_attention, block_options=block_options)
 
     def forward(self, x: Tensor, context=None, *, mask=None, context_mask=None, cache=None, positions=None) -> Tensor:

@@ -122,6 +122,9 @@ class Linear(nn.Linear):
         torch.Size([2, 3])
     """
 
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None):
+        super().__init__(in_features, out_features, _checks.flag("bias", bias), device, dtype)
+
     def forward(self, x: Tensor) -> Tensor:
         return linear(x, self.weight, self.bias)
 
@@ -236,6 +239,7 @@ class FeedForward(nn.Module):
         _checks.positive_int("d_model", d_model)
         _checks.positive_int("d_ff", d_ff)
         self.kind = _checks.choice("ffn", kind, ("gelu", "swiglu", "geglu"))
+        bias = _checks.flag("bias", bias)
         self.d_ff = d_ff
         self.up_proj = Linear(d_model, d_ff * (1 if kind == "gelu" else 2), bias=bias)
         self.down_proj = Linear(d_ff, d_model, bias=bias)

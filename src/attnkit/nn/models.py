@@ -101,6 +101,9 @@ class DecoderConfig:
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "t5_max_distance"):
             _checks.positive_int(name, getattr(self, name))
+        for name in ("rope_interleaved", "norm_first", "qkv_bias", "out_bias", "ffn_bias", "qk_norm", "post_norms",
+                     "tie_embeddings"):
+            setattr(self, name, _checks.flag(name, getattr(self, name)))
         self.n_kv_heads_, self.d_head_ = _checks.head_layout(self.d_model, self.n_heads, self.n_kv_heads, self.d_head)
         _checks.choice("positions", self.positions, _POSITIONS)
         _checks.choice("norm", self.norm, ("rms", "layer"))

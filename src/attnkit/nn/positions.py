@@ -162,7 +162,7 @@ class RotaryEmbedding(PositionEncoding):
             raise ValueError(f"RotaryEmbedding: dim={dim} must be even (dims are rotated in pairs)")
         self.dim = dim
         self.base = _checks.positive_float("base", base)
-        self.interleaved = bool(interleaved)
+        self.interleaved = _checks.flag("interleaved", interleaved)
         self.scaling = _parse_scaling(scaling, self.base)
         self.max_seq_len = _checks.positive_int("max_seq_len", max_seq_len, allow_none=True)
         self.inv_freq = self._inv_freq()  # (dim/2,) float32; not a buffer, so model.to(dtype) keeps it exact
@@ -343,7 +343,8 @@ class T5RelativeBias(PositionEncoding):
         _checks.positive_int("n_heads", n_heads)
         _checks.positive_int("num_buckets", num_buckets)
         _checks.positive_int("max_distance", max_distance)
-        self.n_heads, self.bidirectional, self.max_distance = n_heads, bool(bidirectional), max_distance
+        self.n_heads, self.max_distance = n_heads, max_distance
+        self.bidirectional = _checks.flag("bidirectional", bidirectional)
         self.table = nn.Parameter(torch.randn(n_heads, num_buckets) * 0.02)
         self._mod = _bias.relative_buckets(self.table, bidirectional=self.bidirectional, max_distance=max_distance)
 

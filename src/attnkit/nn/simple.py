@@ -76,6 +76,7 @@ class SingleHeadAttention(_Attends):
         return x @ self.W_q, c @ self.W_k, c @ self.W_v
 
     def forward(self, x: Tensor, context: Tensor | None = None, *, mask=None, need_weights: bool = False):
+        need_weights = _checks.flag("need_weights", need_weights)
         xb, unbatched = _batched("x", x, self.d_model, f"(B, L, d_model={self.d_model})")
         cb = None
         if context is not None:
@@ -139,6 +140,7 @@ class AdditiveAttention(_Attends):
 
     def forward(self, query: Tensor, keys: Tensor, values: Tensor | None = None, *, mask=None,
                 need_weights: bool = False):
+        need_weights = _checks.flag("need_weights", need_weights)
         _checks.features("query", query, self.q_dim, what=f"(B, Lq, q_dim={self.q_dim})")
         _checks.features("keys", keys, self.k_dim, what=f"(B, Lk, k_dim={self.k_dim})")
         values = keys if values is None else values

@@ -100,7 +100,7 @@ def copy_task(batch: int, *, length: int = 8, n_symbols: int = 16, distinct: boo
     _checks.positive_int("batch", batch)
     _checks.positive_int("length", length)
     _checks.positive_int("n_symbols", n_symbols)
-    if distinct:
+    if _checks.flag("distinct", distinct):
         if length > n_symbols:
             raise ValueError(f"distinct=True needs length <= n_symbols, got length={length}, n_symbols={n_symbols}")
         x = torch.rand(batch, n_symbols, generator=generator).argsort(-1)[:, :length]

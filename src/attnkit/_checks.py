@@ -1,0 +1,36 @@
+"""Checks of plain arguments shared by every part of attnkit (each raises a TypeError naming the argument,
+the value and what to pass).  Only the standard library and torch: any module may import it."""
+
+from __future__ import annotations
+
+from numbers import Integral
+
+import torch
+
+
+def flag(name: str, value) -> bool:
+    """``value`` as a Python bool: True/False, a numpy bool, a one-element bool tensor, or the ints 0 and 1.
+
+    Anything else is refused, strings first among them (``"no"`` and ``"false"`` are truthy), and so are
+    None, floats and other numbers.
+
+    Example::
+
+        >>> from attnkit._checks import flag
+        >>> flag("stream", False)
+        False
+        >>> flag("stream", "yes")
+        Traceback (most recent call last):
+        ...
+        TypeError: stream must be True or False, got 'yes' (str)
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, torch.Tensor):
+        if value.dtype == torch.bool and value.numel() == 1:
+            return bool(value)
+    elif type(value).__name__ in ("bool_", "bool") and type(value).__module__ == "numpy":
+        return bool(value)
+    elif isinstance(value, Integral) and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, got {value!r:.80} ({type(value).__name__})")
