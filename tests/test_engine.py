@@ -131,7 +131,7 @@ def test_engine_lays_the_weights_out_for_max_batch(model):
     assert engine.run()[rid] == attnkit.generate(model, [[1, 2, 3]], 6)[0]
     attnkit.Engine(m, cache_blocks=8, block_size=4, max_batch=1, relayout=False)
     assert w.stride() == (1, w.shape[0])
-    with pytest.raises(TypeError, match="relayout='no' must be True or False"):
+    with pytest.raises(TypeError, match="relayout must be True or False, got 'no'"):
         attnkit.Engine(m, cache_blocks=8, relayout="no")
 
 

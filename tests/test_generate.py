@@ -188,7 +188,7 @@ def test_clear_errors():
         generate(model, [[1]], 4, cache="sliding")
     with pytest.raises(ValueError, match="compile=True needs cache='static'"):
         generate(model, [[1]], 4, cache="paged", compile=True)
-    with pytest.raises(TypeError, match="compile='yes' must be True or False"):
+    with pytest.raises(TypeError, match="compile must be True or False, got 'yes'"):
         generate(model, [[1]], 4, compile="yes")
 
 
@@ -239,7 +239,7 @@ def test_generate_lays_the_weights_out_for_its_batch():
     assert w.stride() == (1, w.shape[0])
     generate(model, prompts[:3], 5)
     assert w.stride() == (w.shape[1], 1)
-    with pytest.raises(TypeError, match="relayout=1 must be True or False"):
+    with pytest.raises(TypeError, match="relayout must be True or False, got 1"):
         generate(model, prompts, 5, relayout=1)
     with torch.inference_mode():  # the new layout is made of ordinary tensors: the model still trains
         generate(model, prompts, 2)

@@ -3,16 +3,14 @@ the value and what to pass).  Only the standard library and torch: any module ma
 
 from __future__ import annotations
 
-from numbers import Integral
-
 import torch
 
 
 def flag(name: str, value) -> bool:
-    """``value`` as a Python bool: True/False, a numpy bool, a one-element bool tensor, or the ints 0 and 1.
+    """``value`` as a Python bool: True/False, a numpy bool or a one-element bool tensor.
 
-    Anything else is refused, strings first among them (``"no"`` and ``"false"`` are truthy), and so are
-    None, floats and other numbers.
+    Anything else is refused: strings first among them (``"no"`` and ``"false"`` are truthy), None, and
+    numbers (``1`` is not a flag; pass ``bool(x)`` where a number is meant as one).
 
     Example::
 
@@ -30,7 +28,5 @@ def flag(name: str, value) -> bool:
         if value.dtype == torch.bool and value.numel() == 1:
             return bool(value)
     elif type(value).__name__ in ("bool_", "bool") and type(value).__module__ == "numpy":
-        return bool(value)
-    elif isinstance(value, Integral) and value in (0, 1):
         return bool(value)
     raise TypeError(f"{name} must be True or False, got {value!r:.80} ({type(value).__name__})")

@@ -398,3 +398,105 @@ def test_a_pool_with_empty_blocks_is_a_clear_error():
     with pytest.raises(ValueError, match="blocks hold 0 positions"):
         paged_attention(torch.randn(2, 2, 1, 16), torch.randn(4, 1, 0, 16), torch.randn(4, 1, 0, 16),
                         torch.zeros(2, 3, dtype=torch.int32), torch.tensor([0, 0], dtype=torch.int32))
+
+
+def test_bad_arguments_of_paged_attention_are_clear_errors():
+    """softcap=-1.0 computed (attention() refuses it), a bool block table was read as block ids 0/1, and a
+    bad scale, bias or mask gave raw Python/torch messages (or failed inside the decode)."""
+    kp, vp = _pool()
+    q = torch.randn(2, 2, 1, 8, dtype=F64)
+    table = torch.tensor([[3, 5], [1, 0]], dtype=torch.int32)
+    lens = torch.tensor([7, 2], dtype=torch.int32)
+    for kw, err, match in (
+            (dict(softcap=-1.0), ValueError, r"softcap=-1.0 must be > 0.0 \(or None for no softcap\)"),
+            (dict(softcap=0), ValueError, "softcap=0 must be > 0.0"),
+            (dict(scale="x"), ValueError, "scale='x' must be a finite number"),
+            (dict(scale=float("nan")), ValueError, "scale=nan must be a finite number"),
+            (dict(bias="alibi"), TypeError, "bias must be None, an attnkit.bias modifier or a float tensor, got str"),
+            (dict(bias=lambda s, b, h, i, j: s), TypeError, "bias.from_fn"),
+            (dict(bias=torch.zeros(1, 1, 1, 8, dtype=torch.long)), TypeError, "a tensor bias must be a float"),
+            (dict(mask="causal"), TypeError, "mask must be None, an attnkit.masks.Mask or a bool tensor, got str"),
+            (dict(mask=lambda b, h, i, j: i >= j), TypeError, "masks.from_fn"),
+            (dict(mask=torch.ones(1, 1, 1, 8)), TypeError, "a tensor mask must be bool")):
+        with pytest.raises(err, match=match):
+            paged_attention(q, kp, vp, table, lens, **kw)
+    for name, bad in (("block_table", (table > 0, lens)), ("block_table", (table.double(), lens)),
+                      ("seq_lens", (table, lens > 0))):
+        with pytest.raises(TypeError, match=f"{name} must be an integer tensor"):
+            paged_attention(q, kp, vp, *bad)
+    ref = paged_attention(q, kp, vp, table, lens, softcap=2.0, scale=1)  # an int scale is a number
+    assert ref.shape == (2, 2, 1, 6)
+
+
+def test_token_and_sequence_ids_must_be_ints():
+    """add_sequence([1.5]) stored token 1 (and so matched another prompt's prefix), ["a"] and batch("x")
+    gave int()'s message, batch([1.5]) read sequence 1, and True found sequence 1."""
+    pool = PagedCache(1, num_blocks=8, block_size=2, n_kv_heads=1, d_head=2)
+    for tokens in ([1.5], ["a"], "abc", [True, 2], torch.tensor([1.0, 2.0]), torch.tensor([[1, 2]]), 7):
+        with pytest.raises(TypeError, match="add_sequence: tokens must be a"):
+            pool.add_sequence(tokens)
+    assert pool.sequences() == []  # nothing was started
+    a = pool.add_sequence(torch.tensor([1, 2, 3]))
+    assert a == 0
+    b = pool.add_sequence((4, 5))
+    with pytest.raises(TypeError, match="append_tokens: tokens must be a list of int token ids"):
+        pool.append_tokens(a, [2.5])
+    for ids, match in (("x", "got 'x'"), (b, rf"pass \[{b}\]"), ([1.5], r"got \[1.5\]"), ([True], r"got \[True\]")):
+        for call in (pool.batch, pool.block_table, pool.seq_lens):
+            with pytest.raises(TypeError, match=f"seq_ids must be a list of sequence ids .*{match}"):
+                call(ids)
+    with pytest.raises(ValueError, match="no sequence True"):
+        pool.length(True)
+    assert pool.batch([b, a]).ids == [b, a] and pool.seq_lens(range(2)).tolist() == [0, 0]
+
+
+def test_a_decode_step_with_autograd_on_has_the_static_cache_gradients():
+    """With gradients on, the pool-wide decode raised from an out= matmul: it now records the graph, and the
+    gradients (parameters and query) equal those through a StaticCache."""
+    from attnkit.nn import DecoderConfig, DecoderLM
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny", vocab_size=32, n_kv_heads=2)).double()
+    prompts, nxt = [[1, 2, 3, 4, 5], [6, 7]], torch.tensor([[8], [9]])
+    grads = {}
+    for kind in ("static", "paged"):
+        model.zero_grad()
+        if kind == "static":
+            cache = StaticCache.for_model(model, 1, 8)
+            with torch.no_grad():
+                model(torch.tensor(prompts[:1]), cache=cache)
+            loss = model(nxt[:1], cache=cache).logsumexp(-1).sum()
+        else:
+            pool = PagedCache.for_model(model, 8, 2)
+            sids = [pool.add_sequence() for _ in prompts]
+            with torch.no_grad():
+                for sid, p in zip(sids, prompts):
+                    model(torch.tensor([p]), cache=pool.batch([sid]))
+            view = pool.batch(sids)
+            loss = model(nxt, cache=view, positions=view.positions(1))[:1].logsumexp(-1).sum()
+        loss.backward()
+        grads[kind] = [p.grad.clone() for p in model.parameters()]
+    for gs, gp in zip(grads["static"], grads["paged"]):
+        torch.testing.assert_close(gp, gs, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("head_major", [False, True])
+def test_paged_attention_gradients_reach_the_query_and_the_pool(head_major):
+    """paged_attention's pool-wide decode with a query and a pool that require grad: gradients equal those of
+    attention() over each sequence's gathered keys (float64)."""
+    kp, vp = _pool(nb=12, hkv=2, bs=4, d=8, dv=6)
+    if head_major:  # (Hkv, num_blocks, ...) storage, seen as (num_blocks, Hkv, ...)
+        kp, vp = kp.transpose(0, 1).contiguous().transpose(0, 1), vp.transpose(0, 1).contiguous().transpose(0, 1)
+    kp, vp = kp.requires_grad_(), vp.requires_grad_()
+    q = torch.randn(3, 4, 1, 8, dtype=F64, requires_grad=True)
+    table = torch.tensor([[3, 9, 1], [0, 0, 0], [10, 11, 2]], dtype=torch.int32)
+    lens = torch.tensor([11, 3, 9], dtype=torch.int32)
+    out = paged_attention(q, kp, vp, table, lens, softcap=5.0, bias=B_.alibi(B_.alibi_slopes(4)))
+    ref = torch.cat([attnkit.attention(q[b:b + 1], _gathered(kp, table[b], int(n)), _gathered(vp, table[b], int(n)),
+                                       softcap=5.0, bias=B_.alibi(B_.alibi_slopes(4)))
+                     for b, n in enumerate(lens)])
+    dout = torch.randn_like(ref)
+    got = torch.autograd.grad((out * dout).sum(), (q, kp, vp))
+    want = torch.autograd.grad((ref * dout).sum(), (q, kp, vp))
+    torch.testing.assert_close(out, ref)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)

@@ -208,3 +208,43 @@ def test_a_rejected_call_leaves_the_cache_unchanged(kind):
                 lm.layers[0].attn(torch.randn(1, 1, lm.config.d_model), cache=cache().layers[0], need_weights=True)
         assert [layer.seq_len for layer in cache().layers] == before
         assert torch.equal(lm(ids[:, 5:], cache=cache())[:, -1], ref)
+
+
+_MAKERS = {"static": lambda **kw: StaticCache(1, max_len=16, **kw),
+           "sliding": lambda **kw: SlidingWindowCache(1, window=8, **kw),
+           "int8": lambda **kw: QuantizedCache(1, max_len=16, group_size=4, **kw)}
+
+
+@pytest.mark.parametrize("kind", list(_MAKERS))
+def test_left_padding_needs_one_integer_count_per_row(kind):
+    """Padding counts for another batch size were broadcast (every row lost the keys of row 0's padding, or a
+    single count hid keys in every row); a float count was truncated: clear errors instead."""
+    k = torch.randn(2, 1, 4, 2)
+    laid_out = _MAKERS[kind](batch_size=2, n_kv_heads=1, d_head=2)  # the batch is known: refused at once
+    for pad in ([1, 0, 0], [1], [0, 0, 0]):
+        with pytest.raises(ValueError, match=f"got {len(pad)} counts .* for a batch of 2 rows"):
+            laid_out.set_left_padding(pad)
+    lazy = _MAKERS[kind]()  # allocated by the first update: refused there, before anything is stored
+    lazy.set_left_padding([1])
+    with pytest.raises(ValueError, match="left padding has 1 counts but the update has a batch of 2 rows"):
+        lazy.layers[0].update(k, k)
+    assert lazy.layers[0].length == 0
+    for pad in ([1.5, 0], [True, False], torch.tensor([1.0, 0.0]), "12", 3):
+        with pytest.raises(TypeError, match="integer counts"):
+            lazy.set_left_padding(pad)
+    lazy.set_left_padding(torch.tensor([1, 0]))
+    lazy.layers[0].update(k, k)  # one count per row: accepted
+
+
+@pytest.mark.parametrize("kind", list(_MAKERS))
+def test_the_first_update_checks_its_layout(kind):
+    """The first update (storage allocated from its shapes) read k.shape[3] of a 3-D tensor: IndexError."""
+    for k, err, match in ((torch.randn(1, 3, 4), ValueError, r"k must be \(B, Hkv, L_new, D\), got shape \(1, 3, 4\)"),
+                          ([[1.0]], TypeError, "k must be a torch.Tensor, got list")):
+        cache = _MAKERS[kind]()
+        with pytest.raises(err, match=match):
+            cache.layers[0].update(k, k)
+        assert cache.nbytes() == 0  # nothing allocated
+    cache = _MAKERS["static"](batch_size=2)
+    with pytest.raises(ValueError, match="got batch size B=1 but the cache was made for 2"):
+        cache.layers[0].update(torch.randn(1, 1, 4, 2), torch.randn(1, 1, 4, 2))

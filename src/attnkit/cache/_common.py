@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from numbers import Integral
 from typing import Sequence
 
 import torch
@@ -71,6 +72,23 @@ def model_dims(model) -> dict:
             "device": device, "max_seq_len": getattr(cfg, "max_seq_len", None)}
 
 
+def _padding_counts(pad) -> Tensor:
+    """``pad`` as a ``(B,)`` long tensor of counts >= 0: integers only (a float or bool would be truncated)."""
+    fix = "give a (B,) list or integer tensor of counts >= 0, one per row"
+    if isinstance(pad, Tensor):
+        if pad.dtype == torch.bool or pad.is_floating_point() or pad.is_complex():
+            raise TypeError(f"left padding must hold integer counts, got dtype {pad.dtype}: {fix}")
+        t = pad.long()
+    else:
+        items = list(pad) if isinstance(pad, (list, tuple)) else None
+        if items is None or not all(isinstance(x, Integral) and not isinstance(x, bool) for x in items):
+            raise TypeError(f"left padding must be integer counts, got {pad!r:.80}: {fix}")
+        t = torch.tensor(items, dtype=torch.long)
+    if t.dim() != 1 or bool((t < 0).any()):
+        raise ValueError(f"left padding must be a (B,) tensor of counts >= 0, got {t.tolist()}: {fix}")
+    return t
+
+
 def padding_mask(pad: Tensor | None, start: int, end: int, memo: dict) -> Tensor | None:
     """``(B, 1, 1, end - start)`` bool, True for keys at padded-row indices ``>= pad[b]`` (None: no padding)."""
     if pad is None:
@@ -112,6 +130,7 @@ class ModelCache:
 
     def __init__(self) -> None:
         self.left_padding = None
+        self._pad_rows: int | None = None  # rows of the last set_left_padding (kept when every count is 0)
         self._mask_memo: dict = {}
 
     @property
@@ -120,15 +139,29 @@ class ModelCache:
         return self.layers[-1].length
 
     def set_left_padding(self, pad) -> None:
-        """Mark the first ``pad[b]`` positions of each row as padding (``pad``: ``(B,)`` ints, or None)."""
+        """Mark the first ``pad[b]`` positions of each row as padding (``pad``: ``(B,)`` ints, one per row of
+        the batch, or None)."""
         if pad is None:
-            self.left_padding = None
+            self.left_padding, self._pad_rows = None, None
         else:
-            pad = torch.as_tensor(pad, dtype=torch.long)
-            if pad.dim() != 1 or bool((pad < 0).any()):
-                raise ValueError(f"left padding must be a (B,) tensor of counts >= 0, got {pad.tolist()}")
+            pad = _padding_counts(pad)
+            batch = self._batch()
+            if batch is not None and pad.shape[0] != batch:
+                raise ValueError(f"set_left_padding got {pad.shape[0]} counts {pad.tolist()[:8]} for a batch of "
+                                 f"{batch} rows: give one count per row")
             self.left_padding = pad if bool(pad.any()) else None
+            self._pad_rows = pad.shape[0]
         self._mask_memo = {}
+
+    def _batch(self) -> int | None:
+        """The batch size the storage is laid out for, when known before the first update."""
+        return None
+
+    def _check_padding_rows(self, batch: int) -> None:
+        """A layer update of ``batch`` rows: the left padding set before must have one count per row."""
+        if self._pad_rows is not None and self._pad_rows != batch:
+            raise ValueError(f"the cache's left padding has {self._pad_rows} counts but the update has a batch of "
+                             f"{batch} rows: call set_left_padding with one count per row")
 
     def _key_mask(self, start: int, end: int) -> Tensor | None:
         pad = self.left_padding

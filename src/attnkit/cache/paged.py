@@ -19,6 +19,7 @@ import functools
 from bisect import bisect_left, insort
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from numbers import Integral
 
 import torch
 
@@ -27,6 +28,7 @@ from ..masks import Mask, _BlockLocal, _Causal, _PrefixLM, _SlidingWindow
 from .._checks import flag
 from ..softmax import stable_softmax
 from ..backends._common import check_paged_values
+from ..functional import _check_number
 from ._common import check_dtype, check_int, check_new_kv, model_dims
 
 Tensor = torch.Tensor
@@ -64,12 +66,37 @@ def _check_paged_args(q, k_pool, v_pool, block_table, seq_lens) -> None:
     if block_table.shape[0] != B or seq_lens.shape[0] != B:
         raise ValueError(f"paged_attention: block_table {tuple(block_table.shape)} and seq_lens "
                          f"{tuple(seq_lens.shape)} must have one row per sequence (B={B})")
-    if block_table.dtype.is_floating_point or seq_lens.dtype.is_floating_point:
-        raise TypeError("paged_attention: block_table and seq_lens must be integer tensors (int32)")
+    for name, t in (("block_table", block_table), ("seq_lens", seq_lens)):
+        if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+            raise TypeError(f"paged_attention: {name} must be an integer tensor (int32), got dtype {t.dtype}: "
+                            f"{name} holds {'block ids' if name == 'block_table' else 'key counts'}, not a mask")
     if not (q.dtype == k_pool.dtype == v_pool.dtype):
         raise TypeError(f"paged_attention: q, k_pool, v_pool must share one dtype, got {q.dtype}, "
                         f"{k_pool.dtype}, {v_pool.dtype}")
     check_paged_values("paged_attention", block_table, seq_lens, NB, bs)
+
+
+def _check_modifiers(scale, softcap, bias, mask) -> tuple[float | None, float | None]:
+    """``scale`` and ``softcap`` as :func:`attnkit.attention` takes them; ``bias`` and ``mask`` of a kind the
+    decode reads."""
+    if bias is not None and not isinstance(bias, (ScoreMod, Tensor)):
+        raise TypeError(f"paged_attention: bias must be None, an attnkit.bias modifier or a float tensor, got "
+                        f"{type(bias).__name__}" + ("; wrap a function with attnkit.bias.from_fn(fn)" if callable(bias)
+                                                     else ""))
+    if isinstance(bias, Tensor) and not bias.is_floating_point():
+        raise TypeError(f"paged_attention: a tensor bias must be a float tensor of additive scores, got dtype "
+                        f"{bias.dtype} (a bool tensor belongs in mask=)")
+    if mask is not None and not isinstance(mask, (Mask, Tensor)):
+        raise TypeError(f"paged_attention: mask must be None, an attnkit.masks.Mask or a bool tensor, got "
+                        f"{type(mask).__name__}" + ("; wrap a predicate with attnkit.masks.from_fn(fn)"
+                                                     if callable(mask) else ""))
+    if isinstance(mask, Tensor) and mask.dtype != torch.bool:
+        raise TypeError(f"paged_attention: a tensor mask must be bool (True = may attend), got {mask.dtype}")
+    if scale is not None:
+        scale = _check_number("scale", scale)
+    if softcap is not None:
+        softcap = _check_number("softcap", softcap, low=0.0, low_open=True, fix=" (or None for no softcap)")
+    return scale, softcap
 
 
 def _triton_backend():
@@ -126,6 +153,7 @@ def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tens
         torch.Size([2, 4, 1, 16])
     """
     _check_paged_args(q, k_pool, v_pool, block_table, seq_lens)
+    scale, softcap = _check_modifiers(scale, softcap, bias, mask)
     B, Hq, Lq, D = q.shape
     NB, Hkv, bs, _ = k_pool.shape
     Dv = v_pool.shape[3]
@@ -456,21 +484,30 @@ def _attend_pool(q: Tensor, k_pool: Tensor, v_pool: Tensor, layout: _PoolLayout,
 
     def products(a: Tensor, pool_part: int, y: int, dtype) -> Tensor:
         """``a[j] @ part[j]`` for every entry ``j`` (``(N, Hkv, G, x) @ (n, Hkv, x, y)`` per part), written into
-        one ``(N, Hkv, G, y)`` tensor without copying the pool."""
-        out = torch.empty(N, Hkv, G, y, dtype=dtype, device=dev)
-        o = 0
+        one ``(N, Hkv, G, y)`` tensor without copying the pool (with autograd recording, the parts' products
+        are concatenated instead: ``out=`` products have no derivative)."""
+        graph = torch.is_grad_enabled() and (a.requires_grad or any(kv[pool_part].requires_grad for kv in parts))
+        out = None if graph else torch.empty(N, Hkv, G, y, dtype=dtype, device=dev)
+        pieces, o = [], 0
         for kv in parts:
-            b = kv[pool_part]
-            b = b.transpose(-1, -2) if pool_part == 0 else b
-            n = b.shape[0]
-            if b.stride(0) == Hkv * b.stride(1) or Hkv == 1:  # (n, Hkv) folds into one batch dimension
-                torch.matmul(a[o:o + n], b, out=out[o:o + n])
-            elif b.stride(1) == n * b.stride(0):  # all of a head-major pool: (Hkv, n) folds
-                out[o:o + n] = torch.matmul(a[o:o + n].transpose(0, 1), b.transpose(0, 1)).transpose(0, 1)
-            else:
-                for h in range(Hkv):  # a span of a head-major pool: one product per kv head
-                    out[o:o + n, h] = torch.matmul(a[o:o + n, h], b[:, h])
+            n = kv[pool_part].shape[0]
+            pieces.append(part_product(a[o:o + n], kv[pool_part], pool_part, None if graph else out[o:o + n]))
             o += n
+        return torch.cat(pieces) if graph else out
+
+    def part_product(a: Tensor, b: Tensor, pool_part: int, out: Tensor | None) -> Tensor:
+        """One part's ``(n, Hkv, G, y)`` products: into ``out``, or a new tensor when ``out`` is None."""
+        b = b.transpose(-1, -2) if pool_part == 0 else b
+        n = b.shape[0]
+        if b.stride(0) == Hkv * b.stride(1) or Hkv == 1:  # (n, Hkv) folds into one batch dimension
+            return torch.matmul(a, b) if out is None else torch.matmul(a, b, out=out)
+        if b.stride(1) == n * b.stride(0):  # all of a head-major pool: (Hkv, n) folds
+            r = torch.matmul(a.transpose(0, 1), b.transpose(0, 1)).transpose(0, 1)
+            return r if out is None else out.copy_(r)
+        if out is None:  # a span of a head-major pool: one product per kv head
+            return torch.stack([torch.matmul(a[:, h], b[:, h]) for h in range(Hkv)], dim=1)
+        for h in range(Hkv):
+            out[:, h] = torch.matmul(a[:, h], b[:, h])
         return out
 
     qb = torch.cat([q.reshape(B, Hkv, G, D), q.new_zeros(1, Hkv, G, D)])  # row B: blocks no row reads
@@ -487,7 +524,7 @@ def _attend_pool(q: Tensor, k_pool: Tensor, v_pool: Tensor, layout: _PoolLayout,
             sc = sc.masked_fill(~mask._mod(b, h, p, kpos, 1, 1), float("-inf"))
     sc = sc + layout.pad.to(acc)[:, None, None, :]
     m = torch.full((B + 1, Hkv, G), float("-inf"), dtype=acc, device=dev)
-    m.scatter_reduce_(0, own.view(-1, 1, 1).expand(-1, Hkv, G), sc.amax(-1), "amax")
+    m.scatter_reduce_(0, own.view(-1, 1, 1).expand(-1, Hkv, G), sc.detach().amax(-1), "amax")  # a shift only
     m = torch.where(torch.isfinite(m), m, torch.zeros((), dtype=acc, device=dev))  # rows reading nothing
     e = torch.exp(sc - m[own].unsqueeze(-1))  # (N, Hkv, G, bs)
     l = torch.zeros(B + 1, Hkv, G, dtype=acc, device=dev).index_add_(0, own, e.sum(-1))[:B]
@@ -599,6 +636,30 @@ class _Allocator:
         self.key[b] = (h, parent, tokens)
 
 
+def _token_ids(who: str, tokens) -> list[int]:
+    """``tokens`` (a list of ints or a 1-D integer tensor) as a list of ints; anything else raises (a float
+    would be truncated to another token, a string read character by character)."""
+    if isinstance(tokens, Tensor):
+        if tokens.dim() != 1 or tokens.dtype == torch.bool or tokens.is_floating_point() or tokens.is_complex():
+            raise TypeError(f"PagedCache.{who}: tokens must be a list or 1-D integer tensor of token ids, got a "
+                            f"{tuple(tokens.shape)} {tokens.dtype} tensor")
+        return tokens.tolist()
+    items = list(tokens) if isinstance(tokens, (list, tuple, range)) else None
+    if items is None or not all(isinstance(t, Integral) and not isinstance(t, bool) for t in items):
+        raise TypeError(f"PagedCache.{who}: tokens must be a list of int token ids, got {tokens!r:.80}")
+    return [int(t) for t in items]
+
+
+def _sequence_ids(who: str, seq_ids) -> list[int]:
+    """``seq_ids`` (a list of the ids ``add_sequence`` returned) as a list of ints."""
+    items = list(seq_ids) if isinstance(seq_ids, (list, tuple, range)) else None
+    if items is None or not all(isinstance(s, Integral) and not isinstance(s, bool) for s in items):
+        raise TypeError(f"{who}: seq_ids must be a list of sequence ids (ints from add_sequence()), got "
+                        f"{seq_ids!r:.80}" + (f"; for one sequence pass [{seq_ids!r}]"
+                                              if isinstance(seq_ids, Integral) else ""))
+    return [int(s) for s in items]
+
+
 def _chain(parent: int, tokens: tuple) -> int:
     return hash((parent, tokens))
 
@@ -675,7 +736,7 @@ class PagedCache:
     # ------------------------------------------------------------------ sequences
 
     def _seq(self, sid: int) -> _Sequence:
-        s = self._seqs.get(sid)
+        s = None if isinstance(sid, bool) else self._seqs.get(sid)  # (True == 1 would find sequence 1)
         if s is None:
             raise ValueError(f"PagedCache: no sequence {sid!r} (live ones: {sorted(self._seqs)}); add it with "
                              f"add_sequence() first")
@@ -685,11 +746,9 @@ class PagedCache:
         """Start a sequence and return its id.  With the prompt's token ids (and prefix caching on), the
         longest run of its full blocks already in the cache is reused: :meth:`length` then tells how many
         positions are stored (at most ``len(tokens) - 1``, so the last prompt token is always computed)."""
+        seq = _Sequence(tokens=[] if tokens is None else _token_ids("add_sequence", tokens))
         sid = self._next_id
         self._next_id += 1
-        seq = _Sequence()
-        if tokens is not None:
-            seq.tokens = [int(t) for t in tokens]
         self._seqs[sid] = seq
         if self.prefix_caching and seq.tokens:
             bs, parent = self.block_size, _ROOT
@@ -709,7 +768,7 @@ class PagedCache:
     def append_tokens(self, sid: int, tokens) -> None:
         """Record token ids of sequence ``sid`` (prompt continuation or sampled tokens) for prefix hashing."""
         seq = self._seq(sid)
-        seq.tokens.extend(int(t) for t in tokens)
+        seq.tokens.extend(_token_ids("append_tokens", tokens))
         self._register(seq)
 
     def fork(self, sid: int) -> int:
@@ -804,7 +863,7 @@ class PagedCache:
 
     def batch(self, seq_ids) -> "PagedBatch":
         """The model-level cache for one forward over sequences ``seq_ids`` (in this order)."""
-        ids = [int(s) for s in seq_ids]
+        ids = _sequence_ids("PagedCache.batch", seq_ids)
         if len(set(ids)) != len(ids):
             raise ValueError(f"PagedCache.batch: sequence ids repeat in {ids}; fork a sequence to decode it twice")
         for s in ids:
@@ -813,14 +872,15 @@ class PagedCache:
 
     def block_table(self, seq_ids) -> Tensor:
         """``(B, max_blocks)`` int32 block ids of ``seq_ids`` (rows padded with 0)."""
-        seqs = [self._seq(s) for s in seq_ids]
+        seqs = [self._seq(s) for s in _sequence_ids("PagedCache.block_table", seq_ids)]
         width = max([len(s.blocks) for s in seqs], default=0)
         rows = [s.blocks + [0] * (width - len(s.blocks)) for s in seqs]
         return torch.tensor(rows, dtype=torch.int32, device=self.device).view(len(seqs), width)
 
     def seq_lens(self, seq_ids) -> Tensor:
         """``(B,)`` int32 positions stored per sequence."""
-        return torch.tensor([self._seq(s).length for s in seq_ids], dtype=torch.int32, device=self.device)
+        return torch.tensor([self._seq(s).length for s in _sequence_ids("PagedCache.seq_lens", seq_ids)],
+                            dtype=torch.int32, device=self.device)
 
     # ------------------------------------------------------------------ accounting
 
@@ -919,9 +979,10 @@ class _PagedDecode:
             table, lens = self.plan.tables()
             return paged_attention(q, self.k_pool, self.v_pool, table, lens, scale=scale, softcap=softcap,
                                    bias=bias, mask=mask)
+        scale, softcap = _check_modifiers(scale, softcap, bias, mask)
         if isinstance(mask, _Causal) and mask.align == "bottom_right" and q.shape[2] == 1:
             mask = None
-        scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
         layout = _pool_layout(q, self.k_pool, self.v_pool, bias, mask, self.plan.layout)
         if layout is not None:
             return _attend_pool(q, self.k_pool, self.v_pool, layout, scale=scale, softcap=softcap, mask=mask,

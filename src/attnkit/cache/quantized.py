@@ -226,9 +226,11 @@ class QuantizedLayerCache:
         order, what was stored before it dequantized and its own tokens (with the residual's) in full
         precision, plus the padding mask of a left-padded batch."""
         if self.kq is None:
+            check_new_kv(k, v, batch=None, heads=None, d_head=None, d_value=None, dtype=self._owner.dtype, device=None)
             self._allocate(k, v)
         check_new_kv(k, v, batch=self.kq.shape[0], heads=self.kq.shape[1], d_head=self.rk.shape[3],
                      d_value=self.rv.shape[3], dtype=self.rk.dtype, device=self.rk.device)
+        self._owner._check_padding_rows(k.shape[0])
         o = self._owner
         R, g, n = o.residual, o.group_size, k.shape[2]
         total = self.n_res + n
@@ -500,6 +502,10 @@ class QuantizedCache(ModelCache):
     def workspace_nbytes(self) -> int:
         """Bytes of the shared decode workspace (one chunk of positions in full precision, for every layer)."""
         return 0 if self._ws is None else self._ws[0].nbytes + self._ws[1].nbytes
+
+    def _batch(self) -> int | None:
+        layer = self.layers[0]
+        return layer.kq.shape[0] if layer.kq is not None else None
 
     def _device(self) -> torch.device:
         layer = self.layers[0]

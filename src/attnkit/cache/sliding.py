@@ -62,10 +62,12 @@ class SlidingWindowLayerCache:
         """Store ``k (B, Hkv, L_new, D)``, ``v``; return the window's keys/values in position order, the new
         ones last, with a mask when some query may not see every returned key (window or padding)."""
         if self.k is None:
+            self._owner._check_first(k, v)
             self._allocate(k, v)
         K, V, W = self.k, self.v, self._owner.window
         check_new_kv(k, v, batch=K.shape[0], heads=K.shape[1], d_head=K.shape[3], d_value=V.shape[3],
                      dtype=K.dtype, device=K.device)
+        self._owner._check_padding_rows(k.shape[0])
         start, n = self.length, k.shape[2]
         end = start + n
         if n == 1:
@@ -187,6 +189,15 @@ class SlidingWindowCache(ModelCache):
             window = max(wins)
         return cls(d["n_layers"], window, batch_size=batch_size, n_kv_heads=d["n_kv_heads"], d_head=d["d_head"],
                    d_value=d["d_value"], dtype=dtype or d["dtype"], device=device or d["device"])
+
+    def _batch(self) -> int | None:
+        k = self.layers[0].k
+        return k.shape[0] if k is not None else self.batch_size
+
+    def _check_first(self, k, v) -> None:
+        """The first update (storage not allocated yet): its layout against what the cache was given."""
+        check_new_kv(k, v, batch=self.batch_size, heads=self.n_kv_heads, d_head=self.d_head, d_value=self.d_value,
+                     dtype=self.dtype, device=None)
 
     def _device(self) -> torch.device:
         k = self.layers[0].k

@@ -40,10 +40,12 @@ class StaticLayerCache:
         """Store ``k (B, Hkv, L_new, D)``, ``v (B, Hkv, L_new, Dv)``; return everything attention should see:
         ``(k_all, v_all)`` of length ``length + L_new``, plus the padding mask of a left-padded batch."""
         if self.k is None:
+            self._owner._check_first(k, v)
             self._allocate(k, v)
         K, V = self.k, self.v
         check_new_kv(k, v, batch=K.shape[0], heads=K.shape[1], d_head=K.shape[3], d_value=V.shape[3],
                      dtype=K.dtype, device=K.device)
+        self._owner._check_padding_rows(k.shape[0])
         start, n = self.length, k.shape[2]
         end = start + n
         if end > K.shape[2]:
@@ -138,6 +140,15 @@ class StaticCache(ModelCache):
             raise ValueError("max_len is required: the model's config has no max_seq_len")
         return cls(d["n_layers"], max_len, batch_size=batch_size, n_kv_heads=d["n_kv_heads"], d_head=d["d_head"],
                    d_value=d["d_value"], dtype=dtype or d["dtype"], device=device or d["device"])
+
+    def _batch(self) -> int | None:
+        k = self.layers[0].k
+        return k.shape[0] if k is not None else self.batch_size
+
+    def _check_first(self, k, v) -> None:
+        """The first update (storage not allocated yet): its layout against what the cache was given."""
+        check_new_kv(k, v, batch=self.batch_size, heads=self.n_kv_heads, d_head=self.d_head, d_value=self.d_value,
+                     dtype=self.dtype, device=None)
 
     def _device(self) -> torch.device:
         k = self.layers[0].k

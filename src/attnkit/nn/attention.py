@@ -39,6 +39,18 @@ def _is_bottom_right_causal(m) -> bool:
     return isinstance(m, _masks._Causal) and m.align == "bottom_right"
 
 
+def _check_layer_cache(name: str, cache) -> None:
+    """``cache`` is None or one layer's KV cache (an object with ``update(k, v)``)."""
+    if cache is None or callable(getattr(cache, "update", None)):
+        return
+    if hasattr(cache, "layers"):
+        raise TypeError(f"{name} is a model-level {type(cache).__name__}: an attention module takes one layer's "
+                        f"cache, {name}.layers[i] (a model such as DecoderLM takes the whole cache)")
+    raise TypeError(f"{name} must be None or one layer's KV cache with update(k, v) (e.g. "
+                    f"attnkit.cache.StaticCache(n_layers, max_len).layers[0]), got {type(cache).__name__} "
+                    f"{cache!r:.60}")
+
+
 def _rows(proj: nn.Module, x: Tensor, start: int, stop: int) -> Tensor:
     """Output features ``start:stop`` of the projection ``proj`` on ``x`` (a part of a fused projection):
     its weight rows sliced, or its own ``forward_rows`` (quantized layers, see :func:`attnkit.quantize`)."""
@@ -251,6 +263,7 @@ class MultiHeadAttention(_Attends):
         """Attention of ``x (B, L, d_model)`` to itself or to ``context (B, Lc, kdim)``; see the class doc."""
         _checks.features("x", x, self.d_model, what=f"(B, L, d_model={self.d_model})")
         need_weights = _checks.flag("need_weights", need_weights)
+        _check_layer_cache("cache", cache)
         w = self.out_proj.weight if type(self.out_proj) in (Linear, nn.Linear) else None  # (a subclass may cast)
         if w is not None and x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
             raise TypeError(f"x has dtype {x.dtype} but this module's weights are {w.dtype}: convert one to the "
