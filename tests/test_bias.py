@@ -89,6 +89,13 @@ def test_temperature_and_compose():
 @pytest.mark.parametrize("make,exc,match", [
     (lambda: bias.alibi_slopes(0), ValueError, "n_heads"),
     (lambda: bias.alibi(torch.ones(2, 2)), ValueError, "1-D"),
+    (lambda: bias.alibi("x"), TypeError, "alibi slopes must be a 1-D float tensor or a list of numbers"),
+    (lambda: bias.alibi(["a", "b"]), TypeError, "alibi slopes must be a 1-D float tensor"),
+    (lambda: bias.alibi([None]), TypeError, "alibi slopes must be a 1-D float tensor"),
+    (lambda: bias.alibi([True, False]), TypeError, "got dtype torch.bool"),
+    (lambda: bias.alibi([0.5, float("nan")]), ValueError, "alibi slopes must be finite numbers"),
+    (lambda: bias.alibi(torch.tensor([float("inf")])), ValueError, "must be finite"),
+    (lambda: bias.temperature(torch.tensor([1.0, float("inf")])), ValueError, "temperature must be finite"),
     (lambda: bias.temperature(0), ValueError, "t must be a finite number > 0"),
     (lambda: bias.temperature(torch.tensor([1.0, -1.0])), ValueError, "> 0"),
     (lambda: bias.relative_buckets(torch.ones(4)), ValueError, "Hq, num_buckets"),

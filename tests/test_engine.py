@@ -213,6 +213,24 @@ def test_peak_blocks_counts_blocks_held_during_prefill(model):
     assert engine.stats["peak_blocks"] >= 4 and engine.cache.stats()["blocks_used"] == 0
 
 
+def test_a_model_that_is_not_a_module_is_a_clear_error():
+    """Engine(None) and generate(<a function>) raised AttributeError ('eval', 'training')."""
+    for model in (None, lambda ids, **kw: ids, "tiny"):
+        with pytest.raises(TypeError, match="Engine takes a decoder language model, a torch.nn.Module"):
+            attnkit.Engine(model, cache_blocks=4)
+        with pytest.raises(TypeError, match="generate takes a decoder language model, a torch.nn.Module"):
+            attnkit.generate(model, [[1, 2]], 3)
+
+
+def test_string_flags_are_refused(model):
+    """preempt="no" and prefix_caching="no" turned the feature on."""
+    for name in ("preempt", "prefix_caching", "relayout"):
+        with pytest.raises(TypeError, match=f"{name} must be True or False, got 'no'"):
+            attnkit.Engine(model, cache_blocks=8, block_size=4, **{name: "no"})
+    engine = attnkit.Engine(model, cache_blocks=8, block_size=4, max_batch=2, preempt=False, prefix_caching=False)
+    assert engine.preempt is False and engine.cache.prefix_caching is False
+
+
 def test_an_encoder_decoder_is_a_clear_error():
     from attnkit.nn import EncoderDecoder
     ed = EncoderDecoder(DecoderConfig.preset("tiny"))

@@ -190,6 +190,10 @@ def test_clear_errors():
         generate(model, [[1]], 4, cache="paged", compile=True)
     with pytest.raises(TypeError, match="compile must be True or False, got 'yes'"):
         generate(model, [[1]], 4, compile="yes")
+    with pytest.raises(TypeError, match="stream must be True or False, got 'yes'"):  # (it returned a stream)
+        generate(model, [[1]], 4, stream="yes")
+    with pytest.raises(TypeError, match="generate takes a decoder language model, a torch.nn.Module"):
+        generate(lambda ids, **kw: ids, [[1]], 4)
 
 
 def test_compiled_decode_steps_give_the_eager_tokens():

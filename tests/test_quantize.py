@@ -143,6 +143,21 @@ def test_quantize_errors():
         kept[0](torch.randn(2, 5))
 
 
+def test_quantize_argument_errors_come_before_any_change():
+    """skip=3 raised "'int' object is not iterable"; a bad compute_dtype was found only at the first Linear."""
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    for skip in (3, None, [3], ["0", 1]):
+        with pytest.raises(TypeError, match=r"skip must be a submodule name or a list of names .*skip=\['lm_head'\]"):
+            attnkit.quantize(m, "int8", skip=skip)
+    with pytest.raises(ValueError, match="compute_dtype=torch.int8 must be"):
+        attnkit.quantize(m, "int8", compute_dtype=torch.int8)
+    assert [type(x) for x in m] == [torch.nn.Linear, torch.nn.Linear]
+    assert isinstance(attnkit.quantize(m, "int8", skip=("1",))[0], Int8Linear)
+    for make in (lambda: Int8Linear(0, 4), lambda: Int8Linear(4.0, 4), lambda: BF16Linear(4, "4")):
+        with pytest.raises((TypeError, ValueError), match="_features"):
+            make()
+
+
 @pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
 def test_quantized_fused_projections_serve_every_attention_path(dtype):
     """Cross attention, encoder-decoder models and absolute positions read parts of a fused projection:

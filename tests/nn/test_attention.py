@@ -263,12 +263,29 @@ def test_bad_cache_results_are_explained():
         def update(self, k, v):
             return k
 
+    class NoLength:
+        def update(self, k, v):
+            return k, v
+
     with pytest.raises(TypeError, match="must return"):
         MultiHeadAttention(8, 2)(torch.randn(1, 2, 8), cache=Bad())
     with pytest.raises(TypeError, match="seq_len"):
-        MultiHeadAttention(8, 2, kdim=4)(torch.randn(1, 2, 8), torch.randn(1, 3, 4), cache=object())
+        MultiHeadAttention(8, 2, kdim=4)(torch.randn(1, 2, 8), torch.randn(1, 3, 4), cache=NoLength())
     with pytest.raises(ValueError, match="positions"):
-        MultiHeadAttention(8, 2, positions=RotaryEmbedding(4))(torch.randn(1, 2, 8), cache=object())
+        MultiHeadAttention(8, 2, positions=RotaryEmbedding(4))(torch.randn(1, 2, 8), cache=NoLength())
+
+
+def test_a_cache_without_update_is_a_clear_error():
+    """cache=[] (or a model-level cache given to one layer) raised AttributeError deep in the forward."""
+    from attnkit.cache import StaticCache
+    mha = MultiHeadAttention(8, 2, positions=RotaryEmbedding(4))
+    for cache, match in (([], "cache must be None or one layer's KV cache with update"),
+                         (object(), "got object"),
+                         (StaticCache(2, max_len=8), r"model-level StaticCache: .* cache.layers\[i\]")):
+        with pytest.raises(TypeError, match=match):
+            mha(torch.randn(1, 2, 8), cache=cache)
+    cache = StaticCache(1, max_len=8)
+    assert mha(torch.randn(1, 2, 8), cache=cache.layers[0]).shape == (1, 2, 8) and cache.seq_len == 2
 
 
 # ----------------------------------------------------------------------------------- from_torch
