@@ -103,6 +103,15 @@ def test_attention_error_is_bounded(bits, tol):
 def test_quantized_errors():
     with pytest.raises(ValueError, match="bits=3"):
         QuantizedCache(1, max_len=8, bits=3)
+    with pytest.raises(ValueError, match="bits=8.0 must be 8"):  # (8.0 == 8 passed, then 1 << 8.0 raised)
+        QuantizedCache(1, max_len=8, bits=8.0)
+    for kw, err, match in ((dict(x=[1.0, 2.0]), TypeError, "x must be a float tensor, got list"),
+                           (dict(x=torch.ones(2, 4, dtype=torch.long)), TypeError, "got torch.int64"),
+                           (dict(bits=9), ValueError, "bits=9 must be an int in 1..8"),
+                           (dict(bits=4.0), ValueError, "bits=4.0"),
+                           (dict(dim=2), ValueError, r"dim=2 must be an int in \[-2, 2\)")):
+        with pytest.raises(err, match=match):
+            quantize_groups(**{"x": torch.randn(2, 4), "dim": 1, "bits": 8, **kw})
     with pytest.raises(ValueError, match="residual=12 must be a multiple of group_size=8"):
         QuantizedCache(1, max_len=8, group_size=8, residual=12)
     cache = QuantizedCache(1, max_len=8, group_size=4)

@@ -1081,6 +1081,7 @@ class PagedBatch:
 
     def positions(self, n_new: int) -> Tensor:
         """``(B, n_new)`` absolute positions of the next ``n_new`` tokens of each sequence."""
+        check_int("n_new", n_new)
         lens = torch.tensor([self.cache._seqs[s].length for s in self.ids], dtype=torch.long, device=self.cache.device)
         return lens.view(-1, 1) + torch.arange(n_new, device=self.cache.device).view(1, -1)
 

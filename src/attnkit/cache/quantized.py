@@ -53,6 +53,14 @@ def quantize_groups(x: Tensor, dim: int, bits: int, scale_dtype: torch.dtype = t
         >>> bool(((dequantize_groups(q, s, z) - x).abs() <= s.float() * 0.51 + 1e-3).all())
         True
     """
+    if not isinstance(x, Tensor) or not x.is_floating_point():
+        raise TypeError(f"quantize_groups: x must be a float tensor, got "
+                        f"{x.dtype if isinstance(x, Tensor) else type(x).__name__}")
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+        raise ValueError(f"quantize_groups: bits={bits!r} must be an int in 1..8 (the codes are uint8)")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"quantize_groups: dim={dim!r} must be an int in [{-x.dim()}, {x.dim()}) for x of shape "
+                         f"{tuple(x.shape)}")
     levels = (1 << bits) - 1
     xf = x.float()
     bad = ~torch.isfinite(xf)
@@ -453,7 +461,7 @@ class QuantizedCache(ModelCache):
         super().__init__()
         check_int("n_layers", n_layers, minimum=1)
         self.max_len = check_int("max_len", max_len, minimum=1)
-        if bits not in (4, 8):
+        if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (4, 8):  # (8.0 == 8)
             raise ValueError(f"QuantizedCache: bits={bits!r} must be 8 (int8) or 4 (int4)")
         self.bits = bits
         self.group_size = check_int("group_size", group_size, minimum=1)
