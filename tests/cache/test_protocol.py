@@ -248,3 +248,13 @@ def test_the_first_update_checks_its_layout(kind):
     cache = _MAKERS["static"](batch_size=2)
     with pytest.raises(ValueError, match="got batch size B=1 but the cache was made for 2"):
         cache.layers[0].update(torch.randn(1, 1, 4, 2), torch.randn(1, 1, 4, 2))
+
+
+def test_an_encoder_decoder_cache_of_non_caches_is_a_clear_error():
+    """EncoderDecoderCache(None, None) raised AttributeError ('layers')."""
+    from attnkit.cache import EncoderDecoderCache
+    for a, b, name in ((None, StaticCache(1, 4), "self_cache"), (StaticCache(1, 4), [], "cross_cache"),
+                       (StaticCache(1, 4).layers[0], StaticCache(1, 4), "self_cache")):
+        with pytest.raises(TypeError, match=f"{name} must be a model-level cache"):
+            EncoderDecoderCache(a, b)
+    assert len(EncoderDecoderCache(StaticCache(2, 4), StaticCache(2, 3)).cross_layers) == 2

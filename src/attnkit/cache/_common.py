@@ -239,6 +239,10 @@ class EncoderDecoderCache:
     """
 
     def __init__(self, self_cache, cross_cache):
+        for name, c in (("self_cache", self_cache), ("cross_cache", cross_cache)):
+            if not hasattr(c, "layers"):
+                raise TypeError(f"{name} must be a model-level cache with one per-layer cache per decoder layer "
+                                f"(e.g. StaticCache(n_layers, max_len)), got {type(c).__name__}")
         if len(self_cache.layers) != len(cross_cache.layers):
             raise ValueError(f"the self cache has {len(self_cache.layers)} layers but the cross cache "
                              f"{len(cross_cache.layers)}: give both one per decoder layer")
