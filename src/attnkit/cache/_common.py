@@ -80,7 +80,10 @@ def _padding_counts(pad) -> Tensor:
             raise TypeError(f"left padding must hold integer counts, got dtype {pad.dtype}: {fix}")
         t = pad.long()
     else:
-        items = list(pad) if isinstance(pad, (list, tuple)) else None
+        try:
+            items = None if isinstance(pad, (str, bytes, dict)) else list(pad)
+        except TypeError:
+            items = None
         if items is None or not all(isinstance(x, Integral) and not isinstance(x, bool) for x in items):
             raise TypeError(f"left padding must be integer counts, got {pad!r:.80}: {fix}")
         t = torch.tensor(items, dtype=torch.long)

@@ -636,6 +636,16 @@ class _Allocator:
         self.key[b] = (h, parent, tokens)
 
 
+def _items(values) -> list | None:
+    """The elements of an iterable that is not a string or a mapping, else None."""
+    if isinstance(values, (str, bytes, dict)):
+        return None
+    try:
+        return list(values)
+    except TypeError:
+        return None
+
+
 def _token_ids(who: str, tokens) -> list[int]:
     """``tokens`` (a list of ints or a 1-D integer tensor) as a list of ints; anything else raises (a float
     would be truncated to another token, a string read character by character)."""
@@ -644,7 +654,7 @@ def _token_ids(who: str, tokens) -> list[int]:
             raise TypeError(f"PagedCache.{who}: tokens must be a list or 1-D integer tensor of token ids, got a "
                             f"{tuple(tokens.shape)} {tokens.dtype} tensor")
         return tokens.tolist()
-    items = list(tokens) if isinstance(tokens, (list, tuple, range)) else None
+    items = _items(tokens)
     if items is None or not all(isinstance(t, Integral) and not isinstance(t, bool) for t in items):
         raise TypeError(f"PagedCache.{who}: tokens must be a list of int token ids, got {tokens!r:.80}")
     return [int(t) for t in items]
@@ -652,7 +662,7 @@ def _token_ids(who: str, tokens) -> list[int]:
 
 def _sequence_ids(who: str, seq_ids) -> list[int]:
     """``seq_ids`` (a list of the ids ``add_sequence`` returned) as a list of ints."""
-    items = list(seq_ids) if isinstance(seq_ids, (list, tuple, range)) else None
+    items = _items(seq_ids.tolist() if isinstance(seq_ids, Tensor) and seq_ids.dim() == 1 else seq_ids)
     if items is None or not all(isinstance(s, Integral) and not isinstance(s, bool) for s in items):
         raise TypeError(f"{who}: seq_ids must be a list of sequence ids (ints from add_sequence()), got "
                         f"{seq_ids!r:.80}" + (f"; for one sequence pass [{seq_ids!r}]"
