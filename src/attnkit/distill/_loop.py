@@ -21,8 +21,10 @@ Tensor = torch.Tensor
 __all__ = ["distill", "DistillReport", "uniform_layer_map", "TERMS"]
 
 TERMS = ("logits", "targets", "hidden", "attention", "relations")
-_LM_WEIGHTS = {"logits": 1.0, "attention": 1.0}
-_STACK_WEIGHTS = {"hidden": 1.0, "attention": 1.0}
+# an attention row's KL is small next to the logits' T^2-scaled KL: without the factor 10 the attention
+# barely steers a student (benchmarks/distill.py measures both)
+_LM_WEIGHTS = {"logits": 1.0, "attention": 10.0}
+_STACK_WEIGHTS = {"hidden": 1.0, "attention": 10.0}
 
 
 def uniform_layer_map(n_student: int, n_teacher: int) -> dict[int, int]:
@@ -156,6 +158,11 @@ class _Side:
         if logits is None:
             raise TypeError(f"the {self.name} returned {type(out).__name__}: expected a tensor (logits or, for an "
                             f"Encoder/Decoder stack, hidden states) or an object with .logits")
+        missing = [i for i, a in enumerate(cap.attention) if a is None] if attention else []
+        if missing:
+            raise ValueError(f"the {self.name}'s attention layers {missing} computed no attention in its forward "
+                             f"pass (a layer served by a cache that attends itself, or not called): run it without "
+                             f"a cache")
         return (None if self.stack else logits), cap.hidden, cap.attention
 
 
@@ -293,7 +300,7 @@ def _progress(enabled: bool, steps: int):
 
 
 def distill(teacher: nn.Module, student: nn.Module, batches, *, steps: int, layer_map=None,
-            weights: dict[str, float] | None = None, temperature: float = 2.0, heads: str = "mean",
+            weights: dict[str, float] | None = None, temperature: float = 2.0, heads: str = "auto",
             relation_heads: int | None = None, chunk_rows: int | None = None, lr: float = 3e-3,
             weight_decay: float = 0.0, warmup: int = 20, clip: float = 1.0, scored_only: bool = True,
             eval_batch=None, eval_every: int | None = None, progress: bool = True, on_step=None) -> DistillReport:
@@ -307,15 +314,16 @@ def distill(teacher: nn.Module, student: nn.Module, batches, *, steps: int, laye
     * ``"targets"``: cross entropy with the batch's targets (the ordinary task loss);
     * ``"hidden"``: :func:`hidden_mse` of each mapped layer's output, through a learned
       :class:`HiddenProjection` when the widths differ (trained with the student);
-    * ``"attention"``: :func:`attention_kl` of each mapped layer (``heads="mean"`` or ``"map"``);
+    * ``"attention"``: :func:`attention_kl` of each mapped layer (``heads="mean"`` or ``"map"``; ``"auto"``:
+      ``"map"`` where the teacher layer's head count is a multiple of the student layer's, else ``"mean"``);
     * ``"relations"``: :func:`relation_kl` of the q-q, k-k and v-v relations of each mapped layer
       (MiniLMv2; ``relation_heads``), under the teacher layer's mask.
 
     Layer terms are averaged over the pairs of ``layer_map`` (``{student layer: teacher layer}``, a list of one
     teacher layer or None per student layer, or None: :func:`uniform_layer_map`).  Attention and relation terms
     are computed in blocks of ``chunk_rows`` query rows, recomputed in the backward pass, so no layer's full
-    ``Lq x Lk`` weights are kept.  Default weights: ``{"logits": 1, "attention": 1}``, or ``{"hidden": 1,
-    "attention": 1}`` when a model is a bare :class:`~attnkit.nn.Encoder` / :class:`~attnkit.nn.Decoder` stack
+    ``Lq x Lk`` weights are kept.  Default weights: ``{"logits": 1, "attention": 10}``, or ``{"hidden": 1,
+    "attention": 10}`` when a model is a bare :class:`~attnkit.nn.Encoder` / :class:`~attnkit.nn.Decoder` stack
     (which returns hidden states).
 
     Models: attnkit models (:class:`~attnkit.nn.DecoderLM`, :class:`~attnkit.nn.Encoder`, anything built from
@@ -352,6 +360,8 @@ def distill(teacher: nn.Module, student: nn.Module, batches, *, steps: int, laye
         ...                  steps=3, progress=False)
         >>> report.steps, report.layer_map, sorted(report.losses[0])
         (3, {0: 1}, ['attention', 'logits', 'total'])
+        >>> report.weights
+        {'logits': 1.0, 'attention': 10.0}
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps={steps!r} must be a positive int")
@@ -368,8 +378,8 @@ def distill(teacher: nn.Module, student: nn.Module, batches, *, steps: int, laye
     t = float(temperature)
     if not math.isfinite(t) or t <= 0:
         raise ValueError(f"temperature={temperature!r} must be a finite number > 0")
-    if heads not in ("mean", "map"):
-        raise ValueError(f"heads={heads!r} must be 'mean' or 'map'")
+    if heads not in ("auto", "mean", "map"):
+        raise ValueError(f"heads={heads!r} must be 'auto', 'mean' or 'map'")
     if eval_every is not None and (isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1):
         raise ValueError(f"eval_every={eval_every!r} must be a positive int or None")
     projections = nn.ModuleDict()
@@ -457,6 +467,13 @@ def distill(teacher: nn.Module, student: nn.Module, batches, *, steps: int, laye
     return report
 
 
+def _heads(heads: str, student, teacher) -> str:
+    if heads != "auto":
+        return heads
+    hs, ht = (x.shape[1] for x in (student, teacher))
+    return "map" if ht % hs == 0 else "mean"
+
+
 def _terms(w, lmap, s_logits, t_logits, s_hidden, t_hidden, s_attn, t_attn, targets, projections, *, temperature,
            heads, relation_heads, chunk_rows, scored_only) -> dict[str, Tensor]:
     out = {}
@@ -476,8 +493,8 @@ def _terms(w, lmap, s_logits, t_logits, s_hidden, t_hidden, s_attn, t_attn, targ
         out["hidden"] = sum(hidden_mse(s_hidden[s], t_hidden[t], projection=projections[str(s)].proj)
                             for s, t in pairs) / len(pairs)
     if "attention" in w:
-        out["attention"] = sum(attention_kl(s_attn[s], t_attn[t], heads=heads, chunk_rows=chunk_rows)
-                               for s, t in pairs) / len(pairs)
+        out["attention"] = sum(attention_kl(s_attn[s], t_attn[t], heads=_heads(heads, s_attn[s], t_attn[t]),
+                                            chunk_rows=chunk_rows) for s, t in pairs) / len(pairs)
     if "relations" in w:
         total = 0.0
         for s, t in pairs:

@@ -104,9 +104,19 @@ def _allowed(call: Call, r0: int, r1: int) -> Tensor:
     return ok.flatten(1, 2).any(1, keepdim=True)  # (B', 1, r, Lk)
 
 
+def _logsumexp(x: Tensor, dim: int) -> Tensor:
+    """``log(sum(exp(x)))`` along ``dim`` (kept); an all ``-inf`` slice gives ``-inf`` with zero gradients (not the
+    NaN gradient of ``torch.logsumexp`` there)."""
+    m = x.detach().amax(dim, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    total = torch.exp(x - m).sum(dim, keepdim=True)
+    return torch.where(total > 0, m + total.clamp_min(torch.finfo(total.dtype).tiny).log(),
+                       torch.full_like(total, float("-inf")))
+
+
 def _log_softmax(s: Tensor) -> Tensor:
     """log-softmax along the last dim; a row that may attend to nothing stays ``-inf`` (never NaN)."""
-    lse = torch.logsumexp(s, -1, keepdim=True)
+    lse = _logsumexp(s, -1)
     return s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
 
 
@@ -341,7 +351,7 @@ def _merge_heads(log_w: Tensor, groups: int) -> Tensor:
     if H == groups:
         return log_w
     g = log_w.view(B, groups, H // groups, r, Lk)  # (B, groups, m, r, Lk)
-    return torch.logsumexp(g, 2) - math.log(H // groups)
+    return _logsumexp(g, 2).squeeze(2) - math.log(H // groups)
 
 
 def _as_attention(name: str, x) -> tuple[Call | None, Tensor | None]:
