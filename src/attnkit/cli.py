@@ -507,6 +507,8 @@ def _cmd_distill(args) -> int:
     if args.out is not None and Path(args.out).is_dir():
         raise UsageError(f"attnkit distill: --out {args.out}: is a directory; give a file name such as "
                          f"{Path(args.out) / 'student.pt'}")
+    args.teacher_steps = args.teacher_steps or (20 if args.quick else 600)
+    args.steps = args.steps or (5 if args.quick else 300)
     old = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
@@ -524,7 +526,7 @@ def _cmd_distill(args) -> int:
             student = DecoderLM(cfg.replace(d_model=width, d_head=None, d_ff=None, n_layers=args.layers or cfg.n_layers))
             kind = f"student of width {width} and {student.config.n_layers} layers"
         task = dict(n_pairs=6, n_queries=4)
-        held = associative_recall(512, **task, generator=torch.Generator().manual_seed(args.seed + 2))
+        held = associative_recall(64 if args.quick else 512, **task, generator=torch.Generator().manual_seed(args.seed + 2))
         g = torch.Generator().manual_seed(args.seed + 3)
         print(f"teacher: {what}; {kind}", flush=True)
         report = distill(teacher, student, lambda step: associative_recall(32, **task, generator=g), steps=args.steps,
@@ -674,15 +676,17 @@ def build_parser() -> argparse.ArgumentParser:
                                     "teacher's own weights attending under a sliding window of W keys.")
     ds.add_argument("--teacher", metavar="FILE.pt", help="a whole DecoderLM saved with torch.save(model, path) "
                                                          "(unpickled: only load files you trust)")
-    ds.add_argument("--teacher-steps", type=_positive, default=600,
+    ds.add_argument("--teacher-steps", type=_positive, default=None,
                     help="training steps of the built-in teacher (default 600)")
-    ds.add_argument("--steps", type=_positive, default=300, help="distillation steps (default 300)")
+    ds.add_argument("--steps", type=_positive, default=None, help="distillation steps (default 300)")
     ds.add_argument("--width", type=_positive, help="the student's d_model (default: half the teacher's)")
     ds.add_argument("--layers", type=_positive, help="the student's layers (default: the teacher's)")
     ds.add_argument("--window", type=_positive, help="a sliding-window student of W keys from the teacher's weights")
     ds.add_argument("--out", metavar="FILE.pt", help="save the student (torch.save of the whole model)")
     ds.add_argument("--seed", type=_nonnegative, default=0, help="seed of the models and data (default 0)")
     ds.add_argument("--threads", type=_positive, default=1, help="torch threads (default 1: the models are tiny)")
+    ds.add_argument("--quick", action="store_true", help="a small, fast run (20 teacher steps, 5 distillation "
+                                                         "steps unless given; no accuracy to expect)")
     ds.add_argument("--no-progress", action="store_true", help="no progress bar")
     ds.set_defaults(func=_cmd_distill)
     return p
