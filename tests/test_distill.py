@@ -375,3 +375,18 @@ def test_cli_distill_smoke(tmp_path, capsys):
     assert main(["distill", "--window", "8", "--steps", "2", "--teacher-steps", "2", "--no-progress"]) == 0
     assert "sliding-window student (8 keys)" in capsys.readouterr().out
     assert main(["distill", "--teacher", str(tmp_path / "missing.pt")]) == 2
+
+
+def test_example_runs(monkeypatch, capsys):
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "distill_recall.py"
+    monkeypatch.setattr("sys.argv", [str(script), "--quick"])
+    old = torch.get_num_threads()
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    finally:
+        torch.set_num_threads(old)
+    out = capsys.readouterr().out
+    assert "half-width student" in out and "accuracy: teacher" in out and "attention KL to the teacher" in out
