@@ -390,3 +390,11 @@ def test_example_runs(monkeypatch, capsys):
         torch.set_num_threads(old)
     out = capsys.readouterr().out
     assert "half-width student" in out and "accuracy: teacher" in out and "attention KL to the teacher" in out
+
+
+def test_progress_bar_without_rich(monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "rich.progress", None)  # import rich.progress raises ImportError
+    report = distill(lm(seed=0), lm(d=16, seed=1), recall, steps=2, progress=True)
+    assert report.steps == 2 and "distil" not in capsys.readouterr().out

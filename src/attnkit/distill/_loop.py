@@ -330,7 +330,9 @@ def distill(teacher: nn.Module, student: nn.Module, batches, *, steps: int, laye
     :class:`~attnkit.nn.TransformerBlock` s), read through :func:`capture`; or Hugging Face models, run with
     ``output_attentions`` / ``output_hidden_states`` (build them with ``attn_implementation="eager"`` or
     ``"attnkit"``; they hold full weights, and give no q/k/v for relations: convert with
-    :func:`attnkit.integrations.hf.from_hf` for those).
+    :func:`attnkit.integrations.hf.from_hf` for those).  A layer's hidden state is its block's output; for a
+    Hugging Face model, its ``hidden_states[i + 1]`` (the last one after the final norm, as transformers
+    returns it).
 
     Batches: ``batches`` is a function ``step -> batch`` or an iterable (a list is cycled; an iterator that
     runs out ends the loop early).  A batch is an :class:`attnkit.nn.tasks.TaskBatch`, a tensor of inputs, a
