@@ -375,6 +375,9 @@ def test_cli_distill_smoke(tmp_path, capsys):
     assert main(["distill", "--window", "8", "--steps", "2", "--teacher-steps", "2", "--no-progress"]) == 0
     assert "sliding-window student (8 keys)" in capsys.readouterr().out
     assert main(["distill", "--teacher", str(tmp_path / "missing.pt")]) == 2
+    torch.save(torch.nn.Linear(2, 2), tmp_path / "linear.pt")
+    assert main(["distill", "--teacher", str(tmp_path / "linear.pt")]) == 2
+    assert "takes a saved attnkit.nn.DecoderLM" in capsys.readouterr().err
 
 
 def test_example_runs(monkeypatch, capsys):
