@@ -2,8 +2,8 @@
 
 ```python blocks run in order, sharing one namespace per file.  In ```bash blocks, each line that starts with
 `attnkit ` runs through the CLI in-process and must exit 0 (or the code named by a trailing
-comment holding `exit code N`); other lines (make, pip) are not run.  `attnkit demo` and `attnkit bench` run with
---quick, their documented small size.  A ```bash block holding one `attnkit` command followed directly by a
+comment holding `exit code N`); other lines (make, pip) are not run.  `attnkit demo`, `attnkit bench` and `attnkit distill` run
+with --quick, their documented small size.  A ```bash block holding one `attnkit` command followed directly by a
 ```text block shows that command's output, which must match exactly (regenerate with
 `python docs/update_outputs.py`).  Blocks run in a scratch folder where `docs/` points at the real one.
 """
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FILES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
 EXIT = re.compile(r"#.*\bexit code\s+(\d+)")
-QUICK = {"demo", "bench"}
+QUICK = {"demo", "bench", "distill"}
 
 
 def blocks(text: str) -> list[tuple[str, str, int]]:

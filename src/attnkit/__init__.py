@@ -7,7 +7,7 @@ The core is :func:`attention` (one call for every mask, bias, head layout and ba
 (the four steps traced; the doctor).  Loaded on first use (``attnkit.testing...`` works after a plain
 ``import attnkit``): ``attnkit.distributed`` (ring attention over ``torch.distributed``),
 ``attnkit.integrations`` (Hugging Face transformers), ``attnkit.plot``, ``attnkit.testing`` (the oracle
-check).
+check), ``attnkit.distill`` (smaller and sparser students taught by a teacher's logits and attention).
 
 Example::
 
@@ -26,7 +26,7 @@ from .quantize import quantize
 
 __version__ = "0.1.0"
 
-_ON_DEMAND = ("distributed", "integrations", "plot", "testing", "cli")
+_ON_DEMAND = ("distributed", "integrations", "plot", "testing", "cli", "distill")
 
 
 def __getattr__(name: str):

@@ -12,6 +12,7 @@ Subcommands (each takes ``--help``)::
     attnkit doctor --model FILE.pt          # ... or on your own model
     attnkit demo [--quick]                  # the library at work (what make demo runs)
     attnkit bench [--quick]                 # run the benchmark scripts in benchmarks/
+    attnkit distill [--window W] [--out FILE.pt]  # distil a recall model into a smaller or sliding-window student
 
 Bad arguments, missing or malformed files and inputs of the wrong shape print one line on stderr and exit
 with code 2.
@@ -461,6 +462,88 @@ def _cmd_bench(args) -> int:
     return EXIT_OK if failures == 0 else EXIT_CLAIMS_WRONG
 
 
+# ----------------------------------------------------------------------------------- distill
+
+
+def _distill_teacher(args):
+    """``(teacher, what)``: the model in ``--teacher``, or the demo's recall model trained here."""
+    import torch
+
+    from ._demo import _recall_model
+    from .nn import DecoderLM
+    from .nn.tasks import associative_recall, copy_task, train_lm
+
+    if args.teacher is not None:
+        model = _load_model(args.teacher)
+        if not isinstance(model, DecoderLM):
+            raise UsageError(f"attnkit distill: --teacher {args.teacher} holds a {type(model).__name__}; the command "
+                             f"takes a saved attnkit.nn.DecoderLM (distil other models from Python with "
+                             f"attnkit.distill.distill)")
+        if model.config.vocab_size < 32:
+            raise UsageError(f"attnkit distill: the teacher's vocab_size={model.config.vocab_size} is below the 32 "
+                             f"tokens of the recall task (16 keys, 16 values)")
+        return model.eval(), f"{args.teacher}"
+    model = _recall_model(args.seed)
+    g = torch.Generator().manual_seed(args.seed + 1)
+    warm = min(args.teacher_steps // 3, 400)  # copying forms the induction circuit recall reuses (see the demo)
+
+    def batch(step):
+        if step < warm:
+            return copy_task(32, length=10, n_symbols=32, distinct=True, generator=g)
+        return associative_recall(32, n_pairs=6, n_queries=4, generator=g)
+
+    train_lm(model, batch, steps=args.teacher_steps, lr=5e-3)
+    return model.eval(), f"the demo's recall model, trained {args.teacher_steps} steps"
+
+
+def _cmd_distill(args) -> int:
+    import torch
+
+    from . import masks
+    from .distill import distill, sparse_student
+    from .nn import DecoderLM
+    from .nn.tasks import associative_recall
+
+    if args.out is not None and Path(args.out).is_dir():
+        raise UsageError(f"attnkit distill: --out {args.out}: is a directory; give a file name such as "
+                         f"{Path(args.out) / 'student.pt'}")
+    args.teacher_steps = args.teacher_steps or (20 if args.quick else 600)
+    args.steps = args.steps or (5 if args.quick else 300)
+    old = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        teacher, what = _distill_teacher(args)
+        cfg = teacher.config
+        if args.window is not None:
+            student = sparse_student(teacher, masks.sliding_window(args.window - 1))
+            kind = f"sliding-window student ({args.window} keys), initialised from the teacher's weights"
+        else:
+            width = args.width or max(cfg.n_heads, cfg.d_model // 2)
+            if width % cfg.n_heads:
+                raise UsageError(f"attnkit distill: --width {width} must be a multiple of the teacher's "
+                                 f"{cfg.n_heads} heads")
+            torch.manual_seed(args.seed + 100)
+            student = DecoderLM(cfg.replace(d_model=width, d_head=None, d_ff=None, n_layers=args.layers or cfg.n_layers))
+            kind = f"student of width {width} and {student.config.n_layers} layers"
+        task = dict(n_pairs=6, n_queries=4)
+        held = associative_recall(64 if args.quick else 512, **task, generator=torch.Generator().manual_seed(args.seed + 2))
+        g = torch.Generator().manual_seed(args.seed + 3)
+        print(f"teacher: {what}; {kind}", flush=True)
+        report = distill(teacher, student, lambda step: associative_recall(32, **task, generator=g), steps=args.steps,
+                         eval_batch=held, progress=not args.no_progress)
+        print(report)
+        if args.out is not None:
+            try:
+                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                torch.save(student, args.out)
+            except OSError as e:
+                raise UsageError(f"attnkit distill: cannot write {args.out}: {e.strerror or e}") from None
+            print(f"wrote the student to {args.out}")
+    finally:
+        torch.set_num_threads(old)
+    return EXIT_OK
+
+
 # ---------------------------------------------------------------------------------- the parser
 
 
@@ -583,6 +666,29 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dir", metavar="PATH", help="the benchmarks folder (default: ./benchmarks)")
     b.add_argument("--timeout", type=_positive, default=1800, help="seconds per script (default 1800)")
     b.set_defaults(func=_cmd_bench)
+
+    ds = sub.add_parser("distill", help="distil a recall model into a smaller or a sliding-window student",
+                        description="Distil a teacher (--teacher FILE.pt, a saved DecoderLM, or the demo's "
+                                    "associative-recall model trained here for --teacher-steps) into a student on "
+                                    "associative recall (attnkit.distill.distill: logits and attention transfer), "
+                                    "and report the losses and both models' held-out accuracy. The student has "
+                                    "half the teacher's width (--width, --layers), or with --window W the "
+                                    "teacher's own weights attending under a sliding window of W keys.")
+    ds.add_argument("--teacher", metavar="FILE.pt", help="a whole DecoderLM saved with torch.save(model, path) "
+                                                         "(unpickled: only load files you trust)")
+    ds.add_argument("--teacher-steps", type=_positive, default=None,
+                    help="training steps of the built-in teacher (default 600)")
+    ds.add_argument("--steps", type=_positive, default=None, help="distillation steps (default 300)")
+    ds.add_argument("--width", type=_positive, help="the student's d_model (default: half the teacher's)")
+    ds.add_argument("--layers", type=_positive, help="the student's layers (default: the teacher's)")
+    ds.add_argument("--window", type=_positive, help="a sliding-window student of W keys from the teacher's weights")
+    ds.add_argument("--out", metavar="FILE.pt", help="save the student (torch.save of the whole model)")
+    ds.add_argument("--seed", type=_nonnegative, default=0, help="seed of the models and data (default 0)")
+    ds.add_argument("--threads", type=_positive, default=1, help="torch threads (default 1: the models are tiny)")
+    ds.add_argument("--quick", action="store_true", help="a small, fast run (20 teacher steps, 5 distillation "
+                                                         "steps unless given; no accuracy to expect)")
+    ds.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ds.set_defaults(func=_cmd_distill)
     return p
 
 
