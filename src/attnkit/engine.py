@@ -27,9 +27,10 @@ from numbers import Integral
 
 import torch
 
+from . import _sampling
 from .cache import PagedCache, PoolExhausted
 from .cache._common import check_int
-from .generate import (SamplingParams, _check_decoder_only, _check_eos, _check_positions, _check_tokens, _last_logits,
+from .generate import (GenerationResult, SamplingParams, _check_decoder_only, _check_eos, _check_positions, _check_tokens, _last_logits,
                        _lay_out, _weights_key, sample)
 
 Tensor = torch.Tensor
@@ -54,10 +55,10 @@ class _Request:
     sid: int | None = None  # its sequence in the pool while running
     admitted: int = -1  # admission counter: the largest is the newest
     fresh: bool = False  # got its token from this step's prefill
+    logprobs: list = field(default_factory=list)  # one TokenLogprob per token, when asked
 
     def finished(self) -> bool:
-        eos = self.params.eos_id
-        return len(self.out) >= self.max_new_tokens or (eos is not None and bool(self.out) and self.out[-1] == eos)
+        return len(self.out) >= self.max_new_tokens or _sampling.stops(self.out, self.params)
 
 
 class Engine:
@@ -125,6 +126,7 @@ class Engine:
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
         self.results: dict[int, list[int]] = {}
+        self.logprobs: dict[int, list] = {}  # rid -> TokenLogprob per token, for finished requests that asked
         self._next_rid = 0
         self._admissions = 0
         self.stats = {"steps": 0, "preemptions": 0, "prefill_tokens": 0, "decode_tokens": 0, "peak_blocks": 0,
@@ -133,8 +135,13 @@ class Engine:
     # ------------------------------------------------------------------ requests
 
     def add(self, prompt, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
-            top_p: float | None = None, eos_id: int | None = None, seed: int | None = None) -> int:
-        """Queue a request; returns its id.  Sampling arguments as in :func:`attnkit.generate`."""
+            top_p: float | None = None, eos_id: int | list[int] | None = None, seed: int | None = None,
+            repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+            min_p: float | None = None, logit_bias: dict[int, float] | None = None,
+            stop: list[list[int]] | None = None, logprobs: int | None = None) -> int:
+        """Queue a request; returns its id.  Sampling arguments as in :func:`attnkit.generate` (a request
+        ends after an eos id or a stop sequence, both included in its tokens); with ``logprobs`` its
+        :class:`~attnkit.generate.TokenLogprob` s are kept in ``engine.logprobs[rid]`` next to ``results``."""
         if isinstance(prompt, Tensor):
             prompt = prompt.tolist()
         if not isinstance(prompt, (list, tuple)) or not prompt or not all(
@@ -151,13 +158,17 @@ class Engine:
             raise ValueError(f"a request of {len(prompt)} prompt + {max_new_tokens} new tokens needs {blocks} blocks "
                              f"of {bs}, more than the pool's cache_blocks={self.cache.num_blocks}: create the Engine "
                              f"with more cache_blocks")
-        params = SamplingParams(temperature, top_k, top_p, eos_id, seed)
+        params = SamplingParams(temperature, top_k, top_p, eos_id, seed, repetition_penalty=repetition_penalty,
+                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, min_p=min_p,
+                                logit_bias=logit_bias, stop=stop, logprobs=logprobs)
         _check_eos(params, getattr(getattr(self.model, "config", None), "vocab_size", None))
         rid = self._next_rid
         self._next_rid += 1
         req = _Request(rid, prompt, int(max_new_tokens), params, params.generator(self.cache.device))
         if req.max_new_tokens == 0:
             self.results[rid] = []
+            if params.logprobs is not None:
+                self.logprobs[rid] = []
         else:
             self.waiting.append(req)
         return rid
@@ -170,9 +181,20 @@ class Engine:
     # ------------------------------------------------------------------ scheduling
 
     def _sample(self, reqs: list[_Request], logits: Tensor) -> list[int]:
-        if all(r.params.greedy for r in reqs):
-            return logits.argmax(dim=-1).tolist()
-        return [int(sample(logits[i:i + 1], r.params, [r.generator])[0]) for i, r in enumerate(reqs)]
+        plain = [not _sampling.transforms_logits(r.params) for r in reqs]
+        if all(r.params.greedy for r in reqs) and all(plain):
+            toks = logits.argmax(dim=-1).tolist()
+        else:
+            toks = []
+            for i, r in enumerate(reqs):
+                row = logits[i:i + 1]
+                if not plain[i]:
+                    row = _sampling.process(row, r.params, [r.prompt], [r.out])
+                toks.append(int(sample(row, r.params, [r.generator])[0]))
+        for i, r in enumerate(reqs):
+            if r.params.logprobs is not None:
+                r.logprobs.extend(_sampling.logprobs_of(logits[i:i + 1], [toks[i]], r.params.logprobs))
+        return toks
 
     def _emit(self, req: _Request, tok: int, events: list) -> None:
         req.out.append(tok)
@@ -182,6 +204,8 @@ class Engine:
             req.sid = None
             self.running.remove(req)
             self.results[req.rid] = req.out
+            if req.params.logprobs is not None:
+                self.logprobs[req.rid] = req.logprobs
         else:
             self.cache.append_tokens(req.sid, [tok])
 
@@ -273,6 +297,7 @@ class Engine:
         """The new tokens of finished request ``rid``, removed from ``results`` (KeyError if it is not done)."""
         if rid not in self.results:
             raise KeyError(f"request {rid} is not finished (or was taken already): step() or run() until it is")
+        self.logprobs.pop(rid, None)
         return self.results.pop(rid)
 
     def run(self) -> dict[int, list[int]]:
@@ -281,11 +306,15 @@ class Engine:
             self.step()
         return dict(self.results)
 
-    def generate(self, prompts, max_new_tokens: int, **sampling) -> list[list[int]]:
-        """Queue every prompt with the same settings, run, and return the tokens in prompt order."""
+    def generate(self, prompts, max_new_tokens: int, **sampling):
+        """Queue every prompt with the same settings, run, and return the tokens in prompt order (with
+        ``logprobs``, a :class:`~attnkit.generate.GenerationResult` as :func:`attnkit.generate` returns)."""
         rids = [self.add(p, max_new_tokens, **sampling) for p in prompts]
         self.run()
-        return [self.take(r) for r in rids]
+        if sampling.get("logprobs") is None:
+            return [self.take(r) for r in rids]
+        lps = [self.logprobs.get(r, []) for r in rids]
+        return GenerationResult([self.take(r) for r in rids], lps)
 
     def __repr__(self) -> str:
         return (f"Engine({len(self.running)} running, {len(self.waiting)} waiting, {len(self.results)} done, "

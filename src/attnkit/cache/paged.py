@@ -591,6 +591,12 @@ class _Allocator:
         self.table.clear()
         self.key.clear()
 
+    def unregister(self, b: int) -> None:
+        """Block ``b`` is about to be overwritten: it no longer stands for the tokens it was registered with."""
+        entry = self.key.pop(b, None)
+        if entry is not None and self.table.get(entry[0]) == b:
+            del self.table[entry[0]]
+
     def register(self, b: int, h: int, parent: int, tokens: tuple) -> None:
         if h in self.table or b in self.key:
             return  # the same content is cached in another block already
@@ -737,6 +743,39 @@ class PagedCache:
             raise ValueError(f"PagedCache: no sequence {sid!r} to free (live ones: {sorted(self._seqs)})")
         for b in reversed(seq.blocks):  # the deepest blocks are evicted first
             self._alloc.decref(b)
+
+    def truncate(self, sid: int, length: int) -> None:
+        """Keep the first ``length`` positions of sequence ``sid`` and their token ids (e.g. after a speculative
+        step rejected some tokens): blocks past them go back to the pool, the next write starts at ``length``.
+        A kept block that was cached for prefix reuse and is about to be overwritten is no longer offered (a
+        shared one is copied on write as usual).  A ValueError if ``length`` is beyond what is stored.
+
+        Example::
+
+            >>> import torch
+            >>> from attnkit.cache import PagedCache
+            >>> pool = PagedCache(1, num_blocks=4, block_size=2, n_kv_heads=1, d_head=2)
+            >>> s = pool.add_sequence()
+            >>> _ = pool.batch([s]).layers[0].update(torch.zeros(1, 1, 5, 2), torch.zeros(1, 1, 5, 2))
+            >>> pool.truncate(s, 2); pool.length(s), pool.num_free_blocks
+            (2, 3)
+        """
+        seq = self._seq(sid)
+        check_int("length", length)
+        if length > seq.length:
+            raise ValueError(f"PagedCache.truncate: length={length} is beyond the {seq.length} positions stored for "
+                             f"sequence {sid}: a sequence can only be cut back")
+        bs = self.block_size
+        keep = -(-length // bs)
+        for b in reversed(seq.blocks[keep:]):
+            self._alloc.decref(b)
+        del seq.blocks[keep:]
+        full = length // bs
+        if keep > full and self._alloc.refs[seq.blocks[full]] == 1:
+            self._alloc.unregister(seq.blocks[full])
+        del seq.hashes[full:]
+        del seq.tokens[length:]
+        seq.length = length
 
     def length(self, sid: int) -> int:
         """Positions stored for sequence ``sid``."""
