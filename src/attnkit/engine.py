@@ -55,6 +55,8 @@ class _Request:
     sid: int | None = None  # its sequence in the pool while running
     admitted: int = -1  # admission counter: the largest is the newest
     fresh: bool = False  # got its token from this step's prefill
+    feed: list[int] = field(default_factory=list)  # chunked prefill: the tokens to run before decoding
+    fed: int = 0  # how many of them ran
     logprobs: list = field(default_factory=list)  # one TokenLogprob per token, when asked
 
     def finished(self) -> bool:
@@ -74,6 +76,14 @@ class Engine:
         relayout: lay the model's weights out for decoding ``max_batch`` sequences a step, as
             :func:`attnkit.generate` does for its batch (:func:`attnkit.nn.to_decode_layout`; values and
             parameters stay the same).
+        max_batched_tokens: chunked prefill.  None (the default): each admitted prompt is prefilled alone in
+            its step, before the batched decode.  An int ``N >= max_batch``: each step is one forward of at most
+            ``N`` tokens over the pool (:meth:`attnkit.cache.PagedCache.packed`: queries of different lengths
+            per sequence) holding a decode token of every running sequence, then chunks of the prompts being
+            prefilled (oldest first) and of newly admitted ones, so a long prompt no longer stalls the running
+            sequences for its whole prefill.  A prompt's blocks are reserved when it is admitted; a prompt gives
+            its first token in the step its last chunk runs.  Tokens are those each request gets alone, with
+            preemption and prefix caching as above.
 
     The model is put in eval mode (no dropout while decoding).  An Engine keeps the precision it was built
     under: built inside ``torch.autocast`` its pool holds autocast's dtype and every step runs under that
@@ -104,10 +114,17 @@ class Engine:
     """
 
     def __init__(self, model, cache_blocks: int, block_size: int = 16, max_batch: int = 16, *, preempt: bool = True,
-                 prefix_caching: bool = True, relayout: bool = True):
+                 prefix_caching: bool = True, relayout: bool = True, max_batched_tokens: int | None = None):
         check_int("cache_blocks", cache_blocks, minimum=1)
         check_int("block_size", block_size, minimum=1)
         self.max_batch = check_int("max_batch", max_batch, minimum=1)
+        if max_batched_tokens is not None:
+            check_int("max_batched_tokens", max_batched_tokens, minimum=1)
+            if max_batched_tokens < self.max_batch:
+                raise ValueError(f"max_batched_tokens={max_batched_tokens} is below max_batch={self.max_batch}: a step "
+                                 f"must fit one decode token of every running sequence; pass max_batched_tokens >= "
+                                 f"{self.max_batch} (or a smaller max_batch)")
+        self.max_batched_tokens = max_batched_tokens
         _check_decoder_only(model, "Engine")
         self.model = model.eval()  # decoding: no dropout
         if not isinstance(relayout, bool):
@@ -254,6 +271,12 @@ class Engine:
         if key != self._weights:  # new weights (load_state_dict, an optimizer step): cached prefixes are stale
             cache.clear_prefix_cache()
             self._weights = key
+        if self.max_batched_tokens is not None:
+            with torch.no_grad(), torch.autocast(self._device_type, dtype=self._autocast_dtype,
+                                                 enabled=self._autocast):
+                self._step_chunked(events)
+            self.stats["steps"] += 1
+            return events
         with torch.no_grad(), torch.autocast(self._device_type, dtype=self._autocast_dtype, enabled=self._autocast):
             self._admit(events)
             while True:
@@ -281,6 +304,74 @@ class Engine:
                 r.fresh = False
         self.stats["steps"] += 1
         return events
+
+    # ------------------------------------------------------------------ chunked prefill
+
+    def _step_chunked(self, events: list) -> None:
+        """One packed forward of at most ``max_batched_tokens`` tokens: a decode token of every running
+        sequence whose prompt is done, then chunks of the prompts being prefilled (oldest first), then
+        chunks of newly admitted prompts."""
+        cache = self.cache
+        while True:  # blocks for the decode tokens (prefills reserved theirs when admitted)
+            dec = [r for r in self.running if r.fed == len(r.feed)]
+            need = sum(cache.blocks_needed(r.sid, 1) for r in dec)
+            if need <= cache.num_free_blocks:
+                break
+            if not self.preempt:
+                raise PoolExhausted(f"Engine: the decode step needs {need} more block(s) but only "
+                                    f"{cache.num_free_blocks} of {cache.num_blocks} are free and preemption is "
+                                    f"off: create the Engine with more cache_blocks, a smaller max_batch, or "
+                                    f"preempt=True")
+            self._preempt_newest()
+        for r in dec:
+            cache.reserve(r.sid, 1)
+        budget = self.max_batched_tokens - len(dec)
+        work: list[tuple[_Request, list[int]]] = [(r, [r.out[-1]]) for r in dec]
+        for r in self.running:
+            if r.fed < len(r.feed) and budget > 0:
+                n = min(budget, len(r.feed) - r.fed)
+                work.append((r, r.feed[r.fed:r.fed + n]))
+                budget -= n
+        while budget > 0 and self.waiting and len(self.running) < self.max_batch:
+            req = self.waiting[0]
+            tokens = req.prompt + req.out  # after a preemption: recompute what it had produced
+            hits = cache.prefix_hits
+            sid = cache.add_sequence(tokens)
+            n_new = len(tokens) - cache.length(sid)
+            if cache.blocks_needed(sid, n_new) > cache.num_free_blocks:
+                cache.free(sid)
+                cache.prefix_hits = hits  # not admitted: nothing was reused
+                break
+            cache.reserve(sid, n_new)  # the whole prompt's blocks now: its later chunks never run short
+            self.waiting.popleft()
+            req.sid, req.admitted = sid, self._admissions
+            req.feed, req.fed = tokens[len(tokens) - n_new:], 0
+            self._admissions += 1
+            self.running.append(req)
+            n = min(budget, n_new)
+            work.append((req, req.feed[:n]))
+            budget -= n
+        if not work:
+            return
+        self._track()
+        packed = cache.packed([r.sid for r, _ in work], [len(t) for _, t in work])
+        ids = torch.tensor([[t for _, toks in work for t in toks]], dtype=torch.long, device=cache.device)  # (1, T)
+        out = self.model(ids, cache=packed, positions=packed.positions())
+        logits = (out[0] if isinstance(out, tuple) else out)[0, packed.last()].float()  # (len(work), V)
+        done = []
+        for i, (r, toks) in enumerate(work):
+            if r.fed == len(r.feed):
+                self.stats["decode_tokens"] += 1
+                done.append(i)
+            else:
+                r.fed += len(toks)
+                self.stats["prefill_tokens"] += len(toks)
+                if r.fed == len(r.feed):  # the prompt is in: its first (next) token comes from its last row
+                    done.append(i)
+        self.stats["peak_blocks"] = max(self.stats["peak_blocks"], cache.stats()["blocks_used"])
+        reqs = [work[i][0] for i in done]
+        for r, tok in zip(reqs, self._sample(reqs, logits[done])):
+            self._emit(r, tok, events)
 
     def _track(self) -> None:
         st = self.cache.stats()
