@@ -368,7 +368,6 @@ class Engine:
                 self.stats["prefill_tokens"] += len(toks)
                 if r.fed == len(r.feed):  # the prompt is in: its first (next) token comes from its last row
                     done.append(i)
-        self.stats["peak_blocks"] = max(self.stats["peak_blocks"], cache.stats()["blocks_used"])
         reqs = [work[i][0] for i in done]
         for r, tok in zip(reqs, self._sample(reqs, logits[done])):
             self._emit(r, tok, events)

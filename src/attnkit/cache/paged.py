@@ -1230,7 +1230,7 @@ class PagedPacked:
         self.layers = tuple(PagedPackedLayerCache(self, i) for i in range(cache.n_layers))
         self._decode_rows = [i for i, n in enumerate(n_new) if n == 1]
         self._chunk_rows = [i for i, n in enumerate(n_new) if n > 1]
-        self._reserved = False
+        self._reserved = self._committed = False
         self._plans: dict = {}
 
     @property
@@ -1249,6 +1249,9 @@ class PagedPacked:
                             device=self.cache.device)
 
     def _reserve(self) -> None:
+        if self._committed:
+            raise ValueError("PagedPacked: this view served its forward already; make a new one with "
+                             "PagedCache.packed(...) for the next")
         if self._reserved:
             return
         c = self.cache
@@ -1283,12 +1286,11 @@ class PagedPacked:
         return self._plans["decode"]
 
     def _commit(self) -> None:
+        self._committed = True
         for s, n in zip(self.ids, self.n_new):
             seq = self.cache._seqs[s]
             seq.length += n
             self.cache._register(seq)
-        self._plans = {}
-        self._reserved = False
 
     def nbytes(self) -> int:
         return self.cache.nbytes()
