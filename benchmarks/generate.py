@@ -274,7 +274,7 @@ def chunked_prefill(args, rows, results):
     torch.manual_seed(0)
     model = DecoderLM(DecoderConfig.preset("small", max_seq_len=8192)).eval()  # vocab 32000, d 256, 4 layers
     rng = random.Random(1)
-    long_len, n_dec, dec_new, arrive = args.long_prompt, 8, args.decode_new, 8
+    long_len, n_dec, dec_new, arrive = args.long_prompt, 8, args.decode_new, 16
     short = [[rng.randrange(32000) for _ in range(32)] for _ in range(n_dec)]
     long_prompt = [rng.randrange(32000) for _ in range(long_len)]
     blocks = (n_dec * (32 + dec_new) + long_len + 64) // 16 + 16
@@ -291,11 +291,14 @@ def chunked_prefill(args, rows, results):
             if step == arrive:
                 late = engine.add(long_prompt, 16)
             running = sum(1 for r in engine.running if r.rid in rids)
+            prefilled = engine.stats["prefill_tokens"]
             t0 = time.perf_counter()
             engine.step()
             dt = time.perf_counter() - t0
-            if running and step >= 1:
-                (plain if late is None else times).append(dt)
+            if running and late is None and engine.stats["prefill_tokens"] == prefilled:
+                plain.append(dt)  # a plain decode step: no prompt tokens in it
+            elif running and late is not None:
+                times.append(dt)  # what a running sequence waits through once the long prompt is there
             step += 1
         t_all = time.perf_counter() - t_all
         tokens = n_dec * dec_new + 16

@@ -44,6 +44,18 @@ def _param_dtype(model) -> torch.dtype | None:
     return None if p is None else p.dtype
 
 
+def _rows_logits(model, ids: Tensor, rows: Tensor, **kw) -> Tensor:
+    """``(len(rows), V)`` float32 logits of a ``(1, T)`` forward at token indices ``rows``; a DecoderLM runs
+    its output head on those rows alone (``logits_at``)."""
+    from .nn import DecoderLM
+
+    if isinstance(model, DecoderLM):
+        out = model(ids, logits_at=rows, **kw)
+        return out[0].float()
+    out = model(ids, **kw)
+    return (out[0] if isinstance(out, tuple) else out)[0, rows].float()
+
+
 @dataclass
 class _Request:
     rid: int
@@ -244,7 +256,8 @@ class Engine:
             self.running.append(req)
             view = cache.batch([sid])
             ids = torch.tensor([tokens[len(tokens) - n_new:]], dtype=torch.long, device=cache.device)
-            logits = _last_logits(self.model(ids, cache=view, positions=view.positions(n_new)))
+            logits = _rows_logits(self.model, ids, torch.tensor([n_new - 1], device=cache.device), cache=view,
+                                  positions=view.positions(n_new))
             self.stats["prefill_tokens"] += n_new
             self.stats["peak_blocks"] = max(self.stats["peak_blocks"], cache.stats()["blocks_used"])
             self._emit(req, self._sample([req], logits)[0], events)
@@ -356,8 +369,7 @@ class Engine:
         self._track()
         packed = cache.packed([r.sid for r, _ in work], [len(t) for _, t in work])
         ids = torch.tensor([[t for _, toks in work for t in toks]], dtype=torch.long, device=cache.device)  # (1, T)
-        out = self.model(ids, cache=packed, positions=packed.positions())
-        logits = (out[0] if isinstance(out, tuple) else out)[0, packed.last()].float()  # (len(work), V)
+        logits = _rows_logits(self.model, ids, packed.last(), cache=packed, positions=packed.positions())
         done = []
         for i, (r, toks) in enumerate(work):
             if r.fed == len(r.feed):

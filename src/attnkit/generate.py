@@ -821,7 +821,8 @@ def generate(model, prompts, max_new_tokens: int, *, cache: str | Callable | Non
     if draft_model is not None:
         _check_positions(draft_model, max(len(p) for p in prompts), max_new_tokens)
 
-    def run() -> Iterator[tuple[int, int, TokenLogprob | None]]:
+    def run(triples: bool = True) -> Iterator[tuple]:
+        """``(prompt_index, token, TokenLogprob or None)`` triples, or ``(prompt_index, token)`` pairs."""
         # (compiled code packs its own copy of the weights; relaid out only while no other generation uses them)
         batch = 1 if speculative else len(prompts)
         for m in models:
@@ -831,19 +832,22 @@ def generate(model, prompts, max_new_tokens: int, *, cache: str | Callable | Non
             m.eval()
         try:
             if speculative:
-                yield from _stream_speculative(model, prompts, max_new_tokens, cache, params, draft_model,
-                                               int(num_speculative_tokens), stats)
+                events = _stream_speculative(model, prompts, max_new_tokens, cache, params, draft_model,
+                                             int(num_speculative_tokens), stats)
             else:
-                yield from _stream(model, prompts, max_new_tokens, cache, params, compile)
+                events = _stream(model, prompts, max_new_tokens, cache, params, compile)
+            try:
+                for i, tok, lp in events:
+                    yield (i, tok, lp) if triples else (i, tok)
+            finally:
+                events.close()
         finally:
             for m, was in zip(models, was_training):
                 m.train(was)
                 _end(m)
 
     if stream:
-        if params.logprobs is not None:
-            return run()
-        return ((i, tok) for i, tok, _ in run())
+        return run(triples=params.logprobs is not None)
     out: list[list[int]] = [[] for _ in prompts]
     lps: list[list[TokenLogprob]] = [[] for _ in prompts]
     for i, tok, lp in run():
