@@ -600,11 +600,11 @@ class _Sequence:
             self.kv = StaticCache.for_model(model, 1, max_len)
         self.paged = cache == "paged"
         self.length = 0
+        self.device = model_dims(model)["device"]
 
     def feed(self, tokens: list[int]) -> Tensor:
         """Logits ``(len(tokens), V)`` float32 of ``tokens`` appended after the stored positions."""
-        device = model_dims(self.model)["device"]
-        ids = torch.tensor([tokens], dtype=torch.long, device=device)
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         if self.paged:
             view = self.pool.batch([self.sid])
             out = self.model(ids, cache=view, positions=view.positions(len(tokens)))
@@ -677,12 +677,15 @@ def _stream_speculative(model, prompts: list[list[int]], max_new_tokens: int, ca
                     new = seq[drafter.length:]
                     for j in range(n):
                         dl = step_logits(drafter.feed(new)[-1:], proposal, first=len(proposal))
-                        qj = _probs(dl, params)[0]
-                        d = int(qj.argmax()) if params.greedy else _draw(qj, gen)
+                        if params.greedy:  # deterministic proposals: no distribution to keep
+                            d = int(dl[0].argmax())
+                        else:
+                            qj = _probs(dl, params)[0]
+                            d = _draw(qj, gen)
+                            qs.append(qj)
                         proposal.append(d)
-                        qs.append(qj)
                         new = [d]
-                    q = torch.stack(qs)  # (n, V)
+                    q = torch.stack(qs) if qs else None  # (n, V) when sampling
                 start = target.length
                 raw = target.feed([seq[-1]] + proposal)  # (n + 1, V)
                 stats.verify_steps += 1
