@@ -1,5 +1,5 @@
 """Decoding: attnkit.generate against Hugging Face generate, caches against recomputation, the Engine
-against static batching, quantized caches and weights.
+against static batching, quantized caches and weights, chunked prefill, speculative decoding.
 
 One llama-like model (hidden 512, 8 layers, 8 heads, intermediate 1408, vocab 32000, random weights) built
 as a Hugging Face ``LlamaForCausalLM`` (sdpa attention) and converted with ``attnkit.integrations.hf.from_hf``
@@ -266,6 +266,120 @@ def quantized_cache(args, model, rows, results):
     results["quantized_cache"] = out
 
 
+def chunked_prefill(args, rows, results):
+    """A long prompt arrives while 8 sequences decode: the longest step a running sequence waits through,
+    against a plain decode step, with and without chunked prefill; and the whole workload's throughput."""
+    from attnkit.nn import DecoderConfig, DecoderLM
+
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("small", max_seq_len=8192)).eval()  # vocab 32000, d 256, 4 layers
+    rng = random.Random(1)
+    long_len, n_dec, dec_new, arrive = args.long_prompt, 8, args.decode_new, 16
+    short = [[rng.randrange(32000) for _ in range(32)] for _ in range(n_dec)]
+    long_prompt = [rng.randrange(32000) for _ in range(long_len)]
+    blocks = (n_dec * (32 + dec_new) + long_len + 64) // 16 + 16
+    out = {}
+    for name, budget in (("no chunking", None), *((f"max_batched_tokens={c}", c) for c in args.chunk)):
+        engine = attnkit.Engine(model, cache_blocks=blocks, block_size=16, max_batch=n_dec + 1,
+                                max_batched_tokens=budget)
+        rids = [engine.add(p, dec_new) for p in short]
+        times, plain = [], []
+        t_all = time.perf_counter()
+        step = 0
+        late = None
+        while engine.has_work:
+            if step == arrive:
+                late = engine.add(long_prompt, 16)
+            running = sum(1 for r in engine.running if r.rid in rids)
+            prefilled = engine.stats["prefill_tokens"]
+            t0 = time.perf_counter()
+            engine.step()
+            dt = time.perf_counter() - t0
+            if running and late is None and engine.stats["prefill_tokens"] == prefilled:
+                plain.append(dt)  # a plain decode step: no prompt tokens in it
+            elif running and late is not None:
+                times.append(dt)  # what a running sequence waits through once the long prompt is there
+            step += 1
+        t_all = time.perf_counter() - t_all
+        tokens = n_dec * dec_new + 16
+        base = sorted(plain)[len(plain) // 2]
+        out[name] = {"plain_step_s": base, "longest_step_s": max(times), "seconds": t_all, "tokens": tokens,
+                     "steps": engine.stats["steps"]}
+        rows.append({"measure": f"{long_len}-token prompt joins {n_dec} decodes", "what": name, "batch": n_dec,
+                     "new tokens": tokens, "tokens/s": f"{tokens / t_all:.1f}", "ms/step": f"{base * 1e3:.1f}",
+                     "vs HF fp32": f"longest step {max(times) / base:.1f}x a decode step",
+                     "x limit": "-", "same tokens as HF": "-"})
+        print(rows[-1], flush=True)
+        out[name]["tokens_out"] = [engine.results[r] for r in rids + [late]]
+    a, *rest = out.values()
+    ref = a.pop("tokens_out")
+    for b, row in zip(rest, rows[-len(rest):]):
+        b["same_tokens"] = b.pop("tokens_out") == ref
+        b["throughput_vs_no_chunking"] = (b["tokens"] / b["seconds"]) / (a["tokens"] / a["seconds"])
+        row["x limit"] = f"{b['throughput_vs_no_chunking']:.2f}x the throughput"
+        row["same tokens as HF"] = "same as no chunking" if b["same_tokens"] else "DIFFERENT"
+    results["chunked_prefill"] = {"long_prompt": long_len, "decoding": n_dec, "decode_new": dec_new, **out}
+
+
+def speculative(args, rows, results):
+    """Batch-1 greedy decoding of the copy task by trained models: plain, prompt lookup, and a draft model
+    with a quarter of the target's parameters."""
+    from attnkit.generate import SpeculativeStats
+    from attnkit.nn import DecoderConfig, DecoderLM
+    from attnkit.nn.tasks import copy_task, train_lm
+
+    n, sym = args.copy_length, 16
+    g = torch.Generator().manual_seed(0)
+    models = {}
+    for name, layers in (("target", 4), ("draft", 1)):  # d 256: the draft has 1/4 of the target's layers
+        torch.manual_seed(0)
+        m = DecoderLM(DecoderConfig(vocab_size=sym + 1, d_model=256, n_layers=layers, n_heads=4, max_seq_len=256))
+        saved = Path(__file__).parent / "results" / f"copy_{name}_{layers}x256_len{n}_steps{args.train_steps}.pt"
+        if saved.exists():  # trained by an earlier run of this section (same task, configuration and steps)
+            m.load_state_dict(torch.load(saved))
+            print(f"loaded the trained {name} from {saved.name}", flush=True)
+        else:
+            t0 = time.perf_counter()
+            losses = train_lm(m, lambda step: copy_task(32, length=n, n_symbols=sym, generator=g),
+                              steps=args.train_steps, on_step=lambda step, loss: loss < 0.02)
+            print(f"trained {name} ({sum(p.numel() for p in m.parameters()) / 1e6:.2f}M parameters) in "
+                  f"{len(losses)} steps, {time.perf_counter() - t0:.0f} s, final loss {losses[-1]:.3f}", flush=True)
+            saved.parent.mkdir(exist_ok=True)
+            torch.save(m.state_dict(), saved)
+        models[name] = m.eval()
+    target, draft = models["target"], models["draft"]
+    prompts = copy_task(args.copy_prompts, length=n, n_symbols=sym,
+                        generator=torch.Generator().manual_seed(1)).ids[:, :n + 1].tolist()  # x SEP
+    toks, stats = {}, {}
+    variants = {"plain": {}, "prompt lookup k=8": dict(prompt_lookup=True, num_speculative_tokens=8),
+                "draft model k=4": dict(draft_model=draft, num_speculative_tokens=4),
+                "draft model k=8": dict(draft_model=draft, num_speculative_tokens=8)}
+
+    def run(name):
+        st = stats[name] = SpeculativeStats()
+        kw = dict(variants[name], stats=st) if variants[name] else {}
+        toks[name] = [attnkit.generate(target, [p], n, **kw)[0] for p in prompts]
+
+    t = timeit({name: (lambda name=name: run(name)) for name in variants}, repeat=args.repeat, warmup=1,
+               budget_s=args.budget)
+    correct = sum(o == p[:n] for o, p in zip(toks["plain"], prompts)) / len(prompts)
+    out = {"copy_length": n, "prompts": len(prompts), "target_params": sum(p.numel() for p in target.parameters()),
+           "draft_params": sum(p.numel() for p in draft.parameters()), "copied_exactly": correct}
+    for name in variants:
+        tps = len(prompts) * n / t[name]
+        rate = stats[name].acceptance_rate if name != "plain" else None
+        out[name] = {"seconds": t[name], "tokens_per_s": tps, "vs_plain": t["plain"] / t[name],
+                     "acceptance_rate": rate, "tokens_per_verify": stats[name].tokens_per_step or None,
+                     "same_tokens": toks[name] == toks["plain"]}
+        rows.append({"measure": "speculative, copy task", "what": name, "batch": 1, "new tokens": n,
+                     "tokens/s": f"{tps:.1f}", "ms/step": "-", "vs HF fp32": f"{t['plain'] / t[name]:.2f}x plain",
+                     "x limit": "-" if rate is None else f"accepts {rate:.0%}, {stats[name].tokens_per_step:.1f} tok/verify",
+                     "same tokens as HF": "-" if name == "plain" else
+                     ("same as plain" if toks[name] == toks["plain"] else "DIFFERENT")})
+        print(rows[-1], flush=True)
+    results["speculative"] = out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer tokens, requests and repeats")
@@ -273,7 +387,7 @@ def main(argv=None) -> None:
     ap.add_argument("--no-compile", dest="compile", action="store_false",
                     help="skip the generate(compile=True) rows (they compile for ~1 minute first)")
     ap.add_argument("--only", nargs="*", default=None,
-                    help="sections to run: decode profile cache mixed quantized (default: all)")
+                    help="sections to run: decode profile cache mixed quantized chunked speculative (default: all)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -285,7 +399,13 @@ def main(argv=None) -> None:
     args.mixed_lengths = (16, 128) if args.quick else (16, 1024)
     args.static_batch = 8
     args.engine_batch = 16
-    sections = set(args.only or ["decode", "profile", "cache", "mixed", "quantized"])
+    args.long_prompt = 512 if args.quick else 4096
+    args.decode_new = 24 if args.quick else 160
+    args.chunk = [24, 40, 64]
+    args.copy_length = 32
+    args.copy_prompts = 2 if args.quick else 8
+    args.train_steps = 5 if args.quick else 400
+    sections = set(args.only or ["decode", "profile", "cache", "mixed", "quantized", "chunked", "speculative"])
     from attnkit.integrations.hf import from_hf
 
     hf = hf_llama()
@@ -305,6 +425,10 @@ def main(argv=None) -> None:
         quantized_cache(args, model, rows, results)
     if "mixed" in sections:
         mixed_workload(args, model, rows, results)
+    if "chunked" in sections:
+        chunked_prefill(args, rows, results)
+    if "speculative" in sections:
+        speculative(args, rows, results)
     results["load_average_end"] = os.getloadavg()[0]
     cols = ["measure", "what", "batch", "new tokens", "tokens/s", "ms/step", "vs HF fp32", "x limit",
             "same tokens as HF"]

@@ -142,8 +142,11 @@ def test_engine_with_windows_and_relative_biases(variant):
     torch.manual_seed(1)
     model = DecoderLM(DecoderConfig.preset("tiny", vocab_size=64, init_std=0.1, **variant)).eval()
     reqs = _requests(6, seed=2)
+    want = [attnkit.generate(model, [p], 10)[0] for p, _, _ in reqs]
     engine = attnkit.Engine(model, cache_blocks=12, block_size=4, max_batch=4)
-    assert engine.generate([p for p, _, _ in reqs], 10) == [attnkit.generate(model, [p], 10)[0] for p, _, _ in reqs]
+    assert engine.generate([p for p, _, _ in reqs], 10) == want
+    chunked = attnkit.Engine(model, cache_blocks=12, block_size=4, max_batch=4, max_batched_tokens=6)
+    assert chunked.generate([p for p, _, _ in reqs], 10) == want  # prompt chunks under the window and bias
 
 
 def test_engine_made_under_inference_mode_runs_outside_it(model):
@@ -264,3 +267,77 @@ def test_a_model_converted_after_the_engine_was_built_is_a_clear_error(model):
     m.double()
     with pytest.raises(ValueError, match="make a new Engine"):
         engine.generate([[1, 2, 3]], 2)
+
+
+# ----------------------------------------------------------------------------- chunked prefill
+
+
+class _Recorder(torch.nn.Module):
+    """The model, recording the token count of every forward."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner, self.config, self.sizes = model, model.config, []
+
+    def forward(self, ids, **kw):
+        self.sizes.append(ids.numel())
+        return self.inner(ids, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("blocks, budget, prefix", [(64, 8, True), (64, 5, False), (8, 6, True), (20, 16, True)])
+def test_chunked_prefill_gives_the_tokens_of_each_request_alone(model, dtype, blocks, budget, prefix):
+    m = model.to(dtype)
+    try:
+        rng = random.Random(3)
+        shared = [rng.randrange(64) for _ in range(9)]
+        reqs = _requests(8, seed=4) + [(shared + [5, 6], 6, {}), (shared + [7], 5, dict(temperature=1.0, seed=9,
+                                                                                       repetition_penalty=1.3))]
+        want = _alone(m, reqs)
+        rec = _Recorder(m)
+        engine = attnkit.Engine(rec, cache_blocks=blocks, block_size=4, max_batch=4, max_batched_tokens=max(budget, 4),
+                                prefix_caching=prefix)
+        rids = [engine.add(p, n, **s) for p, n, s in reqs]
+        engine.run()
+        assert [engine.take(r) for r in rids] == want
+        assert max(rec.sizes) <= max(budget, 4)
+        if blocks == 8:
+            assert engine.stats["preemptions"] > 0
+        if prefix and blocks == 64:
+            assert engine.cache.prefix_hits > 0
+    finally:
+        model.float()
+
+
+def test_chunked_step_mixes_decode_tokens_and_a_prompt_chunk(model):
+    """A long prompt arriving while others decode: each step is one forward holding a decode token of every
+    running request and a chunk of the prompt."""
+    rec = _Recorder(model)
+    engine = attnkit.Engine(rec, cache_blocks=64, block_size=4, max_batch=4, max_batched_tokens=8)
+    short = [engine.add([i + 1, 2, 3], 12) for i in range(3)]
+    engine.step()
+    long_prompt = [random.Random(0).randrange(64) for _ in range(40)]
+    late = engine.add(long_prompt, 4)
+    mixed = 0
+    while engine.has_work:
+        prefilling = [r for r in engine.running if r.rid == late and r.fed < len(r.feed)]
+        decoding = {r.rid for r in engine.running if r.rid in short}
+        n = len(rec.sizes)
+        events = engine.step()
+        if prefilling and decoding:
+            mixed += 1
+            assert len(rec.sizes) == n + 1 and rec.sizes[-1] <= 8
+            assert decoding <= {rid for rid, _ in events}
+    assert mixed >= 5
+    want = [attnkit.generate(model, [[i + 1, 2, 3]], 12)[0] for i in range(3)]
+    assert [engine.results[r] for r in short] == want
+    assert engine.results[late] == attnkit.generate(model, [long_prompt], 4)[0]
+
+
+def test_chunked_prefill_arguments(model):
+    with pytest.raises(ValueError, match="max_batched_tokens=2 is below max_batch=4"):
+        attnkit.Engine(model, cache_blocks=8, max_batch=4, max_batched_tokens=2)
+    with pytest.raises(ValueError, match="max_batched_tokens"):
+        attnkit.Engine(model, cache_blocks=8, max_batch=1, max_batched_tokens=0)
+    with pytest.raises(TypeError, match="max_batched_tokens"):
+        attnkit.Engine(model, cache_blocks=8, max_batched_tokens=8.0)

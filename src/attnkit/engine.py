@@ -28,9 +28,10 @@ from numbers import Integral
 import torch
 
 from ._checks import flag
+from . import _sampling
 from .cache import PagedCache, PoolExhausted
 from .cache._common import check_int
-from .generate import (SamplingParams, _check_decoder_only, _check_eos, _check_positions, _check_tokens, _last_logits,
+from .generate import (GenerationResult, SamplingParams, _check_decoder_only, _check_eos, _check_positions, _check_tokens, _last_logits,
                        _lay_out, _weights_key, sample)
 
 Tensor = torch.Tensor
@@ -44,6 +45,18 @@ def _param_dtype(model) -> torch.dtype | None:
     return None if p is None else p.dtype
 
 
+def _rows_logits(model, ids: Tensor, rows: Tensor, **kw) -> Tensor:
+    """``(len(rows), V)`` float32 logits of a ``(1, T)`` forward at token indices ``rows``; a DecoderLM runs
+    its output head on those rows alone (``logits_at``)."""
+    from .nn import DecoderLM
+
+    if isinstance(model, DecoderLM):
+        out = model(ids, logits_at=rows, **kw)
+        return out[0].float()
+    out = model(ids, **kw)
+    return (out[0] if isinstance(out, tuple) else out)[0, rows].float()
+
+
 @dataclass
 class _Request:
     rid: int
@@ -55,10 +68,12 @@ class _Request:
     sid: int | None = None  # its sequence in the pool while running
     admitted: int = -1  # admission counter: the largest is the newest
     fresh: bool = False  # got its token from this step's prefill
+    feed: list[int] = field(default_factory=list)  # chunked prefill: the tokens to run before decoding
+    fed: int = 0  # how many of them ran
+    logprobs: list = field(default_factory=list)  # one TokenLogprob per token, when asked
 
     def finished(self) -> bool:
-        eos = self.params.eos_id
-        return len(self.out) >= self.max_new_tokens or (eos is not None and bool(self.out) and self.out[-1] == eos)
+        return len(self.out) >= self.max_new_tokens or _sampling.stops(self.out, self.params)
 
 
 class Engine:
@@ -74,6 +89,14 @@ class Engine:
         relayout: lay the model's weights out for decoding ``max_batch`` sequences a step, as
             :func:`attnkit.generate` does for its batch (:func:`attnkit.nn.to_decode_layout`; values and
             parameters stay the same).
+        max_batched_tokens: chunked prefill.  None (the default): each admitted prompt is prefilled alone in
+            its step, before the batched decode.  An int ``N >= max_batch``: each step is one forward of at most
+            ``N`` tokens over the pool (:meth:`attnkit.cache.PagedCache.packed`: queries of different lengths
+            per sequence) holding a decode token of every running sequence, then chunks of the prompts being
+            prefilled (oldest first) and of newly admitted ones, so a long prompt no longer stalls the running
+            sequences for its whole prefill.  A prompt's blocks are reserved when it is admitted; a prompt gives
+            its first token in the step its last chunk runs.  Tokens are those each request gets alone, with
+            preemption and prefix caching as above.
 
     The model is put in eval mode (no dropout while decoding).  An Engine keeps the precision it was built
     under: built inside ``torch.autocast`` its pool holds autocast's dtype and every step runs under that
@@ -104,12 +127,19 @@ class Engine:
     """
 
     def __init__(self, model, cache_blocks: int, block_size: int = 16, max_batch: int = 16, *, preempt: bool = True,
-                 prefix_caching: bool = True, relayout: bool = True):
+                 prefix_caching: bool = True, relayout: bool = True, max_batched_tokens: int | None = None):
         check_int("cache_blocks", cache_blocks, minimum=1)
         check_int("block_size", block_size, minimum=1)
         self.max_batch = check_int("max_batch", max_batch, minimum=1)
         preempt, prefix_caching = flag("preempt", preempt), flag("prefix_caching", prefix_caching)
         relayout = flag("relayout", relayout)
+        if max_batched_tokens is not None:
+            check_int("max_batched_tokens", max_batched_tokens, minimum=1)
+            if max_batched_tokens < self.max_batch:
+                raise ValueError(f"max_batched_tokens={max_batched_tokens} is below max_batch={self.max_batch}: a step "
+                                 f"must fit one decode token of every running sequence; pass max_batched_tokens >= "
+                                 f"{self.max_batch} (or a smaller max_batch)")
+        self.max_batched_tokens = max_batched_tokens
         _check_decoder_only(model, "Engine")
         self.model = model.eval()  # decoding: no dropout
         if relayout:
@@ -126,6 +156,7 @@ class Engine:
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
         self.results: dict[int, list[int]] = {}
+        self.logprobs: dict[int, list] = {}  # rid -> TokenLogprob per token, for finished requests that asked
         self._next_rid = 0
         self._admissions = 0
         self.stats = {"steps": 0, "preemptions": 0, "prefill_tokens": 0, "decode_tokens": 0, "peak_blocks": 0,
@@ -134,8 +165,13 @@ class Engine:
     # ------------------------------------------------------------------ requests
 
     def add(self, prompt, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
-            top_p: float | None = None, eos_id: int | None = None, seed: int | None = None) -> int:
-        """Queue a request; returns its id.  Sampling arguments as in :func:`attnkit.generate`."""
+            top_p: float | None = None, eos_id: int | list[int] | None = None, seed: int | None = None,
+            repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+            min_p: float | None = None, logit_bias: dict[int, float] | None = None,
+            stop: list[list[int]] | None = None, logprobs: int | None = None) -> int:
+        """Queue a request; returns its id.  Sampling arguments as in :func:`attnkit.generate` (a request
+        ends after an eos id or a stop sequence, both included in its tokens); with ``logprobs`` its
+        :class:`~attnkit.generate.TokenLogprob` s are kept in ``engine.logprobs[rid]`` next to ``results``."""
         if isinstance(prompt, Tensor):
             prompt = prompt.tolist()
         if not isinstance(prompt, (list, tuple)) or not prompt or not all(
@@ -152,13 +188,17 @@ class Engine:
             raise ValueError(f"a request of {len(prompt)} prompt + {max_new_tokens} new tokens needs {blocks} blocks "
                              f"of {bs}, more than the pool's cache_blocks={self.cache.num_blocks}: create the Engine "
                              f"with more cache_blocks")
-        params = SamplingParams(temperature, top_k, top_p, eos_id, seed)
+        params = SamplingParams(temperature, top_k, top_p, eos_id, seed, repetition_penalty=repetition_penalty,
+                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, min_p=min_p,
+                                logit_bias=logit_bias, stop=stop, logprobs=logprobs)
         _check_eos(params, getattr(getattr(self.model, "config", None), "vocab_size", None))
         rid = self._next_rid
         self._next_rid += 1
         req = _Request(rid, prompt, int(max_new_tokens), params, params.generator(self.cache.device))
         if req.max_new_tokens == 0:
             self.results[rid] = []
+            if params.logprobs is not None:
+                self.logprobs[rid] = []
         else:
             self.waiting.append(req)
         return rid
@@ -171,9 +211,20 @@ class Engine:
     # ------------------------------------------------------------------ scheduling
 
     def _sample(self, reqs: list[_Request], logits: Tensor) -> list[int]:
-        if all(r.params.greedy for r in reqs):
-            return logits.argmax(dim=-1).tolist()
-        return [int(sample(logits[i:i + 1], r.params, [r.generator])[0]) for i, r in enumerate(reqs)]
+        plain = [not _sampling.transforms_logits(r.params) for r in reqs]
+        if all(r.params.greedy for r in reqs) and all(plain):
+            toks = logits.argmax(dim=-1).tolist()
+        else:
+            toks = []
+            for i, r in enumerate(reqs):
+                row = logits[i:i + 1]
+                if not plain[i]:
+                    row = _sampling.process(row, r.params, [r.prompt], [r.out])
+                toks.append(int(sample(row, r.params, [r.generator])[0]))
+        for i, r in enumerate(reqs):
+            if r.params.logprobs is not None:
+                r.logprobs.extend(_sampling.logprobs_of(logits[i:i + 1], [toks[i]], r.params.logprobs))
+        return toks
 
     def _emit(self, req: _Request, tok: int, events: list) -> None:
         req.out.append(tok)
@@ -183,6 +234,8 @@ class Engine:
             req.sid = None
             self.running.remove(req)
             self.results[req.rid] = req.out
+            if req.params.logprobs is not None:
+                self.logprobs[req.rid] = req.logprobs
         else:
             self.cache.append_tokens(req.sid, [tok])
 
@@ -204,7 +257,8 @@ class Engine:
             self.running.append(req)
             view = cache.batch([sid])
             ids = torch.tensor([tokens[len(tokens) - n_new:]], dtype=torch.long, device=cache.device)
-            logits = _last_logits(self.model(ids, cache=view, positions=view.positions(n_new)))
+            logits = _rows_logits(self.model, ids, torch.tensor([n_new - 1], device=cache.device), cache=view,
+                                  positions=view.positions(n_new))
             self.stats["prefill_tokens"] += n_new
             self.stats["peak_blocks"] = max(self.stats["peak_blocks"], cache.stats()["blocks_used"])
             self._emit(req, self._sample([req], logits)[0], events)
@@ -231,6 +285,12 @@ class Engine:
         if key != self._weights:  # new weights (load_state_dict, an optimizer step): cached prefixes are stale
             cache.clear_prefix_cache()
             self._weights = key
+        if self.max_batched_tokens is not None:
+            with torch.no_grad(), torch.autocast(self._device_type, dtype=self._autocast_dtype,
+                                                 enabled=self._autocast):
+                self._step_chunked(events)
+            self.stats["steps"] += 1
+            return events
         with torch.no_grad(), torch.autocast(self._device_type, dtype=self._autocast_dtype, enabled=self._autocast):
             self._admit(events)
             while True:
@@ -259,6 +319,72 @@ class Engine:
         self.stats["steps"] += 1
         return events
 
+    # ------------------------------------------------------------------ chunked prefill
+
+    def _step_chunked(self, events: list) -> None:
+        """One packed forward of at most ``max_batched_tokens`` tokens: a decode token of every running
+        sequence whose prompt is done, then chunks of the prompts being prefilled (oldest first), then
+        chunks of newly admitted prompts."""
+        cache = self.cache
+        while True:  # blocks for the decode tokens (prefills reserved theirs when admitted)
+            dec = [r for r in self.running if r.fed == len(r.feed)]
+            need = sum(cache.blocks_needed(r.sid, 1) for r in dec)
+            if need <= cache.num_free_blocks:
+                break
+            if not self.preempt:
+                raise PoolExhausted(f"Engine: the decode step needs {need} more block(s) but only "
+                                    f"{cache.num_free_blocks} of {cache.num_blocks} are free and preemption is "
+                                    f"off: create the Engine with more cache_blocks, a smaller max_batch, or "
+                                    f"preempt=True")
+            self._preempt_newest()
+        for r in dec:
+            cache.reserve(r.sid, 1)
+        budget = self.max_batched_tokens - len(dec)
+        work: list[tuple[_Request, list[int]]] = [(r, [r.out[-1]]) for r in dec]
+        for r in self.running:
+            if r.fed < len(r.feed) and budget > 0:
+                n = min(budget, len(r.feed) - r.fed)
+                work.append((r, r.feed[r.fed:r.fed + n]))
+                budget -= n
+        while budget > 0 and self.waiting and len(self.running) < self.max_batch:
+            req = self.waiting[0]
+            tokens = req.prompt + req.out  # after a preemption: recompute what it had produced
+            hits = cache.prefix_hits
+            sid = cache.add_sequence(tokens)
+            n_new = len(tokens) - cache.length(sid)
+            if cache.blocks_needed(sid, n_new) > cache.num_free_blocks:
+                cache.free(sid)
+                cache.prefix_hits = hits  # not admitted: nothing was reused
+                break
+            cache.reserve(sid, n_new)  # the whole prompt's blocks now: its later chunks never run short
+            self.waiting.popleft()
+            req.sid, req.admitted = sid, self._admissions
+            req.feed, req.fed = tokens[len(tokens) - n_new:], 0
+            self._admissions += 1
+            self.running.append(req)
+            n = min(budget, n_new)
+            work.append((req, req.feed[:n]))
+            budget -= n
+        if not work:
+            return
+        self._track()
+        packed = cache.packed([r.sid for r, _ in work], [len(t) for _, t in work])
+        ids = torch.tensor([[t for _, toks in work for t in toks]], dtype=torch.long, device=cache.device)  # (1, T)
+        logits = _rows_logits(self.model, ids, packed.last(), cache=packed, positions=packed.positions())
+        done = []
+        for i, (r, toks) in enumerate(work):
+            if r.fed == len(r.feed):
+                self.stats["decode_tokens"] += 1
+                done.append(i)
+            else:
+                r.fed += len(toks)
+                self.stats["prefill_tokens"] += len(toks)
+                if r.fed == len(r.feed):  # the prompt is in: its first (next) token comes from its last row
+                    done.append(i)
+        reqs = [work[i][0] for i in done]
+        for r, tok in zip(reqs, self._sample(reqs, logits[done])):
+            self._emit(r, tok, events)
+
     def _track(self) -> None:
         st = self.cache.stats()
         self.stats["peak_blocks"] = max(self.stats["peak_blocks"], st["blocks_used"])
@@ -274,6 +400,7 @@ class Engine:
         """The new tokens of finished request ``rid``, removed from ``results`` (KeyError if it is not done)."""
         if rid not in self.results:
             raise KeyError(f"request {rid} is not finished (or was taken already): step() or run() until it is")
+        self.logprobs.pop(rid, None)
         return self.results.pop(rid)
 
     def run(self) -> dict[int, list[int]]:
@@ -282,11 +409,15 @@ class Engine:
             self.step()
         return dict(self.results)
 
-    def generate(self, prompts, max_new_tokens: int, **sampling) -> list[list[int]]:
-        """Queue every prompt with the same settings, run, and return the tokens in prompt order."""
+    def generate(self, prompts, max_new_tokens: int, **sampling):
+        """Queue every prompt with the same settings, run, and return the tokens in prompt order (with
+        ``logprobs``, a :class:`~attnkit.generate.GenerationResult` as :func:`attnkit.generate` returns)."""
         rids = [self.add(p, max_new_tokens, **sampling) for p in prompts]
         self.run()
-        return [self.take(r) for r in rids]
+        if sampling.get("logprobs") is None:
+            return [self.take(r) for r in rids]
+        lps = [self.logprobs.get(r, []) for r in rids]
+        return GenerationResult([self.take(r) for r in rids], lps)
 
     def __repr__(self) -> str:
         return (f"Engine({len(self.running)} running, {len(self.waiting)} waiting, {len(self.results)} done, "

@@ -19,6 +19,8 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from . import _sampling
+from ._sampling import TokenLogprob
 from .cache import PagedCache, QuantizedCache, SlidingWindowCache, StaticCache
 from ._checks import flag
 from .cache._common import model_dims
@@ -26,7 +28,7 @@ from .nn.layers import to_decode_layout
 
 Tensor = torch.Tensor
 
-__all__ = ["generate", "sample", "SamplingParams"]
+__all__ = ["generate", "sample", "SamplingParams", "GenerationResult", "TokenLogprob", "SpeculativeStats"]
 
 CACHES = ("static", "sliding", "paged", "int8", "int4")
 _EXTRAPOLATING = ("alibi", "t5", "none")  # position methods that take positions beyond max_seq_len
@@ -36,24 +38,33 @@ _EXTRAPOLATING = ("alibi", "t5", "none")  # position methods that take positions
 
 
 class SamplingParams:
-    """How the next token is chosen: ``temperature`` (0 = greedy), ``top_k``, ``top_p``, ``eos_id``, ``seed``.
+    """How the next token is chosen: ``temperature`` (0 = greedy), ``top_k``, ``top_p``, ``eos_id``, ``seed``,
+    and the controls of :mod:`attnkit._sampling` (keyword-only): ``repetition_penalty``, ``presence_penalty``,
+    ``frequency_penalty``, ``min_p``, ``logit_bias``, ``stop`` and ``logprobs``.
 
     Validated on construction.  With a ``seed`` each sequence draws from its own generator seeded with it,
     so a sequence samples the same tokens in any batch (identical prompts in one batch sample alike).
-    ``top_k``, ``top_p`` and ``seed`` shape sampling only: with ``temperature=0`` the argmax is taken and
-    they change nothing.
+    ``top_k``, ``top_p``, ``min_p`` and ``seed`` shape sampling only: with ``temperature=0`` the argmax is
+    taken and they change nothing; ``logit_bias`` and the penalties change the logits before either.
+    ``eos_id`` is one id or a list of ids (``eos_ids`` is always the tuple).
 
     Example::
 
         >>> from attnkit.generate import SamplingParams
         >>> SamplingParams(temperature=0.8, top_p=0.9, seed=1)
         SamplingParams(temperature=0.8, top_k=None, top_p=0.9, eos_id=None, seed=1)
+        >>> SamplingParams(repetition_penalty=1.2, eos_id=[2, 7], stop=[[5, 6]]).eos_ids
+        (2, 7)
     """
 
-    __slots__ = ("temperature", "top_k", "top_p", "eos_id", "seed")
+    __slots__ = ("temperature", "top_k", "top_p", "eos_id", "seed", "eos_ids", "repetition_penalty",
+                 "presence_penalty", "frequency_penalty", "min_p", "logit_bias", "stop", "logprobs")
 
     def __init__(self, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                 eos_id: int | None = None, seed: int | None = None):
+                 eos_id: int | Sequence[int] | None = None, seed: int | None = None, *,
+                 repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                 min_p: float | None = None, logit_bias: dict[int, float] | None = None,
+                 stop: Sequence[Sequence[int]] | None = None, logprobs: int | None = None):
         if isinstance(temperature, bool) or not isinstance(temperature, Real) or not math.isfinite(temperature) \
                 or temperature < 0:
             raise ValueError(f"temperature={temperature!r} must be a finite number >= 0 (0 is greedy)")
@@ -61,14 +72,27 @@ class SamplingParams:
             raise ValueError(f"top_k={top_k!r} must be an int >= 1 or None")
         if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, Real) or not 0 < top_p <= 1):
             raise ValueError(f"top_p={top_p!r} must be a number in (0, 1] or None")
-        if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, Integral) or eos_id < 0):
-            raise ValueError(f"eos_id={eos_id!r} must be a token id (int >= 0) or None")
+        eos_ids = _sampling.check_eos(eos_id)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, Integral)):
             raise ValueError(f"seed={seed!r} must be an int or None")
+        self.repetition_penalty = _sampling._number(
+            "repetition_penalty", repetition_penalty, minimum=0.0, strict=True,
+            hint=" (1 is no penalty, above 1 discourages repeating a token)")
+        self.presence_penalty = _sampling._number("presence_penalty", presence_penalty, minimum=0.0,
+                                                  hint=" (0 is no penalty; a negative value would reward repeating)")
+        self.frequency_penalty = _sampling._number("frequency_penalty", frequency_penalty, minimum=0.0,
+                                                   hint=" (0 is no penalty; a negative value would reward repeating)")
+        if min_p is not None:
+            min_p = _sampling._number("min_p", min_p, minimum=0.0, maximum=1.0, hint=" (a share of the top token's probability in [0, 1], or None)")
+        self.min_p = min_p
+        self.logit_bias = _sampling.check_logit_bias(logit_bias)
+        self.stop = _sampling.check_stop(stop)
+        self.logprobs = _sampling.check_logprobs(logprobs)
         self.temperature = float(temperature)
         self.top_k = None if top_k is None else int(top_k)
         self.top_p = None if top_p is None else float(top_p)
-        self.eos_id = None if eos_id is None else int(eos_id)
+        self.eos_ids = eos_ids
+        self.eos_id = None if not eos_ids else eos_ids[0] if not isinstance(eos_id, (list, tuple)) else list(eos_ids)
         self.seed = None if seed is None else int(seed)
 
     @property
@@ -84,12 +108,18 @@ class SamplingParams:
         return g
 
     def __repr__(self) -> str:
+        extra = "".join(f", {k}={getattr(self, k)!r}" for k, default in _EXTRA_DEFAULTS
+                        if getattr(self, k) != default)
         return (f"SamplingParams(temperature={self.temperature}, top_k={self.top_k}, top_p={self.top_p}, "
-                f"eos_id={self.eos_id}, seed={self.seed})")
+                f"eos_id={self.eos_id}, seed={self.seed}{extra})")
+
+
+_EXTRA_DEFAULTS = (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                   ("min_p", None), ("logit_bias", {}), ("stop", ()), ("logprobs", None))
 
 
 def _filtered(logits: Tensor, params: SamplingParams) -> Tensor:
-    """Temperature, then top-k, then top-p on ``(N, V)`` float32 logits.
+    """Temperature, then top-k, then top-p, then min-p on ``(N, V)`` float32 logits.
 
     The row maximum is subtracted before dividing by the temperature, so a tiny temperature or huge logits
     give ``-inf`` for the unlikely tokens (never ``inf - inf``): the softmax stays finite."""
@@ -106,6 +136,8 @@ def _filtered(logits: Tensor, params: SamplingParams) -> Tensor:
         drop_sorted = before >= params.top_p  # keep the smallest set reaching top_p (always the first)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
+    if params.min_p is not None:
+        logits = _sampling.apply_min_p(logits, params.min_p)
     return logits
 
 
@@ -210,9 +242,15 @@ def _check_tokens(prompts: list[list[int]], vocab: int | None, name: str | None 
 
 
 def _check_eos(params: SamplingParams, vocab: int | None) -> None:
-    if vocab is not None and params.eos_id is not None and params.eos_id >= vocab:
+    if vocab is None:
+        return
+    bad = [t for t in params.eos_ids if t >= vocab]
+    if bad:
         raise ValueError(f"eos_id={params.eos_id} is outside the vocabulary [0, {vocab}): the model can never emit "
-                         f"it; pass the tokenizer's end-of-sequence id (or None)")
+                         f"{bad[0]}; pass the tokenizer's end-of-sequence id (or None)")
+    _sampling.check_in_vocab("logit_bias", params.logit_bias, vocab)
+    for i, s in enumerate(params.stop):
+        _sampling.check_in_vocab(f"stop[{i}]", s, vocab)
 
 
 def _check_positions(model, longest: int, max_new_tokens: int) -> None:
@@ -418,7 +456,8 @@ def _steps_recompute(model, prompts) -> Iterator[Tensor]:
 
 
 def _stream(model, prompts: list[list[int]], max_new_tokens: int, cache, params: SamplingParams,
-            compiled: bool = False) -> Iterator[tuple[int, int]]:
+            compiled: bool = False) -> Iterator[tuple[int, int, TokenLogprob | None]]:
+    """``(prompt_index, token, its log-probabilities or None)`` as each step produces them."""
     B = len(prompts)
     if max_new_tokens == 0:
         return
@@ -431,16 +470,23 @@ def _stream(model, prompts: list[list[int]], max_new_tokens: int, cache, params:
     else:
         steps = _steps_padded(model, prompts, max_new_tokens, cache, compiled)
     done = [False] * B
+    outs: list[list[int]] = [[] for _ in range(B)]
+    transform = _sampling.transforms_logits(params)
     with torch.no_grad():  # entered per step: a caller reading the stream keeps its grad mode
         logits = next(steps)
     for t in range(max_new_tokens):
         with torch.no_grad():
+            raw = logits
+            if transform:
+                logits = _sampling.process(logits, params, prompts, outs)
             tok = sample(logits, params, gens)  # (B,)
             toks = tok.tolist()
+            lps = _sampling.logprobs_of(raw, toks, params.logprobs) if params.logprobs is not None else None
         for i, x in enumerate(toks):
             if not done[i]:
-                yield i, x
-                if params.eos_id is not None and x == params.eos_id:
+                outs[i].append(x)
+                yield i, x, (lps[i] if lps is not None else None)
+                if _sampling.stops(outs[i], params):
                     done[i] = True
         if all(done) or t == max_new_tokens - 1:
             break
@@ -449,10 +495,224 @@ def _stream(model, prompts: list[list[int]], max_new_tokens: int, cache, params:
     steps.close()
 
 
+# ----------------------------------------------------------------------------- speculative decoding
+
+
+class SpeculativeStats:
+    """Counts of a speculative generation: tokens ``proposed`` by the drafter, ``accepted`` by the target,
+    target forwards (``verify_steps``) and tokens produced; :attr:`acceptance_rate` is accepted / proposed.
+
+    Pass one as ``generate(..., stats=...)``; every call adds its counts to it.
+
+    Example::
+
+        >>> from attnkit.generate import SpeculativeStats
+        >>> SpeculativeStats()
+        SpeculativeStats(proposed=0, accepted=0, verify_steps=0, tokens=0, acceptance_rate=0.000)
+    """
+
+    __slots__ = ("proposed", "accepted", "verify_steps", "tokens")
+
+    def __init__(self):
+        self.proposed = self.accepted = self.verify_steps = self.tokens = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens produced per target forward (1 for plain decoding)."""
+        return self.tokens / self.verify_steps if self.verify_steps else 0.0
+
+    def __repr__(self) -> str:
+        return (f"SpeculativeStats(proposed={self.proposed}, accepted={self.accepted}, "
+                f"verify_steps={self.verify_steps}, tokens={self.tokens}, "
+                f"acceptance_rate={self.acceptance_rate:.3f})")
+
+
+_LOOKUP_NGRAM = 3  # prompt lookup matches the last 3, 2, then 1 tokens
+
+
+def _lookup(seq: list[int], k: int) -> list[int]:
+    """Up to ``k`` tokens that followed an earlier occurrence of the longest suffix n-gram of ``seq``: the
+    latest occurrence followed by ``k`` tokens, else the one followed by the most."""
+    for n in range(min(_LOOKUP_NGRAM, len(seq) - 1), 0, -1):
+        tail = seq[-n:]
+        best: list[int] = []
+        for start in range(len(seq) - n - 1, -1, -1):
+            if seq[start:start + n] == tail:
+                cont = seq[start + n:start + n + k]
+                if len(cont) == k:
+                    return cont
+                if len(cont) > len(best):
+                    best = cont
+        if best:
+            return best
+    return []
+
+
+def _probs(logits: Tensor, params: SamplingParams) -> Tensor:
+    """The distribution ``sample`` draws from, ``(N, V)`` (one-hot at the argmax when greedy)."""
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+    return torch.softmax(_filtered(logits.float(), params), dim=-1)
+
+
+def _draw(probs: Tensor, gen) -> int:
+    """One token from ``probs (V,)`` by inverse CDF with ``gen``'s next uniform."""
+    u = torch.rand((), generator=gen, device=probs.device)
+    cdf = torch.cumsum(probs, dim=-1)
+    tok = int(torch.searchsorted(cdf, (u * cdf[-1]).view(1)).clamp(max=probs.shape[-1] - 1))
+    return tok if probs[tok] > 0 else int(probs.argmax())
+
+
+def _verify(logits: Tensor, p: Tensor, q: Tensor | None, proposal: list[int], greedy: bool, gen) -> tuple[int, int]:
+    """How many of ``proposal``'s tokens the target accepts, and the token that follows them.
+
+    ``logits``/``p`` ``(n + 1, V)``: the target's (processed) logits and distribution after each proposed
+    prefix; ``q (n, V)``: the drafter's distributions (None: deterministic proposals, one-hot).  Greedy:
+    accept while the proposal is the argmax, then the argmax.  Sampling: accept ``d`` with probability
+    ``min(1, p(d) / q(d))``; at the first rejection draw from ``max(0, p - q)`` renormalised; when all are
+    accepted draw the next from ``p``.  Each produced token then follows the target's distribution."""
+    for j, d in enumerate(proposal):
+        if greedy:
+            best = int(logits[j].argmax())
+            if best != d:
+                return j, best
+            continue
+        qj = q[j] if q is not None else torch.nn.functional.one_hot(torch.tensor(d), p.shape[-1]).to(p)
+        u = float(torch.rand((), generator=gen, device=p.device))
+        if u * float(qj[d]) < float(p[j, d]):
+            continue
+        resid = (p[j] - qj).clamp(min=0)
+        return j, (_draw(resid, gen) if float(resid.sum()) > 0 else _draw(p[j], gen))
+    n = len(proposal)
+    return n, (int(logits[n].argmax()) if greedy else _draw(p[n], gen))
+
+
+class _Sequence:
+    """One sequence's KV cache for speculative decoding: ``feed`` runs tokens through it, ``truncate``
+    rolls rejected positions back."""
+
+    def __init__(self, model, cache: str, max_len: int):
+        self.model = model
+        if cache == "paged":
+            bs = 16
+            self.pool = PagedCache.for_model(model, -(-max_len // bs), bs, prefix_caching=False)
+            self.sid = self.pool.add_sequence()
+        else:
+            self.kv = StaticCache.for_model(model, 1, max_len)
+        self.paged = cache == "paged"
+        self.length = 0
+        self.device = model_dims(model)["device"]
+
+    def feed(self, tokens: list[int]) -> Tensor:
+        """Logits ``(len(tokens), V)`` float32 of ``tokens`` appended after the stored positions."""
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        if self.paged:
+            view = self.pool.batch([self.sid])
+            out = self.model(ids, cache=view, positions=view.positions(len(tokens)))
+        else:
+            out = self.model(ids, cache=self.kv)
+        self.length += len(tokens)
+        logits = out[0] if isinstance(out, tuple) else out
+        return logits[0].float()
+
+    def truncate(self, length: int) -> None:
+        if self.paged:
+            self.pool.truncate(self.sid, length)
+        else:
+            self.kv.truncate(length)
+        self.length = length
+
+
+def _stream_speculative(model, prompts: list[list[int]], max_new_tokens: int, cache, params: SamplingParams,
+                        draft, k: int, stats: SpeculativeStats | None) -> Iterator[tuple[int, int, TokenLogprob | None]]:
+    """Each prompt alone: a drafter proposes up to ``k`` tokens, the target scores them all in one forward,
+    the longest accepted run plus one token of the target's is kept, the rest rolled back."""
+    if max_new_tokens == 0:
+        return
+    stats = stats if stats is not None else SpeculativeStats()
+    device = model_dims(model)["device"]
+    transform = _sampling.transforms_logits(params)
+    for i, prompt in enumerate(prompts):
+        gen = params.generator(device)
+        max_len = len(prompt) + max_new_tokens + k + 1
+        target = _Sequence(model, cache, max_len)
+        drafter = _Sequence(draft, cache, max_len) if draft is not None else None
+        out: list[int] = []
+
+        def step_logits(raw: Tensor, proposal: list[int], first: int = 0) -> Tensor:
+            """Logits row j scores the token after ``out + proposal[:first + j]`` (the controls applied)."""
+            if not transform:
+                return raw
+            rows = len(raw)
+            return _sampling.process(raw, params, [prompt] * rows,
+                                     [out + proposal[:first + j] for j in range(rows)])
+
+        with torch.no_grad():
+            raw = target.feed(prompt)[-1:]
+            tok = int(sample(step_logits(raw, []), params, [gen])[0])
+        pending = [(tok, raw[0])]
+        while True:
+            # emit what the last verification produced, stopping where a plain generation stops
+            finished = False
+            for tok, row in pending:
+                out.append(tok)
+                stats.tokens += 1
+                lp = _sampling.logprobs_of(row[None], [tok], params.logprobs)[0] if params.logprobs is not None \
+                    else None
+                yield i, tok, lp
+                if _sampling.stops(out, params) or len(out) == max_new_tokens:
+                    finished = True
+                    break
+            if finished:
+                break
+            seq = prompt + out  # its last token is not in the target's cache yet
+            n = min(k, max_new_tokens - len(out) - 1)
+            with torch.no_grad():
+                q = None
+                if n == 0:
+                    proposal = []
+                elif drafter is None:
+                    proposal = _lookup(seq, n)
+                else:
+                    proposal, qs = [], []
+                    new = seq[drafter.length:]
+                    for j in range(n):
+                        dl = step_logits(drafter.feed(new)[-1:], proposal, first=len(proposal))
+                        if params.greedy:  # deterministic proposals: no distribution to keep
+                            d = int(dl[0].argmax())
+                        else:
+                            qj = _probs(dl, params)[0]
+                            d = _draw(qj, gen)
+                            qs.append(qj)
+                        proposal.append(d)
+                        new = [d]
+                    q = torch.stack(qs) if qs else None  # (n, V) when sampling
+                start = target.length
+                raw = target.feed([seq[-1]] + proposal)  # (n + 1, V)
+                stats.verify_steps += 1
+                stats.proposed += len(proposal)
+                logits = step_logits(raw, proposal)
+                p = _probs(logits, params)  # (n + 1, V)
+                accepted, nxt = _verify(logits, p, q, proposal, params.greedy, gen)
+                stats.accepted += accepted
+                target.truncate(start + 1 + accepted)
+                if drafter is not None:
+                    drafter.truncate(min(drafter.length, len(seq) + accepted))
+            pending = [(d, raw[j]) for j, d in enumerate(proposal[:accepted])] + [(nxt, raw[accepted])]
+
+
 def generate(model, prompts, max_new_tokens: int, *, cache: str | Callable | None = "static",
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-             eos_id: int | None = None, seed: int | None = None, stream: bool = False, compile: bool = False,
-             relayout: bool = True):
+             eos_id: int | Sequence[int] | None = None, seed: int | None = None, stream: bool = False,
+             compile: bool = False, relayout: bool = True, repetition_penalty: float = 1.0,
+             presence_penalty: float = 0.0, frequency_penalty: float = 0.0, min_p: float | None = None,
+             logit_bias: dict[int, float] | None = None, stop: Sequence[Sequence[int]] | None = None,
+             logprobs: int | None = None, draft_model=None, prompt_lookup: bool = False,
+             num_speculative_tokens: int = 4, stats: SpeculativeStats | None = None):
     """Generate ``max_new_tokens`` tokens after each prompt with a decoder language model.
 
     Args:
@@ -467,9 +727,11 @@ def generate(model, prompts, max_new_tokens: int, *, cache: str | Callable | Non
             ``(model, batch, max_len) -> cache``, or None to recompute every position at every step.
         temperature: 0 picks the most likely token (greedy); > 0 samples from ``softmax(logits / T)``.
         top_k, top_p: keep only the ``k`` most likely tokens / the smallest set with probability >= ``p``.
-        eos_id: a sequence ends after emitting this token (it is included in the output).
+        eos_id: a sequence ends after emitting this token (it is included in the output); a list of ids
+            ends it at any of them.
         seed: seeds one generator per sequence, so a sequence samples the same tokens in any batch.
-        stream: return an iterator of ``(prompt_index, token)`` pairs, yielded as each step produces them.
+        stream: return an iterator of ``(prompt_index, token)`` pairs, yielded as each step produces them
+            (``(prompt_index, token, TokenLogprob)`` triples with ``logprobs``).
         compile: run the one-token decode steps through ``torch.compile`` (with ``cache="static"`` or a
             callable making a :class:`~attnkit.cache.StaticCache`).  The first generation with a model pays
             the compilation (tens of seconds on a CPU: two graphs, the second with a dynamic cache length);
@@ -486,9 +748,37 @@ def generate(model, prompts, max_new_tokens: int, *, cache: str | Callable | Non
             a model that ``compile=True`` has compiled (its frozen code keeps its own copy).  Generations
             running on one model from several threads relayout only while none other runs; pass False when
             other code (an Engine, plain forwards) uses the model from another thread meanwhile.
+        repetition_penalty: > 0; every token of the prompt or output so far has its logit divided by it
+            (when positive) or multiplied (when negative), as transformers' ``RepetitionPenaltyLogitsProcessor``.
+        presence_penalty, frequency_penalty: >= 0, subtracted from a token's logit once if it occurs in the
+            output / once per occurrence (the OpenAI definition).
+        min_p: in [0, 1]; when sampling, drop tokens less likely than ``min_p`` times the most likely one
+            (after temperature, top-k and top-p, as transformers' ``MinPLogitsWarper``).
+        logit_bias: ``{token: bias}`` added to those logits before everything else (``-inf`` bans a token).
+        stop: stop sequences, each a list of token ids: a sequence ends once its output ends with one; the
+            stop tokens are included in the output (as the eos token is).  The match lies in the output.
+        logprobs: None, or ``n >= 0``: also return each token's log-probability under the model (the
+            log-softmax of its raw logits, before the controls above) and the ``n`` most likely tokens of that
+            step; the call then returns a :class:`GenerationResult`.
+        draft_model: speculative decoding with a smaller :class:`~attnkit.nn.DecoderLM` of the same vocabulary:
+            it proposes ``num_speculative_tokens`` tokens, the model scores all of them in one forward through
+            its KV cache, the accepted run plus one token of the model's own is kept and the rest rolled
+            back (``cache="static"`` or ``"paged"``).  Greedy decoding gives the plain tokens; sampling
+            accepts a proposal with probability ``min(1, p/q)`` and otherwise draws from ``max(0, p - q)``
+            renormalised, which keeps the model's own distribution (the draws differ from a plain seeded
+            run's).  Each prompt is decoded on its own.
+        prompt_lookup: speculative decoding without a second model: the proposal is what followed the latest
+            earlier occurrence of the last 3 (else 2, else 1) tokens in the prompt and output.
+        num_speculative_tokens: tokens proposed per step (>= 1) with ``draft_model`` or ``prompt_lookup``.
+        stats: a :class:`SpeculativeStats` that counts the proposed and accepted tokens (the acceptance rate).
 
     Returns:
-        ``list[list[int]]``: the new tokens of each prompt (or, with ``stream=True``, the iterator).
+        ``list[list[int]]``: the new tokens of each prompt (or, with ``stream=True``, the iterator); with
+        ``logprobs``, a :class:`GenerationResult` (``.tokens`` that list, ``.logprobs`` one
+        :class:`TokenLogprob` per token).
+
+    The controls apply in the order transformers applies its processors: ``logit_bias``, the repetition
+    penalty, the presence and frequency penalties, then temperature, top-k, top-p and min-p.
 
     Ragged prompts are left-padded; each row gets its own positions and a padding mask, so each sequence's
     tokens are exactly those it gets alone in float32/float64 (in bfloat16/float16 a batch rounds some
@@ -516,10 +806,13 @@ def generate(model, prompts, max_new_tokens: int, *, cache: str | Callable | Non
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, Integral) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 0")
     max_new_tokens = int(max_new_tokens)
-    params = SamplingParams(temperature, top_k, top_p, eos_id, seed)
+    params = SamplingParams(temperature, top_k, top_p, eos_id, seed, repetition_penalty=repetition_penalty,
+                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, min_p=min_p,
+                            logit_bias=logit_bias, stop=stop, logprobs=logprobs)
     if cache is not None and not callable(cache) and cache not in CACHES:
         raise ValueError(f"cache={cache!r} is not one of {CACHES + (None,)} or a callable (model, batch, max_len)")
     stream, compile, relayout = flag("stream", stream), flag("compile", compile), flag("relayout", relayout)
+    prompt_lookup = flag("prompt_lookup", prompt_lookup)
     if compile and not (cache == "static" or (callable(cache) and not isinstance(cache, str))):
         raise ValueError(f"compile=True needs cache='static' (or a callable making a StaticCache), got "
                          f"cache={cache!r}: its fixed buffers are what lets the decode step compile once")
@@ -529,20 +822,112 @@ def generate(model, prompts, max_new_tokens: int, *, cache: str | Callable | Non
     _check_positions(model, max(len(p) for p in prompts), max_new_tokens)
     if cache is not None and cache != "paged" and len({len(p) for p in prompts}) > 1:
         _check_shiftable(model)
-    def run() -> Iterator[tuple[int, int]]:
+    speculative = _check_speculative(model, draft_model, prompt_lookup, num_speculative_tokens, cache, compile,
+                                     stats)
+    models = [model] + ([draft_model] if draft_model is not None else [])
+    if draft_model is not None:
+        _check_positions(draft_model, max(len(p) for p in prompts), max_new_tokens)
+
+    def run(triples: bool = True) -> Iterator[tuple]:
+        """``(prompt_index, token, TokenLogprob or None)`` triples, or ``(prompt_index, token)`` pairs."""
         # (compiled code packs its own copy of the weights; relaid out only while no other generation uses them)
-        _begin(model, len(prompts) if relayout and not compile else None)
-        was_training = model.training
-        model.eval()
+        batch = 1 if speculative else len(prompts)
+        for m in models:
+            _begin(m, batch if relayout and not compile else None)
+        was_training = [m.training for m in models]
+        for m in models:
+            m.eval()
         try:
-            yield from _stream(model, prompts, max_new_tokens, cache, params, compile)
+            if speculative:
+                events = _stream_speculative(model, prompts, max_new_tokens, cache, params, draft_model,
+                                             int(num_speculative_tokens), stats)
+            else:
+                events = _stream(model, prompts, max_new_tokens, cache, params, compile)
+            try:
+                for i, tok, lp in events:
+                    yield (i, tok, lp) if triples else (i, tok)
+            finally:
+                events.close()
         finally:
-            model.train(was_training)
-            _end(model)
+            for m, was in zip(models, was_training):
+                m.train(was)
+                _end(m)
 
     if stream:
-        return run()
+        return run(triples=params.logprobs is not None)
     out: list[list[int]] = [[] for _ in prompts]
-    for i, tok in run():
+    lps: list[list[TokenLogprob]] = [[] for _ in prompts]
+    for i, tok, lp in run():
         out[i].append(tok)
-    return out
+        if lp is not None:
+            lps[i].append(lp)
+    return GenerationResult(out, lps) if params.logprobs is not None else out
+
+
+class GenerationResult:
+    """What :func:`generate` returns with ``logprobs``: ``tokens`` (the new tokens of each prompt, as
+    without it) and ``logprobs`` (for each prompt, one :class:`TokenLogprob` per new token: its
+    ``logprob`` and the ``top`` ``(token, logprob)`` pairs, most likely first).
+
+    Example::
+
+        >>> import torch, attnkit
+        >>> from attnkit.nn import DecoderLM, DecoderConfig
+        >>> model = DecoderLM(DecoderConfig.preset("tiny"))
+        >>> res = attnkit.generate(model, [[1, 2, 3]], 4, logprobs=2)
+        >>> res.tokens == attnkit.generate(model, [[1, 2, 3]], 4)
+        True
+        >>> step = res.logprobs[0][0]
+        >>> step.token == res.tokens[0][0] and step.top[0][0] == step.token and len(step.top)
+        2
+    """
+
+    __slots__ = ("tokens", "logprobs")
+
+    def __init__(self, tokens: list[list[int]], logprobs: list[list[TokenLogprob]]):
+        self.tokens, self.logprobs = tokens, logprobs
+
+    def __iter__(self):
+        return iter(self.tokens)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i):
+        return self.tokens[i]
+
+    def __repr__(self) -> str:
+        return f"GenerationResult(tokens={self.tokens!r:.200}, logprobs=[{len(self.logprobs)} lists])"
+
+
+def _check_speculative(model, draft, prompt_lookup, k, cache, compile, stats) -> bool:
+    """Whether the call decodes speculatively; a clear error for the combinations that cannot."""
+    if draft is None and not prompt_lookup:
+        if stats is not None and not isinstance(stats, SpeculativeStats):
+            raise TypeError(f"stats must be a SpeculativeStats or None, got {type(stats).__name__}")
+        return False
+    if draft is not None and prompt_lookup:
+        raise ValueError("draft_model and prompt_lookup=True both draft the proposals: pass one of them")
+    if isinstance(k, bool) or not isinstance(k, Integral) or k < 1:
+        raise ValueError(f"num_speculative_tokens={k!r} must be an int >= 1 (tokens proposed per step)")
+    if stats is not None and not isinstance(stats, SpeculativeStats):
+        raise TypeError(f"stats must be a SpeculativeStats or None, got {type(stats).__name__}")
+    if cache not in ("static", "paged"):
+        raise ValueError(f"speculative decoding rolls rejected tokens back in a static or paged cache: pass "
+                         f"cache='static' or cache='paged', got cache={cache!r}")
+    if compile:
+        raise ValueError("compile=True applies to one-token decode steps; speculative decoding verifies several "
+                         "tokens a step: pass compile=False")
+    if draft is not None:
+        if not isinstance(draft, torch.nn.Module) or not hasattr(draft, "config"):
+            raise TypeError(f"draft_model must be a decoder LM with a config (an attnkit.nn.DecoderLM), got "
+                            f"{type(draft).__name__}")
+        _check_decoder_only(draft, "generate's draft_model")
+        tv = getattr(model.config, "vocab_size", None)
+        dv = getattr(draft.config, "vocab_size", None)
+        if tv != dv:
+            raise ValueError(f"draft_model has vocab_size={dv} but the model has {tv}: the draft must share the "
+                             f"model's vocabulary (the same tokenizer)")
+        if draft is model:
+            raise ValueError("draft_model is the model itself: pass a smaller model (or prompt_lookup=True)")
+    return True

@@ -359,3 +359,14 @@ def test_rms_norm_offset_is_gemmas_one_plus_weight():
     assert torch.equal(norm.to(torch.bfloat16)(x), (h * (1.0 + norm.weight.float())).to(torch.bfloat16))
     with pytest.raises(ValueError, match="norm_offset=1.0 applies to RMSNorm only"):
         DecoderConfig.preset("tiny", norm="layer", norm_offset=1.0)
+
+
+def test_decoder_logits_at_runs_the_head_on_chosen_rows():
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny")).double().eval()
+    ids = torch.randint(0, 256, (2, 7))
+    rows = torch.tensor([1, 6])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, logits_at=rows), model(ids)[:, rows])
+    with pytest.raises(TypeError, match="logits_at"):
+        model(ids, logits_at=[1, 6])

@@ -32,11 +32,11 @@ Example::
 """
 
 from ._common import EncoderDecoderCache, ModelCache, attend
-from .paged import PagedBatch, PagedCache, PoolExhausted, paged_attention
+from .paged import PagedBatch, PagedCache, PagedPacked, PoolExhausted, paged_attention
 from .quantized import QuantizedCache, dequantize_groups, quantize_groups
 from .sliding import SlidingWindowCache, window_of
 from .static import StaticCache
 
-__all__ = ["attend", "ModelCache", "StaticCache", "SlidingWindowCache", "PagedCache", "PagedBatch", "QuantizedCache",
-           "EncoderDecoderCache", "PoolExhausted", "paged_attention", "window_of", "quantize_groups",
+__all__ = ["attend", "ModelCache", "StaticCache", "SlidingWindowCache", "PagedCache", "PagedBatch", "PagedPacked",
+           "QuantizedCache", "EncoderDecoderCache", "PoolExhausted", "paged_attention", "window_of", "quantize_groups",
            "dequantize_groups"]

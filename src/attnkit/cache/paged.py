@@ -33,7 +33,7 @@ from ._common import check_dtype, check_int, check_new_kv, model_dims
 
 Tensor = torch.Tensor
 
-__all__ = ["PagedCache", "PagedBatch", "PoolExhausted", "paged_attention"]
+__all__ = ["PagedCache", "PagedBatch", "PagedPacked", "PoolExhausted", "paged_attention"]
 
 
 class PoolExhausted(RuntimeError):
@@ -629,6 +629,12 @@ class _Allocator:
         self.table.clear()
         self.key.clear()
 
+    def unregister(self, b: int) -> None:
+        """Block ``b`` is about to be overwritten: it no longer stands for the tokens it was registered with."""
+        entry = self.key.pop(b, None)
+        if entry is not None and self.table.get(entry[0]) == b:
+            del self.table[entry[0]]
+
     def register(self, b: int, h: int, parent: int, tokens: tuple) -> None:
         if h in self.table or b in self.key:
             return  # the same content is cached in another block already
@@ -808,6 +814,39 @@ class PagedCache:
         for b in reversed(seq.blocks):  # the deepest blocks are evicted first
             self._alloc.decref(b)
 
+    def truncate(self, sid: int, length: int) -> None:
+        """Keep the first ``length`` positions of sequence ``sid`` and their token ids (e.g. after a speculative
+        step rejected some tokens): blocks past them go back to the pool, the next write starts at ``length``.
+        A kept block that was cached for prefix reuse and is about to be overwritten is no longer offered (a
+        shared one is copied on write as usual).  A ValueError if ``length`` is beyond what is stored.
+
+        Example::
+
+            >>> import torch
+            >>> from attnkit.cache import PagedCache
+            >>> pool = PagedCache(1, num_blocks=4, block_size=2, n_kv_heads=1, d_head=2)
+            >>> s = pool.add_sequence()
+            >>> _ = pool.batch([s]).layers[0].update(torch.zeros(1, 1, 5, 2), torch.zeros(1, 1, 5, 2))
+            >>> pool.truncate(s, 2); pool.length(s), pool.num_free_blocks
+            (2, 3)
+        """
+        seq = self._seq(sid)
+        check_int("length", length)
+        if length > seq.length:
+            raise ValueError(f"PagedCache.truncate: length={length} is beyond the {seq.length} positions stored for "
+                             f"sequence {sid}: a sequence can only be cut back")
+        bs = self.block_size
+        keep = -(-length // bs)
+        for b in reversed(seq.blocks[keep:]):
+            self._alloc.decref(b)
+        del seq.blocks[keep:]
+        full = length // bs
+        if keep > full and self._alloc.refs[seq.blocks[full]] == 1:
+            self._alloc.unregister(seq.blocks[full])
+        del seq.hashes[full:]
+        del seq.tokens[length:]
+        seq.length = length
+
     def length(self, sid: int) -> int:
         """Positions stored for sequence ``sid``."""
         return self._seq(sid).length
@@ -870,6 +909,20 @@ class PagedCache:
             seq.hashes.append(h)
 
     # ------------------------------------------------------------------ forwards
+
+    def packed(self, seq_ids, n_new) -> "PagedPacked":
+        """The model-level cache for one forward whose ``(1, sum(n_new))`` tokens pack ``n_new[i]`` new tokens of
+        sequence ``seq_ids[i]`` after each other (decode tokens and prompt chunks mixed); pass
+        ``positions=packed.positions()`` to the model.  See :class:`PagedPacked`."""
+        ids = [int(s) for s in seq_ids]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"PagedCache.packed: sequence ids repeat in {ids}")
+        n_new = [check_int("n_new", n, minimum=1) for n in n_new]
+        if len(n_new) != len(ids):
+            raise ValueError(f"PagedCache.packed: {len(ids)} sequences but {len(n_new)} counts of new tokens")
+        for s in ids:
+            self._seq(s)
+        return PagedPacked(self, ids, n_new)
 
     def batch(self, seq_ids) -> "PagedBatch":
         """The model-level cache for one forward over sequences ``seq_ids`` (in this order)."""
@@ -939,6 +992,18 @@ class _Plan:
         self.runs = [_runs(b) for b in self.blocks]
         self._tables = None
         self._layout = None
+
+    @classmethod
+    def reading(cls, cache: PagedCache, ids: list[int], lens: list[int]) -> "_Plan":
+        """A plan that only reads: sequences ``ids`` holding ``lens`` positions (written already)."""
+        self = cls.__new__(cls)
+        bs = cache.block_size
+        self.cache, self.ids, self.n_new, self.lens = cache, ids, None, lens
+        self.blocks = [cache._seqs[s].blocks[:-(-n // bs)] for s, n in zip(ids, lens)]
+        self.runs = [_runs(b) for b in self.blocks]
+        self._tables = None
+        self._layout = None
+        return self
 
     def layout(self, whole: bool = False) -> _PoolLayout:
         """The pool-wide decode layout (built once per step, shared by every layer)."""
@@ -1118,3 +1183,193 @@ class PagedBatch:
 
     def __repr__(self) -> str:
         return f"PagedBatch(sequences {self.ids}, lengths {[self.cache._seqs[s].length for s in self.ids]})"
+
+
+# ----------------------------------------------------------------------------- packed forwards (chunked prefill)
+
+
+class _PackedAttend:
+    """What a packed forward's layer returns: each sequence's queries attend to its own keys.
+
+    The one-token segments (decode steps) attend together through the block tables, as a decode step does;
+    each longer segment (a chunk of a prompt) attends to its sequence's keys read in position order, with
+    the layer's mask and bias bottom-right aligned on that sequence alone."""
+
+    def __init__(self, k_pool: Tensor, v_pool: Tensor, packed: "PagedPacked"):
+        self.k_pool, self.v_pool, self.packed = k_pool, v_pool, packed
+
+    def attend(self, q: Tensor, *, mask=None, bias=None, scale=None, softcap=None) -> Tensor:
+        from ..functional import attention
+
+        pk = self.packed
+        _, Hq, T, D = q.shape
+        out = q.new_empty(1, Hq, T, self.v_pool.shape[3])  # (1, Hq, T, Dv)
+        dec = pk._decode_rows
+        if dec:
+            rows = torch.tensor([pk.offsets[i] for i in dec], device=q.device)
+            qd = q[0, :, rows].transpose(0, 1).unsqueeze(2)  # (Bd, Hq, 1, D)
+            od = _PagedDecode(self.k_pool, self.v_pool, pk._decode_plan()).attend(
+                qd, mask=mask, bias=bias, scale=scale, softcap=softcap)  # (Bd, Hq, 1, Dv)
+            out[0, :, rows] = od[:, :, 0].transpose(0, 1)
+        plan = pk._read_plan()
+        for i in pk._chunk_rows:
+            a, n = pk.offsets[i], pk.n_new[i]
+            L = plan.lens[i]
+            k = _seq_view(self.k_pool, plan.runs[i], L)[None]  # (1, Hkv, L, D)
+            v = _seq_view(self.v_pool, plan.runs[i], L)[None]
+            out[:, :, a:a + n] = attention(q[:, :, a:a + n], k, v, mask=mask, bias=bias, scale=scale,
+                                           softcap=softcap)
+        return out
+
+
+class PagedPackedLayerCache:
+    """Layer ``index`` of a :class:`PagedPacked`: writes the packed keys/values into the pool."""
+
+    def __init__(self, owner: "PagedPacked", index: int):
+        self._owner, self.index = owner, index
+
+    @property
+    def length(self) -> int:
+        return self._owner.seq_len
+
+    @property
+    def seq_len(self) -> int:
+        return self._owner.seq_len
+
+    def peek(self, n_new: int) -> tuple[int | None, bool]:
+        """``(None, True)``: the keys differ per sequence, and the returned object computes attention."""
+        return None, True
+
+    def update(self, k: Tensor, v: Tensor) -> _PackedAttend:
+        """Store ``k (1, Hkv, T, D)``, ``v (1, Hkv, T, Dv)`` (the packed tokens) at their sequences' slots."""
+        o = self._owner
+        c = o.cache
+        check_new_kv(k, v, batch=1, heads=c.n_kv_heads, d_head=c.d_head, d_value=c.d_value, dtype=c.dtype,
+                     device=c.device)
+        if k.shape[2] != o.total:
+            raise ValueError(f"PagedPacked: the forward packs {o.total} tokens ({o.n_new} per sequence) but layer "
+                             f"{self.index} got {k.shape[2]}")
+        o._reserve()
+        kp, vp = c.k_pools[self.index], c.v_pools[self.index]
+        kp[o.write_blocks, :, o.write_offsets] = k[0].transpose(0, 1)  # (T, Hkv, D)
+        vp[o.write_blocks, :, o.write_offsets] = v[0].transpose(0, 1)
+        out = _PackedAttend(kp, vp, o)
+        if self.index == c.n_layers - 1:
+            o._commit()
+        return out
+
+    def nbytes(self) -> int:
+        c = self._owner.cache
+        return c.k_pools[self.index].nbytes + c.v_pools[self.index].nbytes
+
+    def reset(self) -> None:
+        raise TypeError("a PagedPacked layer cannot be reset: free the sequences in the PagedCache instead")
+
+
+class PagedPacked:
+    """The model-level view of a :class:`PagedCache` for one forward over packed tokens of several sequences.
+
+    The forward's ``(1, T)`` tokens are ``n_new[0]`` tokens of ``ids[0]``, then ``n_new[1]`` of ``ids[1]``, ...
+    (queries of different lengths per sequence: decode tokens and chunks of prompts in one forward, the work
+    following the real tokens).  Pass ``positions=packed.positions()`` (``(1, T)``) to the model; each
+    sequence's queries attend only to its own keys (its mask bottom-right aligned on it alone).  The last
+    layer commits the new lengths.  :meth:`last` gives the index of each sequence's last token in ``T``.
+
+    Example::
+
+        >>> import torch
+        >>> from attnkit.cache import PagedCache
+        >>> from attnkit.nn import DecoderLM, DecoderConfig
+        >>> model = DecoderLM(DecoderConfig.preset("tiny")).double()
+        >>> pool = PagedCache.for_model(model, num_blocks=8, block_size=4)
+        >>> a, b = pool.add_sequence(), pool.add_sequence()
+        >>> with torch.no_grad():
+        ...     view = pool.batch([a])
+        ...     _ = model(torch.tensor([[1, 2, 3]]), cache=view, positions=view.positions(3))
+        ...     packed = pool.packed([a, b], [1, 5])      # a decodes one token, b prefills five
+        ...     logits = model(torch.tensor([[4, 9, 8, 7, 6, 5]]), cache=packed, positions=packed.positions())
+        ...     alone = model(torch.tensor([[9, 8, 7, 6, 5]]))
+        >>> bool(torch.allclose(logits[0, 1:], alone[0]))
+        True
+    """
+
+    def __init__(self, cache: PagedCache, ids: list[int], n_new: list[int]):
+        self.cache, self.ids, self.n_new = cache, ids, n_new
+        self.total = sum(n_new)
+        self.offsets = [0]
+        for n in n_new[:-1]:
+            self.offsets.append(self.offsets[-1] + n)
+        self.starts = [cache._seqs[s].length for s in ids]
+        self.layers = tuple(PagedPackedLayerCache(self, i) for i in range(cache.n_layers))
+        self._decode_rows = [i for i, n in enumerate(n_new) if n == 1]
+        self._chunk_rows = [i for i, n in enumerate(n_new) if n > 1]
+        self._reserved = self._committed = False
+        self._plans: dict = {}
+
+    @property
+    def seq_len(self) -> int:
+        raise ValueError("PagedPacked: its sequences hold different lengths: pass positions=packed.positions() "
+                         "to the model")
+
+    def positions(self) -> Tensor:
+        """``(1, T)`` absolute positions of the packed tokens."""
+        pos = [st + j for st, n in zip(self.starts, self.n_new) for j in range(n)]
+        return torch.tensor([pos], dtype=torch.long, device=self.cache.device)
+
+    def last(self) -> Tensor:
+        """``(len(ids),)`` index of each sequence's last token in the packed ``T``."""
+        return torch.tensor([a + n - 1 for a, n in zip(self.offsets, self.n_new)], dtype=torch.long,
+                            device=self.cache.device)
+
+    def _reserve(self) -> None:
+        if self._committed:
+            raise ValueError("PagedPacked: this view served its forward already; make a new one with "
+                             "PagedCache.packed(...) for the next")
+        if self._reserved:
+            return
+        c = self.cache
+        need = sum(c.blocks_needed(s, n) for s, n in zip(self.ids, self.n_new))
+        if need > c.num_free_blocks:
+            raise PoolExhausted(f"PagedCache pool exhausted: a packed forward needs {need} more block(s) but only "
+                                f"{c.num_free_blocks} of {c.num_blocks} are free")
+        for s, n in zip(self.ids, self.n_new):
+            c.reserve(s, n)
+        bs = c.block_size
+        blk, off = [], []
+        for s, st, n in zip(self.ids, self.starts, self.n_new):
+            seq = c._seqs[s]
+            for p in range(st, st + n):
+                blk.append(seq.blocks[p // bs])
+                off.append(p % bs)
+        self.write_blocks = torch.tensor(blk, dtype=torch.long, device=c.device)  # (T,)
+        self.write_offsets = torch.tensor(off, dtype=torch.long, device=c.device)
+        self._reserved = True
+
+    def _read_plan(self) -> _Plan:
+        if "all" not in self._plans:
+            lens = [st + n for st, n in zip(self.starts, self.n_new)]
+            self._plans["all"] = _Plan.reading(self.cache, self.ids, lens)
+        return self._plans["all"]
+
+    def _decode_plan(self) -> _Plan:
+        if "decode" not in self._plans:
+            rows = self._decode_rows
+            self._plans["decode"] = _Plan.reading(self.cache, [self.ids[i] for i in rows],
+                                                  [self.starts[i] + 1 for i in rows])
+        return self._plans["decode"]
+
+    def _commit(self) -> None:
+        self._committed = True
+        for s, n in zip(self.ids, self.n_new):
+            seq = self.cache._seqs[s]
+            seq.length += n
+            self.cache._register(seq)
+
+    def nbytes(self) -> int:
+        return self.cache.nbytes()
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __repr__(self) -> str:
+        return f"PagedPacked(sequences {self.ids}, new tokens {self.n_new}, stored {self.starts})"

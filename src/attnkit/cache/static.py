@@ -73,6 +73,14 @@ class StaticLayerCache:
     def nbytes(self) -> int:
         return 0 if self.k is None else self.k.nbytes + self.v.nbytes
 
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` positions (later ones are overwritten by the next update)."""
+        check_int("length", length)
+        if length > self.length:
+            raise ValueError(f"StaticCache.truncate: length={length} is beyond the {self.length} positions stored in "
+                             f"layer {self.index}: a cache can only be cut back")
+        self.length = length
+
     def reset(self) -> None:
         self.length = 0
 
@@ -149,6 +157,27 @@ class StaticCache(ModelCache):
         """The first update (storage not allocated yet): its layout against what the cache was given."""
         check_new_kv(k, v, batch=self.batch_size, heads=self.n_kv_heads, d_head=self.d_head, d_value=self.d_value,
                      dtype=self.dtype, device=None)
+
+    def truncate(self, length: int) -> None:
+        """Roll every layer back to its first ``length`` positions (e.g. tokens a speculative step rejected):
+        the next update writes from position ``length``.  The storage stays; a ValueError if ``length`` is
+        beyond what is stored.
+
+        Example::
+
+            >>> import torch
+            >>> from attnkit.cache import StaticCache
+            >>> cache = StaticCache(1, max_len=8, batch_size=1, n_kv_heads=1, d_head=2)
+            >>> _ = cache.layers[0].update(torch.randn(1, 1, 5, 2), torch.randn(1, 1, 5, 2))
+            >>> cache.truncate(3); cache.seq_len
+            3
+        """
+        check_int("length", length)
+        if length > self.seq_len:
+            raise ValueError(f"StaticCache.truncate: length={length} is beyond the {self.seq_len} positions stored: "
+                             f"a cache can only be cut back")
+        for layer in self.layers:
+            layer.truncate(length)
 
     def _device(self) -> torch.device:
         k = self.layers[0].k

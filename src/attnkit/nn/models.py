@@ -330,6 +330,9 @@ class DecoderLM(_LMBase):
     * ``mask``: extra mask for this call, AND-ed in every layer with the layer's own mask (causal,
       ``config.mask`` and ``config.layer_masks[i]``), e.g. ``masks.key_padding(lengths)`` or a bool
       ``(B, 1, L, Lk)`` tensor.
+    * ``logits_at``: a 1-D long tensor of indices along ``L``: only those rows go through the final norm and
+      the output head, and the result is ``(B, len(logits_at), vocab_size)`` (a prefill needs the last
+      row's logits alone).
 
     Layer ``i`` is built with the mask ``causal & config.layer_mask(i)``; ``layers[i].attn.mask`` shows it.
 
@@ -359,8 +362,12 @@ class DecoderLM(_LMBase):
         self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_offset) if cfg.norm_first else None
         self._init_weights(cfg.n_layers)
 
-    def forward(self, ids: Tensor, *, cache=None, positions=None, mask=None) -> Tensor:
+    def forward(self, ids: Tensor, *, cache=None, positions=None, mask=None, logits_at: Tensor | None = None) -> Tensor:
         _checks.token_ids("ids", ids, self.config.vocab_size)
+        if logits_at is not None and (not isinstance(logits_at, Tensor) or logits_at.dim() != 1
+                                      or logits_at.dtype != torch.long):
+            raise TypeError(f"logits_at must be a 1-D long tensor of indices along L (the positions whose logits to "
+                            f"compute), got {logits_at!r:.80}")
         caches = _layer_caches(cache, "layers", len(self.layers))
         pos, hi = self._positions(ids, cache, positions)
         rope = self.positions if isinstance(self.positions, RotaryEmbedding) and ids.shape[1] else None
@@ -373,6 +380,8 @@ class DecoderLM(_LMBase):
         finally:
             if rope is not None:
                 rope._share(None)
+        if logits_at is not None:
+            x = x[:, logits_at]  # (B, len(logits_at), d_model): the output head runs on these rows only
         if self.norm is not None:
             x = self.norm(x)
         return self._logits(x)
