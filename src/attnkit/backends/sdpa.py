@@ -118,6 +118,8 @@ def check(call: Call) -> str | None:
 
 
 def cost(call: Call) -> float:
+    if call.q_len == 0 or call.kv_len == 0:  # nothing to compute (attention() returns zeros)
+        return 0.0
     window = _single_query_window(call)
     if window is not None:  # decoding: only the visible keys are read
         return call.flops() * max(window[1] - window[0] + 1, 0) / call.kv_len
