@@ -359,6 +359,8 @@ def test_show_refuses_bad_sizes_clearly():
             masks.causal().show(**kw)
     with pytest.raises(TypeError, match="q_len"):
         masks.causal().show(2.5)
+    with pytest.raises(ValueError, match="q_len=-1"):  # density counted nothing and divided by a negative size
+        masks.causal().density(-1, 3)
 
 
 def test_empty_index_lists_are_no_dtype_problem():

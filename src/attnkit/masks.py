@@ -500,6 +500,8 @@ class Mask:
 
     def density(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> float:
         """Share of ``(query, key)`` pairs that may attend, counted a chunk of rows at a time."""
+        for name, value in (("q_len", q_len), ("kv_len", kv_len), ("batch", batch), ("heads", heads)):
+            _check_int(name, value)
         self._validate(batch, heads, q_len, kv_len)
         return self._density(q_len, kv_len, torch.arange(batch), torch.arange(heads))
 

@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import pytest
 import torch
 
 import attnkit
@@ -63,3 +64,10 @@ def test_empty_shapes_give_zeros_and_minus_inf_on_every_backend_and_explain_answ
                         assert lse.shape == (B, H, Lq) and bool((lse == float("-inf")).all()), where
         (grad,) = torch.autograd.grad(attnkit.attention(q, k, v, mask=M.causal()).sum(), q, allow_unused=True)
         assert grad is None or bool((grad == 0).all())
+
+
+def test_explain_names_the_attnkit_equivalent_of_sdpa_keywords():
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(TypeError, match=r"explain\(\) takes no is_causal=True: pass mask=masks\.causal\(\)"):
+        backends.explain(q, q, q, is_causal=True)
+    assert backends.explain(q, q, q, mask=M.causal(), backend="math").startswith("uses 'math'")
