@@ -107,3 +107,29 @@ def test_temperature_and_compose():
 def test_bad_modifier_arguments(make, exc, match):
     with pytest.raises(exc, match=match):
         make()
+
+
+@pytest.mark.parametrize("fn, got", [
+    (lambda s, b, h, i, j: torch.zeros(3, 3), r"\(3, 3\) "),  # a fixed-size tensor
+    (lambda s, b, h, i, j: s.sum(-1, keepdim=True), r"\([\d, ]*, 1\) "),  # a reduction over the keys
+    (lambda s, b, h, i, j: s.reshape(-1), r"\(\d+,\) "),  # flattened
+])
+def test_from_fn_of_the_wrong_shape_is_a_clear_error_on_every_backend(fn, got):
+    """A score function returning the wrong shape died in a matmul (or a reshape) deep inside a backend."""
+    import attnkit
+    q = k = v = torch.randn(1, 2, 8, 4)
+    for backend in ("auto", "math", "flash"):
+        with pytest.raises(ValueError, match=r"from_fn\(<lambda>\): fn returned shape " + got + ".*one score per "
+                                             r"element"):
+            attnkit.attention(q, k, v, bias=bias.from_fn(fn), backend=backend)
+
+
+def test_from_fn_that_broadcasts_its_indices_into_the_score_is_accepted():
+    import attnkit
+    from attnkit.testing import check_against_oracle
+    q = k = v = torch.randn(1, 2, 8, 4, dtype=torch.float64)
+    mod = bias.from_fn(lambda s, b, h, i, j: s - 0.5 * (i - j).abs() + h)
+    for backend in ("math", "flash"):
+        check_against_oracle(attnkit.attention, q, k, v, bias=mod, backend=backend)
+    full = bias.from_fn(lambda s, b, h, i, j: s + torch.zeros_like(s))
+    torch.testing.assert_close(attnkit.attention(q, k, v, bias=full), attnkit.attention(q, k, v))

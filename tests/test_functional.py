@@ -1,6 +1,7 @@
 """attention(): the contract of DESIGN.md against the float64 oracle, for the math and sdpa backends."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -336,3 +337,97 @@ def test_on_demand_submodules_load_when_named():
     assert out.returncode == 0 and "check_against_oracle ring_attention attnkit.plot" in out.stdout, out.stderr
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         attnkit.nope  # noqa: B018
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(is_causal=True), r"is_causal=True: pass mask=masks\.causal\(\).*bottom-right.*top-left.*align='top_left'"),
+    (dict(is_causal=False), "is_causal=False: drop it"),
+    (dict(attn_mask=torch.ones(9, 11, dtype=torch.bool)), r"attn_mask=<tensor \(9, 11\) torch.bool>: pass a bool "
+                                                          r"mask as mask=.*float.*bias="),
+    (dict(enable_gqa=True), "enable_gqa=True: drop it: grouped-query attention is automatic"),
+    (dict(causal=True), r"causal=True: pass mask=masks\.causal\(\)"),
+    (dict(window_size=(4, 0)), r"window_size=\(4, 0\): pass mask=masks\.sliding_window\(4, 0\)"),
+    (dict(window_size=(-1, 2)), r"window_size=\(-1, 2\): pass mask=masks\.sliding_window\(None, 2\)"),
+    (dict(softmax_scale=0.5), "softmax_scale=0.5: pass scale= instead"),
+    (dict(block_mask=None), "pass the BlockMask as mask="),
+    (dict(score_mod=None), r"bias=attnkit\.bias\.from_fn\(score_mod\)"),
+    (dict(not_a_thing=1), "attention\\(\\) got an unexpected keyword argument 'not_a_thing'"),
+])
+def test_keywords_of_other_attention_functions_name_the_attnkit_equivalent(kw, match):
+    q, k, v = qkv(grad=False)
+    with pytest.raises(TypeError, match=match):
+        attnkit.attention(q, k, v, **kw)
+    with pytest.raises(TypeError, match=match.replace("attention\\(\\)", "attention_weights\\(\\)")):
+        attnkit.attention_weights(q, k, **kw)
+
+
+def test_a_function_as_mask_points_to_from_fn():
+    q, k, v = qkv(grad=False)
+    with pytest.raises(TypeError, match=r"masks\.from_fn\(fn\)"):
+        attnkit.attention(q, k, v, mask=lambda b, h, i, j: i >= j)
+
+
+def test_a_scale_that_overflows_the_scores_is_refused():
+    """scale=1e38 gave NaN rows on every backend: refused before any work, with the bound; large scales within it
+    stay finite (the softmax's hard limit)."""
+    q, k, v = qkv(grad=False)
+    for scale in (1e38, -1e38, 1e20):
+        with pytest.raises(ValueError, match=re.escape(f"scale={scale!r} ") + ".*beyond 1.84e\\+19.*float32"):
+            attnkit.attention(q, k, v, scale=scale)
+    with pytest.raises(ValueError, match="scale=1e\\+20 .*beyond 1.84e\\+19.*float32"):  # half: float32 scores
+        attnkit.attention(q.half(), k.half(), v.half(), scale=1e20)
+    with pytest.raises(ValueError, match="with temperature"):  # a scalar temperature folds into the scale
+        attnkit.attention(q, k, v, scale=1e10, bias=bias.temperature(1e-10))
+    for backend in backends.available():
+        out = attnkit.attention(q, k, v, scale=1e15, backend=backend)
+        assert torch.isfinite(out).all(), backend
+        hard = torch.softmax(q @ k.repeat_interleave(2, 1).transpose(-1, -2) * 1e15, -1) @ v.repeat_interleave(2, 1)
+        torch.testing.assert_close(out, hard, atol=1e-5, rtol=0)
+    out = attnkit.attention(q.double(), k.double(), v.double(), scale=1e100)  # float64 scores reach further
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("mask", [None, masks.causal(), masks.causal(align="top_left"), masks.sliding_window(3),
+                                  masks.key_padding([5, 7]), masks.prefix_lm(2), masks.block_local(4),
+                                  masks.document(torch.arange(11) // 4), masks.random_blocks(2, 1),
+                                  masks.from_fn(lambda b, h, q, k: q >= k), masks.causal() & masks.global_tokens([0]),
+                                  "dense"])
+def test_meta_tensors_propagate_shapes_with_every_mask(mask):
+    """Meta tensors (no data) with a mask raised Tensor.item() errors: auto, math and sdpa give the output's
+    shape; flash, which plans its tiles from the mask's values, refuses them clearly."""
+    q, k, v = (t.to("meta") for t in qkv(grad=False, lq=1 if mask is None else 9))
+    if mask == "dense":
+        mask = torch.ones(q.shape[2], 11, dtype=torch.bool, device="meta")
+    for backend in ("auto", "math", "sdpa"):
+        out = attnkit.attention(q, k, v, mask=mask, bias=bias.alibi(bias.alibi_slopes(4)), backend=backend)
+        assert out.device.type == "meta" and out.shape == (2, 4, q.shape[2], 16), backend
+    out, lse = attnkit.attention(q, k, v, mask=mask, return_lse=True)
+    assert out.shape == (2, 4, q.shape[2], 16) and lse.shape == (2, 4, q.shape[2]) and lse.device.type == "meta"
+    assert attnkit.attention_weights(q, k, mask=mask).shape == (2, 4, q.shape[2], 11)
+    with pytest.raises(ValueError, match="backend='flash' cannot take this call: meta tensors"):
+        attnkit.attention(q, k, v, mask=mask, backend="flash")
+
+
+def test_a_row_predicate_that_leaves_every_query_empty_warns():
+    """A FlexAttention-style predicate gets query rows; & a bottom-right built-in, with Lq != Lk, it can allow
+    nothing at all, silently: attention warns; from_fn(align='bottom_right') gives positions and sees keys."""
+    import warnings
+    q, k, v = qkv(grad=False, lq=2, lk=12)
+    flex_causal = lambda b, h, i, j: i >= j  # noqa: E731  (FlexAttention's causal mask_mod, over rows)
+    rows = masks.from_fn(flex_causal) & masks.sliding_window(2)  # rows 0, 1 see keys <= 1; the window 8..11
+    with pytest.warns(UserWarning, match=r"leaves every query of this .*\(2, 4, 2, 12\).*align='bottom_right'"):
+        out = attnkit.attention(q, k, v, mask=rows)
+    assert (out == 0).all()
+    with pytest.warns(UserWarning, match="leaves every query"):  # attention_weights too
+        attnkit.attention_weights(q, k, mask=rows)
+    positions = masks.from_fn(flex_causal, align="bottom_right") & masks.sliding_window(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = attnkit.attention(q, k, v, mask=positions)
+        check_against_oracle(attnkit.attention, q, k, v, mask=positions)
+        attnkit.attention(q, k, v, mask=masks.causal())  # a built-in alone is not evaluated
+        attnkit.attention(*qkv(grad=False, lq=12, lk=2), mask=masks.causal())  # (first rows empty, not all)
+    assert (out != 0).any()
+    # mixed alignments with Lq != Lk: a top-left causal & a bottom-right window can leave every row empty too
+    with pytest.warns(UserWarning, match="leaves every query"):
+        attnkit.attention(q, k, v, mask=masks.causal(align="top_left") & masks.sliding_window(2))

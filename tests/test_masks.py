@@ -1,6 +1,7 @@
 """Masks against dense definitions written from their papers, and block structures against the dense masks."""
 
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -349,3 +350,179 @@ def test_show_draws_combinations_in_either_order():
         assert "10x10" in str(m).splitlines()[0]
     assert "7x7" in str(kp & masks.from_dense(torch.ones(7, 7, dtype=torch.bool))).splitlines()[0]
     assert "5x5" in kp.show().splitlines()[0]
+
+
+def test_show_refuses_bad_sizes_clearly():
+    for kw, match in [(dict(q_len=-3), "q_len=-3"), (dict(q_len=3, kv_len=-1), "kv_len=-1"),
+                      (dict(batch=-1), "batch=-1"), (dict(head=-2), "head=-2"), (dict(max_width=0), "max_width=0")]:
+        with pytest.raises(ValueError, match=match):
+            masks.causal().show(**kw)
+    with pytest.raises(TypeError, match="q_len"):
+        masks.causal().show(2.5)
+    with pytest.raises(ValueError, match="q_len=-1"):  # density counted nothing and divided by a negative size
+        masks.causal().density(-1, 3)
+
+
+def test_empty_index_lists_are_no_dtype_problem():
+    """[] holds no non-integer: global_tokens([]) means no global tokens; document([]) and key_padding([]) fit
+    only empty shapes and say so."""
+    window = masks.sliding_window(1, 1)
+    assert torch.equal((window | masks.global_tokens([])).to_dense(6, 6), window.to_dense(6, 6))
+    assert not masks.global_tokens([]).to_dense(3, 3).any()
+    assert masks.global_tokens(torch.tensor([])).to_dense(2, 2).shape == (1, 1, 2, 2)  # (an empty float tensor)
+    with pytest.raises(ValueError, match="ids has length 0 but the keys have Lk=4"):
+        masks.document([]).to_dense(4, 4)
+    assert masks.document([]).to_dense(0, 0).shape == (1, 1, 0, 0)
+    with pytest.raises(ValueError, match="got 0 lengths for a batch of 2"):
+        masks.key_padding([]).to_dense(3, 3, batch=2)
+
+
+def test_reprs_of_long_index_lists_are_bounded():
+    m = masks.global_tokens(torch.arange(100_000))
+    assert len(repr(m)) < 120 and "(100000 in all)" in repr(m)
+    assert "(50 in all)" in repr(masks.key_padding(torch.full((50,), 3)))
+    assert repr(masks.global_tokens([0, 5])) == "global_tokens([0, 5], align='bottom_right')"
+
+
+def _pooled(kinds, g):
+    """Independent pooling of a (nq, nk) tile-kind grid into g x g groups: full if all full, empty if all empty."""
+    nq, nk = kinds.shape
+    out = []
+    for r in range(0, nq, g):
+        row = []
+        for c in range(0, nk, g):
+            block = kinds[r:r + g, c:c + g]
+            row.append("█" if bool((block == 2).all()) else "·" if bool((block == 0).all()) else "░")
+        out.append(" " + "".join(row))
+    return out
+
+
+@pytest.mark.parametrize("mask", [masks.causal(), masks.sliding_window(300, 40), masks.document(
+    torch.arange(4096) // 700), masks.causal() | masks.from_fn(lambda b, h, q, k: k % 1000 == 0)])
+def test_block_structure_prints_at_most_64_characters_a_side(mask):
+    """A 2**20-token structure printed a 67-million-character string: wide tilings are pooled, as show() does."""
+    s = mask.block_structure(4096, 4096, 16)  # 256 x 256 tiles: 4 x 4 per character
+    lines = str(s).splitlines()
+    assert len(lines) == 65 and all(len(r) == 65 for r in lines[1:]) and "one character per 4x4 tiles" in lines[0]
+    assert lines[1:] == _pooled(s.kinds()[0, 0], 4)
+    small = mask.block_structure(4096, 4096, 128)  # 32 x 32 tiles: one each, as before
+    assert str(small).splitlines()[1:] == _pooled(small.kinds()[0, 0], 1)
+    assert repr(s) == str(s)
+
+
+def test_block_structure_of_a_million_tokens_prints_bounded():
+    s = masks.sliding_window(4095).block_structure(2**20, 2**20, 1024)  # 1024 x 1024 tiles
+    text = str(s)
+    assert len(text) < 6000 and len(text.splitlines()) == 65
+
+
+def test_sliding_window_sees_left_plus_one_keys_and_is_causal_on_its_own():
+    """sliding_window(n) is FlashAttention's window_size=(n, 0): n + 1 keys, Hugging Face's sliding_window=n+1."""
+    assert "n + 1" in masks.sliding_window.__doc__.splitlines()[0]
+    dense = masks.sliding_window(3).to_dense(10, 10)[0, 0]
+    assert dense.sum(-1).max() == 4
+    assert torch.equal(dense, (masks.causal() & masks.sliding_window(3)).to_dense(10, 10)[0, 0])
+
+
+def test_from_fn_align_gives_positions_like_the_built_ins():
+    """A row predicate & a bottom-right built-in disagree when Lq != Lk; align='bottom_right' gives the
+    predicate positions, so it matches the built-in it spells out; the default (rows) is unchanged."""
+    rows = masks.from_fn(lambda b, h, q, k: k <= q)
+    positions = masks.from_fn(lambda b, h, p, k: k <= p, align="bottom_right")
+    for lq, lk in [(3, 8), (8, 3), (5, 5), (1, 9)]:
+        assert torch.equal(positions.to_dense(lq, lk), masks.causal().to_dense(lq, lk))
+        assert torch.equal(rows.to_dense(lq, lk), masks.causal(align="top_left").to_dense(lq, lk))
+        top = masks.from_fn(lambda b, h, p, k: k <= p, align="top_left")
+        assert torch.equal(top.to_dense(lq, lk), rows.to_dense(lq, lk))
+    assert repr(positions) == "from_fn(<lambda>, align='bottom_right')" and repr(rows) == "from_fn(<lambda>)"
+    with pytest.raises(ValueError, match="align='middle'"):
+        masks.from_fn(lambda b, h, q, k: k <= q, align="middle")
+    # decoding against a cache: positions are what a model needs, rows are refused as before
+    from attnkit.masks import _decodes_differently
+    assert _decodes_differently(positions & masks.causal()) is None
+    assert "align='bottom_right'" in _decodes_differently(rows)[1]
+    assert "top_left" in _decodes_differently(masks.from_fn(lambda b, h, p, k: k <= p, align="top_left"))[1]
+
+
+def _flex():
+    return pytest.importorskip("torch.nn.attention.flex_attention")
+
+
+def test_from_flex_matches_flex_attention_on_cpu():
+    """A BlockMask from create_block_mask (packed documents, causal over rows, Lq != Lk, lengths that are not
+    multiples of the block): attention(mask=from_flex(bm)) and attention(mask=bm) give flex_attention's output
+    and lse, on every backend."""
+    import attnkit
+    flex = _flex()
+    doc_q, doc_k = torch.arange(70) // 30, torch.arange(100) // 30
+
+    def same_doc_causal(b, h, q, k):
+        return (doc_q[q] == doc_k[k]) & (k <= q + 30 * (b + h))
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 2, 70, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 100, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    bm = flex.create_block_mask(same_doc_causal, 2, 2, 70, 100, device="cpu", BLOCK_SIZE=32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (flex_attention warns that it runs uncompiled)
+        ref, ref_lse = flex.flex_attention(q, k, v, block_mask=bm, return_lse=True)
+    m = masks.from_flex(bm)
+    assert m.seq_lengths == (70, 100) and m.fn.mask_mod is same_doc_causal and "from_flex(same_doc_causal" in repr(m)
+    for backend in ("math", "flash"):
+        out, lse = attnkit.attention(q, k, v, mask=m, return_lse=True, backend=backend)
+        torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+        live = torch.isfinite(ref_lse)
+        torch.testing.assert_close(lse[live], ref_lse[live], atol=1e-12, rtol=0)
+        assert bool((lse[~live] == float("-inf")).all())
+    torch.testing.assert_close(attnkit.attention(q, k, v, mask=bm), ref, atol=1e-12, rtol=0)  # accepted directly
+    # the inverse of Mask.mask_mod: built-in -> BlockMask -> Mask is the same mask
+    causal = masks.causal()
+    back = masks.from_flex(flex.create_block_mask(causal.mask_mod(70, 100), None, None, 70, 100, device="cpu"))
+    assert torch.equal(back.to_dense(70, 100), causal.to_dense(70, 100))
+
+
+def test_from_flex_follows_the_blocks_as_flex_kernels_do():
+    """Full blocks attend everywhere, partial blocks apply mask_mod, left-out blocks see nothing (compiled
+    flex_attention's rule; a BlockMask without mask_mod is its blocks alone)."""
+    flex = _flex()
+    # 3 query blocks (Lq=80) x 4 key blocks (Lk=120) of 32: per query block, partial and full key blocks
+    partial = {0: [2], 1: [0, 3], 2: [1]}
+    full = {0: [0], 1: [], 2: [2, 3]}
+
+    def table(d):
+        n = torch.tensor([[[len(d[r]) for r in range(3)]]], dtype=torch.int32)
+        idx = torch.zeros(1, 1, 3, 4, dtype=torch.int32)
+        for r, cols in d.items():
+            idx[0, 0, r, :len(cols)] = torch.tensor(cols, dtype=torch.int32)
+        return n, idx
+
+    def every_third(b, h, q, k):
+        return (q + k) % 3 == 0
+
+    bm = flex.BlockMask.from_kv_blocks(*table(partial), *table(full), BLOCK_SIZE=32, mask_mod=every_third,
+                                       seq_lengths=(80, 120))
+    q, k = torch.arange(80).view(-1, 1), torch.arange(120).view(1, -1)
+    kind = torch.zeros(3, 4, dtype=torch.long)
+    for r in range(3):
+        kind[r, partial[r]] = 1
+        kind[r, full[r]] = 2
+    kind = kind[q // 32, k // 32]
+    expected = (kind == 2) | ((kind == 1) & every_third(0, 0, q, k))
+    assert torch.equal(masks.from_flex(bm).to_dense(80, 120)[0, 0], expected)
+    blocks_only = flex.BlockMask.from_kv_blocks(*table(partial), *table(full), BLOCK_SIZE=32, seq_lengths=(80, 120))
+    assert torch.equal(masks.from_flex(blocks_only).to_dense(80, 120)[0, 0], kind > 0)
+
+
+def test_from_flex_refuses_what_flex_attention_refuses():
+    import attnkit
+    flex = _flex()
+    bm = flex.create_block_mask(lambda b, h, q, k: q >= k, 2, None, 64, 64, device="cpu")
+    q = torch.randn(2, 1, 32, 8)
+    with pytest.raises(ValueError, match=r"built for \(Q_LEN, KV_LEN\)=\(64, 64\) but the call has Lq=32, Lk=32"):
+        attnkit.attention(q, q, q, mask=bm)
+    with pytest.raises(ValueError, match="batch and heads"):
+        attnkit.attention(*(torch.randn(3, 1, 64, 8) for _ in range(3)), mask=bm)
+    with pytest.raises(ValueError, match="sliced"):
+        masks.from_flex(bm[0])
+    with pytest.raises(TypeError, match="BlockMask"):
+        masks.from_flex(masks.causal())

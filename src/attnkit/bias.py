@@ -251,10 +251,29 @@ class _FromFn(ScoreMod):
         if not isinstance(out, torch.Tensor) or not out.is_floating_point():
             raise TypeError(f"{self!r}: fn must return a float tensor of scores, got "
                             f"{out.dtype if isinstance(out, torch.Tensor) else type(out).__name__}")
+        _check_score_shape(self, out, score, b, h, q, k)
         return out
 
     def __repr__(self):
         return f"from_fn({self.name})"
+
+
+def _check_score_shape(mod: ScoreMod, out: Tensor, score: Tensor, *index: Tensor) -> None:
+    """Raise unless ``out`` holds one score per element: it broadcasts against ``score`` and the index tensors
+    without growing them, and keeps every axis along which ``score`` varies (no reduction, no reshape)."""
+    shape = torch.broadcast_shapes(score.shape, *(i.shape for i in index))
+    try:
+        ok = torch.broadcast_shapes(out.shape, shape) == shape
+    except RuntimeError:
+        ok = False
+    lead = len(shape) - out.dim()
+    ok = ok and all(s == 1 or (d >= lead and out.shape[d - lead] == s)
+                    for d, s in enumerate((1,) * (len(shape) - score.dim()) + tuple(score.shape)))
+    if not ok:
+        raise ValueError(f"{mod!r}: fn returned shape {tuple(out.shape)} for scores of shape {tuple(score.shape)} "
+                         f"(index tensors broadcasting to {tuple(shape)}): return one score per element, built from "
+                         f"score, b, h, q_idx, kv_idx with elementwise, broadcasting ops (e.g. "
+                         f"score - (q_idx - kv_idx).abs()), without reshaping or reducing them")
 
 
 def from_fn(fn: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor], *, name: str | None = None) -> ScoreMod:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import sys
+import warnings
+import weakref
 from numbers import Real
 
 import torch
@@ -10,9 +13,9 @@ import torch
 from . import backends as _backends
 from ._checks import flag
 from .backends import _math
-from .backends._common import Call
+from .backends._common import Call, accumulation_dtype, per_mask
 from .bias import ScoreMod
-from .masks import Mask, from_dense
+from .masks import Mask, _FromDense, _nothing_visible, _positions_unchecked, from_dense, from_flex
 
 Tensor = torch.Tensor
 
@@ -69,9 +72,17 @@ def _shape_hint(t: Tensor, shape, name: str) -> str:
             f"e.g. (Lq, Lk) or (B, 1, 1, Lk)")
 
 
+def _is_block_mask(mask) -> bool:
+    """Whether ``mask`` is a FlexAttention ``BlockMask`` (without importing flex_attention)."""
+    flex = sys.modules.get("torch.nn.attention.flex_attention")
+    return flex is not None and isinstance(mask, flex.BlockMask)
+
+
 def _check_mask(mask, q: Tensor, shape) -> Mask | None:
     if mask is None:
         return None
+    if _is_block_mask(mask):
+        mask = from_flex(mask)
     if isinstance(mask, Mask):
         mask.validate(*shape)
         return mask
@@ -87,7 +98,12 @@ def _check_mask(mask, q: Tensor, shape) -> Mask | None:
         while mask.dim() < 2:  # (Lk,) or (): broadcast like a bias of that shape
             mask = mask.unsqueeze(0)
         return from_dense(mask)
-    raise TypeError(f"mask must be None, an attnkit.masks.Mask or a bool tensor, got {type(mask).__name__}")
+    if callable(mask):
+        raise TypeError("mask must be None, an attnkit.masks.Mask, a bool tensor or a FlexAttention BlockMask; wrap "
+                        "a function fn(b, h, q_idx, kv_idx) -> bool tensor with attnkit.masks.from_fn(fn) (q_idx is "
+                        "the query row, as in FlexAttention; from_fn(fn, align='bottom_right') gives positions)")
+    raise TypeError(f"mask must be None, an attnkit.masks.Mask, a bool tensor or a FlexAttention BlockMask, got "
+                    f"{type(mask).__name__}")
 
 
 def _check_bias(bias, q: Tensor, shape):
@@ -127,6 +143,61 @@ def _check_number(name: str, value, *, low: float | None = None, high: float | N
     return x
 
 
+def _check_scale(scale: float, q: Tensor, bias) -> None:
+    """Refuse a scale so large that it alone overflows the scores: above ``sqrt(finfo.max)`` of the dtype
+    the scores are computed in, a score ``q.k * scale`` is inf for any ``|q.k|`` above that same bound
+    and the softmax's rows become NaN (at such a scale the result would be the argmax's hard limit anyway)."""
+    factor = bias.scale_factor if isinstance(bias, ScoreMod) and bias.scale_factor is not None else 1.0
+    acc = accumulation_dtype(q.dtype)
+    limit = math.sqrt(torch.finfo(acc).max)
+    if abs(scale * factor) > limit:
+        what = f"scale={scale!r}" + (f" with {bias!r}" if factor != 1.0 else "")
+        raise ValueError(f"{what} scales the scores by {scale * factor:.3g}, beyond {limit:.3g} (the square root "
+                         f"of the largest {str(acc).replace('torch.', '')}, in which the scores are computed): "
+                         f"scores would overflow to inf and give NaN rows; use a scale of at most {limit:.3g} in "
+                         f"magnitude")
+
+
+_FOREIGN = {  # keyword arguments of other attention functions: what attnkit takes instead
+    "is_causal": ("pass mask=masks.causal() instead (from attnkit import masks). attnkit's causal mask is "
+                  "bottom-right aligned (query row i sits at position i + Lk - Lq, as in FlashAttention), while "
+                  "SDPA's is_causal is top-left aligned: they differ when Lq != Lk, where "
+                  "masks.causal(align='top_left') is SDPA's"),
+    "attn_mask": ("pass a bool mask as mask= (True = may attend, as in SDPA) and a float (additive) mask as bias="),
+    "enable_gqa": ("drop it: grouped-query attention is automatic when Hq is a multiple of Hkv (k and v are never "
+                   "copied)"),
+    "causal": ("pass mask=masks.causal() instead (from attnkit import masks); it is bottom-right aligned, as "
+               "FlashAttention's causal=True"),
+    "window_size": ("pass mask=masks.sliding_window(left, right) instead (from attnkit import masks) for "
+                    "FlashAttention's window_size=(left, right); -1 (unbounded) is None there"),
+    "softmax_scale": "pass scale= instead",
+    "block_mask": ("pass the BlockMask as mask= (it is converted with attnkit.masks.from_flex)"),
+    "score_mod": ("pass bias=attnkit.bias.from_fn(score_mod) instead"),
+    "alibi_slopes": ("pass bias=attnkit.bias.alibi(slopes) instead"),
+    "need_weights": "use attnkit.attention_weights(q, k, ...) for the weights",
+    "return_attn_probs": "use attnkit.attention_weights(q, k, ...) for the weights",
+}
+
+
+def _refuse_foreign(fn: str, kwargs: dict) -> None:
+    """A TypeError for keyword arguments attnkit does not take, naming attnkit's equivalent where known."""
+    if not kwargs:
+        return
+    name, value = next(iter(kwargs.items()))
+    fix = _FOREIGN.get(name)
+    if name in ("is_causal", "causal") and value is False:
+        fix = "drop it: without mask= no mask applies"
+    elif name == "window_size" and isinstance(value, (tuple, list)) and len(value) == 2 \
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        left, right = (None if x < 0 else x for x in value)
+        fix = (f"pass mask=masks.sliding_window({left}, {right}) instead (from attnkit import masks): "
+               f"FlashAttention's window_size=(left, right), -1 (unbounded) being None")
+    if fix is None:
+        raise TypeError(f"{fn}() got an unexpected keyword argument {name!r}")
+    shown = f"<tensor {tuple(value.shape)} {value.dtype}>" if isinstance(value, Tensor) else repr(value)
+    raise TypeError(f"{fn}() takes no {name}={shown}: {fix}")
+
+
 def _make_call(q, k, v, *, mask=None, bias=None, scale=None, softcap=None, dropout_p=0.0,
                return_lse=False) -> Call:
     _check_qkv(q, k, v)
@@ -137,6 +208,7 @@ def _make_call(q, k, v, *, mask=None, bias=None, scale=None, softcap=None, dropo
         raise ValueError(f"q has head dimension D=0 (shape {tuple(q.shape)}): the default scale 1/sqrt(D) is "
                          f"undefined; give heads of size >= 1 (or an explicit scale)")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else _check_number("scale", scale)
+    _check_scale(scale, q, bias)
     if softcap is not None:
         softcap = _check_number("softcap", softcap, low=0.0, low_open=True, fix=" (or None for no softcap)")
     dropout_p = _check_number("dropout_p", dropout_p, low=0.0, high=1.0, high_open=True)
@@ -147,6 +219,38 @@ def graph_zero(*tensors: Tensor) -> Tensor:
     """A 0 attached to the tensors' graph (their gradients through it are zeros), never NaN: summed over
     an empty slice, so an inf or NaN in them does not leak in (``x.sum() * 0`` would be NaN)."""
     return sum(t.narrow(-1, 0, 0).sum() for t in tensors)
+
+
+# mask -> {shape: whether it leaves every row empty} (weakly keyed; a few shapes per mask)
+_CHECKED_VISIBLE: "weakref.WeakKeyDictionary[Mask, dict]" = weakref.WeakKeyDictionary()
+_CHECKED_PER_MASK = 16
+
+
+def _warn_if_nothing_visible(call: Call) -> None:
+    """Warn when the mask leaves every query of a non-empty call with nothing to attend to, for masks whose
+    parts may read positions differently (a ``from_fn`` or BlockMask predicate over query rows, or parts
+    aligned both ways when ``Lq != Lk``): the mark of a row predicate combined with bottom-right masks.
+    Evaluated once per mask and shape; the built-in masks on their own are not checked."""
+    m = call.mask
+    if m is None or isinstance(m, _FromDense) or call.q.device.type == "meta" or torch.compiler.is_compiling():
+        return
+    if not _positions_unchecked(m, call.q_len, call.kv_len):
+        return
+    key = (call.batch, call.heads, call.q_len, call.kv_len)
+    memo = per_mask(_CHECKED_VISIBLE, m)
+    empty = None if memo is None else memo.get(key)
+    if empty is None:
+        empty = _nothing_visible(m, call.batch, call.heads, call.q_len, call.kv_len, call.q.device)
+        if memo is not None:
+            if len(memo) >= _CHECKED_PER_MASK:
+                memo.clear()
+            memo[key] = empty
+    if empty:  # (Python's warning filters show it once per calling line)
+        warnings.warn(f"mask {m!r} leaves every query of this (B, H, Lq, Lk)=({call.batch}, {call.heads}, "
+                      f"{call.q_len}, {call.kv_len}) call with no key to attend to: the output is all zeros. A "
+                      f"from_fn predicate gets query rows (as in FlexAttention) while the built-in masks use "
+                      f"positions row + Lk - Lq: give it positions with masks.from_fn(fn, align='bottom_right'), "
+                      f"or align the built-ins with align='top_left'", stacklevel=3)
 
 
 def _is_empty(call: Call) -> bool:
@@ -171,7 +275,7 @@ def _empty_result(call: Call):
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, scale: float | None = None,
               softcap: float | None = None, dropout_p: float = 0.0, return_lse: bool = False,
-              backend: str = "auto"):
+              backend: str = "auto", **unknown):
     """Scaled dot-product attention: ``softmax(mask(bias(softcap(q @ k^T * scale)))) @ v``.
 
     Args:
@@ -179,15 +283,21 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, scale: f
         k: ``(B, Hkv, Lk, D)`` keys; ``Hq`` must be a multiple of ``Hkv`` (grouped-query attention;
             ``Hkv = 1`` is multi-query).  Query head ``h`` uses key/value head ``h // (Hq // Hkv)``.
         v: ``(B, Hkv, Lk, Dv)`` values; ``Dv`` may differ from ``D``.
-        mask: ``None``, an :class:`attnkit.masks.Mask`, or a bool tensor broadcastable to
-            ``(B, Hq, Lq, Lk)``; True means "may attend".
+        mask: ``None``, an :class:`attnkit.masks.Mask`, a bool tensor broadcastable to
+            ``(B, Hq, Lq, Lk)`` (True means "may attend"), or a FlexAttention ``BlockMask`` (converted with
+            :func:`attnkit.masks.from_flex`).
         bias: ``None``, a float tensor broadcastable to ``(B, Hq, Lq, Lk)`` added to the scores, or an
             :mod:`attnkit.bias` modifier (ALiBi, T5 buckets, temperature, ``from_fn``).
-        scale: multiplies ``q @ k^T``; default ``1 / sqrt(D)``.
+        scale: multiplies ``q @ k^T``; default ``1 / sqrt(D)``.  A magnitude above ``sqrt(finfo.max)`` of the
+            dtype the scores are computed in (float32 for half inputs: about ``1.8e19``) is refused: it would
+            overflow the scores to inf.
         softcap: ``s`` maps a score ``x`` to ``s * tanh(x / s)`` (Gemma 2); applied before the bias.
         dropout_p: dropout on the attention weights (reproducible under ``torch.manual_seed``).
         return_lse: also return the log-sum-exp of each row's final scores.
         backend: ``"auto"`` or a name from :func:`attnkit.backends.available`.
+        **unknown: keyword arguments of other attention functions (SDPA's ``is_causal``, ``attn_mask``,
+            ``enable_gqa``; FlashAttention's ``causal``, ``window_size``, ``softmax_scale``; FlexAttention's
+            ``block_mask``, ``score_mod``) raise a TypeError naming the attnkit equivalent.
 
     Returns:
         ``out (B, Hq, Lq, Dv)`` in the input dtype; with ``return_lse``, also ``lse (B, Hq, Lq)``
@@ -203,7 +313,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, scale: f
                                   █ ·
                                   █ █
 
-    A row that may attend to nothing gives output 0, ``lse = -inf`` and zero gradients, never NaN.
+    A row that may attend to nothing gives output 0, ``lse = -inf`` and zero gradients, never NaN.  When a
+    mask with a ``from_fn`` (or BlockMask) part leaves *every* row of a call with nothing, a warning says so.
+    Meta tensors give the output's shape (on ``math`` or ``sdpa``; ``flash`` refuses them).
 
     Example::
 
@@ -214,6 +326,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, scale: f
         >>> out.shape
         torch.Size([2, 8, 10, 64])
     """
+    _refuse_foreign("attention", unknown)
     call = _make_call(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, dropout_p=dropout_p,
                       return_lse=return_lse)
     if not isinstance(backend, str):
@@ -221,15 +334,17 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, scale: f
     chosen = _backends.select(call, backend)
     if _is_empty(call):
         return _empty_result(call)
+    _warn_if_nothing_visible(call)
     return chosen.run(call)
 
 
 def attention_weights(q: Tensor, k: Tensor, v: Tensor | None = None, *, mask=None, bias=None,
-                      scale: float | None = None, softcap: float | None = None) -> Tensor:
+                      scale: float | None = None, softcap: float | None = None, **unknown) -> Tensor:
     """The attention weights ``(B, Hq, Lq, Lk)`` that :func:`attention` would apply (before dropout).
 
     Computed by the ``math`` backend (the weights are materialised by definition).  ``v`` is accepted
     for symmetry with :func:`attention` and only used for validation.  A fully masked row is all zeros.
+    Keyword arguments of other attention functions raise a TypeError naming the attnkit equivalent.
 
     Example::
 
@@ -239,10 +354,12 @@ def attention_weights(q: Tensor, k: Tensor, v: Tensor | None = None, *, mask=Non
         >>> torch.allclose(w.sum(-1), torch.ones(1, 1, 3))
         True
     """
+    _refuse_foreign("attention_weights", unknown)
     if v is None:
         v = k
     call = _make_call(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap)
     if _is_empty(call):
         return torch.zeros(call.batch, call.heads, call.q_len, call.kv_len, dtype=q.dtype,
                            device=q.device) + graph_zero(q, k)
+    _warn_if_nothing_visible(call)
     return _math.weights(call)

@@ -57,12 +57,15 @@ __all__ = [
     "global_tokens",
     "random_blocks",
     "from_fn",
+    "from_flex",
     "from_dense",
 ]
 
 _ALIGNS = ("bottom_right", "top_left")
 _BIG = 1 << 40  # stands for "unbounded" in key-index arithmetic; far beyond any length
 _EVAL_CHUNK = 1 << 22  # elements evaluated at once when a tile grid is derived by evaluation
+_DRAW_MAX = 64  # characters per side a BlockStructure draws (wider tilings are pooled, as Mask.show does)
+_LIST_MAX = 8  # entries of an index list a mask's repr spells out
 
 EMPTY, PARTIAL, FULL = 0, 1, 2  # tile kinds
 
@@ -99,6 +102,8 @@ def _index_tensor(name: str, values, *, ndim: Sequence[int]) -> Tensor:
         t = values if isinstance(values, Tensor) else torch.tensor(values)  # (a numpy array is copied)
     except (TypeError, ValueError, RuntimeError):
         raise TypeError(f"{name} must be integers (a list or an int tensor), got {values!r}") from None
+    if t.numel() == 0 and not t.dtype == torch.bool:
+        t = t.to(torch.long)  # ([] and an empty numpy array default to a float dtype: they hold no non-integer)
     if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
         raise TypeError(f"{name} must hold integers, got dtype {t.dtype}")
     if t.dim() not in ndim:
@@ -115,6 +120,14 @@ def _index_grid(batch: int, heads: int, q_len: int, kv_len: int, device=None) ->
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _short_list(t: Tensor) -> str:
+    """``t.tolist()`` for a repr, the first entries only when it is long."""
+    if t.numel() <= _LIST_MAX:
+        return str(t.tolist())
+    head = ", ".join(str(x) for x in t[:_LIST_MAX].tolist())
+    return f"[{head}, ... ({t.numel()} in all)]"
 
 
 @dataclass(frozen=True)
@@ -338,12 +351,32 @@ class BlockStructure:
         return float((self.full_count.sum() + self.partial_count.sum()) / max(1, n))
 
     def __str__(self) -> str:
-        kinds = self.kinds()
+        """The tiles of batch 0, head 0, one character each; at most ``64`` per side: a wider tiling is drawn
+        one character per group of tiles (full when all are, empty when all are, else partial)."""
+        nq, nk = self.num_q_tiles, self.num_k_tiles
+        g = _ceil_div(max(nq, nk, 1), _DRAW_MAX)  # tiles per character and side
+        gq, gk = _ceil_div(nq, g), _ceil_div(nk, g)
+        counts = []  # full and visited tiles per character, (gq, gk) each, counted from the index lists
+        dev = self.full_count.device
+        edges = (torch.arange(gk + 1, dtype=torch.int32, device=dev) * g).expand(nq, gk + 1).contiguous()
+        for count, index in ((self.full_count, self.full_index), (self.partial_count, self.partial_index)):
+            count, index = count[0, 0], index[0, 0]  # (nq,), (nq, m)
+            live = torch.arange(index.shape[-1], dtype=torch.int32, device=dev) < count[:, None]
+            index = torch.where(live, index.to(torch.int32), torch.iinfo(torch.int32).max)  # padding sorts last
+            if index.shape[-1] > 1 and bool((index[:, 1:] < index[:, :-1]).any()):
+                index = index.sort(dim=-1).values
+            per_row = torch.searchsorted(index, edges).diff(dim=-1)  # (nq, gk): tiles of each row per character
+            per_row = torch.nn.functional.pad(per_row, (0, 0, 0, gq * g - nq))
+            counts.append(per_row.view(gq, g, gk).sum(1).view(-1))
+        r, c = torch.arange(gq, device=dev).view(-1, 1), torch.arange(gk, device=dev).view(1, -1)
+        area = ((torch.clamp((r + 1) * g, max=nq) - r * g) * (torch.clamp((c + 1) * g, max=nk) - c * g)).view(-1)
+        kinds = torch.where(counts[0] == area, FULL, torch.where(counts[0] + counts[1] > 0, PARTIAL, EMPTY))
+        kinds = kinds.view(gq, gk)
+        grouped = f", one character per {g}x{g} tiles" if g > 1 else ""
         lines = [f"BlockStructure({self.q_len}x{self.kv_len}, tiles {self.block_q}x{self.block_k}, "
-                 f"{kinds.shape[-2]}x{kinds.shape[-1]} tiles, visited {self.visited_fraction():.1%}; "
-                 f"█ full, ░ partial, · empty)"]
+                 f"{nq}x{nk} tiles, visited {self.visited_fraction():.1%}{grouped}; █ full, ░ partial, · empty)"]
         chars = {EMPTY: "·", PARTIAL: "░", FULL: "█"}
-        for row in kinds[0, 0].tolist():
+        for row in kinds.tolist():
             lines.append(" " + "".join(chars[c] for c in row))
         return "\n".join(lines)
 
@@ -467,6 +500,8 @@ class Mask:
 
     def density(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> float:
         """Share of ``(query, key)`` pairs that may attend, counted a chunk of rows at a time."""
+        for name, value in (("q_len", q_len), ("kv_len", kv_len), ("batch", batch), ("heads", heads)):
+            _check_int(name, value)
         self._validate(batch, heads, q_len, kv_len)
         return self._density(q_len, kv_len, torch.arange(batch), torch.arange(heads))
 
@@ -488,12 +523,20 @@ class Mask:
 
     def show(self, q_len: int | None = None, kv_len: int | None = None, *, batch: int = 0, head: int = 0,
              max_width: int = 64) -> str:
-        """Draw the mask: one character per element (█ may attend, · may not), or per tile when wide."""
+        """Draw the mask: one character per element (█ may attend, · may not), or per tile when wide.
+
+        ``q_len``/``kv_len`` default to the size the mask carries (else 16); ``batch`` and ``head`` pick what is
+        drawn; at most ``max_width`` characters per side."""
         size = self._size_guess()
         if q_len is None:
             q_len = size[0] if size else 16
         if kv_len is None:
             kv_len = size[1] if size else q_len
+        _check_int("q_len", q_len)
+        _check_int("kv_len", kv_len)
+        _check_int("batch", batch)
+        _check_int("head", head)
+        _check_int("max_width", max_width, minimum=1)
         nb, nh = max(batch + 1, self._batch_size()), head + 1
         self._validate(nb, nh, q_len, kv_len)
         density = self._density(q_len, kv_len, torch.tensor([batch]), torch.tensor([head]))  # of what is drawn
@@ -551,10 +594,14 @@ def _decodes_differently(mask: Mask) -> tuple[Mask, str] | None:
         if getattr(m, "align", None) == "top_left":
             return m, ("aligned top_left: a decoding step's query sits at row 0, not at its position; use "
                        "align='bottom_right' (the default)")
-        if isinstance(m, _FromFn):
+        if isinstance(m, _FromFlex):
+            return m, ("a FlexAttention BlockMask is built for one (Q_LEN, KV_LEN) and gets query rows; build the "
+                       "pattern from the position-aware masks or from_fn(fn, align='bottom_right')")
+        if isinstance(m, _FromFn) and m.align is None:
             return m, ("a from_fn predicate gets query rows, not positions (a decoding step's query is row 0); "
-                       "build the pattern from the position-aware masks (sliding_window, strided, dilated, "
-                       "global_tokens, random_blocks(causal=True), ...) or pass it per call as mask=")
+                       "give it positions with from_fn(fn, align='bottom_right'), build the pattern from the "
+                       "position-aware masks (sliding_window, strided, dilated, global_tokens, "
+                       "random_blocks(causal=True), ...) or pass it per call as mask=")
     return None
 
 
@@ -778,7 +825,7 @@ class _KeyLengths(_Interval):
         return len(self.lengths)
 
     def __repr__(self):
-        return f"key_padding(lengths={self.lengths.tolist()})"
+        return f"key_padding(lengths={_short_list(self.lengths)})"
 
 
 class _KeyColumns(Mask):
@@ -967,7 +1014,7 @@ class _GlobalTokens(Mask):
         return _Grid(kinds[None, None])
 
     def __repr__(self):
-        return f"global_tokens({self.indices.tolist()}, align={self.align!r})"
+        return f"global_tokens({_short_list(self.indices)}, align={self.align!r})"
 
 
 _RANDOM_TABLES = 16  # block tables a random_blocks mask keeps (one per query-block range and key-block count)
@@ -1073,16 +1120,71 @@ class _RandomBlocks(Mask):
 
 
 class _FromFn(Mask):
-    def __init__(self, fn: Callable, name: str | None):
+    """``fn(b, h, q_idx, kv_idx)``; ``q_idx`` is the query row (``align=None``, FlexAttention's convention) or
+    the query's position under ``align``."""
+
+    def __init__(self, fn: Callable, name: str | None, align: str | None = None):
         if not callable(fn):
             raise TypeError(f"from_fn: fn must be callable as fn(b, h, q_idx, kv_idx) -> bool tensor, got {fn!r}")
         self.fn, self.name = fn, name or getattr(fn, "__name__", "fn")
+        self.align = None if align is None else _check_align(align)
 
     def _mod(self, b, h, q, k, q_len, kv_len):
-        return _checked_shape(self, _checked_bool(self, self.fn(b, h, q, k)), b, h, q, k)
+        p = q if self.align is None else q + _offset(self.align, q_len, kv_len)
+        return _checked_shape(self, _checked_bool(self, self.fn(b, h, p, k)), b, h, p, k)
 
     def __repr__(self):
-        return f"from_fn({self.name})"
+        return f"from_fn({self.name})" if self.align is None else f"from_fn({self.name}, align={self.align!r})"
+
+
+class _FlexPredicate:
+    """A FlexAttention ``BlockMask`` as one predicate: an element may attend when its block is full, or when
+    its block is partial and the BlockMask's ``mask_mod`` allows it (empty blocks are never visited)."""
+
+    def __init__(self, kinds: Tensor, mask_mod: Callable, block_size: tuple[int, int]):
+        self.kinds, self.mask_mod, self.block_size = kinds, mask_mod, block_size  # kinds (B', H', nq, nk) int8
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        kinds = self.kinds.to(q_idx.device)
+        bi = b.clamp(max=kinds.shape[0] - 1) if kinds.shape[0] > 1 else torch.zeros_like(b)
+        hi = h.clamp(max=kinds.shape[1] - 1) if kinds.shape[1] > 1 else torch.zeros_like(h)
+        kind = kinds[bi, hi, torch.div(q_idx, self.block_size[0], rounding_mode="floor"),
+                     torch.div(kv_idx, self.block_size[1], rounding_mode="floor")]
+        allowed = self.mask_mod(b, h, q_idx, kv_idx)
+        if not isinstance(allowed, Tensor) or allowed.dtype != torch.bool:
+            got = allowed.dtype if isinstance(allowed, Tensor) else type(allowed).__name__
+            raise TypeError(f"from_flex: the BlockMask's mask_mod must return a bool tensor, got {got}")
+        return (kind == FULL) | ((kind == PARTIAL) & allowed)
+
+
+class _FromFlex(_FromFn):
+    """A FlexAttention ``BlockMask``: its ``mask_mod`` over query rows, restricted to its blocks, for the
+    sequence lengths it was built for."""
+
+    def __init__(self, predicate: _FlexPredicate, seq_lengths: tuple[int, int], fixed_lengths: bool):
+        super().__init__(predicate, "block_mask")
+        self.seq_lengths, self.fixed_lengths = seq_lengths, fixed_lengths
+
+    def _validate(self, batch, heads, q_len, kv_len):
+        kinds = self.fn.kinds
+        if self.fixed_lengths and (q_len, kv_len) != self.seq_lengths:
+            raise ValueError(f"from_flex: the BlockMask was built for (Q_LEN, KV_LEN)={self.seq_lengths} but the call "
+                             f"has Lq={q_len}, Lk={kv_len}: build it for these lengths (create_block_mask(..., "
+                             f"Q_LEN={q_len}, KV_LEN={kv_len})), as flex_attention requires")
+        if kinds.shape[0] not in (1, batch) or kinds.shape[1] not in (1, heads):
+            raise ValueError(f"from_flex: the BlockMask has batch and heads {tuple(kinds.shape[:2])}, which do not "
+                             f"broadcast to B={batch}, Hq={heads}: build it with B=None/H=None (broadcast) or the "
+                             f"call's sizes")
+
+    def _size(self):
+        return self.seq_lengths
+
+    def _batch_size(self):
+        return self.fn.kinds.shape[0]
+
+    def __repr__(self):
+        name = getattr(self.fn.mask_mod, "__name__", "mask_mod")
+        return f"from_flex({name}, seq_lengths={self.seq_lengths}, BLOCK_SIZE={self.fn.block_size})"
 
 
 class _FromDense(Mask):
@@ -1139,10 +1241,19 @@ def causal(align: str = "bottom_right") -> Mask:
 
 
 def sliding_window(left: int | None, right: int | None = 0, *, align: str = "bottom_right") -> Mask:
-    """Key ``j`` is visible from query position ``p`` iff ``p - left <= j <= p + right``.
+    """``sliding_window(n)`` sees ``n + 1`` keys (FlashAttention's ``window_size``); Hugging Face's ``sliding_window=W`` is ``sliding_window(W - 1)``.
 
-    ``None`` means unbounded on that side, so ``sliding_window(255)`` is a causal window of 256 keys
-    (Mistral's ``sliding_window=256``) and ``sliding_window(w, w)`` a symmetric one (Longformer).
+    Key ``j`` is visible from query position ``p`` iff ``p - left <= j <= p + right`` (FlashAttention's
+    ``window_size=(left, right)``).  ``right`` defaults to 0, so the window is causal on its own: no
+    ``causal() &`` is needed.  ``None`` means unbounded on that side, so ``sliding_window(255)`` is a causal
+    window of 256 keys (Mistral's and Hugging Face's ``sliding_window=256``), ``sliding_window(w, w)`` a
+    symmetric one (Longformer) and ``sliding_window(None)`` is :func:`causal`.
+
+    Example::
+
+        >>> from attnkit import masks
+        >>> masks.sliding_window(2).to_dense(4, 4)[0, 0, 3].int().tolist()  # position 3 sees 3 keys
+        [0, 1, 1, 1]
     """
     return _SlidingWindow(left, right, align)
 
@@ -1266,12 +1377,18 @@ def random_blocks(block: int, n: int, seed: int = 0, *, causal: bool = False, al
     return _RandomBlocks(block, n, seed, causal, align)
 
 
-def from_fn(fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor], *, name: str | None = None) -> Mask:
+def from_fn(fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor], *, name: str | None = None,
+            align: str | None = None) -> Mask:
     """A mask from a vectorised predicate ``fn(b, h, q_idx, kv_idx) -> bool tensor``.
 
-    The arguments are broadcastable int64 index tensors; ``q_idx`` is the query *row* (add ``Lk - Lq``
-    for bottom-right positions).  Its block structure is derived by evaluating ``fn`` one chunk of tiles
-    at a time, never on the whole ``Lq x Lk``.
+    The arguments are broadcastable int64 index tensors.  By default (``align=None``) ``q_idx`` is the query
+    *row*, as in FlexAttention's ``mask_mod``; with ``align="bottom_right"`` it is the query's *position*
+    ``row + Lk - Lq``, as the built-in masks use by default, so ``from_fn(fn, align="bottom_right") & causal()``
+    speaks of the same positions when ``Lq != Lk`` (decoding against a cache, too), and
+    ``align="top_left"`` says explicitly that positions are rows.  A row predicate ``&`` a bottom-right
+    built-in can leave every query with nothing to see when ``Lq != Lk``; :func:`attnkit.attention` warns
+    when a mask with a ``from_fn`` part leaves every row of a call empty.  Its block structure is derived
+    by evaluating ``fn`` one chunk of tiles at a time, never on the whole ``Lq x Lk``.
 
     ``fn`` must be a pure function of its arguments and of the tensors it reads: backends keep what they
     derive (block structure, dense form) per mask object, and notice when a tensor it holds — through a
@@ -1289,8 +1406,85 @@ def from_fn(fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor], *, name: str
         >>> m = masks.from_fn(lambda b, h, i, j: doc[i] == doc[j])
         >>> m.to_dense(5, 5)[0, 0].int().tolist()[2]
         [0, 0, 1, 1, 1]
+        >>> near = masks.from_fn(lambda b, h, p, j: p - j < 2, align="bottom_right")  # positions, like causal()
+        >>> (near & masks.causal()).to_dense(2, 4)[0, 0].int().tolist()
+        [[0, 1, 1, 0], [0, 0, 1, 1]]
     """
-    return _FromFn(fn, name)
+    return _FromFn(fn, name, align)
+
+
+def from_flex(block_mask) -> Mask:
+    """A mask from a FlexAttention ``BlockMask`` (the inverse of :meth:`Mask.mask_mod`).
+
+    The result follows ``flex_attention``'s kernels: its ``mask_mod`` gets query *rows* (``q_idx`` is the row,
+    FlexAttention has no alignment) and applies in the BlockMask's partial blocks, every element of its full
+    blocks attends, and nothing in the blocks it leaves out.  (``flex_attention`` run eagerly, uncompiled,
+    evaluates ``mask_mod`` everywhere instead; the two agree for a BlockMask whose blocks match its
+    ``mask_mod``, as ``create_block_mask`` builds them.)  It carries the BlockMask's
+    ``(Q_LEN, KV_LEN)`` and applies only to calls of those lengths, as ``flex_attention`` does; its batch
+    and head sizes broadcast.  The BlockMask's block tables are read when the mask is built.
+    :func:`attnkit.attention` also takes a ``BlockMask`` as ``mask=`` and converts it with this function.
+
+    Example::
+
+        >>> import torch, attnkit
+        >>> from torch.nn.attention.flex_attention import create_block_mask
+        >>> from attnkit import masks
+        >>> bm = create_block_mask(lambda b, h, q, k: q >= k, None, None, 4, 4, device="cpu")
+        >>> masks.from_flex(bm).to_dense(4, 4)[0, 0].int().tolist()
+        [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
+    """
+    needed = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "BLOCK_SIZE", "seq_lengths",
+              "mask_mod")
+    if not all(hasattr(block_mask, n) for n in needed):
+        raise TypeError(f"from_flex: expected a torch.nn.attention.flex_attention.BlockMask, got "
+                        f"{type(block_mask).__name__}")
+    import torch.nn.attention.flex_attention as flex  # (the caller holds a BlockMask: already imported)
+
+    if block_mask.mask_mod is getattr(flex, "_sliced_mask_mod_error", None):
+        raise ValueError("from_flex: this BlockMask was sliced (block_mask[...]), which drops its mask_mod: pass "
+                         "the BlockMask it was sliced from, built for the batch and heads you need")
+    bq, bk = (int(x) for x in block_mask.BLOCK_SIZE)
+    q_len, kv_len = (int(x) for x in block_mask.seq_lengths)
+    nq, nk = _ceil_div(q_len, bq), _ceil_div(kv_len, bk)
+    lead = tuple(block_mask.kv_num_blocks.shape[:-1])  # (B', H')
+    kinds = torch.zeros(*lead, nq, max(nk, 1), dtype=torch.int8, device=block_mask.kv_num_blocks.device)
+    for count, index, kind in ((block_mask.kv_num_blocks, block_mask.kv_indices, PARTIAL),
+                               (block_mask.full_kv_num_blocks, block_mask.full_kv_indices, FULL)):
+        if count is None or index.shape[-1] == 0:
+            continue
+        count, index = count[..., :nq, None].long(), index[..., :nq, :].long()
+        live = torch.arange(index.shape[-1], device=index.device) < count
+        kinds.scatter_reduce_(-1, index.clamp(0, kinds.shape[-1] - 1), torch.where(live, kind, EMPTY).to(torch.int8),
+                              reduce="amax")
+    large = getattr(flex, "_LARGE_SPARSE_BLOCK_SIZE", None)  # flex's "no block mask": any lengths
+    fixed_lengths = not (bq == bk == large)
+    return _FromFlex(_FlexPredicate(kinds, block_mask.mask_mod, (bq, bk)), (q_len, kv_len), fixed_lengths)
+
+
+def _nothing_visible(mask: Mask, batch: int, heads: int, q_len: int, kv_len: int, device=None) -> bool:
+    """True when ``mask`` lets no query of a ``(batch, heads, q_len, kv_len)`` call see any key, evaluated a
+    chunk of rows at a time (stopping at the first chunk that sees something)."""
+    b, h, _, k = _index_grid(batch, heads, 0, kv_len, device)
+    step = max(1, _EVAL_CHUNK // max(1, batch * heads * kv_len))
+    for start in range(0, q_len, step):
+        q = torch.arange(start, min(q_len, start + step), device=k.device).view(1, 1, -1, 1)
+        if bool(_checked_bool(mask, mask._mod(b, h, q, k, q_len, kv_len)).any()):
+            return False
+    return True
+
+
+def _positions_unchecked(mask: Mask, q_len: int, kv_len: int) -> bool:
+    """Whether ``mask`` has a part that may read positions differently from the others: a ``from_fn`` (or
+    BlockMask) predicate over query rows, or, when ``Lq != Lk``, parts aligned both top-left and
+    bottom-right."""
+    aligns = set()
+    for m in _leaves(mask):
+        if isinstance(m, _FromFn) and m.align is None:
+            return True
+        if getattr(m, "align", None) in _ALIGNS:
+            aligns.add(m.align)
+    return q_len != kv_len and len(aligns) > 1
 
 
 def from_dense(t: Tensor) -> Mask:

@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import pytest
 import torch
 
 import attnkit
@@ -28,3 +29,45 @@ def test_maskless_calls_pick_sdpa_without_planning(monkeypatch):
     k = v = torch.randn(1, 2, 300, 16)
     flash_line = [ln for ln in backends.explain(q, k, v, mask=M.sliding_window(7)).splitlines() if "flash " in ln]
     assert "GFLOP-equivalents" in flash_line[0], flash_line
+
+
+EMPTY_MASKS = {
+    "none": lambda: None, "causal": M.causal, "causal_top_left": lambda: M.causal(align="top_left"),
+    "sliding_window": lambda: M.sliding_window(3), "two_sided_window": lambda: M.sliding_window(None, None),
+    "prefix_lm": lambda: M.prefix_lm(2), "block_local": lambda: M.block_local(2), "strided": lambda: M.strided(2),
+    "global_tokens": lambda: M.global_tokens([0]), "random_blocks": lambda: M.random_blocks(2, 1),
+    "from_fn": lambda: M.from_fn(lambda b, h, i, j: i >= j), "combined": lambda: M.causal() & M.sliding_window(2),
+}
+
+
+def test_empty_shapes_give_zeros_and_minus_inf_on_every_backend_and_explain_answers():
+    """Lq=0, Lk=0 (one query and no keys: a decode step on an empty cache), B=0, H=0, with every mask: zeros and
+    lse -inf from auto and each backend that takes the call, and explain says which backend would run."""
+    for B, H, Lq, Lk in [(1, 1, 1, 0), (2, 2, 3, 0), (1, 1, 0, 0), (1, 2, 0, 4), (0, 2, 1, 0), (0, 2, 2, 2),
+                         (1, 0, 2, 2)]:
+        q = torch.randn(B, H, Lq, 8, requires_grad=True)
+        k = torch.randn(B, max(H, 1), Lk, 8)
+        v = torch.randn(B, max(H, 1), Lk, 4)
+        for name, make in EMPTY_MASKS.items():
+            mask = make()
+            assert backends.explain(q, k, v, mask=mask).startswith("auto picks"), (B, H, Lq, Lk, name)
+            for backend in ["auto", *backends.available()]:
+                for lse_too in (False, True):
+                    call = attnkit.functional._make_call(q, k, v, mask=mask, return_lse=lse_too)
+                    if backend != "auto" and backends._REGISTRY[backend].check(call) is not None:
+                        continue  # (sdpa returns no lse: refused with a ValueError, tested elsewhere)
+                    res = attnkit.attention(q, k, v, mask=mask, backend=backend, return_lse=lse_too)
+                    out, lse = res if lse_too else (res, None)
+                    where = (B, H, Lq, Lk, name, backend, lse_too)
+                    assert out.shape == (B, H, Lq, 4) and bool((out == 0).all()), where
+                    if lse_too:
+                        assert lse.shape == (B, H, Lq) and bool((lse == float("-inf")).all()), where
+        (grad,) = torch.autograd.grad(attnkit.attention(q, k, v, mask=M.causal()).sum(), q, allow_unused=True)
+        assert grad is None or bool((grad == 0).all())
+
+
+def test_explain_names_the_attnkit_equivalent_of_sdpa_keywords():
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(TypeError, match=r"explain\(\) takes no is_causal=True: pass mask=masks\.causal\(\)"):
+        backends.explain(q, q, q, is_causal=True)
+    assert backends.explain(q, q, q, mask=M.causal(), backend="math").startswith("uses 'math'")

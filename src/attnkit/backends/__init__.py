@@ -203,9 +203,11 @@ def explain(q, k, v, **kwargs) -> str:
         >>> print(backends.explain(q[:, :, -1:], k, v).splitlines()[-1])   # one query: a decode step
         under torch.compile auto picks 'math' (a decode-sized CPU call, which Inductor fuses)
     """
-    from ..functional import _make_call
+    from ..functional import _make_call, _refuse_foreign
 
     backend = kwargs.pop("backend", "auto")
+    _refuse_foreign("explain", {n: x for n, x in kwargs.items()
+                                if n not in ("mask", "bias", "scale", "softcap", "dropout_p", "return_lse")})
     call = _make_call(q, k, v, **kwargs)
     chosen = select(call, backend)
     desc = [f"q {tuple(q.shape)} {str(q.dtype).replace('torch.', '')}", f"k {tuple(k.shape)}", f"v {tuple(v.shape)}"]

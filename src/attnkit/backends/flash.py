@@ -439,6 +439,9 @@ def check(call: Call) -> str | None:
 
 
 def _unreached_reason(call: Call) -> str | None:
+    if call.q.device.type == "meta":
+        return ("meta tensors hold no values to plan the tiles from: use backend='math' or 'sdpa' for the output's "
+                "shape (auto does)")
     if not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(call.q):
         return ("a torch.func transform (grad, vmap, jacrev, ...) is active, and flash's autograd.Function has "
                 "no functorch rule: use backend='math' or 'sdpa' (auto does)")

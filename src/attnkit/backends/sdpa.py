@@ -71,7 +71,8 @@ def _single_query_window(call: Call) -> tuple[int, int] | None:
 def _dense(call: Call) -> tuple[Tensor, Tensor, bool]:
     """The mask as bool (B', H', Lq, Lk), which rows see a key, and whether all do; memoised per mask."""
     m = call.mask
-    if torch.compiler.is_compiling():  # traced: no Python bool from tensor data, no traced tensors memoised
+    if torch.compiler.is_compiling() or call.q.device.type == "meta":  # traced (or meta: shapes only): no Python
+        # bool from tensor data, no traced tensors memoised
         allowed = m.t if isinstance(m, _FromDense) else m.to_dense(
             call.q_len, call.kv_len, batch=call.batch, heads=call.heads, device=call.q.device)
         return allowed, allowed.any(dim=-1, keepdim=True), False  # False: empty rows handled, also if none
@@ -118,6 +119,8 @@ def check(call: Call) -> str | None:
 
 
 def cost(call: Call) -> float:
+    if call.q_len == 0 or call.kv_len == 0:  # nothing to compute (attention() returns zeros)
+        return 0.0
     window = _single_query_window(call)
     if window is not None:  # decoding: only the visible keys are read
         return call.flops() * max(window[1] - window[0] + 1, 0) / call.kv_len
