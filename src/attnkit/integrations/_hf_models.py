@@ -32,7 +32,7 @@ from .. import masks as _masks
 Tensor = torch.Tensor
 
 FAMILIES = ("llama", "mistral", "qwen2", "gemma2")
-_ROPE_TYPES = ("default", "linear", "llama3")
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 
 
 def _transformers():
@@ -44,26 +44,40 @@ def _transformers():
 # ---------------------------------------------------------------------------------- HF -> attnkit
 
 
-def _rope(cfg) -> tuple[float, dict | None]:
-    """(theta, attnkit rope scaling) from an HF config (``rope_parameters``, or the older fields)."""
-    params = getattr(cfg, "rope_parameters", None)
+def _rope(cfg, params: dict | None = None) -> tuple[float, dict | None, int]:
+    """(theta, attnkit rope scaling, max_seq_len) from an HF config (``rope_parameters``, or the older fields).
+
+    ``max_seq_len`` is HF's ``max_position_embeddings``, except for dynamic NTK, whose
+    ``max_position_embeddings`` is the original length it scales beyond: there it is ``factor`` times that."""
+    if params is None:
+        params = getattr(cfg, "rope_parameters", None)
     if not isinstance(params, dict) or "rope_theta" not in params:
         params = dict(getattr(cfg, "rope_scaling", None) or {})
         params["rope_theta"] = getattr(cfg, "rope_theta", 10000.0)
     params = dict(params)
     theta = float(params.pop("rope_theta"))
     kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    max_len = cfg.max_position_embeddings
     if kind not in _ROPE_TYPES:
         raise ValueError(f"rope_type={kind!r} is not supported by attnkit.nn's RotaryEmbedding: convertible "
                          f"rope types are {_ROPE_TYPES}")
     if params.pop("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("partial_rotary_factor != 1 is not supported by from_hf")
     if kind == "default":
-        return theta, None
-    if params.get("attention_factor") not in (None, 1.0):
-        raise ValueError(f"rope attention_factor={params['attention_factor']} is not supported by from_hf")
-    keep = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    return theta, {"type": kind, **{k: params[k] for k in keep if k in params}}
+        return theta, None, max_len
+    if kind in ("yarn", "longrope"):
+        old = params.get("original_max_position_embeddings") or getattr(cfg, "original_max_position_embeddings", None)
+        if old is None:
+            raise ValueError(f"rope_type={kind!r} needs original_max_position_embeddings in rope_parameters")
+        params["original_max_position_embeddings"] = old
+        if params.get("factor") is None:  # transformers' default: the ratio of the two lengths
+            params["factor"] = max_len / old
+    elif kind == "dynamic":
+        params["original_max_position_embeddings"] = max_len
+        max_len = int(max_len * float(params["factor"]))
+    elif params.get("attention_factor") not in (None, 1.0):
+        raise ValueError(f"rope attention_factor={params['attention_factor']} is not used by rope_type={kind!r}")
+    return theta, {"type": kind, **{k: v for k, v in params.items() if v is not None}}, max_len
 
 
 def _windows(cfg, family: str) -> list[int | None]:
@@ -113,14 +127,14 @@ def decoder_config(hf_config, *, backend: str = "auto"):
         return _gemma2_config(cfg, backend)
     if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
         raise ValueError(f"hidden_act={cfg.hidden_act!r}: attnkit's SwiGLU uses silu")
-    theta, scaling = _rope(cfg)
+    theta, scaling, max_len = _rope(cfg)
     heads = cfg.num_attention_heads
     biased = family == "llama" and bool(getattr(cfg, "attention_bias", False))
     return DecoderConfig(
         vocab_size=cfg.vocab_size, d_model=cfg.hidden_size, n_layers=cfg.num_hidden_layers, n_heads=heads,
         n_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
         d_head=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads, d_ff=cfg.intermediate_size,
-        max_seq_len=cfg.max_position_embeddings, positions="rope", rope_theta=theta, rope_scaling=scaling,
+        max_seq_len=max_len, positions="rope", rope_theta=theta, rope_scaling=scaling,
         **_layer_masks(_windows(cfg, family)), norm="rms",
         norm_eps=cfg.rms_norm_eps, norm_first=True, ffn="swiglu", qkv_bias=biased or family == "qwen2",
         out_bias=biased, ffn_bias=family == "llama" and bool(getattr(cfg, "mlp_bias", False)),
@@ -137,14 +151,14 @@ def _gemma2_config(cfg, backend: str):
         raise ValueError(f"hidden_activation={act!r}: attnkit's GeGLU (ffn='geglu') uses gelu_pytorch_tanh")
     if getattr(cfg, "use_bidirectional_attention", None):
         raise ValueError("use_bidirectional_attention=True: from_hf converts causal Gemma 2 models only")
-    theta, scaling = _rope(cfg)
+    theta, scaling, max_len = _rope(cfg)
     heads, biased = cfg.num_attention_heads, bool(getattr(cfg, "attention_bias", False))
     d_head = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     scalar = cfg.query_pre_attn_scalar
     return DecoderConfig(
         vocab_size=cfg.vocab_size, d_model=cfg.hidden_size, n_layers=cfg.num_hidden_layers, n_heads=heads,
         n_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, d_head=d_head, d_ff=cfg.intermediate_size,
-        max_seq_len=cfg.max_position_embeddings, positions="rope", rope_theta=theta, rope_scaling=scaling,
+        max_seq_len=max_len, positions="rope", rope_theta=theta, rope_scaling=scaling,
         **_layer_masks(_windows(cfg, "gemma2")), norm="rms", norm_eps=cfg.rms_norm_eps, norm_offset=1.0,
         norm_first=True, post_norms=True, ffn="geglu", qkv_bias=biased, out_bias=biased, ffn_bias=False,
         softcap=cfg.attn_logit_softcapping, logit_softcap=cfg.final_logit_softcapping,
@@ -302,20 +316,31 @@ def _check_fields(cfg, checks: list, family: str) -> None:
         raise ValueError(f"config.rotary_dim={cfg.rotary_dim}: partial rotary has no {family} equivalent")
 
 
-def _hf_rope(cfg) -> dict:
-    rope = {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}
-    if cfg.rope_scaling is not None:
-        from ..nn.positions import _parse_scaling
+def _hf_rope(cfg) -> tuple[dict, int]:
+    """HF ``rope_parameters`` and ``max_position_embeddings`` of a DecoderConfig (see :func:`_rope`)."""
+    rope, max_len = {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}, cfg.max_seq_len
+    if cfg.rope_scaling is None:
+        return rope, max_len
+    from ..nn.positions import _parse_scaling
 
-        s = _parse_scaling(cfg.rope_scaling)
-        if s is not None and s["type"] not in ("linear", "llama3"):
-            raise ValueError(f"rope scaling {s['type']!r} has no transformers equivalent (linear and llama3 do)")
-        if s is not None:
-            rope.update(rope_type=s["type"], factor=s["factor"])
-            if s["type"] == "llama3":
-                rope.update(low_freq_factor=s["low_freq_factor"], high_freq_factor=s["high_freq_factor"],
-                            original_max_position_embeddings=s["original_max_seq_len"])
-    return rope
+    s = _parse_scaling(cfg.rope_scaling)
+    if s is None:
+        return rope, max_len
+    if s["type"] == "ntk":
+        raise ValueError("rope scaling 'ntk' (static NTK) has no transformers equivalent (linear, llama3, yarn, "
+                         "longrope and dynamic do)")
+    rope.update(rope_type=s["type"])
+    if s["factor"] is not None:
+        rope["factor"] = s["factor"]
+    if s["type"] == "dynamic":
+        return rope, s["original_max_seq_len"]
+    if "original_max_seq_len" in s:
+        rope["original_max_position_embeddings"] = s["original_max_seq_len"]
+    names = {"llama3": ("low_freq_factor", "high_freq_factor"),
+             "yarn": ("beta_fast", "beta_slow", "truncate", "mscale", "mscale_all_dim", "attention_factor"),
+             "longrope": ("short_factor", "long_factor", "attention_factor")}.get(s["type"], ())
+    rope.update({k: list(s[k]) if isinstance(s[k], tuple) else s[k] for k in names if k in s})
+    return rope, max_len
 
 
 def _gemma2_hf_config(cfg, common: dict, lefts: list[int | None]):
@@ -349,10 +374,11 @@ def hf_config(config, *, attn_implementation: str | None = None):
     transformers = _transformers()
     cfg = config
     lefts = _layer_lefts(cfg)
+    rope, max_len = _hf_rope(cfg)
     common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ff_dim,
                   num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
-                  head_dim=cfg.head_dim, max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
-                  hidden_act="silu", rope_parameters=_hf_rope(cfg), tie_word_embeddings=cfg.tie_embeddings,
+                  head_dim=cfg.head_dim, max_position_embeddings=max_len, rms_norm_eps=cfg.norm_eps,
+                  hidden_act="silu", rope_parameters=rope, tie_word_embeddings=cfg.tie_embeddings,
                   attention_dropout=cfg.attention_dropout, initializer_range=cfg.init_std)
     if attn_implementation is not None:
         common["attn_implementation"] = attn_implementation

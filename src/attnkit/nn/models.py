@@ -64,7 +64,7 @@ class DecoderConfig:
     max_seq_len: int = 2048  # positions >= this raise, unless the position method extrapolates (alibi, t5, none)
     positions: str = "rope"  # "rope" | "alibi" | "t5" | "sinusoidal" | "none"
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # {"type": "linear" | "ntk" | "llama3", "factor": f, ...} (HF format too)
+    rope_scaling: dict | None = None  # {"type": "linear" | "ntk" | "llama3" | "yarn" | "longrope" | "dynamic", ...}
     rotary_dim: int | None = None  # partial rotary: rotate the first rotary_dim dims of each head
     rope_interleaved: bool = False  # pair dims (2i, 2i+1) instead of (i, i + d/2)
     t5_num_buckets: int = 32
