@@ -365,7 +365,7 @@ def test_conversion_errors_name_the_problem():
                       (dict(gemma, qkv_bias=True), "config.out_bias=False: transformers' Gemma 2 needs out_bias=True"),
                       (dict(gemma, layer_masks=(masks.sliding_window(2), masks.sliding_window(4))),
                        r"sliding windows differ \(left=\[2, 4\]"),
-                      (dict(attn_scale=0.5), "config.attn_scale=0.5: transformers' Llama-family models need")]:
+                      (dict(attn_scale=0.5, mask=masks.sliding_window(3)), "transformers' Granite has none")]:
         with pytest.raises(ValueError, match=match):
             to_hf(DecoderLM(DecoderConfig.preset("tiny", **kw)))
     gelu = transformers.Gemma2Config(**_COMMON, head_dim=16, hidden_activation="gelu")

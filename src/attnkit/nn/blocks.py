@@ -39,7 +39,9 @@ class TransformerBlock(nn.Module):
     needs a final norm).  ``norm_first=False`` (Post-LN, the original Transformer):
     ``x = norm(x + attn(x))``, ``x = norm(x + ffn(x))``.  ``post_norms=True`` (Pre-LN only; Gemma 2's
     "sandwich" norms) also normalises each sub-layer's output before its residual add:
-    ``x = x + post_norm(attn(norm(x)))``.  With ``cross_attention=True`` a cross-attention
+    ``x = x + post_norm(attn(norm(x)))``; with ``pre_norms=False`` as well only the outputs are normalised,
+    ``x = x + post_norm(attn(x))`` (OLMo 2).  ``residual_scale`` multiplies each sub-layer's output before its
+    residual add (Granite's ``residual_multiplier``).  With ``cross_attention=True`` a cross-attention
     sub-layer over ``context (B, Lc, context_dim)`` sits between the two.
 
     Args:
@@ -48,7 +50,8 @@ class TransformerBlock(nn.Module):
         dropout: residual dropout (and attention dropout unless ``attention_dropout`` is given).
         attention_dropout: dropout on the attention probabilities; None = ``dropout``.
         norm: ``"layer"`` (LayerNorm) or ``"rms"`` (RMSNorm); ``norm_eps`` its epsilon; ``norm_offset`` what
-            an RMSNorm's stored weight lacks (Gemma's ``1 + weight``: 1.0; see :class:`RMSNorm`).
+            an RMSNorm's stored weight lacks (Gemma's ``1 + weight``: 1.0; see :class:`RMSNorm`); the q/k norms
+            (``qk_norm``) use the same two.
         ffn: ``"gelu"``, ``"swiglu"`` or ``"geglu"`` (gated, tanh-approximated GELU: Gemma).
         post_norms: a norm on the output of each sub-layer (``attn_post_norm``, ``ffn_post_norm``).
         cross_attention: add the cross-attention sub-layer; ``context_dim`` its context width.
@@ -80,7 +83,7 @@ class TransformerBlock(nn.Module):
                  qkv_bias: bool | None = None, out_bias: bool | None = None, ffn_bias: bool | None = None,
                  qk_norm: bool = False, softcap: float | None = None, temperature: float = 1.0,
                  backend: str = "auto", attention_dropout: float | None = None, post_norms: bool = False,
-                 norm_offset: float = 0.0):
+                 norm_offset: float = 0.0, pre_norms: bool = True, residual_scale: float = 1.0):
         super().__init__()
         _checks.choice("norm", norm, ("layer", "rms"))
         _checks.choice("ffn", ffn, _FFNS)
@@ -93,15 +96,19 @@ class TransformerBlock(nn.Module):
         ffn_bias = bias if ffn_bias is None else ffn_bias
         self.norm_first = bool(norm_first)
         attn_p = dropout if attention_dropout is None else _checks.probability("attention_dropout", attention_dropout)
+        if not pre_norms and not post_norms:
+            raise ValueError("pre_norms=False needs post_norms=True (OLMo 2 normalises only the sub-layers' outputs)")
+        self.residual_scale = _checks.positive_float("residual_scale", residual_scale)
         attn_kw = dict(n_kv_heads=n_kv_heads, d_head=d_head, bias=qkv_bias, out_bias=out_bias, dropout=attn_p,
-                       qk_norm=qk_norm, softcap=softcap, temperature=temperature, backend=backend)
-        self.attn_norm = make_norm(norm, d_model, norm_eps, norm_offset)
+                       qk_norm=qk_norm, softcap=softcap, temperature=temperature, backend=backend,
+                       qk_norm_eps=norm_eps, qk_norm_offset=norm_offset)
+        self.attn_norm = make_norm(norm, d_model, norm_eps, norm_offset) if pre_norms else nn.Identity()
         self.attn = MultiHeadAttention(d_model, n_heads, positions=positions, mask=mask, **attn_kw)
         self.cross_attention = bool(cross_attention)
         if self.cross_attention:
             self.cross_norm = make_norm(norm, d_model, norm_eps, norm_offset)
             self.cross_attn = MultiHeadAttention(d_model, n_heads, kdim=context_dim, **attn_kw)
-        self.ffn_norm = make_norm(norm, d_model, norm_eps, norm_offset)
+        self.ffn_norm = make_norm(norm, d_model, norm_eps, norm_offset) if pre_norms else nn.Identity()
         self.ffn = FeedForward(d_model, d_ff, ffn, bias=ffn_bias)
         self.post_norms = bool(post_norms)
         if self.post_norms:
@@ -118,7 +125,7 @@ class TransformerBlock(nn.Module):
         if not self.cross_attention and context is not None:
             raise ValueError("context was given but this TransformerBlock has no cross attention: build it "
                              "with cross_attention=True")
-        drop = self.dropout
+        drop = self.dropout if self.residual_scale == 1.0 else self._scaled_branch
         if self.post_norms:
             x = x + drop(self.attn_post_norm(self.attn(self.attn_norm(x), mask=mask, cache=cache, positions=positions)))
             if self.cross_attention:
@@ -134,6 +141,11 @@ class TransformerBlock(nn.Module):
         if self.cross_attention:
             x = self.cross_norm(x + drop(self.cross_attn(x, context, mask=context_mask, cache=cross_cache)))
         return self.ffn_norm(x + drop(self.ffn(x)))
+
+
+    def _scaled_branch(self, t: Tensor) -> Tensor:
+        """A sub-layer's output, dropped out and scaled by ``residual_scale`` before its residual add (Granite)."""
+        return self.dropout(t) * self.residual_scale
 
 
 def _layer_caches(cache, name: str, n: int):

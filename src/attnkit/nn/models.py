@@ -79,12 +79,17 @@ class DecoderConfig:
     qkv_bias: bool = False  # bias on the q/k/v projections (Qwen2: True)
     out_bias: bool = False  # bias on the attention output projection
     ffn_bias: bool = False  # biases in the feed-forward network
-    qk_norm: bool = False  # RMSNorm on every query and key head
+    qk_norm: bool | str = False  # RMSNorm per query/key head (True, "head"), or over all heads at once ("all": OLMo 2)
     softcap: float | None = None  # attention score softcap
     attn_scale: float | None = None  # score scale; None = 1/sqrt(d_head) (Gemma 2: query_pre_attn_scalar^-0.5)
     post_norms: bool = False  # Pre-LN plus a norm on each sub-layer's output before its residual add (Gemma 2)
+    pre_norms: bool = True  # False (with post_norms): only the sub-layers' outputs are normalised (OLMo 2)
+    residual_scale: float = 1.0  # sub-layer outputs times this before the residual add (Granite's residual_multiplier)
     embed_scale: float | None = None  # token embeddings times this (Gemma: sqrt(d_model))
     logit_softcap: float | None = None  # s * tanh(logits / s) on the output logits (Gemma 2: 30)
+    logit_divisor: float | None = None  # output logits divided by this (Granite's logits_scaling)
+    rope_local_theta: float | None = None  # rope base of the layers with a layer_masks entry (Gemma 3; unscaled)
+    rope_layers: tuple[bool, ...] | None = None  # one per layer; False: no positions there (SmolLM3's NoPE layers)
     tie_embeddings: bool = True  # the output head reuses the token embedding
     dropout: float = 0.0  # embedding and residual dropout (training)
     attention_dropout: float = 0.0  # dropout on the attention probabilities (training)
@@ -114,8 +119,19 @@ class DecoderConfig:
         if self.norm_offset and self.norm != "rms":
             raise ValueError(f"norm_offset={self.norm_offset!r} applies to RMSNorm only: use norm='rms' or "
                              f"norm_offset=0.0")
-        for name in ("softcap", "attn_scale", "embed_scale", "logit_softcap"):
+        for name in ("softcap", "attn_scale", "embed_scale", "logit_softcap", "logit_divisor", "rope_local_theta"):
             _checks.positive_float(name, getattr(self, name), allow_none=True)
+        _checks.positive_float("residual_scale", self.residual_scale)
+        if not self.pre_norms and not self.post_norms:
+            raise ValueError("pre_norms=False needs post_norms=True (OLMo 2 normalises only the sub-layers' outputs)")
+        if self.qk_norm not in (False, True, "head", "all"):
+            raise ValueError(f"qk_norm={self.qk_norm!r} must be False, True / 'head' (RMSNorm per head) or 'all' "
+                             f"(over all heads at once)")
+        self.rope_layers = _check_rope_layers(self.rope_layers, self.n_layers, self.positions)
+        if self.rope_local_theta is not None and (self.positions != "rope" or self.layer_masks is None):
+            raise ValueError(f"rope_local_theta={self.rope_local_theta!r} is the rope base of the layers with a "
+                             f"layer_masks entry: it needs positions='rope' and layer_masks (got positions="
+                             f"{self.positions!r}, layer_masks={self.layer_masks!r})")
         if self.post_norms and not self.norm_first:
             raise ValueError("post_norms=True needs norm_first=True (Pre-LN): a Post-LN block already normalises "
                              "after every residual add")
@@ -205,6 +221,18 @@ def _check_layer_masks(value, n_layers: int) -> tuple[_masks.Mask | None, ...] |
     return tuple(_checks.causal_model_mask(f"layer_masks[{i}]", m) for i, m in enumerate(value))
 
 
+def _check_rope_layers(value, n_layers: int, positions: str) -> tuple[bool, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or len(value) != n_layers or not all(
+            isinstance(x, (bool, int)) and x in (0, 1) for x in value):
+        raise ValueError(f"rope_layers={value!r} must give one bool per layer ({n_layers}): False for a layer "
+                         f"without positions")
+    if positions != "rope":
+        raise ValueError(f"rope_layers is for positions='rope', got positions={positions!r}")
+    return tuple(bool(x) for x in value)
+
+
 def _make_positions(cfg: DecoderConfig, *, bidirectional: bool) -> PositionEncoding | None:
     if cfg.positions == "rope":
         return RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, base=cfg.rope_theta, interleaved=cfg.rope_interleaved,
@@ -221,7 +249,8 @@ def _block_options(cfg: DecoderConfig, positions) -> dict:
                 attention_dropout=cfg.attention_dropout, norm_first=cfg.norm_first, norm=cfg.norm,
                 norm_eps=cfg.norm_eps, norm_offset=cfg.norm_offset, ffn=cfg.ffn, positions=positions,
                 qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias, ffn_bias=cfg.ffn_bias, qk_norm=cfg.qk_norm,
-                softcap=cfg.softcap, backend=cfg.backend, post_norms=cfg.post_norms,
+                softcap=cfg.softcap, backend=cfg.backend, post_norms=cfg.post_norms, pre_norms=cfg.pre_norms,
+                residual_scale=cfg.residual_scale,
                 temperature=1.0 if cfg.attn_scale is None else 1.0 / (cfg.attn_scale * math.sqrt(cfg.head_dim)))
 
 
@@ -289,6 +318,8 @@ class _LMBase(nn.Module):
 
     def _logits(self, x: Tensor) -> Tensor:
         logits = linear(x, self.embed.weight) if self.lm_head is None else self.lm_head(x)  # (B, L, vocab)
+        if self.config.logit_divisor is not None:
+            logits = logits / self.config.logit_divisor
         cap = self.config.logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -349,26 +380,40 @@ class DecoderLM(_LMBase):
         cfg = config
         self._build_io(cfg)
         self.positions = _make_positions(cfg, bidirectional=False)
+        self.local_positions = None  # the sliding layers' own rotary embedding (rope_local_theta)
+        if cfg.rope_local_theta is not None:
+            self.local_positions = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, base=cfg.rope_local_theta,
+                                                   interleaved=cfg.rope_interleaved)
         opts = _block_options(cfg, self.positions)
         self.layers = nn.ModuleList(
-            TransformerBlock(cfg.d_model, cfg.n_heads, mask=_checks.combine(_masks.causal(), cfg.layer_mask(i)), **opts)
+            TransformerBlock(cfg.d_model, cfg.n_heads, mask=_checks.combine(_masks.causal(), cfg.layer_mask(i)),
+                             **{**opts, "positions": self._layer_positions(i)})
             for i in range(cfg.n_layers))
         self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_offset) if cfg.norm_first else None
         self._init_weights(cfg.n_layers)
+
+    def _layer_positions(self, i: int) -> PositionEncoding | None:
+        cfg = self.config
+        if cfg.rope_layers is not None and not cfg.rope_layers[i]:
+            return None
+        if self.local_positions is not None and cfg.layer_masks[i] is not None:
+            return self.local_positions
+        return self.positions
 
     def forward(self, ids: Tensor, *, cache=None, positions=None, mask=None) -> Tensor:
         _checks.token_ids("ids", ids, self.config.vocab_size)
         caches = _layer_caches(cache, "layers", len(self.layers))
         pos, hi = self._positions(ids, cache, positions)
-        rope = self.positions if isinstance(self.positions, RotaryEmbedding) and ids.shape[1] else None
+        ropes = [r for r in (self.positions, self.local_positions) if isinstance(r, RotaryEmbedding)]
+        ropes = ropes if ids.shape[1] else []
         x = self._embed(ids, pos)
-        if rope is not None:
+        for rope in ropes:
             rope._share(pos, hi)  # one cos/sin gather for every layer
         try:
             for layer, c in zip(self.layers, caches):
                 x = layer(x, mask=mask, cache=c, positions=pos)
         finally:
-            if rope is not None:
+            for rope in ropes:
                 rope._share(None)
         if self.norm is not None:
             x = self.norm(x)
@@ -414,6 +459,9 @@ class EncoderDecoder(_LMBase):
         if cfg.layer_masks is not None:
             raise ValueError("config.layer_masks is not supported by EncoderDecoder (its decoder applies config.mask "
                              "to every layer): set layer_masks=None, or use DecoderLM for per-layer masks")
+        if cfg.rope_layers is not None:
+            raise ValueError("config.rope_layers is not supported by EncoderDecoder: use DecoderLM for layers "
+                             "without positions")
         n_enc = cfg.n_layers if n_encoder_layers is None else _checks.positive_int("n_encoder_layers",
                                                                                    n_encoder_layers)
         self._build_io(cfg)
