@@ -56,6 +56,8 @@ class TransformerBlock(nn.Module):
         post_norms: a norm on the output of each sub-layer (``attn_post_norm``, ``ffn_post_norm``).
         cross_attention: add the cross-attention sub-layer; ``context_dim`` its context width.
         positions, mask, qk_norm, softcap, temperature, backend: passed to the self-attention.
+        attn: a built self-attention module taking ``(x, *, mask, cache, positions)`` (e.g.
+            :class:`LatentAttention`) instead of the :class:`MultiHeadAttention` the options above build.
         bias: default for ``qkv_bias`` (q/k/v projections), ``out_bias`` (attention output) and ``ffn_bias``.
 
     Submodules: ``attn_norm``, ``attn``, (``cross_norm``, ``cross_attn``), ``ffn_norm``, ``ffn``; with
@@ -83,7 +85,8 @@ class TransformerBlock(nn.Module):
                  qkv_bias: bool | None = None, out_bias: bool | None = None, ffn_bias: bool | None = None,
                  qk_norm: bool = False, softcap: float | None = None, temperature: float = 1.0,
                  backend: str = "auto", attention_dropout: float | None = None, post_norms: bool = False,
-                 norm_offset: float = 0.0, pre_norms: bool = True, residual_scale: float = 1.0):
+                 norm_offset: float = 0.0, pre_norms: bool = True, residual_scale: float = 1.0,
+                 attn: nn.Module | None = None):
         super().__init__()
         _checks.choice("norm", norm, ("layer", "rms"))
         _checks.choice("ffn", ffn, _FFNS)
@@ -103,7 +106,11 @@ class TransformerBlock(nn.Module):
                        qk_norm=qk_norm, softcap=softcap, temperature=temperature, backend=backend,
                        qk_norm_eps=norm_eps, qk_norm_offset=norm_offset)
         self.attn_norm = make_norm(norm, d_model, norm_eps, norm_offset) if pre_norms else nn.Identity()
-        self.attn = MultiHeadAttention(d_model, n_heads, positions=positions, mask=mask, **attn_kw)
+        if attn is not None and not isinstance(attn, nn.Module):
+            raise TypeError(f"attn must be None or a built self-attention module (e.g. LatentAttention), got "
+                            f"{type(attn).__name__}")
+        self.attn = attn if attn is not None else MultiHeadAttention(d_model, n_heads, positions=positions, mask=mask,
+                                                                     **attn_kw)
         self.cross_attention = bool(cross_attention)
         if self.cross_attention:
             self.cross_norm = make_norm(norm, d_model, norm_eps, norm_offset)

@@ -11,6 +11,7 @@ import torch.nn as nn
 from .. import masks as _masks
 from . import _checks
 from .blocks import Decoder, Encoder, TransformerBlock, _cache_positions, _layer_caches, default_d_ff
+from .latent import LatentAttention
 from .layers import Linear, _dropout, linear, make_norm
 from .positions import ALiBi, PositionEncoding, RotaryEmbedding, SinusoidalPositions, T5RelativeBias, _parse_scaling
 
@@ -90,6 +91,12 @@ class DecoderConfig:
     logit_divisor: float | None = None  # output logits divided by this (Granite's logits_scaling)
     rope_local_theta: float | None = None  # rope base of the layers with a layer_masks entry (Gemma 3; unscaled)
     rope_layers: tuple[bool, ...] | None = None  # one per layer; False: no positions there (SmolLM3's NoPE layers)
+    # multi-head latent attention (DeepSeek-V2/V3, LatentAttention) when kv_lora_rank is set; d_head is then the
+    # heads' dims without positions (qk_nope_head_dim), the scale 1/sqrt(d_head + qk_rope_head_dim) unless attn_scale
+    kv_lora_rank: int | None = None  # MLA: the latent's width (a cache stores kv_lora_rank + qk_rope_head_dim)
+    q_lora_rank: int | None = None  # MLA: rank of the query projection; None = a full projection
+    qk_rope_head_dim: int | None = None  # MLA: rotary dims per head, one rotary key shared by every head
+    v_head_dim: int | None = None  # MLA: value dims per head; None = d_head
     tie_embeddings: bool = True  # the output head reuses the token embedding
     dropout: float = 0.0  # embedding and residual dropout (training)
     attention_dropout: float = 0.0  # dropout on the attention probabilities (training)
@@ -148,13 +155,40 @@ class DecoderConfig:
                                   f"{e}") from None
         _checks.causal_model_mask("mask", self.mask)
         self.layer_masks = _check_layer_masks(self.layer_masks, self.n_layers)
-        if self.positions == "rope" and self.rotary_dim is None and self.d_head_ % 2:
+        self._check_latent()
+        if self.positions == "rope" and self.rotary_dim is None and self.d_head_ % 2 and not self.kv_lora_rank:
             raise ValueError(f"positions='rope' rotates pairs of channels: the head size d_head={self.d_head_} must "
                              f"be even (pick d_model/n_heads or d_head even, or rotary_dim=an even size)")
         if self.rotary_dim is not None and (self.rotary_dim > self.d_head_ or self.rotary_dim % 2):
             raise ValueError(f"rotary_dim={self.rotary_dim} must be even and <= d_head={self.d_head_}")
         if self.positions == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"positions='sinusoidal' needs an even d_model, got {self.d_model}")
+
+    def _check_latent(self) -> None:
+        for name in ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+            _checks.positive_int(name, getattr(self, name), allow_none=True)
+        if self.kv_lora_rank is None:
+            for name in ("q_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}={getattr(self, name)!r} is a field of multi-head latent attention: set "
+                                     f"kv_lora_rank too (or {name}=None)")
+            return
+        if self.qk_rope_head_dim is None or self.qk_rope_head_dim % 2:
+            raise ValueError(f"kv_lora_rank={self.kv_lora_rank} (latent attention) needs qk_rope_head_dim, an even "
+                             f"number of rotary dims per head, got {self.qk_rope_head_dim!r}")
+        for name, value, want in (("positions", self.positions, ("rope", "none")),
+                                  ("n_kv_heads", self.n_kv_heads, (None, self.n_heads)),
+                                  ("qk_norm", self.qk_norm, (False,)), ("softcap", self.softcap, (None,)),
+                                  ("rotary_dim", self.rotary_dim, (None,)),
+                                  ("rope_local_theta", self.rope_local_theta, (None,))):
+            if value not in want:
+                raise ValueError(f"{name}={value!r} is not available with latent attention (kv_lora_rank="
+                                 f"{self.kv_lora_rank}): use {name}={want[0]!r}")
+
+    @property
+    def latent(self) -> bool:
+        """Whether the layers use multi-head latent attention (``kv_lora_rank`` is set)."""
+        return self.kv_lora_rank is not None
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "DecoderConfig":
@@ -234,6 +268,9 @@ def _check_rope_layers(value, n_layers: int, positions: str) -> tuple[bool, ...]
 
 
 def _make_positions(cfg: DecoderConfig, *, bidirectional: bool) -> PositionEncoding | None:
+    if cfg.positions == "rope" and cfg.latent:
+        return RotaryEmbedding(cfg.qk_rope_head_dim, base=cfg.rope_theta, interleaved=cfg.rope_interleaved,
+                               scaling=cfg.rope_scaling)
     if cfg.positions == "rope":
         return RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, base=cfg.rope_theta, interleaved=cfg.rope_interleaved,
                                scaling=cfg.rope_scaling)
@@ -387,10 +424,21 @@ class DecoderLM(_LMBase):
         opts = _block_options(cfg, self.positions)
         self.layers = nn.ModuleList(
             TransformerBlock(cfg.d_model, cfg.n_heads, mask=_checks.combine(_masks.causal(), cfg.layer_mask(i)),
-                             **{**opts, "positions": self._layer_positions(i)})
+                             **{**opts, "positions": self._layer_positions(i)}, attn=self._latent_attention(i))
             for i in range(cfg.n_layers))
         self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_offset) if cfg.norm_first else None
         self._init_weights(cfg.n_layers)
+
+    def _latent_attention(self, i: int) -> LatentAttention | None:
+        cfg = self.config
+        if not cfg.latent:
+            return None
+        return LatentAttention(cfg.d_model, cfg.n_heads, kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank,
+                               qk_rope_head_dim=cfg.qk_rope_head_dim, qk_nope_head_dim=cfg.head_dim,
+                               v_head_dim=cfg.v_head_dim or cfg.head_dim, positions=self._layer_positions(i),
+                               mask=_checks.combine(_masks.causal(), cfg.layer_mask(i)), scale=cfg.attn_scale,
+                               bias=cfg.qkv_bias, out_bias=cfg.out_bias, dropout=cfg.attention_dropout,
+                               backend=cfg.backend)
 
     def _layer_positions(self, i: int) -> PositionEncoding | None:
         cfg = self.config
@@ -459,6 +507,8 @@ class EncoderDecoder(_LMBase):
         if cfg.layer_masks is not None:
             raise ValueError("config.layer_masks is not supported by EncoderDecoder (its decoder applies config.mask "
                              "to every layer): set layer_masks=None, or use DecoderLM for per-layer masks")
+        if cfg.latent:
+            raise ValueError("latent attention (config.kv_lora_rank) is not supported by EncoderDecoder: use DecoderLM")
         if cfg.rope_layers is not None:
             raise ValueError("config.rope_layers is not supported by EncoderDecoder: use DecoderLM for layers "
                              "without positions")
