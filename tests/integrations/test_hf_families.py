@@ -16,6 +16,8 @@ TOL = 1e-4
 _COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=64)
 _PAIRS = 8  # rotated pairs of a 16-wide head
+_MLA = dict(num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10,
+            first_k_dense_replace=3)
 
 FAMILIES = {
     "qwen3": lambda: transformers.Qwen3Config(**_COMMON),
@@ -34,6 +36,12 @@ FAMILIES = {
             "long_factor": [2.0 + 0.5 * i for i in range(_PAIRS)]}),
     "olmo2": lambda: transformers.Olmo2Config(**_COMMON),
     "smollm3": lambda: transformers.SmolLM3Config(**_COMMON, no_rope_layers=[1, 0, 1], attention_bias=True),
+    # multi-head latent attention, every layer dense
+    "deepseek-v3": lambda: transformers.DeepseekV3Config(**{**_COMMON, **_MLA}, q_lora_rank=24),
+    "deepseek-v3-yarn-biases": lambda: transformers.DeepseekV3Config(
+        **{**_COMMON, **_MLA}, q_lora_rank=None, rope_interleave=False, attention_bias=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 8,
+                         "mscale": 0.7, "mscale_all_dim": 0.9}),
     "granite": lambda: transformers.GraniteConfig(**_COMMON, embedding_multiplier=3.0, attention_multiplier=0.3,
                                                   residual_multiplier=0.5, logits_scaling=4.0, mlp_bias=True),
 }
@@ -98,6 +106,7 @@ def test_each_family_feature_changes_the_logits():
                "smollm3": [dict(rope_layers=None)],
                "granite": [dict(residual_scale=1.0), dict(logit_divisor=None), dict(embed_scale=None),
                            dict(attn_scale=None)]}
+    changes["deepseek-v3-yarn-biases"] = [dict(attn_scale=None), dict(rope_interleaved=True)]
     for name, alts in changes.items():
         model = from_hf(_hf(name))
         with torch.no_grad():
@@ -124,6 +133,24 @@ def test_mixture_of_experts_models_are_refused_with_the_way_to_run_them():
     mixtral = transformers.MixtralForCausalLM(transformers.MixtralConfig(**_COMMON, num_local_experts=2))
     with pytest.raises(ValueError, match="model_type='mixtral' has mixture-of-experts"):
         from_hf(mixtral)
+    deepseek = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        **{**_COMMON, **_MLA, "first_k_dense_replace": 1}, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+        topk_group=1, moe_intermediate_size=16))
+    with pytest.raises(ValueError, match="model_type='deepseek_v3' has mixture-of-experts.*attnkit"):
+        from_hf(deepseek)
+
+
+def test_deepseek_v3_converts_to_latent_attention_with_its_scale():
+    from attnkit.nn import LatentAttention
+
+    model = from_hf(_hf("deepseek-v3-yarn-biases"))
+    cfg = model.config
+    assert (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_rope_head_dim, cfg.head_dim, cfg.v_head_dim) == (16, None, 8, 12, 10)
+    assert all(isinstance(layer.attn, LatentAttention) for layer in model.layers)
+    m = 0.1 * 0.9 * torch.log(torch.tensor(4.0)).item() + 1  # yarn's mscale_all_dim correction, squared
+    assert cfg.attn_scale == pytest.approx(20 ** -0.5 * m * m)
+    with pytest.raises(ValueError, match="config.attn_scale=0.5: transformers' DeepSeek-V3 scales scores by"):
+        to_hf(DecoderLM(cfg.replace(attn_scale=0.5)))
 
 
 def test_to_hf_family_errors_name_the_field():

@@ -31,7 +31,8 @@ from .. import masks as _masks
 
 Tensor = torch.Tensor
 
-FAMILIES = ("llama", "mistral", "qwen2", "gemma2", "qwen3", "gemma3_text", "phi3", "olmo2", "smollm3", "granite")
+FAMILIES = ("llama", "mistral", "qwen2", "gemma2", "qwen3", "gemma3_text", "phi3", "olmo2", "smollm3", "granite",
+            "deepseek_v3")
 _GEMMAS = ("gemma2", "gemma3_text")
 _SLIDE_ALL = ("mistral", "phi3")  # sliding_window: every layer or none
 _SLIDE_TYPED = ("qwen2", "qwen3", "smollm3", "gemma2", "gemma3_text")  # layer_types say which layers slide
@@ -167,6 +168,8 @@ def decoder_config(hf_config, *, backend: str = "auto"):
     _check_dense(cfg)
     if family in _GEMMAS:
         return _gemma_config(cfg, backend)
+    if family == "deepseek_v3":
+        return _deepseek_config(cfg, backend)
     if family not in FAMILIES:
         raise ValueError(f"decoder_config converts configs of {FAMILIES}, got model_type={family!r}")
     if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
@@ -182,6 +185,46 @@ def decoder_config(hf_config, *, backend: str = "auto"):
         **_layer_masks(_windows(cfg, family)), norm="rms",
         norm_eps=cfg.rms_norm_eps, norm_first=True, ffn="swiglu", qkv_bias=biased or family == "qwen2",
         out_bias=biased, ffn_bias=bool(getattr(cfg, "mlp_bias", False)),
+        tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)), dropout=0.0,
+        attention_dropout=float(getattr(cfg, "attention_dropout", 0.0) or 0.0),
+        init_std=getattr(cfg, "initializer_range", 0.02), backend=backend)
+
+
+def _deepseek_scale(rope: dict, qk_head_dim: int) -> float:
+    """DeepSeek's score scale: ``qk_head_dim^-0.5``, times ``mscale(factor, mscale_all_dim)^2`` with a scaled rope."""
+    from ..nn.positions import _yarn_mscale
+
+    scale = qk_head_dim ** -0.5
+    if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
+        m = _yarn_mscale(rope["factor"], rope["mscale_all_dim"])
+        scale = scale * m * m
+    return scale
+
+
+def _deepseek_config(cfg, backend: str):
+    """DeepSeek-V3 with dense feed-forward layers only: multi-head latent attention (DecoderConfig.kv_lora_rank)."""
+    from ..nn import DecoderConfig
+
+    if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
+        raise ValueError(f"hidden_act={cfg.hidden_act!r}: attnkit's SwiGLU uses silu")
+    heads = cfg.num_attention_heads
+    if (getattr(cfg, "num_key_value_heads", None) or heads) != heads:
+        raise ValueError(f"num_key_value_heads={cfg.num_key_value_heads} != num_attention_heads={heads}: latent "
+                         f"attention gives every head its own key and value")
+    theta, scaling, max_len = _rope(cfg)
+    params = dict(cfg.rope_parameters or {})
+    if scaling is not None:  # the factor _rope filled in
+        params["factor"] = scaling.get("factor", params.get("factor"))
+    scale = _deepseek_scale(params, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    biased = bool(getattr(cfg, "attention_bias", False))
+    return DecoderConfig(
+        vocab_size=cfg.vocab_size, d_model=cfg.hidden_size, n_layers=cfg.num_hidden_layers, n_heads=heads,
+        d_head=cfg.qk_nope_head_dim, d_ff=cfg.intermediate_size, kv_lora_rank=cfg.kv_lora_rank,
+        q_lora_rank=cfg.q_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
+        max_seq_len=max_len, positions="rope", rope_theta=theta, rope_scaling=scaling,
+        rope_interleaved=bool(getattr(cfg, "rope_interleave", True)),
+        attn_scale=None if scale == (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5 else scale,
+        norm="rms", norm_eps=cfg.rms_norm_eps, norm_first=True, ffn="swiglu", qkv_bias=biased, out_bias=biased,
         tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)), dropout=0.0,
         attention_dropout=float(getattr(cfg, "attention_dropout", 0.0) or 0.0),
         init_std=getattr(cfg, "initializer_range", 0.02), backend=backend)
@@ -234,6 +277,9 @@ _NORMS = {"gemma2": _GEMMA_NORMS, "gemma3_text": _GEMMA_NORMS,
           "olmo2": {"post_attention_layernorm": "attn_post_norm", "post_feedforward_layernorm": "ffn_post_norm"},
           None: {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}}
 _QK_NORMS = {"q_norm": "q_norm", "k_norm": "k_norm"}  # self_attn.<name> -> attn.<name>
+# DeepSeek's latent attention: self_attn.<HF name> -> attn.<attnkit name> (LatentAttention)
+_MLA = {"q_proj": "q_proj", "q_a_proj": "q_a_proj", "q_a_layernorm": "q_norm", "q_b_proj": "q_b_proj",
+        "kv_a_proj_with_mqa": "kv_a_proj", "kv_a_layernorm": "kv_norm", "kv_b_proj": "kv_b_proj", "o_proj": "out_proj"}
 
 
 def _norm_shift(family: str, norm_offset: float) -> float:
@@ -259,6 +305,14 @@ def _to_attnkit_state(hf_state: dict, n_layers: int, tied: bool, family: str, no
             if f"{h}self_attn.{name}.weight" in hf_state:
                 s[f"{a}attn.{name}.weight"] = _shifted(hf_state[f"{h}self_attn.{name}.weight"], off)
         for kind in ("weight", "bias"):
+            if family == "deepseek_v3":
+                for hf_name, name in _MLA.items():
+                    if f"{h}self_attn.{hf_name}.{kind}" in hf_state:
+                        s[f"{a}attn.{name}.{kind}"] = hf_state[f"{h}self_attn.{hf_name}.{kind}"]
+                s[f"{a}ffn.up_proj.weight"] = torch.cat([hf_state[h + "mlp.gate_proj.weight"],
+                                                         hf_state[h + "mlp.up_proj.weight"]], 0)  # rows [gate; up]
+                s[f"{a}ffn.down_proj.weight"] = hf_state[h + "mlp.down_proj.weight"]
+                continue
             qkv = [hf_state.get(f"{h}self_attn.{p}_proj.{kind}") for p in "qkv"]
             if qkv[0] is not None:
                 s[f"{a}attn.qkv_proj.{kind}"] = torch.cat(qkv, 0)  # rows [q; k; v]
@@ -457,6 +511,8 @@ def _is_gemma_like(cfg) -> bool:
 
 def _infer_family(cfg) -> str | None:
     """The transformers family a DecoderConfig's features ask for; None: Llama, Mistral or Qwen2 (biases, windows)."""
+    if cfg.latent:
+        return "deepseek_v3"
     if cfg.qk_norm == "all" or not cfg.pre_norms:
         return "olmo2"
     if _is_gemma_like(cfg):
@@ -469,7 +525,7 @@ def _infer_family(cfg) -> str | None:
     return "qwen3" if cfg.qk_norm else None
 
 
-_NAMES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "gemma2": "Gemma 2", "qwen3": "Qwen3",
+_NAMES = {"deepseek_v3": "DeepSeek-V3", "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "gemma2": "Gemma 2", "qwen3": "Qwen3",
           "gemma3_text": "Gemma 3", "phi3": "Phi-3", "olmo2": "OLMo 2", "smollm3": "SmolLM3", "granite": "Granite"}
 
 
@@ -533,6 +589,31 @@ def _new_family_config(cfg, common: dict, lefts: list[int | None], family: str):
     return getattr(transformers, classes[family])(**common, **opts)
 
 
+def _deepseek_hf_config(cfg, common: dict, lefts: list[int | None]):
+    transformers = _transformers()
+    if not cfg.latent:
+        raise ValueError("family='deepseek_v3' needs latent attention: set config.kv_lora_rank (and "
+                         "qk_rope_head_dim)")
+    checks = [("positions", cfg.positions, "rope"), ("norm", cfg.norm, "rms"), ("norm_first", cfg.norm_first, True),
+              ("ffn", cfg.ffn, "swiglu"), ("ffn_bias", cfg.ffn_bias, False), ("out_bias", cfg.out_bias, cfg.qkv_bias),
+              ("post_norms", cfg.post_norms, False), ("embed_scale", cfg.embed_scale, None),
+              ("logit_softcap", cfg.logit_softcap, None), ("logit_divisor", cfg.logit_divisor, None),
+              ("residual_scale", cfg.residual_scale, 1.0), ("rope_layers", cfg.rope_layers, None)]
+    _check_fields(cfg, checks, "DeepSeek-V3")
+    _window_options(cfg, lefts, "deepseek_v3")
+    qk = cfg.head_dim + cfg.qk_rope_head_dim
+    want = _deepseek_scale(common["rope_parameters"], qk)
+    got = cfg.attn_scale if cfg.attn_scale is not None else qk ** -0.5
+    if abs(got - want) > 1e-12 * want:
+        raise ValueError(f"config.attn_scale={cfg.attn_scale!r}: transformers' DeepSeek-V3 scales scores by "
+                         f"{want!r} (1/sqrt(d_head + qk_rope_head_dim), with yarn's mscale_all_dim correction)")
+    common = {**common, "head_dim": cfg.qk_rope_head_dim, "num_key_value_heads": cfg.n_heads, "pad_token_id": None}
+    return transformers.DeepseekV3Config(
+        **common, kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim,
+        qk_nope_head_dim=cfg.head_dim, v_head_dim=cfg.v_head_dim or cfg.head_dim, rope_interleave=cfg.rope_interleaved,
+        attention_bias=cfg.qkv_bias, first_k_dense_replace=cfg.n_layers)  # every layer dense
+
+
 def hf_config(config, *, attn_implementation: str | None = None, family: str | None = None):
     """The ``transformers`` config of an :class:`attnkit.nn.DecoderConfig`: the family its features ask for
     (see :func:`to_hf`), or ``family`` (a ``model_type`` in :data:`FAMILIES`) when given."""
@@ -550,6 +631,11 @@ def hf_config(config, *, attn_implementation: str | None = None, family: str | N
     if attn_implementation is not None:
         common["attn_implementation"] = attn_implementation
     family = family or _infer_family(cfg)
+    if family == "deepseek_v3":
+        return _deepseek_hf_config(cfg, common, lefts)
+    if cfg.latent:
+        raise ValueError(f"family={family!r}: latent attention (config.kv_lora_rank) converts to DeepSeek-V3 "
+                         f"(family='deepseek_v3')")
     if family in _GEMMAS:
         return _gemma_hf_config(cfg, common, lefts, family)
     if family is not None and family not in ("llama", "mistral", "qwen2"):
@@ -585,10 +671,18 @@ def _to_hf_state(state: dict, n_layers: int, tied: bool, dims: tuple[int, int, i
         h, a = f"model.layers.{i}.", f"layers.{i}."
         for hf_name, name in _NORMS.get(family, _NORMS[None]).items():
             s[f"{h}{hf_name}.weight"] = _shifted(state[f"{a}{name}.weight"], off)
-        for name in _QK_NORMS:
+        for name in _QK_NORMS if family != "deepseek_v3" else ():  # (LatentAttention's q_norm is q_a_layernorm)
             if f"{a}attn.{name}.weight" in state:
                 s[f"{h}self_attn.{name}.weight"] = _shifted(state[f"{a}attn.{name}.weight"], off)
         for kind in ("weight", "bias"):
+            if family == "deepseek_v3":
+                for hf_name, name in _MLA.items():
+                    if f"{a}attn.{name}.{kind}" in state:
+                        s[f"{h}self_attn.{hf_name}.{kind}"] = state[f"{a}attn.{name}.{kind}"]
+                if kind == "weight":
+                    s[f"{h}mlp.gate_proj.weight"], s[f"{h}mlp.up_proj.weight"] = state[f"{a}ffn.up_proj.weight"].split(ff)
+                    s[f"{h}mlp.down_proj.weight"] = state[f"{a}ffn.down_proj.weight"]
+                continue
             if family == "phi3":  # fused as attnkit's: rows [q; k; v] and [gate; up]
                 if f"{a}attn.qkv_proj.{kind}" in state:
                     s[f"{h}self_attn.qkv_proj.{kind}"] = state[f"{a}attn.qkv_proj.{kind}"]
@@ -652,7 +746,7 @@ def to_hf(model, *, attn_implementation: str | None = None, family: str | None =
     classes = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "gemma2": "Gemma2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-               "granite": "GraniteForCausalLM"}
+               "granite": "GraniteForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
     dtype, device = _dtype_device(model)
     out = getattr(transformers, classes[config.model_type])(config).to(device=device, dtype=dtype)
     dims = (cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.ff_dim)
