@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from . import _checks
-from .attention import _Attends
+from .attention import _Attends, _is_bottom_right_causal
 from .layers import Linear, RMSNorm
 from .positions import RotaryEmbedding
 
@@ -187,7 +187,10 @@ class LatentAttention(_Attends):
                                     f"attend(), got {type(kv).__name__}")
                 extra = _checks.as_mask("the cache's extra_mask", kv[2]) if len(kv) == 3 else None
                 kv = kv[0]  # (B, 1, Lk, r + dr)
-        m = _checks.combine(self.mask, call_mask, extra)
+        layer_mask = self.mask
+        if L == 1 and call_mask is None and extra is None and _is_bottom_right_causal(layer_mask):
+            layer_mask = None  # one query at the last position sees every key: no mask to evaluate
+        m = _checks.combine(layer_mask, call_mask, extra)
         dropout_p = self.dropout if self.training else 0.0
         if not hasattr(kv, "attend") and kv.shape[2] == L:  # a prompt (nothing stored before): ordinary attention
             out = self._expanded(q_nope, q_rope, kv, m, dropout_p)
