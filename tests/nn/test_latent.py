@@ -135,5 +135,7 @@ def test_latent_attention_errors_name_the_field():
                       (dict(kv_lora_rank=16, qk_rope_head_dim=8, positions="alibi"), "positions='alibi' is not")]:
         with pytest.raises(ValueError, match=match):
             DecoderConfig.preset("tiny", **kw)
+    with pytest.raises(ValueError, match="QuantizedCache does not store latent attention's caches"):
+        attnkit.generate(_mla_model(), [[1, 2, 3]], 2, cache="int8")
     with pytest.raises(TypeError, match="x has dtype torch.float64"):
         _mla()(torch.randn(1, 3, 32, dtype=D64))
