@@ -1,4 +1,4 @@
-"""Converting Llama-family and Gemma 2 causal LMs between Hugging Face ``transformers`` and
+"""Converting Llama-family, Gemma and DeepSeek-V3 causal LMs between Hugging Face ``transformers`` and
 :class:`attnkit.nn.DecoderLM`.
 
 The Llama family shares one layout — RMSNorm Pre-LN blocks, grouped-query attention with rotate-half RoPE,
@@ -6,7 +6,16 @@ a SwiGLU MLP — and differs in biases and the sliding window:
 
 * ``llama``: biases on q/k/v/o (``attention_bias``) and the MLP (``mlp_bias``) or none; no window;
 * ``mistral``: no biases; ``sliding_window`` on every layer, or none;
-* ``qwen2``: biases on q/k/v only; ``layer_types`` says which layers slide (all, none, or a mix).
+* ``qwen2``: biases on q/k/v only; ``layer_types`` says which layers slide (all, none, or a mix);
+* ``qwen3``: Qwen2's windows, biases on q/k/v/o or none, and an RMSNorm on every query and key head before
+  RoPE (``qk_norm=True``);
+* ``phi3``: no biases, ``qkv_proj`` and ``gate_up_proj`` already fused as attnkit's, LongRoPE (its original
+  length read from the config);
+* ``olmo2``: no norm before the sub-layers, one after each (``pre_norms=False, post_norms=True``), and q/k norms
+  over all heads of a token at once (``qk_norm="all"``);
+* ``smollm3``: ``no_rope_layers`` (0: a layer without positions) as ``rope_layers``;
+* ``granite``: ``embedding_multiplier`` (``embed_scale``), ``attention_multiplier`` (``attn_scale``),
+  ``residual_multiplier`` (``residual_scale``) and ``logits_scaling`` (``logit_divisor``).
 
 HF's window ``w`` counts the query itself, so it becomes ``masks.sliding_window(w - 1)``: in
 ``DecoderConfig.mask`` when every layer slides, in ``DecoderConfig.layer_masks`` (``None`` for the
@@ -18,6 +27,14 @@ full-attention layers) when only some do.  HF's ``attention_dropout`` is ``Decod
 MLP's input norm), ``attn_scale=query_pre_attn_scalar ** -0.5``, score and logit soft-caps, sliding and
 global layers alternating through ``layer_types``, and RMSNorm weights stored as ``w - 1`` (HF multiplies
 by ``1 + w`` in float32; attnkit's ``norm_offset=1.0`` does the same, so the weights copy bit for bit).
+
+``gemma3_text`` is Gemma 2 plus q/k norms (stored as ``w - 1`` too) and a rope of its own for the sliding layers
+(``rope_parameters["sliding_attention"]``, ``rope_local_theta``), usually without soft-caps.
+
+``deepseek_v3`` with every feed-forward dense (``first_k_dense_replace >= num_hidden_layers``) has multi-head
+latent attention (:class:`attnkit.nn.LatentAttention`, ``DecoderConfig.kv_lora_rank``); its score scale
+``(qk_nope_head_dim + qk_rope_head_dim)^-0.5`` gains YaRN's ``mscale_all_dim`` correction squared as
+``attn_scale``.  Mixture-of-experts models (DeepSeek with experts, Mixtral, Qwen MoE, ...) are refused.
 
 Weights map one to one except two fusions: attnkit's ``attn.qkv_proj`` stacks ``[q_proj; k_proj; v_proj]`` and
 ``ffn.up_proj`` stacks ``[gate_proj; up_proj]``.

@@ -29,7 +29,11 @@ class DecoderConfig:
     Expresses Llama (``norm="rms", ffn="swiglu"``, RoPE, no biases), Mistral (plus
     ``mask=masks.sliding_window(W - 1)``), Qwen2 (plus ``qkv_bias=True``), Gemma 2 (``ffn="geglu",
     post_norms=True, embed_scale=sqrt(d_model)``, ``attn_scale``, ``softcap``, ``logit_softcap`` and
-    alternating ``layer_masks``) as well as GPT-style models (``norm="layer", ffn="gelu"``, biases,
+    alternating ``layer_masks``), Gemma 3 (plus ``qk_norm=True``, ``rope_local_theta``), Qwen3 (``qk_norm``),
+    OLMo 2 (``qk_norm="all", pre_norms=False, post_norms=True``), SmolLM3 (``rope_layers``), Granite
+    (``embed_scale``, ``attn_scale``, ``residual_scale``, ``logit_divisor``), DeepSeek-V3's multi-head latent
+    attention (``kv_lora_rank``, ``q_lora_rank``, ``qk_rope_head_dim``, ``v_head_dim``; ``d_head`` is then
+    ``qk_nope_head_dim``) as well as GPT-style models (``norm="layer", ffn="gelu"``, biases,
     ``positions="sinusoidal"`` or ``"alibi"``).
 
     **Masks.**  Every layer is causal.  ``mask`` is AND-ed into every layer; ``layer_masks`` (one entry per
