@@ -40,11 +40,11 @@ def main(argv=None) -> None:
         dims = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=8, q_lora_rank=128, kv_lora_rank=64,
                     qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, intermediate_size=512)
         prompt, new, repeat = 32, 16, 3
-    else:  # DeepSeek-V3's head layout (128 heads of 128 + 64, latent 512) scaled to 16 heads and 4 layers
-        dims = dict(hidden_size=1024, num_hidden_layers=4, num_attention_heads=16, q_lora_rank=384,
-                    kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-                    intermediate_size=2816)
-        prompt, new, repeat = 128, 64, 3
+    else:  # DeepSeek-V3's proportions (heads of 128 + 64, latent 512, 128 heads) at a quarter of the head width
+        dims = dict(hidden_size=512, num_hidden_layers=2, num_attention_heads=16, q_lora_rank=192,
+                    kv_lora_rank=128, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+                    intermediate_size=1408)
+        prompt, new, repeat = 64, 32, 3
     heads = dims["num_attention_heads"]
     cfg = transformers.DeepseekV3Config(vocab_size=4096, num_key_value_heads=heads, max_position_embeddings=4096,
                                         first_k_dense_replace=dims["num_hidden_layers"], pad_token_id=0,

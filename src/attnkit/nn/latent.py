@@ -144,15 +144,17 @@ class LatentAttention(_Attends):
 
     def _up_weights(self) -> tuple[Tensor, Tensor]:
         """``W_uk (H, dn, r)`` and ``W_uv (H, dv, r)``: the rows of ``kv_b_proj`` per head."""
-        w = self.kv_b_proj.weight.view(self.n_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        proj = self.kv_b_proj
+        w = proj.dequantized() if callable(getattr(proj, "dequantized", None)) else proj.weight  # (attnkit.quantize)
+        w = w.view(self.n_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]
 
     # ---------------------------------------------------------------------------- forward
 
     def forward(self, x: Tensor, *, mask=None, cache=None, positions=None) -> Tensor:
         _checks.features("x", x, self.d_model, what=f"(B, L, d_model={self.d_model})")
-        w = self.out_proj.weight
-        if x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
+        w = self.out_proj.weight if type(self.out_proj) in (Linear, nn.Linear) else None  # (a subclass may cast)
+        if w is not None and x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
             raise TypeError(f"x has dtype {x.dtype} but this module's weights are {w.dtype}: convert one to the "
                             f"other (module.to({x.dtype}) or x.to({w.dtype})), or run under torch.autocast")
         B, L, _ = x.shape
@@ -211,14 +213,18 @@ class LatentAttention(_Attends):
     def _absorbed(self, q_nope: Tensor, q_rope: Tensor, kv, mask, dropout_p: float) -> Tensor:
         """Attention over the cached latents with ``W_uk`` absorbed into the query and ``W_uv`` into the output."""
         w_uk, w_uv = self._up_weights()
-        q = torch.cat((torch.matmul(q_nope, w_uk.to(q_nope.dtype)), q_rope), dim=-1)  # (B, H, L, r + dr)
+        B, H, L, _ = q_nope.shape
+        # one product per head over every token of the batch (the weights are not repeated per sequence)
+        q_lat = torch.bmm(q_nope.transpose(0, 1).reshape(H, B * L, -1), w_uk.to(q_nope.dtype))  # (H, B L, r)
+        q = torch.cat((q_lat.view(H, B, L, -1).transpose(0, 1), q_rope), dim=-1)  # (B, H, L, r + dr)
         r = self.kv_lora_rank
         if hasattr(kv, "attend"):  # a paged decode step: the values are the stored latents' first r channels
             out = kv.attend(q, mask=mask, bias=None, scale=self.scale, softcap=None, value_dims=r)
         else:
             out = self._attend(q, kv, kv[..., :r], mask=mask, bias=None, scale=self.scale, softcap=None,
                                dropout_p=dropout_p)  # (B, H, L, r): one key head, the latent
-        return torch.matmul(out, w_uv.transpose(1, 2).to(out.dtype))  # (B, H, L, dv)
+        out = torch.bmm(out.transpose(0, 1).reshape(H, B * L, r), w_uv.transpose(1, 2).to(out.dtype))  # (H, B L, dv)
+        return out.view(H, B, L, -1).transpose(0, 1)  # (B, H, L, dv)
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, n_heads={self.n_heads}, kv_lora_rank={self.kv_lora_rank}, "
