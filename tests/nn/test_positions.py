@@ -292,3 +292,17 @@ def test_longrope_switches_frequencies_per_call_at_the_original_length():
     assert not torch.allclose(short, long[:, :, :8])
     plain = RotaryEmbedding(4).rotate(q[:, :, :8], torch.arange(8)) * rope.attention_factor
     torch.testing.assert_close(short, plain)  # short factors of 1: plain RoPE times the attention factor
+
+
+def test_length_dependent_rope_refuses_a_position_bound_under_compile(monkeypatch):
+    """A compiled forward with given positions sizes rope tables by max_seq_len, not the largest position: for
+    LongRoPE and dynamic NTK that would pick the wrong frequencies, so it raises instead."""
+    from attnkit.nn import DecoderConfig, DecoderLM
+
+    scaling = {"type": "dynamic", "factor": 2.0, "original_max_seq_len": 16}
+    model = DecoderLM(DecoderConfig.preset("tiny", max_seq_len=32, rope_scaling=scaling)).eval()
+    assert model.positions.length_dependent and not RotaryEmbedding(8).length_dependent
+    ids = torch.randint(0, 256, (1, 4))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with pytest.raises(ValueError, match="rope scaling 'dynamic' picks its frequencies from the largest position"):
+        model(ids, positions=torch.arange(4))

@@ -327,6 +327,11 @@ class _LMBase(nn.Module):
         if pos.numel() == 0:
             return 0
         if torch.compiler.is_compiling():  # reading the tensor would split the graph: check inside it instead
+            rope = getattr(self, "positions", None)
+            if isinstance(rope, RotaryEmbedding) and rope.length_dependent:
+                raise ValueError(f"rope scaling {rope.scaling['type']!r} picks its frequencies from the largest "
+                                 f"position, which a compiled forward does not read from given positions: call "
+                                 f"it with positions=None (the cache's offset) or without torch.compile")
             torch._assert_async((pos >= 0).all(), "positions must be >= 0")
             if cfg.positions not in ("alibi", "t5", "none"):
                 torch._assert_async((pos < cfg.max_seq_len).all(), f"positions must be < max_seq_len="

@@ -258,6 +258,11 @@ class RotaryEmbedding(PositionEncoding):
         self._tables: dict = {}
         self._shared = None  # (positions, (cos, sin)) while a model's forward shares one gather
 
+    @property
+    def length_dependent(self) -> bool:
+        """Whether the frequencies depend on a call's largest position (LongRoPE, dynamic NTK)."""
+        return self.scaling is not None and self.scaling["type"] in ("longrope", "dynamic")
+
     def _exponents(self) -> Tensor:
         d = self.dim
         return torch.arange(0, d, 2, dtype=torch.int64).float() / d  # (dim/2,): 2i / dim
