@@ -260,6 +260,9 @@ def _gemma_config(cfg, backend: str):
     windows = _windows(cfg, cfg.model_type)
     if gemma3:
         params = cfg.rope_parameters
+        if not isinstance(params, dict) or not {"full_attention", "sliding_attention"} <= set(params):
+            raise ValueError(f"Gemma 3 rope_parameters={params!r}: from_hf reads one entry per layer type "
+                             f"('full_attention' and 'sliding_attention'), as transformers >= 5 stores them")
         theta, scaling, max_len = _rope(cfg, params["full_attention"])
         local_theta, local_scaling, _ = _rope(cfg, params["sliding_attention"])
         if local_scaling is not None:
