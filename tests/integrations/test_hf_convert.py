@@ -275,13 +275,20 @@ _ATTNKIT = {
                         attention_dropout=0.1, norm_offset=1.0),
     "gemma2-biases-global": dict(ffn="geglu", post_norms=True, embed_scale=8.0, qkv_bias=True, out_bias=True,
                                  tie_embeddings=False, norm_offset=1.0),
+    "qwen3-like": dict(qk_norm=True, qkv_bias=True, out_bias=True, layer_masks=(masks.sliding_window(3), None)),
+    "olmo2-like": dict(qk_norm="all", pre_norms=False, post_norms=True),
+    "smollm3-like": dict(rope_layers=(False, True), ffn_bias=True),
+    "granite-like": dict(embed_scale=2.0, attn_scale=0.3, residual_scale=0.5, logit_divisor=3.0),
+    "gemma3-like": dict(ffn="geglu", post_norms=True, embed_scale=8.0, qk_norm=True, norm_offset=1.0,
+                        layer_masks=(masks.sliding_window(3), None), rope_local_theta=100.0),
     # norms without Gemma's offset: converted through w - 1 (logits match; the round trip has offset 1.0)
     "gemma2-no-offset": dict(ffn="geglu", post_norms=True, embed_scale=8.0, softcap=2.0),
 }
 _FAMILY = {"llama-like": "Llama", "llama-biases": "Llama", "llama-yarn": "Llama", "llama-longrope": "Llama",
            "llama-dynamic": "Llama", "mistral-like": "Mistral", "qwen2-like": "Qwen2",
            "qwen2-window": "Qwen2", "qwen2-mixed": "Qwen2", "qwen2-mixed-with-mask": "Qwen2",
-           "gemma2-like": "Gemma2", "gemma2-biases-global": "Gemma2", "gemma2-no-offset": "Gemma2"}
+           "qwen3-like": "Qwen3", "olmo2-like": "Olmo2", "smollm3-like": "SmolLM3", "granite-like": "Granite",
+           "gemma3-like": "Gemma3", "gemma2-like": "Gemma2", "gemma2-biases-global": "Gemma2", "gemma2-no-offset": "Gemma2"}
 
 
 @pytest.mark.parametrize("name", sorted(_ATTNKIT))
