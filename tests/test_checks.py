@@ -12,6 +12,7 @@ from attnkit.cache import PagedCache
 from attnkit.quantize import BF16Linear, Int8Linear
 
 NONE_MEANS_DEFAULT = ("out_bias", "qkv_bias", "ffn_bias", "grad")  # None: follow bias / whatever requires grad
+NAMED_CHOICES = ("qk_norm",)  # a flag or a named layout ("head", "all"): another string is a ValueError
 BOOL_FIELDS = ("rope_interleaved", "norm_first", "qkv_bias", "out_bias", "ffn_bias", "qk_norm", "post_norms",
                "tie_embeddings")
 
@@ -79,6 +80,9 @@ def test_every_bool_option_refuses_strings_none_and_numbers(tiny):
             try:
                 call(bad)
                 wrong.append(f"entry {i} ({name}={bad!r}): accepted")
+            except ValueError as e:
+                if not (name in NAMED_CHOICES and isinstance(bad, str) and str(e).startswith(f"{name}={bad!r} must be")):
+                    wrong.append(f"entry {i} ({name}={bad!r}): {e}")
             except TypeError as e:
                 if not str(e).startswith(f"{name} must be True or False, got "):
                     wrong.append(f"entry {i} ({name}={bad!r}): {e}")

@@ -1,5 +1,7 @@
 """from_hf / to_hf: Llama-family causal LMs between transformers and attnkit.nn.DecoderLM, identical logits."""
 
+import math
+
 import pytest
 import torch
 
@@ -23,6 +25,14 @@ HF_CONFIGS = {
         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
     "mistral-window": lambda: transformers.MistralConfig(**_COMMON, sliding_window=4),
+    # long-context rope types, with sequences on both sides of the original length (8)
+    "llama-yarn": lambda: transformers.LlamaConfig(**_COMMON, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8}),
+    "llama-longrope": lambda: transformers.LlamaConfig(**_COMMON, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 8,
+        "short_factor": [1.0 + 0.05 * i for i in range(8)], "long_factor": [1.5 + 0.5 * i for i in range(8)]}),
+    "qwen2-dynamic": lambda: transformers.Qwen2Config(**{**_COMMON, "max_position_embeddings": 8}, rope_parameters={
+        "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}),
     "qwen2": lambda: transformers.Qwen2Config(**_COMMON, tie_word_embeddings=True),
     "qwen2-window-linear-rope": lambda: transformers.Qwen2Config(
         **_COMMON, use_sliding_window=True, sliding_window=5, max_window_layers=0,
@@ -74,6 +84,8 @@ def test_from_hf_logits_match(name):
     assert err <= TOL, f"{name}: max |logits - HF| = {err:.2e}"
     # left-padded batch: HF with position_ids from the mask, attnkit with positions and key padding
     ids, am, pos = _left_padded()
+    if "dynamic" in name:  # HF's dynamic NTK keeps the frequencies of the longest call so far: start afresh
+        hf_model = _hf(name)
     with torch.no_grad():
         ref = hf_model(ids, attention_mask=am, position_ids=pos).logits
         out = model(ids, positions=pos, mask=masks.key_padding(am.bool()))
@@ -114,6 +126,22 @@ def test_from_hf_config_and_sensitivity():
         full = DecoderLM(model.config)
         full.load_state_dict(model.state_dict())
         assert (full.eval()(ids) - windowed).abs().max() > 1e-3
+
+
+def test_from_hf_long_context_rope_config_and_sensitivity():
+    """yarn / longrope / dynamic NTK carry their fields; dynamic NTK may run past HF's max_position_embeddings
+    (the length it scales beyond) up to factor times it; each scaling changes the logits."""
+    model = from_hf(_hf("qwen2-dynamic"))
+    assert model.config.rope_scaling == {"type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 8}
+    assert model.config.max_seq_len == 32
+    yarn = from_hf(_hf("llama-yarn"))
+    assert yarn.layers[0].attn.positions.attention_factor == pytest.approx(0.1 * math.log(4.0) + 1)
+    ids = torch.randint(3, V, (1, 30))
+    for m in (model, yarn, from_hf(_hf("llama-longrope"))):
+        plain = DecoderLM(m.config.replace(rope_scaling=None, max_seq_len=64)).eval()
+        plain.load_state_dict(m.state_dict())
+        with torch.no_grad():
+            assert (plain(ids) - m(ids)).abs().max() > 10 * TOL, m.config.rope_scaling["type"]
 
 
 def test_from_hf_gemma2_config_and_sensitivity():
@@ -166,7 +194,8 @@ def test_from_hf_decodes_with_attnkit_caches_like_hf_generate(name):
         assert torch.equal(got, want), f"{name}, {type(cache).__name__}:\n{got}\n{want}"
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral-window", "qwen2", "qwen2-mixed-layers", "gemma2"])
+@pytest.mark.parametrize("name", ["llama", "mistral-window", "qwen2", "qwen2-mixed-layers", "gemma2", "llama-yarn",
+                                  "llama-longrope", "qwen2-dynamic"])
 def test_from_hf_serves_attnkit_generate_and_engine_like_hf(name):
     hf_model = _hf(name)
     hf_model.generation_config.eos_token_id = None  # run to max_new_tokens
@@ -229,6 +258,12 @@ _ATTNKIT = {
                          rope_scaling={"type": "linear", "factor": 2.0}),
     "mistral-like": dict(mask=masks.sliding_window(3)),
     "qwen2-like": dict(qkv_bias=True, rope_theta=1e6),
+    "llama-yarn": dict(rope_scaling={"type": "yarn", "factor": 4.0, "original_max_seq_len": 8, "mscale": 0.8,
+                                     "mscale_all_dim": 0.5}),
+    "llama-longrope": dict(rope_scaling={"type": "longrope", "factor": 4.0, "original_max_seq_len": 8,
+                                         "short_factor": [1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7],
+                                         "long_factor": [2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 5.5]}),
+    "llama-dynamic": dict(rope_scaling={"type": "dynamic", "factor": 8.0, "original_max_seq_len": 8}),
     "qwen2-window": dict(qkv_bias=True, mask=masks.causal() & masks.sliding_window(5)),
     "qwen2-mixed": dict(qkv_bias=True, n_layers=3, attention_dropout=0.125,
                         layer_masks=(None, masks.sliding_window(3), masks.sliding_window(3))),
@@ -240,12 +275,20 @@ _ATTNKIT = {
                         attention_dropout=0.1, norm_offset=1.0),
     "gemma2-biases-global": dict(ffn="geglu", post_norms=True, embed_scale=8.0, qkv_bias=True, out_bias=True,
                                  tie_embeddings=False, norm_offset=1.0),
+    "qwen3-like": dict(qk_norm=True, qkv_bias=True, out_bias=True, layer_masks=(masks.sliding_window(3), None)),
+    "olmo2-like": dict(qk_norm="all", pre_norms=False, post_norms=True),
+    "smollm3-like": dict(rope_layers=(False, True), ffn_bias=True),
+    "granite-like": dict(embed_scale=2.0, attn_scale=0.3, residual_scale=0.5, logit_divisor=3.0),
+    "gemma3-like": dict(ffn="geglu", post_norms=True, embed_scale=8.0, qk_norm=True, norm_offset=1.0,
+                        layer_masks=(masks.sliding_window(3), None), rope_local_theta=100.0),
     # norms without Gemma's offset: converted through w - 1 (logits match; the round trip has offset 1.0)
     "gemma2-no-offset": dict(ffn="geglu", post_norms=True, embed_scale=8.0, softcap=2.0),
 }
-_FAMILY = {"llama-like": "Llama", "llama-biases": "Llama", "mistral-like": "Mistral", "qwen2-like": "Qwen2",
+_FAMILY = {"llama-like": "Llama", "llama-biases": "Llama", "llama-yarn": "Llama", "llama-longrope": "Llama",
+           "llama-dynamic": "Llama", "mistral-like": "Mistral", "qwen2-like": "Qwen2",
            "qwen2-window": "Qwen2", "qwen2-mixed": "Qwen2", "qwen2-mixed-with-mask": "Qwen2",
-           "gemma2-like": "Gemma2", "gemma2-biases-global": "Gemma2", "gemma2-no-offset": "Gemma2"}
+           "qwen3-like": "Qwen3", "olmo2-like": "Olmo2", "smollm3-like": "SmolLM3", "granite-like": "Granite",
+           "gemma3-like": "Gemma3", "gemma2-like": "Gemma2", "gemma2-biases-global": "Gemma2", "gemma2-no-offset": "Gemma2"}
 
 
 @pytest.mark.parametrize("name", sorted(_ATTNKIT))
@@ -299,10 +342,10 @@ def test_conversion_errors_name_the_problem():
         from_hf(transformers.LlamaModel(HF_CONFIGS["llama"]()))
     with pytest.raises(TypeError, match="PreTrainedModel"):
         from_hf(torch.nn.Linear(2, 2))
-    yarn = transformers.LlamaConfig(**_COMMON, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4,
-                                                                "factor": 2.0})
-    with pytest.raises(ValueError, match="rope_type='yarn'"):
-        from_hf(transformers.LlamaForCausalLM(yarn))
+    proportional = transformers.LlamaConfig(**_COMMON)
+    proportional.rope_parameters = {"rope_type": "proportional", "rope_theta": 1e4, "factor": 2.0}
+    with pytest.raises(ValueError, match="rope_type='proportional'"):
+        from_hf(transformers.LlamaForCausalLM(proportional))
     chunked = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**_COMMON, use_sliding_window=True,
                                                                      sliding_window=4))
     chunked.config.layer_types = ["full_attention", "chunked_attention"]
@@ -329,7 +372,7 @@ def test_conversion_errors_name_the_problem():
                       (dict(gemma, qkv_bias=True), "config.out_bias=False: transformers' Gemma 2 needs out_bias=True"),
                       (dict(gemma, layer_masks=(masks.sliding_window(2), masks.sliding_window(4))),
                        r"sliding windows differ \(left=\[2, 4\]"),
-                      (dict(attn_scale=0.5), "config.attn_scale=0.5: transformers' Llama-family models need")]:
+                      (dict(attn_scale=0.5, mask=masks.sliding_window(3)), "transformers' Granite has none")]:
         with pytest.raises(ValueError, match=match):
             to_hf(DecoderLM(DecoderConfig.preset("tiny", **kw)))
     gelu = transformers.Gemma2Config(**_COMMON, head_dim=16, hidden_activation="gelu")

@@ -111,8 +111,19 @@ def test_presets_and_config_validation():
         DecoderConfig(vocab_size=10, d_model=32, n_layers=1, n_heads=4, n_kv_heads=3)
     with pytest.raises(ValueError, match="positions='learned' is not one of"):
         DecoderConfig.preset("tiny", positions="learned")
-    with pytest.raises(ValueError, match="scaling type 'yarn'"):
+    with pytest.raises(ValueError, match="scaling type 'proportional'"):
+        DecoderLM(DecoderConfig.preset("tiny", rope_scaling={"type": "proportional", "factor": 2.0}))
+    with pytest.raises(ValueError, match="yarn scaling needs scaling\\['original_max_seq_len'\\]"):
         DecoderLM(DecoderConfig.preset("tiny", rope_scaling={"type": "yarn", "factor": 2.0}))
+    for kw, match in [(dict(pre_norms=False), "pre_norms=False needs post_norms=True"),
+                      (dict(qk_norm="proj"), "qk_norm='proj' must be"),
+                      (dict(rope_layers=(True,)), "one bool per layer \\(2\\)"),
+                      (dict(rope_layers=(True, False), positions="alibi"), "rope_layers is for positions='rope'"),
+                      (dict(rope_local_theta=1e4), "it needs positions='rope' and layer_masks"),
+                      (dict(residual_scale=0.0), "residual_scale=0.0 must be"),
+                      (dict(logit_divisor=-1.0), "logit_divisor=-1.0 must be")]:
+        with pytest.raises(ValueError, match=match):
+            DecoderConfig.preset("tiny", **kw)
     with pytest.raises(TypeError, match="DecoderConfig"):
         DecoderLM({"vocab_size": 10})
 

@@ -201,3 +201,108 @@ def test_rope_scaling_in_hugging_face_form():
     from attnkit.nn import DecoderConfig
     with pytest.raises(ValueError, match="differs from the rotary base"):  # at configuration time
         DecoderConfig.preset("tiny", rope_scaling={**hf, "rope_theta": 1.0})
+
+
+# ------------------------------------------------------------------ rope scaling against transformers
+
+_HF_ROPES = {
+    "linear": dict(factor=2.5),
+    "llama3": dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16),
+    "yarn": dict(factor=4.0, original_max_position_embeddings=32),
+    "yarn-deepseek": dict(factor=4.0, original_max_position_embeddings=32, mscale=0.707, mscale_all_dim=1.0,
+                          beta_fast=16, beta_slow=2),
+    "yarn-untruncated-attention-factor": dict(factor=8.0, original_max_position_embeddings=16, truncate=False,
+                                              attention_factor=1.5),
+    "longrope": dict(factor=4.0, original_max_position_embeddings=16, short_factor=[1.0 + 0.1 * i for i in range(8)],
+                     long_factor=[2.0 + 0.3 * i for i in range(8)]),
+    "dynamic": dict(factor=2.0),
+}
+
+
+def _hf_rope(name, max_pos=64):
+    transformers = pytest.importorskip("transformers")
+    params = {"rope_type": name.split("-")[0], "rope_theta": 500.0, **_HF_ROPES[name]}
+    cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=16, max_position_embeddings=max_pos,
+                                   rope_parameters=params)
+    scaling = dict(params)
+    if params["rope_type"] == "dynamic":  # HF's max_position_embeddings is the length it scales beyond
+        scaling["original_max_position_embeddings"] = max_pos
+    return cfg, RotaryEmbedding(16, base=500.0, scaling=scaling)
+
+
+@pytest.mark.parametrize("name", sorted(_HF_ROPES))
+def test_rope_scaling_frequencies_and_attention_factor_equal_transformers(name):
+    """inv_freq and attention factor equal transformers' rope init functions at every length (for longrope and
+    dynamic NTK both sides of the original length)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg, rope = _hf_rope(name)
+    init = ROPE_INIT_FUNCTIONS[cfg.rope_parameters["rope_type"]]
+    for n in (5, 16, 17, 64, 65, 130):
+        inv, factor = init(cfg, "cpu", seq_len=n)
+        torch.testing.assert_close(rope.inv_freq_for(n), inv, rtol=0, atol=0)
+        assert rope.attention_factor == pytest.approx(factor, rel=1e-12), (n, factor)
+
+
+@pytest.mark.parametrize("name", sorted(_HF_ROPES))
+def test_rope_scaling_rotations_equal_transformers_rotary_embedding(name):
+    """cos/sin at positions (attention factor included) equal transformers' LlamaRotaryEmbedding, and the rotated
+    queries equal its apply_rotary_pos_emb, for calls below and past the original length."""
+    from transformers.models.llama import modeling_llama as ml
+
+    cfg, rope = _hf_rope(name)
+    hf = ml.LlamaRotaryEmbedding(cfg)
+    x = torch.randn(2, 3, 1, 16)
+    for length in (12, 40, 100):
+        pos = torch.arange(length)[None]
+        cos, sin = hf(x, pos)
+        mine_cos, mine_sin = rope.cos_sin(pos[0])
+        torch.testing.assert_close(mine_cos, cos[0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(mine_sin, sin[0], rtol=1e-6, atol=1e-6)
+        q = torch.randn(2, 3, length, 16)
+        want, _ = ml.apply_rotary_pos_emb(q, q, cos, sin)
+        torch.testing.assert_close(rope.rotate(q, pos[0]), want, rtol=1e-6, atol=1e-6)
+
+
+def test_rope_scaling_errors_name_the_field():
+    for scaling, match in [
+        ({"type": "yarn", "factor": 2.0}, "needs scaling\\['original_max_seq_len'\\]"),
+        ({"type": "longrope", "original_max_seq_len": 8, "short_factor": [1.0] * 4}, "needs scaling\\['long_factor'\\]"),
+        ({"type": "longrope", "original_max_seq_len": 8, "short_factor": [1.0] * 4, "long_factor": [1.0] * 3},
+         "short_factor has 4 entries and long_factor 3"),
+        ({"type": "longrope", "original_max_seq_len": 8, "short_factor": [1.0, -1.0, 1, 1], "long_factor": [1.0] * 4},
+         "short_factor'\\]\\[1\\]=-1.0"),
+        ({"type": "linear", "factor": 2.0, "attention_factor": 2.0}, "not used by 'linear' scaling"),
+        ({"type": "dynamic", "factor": 2.0}, "original_max_seq_len"),
+        ({"type": "yarn", "factor": 2.0, "original_max_seq_len": 8, "beta": 3}, "keys \\['beta'\\]"),
+    ]:
+        with pytest.raises((TypeError, ValueError), match=match):
+            RotaryEmbedding(8, scaling=scaling)
+    with pytest.raises(ValueError, match="longrope scaling has 2 short/long factors but RotaryEmbedding\\(dim=8\\)"):
+        RotaryEmbedding(8, scaling={"type": "longrope", "original_max_seq_len": 8, "short_factor": [1.0, 1.0],
+                                    "long_factor": [1.0, 2.0]})
+
+
+def test_longrope_switches_frequencies_per_call_at_the_original_length():
+    rope = RotaryEmbedding(4, scaling={"type": "longrope", "original_max_seq_len": 8, "factor": 4.0,
+                                       "short_factor": [1.0, 1.0], "long_factor": [3.0, 5.0]})
+    q = torch.randn(1, 1, 9, 4)
+    short = rope.rotate(q[:, :, :8], torch.arange(8))
+    long = rope.rotate(q, torch.arange(9))  # position 8: the call reaches 9 > 8 positions
+    assert not torch.allclose(short, long[:, :, :8])
+    plain = RotaryEmbedding(4).rotate(q[:, :, :8], torch.arange(8)) * rope.attention_factor
+    torch.testing.assert_close(short, plain)  # short factors of 1: plain RoPE times the attention factor
+
+
+def test_length_dependent_rope_refuses_a_position_bound_under_compile(monkeypatch):
+    """A compiled forward with given positions sizes rope tables by max_seq_len, not the largest position: for
+    LongRoPE and dynamic NTK that would pick the wrong frequencies, so it raises instead."""
+    from attnkit.nn import DecoderConfig, DecoderLM
+
+    scaling = {"type": "dynamic", "factor": 2.0, "original_max_seq_len": 16}
+    model = DecoderLM(DecoderConfig.preset("tiny", max_seq_len=32, rope_scaling=scaling)).eval()
+    assert model.positions.length_dependent and not RotaryEmbedding(8).length_dependent
+    ids = torch.randint(0, 256, (1, 4))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with pytest.raises(ValueError, match="rope scaling 'dynamic' picks its frequencies from the largest position"):
+        model(ids, positions=torch.arange(4))

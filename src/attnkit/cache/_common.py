@@ -68,7 +68,11 @@ def model_dims(model) -> dict:
     device = params[0].device if params else torch.device("cpu")
     if dtype is torch.float32 and torch.is_autocast_enabled(device.type):  # keys/values come out in autocast's dtype
         dtype = torch.get_autocast_dtype(device.type)
-    return {"n_layers": n_layers, "n_kv_heads": n_kv, "d_head": d_head, "d_value": d_head, "dtype": dtype,
+    d_value = d_head
+    latent = getattr(cfg, "kv_lora_rank", None)
+    if latent:  # multi-head latent attention: one "key" head holds [latent; rope key], the values are inside it
+        n_kv, d_head, d_value = 1, latent + cfg.qk_rope_head_dim, 0
+    return {"n_layers": n_layers, "n_kv_heads": n_kv, "d_head": d_head, "d_value": d_value, "dtype": dtype,
             "device": device, "max_seq_len": getattr(cfg, "max_seq_len", None)}
 
 

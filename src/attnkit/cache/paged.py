@@ -724,7 +724,8 @@ class PagedCache:
         self.block_size = check_int("block_size", block_size, minimum=1)
         self.n_kv_heads = check_int("n_kv_heads", n_kv_heads, minimum=1)
         self.d_head = check_int("d_head", d_head, minimum=1)
-        self.d_value = check_int("d_value", d_value if d_value is not None else d_head, minimum=1)
+        # d_value=0: a latent cache, whose values are part of the keys (attnkit.nn.LatentAttention)
+        self.d_value = check_int("d_value", d_value if d_value is not None else d_head, minimum=0)
         self.dtype = check_dtype("dtype", dtype)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.prefix_caching = flag("prefix_caching", prefix_caching)
@@ -1049,20 +1050,23 @@ class _PagedDecode:
     def __init__(self, k_pool: Tensor, v_pool: Tensor, plan: _Plan):
         self.k_pool, self.v_pool, self.plan = k_pool, v_pool, plan
 
-    def attend(self, q: Tensor, *, mask=None, bias=None, scale=None, softcap=None) -> Tensor:
+    def attend(self, q: Tensor, *, mask=None, bias=None, scale=None, softcap=None,
+               value_dims: int | None = None) -> Tensor:
+        """``value_dims``: the values are the first ``value_dims`` channels of the stored keys (a latent cache,
+        :class:`attnkit.nn.LatentAttention`, stores no values of its own)."""
+        v_pool = self.v_pool if value_dims is None else self.k_pool[..., :value_dims]
         if q.is_cuda:  # the Triton kernel when it takes the call
             table, lens = self.plan.tables()
-            return paged_attention(q, self.k_pool, self.v_pool, table, lens, scale=scale, softcap=softcap,
+            return paged_attention(q, self.k_pool, v_pool, table, lens, scale=scale, softcap=softcap,
                                    bias=bias, mask=mask)
         scale, softcap = _check_modifiers(scale, softcap, bias, mask)
         if isinstance(mask, _Causal) and mask.align == "bottom_right" and q.shape[2] == 1:
             mask = None
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        layout = _pool_layout(q, self.k_pool, self.v_pool, bias, mask, self.plan.layout)
+        layout = _pool_layout(q, self.k_pool, v_pool, bias, mask, self.plan.layout)
         if layout is not None:
-            return _attend_pool(q, self.k_pool, self.v_pool, layout, scale=scale, softcap=softcap, mask=mask,
-                                bias=bias)
-        return _attend_runs(q, self.k_pool, self.v_pool, self.plan.lens, self.plan.runs, scale=scale,
+            return _attend_pool(q, self.k_pool, v_pool, layout, scale=scale, softcap=softcap, mask=mask, bias=bias)
+        return _attend_runs(q, self.k_pool, v_pool, self.plan.lens, self.plan.runs, scale=scale,
                             softcap=softcap, bias=bias, mask=mask)
 
 

@@ -489,6 +489,10 @@ class QuantizedCache(ModelCache):
                   residual: int | None = None, dtype: torch.dtype | None = None, device=None) -> "QuantizedCache":
         """A cache laid out for ``model``; ``max_len`` defaults to its ``max_seq_len``."""
         d = model_dims(model)
+        if d["d_value"] == 0:
+            raise ValueError("QuantizedCache does not store latent attention's caches (the model's config has "
+                             "kv_lora_rank: its values live inside the keys): use a StaticCache or a PagedCache "
+                             "(cache='static' or 'paged')")
         max_len = max_len if max_len is not None else d["max_seq_len"]
         if max_len is None:
             raise ValueError("max_len is required: the model's config has no max_seq_len")

@@ -123,8 +123,8 @@ class StaticCache(ModelCache):
         self.max_len = check_int("max_len", max_len, minimum=1)
         for name, val in (("batch_size", batch_size), ("n_kv_heads", n_kv_heads), ("d_head", d_head),
                           ("d_value", d_value)):
-            if val is not None:
-                check_int(name, val, minimum=1)
+            if val is not None:  # d_value=0: a latent cache (attnkit.nn.LatentAttention), values inside the keys
+                check_int(name, val, minimum=0 if name == "d_value" else 1)
         self.batch_size, self.n_kv_heads, self.d_head = batch_size, n_kv_heads, d_head
         self.d_value = d_value if d_value is not None else d_head
         self.dtype = check_dtype("dtype", dtype) if dtype is not None else None

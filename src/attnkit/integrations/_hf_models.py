@@ -1,4 +1,4 @@
-"""Converting Llama-family and Gemma 2 causal LMs between Hugging Face ``transformers`` and
+"""Converting Llama-family, Gemma and DeepSeek-V3 causal LMs between Hugging Face ``transformers`` and
 :class:`attnkit.nn.DecoderLM`.
 
 The Llama family shares one layout — RMSNorm Pre-LN blocks, grouped-query attention with rotate-half RoPE,
@@ -6,7 +6,16 @@ a SwiGLU MLP — and differs in biases and the sliding window:
 
 * ``llama``: biases on q/k/v/o (``attention_bias``) and the MLP (``mlp_bias``) or none; no window;
 * ``mistral``: no biases; ``sliding_window`` on every layer, or none;
-* ``qwen2``: biases on q/k/v only; ``layer_types`` says which layers slide (all, none, or a mix).
+* ``qwen2``: biases on q/k/v only; ``layer_types`` says which layers slide (all, none, or a mix);
+* ``qwen3``: Qwen2's windows, biases on q/k/v/o or none, and an RMSNorm on every query and key head before
+  RoPE (``qk_norm=True``);
+* ``phi3``: no biases, ``qkv_proj`` and ``gate_up_proj`` already fused as attnkit's, LongRoPE (its original
+  length read from the config);
+* ``olmo2``: no norm before the sub-layers, one after each (``pre_norms=False, post_norms=True``), and q/k norms
+  over all heads of a token at once (``qk_norm="all"``);
+* ``smollm3``: ``no_rope_layers`` (0: a layer without positions) as ``rope_layers``;
+* ``granite``: ``embedding_multiplier`` (``embed_scale``), ``attention_multiplier`` (``attn_scale``),
+  ``residual_multiplier`` (``residual_scale``) and ``logits_scaling`` (``logit_divisor``).
 
 HF's window ``w`` counts the query itself, so it becomes ``masks.sliding_window(w - 1)``: in
 ``DecoderConfig.mask`` when every layer slides, in ``DecoderConfig.layer_masks`` (``None`` for the
@@ -18,6 +27,14 @@ full-attention layers) when only some do.  HF's ``attention_dropout`` is ``Decod
 MLP's input norm), ``attn_scale=query_pre_attn_scalar ** -0.5``, score and logit soft-caps, sliding and
 global layers alternating through ``layer_types``, and RMSNorm weights stored as ``w - 1`` (HF multiplies
 by ``1 + w`` in float32; attnkit's ``norm_offset=1.0`` does the same, so the weights copy bit for bit).
+
+``gemma3_text`` is Gemma 2 plus q/k norms (stored as ``w - 1`` too) and a rope of its own for the sliding layers
+(``rope_parameters["sliding_attention"]``, ``rope_local_theta``), usually without soft-caps.
+
+``deepseek_v3`` with every feed-forward dense (``first_k_dense_replace >= num_hidden_layers``) has multi-head
+latent attention (:class:`attnkit.nn.LatentAttention`, ``DecoderConfig.kv_lora_rank``); its score scale
+``(qk_nope_head_dim + qk_rope_head_dim)^-0.5`` gains YaRN's ``mscale_all_dim`` correction squared as
+``attn_scale``.  Mixture-of-experts models (DeepSeek with experts, Mixtral, Qwen MoE, ...) are refused.
 
 Weights map one to one except two fusions: attnkit's ``attn.qkv_proj`` stacks ``[q_proj; k_proj; v_proj]`` and
 ``ffn.up_proj`` stacks ``[gate_proj; up_proj]``.
@@ -31,8 +48,16 @@ from .. import masks as _masks
 
 Tensor = torch.Tensor
 
-FAMILIES = ("llama", "mistral", "qwen2", "gemma2")
-_ROPE_TYPES = ("default", "linear", "llama3")
+FAMILIES = ("llama", "mistral", "qwen2", "gemma2", "qwen3", "gemma3_text", "phi3", "olmo2", "smollm3", "granite",
+            "deepseek_v3")
+_GEMMAS = ("gemma2", "gemma3_text")
+_SLIDE_ALL = ("mistral", "phi3")  # sliding_window: every layer or none
+_SLIDE_TYPED = ("qwen2", "qwen3", "smollm3", "gemma2", "gemma3_text")  # layer_types say which layers slide
+# model types whose feed-forward layers are mixtures of experts (configs with experts are caught as well)
+_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "granitemoehybrid",
+        "phimoe", "deepseek_v2", "deepseek_v3", "dbrx", "jamba", "jetmoe", "gpt_oss", "llama4", "dots1",
+        "ernie4_5_moe", "glm4_moe", "hunyuan_v1_moe", "minimax", "qwen3_next", "flex_olmo")
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 
 
 def _transformers():
@@ -44,35 +69,49 @@ def _transformers():
 # ---------------------------------------------------------------------------------- HF -> attnkit
 
 
-def _rope(cfg) -> tuple[float, dict | None]:
-    """(theta, attnkit rope scaling) from an HF config (``rope_parameters``, or the older fields)."""
-    params = getattr(cfg, "rope_parameters", None)
+def _rope(cfg, params: dict | None = None) -> tuple[float, dict | None, int]:
+    """(theta, attnkit rope scaling, max_seq_len) from an HF config (``rope_parameters``, or the older fields).
+
+    ``max_seq_len`` is HF's ``max_position_embeddings``, except for dynamic NTK, whose
+    ``max_position_embeddings`` is the original length it scales beyond: there it is ``factor`` times that."""
+    if params is None:
+        params = getattr(cfg, "rope_parameters", None)
     if not isinstance(params, dict) or "rope_theta" not in params:
         params = dict(getattr(cfg, "rope_scaling", None) or {})
         params["rope_theta"] = getattr(cfg, "rope_theta", 10000.0)
     params = dict(params)
     theta = float(params.pop("rope_theta"))
     kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    max_len = cfg.max_position_embeddings
     if kind not in _ROPE_TYPES:
         raise ValueError(f"rope_type={kind!r} is not supported by attnkit.nn's RotaryEmbedding: convertible "
                          f"rope types are {_ROPE_TYPES}")
     if params.pop("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("partial_rotary_factor != 1 is not supported by from_hf")
     if kind == "default":
-        return theta, None
-    if params.get("attention_factor") not in (None, 1.0):
-        raise ValueError(f"rope attention_factor={params['attention_factor']} is not supported by from_hf")
-    keep = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    return theta, {"type": kind, **{k: params[k] for k in keep if k in params}}
+        return theta, None, max_len
+    if kind in ("yarn", "longrope"):
+        old = params.get("original_max_position_embeddings") or getattr(cfg, "original_max_position_embeddings", None)
+        if old is None:
+            raise ValueError(f"rope_type={kind!r} needs original_max_position_embeddings in rope_parameters")
+        params["original_max_position_embeddings"] = old
+        if params.get("factor") is None:  # transformers' default: the ratio of the two lengths
+            params["factor"] = max_len / old
+    elif kind == "dynamic":
+        params["original_max_position_embeddings"] = max_len
+        max_len = int(max_len * float(params["factor"]))
+    elif params.get("attention_factor") not in (None, 1.0):
+        raise ValueError(f"rope attention_factor={params['attention_factor']} is not used by rope_type={kind!r}")
+    return theta, {"type": kind, **{k: v for k, v in params.items() if v is not None}}, max_len
 
 
 def _windows(cfg, family: str) -> list[int | None]:
     """Each layer's HF sliding window (keys a query sees, itself included), None for full attention."""
     n = cfg.num_hidden_layers
-    if family == "llama":
+    if family not in _SLIDE_ALL + _SLIDE_TYPED:
         return [None] * n
     window = getattr(cfg, "sliding_window", None)
-    if family == "mistral" or window is None:
+    if family in _SLIDE_ALL or window is None:
         return [window] * n
     types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * n)
     unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
@@ -82,10 +121,11 @@ def _windows(cfg, family: str) -> list[int | None]:
     return [window if t == "sliding_attention" else None for t in types]
 
 
-def _layer_masks(windows: list[int | None]) -> dict:
-    """``mask`` (the same window on every layer) or ``layer_masks`` (windows that differ) of DecoderConfig."""
+def _layer_masks(windows: list[int | None], per_layer: bool = False) -> dict:
+    """``mask`` (the same window on every layer) or ``layer_masks`` (windows that differ, or ``per_layer``) of
+    DecoderConfig."""
     masks = [None if w is None else _masks.sliding_window(int(w) - 1) for w in windows]
-    if len(set(windows)) == 1:
+    if len(set(windows)) == 1 and not (per_layer and windows[0] is not None):
         return dict(mask=masks[0], layer_masks=None)
     return dict(mask=None, layer_masks=tuple(masks))
 
@@ -95,6 +135,7 @@ def _family(model) -> str:
     if not isinstance(model, transformers.PreTrainedModel):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
     family = getattr(model.config, "model_type", None)
+    _check_dense(model.config)
     if family not in FAMILIES:
         raise ValueError(f"from_hf converts these causal LMs {FAMILIES}, got model_type={family!r}: run "
                          f"other models in transformers with attn_implementation='attnkit' (register())")
@@ -104,48 +145,143 @@ def _family(model) -> str:
     return family
 
 
+def _check_dense(cfg) -> None:
+    """ValueError for a config with mixture-of-experts feed-forward layers (attnkit.nn has none)."""
+    family = getattr(cfg, "model_type", None)
+    experts = max(int(getattr(cfg, name, 0) or 0) for name in ("num_experts", "num_local_experts", "n_routed_experts"))
+    if family == "deepseek_v3" and (experts == 0 or getattr(cfg, "first_k_dense_replace", 0) >= cfg.num_hidden_layers):
+        return  # every layer's feed-forward is dense
+    if family in _MOE or experts > 0:
+        raise ValueError(f"model_type={family!r} has mixture-of-experts feed-forward layers, which attnkit.nn does "
+                         f"not build, so from_hf cannot convert it: run it in transformers with "
+                         f"attn_implementation=\"attnkit\" (after attnkit.integrations.hf.register()) to use "
+                         f"attnkit's attention")
+
+
+def _family_options(cfg, family: str) -> dict:
+    """What a Llama-layout family adds: q/k norms, OLMo 2's output-only norms, NoPE layers, Granite's scales."""
+    if family == "qwen3":
+        return dict(qk_norm=True)
+    if family == "olmo2":
+        return dict(qk_norm="all", pre_norms=False, post_norms=True)
+    if family == "smollm3":
+        flags = tuple(bool(x) for x in cfg.no_rope_layers)  # 1: the layer uses RoPE
+        return dict(rope_layers=None if all(flags) else flags)
+    if family == "granite":
+        d_head = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        scale = float(cfg.attention_multiplier)
+        return dict(embed_scale=None if cfg.embedding_multiplier == 1.0 else float(cfg.embedding_multiplier),
+                    attn_scale=None if scale == d_head ** -0.5 else scale,
+                    residual_scale=float(cfg.residual_multiplier),
+                    logit_divisor=None if cfg.logits_scaling == 1.0 else float(cfg.logits_scaling))
+    return {}
+
+
 def decoder_config(hf_config, *, backend: str = "auto"):
-    """The :class:`attnkit.nn.DecoderConfig` of a Llama / Mistral / Qwen2 / Gemma 2 ``transformers`` config."""
+    """The :class:`attnkit.nn.DecoderConfig` of a ``transformers`` config of one of :data:`FAMILIES`."""
     from ..nn import DecoderConfig
 
     cfg, family = hf_config, hf_config.model_type
-    if family == "gemma2":
-        return _gemma2_config(cfg, backend)
+    _check_dense(cfg)
+    if family in _GEMMAS:
+        return _gemma_config(cfg, backend)
+    if family == "deepseek_v3":
+        return _deepseek_config(cfg, backend)
+    if family not in FAMILIES:
+        raise ValueError(f"decoder_config converts configs of {FAMILIES}, got model_type={family!r}")
     if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
         raise ValueError(f"hidden_act={cfg.hidden_act!r}: attnkit's SwiGLU uses silu")
-    theta, scaling = _rope(cfg)
+    theta, scaling, max_len = _rope(cfg)
     heads = cfg.num_attention_heads
-    biased = family == "llama" and bool(getattr(cfg, "attention_bias", False))
-    return DecoderConfig(
+    biased = family not in ("mistral", "qwen2", "phi3") and bool(getattr(cfg, "attention_bias", False))
+    return DecoderConfig(**_family_options(cfg, family),
         vocab_size=cfg.vocab_size, d_model=cfg.hidden_size, n_layers=cfg.num_hidden_layers, n_heads=heads,
         n_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
         d_head=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads, d_ff=cfg.intermediate_size,
-        max_seq_len=cfg.max_position_embeddings, positions="rope", rope_theta=theta, rope_scaling=scaling,
+        max_seq_len=max_len, positions="rope", rope_theta=theta, rope_scaling=scaling,
         **_layer_masks(_windows(cfg, family)), norm="rms",
         norm_eps=cfg.rms_norm_eps, norm_first=True, ffn="swiglu", qkv_bias=biased or family == "qwen2",
-        out_bias=biased, ffn_bias=family == "llama" and bool(getattr(cfg, "mlp_bias", False)),
+        out_bias=biased, ffn_bias=bool(getattr(cfg, "mlp_bias", False)),
         tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)), dropout=0.0,
         attention_dropout=float(getattr(cfg, "attention_dropout", 0.0) or 0.0),
         init_std=getattr(cfg, "initializer_range", 0.02), backend=backend)
 
 
-def _gemma2_config(cfg, backend: str):
+def _deepseek_scale(rope: dict, qk_head_dim: int) -> float:
+    """DeepSeek's score scale: ``qk_head_dim^-0.5``, times ``mscale(factor, mscale_all_dim)^2`` with a scaled rope."""
+    from ..nn.positions import _yarn_mscale
+
+    scale = qk_head_dim ** -0.5
+    if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
+        m = _yarn_mscale(rope["factor"], rope["mscale_all_dim"])
+        scale = scale * m * m
+    return scale
+
+
+def _deepseek_config(cfg, backend: str):
+    """DeepSeek-V3 with dense feed-forward layers only: multi-head latent attention (DecoderConfig.kv_lora_rank)."""
+    from ..nn import DecoderConfig
+
+    if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
+        raise ValueError(f"hidden_act={cfg.hidden_act!r}: attnkit's SwiGLU uses silu")
+    heads = cfg.num_attention_heads
+    if (getattr(cfg, "num_key_value_heads", None) or heads) != heads:
+        raise ValueError(f"num_key_value_heads={cfg.num_key_value_heads} != num_attention_heads={heads}: latent "
+                         f"attention gives every head its own key and value")
+    theta, scaling, max_len = _rope(cfg)
+    params = dict(cfg.rope_parameters or {})
+    if scaling is not None:  # the factor _rope filled in
+        params["factor"] = scaling.get("factor", params.get("factor"))
+    scale = _deepseek_scale(params, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    biased = bool(getattr(cfg, "attention_bias", False))
+    return DecoderConfig(
+        vocab_size=cfg.vocab_size, d_model=cfg.hidden_size, n_layers=cfg.num_hidden_layers, n_heads=heads,
+        d_head=cfg.qk_nope_head_dim, d_ff=cfg.intermediate_size, kv_lora_rank=cfg.kv_lora_rank,
+        q_lora_rank=cfg.q_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
+        max_seq_len=max_len, positions="rope", rope_theta=theta, rope_scaling=scaling,
+        rope_interleaved=bool(getattr(cfg, "rope_interleave", True)),
+        attn_scale=None if scale == (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5 else scale,
+        norm="rms", norm_eps=cfg.rms_norm_eps, norm_first=True, ffn="swiglu", qkv_bias=biased, out_bias=biased,
+        tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)), dropout=0.0,
+        attention_dropout=float(getattr(cfg, "attention_dropout", 0.0) or 0.0),
+        init_std=getattr(cfg, "initializer_range", 0.02), backend=backend)
+
+
+def _gemma_config(cfg, backend: str):
+    """Gemma 2, and Gemma 3 (q/k norms, the sliding layers' own rope base ``rope_parameters['sliding_attention']``)."""
     from ..nn import DecoderConfig
 
     act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
     if act != "gelu_pytorch_tanh":
         raise ValueError(f"hidden_activation={act!r}: attnkit's GeGLU (ffn='geglu') uses gelu_pytorch_tanh")
     if getattr(cfg, "use_bidirectional_attention", None):
-        raise ValueError("use_bidirectional_attention=True: from_hf converts causal Gemma 2 models only")
-    theta, scaling = _rope(cfg)
+        raise ValueError("use_bidirectional_attention=True: from_hf converts causal Gemma models only")
+    gemma3, extra = cfg.model_type == "gemma3_text", {}
+    windows = _windows(cfg, cfg.model_type)
+    if gemma3:
+        params = cfg.rope_parameters
+        if not isinstance(params, dict) or not {"full_attention", "sliding_attention"} <= set(params):
+            raise ValueError(f"Gemma 3 rope_parameters={params!r}: from_hf reads one entry per layer type "
+                             f"('full_attention' and 'sliding_attention'), as transformers >= 5 stores them")
+        theta, scaling, max_len = _rope(cfg, params["full_attention"])
+        local_theta, local_scaling, _ = _rope(cfg, params["sliding_attention"])
+        if local_scaling is not None:
+            raise ValueError(f"rope_parameters['sliding_attention']={params['sliding_attention']}: from_hf converts "
+                             f"Gemma 3 sliding layers with the default rope type only")
+        sliding = any(w is not None for w in windows)
+        extra = dict(qk_norm=True, rope_local_theta=local_theta if sliding else None,
+                     **_layer_masks(windows, per_layer=sliding))
+    else:
+        theta, scaling, max_len = _rope(cfg)
+        extra = _layer_masks(windows)
     heads, biased = cfg.num_attention_heads, bool(getattr(cfg, "attention_bias", False))
     d_head = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     scalar = cfg.query_pre_attn_scalar
     return DecoderConfig(
         vocab_size=cfg.vocab_size, d_model=cfg.hidden_size, n_layers=cfg.num_hidden_layers, n_heads=heads,
         n_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, d_head=d_head, d_ff=cfg.intermediate_size,
-        max_seq_len=cfg.max_position_embeddings, positions="rope", rope_theta=theta, rope_scaling=scaling,
-        **_layer_masks(_windows(cfg, "gemma2")), norm="rms", norm_eps=cfg.rms_norm_eps, norm_offset=1.0,
+        max_seq_len=max_len, positions="rope", rope_theta=theta, rope_scaling=scaling,
+        **extra, norm="rms", norm_eps=cfg.rms_norm_eps, norm_offset=1.0,
         norm_first=True, post_norms=True, ffn="geglu", qkv_bias=biased, out_bias=biased, ffn_bias=False,
         softcap=cfg.attn_logit_softcapping, logit_softcap=cfg.final_logit_softcapping,
         attn_scale=None if scalar == d_head else float(scalar) ** -0.5, embed_scale=cfg.hidden_size ** 0.5,
@@ -155,15 +291,21 @@ def _gemma2_config(cfg, backend: str):
 
 
 # HF norm name -> attnkit norm name, per family (Gemma 2's post_attention_layernorm is the attention's output norm)
-_NORMS = {"gemma2": {"input_layernorm": "attn_norm", "post_attention_layernorm": "attn_post_norm",
-                     "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "ffn_post_norm"},
+_GEMMA_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "attn_post_norm",
+                "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "ffn_post_norm"}
+_NORMS = {"gemma2": _GEMMA_NORMS, "gemma3_text": _GEMMA_NORMS,
+          "olmo2": {"post_attention_layernorm": "attn_post_norm", "post_feedforward_layernorm": "ffn_post_norm"},
           None: {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}}
+_QK_NORMS = {"q_norm": "q_norm", "k_norm": "k_norm"}  # self_attn.<name> -> attn.<name>
+# DeepSeek's latent attention: self_attn.<HF name> -> attn.<attnkit name> (LatentAttention)
+_MLA = {"q_proj": "q_proj", "q_a_proj": "q_a_proj", "q_a_layernorm": "q_norm", "q_b_proj": "q_b_proj",
+        "kv_a_proj_with_mqa": "kv_a_proj", "kv_a_layernorm": "kv_norm", "kv_b_proj": "kv_b_proj", "o_proj": "out_proj"}
 
 
 def _norm_shift(family: str, norm_offset: float) -> float:
     """attnkit's RMSNorm weight minus HF's: both multiply by ``offset + weight``, HF's offset is 1 for Gemma
     (``1 + weight``) and 0 otherwise.  0 for converted models (``norm_offset`` is HF's): weights copy as is."""
-    return (1.0 if family == "gemma2" else 0.0) - norm_offset
+    return (1.0 if family in _GEMMAS else 0.0) - norm_offset
 
 
 def _shifted(w: Tensor, shift: float) -> Tensor:
@@ -179,10 +321,26 @@ def _to_attnkit_state(hf_state: dict, n_layers: int, tied: bool, family: str, no
         h, a = f"model.layers.{i}.", f"layers.{i}."
         for hf_name, name in _NORMS.get(family, _NORMS[None]).items():
             s[f"{a}{name}.weight"] = _shifted(hf_state[f"{h}{hf_name}.weight"], off)
+        for name in _QK_NORMS:
+            if f"{h}self_attn.{name}.weight" in hf_state:
+                s[f"{a}attn.{name}.weight"] = _shifted(hf_state[f"{h}self_attn.{name}.weight"], off)
         for kind in ("weight", "bias"):
+            if family == "deepseek_v3":
+                for hf_name, name in _MLA.items():
+                    if f"{h}self_attn.{hf_name}.{kind}" in hf_state:
+                        s[f"{a}attn.{name}.{kind}"] = hf_state[f"{h}self_attn.{hf_name}.{kind}"]
+                s[f"{a}ffn.up_proj.weight"] = torch.cat([hf_state[h + "mlp.gate_proj.weight"],
+                                                         hf_state[h + "mlp.up_proj.weight"]], 0)  # rows [gate; up]
+                s[f"{a}ffn.down_proj.weight"] = hf_state[h + "mlp.down_proj.weight"]
+                continue
             qkv = [hf_state.get(f"{h}self_attn.{p}_proj.{kind}") for p in "qkv"]
             if qkv[0] is not None:
                 s[f"{a}attn.qkv_proj.{kind}"] = torch.cat(qkv, 0)  # rows [q; k; v]
+            if f"{h}self_attn.qkv_proj.{kind}" in hf_state:  # Phi-3: already fused, rows [q; k; v]
+                s[f"{a}attn.qkv_proj.{kind}"] = hf_state[f"{h}self_attn.qkv_proj.{kind}"]
+            if f"{h}mlp.gate_up_proj.{kind}" in hf_state:  # Phi-3: rows [gate; up]
+                s[f"{a}ffn.up_proj.{kind}"] = hf_state[f"{h}mlp.gate_up_proj.{kind}"]
+                s[f"{a}ffn.down_proj.{kind}"] = hf_state[f"{h}mlp.down_proj.{kind}"]
             if h + f"self_attn.o_proj.{kind}" in hf_state:
                 s[f"{a}attn.out_proj.{kind}"] = hf_state[h + f"self_attn.o_proj.{kind}"]
             if h + f"mlp.gate_proj.{kind}" in hf_state:
@@ -198,14 +356,17 @@ def _dtype_device(model) -> tuple[torch.dtype, torch.device]:
 
 
 def from_hf(model, *, backend: str = "auto"):
-    """Convert a ``transformers`` Llama / Mistral / Qwen2 / Gemma 2 causal LM into an :class:`attnkit.nn.DecoderLM`.
+    """Convert a ``transformers`` causal LM of :data:`FAMILIES` (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3,
+    Phi-3, OLMo 2, SmolLM3, Granite) into an :class:`attnkit.nn.DecoderLM`.
 
     The result computes the same logits (up to float rounding) on the same device and dtype, and is served
     by attnkit's caches, :func:`attnkit.generate` and the engine.  ``backend`` is the attnkit attention
     backend it uses.  Qwen2 and Gemma 2 models whose ``layer_types`` mix full and sliding-window layers get
     ``config.layer_masks``; HF's ``attention_dropout`` becomes ``config.attention_dropout`` (these models
-    have no other dropout).  Raises ``ValueError`` for configurations attnkit cannot express (other rope
-    types, other layer types, ...).
+    have no other dropout).  Rope types: default, linear, llama3, yarn, longrope, dynamic.  Raises
+    ``ValueError`` for configurations attnkit cannot express (other rope types, other layer types, ...); for
+    models with mixture-of-experts feed-forward layers the error names ``attn_implementation="attnkit"``, the
+    way to run them in transformers with attnkit's attention.
 
     Left-padded batches: give ``positions`` (B, L) and ``mask=masks.key_padding(attention_mask.bool())``
     to the attnkit model, as HF derives ``position_ids`` from the attention mask in ``generate``.
@@ -289,11 +450,6 @@ def _hf_family(cfg, lefts: list[int | None]) -> str:
                      f"model has these biases (Llama: q/k/v/o alike; Mistral: none; Qwen2: q/k/v only)")
 
 
-def _is_gemma(cfg) -> bool:
-    """Whether ``cfg`` uses a feature only Gemma 2 has among the convertible families."""
-    return cfg.ffn == "geglu" or cfg.post_norms or cfg.embed_scale is not None or cfg.logit_softcap is not None
-
-
 def _check_fields(cfg, checks: list, family: str) -> None:
     for name, value, want in checks:
         if value != want:
@@ -302,41 +458,65 @@ def _check_fields(cfg, checks: list, family: str) -> None:
         raise ValueError(f"config.rotary_dim={cfg.rotary_dim}: partial rotary has no {family} equivalent")
 
 
-def _hf_rope(cfg) -> dict:
-    rope = {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}
-    if cfg.rope_scaling is not None:
-        from ..nn.positions import _parse_scaling
+def _hf_rope(cfg) -> tuple[dict, int]:
+    """HF ``rope_parameters`` and ``max_position_embeddings`` of a DecoderConfig (see :func:`_rope`)."""
+    rope, max_len = {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}, cfg.max_seq_len
+    if cfg.rope_scaling is None:
+        return rope, max_len
+    from ..nn.positions import _parse_scaling
 
-        s = _parse_scaling(cfg.rope_scaling)
-        if s is not None and s["type"] not in ("linear", "llama3"):
-            raise ValueError(f"rope scaling {s['type']!r} has no transformers equivalent (linear and llama3 do)")
-        if s is not None:
-            rope.update(rope_type=s["type"], factor=s["factor"])
-            if s["type"] == "llama3":
-                rope.update(low_freq_factor=s["low_freq_factor"], high_freq_factor=s["high_freq_factor"],
-                            original_max_position_embeddings=s["original_max_seq_len"])
-    return rope
+    s = _parse_scaling(cfg.rope_scaling)
+    if s is None:
+        return rope, max_len
+    if s["type"] == "ntk":
+        raise ValueError("rope scaling 'ntk' (static NTK) has no transformers equivalent (linear, llama3, yarn, "
+                         "longrope and dynamic do)")
+    rope.update(rope_type=s["type"])
+    if s["factor"] is not None:
+        rope["factor"] = s["factor"]
+    if s["type"] == "dynamic":
+        return rope, s["original_max_seq_len"]
+    if "original_max_seq_len" in s:
+        rope["original_max_position_embeddings"] = s["original_max_seq_len"]
+    names = {"llama3": ("low_freq_factor", "high_freq_factor"),
+             "yarn": ("beta_fast", "beta_slow", "truncate", "mscale", "mscale_all_dim", "attention_factor"),
+             "longrope": ("short_factor", "long_factor", "attention_factor")}.get(s["type"], ())
+    rope.update({k: list(s[k]) if isinstance(s[k], tuple) else s[k] for k in names if k in s})
+    return rope, max_len
 
 
-def _gemma2_hf_config(cfg, common: dict, lefts: list[int | None]):
+def _gemma_hf_config(cfg, common: dict, lefts: list[int | None], family: str):
     transformers = _transformers()
+    gemma3 = family == "gemma3_text"
+    name = _NAMES[family]
     checks = [("positions", cfg.positions, "rope"), ("rope_interleaved", cfg.rope_interleaved, False),
               ("norm", cfg.norm, "rms"), ("norm_first", cfg.norm_first, True), ("ffn", cfg.ffn, "geglu"),
-              ("post_norms", cfg.post_norms, True), ("qk_norm", cfg.qk_norm, False), ("ffn_bias", cfg.ffn_bias, False),
-              ("out_bias", cfg.out_bias, cfg.qkv_bias)]
-    _check_fields(cfg, checks, "Gemma 2")
+              ("post_norms", cfg.post_norms, True), ("pre_norms", cfg.pre_norms, True),
+              ("qk_norm", cfg.qk_norm, gemma3), ("ffn_bias", cfg.ffn_bias, False), ("out_bias", cfg.out_bias, cfg.qkv_bias),
+              ("rope_layers", cfg.rope_layers, None), ("residual_scale", cfg.residual_scale, 1.0),
+              ("logit_divisor", cfg.logit_divisor, None)]
+    if not gemma3:
+        checks.append(("rope_local_theta", cfg.rope_local_theta, None))
+    _check_fields(cfg, checks, name)
     if cfg.embed_scale is None or abs(cfg.embed_scale - cfg.d_model ** 0.5) > 1e-9 * cfg.d_model ** 0.5:
-        raise ValueError(f"config.embed_scale={cfg.embed_scale!r}: transformers' Gemma 2 scales embeddings by "
+        raise ValueError(f"config.embed_scale={cfg.embed_scale!r}: transformers' {name} scales embeddings by "
                          f"sqrt(d_model)={cfg.d_model ** 0.5!r}")
     slides = sorted({x for x in lefts if x is not None})
     if len(slides) > 1:
         raise ValueError(f"the layers' sliding windows differ (left={slides}, per layer {lefts}): transformers' "
-                         f"Gemma 2 gives every sliding layer the same window; use one window")
+                         f"{name} gives every sliding layer the same window; use one window")
+    if gemma3:
+        if slides and cfg.rope_local_theta is None and cfg.rope_scaling is not None:
+            raise ValueError("config.rope_local_theta=None with rope_scaling and sliding layers: transformers' Gemma 3 "
+                             "gives its sliding layers an unscaled rope of their own; set rope_local_theta")
+        local = {"rope_type": "default", "rope_theta": float(cfg.rope_local_theta or cfg.rope_theta)}
+        common = {**common, "rope_parameters": {"full_attention": common["rope_parameters"],
+                                                 "sliding_attention": local}}
     scalar = cfg.head_dim if cfg.attn_scale is None else cfg.attn_scale ** -2.0
     if abs(scalar - round(scalar)) < 1e-6 * scalar:
         scalar = int(round(scalar))
     common = {k: v for k, v in common.items() if k != "hidden_act"}
-    return transformers.Gemma2Config(
+    return (transformers.Gemma3TextConfig if gemma3 else transformers.Gemma2Config)(
         **common, hidden_activation="gelu_pytorch_tanh", attention_bias=cfg.qkv_bias, query_pre_attn_scalar=scalar,
         # with no sliding layer the window is unused, but Gemma 2 builds its sliding mask anyway: one that hides nothing
         sliding_window=slides[0] + 1 if slides else cfg.max_seq_len, attn_logit_softcapping=cfg.softcap,
@@ -344,25 +524,151 @@ def _gemma2_hf_config(cfg, common: dict, lefts: list[int | None]):
         layer_types=["full_attention" if x is None else "sliding_attention" for x in lefts])
 
 
-def hf_config(config, *, attn_implementation: str | None = None):
-    """The ``transformers`` config (Llama, Mistral, Qwen2 or Gemma 2) of an :class:`attnkit.nn.DecoderConfig`."""
+def _is_gemma_like(cfg) -> bool:
+    """Whether ``cfg`` uses a feature only the Gemma models have among the convertible families."""
+    return cfg.ffn == "geglu" or (cfg.post_norms and cfg.pre_norms) or cfg.logit_softcap is not None
+
+
+def _infer_family(cfg) -> str | None:
+    """The transformers family a DecoderConfig's features ask for; None: Llama, Mistral or Qwen2 (biases, windows)."""
+    if cfg.latent:
+        return "deepseek_v3"
+    if cfg.qk_norm == "all" or not cfg.pre_norms:
+        return "olmo2"
+    if _is_gemma_like(cfg):
+        return "gemma3_text" if cfg.qk_norm or cfg.rope_local_theta is not None else "gemma2"
+    if cfg.rope_layers is not None:
+        return "smollm3"
+    if cfg.residual_scale != 1.0 or cfg.logit_divisor is not None or cfg.embed_scale is not None or (
+            cfg.attn_scale is not None):
+        return "granite"
+    return "qwen3" if cfg.qk_norm else None
+
+
+_NAMES = {"deepseek_v3": "DeepSeek-V3", "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "gemma2": "Gemma 2", "qwen3": "Qwen3",
+          "gemma3_text": "Gemma 3", "phi3": "Phi-3", "olmo2": "OLMo 2", "smollm3": "SmolLM3", "granite": "Granite"}
+
+
+def _window_options(cfg, lefts: list[int | None], family: str) -> dict:
+    """HF's sliding-window fields for ``family``, or ValueError when it cannot express the layers' windows."""
+    slides = sorted({x for x in lefts if x is not None})
+    if not slides:
+        return {}
+    name = _NAMES[family]
+    if len(slides) > 1:
+        raise ValueError(f"the layers' sliding windows differ (left={slides}, per layer {lefts}): transformers' "
+                         f"{name} gives every sliding layer the same window; use one window")
+    if family in _SLIDE_ALL:
+        if None in lefts:
+            raise ValueError(f"some layers slide and some do not (per layer {lefts}): transformers' {name} slides "
+                             f"in every layer or none")
+        return dict(sliding_window=slides[0] + 1)
+    if family in ("qwen2", "qwen3", "smollm3"):
+        types = ["full_attention" if x is None else "sliding_attention" for x in lefts]
+        return dict(use_sliding_window=True, sliding_window=slides[0] + 1, max_window_layers=0, layer_types=types)
+    raise ValueError(f"config has sliding-window layers (per layer {lefts}): transformers' {name} has none")
+
+
+def _new_family_config(cfg, common: dict, lefts: list[int | None], family: str):
+    """Qwen3, Phi-3, OLMo 2, SmolLM3 and Granite: the Llama layout with each one's additions."""
+    transformers = _transformers()
+    name = _NAMES[family]
+    checks = [("positions", cfg.positions, "rope"), ("rope_interleaved", cfg.rope_interleaved, False),
+              ("norm", cfg.norm, "rms"), ("norm_first", cfg.norm_first, True), ("ffn", cfg.ffn, "swiglu"),
+              ("softcap", cfg.softcap, None), ("logit_softcap", cfg.logit_softcap, None),
+              ("rope_local_theta", cfg.rope_local_theta, None),
+              ("qk_norm", cfg.qk_norm, {"qwen3": True, "olmo2": "all"}.get(family, False)),
+              ("pre_norms", cfg.pre_norms, family != "olmo2"), ("post_norms", cfg.post_norms, family == "olmo2")]
+    if family != "smollm3":
+        checks.append(("rope_layers", cfg.rope_layers, None))
+    if family != "granite":
+        checks += [("attn_scale", cfg.attn_scale, None), ("embed_scale", cfg.embed_scale, None),
+                   ("residual_scale", cfg.residual_scale, 1.0), ("logit_divisor", cfg.logit_divisor, None)]
+    biases = {"phi3": (False, False, False), "qwen3": (cfg.qkv_bias, cfg.qkv_bias, False),
+              "olmo2": (cfg.qkv_bias, cfg.qkv_bias, False)}.get(family, (cfg.qkv_bias, cfg.qkv_bias, cfg.ffn_bias))
+    checks += [("qkv_bias", cfg.qkv_bias, biases[0]), ("out_bias", cfg.out_bias, biases[1]),
+               ("ffn_bias", cfg.ffn_bias, biases[2])]
+    _check_fields(cfg, checks, name)
+    opts = _window_options(cfg, lefts, family)
+    opts["pad_token_id"] = None  # some defaults (Phi-3's 32000, SmolLM3's 128004) must index the vocabulary
+    if family != "phi3":
+        opts["attention_bias"] = cfg.qkv_bias
+    else:  # Phi-3 reads the original length from its config (default 4096), not from rope_parameters
+        opts["original_max_position_embeddings"] = common["rope_parameters"].get("original_max_position_embeddings",
+                                                                                 common["max_position_embeddings"])
+    if family in ("smollm3", "granite"):
+        opts["mlp_bias"] = cfg.ffn_bias
+    if family == "smollm3":
+        opts["no_rope_layers"] = [int(x) for x in cfg.rope_layers or (True,) * cfg.n_layers]
+    if family == "granite":
+        opts.update(embedding_multiplier=cfg.embed_scale or 1.0, residual_multiplier=cfg.residual_scale,
+                    attention_multiplier=cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5,
+                    logits_scaling=cfg.logit_divisor or 1.0)
+    classes = {"qwen3": "Qwen3Config", "phi3": "Phi3Config", "olmo2": "Olmo2Config", "smollm3": "SmolLM3Config",
+               "granite": "GraniteConfig"}
+    return getattr(transformers, classes[family])(**common, **opts)
+
+
+def _deepseek_hf_config(cfg, common: dict, lefts: list[int | None]):
+    transformers = _transformers()
+    if not cfg.latent:
+        raise ValueError("family='deepseek_v3' needs latent attention: set config.kv_lora_rank (and "
+                         "qk_rope_head_dim)")
+    checks = [("positions", cfg.positions, "rope"), ("norm", cfg.norm, "rms"), ("norm_first", cfg.norm_first, True),
+              ("ffn", cfg.ffn, "swiglu"), ("ffn_bias", cfg.ffn_bias, False), ("out_bias", cfg.out_bias, cfg.qkv_bias),
+              ("post_norms", cfg.post_norms, False), ("embed_scale", cfg.embed_scale, None),
+              ("logit_softcap", cfg.logit_softcap, None), ("logit_divisor", cfg.logit_divisor, None),
+              ("residual_scale", cfg.residual_scale, 1.0), ("rope_layers", cfg.rope_layers, None)]
+    _check_fields(cfg, checks, "DeepSeek-V3")
+    _window_options(cfg, lefts, "deepseek_v3")
+    qk = cfg.head_dim + cfg.qk_rope_head_dim
+    want = _deepseek_scale(common["rope_parameters"], qk)
+    got = cfg.attn_scale if cfg.attn_scale is not None else qk ** -0.5
+    if abs(got - want) > 1e-12 * want:
+        raise ValueError(f"config.attn_scale={cfg.attn_scale!r}: transformers' DeepSeek-V3 scales scores by "
+                         f"{want!r} (1/sqrt(d_head + qk_rope_head_dim), with yarn's mscale_all_dim correction)")
+    common = {**common, "head_dim": cfg.qk_rope_head_dim, "num_key_value_heads": cfg.n_heads, "pad_token_id": None}
+    return transformers.DeepseekV3Config(
+        **common, kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim,
+        qk_nope_head_dim=cfg.head_dim, v_head_dim=cfg.v_head_dim or cfg.head_dim, rope_interleave=cfg.rope_interleaved,
+        attention_bias=cfg.qkv_bias, first_k_dense_replace=cfg.n_layers)  # every layer dense
+
+
+def hf_config(config, *, attn_implementation: str | None = None, family: str | None = None):
+    """The ``transformers`` config of an :class:`attnkit.nn.DecoderConfig`: the family its features ask for
+    (see :func:`to_hf`), or ``family`` (a ``model_type`` in :data:`FAMILIES`) when given."""
     transformers = _transformers()
     cfg = config
+    if family is not None and family not in FAMILIES:
+        raise ValueError(f"family={family!r} is not one of {FAMILIES}")
     lefts = _layer_lefts(cfg)
+    rope, max_len = _hf_rope(cfg)
     common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ff_dim,
                   num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads,
-                  head_dim=cfg.head_dim, max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
-                  hidden_act="silu", rope_parameters=_hf_rope(cfg), tie_word_embeddings=cfg.tie_embeddings,
+                  head_dim=cfg.head_dim, max_position_embeddings=max_len, rms_norm_eps=cfg.norm_eps,
+                  hidden_act="silu", rope_parameters=rope, tie_word_embeddings=cfg.tie_embeddings,
                   attention_dropout=cfg.attention_dropout, initializer_range=cfg.init_std)
     if attn_implementation is not None:
         common["attn_implementation"] = attn_implementation
-    if _is_gemma(cfg):
-        return _gemma2_hf_config(cfg, common, lefts)
+    family = family or _infer_family(cfg)
+    if family == "deepseek_v3":
+        return _deepseek_hf_config(cfg, common, lefts)
+    if cfg.latent:
+        raise ValueError(f"family={family!r}: latent attention (config.kv_lora_rank) converts to DeepSeek-V3 "
+                         f"(family='deepseek_v3')")
+    if family in _GEMMAS:
+        return _gemma_hf_config(cfg, common, lefts, family)
+    if family is not None and family not in ("llama", "mistral", "qwen2"):
+        return _new_family_config(cfg, common, lefts, family)
     checks = [("positions", cfg.positions, "rope"), ("rope_interleaved", cfg.rope_interleaved, False),
               ("norm", cfg.norm, "rms"), ("norm_first", cfg.norm_first, True), ("ffn", cfg.ffn, "swiglu"),
               ("qk_norm", cfg.qk_norm, False), ("softcap", cfg.softcap, None), ("attn_scale", cfg.attn_scale, None)]
     _check_fields(cfg, checks, "Llama-family models")
+    wanted = family
     family = _hf_family(cfg, lefts)
+    if wanted is not None and wanted != family:
+        raise ValueError(f"family={wanted!r}: this config's biases and windows make it {_NAMES[family]} "
+                         f"(family={family!r})")
     left = next((x for x in lefts if x is not None), None)
     if family == "llama":
         return transformers.LlamaConfig(**common, attention_bias=cfg.qkv_bias, mlp_bias=cfg.ffn_bias)
@@ -385,7 +691,25 @@ def _to_hf_state(state: dict, n_layers: int, tied: bool, dims: tuple[int, int, i
         h, a = f"model.layers.{i}.", f"layers.{i}."
         for hf_name, name in _NORMS.get(family, _NORMS[None]).items():
             s[f"{h}{hf_name}.weight"] = _shifted(state[f"{a}{name}.weight"], off)
+        for name in _QK_NORMS if family != "deepseek_v3" else ():  # (LatentAttention's q_norm is q_a_layernorm)
+            if f"{a}attn.{name}.weight" in state:
+                s[f"{h}self_attn.{name}.weight"] = _shifted(state[f"{a}attn.{name}.weight"], off)
         for kind in ("weight", "bias"):
+            if family == "deepseek_v3":
+                for hf_name, name in _MLA.items():
+                    if f"{a}attn.{name}.{kind}" in state:
+                        s[f"{h}self_attn.{hf_name}.{kind}"] = state[f"{a}attn.{name}.{kind}"]
+                if kind == "weight":
+                    s[f"{h}mlp.gate_proj.weight"], s[f"{h}mlp.up_proj.weight"] = state[f"{a}ffn.up_proj.weight"].split(ff)
+                    s[f"{h}mlp.down_proj.weight"] = state[f"{a}ffn.down_proj.weight"]
+                continue
+            if family == "phi3":  # fused as attnkit's: rows [q; k; v] and [gate; up]
+                if f"{a}attn.qkv_proj.{kind}" in state:
+                    s[f"{h}self_attn.qkv_proj.{kind}"] = state[f"{a}attn.qkv_proj.{kind}"]
+                    s[f"{h}self_attn.o_proj.{kind}"] = state[f"{a}attn.out_proj.{kind}"]
+                    s[f"{h}mlp.gate_up_proj.{kind}"] = state[f"{a}ffn.up_proj.{kind}"]
+                    s[f"{h}mlp.down_proj.{kind}"] = state[f"{a}ffn.down_proj.{kind}"]
+                continue
             if f"{a}attn.qkv_proj.{kind}" in state:
                 for name, part in zip("qkv", state[f"{a}attn.qkv_proj.{kind}"].split((q, kv, kv), 0)):
                     s[f"{h}self_attn.{name}_proj.{kind}"] = part
@@ -398,7 +722,7 @@ def _to_hf_state(state: dict, n_layers: int, tied: bool, dims: tuple[int, int, i
     return s
 
 
-def to_hf(model, *, attn_implementation: str | None = None):
+def to_hf(model, *, attn_implementation: str | None = None, family: str | None = None):
     """Convert an :class:`attnkit.nn.DecoderLM` into the equivalent ``transformers`` causal LM.
 
     RoPE, RMSNorm Pre-LN and SwiGLU models become ``LlamaForCausalLM`` (no biases, or q/k/v/o biases),
@@ -406,7 +730,13 @@ def to_hf(model, *, attn_implementation: str | None = None):
     full and sliding-window layers mixed through ``config.layer_masks``, one window size, as ``layer_types``);
     anything else (ALiBi, LayerNorm, GELU, soft-cap, other masks) raises ``ValueError`` naming the field.
     Gemma 2-style models (``ffn="geglu"``, ``post_norms``, ``embed_scale=sqrt(d_model)``, soft-caps, one
-    sliding window on some layers) become ``Gemma2ForCausalLM``.
+    sliding window on some layers) become ``Gemma2ForCausalLM``, with q/k norms (or ``rope_local_theta``)
+    ``Gemma3ForCausalLM``.  Of the Llama layout, ``qk_norm=True`` makes ``Qwen3ForCausalLM``, ``qk_norm="all"``
+    with output-only norms (``pre_norms=False, post_norms=True``) ``Olmo2ForCausalLM``, ``rope_layers``
+    ``SmolLM3ForCausalLM``, and ``embed_scale`` / ``attn_scale`` / ``residual_scale`` / ``logit_divisor``
+    ``GraniteForCausalLM``.  ``family`` (a ``model_type`` of :data:`FAMILIES`, e.g. ``"phi3"`` for
+    ``Phi3ForCausalLM``, whose fused projections attnkit's equal) picks the family instead; a config it cannot
+    express raises ``ValueError``.
     ``config.attention_dropout`` becomes HF's ``attention_dropout``; ``config.dropout`` (embedding and
     residual dropout, training only) has no equivalent in these models and is not carried over.
     The result has the same dtype, device and training mode, and computes the same logits;
@@ -432,11 +762,13 @@ def to_hf(model, *, attn_implementation: str | None = None):
     if not isinstance(model, DecoderLM):
         raise TypeError(f"to_hf converts an attnkit.nn.DecoderLM, got {type(model).__name__}")
     cfg = model.config
-    config = hf_config(cfg, attn_implementation=attn_implementation)
-    classes = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
-               "qwen2": transformers.Qwen2ForCausalLM, "gemma2": transformers.Gemma2ForCausalLM}
+    config = hf_config(cfg, attn_implementation=attn_implementation, family=family)
+    classes = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "gemma2": "Gemma2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+               "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+               "granite": "GraniteForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
     dtype, device = _dtype_device(model)
-    out = classes[config.model_type](config).to(device=device, dtype=dtype)
+    out = getattr(transformers, classes[config.model_type])(config).to(device=device, dtype=dtype)
     dims = (cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.ff_dim)
     state = _to_hf_state(model.state_dict(), cfg.n_layers, cfg.tie_embeddings, dims, config.model_type,
                          cfg.norm_offset)

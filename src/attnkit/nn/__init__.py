@@ -2,7 +2,8 @@
 
 * Attention: :class:`MultiHeadAttention` (self, grouped-query, cross, cached; ``from_torch``),
   :class:`SingleHeadAttention` (the articles' one head), :class:`AdditiveAttention` (Bahdanau),
-  :class:`AxialAttention` (grids).
+  :class:`AxialAttention` (grids), :class:`LatentAttention` (multi-head latent attention, DeepSeek-V2/V3:
+  caches hold a small latent per token).
 * Positions: :class:`RotaryEmbedding`, :class:`ALiBi`, :class:`T5RelativeBias`, :class:`SinusoidalPositions`.
 * Blocks and models: :class:`TransformerBlock`, :class:`Encoder`, :class:`Decoder`, :class:`DecoderLM`
   (:class:`DecoderConfig`), :class:`EncoderDecoder`.
@@ -25,6 +26,7 @@ from . import tasks
 from .attention import MultiHeadAttention
 from .axial import AxialAttention
 from .blocks import Decoder, Encoder, TransformerBlock, default_d_ff
+from .latent import LatentAttention
 from .layers import FeedForward, Linear, RMSNorm, linear, to_decode_layout
 from .models import DecoderConfig, DecoderLM, EncoderDecoder
 from .positions import ALiBi, PositionEncoding, RotaryEmbedding, SinusoidalPositions, T5RelativeBias
@@ -35,6 +37,7 @@ __all__ = [
     "SingleHeadAttention",
     "AdditiveAttention",
     "AxialAttention",
+    "LatentAttention",
     "RotaryEmbedding",
     "ALiBi",
     "T5RelativeBias",

@@ -116,7 +116,9 @@ class MultiHeadAttention(_Attends):
             ``vdim`` to ``kdim``: keys and values usually come from one context).
         bias: bias on the q/k/v projections; ``out_bias`` (default: ``bias``) on ``out_proj``.
         dropout: dropout on the attention weights while training.
-        qk_norm: RMSNorm on each query and key head.
+        qk_norm: RMSNorm on each query and key head (``True`` or ``"head"``: Qwen3, Gemma 3), or ``"all"``: one
+            RMSNorm over all query heads together and one over all key heads (OLMo 2); ``qk_norm_eps`` and
+            ``qk_norm_offset`` are those norms' ``eps`` and ``offset`` (see :class:`RMSNorm`).
         positions: a :class:`~attnkit.nn.PositionEncoding` or None.
         mask: a mask applied to every call (e.g. ``masks.causal()``).
         softcap: ``s * tanh(score / s)`` on the scores (Gemma 2).
@@ -147,10 +149,11 @@ class MultiHeadAttention(_Attends):
                  kdim: int | None = None, vdim: int | None = None, bias: bool = True, dropout: float = 0.0,
                  qk_norm: bool = False, positions: PositionEncoding | None = None, mask=None,
                  softcap: float | None = None, temperature: float = 1.0, backend: str = "auto",
-                 out_bias: bool | None = None):
+                 out_bias: bool | None = None, qk_norm_eps: float = 1e-6, qk_norm_offset: float = 0.0):
         super().__init__()
         n_kv_heads, d_head = _checks.head_layout(d_model, n_heads, n_kv_heads, d_head)
-        bias, qk_norm = _checks.flag("bias", bias), _checks.flag("qk_norm", qk_norm)
+        bias = _checks.flag("bias", bias)
+        qk_norm = qk_norm if isinstance(qk_norm, str) else _checks.flag("qk_norm", qk_norm)  # or a named layout
         kdim = d_model if kdim is None else _checks.positive_int("kdim", kdim)
         vdim = kdim if vdim is None else _checks.positive_int("vdim", vdim)
         self.d_model, self.n_heads, self.n_kv_heads, self.d_head = d_model, n_heads, n_kv_heads, d_head
@@ -182,8 +185,13 @@ class MultiHeadAttention(_Attends):
                 self.k_proj = Linear(kdim, kv_out, bias=bias)
                 self.v_proj = Linear(vdim, kv_out, bias=bias)
         self.out_proj = Linear(q_out, d_model, bias=out_bias)
-        self.q_norm = RMSNorm(d_head) if qk_norm else None
-        self.k_norm = RMSNorm(d_head) if qk_norm else None
+        if qk_norm not in (False, True, "head", "all"):
+            raise ValueError(f"qk_norm={qk_norm!r} must be False, True / 'head' (RMSNorm per head) or 'all' (over "
+                             f"all heads at once)")
+        self.qk_norm_all = qk_norm == "all"
+        q_dim, k_dim = (q_out, kv_out) if self.qk_norm_all else (d_head, d_head)
+        self.q_norm = RMSNorm(q_dim, qk_norm_eps, qk_norm_offset) if qk_norm else None
+        self.k_norm = RMSNorm(k_dim, qk_norm_eps, qk_norm_offset) if qk_norm else None
         self._plain_causal = _is_bottom_right_causal(self.mask)
 
     # ------------------------------------------------------------------------ projections
@@ -285,7 +293,7 @@ class MultiHeadAttention(_Attends):
                 _checks.positions_tensor("positions", positions, B, L, x.device)
             q, k, v = self._project_self(x, pos)
             if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
+                q, k = self._qk_normed(self.q_norm, q), self._qk_normed(self.k_norm, k)
             if pos is not None:
                 q, k = self.positions.rotate(q, pos, max_position=hi), self.positions.rotate(k, pos, max_position=hi)
             bias = self.positions.score_mod() if self.positions is not None else None
@@ -309,9 +317,9 @@ class MultiHeadAttention(_Attends):
             else:
                 k, v = self._project_context(key_in, value_in)
             if self.q_norm is not None:
-                q = self.q_norm(q)
+                q = self._qk_normed(self.q_norm, q)
                 if k.shape[2]:
-                    k = self.k_norm(k)
+                    k = self._qk_normed(self.k_norm, k)
             bias = None
             layer_mask = self.mask
         scale = 1.0 / (math.sqrt(self.d_head) * self.temperature)
@@ -350,6 +358,14 @@ class MultiHeadAttention(_Attends):
             w = attention_weights(q, k, v, mask=m, bias=bias, scale=scale, softcap=self.softcap)
             return out, w
         return out
+
+    def _qk_normed(self, norm: nn.Module, t: Tensor) -> Tensor:
+        """``t (B, H, L, D)`` through a q/k norm: per head, or over all ``H D`` features of a token."""
+        if not self.qk_norm_all:
+            return norm(t)
+        B, H, L, D = t.shape
+        flat = norm(t.transpose(1, 2).reshape(B, L, H * D))  # (B, L, H D)
+        return flat.view(B, L, H, D).transpose(1, 2)  # (B, H, L, D)
 
     def _output(self, out: Tensor) -> Tensor:
         B, H, L, D = out.shape

@@ -39,7 +39,9 @@ class TransformerBlock(nn.Module):
     needs a final norm).  ``norm_first=False`` (Post-LN, the original Transformer):
     ``x = norm(x + attn(x))``, ``x = norm(x + ffn(x))``.  ``post_norms=True`` (Pre-LN only; Gemma 2's
     "sandwich" norms) also normalises each sub-layer's output before its residual add:
-    ``x = x + post_norm(attn(norm(x)))``.  With ``cross_attention=True`` a cross-attention
+    ``x = x + post_norm(attn(norm(x)))``; with ``pre_norms=False`` as well only the outputs are normalised,
+    ``x = x + post_norm(attn(x))`` (OLMo 2).  ``residual_scale`` multiplies each sub-layer's output before its
+    residual add (Granite's ``residual_multiplier``).  With ``cross_attention=True`` a cross-attention
     sub-layer over ``context (B, Lc, context_dim)`` sits between the two.
 
     Args:
@@ -48,11 +50,14 @@ class TransformerBlock(nn.Module):
         dropout: residual dropout (and attention dropout unless ``attention_dropout`` is given).
         attention_dropout: dropout on the attention probabilities; None = ``dropout``.
         norm: ``"layer"`` (LayerNorm) or ``"rms"`` (RMSNorm); ``norm_eps`` its epsilon; ``norm_offset`` what
-            an RMSNorm's stored weight lacks (Gemma's ``1 + weight``: 1.0; see :class:`RMSNorm`).
+            an RMSNorm's stored weight lacks (Gemma's ``1 + weight``: 1.0; see :class:`RMSNorm`); the q/k norms
+            (``qk_norm``) use the same two.
         ffn: ``"gelu"``, ``"swiglu"`` or ``"geglu"`` (gated, tanh-approximated GELU: Gemma).
         post_norms: a norm on the output of each sub-layer (``attn_post_norm``, ``ffn_post_norm``).
         cross_attention: add the cross-attention sub-layer; ``context_dim`` its context width.
         positions, mask, qk_norm, softcap, temperature, backend: passed to the self-attention.
+        attn: a built self-attention module taking ``(x, *, mask, cache, positions)`` (e.g.
+            :class:`LatentAttention`) instead of the :class:`MultiHeadAttention` the options above build.
         bias: default for ``qkv_bias`` (q/k/v projections), ``out_bias`` (attention output) and ``ffn_bias``.
 
     Submodules: ``attn_norm``, ``attn``, (``cross_norm``, ``cross_attn``), ``ffn_norm``, ``ffn``; with
@@ -80,12 +85,14 @@ class TransformerBlock(nn.Module):
                  qkv_bias: bool | None = None, out_bias: bool | None = None, ffn_bias: bool | None = None,
                  qk_norm: bool = False, softcap: float | None = None, temperature: float = 1.0,
                  backend: str = "auto", attention_dropout: float | None = None, post_norms: bool = False,
-                 norm_offset: float = 0.0):
+                 norm_offset: float = 0.0, pre_norms: bool = True, residual_scale: float = 1.0,
+                 attn: nn.Module | None = None):
         super().__init__()
         _checks.choice("norm", norm, ("layer", "rms"))
         _checks.choice("ffn", ffn, _FFNS)
         norm_first, post_norms = _checks.flag("norm_first", norm_first), _checks.flag("post_norms", post_norms)
-        bias, qk_norm = _checks.flag("bias", bias), _checks.flag("qk_norm", qk_norm)
+        bias = _checks.flag("bias", bias)
+        qk_norm = qk_norm if isinstance(qk_norm, str) else _checks.flag("qk_norm", qk_norm)  # or a named layout
         cross_attention = _checks.flag("cross_attention", cross_attention)
         if post_norms and not norm_first:
             raise ValueError("post_norms=True needs norm_first=True (Pre-LN): a Post-LN block already normalises "
@@ -96,15 +103,23 @@ class TransformerBlock(nn.Module):
         ffn_bias = bias if ffn_bias is None else _checks.flag("ffn_bias", ffn_bias)
         self.norm_first = bool(norm_first)
         attn_p = dropout if attention_dropout is None else _checks.probability("attention_dropout", attention_dropout)
+        if not pre_norms and not post_norms:
+            raise ValueError("pre_norms=False needs post_norms=True (OLMo 2 normalises only the sub-layers' outputs)")
+        self.residual_scale = _checks.positive_float("residual_scale", residual_scale)
         attn_kw = dict(n_kv_heads=n_kv_heads, d_head=d_head, bias=qkv_bias, out_bias=out_bias, dropout=attn_p,
-                       qk_norm=qk_norm, softcap=softcap, temperature=temperature, backend=backend)
-        self.attn_norm = make_norm(norm, d_model, norm_eps, norm_offset)
-        self.attn = MultiHeadAttention(d_model, n_heads, positions=positions, mask=mask, **attn_kw)
+                       qk_norm=qk_norm, softcap=softcap, temperature=temperature, backend=backend,
+                       qk_norm_eps=norm_eps, qk_norm_offset=norm_offset)
+        self.attn_norm = make_norm(norm, d_model, norm_eps, norm_offset) if pre_norms else nn.Identity()
+        if attn is not None and not isinstance(attn, nn.Module):
+            raise TypeError(f"attn must be None or a built self-attention module (e.g. LatentAttention), got "
+                            f"{type(attn).__name__}")
+        self.attn = attn if attn is not None else MultiHeadAttention(d_model, n_heads, positions=positions, mask=mask,
+                                                                     **attn_kw)
         self.cross_attention = bool(cross_attention)
         if self.cross_attention:
             self.cross_norm = make_norm(norm, d_model, norm_eps, norm_offset)
             self.cross_attn = MultiHeadAttention(d_model, n_heads, kdim=context_dim, **attn_kw)
-        self.ffn_norm = make_norm(norm, d_model, norm_eps, norm_offset)
+        self.ffn_norm = make_norm(norm, d_model, norm_eps, norm_offset) if pre_norms else nn.Identity()
         self.ffn = FeedForward(d_model, d_ff, ffn, bias=ffn_bias)
         self.post_norms = bool(post_norms)
         if self.post_norms:
@@ -121,7 +136,7 @@ class TransformerBlock(nn.Module):
         if not self.cross_attention and context is not None:
             raise ValueError("context was given but this TransformerBlock has no cross attention: build it "
                              "with cross_attention=True")
-        drop = self.dropout
+        drop = self.dropout if self.residual_scale == 1.0 else self._scaled_branch
         if self.post_norms:
             x = x + drop(self.attn_post_norm(self.attn(self.attn_norm(x), mask=mask, cache=cache, positions=positions)))
             if self.cross_attention:
@@ -137,6 +152,11 @@ class TransformerBlock(nn.Module):
         if self.cross_attention:
             x = self.cross_norm(x + drop(self.cross_attn(x, context, mask=context_mask, cache=cross_cache)))
         return self.ffn_norm(x + drop(self.ffn(x)))
+
+
+    def _scaled_branch(self, t: Tensor) -> Tensor:
+        """A sub-layer's output, dropped out and scaled by ``residual_scale`` before its residual add (Granite)."""
+        return self.dropout(t) * self.residual_scale
 
 
 def _layer_caches(cache, name: str, n: int):

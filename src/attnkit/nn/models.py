@@ -11,6 +11,7 @@ import torch.nn as nn
 from .. import masks as _masks
 from . import _checks
 from .blocks import Decoder, Encoder, TransformerBlock, _cache_positions, _layer_caches, default_d_ff
+from .latent import LatentAttention
 from .layers import Linear, _dropout, linear, make_norm
 from .positions import ALiBi, PositionEncoding, RotaryEmbedding, SinusoidalPositions, T5RelativeBias, _parse_scaling
 
@@ -28,7 +29,11 @@ class DecoderConfig:
     Expresses Llama (``norm="rms", ffn="swiglu"``, RoPE, no biases), Mistral (plus
     ``mask=masks.sliding_window(W - 1)``), Qwen2 (plus ``qkv_bias=True``), Gemma 2 (``ffn="geglu",
     post_norms=True, embed_scale=sqrt(d_model)``, ``attn_scale``, ``softcap``, ``logit_softcap`` and
-    alternating ``layer_masks``) as well as GPT-style models (``norm="layer", ffn="gelu"``, biases,
+    alternating ``layer_masks``), Gemma 3 (plus ``qk_norm=True``, ``rope_local_theta``), Qwen3 (``qk_norm``),
+    OLMo 2 (``qk_norm="all", pre_norms=False, post_norms=True``), SmolLM3 (``rope_layers``), Granite
+    (``embed_scale``, ``attn_scale``, ``residual_scale``, ``logit_divisor``), DeepSeek-V3's multi-head latent
+    attention (``kv_lora_rank``, ``q_lora_rank``, ``qk_rope_head_dim``, ``v_head_dim``; ``d_head`` is then
+    ``qk_nope_head_dim``) as well as GPT-style models (``norm="layer", ffn="gelu"``, biases,
     ``positions="sinusoidal"`` or ``"alibi"``).
 
     **Masks.**  Every layer is causal.  ``mask`` is AND-ed into every layer; ``layer_masks`` (one entry per
@@ -64,7 +69,7 @@ class DecoderConfig:
     max_seq_len: int = 2048  # positions >= this raise, unless the position method extrapolates (alibi, t5, none)
     positions: str = "rope"  # "rope" | "alibi" | "t5" | "sinusoidal" | "none"
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # {"type": "linear" | "ntk" | "llama3", "factor": f, ...} (HF format too)
+    rope_scaling: dict | None = None  # {"type": "linear" | "ntk" | "llama3" | "yarn" | "longrope" | "dynamic", ...}
     rotary_dim: int | None = None  # partial rotary: rotate the first rotary_dim dims of each head
     rope_interleaved: bool = False  # pair dims (2i, 2i+1) instead of (i, i + d/2)
     t5_num_buckets: int = 32
@@ -79,12 +84,23 @@ class DecoderConfig:
     qkv_bias: bool = False  # bias on the q/k/v projections (Qwen2: True)
     out_bias: bool = False  # bias on the attention output projection
     ffn_bias: bool = False  # biases in the feed-forward network
-    qk_norm: bool = False  # RMSNorm on every query and key head
+    qk_norm: bool | str = False  # RMSNorm per query/key head (True, "head"), or over all heads at once ("all": OLMo 2)
     softcap: float | None = None  # attention score softcap
     attn_scale: float | None = None  # score scale; None = 1/sqrt(d_head) (Gemma 2: query_pre_attn_scalar^-0.5)
     post_norms: bool = False  # Pre-LN plus a norm on each sub-layer's output before its residual add (Gemma 2)
+    pre_norms: bool = True  # False (with post_norms): only the sub-layers' outputs are normalised (OLMo 2)
+    residual_scale: float = 1.0  # sub-layer outputs times this before the residual add (Granite's residual_multiplier)
     embed_scale: float | None = None  # token embeddings times this (Gemma: sqrt(d_model))
     logit_softcap: float | None = None  # s * tanh(logits / s) on the output logits (Gemma 2: 30)
+    logit_divisor: float | None = None  # output logits divided by this (Granite's logits_scaling)
+    rope_local_theta: float | None = None  # rope base of the layers with a layer_masks entry (Gemma 3; unscaled)
+    rope_layers: tuple[bool, ...] | None = None  # one per layer; False: no positions there (SmolLM3's NoPE layers)
+    # multi-head latent attention (DeepSeek-V2/V3, LatentAttention) when kv_lora_rank is set; d_head is then the
+    # heads' dims without positions (qk_nope_head_dim), the scale 1/sqrt(d_head + qk_rope_head_dim) unless attn_scale
+    kv_lora_rank: int | None = None  # MLA: the latent's width (a cache stores kv_lora_rank + qk_rope_head_dim)
+    q_lora_rank: int | None = None  # MLA: rank of the query projection; None = a full projection
+    qk_rope_head_dim: int | None = None  # MLA: rotary dims per head, one rotary key shared by every head
+    v_head_dim: int | None = None  # MLA: value dims per head; None = d_head
     tie_embeddings: bool = True  # the output head reuses the token embedding
     dropout: float = 0.0  # embedding and residual dropout (training)
     attention_dropout: float = 0.0  # dropout on the attention probabilities (training)
@@ -101,9 +117,11 @@ class DecoderConfig:
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "t5_max_distance"):
             _checks.positive_int(name, getattr(self, name))
-        for name in ("rope_interleaved", "norm_first", "qkv_bias", "out_bias", "ffn_bias", "qk_norm", "post_norms",
+        for name in ("rope_interleaved", "norm_first", "qkv_bias", "out_bias", "ffn_bias", "post_norms",
                      "tie_embeddings"):
             setattr(self, name, _checks.flag(name, getattr(self, name)))
+        if not isinstance(self.qk_norm, str):  # a flag, or one of the named layouts checked below
+            self.qk_norm = _checks.flag("qk_norm", self.qk_norm)
         self.n_kv_heads_, self.d_head_ = _checks.head_layout(self.d_model, self.n_heads, self.n_kv_heads, self.d_head)
         _checks.choice("positions", self.positions, _POSITIONS)
         _checks.choice("norm", self.norm, ("rms", "layer"))
@@ -117,8 +135,19 @@ class DecoderConfig:
         if self.norm_offset and self.norm != "rms":
             raise ValueError(f"norm_offset={self.norm_offset!r} applies to RMSNorm only: use norm='rms' or "
                              f"norm_offset=0.0")
-        for name in ("softcap", "attn_scale", "embed_scale", "logit_softcap"):
+        for name in ("softcap", "attn_scale", "embed_scale", "logit_softcap", "logit_divisor", "rope_local_theta"):
             _checks.positive_float(name, getattr(self, name), allow_none=True)
+        _checks.positive_float("residual_scale", self.residual_scale)
+        if not self.pre_norms and not self.post_norms:
+            raise ValueError("pre_norms=False needs post_norms=True (OLMo 2 normalises only the sub-layers' outputs)")
+        if self.qk_norm not in (False, True, "head", "all"):
+            raise ValueError(f"qk_norm={self.qk_norm!r} must be False, True / 'head' (RMSNorm per head) or 'all' "
+                             f"(over all heads at once)")
+        self.rope_layers = _check_rope_layers(self.rope_layers, self.n_layers, self.positions)
+        if self.rope_local_theta is not None and (self.positions != "rope" or self.layer_masks is None):
+            raise ValueError(f"rope_local_theta={self.rope_local_theta!r} is the rope base of the layers with a "
+                             f"layer_masks entry: it needs positions='rope' and layer_masks (got positions="
+                             f"{self.positions!r}, layer_masks={self.layer_masks!r})")
         if self.post_norms and not self.norm_first:
             raise ValueError("post_norms=True needs norm_first=True (Pre-LN): a Post-LN block already normalises "
                              "after every residual add")
@@ -135,13 +164,40 @@ class DecoderConfig:
                                   f"{e}") from None
         _checks.causal_model_mask("mask", self.mask)
         self.layer_masks = _check_layer_masks(self.layer_masks, self.n_layers)
-        if self.positions == "rope" and self.rotary_dim is None and self.d_head_ % 2:
+        self._check_latent()
+        if self.positions == "rope" and self.rotary_dim is None and self.d_head_ % 2 and not self.kv_lora_rank:
             raise ValueError(f"positions='rope' rotates pairs of channels: the head size d_head={self.d_head_} must "
                              f"be even (pick d_model/n_heads or d_head even, or rotary_dim=an even size)")
         if self.rotary_dim is not None and (self.rotary_dim > self.d_head_ or self.rotary_dim % 2):
             raise ValueError(f"rotary_dim={self.rotary_dim} must be even and <= d_head={self.d_head_}")
         if self.positions == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"positions='sinusoidal' needs an even d_model, got {self.d_model}")
+
+    def _check_latent(self) -> None:
+        for name in ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+            _checks.positive_int(name, getattr(self, name), allow_none=True)
+        if self.kv_lora_rank is None:
+            for name in ("q_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}={getattr(self, name)!r} is a field of multi-head latent attention: set "
+                                     f"kv_lora_rank too (or {name}=None)")
+            return
+        if self.qk_rope_head_dim is None or self.qk_rope_head_dim % 2:
+            raise ValueError(f"kv_lora_rank={self.kv_lora_rank} (latent attention) needs qk_rope_head_dim, an even "
+                             f"number of rotary dims per head, got {self.qk_rope_head_dim!r}")
+        for name, value, want in (("positions", self.positions, ("rope", "none")),
+                                  ("n_kv_heads", self.n_kv_heads, (None, self.n_heads)),
+                                  ("qk_norm", self.qk_norm, (False,)), ("softcap", self.softcap, (None,)),
+                                  ("rotary_dim", self.rotary_dim, (None,)),
+                                  ("rope_local_theta", self.rope_local_theta, (None,))):
+            if value not in want:
+                raise ValueError(f"{name}={value!r} is not available with latent attention (kv_lora_rank="
+                                 f"{self.kv_lora_rank}): use {name}={want[0]!r}")
+
+    @property
+    def latent(self) -> bool:
+        """Whether the layers use multi-head latent attention (``kv_lora_rank`` is set)."""
+        return self.kv_lora_rank is not None
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "DecoderConfig":
@@ -208,7 +264,22 @@ def _check_layer_masks(value, n_layers: int) -> tuple[_masks.Mask | None, ...] |
     return tuple(_checks.causal_model_mask(f"layer_masks[{i}]", m) for i, m in enumerate(value))
 
 
+def _check_rope_layers(value, n_layers: int, positions: str) -> tuple[bool, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or len(value) != n_layers or not all(
+            isinstance(x, (bool, int)) and x in (0, 1) for x in value):
+        raise ValueError(f"rope_layers={value!r} must give one bool per layer ({n_layers}): False for a layer "
+                         f"without positions")
+    if positions != "rope":
+        raise ValueError(f"rope_layers is for positions='rope', got positions={positions!r}")
+    return tuple(bool(x) for x in value)
+
+
 def _make_positions(cfg: DecoderConfig, *, bidirectional: bool) -> PositionEncoding | None:
+    if cfg.positions == "rope" and cfg.latent:
+        return RotaryEmbedding(cfg.qk_rope_head_dim, base=cfg.rope_theta, interleaved=cfg.rope_interleaved,
+                               scaling=cfg.rope_scaling)
     if cfg.positions == "rope":
         return RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, base=cfg.rope_theta, interleaved=cfg.rope_interleaved,
                                scaling=cfg.rope_scaling)
@@ -224,7 +295,8 @@ def _block_options(cfg: DecoderConfig, positions) -> dict:
                 attention_dropout=cfg.attention_dropout, norm_first=cfg.norm_first, norm=cfg.norm,
                 norm_eps=cfg.norm_eps, norm_offset=cfg.norm_offset, ffn=cfg.ffn, positions=positions,
                 qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias, ffn_bias=cfg.ffn_bias, qk_norm=cfg.qk_norm,
-                softcap=cfg.softcap, backend=cfg.backend, post_norms=cfg.post_norms,
+                softcap=cfg.softcap, backend=cfg.backend, post_norms=cfg.post_norms, pre_norms=cfg.pre_norms,
+                residual_scale=cfg.residual_scale,
                 temperature=1.0 if cfg.attn_scale is None else 1.0 / (cfg.attn_scale * math.sqrt(cfg.head_dim)))
 
 
@@ -260,6 +332,11 @@ class _LMBase(nn.Module):
         if pos.numel() == 0:
             return 0
         if torch.compiler.is_compiling():  # reading the tensor would split the graph: check inside it instead
+            rope = getattr(self, "positions", None)
+            if isinstance(rope, RotaryEmbedding) and rope.length_dependent:
+                raise ValueError(f"rope scaling {rope.scaling['type']!r} picks its frequencies from the largest "
+                                 f"position, which a compiled forward does not read from given positions: call "
+                                 f"it with positions=None (the cache's offset) or without torch.compile")
             torch._assert_async((pos >= 0).all(), "positions must be >= 0")
             if cfg.positions not in ("alibi", "t5", "none"):
                 torch._assert_async((pos < cfg.max_seq_len).all(), f"positions must be < max_seq_len="
@@ -292,6 +369,8 @@ class _LMBase(nn.Module):
 
     def _logits(self, x: Tensor) -> Tensor:
         logits = linear(x, self.embed.weight) if self.lm_head is None else self.lm_head(x)  # (B, L, vocab)
+        if self.config.logit_divisor is not None:
+            logits = logits / self.config.logit_divisor
         cap = self.config.logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -355,12 +434,36 @@ class DecoderLM(_LMBase):
         cfg = config
         self._build_io(cfg)
         self.positions = _make_positions(cfg, bidirectional=False)
+        self.local_positions = None  # the sliding layers' own rotary embedding (rope_local_theta)
+        if cfg.rope_local_theta is not None:
+            self.local_positions = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, base=cfg.rope_local_theta,
+                                                   interleaved=cfg.rope_interleaved)
         opts = _block_options(cfg, self.positions)
         self.layers = nn.ModuleList(
-            TransformerBlock(cfg.d_model, cfg.n_heads, mask=_checks.combine(_masks.causal(), cfg.layer_mask(i)), **opts)
+            TransformerBlock(cfg.d_model, cfg.n_heads, mask=_checks.combine(_masks.causal(), cfg.layer_mask(i)),
+                             **{**opts, "positions": self._layer_positions(i)}, attn=self._latent_attention(i))
             for i in range(cfg.n_layers))
         self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_offset) if cfg.norm_first else None
         self._init_weights(cfg.n_layers)
+
+    def _latent_attention(self, i: int) -> LatentAttention | None:
+        cfg = self.config
+        if not cfg.latent:
+            return None
+        return LatentAttention(cfg.d_model, cfg.n_heads, kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank,
+                               qk_rope_head_dim=cfg.qk_rope_head_dim, qk_nope_head_dim=cfg.head_dim,
+                               v_head_dim=cfg.v_head_dim or cfg.head_dim, positions=self._layer_positions(i),
+                               mask=_checks.combine(_masks.causal(), cfg.layer_mask(i)), scale=cfg.attn_scale,
+                               bias=cfg.qkv_bias, out_bias=cfg.out_bias, dropout=cfg.attention_dropout,
+                               backend=cfg.backend)
+
+    def _layer_positions(self, i: int) -> PositionEncoding | None:
+        cfg = self.config
+        if cfg.rope_layers is not None and not cfg.rope_layers[i]:
+            return None
+        if self.local_positions is not None and cfg.layer_masks[i] is not None:
+            return self.local_positions
+        return self.positions
 
     def forward(self, ids: Tensor, *, cache=None, positions=None, mask=None, logits_at: Tensor | None = None) -> Tensor:
         _checks.token_ids("ids", ids, self.config.vocab_size)
@@ -370,15 +473,16 @@ class DecoderLM(_LMBase):
                             f"compute), got {logits_at!r:.80}")
         caches = _layer_caches(cache, "layers", len(self.layers))
         pos, hi = self._positions(ids, cache, positions)
-        rope = self.positions if isinstance(self.positions, RotaryEmbedding) and ids.shape[1] else None
+        ropes = [r for r in (self.positions, self.local_positions) if isinstance(r, RotaryEmbedding)]
+        ropes = ropes if ids.shape[1] else []
         x = self._embed(ids, pos)
-        if rope is not None:
+        for rope in ropes:
             rope._share(pos, hi)  # one cos/sin gather for every layer
         try:
             for layer, c in zip(self.layers, caches):
                 x = layer(x, mask=mask, cache=c, positions=pos)
         finally:
-            if rope is not None:
+            for rope in ropes:
                 rope._share(None)
         if logits_at is not None:
             x = x[:, logits_at]  # (B, len(logits_at), d_model): the output head runs on these rows only
@@ -426,6 +530,11 @@ class EncoderDecoder(_LMBase):
         if cfg.layer_masks is not None:
             raise ValueError("config.layer_masks is not supported by EncoderDecoder (its decoder applies config.mask "
                              "to every layer): set layer_masks=None, or use DecoderLM for per-layer masks")
+        if cfg.latent:
+            raise ValueError("latent attention (config.kv_lora_rank) is not supported by EncoderDecoder: use DecoderLM")
+        if cfg.rope_layers is not None:
+            raise ValueError("config.rope_layers is not supported by EncoderDecoder: use DecoderLM for layers "
+                             "without positions")
         n_enc = cfg.n_layers if n_encoder_layers is None else _checks.positive_int("n_encoder_layers",
                                                                                    n_encoder_layers)
         self._build_io(cfg)

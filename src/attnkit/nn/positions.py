@@ -78,12 +78,33 @@ class PositionEncoding(nn.Module):
 
 # ----------------------------------------------------------------------------------- rotary
 
-_SCALINGS = ("linear", "ntk", "llama3")
+_SCALINGS = ("linear", "ntk", "llama3", "yarn", "longrope", "dynamic")
+
+
+def _original_len(s: dict, kind: str) -> int:
+    old = s.pop("original_max_position_embeddings", None)
+    old = s.pop("original_max_seq_len", old)
+    if old is None:
+        raise ValueError(f"{kind} scaling needs scaling['original_max_seq_len'] (Hugging Face's "
+                         f"original_max_position_embeddings): the context length the model was trained at")
+    return _checks.positive_int("scaling['original_max_seq_len']", old)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction ``0.1 * mscale * ln(factor) + 1`` (1 for ``factor <= 1``)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _factors(name: str, value) -> tuple[float, ...]:
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+        raise TypeError(f"scaling[{name!r}] must be a list of positive floats (one per rotated pair), got {value!r}")
+    return tuple(_checks.positive_float(f"scaling[{name!r}][{i}]", float(f)) for i, f in enumerate(value))
 
 
 def _parse_scaling(scaling, base: float | None = None) -> dict | None:
-    """The validated scaling dict (``type``, ``factor``, llama3's factors), or None.  Hugging Face's form is
-    accepted: ``rope_type`` beside or instead of ``type``, and ``rope_theta``, which must equal ``base``."""
+    """The validated scaling dict (``type``, ``factor``, each type's own fields, ``attention_factor``), or None.
+    Hugging Face's form is accepted: ``rope_type`` beside or instead of ``type``, ``original_max_position_embeddings``
+    for ``original_max_seq_len``, and ``rope_theta``, which must equal ``base``."""
     if scaling is None:
         return None
     if not isinstance(scaling, dict):
@@ -103,18 +124,59 @@ def _parse_scaling(scaling, base: float | None = None) -> dict | None:
         return None
     if kind not in _SCALINGS:
         raise ValueError(f"scaling type {kind!r} is not one of {_SCALINGS} (give it as scaling['type'])")
-    factor = _checks.positive_float("scaling['factor']", s.pop("factor", None))
+    factor = s.pop("factor", None)
+    if kind == "longrope":  # the factor only sets the default attention factor
+        factor = _checks.positive_float("scaling['factor']", factor, allow_none=True)
+    else:
+        factor = _checks.positive_float("scaling['factor']", factor)
     out = {"type": kind, "factor": factor}
+    attention_factor = _checks.positive_float("scaling['attention_factor']", s.pop("attention_factor", None),
+                                              allow_none=True)
     if kind == "llama3":
         out["low_freq_factor"] = _checks.positive_float("scaling['low_freq_factor']", s.pop("low_freq_factor", 1.0))
         out["high_freq_factor"] = _checks.positive_float("scaling['high_freq_factor']",
                                                          s.pop("high_freq_factor", 4.0))
-        old = s.pop("original_max_position_embeddings", s.pop("original_max_seq_len", 8192))
-        out["original_max_seq_len"] = _checks.positive_int("scaling['original_max_seq_len']", old)
+        if "original_max_seq_len" not in s and "original_max_position_embeddings" not in s:
+            s["original_max_seq_len"] = 8192  # Llama 3's
+        out["original_max_seq_len"] = _original_len(s, kind)
         if out["high_freq_factor"] <= out["low_freq_factor"]:
             raise ValueError(f"llama3 scaling needs high_freq_factor > low_freq_factor, got "
                              f"{out['high_freq_factor']} and {out['low_freq_factor']}")
-    s.pop("attention_factor", None)
+    elif kind == "yarn":
+        out["original_max_seq_len"] = _original_len(s, kind)
+        out["beta_fast"] = _checks.positive_float("scaling['beta_fast']", s.pop("beta_fast", None) or 32.0)
+        out["beta_slow"] = _checks.positive_float("scaling['beta_slow']", s.pop("beta_slow", None) or 1.0)
+        out["truncate"] = bool(s.pop("truncate", True))
+        mscale, mscale_all = s.pop("mscale", None), s.pop("mscale_all_dim", None)
+        for name, value in (("mscale", mscale), ("mscale_all_dim", mscale_all)):
+            if value is not None:
+                out[name] = _checks.finite_float(f"scaling[{name!r}]", value)
+        if attention_factor is None:  # YaRN's sqrt(1/t) = 0.1 ln(s) + 1, or DeepSeek's ratio of two of them
+            if mscale and mscale_all:
+                attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+            else:
+                attention_factor = _yarn_mscale(factor)
+    elif kind == "longrope":
+        out["original_max_seq_len"] = _original_len(s, kind)
+        for name in ("short_factor", "long_factor"):
+            if name not in s:
+                raise ValueError(f"longrope scaling needs scaling[{name!r}]: a list of dim/2 positive floats")
+            out[name] = _factors(name, s.pop(name))
+        if len(out["short_factor"]) != len(out["long_factor"]):
+            raise ValueError(f"longrope scaling: short_factor has {len(out['short_factor'])} entries and "
+                             f"long_factor {len(out['long_factor'])}: give one per rotated pair (dim/2) in each")
+        if attention_factor is None:  # sqrt(1 + ln(s) / ln(L_original)), 1 without a factor
+            if factor is None or factor <= 1.0:
+                attention_factor = 1.0
+            else:
+                attention_factor = math.sqrt(1 + math.log(factor) / math.log(out["original_max_seq_len"]))
+    elif kind == "dynamic":
+        out["original_max_seq_len"] = _original_len(s, kind)
+    if kind in ("yarn", "longrope"):
+        out["attention_factor"] = float(attention_factor)
+    elif attention_factor not in (None, 1.0):
+        raise ValueError(f"scaling['attention_factor']={attention_factor} is not used by {kind!r} scaling: drop it "
+                         f"(only yarn and longrope scale the rotated queries and keys)")
     if s:
         raise ValueError(f"scaling has keys {sorted(s)} that {kind!r} scaling does not use")
     return out
@@ -132,10 +194,31 @@ class RotaryEmbedding(PositionEncoding):
         dim: rotated dims per head (even, <= d_head).
         base: ``theta`` (Llama: 10000, Llama 3: 500000).
         interleaved: pairing, see above.
-        scaling: ``None`` or a dict ``{"type": "linear" | "ntk" | "llama3", "factor": f, ...}`` (Hugging
-            Face's ``rope_scaling`` format is accepted): ``linear`` divides positions by ``f``; ``ntk``
-            raises the base to ``base * f^(dim / (dim - 2))``; ``llama3`` rescales low frequencies
-            (``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``).
+        scaling: ``None`` or a dict ``{"type": ..., "factor": f, ...}`` (Hugging Face's ``rope_scaling`` /
+            ``rope_parameters`` format is accepted, ``original_max_position_embeddings`` for
+            ``original_max_seq_len``):
+
+            * ``linear``: positions divided by ``f``;
+            * ``ntk``: the base raised to ``base * f^(dim / (dim - 2))`` (static NTK-aware scaling);
+            * ``llama3``: low frequencies divided by ``f``, high ones kept, a smooth blend between
+              (``low_freq_factor``, ``high_freq_factor``, ``original_max_seq_len``);
+            * ``yarn``: per-frequency blend of interpolated (``/ f``) and original frequencies over the
+              wavelengths between ``beta_fast`` and ``beta_slow`` rotations in ``original_max_seq_len``
+              (``truncate`` rounds that range to whole dims), and the rotated queries and keys multiplied by
+              ``attention_factor`` (default ``0.1 ln f + 1``, or DeepSeek's ratio of that form with ``mscale``
+              and ``mscale_all_dim``);
+            * ``longrope``: frequencies divided by ``short_factor`` (one per pair) while a call's largest
+              position is below ``original_max_seq_len``, by ``long_factor`` once it is not, and the rotated
+              queries and keys multiplied by ``attention_factor`` (default
+              ``sqrt(1 + ln f / ln original_max_seq_len)``; 1 without ``factor``);
+            * ``dynamic`` (dynamic NTK): while a call's positions stay below ``original_max_seq_len`` the
+              frequencies are the plain ones; a call reaching ``n > original_max_seq_len`` positions uses the
+              base ``base * (f n / original_max_seq_len - (f - 1))^(dim / (dim - 2))`` for all its positions.
+
+            The last two pick their frequencies per call from its largest position, as transformers does
+            (keys already in a KV cache keep the rotation they were stored with; transformers' dynamic NTK also
+            keeps the frequencies of the longest call it has seen until a call fits the original length, where
+            this module depends on the call alone: the same while sequences only grow, as in decoding).
         max_seq_len: if given, positions ``>= max_seq_len`` raise ValueError (RoPE does not extrapolate).
 
     :meth:`rotate` takes ``x (B, H, L, D)`` and positions ``(L,)`` or ``(B, L)``; the angles are computed
@@ -165,38 +248,115 @@ class RotaryEmbedding(PositionEncoding):
         self.interleaved = _checks.flag("interleaved", interleaved)
         self.scaling = _parse_scaling(scaling, self.base)
         self.max_seq_len = _checks.positive_int("max_seq_len", max_seq_len, allow_none=True)
-        self.inv_freq = self._inv_freq()  # (dim/2,) float32; not a buffer, so model.to(dtype) keeps it exact
+        self.attention_factor = self.scaling.get("attention_factor", 1.0) if self.scaling else 1.0
+        if self.scaling is not None and "short_factor" in self.scaling and len(self.scaling["short_factor"]) != dim // 2:
+            raise ValueError(f"longrope scaling has {len(self.scaling['short_factor'])} short/long factors but "
+                             f"RotaryEmbedding(dim={dim}) rotates {dim // 2} pairs: give one factor per pair")
+        # (dim/2,) float32, the frequencies of calls within the original length; not a buffer, so model.to(dtype)
+        # keeps it exact
+        self.inv_freq = self.inv_freq_for(0)
         self._tables: dict = {}
         self._shared = None  # (positions, (cos, sin)) while a model's forward shares one gather
 
-    def _inv_freq(self) -> Tensor:
+    @property
+    def length_dependent(self) -> bool:
+        """Whether the frequencies depend on a call's largest position (LongRoPE, dynamic NTK)."""
+        return self.scaling is not None and self.scaling["type"] in ("longrope", "dynamic")
+
+    def _exponents(self) -> Tensor:
+        d = self.dim
+        return torch.arange(0, d, 2, dtype=torch.int64).float() / d  # (dim/2,): 2i / dim
+
+    def _variant(self, n: int):
+        """Which frequency set a call whose positions are ``< n`` uses: None (the fixed one), "long" (LongRoPE
+        past the original length) or ``n`` itself (dynamic NTK past the original length)."""
+        s = self.scaling
+        if s is None or s["type"] not in ("longrope", "dynamic") or n <= s["original_max_seq_len"]:
+            return None
+        return "long" if s["type"] == "longrope" else n
+
+    def inv_freq_for(self, seq_len: int) -> Tensor:
+        """The inverse frequencies ``(dim/2,)`` (float32) of a call whose positions are all ``< seq_len``.
+
+        Only LongRoPE and dynamic NTK depend on ``seq_len`` (see ``scaling``); the others return
+        :attr:`inv_freq`.  The rotated vectors are also multiplied by :attr:`attention_factor`.
+
+        Example::
+
+            >>> rope = RotaryEmbedding(8, scaling={"type": "dynamic", "factor": 2.0, "original_max_seq_len": 16})
+            >>> torch.equal(rope.inv_freq_for(16), rope.inv_freq), bool((rope.inv_freq_for(32) < rope.inv_freq).all())
+            (True, False)
+            >>> bool((rope.inv_freq_for(32)[1:] < rope.inv_freq[1:]).all())  # pair 0 (frequency 1) is kept
+            True
+        """
         d, base, s = self.dim, self.base, self.scaling
-        if s is not None and s["type"] == "ntk":
+        kind = None if s is None else s["type"]
+        if kind == "ntk":
             base = base * s["factor"] ** (d / (d - 2)) if d > 2 else base
-        inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-        if s is None or s["type"] == "ntk":
+        elif kind == "dynamic" and seq_len > s["original_max_seq_len"] and d > 2:
+            f, old = s["factor"], s["original_max_seq_len"]
+            base = base * ((f * seq_len / old) - (f - 1)) ** (d / (d - 2))
+        if kind == "longrope":
+            ext = s["long_factor"] if seq_len > s["original_max_seq_len"] else s["short_factor"]
+            return 1.0 / (torch.tensor(ext, dtype=torch.float32) * base ** self._exponents())
+        inv = 1.0 / (base ** self._exponents())
+        if kind in (None, "ntk", "dynamic"):
             return inv
-        if s["type"] == "linear":
+        if kind == "linear":
             return inv / s["factor"]
+        if kind == "yarn":
+            return self._yarn(inv)
         old, lo, hi = s["original_max_seq_len"], s["low_freq_factor"], s["high_freq_factor"]
         wavelen = 2 * math.pi / inv
         smooth = (old / wavelen - lo) / (hi - lo)
         mid = (1 - smooth) * inv / s["factor"] + smooth * inv
         return torch.where(wavelen > old / lo, inv / s["factor"], torch.where(wavelen < old / hi, inv, mid))
 
+    def _yarn(self, inv: Tensor) -> Tensor:
+        """YaRN: dims rotating more than ``beta_fast`` times over the original length keep their frequency,
+        dims rotating fewer than ``beta_slow`` times are interpolated (``/ factor``), a linear ramp between."""
+        s, d = self.scaling, self.dim
+        old, f = s["original_max_seq_len"], s["factor"]
+
+        def dim_of(rotations: float) -> float:  # the (fractional) dim that turns `rotations` times in `old` positions
+            return d * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(self.base))
+
+        lo, hi = dim_of(s["beta_fast"]), dim_of(s["beta_slow"])
+        if s["truncate"]:
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, d - 1)
+        if lo == hi:
+            hi += 0.001  # a ramp of zero width would divide by zero
+        ramp = ((torch.arange(d // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)  # 0: keep, 1: interpolate
+        keep = 1 - ramp
+        pos_freqs = 1.0 / inv  # base^(2i/d)
+        return (1.0 / (f * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+
     def _table(self, n: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos and sin ``(N, dim)`` for positions ``0 .. N-1`` (N >= n), expanded to the pairing."""
-        key = (device, dtype)
+        """cos and sin ``(N, dim)`` for positions ``0 .. N-1`` (N >= n), expanded to the pairing and multiplied by
+        the attention factor, with the frequencies of a call whose positions are ``< n``."""
+        variant = self._variant(n)
+        key = (variant, device, dtype)
         cached = self._tables.get(key)
         if cached is None or cached[0].shape[0] < n:
-            size = max(256, 1 << max(0, n - 1).bit_length())
+            if isinstance(variant, int):  # dynamic NTK: a table per length; keep only the newest one
+                self._tables = {k: t for k, t in self._tables.items() if not isinstance(k[0], int)}
+                size = n
+            else:
+                size = max(256, 1 << max(0, n - 1).bit_length())
+                if variant is None and self.scaling is not None and self.scaling["type"] in ("longrope", "dynamic"):
+                    size = min(size, self.scaling["original_max_seq_len"])  # past it the frequencies change
+                size = max(size, n)
             t = torch.arange(size, device=device, dtype=torch.float32)
-            freqs = torch.outer(t, self.inv_freq.to(device))  # (N, dim/2)
+            freqs = torch.outer(t, self.inv_freq_for(n).to(device))  # (N, dim/2)
             if self.interleaved:
                 freqs = freqs.repeat_interleave(2, dim=-1)  # (N, dim): theta_0 theta_0 theta_1 theta_1 ...
             else:
                 freqs = torch.cat([freqs, freqs], dim=-1)  # (N, dim): theta_0 .. theta_{d/2-1} twice
-            cached = (freqs.cos().to(dtype), freqs.sin().to(dtype))
+            cos, sin = freqs.cos(), freqs.sin()
+            if self.attention_factor != 1.0:
+                cos, sin = cos * self.attention_factor, sin * self.attention_factor
+            cached = (cos.to(dtype), sin.to(dtype))
             self._tables[key] = cached
         return cached
 
