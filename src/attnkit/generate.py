@@ -489,19 +489,18 @@ def generate(model, prompts, max_new_tokens: int, *, cache: str | Callable | Non
             which makes the products much faster on a CPU.  Weights changed in place after a compilation
             are noticed by the next call, which compiles again.  Tokens agree with the eager steps up to
             floating-point rounding.
-        relayout: without ``compile``, the products of the one-token decode steps (those of attnkit's
-            layers, :func:`attnkit.nn.linear`) read copies of the weights laid out for the batch (on CPU:
-            float32 weights row-major for 1-3 sequences, column-major for 4-64; bfloat16 column-major for
-            4-64), which attnkit makes on first use and keeps with the model for later calls.  They take as
-            much memory again as the weights copied; none are made where the weights have the layout
-            already (row-major float32 weights at 1-3 sequences).  The model's own weights are never
-            moved.  A copy is made again when its weight changed since:
-            replaced (``.to()``, ``.data`` assigned) or written in place (an optimizer step,
-            ``load_state_dict``, ``copy_``); writes through ``.data`` bypass PyTorch's version counter and
-            are seen only when they change one of the few values sampled from each weight (a whole-tensor
-            update is, one edited row may not be: edit weights under ``torch.no_grad()`` instead).  False
-            reads the weights as they are (no copies; :func:`attnkit.nn.to_decode_layout` lays out a model
-            of your own in place).
+        relayout: with a cache and without ``compile``, the products of the one-token decode steps
+            (those of attnkit's layers, :func:`attnkit.nn.linear`) read copies of the weights laid out for
+            the batch (on CPU: float32 weights row-major for 1-3 sequences, column-major for 4-64; bfloat16
+            column-major for 4-64), which attnkit makes on first use and keeps with the model for later
+            calls.  They take as much memory again as the weights copied; none are made where the weights
+            have the layout already (row-major float32 weights at 1-3 sequences).  The model's own weights
+            are never moved.  A copy is made again when its weight changed since: replaced (``.to()``,
+            ``.data`` assigned) or written in place (an optimizer step, ``load_state_dict``, ``copy_``);
+            writes through ``.data`` bypass PyTorch's version counter and are seen only when they change
+            one of the few values sampled from each weight (a whole-tensor update is, one edited row may
+            not be: edit weights under ``torch.no_grad()`` instead).  False reads the weights as they are
+            (no copies; :func:`attnkit.nn.to_decode_layout` lays out a model of your own in place).
 
     Returns:
         ``list[list[int]]``: the new tokens of each prompt (or, with ``stream=True``, the iterator).
@@ -549,8 +548,8 @@ def generate(model, prompts, max_new_tokens: int, *, cache: str | Callable | Non
     if cache is not None and cache != "paged" and len({len(p) for p in prompts}) > 1:
         _check_shiftable(model)
     def run() -> Iterator[tuple[int, int]]:
-        # (compiled code freezes a packed copy of the weights of its own)
-        copies = _decode_copies(model) if relayout and not compile else None
+        # (compiled code freezes a packed copy of the weights of its own; cache=None has no one-token steps)
+        copies = _decode_copies(model) if relayout and not compile and cache is not None else None
         yield from _stream(model, prompts, max_new_tokens, cache, params, compile, copies)
 
     if stream:
