@@ -180,7 +180,7 @@ class _DecodeCopies:
 
     def refresh(self) -> None:
         """Drop the copies of weights that are gone, replaced, written in place, or whose sampled values
-        changed (once per generation or Engine step: two small products for all the samples)."""
+        changed (once per generation or Engine step: one comparison for all the sampled values)."""
         with self._lock:
             entries = list(self._copies.items())
         stale = {slot for slot, e in entries if (w := e.weight()) is None or _weight_key(w) != e.key}
