@@ -72,10 +72,11 @@ class Engine:
             :class:`~attnkit.cache.PoolExhausted` error is raised instead.
         prefix_caching: reuse the cached blocks of a prompt prefix seen before.
         relayout: decode steps read copies of the weights laid out for the number of sequences they
-            decode, as :func:`attnkit.generate` does (float32 on CPU: column-major from 4 sequences), held
-            by the Engine: as much memory again as the weights copied, made at the first step that needs
-            them and again after the weights change.  The model's own weights are never moved.  False
-            reads the weights as they are.
+            decode, as :func:`attnkit.generate` does (float32 on CPU: column-major from 4 sequences), and
+            with ``max_batch >= 4`` so do prefills of up to 64 tokens; the copies are held by the Engine (as
+            much memory again as the weights copied), made at the first step that needs them and again
+            after the weights change.  The model's own weights are never moved.  False reads the weights
+            as they are.
 
     Each step runs the model in eval mode (no dropout while decoding) and restores every module's mode after
     it, so the model can be trained between steps (cached prefixes and weight copies are then made again).
@@ -240,7 +241,8 @@ class Engine:
             self._copies.refresh()
         with torch.no_grad(), torch.autocast(self._device_type, dtype=self._autocast_dtype, enabled=self._autocast), \
                 self._eval_mode():
-            self._admit(events)
+            with _reading(self._copies if self.max_batch > 3 else None):  # prefills of <= 64 tokens read them too
+                self._admit(events)
             while True:
                 dec = [r for r in self.running if not r.fresh]
                 need = sum(cache.blocks_needed(r.sid, 1) for r in dec)

@@ -426,8 +426,8 @@ def _steps_recompute(model, prompts) -> Iterator[Tensor]:
 def _stream(model, prompts: list[list[int]], max_new_tokens: int, cache, params: SamplingParams,
             compiled: bool = False, copies: _DecodeCopies | None = None) -> Iterator[tuple[int, int]]:
     """Yields ``(prompt index, token)``.  Each forward runs in eval mode and without gradients, and only
-    then (a caller reading the stream keeps its model's modes and its grad mode); the one-token decode steps
-    read ``copies`` of the weights (None: the weights as they are)."""
+    then (a caller reading the stream keeps its model's modes and its grad mode); the one-token decode steps,
+    and the prefill of 4 or more prompts, read ``copies`` of the weights (None: the weights as they are)."""
     B = len(prompts)
     if max_new_tokens == 0:
         return
@@ -441,7 +441,8 @@ def _stream(model, prompts: list[list[int]], max_new_tokens: int, cache, params:
     else:
         steps = _steps_padded(model, prompts, max_new_tokens, cache, compiled)
     done = [False] * B
-    with torch.no_grad(), eval_mode():  # the prefill: many rows, the weights as they are
+    # the prefill reads the copies only when the decode steps will (4+ sequences): none are made for it
+    with torch.no_grad(), eval_mode(), _reading(copies if B > 3 else None):
         logits = next(steps)
     for t in range(max_new_tokens):
         with torch.no_grad():
