@@ -228,7 +228,7 @@ def _copies(model) -> dict:
     """generate's copies of the model's weights: {(weight, layout): copy}."""
     import sys
     held = sys.modules["attnkit.generate"]._COPIES.get(model)
-    return {} if held is None else {(e[0](), slot[1]): e[3] for slot, e in held._copies.items()}
+    return {} if held is None else {(e.weight(), slot[1]): e.copy for slot, e in held._copies.items()}
 
 
 def test_generate_decodes_through_copies_laid_out_for_its_batch():
