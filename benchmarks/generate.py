@@ -76,7 +76,8 @@ def decode_rows(args, hf, model, rows, results):
         if hasattr(mod, "backend"):
             mod.backend = "auto"
     variants["attnkit float32, backend auto"] = auto
-    # generate lays the weights out for its batch; these rows keep one layout at both batch sizes
+    # generate's decode steps read the weights laid out for their batch (column-major copies from 4 sequences);
+    # these rows read the model's own weights (relayout=False), in one layout at both batch sizes
     variants["attnkit float32, row-major kept"] = copy.deepcopy(model)
     variants["attnkit float32, column-major kept"] = to_decode_layout(copy.deepcopy(model), batch_size=8)
     b16 = copy.deepcopy(model).to(torch.bfloat16)
@@ -84,7 +85,7 @@ def decode_rows(args, hf, model, rows, results):
     q8 = attnkit.quantize(copy.deepcopy(model), "int8")
     variants["attnkit int8 weights"] = q8
     # compiled rows use backend "auto": while tracing it picks math for decode steps, which Inductor fuses
-    # (copies: a compiled model keeps its weights' layout, which the eager rows change with the batch)
+    # (copies of the models: the compiled code freezes its own copy of the weights)
     compiled = ({"attnkit float32, compiled": copy.deepcopy(auto),
                  "attnkit bfloat16, compiled": copy.deepcopy(auto).to(torch.bfloat16)}
                 if args.compile else {})

@@ -118,19 +118,23 @@ def test_bad_requests(model):
     assert engine.run() == {} and engine.add([1], 0) == 0 and engine.results[0] == []
 
 
-def test_engine_lays_the_weights_out_for_max_batch(model):
+def test_engine_decodes_through_copies_of_its_own(model):
+    """Decode steps of 4 or more sequences read column-major copies held by the Engine; the model's weights
+    stay row-major; relayout=False reads them as they are."""
     import copy
 
     m = copy.deepcopy(model)
     w = m.layers[0].attn.qkv_proj.weight
-    attnkit.Engine(m, cache_blocks=8, block_size=4, max_batch=2)
-    assert w.stride() == (w.shape[1], 1)  # up to 3 sequences a step: row-major
+    prompts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]]
+    small = attnkit.Engine(m, cache_blocks=16, block_size=4, max_batch=2)
+    assert small.generate(prompts, 4) == [attnkit.generate(model, [p], 4)[0] for p in prompts]
+    assert small._copies.nbytes() == 0  # up to 3 sequences a step: the row-major weights themselves
     engine = attnkit.Engine(m, cache_blocks=16, block_size=4, max_batch=8)
-    assert w.stride() == (1, w.shape[0])  # from 4: column-major
-    rid = engine.add([1, 2, 3], 6)
-    assert engine.run()[rid] == attnkit.generate(model, [[1, 2, 3]], 6)[0]
-    attnkit.Engine(m, cache_blocks=8, block_size=4, max_batch=1, relayout=False)
-    assert w.stride() == (1, w.shape[0])
+    assert engine.generate(prompts, 4) == [attnkit.generate(model, [p], 4)[0] for p in prompts]
+    assert engine._copies.nbytes() >= w.nbytes  # every Linear weight and the tied head, column-major
+    assert w.stride() == (w.shape[1], 1)
+    off = attnkit.Engine(m, cache_blocks=16, block_size=4, max_batch=8, relayout=False)
+    assert off._copies is None and off.generate(prompts[:1], 4) == [attnkit.generate(model, prompts[:1], 4)[0]]
     with pytest.raises(TypeError, match="relayout must be True or False, got 'no'"):
         attnkit.Engine(m, cache_blocks=8, relayout="no")
 

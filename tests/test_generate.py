@@ -228,208 +228,55 @@ def test_compiled_weights_are_frozen_per_model_and_refreshed_after_in_place_chan
     assert a.layers[0].attn.qkv_proj.weight.is_contiguous()
 
 
-def test_generate_lays_the_weights_out_for_its_batch():
-    """Row-major weights for 1-3 sequences a step, column-major from 4 (float32 on CPU), the same tokens
-    either way; relayout=False and compiled models leave the memory alone."""
+def _copies(model) -> dict:
+    """generate's copies of the model's weights: {(weight, layout): copy}."""
+    import sys
+    held = sys.modules["attnkit.generate"]._COPIES.get(model)
+    return {} if held is None else {(e.weight(), slot[1]): e.copy for slot, e in held._copies.items()}
+
+
+def test_generate_decodes_through_copies_laid_out_for_its_batch():
+    """From 4 sequences a step the float32 decode products read column-major copies that generate keeps
+    with the model (the model's weights stay row-major), up to 3 the weights themselves; the same tokens
+    either way; relayout=False reads the weights as they are, whatever their layout."""
+    from attnkit.nn import to_decode_layout
     model = copy.deepcopy(_model("rope"))
     w, head = model.layers[0].attn.qkv_proj.weight, model.embed.weight  # tied head
     prompts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]]
     alone = [generate(model, [p], 5)[0] for p in prompts]
-    assert w.stride() == (w.shape[1], 1)
+    assert _copies(model) == {}  # 1 sequence a step: row-major, as the weights are
     assert generate(model, prompts, 5) == alone
-    assert w.stride() == (1, w.shape[0]) and head.stride() == (1, head.shape[0])
+    held = _copies(model)
+    assert held[(w, "column")].stride() == (1, w.shape[0]) and held[(head, "column")].stride() == (1, head.shape[0])
+    assert torch.equal(held[(w, "column")], w)
+    assert w.stride() == (w.shape[1], 1) and head.stride() == (head.shape[1], 1)
     assert model.layers[0].attn.qkv_proj.weight is w
+    generate(model, prompts, 5)
+    assert _copies(model)[(w, "column")] is held[(w, "column")]  # kept for the next generation
     assert generate(model, prompts[:3], 5, relayout=False) == alone[:3]
-    assert w.stride() == (1, w.shape[0])
-    generate(model, prompts[:3], 5)
-    assert w.stride() == (w.shape[1], 1)
     with pytest.raises(TypeError, match="relayout must be True or False, got 1"):
         generate(model, prompts, 5, relayout=1)
-    with torch.inference_mode():  # the new layout is made of ordinary tensors: the model still trains
+    with torch.inference_mode():  # the copies are ordinary tensors, the weights untouched: the model trains
         generate(model, prompts, 2)
-    assert w.stride() == (1, w.shape[0]) and not w.is_inference()
+    assert not w.is_inference()
     model(torch.tensor([[1, 2, 3]])).sum().backward()
     assert w.grad is not None
+    laid = to_decode_layout(copy.deepcopy(model), batch_size=8)  # laid out in place by its owner
+    assert generate(laid, prompts[:1], 5) == alone[:1]  # 1 sequence: a row-major copy
+    assert generate(laid, prompts, 5, relayout=False) == alone and _copies(laid).keys() <= {
+        (p, "row") for p in laid.parameters()}
     b16 = copy.deepcopy(model).to(torch.bfloat16)
     generate(b16, prompts[:1], 2)
-    assert b16.layers[0].attn.qkv_proj.weight.stride()[0] == 1  # bfloat16 reads column-major faster everywhere
-
-
-def test_generate_under_inference_mode():
-    """Ragged prompts (a padding mask of inference tensors) under torch.inference_mode, every backend choice."""
-    model = _model("window")
-    prompts = [[1, 2, 3, 4, 5], [6, 7]]
-    ref = generate(model, prompts, 5)
-    with torch.inference_mode():
-        assert generate(model, prompts, 5) == ref
-        assert generate(model, prompts, 5, cache="paged") == ref
-
-
-def test_generate_restores_training_mode_and_keeps_grad_mode():
-    model = _model("rope").train()
-    try:
-        generate(model, [[1, 2]], 3)
-        assert model.training
-        it = generate(model, [[1, 2]], 3, stream=True)
-        next(it)
-        assert torch.is_grad_enabled()  # the caller is not left in no_grad between tokens
-    finally:
-        model.eval()
-
-
-def test_top_level_exports():
-    assert attnkit.generate is generate
-    assert {"generate", "cache"} <= set(attnkit.__all__)
-
-
-def test_sampling_survives_tiny_temperatures_and_huge_logits():
-    """The row maximum is subtracted before the temperature divides: no inf - inf, no NaN, no wrong token."""
-    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, -2.0]])
-    for t in (1e-30, 1e-38, 1e-45):
-        p = SamplingParams(temperature=t, seed=0)
-        assert sample(logits, p, [p.generator("cpu")] * 2).tolist() == [1, 0]
-    p = SamplingParams(temperature=0.5, top_p=0.9, seed=0)
-    assert sample(torch.tensor([[0.0, 3e38, 1.0]]), p, [p.generator("cpu")]).tolist() == [1]
-    with pytest.raises(ValueError, match=r"rows \[1\] hold NaN"):
-        sample(torch.tensor([[0.0, 1.0], [float("nan"), 0.0]]))
-
-
-def test_more_clear_errors():
-    model = _model("rope")
-    with pytest.raises(ValueError, match="longer than the model's max_seq_len=512.*at most 512 tokens"):
-        generate(model, [[1] * 600], 3)  # (not "at most -87 new tokens")
-    with pytest.raises(TypeError, match="returned NoneType, not a cache"):
-        generate(model, [[1, 2, 3]], 3, cache=lambda m, b, n: None)
-    with pytest.raises(ValueError, match="eos_id=64 is outside the vocabulary"):
-        generate(model, [[1, 2, 3]], 3, eos_id=64)
-
-
-def test_caches_made_under_inference_mode_work_outside_it():
-    """A stream started under inference_mode and read outside it: the cache holds ordinary tensors."""
-    model = _model("rope")
-    ref = generate(model, [[1, 2, 3], [4, 5]], 6)
-    for cache in ("static", "int8"):
-        with torch.inference_mode():
-            it = generate(model, [[1, 2, 3], [4, 5]], 6, cache=cache, stream=True)
-            first = [next(it), next(it)]
-        rest = list(it)
-        toks = [[], []]
-        for i, t in first + rest:
-            toks[i].append(t)
-        if cache == "static":
-            assert toks == ref
-
-
-def test_quantized_prefill_is_full_precision():
-    """A prompt longer than the residual attends to its own keys in full precision: its logits (and first
-    token) are those of a full-precision cache, in a ragged batch too."""
-    model = _model("rope")
-    prompts = [list(range(1, 60)), list(range(3, 20))]
-    for bits in (8, 4):
-        q = QuantizedCache.for_model(model, 1, 64, bits=bits, group_size=8)
-        ids = torch.tensor([prompts[0]])
-        assert torch.allclose(model(ids, cache=q), model(ids), atol=1e-5)
-        batch = generate(model, prompts, 1, cache=f"int{bits}")
-        assert batch == [generate(model, [p], 1)[0] for p in prompts]
-
-
-def test_a_cache_callable_may_return_a_paged_batch():
-    model = _model("rope")
-    pool = PagedCache.for_model(model, num_blocks=32, block_size=4)
-    make = lambda m, b, n: pool.batch([pool.add_sequence() for _ in range(b)])  # noqa: E731
-    prompts = [[1, 2, 3], [4, 5, 6]]
-    assert generate(model, prompts, 4, cache=make) == generate(model, prompts, 4)
-    with pytest.raises(TypeError, match="has no set_left_padding"):
-        generate(model, [[1, 2, 3], [4, 5]], 4, cache=make)
-
-
-@pytest.mark.parametrize("cache", ["static", "paged"])
-def test_generate_under_autocast(cache):
-    """Keys and values come out in autocast's dtype: the cache is made in it (a bias-carrying projection
-    keeps autocast's dtype for one-token steps too)."""
-    model = DecoderLM(DecoderConfig.preset("tiny", vocab_size=64, qkv_bias=True)).eval()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = generate(model, [[1, 2, 3, 4, 5], [6, 7]], 4, cache=cache)
-    assert [len(t) for t in out] == [4, 4]
-
-
-def test_linear_follows_autocast_for_every_row_count():
-    from attnkit.nn import Linear
-    lin = Linear(64, 32, bias=True)
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        for rows in (1, 2, 3, 4, 8):
-            assert lin(torch.randn(rows, 64)).dtype == torch.bfloat16
-
-
-def test_empty_tensor_prompts_are_a_clear_error():
-    model = _model("rope")
-    for shape in ((0, 3), (2, 0)):
-        with pytest.raises(ValueError, match=r"prompts as a tensor must be 2-D token ids \(B, L\) with B, L >= 1"):
-            generate(model, torch.zeros(*shape, dtype=torch.long), 2)
-
-
-def test_random_blocks_decode_like_a_full_forward():
-    """A causal random-blocks model: cached decoding sees the blocks a full forward sees (the draw follows
-    positions); the non-causal draw, which changes with the key length, is refused by the config."""
-    mask = masks.sliding_window(1) | masks.random_blocks(4, 1, seed=0, causal=True)
-    torch.manual_seed(0)
-    model = DecoderLM(DecoderConfig.preset("tiny", mask=mask, init_std=0.3)).eval()
-    prompt = [[17, 3, 99, 41, 5, 230, 8, 61, 12]]
-    assert generate(model, prompt, 16) == generate(model, prompt, 16, cache=None)
-    with pytest.raises(ValueError, match=r"random_blocks\(4, 1, seed=0, causal=True\)"):
-        DecoderConfig.preset("tiny", mask=masks.sliding_window(1) | masks.random_blocks(4, 1))
-    with pytest.raises(ValueError, match="aligned top_left"):  # a step's query would sit at row 0
-        DecoderConfig.preset("tiny", mask=masks.sliding_window(3, align="top_left"))
-    from attnkit.nn import Decoder
-    with pytest.raises(ValueError, match="draw changes with the key length"):
-        Decoder(32, 1, 4, mask=masks.random_blocks(2, 1))
-    with pytest.raises(ValueError, match="layer_masks\\[1\\] contains random_blocks"):
-        DecoderConfig.preset("tiny", n_layers=2, layer_masks=(None, ~masks.random_blocks(2, 1)))
-
-
-@pytest.mark.parametrize("mask", [masks.global_tokens([0, 5]), masks.block_local(4),
-                                  masks.random_blocks(4, 1, seed=0, causal=True)], ids=repr)
-def test_ragged_prompts_with_absolute_position_masks(mask):
-    """Left padding shifts a row's slots: masks reading absolute positions are refused on the padded path
-    (they gave other tokens than the prompt alone), and the paged and recomputing paths are exact."""
-    torch.manual_seed(0)
-    model = DecoderLM(DecoderConfig.preset("tiny", mask=masks.sliding_window(1) | mask, init_std=0.3)).eval()
-    prompts = [[17, 3, 99, 41, 5, 230, 8, 61, 12], [3, 4, 5]]
-    alone = [generate(model, [p], 10)[0] for p in prompts]
-    assert generate(model, prompts, 10, cache="paged") == alone
-    assert generate(model, prompts, 10, cache=None) == alone
-    for cache in ("static", "int8"):
-        with pytest.raises(ValueError, match="reads absolute positions"):
-            generate(model, prompts, 10, cache=cache)
-    assert generate(model, [prompts[1], [6, 7, 8]], 10)[0] == alone[1]  # equal lengths: no padding, allowed
-
-
-def test_sample_refuses_what_it_cannot_sample():
-    """A wrong number of generators broadcast one uniform to every row (or crashed); +inf or all -inf
-    logits gave an arbitrary token; bool token ids passed as a tensor."""
-    p = SamplingParams(temperature=1.0)
-    logits = torch.randn(3, 10)
-    with pytest.raises(ValueError, match="1 generators for 3 rows"):
-        sample(logits, p, [torch.Generator().manual_seed(0)])
-    with pytest.raises(ValueError, match=r"rows \[0\] are \+inf somewhere or -inf everywhere"):
-        sample(torch.tensor([[float("inf"), 0.0, 1.0]]), p)
-    with pytest.raises(ValueError, match=r"rows \[1\]"):
-        sample(torch.tensor([[0.0, 1.0], [float("-inf"), float("-inf")]]), p)
-    with pytest.raises(ValueError, match="float tensor \\(N, V\\)"):
-        sample(torch.randn(10), p)
-    assert sample(torch.tensor([[float("inf"), 0.0, 1.0]])).tolist() == [0]  # greedy: the argmax
-    model = DecoderLM(DecoderConfig.preset("tiny"))
-    with pytest.raises(ValueError, match="2-D token ids"):
-        generate(model, torch.tensor([[True, False]]), 2)
+    assert _copies(b16) == {}  # bfloat16 at 1 sequence: as it is
+    generate(b16, prompts, 2)
+    assert _copies(b16)[(b16.layers[0].attn.qkv_proj.weight, "column")].dtype is torch.bfloat16
 
 
 def test_threads_generating_on_one_model_get_their_own_tokens():
-    """Two threads generate with different batch sizes on one model: a generation relays the weights out only
-    while no other runs on the model (moving them under another thread's forward gave wrong tokens)."""
+    """Two threads generate with different batch sizes on one model, each reading the weights laid out for
+    its batch (the weights themselves never move under another thread's forward)."""
     import threading
 
-    import sys
-    gen_module = sys.modules["attnkit.generate"]
     torch.manual_seed(0)
     model = DecoderLM(DecoderConfig.preset("tiny", init_std=0.5))
     a, b = [[5, 17, 99, 3, 42, 7]], [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]]
@@ -447,7 +294,7 @@ def test_threads_generating_on_one_model_get_their_own_tokens():
         t.start()
     for t in threads:
         t.join()
-    assert bad == [] and model not in gen_module._ACTIVE
+    assert bad == [] and all(p.is_contiguous() for p in model.parameters())
 
 
 def test_causal_models_refuse_row_predicates_and_odd_rotary_heads():

@@ -244,3 +244,18 @@ def test_shared_and_tied_linears():
     assert weight_bytes(views) == 400
     meta = torch.nn.Sequential(torch.nn.Linear(4, 4, device="meta"), torch.nn.Linear(4, 4, device="meta"))
     assert weight_bytes(meta) == 160
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
+def test_quantized_layers_keep_the_mode_and_frozen_biases_of_the_layers_they_replace(dtype):
+    """quantize swaps layers (its purpose) but keeps what the caller set on them: an eval model stays in eval
+    mode in every module, and a bias frozen by the caller stays frozen (they came back training and
+    trainable)."""
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64)).eval()
+    m[2].bias.requires_grad_(False)
+    attnkit.quantize(m, dtype)
+    assert isinstance(m[0], Int8Linear if dtype == "int8" else BF16Linear)
+    assert not any(x.training for x in m.modules())
+    assert m[0].bias.requires_grad and not m[2].bias.requires_grad
+    training = torch.nn.Sequential(torch.nn.Linear(64, 64)).train()
+    assert attnkit.quantize(training, dtype)[0].training

@@ -31,8 +31,9 @@ from ._checks import flag
 from . import _sampling
 from .cache import PagedCache, PoolExhausted
 from .cache._common import check_int
-from .generate import (GenerationResult, SamplingParams, _check_decoder_only, _check_eos, _check_positions, _check_tokens, _last_logits,
-                       _lay_out, _weights_key, sample)
+from .generate import (GenerationResult, SamplingParams, _check_decoder_only, _check_eos, _check_positions,
+                       _check_tokens, _EvalMode, _last_logits, _reading, _weights_key, sample)
+from .nn.layers import _DecodeCopies
 
 Tensor = torch.Tensor
 
@@ -86,9 +87,12 @@ class Engine:
         preempt: when the pool runs out, preempt the newest sequence and recompute it later; with False a
             :class:`~attnkit.cache.PoolExhausted` error is raised instead.
         prefix_caching: reuse the cached blocks of a prompt prefix seen before.
-        relayout: lay the model's weights out for decoding ``max_batch`` sequences a step, as
-            :func:`attnkit.generate` does for its batch (:func:`attnkit.nn.to_decode_layout`; values and
-            parameters stay the same).
+        relayout: decode steps read copies of the weights laid out for the number of sequences they
+            decode, as :func:`attnkit.generate` does (float32 on CPU: column-major from 4 sequences), and
+            with ``max_batch >= 4`` so do prefills of up to 64 tokens; the copies are held by the Engine (as
+            much memory again as the weights copied), made at the first step that needs them and again
+            after the weights change.  The model's own weights are never moved.  False reads the weights
+            as they are.
         max_batched_tokens: chunked prefill.  None (the default): each admitted prompt is prefilled alone in
             its step, before the batched decode.  An int ``N >= max_batch``: each step is one forward of at most
             ``N`` tokens over the pool (:meth:`attnkit.cache.PagedCache.packed`: queries of different lengths
@@ -98,9 +102,11 @@ class Engine:
             its first token in the step its last chunk runs.  Tokens are those each request gets alone, with
             preemption and prefix caching as above.
 
-    The model is put in eval mode (no dropout while decoding).  An Engine keeps the precision it was built
-    under: built inside ``torch.autocast`` its pool holds autocast's dtype and every step runs under that
-    autocast; built outside, every step runs without autocast.
+    Each step runs the model in eval mode (no dropout while decoding) and restores every module's mode after
+    it, so the model can be trained between steps (cached prefixes and weight copies are then made again).
+    An Engine keeps the precision it was built under: built inside ``torch.autocast`` its pool holds
+    autocast's dtype and every step runs under that autocast; built outside, every step runs without
+    autocast.
 
     :meth:`add` queues a request and returns its id; :meth:`step` advances every running request by one
     token and returns the ``(request_id, token)`` pairs produced; :meth:`run` steps until every request is
@@ -141,12 +147,12 @@ class Engine:
                                  f"{self.max_batch} (or a smaller max_batch)")
         self.max_batched_tokens = max_batched_tokens
         _check_decoder_only(model, "Engine")
-        self.model = model.eval()  # decoding: no dropout
-        if relayout:
-            _lay_out(model, self.max_batch)
+        self.model = model
+        self._copies = _DecodeCopies() if relayout else None  # the weights laid out for decoding, owned here
         self.preempt = preempt
         self.cache = PagedCache.for_model(model, cache_blocks, block_size, prefix_caching=prefix_caching)
         self._weights = _weights_key(model)  # a change drops the cached prefixes (computed with the old weights)
+        self._eval_mode = _EvalMode(model)  # its modules, listed again when the weights change
         self._model_dtype = _param_dtype(model)
         # the precision it is built under (autocast's dtype inside torch.autocast): every step runs in it,
         # whatever autocast says at the step, so the pool and the keys written to it always agree
@@ -285,14 +291,19 @@ class Engine:
         if key != self._weights:  # new weights (load_state_dict, an optimizer step): cached prefixes are stale
             cache.clear_prefix_cache()
             self._weights = key
-        if self.max_batched_tokens is not None:
+            self._eval_mode = _EvalMode(self.model)  # (new weights may come with new modules: quantize)
+        if self.max_batched_tokens is not None:  # packed steps of up to N tokens read the weights as they are
             with torch.no_grad(), torch.autocast(self._device_type, dtype=self._autocast_dtype,
-                                                 enabled=self._autocast):
+                                                 enabled=self._autocast), self._eval_mode():
                 self._step_chunked(events)
             self.stats["steps"] += 1
             return events
-        with torch.no_grad(), torch.autocast(self._device_type, dtype=self._autocast_dtype, enabled=self._autocast):
-            self._admit(events)
+        if self._copies is not None:
+            self._copies.refresh()
+        with torch.no_grad(), torch.autocast(self._device_type, dtype=self._autocast_dtype, enabled=self._autocast), \
+                self._eval_mode():
+            with _reading(self._copies if self.max_batch > 3 else None):  # prefills of <= 64 tokens read them too
+                self._admit(events)
             while True:
                 dec = [r for r in self.running if not r.fresh]
                 need = sum(cache.blocks_needed(r.sid, 1) for r in dec)
@@ -310,7 +321,8 @@ class Engine:
                 self._track()
                 view = cache.batch([r.sid for r in dec])
                 ids = torch.tensor([[r.out[-1]] for r in dec], dtype=torch.long, device=cache.device)  # (B, 1)
-                logits = _last_logits(self.model(ids, cache=view, positions=view.positions(1)))
+                with _reading(self._copies):
+                    logits = _last_logits(self.model(ids, cache=view, positions=view.positions(1)))
                 self.stats["decode_tokens"] += len(dec)
                 for r, tok in zip(dec, self._sample(dec, logits)):
                     self._emit(r, tok, events)

@@ -9,6 +9,7 @@ when generated alone.  ``cache=None`` recomputes the whole sequence every step (
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import threading
@@ -24,7 +25,7 @@ from ._sampling import TokenLogprob
 from .cache import PagedCache, QuantizedCache, SlidingWindowCache, StaticCache
 from ._checks import flag
 from .cache._common import model_dims
-from .nn.layers import to_decode_layout
+from .nn.layers import _DecodeCopies
 
 Tensor = torch.Tensor
 
@@ -302,39 +303,49 @@ def _call(model, ids: Tensor, **kwargs):
     return model(ids, **kwargs)
 
 
-_ACTIVE_LOCK = threading.Lock()
-_ACTIVE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> generations running on it
+_COPIES_LOCK = threading.Lock()
+_COPIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> generate's copies of its weights
 
 
-def _begin(model, relayout_batch: int | None) -> None:
-    """Count a generation on ``model``; lay its weights out for ``relayout_batch`` sequences first, but only
-    when no other generation (another thread) is running on it: moving weights under a running forward
-    would make it read memory being replaced (wrong tokens)."""
+def _decode_copies(model) -> _DecodeCopies | None:
+    """The copies of ``model``'s weights that generate's decode steps read (laid out for each step's batch;
+    kept while the model lives, so that later generations reuse them; stale ones dropped here)."""
     if not isinstance(model, torch.nn.Module):
-        return
-    with _ACTIVE_LOCK:
-        n = _ACTIVE.get(model, 0)
-        if relayout_batch is not None and n == 0:
-            _lay_out(model, relayout_batch)
-        _ACTIVE[model] = n + 1
+        return None
+    with _COPIES_LOCK:
+        copies = _COPIES.get(model)
+        if copies is None:
+            copies = _COPIES[model] = _DecodeCopies()
+    copies.refresh()
+    return copies
 
 
-def _end(model) -> None:
-    if not isinstance(model, torch.nn.Module):
-        return
-    with _ACTIVE_LOCK:
-        n = _ACTIVE.get(model, 1) - 1
-        if n > 0:
-            _ACTIVE[model] = n
-        else:
-            _ACTIVE.pop(model, None)
+class _EvalMode:
+    """Runs forwards of ``model`` in eval mode (no dropout while decoding) and gives every module its own
+    mode back after each (parents before children).  The modules are listed once, here: a few microseconds
+    a forward when none is training."""
+
+    def __init__(self, model):
+        self.modules = list(model.modules()) if isinstance(model, torch.nn.Module) else []
+
+    @contextlib.contextmanager
+    def __call__(self):
+        modes = [m.training for m in self.modules]
+        if not any(modes):
+            yield
+            return
+        self.modules[0].eval()
+        try:
+            yield
+        finally:
+            for m, mode in zip(self.modules, modes):  # (pre-order: a child's mode is set after its parent's)
+                if m.training != mode:
+                    m.train(mode)
 
 
-def _lay_out(model, batch: int) -> None:
-    """:func:`~attnkit.nn.to_decode_layout` for ``batch`` sequences a step, unless compiled code holds this
-    model's weights (moving them would make the next compiled generation compile again)."""
-    if isinstance(model, torch.nn.Module) and model not in _COMPILED:
-        to_decode_layout(model, batch)
+def _reading(copies: _DecodeCopies | None):
+    """Decode products read ``copies`` inside the block (None: the weights as they are)."""
+    return contextlib.nullcontext() if copies is None else copies.active()
 
 
 def _weights_key(model) -> tuple:
@@ -456,11 +467,16 @@ def _steps_recompute(model, prompts) -> Iterator[Tensor]:
 
 
 def _stream(model, prompts: list[list[int]], max_new_tokens: int, cache, params: SamplingParams,
-            compiled: bool = False) -> Iterator[tuple[int, int, TokenLogprob | None]]:
-    """``(prompt_index, token, its log-probabilities or None)`` as each step produces them."""
+            compiled: bool = False, copies: _DecodeCopies | None = None
+            ) -> Iterator[tuple[int, int, TokenLogprob | None]]:
+    """Yields ``(prompt index, token, its log-probabilities or None)`` as each step produces them.  Each
+    forward runs in eval mode and without gradients, and only then (a caller reading the stream keeps its
+    model's modes and its grad mode); the one-token decode steps, and the prefill of 4 or more prompts, read
+    ``copies`` of the weights (None: the weights as they are)."""
     B = len(prompts)
     if max_new_tokens == 0:
         return
+    eval_mode = _EvalMode(model)
     device = model_dims(model)["device"]
     gens = [params.generator(device) for _ in range(B)]
     if cache is None:
@@ -472,7 +488,8 @@ def _stream(model, prompts: list[list[int]], max_new_tokens: int, cache, params:
     done = [False] * B
     outs: list[list[int]] = [[] for _ in range(B)]
     transform = _sampling.transforms_logits(params)
-    with torch.no_grad():  # entered per step: a caller reading the stream keeps its grad mode
+    # the prefill reads the copies only when the decode steps will (4+ sequences): none are made for it
+    with torch.no_grad(), eval_mode(), _reading(copies if B > 3 else None):
         logits = next(steps)
     for t in range(max_new_tokens):
         with torch.no_grad():
@@ -490,7 +507,7 @@ def _stream(model, prompts: list[list[int]], max_new_tokens: int, cache, params:
                     done[i] = True
         if all(done) or t == max_new_tokens - 1:
             break
-        with torch.no_grad():
+        with torch.no_grad(), eval_mode(), _reading(copies):
             logits = steps.send(tok)
     steps.close()
 
@@ -627,6 +644,15 @@ class _Sequence:
         self.length = length
 
 
+def _stream_speculative_eval(model, prompts, max_new_tokens, cache, params, draft, k, stats):
+    """:func:`_stream_speculative` with the model and the draft in eval mode while it runs; every module's
+    own mode comes back when the stream ends or is closed."""
+    with contextlib.ExitStack() as stack:
+        for m in (model,) if draft is None else (model, draft):
+            stack.enter_context(_EvalMode(m)())
+        yield from _stream_speculative(model, prompts, max_new_tokens, cache, params, draft, k, stats)
+
+
 def _stream_speculative(model, prompts: list[list[int]], max_new_tokens: int, cache, params: SamplingParams,
                         draft, k: int, stats: SpeculativeStats | None) -> Iterator[tuple[int, int, TokenLogprob | None]]:
     """Each prompt alone: a drafter proposes up to ``k`` tokens, the target scores them all in one forward,
@@ -741,13 +767,18 @@ def generate(model, prompts, max_new_tokens: int, *, cache: str | Callable | Non
             which makes the products much faster on a CPU.  Weights changed in place after a compilation
             are noticed by the next call, which compiles again.  Tokens agree with the eager steps up to
             floating-point rounding.
-        relayout: without ``compile``, first lay the model's weights out for decoding ``len(prompts)``
-            sequences a step (:func:`attnkit.nn.to_decode_layout`: on CPU, float32 weights row-major up to 3
-            sequences, column-major from 4, bfloat16 column-major; a no-op when they already are, ~0.1 s for
-            58M parameters when not).  Values and parameters stay the same; False leaves the weights' memory untouched, as does
-            a model that ``compile=True`` has compiled (its frozen code keeps its own copy).  Generations
-            running on one model from several threads relayout only while none other runs; pass False when
-            other code (an Engine, plain forwards) uses the model from another thread meanwhile.
+        relayout: with a cache and without ``compile``, the products of the one-token decode steps
+            (those of attnkit's layers, :func:`attnkit.nn.linear`) read copies of the weights laid out for
+            the batch (on CPU: float32 weights row-major for 1-3 sequences, column-major for 4-64; bfloat16
+            column-major for 4-64), which attnkit makes on first use and keeps with the model for later
+            calls.  They take as much memory again as the weights copied; none are made where the weights
+            have the layout already (row-major float32 weights at 1-3 sequences).  The model's own weights
+            are never moved.  A copy is made again when its weight changed since: replaced (``.to()``,
+            ``.data`` assigned) or written in place (an optimizer step, ``load_state_dict``, ``copy_``);
+            writes through ``.data`` bypass PyTorch's version counter and are seen only when they change
+            one of the few values sampled from each weight (a whole-tensor update is, one edited row may
+            not be: edit weights under ``torch.no_grad()`` instead).  False reads the weights as they are
+            (no copies; :func:`attnkit.nn.to_decode_layout` lays out a model of your own in place).
         repetition_penalty: > 0; every token of the prompt or output so far has its logit divided by it
             (when positive) or multiplied (when negative), as transformers' ``RepetitionPenaltyLogitsProcessor``.
         presence_penalty, frequency_penalty: >= 0, subtracted from a token's logit once if it occurs in the
@@ -786,7 +817,8 @@ def generate(model, prompts, max_new_tokens: int, *, cache: str | Callable | Non
     as the quantization allows: a padded row's key groups start at the batch's first position).  A model whose
     masks read absolute positions (``global_tokens``, ``block_local``, ``random_blocks``, ... rather than
     distances such as ``causal`` or ``sliding_window``) is refused on that path: use ``cache="paged"`` or
-    ``None``, which never pad.  Runs under ``torch.no_grad`` with the model in eval mode.
+    ``None``, which never pad.  Each forward runs under ``torch.no_grad`` with the model in eval mode, and
+    every module's mode is restored after it (also between the steps of a stream).
 
     Example::
 
@@ -824,34 +856,23 @@ def generate(model, prompts, max_new_tokens: int, *, cache: str | Callable | Non
         _check_shiftable(model)
     speculative = _check_speculative(model, draft_model, prompt_lookup, num_speculative_tokens, cache, compile,
                                      stats)
-    models = [model] + ([draft_model] if draft_model is not None else [])
     if draft_model is not None:
         _check_positions(draft_model, max(len(p) for p in prompts), max_new_tokens)
 
     def run(triples: bool = True) -> Iterator[tuple]:
         """``(prompt_index, token, TokenLogprob or None)`` triples, or ``(prompt_index, token)`` pairs."""
-        # (compiled code packs its own copy of the weights; relaid out only while no other generation uses them)
-        batch = 1 if speculative else len(prompts)
-        for m in models:
-            _begin(m, batch if relayout and not compile else None)
-        was_training = [m.training for m in models]
-        for m in models:
-            m.eval()
+        if speculative:
+            events = _stream_speculative_eval(model, prompts, max_new_tokens, cache, params, draft_model,
+                                              int(num_speculative_tokens), stats)
+        else:
+            # (compiled code freezes a packed copy of the weights of its own; cache=None has no one-token steps)
+            copies = _decode_copies(model) if relayout and not compile and cache is not None else None
+            events = _stream(model, prompts, max_new_tokens, cache, params, compile, copies)
         try:
-            if speculative:
-                events = _stream_speculative(model, prompts, max_new_tokens, cache, params, draft_model,
-                                             int(num_speculative_tokens), stats)
-            else:
-                events = _stream(model, prompts, max_new_tokens, cache, params, compile)
-            try:
-                for i, tok, lp in events:
-                    yield (i, tok, lp) if triples else (i, tok)
-            finally:
-                events.close()
+            for i, tok, lp in events:
+                yield (i, tok, lp) if triples else (i, tok)
         finally:
-            for m, was in zip(models, was_training):
-                m.train(was)
-                _end(m)
+            events.close()
 
     if stream:
         return run(triples=params.logprobs is not None)

@@ -87,8 +87,8 @@ class Int8Linear(nn.Module):
         q.weight_int8.copy_((w / scale[:, None]).round().clamp(-127, 127).to(torch.int8))
         q.scale.copy_(scale)
         if linear.bias is not None:
-            q.bias = nn.Parameter(linear.bias.detach().clone())
-        return q
+            q.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
+        return q.train(linear.training)
 
     def dequantized(self) -> Tensor:
         """The weight the layer multiplies by, ``(out, in)`` float32."""
@@ -165,8 +165,8 @@ class BF16Linear(nn.Module):
         m = cls(linear.in_features, linear.out_features, linear.bias is not None, device=linear.weight.device)
         m.weight.data.copy_(linear.weight.detach())
         if linear.bias is not None:
-            m.bias = nn.Parameter(linear.bias.detach().clone())
-        return m
+            m.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
+        return m.train(linear.training)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.forward_rows(x, 0, self.out_features)
@@ -235,6 +235,7 @@ def quantize(model: nn.Module, dtype: str = "int8", *, compute_dtype: torch.dtyp
     ``nn.TransformerEncoderLayer`` and ``nn.TransformerDecoderLayer`` (PyTorch reads their weights
     directly).  attnkit's fused projections take quantized layers (cross attention reads parts of them
     through ``forward_rows``).
+    A new layer keeps the mode (train/eval) of the layer it replaces and its bias's ``requires_grad``.
     Gradients reach the inputs and the biases but never the quantized weights: this is for inference.
 
     Example::

@@ -11,18 +11,28 @@ picks the kernel from the layout and the row count, for float32 CPU products tha
   ~1.4x at two on the 2-core machine of ``benchmarks/generate.py``; one row alone takes a slower path);
 * more rows up to 64, or a column-major weight (memory ``(in, out)``): oneDNN's linear kernel, which uses
   every thread where ``F.linear`` (MKL) uses one for a matrix-vector product.  From 4 rows up it streams
-  a column-major weight 1.25-1.35x faster than a row-major one; :func:`to_decode_layout` lays a model out
-  for the batch it will decode.  oneDNN keeps about 1 MiB per distinct row count for good (measured:
+  a column-major weight 1.25-1.35x faster than a row-major one.  oneDNN keeps about 1 MiB per distinct row count for good (measured:
   2 GiB after 2,000 prompt lengths), so it serves decode-sized products only: beyond 64 rows (prefill,
   training-sized batches) ``F.linear`` runs, 5-15% slower there but with no memory that grows with the
   shapes seen;
 * anything else (gradients, other dtypes and devices, ``torch.compile`` graphs): ``F.linear``.
+
+The model's weights are never moved to get the layout: :func:`attnkit.generate` and :class:`attnkit.Engine`
+decode through copies they own (``_DecodeCopies``: float32 weights column-major for 4-64 rows, row-major
+for 1-3, bfloat16 column-major for 4-64; made again when a weight changes), and :func:`to_decode_layout`
+changes a module's own weights in place, for those who want the layout without the copies.
 
 oneDNN's kernel is a private PyTorch operator; :func:`linear` checks it once against ``F.linear`` and
 falls back to ``F.linear`` when it is missing or disagrees.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+import weakref
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -69,22 +79,26 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """
     # (torch.compile: Inductor lowers these operators only for frozen weights, so graphs keep F.linear)
     # (autocast: F.linear, whose output dtype autocast decides; the fast paths would mix dtypes)
-    if (not torch.compiler.is_compiling() and x.dtype is torch.float32 and weight.dtype is torch.float32
-            and x.device.type == "cpu" and weight.device.type == "cpu" and not torch.is_autocast_enabled("cpu")
+    if (not torch.compiler.is_compiling() and x.device.type == "cpu" and weight.device.type == "cpu"
+            and not torch.is_autocast_enabled("cpu")
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                                  or (bias is not None and bias.requires_grad)))
-            and (bias is None or (bias.dtype is torch.float32 and bias.device.type == "cpu"))):
+                                                  or (bias is not None and bias.requires_grad)))):
         k = x.shape[-1]
         rows = x.numel() // k if k else 0
-        if 1 <= rows <= _MKL_ROWS and weight.dim() == 2 and weight.stride(1) == 1 and weight.stride(0) == k:
-            x2 = x.reshape(rows, k)
-            if rows == 1:
-                x2 = torch.cat([x2, x2])  # MKL streams (out, in) @ (in, 2) with every thread, (in, 1) with one
-            y = torch.mm(weight, x2.t()).t()[:rows]  # (rows, out), a view of (out, 2 or 3)
-            y = y + bias if bias is not None else y.contiguous()
-            return y.view(*x.shape[:-1], weight.shape[0])
-        if (rows > 1 or torch.get_num_threads() > 1) and rows <= _ONEDNN_ROWS and _onednn_linear_works():
-            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        copies = _DECODE_COPIES.get()
+        if copies is not None and x.dtype is weight.dtype:  # a decode step of generate or an Engine
+            weight = copies.weight_for(weight, rows)
+        if (x.dtype is torch.float32 and weight.dtype is torch.float32
+                and (bias is None or (bias.dtype is torch.float32 and bias.device.type == "cpu"))):
+            if 1 <= rows <= _MKL_ROWS and weight.dim() == 2 and weight.stride(1) == 1 and weight.stride(0) == k:
+                x2 = x.reshape(rows, k)
+                if rows == 1:
+                    x2 = torch.cat([x2, x2])  # MKL streams (out, in) @ (in, 2) with every thread, (in, 1) with one
+                y = torch.mm(weight, x2.t()).t()[:rows]  # (rows, out), a view of (out, 2 or 3)
+                y = y + bias if bias is not None else y.contiguous()
+                return y.view(*x.shape[:-1], weight.shape[0])
+            if (rows > 1 or torch.get_num_threads() > 1) and rows <= _ONEDNN_ROWS and _onednn_linear_works():
+                return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
@@ -104,12 +118,127 @@ def _row_major(w: Tensor) -> Tensor:
     return w if w.is_contiguous() else w.detach().contiguous()
 
 
+def _is_column_major(w: Tensor) -> bool:
+    return w.stride(0) == 1 and w.stride(1) == w.shape[0]
+
+
+def _decode_layout(w: Tensor, rows: int) -> str | None:
+    """The layout a product of ``rows`` rows reads the 2-D CPU weight ``w`` fastest in (module doc):
+    ``"row"``, ``"column"``, or None where either will do or the product is not decode-sized."""
+    if w.dim() != 2 or w.device.type != "cpu" or not 1 <= rows <= _ONEDNN_ROWS:
+        return None
+    if w.dtype is torch.float32:
+        return "row" if rows <= _MKL_ROWS else "column"
+    if w.dtype is torch.bfloat16 and rows > _MKL_ROWS:  # (1-3 rows: whole steps measured equal either way)
+        return "column"
+    return None
+
+
+_DECODE_COPIES: contextvars.ContextVar["_DecodeCopies | None"] = contextvars.ContextVar("attnkit_decode_copies",
+                                                                                       default=None)
+_SAMPLES = 64  # values of a weight kept beside its copy, to notice writes its version counter does not see
+
+
+class _DecodeCopies:
+    """Copies of weights in the layout each decode-sized product reads fastest, owned by whoever decodes
+    (:func:`attnkit.generate` keeps one set per model, an :class:`attnkit.Engine` its own), so that the
+    model's parameters never change their memory.
+
+    While :meth:`active`, :func:`linear` reads the copy of a weight whose layout is not the one its product
+    wants (float32: row-major for 1-3 rows, column-major for 4-64; bfloat16: column-major for 4-64), made on
+    first use.  A copy is made again when its weight changed: it is another tensor (``.data`` assigned,
+    ``.to()``), was written in place (PyTorch's version counter: optimizer steps, ``load_state_dict``,
+    ``copy_``, in-place ops under ``no_grad``), or, checked by :meth:`refresh`, holds other values at a few
+    sampled places (a whole-tensor write through ``.data``, which the version counter does not see).
+    Views (a fused projection's rows) and inference tensors (no version counter) are read as they are.
+    """
+
+    def __init__(self):
+        self._copies: dict[tuple[int, str], _Copy] = {}  # (id(weight), layout) -> its copy
+        self._lock = threading.Lock()
+
+    def weight_for(self, w: Tensor, rows: int) -> Tensor:
+        """``w`` itself when it is laid out for a product of ``rows`` rows (or cannot be copied safely),
+        else its copy in that layout."""
+        layout = _decode_layout(w, rows)
+        if (layout is None or (w.is_contiguous() if layout == "row" else _is_column_major(w))
+                or w._is_view() or w.is_inference()):
+            return w
+        slot = (id(w), layout)
+        key = _weight_key(w)
+        entry = self._copies.get(slot)
+        if entry is not None and entry.weight() is w and entry.key == key:
+            return entry.copy
+        # ordinary tensors even under inference_mode (where generate may run), like the weights themselves
+        with torch.inference_mode(False), torch.no_grad():
+            copy = _column_major(w.detach()) if layout == "column" else w.detach().contiguous()
+            live = _sampled(w)
+            entry = _Copy(weakref.ref(w), key, live, None if live is None else live.clone(), copy)
+        with self._lock:
+            self._copies[slot] = entry
+        return copy
+
+    def refresh(self) -> None:
+        """Drop the copies of weights that are gone, replaced, written in place, or whose sampled values
+        changed (once per generation or Engine step: one comparison for all the sampled values)."""
+        with self._lock:
+            entries = list(self._copies.items())
+        stale = {slot for slot, e in entries if (w := e.weight()) is None or _weight_key(w) != e.key}
+        sampled = [(slot, e) for slot, e in entries if slot not in stale and e.live is not None]
+        if sampled and not torch.equal(torch.cat([e.live for _, e in sampled]),
+                                       torch.cat([e.saved for _, e in sampled])):
+            stale.update(slot for slot, e in sampled if not torch.equal(e.live, e.saved))
+        if stale:
+            with self._lock:
+                for slot in stale:
+                    self._copies.pop(slot, None)
+
+    def nbytes(self) -> int:
+        """Bytes held by the copies."""
+        return sum(e.copy.nbytes for e in list(self._copies.values()))
+
+    @contextlib.contextmanager
+    def active(self):
+        """:func:`linear` reads these copies inside the block (in this thread only)."""
+        token = _DECODE_COPIES.set(self)
+        try:
+            yield self
+        finally:
+            _DECODE_COPIES.reset(token)
+
+
+class _Copy(NamedTuple):
+    weight: weakref.ref  # the weight copied
+    key: tuple  # its _weight_key when copied
+    live: Tensor | None  # a view of its sampled values (_sampled)
+    saved: Tensor | None  # those values when copied
+    copy: Tensor  # the same values in the layout decode products want
+
+
+def _weight_key(w: Tensor) -> tuple:
+    """What changes when a weight is replaced or written in place (not through ``.data``)."""
+    return (w.data_ptr(), w._version, w.dtype, w.shape, w.stride())
+
+
+def _sampled(w: Tensor) -> Tensor | None:
+    """A view of about :data:`_SAMPLES` of ``w``'s values spread over its memory, as integers (bit patterns:
+    NaN equals NaN); None when its memory is not dense (neither row- nor column-major)."""
+    if not (w.is_contiguous() or _is_column_major(w)):
+        return None
+    n = w.numel()
+    step = max(1, n // _SAMPLES)
+    return w.detach().as_strided((n // step,), (step,), w.storage_offset()).view(_BITS[w.element_size()])
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 class Linear(nn.Linear):
     """``torch.nn.Linear`` whose forward is :func:`linear` (the fastest CPU kernel for the weight's layout
     and the number of rows; ``F.linear`` everywhere else).
 
     Input ``(..., in_features)``, output ``(..., out_features)``; numerically ``nn.Linear`` up to float32
-    rounding.  The weight is row-major like ``nn.Linear``'s until :func:`to_decode_layout` changes it.
+    rounding.  The weight is row-major like ``nn.Linear``'s unless :func:`to_decode_layout` changes it.
 
     Example::
 
@@ -136,10 +265,16 @@ def to_decode_layout(module: nn.Module, batch_size: int = 1) -> nn.Module:
     On CPU, float32 weights are read fastest row-major (``nn.Linear``'s default) up to 3 rows a step
     (1.5x faster at 1-2 rows) and column-major (memory ``(in, out)``) from 4 (1.25-1.35x faster for 4-32
     rows), bfloat16 weights column-major at every batch size (products 1.1-1.15x faster; whole decode
-    steps equal at one sequence, 5% faster at eight), on the machine of ``benchmarks/generate.py``.  Other dtypes and devices are laid out row-major.  Values, shapes and
-    parameter identity are unchanged; ``load_state_dict`` and ``weight.copy_`` keep the layout, assigning
-    ``.data`` does not.  :func:`attnkit.generate` and :class:`attnkit.Engine` call this for the batch they
-    decode.
+    steps equal at one sequence, 5% faster at eight), on the machine of ``benchmarks/generate.py``.  Other
+    dtypes and devices are laid out row-major.  Values, shapes and parameter identity are unchanged;
+    ``load_state_dict`` and ``weight.copy_`` keep the layout, assigning ``.data`` does not.
+
+    This changes the module's own weights: column-major parameters are not contiguous, so
+    ``weight.view(-1)``, ``torch.nn.utils.parameters_to_vector`` and ``safetensors`` refuse them until
+    they are laid out row-major again (``to_decode_layout(module)``).  :func:`attnkit.generate` and
+    :class:`attnkit.Engine` never call it: by default (``relayout=True``) they decode through copies of
+    their own, which take as much memory again as the weights they copy.  To get the speed without the
+    copies on a model you own, call this and pass ``relayout=False`` to them.
 
     Example::
 
