@@ -658,11 +658,14 @@ def float_mask(work: Work, heads: Heads, ch: Chunk, m: Tensor | None) -> Tensor 
 
 
 def _scores(work: Work, heads: Heads, ch: Chunk, qw: Tensor, kw: Tensor) -> tuple[Tensor, Tensor]:
-    """Scaled scores ``q·k * scale`` (N, kcount, G, R, W) in the accumulation dtype, and the scaled
-    grouped queries (N, kcount, G*R, D) they came from (the scale is folded into the queries)."""
+    """Scaled scores ``(q·k) * scale`` (N, kcount, G, R, W) in the accumulation dtype, and the grouped
+    queries (N, kcount, G*R, D) they came from.  The scale multiplies the products, as the textbook formula
+    does, rather than being folded into the queries: at scores of magnitude 30 and more, the rounding of
+    ``q * scale`` moves every score by about an ulp, which the softmax turns into relative errors of the
+    weights several times the formula's own."""
     g = heads.count // heads.kcount
-    qg = qw.reshape(ch.N, heads.kcount, g * ch.R, qw.shape[-1]).to(work.acc) * work.scale  # (N, Hkv, G*R, D)
-    s = torch.matmul(qg, kw.to(work.acc).transpose(-1, -2))  # (N, Hkv, G*R, W)
+    qg = qw.reshape(ch.N, heads.kcount, g * ch.R, qw.shape[-1]).to(work.acc)  # (N, Hkv, G*R, D)
+    s = torch.matmul(qg, kw.to(work.acc).transpose(-1, -2)).mul_(work.scale)  # (N, Hkv, G*R, W)
     return s.view(ch.N, heads.kcount, g, ch.R, ch.W), qg
 
 
@@ -742,7 +745,7 @@ def _weights(x: Tensor, stats: tuple[Tensor, Tensor] | None, shape5: tuple[int, 
 
 def _recomputed_scores(work: Work, item: Prepared, m: Tensor | None, autograd: bool):
     """``(x, t, s_leaf, qg, kg, vg)`` of one chunk in the backward: modified scores (a graph from ``s_leaf``
-    when a modifier is differentiated with autograd), tanh of the softcap, the scaled grouped queries and
+    when a modifier is differentiated with autograd), tanh of the softcap, the grouped queries and
     the key/value windows in the accumulation dtype."""
     ch = item.chunk
     heads = ch.job.heads
@@ -838,7 +841,7 @@ def explicit_backward(work: Work, item: Prepared, m: Tensor | None, do: Tensor,
             ds = ds.mul_(t.mul_(t).neg_().add_(1.0))  # d softcap = 1 - tanh^2
     ds = ds.view(ch.N, heads.kcount, g * ch.R, ch.W)
     dq = torch.matmul(ds, kg).mul_(work.scale).view(ch.N, heads.count, ch.R, -1)
-    dk = torch.matmul(ds.transpose(-1, -2), qg)  # qg carries the scale already
+    dk = torch.matmul(ds.transpose(-1, -2), qg).mul_(work.scale)
     return dq, dk, dv
 
 

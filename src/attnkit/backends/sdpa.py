@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ..bias import ScoreMod
 from ..masks import Mask, _BlockLocal, _Causal, _FromDense, _Interval, _KeyLengths, _PrefixLM, _SlidingWindow
-from ._common import Call, per_mask, reachable_tensors, tensor_key
+from ._common import Call, per_mask, reachable_tensors, tensor_key, zero_unseen
 
 Tensor = torch.Tensor
 
@@ -117,22 +117,10 @@ def _dense(call: Call) -> tuple[Tensor, Tensor, bool, Tensor | None]:
     return entry[0], entry[1], entry[2], entry[5]
 
 
-def _without_hidden(k: Tensor, v: Tensor, hidden: Tensor, traced: bool) -> tuple[Tensor, Tensor]:
-    """``k``, ``v`` with the keys no query may see zeroed, when they hold anything but finite numbers.
-
-    SDPA adds the mask to the scores (``NaN - inf`` is NaN) and weighs every value (``0 * inf`` is NaN), so
-    a NaN or inf in a hidden slot (padding garbage) would reach every row.  Only the hidden slots are read to
-    find out (a decoding step's left padding is a few keys); the copies are made only when one is not finite.
-    """
-    B, Hkv, Lk = k.shape[0], k.shape[1], k.shape[2]
-    seen = ~hidden[..., None]  # (B'', Hkv'', Lk, 1)
-    if not traced:
-        with torch.no_grad():
-            idx = hidden.expand(B, Hkv, Lk).nonzero(as_tuple=True)
-            if bool(torch.isfinite(k[idx]).all()) and bool(torch.isfinite(v[idx]).all()):
-                return k, v
-    zero = torch.zeros((), dtype=k.dtype, device=k.device)
-    return torch.where(seen, k, zero), torch.where(seen, v, zero)
+def _without_hidden(k: Tensor, v: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
+    """``k``, ``v`` with the keys no query may see (``hidden``, ``(B'', Hkv'', Lk)``) zeroed (copies)."""
+    seen = ~hidden
+    return zero_unseen(k, seen), zero_unseen(v, seen)
 
 
 def check(call: Call) -> str | None:
@@ -194,13 +182,22 @@ def run(call: Call):
         return F.scaled_dot_product_attention(q, k[:, :, lo:hi + 1], v[:, :, lo:hi + 1],
                                               dropout_p=call.dropout_p, scale=scale, enable_gqa=gqa)
     allowed, live, all_live, hidden = _dense(call)
-    if hidden is not None:
-        k, v = _without_hidden(k, v, hidden, torch.compiler.is_compiling())
+    traced = torch.compiler.is_compiling()
+    if hidden is not None and traced:
+        k, v = _without_hidden(k, v, hidden)
     if not all_live:
         allowed = allowed | ~live  # compute empty rows against every key, then zero them below
     attn_mask = allowed if bias is None else bias.to(q.dtype).masked_fill(~allowed, float("-inf"))
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p,
                                          scale=scale, enable_gqa=gqa)
+    # SDPA adds the mask to the scores (NaN - inf is NaN) and weighs every value (0 * inf is NaN): a NaN or
+    # inf in a key no query may see (padding garbage) reaches every row it shares a call with, also the
+    # empty rows computed against every key.  Such a row's output is then not finite: only then is the call
+    # made again with those keys zeroed (a check of the output, not a pass over the keys and values)
+    if hidden is not None and not traced and not bool(torch.isfinite(out.detach()).all()):
+        k, v = _without_hidden(k, v, hidden)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p,
+                                             scale=scale, enable_gqa=gqa)
     if not all_live:  # (where, not a product: a NaN in a key such a row cannot see must not leak into it)
         out = torch.where(live, out, torch.zeros((), dtype=out.dtype, device=out.device))
     return out
