@@ -714,7 +714,10 @@ def explicit_forward(work: Work, item: Prepared, m: Tensor | None) -> tuple[Tens
     mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
     p = x.sub_(mx).exp_()  # unnormalised weights, in place
     l = p.sum(-1, keepdim=True)  # noqa: E741
-    lse = torch.where(l > 0, mx + torch.log(l), torch.full_like(l, float("-inf")))
+    # in float64: the rows several chunks cover merge these, and an lse of magnitude 30 rounded to float32 at
+    # every merge would drift by several ulps (the result is rounded once, in ``forward``)
+    wide = _merge_dtype(l.device)
+    lse = torch.where(l > 0, mx.to(wide) + torch.log(l.to(wide)), float("-inf"))
     if work.dropout_p > 0:
         p.mul_(_keep(work, heads, ch)).mul_(1.0 / (1.0 - work.dropout_p))
     o = torch.matmul(p.view(ch.N, heads.kcount, g * ch.R, ch.W), vw.to(work.acc))  # (N, Hkv, G*R, Dv)
@@ -848,6 +851,11 @@ def explicit_backward(work: Work, item: Prepared, m: Tensor | None, do: Tensor,
 # ------------------------------------------------------------------------------ drivers
 
 
+def _merge_dtype(device) -> torch.dtype:
+    """dtype in which partial log-sum-exps are formed and merged: float64 (O(Lq) values), where it exists."""
+    return torch.float32 if torch.device(device).type == "mps" else torch.float64
+
+
 def _merge_into(o_acc: Tensor, l_acc: Tensor, o: Tensor, l: Tensor) -> tuple[Tensor, Tensor]:  # noqa: E741
     """Online-softmax merge of a partial result (o, l) into (o_acc, l_acc); returns the new pair.
 
@@ -886,7 +894,8 @@ def forward(work: Work) -> tuple[Tensor, Tensor]:
         return _forward_pieces(work)
     new = torch.empty if plan.covered else torch.zeros
     out = new(nh, plan.q_pad, dv, dtype=work.acc, device=dev)
-    lse = (torch.empty if plan.covered else torch.zeros)(plan.q_pad, nh, dtype=work.lse_dtype, device=dev)
+    # (Lq_pad, B*Hq): partial lses are merged unrounded (see explicit_forward)
+    lse = (torch.empty if plan.covered else torch.zeros)(plan.q_pad, nh, dtype=_merge_dtype(dev), device=dev)
     if not plan.covered:
         lse.fill_(float("-inf"))
     for job, items in prepared(work, work.fused, False):
@@ -910,7 +919,7 @@ def forward(work: Work) -> tuple[Tensor, Tensor]:
                 o_new, l_new = _merge_into(rows_of(out, heads, ch), lse_rows(lse, heads, ch), o, l.to(lse.dtype))
                 put_rows(out, heads, ch, o_new, add=False)
                 put_lse(lse, heads, ch, l_new)
-    return out, lse
+    return out, lse.to(work.lse_dtype)
 
 
 def _fused_chunk(work: Work, item: Prepared) -> tuple[Tensor, Tensor]:
