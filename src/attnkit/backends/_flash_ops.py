@@ -815,8 +815,8 @@ def explicit_backward(work: Work, item: Prepared, m: Tensor | None, do: Tensor,
     dog, dp, z = _value_grads(work, ch, do, vg)
     pz = p if z is None else p * z
     dv = torch.matmul(pz.view(ch.N, heads.kcount, g * ch.R, ch.W).transpose(-1, -2), dog)  # (N, Hkv, W, Dv)
-    if stats is None:
-        delta = (p * dp).sum(-1, keepdim=True)  # (N, kcount, G, R, 1): rowsum(p * dp), dp with dropout's z
+    if stats is None:  # (N, kcount, G, R, 1): rowsum(p * dp), dp with dropout's z; the product in a workspace
+        delta = torch.mul(p, dp, out=work.buffer("p*dp", tuple(p.shape), p.dtype)).sum(-1, keepdim=True)
     else:
         total = stats[1].reshape(shape5).to(work.acc)
         delta = stats[2].reshape(shape5).to(work.acc) / torch.where(total > 0, total, torch.ones_like(total))
