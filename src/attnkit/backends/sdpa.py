@@ -169,19 +169,26 @@ def run(call: Call):
             bias = bias.unsqueeze(0)
     gqa = call.group > 1
     if call.mask is None or _is_plain_causal(call):
-        causal = call.mask is not None
-        kv_len = call.kv_len
-        if causal and call.q_len < kv_len:  # top-left: the keys past Lq are seen by no query; leave them out
-            kv_len = call.q_len
-            k, v = k[:, :, :kv_len], v[:, :, :kv_len]
-            bias = None if bias is None else bias[..., :kv_len]
-        attn_mask = None if bias is None else bias.to(q.dtype)
-        if causal and attn_mask is not None:  # SDPA takes either is_causal or attn_mask
-            allowed = call.mask.to_dense(call.q_len, kv_len, device=q.device)
-            attn_mask = attn_mask.masked_fill(~allowed, float("-inf"))
-            causal = False
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p,
-                                              is_causal=causal, scale=scale, enable_gqa=gqa)
+        def plain(k, v, bias):
+            causal = call.mask is not None
+            attn_mask = None if bias is None else bias.to(q.dtype)
+            if causal and attn_mask is not None:  # SDPA takes either is_causal or attn_mask
+                allowed = call.mask.to_dense(call.q_len, k.shape[2], device=q.device)
+                attn_mask = attn_mask.masked_fill(~allowed, float("-inf"))
+                causal = False
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p,
+                                                  is_causal=causal, scale=scale, enable_gqa=gqa)
+
+        # top-left causal with Lq < Lk: the keys past Lq are seen by no query; a NaN or inf there (padding
+        # garbage) must not reach the rows: the call is made without them (traced: always; else when the
+        # output is not finite)
+        hides = call.mask is not None and call.q_len < call.kv_len
+        traced = torch.compiler.is_compiling()
+        out = None if hides and traced else plain(k, v, bias)
+        if hides and (out is None or not bool(torch.isfinite(out.detach()).all())):
+            n = call.q_len
+            out = plain(k[:, :, :n], v[:, :, :n], None if bias is None else bias[..., :n])
+        return out
     window = _single_query_window(call)
     if window is not None:  # decoding one token against a cache: slice the visible keys
         lo, hi = window
