@@ -18,6 +18,14 @@ Two ways to compute a call, chosen per call:
 Dropout draws one seed from torch's generator and derives each weight's keep decision from
 ``(seed, b, h, q_idx, kv_idx)``, so the backward regenerates exactly the forward's pattern.
 
+Numerics: the explicit backward recomputes each row's weights ``exp(x - max) / sum`` and its row term
+``D = rowsum(p * dp)`` from the recomputed scores themselves (rows covered by several calls first sum their
+statistics over the calls), never from a saved lse or the output, and scales the products ``(q·k) * scale``
+as the textbook formula does: its gradients meet the numerical rule at any score magnitude, and a row with
+one visible key gets exactly 0.  The fused path's backward is PyTorch's kernel, with the bounds documented
+for the ``sdpa`` backend (README, "The numerical rule").  Keys no row of a tile may see are zeroed in
+partial tiles, so padding garbage (NaN, inf) reaches no row; full tiles are read where they are.
+
 Example::
 
     >>> import torch, attnkit
