@@ -8,7 +8,7 @@ process; each decode speed is also shown against the memory-bandwidth limit at b
 weight but the embedding rows, read once per step, over ~38 GB/s.
 
     python benchmarks/generate.py            # full run (tens of minutes on 2 cores)
-    python benchmarks/generate.py --quick    # fewer tokens and requests
+    python benchmarks/generate.py --quick    # fewer tokens and requests, no compiled rows (a minute or two)
     python benchmarks/generate.py --only decode --no-compile   # one section, eager steps only
 """
 
@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import attnkit  # noqa: E402
-from _common import machine, save, table, timeit  # noqa: E402
+from _common import OUT_HELP, machine, save, table, timeit  # noqa: E402
 from attnkit.cache import QuantizedCache, StaticCache  # noqa: E402
 from attnkit.nn import to_decode_layout  # noqa: E402
 from attnkit.quantize import weight_bytes  # noqa: E402
@@ -266,15 +266,27 @@ def quantized_cache(args, model, rows, results):
     results["quantized_cache"] = out
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer tokens, requests and repeats")
+    ap.add_argument("--quick", action="store_true", help="fewer tokens, requests and repeats; no compiled rows "
+                                                         "unless --compile is given")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--compile", dest="compile", action="store_true", default=None,
+                    help="time the generate(compile=True) rows (the default without --quick; each compiles for "
+                         "minutes first)")
     ap.add_argument("--no-compile", dest="compile", action="store_false",
-                    help="skip the generate(compile=True) rows (they compile for ~1 minute first)")
+                    help="skip the generate(compile=True) rows")
     ap.add_argument("--only", nargs="*", default=None,
                     help="sections to run: decode profile cache mixed quantized (default: all)")
+    ap.add_argument("--out", metavar="DIR", default=None, help=OUT_HELP)
     args = ap.parse_args(argv)
+    if args.compile is None:
+        args.compile = not args.quick
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     args.new_tokens = 64 if args.quick else 256
@@ -312,7 +324,7 @@ def main(argv=None) -> None:
     print(f"generate, llama-like (58M), {PROMPT}-token prompts, greedy; {machine()}; load average "
           f"{results['load_average_start']:.1f} -> {results['load_average_end']:.1f}")
     print(table(rows, cols))
-    path = save("generate_quick" if args.quick else "generate", {"rows": rows, **results})
+    path = save("generate_quick" if args.quick else "generate", {"rows": rows, **results}, out=args.out)
     print(f"\nwrote {path}")
 
 

@@ -19,7 +19,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import machine, save, table, timeit  # noqa: E402
+from _common import OUT_HELP, machine, save, table, timeit  # noqa: E402
 
 from attnkit.integrations import hf  # noqa: E402
 
@@ -40,6 +40,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, few repeats")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", metavar="DIR", default=None, help=OUT_HELP)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     hf.register()
@@ -95,7 +96,7 @@ def main(argv=None) -> None:
           f"{machine()}")
     print(table(rows, cols))
     print("saved", save("hf_models_quick" if args.quick else "hf_models", {"rows": rows, "width": width, "layers": layers, "batch": batch,
-                                       "length": length}))
+                                       "length": length}, out=args.out))
 
 
 if __name__ == "__main__":

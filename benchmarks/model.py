@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import machine, save, table  # noqa: E402
+from _common import OUT_HELP, machine, save, table  # noqa: E402
 
 from attnkit.cache import StaticCache  # noqa: E402
 from attnkit.nn import DecoderConfig, DecoderLM, to_decode_layout  # noqa: E402
@@ -125,6 +125,7 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="small batch and few repeats")
     ap.add_argument("--repeat", type=int, default=None)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--out", metavar="DIR", default=None, help=OUT_HELP)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -179,7 +180,7 @@ def main(argv=None) -> None:
     print(f"\ndecoding: after a {P}-token prompt, {N} one-token forwards with a KV cache (prompt not timed)")
     print(table(drows, list(drows[0])))
     path = save("model_quick" if args.quick else "model", {"config": "llama-like", "batch": B, "length": L, "prompt": P, "new_tokens": N,
-                          "params": params, "forward_s": t_fwd, "train_s": t_train, "decode_s": t_dec})
+                          "params": params, "forward_s": t_fwd, "train_s": t_train, "decode_s": t_dec}, out=args.out)
     print(f"\nwrote {path}")
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import machine, save, table  # noqa: E402
+from _common import OUT_HELP, machine, save, table  # noqa: E402
 
 
 def _rss_mb() -> float:
@@ -142,6 +142,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--out", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--out", metavar="DIR", default=None, help=OUT_HELP)
     args = ap.parse_args(argv)
     quick = args.quick
     args.seq_len = args.seq_len or (4096 if quick else 32768)
@@ -194,7 +195,7 @@ def main(argv=None) -> None:
     print(table(rows, columns))
     name = ("ring_quick" if quick else "ring") + ("_live_memory" if args.live_memory else "")
     path = save(name, {"seq_len": args.seq_len, "heads": args.heads,
-                                                    "head_dim": args.head_dim, "rows": rows, "raw": raw})
+                                                    "head_dim": args.head_dim, "rows": rows, "raw": raw}, out=args.out)
     print(f"\nwritten to {path}")
 
 

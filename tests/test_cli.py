@@ -436,3 +436,61 @@ def test_demo_circuit_claim_uses_each_roles_baseline_and_an_untrained_model_fail
     recall, previous_head, recall_ok, previous_ok = _circuit(trained, before, pair, prev)
     assert recall[:2] == ("layers.1.attn", 2) and previous_head[:2] == ("layers.0.attn", 0)
     assert recall_ok and previous_ok
+
+
+# ------------------------------------------------------------- optional dependencies, --version, bench --out
+
+
+def _hide(monkeypatch, *modules):
+    """Make ``import NAME`` fail as it does where NAME is not installed."""
+    for name in modules:
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+@pytest.mark.parametrize("hidden", [("rich",), ("matplotlib",), ("rich", "matplotlib")])
+def test_demo_without_its_optional_dependencies_is_one_line_before_any_work(capsys, monkeypatch, tmp_path, hidden):
+    _hide(monkeypatch, *hidden)
+    line = assert_usage_error(capsys, "demo", "--quick", "--out", str(tmp_path / "demo"),
+                              match="pip install 'attnkit[demo]'")
+    assert all(name in line for name in hidden)
+    assert not (tmp_path / "demo").exists()  # nothing was started
+
+
+def test_doctor_plot_without_matplotlib_is_one_line_before_any_work(capsys, monkeypatch, tmp_path):
+    import attnkit.diagnostics
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the doctor ran before the missing dependency was reported")
+
+    monkeypatch.setattr(attnkit.diagnostics, "doctor", no_work)
+    _hide(monkeypatch, "matplotlib")
+    assert_usage_error(capsys, "doctor", "--example", "uniform", "--plot", str(tmp_path / "p"),
+                       match="attnkit doctor --plot needs matplotlib, which is not installed: pip install "
+                             "'attnkit[plot]'")
+    assert not (tmp_path / "p").exists()
+
+
+def test_version(capsys):
+    import attnkit
+
+    code, out, err = run(capsys, "--version")
+    assert code == 0 and out.strip() == f"attnkit {attnkit.__version__}" and err == ""
+
+
+def test_bench_writes_results_under_the_current_directory_or_out(capfd, tmp_path, monkeypatch):
+    bench = tmp_path / "checkout" / "benchmarks"
+    bench.mkdir(parents=True)
+    (bench / "writes.py").write_text(
+        "import argparse, pathlib\n"
+        "ap = argparse.ArgumentParser(); ap.add_argument('--quick', action='store_true'); ap.add_argument('--out')\n"
+        "a = ap.parse_args(); p = pathlib.Path(a.out); p.mkdir(parents=True, exist_ok=True)\n"
+        "(p / 'writes.json').write_text('{}')\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main(["bench", "--quick", "--dir", str(bench)]) == 0
+    assert (elsewhere / "benchmarks" / "results" / "writes.json").is_file()
+    assert main(["bench", "--dir", str(bench), "--out", "mine"]) == 0
+    assert (elsewhere / "mine" / "writes.json").is_file()
+    assert [p.name for p in bench.iterdir()] == ["writes.py"]  # nothing written next to the scripts
+    capfd.readouterr()

@@ -459,9 +459,28 @@ def _default_loss(output, batch) -> Tensor:
     return 0.5 * out.float().pow(2).mean()
 
 
+def _nothing_seen(model: nn.Module) -> str:
+    """Why the doctor saw no attention in ``model``, and how to make its attention go through attnkit."""
+    if attention_modules(model):
+        return "the model ran but none of its attention layers was called on this batch"
+    text = (f"{type(model).__name__} computed no attention through attnkit on this batch: the doctor sees the "
+            f"attention modules of attnkit.nn and every call of attnkit.attention made while the model runs")
+    if type(model).__module__.startswith("transformers."):
+        implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        text += (f"; this Hugging Face model runs attn_implementation={implementation!r}: convert it with "
+                 f"attnkit.integrations.hf.from_hf(model), or call attnkit.integrations.hf.register() and "
+                 f"model.set_attn_implementation('attnkit')")
+    return text
+
+
 def doctor(model: nn.Module, batch, loss_fn: Callable | None = None, *, thresholds: Thresholds | None = None,
            max_elements: int = 1 << 22) -> Report:
     """Examine every attnkit attention layer of ``model`` on ``batch`` and name what looks wrong.
+
+    The layers are those :func:`~attnkit.diagnostics.probe` sees: the attention modules of :mod:`attnkit.nn`
+    and every module that calls :func:`attnkit.attention` in its forward (a Hugging Face model with
+    ``attn_implementation="attnkit"`` included).  A model whose attention does not go through attnkit at all
+    is refused (a ``ValueError`` saying how to route it, e.g. ``attnkit.integrations.hf.from_hf``).
 
     Runs ``model(batch)`` (``model(*batch)`` for a tuple, ``model(**batch)`` for a dict) in eval mode under
     :func:`~attnkit.diagnostics.probe`, then the gradient of the loss with respect to every attention
@@ -491,9 +510,6 @@ def doctor(model: nn.Module, batch, loss_fn: Callable | None = None, *, threshol
     thresholds = Thresholds() if thresholds is None else thresholds
     if not isinstance(thresholds, Thresholds):
         raise TypeError(f"thresholds must be a Thresholds, got {type(thresholds).__name__}")
-    if not attention_modules(model):
-        raise ValueError(f"{type(model).__name__} has no attnkit attention layers: the doctor inspects models "
-                         f"built from attnkit.nn (modules that compute attention through _attend)")
     was_training = model.training
     model.eval()
     try:
@@ -519,7 +535,7 @@ def doctor(model: nn.Module, batch, loss_fn: Callable | None = None, *, threshol
         model.train(was_training)
     stats = [s for rec in p.layers.values() for s in _head_stats(rec)]
     if not stats:
-        raise ValueError("the model ran but none of its attention layers was called on this batch")
+        raise ValueError(_nothing_seen(model))
     findings, grads = _diagnose(stats, thresholds, output_grad)
     weights = {name: rec.weights[0] for name, rec in p.layers.items() if rec.weights is not None}
     return Report(stats, findings, weights, grads, output_grad)
