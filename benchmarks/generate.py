@@ -287,6 +287,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    try:
+        import transformers  # noqa: F401  (the model comes from transformers, and HF generate is the baseline)
+    except ImportError:
+        print("benchmarks/generate.py: skipped, its model and baseline come from transformers, which is not "
+              "installed (pip install 'attnkit[bench]')")
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     args.new_tokens = 64 if args.quick else 256

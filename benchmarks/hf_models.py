@@ -16,7 +16,13 @@ import sys
 from pathlib import Path
 
 import torch
-import transformers
+
+try:
+    import transformers
+except ImportError:  # the subject of this benchmark, not a peer: nothing to measure without it
+    print("benchmarks/hf_models.py: skipped, it measures Hugging Face models and transformers is not installed "
+          "(pip install 'attnkit[bench]')")
+    sys.exit(0)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import OUT_HELP, machine, save, table, timeit  # noqa: E402
