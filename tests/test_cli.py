@@ -494,3 +494,45 @@ def test_bench_writes_results_under_the_current_directory_or_out(capfd, tmp_path
     assert (elsewhere / "mine" / "writes.json").is_file()
     assert [p.name for p in bench.iterdir()] == ["writes.py"]  # nothing written next to the scripts
     capfd.readouterr()
+
+
+# -------------------------------------------------------------------------------------- packaging
+
+
+def test_import_attnkit_stays_light():
+    """Reading torch._dynamo's config at import cost ~2 s over `import torch`: nothing heavy at import."""
+    code = ("import sys, attnkit\n"
+            "heavy = ['torch._dynamo', 'torch._inductor', 'sympy', 'triton', 'transformers', 'matplotlib', 'rich']\n"
+            "print([m for m in heavy if m in sys.modules])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "[]", r.stdout
+
+
+def test_the_wheel_ships_types_and_builds_without_warnings(tmp_path):
+    """py.typed (so type checkers read the annotations), no numpy requirement (nothing imports it), an SPDX
+    license string (the table form is deprecated in setuptools), the version from attnkit.__version__."""
+    import zipfile
+
+    import attnkit
+
+    import shutil
+
+    pytest.importorskip("setuptools")
+    source = tmp_path / "source"  # a copy: building leaves build/ and an egg-info behind
+    shutil.copytree(ROOT / "src", source / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                        str(source), "-w", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    log = r.stdout + r.stderr
+    assert "Warning" not in log and "deprecated" not in log, log[-3000:]
+    (wheel,) = tmp_path.glob("attnkit-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        assert "attnkit/py.typed" in z.namelist()
+        meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    assert f"Version: {attnkit.__version__}" in meta and "License-Expression: MIT" in meta
+    requires = [ln for ln in meta.splitlines() if ln.startswith("Requires-Dist:") and "extra ==" not in ln]
+    assert requires == ["Requires-Dist: torch>=2.5"], requires
+    assert "Provides-Extra: demo" in meta
