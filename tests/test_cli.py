@@ -536,3 +536,23 @@ def test_the_wheel_ships_types_and_builds_without_warnings(tmp_path):
     requires = [ln for ln in meta.splitlines() if ln.startswith("Requires-Dist:") and "extra ==" not in ln]
     assert requires == ["Requires-Dist: torch>=2.5"], requires
     assert "Provides-Extra: demo" in meta
+
+
+def test_doctor_on_a_saved_hugging_face_model_running_attnkit_attention(capsys, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from attnkit.integrations import hf
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    hf.register()
+    model.set_attn_implementation("attnkit")
+    torch.save(model, tmp_path / "hf.pt")
+    code, out, err = run(capsys, "doctor", "--model", str(tmp_path / "hf.pt"), "--seq-len", "8")
+    assert code == 0, err
+    assert "model.layers.0.self_attn" in out and "model.layers.1.self_attn" in out
+    model.set_attn_implementation("eager")
+    torch.save(model, tmp_path / "eager.pt")
+    assert_usage_error(capsys, "doctor", "--model", str(tmp_path / "eager.pt"), "--seq-len", "8",
+                       match="attnkit.integrations.hf.from_hf(model)")

@@ -341,6 +341,10 @@ def _model_run(args):
     import torch
 
     model = _load_model(args.model)
+    if getattr(getattr(model, "config", None), "_attn_implementation", None) == "attnkit":
+        from .integrations import hf  # a Hugging Face model saved running attnkit attention: the name must exist
+
+        hf.register()
     embedding = _first_embedding(model)
     config_vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     vocab = config_vocab or args.vocab

@@ -459,10 +459,10 @@ def test_doctor_diagnoses_a_hugging_face_model_running_attnkit_attention():
     ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(0))
     hf.register()
     model.set_attn_implementation("attnkit")
-    report = doctor(model, ids, loss_fn=lambda out, ids: out.logits.float().pow(2).mean())
+    report = doctor(model, ids)  # the default loss reads the output's logits: next-token cross-entropy
     assert [s.layer for s in report.heads] == ["model.layers.0.self_attn"] * 4 + ["model.layers.1.self_attn"] * 4
     converted = hf.from_hf(model)  # the same weights as an attnkit.nn model: the same statistics
-    ref = doctor(converted, ids, loss_fn=lambda out, ids: out.float().pow(2).mean())
+    ref = doctor(converted, ids)
     for a, b in zip(report.heads, ref.heads):
         assert a.head == b.head and a.rows == b.rows
         assert math.isclose(a.entropy, b.entropy, rel_tol=1e-4) and math.isclose(a.max_weight, b.max_weight,

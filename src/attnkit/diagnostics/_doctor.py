@@ -443,13 +443,21 @@ def _run(model: nn.Module, batch):
     return model(batch)
 
 
+def _main_output(output):
+    """The model's main output: the first of a tuple, a Hugging Face output's ``logits``, or the output."""
+    if isinstance(output, (tuple, list)):
+        return output[0] if output else None
+    logits = getattr(output, "logits", None)  # transformers' ModelOutput (a dict with attributes)
+    return logits if isinstance(logits, Tensor) else output
+
+
 def _output_tensor(output) -> Tensor | None:
-    out = output[0] if isinstance(output, (tuple, list)) and output else output
+    out = _main_output(output)
     return out if isinstance(out, Tensor) and out.is_floating_point() else None
 
 
 def _default_loss(output, batch) -> Tensor:
-    out = output[0] if isinstance(output, (tuple, list)) else output
+    out = _main_output(output)
     if not isinstance(out, Tensor):
         raise TypeError(f"the model returned {type(output).__name__}; pass loss_fn(output, batch) -> scalar tensor")
     if (isinstance(batch, Tensor) and batch.dtype == torch.long and out.dim() == 3 and batch.dim() == 2
@@ -485,8 +493,8 @@ def doctor(model: nn.Module, batch, loss_fn: Callable | None = None, *, threshol
     Runs ``model(batch)`` (``model(*batch)`` for a tuple, ``model(**batch)`` for a dict) in eval mode under
     :func:`~attnkit.diagnostics.probe`, then the gradient of the loss with respect to every attention
     output (parameters' ``.grad`` are not touched).  The loss is ``loss_fn(output, batch)``; by default
-    next-token cross-entropy when ``batch`` is token ids ``(B, L)`` and the output logits ``(B, L, V)``,
-    else ``0.5 * mean(output**2)``.
+    next-token cross-entropy when ``batch`` is token ids ``(B, L)`` and the output logits ``(B, L, V)`` (the
+    first of a tuple, or ``output.logits`` of a Hugging Face model), else ``0.5 * mean(output**2)``.
 
     Returns:
         A :class:`Report`: per layer and head the normalised entropy, mean largest weight, share of
