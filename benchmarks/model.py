@@ -122,7 +122,7 @@ def median_times(fns: dict, repeat: int, *, timed_inside: bool = False) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="small batch and few repeats")
+    ap.add_argument("--quick", action="store_true", help="small batch, median of 2")
     ap.add_argument("--repeat", type=int, default=None)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--out", metavar="DIR", default=None, help=OUT_HELP)
@@ -130,7 +130,7 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     B, L, P, N = (1, 128, 32, 8) if args.quick else (4, 256, 128, 32)
-    repeat = args.repeat or (3 if args.quick else 7)
+    repeat = args.repeat or (2 if args.quick else 7)
     cfg = DecoderConfig.preset("llama-like")
     models = {"attnkit DecoderLM": build_attnkit(cfg)}
     for name, build in (("HF Llama (sdpa)", build_hf), ("x-transformers", build_xt)):
