@@ -71,6 +71,15 @@ def test_refusals(one_rank):
     with ring_context(mha.eval()) as ctx:
         with pytest.raises(ValueError, match="local_len"):
             ctx.positions(-1)
+        x = torch.randn(1, 4, 16)
+        with pytest.raises(ValueError, match="need_weights=True would give the weights over this rank's keys"):
+            mha(x, need_weights=True)
+        with pytest.raises(ValueError, match="given a context"):
+            mha(x, x)
+        with pytest.raises(ValueError, match="given a KV cache"):
+            mha(x, cache=object())
+    out, w = mha(x, need_weights=True)  # outside the context: as before
+    assert w.shape == (1, 2, 4, 4)
 
 
 def test_the_long_context_example_uses_the_public_way():

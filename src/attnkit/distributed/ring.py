@@ -660,6 +660,24 @@ class RingContext:
         return f"RingContext(layout={self.layout!r}, modules={self.modules})"
 
 
+def _refuse_what_ring_cannot_do(name: str):
+    """A forward pre-hook refusing the calls whose result would be wrong on a shard: cross-attention, a KV
+    cache, and the weights (they would cover this rank's keys only)."""
+    def check(module, args, kwargs):
+        where = f"ring_context: module {name or '(model)'!r}"
+        if (len(args) > 1 and args[1] is not None) or kwargs.get("context") is not None:
+            raise ValueError(f"{where} was given a context: ring attention is self-attention over one sharded "
+                             f"sequence; run cross-attention outside the context")
+        if kwargs.get("cache") is not None:
+            raise ValueError(f"{where} was given a KV cache: ring attention computes over shards of one full "
+                             f"sequence; decode with a cache outside the context")
+        if kwargs.get("need_weights"):
+            raise ValueError(f"{where}: need_weights=True would give the weights over this rank's keys only; "
+                             f"compute them outside the context (on one process)")
+        return None
+    return check
+
+
 def _ring_attend(layout: str, group, name: str):
     def _attend(q, k, v, *, mask, bias, scale, softcap, dropout_p):
         if dropout_p:
@@ -682,8 +700,9 @@ def ring_context(model: torch.nn.Module, *, layout: str = "zigzag", group=None):
     sliding window, ALiBi, ...) are evaluated at global positions.  Two things are the caller's: cut the
     inputs with :func:`attnkit.distributed.shard` (``dim=1`` for ``(B, L, d_model)``) with the same ``layout``,
     and pass RoPE the tokens' global positions (``positions=ctx.positions(local_len)``).  Attention dropout is
-    refused (ring attention has none: call ``model.eval()``), and so is cross-attention and a KV cache (ring
-    attention is self-attention over one sequence).  A model that calls :func:`attnkit.attention` itself calls
+    refused (ring attention has none: call ``model.eval()``), and so are cross-attention and a KV cache (ring
+    attention is self-attention over one sequence) and ``need_weights=True`` (the weights of a shard's keys
+    alone are not the attention weights).  A model that calls :func:`attnkit.attention` itself calls
     :func:`ring_attention` in its place.  On exit (also after an error) the modules compute as before; the
     replacement is per instance, so other models are untouched.
 
@@ -714,13 +733,17 @@ def ring_context(model: torch.nn.Module, *, layout: str = "zigzag", group=None):
                          f"_attend, e.g. MultiHeadAttention); a model that calls attnkit.attention itself calls "
                          f"attnkit.distributed.ring_attention in its place")
     saved: list[tuple[torch.nn.Module, bool, object]] = []
+    hooks = []
     try:
         for name, module in modules:
             had = "_attend" in vars(module)
             saved.append((module, had, vars(module).get("_attend")))
             module._attend = _ring_attend(layout, group, name)
+            hooks.append(module.register_forward_pre_hook(_refuse_what_ring_cannot_do(name), with_kwargs=True))
         yield RingContext([name for name, _ in modules], layout, group)
     finally:
+        for hook in hooks:
+            hook.remove()
         for module, had, previous in reversed(saved):
             if had:
                 module._attend = previous
