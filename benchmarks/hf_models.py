@@ -52,7 +52,7 @@ def main(argv=None) -> None:
     hf.register()
     width, layers, vocab = (128, 2, 256) if args.quick else (256, 4, 1000)
     batch, length, new = (2, 128, 8) if args.quick else (4, 512, 16)
-    repeat = 3 if args.quick else 5
+    repeat = 2 if args.quick else 5
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, vocab, (batch, length), generator=g)
     am = torch.ones_like(ids)
