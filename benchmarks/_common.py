@@ -40,10 +40,14 @@ def table(rows: list[dict], columns: list[str]) -> str:
     return "\n".join([line(columns), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, cells)])
 
 
-def save(name: str, payload: dict) -> Path:
-    """Write results to benchmarks/results/NAME.json with the machine's description."""
-    out = Path(__file__).parent / "results"
-    out.mkdir(exist_ok=True)
+OUT_HELP = "folder for the JSON results (default: benchmarks/results under the current directory)"
+
+
+def save(name: str, payload: dict, out: str | Path | None = None) -> Path:
+    """Write results to ``out``/NAME.json (default: benchmarks/results under the current directory, never the
+    script's own folder) with the machine's description."""
+    out = Path(out) if out is not None else Path("benchmarks") / "results"
+    out.mkdir(parents=True, exist_ok=True)
     payload = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), **payload}
     path = out / f"{name}.json"
     path.write_text(json.dumps(payload, indent=1))

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 import attnkit  # noqa: E402
-from _common import machine, save, table, timeit  # noqa: E402
+from _common import OUT_HELP, machine, save, table, timeit  # noqa: E402
 
 NAIVE_LIMIT = 4096 * 4096 * 8  # score elements above which the naive formula is skipped (memory)
 
@@ -36,6 +36,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, few repeats")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", metavar="DIR", default=None, help=OUT_HELP)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     lengths = [256, 512] if args.quick else [512, 1024, 2048, 4096, 8192]
@@ -79,7 +80,7 @@ def main(argv=None) -> None:
     print()
     print(f"dense attention, float32, B={B}, H={H}, D={D}; {machine()}")
     print(table(rows, cols))
-    path = save("dense_quick" if args.quick else "dense", {"rows": rows})
+    path = save("dense_quick" if args.quick else "dense", {"rows": rows}, out=args.out)
     print(f"\nwritten to {path}")
 
 

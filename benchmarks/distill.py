@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import machine, save, table, timeit  # noqa: E402
+from _common import OUT_HELP, machine, save, table, timeit  # noqa: E402
 
 from attnkit import masks  # noqa: E402
 from attnkit.distill import distill, sparse_student  # noqa: E402
@@ -141,6 +141,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the models are tiny)")
+    ap.add_argument("--out", metavar="DIR", default=None, help=OUT_HELP)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     q = args.quick
@@ -185,7 +186,7 @@ def main() -> None:
     print(table(trows, ["length", "batch", "teacher ms", "student ms", "student / teacher"]))
     print(f"after distillation: {sp['after'] / sp['teacher']:.1%} of the teacher; target {'met' if ok2 else 'MISSED'}")
     print(f"\n{machine()}; {time.perf_counter() - started:.0f} s in all")
-    path = save("distill" + ("_quick" if q else ""), {
+    path = save("distill" + ("_quick" if q else ""), out=args.out, payload={
         "quick": q, "teacher": {"steps": teacher_steps, "accuracy": t_acc},
         "smaller_student": {"steps": steps, "distilled": small["distilled"], "scratch": small["scratch"],
                             "curve_distilled": small["curve_distilled"], "curve_scratch": small["curve_scratch"],

@@ -8,7 +8,7 @@ process; each decode speed is also shown against the memory-bandwidth limit at b
 weight but the embedding rows, read once per step, over ~38 GB/s.
 
     python benchmarks/generate.py            # full run (tens of minutes on 2 cores)
-    python benchmarks/generate.py --quick    # fewer tokens and requests
+    python benchmarks/generate.py --quick    # fewer tokens and requests, no compiled rows (a minute or two)
     python benchmarks/generate.py --only decode --no-compile   # one section, eager steps only
 """
 
@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import attnkit  # noqa: E402
-from _common import machine, save, table, timeit  # noqa: E402
+from _common import OUT_HELP, machine, save, table, timeit  # noqa: E402
 from attnkit.cache import QuantizedCache, StaticCache  # noqa: E402
 from attnkit.nn import to_decode_layout  # noqa: E402
 from attnkit.quantize import weight_bytes  # noqa: E402
@@ -76,10 +76,10 @@ def decode_rows(args, hf, model, rows, results):
         if hasattr(mod, "backend"):
             mod.backend = "auto"
     variants["attnkit float32, backend auto"] = auto
-    # generate's decode steps read the weights laid out for their batch (column-major copies from 4 sequences);
-    # these rows read the model's own weights (relayout=False), in one layout at both batch sizes
-    variants["attnkit float32, row-major kept"] = copy.deepcopy(model)
-    variants["attnkit float32, column-major kept"] = to_decode_layout(copy.deepcopy(model), batch_size=8)
+    if not args.quick:  # decode steps read copies laid out for their batch; these rows read the model's own
+        # weights (relayout=False), in one layout at both batch sizes
+        variants["attnkit float32, row-major kept"] = copy.deepcopy(model)
+        variants["attnkit float32, column-major kept"] = to_decode_layout(copy.deepcopy(model), batch_size=8)
     b16 = copy.deepcopy(model).to(torch.bfloat16)
     variants["attnkit bfloat16"] = b16
     q8 = attnkit.quantize(copy.deepcopy(model), "int8")
@@ -335,7 +335,8 @@ def speculative(args, rows, results):
     for name, layers in (("target", 4), ("draft", 1)):  # d 256: the draft has 1/4 of the target's layers
         torch.manual_seed(0)
         m = DecoderLM(DecoderConfig(vocab_size=sym + 1, d_model=256, n_layers=layers, n_heads=4, max_seq_len=256))
-        saved = Path(__file__).parent / "results" / f"copy_{name}_{layers}x256_len{n}_steps{args.train_steps}.pt"
+        saved = (Path(args.out) if args.out else Path("benchmarks") / "results") / \
+            f"copy_{name}_{layers}x256_len{n}_steps{args.train_steps}.pt"  # beside the JSON results
         if saved.exists():  # trained by an earlier run of this section (same task, configuration and steps)
             m.load_state_dict(torch.load(saved))
             print(f"loaded the trained {name} from {saved.name}", flush=True)
@@ -345,7 +346,7 @@ def speculative(args, rows, results):
                               steps=args.train_steps, on_step=lambda step, loss: loss < 0.02)
             print(f"trained {name} ({sum(p.numel() for p in m.parameters()) / 1e6:.2f}M parameters) in "
                   f"{len(losses)} steps, {time.perf_counter() - t0:.0f} s, final loss {losses[-1]:.3f}", flush=True)
-            saved.parent.mkdir(exist_ok=True)
+            saved.parent.mkdir(parents=True, exist_ok=True)
             torch.save(m.state_dict(), saved)
         models[name] = m.eval()
     target, draft = models["target"], models["draft"]
@@ -381,23 +382,42 @@ def speculative(args, rows, results):
     results["speculative"] = out
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer tokens, requests and repeats")
+    ap.add_argument("--quick", action="store_true", help="fewer tokens, requests and repeats; no compiled rows "
+                                                         "unless --compile is given")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--compile", dest="compile", action="store_true", default=None,
+                    help="time the generate(compile=True) rows (the default without --quick; each compiles for "
+                         "minutes first)")
     ap.add_argument("--no-compile", dest="compile", action="store_false",
-                    help="skip the generate(compile=True) rows (they compile for ~1 minute first)")
+                    help="skip the generate(compile=True) rows")
     ap.add_argument("--only", nargs="*", default=None,
-                    help="sections to run: decode profile cache mixed quantized chunked speculative (default: all)")
+                    help="sections to run: decode profile cache mixed quantized chunked speculative (default: all; with "
+                         "--quick all but chunked and speculative)")
+    ap.add_argument("--out", metavar="DIR", default=None, help=OUT_HELP)
     args = ap.parse_args(argv)
+    if args.compile is None:
+        args.compile = not args.quick
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    try:
+        import transformers  # noqa: F401  (the model comes from transformers, and HF generate is the baseline)
+    except ImportError:
+        print("benchmarks/generate.py: skipped, its model and baseline come from transformers, which is not "
+              "installed (pip install 'attnkit[bench]')")
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
-    args.new_tokens = 64 if args.quick else 256
+    args.new_tokens = 32 if args.quick else 256
     args.repeat = 2 if args.quick else 3
-    args.budget = 30 if args.quick else 240
+    args.budget = 15 if args.quick else 240
     args.lengths = [16, 64] if args.quick else [32, 64, 128, 256]
-    args.requests = 16 if args.quick else 64
-    args.mixed_lengths = (16, 128) if args.quick else (16, 1024)
+    args.requests = 8 if args.quick else 64
+    args.mixed_lengths = (16, 64) if args.quick else (16, 1024)
     args.static_batch = 8
     args.engine_batch = 16
     args.long_prompt = 512 if args.quick else 4096
@@ -406,7 +426,10 @@ def main(argv=None) -> None:
     args.copy_length = 32
     args.copy_prompts = 2 if args.quick else 8
     args.train_steps = 5 if args.quick else 400
-    sections = set(args.only or ["decode", "profile", "cache", "mixed", "quantized", "chunked", "speculative"])
+    # (--quick leaves out the chunked-prefill and speculative sections unless --only names them: they train
+    # and prefill for minutes)
+    default = ["decode", "profile", "cache", "mixed", "quantized"] + ([] if args.quick else ["chunked", "speculative"])
+    sections = set(args.only or default)
     from attnkit.integrations.hf import from_hf
 
     hf = hf_llama()
@@ -437,7 +460,7 @@ def main(argv=None) -> None:
     print(f"generate, llama-like (58M), {PROMPT}-token prompts, greedy; {machine()}; load average "
           f"{results['load_average_start']:.1f} -> {results['load_average_end']:.1f}")
     print(table(rows, cols))
-    path = save("generate_quick" if args.quick else "generate", {"rows": rows, **results})
+    path = save("generate_quick" if args.quick else "generate", {"rows": rows, **results}, out=args.out)
     print(f"\nwrote {path}")
 
 

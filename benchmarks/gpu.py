@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import save, table  # noqa: E402
+from _common import OUT_HELP, save, table  # noqa: E402
 
 TOKENS = 16384  # B * L: every length sees the same number of query tokens
 MODEL_DIM = 2048  # H * D
@@ -302,6 +302,7 @@ def main(argv=None) -> None:
                     choices=["causal", "sliding_window", "document"])
     ap.add_argument("--budget", type=float, default=150.0,
                     help="seconds for the attention table; later shapes are skipped (kernel compiles count)")
+    ap.add_argument("--out", metavar="DIR", default=None, help=OUT_HELP)
     args = ap.parse_args(argv)
     need_gpu()
     device = torch.device("cuda")
@@ -331,7 +332,7 @@ def main(argv=None) -> None:
     print("\n" + "\n".join(lines))
     path = save("gpu", {"device": name, "torch": torch.__version__, "checks": checks, "attention": rows,
                         "decode": dec, "peak_bytes_per_s": peak, "copy_bytes_per_s": copy, "summary": lines,
-                        "seconds": time.perf_counter() - t0})
+                        "seconds": time.perf_counter() - t0}, out=args.out)
     print(f"\nwrote {path} ({time.perf_counter() - t0:.0f} s)")
 
 

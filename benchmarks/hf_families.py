@@ -20,7 +20,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import machine, save, table, timeit  # noqa: E402
+from _common import OUT_HELP, machine, save, table, timeit  # noqa: E402
 
 import attnkit  # noqa: E402
 from attnkit.integrations.hf import from_hf  # noqa: E402
@@ -53,6 +53,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, few repeats")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", metavar="DIR", default=None, help=OUT_HELP)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     width, layers, vocab = (128, 2, 256) if args.quick else (256, 4, 1000)
@@ -98,7 +99,8 @@ def main(argv=None) -> None:
           f"{prompt}-token prompt, {new} new), float32, HF attn_implementation='sdpa', {machine()}")
     print(table(rows, cols))
     print("saved", save("hf_families_quick" if args.quick else "hf_families",
-                        {"rows": rows, "width": width, "layers": layers, "batch": batch, "length": length}))
+                        {"rows": rows, "width": width, "layers": layers, "batch": batch, "length": length},
+                        out=args.out))
 
 
 if __name__ == "__main__":

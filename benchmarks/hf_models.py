@@ -16,10 +16,16 @@ import sys
 from pathlib import Path
 
 import torch
-import transformers
+
+try:
+    import transformers
+except ImportError:  # the subject of this benchmark, not a peer: nothing to measure without it
+    print("benchmarks/hf_models.py: skipped, it measures Hugging Face models and transformers is not installed "
+          "(pip install 'attnkit[bench]')")
+    sys.exit(0)
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import machine, save, table, timeit  # noqa: E402
+from _common import OUT_HELP, machine, save, table, timeit  # noqa: E402
 
 from attnkit.integrations import hf  # noqa: E402
 
@@ -40,12 +46,13 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, few repeats")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", metavar="DIR", default=None, help=OUT_HELP)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     hf.register()
     width, layers, vocab = (128, 2, 256) if args.quick else (256, 4, 1000)
     batch, length, new = (2, 128, 8) if args.quick else (4, 512, 16)
-    repeat = 3 if args.quick else 5
+    repeat = 2 if args.quick else 5
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, vocab, (batch, length), generator=g)
     am = torch.ones_like(ids)
@@ -95,7 +102,7 @@ def main(argv=None) -> None:
           f"{machine()}")
     print(table(rows, cols))
     print("saved", save("hf_models_quick" if args.quick else "hf_models", {"rows": rows, "width": width, "layers": layers, "batch": batch,
-                                       "length": length}))
+                                       "length": length}, out=args.out))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import machine, save, table, timeit  # noqa: E402
+from _common import OUT_HELP, machine, save, table, timeit  # noqa: E402
 
 import attnkit  # noqa: E402
 from attnkit.cache import StaticCache  # noqa: E402
@@ -34,6 +34,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, few repeats")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", metavar="DIR", default=None, help=OUT_HELP)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.quick:
@@ -91,7 +92,7 @@ def main(argv=None) -> None:
     print(f"greedy decode, {prompt}-token prompts, {new} new tokens (prefill included), HF attn_implementation="
           f"{hf_model.config._attn_implementation!r}")
     print(table(rows, list(rows[0])))
-    print("saved", save("mla_quick" if args.quick else "mla", {"memory": memory, "decode": rows, "dims": dims}))
+    print("saved", save("mla_quick" if args.quick else "mla", {"memory": memory, "decode": rows, "dims": dims}, out=args.out))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import machine, save, table  # noqa: E402
+from _common import OUT_HELP, machine, save, table  # noqa: E402
 
 from attnkit.cache import StaticCache  # noqa: E402
 from attnkit.nn import DecoderConfig, DecoderLM, to_decode_layout  # noqa: E402
@@ -122,20 +122,22 @@ def median_times(fns: dict, repeat: int, *, timed_inside: bool = False) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="small batch and few repeats")
+    ap.add_argument("--quick", action="store_true", help="small batch, median of 2")
     ap.add_argument("--repeat", type=int, default=None)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--out", metavar="DIR", default=None, help=OUT_HELP)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     B, L, P, N = (1, 128, 32, 8) if args.quick else (4, 256, 128, 32)
-    repeat = args.repeat or (3 if args.quick else 7)
+    repeat = args.repeat or (2 if args.quick else 7)
     cfg = DecoderConfig.preset("llama-like")
-    models = {"attnkit DecoderLM": build_attnkit(cfg), "HF Llama (sdpa)": build_hf(cfg)}
-    try:
-        models["x-transformers"] = build_xt(cfg)
-    except ImportError as e:  # the bench extra is not installed
-        print(f"x-transformers not available ({e}); skipping it")
+    models = {"attnkit DecoderLM": build_attnkit(cfg)}
+    for name, build in (("HF Llama (sdpa)", build_hf), ("x-transformers", build_xt)):
+        try:
+            models[name] = build(cfg)
+        except ImportError as e:  # the bench extra is not installed: a skipped column
+            print(f"note: {name} not available ({e}); skipped (pip install 'attnkit[bench]')")
     for m in models.values():
         m.eval()
     params = {n: sum(p.numel() for p in m.parameters()) for n, m in models.items()}
@@ -162,24 +164,28 @@ def main(argv=None) -> None:
           f"B={B}, L={L}; {machine()}")
     t_fwd = median_times({n: fwd(n, m) for n, m in models.items()}, repeat)
     t_train = median_times({n: train(n, m) for n, m in models.items()}, repeat)
+    hf = "HF Llama (sdpa)"
     dec_models = {"attnkit DecoderLM": models["attnkit DecoderLM"],
                   "attnkit DecoderLM, column-major weights": column_major(models["attnkit DecoderLM"]),
-                  "HF Llama (sdpa)": models["HF Llama (sdpa)"]}
+                  **({hf: models[hf]} if hf in models else {})}
     prompt = ids[:1, :P]
     t_dec = median_times(decode_fns(dec_models, prompt, N), repeat, timed_inside=True)
-    hf = "HF Llama (sdpa)"
+
+    def vs_hf(t, n):
+        return f"{t[hf] / t[n]:.2f}x" if hf in t else "- (no HF)"
+
     rows = []
     for n in models:
         rows.append({"model": n, "params (M)": f"{params[n] / 1e6:.1f}",
-                     "forward tok/s": f"{B * L / t_fwd[n]:,.0f}", "fwd vs HF": f"{t_fwd[hf] / t_fwd[n]:.2f}x",
-                     "fwd+bwd tok/s": f"{B * L / t_train[n]:,.0f}", "fwd+bwd vs HF": f"{t_train[hf] / t_train[n]:.2f}x"})
+                     "forward tok/s": f"{B * L / t_fwd[n]:,.0f}", "fwd vs HF": vs_hf(t_fwd, n),
+                     "fwd+bwd tok/s": f"{B * L / t_train[n]:,.0f}", "fwd+bwd vs HF": vs_hf(t_train, n)})
     print(table(rows, list(rows[0])))
     drows = [{"decoding (B=1)": n, "ms / token": f"{t_dec[n] / N * 1e3:.2f}",
-              "vs HF": f"{t_dec[hf] / t_dec[n]:.2f}x"} for n in dec_models]
+              "vs HF": vs_hf(t_dec, n)} for n in dec_models]
     print(f"\ndecoding: after a {P}-token prompt, {N} one-token forwards with a KV cache (prompt not timed)")
     print(table(drows, list(drows[0])))
     path = save("model_quick" if args.quick else "model", {"config": "llama-like", "batch": B, "length": L, "prompt": P, "new_tokens": N,
-                          "params": params, "forward_s": t_fwd, "train_s": t_train, "decode_s": t_dec})
+                          "params": params, "forward_s": t_fwd, "train_s": t_train, "decode_s": t_dec}, out=args.out)
     print(f"\nwrote {path}")
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import machine, save, table  # noqa: E402
+from _common import OUT_HELP, machine, save, table  # noqa: E402
 
 
 def _rss_mb() -> float:
@@ -98,7 +98,7 @@ def _worker(args) -> None:
     result = {name: statistics.median(x) if isinstance(x, list) else x for name, x in result.items()}
     ring._profile = None
     dist.destroy_process_group()
-    Path(args.out).write_text(json.dumps(result))
+    Path(args.worker_out).write_text(json.dumps(result))
 
 
 def _free_port() -> int:
@@ -115,7 +115,7 @@ def _launch(mode: str, world: int, layout: str, args, tmp: Path) -> list[dict]:
     env = dict(os.environ)
     if args.live_memory:  # glibc then returns every freed tensor to the OS at once: peak RSS ~ live tensors
         env["MALLOC_MMAP_THRESHOLD_"] = str(1 << 16)
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", "--rank", str(r), "--out",
+    procs = [subprocess.Popen([sys.executable, __file__, "--worker", "--rank", str(r), "--worker-out",
                                str(tmp / f"{mode}_{layout}_{world}_{r}.json"), *common], env=env)
              for r in range(world)]
     for p in procs:
@@ -141,7 +141,8 @@ def main(argv=None) -> None:
     ap.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
-    ap.add_argument("--out", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-out", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--out", metavar="DIR", default=None, help=OUT_HELP)
     args = ap.parse_args(argv)
     quick = args.quick
     args.seq_len = args.seq_len or (4096 if quick else 32768)
@@ -194,7 +195,7 @@ def main(argv=None) -> None:
     print(table(rows, columns))
     name = ("ring_quick" if quick else "ring") + ("_live_memory" if args.live_memory else "")
     path = save(name, {"seq_len": args.seq_len, "heads": args.heads,
-                                                    "head_dim": args.head_dim, "rows": rows, "raw": raw})
+                                                    "head_dim": args.head_dim, "rows": rows, "raw": raw}, out=args.out)
     print(f"\nwritten to {path}")
 
 

@@ -16,7 +16,7 @@ reported separately, and a backward that fails on CPU is reported as such.  Peer
 memory (the naive formula's L x L scores) are skipped and the table says so.
 
     python benchmarks/sparse.py            # full run (tens of minutes on 2 cores)
-    python benchmarks/sparse.py --quick    # small sizes
+    python benchmarks/sparse.py --quick    # small sizes, one FlexAttention compile (about a minute)
     python benchmarks/sparse.py --only window
     python benchmarks/sparse.py --only window --lengths 2048    # one size
     python benchmarks/sparse.py --only density --densities 0.05 0.5
@@ -41,7 +41,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 import attnkit  # noqa: E402
 from attnkit import masks  # noqa: E402
-from _common import machine, save, table  # noqa: E402
+from _common import OUT_HELP, machine, save, table  # noqa: E402
 
 B, H, D = 1, 8, 64
 NAIVE_LIMIT = 1 << 28  # score elements (B*H*L*L) above which the naive formula is skipped (1 GiB per tensor)
@@ -197,14 +197,15 @@ def window_section(lengths, repeat, notes):
             notes.add(f"FlexAttention has no backward on CPU here ({flex_bwd})")
         bw = {n: f for n, f in peers.items() if not (n == "flex" and flex_bwd)}
         tb = timeit({n: fwd_bwd(f, qg, kg, vg, go) for n, f in bw.items()}, repeat=max(1, repeat - 2), warmup=1)
-        rows.append({"L": L, "mode": "fwd", **{n: fmt(x) for n, x in t.items()},
+        skipped = {n: "skipped" for n in ("local-attention", "naive") if n not in peers}  # see the notes
+        rows.append({"L": L, "mode": "fwd", **skipped, **{n: fmt(x) for n, x in t.items()},
                      "sdpa/flash": ratio(t["sdpa+mask"], t["flash"]), "flex/flash": ratio(t["flex"], t["flash"]),
-                     "local/flash": ratio(t["local-attention"], t["flash"]),
+                     "local/flash": ratio(t.get("local-attention"), t["flash"]),
                      "flex compile s": f"{flex.compile_s:.1f}"})
-        rows.append({"L": L, "mode": "fwd+bwd", **{n: fmt(x) for n, x in tb.items()},
+        rows.append({"L": L, "mode": "fwd+bwd", **skipped, **{n: fmt(x) for n, x in tb.items()},
                      "flex": "no CPU bwd" if flex_bwd else fmt(tb.get("flex")),
                      "sdpa/flash": ratio(tb["sdpa+mask"], tb["flash"]),
-                     "local/flash": ratio(tb["local-attention"], tb["flash"])})
+                     "local/flash": ratio(tb.get("local-attention"), tb["flash"])})
         print(table(rows[-2:], list(rows[-2].keys())), flush=True)
     return rows
 
@@ -316,9 +317,10 @@ def main(argv=None) -> None:
     ap.add_argument("--only", choices=SECTIONS, action="append", help="run only these sections")
     ap.add_argument("--repeat", type=int, default=None)
     ap.add_argument("--lengths", type=int, nargs="+", default=None,
-                    help="sequence lengths of the window section (default 2048 8192 16384; --quick: 1024 2048)")
+                    help="sequence lengths of the window section (default 2048 8192 16384; --quick: 1024)")
     ap.add_argument("--densities", type=float, nargs="+", default=None,
-                    help="densities of the density section (default 0.05 0.10 0.25 0.50)")
+                    help="densities of the density section (default 0.05 0.10 0.25 0.50; --quick: 0.10 0.50)")
+    ap.add_argument("--out", metavar="DIR", default=None, help=OUT_HELP)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
@@ -331,21 +333,21 @@ def main(argv=None) -> None:
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     load_start = os.getloadavg()
     if "window" in sections:
-        lengths = args.lengths or ([1024, 2048] if quick else [2048, 8192, 16384])
+        lengths = args.lengths or ([1024] if quick else [2048, 8192, 16384])  # FlexAttention compiles per length
         results["window"] = window_section(lengths, repeat, notes)
     if "density" in sections:
-        results["density"] = density_section(2048 if quick else 8192, args.densities or [0.05, 0.10, 0.25, 0.50],
-                                             repeat, notes)
+        densities = args.densities or ([0.10, 0.50] if quick else [0.05, 0.10, 0.25, 0.50])
+        results["density"] = density_section(2048 if quick else 8192, densities, repeat, notes)
     if "document" in sections:
-        results["document"] = document_section(4096 if quick else 16384, repeat, notes)
+        results["document"] = document_section(2048 if quick else 16384, repeat, notes)
     if "causal" in sections:
         results["causal"] = causal_section([1024] if quick else [2048, 8192], repeat, notes)
     if "memory" in sections:
-        results["memory"] = memory_section(16384 if quick else 65536, args.threads, notes)
+        results["memory"] = memory_section(8192 if quick else 65536, args.threads, notes)
     notes.add(f"load average (1/5/15 min) {load_start} at the start, {os.getloadavg()} at the end")
     for n in sorted(notes):
         print("note:", n)
-    path = save("sparse_quick" if quick else "sparse", {"results": results, "notes": sorted(notes)})
+    path = save("sparse_quick" if quick else "sparse", {"results": results, "notes": sorted(notes)}, out=args.out)
     print(f"wrote {path}")
 
 

@@ -2,9 +2,9 @@
 
 One sequence of L tokens is split over the W processes of a torchrun launch (zigzag layout: every rank
 holds L/W tokens and the same share of the causal work).  The layer is a ``DecoderLM`` layer (RMSNorm,
-RoPE, grouped-query causal attention, SwiGLU); its attention module computes through ``_attend``, which
-this script replaces by :func:`attnkit.distributed.ring_attention`.  Nothing else changes: RoPE rotates
-each token at its global position, and every other part of the layer is per-token.
+RoPE, grouped-query causal attention, SwiGLU); inside :func:`attnkit.distributed.ring_context` its attention
+runs as :func:`attnkit.distributed.ring_attention`.  Nothing else changes: RoPE rotates each token at its
+global position, and every other part of the layer is per-token.
 
 Each rank prints its time and the peak memory the step added; rank 0 then runs the same layer on the
 whole sequence in one fresh process and prints the comparison.  ``--check`` (small sizes) also checks
@@ -28,7 +28,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from attnkit.distributed import ring_attention, shard, unshard
+from attnkit.distributed import ring_context, shard, unshard
 from attnkit.nn import DecoderConfig, DecoderLM
 
 
@@ -50,15 +50,6 @@ def build_layer(args) -> torch.nn.Module:
                         n_kv_heads=args.kv_heads, max_seq_len=args.seq_len)
     layer = DecoderLM(cfg).layers[0]
     return layer.double() if args.check else layer
-
-
-def use_ring_attention(attn, layout: str) -> None:
-    """Make a MultiHeadAttention compute over the sequence sharded across the default process group."""
-    def _attend(q, k, v, *, mask, bias, scale, softcap, dropout_p):
-        if dropout_p:
-            raise ValueError("ring attention has no attention dropout: set dropout=0 or call model.eval()")
-        return ring_attention(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, layout=layout)
-    attn._attend = _attend  # per instance: other modules keep the single-process attention
 
 
 def inputs(args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,17 +95,17 @@ def distributed(args) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     layer = build_layer(args)
-    use_ring_attention(layer.attn, args.layout)
-    warm_up(layer, args, world, args.layout)
-    base = rss_mb()
-    x, grad_out = inputs(args)
-    x_local, g_local = shard(x, dim=1, layout=args.layout), shard(grad_out, dim=1, layout=args.layout)
-    positions = shard(torch.arange(args.seq_len), dim=0, layout=args.layout)  # this rank's global positions
-    del x, grad_out  # a real run would load only its own tokens
-    dist.barrier()
-    t0 = time.perf_counter()
-    out, dx = step(layer, x_local, g_local, positions)
-    dist.barrier()
+    with ring_context(layer, layout=args.layout) as ring:  # the layer's attention runs over all ranks' shards
+        warm_up(layer, args, world, args.layout)
+        base = rss_mb()
+        x, grad_out = inputs(args)
+        x_local, g_local = shard(x, dim=1, layout=args.layout), shard(grad_out, dim=1, layout=args.layout)
+        positions = ring.positions(x_local.shape[1])  # this rank's tokens' global positions (for RoPE)
+        del x, grad_out  # a real run would load only its own tokens
+        dist.barrier()
+        t0 = time.perf_counter()
+        out, dx = step(layer, x_local, g_local, positions)
+        dist.barrier()
     mine = {"rank": rank, "tokens": x_local.shape[1], "s": time.perf_counter() - t0, "peak_mb": peak_mb() - base}
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)

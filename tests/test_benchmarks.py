@@ -14,3 +14,79 @@ def test_generate_benchmark_mixed_section_runs():
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Engine (paged)" in proc.stdout
+
+
+def _load(name: str):
+    """benchmarks/NAME.py as a module (its folder on sys.path for _common, as when it runs as a script)."""
+    import importlib.util
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location(f"_bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return module
+
+
+def _run_without(script: str, hidden: list[str], *args: str) -> subprocess.CompletedProcess:
+    """Run benchmarks/SCRIPT as a script where the modules ``hidden`` cannot be imported."""
+    code = (f"import runpy, sys\nfor m in {hidden!r}: sys.modules[m] = None\n"
+            f"sys.argv = [{str(ROOT / 'benchmarks' / script)!r}, *{list(args)!r}]\n"
+            f"runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+
+def test_sparse_window_section_without_local_attention_is_a_skipped_column(monkeypatch):
+    """A missing optional peer crashed the table with a KeyError after the first length."""
+    import torch
+    import torch.nn.functional as F
+
+    sparse = _load("sparse")
+    monkeypatch.setattr(sparse, "local_attention_peer", lambda window: None)  # as without the bench extra
+
+    class NoCompileFlex:  # the table's FlexAttention column without minutes of torch.compile
+        compile_s = 0.0
+
+        def __init__(self, mask_mod, L):
+            self.allowed = sparse.masks.sliding_window(256).to_dense(L, L)
+
+        def __call__(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.allowed)
+
+    monkeypatch.setattr(sparse, "Flex", NoCompileFlex)
+    notes = set()
+    torch.manual_seed(0)
+    rows = sparse.window_section([64, 96], 1, notes)
+    assert [r["mode"] for r in rows] == ["fwd", "fwd+bwd"] * 2
+    assert all(r["local-attention"] == "skipped" and r["local/flash"] == "-" for r in rows)
+    assert any("local-attention is not installed" in n for n in notes)
+
+
+def test_benchmarks_that_need_transformers_skip_without_it():
+    for script in ("hf_models.py", "generate.py"):
+        proc = _run_without(script, ["transformers"], "--quick", "--out", "/nonexistent/never-written")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "skipped" in proc.stdout and "attnkit[bench]" in proc.stdout, proc.stdout
+
+
+def test_generate_quick_compiles_nothing_unless_asked():
+    """--quick compiled two models (minutes each): quick means no compiled rows unless --compile is given."""
+    generate = _load("generate")
+    assert generate.parse_args(["--quick"]).compile is False
+    assert generate.parse_args(["--quick", "--compile"]).compile is True
+    assert generate.parse_args([]).compile is True
+    assert generate.parse_args(["--no-compile"]).compile is False
+
+
+def test_results_go_under_the_current_directory_or_out(tmp_path, monkeypatch):
+    from attnkit.cli import _takes_option
+
+    common = _load("_common")
+    monkeypatch.chdir(tmp_path)
+    path = common.save("probe", {"x": 1})
+    assert path.resolve() == (tmp_path / "benchmarks" / "results" / "probe.json").resolve()
+    assert common.save("probe", {}, out=tmp_path / "mine").parent == tmp_path / "mine"
+    for script in sorted((ROOT / "benchmarks").glob("[!_]*.py")):  # each takes --out for `attnkit bench --out`
+        assert _takes_option(script.read_text(), "--out"), script.name

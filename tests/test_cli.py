@@ -436,3 +436,123 @@ def test_demo_circuit_claim_uses_each_roles_baseline_and_an_untrained_model_fail
     recall, previous_head, recall_ok, previous_ok = _circuit(trained, before, pair, prev)
     assert recall[:2] == ("layers.1.attn", 2) and previous_head[:2] == ("layers.0.attn", 0)
     assert recall_ok and previous_ok
+
+
+# ------------------------------------------------------------- optional dependencies, --version, bench --out
+
+
+def _hide(monkeypatch, *modules):
+    """Make ``import NAME`` fail as it does where NAME is not installed."""
+    for name in modules:
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+@pytest.mark.parametrize("hidden", [("rich",), ("matplotlib",), ("rich", "matplotlib")])
+def test_demo_without_its_optional_dependencies_is_one_line_before_any_work(capsys, monkeypatch, tmp_path, hidden):
+    _hide(monkeypatch, *hidden)
+    line = assert_usage_error(capsys, "demo", "--quick", "--out", str(tmp_path / "demo"),
+                              match="pip install 'attnkit[demo]'")
+    assert all(name in line for name in hidden)
+    assert not (tmp_path / "demo").exists()  # nothing was started
+
+
+def test_doctor_plot_without_matplotlib_is_one_line_before_any_work(capsys, monkeypatch, tmp_path):
+    import attnkit.diagnostics
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the doctor ran before the missing dependency was reported")
+
+    monkeypatch.setattr(attnkit.diagnostics, "doctor", no_work)
+    _hide(monkeypatch, "matplotlib")
+    assert_usage_error(capsys, "doctor", "--example", "uniform", "--plot", str(tmp_path / "p"),
+                       match="attnkit doctor --plot needs matplotlib, which is not installed: pip install "
+                             "'attnkit[plot]'")
+    assert not (tmp_path / "p").exists()
+
+
+def test_version(capsys):
+    import attnkit
+
+    code, out, err = run(capsys, "--version")
+    assert code == 0 and out.strip() == f"attnkit {attnkit.__version__}" and err == ""
+
+
+def test_bench_writes_results_under_the_current_directory_or_out(capfd, tmp_path, monkeypatch):
+    bench = tmp_path / "checkout" / "benchmarks"
+    bench.mkdir(parents=True)
+    (bench / "writes.py").write_text(
+        "import argparse, pathlib\n"
+        "ap = argparse.ArgumentParser(); ap.add_argument('--quick', action='store_true'); ap.add_argument('--out')\n"
+        "a = ap.parse_args(); p = pathlib.Path(a.out); p.mkdir(parents=True, exist_ok=True)\n"
+        "(p / 'writes.json').write_text('{}')\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main(["bench", "--quick", "--dir", str(bench)]) == 0
+    assert (elsewhere / "benchmarks" / "results" / "writes.json").is_file()
+    assert main(["bench", "--dir", str(bench), "--out", "mine"]) == 0
+    assert (elsewhere / "mine" / "writes.json").is_file()
+    assert [p.name for p in bench.iterdir()] == ["writes.py"]  # nothing written next to the scripts
+    capfd.readouterr()
+
+
+# -------------------------------------------------------------------------------------- packaging
+
+
+def test_import_attnkit_stays_light():
+    """Reading torch._dynamo's config at import cost ~2 s over `import torch`: nothing heavy at import."""
+    code = ("import sys, attnkit\n"
+            "heavy = ['torch._dynamo', 'torch._inductor', 'sympy', 'triton', 'transformers', 'matplotlib', 'rich']\n"
+            "print([m for m in heavy if m in sys.modules])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "[]", r.stdout
+
+
+def test_the_wheel_ships_types_and_builds_without_warnings(tmp_path):
+    """py.typed (so type checkers read the annotations), no numpy requirement (nothing imports it), an SPDX
+    license string (the table form is deprecated in setuptools), the version from attnkit.__version__."""
+    import zipfile
+
+    import attnkit
+
+    import shutil
+
+    pytest.importorskip("setuptools")
+    source = tmp_path / "source"  # a copy: building leaves build/ and an egg-info behind
+    shutil.copytree(ROOT / "src", source / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                        str(source), "-w", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    log = r.stdout + r.stderr
+    assert "Warning" not in log and "deprecated" not in log, log[-3000:]
+    (wheel,) = tmp_path.glob("attnkit-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        assert "attnkit/py.typed" in z.namelist()
+        meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    assert f"Version: {attnkit.__version__}" in meta and "License-Expression: MIT" in meta
+    requires = [ln for ln in meta.splitlines() if ln.startswith("Requires-Dist:") and "extra ==" not in ln]
+    assert requires == ["Requires-Dist: torch>=2.5"], requires
+    assert "Provides-Extra: demo" in meta
+
+
+def test_doctor_on_a_saved_hugging_face_model_running_attnkit_attention(capsys, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from attnkit.integrations import hf
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    hf.register()
+    model.set_attn_implementation("attnkit")
+    torch.save(model, tmp_path / "hf.pt")
+    code, out, err = run(capsys, "doctor", "--model", str(tmp_path / "hf.pt"), "--seq-len", "8")
+    assert code == 0, err
+    assert "model.layers.0.self_attn" in out and "model.layers.1.self_attn" in out
+    model.set_attn_implementation("eager")
+    torch.save(model, tmp_path / "eager.pt")
+    assert_usage_error(capsys, "doctor", "--model", str(tmp_path / "eager.pt"), "--seq-len", "8",
+                       match="attnkit.integrations.hf.from_hf(model)")

@@ -11,8 +11,9 @@ Subcommands (each takes ``--help``)::
     attnkit doctor [--example NAME] [--plot DIR]  # the attention doctor on models that show each symptom
     attnkit doctor --model FILE.pt          # ... or on your own model
     attnkit demo [--quick]                  # the library at work (what make demo runs)
-    attnkit bench [--quick]                 # run the benchmark scripts in benchmarks/
+    attnkit bench [--quick] [--out DIR]     # run the benchmark scripts in benchmarks/
     attnkit distill [--window W] [--out FILE.pt]  # distil a recall model into a smaller or sliding-window student
+    attnkit --version
 
 Bad arguments, missing or malformed files and inputs of the wrong shape print one line on stderr and exit
 with code 2.
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib
 import inspect
 import json
 import math
@@ -61,6 +63,22 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):  # noqa: D102 (argparse API)
         raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def _require(modules: Sequence[str], *, extra: str, needed_by: str) -> None:
+    """Raise a UsageError naming the install command unless every one of ``modules`` imports.
+
+    Checked before any work, so that a missing optional dependency is one line and exit code 2, not a
+    traceback after minutes of computing."""
+    missing = []
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        raise UsageError(f"{needed_by} needs {' and '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
+                         f"not installed: pip install 'attnkit[{extra}]' (or pip install {' '.join(missing)})")
 
 
 # ----------------------------------------------------------------------------------- explain
@@ -325,6 +343,10 @@ def _model_run(args):
     import torch
 
     model = _load_model(args.model)
+    if getattr(getattr(model, "config", None), "_attn_implementation", None) == "attnkit":
+        from .integrations import hf  # a Hugging Face model saved running attnkit attention: the name must exist
+
+        hf.register()
     embedding = _first_embedding(model)
     config_vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     vocab = config_vocab or args.vocab
@@ -347,10 +369,13 @@ def _model_run(args):
 
 
 def _check_outputs(args) -> None:
-    """Refuse, before any work, a --plot that is a file or a --markdown that is a directory."""
+    """Refuse, before any work, a --plot that is a file or a --markdown that is a directory, and a --plot
+    without matplotlib."""
     if args.plot is not None and Path(args.plot).exists() and not Path(args.plot).is_dir():
         raise UsageError(f"attnkit doctor: --plot {args.plot}: is a file, not a directory (heatmaps are written "
                          f"into the directory DIR)")
+    if args.plot is not None:
+        _require(["matplotlib"], extra="plot", needed_by="attnkit doctor --plot")
     if args.markdown is not None and Path(args.markdown).is_dir():
         raise UsageError(f"attnkit doctor: --markdown {args.markdown}: is a directory; give a file name such as "
                          f"{Path(args.markdown) / 'doctor.md'}")
@@ -414,6 +439,7 @@ def _cmd_doctor(args) -> int:
 def _cmd_demo(args) -> int:
     from ._demo import run
 
+    _require(["rich", "matplotlib"], extra="demo", needed_by="attnkit demo")
     return run(args.out, quick=args.quick, seed=args.seed, threads=args.threads)
 
 
@@ -426,6 +452,11 @@ def _default_bench_dir() -> Path | None:
         if candidate.is_dir():
             return candidate
     return None
+
+
+def _takes_option(script_text: str, option: str) -> bool:
+    """Whether a benchmark script's source names ``option`` as a quoted string (its argparse option)."""
+    return re.search(rf"""["']{re.escape(option)}["']""", script_text) is not None
 
 
 def _cmd_bench(args) -> int:
@@ -443,16 +474,22 @@ def _cmd_bench(args) -> int:
         scripts = [p for p in scripts if p.stem in wanted]
     if not scripts:
         raise UsageError(f"attnkit bench: {folder} holds no benchmark scripts")
+    out = Path(args.out or Path("benchmarks") / "results").resolve()  # under the current directory by default
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"attnkit bench: --out {args.out}: is a file, not a directory (results are written into "
+                         f"the directory DIR)")
     failures = 0
     for script in scripts:
-        quick_ok = re.search(r"""["']--quick["']""", script.read_text(encoding="utf-8", errors="replace"))
-        if args.quick and not quick_ok:
+        text = script.read_text(encoding="utf-8", errors="replace")
+        if args.quick and not _takes_option(text, "--quick"):
             print(f"== {script.name}: skipped (it has no --quick option)\n", flush=True)
             continue
         cmd = [sys.executable, str(script)] + (["--quick"] if args.quick else [])
+        if _takes_option(text, "--out"):
+            cmd += ["--out", str(out)]
         print(f"== {script.name}: {' '.join(cmd[1:])}", flush=True)
         try:
-            rc = subprocess.run(cmd, cwd=folder.parent, timeout=args.timeout).returncode
+            rc = subprocess.run(cmd, timeout=args.timeout).returncode
         except subprocess.TimeoutExpired:
             print(f"== {script.name}: stopped after {args.timeout} s", flush=True)
             rc = 1
@@ -580,8 +617,11 @@ def _nonnegative(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``attnkit`` command (every subcommand has ``--help``)."""
+    from . import __version__
+
     p = _Parser(prog="attnkit", description="attnkit: attention from the textbook to production.",
                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"attnkit {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     e = sub.add_parser("explain", help="the four steps of attention worked by hand; check hand computations",
@@ -660,9 +700,12 @@ def build_parser() -> argparse.ArgumentParser:
     dm.set_defaults(func=_cmd_demo)
 
     b = sub.add_parser("bench", help="run the benchmark scripts in benchmarks/ and print their tables",
-                       description="Runs every benchmarks/*.py (with --quick: at a small size; scripts without "
-                                   "--quick are skipped). Exit code 1 if a script fails.")
+                       description="Runs every benchmarks/*.py (with --quick: at a small size, a few minutes in "
+                                   "all; scripts without --quick are skipped) and writes their JSON results into "
+                                   "--out. Exit code 1 if a script fails.")
     b.add_argument("--quick", action="store_true", help="small sizes, a few repeats")
+    b.add_argument("--out", metavar="DIR", help="folder for the JSON results (default: benchmarks/results under the "
+                                                "current directory)")
     b.add_argument("--only", metavar="NAMES", help="comma-separated script names, e.g. dense,model")
     b.add_argument("--dir", metavar="PATH", help="the benchmarks folder (default: ./benchmarks)")
     b.add_argument("--timeout", type=_positive, default=1800, help="seconds per script (default 1800)")

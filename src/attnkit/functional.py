@@ -23,6 +23,10 @@ __all__ = ["attention", "attention_weights"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
+# Callables ``observe(q, k, v, mask=, bias=, scale=, softcap=, out=)`` told of every attention() call's result;
+# attnkit.diagnostics.probe adds one while it runs (so it sees models that call attention() themselves).
+_OBSERVERS: list = []
+
 
 # ------------------------------------------------------------------- input checks
 
@@ -333,9 +337,15 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, scale: f
         raise TypeError(f"backend must be a string, got {type(backend).__name__}")
     chosen = _backends.select(call, backend)
     if _is_empty(call):
-        return _empty_result(call)
-    _warn_if_nothing_visible(call)
-    return chosen.run(call)
+        result = _empty_result(call)
+    else:
+        _warn_if_nothing_visible(call)
+        result = chosen.run(call)
+    if _OBSERVERS:
+        out = result[0] if return_lse else result
+        for observe in tuple(_OBSERVERS):
+            observe(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, out=out)
+    return result
 
 
 def attention_weights(q: Tensor, k: Tensor, v: Tensor | None = None, *, mask=None, bias=None,

@@ -376,15 +376,17 @@ def _compiled_step(model):
     compiled = entry[1]
 
     def step(ids, **kw):
-        with torch._inductor.config.patch(freezing=True), torch._dynamo.config.patch(**_RECOMPILES):
+        with torch._inductor.config.patch(freezing=True), torch._dynamo.config.patch(**_recompile_limit()):
             return compiled(model, ids, **kw)
     return step
 
 
-# each batch size takes two graphs, and dynamo's default limit of 8 per function would send the fifth back
-# to eager steps (the name changed in PyTorch 2.6)
-_RECOMPILES = ({"recompile_limit": 64} if hasattr(torch._dynamo.config, "recompile_limit")
-               else {"cache_size_limit": 64})
+def _recompile_limit() -> dict:
+    """Dynamo's setting for 64 graphs per function: each batch size takes two graphs, and the default limit of 8
+    would send the fifth back to eager steps (the name changed in PyTorch 2.6).  Read when a step is compiled,
+    not at import: reading ``torch._dynamo.config`` imports dynamo, which takes seconds."""
+    config = torch._dynamo.config
+    return {"recompile_limit": 64} if hasattr(config, "recompile_limit") else {"cache_size_limit": 64}
 
 
 def _check_shiftable(model) -> None:

@@ -182,7 +182,7 @@ class _NoAttention(nn.Module):
 
 @pytest.mark.parametrize("call, error, match", [
     (lambda: doctor("model", torch.zeros(1)), TypeError, "torch.nn.Module"),
-    (lambda: doctor(_NoAttention(), torch.zeros(1)), ValueError, "no attnkit attention layers"),
+    (lambda: doctor(_NoAttention(), torch.zeros(1)), ValueError, "computed no attention through attnkit"),
     (lambda: doctor(example("healthy")[0], example("healthy")[1], loss_fn=lambda o, b: o), TypeError, "scalar"),
     (lambda: doctor(example("healthy")[0], example("healthy")[1], loss_fn=3), TypeError, "callable"),
     (lambda: Thresholds(sharp_heads=0.0), ValueError, "sharp_heads"),
@@ -366,3 +366,112 @@ def test_a_saturated_head_counts_toward_a_sharp_layer():
         HeadStats("l", h, 0.1, 0.95, 0.0, 5.0, None, 5) for h in (1, 2, 3)]
     findings, _ = _diagnose(stats, t, None)
     assert [(f.kind, f.heads) for f in findings] == [("sharp", [0, 1, 2, 3])]
+
+
+# -------------------------------------------------- models whose attention goes through attnkit.attention
+
+
+class _DirectAttention(nn.Module):
+    """A causal self-attention layer of one's own that calls attnkit.attention itself."""
+
+    def __init__(self, d_model=32, n_heads=4, scale=None):
+        super().__init__()
+        self.n_heads, self.scale = n_heads, scale
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.out = nn.Linear(d_model, d_model)
+        self.seen = []  # (q, k, v) of each call, to compare the doctor's weights with
+
+    def forward(self, x):  # (B, L, E)
+        import attnkit
+
+        B, L, E = x.shape
+        q, k, v = self.qkv(x).view(B, L, 3, self.n_heads, E // self.n_heads).permute(2, 0, 3, 1, 4)  # (B, H, L, d)
+        self.seen.append((q.detach(), k.detach(), v.detach()))
+        o = attnkit.attention(q, k, v, mask=masks.causal(), scale=self.scale)  # (B, H, L, d)
+        return self.out(o.transpose(1, 2).reshape(B, L, E))
+
+
+class _DirectModel(nn.Module):
+    def __init__(self, scale_second=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(50, 32)
+        self.layers = nn.ModuleList([_DirectAttention(), _DirectAttention(scale=scale_second)])
+        self.head = nn.Linear(32, 50)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x)
+
+
+def test_doctor_sees_a_model_that_calls_attnkit_attention_itself():
+    model = _DirectModel(scale_second=40.0)  # the second layer's scores are far too large
+    ids = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(1))
+    report = doctor(model, ids)
+    assert sorted({s.layer for s in report.heads}) == ["layers.0", "layers.1"]
+    assert [f.layer for f in report.findings if f.kind == "saturated"] == ["layers.1"]
+    assert all(s.grad_norm is not None and s.grad_norm > 0 for s in report.heads if s.layer == "layers.0")
+    import attnkit
+    q, k, v = model.layers[0].seen[-1]
+    expected = attnkit.attention_weights(q, k, v, mask=masks.causal())[0]
+    torch.testing.assert_close(report.weights["layers.0"], expected.float(), atol=1e-6, rtol=0)
+    assert model.training  # left as it was
+
+
+def test_probe_counts_a_call_inside_an_attnkit_module_once():
+    from attnkit.diagnostics import probe
+
+    mha = MultiHeadAttention(16, 2, mask=masks.causal())
+    with probe(mha) as p:
+        mha(torch.randn(1, 5, 16))
+    assert len(p.layers[""].calls) == 1
+    import attnkit.functional
+    assert attnkit.functional._OBSERVERS == []  # removed on exit
+
+
+def test_probe_ignores_attention_calls_outside_the_model():
+    import attnkit
+    from attnkit.diagnostics import probe
+
+    model = _DirectModel()
+    x = torch.randn(1, 2, 4, 8)
+    with probe(model) as p:
+        attnkit.attention(x, x, x)  # not the model's
+    assert p.layers == {}
+    with pytest.raises(ValueError, match="computed no attention through attnkit"):
+        doctor(_NoAttention(), torch.zeros(1))
+
+
+def _tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def test_doctor_diagnoses_a_hugging_face_model_running_attnkit_attention():
+    from attnkit.integrations import hf
+
+    model = _tiny_llama()
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(0))
+    hf.register()
+    model.set_attn_implementation("attnkit")
+    report = doctor(model, ids)  # the default loss reads the output's logits: next-token cross-entropy
+    assert [s.layer for s in report.heads] == ["model.layers.0.self_attn"] * 4 + ["model.layers.1.self_attn"] * 4
+    converted = hf.from_hf(model)  # the same weights as an attnkit.nn model: the same statistics
+    ref = doctor(converted, ids)
+    for a, b in zip(report.heads, ref.heads):
+        assert a.head == b.head and a.rows == b.rows
+        assert math.isclose(a.entropy, b.entropy, rel_tol=1e-4) and math.isclose(a.max_weight, b.max_weight,
+                                                                                  rel_tol=1e-4)
+        assert math.isclose(a.grad_norm, b.grad_norm, rel_tol=1e-3)
+
+
+def test_doctor_on_a_hugging_face_model_without_attnkit_attention_names_from_hf():
+    model = _tiny_llama()
+    model.set_attn_implementation("eager")
+    with pytest.raises(ValueError, match=r"attnkit\.integrations\.hf\.from_hf\(model\)"):
+        doctor(model, torch.randint(0, 64, (1, 6)), loss_fn=lambda out, ids: out.logits.sum())

@@ -331,13 +331,56 @@ def test_from_torch_is_identical(batch_first, kind, masking):
         am = None
     t_in = (x, key, value) if batch_first else (x.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1))
     expected, t_w = tm(*t_in, key_padding_mask=kpm, attn_mask=am, need_weights=True)
-    if not batch_first:
-        expected = expected.transpose(0, 1)
-    mask = torch_masks_to_ours(kpm, am, B, H)
-    context = None if kind == "self" else ((key, value) if kind == "kdim_vdim" else key)
-    out, w = ours(x, context, mask=mask, need_weights=True)
+    # the converted module takes the source module's layout, and torch's padding mask as it is
+    context = None if kind == "self" else ((t_in[1], t_in[2]) if kind == "kdim_vdim" else t_in[1])
+    out, w = ours(t_in[0], context, mask=torch_masks_to_ours(None, am, B, H), key_padding_mask=kpm,
+                  need_weights=True)
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-10)
     torch.testing.assert_close(w.mean(1), t_w, rtol=0, atol=1e-10)
+    # a batch-first module, and the padding mask converted once to an attnkit mask
+    bf = MultiHeadAttention.from_torch(tm, batch_first=True)
+    context = None if kind == "self" else ((key, value) if kind == "kdim_vdim" else key)
+    out = bf(x, context, mask=torch_masks_to_ours(kpm, am, B, H))
+    torch.testing.assert_close(out, expected if batch_first else expected.transpose(0, 1), rtol=0, atol=1e-10)
+
+
+def test_from_torch_of_a_sequence_first_module_takes_its_inputs():
+    """torch's default layout is (L, B, E): the converted module must not read it as (B, L, E)."""
+    torch.manual_seed(0)
+    tm = torch.nn.MultiheadAttention(16, 4).eval()  # batch_first=False
+    x = torch.randn(7, 3, 16)  # (L, B, E)
+    ours = MultiHeadAttention.from_torch(tm)
+    assert not ours.batch_first and "batch_first=False" in repr(ours)
+    torch.testing.assert_close(ours(x), tm(x, x, x)[0], rtol=0, atol=1e-6)
+    ctx = torch.randn(4, 3, 16)  # (S, B, E)
+    out, w = ours(x, ctx, need_weights=True)
+    expected, t_w = tm(x, ctx, ctx)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(w.mean(1), t_w, rtol=0, atol=1e-6)  # weights stay (B, H, L, S)
+    with pytest.raises(ValueError, match=r"\(L, B, d_model=16\) \(batch_first=False\)"):
+        ours(torch.randn(7, 3, 8))
+
+
+def test_torch_key_padding_mask_is_taken_in_torchs_convention():
+    torch.manual_seed(0)
+    tm = torch.nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    ours = MultiHeadAttention.from_torch(tm)
+    x = torch.randn(2, 6, 16)
+    pad = torch.tensor([[False] * 6, [False] * 4 + [True] * 2])  # True = ignore (torch)
+    expected = tm(x, x, x, key_padding_mask=pad)[0]
+    torch.testing.assert_close(ours(x, key_padding_mask=pad), expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ours(x, mask=masks.key_padding(~pad)), expected, rtol=0, atol=1e-6)
+    causal = ours(x, mask=masks.causal(), key_padding_mask=pad)  # AND-ed with the other masks
+    am = torch.ones(6, 6, dtype=torch.bool).triu(1)
+    torch.testing.assert_close(causal, tm(x, x, x, key_padding_mask=pad, attn_mask=am)[0], rtol=0, atol=1e-6)
+    with pytest.raises(TypeError, match="key_padding_mask must be a bool tensor"):
+        ours(x, key_padding_mask=pad.float())
+    with pytest.raises(ValueError, match=r"key_padding_mask must have shape \(B, Lk\)"):
+        ours(x, key_padding_mask=pad[:, None, None, :])
+    with pytest.raises(TypeError, match="batch_first must be"):
+        MultiHeadAttention.from_torch(tm, batch_first="no")
+    with pytest.raises(TypeError, match="batch_first must be True or False"):
+        MultiHeadAttention(16, 4, batch_first=0)
 
 
 def test_from_torch_rejects_what_it_cannot_express():

@@ -22,7 +22,7 @@ def _seen_keys(call: Call, b: Tensor, h: Tensor, qi: Tensor, ki: Tensor) -> Tens
     while allowed.dim() < 5:
         allowed = allowed.unsqueeze(0)
     seen = allowed.any(dim=-2).any(dim=2, keepdim=True)  # (B|1, Hkv|1, 1, Lk)
-    if torch.compiler.is_compiling():  # (no Python bool from tensor data in a graph)
+    if torch.compiler.is_compiling() or seen.device.type == "meta":  # (no Python bool from tensor data)
         return seen
     return None if bool(seen.all()) else seen
 

@@ -186,7 +186,7 @@ def run(call: Call):
         # garbage) must not reach the rows: the call is made without them (traced: always; else when the
         # output is not finite)
         hides = call.mask is not None and call.q_len < call.kv_len
-        traced = torch.compiler.is_compiling()
+        traced = torch.compiler.is_compiling() or q.device.type == "meta"  # (no Python bool from tensor data)
         out = None if hides and traced else plain(k, v, bias)
         if hides and (out is None or not bool(torch.isfinite(out.detach()).all())):
             n = call.q_len
@@ -213,7 +213,7 @@ def run(call: Call):
     # inf in a key no query may see (padding garbage) reaches every row it shares a call with, also the
     # empty rows computed against every key.  Such a row's output is then not finite: only then is the call
     # made again with those keys zeroed (a check of the output, not a pass over the keys and values)
-    if hidden is not None and not traced and not bool(torch.isfinite(out.detach()).all()):
+    if hidden is not None and not traced and q.device.type != "meta" and not bool(torch.isfinite(out.detach()).all()):
         k, v = _without_hidden(k, v, hidden)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p,
                                              scale=scale, enable_gqa=gqa)

@@ -443,13 +443,21 @@ def _run(model: nn.Module, batch):
     return model(batch)
 
 
+def _main_output(output):
+    """The model's main output: the first of a tuple, a Hugging Face output's ``logits``, or the output."""
+    if isinstance(output, (tuple, list)):
+        return output[0] if output else None
+    logits = getattr(output, "logits", None)  # transformers' ModelOutput (a dict with attributes)
+    return logits if isinstance(logits, Tensor) else output
+
+
 def _output_tensor(output) -> Tensor | None:
-    out = output[0] if isinstance(output, (tuple, list)) and output else output
+    out = _main_output(output)
     return out if isinstance(out, Tensor) and out.is_floating_point() else None
 
 
 def _default_loss(output, batch) -> Tensor:
-    out = output[0] if isinstance(output, (tuple, list)) else output
+    out = _main_output(output)
     if not isinstance(out, Tensor):
         raise TypeError(f"the model returned {type(output).__name__}; pass loss_fn(output, batch) -> scalar tensor")
     if (isinstance(batch, Tensor) and batch.dtype == torch.long and out.dim() == 3 and batch.dim() == 2
@@ -459,15 +467,34 @@ def _default_loss(output, batch) -> Tensor:
     return 0.5 * out.float().pow(2).mean()
 
 
+def _nothing_seen(model: nn.Module) -> str:
+    """Why the doctor saw no attention in ``model``, and how to make its attention go through attnkit."""
+    if attention_modules(model):
+        return "the model ran but none of its attention layers was called on this batch"
+    text = (f"{type(model).__name__} computed no attention through attnkit on this batch: the doctor sees the "
+            f"attention modules of attnkit.nn and every call of attnkit.attention made while the model runs")
+    if type(model).__module__.startswith("transformers."):
+        implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        text += (f"; this Hugging Face model runs attn_implementation={implementation!r}: convert it with "
+                 f"attnkit.integrations.hf.from_hf(model), or call attnkit.integrations.hf.register() and "
+                 f"model.set_attn_implementation('attnkit')")
+    return text
+
+
 def doctor(model: nn.Module, batch, loss_fn: Callable | None = None, *, thresholds: Thresholds | None = None,
            max_elements: int = 1 << 22) -> Report:
     """Examine every attnkit attention layer of ``model`` on ``batch`` and name what looks wrong.
 
+    The layers are those :func:`~attnkit.diagnostics.probe` sees: the attention modules of :mod:`attnkit.nn`
+    and every module that calls :func:`attnkit.attention` in its forward (a Hugging Face model with
+    ``attn_implementation="attnkit"`` included).  A model whose attention does not go through attnkit at all
+    is refused (a ``ValueError`` saying how to route it, e.g. ``attnkit.integrations.hf.from_hf``).
+
     Runs ``model(batch)`` (``model(*batch)`` for a tuple, ``model(**batch)`` for a dict) in eval mode under
     :func:`~attnkit.diagnostics.probe`, then the gradient of the loss with respect to every attention
     output (parameters' ``.grad`` are not touched).  The loss is ``loss_fn(output, batch)``; by default
-    next-token cross-entropy when ``batch`` is token ids ``(B, L)`` and the output logits ``(B, L, V)``,
-    else ``0.5 * mean(output**2)``.
+    next-token cross-entropy when ``batch`` is token ids ``(B, L)`` and the output logits ``(B, L, V)`` (the
+    first of a tuple, or ``output.logits`` of a Hugging Face model), else ``0.5 * mean(output**2)``.
 
     Returns:
         A :class:`Report`: per layer and head the normalised entropy, mean largest weight, share of
@@ -491,9 +518,6 @@ def doctor(model: nn.Module, batch, loss_fn: Callable | None = None, *, threshol
     thresholds = Thresholds() if thresholds is None else thresholds
     if not isinstance(thresholds, Thresholds):
         raise TypeError(f"thresholds must be a Thresholds, got {type(thresholds).__name__}")
-    if not attention_modules(model):
-        raise ValueError(f"{type(model).__name__} has no attnkit attention layers: the doctor inspects models "
-                         f"built from attnkit.nn (modules that compute attention through _attend)")
     was_training = model.training
     model.eval()
     try:
@@ -519,7 +543,7 @@ def doctor(model: nn.Module, batch, loss_fn: Callable | None = None, *, threshol
         model.train(was_training)
     stats = [s for rec in p.layers.values() for s in _head_stats(rec)]
     if not stats:
-        raise ValueError("the model ran but none of its attention layers was called on this batch")
+        raise ValueError(_nothing_seen(model))
     findings, grads = _diagnose(stats, thresholds, output_grad)
     weights = {name: rec.weights[0] for name, rec in p.layers.items() if rec.weights is not None}
     return Report(stats, findings, weights, grads, output_grad)

@@ -4,7 +4,10 @@ Every attention inside :mod:`attnkit.nn` goes through one method, ``module._atte
 scale, softcap, dropout_p)``.  While the probe is active it wraps that method on each attention module
 (per instance; the class is untouched): the original still computes the output, and on the side the probe
 recomputes the attention weights from the same ``q, k, v`` and score modifiers, one block of query rows at
-a time, and keeps them (or, for long sequences, only their per-row statistics).  A hook on the output
+a time, and keeps them (or, for long sequences, only their per-row statistics).  Models that call
+:func:`attnkit.attention` themselves (their own modules, or a Hugging Face model running with
+``attn_implementation="attnkit"``) are seen the same way: the probe observes each such call made while the
+model runs and files it under the innermost module that made it.  A hook on the output
 records the gradient of the scores when a backward pass runs: with ``g = dL/d(out)``,
 ``dL/d(scores) = w * (g v^T - rowsum(w * g v^T))`` (the softmax backward; dropout is not modelled, so
 probe a model in ``eval()`` mode).  On exit every wrapped method is restored, also after an error.
@@ -12,6 +15,7 @@ probe a model in ``eval()`` mode).  On exit every wrapped method is restored, al
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -19,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from ..backends._common import Call, accumulation_dtype, grouped_bias, grouped_index, modify_scores
+from .. import functional as _functional
 from ..functional import _make_call
 from ..softmax import stable_softmax
 
@@ -203,6 +208,9 @@ class Probe:
         self.max_elements = max_elements
         self.layers: dict[str, LayerRecord] = {}
         self._outputs: list[Tensor] = []
+        self._thread = threading.get_ident()  # attention() calls of other threads are not this model's
+        self._running: list[tuple[str, nn.Module]] = []  # the modules whose forward is running, outermost first
+        self._in_attend = 0  # > 0 inside a wrapped _attend: its attention() call is recorded there already
 
     def outputs(self) -> list[Tensor]:
         """The outputs of every recorded ``_attend`` call that are part of an autograd graph."""
@@ -215,39 +223,72 @@ class Probe:
             for c in layer.calls:
                 c._inputs = None
 
+    def _record(self, name: str, module: nn.Module, q, k, v, *, mask, bias, scale, softcap, out) -> None:
+        """Keep the statistics of one attention call (and its score gradient once a backward pass runs)."""
+        with torch.no_grad():
+            call = _make_call(q.detach(), k.detach(), v.detach(), mask=mask, bias=bias, scale=scale,
+                              softcap=softcap)
+            if call.q_len == 0 or call.kv_len == 0:
+                return
+            keep = call.batch * call.heads * call.q_len * call.kv_len <= self.max_elements
+            rec = _statistics(call, keep)
+        rec._inputs = (call,)
+        self.layers.setdefault(name, LayerRecord(name, module)).calls.append(rec)
+        if out.requires_grad:
+            def hook(grad, rec=rec):
+                if rec._inputs is not None:
+                    with torch.no_grad():
+                        _score_gradient(rec, rec._inputs[0], grad.detach())
+                return None
+            out.register_hook(hook)
+            self._outputs.append(out)
+
     def _wrap(self, name: str, module: nn.Module):
-        record = self.layers.setdefault(name, LayerRecord(name, module))
         inner = module._attend  # the bound method, or whatever wrapper is installed already
 
         def _attend(q, k, v, *, mask, bias, scale, softcap, dropout_p):
-            out = inner(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, dropout_p=dropout_p)
-            with torch.no_grad():
-                call = _make_call(q.detach(), k.detach(), v.detach(), mask=mask, bias=bias, scale=scale,
-                                  softcap=softcap)
-                if call.q_len == 0 or call.kv_len == 0:
-                    return out
-                keep = call.batch * call.heads * call.q_len * call.kv_len <= self.max_elements
-                rec = _statistics(call, keep)
-            rec._inputs = (call,)
-            record.calls.append(rec)
-            if out.requires_grad:
-                def hook(grad, rec=rec):
-                    if rec._inputs is not None:
-                        with torch.no_grad():
-                            _score_gradient(rec, rec._inputs[0], grad.detach())
-                    return None
-                out.register_hook(hook)
-                self._outputs.append(out)
+            self._in_attend += 1
+            try:
+                out = inner(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, dropout_p=dropout_p)
+            finally:
+                self._in_attend -= 1
+            self._record(name, module, q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, out=out)
             return out
 
         return _attend
+
+    def _observe(self, q, k, v, *, mask, bias, scale, softcap, out) -> None:
+        """An :func:`attnkit.attention` call made outside a wrapped ``_attend`` while the model runs."""
+        if self._in_attend or not self._running or threading.get_ident() != self._thread:
+            return
+        name, module = self._running[-1]
+        self._record(name, module, q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, out=out)
+
+    def _track(self, model: nn.Module) -> list:
+        """Forward hooks on every module of ``model`` that keep :attr:`_running` (the handles, to remove)."""
+        handles = []
+        for name, module in model.named_modules():
+            def enter(mod, args, name=name):
+                if threading.get_ident() == self._thread:
+                    self._running.append((name, mod))
+
+            def leave(mod, args, output):
+                if threading.get_ident() == self._thread and self._running and self._running[-1][1] is mod:
+                    self._running.pop()
+
+            handles.append(module.register_forward_pre_hook(enter))
+            handles.append(module.register_forward_hook(leave, always_call=True))
+        return handles
 
 
 @contextmanager
 def probe(model: nn.Module, *, max_elements: int = 1 << 22):
     """Record every attnkit attention layer of ``model`` while the context is active.
 
-    For each ``_attend`` call the probe keeps a :class:`CallRecord`: the weights ``(B, Hq, Lq, Lk)`` when
+    The layers are the attention modules of :mod:`attnkit.nn` (through their ``_attend``) and any other
+    module of ``model`` that calls :func:`attnkit.attention` in its forward (a Hugging Face attention layer
+    with ``attn_implementation="attnkit"``, or your own), named after the innermost module making the call.
+    For each call the probe keeps a :class:`CallRecord`: the weights ``(B, Hq, Lq, Lk)`` when
     they have at most ``max_elements`` entries (else only per-row statistics: normalised entropy, largest
     weight, allowed keys, spread of the scores), and, once a backward pass runs through the output, the
     squared norm of the gradient of the scores per batch element and head.  The model computes exactly
@@ -271,6 +312,18 @@ def probe(model: nn.Module, *, max_elements: int = 1 << 22):
         (torch.Size([1, 2, 5, 5]), torch.Size([1, 2]))
         >>> "_attend" in vars(mha)  # restored
         False
+
+    A module of your own that calls :func:`attnkit.attention` is recorded under its name::
+
+        >>> import attnkit
+        >>> class SelfAttention(torch.nn.Module):
+        ...     def forward(self, x):  # x (B, H, L, D)
+        ...         return attnkit.attention(x, x, x, mask=masks.causal())
+        >>> model = torch.nn.Sequential(SelfAttention())
+        >>> with probe(model) as p:
+        ...     _ = model(torch.randn(1, 2, 4, 8))
+        >>> sorted(p.layers), p.layers["0"].calls[0].shape
+        (['0'], (1, 2, 4, 4))
     """
     if isinstance(max_elements, bool) or not isinstance(max_elements, int) or max_elements < 0:
         raise ValueError(f"max_elements={max_elements!r} must be an int >= 0 (weights larger than this are "
@@ -278,13 +331,21 @@ def probe(model: nn.Module, *, max_elements: int = 1 << 22):
     modules = attention_modules(model)
     p = Probe(model, max_elements)
     saved: list[tuple[nn.Module, bool, object]] = []
+    handles: list = []
     try:
         for name, module in modules:
             had = "_attend" in vars(module)
             saved.append((module, had, vars(module).get("_attend")))
             module._attend = p._wrap(name, module)
+        handles = p._track(model)
+        _functional._OBSERVERS.append(p._observe)
         yield p
     finally:
+        if p._observe in _functional._OBSERVERS:
+            _functional._OBSERVERS.remove(p._observe)
+        for h in handles:
+            h.remove()
+        p._running.clear()
         for module, had, previous in reversed(saved):
             if had:
                 module._attend = previous

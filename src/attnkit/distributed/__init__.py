@@ -3,6 +3,8 @@
 - :func:`shard` cuts a full tensor into this rank's part; :func:`unshard` gathers the parts back.
 - :func:`ring_attention` computes exact attention on the shards: key/value blocks travel around the
   ring of ranks while each rank computes, and partial results merge with their log-sum-exps.
+- :func:`ring_context` runs the attention modules of an :mod:`attnkit.nn` model as ring attention while it
+  is active, so a whole model runs on its shards.
 
 It runs on any backend ``torch.distributed`` has (gloo on CPUs, NCCL on GPUs).  Each rank holds ``1/W``
 of the queries, keys and values, so its peak memory falls with ``W`` — not quite as ``1/W``: each rank
@@ -26,6 +28,6 @@ Example (``torchrun --nproc-per-node 4 script.py``; here one process)::
 """
 
 from ._layout import shard, unshard
-from .ring import ring_attention
+from .ring import RingContext, ring_attention, ring_context
 
-__all__ = ["shard", "unshard", "ring_attention"]
+__all__ = ["shard", "unshard", "ring_attention", "ring_context", "RingContext"]

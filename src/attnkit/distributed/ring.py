@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -36,7 +37,7 @@ from ._layout import Layout, check_divisible, check_layout, group_info
 
 Tensor = torch.Tensor
 
-__all__ = ["ring_attention"]
+__all__ = ["ring_attention", "ring_context", "RingContext"]
 
 _BLOCK = 256  # query rows per work item (and the key-tile width used to find empty tiles); 4x that in keys
 
@@ -639,3 +640,120 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, sca
     cfg = _Config(group, rank, world, lay, plan, mask, bias, scale, softcap)
     out, lse = _RingAttention.apply(q, k.contiguous(), v.contiguous(), cfg)
     return (out, lse) if return_lse else out
+
+
+class RingContext:
+    """What :func:`ring_context` yields: the modules it routes, and this rank's global positions.
+
+    Attributes:
+        modules: the names (as in ``model.named_modules()``) of the attention modules whose attention now
+            runs as ring attention.
+        layout, group: as given to :func:`ring_context`.
+    """
+
+    def __init__(self, modules: list[str], layout: str, group):
+        self.modules, self.layout, self.group = modules, layout, group
+
+    def positions(self, local_len: int, device=None) -> Tensor:
+        """The global positions ``(local_len,)`` of this rank's ``local_len`` tokens: what RoPE (``positions=``)
+        needs, since a shard's tokens are not at ``0 .. local_len - 1`` of the whole sequence."""
+        if isinstance(local_len, bool) or not isinstance(local_len, int) or local_len < 0:
+            raise ValueError(f"local_len must be an int >= 0 (this rank's tokens), got {local_len!r}")
+        from ._layout import shard
+
+        _, world = group_info(self.group)
+        return shard(torch.arange(local_len * world, device=device), dim=0, group=self.group, layout=self.layout)
+
+    def __repr__(self) -> str:
+        return f"RingContext(layout={self.layout!r}, modules={self.modules})"
+
+
+def _refuse_what_ring_cannot_do(name: str):
+    """A forward pre-hook refusing the calls whose result would be wrong on a shard: cross-attention, a KV
+    cache, and the weights (they would cover this rank's keys only)."""
+    def check(module, args, kwargs):
+        where = f"ring_context: module {name or '(model)'!r}"
+        if (len(args) > 1 and args[1] is not None) or kwargs.get("context") is not None:
+            raise ValueError(f"{where} was given a context: ring attention is self-attention over one sharded "
+                             f"sequence; run cross-attention outside the context")
+        if kwargs.get("cache") is not None:
+            raise ValueError(f"{where} was given a KV cache: ring attention computes over shards of one full "
+                             f"sequence; decode with a cache outside the context")
+        if kwargs.get("need_weights"):
+            raise ValueError(f"{where}: need_weights=True would give the weights over this rank's keys only; "
+                             f"compute them outside the context (on one process)")
+        return None
+    return check
+
+
+def _ring_attend(layout: str, group, name: str):
+    def _attend(q, k, v, *, mask, bias, scale, softcap, dropout_p):
+        if dropout_p:
+            raise ValueError(f"ring_context: module {name or '(model)'!r} is training with attention dropout "
+                             f"{dropout_p}, which ring attention does not have: build it with dropout=0.0 or call "
+                             f"model.eval()")
+        return ring_attention(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, group=group,
+                              layout=layout)
+    return _attend
+
+
+@contextmanager
+def ring_context(model: torch.nn.Module, *, layout: str = "zigzag", group=None):
+    """Run the attention of ``model``'s :mod:`attnkit.nn` attention modules as :func:`ring_attention` while the
+    context is active: every rank feeds the model its own shard of one long sequence.
+
+    Inside the context each attention module (``MultiHeadAttention``, and so every ``TransformerBlock``,
+    ``DecoderLM`` ... layer) computes exact attention over the whole sharded sequence; every other part of a
+    transformer layer is per token and needs no change.  The module's masks and position biases (causal,
+    sliding window, ALiBi, ...) are evaluated at global positions.  Two things are the caller's: cut the
+    inputs with :func:`attnkit.distributed.shard` (``dim=1`` for ``(B, L, d_model)``) with the same ``layout``,
+    and pass RoPE the tokens' global positions (``positions=ctx.positions(local_len)``).  Attention dropout is
+    refused (ring attention has none: call ``model.eval()``), and so are cross-attention and a KV cache (ring
+    attention is self-attention over one sequence) and ``need_weights=True`` (the weights of a shard's keys
+    alone are not the attention weights).  A model that calls :func:`attnkit.attention` itself calls
+    :func:`ring_attention` in its place.  On exit (also after an error) the modules compute as before; the
+    replacement is per instance, so other models are untouched.
+
+    Yields:
+        A :class:`RingContext` (``ctx.modules``: the routed modules; ``ctx.positions(n)``).
+
+    Example (``torchrun --nproc-per-node 4 script.py``; here one process)::
+
+        >>> import torch, torch.distributed as dist
+        >>> from attnkit import masks
+        >>> from attnkit.distributed import ring_context, shard, unshard
+        >>> from attnkit.nn import TransformerBlock
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> block = TransformerBlock(32, 4, mask=masks.causal()).eval()
+        >>> x = torch.randn(1, 64, 32)                           # (B, L, d_model), the same on every rank
+        >>> with ring_context(block) as ctx:
+        ...     out = block(shard(x, dim=1))                     # (B, L/W, d_model): this rank's tokens
+        >>> ctx.modules, torch.allclose(unshard(out, dim=1), block(x), atol=1e-5)
+        (['attn'], True)
+        >>> dist.destroy_process_group()
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"ring_context: model must be a torch.nn.Module, got {type(model).__name__}")
+    layout = check_layout(layout)
+    modules = [(name, m) for name, m in model.named_modules() if callable(getattr(type(m), "_attend", None))]
+    if not modules:
+        raise ValueError(f"ring_context: {type(model).__name__} has no attnkit.nn attention module (one with "
+                         f"_attend, e.g. MultiHeadAttention); a model that calls attnkit.attention itself calls "
+                         f"attnkit.distributed.ring_attention in its place")
+    saved: list[tuple[torch.nn.Module, bool, object]] = []
+    hooks = []
+    try:
+        for name, module in modules:
+            had = "_attend" in vars(module)
+            saved.append((module, had, vars(module).get("_attend")))
+            module._attend = _ring_attend(layout, group, name)
+            hooks.append(module.register_forward_pre_hook(_refuse_what_ring_cannot_do(name), with_kwargs=True))
+        yield RingContext([name for name, _ in modules], layout, group)
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for module, had, previous in reversed(saved):
+            if had:
+                module._attend = previous
+            else:
+                del module._attend

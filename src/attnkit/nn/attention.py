@@ -35,6 +35,20 @@ class _Attends(nn.Module):
                          backend=self.backend)
 
 
+def _torch_key_padding(key_padding_mask) -> _masks.Mask:
+    """PyTorch's ``key_padding_mask`` (bool ``(B, Lk)``, True = ignore the key) as an attnkit Mask."""
+    if not isinstance(key_padding_mask, Tensor):
+        raise TypeError(f"key_padding_mask must be a bool tensor (B, Lk) with True for the keys to ignore "
+                        f"(PyTorch's convention), got {type(key_padding_mask).__name__}")
+    if key_padding_mask.dtype != torch.bool:
+        raise TypeError(f"key_padding_mask must be a bool tensor (True = ignore the key, PyTorch's convention), got "
+                        f"dtype {key_padding_mask.dtype}: a float additive mask has no place here; pass "
+                        f"key_padding_mask.isneginf() for a 0/-inf one")
+    if key_padding_mask.dim() != 2:
+        raise ValueError(f"key_padding_mask must have shape (B, Lk), got {tuple(key_padding_mask.shape)}")
+    return _masks.key_padding(~key_padding_mask)
+
+
 def _is_bottom_right_causal(m) -> bool:
     return isinstance(m, _masks._Causal) and m.align == "bottom_right"
 
@@ -124,10 +138,16 @@ class MultiHeadAttention(_Attends):
         softcap: ``s * tanh(score / s)`` on the scores (Gemma 2).
         temperature: divides the scores (> 1 flattens the attention).
         backend: ``"auto"`` or a name from :func:`attnkit.backends.available`.
+        batch_first: False takes ``x (L, B, d_model)`` and ``context (Lc, B, kdim)`` and returns
+            ``(L, B, d_model)``, as ``torch.nn.MultiheadAttention(batch_first=False)`` does (masks, positions
+            and weights keep their batch-first shapes).
 
-    ``forward(x, context=None, *, mask=None, cache=None, positions=None, need_weights=False)`` returns
-    ``out (B, L, d_model)``, or ``(out, weights (B, n_heads, L, Lk))`` with ``need_weights=True`` (weights before
-    dropout, differentiable, computed by :func:`attnkit.attention_weights`).
+    ``forward(x, context=None, *, mask=None, cache=None, positions=None, need_weights=False,
+    key_padding_mask=None)`` returns ``out (B, L, d_model)``, or ``(out, weights (B, n_heads, L, Lk))`` with
+    ``need_weights=True`` (weights before dropout, differentiable, computed by
+    :func:`attnkit.attention_weights`).  ``key_padding_mask`` is PyTorch's: a bool ``(B, Lk)`` tensor with
+    True for the keys to *ignore* (the opposite of ``mask``, where True means "may attend"); it is AND-ed with
+    the masks as ``masks.key_padding(~key_padding_mask)``.
 
     Example::
 
@@ -149,8 +169,12 @@ class MultiHeadAttention(_Attends):
                  kdim: int | None = None, vdim: int | None = None, bias: bool = True, dropout: float = 0.0,
                  qk_norm: bool = False, positions: PositionEncoding | None = None, mask=None,
                  softcap: float | None = None, temperature: float = 1.0, backend: str = "auto",
-                 out_bias: bool | None = None, qk_norm_eps: float = 1e-6, qk_norm_offset: float = 0.0):
+                 out_bias: bool | None = None, qk_norm_eps: float = 1e-6, qk_norm_offset: float = 0.0,
+                 batch_first: bool = True):
         super().__init__()
+        if not isinstance(batch_first, bool):
+            raise TypeError(f"batch_first must be True or False, got {batch_first!r}")
+        self.batch_first = batch_first
         n_kv_heads, d_head = _checks.head_layout(d_model, n_heads, n_kv_heads, d_head)
         bias = _checks.flag("bias", bias)
         qk_norm = qk_norm if isinstance(qk_norm, str) else _checks.flag("qk_norm", qk_norm)  # or a named layout
@@ -267,8 +291,25 @@ class MultiHeadAttention(_Attends):
         return torch.arange(offset, offset + length, device=device)
 
     def forward(self, x: Tensor, context=None, *, mask=None, cache=None, positions=None,
-                need_weights: bool = False):
+                need_weights: bool = False, key_padding_mask: Tensor | None = None):
         """Attention of ``x (B, L, d_model)`` to itself or to ``context (B, Lc, kdim)``; see the class doc."""
+        if key_padding_mask is not None:
+            mask = _checks.combine(_checks.as_mask("mask", mask), _torch_key_padding(key_padding_mask))
+        if not self.batch_first:  # (L, B, E) in and out
+            _checks.features("x", x, self.d_model, what=f"(L, B, d_model={self.d_model}) (batch_first=False)")
+            if isinstance(context, (tuple, list)):
+                context = type(context)(c.transpose(0, 1) if isinstance(c, Tensor) else c for c in context)
+            elif isinstance(context, Tensor):
+                context = context.transpose(0, 1)
+            result = self._forward_batch_first(x.transpose(0, 1), context, mask=mask, cache=cache,
+                                               positions=positions, need_weights=need_weights)
+            if need_weights:
+                return result[0].transpose(0, 1), result[1]
+            return result.transpose(0, 1)
+        return self._forward_batch_first(x, context, mask=mask, cache=cache, positions=positions,
+                                         need_weights=need_weights)
+
+    def _forward_batch_first(self, x: Tensor, context, *, mask, cache, positions, need_weights: bool):
         _checks.features("x", x, self.d_model, what=f"(B, L, d_model={self.d_model})")
         need_weights = _checks.flag("need_weights", need_weights)
         _check_layer_cache("cache", cache)
@@ -374,33 +415,47 @@ class MultiHeadAttention(_Attends):
     # --------------------------------------------------------------------------- convert
 
     @classmethod
-    def from_torch(cls, m: nn.MultiheadAttention, *, backend: str = "auto") -> "MultiHeadAttention":
+    def from_torch(cls, m: nn.MultiheadAttention, *, backend: str = "auto",
+                   batch_first: bool | None = None) -> "MultiHeadAttention":
         """An equivalent module from a ``torch.nn.MultiheadAttention`` (weights copied; dtype, device and training mode kept).
 
-        The result is batch-first: for a module with ``batch_first=False`` transpose its inputs
-        ``(L, B, E) -> (B, L, E)``.  Masks: torch's ``key_padding_mask (B, S)`` (True = ignore) becomes
-        ``mask=~key_padding_mask[:, None, None, :]``; a bool ``attn_mask (L, S)`` or ``(B*H, L, S)``
-        (True = not allowed) becomes ``~attn_mask`` (reshaped to ``(B, H, L, S)``); AND them.  torch's
-        averaged weights are ``weights.mean(1)``.  ``add_bias_kv`` and ``add_zero_attn`` are not supported.
+        The layout of the inputs is the source module's (``batch_first`` defaults to ``m.batch_first``): a
+        module built with torch's default ``batch_first=False`` gives one that takes and returns ``(L, B, E)``;
+        pass ``batch_first=True`` for a batch-first module (then transpose such inputs yourself).
+
+        Masks use the opposite convention from torch's (True = may attend).  torch's ``key_padding_mask (B, S)``
+        (True = ignore) is taken as it is by ``forward(..., key_padding_mask=...)``, or converted once with
+        ``masks.key_padding(~key_padding_mask)``; never pass it as ``mask=``, which would attend to exactly the
+        padding.  A bool ``attn_mask (L, S)`` or ``(B*H, L, S)`` (True = not allowed) becomes ``~attn_mask``
+        (reshaped to ``(B, H, L, S)``).  torch's averaged weights are ``weights.mean(1)``.  ``add_bias_kv``
+        and ``add_zero_attn`` are not supported.
 
         Example::
 
             >>> import torch
             >>> from attnkit.nn import MultiHeadAttention
-            >>> tm = torch.nn.MultiheadAttention(16, 4, batch_first=True)
-            >>> x = torch.randn(2, 5, 16)
-            >>> torch.allclose(MultiHeadAttention.from_torch(tm)(x), tm(x, x, x)[0], atol=1e-6)
+            >>> tm = torch.nn.MultiheadAttention(16, 4)  # batch_first=False: (L, B, E)
+            >>> x = torch.randn(5, 2, 16)
+            >>> pad = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])  # (B, S), True = ignore
+            >>> mine = MultiHeadAttention.from_torch(tm)
+            >>> torch.allclose(mine(x, key_padding_mask=pad), tm(x, x, x, key_padding_mask=pad)[0], atol=1e-6)
             True
         """
         if not isinstance(m, nn.MultiheadAttention):
             raise TypeError(f"from_torch expects a torch.nn.MultiheadAttention, got {type(m).__name__}")
+        if batch_first is None:
+            batch_first = bool(m.batch_first)
+        if not isinstance(batch_first, bool):
+            raise TypeError(f"from_torch: batch_first must be None (the source module's), True or False, got "
+                            f"{batch_first!r}")
         if m.bias_k is not None or m.add_zero_attn:
             raise ValueError("from_torch: add_bias_kv=True and add_zero_attn=True have no equivalent here")
         E, H = m.embed_dim, m.num_heads
         has_bias = m.in_proj_bias is not None
         ref = m.out_proj.weight
         out = cls(E, H, kdim=m.kdim, vdim=m.vdim, bias=has_bias, dropout=m.dropout, backend=backend,
-                  out_bias=m.out_proj.bias is not None).to(device=ref.device, dtype=ref.dtype)
+                  out_bias=m.out_proj.bias is not None, batch_first=batch_first).to(device=ref.device,
+                                                                                    dtype=ref.dtype)
         with torch.no_grad():
             if m._qkv_same_embed_dim:
                 wq, wk, wv = m.in_proj_weight.split(E)
@@ -439,4 +494,6 @@ class MultiHeadAttention(_Attends):
             s += f", temperature={self.temperature}"
         if self.backend != "auto":
             s += f", backend={self.backend!r}"
+        if not self.batch_first:
+            s += ", batch_first=False"
         return s
