@@ -1,0 +1,164 @@
+"""``attention_varlen()``: packed variable-length sequences, without padding."""
+
+from __future__ import annotations
+
+import torch
+
+from . import masks as _masks
+from .bias import ScoreMod
+from .functional import attention
+
+Tensor = torch.Tensor
+
+__all__ = ["attention_varlen"]
+
+
+# ------------------------------------------------------------------- input checks
+
+
+def _check_packed(q, k, v) -> None:
+    for name, t, layout in (("q", q, "(Tq, Hq, D)"), ("k", k, "(Tk, Hkv, D)"), ("v", v, "(Tk, Hkv, Dv)")):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"attention_varlen: {name} must have 3 dims {layout} (the sequences packed along the "
+                             f"first), got shape {tuple(t.shape)}; for (B, H, L, D) tensors use attention()")
+
+
+def _check_cu(name: str, cu, total: int, what: str, device: torch.device) -> Tensor:
+    if not isinstance(cu, Tensor):
+        raise TypeError(f"{name} must be an int32 tensor of n + 1 prefix sums [0, L0, L0 + L1, ...], got "
+                        f"{type(cu).__name__}: pass torch.tensor(..., dtype=torch.int32)")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must have dtype torch.int32 (as flash_attn_varlen_func takes), got {cu.dtype}: "
+                        f"pass {name}.to(torch.int32)")
+    if cu.dim() != 1 or cu.numel() == 0:
+        raise ValueError(f"{name} must be 1-D with n + 1 entries (0 first), got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name} is on {cu.device} but q is on {device}: move it with {name}.to(q.device)")
+    first, last = int(cu[0]), int(cu[-1])
+    if first != 0:
+        raise ValueError(f"{name}[0]={first} must be 0: {name} holds prefix sums of the lengths, [0, L0, L0 + L1, "
+                         f"...] (torch.nn.functional.pad(lengths.cumsum(0), (1, 0)))")
+    steps = cu.diff()
+    if bool((steps < 0).any()):
+        i = int((steps < 0).nonzero()[0, 0])
+        raise ValueError(f"{name} must not decrease (zero-length sequences repeat an entry), got {name}[{i}]="
+                         f"{int(cu[i])} > {name}[{i + 1}]={int(cu[i + 1])}")
+    if last != total:
+        raise ValueError(f"{name}[-1]={last} must equal the number of packed {what}, {total}: the last prefix "
+                         f"sum is the total length")
+    return cu
+
+
+def _check_max(name: str, value, cu: Tensor, cu_name: str) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int or None, got {value!r}")
+    longest = int(cu.diff().max()) if cu.numel() > 1 else 0
+    if value < longest:
+        raise ValueError(f"{name}={value} is smaller than the longest sequence in {cu_name} ({longest}): pass "
+                         f"int({cu_name}.diff().max()), or None")
+
+
+def _check_varlen_bias(bias, hq: int, tq: int, tk: int):
+    if bias is None:
+        return None
+    if isinstance(bias, ScoreMod) or (callable(bias) and not isinstance(bias, Tensor)):
+        raise TypeError("attention_varlen: bias modifiers (alibi, relative_buckets, from_fn) read positions of "
+                        "one (Lq, Lk) matrix, not of each packed sequence; pass a float tensor broadcastable to "
+                        f"(Hq, Tq, Tk)=({hq}, {tq}, {tk}) in packed coordinates, or call attention() per sequence")
+    if not isinstance(bias, Tensor):
+        raise TypeError(f"bias must be None or a float tensor broadcastable to (Hq, Tq, Tk), got "
+                        f"{type(bias).__name__}")
+    if bias.dim() > 3:
+        raise ValueError(f"attention_varlen: bias must broadcast to (Hq, Tq, Tk)=({hq}, {tq}, {tk}), got shape "
+                         f"{tuple(bias.shape)}")
+    return bias[None]  # (1, Hq|1, Tq|1, Tk|1); attention() checks the rest
+
+
+# ---------------------------------------------------------------------- public API
+
+
+def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *,
+                     max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, mask=None, bias=None,
+                     scale: float | None = None, softcap: float | None = None, dropout_p: float = 0.0,
+                     return_lse: bool = False, backend: str = "auto"):
+    """Attention over packed variable-length sequences: each sequence attends only within itself.
+
+    Args:
+        q: ``(Tq, Hq, D)`` the queries of ``n`` sequences packed along the first axis (no padding).
+        k: ``(Tk, Hkv, D)`` keys; ``Hq`` a multiple of ``Hkv`` (grouped-query attention).
+        v: ``(Tk, Hkv, Dv)`` values.
+        cu_seqlens_q: ``(n + 1,)`` int32 prefix sums of the query lengths, ``[0, Lq_0, Lq_0 + Lq_1, ..., Tq]``:
+            sequence ``s`` owns rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]``.  Zero-length sequences repeat an
+            entry.  On q's device.
+        cu_seqlens_k: ``(n + 1,)`` int32, the same for the keys (``Lk_s`` may differ from ``Lq_s``).
+        max_seqlen_q, max_seqlen_k: the longest sequence (``flash_attn_varlen_func``'s hints); checked when
+            given (never smaller than the longest), otherwise unused.
+        mask: ``None`` (every query sees all keys of its sequence) or an :class:`attnkit.masks.Mask` applied
+            within each sequence with that sequence's positions: ``causal``, ``sliding_window``, ``prefix_lm``,
+            ``block_local``, ``strided``, ``dilated``, ``global_tokens``, ``from_fn`` (it gets local rows and
+            keys) and their ``&``, ``|``, ``~``.  See :func:`attnkit.masks.varlen`.
+        bias: ``None`` or a float tensor broadcastable to ``(Hq, Tq, Tk)`` in packed coordinates.
+        scale, softcap, dropout_p, backend: as for :func:`attnkit.attention`.
+        return_lse: also return the log-sum-exp ``(Hq, Tq)`` (float32; float64 for float64 inputs), the layout
+            of ``flash_attn_varlen_func``'s ``softmax_lse``.
+
+    Returns:
+        ``out (Tq, Hq, Dv)``; with ``return_lse``, ``(out, lse (Hq, Tq))``.
+
+    Positions are each sequence's own: with the default bottom-right alignment, local query row ``i`` of
+    sequence ``s`` sits at position ``i + Lk_s - Lq_s`` (as ``flash_attn_varlen_func`` aligns causal), and
+    ``align="top_left"`` puts it at ``i``, relative to the sequence's start.  Two sequences, causal::
+
+        cu_seqlens_q = [0, 2, 5], cu_seqlens_k = [0, 3, 5]
+              k: 0 1 2 | 3 4
+        q0       █ █ · | · ·
+        q1       █ █ █ | · ·
+        q2       · · · | · ·    <- Lq_1 = 3 > Lk_1 = 2: the first row sees nothing (output 0, lse -inf)
+        q3       · · · | █ ·
+        q4       · · · | █ █
+
+    A row that may attend to nothing (also every row of a sequence with no keys) gives 0, ``lse = -inf``
+    and zero gradients.  Nothing is padded to ``(n, max_len)``: the packed tensors are viewed as one
+    ``(1, H, T, D)`` batch element under :func:`attnkit.masks.varlen`, whose block structure lets the
+    ``flash`` (and ``triton``) backend visit only each sequence's tiles; ``math`` and ``sdpa`` take it through
+    its dense form.
+
+    Example::
+
+        >>> import torch, attnkit
+        >>> lengths = torch.tensor([3, 0, 5])
+        >>> cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)  # [0, 3, 3, 8]
+        >>> q = torch.randn(8, 4, 16); k = v = torch.randn(8, 2, 16)
+        >>> out = attnkit.attention_varlen(q, k, v, cu, cu, mask=attnkit.masks.causal())
+        >>> out.shape
+        torch.Size([8, 4, 16])
+        >>> one = attnkit.attention(q[3:].transpose(0, 1)[None], k[3:].transpose(0, 1)[None],
+        ...                         v[3:].transpose(0, 1)[None], mask=attnkit.masks.causal())
+        >>> torch.allclose(out[3:], one[0].transpose(0, 1), atol=1e-6)
+        True
+    """
+    _check_packed(q, k, v)
+    cu_q = _check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[0], "queries (q.shape[0])", q.device)
+    cu_k = _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[0], "keys (k.shape[0])", q.device)
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(f"cu_seqlens_q has {cu_q.numel()} entries and cu_seqlens_k {cu_k.numel()}: both need "
+                         f"n + 1 entries for the same n sequences")
+    if v.shape[0] != k.shape[0]:
+        raise ValueError(f"k and v must pack the same keys, got Tk={k.shape[0]} for k and {v.shape[0]} for v")
+    _check_max("max_seqlen_q", max_seqlen_q, cu_q, "cu_seqlens_q")
+    _check_max("max_seqlen_k", max_seqlen_k, cu_k, "cu_seqlens_k")
+    if mask is not None and not isinstance(mask, _masks.Mask):
+        raise TypeError(f"attention_varlen: mask must be None or an attnkit.masks.Mask applied within each "
+                        f"sequence (e.g. masks.causal()), got {type(mask).__name__}")
+    packed = _masks.varlen(cu_q, cu_k, mask)
+    bias = _check_varlen_bias(bias, q.shape[1], q.shape[0], k.shape[0])
+    q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, k, v))  # (1, H, T, D) views
+    result = attention(q4, k4, v4, mask=packed, bias=bias, scale=scale, softcap=softcap, dropout_p=dropout_p,
+                       return_lse=return_lse, backend=backend)
+    out, lse = result if isinstance(result, tuple) else (result, None)
+    out = out[0].transpose(0, 1).contiguous()  # (Tq, Hq, Dv)
+    return (out, lse[0]) if lse is not None else out
