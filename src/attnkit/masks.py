@@ -1314,6 +1314,11 @@ def from_dense(t: Tensor) -> Mask:
 _PER_SEQUENCE = (_Causal, _SlidingWindow, _PrefixLM, _BlockLocal, _Strided, _Dilated, _GlobalTokens, _FromFn)
 
 
+def _per_sequence(mask: Mask) -> bool:
+    """Whether ``mask`` can be applied within each packed sequence (see :func:`varlen`)."""
+    return all(isinstance(m, _PER_SEQUENCE) for m in _leaves(mask))
+
+
 def _check_per_sequence(mask: Mask) -> None:
     for m in _leaves(mask):
         if not isinstance(m, _PER_SEQUENCE):
@@ -1352,26 +1357,24 @@ class _Varlen(Mask):
         lq, lk = cq[sq + 1] - cq[sq], ck[sq + 1] - ck[sq]  # the query's sequence lengths, (..., Lq, 1)
         return same & self.inner._mod(b, h, q - cq[sq], k - ck[sq], lq, lk)
 
-    def _local_keys(self, m: Mask | None, b, h, s, r0, r1, cq, ck):
-        """Global key bounds ``(kmin, kmax, fmin, fmax)`` of query tiles whose rows ``r0..r1`` lie in sequence
-        ``s``, for the per-sequence mask ``m``: arithmetic for intervals and their ``&``; else the whole
-        sequence as candidates and nothing full (the element mask decides)."""
+    def _row_keys(self, m: Mask | None, b, h, s, r, cq, ck):
+        """Global key bounds ``(lo, hi, exact)`` of query row ``r`` of sequence ``s`` under the per-sequence
+        mask ``m``: arithmetic for intervals and their ``&`` (``exact``: every key in between may attend);
+        else the whole sequence (not exact: the element mask decides)."""
         start, stop = ck[s], ck[s + 1] - 1
         if m is None:
-            return start, stop, start, stop
+            return start, stop, True
         if isinstance(m, _Named):
-            return self._local_keys(m.inner, b, h, s, r0, r1, cq, ck)
+            return self._row_keys(m.inner, b, h, s, r, cq, ck)
         if isinstance(m, _And) and not isinstance(m, _Or):
-            a = self._local_keys(m.a, b, h, s, r0, r1, cq, ck)
-            c = self._local_keys(m.b, b, h, s, r0, r1, cq, ck)
-            return (torch.maximum(a[0], c[0]), torch.minimum(a[1], c[1]),
-                    torch.maximum(a[2], c[2]), torch.minimum(a[3], c[3]))
+            lo_a, hi_a, ex_a = self._row_keys(m.a, b, h, s, r, cq, ck)
+            lo_b, hi_b, ex_b = self._row_keys(m.b, b, h, s, r, cq, ck)
+            return torch.maximum(lo_a, lo_b), torch.minimum(hi_a, hi_b), ex_a and ex_b
         if isinstance(m, _Interval):
             off = (ck[s + 1] - ck[s]) - (cq[s + 1] - cq[s]) if m.align == "bottom_right" else 0
-            lo0, hi0 = m._bounds(b, h, r0 - cq[s] + off)
-            lo1, hi1 = m._bounds(b, h, r1 - cq[s] + off)
-            return lo0 + start, hi1 + start, lo1 + start, hi0 + start
-        return start, stop, start + _BIG, start - _BIG
+            lo, hi = m._bounds(b, h, r - cq[s] + off)
+            return torch.maximum(lo + start, start), torch.minimum(hi + start, stop), True
+        return start + torch.zeros_like(r), stop + torch.zeros_like(r), False
 
     def _tiles(self, t):
         r0, r1 = t.rows()
@@ -1380,12 +1383,17 @@ class _Varlen(Mask):
         s1, _, _, _ = self._locate(r1, r1)
         b, h = t.index()
         r0, r1, s0, s1 = (x.view(1, 1, -1) for x in (r0, r1, s0, s1))
-        kmin, kmax, fmin, fmax = self._local_keys(self.inner, b, h, s0, r0, r1, cq, ck)
-        one = s0 == s1  # a query tile inside one sequence; others (boundaries) visit their sequences' keys
-        kmin = torch.where(one, torch.maximum(kmin, ck[s0]), ck[s0])
-        kmax = torch.where(one, torch.minimum(kmax, ck[s0 + 1] - 1), ck[s1 + 1] - 1)
-        fmin = torch.where(one, torch.maximum(fmin, ck[s0]), _BIG)
-        fmax = torch.where(one, torch.minimum(fmax, ck[s0 + 1] - 1), -_BIG)
+        # bounds are nondecreasing in the row within a sequence, and later sequences own later keys
+        lo_first, hi_first, exact = self._row_keys(self.inner, b, h, s0, r0, cq, ck)
+        lo_last, hi_last, _ = self._row_keys(self.inner, b, h, s1, r1, cq, ck)
+        one = s0 == s1  # a query tile inside one sequence; one that spans a boundary visits no full tile
+        kmin = torch.where(one, lo_first, torch.minimum(lo_first, ck[s0 + 1]))
+        kmax = torch.where(one, hi_last, torch.maximum(hi_last, ck[s1] - 1))
+        if exact:
+            lo_r1, _, _ = self._row_keys(self.inner, b, h, s0, r1, cq, ck)  # every row sees [lo(r1), hi(r0)]
+            fmin, fmax = torch.where(one, lo_r1, _BIG), torch.where(one, hi_first, -_BIG)
+        else:
+            fmin, fmax = torch.full_like(kmin, _BIG), torch.full_like(kmax, -_BIG)
         return _band_from_keys(t, kmin, kmax, fmin, fmax)
 
     def _validate(self, batch, heads, q_len, kv_len):
