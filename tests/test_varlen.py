@@ -241,3 +241,15 @@ def test_varlen_mask_refuses_a_batch_and_wrong_lengths():
         attnkit.attention(torch.randn(2, 1, 7, 4), torch.randn(2, 1, 7, 4), torch.randn(2, 1, 7, 4), mask=m)
     with pytest.raises(ValueError, match=r"end at Tq=7 and Tk=7.*\(6, 6\)"):
         attnkit.attention(torch.randn(1, 1, 6, 4), torch.randn(1, 1, 6, 4), torch.randn(1, 1, 6, 4), mask=m)
+
+
+@pytest.mark.parametrize("backend", ["math", "flash"])
+def test_long_and_short_sequences_together_keep_the_packed_order(backend):
+    """Long sequences run as their own calls, short ones packed: outputs and lse come back in packed order."""
+    q, k, v, cu_q, cu_k = _packed([5, 140, 0, 20, 130], [9, 135, 3, 20, 200], hq=2, hkv=1, d=8)
+    out, lse = attnkit.attention_varlen(q, k, v, cu_q, cu_k, mask=masks.sliding_window(50), return_lse=True,
+                                        backend=backend)
+    m = masks.varlen(cu_q, cu_k, masks.sliding_window(50))
+    want, want_lse = reference(*(_heads_first(t) for t in (q, k, v)), mask=m)
+    torch.testing.assert_close(out, want[0].transpose(0, 1), atol=1e-5, rtol=0)
+    torch.testing.assert_close(lse, want_lse[0], atol=1e-5, rtol=0)

@@ -12,6 +12,9 @@ Tensor = torch.Tensor
 
 __all__ = ["attention_varlen"]
 
+OWN_CALL_MIN = 128  # sequences with at least this many queries and keys run as their own call (one flash tile)
+MAX_OWN_CALLS = 64  # beyond this many such sequences, all run as one packed call (Python per call would dominate)
+
 
 # ------------------------------------------------------------------- input checks
 
@@ -78,6 +81,11 @@ def _check_varlen_bias(bias, hq: int, tq: int, tk: int):
     return bias[None]  # (1, Hq|1, Tq|1, Tk|1); attention() checks the rest
 
 
+def _split(result) -> tuple[Tensor, Tensor | None]:
+    """(out (1, H, L, Dv), lse (H, L) or None) from attention()'s result."""
+    return (result[0], result[1][0]) if isinstance(result, tuple) else (result, None)
+
+
 # ---------------------------------------------------------------------- public API
 
 
@@ -122,10 +130,12 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
         q4       · · · | █ █
 
     A row that may attend to nothing (also every row of a sequence with no keys) gives 0, ``lse = -inf``
-    and zero gradients.  Nothing is padded to ``(n, max_len)``: the packed tensors are viewed as one
-    ``(1, H, T, D)`` batch element under :func:`attnkit.masks.varlen`, whose block structure lets the
-    ``flash`` (and ``triton``) backend visit only each sequence's tiles; ``math`` and ``sdpa`` take it through
-    its dense form.
+    and zero gradients.  Nothing is padded to ``(n, max_len)``: a sequence with at least ``OWN_CALL_MIN``
+    (128) queries and keys runs as its own :func:`attnkit.attention` call on views of the packed tensors
+    (tiles aligned with its start; up to ``MAX_OWN_CALLS`` such calls, none with a ``bias``), and the others
+    share one call on their packed tokens under :func:`attnkit.masks.varlen`, whose block structure lets
+    the ``flash`` (and ``triton``) backend visit only each sequence's tiles (``math`` and ``sdpa`` take it
+    through its dense form).  Gradients flow through every part.
 
     Example::
 
@@ -154,11 +164,48 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     if mask is not None and not isinstance(mask, _masks.Mask):
         raise TypeError(f"attention_varlen: mask must be None or an attnkit.masks.Mask applied within each "
                         f"sequence (e.g. masks.causal()), got {type(mask).__name__}")
-    packed = _masks.varlen(cu_q, cu_k, mask)
+    if mask is not None:
+        _masks.varlen(cu_q[:1], cu_k[:1], mask)  # (checks that the mask applies per sequence)
     bias = _check_varlen_bias(bias, q.shape[1], q.shape[0], k.shape[0])
-    q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, k, v))  # (1, H, T, D) views
-    result = attention(q4, k4, v4, mask=packed, bias=bias, scale=scale, softcap=softcap, dropout_p=dropout_p,
-                       return_lse=return_lse, backend=backend)
-    out, lse = result if isinstance(result, tuple) else (result, None)
-    out = out[0].transpose(0, 1).contiguous()  # (Tq, Hq, Dv)
-    return (out, lse[0]) if lse is not None else out
+    kw = dict(mask=mask, scale=scale, softcap=softcap, dropout_p=dropout_p, return_lse=return_lse,
+              backend=backend)
+    lq, lk = cu_q.diff().tolist(), cu_k.diff().tolist()
+    starts_q, starts_k = cu_q[:-1].tolist(), cu_k[:-1].tolist()
+    alone = [s for s in range(len(lq)) if min(lq[s], lk[s]) >= OWN_CALL_MIN]
+    if bias is not None or len(alone) > MAX_OWN_CALLS:
+        alone = []
+    packed = [s for s in range(len(lq)) if s not in set(alone) and lq[s] > 0]
+    outs, lses, rows = [], [], []
+    for s in alone:  # a long sequence: its own call, tiles aligned with its start (views, no copies)
+        a, b, c, d = starts_q[s], starts_q[s] + lq[s], starts_k[s], starts_k[s] + lk[s]
+        o, lse = _split(attention(*(t[i:j].transpose(0, 1)[None] for t, i, j in ((q, a, b), (k, c, d), (v, c, d))),
+                                  **kw))
+        outs.append(o[0].transpose(0, 1))  # (Lq_s, Hq, Dv)
+        lses.append(lse)  # (Hq, Lq_s) or None
+        rows.append(torch.arange(a, b, device=q.device))
+    if packed:  # the others: one call on their packed tokens under masks.varlen
+        if len(packed) == len(lq):
+            qp, kp, vp, rq = q, k, v, None
+            cq, ck = cu_q, cu_k
+        else:
+            rq = torch.cat([torch.arange(starts_q[s], starts_q[s] + lq[s]) for s in packed]).to(q.device)
+            rk = torch.cat([torch.arange(starts_k[s], starts_k[s] + lk[s]) for s in packed]).to(q.device)
+            qp, kp, vp = q[rq], k[rk], v[rk]
+            cq = torch.tensor([0] + [lq[s] for s in packed], device=q.device).cumsum(0)
+            ck = torch.tensor([0] + [lk[s] for s in packed], device=q.device).cumsum(0)
+        o, lse = _split(attention(*(t.transpose(0, 1)[None] for t in (qp, kp, vp)), **{
+            **kw, "mask": _masks.varlen(cq, ck, mask), "bias": bias}))  # (1, H, T, D) views
+        outs.append(o[0].transpose(0, 1))
+        lses.append(lse)
+        rows.append(torch.arange(q.shape[0], device=q.device) if rq is None else rq)
+    if not outs:  # no queries at all
+        out, lse = _split(attention(*(t.transpose(0, 1)[None] for t in (q, k, v)), **kw))
+        out = out[0].transpose(0, 1)
+    elif len(outs) == 1 and rows[0].numel() == q.shape[0] and len(alone) == 0:
+        out, lse = outs[0], lses[0]
+    else:
+        order = torch.cat(rows).argsort()  # the packed order back
+        out = torch.cat(outs)[order]
+        lse = torch.cat(lses, dim=1)[:, order] if return_lse else None
+    out = out.contiguous()  # (Tq, Hq, Dv)
+    return (out, lse) if return_lse else out

@@ -1350,6 +1350,11 @@ class _Varlen(Mask):
         return sq, sk, cq, ck
 
     def _mod(self, b, h, q, k, q_len, kv_len):
+        cq, ck = self.cu_q.to(q.device), self.cu_k.to(q.device)
+        sq = (torch.searchsorted(cq, q.contiguous(), right=True) - 1).clamp(0, max(0, self.num_sequences - 1))
+        lo, hi, exact = self._row_keys(self.inner, b, h, sq, q, cq, ck)
+        if exact:  # intervals: per-row key bounds (global, inside the row's sequence), two comparisons per key
+            return (k >= lo) & (k <= hi)
         sq, sk, cq, ck = self._locate(q, k)
         same = sq == sk
         if self.inner is None:
