@@ -2,7 +2,8 @@
 against the document mask on the same packed batch.
 
 16 sequences with lengths drawn uniformly from 64..2048 (seeded), causal, float32, H=8 query heads on 2
-key/value heads, D=64, the ``flash`` backend for all three (one process, interleaved repeats, medians):
+key/value heads, D=64, one backend for all three (``--backend``, default ``auto``: what a caller gets; ``flash``
+forces the tiled backend), in one process with interleaved repeats (medians):
 
 * varlen   -- ``attention_varlen(q (T, H, D), ..., cu_seqlens, mask=causal())``;
 * padded   -- the same sequences right-padded to the longest, ``(16, H, Lmax, D)`` with ``causal()`` (right
@@ -39,6 +40,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--backend", default="auto")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     lo, hi = (16, 512) if args.quick else (64, 2048)
@@ -62,13 +64,13 @@ def main() -> None:
     q4, k4, v4 = (t.transpose(0, 1)[None].contiguous() for t in (q, k, v))  # (1, H, T, D)
 
     def varlen():
-        return attnkit.attention_varlen(q, k, v, cu, cu, mask=masks.causal(), backend="flash")
+        return attnkit.attention_varlen(q, k, v, cu, cu, mask=masks.causal(), backend=args.backend)
 
     def padded():
-        return attnkit.attention(qp, kp, vp, mask=masks.causal(), backend="flash")
+        return attnkit.attention(qp, kp, vp, mask=masks.causal(), backend=args.backend)
 
     def document():
-        return attnkit.attention(q4, k4, v4, mask=masks.document(ids) & masks.causal(), backend="flash")
+        return attnkit.attention(q4, k4, v4, mask=masks.document(ids) & masks.causal(), backend=args.backend)
 
     # the three agree on every real token
     ref = varlen()
@@ -89,11 +91,11 @@ def main() -> None:
     fwd = {"varlen": varlen, "padded": padded, "document": document}
     bwd = {
         "varlen": backward(lambda a, b, c: attnkit.attention_varlen(a, b, c, cu, cu, mask=masks.causal(),
-                                                                    backend="flash"), *leaves[:3]),
-        "padded": backward(lambda a, b, c: attnkit.attention(a, b, c, mask=masks.causal(), backend="flash"),
+                                                                    backend=args.backend), *leaves[:3]),
+        "padded": backward(lambda a, b, c: attnkit.attention(a, b, c, mask=masks.causal(), backend=args.backend),
                            *leaves[3:6]),
         "document": backward(lambda a, b, c: attnkit.attention(a, b, c, mask=masks.document(ids) & masks.causal(),
-                                                               backend="flash"), *leaves[6:]),
+                                                               backend=args.backend), *leaves[6:]),
     }
     rows, results = [], {}
     pair_ratio = padded_pairs / real_pairs
@@ -106,11 +108,12 @@ def main() -> None:
                      "document s": f"{t['document']:.3f}", "padded/varlen": f"{speedup:.2f}x",
                      "target (0.8 x pairs)": f"{0.8 * pair_ratio:.2f}x",
                      "document/varlen": f"{t['document'] / t['varlen']:.2f}x"})
-    print(f"{N_SEQ} sequences, lengths {lo}..{hi} (longest {longest}, {total} tokens), causal; padded / real "
+    print(f"backend={args.backend!r}: {N_SEQ} sequences, lengths {lo}..{hi} (longest {longest}, {total} tokens), "
+          f"causal; padded / real "
           f"query-key pairs = {pair_ratio:.2f}; {machine()}, load {os.getloadavg()[0]:.1f}")
     print(table(rows, list(rows[0])))
-    save("varlen" + ("_quick" if args.quick else ""),
-         {"lengths": lengths.tolist(), "pair_ratio": pair_ratio, "seconds": results, "load": os.getloadavg()[0]})
+    save(f"varlen_{args.backend}" + ("_quick" if args.quick else ""),
+         {"backend": args.backend, "lengths": lengths.tolist(), "pair_ratio": pair_ratio, "seconds": results, "load": os.getloadavg()[0]})
 
 
 if __name__ == "__main__":

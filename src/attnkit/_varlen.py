@@ -176,10 +176,11 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
         alone = []
     packed = [s for s in range(len(lq)) if s not in set(alone) and lq[s] > 0]
     outs, lses, rows = [], [], []
+    if alone:  # heads first, once: a sequence's (1, H, L, D) slice is then a view with contiguous rows
+        qh, kh, vh = (t.transpose(0, 1).contiguous() for t in (q, k, v))  # (H, T, D)
     for s in alone:  # a long sequence: its own call, tiles aligned with its start (views, no copies)
         a, b, c, d = starts_q[s], starts_q[s] + lq[s], starts_k[s], starts_k[s] + lk[s]
-        o, lse = _split(attention(*(t[i:j].transpose(0, 1)[None] for t, i, j in ((q, a, b), (k, c, d), (v, c, d))),
-                                  **kw))
+        o, lse = _split(attention(qh[None, :, a:b], kh[None, :, c:d], vh[None, :, c:d], **kw))  # (1, H, L, D)
         outs.append(o[0].transpose(0, 1))  # (Lq_s, Hq, Dv)
         lses.append(lse)  # (Hq, Lq_s) or None
         rows.append(torch.arange(a, b, device=q.device))
