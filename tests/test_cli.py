@@ -142,6 +142,7 @@ EXAMPLES = {  # every built-in, with command-line arguments and the same mask bu
     "sliding_window": (["2", "1"], masks.sliding_window(2, 1)),
     "key_padding": (["3,5"], masks.key_padding([3, 5])),
     "document": (["0,0,0,1,1,2,2,2,2,2"], masks.document([0, 0, 0, 1, 1, 2, 2, 2, 2, 2])),
+    "varlen": (["0,4,10"], masks.varlen([0, 4, 10])),
     "prefix_lm": (["3"], masks.prefix_lm(3)),
     "block_local": (["4"], masks.block_local(4)),
     "strided": (["3", "causal=false"], masks.strided(3, causal=False)),

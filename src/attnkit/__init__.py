@@ -21,6 +21,7 @@ Example::
 from . import backends, bias, cache, diagnostics, explain, masks, nn, softmax
 from .engine import Engine
 from .functional import attention, attention_weights
+from ._varlen import attention_varlen
 from .generate import generate
 from .quantize import quantize
 
@@ -36,5 +37,5 @@ def __getattr__(name: str):
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'attnkit' has no attribute {name!r}")
 
-__all__ = ["attention", "attention_weights", "masks", "bias", "softmax", "backends", "nn", "cache", "generate",
+__all__ = ["attention", "attention_weights", "attention_varlen", "masks", "bias", "softmax", "backends", "nn", "cache", "generate",
            "Engine", "quantize", "explain", "diagnostics"]

@@ -59,6 +59,7 @@ __all__ = [
     "from_fn",
     "from_flex",
     "from_dense",
+    "varlen",
 ]
 
 _ALIGNS = ("bottom_right", "top_left")
@@ -1499,3 +1500,165 @@ def from_dense(t: Tensor) -> Mask:
     while t.dim() < 4:
         t = t.unsqueeze(0)
     return _FromDense(t)
+
+
+# ------------------------------------------------------------------ packed variable-length sequences
+
+# leaves a varlen mask can apply per sequence: their predicates take per-element lengths and local indices
+_PER_SEQUENCE = (_Causal, _SlidingWindow, _PrefixLM, _BlockLocal, _Strided, _Dilated, _GlobalTokens, _FromFn)
+
+
+def _per_sequence(mask: Mask) -> bool:
+    """Whether ``mask`` can be applied within each packed sequence (see :func:`varlen`)."""
+    return all(isinstance(m, _PER_SEQUENCE) for m in _leaves(mask))
+
+
+def _check_per_sequence(mask: Mask) -> None:
+    for m in _leaves(mask):
+        if not isinstance(m, _PER_SEQUENCE):
+            raise ValueError(f"varlen: mask {m!r} cannot be applied within each packed sequence (it holds data "
+                             f"for one fixed length); use causal, sliding_window, prefix_lm, block_local, strided, "
+                             f"dilated, global_tokens or from_fn (they see each sequence's own rows and keys), "
+                             f"combined with &, | and ~")
+
+
+class _Varlen(Mask):
+    """Packed sequences on one ``(Tq, Tk)`` score matrix: sequence ``s`` owns query rows
+    ``cu_q[s]:cu_q[s+1]`` and keys ``cu_k[s]:cu_k[s+1]``; ``inner`` applies with each sequence's own rows,
+    keys and lengths."""
+
+    def __init__(self, cu_q: Tensor, cu_k: Tensor, inner: Mask | None):
+        self.cu_q, self.cu_k, self.inner = cu_q, cu_k, inner
+
+    @property
+    def num_sequences(self) -> int:
+        return self.cu_q.numel() - 1
+
+    def _locate(self, q: Tensor, k: Tensor):
+        """Per element: the query's sequence, its local row, its sequence's local key index of ``k``, the
+        sequence's lengths, and whether ``k`` belongs to the same sequence."""
+        cq, ck = self.cu_q.to(q.device), self.cu_k.to(q.device)
+        last = max(0, self.num_sequences - 1)
+        sq = (torch.searchsorted(cq, q.contiguous(), right=True) - 1).clamp(0, last)
+        sk = (torch.searchsorted(ck, k.contiguous(), right=True) - 1).clamp(0, last)
+        return sq, sk, cq, ck
+
+    def _mod(self, b, h, q, k, q_len, kv_len):
+        cq, ck = self.cu_q.to(q.device), self.cu_k.to(q.device)
+        sq = (torch.searchsorted(cq, q.contiguous(), right=True) - 1).clamp(0, max(0, self.num_sequences - 1))
+        lo, hi, exact = self._row_keys(self.inner, b, h, sq, q, cq, ck)
+        if exact:  # intervals: per-row key bounds (global, inside the row's sequence), two comparisons per key
+            return (k >= lo) & (k <= hi)
+        sq, sk, cq, ck = self._locate(q, k)
+        same = sq == sk
+        if self.inner is None:
+            return same
+        lq, lk = cq[sq + 1] - cq[sq], ck[sq + 1] - ck[sq]  # the query's sequence lengths, (..., Lq, 1)
+        return same & self.inner._mod(b, h, q - cq[sq], k - ck[sq], lq, lk)
+
+    def _row_keys(self, m: Mask | None, b, h, s, r, cq, ck):
+        """Global key bounds ``(lo, hi, exact)`` of query row ``r`` of sequence ``s`` under the per-sequence
+        mask ``m``: arithmetic for intervals and their ``&`` (``exact``: every key in between may attend);
+        else the whole sequence (not exact: the element mask decides)."""
+        start, stop = ck[s], ck[s + 1] - 1
+        if m is None:
+            return start, stop, True
+        if isinstance(m, _Named):
+            return self._row_keys(m.inner, b, h, s, r, cq, ck)
+        if isinstance(m, _And) and not isinstance(m, _Or):
+            lo_a, hi_a, ex_a = self._row_keys(m.a, b, h, s, r, cq, ck)
+            lo_b, hi_b, ex_b = self._row_keys(m.b, b, h, s, r, cq, ck)
+            return torch.maximum(lo_a, lo_b), torch.minimum(hi_a, hi_b), ex_a and ex_b
+        if isinstance(m, _Interval):
+            off = (ck[s + 1] - ck[s]) - (cq[s + 1] - cq[s]) if m.align == "bottom_right" else 0
+            lo, hi = m._bounds(b, h, r - cq[s] + off)
+            return torch.maximum(lo + start, start), torch.minimum(hi + start, stop), True
+        return start + torch.zeros_like(r), stop + torch.zeros_like(r), False
+
+    def _tiles(self, t):
+        r0, r1 = t.rows()
+        cq, ck = self.cu_q.to(t.device), self.cu_k.to(t.device)
+        s0, _, _, _ = self._locate(r0, r0)
+        s1, _, _, _ = self._locate(r1, r1)
+        b, h = t.index()
+        r0, r1, s0, s1 = (x.view(1, 1, -1) for x in (r0, r1, s0, s1))
+        # bounds are nondecreasing in the row within a sequence, and later sequences own later keys
+        lo_first, hi_first, exact = self._row_keys(self.inner, b, h, s0, r0, cq, ck)
+        lo_last, hi_last, _ = self._row_keys(self.inner, b, h, s1, r1, cq, ck)
+        one = s0 == s1  # a query tile inside one sequence; one that spans a boundary visits no full tile
+        kmin = torch.where(one, lo_first, torch.minimum(lo_first, ck[s0 + 1]))
+        kmax = torch.where(one, hi_last, torch.maximum(hi_last, ck[s1] - 1))
+        if exact:
+            lo_r1, _, _ = self._row_keys(self.inner, b, h, s0, r1, cq, ck)  # every row sees [lo(r1), hi(r0)]
+            fmin, fmax = torch.where(one, lo_r1, _BIG), torch.where(one, hi_first, -_BIG)
+        else:
+            fmin, fmax = torch.full_like(kmin, _BIG), torch.full_like(kmax, -_BIG)
+        return _band_from_keys(t, kmin, kmax, fmin, fmax)
+
+    def _validate(self, batch, heads, q_len, kv_len):
+        tq, tk = int(self.cu_q[-1]), int(self.cu_k[-1])
+        if batch != 1:
+            raise ValueError(f"varlen: the packed sequences are one batch element, got a batch of {batch}: view "
+                             f"packed q (Tq, H, D) as (1, H, Tq, D)")
+        if (q_len, kv_len) != (tq, tk):
+            raise ValueError(f"varlen: cu_seqlens end at Tq={tq} and Tk={tk}, but the score matrix is "
+                             f"(Lq, Lk)=({q_len}, {kv_len}): the last entries must be the packed lengths")
+
+    def _size(self):
+        return (int(self.cu_q[-1]), int(self.cu_k[-1]))
+
+    def __repr__(self):
+        inner = "" if self.inner is None else f", mask={self.inner!r}"
+        return f"varlen({self.num_sequences} sequences{inner})"
+
+
+def _cu_seqlens(name: str, values) -> Tensor:
+    t = _index_tensor(f"varlen {name}", values, ndim=(1,))
+    if t.numel() == 0:
+        raise ValueError(f"varlen: {name} must have n + 1 entries (0 first), got an empty tensor: pass [0] "
+                         f"for no sequences")
+    if int(t[0]) != 0:
+        raise ValueError(f"varlen: {name} must start at 0, got {t[:4].tolist()}...: it holds prefix sums of the "
+                         f"sequence lengths, [0, L0, L0 + L1, ...]")
+    steps = t.diff()
+    if bool((steps < 0).any()):
+        i = int((steps < 0).nonzero()[0, 0])
+        raise ValueError(f"varlen: {name} must not decrease, got {name}[{i}]={int(t[i])} > {name}[{i + 1}]="
+                         f"{int(t[i + 1])}: it holds prefix sums of the lengths (cumsum of the lengths, 0 first)")
+    return t
+
+
+def varlen(cu_seqlens_q, cu_seqlens_k=None, mask: Mask | None = None) -> Mask:
+    """Packed variable-length sequences: each sequence attends only within itself.
+
+    ``cu_seqlens_q``: prefix sums ``[0, L0, L0 + L1, ..., Tq]`` (n + 1 entries) of the query lengths of
+    ``n`` sequences packed along one axis; ``cu_seqlens_k`` the same for the keys (default: the queries').
+    Sequence ``s`` owns query rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` and keys
+    ``cu_seqlens_k[s]:cu_seqlens_k[s+1]`` of a ``(1, H, Tq, Tk)`` score matrix.  ``mask`` (causal, sliding
+    window, prefix LM, block local, strided, dilated, global tokens, ``from_fn``, and their ``&``, ``|``, ``~``)
+    applies within each sequence with that sequence's own rows, keys and lengths: bottom-right alignment
+    puts local row ``i`` at ``i + Lk_s - Lq_s``, top-left at ``i``; a ``from_fn`` predicate gets local rows
+    and keys.  The block structure is arithmetic: a kernel visits only the tiles of each sequence.
+    :func:`attnkit.attention_varlen` applies it to packed ``(T, H, D)`` tensors.
+
+    Example::
+
+        >>> from attnkit import masks
+        >>> m = masks.varlen([0, 2, 5], [0, 3, 5], mask=masks.causal())
+        >>> m.to_dense(5, 5)[0, 0].int().tolist()
+        [[1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]]
+    """
+    cu_q = _cu_seqlens("cu_seqlens_q", cu_seqlens_q)
+    cu_k = cu_q if cu_seqlens_k is None else _cu_seqlens("cu_seqlens_k", cu_seqlens_k)
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(f"varlen: cu_seqlens_q has {cu_q.numel()} entries and cu_seqlens_k {cu_k.numel()}: both "
+                         f"need n + 1 entries for the same n sequences")
+    if cu_k.device != cu_q.device:
+        raise ValueError(f"varlen: cu_seqlens_q is on {cu_q.device} and cu_seqlens_k on {cu_k.device}: put both on "
+                         f"one device")
+    if mask is not None:
+        if not isinstance(mask, Mask):
+            raise TypeError(f"varlen: mask must be None or an attnkit.masks.Mask applied within each sequence, "
+                            f"got {type(mask).__name__}")
+        _check_per_sequence(mask)
+    return _Varlen(cu_q, cu_k, mask)

@@ -112,6 +112,21 @@ for _name in _MASKS:
     CASES[f"mask-{_name}"] = _mask_case(_name)
 
 
+@case("varlen-per-sequence-causal")
+def _():
+    # packed sequences (a zero-length one, one without keys, Lq != Lk): the varlen mask's bitmap path
+    cu_q = torch.tensor([0, 9, 9, 29, 35], dtype=torch.int32)
+    cu_k = torch.tensor([0, 12, 16, 36, 36], dtype=torch.int32)
+    q, k, v = _qkv(Hq=4, Hkv=2, Lq=35, Lk=36, D=16, dtype=torch.float32)
+
+    def packed(q, k, v, mask):  # (1, H, T, D) views of the packed (T, H, D) tensors
+        out = attnkit.attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu_q, cu_k,
+                                       mask=masks.causal(), backend="triton")
+        return out.transpose(0, 1)[None]
+
+    check_against_oracle(packed, q, k, v, mask=masks.varlen(cu_q, cu_k, masks.causal()))
+
+
 @case("gqa-6-query-heads-on-2")
 def _():
     q, k, v = _qkv(Hq=6, Hkv=2, Lq=20, Lk=35, dtype=torch.bfloat16)

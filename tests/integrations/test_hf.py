@@ -249,8 +249,8 @@ def test_bert_gets_key_padding_only(monkeypatch):
     assert repr(seen[0].mask) == "key_padding(bool (3, 9))" and seen[1].mask is None
 
 
-def test_packed_sequences_fall_back_to_exact_dense_masks(monkeypatch):
-    """position_ids that restart mark packed documents: transformers' own mask, computed densely, is used."""
+def test_packed_sequences_get_the_varlen_mask(monkeypatch):
+    """position_ids that restart mark packed documents: each sequence's tiles only (masks.varlen), exact."""
     model = _model("llama")
     ids = torch.randint(3, V, (1, 9))
     pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1]])
@@ -259,7 +259,7 @@ def test_packed_sequences_fall_back_to_exact_dense_masks(monkeypatch):
         model.set_attn_implementation("attnkit")
         seen = _recorded_masks(monkeypatch)
         out = model(ids, position_ids=pos, use_cache=False).logits
-    assert isinstance(seen[0], torch.Tensor) and seen[0].dtype == torch.bool
+    assert repr(seen[0].mask) == "varlen(3 sequences, mask=causal(align='bottom_right'))"
     assert (out - ref).abs().max() <= TOL
 
 

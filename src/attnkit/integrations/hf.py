@@ -10,8 +10,11 @@
   for (causal or bidirectional, sliding window, the 2-D padding mask, cache offsets) into an attnkit
   :class:`~attnkit.masks.Mask` — ``causal() & key_padding(keep)`` or ``sliding_window(w - 1) &
   key_padding(keep)`` — instead of a dense ``(B, 1, Lq, Lk)`` tensor, so block-sparse backends see the
-  structure.  Patterns it does not recognise (packed sequences, image-token overlays, chunked attention,
-  static caches) are built densely by ``transformers``' own ``sdpa_mask``, so they are exact too.
+  structure.  Packed sequences (position ids that restart per sequence, as ``DataCollatorWithFlattening``
+  gives them for padding-free training) become :func:`attnkit.masks.varlen`, so each sequence's tiles are
+  the only ones computed; the ``cu_seq_lens_q/k`` keywords do the same in the attention function.  Patterns
+  it does not recognise (image-token overlays, chunked attention, static caches) are built densely by
+  ``transformers``' own ``sdpa_mask``, so they are exact too.
 
 Registering the attention function alone is not enough: ``transformers`` builds no mask at all for a name
 without a mask function, so padding (and causality, for attention functions that do not fall back to the
@@ -172,7 +175,56 @@ def _closure_codes() -> dict:
              "window": mu.sliding_window_overlay(1).__code__}
     if hasattr(mu, "sliding_window_bidirectional_overlay"):
         codes["window_bidirectional"] = mu.sliding_window_bidirectional_overlay(1).__code__
+    if hasattr(mu, "packed_sequence_mask_function") and hasattr(mu, "remap_positions_for_packed_sequence"):
+        codes["packed"] = mu.packed_sequence_mask_function(None).__code__
+        codes["remap"] = mu.remap_positions_for_packed_sequence(mu.causal_mask_function, None).__code__
     return codes
+
+
+def _packed_pattern(fn: Callable | None) -> tuple[Callable, Tensor] | None:
+    """``(pattern, sequence ids (B, L))`` when ``fn`` is how transformers masks packed sequences (position ids
+    that restart, no padding mask): ``and_masks(remap_positions(pattern, position_ids),
+    packed_sequence_mask_function(ids))``; else None."""
+    codes = _closure_codes()
+    if fn is None or "packed" not in codes or getattr(fn, "__code__", None) is not codes["and"]:
+        return None
+    parts = _cell(fn, "mask_functions")
+    if not parts or len(parts) != 2:
+        return None
+    remap, packed = parts
+    if getattr(remap, "__code__", None) is not codes["remap"] or \
+            getattr(packed, "__code__", None) is not codes["packed"]:
+        return None
+    ids = _cell(packed, "packed_sequence_mask")
+    inner = _cell(remap, "mask_function")
+    if not isinstance(ids, Tensor) or ids.dim() != 2 or inner is None:
+        return None
+    return inner, ids
+
+
+def _packed_mask(fn: Callable | None, batch_size: int, q_length: int, kv_length: int, q_offset, kv_offset,
+                 attention_mask, device) -> "_StructuredMask | None":
+    """Packed sequences as a structured mask: ``masks.varlen`` (one row: each sequence's tiles only) or
+    ``document(ids) & pattern`` (several rows), with the layer's causal / window pattern inside each sequence
+    (transformers remaps positions to the position ids, which restart per sequence: inside a sequence only
+    their differences matter, and those are the rows')."""
+    found = _packed_pattern(fn)
+    if found is None or attention_mask is not None or (q_offset, kv_offset) != (0, 0) or q_length != kv_length:
+        return None
+    inner, ids = found
+    pattern = _pattern(inner)
+    if pattern is None or ids.shape[-1] != q_length or ids.shape[0] not in (1, batch_size):
+        return None
+    ids = ids.to(torch.device(device))
+    if ids.shape[0] == 1 and batch_size == 1:
+        starts = torch.ones(q_length, dtype=torch.bool, device=ids.device)
+        starts[1:] = ids[0, 1:] != ids[0, :-1]
+        cu = torch.cat([starts.nonzero().view(-1), torch.tensor([q_length], device=ids.device)])
+        mask = _masks.varlen(cu, cu, pattern.mask())
+    else:
+        inside = pattern.mask()
+        mask = _masks.document(ids) if inside is None else _masks.document(ids) & inside
+    return _StructuredMask(mask, (batch_size, 1, q_length, kv_length), torch.device(device))
 
 
 def _atoms(fn: Callable, depth: int = 0) -> list[tuple[str, int | None]] | None:
@@ -241,7 +293,9 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
     Gemma sliding layers and encoders) come back as an attnkit mask — ``causal()``, ``sliding_window(w - 1)``
     (HF's window ``w`` counts the query itself), ``key_padding(keep (B, Lk))`` or their ``&`` — whenever the
     offsets put query ``i`` at key position ``i + Lk - Lq`` (attnkit's bottom-right alignment; true without
-    a cache and with dynamic caches).  Anything else (packed sequences, custom overlays, static caches,
+    a cache and with dynamic caches).  Packed sequences in one row (transformers' packed-sequence mask from
+    position ids that restart, no padding mask) come back as ``masks.varlen(cu, cu, pattern)``, several rows
+    as ``document(ids) & pattern``.  Anything else (custom overlays, static caches,
     callers that need a real tensor) comes back as ``transformers``' own boolean ``(B, 1, Lq, Lk)`` mask;
     models that do their own attention instead of calling the attention interface (Bloom, MPT, ...: the
     model class of ``config.model_type`` has ``_supports_attention_backend = False`` and its source never
@@ -274,6 +328,10 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
                              attention_mask=attention_mask, dtype=kwargs.get("dtype") or torch.float32,
                              allow_is_bidirectional_skip=allow_is_bidirectional_skip, use_vmap=use_vmap,
                              device=device)
+    packed = None if use_vmap else _packed_mask(mask_function, batch_size, q_length, kv_length, q_offset,
+                                                 kv_offset, attention_mask, device)
+    if packed is not None:
+        return packed
     pattern = _pattern(mask_function)
     structured = (
         pattern is not None and not use_vmap
@@ -358,6 +416,23 @@ def _resolve_mask(module, attention_mask, q: Tensor, k: Tensor, is_causal, slidi
                     f"attention function: pass a 2-D padding mask to the model, or a bool/float 4-D tensor")
 
 
+def _with_sequence_bounds(mask, cu_q, cu_k, query: Tensor, key: Tensor):
+    """The layer's mask restricted to the packed sequences ``cu_seq_lens_q/k`` (the flash-attention keywords
+    ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` adds): ``masks.varlen`` with the layer's
+    causal / window pattern applied inside each sequence (a dense mask is intersected with it)."""
+    cu_q = cu_k if cu_q is None else cu_q
+    cu_k = cu_q if cu_k is None else cu_k
+    if query.shape[0] != 1:
+        raise ValueError(f"cu_seq_lens_q/cu_seq_lens_k describe sequences packed into one row, but the batch has "
+                         f"{query.shape[0]} rows: pack the batch into one row (DataCollatorWithFlattening)")
+    if isinstance(mask, _masks._Varlen):  # already built from the restarting position ids
+        return mask
+    if mask is None or (isinstance(mask, Mask) and _masks._per_sequence(mask)):
+        return _masks.varlen(cu_q, cu_k, mask)
+    dense = _masks.from_dense(mask) if isinstance(mask, Tensor) else mask
+    return _masks.varlen(cu_q, cu_k) & dense
+
+
 def _collecting_attentions() -> bool:
     """Whether transformers' output recorder is collecting attention weights in this forward."""
     try:
@@ -388,7 +463,9 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         position_bias: an additive float bias broadcastable to ``(B, Hq, Lq, Lk)`` (T5-style models).
         backend: the attnkit backend (bound by :func:`register`).
         kwargs: ``output_attentions=True`` (or transformers' output recorder asking for attentions) returns
-            the weights; ``indices`` (a sparse indexer's top-k keys per query, ``(B, Lq, topk)``: DeepSeek-V3.2,
+            the weights; ``cu_seq_lens_q``/``cu_seq_lens_k`` (sequences packed into one row, as
+            ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` passes them) keep each sequence to
+            itself (:func:`attnkit.masks.varlen`, the layer's pattern inside each sequence); ``indices`` (a sparse indexer's top-k keys per query, ``(B, Lq, topk)``: DeepSeek-V3.2,
             GLM-MoE-DSA and their relatives) restricts each query to those keys, as eager attention does;
             other flash-attention keywords are ignored; attention sinks (``s_aux``/``sinks``) and block
             selections (``block_indices``) raise ``ValueError``.
@@ -410,6 +487,8 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
             raise ValueError(f"{name}= ({what}) is not supported by attnkit's attention; load this model with "
                              f"attn_implementation='eager' or 'sdpa'")
     mask, additive = _resolve_mask(module, attention_mask, query, key, is_causal, sliding_window)
+    if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
+        mask = _with_sequence_bounds(mask, kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"), query, key)
     if kwargs.get("indices") is not None:  # a sparse indexer's top-k keys (eager applies them as a mask)
         sel = _selected_keys(kwargs["indices"], query, key)
         if mask is None or isinstance(mask, Tensor):

@@ -1,0 +1,212 @@
+"""``attention_varlen()``: packed variable-length sequences, without padding."""
+
+from __future__ import annotations
+
+import torch
+
+from . import masks as _masks
+from .bias import ScoreMod
+from .functional import attention
+
+Tensor = torch.Tensor
+
+__all__ = ["attention_varlen"]
+
+OWN_CALL_MIN = 128  # sequences with at least this many queries and keys run as their own call (one flash tile)
+MAX_OWN_CALLS = 64  # beyond this many such sequences, all run as one packed call (Python per call would dominate)
+
+
+# ------------------------------------------------------------------- input checks
+
+
+def _check_packed(q, k, v) -> None:
+    for name, t, layout in (("q", q, "(Tq, Hq, D)"), ("k", k, "(Tk, Hkv, D)"), ("v", v, "(Tk, Hkv, Dv)")):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"attention_varlen: {name} must have 3 dims {layout} (the sequences packed along the "
+                             f"first), got shape {tuple(t.shape)}; for (B, H, L, D) tensors use attention()")
+
+
+def _check_cu(name: str, cu, total: int, what: str, device: torch.device) -> Tensor:
+    if not isinstance(cu, Tensor):
+        raise TypeError(f"{name} must be an int32 tensor of n + 1 prefix sums [0, L0, L0 + L1, ...], got "
+                        f"{type(cu).__name__}: pass torch.tensor(..., dtype=torch.int32)")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must have dtype torch.int32 (as flash_attn_varlen_func takes), got {cu.dtype}: "
+                        f"pass {name}.to(torch.int32)")
+    if cu.dim() != 1 or cu.numel() == 0:
+        raise ValueError(f"{name} must be 1-D with n + 1 entries (0 first), got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name} is on {cu.device} but q is on {device}: move it with {name}.to(q.device)")
+    first, last = int(cu[0]), int(cu[-1])
+    if first != 0:
+        raise ValueError(f"{name}[0]={first} must be 0: {name} holds prefix sums of the lengths, [0, L0, L0 + L1, "
+                         f"...] (torch.nn.functional.pad(lengths.cumsum(0), (1, 0)))")
+    steps = cu.diff()
+    if bool((steps < 0).any()):
+        i = int((steps < 0).nonzero()[0, 0])
+        raise ValueError(f"{name} must not decrease (zero-length sequences repeat an entry), got {name}[{i}]="
+                         f"{int(cu[i])} > {name}[{i + 1}]={int(cu[i + 1])}")
+    if last != total:
+        raise ValueError(f"{name}[-1]={last} must equal the number of packed {what}, {total}: the last prefix "
+                         f"sum is the total length")
+    return cu
+
+
+def _check_max(name: str, value, cu: Tensor, cu_name: str) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int or None, got {value!r}")
+    longest = int(cu.diff().max()) if cu.numel() > 1 else 0
+    if value < longest:
+        raise ValueError(f"{name}={value} is smaller than the longest sequence in {cu_name} ({longest}): pass "
+                         f"int({cu_name}.diff().max()), or None")
+
+
+def _check_varlen_bias(bias, hq: int, tq: int, tk: int):
+    if bias is None:
+        return None
+    if isinstance(bias, ScoreMod) or (callable(bias) and not isinstance(bias, Tensor)):
+        raise TypeError("attention_varlen: bias modifiers (alibi, relative_buckets, from_fn) read positions of "
+                        "one (Lq, Lk) matrix, not of each packed sequence; pass a float tensor broadcastable to "
+                        f"(Hq, Tq, Tk)=({hq}, {tq}, {tk}) in packed coordinates, or call attention() per sequence")
+    if not isinstance(bias, Tensor):
+        raise TypeError(f"bias must be None or a float tensor broadcastable to (Hq, Tq, Tk), got "
+                        f"{type(bias).__name__}")
+    if bias.dim() > 3:
+        raise ValueError(f"attention_varlen: bias must broadcast to (Hq, Tq, Tk)=({hq}, {tq}, {tk}), got shape "
+                         f"{tuple(bias.shape)}")
+    return bias[None]  # (1, Hq|1, Tq|1, Tk|1); attention() checks the rest
+
+
+def _split(result) -> tuple[Tensor, Tensor | None]:
+    """(out (1, H, L, Dv), lse (H, L) or None) from attention()'s result."""
+    return (result[0], result[1][0]) if isinstance(result, tuple) else (result, None)
+
+
+# ---------------------------------------------------------------------- public API
+
+
+def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *,
+                     max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, mask=None, bias=None,
+                     scale: float | None = None, softcap: float | None = None, dropout_p: float = 0.0,
+                     return_lse: bool = False, backend: str = "auto"):
+    """Attention over packed variable-length sequences: each sequence attends only within itself.
+
+    Args:
+        q: ``(Tq, Hq, D)`` the queries of ``n`` sequences packed along the first axis (no padding).
+        k: ``(Tk, Hkv, D)`` keys; ``Hq`` a multiple of ``Hkv`` (grouped-query attention).
+        v: ``(Tk, Hkv, Dv)`` values.
+        cu_seqlens_q: ``(n + 1,)`` int32 prefix sums of the query lengths, ``[0, Lq_0, Lq_0 + Lq_1, ..., Tq]``:
+            sequence ``s`` owns rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]``.  Zero-length sequences repeat an
+            entry.  On q's device.
+        cu_seqlens_k: ``(n + 1,)`` int32, the same for the keys (``Lk_s`` may differ from ``Lq_s``).
+        max_seqlen_q, max_seqlen_k: the longest sequence (``flash_attn_varlen_func``'s hints); checked when
+            given (never smaller than the longest), otherwise unused.
+        mask: ``None`` (every query sees all keys of its sequence) or an :class:`attnkit.masks.Mask` applied
+            within each sequence with that sequence's positions: ``causal``, ``sliding_window``, ``prefix_lm``,
+            ``block_local``, ``strided``, ``dilated``, ``global_tokens``, ``from_fn`` (it gets local rows and
+            keys) and their ``&``, ``|``, ``~``.  See :func:`attnkit.masks.varlen`.
+        bias: ``None`` or a float tensor broadcastable to ``(Hq, Tq, Tk)`` in packed coordinates.
+        scale, softcap, dropout_p, backend: as for :func:`attnkit.attention`.
+        return_lse: also return the log-sum-exp ``(Hq, Tq)`` (float32; float64 for float64 inputs), the layout
+            of ``flash_attn_varlen_func``'s ``softmax_lse``.
+
+    Returns:
+        ``out (Tq, Hq, Dv)``; with ``return_lse``, ``(out, lse (Hq, Tq))``.
+
+    Positions are each sequence's own: with the default bottom-right alignment, local query row ``i`` of
+    sequence ``s`` sits at position ``i + Lk_s - Lq_s`` (as ``flash_attn_varlen_func`` aligns causal), and
+    ``align="top_left"`` puts it at ``i``, relative to the sequence's start.  Two sequences, causal::
+
+        cu_seqlens_q = [0, 2, 5], cu_seqlens_k = [0, 3, 5]
+              k: 0 1 2 | 3 4
+        q0       █ █ · | · ·
+        q1       █ █ █ | · ·
+        q2       · · · | · ·    <- Lq_1 = 3 > Lk_1 = 2: the first row sees nothing (output 0, lse -inf)
+        q3       · · · | █ ·
+        q4       · · · | █ █
+
+    A row that may attend to nothing (also every row of a sequence with no keys) gives 0, ``lse = -inf``
+    and zero gradients.  Nothing is padded to ``(n, max_len)``: a sequence with at least ``OWN_CALL_MIN``
+    (128) queries and keys runs as its own :func:`attnkit.attention` call on views of the packed tensors
+    (tiles aligned with its start; up to ``MAX_OWN_CALLS`` such calls, none with a ``bias``), and the others
+    share one call on their packed tokens under :func:`attnkit.masks.varlen`, whose block structure lets
+    the ``flash`` (and ``triton``) backend visit only each sequence's tiles (``math`` and ``sdpa`` take it
+    through its dense form).  Gradients flow through every part.
+
+    Example::
+
+        >>> import torch, attnkit
+        >>> lengths = torch.tensor([3, 0, 5])
+        >>> cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)  # [0, 3, 3, 8]
+        >>> q = torch.randn(8, 4, 16); k = v = torch.randn(8, 2, 16)
+        >>> out = attnkit.attention_varlen(q, k, v, cu, cu, mask=attnkit.masks.causal())
+        >>> out.shape
+        torch.Size([8, 4, 16])
+        >>> one = attnkit.attention(q[3:].transpose(0, 1)[None], k[3:].transpose(0, 1)[None],
+        ...                         v[3:].transpose(0, 1)[None], mask=attnkit.masks.causal())
+        >>> torch.allclose(out[3:], one[0].transpose(0, 1), atol=1e-6)
+        True
+    """
+    _check_packed(q, k, v)
+    cu_q = _check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[0], "queries (q.shape[0])", q.device)
+    cu_k = _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[0], "keys (k.shape[0])", q.device)
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(f"cu_seqlens_q has {cu_q.numel()} entries and cu_seqlens_k {cu_k.numel()}: both need "
+                         f"n + 1 entries for the same n sequences")
+    if v.shape[0] != k.shape[0]:
+        raise ValueError(f"k and v must pack the same keys, got Tk={k.shape[0]} for k and {v.shape[0]} for v")
+    _check_max("max_seqlen_q", max_seqlen_q, cu_q, "cu_seqlens_q")
+    _check_max("max_seqlen_k", max_seqlen_k, cu_k, "cu_seqlens_k")
+    if mask is not None and not isinstance(mask, _masks.Mask):
+        raise TypeError(f"attention_varlen: mask must be None or an attnkit.masks.Mask applied within each "
+                        f"sequence (e.g. masks.causal()), got {type(mask).__name__}")
+    if mask is not None:
+        _masks.varlen(cu_q[:1], cu_k[:1], mask)  # (checks that the mask applies per sequence)
+    bias = _check_varlen_bias(bias, q.shape[1], q.shape[0], k.shape[0])
+    kw = dict(mask=mask, scale=scale, softcap=softcap, dropout_p=dropout_p, return_lse=return_lse,
+              backend=backend)
+    lq, lk = cu_q.diff().tolist(), cu_k.diff().tolist()
+    starts_q, starts_k = cu_q[:-1].tolist(), cu_k[:-1].tolist()
+    alone = [s for s in range(len(lq)) if min(lq[s], lk[s]) >= OWN_CALL_MIN]
+    if bias is not None or len(alone) > MAX_OWN_CALLS:
+        alone = []
+    packed = [s for s in range(len(lq)) if s not in set(alone) and lq[s] > 0]
+    outs, lses, rows = [], [], []
+    if alone:  # heads first, once: a sequence's (1, H, L, D) slice is then a view with contiguous rows
+        qh, kh, vh = (t.transpose(0, 1).contiguous() for t in (q, k, v))  # (H, T, D)
+    for s in alone:  # a long sequence: its own call, tiles aligned with its start (views, no copies)
+        a, b, c, d = starts_q[s], starts_q[s] + lq[s], starts_k[s], starts_k[s] + lk[s]
+        o, lse = _split(attention(qh[None, :, a:b], kh[None, :, c:d], vh[None, :, c:d], **kw))  # (1, H, L, D)
+        outs.append(o[0].transpose(0, 1))  # (Lq_s, Hq, Dv)
+        lses.append(lse)  # (Hq, Lq_s) or None
+        rows.append(torch.arange(a, b, device=q.device))
+    if packed:  # the others: one call on their packed tokens under masks.varlen
+        if len(packed) == len(lq):
+            qp, kp, vp, rq = q, k, v, None
+            cq, ck = cu_q, cu_k
+        else:
+            rq = torch.cat([torch.arange(starts_q[s], starts_q[s] + lq[s]) for s in packed]).to(q.device)
+            rk = torch.cat([torch.arange(starts_k[s], starts_k[s] + lk[s]) for s in packed]).to(q.device)
+            qp, kp, vp = q[rq], k[rk], v[rk]
+            cq = torch.tensor([0] + [lq[s] for s in packed], device=q.device).cumsum(0)
+            ck = torch.tensor([0] + [lk[s] for s in packed], device=q.device).cumsum(0)
+        o, lse = _split(attention(*(t.transpose(0, 1)[None] for t in (qp, kp, vp)), **{
+            **kw, "mask": _masks.varlen(cq, ck, mask), "bias": bias}))  # (1, H, T, D) views
+        outs.append(o[0].transpose(0, 1))
+        lses.append(lse)
+        rows.append(torch.arange(q.shape[0], device=q.device) if rq is None else rq)
+    if not outs:  # no queries at all
+        out, lse = _split(attention(*(t.transpose(0, 1)[None] for t in (q, k, v)), **kw))
+        out = out[0].transpose(0, 1)
+    elif len(outs) == 1 and rows[0].numel() == q.shape[0] and len(alone) == 0:
+        out, lse = outs[0], lses[0]
+    else:
+        order = torch.cat(rows).argsort()  # the packed order back
+        out = torch.cat(outs)[order]
+        lse = torch.cat(lses, dim=1)[:, order] if return_lse else None
+    out = out.contiguous()  # (Tq, Hq, Dv)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,134 @@
+"""Padding-free training: a batch packed by DataCollatorWithFlattening gives the padded batch's loss and
+gradients with attn_implementation="attnkit"."""
+
+import pytest
+import torch
+
+from attnkit import masks
+
+transformers = pytest.importorskip("transformers")
+from transformers import masking_utils as mu  # noqa: E402
+
+from attnkit.integrations import hf  # noqa: E402
+
+V = 96
+TOL = 1e-4
+_COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, attention_dropout=0.0)
+LENGTHS = [5, 11, 1, 8]  # a one-token sequence too
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _registered():
+    assert hf.register() == "attnkit"
+
+
+def _model(name: str, impl: str):
+    torch.manual_seed(0)
+    cfg = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+           "mistral": transformers.MistralConfig}[name]
+    extra = {"sliding_window": 4} if name == "mistral" else {}
+    return transformers.AutoModelForCausalLM.from_config(cfg(**_COMMON, **extra), attn_implementation=impl).train()
+
+
+def _sequences():
+    g = torch.Generator().manual_seed(2)
+    return [torch.randint(3, V, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def _padded(seqs):
+    """Right-padded (B, Lmax) batch; no loss on padding."""
+    n = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), n, dtype=torch.long)
+    am = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s)
+        am[i, :len(s)] = 1
+    return {"input_ids": ids, "attention_mask": am, "labels": ids.masked_fill(am == 0, -100)}
+
+
+def _loss_and_grads(model, batch):
+    model.zero_grad()
+    loss = model(**batch, use_cache=False).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same(got, want):
+    (loss, grads), (ref_loss, ref_grads) = got, want
+    assert abs(float(loss) - float(ref_loss)) <= TOL * max(1.0, abs(float(ref_loss)))
+    assert grads.keys() == ref_grads.keys() and len(grads) > 5
+    for n in ref_grads:
+        scale = max(1.0, ref_grads[n].abs().max().item())
+        err = (grads[n] - ref_grads[n]).abs().max().item()
+        assert err <= TOL * scale, f"grad of {n} differs by {err:.2e}"
+
+
+@pytest.mark.parametrize("flash_kwargs", [False, True], ids=["position-ids", "cu-seq-lens"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral"])
+def test_packed_batch_gives_the_padded_loss_and_gradients(name, flash_kwargs, monkeypatch):
+    seqs = _sequences()
+    want = _loss_and_grads(_model(name, "eager"), _padded(seqs))
+    model = _model(name, "attnkit")
+    _assert_same(_loss_and_grads(model, _padded(seqs)), want)
+    collate = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)
+    packed = collate([{"input_ids": s} for s in seqs])
+    assert packed["input_ids"].shape == (1, sum(LENGTHS)) and ("cu_seq_lens_q" in packed) == flash_kwargs
+    seen = []
+    real = hf.attention
+
+    def spy(q, k, v, **kw):
+        seen.append(kw["mask"])
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(hf, "attention", spy)
+    _assert_same(_loss_and_grads(model, packed), want)
+    # the work follows the real tokens: every layer got the packed-sequence mask, no dense (B, 1, L, L) one
+    assert seen and all(isinstance(m, masks._Varlen) for m in seen)
+    assert all(m.cu_q.tolist() == [0, 5, 16, 17, 25] for m in seen)
+
+
+def test_cu_seq_lens_without_position_ids_keep_sequences_apart():
+    """Only the flash-attention keywords mark the sequences (position ids count on): still packed."""
+    seqs = _sequences()
+    model = _model("llama", "attnkit").eval()
+    collate = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=False)
+    packed = collate([{"input_ids": s} for s in seqs])
+    assert "position_ids" not in packed
+    with torch.no_grad():
+        logits = model(input_ids=packed["input_ids"], cu_seq_lens_q=packed["cu_seq_lens_q"],
+                       cu_seq_lens_k=packed["cu_seq_lens_k"], max_length_q=packed["max_length_q"],
+                       max_length_k=packed["max_length_k"], use_cache=False).logits
+        # the third sequence alone, at positions 16.. as in the packed row (the rotary phase is relative anyway)
+        alone = model(input_ids=torch.tensor([seqs[1]]), position_ids=torch.arange(5, 16)[None],
+                      use_cache=False).logits
+    torch.testing.assert_close(logits[0, 5:16], alone[0], atol=TOL, rtol=0)
+
+
+def test_build_mask_turns_the_packed_sequence_mask_into_varlen():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    ids = mu.find_packed_sequence_indices(pos)
+    for fn, inner in ((mu.causal_mask_function, "causal"), (mu.sliding_window_causal_mask_function(2), "window")):
+        packed = mu.and_masks(mu.remap_positions_for_packed_sequence(fn, pos), mu.packed_sequence_mask_function(ids))
+        got = hf.build_mask(1, 9, 9, mask_function=packed, allow_is_causal_skip=False)
+        assert isinstance(got.mask, masks._Varlen) and got.mask.cu_q.tolist() == [0, 3, 5, 9], inner
+        want = mu.sdpa_mask(batch_size=1, q_length=9, kv_length=9, mask_function=packed,
+                            allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
+        assert torch.equal(got.to_dense(), want)
+        # two rows: a document mask with the pattern, equal to transformers' own too
+        pos2 = torch.cat([pos, torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3]])])
+        ids2 = mu.find_packed_sequence_indices(pos2)
+        packed2 = mu.and_masks(mu.remap_positions_for_packed_sequence(fn, pos2),
+                               mu.packed_sequence_mask_function(ids2))
+        got2 = hf.build_mask(2, 9, 9, mask_function=packed2, allow_is_causal_skip=False)
+        want2 = mu.sdpa_mask(batch_size=2, q_length=9, kv_length=9, mask_function=packed2,
+                             allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
+        assert torch.equal(got2.to_dense(), want2)
+
+
+def test_cu_seq_lens_for_several_rows_are_refused():
+    q = torch.randn(2, 4, 6, 8)
+    k = v = torch.randn(2, 2, 6, 8)
+    cu = torch.tensor([0, 3, 6], dtype=torch.int32)
+    with pytest.raises(ValueError, match="packed into one row, but the batch has 2 rows"):
+        hf.attention_forward(torch.nn.Module(), q, k, v, None, is_causal=True, cu_seq_lens_q=cu, cu_seq_lens_k=cu)

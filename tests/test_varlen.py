@@ -1,0 +1,255 @@
+"""attention_varlen and masks.varlen against per-sequence attention() calls under the numerical rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnkit
+from attnkit import masks
+from attnkit.testing import reference
+
+MASKS = {
+    "none": lambda: None,
+    "causal": lambda: masks.causal(),
+    "causal-top-left": lambda: masks.causal(align="top_left"),
+    "sliding-window": lambda: masks.sliding_window(5),
+    "window-both-sides": lambda: masks.sliding_window(3, 2),
+    "prefix-lm": lambda: masks.prefix_lm(4),
+    "window-and-top-left-causal": lambda: masks.sliding_window(6) & masks.causal(align="top_left"),
+    "strided": lambda: masks.strided(3),
+    "window-or-global": lambda: masks.sliding_window(2, 2) | masks.global_tokens([0]),
+    "not-causal": lambda: ~masks.causal(),
+}
+
+
+def _cu(lengths) -> torch.Tensor:
+    return torch.nn.functional.pad(torch.tensor(lengths, dtype=torch.int64).cumsum(0), (1, 0)).to(torch.int32)
+
+
+def _heads_first(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(0, 1)[None]  # (T, H, D) -> (1, H, T, D)
+
+
+def _per_sequence(fn, q, k, v, cu_q, cu_k, *, mask=None, **kwargs):
+    """``fn`` (attention or the reference) on each sequence alone, packed back as (Tq, Hq, Dv)."""
+    outs = []
+    for s in range(cu_q.numel() - 1):
+        a, b, c, d = int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s]), int(cu_k[s + 1])
+        out = fn(_heads_first(q[a:b]), _heads_first(k[c:d]), _heads_first(v[c:d]), mask=mask, **kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+        outs.append(out[0].transpose(0, 1))
+    return torch.cat(outs) if outs else q.new_zeros(0, q.shape[1], v.shape[2])
+
+
+def _oracle_attention(q, k, v, **kwargs):
+    return attnkit.attention(q, k, v, backend="math", **kwargs)
+
+
+def _check_rule(q, k, v, cu_q, cu_k, mask_name, backend, dtype=torch.float32, **kwargs):
+    """varlen output and gradients against per-sequence attention() in float64 (the oracle); the bound is
+    the rule's, from the per-sequence textbook formula in ``dtype``."""
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    out = attnkit.attention_varlen(*leaves, cu_q, cu_k, mask=MASKS[mask_name](), backend=backend, **kwargs)
+    o64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    oracle = _per_sequence(_oracle_attention, *o64, cu_q, cu_k, mask=MASKS[mask_name](), **kwargs)
+    nv = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    naive = _per_sequence(reference, *nv, cu_q, cu_k, mask=MASKS[mask_name](), **kwargs)
+    assert out.shape == oracle.shape and out.dtype == dtype
+    err = lambda a, b: float((a.detach().double() - b.detach().double()).abs().max()) if a.numel() else 0.0  # noqa: E731
+    assert err(out, oracle) <= 2 * err(naive, oracle) + 1e-6, (err(out, oracle), err(naive, oracle))
+    g = torch.randn(oracle.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    out.backward(g.to(dtype))
+    oracle.backward(g)
+    naive.backward(g.to(dtype))
+    for name, a, o, n in zip("qkv", leaves, o64, nv):
+        ga = a.grad if a.grad is not None else torch.zeros_like(a)
+        go = o.grad if o.grad is not None else torch.zeros_like(o)
+        gn = n.grad if n.grad is not None else torch.zeros_like(n)
+        assert err(ga, go) <= 3 * err(gn, go) + 1e-6, (name, err(ga, go), err(gn, go))
+
+
+def _packed(lengths_q, lengths_k, hq=4, hkv=2, d=16, dv=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    dv = d if dv is None else dv
+    q = torch.randn(sum(lengths_q), hq, d, generator=g)
+    k = torch.randn(sum(lengths_k), hkv, d, generator=g)
+    v = torch.randn(sum(lengths_k), hkv, dv, generator=g)
+    return q, k, v, _cu(lengths_q), _cu(lengths_k)
+
+
+# ------------------------------------------------------------------------------------------ properties
+
+
+@settings(max_examples=20, deadline=None)
+@given(seqs=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40), st.booleans()), min_size=1, max_size=4),
+       heads=st.sampled_from([(2, 1), (4, 2), (3, 3)]), dims=st.sampled_from([(8, 8), (16, 8), (4, 12)]),
+       mask_name=st.sampled_from(sorted(MASKS)), backend=st.sampled_from(["math", "sdpa", "flash"]),
+       seed=st.integers(0, 2 ** 16))
+def test_varlen_matches_per_sequence_attention(seqs, heads, dims, mask_name, backend, seed):
+    lengths_q = [lq for lq, _, _ in seqs]
+    lengths_k = [lq if same else lk for lq, lk, same in seqs]  # Lq == Lk or not, per sequence
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, *heads, *dims, seed=seed)
+    _check_rule(q, k, v, cu_q, cu_k, mask_name, backend)
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa", "flash"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_sequences_with_zero_lengths(backend, dtype):
+    # several tiles per sequence (flash's 64/128-row tiles), a zero-length sequence, one with no keys
+    q, k, v, cu_q, cu_k = _packed([150, 0, 300, 7, 90], [170, 5, 300, 0, 60], hq=4, hkv=1, d=32)
+    _check_rule(q, k, v, cu_q, cu_k, "causal", backend, dtype)
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa", "flash"])
+def test_softcap_scale_and_bias(backend):
+    softcap = None if backend == "sdpa" else 5.0  # (SDPA has no softcap)
+    q, k, v, cu_q, cu_k = _packed([20, 33], [25, 30])
+    bias = torch.randn(4, q.shape[0], k.shape[0], generator=torch.Generator().manual_seed(3))
+    out = attnkit.attention_varlen(q, k, v, cu_q, cu_k, mask=masks.causal(), bias=bias, softcap=softcap, scale=0.3,
+                                   backend=backend)
+    ref = []
+    for s in range(2):
+        a, b, c, d = int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s]), int(cu_k[s + 1])
+        o = attnkit.attention(*(_heads_first(t).double() for t in (q[a:b], k[c:d], v[c:d])), mask=masks.causal(),
+                              bias=bias[None, :, a:b, c:d].double(), softcap=softcap, scale=0.3, backend="math")
+        ref.append(o[0].transpose(0, 1))
+    torch.testing.assert_close(out.double(), torch.cat(ref), atol=1e-5, rtol=0)
+
+
+def test_lse_layout_and_rows_that_see_nothing():
+    q, k, v, cu_q, cu_k = _packed([3, 4, 2], [3, 2, 0])
+    out, lse = attnkit.attention_varlen(q, k, v, cu_q, cu_k, mask=masks.causal(), return_lse=True)
+    assert out.shape == (9, 4, 16) and lse.shape == (4, 9)  # lse (Hq, Tq), as flash_attn_varlen_func
+    # sequence 1: 4 queries on 2 keys, bottom-right causal: its first two rows see nothing; sequence 2 has no keys
+    for row in (3, 4, 7, 8):
+        assert torch.isneginf(lse[:, row]).all() and (out[row] == 0).all()
+    _, want = reference(*(_heads_first(t) for t in (q[:3], k[:3], v[:3])), mask=masks.causal())
+    torch.testing.assert_close(lse[:, :3], want[0])
+
+
+def test_gradients_of_rows_that_see_nothing_are_zero():
+    q, k, v, cu_q, cu_k = _packed([2, 3], [0, 3])
+    q.requires_grad_()
+    attnkit.attention_varlen(q, k, v, cu_q, cu_k, backend="flash").sum().backward()
+    assert (q.grad[:2] == 0).all() and torch.isfinite(q.grad).all()
+
+
+def test_no_sequences():
+    q, k, v = torch.randn(0, 2, 8), torch.randn(0, 1, 8), torch.randn(0, 1, 8)
+    cu = torch.zeros(1, dtype=torch.int32)
+    assert attnkit.attention_varlen(q, k, v, cu, cu).shape == (0, 2, 8)
+
+
+def test_flash_visits_only_each_sequences_tiles():
+    lengths = [300, 70, 500, 130]
+    cu = _cu(lengths)
+    total = sum(lengths)
+    s = masks.varlen(cu, cu, masks.causal()).block_structure(total, total, 64, 64)
+    kinds = s.kinds()[0, 0]  # (nq, nk)
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    doc = masks.document(ids) & masks.causal()
+    # the same tiles as the document mask (every tile of every sequence, causal inside), no more
+    assert torch.equal(kinds, doc.block_structure(total, total, 64, 64).kinds()[0, 0])
+    dense = masks.varlen(cu, cu, masks.causal()).to_dense(total, total)[0, 0]
+    pad = (0, kinds.shape[1] * 64 - total, 0, kinds.shape[0] * 64 - total)
+    tiles = torch.nn.functional.pad(dense, pad).view(kinds.shape[0], 64, kinds.shape[1], 64).any(3).any(1)
+    assert torch.equal(kinds > 0, tiles)  # a tile is visited iff one of its elements may attend
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.tuples(st.integers(0, 50), st.integers(0, 50)), min_size=1, max_size=5),
+       mask_name=st.sampled_from(sorted(MASKS)), block=st.sampled_from([(8, 8), (16, 8), (7, 13)]))
+def test_block_structure_is_exact_or_conservative(lengths, mask_name, block):
+    """No tile with an element that may attend is skipped, and every full tile is full."""
+    cu_q, cu_k = _cu([a for a, _ in lengths]), _cu([b for _, b in lengths])
+    tq, tk = int(cu_q[-1]), int(cu_k[-1])
+    m = masks.varlen(cu_q, cu_k, MASKS[mask_name]())
+    s = m.block_structure(tq, tk, *block)
+    if tq == 0 or tk == 0:
+        return
+    kinds = s.kinds()[0, 0]
+    nq, nk = kinds.shape
+    bq, bk = block
+    pad = (0, nk * bk - tk, 0, nq * bq - tq)
+    dense = torch.nn.functional.pad(m.to_dense(tq, tk)[0, 0], pad).view(nq, bq, nk, bk)
+    valid = torch.nn.functional.pad(torch.ones(tq, tk, dtype=torch.bool), pad).view(nq, bq, nk, bk)
+    assert not (dense.any(3).any(1) & (kinds == masks.EMPTY)).any()
+    assert not ((kinds == masks.FULL) & ~(dense | ~valid).all(3).all(1)).any()
+
+
+def test_varlen_mask_positions_are_per_sequence():
+    m = masks.varlen([0, 2, 5], [0, 3, 5], mask=masks.causal())
+    assert m.to_dense(5, 5)[0, 0].int().tolist() == [[1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 0, 0],
+                                                     [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]]
+    m = masks.varlen([0, 2, 5], [0, 3, 5], mask=masks.causal(align="top_left"))
+    assert m.to_dense(5, 5)[0, 0].int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 0, 1, 0],
+                                                     [0, 0, 0, 1, 1], [0, 0, 0, 1, 1]]
+    fn = masks.from_fn(lambda b, h, i, j: j == i, name="diagonal")  # local rows and keys
+    assert masks.varlen([0, 2, 4], mask=fn).to_dense(4, 4)[0, 0].int().tolist() == [
+        [1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]]
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+
+def _bad(**override):
+    q, k, v, cu_q, cu_k = _packed([3, 4], [5, 2])
+    args = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
+    kwargs = {n: override.pop(n) for n in list(override) if n not in args}
+    args.update(override)
+    return lambda: attnkit.attention_varlen(args["q"], args["k"], args["v"], args["cu_seqlens_q"],
+                                            args["cu_seqlens_k"], **kwargs)
+
+
+@pytest.mark.parametrize("override, error, match", [
+    ({"cu_seqlens_q": torch.tensor([0, 3, 7])}, TypeError, "must have dtype torch.int32.*got torch.int64"),
+    ({"cu_seqlens_q": [0, 3, 7]}, TypeError, "cu_seqlens_q must be an int32 tensor"),
+    ({"cu_seqlens_q": torch.tensor([0, 5, 3, 7], dtype=torch.int32)}, ValueError, "must not decrease"),
+    ({"cu_seqlens_q": torch.tensor([1, 3, 7], dtype=torch.int32)}, ValueError, r"cu_seqlens_q\[0\]=1 must be 0"),
+    ({"cu_seqlens_q": torch.tensor([0, 3, 6], dtype=torch.int32)}, ValueError,
+     r"cu_seqlens_q\[-1\]=6 must equal the number of packed queries.*7"),
+    ({"cu_seqlens_k": torch.tensor([0, 5, 8], dtype=torch.int32)}, ValueError, r"cu_seqlens_k\[-1\]=8"),
+    ({"cu_seqlens_k": torch.tensor([0, 7], dtype=torch.int32)}, ValueError, "3 entries and cu_seqlens_k 2"),
+    ({"cu_seqlens_q": torch.tensor([[0, 3, 7]], dtype=torch.int32)}, ValueError, "must be 1-D"),
+    ({"cu_seqlens_q": torch.tensor([0, 3, 7], dtype=torch.int32, device="meta")}, ValueError,
+     "cu_seqlens_q is on meta but q is on cpu"),
+    ({"max_seqlen_q": 3}, ValueError, "max_seqlen_q=3 is smaller than the longest sequence.*4"),
+    ({"max_seqlen_k": 2.0}, TypeError, "max_seqlen_k must be an int"),
+    ({"q": torch.randn(1, 7, 4, 16)}, ValueError, "q must have 3 dims"),
+    ({"mask": torch.ones(7, 7, dtype=torch.bool)}, TypeError, "mask must be None or an attnkit.masks.Mask"),
+    ({"mask": masks.key_padding([3])}, ValueError, "cannot be applied within each packed sequence"),
+    ({"mask": masks.random_blocks(2, 1)}, ValueError, "cannot be applied within each packed sequence"),
+    ({"bias": attnkit.bias.alibi(attnkit.bias.alibi_slopes(4))}, TypeError, "bias modifiers"),
+])
+def test_bad_input_is_refused(override, error, match):
+    with pytest.raises(error, match=match):
+        _bad(**override)()
+
+
+def test_max_seqlen_hints_are_accepted():
+    q, k, v, cu_q, cu_k = _packed([3, 4], [5, 2])
+    out = attnkit.attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=4, max_seqlen_k=9)
+    torch.testing.assert_close(out, attnkit.attention_varlen(q, k, v, cu_q, cu_k))
+
+
+def test_varlen_mask_refuses_a_batch_and_wrong_lengths():
+    m = masks.varlen([0, 3, 7])
+    with pytest.raises(ValueError, match="one batch element, got a batch of 2"):
+        attnkit.attention(torch.randn(2, 1, 7, 4), torch.randn(2, 1, 7, 4), torch.randn(2, 1, 7, 4), mask=m)
+    with pytest.raises(ValueError, match=r"end at Tq=7 and Tk=7.*\(6, 6\)"):
+        attnkit.attention(torch.randn(1, 1, 6, 4), torch.randn(1, 1, 6, 4), torch.randn(1, 1, 6, 4), mask=m)
+
+
+@pytest.mark.parametrize("backend", ["math", "flash"])
+def test_long_and_short_sequences_together_keep_the_packed_order(backend):
+    """Long sequences run as their own calls, short ones packed: outputs and lse come back in packed order."""
+    q, k, v, cu_q, cu_k = _packed([5, 140, 0, 20, 130], [9, 135, 3, 20, 200], hq=2, hkv=1, d=8)
+    out, lse = attnkit.attention_varlen(q, k, v, cu_q, cu_k, mask=masks.sliding_window(50), return_lse=True,
+                                        backend=backend)
+    m = masks.varlen(cu_q, cu_k, masks.sliding_window(50))
+    want, want_lse = reference(*(_heads_first(t) for t in (q, k, v)), mask=m)
+    torch.testing.assert_close(out, want[0].transpose(0, 1), atol=1e-5, rtol=0)
+    torch.testing.assert_close(lse, want_lse[0], atol=1e-5, rtol=0)
