@@ -378,6 +378,36 @@ def _():
         raise AssertionError("the backward ran on a changed bias")
 
 
+def _garbage_case(mask_fn, fill, softcap=None):
+    """NaN or inf in the keys and values no query may see changes nothing: the result (and the gradients)
+    of the same call with zeros there, and zero gradients for the hidden slots."""
+    B, Hq, Hkv, L, D = 2, 4, 2, 35, 16
+    lengths = [21, 35]
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(B, Hq, L, D, generator=g), torch.randn(B, Hkv, L, D, generator=g), \
+        torch.randn(B, Hkv, L, D, generator=g)
+    junk = (torch.arange(L)[None, :] >= torch.tensor(lengths)[:, None])[:, None, :, None].expand(B, Hkv, L, D)
+    k, v = k.masked_fill(junk, 0.0), v.masked_fill(junk, 0.0)
+    results = []
+    for kk, vv in ((k, v), (k.masked_fill(junk, fill), v.masked_fill(junk, -fill if fill == fill else fill))):
+        leaves = [t.clone().requires_grad_() for t in (q, kk, vv)]
+        out = _triton(*leaves, mask=mask_fn(lengths), softcap=softcap)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(4)))
+        results.append([out.detach()] + [t.grad for t in leaves])
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
+        assert torch.isfinite(a).all(), name
+        torch.testing.assert_close(a, b)
+    for grad in results[1][2:]:
+        assert torch.equal(grad[junk], torch.zeros_like(grad[junk]))
+
+
+for _fill in ("nan", "inf", "-inf"):
+    CASES[f"garbage-{_fill}-key-padding"] = (lambda f: lambda: _garbage_case(masks.key_padding, float(f)))(_fill)
+CASES["garbage-nan-bool-key-mask-causal-softcap"] = lambda: _garbage_case(
+    lambda n: masks.key_padding(torch.arange(35)[None, :] < torch.tensor(n)[:, None]) & masks.causal(),
+    float("nan"), softcap=4.0)
+
+
 # ----------------------------------------------------------------------------------- the child runner
 
 

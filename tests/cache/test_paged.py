@@ -500,3 +500,35 @@ def test_paged_attention_gradients_reach_the_query_and_the_pool(head_major):
     torch.testing.assert_close(out, ref)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("fill", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("mask,lq", [(None, 1), (masks.sliding_window(4), 1), (masks.causal(), 3)])
+@pytest.mark.parametrize("layout", ["block", "head"])
+def test_garbage_in_unfilled_and_hidden_slots_reaches_no_row(fill, mask, lq, layout):
+    """The unfilled end of a sequence's last block, blocks no sequence reads, and (under a mask) keys no query
+    may see can hold anything (an uninitialised pool): the result is the one with zeros there, never NaN."""
+    k_pool, v_pool = _pool(nb=12)
+    table = torch.tensor([[3, 5, 9], [1, 0, 0], [7, 2, 4]], dtype=torch.int32)
+    lens = torch.tensor([9, 3, 11], dtype=torch.int32)
+    bs = k_pool.shape[2]
+    junk = torch.zeros(k_pool.shape[:3], dtype=torch.bool)  # (NB, Hkv, bs) slots no query may see
+    junk[[6, 8, 10, 11]] = True  # blocks no sequence reads (some inside the spans read whole)
+    for b, n in enumerate(lens.tolist()):
+        for p in range(n, table.shape[1] * bs):
+            if p // bs < -(-n // bs):
+                junk[int(table[b, p // bs]), :, p % bs] = True
+        if isinstance(mask, masks.Mask) and lq == 1:  # a window of 4 keys behind the newest query
+            for p in range(0, n - 5):
+                junk[int(table[b, p // bs]), :, p % bs] = True
+    if layout == "head":
+        k_pool, v_pool = (t.transpose(0, 1).contiguous().transpose(0, 1) for t in (k_pool, v_pool))
+    clean_k, clean_v = (t.masked_fill(junk[..., None], 0.0) for t in (k_pool, v_pool))
+    q = torch.randn(3, 4, lq, 8, dtype=F64)
+    want = paged_attention(q, clean_k, clean_v, table, lens, mask=mask)
+    for which in ("k", "v"):
+        bad_k = clean_k.masked_fill(junk[..., None], fill) if which == "k" else clean_k
+        bad_v = clean_v.masked_fill(junk[..., None], fill) if which == "v" else clean_v
+        got = paged_attention(q, bad_k, bad_v, table, lens, mask=mask)
+        assert torch.isfinite(got).all(), (which, fill)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)

@@ -80,7 +80,8 @@ ERROR_CASES = ("uneven_lengths", "mismatched_heads", "one_rank_bad_input", "mism
                "indivisible_shard", "learnable_bias", "dense_bias", "plain_function_bias", "local_document_ids",
                "mismatched_mask_values", "mismatched_bias_values", "one_rank_learnable_bias",
                "unshard_mismatch", "string_return_lse", "usable_after_errors")
-OTHER_CASES = ("shard_positions", "unshard_roundtrip", "unshard_gradient", "no_grad_forward", "gradcheck")
+OTHER_CASES = ("shard_positions", "unshard_roundtrip", "unshard_gradient", "no_grad_forward", "gradcheck",
+               "padding_garbage")
 
 
 def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -252,6 +253,26 @@ def _other_case(name: str, rank: int, world: int) -> dict:
         return {}
     if name == "gradcheck":
         return _gradcheck(rank, world)
+    if name == "padding_garbage":  # NaN / inf in padded keys and values reach no row, forward or backward
+        g = torch.Generator().manual_seed(3)
+        q, k, v = (torch.randn(2, 2, L, 4, generator=g) for _ in range(3))
+        lengths = [L, L - 5]
+        junk = (torch.arange(L)[None, :] >= torch.tensor(lengths)[:, None])[:, None, :, None].expand_as(k)
+        runs = []
+        for kk, vv in ((k.masked_fill(junk, 0.0), v.masked_fill(junk, 0.0)),
+                       (k.masked_fill(junk, float("nan")), v.masked_fill(junk, float("inf")))):
+            leaves = [shard(t).requires_grad_() for t in (q, kk, vv)]
+            out = ring_attention(*leaves, mask=M.key_padding(lengths) & M.causal())
+            out.backward(shard(torch.ones_like(q)))
+            runs.append([out.detach()] + [t.grad for t in leaves])
+        for name_, a, b in zip(("out", "dq", "dk", "dv"), *runs):
+            if not torch.isfinite(a).all() or _max_err(a, b) > 1e-5:
+                raise AssertionError(f"{name_}: garbage changed it by {_max_err(a, b)}")
+        hidden = shard(junk)
+        for grad in runs[1][2:]:
+            if grad[hidden].abs().max() != 0 if hidden.any() else False:
+                raise AssertionError("the hidden slots got a gradient")
+        return {}
     if name == "no_grad_forward":
         x = torch.randn(1, 2, 8, 4, requires_grad=True)
         with torch.no_grad():

@@ -86,6 +86,17 @@ def grouped_index(call: Call, q_rows: Tensor, k_cols: Tensor) -> tuple[Tensor, T
     return b, h, q_rows.view(1, 1, 1, -1, 1), k_cols.view(1, 1, 1, 1, -1)
 
 
+def zero_unseen(x: Tensor, seen: Tensor) -> Tensor:
+    """``x (..., L, E)`` with the rows (keys or values) that ``seen`` (bool, broadcastable to ``(..., L)``) marks
+    False set to 0.
+
+    A key no query may see gets weight 0, but a product with a zero weight still reads it (``0 * NaN`` is
+    NaN, ``-inf + NaN`` is NaN): padding garbage, as in an uninitialised buffer, would reach every row.
+    Zeroed, it cannot; its gradient is 0.  A ``where``, not a product, so NaN and inf are replaced too.
+    """
+    return torch.where(seen[..., None], x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
 def grouped_bias(bias: Tensor, call: Call) -> Tensor:
     """A float bias broadcastable to (B, Hq, Lq, Lk), viewed as (B', Hkv|1, G|1, Lq', Lk')."""
     while bias.dim() < 4:

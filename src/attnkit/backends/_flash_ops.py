@@ -23,7 +23,7 @@ import torch
 
 from ..bias import ScoreMod
 from ..masks import FULL
-from ._common import accumulation_dtype, reachable_tensors
+from ._common import accumulation_dtype, reachable_tensors, zero_unseen
 from ._flash_plan import Heads, Job, Plan
 
 Tensor = torch.Tensor
@@ -525,12 +525,24 @@ class Prepared:
     live: Tensor | None  # (N|1, 1, R) rows with at least one allowed key; None when all are
     causal: bool = False  # the element mask is exactly the lower triangle of a square block
     fmask: dict = field(default_factory=dict)  # float masks for the fused kernel, by dtype
+    seen: Tensor | None = None  # (N|1, W) keys some row of the chunk may see; None when all are
 
     def element_mask(self, work: "Work") -> Tensor | None:
         if self.causal:
             ch = self.chunk
             return torch.ones(ch.R, ch.W, dtype=torch.bool, device=work.q3.device).tril()[None]
         return element_mask(work, self.chunk) if self.lazy else self.mask
+
+    def kv(self, work: "Work", m: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The chunk's key and value windows (``kv_of``), with the keys no row of the chunk may see zeroed
+        (``zero_unseen``) when there are any: NaN or inf in padding must not reach the rows that are seen.
+        Such keys lie only in partial tiles, so full tiles (the common case) are read where they are."""
+        kw, vw = kv_of(work, self.chunk)
+        seen = seen_keys(work, self.chunk, m) if self.lazy else self.seen
+        if seen is None:
+            return kw, vw
+        seen = seen[:, None, :]  # (N|1, 1, W) against (N, kcount, W, .)
+        return zero_unseen(kw, seen), zero_unseen(vw, seen)
 
     def kernel_causal(self, work: "Work") -> bool:
         """Whether the fused kernel's own ``is_causal`` replaces the mask (it cannot add a bias too, and it
@@ -549,6 +561,17 @@ class Prepared:
         if fm.numel() <= FLOAT_MASK_CACHE_ELEMENTS:  # a broadcast window pattern: keep it
             self.fmask[dt] = fm
         return fm
+
+
+def seen_keys(work: Work, ch: Chunk, m: Tensor | None) -> Tensor | None:
+    """``(N|1, W)`` bool: the chunk's keys some row may see under its element mask ``m`` (padding past Lk,
+    zeros already, counts as seen), or None when every key is."""
+    if m is None:
+        return None
+    seen = m.any(1) | (ch.kcols >= work.plan.kv_len).to(m.device)  # (N|1, W) | (N, W)
+    if seen.shape[0] > 1 and bool((seen == seen[:1]).all()):
+        seen = seen[:1]
+    return None if bool(seen.all()) else seen
 
 
 def prepared(work: Work, fused: bool, backward: bool) -> list[tuple[Job, list[Prepared]]]:
@@ -576,7 +599,7 @@ def prepared(work: Work, fused: bool, backward: bool) -> list[tuple[Job, list[Pr
                 budget -= m.numel()
                 live = m.any(-1)[:, None]
                 live = None if bool(live.all()) else live
-            items.append(Prepared(ch, m, False, live))
+            items.append(Prepared(ch, m, False, live, seen=seen_keys(work, ch, m)))
         out.append((job, items))
     plan.cache["mask_bytes"] = MASK_CACHE_BYTES - budget
     plan.cache[key] = out
@@ -635,11 +658,14 @@ def float_mask(work: Work, heads: Heads, ch: Chunk, m: Tensor | None) -> Tensor 
 
 
 def _scores(work: Work, heads: Heads, ch: Chunk, qw: Tensor, kw: Tensor) -> tuple[Tensor, Tensor]:
-    """Scaled scores ``q·k * scale`` (N, kcount, G, R, W) in the accumulation dtype, and the scaled
-    grouped queries (N, kcount, G*R, D) they came from (the scale is folded into the queries)."""
+    """Scaled scores ``(q·k) * scale`` (N, kcount, G, R, W) in the accumulation dtype, and the grouped
+    queries (N, kcount, G*R, D) they came from.  The scale multiplies the products, as the textbook formula
+    does, rather than being folded into the queries: at scores of magnitude 30 and more, the rounding of
+    ``q * scale`` moves every score by about an ulp, which the softmax turns into relative errors of the
+    weights several times the formula's own."""
     g = heads.count // heads.kcount
-    qg = qw.reshape(ch.N, heads.kcount, g * ch.R, qw.shape[-1]).to(work.acc) * work.scale  # (N, Hkv, G*R, D)
-    s = torch.matmul(qg, kw.to(work.acc).transpose(-1, -2))  # (N, Hkv, G*R, W)
+    qg = qw.reshape(ch.N, heads.kcount, g * ch.R, qw.shape[-1]).to(work.acc)  # (N, Hkv, G*R, D)
+    s = torch.matmul(qg, kw.to(work.acc).transpose(-1, -2)).mul_(work.scale)  # (N, Hkv, G*R, W)
     return s.view(ch.N, heads.kcount, g, ch.R, ch.W), qg
 
 
@@ -676,18 +702,22 @@ def _keep(work: Work, heads: Heads, ch: Chunk) -> Tensor:
     return dropout_keep(work.seed, b, h, q, k, work.dropout_p)
 
 
-def explicit_forward(work: Work, ch: Chunk, m: Tensor | None) -> tuple[Tensor, Tensor]:
+def explicit_forward(work: Work, item: Prepared, m: Tensor | None) -> tuple[Tensor, Tensor]:
     """One chunk by matmuls and a float32 softmax: ``(out (N, count, R, Dv), lse (N, count, R))``."""
+    ch = item.chunk
     heads = ch.job.heads
     g = heads.count // heads.kcount
-    qw, (kw, vw) = rows_of(work.q3, heads, ch), kv_of(work, ch)
+    qw, (kw, vw) = rows_of(work.q3, heads, ch), item.kv(work, m)
     s, _ = _scores(work, heads, ch, qw, kw)
     x, _ = _modify(work, heads, ch, s, m, inplace=True)
     mx = x.amax(-1, keepdim=True)
     mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
     p = x.sub_(mx).exp_()  # unnormalised weights, in place
     l = p.sum(-1, keepdim=True)  # noqa: E741
-    lse = torch.where(l > 0, mx + torch.log(l), torch.full_like(l, float("-inf")))
+    # in float64: the rows several chunks cover merge these, and an lse of magnitude 30 rounded to float32 at
+    # every merge would drift by several ulps (the result is rounded once, in ``forward``)
+    wide = _merge_dtype(l.device)
+    lse = torch.where(l > 0, mx.to(wide) + torch.log(l.to(wide)), float("-inf"))
     if work.dropout_p > 0:
         p.mul_(_keep(work, heads, ch)).mul_(1.0 / (1.0 - work.dropout_p))
     o = torch.matmul(p.view(ch.N, heads.kcount, g * ch.R, ch.W), vw.to(work.acc))  # (N, Hkv, G*R, Dv)
@@ -695,38 +725,107 @@ def explicit_forward(work: Work, ch: Chunk, m: Tensor | None) -> tuple[Tensor, T
     return o.view(ch.N, heads.count, ch.R, -1), lse.view(ch.N, heads.count, ch.R)
 
 
-def explicit_backward(work: Work, ch: Chunk, m: Tensor | None, do: Tensor, lse: Tensor, delta: Tensor,
-                      dbias: Tensor | None, dparams: list[Tensor | None], dlse: Tensor | None = None):
-    """Gradients of one chunk: (dq (N, count, R, D), dk, dv (N, kcount, W, .)); bias grads accumulate."""
+def _weights(x: Tensor, stats: tuple[Tensor, Tensor] | None, shape5: tuple[int, ...], inplace: bool) -> Tensor:
+    """Softmax weights of the modified scores ``x (N, kcount, G, R, W)``, recomputed in the backward.
+
+    ``stats``: the rows' ``(max, sum of exp(x - max))`` over all their keys (rows that other chunks cover
+    too); None: this chunk holds every key of its rows, so they are taken from ``x`` itself.  Either way
+    ``p = exp(x - max) / sum`` comes from the very scores it weighs, never from a saved log-sum-exp: the
+    largest weight of a row is ``exp(0) / sum`` and no rounding of an lse of large magnitude enters it
+    (with scores of magnitude 30, one float32 ulp of lse is a relative error of 2e-6 in every weight).
+    A row that may attend to nothing has ``p = 0``."""
+    if stats is None:
+        mx = x.amax(-1, keepdim=True)
+        mx = torch.where(torch.isfinite(mx), mx, torch.zeros((), dtype=x.dtype, device=x.device))
+        p = x.sub_(mx) if inplace else x - mx
+        p = p.exp_()
+        total = p.sum(-1, keepdim=True)
+    else:
+        mx, total = (t.reshape(shape5).to(x.dtype) for t in stats)
+        p = (x.sub_(mx) if inplace else x - mx).exp_()
+    return p.div_(torch.where(total > 0, total, torch.ones((), dtype=x.dtype, device=x.device)))
+
+
+def _recomputed_scores(work: Work, item: Prepared, m: Tensor | None, autograd: bool):
+    """``(x, t, s_leaf, qg, kg, vg)`` of one chunk in the backward: modified scores (a graph from ``s_leaf``
+    when a modifier is differentiated with autograd), tanh of the softcap, the grouped queries and
+    the key/value windows in the accumulation dtype."""
+    ch = item.chunk
     heads = ch.job.heads
-    g = heads.count // heads.kcount
-    qw, (kw, vw) = rows_of(work.q3, heads, ch), kv_of(work, ch)
+    qw, (kw, vw) = rows_of(work.q3, heads, ch), item.kv(work, m)
     s, qg = _scores(work, heads, ch, qw, kw)
-    kg, vg = kw.to(work.acc), vw.to(work.acc)
-    mod = work.bias if isinstance(work.bias, ScoreMod) else None
-    autograd = mod is not None and (not mod.additive or bool(work.bias_params))
-    shape5 = (ch.N, heads.kcount, g, ch.R, 1)
+    s_leaf = None
     if autograd:
         s_leaf = s.detach().requires_grad_(True)
         with torch.enable_grad():
             x, t = _modify(work, heads, ch, s_leaf, m, inplace=False)
-        p = torch.exp(x.detach() - lse.reshape(shape5).to(work.acc))
     else:
         x, t = _modify(work, heads, ch, s, m, inplace=True)
-        p = x.sub_(lse.reshape(shape5).to(work.acc)).exp_()  # dead rows have lse = +inf: p = 0
+    return x, t, s_leaf, qg, kw.to(work.acc), vw.to(work.acc)
+
+
+def _value_grads(work: Work, ch: Chunk, do: Tensor, vg: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(dog (N, kcount, G*R, Dv), dp (N, kcount, G, R, W), z)``: the output gradient grouped, its product
+    with the values (times the dropout multipliers ``z``, which are returned too)."""
+    heads = ch.job.heads
+    g = heads.count // heads.kcount
     dog = do.reshape(ch.N, heads.kcount, g * ch.R, do.shape[-1]).to(work.acc)  # (N, Hkv, G*R, Dv)
     dp = torch.matmul(dog, vg.transpose(-1, -2)).view(ch.N, heads.kcount, g, ch.R, ch.W)
+    z = None
     if work.dropout_p > 0:
         z = _keep(work, heads, ch).to(work.acc).mul_(1.0 / (1.0 - work.dropout_p))
-        pz = p * z
         dp.mul_(z)
-    else:
-        pz = p
+    return dog, dp, z
+
+
+def explicit_row_stats(work: Work, item: Prepared, m: Tensor | None, do: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """One chunk's share of its rows' softmax statistics, for rows that several chunks cover:
+    ``(max, sum of exp(x - max), sum of exp(x - max) * dp)``, each ``(N, count, R)``, where ``dp`` is the
+    output gradient times the values (times the dropout multipliers).  Merged over the chunks of a row
+    (``_merge_stats``) they give the weights and ``D = rowsum(p * dp)`` of :func:`explicit_backward`."""
+    ch = item.chunk
+    heads = ch.job.heads
+    x, _, _, _, _, vg = _recomputed_scores(work, item, m, False)
+    mx = x.amax(-1, keepdim=True)  # -inf for a row that sees no key of this chunk
+    e = x.sub_(torch.where(torch.isfinite(mx), mx, torch.zeros((), dtype=x.dtype, device=x.device))).exp_()
+    _, dp, _ = _value_grads(work, ch, do, vg)
+    shape = (ch.N, heads.count, ch.R)
+    return (mx.view(shape), e.sum(-1).view(shape), dp.mul_(e).sum(-1).view(shape))
+
+
+def explicit_backward(work: Work, item: Prepared, m: Tensor | None, do: Tensor,
+                      stats: tuple[Tensor, Tensor, Tensor] | None, dbias: Tensor | None,
+                      dparams: list[Tensor | None], dlse: Tensor | None = None):
+    """Gradients of one chunk: (dq (N, count, R, D), dk, dv (N, kcount, W, .)); bias grads accumulate.
+
+    ``stats``: the rows' merged ``(max, sum, sum * D)`` (:func:`explicit_row_stats`) when other chunks cover
+    them too; None when this chunk holds all their keys.  The weights are recomputed from the chunk's own
+    scores (``_weights``) and the row term ``D = rowsum(p * dp)`` from those weights, not from the saved
+    output (``rowsum(dO * O)`` is the same sum rounded differently: at a row whose weight is nearly all on
+    one key, ``dp - D`` is a small difference of large terms, and an inconsistent D shows up in dq and dk
+    multiplied by the keys' and queries' magnitude).  A row with one key gets exactly 0 (or ``dlse``)."""
+    ch = item.chunk
+    heads = ch.job.heads
+    g = heads.count // heads.kcount
+    mod = work.bias if isinstance(work.bias, ScoreMod) else None
+    autograd = mod is not None and (not mod.additive or bool(work.bias_params))
+    shape5 = (ch.N, heads.kcount, g, ch.R, 1)
+    x, t, s_leaf, qg, kg, vg = _recomputed_scores(work, item, m, autograd)
+    p = _weights(x.detach() if autograd else x, None if stats is None else stats[:2], shape5, not autograd)
+    dog, dp, z = _value_grads(work, ch, do, vg)
+    pz = p if z is None else p * z
     dv = torch.matmul(pz.view(ch.N, heads.kcount, g * ch.R, ch.W).transpose(-1, -2), dog)  # (N, Hkv, W, Dv)
-    dx = dp.sub_(delta.reshape(shape5).to(work.acc)).mul_(p)  # d(modified score), in place on dp
+    if stats is None:
+        delta = (p * dp).sum(-1, keepdim=True)  # (N, kcount, G, R, 1): rowsum(p * dp), dp with dropout's z
+    else:
+        total = stats[1].reshape(shape5).to(work.acc)
+        delta = stats[2].reshape(shape5).to(work.acc) / torch.where(total > 0, total, torch.ones_like(total))
+    if dlse is not None:
+        delta = delta - dlse.reshape(shape5).to(work.acc)  # d lse / d x = p: ds = p * (dp - D + dlse)
+    dx = dp.sub_(delta).mul_(p)  # d(modified score), in place on dp
     # a row whose weight is all on one key (p == 1): that key's score gradient is exactly dlse (0 without a
-    # gradient of lse); dp and delta round differently, and their residue, times a bias's distances summed
-    # over rows, would reach the bias parameters
+    # gradient of lse); what rounding leaves of dp - D, times a bias's distances summed over rows, would
+    # reach the bias parameters
     if dlse is None:
         dx.masked_fill_(p == 1, 0.0)
     else:
@@ -745,11 +844,16 @@ def explicit_backward(work: Work, ch: Chunk, m: Tensor | None, do: Tensor, lse: 
             ds = ds.mul_(t.mul_(t).neg_().add_(1.0))  # d softcap = 1 - tanh^2
     ds = ds.view(ch.N, heads.kcount, g * ch.R, ch.W)
     dq = torch.matmul(ds, kg).mul_(work.scale).view(ch.N, heads.count, ch.R, -1)
-    dk = torch.matmul(ds.transpose(-1, -2), qg)  # qg carries the scale already
+    dk = torch.matmul(ds.transpose(-1, -2), qg).mul_(work.scale)
     return dq, dk, dv
 
 
 # ------------------------------------------------------------------------------ drivers
+
+
+def _merge_dtype(device) -> torch.dtype:
+    """dtype in which partial log-sum-exps are formed and merged: float64 (O(Lq) values), where it exists."""
+    return torch.float32 if torch.device(device).type == "mps" else torch.float64
 
 
 def _merge_into(o_acc: Tensor, l_acc: Tensor, o: Tensor, l: Tensor) -> tuple[Tensor, Tensor]:  # noqa: E741
@@ -790,7 +894,8 @@ def forward(work: Work) -> tuple[Tensor, Tensor]:
         return _forward_pieces(work)
     new = torch.empty if plan.covered else torch.zeros
     out = new(nh, plan.q_pad, dv, dtype=work.acc, device=dev)
-    lse = (torch.empty if plan.covered else torch.zeros)(plan.q_pad, nh, dtype=work.lse_dtype, device=dev)
+    # (Lq_pad, B*Hq): partial lses are merged unrounded (see explicit_forward)
+    lse = (torch.empty if plan.covered else torch.zeros)(plan.q_pad, nh, dtype=_merge_dtype(dev), device=dev)
     if not plan.covered:
         lse.fill_(float("-inf"))
     for job, items in prepared(work, work.fused, False):
@@ -800,7 +905,7 @@ def forward(work: Work) -> tuple[Tensor, Tensor]:
             if work.fused:
                 o, l = _fused_chunk(work, item)  # noqa: E741
             else:
-                o, l = explicit_forward(work, ch, item.element_mask(work))  # noqa: E741
+                o, l = explicit_forward(work, item, item.element_mask(work))  # noqa: E741
             if ch.first:
                 put_rows(out, heads, ch, o, add=False)
                 put_lse(lse, heads, ch, l)
@@ -814,7 +919,7 @@ def forward(work: Work) -> tuple[Tensor, Tensor]:
                 o_new, l_new = _merge_into(rows_of(out, heads, ch), lse_rows(lse, heads, ch), o, l.to(lse.dtype))
                 put_rows(out, heads, ch, o_new, add=False)
                 put_lse(lse, heads, ch, l_new)
-    return out, lse
+    return out, lse.to(work.lse_dtype)
 
 
 def _fused_chunk(work: Work, item: Prepared) -> tuple[Tensor, Tensor]:
@@ -822,7 +927,7 @@ def _fused_chunk(work: Work, item: Prepared) -> tuple[Tensor, Tensor]:
     that may attend to nothing here."""
     ch, heads = item.chunk, item.chunk.job.heads
     m = None if item.kernel_causal(work) else item.element_mask(work)
-    qw, (kw, vw) = rows_of(work.q3, heads, ch), kv_of(work, ch)
+    qw, (kw, vw) = rows_of(work.q3, heads, ch), item.kv(work, m)
     o, l = _FUSED[0](qw, kw, vw, 0.0, item.kernel_causal(work), attn_mask=item.float_mask(work, m),  # noqa: E741
                      scale=work.scale)
     live = item.live if not item.lazy else (None if m is None else m.any(-1)[:, None])
@@ -853,6 +958,52 @@ def _forward_pieces(work: Work) -> tuple[Tensor, Tensor]:
     return torch.cat([p[1] for p in pieces], dim=1), torch.cat([p[2] for p in pieces], dim=0)
 
 
+def _shared_rows(work: Work, items: list[tuple[Job, list[Prepared]]]) -> list[list[bool]]:
+    """For each chunk, whether some of its query rows are covered by other chunks too (several runs of key
+    tiles, a tall window split into its full and partial parts): their softmax statistics are then summed
+    over chunks first (``_row_stats``).  Kept on the plan."""
+    key = ("shared", id(items))
+    cached = work.plan.cache.get(key)
+    if cached is not None and cached[0] is items:
+        return cached[1]
+    nh = work.q3.shape[0]
+    cover = torch.zeros(nh, work.plan.q_pad, dtype=torch.int32, device=work.q3.device)
+    for job, its in items:
+        for item in its:
+            ch = item.chunk
+            put_rows(cover, job.heads, ch, torch.ones((), dtype=torch.int32, device=cover.device).expand(
+                ch.N, job.heads.count, ch.R), add=True)
+    flags = [[bool((rows_of(cover, job.heads, item.chunk) > 1).any()) for item in its] for job, its in items]
+    work.plan.cache[key] = (items, flags)
+    return flags
+
+
+def _row_stats(work: Work, items, shared: list[list[bool]], dout: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(max, sum, sum * D)`` per row ``(B*Hq, Lq_pad)`` over every chunk of the rows that several chunks
+    cover (:func:`explicit_row_stats`, merged as online softmax merges); other rows are left at 0."""
+    nh, dev = work.q3.shape[0], work.q3.device
+    mx = torch.full((nh, work.plan.q_pad), float("-inf"), dtype=work.acc, device=dev)
+    total = torch.zeros(nh, work.plan.q_pad, dtype=work.acc, device=dev)
+    weighted = torch.zeros(nh, work.plan.q_pad, dtype=work.acc, device=dev)
+    zero = torch.zeros((), dtype=work.acc, device=dev)
+    for (job, its), flags in zip(items, shared):
+        heads = job.heads
+        for item, several in zip(its, flags):
+            if not several:
+                continue
+            ch = item.chunk
+            m_c, l_c, a_c = explicit_row_stats(work, item, item.element_mask(work), rows_of(dout, heads, ch))
+            m_a = rows_of(mx, heads, ch)
+            m_new = torch.maximum(m_a, m_c)
+            m_safe = torch.where(torch.isfinite(m_new), m_new, zero)
+            w_a, w_c = torch.exp(m_a - m_safe), torch.exp(m_c - m_safe)  # (an empty side weighs 0)
+            put_rows(total, heads, ch, rows_of(total, heads, ch) * w_a + l_c * w_c, add=False)
+            put_rows(weighted, heads, ch, rows_of(weighted, heads, ch) * w_a + a_c * w_c, add=False)
+            put_rows(mx, heads, ch, m_new, add=False)
+    mx = torch.where(torch.isfinite(mx), mx, zero)
+    return mx, total, weighted
+
+
 def backward(work: Work, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | None, fused: bool,
              dbias: Tensor | None, dparams: list[Tensor | None]) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq3, dk3, dv3)`` (``dk3``/``dv3`` in the accumulation dtype, ``dq3`` in it or in the
@@ -873,24 +1024,24 @@ def backward(work: Work, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | 
     dk3 = torch.zeros(work.k3.shape, dtype=work.acc, device=dev)
     dv3 = torch.zeros(work.v3.shape, dtype=work.acc, device=dev)
     lse_b = torch.where(lse == float("-inf"), torch.full_like(lse, float("inf")), lse)  # dead rows: P = 0
-    delta = None
+    shared, stats = None, None
     if not fused:
-        delta = (dout.to(work.acc) * out.to(work.acc)).sum(-1)  # (B*Hq, Lq_pad)
-        if dlse is not None:
-            delta = delta - dlse.to(work.acc)
-    for job, its in items:
+        shared = _shared_rows(work, items)
+        if any(f for flags in shared for f in flags):
+            stats = _row_stats(work, items, shared, dout)
+    for (job, its), flags in zip(items, shared or [[False] * len(its) for _, its in items]):
         heads = job.heads
-        for item in its:
+        for item, several in zip(its, flags):
             ch = item.chunk
             m = None if fused and item.kernel_causal(work) else item.element_mask(work)
             if fused:
-                qw, (kw, vw) = rows_of(work.q3, heads, ch), kv_of(work, ch)
+                qw, (kw, vw) = rows_of(work.q3, heads, ch), item.kv(work, m)
                 dq, dk, dv = _FUSED[1](rows_of(dout, heads, ch), qw, kw, vw, rows_of(out, heads, ch),
                                        lse_rows(lse_b, heads, ch), 0.0, item.kernel_causal(work),
                                        attn_mask=item.float_mask(work, m), scale=work.scale)
             else:
-                dq, dk, dv = explicit_backward(work, ch, m, rows_of(dout, heads, ch), lse_rows(lse_b, heads, ch),
-                                               rows_of(delta, heads, ch), dbias, dparams,
+                st = tuple(rows_of(t, heads, ch) for t in stats) if several else None
+                dq, dk, dv = explicit_backward(work, item, m, rows_of(dout, heads, ch), st, dbias, dparams,
                                                None if dlse is None else rows_of(dlse.to(work.acc), heads, ch))
             if pieces is not None:
                 pieces.append((ch.qstart, dq.transpose(0, 1).reshape(nh, ch.N * ch.R, -1)))

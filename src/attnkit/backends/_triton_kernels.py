@@ -131,6 +131,11 @@ def _allowed(q_pos, k_pos, b, lo_off, hi_off, prefix_off, prefix_n, QDoc, KDoc, 
     return ok
 
 
+def _seen(ok, row_ok):
+    """Which keys (columns) of a tile's element mask ``ok (BLOCK_M, BLOCK_N)`` some real query row may see."""
+    return tl.max((ok & row_ok[:, None]).to(tl.int32), 0) > 0
+
+
 # ----------------------------------------------------------------------------------------------- forward
 
 
@@ -199,6 +204,8 @@ def _attn_fwd(Q, K, V, Out, Lse, Count, Index, TileId, Bitmap, Slopes, Bias, QDo
                           kt * BLOCK_N, q_len, kv_len, BLOCK_M, WORDS, HAS_LO, HAS_HI, HAS_PREFIX, HAS_DOC, HAS_KEYLEN,
                           HAS_BITMAP)
             s = tl.where(ok, s, float("-inf"))
+            # values no row of the tile may see weigh 0, but 0 * NaN is NaN: zero them (padding garbage)
+            v = tl.where(_seen(ok, rows < q_len)[:, None], v, 0.0)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at 0
         p = tl.exp2(s - m_safe[:, None])
@@ -268,6 +275,18 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Count, Index, TileId, Bitmap, Slop
                     mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)  # (BLOCK_N, BLOCK_D)
         v = tl.load(v_base + cols[:, None] * stride_vn + offs_dv[None, :],
                     mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)  # (BLOCK_N, BLOCK_DV)
+        if j < n_partial:
+            ok = _allowed(rows[:, None], cols[None, :], b, lo_off, hi_off, prefix_off, prefix_n, QDoc, KDoc,
+                          stride_qdb, stride_kdb, KeyLen, Bitmap, tl.load(tile_ids + j), pid_m * BLOCK_M,
+                          kt * BLOCK_N, q_len, kv_len, BLOCK_M, WORDS, HAS_LO, HAS_HI, HAS_PREFIX, HAS_DOC, HAS_KEYLEN,
+                          HAS_BITMAP)
+            # keys no row of the tile may see are zeroed first: their garbage (NaN, inf) would reach dq
+            # through a zero weight (0 * NaN), also through the softcap's derivative
+            seen = _seen(ok, row_ok)[:, None]
+            k = tl.where(seen, k, 0.0)
+            v = tl.where(seen, v, 0.0)
+        else:
+            ok = tl.full([BLOCK_M, BLOCK_N], 1, tl.int1)  # (unused on full tiles: both branches define it)
         s = _dot(q, tl.trans(k), EMULATE_BF16, PRECISION) * scale  # (BLOCK_M, BLOCK_N)
         s, t = _score_mods(s, rows[:, None], cols[None, :], b, h, softcap, Slopes, alibi_off, Bias,
                            stride_bb, stride_bh, stride_bm, stride_bn, q_len, kv_len,
@@ -276,10 +295,6 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Count, Index, TileId, Bitmap, Slop
         if not EVEN_N:
             s2 = tl.where(col_ok[None, :], s2, float("-inf"))
         if j < n_partial:
-            ok = _allowed(rows[:, None], cols[None, :], b, lo_off, hi_off, prefix_off, prefix_n, QDoc, KDoc,
-                          stride_qdb, stride_kdb, KeyLen, Bitmap, tl.load(tile_ids + j), pid_m * BLOCK_M,
-                          kt * BLOCK_N, q_len, kv_len, BLOCK_M, WORDS, HAS_LO, HAS_HI, HAS_PREFIX, HAS_DOC, HAS_KEYLEN,
-                          HAS_BITMAP)
             s2 = tl.where(ok, s2, float("-inf"))
         p = tl.exp2(s2 - lse2[:, None])
         dp = _dot(do, tl.trans(v), EMULATE_BF16, PRECISION)  # (BLOCK_M, BLOCK_N)
@@ -361,6 +376,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV_, Lse, Delta, Count, Index, TileId, Bitma
             dst = pt * (dpt - delta[None, :])
             if HAS_SOFTCAP:
                 dst = dst * (1.0 - tt * tt)
+            if j < n_partial:  # a hidden key's garbage (NaN dpt, NaN tanh) times its weight 0 must stay 0
+                dst = tl.where(s2 == float("-inf"), 0.0, dst)
             dk_acc += _dot(_round(dst, Q.dtype.element_ty, EMULATE_BF16), q, EMULATE_BF16, PRECISION)
     base = (b * tl.num_programs(1) + hk) * kv_len + cols[:, None]
     tl.store(DK + base * D + offs_d[None, :], dk_acc * scale, mask=col_ok[:, None] & (offs_d[None, :] < D))
@@ -471,7 +488,7 @@ def _paged_combine(PartOut, PartLse, Out, stride_ob, stride_oh, NUM_SPLITS,
 
 # ------------------------------------------------------------------------------------------------- build
 
-_FUNCTIONS = ("_dot", "_round", "_tanh", "_score_mods", "_allowed", "_attn_fwd", "_attn_bwd_dq", "_attn_bwd_dkdv",
+_FUNCTIONS = ("_dot", "_round", "_tanh", "_score_mods", "_allowed", "_seen", "_attn_fwd", "_attn_bwd_dq", "_attn_bwd_dkdv",
               "_paged_decode", "_paged_combine")
 
 

@@ -9,39 +9,56 @@ from __future__ import annotations
 import torch
 
 from ..softmax import logsumexp, stable_softmax
-from ._common import Call, accumulation_dtype, grouped_bias, grouped_index, modify_scores
+from ._common import Call, accumulation_dtype, grouped_bias, grouped_index, modify_scores, zero_unseen
 
 Tensor = torch.Tensor
 
 
-def _probabilities(call: Call) -> tuple[Tensor, Tensor]:
-    """Softmax weights (B, Hkv, G, Lq, Lk) and lse (B, Hkv, G, Lq) in the accumulation dtype."""
+def _seen_keys(call: Call, b: Tensor, h: Tensor, qi: Tensor, ki: Tensor) -> Tensor | None:
+    """Which keys some query may see, ``(B|1, Hkv|1, 1, Lk)`` bool, or None when the mask hides none."""
+    if call.mask is None:
+        return None
+    allowed = call.mask._mod(b, h, qi, ki, call.q_len, call.kv_len)  # broadcastable to (B, Hkv, G, Lq, Lk)
+    while allowed.dim() < 5:
+        allowed = allowed.unsqueeze(0)
+    seen = allowed.any(dim=-2).any(dim=2, keepdim=True)  # (B|1, Hkv|1, 1, Lk)
+    if torch.compiler.is_compiling():  # (no Python bool from tensor data in a graph)
+        return seen
+    return None if bool(seen.all()) else seen
+
+
+def _probabilities(call: Call) -> tuple[Tensor, Tensor, Tensor]:
+    """Softmax weights (B, Hkv, G, Lq, Lk), lse (B, Hkv, G, Lq) in the accumulation dtype, and the values
+    (B, Hkv, 1, Lk, Dv) to weigh (zero where no query may see the key)."""
     q, k = call.q, call.k
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     acc = accumulation_dtype(q.dtype)
-    qg = q.reshape(B, Hkv, call.group, Lq, D).to(acc)  # (B, Hkv, G, Lq, D)
-    kg = k.unsqueeze(2).to(acc)  # (B, Hkv, 1, Lk, D): shared by the G query heads, not copied
-    s = torch.matmul(qg, kg.transpose(-1, -2)) * call.scale  # (B, Hkv, G, Lq, Lk)
     dev = q.device
     b, h, qi, ki = grouped_index(call, torch.arange(Lq, device=dev), torch.arange(Lk, device=dev))
+    qg = q.reshape(B, Hkv, call.group, Lq, D).to(acc)  # (B, Hkv, G, Lq, D)
+    kg = k.unsqueeze(2).to(acc)  # (B, Hkv, 1, Lk, D): shared by the G query heads, not copied
+    vg = call.v.unsqueeze(2).to(acc)  # (B, Hkv, 1, Lk, Dv)
+    seen = _seen_keys(call, b, h, qi, ki) if Lq and Lk else None
+    if seen is not None:  # keys no query may see (padding garbage: NaN, inf) must reach no row
+        kg, vg = zero_unseen(kg, seen), zero_unseen(vg, seen)
+    s = torch.matmul(qg, kg.transpose(-1, -2)) * call.scale  # (B, Hkv, G, Lq, Lk)
     bias = grouped_bias(call.bias, call) if isinstance(call.bias, Tensor) else None
     s = modify_scores(s, call, b, h, qi, ki, bias_block=bias)
-    return stable_softmax(s, dim=-1), logsumexp(s, dim=-1)
+    return stable_softmax(s, dim=-1), logsumexp(s, dim=-1), vg
 
 
 def weights(call: Call) -> Tensor:
     """Attention weights ``(B, Hq, Lq, Lk)`` in the input dtype (before dropout)."""
-    p, _ = _probabilities(call)
+    p, _, _ = _probabilities(call)
     return p.reshape(call.batch, call.heads, call.q_len, call.kv_len).to(call.q.dtype)
 
 
 def run(call: Call):
-    p, lse = _probabilities(call)
+    p, lse, vg = _probabilities(call)
     if call.dropout_p > 0:
         keep = torch.rand_like(p) >= call.dropout_p
         p = p * keep / (1.0 - call.dropout_p)
-    vg = call.v.unsqueeze(2).to(p.dtype)  # (B, Hkv, 1, Lk, Dv)
     out = torch.matmul(p, vg)  # (B, Hkv, G, Lq, Dv)
     out = out.reshape(call.batch, call.heads, call.q_len, call.v.shape[-1]).to(call.q.dtype)
     if call.return_lse:

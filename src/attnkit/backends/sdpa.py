@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ..bias import ScoreMod
 from ..masks import Mask, _BlockLocal, _Causal, _FromDense, _Interval, _KeyLengths, _PrefixLM, _SlidingWindow
-from ._common import Call, per_mask, reachable_tensors, tensor_key
+from ._common import Call, per_mask, reachable_tensors, tensor_key, zero_unseen
 
 Tensor = torch.Tensor
 
@@ -68,17 +68,32 @@ def _single_query_window(call: Call) -> tuple[int, int] | None:
     return window
 
 
-def _dense(call: Call) -> tuple[Tensor, Tensor, bool]:
-    """The mask as bool (B', H', Lq, Lk), which rows see a key, and whether all do; memoised per mask."""
+def _hidden_keys(call: Call, allowed: Tensor, traced: bool = False) -> Tensor | None:
+    """Keys no query may see, as ``(B'', Hkv'', Lk)`` bool (``B''`` 1 or B, ``Hkv''`` 1 or Hkv), or None when
+    every key is seen by some query (traced: always the tensor)."""
+    while allowed.dim() < 4:
+        allowed = allowed.unsqueeze(0)
+    seen = allowed.any(dim=-2)  # (B', H', Lk)
+    if seen.shape[1] > 1 and call.group > 1:  # a kv head's key is seen if one of its G query heads sees it
+        seen = seen.view(seen.shape[0], call.kv_heads, call.group, -1).any(dim=2)
+    if traced:
+        return ~seen
+    return None if bool(seen.all()) else ~seen
+
+
+def _dense(call: Call) -> tuple[Tensor, Tensor, bool, Tensor | None]:
+    """The mask as bool (B', H', Lq, Lk), which rows see a key, whether all do, and the keys no query may
+    see (``_hidden_keys``); memoised per mask."""
     m = call.mask
     if torch.compiler.is_compiling():  # traced: no Python bool from tensor data, no traced tensors memoised
         allowed = m.t if isinstance(m, _FromDense) else m.to_dense(
             call.q_len, call.kv_len, batch=call.batch, heads=call.heads, device=call.q.device)
-        return allowed, allowed.any(dim=-1, keepdim=True), False  # False: empty rows handled, also if none
+        # False: empty rows handled, also if none
+        return allowed, allowed.any(dim=-1, keepdim=True), False, _hidden_keys(call, allowed, traced=True)
     if isinstance(m, _FromDense):  # a user's bool tensor: pass it as it is
         allowed = m.t
         live = allowed.any(dim=-1, keepdim=True)
-        return allowed, live, bool(live.all())
+        return allowed, live, bool(live.all()), _hidden_keys(call, allowed)
     key = (call.batch, call.heads, call.q_len, call.kv_len, call.q.device)
     # the tensors the mask reads, by identity and in-place version: an edited or rebound tensor makes the
     # memo stale (the entry holds them, so their ids cannot be reused meanwhile)
@@ -90,16 +105,22 @@ def _dense(call: Call) -> tuple[Tensor, Tensor, bool]:
             store = {}  # (an unhashable mask: no memo)
         hit = store.get(key)
     if hit is not None and hit[3] == state:
-        return hit[0], hit[1], hit[2]
+        return hit[0], hit[1], hit[2], hit[5]
     allowed = m.to_dense(call.q_len, call.kv_len, batch=call.batch, heads=call.heads, device=call.q.device)
     live = allowed.any(dim=-1, keepdim=True)  # (B', H', Lq, 1): rows that see at least one key
-    entry = (allowed, live, bool(live.all()), state, tensors)
+    entry = (allowed, live, bool(live.all()), state, tensors, _hidden_keys(call, allowed))
     with _LOCK:
         store.pop(key, None)
         while len(store) >= _DENSE_PER_MASK:
             store.pop(next(iter(store)))
         store[key] = entry
-    return entry[0], entry[1], entry[2]
+    return entry[0], entry[1], entry[2], entry[5]
+
+
+def _without_hidden(k: Tensor, v: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
+    """``k``, ``v`` with the keys no query may see (``hidden``, ``(B'', Hkv'', Lk)``) zeroed (copies)."""
+    seen = ~hidden
+    return zero_unseen(k, seen), zero_unseen(v, seen)
 
 
 def check(call: Call) -> str | None:
@@ -140,9 +161,14 @@ def run(call: Call):
     gqa = call.group > 1
     if call.mask is None or _is_plain_causal(call):
         causal = call.mask is not None
+        kv_len = call.kv_len
+        if causal and call.q_len < kv_len:  # top-left: the keys past Lq are seen by no query; leave them out
+            kv_len = call.q_len
+            k, v = k[:, :, :kv_len], v[:, :, :kv_len]
+            bias = None if bias is None else bias[..., :kv_len]
         attn_mask = None if bias is None else bias.to(q.dtype)
         if causal and attn_mask is not None:  # SDPA takes either is_causal or attn_mask
-            allowed = call.mask.to_dense(call.q_len, call.kv_len, device=q.device)
+            allowed = call.mask.to_dense(call.q_len, kv_len, device=q.device)
             attn_mask = attn_mask.masked_fill(~allowed, float("-inf"))
             causal = False
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p,
@@ -155,12 +181,23 @@ def run(call: Call):
             return torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device) + graph_zero(q, k, v)
         return F.scaled_dot_product_attention(q, k[:, :, lo:hi + 1], v[:, :, lo:hi + 1],
                                               dropout_p=call.dropout_p, scale=scale, enable_gqa=gqa)
-    allowed, live, all_live = _dense(call)
+    allowed, live, all_live, hidden = _dense(call)
+    traced = torch.compiler.is_compiling()
+    if hidden is not None and traced:
+        k, v = _without_hidden(k, v, hidden)
     if not all_live:
         allowed = allowed | ~live  # compute empty rows against every key, then zero them below
     attn_mask = allowed if bias is None else bias.to(q.dtype).masked_fill(~allowed, float("-inf"))
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p,
                                          scale=scale, enable_gqa=gqa)
+    # SDPA adds the mask to the scores (NaN - inf is NaN) and weighs every value (0 * inf is NaN): a NaN or
+    # inf in a key no query may see (padding garbage) reaches every row it shares a call with, also the
+    # empty rows computed against every key.  Such a row's output is then not finite: only then is the call
+    # made again with those keys zeroed (a check of the output, not a pass over the keys and values)
+    if hidden is not None and not traced and not bool(torch.isfinite(out.detach()).all()):
+        k, v = _without_hidden(k, v, hidden)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p,
+                                             scale=scale, enable_gqa=gqa)
     if not all_live:  # (where, not a product: a NaN in a key such a row cannot see must not leak into it)
         out = torch.where(live, out, torch.zeros((), dtype=out.dtype, device=out.device))
     return out

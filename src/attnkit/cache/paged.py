@@ -29,6 +29,7 @@ from .._checks import flag
 from ..softmax import stable_softmax
 from ..backends._common import check_paged_values
 from ..functional import _check_number
+from ..backends._common import zero_unseen as _zero_unseen
 from ._common import check_dtype, check_int, check_new_kv, model_dims
 
 Tensor = torch.Tensor
@@ -258,6 +259,7 @@ def _attend_runs(q: Tensor, k_pool: Tensor, v_pool: Tensor, lens: list[int], run
             p = stable_softmax(sc, dim=-1)  # a row may see nothing under a mask: 0, not NaN
         else:
             p = torch.softmax(sc, dim=-1)  # every row sees at least its first key
+        p_seq = p  # (Hkv, G, Lq, L)
         if L < N * bs:
             p = torch.nn.functional.pad(p, (0, N * bs - L))
         p = p.reshape(Hkv, G * Lq, N, bs).permute(2, 0, 1, 3)  # (N, Hkv, G*Lq, bs)
@@ -271,8 +273,19 @@ def _attend_runs(q: Tensor, k_pool: Tensor, v_pool: Tensor, lens: list[int], run
                 part = torch.matmul(p[o:o + n], v_pool[a:a + n]).sum(0, dtype=acc)
                 ob = part if ob is None else ob + part
                 o += n
+        if not bool(torch.isfinite(ob).all()):  # maybe garbage behind a weight 0 (the unfilled end of the last
+            ob = _weigh_seen(p_seq, sc, _seq_view(v_pool, rb, L)).to(acc)  # block, hidden keys): weigh again
         outs.append(ob.reshape(Hq, Lq, Dv))
     return torch.stack(outs).to(q.dtype)
+
+
+def _weigh_seen(p: Tensor, sc: Tensor, v: Tensor) -> Tensor:
+    """``p (Hkv, G, Lq, L) @ v (Hkv, L, Dv)`` as ``(Hkv, G*Lq, Dv)``, with the values of the keys that no
+    query may see (their scores ``sc`` all ``-inf``) zeroed: a weight 0 still reads its value, and
+    ``0 * NaN`` is NaN, so padding garbage would reach the rows."""
+    Hkv, G, Lq, L = p.shape
+    seen = (sc != float("-inf")).flatten(1, 2).any(1)  # (Hkv, L); a NaN score (a NaN key it sees) counts
+    return torch.matmul(p.reshape(Hkv, G * Lq, L).to(v.dtype), _zero_unseen(v, seen))
 
 
 def _pool_layout(q: Tensor, k_pool: Tensor, v_pool: Tensor, bias, mask, layouts) -> "_PoolLayout | None":
@@ -382,6 +395,8 @@ def _attend_views(q: Tensor, k_pool: Tensor, v_pool: Tensor, lens: list[int], ru
         else:
             p = torch.softmax(sc, dim=-1)
         o = torch.matmul(p.view(Hkv, G * Lq, L).to(v.dtype), v)  # (Hkv, G*Lq, Dv)
+        if modified and not bool(torch.isfinite(o).all()):  # maybe garbage behind a weight 0 (hidden keys)
+            o = _weigh_seen(p, sc, v)
         outs.append(o.reshape(Hq, Lq, Dv))
     return torch.stack(outs).to(q.dtype)
 
@@ -393,7 +408,7 @@ class _PoolLayout:
     blocks left in: a separate span costs more calls than reading them) followed by ``extra`` blocks that
     are gathered (a block several rows read, e.g. a shared prefix, has its first reader in a span).  Over
     that concatenation ``owner[j]`` is the batch row of entry ``j`` (``B`` for a block no row reads) and
-    ``pad[j]`` is ``-inf`` on its unfilled positions."""
+    ``unfilled[j]`` marks its unfilled positions."""
 
     _GAP = 8  # blocks: a gap this long splits the span
     _SPAN_COST = 6  # blocks' worth of reading that one more span costs (its two products)
@@ -435,9 +450,10 @@ class _PoolLayout:
         self.owner = torch.tensor(owner, dtype=torch.long, device=device)
         self._index, self._lens, self._bs = index, lens, bs
         self._positions = None
-        self.pad = torch.zeros(len(owner), bs, device=device).masked_fill_(
-            torch.arange(bs, device=device).view(1, bs) >= torch.tensor(fill, device=device).view(-1, 1),
-            float("-inf"))
+        # (N, bs): the positions of each entry past its row's length (or in a block no row reads)
+        self.unfilled = torch.arange(bs, device=device).view(1, bs) >= torch.tensor(fill, device=device).view(-1, 1)
+        ids = [blk for lo, hi in bounds for blk in range(lo, hi)] + [e[0] for e in extra]
+        self.block_ids = torch.tensor(ids, dtype=torch.long, device=device)  # (N,): the pool block of each entry
         # what reading the sequences one by one touches, in blocks (a sequence split into several runs of
         # blocks is copied first) plus a cost per call, against the spans read whole
         runs = [_runs(row) for row in used if row]
@@ -522,13 +538,23 @@ def _attend_pool(q: Tensor, k_pool: Tensor, v_pool: Tensor, layout: _PoolLayout,
             sc = bias._mod(sc, b, h, p, kpos, 1, 1).to(acc)
         if mask is not None:
             sc = sc.masked_fill(~mask._mod(b, h, p, kpos, 1, 1), float("-inf"))
-    sc = sc + layout.pad.to(acc)[:, None, None, :]
+    # (masked_fill, not +: a NaN key in an unfilled slot, padding garbage, must give -inf, not NaN)
+    sc = sc.masked_fill(layout.unfilled[:, None, None, :], float("-inf"))
     m = torch.full((B + 1, Hkv, G), float("-inf"), dtype=acc, device=dev)
     m.scatter_reduce_(0, own.view(-1, 1, 1).expand(-1, Hkv, G), sc.detach().amax(-1), "amax")  # a shift only
     m = torch.where(torch.isfinite(m), m, torch.zeros((), dtype=acc, device=dev))  # rows reading nothing
     e = torch.exp(sc - m[own].unsqueeze(-1))  # (N, Hkv, G, bs)
     l = torch.zeros(B + 1, Hkv, G, dtype=acc, device=dev).index_add_(0, own, e.sum(-1))[:B]
     ob = products(e.to(v_pool.dtype), 1, Dv, v_pool.dtype)  # (N, Hkv, G, Dv)
+    # a weight 0 still reads its value (0 * NaN is NaN): the blocks of a row that hold slots it may not see
+    # (the unfilled end of its last block, keys its mask hides) are weighed again with those values zeroed
+    # (only when that happened: a non-finite value behind a weight 0 makes its entry's product non-finite)
+    if not bool(torch.isfinite(ob).all()):
+        seen = (sc != float("-inf")).any(2)  # (N, Hkv, bs); a NaN score (a NaN key it sees) counts as seen
+        redo = ((~seen).flatten(1).any(1) & (own < B)).nonzero().view(-1)
+        if redo.numel():
+            vr = _zero_unseen(v_pool.index_select(0, layout.block_ids[redo]), seen[redo])  # (n, Hkv, bs, Dv)
+            ob[redo] = torch.matmul(e[redo].to(v_pool.dtype), vr)
     o = torch.zeros(B + 1, Hkv, G, Dv, dtype=acc, device=dev).index_add_(0, own, ob.to(acc))[:B]
     out = o / torch.where(l > 0, l, torch.ones((), dtype=acc, device=dev)).unsqueeze(-1)
     return out.reshape(B, Hq, 1, Dv).to(q.dtype)

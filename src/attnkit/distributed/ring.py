@@ -29,6 +29,7 @@ import torch.distributed as dist
 from .._checks import flag
 from ..bias import ScoreMod
 from ..functional import _check_bias, _check_mask, _check_number, _check_qkv, attention
+from ..backends._common import zero_unseen
 from ..masks import EMPTY, FULL, Mask
 from ..softmax import merge
 from ._layout import Layout, check_divisible, check_layout, group_info
@@ -299,6 +300,11 @@ def _block_grads(q: Tensor, kb: Tensor, vb: Tensor, dout: Tensor, lse: Tensor, d
     ki = (it.col0 + torch.arange(c, device=dev)).view(1, 1, 1, 1, -1)
     L = cfg.layout.seq_len
 
+    if it.masked:
+        allowed = cfg.mask._mod(bi, hi, qi, ki, L, L)  # broadcastable to (B, Hkv, G, r, c)
+        seen = allowed.expand(B, Hkv, G, r, c).any(dim=-2).any(dim=2, keepdim=True)  # (B, Hkv, 1, c)
+        if not bool(seen.all()):  # keys no query here may see (padding garbage) must not reach dq, dk
+            kg, vg = zero_unseen(kg, seen), zero_unseen(vg, seen)
     chain = cfg.softcap is not None or (cfg.bias is not None and not cfg.bias.additive)
     s = torch.matmul(qg, kg.transpose(-1, -2)).mul_(cfg.scale)  # (B, Hkv, G, r, c)
     if chain:  # differentiate through the softcap / modifier: keep its graph, work on a copy
@@ -313,7 +319,7 @@ def _block_grads(q: Tensor, kb: Tensor, vb: Tensor, dout: Tensor, lse: Tensor, d
         p = s if cfg.bias is None else cfg.bias._mod(s, bi, hi, qi, ki, L, L).to(acc)
     # in place from here: p holds the scores, then the weights; ds starts as dp = dout @ v^T
     if it.masked:
-        p.masked_fill_(~cfg.mask._mod(bi, hi, qi, ki, L, L), float("-inf"))
+        p.masked_fill_(~allowed, float("-inf"))
     lse_g = lse[:, :, it.rows].reshape(B, Hkv, G, r, 1)
     lse_g = torch.where(torch.isfinite(lse_g), lse_g, torch.full_like(lse_g, float("inf")))  # empty rows: p = 0
     p.sub_(lse_g).exp_()  # (B, Hkv, G, r, c): exp(s - lse)
