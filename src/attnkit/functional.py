@@ -127,8 +127,29 @@ def _check_number(name: str, value, *, low: float | None = None, high: float | N
     return x
 
 
+def _check_sinks(sinks, q: Tensor) -> Tensor | None:
+    """``sinks`` as a ``(B, Hq)`` view (expanded, so its gradient reaches the caller's tensor)."""
+    if sinks is None:
+        return None
+    B, Hq = q.shape[0], q.shape[1]
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be None or a float tensor of shape (Hq,)=({Hq},), one logit per query head, "
+                        f"got {type(sinks).__name__}: pass torch.tensor([...])")
+    if not sinks.is_floating_point():
+        raise TypeError(f"sinks must be a float tensor, got dtype {sinks.dtype}: use sinks.float()")
+    if not _broadcasts(sinks.shape, (B, Hq)):
+        raise ValueError(f"sinks of shape {tuple(sinks.shape)} does not broadcast to (B, Hq)=({B}, {Hq}): give "
+                         f"one logit per query head, shape ({Hq},) (or ({B}, {Hq}))")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}: move it with sinks.to(q.device)")
+    if not torch.compiler.is_compiling() and not bool(torch.isfinite(sinks.detach()).all()):
+        raise ValueError(f"sinks holds a non-finite value ({sinks.detach().tolist()}): give finite logits "
+                         f"(for no sink at all, leave sinks=None)")
+    return sinks.expand(B, Hq)
+
+
 def _make_call(q, k, v, *, mask=None, bias=None, scale=None, softcap=None, dropout_p=0.0,
-               return_lse=False) -> Call:
+               return_lse=False, sinks=None) -> Call:
     _check_qkv(q, k, v)
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     mask = _check_mask(mask, q, shape)
@@ -140,7 +161,8 @@ def _make_call(q, k, v, *, mask=None, bias=None, scale=None, softcap=None, dropo
     if softcap is not None:
         softcap = _check_number("softcap", softcap, low=0.0, low_open=True, fix=" (or None for no softcap)")
     dropout_p = _check_number("dropout_p", dropout_p, low=0.0, high=1.0, high_open=True)
-    return Call(q, k, v, mask, bias, scale, softcap, dropout_p, flag("return_lse", return_lse))
+    sinks = _check_sinks(sinks, q)
+    return Call(q, k, v, mask, bias, scale, softcap, dropout_p, flag("return_lse", return_lse), sinks)
 
 
 def graph_zero(*tensors: Tensor) -> Tensor:
@@ -158,11 +180,14 @@ def _empty_result(call: Call):
     """An empty call (or Lq == 0 or Lk == 0): zero output and -inf lse, still attached to the graph (zero
     gradients)."""
     q, k, v = call.q, call.k, call.v
-    zero = graph_zero(q, k, v)
+    zero = graph_zero(q, k, v) if call.sinks is None else graph_zero(q, k, v, call.sinks)
     out = torch.zeros(call.batch, call.heads, call.q_len, v.shape[-1], dtype=q.dtype, device=q.device) + zero
     if not call.return_lse:
         return out
     lse_dtype = torch.promote_types(q.dtype, torch.float32)
+    if call.sinks is not None:  # the denominator is the sink alone
+        lse = call.sinks.to(lse_dtype)[..., None].expand(call.batch, call.heads, call.q_len)
+        return out, lse + graph_zero(q, k, v)
     return out, torch.full((call.batch, call.heads, call.q_len), float("-inf"), dtype=lse_dtype, device=q.device)
 
 
@@ -170,8 +195,8 @@ def _empty_result(call: Call):
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, scale: float | None = None,
-              softcap: float | None = None, dropout_p: float = 0.0, return_lse: bool = False,
-              backend: str = "auto"):
+              softcap: float | None = None, sinks: Tensor | None = None, dropout_p: float = 0.0,
+              return_lse: bool = False, backend: str = "auto"):
     """Scaled dot-product attention: ``softmax(mask(bias(softcap(q @ k^T * scale)))) @ v``.
 
     Args:
@@ -185,8 +210,14 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, scale: f
             :mod:`attnkit.bias` modifier (ALiBi, T5 buckets, temperature, ``from_fn``).
         scale: multiplies ``q @ k^T``; default ``1 / sqrt(D)``.
         softcap: ``s`` maps a score ``x`` to ``s * tanh(x / s)`` (Gemma 2); applied before the bias.
+        sinks: attention sinks (GPT-OSS): a float tensor ``(Hq,)`` (or broadcastable to ``(B, Hq)``), one
+            logit per query head added to every row's softmax denominator with a zero value:
+            ``out_i = sum_j exp(s_ij) v_j / (exp(sink_h) + sum_j exp(s_ij))``.  Differentiable.  Not
+            touched by ``mask``, ``bias``, ``softcap`` or ``scale``.
         dropout_p: dropout on the attention weights (reproducible under ``torch.manual_seed``).
-        return_lse: also return the log-sum-exp of each row's final scores.
+        return_lse: also return the log-sum-exp of each row's final scores; with ``sinks``, of the whole
+            denominator (``logaddexp(lse_without_sink, sink)``): see :func:`attnkit.softmax.add_sink`
+            for merging pieces computed with a sink.
         backend: ``"auto"`` or a name from :func:`attnkit.backends.available`.
 
     Returns:
@@ -204,6 +235,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, scale: f
                                   █ █
 
     A row that may attend to nothing gives output 0, ``lse = -inf`` and zero gradients, never NaN.
+    With ``sinks`` such a row's denominator is ``exp(sink)`` alone: output 0, ``lse = sink``, zero
+    gradients for ``q``, ``k``, ``v`` and the sink (the sink's only gradient from it comes through ``lse``).
 
     Example::
 
@@ -215,7 +248,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, scale: f
         torch.Size([2, 8, 10, 64])
     """
     call = _make_call(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, dropout_p=dropout_p,
-                      return_lse=return_lse)
+                      return_lse=return_lse, sinks=sinks)
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string, got {type(backend).__name__}")
     chosen = _backends.select(call, backend)
