@@ -143,3 +143,119 @@ def test_property_any_shape_and_sink(B, G, Hkv, Lq, Lk, window, scale, backend, 
     sinks = (torch.randn(G * Hkv, generator=torch.Generator().manual_seed(seed)) * 10 ** scale).requires_grad_(True)
     mask = masks.causal() if window is None else masks.sliding_window(window)
     check_against_oracle(_backend(backend), q, k, v, mask=mask, sinks=sinks, return_lse=True)
+
+
+def test_ring_attention_adds_the_sink_once_forward_and_backward():
+    import torch.distributed as dist
+
+    from attnkit.distributed import ring_attention, shard
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        q, k, v, sinks = _qkv(B=1, Lq=32, Lk=32, dtype=torch.float64)
+        out, lse = ring_attention(shard(q), shard(k), shard(v), mask=masks.causal(), sinks=sinks, return_lse=True)
+        want, want_lse = attnkit.attention(q, k, v, mask=masks.causal(), sinks=sinks, return_lse=True,
+                                           backend="math")
+        torch.testing.assert_close(out, shard(want))
+        torch.testing.assert_close(lse, shard(want_lse))
+        g = torch.randn_like(out)
+        got = torch.autograd.grad(out, (q, k, v, sinks), g)
+        ref = torch.autograd.grad(shard(want), (q, k, v, sinks), g)
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b)
+    finally:
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------- modules, caches, generate, Engine
+
+
+def _sink_model(**kw):
+    from attnkit.nn import DecoderConfig, DecoderLM
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                    max_seq_len=64, attention_sinks=True, **kw)).eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if getattr(m, "sinks", None) is not None:
+                m.sinks.copy_(torch.randn(m.sinks.shape) * 2)
+    return model
+
+
+def test_multihead_attention_sinks_parameter_gets_its_gradient():
+    from attnkit.nn import MultiHeadAttention
+    mha = MultiHeadAttention(32, 4, n_kv_heads=2, mask=masks.causal(), sinks=True)
+    assert tuple(mha.sinks.shape) == (4,) and "sinks=True" in repr(mha)
+    with torch.no_grad():
+        mha.sinks.fill_(1.5)
+    x = torch.randn(2, 9, 32)
+    out, w = mha(x, need_weights=True)
+    assert bool((w.sum(-1) < 1).all())  # the sink took a share of every row
+    out.sum().backward()
+    assert mha.sinks.grad is not None and bool((mha.sinks.grad != 0).all())
+    with pytest.raises(TypeError, match="sinks"):
+        MultiHeadAttention(32, 4, sinks="yes")
+
+
+def test_sink_model_logits_change_with_the_sinks():
+    model = _sink_model()
+    ids = torch.randint(0, 64, (1, 12))
+    with torch.no_grad():
+        a = model(ids)
+        for m in model.modules():
+            if getattr(m, "sinks", None) is not None:
+                m.sinks.add_(3.0)
+        b = model(ids)
+    assert not torch.allclose(a, b)
+
+
+@pytest.mark.parametrize("cache", ["static", "sliding", "paged", "int8", None])
+def test_generate_with_sinks_decodes_like_the_full_forward(cache):
+    model = _sink_model(mask=masks.sliding_window(7)) if cache == "sliding" else _sink_model()
+    prompt = [3, 14, 15, 9, 2, 6, 5]
+    out = attnkit.generate(model, [prompt], 12, cache=cache)[0]
+    # greedy by hand: the whole sequence through the full forward at every step
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(12):
+            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+    assert out == seq[len(prompt):]
+
+
+def test_cache_decode_logits_equal_the_full_forward_with_sinks():
+    from attnkit.cache import StaticCache
+    model = _sink_model()
+    ids = torch.randint(0, 64, (2, 10))
+    with torch.no_grad():
+        full = model(ids)
+        cache = StaticCache.for_model(model, 2, 16)
+        step = [model(ids[:, :6], cache=cache)]
+        for i in range(6, 10):
+            step.append(model(ids[:, i:i + 1], cache=cache))
+    torch.testing.assert_close(torch.cat(step, 1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_engine_with_sinks_matches_generate():
+    model = _sink_model()
+    engine = attnkit.Engine(model, cache_blocks=16, block_size=4, max_batch=2)
+    a = engine.add([1, 2, 3], max_new_tokens=6)
+    b = engine.add([4, 5, 6, 7, 8], max_new_tokens=6)
+    done = engine.run()
+    assert done[a] == attnkit.generate(model, [[1, 2, 3]], 6)[0]
+    assert done[b] == attnkit.generate(model, [[4, 5, 6, 7, 8]], 6)[0]
+
+
+def test_paged_attention_with_sinks_against_attention():
+    from attnkit.cache import paged_attention
+    g = torch.Generator().manual_seed(0)
+    k_pool, v_pool = torch.randn(8, 2, 4, 16, generator=g), torch.randn(8, 2, 4, 16, generator=g)
+    table = torch.tensor([[3, 5, 0], [1, 0, 0]], dtype=torch.int32)
+    lens = torch.tensor([7, 2], dtype=torch.int32)
+    q = torch.randn(2, 4, 1, 16, generator=g)
+    sinks = torch.randn(4, generator=g)
+    out = paged_attention(q, k_pool, v_pool, table, lens, sinks=sinks)
+    for b, (row, n) in enumerate(zip(table.tolist(), lens.tolist())):
+        k = torch.cat([k_pool[i] for i in row], 1)[None, :, :n]
+        v = torch.cat([v_pool[i] for i in row], 1)[None, :, :n]
+        torch.testing.assert_close(out[b:b + 1], attnkit.attention(q[b:b + 1], k, v, sinks=sinks, backend="math"))
+    hm_k, hm_v = k_pool.transpose(0, 1).contiguous().transpose(0, 1), v_pool.transpose(0, 1).contiguous().transpose(0, 1)
+    torch.testing.assert_close(paged_attention(q, hm_k, hm_v, table, lens, sinks=sinks), out)

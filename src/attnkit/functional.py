@@ -258,8 +258,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, scale: f
 
 
 def attention_weights(q: Tensor, k: Tensor, v: Tensor | None = None, *, mask=None, bias=None,
-                      scale: float | None = None, softcap: float | None = None) -> Tensor:
+                      scale: float | None = None, softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
     """The attention weights ``(B, Hq, Lq, Lk)`` that :func:`attention` would apply (before dropout).
+
+    With ``sinks`` a row's weights sum to ``1 - exp(sink - lse)``, the sink's share left out.
 
     Computed by the ``math`` backend (the weights are materialised by definition).  ``v`` is accepted
     for symmetry with :func:`attention` and only used for validation.  A fully masked row is all zeros.
@@ -274,7 +276,7 @@ def attention_weights(q: Tensor, k: Tensor, v: Tensor | None = None, *, mask=Non
     """
     if v is None:
         v = k
-    call = _make_call(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap)
+    call = _make_call(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, sinks=sinks)
     if _is_empty(call):
         return torch.zeros(call.batch, call.heads, call.q_len, call.kv_len, dtype=q.dtype,
                            device=q.device) + graph_zero(q, k)

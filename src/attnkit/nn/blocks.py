@@ -53,6 +53,7 @@ class TransformerBlock(nn.Module):
         post_norms: a norm on the output of each sub-layer (``attn_post_norm``, ``ffn_post_norm``).
         cross_attention: add the cross-attention sub-layer; ``context_dim`` its context width.
         positions, mask, qk_norm, softcap, temperature, backend: passed to the self-attention.
+        sinks: a learned sink logit per head in the self-attention (:class:`MultiHeadAttention`).
         bias: default for ``qkv_bias`` (q/k/v projections), ``out_bias`` (attention output) and ``ffn_bias``.
 
     Submodules: ``attn_norm``, ``attn``, (``cross_norm``, ``cross_attn``), ``ffn_norm``, ``ffn``; with
@@ -80,7 +81,7 @@ class TransformerBlock(nn.Module):
                  qkv_bias: bool | None = None, out_bias: bool | None = None, ffn_bias: bool | None = None,
                  qk_norm: bool = False, softcap: float | None = None, temperature: float = 1.0,
                  backend: str = "auto", attention_dropout: float | None = None, post_norms: bool = False,
-                 norm_offset: float = 0.0):
+                 norm_offset: float = 0.0, sinks: bool = False):
         super().__init__()
         _checks.choice("norm", norm, ("layer", "rms"))
         _checks.choice("ffn", ffn, _FFNS)
@@ -99,7 +100,7 @@ class TransformerBlock(nn.Module):
         attn_kw = dict(n_kv_heads=n_kv_heads, d_head=d_head, bias=qkv_bias, out_bias=out_bias, dropout=attn_p,
                        qk_norm=qk_norm, softcap=softcap, temperature=temperature, backend=backend)
         self.attn_norm = make_norm(norm, d_model, norm_eps, norm_offset)
-        self.attn = MultiHeadAttention(d_model, n_heads, positions=positions, mask=mask, **attn_kw)
+        self.attn = MultiHeadAttention(d_model, n_heads, positions=positions, mask=mask, sinks=sinks, **attn_kw)
         self.cross_attention = bool(cross_attention)
         if self.cross_attention:
             self.cross_norm = make_norm(norm, d_model, norm_eps, norm_offset)

@@ -29,7 +29,8 @@ class DecoderConfig:
     ``mask=masks.sliding_window(W - 1)``), Qwen2 (plus ``qkv_bias=True``), Gemma 2 (``ffn="geglu",
     post_norms=True, embed_scale=sqrt(d_model)``, ``attn_scale``, ``softcap``, ``logit_softcap`` and
     alternating ``layer_masks``) as well as GPT-style models (``norm="layer", ffn="gelu"``, biases,
-    ``positions="sinusoidal"`` or ``"alibi"``).
+    ``positions="sinusoidal"`` or ``"alibi"``).  ``attention_sinks=True`` gives every self-attention a learned
+    sink logit per head (GPT-OSS; :class:`MultiHeadAttention` ``sinks=True``).
 
     **Masks.**  Every layer is causal.  ``mask`` is AND-ed into every layer; ``layer_masks`` (one entry per
     layer, ``None`` for none) is AND-ed into its own layer only, on top of ``mask``: layer ``i`` attends
@@ -81,6 +82,7 @@ class DecoderConfig:
     ffn_bias: bool = False  # biases in the feed-forward network
     qk_norm: bool = False  # RMSNorm on every query and key head
     softcap: float | None = None  # attention score softcap
+    attention_sinks: bool = False  # a learned sink logit per head in every softmax denominator (GPT-OSS)
     attn_scale: float | None = None  # score scale; None = 1/sqrt(d_head) (Gemma 2: query_pre_attn_scalar^-0.5)
     post_norms: bool = False  # Pre-LN plus a norm on each sub-layer's output before its residual add (Gemma 2)
     embed_scale: float | None = None  # token embeddings times this (Gemma: sqrt(d_model))
@@ -102,7 +104,7 @@ class DecoderConfig:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "t5_max_distance"):
             _checks.positive_int(name, getattr(self, name))
         for name in ("rope_interleaved", "norm_first", "qkv_bias", "out_bias", "ffn_bias", "qk_norm", "post_norms",
-                     "tie_embeddings"):
+                     "tie_embeddings", "attention_sinks"):
             setattr(self, name, _checks.flag(name, getattr(self, name)))
         self.n_kv_heads_, self.d_head_ = _checks.head_layout(self.d_model, self.n_heads, self.n_kv_heads, self.d_head)
         _checks.choice("positions", self.positions, _POSITIONS)
@@ -224,7 +226,7 @@ def _block_options(cfg: DecoderConfig, positions) -> dict:
                 attention_dropout=cfg.attention_dropout, norm_first=cfg.norm_first, norm=cfg.norm,
                 norm_eps=cfg.norm_eps, norm_offset=cfg.norm_offset, ffn=cfg.ffn, positions=positions,
                 qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias, ffn_bias=cfg.ffn_bias, qk_norm=cfg.qk_norm,
-                softcap=cfg.softcap, backend=cfg.backend, post_norms=cfg.post_norms,
+                softcap=cfg.softcap, backend=cfg.backend, post_norms=cfg.post_norms, sinks=cfg.attention_sinks,
                 temperature=1.0 if cfg.attn_scale is None else 1.0 / (cfg.attn_scale * math.sqrt(cfg.head_dim)))
 
 
