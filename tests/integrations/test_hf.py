@@ -378,10 +378,10 @@ def test_attention_forward_takes_dense_bool_and_float_masks():
         hf.attention_forward(torch.nn.Module(), q, k, v, allowed.long())
 
 
-def test_attention_forward_rejects_sinks_and_mismatched_masks():
+def test_attention_forward_rejects_block_selections_and_mismatched_masks():
     q = k = v = torch.randn(1, 2, 4, 8)
-    with pytest.raises(ValueError, match="s_aux"):
-        hf.attention_forward(torch.nn.Module(), q, k, v, None, s_aux=torch.zeros(2))
+    with pytest.raises(ValueError, match="block_indices"):
+        hf.attention_forward(torch.nn.Module(), q, k, v, None, block_indices=torch.zeros(2))
     m = hf.build_mask(1, 3, 3, mask_function=mu.causal_mask_function)
     with pytest.raises(ValueError, match=r"\(Lq, Lk\)=\(3, 3\)"):
         hf.attention_forward(torch.nn.Module(), q, k, v, m)

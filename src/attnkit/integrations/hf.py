@@ -66,8 +66,6 @@ _MIN_VERSION, _MAX_VERSION = "5.4", "6"
 _RESERVED = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4",
              "paged|eager")
 _UNSUPPORTED_KWARGS = {
-    "s_aux": "attention sinks (an extra logit per head in the softmax denominator, GPT-OSS)",
-    "sinks": "attention sinks (an extra logit per head in the softmax denominator)",
     "block_indices": "an indexer's selected key blocks (MiniMax-M3 sparse attention)",
 }
 
@@ -390,7 +388,9 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         kwargs: ``output_attentions=True`` (or transformers' output recorder asking for attentions) returns
             the weights; ``indices`` (a sparse indexer's top-k keys per query, ``(B, Lq, topk)``: DeepSeek-V3.2,
             GLM-MoE-DSA and their relatives) restricts each query to those keys, as eager attention does;
-            other flash-attention keywords are ignored; attention sinks (``s_aux``/``sinks``) and block
+            ``s_aux`` or ``sinks`` (a per-head sink logit, ``(Hq,)``: GPT-OSS and the other sink models) is
+            added to each row's softmax denominator as in eager attention (``sinks=`` of
+            :func:`attnkit.attention`, differentiable); other flash-attention keywords are ignored; block
             selections (``block_indices``) raise ``ValueError``.
 
     Returns:
@@ -409,6 +409,9 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         if kwargs.get(name) is not None:
             raise ValueError(f"{name}= ({what}) is not supported by attnkit's attention; load this model with "
                              f"attn_implementation='eager' or 'sdpa'")
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = kwargs.get("sinks")
     mask, additive = _resolve_mask(module, attention_mask, query, key, is_causal, sliding_window)
     if kwargs.get("indices") is not None:  # a sparse indexer's top-k keys (eager applies them as a mask)
         sel = _selected_keys(kwargs["indices"], query, key)
@@ -420,10 +423,11 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     if additive is not None:
         bias = additive if bias is None else bias + additive
     out = attention(query, key, value, mask=mask, bias=bias, scale=scaling, softcap=softcap,
-                    dropout_p=float(dropout or 0.0), backend=backend)  # (B, Hq, Lq, Dv)
+                    dropout_p=float(dropout or 0.0), backend=backend, sinks=sinks)  # (B, Hq, Lq, Dv)
     weights = None
     if kwargs.get("output_attentions") or _collecting_attentions():
-        weights = attention_weights(query, key, value, mask=mask, bias=bias, scale=scaling, softcap=softcap)
+        weights = attention_weights(query, key, value, mask=mask, bias=bias, scale=scaling, softcap=softcap,
+                                    sinks=sinks)
     return out.transpose(1, 2).contiguous(), weights  # (B, Lq, Hq, Dv)
 
 
