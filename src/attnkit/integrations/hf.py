@@ -127,6 +127,7 @@ class _StructuredMask:
     mask: Mask | None
     shape: tuple[int, int, int, int]  # (B, 1, Lq, Lk)
     device: torch.device
+    rows_alike: bool = False  # no query-dependent part (key padding at most): valid for any number of rows
     ndim = 4
     dtype = torch.bool
 
@@ -264,9 +265,10 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
     _, mu = _transformers()
     if isinstance(attention_mask, _StructuredMask):  # already prepared (generate builds masks ahead)
         return attention_mask
-    if not _uses_attention_interface(kwargs.get("config")):
+    if not _uses_attention_interface(kwargs.get("config")) or _does_mask_arithmetic(kwargs.get("config")):
         # a model that does its own attention (Bloom, MPT, ...) never calls attnkit: it gets the mask its
-        # own code reads, the one transformers builds for "eager"
+        # own code reads, the one transformers builds for "eager"; so does one whose own code computes with
+        # the mask (SigLIP 2's pooling head repeats it, BigBird-Pegasus' encoder adds it to its scores)
         return mu.eager_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                              kv_offset=kv_offset, mask_function=mask_function or mu.causal_mask_function,
                              attention_mask=attention_mask, dtype=kwargs.get("dtype") or torch.float32,
@@ -295,7 +297,8 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
         if not bool(keep.all()):
             padding = _masks.key_padding(keep)
             mask = padding if mask is None else mask & padding
-    return _StructuredMask(mask, (batch_size, 1, q_length, kv_length), device)
+    return _StructuredMask(mask, (batch_size, 1, q_length, kv_length), device,
+                           rows_alike=pattern.mask() is None)
 
 
 # ------------------------------------------------------------------------------- the attention function
@@ -320,6 +323,16 @@ def _model_type_uses_interface(model_type: str) -> bool:
         return False
 
 
+# model types whose own code does tensor arithmetic on the mask transformers builds (``.repeat``,
+# ``scores + mask``) next to attention-interface calls: they get the plain eager tensor
+_MASK_ARITHMETIC = ("siglip2", "bigbird_pegasus")
+
+
+def _does_mask_arithmetic(config) -> bool:
+    model_type = getattr(config, "model_type", None)
+    return isinstance(model_type, str) and model_type.startswith(_MASK_ARITHMETIC)
+
+
 def _uses_attention_interface(config) -> bool:
     """Whether models of ``config`` call transformers' attention interface (and so read attnkit's structured
     masks); models that do their own attention (Bloom, MPT, ...) need transformers' tensor mask."""
@@ -331,7 +344,10 @@ def _resolve_mask(module, attention_mask, q: Tensor, k: Tensor, is_causal, slidi
     """(mask, additive float mask) for attnkit.attention from whatever transformers passed."""
     lq, lk = q.shape[2], k.shape[2]
     if isinstance(attention_mask, _StructuredMask):
-        if tuple(attention_mask.shape[2:]) != (lq, lk):
+        # a mask built for one query row with no query-dependent part (key padding) serves every row: BridgeTower
+        # builds its padding mask so and reuses it
+        one_row = attention_mask.rows_alike and tuple(attention_mask.shape[2:]) == (1, lk)
+        if tuple(attention_mask.shape[2:]) != (lq, lk) and not one_row:
             raise ValueError(f"the attnkit mask was built for (Lq, Lk)={tuple(attention_mask.shape[2:])} but the "
                              f"layer has queries of length {lq} and keys of length {lk}: the model's cache and "
                              f"its mask sizes disagree; report the model class to attnkit")
@@ -472,9 +488,11 @@ def register(name: str = "attnkit", *, backend: str = "auto") -> str:
 
     Adds :func:`attention_forward` to ``transformers.AttentionInterface`` and :func:`build_mask` to
     ``transformers.masking_utils.AttentionMaskInterface`` (both are needed: without the mask function the
-    model silently loses causality).  Afterwards any model that supports attention backends runs on attnkit
-    with ``from_pretrained(..., attn_implementation=name)``, ``from_config(cfg, attn_implementation=name)`` or
-    ``model.set_attn_implementation(name)``.  Calling it again is harmless.
+    model silently loses causality).  Afterwards a model whose layers call transformers' attention interface
+    runs on attnkit with ``from_pretrained(..., attn_implementation=name)``, ``from_config(cfg,
+    attn_implementation=name)`` or ``model.set_attn_implementation(name)``.  A model that picks its attention
+    classes from a fixed table instead (GIT's text decoder knows only ``"eager"``) cannot take a registered
+    implementation: load it with ``attn_implementation="eager"``.  Calling it again is harmless.
 
     Args:
         name: the implementation name; not one of transformers' own (``"eager"``, ``"sdpa"``, ...), and
