@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import attnkit  # noqa: E402
 from attnkit import masks  # noqa: E402
-from _common import machine, save, table, timeit  # noqa: E402
+from _common import OUT_HELP, machine, save, table, timeit  # noqa: E402
 
 N_SEQ, HQ, HKV, D = 16, 8, 2, 64
 
@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--backend", default="auto")
+    ap.add_argument("--out", metavar="DIR", default=None, help=OUT_HELP)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     lo, hi = (16, 512) if args.quick else (64, 2048)
@@ -113,7 +114,8 @@ def main() -> None:
           f"query-key pairs = {pair_ratio:.2f}; {machine()}, load {os.getloadavg()[0]:.1f}")
     print(table(rows, list(rows[0])))
     save(f"varlen_{args.backend}" + ("_quick" if args.quick else ""),
-         {"backend": args.backend, "lengths": lengths.tolist(), "pair_ratio": pair_ratio, "seconds": results, "load": os.getloadavg()[0]})
+         {"backend": args.backend, "lengths": lengths.tolist(), "pair_ratio": pair_ratio, "seconds": results, "load": os.getloadavg()[0]},
+         out=args.out)
 
 
 if __name__ == "__main__":

@@ -90,3 +90,10 @@ def test_results_go_under_the_current_directory_or_out(tmp_path, monkeypatch):
     assert common.save("probe", {}, out=tmp_path / "mine").parent == tmp_path / "mine"
     for script in sorted((ROOT / "benchmarks").glob("[!_]*.py")):  # each takes --out for `attnkit bench --out`
         assert _takes_option(script.read_text(), "--out"), script.name
+
+
+def test_sinks_benchmark_runs():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sinks.py"), "--length", "256", "--repeat", "1",
+                           "--threads", "1"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "forward+backward" in proc.stdout and "ratio" in proc.stdout

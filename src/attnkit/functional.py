@@ -202,8 +202,29 @@ def _refuse_foreign(fn: str, kwargs: dict) -> None:
     raise TypeError(f"{fn}() takes no {name}={shown}: {fix}")
 
 
+def _check_sinks(sinks, q: Tensor) -> Tensor | None:
+    """``sinks`` as a ``(B, Hq)`` view (expanded, so its gradient reaches the caller's tensor)."""
+    if sinks is None:
+        return None
+    B, Hq = q.shape[0], q.shape[1]
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be None or a float tensor of shape (Hq,)=({Hq},), one logit per query head, "
+                        f"got {type(sinks).__name__}: pass torch.tensor([...])")
+    if not sinks.is_floating_point():
+        raise TypeError(f"sinks must be a float tensor, got dtype {sinks.dtype}: use sinks.float()")
+    if not _broadcasts(sinks.shape, (B, Hq)):
+        raise ValueError(f"sinks of shape {tuple(sinks.shape)} does not broadcast to (B, Hq)=({B}, {Hq}): give "
+                         f"one logit per query head, shape ({Hq},) (or ({B}, {Hq}))")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}: move it with sinks.to(q.device)")
+    if not torch.compiler.is_compiling() and not bool(torch.isfinite(sinks.detach()).all()):
+        raise ValueError(f"sinks holds a non-finite value ({sinks.detach().tolist()}): give finite logits "
+                         f"(for no sink at all, leave sinks=None)")
+    return sinks.expand(B, Hq)
+
+
 def _make_call(q, k, v, *, mask=None, bias=None, scale=None, softcap=None, dropout_p=0.0,
-               return_lse=False) -> Call:
+               return_lse=False, sinks=None) -> Call:
     _check_qkv(q, k, v)
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     mask = _check_mask(mask, q, shape)
@@ -216,7 +237,8 @@ def _make_call(q, k, v, *, mask=None, bias=None, scale=None, softcap=None, dropo
     if softcap is not None:
         softcap = _check_number("softcap", softcap, low=0.0, low_open=True, fix=" (or None for no softcap)")
     dropout_p = _check_number("dropout_p", dropout_p, low=0.0, high=1.0, high_open=True)
-    return Call(q, k, v, mask, bias, scale, softcap, dropout_p, flag("return_lse", return_lse))
+    sinks = _check_sinks(sinks, q)
+    return Call(q, k, v, mask, bias, scale, softcap, dropout_p, flag("return_lse", return_lse), sinks)
 
 
 def graph_zero(*tensors: Tensor) -> Tensor:
@@ -266,11 +288,14 @@ def _empty_result(call: Call):
     """An empty call (or Lq == 0 or Lk == 0): zero output and -inf lse, still attached to the graph (zero
     gradients)."""
     q, k, v = call.q, call.k, call.v
-    zero = graph_zero(q, k, v)
+    zero = graph_zero(q, k, v) if call.sinks is None else graph_zero(q, k, v, call.sinks)
     out = torch.zeros(call.batch, call.heads, call.q_len, v.shape[-1], dtype=q.dtype, device=q.device) + zero
     if not call.return_lse:
         return out
     lse_dtype = torch.promote_types(q.dtype, torch.float32)
+    if call.sinks is not None:  # the denominator is the sink alone
+        lse = call.sinks.to(lse_dtype)[..., None].expand(call.batch, call.heads, call.q_len)
+        return out, lse + graph_zero(q, k, v)
     return out, torch.full((call.batch, call.heads, call.q_len), float("-inf"), dtype=lse_dtype, device=q.device)
 
 
@@ -278,8 +303,8 @@ def _empty_result(call: Call):
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, scale: float | None = None,
-              softcap: float | None = None, dropout_p: float = 0.0, return_lse: bool = False,
-              backend: str = "auto", **unknown):
+              softcap: float | None = None, sinks: Tensor | None = None, dropout_p: float = 0.0,
+              return_lse: bool = False, backend: str = "auto", **unknown):
     """Scaled dot-product attention: ``softmax(mask(bias(softcap(q @ k^T * scale)))) @ v``.
 
     Args:
@@ -296,8 +321,14 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, scale: f
             dtype the scores are computed in (float32 for half inputs: about ``1.8e19``) is refused: it would
             overflow the scores to inf.
         softcap: ``s`` maps a score ``x`` to ``s * tanh(x / s)`` (Gemma 2); applied before the bias.
+        sinks: attention sinks (GPT-OSS): a float tensor ``(Hq,)`` (or broadcastable to ``(B, Hq)``), one
+            logit per query head added to every row's softmax denominator with a zero value:
+            ``out_i = sum_j exp(s_ij) v_j / (exp(sink_h) + sum_j exp(s_ij))``.  Differentiable.  Not
+            touched by ``mask``, ``bias``, ``softcap`` or ``scale``.
         dropout_p: dropout on the attention weights (reproducible under ``torch.manual_seed``).
-        return_lse: also return the log-sum-exp of each row's final scores.
+        return_lse: also return the log-sum-exp of each row's final scores; with ``sinks``, of the whole
+            denominator (``logaddexp(lse_without_sink, sink)``): see :func:`attnkit.softmax.add_sink`
+            for merging pieces computed with a sink.
         backend: ``"auto"`` or a name from :func:`attnkit.backends.available`.
         **unknown: keyword arguments of other attention functions (SDPA's ``is_causal``, ``attn_mask``,
             ``enable_gqa``; FlashAttention's ``causal``, ``window_size``, ``softmax_scale``; FlexAttention's
@@ -320,6 +351,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, scale: f
     A row that may attend to nothing gives output 0, ``lse = -inf`` and zero gradients, never NaN.  When a
     mask with a ``from_fn`` (or BlockMask) part leaves *every* row of a call with nothing, a warning says so.
     Meta tensors give the output's shape (on ``math`` or ``sdpa``; ``flash`` refuses them).
+    With ``sinks`` such a row's denominator is ``exp(sink)`` alone: output 0, ``lse = sink``, zero
+    gradients for ``q``, ``k``, ``v`` and the sink (the sink's only gradient from it comes through ``lse``).
 
     Example::
 
@@ -332,7 +365,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, scale: f
     """
     _refuse_foreign("attention", unknown)
     call = _make_call(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, dropout_p=dropout_p,
-                      return_lse=return_lse)
+                      return_lse=return_lse, sinks=sinks)
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string, got {type(backend).__name__}")
     chosen = _backends.select(call, backend)
@@ -349,8 +382,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, scale: f
 
 
 def attention_weights(q: Tensor, k: Tensor, v: Tensor | None = None, *, mask=None, bias=None,
-                      scale: float | None = None, softcap: float | None = None, **unknown) -> Tensor:
+                      scale: float | None = None, softcap: float | None = None, sinks: Tensor | None = None,
+                      **unknown) -> Tensor:
     """The attention weights ``(B, Hq, Lq, Lk)`` that :func:`attention` would apply (before dropout).
+
+    With ``sinks`` a row's weights sum to ``1 - exp(sink - lse)``, the sink's share left out.
 
     Computed by the ``math`` backend (the weights are materialised by definition).  ``v`` is accepted
     for symmetry with :func:`attention` and only used for validation.  A fully masked row is all zeros.
@@ -367,7 +403,7 @@ def attention_weights(q: Tensor, k: Tensor, v: Tensor | None = None, *, mask=Non
     _refuse_foreign("attention_weights", unknown)
     if v is None:
         v = k
-    call = _make_call(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap)
+    call = _make_call(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, sinks=sinks)
     if _is_empty(call):
         return torch.zeros(call.batch, call.heads, call.q_len, call.kv_len, dtype=q.dtype,
                            device=q.device) + graph_zero(q, k)

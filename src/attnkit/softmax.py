@@ -5,6 +5,10 @@ Attention over a long key sequence can be computed in pieces: each piece gives i
 :func:`merge` combines two pieces exactly; it is the step of online softmax (flash attention) and of
 ring attention.  A row whose scores are all ``-inf`` (a fully masked row) has ``lse = -inf`` and
 output 0, and merging with it changes nothing.
+
+Attention sinks (a per-head logit ``sink`` in every row's denominator, with a zero value) are not a key:
+merge the pieces computed *without* the sink, then add it once with :func:`add_sink`.  Merging two pieces
+that each carry the sink would count it twice.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import torch
 
 Tensor = torch.Tensor
 
-__all__ = ["stable_softmax", "logsumexp", "merge"]
+__all__ = ["stable_softmax", "logsumexp", "merge", "add_sink"]
 
 
 def stable_softmax(x: Tensor, dim: int = -1) -> Tensor:
@@ -89,3 +93,39 @@ def merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[T
     oacc = torch.promote_types(out_a.dtype, acc)
     out = (out_a.to(oacc) * (wa / safe)[..., None] + out_b.to(oacc) * (wb / safe)[..., None]).to(out_a.dtype)
     return out, lse
+
+
+def add_sink(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
+    """Add an attention sink to a result computed without one: ``exp(sink)`` joins each row's denominator.
+
+    Args:
+        out: ``(B, H, L, Dv)`` output normalised over its keys.
+        lse: ``(B, H, L)`` its log-sum-exp (``-inf`` where a row saw no key).
+        sinks: one logit per head, broadcastable to ``(B, H)`` (e.g. ``(H,)``).
+
+    Returns:
+        ``(out * exp(lse - lse'), lse')`` with ``lse' = logaddexp(lse, sink)``: the output with the sink in
+        the denominator (in ``out``'s dtype) and the log-sum-exp that includes the sink.  A row that saw no
+        key keeps output 0 and gets ``lse' = sink``.  Differentiable in all three inputs.  Apply it once,
+        after :func:`merge`-ing the pieces: it is the step that ring attention and paged decoding use.
+
+    Example::
+
+        >>> import torch
+        >>> from attnkit.softmax import add_sink
+        >>> s, v, sink = torch.randn(4, 6, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64), 0.5
+        >>> ext = torch.cat([s, torch.full((4, 1), sink, dtype=torch.float64)], -1)
+        >>> full = torch.softmax(ext, -1)[:, :6] @ v
+        >>> out, lse = add_sink((torch.softmax(s, -1) @ v)[None, None], torch.logsumexp(s, -1)[None, None],
+        ...                     torch.tensor([sink], dtype=torch.float64))
+        >>> torch.allclose(out[0, 0], full), torch.allclose(lse[0, 0], torch.logsumexp(ext, -1))
+        (True, True)
+    """
+    acc = torch.promote_types(lse.dtype, torch.float32)
+    B, H = lse.shape[0], lse.shape[1]
+    sk = sinks.to(acc).expand(B, H)[..., None]  # (B, H, 1)
+    la = lse.to(acc)
+    lse_s = torch.logaddexp(la, sk)
+    factor = torch.exp(la - lse_s)  # exp(-inf) = 0 for an empty row
+    oacc = torch.promote_types(out.dtype, acc)
+    return (out.to(oacc) * factor[..., None]).to(out.dtype), lse_s

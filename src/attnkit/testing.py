@@ -31,8 +31,12 @@ __all__ = ["reference", "check_against_oracle"]
 
 
 def reference(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, scale: float | None = None,
-              softcap: float | None = None, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+              softcap: float | None = None, sinks: Tensor | None = None,
+              dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     """The textbook formula, written out, in ``dtype`` (default: the inputs' dtype).
+
+    ``sinks`` (``(Hq,)`` or broadcastable to ``(B, Hq)``) adds ``exp(sink)`` to each row's denominator:
+    ``out_i = sum_j exp(s_ij) v_j / (exp(sink) + sum_j exp(s_ij))``, ``lse_i = log`` of that denominator.
 
     Heads are repeated for grouped-query attention and the mask is materialised: this is the
     definition, not an implementation to use.  Returns ``(out, lse)``; a row that may attend to
@@ -56,6 +60,12 @@ def reference(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, scale: f
     if mask is not None:
         dense = mask.to_dense(Lq, Lk, batch=B, heads=Hq, device=q.device) if isinstance(mask, Mask) else mask
         s = s.masked_fill(~dense, float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(dtype).expand(B, Hq)[:, :, None]  # (B, Hq, 1)
+        m = torch.maximum(s.amax(dim=-1), sink).detach()  # finite: the sink is
+        e = torch.exp(s - m[..., None])
+        den = e.sum(dim=-1) + torch.exp(sink - m)
+        return (e / den[..., None]) @ v, m + torch.log(den)
     lse = torch.logsumexp(s, dim=-1)
     w = torch.softmax(s, dim=-1)
     w = torch.where(torch.isnan(w), torch.zeros_like(w), w)  # rows with nothing to attend to
@@ -76,8 +86,8 @@ def check_against_oracle(fn: Callable[..., object], q: Tensor, k: Tensor, v: Ten
                          seed: int = 0, **kwargs) -> dict:
     """Run ``fn(q, k, v, **kwargs)`` and compare it with the float64 oracle under the numerical rule.
 
-    ``kwargs`` may hold ``mask``, ``bias``, ``scale``, ``softcap`` (passed to the reference too) and
-    anything else ``fn`` takes.  The output must have the oracle's shape and the input's dtype; with
+    ``kwargs`` may hold ``mask``, ``bias``, ``scale``, ``softcap``, ``sinks`` (passed to the reference too)
+    and anything else ``fn`` takes; a ``sinks`` tensor that requires grad has its gradient checked too.  The output must have the oracle's shape and the input's dtype; with
     ``return_lse=True`` the log-sum-exp is checked too.  Gradients: ``grad=None`` checks those of the
     inputs that require grad (the report says ``"grads": "none checked"`` when none does), ``grad=True``
     requires at least one, ``grad=False`` checks none.  ``dropout_p > 0`` is refused (the oracle has no
@@ -89,17 +99,25 @@ def check_against_oracle(fn: Callable[..., object], q: Tensor, k: Tensor, v: Ten
                          f"check dropout against a formula using the same keep pattern")
     grad = None if grad is None else flag("grad", grad)
     ref_kw = {n: kwargs[n] for n in ("mask", "bias", "scale", "softcap") if n in kwargs}
+    sinks = kwargs.pop("sinks", None)
     wants = [bool(t.requires_grad) for t in (q, k, v)] if grad is not False else [False] * 3
     if grad is True and not any(wants):
         raise ValueError("check_against_oracle: grad=True but none of q, k, v requires grad: call "
                          "requires_grad_() on the inputs whose gradients should be checked")
-    leaves = [t.detach().clone().requires_grad_(w) for t, w in zip((q, k, v), wants)]
-    result = fn(*leaves, **kwargs)
+    if sinks is not None and grad is not False and sinks.requires_grad:
+        wants.append(True)
+    elif sinks is not None:
+        wants.append(False)
+    inputs = (q, k, v) if sinks is None else (q, k, v, sinks)
+    leaves = [t.detach().clone().requires_grad_(w) for t, w in zip(inputs, wants)]
+    result = fn(*leaves[:3], **kwargs, **({} if sinks is None else {"sinks": leaves[3]}))
     out, lse = (result[0], result[1]) if isinstance(result, tuple) else (result, None)
-    o64 = [t.detach().double().requires_grad_(w) for t, w in zip((q, k, v), wants)]
-    oracle, oracle_lse = reference(*o64, **ref_kw, dtype=torch.float64)
-    nv = [t.detach().clone().requires_grad_(w) for t, w in zip((q, k, v), wants)]
-    naive, naive_lse = reference(*nv, **ref_kw)
+    o64 = [t.detach().double().requires_grad_(w) for t, w in zip(inputs, wants)]
+    oracle, oracle_lse = reference(*o64[:3], **ref_kw, sinks=o64[3] if sinks is not None else None,
+                                   dtype=torch.float64)
+    nv = [t.detach().clone().requires_grad_(w) for t, w in zip(inputs, wants)]
+    naive, naive_lse = reference(*nv[:3], **ref_kw, sinks=nv[3] if sinks is not None else None,
+                                 dtype=q.dtype)
     if tuple(out.shape) != tuple(oracle.shape) or out.dtype != q.dtype:
         raise AssertionError(f"output of shape {tuple(out.shape)} and dtype {out.dtype}, expected "
                              f"{tuple(oracle.shape)} and {q.dtype}")
@@ -117,7 +135,7 @@ def check_against_oracle(fn: Callable[..., object], q: Tensor, k: Tensor, v: Ten
         out.backward(go.to(device=out.device, dtype=out.dtype))
         oracle.backward(go)
         naive.backward(go.to(naive.dtype))
-        for name, a, o, n, w in zip("qkv", leaves, o64, nv, wants):
+        for name, a, o, n, w in zip(("q", "k", "v", "sinks"), leaves, o64, nv, wants):
             if not w:
                 continue
             ga = a.grad if a.grad is not None else torch.zeros_like(a)

@@ -150,6 +150,19 @@ def _head_dim(D):
     check_against_oracle(_triton, q, k, v, mask=masks.causal())
 
 
+def _sinks_case(dtype, mask, Hq, Hkv, return_lse):
+    q, k, v = _qkv(Hq=Hq, Hkv=Hkv, Lq=21, Lk=37, dtype=dtype)
+    sinks = torch.randn(Hq, generator=torch.Generator().manual_seed(5)).requires_grad_(True)
+    report = check_against_oracle(_triton, q, k, v, mask=mask, sinks=sinks, return_lse=return_lse)
+    assert report["dsinks"]["ok"]
+
+
+CASES["sinks-gqa-causal-fp32-lse"] = lambda: _sinks_case(torch.float32, masks.causal(), 4, 2, True)
+CASES["sinks-window-fp16"] = lambda: _sinks_case(torch.float16, masks.sliding_window(5), 2, 1, False)
+CASES["sinks-empty-rows-bf16"] = lambda: _sinks_case(torch.bfloat16, masks.causal(align="top_left") &
+                                                     masks.key_padding([12]), 2, 2, True)
+
+
 for _D in (16, 256):  # and D=40, Dv=24 in "odd-lengths-and-head-dims"
     CASES[f"head-dim-{_D}"] = (lambda D: lambda: _head_dim(D))(_D)
 

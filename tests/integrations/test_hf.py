@@ -378,10 +378,10 @@ def test_attention_forward_takes_dense_bool_and_float_masks():
         hf.attention_forward(torch.nn.Module(), q, k, v, allowed.long())
 
 
-def test_attention_forward_rejects_sinks_and_mismatched_masks():
+def test_attention_forward_rejects_block_selections_and_mismatched_masks():
     q = k = v = torch.randn(1, 2, 4, 8)
-    with pytest.raises(ValueError, match="s_aux"):
-        hf.attention_forward(torch.nn.Module(), q, k, v, None, s_aux=torch.zeros(2))
+    with pytest.raises(ValueError, match="block_indices"):
+        hf.attention_forward(torch.nn.Module(), q, k, v, None, block_indices=torch.zeros(2))
     m = hf.build_mask(1, 3, 3, mask_function=mu.causal_mask_function)
     with pytest.raises(ValueError, match=r"\(Lq, Lk\)=\(3, 3\)"):
         hf.attention_forward(torch.nn.Module(), q, k, v, m)
@@ -495,3 +495,52 @@ def test_seq2seq_models_that_call_the_interface_get_structured_masks(monkeypatch
         want = eager.eval()(input_ids=ids, attention_mask=am, decoder_input_ids=ids[:, :5]).logits
     assert (got - want).abs().max() <= TOL
     assert seen and all(isinstance(m, masks.Mask) and b is None for m, b in seen)
+
+
+# ------------------------------------------------------- model code that computes with the mask itself
+
+
+def test_siglip2_pooling_head_gets_a_plain_tensor_mask():
+    vcfg = transformers.Siglip2VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                            num_attention_heads=4, num_channels=3, patch_size=4, num_patches=16)
+    torch.manual_seed(0)
+    model = transformers.Siglip2VisionModel(vcfg).eval()
+    pv = torch.randn(2, 16, 3 * 4 * 4)
+    pam = torch.ones(2, 16, dtype=torch.long)
+    pam[0, 10:] = 0
+    kw = dict(pixel_values=pv, pixel_attention_mask=pam, spatial_shapes=torch.tensor([[4, 4], [4, 4]]))
+    with torch.no_grad():
+        ref = model(**kw).pooler_output
+        model.set_attn_implementation("attnkit")
+        out = model(**kw).pooler_output  # (the head's mask.repeat(...) failed on the structured mask)
+    assert (out - ref).abs().max().item() <= TOL
+
+
+def test_bigbird_pegasus_encoder_adding_the_mask_to_its_scores_matches_eager():
+    cfg = transformers.BigBirdPegasusConfig(vocab_size=V, d_model=32, encoder_layers=1, decoder_layers=1,
+                                            encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                                            decoder_ffn_dim=64, max_position_embeddings=64,
+                                            attention_type="original_full")
+    torch.manual_seed(0)
+    model = transformers.BigBirdPegasusForConditionalGeneration(cfg).eval()
+    ids, am = _batch()
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=am, decoder_input_ids=ids).logits
+        model.set_attn_implementation("attnkit")
+        out = model(input_ids=ids, attention_mask=am, decoder_input_ids=ids).logits
+    assert (out - ref).abs().max().item() <= TOL
+
+
+def test_a_padding_mask_built_for_one_query_row_serves_every_row():
+    # BridgeTower builds its key padding mask for one query row and reuses it for all of them
+    keep = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
+    m = hf.build_mask(2, 1, 5, mask_function=mu.bidirectional_mask_function, attention_mask=keep,
+                      allow_is_bidirectional_skip=True)
+    q = torch.randn(2, 4, 3, 8)
+    k = v = torch.randn(2, 2, 5, 8)
+    out, _ = hf.attention_forward(torch.nn.Module(), q, k, v, m)
+    want = attnkit.attention(q, k, v, mask=keep.bool()[:, None, None, :])
+    torch.testing.assert_close(out, want.transpose(1, 2))
+    causal = hf.build_mask(2, 1, 5, q_offset=4, mask_function=mu.causal_mask_function, attention_mask=keep)
+    with pytest.raises(ValueError, match=r"\(Lq, Lk\)=\(1, 5\)"):  # a causal one depends on the row: refused
+        hf.attention_forward(torch.nn.Module(), q, k, v, causal)

@@ -105,7 +105,8 @@ def _signature(call: Call) -> tuple:
     bias_key = (id(bias), bias.requires_grad, tuple(bias.shape)) if hasattr(bias, "shape") else id(bias)
     return (tuple(call.q.shape), tuple(call.k.shape), tuple(call.v.shape), call.q.dtype, call.q.device,
             call.q.stride(), call.k.stride(), call.v.stride(), id(call.mask), bias_key, call.scale,
-            call.softcap, call.dropout_p > 0, call.return_lse, call.needs_grad, torch.is_grad_enabled())
+            call.softcap, call.dropout_p > 0, call.return_lse, call.needs_grad, torch.is_grad_enabled(),
+            call.sinks is not None)
 
 
 # What auto picks from while torch.compile traces, in order of preference: backends whose run is plain
@@ -207,12 +208,14 @@ def explain(q, k, v, **kwargs) -> str:
 
     backend = kwargs.pop("backend", "auto")
     _refuse_foreign("explain", {n: x for n, x in kwargs.items()
-                                if n not in ("mask", "bias", "scale", "softcap", "dropout_p", "return_lse")})
+                                if n not in ("mask", "bias", "scale", "softcap", "sinks", "dropout_p", "return_lse")})
     call = _make_call(q, k, v, **kwargs)
     chosen = select(call, backend)
     desc = [f"q {tuple(q.shape)} {str(q.dtype).replace('torch.', '')}", f"k {tuple(k.shape)}", f"v {tuple(v.shape)}"]
     if call.mask is not None:
         desc.append(f"mask {call.mask!r}")
+    if call.sinks is not None:
+        desc.append("sinks")
     if call.bias is not None:
         desc.append(f"bias {call.bias!r}" if not hasattr(call.bias, "shape") else f"bias {tuple(call.bias.shape)}")
     lines = [f"{'auto picks' if backend == 'auto' else 'uses'} {chosen.name!r} for {', '.join(desc)}"]

@@ -33,6 +33,7 @@ class Call:
     softcap: float | None
     dropout_p: float
     return_lse: bool
+    sinks: Tensor | None = None  # (B, Hq): one logit per query head in every row's denominator
     cache: dict = field(default_factory=dict)  # per-call memo shared by support checks and the run
 
     @property
@@ -64,7 +65,7 @@ class Call:
         if not torch.is_grad_enabled():
             return False
         tensors = (self.q, self.k, self.v, self.bias) if isinstance(self.bias, Tensor) else (self.q, self.k, self.v)
-        return any(t.requires_grad for t in tensors)
+        return any(t.requires_grad for t in tensors) or (self.sinks is not None and self.sinks.requires_grad)
 
     def flops(self) -> float:
         """Forward multiply-adds x 2 of the dense computation."""
@@ -73,6 +74,20 @@ class Call:
             (b, h, lq, d), lk, dv = self.q.shape, self.k.shape[2], self.v.shape[3]
             f = self.cache["flops"] = 2.0 * b * h * lq * lk * (d + dv)
         return f
+
+
+def sink_grad(out: Tensor, lse: Tensor, dout: Tensor | None, dlse: Tensor | None, sinks: Tensor) -> Tensor:
+    """The gradient of the sinks ``(B, Hq)`` from a result ``out (B, Hq, Lq, Dv)``, ``lse (B, Hq, Lq)`` that
+    includes them: ``d sink = sum over rows of p_sink * (dlse - rowsum(dout * out))`` where
+    ``p_sink = exp(sink - lse)`` (the weight the sink took; 1 in a row that saw no key, whose output is 0)."""
+    acc = lse.dtype
+    p = torch.exp(sinks.to(acc)[..., None] - lse)  # (B, Hq, Lq)
+    g = torch.zeros_like(p)
+    if dout is not None:
+        g = g - (dout.to(acc) * out.to(acc)).sum(-1)
+    if dlse is not None:
+        g = g + dlse.to(acc)
+    return (p * g).sum(-1).to(sinks.dtype)
 
 
 def grouped_index(call: Call, q_rows: Tensor, k_cols: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -51,7 +51,8 @@ from ..bias import ScoreMod
 from ..masks import Mask
 from . import _flash_ops as ops
 from . import _flash_plan as planning
-from ._common import Call, check_unchanged, per_mask, reachable_tensors, tensor_key, tensor_versions
+from ..softmax import add_sink
+from ._common import Call, check_unchanged, per_mask, reachable_tensors, sink_grad, tensor_key, tensor_versions
 
 Tensor = torch.Tensor
 
@@ -251,6 +252,31 @@ def _unflat(x3: Tensor, call: Call, dtype: torch.dtype) -> Tensor:
     return x.reshape(B, H, call.q_len, *x3.shape[2:]).to(dtype)
 
 
+def _finish(out3: Tensor, lse3: Tensor, call: Call) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The kernels' ``(out3, lse3)`` as ``out (B, Hq, Lq, Dv)`` in q's dtype and ``lse (B, Hq, Lq)``, with
+    the sinks (when the call has them) added to each row's denominator before the output is rounded; and
+    the lse without the sinks (None without them)."""
+    lse = _unflat(lse3.t(), call, lse3.dtype)
+    if call.sinks is None:
+        return _unflat(out3, call, call.q.dtype), lse, None
+    out, lse_s = add_sink(_unflat(out3, call, out3.dtype), lse, call.sinks.detach())
+    return out.to(call.q.dtype), lse_s, lse
+
+
+def _sinkless_grads(out: Tensor, lse: Tensor, bare: Tensor, dout: Tensor, dlse: Tensor | None):
+    """The gradients of the sink-free result ``(out / c, bare)`` that give those of ``(out, lse)``, the result
+    with sinks, for the paths that renormalise each row's weights over its keys themselves.
+
+    ``out = c * out_bare`` with ``c = exp(bare - lse)``, and ``d c / d bare = c * (1 - c)``, so
+    ``d out_bare = c * dout`` and ``d bare = (1 - c) * rowsum(dout * out) + c * dlse`` (no division by ``c``).
+    (The fused path needs none of this: its weights ``exp(s - lse)`` come from the saved lse, which already
+    holds the sink.)  Returns ``(dout, dlse, lse)`` to hand to the sink-free backward."""
+    c = torch.exp(bare - lse)  # (B, Hq, Lq); 0 in a row that saw no key
+    d = (dout.to(c.dtype) * out.to(c.dtype)).sum(-1)
+    dbare = (1 - c) * d + (0 if dlse is None else c * dlse.to(c.dtype))
+    return (dout.to(c.dtype) * c[..., None]).to(dout.dtype), dbare, bare
+
+
 # ---------------------------------------------------------------------- autograd
 
 
@@ -258,19 +284,20 @@ class _FlashFunction(torch.autograd.Function):
     """Inputs ``(q, k, v, bias_tensor, work, *bias_params)``; outputs ``(out, lse)``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias_t, state, *params):
+    def forward(ctx, q, k, v, bias_t, sinks, state, *params):
         call, plan, plan_b, fused, seed, allow_fused = state
         work = _work(call, plan, fused, list(params), seed)
-        out3, lse3 = ops.forward(work)
-        out = _unflat(out3, call, q.dtype)
-        lse = _unflat(lse3.t(), call, lse3.dtype).contiguous()
+        out, lse, bare = _finish(*ops.forward(work), call)
+        lse, bare = lse.contiguous(), None if bare is None else bare.contiguous()
         # O((Lq + Lk) * D): the backward recomputes the rest.  Saved, not kept on ctx: saved-tensor hooks
         # (checkpointing, offloading) see them, and autograd checks the bias tensors for in-place edits
         # (the modifier's own tensors stay on ctx: the recomputing backward differentiates the very tensors its
         # function reads, which an unpacking hook would replace by copies)
-        ctx.save_for_backward(q, k, v, out, lse, bias_t)
-        ctx.state = (dataclasses.replace(call, q=None, k=None, v=None, bias=None if bias_t is not None else call.bias),
+        ctx.save_for_backward(q, k, v, out, lse, bias_t, bare)
+        ctx.state = (dataclasses.replace(call, q=None, k=None, v=None, sinks=None,
+                                         bias=None if bias_t is not None else call.bias),
                      plan_b, seed, allow_fused, params)
+        ctx.sinks = sinks
         ctx.versions = tensor_versions(call.mask, call.bias) + [(p, p._version) for p in params]  # read again
         mod = None if bias_t is not None else call.bias
         ctx.reach = _read_tensors(call.mask, mod)
@@ -285,20 +312,25 @@ class _FlashFunction(torch.autograd.Function):
                                "backward, e.g. a gradient penalty): use backend='math' or 'sdpa' for such a loss")
         check_unchanged(ctx.versions)
         stripped, plan, seed, allow_fused, params = ctx.state
-        q, k, v, out, lse, bias_t = ctx.saved_tensors
+        q, k, v, out, lse, bias_t, bare = ctx.saved_tensors
         call = dataclasses.replace(stripped, q=q, k=k, v=v, bias=bias_t if ctx.has_bias_t else stripped.bias)
         _check_reach(ctx.reach, call)
-        n_params = len(ctx.needs_input_grad) - 5
+        n_params = len(ctx.needs_input_grad) - 6
         if dout is None and dlse is None:
-            return (None,) * (5 + n_params)
+            return (None,) * (6 + n_params)
         bias_grad = ctx.has_bias_t and ctx.needs_input_grad[3]
         fused = allow_fused and _fusable(call, bias_grad or bool(params)) and dlse is None
         work = _work(call, plan, fused, params, seed)  # the backward's own tiling (and padding)
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dsink = None
+        if ctx.sinks is not None:
+            dsink = sink_grad(out, lse, dout, dlse, ctx.sinks) if ctx.needs_input_grad[4] else None
+            if not fused:
+                dout, dlse, lse = _sinkless_grads(out, lse, bare, dout, dlse)
         out3 = _flat(out, plan.q_pad)
         pad = plan.q_pad - call.q_len
         lse3 = F.pad(lse.reshape(-1, call.q_len), (0, pad), value=float("inf")).t().contiguous()  # padded rows: P = 0
-        if dout is None:
-            dout = torch.zeros_like(out)
         dout3 = _flat(dout.to(out.dtype), plan.q_pad)
         dlse3 = None
         if dlse is not None:
@@ -315,7 +347,7 @@ class _FlashFunction(torch.autograd.Function):
         if dbias is not None:
             dbias = dbias.reshape(call.bias.shape).to(call.bias.dtype)
         dparams = [None if g is None else g.to(p.dtype) for g, p in zip(dparams, params)]
-        return (dq, dk, dv, dbias, None, *dparams)
+        return (dq, dk, dv, dbias, dsink, None, *dparams)
 
 
 # --------------------------------------------------------------------------- run
@@ -378,24 +410,24 @@ def _run(call: Call, block_q: int | None = None, block_k: int | None = None, *, 
     needs_grad = call.needs_grad or bias_grad
     if not needs_grad:
         work = _work(call, plan, use_fused, [], seed)
-        out3, lse3 = ops.forward(work)
-        out = _unflat(out3, call, call.q.dtype)
-        return (out, _unflat(lse3.t(), call, lse3.dtype)) if call.return_lse else out
+        out, lse, _ = _finish(*ops.forward(work), call)
+        return (out, lse) if call.return_lse else out
     bias_t = call.bias if isinstance(call.bias, Tensor) else None
     state = (call, plan, _backward_plan(call, block_q, block_k), use_fused, seed, fused is not False)
-    out, lse = _FlashFunction.apply(call.q, call.k, call.v, bias_t, state, *params)
+    out, lse = _FlashFunction.apply(call.q, call.k, call.v, bias_t, call.sinks, state, *params)
     return (out, lse) if call.return_lse else out
 
 
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, scale: float | None = None,
                     softcap: float | None = None, dropout_p: float = 0.0, return_lse: bool = False,
-                    block_q: int | None = None, block_k: int | None = None):
+                    block_q: int | None = None, block_k: int | None = None, sinks: Tensor | None = None):
     """Block-sparse tiled attention (the ``flash`` backend), with the arguments of :func:`attnkit.attention`.
 
     Args:
         q: ``(B, Hq, Lq, D)``; k: ``(B, Hkv, Lk, D)``; v: ``(B, Hkv, Lk, Dv)``, ``Hq % Hkv == 0``
             (grouped-query heads share ``k``/``v`` without copies).
-        mask, bias, scale, softcap, dropout_p, return_lse: as in :func:`attnkit.attention`.
+        mask, bias, scale, softcap, dropout_p, return_lse, sinks: as in :func:`attnkit.attention` (the
+            sinks enter each row's final normalisation and its lse; the backward's tiles are unchanged).
         block_q, block_k: tile sizes (default 128 x 128, shrunk to short sequences).  Smaller tiles skip
             more of a sparse mask but make smaller matrix products.
 
@@ -425,7 +457,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, sc
     from ..functional import _empty_result, _is_empty, _make_call
 
     call = _make_call(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, dropout_p=dropout_p,
-                      return_lse=return_lse)
+                      return_lse=return_lse, sinks=sinks)
     block_q, block_k = _check_block("block_q", block_q), _check_block("block_k", block_k)
     if _is_empty(call):
         return _empty_result(call)

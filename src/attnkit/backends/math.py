@@ -45,6 +45,10 @@ def _probabilities(call: Call) -> tuple[Tensor, Tensor, Tensor]:
     s = torch.matmul(qg, kg.transpose(-1, -2)) * call.scale  # (B, Hkv, G, Lq, Lk)
     bias = grouped_bias(call.bias, call) if isinstance(call.bias, Tensor) else None
     s = modify_scores(s, call, b, h, qi, ki, bias_block=bias)
+    if call.sinks is not None:  # one more column: the sink's logit, whose value is zero
+        sink = call.sinks.to(acc).reshape(B, Hkv, call.group, 1, 1).expand(*s.shape[:-1], 1)
+        s = torch.cat([s, sink], dim=-1)
+        return stable_softmax(s, dim=-1)[..., :Lk], logsumexp(s, dim=-1), vg
     return stable_softmax(s, dim=-1), logsumexp(s, dim=-1), vg
 
 

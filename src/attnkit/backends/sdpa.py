@@ -138,6 +138,8 @@ def check(call: Call) -> str | None:
         return "SDPA has no softcap"
     if call.return_lse:
         return "SDPA does not return the log-sum-exp"
+    if call.sinks is not None:
+        return "SDPA has no attention sinks, and returns no log-sum-exp to add them after"
     b = call.bias
     if isinstance(b, ScoreMod) and not (b.additive or b.scale_factor is not None):
         return f"SDPA takes only additive score modifiers (ALiBi, T5 buckets) or a scalar temperature, not {b!r}"

@@ -45,7 +45,8 @@ import torch
 from ..bias import ScoreMod, _ALiBi, _Temperature
 from ..masks import Mask, _FromFn
 from . import _triton_plan as _plan
-from ._common import Call, check_paged_values, check_unchanged, tensor_versions
+from ..softmax import add_sink
+from ._common import Call, check_paged_values, check_unchanged, sink_grad, tensor_versions
 
 Tensor = torch.Tensor
 
@@ -444,10 +445,10 @@ class _Attention(torch.autograd.Function):
     """Forward and backward kernels as one differentiable op: ``(q, k, v) -> (out, lse)``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mods, plans):
-        out, lse = _forward(q, k, v, mods, plans.forward())
+    def forward(ctx, q, k, v, sinks, mods, plans):
+        out, lse = _with_sinks(*_forward(q, k, v, mods, plans.forward()), sinks)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mods, ctx.plans = mods, plans
+        ctx.mods, ctx.plans, ctx.sinks = mods, plans, sinks
         ctx.versions = tensor_versions(plans.mask, mods.source)  # the backward reads them again
         return out, lse
 
@@ -455,8 +456,18 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         check_unchanged(ctx.versions)
         q, k, v, out, lse = ctx.saved_tensors
+        # with sinks the saved (out, lse) include them: the kernels' p = exp(s - lse) is the sink's softmax
         dq, dk, dv = _backward(q, k, v, out, lse, dout, dlse, ctx.mods, ctx.plans.backward())
-        return dq, dk, dv, None, None
+        dsink = sink_grad(out, lse, dout, dlse, ctx.sinks) if ctx.needs_input_grad[3] else None
+        return dq, dk, dv, dsink, None, None
+
+
+def _with_sinks(out: Tensor, lse: Tensor, sinks: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The sinks (when given) added to each row's denominator after the kernel: the output rescaled, the lse
+    grown to include them."""
+    if sinks is None:
+        return out, lse
+    return add_sink(out, lse, sinks.detach())
 
 
 # ------------------------------------------------------------------------------------ backend protocol
@@ -503,9 +514,9 @@ def run(call: Call):
     mods = _mods(call)
     plans = _plans(call)
     if call.needs_grad:
-        out, lse = _Attention.apply(call.q, call.k, call.v, mods, plans)
+        out, lse = _Attention.apply(call.q, call.k, call.v, call.sinks, mods, plans)
     else:
-        out, lse = _forward(call.q, call.k, call.v, mods, plans.forward())
+        out, lse = _with_sinks(*_forward(call.q, call.k, call.v, mods, plans.forward()), call.sinks)
     return (out, lse) if call.return_lse else out
 
 

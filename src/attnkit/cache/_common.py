@@ -194,12 +194,13 @@ class ModelCache:
 
 
 def attend(kv, q: Tensor, *, mask=None, bias=None, scale: float | None = None, softcap: float | None = None,
-           backend: str = "auto") -> Tensor:
+           backend: str = "auto", sinks: Tensor | None = None) -> Tensor:
     """Attention of ``q (B, Hq, L_new, D)`` over what a layer cache's ``update`` returned.
 
     ``kv`` is ``(k_all, v_all)``, ``(k_all, v_all, extra_mask)`` (AND-ed with ``mask``) or an object with
     ``attend(q, *, mask, bias, scale, softcap)``.  ``mask``/``bias`` are the layer's own, in the bottom-right
-    alignment of the contract.  Returns ``(B, Hq, L_new, Dv)``.
+    alignment of the contract; ``sinks`` as in :func:`attnkit.attention` (passed to ``attend`` only when
+    given).  Returns ``(B, Hq, L_new, Dv)``.
 
     Example::
 
@@ -214,7 +215,8 @@ def attend(kv, q: Tensor, *, mask=None, bias=None, scale: float | None = None, s
     from ..masks import Mask, from_dense
 
     if hasattr(kv, "attend"):
-        return kv.attend(q, mask=mask, bias=bias, scale=scale, softcap=softcap)
+        extra_kw = {} if sinks is None else {"sinks": sinks}
+        return kv.attend(q, mask=mask, bias=bias, scale=scale, softcap=softcap, **extra_kw)
     if not isinstance(kv, tuple) or len(kv) not in (2, 3):
         raise TypeError(f"a cache update must return (k, v), (k, v, extra_mask) or an object with attend(), "
                         f"got {type(kv).__name__}")
@@ -226,7 +228,7 @@ def attend(kv, q: Tensor, *, mask=None, bias=None, scale: float | None = None, s
         else:
             m = mask if isinstance(mask, Mask) else from_dense(mask)
             mask = m & (extra if isinstance(extra, Mask) else from_dense(extra))
-    return attention(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, backend=backend)
+    return attention(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, backend=backend, sinks=sinks)
 
 
 class EncoderDecoderCache:

@@ -109,7 +109,8 @@ def _triton_backend():
 
 
 def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor, seq_lens: Tensor, *,
-                    scale: float | None = None, softcap: float | None = None, bias=None, mask=None) -> Tensor:
+                    scale: float | None = None, softcap: float | None = None, bias=None, mask=None,
+                    sinks: Tensor | None = None) -> Tensor:
     """Attention of each sequence's newest queries over its keys, read through its block table.
 
     Args:
@@ -126,6 +127,8 @@ def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tens
             its own length, or a float tensor broadcastable to ``(B, Hq, Lq, Lk)`` indexed by key position.
         mask: None, an :class:`attnkit.masks.Mask` evaluated per sequence (bottom-right: the last query of
             sequence ``b`` at position ``seq_lens[b] - 1``), or a bool tensor like ``bias``.
+        sinks: as in :func:`attnkit.attention`, ``(Hq,)`` or broadcastable to ``(B, Hq)``: one logit per
+            query head in each row's denominator (such calls are attended per sequence, on every device).
 
     Returns:
         ``(B, Hq, Lq, Dv)`` in ``q``'s dtype.  A sequence with ``seq_lens[b] = 0`` gets zeros.
@@ -160,9 +163,12 @@ def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tens
     Dv = v_pool.shape[3]
     G = Hq // Hkv
     scale = D ** -0.5 if scale is None else float(scale)
+    if sinks is not None:
+        from ..functional import _check_sinks
+        sinks = _check_sinks(sinks, q)
     if isinstance(mask, _Causal) and mask.align == "bottom_right" and Lq == 1:
         mask = None  # the newest query sees every stored key
-    if q.is_cuda and Lq == 1 and mask is None:
+    if q.is_cuda and Lq == 1 and mask is None and sinks is None:
         tb = _triton_backend()
         kw = dict(scale=scale, softcap=softcap, bias=bias)
         if tb is not None and tb.check_paged_decode(q, k_pool, v_pool, block_table, seq_lens, **kw) is None:
@@ -178,11 +184,23 @@ def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tens
             raise ValueError(f"paged_attention: block_table[{b}] holds block ids outside [0, {NB}) among the "
                              f"{len(used)} blocks its seq_lens[{b}]={n} uses")
         runs.append(_runs(used))
-    layout = _pool_layout(q, k_pool, v_pool, bias, mask, functools.cache(
+    layout = None if sinks is not None else _pool_layout(q, k_pool, v_pool, bias, mask, functools.cache(
         lambda whole: _PoolLayout(rows, lens, bs, q.device, NB if whole else None)))
     if layout is not None:
         return _attend_pool(q, k_pool, v_pool, layout, scale=scale, softcap=softcap, mask=mask, bias=bias)
-    return _attend_runs(q, k_pool, v_pool, lens, runs, scale=scale, softcap=softcap, bias=bias, mask=mask)
+    return _attend_runs(q, k_pool, v_pool, lens, runs, scale=scale, softcap=softcap, bias=bias, mask=mask,
+                        sinks=sinks)
+
+
+def _softmax(sc: Tensor, sinks: Tensor | None, b: int, masked: bool) -> Tensor:
+    """Softmax of ``sc (Hkv, G, Lq, L)`` over its keys, with sequence ``b``'s sinks (``(B, Hq)``, or None) as
+    one more logit in each row's denominator (a column whose value is zero, dropped after)."""
+    if sinks is None:
+        # a row may see nothing under a mask: 0, not NaN; else every row sees at least its first key
+        return stable_softmax(sc, dim=-1) if masked else torch.softmax(sc, dim=-1)
+    Hkv, G, Lq, L = sc.shape
+    col = sinks[b].to(sc.dtype).reshape(Hkv, G, 1, 1).expand(Hkv, G, Lq, 1)
+    return stable_softmax(torch.cat([sc, col], dim=-1), dim=-1)[..., :L]
 
 
 def _runs(blocks: list[int]) -> list[tuple[int, int]]:
@@ -207,10 +225,11 @@ def _row_bias(bias: Tensor, b: int, Hkv: int, G: int, Lq: int, L: int) -> Tensor
 
 
 def _attend_runs(q: Tensor, k_pool: Tensor, v_pool: Tensor, lens: list[int], runs: list[list[tuple[int, int]]], *,
-                 scale: float, softcap, bias, mask) -> Tensor:
+                 scale: float, softcap, bias, mask, sinks=None) -> Tensor:
     """Attention per sequence over views of its runs of consecutive blocks (nothing is gathered)."""
     if _head_major(k_pool) and _head_major(v_pool):
-        return _attend_views(q, k_pool, v_pool, lens, runs, scale=scale, softcap=softcap, bias=bias, mask=mask)
+        return _attend_views(q, k_pool, v_pool, lens, runs, scale=scale, softcap=softcap, bias=bias, mask=mask,
+                             sinks=sinks)
     B, Hq, Lq, D = q.shape
     _, Hkv, bs, _ = k_pool.shape
     Dv = v_pool.shape[3]
@@ -256,9 +275,7 @@ def _attend_runs(q: Tensor, k_pool: Tensor, v_pool: Tensor, lens: list[int], run
             elif mask is not None:
                 raise TypeError(f"paged_attention: mask must be None, an attnkit.masks.Mask or a bool tensor, "
                                 f"got {type(mask).__name__}")
-            p = stable_softmax(sc, dim=-1)  # a row may see nothing under a mask: 0, not NaN
-        else:
-            p = torch.softmax(sc, dim=-1)  # every row sees at least its first key
+        p = _softmax(sc, sinks, b, modified)
         p_seq = p  # (Hkv, G, Lq, L)
         if L < N * bs:
             p = torch.nn.functional.pad(p, (0, N * bs - L))
@@ -343,7 +360,7 @@ def _seq_view(pool: Tensor, runs: list[tuple[int, int]], L: int) -> Tensor:
 
 
 def _attend_views(q: Tensor, k_pool: Tensor, v_pool: Tensor, lens: list[int], runs, *, scale: float, softcap,
-                  bias, mask) -> Tensor:
+                  bias, mask, sinks=None) -> Tensor:
     """``_attend_runs`` on a head-major pool: one attention per sequence over ``(Hkv, L, D)`` views of its
     blocks (PyTorch's fused kernel when nothing modifies the scores and heads are not grouped)."""
     B, Hq, Lq, D = q.shape
@@ -353,7 +370,7 @@ def _attend_views(q: Tensor, k_pool: Tensor, v_pool: Tensor, lens: list[int], ru
     acc = _accumulation(q.dtype)
     dev = q.device
     modified = bias is not None or mask is not None
-    fused = not modified and softcap is None and G == 1
+    fused = not modified and softcap is None and G == 1 and sinks is None
     if modified:
         hi = (torch.arange(Hkv, device=dev).view(Hkv, 1) * G + torch.arange(G, device=dev)).view(Hkv, G, 1, 1)
         qi = torch.arange(Lq, device=dev).view(1, 1, Lq, 1)
@@ -391,9 +408,7 @@ def _attend_views(q: Tensor, k_pool: Tensor, v_pool: Tensor, lens: list[int], ru
             elif mask is not None:
                 raise TypeError(f"paged_attention: mask must be None, an attnkit.masks.Mask or a bool tensor, "
                                 f"got {type(mask).__name__}")
-            p = stable_softmax(sc, dim=-1)  # a row may see nothing under a mask: 0, not NaN
-        else:
-            p = torch.softmax(sc, dim=-1)
+        p = _softmax(sc, sinks, b, modified)
         o = torch.matmul(p.view(Hkv, G * Lq, L).to(v.dtype), v)  # (Hkv, G*Lq, Dv)
         if modified and not bool(torch.isfinite(o).all()):  # maybe garbage behind a weight 0 (hidden keys)
             o = _weigh_seen(p, sc, v)
@@ -1076,15 +1091,15 @@ class _PagedDecode:
     def __init__(self, k_pool: Tensor, v_pool: Tensor, plan: _Plan):
         self.k_pool, self.v_pool, self.plan = k_pool, v_pool, plan
 
-    def attend(self, q: Tensor, *, mask=None, bias=None, scale=None, softcap=None,
+    def attend(self, q: Tensor, *, mask=None, bias=None, scale=None, softcap=None, sinks=None,
                value_dims: int | None = None) -> Tensor:
         """``value_dims``: the values are the first ``value_dims`` channels of the stored keys (a latent cache,
         :class:`attnkit.nn.LatentAttention`, stores no values of its own)."""
         v_pool = self.v_pool if value_dims is None else self.k_pool[..., :value_dims]
-        if q.is_cuda:  # the Triton kernel when it takes the call
+        if q.is_cuda or sinks is not None:  # the Triton kernel when it takes the call (sinks: per sequence)
             table, lens = self.plan.tables()
             return paged_attention(q, self.k_pool, v_pool, table, lens, scale=scale, softcap=softcap,
-                                   bias=bias, mask=mask)
+                                   bias=bias, mask=mask, sinks=sinks)
         scale, softcap = _check_modifiers(scale, softcap, bias, mask)
         if isinstance(mask, _Causal) and mask.align == "bottom_right" and q.shape[2] == 1:
             mask = None

@@ -315,7 +315,7 @@ class _QuantizedDecode:
     def __init__(self, layer: QuantizedLayerCache, pad_mask: Tensor | None):
         self.layer, self.pad_mask = layer, pad_mask
 
-    def attend(self, q: Tensor, *, mask=None, bias=None, scale=None, softcap=None) -> Tensor:
+    def attend(self, q: Tensor, *, mask=None, bias=None, scale=None, softcap=None, sinks=None) -> Tensor:
         from ..backends._common import accumulation_dtype, grouped_bias, grouped_index, modify_scores
         from ..functional import _make_call
         from ..masks import Mask, from_dense
@@ -329,8 +329,9 @@ class _QuantizedDecode:
         if Lq == 0 or L == 0:  # no queries, or nothing stored: rows that see nothing give 0
             from ..functional import graph_zero
             return q.new_zeros(B, Hq, Lq, Dv) + graph_zero(q)
-        if torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in (q, layer.rk, layer.rv)):
-            return self._differentiable(q, mask=mask, bias=bias, scale=scale, softcap=softcap)
+        if sinks is not None or (torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad
+                                                                 for t in (q, layer.rk, layer.rv))):
+            return self._differentiable(q, mask=mask, bias=bias, scale=scale, softcap=softcap, sinks=sinks)
         if isinstance(mask, _Causal) and mask.align == "bottom_right" and Lq == 1:
             mask = None  # the newest query sees every stored key
         if mask is None and bias is None and softcap is None and self.pad_mask is None and _plain_query(q, layer):
@@ -363,7 +364,7 @@ class _QuantizedDecode:
             out += torch.matmul(p[..., a:b], layer._dequantize("v", a, b, wv[:, :, :b - a]))
         return out.view(B, Hq, Lq, Dv).to(q.dtype)
 
-    def _differentiable(self, q: Tensor, *, mask, bias, scale, softcap) -> Tensor:
+    def _differentiable(self, q: Tensor, *, mask, bias, scale, softcap, sinks=None) -> Tensor:
         """With gradients on (the query or the residual's new keys carry a graph): the store dequantized into
         new tensors and one ordinary attention call, so the shared workspace is never part of a graph; the
         gradient reaches the query and the full-precision residual (quantized keys have none)."""
@@ -373,7 +374,7 @@ class _QuantizedDecode:
         if self.pad_mask is not None:
             pad = from_dense(self.pad_mask)
             mask = pad if mask is None else (mask if isinstance(mask, Mask) else from_dense(mask)) & pad
-        return attention(q, k_all, v_all, mask=mask, bias=bias, scale=scale, softcap=softcap)
+        return attention(q, k_all, v_all, mask=mask, bias=bias, scale=scale, softcap=softcap, sinks=sinks)
 
     def _plain(self, q: Tensor, scale: float) -> Tensor:
         """Nothing modifies the scores: a store of one chunk is dequantized with the residual behind it for one

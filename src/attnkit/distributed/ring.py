@@ -29,10 +29,10 @@ import torch.distributed as dist
 
 from .._checks import flag
 from ..bias import ScoreMod
-from ..functional import _check_bias, _check_mask, _check_number, _check_qkv, attention
+from ..functional import _check_bias, _check_mask, _check_number, _check_qkv, _check_sinks, attention
 from ..backends._common import zero_unseen
 from ..masks import EMPTY, FULL, Mask
-from ..softmax import merge
+from ..softmax import add_sink, merge
 from ._layout import Layout, check_divisible, check_layout, group_info
 
 Tensor = torch.Tensor
@@ -552,7 +552,8 @@ def _check_bias_constant(bias: ScoreMod, q: Tensor, heads: int, seq_len: int) ->
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, scale: float | None = None,
-                   softcap: float | None = None, group=None, layout: str = "zigzag", return_lse: bool = False):
+                   softcap: float | None = None, group=None, layout: str = "zigzag", return_lse: bool = False,
+                   sinks: Tensor | None = None):
     """Attention over a sequence sharded across a process group (context parallelism).
 
     Call it on every rank of ``group`` with that rank's shards; the result equals this rank's rows of
@@ -575,6 +576,9 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, sca
         layout: how the sequence was cut: ``"zigzag"`` (default; balanced causal work) or ``"contiguous"``
             (a sliding window then only talks to the neighbouring rank).
         return_lse: also return the log-sum-exp ``(B, Hq, L/W)`` of each row (differentiable).
+        sinks: as in :func:`attnkit.attention` (one logit per query head, the same on every rank): the ring
+            merges the blocks without it and adds it once, at the end (:func:`attnkit.softmax.add_sink`);
+            the sinks get their gradient on every rank (sum it like any replicated parameter's).
 
     Returns:
         ``out (B, Hq, L/W, Dv)`` in q's dtype, and with ``return_lse`` also ``lse (B, Hq, L/W)`` (float32,
@@ -626,6 +630,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, sca
         s = 1.0 / math.sqrt(q.shape[3]) if scale is None else _check_number("scale", scale)
         c = None if softcap is None else _check_number("softcap", softcap, low=0.0, low_open=True,
                                                         fix=" (or None for no softcap)")
+        _check_sinks(sinks, q)
         return m, b, s, c
 
     mask, bias, scale, softcap = _agree(group, rank, world, q, k, v, check, mask=mask, bias=bias, scale=scale,
@@ -633,12 +638,14 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, sca
     B, Hq, n, D = q.shape
     L = n * world
     if n == 0:
-        out = attention(q, k, v, return_lse=True)
+        out = attention(q, k, v, return_lse=True, sinks=sinks)
         return out if return_lse else out[0]
     lay = Layout(layout, world, L)
     plan = _make_plan(mask, lay, rank, B, Hq, q.device)
     cfg = _Config(group, rank, world, lay, plan, mask, bias, scale, softcap)
     out, lse = _RingAttention.apply(q, k.contiguous(), v.contiguous(), cfg)
+    if sinks is not None:  # once, after every block was merged: a sink is not a key
+        out, lse = add_sink(out, lse, _check_sinks(sinks, q))
     return (out, lse) if return_lse else out
 
 

@@ -69,8 +69,6 @@ _MIN_VERSION, _MAX_VERSION = "5.4", "6"
 _RESERVED = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4",
              "paged|eager")
 _UNSUPPORTED_KWARGS = {
-    "s_aux": "attention sinks (an extra logit per head in the softmax denominator, GPT-OSS)",
-    "sinks": "attention sinks (an extra logit per head in the softmax denominator)",
     "block_indices": "an indexer's selected key blocks (MiniMax-M3 sparse attention)",
 }
 
@@ -132,6 +130,7 @@ class _StructuredMask:
     mask: Mask | None
     shape: tuple[int, int, int, int]  # (B, 1, Lq, Lk)
     device: torch.device
+    rows_alike: bool = False  # no query-dependent part (key padding at most): valid for any number of rows
     ndim = 4
     dtype = torch.bool
 
@@ -320,9 +319,10 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
     _, mu = _transformers()
     if isinstance(attention_mask, _StructuredMask):  # already prepared (generate builds masks ahead)
         return attention_mask
-    if not _uses_attention_interface(kwargs.get("config")):
+    if not _uses_attention_interface(kwargs.get("config")) or _does_mask_arithmetic(kwargs.get("config")):
         # a model that does its own attention (Bloom, MPT, ...) never calls attnkit: it gets the mask its
-        # own code reads, the one transformers builds for "eager"
+        # own code reads, the one transformers builds for "eager"; so does one whose own code computes with
+        # the mask (SigLIP 2's pooling head repeats it, BigBird-Pegasus' encoder adds it to its scores)
         return mu.eager_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                              kv_offset=kv_offset, mask_function=mask_function or mu.causal_mask_function,
                              attention_mask=attention_mask, dtype=kwargs.get("dtype") or torch.float32,
@@ -355,7 +355,8 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
         if not bool(keep.all()):
             padding = _masks.key_padding(keep)
             mask = padding if mask is None else mask & padding
-    return _StructuredMask(mask, (batch_size, 1, q_length, kv_length), device)
+    return _StructuredMask(mask, (batch_size, 1, q_length, kv_length), device,
+                           rows_alike=pattern.mask() is None)
 
 
 # ------------------------------------------------------------------------------- the attention function
@@ -380,6 +381,16 @@ def _model_type_uses_interface(model_type: str) -> bool:
         return False
 
 
+# model types whose own code does tensor arithmetic on the mask transformers builds (``.repeat``,
+# ``scores + mask``) next to attention-interface calls: they get the plain eager tensor
+_MASK_ARITHMETIC = ("siglip2", "bigbird_pegasus")
+
+
+def _does_mask_arithmetic(config) -> bool:
+    model_type = getattr(config, "model_type", None)
+    return isinstance(model_type, str) and model_type.startswith(_MASK_ARITHMETIC)
+
+
 def _uses_attention_interface(config) -> bool:
     """Whether models of ``config`` call transformers' attention interface (and so read attnkit's structured
     masks); models that do their own attention (Bloom, MPT, ...) need transformers' tensor mask."""
@@ -391,7 +402,10 @@ def _resolve_mask(module, attention_mask, q: Tensor, k: Tensor, is_causal, slidi
     """(mask, additive float mask) for attnkit.attention from whatever transformers passed."""
     lq, lk = q.shape[2], k.shape[2]
     if isinstance(attention_mask, _StructuredMask):
-        if tuple(attention_mask.shape[2:]) != (lq, lk):
+        # a mask built for one query row with no query-dependent part (key padding) serves every row: BridgeTower
+        # builds its padding mask so and reuses it
+        one_row = attention_mask.rows_alike and tuple(attention_mask.shape[2:]) == (1, lk)
+        if tuple(attention_mask.shape[2:]) != (lq, lk) and not one_row:
             raise ValueError(f"the attnkit mask was built for (Lq, Lk)={tuple(attention_mask.shape[2:])} but the "
                              f"layer has queries of length {lq} and keys of length {lk}: the model's cache and "
                              f"its mask sizes disagree; report the model class to attnkit")
@@ -467,7 +481,9 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
             ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` passes them) keep each sequence to
             itself (:func:`attnkit.masks.varlen`, the layer's pattern inside each sequence); ``indices`` (a sparse indexer's top-k keys per query, ``(B, Lq, topk)``: DeepSeek-V3.2,
             GLM-MoE-DSA and their relatives) restricts each query to those keys, as eager attention does;
-            other flash-attention keywords are ignored; attention sinks (``s_aux``/``sinks``) and block
+            ``s_aux`` or ``sinks`` (a per-head sink logit, ``(Hq,)``: GPT-OSS and the other sink models) is
+            added to each row's softmax denominator as in eager attention (``sinks=`` of
+            :func:`attnkit.attention`, differentiable); other flash-attention keywords are ignored; block
             selections (``block_indices``) raise ``ValueError``.
 
     Returns:
@@ -486,6 +502,9 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         if kwargs.get(name) is not None:
             raise ValueError(f"{name}= ({what}) is not supported by attnkit's attention; load this model with "
                              f"attn_implementation='eager' or 'sdpa'")
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = kwargs.get("sinks")
     mask, additive = _resolve_mask(module, attention_mask, query, key, is_causal, sliding_window)
     if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
         mask = _with_sequence_bounds(mask, kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"), query, key)
@@ -499,10 +518,11 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     if additive is not None:
         bias = additive if bias is None else bias + additive
     out = attention(query, key, value, mask=mask, bias=bias, scale=scaling, softcap=softcap,
-                    dropout_p=float(dropout or 0.0), backend=backend)  # (B, Hq, Lq, Dv)
+                    dropout_p=float(dropout or 0.0), backend=backend, sinks=sinks)  # (B, Hq, Lq, Dv)
     weights = None
     if kwargs.get("output_attentions") or _collecting_attentions():
-        weights = attention_weights(query, key, value, mask=mask, bias=bias, scale=scaling, softcap=softcap)
+        weights = attention_weights(query, key, value, mask=mask, bias=bias, scale=scaling, softcap=softcap,
+                                    sinks=sinks)
     return out.transpose(1, 2).contiguous(), weights  # (B, Lq, Hq, Dv)
 
 
@@ -547,9 +567,11 @@ def register(name: str = "attnkit", *, backend: str = "auto") -> str:
 
     Adds :func:`attention_forward` to ``transformers.AttentionInterface`` and :func:`build_mask` to
     ``transformers.masking_utils.AttentionMaskInterface`` (both are needed: without the mask function the
-    model silently loses causality).  Afterwards any model that supports attention backends runs on attnkit
-    with ``from_pretrained(..., attn_implementation=name)``, ``from_config(cfg, attn_implementation=name)`` or
-    ``model.set_attn_implementation(name)``.  Calling it again is harmless.
+    model silently loses causality).  Afterwards a model whose layers call transformers' attention interface
+    runs on attnkit with ``from_pretrained(..., attn_implementation=name)``, ``from_config(cfg,
+    attn_implementation=name)`` or ``model.set_attn_implementation(name)``.  A model that picks its attention
+    classes from a fixed table instead (GIT's text decoder knows only ``"eager"``) cannot take a registered
+    implementation: load it with ``attn_implementation="eager"``.  Calling it again is harmless.
 
     Args:
         name: the implementation name; not one of transformers' own (``"eager"``, ``"sdpa"``, ...), and

@@ -24,15 +24,16 @@ class _Attends(nn.Module):
     backend: str = "auto"
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, *, mask, bias, scale: float | None,
-                softcap: float | None, dropout_p: float) -> Tensor:
+                softcap: float | None, dropout_p: float, sinks: Tensor | None = None) -> Tensor:
         """``q (B, Hq, Lq, D)``, ``k (B, Hkv, Lk, D)``, ``v (B, Hkv, Lk, Dv)`` -> ``(B, Hq, Lq, Dv)``.
 
         Every attention computed in :mod:`attnkit.nn` calls this method, which calls
         :func:`attnkit.attention` with the module's ``backend``.  Diagnostics and ring attention wrap or
-        replace it on an instance (``module._attend = wrapped``).
+        replace it on an instance (``module._attend = wrapped``); ``sinks`` is passed only by a module that
+        has them.
         """
         return attention(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, dropout_p=dropout_p,
-                         backend=self.backend)
+                         backend=self.backend, sinks=sinks)
 
 
 def _torch_key_padding(key_padding_mask) -> _masks.Mask:
@@ -137,6 +138,9 @@ class MultiHeadAttention(_Attends):
         mask: a mask applied to every call (e.g. ``masks.causal()``).
         softcap: ``s * tanh(score / s)`` on the scores (Gemma 2).
         temperature: divides the scores (> 1 flattens the attention).
+        sinks: a learnable per-head sink logit (GPT-OSS), the parameter ``sinks (n_heads,)`` (initialised
+            to 0), added to every row's softmax denominator with a zero value (see :func:`attnkit.attention`);
+            caches decode with it like a full forward.
         backend: ``"auto"`` or a name from :func:`attnkit.backends.available`.
         batch_first: False takes ``x (L, B, d_model)`` and ``context (Lc, B, kdim)`` and returns
             ``(L, B, d_model)``, as ``torch.nn.MultiheadAttention(batch_first=False)`` does (masks, positions
@@ -170,7 +174,7 @@ class MultiHeadAttention(_Attends):
                  qk_norm: bool = False, positions: PositionEncoding | None = None, mask=None,
                  softcap: float | None = None, temperature: float = 1.0, backend: str = "auto",
                  out_bias: bool | None = None, qk_norm_eps: float = 1e-6, qk_norm_offset: float = 0.0,
-                 batch_first: bool = True):
+                 batch_first: bool = True, sinks: bool = False):
         super().__init__()
         if not isinstance(batch_first, bool):
             raise TypeError(f"batch_first must be True or False, got {batch_first!r}")
@@ -217,6 +221,7 @@ class MultiHeadAttention(_Attends):
         self.q_norm = RMSNorm(q_dim, qk_norm_eps, qk_norm_offset) if qk_norm else None
         self.k_norm = RMSNorm(k_dim, qk_norm_eps, qk_norm_offset) if qk_norm else None
         self._plain_causal = _is_bottom_right_causal(self.mask)
+        self.sinks = nn.Parameter(torch.zeros(n_heads)) if _checks.flag("sinks", sinks) else None
 
     # ------------------------------------------------------------------------ projections
 
@@ -381,7 +386,8 @@ class MultiHeadAttention(_Attends):
                     raise ValueError("need_weights=True is not available with a cache that computes attention "
                                      "itself (its update() returned an object with attend())")
                 m = _checks.combine(layer_mask, call_mask)
-                out = kv.attend(q, mask=m, bias=bias, scale=scale, softcap=self.softcap)
+                sk = {} if self.sinks is None else {"sinks": self.sinks}
+                out = kv.attend(q, mask=m, bias=bias, scale=scale, softcap=self.softcap, **sk)
                 return self._output(out)
             if not isinstance(kv, (tuple, list)) or len(kv) not in (2, 3):
                 raise TypeError(f"cache.update(k, v) must return (k, v), (k, v, extra_mask) or an object with "
@@ -393,10 +399,11 @@ class MultiHeadAttention(_Attends):
             layer_mask = None  # one query at the last position sees every key: no mask to evaluate
         _checks.check_mask_shape("mask", call_mask, B, self.n_heads, L, Lk)
         m = _checks.combine(layer_mask, call_mask, extra)
-        out = self._attend(q, k, v, mask=m, bias=bias, scale=scale, softcap=self.softcap, dropout_p=dropout_p)
+        sk = {} if self.sinks is None else {"sinks": self.sinks}
+        out = self._attend(q, k, v, mask=m, bias=bias, scale=scale, softcap=self.softcap, dropout_p=dropout_p, **sk)
         out = self._output(out)
         if need_weights:
-            w = attention_weights(q, k, v, mask=m, bias=bias, scale=scale, softcap=self.softcap)
+            w = attention_weights(q, k, v, mask=m, bias=bias, scale=scale, softcap=self.softcap, **sk)
             return out, w
         return out
 
@@ -492,6 +499,8 @@ class MultiHeadAttention(_Attends):
                 s += f", {name}={getattr(self, name)}"
         if self.temperature != 1.0:
             s += f", temperature={self.temperature}"
+        if self.sinks is not None:
+            s += ", sinks=True"
         if self.backend != "auto":
             s += f", backend={self.backend!r}"
         if not self.batch_first:

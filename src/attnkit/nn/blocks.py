@@ -58,6 +58,7 @@ class TransformerBlock(nn.Module):
         positions, mask, qk_norm, softcap, temperature, backend: passed to the self-attention.
         attn: a built self-attention module taking ``(x, *, mask, cache, positions)`` (e.g.
             :class:`LatentAttention`) instead of the :class:`MultiHeadAttention` the options above build.
+        sinks: a learned sink logit per head in the self-attention (:class:`MultiHeadAttention`).
         bias: default for ``qkv_bias`` (q/k/v projections), ``out_bias`` (attention output) and ``ffn_bias``.
 
     Submodules: ``attn_norm``, ``attn``, (``cross_norm``, ``cross_attn``), ``ffn_norm``, ``ffn``; with
@@ -86,7 +87,7 @@ class TransformerBlock(nn.Module):
                  qk_norm: bool = False, softcap: float | None = None, temperature: float = 1.0,
                  backend: str = "auto", attention_dropout: float | None = None, post_norms: bool = False,
                  norm_offset: float = 0.0, pre_norms: bool = True, residual_scale: float = 1.0,
-                 attn: nn.Module | None = None):
+                 attn: nn.Module | None = None, sinks: bool = False):
         super().__init__()
         _checks.choice("norm", norm, ("layer", "rms"))
         _checks.choice("ffn", ffn, _FFNS)
@@ -113,8 +114,12 @@ class TransformerBlock(nn.Module):
         if attn is not None and not isinstance(attn, nn.Module):
             raise TypeError(f"attn must be None or a built self-attention module (e.g. LatentAttention), got "
                             f"{type(attn).__name__}")
+        sinks = _checks.flag("sinks", sinks)
+        if attn is not None and sinks:
+            raise ValueError("sinks=True configures the MultiHeadAttention this block builds; a built attn module "
+                             "brings its own options: pass sinks=False (or build attn with sinks)")
         self.attn = attn if attn is not None else MultiHeadAttention(d_model, n_heads, positions=positions, mask=mask,
-                                                                     **attn_kw)
+                                                                     sinks=sinks, **attn_kw)
         self.cross_attention = bool(cross_attention)
         if self.cross_attention:
             self.cross_norm = make_norm(norm, d_model, norm_eps, norm_offset)

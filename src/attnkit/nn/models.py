@@ -34,7 +34,8 @@ class DecoderConfig:
     (``embed_scale``, ``attn_scale``, ``residual_scale``, ``logit_divisor``), DeepSeek-V3's multi-head latent
     attention (``kv_lora_rank``, ``q_lora_rank``, ``qk_rope_head_dim``, ``v_head_dim``; ``d_head`` is then
     ``qk_nope_head_dim``) as well as GPT-style models (``norm="layer", ffn="gelu"``, biases,
-    ``positions="sinusoidal"`` or ``"alibi"``).
+    ``positions="sinusoidal"`` or ``"alibi"``).  ``attention_sinks=True`` gives every self-attention a learned
+    sink logit per head (GPT-OSS; :class:`MultiHeadAttention` ``sinks=True``).
 
     **Masks.**  Every layer is causal.  ``mask`` is AND-ed into every layer; ``layer_masks`` (one entry per
     layer, ``None`` for none) is AND-ed into its own layer only, on top of ``mask``: layer ``i`` attends
@@ -86,6 +87,7 @@ class DecoderConfig:
     ffn_bias: bool = False  # biases in the feed-forward network
     qk_norm: bool | str = False  # RMSNorm per query/key head (True, "head"), or over all heads at once ("all": OLMo 2)
     softcap: float | None = None  # attention score softcap
+    attention_sinks: bool = False  # a learned sink logit per head in every softmax denominator (GPT-OSS)
     attn_scale: float | None = None  # score scale; None = 1/sqrt(d_head) (Gemma 2: query_pre_attn_scalar^-0.5)
     post_norms: bool = False  # Pre-LN plus a norm on each sub-layer's output before its residual add (Gemma 2)
     pre_norms: bool = True  # False (with post_norms): only the sub-layers' outputs are normalised (OLMo 2)
@@ -118,7 +120,7 @@ class DecoderConfig:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "t5_max_distance"):
             _checks.positive_int(name, getattr(self, name))
         for name in ("rope_interleaved", "norm_first", "qkv_bias", "out_bias", "ffn_bias", "post_norms",
-                     "tie_embeddings"):
+                     "tie_embeddings", "attention_sinks"):
             setattr(self, name, _checks.flag(name, getattr(self, name)))
         if not isinstance(self.qk_norm, str):  # a flag, or one of the named layouts checked below
             self.qk_norm = _checks.flag("qk_norm", self.qk_norm)
@@ -144,6 +146,9 @@ class DecoderConfig:
             raise ValueError(f"qk_norm={self.qk_norm!r} must be False, True / 'head' (RMSNorm per head) or 'all' "
                              f"(over all heads at once)")
         self.rope_layers = _check_rope_layers(self.rope_layers, self.n_layers, self.positions)
+        if self.attention_sinks and self.kv_lora_rank is not None:
+            raise ValueError("attention_sinks=True applies to multi-head attention layers; latent attention "
+                             "(kv_lora_rank) has no sinks: pass attention_sinks=False or kv_lora_rank=None")
         if self.rope_local_theta is not None and (self.positions != "rope" or self.layer_masks is None):
             raise ValueError(f"rope_local_theta={self.rope_local_theta!r} is the rope base of the layers with a "
                              f"layer_masks entry: it needs positions='rope' and layer_masks (got positions="
@@ -296,7 +301,7 @@ def _block_options(cfg: DecoderConfig, positions) -> dict:
                 norm_eps=cfg.norm_eps, norm_offset=cfg.norm_offset, ffn=cfg.ffn, positions=positions,
                 qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias, ffn_bias=cfg.ffn_bias, qk_norm=cfg.qk_norm,
                 softcap=cfg.softcap, backend=cfg.backend, post_norms=cfg.post_norms, pre_norms=cfg.pre_norms,
-                residual_scale=cfg.residual_scale,
+                residual_scale=cfg.residual_scale, sinks=cfg.attention_sinks,
                 temperature=1.0 if cfg.attn_scale is None else 1.0 / (cfg.attn_scale * math.sqrt(cfg.head_dim)))
 
 
