@@ -72,6 +72,11 @@ def test_parameters_and_mode_are_left_alone():
     doctor(model, ids)
     assert model.training
     assert all(p.grad is None for p in model.parameters())
+    model.eval()
+    model.layers[0].train()  # a mixed-mode model (one sub-module fine-tuned): every module's own mode back
+    modes = [m.training for m in model.modules()]
+    doctor(model, ids)
+    assert [m.training for m in model.modules()] == modes
 
 
 def test_report_text_markdown_and_plots(tmp_path):

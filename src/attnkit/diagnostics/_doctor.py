@@ -518,7 +518,7 @@ def doctor(model: nn.Module, batch, loss_fn: Callable | None = None, *, threshol
     thresholds = Thresholds() if thresholds is None else thresholds
     if not isinstance(thresholds, Thresholds):
         raise TypeError(f"thresholds must be a Thresholds, got {type(thresholds).__name__}")
-    was_training = model.training
+    modes = [(m, m.training) for m in model.modules()]  # each module's own mode, given back after
     model.eval()
     try:
         with probe(model, max_elements=max_elements) as p:
@@ -540,7 +540,8 @@ def doctor(model: nn.Module, batch, loss_fn: Callable | None = None, *, threshol
             finally:
                 p.release()
     finally:
-        model.train(was_training)
+        for m, mode in modes:
+            m.training = mode
     stats = [s for rec in p.layers.values() for s in _head_stats(rec)]
     if not stats:
         raise ValueError(_nothing_seen(model))
