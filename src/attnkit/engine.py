@@ -304,17 +304,7 @@ class Engine:
                 self._eval_mode():
             with _reading(self._copies if self.max_batch > 3 else None):  # prefills of <= 64 tokens read them too
                 self._admit(events)
-            while True:
-                dec = [r for r in self.running if not r.fresh]
-                need = sum(cache.blocks_needed(r.sid, 1) for r in dec)
-                if need <= cache.num_free_blocks:
-                    break
-                if not self.preempt:
-                    raise PoolExhausted(f"Engine: the decode step needs {need} more block(s) but only "
-                                        f"{cache.num_free_blocks} of {cache.num_blocks} are free and preemption is "
-                                        f"off: create the Engine with more cache_blocks, a smaller max_batch, or "
-                                        f"preempt=True")
-                self._preempt_newest()
+            dec = self._room_for_decode(lambda r: not r.fresh)
             if dec:
                 for r in dec:
                     cache.reserve(r.sid, 1)
@@ -331,6 +321,22 @@ class Engine:
         self.stats["steps"] += 1
         return events
 
+    def _room_for_decode(self, decoding) -> list:
+        """The running requests ``decoding(r)`` selects, once the pool has a block for each one's next token:
+        the newest sequences are preempted until it does (or PoolExhausted without preemption)."""
+        cache = self.cache
+        while True:
+            dec = [r for r in self.running if decoding(r)]
+            need = sum(cache.blocks_needed(r.sid, 1) for r in dec)
+            if need <= cache.num_free_blocks:
+                return dec
+            if not self.preempt:
+                raise PoolExhausted(f"Engine: the decode step needs {need} more block(s) but only "
+                                    f"{cache.num_free_blocks} of {cache.num_blocks} are free and preemption is "
+                                    f"off: create the Engine with more cache_blocks, a smaller max_batch, or "
+                                    f"preempt=True")
+            self._preempt_newest()
+
     # ------------------------------------------------------------------ chunked prefill
 
     def _step_chunked(self, events: list) -> None:
@@ -338,17 +344,7 @@ class Engine:
         sequence whose prompt is done, then chunks of the prompts being prefilled (oldest first), then
         chunks of newly admitted prompts."""
         cache = self.cache
-        while True:  # blocks for the decode tokens (prefills reserved theirs when admitted)
-            dec = [r for r in self.running if r.fed == len(r.feed)]
-            need = sum(cache.blocks_needed(r.sid, 1) for r in dec)
-            if need <= cache.num_free_blocks:
-                break
-            if not self.preempt:
-                raise PoolExhausted(f"Engine: the decode step needs {need} more block(s) but only "
-                                    f"{cache.num_free_blocks} of {cache.num_blocks} are free and preemption is "
-                                    f"off: create the Engine with more cache_blocks, a smaller max_batch, or "
-                                    f"preempt=True")
-            self._preempt_newest()
+        dec = self._room_for_decode(lambda r: r.fed == len(r.feed))  # (prefills reserved their blocks)
         for r in dec:
             cache.reserve(r.sid, 1)
         budget = self.max_batched_tokens - len(dec)
