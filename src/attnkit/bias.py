@@ -37,11 +37,19 @@ class ScoreMod:
     query rows; position-aware modifiers apply their alignment) with broadcastable index tensors.
 
     ``additive`` modifiers (ALiBi, T5 buckets) can also be materialised as a float bias tensor
-    (:meth:`materialize`) for backends that only take a dense bias.
+    (:meth:`materialize`) for backends that only take a dense bias.  Kernels that compute a modifier in
+    place read ``scale_factor`` (a temperature: every score times that number, else None) and ``slopes``
+    (ALiBi's ``(Hq,)`` slopes, else None)::
+
+        >>> import torch
+        >>> from attnkit import bias
+        >>> bias.temperature(2.0).scale_factor, bias.alibi(torch.tensor([0.5])).slopes
+        (0.5, tensor([0.5000]))
     """
 
     additive = False
     scale_factor: float | None = None  # a pure rescaling of every score (temperature), foldable into `scale`
+    slopes: Tensor | None = None  # ALiBi's (Hq,) slopes: adds -slope * |p - j| (kernels compute it in place)
 
     def _mod(self, score: Tensor, b: Tensor, h: Tensor, q: Tensor, k: Tensor, q_len: int, kv_len: int) -> Tensor:
         raise NotImplementedError
@@ -51,6 +59,41 @@ class ScoreMod:
 
     def validate(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
         self._validate(batch, heads, q_len, kv_len)
+
+    def apply(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor, q_len: int,
+              kv_len: int) -> Tensor:
+        """The modified scores, on broadcastable index tensors of a ``(q_len, kv_len)`` score matrix: batch
+        ``b``, head ``h``, query *rows* ``q_idx`` and keys ``kv_idx`` (position-aware modifiers apply their
+        alignment).
+
+        Example::
+
+            >>> import torch
+            >>> from attnkit import bias
+            >>> zero, i = torch.zeros(1, dtype=torch.long), torch.arange(3)
+            >>> bias.alibi(torch.tensor([1.0])).apply(torch.zeros(3, 3), zero, zero, i.view(-1, 1),
+            ...                                        i.view(1, -1), 3, 3)
+            tensor([[ 0., -1., -2.],
+                    [-1.,  0., -1.],
+                    [-2., -1.,  0.]])
+        """
+        return self._mod(score, b, h, q_idx, kv_idx, q_len, kv_len)
+
+    def is_positional(self, align: str = "bottom_right") -> bool:
+        """Whether the modifier reads nothing but the head and the query and key positions, with alignment
+        ``align`` (the built-in ``alibi``, ``relative_buckets`` and ``temperature``): one can then apply it
+        per sequence of a paged cache from positions alone.
+
+        Example::
+
+            >>> import torch
+            >>> from attnkit import bias
+            >>> bias.alibi(torch.tensor([0.5])).is_positional(), bias.temperature(2.0).is_positional()
+            (True, True)
+            >>> bias.from_fn(lambda s, b, h, q, k: s).is_positional()
+            False
+        """
+        return False
 
     def score_mod(self, q_len: int, kv_len: int) -> Callable[..., Tensor]:
         """Bound to a shape, as FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx) -> score``."""
@@ -108,6 +151,9 @@ class _ALiBi(ScoreMod):
         if len(self.slopes) != heads:
             raise ValueError(f"alibi: got {len(self.slopes)} slopes for Hq={heads} query heads: "
                              f"give one slope per query head (attnkit.bias.alibi_slopes({heads}))")
+
+    def is_positional(self, align="bottom_right"):
+        return self.align == align
 
     def __repr__(self):
         return f"alibi({len(self.slopes)} slopes, align={self.align!r})"
@@ -182,6 +228,9 @@ class _RelativeBuckets(ScoreMod):
             raise ValueError(f"relative_buckets: the table has {self.table.shape[0]} rows for Hq={heads} query "
                              f"heads: give a (Hq, num_buckets) table")
 
+    def is_positional(self, align="bottom_right"):
+        return self.align == align
+
     def __repr__(self):
         h, n = self.table.shape
         return f"relative_buckets({h}x{n}, bidirectional={self.bidirectional}, max_distance={self.max_distance})"
@@ -223,6 +272,9 @@ class _Temperature(ScoreMod):
     def _validate(self, batch, heads, q_len, kv_len):
         if isinstance(self.t, torch.Tensor) and len(self.t) != heads:
             raise ValueError(f"temperature: got {len(self.t)} temperatures for Hq={heads} query heads")
+
+    def is_positional(self, align="bottom_right"):
+        return True  # (reads the head alone)
 
     def __repr__(self):
         return f"temperature({self.t if not isinstance(self.t, torch.Tensor) else self.t.tolist()})"

@@ -287,7 +287,7 @@ def _cmd_masks_show(args) -> int:
     try:
         mask = _build_from_expression(name) if is_expr else _build_from_words(name, args.args)
         kv_len = args.len if args.kv_len is None else args.kv_len
-        rows = mask._batch_size()
+        rows = mask.batch_size()
         if rows > 1 and args.batch >= rows:
             raise UsageError(f"attnkit masks show {name}: --batch {args.batch} is out of range: the mask holds "
                              f"{rows} sequences (0-based: --batch 0 .. {rows - 1})")

@@ -460,6 +460,210 @@ class Mask:
         """Check that the mask applies to a ``(batch, heads, q_len, kv_len)`` score matrix."""
         self._validate(batch, heads, q_len, kv_len)
 
+    def evaluate(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor, q_len: int, kv_len: int) -> Tensor:
+        """The predicate on broadcastable index tensors of a ``(q_len, kv_len)`` score matrix: batch ``b``,
+        head ``h``, query *rows* ``q_idx`` and keys ``kv_idx`` (masks that use positions apply their alignment).
+
+        Example::
+
+            >>> import torch
+            >>> from attnkit import masks
+            >>> zero, i = torch.zeros(1, dtype=torch.long), torch.arange(3)
+            >>> masks.causal().evaluate(zero, zero, i.view(-1, 1), i.view(1, -1), 3, 3).int()
+            tensor([[1, 0, 0],
+                    [1, 1, 0],
+                    [1, 1, 1]], dtype=torch.int32)
+        """
+        return self._mod(b, h, q_idx, kv_idx, q_len, kv_len)
+
+    def batch_size(self) -> int:
+        """The batch size the mask carries data for (1 when it does not depend on the batch).
+
+        Example::
+
+            >>> import torch
+            >>> from attnkit import masks
+            >>> masks.causal().batch_size(), masks.key_padding(torch.tensor([3, 5])).batch_size()
+            (1, 2)
+        """
+        return self._batch_size()
+
+    def is_causal(self, align: str | None = "bottom_right") -> bool:
+        """Whether this is the plain causal mask :func:`causal` with alignment ``align`` (``None``: either).
+
+        Example::
+
+            >>> from attnkit import masks
+            >>> masks.causal().is_causal(), masks.causal(align="top_left").is_causal()
+            (True, False)
+            >>> masks.causal(align="top_left").is_causal(None), masks.sliding_window(3).is_causal()
+            (True, False)
+        """
+        return False
+
+    def conjuncts(self) -> "tuple[Mask, ...]":
+        """The masks whose ``&`` this mask is (names such as :func:`fixed` unwrapped; ``(self,)`` when it is
+        no ``&``).
+
+        Example::
+
+            >>> from attnkit import masks
+            >>> masks.causal() & masks.sliding_window(3) & masks.prefix_lm(2)
+            ((causal(align='bottom_right') & sliding_window(left=3, right=0, align='bottom_right')) & prefix_lm(2, align='bottom_right'))
+            >>> len((masks.causal() & masks.sliding_window(3) & masks.prefix_lm(2)).conjuncts())
+            3
+        """
+        return (self,)
+
+    def key_range(self, row: int, q_len: int, kv_len: int) -> tuple[float, float] | None:
+        """The keys ``[lo, hi]`` query row ``row`` sees (plain numbers, ``-inf``/``inf`` when unbounded, not
+        clipped to ``[0, kv_len)``), for masks that keep one interval per row, the same for every batch and
+        head; None for other masks.
+
+        Example::
+
+            >>> from attnkit import masks
+            >>> masks.sliding_window(3).key_range(0, 1, 10)   # one query at position 9
+            (6, 9)
+            >>> masks.causal().key_range(0, 1, 10), masks.strided(2).key_range(0, 1, 10)
+            ((-inf, 9), None)
+        """
+        return None
+
+    def key_offsets(self, q_len: int, kv_len: int) -> tuple[int | None, int | None] | None:
+        """For a band mask (causal, sliding window): ``(lo, hi)`` such that row ``i`` sees key ``j`` iff
+        ``i + lo <= j <= i + hi`` (``None``: unbounded on that side), alignment applied; None for others.
+
+        Example::
+
+            >>> from attnkit import masks
+            >>> masks.causal().key_offsets(4, 6), masks.sliding_window(3).key_offsets(4, 6)
+            ((None, 2), (-1, 2))
+        """
+        return None
+
+    def prefix_rule(self, q_len: int, kv_len: int) -> tuple[int, int] | None:
+        """For :func:`prefix_lm`: ``(offset, n)`` such that row ``i`` sees key ``j`` iff ``j <= i + offset`` or
+        ``j < n``; None for other masks.
+
+        Example::
+
+            >>> from attnkit import masks
+            >>> masks.prefix_lm(3).prefix_rule(4, 6), masks.causal().prefix_rule(4, 6)
+            ((2, 3), None)
+        """
+        return None
+
+    def document_ids(self, q_len: int, kv_len: int, device=None) -> tuple[Tensor, Tensor] | None:
+        """For :func:`document`: the ids ``(B', q_len)`` of the queries and ``(B', kv_len)`` of the keys (a
+        query sees the keys with its id); None for other masks.
+
+        Example::
+
+            >>> import torch
+            >>> from attnkit import masks
+            >>> q_ids, kv_ids = masks.document(torch.tensor([0, 0, 1])).document_ids(3, 3)
+            >>> q_ids.tolist(), kv_ids.tolist()
+            ([[0, 0, 1]], [[0, 0, 1]])
+        """
+        return None
+
+    def key_lengths(self) -> Tensor | None:
+        """For :func:`key_padding` with lengths: the ``(B',)`` number of keys each sequence keeps (key ``j``
+        visible iff ``j < lengths[b]``); None for other masks.
+
+        Example::
+
+            >>> import torch
+            >>> from attnkit import masks
+            >>> masks.key_padding(torch.tensor([3, 5])).key_lengths()
+            tensor([3, 5])
+        """
+        return None
+
+    def dense_tensor(self) -> Tensor | None:
+        """For a mask made by :func:`from_dense` (or a bool tensor passed as ``mask=``): the bool tensor
+        ``(B', H', Lq', Lk')`` it wraps; None for other masks.
+
+        Example::
+
+            >>> import torch
+            >>> from attnkit import masks
+            >>> masks.from_dense(torch.ones(2, 2, dtype=torch.bool)).dense_tensor().shape
+            torch.Size([1, 1, 2, 2])
+            >>> masks.causal().dense_tensor() is None
+            True
+        """
+        return None
+
+    def is_varlen(self) -> bool:
+        """Whether this is a :func:`varlen` mask over packed sequences.
+
+        Example::
+
+            >>> from attnkit import masks
+            >>> masks.varlen([0, 3, 5]).is_varlen(), masks.causal().is_varlen()
+            (True, False)
+        """
+        return False
+
+    def is_positional(self, align: str = "bottom_right") -> bool:
+        """Whether the mask reads nothing but the query and key positions, with alignment ``align`` (the
+        built-in ``causal``, ``sliding_window``, ``prefix_lm`` and ``block_local``): one can then evaluate it
+        per sequence of a paged cache from positions alone.
+
+        Example::
+
+            >>> import torch
+            >>> from attnkit import masks
+            >>> masks.causal().is_positional(), masks.causal(align="top_left").is_positional()
+            (True, False)
+            >>> masks.key_padding(torch.tensor([3])).is_positional()
+            False
+        """
+        return False
+
+    def wraps_function(self) -> bool:
+        """Whether this mask node calls a user function (:func:`from_fn`, :func:`from_flex`); parts of an
+        ``&`` / ``|`` / ``~`` are not looked into.
+
+        Example::
+
+            >>> from attnkit import masks
+            >>> masks.from_fn(lambda b, h, q, k: q >= k).wraps_function(), masks.causal().wraps_function()
+            (True, False)
+        """
+        return False
+
+    def value_key(self) -> str | None:
+        """A string that identifies the mask by value when it is made only of built-ins that hold no tensors
+        and no user functions (``causal()``, ``sliding_window(w)``, their combinations...), so that a mask
+        rebuilt on every call can find what was computed for an equal one; None for other masks.
+
+        Example::
+
+            >>> import torch
+            >>> from attnkit import masks
+            >>> (masks.causal() & masks.sliding_window(3)).value_key() == (masks.causal() & masks.sliding_window(3)).value_key()
+            True
+            >>> masks.key_padding(torch.tensor([3])).value_key() is None
+            True
+        """
+        return None
+
+    def cheap_structure(self) -> bool:
+        """Whether :meth:`block_structure` is cheap to compute for another tiling: True for the built-ins
+        (also those holding tensors: documents, key padding), False where it evaluates a user function or a
+        dense tensor per element.
+
+        Example::
+
+            >>> from attnkit import masks
+            >>> masks.causal().cheap_structure(), masks.from_fn(lambda b, h, q, k: q >= k).cheap_structure()
+            (True, False)
+        """
+        return True
+
     def to_dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1,
                  device: torch.device | str | None = None) -> Tensor:
         """The mask as a bool tensor ``(B', H', q_len, kv_len)``; ``B'``/``H'`` are 1 where it does not vary."""
@@ -645,6 +849,15 @@ class _And(Mask):
     def _batch_size(self):
         return max(self.a._batch_size(), self.b._batch_size())
 
+    def conjuncts(self):
+        return self.a.conjuncts() + self.b.conjuncts()
+
+    def value_key(self):
+        return repr(self) if self.a.value_key() is not None and self.b.value_key() is not None else None
+
+    def cheap_structure(self):
+        return self.a.cheap_structure() and self.b.cheap_structure()
+
     def __repr__(self):
         return f"({self.a!r} & {self.b!r})"
 
@@ -655,6 +868,9 @@ class _Or(_And):
 
     def _tiles(self, t):
         return _or_tiles(self.a._tiles(t), self.b._tiles(t), t)
+
+    def conjuncts(self):
+        return (self,)
 
     def __repr__(self):
         return f"({self.a!r} | {self.b!r})"
@@ -681,6 +897,12 @@ class _Not(Mask):
 
     def _batch_size(self):
         return self.a._batch_size()
+
+    def value_key(self):
+        return repr(self) if self.a.value_key() is not None else None
+
+    def cheap_structure(self):
+        return self.a.cheap_structure()
 
     def __repr__(self):
         return f"~{self.a!r}"
@@ -710,6 +932,15 @@ class _Named(Mask):
     def _batch_size(self):
         return self.inner._batch_size()
 
+    def conjuncts(self):
+        return self.inner.conjuncts()
+
+    def value_key(self):
+        return repr(self) if self.inner.value_key() is not None else None
+
+    def cheap_structure(self):
+        return self.inner.cheap_structure()
+
     def __repr__(self):
         return self.name
 
@@ -729,6 +960,21 @@ class _Interval(Mask):
     def _mod(self, b, h, q, k, q_len, kv_len):
         lo, hi = self._bounds(b, h, q + _offset(self.align, q_len, kv_len))
         return (k >= lo) & (k <= hi)
+
+    def _row_bounds(self, p: int) -> tuple[float, float]:
+        """``_bounds`` of one position in plain numbers (no tensor work on the decode path)."""
+        zero = torch.zeros((), dtype=torch.long)
+        lo, hi = self._bounds(zero, zero, torch.full((), p, dtype=torch.long))
+        return int(lo), int(hi)
+
+    def key_range(self, row, q_len, kv_len):
+        return self._row_bounds(row + _offset(self.align, q_len, kv_len))
+
+    def is_positional(self, align="bottom_right"):
+        return self.align == align
+
+    def value_key(self):
+        return repr(self)
 
     def _tiles(self, t):
         r0, r1 = t.rows()
@@ -750,6 +996,15 @@ class _Causal(_Interval):
     def _bounds(self, b, h, p):
         return _const(p, -_BIG), p
 
+    def _row_bounds(self, p):
+        return -math.inf, p
+
+    def is_causal(self, align="bottom_right"):
+        return align is None or self.align == align
+
+    def key_offsets(self, q_len, kv_len):
+        return None, _offset(self.align, q_len, kv_len)
+
     def __repr__(self):
         return f"causal(align={self.align!r})"
 
@@ -765,6 +1020,13 @@ class _SlidingWindow(_Interval):
         hi = _const(p, _BIG) if self.right is None else p + self.right
         return lo, hi
 
+    def _row_bounds(self, p):
+        return (-math.inf if self.left is None else p - self.left), (math.inf if self.right is None else p + self.right)
+
+    def key_offsets(self, q_len, kv_len):
+        off = _offset(self.align, q_len, kv_len)
+        return (None if self.left is None else off - self.left), (None if self.right is None else off + self.right)
+
     def __repr__(self):
         return f"sliding_window(left={self.left}, right={self.right}, align={self.align!r})"
 
@@ -777,6 +1039,12 @@ class _PrefixLM(_Interval):
     def _bounds(self, b, h, p):
         return _const(p, -_BIG), torch.clamp(p, min=self.n - 1)
 
+    def _row_bounds(self, p):
+        return -math.inf, max(p, self.n - 1)
+
+    def prefix_rule(self, q_len, kv_len):
+        return _offset(self.align, q_len, kv_len), self.n
+
     def __repr__(self):
         return f"prefix_lm({self.n}, align={self.align!r})"
 
@@ -788,6 +1056,10 @@ class _BlockLocal(_Interval):
 
     def _bounds(self, b, h, p):
         lo = torch.div(p, self.block, rounding_mode="floor") * self.block
+        return lo, lo + self.block - 1
+
+    def _row_bounds(self, p):
+        lo = p // self.block * self.block
         return lo, lo + self.block - 1
 
     def __repr__(self):
@@ -824,6 +1096,18 @@ class _KeyLengths(_Interval):
 
     def _batch_size(self):
         return len(self.lengths)
+
+    def key_range(self, row, q_len, kv_len):
+        return None  # (one interval per batch element)
+
+    def is_positional(self, align="bottom_right"):
+        return False
+
+    def value_key(self):
+        return None
+
+    def key_lengths(self):
+        return self.lengths
 
     def __repr__(self):
         return f"key_padding(lengths={_short_list(self.lengths)})"
@@ -864,6 +1148,12 @@ class _KeyColumns(Mask):
 
     def _batch_size(self):
         return 1 if self.keep is None else self.keep.shape[0]
+
+    def value_key(self):
+        return repr(self) if self.keep is None else None  # a column rule named by its parameters (fixed())
+
+    def cheap_structure(self):
+        return self.keep is None
 
     def __repr__(self):
         return self.name
@@ -929,6 +1219,9 @@ class _Document(Mask):
         n = self.q_ids.shape[1]
         return (n, n) if self.kv_ids is None else (n, self.kv_ids.shape[1])
 
+    def document_ids(self, q_len, kv_len, device=None):
+        return self._ids(q_len, kv_len, device)
+
     def __repr__(self):
         return f"document({self.q_ids.shape[1]} ids)" if self.kv_ids is None else "document(ids, kv_ids)"
 
@@ -959,6 +1252,9 @@ class _Strided(Mask):
         grid = _Grid(torch.where(full, FULL, torch.where(hit, PARTIAL, EMPTY)).to(torch.int8)[None, None])
         return _or_tiles(local, grid, t)
 
+    def value_key(self):
+        return repr(self)
+
     def __repr__(self):
         return f"strided({self.stride}, causal={self.causal}, align={self.align!r})"
 
@@ -988,6 +1284,9 @@ class _Dilated(Mask):
         hit = (dhi >= dlo) & (torch.div(dhi, s, rounding_mode="floor") * s >= dlo)
         full = hit & ((s == 1) | (dmin == dmax)) & (dmin >= low) & (dmax <= span)
         return _Grid(torch.where(full, FULL, torch.where(hit, PARTIAL, EMPTY)).to(torch.int8)[None, None])
+
+    def value_key(self):
+        return repr(self)
 
     def __repr__(self):
         return f"dilated(window={self.window}, dilation={self.dilation}, causal={self.causal}, align={self.align!r})"
@@ -1115,6 +1414,9 @@ class _RandomBlocks(Mask):
         grid = _Grid(kinds[None, None])
         return _and_tiles(grid, _Causal(self.align)._tiles(t), t) if self.causal else grid
 
+    def value_key(self):
+        return repr(self)
+
     def __repr__(self):
         return (f"random_blocks(block={self.block}, n={self.n}, seed={self.seed}, causal={self.causal}, "
                 f"align={self.align!r})")
@@ -1133,6 +1435,12 @@ class _FromFn(Mask):
     def _mod(self, b, h, q, k, q_len, kv_len):
         p = q if self.align is None else q + _offset(self.align, q_len, kv_len)
         return _checked_shape(self, _checked_bool(self, self.fn(b, h, p, k)), b, h, p, k)
+
+    def wraps_function(self):
+        return True
+
+    def cheap_structure(self):
+        return False
 
     def __repr__(self):
         return f"from_fn({self.name})" if self.align is None else f"from_fn({self.name}, align={self.align!r})"
@@ -1224,6 +1532,12 @@ class _FromDense(Mask):
 
     def _batch_size(self):
         return self.t.shape[0]
+
+    def dense_tensor(self):
+        return self.t
+
+    def cheap_structure(self):
+        return False
 
     def __repr__(self):
         return f"from_dense({tuple(self.t.shape)})"
@@ -1533,6 +1847,9 @@ class _Varlen(Mask):
     @property
     def num_sequences(self) -> int:
         return self.cu_q.numel() - 1
+
+    def is_varlen(self):
+        return True
 
     def _locate(self, q: Tensor, k: Tensor):
         """Per element: the query's sequence, its local row, its sequence's local key index of ``k``, the

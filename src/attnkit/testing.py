@@ -54,7 +54,7 @@ def reference(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, scale: f
         s = softcap * torch.tanh(s / softcap)
     if isinstance(bias, ScoreMod):
         b, h, qi, ki = _index_grid(B, Hq, Lq, Lk, q.device)
-        s = bias._mod(s, b, h, qi, ki, Lq, Lk).to(dtype)
+        s = bias.apply(s, b, h, qi, ki, Lq, Lk).to(dtype)
     elif bias is not None:
         s = s + bias.to(dtype)
     if mask is not None:

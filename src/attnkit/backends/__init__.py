@@ -35,6 +35,7 @@ from . import flash as _flash
 from . import math as _math
 from . import sdpa as _sdpa
 from . import triton as _triton
+from ._call import _make_call, _refuse_foreign
 from ._common import Call
 
 __all__ = ["available", "explain", "Backend", "register", "COMPILE_FRIENDLY"]
@@ -204,8 +205,6 @@ def explain(q, k, v, **kwargs) -> str:
         >>> print(backends.explain(q[:, :, -1:], k, v).splitlines()[-1])   # one query: a decode step
         under torch.compile auto picks 'math' (a decode-sized CPU call, which Inductor fuses)
     """
-    from ..functional import _make_call, _refuse_foreign
-
     backend = kwargs.pop("backend", "auto")
     _refuse_foreign("explain", {n: x for n, x in kwargs.items()
                                 if n not in ("mask", "bias", "scale", "softcap", "sinks", "dropout_p", "return_lse")})

@@ -132,11 +132,11 @@ def modify_scores(s: Tensor, call: Call, b: Tensor, h: Tensor, q: Tensor, k: Ten
     if call.softcap is not None:
         s = call.softcap * torch.tanh(s / call.softcap)
     if isinstance(call.bias, ScoreMod):
-        s = call.bias._mod(s, b, h, q, k, call.q_len, call.kv_len)
+        s = call.bias.apply(s, b, h, q, k, call.q_len, call.kv_len)
     elif bias_block is not None:
         s = s + bias_block.to(s.dtype)
     if apply_mask and call.mask is not None:
-        allowed = call.mask._mod(b, h, q, k, call.q_len, call.kv_len)
+        allowed = call.mask.evaluate(b, h, q, k, call.q_len, call.kv_len)
         s = s.masked_fill(~allowed, float("-inf"))
     return s
 

@@ -117,7 +117,7 @@ def probe_params(mod: ScoreMod, params: list[Tensor], device, dtype: torch.dtype
     anything in ``missing`` would silently get none."""
     zero = torch.zeros((1, 1, 1, 1), dtype=torch.long, device=device)
     with torch.enable_grad():
-        out = mod._mod(torch.zeros((1, 1, 1, 1), dtype=dtype, device=device), zero, zero, zero, zero, 1, 1)
+        out = mod.apply(torch.zeros((1, 1, 1, 1), dtype=dtype, device=device), zero, zero, zero, zero, 1, 1)
     if not isinstance(out, Tensor) or out.grad_fn is None:
         return [], []
     leaves = {id(p): p for p in params if p.grad_fn is None}
@@ -475,7 +475,7 @@ def _eval_mask(work: Work, heads: Heads, rows: Tensor, cols: Tensor) -> Tensor:
     h = torch.tensor(heads.h or 0, device=dev).view(1, 1, 1)
     q = rows.clamp(max=plan.q_len - 1)[:, :, None]
     k = cols.clamp(max=plan.kv_len - 1)[:, None, :]
-    allowed = work.mask._mod(b, h, q, k, plan.q_len, plan.kv_len)
+    allowed = work.mask.evaluate(b, h, q, k, plan.q_len, plan.kv_len)
     if not isinstance(allowed, Tensor) or allowed.dtype != torch.bool:
         raise TypeError(f"{work.mask!r}: the mask function must return a bool tensor")
     return _squeeze_to(allowed, shape, repr(work.mask)) & valid
@@ -615,7 +615,7 @@ def bias_block(work: Work, heads: Heads, ch: Chunk, grouped: bool, dtype: torch.
     bias = work.bias
     if isinstance(bias, ScoreMod):
         base = torch.zeros((), dtype=dtype, device=q.device) if score is None else score
-        out = bias._mod(base, b, h, q, k, work.plan.q_len, work.plan.kv_len)
+        out = bias.apply(base, b, h, q, k, work.plan.q_len, work.plan.kv_len)
         return out.to(dtype) if score is None else out
     block = bias[b if bias.shape[0] > 1 else 0, h if bias.shape[1] > 1 else 0,
                  q if bias.shape[2] > 1 else 0, k if bias.shape[3] > 1 else 0].to(dtype)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..masks import FULL, PARTIAL, Mask, _Causal
+from ..masks import FULL, PARTIAL, Mask
 
 Tensor = torch.Tensor
 
@@ -346,5 +346,5 @@ def build(mask: Mask | None, batch: int, hq: int, hkv: int, q_len: int, kv_len: 
             jobs += bands if len(bands) <= BAND_CALLS_PER_GATHER * len(gathers) else gathers
     jobs.sort(key=lambda j: not j.first)  # every row's first job writes before any job merges into it
     covered = sum(j.n for j in jobs if j.first) == bp * hp * nq
-    whole_causal = isinstance(mask, _Causal) and q_len == kv_len and bq == bk
+    whole_causal = mask is not None and mask.is_causal(None) and q_len == kv_len and bq == bk
     return Plan(bq, bk, q_len, kv_len, nq, nk, jobs, visited, partial, bp * hp * nq * nk, covered, whole_causal)

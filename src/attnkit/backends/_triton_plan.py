@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..masks import (BlockStructure, Mask, _And, _Causal, _Document, _KeyLengths, _Named, _offset, _Or,
-                     _PrefixLM, _SlidingWindow)
+from ..masks import BlockStructure, Mask
 
 Tensor = torch.Tensor
 
@@ -36,15 +35,6 @@ class Predicates:
     prefix: tuple[int, int] | None = None
     doc: tuple[Tensor, Tensor] | None = None  # (B', Lq), (B', Lk) int64
     key_lengths: Tensor | None = None  # (B',) int64
-
-
-def _terms(mask: Mask) -> list[Mask]:
-    """The conjuncts of an ``&``-combination (names unwrapped)."""
-    if isinstance(mask, _Named):
-        return _terms(mask.inner)
-    if isinstance(mask, _And) and not isinstance(mask, _Or):
-        return _terms(mask.a) + _terms(mask.b)
-    return [mask]
 
 
 def predicates(mask: Mask, q_len: int, kv_len: int, device: torch.device, batch: int = 1) -> Predicates | None:
@@ -68,23 +58,20 @@ def predicates(mask: Mask, q_len: int, kv_len: int, device: torch.device, batch:
     def lo(value):
         out.lo_off = value if out.lo_off is None else max(out.lo_off, value)
 
-    for term in _terms(mask):
-        kind = type(term)
-        off = _offset(getattr(term, "align", "bottom_right"), q_len, kv_len)
-        if kind is _Causal:
-            hi(off)
-        elif kind is _SlidingWindow:
-            if term.left is not None:
-                lo(off - term.left)
-            if term.right is not None:
-                hi(off + term.right)
-        elif kind is _PrefixLM and out.prefix is None:
-            out.prefix = (off, term.n)
-        elif kind is _Document and out.doc is None:
-            q_ids, kv_ids = term._ids(q_len, kv_len, device)
-            out.doc = (q_ids.to(torch.int64).contiguous(), kv_ids.to(torch.int64).contiguous())
-        elif kind is _KeyLengths and out.key_lengths is None:
-            lengths = term.lengths.to(device=device, dtype=torch.int64)
+    for term in mask.conjuncts():
+        band, prefix = term.key_offsets(q_len, kv_len), term.prefix_rule(q_len, kv_len)
+        ids, lengths = term.document_ids(q_len, kv_len, device), term.key_lengths()
+        if band is not None:
+            if band[0] is not None:
+                lo(band[0])
+            if band[1] is not None:
+                hi(band[1])
+        elif prefix is not None and out.prefix is None:
+            out.prefix = prefix
+        elif ids is not None and out.doc is None:
+            out.doc = (ids[0].to(torch.int64).contiguous(), ids[1].to(torch.int64).contiguous())
+        elif lengths is not None and out.key_lengths is None:
+            lengths = lengths.to(device=device, dtype=torch.int64)
             out.key_lengths = lengths.expand(batch).contiguous() if lengths.shape[0] == 1 else lengths.contiguous()
         else:
             return None
@@ -219,7 +206,7 @@ def bitmap(mask: Mask, lists: TileLists, q_len: int, kv_len: int, block_m: int, 
         q = r[sl].view(-1, 1, 1, 1) * block_m + rows.view(1, 1, -1, 1)  # (N, 1, BM, 1)
         k = kt[sl].view(-1, 1, 1, 1) * block_n + cols.view(1, 1, 1, -1)  # (N, 1, 1, 32*words)
         valid = (q < q_len) & (k < kv_len) & (cols.view(1, 1, 1, -1) < block_n)
-        allowed = mask._mod(b[sl].view(-1, 1, 1, 1), h[sl].view(-1, 1, 1, 1), q.clamp(max=q_len - 1),
+        allowed = mask.evaluate(b[sl].view(-1, 1, 1, 1), h[sl].view(-1, 1, 1, 1), q.clamp(max=q_len - 1),
                             k.clamp(max=kv_len - 1), q_len, kv_len)
         allowed = (allowed & valid).expand(-1, 1, block_m, words * 32).reshape(-1, block_m, words, 32)
         packed = (allowed.to(torch.int64) * weights).sum(-1)  # (N, BM, words) in [0, 2^32)

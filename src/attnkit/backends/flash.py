@@ -46,12 +46,12 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from .. import masks as M
 from ..bias import ScoreMod
 from ..masks import Mask
 from . import _flash_ops as ops
 from . import _flash_plan as planning
 from ..softmax import add_sink
+from ._call import _empty_result, _is_empty, _make_call
 from ._common import Call, check_unchanged, per_mask, reachable_tensors, sink_grad, tensor_key, tensor_versions
 
 Tensor = torch.Tensor
@@ -84,27 +84,13 @@ SHARED_PLANS = 32  # plans kept for masks identified by value (no mask, or built
 _PLANS: "weakref.WeakKeyDictionary[Mask, dict]" = weakref.WeakKeyDictionary()
 _SHARED: dict = {}
 _LOCK = threading.Lock()
-_PURE = (M._Causal, M._SlidingWindow, M._PrefixLM, M._BlockLocal, M._Strided, M._Dilated, M._RandomBlocks)
 
 
 def _value_key(mask: Mask | None) -> str | None:
     """A key that identifies a mask by value, for masks made only of built-ins that hold no tensors and no
     user functions (``causal()``, ``sliding_window(w)``, their combinations...), so a mask rebuilt on every
     call still finds its plan; None for others (they are cached per object)."""
-    def pure(m) -> bool:
-        if isinstance(m, M._And):  # also _Or
-            return pure(m.a) and pure(m.b)
-        if isinstance(m, M._Not):
-            return pure(m.a)
-        if isinstance(m, M._Named):
-            return pure(m.inner)
-        if isinstance(m, M._KeyColumns):
-            return m.keep is None  # a column rule named by its parameters (fixed())
-        return type(m) in _PURE
-
-    if mask is None:
-        return "none"
-    return repr(mask) if pure(mask) else None
+    return "none" if mask is None else mask.value_key()
 
 
 def _plan(call: Call, block_q: int | None = None, block_k: int | None = None) -> planning.Plan:
@@ -157,15 +143,7 @@ def _cheap_structure(mask: Mask | None) -> bool:
     holding tensors (documents, key padding), but no user function or dense tensor (evaluated per element)."""
     if mask is None:
         return False  # no mask: every tile is full, the default tiles are best
-    if isinstance(mask, M._And):  # also _Or
-        return _cheap_structure(mask.a) and _cheap_structure(mask.b)
-    if isinstance(mask, M._Not):
-        return _cheap_structure(mask.a)
-    if isinstance(mask, M._Named):
-        return _cheap_structure(mask.inner)
-    if isinstance(mask, M._KeyColumns):
-        return mask.keep is None
-    return not isinstance(mask, (M._FromFn, M._FromDense))
+    return mask.cheap_structure()
 
 
 def _forward_plan(call: Call, block_q: int | None = None, block_k: int | None = None) -> planning.Plan:
@@ -454,8 +432,6 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, sc
         >>> out.shape, lse.shape
         (torch.Size([1, 8, 1000, 64]), torch.Size([1, 8, 1000]))
     """
-    from ..functional import _empty_result, _is_empty, _make_call
-
     call = _make_call(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, dropout_p=dropout_p,
                       return_lse=return_lse, sinks=sinks)
     block_q, block_k = _check_block("block_q", block_q), _check_block("block_k", block_k)

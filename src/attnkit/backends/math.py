@@ -18,7 +18,7 @@ def _seen_keys(call: Call, b: Tensor, h: Tensor, qi: Tensor, ki: Tensor) -> Tens
     """Which keys some query may see, ``(B|1, Hkv|1, 1, Lk)`` bool, or None when the mask hides none."""
     if call.mask is None:
         return None
-    allowed = call.mask._mod(b, h, qi, ki, call.q_len, call.kv_len)  # broadcastable to (B, Hkv, G, Lq, Lk)
+    allowed = call.mask.evaluate(b, h, qi, ki, call.q_len, call.kv_len)  # broadcastable to (B, Hkv, G, Lq, Lk)
     while allowed.dim() < 5:
         allowed = allowed.unsqueeze(0)
     seen = allowed.any(dim=-2).any(dim=2, keepdim=True)  # (B|1, Hkv|1, 1, Lk)

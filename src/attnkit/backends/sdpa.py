@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from ..bias import ScoreMod
-from ..masks import Mask, _BlockLocal, _Causal, _FromDense, _Interval, _KeyLengths, _PrefixLM, _SlidingWindow
+from ..masks import Mask
+from ._call import graph_zero
 from ._common import Call, per_mask, reachable_tensors, tensor_key, zero_unseen
 
 Tensor = torch.Tensor
@@ -40,28 +41,12 @@ def _is_plain_causal(call: Call) -> bool:
     """A causal mask SDPA's ``is_causal`` computes (top-left aligned; the fused kernel gives NaN for a
     negative scale, so such a call takes the mask as a tensor)."""
     m = call.mask
-    return isinstance(m, _Causal) and (m.align == "top_left" or call.q_len == call.kv_len) and call.scale > 0
+    return m is not None and (m.is_causal("top_left") or (m.is_causal(None) and call.q_len == call.kv_len)) \
+        and call.scale > 0
 
 
 def _dense_size(call: Call) -> int:
     return call.batch * call.heads * call.q_len * call.kv_len
-
-
-def _interval_bounds(m: _Interval, p: int) -> tuple[float, float]:
-    """Visible keys [lo, hi] of query position p, in plain integers (no tensor work on the decode path)."""
-    inf = float("inf")
-    if isinstance(m, _Causal):
-        return -inf, p
-    if isinstance(m, _SlidingWindow):
-        return (-inf if m.left is None else p - m.left), (inf if m.right is None else p + m.right)
-    if isinstance(m, _PrefixLM):
-        return -inf, max(p, m.n - 1)
-    if isinstance(m, _BlockLocal):
-        lo = p // m.block * m.block
-        return lo, lo + m.block - 1
-    zero = torch.zeros((), dtype=torch.long)
-    lo, hi = m._bounds(zero, zero, torch.full((), p, dtype=torch.long))
-    return int(lo), int(hi)
 
 
 def _single_query_window(call: Call) -> tuple[int, int] | None:
@@ -70,8 +55,9 @@ def _single_query_window(call: Call) -> tuple[int, int] | None:
     if "window" in call.cache:
         return call.cache["window"]
     m, window = call.mask, None
-    if call.q_len == 1 and call.bias is None and isinstance(m, _Interval) and not isinstance(m, _KeyLengths):
-        lo, hi = _interval_bounds(m, call.kv_len - 1 if m.align == "bottom_right" else 0)
+    keys = None if call.q_len != 1 or call.bias is not None or m is None else m.key_range(0, 1, call.kv_len)
+    if keys is not None:
+        lo, hi = keys
         window = int(max(lo, 0)), int(min(hi, call.kv_len - 1))
     call.cache["window"] = window
     return window
@@ -96,12 +82,13 @@ def _dense(call: Call) -> tuple[Tensor, Tensor, bool, Tensor | None]:
     m = call.mask
     if torch.compiler.is_compiling() or call.q.device.type == "meta":  # traced (or meta: shapes only): no Python
         # bool from tensor data, no traced tensors memoised
-        allowed = m.t if isinstance(m, _FromDense) else m.to_dense(
+        dense = m.dense_tensor()
+        allowed = dense if dense is not None else m.to_dense(
             call.q_len, call.kv_len, batch=call.batch, heads=call.heads, device=call.q.device)
         # False: empty rows handled, also if none
         return allowed, allowed.any(dim=-1, keepdim=True), False, _hidden_keys(call, allowed, traced=True)
-    if isinstance(m, _FromDense):  # a user's bool tensor: pass it as it is
-        allowed = m.t
+    if m.dense_tensor() is not None:  # a user's bool tensor: pass it as it is
+        allowed = m.dense_tensor()
         live = allowed.any(dim=-1, keepdim=True)
         return allowed, live, bool(live.all()), _hidden_keys(call, allowed)
     key = (call.batch, call.heads, call.q_len, call.kv_len, call.q.device)
@@ -198,7 +185,6 @@ def run(call: Call):
     if window is not None:  # decoding one token against a cache: slice the visible keys
         lo, hi = window
         if hi < lo:
-            from ..functional import graph_zero
             return torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device) + graph_zero(q, k, v)
         return F.scaled_dot_product_attention(q, k[:, :, lo:hi + 1], v[:, :, lo:hi + 1],
                                               dropout_p=call.dropout_p, scale=scale, enable_gqa=gqa)

@@ -21,14 +21,16 @@ picks the interpreter or the compiler once, when it is first imported, so ``TRIT
 set before anything imports triton; this module imports it only when a call needs it, and nothing here
 changes global state at import.  ``auto`` never picks the interpreter (it is far slower than ``math``).
 
+Whether it takes a call, and why not (here: no GPU and no interpreter, or float64, which the kernels do not
+take), is what :func:`attnkit.backends.explain` prints on its ``triton`` line.
+
 Example::
 
     >>> import torch
-    >>> from attnkit.backends import triton as tb
-    >>> from attnkit.functional import _make_call
+    >>> from attnkit import backends
     >>> q = k = v = torch.randn(1, 2, 8, 16, dtype=torch.float64)
-    >>> tb.check(_make_call(q, k, v))
-    'dtype torch.float64 is not supported by the Triton kernels (float16, bfloat16, float32): use math'
+    >>> print(backends.explain(q, k, v, backend="math").splitlines()[4])
+      triton  ...
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ from functools import lru_cache
 
 import torch
 
-from ..bias import ScoreMod, _ALiBi, _Temperature
-from ..masks import Mask, _FromFn
+from ..bias import ScoreMod
+from ..masks import Mask
 from . import _triton_plan as _plan
 from ..softmax import add_sink
 from ._common import Call, check_paged_values, check_unchanged, sink_grad, tensor_versions
@@ -183,11 +185,11 @@ def _bias_reason(call: Call) -> str | None:
         if grad and b.requires_grad:
             return "a bias tensor that requires grad: the Triton kernels do not compute the bias gradient"
         return None
-    if isinstance(b, _ALiBi):
+    if b.slopes is not None:
         if grad and b.slopes.requires_grad:
             return "learnable ALiBi slopes: the Triton kernels do not compute the slopes' gradient"
         return None
-    if isinstance(b, _Temperature) and b.scale_factor is not None:
+    if b.scale_factor is not None:
         if call.softcap is not None:
             return "a temperature after a softcap: the Triton kernels fold the temperature into the scale"
         return None
@@ -198,9 +200,9 @@ def _bias_reason(call: Call) -> str | None:
 def _mods(call: Call) -> _Mods:
     m = _Mods(call.scale, call.softcap, source=call.bias)
     b = call.bias
-    if isinstance(b, _Temperature):
+    if isinstance(b, ScoreMod) and b.scale_factor is not None:
         m.scale = call.scale * b.scale_factor  # dividing every score by t is scaling by 1/t (no softcap here)
-    elif isinstance(b, _ALiBi):
+    elif isinstance(b, ScoreMod) and b.slopes is not None:
         m.slopes = b.slopes.detach().to(device=call.q.device, dtype=torch.float32).contiguous()
         m.alibi_off = call.kv_len - call.q_len if b.align == "bottom_right" else 0
     elif isinstance(b, Tensor):
@@ -278,7 +280,7 @@ def _mask_state(mask: Mask) -> tuple | None:
     state, stack = [], [mask]
     while stack:
         m = stack.pop()
-        if isinstance(m, _FromFn):
+        if m.wraps_function():
             return None
         for name, value in sorted(vars(m).items()):
             if isinstance(value, Mask):
@@ -624,11 +626,11 @@ def check_paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: T
         if grad and bias.requires_grad:
             return "a bias tensor that requires grad: the paged decode kernel has no backward"
         return None
-    if isinstance(bias, _ALiBi):
+    if bias.slopes is not None:
         if grad and bias.slopes.requires_grad:
             return "learnable ALiBi slopes: the paged decode kernel does not compute their gradient"
         return None
-    if isinstance(bias, _Temperature) and bias.scale_factor is not None and softcap is None:
+    if bias.scale_factor is not None and softcap is None:
         return None
     return (f"bias {bias!r}: the paged decode kernel takes None, ALiBi, a scalar temperature (without "
             f"softcap) or a float tensor")
@@ -737,10 +739,10 @@ def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor,
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     slopes, at_end = None, True
-    if isinstance(bias, _ALiBi):
+    if isinstance(bias, ScoreMod) and bias.slopes is not None:
         slopes = bias.slopes.detach().to(device=q.device, dtype=torch.float32).contiguous()
         at_end = bias.align == "bottom_right"
-    elif isinstance(bias, _Temperature):
+    elif isinstance(bias, ScoreMod) and bias.scale_factor is not None:
         scale = scale * bias.scale_factor
     return _paged_decode(q, k_pool, v_pool, block_table, seq_lens, scale=scale, softcap=softcap, slopes=slopes,
                          alibi_at_end=at_end, bias=bias if isinstance(bias, Tensor) else None)

@@ -23,12 +23,12 @@ from numbers import Integral
 
 import torch
 
-from ..bias import ScoreMod, _ALiBi, _RelativeBuckets, _Temperature
-from ..masks import Mask, _BlockLocal, _Causal, _PrefixLM, _SlidingWindow
+from ..bias import ScoreMod
+from ..masks import Mask
 from .._checks import flag
 from ..softmax import stable_softmax
 from ..backends._common import check_paged_values
-from ..functional import _check_number
+from ..backends._call import _check_number
 from ..backends._common import zero_unseen as _zero_unseen
 from ._common import check_dtype, check_int, check_new_kv, model_dims
 
@@ -164,9 +164,9 @@ def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tens
     G = Hq // Hkv
     scale = D ** -0.5 if scale is None else float(scale)
     if sinks is not None:
-        from ..functional import _check_sinks
+        from ..backends._call import _check_sinks
         sinks = _check_sinks(sinks, q)
-    if isinstance(mask, _Causal) and mask.align == "bottom_right" and Lq == 1:
+    if isinstance(mask, Mask) and mask.is_causal("bottom_right") and Lq == 1:
         mask = None  # the newest query sees every stored key
     if q.is_cuda and Lq == 1 and mask is None and sinks is None:
         tb = _triton_backend()
@@ -260,14 +260,14 @@ def _attend_runs(q: Tensor, k_pool: Tensor, v_pool: Tensor, lens: list[int], run
             bi = torch.full((1, 1, 1, 1), b, device=dev)
             ki = torch.arange(L, device=dev).view(1, 1, 1, L)
             if isinstance(bias, ScoreMod):
-                sc = bias._mod(sc, bi, hi, qi, ki, Lq, L)
+                sc = bias.apply(sc, bi, hi, qi, ki, Lq, L)
             elif isinstance(bias, Tensor):
                 sc = sc + _row_bias(bias, b, Hkv, G, Lq, L).to(sc.dtype)
             elif bias is not None:
                 raise TypeError(f"paged_attention: bias must be None, an attnkit.bias modifier or a float tensor, "
                                 f"got {type(bias).__name__}")
             if isinstance(mask, Mask):
-                sc = sc.masked_fill(~mask._mod(bi, hi, qi, ki, Lq, L), float("-inf"))
+                sc = sc.masked_fill(~mask.evaluate(bi, hi, qi, ki, Lq, L), float("-inf"))
             elif isinstance(mask, Tensor):
                 if mask.dtype != torch.bool:
                     raise TypeError(f"paged_attention: a tensor mask must be bool (True = may attend), got {mask.dtype}")
@@ -331,16 +331,11 @@ def _pool_layout(q: Tensor, k_pool: Tensor, v_pool: Tensor, bias, mask, layouts)
     return lay if best == spans else layouts(True)
 
 
-_POSITION_MASKS = (_Causal, _SlidingWindow, _PrefixLM, _BlockLocal)
-_POSITION_BIASES = (_ALiBi, _RelativeBuckets, _Temperature)
-
-
 def _position_only(mask, bias) -> bool:
     """Whether ``mask`` and ``bias`` (None or built-ins, bottom-right aligned) read nothing but the head and
     the query and key positions, so the pool path can evaluate them per block of each sequence."""
-    return ((mask is None or (type(mask) in _POSITION_MASKS and mask.align == "bottom_right"))
-            and (bias is None or (type(bias) in _POSITION_BIASES and getattr(bias, "align", "bottom_right")
-                                  == "bottom_right")))
+    return ((mask is None or (isinstance(mask, Mask) and mask.is_positional("bottom_right")))
+            and (bias is None or (isinstance(bias, ScoreMod) and bias.is_positional("bottom_right"))))
 
 
 def _head_major(pool: Tensor) -> bool:
@@ -393,14 +388,14 @@ def _attend_views(q: Tensor, k_pool: Tensor, v_pool: Tensor, lens: list[int], ru
             bi = torch.full((1, 1, 1, 1), b, device=dev)
             ki = torch.arange(L, device=dev).view(1, 1, 1, L)
             if isinstance(bias, ScoreMod):
-                sc = bias._mod(sc, bi, hi, qi, ki, Lq, L)
+                sc = bias.apply(sc, bi, hi, qi, ki, Lq, L)
             elif isinstance(bias, Tensor):
                 sc = sc + _row_bias(bias, b, Hkv, G, Lq, L).to(sc.dtype)
             elif bias is not None:
                 raise TypeError(f"paged_attention: bias must be None, an attnkit.bias modifier or a float tensor, "
                                 f"got {type(bias).__name__}")
             if isinstance(mask, Mask):
-                sc = sc.masked_fill(~mask._mod(bi, hi, qi, ki, Lq, L), float("-inf"))
+                sc = sc.masked_fill(~mask.evaluate(bi, hi, qi, ki, Lq, L), float("-inf"))
             elif isinstance(mask, Tensor):
                 if mask.dtype != torch.bool:
                     raise TypeError(f"paged_attention: a tensor mask must be bool (True = may attend), got {mask.dtype}")
@@ -550,9 +545,9 @@ def _attend_pool(q: Tensor, k_pool: Tensor, v_pool: Tensor, layout: _PoolLayout,
         b = own.view(-1, 1, 1, 1)
         h = (torch.arange(Hkv, device=dev).view(Hkv, 1) * G + torch.arange(G, device=dev)).view(1, Hkv, G, 1)
         if bias is not None:  # lengths of 1 and 1: no alignment offset, p is the query's position already
-            sc = bias._mod(sc, b, h, p, kpos, 1, 1).to(acc)
+            sc = bias.apply(sc, b, h, p, kpos, 1, 1).to(acc)
         if mask is not None:
-            sc = sc.masked_fill(~mask._mod(b, h, p, kpos, 1, 1), float("-inf"))
+            sc = sc.masked_fill(~mask.evaluate(b, h, p, kpos, 1, 1), float("-inf"))
     # (masked_fill, not +: a NaN key in an unfilled slot, padding garbage, must give -inf, not NaN)
     sc = sc.masked_fill(layout.unfilled[:, None, None, :], float("-inf"))
     m = torch.full((B + 1, Hkv, G), float("-inf"), dtype=acc, device=dev)
@@ -1101,7 +1096,7 @@ class _PagedDecode:
             return paged_attention(q, self.k_pool, v_pool, table, lens, scale=scale, softcap=softcap,
                                    bias=bias, mask=mask, sinks=sinks)
         scale, softcap = _check_modifiers(scale, softcap, bias, mask)
-        if isinstance(mask, _Causal) and mask.align == "bottom_right" and q.shape[2] == 1:
+        if isinstance(mask, Mask) and mask.is_causal("bottom_right") and q.shape[2] == 1:
             mask = None
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         layout = _pool_layout(q, self.k_pool, v_pool, bias, mask, self.plan.layout)

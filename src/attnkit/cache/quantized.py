@@ -23,7 +23,6 @@ import math
 
 import torch
 
-from ..masks import _Causal
 from ._common import ModelCache, check_dtype, check_int, check_new_kv, model_dims
 
 Tensor = torch.Tensor
@@ -317,7 +316,7 @@ class _QuantizedDecode:
 
     def attend(self, q: Tensor, *, mask=None, bias=None, scale=None, softcap=None, sinks=None) -> Tensor:
         from ..backends._common import accumulation_dtype, grouped_bias, grouped_index, modify_scores
-        from ..functional import _make_call
+        from ..backends._call import _make_call
         from ..masks import Mask, from_dense
         from ..softmax import stable_softmax
 
@@ -327,12 +326,12 @@ class _QuantizedDecode:
         B, Hq, Lq, D = q.shape
         H, Dv = layer.rk.shape[1], layer.rv.shape[3]
         if Lq == 0 or L == 0:  # no queries, or nothing stored: rows that see nothing give 0
-            from ..functional import graph_zero
+            from ..backends._call import graph_zero
             return q.new_zeros(B, Hq, Lq, Dv) + graph_zero(q)
         if sinks is not None or (torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad
                                                                  for t in (q, layer.rk, layer.rv))):
             return self._differentiable(q, mask=mask, bias=bias, scale=scale, softcap=softcap, sinks=sinks)
-        if isinstance(mask, _Causal) and mask.align == "bottom_right" and Lq == 1:
+        if isinstance(mask, Mask) and mask.is_causal("bottom_right") and Lq == 1:
             mask = None  # the newest query sees every stored key
         if mask is None and bias is None and softcap is None and self.pad_mask is None and _plain_query(q, layer):
             return self._plain(q, 1.0 / math.sqrt(D) if scale is None else float(scale))

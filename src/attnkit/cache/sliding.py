@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..masks import Mask, _And, _Named, _SlidingWindow
+from ..masks import Mask
 from ._common import ModelCache, check_dtype, check_int, check_new_kv, model_dims
 
 Tensor = torch.Tensor
@@ -23,14 +23,14 @@ def window_of(mask) -> int | None:
         >>> window_of(masks.causal() & masks.sliding_window(255))
         256
     """
-    if isinstance(mask, _SlidingWindow):
-        return None if mask.left is None else mask.left + 1
-    if isinstance(mask, _Named):
-        return window_of(mask.inner)
-    if type(mask) is _And:
-        wins = [w for w in (window_of(mask.a), window_of(mask.b)) if w is not None]
-        return min(wins) if wins else None
-    return None
+    if not isinstance(mask, Mask):
+        return None
+    wins = []
+    for part in mask.conjuncts():
+        offsets = part.key_offsets(1, 1)  # (one query at its own position: the offsets are the window's sides)
+        if offsets is not None and offsets[0] is not None:
+            wins.append(-offsets[0] + 1)
+    return min(wins) if wins else None
 
 
 class SlidingWindowLayerCache:

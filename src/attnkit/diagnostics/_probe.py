@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from ..backends._common import Call, accumulation_dtype, grouped_bias, grouped_index, modify_scores
 from .. import functional as _functional
-from ..functional import _make_call
+from ..backends._call import _make_call
 from ..softmax import stable_softmax
 
 Tensor = torch.Tensor

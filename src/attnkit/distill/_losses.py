@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..backends._common import Call, accumulation_dtype, grouped_bias, grouped_index, modify_scores
-from ..functional import _make_call
+from ..backends._call import _make_call
 from ..masks import Mask
 
 Tensor = torch.Tensor
@@ -99,7 +99,7 @@ def _allowed(call: Call, r0: int, r1: int) -> Tensor:
     """``(B or 1, 1, r, Lk)``: keys that any head of ``call`` may attend to from rows ``r0:r1``."""
     dev = call.q.device
     b, h, qi, ki = grouped_index(call, torch.arange(r0, r1, device=dev), torch.arange(call.kv_len, device=dev))
-    ok = call.mask._mod(b, h, qi, ki, call.q_len, call.kv_len)  # broadcastable to (B, Hkv, G, r, Lk)
+    ok = call.mask.evaluate(b, h, qi, ki, call.q_len, call.kv_len)  # broadcastable to (B, Hkv, G, r, Lk)
     ok = ok.expand(-1, call.kv_heads, call.group, -1, -1) if ok.dim() == 5 else ok
     return ok.flatten(1, 2).any(1, keepdim=True)  # (B', 1, r, Lk)
 

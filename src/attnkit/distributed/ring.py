@@ -28,9 +28,10 @@ import torch
 import torch.distributed as dist
 
 from .._checks import flag
-from ..bias import ScoreMod
-from ..functional import _check_bias, _check_mask, _check_number, _check_qkv, _check_sinks, attention
+from ..backends._call import _check_bias, _check_mask, _check_number, _check_qkv, _check_sinks
 from ..backends._common import zero_unseen
+from ..bias import ScoreMod
+from ..functional import attention
 from ..masks import EMPTY, FULL, Mask
 from ..softmax import add_sink, merge
 from ._layout import Layout, check_divisible, check_layout, group_info
@@ -55,10 +56,10 @@ class _Placed(Mask):
         self.inner, self.row0, self.col0, self.seq_len = inner, row0, col0, seq_len
 
     def _mod(self, b, h, q, k, q_len, kv_len):
-        return self.inner._mod(b, h, q + self.row0, k + self.col0, self.seq_len, self.seq_len)
+        return self.inner.evaluate(b, h, q + self.row0, k + self.col0, self.seq_len, self.seq_len)
 
     def _batch_size(self):
-        return self.inner._batch_size()
+        return self.inner.batch_size()
 
     def __repr__(self):
         return f"placed({self.inner!r}, rows from {self.row0}, keys from {self.col0}, L={self.seq_len})"
@@ -72,7 +73,7 @@ class _PlacedBias(ScoreMod):
         self.additive, self.scale_factor = inner.additive, inner.scale_factor
 
     def _mod(self, score, b, h, q, k, q_len, kv_len):
-        return self.inner._mod(score, b, h, q + self.row0, k + self.col0, self.seq_len, self.seq_len)
+        return self.inner.apply(score, b, h, q + self.row0, k + self.col0, self.seq_len, self.seq_len)
 
     def __repr__(self):
         return f"placed({self.inner!r}, rows from {self.row0}, keys from {self.col0}, L={self.seq_len})"
@@ -302,7 +303,7 @@ def _block_grads(q: Tensor, kb: Tensor, vb: Tensor, dout: Tensor, lse: Tensor, d
     L = cfg.layout.seq_len
 
     if it.masked:
-        allowed = cfg.mask._mod(bi, hi, qi, ki, L, L)  # broadcastable to (B, Hkv, G, r, c)
+        allowed = cfg.mask.evaluate(bi, hi, qi, ki, L, L)  # broadcastable to (B, Hkv, G, r, c)
         seen = allowed.expand(B, Hkv, G, r, c).any(dim=-2).any(dim=2, keepdim=True)  # (B, Hkv, 1, c)
         if not bool(seen.all()):  # keys no query here may see (padding garbage) must not reach dq, dk
             kg, vg = zero_unseen(kg, seen), zero_unseen(vg, seen)
@@ -314,10 +315,10 @@ def _block_grads(q: Tensor, kb: Tensor, vb: Tensor, dout: Tensor, lse: Tensor, d
             if cfg.softcap is not None:
                 s = cfg.softcap * torch.tanh(s / cfg.softcap)
             if cfg.bias is not None:
-                s = cfg.bias._mod(s, bi, hi, qi, ki, L, L).to(acc)
+                s = cfg.bias.apply(s, bi, hi, qi, ki, L, L).to(acc)
         p = s.detach().clone()
     else:
-        p = s if cfg.bias is None else cfg.bias._mod(s, bi, hi, qi, ki, L, L).to(acc)
+        p = s if cfg.bias is None else cfg.bias.apply(s, bi, hi, qi, ki, L, L).to(acc)
     # in place from here: p holds the scores, then the weights; ds starts as dp = dout @ v^T
     if it.masked:
         p.masked_fill_(~allowed, float("-inf"))
@@ -541,7 +542,7 @@ def _check_bias_constant(bias: ScoreMod, q: Tensor, heads: int, seq_len: int) ->
     h = torch.arange(heads, device=q.device).view(1, -1, 1, 1)
     score = torch.zeros(1, heads, 1, 1, dtype=q.dtype, device=q.device)
     with torch.enable_grad():
-        probe = bias._mod(score, one, h, one, one, seq_len, seq_len)
+        probe = bias.apply(score, one, h, one, one, seq_len, seq_len)
     if isinstance(probe, torch.Tensor) and probe.requires_grad:
         raise ValueError(f"ring_attention: bias={bias!r} holds tensors that require grad (learnable slopes, "
                          f"tables or temperatures); ring_attention does not train them: pass them detached "

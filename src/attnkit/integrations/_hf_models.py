@@ -401,20 +401,14 @@ def _sliding_left(mask, name: str = "config.mask") -> int | None:
     """``left`` of a (causal-compatible) sliding window mask, None for no mask; ValueError otherwise."""
     if mask is None:
         return None
-    parts, todo = [], [mask]
-    while todo:
-        m = todo.pop()
-        if isinstance(m, _masks._And):
-            todo += [m.a, m.b]
-        else:
-            parts.append(m)
     lefts = []
-    for m in parts:
-        if isinstance(m, _masks._Causal) and m.align == "bottom_right":
+    for m in mask.conjuncts() if isinstance(mask, _masks.Mask) else (mask,):
+        if isinstance(m, _masks.Mask) and m.is_causal("bottom_right"):
             continue
-        if isinstance(m, _masks._SlidingWindow) and m.align == "bottom_right" and m.right in (0, None):
-            if m.left is not None:
-                lefts.append(m.left)
+        offsets = m.key_offsets(1, 1) if isinstance(m, _masks.Mask) else None  # (one query at its own position)
+        if offsets is not None and m.is_positional("bottom_right") and offsets[1] in (0, None):
+            if offsets[0] is not None:
+                lefts.append(-offsets[0])
             continue
         raise ValueError(f"{name}={mask!r}: only a causal sliding window (masks.sliding_window(left)) has a "
                          f"transformers equivalent")

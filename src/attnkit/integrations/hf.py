@@ -439,7 +439,7 @@ def _with_sequence_bounds(mask, cu_q, cu_k, query: Tensor, key: Tensor):
     if query.shape[0] != 1:
         raise ValueError(f"cu_seq_lens_q/cu_seq_lens_k describe sequences packed into one row, but the batch has "
                          f"{query.shape[0]} rows: pack the batch into one row (DataCollatorWithFlattening)")
-    if isinstance(mask, _masks._Varlen):  # already built from the restarting position ids
+    if isinstance(mask, Mask) and mask.is_varlen():  # already built from the restarting position ids
         return mask
     if mask is None or (isinstance(mask, Mask) and _masks._per_sequence(mask)):
         return _masks.varlen(cu_q, cu_k, mask)

@@ -51,7 +51,7 @@ def _torch_key_padding(key_padding_mask) -> _masks.Mask:
 
 
 def _is_bottom_right_causal(m) -> bool:
-    return isinstance(m, _masks._Causal) and m.align == "bottom_right"
+    return isinstance(m, _masks.Mask) and m.is_causal("bottom_right")
 
 
 def _check_layer_cache(name: str, cache) -> None:

@@ -47,7 +47,7 @@ class AxialAttention(nn.Module):
         if len(set(axes)) != len(axes):
             raise ValueError(f"axes={axes!r} repeats an axis")
         mask = _checks.as_mask("mask", mha_options.get("mask"))
-        if mask is not None and mask._batch_size() > 1:
+        if mask is not None and mask.batch_size() > 1:
             raise ValueError(f"mask={mask!r} holds one entry per sequence, but AxialAttention applies its mask to "
                              f"every line of every grid along each axis (batch and other axes flattened): give a "
                              f"mask that is the same for all, e.g. masks.causal(), or mask the inputs instead")
