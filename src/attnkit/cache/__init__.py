@@ -32,7 +32,8 @@ Example::
     torch.Size([1, 4, 1, 4])
 """
 
-from ._common import EncoderDecoderCache, ModelCache, attend
+from ._common import ModelCache, attend
+from .encoder_decoder import EncoderDecoderCache
 from .paged import PagedBatch, PagedCache, PagedPacked, PoolExhausted, paged_attention
 from .quantized import QuantizedCache, dequantize_groups, quantize_groups
 from .sink import SinkCache

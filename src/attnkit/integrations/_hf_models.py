@@ -45,6 +45,7 @@ from __future__ import annotations
 import torch
 
 from .. import masks as _masks
+from ._transformers import _transformers as load_transformers
 
 Tensor = torch.Tensor
 
@@ -61,9 +62,7 @@ _ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 
 
 def _transformers():
-    from .hf import _transformers as load
-
-    return load()[0]
+    return load_transformers()[0]
 
 
 # ---------------------------------------------------------------------------------- HF -> attnkit

@@ -56,14 +56,12 @@ from .. import masks as _masks
 from ..functional import attention, attention_weights
 from ..masks import Mask
 from ._hf_models import from_hf, to_hf
+from ._transformers import SUPPORTED_TRANSFORMERS, _check_version, _transformers  # noqa: F401
 
 Tensor = torch.Tensor
 
 __all__ = ["register", "attention_forward", "build_mask", "from_hf", "to_hf", "SUPPORTED_TRANSFORMERS"]
 
-# the versions this module is tested against (the `hf` extra's pin); 5.0-5.3 built masks from `cache_position`
-SUPPORTED_TRANSFORMERS = (">=5.4", "<6")
-_MIN_VERSION, _MAX_VERSION = "5.4", "6"
 
 # names transformers itself defines; registering one of them would replace it for every model in the process
 _RESERVED = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4",
@@ -89,30 +87,6 @@ def _selected_keys(indices, query: Tensor, key: Tensor) -> Tensor:
     sel = torch.zeros(indices.shape[0], Lq, Lk + 1, dtype=torch.bool, device=query.device)
     sel.scatter_(-1, torch.where(idx < 0, Lk, idx), True)  # negative entries land in a dropped column
     return sel[:, None, :, :Lk]
-
-
-# --------------------------------------------------------------------------- transformers, checked
-
-
-def _transformers():
-    """Import transformers and check its version; return ``(transformers, masking_utils)``."""
-    try:
-        import transformers
-        from transformers import masking_utils
-    except ImportError as e:
-        raise ImportError("attnkit.integrations.hf needs Hugging Face transformers "
-                          f"{','.join(SUPPORTED_TRANSFORMERS)}: install it with pip install 'attnkit[hf]'") from e
-    _check_version(transformers.__version__)
-    return transformers, masking_utils
-
-
-def _check_version(version: str) -> None:
-    from packaging.version import Version  # a dependency of transformers
-
-    release = Version(Version(version).base_version)  # 6.0.0rc1 counts as 6.0.0, 5.25.0.dev0 as 5.25.0
-    if not Version(_MIN_VERSION) <= release < Version(_MAX_VERSION):
-        raise RuntimeError(f"attnkit.integrations.hf supports transformers {','.join(SUPPORTED_TRANSFORMERS)}, "
-                           f"found {version}: install a supported version with pip install 'attnkit[hf]'")
 
 
 # ------------------------------------------------------------------ the mask transformers hands around
