@@ -34,7 +34,8 @@ __all__ = ["ScoreMod", "alibi", "alibi_slopes", "relative_buckets", "t5_bucket",
 
 class ScoreMod:
     """A score modifier.  Subclasses implement ``_mod(score, b, h, q, k, q_len, kv_len)`` (``q`` are
-    query rows; position-aware modifiers apply their alignment) with broadcastable index tensors.
+    query rows; position-aware modifiers apply their alignment) with broadcastable index tensors; other
+    code calls :meth:`apply` and asks :meth:`is_positional`.
 
     ``additive`` modifiers (ALiBi, T5 buckets) can also be materialised as a float bias tensor
     (:meth:`materialize`) for backends that only take a dense bias.  Kernels that compute a modifier in

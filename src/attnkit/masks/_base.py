@@ -67,6 +67,13 @@ class Mask:
     Subclasses implement ``_mod(b, h, q, k, q_len, kv_len)`` (``q`` are query *rows*; masks that use
     positions apply their alignment) and may implement ``_tiles`` arithmetically; the default derives
     tiles by evaluating the predicate one chunk of query tiles at a time.
+
+    Other code asks a mask through its public methods, which the built-ins override where they have an
+    answer: :meth:`evaluate` (the predicate on index tensors), :meth:`is_causal`, :meth:`conjuncts` (the
+    parts of an ``&``), :meth:`key_range` (one row's visible keys), :meth:`key_offsets` / :meth:`prefix_rule` /
+    :meth:`document_ids` / :meth:`key_lengths` / :meth:`dense_tensor` (the forms kernels evaluate in place),
+    :meth:`is_varlen`, :meth:`is_positional`, :meth:`wraps_function`, :meth:`value_key`,
+    :meth:`cheap_structure` and :meth:`batch_size`.
     """
 
     # ---- to implement
