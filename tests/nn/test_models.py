@@ -219,12 +219,12 @@ def test_layer_masks_config_validation():
 
 def test_decoder_lm_with_layer_masks_equals_a_hand_built_stack():
     from attnkit.nn import TransformerBlock
-    from attnkit.nn.models import _block_options
 
     model = _mixed().double()
     cfg = model.config
-    blocks = [TransformerBlock(cfg.d_model, cfg.n_heads, mask=masks.causal() & m if m is not None else masks.causal(),
-                               **_block_options(cfg, model.positions)).double() for m in MIXED]
+    blocks = [TransformerBlock.from_config(cfg.block_config(), positions=model.positions,
+                                           mask=masks.causal() & m if m is not None else masks.causal()).double()
+              for m in MIXED]
     for block, layer in zip(blocks, model.layers):
         block.load_state_dict(layer.state_dict())
     ids = torch.randint(0, cfg.vocab_size, (2, 11), generator=torch.Generator().manual_seed(5))
