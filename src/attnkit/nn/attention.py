@@ -1,4 +1,4 @@
-"""Multi-head attention: self, grouped-query, cross and cached, with every score computed by ``_attend``."""
+"""Multi-head attention (:class:`AttentionConfig`): self, grouped-query, cross and cached, scores by ``_attend``."""
 
 from __future__ import annotations
 
@@ -37,6 +37,13 @@ class _Attends(nn.Module):
         """
         return attention(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, dropout_p=dropout_p,
                          backend=self.backend, sinks=sinks)
+
+    def _check_dtype(self, x: Tensor) -> None:
+        """``x`` has the dtype of the module's weights (read off ``out_proj``), unless autocast converts it."""
+        w = self.out_proj.weight if type(self.out_proj) in (Linear, nn.Linear) else None  # (a subclass may cast)
+        if w is not None and x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(f"x has dtype {x.dtype} but this module's weights are {w.dtype}: convert one to the "
+                            f"other (module.to({x.dtype}) or x.to({w.dtype})), or run under torch.autocast")
 
 
 def _torch_key_padding(key_padding_mask) -> _masks.Mask:
@@ -435,12 +442,6 @@ class MultiHeadAttention(_Attends):
                 return self._output(out)
             k, v, extra = _checks.cache_kv(kv)  # everything stored, in position order
         return self._attention(q, k, v, bias=bias, call_mask=call_mask, extra=extra, need_weights=need_weights)
-
-    def _check_dtype(self, x: Tensor) -> None:
-        w = self.out_proj.weight if type(self.out_proj) in (Linear, nn.Linear) else None  # (a subclass may cast)
-        if w is not None and x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
-            raise TypeError(f"x has dtype {x.dtype} but this module's weights are {w.dtype}: convert one to the "
-                            f"other (module.to({x.dtype}) or x.to({w.dtype})), or run under torch.autocast")
 
     def _scale(self) -> float:
         return 1.0 / (math.sqrt(self.d_head) * self.temperature)

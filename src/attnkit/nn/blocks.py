@@ -1,4 +1,4 @@
-"""Transformer blocks and stacks: :class:`TransformerBlock`, :class:`Encoder`, :class:`Decoder`."""
+"""Transformer blocks and stacks: :class:`BlockConfig`, :class:`TransformerBlock`, :class:`Encoder`, :class:`Decoder`."""
 
 from __future__ import annotations
 

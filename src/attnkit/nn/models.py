@@ -118,6 +118,12 @@ class DecoderConfig:
     }
 
     def __post_init__(self):
+        self._check_values()
+        self._check_combinations()
+        self._check_masks_and_positions()
+
+    def _check_values(self) -> None:
+        """Each field alone (flags become bools)."""
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "t5_max_distance"):
             _checks.positive_int(name, getattr(self, name))
         for name in ("rope_interleaved", "norm_first", "qkv_bias", "out_bias", "ffn_bias", "post_norms",
@@ -135,12 +141,18 @@ class DecoderConfig:
         _parse_scaling(self.rope_scaling, self.rope_theta)  # errors at configuration time, not when building
         _checks.positive_float("norm_eps", self.norm_eps)
         self.norm_offset = _checks.finite_float("norm_offset", self.norm_offset)
-        if self.norm_offset and self.norm != "rms":
-            raise ValueError(f"norm_offset={self.norm_offset!r} applies to RMSNorm only: use norm='rms' or "
-                             f"norm_offset=0.0")
         for name in ("softcap", "attn_scale", "embed_scale", "logit_softcap", "logit_divisor", "rope_local_theta"):
             _checks.positive_float(name, getattr(self, name), allow_none=True)
         _checks.positive_float("residual_scale", self.residual_scale)
+        _checks.positive_float("init_std", self.init_std)
+        _checks.probability("dropout", self.dropout)
+        _checks.probability("attention_dropout", self.attention_dropout)
+
+    def _check_combinations(self) -> None:
+        """Fields that constrain each other."""
+        if self.norm_offset and self.norm != "rms":
+            raise ValueError(f"norm_offset={self.norm_offset!r} applies to RMSNorm only: use norm='rms' or "
+                             f"norm_offset=0.0")
         if not self.pre_norms and not self.post_norms:
             raise ValueError("pre_norms=False needs post_norms=True (OLMo 2 normalises only the sub-layers' outputs)")
         if self.qk_norm not in (False, True, "head", "all"):
@@ -157,9 +169,8 @@ class DecoderConfig:
         if self.post_norms and not self.norm_first:
             raise ValueError("post_norms=True needs norm_first=True (Pre-LN): a Post-LN block already normalises "
                              "after every residual add")
-        _checks.positive_float("init_std", self.init_std)
-        _checks.probability("dropout", self.dropout)
-        _checks.probability("attention_dropout", self.attention_dropout)
+
+    def _check_masks_and_positions(self) -> None:
         if self.positions == "t5":  # the bucket layout's errors at configuration time, not when building
             for bidirectional in (False, True):
                 try:
