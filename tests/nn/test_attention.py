@@ -449,3 +449,34 @@ def test_from_torch_keeps_the_training_mode():
     x = torch.randn(2, 5, 16)
     assert torch.allclose(am(x), tm(x, x, x)[0], atol=1e-6)
     assert MultiHeadAttention.from_torch(tm.train()).training
+
+
+@pytest.mark.parametrize("options", [dict(n_kv_heads=2, qk_norm=True, softcap=20.0, sinks=True, bias=False),
+                                     dict(kdim=12, vdim=10, out_bias=False, temperature=2.0, qk_norm="all")])
+def test_from_config_builds_the_module_the_keywords_build(options):
+    from attnkit.nn import AttentionConfig
+
+    rope = RotaryEmbedding(4) if "kdim" not in options else None
+    torch.manual_seed(0)
+    mine = MultiHeadAttention.from_config(AttentionConfig(16, 4, **options), positions=rope,
+                                          mask=None if rope is None else masks.causal()).double()
+    torch.manual_seed(0)
+    ref = MultiHeadAttention(16, 4, positions=rope, mask=None if rope is None else masks.causal(), **options).double()
+    assert mine.config == ref.config == AttentionConfig(16, 4, **options)
+    assert [(k, v.shape) for k, v in mine.state_dict().items()] == [(k, v.shape) for k, v in ref.state_dict().items()]
+    assert all(torch.equal(a, b) for a, b in zip(mine.state_dict().values(), ref.state_dict().values()))
+    x = torch.randn(2, 5, 16, dtype=D64)
+    ctx = () if rope is not None else ((torch.randn(2, 3, 12, dtype=D64), torch.randn(2, 3, 10, dtype=D64)),)
+    torch.testing.assert_close(mine(x, *ctx), ref(x, *ctx), rtol=0, atol=0)
+    assert repr(mine) == repr(ref)
+
+
+def test_from_config_checks_the_config_like_the_keywords():
+    from attnkit.nn import AttentionConfig
+
+    with pytest.raises(TypeError, match="from_config takes an attnkit.nn.AttentionConfig, got dict"):
+        MultiHeadAttention.from_config(dict(d_model=16, n_heads=4))
+    with pytest.raises(ValueError, match="n_heads must be a multiple of n_kv_heads"):
+        MultiHeadAttention.from_config(AttentionConfig(16, 4, n_kv_heads=3))
+    with pytest.raises(ValueError, match=r"dropout=1.0 must be a number in \[0, 1\)"):
+        MultiHeadAttention.from_config(AttentionConfig(16, 4).replace(dropout=1.0))

@@ -90,3 +90,31 @@ def test_block_errors():
         TransformerBlock(8, 2, cross_attention=True, context_dim=4)(torch.randn(1, 2, 8), torch.randn(1, 2, 3))
     with pytest.raises(ValueError, match="Encoder layers have no cross attention"):
         Encoder(8, 1, 2, cross_attention=True)
+
+
+def test_a_block_built_from_its_config_is_the_block_the_keywords_build():
+    from attnkit.nn import BlockConfig, RotaryEmbedding
+
+    rope = RotaryEmbedding(8)
+    kw = dict(n_kv_heads=2, norm="rms", ffn="geglu", post_norms=True, qkv_bias=False, ffn_bias=False,
+              attention_dropout=0.1, qk_norm=True, norm_eps=1e-6, norm_offset=1.0, cross_attention=True,
+              context_dim=12, residual_scale=0.5, sinks=True)
+    torch.manual_seed(0)
+    ref = TransformerBlock(32, 4, positions=rope, mask=masks.causal(), **kw).double().eval()
+    cfg = ref.config
+    assert isinstance(cfg, BlockConfig) and ref.attn.config is cfg.attention
+    assert (cfg.attention.dropout, cfg.attention.bias, cfg.attention.qk_norm_eps, cfg.attention.qk_norm_offset) == (
+        0.1, False, 1e-6, 1.0)
+    assert ref.cross_attn.config == cfg.cross_attention_config() and ref.cross_attn.sinks is None
+    torch.manual_seed(0)
+    mine = TransformerBlock.from_config(cfg, positions=rope, mask=masks.causal()).double().eval()
+    assert mine.config is cfg and repr(mine) == repr(ref)
+    assert all(torch.equal(a, b) for a, b in zip(mine.state_dict().values(), ref.state_dict().values()))
+    x, ctx = torch.randn(2, 6, 32, dtype=D64), torch.randn(2, 3, 12, dtype=D64)
+    torch.testing.assert_close(mine(x, ctx), ref(x, ctx), rtol=0, atol=0)
+    with pytest.raises(TypeError, match="from_config takes an attnkit.nn.BlockConfig"):
+        TransformerBlock.from_config(cfg.attention)
+    with pytest.raises(ValueError, match="post_norms=True needs norm_first=True"):
+        TransformerBlock.from_config(cfg.replace(norm_first=False))
+    with pytest.raises(ValueError, match="a TransformerBlock is batch-first"):
+        TransformerBlock.from_config(cfg.replace(attention=cfg.attention.replace(batch_first=False)))

@@ -219,12 +219,12 @@ def test_layer_masks_config_validation():
 
 def test_decoder_lm_with_layer_masks_equals_a_hand_built_stack():
     from attnkit.nn import TransformerBlock
-    from attnkit.nn.models import _block_options
 
     model = _mixed().double()
     cfg = model.config
-    blocks = [TransformerBlock(cfg.d_model, cfg.n_heads, mask=masks.causal() & m if m is not None else masks.causal(),
-                               **_block_options(cfg, model.positions)).double() for m in MIXED]
+    blocks = [TransformerBlock.from_config(cfg.block_config(), positions=model.positions,
+                                           mask=masks.causal() & m if m is not None else masks.causal()).double()
+              for m in MIXED]
     for block, layer in zip(blocks, model.layers):
         block.load_state_dict(layer.state_dict())
     ids = torch.randint(0, cfg.vocab_size, (2, 11), generator=torch.Generator().manual_seed(5))
@@ -381,3 +381,20 @@ def test_decoder_logits_at_runs_the_head_on_chosen_rows():
         torch.testing.assert_close(model(ids, logits_at=rows), model(ids)[:, rows])
     with pytest.raises(TypeError, match="logits_at"):
         model(ids, logits_at=[1, 6])
+
+
+def test_every_layer_is_built_from_the_one_block_config():
+    cfg = DecoderConfig.preset("tiny", n_layers=3, n_kv_heads=2, qkv_bias=True, attention_dropout=0.1,
+                               attn_scale=0.125, softcap=30.0, norm_offset=1.0, attention_sinks=True, qk_norm=True)
+    model = DecoderLM(cfg)
+    block = model.layers[0].config
+    assert all(layer.config is block and layer.attn.config is block.attention for layer in model.layers)
+    assert block == cfg.block_config()
+    attn = model.layers[2].attn
+    assert (attn.n_kv_heads, attn.dropout, attn.softcap, attn.qkv_proj.bias is not None, attn.sinks.shape) == (
+        2, 0.1, 30.0, True, (4,))
+    assert attn._scale() == pytest.approx(0.125)  # attn_scale as the attention's temperature
+    assert attn.q_norm.offset == 1.0 and model.layers[0].attn_norm.offset == 1.0
+    enc_dec = EncoderDecoder(cfg.replace(positions="t5", attention_sinks=False))
+    assert enc_dec.decoder.layers[1].config.cross_attention and not enc_dec.encoder.layers[1].config.cross_attention
+    assert enc_dec.decoder.layers[0].config.attention == enc_dec.encoder.layers[0].config.attention

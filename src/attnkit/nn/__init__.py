@@ -7,6 +7,9 @@
 * Positions: :class:`RotaryEmbedding`, :class:`ALiBi`, :class:`T5RelativeBias`, :class:`SinusoidalPositions`.
 * Blocks and models: :class:`TransformerBlock`, :class:`Encoder`, :class:`Decoder`, :class:`DecoderLM`
   (:class:`DecoderConfig`), :class:`EncoderDecoder`.
+* Configuration objects: :class:`AttentionConfig` (a :class:`MultiHeadAttention`) and :class:`BlockConfig` (a
+  :class:`TransformerBlock`), which ``from_config`` builds from; a :class:`DecoderConfig` makes them once for its
+  layers (:meth:`DecoderConfig.block_config`).
 * Layers: :class:`Linear` (CPU decoding kernels picked by weight layout and batch), :class:`RMSNorm`, :class:`FeedForward`.
 * Generated training tasks: :mod:`attnkit.nn.tasks` (copying, associative recall).
 
@@ -23,9 +26,9 @@ Example::
 """
 
 from . import tasks
-from .attention import MultiHeadAttention
+from .attention import AttentionConfig, MultiHeadAttention
 from .axial import AxialAttention
-from .blocks import Decoder, Encoder, TransformerBlock, default_d_ff
+from .blocks import BlockConfig, Decoder, Encoder, TransformerBlock, default_d_ff
 from .latent import LatentAttention
 from .layers import FeedForward, Linear, RMSNorm, linear, to_decode_layout
 from .models import DecoderConfig, DecoderLM, EncoderDecoder
@@ -44,6 +47,8 @@ __all__ = [
     "SinusoidalPositions",
     "PositionEncoding",
     "TransformerBlock",
+    "AttentionConfig",
+    "BlockConfig",
     "Encoder",
     "Decoder",
     "DecoderConfig",

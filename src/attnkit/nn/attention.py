@@ -1,13 +1,16 @@
-"""Multi-head attention: self, grouped-query, cross and cached, with every score computed by ``_attend``."""
+"""Multi-head attention (:class:`AttentionConfig`): self, grouped-query, cross and cached, scores by ``_attend``."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from .. import masks as _masks
+from ..cache import attend as cache_attend
 from ..functional import attention, attention_weights
 from . import _checks
 from .layers import Linear, RMSNorm, linear
@@ -15,7 +18,7 @@ from .positions import PositionEncoding
 
 Tensor = torch.Tensor
 
-__all__ = ["MultiHeadAttention"]
+__all__ = ["MultiHeadAttention", "AttentionConfig"]
 
 
 class _Attends(nn.Module):
@@ -34,6 +37,13 @@ class _Attends(nn.Module):
         """
         return attention(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, dropout_p=dropout_p,
                          backend=self.backend, sinks=sinks)
+
+    def _check_dtype(self, x: Tensor) -> None:
+        """``x`` has the dtype of the module's weights (read off ``out_proj``), unless autocast converts it."""
+        w = self.out_proj.weight if type(self.out_proj) in (Linear, nn.Linear) else None  # (a subclass may cast)
+        if w is not None and x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(f"x has dtype {x.dtype} but this module's weights are {w.dtype}: convert one to the "
+                            f"other (module.to({x.dtype}) or x.to({w.dtype})), or run under torch.autocast")
 
 
 def _torch_key_padding(key_padding_mask) -> _masks.Mask:
@@ -74,6 +84,71 @@ def _rows(proj: nn.Module, x: Tensor, start: int, stop: int) -> Tensor:
         return part(x, start, stop)
     b = proj.bias
     return linear(x, proj.weight[start:stop], None if b is None else b[start:stop])
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """The options of a :class:`MultiHeadAttention`, as one object that blocks and models pass along.
+
+    Each field means what the :class:`MultiHeadAttention` keyword of the same name means (``None`` takes the
+    default described there); the fields are checked when a module is built from the config, with the same
+    messages.  The parts a module is given built, ``positions`` (one position encoding shared by every layer)
+    and ``mask`` (often one per layer), are passed beside it: ``MultiHeadAttention.from_config(config,
+    positions=..., mask=...)``.  :class:`TransformerBlock` keeps its self-attention's config in
+    :class:`BlockConfig` ``.attention``, and :class:`DecoderConfig` builds both once for all its layers.
+
+    Example::
+
+        >>> from attnkit import masks
+        >>> from attnkit.nn import AttentionConfig, MultiHeadAttention
+        >>> cfg = AttentionConfig(64, 8, n_kv_heads=2, bias=False, qk_norm=True)
+        >>> mha = MultiHeadAttention.from_config(cfg, mask=masks.causal())
+        >>> mha.config is cfg, mha.n_kv_heads, mha.d_head, mha.qkv_proj.bias
+        (True, 2, 8, None)
+        >>> cross = MultiHeadAttention.from_config(cfg.replace(kdim=32))  # 64-wide queries, a 32-wide context
+        >>> cross.kv_proj.weight.shape
+        torch.Size([32, 32])
+    """
+
+    d_model: int  # width of x and of the output
+    n_heads: int  # query heads
+    n_kv_heads: int | None = None  # key/value heads (grouped-query); None = n_heads, 1 = multi-query
+    d_head: int | None = None  # dims per head; None = d_model // n_heads
+    kdim: int | None = None  # width of the cross-attention key input; None = d_model
+    vdim: int | None = None  # width of the cross-attention value input; None = kdim
+    bias: bool = True  # biases of the q/k/v projections
+    out_bias: bool | None = None  # bias of out_proj; None = bias
+    dropout: float = 0.0  # on the attention probabilities, while training
+    qk_norm: bool | str = False  # RMSNorm per query/key head (True, "head") or over all heads ("all")
+    qk_norm_eps: float = 1e-6  # the q/k norms' eps
+    qk_norm_offset: float = 0.0  # the q/k norms' offset (see RMSNorm)
+    softcap: float | None = None  # s * tanh(score / s) on the scores
+    temperature: float = 1.0  # divides the scores
+    sinks: bool = False  # a learned sink logit per query head
+    backend: str = "auto"  # "auto" or a name from attnkit.backends.available()
+    batch_first: bool = True  # False: (L, B, E) in and out, as torch.nn.MultiheadAttention(batch_first=False)
+
+    def replace(self, **changes) -> "AttentionConfig":
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+
+def _update_cache(cache, k: Tensor, v: Tensor, *, call_mask, heads: int, q_len: int, need_weights: bool = False):
+    """``cache.update(k, v)``, after the cache's ``peek`` (where it has one) let the call's mask and
+    ``need_weights`` be checked first, so that a rejected call leaves the cache unchanged."""
+    peek = getattr(cache, "peek", None)
+    if callable(peek):
+        lk_next, attends = peek(k.shape[2])
+        if attends and need_weights:
+            raise ValueError("need_weights=True is not available with a cache that computes attention "
+                             "itself (its update() returns an object with attend())")
+        if lk_next is not None:
+            _checks.check_mask_shape("mask", call_mask, k.shape[0], heads, q_len, lk_next)
+    kv = cache.update(k, v)
+    if need_weights and hasattr(kv, "attend"):
+        raise ValueError("need_weights=True is not available with a cache that computes attention "
+                         "itself (its update() returned an object with attend())")
+    return kv
 
 
 class MultiHeadAttention(_Attends):
@@ -146,6 +221,9 @@ class MultiHeadAttention(_Attends):
             ``(L, B, d_model)``, as ``torch.nn.MultiheadAttention(batch_first=False)`` does (masks, positions
             and weights keep their batch-first shapes).
 
+    The options besides ``positions`` and ``mask`` make an :class:`AttentionConfig`, kept as ``config``;
+    :meth:`from_config` builds the module from one (as :class:`TransformerBlock` and :class:`DecoderLM` do).
+
     ``forward(x, context=None, *, mask=None, cache=None, positions=None, need_weights=False,
     key_padding_mask=None)`` returns ``out (B, L, d_model)``, or ``(out, weights (B, n_heads, L, Lk))`` with
     ``need_weights=True`` (weights before dropout, differentiable, computed by
@@ -176,22 +254,48 @@ class MultiHeadAttention(_Attends):
                  out_bias: bool | None = None, qk_norm_eps: float = 1e-6, qk_norm_offset: float = 0.0,
                  batch_first: bool = True, sinks: bool = False):
         super().__init__()
-        if not isinstance(batch_first, bool):
-            raise TypeError(f"batch_first must be True or False, got {batch_first!r}")
-        self.batch_first = batch_first
-        n_kv_heads, d_head = _checks.head_layout(d_model, n_heads, n_kv_heads, d_head)
-        bias = _checks.flag("bias", bias)
-        qk_norm = qk_norm if isinstance(qk_norm, str) else _checks.flag("qk_norm", qk_norm)  # or a named layout
-        kdim = d_model if kdim is None else _checks.positive_int("kdim", kdim)
-        vdim = kdim if vdim is None else _checks.positive_int("vdim", vdim)
+        self._build(AttentionConfig(d_model, n_heads, n_kv_heads, d_head, kdim, vdim, bias=bias, out_bias=out_bias,
+                                    dropout=dropout, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps,
+                                    qk_norm_offset=qk_norm_offset, softcap=softcap, temperature=temperature,
+                                    sinks=sinks, backend=backend, batch_first=batch_first), positions, mask)
+
+    @classmethod
+    def from_config(cls, config: AttentionConfig, *, positions: PositionEncoding | None = None,
+                    mask=None) -> "MultiHeadAttention":
+        """The module an :class:`AttentionConfig` describes, with its built parts: ``positions`` (a
+        :class:`~attnkit.nn.PositionEncoding` or None) and ``mask`` (applied to every call).
+
+        ``MultiHeadAttention.from_config(AttentionConfig(d_model, n_heads, **options), positions=p, mask=m)``
+        is ``MultiHeadAttention(d_model, n_heads, positions=p, mask=m, **options)``; ``module.config`` is
+        the config.  See :class:`AttentionConfig` for an example.
+        """
+        if not isinstance(config, AttentionConfig):
+            raise TypeError(f"from_config takes an attnkit.nn.AttentionConfig, got {type(config).__name__}: for "
+                            f"separate options call MultiHeadAttention(d_model, n_heads, ...)")
+        module = cls.__new__(cls)
+        _Attends.__init__(module)
+        module._build(config, positions, mask)
+        return module
+
+    def _build(self, cfg: AttentionConfig, positions: PositionEncoding | None, mask) -> None:
+        """Checks ``cfg`` and the built parts, then makes the projections, norms and sinks."""
+        if not isinstance(cfg.batch_first, bool):
+            raise TypeError(f"batch_first must be True or False, got {cfg.batch_first!r}")
+        self.config, self.batch_first = cfg, cfg.batch_first
+        d_model, n_heads = cfg.d_model, cfg.n_heads
+        n_kv_heads, d_head = _checks.head_layout(d_model, n_heads, cfg.n_kv_heads, cfg.d_head)
+        bias = _checks.flag("bias", cfg.bias)
+        qk_norm = cfg.qk_norm if isinstance(cfg.qk_norm, str) else _checks.flag("qk_norm", cfg.qk_norm)  # or a layout
+        kdim = d_model if cfg.kdim is None else _checks.positive_int("kdim", cfg.kdim)
+        vdim = kdim if cfg.vdim is None else _checks.positive_int("vdim", cfg.vdim)
         self.d_model, self.n_heads, self.n_kv_heads, self.d_head = d_model, n_heads, n_kv_heads, d_head
         self.kdim, self.vdim = kdim, vdim
-        self.dropout = _checks.probability("dropout", dropout)
-        self.softcap = _checks.positive_float("softcap", softcap, allow_none=True)
-        self.temperature = _checks.positive_float("temperature", temperature)
-        if not isinstance(backend, str):
-            raise TypeError(f"backend must be a string such as 'auto', got {type(backend).__name__}")
-        self.backend = backend
+        self.dropout = _checks.probability("dropout", cfg.dropout)
+        self.softcap = _checks.positive_float("softcap", cfg.softcap, allow_none=True)
+        self.temperature = _checks.positive_float("temperature", cfg.temperature)
+        if not isinstance(cfg.backend, str):
+            raise TypeError(f"backend must be a string such as 'auto', got {type(cfg.backend).__name__}")
+        self.backend = cfg.backend
         if positions is not None and not isinstance(positions, PositionEncoding):
             raise TypeError(f"positions must be None or an attnkit.nn PositionEncoding (RotaryEmbedding, ALiBi, "
                             f"T5RelativeBias, SinusoidalPositions), got {type(positions).__name__}")
@@ -199,9 +303,18 @@ class MultiHeadAttention(_Attends):
             positions.check_heads(n_heads, d_head, d_model)
         self.positions = positions
         self.mask = _checks.as_mask("mask", mask)
-        q_out, kv_out = n_heads * d_head, n_kv_heads * d_head
+        out_bias = bias if cfg.out_bias is None else _checks.flag("out_bias", cfg.out_bias)
+        self._build_projections(bias, out_bias)
+        self._build_qk_norms(qk_norm, cfg.qk_norm_eps, cfg.qk_norm_offset)
+        self._plain_causal = _is_bottom_right_causal(self.mask)
+        self.sinks = nn.Parameter(torch.zeros(n_heads)) if _checks.flag("sinks", cfg.sinks) else None
+
+    def _build_projections(self, bias: bool, out_bias: bool) -> None:
+        """``qkv_proj`` (rows ``[q; k; v]``) when keys and values come from ``d_model``-wide inputs, else
+        ``q_proj`` and ``kv_proj`` (or ``k_proj``, ``v_proj``); ``out_proj``."""
+        d_model, kdim, vdim = self.d_model, self.kdim, self.vdim
+        q_out, kv_out = self.n_heads * self.d_head, self.n_kv_heads * self.d_head
         self._split = (q_out, kv_out, kv_out)
-        out_bias = bias if out_bias is None else _checks.flag("out_bias", out_bias)
         self.self_capable = kdim == d_model and vdim == d_model
         if self.self_capable:
             self.qkv_proj = Linear(d_model, q_out + 2 * kv_out, bias=bias)
@@ -213,15 +326,16 @@ class MultiHeadAttention(_Attends):
                 self.k_proj = Linear(kdim, kv_out, bias=bias)
                 self.v_proj = Linear(vdim, kv_out, bias=bias)
         self.out_proj = Linear(q_out, d_model, bias=out_bias)
+
+    def _build_qk_norms(self, qk_norm, eps: float, offset: float) -> None:
         if qk_norm not in (False, True, "head", "all"):
             raise ValueError(f"qk_norm={qk_norm!r} must be False, True / 'head' (RMSNorm per head) or 'all' (over "
                              f"all heads at once)")
         self.qk_norm_all = qk_norm == "all"
-        q_dim, k_dim = (q_out, kv_out) if self.qk_norm_all else (d_head, d_head)
-        self.q_norm = RMSNorm(q_dim, qk_norm_eps, qk_norm_offset) if qk_norm else None
-        self.k_norm = RMSNorm(k_dim, qk_norm_eps, qk_norm_offset) if qk_norm else None
-        self._plain_causal = _is_bottom_right_causal(self.mask)
-        self.sinks = nn.Parameter(torch.zeros(n_heads)) if _checks.flag("sinks", sinks) else None
+        q_out, kv_out, _ = self._split
+        q_dim, k_dim = (q_out, kv_out) if self.qk_norm_all else (self.d_head, self.d_head)
+        self.q_norm = RMSNorm(q_dim, eps, offset) if qk_norm else None
+        self.k_norm = RMSNorm(k_dim, eps, offset) if qk_norm else None
 
     # ------------------------------------------------------------------------ projections
 
@@ -286,125 +400,128 @@ class MultiHeadAttention(_Attends):
 
     # ---------------------------------------------------------------------------- forward
 
-    def _default_positions(self, cache, length: int, device) -> Tensor:
-        offset = 0
-        if cache is not None:
-            offset = getattr(cache, "seq_len", None)
-            if not isinstance(offset, int):
-                raise ValueError(f"{type(self.positions).__name__} needs absolute positions with a cache: pass "
-                                 f"positions=..., or give the cache an int attribute seq_len")
-        return torch.arange(offset, offset + length, device=device)
-
     def forward(self, x: Tensor, context=None, *, mask=None, cache=None, positions=None,
                 need_weights: bool = False, key_padding_mask: Tensor | None = None):
         """Attention of ``x (B, L, d_model)`` to itself or to ``context (B, Lc, kdim)``; see the class doc."""
         if key_padding_mask is not None:
             mask = _checks.combine(_checks.as_mask("mask", mask), _torch_key_padding(key_padding_mask))
-        if not self.batch_first:  # (L, B, E) in and out
-            _checks.features("x", x, self.d_model, what=f"(L, B, d_model={self.d_model}) (batch_first=False)")
-            if isinstance(context, (tuple, list)):
-                context = type(context)(c.transpose(0, 1) if isinstance(c, Tensor) else c for c in context)
-            elif isinstance(context, Tensor):
-                context = context.transpose(0, 1)
-            result = self._forward_batch_first(x.transpose(0, 1), context, mask=mask, cache=cache,
-                                               positions=positions, need_weights=need_weights)
-            if need_weights:
-                return result[0].transpose(0, 1), result[1]
-            return result.transpose(0, 1)
-        return self._forward_batch_first(x, context, mask=mask, cache=cache, positions=positions,
-                                         need_weights=need_weights)
+        call = dict(mask=mask, cache=cache, positions=positions, need_weights=need_weights)
+        if not self.batch_first:
+            return self._forward_sequence_first(x, context, **call)
+        return self._forward_batch_first(x, context, **call)
+
+    def _forward_sequence_first(self, x: Tensor, context, **call):
+        """``batch_first=False``: ``x (L, B, d_model)`` and ``context (Lc, B, kdim)`` in, ``(L, B, d_model)`` out."""
+        _checks.features("x", x, self.d_model, what=f"(L, B, d_model={self.d_model}) (batch_first=False)")
+        if isinstance(context, (tuple, list)):
+            context = type(context)(c.transpose(0, 1) if isinstance(c, Tensor) else c for c in context)
+        elif isinstance(context, Tensor):
+            context = context.transpose(0, 1)
+        result = self._forward_batch_first(x.transpose(0, 1), context, **call)
+        if call["need_weights"]:
+            return result[0].transpose(0, 1), result[1]
+        return result.transpose(0, 1)
 
     def _forward_batch_first(self, x: Tensor, context, *, mask, cache, positions, need_weights: bool):
         _checks.features("x", x, self.d_model, what=f"(B, L, d_model={self.d_model})")
         need_weights = _checks.flag("need_weights", need_weights)
         _check_layer_cache("cache", cache)
-        w = self.out_proj.weight if type(self.out_proj) in (Linear, nn.Linear) else None  # (a subclass may cast)
-        if w is not None and x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
-            raise TypeError(f"x has dtype {x.dtype} but this module's weights are {w.dtype}: convert one to the "
-                            f"other (module.to({x.dtype}) or x.to({w.dtype})), or run under torch.autocast")
-        B, L, _ = x.shape
+        self._check_dtype(x)
         call_mask = _checks.as_mask("mask", mask)
         if context is None:
-            if not self.self_capable:
-                raise ValueError(f"this MultiHeadAttention has kdim={self.kdim}, vdim={self.vdim} != "
-                                 f"d_model={self.d_model}, so it only does cross attention: pass context")
-            pos = hi = None
-            if self.positions is not None and self.positions.absolute:
-                if positions is None:  # offset + arange(L): the largest is known without reading the tensor
-                    pos = self._default_positions(cache, L, x.device)
-                    hi = (0 if cache is None else cache.seq_len) + L - 1
-                else:
-                    pos = _checks.positions_tensor("positions", positions, B, L, x.device)
-            elif positions is not None:  # relative encodings (ALiBi, T5) or none do not read them: still checked
-                _checks.positions_tensor("positions", positions, B, L, x.device)
-            q, k, v = self._project_self(x, pos)
-            if self.q_norm is not None:
-                q, k = self._qk_normed(self.q_norm, q), self._qk_normed(self.k_norm, k)
-            if pos is not None:
-                q, k = self.positions.rotate(q, pos, max_position=hi), self.positions.rotate(k, pos, max_position=hi)
-            bias = self.positions.score_mod() if self.positions is not None else None
-            layer_mask = self.mask
+            q, k, v, bias = self._self_qkv(x, cache, positions)
         else:
-            if self.positions is not None:
-                raise ValueError("positions= applies to self-attention; this module was built with "
-                                 f"{type(self.positions).__name__}: build the cross-attention module without it")
-            key_in, value_in = self._context_inputs(context, B)
-            q = self._project_query(x)
-            if cache is not None:
-                filled = getattr(cache, "seq_len", None)
-                if not isinstance(filled, int):
-                    raise TypeError(f"a cross-attention cache needs an int attribute seq_len (0 until filled), "
-                                    f"got {type(cache).__name__} without one")
-                if filled == 0:
-                    k, v = self._project_context(key_in, value_in)
-                else:
-                    k = q.new_empty(B, self.n_kv_heads, 0, self.d_head)
-                    v = q.new_empty(B, self.n_kv_heads, 0, self.d_head)
-            else:
-                k, v = self._project_context(key_in, value_in)
-            if self.q_norm is not None:
-                q = self._qk_normed(self.q_norm, q)
-                if k.shape[2]:
-                    k = self._qk_normed(self.k_norm, k)
-            bias = None
-            layer_mask = self.mask
-        scale = 1.0 / (math.sqrt(self.d_head) * self.temperature)
-        dropout_p = self.dropout if self.training else 0.0
+            (q, k, v), bias = self._cross_qkv(x, context, cache), None
         extra = None
         if cache is not None:
-            peek = getattr(cache, "peek", None)
-            if callable(peek):  # check the call before the cache stores anything: a rejected call changes nothing
-                lk_next, attends = peek(k.shape[2])
-                if attends and need_weights:
-                    raise ValueError("need_weights=True is not available with a cache that computes attention "
-                                     "itself (its update() returns an object with attend())")
-                if lk_next is not None:
-                    _checks.check_mask_shape("mask", call_mask, B, self.n_heads, L, lk_next)
-            kv = cache.update(k, v)
-            if hasattr(kv, "attend"):
-                if need_weights:
-                    raise ValueError("need_weights=True is not available with a cache that computes attention "
-                                     "itself (its update() returned an object with attend())")
-                m = _checks.combine(layer_mask, call_mask)
-                sk = {} if self.sinks is None else {"sinks": self.sinks}
-                out = kv.attend(q, mask=m, bias=bias, scale=scale, softcap=self.softcap, **sk)
+            kv = _update_cache(cache, k, v, call_mask=call_mask, heads=self.n_heads, q_len=x.shape[1],
+                               need_weights=need_weights)
+            if hasattr(kv, "attend"):  # the cache computes attention itself (paged, quantized)
+                out = cache_attend(kv, q, mask=_checks.combine(self.mask, call_mask), bias=bias, scale=self._scale(),
+                                   softcap=self.softcap, sinks=self.sinks)
                 return self._output(out)
-            if not isinstance(kv, (tuple, list)) or len(kv) not in (2, 3):
-                raise TypeError(f"cache.update(k, v) must return (k, v), (k, v, extra_mask) or an object with "
-                                f"attend(), got {type(kv).__name__}")
-            k, v = kv[0], kv[1]
-            extra = _checks.as_mask("the cache's extra_mask", kv[2]) if len(kv) == 3 else None
-        Lk = k.shape[2]
+            k, v, extra = _checks.cache_kv(kv)  # everything stored, in position order
+        return self._attention(q, k, v, bias=bias, call_mask=call_mask, extra=extra, need_weights=need_weights)
+
+    def _scale(self) -> float:
+        return 1.0 / (math.sqrt(self.d_head) * self.temperature)
+
+    def _self_qkv(self, x: Tensor, cache, positions) -> tuple[Tensor, Tensor, Tensor, object]:
+        """Self-attention's ``q (B, Hq, L, d_head)``, new ``k``, ``v (B, Hkv, L, d_head)`` (normed, rotated at
+        their absolute positions) and the position bias (a score modifier or None)."""
+        if not self.self_capable:
+            raise ValueError(f"this MultiHeadAttention has kdim={self.kdim}, vdim={self.vdim} != "
+                             f"d_model={self.d_model}, so it only does cross attention: pass context")
+        pos, hi = self._absolute_positions(cache, positions, x)
+        q, k, v = self._project_self(x, pos)
+        if self.q_norm is not None:
+            q, k = self._qk_normed(self.q_norm, q), self._qk_normed(self.k_norm, k)
+        if pos is not None:
+            q, k = self.positions.rotate(q, pos, max_position=hi), self.positions.rotate(k, pos, max_position=hi)
+        bias = self.positions.score_mod() if self.positions is not None else None
+        return q, k, v, bias
+
+    def _absolute_positions(self, cache, positions, x: Tensor) -> tuple[Tensor | None, int | None]:
+        """The positions ``(L,)`` or ``(B, L)`` an absolute encoding reads, and the largest where it is known
+        without reading the tensor; ``(None, None)`` for relative encodings or none (given positions are still
+        checked)."""
+        B, L, _ = x.shape
+        absolute = self.positions is not None and self.positions.absolute
+        if positions is not None:
+            pos = _checks.positions_tensor("positions", positions, B, L, x.device)
+            return (pos, None) if absolute else (None, None)
+        if not absolute:
+            return None, None
+        offset = 0  # default: offset + arange(L), with the offset the tokens the cache holds
+        if cache is not None:
+            offset = getattr(cache, "seq_len", None)
+            if not isinstance(offset, int):
+                raise ValueError(f"{type(self.positions).__name__} needs absolute positions with a cache: pass "
+                                 f"positions=..., or give the cache an int attribute seq_len")
+        return torch.arange(offset, offset + L, device=x.device), offset + L - 1
+
+    def _cross_qkv(self, x: Tensor, context, cache) -> tuple[Tensor, Tensor, Tensor]:
+        """Cross attention's ``q (B, Hq, L, d_head)`` and the context's ``k``, ``v (B, Hkv, Lc, d_head)``;
+        zero-length ``k``, ``v`` once ``cache`` holds the context (``cache.seq_len > 0``)."""
+        if self.positions is not None:
+            raise ValueError("positions= applies to self-attention; this module was built with "
+                             f"{type(self.positions).__name__}: build the cross-attention module without it")
+        B = x.shape[0]
+        key_in, value_in = self._context_inputs(context, B)
+        q = self._project_query(x)
+        filled = 0
+        if cache is not None:
+            filled = getattr(cache, "seq_len", None)
+            if not isinstance(filled, int):
+                raise TypeError(f"a cross-attention cache needs an int attribute seq_len (0 until filled), "
+                                f"got {type(cache).__name__} without one")
+        if filled == 0:
+            k, v = self._project_context(key_in, value_in)
+        else:  # the cache holds the context's keys and values: nothing new to store
+            k = q.new_empty(B, self.n_kv_heads, 0, self.d_head)
+            v = q.new_empty(B, self.n_kv_heads, 0, self.d_head)
+        if self.q_norm is not None:
+            q = self._qk_normed(self.q_norm, q)
+            if k.shape[2]:
+                k = self._qk_normed(self.k_norm, k)
+        return q, k, v
+
+    def _attention(self, q: Tensor, k: Tensor, v: Tensor, *, bias, call_mask, extra, need_weights: bool):
+        """``q (B, Hq, L, d_head)`` over every key ``k, v (B, Hkv, Lk, d_head)`` under the layer's, the call's
+        and the cache's masks, through :meth:`_attend`: ``out (B, L, d_model)``, and the weights
+        ``(B, Hq, L, Lk)`` with ``need_weights``."""
+        B, _, L, _ = q.shape
+        layer_mask = self.mask
         if self._plain_causal and L == 1 and call_mask is None and extra is None:
             layer_mask = None  # one query at the last position sees every key: no mask to evaluate
-        _checks.check_mask_shape("mask", call_mask, B, self.n_heads, L, Lk)
+        _checks.check_mask_shape("mask", call_mask, B, self.n_heads, L, k.shape[2])
         m = _checks.combine(layer_mask, call_mask, extra)
         sk = {} if self.sinks is None else {"sinks": self.sinks}
+        scale, dropout_p = self._scale(), self.dropout if self.training else 0.0
         out = self._attend(q, k, v, mask=m, bias=bias, scale=scale, softcap=self.softcap, dropout_p=dropout_p, **sk)
         out = self._output(out)
         if need_weights:
-            w = attention_weights(q, k, v, mask=m, bias=bias, scale=scale, softcap=self.softcap, **sk)
-            return out, w
+            return out, attention_weights(q, k, v, mask=m, bias=bias, scale=scale, softcap=self.softcap, **sk)
         return out
 
     def _qk_normed(self, norm: nn.Module, t: Tensor) -> Tensor:

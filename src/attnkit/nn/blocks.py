@@ -1,18 +1,21 @@
-"""Transformer blocks and stacks: :class:`TransformerBlock`, :class:`Encoder`, :class:`Decoder`."""
+"""Transformer blocks and stacks: :class:`BlockConfig`, :class:`TransformerBlock`, :class:`Encoder`, :class:`Decoder`."""
 
 from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from .. import masks as _masks
 from . import _checks
-from .attention import MultiHeadAttention
+from .attention import AttentionConfig, MultiHeadAttention
 from .layers import FeedForward, _dropout, make_norm
 
 Tensor = torch.Tensor
 
-__all__ = ["TransformerBlock", "Encoder", "Decoder", "default_d_ff"]
+__all__ = ["TransformerBlock", "BlockConfig", "Encoder", "Decoder", "default_d_ff"]
 
 
 _FFNS = ("gelu", "swiglu", "geglu")
@@ -30,6 +33,56 @@ def default_d_ff(d_model: int, ffn: str) -> int:
     if ffn == "gelu":
         return 4 * d_model
     return -(-(8 * d_model // 3) // 64) * 64
+
+
+@dataclass(frozen=True)
+class BlockConfig:
+    """The options of a :class:`TransformerBlock`, as one object: its self-attention's
+    :class:`AttentionConfig` and the fields of the block around it.
+
+    Each field means what the :class:`TransformerBlock` keyword of the same name means; the attention's own
+    options (heads, biases of the projections, dropout on the probabilities, ``qk_norm`` and its eps and
+    offset, ``softcap``, ``temperature``, ``sinks``, ``backend``) live in ``attention``, whose ``d_model`` is
+    the block's.  The cross attention (``cross_attention=True``) uses ``attention`` with ``kdim=context_dim``
+    and no sinks.  Checked when a block is built, with the keywords' messages.  The parts given built,
+    ``positions``, ``mask`` and ``attn``, are passed beside the config: ``TransformerBlock.from_config(config,
+    positions=..., mask=..., attn=...)``.  :meth:`DecoderConfig.block_config` makes the one its layers share.
+
+    Example::
+
+        >>> from attnkit.nn import AttentionConfig, BlockConfig, TransformerBlock
+        >>> cfg = BlockConfig(AttentionConfig(32, 4, n_kv_heads=2), norm="rms", ffn="swiglu")
+        >>> block = TransformerBlock.from_config(cfg)
+        >>> block.config is cfg, block.attn.config is cfg.attention, block.ffn.d_ff
+        (True, True, 128)
+    """
+
+    attention: AttentionConfig  # the self-attention
+    d_ff: int | None = None  # hidden width of the feed-forward network; None = default_d_ff(d_model, ffn)
+    dropout: float = 0.0  # on every sub-layer's output before its residual add (training)
+    norm_first: bool = True  # Pre-LN; False = Post-LN
+    norm: str = "layer"  # "layer" (LayerNorm) or "rms" (RMSNorm)
+    norm_eps: float = 1e-5
+    norm_offset: float = 0.0  # what an RMSNorm's stored weight lacks (Gemma: 1.0)
+    ffn: str = "gelu"  # "gelu", "swiglu" or "geglu"
+    ffn_bias: bool = True  # biases in the feed-forward network
+    post_norms: bool = False  # a norm on each sub-layer's output before its residual add (Gemma 2)
+    pre_norms: bool = True  # False (with post_norms): only the sub-layers' outputs are normalised (OLMo 2)
+    residual_scale: float = 1.0  # sub-layer outputs times this before the residual add (Granite)
+    cross_attention: bool = False  # a cross-attention sub-layer between self-attention and feed-forward
+    context_dim: int | None = None  # width of the cross attention's context; None = d_model
+
+    @property
+    def d_model(self) -> int:
+        return self.attention.d_model
+
+    def replace(self, **changes) -> "BlockConfig":
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    def cross_attention_config(self) -> AttentionConfig:
+        """The cross attention's options: the self-attention's, over a ``context_dim``-wide context, no sinks."""
+        return self.attention.replace(kdim=self.context_dim, vdim=None, sinks=False)
 
 
 class TransformerBlock(nn.Module):
@@ -61,6 +114,9 @@ class TransformerBlock(nn.Module):
         sinks: a learned sink logit per head in the self-attention (:class:`MultiHeadAttention`).
         bias: default for ``qkv_bias`` (q/k/v projections), ``out_bias`` (attention output) and ``ffn_bias``.
 
+    The options besides ``positions``, ``mask`` and ``attn`` make a :class:`BlockConfig`, kept as ``config``;
+    :meth:`from_config` builds a block from one (as the stacks and :class:`DecoderLM` do).
+
     Submodules: ``attn_norm``, ``attn``, (``cross_norm``, ``cross_attn``), ``ffn_norm``, ``ffn``; with
     ``post_norms`` also ``attn_post_norm``, (``cross_post_norm``), ``ffn_post_norm``.
 
@@ -89,50 +145,73 @@ class TransformerBlock(nn.Module):
                  norm_offset: float = 0.0, pre_norms: bool = True, residual_scale: float = 1.0,
                  attn: nn.Module | None = None, sinks: bool = False):
         super().__init__()
-        _checks.choice("norm", norm, ("layer", "rms"))
-        _checks.choice("ffn", ffn, _FFNS)
-        norm_first, post_norms = _checks.flag("norm_first", norm_first), _checks.flag("post_norms", post_norms)
-        bias = _checks.flag("bias", bias)
-        qk_norm = qk_norm if isinstance(qk_norm, str) else _checks.flag("qk_norm", qk_norm)  # or a named layout
-        cross_attention = _checks.flag("cross_attention", cross_attention)
-        if post_norms and not norm_first:
-            raise ValueError("post_norms=True needs norm_first=True (Pre-LN): a Post-LN block already normalises "
-                             "after every residual add")
-        d_ff = default_d_ff(d_model, ffn) if d_ff is None else _checks.positive_int("d_ff", d_ff)
+        bias = _checks.flag("bias", bias)  # the default of the three biases below
         qkv_bias = bias if qkv_bias is None else _checks.flag("qkv_bias", qkv_bias)
         out_bias = bias if out_bias is None else _checks.flag("out_bias", out_bias)
         ffn_bias = bias if ffn_bias is None else _checks.flag("ffn_bias", ffn_bias)
-        self.norm_first = bool(norm_first)
         attn_p = dropout if attention_dropout is None else _checks.probability("attention_dropout", attention_dropout)
-        if not pre_norms and not post_norms:
+        attention = AttentionConfig(d_model, n_heads, n_kv_heads, d_head, bias=qkv_bias, out_bias=out_bias,
+                                    dropout=attn_p, qk_norm=qk_norm, qk_norm_eps=norm_eps, qk_norm_offset=norm_offset,
+                                    softcap=softcap, temperature=temperature, sinks=sinks, backend=backend)
+        config = BlockConfig(attention, d_ff, dropout=dropout, norm_first=norm_first, norm=norm, norm_eps=norm_eps,
+                             norm_offset=norm_offset, ffn=ffn, ffn_bias=ffn_bias, post_norms=post_norms,
+                             pre_norms=pre_norms, residual_scale=residual_scale, cross_attention=cross_attention,
+                             context_dim=context_dim)
+        self._build(config, positions, mask, attn)
+
+    @classmethod
+    def from_config(cls, config: BlockConfig, *, positions=None, mask=None,
+                    attn: nn.Module | None = None) -> "TransformerBlock":
+        """The block a :class:`BlockConfig` describes, with its built parts: ``positions`` and ``mask`` (of the
+        self-attention) or ``attn`` (a built self-attention module instead); ``block.config`` is the config.
+        See :class:`BlockConfig` for an example."""
+        if not isinstance(config, BlockConfig):
+            raise TypeError(f"from_config takes an attnkit.nn.BlockConfig, got {type(config).__name__}: for "
+                            f"separate options call TransformerBlock(d_model, n_heads, ...)")
+        block = cls.__new__(cls)
+        nn.Module.__init__(block)
+        block._build(config, positions, mask, attn)
+        return block
+
+    def _build(self, cfg: BlockConfig, positions, mask, attn: nn.Module | None) -> None:
+        """Checks ``cfg`` (the keywords' messages), then makes the norms, the attention and the feed-forward."""
+        _checks.choice("norm", cfg.norm, ("layer", "rms"))
+        _checks.choice("ffn", cfg.ffn, _FFNS)
+        norm_first, post_norms = _checks.flag("norm_first", cfg.norm_first), _checks.flag("post_norms", cfg.post_norms)
+        cross_attention = _checks.flag("cross_attention", cfg.cross_attention)
+        if post_norms and not norm_first:
+            raise ValueError("post_norms=True needs norm_first=True (Pre-LN): a Post-LN block already normalises "
+                             "after every residual add")
+        d_model = cfg.d_model
+        d_ff = default_d_ff(d_model, cfg.ffn) if cfg.d_ff is None else _checks.positive_int("d_ff", cfg.d_ff)
+        if not cfg.pre_norms and not post_norms:
             raise ValueError("pre_norms=False needs post_norms=True (OLMo 2 normalises only the sub-layers' outputs)")
-        self.residual_scale = _checks.positive_float("residual_scale", residual_scale)
-        attn_kw = dict(n_kv_heads=n_kv_heads, d_head=d_head, bias=qkv_bias, out_bias=out_bias, dropout=attn_p,
-                       qk_norm=qk_norm, softcap=softcap, temperature=temperature, backend=backend,
-                       qk_norm_eps=norm_eps, qk_norm_offset=norm_offset)
-        self.attn_norm = make_norm(norm, d_model, norm_eps, norm_offset) if pre_norms else nn.Identity()
-        if attn is not None and not isinstance(attn, nn.Module):
-            raise TypeError(f"attn must be None or a built self-attention module (e.g. LatentAttention), got "
-                            f"{type(attn).__name__}")
-        sinks = _checks.flag("sinks", sinks)
-        if attn is not None and sinks:
-            raise ValueError("sinks=True configures the MultiHeadAttention this block builds; a built attn module "
-                             "brings its own options: pass sinks=False (or build attn with sinks)")
-        self.attn = attn if attn is not None else MultiHeadAttention(d_model, n_heads, positions=positions, mask=mask,
-                                                                     sinks=sinks, **attn_kw)
-        self.cross_attention = bool(cross_attention)
-        if self.cross_attention:
-            self.cross_norm = make_norm(norm, d_model, norm_eps, norm_offset)
-            self.cross_attn = MultiHeadAttention(d_model, n_heads, kdim=context_dim, **attn_kw)
-        self.ffn_norm = make_norm(norm, d_model, norm_eps, norm_offset) if pre_norms else nn.Identity()
-        self.ffn = FeedForward(d_model, d_ff, ffn, bias=ffn_bias)
-        self.post_norms = bool(post_norms)
-        if self.post_norms:
-            self.attn_post_norm = make_norm(norm, d_model, norm_eps, norm_offset)
-            if self.cross_attention:
-                self.cross_post_norm = make_norm(norm, d_model, norm_eps, norm_offset)
-            self.ffn_post_norm = make_norm(norm, d_model, norm_eps, norm_offset)
-        self.dropout = _dropout(dropout)
+        if not isinstance(cfg.attention.qk_norm, str):  # (a named layout is checked by the attention)
+            _checks.flag("qk_norm", cfg.attention.qk_norm)
+        if cfg.attention.batch_first is not True:
+            raise ValueError("a TransformerBlock is batch-first: build it with attention.batch_first=True")
+        self.config, self.norm_first = cfg, norm_first
+        self.residual_scale = _checks.positive_float("residual_scale", cfg.residual_scale)
+
+        def norm() -> nn.Module:
+            return make_norm(cfg.norm, d_model, cfg.norm_eps, cfg.norm_offset)
+
+        self.attn_norm = norm() if cfg.pre_norms else nn.Identity()
+        self.attn = _self_attention(cfg.attention, positions, mask, attn)
+        self.cross_attention = cross_attention
+        if cross_attention:
+            self.cross_norm = norm()
+            self.cross_attn = MultiHeadAttention.from_config(cfg.cross_attention_config())
+        self.ffn_norm = norm() if cfg.pre_norms else nn.Identity()
+        self.ffn = FeedForward(d_model, d_ff, cfg.ffn, bias=_checks.flag("ffn_bias", cfg.ffn_bias))
+        self.post_norms = post_norms
+        if post_norms:
+            self.attn_post_norm = norm()
+            if cross_attention:
+                self.cross_post_norm = norm()
+            self.ffn_post_norm = norm()
+        self.dropout = _dropout(cfg.dropout)
+
 
     def forward(self, x: Tensor, context=None, *, mask=None, context_mask=None, cache=None, cross_cache=None,
                 positions=None) -> Tensor:
@@ -164,6 +243,17 @@ class TransformerBlock(nn.Module):
         return self.dropout(t) * self.residual_scale
 
 
+def _self_attention(config: AttentionConfig, positions, mask, attn: nn.Module | None) -> nn.Module:
+    """``attn`` (a built self-attention module), or the :class:`MultiHeadAttention` ``config`` describes."""
+    if attn is not None and not isinstance(attn, nn.Module):
+        raise TypeError(f"attn must be None or a built self-attention module (e.g. LatentAttention), got "
+                        f"{type(attn).__name__}")
+    if attn is not None and _checks.flag("sinks", config.sinks):
+        raise ValueError("sinks=True configures the MultiHeadAttention this block builds; a built attn module "
+                         "brings its own options: pass sinks=False (or build attn with sinks)")
+    return attn if attn is not None else MultiHeadAttention.from_config(config, positions=positions, mask=mask)
+
+
 def _layer_caches(cache, name: str, n: int):
     if cache is None:
         return [None] * n
@@ -191,17 +281,38 @@ def _cache_positions(cache, batch: int, length: int, device, positions) -> Tenso
 
 class _Stack(nn.Module):
     def _build(self, d_model, n_layers, n_heads, causal, cross, block_options):
+        """From the stack's keyword options: the first block checks them, the config it kept builds the others."""
         _checks.positive_int("n_layers", n_layers)
         opts = dict(block_options)
-        user_mask = (_checks.causal_model_mask if causal else _checks.as_mask)("mask", opts.pop("mask", None))
-        mask = _masks.causal() & user_mask if causal and user_mask is not None else (
-            _masks.causal() if causal else user_mask)
-        self.layers = nn.ModuleList(
-            TransformerBlock(d_model, n_heads, mask=mask, cross_attention=cross, **opts) for _ in range(n_layers))
-        norm_first = opts.get("norm_first", True)
-        self.norm = make_norm(opts.get("norm", "layer"), d_model, opts.get("norm_eps", 1e-5),
-                              opts.get("norm_offset", 0.0)) if norm_first else None
-        self.d_model = d_model
+        mask = self._mask(causal, opts.pop("mask", None))
+        first = TransformerBlock(d_model, n_heads, mask=mask, cross_attention=cross, **opts)
+        self._build_layers(first.config, n_layers, positions=opts.get("positions"), mask=mask,
+                           attn=opts.get("attn"), first=first)
+
+    @classmethod
+    def _from_config(cls, config: BlockConfig, n_layers: int, *, causal: bool, positions, mask):
+        """A stack of ``n_layers`` blocks built from ``config`` (``mask`` AND-ed with causal when ``causal``)."""
+        stack = cls.__new__(cls)
+        nn.Module.__init__(stack)
+        stack._build_layers(config, n_layers, positions=positions, mask=stack._mask(causal, mask))
+        return stack
+
+    @staticmethod
+    def _mask(causal: bool, mask) -> _masks.Mask | None:
+        user_mask = (_checks.causal_model_mask if causal else _checks.as_mask)("mask", mask)
+        if not causal:
+            return user_mask
+        return _masks.causal() & user_mask if user_mask is not None else _masks.causal()
+
+    def _build_layers(self, config: BlockConfig, n_layers: int, *, positions, mask, attn=None, first=None) -> None:
+        layers = [] if first is None else [first]
+        layers += [TransformerBlock.from_config(config, positions=positions, mask=mask, attn=attn)
+                   for _ in range(n_layers - len(layers))]
+        self.layers = nn.ModuleList(layers)
+        self.cross_attention = bool(config.cross_attention)
+        self.norm = make_norm(config.norm, config.d_model, config.norm_eps, config.norm_offset) if config.norm_first \
+            else None
+        self.d_model = config.d_model
 
     def _shared_rotary(self, pos: Tensor, hi: int | None) -> _SharedRotary:
         from .positions import RotaryEmbedding

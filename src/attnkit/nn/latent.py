@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from . import _checks
-from .attention import _Attends, _is_bottom_right_causal
+from .attention import _Attends, _is_bottom_right_causal, _update_cache
 from .layers import Linear, RMSNorm
 from .positions import RotaryEmbedding
 
@@ -153,42 +153,22 @@ class LatentAttention(_Attends):
 
     def forward(self, x: Tensor, *, mask=None, cache=None, positions=None) -> Tensor:
         _checks.features("x", x, self.d_model, what=f"(B, L, d_model={self.d_model})")
-        w = self.out_proj.weight if type(self.out_proj) in (Linear, nn.Linear) else None  # (a subclass may cast)
-        if w is not None and x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
-            raise TypeError(f"x has dtype {x.dtype} but this module's weights are {w.dtype}: convert one to the "
-                            f"other (module.to({x.dtype}) or x.to({w.dtype})), or run under torch.autocast")
+        self._check_dtype(x)
         B, L, _ = x.shape
         call_mask = _checks.as_mask("mask", mask)
         q_nope, q_rope = self._queries(x)
         c, k_rope = self._latent(x)
         if self.positions is not None:
-            if positions is None:  # offset + arange(L), the offset the tokens the cache holds
-                stored = 0 if cache is None else getattr(cache, "seq_len", None)
-                if isinstance(stored, bool) or not isinstance(stored, int):
-                    raise ValueError(f"LatentAttention needs absolute positions with a cache: pass positions=..., "
-                                     f"or give the cache an int attribute seq_len (got {type(cache).__name__})")
-                pos, hi = torch.arange(stored, stored + L, device=x.device), stored + L - 1
-            else:
-                pos, hi = _checks.positions_tensor("positions", positions, B, L, x.device), None
+            pos, hi = self._absolute_positions(cache, positions, x)
             q_rope = self.positions.rotate(q_rope, pos, max_position=hi)
             k_rope = self.positions.rotate(k_rope, pos, max_position=hi)
         latent = torch.cat((c, k_rope), dim=-1)  # (B, 1, L, r + dr): what a cache stores
-        extra = None
-        if cache is None:
-            kv = latent
-        else:
-            peek = getattr(cache, "peek", None)
-            if callable(peek):  # check the call before the cache stores anything
-                lk_next, _ = peek(L)
-                if lk_next is not None:
-                    _checks.check_mask_shape("mask", call_mask, B, self.n_heads, L, lk_next)
-            kv = cache.update(latent, latent.new_empty(B, 1, L, 0))
+        kv, extra = latent, None
+        if cache is not None:  # the latent is stored as a key, with a zero-width value
+            kv = _update_cache(cache, latent, latent.new_empty(B, 1, L, 0), call_mask=call_mask, heads=self.n_heads,
+                               q_len=L)
             if not hasattr(kv, "attend"):
-                if not isinstance(kv, (tuple, list)) or len(kv) not in (2, 3):
-                    raise TypeError(f"cache.update must return (k, v), (k, v, extra_mask) or an object with "
-                                    f"attend(), got {type(kv).__name__}")
-                extra = _checks.as_mask("the cache's extra_mask", kv[2]) if len(kv) == 3 else None
-                kv = kv[0]  # (B, 1, Lk, r + dr)
+                kv, _, extra = _checks.cache_kv(kv)  # kv: (B, 1, Lk, r + dr)
         layer_mask = self.mask
         if L == 1 and call_mask is None and extra is None and _is_bottom_right_causal(layer_mask):
             layer_mask = None  # one query at the last position sees every key: no mask to evaluate
@@ -199,6 +179,18 @@ class LatentAttention(_Attends):
         else:
             out = self._absorbed(q_nope, q_rope, kv, m, dropout_p)
         return self.out_proj(out.transpose(1, 2).reshape(B, L, self.n_heads * self.v_head_dim))  # (B, L, d_model)
+
+    def _absolute_positions(self, cache, positions, x: Tensor) -> tuple[Tensor, int | None]:
+        """Given positions, or ``offset + arange(L)`` with the offset the tokens the cache holds (and the largest,
+        known without reading the tensor)."""
+        B, L, _ = x.shape
+        if positions is not None:
+            return _checks.positions_tensor("positions", positions, B, L, x.device), None
+        stored = 0 if cache is None else getattr(cache, "seq_len", None)
+        if isinstance(stored, bool) or not isinstance(stored, int):
+            raise ValueError(f"LatentAttention needs absolute positions with a cache: pass positions=..., "
+                             f"or give the cache an int attribute seq_len (got {type(cache).__name__})")
+        return torch.arange(stored, stored + L, device=x.device), stored + L - 1
 
     def _expanded(self, q_nope: Tensor, q_rope: Tensor, latent: Tensor, mask, dropout_p: float) -> Tensor:
         """Ordinary attention: per-head keys ``[k_nope; k_rope]`` and values from the latents ``(B, 1, Lk, r+dr)``."""

@@ -10,7 +10,8 @@ import torch.nn as nn
 
 from .. import masks as _masks
 from . import _checks
-from .blocks import Decoder, Encoder, TransformerBlock, _cache_positions, _layer_caches, default_d_ff
+from .attention import AttentionConfig
+from .blocks import BlockConfig, Decoder, Encoder, TransformerBlock, _cache_positions, _layer_caches, default_d_ff
 from .latent import LatentAttention
 from .layers import Linear, _dropout, linear, make_norm
 from .positions import ALiBi, PositionEncoding, RotaryEmbedding, SinusoidalPositions, T5RelativeBias, _parse_scaling
@@ -117,6 +118,12 @@ class DecoderConfig:
     }
 
     def __post_init__(self):
+        self._check_values()
+        self._check_combinations()
+        self._check_masks_and_positions()
+
+    def _check_values(self) -> None:
+        """Each field alone (flags become bools)."""
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "t5_max_distance"):
             _checks.positive_int(name, getattr(self, name))
         for name in ("rope_interleaved", "norm_first", "qkv_bias", "out_bias", "ffn_bias", "post_norms",
@@ -134,12 +141,18 @@ class DecoderConfig:
         _parse_scaling(self.rope_scaling, self.rope_theta)  # errors at configuration time, not when building
         _checks.positive_float("norm_eps", self.norm_eps)
         self.norm_offset = _checks.finite_float("norm_offset", self.norm_offset)
-        if self.norm_offset and self.norm != "rms":
-            raise ValueError(f"norm_offset={self.norm_offset!r} applies to RMSNorm only: use norm='rms' or "
-                             f"norm_offset=0.0")
         for name in ("softcap", "attn_scale", "embed_scale", "logit_softcap", "logit_divisor", "rope_local_theta"):
             _checks.positive_float(name, getattr(self, name), allow_none=True)
         _checks.positive_float("residual_scale", self.residual_scale)
+        _checks.positive_float("init_std", self.init_std)
+        _checks.probability("dropout", self.dropout)
+        _checks.probability("attention_dropout", self.attention_dropout)
+
+    def _check_combinations(self) -> None:
+        """Fields that constrain each other."""
+        if self.norm_offset and self.norm != "rms":
+            raise ValueError(f"norm_offset={self.norm_offset!r} applies to RMSNorm only: use norm='rms' or "
+                             f"norm_offset=0.0")
         if not self.pre_norms and not self.post_norms:
             raise ValueError("pre_norms=False needs post_norms=True (OLMo 2 normalises only the sub-layers' outputs)")
         if self.qk_norm not in (False, True, "head", "all"):
@@ -156,9 +169,8 @@ class DecoderConfig:
         if self.post_norms and not self.norm_first:
             raise ValueError("post_norms=True needs norm_first=True (Pre-LN): a Post-LN block already normalises "
                              "after every residual add")
-        _checks.positive_float("init_std", self.init_std)
-        _checks.probability("dropout", self.dropout)
-        _checks.probability("attention_dropout", self.attention_dropout)
+
+    def _check_masks_and_positions(self) -> None:
         if self.positions == "t5":  # the bucket layout's errors at configuration time, not when building
             for bidirectional in (False, True):
                 try:
@@ -254,6 +266,31 @@ class DecoderConfig:
     def ff_dim(self) -> int:
         return self.d_ff if self.d_ff is not None else default_d_ff(self.d_model, self.ffn)
 
+    def block_config(self) -> BlockConfig:
+        """What every layer is built from (:meth:`TransformerBlock.from_config`), besides its positions and
+        mask: the layers' :class:`BlockConfig` with the self-attention's :class:`AttentionConfig`.
+
+        ``attn_scale`` becomes the attention's ``temperature`` (the scale is ``1 / (sqrt(d_head) *
+        temperature)``); the q/k norms take ``norm_eps`` and ``norm_offset``.  A latent-attention model
+        (``kv_lora_rank``) gives its layers a built :class:`LatentAttention` instead of ``attention``.
+
+        Example::
+
+            >>> cfg = DecoderConfig.preset("tiny", n_kv_heads=2, attn_scale=0.25)
+            >>> block = cfg.block_config()
+            >>> block.norm, block.ffn, block.d_ff, block.attention.n_kv_heads, block.attention.temperature
+            ('rms', 'swiglu', 192, 2, 1.0)
+        """
+        temperature = 1.0 if self.attn_scale is None else 1.0 / (self.attn_scale * math.sqrt(self.head_dim))
+        attention = AttentionConfig(self.d_model, self.n_heads, self.n_kv_heads, self.d_head, bias=self.qkv_bias,
+                                    out_bias=self.out_bias, dropout=self.attention_dropout, qk_norm=self.qk_norm,
+                                    qk_norm_eps=self.norm_eps, qk_norm_offset=self.norm_offset,
+                                    softcap=self.softcap, temperature=temperature, sinks=self.attention_sinks,
+                                    backend=self.backend)
+        return BlockConfig(attention, self.ff_dim, dropout=self.dropout, norm_first=self.norm_first, norm=self.norm,
+                           norm_eps=self.norm_eps, norm_offset=self.norm_offset, ffn=self.ffn, ffn_bias=self.ffn_bias,
+                           post_norms=self.post_norms, pre_norms=self.pre_norms, residual_scale=self.residual_scale)
+
 
 def _check_layer_masks(value, n_layers: int) -> tuple[_masks.Mask | None, ...] | None:
     """``layer_masks`` as a tuple of ``n_layers`` Masks or Nones (bool tensors become Masks)."""
@@ -293,16 +330,6 @@ def _make_positions(cfg: DecoderConfig, *, bidirectional: bool) -> PositionEncod
     if cfg.positions == "t5":
         return T5RelativeBias(cfg.n_heads, cfg.t5_num_buckets, cfg.t5_max_distance, bidirectional=bidirectional)
     return None
-
-
-def _block_options(cfg: DecoderConfig, positions) -> dict:
-    return dict(n_kv_heads=cfg.n_kv_heads, d_head=cfg.d_head, d_ff=cfg.ff_dim, dropout=cfg.dropout,
-                attention_dropout=cfg.attention_dropout, norm_first=cfg.norm_first, norm=cfg.norm,
-                norm_eps=cfg.norm_eps, norm_offset=cfg.norm_offset, ffn=cfg.ffn, positions=positions,
-                qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias, ffn_bias=cfg.ffn_bias, qk_norm=cfg.qk_norm,
-                softcap=cfg.softcap, backend=cfg.backend, post_norms=cfg.post_norms, pre_norms=cfg.pre_norms,
-                residual_scale=cfg.residual_scale, sinks=cfg.attention_sinks,
-                temperature=1.0 if cfg.attn_scale is None else 1.0 / (cfg.attn_scale * math.sqrt(cfg.head_dim)))
 
 
 class _LMBase(nn.Module):
@@ -444,10 +471,10 @@ class DecoderLM(_LMBase):
         if cfg.rope_local_theta is not None:
             self.local_positions = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, base=cfg.rope_local_theta,
                                                    interleaved=cfg.rope_interleaved)
-        opts = _block_options(cfg, self.positions)
+        block = cfg.block_config()
         self.layers = nn.ModuleList(
-            TransformerBlock(cfg.d_model, cfg.n_heads, mask=_checks.combine(_masks.causal(), cfg.layer_mask(i)),
-                             **{**opts, "positions": self._layer_positions(i)}, attn=self._latent_attention(i))
+            TransformerBlock.from_config(block, positions=self._layer_positions(i), mask=self._layer_mask(i),
+                                         attn=self._latent_attention(i))
             for i in range(cfg.n_layers))
         self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_offset) if cfg.norm_first else None
         self._init_weights(cfg.n_layers)
@@ -459,9 +486,12 @@ class DecoderLM(_LMBase):
         return LatentAttention(cfg.d_model, cfg.n_heads, kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank,
                                qk_rope_head_dim=cfg.qk_rope_head_dim, qk_nope_head_dim=cfg.head_dim,
                                v_head_dim=cfg.v_head_dim or cfg.head_dim, positions=self._layer_positions(i),
-                               mask=_checks.combine(_masks.causal(), cfg.layer_mask(i)), scale=cfg.attn_scale,
+                               mask=self._layer_mask(i), scale=cfg.attn_scale,
                                bias=cfg.qkv_bias, out_bias=cfg.out_bias, dropout=cfg.attention_dropout,
                                backend=cfg.backend)
+
+    def _layer_mask(self, i: int) -> _masks.Mask:
+        return _checks.combine(_masks.causal(), self.config.layer_mask(i))
 
     def _layer_positions(self, i: int) -> PositionEncoding | None:
         cfg = self.config
@@ -547,9 +577,10 @@ class EncoderDecoder(_LMBase):
         self.encoder_positions = _make_positions(cfg, bidirectional=True)
         self.decoder_positions = (self.encoder_positions if cfg.positions in ("rope", "alibi")
                                   else _make_positions(cfg, bidirectional=False))
-        self.encoder = Encoder(cfg.d_model, n_enc, cfg.n_heads, **_block_options(cfg, self.encoder_positions))
-        self.decoder = Decoder(cfg.d_model, cfg.n_layers, cfg.n_heads, cross_attention=True, mask=cfg.mask,
-                               **_block_options(cfg, self.decoder_positions))
+        block = cfg.block_config()
+        self.encoder = Encoder._from_config(block, n_enc, causal=False, positions=self.encoder_positions, mask=None)
+        self.decoder = Decoder._from_config(block.replace(cross_attention=True), cfg.n_layers, causal=True,
+                                            positions=self.decoder_positions, mask=cfg.mask)
         self._init_weights(cfg.n_layers + n_enc)
 
     def encode(self, src: Tensor, *, src_mask=None) -> Tensor:
