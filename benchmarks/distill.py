@@ -57,8 +57,9 @@ def evaluate(model, batch: TaskBatch) -> float:
     return acc
 
 
-def train_teacher(seed: int, max_steps: int, held_out: TaskBatch) -> tuple[DecoderLM, int]:
-    """The demo's recipe: copying (10 distinct symbols) until 95% held-out copy accuracy, then recall until 98%."""
+def train_teacher(seed: int, max_steps: int, held_out: TaskBatch, goal: float = 0.98) -> tuple[DecoderLM, int]:
+    """The demo's recipe: copying (10 distinct symbols) until 95% held-out copy accuracy, then recall until
+    ``goal`` held-out accuracy (or ``max_steps``)."""
     model = recall_model(64, seed)
     g = torch.Generator().manual_seed(seed + 1)
     copy_check = copy_task(256, length=10, n_symbols=32, distinct=True, generator=torch.Generator().manual_seed(9))
@@ -76,7 +77,7 @@ def train_teacher(seed: int, max_steps: int, held_out: TaskBatch) -> tuple[Decod
             if evaluate(model, copy_check) >= 0.95 or step + 1 >= 400:
                 state["phase"] = "recall"
             return False
-        return evaluate(model, held_out) >= 0.98
+        return evaluate(model, held_out) >= goal
 
     losses = train_lm(model, make_batch, steps=max_steps, lr=5e-3, on_step=on_step)
     return model.eval(), len(losses)
@@ -114,7 +115,8 @@ def smaller_student(teacher, steps: int, eval_every: int, held_out: TaskBatch, s
                 params_student=sum(p.numel() for p in base.parameters()))
 
 
-def dense_to_sparse(teacher, finetune_steps: int, steps: int, test: TaskBatch, seed: int, long_len: int) -> dict:
+def dense_to_sparse(teacher, finetune_steps: int, steps: int, test: TaskBatch, seed: int, long_len: int,
+                    budget_s: float) -> dict:
     dense = copy.deepcopy(teacher).train()
     g = torch.Generator().manual_seed(seed + 2000)
     train_lm(dense, lambda step: episodes(32, 4, g), steps=finetune_steps, lr=2e-3, warmup=10)
@@ -130,7 +132,7 @@ def dense_to_sparse(teacher, finetune_steps: int, steps: int, test: TaskBatch, s
     for length in (test.ids.shape[1], long_len):
         ids = torch.randint(0, VOCAB, (1 if length > 256 else 32, length), generator=torch.Generator().manual_seed(0))
         with torch.inference_mode():
-            t = timeit({"teacher": lambda: dense(ids), "student": lambda: student(ids)}, repeat=7, budget_s=20)
+            t = timeit({"teacher": lambda: dense(ids), "student": lambda: student(ids)}, repeat=7, budget_s=budget_s)
         times[length] = t
     return dict(teacher=evaluate(dense, test), before=before, after=after, window=window + 1,
                 keys=test.ids.shape[1], times=times, report=report)
@@ -145,12 +147,13 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     q = args.quick
-    steps, eval_every = (200, 25) if q else (400, 25)
-    n_test = 256 if q else 1024
+    # --quick: a check that every part runs, in about 20 s; the targets are judged on the full run
+    steps, eval_every = (60, 20) if q else (400, 25)
+    n_test = 128 if q else 1024
     seed = args.seed
     started = time.perf_counter()
     held_out = associative_recall(n_test, **TASK, generator=torch.Generator().manual_seed(seed + 2))
-    teacher, teacher_steps = train_teacher(seed, 3000, held_out)
+    teacher, teacher_steps = train_teacher(seed, 600 if q else 3000, held_out, goal=0.9 if q else 0.98)
     t_acc = evaluate(teacher, held_out)
     print(f"teacher: {teacher_steps} training steps, held-out recall accuracy {t_acc:.1%}", flush=True)
 
@@ -170,8 +173,8 @@ def main() -> None:
           f"from scratch", flush=True)
 
     test80 = episodes(n_test // 4, 4, torch.Generator().manual_seed(seed + 5))
-    long_len = 1024 if q else 4096
-    sp = dense_to_sparse(teacher, 100 if q else 200, 100 if q else 200, test80, seed, long_len)
+    long_len = 512 if q else 4096
+    sp = dense_to_sparse(teacher, 30 if q else 200, 30 if q else 200, test80, seed, long_len, 3 if q else 20)
     ok2 = sp["after"] >= 0.95 * sp["teacher"]
     print(f"\n2. dense to sparse: 4 recall episodes back to back ({sp['keys']} tokens), sliding window of "
           f"{sp['window']} keys ({sp['window'] / sp['keys']:.0%})")
