@@ -508,13 +508,9 @@ class _Plan:
 
     def gather(self, pool: Tensor) -> tuple[Tensor, Tensor | None]:
         """Every stored position of each sequence, right-aligned: ``(B, Hkv, max_len, D)`` and the padding mask."""
-        _, H, bs, D = pool.shape
-        rows = []
-        for runs, n in zip(self.runs, self.lens):
-            views = [pool[a:a + m].transpose(0, 1).reshape(H, m * bs, D) for a, m in runs]  # (Hkv, m*bs, D)
-            if not views:  # a sequence with nothing stored yet
-                views = [pool.new_zeros(H, 0, D)]
-            rows.append((views[0] if len(views) == 1 else torch.cat(views, dim=1))[:, :n])
+        _, H, _, D = pool.shape
+        # (Hkv, n, D) per sequence: a view of one run of blocks; a sequence with nothing stored yet is empty
+        rows = [seq_view(pool, runs, n) if runs else pool.new_zeros(H, 0, D) for runs, n in zip(self.runs, self.lens)]
         if len(rows) == 1:
             return rows[0][None], None
         L = max(self.lens)
