@@ -41,7 +41,7 @@ def _alone(model, reqs):
 
 
 def test_engine_equals_one_by_one_under_preemption(model, monkeypatch):
-    from attnkit.cache import paged
+    from attnkit.backends import paged
     pool_steps = []
     real = paged._attend_pool
     monkeypatch.setattr(paged, "_attend_pool", lambda q, *a, **k: pool_steps.append(q.shape[0]) or real(q, *a, **k))

@@ -171,7 +171,7 @@ def test_pool_decode_equals_the_gathered_oracle(data, layout, hkv, group, softca
 def test_pool_decode_takes_position_only_modifiers(monkeypatch, mods):
     """Every built-in mask and bias that reads only positions runs on the pool path (scattered blocks, a
     shared prefix block, grouped heads) and equals the gathered oracle."""
-    from attnkit.cache import paged as P
+    from attnkit.backends import paged as P
     calls = []
     real = P._attend_pool
     monkeypatch.setattr(P, "_attend_pool", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -193,7 +193,7 @@ def test_pool_decode_takes_position_only_modifiers(monkeypatch, mods):
 def test_pool_decode_numerical_rule_in_low_precision(monkeypatch, dtype):
     """In float32 and half types the pool decode's error against the float64 oracle is at most twice the naive
     formula's in the same dtype (scores and softmax run in float32)."""
-    from attnkit.cache import paged as P
+    from attnkit.backends import paged as P
     from attnkit.testing import _max_err, reference
     calls = []
     real = P._attend_pool

@@ -90,6 +90,11 @@ def sink_grad(out: Tensor, lse: Tensor, dout: Tensor | None, dlse: Tensor | None
     return (p * g).sum(-1).to(sinks.dtype)
 
 
+def grouped_heads(kv_heads: int, group: int, device) -> Tensor:
+    """Query head numbers ``(Hkv, G)``: query head ``hkv * G + g`` shares key/value head ``hkv``."""
+    return torch.arange(kv_heads * group, device=device).view(kv_heads, group)
+
+
 def grouped_index(call: Call, q_rows: Tensor, k_cols: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Index tensors that broadcast over the grouped score layout (B, Hkv, G, rows, cols).
 
@@ -97,7 +102,7 @@ def grouped_index(call: Call, q_rows: Tensor, k_cols: Tensor) -> tuple[Tensor, T
     """
     dev = call.q.device
     b = torch.arange(call.batch, device=dev).view(-1, 1, 1, 1, 1)
-    h = torch.arange(call.heads, device=dev).view(1, call.kv_heads, call.group, 1, 1)
+    h = grouped_heads(call.kv_heads, call.group, dev).view(1, call.kv_heads, call.group, 1, 1)
     return b, h, q_rows.view(1, 1, 1, -1, 1), k_cols.view(1, 1, 1, 1, -1)
 
 
@@ -129,16 +134,39 @@ def modify_scores(s: Tensor, call: Call, b: Tensor, h: Tensor, q: Tensor, k: Ten
     ``q``/``k`` are the block's query rows / keys as broadcastable index tensors; ``bias_block`` is the
     matching slice of a tensor bias (the caller slices it).
     """
-    if call.softcap is not None:
-        s = call.softcap * torch.tanh(s / call.softcap)
-    if isinstance(call.bias, ScoreMod):
-        s = call.bias.apply(s, b, h, q, k, call.q_len, call.kv_len)
+    return score_pipeline(s, b, h, q, k, call.q_len, call.kv_len, softcap=call.softcap, bias=call.bias,
+                          mask=call.mask if apply_mask else None, bias_block=bias_block)
+
+
+def score_pipeline(s: Tensor, b: Tensor, h: Tensor, q: Tensor, k: Tensor, q_len: int, kv_len: int, *,
+                   softcap: float | None, bias, mask, bias_block: Tensor | None = None,
+                   mask_block: Tensor | None = None) -> Tensor:
+    """softcap, then bias, then mask, on scaled scores ``s``: the one order every backend follows.
+
+    ``b``, ``h``, ``q``, ``k`` are index tensors broadcastable to ``s`` (batch row, query head, query row,
+    key); ``q_len``/``kv_len`` are the lengths a mask or modifier aligns them with (bottom-right: query
+    ``i`` sits at position ``i + kv_len - q_len``).  ``bias`` and ``mask`` are a score modifier and a
+    :class:`Mask` (or None); a tensor bias or bool mask enters already sliced to ``s`` as ``bias_block`` /
+    ``mask_block`` (True = may attend).  A hidden score is ``-inf``.
+    """
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if isinstance(bias, ScoreMod):
+        s = bias.apply(s, b, h, q, k, q_len, kv_len)
     elif bias_block is not None:
         s = s + bias_block.to(s.dtype)
-    if apply_mask and call.mask is not None:
-        allowed = call.mask.evaluate(b, h, q, k, call.q_len, call.kv_len)
+    if mask is not None:
+        allowed = mask.evaluate(b, h, q, k, q_len, kv_len)
         s = s.masked_fill(~allowed, float("-inf"))
+    if mask_block is not None:
+        s = s.masked_fill(~mask_block, float("-inf"))
     return s
+
+
+def with_sinks(s: Tensor, sinks: Tensor) -> Tensor:
+    """Scores ``s (..., L)`` with one more column: the sink logits (broadcastable to ``(..., 1)``), whose
+    value is zero, so each row's softmax denominator counts them.  Drop the column after the softmax."""
+    return torch.cat([s, sinks.to(s.dtype).expand(*s.shape[:-1], 1)], dim=-1)
 
 
 # ------------------------------------------------------------------ what a mask or modifier reads

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..softmax import logsumexp, stable_softmax
-from ._common import Call, accumulation_dtype, grouped_bias, grouped_index, modify_scores, zero_unseen
+from ._common import Call, accumulation_dtype, grouped_bias, grouped_index, modify_scores, with_sinks, zero_unseen
 
 Tensor = torch.Tensor
 
@@ -46,8 +46,7 @@ def _probabilities(call: Call) -> tuple[Tensor, Tensor, Tensor]:
     bias = grouped_bias(call.bias, call) if isinstance(call.bias, Tensor) else None
     s = modify_scores(s, call, b, h, qi, ki, bias_block=bias)
     if call.sinks is not None:  # one more column: the sink's logit, whose value is zero
-        sink = call.sinks.to(acc).reshape(B, Hkv, call.group, 1, 1).expand(*s.shape[:-1], 1)
-        s = torch.cat([s, sink], dim=-1)
+        s = with_sinks(s, call.sinks.reshape(B, Hkv, call.group, 1, 1))
         return stable_softmax(s, dim=-1)[..., :Lk], logsumexp(s, dim=-1), vg
     return stable_softmax(s, dim=-1), logsumexp(s, dim=-1), vg
 

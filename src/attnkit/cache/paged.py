@@ -1,6 +1,6 @@
 """``PagedCache``: keys and values in a pool of fixed-size blocks, one block table per sequence.
 
-Layout (shared with the Triton decode kernel), per layer::
+Layout (shared with the attention that reads it, ``attnkit.backends.paged``), per layer::
 
     k_pool (num_blocks, Hkv, block_size, D)      v_pool (num_blocks, Hkv, block_size, Dv)
     block_table (B, max_blocks) int32            seq_lens (B,) int32
@@ -11,13 +11,13 @@ ends; :meth:`PagedCache.fork` shares every block of a sequence with a new one (r
 the partially filled last block only when one of them writes to it (copy-on-write).  With prefix caching a
 new sequence whose prompt starts with a run of full blocks already computed (identified by a hash of their
 tokens chained with the hash of everything before them) reuses those blocks instead of recomputing them.
+
+This module holds the cache objects; the free list, reference counts and prefix table are the block pool's
+(``_block_pool``), and attention over the blocks is a backend's (``attnkit.backends.paged``).
 """
 
 from __future__ import annotations
 
-import functools
-from bisect import bisect_left, insort
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from numbers import Integral
 
@@ -26,10 +26,10 @@ import torch
 from ..bias import ScoreMod
 from ..masks import Mask
 from .._checks import flag
-from ..softmax import stable_softmax
-from ..backends._common import check_paged_values
+from ..backends import paged as _kernel
+from ..backends.paged import PoolLayout, block_runs, seq_view
 from ..backends._call import _check_number
-from ..backends._common import zero_unseen as _zero_unseen
+from ._block_pool import BlockPool, PoolExhausted
 from ._common import check_dtype, check_int, check_new_kv, model_dims
 
 Tensor = torch.Tensor
@@ -37,44 +37,7 @@ Tensor = torch.Tensor
 __all__ = ["PagedCache", "PagedBatch", "PagedPacked", "PoolExhausted", "paged_attention"]
 
 
-class PoolExhausted(RuntimeError):
-    """The block pool has fewer free blocks than a step needs."""
-
-
 # ----------------------------------------------------------------------------- the decode
-
-
-def _accumulation(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-def _check_paged_args(q, k_pool, v_pool, block_table, seq_lens) -> None:
-    for name, t, nd in (("q", q, 4), ("k_pool", k_pool, 4), ("v_pool", v_pool, 4), ("block_table", block_table, 2),
-                        ("seq_lens", seq_lens, 1)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"paged_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != nd:
-            raise ValueError(f"paged_attention: {name} must have {nd} dims, got shape {tuple(t.shape)}")
-    B, Hq, _, D = q.shape
-    NB, Hkv, bs, Dk = k_pool.shape
-    if v_pool.shape[:3] != k_pool.shape[:3]:
-        raise ValueError(f"paged_attention: v_pool {tuple(v_pool.shape)} must match k_pool {tuple(k_pool.shape)} "
-                         f"in (num_blocks, Hkv, block_size)")
-    if Dk != D:
-        raise ValueError(f"paged_attention: q has head dim {D} but k_pool has {Dk}")
-    if Hq % Hkv:
-        raise ValueError(f"paged_attention: got Hq={Hq} and Hkv={Hkv}: Hq must be a multiple of Hkv")
-    if block_table.shape[0] != B or seq_lens.shape[0] != B:
-        raise ValueError(f"paged_attention: block_table {tuple(block_table.shape)} and seq_lens "
-                         f"{tuple(seq_lens.shape)} must have one row per sequence (B={B})")
-    for name, t in (("block_table", block_table), ("seq_lens", seq_lens)):
-        if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
-            raise TypeError(f"paged_attention: {name} must be an integer tensor (int32), got dtype {t.dtype}: "
-                            f"{name} holds {'block ids' if name == 'block_table' else 'key counts'}, not a mask")
-    if not (q.dtype == k_pool.dtype == v_pool.dtype):
-        raise TypeError(f"paged_attention: q, k_pool, v_pool must share one dtype, got {q.dtype}, "
-                        f"{k_pool.dtype}, {v_pool.dtype}")
-    check_paged_values("paged_attention", block_table, seq_lens, NB, bs)
 
 
 def _check_modifiers(scale, softcap, bias, mask) -> tuple[float | None, float | None]:
@@ -98,14 +61,6 @@ def _check_modifiers(scale, softcap, bias, mask) -> tuple[float | None, float | 
     if softcap is not None:
         softcap = _check_number("softcap", softcap, low=0.0, low_open=True, fix=" (or None for no softcap)")
     return scale, softcap
-
-
-def _triton_backend():
-    try:
-        from ..backends import triton as tb  # the GPU kernel, when the Triton backend is installed
-    except ImportError:
-        return None
-    return tb if hasattr(tb, "paged_decode") and hasattr(tb, "check_paged_decode") else None
 
 
 def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor, seq_lens: Tensor, *,
@@ -156,421 +111,26 @@ def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tens
         >>> paged_attention(torch.randn(2, 4, 1, 16), k_pool, v_pool, table, lens).shape
         torch.Size([2, 4, 1, 16])
     """
-    _check_paged_args(q, k_pool, v_pool, block_table, seq_lens)
+    _kernel.check_paged_args(q, k_pool, v_pool, block_table, seq_lens)
+    scale, softcap, mask, sinks = _prepare(q, scale, softcap, bias, mask, sinks)
+    return _kernel.attend_table(q, k_pool, v_pool, block_table, seq_lens, scale=scale, softcap=softcap, bias=bias,
+                                mask=mask, sinks=sinks)
+
+
+def _prepare(q: Tensor, scale, softcap, bias, mask, sinks=None) -> tuple:
+    """``(scale, softcap, mask, sinks)`` checked for the kernel: ``scale`` a float (``1/sqrt(D)`` by default),
+    ``sinks`` ``(B, Hq)`` or None, and a decode step's bottom-right causal mask dropped."""
     scale, softcap = _check_modifiers(scale, softcap, bias, mask)
-    B, Hq, Lq, D = q.shape
-    NB, Hkv, bs, _ = k_pool.shape
-    Dv = v_pool.shape[3]
-    G = Hq // Hkv
-    scale = D ** -0.5 if scale is None else float(scale)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if sinks is not None:
         from ..backends._call import _check_sinks
         sinks = _check_sinks(sinks, q)
-    if isinstance(mask, Mask) and mask.is_causal("bottom_right") and Lq == 1:
+    if isinstance(mask, Mask) and mask.is_causal("bottom_right") and q.shape[2] == 1:
         mask = None  # the newest query sees every stored key
-    if q.is_cuda and Lq == 1 and mask is None and sinks is None:
-        tb = _triton_backend()
-        kw = dict(scale=scale, softcap=softcap, bias=bias)
-        if tb is not None and tb.check_paged_decode(q, k_pool, v_pool, block_table, seq_lens, **kw) is None:
-            return tb.paged_decode(q, k_pool, v_pool, block_table, seq_lens, **kw)
-    if B == 0:
-        return q.new_zeros(B, Hq, Lq, Dv)
-    lens = [int(n) for n in seq_lens.tolist()]
-    rows = block_table.tolist()
-    runs = []
-    for b, (row, n) in enumerate(zip(rows, lens)):
-        used = row[:-(-n // bs)]
-        if any(not 0 <= x < NB for x in used):
-            raise ValueError(f"paged_attention: block_table[{b}] holds block ids outside [0, {NB}) among the "
-                             f"{len(used)} blocks its seq_lens[{b}]={n} uses")
-        runs.append(_runs(used))
-    layout = None if sinks is not None else _pool_layout(q, k_pool, v_pool, bias, mask, functools.cache(
-        lambda whole: _PoolLayout(rows, lens, bs, q.device, NB if whole else None)))
-    if layout is not None:
-        return _attend_pool(q, k_pool, v_pool, layout, scale=scale, softcap=softcap, mask=mask, bias=bias)
-    return _attend_runs(q, k_pool, v_pool, lens, runs, scale=scale, softcap=softcap, bias=bias, mask=mask,
-                        sinks=sinks)
+    return scale, softcap, mask, sinks
 
 
-def _softmax(sc: Tensor, sinks: Tensor | None, b: int, masked: bool) -> Tensor:
-    """Softmax of ``sc (Hkv, G, Lq, L)`` over its keys, with sequence ``b``'s sinks (``(B, Hq)``, or None) as
-    one more logit in each row's denominator (a column whose value is zero, dropped after)."""
-    if sinks is None:
-        # a row may see nothing under a mask: 0, not NaN; else every row sees at least its first key
-        return stable_softmax(sc, dim=-1) if masked else torch.softmax(sc, dim=-1)
-    Hkv, G, Lq, L = sc.shape
-    col = sinks[b].to(sc.dtype).reshape(Hkv, G, 1, 1).expand(Hkv, G, Lq, 1)
-    return stable_softmax(torch.cat([sc, col], dim=-1), dim=-1)[..., :L]
-
-
-def _runs(blocks: list[int]) -> list[tuple[int, int]]:
-    """Consecutive block ids as ``(first, count)`` runs: each run is one view of the pool, no copy."""
-    out: list[list[int]] = []
-    for b in blocks:
-        if out and out[-1][0] + out[-1][1] == b:
-            out[-1][1] += 1
-        else:
-            out.append([b, 1])
-    return [(a, n) for a, n in out]
-
-
-def _row_bias(bias: Tensor, b: int, Hkv: int, G: int, Lq: int, L: int) -> Tensor:
-    """Sequence ``b``'s slice of a tensor broadcastable to (B, Hq, Lq, >=L), as (Hkv, G, Lq, L)."""
-    while bias.dim() < 4:
-        bias = bias.unsqueeze(0)
-    if bias.shape[-1] < L:
-        raise ValueError(f"paged_attention: the bias/mask covers {bias.shape[-1]} keys but sequence {b} has {L}")
-    row = bias[b if bias.shape[0] > 1 else 0, :, :, :L]  # (Hq|1, Lq|1, L)
-    return row.expand(Hkv * G, Lq, L).reshape(Hkv, G, Lq, L)
-
-
-def _attend_runs(q: Tensor, k_pool: Tensor, v_pool: Tensor, lens: list[int], runs: list[list[tuple[int, int]]], *,
-                 scale: float, softcap, bias, mask, sinks=None) -> Tensor:
-    """Attention per sequence over views of its runs of consecutive blocks (nothing is gathered)."""
-    if _head_major(k_pool) and _head_major(v_pool):
-        return _attend_views(q, k_pool, v_pool, lens, runs, scale=scale, softcap=softcap, bias=bias, mask=mask,
-                             sinks=sinks)
-    B, Hq, Lq, D = q.shape
-    _, Hkv, bs, _ = k_pool.shape
-    Dv = v_pool.shape[3]
-    G = Hq // Hkv
-    acc = _accumulation(q.dtype)
-    dev = q.device
-    modified = bias is not None or mask is not None
-    if modified:
-        hi = (torch.arange(Hkv, device=dev).view(Hkv, 1) * G + torch.arange(G, device=dev)).view(Hkv, G, 1, 1)
-        qi = torch.arange(Lq, device=dev).view(1, 1, Lq, 1)
-    outs = []
-    for b in range(B):
-        L, rb = lens[b], runs[b]
-        if L == 0:
-            outs.append(q.new_zeros(Hq, Lq, Dv))
-            continue
-        qb = q[b].reshape(Hkv, G * Lq, D)  # (Hkv, G*Lq, D): the G query heads of a kv head together
-        parts = [torch.matmul(qb, k_pool[a:a + n].transpose(-1, -2)) for a, n in rb]  # (n, Hkv, G*Lq, bs)
-        sc = parts[0] if len(parts) == 1 else torch.cat(parts)  # (N, Hkv, G*Lq, bs)
-        N = sc.shape[0]
-        sc = sc.permute(1, 2, 0, 3).reshape(Hkv, G, Lq, N * bs)[..., :L]  # (Hkv, G, Lq, L), position order
-        if sc.dtype != acc:
-            sc = sc.to(acc)
-        sc = sc * scale
-        if softcap is not None:
-            sc = softcap * torch.tanh(sc / softcap)
-        if modified:
-            bi = torch.full((1, 1, 1, 1), b, device=dev)
-            ki = torch.arange(L, device=dev).view(1, 1, 1, L)
-            if isinstance(bias, ScoreMod):
-                sc = bias.apply(sc, bi, hi, qi, ki, Lq, L)
-            elif isinstance(bias, Tensor):
-                sc = sc + _row_bias(bias, b, Hkv, G, Lq, L).to(sc.dtype)
-            elif bias is not None:
-                raise TypeError(f"paged_attention: bias must be None, an attnkit.bias modifier or a float tensor, "
-                                f"got {type(bias).__name__}")
-            if isinstance(mask, Mask):
-                sc = sc.masked_fill(~mask.evaluate(bi, hi, qi, ki, Lq, L), float("-inf"))
-            elif isinstance(mask, Tensor):
-                if mask.dtype != torch.bool:
-                    raise TypeError(f"paged_attention: a tensor mask must be bool (True = may attend), got {mask.dtype}")
-                sc = sc.masked_fill(~_row_bias(mask, b, Hkv, G, Lq, L), float("-inf"))
-            elif mask is not None:
-                raise TypeError(f"paged_attention: mask must be None, an attnkit.masks.Mask or a bool tensor, "
-                                f"got {type(mask).__name__}")
-        p = _softmax(sc, sinks, b, modified)
-        p_seq = p  # (Hkv, G, Lq, L)
-        if L < N * bs:
-            p = torch.nn.functional.pad(p, (0, N * bs - L))
-        p = p.reshape(Hkv, G * Lq, N, bs).permute(2, 0, 1, 3)  # (N, Hkv, G*Lq, bs)
-        if p.dtype != v_pool.dtype:
-            p = p.to(v_pool.dtype)
-        if len(rb) == 1:
-            ob = torch.matmul(p, v_pool[rb[0][0]:rb[0][0] + N]).sum(0, dtype=acc)  # (Hkv, G*Lq, Dv)
-        else:
-            o, ob = 0, None
-            for a, n in rb:
-                part = torch.matmul(p[o:o + n], v_pool[a:a + n]).sum(0, dtype=acc)
-                ob = part if ob is None else ob + part
-                o += n
-        if not bool(torch.isfinite(ob).all()):  # maybe garbage behind a weight 0 (the unfilled end of the last
-            ob = _weigh_seen(p_seq, sc, _seq_view(v_pool, rb, L)).to(acc)  # block, hidden keys): weigh again
-        outs.append(ob.reshape(Hq, Lq, Dv))
-    return torch.stack(outs).to(q.dtype)
-
-
-def _weigh_seen(p: Tensor, sc: Tensor, v: Tensor) -> Tensor:
-    """``p (Hkv, G, Lq, L) @ v (Hkv, L, Dv)`` as ``(Hkv, G*Lq, Dv)``, with the values of the keys that no
-    query may see (their scores ``sc`` all ``-inf``) zeroed: a weight 0 still reads its value, and
-    ``0 * NaN`` is NaN, so padding garbage would reach the rows."""
-    Hkv, G, Lq, L = p.shape
-    seen = (sc != float("-inf")).flatten(1, 2).any(1)  # (Hkv, L); a NaN score (a NaN key it sees) counts
-    return torch.matmul(p.reshape(Hkv, G * Lq, L).to(v.dtype), _zero_unseen(v, seen))
-
-
-def _pool_layout(q: Tensor, k_pool: Tensor, v_pool: Tensor, bias, mask, layouts) -> "_PoolLayout | None":
-    """The layout ``_attend_pool`` should read, or None for one attention call per sequence.
-
-    The pool path takes decode steps (one query per sequence) whose mask and bias depend only on the query
-    and key positions and the head (``_position_only``).  A block-major pool folds (blocks, kv heads) of a span into one batch; a head-major pool (where
-    a run of blocks is one ``(Hkv, L, D)`` view for the fused per-sequence kernel) folds them only over the
-    whole pool, and a shorter span takes one product per kv head: there the cheapest of the three is read.
-    ``layouts(whole)`` builds the layout (``whole``: one span over the whole pool)."""
-    if q.shape[2] != 1 or not _position_only(mask, bias):
-        return None
-    lay = layouts(False)
-    Hkv, NB = k_pool.shape[1], k_pool.shape[0]
-    if not lay.rows_read:
-        return None
-    if not (_head_major(k_pool) and _head_major(v_pool)) or Hkv == 1:
-        return lay
-    if lay.rows_read == 1 and lay.per_sequence_cost <= lay.cost:
-        return None
-    spans = lay.cost + len(lay.spans) * 4 * Hkv
-    whole = NB + _PoolLayout._SPAN_COST + (lay.cost - sum(hi - lo + _PoolLayout._SPAN_COST for lo, hi in lay.spans))
-    best = min(lay.per_sequence_cost, spans, whole)
-    if best == lay.per_sequence_cost:
-        return None
-    return lay if best == spans else layouts(True)
-
-
-def _position_only(mask, bias) -> bool:
-    """Whether ``mask`` and ``bias`` (None or built-ins, bottom-right aligned) read nothing but the head and
-    the query and key positions, so the pool path can evaluate them per block of each sequence."""
-    return ((mask is None or (isinstance(mask, Mask) and mask.is_positional("bottom_right")))
-            and (bias is None or (isinstance(bias, ScoreMod) and bias.is_positional("bottom_right"))))
-
-
-def _head_major(pool: Tensor) -> bool:
-    """Whether consecutive blocks of one head are adjacent in memory (``PagedCache``'s layout), so a run of
-    blocks is a ``(Hkv, positions, D)`` view."""
-    NB, H, bs, D = pool.shape
-    return pool.stride(3) == 1 and pool.stride(2) == D and (pool.stride(0) == bs * D or NB == 1) \
-        and (pool.stride(1) == NB * bs * D or H == 1)
-
-
-def _seq_view(pool: Tensor, runs: list[tuple[int, int]], L: int) -> Tensor:
-    """A sequence's first ``L`` positions ``(Hkv, L, D)``: a view of a head-major pool for one run of blocks,
-    a copy of its runs otherwise."""
-    H, bs, D = pool.shape[1:]
-    views = [pool[a:a + n].transpose(0, 1).reshape(H, n * bs, D) for a, n in runs]  # views when head-major
-    return (views[0] if len(views) == 1 else torch.cat(views, dim=1))[:, :L]
-
-
-def _attend_views(q: Tensor, k_pool: Tensor, v_pool: Tensor, lens: list[int], runs, *, scale: float, softcap,
-                  bias, mask, sinks=None) -> Tensor:
-    """``_attend_runs`` on a head-major pool: one attention per sequence over ``(Hkv, L, D)`` views of its
-    blocks (PyTorch's fused kernel when nothing modifies the scores and heads are not grouped)."""
-    B, Hq, Lq, D = q.shape
-    Hkv = k_pool.shape[1]
-    Dv = v_pool.shape[3]
-    G = Hq // Hkv
-    acc = _accumulation(q.dtype)
-    dev = q.device
-    modified = bias is not None or mask is not None
-    fused = not modified and softcap is None and G == 1 and sinks is None
-    if modified:
-        hi = (torch.arange(Hkv, device=dev).view(Hkv, 1) * G + torch.arange(G, device=dev)).view(Hkv, G, 1, 1)
-        qi = torch.arange(Lq, device=dev).view(1, 1, Lq, 1)
-    outs = []
-    for b in range(B):
-        L = lens[b]
-        if L == 0:
-            outs.append(q.new_zeros(Hq, Lq, Dv))
-            continue
-        k, v = _seq_view(k_pool, runs[b], L), _seq_view(v_pool, runs[b], L)  # (Hkv, L, D), (Hkv, L, Dv)
-        if fused:
-            outs.append(torch.nn.functional.scaled_dot_product_attention(q[b:b + 1], k[None], v[None],
-                                                                         scale=scale)[0])
-            continue
-        sc = torch.matmul(q[b].reshape(Hkv, G * Lq, D), k.transpose(-1, -2)).view(Hkv, G, Lq, L)
-        sc = sc.to(acc) * scale
-        if softcap is not None:
-            sc = softcap * torch.tanh(sc / softcap)
-        if modified:
-            bi = torch.full((1, 1, 1, 1), b, device=dev)
-            ki = torch.arange(L, device=dev).view(1, 1, 1, L)
-            if isinstance(bias, ScoreMod):
-                sc = bias.apply(sc, bi, hi, qi, ki, Lq, L)
-            elif isinstance(bias, Tensor):
-                sc = sc + _row_bias(bias, b, Hkv, G, Lq, L).to(sc.dtype)
-            elif bias is not None:
-                raise TypeError(f"paged_attention: bias must be None, an attnkit.bias modifier or a float tensor, "
-                                f"got {type(bias).__name__}")
-            if isinstance(mask, Mask):
-                sc = sc.masked_fill(~mask.evaluate(bi, hi, qi, ki, Lq, L), float("-inf"))
-            elif isinstance(mask, Tensor):
-                if mask.dtype != torch.bool:
-                    raise TypeError(f"paged_attention: a tensor mask must be bool (True = may attend), got {mask.dtype}")
-                sc = sc.masked_fill(~_row_bias(mask, b, Hkv, G, Lq, L), float("-inf"))
-            elif mask is not None:
-                raise TypeError(f"paged_attention: mask must be None, an attnkit.masks.Mask or a bool tensor, "
-                                f"got {type(mask).__name__}")
-        p = _softmax(sc, sinks, b, modified)
-        o = torch.matmul(p.view(Hkv, G * Lq, L).to(v.dtype), v)  # (Hkv, G*Lq, Dv)
-        if modified and not bool(torch.isfinite(o).all()):  # maybe garbage behind a weight 0 (hidden keys)
-            o = _weigh_seen(p, sc, v)
-        outs.append(o.reshape(Hq, Lq, Dv))
-    return torch.stack(outs).to(q.dtype)
-
-
-class _PoolLayout:
-    """Which sequence owns each block that a decode step reads, for :func:`_attend_pool`.
-
-    The blocks are read as ``spans`` ``(lo, hi)`` of the pool (the used blocks, gaps shorter than ``_GAP``
-    blocks left in: a separate span costs more calls than reading them) followed by ``extra`` blocks that
-    are gathered (a block several rows read, e.g. a shared prefix, has its first reader in a span).  Over
-    that concatenation ``owner[j]`` is the batch row of entry ``j`` (``B`` for a block no row reads) and
-    ``unfilled[j]`` marks its unfilled positions."""
-
-    _GAP = 8  # blocks: a gap this long splits the span
-    _SPAN_COST = 6  # blocks' worth of reading that one more span costs (its two products)
-    _CALL_COST = 4  # the same for one attention call per sequence
-
-    def __init__(self, blocks: list[list[int]], lens: list[int], bs: int, device, whole: int | None = None):
-        B = len(blocks)
-        used = [row[:-(-n // bs)] for row, n in zip(blocks, lens)]
-        first: dict[int, tuple[int, int, int]] = {}  # block -> (row, filled positions, its index in the row)
-        extra: list[tuple[int, int, int, int]] = []
-        for r, (row, n) in enumerate(zip(used, lens)):
-            for j, blk in enumerate(row):
-                f = min(bs, n - j * bs)
-                if blk in first:
-                    extra.append((blk, r, f, j))
-                else:
-                    first[blk] = (r, f, j)
-        ids = sorted(first)
-        bounds: list[list[int]] = []
-        for blk in ids:
-            if bounds and blk - bounds[-1][1] < self._GAP:
-                bounds[-1][1] = blk + 1
-            else:
-                bounds.append([blk, blk + 1])
-        if whole is not None and ids:
-            bounds = [[0, whole]]
-        self.spans = [(lo, hi) for lo, hi in bounds]
-        owner, fill, index = [], [], []
-        for lo, hi in bounds:
-            for blk in range(lo, hi):
-                r, f, j = first.get(blk, (B, 0, 0))
-                owner.append(r)
-                fill.append(f)
-                index.append(j)
-        self.extra = torch.tensor([e[0] for e in extra], dtype=torch.long, device=device) if extra else None
-        owner += [e[1] for e in extra]
-        fill += [e[2] for e in extra]
-        index += [e[3] for e in extra]
-        self.owner = torch.tensor(owner, dtype=torch.long, device=device)
-        self._index, self._lens, self._bs = index, lens, bs
-        self._positions = None
-        # (N, bs): the positions of each entry past its row's length (or in a block no row reads)
-        self.unfilled = torch.arange(bs, device=device).view(1, bs) >= torch.tensor(fill, device=device).view(-1, 1)
-        ids = [blk for lo, hi in bounds for blk in range(lo, hi)] + [e[0] for e in extra]
-        self.block_ids = torch.tensor(ids, dtype=torch.long, device=device)  # (N,): the pool block of each entry
-        # what reading the sequences one by one touches, in blocks (a sequence split into several runs of
-        # blocks is copied first) plus a cost per call, against the spans read whole
-        runs = [_runs(row) for row in used if row]
-        self.rows_read = len(runs)
-        self.per_sequence_cost = sum(sum(n for _, n in r) * (1 if len(r) == 1 else 3) + self._CALL_COST
-                                     for r in runs)
-        self.cost = sum(hi - lo + self._SPAN_COST for lo, hi in bounds) + len(extra) * 3
-
-    def positions(self) -> tuple[Tensor, Tensor]:
-        """``(query (N, 1, 1, 1), keys (N, 1, 1, bs))`` positions of each entry: its row's newest position
-        and the positions its block holds in that row (built once, for masks and biases)."""
-        if self._positions is None:
-            dev, bs = self.owner.device, self._bs
-            lens = torch.tensor(self._lens + [1], dtype=torch.long, device=dev)  # row B: unread blocks
-            p = (lens[self.owner] - 1).view(-1, 1, 1, 1)
-            k = (torch.tensor(self._index, dtype=torch.long, device=dev).view(-1, 1) * bs
-                 + torch.arange(bs, device=dev)).view(-1, 1, 1, bs)
-            self._positions = (p, k)
-        return self._positions
-
-
-def _attend_pool(q: Tensor, k_pool: Tensor, v_pool: Tensor, layout: _PoolLayout, *, scale: float, softcap,
-                 mask=None, bias=None) -> Tensor:
-    """One decode query per sequence against the blocks of some spans of the pool at once.
-
-    Each block's scores come from the query of the row that owns it: one batched matrix product per span
-    over its ``(blocks, Hkv)`` pairs (one per kv head on a head-major pool unless the span is all of it),
-    reading the keys where they are, however the blocks are scattered; softcap, then a position-only bias
-    and mask evaluated at each block's own key positions against its row's newest position; then one
-    softmax over each row's blocks (segment max and sums, in float32 for half inputs) and the weighted
-    values summed per row.  Unread blocks inside a span cost their bytes but count for nothing (their
-    positions are ``-inf``)."""
-    B, Hq, _, D = q.shape
-    _, Hkv, bs, _ = k_pool.shape
-    Dv = v_pool.shape[3]
-    G = Hq // Hkv
-    acc = _accumulation(q.dtype)
-    dev = q.device
-    own = layout.owner
-    N = own.shape[0]
-    parts = [(k_pool[lo:hi], v_pool[lo:hi]) for lo, hi in layout.spans]
-    if layout.extra is not None:
-        parts.append((k_pool.index_select(0, layout.extra), v_pool.index_select(0, layout.extra)))
-
-    def products(a: Tensor, pool_part: int, y: int, dtype) -> Tensor:
-        """``a[j] @ part[j]`` for every entry ``j`` (``(N, Hkv, G, x) @ (n, Hkv, x, y)`` per part), written into
-        one ``(N, Hkv, G, y)`` tensor without copying the pool (with autograd recording, the parts' products
-        are concatenated instead: ``out=`` products have no derivative)."""
-        graph = torch.is_grad_enabled() and (a.requires_grad or any(kv[pool_part].requires_grad for kv in parts))
-        out = None if graph else torch.empty(N, Hkv, G, y, dtype=dtype, device=dev)
-        pieces, o = [], 0
-        for kv in parts:
-            n = kv[pool_part].shape[0]
-            pieces.append(part_product(a[o:o + n], kv[pool_part], pool_part, None if graph else out[o:o + n]))
-            o += n
-        return torch.cat(pieces) if graph else out
-
-    def part_product(a: Tensor, b: Tensor, pool_part: int, out: Tensor | None) -> Tensor:
-        """One part's ``(n, Hkv, G, y)`` products: into ``out``, or a new tensor when ``out`` is None."""
-        b = b.transpose(-1, -2) if pool_part == 0 else b
-        n = b.shape[0]
-        if b.stride(0) == Hkv * b.stride(1) or Hkv == 1:  # (n, Hkv) folds into one batch dimension
-            return torch.matmul(a, b) if out is None else torch.matmul(a, b, out=out)
-        if b.stride(1) == n * b.stride(0):  # all of a head-major pool: (Hkv, n) folds
-            r = torch.matmul(a.transpose(0, 1), b.transpose(0, 1)).transpose(0, 1)
-            return r if out is None else out.copy_(r)
-        if out is None:  # a span of a head-major pool: one product per kv head
-            return torch.stack([torch.matmul(a[:, h], b[:, h]) for h in range(Hkv)], dim=1)
-        for h in range(Hkv):
-            out[:, h] = torch.matmul(a[:, h], b[:, h])
-        return out
-
-    qb = torch.cat([q.reshape(B, Hkv, G, D), q.new_zeros(1, Hkv, G, D)])  # row B: blocks no row reads
-    sc = products(qb[own], 0, bs, q.dtype).to(acc) * scale  # (N, Hkv, G, bs)
-    if softcap is not None:
-        sc = softcap * torch.tanh(sc / softcap)
-    if mask is not None or bias is not None:  # position-only modifiers: each entry's own positions
-        p, kpos = layout.positions()
-        b = own.view(-1, 1, 1, 1)
-        h = (torch.arange(Hkv, device=dev).view(Hkv, 1) * G + torch.arange(G, device=dev)).view(1, Hkv, G, 1)
-        if bias is not None:  # lengths of 1 and 1: no alignment offset, p is the query's position already
-            sc = bias.apply(sc, b, h, p, kpos, 1, 1).to(acc)
-        if mask is not None:
-            sc = sc.masked_fill(~mask.evaluate(b, h, p, kpos, 1, 1), float("-inf"))
-    # (masked_fill, not +: a NaN key in an unfilled slot, padding garbage, must give -inf, not NaN)
-    sc = sc.masked_fill(layout.unfilled[:, None, None, :], float("-inf"))
-    m = torch.full((B + 1, Hkv, G), float("-inf"), dtype=acc, device=dev)
-    m.scatter_reduce_(0, own.view(-1, 1, 1).expand(-1, Hkv, G), sc.detach().amax(-1), "amax")  # a shift only
-    m = torch.where(torch.isfinite(m), m, torch.zeros((), dtype=acc, device=dev))  # rows reading nothing
-    e = torch.exp(sc - m[own].unsqueeze(-1))  # (N, Hkv, G, bs)
-    l = torch.zeros(B + 1, Hkv, G, dtype=acc, device=dev).index_add_(0, own, e.sum(-1))[:B]
-    ob = products(e.to(v_pool.dtype), 1, Dv, v_pool.dtype)  # (N, Hkv, G, Dv)
-    # a weight 0 still reads its value (0 * NaN is NaN): the blocks of a row that hold slots it may not see
-    # (the unfilled end of its last block, keys its mask hides) are weighed again with those values zeroed
-    # (only when that happened: a non-finite value behind a weight 0 makes its entry's product non-finite)
-    if not bool(torch.isfinite(ob).all()):
-        seen = (sc != float("-inf")).any(2)  # (N, Hkv, bs); a NaN score (a NaN key it sees) counts as seen
-        redo = ((~seen).flatten(1).any(1) & (own < B)).nonzero().view(-1)
-        if redo.numel():
-            vr = _zero_unseen(v_pool.index_select(0, layout.block_ids[redo]), seen[redo])  # (n, Hkv, bs, Dv)
-            ob[redo] = torch.matmul(e[redo].to(v_pool.dtype), vr)
-    o = torch.zeros(B + 1, Hkv, G, Dv, dtype=acc, device=dev).index_add_(0, own, ob.to(acc))[:B]
-    out = o / torch.where(l > 0, l, torch.ones((), dtype=acc, device=dev)).unsqueeze(-1)
-    return out.reshape(B, Hq, 1, Dv).to(q.dtype)
-
-
-# ----------------------------------------------------------------------------- the block pool
+# ----------------------------------------------------------------------------- the cache
 
 
 @dataclass
@@ -580,102 +140,6 @@ class _Sequence:
     tokens: list[int] = field(default_factory=list)  # known token ids (for prefix hashing)
     hashes: list[int] = field(default_factory=list)  # chained hash of each full block registered so far
     unshared: bool = False  # registers no more blocks (its contents predate clear_prefix_cache)
-
-
-class _Allocator:
-    """Free blocks, reference counts, and the prefix table of full blocks (hash -> block).
-
-    The free blocks are kept sorted so that a sequence can grow into the block right after its last one:
-    a sequence whose blocks are consecutive is read as one view of the pool (see ``_attend_runs``).  A new
-    run starts at the beginning of the largest free range, or in its middle when used blocks precede it
-    (leaving them room to grow).
-    """
-
-    def __init__(self, num_blocks: int):
-        self.num_blocks = num_blocks
-        self.free: list[int] = list(range(num_blocks))  # sorted
-        self.refs = [0] * num_blocks
-        self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 but cached: reusable until evicted (LRU)
-        self.table: dict[int, int] = {}  # chained hash -> block
-        self.key: dict[int, tuple] = {}  # block -> (hash, parent hash, tokens): verified on lookup
-
-    def num_free(self) -> int:
-        return len(self.free) + len(self.evictable)
-
-    def _is_free(self, b: int) -> bool:
-        i = bisect_left(self.free, b)
-        return i < len(self.free) and self.free[i] == b
-
-    def _place(self, want: int) -> int:
-        free = self.free
-        best_start, best_len = free[0], 0
-        start = prev = free[0]
-        for b in free[1:] + [-1]:
-            if b != prev + 1:
-                if prev - start + 1 > best_len:
-                    best_start, best_len = start, prev - start + 1
-                start = b
-            prev = b
-        if best_start == 0 or best_len <= want:
-            return best_start
-        return best_start + (best_len - want) // 2
-
-    def allocate(self, prefer: int | None = None, want: int = 1) -> int:
-        """A block: ``prefer`` when it is free, else the start of a new run with room for ``want`` blocks,
-        else the least recently used cached block."""
-        if self.free:
-            b = prefer if prefer is not None and self._is_free(prefer) else self._place(want)
-            del self.free[bisect_left(self.free, b)]
-        elif self.evictable:
-            b, _ = self.evictable.popitem(last=False)  # least recently used cached block
-            h = self.key.pop(b)[0]
-            if self.table.get(h) == b:
-                del self.table[h]
-        else:
-            raise PoolExhausted("no free block")
-        self.refs[b] = 1
-        return b
-
-    def incref(self, b: int) -> None:
-        if self.refs[b] == 0:
-            self.evictable.pop(b, None)
-        self.refs[b] += 1
-
-    def decref(self, b: int) -> None:
-        self.refs[b] -= 1
-        if self.refs[b] == 0:
-            if b in self.key:
-                self.evictable[b] = None
-            else:
-                insort(self.free, b)
-
-    def lookup(self, h: int, parent: int, tokens: tuple) -> int | None:
-        b = self.table.get(h)
-        if b is None or self.key.get(b) != (h, parent, tokens):
-            return None
-        self.incref(b)
-        return b
-
-    def forget(self) -> None:
-        """Drop the prefix table: cached blocks nobody holds become free; blocks in use stay with their
-        sequences but are no longer offered to new ones."""
-        for b in self.evictable:
-            insort(self.free, b)
-        self.evictable.clear()
-        self.table.clear()
-        self.key.clear()
-
-    def unregister(self, b: int) -> None:
-        """Block ``b`` is about to be overwritten: it no longer stands for the tokens it was registered with."""
-        entry = self.key.pop(b, None)
-        if entry is not None and self.table.get(entry[0]) == b:
-            del self.table[entry[0]]
-
-    def register(self, b: int, h: int, parent: int, tokens: tuple) -> None:
-        if h in self.table or b in self.key:
-            return  # the same content is cached in another block already
-        self.table[h] = b
-        self.key[b] = (h, parent, tokens)
 
 
 def _items(values) -> list | None:
@@ -710,13 +174,6 @@ def _sequence_ids(who: str, seq_ids) -> list[int]:
                         f"{seq_ids!r:.80}" + (f"; for one sequence pass [{seq_ids!r}]"
                                               if isinstance(seq_ids, Integral) else ""))
     return [int(s) for s in items]
-
-
-def _chain(parent: int, tokens: tuple) -> int:
-    return hash((parent, tokens))
-
-
-_ROOT = hash("attnkit.paged.root")
 
 
 class PagedCache:
@@ -766,13 +223,13 @@ class PagedCache:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.prefix_caching = flag("prefix_caching", prefix_caching)
         # stored block-major and contiguous: a span of block ids is one (blocks * Hkv, block_size, D) batch
-        # that the decode's products read in place (see _attend_pool)
+        # that the decode's products read in place (see attnkit.backends.paged)
         shape_k = (num_blocks, n_kv_heads, block_size, d_head)
         shape_v = (num_blocks, n_kv_heads, block_size, self.d_value)
         with torch.inference_mode(False):  # ordinary tensors: written in and outside inference_mode alike
             self.k_pools = [torch.zeros(shape_k, dtype=dtype, device=self.device) for _ in range(n_layers)]
             self.v_pools = [torch.zeros(shape_v, dtype=dtype, device=self.device) for _ in range(n_layers)]
-        self._alloc = _Allocator(num_blocks)
+        self._alloc = BlockPool(num_blocks)
         self._seqs: dict[int, _Sequence] = {}
         self._next_id = 0
         self.prefix_hits = 0  # blocks reused from the prefix cache so far
@@ -804,17 +261,8 @@ class PagedCache:
         self._next_id += 1
         self._seqs[sid] = seq
         if self.prefix_caching and seq.tokens:
-            bs, parent = self.block_size, _ROOT
-            for i in range((len(seq.tokens) - 1) // bs):
-                chunk = tuple(seq.tokens[i * bs:(i + 1) * bs])
-                h = _chain(parent, chunk)
-                b = self._alloc.lookup(h, parent, chunk)
-                if b is None:
-                    break
-                seq.blocks.append(b)
-                seq.hashes.append(h)
-                parent = h
-            seq.length = len(seq.blocks) * bs
+            seq.blocks, seq.hashes = self._alloc.match_prefix(seq.tokens, self.block_size)
+            seq.length = len(seq.blocks) * self.block_size
             self.prefix_hits += len(seq.blocks)
         return sid
 
@@ -933,17 +381,17 @@ class PagedCache:
             prev = seq.blocks[-1] if seq.blocks else None
             seq.blocks.append(self._alloc.allocate(prefer=None if prev is None else prev + 1, want=missing - j))
 
+    def _advance(self, sid: int, n: int) -> None:
+        """``n`` more positions of sequence ``sid`` are written: count them, offer its newly full blocks."""
+        seq = self._seqs[sid]
+        seq.length += n
+        self._register(seq)
+
     def _register(self, seq: _Sequence) -> None:
         if not self.prefix_caching or seq.unshared:
             return
-        bs = self.block_size
-        full = min(seq.length, len(seq.tokens)) // bs
-        for i in range(len(seq.hashes), full):
-            parent = seq.hashes[-1] if seq.hashes else _ROOT
-            chunk = tuple(seq.tokens[i * bs:(i + 1) * bs])
-            h = _chain(parent, chunk)
-            self._alloc.register(seq.blocks[i], h, parent, chunk)
-            seq.hashes.append(h)
+        full = min(seq.length, len(seq.tokens)) // self.block_size
+        self._alloc.register_full(seq.blocks, seq.tokens, seq.hashes, full, self.block_size)
 
     # ------------------------------------------------------------------ forwards
 
@@ -1026,7 +474,7 @@ class _Plan:
         self.write_blocks = torch.tensor(blk, dtype=torch.long, device=dev)  # (B * n_new,)
         self.write_offsets = torch.tensor(off, dtype=torch.long, device=dev)
         self.blocks = [s.blocks[:-(-n // bs)] for s, n in zip(seqs, self.lens)]
-        self.runs = [_runs(b) for b in self.blocks]
+        self.runs = [block_runs(b) for b in self.blocks]
         self._tables = None
         self._layout = None
 
@@ -1037,17 +485,17 @@ class _Plan:
         bs = cache.block_size
         self.cache, self.ids, self.n_new, self.lens = cache, ids, None, lens
         self.blocks = [cache._seqs[s].blocks[:-(-n // bs)] for s, n in zip(ids, lens)]
-        self.runs = [_runs(b) for b in self.blocks]
+        self.runs = [block_runs(b) for b in self.blocks]
         self._tables = None
         self._layout = None
         return self
 
-    def layout(self, whole: bool = False) -> _PoolLayout:
+    def layout(self, whole: bool = False) -> PoolLayout:
         """The pool-wide decode layout (built once per step, shared by every layer)."""
         if self._layout is None:
             self._layout = {}
         if whole not in self._layout:
-            self._layout[whole] = _PoolLayout(self.blocks, self.lens, self.cache.block_size, self.cache.device,
+            self._layout[whole] = PoolLayout(self.blocks, self.lens, self.cache.block_size, self.cache.device,
                                               self.cache.num_blocks if whole else None)
         return self._layout[whole]
 
@@ -1060,13 +508,9 @@ class _Plan:
 
     def gather(self, pool: Tensor) -> tuple[Tensor, Tensor | None]:
         """Every stored position of each sequence, right-aligned: ``(B, Hkv, max_len, D)`` and the padding mask."""
-        _, H, bs, D = pool.shape
-        rows = []
-        for runs, n in zip(self.runs, self.lens):
-            views = [pool[a:a + m].transpose(0, 1).reshape(H, m * bs, D) for a, m in runs]  # (Hkv, m*bs, D)
-            if not views:  # a sequence with nothing stored yet
-                views = [pool.new_zeros(H, 0, D)]
-            rows.append((views[0] if len(views) == 1 else torch.cat(views, dim=1))[:, :n])
+        _, H, _, D = pool.shape
+        # (Hkv, n, D) per sequence: a view of one run of blocks; a sequence with nothing stored yet is empty
+        rows = [seq_view(pool, runs, n) if runs else pool.new_zeros(H, 0, D) for runs, n in zip(self.runs, self.lens)]
         if len(rows) == 1:
             return rows[0][None], None
         L = max(self.lens)
@@ -1095,21 +539,15 @@ class _PagedDecode:
             table, lens = self.plan.tables()
             return paged_attention(q, self.k_pool, v_pool, table, lens, scale=scale, softcap=softcap,
                                    bias=bias, mask=mask, sinks=sinks)
-        scale, softcap = _check_modifiers(scale, softcap, bias, mask)
-        if isinstance(mask, Mask) and mask.is_causal("bottom_right") and q.shape[2] == 1:
-            mask = None
-        scale = q.shape[-1] ** -0.5 if scale is None else scale
-        layout = _pool_layout(q, self.k_pool, v_pool, bias, mask, self.plan.layout)
-        if layout is not None:
-            return _attend_pool(q, self.k_pool, v_pool, layout, scale=scale, softcap=softcap, mask=mask, bias=bias)
-        return _attend_runs(q, self.k_pool, v_pool, self.plan.lens, self.plan.runs, scale=scale,
-                            softcap=softcap, bias=bias, mask=mask)
+        scale, softcap, mask, _ = _prepare(q, scale, softcap, bias, mask)
+        return _kernel.attend_blocks(q, self.k_pool, v_pool, self.plan.lens, self.plan.runs, self.plan.layout,
+                                     scale=scale, softcap=softcap, bias=bias, mask=mask)
 
 
-class PagedLayerCache:
-    """Layer ``index`` of a :class:`PagedBatch`: writes new keys/values into the pool through the plan."""
+class _PoolLayer:
+    """Layer ``index`` of a forward's view (``PagedBatch`` or ``PagedPacked``) of a :class:`PagedCache`."""
 
-    def __init__(self, owner: "PagedBatch", index: int):
+    def __init__(self, owner, index: int):
         self._owner, self.index = owner, index
 
     @property
@@ -1118,9 +556,31 @@ class PagedLayerCache:
 
     @property
     def seq_len(self) -> int:
-        """The batch's stored length when its sequences hold the same (a ragged batch raises: it passes
-        explicit positions to the model)."""
+        """The view's stored length when its sequences hold the same (sequences of different lengths raise:
+        the forward passes explicit positions to the model)."""
         return self._owner.seq_len
+
+    def _pools(self) -> tuple[Tensor, Tensor]:
+        c = self._owner.cache
+        return c.k_pools[self.index], c.v_pools[self.index]
+
+    def _done(self, out):
+        """``out``, once the last layer has committed the forward's new lengths."""
+        if self.index == self._owner.cache.n_layers - 1:
+            self._owner._commit()
+        return out
+
+    def nbytes(self) -> int:
+        kp, vp = self._pools()
+        return kp.nbytes + vp.nbytes
+
+    def reset(self) -> None:
+        raise TypeError(f"a {type(self._owner).__name__} layer cannot be reset: free the sequences in the "
+                        f"PagedCache instead")
+
+
+class PagedLayerCache(_PoolLayer):
+    """Layer ``index`` of a :class:`PagedBatch`: writes new keys/values into the pool through the plan."""
 
     def peek(self, n_new: int) -> tuple[int | None, bool]:
         """``(Lk, attends)`` of an update of ``n_new`` tokens (see ``StaticLayerCache.peek``): one token
@@ -1136,7 +596,7 @@ class PagedLayerCache:
         check_new_kv(k, v, batch=len(o.ids), heads=c.n_kv_heads, d_head=c.d_head, d_value=c.d_value,
                      dtype=c.dtype, device=c.device)
         plan = o._plan_for(k.shape[2])
-        kp, vp = c.k_pools[self.index], c.v_pools[self.index]
+        kp, vp = self._pools()
         B, H, n, _ = k.shape
         kp[plan.write_blocks, :, plan.write_offsets] = k.transpose(1, 2).reshape(B * n, H, k.shape[3])  # (B*n, Hkv, D)
         vp[plan.write_blocks, :, plan.write_offsets] = v.transpose(1, 2).reshape(B * n, H, v.shape[3])
@@ -1146,19 +606,20 @@ class PagedLayerCache:
             k_all, mask = plan.gather(kp)  # (B, Hkv, L, D), right-aligned
             v_all, _ = plan.gather(vp)
             out = (k_all, v_all) if mask is None else (k_all, v_all, mask)
-        if self.index == c.n_layers - 1:
-            o._commit()
-        return out
+        return self._done(out)
+
+
+class _View:
+    """What the model-level views of a :class:`PagedCache` (``cache``, ``layers``) share."""
 
     def nbytes(self) -> int:
-        c = self._owner.cache
-        return c.k_pools[self.index].nbytes + c.v_pools[self.index].nbytes
+        return self.cache.nbytes()
 
-    def reset(self) -> None:
-        raise TypeError("a PagedBatch layer cannot be reset: free the sequences in the PagedCache instead")
+    def __len__(self) -> int:
+        return len(self.layers)
 
 
-class PagedBatch:
+class PagedBatch(_View):
     """The model-level view of a :class:`PagedCache` for a forward over some of its sequences.
 
     ``layers[i]`` writes layer ``i``; the last layer's update commits the new lengths (and registers
@@ -1208,18 +669,9 @@ class PagedBatch:
         return self._plan
 
     def _commit(self) -> None:
-        plan = self._plan
         for s in self.ids:
-            seq = self.cache._seqs[s]
-            seq.length += plan.n_new
-            self.cache._register(seq)
+            self.cache._advance(s, self._plan.n_new)
         self._plan = None
-
-    def nbytes(self) -> int:
-        return self.cache.nbytes()
-
-    def __len__(self) -> int:
-        return len(self.layers)
 
     def __repr__(self) -> str:
         return f"PagedBatch(sequences {self.ids}, lengths {[self.cache._seqs[s].length for s in self.ids]})"
@@ -1255,26 +707,15 @@ class _PackedAttend:
         for i in pk._chunk_rows:
             a, n = pk.offsets[i], pk.n_new[i]
             L = plan.lens[i]
-            k = _seq_view(self.k_pool, plan.runs[i], L)[None]  # (1, Hkv, L, D)
-            v = _seq_view(self.v_pool, plan.runs[i], L)[None]
+            k = seq_view(self.k_pool, plan.runs[i], L)[None]  # (1, Hkv, L, D)
+            v = seq_view(self.v_pool, plan.runs[i], L)[None]
             out[:, :, a:a + n] = attention(q[:, :, a:a + n], k, v, mask=mask, bias=bias, scale=scale,
                                            softcap=softcap)
         return out
 
 
-class PagedPackedLayerCache:
+class PagedPackedLayerCache(_PoolLayer):
     """Layer ``index`` of a :class:`PagedPacked`: writes the packed keys/values into the pool."""
-
-    def __init__(self, owner: "PagedPacked", index: int):
-        self._owner, self.index = owner, index
-
-    @property
-    def length(self) -> int:
-        return self._owner.seq_len
-
-    @property
-    def seq_len(self) -> int:
-        return self._owner.seq_len
 
     def peek(self, n_new: int) -> tuple[int | None, bool]:
         """``(None, True)``: the keys differ per sequence, and the returned object computes attention."""
@@ -1290,23 +731,13 @@ class PagedPackedLayerCache:
             raise ValueError(f"PagedPacked: the forward packs {o.total} tokens ({o.n_new} per sequence) but layer "
                              f"{self.index} got {k.shape[2]}")
         o._reserve()
-        kp, vp = c.k_pools[self.index], c.v_pools[self.index]
+        kp, vp = self._pools()
         kp[o.write_blocks, :, o.write_offsets] = k[0].transpose(0, 1)  # (T, Hkv, D)
         vp[o.write_blocks, :, o.write_offsets] = v[0].transpose(0, 1)
-        out = _PackedAttend(kp, vp, o)
-        if self.index == c.n_layers - 1:
-            o._commit()
-        return out
-
-    def nbytes(self) -> int:
-        c = self._owner.cache
-        return c.k_pools[self.index].nbytes + c.v_pools[self.index].nbytes
-
-    def reset(self) -> None:
-        raise TypeError("a PagedPacked layer cannot be reset: free the sequences in the PagedCache instead")
+        return self._done(_PackedAttend(kp, vp, o))
 
 
-class PagedPacked:
+class PagedPacked(_View):
     """The model-level view of a :class:`PagedCache` for one forward over packed tokens of several sequences.
 
     The forward's ``(1, T)`` tokens are ``n_new[0]`` tokens of ``ids[0]``, then ``n_new[1]`` of ``ids[1]``, ...
@@ -1401,15 +832,7 @@ class PagedPacked:
     def _commit(self) -> None:
         self._committed = True
         for s, n in zip(self.ids, self.n_new):
-            seq = self.cache._seqs[s]
-            seq.length += n
-            self.cache._register(seq)
-
-    def nbytes(self) -> int:
-        return self.cache.nbytes()
-
-    def __len__(self) -> int:
-        return len(self.layers)
+            self.cache._advance(s, n)
 
     def __repr__(self) -> str:
         return f"PagedPacked(sequences {self.ids}, new tokens {self.n_new}, stored {self.starts})"
