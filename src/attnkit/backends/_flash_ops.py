@@ -23,7 +23,7 @@ import torch
 
 from ..bias import ScoreMod
 from ..masks import FULL
-from ._common import accumulation_dtype, reachable_tensors, zero_unseen
+from ._common import accumulation_dtype, zero_unseen
 from ._flash_plan import Heads, Job, Plan
 
 Tensor = torch.Tensor
@@ -99,13 +99,6 @@ def draw_seed() -> int:
 
 
 # ---------------------------------------------------------------------- score modifiers
-
-
-def mod_params(obj) -> list[Tensor]:
-    """Tensors that require grad that a score modifier reads: its own (ALiBi slopes, T5 table, per-head
-    temperatures), those of composed modifiers, and whatever a ``from_fn`` function reaches (closures,
-    globals it names, a bound method's object, ``nn.Module`` parameters; see ``reachable_tensors``)."""
-    return [t for t in reachable_tensors(obj) if t.requires_grad]
 
 
 def probe_params(mod: ScoreMod, params: list[Tensor], device, dtype: torch.dtype = torch.float32

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 from ..bias import ScoreMod
 from ..masks import Mask, _BlockLocal, _Causal, _FromDense, _Interval, _KeyLengths, _PrefixLM, _SlidingWindow
-from ._common import Call, per_mask, reachable_tensors, tensor_key, zero_unseen
+from ._common import Call, per_mask, zero_unseen
+from ._reads import reachable_tensors, tensor_key
 
 Tensor = torch.Tensor
 

@@ -46,7 +46,8 @@ from ..bias import ScoreMod, _ALiBi, _Temperature
 from ..masks import Mask, _FromFn
 from . import _triton_plan as _plan
 from ..softmax import add_sink
-from ._common import Call, check_paged_values, check_unchanged, sink_grad, tensor_versions
+from ._common import Call, check_paged_values, sink_grad
+from ._reads import check_unchanged, tensor_versions
 
 Tensor = torch.Tensor
 
