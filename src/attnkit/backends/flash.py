@@ -53,8 +53,8 @@ from . import _flash_ops as ops
 from . import _flash_plan as planning
 from ..softmax import add_sink
 from ._common import Call, per_mask, sink_grad
-from ._reads import (check_reach, check_unchanged, mod_params, read_tensors, reachable_tensors, tensor_key,
-                     tensor_versions)
+from ._reads import (check_reach, check_unchanged, derived_params, mod_params, probe_params, read_tensors,
+                     reachable_tensors, tensor_key, tensor_versions)
 
 Tensor = torch.Tensor
 
@@ -199,7 +199,7 @@ def _bias_needs_grad(call: Call) -> tuple[bool, list[Tensor]]:
         return call.bias.requires_grad, []
     if isinstance(call.bias, ScoreMod):
         if "bias_params" not in call.cache:  # the reachable tensors the modifier's result depends on
-            call.cache["bias_params"] = ops.probe_params(call.bias, mod_params(call.bias), call.q.device,
+            call.cache["bias_params"] = probe_params(call.bias, mod_params(call.bias), call.q.device,
                                                          call.q.dtype)
         params = call.cache["bias_params"][0]
         return bool(params), params
@@ -445,7 +445,7 @@ def _unreached_reason(call: Call) -> str | None:
     _bias_needs_grad(call)
     params, missing = call.cache.get("bias_params", ([], []))
     if "derived" not in call.cache:
-        call.cache["derived"] = ops.derived_params(params)
+        call.cache["derived"] = derived_params(params)
     if call.cache["derived"] is not None:
         a, b = call.cache["derived"]
         if a is b:
