@@ -23,7 +23,7 @@ import torch
 from . import _sampling
 from ._sampling import TokenLogprob
 from .cache import PagedCache, QuantizedCache, SlidingWindowCache, StaticCache
-from ._checks import flag
+from ._checks import flag, number
 from .cache._common import model_dims
 from ._decoding import (DecodeCopies, EvalMode, check_decoder_only, check_eos, check_positions, check_tokens,
                         last_logits, reading, weights_key)
@@ -76,15 +76,16 @@ class SamplingParams:
         eos_ids = _sampling.check_eos(eos_id)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, Integral)):
             raise ValueError(f"seed={seed!r} must be an int or None")
-        self.repetition_penalty = _sampling._number(
-            "repetition_penalty", repetition_penalty, minimum=0.0, strict=True,
-            hint=" (1 is no penalty, above 1 discourages repeating a token)")
-        self.presence_penalty = _sampling._number("presence_penalty", presence_penalty, minimum=0.0,
-                                                  hint=" (0 is no penalty; a negative value would reward repeating)")
-        self.frequency_penalty = _sampling._number("frequency_penalty", frequency_penalty, minimum=0.0,
-                                                   hint=" (0 is no penalty; a negative value would reward repeating)")
+        self.repetition_penalty = number(
+            "repetition_penalty", repetition_penalty, low=0.0, low_open=True,
+            fix=" (1 is no penalty, above 1 discourages repeating a token)")
+        self.presence_penalty = number("presence_penalty", presence_penalty, low=0.0,
+                                        fix=" (0 is no penalty; a negative value would reward repeating)")
+        self.frequency_penalty = number("frequency_penalty", frequency_penalty, low=0.0,
+                                         fix=" (0 is no penalty; a negative value would reward repeating)")
         if min_p is not None:
-            min_p = _sampling._number("min_p", min_p, minimum=0.0, maximum=1.0, hint=" (a share of the top token's probability in [0, 1], or None)")
+            min_p = number("min_p", min_p, low=0.0, high=1.0,
+                           fix=" (a share of the top token's probability in [0, 1], or None)")
         self.min_p = min_p
         self.logit_bias = _sampling.check_logit_bias(logit_bias)
         self.stop = _sampling.check_stop(stop)
