@@ -27,10 +27,9 @@ from numbers import Integral
 
 import torch
 
-from ._checks import flag
+from ._checks import flag, integer
 from . import _sampling
 from .cache import PagedCache, PoolExhausted
-from .cache._common import check_int
 from ._decoding import (DecodeCopies, EvalMode, check_decoder_only, check_eos, check_positions, check_tokens,
                         last_logits, reading, weights_key)
 from .generate import GenerationResult, SamplingParams, sample
@@ -134,13 +133,13 @@ class Engine:
 
     def __init__(self, model, cache_blocks: int, block_size: int = 16, max_batch: int = 16, *, preempt: bool = True,
                  prefix_caching: bool = True, relayout: bool = True, max_batched_tokens: int | None = None):
-        check_int("cache_blocks", cache_blocks, minimum=1)
-        check_int("block_size", block_size, minimum=1)
-        self.max_batch = check_int("max_batch", max_batch, minimum=1)
+        integer("cache_blocks", cache_blocks, minimum=1)
+        integer("block_size", block_size, minimum=1)
+        self.max_batch = integer("max_batch", max_batch, minimum=1)
         preempt, prefix_caching = flag("preempt", preempt), flag("prefix_caching", prefix_caching)
         relayout = flag("relayout", relayout)
         if max_batched_tokens is not None:
-            check_int("max_batched_tokens", max_batched_tokens, minimum=1)
+            integer("max_batched_tokens", max_batched_tokens, minimum=1)
             if max_batched_tokens < self.max_batch:
                 raise ValueError(f"max_batched_tokens={max_batched_tokens} is below max_batch={self.max_batch}: a step "
                                  f"must fit one decode token of every running sequence; pass max_batched_tokens >= "
@@ -245,18 +244,29 @@ class Engine:
         else:
             self.cache.append_tokens(req.sid, [tok])
 
+    def _place_oldest(self) -> tuple[_Request, int, list[int], int] | None:
+        """Add the oldest waiting request's tokens (its prompt, and what it produced before a preemption) to
+        the pool, reusing cached prefix blocks: ``(request, sid, tokens, n_new)`` with ``n_new`` the tokens
+        left to compute, or None, the pool as it was, when the blocks those need are not free."""
+        cache = self.cache
+        req = self.waiting[0]
+        tokens = req.prompt + req.out  # after a preemption: recompute what it had produced
+        hits = cache.prefix_hits
+        sid = cache.add_sequence(tokens)
+        n_new = len(tokens) - cache.length(sid)
+        if cache.blocks_needed(sid, n_new) > cache.num_free_blocks:
+            cache.free(sid)
+            cache.prefix_hits = hits  # not admitted: nothing was reused
+            return None
+        return req, sid, tokens, n_new
+
     def _admit(self, events: list) -> None:
         cache = self.cache
         while self.waiting and len(self.running) < self.max_batch:
-            req = self.waiting[0]
-            tokens = req.prompt + req.out  # after a preemption: recompute what it had produced
-            hits = cache.prefix_hits
-            sid = cache.add_sequence(tokens)
-            n_new = len(tokens) - cache.length(sid)
-            if cache.blocks_needed(sid, n_new) > cache.num_free_blocks:
-                cache.free(sid)
-                cache.prefix_hits = hits  # not admitted: nothing was reused
+            placed = self._place_oldest()
+            if placed is None:
                 break
+            req, sid, tokens, n_new = placed
             self.waiting.popleft()
             req.sid, req.admitted, req.fresh = sid, self._admissions, True
             self._admissions += 1
@@ -355,15 +365,10 @@ class Engine:
                 work.append((r, r.feed[r.fed:r.fed + n]))
                 budget -= n
         while budget > 0 and self.waiting and len(self.running) < self.max_batch:
-            req = self.waiting[0]
-            tokens = req.prompt + req.out  # after a preemption: recompute what it had produced
-            hits = cache.prefix_hits
-            sid = cache.add_sequence(tokens)
-            n_new = len(tokens) - cache.length(sid)
-            if cache.blocks_needed(sid, n_new) > cache.num_free_blocks:
-                cache.free(sid)
-                cache.prefix_hits = hits  # not admitted: nothing was reused
+            placed = self._place_oldest()
+            if placed is None:
                 break
+            req, sid, tokens, n_new = placed
             cache.reserve(sid, n_new)  # the whole prompt's blocks now: its later chunks never run short
             self.waiting.popleft()
             req.sid, req.admitted = sid, self._admissions
