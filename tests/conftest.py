@@ -20,3 +20,14 @@ def pytest_configure(config):
 def _seed_and_threads():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for tests of tiny tensors and models: a second thread only adds OpenMP
+    synchronisation, which costs milliseconds on a loaded machine.  Test modules opt in with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

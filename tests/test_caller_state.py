@@ -15,13 +15,7 @@ from attnkit.nn import DecoderConfig, DecoderLM
 PROMPTS = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10], [11, 12, 13, 14, 15]]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one intra-op thread is faster than two, and far faster on a loaded machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(seed=0, **kw) -> DecoderLM:

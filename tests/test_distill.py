@@ -14,13 +14,7 @@ from attnkit.nn.tasks import associative_recall
 
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The models are tiny: one thread avoids synchronisation costs on a shared machine."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def kl(p, q):

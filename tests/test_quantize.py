@@ -20,13 +20,7 @@ from attnkit.quantize import BF16Linear, Int8Linear, weight_bytes
 V, P = 32, 16  # vocabulary, period of the task
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one intra-op thread is faster than two, and far faster on a loaded machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,7 @@ from attnkit import _sampling
 from attnkit.generate import GenerationResult, SamplingParams, TokenLogprob
 from attnkit.nn import DecoderConfig, DecoderLM
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one intra-op thread is faster than two, and far faster on a loaded machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 transformers = pytest.importorskip("transformers")

@@ -8,13 +8,7 @@ from attnkit.cache import PagedCache, StaticCache
 from attnkit.generate import SamplingParams, SpeculativeStats, _verify
 from attnkit.nn import DecoderConfig, DecoderLM
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one intra-op thread is faster than two, and far faster on a loaded machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 

@@ -1,7 +1,12 @@
-"""Checks of plain arguments shared by every part of attnkit (each raises a TypeError naming the argument,
-the value and what to pass).  Only the standard library and torch: any module may import it."""
+"""Checks of plain arguments shared by every part of attnkit: flags, integers and numbers with bounds,
+probabilities and choices.  Each returns the value (as a bool, int or float) or raises a TypeError or
+ValueError naming the argument, the value and what to pass.  Only the standard library and torch: any
+module may import it."""
 
 from __future__ import annotations
+
+import math
+from numbers import Real
 
 import torch
 
@@ -30,3 +35,89 @@ def flag(name: str, value) -> bool:
     elif type(value).__name__ in ("bool_", "bool") and type(value).__module__ == "numpy":
         return bool(value)
     raise TypeError(f"{name} must be True or False, got {value!r:.80} ({type(value).__name__})")
+
+
+def integer(name: str, value, *, minimum: int | None = None, allow_none: bool = False) -> int | None:
+    """``value`` as an int (not a bool) ``>= minimum``; None passes where ``allow_none``.
+
+    Example::
+
+        >>> from attnkit._checks import integer
+        >>> integer("block", 16, minimum=1)
+        16
+        >>> integer("block", 0, minimum=1)
+        Traceback (most recent call last):
+        ...
+        ValueError: block=0 must be >= 1
+    """
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int{' or None' if allow_none else ''}, got {value!r} "
+                        f"({type(value).__name__})")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}={value} must be >= {minimum}")
+    return value
+
+
+def number(name: str, value, *, low: float | None = None, high: float | None = None, low_open: bool = False,
+           high_open: bool = False, fix: str = "") -> float:
+    """``value``, a finite Python number (not a bool, not a tensor), as a float inside the bounds ``low`` and
+    ``high`` (excluded where ``low_open`` / ``high_open``); ``fix`` ends the messages (e.g. what else may be
+    passed).
+
+    Example::
+
+        >>> from attnkit._checks import number
+        >>> number("dropout_p", 0.1, low=0.0, high=1.0, high_open=True)
+        0.1
+        >>> number("dropout_p", 1.0, low=0.0, high=1.0, high_open=True)
+        Traceback (most recent call last):
+        ...
+        ValueError: dropout_p=1.0 must be < 1.0
+    """
+    if isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}={value!r} must be a Python number, not a tensor: pass float({name}) (a tensor "
+                        f"{name} would get no gradient here)")
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(float(value)):
+        raise ValueError(f"{name}={value!r} must be a finite number{fix}")
+    x = float(value)
+    if low is not None and (x < low or (low_open and x == low)):
+        raise ValueError(f"{name}={value!r} must be {'>' if low_open else '>='} {low}{fix}")
+    if high is not None and (x > high or (high_open and x == high)):
+        raise ValueError(f"{name}={value!r} must be {'<' if high_open else '<='} {high}{fix}")
+    return x
+
+
+def _plain_number(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float))
+
+
+def finite_float(name: str, value) -> float:
+    """``value``, a finite int or float (not a bool), as a float."""
+    if not _plain_number(value) or not math.isfinite(value):
+        raise ValueError(f"{name}={value!r} must be a finite number")
+    return float(value)
+
+
+def positive_float(name: str, value, *, allow_none: bool = False) -> float | None:
+    """``value``, a finite int or float ``> 0``, as a float; None passes where ``allow_none``."""
+    if value is None and allow_none:
+        return None
+    if not _plain_number(value) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a finite number > 0{' (or None)' if allow_none else ''}")
+    return float(value)
+
+
+def probability(name: str, value) -> float:
+    """``value``, an int or float in ``[0, 1)`` (a dropout rate), as a float."""
+    if not _plain_number(value) or not 0.0 <= float(value) < 1.0:
+        raise ValueError(f"{name}={value!r} must be a number in [0, 1)")
+    return float(value)
+
+
+def choice(name: str, value, options: tuple):
+    """``value`` when it is one of ``options``."""
+    if value not in options:
+        raise ValueError(f"{name}={value!r} is not one of {options}")
+    return value

@@ -30,17 +30,6 @@ Tensor = torch.Tensor
 # ----------------------------------------------------------------------------- checks
 
 
-def _number(name: str, value, *, minimum: float | None = None, strict: bool = False, maximum: float | None = None,
-            hint: str = "") -> float:
-    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
-        raise ValueError(f"{name}={value!r} must be a finite number{hint}")
-    if minimum is not None and (value <= minimum if strict else value < minimum):
-        raise ValueError(f"{name}={value!r} must be {'>' if strict else '>='} {minimum}{hint}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{name}={value!r} must be <= {maximum}{hint}")
-    return float(value)
-
-
 def _token(name: str, t) -> int:
     if isinstance(t, bool) or not isinstance(t, Integral) or t < 0:
         raise ValueError(f"{name} must hold token ids (ints >= 0), got {t!r}")

@@ -27,13 +27,12 @@ from numbers import Integral
 
 import torch
 
-from ._checks import flag
+from ._checks import flag, integer
 from . import _sampling
 from .cache import PagedCache, PoolExhausted
-from .cache._common import check_int
-from .generate import (GenerationResult, SamplingParams, _check_decoder_only, _check_eos, _check_positions,
-                       _check_tokens, _EvalMode, _last_logits, _reading, _weights_key, sample)
-from .nn.layers import _DecodeCopies
+from ._decoding import (DecodeCopies, EvalMode, check_decoder_only, check_eos, check_positions, check_tokens,
+                        last_logits, reading, weights_key)
+from .generate import GenerationResult, SamplingParams, sample
 
 Tensor = torch.Tensor
 
@@ -134,25 +133,25 @@ class Engine:
 
     def __init__(self, model, cache_blocks: int, block_size: int = 16, max_batch: int = 16, *, preempt: bool = True,
                  prefix_caching: bool = True, relayout: bool = True, max_batched_tokens: int | None = None):
-        check_int("cache_blocks", cache_blocks, minimum=1)
-        check_int("block_size", block_size, minimum=1)
-        self.max_batch = check_int("max_batch", max_batch, minimum=1)
+        integer("cache_blocks", cache_blocks, minimum=1)
+        integer("block_size", block_size, minimum=1)
+        self.max_batch = integer("max_batch", max_batch, minimum=1)
         preempt, prefix_caching = flag("preempt", preempt), flag("prefix_caching", prefix_caching)
         relayout = flag("relayout", relayout)
         if max_batched_tokens is not None:
-            check_int("max_batched_tokens", max_batched_tokens, minimum=1)
+            integer("max_batched_tokens", max_batched_tokens, minimum=1)
             if max_batched_tokens < self.max_batch:
                 raise ValueError(f"max_batched_tokens={max_batched_tokens} is below max_batch={self.max_batch}: a step "
                                  f"must fit one decode token of every running sequence; pass max_batched_tokens >= "
                                  f"{self.max_batch} (or a smaller max_batch)")
         self.max_batched_tokens = max_batched_tokens
-        _check_decoder_only(model, "Engine")
+        check_decoder_only(model, "Engine")
         self.model = model
-        self._copies = _DecodeCopies() if relayout else None  # the weights laid out for decoding, owned here
+        self._copies = DecodeCopies() if relayout else None  # the weights laid out for decoding, owned here
         self.preempt = preempt
         self.cache = PagedCache.for_model(model, cache_blocks, block_size, prefix_caching=prefix_caching)
-        self._weights = _weights_key(model)  # a change drops the cached prefixes (computed with the old weights)
-        self._eval_mode = _EvalMode(model)  # its modules, listed again when the weights change
+        self._weights = weights_key(model)  # a change drops the cached prefixes (computed with the old weights)
+        self._eval_mode = EvalMode(model)  # its modules, listed again when the weights change
         self._model_dtype = _param_dtype(model)
         # the precision it is built under (autocast's dtype inside torch.autocast): every step runs in it,
         # whatever autocast says at the step, so the pool and the keys written to it always agree
@@ -186,8 +185,8 @@ class Engine:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, Integral) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 0")
         prompt = [int(t) for t in prompt]
-        _check_tokens([prompt], getattr(getattr(self.model, "config", None), "vocab_size", None), "prompt")
-        _check_positions(self.model, len(prompt), max_new_tokens)
+        check_tokens([prompt], getattr(getattr(self.model, "config", None), "vocab_size", None), "prompt")
+        check_positions(self.model, len(prompt), max_new_tokens)
         bs = self.cache.block_size
         blocks = -(-(len(prompt) + max(max_new_tokens, 1) - 1) // bs)
         if blocks > self.cache.num_blocks:
@@ -197,7 +196,7 @@ class Engine:
         params = SamplingParams(temperature, top_k, top_p, eos_id, seed, repetition_penalty=repetition_penalty,
                                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, min_p=min_p,
                                 logit_bias=logit_bias, stop=stop, logprobs=logprobs)
-        _check_eos(params, getattr(getattr(self.model, "config", None), "vocab_size", None))
+        check_eos(params, getattr(getattr(self.model, "config", None), "vocab_size", None))
         rid = self._next_rid
         self._next_rid += 1
         req = _Request(rid, prompt, int(max_new_tokens), params, params.generator(self.cache.device))
@@ -245,18 +244,29 @@ class Engine:
         else:
             self.cache.append_tokens(req.sid, [tok])
 
+    def _place_oldest(self) -> tuple[_Request, int, list[int], int] | None:
+        """Add the oldest waiting request's tokens (its prompt, and what it produced before a preemption) to
+        the pool, reusing cached prefix blocks: ``(request, sid, tokens, n_new)`` with ``n_new`` the tokens
+        left to compute, or None, the pool as it was, when the blocks those need are not free."""
+        cache = self.cache
+        req = self.waiting[0]
+        tokens = req.prompt + req.out  # after a preemption: recompute what it had produced
+        hits = cache.prefix_hits
+        sid = cache.add_sequence(tokens)
+        n_new = len(tokens) - cache.length(sid)
+        if cache.blocks_needed(sid, n_new) > cache.num_free_blocks:
+            cache.free(sid)
+            cache.prefix_hits = hits  # not admitted: nothing was reused
+            return None
+        return req, sid, tokens, n_new
+
     def _admit(self, events: list) -> None:
         cache = self.cache
         while self.waiting and len(self.running) < self.max_batch:
-            req = self.waiting[0]
-            tokens = req.prompt + req.out  # after a preemption: recompute what it had produced
-            hits = cache.prefix_hits
-            sid = cache.add_sequence(tokens)
-            n_new = len(tokens) - cache.length(sid)
-            if cache.blocks_needed(sid, n_new) > cache.num_free_blocks:
-                cache.free(sid)
-                cache.prefix_hits = hits  # not admitted: nothing was reused
+            placed = self._place_oldest()
+            if placed is None:
                 break
+            req, sid, tokens, n_new = placed
             self.waiting.popleft()
             req.sid, req.admitted, req.fresh = sid, self._admissions, True
             self._admissions += 1
@@ -287,11 +297,11 @@ class Engine:
             raise ValueError(f"Engine: the model's weights are now {dtype} but the Engine was built for "
                              f"{self._model_dtype} (its block pool holds that dtype): make a new Engine for the "
                              f"converted model")
-        key = _weights_key(self.model)
+        key = weights_key(self.model)
         if key != self._weights:  # new weights (load_state_dict, an optimizer step): cached prefixes are stale
             cache.clear_prefix_cache()
             self._weights = key
-            self._eval_mode = _EvalMode(self.model)  # (new weights may come with new modules: quantize)
+            self._eval_mode = EvalMode(self.model)  # (new weights may come with new modules: quantize)
         if self.max_batched_tokens is not None:  # packed steps of up to N tokens read the weights as they are
             with torch.no_grad(), torch.autocast(self._device_type, dtype=self._autocast_dtype,
                                                  enabled=self._autocast), self._eval_mode():
@@ -302,7 +312,7 @@ class Engine:
             self._copies.refresh()
         with torch.no_grad(), torch.autocast(self._device_type, dtype=self._autocast_dtype, enabled=self._autocast), \
                 self._eval_mode():
-            with _reading(self._copies if self.max_batch > 3 else None):  # prefills of <= 64 tokens read them too
+            with reading(self._copies if self.max_batch > 3 else None):  # prefills of <= 64 tokens read them too
                 self._admit(events)
             dec = self._room_for_decode(lambda r: not r.fresh)
             if dec:
@@ -311,8 +321,8 @@ class Engine:
                 self._track()
                 view = cache.batch([r.sid for r in dec])
                 ids = torch.tensor([[r.out[-1]] for r in dec], dtype=torch.long, device=cache.device)  # (B, 1)
-                with _reading(self._copies):
-                    logits = _last_logits(self.model(ids, cache=view, positions=view.positions(1)))
+                with reading(self._copies):
+                    logits = last_logits(self.model(ids, cache=view, positions=view.positions(1)))
                 self.stats["decode_tokens"] += len(dec)
                 for r, tok in zip(dec, self._sample(dec, logits)):
                     self._emit(r, tok, events)
@@ -355,15 +365,10 @@ class Engine:
                 work.append((r, r.feed[r.fed:r.fed + n]))
                 budget -= n
         while budget > 0 and self.waiting and len(self.running) < self.max_batch:
-            req = self.waiting[0]
-            tokens = req.prompt + req.out  # after a preemption: recompute what it had produced
-            hits = cache.prefix_hits
-            sid = cache.add_sequence(tokens)
-            n_new = len(tokens) - cache.length(sid)
-            if cache.blocks_needed(sid, n_new) > cache.num_free_blocks:
-                cache.free(sid)
-                cache.prefix_hits = hits  # not admitted: nothing was reused
+            placed = self._place_oldest()
+            if placed is None:
                 break
+            req, sid, tokens, n_new = placed
             cache.reserve(sid, n_new)  # the whole prompt's blocks now: its later chunks never run short
             self.waiting.popleft()
             req.sid, req.admitted = sid, self._admissions

@@ -23,16 +23,16 @@ import torch
 from . import _sampling
 from ._sampling import TokenLogprob
 from .cache import PagedCache, QuantizedCache, SlidingWindowCache, StaticCache
-from ._checks import flag
+from ._checks import flag, number
 from .cache._common import model_dims
-from .nn.layers import _DecodeCopies
+from ._decoding import (DecodeCopies, EvalMode, check_decoder_only, check_eos, check_positions, check_tokens,
+                        last_logits, reading, weights_key)
 
 Tensor = torch.Tensor
 
 __all__ = ["generate", "sample", "SamplingParams", "GenerationResult", "TokenLogprob", "SpeculativeStats"]
 
 CACHES = ("static", "sliding", "paged", "int8", "int4")
-_EXTRAPOLATING = ("alibi", "t5", "none")  # position methods that take positions beyond max_seq_len
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -76,15 +76,16 @@ class SamplingParams:
         eos_ids = _sampling.check_eos(eos_id)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, Integral)):
             raise ValueError(f"seed={seed!r} must be an int or None")
-        self.repetition_penalty = _sampling._number(
-            "repetition_penalty", repetition_penalty, minimum=0.0, strict=True,
-            hint=" (1 is no penalty, above 1 discourages repeating a token)")
-        self.presence_penalty = _sampling._number("presence_penalty", presence_penalty, minimum=0.0,
-                                                  hint=" (0 is no penalty; a negative value would reward repeating)")
-        self.frequency_penalty = _sampling._number("frequency_penalty", frequency_penalty, minimum=0.0,
-                                                   hint=" (0 is no penalty; a negative value would reward repeating)")
+        self.repetition_penalty = number(
+            "repetition_penalty", repetition_penalty, low=0.0, low_open=True,
+            fix=" (1 is no penalty, above 1 discourages repeating a token)")
+        self.presence_penalty = number("presence_penalty", presence_penalty, low=0.0,
+                                        fix=" (0 is no penalty; a negative value would reward repeating)")
+        self.frequency_penalty = number("frequency_penalty", frequency_penalty, low=0.0,
+                                         fix=" (0 is no penalty; a negative value would reward repeating)")
         if min_p is not None:
-            min_p = _sampling._number("min_p", min_p, minimum=0.0, maximum=1.0, hint=" (a share of the top token's probability in [0, 1], or None)")
+            min_p = number("min_p", min_p, low=0.0, high=1.0,
+                           fix=" (a share of the top token's probability in [0, 1], or None)")
         self.min_p = min_p
         self.logit_bias = _sampling.check_logit_bias(logit_bias)
         self.stop = _sampling.check_stop(stop)
@@ -219,56 +220,6 @@ def _prompts(prompts) -> list[list[int]]:
     return out
 
 
-def _check_decoder_only(model, who: str) -> None:
-    """generate and Engine run decoder-only LMs: an encoder-decoder gets a clear error, not a missing argument."""
-    from .nn import EncoderDecoder
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"{who} takes a decoder language model, a torch.nn.Module called as model(ids, cache=..., "
-                        f"positions=...) -> logits with a .config (e.g. attnkit.nn.DecoderLM), got "
-                        f"{type(model).__name__} {model!r:.60}")
-    if isinstance(model, EncoderDecoder):
-        raise TypeError(f"{who} takes a decoder-only language model (e.g. attnkit.nn.DecoderLM), got an "
-                        f"EncoderDecoder: encode once with model.encode(src), then decode step by step with "
-                        f"model.decode(tgt, memory, cache=attnkit.cache.EncoderDecoderCache(...))")
-
-
-def _check_tokens(prompts: list[list[int]], vocab: int | None, name: str | None = None) -> None:
-    """Every token id inside ``[0, vocab)``; ``name`` names a single prompt's argument (else ``prompts[i]``)."""
-    if vocab is None:
-        return
-    for i, p in enumerate(prompts):
-        bad = [t for t in p if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"{name or f'prompts[{i}]'} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
-
-
-def _check_eos(params: SamplingParams, vocab: int | None) -> None:
-    if vocab is None:
-        return
-    bad = [t for t in params.eos_ids if t >= vocab]
-    if bad:
-        raise ValueError(f"eos_id={params.eos_id} is outside the vocabulary [0, {vocab}): the model can never emit "
-                         f"{bad[0]}; pass the tokenizer's end-of-sequence id (or None)")
-    _sampling.check_in_vocab("logit_bias", params.logit_bias, vocab)
-    for i, s in enumerate(params.stop):
-        _sampling.check_in_vocab(f"stop[{i}]", s, vocab)
-
-
-def _check_positions(model, longest: int, max_new_tokens: int) -> None:
-    cfg = getattr(model, "config", None)
-    max_len = getattr(cfg, "max_seq_len", None)
-    method = getattr(cfg, "positions", None)
-    need = longest + max_new_tokens - 1  # the last new token is never fed back
-    if max_len is not None and method not in _EXTRAPOLATING and longest > max_len:
-        raise ValueError(f"a prompt of {longest} tokens is longer than the model's max_seq_len={max_len} "
-                         f"(positions={method!r} does not extrapolate): shorten the prompt to at most {max_len} "
-                         f"tokens (e.g. keep its last {max_len})")
-    if max_len is not None and method not in _EXTRAPOLATING and need > max_len:
-        raise ValueError(f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} needs positions up to "
-                         f"{need - 1}, beyond the model's max_seq_len={max_len} (positions={method!r} does not "
-                         f"extrapolate): shorten the prompt or ask for at most {max_len - longest + 1} new tokens")
-
-
 def _make_cache(model, cache, batch: int, max_len: int):
     if callable(cache) and not isinstance(cache, str):
         made = cache(model, batch, max_len)
@@ -289,11 +240,6 @@ def _make_cache(model, cache, batch: int, max_len: int):
 # ----------------------------------------------------------------------------- decoding loops
 
 
-def _last_logits(out) -> Tensor:
-    logits = out[0] if isinstance(out, tuple) else out
-    return logits[:, -1].float()  # (B, V)
-
-
 # model -> (its weights when compiled, its compiled step, that step's code object)
 _COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _STEP_IDS = itertools.count()
@@ -307,7 +253,7 @@ _COPIES_LOCK = threading.Lock()
 _COPIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> generate's copies of its weights
 
 
-def _decode_copies(model) -> _DecodeCopies | None:
+def _decode_copies(model) -> DecodeCopies | None:
     """The copies of ``model``'s weights that generate's decode steps read (laid out for each step's batch;
     kept while the model lives, so that later generations reuse them; stale ones dropped here)."""
     if not isinstance(model, torch.nn.Module):
@@ -315,42 +261,9 @@ def _decode_copies(model) -> _DecodeCopies | None:
     with _COPIES_LOCK:
         copies = _COPIES.get(model)
         if copies is None:
-            copies = _COPIES[model] = _DecodeCopies()
+            copies = _COPIES[model] = DecodeCopies()
     copies.refresh()
     return copies
-
-
-class _EvalMode:
-    """Runs forwards of ``model`` in eval mode (no dropout while decoding) and gives every module its own
-    mode back after each (parents before children).  The modules are listed once, here: a few microseconds
-    a forward when none is training."""
-
-    def __init__(self, model):
-        self.modules = list(model.modules()) if isinstance(model, torch.nn.Module) else []
-
-    @contextlib.contextmanager
-    def __call__(self):
-        modes = [m.training for m in self.modules]
-        if not any(modes):
-            yield
-            return
-        self.modules[0].eval()
-        try:
-            yield
-        finally:
-            for m, mode in zip(self.modules, modes):  # (pre-order: a child's mode is set after its parent's)
-                if m.training != mode:
-                    m.train(mode)
-
-
-def _reading(copies: _DecodeCopies | None):
-    """Decode products read ``copies`` inside the block (None: the weights as they are)."""
-    return contextlib.nullcontext() if copies is None else copies.active()
-
-
-def _weights_key(model) -> tuple:
-    """Where each parameter and buffer lives and how often it was written in place."""
-    return tuple((t.data_ptr(), t._version) for t in (*model.parameters(), *model.buffers()))
 
 
 def _compiled_step(model):
@@ -363,7 +276,7 @@ def _compiled_step(model):
     model gets its own code object, so its compiled code is its own: when its weights changed in place since
     it was compiled, that code alone is dropped and compiled again.  Up to 64 graphs (batch sizes) are kept
     per model (dynamo's default keeps 8)."""
-    key = _weights_key(model)
+    key = weights_key(model)
     entry = _COMPILED.get(model)
     if entry is not None and entry[0] != key:  # the frozen constants are stale
         if hasattr(torch._dynamo, "reset_code"):
@@ -421,14 +334,14 @@ def _steps_padded(model, prompts, max_new_tokens, cache, compiled: bool = False)
         kv.set_left_padding(pad)
         offs = torch.tensor(pad, device=device).view(-1, 1)
         pos = (torch.arange(L, device=device).view(1, -1) - offs).clamp(min=0)  # (B, L) per-row positions
-        nxt = yield _last_logits(model(ids, cache=kv, positions=pos))
+        nxt = yield last_logits(model(ids, cache=kv, positions=pos))
         step_pos = torch.tensor(lens, device=device).view(-1, 1)  # (B, 1)
         while True:
-            nxt = yield _last_logits(step(nxt.view(B, 1), cache=kv, positions=step_pos))
+            nxt = yield last_logits(step(nxt.view(B, 1), cache=kv, positions=step_pos))
             step_pos = step_pos + 1
-    nxt = yield _last_logits(model(ids, cache=kv))
+    nxt = yield last_logits(model(ids, cache=kv))
     while True:
-        nxt = yield _last_logits(step(nxt.view(B, 1), cache=kv))
+        nxt = yield last_logits(step(nxt.view(B, 1), cache=kv))
 
 
 def _steps_paged(model, prompts, max_new_tokens, block_size: int = 16) -> Iterator[Tensor]:
@@ -440,12 +353,12 @@ def _steps_paged(model, prompts, max_new_tokens, block_size: int = 16) -> Iterat
     first = []
     for sid, p in zip(ids, prompts):
         view = pool.batch([sid])
-        first.append(_last_logits(model(torch.tensor([p], device=device), cache=view)))
+        first.append(last_logits(model(torch.tensor([p], device=device), cache=view)))
     nxt = yield torch.cat(first)
     B = len(prompts)
     while True:
         view = pool.batch(ids)
-        nxt = yield _last_logits(model(nxt.view(B, 1), cache=view, positions=view.positions(1)))
+        nxt = yield last_logits(model(nxt.view(B, 1), cache=view, positions=view.positions(1)))
 
 
 def _steps_recompute(model, prompts) -> Iterator[Tensor]:
@@ -459,7 +372,7 @@ def _steps_recompute(model, prompts) -> Iterator[Tensor]:
     while True:
         logits = None
         for n, rows in groups.items():
-            out = _last_logits(model(seqs[n]))
+            out = last_logits(model(seqs[n]))
             if logits is None:
                 logits = out.new_empty(B, out.shape[-1])
             logits[rows] = out
@@ -469,7 +382,7 @@ def _steps_recompute(model, prompts) -> Iterator[Tensor]:
 
 
 def _stream(model, prompts: list[list[int]], max_new_tokens: int, cache, params: SamplingParams,
-            compiled: bool = False, copies: _DecodeCopies | None = None
+            compiled: bool = False, copies: DecodeCopies | None = None
             ) -> Iterator[tuple[int, int, TokenLogprob | None]]:
     """Yields ``(prompt index, token, its log-probabilities or None)`` as each step produces them.  Each
     forward runs in eval mode and without gradients, and only then (a caller reading the stream keeps its
@@ -478,7 +391,7 @@ def _stream(model, prompts: list[list[int]], max_new_tokens: int, cache, params:
     B = len(prompts)
     if max_new_tokens == 0:
         return
-    eval_mode = _EvalMode(model)
+    eval_mode = EvalMode(model)
     device = model_dims(model)["device"]
     gens = [params.generator(device) for _ in range(B)]
     if cache is None:
@@ -491,7 +404,7 @@ def _stream(model, prompts: list[list[int]], max_new_tokens: int, cache, params:
     outs: list[list[int]] = [[] for _ in range(B)]
     transform = _sampling.transforms_logits(params)
     # the prefill reads the copies only when the decode steps will (4+ sequences): none are made for it
-    with torch.no_grad(), eval_mode(), _reading(copies if B > 3 else None):
+    with torch.no_grad(), eval_mode(), reading(copies if B > 3 else None):
         logits = next(steps)
     for t in range(max_new_tokens):
         with torch.no_grad():
@@ -509,7 +422,7 @@ def _stream(model, prompts: list[list[int]], max_new_tokens: int, cache, params:
                     done[i] = True
         if all(done) or t == max_new_tokens - 1:
             break
-        with torch.no_grad(), eval_mode(), _reading(copies):
+        with torch.no_grad(), eval_mode(), reading(copies):
             logits = steps.send(tok)
     steps.close()
 
@@ -651,7 +564,7 @@ def _stream_speculative_eval(model, prompts, max_new_tokens, cache, params, draf
     own mode comes back when the stream ends or is closed."""
     with contextlib.ExitStack() as stack:
         for m in (model,) if draft is None else (model, draft):
-            stack.enter_context(_EvalMode(m)())
+            stack.enter_context(EvalMode(m)())
         yield from _stream_speculative(model, prompts, max_new_tokens, cache, params, draft, k, stats)
 
 
@@ -835,7 +748,7 @@ def generate(model, prompts, max_new_tokens: int, *, cache: str | Callable | Non
         >>> out[1] == attnkit.generate(model, [[4, 5]], 4)[0] == attnkit.generate(model, [[4, 5]], 4, cache=None)[0]
         True
     """
-    _check_decoder_only(model, "generate")
+    check_decoder_only(model, "generate")
     prompts = _prompts(prompts)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, Integral) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 0")
@@ -851,15 +764,15 @@ def generate(model, prompts, max_new_tokens: int, *, cache: str | Callable | Non
         raise ValueError(f"compile=True needs cache='static' (or a callable making a StaticCache), got "
                          f"cache={cache!r}: its fixed buffers are what lets the decode step compile once")
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    _check_tokens(prompts, vocab)
-    _check_eos(params, vocab)
-    _check_positions(model, max(len(p) for p in prompts), max_new_tokens)
+    check_tokens(prompts, vocab)
+    check_eos(params, vocab)
+    check_positions(model, max(len(p) for p in prompts), max_new_tokens)
     if cache is not None and cache != "paged" and len({len(p) for p in prompts}) > 1:
         _check_shiftable(model)
     speculative = _check_speculative(model, draft_model, prompt_lookup, num_speculative_tokens, cache, compile,
                                      stats)
     if draft_model is not None:
-        _check_positions(draft_model, max(len(p) for p in prompts), max_new_tokens)
+        check_positions(draft_model, max(len(p) for p in prompts), max_new_tokens)
 
     def run(triples: bool = True) -> Iterator[tuple]:
         """``(prompt_index, token, TokenLogprob or None)`` triples, or ``(prompt_index, token)`` pairs."""
@@ -945,7 +858,7 @@ def _check_speculative(model, draft, prompt_lookup, k, cache, compile, stats) ->
         if not isinstance(draft, torch.nn.Module) or not hasattr(draft, "config"):
             raise TypeError(f"draft_model must be a decoder LM with a config (an attnkit.nn.DecoderLM), got "
                             f"{type(draft).__name__}")
-        _check_decoder_only(draft, "generate's draft_model")
+        check_decoder_only(draft, "generate's draft_model")
         tv = getattr(model.config, "vocab_size", None)
         dv = getattr(draft.config, "vocab_size", None)
         if tv != dv:

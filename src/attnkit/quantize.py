@@ -14,8 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._checks import flag
-from .nn._checks import positive_int
+from ._checks import flag, integer
 
 Tensor = torch.Tensor
 
@@ -33,7 +32,7 @@ def _check_compute_dtype(compute_dtype) -> torch.dtype:
 
 def _check_features(in_features, out_features) -> None:
     for name, value in (("in_features", in_features), ("out_features", out_features)):
-        positive_int(name, value)
+        integer(name, value, minimum=1)
 
 
 def _int8pack_works(device: torch.device, dtype: torch.dtype) -> bool:

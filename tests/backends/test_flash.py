@@ -16,13 +16,7 @@ from attnkit.functional import _make_call
 from attnkit.testing import check_against_oracle, reference
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one thread avoids OpenMP barriers, which cost milliseconds on a shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def run_flash(q, k, v, *, fused=True, block=16, **kw):

@@ -20,12 +20,7 @@ from attnkit.functional import _make_call
 from attnkit.testing import check_against_oracle
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _mask(kind: str, p: int, lq: int, lk: int):

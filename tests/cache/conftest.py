@@ -1,12 +1,8 @@
 """Cache tests use tiny tensors: one intra-op thread is faster than two, and far faster on a loaded machine."""
 
 import pytest
-import torch
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(n)

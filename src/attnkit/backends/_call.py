@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import math
 import sys
-from numbers import Real
 
 import torch
 
-from .._checks import flag
+from .._checks import flag, number
 from ..bias import ScoreMod
 from ..masks import Mask, from_dense, from_flex
 from ._common import Call, accumulation_dtype
@@ -125,17 +124,7 @@ def _check_bias(bias, q: Tensor, shape):
 
 def _check_number(name: str, value, *, low: float | None = None, high: float | None = None,
                   low_open: bool = False, high_open: bool = False, fix: str = "") -> float:
-    if isinstance(value, torch.Tensor):
-        raise TypeError(f"{name}={value!r} must be a Python number, not a tensor: pass float({name}) (a tensor "
-                        f"{name} would get no gradient here)")
-    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(float(value)):
-        raise ValueError(f"{name}={value!r} must be a finite number{fix}")
-    x = float(value)
-    if low is not None and (x < low or (low_open and x == low)):
-        raise ValueError(f"{name}={value!r} must be {'>' if low_open else '>='} {low}{fix}")
-    if high is not None and (x > high or (high_open and x == high)):
-        raise ValueError(f"{name}={value!r} must be {'<' if high_open else '<='} {high}{fix}")
-    return x
+    return number(name, value, low=low, high=high, low_open=low_open, high_open=high_open, fix=fix)
 
 
 def _check_scale(scale: float, q: Tensor, bias) -> None:

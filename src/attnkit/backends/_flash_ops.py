@@ -23,7 +23,7 @@ import torch
 
 from ..bias import ScoreMod
 from ..masks import FULL
-from ._common import accumulation_dtype, reachable_tensors, zero_unseen
+from ._common import accumulation_dtype, zero_unseen
 from ._flash_plan import Heads, Job, Plan
 
 Tensor = torch.Tensor
@@ -96,81 +96,6 @@ def dropout_keep(seed: int, b: Tensor, h: Tensor, q: Tensor, k: Tensor, p: float
 def draw_seed() -> int:
     """A dropout seed from torch's default generator (so ``torch.manual_seed`` makes it reproducible)."""
     return int(torch.randint(0, 2**31 - 1, (1,)).item())
-
-
-# ---------------------------------------------------------------------- score modifiers
-
-
-def mod_params(obj) -> list[Tensor]:
-    """Tensors that require grad that a score modifier reads: its own (ALiBi slopes, T5 table, per-head
-    temperatures), those of composed modifiers, and whatever a ``from_fn`` function reaches (closures,
-    globals it names, a bound method's object, ``nn.Module`` parameters; see ``reachable_tensors``)."""
-    return [t for t in reachable_tensors(obj) if t.requires_grad]
-
-
-def probe_params(mod: ScoreMod, params: list[Tensor], device, dtype: torch.dtype = torch.float32
-                 ) -> tuple[list[Tensor], list[Tensor]]:
-    """``(used, missing)``: the ``params`` that ``mod``'s result depends on directly (not only through another
-    of them), and the leaf tensors requiring grad it depends on that are not (and are not behind)
-    ``params``; found by applying the modifier to one score and walking its autograd graph.  The flash
-    backward gives gradients to ``used`` (autograd carries them on to what those were computed from);
-    anything in ``missing`` would silently get none."""
-    zero = torch.zeros((1, 1, 1, 1), dtype=torch.long, device=device)
-    with torch.enable_grad():
-        out = mod.apply(torch.zeros((1, 1, 1, 1), dtype=dtype, device=device), zero, zero, zero, zero, 1, 1)
-    if not isinstance(out, Tensor) or out.grad_fn is None:
-        return [], []
-    leaves = {id(p): p for p in params if p.grad_fn is None}
-    inner: dict[int, list[Tensor]] = {}
-    for p in params:
-        if p.grad_fn is not None:
-            inner.setdefault(id(p.grad_fn), []).append(p)
-    used: dict[int, Tensor] = {}
-    missing, seen, todo = [], set(), [out.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        if id(node) in inner:  # a parameter computed by this node: its own gradient carries on from there
-            used.update((id(p), p) for p in inner[id(node)])
-            continue
-        var = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf
-        if var is not None:
-            if id(var) in leaves:
-                used[id(var)] = var
-            else:
-                missing.append(var)
-        todo += [n for n, _ in node.next_functions]
-    return [p for p in params if id(p) in used], missing
-
-
-def derived_params(params: list[Tensor], limit: int = 200_000) -> tuple[Tensor, Tensor] | None:
-    """A pair ``(a, b)`` of ``params`` where ``a`` was computed from ``b`` (its autograd graph reaches ``b``),
-    or None.  The backward's gradient for ``b`` already includes the path through ``a``; giving ``a`` its
-    own gradient too would count that path twice.  A graph of more than ``limit`` nodes is not walked to
-    its end: the pair ``(a, a)`` says it could not be checked (the call is refused, to be safe)."""
-    if len(params) < 2:
-        return None
-    targets = {id(p.grad_fn) if p.grad_fn is not None else id(p): p for p in params}
-    for a in params:
-        if a.grad_fn is None:
-            continue
-        seen: set[int] = set()
-        todo = [n for n, _ in a.grad_fn.next_functions]
-        while todo:
-            if len(seen) >= limit:
-                return a, a
-            node = todo.pop()
-            if node is None or id(node) in seen:
-                continue
-            seen.add(id(node))
-            var = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf
-            hit = targets.get(id(var) if var is not None else id(node))
-            if hit is not None and hit is not a:
-                return a, hit
-            todo += [n for n, _ in node.next_functions]
-    return None
 
 
 # ------------------------------------------------------------------------- the work

@@ -52,7 +52,9 @@ from . import _flash_ops as ops
 from . import _flash_plan as planning
 from ..softmax import add_sink
 from ._call import _empty_result, _is_empty, _make_call
-from ._common import Call, check_unchanged, per_mask, reachable_tensors, sink_grad, tensor_key, tensor_versions
+from ._common import Call, per_mask, sink_grad
+from ._reads import (check_reach, check_unchanged, derived_params, mod_params, probe_params, read_tensors,
+                     reachable_tensors, tensor_key, tensor_versions)
 
 Tensor = torch.Tensor
 
@@ -175,7 +177,7 @@ def _bias_needs_grad(call: Call) -> tuple[bool, list[Tensor]]:
         return call.bias.requires_grad, []
     if isinstance(call.bias, ScoreMod):
         if "bias_params" not in call.cache:  # the reachable tensors the modifier's result depends on
-            call.cache["bias_params"] = ops.probe_params(call.bias, ops.mod_params(call.bias), call.q.device,
+            call.cache["bias_params"] = probe_params(call.bias, mod_params(call.bias), call.q.device,
                                                          call.q.dtype)
         params = call.cache["bias_params"][0]
         return bool(params), params
@@ -278,7 +280,7 @@ class _FlashFunction(torch.autograd.Function):
         ctx.sinks = sinks
         ctx.versions = tensor_versions(call.mask, call.bias) + [(p, p._version) for p in params]  # read again
         mod = None if bias_t is not None else call.bias
-        ctx.reach = _read_tensors(call.mask, mod)
+        ctx.reach = read_tensors(call.mask, mod)
         ctx.has_bias_t = bias_t is not None
         ctx.set_materialize_grads(False)
         return out, lse
@@ -292,7 +294,7 @@ class _FlashFunction(torch.autograd.Function):
         stripped, plan, seed, allow_fused, params = ctx.state
         q, k, v, out, lse, bias_t, bare = ctx.saved_tensors
         call = dataclasses.replace(stripped, q=q, k=k, v=v, bias=bias_t if ctx.has_bias_t else stripped.bias)
-        _check_reach(ctx.reach, call)
+        check_reach(ctx.reach, call)
         n_params = len(ctx.needs_input_grad) - 6
         if dout is None and dlse is None:
             return (None,) * (6 + n_params)
@@ -329,51 +331,6 @@ class _FlashFunction(torch.autograd.Function):
 
 
 # --------------------------------------------------------------------------- run
-
-
-def _read_tensors(*objs) -> tuple[Tensor, ...]:
-    """The tensors the masks/modifiers ``objs`` read, for the rebinding check: what ``reachable_tensors``
-    finds outside modules, plus the tensor attributes of a module whose bound method is the function that
-    its code names (``self.scale`` in ``def fn(self, ...)``: a module's other attributes may change freely)."""
-    import types
-    out = [t for o in objs for t in reachable_tensors(o, modules=False)]
-    stack, seen = list(objs), set()
-    while stack:
-        x = stack.pop()
-        if x is None or id(x) in seen or isinstance(x, Tensor):
-            continue
-        seen.add(id(x))
-        if isinstance(x, types.MethodType) and isinstance(x.__self__, torch.nn.Module):
-            names, codes = set(), [x.__func__.__code__]
-            while codes:
-                code = codes.pop()
-                names.update(code.co_names)
-                codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
-            for name in names:
-                t = getattr(x.__self__, name, None)
-                if isinstance(t, Tensor):
-                    out.append(t)
-        elif isinstance(x, (Mask, ScoreMod)):
-            stack += [v for v in vars(x).values() if not isinstance(v, Tensor)]
-        elif isinstance(x, (list, tuple)):
-            stack += list(x)
-    return tuple(out)
-
-
-def _check_reach(before: tuple[Tensor, ...], call: Call) -> None:
-    """The backward recomputes the scores by calling the mask and bias again: every tensor they reached in
-    the forward must still be what they reach (a closure variable rebound between the forward and the
-    backward would give the gradients of another function)."""
-    mod = None if isinstance(call.bias, Tensor) else call.bias
-    now = {id(t) for t in _read_tensors(call.mask, mod)}
-    gone = [t for t in before if id(t) not in now]
-    if gone:
-        t = gone[0]
-        raise RuntimeError(f"a tensor the attention's mask or bias read in the forward (shape {tuple(t.shape)}, "
-                           f"{t.dtype}) is no longer what it reads at the backward (a variable or attribute it "
-                           f"names was rebound, e.g. by a second forward), so the flash backward cannot "
-                           f"recompute what the forward did: compute such tensors inside the bias function, call "
-                           f"backward() before rebinding them, or use backend='math' or 'sdpa'")
 
 
 def _run(call: Call, block_q: int | None = None, block_k: int | None = None, *, fused: bool | None = None):
@@ -464,7 +421,7 @@ def _unreached_reason(call: Call) -> str | None:
     _bias_needs_grad(call)
     params, missing = call.cache.get("bias_params", ([], []))
     if "derived" not in call.cache:
-        call.cache["derived"] = ops.derived_params(params)
+        call.cache["derived"] = derived_params(params)
     if call.cache["derived"] is not None:
         a, b = call.cache["derived"]
         if a is b:

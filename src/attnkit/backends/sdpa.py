@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from ..bias import ScoreMod
 from ..masks import Mask
 from ._call import graph_zero
-from ._common import Call, per_mask, reachable_tensors, tensor_key, zero_unseen
+from ._common import Call, per_mask, zero_unseen
+from ._reads import reachable_tensors, tensor_key
 
 Tensor = torch.Tensor
 

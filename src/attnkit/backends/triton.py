@@ -48,7 +48,8 @@ from ..bias import ScoreMod
 from ..masks import Mask
 from . import _triton_plan as _plan
 from ..softmax import add_sink
-from ._common import Call, check_paged_values, check_unchanged, sink_grad, tensor_versions
+from ._common import Call, check_paged_values, sink_grad
+from ._reads import check_unchanged, tensor_versions
 
 Tensor = torch.Tensor
 

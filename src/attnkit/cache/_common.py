@@ -7,18 +7,11 @@ from typing import Sequence
 
 import torch
 
+from .._checks import integer
+
 Tensor = torch.Tensor
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def check_int(name: str, value, *, minimum: int = 0) -> int:
-    """``value`` as an int ``>= minimum``, or a ValueError/TypeError that says what to pass."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{name}={value} must be >= {minimum}")
-    return value
 
 
 def check_dtype(name: str, dtype) -> torch.dtype:
@@ -191,6 +184,47 @@ class ModelCache:
 
     def __len__(self) -> int:
         return len(self.layers)
+
+
+class LayoutCache(ModelCache):
+    """A model-level cache whose layers store ``(B, Hkv, L, D)`` key and ``(B, Hkv, L, Dv)`` value tensors
+    of one layout (:class:`attnkit.cache.StaticCache`, :class:`attnkit.cache.SlidingWindowCache`): the
+    layout given (or taken from the first update), and the storage allocated up front when it is known."""
+
+    def _set_layout(self, batch_size: int | None, n_kv_heads: int | None, d_head: int | None,
+                    d_value: int | None, dtype: torch.dtype | None, device, *, latent: bool) -> None:
+        """Check and keep the layout of a cache whose layers store ``(B, Hkv, L, D)`` tensors; what is None
+        is taken from the first update (``d_value`` defaults to ``d_head``; ``latent`` allows ``d_value=0``)."""
+        for name, val in (("batch_size", batch_size), ("n_kv_heads", n_kv_heads), ("d_head", d_head),
+                          ("d_value", d_value)):
+            if val is not None:
+                integer(name, val, minimum=0 if latent and name == "d_value" else 1)
+        self.batch_size, self.n_kv_heads, self.d_head = batch_size, n_kv_heads, d_head
+        self.d_value = d_value if d_value is not None else d_head
+        self.dtype = check_dtype("dtype", dtype) if dtype is not None else None
+        self.device = torch.device(device) if device is not None else None
+
+    def _allocate_known(self) -> None:
+        """Allocate every layer's storage now when the batch, heads and head size are known."""
+        if None not in (self.batch_size, self.n_kv_heads, self.d_head):
+            dt = self.dtype or torch.float32
+            probe_k = torch.empty(self.batch_size, self.n_kv_heads, 0, self.d_head, dtype=dt, device=self.device)
+            probe_v = torch.empty(self.batch_size, self.n_kv_heads, 0, self.d_value, dtype=dt, device=self.device)
+            for layer in self.layers:
+                layer._allocate(probe_k, probe_v)
+
+    def _batch(self) -> int | None:
+        k = self.layers[0].k
+        return k.shape[0] if k is not None else self.batch_size
+
+    def _check_first(self, k, v) -> None:
+        """The first update (storage not allocated yet): its layout against what the cache was given."""
+        check_new_kv(k, v, batch=self.batch_size, heads=self.n_kv_heads, d_head=self.d_head, d_value=self.d_value,
+                     dtype=self.dtype, device=None)
+
+    def _device(self) -> torch.device:
+        k = self.layers[0].k
+        return k.device if k is not None else (self.device or torch.device("cpu"))
 
 
 def attend(kv, q: Tensor, *, mask=None, bias=None, scale: float | None = None, softcap: float | None = None,

@@ -25,12 +25,12 @@ import torch
 
 from ..bias import ScoreMod
 from ..masks import Mask
-from .._checks import flag
+from .._checks import flag, integer
 from ..backends import paged as _kernel
 from ..backends.paged import PoolLayout, block_runs, seq_view
 from ..backends._call import _check_number
 from ._block_pool import BlockPool, PoolExhausted
-from ._common import check_dtype, check_int, check_new_kv, model_dims
+from ._common import check_dtype, check_new_kv, model_dims
 
 Tensor = torch.Tensor
 
@@ -212,13 +212,13 @@ class PagedCache:
     def __init__(self, n_layers: int, num_blocks: int, block_size: int = 16, *, n_kv_heads: int, d_head: int,
                  d_value: int | None = None, dtype: torch.dtype = torch.float32, device=None,
                  prefix_caching: bool = True):
-        self.n_layers = check_int("n_layers", n_layers, minimum=1)
-        self.num_blocks = check_int("num_blocks", num_blocks, minimum=1)
-        self.block_size = check_int("block_size", block_size, minimum=1)
-        self.n_kv_heads = check_int("n_kv_heads", n_kv_heads, minimum=1)
-        self.d_head = check_int("d_head", d_head, minimum=1)
+        self.n_layers = integer("n_layers", n_layers, minimum=1)
+        self.num_blocks = integer("num_blocks", num_blocks, minimum=1)
+        self.block_size = integer("block_size", block_size, minimum=1)
+        self.n_kv_heads = integer("n_kv_heads", n_kv_heads, minimum=1)
+        self.d_head = integer("d_head", d_head, minimum=1)
         # d_value=0: a latent cache, whose values are part of the keys (attnkit.nn.LatentAttention)
-        self.d_value = check_int("d_value", d_value if d_value is not None else d_head, minimum=0)
+        self.d_value = integer("d_value", d_value if d_value is not None else d_head, minimum=0)
         self.dtype = check_dtype("dtype", dtype)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.prefix_caching = flag("prefix_caching", prefix_caching)
@@ -316,7 +316,7 @@ class PagedCache:
             (2, 3)
         """
         seq = self._seq(sid)
-        check_int("length", length)
+        integer("length", length, minimum=0)
         if length > seq.length:
             raise ValueError(f"PagedCache.truncate: length={length} is beyond the {seq.length} positions stored for "
                              f"sequence {sid}: a sequence can only be cut back")
@@ -346,7 +346,7 @@ class PagedCache:
 
     def blocks_needed(self, sid: int, n_new: int) -> int:
         """Blocks that storing ``n_new`` more positions of ``sid`` takes from the pool (copy-on-write included)."""
-        check_int("n_new", n_new)
+        integer("n_new", n_new, minimum=0)
         seq = self._seq(sid)
         bs = self.block_size
         need = -(-(seq.length + n_new) // bs) - len(seq.blocks)
@@ -402,7 +402,7 @@ class PagedCache:
         ids = [int(s) for s in seq_ids]
         if len(set(ids)) != len(ids):
             raise ValueError(f"PagedCache.packed: sequence ids repeat in {ids}")
-        n_new = [check_int("n_new", n, minimum=1) for n in n_new]
+        n_new = [integer("n_new", n, minimum=1) for n in n_new]
         if len(n_new) != len(ids):
             raise ValueError(f"PagedCache.packed: {len(ids)} sequences but {len(n_new)} counts of new tokens")
         for s in ids:
@@ -657,7 +657,7 @@ class PagedBatch(_View):
 
     def positions(self, n_new: int) -> Tensor:
         """``(B, n_new)`` absolute positions of the next ``n_new`` tokens of each sequence."""
-        check_int("n_new", n_new)
+        integer("n_new", n_new, minimum=0)
         lens = torch.tensor([self.cache._seqs[s].length for s in self.ids], dtype=torch.long, device=self.cache.device)
         return lens.view(-1, 1) + torch.arange(n_new, device=self.cache.device).view(1, -1)
 

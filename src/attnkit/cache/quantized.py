@@ -23,7 +23,8 @@ import math
 
 import torch
 
-from ._common import ModelCache, check_dtype, check_int, check_new_kv, model_dims
+from .._checks import integer
+from ._common import ModelCache, check_dtype, check_new_kv, model_dims
 
 Tensor = torch.Tensor
 
@@ -99,10 +100,6 @@ def dequantize_groups(q: Tensor, scale: Tensor, zero: Tensor, dtype: torch.dtype
 def _pack4(q: Tensor) -> Tensor:
     half = q.shape[-1] // 2
     return q[..., :half] | (q[..., half:] << 4)  # (..., D/2): channel i and channel i + D/2 share a byte
-
-
-def _unpack4(p: Tensor) -> Tensor:
-    return torch.cat([p & 15, p >> 4], dim=-1)  # (..., D)
 
 
 class QuantizedLayerCache:
@@ -459,13 +456,13 @@ class QuantizedCache(ModelCache):
                  d_head: int | None = None, d_value: int | None = None, dtype: torch.dtype | None = None,
                  device=None, scale_dtype: torch.dtype = torch.float16):
         super().__init__()
-        check_int("n_layers", n_layers, minimum=1)
-        self.max_len = check_int("max_len", max_len, minimum=1)
+        integer("n_layers", n_layers, minimum=1)
+        self.max_len = integer("max_len", max_len, minimum=1)
         if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (4, 8):  # (8.0 == 8)
             raise ValueError(f"QuantizedCache: bits={bits!r} must be 8 (int8) or 4 (int4)")
         self.bits = bits
-        self.group_size = check_int("group_size", group_size, minimum=1)
-        residual = group_size if residual is None else check_int("residual", residual, minimum=1)
+        self.group_size = integer("group_size", group_size, minimum=1)
+        residual = group_size if residual is None else integer("residual", residual, minimum=1)
         if residual % group_size:
             raise ValueError(f"QuantizedCache: residual={residual} must be a multiple of group_size={group_size} "
                              f"(tokens leave the residual a whole group at a time)")

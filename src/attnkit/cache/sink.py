@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from ._common import ModelCache, check_int, check_new_kv, model_dims
+from .._checks import integer
+from ._common import ModelCache, check_new_kv, model_dims
 
 Tensor = torch.Tensor
 
@@ -105,9 +106,9 @@ class SinkCache(ModelCache):
 
     def __init__(self, n_layers: int, n_sink: int, window: int, *, rope=None):
         super().__init__()
-        check_int("n_layers", n_layers, minimum=1)
-        self.n_sink = check_int("n_sink", n_sink, minimum=0)
-        self.window = check_int("window", window, minimum=1)
+        integer("n_layers", n_layers, minimum=1)
+        self.n_sink = integer("n_sink", n_sink, minimum=0)
+        self.window = integer("window", window, minimum=1)
         self.capacity = self.n_sink + self.window
         self.rope = rope
         self.layers = tuple(SinkLayerCache(self, i) for i in range(n_layers))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from ..masks import Mask
-from ._common import ModelCache, check_dtype, check_int, check_new_kv, model_dims
+from .._checks import integer
+from ._common import LayoutCache, check_new_kv, model_dims
 
 Tensor = torch.Tensor
 
@@ -120,7 +121,7 @@ class SlidingWindowLayerCache:
         return f"SlidingWindowLayerCache(layer {self.index}, {self.length} seen, window {self._owner.window})"
 
 
-class SlidingWindowCache(ModelCache):
+class SlidingWindowCache(LayoutCache):
     """A KV cache that keeps only the last ``window`` positions of each layer (Mistral-style decoding).
 
     Args:
@@ -150,23 +151,11 @@ class SlidingWindowCache(ModelCache):
                  d_head: int | None = None, d_value: int | None = None, dtype: torch.dtype | None = None,
                  device=None):
         super().__init__()
-        check_int("n_layers", n_layers, minimum=1)
-        self.window = check_int("window", window, minimum=1)
-        for name, val in (("batch_size", batch_size), ("n_kv_heads", n_kv_heads), ("d_head", d_head),
-                          ("d_value", d_value)):
-            if val is not None:
-                check_int(name, val, minimum=1)
-        self.batch_size, self.n_kv_heads, self.d_head = batch_size, n_kv_heads, d_head
-        self.d_value = d_value if d_value is not None else d_head
-        self.dtype = check_dtype("dtype", dtype) if dtype is not None else None
-        self.device = torch.device(device) if device is not None else None
+        integer("n_layers", n_layers, minimum=1)
+        self.window = integer("window", window, minimum=1)
+        self._set_layout(batch_size, n_kv_heads, d_head, d_value, dtype, device, latent=False)
         self.layers = tuple(SlidingWindowLayerCache(self, i) for i in range(n_layers))
-        if None not in (batch_size, n_kv_heads, d_head):
-            dt = self.dtype or torch.float32
-            pk = torch.empty(batch_size, n_kv_heads, 0, d_head, dtype=dt, device=self.device)
-            pv = torch.empty(batch_size, n_kv_heads, 0, self.d_value, dtype=dt, device=self.device)
-            for layer in self.layers:
-                layer._allocate(pk, pv)
+        self._allocate_known()
 
     @classmethod
     def for_model(cls, model, batch_size: int, window: int | None = None, *, dtype: torch.dtype | None = None,
@@ -189,19 +178,6 @@ class SlidingWindowCache(ModelCache):
             window = max(wins)
         return cls(d["n_layers"], window, batch_size=batch_size, n_kv_heads=d["n_kv_heads"], d_head=d["d_head"],
                    d_value=d["d_value"], dtype=dtype or d["dtype"], device=device or d["device"])
-
-    def _batch(self) -> int | None:
-        k = self.layers[0].k
-        return k.shape[0] if k is not None else self.batch_size
-
-    def _check_first(self, k, v) -> None:
-        """The first update (storage not allocated yet): its layout against what the cache was given."""
-        check_new_kv(k, v, batch=self.batch_size, heads=self.n_kv_heads, d_head=self.d_head, d_value=self.d_value,
-                     dtype=self.dtype, device=None)
-
-    def _device(self) -> torch.device:
-        k = self.layers[0].k
-        return k.device if k is not None else (self.device or torch.device("cpu"))
 
     def __repr__(self) -> str:
         return (f"SlidingWindowCache({len(self.layers)} layers, window {self.window}, {self.seq_len} seen, "

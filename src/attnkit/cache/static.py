@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ._common import ModelCache, check_dtype, check_int, check_new_kv, model_dims
+from .._checks import integer
+from ._common import LayoutCache, check_new_kv, model_dims
 
 Tensor = torch.Tensor
 
@@ -75,7 +76,7 @@ class StaticLayerCache:
 
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` positions (later ones are overwritten by the next update)."""
-        check_int("length", length)
+        integer("length", length, minimum=0)
         if length > self.length:
             raise ValueError(f"StaticCache.truncate: length={length} is beyond the {self.length} positions stored in "
                              f"layer {self.index}: a cache can only be cut back")
@@ -89,7 +90,7 @@ class StaticLayerCache:
         return f"StaticLayerCache(layer {self.index}, {self.length} stored, {shape})"
 
 
-class StaticCache(ModelCache):
+class StaticCache(LayoutCache):
     """A KV cache preallocated for ``max_len`` positions in every layer (static shapes, no reallocation).
 
     Args:
@@ -119,23 +120,12 @@ class StaticCache(ModelCache):
                  n_kv_heads: int | None = None, d_head: int | None = None, d_value: int | None = None,
                  dtype: torch.dtype | None = None, device=None):
         super().__init__()
-        check_int("n_layers", n_layers, minimum=1)
-        self.max_len = check_int("max_len", max_len, minimum=1)
-        for name, val in (("batch_size", batch_size), ("n_kv_heads", n_kv_heads), ("d_head", d_head),
-                          ("d_value", d_value)):
-            if val is not None:  # d_value=0: a latent cache (attnkit.nn.LatentAttention), values inside the keys
-                check_int(name, val, minimum=0 if name == "d_value" else 1)
-        self.batch_size, self.n_kv_heads, self.d_head = batch_size, n_kv_heads, d_head
-        self.d_value = d_value if d_value is not None else d_head
-        self.dtype = check_dtype("dtype", dtype) if dtype is not None else None
-        self.device = torch.device(device) if device is not None else None
+        integer("n_layers", n_layers, minimum=1)
+        self.max_len = integer("max_len", max_len, minimum=1)
+        # d_value=0: a latent cache (attnkit.nn.LatentAttention), values inside the keys
+        self._set_layout(batch_size, n_kv_heads, d_head, d_value, dtype, device, latent=True)
         self.layers = tuple(StaticLayerCache(self, i) for i in range(n_layers))
-        if None not in (batch_size, n_kv_heads, d_head):
-            dt = self.dtype or torch.float32
-            probe_k = torch.empty(batch_size, n_kv_heads, 0, d_head, dtype=dt, device=self.device)
-            probe_v = torch.empty(batch_size, n_kv_heads, 0, self.d_value, dtype=dt, device=self.device)
-            for layer in self.layers:
-                layer._allocate(probe_k, probe_v)
+        self._allocate_known()
 
     @classmethod
     def for_model(cls, model, batch_size: int, max_len: int | None = None, *, dtype: torch.dtype | None = None,
@@ -148,15 +138,6 @@ class StaticCache(ModelCache):
             raise ValueError("max_len is required: the model's config has no max_seq_len")
         return cls(d["n_layers"], max_len, batch_size=batch_size, n_kv_heads=d["n_kv_heads"], d_head=d["d_head"],
                    d_value=d["d_value"], dtype=dtype or d["dtype"], device=device or d["device"])
-
-    def _batch(self) -> int | None:
-        k = self.layers[0].k
-        return k.shape[0] if k is not None else self.batch_size
-
-    def _check_first(self, k, v) -> None:
-        """The first update (storage not allocated yet): its layout against what the cache was given."""
-        check_new_kv(k, v, batch=self.batch_size, heads=self.n_kv_heads, d_head=self.d_head, d_value=self.d_value,
-                     dtype=self.dtype, device=None)
 
     def truncate(self, length: int) -> None:
         """Roll every layer back to its first ``length`` positions (e.g. tokens a speculative step rejected):
@@ -172,16 +153,12 @@ class StaticCache(ModelCache):
             >>> cache.truncate(3); cache.seq_len
             3
         """
-        check_int("length", length)
+        integer("length", length, minimum=0)
         if length > self.seq_len:
             raise ValueError(f"StaticCache.truncate: length={length} is beyond the {self.seq_len} positions stored: "
                              f"a cache can only be cut back")
         for layer in self.layers:
             layer.truncate(length)
-
-    def _device(self) -> torch.device:
-        k = self.layers[0].k
-        return k.device if k is not None else (self.device or torch.device("cpu"))
 
     def __repr__(self) -> str:
         return (f"StaticCache({len(self.layers)} layers, {self.seq_len}/{self.max_len} positions, "

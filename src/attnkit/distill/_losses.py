@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .._checks import positive_float
 from ..backends._common import Call, accumulation_dtype, grouped_bias, grouped_index, modify_scores
 from ..backends._call import _make_call
 from ..masks import Mask
@@ -176,7 +177,7 @@ def logit_kl(student: Tensor, teacher: Tensor, *, temperature: float = 1.0, mask
         True
     """
     _same_logits(student, teacher)
-    t = _positive("temperature", temperature)
+    t = positive_float("temperature", temperature)
     log_q = F.log_softmax(student.float() / t, -1)
     log_p = F.log_softmax(teacher.detach().float() / t, -1)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1)  # (...)
@@ -201,12 +202,6 @@ def _same_logits(student: Tensor, teacher: Tensor) -> None:
     if student.shape != teacher.shape:
         raise ValueError(f"student logits {tuple(student.shape)} and teacher logits {tuple(teacher.shape)} differ "
                          f"in shape: feed both models the same batch")
-
-
-def _positive(name: str, x) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
-        raise ValueError(f"{name}={x!r} must be a finite number > 0")
-    return float(x)
 
 
 # ---------------------------------------------------------------------------------------- hidden states

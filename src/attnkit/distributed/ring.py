@@ -461,7 +461,7 @@ def _tensor_digest(t: torch.Tensor) -> tuple:
 def _contents(x, depth: int = 0) -> list:
     """What a mask or bias holds, comparable across processes: the values of its tensors (and of those its
     functions reach), not only how it prints (``document(32 ids)`` looks alike whatever the ids)."""
-    from ..backends._common import reachable_tensors
+    from ..backends._reads import reachable_tensors
     if depth > 8:
         return []
     if isinstance(x, torch.Tensor):

@@ -7,7 +7,7 @@ from typing import Sequence
 
 import torch
 
-from .._checks import flag
+from .._checks import flag, integer
 
 Tensor = torch.Tensor
 
@@ -36,12 +36,7 @@ def _offset(align: str, q_len: int, kv_len: int) -> int:
 
 
 def _check_int(name: str, value, *, minimum: int = 0, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int{' or None' if allow_none else ''}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name}={value} must be >= {minimum}")
+    integer(name, value, minimum=minimum, allow_none=allow_none)
 
 
 def _check_bool(name: str, value) -> bool:

@@ -2,50 +2,19 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .. import masks as _masks
-from .._checks import flag  # noqa: F401  (re-exported: the modules' bool options)
+from .._checks import integer
+# re-exported: the modules' checks of plain arguments
+from .._checks import choice, finite_float, flag, positive_float, probability  # noqa: F401
 
 Tensor = torch.Tensor
 
 
 def positive_int(name: str, value, *, allow_none: bool = False) -> int | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int{' or None' if allow_none else ''}, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name}={value} must be >= 1")
-    return value
-
-
-def probability(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) < 1.0:
-        raise ValueError(f"{name}={value!r} must be a number in [0, 1)")
-    return float(value)
-
-
-def positive_float(name: str, value, *, allow_none: bool = False) -> float | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}={value!r} must be a finite number > 0{' (or None)' if allow_none else ''}")
-    return float(value)
-
-
-def finite_float(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name}={value!r} must be a finite number")
-    return float(value)
-
-
-def choice(name: str, value, options: tuple[str, ...]) -> str:
-    if value not in options:
-        raise ValueError(f"{name}={value!r} is not one of {options}")
-    return value
+    """A size: an int ``>= 1`` (None passes where ``allow_none``)."""
+    return integer(name, value, minimum=1, allow_none=allow_none)
 
 
 def head_layout(d_model: int, n_heads: int, n_kv_heads: int | None, d_head: int | None) -> tuple[int, int]:

@@ -1,0 +1,106 @@
+"""What ``generate`` and ``Engine`` share: input checks, the last-position logits, eval mode while decoding,
+and the copies of the weights that decode steps read."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from . import _sampling
+from .nn.layers import _DecodeCopies as DecodeCopies
+
+Tensor = torch.Tensor
+
+EXTRAPOLATING = ("alibi", "t5", "none")  # position methods that take positions beyond max_seq_len
+
+
+def check_decoder_only(model, who: str) -> None:
+    """generate and Engine run decoder-only LMs: an encoder-decoder gets a clear error, not a missing argument."""
+    from .nn import EncoderDecoder
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{who} takes a decoder language model, a torch.nn.Module called as model(ids, cache=..., "
+                        f"positions=...) -> logits with a .config (e.g. attnkit.nn.DecoderLM), got "
+                        f"{type(model).__name__} {model!r:.60}")
+    if isinstance(model, EncoderDecoder):
+        raise TypeError(f"{who} takes a decoder-only language model (e.g. attnkit.nn.DecoderLM), got an "
+                        f"EncoderDecoder: encode once with model.encode(src), then decode step by step with "
+                        f"model.decode(tgt, memory, cache=attnkit.cache.EncoderDecoderCache(...))")
+
+
+def check_tokens(prompts: list[list[int]], vocab: int | None, name: str | None = None) -> None:
+    """Every token id inside ``[0, vocab)``; ``name`` names a single prompt's argument (else ``prompts[i]``)."""
+    if vocab is None:
+        return
+    for i, p in enumerate(prompts):
+        bad = [t for t in p if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{name or f'prompts[{i}]'} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+
+
+def check_eos(params, vocab: int | None) -> None:
+    """``params``' (a SamplingParams) end-of-sequence ids, logit biases and stop sequences inside the vocabulary."""
+    if vocab is None:
+        return
+    bad = [t for t in params.eos_ids if t >= vocab]
+    if bad:
+        raise ValueError(f"eos_id={params.eos_id} is outside the vocabulary [0, {vocab}): the model can never emit "
+                         f"{bad[0]}; pass the tokenizer's end-of-sequence id (or None)")
+    _sampling.check_in_vocab("logit_bias", params.logit_bias, vocab)
+    for i, s in enumerate(params.stop):
+        _sampling.check_in_vocab(f"stop[{i}]", s, vocab)
+
+
+def check_positions(model, longest: int, max_new_tokens: int) -> None:
+    """The longest prompt plus ``max_new_tokens`` fits the model's positions (unless they extrapolate)."""
+    cfg = getattr(model, "config", None)
+    max_len = getattr(cfg, "max_seq_len", None)
+    method = getattr(cfg, "positions", None)
+    need = longest + max_new_tokens - 1  # the last new token is never fed back
+    if max_len is not None and method not in EXTRAPOLATING and longest > max_len:
+        raise ValueError(f"a prompt of {longest} tokens is longer than the model's max_seq_len={max_len} "
+                         f"(positions={method!r} does not extrapolate): shorten the prompt to at most {max_len} "
+                         f"tokens (e.g. keep its last {max_len})")
+    if max_len is not None and method not in EXTRAPOLATING and need > max_len:
+        raise ValueError(f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} needs positions up to "
+                         f"{need - 1}, beyond the model's max_seq_len={max_len} (positions={method!r} does not "
+                         f"extrapolate): shorten the prompt or ask for at most {max_len - longest + 1} new tokens")
+
+
+def last_logits(out) -> Tensor:
+    """A forward's (logits or (logits, ...)) float32 logits at the last position, ``(B, V)``."""
+    logits = out[0] if isinstance(out, tuple) else out
+    return logits[:, -1].float()  # (B, V)
+
+
+class EvalMode:
+    """Runs forwards of ``model`` in eval mode (no dropout while decoding) and gives every module its own
+    mode back after each (parents before children).  The modules are listed once, here: a few microseconds
+    a forward when none is training."""
+
+    def __init__(self, model):
+        self.modules = list(model.modules()) if isinstance(model, torch.nn.Module) else []
+
+    @contextlib.contextmanager
+    def __call__(self):
+        modes = [m.training for m in self.modules]
+        if not any(modes):
+            yield
+            return
+        self.modules[0].eval()
+        try:
+            yield
+        finally:
+            for m, mode in zip(self.modules, modes):  # (pre-order: a child's mode is set after its parent's)
+                if m.training != mode:
+                    m.train(mode)
+
+
+def reading(copies: DecodeCopies | None):
+    """Decode products read ``copies`` inside the block (None: the weights as they are)."""
+    return contextlib.nullcontext() if copies is None else copies.active()
+
+
+def weights_key(model) -> tuple:
+    """Where each parameter and buffer lives and how often it was written in place."""
+    return tuple((t.data_ptr(), t._version) for t in (*model.parameters(), *model.buffers()))
