@@ -116,10 +116,10 @@ class SinkCache(ModelCache):
     @classmethod
     def for_model(cls, model, n_sink: int = 4, window: int = 1024) -> "SinkCache":
         """A cache for an :class:`attnkit.nn.DecoderLM` (its rotary embedding, when it has one)."""
-        from ..nn.positions import RotaryEmbedding
         d = model_dims(model)
         rope = getattr(model, "positions", None)
-        return cls(d["n_layers"], n_sink, window, rope=rope if isinstance(rope, RotaryEmbedding) else None)
+        rotary = callable(getattr(rope, "rotate", None)) and callable(getattr(rope, "cos_sin", None))
+        return cls(d["n_layers"], n_sink, window, rope=rope if rotary else None)
 
     @property
     def seq_len(self) -> int:
