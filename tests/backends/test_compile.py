@@ -266,3 +266,140 @@ def test_inductor_compiles_the_operator_forward_and_backward():
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     for a, b in zip(grads, torch.autograd.grad(want.square().sum(), (q, k, v))):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------ modules
+
+
+def _flash_in_graph(fn, *args) -> bool:
+    return "attnkit.flash_forward" in _graph_ops(fn, *args)
+
+
+def _eager_picks(fn, *args) -> set:
+    """The backends eager auto runs for ``fn(*args)``."""
+    picks, real = set(), backends.select
+
+    def spy(call, backend):
+        chosen = real(call, backend)
+        picks.add(chosen.name)
+        return chosen
+
+    backends.select = spy
+    try:
+        with torch.no_grad():
+            fn(*args)
+    finally:
+        backends.select = real
+    return picks
+
+
+def _compile_recording(fn, codes: list):
+    """``torch.compile(fn, fullgraph=True)`` through aot_eager, appending each captured graph's code to ``codes``."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    def backend(gm, example_inputs):
+        codes.append(gm.code)
+        return aot_eager(gm, example_inputs)
+
+    return torch.compile(fn, fullgraph=True, backend=backend)
+
+
+MODEL_MASKS = {
+    "causal": dict(),
+    "sliding_window": dict(mask=M.sliding_window(31)),
+    "block_sparse": dict(mask=M.random_blocks(32, 2, seed=0, causal=True) | M.block_local(32)),
+}
+
+
+@pytest.mark.parametrize("family", ["causal", "sliding_window", "document", "block_sparse"])
+def test_decoder_lm_compiles_to_one_graph_forward_and_backward(family):
+    """DecoderLM with each mask family (a document mask passed at the call), float64: compiled with
+    fullgraph=True, zero graph breaks, flash in the graph where eager auto picks it, logits and every
+    parameter's gradient equal to eager's."""
+    from attnkit.nn import DecoderConfig, DecoderLM
+
+    torch.manual_seed(0)
+    cfg = DecoderConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                        **MODEL_MASKS.get(family, {}))
+    model = DecoderLM(cfg).double()
+    ids = torch.randint(0, 32, (1, 320), generator=torch.Generator().manual_seed(1))
+    call = (ids, M.document(torch.arange(320) // 100)) if family == "document" else (ids,)
+    fn = (lambda ids, mask: model(ids, mask=mask)) if family == "document" else model
+    assert torch._dynamo.explain(fn)(*call).graph_break_count == 0
+    torch._dynamo.reset()
+    codes: list = []
+    got = _compile_recording(fn, codes)(*call)
+    assert len(codes) == 1
+    assert ("attnkit.flash_forward" in codes[0]) == ("flash" in _eager_picks(fn, *call))
+    assert ("attnkit.flash_forward" in codes[0]) == (family != "causal")  # a plain causal mask: sdpa
+    grads = torch.autograd.grad(got.square().mean(), list(model.parameters()))
+    want = fn(*call)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    for a, b in zip(grads, torch.autograd.grad(want.square().mean(), list(model.parameters()))):
+        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-9)
+
+
+@pytest.mark.parametrize("family", ["sliding_window", "document", "block_sparse"])
+def test_multi_head_attention_compiles_to_one_graph(family):
+    from attnkit.nn import MultiHeadAttention
+
+    torch.manual_seed(0)
+    masks = {"sliding_window": M.causal() & M.sliding_window(31), "document": M.document(torch.arange(256) // 60),
+             "block_sparse": M.random_blocks(32, 2, seed=1)}
+    mha = MultiHeadAttention(32, 4, n_kv_heads=2, mask=masks[family]).double()
+    x = torch.randn(1, 256, 32, dtype=torch.float64, requires_grad=True)
+    assert torch._dynamo.explain(mha)(x).graph_break_count == 0
+    torch._dynamo.reset()
+    codes: list = []
+    got = _compile_recording(mha, codes)(x)
+    assert len(codes) == 1
+    assert ("attnkit.flash_forward" in codes[0]) == ("flash" in _eager_picks(mha, x))
+    assert "attnkit.flash_forward" in codes[0] or family != "sliding_window"  # (the others: sdpa at this size)
+    (dx,) = torch.autograd.grad(got.sum(), x)
+    want = mha(x)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(dx, torch.autograd.grad(want.sum(), x)[0], rtol=1e-8, atol=1e-9)
+
+
+def test_export_decoder_lm_with_a_sliding_window_runs_and_matches_eager():
+    from attnkit.nn import DecoderConfig, DecoderLM
+
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                    mask=M.sliding_window(15))).eval()
+    ids = torch.randint(0, 32, (1, 256), generator=torch.Generator().manual_seed(1))
+    program = torch.export.export(model, (ids,))
+    targets = [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
+    assert targets.count("attnkit.flash_forward.default") == 2  # one node per layer
+    other = torch.randint(0, 32, (1, 256), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        for x in (ids, other):
+            torch.testing.assert_close(program.module()(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_hugging_face_llama_keeps_attnkit_kernels_under_compile():
+    """A small Llama with attn_implementation="attnkit" and a padded batch: eager auto picks flash for its
+    ``causal() & key_padding`` mask, and so does the compiled model (one graph, same logits)."""
+    transformers = pytest.importorskip("transformers")
+    from attnkit.integrations import hf
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    hf.register()
+    model.set_attn_implementation("attnkit")
+    ids = torch.randint(0, 64, (2, 384), generator=torch.Generator().manual_seed(1))
+    keep = torch.ones(2, 384, dtype=torch.long)
+    keep[1, 300:] = 0
+
+    def logits(ids, keep):
+        return model(input_ids=ids, attention_mask=keep).logits
+
+    codes: list = []
+    with torch.no_grad():
+        got = _compile_recording(logits, codes)(ids, keep)
+        want = logits(ids, keep)
+    assert len(codes) == 1 and "attnkit.flash_forward" in codes[0]
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1, :300], want[1, :300], rtol=1e-5, atol=1e-5)

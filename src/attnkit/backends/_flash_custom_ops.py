@@ -249,7 +249,7 @@ def flash_backward(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v
     dmod = []
     for t, g in zip(mod_tensors, mod_grads):
         d = next(dparams) if g else None
-        dmod.append(torch.zeros_like(t) if d is None else d.to(t.dtype).reshape(t.shape))
+        dmod.append(t.new_zeros(t.shape) if d is None else d.to(t.dtype).reshape(t.shape).contiguous())
     return (dq.contiguous(), dk.contiguous(), dv.contiguous(), q.new_empty(0) if dbias is None else dbias.contiguous(),
             q.new_empty(0) if dsink is None else dsink.contiguous(), dmod)
 
@@ -276,10 +276,11 @@ class _autograd_inside:
 @flash_backward.register_fake
 def _(dout, dlse, q, k, v, out, lse, bare, mask_key, mask_tensors, bias, mod_key, mod_tensors, sinks, scale,
       softcap, dropout_p, seed, bias_grad, sinks_grad, mod_grads):
-    dbias = torch.empty_like(bias) if bias_grad and bias is not None else q.new_empty(0)
-    dsink = torch.empty_like(sinks) if sinks_grad and sinks is not None else q.new_empty(0)
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias, dsink,
-            [torch.empty_like(t) for t in mod_tensors])
+    # (contiguous, as the implementation returns them)
+    dbias = bias.new_empty(bias.shape) if bias_grad and bias is not None else q.new_empty(0)
+    dsink = sinks.new_empty(sinks.shape) if sinks_grad and sinks is not None else q.new_empty(0)
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias, dsink,
+            [t.new_empty(t.shape) for t in mod_tensors])
 
 
 def _no_double_backward(ctx, *grads):
