@@ -256,6 +256,19 @@ def test_fixed_shape_loop_neither_recompiles_nor_replans(monkeypatch):
     assert counter.frame_count == 1
 
 
+def test_a_new_length_compiles_once_and_is_reused():
+    """Dynamo makes the length dynamic at the second size; the flash decision specialises it (plans are per
+    shape): one frame per length, reused when a length comes back."""
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda q, k, v: attnkit.attention(q, k, v, mask=M.sliding_window(15), backend="flash"),
+                             fullgraph=True, backend=counter)
+    for L, frames in ((64, 1), (80, 2), (96, 3), (80, 3)):
+        q, k, v = _qkv(L, dtype=torch.float32)
+        out = compiled(q, k, v)
+        torch.testing.assert_close(out, attnkit.attention(q, k, v, mask=M.sliding_window(15), backend="flash"))
+        assert counter.frame_count == frames, (L, counter.frame_count)
+
+
 def test_inductor_compiles_the_operator_forward_and_backward():
     q, k, v = _qkv(64, dtype=torch.float32)
     mask = M.causal() & M.sliding_window(15)

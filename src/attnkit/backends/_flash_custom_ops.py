@@ -32,8 +32,8 @@ Example::
 
 from __future__ import annotations
 
+import operator
 import threading
-import types
 from collections import OrderedDict
 from typing import Optional
 
@@ -351,7 +351,9 @@ def _meta(t: Tensor | None):
     whether it requires grad (never its values)."""
     if t is None:
         return None
-    return (tuple(int(n) for n in t.shape), tuple(int(s) for s in t.stride()), t.dtype, t.device, t.requires_grad)
+    # operator.index specialises a dynamic size to its value (a guard): tile plans and costs are per shape
+    return (tuple(operator.index(n) for n in t.shape), tuple(operator.index(s) for s in t.stride()), t.dtype,
+            t.device, t.requires_grad)
 
 
 def _empty(meta):
