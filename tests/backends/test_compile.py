@@ -218,6 +218,16 @@ def test_from_fn_modifier_with_closure_parameters_is_refused_by_flash_under_comp
         _compiled("flash")(q, k, v, bias=mod, mask=M.sliding_window(31))
 
 
+def test_flash_attention_itself_is_one_operator_node():
+    from attnkit.backends.flash import flash_attention
+
+    q, k, v = _qkv(64)
+    code = _graph_ops(lambda q, k, v: flash_attention(q, k, v, mask=M.sliding_window(9), return_lse=True), q, k, v)
+    assert code.count("attnkit.flash_forward") == 1
+    check_against_oracle(torch.compile(flash_attention, fullgraph=True, backend="aot_eager"), q, k, v,
+                         mask=M.sliding_window(9))
+
+
 def test_from_fn_mask_traces_through_the_operator():
     q, k, v = _qkv(64)
     mask = M.from_fn(lambda b, h, qi, ki: (qi - ki).abs() < 9)
