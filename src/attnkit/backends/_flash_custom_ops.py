@@ -116,6 +116,7 @@ def _short(description) -> str:
 
 _REBUILT: "OrderedDict[tuple, object]" = OrderedDict()
 REBUILT_KEPT = 64  # rebuilt masks/modifiers kept (with the tensors they hold): one per layer mask and shape
+REBUILT_KEPT_BYTES = 16 << 20  # ... only when their tensors are at most this big (not a dense mask per step)
 _REBUILT_LOCK = threading.Lock()
 
 
@@ -143,6 +144,8 @@ def rebuild(key: str, tensors: list[Tensor], *, fresh: bool = False):
             _REBUILT.move_to_end(memo)
             return hit[0]
     obj = _build(description, tensors)
+    if sum(t.numel() * t.element_size() for t in tensors) > REBUILT_KEPT_BYTES:
+        return obj  # (planned at each call, as eager plans a new mask object)
     with _REBUILT_LOCK:
         _REBUILT[memo] = (obj, tuple(tensors))  # holds the tensors: their ids are not reused while it lives
         while len(_REBUILT) > REBUILT_KEPT:
