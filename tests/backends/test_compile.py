@@ -400,6 +400,29 @@ def test_export_decoder_lm_with_a_sliding_window_runs_and_matches_eager():
             torch.testing.assert_close(program.module()(x), model(x), rtol=1e-5, atol=1e-5)
 
 
+def test_export_with_document_ids_as_an_input():
+    """Under torch.export the ids are fake while traced: flash takes the call (auto cannot weigh a structure it
+    cannot read), and the program reads the ids it is given when it runs."""
+    from attnkit.nn import DecoderConfig, DecoderLM
+
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig(vocab_size=32, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2)).eval()
+
+    class Packed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = model
+
+        def forward(self, ids, doc):
+            return self.lm(ids, mask=M.document(doc))
+
+    ids = torch.randint(0, 32, (1, 256), generator=torch.Generator().manual_seed(1))
+    program = torch.export.export(Packed(), (ids, torch.arange(256) // 100))
+    with torch.no_grad():
+        for doc in (torch.arange(256) // 100, torch.arange(256) // 37):
+            torch.testing.assert_close(program.module()(ids, doc), Packed()(ids, doc), rtol=1e-5, atol=1e-5)
+
+
 def test_hugging_face_llama_keeps_attnkit_kernels_under_compile():
     """A small Llama with attn_implementation="attnkit" and a padded batch: eager auto picks flash for its
     ``causal() & key_padding`` mask, and so does the compiled model (one graph, same logits)."""

@@ -411,6 +411,13 @@ def _decide(backend: str, metas: tuple, flags: tuple, mask_key: str, mod_key: st
     constants, with the mask's and modifier's real tensors.  Runs once per traced call site."""
     from . import select
 
+    from torch._subclasses.fake_tensor import is_fake
+
+    if any(is_fake(t) for t in tensors):
+        # torch.export (non-strict) traces with fake tensors: a mask's or modifier's values (document ids, key
+        # lengths) are unknown, so their block structure cannot be weighed; flash takes every mask and reads
+        # them when the program runs
+        return ("ok", "flash" if backend == "auto" else backend)
     n_mask = flags[-1]
     mask = rebuild(mask_key, list(tensors[:n_mask]))
     mod = rebuild(mod_key, list(tensors[n_mask:]))
