@@ -71,6 +71,14 @@ def test_opcheck_forward_and_backward():
                                              None, "", [], None, 0.3, 2.0, 0.0, None, False, False, []))
 
 
+def test_constant_results_are_marked_as_dynamo_marks_them():
+    def probe():
+        return 0
+
+    assert vars(torch._dynamo.assume_constant_result(probe)) == vars(C._constant_result(lambda: 0)) == {
+        "_dynamo_marked_constant": True}
+
+
 def test_describe_and_rebuild_round_trip():
     ids = torch.tensor([0, 0, 1, 1, 1])
     mask = (M.causal() & M.document(ids)) | ~M.sliding_window(2)

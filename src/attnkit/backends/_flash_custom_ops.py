@@ -76,12 +76,20 @@ def describe(obj) -> tuple[object, list[Tensor]]:
     return walk(obj), tensors
 
 
+def _constant_result(fn):
+    """``torch._dynamo.assume_constant_result(fn)``: dynamo calls ``fn`` while tracing and makes its result a
+    constant of the graph.  Set as that decorator sets it, without importing ``torch._dynamo`` when attnkit is
+    imported (about 2 s); ``tests/backends/test_compile.py`` checks that the decorator still does this."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 _KEYS: dict[object, str] = {}
 _DESCRIPTIONS: dict[str, object] = {}
 _KEYS_LOCK = threading.Lock()
 
 
-@torch._dynamo.assume_constant_result
+@_constant_result
 def intern(description) -> str:
     """The key of a description (the same key for equal descriptions), registered for :func:`rebuild`.
     Computed while ``torch.compile`` traces (the key is a constant of the graph)."""
@@ -405,7 +413,7 @@ def traced_reason(call: Call) -> str | None:
             f"pass a tensor bias instead, or use backend='math' or 'sdpa' (auto does)")
 
 
-@torch._dynamo.assume_constant_result
+@_constant_result
 def _decide(backend: str, metas: tuple, flags: tuple, mask_key: str, mod_key: str, *tensors: Tensor) -> tuple:
     """``("ok", name)`` or ``("error", message)``: eager ``select``'s answer for a call rebuilt from its
     constants, with the mask's and modifier's real tensors.  Runs once per traced call site."""
