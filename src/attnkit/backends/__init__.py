@@ -5,11 +5,12 @@ kernel for the calls it takes exactly.  Each backend is three things: ``check(ca
 take a call (or ``None``), ``cost(call)`` estimates its work, and ``run(call)`` computes.  ``auto`` picks
 the cheapest backend whose check passes; :func:`explain` says which and why.
 
-While ``torch.compile`` traces (``torch.compiler.is_compiling()``), ``auto`` picks from the backends that
-trace into one graph, :data:`COMPILE_FRIENDLY` (``sdpa`` where it takes the call, else ``math``; ``math``
-for a decode-sized CPU call, at most 16 queries and 16384 keys without gradients, which Inductor fuses
-into one loop nest): the others plan each call in Python (``flash`` lays out its tiles per mask and
-shape) and would break the graph.  Name a backend explicitly to trace that one instead.
+While ``torch.compile`` traces (``torch.compiler.is_compiling()``, also ``torch.export``), ``select`` makes the
+eager decision: it is computed once per traced call from the call's shapes, dtypes and flags and the mask's
+and modifier's descriptions and tensors (``_flash_custom_ops.decide``), and ``flash`` runs as the custom
+operators ``attnkit::flash_forward`` / ``attnkit::flash_backward``, one graph node per call.  One exception:
+a decode-sized CPU call (at most 16 queries and 16384 keys, without gradients) traces ``math``, which
+Inductor fuses into one loop nest.
 
 Example::
 
@@ -31,6 +32,7 @@ from typing import Callable
 
 import torch
 
+from . import _flash_custom_ops
 from . import flash as _flash
 from . import math as _math
 from . import sdpa as _sdpa
@@ -38,7 +40,7 @@ from . import triton as _triton
 from ._call import _make_call, _refuse_foreign
 from ._common import Call
 
-__all__ = ["available", "explain", "Backend", "register", "COMPILE_FRIENDLY"]
+__all__ = ["available", "explain", "Backend", "register"]
 
 
 @dataclass(frozen=True)
@@ -110,15 +112,15 @@ def _signature(call: Call) -> tuple:
             call.sinks is not None)
 
 
-# What auto picks from while torch.compile traces, in order of preference: backends whose run is plain
-# tensor code with no Python-side planning, so a model compiles to one graph (fullgraph=True works)
-COMPILE_FRIENDLY = ("sdpa", "math")
-
-
 def select(call: Call, backend: str) -> Backend:
     """The backend that runs ``call``: the named one (if it takes the call) or auto's pick."""
-    if backend == "auto" and torch.compiler.is_compiling():
-        return _pick_compile_friendly(call)  # no memo: dynamo guards on what the checks read
+    if torch.compiler.is_compiling() and not _flash_custom_ops.deciding():
+        if backend == "auto" and _is_cpu_decode(call):
+            return _REGISTRY["math"]  # traced math, which Inductor fuses into one loop nest
+        # the eager decision, computed once while tracing from the call's constants and the mask's tensors
+        return _REGISTRY[_flash_custom_ops.decide(call, backend)]
+    if backend == "auto" and _flash_custom_ops.deciding():
+        return _pick(call)  # (not memoised: the traced rules may differ from eager's)
     if backend == "auto":
         key = _signature(call)
         hit = _PICKS.get(key)
@@ -177,23 +179,11 @@ def _is_cpu_decode(call: Call) -> bool:
             and not call.needs_grad and call.dropout_p == 0)
 
 
-def _pick_compile_friendly(call: Call) -> Backend:
-    """``math`` for a CPU decode-sized call, else the first of :data:`COMPILE_FRIENDLY` that takes ``call``
-    (math takes every call)."""
-    if _is_cpu_decode(call):
-        return _REGISTRY["math"]
-    for name in COMPILE_FRIENDLY:
-        b = _REGISTRY.get(name)
-        if b is not None and b.available() and b.check(call) is None:
-            return b
-    return _REGISTRY["math"]
-
-
 def explain(q, k, v, **kwargs) -> str:
     """Which backend ``attention(q, k, v, **kwargs)`` would use, and why each other one would not.
 
-    For ``backend="auto"`` the last line names the backend auto picks instead while ``torch.compile``
-    traces the call (see :data:`COMPILE_FRIENDLY`).
+    For ``backend="auto"`` the last line names the backend auto picks while ``torch.compile`` traces the
+    call: the same one, except that a decode-sized CPU call traces ``math``.
 
     Example::
 
@@ -201,7 +191,7 @@ def explain(q, k, v, **kwargs) -> str:
         >>> from attnkit import backends
         >>> q = k = v = torch.randn(1, 2, 64, 8)
         >>> print(backends.explain(q, k, v, softcap=30.0).splitlines()[-1])
-        under torch.compile auto picks 'math' (the first of sdpa, math that takes the call)
+        under torch.compile auto picks 'math' too
         >>> print(backends.explain(q[:, :, -1:], k, v).splitlines()[-1])   # one query: a decode step
         under torch.compile auto picks 'math' (a decode-sized CPU call, which Inductor fuses)
     """
@@ -230,9 +220,14 @@ def explain(q, k, v, **kwargs) -> str:
                          f"{'  <- chosen' if b is chosen else ''}")
         else:
             lines.append(f"  {name:7s} cannot: {reason}")
-    if backend == "auto":
-        traced = _pick_compile_friendly(call)
-        why = ("a decode-sized CPU call, which Inductor fuses" if _is_cpu_decode(call) else
-               f"the first of {', '.join(COMPILE_FRIENDLY)} that takes the call")
-        lines.append(f"under torch.compile auto picks {traced.name!r} ({why})")
+    if backend == "auto" and _is_cpu_decode(call):
+        lines.append("under torch.compile auto picks 'math' (a decode-sized CPU call, which Inductor fuses)")
+    elif backend == "auto":
+        with _flash_custom_ops.traced_rules():
+            traced, why_not = select(call, backend), chosen.check(call)
+        if traced is chosen:
+            how = " (as the custom operators attnkit::flash_forward/backward)" if chosen.name == "flash" else ""
+            lines.append(f"under torch.compile auto picks {chosen.name!r} too{how}")
+        else:
+            lines.append(f"under torch.compile auto picks {traced.name!r}: {chosen.name} cannot take it ({why_not})")
     return "\n".join(lines)

@@ -394,6 +394,8 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, sc
     block_q, block_k = _check_block("block_q", block_q), _check_block("block_k", block_k)
     if _is_empty(call):
         return _empty_result(call)
+    if torch.compiler.is_compiling() and block_q is None and block_k is None:  # one operator node when traced
+        return run(call)
     return _run(call, block_q, block_k)
 
 
@@ -401,14 +403,24 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, sc
 
 
 def run(call: Call):
-    """Backend hook: compute a validated call (``out``, or ``(out, lse)`` with ``return_lse``)."""
+    """Backend hook: compute a validated call (``out``, or ``(out, lse)`` with ``return_lse``); while
+    ``torch.compile`` or ``torch.export`` traces, through the custom operators (``_flash_custom_ops``)."""
+    if torch.compiler.is_compiling():
+        from . import _flash_custom_ops
+        return _flash_custom_ops.run(call)
     return _run(call)
 
 
 def check(call: Call) -> str | None:
     """Backend hook: None (flash takes every mask, bias, dtype and device), unless a score modifier's
-    function reads a tensor that requires grad where flash cannot find it to give it its gradient."""
-    return _unreached_reason(call)
+    function reads a tensor that requires grad where flash cannot find it to give it its gradient (while
+    traced: where its custom operators cannot take it)."""
+    from . import _flash_custom_ops
+
+    reason = _unreached_reason(call)
+    if reason is None and _flash_custom_ops.deciding():
+        reason = _flash_custom_ops.traced_reason(call)
+    return reason
 
 
 def _unreached_reason(call: Call) -> str | None:

@@ -326,7 +326,7 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
     mask = None if q_length == 1 and pattern.left is None else pattern.mask()
     if attention_mask is not None:
         keep = _key_mask(attention_mask.to(device), kv_length, kv_offset)
-        if not bool(keep.all()):
+        if torch.compiler.is_compiling() or not bool(keep.all()):  # (traced: the values are unknown)
             padding = _masks.key_padding(keep)
             mask = padding if mask is None else mask & padding
     return _StructuredMask(mask, (batch_size, 1, q_length, kv_length), device,
