@@ -11,6 +11,7 @@ import attnkit
 from attnkit import bias as B
 from attnkit import masks as M
 from attnkit.backends import flash
+from attnkit.backends import _flash_impl
 from attnkit.backends import _flash_ops as ops
 from attnkit.functional import _make_call
 from attnkit.testing import check_against_oracle, reference
@@ -359,7 +360,7 @@ def test_gather_workspace_is_reused_and_per_thread(monkeypatch):
     import threading
 
     monkeypatch.setattr(ops, "GATHER_ELEMENTS", 2 * 16 * 24)  # one query tile per chunk below
-    monkeypatch.setattr(flash, "_SHARED", {})
+    monkeypatch.setattr(_flash_impl, "_SHARED", {})
     q, k, v = qkv(1, 2, 2, 64, 64, 8)
     for seed in (0, 1):  # the second call reuses the first one's workspace
         check_against_oracle(lambda *a, **kw: run_flash(*a, block=8, **kw), q, k, v,
@@ -416,7 +417,7 @@ def test_causal_blocks_and_full_prefixes(fused, monkeypatch):
     """Dense causal: rows share growing windows; the all-full prefix of a big block runs without a mask
     and the square diagonal block on the kernel's is_causal."""
     monkeypatch.setattr(ops, "SPLIT_MASK_ELEMENTS", 1 << 12)  # split even these small blocks
-    monkeypatch.setattr(flash, "_SHARED", {})
+    monkeypatch.setattr(_flash_impl, "_SHARED", {})
     q, k, v = qkv(1, 2, 1, 1024, 1024, 16)
     causal = M.causal() & M.sliding_window(None)  # the same mask, not recognised as the kernel's own causal
     check_against_oracle(lambda *a, **kw: run_flash(*a, fused=fused, block=32, **kw), q, k, v, mask=causal)
@@ -434,7 +435,7 @@ def test_split_and_lazy_chunks(name, monkeypatch):
     monkeypatch.setattr(ops, "SPLIT_MASK_ELEMENTS", 16)
     monkeypatch.setattr(ops, "MASK_CACHE_BYTES", 256)
     monkeypatch.setattr(ops, "WORK_ELEMENTS", 1 << 12)
-    monkeypatch.setattr(flash, "_SHARED", {})
+    monkeypatch.setattr(_flash_impl, "_SHARED", {})
     q, k, v = qkv(2, 4, 2, 64, 64, 8)
     for fused in (True, False):
         for bias in (None, B.alibi(B.alibi_slopes(4))):

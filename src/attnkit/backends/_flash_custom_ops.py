@@ -201,7 +201,7 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, mask_key: str, mask_tensors: 
     """``(out (B, Hq, Lq, Dv), lse (B, Hq, Lq), bare)``: the flash backend's forward; ``bare`` is the lse
     without the sinks (an empty tensor without sinks).  ``softcap=0`` means none; ``seed`` (int64, one
     element) is the dropout seed (None without dropout)."""
-    from . import flash
+    from . import _flash_impl as flash
 
     call = _call(q, k, v, mask_key, mask_tensors, bias, mod_key, mod_tensors, sinks, scale, softcap, dropout_p)
     plan = flash._forward_plan(call)
@@ -238,7 +238,7 @@ def flash_backward(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v
     modifier tensor (zeros where ``mod_grads`` is False or the tensor got no gradient)."""
     from types import SimpleNamespace
 
-    from . import flash
+    from . import _flash_impl as flash
 
     leaves = [t.detach().requires_grad_(g) for t, g in zip(mod_tensors, mod_grads)]
     mod = rebuild(mod_key, leaves, fresh=True) if any(mod_grads) else None
@@ -401,7 +401,7 @@ def traced_reason(call: Call) -> str | None:
     say) would get no gradient, as the operators take only the modifier's attributes as inputs."""
     if not isinstance(call.bias, ScoreMod):
         return None
-    from ._flash_ops import mod_params
+    from ._reads import mod_params
 
     described = {id(t) for t in describe(call.bias)[1]}
     hidden = [t for t in mod_params(call.bias) if id(t) not in described]
