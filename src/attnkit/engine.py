@@ -32,7 +32,9 @@ from . import _sampling
 from .cache import PagedCache, PoolExhausted
 from .cache._common import check_int
 from .generate import (GenerationResult, SamplingParams, _check_decoder_only, _check_eos, _check_positions,
-                       _check_tokens, _EvalMode, _last_logits, _reading, _weights_key, sample)
+                       _check_tokens, _decode_threads, _EvalMode, _last_logits, _reading, _timed, _weights_key,
+                       sample)
+from ._threads import DecodeThreads
 from .nn.layers import _DecodeCopies
 
 Tensor = torch.Tensor
@@ -93,6 +95,9 @@ class Engine:
             much memory again as the weights copied), made at the first step that needs them and again
             after the weights change.  The model's own weights are never moved.  False reads the weights
             as they are.
+        decode_threads: torch's thread count for the plain decode steps on CPU, as in :func:`attnkit.generate`
+            (``"auto"``: the fastest of the caller's count, one fewer and one, measured on the steps and
+            re-checked; the caller's count is set back after each step).
         max_batched_tokens: chunked prefill.  None (the default): each admitted prompt is prefilled alone in
             its step, before the batched decode.  An int ``N >= max_batch``: each step is one forward of at most
             ``N`` tokens over the pool (:meth:`attnkit.cache.PagedCache.packed`: queries of different lengths
@@ -133,7 +138,8 @@ class Engine:
     """
 
     def __init__(self, model, cache_blocks: int, block_size: int = 16, max_batch: int = 16, *, preempt: bool = True,
-                 prefix_caching: bool = True, relayout: bool = True, max_batched_tokens: int | None = None):
+                 prefix_caching: bool = True, relayout: bool = True, max_batched_tokens: int | None = None,
+                 decode_threads: str | int | None = "auto"):
         check_int("cache_blocks", cache_blocks, minimum=1)
         check_int("block_size", block_size, minimum=1)
         self.max_batch = check_int("max_batch", max_batch, minimum=1)
@@ -149,6 +155,7 @@ class Engine:
         _check_decoder_only(model, "Engine")
         self.model = model
         self._copies = _DecodeCopies() if relayout else None  # the weights laid out for decoding, owned here
+        self._threads = _decode_threads(model, DecodeThreads(decode_threads))  # each decode step's thread count
         self.preempt = preempt
         self.cache = PagedCache.for_model(model, cache_blocks, block_size, prefix_caching=prefix_caching)
         self._weights = _weights_key(model)  # a change drops the cached prefixes (computed with the old weights)
@@ -311,7 +318,7 @@ class Engine:
                 self._track()
                 view = cache.batch([r.sid for r in dec])
                 ids = torch.tensor([[r.out[-1]] for r in dec], dtype=torch.long, device=cache.device)  # (B, 1)
-                with _reading(self._copies):
+                with _reading(self._copies), _timed(self._threads):
                     logits = _last_logits(self.model(ids, cache=view, positions=view.positions(1)))
                 self.stats["decode_tokens"] += len(dec)
                 for r, tok in zip(dec, self._sample(dec, logits)):

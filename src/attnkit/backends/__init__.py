@@ -31,6 +31,7 @@ from typing import Callable
 
 import torch
 
+from . import _splitkv
 from . import flash as _flash
 from . import math as _math
 from . import sdpa as _sdpa
@@ -70,6 +71,9 @@ register(Backend("flash", _flash.run, _flash.check, _flash.cost,
 register(Backend("triton", _triton.run, _triton.check, _triton.cost, _triton.available,
                  description="Triton block-sparse flash kernels; CUDA GPUs (or TRITON_INTERPRET=1 on CPU)",
                  unavailable_reason=_triton.unavailable_reason))
+register(Backend("splitkv", _splitkv.run, _splitkv.check, _splitkv.cost,
+                 description="CPU decoding: keys split into chunks merged by log-sum-exp; grouped heads read "
+                             "each key once; no gradients"))
 
 
 def available() -> list[str]:
@@ -144,11 +148,17 @@ def select(call: Call, backend: str) -> Backend:
 def _dense_fused(call: Call) -> Backend | None:
     """``sdpa`` for a call without mask or bias when it takes it: nothing to skip, so no tiled backend beats
     the fused kernel, and deciding so costs no planning (a decode step meets a new key length each time)."""
-    if call.mask is None and call.bias is None:
+    if call.mask is None and call.bias is None and not _splitkv_wins(call):
         b = _REGISTRY.get("sdpa")
         if b is not None and b.available() and b.check(call) is None:
             return b
     return None
+
+
+def _splitkv_wins(call: Call) -> bool:
+    """A long CPU decode call, which ``splitkv`` takes at half the fused kernel's cost (``_splitkv.wins``)."""
+    b = _REGISTRY.get("splitkv")
+    return b is not None and b.check is _splitkv.check and _splitkv.wins(call)
 
 
 def _pick(call: Call) -> Backend:
@@ -235,5 +245,9 @@ def explain(q, k, v, **kwargs) -> str:
         traced = _pick_compile_friendly(call)
         why = ("a decode-sized CPU call, which Inductor fuses" if _is_cpu_decode(call) else
                f"the first of {', '.join(COMPILE_FRIENDLY)} that takes the call")
+        if chosen.name == "splitkv" and _splitkv_wins(call):
+            lines.append(f"splitkv: a CPU decode call ({call.group * call.q_len} query rows per kv head <= "
+                         f"{_splitkv.DECODE_ROWS}, {call.kv_len} keys >= {_splitkv.MIN_KEYS}): each key is read "
+                         f"once for its {call.group} grouped heads, chunks over the threads merged by log-sum-exp")
         lines.append(f"under torch.compile auto picks {traced.name!r} ({why})")
     return "\n".join(lines)

@@ -184,6 +184,10 @@ def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tens
             raise ValueError(f"paged_attention: block_table[{b}] holds block ids outside [0, {NB}) among the "
                              f"{len(used)} blocks its seq_lens[{b}]={n} uses")
         runs.append(_runs(used))
+    from ..backends import _splitkv  # a long sequence in one run of blocks: split over its blocks, read in place
+    if _splitkv.takes_paged(q, k_pool, runs, lens, mask, bias):
+        return _splitkv.paged_decode(q, k_pool, v_pool, runs, lens, scale=scale, softcap=softcap, bias=bias,
+                                     mask=mask, sinks=sinks)
     layout = None if sinks is not None else _pool_layout(q, k_pool, v_pool, bias, mask, functools.cache(
         lambda whole: _PoolLayout(rows, lens, bs, q.device, NB if whole else None)))
     if layout is not None:
@@ -1104,6 +1108,10 @@ class _PagedDecode:
         if isinstance(mask, _Causal) and mask.align == "bottom_right" and q.shape[2] == 1:
             mask = None
         scale = q.shape[-1] ** -0.5 if scale is None else scale
+        from ..backends import _splitkv  # a long sequence in one run of blocks: split over its blocks, read in place
+        if _splitkv.takes_paged(q, self.k_pool, self.plan.runs, self.plan.lens, mask, bias):
+            return _splitkv.paged_decode(q, self.k_pool, v_pool, self.plan.runs, self.plan.lens, scale=scale,
+                                         softcap=softcap, bias=bias, mask=mask)
         layout = _pool_layout(q, self.k_pool, v_pool, bias, mask, self.plan.layout)
         if layout is not None:
             return _attend_pool(q, self.k_pool, v_pool, layout, scale=scale, softcap=softcap, mask=mask, bias=bias)
