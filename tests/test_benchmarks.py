@@ -142,4 +142,4 @@ def test_generate_long_context_section_runs(tmp_path):
                            "--only", "longctx", "--out", str(tmp_path)], capture_output=True, text=True,
                           timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "8k keys, auto: splitkv" in proc.stdout and "x SDPA" in proc.stdout
+    assert "32k keys, auto: splitkv" in proc.stdout and "x SDPA" in proc.stdout

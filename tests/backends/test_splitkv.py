@@ -85,9 +85,7 @@ def test_keys_are_read_in_place_and_grouped_heads_are_not_repeated():
     real = torch.matmul
 
     def spy(a, b, *args, **kw):
-        for t in (a, b):
-            if t.numel() >= 1000 * 64:
-                seen.append(t.untyped_storage().data_ptr())
+        seen.append(b.untyped_storage().data_ptr())  # the keys (transposed) or the values
         return real(a, b, *args, **kw)
 
     with pytest.MonkeyPatch.context() as mp:
@@ -99,12 +97,12 @@ def test_keys_are_read_in_place_and_grouped_heads_are_not_repeated():
 
 
 def test_auto_picks_it_for_a_long_cpu_decode_call_and_explain_says_why():
-    q, k, v = torch.randn(1, 8, 1, 128), torch.randn(1, 2, 8192, 128), torch.randn(1, 2, 8192, 128)
+    q, k, v = torch.randn(1, 8, 1, 128), torch.randn(1, 2, 32768, 128), torch.randn(1, 2, 32768, 128)
     text = backends.explain(q, k, v)
     assert text.startswith("auto picks 'splitkv'")
-    assert "splitkv: a CPU decode call (4 query rows per kv head" in text and "8192 keys" in text
+    assert "splitkv: a CPU decode call (4 query rows per kv head" in text and "1 x 32768 keys" in text
     assert "auto picks 'splitkv'" in backends.explain(q, k, v, mask=masks.causal())
-    short = backends.explain(q, k[:, :, :256], v[:, :, :256])
+    short = backends.explain(q, k[:, :, :8192], v[:, :, :8192])
     assert short.startswith("auto picks 'sdpa'")
     prefill = torch.randn(1, 8, 512, 128)
     assert not backends.explain(prefill, k, v, mask=masks.causal()).startswith("auto picks 'splitkv'")
@@ -116,6 +114,7 @@ def test_auto_picks_it_for_a_long_cpu_decode_call_and_explain_says_why():
 @pytest.mark.parametrize("make", [lambda: StaticCache(1, max_len=6000, batch_size=1, n_kv_heads=2, d_head=32),
                                   lambda: SlidingWindowCache(1, window=5000, batch_size=1, n_kv_heads=2, d_head=32)])
 def test_static_and_sliding_caches_reach_it_through_their_attention(make, monkeypatch):
+    monkeypatch.setattr(_splitkv, "MIN_KEYS", 4096)
     calls = []
     real = _splitkv.run
     entry = backends._REGISTRY["splitkv"]
@@ -149,6 +148,7 @@ def test_bfloat16_within_the_rule():
 def test_the_paged_decode_path_takes_a_long_sequence_split_over_its_blocks(kw, monkeypatch):
     """A sequence whose blocks are consecutive, long enough: paged_attention reads its blocks in place, each
     one a chunk merged by log-sum-exp; the result is the oracle's on the gathered keys within the rule."""
+    monkeypatch.setattr(_splitkv, "MIN_KEYS", 4096)
     from attnkit.cache import paged_attention
 
     calls = []
@@ -179,6 +179,7 @@ def test_the_paged_decode_path_takes_a_long_sequence_split_over_its_blocks(kw, m
 
 
 def test_a_paged_cache_decode_step_of_a_long_sequence_takes_it(monkeypatch):
+    monkeypatch.setattr(_splitkv, "MIN_KEYS", 4096)
     from attnkit.cache import PagedCache
 
     calls = []

@@ -146,9 +146,13 @@ def select(call: Call, backend: str) -> Backend:
 
 
 def _dense_fused(call: Call) -> Backend | None:
-    """``sdpa`` for a call without mask or bias when it takes it: nothing to skip, so no tiled backend beats
-    the fused kernel, and deciding so costs no planning (a decode step meets a new key length each time)."""
-    if call.mask is None and call.bias is None and not _splitkv_wins(call):
+    """``sdpa`` for a call without mask or bias when it takes it, or for one query whose mask leaves it one
+    window of keys (a decode step under a causal or sliding-window mask, which sdpa reads as a view):
+    nothing to skip, so no tiled backend beats the fused kernel, and deciding so costs no planning (a decode
+    step meets a new key length each time; planning the tiled backend's cost at every step made the decode
+    steps of a model with ``backend="auto"`` several times slower on a busy machine)."""
+    if (call.bias is None and (call.mask is None or _sdpa._single_query_window(call) is not None)
+            and not _splitkv_wins(call)):
         b = _REGISTRY.get("sdpa")
         if b is not None and b.available() and b.check(call) is None:
             return b
@@ -235,7 +239,9 @@ def explain(q, k, v, **kwargs) -> str:
             continue
         reason = b.check(call)
         if reason is None and backend == "auto" and chosen is _dense_fused(call) and b is not chosen:
-            lines.append(f"  {name:7s} takes it; not weighed: without mask or bias there is nothing to skip")
+            lines.append(f"  {name:7s} takes it; not weighed: " + (
+                "without mask or bias there is nothing to skip" if call.mask is None else
+                "one query whose mask leaves it one window of keys (read as a view): nothing to skip"))
         elif reason is None:
             lines.append(f"  {name:7s} takes it; estimated cost {b.cost(call) / 1e9:.3g} GFLOP-equivalents"
                          f"{'  <- chosen' if b is chosen else ''}")
@@ -247,7 +253,7 @@ def explain(q, k, v, **kwargs) -> str:
                f"the first of {', '.join(COMPILE_FRIENDLY)} that takes the call")
         if chosen.name == "splitkv" and _splitkv_wins(call):
             lines.append(f"splitkv: a CPU decode call ({call.group * call.q_len} query rows per kv head <= "
-                         f"{_splitkv.DECODE_ROWS}, {call.kv_len} keys >= {_splitkv.MIN_KEYS}): each key is read "
+                         f"{_splitkv.DECODE_ROWS}, {call.batch} x {call.kv_len} keys >= {_splitkv.MIN_KEYS}): each key is read "
                          f"once for its {call.group} grouped heads, chunks over the threads merged by log-sum-exp")
         lines.append(f"under torch.compile auto picks {traced.name!r} ({why})")
     return "\n".join(lines)
