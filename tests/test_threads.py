@@ -89,3 +89,20 @@ def test_generate_and_engine_decode_at_the_policy_count_and_restore_the_callers(
         assert engine.run()[rid] == ref[0] and 1 in seen and torch.get_num_threads() == 2
     finally:
         hook.remove()
+
+
+def test_generate_keeps_what_it_measured_for_the_next_generation_of_that_batch_size(two_threads):
+    import importlib
+
+    gen = importlib.import_module("attnkit.generate")  # (the module: attnkit.generate is the function)
+
+    model = DecoderLM(DecoderConfig.preset("tiny")).eval()
+    attnkit.generate(model, [[1, 2, 3]], 10)
+    policy = gen._THREADS[model][1]
+    steps = policy._steps
+    assert steps == 9 and policy.chosen in (1, 2)
+    attnkit.generate(model, [[4, 5, 6]], 10)
+    assert gen._THREADS[model][1] is policy and policy._steps == steps + 9  # no new probing
+    attnkit.generate(model, [[1], [2]], 4)
+    assert gen._THREADS[model][2] is not policy  # another batch size measures for itself
+    assert torch.get_num_threads() == 2

@@ -344,6 +344,18 @@ class _EvalMode:
                     m.train(mode)
 
 
+_THREADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {batch: its "auto" policy}
+
+
+def _threads_for(model, threads, batch: int) -> DecodeThreads:
+    """The thread policy of ``generate``'s decode steps: for ``"auto"``, one per model and batch size, kept
+    while the model lives, so that later generations start from what earlier ones measured."""
+    if threads != "auto" or not isinstance(model, torch.nn.Module):
+        return DecodeThreads(threads)
+    with _COPIES_LOCK:
+        return _THREADS.setdefault(model, {}).setdefault(batch, DecodeThreads("auto"))
+
+
 def _decode_threads(model, policy: DecodeThreads) -> DecodeThreads | None:
     """``policy`` for a model on the CPU (None elsewhere: a GPU step's thread count does not matter)."""
     weight = next(model.parameters(), None) if isinstance(model, torch.nn.Module) else None
@@ -809,8 +821,9 @@ def generate(model, prompts, max_new_tokens: int, *, cache: str | Callable | Non
             step; the call then returns a :class:`GenerationResult`.
         decode_threads: torch's thread count for each one-token decode step on CPU: ``"auto"`` times the
             steps at the caller's count, one fewer and one, keeps the fastest and re-checks as decoding goes
-            (a core busy with another process makes fewer threads faster; see ``attnkit._threads``); an int
-            uses that many; None leaves it alone.  The caller's count is set back after every step.
+            (a core busy with another process makes fewer threads faster; see ``attnkit._threads``; what was
+            measured is kept with the model for its later generations of the same batch size); an int uses
+            that many; None leaves it alone.  The caller's count is set back after every step.
         draft_model: speculative decoding with a smaller :class:`~attnkit.nn.DecoderLM` of the same vocabulary:
             it proposes ``num_speculative_tokens`` tokens, the model scores all of them in one forward through
             its KV cache, the accepted run plus one token of the model's own is kept and the rest rolled
@@ -878,7 +891,7 @@ def generate(model, prompts, max_new_tokens: int, *, cache: str | Callable | Non
                                      stats)
     if draft_model is not None:
         _check_positions(draft_model, max(len(p) for p in prompts), max_new_tokens)
-    threads_policy = DecodeThreads(decode_threads)  # (refuses a bad value before any work)
+    DecodeThreads(decode_threads)  # (refuses a bad value before any work)
 
     def run(triples: bool = True) -> Iterator[tuple]:
         """``(prompt_index, token, TokenLogprob or None)`` triples, or ``(prompt_index, token)`` pairs."""
@@ -889,7 +902,7 @@ def generate(model, prompts, max_new_tokens: int, *, cache: str | Callable | Non
             # (compiled code freezes a packed copy of the weights of its own; cache=None has no one-token steps)
             copies = _decode_copies(model) if relayout and not compile and cache is not None else None
             events = _stream(model, prompts, max_new_tokens, cache, params, compile, copies,
-                             _decode_threads(model, threads_policy))
+                             _decode_threads(model, _threads_for(model, decode_threads, len(prompts))))
         try:
             for i, tok, lp in events:
                 yield (i, tok, lp) if triples else (i, tok)
