@@ -5,10 +5,13 @@ query head alone, so with grouped-query heads it streams every key and value ``G
 splits its work over (batch, heads), which a batch of one with few heads leaves uneven.  Here the ``G``
 query heads that share a key/value head are one matrix of ``G * Lq`` rows (``q`` viewed as
 ``(B, Hkv, G*Lq, D)``; keys and values are read in place, never repeated or copied), so each key is read
-once per step; and when (batch, kv heads) are fewer than :data:`SPLIT_BELOW` pieces, the keys of each
-(sequence, kv head) are viewed as ``C`` chunks of ``n`` keys (``(C, n, D)``, a view) so that every product
-and softmax spreads over the chunks (flash-decoding).  Each chunk gives its own normalised output and
-log-sum-exp, and the chunks merge as :func:`attnkit.softmax.merge` merges two.
+once per step.  One query under a causal or sliding-window mask sees one window of keys, read as a view
+without the mask.  Without mask, bias or softcap the call is three operations (scores, softmax, weighted
+sum over the grouped rows).  When (sequence, kv head) pieces are fewer than :data:`SPLIT_BELOW` (torch's
+thread count by default), and for masks, score modifiers and softcap, the keys of each piece are viewed
+as ``C`` chunks of ``n`` keys (``(C, n, D)``, a view; ``C = 1`` when there are pieces enough), each chunk
+gives its own normalised output and log-sum-exp, and the chunks merge as :func:`attnkit.softmax.merge`
+merges two (flash-decoding).  :func:`paged_decode` does the same over a paged pool, a block per chunk.
 
 Masks, score modifiers, softcap and sinks apply as in every backend (the order of the contract); keys
 that no query may see reach no row, also when they hold NaN or inf (padding garbage); a row that may
