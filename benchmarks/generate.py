@@ -1,23 +1,33 @@
 """Decoding: attnkit.generate against Hugging Face generate, caches against recomputation, the Engine
-against static batching, quantized caches and weights, chunked prefill, speculative decoding.
+against static batching, quantized caches and weights, chunked prefill, speculative decoding; and decode
+attention over long caches (8k-128k keys) against SDPA.
 
 One llama-like model (hidden 512, 8 layers, 8 heads, intermediate 1408, vocab 32000, random weights) built
 as a Hugging Face ``LlamaForCausalLM`` (sdpa attention) and converted with ``attnkit.integrations.hf.from_hf``
 (same weights); 32-token prompts, greedy decoding.  Every timing is a median of interleaved repeats in one
 process; each decode speed is also shown against the memory-bandwidth limit at batch 1: the bytes of every
-weight but the embedding rows, read once per step, over ~38 GB/s.
+weight but the embedding rows, read once per step, over the read bandwidth measured at start.
 
     python benchmarks/generate.py            # full run (tens of minutes on 2 cores)
     python benchmarks/generate.py --quick    # fewer tokens and requests, no compiled rows (a minute or two)
     python benchmarks/generate.py --only decode --no-compile   # one section, eager steps only
+    python benchmarks/generate.py --only decode --no-compile --contended   # with a busy loop on one core
+    python benchmarks/generate.py --only longctx     # decode attention over 8k-128k cached keys vs SDPA
+
+``--contended`` starts a process of its own that spins on one core (the last this process may use) for
+the whole run and stops it at the end, also after an error or Ctrl-C: the machine a user decodes on
+usually has something else running.  The bandwidth limit divides the bytes read per step by the read
+bandwidth measured at start (a sum over 256 MiB, every thread).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import random
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,8 +41,42 @@ from attnkit.cache import QuantizedCache, StaticCache  # noqa: E402
 from attnkit.nn import to_decode_layout  # noqa: E402
 from attnkit.quantize import weight_bytes  # noqa: E402
 
-BANDWIDTH = 38e9  # bytes/s this kind of machine streams from memory (measured before this benchmark)
 PROMPT = 32
+
+
+def read_bandwidth(mib: int = 256, repeat: int = 7) -> float:
+    """Bytes per second this machine reads from memory with torch's threads: the best of ``repeat`` sums
+    over a ``mib`` MiB float32 tensor (larger than any cache), each element read once."""
+    x = torch.ones(mib * 2**20 // 4)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.nbytes / best
+
+
+BUSY_LOOP = "while True:\n    pass\n"
+
+
+@contextlib.contextmanager
+def busy_core():
+    """Another process spinning on one core (the last this process may run on) inside the block; it is
+    stopped when the block ends, however it ends (errors, KeyboardInterrupt).  Yields the process."""
+    core = max(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
+    proc = subprocess.Popen([sys.executable, "-c", BUSY_LOOP], stdin=subprocess.DEVNULL)
+    try:
+        if hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(proc.pid, {core})
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def hf_llama(seed: int = 0):
@@ -68,6 +112,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def decode_rows(args, hf, model, rows, results):
+    bandwidth = args.bandwidth
     n = args.new_tokens
     limit_ms = {}
     variants = {"attnkit float32": model}
@@ -90,7 +135,7 @@ def decode_rows(args, hf, model, rows, results):
                  "attnkit bfloat16, compiled": copy.deepcopy(auto).to(torch.bfloat16)}
                 if args.compile else {})
     for name, m in {**variants, **compiled}.items():
-        limit_ms[name] = streamed_bytes(m) / BANDWIDTH * 1e3
+        limit_ms[name] = streamed_bytes(m) / bandwidth * 1e3
     limit_ms["HF float32"] = limit_ms["attnkit float32"]
     for name, m in compiled.items():  # compile before timing (reported separately)
         t0 = time.perf_counter()
@@ -117,7 +162,7 @@ def decode_rows(args, hf, model, rows, results):
         base = t["HF float32"]
         for name in fns:
             step_ms = t[name] / n * 1e3
-            row = {"measure": "decode", "what": name, "batch": B, "new tokens": n,
+            row = {"measure": "decode, contended" if args.contended else "decode", "what": name, "batch": B, "new tokens": n,
                    "tokens/s": f"{B * n / t[name]:.0f}", "ms/step": f"{step_ms:.1f}",
                    "vs HF fp32": f"{base / t[name]:.2f}x",
                    "x limit": f"{step_ms / limit_ms[name]:.2f}" if B == 1 else "-",
@@ -141,6 +186,52 @@ def decode_rows(args, hf, model, rows, results):
                          "same tokens as HF": f"max|dlogit| {err:.3f}, argmax {agree:.1%}"})
             results.setdefault("weights", {})[name] = {"bytes": mem, "max_logit_err": err, "argmax_agree": agree,
                                                       "fp32_bytes": streamed_bytes(model)}
+
+
+def long_context(args, rows, results):
+    """One decode query per head (batch 1, 8 query heads, 2 kv heads, D=128) against a cache of 8k-128k keys:
+    attnkit.attention (backend auto) against SDPA on the same cache views (a static cache's prefix)."""
+    import torch.nn.functional as F
+
+    from attnkit import backends, masks
+
+    out = []
+    g = torch.Generator().manual_seed(11)
+    for L in args.long_lengths:
+        cache = StaticCache(1, max_len=L + 64, batch_size=1, n_kv_heads=2, d_head=128)
+        layer = cache.layers[0]
+        layer.update(torch.randn(1, 2, L - 1, 128, generator=g), torch.randn(1, 2, L - 1, 128, generator=g))
+        k, v = layer.update(torch.randn(1, 2, 1, 128, generator=g), torch.randn(1, 2, 1, 128, generator=g))[:2]
+        q = torch.randn(1, 8, 1, 128, generator=g)
+        mask = masks.causal()
+        picked = backends.explain(q, k, v, mask=mask).split("'")[1]
+        reps = max(1, 2**17 // L)
+
+        def ours():
+            for _ in range(reps):
+                attnkit.attention(q, k, v, mask=mask)
+
+        def sdpa():
+            for _ in range(reps):
+                F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+        with torch.no_grad():
+            ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+            err = float((attnkit.attention(q, k, v, mask=mask) - ref).abs().max())
+            t = timeit({"attnkit": ours, "sdpa": sdpa}, repeat=args.repeat + 3, warmup=1, budget_s=args.budget)
+        kv_bytes = k.nbytes // k.shape[2] * L * 2  # keys and values read once
+        ms = {name: t[name] / reps * 1e3 for name in t}
+        rows.append({"measure": "long-context decode attention", "what": f"{L // 1024}k keys, auto: {picked}",
+                     "batch": 1, "new tokens": "-", "tokens/s": "-",
+                     "ms/step": f"{ms['attnkit']:.2f} / SDPA {ms['sdpa']:.2f}",
+                     "vs HF fp32": f"{t['sdpa'] / t['attnkit']:.2f}x SDPA",
+                     "x limit": f"{ms['attnkit'] / (kv_bytes / args.bandwidth * 1e3):.2f}",
+                     "same tokens as HF": f"max|diff| {err:.1e}"})
+        print(rows[-1], flush=True)
+        out.append({"keys": L, "picked": picked, "ms": ms, "vs_sdpa": t["sdpa"] / t["attnkit"],
+                    "threads": torch.get_num_threads(), "max_abs_diff": err})
+        del cache, layer, k, v
+    results["long_context"] = out
 
 
 def profile_step(model, rows, results):
@@ -393,8 +484,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-compile", dest="compile", action="store_false",
                     help="skip the generate(compile=True) rows")
     ap.add_argument("--only", nargs="*", default=None,
-                    help="sections to run: decode profile cache mixed quantized chunked speculative (default: all; with "
-                         "--quick all but chunked and speculative)")
+                    help="sections to run: decode longctx profile cache mixed quantized chunked speculative (default: "
+                         "all; with --quick all but chunked and speculative)")
+    ap.add_argument("--contended", action="store_true",
+                    help="run with a busy-loop process of this script's own on one core (stopped at the end)")
     ap.add_argument("--out", metavar="DIR", default=None, help=OUT_HELP)
     args = ap.parse_args(argv)
     if args.compile is None:
@@ -404,6 +497,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    with busy_core() if args.contended else contextlib.nullcontext():
+        run(args)
+
+
+def run(args) -> None:
     try:
         import transformers  # noqa: F401  (the model comes from transformers, and HF generate is the baseline)
     except ImportError:
@@ -426,9 +524,11 @@ def main(argv=None) -> None:
     args.copy_length = 32
     args.copy_prompts = 2 if args.quick else 8
     args.train_steps = 5 if args.quick else 400
+    args.long_lengths = [8192, 32768] if args.quick else [8192, 32768, 131072]
     # (--quick leaves out the chunked-prefill and speculative sections unless --only names them: they train
     # and prefill for minutes)
-    default = ["decode", "profile", "cache", "mixed", "quantized"] + ([] if args.quick else ["chunked", "speculative"])
+    default = ["decode", "longctx", "profile", "cache", "mixed", "quantized"] + (
+        [] if args.quick else ["chunked", "speculative"])
     sections = set(args.only or default)
     from attnkit.integrations.hf import from_hf
 
@@ -437,10 +537,13 @@ def main(argv=None) -> None:
     # checks a call's signature, and for an unmasked call picks sdpa without weighing the tiled backends)
     model = from_hf(hf, backend="sdpa").eval()
     load = os.getloadavg()[0]
+    args.bandwidth = read_bandwidth()
     rows: list[dict] = []
-    results: dict = {"load_average_start": load}
+    results: dict = {"load_average_start": load, "contended": args.contended, "read_bandwidth": args.bandwidth}
     if "decode" in sections:
         decode_rows(args, hf, model, rows, results)
+    if "longctx" in sections:
+        long_context(args, rows, results)
     if "profile" in sections:
         profile_step(model, rows, results)
     if "cache" in sections:
@@ -458,9 +561,11 @@ def main(argv=None) -> None:
             "same tokens as HF"]
     print()
     print(f"generate, llama-like (58M), {PROMPT}-token prompts, greedy; {machine()}; load average "
-          f"{results['load_average_start']:.1f} -> {results['load_average_end']:.1f}")
+          f"{results['load_average_start']:.1f} -> {results['load_average_end']:.1f}; read bandwidth "
+          f"{args.bandwidth / 1e9:.1f} GB/s" + ("; a busy loop on one core (--contended)" if args.contended else ""))
     print(table(rows, cols))
-    path = save("generate_quick" if args.quick else "generate", {"rows": rows, **results}, out=args.out)
+    name = ("generate_quick" if args.quick else "generate") + ("_contended" if args.contended else "")
+    path = save(name, {"rows": rows, **results}, out=args.out)
     print(f"\nwrote {path}")
 
 

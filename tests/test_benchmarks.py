@@ -97,3 +97,49 @@ def test_sinks_benchmark_runs():
                            "--threads", "1"], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "forward+backward" in proc.stdout and "ratio" in proc.stdout
+
+
+def test_generate_contended_starts_its_busy_loop_and_always_stops_it():
+    """--contended runs the sections beside a process of its own spinning on one core, stopped at the end,
+    also when the run fails or is interrupted."""
+    import os
+
+    generate = _load("generate")
+    with generate.busy_core() as proc:
+        assert proc.poll() is None  # spinning
+        if hasattr(os, "sched_getaffinity"):
+            assert os.sched_getaffinity(proc.pid) == {max(os.sched_getaffinity(0))}
+    assert proc.poll() is not None
+    for error in (RuntimeError("a section failed"), KeyboardInterrupt()):
+        try:
+            with generate.busy_core() as proc:
+                raise error
+        except (RuntimeError, KeyboardInterrupt):
+            pass
+        assert proc.poll() is not None
+    import contextlib
+
+    procs = []
+    real = generate.busy_core
+
+    @contextlib.contextmanager
+    def spy():
+        with real() as p:
+            procs.append(p)
+            yield p
+
+    generate.busy_core = spy
+    generate.run = lambda args: (_ for _ in ()).throw(KeyboardInterrupt())  # interrupted inside the sections
+    try:
+        generate.main(["--contended", "--only", "decode"])
+    except KeyboardInterrupt:
+        pass
+    assert len(procs) == 1 and procs[0].poll() is not None
+
+
+def test_generate_long_context_section_runs(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "generate.py"), "--quick", "--no-compile",
+                           "--only", "longctx", "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "32k keys, auto: splitkv" in proc.stdout and "x SDPA" in proc.stdout

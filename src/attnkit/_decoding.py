@@ -8,6 +8,7 @@ import contextlib
 import torch
 
 from . import _sampling
+from ._threads import DecodeThreads
 from .nn.layers import _DecodeCopies as DecodeCopies
 
 Tensor = torch.Tensor
@@ -104,3 +105,14 @@ def reading(copies: DecodeCopies | None):
 def weights_key(model) -> tuple:
     """Where each parameter and buffer lives and how often it was written in place."""
     return tuple((t.data_ptr(), t._version) for t in (*model.parameters(), *model.buffers()))
+
+
+def cpu_threads(model, policy: DecodeThreads) -> DecodeThreads | None:
+    """``policy`` for a model on the CPU (None elsewhere: a GPU step's thread count does not matter)."""
+    weight = next(model.parameters(), None) if isinstance(model, torch.nn.Module) else None
+    return policy if weight is None or weight.device.type == "cpu" else None
+
+
+def timed(threads: DecodeThreads | None):
+    """A decode step inside the block runs at the thread count ``threads`` picks (None: torch's)."""
+    return contextlib.nullcontext() if threads is None else threads.step()

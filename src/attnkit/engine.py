@@ -31,8 +31,9 @@ from ._checks import flag, integer
 from . import _sampling
 from .cache import PagedCache, PoolExhausted
 from ._decoding import (DecodeCopies, EvalMode, check_decoder_only, check_eos, check_positions, check_tokens,
-                        last_logits, reading, weights_key)
+                        cpu_threads, last_logits, reading, timed, weights_key)
 from .generate import GenerationResult, SamplingParams, sample
+from ._threads import DecodeThreads
 
 Tensor = torch.Tensor
 
@@ -92,6 +93,9 @@ class Engine:
             much memory again as the weights copied), made at the first step that needs them and again
             after the weights change.  The model's own weights are never moved.  False reads the weights
             as they are.
+        decode_threads: torch's thread count for the plain decode steps on CPU, as in :func:`attnkit.generate`
+            (``"auto"``: the fastest of the caller's count, one fewer and one, measured on the steps and
+            re-checked; the caller's count is set back after each step).
         max_batched_tokens: chunked prefill.  None (the default): each admitted prompt is prefilled alone in
             its step, before the batched decode.  An int ``N >= max_batch``: each step is one forward of at most
             ``N`` tokens over the pool (:meth:`attnkit.cache.PagedCache.packed`: queries of different lengths
@@ -132,7 +136,8 @@ class Engine:
     """
 
     def __init__(self, model, cache_blocks: int, block_size: int = 16, max_batch: int = 16, *, preempt: bool = True,
-                 prefix_caching: bool = True, relayout: bool = True, max_batched_tokens: int | None = None):
+                 prefix_caching: bool = True, relayout: bool = True, max_batched_tokens: int | None = None,
+                 decode_threads: str | int | None = "auto"):
         integer("cache_blocks", cache_blocks, minimum=1)
         integer("block_size", block_size, minimum=1)
         self.max_batch = integer("max_batch", max_batch, minimum=1)
@@ -148,6 +153,7 @@ class Engine:
         check_decoder_only(model, "Engine")
         self.model = model
         self._copies = DecodeCopies() if relayout else None  # the weights laid out for decoding, owned here
+        self._threads = cpu_threads(model, DecodeThreads(decode_threads))  # each decode step's thread count
         self.preempt = preempt
         self.cache = PagedCache.for_model(model, cache_blocks, block_size, prefix_caching=prefix_caching)
         self._weights = weights_key(model)  # a change drops the cached prefixes (computed with the old weights)
@@ -321,7 +327,7 @@ class Engine:
                 self._track()
                 view = cache.batch([r.sid for r in dec])
                 ids = torch.tensor([[r.out[-1]] for r in dec], dtype=torch.long, device=cache.device)  # (B, 1)
-                with reading(self._copies):
+                with reading(self._copies), timed(self._threads):
                     logits = last_logits(self.model(ids, cache=view, positions=view.positions(1)))
                 self.stats["decode_tokens"] += len(dec)
                 for r, tok in zip(dec, self._sample(dec, logits)):

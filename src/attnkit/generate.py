@@ -26,7 +26,8 @@ from .cache import PagedCache, QuantizedCache, SlidingWindowCache, StaticCache
 from ._checks import flag, number
 from .cache._common import model_dims
 from ._decoding import (DecodeCopies, EvalMode, check_decoder_only, check_eos, check_positions, check_tokens,
-                        last_logits, reading, weights_key)
+                        cpu_threads, last_logits, reading, timed, weights_key)
+from ._threads import DecodeThreads
 
 Tensor = torch.Tensor
 
@@ -266,6 +267,18 @@ def _decode_copies(model) -> DecodeCopies | None:
     return copies
 
 
+_THREADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {batch: its "auto" policy}
+
+
+def _threads_for(model, threads, batch: int) -> DecodeThreads:
+    """The thread policy of ``generate``'s decode steps: for ``"auto"``, one per model and batch size, kept
+    while the model lives, so that later generations start from what earlier ones measured."""
+    if threads != "auto" or not isinstance(model, torch.nn.Module):
+        return DecodeThreads(threads)
+    with _COPIES_LOCK:
+        return _THREADS.setdefault(model, {}).setdefault(batch, DecodeThreads("auto"))
+
+
 def _compiled_step(model):
     """``model(ids, **kw)`` through ``torch.compile``, with compiled code of its own for each model.
 
@@ -382,12 +395,13 @@ def _steps_recompute(model, prompts) -> Iterator[Tensor]:
 
 
 def _stream(model, prompts: list[list[int]], max_new_tokens: int, cache, params: SamplingParams,
-            compiled: bool = False, copies: DecodeCopies | None = None
+            compiled: bool = False, copies: DecodeCopies | None = None, threads: DecodeThreads | None = None
             ) -> Iterator[tuple[int, int, TokenLogprob | None]]:
     """Yields ``(prompt index, token, its log-probabilities or None)`` as each step produces them.  Each
     forward runs in eval mode and without gradients, and only then (a caller reading the stream keeps its
     model's modes and its grad mode); the one-token decode steps, and the prefill of 4 or more prompts, read
-    ``copies`` of the weights (None: the weights as they are)."""
+    ``copies`` of the weights (None: the weights as they are), at the thread count ``threads`` picks (None:
+    torch's)."""
     B = len(prompts)
     if max_new_tokens == 0:
         return
@@ -422,7 +436,7 @@ def _stream(model, prompts: list[list[int]], max_new_tokens: int, cache, params:
                     done[i] = True
         if all(done) or t == max_new_tokens - 1:
             break
-        with torch.no_grad(), eval_mode(), reading(copies):
+        with torch.no_grad(), eval_mode(), reading(copies), timed(threads):
             logits = steps.send(tok)
     steps.close()
 
@@ -653,7 +667,8 @@ def generate(model, prompts, max_new_tokens: int, *, cache: str | Callable | Non
              presence_penalty: float = 0.0, frequency_penalty: float = 0.0, min_p: float | None = None,
              logit_bias: dict[int, float] | None = None, stop: Sequence[Sequence[int]] | None = None,
              logprobs: int | None = None, draft_model=None, prompt_lookup: bool = False,
-             num_speculative_tokens: int = 4, stats: SpeculativeStats | None = None):
+             num_speculative_tokens: int = 4, stats: SpeculativeStats | None = None,
+             decode_threads: str | int | None = "auto"):
     """Generate ``max_new_tokens`` tokens after each prompt with a decoder language model.
 
     Args:
@@ -706,6 +721,11 @@ def generate(model, prompts, max_new_tokens: int, *, cache: str | Callable | Non
         logprobs: None, or ``n >= 0``: also return each token's log-probability under the model (the
             log-softmax of its raw logits, before the controls above) and the ``n`` most likely tokens of that
             step; the call then returns a :class:`GenerationResult`.
+        decode_threads: torch's thread count for each one-token decode step on CPU: ``"auto"`` times the
+            steps at the caller's count, one fewer and one, keeps the fastest and re-checks as decoding goes
+            (a core busy with another process makes fewer threads faster; see ``attnkit._threads``; what was
+            measured is kept with the model for its later generations of the same batch size); an int uses
+            that many; None leaves it alone.  The caller's count is set back after every step.
         draft_model: speculative decoding with a smaller :class:`~attnkit.nn.DecoderLM` of the same vocabulary:
             it proposes ``num_speculative_tokens`` tokens, the model scores all of them in one forward through
             its KV cache, the accepted run plus one token of the model's own is kept and the rest rolled
@@ -773,6 +793,7 @@ def generate(model, prompts, max_new_tokens: int, *, cache: str | Callable | Non
                                      stats)
     if draft_model is not None:
         check_positions(draft_model, max(len(p) for p in prompts), max_new_tokens)
+    DecodeThreads(decode_threads)  # (refuses a bad value before any work)
 
     def run(triples: bool = True) -> Iterator[tuple]:
         """``(prompt_index, token, TokenLogprob or None)`` triples, or ``(prompt_index, token)`` pairs."""
@@ -782,7 +803,8 @@ def generate(model, prompts, max_new_tokens: int, *, cache: str | Callable | Non
         else:
             # (compiled code freezes a packed copy of the weights of its own; cache=None has no one-token steps)
             copies = _decode_copies(model) if relayout and not compile and cache is not None else None
-            events = _stream(model, prompts, max_new_tokens, cache, params, compile, copies)
+            events = _stream(model, prompts, max_new_tokens, cache, params, compile, copies,
+                             cpu_threads(model, _threads_for(model, decode_threads, len(prompts))))
         try:
             for i, tok, lp in events:
                 yield (i, tok, lp) if triples else (i, tok)

@@ -24,9 +24,15 @@ def test_maskless_calls_pick_sdpa_without_planning(monkeypatch):
         check_against_oracle(attnkit.attention, q, k, v)  # the numerical rule (raises when broken)
         text = backends.explain(q, k, v)
         assert text.startswith("auto picks 'sdpa'") and "not weighed: without mask or bias" in text, text
+        # one query under a causal or sliding-window mask sees one window of keys, which sdpa reads as a view
+        for mask in (M.causal(), M.sliding_window(5)):
+            check_against_oracle(attnkit.attention, q, k, v, mask=mask)
+            text = backends.explain(q, k, v, mask=mask)
+            assert text.startswith("auto picks 'sdpa'") and "one window of keys" in text, text
     # with a mask to skip, the tiled backends are weighed as before
     monkeypatch.setitem(backends._REGISTRY, "flash", flash)
     k = v = torch.randn(1, 2, 300, 16)
+    q = torch.randn(1, 4, 64, 16)
     flash_line = [ln for ln in backends.explain(q, k, v, mask=M.sliding_window(7)).splitlines() if "flash " in ln]
     assert "GFLOP-equivalents" in flash_line[0], flash_line
 

@@ -33,6 +33,7 @@ from typing import Callable
 import torch
 
 from . import _flash_custom_ops
+from . import _splitkv
 from . import flash as _flash
 from . import math as _math
 from . import sdpa as _sdpa
@@ -73,6 +74,9 @@ register(Backend("flash", _flash.run, _flash.check, _flash.cost,
 register(Backend("triton", _triton.run, _triton.check, _triton.cost, _triton.available,
                  description="Triton block-sparse flash kernels; CUDA GPUs (or TRITON_INTERPRET=1 on CPU)",
                  unavailable_reason=_triton.unavailable_reason))
+register(Backend("splitkv", _splitkv.run, _splitkv.check, _splitkv.cost,
+                 description="CPU decoding: keys split into chunks merged by log-sum-exp; grouped heads read "
+                             "each key once; no gradients"))
 
 
 def available() -> list[str]:
@@ -145,13 +149,23 @@ def select(call: Call, backend: str) -> Backend:
 
 
 def _dense_fused(call: Call) -> Backend | None:
-    """``sdpa`` for a call without mask or bias when it takes it: nothing to skip, so no tiled backend beats
-    the fused kernel, and deciding so costs no planning (a decode step meets a new key length each time)."""
-    if call.mask is None and call.bias is None:
+    """``sdpa`` for a call without mask or bias when it takes it, or for one query whose mask leaves it one
+    window of keys (a decode step under a causal or sliding-window mask, which sdpa reads as a view):
+    nothing to skip, so no tiled backend beats the fused kernel, and deciding so costs no planning (a decode
+    step meets a new key length each time; planning the tiled backend's cost at every step made the decode
+    steps of a model with ``backend="auto"`` several times slower on a busy machine)."""
+    if (call.bias is None and (call.mask is None or _sdpa._single_query_window(call) is not None)
+            and not _splitkv_wins(call)):
         b = _REGISTRY.get("sdpa")
         if b is not None and b.available() and b.check(call) is None:
             return b
     return None
+
+
+def _splitkv_wins(call: Call) -> bool:
+    """A long CPU decode call, which ``splitkv`` takes at half the fused kernel's cost (``_splitkv.wins``)."""
+    b = _REGISTRY.get("splitkv")
+    return b is not None and b.check is _splitkv.check and _splitkv.wins(call)
 
 
 def _pick(call: Call) -> Backend:
@@ -214,12 +228,18 @@ def explain(q, k, v, **kwargs) -> str:
             continue
         reason = b.check(call)
         if reason is None and backend == "auto" and chosen is _dense_fused(call) and b is not chosen:
-            lines.append(f"  {name:7s} takes it; not weighed: without mask or bias there is nothing to skip")
+            lines.append(f"  {name:7s} takes it; not weighed: " + (
+                "without mask or bias there is nothing to skip" if call.mask is None else
+                "one query whose mask leaves it one window of keys (read as a view): nothing to skip"))
         elif reason is None:
             lines.append(f"  {name:7s} takes it; estimated cost {b.cost(call) / 1e9:.3g} GFLOP-equivalents"
                          f"{'  <- chosen' if b is chosen else ''}")
         else:
             lines.append(f"  {name:7s} cannot: {reason}")
+    if backend == "auto" and chosen.name == "splitkv" and _splitkv_wins(call):
+        lines.append(f"splitkv: a CPU decode call ({call.group * call.q_len} query rows per kv head <= "
+                     f"{_splitkv.DECODE_ROWS}, {call.batch} x {call.kv_len} keys >= {_splitkv.MIN_KEYS}): each key is read "
+                     f"once for its {call.group} grouped heads, chunks over the threads merged by log-sum-exp")
     if backend == "auto" and _is_cpu_decode(call):
         lines.append("under torch.compile auto picks 'math' (a decode-sized CPU call, which Inductor fuses)")
     elif backend == "auto":

@@ -21,6 +21,7 @@ import torch
 from ..bias import ScoreMod
 from ..masks import Mask
 from ..softmax import stable_softmax
+from . import _splitkv
 from ._common import (accumulation_dtype, check_paged_values, grouped_heads, score_pipeline, with_sinks,
                       zero_unseen)
 
@@ -108,6 +109,9 @@ def attend_blocks(q: Tensor, k_pool: Tensor, v_pool: Tensor, lens: list[int], ru
     one pass for the whole batch (``layouts(whole)`` builds its :class:`PoolLayout`, ``whole``: one span
     over the whole pool); otherwise each sequence is attended alone over views of its runs.  Returns
     ``(B, Hq, Lq, Dv)`` in ``q``'s dtype."""
+    if _splitkv.takes_paged(q, k_pool, runs, lens, mask, bias):  # a long sequence in one run: split-KV, in place
+        return _splitkv.paged_decode(q, k_pool, v_pool, runs, lens, scale=scale, softcap=softcap, bias=bias,
+                                     mask=mask, sinks=sinks)
     layout = None if sinks is not None else _pool_layout(q, k_pool, v_pool, bias, mask, layouts)
     if layout is not None:
         return _attend_pool(q, k_pool, v_pool, layout, scale=scale, softcap=softcap, mask=mask, bias=bias)
