@@ -10,18 +10,14 @@ from hypothesis import strategies as st
 
 import attnkit
 from attnkit import backends, bias, masks
-from attnkit.testing import check_against_oracle, reference
+from attnkit.testing import check_against_oracle, random_qkv, reference
 
 CORE = ["math", "sdpa"]
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 
 
 def qkv(b=2, hq=4, hkv=2, lq=9, lk=11, d=16, dv=None, dtype=torch.float32, grad=True, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, hq, lq, d, generator=g).to(dtype)
-    k = torch.randn(b, hkv, lk, d, generator=g).to(dtype)
-    v = torch.randn(b, hkv, lk, dv or d, generator=g).to(dtype)
-    return [t.requires_grad_(grad) for t in (q, k, v)]
+    return random_qkv(b, hq, hkv, lq, lk, d, dv or d, dtype=dtype, requires_grad=grad, seed=seed)
 
 
 def run_or_refuse(backend, q, k, v, **kw):

@@ -11,13 +11,13 @@ import attnkit
 from attnkit import masks
 from attnkit.softmax import add_sink, merge
 from attnkit.testing import check_against_oracle, reference
+from attnkit.testing import random_qkv
 
 
 def _qkv(B=2, Hq=4, Hkv=2, Lq=21, Lk=29, D=16, Dv=16, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    make = lambda *s: torch.randn(*s, generator=g).to(dtype).requires_grad_(True)  # noqa: E731
-    sinks = (torch.randn(Hq, generator=g) * 2).requires_grad_(True)
-    return make(B, Hq, Lq, D), make(B, Hkv, Lk, D), make(B, Hkv, Lk, Dv), sinks
+    q, k, v = random_qkv(B, Hq, Hkv, Lq, Lk, D, Dv, dtype=dtype, requires_grad=True, seed=seed)
+    sinks = (torch.randn(Hq, generator=torch.Generator().manual_seed(seed + 1)) * 2).requires_grad_(True)
+    return q, k, v, sinks
 
 
 def _backend(name):

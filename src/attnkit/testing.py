@@ -27,7 +27,27 @@ from .masks import Mask, _index_grid
 
 Tensor = torch.Tensor
 
-__all__ = ["reference", "check_against_oracle"]
+__all__ = ["reference", "check_against_oracle", "random_qkv"]
+
+
+def random_qkv(batch: int, q_heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int,
+               value_dim: int | None = None, *, dtype: torch.dtype = torch.float32, requires_grad: bool = False,
+               seed: int = 0) -> list[Tensor]:
+    """Reproducible ``[q, k, v]``: ``q (batch, q_heads, q_len, head_dim)``, ``k (batch, kv_heads, kv_len,
+    head_dim)``, ``v (batch, kv_heads, kv_len, value_dim or head_dim)``, standard normal values drawn in float32
+    from a generator seeded with ``seed`` (the same values whatever ``dtype``), then cast to ``dtype``.
+
+    Example::
+
+        >>> from attnkit.testing import random_qkv
+        >>> q, k, v = random_qkv(2, 4, 2, 9, 11, 16, dtype=torch.float64, requires_grad=True)
+        >>> tuple(q.shape), tuple(k.shape), v.dtype, v.requires_grad
+        ((2, 4, 9, 16), (2, 2, 11, 16), torch.float64, True)
+    """
+    g = torch.Generator().manual_seed(seed)
+    shapes = ((batch, q_heads, q_len, head_dim), (batch, kv_heads, kv_len, head_dim),
+              (batch, kv_heads, kv_len, head_dim if value_dim is None else value_dim))
+    return [torch.randn(*shape, generator=g).to(dtype).requires_grad_(requires_grad) for shape in shapes]
 
 
 def reference(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, scale: float | None = None,

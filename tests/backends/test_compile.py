@@ -19,6 +19,7 @@ from attnkit import masks as M
 from attnkit.backends import _flash_custom_ops as C
 from attnkit.backends import _flash_plan
 from attnkit.testing import check_against_oracle
+from attnkit.testing import random_qkv
 
 
 @pytest.fixture(autouse=True)
@@ -32,10 +33,7 @@ def _fresh_dynamo():
 
 
 def _qkv(L=96, *, hq=4, hkv=2, d=16, dtype=torch.float64, grad=True, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, hq, L, d, generator=g, dtype=dtype)
-    k, v = (torch.randn(1, hkv, L, d, generator=g, dtype=dtype) for _ in range(2))
-    return [t.requires_grad_(grad) for t in (q, k, v)]
+    return random_qkv(1, hq, hkv, L, L, d, dtype=dtype, requires_grad=grad, seed=seed)
 
 
 def _graph_ops(fn, *args, **kwargs) -> str:

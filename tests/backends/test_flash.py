@@ -14,7 +14,7 @@ from attnkit.backends import flash
 from attnkit.backends import _flash_impl
 from attnkit.backends import _flash_ops as ops
 from attnkit.functional import _make_call
-from attnkit.testing import check_against_oracle, reference
+from attnkit.testing import check_against_oracle, random_qkv, reference
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -29,11 +29,7 @@ def run_flash(q, k, v, *, fused=True, block=16, **kw):
 
 
 def qkv(b=2, hq=4, hkv=2, lq=50, lk=50, d=16, dv=None, dtype=torch.float32, grad=True, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, hq, lq, d, generator=g).to(dtype)
-    k = torch.randn(b, hkv, lk, d, generator=g).to(dtype)
-    v = torch.randn(b, hkv, lk, dv or d, generator=g).to(dtype)
-    return [t.requires_grad_(grad) for t in (q, k, v)]
+    return random_qkv(b, hq, hkv, lq, lk, d, dv or d, dtype=dtype, requires_grad=grad, seed=seed)
 
 
 def doc_ids(n, cuts):

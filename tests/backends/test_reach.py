@@ -11,15 +11,14 @@ import torch
 
 import attnkit
 from attnkit import backends, bias, masks
+from attnkit.testing import random_qkv
 
 W_GLOBAL = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
 DOC_GLOBAL = torch.zeros(40, dtype=torch.long)
 
 
 def _qkv(b=1, hq=2, hkv=2, lq=40, lk=40, d=8, dtype=torch.float64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(b, h, n, d, generator=g, dtype=dtype).requires_grad_() for h, n in ((hq, lq), (hkv, lk),
-                                                                                             (hkv, lk))]
+    return random_qkv(b, hq, hkv, lq, lk, d, dtype=dtype, requires_grad=True, seed=seed)
 
 
 def _grad_of(param, backend, mod, mask=None):

@@ -14,16 +14,13 @@ import attnkit
 from attnkit import bias as B_
 from attnkit import masks
 from attnkit.cache import PagedCache, QuantizedCache, SlidingWindowCache, StaticCache, attend
+from attnkit.testing import random_qkv
 
 F64 = torch.float64
 
 
 def _qkv(b=2, hq=4, hkv=2, t=23, d=8, dv=None, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, hq, t, d, generator=g, dtype=F64)
-    k = torch.randn(b, hkv, t, d, generator=g, dtype=F64)
-    v = torch.randn(b, hkv, t, dv or d, generator=g, dtype=F64)
-    return q, k, v
+    return tuple(random_qkv(b, hq, hkv, t, t, d, dv, dtype=F64, seed=seed))
 
 
 def _variants(hq=4):
