@@ -31,3 +31,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def fresh_dynamo(one_thread):
+    """Every test traces from scratch (no compiled code or recompile counts carried over), on one thread.
+    Compile tests opt in with ``pytestmark = pytest.mark.usefixtures("fresh_dynamo")``."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

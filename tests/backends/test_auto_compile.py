@@ -16,15 +16,7 @@ from attnkit.nn import DecoderConfig, DecoderLM
 from attnkit.testing import check_against_oracle
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    """Every test traces from scratch (no compiled code or recompile counts carried over), on one thread."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # traced from scratch, one thread
 
 
 def _qkv(L, *, grad=True):

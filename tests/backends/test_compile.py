@@ -22,14 +22,7 @@ from attnkit.testing import check_against_oracle
 from attnkit.testing import random_qkv
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # traced from scratch, one thread
 
 
 def _qkv(L=96, *, hq=4, hkv=2, d=16, dtype=torch.float64, grad=True, seed=0):
