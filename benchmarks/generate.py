@@ -510,7 +510,7 @@ def run(args) -> None:
         return
     if args.threads:
         torch.set_num_threads(args.threads)
-    args.new_tokens = 16 if args.quick else 256
+    args.new_tokens = 32 if args.quick else 256
     args.repeat = 2 if args.quick else 3
     args.budget = 15 if args.quick else 240
     args.lengths = [16, 64] if args.quick else [32, 64, 128, 256]
