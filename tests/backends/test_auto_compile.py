@@ -13,17 +13,14 @@ import attnkit
 from attnkit import backends
 from attnkit import masks as M
 from attnkit.nn import DecoderConfig, DecoderLM
-from attnkit.testing import check_against_oracle
+from attnkit.testing import check_against_oracle, random_qkv
 
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # traced from scratch, one thread
 
 
 def _qkv(L, *, grad=True):
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 4, L, 16, generator=g)
-    k, v = torch.randn(1, 2, L, 16, generator=g), torch.randn(1, 2, L, 16, generator=g)
-    return [t.requires_grad_(grad) for t in (q, k, v)]
+    return random_qkv(1, 4, 2, L, L, 16, requires_grad=grad)
 
 
 # Each case: DecoderConfig overrides, sequence length, what eager auto picks, what auto picks while tracing.

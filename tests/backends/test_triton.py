@@ -39,7 +39,7 @@ from attnkit.backends import _triton_plan as plan
 from attnkit.backends import sdpa as sdpa_backend
 from attnkit.backends import triton as tb
 from attnkit.functional import _make_call
-from attnkit.testing import check_against_oracle, reference
+from attnkit.testing import check_against_oracle, random_qkv, reference
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -56,10 +56,7 @@ def case(name: str):
 
 
 def _qkv(B=1, Hq=2, Hkv=1, Lq=37, Lk=37, D=24, Dv=None, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    Dv = D if Dv is None else Dv
-    make = lambda *shape: torch.randn(*shape, generator=g).to(dtype).requires_grad_(True)  # noqa: E731
-    return make(B, Hq, Lq, D), make(B, Hkv, Lk, D), make(B, Hkv, Lk, Dv)
+    return tuple(random_qkv(B, Hq, Hkv, Lq, Lk, D, Dv, dtype=dtype, requires_grad=True, seed=seed))
 
 
 def _triton(q, k, v, **kwargs):
