@@ -358,59 +358,111 @@ def quantized_cache(args, model, rows, results):
     results["quantized_cache"] = out
 
 
+def _chunked_run(model, short, long_prompt, *, arrive, dec_new, long_new, blocks, budget, sizing):
+    """One Engine through the workload: 8 requests decode, the long prompt arrives at step ``arrive``.  Returns
+    the step times split into plain decode steps (no prompt token in them) and the steps a running request
+    waited through while the long prompt was being prefilled, the total time, and the tokens."""
+    engine = attnkit.Engine(model, cache_blocks=blocks, block_size=16, max_batch=len(short) + 1,
+                            max_batched_tokens=budget, chunk_sizing=sizing)
+    rids = [engine.add(p, dec_new) for p in short]
+    plain, waited = [], []
+    late, step, prefill_steps, spans = None, 0, 0, True
+    t_all = time.perf_counter()
+    while engine.has_work:
+        if step == arrive:
+            late = engine.add(long_prompt, long_new)
+        running = sum(1 for r in engine.running if r.rid in rids)
+        prefilled = engine.stats["prefill_tokens"]
+        t0 = time.perf_counter()
+        engine.step()
+        dt = time.perf_counter() - t0
+        has_prompt = engine.stats["prefill_tokens"] > prefilled
+        prefilling = late is not None and late not in engine.results and (
+            has_prompt or any(r.rid == late and r.fed < len(r.feed) for r in engine.running))
+        if has_prompt and late is not None:
+            prefill_steps += 1
+            spans = spans and running == len(short)
+        if running and has_prompt and late is not None:
+            waited.append(dt)  # a step a running request waits through while the long prompt is prefilled
+        elif running and not has_prompt and not prefilling:
+            plain.append(dt)  # a plain decode step: no prompt tokens in it
+        step += 1
+    t_all = time.perf_counter() - t_all
+    return {"plain": plain, "waited": waited, "seconds": t_all, "tokens": len(short) * dec_new + long_new,
+            "prefill_steps": prefill_steps, "spans_prefill": spans,
+            "tokens_out": [engine.results[r] for r in rids + [late]]}
+
+
+def _whole_prefill_seconds(model, long_prompt, repeat: int) -> float:
+    """The median time of the long prompt's prefill alone (one forward, the Engine's prefill path)."""
+    times = []
+    for _ in range(repeat):
+        engine = attnkit.Engine(model, cache_blocks=len(long_prompt) // 16 + 2, block_size=16, max_batch=1,
+                                prefix_caching=False)
+        engine.add(long_prompt, 1)
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
 def chunked_prefill(args, rows, results):
-    """A long prompt arrives while 8 sequences decode: the longest step a running sequence waits through,
-    against a plain decode step, with and without chunked prefill; and the whole workload's throughput."""
+    """A long prompt arrives while 8 sequences decode (32-token prompts, enough new tokens to outlast the
+    slowest prefill below): the longest step a running sequence waits through, against a plain decode step,
+    with and without chunked prefill; the whole workload's throughput; and the chunk steps' time beyond a
+    plain step, summed, against the prompt's prefill in one forward.  Each Engine runs twice (once with
+    ``--quick``), interleaved with the others; the table shows medians."""
     from attnkit.nn import DecoderConfig, DecoderLM
 
     torch.manual_seed(0)
     model = DecoderLM(DecoderConfig.preset("small", max_seq_len=8192)).eval()  # vocab 32000, d 256, 4 layers
     rng = random.Random(1)
-    long_len, n_dec, dec_new, arrive = args.long_prompt, 8, args.decode_new, 16
-    short = [[rng.randrange(32000) for _ in range(32)] for _ in range(n_dec)]
+    long_len, n_dec, arrive, long_new = args.long_prompt, 8, 16, 16
+    policies = [("no chunking", None, "tokens"), *((f"max_batched_tokens={c}", c, "tokens") for c in args.chunk),
+                *((f"max_batched_tokens={c}, chunk_sizing='cost'", c, "cost") for c in args.chunk_cost)]
+    # the slowest prefill (the smallest token budget; cost sizing takes fewer tokens late) must end while
+    # every short request still decodes
+    dec_new = arrive + 2 * -(-long_len // (min(args.chunk + args.chunk_cost) - n_dec)) + 16
+    short = [[rng.randrange(32000) for _ in range(PROMPT)] for _ in range(n_dec)]
     long_prompt = [rng.randrange(32000) for _ in range(long_len)]
-    blocks = (n_dec * (32 + dec_new) + long_len + 64) // 16 + 16
+    blocks = (n_dec * (PROMPT + dec_new) + long_len + long_new) // 16 + 16
+    load = os.getloadavg()[0]
+    repeat = min(args.repeat, 2)
+    whole = _whole_prefill_seconds(model, long_prompt, repeat + 1)
+    runs: dict[str, list[dict]] = {name: [] for name, _, _ in policies}
+    for _ in range(repeat):
+        for name, budget, sizing in policies:
+            runs[name].append(_chunked_run(model, short, long_prompt, arrive=arrive, dec_new=dec_new,
+                                           long_new=long_new, blocks=blocks, budget=budget, sizing=sizing))
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    ref_tokens = runs["no chunking"][0]["tokens_out"]
+    base_plain = med([t for r in runs["no chunking"] for t in r["plain"]])
     out = {}
-    for name, budget in (("no chunking", None), *((f"max_batched_tokens={c}", c) for c in args.chunk)):
-        engine = attnkit.Engine(model, cache_blocks=blocks, block_size=16, max_batch=n_dec + 1,
-                                max_batched_tokens=budget)
-        rids = [engine.add(p, dec_new) for p in short]
-        times, plain = [], []
-        t_all = time.perf_counter()
-        step = 0
-        late = None
-        while engine.has_work:
-            if step == arrive:
-                late = engine.add(long_prompt, 16)
-            running = sum(1 for r in engine.running if r.rid in rids)
-            prefilled = engine.stats["prefill_tokens"]
-            t0 = time.perf_counter()
-            engine.step()
-            dt = time.perf_counter() - t0
-            if running and late is None and engine.stats["prefill_tokens"] == prefilled:
-                plain.append(dt)  # a plain decode step: no prompt tokens in it
-            elif running and late is not None:
-                times.append(dt)  # what a running sequence waits through once the long prompt is there
-            step += 1
-        t_all = time.perf_counter() - t_all
-        tokens = n_dec * dec_new + 16
-        base = sorted(plain)[len(plain) // 2]
-        out[name] = {"plain_step_s": base, "longest_step_s": max(times), "seconds": t_all, "tokens": tokens,
-                     "steps": engine.stats["steps"]}
+    base_tps = None
+    for name, budget, sizing in policies:
+        rs = runs[name]
+        plain = med([t for r in rs for t in r["plain"]])
+        longest = med([max(r["waited"]) for r in rs])
+        tps = med([r["tokens"] / r["seconds"] for r in rs])
+        base_tps = base_tps or tps
+        extra = med([sum(r["waited"]) - plain * len(r["waited"]) for r in rs])  # the prefill's cost, spread
+        same = all(r["tokens_out"] == ref_tokens for r in rs)
+        out[name] = {"budget": budget, "chunk_sizing": sizing, "plain_step_s": plain, "longest_step_s": longest,
+                     "longest_vs_plain": longest / plain, "longest_vs_no_chunking_plain": longest / base_plain,
+                     "tokens_per_s": tps, "throughput_vs_no_chunking": tps / base_tps,
+                     "prefill_steps": med([r["prefill_steps"] for r in rs]), "prefill_extra_s": extra,
+                     "prefill_extra_vs_whole": extra / whole, "spans_prefill": all(r["spans_prefill"] for r in rs),
+                     "same_tokens": same, "seconds": [r["seconds"] for r in rs]}
         rows.append({"measure": f"{long_len}-token prompt joins {n_dec} decodes", "what": name, "batch": n_dec,
-                     "new tokens": tokens, "tokens/s": f"{tokens / t_all:.1f}", "ms/step": f"{base * 1e3:.1f}",
-                     "vs HF fp32": f"longest step {max(times) / base:.1f}x a decode step",
-                     "x limit": "-", "same tokens as HF": "-"})
+                     "new tokens": rs[0]["tokens"], "tokens/s": f"{tps:.1f}", "ms/step": f"{plain * 1e3:.1f}",
+                     "vs HF fp32": f"longest step {longest / plain:.1f}x a decode step",
+                     "x limit": f"{tps / base_tps:.2f}x the throughput; prefill {extra / whole:.2f}x one forward "
+                                f"in {out[name]['prefill_steps']} steps",
+                     "same tokens as HF": "-" if budget is None else ("same as no chunking" if same else "DIFFERENT")})
         print(rows[-1], flush=True)
-        out[name]["tokens_out"] = [engine.results[r] for r in rids + [late]]
-    a, *rest = out.values()
-    ref = a.pop("tokens_out")
-    for b, row in zip(rest, rows[-len(rest):]):
-        b["same_tokens"] = b.pop("tokens_out") == ref
-        b["throughput_vs_no_chunking"] = (b["tokens"] / b["seconds"]) / (a["tokens"] / a["seconds"])
-        row["x limit"] = f"{b['throughput_vs_no_chunking']:.2f}x the throughput"
-        row["same tokens as HF"] = "same as no chunking" if b["same_tokens"] else "DIFFERENT"
-    results["chunked_prefill"] = {"long_prompt": long_len, "decoding": n_dec, "decode_new": dec_new, **out}
+    results["chunked_prefill"] = {"long_prompt": long_len, "decoding": n_dec, "decode_new": dec_new,
+                                  "threads": torch.get_num_threads(), "load_average": [load, os.getloadavg()[0]],
+                                  "whole_prefill_s": whole, "repeat": repeat, **out}
 
 
 def speculative(args, rows, results):
@@ -519,8 +571,8 @@ def run(args) -> None:
     args.static_batch = 8
     args.engine_batch = 16
     args.long_prompt = 512 if args.quick else 4096
-    args.decode_new = 24 if args.quick else 160
-    args.chunk = [24, 40, 64]
+    args.chunk = [32, 64] if args.quick else [32, 64, 128]  # chunked prefill's token budgets
+    args.chunk_cost = [128] if args.quick else [128, 256]  # ... and those sized by cost
     args.copy_length = 32
     args.copy_prompts = 2 if args.quick else 8
     args.train_steps = 5 if args.quick else 400
