@@ -124,7 +124,17 @@ class Engine:
             prefilled (oldest first) and of newly admitted ones, so a long prompt no longer stalls the running
             sequences for its whole prefill.  A prompt's blocks are reserved when it is admitted; a prompt gives
             its first token in the step its last chunk runs.  Tokens are those each request gets alone, with
-            preemption and prefix caching as above.
+            preemption and prefix caching as above.  A step with no prompt tokens is an ordinary decode step
+            (``relayout`` copies, ``decode_threads``); a step with prompt tokens reads the copies too (up to 64
+            rows).
+        chunk_sizing: how chunked prefill sizes a prompt's chunk.  ``"tokens"``: as many tokens as the step's
+            budget has left.  ``"cost"``: a chunk of ``c`` tokens after ``s`` stored positions costs
+            ``c + key_cost * (c * s + c * (c + 1) / 2)`` (its projections, plus its attention over the keys
+            so far; ``key_cost`` is the attention's multiply-adds per key over a token's per-layer
+            multiply-adds, times :data:`ATTENTION_FLOP_COST`), and each step takes the most tokens whose cost
+            fits the budget (decode tokens cost 1, a prompt at least one token a step): late chunks of a long
+            prompt get fewer tokens, so every step stays near the same time.  ``max_batched_tokens`` stays an
+            upper bound on a step's tokens.
 
     Each step runs the model in eval mode (no dropout while decoding) and restores every module's mode after
     it, so the model can be trained between steps (cached prefixes and weight copies are then made again).
