@@ -58,15 +58,18 @@ def _model(**over):
     return DecoderLM(DecoderConfig.preset("tiny", vocab_size=64, init_std=0.1, **over)).double().eval()
 
 
-@pytest.mark.parametrize("over", [
-    {},  # bottom-right causal: the fused split kernel
-    {"n_kv_heads": 1},
-    {"positions": "alibi"},  # a bias: attention() on the workspace copy
-    {"n_layers": 2, "layer_masks": (masks.sliding_window(5), None)},
+@pytest.mark.parametrize("over, fused_calls", [
+    ({}, 4),  # bottom-right causal: the fused split kernel, 2 chunks x 2 layers
+    ({"n_kv_heads": 1}, 4),
+    ({"positions": "alibi"}, 0),  # a bias: attention() on the workspace copy
+    ({"n_layers": 2, "layer_masks": (masks.sliding_window(5), None)}, 2),  # the causal layer only
 ])
-def test_packed_forward_gives_each_sequence_its_logits_alone(over):
+def test_packed_forward_gives_each_sequence_its_logits_alone(over, fused_calls, monkeypatch):
     """Decode tokens of two sequences and chunks of two prompts (one fragmented across the pool, one long
     enough to grow the workspace) in one forward equal each sequence's forward alone."""
+    calls = []
+    real = kernel.attend_chunk
+    monkeypatch.setattr(kernel, "attend_chunk", lambda *a, **k: calls.append(1) or real(*a, **k))
     model = _model(**over)
     pool = PagedCache.for_model(model, num_blocks=40, block_size=4)
     g = torch.Generator().manual_seed(1)
@@ -87,3 +90,4 @@ def test_packed_forward_gives_each_sequence_its_logits_alone(over):
             torch.testing.assert_close(got[o:o + n], alone, rtol=1e-9, atol=1e-9)
             o += n
     assert [pool.length(s) for s in ids] == [len(t) for t in seqs]
+    assert len(calls) == (fused_calls if kernel._fused_cpu() is not None else 0)

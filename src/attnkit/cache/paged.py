@@ -763,6 +763,13 @@ class PagedPacked(_View):
     sequence's queries attend only to its own keys (its mask bottom-right aligned on it alone).  The last
     layer commits the new lengths.  :meth:`last` gives the index of each sequence's last token in ``T``.
 
+    The one-token segments attend together through the block tables, as a decode step does.  For a longer
+    segment (a chunk of a prompt) each layer copies its sequence's keys and values in position order into a
+    workspace the cache keeps (one layer's keys and values of the longest such sequence) and attends its
+    queries to them: with no bias and softcap and a causal mask (or none), on the CPU, by
+    :func:`attnkit.backends.paged.attend_chunk` (the fused kernel on the keys before the chunk, then on its
+    own keys causally, merged); otherwise by :func:`attnkit.attention`.
+
     Example::
 
         >>> import torch
