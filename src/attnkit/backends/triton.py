@@ -514,6 +514,12 @@ def cost(call: Call) -> float:
 
 
 def run(call: Call):
+    """Backend hook: compute a validated call (``out``, or ``(out, lse)`` with ``return_lse``); while
+    ``torch.compile`` or ``torch.export`` traces, through the custom operators ``attnkit::triton_forward`` /
+    ``attnkit::triton_backward`` (``_triton_custom_ops``), one graph node per call."""
+    if torch.compiler.is_compiling():
+        from . import _triton_custom_ops
+        return _triton_custom_ops.run(call)
     mods = _mods(call)
     plans = _plans(call)
     if call.needs_grad:
