@@ -1,4 +1,5 @@
-"""attnkit inside ``torch.compile`` and ``torch.export``: the flash backend as custom operators (opcheck), auto
+"""attnkit inside ``torch.compile`` and ``torch.export``: the flash backend as custom operators (opcheck; the
+triton backend's operators are tested under Triton's interpreter in ``test_triton_ops.py``), auto
 making the eager choice while traced, each mask family compiled with ``fullgraph=True`` through each backend
 that takes it (forward and backward against the float64 oracle), no recompiles and no replanning in a
 fixed-shape loop.  The functions are compiled with ``backend="aot_eager"`` (the graph capture and autograd

@@ -26,14 +26,12 @@ from attnkit import masks as M
 from attnkit.functional import _make_call
 from attnkit.testing import check_against_oracle, random_qkv
 
-CASES: dict = {}
+CASES: dict = {}  # name -> case, run by the interpreter child
 
 
 def case(name: str):
-    def register(fn):
-        CASES[name] = fn
-        return fn
-    return register
+    """Register the decorated function as the case ``name``."""
+    return lambda fn: CASES.setdefault(name, fn)
 
 
 def _qkv(L=40, *, hq=2, hkv=1, d=16, seed=0, grad=True):

@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 
 from . import _custom_ops
-from . import _flash_custom_ops, _triton_custom_ops  # noqa: F401  (registers the attnkit:: operators)
+from . import _flash_custom_ops, _triton_custom_ops  # noqa: F401  (the attnkit:: operators; triton's run hook)
 from . import _splitkv
 from . import flash as _flash
 from . import math as _math
@@ -75,7 +75,7 @@ register(Backend("sdpa", _sdpa.run, _sdpa.check, _sdpa.cost,
                  description="torch.nn.functional.scaled_dot_product_attention"))
 register(Backend("flash", _flash.run, _flash.check, _flash.cost,
                  description="tiled block-sparse attention in PyTorch ops; memory-efficient backward"))
-register(Backend("triton", _triton.run, _triton.check, _triton.cost, _triton.available,
+register(Backend("triton", _triton_custom_ops.run, _triton.check, _triton.cost, _triton.available,
                  description="Triton block-sparse flash kernels; CUDA GPUs (or TRITON_INTERPRET=1 on CPU)",
                  unavailable_reason=_triton.unavailable_reason))
 register(Backend("splitkv", _splitkv.run, _splitkv.check, _splitkv.cost,

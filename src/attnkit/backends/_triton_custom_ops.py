@@ -122,7 +122,12 @@ triton_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def run(call: Call):
-    """Compute a validated call through the operators (``out``, or ``(out, lse)`` with ``return_lse``)."""
+    """Backend hook of ``triton``: compute a validated call (``out``, or ``(out, lse)`` with ``return_lse``),
+    eagerly by ``triton.run``, and through the operators (one graph node) while ``torch.compile`` or
+    ``torch.export`` traces."""
+    if not torch.compiler.is_compiling():
+        from . import triton as tb
+        return tb.run(call)
     mask_key, mask_tensors, bias_t, mod_key, mod_tensors = op_arguments(call)
     out, lse = triton_forward(call.q, call.k, call.v, mask_key, mask_tensors, bias_t, mod_key, mod_tensors,
                               call.sinks, float(call.scale), float(call.softcap or 0.0))
