@@ -366,6 +366,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         dtype = x.dtype
+        if not self.offset and (dtype is torch.float32 or dtype is torch.float64) and self.weight.dtype is dtype:
+            # the same products in one call (no casts to make): 5 fewer operators a norm, which a decode step
+            # of one token feels
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.to(torch.promote_types(dtype, torch.float32))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:
