@@ -111,8 +111,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """
     # (torch.compile: Inductor lowers these operators only for frozen weights, so graphs keep F.linear)
     # (autocast: F.linear, whose output dtype autocast decides; the fast paths would mix dtypes)
-    if (not torch.compiler.is_compiling() and x.device.type == "cpu" and weight.device.type == "cpu"
-            and not torch.is_autocast_enabled("cpu")
+    if (x.is_cpu and weight.is_cpu and not torch.compiler.is_compiling() and not torch.is_autocast_enabled("cpu")
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                   or (bias is not None and bias.requires_grad)))):
         k = x.shape[-1]
@@ -121,7 +120,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         if copies is not None and x.dtype is weight.dtype:  # a decode step of generate or an Engine
             weight = copies.weight_for(weight, rows)
         if (x.dtype is torch.float32 and weight.dtype is torch.float32
-                and (bias is None or (bias.dtype is torch.float32 and bias.device.type == "cpu"))):
+                and (bias is None or (bias.dtype is torch.float32 and bias.is_cpu))):
             if weight.is_mkldnn:  # a blocked copy (_DecodeCopies, 4-64 rows)
                 return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
             if 1 <= rows <= _MKL_ROWS and weight.dim() == 2 and weight.stride(1) == 1 and weight.stride(0) == k:
@@ -160,7 +159,7 @@ def _decode_layout(w: Tensor, rows: int) -> str | None:
     """The layout a product of ``rows`` rows reads the 2-D CPU weight ``w`` fastest in (module doc):
     ``"row"``, ``"column"``, ``"packed"`` (oneDNN's blocked layout), or None where either will do or the
     product is not decode-sized."""
-    if w.dim() != 2 or w.device.type != "cpu" or not 1 <= rows <= _ONEDNN_ROWS:
+    if not 1 <= rows <= _ONEDNN_ROWS or not w.is_cpu or w.dim() != 2:
         return None
     if w.dtype is torch.float32:
         if rows <= _MKL_ROWS:
