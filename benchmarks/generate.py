@@ -6,7 +6,8 @@ One llama-like model (hidden 512, 8 layers, 8 heads, intermediate 1408, vocab 32
 as a Hugging Face ``LlamaForCausalLM`` (sdpa attention) and converted with ``attnkit.integrations.hf.from_hf``
 (same weights); 32-token prompts, greedy decoding.  Every timing is a median of interleaved repeats in one
 process; each decode speed is also shown against the memory-bandwidth limit at batch 1: the bytes of every
-weight but the embedding rows, read once per step, over the read bandwidth measured at start.
+weight but the embedding rows, read once per step, over the read bandwidth at the thread count the steps
+ran at (``decode_threads="auto"`` may pick fewer threads than torch's; HF runs at torch's count).
 
     python benchmarks/generate.py            # full run (tens of minutes on 2 cores)
     python benchmarks/generate.py --quick    # fewer tokens and requests, no compiled rows (a minute or two)
@@ -16,8 +17,10 @@ weight but the embedding rows, read once per step, over the read bandwidth measu
 
 ``--contended`` starts a process of its own that spins on one core (the last this process may use) for
 the whole run and stops it at the end, also after an error or Ctrl-C: the machine a user decodes on
-usually has something else running.  The bandwidth limit divides the bytes read per step by the read
-bandwidth measured at start (a sum over 256 MiB, every thread).
+usually has something else running.  The read bandwidth is the median of many sums over a buffer 8x the
+last-level cache (at least 256 MiB) at each thread count decoding may use, measured before and after each
+batch size's timing, interleaved over the counts; the "x limit" column gives the ratio at that median and,
+in brackets, at the 90th and 10th percentile passes (the measurement's spread).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import contextlib
 import copy
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -44,17 +48,76 @@ from attnkit.quantize import weight_bytes  # noqa: E402
 PROMPT = 32
 
 
-def read_bandwidth(mib: int = 256, repeat: int = 7) -> float:
-    """Bytes per second this machine reads from memory with torch's threads: the best of ``repeat`` sums
-    over a ``mib`` MiB float32 tensor (larger than any cache), each element read once."""
-    x = torch.ones(mib * 2**20 // 4)
-    x.sum()
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
-    return x.nbytes / best
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache of this machine in bytes (Linux sysfs; 32 MiB where it cannot be read)."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip().upper()
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        with contextlib.suppress(ValueError):
+            sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes, default=32 * 2**20)
+
+
+def _pass_rates(x: torch.Tensor, threads: int, passes: int) -> list[float]:
+    """Bytes per second of ``passes`` sums over ``x`` at ``threads`` torch threads (set back afterwards)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x.sum()  # (the threads started)
+        rates = []
+        for _ in range(passes):
+            t0 = time.perf_counter()
+            x.sum()
+            rates.append(x.nbytes / (time.perf_counter() - t0))
+        return rates
+    finally:
+        torch.set_num_threads(before)
+
+
+def read_bandwidth(passes: int = 21, rounds: int = 3) -> dict[int, dict]:
+    """Bytes per second this machine reads from memory at each thread count ``decode_threads="auto"`` may
+    pick (torch's count, one fewer, one): the median of ``passes`` sums over a float32 buffer 8x the
+    last-level cache (at least 256 MiB: no pass is served from a cache), each element read once, with the
+    10th and 90th percentiles (the spread).  The passes run in ``rounds`` interleaved over the counts, so
+    that a busy neighbour weighs on every count alike."""
+    from attnkit._threads import _candidates
+
+    counts = _candidates(torch.get_num_threads())
+    x = torch.ones(max(256 * 2**20, 8 * last_level_cache_bytes()) // 4)
+    x.sum()  # (the pages touched)
+    rates: dict[int, list[float]] = {n: [] for n in counts}
+    for _ in range(rounds):
+        for n in counts:
+            rates[n] += _pass_rates(x, n, max(1, passes // rounds))
+    return {n: bandwidth_summary(n, rs) for n, rs in rates.items()}
+
+
+def bandwidth_summary(threads: int, rates: list[float]) -> dict:
+    """The median, 10th and 90th percentiles of pass rates (bytes per second), and the rates themselves."""
+    rs = sorted(rates)
+    pick = lambda q: rs[round(q * (len(rs) - 1))]  # noqa: E731
+    return {"threads": threads, "median": statistics.median(rs), "p10": pick(0.1), "p90": pick(0.9), "rates": rs}
+
+
+def pooled(*measures: dict[int, dict]) -> dict[int, dict]:
+    """Several :func:`read_bandwidth` results as one (their passes together)."""
+    return {n: bandwidth_summary(n, [r for m in measures for r in m[n]["rates"]]) for n in measures[0]}
+
+
+def bandwidth_text(bw: dict[int, dict]) -> str:
+    """``1 thread 21.3 GB/s (20.1-22.0), 2 threads ...``: the median and the 10th-90th percentile spread."""
+    return ", ".join(f"{n} thread{'s' * (n > 1)} {b['median'] / 1e9:.1f} GB/s ({b['p10'] / 1e9:.1f}-"
+                     f"{b['p90'] / 1e9:.1f})" for n, b in sorted(bw.items()))
+
+
+def decode_thread_count(model, batch: int) -> int:
+    """The thread count ``decode_threads="auto"`` settled on for ``model``'s generations of ``batch``
+    sequences (torch's count when it has not decided)."""
+    import importlib
+
+    policy = importlib.import_module("attnkit.generate")._THREADS.get(model, {}).get(batch)
+    return policy.chosen if policy is not None and policy.chosen else torch.get_num_threads()
 
 
 BUSY_LOOP = "while True:\n    pass\n"
@@ -112,9 +175,8 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def decode_rows(args, hf, model, rows, results):
-    bandwidth = args.bandwidth
     n = args.new_tokens
-    limit_ms = {}
+    step_bytes = {}
     variants = {"attnkit float32": model}
     auto = copy.deepcopy(model)
     for mod in auto.modules():  # the same model with the default backend choice ("auto") in every layer
@@ -135,8 +197,8 @@ def decode_rows(args, hf, model, rows, results):
                  "attnkit bfloat16, compiled": copy.deepcopy(auto).to(torch.bfloat16)}
                 if args.compile else {})
     for name, m in {**variants, **compiled}.items():
-        limit_ms[name] = streamed_bytes(m) / bandwidth * 1e3
-    limit_ms["HF float32"] = limit_ms["attnkit float32"]
+        step_bytes[name] = streamed_bytes(m)
+    step_bytes["HF float32"] = step_bytes["attnkit float32"]
     for name, m in compiled.items():  # compile before timing (reported separately)
         t0 = time.perf_counter()
         for B in (1, 8):
@@ -158,19 +220,31 @@ def decode_rows(args, hf, model, rows, results):
             fns[name] = (lambda m=m, name=name, kw=kw: toks.__setitem__(name, attnkit.generate(m, plist, n, **kw)))
         for name, m in compiled.items():
             fns[name] = (lambda m=m, name=name: toks.__setitem__(name, attnkit.generate(m, plist, n, compile=True)))
+        before = read_bandwidth()
         t = timeit(fns, repeat=args.repeat, warmup=1, budget_s=args.budget)
+        bw = pooled(before, read_bandwidth())  # (measured around the timing, at each count the steps may use)
+        print(f"read bandwidth around the batch-{B} timing: {bandwidth_text(bw)}", flush=True)
         base = t["HF float32"]
+        models = {**variants, **compiled}
+        limit_ms, limit_threads = {}, {}
         for name in fns:
+            # each step's limit: its bytes at the read bandwidth of the thread count its steps ran at (HF: torch's)
+            threads = torch.get_num_threads() if name == "HF float32" else decode_thread_count(models[name], B)
+            limit_threads[name] = threads
+            limit_ms[name] = step_bytes[name] / bw[threads]["median"] * 1e3
             step_ms = t[name] / n * 1e3
+            lo, hi = step_bytes[name] / bw[threads]["p90"] * 1e3, step_bytes[name] / bw[threads]["p10"] * 1e3
             row = {"measure": "decode, contended" if args.contended else "decode", "what": name, "batch": B, "new tokens": n,
                    "tokens/s": f"{B * n / t[name]:.0f}", "ms/step": f"{step_ms:.1f}",
                    "vs HF fp32": f"{base / t[name]:.2f}x",
-                   "x limit": f"{step_ms / limit_ms[name]:.2f}" if B == 1 else "-",
+                   "x limit": (f"{step_ms / limit_ms[name]:.2f} ({step_ms / hi:.2f}-{step_ms / lo:.2f}) at "
+                               f"{threads} thr" if B == 1 else "-"),
                    "same tokens as HF": f"{agreement(toks[name], toks['HF float32']):.1%}"}
             rows.append(row)
             print(row, flush=True)
-        results.setdefault("decode", []).append({"batch": B, "seconds": t, "new_tokens": n,
-                                                 "limit_ms": limit_ms})
+        results.setdefault("decode", []).append({"batch": B, "seconds": t, "new_tokens": n, "limit_ms": limit_ms,
+                                                 "limit_threads": limit_threads, "step_bytes": step_bytes,
+                                                 "read_bandwidth": {k: {**v, "rates": None} for k, v in bw.items()}})
     # logit error of the int8 / bf16 weights on one batch
     ids = torch.randint(0, 32000, (4, 64), generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
@@ -182,7 +256,7 @@ def decode_rows(args, hf, model, rows, results):
             mem = streamed_bytes(variants[name])
             rows.append({"measure": "weights", "what": name, "batch": 4, "new tokens": "-", "tokens/s": "-",
                          "ms/step": "-", "vs HF fp32": f"{streamed_bytes(model) / mem:.2f}x fewer bytes a step",
-                         "x limit": f"{limit_ms[name]:.1f} ms limit",
+                         "x limit": f"{mem / args.bandwidth * 1e3:.1f} ms limit",
                          "same tokens as HF": f"max|dlogit| {err:.3f}, argmax {agree:.1%}"})
             results.setdefault("weights", {})[name] = {"bytes": mem, "max_logit_err": err, "argmax_agree": agree,
                                                       "fp32_bytes": streamed_bytes(model)}
@@ -599,9 +673,11 @@ def run(args) -> None:
     # checks a call's signature, and for an unmasked call picks sdpa without weighing the tiled backends)
     model = from_hf(hf, backend="sdpa").eval()
     load = os.getloadavg()[0]
-    args.bandwidth = read_bandwidth()
+    bw = read_bandwidth()
+    args.bandwidth = bw[torch.get_num_threads()]["median"]  # (every thread: the long-context rows use them all)
     rows: list[dict] = []
-    results: dict = {"load_average_start": load, "contended": args.contended, "read_bandwidth": args.bandwidth}
+    results: dict = {"load_average_start": load, "contended": args.contended,
+                     "read_bandwidth": {n: {**b, "rates": None} for n, b in bw.items()}}
     if "decode" in sections:
         decode_rows(args, hf, model, rows, results)
     if "longctx" in sections:
@@ -623,8 +699,8 @@ def run(args) -> None:
             "same tokens as HF"]
     print()
     print(f"generate, llama-like (58M), {PROMPT}-token prompts, greedy; {machine()}; load average "
-          f"{results['load_average_start']:.1f} -> {results['load_average_end']:.1f}; read bandwidth "
-          f"{args.bandwidth / 1e9:.1f} GB/s" + ("; a busy loop on one core (--contended)" if args.contended else ""))
+          f"{results['load_average_start']:.1f} -> {results['load_average_end']:.1f}; read bandwidth at start "
+          f"{bandwidth_text(bw)}" + ("; a busy loop on one core (--contended)" if args.contended else ""))
     print(table(rows, cols))
     name = ("generate_quick" if args.quick else "generate") + ("_contended" if args.contended else "")
     path = save(name, {"rows": rows, **results}, out=args.out)
