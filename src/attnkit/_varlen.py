@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from . import masks as _masks
+from .backends import _flash_varlen
+from .backends import flash as _flash
+from .backends import select as _select
+from .backends import sdpa as _sdpa
+from .backends._call import _make_call
+from .backends._common import Call
 from .bias import ScoreMod
 from .functional import attention
 
@@ -12,8 +20,9 @@ Tensor = torch.Tensor
 
 __all__ = ["attention_varlen"]
 
-OWN_CALL_MIN = 128  # sequences with at least this many queries and keys run as their own call (one flash tile)
-MAX_OWN_CALLS = 64  # beyond this many such sequences, all run as one packed call (Python per call would dominate)
+OWN_CALL_MIN = 128  # per-sequence path: sequences with at least this many queries and keys run as their own call
+MAX_OWN_CALLS = 64  # ... beyond this many such sequences, all run as one packed call (Python per call would dominate)
+COPY_FLOPS = 25.0  # flop-equivalents of the fused kernel per element a copy or zero-fill writes (fresh memory)
 
 
 # ------------------------------------------------------------------- input checks
@@ -84,6 +93,101 @@ def _check_varlen_bias(bias, hq: int, tq: int, tk: int):
 def _split(result) -> tuple[Tensor, Tensor | None]:
     """(out (1, H, L, Dv), lse (H, L) or None) from attention()'s result."""
     return (result[0], result[1][0]) if isinstance(result, tuple) else (result, None)
+
+
+# ------------------------------------------------------------------- the two paths
+
+
+def _alone(lq: list[int], lk: list[int], bias) -> list[int]:
+    """The per-sequence path's sequences that run as their own ``attention()`` call."""
+    alone = [s for s in range(len(lq)) if min(lq[s], lk[s]) >= OWN_CALL_MIN]
+    return [] if bias is not None or len(alone) > MAX_OWN_CALLS else alone
+
+
+@dataclass
+class _Choice:
+    batched: bool  # one batched flash call (``_flash_varlen``), else the per-sequence path
+    reason: str
+    scale: float | None = None
+    segments: list | None = None  # the batched call's planned segments
+    costs: tuple[float, float] | None = None  # (batched, per-sequence) estimates, when weighed
+
+
+def _refusal(q: Tensor, bias, backend: str) -> str | None:
+    """Why the batched flash call cannot take this call (None when it can)."""
+    if backend not in ("auto", "flash"):
+        return f"backend={backend!r} was asked for"
+    if bias is not None:
+        return "a bias tensor in packed coordinates goes with one packed call under masks.varlen"
+    if torch.compiler.is_compiling():
+        return "while torch.compile traces, the flash custom operators take one packed call"
+    if q.device.type == "meta" or torch._C._functorch.is_functorch_wrapped_tensor(q):
+        return "meta tensors and torch.func transforms take the per-sequence path (through attention())"
+    if q.shape[0] == 0:
+        return "there are no queries"
+    return None
+
+
+def _seq_call(q, k, v, a, b, c, d, mask, scale, softcap, dropout_p) -> Call:
+    return _make_call(*(t.transpose(0, 1)[None] for t in (q[a:b], k[c:d], v[c:d])), mask=mask, scale=scale,
+                      softcap=softcap, dropout_p=dropout_p)
+
+
+def _costs(q, k, v, cu_q: list[int], cu_k: list[int], segs, mask, scale, softcap, dropout_p,
+           needs_grad: bool) -> tuple[float, float]:
+    """Estimated cost (flop-equivalents) of the batched call and of the per-sequence path.
+
+    Kernels: a batched segment computed by one fused kernel call costs what ``sdpa`` would (the same kernel),
+    a tiled one what the ``flash`` backend estimates; on the per-sequence path a sequence run alone costs what
+    ``auto`` picks for it (the same figure when that is the same kernel), and the packed rest the same as its
+    batched segments.  Copies (``COPY_FLOPS`` per element written): the batched call writes the output (and
+    the gradients) once and lays out its tiled segments' tokens head first; the per-sequence path copies q, k,
+    v head first, assembles the output by an index sort and, with gradients, fills a zero gradient of each
+    packed tensor for every sequence run alone (the backward of a slice)."""
+    hq, hkv, d, dv = q.shape[1], k.shape[1], q.shape[2], v.shape[2]
+    lq, lk = [b - a for a, b in zip(cu_q, cu_q[1:])], [b - a for a, b in zip(cu_k, cu_k[1:])]
+    alone = set(_alone(lq, lk, None))
+    tokens = q.shape[0] * hq * d + k.shape[0] * hkv * (d + dv)  # elements of q, k, v (and of their gradients)
+    outs = q.shape[0] * hq * dv
+    st = _flash_varlen.settings(q, scale, softcap, dropout_p)
+    passes = 2 if needs_grad else 1  # tiled segments are laid out again in the backward (with out and dout)
+    batched_copies = outs + (tokens if needs_grad else 0)
+    per_seq_copies = outs + (tokens if needs_grad else 0)
+    if alone:
+        per_seq_copies = tokens + 3 * outs + (2 * len(alone) * tokens + 3 * outs if needs_grad else 0)
+    batched = per_seq = 0.0
+    for seg in segs:
+        call = _flash_varlen._call(seg, q, k, v, st)
+        kernel = _sdpa.cost(call) if seg.direct else _flash.cost(call)
+        batched += kernel
+        if not seg.direct:
+            batched_copies += passes * (seg.lq * hq * (d + (2 * dv if needs_grad else 0)) + seg.lk * hkv * (d + dv))
+        s = cu_q.index(seg.qa) if seg.own else -1
+        if s in alone and not seg.direct:  # what auto picks for it alone
+            call = _seq_call(q, k, v, seg.qa, seg.qb, seg.ka, seg.kb, mask, scale, softcap, dropout_p)
+            kernel = _select(call, "auto").cost(call)
+        per_seq += kernel  # (a sequence alone on the same kernel, or the packed rest: as batched)
+    return batched + COPY_FLOPS * batched_copies, per_seq + COPY_FLOPS * per_seq_copies
+
+
+def _choose(q, k, v, cu_q: Tensor, cu_k: Tensor, mask, bias, scale, softcap, dropout_p, backend) -> _Choice:
+    """Batched flash call or per-sequence path (see :func:`attention_varlen`)."""
+    why_not = _refusal(q, bias, backend)
+    if why_not is not None:
+        return _Choice(False, why_not)
+    call = _make_call(*(t.transpose(0, 1)[None] for t in (q, k, v)), scale=scale, softcap=softcap,
+                      dropout_p=dropout_p)  # checks the tensors and settings
+    needs_grad = call.needs_grad
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    st = _flash_varlen.settings(q, call.scale, softcap, dropout_p)
+    seed = _flash_varlen.ops.draw_seed() if dropout_p > 0 else 0
+    segs = _flash_varlen.segments(q, k, v, cq, ck, mask, st, seed, needs_grad)
+    if backend == "flash":
+        return _Choice(True, "backend='flash' was asked for", call.scale, segs)
+    batched, per_seq = _costs(q, k, v, cq, ck, segs, mask, call.scale, softcap, dropout_p, needs_grad)
+    if batched <= per_seq:
+        return _Choice(True, "the cheaper estimate", call.scale, segs, (batched, per_seq))
+    return _Choice(False, "the cheaper estimate", call.scale, None, (batched, per_seq))
 
 
 # ---------------------------------------------------------------------- public API
@@ -167,13 +271,16 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     if mask is not None:
         _masks.varlen(cu_q[:1], cu_k[:1], mask)  # (checks that the mask applies per sequence)
     bias = _check_varlen_bias(bias, q.shape[1], q.shape[0], k.shape[0])
+    lq, lk = cu_q.diff().tolist(), cu_k.diff().tolist()
+    choice = _choose(q, k, v, cu_q, cu_k, mask, bias, scale, softcap, dropout_p, backend)
+    if choice.batched:
+        out, lse = _flash_varlen.attention(q, k, v, cu_q.tolist(), cu_k.tolist(), mask, choice.scale, softcap,
+                                           dropout_p, choice.segments)
+        return (out, lse) if return_lse else out
     kw = dict(mask=mask, scale=scale, softcap=softcap, dropout_p=dropout_p, return_lse=return_lse,
               backend=backend)
-    lq, lk = cu_q.diff().tolist(), cu_k.diff().tolist()
     starts_q, starts_k = cu_q[:-1].tolist(), cu_k[:-1].tolist()
-    alone = [s for s in range(len(lq)) if min(lq[s], lk[s]) >= OWN_CALL_MIN]
-    if bias is not None or len(alone) > MAX_OWN_CALLS:
-        alone = []
+    alone = _alone(lq, lk, bias)
     packed = [s for s in range(len(lq)) if s not in set(alone) and lq[s] > 0]
     outs, lses, rows = [], [], []
     if alone:  # heads first, once: a sequence's (1, H, L, D) slice is then a view with contiguous rows
