@@ -95,6 +95,27 @@ def _split(result) -> tuple[Tensor, Tensor | None]:
     return (result[0], result[1][0]) if isinstance(result, tuple) else (result, None)
 
 
+def _validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, bias):
+    """The checked ``(cu_q, cu_k, bias (1, Hq|1, Tq|1, Tk|1) or None)`` of an ``attention_varlen`` call."""
+    _check_packed(q, k, v)
+    cu_q = _check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[0], "queries (q.shape[0])", q.device)
+    cu_k = _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[0], "keys (k.shape[0])", q.device)
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(f"cu_seqlens_q has {cu_q.numel()} entries and cu_seqlens_k {cu_k.numel()}: both need "
+                         f"n + 1 entries for the same n sequences")
+    if v.shape[0] != k.shape[0]:
+        raise ValueError(f"k and v must pack the same keys, got Tk={k.shape[0]} for k and {v.shape[0]} for v")
+    _check_max("max_seqlen_q", max_seqlen_q, cu_q, "cu_seqlens_q")
+    _check_max("max_seqlen_k", max_seqlen_k, cu_k, "cu_seqlens_k")
+    if mask is not None and not isinstance(mask, _masks.Mask):
+        raise TypeError(f"attention_varlen: mask must be None or an attnkit.masks.Mask applied within each "
+                        f"sequence (e.g. masks.causal()), got {type(mask).__name__}")
+    if mask is not None:
+        _masks.varlen(cu_q[:1], cu_k[:1], mask)  # (checks that the mask applies per sequence)
+    bias = _check_varlen_bias(bias, q.shape[1], q.shape[0], k.shape[0])
+    return cu_q, cu_k, bias
+
+
 # ------------------------------------------------------------------- the two paths
 
 
@@ -234,12 +255,27 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
         q4       · · · | █ █
 
     A row that may attend to nothing (also every row of a sequence with no keys) gives 0, ``lse = -inf``
-    and zero gradients.  Nothing is padded to ``(n, max_len)``: a sequence with at least ``OWN_CALL_MIN``
-    (128) queries and keys runs as its own :func:`attnkit.attention` call on views of the packed tensors
-    (tiles aligned with its start; up to ``MAX_OWN_CALLS`` such calls, none with a ``bias``), and the others
-    share one call on their packed tokens under :func:`attnkit.masks.varlen`, whose block structure lets
-    the ``flash`` (and ``triton``) backend visit only each sequence's tiles (``math`` and ``sdpa`` take it
-    through its dense form).  Gradients flow through every part.
+    and zero gradients.  Nothing is padded to ``(n, max_len)``; the work follows the real tokens, in one of
+    two ways:
+
+    * **one batched flash call** (``backend="flash"``, and ``auto``'s usual choice): each sequence with at
+      least 64 queries and keys gets tiles of its own, starting at its first query and key (no tile
+      straddles two sequences; its last tile is short).  On CPU, with no mask or a causal mask on
+      ``Lq_s == Lk_s``, PyTorch's fused flash kernel computes it in one call on strided views of the packed
+      tensors, skipping the masked tiles; other masks run the flash backend's tile plan of the sequence's
+      own mask.  Consecutive shorter sequences share one call under :func:`attnkit.masks.varlen`.  Outputs
+      and gradients are written once into the packed tensors; the backward recomputes each sequence's tiles;
+    * **the per-sequence path** (any other ``backend``, a ``bias``, while ``torch.compile`` traces): each
+      sequence with at least ``OWN_CALL_MIN`` (128) queries and keys runs as its own
+      :func:`attnkit.attention` call on views of the packed tensors (up to ``MAX_OWN_CALLS``), and the
+      others share one call under :func:`attnkit.masks.varlen`, whose block structure lets the ``flash``
+      and ``triton`` backends visit only each sequence's tiles.
+
+    ``auto`` takes the cheaper of the two by a cost estimate: the kernels' (a sequence on the fused kernel
+    costs what ``sdpa`` would, a tiled one what ``flash`` estimates, a sequence run alone what ``auto`` picks
+    for it) plus the copies each way writes.  Long sequences with dropout, or off the CPU, usually go to
+    the per-sequence path, where ``sdpa`` computes them fused.  ``attnkit.backends.explain(q, k, v,
+    cu_seqlens_q=..., cu_seqlens_k=..., ...)`` says which and why.  Gradients flow through both.
 
     Example::
 
@@ -255,22 +291,7 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
         >>> torch.allclose(out[3:], one[0].transpose(0, 1), atol=1e-6)
         True
     """
-    _check_packed(q, k, v)
-    cu_q = _check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[0], "queries (q.shape[0])", q.device)
-    cu_k = _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[0], "keys (k.shape[0])", q.device)
-    if cu_q.numel() != cu_k.numel():
-        raise ValueError(f"cu_seqlens_q has {cu_q.numel()} entries and cu_seqlens_k {cu_k.numel()}: both need "
-                         f"n + 1 entries for the same n sequences")
-    if v.shape[0] != k.shape[0]:
-        raise ValueError(f"k and v must pack the same keys, got Tk={k.shape[0]} for k and {v.shape[0]} for v")
-    _check_max("max_seqlen_q", max_seqlen_q, cu_q, "cu_seqlens_q")
-    _check_max("max_seqlen_k", max_seqlen_k, cu_k, "cu_seqlens_k")
-    if mask is not None and not isinstance(mask, _masks.Mask):
-        raise TypeError(f"attention_varlen: mask must be None or an attnkit.masks.Mask applied within each "
-                        f"sequence (e.g. masks.causal()), got {type(mask).__name__}")
-    if mask is not None:
-        _masks.varlen(cu_q[:1], cu_k[:1], mask)  # (checks that the mask applies per sequence)
-    bias = _check_varlen_bias(bias, q.shape[1], q.shape[0], k.shape[0])
+    cu_q, cu_k, bias = _validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, bias)
     lq, lk = cu_q.diff().tolist(), cu_k.diff().tolist()
     choice = _choose(q, k, v, cu_q, cu_k, mask, bias, scale, softcap, dropout_p, backend)
     if choice.batched:
@@ -317,3 +338,34 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
         lse = torch.cat(lses, dim=1)[:, order] if return_lse else None
     out = out.contiguous()  # (Tq, Hq, Dv)
     return (out, lse) if return_lse else out
+
+
+def explain(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *, max_seqlen_q=None,
+            max_seqlen_k=None, mask=None, bias=None, scale=None, softcap=None, dropout_p: float = 0.0,
+            return_lse: bool = False, backend: str = "auto") -> str:
+    """How :func:`attention_varlen` would compute this call (``backends.explain`` with ``cu_seqlens_q`` and
+    ``cu_seqlens_k``): the batched flash call or the per-sequence path, why, and the segments or calls."""
+    cu_q, cu_k, bias = _validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, bias)
+    choice = _choose(q, k, v, cu_q, cu_k, mask, bias, scale, softcap, dropout_p, backend)
+    n = cu_q.numel() - 1
+    head = f"attention_varlen on {n} sequences, q {tuple(q.shape)} {str(q.dtype).replace('torch.', '')}"
+    lines = []
+    if choice.batched:
+        segs = choice.segments
+        own = [s for s in segs if s.own]
+        direct = sum(s.direct for s in own)
+        lines.append(f"{head}: one batched flash call ({choice.reason})")
+        lines.append(f"  {len(own)} sequences of >= {_flash_varlen.OWN_TILES_MIN} queries and keys with tiles of "
+                     f"their own: {direct} as one fused kernel call each on views of the packed tensors, "
+                     f"{len(own) - direct} by their mask's tile plan")
+        lines.append(f"  runs of shorter sequences, each one call under masks.varlen: {len(segs) - len(own)}")
+    else:
+        lq, lk = cu_q.diff().tolist(), cu_k.diff().tolist()
+        alone = _alone(lq, lk, bias)
+        lines.append(f"{head}: the per-sequence path ({choice.reason})")
+        lines.append(f"  {len(alone)} sequences of >= {OWN_CALL_MIN} queries and keys as their own attention() "
+                     f"call (backend={backend!r}), the others as one packed call under masks.varlen")
+    if choice.costs is not None:
+        lines.append(f"  estimated cost: batched {choice.costs[0] / 1e9:.3g}, per-sequence "
+                     f"{choice.costs[1] / 1e9:.3g} GFLOP-equivalents")
+    return "\n".join(lines)

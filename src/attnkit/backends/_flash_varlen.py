@@ -159,15 +159,20 @@ def _work(seg: Segment, plan: planning.Plan, q3: Tensor, k3: Tensor, v3: Tensor,
                     fused)
 
 
-def _fill_gaps(x: Tensor, spans: list[tuple[int, int]], total: int, value: float) -> None:
-    """Fill the rows of ``x`` (along dim 0) that no span ``[a, b)`` covers (spans sorted, disjoint)."""
-    at = 0
-    for a, b in spans:
-        if a > at:
-            x[at:a].fill_(value)
-        at = max(at, b)
-    if total > at:
-        x[at:total].fill_(value)
+def _assemble(pieces: list[tuple[int, Tensor]], total: int, like: Tensor, fill: float, dtype=None) -> Tensor:
+    """One tensor of ``total`` rows from ``(start, rows)`` pieces (sorted, disjoint) by one concatenation,
+    rows of no piece set to ``fill``: a single pass that writes the result once (the kernels' pieces are
+    already laid out ``(rows, H, E)``, so each is one contiguous block)."""
+    dtype = like.dtype if dtype is None else dtype
+    parts, at = [], 0
+    for start, x in pieces:
+        if start > at:
+            parts.append(torch.full((start - at, *like.shape[1:]), fill, dtype=dtype, device=like.device))
+        parts.append(x.to(dtype))
+        at = start + x.shape[0]
+    if total > at or not parts:
+        parts.append(torch.full((total - at, *like.shape[1:]), fill, dtype=dtype, device=like.device))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 # ----------------------------------------------------------------------- compute
@@ -177,8 +182,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, segs: list[Segment], st: Settings) 
     """``out (Tq, Hq, Dv)`` in q's dtype and ``lse (Tq, Hq)``; rows of no segment get 0 and -inf."""
     tq, hq = q.shape[0], q.shape[1]
     hkv = k.shape[1]
-    out = q.new_empty(tq, hq, v.shape[2])
-    lse = torch.empty(tq, hq, dtype=st.lse_dtype, device=q.device)
+    outs, lses = [], []
     planned = [s for s in segs if not s.direct]
     if planned:
         q3, qo = _padded(q, [(s.qa, s.qb, s.plan.q_pad) for s in planned])
@@ -189,18 +193,17 @@ def forward(q: Tensor, k: Tensor, v: Tensor, segs: list[Segment], st: Settings) 
         if s.direct:  # (1, Hq, L, Dv) and (1, Hq, L), laid out (L, Hq, .) by the kernel
             o, l = ops._FUSED[0](_views(q, s.qa, s.qb), _views(k, s.ka, s.kb), _views(v, s.ka, s.kb), 0.0,  # noqa: E741
                                  s.mask is not None, scale=st.scale)
-            out[s.qa:s.qb].copy_(o[0].transpose(0, 1))
-            lse[s.qa:s.qb].copy_(l[0].t())
+            outs.append((s.qa, o[0].transpose(0, 1)))
+            lses.append((s.qa, l[0].t()))
             continue
         a, b = at[id(s)]
         work = _work(s, s.plan, q3[:, a:], k3[:, b:], v3[:, b:], hq, hkv, st, s.fused)
         o3, l3 = ops.forward(work)  # (Hq, Lq_pad, Dv), (Lq_pad, Hq)
-        out[s.qa:s.qb].copy_(o3[:, :s.lq].transpose(0, 1))
-        lse[s.qa:s.qb].copy_(l3[:s.lq])
-    rows = [(s.qa, s.qb) for s in segs]
-    _fill_gaps(out, rows, tq, 0.0)
-    _fill_gaps(lse, rows, tq, float("-inf"))
-    return out, lse
+        outs.append((s.qa, o3[:, :s.lq].transpose(0, 1)))
+        lses.append((s.qa, l3[:s.lq]))
+    out_like = q.new_empty(0, hq, v.shape[2])
+    lse_like = torch.empty(0, hq, dtype=st.lse_dtype, device=q.device)
+    return _assemble(outs, tq, out_like, 0.0), _assemble(lses, tq, lse_like, float("-inf"))
 
 
 def backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | None,
@@ -208,7 +211,7 @@ def backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Te
     """``(dq, dk, dv)`` in the packed layouts and the inputs' dtypes; ``lse (Tq, Hq)``, ``dlse (Tq, Hq)``
     or None.  Rows and keys of no segment get zero gradients."""
     hq, hkv = q.shape[1], k.shape[1]
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dqs, dks, dvs = [], [], []
     fused = [s.fused and dlse is None for s in segs]  # the fused backward takes no gradient of the lse
     tiled = [s for s, f in zip(segs, fused) if not (s.direct and f)]
     for s in tiled:
@@ -229,8 +232,8 @@ def backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Te
             g = ops._FUSED[1](_views(dout, s.qa, s.qb), _views(q, s.qa, s.qb), _views(k, s.ka, s.kb),
                               _views(v, s.ka, s.kb), _views(out, s.qa, s.qb), lse_s, 0.0, s.mask is not None,
                               scale=st.scale)
-            for x, gx, a, b in ((dq, g[0], s.qa, s.qb), (dk, g[1], s.ka, s.kb), (dv, g[2], s.ka, s.kb)):
-                x[a:b].copy_(gx[0].transpose(0, 1))
+            for x, gx, a in ((dqs, g[0], s.qa), (dks, g[1], s.ka), (dvs, g[2], s.ka)):
+                x.append((a, gx[0].transpose(0, 1)))  # laid out (L, H, E) by the kernel
             continue
         plan = s.plan_b
         a, b = at[id(s)]
@@ -243,14 +246,12 @@ def backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Te
             dlse3[:, :s.lq] = dlse[s.qa:s.qb].t()
         dq3, dk3, dv3 = ops.backward(work, out3[:, a:a + plan.q_pad], lse3, dout3[:, a:a + plan.q_pad], dlse3, f,
                                      None, [])
-        dq[s.qa:s.qb].copy_(dq3[:, :s.lq].transpose(0, 1))
-        dk[s.ka:s.kb].copy_(dk3[:, :s.lk].transpose(0, 1))
-        dv[s.ka:s.kb].copy_(dv3[:, :s.lk].transpose(0, 1))
-    _fill_gaps(dq, [(s.qa, s.qb) for s in segs], q.shape[0], 0.0)
-    keys = [(s.ka, s.kb) for s in segs]
-    _fill_gaps(dk, keys, k.shape[0], 0.0)
-    _fill_gaps(dv, keys, k.shape[0], 0.0)
-    return dq, dk, dv
+        dqs.append((s.qa, dq3[:, :s.lq].transpose(0, 1)))
+        dks.append((s.ka, dk3[:, :s.lk].transpose(0, 1)))
+        dvs.append((s.ka, dv3[:, :s.lk].transpose(0, 1)))
+    dks_sorted = sorted(dks, key=lambda p: p[0])  # (segments are in packed order of queries and of keys)
+    return (_assemble(dqs, q.shape[0], q, 0.0), _assemble(dks_sorted, k.shape[0], k, 0.0),
+            _assemble(sorted(dvs, key=lambda p: p[0]), v.shape[0], v, 0.0))
 
 
 class _VarlenFunction(torch.autograd.Function):
