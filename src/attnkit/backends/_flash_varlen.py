@@ -159,20 +159,28 @@ def _work(seg: Segment, plan: planning.Plan, q3: Tensor, k3: Tensor, v3: Tensor,
                     fused)
 
 
-def _assemble(pieces: list[tuple[int, Tensor]], total: int, like: Tensor, fill: float, dtype=None) -> Tensor:
-    """One tensor of ``total`` rows from ``(start, rows)`` pieces (sorted, disjoint) by one concatenation,
-    rows of no piece set to ``fill``: a single pass that writes the result once (the kernels' pieces are
-    already laid out ``(rows, H, E)``, so each is one contiguous block)."""
-    dtype = like.dtype if dtype is None else dtype
-    parts, at = [], 0
-    for start, x in pieces:
-        if start > at:
-            parts.append(torch.full((start - at, *like.shape[1:]), fill, dtype=dtype, device=like.device))
-        parts.append(x.to(dtype))
-        at = start + x.shape[0]
-    if total > at or not parts:
-        parts.append(torch.full((total - at, *like.shape[1:]), fill, dtype=dtype, device=like.device))
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+class _Packed:
+    """A packed result ``(total, ...)`` written piece by piece: each piece is copied in as soon as it is made
+    and then dropped, so the kernels' temporaries reuse the same memory from call to call (fresh memory is
+    page-faulted in on first touch, which costs about as much as the copy); rows no piece wrote get ``fill``."""
+
+    def __init__(self, total: int, like: Tensor, fill: float, dtype=None):
+        self.x = torch.empty(total, *like.shape[1:], dtype=like.dtype if dtype is None else dtype, device=like.device)
+        self.fill, self.spans = fill, []
+
+    def put(self, start: int, piece: Tensor) -> None:
+        self.x[start:start + piece.shape[0]].copy_(piece)
+        self.spans.append((start, start + piece.shape[0]))
+
+    def result(self) -> Tensor:
+        at = 0
+        for a, b in sorted(self.spans):
+            if a > at:
+                self.x[at:a].fill_(self.fill)
+            at = max(at, b)
+        if self.x.shape[0] > at:
+            self.x[at:].fill_(self.fill)
+        return self.x
 
 
 # ----------------------------------------------------------------------- compute
@@ -182,7 +190,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, segs: list[Segment], st: Settings) 
     """``out (Tq, Hq, Dv)`` in q's dtype and ``lse (Tq, Hq)``; rows of no segment get 0 and -inf."""
     tq, hq = q.shape[0], q.shape[1]
     hkv = k.shape[1]
-    outs, lses = [], []
+    out = _Packed(tq, q.new_empty(0, hq, v.shape[2]), 0.0)
+    lse = _Packed(tq, q.new_empty(0, hq), float("-inf"), st.lse_dtype)
     planned = [s for s in segs if not s.direct]
     if planned:
         q3, qo = _padded(q, [(s.qa, s.qb, s.plan.q_pad) for s in planned])
@@ -193,17 +202,17 @@ def forward(q: Tensor, k: Tensor, v: Tensor, segs: list[Segment], st: Settings) 
         if s.direct:  # (1, Hq, L, Dv) and (1, Hq, L), laid out (L, Hq, .) by the kernel
             o, l = ops._FUSED[0](_views(q, s.qa, s.qb), _views(k, s.ka, s.kb), _views(v, s.ka, s.kb), 0.0,  # noqa: E741
                                  s.mask is not None, scale=st.scale)
-            outs.append((s.qa, o[0].transpose(0, 1)))
-            lses.append((s.qa, l[0].t()))
+            out.put(s.qa, o[0].transpose(0, 1))
+            lse.put(s.qa, l[0].t())
+            del o, l
             continue
         a, b = at[id(s)]
         work = _work(s, s.plan, q3[:, a:], k3[:, b:], v3[:, b:], hq, hkv, st, s.fused)
         o3, l3 = ops.forward(work)  # (Hq, Lq_pad, Dv), (Lq_pad, Hq)
-        outs.append((s.qa, o3[:, :s.lq].transpose(0, 1)))
-        lses.append((s.qa, l3[:s.lq]))
-    out_like = q.new_empty(0, hq, v.shape[2])
-    lse_like = torch.empty(0, hq, dtype=st.lse_dtype, device=q.device)
-    return _assemble(outs, tq, out_like, 0.0), _assemble(lses, tq, lse_like, float("-inf"))
+        out.put(s.qa, o3[:, :s.lq].transpose(0, 1))
+        lse.put(s.qa, l3[:s.lq])
+        del o3, l3, work
+    return out.result(), lse.result()
 
 
 def backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | None,
@@ -211,7 +220,7 @@ def backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Te
     """``(dq, dk, dv)`` in the packed layouts and the inputs' dtypes; ``lse (Tq, Hq)``, ``dlse (Tq, Hq)``
     or None.  Rows and keys of no segment get zero gradients."""
     hq, hkv = q.shape[1], k.shape[1]
-    dqs, dks, dvs = [], [], []
+    dq, dk, dv = _Packed(q.shape[0], q, 0.0), _Packed(k.shape[0], k, 0.0), _Packed(v.shape[0], v, 0.0)
     fused = [s.fused and dlse is None for s in segs]  # the fused backward takes no gradient of the lse
     tiled = [s for s, f in zip(segs, fused) if not (s.direct and f)]
     for s in tiled:
@@ -232,8 +241,9 @@ def backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Te
             g = ops._FUSED[1](_views(dout, s.qa, s.qb), _views(q, s.qa, s.qb), _views(k, s.ka, s.kb),
                               _views(v, s.ka, s.kb), _views(out, s.qa, s.qb), lse_s, 0.0, s.mask is not None,
                               scale=st.scale)
-            for x, gx, a in ((dqs, g[0], s.qa), (dks, g[1], s.ka), (dvs, g[2], s.ka)):
-                x.append((a, gx[0].transpose(0, 1)))  # laid out (L, H, E) by the kernel
+            for x, gx, a in ((dq, g[0], s.qa), (dk, g[1], s.ka), (dv, g[2], s.ka)):
+                x.put(a, gx[0].transpose(0, 1))  # laid out (L, H, E) by the kernel
+            del g
             continue
         plan = s.plan_b
         a, b = at[id(s)]
@@ -246,12 +256,11 @@ def backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Te
             dlse3[:, :s.lq] = dlse[s.qa:s.qb].t()
         dq3, dk3, dv3 = ops.backward(work, out3[:, a:a + plan.q_pad], lse3, dout3[:, a:a + plan.q_pad], dlse3, f,
                                      None, [])
-        dqs.append((s.qa, dq3[:, :s.lq].transpose(0, 1)))
-        dks.append((s.ka, dk3[:, :s.lk].transpose(0, 1)))
-        dvs.append((s.ka, dv3[:, :s.lk].transpose(0, 1)))
-    dks_sorted = sorted(dks, key=lambda p: p[0])  # (segments are in packed order of queries and of keys)
-    return (_assemble(dqs, q.shape[0], q, 0.0), _assemble(dks_sorted, k.shape[0], k, 0.0),
-            _assemble(sorted(dvs, key=lambda p: p[0]), v.shape[0], v, 0.0))
+        dq.put(s.qa, dq3[:, :s.lq].transpose(0, 1))
+        dk.put(s.ka, dk3[:, :s.lk].transpose(0, 1))
+        dv.put(s.ka, dv3[:, :s.lk].transpose(0, 1))
+        del dq3, dk3, dv3, work
+    return dq.result(), dk.result(), dv.result()
 
 
 class _VarlenFunction(torch.autograd.Function):
