@@ -50,7 +50,7 @@ def _oracle_attention(q, k, v, **kwargs):
 
 def _check_rule(q, k, v, cu_q, cu_k, mask_name, backend, dtype=torch.float32, grad_slack=1.0, **kwargs):
     """varlen output and gradients against per-sequence attention() in float64 (the oracle); the bound is
-    the rule's, from the per-sequence textbook formula in ``dtype`` (times ``grad_slack`` for gradients)."""
+    the rule's, from the per-sequence textbook formula in ``dtype`` (for gradients, times ``grad_slack``)."""
     leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
     out = attnkit.attention_varlen(*leaves, cu_q, cu_k, mask=MASKS[mask_name](), backend=backend, **kwargs)
     o64 = [t.detach().double().requires_grad_() for t in (q, k, v)]

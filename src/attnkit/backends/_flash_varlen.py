@@ -23,7 +23,6 @@ log-sum-exp (with its gradient) are as for ``attention()``.  The backward recomp
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -306,8 +305,3 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], cu_k: list[int],
 
 def settings(q: Tensor, scale: float, softcap: float | None, dropout_p: float) -> Settings:
     return Settings(scale, softcap, dropout_p, torch.promote_types(accumulation_dtype(q.dtype), torch.float32))
-
-
-def replace_seeds(segs: list[Segment], seed: int) -> list[Segment]:
-    """The segments with dropout seeds derived from ``seed`` (a fresh draw per call)."""
-    return [dataclasses.replace(s, seed=(seed + SEED_STEP * i) & 0x7FFFFFFF) for i, s in enumerate(segs)]
