@@ -217,9 +217,9 @@ def explain(q, k, v, **kwargs) -> str:
     """
     backend = kwargs.pop("backend", "auto")
     if "cu_seqlens_q" in kwargs or "cu_seqlens_k" in kwargs:  # packed sequences: attention_varlen's choice
-        from .._varlen import explain as explain_varlen
-        return explain_varlen(q, k, v, kwargs.pop("cu_seqlens_q", None), kwargs.pop("cu_seqlens_k", None),
-                              backend=backend, **kwargs)
+        from . import _packed
+        return _packed.explain(select, q, k, v, kwargs.pop("cu_seqlens_q", None), kwargs.pop("cu_seqlens_k", None),
+                               backend=backend, **kwargs)
     _refuse_foreign("explain", {n: x for n, x in kwargs.items()
                                 if n not in ("mask", "bias", "scale", "softcap", "sinks", "dropout_p", "return_lse")})
     call = _make_call(q, k, v, **kwargs)
