@@ -48,9 +48,9 @@ def _oracle_attention(q, k, v, **kwargs):
     return attnkit.attention(q, k, v, backend="math", **kwargs)
 
 
-def _check_rule(q, k, v, cu_q, cu_k, mask_name, backend, dtype=torch.float32, **kwargs):
+def _check_rule(q, k, v, cu_q, cu_k, mask_name, backend, dtype=torch.float32, grad_slack=1.0, **kwargs):
     """varlen output and gradients against per-sequence attention() in float64 (the oracle); the bound is
-    the rule's, from the per-sequence textbook formula in ``dtype``."""
+    the rule's, from the per-sequence textbook formula in ``dtype`` (for gradients, times ``grad_slack``)."""
     leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
     out = attnkit.attention_varlen(*leaves, cu_q, cu_k, mask=MASKS[mask_name](), backend=backend, **kwargs)
     o64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
@@ -68,7 +68,7 @@ def _check_rule(q, k, v, cu_q, cu_k, mask_name, backend, dtype=torch.float32, **
         ga = a.grad if a.grad is not None else torch.zeros_like(a)
         go = o.grad if o.grad is not None else torch.zeros_like(o)
         gn = n.grad if n.grad is not None else torch.zeros_like(n)
-        assert err(ga, go) <= 3 * err(gn, go) + 1e-6, (name, err(ga, go), err(gn, go))
+        assert err(ga, go) <= grad_slack * (3 * err(gn, go) + 1e-6), (name, err(ga, go), err(gn, go))
 
 
 def _packed(lengths_q, lengths_k, hq=4, hkv=2, d=16, dv=None, seed=0):
@@ -253,3 +253,117 @@ def test_long_and_short_sequences_together_keep_the_packed_order(backend):
     want, want_lse = reference(*(_heads_first(t) for t in (q, k, v)), mask=m)
     torch.testing.assert_close(out, want[0].transpose(0, 1), atol=1e-5, rtol=0)
     torch.testing.assert_close(lse, want_lse[0], atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------------------- the batched flash call
+
+EDGE_LENGTHS = [0, 1, 2, 5, 63, 64, 65, 127, 128, 129, 200]  # around the own-tile threshold and tile sizes
+BATCHED_MASKS = ["none", "causal", "causal-top-left", "sliding-window", "window-both-sides", "strided",
+                 "window-or-global", "not-causal"]
+
+
+@settings(max_examples=25, deadline=None)
+@given(seqs=st.lists(st.tuples(st.sampled_from(EDGE_LENGTHS), st.sampled_from(EDGE_LENGTHS), st.booleans()),
+                     min_size=1, max_size=4),
+       heads=st.sampled_from([(2, 1), (4, 2), (2, 2)]), mask_name=st.sampled_from(BATCHED_MASKS),
+       softcap=st.sampled_from([None, None, 4.0]), seed=st.integers(0, 2 ** 16))
+def test_batched_call_matches_per_sequence_attention(seqs, heads, mask_name, softcap, seed):
+    """backend='flash' runs one batched call (own tiles from each sequence's start, short runs shared): output
+    and gradients against per-sequence calls in float64, with lengths 1, tile multiples and not, Lq != Lk,
+    empty sequences (repeated cu_seqlens entries) and rows that see nothing."""
+    lengths_q = [lq for lq, _, _ in seqs]
+    lengths_k = [lq if same else lk for lq, lk, same in seqs]
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, *heads, d=8, seed=seed)
+    said = attnkit.backends.explain(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, backend="flash", softcap=softcap)
+    assert ("one batched flash call" in said) == (q.shape[0] > 0), said
+    # PyTorch's fused kernel (no softcap) meets the rule's gradient bound within the factors the README documents
+    # by the largest scaled score (rows with one key keep a residue of about 1e-6 where the exact gradient is 0)
+    top = max([float((q[a:b].transpose(0, 1) @ k[c:d].transpose(0, 1).repeat_interleave(
+        heads[0] // heads[1], 0).transpose(1, 2)).abs().max()) / 8 ** 0.5
+        for a, b, c, d in zip(cu_q.tolist(), cu_q[1:].tolist(), cu_k.tolist(), cu_k[1:].tolist()) if b > a and d > c]
+        or [0.0])
+    slack = 1.0 if softcap is not None else (2.0 if top < 4 else 3.0 if top < 16 else 8.0)
+    _check_rule(q, k, v, cu_q, cu_k, mask_name, "flash", softcap=softcap, grad_slack=slack)
+
+
+@pytest.mark.parametrize("mask_name", ["causal", "none", "sliding-window"])
+def test_batched_call_lse_gradient(mask_name):
+    """A loss on the returned lse: the fused sequences go through the explicit backward, which takes it."""
+    q, k, v, cu_q, cu_k = _packed([70, 3, 130, 0, 66], [70, 9, 130, 4, 40], seed=2)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = attnkit.attention_varlen(*leaves, cu_q, cu_k, mask=MASKS[mask_name](), backend="flash",
+                                        return_lse=True)
+    o64 = [t.double().requires_grad_() for t in (q, k, v)]
+    outs, lses = [], []
+    for s in range(cu_q.numel() - 1):
+        a, b, c, d = int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s]), int(cu_k[s + 1])
+        o, l = attnkit.attention(_heads_first(o64[0][a:b]), _heads_first(o64[1][c:d]), _heads_first(o64[2][c:d]),
+                                 mask=MASKS[mask_name](), backend="math", return_lse=True)
+        outs.append(o[0].transpose(0, 1))
+        lses.append(l[0])
+    want, want_lse = torch.cat(outs), torch.cat(lses, dim=1)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=0)
+    live = torch.isfinite(want_lse)
+    loss = lambda o, l: (o * 0.3).sum() + torch.where(live, l, 0.0).square().sum()  # noqa: E731
+    loss(out, lse.double()).backward()
+    loss(want, want_lse).backward()
+    for a, b in zip(leaves, o64):
+        torch.testing.assert_close(a.grad.double(), b.grad, atol=1e-4, rtol=0)
+
+
+def test_batched_call_rows_that_see_nothing_get_zero_output_and_gradient():
+    # sequence 0: 100 queries on 70 keys, bottom-right causal (its first 30 rows see nothing); 1: no keys;
+    # 2: 3 queries on 1 key, bottom-right causal; 3: no queries
+    q, k, v, cu_q, cu_k = _packed([100, 80, 3, 0], [70, 0, 1, 64], seed=4)
+    q.requires_grad_()
+    k.requires_grad_()
+    out, lse = attnkit.attention_varlen(q, k, v, cu_q, cu_k, mask=masks.causal(), backend="flash", return_lse=True)
+    (out.sum() + torch.where(torch.isfinite(lse), lse, 0.0).sum()).backward()
+    dead = torch.cat([torch.arange(30), torch.arange(100, 180), torch.tensor([180, 181])])
+    assert (out[dead] == 0).all() and torch.isneginf(lse[:, dead]).all()
+    assert (q.grad[dead] == 0).all() and torch.isfinite(q.grad).all()
+    assert (k.grad[71:] == 0).all() and (k.grad[:70] != 0).any()  # keys 71.. belong to sequence 3 (no queries)
+
+
+def test_batched_segments_start_at_each_sequence():
+    """Long sequences get their own tiles (the plan's lengths are the sequence's), short neighbours share."""
+    from attnkit.backends import _flash_varlen as fv
+
+    lengths = [1, 64, 200, 3, 0, 5, 130, 20]
+    q, k, v, cu_q, cu_k = _packed(lengths, lengths)
+    st_ = fv.settings(q, 0.25, None, 0.0)
+    segs = fv.segments(q, k, v, cu_q.tolist(), cu_k.tolist(), masks.sliding_window(30), st_, 0, True)
+    assert [(s.qa, s.qb, s.own) for s in segs] == [(0, 1, False), (1, 65, True), (65, 265, True),
+                                                   (265, 273, False), (273, 403, True), (403, 423, False)]
+    for s in segs:
+        assert not s.direct and s.plan.q_len == s.lq and s.plan.kv_len == s.lk and s.plan_b.q_len == s.lq
+    causal = fv.segments(q, k, v, cu_q.tolist(), cu_k.tolist(), masks.causal(), st_, 0, False)
+    assert [s.direct for s in causal] == [False, True, True, False, True, False]  # fused on packed views
+
+
+def test_auto_weighs_the_batched_call_against_per_sequence_calls():
+    q, k, v, cu_q, cu_k = _packed([300, 40, 257], [300, 40, 257])
+    q.requires_grad_()
+    say = lambda **kw: attnkit.backends.explain(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **kw)  # noqa: E731
+    assert "one batched flash call (the cheaper estimate)" in say(mask=masks.causal())
+    # dropout: the batched call's explicit path against sdpa's fused kernel per long sequence
+    assert "the per-sequence path (the cheaper estimate)" in say(mask=masks.causal(), dropout_p=0.1)
+    assert "the per-sequence path (backend='sdpa' was asked for)" in say(mask=masks.causal(), backend="sdpa")
+    out = attnkit.attention_varlen(q, k, v, cu_q, cu_k, mask=masks.causal())
+    torch.testing.assert_close(out, attnkit.attention_varlen(q, k, v, cu_q, cu_k, mask=masks.causal(),
+                                                             backend="sdpa"), atol=1e-5, rtol=0)
+
+
+def test_batched_dropout_is_reproducible_and_its_gradient_checks():
+    q, k, v, cu_q, cu_k = _packed([2, 66, 1], [3, 66, 1], hq=2, hkv=1, d=4, seed=5)
+
+    def fn(q, k, v):
+        torch.manual_seed(0)  # the same dropout pattern at every evaluation
+        return attnkit.attention_varlen(q, k, v, cu_q, cu_k, mask=masks.causal(), dropout_p=0.3, backend="flash")
+
+    a, b = fn(q, k, v), fn(q, k, v)
+    assert torch.equal(a, b) and not torch.equal(a, attnkit.attention_varlen(q, k, v, cu_q, cu_k,
+                                                                             mask=masks.causal(), backend="flash"))
+    inputs = [t.double().requires_grad_() for t in (q, k, v)]
+    assert torch.autograd.gradcheck(fn, inputs, atol=1e-6, fast_mode=True)

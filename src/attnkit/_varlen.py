@@ -5,80 +5,16 @@ from __future__ import annotations
 import torch
 
 from . import masks as _masks
-from .bias import ScoreMod
+from .backends import _flash_varlen, _packed
+from .backends import select as _select
 from .functional import attention
 
 Tensor = torch.Tensor
 
 __all__ = ["attention_varlen"]
 
-OWN_CALL_MIN = 128  # sequences with at least this many queries and keys run as their own call (one flash tile)
-MAX_OWN_CALLS = 64  # beyond this many such sequences, all run as one packed call (Python per call would dominate)
-
-
-# ------------------------------------------------------------------- input checks
-
-
-def _check_packed(q, k, v) -> None:
-    for name, t, layout in (("q", q, "(Tq, Hq, D)"), ("k", k, "(Tk, Hkv, D)"), ("v", v, "(Tk, Hkv, Dv)")):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 3:
-            raise ValueError(f"attention_varlen: {name} must have 3 dims {layout} (the sequences packed along the "
-                             f"first), got shape {tuple(t.shape)}; for (B, H, L, D) tensors use attention()")
-
-
-def _check_cu(name: str, cu, total: int, what: str, device: torch.device) -> Tensor:
-    if not isinstance(cu, Tensor):
-        raise TypeError(f"{name} must be an int32 tensor of n + 1 prefix sums [0, L0, L0 + L1, ...], got "
-                        f"{type(cu).__name__}: pass torch.tensor(..., dtype=torch.int32)")
-    if cu.dtype != torch.int32:
-        raise TypeError(f"{name} must have dtype torch.int32 (as flash_attn_varlen_func takes), got {cu.dtype}: "
-                        f"pass {name}.to(torch.int32)")
-    if cu.dim() != 1 or cu.numel() == 0:
-        raise ValueError(f"{name} must be 1-D with n + 1 entries (0 first), got shape {tuple(cu.shape)}")
-    if cu.device != device:
-        raise ValueError(f"{name} is on {cu.device} but q is on {device}: move it with {name}.to(q.device)")
-    first, last = int(cu[0]), int(cu[-1])
-    if first != 0:
-        raise ValueError(f"{name}[0]={first} must be 0: {name} holds prefix sums of the lengths, [0, L0, L0 + L1, "
-                         f"...] (torch.nn.functional.pad(lengths.cumsum(0), (1, 0)))")
-    steps = cu.diff()
-    if bool((steps < 0).any()):
-        i = int((steps < 0).nonzero()[0, 0])
-        raise ValueError(f"{name} must not decrease (zero-length sequences repeat an entry), got {name}[{i}]="
-                         f"{int(cu[i])} > {name}[{i + 1}]={int(cu[i + 1])}")
-    if last != total:
-        raise ValueError(f"{name}[-1]={last} must equal the number of packed {what}, {total}: the last prefix "
-                         f"sum is the total length")
-    return cu
-
-
-def _check_max(name: str, value, cu: Tensor, cu_name: str) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int or None, got {value!r}")
-    longest = int(cu.diff().max()) if cu.numel() > 1 else 0
-    if value < longest:
-        raise ValueError(f"{name}={value} is smaller than the longest sequence in {cu_name} ({longest}): pass "
-                         f"int({cu_name}.diff().max()), or None")
-
-
-def _check_varlen_bias(bias, hq: int, tq: int, tk: int):
-    if bias is None:
-        return None
-    if isinstance(bias, ScoreMod) or (callable(bias) and not isinstance(bias, Tensor)):
-        raise TypeError("attention_varlen: bias modifiers (alibi, relative_buckets, from_fn) read positions of "
-                        "one (Lq, Lk) matrix, not of each packed sequence; pass a float tensor broadcastable to "
-                        f"(Hq, Tq, Tk)=({hq}, {tq}, {tk}) in packed coordinates, or call attention() per sequence")
-    if not isinstance(bias, Tensor):
-        raise TypeError(f"bias must be None or a float tensor broadcastable to (Hq, Tq, Tk), got "
-                        f"{type(bias).__name__}")
-    if bias.dim() > 3:
-        raise ValueError(f"attention_varlen: bias must broadcast to (Hq, Tq, Tk)=({hq}, {tq}, {tk}), got shape "
-                         f"{tuple(bias.shape)}")
-    return bias[None]  # (1, Hq|1, Tq|1, Tk|1); attention() checks the rest
+OWN_CALL_MIN = _packed.OWN_CALL_MIN  # per-sequence path: sequences this long run as their own attention() call
+MAX_OWN_CALLS = _packed.MAX_OWN_CALLS  # ... up to this many of them
 
 
 def _split(result) -> tuple[Tensor, Tensor | None]:
@@ -130,12 +66,27 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
         q4       · · · | █ █
 
     A row that may attend to nothing (also every row of a sequence with no keys) gives 0, ``lse = -inf``
-    and zero gradients.  Nothing is padded to ``(n, max_len)``: a sequence with at least ``OWN_CALL_MIN``
-    (128) queries and keys runs as its own :func:`attnkit.attention` call on views of the packed tensors
-    (tiles aligned with its start; up to ``MAX_OWN_CALLS`` such calls, none with a ``bias``), and the others
-    share one call on their packed tokens under :func:`attnkit.masks.varlen`, whose block structure lets
-    the ``flash`` (and ``triton``) backend visit only each sequence's tiles (``math`` and ``sdpa`` take it
-    through its dense form).  Gradients flow through every part.
+    and zero gradients.  Nothing is padded to ``(n, max_len)``; the work follows the real tokens, in one of
+    two ways:
+
+    * **one batched flash call** (``backend="flash"``, and ``auto``'s usual choice): each sequence with at
+      least 64 queries and keys gets tiles of its own, starting at its first query and key (no tile
+      straddles two sequences; its last tile is short).  On CPU, with no mask or a causal mask on
+      ``Lq_s == Lk_s``, PyTorch's fused flash kernel computes it in one call on strided views of the packed
+      tensors, skipping the masked tiles; other masks run the flash backend's tile plan of the sequence's
+      own mask.  Consecutive shorter sequences share one call under :func:`attnkit.masks.varlen`.  Outputs
+      and gradients are written once into the packed tensors; the backward recomputes each sequence's tiles;
+    * **the per-sequence path** (any other ``backend``, a ``bias``, while ``torch.compile`` traces): each
+      sequence with at least ``OWN_CALL_MIN`` (128) queries and keys runs as its own
+      :func:`attnkit.attention` call on views of the packed tensors (up to ``MAX_OWN_CALLS``), and the
+      others share one call under :func:`attnkit.masks.varlen`, whose block structure lets the ``flash``
+      and ``triton`` backends visit only each sequence's tiles.
+
+    ``auto`` takes the cheaper of the two by a cost estimate: the kernels' (a sequence on the fused kernel
+    costs what ``sdpa`` would, a tiled one what ``flash`` estimates, a sequence run alone what ``auto`` picks
+    for it) plus the copies each way writes.  Long sequences with dropout, or off the CPU, usually go to
+    the per-sequence path, where ``sdpa`` computes them fused.  ``attnkit.backends.explain(q, k, v,
+    cu_seqlens_q=..., cu_seqlens_k=..., ...)`` says which and why.  Gradients flow through both.
 
     Example::
 
@@ -151,29 +102,17 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
         >>> torch.allclose(out[3:], one[0].transpose(0, 1), atol=1e-6)
         True
     """
-    _check_packed(q, k, v)
-    cu_q = _check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[0], "queries (q.shape[0])", q.device)
-    cu_k = _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[0], "keys (k.shape[0])", q.device)
-    if cu_q.numel() != cu_k.numel():
-        raise ValueError(f"cu_seqlens_q has {cu_q.numel()} entries and cu_seqlens_k {cu_k.numel()}: both need "
-                         f"n + 1 entries for the same n sequences")
-    if v.shape[0] != k.shape[0]:
-        raise ValueError(f"k and v must pack the same keys, got Tk={k.shape[0]} for k and {v.shape[0]} for v")
-    _check_max("max_seqlen_q", max_seqlen_q, cu_q, "cu_seqlens_q")
-    _check_max("max_seqlen_k", max_seqlen_k, cu_k, "cu_seqlens_k")
-    if mask is not None and not isinstance(mask, _masks.Mask):
-        raise TypeError(f"attention_varlen: mask must be None or an attnkit.masks.Mask applied within each "
-                        f"sequence (e.g. masks.causal()), got {type(mask).__name__}")
-    if mask is not None:
-        _masks.varlen(cu_q[:1], cu_k[:1], mask)  # (checks that the mask applies per sequence)
-    bias = _check_varlen_bias(bias, q.shape[1], q.shape[0], k.shape[0])
+    cu_q, cu_k, bias = _packed.validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, bias)
+    lq, lk = cu_q.diff().tolist(), cu_k.diff().tolist()
+    choice = _packed.choose(q, k, v, cu_q, cu_k, mask, bias, scale, softcap, dropout_p, backend, _select)
+    if choice.batched:
+        out, lse = _flash_varlen.attention(q, k, v, cu_q.tolist(), cu_k.tolist(), mask, choice.scale, softcap,
+                                           dropout_p, choice.segments)
+        return (out, lse) if return_lse else out
     kw = dict(mask=mask, scale=scale, softcap=softcap, dropout_p=dropout_p, return_lse=return_lse,
               backend=backend)
-    lq, lk = cu_q.diff().tolist(), cu_k.diff().tolist()
     starts_q, starts_k = cu_q[:-1].tolist(), cu_k[:-1].tolist()
-    alone = [s for s in range(len(lq)) if min(lq[s], lk[s]) >= OWN_CALL_MIN]
-    if bias is not None or len(alone) > MAX_OWN_CALLS:
-        alone = []
+    alone = _packed.alone(lq, lk, bias)
     packed = [s for s in range(len(lq)) if s not in set(alone) and lq[s] > 0]
     outs, lses, rows = [], [], []
     if alone:  # heads first, once: a sequence's (1, H, L, D) slice is then a view with contiguous rows
@@ -210,3 +149,4 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
         lse = torch.cat(lses, dim=1)[:, order] if return_lse else None
     out = out.contiguous()  # (Tq, Hq, Dv)
     return (out, lse) if return_lse else out
+

@@ -201,7 +201,9 @@ def explain(q, k, v, **kwargs) -> str:
     """Which backend ``attention(q, k, v, **kwargs)`` would use, and why each other one would not.
 
     For ``backend="auto"`` the last line names the backend auto picks while ``torch.compile`` traces the
-    call: the same one, except that a decode-sized CPU call traces ``math``.
+    call: the same one, except that a decode-sized CPU call traces ``math``.  With ``cu_seqlens_q`` and
+    ``cu_seqlens_k`` (packed ``(T, H, D)`` tensors), it says how :func:`attnkit.attention_varlen` computes
+    the call: one batched flash call or the per-sequence path, and why.
 
     Example::
 
@@ -212,8 +214,16 @@ def explain(q, k, v, **kwargs) -> str:
         under torch.compile auto picks 'math' too
         >>> print(backends.explain(q[:, :, -1:], k, v).splitlines()[-1])   # one query: a decode step
         under torch.compile auto picks 'math' (a decode-sized CPU call, which Inductor fuses)
+        >>> cu = torch.tensor([0, 300, 500], dtype=torch.int32)
+        >>> packed = torch.randn(500, 2, 8)
+        >>> print(backends.explain(packed, packed, packed, cu_seqlens_q=cu, cu_seqlens_k=cu).splitlines()[0])
+        attention_varlen on 2 sequences, q (500, 2, 8) float32: one batched flash call (the cheaper estimate)
     """
     backend = kwargs.pop("backend", "auto")
+    if "cu_seqlens_q" in kwargs or "cu_seqlens_k" in kwargs:  # packed sequences: attention_varlen's choice
+        from . import _packed
+        return _packed.explain(select, q, k, v, kwargs.pop("cu_seqlens_q", None), kwargs.pop("cu_seqlens_k", None),
+                               backend=backend, **kwargs)
     _refuse_foreign("explain", {n: x for n, x in kwargs.items()
                                 if n not in ("mask", "bias", "scale", "softcap", "sinks", "dropout_p", "return_lse")})
     call = _make_call(q, k, v, **kwargs)

@@ -120,7 +120,7 @@ class Work:
     batch: int
     hq: int
     hkv: int
-    q3: Tensor  # (B*Hq, Lq_pad, D) input dtype, contiguous
+    q3: Tensor  # (B*Hq, Lq_pad, D) input dtype, rows contiguous within a head (k3/v3 too; contiguous for gathers)
     k3: Tensor  # (B*Hkv, Lk_pad, D)
     v3: Tensor  # (B*Hkv, Lk_pad, Dv)
     scale: float
@@ -254,14 +254,15 @@ def _heads_slice(x: Tensor, start: int, step: int, count: int) -> Tensor:
 
 
 def rows_of(x: Tensor, heads: Heads, ch: Chunk) -> Tensor:
-    """The chunk's query rows of a flat ``(B*Hq, L_pad, ...)`` tensor as ``(N, count, R, ...)``."""
-    lp = x.shape[1]
+    """The chunk's query rows of a flat ``(B*Hq, L_pad, ...)`` tensor as ``(N, count, R, ...)``.  Each head's
+    rows are contiguous; heads may lie further apart (``x.stride(0)``: a sequence's rows in a packed buffer)."""
+    lp, hs = x.shape[1], x.stride(0)
     tail = tuple(x.shape[2:])
     e = int(math.prod(tail)) if tail else 1
     if ch.q_consecutive:
         size = (ch.N, heads.count, ch.R, *tail)
-        stride = (ch.R * e, heads.qstep * lp * e, e, *([1] if tail else []))
-        return x.as_strided(size, stride, x.storage_offset() + (heads.q0 * lp + ch.qstart) * e)
+        stride = (ch.R * e, heads.qstep * hs, e, *([1] if tail else []))
+        return x.as_strided(size, stride, x.storage_offset() + heads.q0 * hs + ch.qstart * e)
     xs = _heads_slice(x, heads.q0, heads.qstep, heads.count).view(heads.count, lp // ch.R, ch.R * e)
     g = xs.index_select(1, (ch.qrows[:, 0] // ch.R).to(x.device))  # (count, N, R*e): whole tiles
     return g.view(heads.count, ch.N, ch.R, *tail).transpose(0, 1)
@@ -303,13 +304,14 @@ def put_lse(x: Tensor, heads: Heads, ch: Chunk, value: Tensor) -> None:
 
 
 def keys_of(x: Tensor, heads: Heads, ch: Chunk, buf: Tensor | None = None) -> Tensor:
-    """The chunk's key windows of a flat contiguous ``(B*Hkv, Lk_pad, E)`` tensor as ``(N, kcount, W, E)``; gathered
-    windows are written into ``buf`` (``(kcount, N*w, bk*E)``) when given."""
-    lp, e = x.shape[1], x.shape[2]
+    """The chunk's key windows of a flat ``(B*Hkv, Lk_pad, E)`` tensor (rows contiguous within a head; contiguous
+    for gathered windows) as ``(N, kcount, W, E)``; gathered windows are written into ``buf``
+    (``(kcount, N*w, bk*E)``) when given."""
+    lp, e, hs = x.shape[1], x.shape[2], x.stride(0)
     if ch.band:
         size = (ch.N, heads.kcount, ch.W, e)
-        stride = (ch.kstep * e, heads.kstep * lp * e, e, 1)
-        return x.as_strided(size, stride, x.storage_offset() + (heads.k0 * lp + ch.kstart) * e)
+        stride = (ch.kstep * e, heads.kstep * hs, e, 1)
+        return x.as_strided(size, stride, x.storage_offset() + heads.k0 * hs + ch.kstart * e)
     bk = ch.block_k
     nt = lp // bk
     # one gather of (head, key tile) rows of the contiguous flat tensor, along dim 0 (PyTorch splits that
@@ -342,8 +344,8 @@ def add_keys(x: Tensor, heads: Heads, ch: Chunk, value: Tensor) -> None:
         flat = value.transpose(0, 1).reshape(heads.kcount, ch.N * (ch.W // bk), bk * e)
         xs.index_add_(1, ch.tiles.reshape(-1).to(x.device), flat.to(x.dtype))
         return
-    base = x.storage_offset() + (heads.k0 * lp + ch.kstart) * e
-    hstride = heads.kstep * lp * e
+    base = x.storage_offset() + heads.k0 * x.stride(0) + ch.kstart * e
+    hstride = heads.kstep * x.stride(0)
     if ch.N == 1 or ch.kstep == 0:
         x.as_strided((heads.kcount, ch.W, e), (hstride, e, 1), base).add_(value[0] if ch.N == 1 else value.sum(0))
         return

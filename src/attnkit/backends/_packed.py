@@ -1,0 +1,237 @@
+"""``attention_varlen``'s input checks and its choice between one batched flash call (``_flash_varlen``) and
+the per-sequence path (``attention()`` calls), by a cost estimate; ``backends.explain`` reads it too."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import masks as _masks
+from ..bias import ScoreMod
+from . import _flash_varlen
+from . import flash as _flash
+from . import sdpa as _sdpa
+from ._call import _make_call
+from ._common import Call
+
+Tensor = torch.Tensor
+
+OWN_CALL_MIN = 128  # per-sequence path: sequences with at least this many queries and keys run as their own call
+MAX_OWN_CALLS = 64  # ... beyond this many such sequences, all run as one packed call (Python per call would dominate)
+COPY_FLOPS = 25.0  # flop-equivalents of the fused kernel per element a copy or zero-fill writes (fresh memory)
+
+
+# ------------------------------------------------------------------- input checks
+
+
+def _check_packed(q, k, v) -> None:
+    for name, t, layout in (("q", q, "(Tq, Hq, D)"), ("k", k, "(Tk, Hkv, D)"), ("v", v, "(Tk, Hkv, Dv)")):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"attention_varlen: {name} must have 3 dims {layout} (the sequences packed along the "
+                             f"first), got shape {tuple(t.shape)}; for (B, H, L, D) tensors use attention()")
+
+
+def _check_cu(name: str, cu, total: int, what: str, device: torch.device) -> Tensor:
+    if not isinstance(cu, Tensor):
+        raise TypeError(f"{name} must be an int32 tensor of n + 1 prefix sums [0, L0, L0 + L1, ...], got "
+                        f"{type(cu).__name__}: pass torch.tensor(..., dtype=torch.int32)")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must have dtype torch.int32 (as flash_attn_varlen_func takes), got {cu.dtype}: "
+                        f"pass {name}.to(torch.int32)")
+    if cu.dim() != 1 or cu.numel() == 0:
+        raise ValueError(f"{name} must be 1-D with n + 1 entries (0 first), got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name} is on {cu.device} but q is on {device}: move it with {name}.to(q.device)")
+    first, last = int(cu[0]), int(cu[-1])
+    if first != 0:
+        raise ValueError(f"{name}[0]={first} must be 0: {name} holds prefix sums of the lengths, [0, L0, L0 + L1, "
+                         f"...] (torch.nn.functional.pad(lengths.cumsum(0), (1, 0)))")
+    steps = cu.diff()
+    if bool((steps < 0).any()):
+        i = int((steps < 0).nonzero()[0, 0])
+        raise ValueError(f"{name} must not decrease (zero-length sequences repeat an entry), got {name}[{i}]="
+                         f"{int(cu[i])} > {name}[{i + 1}]={int(cu[i + 1])}")
+    if last != total:
+        raise ValueError(f"{name}[-1]={last} must equal the number of packed {what}, {total}: the last prefix "
+                         f"sum is the total length")
+    return cu
+
+
+def _check_max(name: str, value, cu: Tensor, cu_name: str) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int or None, got {value!r}")
+    longest = int(cu.diff().max()) if cu.numel() > 1 else 0
+    if value < longest:
+        raise ValueError(f"{name}={value} is smaller than the longest sequence in {cu_name} ({longest}): pass "
+                         f"int({cu_name}.diff().max()), or None")
+
+
+def _check_varlen_bias(bias, hq: int, tq: int, tk: int):
+    if bias is None:
+        return None
+    if isinstance(bias, ScoreMod) or (callable(bias) and not isinstance(bias, Tensor)):
+        raise TypeError("attention_varlen: bias modifiers (alibi, relative_buckets, from_fn) read positions of "
+                        "one (Lq, Lk) matrix, not of each packed sequence; pass a float tensor broadcastable to "
+                        f"(Hq, Tq, Tk)=({hq}, {tq}, {tk}) in packed coordinates, or call attention() per sequence")
+    if not isinstance(bias, Tensor):
+        raise TypeError(f"bias must be None or a float tensor broadcastable to (Hq, Tq, Tk), got "
+                        f"{type(bias).__name__}")
+    if bias.dim() > 3:
+        raise ValueError(f"attention_varlen: bias must broadcast to (Hq, Tq, Tk)=({hq}, {tq}, {tk}), got shape "
+                         f"{tuple(bias.shape)}")
+    return bias[None]  # (1, Hq|1, Tq|1, Tk|1); attention() checks the rest
+
+
+def validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, bias):
+    """The checked ``(cu_q, cu_k, bias (1, Hq|1, Tq|1, Tk|1) or None)`` of an ``attention_varlen`` call."""
+    _check_packed(q, k, v)
+    cu_q = _check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[0], "queries (q.shape[0])", q.device)
+    cu_k = _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[0], "keys (k.shape[0])", q.device)
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(f"cu_seqlens_q has {cu_q.numel()} entries and cu_seqlens_k {cu_k.numel()}: both need "
+                         f"n + 1 entries for the same n sequences")
+    if v.shape[0] != k.shape[0]:
+        raise ValueError(f"k and v must pack the same keys, got Tk={k.shape[0]} for k and {v.shape[0]} for v")
+    _check_max("max_seqlen_q", max_seqlen_q, cu_q, "cu_seqlens_q")
+    _check_max("max_seqlen_k", max_seqlen_k, cu_k, "cu_seqlens_k")
+    if mask is not None and not isinstance(mask, _masks.Mask):
+        raise TypeError(f"attention_varlen: mask must be None or an attnkit.masks.Mask applied within each "
+                        f"sequence (e.g. masks.causal()), got {type(mask).__name__}")
+    if mask is not None:
+        _masks.varlen(cu_q[:1], cu_k[:1], mask)  # (checks that the mask applies per sequence)
+    bias = _check_varlen_bias(bias, q.shape[1], q.shape[0], k.shape[0])
+    return cu_q, cu_k, bias
+
+
+# ------------------------------------------------------------------- the two paths
+
+
+def alone(lq: list[int], lk: list[int], bias) -> list[int]:
+    """The per-sequence path's sequences that run as their own ``attention()`` call."""
+    seqs = [s for s in range(len(lq)) if min(lq[s], lk[s]) >= OWN_CALL_MIN]
+    return [] if bias is not None or len(seqs) > MAX_OWN_CALLS else seqs
+
+
+@dataclass
+class _Choice:
+    batched: bool  # one batched flash call (``_flash_varlen``), else the per-sequence path
+    reason: str
+    scale: float | None = None
+    segments: list | None = None  # the batched call's planned segments
+    costs: tuple[float, float] | None = None  # (batched, per-sequence) estimates, when weighed
+
+
+def _refusal(q: Tensor, bias, backend: str) -> str | None:
+    """Why the batched flash call cannot take this call (None when it can)."""
+    if backend not in ("auto", "flash"):
+        return f"backend={backend!r} was asked for"
+    if bias is not None:
+        return "a bias tensor in packed coordinates goes with one packed call under masks.varlen"
+    if torch.compiler.is_compiling():
+        return "while torch.compile traces, the flash custom operators take one packed call"
+    if q.device.type == "meta" or torch._C._functorch.is_functorch_wrapped_tensor(q):
+        return "meta tensors and torch.func transforms take the per-sequence path (through attention())"
+    if q.shape[0] == 0:
+        return "there are no queries"
+    return None
+
+
+def _seq_call(q, k, v, a, b, c, d, mask, scale, softcap, dropout_p) -> Call:
+    return _make_call(*(t.transpose(0, 1)[None] for t in (q[a:b], k[c:d], v[c:d])), mask=mask, scale=scale,
+                      softcap=softcap, dropout_p=dropout_p)
+
+
+def _costs(q, k, v, cu_q: list[int], cu_k: list[int], segs, mask, scale, softcap, dropout_p,
+           needs_grad: bool, select) -> tuple[float, float]:
+    """Estimated cost (flop-equivalents) of the batched call and of the per-sequence path.
+
+    Kernels: a batched segment computed by one fused kernel call costs what ``sdpa`` would (the same kernel),
+    a tiled one what the ``flash`` backend estimates; on the per-sequence path a sequence run alone costs what
+    ``auto`` picks for it (the same figure when that is the same kernel), and the packed rest the same as its
+    batched segments.  Copies (``COPY_FLOPS`` per element written): the batched call writes the output (and
+    the gradients) once and lays out its tiled segments' tokens head first; the per-sequence path copies q, k,
+    v head first, assembles the output by an index sort and, with gradients, fills a zero gradient of each
+    packed tensor for every sequence run alone (the backward of a slice)."""
+    hq, hkv, d, dv = q.shape[1], k.shape[1], q.shape[2], v.shape[2]
+    lq, lk = [b - a for a, b in zip(cu_q, cu_q[1:])], [b - a for a, b in zip(cu_k, cu_k[1:])]
+    solo = set(alone(lq, lk, None))
+    tokens = q.shape[0] * hq * d + k.shape[0] * hkv * (d + dv)  # elements of q, k, v (and of their gradients)
+    outs = q.shape[0] * hq * dv
+    st = _flash_varlen.settings(q, scale, softcap, dropout_p)
+    passes = 2 if needs_grad else 1  # tiled segments are laid out again in the backward (with out and dout)
+    batched_copies = outs + (tokens if needs_grad else 0)
+    per_seq_copies = outs + (tokens if needs_grad else 0)
+    if solo:
+        per_seq_copies = tokens + 3 * outs + (2 * len(solo) * tokens + 3 * outs if needs_grad else 0)
+    batched = per_seq = 0.0
+    for seg in segs:
+        call = _flash_varlen._call(seg, q, k, v, st)
+        kernel = _sdpa.cost(call) if seg.direct else _flash.cost(call)
+        batched += kernel
+        if not seg.direct:
+            batched_copies += passes * (seg.lq * hq * (d + (2 * dv if needs_grad else 0)) + seg.lk * hkv * (d + dv))
+        s = cu_q.index(seg.qa) if seg.own else -1
+        if s in solo and not seg.direct:  # what auto picks for it alone
+            call = _seq_call(q, k, v, seg.qa, seg.qb, seg.ka, seg.kb, mask, scale, softcap, dropout_p)
+            kernel = select(call, "auto").cost(call)
+        per_seq += kernel  # (a sequence alone on the same kernel, or the packed rest: as batched)
+    return batched + COPY_FLOPS * batched_copies, per_seq + COPY_FLOPS * per_seq_copies
+
+
+def choose(q, k, v, cu_q: Tensor, cu_k: Tensor, mask, bias, scale, softcap, dropout_p, backend, select) -> _Choice:
+    """Batched flash call or per-sequence path (see :func:`attnkit.attention_varlen`); ``select`` is the
+    backend registry's ``select`` (what ``auto`` picks for a sequence run alone)."""
+    why_not = _refusal(q, bias, backend)
+    if why_not is not None:
+        return _Choice(False, why_not)
+    call = _make_call(*(t.transpose(0, 1)[None] for t in (q, k, v)), scale=scale, softcap=softcap,
+                      dropout_p=dropout_p)  # checks the tensors and settings
+    needs_grad = call.needs_grad
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    st = _flash_varlen.settings(q, call.scale, softcap, dropout_p)
+    seed = _flash_varlen.ops.draw_seed() if dropout_p > 0 else 0
+    segs = _flash_varlen.segments(q, k, v, cq, ck, mask, st, seed, needs_grad)
+    if backend == "flash":
+        return _Choice(True, "backend='flash' was asked for", call.scale, segs)
+    batched, per_seq = _costs(q, k, v, cq, ck, segs, mask, call.scale, softcap, dropout_p, needs_grad, select)
+    if batched <= per_seq:
+        return _Choice(True, "the cheaper estimate", call.scale, segs, (batched, per_seq))
+    return _Choice(False, "the cheaper estimate", call.scale, None, (batched, per_seq))
+
+
+
+
+def explain(select, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *,
+            max_seqlen_q=None, max_seqlen_k=None, mask=None, bias=None, scale=None, softcap=None,
+            dropout_p: float = 0.0, return_lse: bool = False, backend: str = "auto") -> str:
+    """How :func:`attention_varlen` would compute this call (``backends.explain`` with ``cu_seqlens_q`` and
+    ``cu_seqlens_k``): the batched flash call or the per-sequence path, why, and the segments or calls."""
+    cu_q, cu_k, bias = validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, bias)
+    choice = choose(q, k, v, cu_q, cu_k, mask, bias, scale, softcap, dropout_p, backend, select)
+    n = cu_q.numel() - 1
+    head = f"attention_varlen on {n} sequences, q {tuple(q.shape)} {str(q.dtype).replace('torch.', '')}"
+    lines = []
+    if choice.batched:
+        segs = choice.segments
+        own = [s for s in segs if s.own]
+        direct = sum(s.direct for s in own)
+        lines.append(f"{head}: one batched flash call ({choice.reason})")
+        lines.append(f"  {len(own)} sequences of >= {_flash_varlen.OWN_TILES_MIN} queries and keys with tiles of "
+                     f"their own: {direct} as one fused kernel call each on views of the packed tensors, "
+                     f"{len(own) - direct} by their mask's tile plan")
+        lines.append(f"  runs of shorter sequences, each one call under masks.varlen: {len(segs) - len(own)}")
+    else:
+        lq, lk = cu_q.diff().tolist(), cu_k.diff().tolist()
+        seqs = alone(lq, lk, bias)
+        lines.append(f"{head}: the per-sequence path ({choice.reason})")
+        lines.append(f"  {len(seqs)} sequences of >= {OWN_CALL_MIN} queries and keys as their own attention() "
+                     f"call (backend={backend!r}), the others as one packed call under masks.varlen")
+    if choice.costs is not None:
+        lines.append(f"  estimated cost: batched {choice.costs[0] / 1e9:.3g}, per-sequence "
+                     f"{choice.costs[1] / 1e9:.3g} GFLOP-equivalents")
+    return "\n".join(lines)
