@@ -58,7 +58,7 @@ def test_rule_against_the_oracle_forward_and_backward(backend, mask, dtype, Dv, 
     assert {"out", "lse", "dq", "dk", "dv", "dsinks"} <= set(report)
 
 
-@pytest.mark.parametrize("backend", ["math", "flash"])
+@pytest.mark.parametrize("backend", ["math", "flash", "sdpa"])
 def test_sinks_broadcast_per_batch_and_head(backend):
     q, k, v, _ = _qkv()
     sinks = torch.randn(2, 4).requires_grad_(True)
@@ -107,12 +107,57 @@ def test_lse_includes_the_sink_and_merge_then_add_sink_once_is_exact():
     assert not torch.allclose(twice, full)  # why the docs say: merge without the sink, add it once
 
 
-def test_sdpa_declines_sinks_and_auto_picks_another_backend():
+@pytest.mark.parametrize("mask", list(_MASKS))
+@pytest.mark.parametrize("dtype,Dv", [(torch.float32, 16), (torch.float16, 8), (torch.bfloat16, 16)])
+def test_sdpa_takes_sinks_as_an_extra_key_within_the_rule(mask, dtype, Dv):
+    q, k, v, sinks = _qkv(Dv=Dv, dtype=dtype)
+    report = check_against_oracle(_backend("sdpa"), q, k, v, mask=_MASKS[mask](), sinks=sinks)
+    assert {"out", "dq", "dk", "dv", "dsinks"} <= set(report)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_sdpa_sinks_gradcheck_float64(bias):
+    q, k, v, sinks = _qkv(B=1, Hq=2, Hkv=1, Lq=5, Lk=7, D=8, Dv=6, dtype=torch.float64)
+    sinks = sinks.double().detach().requires_grad_(True)
+    b = torch.randn(1, 2, 5, 7, dtype=torch.float64, requires_grad=True) if bias else None
+
+    def f(q, k, v, sinks, *b):
+        return attnkit.attention(q, k, v, mask=masks.causal(), sinks=sinks, backend="sdpa", bias=b[0] if b else None)
+
+    assert torch.autograd.gradcheck(f, (q, k, v, sinks, *([b] if bias else [])))
+
+
+def test_sdpa_sink_logit_keeps_float32_precision_in_bfloat16():
+    # the logit rides on q's extra columns in three rounded parts: with a bfloat16 q the
+    # sink key's score is the logit to float32 precision (one bfloat16 column would round 3.3 to 3.296875)
+    from attnkit.backends.sdpa import _with_sink_key
+    q, k, v, _ = _qkv(dtype=torch.bfloat16)
+    sinks = torch.tensor([3.3, -2.3, 0.1, 300.7]).expand(2, 4)
+    q2, k2, v2 = _with_sink_key(q, k.detach(), v.detach(), sinks, scale=0.25)
+    assert q2.shape[-1] % 8 == 0 and k2.shape[2] == k.shape[2] + 1 and v2.shape[2] == v.shape[2] + 1
+    score = (q2.float() @ k2[:, :, -1:].float().repeat_interleave(2, 1).transpose(-1, -2)).squeeze(-1) * 0.25
+    torch.testing.assert_close(score, sinks[:, :, None].expand_as(score), rtol=1e-6, atol=1e-6)
+    assert torch.equal(v2[:, :, -1], torch.zeros_like(v2[:, :, -1]))
+
+
+def test_sdpa_sinks_a_row_that_sees_nothing_gives_zero_and_zero_gradients():
+    q, k, v, sinks = _qkv(B=1, Lq=6, Lk=3)  # causal bottom-right: the first 3 rows see nothing
+    out = attnkit.attention(q, k, v, mask=masks.causal(), sinks=sinks, backend="sdpa")
+    assert torch.equal(out[:, :, :3], torch.zeros_like(out[:, :, :3]))
+    g = torch.zeros_like(out)
+    g[:, :, :3] = 1.0
+    for t in torch.autograd.grad(out, (q, k, v, sinks), g):
+        assert torch.equal(t, torch.zeros_like(t))
+
+
+def test_sdpa_refuses_what_it_cannot_add_a_sink_to_and_explain_says_why():
     q, k, v, sinks = _qkv()
-    with pytest.raises(ValueError, match="sinks"):
-        attnkit.attention(q, k, v, sinks=sinks, backend="sdpa")
-    text = attnkit.backends.explain(q, k, v, sinks=sinks)
-    assert "SDPA has no attention sinks" in text and "sinks" in text.splitlines()[0]
+    with pytest.raises(ValueError, match="log-sum-exp"):
+        attnkit.attention(q, k, v, sinks=sinks, return_lse=True, backend="sdpa")
+    with pytest.raises(ValueError, match="scale=0"):
+        attnkit.attention(q, k, v, sinks=sinks, scale=0.0, backend="sdpa")
+    text = attnkit.backends.explain(q, k, v, sinks=sinks, return_lse=True)
+    assert "SDPA does not return the log-sum-exp" in text and "sinks" in text.splitlines()[0]
     check_against_oracle(attnkit.attention, q, k, v, mask=masks.causal(), sinks=sinks)
 
 

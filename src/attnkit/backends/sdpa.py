@@ -6,6 +6,10 @@ against every key and then zeroed, so their output is 0 and their gradients are 
 query may see (padding garbage, NaN and inf included) reach no row: a call whose output is not finite
 while the mask hides keys is made again with those keys and values zeroed.
 
+Attention sinks enter as one more key every row sees: its value is zero and its score is the sink logit,
+carried on a few columns added to q (see ``_with_sink_key``).  The mask then goes to SDPA as a tensor with
+that key's column allowed, and a row that sees no other key attends to the sink alone (output 0).
+
 Numerics: on CPU this is PyTorch's fused kernel, whose backward takes the weights from a float32
 log-sum-exp and ``D = rowsum(dO * O)`` from the output.  Its gradients ``dq``, ``dk``, ``dv`` exceed the
 numerical rule's bound ``3 * naive + 1e-6`` by up to 2x when the largest scaled score is below 4 (a residue
@@ -25,7 +29,7 @@ import torch.nn.functional as F
 from ..bias import ScoreMod
 from ..masks import Mask
 from ._call import graph_zero
-from ._common import Call, per_mask, zero_unseen
+from ._common import Call, accumulation_dtype, per_mask, zero_unseen
 from ._reads import reachable_tensors, tensor_key
 
 Tensor = torch.Tensor
@@ -126,8 +130,8 @@ def check(call: Call) -> str | None:
         return "SDPA has no softcap"
     if call.return_lse:
         return "SDPA does not return the log-sum-exp"
-    if call.sinks is not None:
-        return "SDPA has no attention sinks, and returns no log-sum-exp to add them after"
+    if call.sinks is not None and call.scale == 0:
+        return "with scale=0 the sink logit cannot ride on an extra key (it enters as logit / scale)"
     b = call.bias
     if isinstance(b, ScoreMod) and not (b.additive or b.scale_factor is not None):
         return f"SDPA takes only additive score modifiers (ALiBi, T5 buckets) or a scalar temperature, not {b!r}"
@@ -144,8 +148,81 @@ def cost(call: Call) -> float:
     window = _single_query_window(call)
     if window is not None:  # decoding: only the visible keys are read
         return call.flops() * max(window[1] - window[0] + 1, 0) / call.kv_len
+    if call.sinks is not None:  # copies of q, k, v one key and a few columns wider, the mask dense
+        d = call.q.shape[-1]
+        widen = (d + _sink_columns(d)) / d
+        return call.flops() * widen * (1.6 if call.mask is not None else 1.0) * 1.1
     dense = call.mask is not None and not _is_plain_causal(call)
     return call.flops() * (1.6 if dense else (0.55 if call.mask is not None else 1.0))
+
+
+def _sink_columns(d: int) -> int:
+    """Columns added to q and k for a sink: three (the logit in three parts), rounded up so the width stays
+    a multiple of 8 (the fused kernels' preference)."""
+    return 3 + (-(d + 3)) % 8
+
+
+def _with_sink_key(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, scale: float):
+    """``q``, ``k``, ``v`` with the sinks as one more key that every query sees: its value is zero and its
+    score is each head's sink logit.  q gains columns holding ``sink / scale`` (split into a rounded part
+    and the remainder, so the logit keeps float32 precision in bfloat16), the keys zeros there, and the
+    added key ones there and zeros elsewhere: its scaled score is ``sink`` for every row of that head, and
+    with grouped heads each query head still gets its own logit.  Gradients reach ``sinks`` through q."""
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    extra = _sink_columns(D)
+    acc = accumulation_dtype(q.dtype)
+    s = sinks.to(acc) / scale  # (B, Hq)
+    parts, left = [], s
+    for _ in range(3):
+        part = left.to(q.dtype)
+        parts.append(part)
+        left = left - part.to(acc)
+    parts = torch.stack(parts, dim=-1)[:, :, None, :].expand(B, Hq, Lq, 3)
+    q2 = torch.cat([q, parts, q.new_zeros(B, Hq, Lq, extra - 3)], dim=-1)
+    key = k.new_zeros(1, 1, 1, D + extra)
+    key[..., D:D + 3] = 1
+    k2 = torch.cat([torch.cat([k, k.new_zeros(B, Hkv, Lk, extra)], dim=-1), key.expand(B, Hkv, 1, D + extra)],
+                   dim=2)
+    v2 = torch.cat([v, v.new_zeros(B, Hkv, 1, v.shape[-1])], dim=2)
+    return q2, k2, v2
+
+
+def _run_sinks(call: Call, q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tensor | None, gqa: bool):
+    """SDPA with the sinks as an extra key every row sees (:func:`_with_sink_key`).  A row whose mask
+    allows no key attends to the sink alone: its output is the sink's zero value and its gradients are
+    zero, as attnkit's rule says, without zeroing afterwards."""
+    allowed = hidden = None
+    if call.mask is not None:
+        allowed, _, _, hidden = _dense(call)
+    traced = torch.compiler.is_compiling() or q.device.type == "meta"
+    if hidden is not None and traced:
+        k, v = _without_hidden(k, v, hidden)
+
+    def once(k, v):
+        q2, k2, v2 = _with_sink_key(q, k, v, call.sinks, scale)
+        attn_mask = None
+        if allowed is not None or bias is not None:
+            Lq, Lk = call.q_len, call.kv_len
+            rows = allowed if allowed is not None else torch.ones(1, 1, Lq, Lk, dtype=torch.bool, device=q.device)
+            while rows.dim() < 4:
+                rows = rows.unsqueeze(0)
+            attn_mask = torch.cat([rows, rows.new_ones(*rows.shape[:-1], 1).expand(*rows.shape[:-1], 1)], dim=-1)
+            if bias is not None:
+                b = torch.broadcast_to(bias.to(q.dtype), (*torch.broadcast_shapes(bias.shape[:-1], rows.shape[:-1]),
+                                                          Lk))
+                b = torch.cat([b, b.new_zeros(*b.shape[:-1], 1)], dim=-1)
+                attn_mask = b.masked_fill(~attn_mask, float("-inf"))
+        return F.scaled_dot_product_attention(q2, k2, v2, attn_mask=attn_mask, dropout_p=call.dropout_p,
+                                              scale=scale, enable_gqa=gqa)
+
+    out = once(k, v)
+    # a NaN or inf in a key no query may see reaches the rows through SDPA's arithmetic (see run): only then
+    # is the call made again with those keys zeroed
+    if hidden is not None and not traced and not bool(torch.isfinite(out.detach()).all()):
+        k, v = _without_hidden(k, v, hidden)
+        out = once(k, v)
+    return out
 
 
 def run(call: Call):
@@ -161,6 +238,8 @@ def run(call: Call):
         while bias.dim() < 4:  # SDPA wants a mask of at least 2 dims; (B', H', Lq', Lk') broadcasts
             bias = bias.unsqueeze(0)
     gqa = call.group > 1
+    if call.sinks is not None:
+        return _run_sinks(call, q, k, v, scale, bias, gqa)
     if call.mask is None or _is_plain_causal(call):
         def plain(k, v, bias):
             causal = call.mask is not None
