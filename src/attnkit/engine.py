@@ -29,9 +29,9 @@ import torch
 
 from ._checks import flag, integer
 from . import _sampling
-from .cache import PagedCache, PoolExhausted
-from ._decoding import (DecodeCopies, EvalMode, check_decoder_only, check_eos, check_positions, check_tokens,
-                        cpu_threads, last_logits, reading, timed, weights_key)
+from .cache import PagedCache, PagedSinkCache, PoolExhausted
+from ._decoding import (EXTRAPOLATING, DecodeCopies, EvalMode, check_decoder_only, check_eos, check_positions,
+                        check_tokens, cpu_threads, last_logits, reading, timed, weights_key)
 from .generate import GenerationResult, SamplingParams, sample
 from ._threads import DecodeThreads
 
@@ -58,6 +58,16 @@ def _rows_logits(model, ids: Tensor, rows: Tensor, **kw) -> Tensor:
     return (out[0] if isinstance(out, tuple) else out)[0, rows].float()
 
 
+def _check_sink_positions(model, capacity: int) -> None:
+    """With sinks the model sees positions ``0 .. n_sink + window - 1``: they must fit its ``max_seq_len``."""
+    cfg = getattr(model, "config", None)
+    max_len, method = getattr(cfg, "max_seq_len", None), getattr(cfg, "positions", None)
+    if max_len is not None and method not in EXTRAPOLATING and capacity > max_len:
+        raise ValueError(f"n_sink + window = {capacity} is beyond the model's max_seq_len={max_len} (positions="
+                         f"{method!r} does not extrapolate): the kept tokens sit at positions 0 .. n_sink + window - "
+                         f"1, so choose n_sink + window <= {max_len}")
+
+
 @dataclass
 class _Request:
     rid: int
@@ -71,6 +81,7 @@ class _Request:
     fresh: bool = False  # got its token from this step's prefill
     feed: list[int] = field(default_factory=list)  # chunked prefill: the tokens to run before decoding
     fed: int = 0  # how many of them ran
+    stream: list[int] = field(default_factory=list)  # sinks: known tokens still to run one per step (past the window)
     logprobs: list = field(default_factory=list)  # one TokenLogprob per token, when asked
 
     def finished(self) -> bool:
@@ -137,7 +148,7 @@ class Engine:
 
     def __init__(self, model, cache_blocks: int, block_size: int = 16, max_batch: int = 16, *, preempt: bool = True,
                  prefix_caching: bool = True, relayout: bool = True, max_batched_tokens: int | None = None,
-                 decode_threads: str | int | None = "auto"):
+                 decode_threads: str | int | None = "auto", n_sink: int | None = None, window: int | None = None):
         integer("cache_blocks", cache_blocks, minimum=1)
         integer("block_size", block_size, minimum=1)
         self.max_batch = integer("max_batch", max_batch, minimum=1)
@@ -155,7 +166,18 @@ class Engine:
         self._copies = DecodeCopies() if relayout else None  # the weights laid out for decoding, owned here
         self._threads = cpu_threads(model, DecodeThreads(decode_threads))  # each decode step's thread count
         self.preempt = preempt
-        self.cache = PagedCache.for_model(model, cache_blocks, block_size, prefix_caching=prefix_caching)
+        if (n_sink is None) != (window is None):
+            raise ValueError(f"n_sink={n_sink!r} and window={window!r}: attention sinks take both (StreamingLLM: "
+                             f"n_sink=4, window=1024), or neither for full attention")
+        if window is not None:
+            integer("n_sink", n_sink, minimum=0)
+            integer("window", window, minimum=1)
+            _check_sink_positions(model, n_sink + window)
+            self.cache = PagedSinkCache.for_model(model, cache_blocks, block_size, n_sink=n_sink, window=window,
+                                                  prefix_caching=prefix_caching)
+        else:
+            self.cache = PagedCache.for_model(model, cache_blocks, block_size, prefix_caching=prefix_caching)
+        self.sink = self.cache if window is not None else None  # the PagedSinkCache, or None for full attention
         self._weights = weights_key(model)  # a change drops the cached prefixes (computed with the old weights)
         self._eval_mode = EvalMode(model)  # its modules, listed again when the weights change
         self._model_dtype = _param_dtype(model)
@@ -192,9 +214,12 @@ class Engine:
             raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 0")
         prompt = [int(t) for t in prompt]
         check_tokens([prompt], getattr(getattr(self.model, "config", None), "vocab_size", None), "prompt")
-        check_positions(self.model, len(prompt), max_new_tokens)
+        if self.sink is None:  # (with sinks positions stay below n_sink + window, checked when built)
+            check_positions(self.model, len(prompt), max_new_tokens)
         bs = self.cache.block_size
         blocks = -(-(len(prompt) + max(max_new_tokens, 1) - 1) // bs)
+        if self.sink is not None:
+            blocks = min(blocks, self.sink.max_blocks_per_sequence)
         if blocks > self.cache.num_blocks:
             raise ValueError(f"a request of {len(prompt)} prompt + {max_new_tokens} new tokens needs {blocks} blocks "
                              f"of {bs}, more than the pool's cache_blocks={self.cache.num_blocks}: create the Engine "
@@ -253,18 +278,26 @@ class Engine:
     def _place_oldest(self) -> tuple[_Request, int, list[int], int] | None:
         """Add the oldest waiting request's tokens (its prompt, and what it produced before a preemption) to
         the pool, reusing cached prefix blocks: ``(request, sid, tokens, n_new)`` with ``n_new`` the tokens
-        left to compute, or None, the pool as it was, when the blocks those need are not free."""
+        left to compute, or None, the pool as it was, when the blocks those need are not free (with sinks, the
+        blocks of the part computed at once: :meth:`_first_chunk`)."""
         cache = self.cache
         req = self.waiting[0]
         tokens = req.prompt + req.out  # after a preemption: recompute what it had produced
         hits = cache.prefix_hits
         sid = cache.add_sequence(tokens)
         n_new = len(tokens) - cache.length(sid)
-        if cache.blocks_needed(sid, n_new) > cache.num_free_blocks:
+        if cache.blocks_needed(sid, self._first_chunk(sid, n_new)) > cache.num_free_blocks:
             cache.free(sid)
             cache.prefix_hits = hits  # not admitted: nothing was reused
             return None
         return req, sid, tokens, n_new
+
+    def _first_chunk(self, sid: int, n_new: int) -> int:
+        """How many of a sequence's ``n_new`` tokens to compute now: all of them, or with sinks those within
+        ``n_sink + window`` positions (at least one); the rest run one token per step (``_Request.stream``)."""
+        if self.sink is None:
+            return n_new
+        return max(1, min(n_new, self.sink.capacity - self.cache.length(sid)))
 
     def _admit(self, events: list) -> None:
         cache = self.cache
@@ -277,18 +310,22 @@ class Engine:
             req.sid, req.admitted, req.fresh = sid, self._admissions, True
             self._admissions += 1
             self.running.append(req)
+            n_now = self._first_chunk(sid, n_new)
+            first = len(tokens) - n_new
+            req.stream = tokens[first + n_now:]  # with sinks, past the window: one token per step
             view = cache.batch([sid])
-            ids = torch.tensor([tokens[len(tokens) - n_new:]], dtype=torch.long, device=cache.device)
-            logits = _rows_logits(self.model, ids, torch.tensor([n_new - 1], device=cache.device), cache=view,
-                                  positions=view.positions(n_new))
-            self.stats["prefill_tokens"] += n_new
+            ids = torch.tensor([tokens[first:first + n_now]], dtype=torch.long, device=cache.device)
+            logits = _rows_logits(self.model, ids, torch.tensor([n_now - 1], device=cache.device), cache=view,
+                                  positions=view.positions(n_now))
+            self.stats["prefill_tokens"] += n_now
             self.stats["peak_blocks"] = max(self.stats["peak_blocks"], cache.stats()["blocks_used"])
-            self._emit(req, self._sample([req], logits)[0], events)
+            if not req.stream:
+                self._emit(req, self._sample([req], logits)[0], events)
 
     def _preempt_newest(self) -> None:
         victim = max(self.running, key=lambda r: r.admitted)
         self.cache.free(victim.sid)
-        victim.sid = None
+        victim.sid, victim.stream = None, []
         self.running.remove(victim)
         self.waiting.appendleft(victim)
         self.stats["preemptions"] += 1
@@ -326,11 +363,18 @@ class Engine:
                     cache.reserve(r.sid, 1)
                 self._track()
                 view = cache.batch([r.sid for r in dec])
-                ids = torch.tensor([[r.out[-1]] for r in dec], dtype=torch.long, device=cache.device)  # (B, 1)
+                # (a sequence streaming known tokens past the window feeds the next one; it samples after its last)
+                ids = torch.tensor([[r.stream[0] if r.stream else r.out[-1]] for r in dec], dtype=torch.long,
+                                   device=cache.device)  # (B, 1)
                 with reading(self._copies), timed(self._threads):
                     logits = last_logits(self.model(ids, cache=view, positions=view.positions(1)))
-                self.stats["decode_tokens"] += len(dec)
-                for r, tok in zip(dec, self._sample(dec, logits)):
+                rows = [i for i, r in enumerate(dec) if len(r.stream) <= 1]
+                self.stats["decode_tokens"] += len(rows)
+                self.stats["prefill_tokens"] += len(dec) - len(rows)
+                for r in dec:
+                    del r.stream[:1]
+                sampling = [dec[i] for i in rows]
+                for r, tok in zip(sampling, self._sample(sampling, logits[rows])):
                     self._emit(r, tok, events)
             for r in self.running:
                 r.fresh = False
@@ -360,14 +404,17 @@ class Engine:
         sequence whose prompt is done, then chunks of the prompts being prefilled (oldest first), then
         chunks of newly admitted prompts."""
         cache = self.cache
-        dec = self._room_for_decode(lambda r: r.fed == len(r.feed))  # (prefills reserved their blocks)
+        # decoding sequences, and with sinks those feeding their prompt past the window (one token per step);
+        # the other prefills reserved their blocks when admitted
+        dec = self._room_for_decode(lambda r: r.fed == len(r.feed) or self._streaming(r))
         for r in dec:
             cache.reserve(r.sid, 1)
         budget = self.max_batched_tokens - len(dec)
-        work: list[tuple[_Request, list[int]]] = [(r, [r.out[-1]]) for r in dec]
+        work: list[tuple[_Request, list[int]]] = [(r, [r.out[-1]] if r.fed == len(r.feed) else [r.feed[r.fed]])
+                                                  for r in dec]
         for r in self.running:
-            if r.fed < len(r.feed) and budget > 0:
-                n = min(budget, len(r.feed) - r.fed)
+            if r.fed < len(r.feed) and budget > 0 and not self._streaming(r):
+                n = min(budget, len(r.feed) - r.fed, self._first_chunk(r.sid, len(r.feed) - r.fed))
                 work.append((r, r.feed[r.fed:r.fed + n]))
                 budget -= n
         while budget > 0 and self.waiting and len(self.running) < self.max_batch:
@@ -375,13 +422,14 @@ class Engine:
             if placed is None:
                 break
             req, sid, tokens, n_new = placed
-            cache.reserve(sid, n_new)  # the whole prompt's blocks now: its later chunks never run short
+            first = self._first_chunk(sid, n_new)  # (with sinks, the rest runs one token per step)
+            cache.reserve(sid, first)  # the whole prompt's blocks now: its later chunks never run short
             self.waiting.popleft()
             req.sid, req.admitted = sid, self._admissions
             req.feed, req.fed = tokens[len(tokens) - n_new:], 0
             self._admissions += 1
             self.running.append(req)
-            n = min(budget, n_new)
+            n = min(budget, first)
             work.append((req, req.feed[:n]))
             budget -= n
         if not work:
@@ -403,6 +451,11 @@ class Engine:
         reqs = [work[i][0] for i in done]
         for r, tok in zip(reqs, self._sample(reqs, logits[done])):
             self._emit(r, tok, events)
+
+    def _streaming(self, r: _Request) -> bool:
+        """With sinks: whether running request ``r`` holds ``n_seen + window`` tokens already, so each forward
+        takes one of its tokens."""
+        return self.sink is not None and self.cache.length(r.sid) >= self.sink.capacity
 
     def _track(self) -> None:
         st = self.cache.stats()
