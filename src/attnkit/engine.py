@@ -115,6 +115,18 @@ class Engine:
             sequences for its whole prefill.  A prompt's blocks are reserved when it is admitted; a prompt gives
             its first token in the step its last chunk runs.  Tokens are those each request gets alone, with
             preemption and prefix caching as above.
+        n_sink, window: attention sinks (StreamingLLM), for generating past the model's context: each sequence
+            attends to its first ``n_sink`` tokens and its last ``window`` (the current one included), at
+            positions within the cache (``0 .. n-1`` for the ``n`` kept tokens), exactly as
+            :class:`~attnkit.cache.SinkCache` does with :func:`attnkit.generate`; the pool is then a
+            :class:`~attnkit.cache.PagedSinkCache`.  Blocks that left the window go back to the pool at once,
+            so a request holds at most ``engine.cache.max_blocks_per_sequence`` blocks however many tokens it
+            asks for, and positions never pass ``n_sink + window - 1`` (which must fit the model's
+            ``max_seq_len``).  Prompts may be longer than ``n_sink + window``: their first ``n_sink + window``
+            tokens are prefilled, the rest stream through one token per step (each token's window differs), as
+            do the tokens recomputed after a preemption.  Prefix caching shares the blocks within the first
+            ``n_sink + window`` positions.  Both or neither (None: full attention).  The model forgets what left
+            the window (see ``docs/inference.md``).
 
     Each step runs the model in eval mode (no dropout while decoding) and restores every module's mode after
     it, so the model can be trained between steps (cached prefixes and weight copies are then made again).
@@ -143,6 +155,17 @@ class Engine:
         >>> c = engine.add([6], max_new_tokens=3)          # waits for a free slot
         >>> done = engine.run()
         >>> done[b] == attnkit.generate(model, [[4, 5]], 5)[0]
+        True
+
+    With attention sinks, a request runs far past the pool and the model's ``max_seq_len`` (512 here)::
+
+        >>> from attnkit.cache import SinkCache
+        >>> streaming = attnkit.Engine(model, cache_blocks=24, block_size=4, n_sink=4, window=32)
+        >>> long = streaming.generate([[1, 2, 3]], 600)[0]
+        >>> len(long), streaming.stats["peak_blocks"] <= streaming.cache.max_blocks_per_sequence
+        (600, True)
+        >>> short = streaming.generate([[1, 2, 3]], 60)[0]
+        >>> short == attnkit.generate(model, [[1, 2, 3]], 60, cache=lambda m, b, L: SinkCache.for_model(m, 4, 32))[0]
         True
     """
 
