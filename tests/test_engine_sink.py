@@ -101,7 +101,8 @@ def test_sampling_controls_are_unchanged():
 
 def test_blocks_per_sequence_stay_bounded_and_go_back():
     model = _model()
-    engine = attnkit.Engine(model, cache_blocks=40, block_size=4, max_batch=3, n_sink=N_SINK, window=WINDOW)
+    engine = attnkit.Engine(model, cache_blocks=40, block_size=4, max_batch=3, n_sink=N_SINK, window=WINDOW,
+                            preempt=False)  # 3 x 150 tokens at full attention would need 114 blocks
     pool = engine.cache
     bound = pool.max_blocks_per_sequence
     assert bound == 1 + 2 + 1  # the sink block, and the 9 newest positions straddle at most 3 blocks
