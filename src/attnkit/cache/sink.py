@@ -329,9 +329,11 @@ class _SinkPlan:
         self.write_positions = torch.tensor(pos, dtype=torch.long, device=dev)
         self.reads = []  # per sequence: (blocks (L,), offsets (L,)) of its kept keys in order
         for s, st, n in zip(seqs, starts, n_new):
-            kept = cache.kept(st + n)
-            self.reads.append((torch.tensor([s.blocks[p // bs] for p in kept], dtype=torch.long, device=dev),
-                               torch.tensor([p % bs for p in kept], dtype=torch.long, device=dev)))
+            L = st + n
+            kept = torch.arange(L, device=dev) if L <= C else torch.cat(
+                [torch.arange(cache.n_sink, device=dev), torch.arange(L - cache.window, L, device=dev)])
+            table = torch.tensor(s.blocks, dtype=torch.long, device=dev)
+            self.reads.append((table[kept // bs], kept % bs))
         self.rope, self.dev = cache.rope, dev
 
     def keys(self, pool: Tensor, i: int, rotate: bool) -> Tensor:
@@ -345,17 +347,25 @@ class _SinkPlan:
     def padded(self, k_pool: Tensor, v_pool: Tensor) -> tuple:
         """Every sequence's kept keys and values, rotated and right-aligned: ``(B, Hkv, L, D)``, ``(B, Hkv, L,
         Dv)`` and, when their lengths differ, the ``(B, 1, 1, L)`` mask of the real columns."""
-        ks = [self.keys(k_pool, i, True) for i in range(len(self.reads))]
-        vs = [self.keys(v_pool, i, False) for i in range(len(self.reads))]
-        if len(ks) == 1:
-            return ks[0], vs[0]
-        lens = [k.shape[2] for k in ks]
+        B = len(self.reads)
+        if B == 1:
+            return self.keys(k_pool, 0, True), self.keys(v_pool, 0, False)
+        lens = [blk.shape[0] for blk, _ in self.reads]
         L = max(lens)
-        k_all = ks[0].new_zeros(len(ks), ks[0].shape[1], L, ks[0].shape[3])
-        v_all = vs[0].new_zeros(len(vs), vs[0].shape[1], L, vs[0].shape[3])
-        for b, (k, v) in enumerate(zip(ks, vs)):
-            k_all[b, :, L - k.shape[2]:] = k[0]  # right-aligned: each sequence's newest key at column L - 1
-            v_all[b, :, L - v.shape[2]:] = v[0]
+        # right-aligned: each sequence's newest key at column L - 1; the columns before its first key read that
+        # key again (masked out) and sit at position 0
+        idx = [torch.cat([blk.new_zeros(L - n), torch.arange(n, device=self.dev)]) for n, (blk, _) in
+               zip(lens, self.reads)]
+        blk = torch.stack([b_[i] for i, (b_, _) in zip(idx, self.reads)])  # (B, L)
+        off = torch.stack([o[i] for i, (_, o) in zip(idx, self.reads)])
+        k_all = k_pool[blk, :, off].transpose(1, 2)  # (B, L, Hkv, D) -> (B, Hkv, L, D)
+        v_all = v_pool[blk, :, off].transpose(1, 2)
+        if self.rope is not None:
+            if self.rope.length_dependent:  # its frequencies follow each sequence's own largest position
+                for b, n in enumerate(lens):
+                    k_all[b, :, L - n:] = self.keys(k_pool, b, True)[0]
+            else:
+                k_all = self.rope.rotate(k_all, torch.stack(idx))  # at positions 0 .. n-1 within the cache
         if all(n == L for n in lens):
             return k_all, v_all
         cols = torch.arange(L, device=self.dev).view(1, -1)
