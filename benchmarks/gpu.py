@@ -3,7 +3,9 @@
 One prepared run (under 5 minutes on an H100/H200; a time budget skips what would not fit):
 
 1. correctness first: each mask through the ``triton`` backend against the float64 oracle (numerical rule,
-   forward and backward) and the paged decode kernel against a dense reference, on small shapes;
+   forward and backward), eagerly and compiled (``torch.compile(fullgraph=True)``: one graph whose attention
+   is the custom operator ``attnkit::triton_forward``, its backward ``attnkit::triton_backward``), and the
+   paged decode kernel against a dense reference, on small shapes;
 2. TFLOP/s of forward and forward+backward, bfloat16, D = 64 and 128, L = 1k..16k (B * L = 16k tokens,
    H * D = 2048), causal, sliding window (1024 keys, causal) and document (packed, causal) masks, for attnkit
    ``triton``, SDPA's flash kernel (causal only: it takes no other mask) and ``torch.compile``d
@@ -21,6 +23,7 @@ FlexAttention), and writes benchmarks/results/gpu.json.  Without a CUDA GPU it s
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import statistics
 import sys
@@ -146,6 +149,7 @@ def correctness(device) -> list[str]:
             rep = check_against_oracle(triton, q, k, v, **kw)
             lines.append(f"ok  {name:22s} D={D:3d} bf16 GQA 4/2: out err {rep['out']['err']:.2e} <= "
                          f"{rep['out']['bound']:.2e}, dq err {rep['dq']['err']:.2e} <= {rep['dq']['bound']:.2e}")
+    lines += compiled_correctness(device, {name: cases[name] for name in ("sliding_window", "document")})
     B, Hq, Hkv, D, page = 4, 32, 8, 128, 16
     lens = torch.tensor([1, 300, 4097, 2048], dtype=torch.int32)
     n_pages = -(-int(lens.max()) // page)
@@ -165,6 +169,36 @@ def correctness(device) -> list[str]:
     rep = check_against_oracle(paged, q, k, v, mask=masks.key_padding(lens.long()), grad=False)
     lines.append(f"ok  paged_decode           D=128 bf16 GQA 32/8: out err {rep['out']['err']:.2e} <= "
                  f"{rep['out']['bound']:.2e}")
+    return lines
+
+
+def compiled_correctness(device, cases: dict, L: int = 777, D: int = 64) -> list[str]:
+    """``attention(..., backend="triton")`` under ``torch.compile(fullgraph=True)`` (Inductor) on the GPU: one
+    graph, no graph break, one ``attnkit::triton_forward`` node; forward and backward (through
+    ``attnkit::triton_backward``) against the float64 oracle."""
+    import attnkit
+    from attnkit.testing import check_against_oracle
+
+    call = functools.partial(attnkit.attention, backend="triton")
+    compiled = torch.compile(call, fullgraph=True)
+
+    def triton_compiled(q, k, v, **kw):
+        return compiled(q.to(device), k.to(device), v.to(device), **kw).cpu()
+
+    lines = []
+    for name, kw in cases.items():
+        q = torch.randn(1, 4, L, D, dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(1, 2, L, D, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        explained = torch._dynamo.explain(call)(*(t.detach().to(device) for t in (q, k, v)), **kw)
+        nodes = explained.graphs[0].code.count("attnkit.triton_forward") if explained.graphs else 0
+        if explained.graph_break_count or explained.graph_count != 1 or nodes != 1:
+            raise AssertionError(f"compiled triton with the {name} mask: {explained.graph_count} graph(s), "
+                                 f"{explained.graph_break_count} graph break(s), {nodes} attnkit.triton_forward "
+                                 f"node(s); expected one graph, no break, one node")
+        rep = check_against_oracle(triton_compiled, q, k, v, **kw)
+        lines.append(f"ok  compiled {name:13s} D={D:3d} bf16 GQA 4/2: out err {rep['out']['err']:.2e} <= "
+                     f"{rep['out']['bound']:.2e}, dq err {rep['dq']['err']:.2e} <= {rep['dq']['bound']:.2e} "
+                     f"(one attnkit::triton_forward node, no graph break)")
     return lines
 
 

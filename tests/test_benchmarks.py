@@ -143,3 +143,30 @@ def test_generate_long_context_section_runs(tmp_path):
                           timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "32k keys, auto: splitkv" in proc.stdout and "x SDPA" in proc.stdout
+
+
+def test_generate_read_bandwidth_covers_every_decode_thread_count_with_its_spread():
+    """The bandwidth limit is read at the thread count the decode steps ran at, from a median with its
+    spread; an "auto" policy's decision is what the decode rows are compared at."""
+    import torch
+
+    import attnkit
+    from attnkit.nn import DecoderConfig, DecoderLM
+
+    generate = _load("generate")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        bw = generate.read_bandwidth(passes=3, rounds=3)
+        assert sorted(bw) == [1, 2] and torch.get_num_threads() == 2
+        for n, b in bw.items():
+            assert len(b["rates"]) == 3 and 0 < b["p10"] <= b["median"] <= b["p90"]
+        both = generate.pooled(bw, bw)
+        assert len(both[1]["rates"]) == 6 and both[1]["median"] == bw[1]["median"]
+        assert generate.bandwidth_text(bw).startswith("1 thread ") and " GB/s (" in generate.bandwidth_text(bw)
+        model = DecoderLM(DecoderConfig.preset("tiny")).eval()
+        assert generate.decode_thread_count(model, 1) == 2  # not decided yet: torch's count
+        attnkit.generate(model, [[1, 2, 3]], 6)
+        assert generate.decode_thread_count(model, 1) in (1, 2)
+    finally:
+        torch.set_num_threads(before)

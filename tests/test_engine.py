@@ -339,3 +339,58 @@ def test_chunked_prefill_arguments(model):
         attnkit.Engine(model, cache_blocks=8, max_batch=1, max_batched_tokens=0)
     with pytest.raises(TypeError, match="max_batched_tokens"):
         attnkit.Engine(model, cache_blocks=8, max_batched_tokens=8.0)
+    with pytest.raises(ValueError, match="chunk_sizing='flops' must be 'tokens'"):
+        attnkit.Engine(model, cache_blocks=8, max_batch=1, max_batched_tokens=8, chunk_sizing="flops")
+
+
+def test_cost_sizing_gives_late_chunks_fewer_tokens_and_the_same_tokens(model):
+    """chunk_sizing='cost': a chunk's tokens shrink as the keys it attends to grow, every step stays within the
+    budget, and every request still gets its tokens alone."""
+    rec = _Recorder(model)
+    engine = attnkit.Engine(rec, cache_blocks=64, block_size=4, max_batch=3, max_batched_tokens=24,
+                            chunk_sizing="cost")
+    engine._key_cost = 0.05  # (the tiny model's own is far smaller: make the keys weigh within 90 tokens)
+    short = [engine.add([i + 1, 2, 3], 30) for i in range(2)]
+    engine.step()
+    long_prompt = [random.Random(0).randrange(64) for _ in range(90)]
+    late = engine.add(long_prompt, 3)
+    sizes = []
+    while engine.has_work:
+        req = next((r for r in engine.running if r.rid == late), None)
+        fed = 0 if req is None else req.fed
+        engine.step()
+        if late not in engine.results or not sizes or sum(sizes) < len(long_prompt):
+            now = next((r.fed for r in engine.running if r.rid == late), len(long_prompt))
+            if now > fed:
+                sizes.append(now - fed)
+    assert max(rec.sizes) <= 24
+    assert sum(sizes) == len(long_prompt) and len(sizes) >= 4
+    assert sizes[0] > sizes[-2] and sizes[:-1] == sorted(sizes[:-1], reverse=True)  # (the last: what was left)
+    assert [engine.results[r] for r in short] == [attnkit.generate(model, [[i + 1, 2, 3]], 30)[0] for i in range(2)]
+    assert engine.results[late] == attnkit.generate(model, [long_prompt], 3)[0]
+
+
+def test_chunk_len_follows_the_cost_model(model):
+    engine = attnkit.Engine(model, cache_blocks=8, max_batch=1, max_batched_tokens=100, chunk_sizing="cost")
+    engine._key_cost = 0.01
+    for start in (0, 50, 400):
+        n, cost = engine._chunk_len(start, 1000, 100.0)
+        assert cost <= 100.0 < (n + 1) + 0.01 * ((n + 1) * start + (n + 1) * (n + 2) / 2)
+    assert engine._chunk_len(10**6, 1000, 100.0)[0] == 1  # a prompt always advances
+    assert engine._chunk_len(0, 7, 100.0) == (7, 7 + 0.01 * 28)
+    tokens = attnkit.Engine(model, cache_blocks=8, max_batch=1, max_batched_tokens=100)
+    assert tokens._chunk_len(400, 1000, 60.0) == (60, 60.0)
+
+
+def test_chunked_engine_decodes_plain_steps_through_the_batched_path(model, monkeypatch):
+    """A step with no prompt tokens is the Engine's ordinary decode step (weight copies, thread policy), not a
+    packed forward."""
+    from attnkit.cache import PagedCache
+    packed = []
+    real = PagedCache.packed
+    monkeypatch.setattr(PagedCache, "packed", lambda self, *a: packed.append(a) or real(self, *a))
+    engine = attnkit.Engine(model, cache_blocks=32, block_size=4, max_batch=2, max_batched_tokens=4)
+    rids = [engine.add([1, 2, 3, 4, 5, 6], 6), engine.add([7, 8], 6)]
+    engine.run()
+    assert len(packed) == 2 and engine.stats["steps"] == 7  # two prefill steps (4 + 2 and 2 tokens), then decode
+    assert [engine.results[r] for r in rids] == [attnkit.generate(model, [p], 6)[0] for p in ([1, 2, 3, 4, 5, 6], [7, 8])]

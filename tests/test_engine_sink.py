@@ -72,19 +72,28 @@ def test_engine_equals_sink_cache_alone(positions, dtype, kw, max_batched_tokens
     assert engine.cache.num_free_blocks == 64
 
 
-@pytest.mark.parametrize("max_batched_tokens", [None, 6])
-def test_preemption_and_prefix_caching_give_the_same_tokens(max_batched_tokens):
+@pytest.mark.parametrize("max_batched_tokens,chunk_sizing", [(None, "tokens"), (6, "tokens"), (6, "cost")])
+def test_preemption_and_prefix_caching_give_the_same_tokens(max_batched_tokens, chunk_sizing):
     model = _model()
     shared = [3, 1, 4, 1, 5, 9, 2, 6]  # two full blocks of 4, within n_sink + window
     reqs = _requests(5, seed=2, long_prompts=False) + [(shared + [5], 30), (shared + [8, 8], 25)]
     engine = attnkit.Engine(model, cache_blocks=12, block_size=4, max_batch=4, n_sink=N_SINK, window=WINDOW,
-                            max_batched_tokens=max_batched_tokens)
+                            max_batched_tokens=max_batched_tokens, chunk_sizing=chunk_sizing)
     rids = [engine.add(p, n) for p, n in reqs]
     done = engine.run()
     assert engine.stats["preemptions"] > 0  # recomputed past the window, one token per step
-    assert engine.cache.prefix_hits > 0
     assert [done[r] for r in rids] == [_alone(model, p, n) for p, n in reqs]
     assert engine.cache.num_free_blocks == 12
+
+
+def test_prefix_caching_shares_only_blocks_computed_before_any_eviction():
+    model = _model()
+    engine = attnkit.Engine(model, cache_blocks=64, block_size=4, max_batch=1, n_sink=N_SINK, window=WINDOW)
+    first = [3, 1, 4, 1, 5, 9, 2, 6, 5]
+    out = engine.generate([first], 20)[0]
+    again = first + out[:10]  # 19 tokens: its first 4 full blocks were all computed by the first request
+    assert engine.generate([again], 20) == [_alone(model, again, 20)]
+    assert engine.cache.prefix_hits == (N_SINK + WINDOW) // 4  # 3: the 4th block ends past n_sink + window
 
 
 def test_sampling_controls_are_unchanged():

@@ -230,10 +230,10 @@ def _copies(model) -> dict:
 
 
 def test_generate_decodes_through_copies_laid_out_for_its_batch():
-    """From 4 sequences a step the float32 decode products read column-major copies that generate keeps
-    with the model (the model's weights stay row-major), up to 3 the weights themselves; the same tokens
-    either way; relayout=False reads the weights as they are, whatever their layout."""
-    from attnkit.nn import to_decode_layout
+    """From 4 sequences a step the float32 decode products read copies in oneDNN's blocked layout that
+    generate keeps with the model (the model's weights stay row-major), up to 3 the weights themselves;
+    the same tokens either way; relayout=False reads the weights as they are, whatever their layout."""
+    from attnkit.nn import layers, to_decode_layout
     model = copy.deepcopy(_model("rope"))
     w, head = model.layers[0].attn.qkv_proj.weight, model.embed.weight  # tied head
     prompts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]]
@@ -241,12 +241,13 @@ def test_generate_decodes_through_copies_laid_out_for_its_batch():
     assert _copies(model) == {}  # 1 sequence a step: row-major, as the weights are
     assert generate(model, prompts, 5) == alone
     held = _copies(model)
-    assert held[(w, "column")].stride() == (1, w.shape[0]) and held[(head, "column")].stride() == (1, head.shape[0])
-    assert torch.equal(held[(w, "column")], w)
+    fast = "packed" if layers._onednn_packed_works() else "column"
+    assert held[(w, fast)].shape == w.shape and held[(head, fast)].shape == head.shape
+    assert torch.equal(held[(w, fast)].to_dense(), w)
     assert w.stride() == (w.shape[1], 1) and head.stride() == (head.shape[1], 1)
     assert model.layers[0].attn.qkv_proj.weight is w
     generate(model, prompts, 5)
-    assert _copies(model)[(w, "column")] is held[(w, "column")]  # kept for the next generation
+    assert _copies(model)[(w, fast)] is held[(w, fast)]  # kept for the next generation
     assert generate(model, prompts[:3], 5, relayout=False) == alone[:3]
     with pytest.raises(TypeError, match="relayout must be True or False, got 1"):
         generate(model, prompts, 5, relayout=1)

@@ -37,15 +37,81 @@ def run_steps(policy, n):
     return counts
 
 
-def test_auto_keeps_the_faster_count_and_follows_a_change(two_threads):
-    clock = FakeClock({1: 1.0, 2: 3.0})  # a busy core: one thread is faster
+def test_a_clear_difference_decides_after_one_round(two_threads):
+    policy = DecodeThreads("auto", clock=FakeClock({1: 1.0, 2: 3.0}))  # a busy core: one thread is faster
+    counts = run_steps(policy, 3)
+    assert counts == [2, 2, 1]  # an untimed first step at the caller's count, then one step at each count
+    assert policy.chosen == 1
+    assert run_steps(policy, _threads.RECHECK) == [1] * _threads.RECHECK
+
+
+def test_the_first_step_is_not_timed(two_threads):
+    clock = FakeClock({1: 1.0, 2: 0.5})
+    first = {2: 50.0, 1: 1.0}  # the first step pays one-time costs (weight copies, kernel setup)
     policy = DecodeThreads("auto", clock=clock)
-    counts = run_steps(policy, 6 + 40)
-    assert sorted(counts[:6]) == [1, 1, 1, 2, 2, 2]  # probing: both counts in turn
-    assert policy.chosen == 1 and counts[6:6 + _threads.RECHECK].count(1) == _threads.RECHECK
-    assert 2 in counts[6 + _threads.RECHECK:]  # re-checked
-    clock.cost = {1: 1.0, 2: 0.5}  # the machine became quiet: two threads win again
-    counts = run_steps(policy, 3 * (_threads.RECHECK + 1))
+    clock.cost, quiet = first, clock.cost
+    run_steps(policy, 1)
+    clock.cost = quiet
+    run_steps(policy, 2)
+    assert policy.chosen == 2
+
+
+def test_close_counts_are_probed_for_more_rounds_and_the_medians_decide(two_threads):
+    clock = FakeClock({1: 1.0, 2: 0.9})  # within MARGIN of each other
+    policy = DecodeThreads("auto", clock=clock)
+    counts = run_steps(policy, 1 + 2 * _threads.PROBE)
+    assert sorted(counts[1:]) == [1] * _threads.PROBE + [2] * _threads.PROBE
+    assert policy.chosen == 2
+    assert run_steps(policy, 5) == [2] * 5
+
+
+def test_rechecks_grow_further_apart_while_the_choice_holds(two_threads):
+    policy = DecodeThreads("auto", clock=FakeClock({1: 1.0, 2: 3.0}))
+    run_steps(policy, 3)
+    counts = run_steps(policy, 2000)
+    rechecks = [i for i, c in enumerate(counts) if c == 2]
+    gaps = [b - a - 1 for a, b in zip([-1] + rechecks, rechecks)]
+    assert gaps[:4] == [32, 64, 128, 256] and set(gaps[4:]) == {_threads.RECHECK_MAX}
+    assert policy.chosen == 1
+
+
+def test_a_machine_that_becomes_busy_is_followed_within_a_few_steps(two_threads):
+    clock = FakeClock({1: 1.5, 2: 1.0})  # quiet: two threads are faster
+    policy = DecodeThreads("auto", clock=clock)
+    run_steps(policy, 3 + 600)  # the re-checks are far apart by now
+    assert policy.chosen == 2
+    clock.cost = {1: 1.5, 2: 4.0}  # another process takes a core
+    counts = run_steps(policy, 4)
+    assert counts == [2, 2, 1, 1] and policy.chosen == 1  # two slow steps, a re-check, then one thread
+
+
+def test_steps_that_slow_down_at_every_count_cost_one_recheck(two_threads):
+    clock = FakeClock({1: 1.5, 2: 1.0})
+    policy = DecodeThreads("auto", clock=clock)
+    run_steps(policy, 3 + 10)
+    clock.cost = {1: 3.0, 2: 2.0}  # e.g. a longer cache: every count slower, two threads still faster
+    counts = run_steps(policy, _threads.RECHECK)
+    assert counts.count(1) == 1 and policy.chosen == 2
+
+
+def test_a_single_slow_step_does_not_trigger_a_recheck(two_threads):
+    clock = FakeClock({1: 1.5, 2: 1.0})
+    policy = DecodeThreads("auto", clock=clock)
+    run_steps(policy, 3 + 10)
+    for _ in range(5):
+        clock.cost = {1: 1.5, 2: 5.0}
+        run_steps(policy, 1)
+        clock.cost = {1: 1.5, 2: 1.0}
+        assert run_steps(policy, 3) == [2, 2, 2]
+
+
+def test_a_machine_that_becomes_quiet_is_followed_at_the_next_recheck(two_threads):
+    clock = FakeClock({1: 1.0, 2: 3.0})
+    policy = DecodeThreads("auto", clock=clock)
+    run_steps(policy, 3 + 40)
+    assert policy.chosen == 1
+    clock.cost = {1: 1.0, 2: 0.5}  # the busy process ended: two threads win again
+    counts = run_steps(policy, 2 * _threads.RECHECK + 2)
     assert policy.chosen == 2 and counts[-5:] == [2] * 5
 
 

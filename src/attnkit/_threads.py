@@ -9,9 +9,22 @@ busy loop on one core, against 24.9 ms at 1 thread on a quiet machine (and layou
 regions per product fared worse: 125 and 179 ms).  One thread on the free core is then the faster choice;
 on a quiet machine every thread is.  No rule read off the machine tells the two apart (the load average
 counts this process too, and affinity masks say nothing of other processes), so :class:`DecodeThreads`
-times the steps themselves: it alternates the candidate thread counts for the first steps, keeps the
-fastest, and tries the others again every :data:`RECHECK` steps, so that a machine that becomes busy
-(or quiet) mid-generation is followed.
+times the steps themselves.
+
+What it costs a short generation is kept small:
+
+* the first step of a policy runs at the caller's count untimed (it pays one-time costs: weight copies,
+  kernel setup, which would mislead the comparison);
+* then each candidate count runs one step in turn (a round); a count at least :data:`MARGIN` faster than
+  every other decides at once (the usual case: a busy core makes 2 threads 2-4x slower, a quiet machine
+  makes 1 thread 1.3-1.6x slower), else rounds go on, up to :data:`PROBE`, and the medians decide;
+* afterwards the steps run at the chosen count.  Each other candidate runs one step again after
+  :data:`RECHECK` steps, an interval that doubles (up to :data:`RECHECK_MAX`) while re-checks keep the
+  choice and starts over when one changes it; and at once when two steps in a row take :data:`SLOWER`
+  times the chosen count's recent median (the machine became busy).  A re-checked count wins when its
+  fresh step is :data:`MARGIN` faster than that median;
+* :func:`attnkit.generate` keeps one policy per model and batch size, so later generations start from
+  what earlier ones decided; an :class:`attnkit.Engine` keeps its own.
 
 Torch's thread count is the caller's (process-wide) setting: a step changes it only for its own
 duration and gives the caller's count back when it ends, also on error.  Python threads of the caller
@@ -29,8 +42,11 @@ from collections import deque
 
 import torch
 
-PROBE = 3  # steps at each candidate count when decoding starts
-RECHECK = 32  # after this many steps at the chosen count, one step at each other candidate
+PROBE = 3  # most rounds (one step at each candidate count) before the medians decide
+MARGIN = 0.25  # a count whose step time is below 1 / (1 + MARGIN) of every other's wins without more rounds
+RECHECK = 32  # steps at the chosen count before each other candidate runs one step again ...
+RECHECK_MAX = 256  # ... an interval that doubles up to this while re-checks keep the choice
+SLOWER = 1.5  # two steps in a row this much slower than the chosen count's recent median: re-check now
 _KEEP = 5  # recent step times kept per count (their median decides)
 
 
@@ -40,12 +56,18 @@ def _candidates(n: int) -> tuple[int, ...]:
     return tuple(dict.fromkeys((n, max(1, n - 1), 1)))
 
 
+def _median(times) -> float:
+    s = sorted(times)
+    return s[len(s) // 2]
+
+
 class DecodeThreads:
     """Picks the thread count of each decode step of one decoding loop (a generation, an Engine).
 
     ``threads="auto"`` tries the caller's count, one fewer and one (:func:`_candidates`) on the live steps
-    and keeps the fastest (module doc); an int uses exactly that many threads for the steps; None leaves
-    torch's count alone.  ``clock`` is the timer (``time.perf_counter``; replaceable in tests).
+    and keeps the fastest, re-checking as it goes (module doc); an int uses exactly that many threads for the
+    steps; None leaves torch's count alone.  ``clock`` is the timer (``time.perf_counter``; replaceable in
+    tests).
 
     Example::
 
@@ -65,11 +87,22 @@ class DecodeThreads:
                              f"live decode steps), a positive int, or None (leave torch's thread count alone)")
         self.threads = threads
         self._clock = clock
-        self._times: dict[int, deque] = {}
-        self._steps = 0
-        self._since_check = 0
-        self._chosen: int | None = None
+        self._steps = 0  # steps run (all of them, probes and re-checks too)
         self._base: int | None = None  # the caller's count the candidates were made for
+        self._reset(None)
+
+    def _reset(self, caller: int | None) -> None:
+        self._base = caller
+        self._chosen: int | None = caller
+        self._times: dict[int, deque] = {}
+        self._warm = False  # the first (untimed) step ran
+        self._probing = True  # deciding for the first time
+        self._rounds = 0  # probing rounds done
+        self._plan: deque[int] = deque()  # counts queued for the next steps (a round, a re-check)
+        self._interval = RECHECK  # steps at the chosen count before the next re-check
+        self._since = 0  # steps at the chosen count since the last decision
+        self._slow = 0  # steps in a row SLOWER than the chosen count's median
+        self._periodic = False  # the queued re-check is the periodic one (not a slowdown's)
 
     @property
     def chosen(self) -> int | None:
@@ -82,30 +115,57 @@ class DecodeThreads:
         if self.threads != "auto":
             return int(self.threads)
         if caller != self._base:  # (the caller changed its count between steps: start again)
-            self._base, self._times, self._steps, self._since_check = caller, {}, 0, 0
-            self._chosen = caller
+            self._reset(caller)
         cands = _candidates(caller)
-        if len(cands) == 1:
+        if len(cands) == 1 or not self._warm:
             return caller
-        if self._steps < PROBE * len(cands):  # probing: the candidates in turn
-            return cands[self._steps % len(cands)]
-        if self._since_check >= RECHECK:  # re-check: each other candidate once, then back
-            k = self._since_check - RECHECK
-            others = [c for c in cands if c != self._chosen]
-            if k < len(others):
-                return others[k]
-            self._since_check = 0
-        return self._chosen
+        if self._probing and not self._plan:
+            self._plan.extend(cands)  # a round: each candidate once
+        return self._plan[0] if self._plan else self._chosen
 
     def _record(self, n: int, seconds: float) -> None:
-        self._times.setdefault(n, deque(maxlen=_KEEP)).append(seconds)
         self._steps += 1
-        probing = PROBE * len(_candidates(self._base))
-        if self._steps > probing:
-            self._since_check += 1
-        if self._steps >= probing:
-            medians = {c: sorted(t)[len(t) // 2] for c, t in self._times.items()}
-            self._chosen = min(medians, key=medians.get)
+        if not self._warm:  # (the first step: one-time costs, not timed into any decision)
+            self._warm = True
+            return
+        self._times.setdefault(n, deque(maxlen=_KEEP)).append(seconds)
+        if self._plan and self._plan[0] == n:
+            self._plan.popleft()
+            if not self._plan:
+                self._decide()
+            return
+        if n != self._chosen:  # (a single candidate: nothing to decide)
+            return
+        self._since += 1
+        recent = self._times[n]
+        self._slow = self._slow + 1 if len(recent) >= 3 and seconds > SLOWER * _median(recent) else 0
+        if self._slow >= 2 or self._since >= self._interval:
+            self._periodic = self._slow < 2
+            if not self._periodic:  # (the slow steps are the chosen count's times now)
+                self._times[n] = deque(list(recent)[-self._slow:], maxlen=_KEEP)
+            for c in _candidates(self._base):
+                if c != self._chosen:
+                    self._times.pop(c, None)  # (old times of a count say nothing of the machine now)
+                    self._plan.append(c)
+
+    def _decide(self) -> None:
+        """A probing round or a re-check ended: keep or change the chosen count."""
+        medians = {c: _median(t) for c, t in self._times.items()}
+        if self._probing:
+            self._rounds += 1
+            best = min(medians, key=medians.get)
+            clear = all(medians[best] * (1 + MARGIN) <= m for c, m in medians.items() if c != best)
+            if not (clear or self._rounds >= PROBE):
+                return
+            self._probing, self._chosen, self._interval = False, best, RECHECK
+        else:
+            others = {c: m for c, m in medians.items() if c != self._chosen}
+            best = min(others, key=others.get)
+            if others[best] * (1 + MARGIN) <= medians[self._chosen]:
+                self._chosen, self._interval = best, RECHECK
+            elif self._periodic:
+                self._interval = min(2 * self._interval, RECHECK_MAX)
+        self._since = self._slow = 0
 
     @contextlib.contextmanager
     def step(self):

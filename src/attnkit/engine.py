@@ -21,6 +21,7 @@ drops every cached prefix, since those were computed with the old weights.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from numbers import Integral
@@ -30,6 +31,7 @@ import torch
 from ._checks import flag, integer
 from . import _sampling
 from .cache import PagedCache, PagedSinkCache, PoolExhausted
+from .cache._common import model_dims
 from ._decoding import (EXTRAPOLATING, DecodeCopies, EvalMode, check_decoder_only, check_eos, check_positions,
                         check_tokens, cpu_threads, last_logits, reading, timed, weights_key)
 from .generate import GenerationResult, SamplingParams, sample
@@ -38,6 +40,10 @@ from ._threads import DecodeThreads
 Tensor = torch.Tensor
 
 __all__ = ["Engine"]
+
+# chunk_sizing="cost": a multiply-add of attention over the pool costs this many of a projection's (CPU, float32:
+# the fused flash kernel on a chunk's rows runs at about half the rate of oneDNN's products on the same rows)
+ATTENTION_FLOP_COST = 2.0
 
 
 def _param_dtype(model) -> torch.dtype | None:
@@ -56,6 +62,21 @@ def _rows_logits(model, ids: Tensor, rows: Tensor, **kw) -> Tensor:
         return out[0].float()
     out = model(ids, **kw)
     return (out[0] if isinstance(out, tuple) else out)[0, rows].float()
+
+
+def _key_cost(model) -> float:
+    """What one query attending to one more key costs, in tokens: the attention's multiply-adds per (query,
+    key) pair and layer, ``n_heads * (d_head + d_value)``, over the multiply-adds of a token's projections and
+    feed-forward in a layer (the layer's parameters), times :data:`ATTENTION_FLOP_COST`."""
+    cfg = model.config
+    d = model_dims(model)
+    per_pair = cfg.n_heads * (d["d_head"] + (d["d_value"] or d["d_head"]))
+    layers = getattr(model, "layers", None)
+    if isinstance(layers, torch.nn.ModuleList) and len(layers):
+        per_token = sum(p.numel() for p in layers.parameters()) / len(layers)
+    else:
+        per_token = sum(p.numel() for p in model.parameters()) / max(1, d["n_layers"])
+    return ATTENTION_FLOP_COST * per_pair / max(per_token, 1.0)
 
 
 def _check_sink_positions(model, capacity: int) -> None:
@@ -114,7 +135,17 @@ class Engine:
             prefilled (oldest first) and of newly admitted ones, so a long prompt no longer stalls the running
             sequences for its whole prefill.  A prompt's blocks are reserved when it is admitted; a prompt gives
             its first token in the step its last chunk runs.  Tokens are those each request gets alone, with
-            preemption and prefix caching as above.
+            preemption and prefix caching as above.  A step with no prompt tokens is an ordinary decode step
+            (``relayout`` copies, ``decode_threads``); a step with prompt tokens reads the copies too (up to 64
+            rows).
+        chunk_sizing: how chunked prefill sizes a prompt's chunk.  ``"tokens"``: as many tokens as the step's
+            budget has left.  ``"cost"``: a chunk of ``c`` tokens after ``s`` stored positions costs
+            ``c + key_cost * (c * s + c * (c + 1) / 2)`` (its projections, plus its attention over the keys
+            so far; ``key_cost`` is the attention's multiply-adds per key over a token's per-layer
+            multiply-adds, times :data:`ATTENTION_FLOP_COST`), and each step takes the most tokens whose cost
+            fits the budget (decode tokens cost 1, a prompt at least one token a step): late chunks of a long
+            prompt get fewer tokens, so every step stays near the same time.  ``max_batched_tokens`` stays an
+            upper bound on a step's tokens.
         n_sink, window: attention sinks (StreamingLLM), for generating past the model's context: each sequence
             attends to its first ``n_sink`` tokens and its last ``window`` (the current one included), at
             positions within the cache (``0 .. n-1`` for the ``n`` kept tokens), exactly as
@@ -171,7 +202,8 @@ class Engine:
 
     def __init__(self, model, cache_blocks: int, block_size: int = 16, max_batch: int = 16, *, preempt: bool = True,
                  prefix_caching: bool = True, relayout: bool = True, max_batched_tokens: int | None = None,
-                 decode_threads: str | int | None = "auto", n_sink: int | None = None, window: int | None = None):
+                 chunk_sizing: str = "tokens", decode_threads: str | int | None = "auto", n_sink: int | None = None,
+                 window: int | None = None):
         integer("cache_blocks", cache_blocks, minimum=1)
         integer("block_size", block_size, minimum=1)
         self.max_batch = integer("max_batch", max_batch, minimum=1)
@@ -183,8 +215,13 @@ class Engine:
                 raise ValueError(f"max_batched_tokens={max_batched_tokens} is below max_batch={self.max_batch}: a step "
                                  f"must fit one decode token of every running sequence; pass max_batched_tokens >= "
                                  f"{self.max_batch} (or a smaller max_batch)")
+        if chunk_sizing not in ("tokens", "cost"):
+            raise ValueError(f"chunk_sizing={chunk_sizing!r} must be 'tokens' (fill each step's max_batched_tokens "
+                             f"with prompt tokens) or 'cost' (fewer tokens for chunks that attend to more keys)")
         self.max_batched_tokens = max_batched_tokens
+        self.chunk_sizing = chunk_sizing
         check_decoder_only(model, "Engine")
+        self._key_cost = _key_cost(model)
         self.model = model
         self._copies = DecodeCopies() if relayout else None  # the weights laid out for decoding, owned here
         self._threads = cpu_threads(model, DecodeThreads(decode_threads))  # each decode step's thread count
@@ -368,41 +405,59 @@ class Engine:
             cache.clear_prefix_cache()
             self._weights = key
             self._eval_mode = EvalMode(self.model)  # (new weights may come with new modules: quantize)
-        if self.max_batched_tokens is not None:  # packed steps of up to N tokens read the weights as they are
-            with torch.no_grad(), torch.autocast(self._device_type, dtype=self._autocast_dtype,
-                                                 enabled=self._autocast), self._eval_mode():
-                self._step_chunked(events)
-            self.stats["steps"] += 1
-            return events
         if self._copies is not None:
             self._copies.refresh()
         with torch.no_grad(), torch.autocast(self._device_type, dtype=self._autocast_dtype, enabled=self._autocast), \
                 self._eval_mode():
-            with reading(self._copies if self.max_batch > 3 else None):  # prefills of <= 64 tokens read them too
-                self._admit(events)
-            dec = self._room_for_decode(lambda r: not r.fresh)
-            if dec:
-                for r in dec:
-                    cache.reserve(r.sid, 1)
-                self._track()
-                view = cache.batch([r.sid for r in dec])
-                # (a sequence streaming known tokens past the window feeds the next one; it samples after its last)
-                ids = torch.tensor([[r.stream[0] if r.stream else r.out[-1]] for r in dec], dtype=torch.long,
-                                   device=cache.device)  # (B, 1)
-                with reading(self._copies), timed(self._threads):
-                    logits = last_logits(self.model(ids, cache=view, positions=view.positions(1)))
-                rows = [i for i, r in enumerate(dec) if len(r.stream) <= 1]
-                self.stats["decode_tokens"] += len(rows)
-                self.stats["prefill_tokens"] += len(dec) - len(rows)
-                for r in dec:
-                    del r.stream[:1]
-                sampling = [dec[i] for i in rows]
-                for r, tok in zip(sampling, self._sample(sampling, logits[rows])):
-                    self._emit(r, tok, events)
-            for r in self.running:
-                r.fresh = False
+            if self.max_batched_tokens is not None:
+                self._step_chunked(events)
+            else:
+                with reading(self._copies if self.max_batch > 3 else None):  # prefills of <= 64 tokens read them too
+                    self._admit(events)
+                self._decode(self._room_for_decode(lambda r: not r.fresh), events)
+                for r in self.running:
+                    r.fresh = False
         self.stats["steps"] += 1
         return events
+
+    def _decode(self, dec: list[_Request], events: list) -> None:
+        """One token for each of ``dec`` (their blocks have room): one batched forward through their block
+        tables, reading the weight copies laid out for the batch, at the thread count the policy picks."""
+        if not dec:
+            return
+        cache = self.cache
+        for r in dec:
+            cache.reserve(r.sid, 1)
+        self._track()
+        view = cache.batch([r.sid for r in dec])
+        ids = torch.tensor([[self._next_token(r)] for r in dec], dtype=torch.long, device=cache.device)  # (B, 1)
+        with reading(self._copies), timed(self._threads):
+            logits = last_logits(self.model(ids, cache=view, positions=view.positions(1)))
+        # (with sinks, a sequence streaming known tokens past the window samples after the last of them)
+        rows = [i for i, r in enumerate(dec) if self._samples_next(r)]
+        self.stats["decode_tokens"] += len(rows)
+        self.stats["prefill_tokens"] += len(dec) - len(rows)
+        for r in dec:
+            if r.stream:
+                del r.stream[0]
+            elif r.fed < len(r.feed):
+                r.fed += 1
+        sampling = [dec[i] for i in rows]
+        for r, tok in zip(sampling, self._sample(sampling, logits[rows])):
+            self._emit(r, tok, events)
+
+    @staticmethod
+    def _next_token(r: _Request) -> int:
+        """The token ``r`` feeds in a one-token step: the next known one it streams past the window (sinks),
+        else the one it sampled last."""
+        if r.stream:
+            return r.stream[0]
+        return r.feed[r.fed] if r.fed < len(r.feed) else r.out[-1]
+
+    @staticmethod
+    def _samples_next(r: _Request) -> bool:
+        """Whether the logits of ``r``'s next one-token step give its next token (no known token follows)."""
+        return len(r.stream) <= 1 and r.fed >= len(r.feed) - 1
 
     def _room_for_decode(self, decoding) -> list:
         """The running requests ``decoding(r)`` selects, once the pool has a block for each one's next token:
@@ -423,23 +478,23 @@ class Engine:
     # ------------------------------------------------------------------ chunked prefill
 
     def _step_chunked(self, events: list) -> None:
-        """One packed forward of at most ``max_batched_tokens`` tokens: a decode token of every running
-        sequence whose prompt is done, then chunks of the prompts being prefilled (oldest first), then
-        chunks of newly admitted prompts."""
+        """One forward of at most ``max_batched_tokens`` tokens: a decode token of every running sequence whose
+        prompt is done, then chunks of the prompts being prefilled (oldest first), then chunks of newly
+        admitted prompts (each chunk sized by :meth:`_chunk_len`).  A step with no prompt tokens is a plain
+        decode step (:meth:`_decode`); one with prompt tokens is one packed forward over the pool."""
         cache = self.cache
         # decoding sequences, and with sinks those feeding their prompt past the window (one token per step);
         # the other prefills reserved their blocks when admitted
         dec = self._room_for_decode(lambda r: r.fed == len(r.feed) or self._streaming(r))
-        for r in dec:
+        for r in dec:  # before admitting: a new prompt must not take the blocks these decode into
             cache.reserve(r.sid, 1)
-        budget = self.max_batched_tokens - len(dec)
-        work: list[tuple[_Request, list[int]]] = [(r, [r.out[-1]] if r.fed == len(r.feed) else [r.feed[r.fed]])
-                                                  for r in dec]
+        budget = float(self.max_batched_tokens - len(dec))
+        work: list[tuple[_Request, list[int]]] = []
         for r in self.running:
             if r.fed < len(r.feed) and budget > 0 and not self._streaming(r):
-                n = min(budget, len(r.feed) - r.fed, self._first_chunk(r.sid, len(r.feed) - r.fed))
+                n, cost = self._chunk_len(cache.length(r.sid), self._first_chunk(r.sid, len(r.feed) - r.fed), budget)
                 work.append((r, r.feed[r.fed:r.fed + n]))
-                budget -= n
+                budget -= cost
         while budget > 0 and self.waiting and len(self.running) < self.max_batch:
             placed = self._place_oldest()
             if placed is None:
@@ -452,15 +507,18 @@ class Engine:
             req.feed, req.fed = tokens[len(tokens) - n_new:], 0
             self._admissions += 1
             self.running.append(req)
-            n = min(budget, first)
+            n, cost = self._chunk_len(cache.length(sid), first, budget)
             work.append((req, req.feed[:n]))
-            budget -= n
+            budget -= cost
         if not work:
+            self._decode(dec, events)
             return
+        work = [(r, [self._next_token(r)]) for r in dec] + work
         self._track()
         packed = cache.packed([r.sid for r, _ in work], [len(t) for _, t in work])
         ids = torch.tensor([[t for _, toks in work for t in toks]], dtype=torch.long, device=cache.device)  # (1, T)
-        logits = _rows_logits(self.model, ids, packed.last(), cache=packed, positions=packed.positions())
+        with reading(self._copies):  # (the copies laid out for up to 64 rows; larger products read the weights)
+            logits = _rows_logits(self.model, ids, packed.last(), cache=packed, positions=packed.positions())
         done = []
         for i, (r, toks) in enumerate(work):
             if r.fed == len(r.feed):
@@ -479,6 +537,21 @@ class Engine:
         """With sinks: whether running request ``r`` holds ``n_seen + window`` tokens already, so each forward
         takes one of its tokens."""
         return self.sink is not None and self.cache.length(r.sid) >= self.sink.capacity
+
+    def _chunk_len(self, start: int, left: int, budget: float) -> tuple[int, float]:
+        """``(tokens, cost)`` of the next chunk of a prompt with ``start`` positions stored and ``left`` to go,
+        in a step with ``budget`` left: ``chunk_sizing="tokens"`` takes up to ``budget`` tokens (cost one
+        each); ``"cost"`` the most tokens whose cost fits, a token costing 1 plus ``_key_cost`` per key it
+        attends to (``start`` plus those before it in the chunk): ``c`` tokens cost
+        ``c + key_cost * (c * start + c * (c + 1) / 2)``.  At least one token, so every prompt advances."""
+        if self.chunk_sizing == "tokens":
+            n = max(1, min(left, int(budget)))
+            return n, float(n)
+        w = self._key_cost
+        b = 1.0 + w * (start + 0.5)  # (w / 2) c^2 + b c <= budget
+        n = int((-b + math.sqrt(b * b + 2.0 * w * budget)) / w) if w > 0 else int(budget)
+        n = max(1, min(left, n))
+        return n, n + w * (n * start + n * (n + 1) / 2)
 
     def _track(self) -> None:
         st = self.cache.stats()

@@ -1,4 +1,5 @@
-"""attnkit inside ``torch.compile`` and ``torch.export``: the flash backend as custom operators (opcheck), auto
+"""attnkit inside ``torch.compile`` and ``torch.export``: the flash backend as custom operators (opcheck; the
+triton backend's operators are tested under Triton's interpreter in ``test_triton_ops.py``), auto
 making the eager choice while traced, each mask family compiled with ``fullgraph=True`` through each backend
 that takes it (forward and backward against the float64 oracle), no recompiles and no replanning in a
 fixed-shape loop.  The functions are compiled with ``backend="aot_eager"`` (the graph capture and autograd
@@ -16,6 +17,7 @@ import attnkit
 from attnkit import backends
 from attnkit import bias as B
 from attnkit import masks as M
+from attnkit.backends import _custom_ops as O
 from attnkit.backends import _flash_custom_ops as C
 from attnkit.backends import _flash_plan
 from attnkit.testing import check_against_oracle
@@ -46,19 +48,19 @@ def _graph_ops(fn, *args, **kwargs) -> str:
 
 def test_opcheck_forward_and_backward():
     q, k, v = _qkv(40)
-    mask_key = C.intern(C.describe(M.causal() & M.sliding_window(9))[0])
+    mask_key = O.intern(O.describe(M.causal() & M.sliding_window(9))[0])
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64, requires_grad=True)
-    mod_desc, mod_tensors = C.describe(B.alibi(slopes))
+    mod_desc, mod_tensors = O.describe(B.alibi(slopes))
     sinks = torch.randn(4, dtype=torch.float64, requires_grad=True)
-    torch.library.opcheck(C.flash_forward, (q, k, v, mask_key, [], None, C.intern(mod_desc), mod_tensors, sinks, 0.3,
+    torch.library.opcheck(C.flash_forward, (q, k, v, mask_key, [], None, O.intern(mod_desc), mod_tensors, sinks, 0.3,
                                             0.0, 0.0, None))
     doc = M.document(torch.tensor([0] * 15 + [1] * 25))
-    doc_desc, doc_tensors = C.describe(doc)
-    fwd = (q, k, v, C.intern(doc_desc), doc_tensors, None, "", [], None, 0.3, 2.0, 0.0, None)
+    doc_desc, doc_tensors = O.describe(doc)
+    fwd = (q, k, v, O.intern(doc_desc), doc_tensors, None, "", [], None, 0.3, 2.0, 0.0, None)
     torch.library.opcheck(C.flash_forward, fwd)
     out, lse, bare = C.flash_forward(*fwd)
     detached = [t.detach() for t in (q, k, v, out, lse, bare)]
-    torch.library.opcheck(C.flash_backward, (torch.randn_like(out), None, *detached, C.intern(doc_desc), doc_tensors,
+    torch.library.opcheck(C.flash_backward, (torch.randn_like(out), None, *detached, O.intern(doc_desc), doc_tensors,
                                              None, "", [], None, 0.3, 2.0, 0.0, None, False, False, []))
 
 
@@ -66,22 +68,22 @@ def test_constant_results_are_marked_as_dynamo_marks_them():
     def probe():
         return 0
 
-    assert vars(torch._dynamo.assume_constant_result(probe)) == vars(C._constant_result(lambda: 0)) == {
+    assert vars(torch._dynamo.assume_constant_result(probe)) == vars(O._constant_result(lambda: 0)) == {
         "_dynamo_marked_constant": True}
 
 
 def test_describe_and_rebuild_round_trip():
     ids = torch.tensor([0, 0, 1, 1, 1])
     mask = (M.causal() & M.document(ids)) | ~M.sliding_window(2)
-    desc, tensors = C.describe(mask)
+    desc, tensors = O.describe(mask)
     assert len(tensors) == 1 and tensors[0].data_ptr() == ids.data_ptr()  # (a view of ids)
-    key = C.intern(desc)
-    assert key == C.intern(C.describe((M.causal() & M.document(ids)) | ~M.sliding_window(2))[0])  # by value
-    rebuilt = C.rebuild(key, tensors)
-    assert rebuilt is C.rebuild(key, tensors)  # kept: the eager plan cache finds its plans
+    key = O.intern(desc)
+    assert key == O.intern(O.describe((M.causal() & M.document(ids)) | ~M.sliding_window(2))[0])  # by value
+    rebuilt = O.rebuild(key, tensors)
+    assert rebuilt is O.rebuild(key, tensors)  # kept: the eager plan cache finds its plans
     torch.testing.assert_close(rebuilt.to_dense(5, 5), mask.to_dense(5, 5))
     with pytest.raises(RuntimeError, match="traced in another process"):
-        C.rebuild("no such key", [])
+        O.rebuild("no such key", [])
 
 
 # ------------------------------------------------------------------- masks through backends

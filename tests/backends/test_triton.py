@@ -1,17 +1,10 @@
 """The Triton backend, run by Triton's interpreter on the CPU, against the float64 oracle.
 
-How the interpreter is had (read before changing the fixture below): Triton picks its interpreter or its
-GPU compiler once, when ``triton`` is first imported (it builds its own standard library, ``tl.zeros``,
-``tl.max``..., for one or the other), so ``TRITON_INTERPRET=1`` must be in the environment before that
-import, and it cannot be undone in a running process.  This pytest process may already hold triton
-compiled for the GPU (anything may have imported it), and setting the variable here would leave triton in
-interpreter mode for every later test.  So the kernel cases run in ONE child Python started with
-``TRITON_INTERPRET=1`` (this very file run as a script): the module fixture starts it with the names of the
-selected cases, the child runs each and writes its verdict (or traceback) to a JSON file, and each test
-here fails with the child's traceback when its case failed.  The case code is ordinary test code; only
-where it runs differs.  A second child imports triton for the GPU compiler and compiles every kernel for
-an H100 (no GPU needed) to catch what the interpreter lets through.  Tests of the host-side planning (pure
-PyTorch) run in this process.
+How the interpreter is had: the kernel cases (``CASES``) run in one child Python started with
+``TRITON_INTERPRET=1`` by the ``interpreted`` fixture (``tests/backends/conftest.py`` says why), and each test
+here fails with the child's traceback when its case failed.  A second child imports triton for the GPU
+compiler and compiles every kernel for an H100 (no GPU needed) to catch what the interpreter lets through.
+Tests of the host-side planning (pure PyTorch) run in this process.
 
 Shapes are tiny (the interpreter runs every program instance in Python): 16 x 16 tiles, lengths of a few
 tiles, odd on purpose, so full, partial and empty tiles and ragged edges all occur.
@@ -433,35 +426,7 @@ CASES["garbage-nan-bool-key-mask-causal-softcap"] = lambda: _garbage_case(
     float("nan"), softcap=4.0)
 
 
-# ----------------------------------------------------------------------------------- the child runner
-
-
-def _child_main(out_path: str, names: list[str]) -> None:
-    """Run the named cases in this (interpreter) process and write {name: null | traceback} as JSON."""
-    verdicts = {}
-    for name in names:
-        torch.manual_seed(0)
-        try:
-            CASES[name]()
-            verdicts[name] = None
-        except Exception:  # every failure, assertion or crash, goes back to the parent test
-            verdicts[name] = traceback.format_exc()
-    Path(out_path).write_text(json.dumps(verdicts))
-
-
-@pytest.fixture(scope="module")
-def interpreted(request):
-    """Verdicts of the selected cases, run in one child process under TRITON_INTERPRET=1."""
-    selected = [item.callspec.params["name"] for item in request.session.items
-                if item.path == Path(__file__) and hasattr(item, "callspec") and "name" in item.callspec.params]
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "verdicts.json"
-        proc = subprocess.run([sys.executable, __file__, str(out), *selected], env=env, capture_output=True,
-                              text=True, timeout=500)
-        if proc.returncode != 0 or not out.exists():
-            pytest.fail(f"the interpreter child failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-        return json.loads(out.read_text())
+# ------------------------------------------------------------------------- run by the interpreter child
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -750,8 +715,5 @@ def test_predicates_cover_the_built_in_masks_and_only_those():
         assert plan.predicates(m, 10, 10, cpu) is None
 
 
-if __name__ == "__main__":  # the child processes of the `interpreted` and `compiled` fixtures
-    if sys.argv[1] == "--compile":
-        _compile_main(sys.argv[2])
-    else:
-        _child_main(sys.argv[1], sys.argv[2:])
+if __name__ == "__main__":  # the child process of the `compiled` fixture
+    _compile_main(sys.argv[2])

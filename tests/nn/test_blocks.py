@@ -57,6 +57,25 @@ def test_rms_norm_and_linear_match_their_definitions():
     assert lin.weight.grad.shape == (3, 6)
 
 
+def test_rms_norm_float32_and_bfloat16_within_the_rule_of_float64():
+    """float32 takes one fused call, bfloat16 computes in float32 and casts before the weight (as Llama);
+    both within twice the textbook formula's own error in their dtype, gradients too."""
+    g = torch.Generator().manual_seed(0)
+    x64, w64 = torch.randn(3, 5, 64, generator=g, dtype=D64), torch.rand(64, generator=g, dtype=D64) + 0.5
+    ref = x64 / torch.sqrt((x64 * x64).mean(-1, keepdim=True) + 1e-6) * w64
+    for dtype in (torch.float32, torch.bfloat16):
+        n = RMSNorm(64).to(dtype)
+        with torch.no_grad():
+            n.weight.copy_(w64)
+        x = x64.to(dtype).requires_grad_()
+        naive = x.detach() / torch.sqrt((x.detach() * x.detach()).mean(-1, keepdim=True) + 1e-6) * n.weight.detach()
+        out = n(x)
+        assert out.dtype is dtype
+        assert (out.double() - ref).abs().max() <= 2 * (naive.double() - ref).abs().max() + 1e-6
+        out.sum().backward()
+        assert x.grad.shape == x.shape and n.weight.grad.shape == (64,)
+
+
 def test_encoder_is_bidirectional_and_decoder_causal():
     torch.manual_seed(0)
     x = torch.randn(1, 6, 16)

@@ -9,22 +9,27 @@ from attnkit.nn import Linear, linear
 
 
 def test_onednn_operator_is_found_where_pytorch_has_onednn():
-    """Notices when PyTorch renames or changes the private operator the fast path relies on."""
-    layers._ONEDNN = None
+    """Notices when PyTorch renames or changes the private operators the fast paths rely on."""
+    layers._ONEDNN = layers._PACKED = None
     assert layers._onednn_linear_works() == torch.backends.mkldnn.is_available()
+    assert layers._onednn_packed_works() == torch.backends.mkldnn.is_available()
 
 
 @pytest.mark.parametrize("shape", [(1, 64), (1, 1, 64), (2, 64), (1, 3, 64), (4, 64), (3, 5, 64), (0, 64),
                                    (2, 0, 64)])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("layout", ["row", "column", "row slice"])
+@pytest.mark.parametrize("layout", ["row", "column", "row slice", "packed"])
 def test_linear_matches_f_linear(shape, with_bias, threads, layout):
-    """Every kernel :func:`linear` picks (by rows, threads and weight layout) against float64."""
+    """Every kernel :func:`linear` picks (by rows, threads and weight layout: "packed" is oneDNN's blocked
+    layout of the decode copies) against float64."""
+    if layout == "packed" and not layers._onednn_packed_works():
+        pytest.skip("this PyTorch has no oneDNN weight reorder")
     g = torch.Generator().manual_seed(0)
     x = torch.randn(*shape, generator=g)
     w = torch.randn(96 if layout == "row slice" else 48, 64, generator=g)
-    w = layers._column_major(w) if layout == "column" else w[:48] if layout == "row slice" else w
+    dense = w = layers._column_major(w) if layout == "column" else w[:48] if layout == "row slice" else w
+    w = layers._pack(w) if layout == "packed" else w
     b = torch.randn(48, generator=g) if with_bias else None
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -33,8 +38,8 @@ def test_linear_matches_f_linear(shape, with_bias, threads, layout):
             got = linear(x, w, b)
     finally:
         torch.set_num_threads(old)
-    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
-    assert got.shape == ref.shape and got.dtype == torch.float32
+    ref = F.linear(x.double(), dense.double(), None if b is None else b.double())
+    assert got.shape == ref.shape and got.dtype == torch.float32 and not got.is_mkldnn
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
 
 

@@ -7,10 +7,10 @@ the cheapest backend whose check passes; :func:`explain` says which and why.
 
 While ``torch.compile`` traces (``torch.compiler.is_compiling()``, also ``torch.export``), ``select`` makes the
 eager decision: it is computed once per traced call from the call's shapes, dtypes and flags and the mask's
-and modifier's descriptions and tensors (``_flash_custom_ops.decide``), and ``flash`` runs as the custom
-operators ``attnkit::flash_forward`` / ``attnkit::flash_backward``, one graph node per call.  One exception:
-a decode-sized CPU call (at most 16 queries and 16384 keys, without gradients) traces ``math``, which
-Inductor fuses into one loop nest.
+and modifier's descriptions and tensors (``_custom_ops.decide``).  The tiled backends run as custom operators,
+one graph node per call: ``flash`` as ``attnkit::flash_forward`` / ``attnkit::flash_backward``, ``triton`` as
+``attnkit::triton_forward`` / ``attnkit::triton_backward``.  One exception: a decode-sized CPU call (at most
+16 queries and 16384 keys, without gradients) traces ``math``, which Inductor fuses into one loop nest.
 
 Example::
 
@@ -32,7 +32,8 @@ from typing import Callable
 
 import torch
 
-from . import _flash_custom_ops
+from . import _custom_ops
+from . import _flash_custom_ops, _triton_custom_ops  # noqa: F401  (the attnkit:: operators; triton's run hook)
 from . import _splitkv
 from . import flash as _flash
 from . import math as _math
@@ -59,6 +60,9 @@ class Backend:
 
 _REGISTRY: dict[str, Backend] = {}
 
+# the custom operators a backend runs as while torch.compile or torch.export traces
+_OPERATORS = {"flash": "attnkit::flash_forward/backward", "triton": "attnkit::triton_forward/backward"}
+
 
 def register(backend: Backend) -> None:
     """Add a backend (replacing one of the same name)."""
@@ -71,7 +75,7 @@ register(Backend("sdpa", _sdpa.run, _sdpa.check, _sdpa.cost,
                  description="torch.nn.functional.scaled_dot_product_attention"))
 register(Backend("flash", _flash.run, _flash.check, _flash.cost,
                  description="tiled block-sparse attention in PyTorch ops; memory-efficient backward"))
-register(Backend("triton", _triton.run, _triton.check, _triton.cost, _triton.available,
+register(Backend("triton", _triton_custom_ops.run, _triton.check, _triton.cost, _triton.available,
                  description="Triton block-sparse flash kernels; CUDA GPUs (or TRITON_INTERPRET=1 on CPU)",
                  unavailable_reason=_triton.unavailable_reason))
 register(Backend("splitkv", _splitkv.run, _splitkv.check, _splitkv.cost,
@@ -118,12 +122,12 @@ def _signature(call: Call) -> tuple:
 
 def select(call: Call, backend: str) -> Backend:
     """The backend that runs ``call``: the named one (if it takes the call) or auto's pick."""
-    if torch.compiler.is_compiling() and not _flash_custom_ops.deciding():
+    if torch.compiler.is_compiling() and not _custom_ops.deciding():
         if backend == "auto" and _is_cpu_decode(call):
             return _REGISTRY["math"]  # traced math, which Inductor fuses into one loop nest
         # the eager decision, computed once while tracing from the call's constants and the mask's tensors
-        return _REGISTRY[_flash_custom_ops.decide(call, backend)]
-    if backend == "auto" and _flash_custom_ops.deciding():
+        return _REGISTRY[_custom_ops.decide(call, backend)]
+    if backend == "auto" and _custom_ops.deciding():
         return _pick(call)  # (not memoised: the traced rules may differ from eager's)
     if backend == "auto":
         key = _signature(call)
@@ -243,10 +247,10 @@ def explain(q, k, v, **kwargs) -> str:
     if backend == "auto" and _is_cpu_decode(call):
         lines.append("under torch.compile auto picks 'math' (a decode-sized CPU call, which Inductor fuses)")
     elif backend == "auto":
-        with _flash_custom_ops.traced_rules():
+        with _custom_ops.traced_rules():
             traced, why_not = select(call, backend), chosen.check(call)
         if traced is chosen:
-            how = " (as the custom operators attnkit::flash_forward/backward)" if chosen.name == "flash" else ""
+            how = f" (as the custom operators {_OPERATORS[chosen.name]})" if chosen.name in _OPERATORS else ""
             lines.append(f"under torch.compile auto picks {chosen.name!r} too{how}")
         else:
             lines.append(f"under torch.compile auto picks {traced.name!r}: {chosen.name} cannot take it ({why_not})")

@@ -465,3 +465,64 @@ def _attend_pool(q: Tensor, k_pool: Tensor, v_pool: Tensor, layout: PoolLayout, 
     o = torch.zeros(B + 1, Hkv, G, Dv, dtype=acc, device=dev).index_add_(0, own, ob.to(acc))[:B]
     out = o / torch.where(l > 0, l, torch.ones((), dtype=acc, device=dev)).unsqueeze(-1)
     return out.reshape(B, Hq, 1, Dv).to(q.dtype)
+
+
+# ----------------------------------------------------------------------------- prompt chunks (chunked prefill)
+
+
+def gather_positions(pool: Tensor, runs: list[tuple[int, int]], L: int, out: Tensor) -> Tensor:
+    """Copy a sequence's first ``L`` positions ``(Hkv, L, D)`` from the runs of blocks ``runs`` of ``pool``
+    (``(num_blocks, Hkv, block_size, D)``) into ``out``, a contiguous ``(Hkv, L, D)`` tensor: one strided
+    copy per run (nothing allocated), whatever the pool's layout.  Returns ``out``."""
+    H, bs, D = pool.shape[1:]
+    o = 0
+    for a, n in runs:
+        take = min(n * bs, L - o)
+        if take <= 0:
+            break
+        full, rest = divmod(take, bs)
+        if full:  # (Hkv, full, bs, D) <- the run's blocks, heads first
+            out[:, o:o + full * bs].view(H, full, bs, D).copy_(pool[a:a + full].transpose(0, 1))
+        if rest:  # the filled start of the sequence's last block
+            out[:, o + full * bs:o + take].copy_(pool[a + full, :, :rest])
+        o += take
+    return out
+
+
+def _fused_cpu():
+    """PyTorch's fused CPU flash forward (``(out, lse)``), or None when this build lacks it."""
+    from ._flash_ops import _FUSED
+    return None if _FUSED is None else _FUSED[0]
+
+
+def takes_chunk(q: Tensor, k: Tensor, v: Tensor, *, mask, bias, softcap) -> bool:
+    """Whether :func:`attend_chunk` computes a prompt chunk's attention: CPU tensors that autograd does not
+    track, values as wide as the keys (the kernel's requirement), no bias or softcap, and no mask or a
+    bottom-right causal one."""
+    return (q.device.type == "cpu" and _fused_cpu() is not None and bias is None and softcap is None
+            and v.shape[-1] == k.shape[-1]
+            and (mask is None or (isinstance(mask, Mask) and mask.is_causal("bottom_right")))
+            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)))
+
+
+def attend_chunk(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool) -> Tensor:
+    """A prompt chunk's ``n`` queries ``q (1, Hq, n, D)`` over its sequence's ``L`` keys ``k (1, Hkv, L, D)``,
+    ``v (1, Hkv, L, Dv)`` (the chunk's own keys last), with PyTorch's fused CPU flash kernel (grouped-query
+    heads read their shared key head; nothing is repeated).
+
+    ``causal``: query ``i`` sits at position ``L - n + i`` and sees the keys up to it (bottom-right).  The
+    ``L - n`` keys before the chunk are seen by every query: one call with no mask; the chunk's own
+    ``n x n`` keys take the kernel's causal mask in a second call; the two are merged by their
+    log-sum-exps (no ``n x L`` mask is built or applied).  ``causal=False``: every query sees every key.
+    Returns ``(1, Hq, n, Dv)`` in ``q``'s dtype."""
+    fwd = _fused_cpu()
+    n, L = q.shape[2], k.shape[2]
+    s = L - n
+    if not causal or s == 0:
+        return fwd(q, k, v, 0.0, causal, scale=scale)[0]
+    o1, l1 = fwd(q, k[:, :, :s], v[:, :, :s], 0.0, False, scale=scale)  # the keys before the chunk: all seen
+    o2, l2 = fwd(q, k[:, :, s:], v[:, :, s:], 0.0, True, scale=scale)  # the chunk's own keys: causal
+    acc = accumulation_dtype(q.dtype)
+    lse = torch.logaddexp(l1, l2)  # (1, Hq, n); every row sees its own key: finite
+    w1, w2 = torch.exp(l1 - lse).unsqueeze(-1), torch.exp(l2 - lse).unsqueeze(-1)  # (1, Hq, n, 1)
+    return (o1.to(acc) * w1.to(acc) + o2.to(acc) * w2.to(acc)).to(q.dtype)

@@ -21,6 +21,10 @@ picks the interpreter or the compiler once, when it is first imported, so ``TRIT
 set before anything imports triton; this module imports it only when a call needs it, and nothing here
 changes global state at import.  ``auto`` never picks the interpreter (it is far slower than ``math``).
 
+Under ``torch.compile`` and ``torch.export`` the backend runs as the custom operators
+``attnkit::triton_forward`` / ``attnkit::triton_backward`` (``_triton_custom_ops``: fake implementations,
+registered autograd), one graph node per call, launching the same kernels.
+
 Whether it takes a call, and why not (here: no GPU and no interpreter, or float64, which the kernels do not
 take), is what :func:`attnkit.backends.explain` prints on its ``triton`` line.
 
@@ -514,6 +518,9 @@ def cost(call: Call) -> float:
 
 
 def run(call: Call):
+    """Compute a validated call eagerly (``out``, or ``(out, lse)`` with ``return_lse``).  The registered
+    backend hook is ``_triton_custom_ops.run``, which calls this one, or the custom operators while
+    ``torch.compile`` or ``torch.export`` traces."""
     mods = _mods(call)
     plans = _plans(call)
     if call.needs_grad:

@@ -230,6 +230,7 @@ class PagedCache:
             self.k_pools = [torch.zeros(shape_k, dtype=dtype, device=self.device) for _ in range(n_layers)]
             self.v_pools = [torch.zeros(shape_v, dtype=dtype, device=self.device) for _ in range(n_layers)]
         self._alloc = BlockPool(num_blocks)
+        self._workspace: tuple[Tensor, Tensor] | None = None  # flat k, v scratch of packed forwards' chunks
         self._seqs: dict[int, _Sequence] = {}
         self._next_id = 0
         self.prefix_hits = 0  # blocks reused from the prefix cache so far
@@ -396,6 +397,19 @@ class PagedCache:
         self._alloc.register_full(seq.blocks, seq.tokens, seq.hashes, full, self.block_size)
 
     # ------------------------------------------------------------------ forwards
+
+    def _chunk_workspace(self, L: int, capacity: int) -> tuple[Tensor, Tensor]:
+        """Contiguous ``(Hkv, L, D)`` and ``(Hkv, L, Dv)`` scratch for one layer's keys and values of a prompt
+        chunk's sequence (:class:`PagedPacked`): kept between forwards and grown (to ``capacity`` positions,
+        the sequence's reserved blocks) when a longer sequence needs it, so a chunk step allocates nothing."""
+        H, D, Dv = self.n_kv_heads, self.d_head, self.d_value
+        if self._workspace is None or self._workspace[0].numel() < H * L * D or self._workspace[1].numel() < H * L * Dv:
+            cap = max(L, capacity)
+            with torch.inference_mode(False):  # written in and outside inference_mode alike
+                self._workspace = (torch.empty(H * cap * D, dtype=self.dtype, device=self.device),
+                                   torch.empty(H * cap * Dv, dtype=self.dtype, device=self.device))
+        kw, vw = self._workspace
+        return kw[:H * L * D].view(H, L, D), vw[:H * L * Dv].view(H, L, Dv)
 
     def packed(self, seq_ids, n_new) -> "PagedPacked":
         """The model-level cache for one forward whose ``(1, sum(n_new))`` tokens pack ``n_new[i]`` new tokens of
@@ -711,10 +725,13 @@ class _PackedAttend:
         for i in pk._chunk_rows:
             a, n = pk.offsets[i], pk.n_new[i]
             L = plan.lens[i]
-            k = seq_view(self.k_pool, plan.runs[i], L)[None]  # (1, Hkv, L, D)
-            v = seq_view(self.v_pool, plan.runs[i], L)[None]
-            out[:, :, a:a + n] = attention(q[:, :, a:a + n], k, v, mask=mask, bias=bias, scale=scale,
-                                           softcap=softcap)
+            k, v = pk._keys(self.k_pool, self.v_pool, i)  # (1, Hkv, L, D), (1, Hkv, L, Dv): one copy each
+            qi = q[:, :, a:a + n]  # (1, Hq, n, D)
+            if _kernel.takes_chunk(qi, k, v, mask=mask, bias=bias, softcap=softcap):
+                out[:, :, a:a + n] = _kernel.attend_chunk(qi, k, v, scale=D ** -0.5 if scale is None else scale,
+                                                          causal=mask is not None)
+            else:
+                out[:, :, a:a + n] = attention(qi, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap)
         return out
 
 
@@ -749,6 +766,13 @@ class PagedPacked(_View):
     following the real tokens).  Pass ``positions=packed.positions()`` (``(1, T)``) to the model; each
     sequence's queries attend only to its own keys (its mask bottom-right aligned on it alone).  The last
     layer commits the new lengths.  :meth:`last` gives the index of each sequence's last token in ``T``.
+
+    The one-token segments attend together through the block tables, as a decode step does.  For a longer
+    segment (a chunk of a prompt) each layer copies its sequence's keys and values in position order into a
+    workspace the cache keeps (one layer's keys and values of the longest such sequence) and attends its
+    queries to them: with no bias and softcap and a causal mask (or none), on the CPU, by
+    :func:`attnkit.backends.paged.attend_chunk` (the fused kernel on the keys before the chunk, then on its
+    own keys causally, merged); otherwise by :func:`attnkit.attention`.
 
     Example::
 
@@ -825,6 +849,15 @@ class PagedPacked(_View):
             lens = [st + n for st, n in zip(self.starts, self.n_new)]
             self._plans["all"] = _Plan.reading(self.cache, self.ids, lens)
         return self._plans["all"]
+
+    def _keys(self, k_pool: Tensor, v_pool: Tensor, i: int) -> tuple[Tensor, Tensor]:
+        """Sequence ``ids[i]``'s keys and values so far, ``(1, Hkv, L, D)`` and ``(1, Hkv, L, Dv)``, copied in
+        position order into the cache's workspace (contiguous; overwritten by the next call)."""
+        plan = self._read_plan()
+        L, runs, c = plan.lens[i], plan.runs[i], self.cache
+        kw, vw = c._chunk_workspace(L, len(c._seqs[self.ids[i]].blocks) * c.block_size)  # (its reserved blocks)
+        return (_kernel.gather_positions(k_pool, runs, L, kw)[None],
+                _kernel.gather_positions(v_pool, runs, L, vw)[None])
 
     def _decode_plan(self) -> _Plan:
         if "decode" not in self._plans:

@@ -14,7 +14,7 @@ from ..cache import attend as cache_attend
 from ..functional import attention, attention_weights
 from . import _checks
 from .layers import Linear, RMSNorm, linear
-from .positions import PositionEncoding
+from .positions import PositionEncoding, RotaryEmbedding
 
 Tensor = torch.Tensor
 
@@ -355,6 +355,17 @@ class MultiHeadAttention(_Attends):
             q, k = qk.split((q_out, kv_out), dim=-1)
         return self._heads(q, self.n_heads), self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)
 
+    def _project_rotated(self, x: Tensor, pos: Tensor, hi: int | None) -> tuple[Tensor, Tensor, Tensor]:
+        """``_project_self`` with rotary positions: the query and key heads are adjacent columns of the fused
+        projection, so one rotation serves both (half the elementwise calls of a decode step's RoPE)."""
+        B, L, _ = x.shape
+        q_out, kv_out, _ = self._split
+        qkv = self.qkv_proj(x)  # (B, L, (Hq + 2 Hkv) d_head)
+        qk = qkv[..., :q_out + kv_out].view(B, L, self.n_heads + self.n_kv_heads, self.d_head).transpose(1, 2)
+        qk = self.positions.rotate(qk, pos, max_position=hi)  # (B, Hq + Hkv, L, d_head)
+        q, k = qk.split((self.n_heads, self.n_kv_heads), dim=1)
+        return q, k, self._heads(qkv[..., q_out + kv_out:], self.n_kv_heads)
+
     def _project_query(self, x: Tensor) -> Tensor:
         if self.self_capable:
             q = _rows(self.qkv_proj, x, 0, self._split[0])
@@ -453,11 +464,14 @@ class MultiHeadAttention(_Attends):
             raise ValueError(f"this MultiHeadAttention has kdim={self.kdim}, vdim={self.vdim} != "
                              f"d_model={self.d_model}, so it only does cross attention: pass context")
         pos, hi = self._absolute_positions(cache, positions, x)
-        q, k, v = self._project_self(x, pos)
-        if self.q_norm is not None:
-            q, k = self._qk_normed(self.q_norm, q), self._qk_normed(self.k_norm, k)
-        if pos is not None:
-            q, k = self.positions.rotate(q, pos, max_position=hi), self.positions.rotate(k, pos, max_position=hi)
+        if pos is not None and self.q_norm is None and isinstance(self.positions, RotaryEmbedding):
+            q, k, v = self._project_rotated(x, pos, hi)
+        else:
+            q, k, v = self._project_self(x, pos)
+            if self.q_norm is not None:
+                q, k = self._qk_normed(self.q_norm, q), self._qk_normed(self.k_norm, k)
+            if pos is not None:
+                q, k = self.positions.rotate(q, pos, max_position=hi), self.positions.rotate(k, pos, max_position=hi)
         bias = self.positions.score_mod() if self.positions is not None else None
         return q, k, v, bias
 

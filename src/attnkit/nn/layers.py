@@ -9,21 +9,26 @@ picks the kernel from the layout and the row count, for float32 CPU products tha
 * 1 to 3 rows and a row-major weight: ``weight @ x.T`` through MKL, with a single row padded to two
   (MKL's two-column product streams the weight with every thread, ~1.8x faster than oneDNN at one row and
   ~1.4x at two on the 2-core machine of ``benchmarks/generate.py``; one row alone takes a slower path);
-* more rows up to 64, or a column-major weight (memory ``(in, out)``): oneDNN's linear kernel, which uses
-  every thread where ``F.linear`` (MKL) uses one for a matrix-vector product.  From 4 rows up it streams
-  a column-major weight 1.25-1.35x faster than a row-major one.  oneDNN keeps about 1 MiB per distinct row count for good (measured:
+* more rows up to 64, or a column-major weight (memory ``(in, out)``), or a weight in oneDNN's own blocked
+  layout: oneDNN's linear kernel, which uses every thread where ``F.linear`` (MKL) uses one for a
+  matrix-vector product.  From 4 rows up it streams a column-major weight 1.25-1.35x faster than a
+  row-major one, and its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``: 16 x 64 tiles)
+  1.5-2x faster than a column-major one at 4-32 rows (1.15x at 64; one thread, the machine of
+  ``benchmarks/generate.py``).  oneDNN keeps about 1 MiB per distinct row count for good (measured:
   2 GiB after 2,000 prompt lengths), so it serves decode-sized products only: beyond 64 rows (prefill,
   training-sized batches) ``F.linear`` runs, 5-15% slower there but with no memory that grows with the
   shapes seen;
 * anything else (gradients, other dtypes and devices, ``torch.compile`` graphs): ``F.linear``.
 
 The model's weights are never moved to get the layout: :func:`attnkit.generate` and :class:`attnkit.Engine`
-decode through copies they own (``_DecodeCopies``: float32 weights column-major for 4-64 rows, row-major
-for 1-3, bfloat16 column-major for 4-64; made again when a weight changes), and :func:`to_decode_layout`
-changes a module's own weights in place, for those who want the layout without the copies.
+decode through copies they own (``_DecodeCopies``: float32 weights in oneDNN's blocked layout for 4-64
+rows, row-major for 1-3, bfloat16 column-major for 4-64; made again when a weight changes), and
+:func:`to_decode_layout` changes a module's own weights in place (column-major: parameters stay ordinary
+tensors), for those who want the layout without the copies.
 
-oneDNN's kernel is a private PyTorch operator; :func:`linear` checks it once against ``F.linear`` and
-falls back to ``F.linear`` when it is missing or disagrees.
+oneDNN's kernel and its weight reorder are private PyTorch operators; :func:`linear` checks them once
+against ``F.linear`` and falls back to ``F.linear`` (column-major copies instead of blocked ones) when
+they are missing or disagree.
 """
 
 from __future__ import annotations
@@ -62,6 +67,33 @@ def _onednn_linear_works() -> bool:
     return _ONEDNN
 
 
+_PACKED: bool | None = None  # whether oneDNN's blocked weight layout works here (probed on first use)
+_PACK_ROWS = 8  # the row count the blocked layout is chosen for (the same 16 x 64 tiles for 4 to 64 rows)
+
+
+def _pack(w: Tensor) -> Tensor:
+    """``w (out, in)`` float32 in oneDNN's blocked layout (an opaque ``torch._mkldnn`` tensor that only
+    ``torch.ops.mkldnn._linear_pointwise`` reads)."""
+    return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), _PACK_ROWS)
+
+
+def _onednn_packed_works() -> bool:
+    """Probe oneDNN's weight reorder once: present, and the linear kernel reading its output agrees with
+    ``F.linear``."""
+    global _PACKED
+    if _PACKED is None:
+        _PACKED = False
+        if _onednn_linear_works():
+            try:
+                g = torch.Generator().manual_seed(0)
+                x, w, b = (torch.randn(*s, generator=g) for s in ((5, 24), (40, 24), (40,)))
+                y = torch.ops.mkldnn._linear_pointwise(x, _pack(w), b, "none", [], "")
+                _PACKED = bool(y.shape == (5, 40) and torch.allclose(y, F.linear(x, w, b), rtol=1e-4, atol=1e-4))
+            except (AttributeError, RuntimeError, NotImplementedError, TypeError):
+                pass
+    return _PACKED
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)``: ``x (..., in)``, ``weight (out, in)``, ``bias (out,)`` -> ``(..., out)``.
 
@@ -79,8 +111,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """
     # (torch.compile: Inductor lowers these operators only for frozen weights, so graphs keep F.linear)
     # (autocast: F.linear, whose output dtype autocast decides; the fast paths would mix dtypes)
-    if (not torch.compiler.is_compiling() and x.device.type == "cpu" and weight.device.type == "cpu"
-            and not torch.is_autocast_enabled("cpu")
+    if (x.is_cpu and weight.is_cpu and not torch.compiler.is_compiling() and not torch.is_autocast_enabled("cpu")
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                   or (bias is not None and bias.requires_grad)))):
         k = x.shape[-1]
@@ -89,7 +120,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         if copies is not None and x.dtype is weight.dtype:  # a decode step of generate or an Engine
             weight = copies.weight_for(weight, rows)
         if (x.dtype is torch.float32 and weight.dtype is torch.float32
-                and (bias is None or (bias.dtype is torch.float32 and bias.device.type == "cpu"))):
+                and (bias is None or (bias.dtype is torch.float32 and bias.is_cpu))):
+            if weight.is_mkldnn:  # a blocked copy (_DecodeCopies, 4-64 rows)
+                return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
             if 1 <= rows <= _MKL_ROWS and weight.dim() == 2 and weight.stride(1) == 1 and weight.stride(0) == k:
                 x2 = x.reshape(rows, k)
                 if rows == 1:
@@ -124,11 +157,14 @@ def _is_column_major(w: Tensor) -> bool:
 
 def _decode_layout(w: Tensor, rows: int) -> str | None:
     """The layout a product of ``rows`` rows reads the 2-D CPU weight ``w`` fastest in (module doc):
-    ``"row"``, ``"column"``, or None where either will do or the product is not decode-sized."""
-    if w.dim() != 2 or w.device.type != "cpu" or not 1 <= rows <= _ONEDNN_ROWS:
+    ``"row"``, ``"column"``, ``"packed"`` (oneDNN's blocked layout), or None where either will do or the
+    product is not decode-sized."""
+    if not 1 <= rows <= _ONEDNN_ROWS or not w.is_cpu or w.dim() != 2:
         return None
     if w.dtype is torch.float32:
-        return "row" if rows <= _MKL_ROWS else "column"
+        if rows <= _MKL_ROWS:
+            return "row"
+        return "packed" if _onednn_packed_works() else "column"
     if w.dtype is torch.bfloat16 and rows > _MKL_ROWS:  # (1-3 rows: whole steps measured equal either way)
         return "column"
     return None
@@ -145,8 +181,8 @@ class _DecodeCopies:
     model's parameters never change their memory.
 
     While :meth:`active`, :func:`linear` reads the copy of a weight whose layout is not the one its product
-    wants (float32: row-major for 1-3 rows, column-major for 4-64; bfloat16: column-major for 4-64), made on
-    first use.  A copy is made again when its weight changed: it is another tensor (``.data`` assigned,
+    wants (float32: row-major for 1-3 rows, oneDNN's blocked layout for 4-64; bfloat16: column-major for
+    4-64), made on first use.  A copy is made again when its weight changed: it is another tensor (``.data`` assigned,
     ``.to()``), was written in place (PyTorch's version counter: optimizer steps, ``load_state_dict``,
     ``copy_``, in-place ops under ``no_grad``), or, checked by :meth:`refresh`, holds other values at a few
     sampled places (a whole-tensor write through ``.data``, which the version counter does not see).
@@ -171,7 +207,8 @@ class _DecodeCopies:
             return entry.copy
         # ordinary tensors even under inference_mode (where generate may run), like the weights themselves
         with torch.inference_mode(False), torch.no_grad():
-            copy = _column_major(w.detach()) if layout == "column" else w.detach().contiguous()
+            copy = (_column_major(w.detach()) if layout == "column" else _pack(w) if layout == "packed"
+                    else w.detach().contiguous())
             live = _sampled(w)
             entry = _Copy(weakref.ref(w), key, live, None if live is None else live.clone(), copy)
         with self._lock:
@@ -328,6 +365,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         dtype = x.dtype
+        if not self.offset and (dtype is torch.float32 or dtype is torch.float64) and self.weight.dtype is dtype:
+            # the same products in one call (no casts to make): 5 fewer operators a norm, which a decode step
+            # of one token feels
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.to(torch.promote_types(dtype, torch.float32))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:

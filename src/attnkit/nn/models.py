@@ -428,7 +428,7 @@ class DecoderLM(_LMBase):
     ``ffn.up_proj`` (SwiGLU: rows ``[gate; up]``), ``ffn.down_proj``; ``norm``; ``lm_head`` (``None`` when
     tied).  Weights are row-major like ``nn.Linear``'s, the fastest layout for decoding up to 3 sequences
     a step on CPU; :func:`attnkit.generate` and :class:`attnkit.Engine` decode bigger batches through
-    column-major copies of their own, and :func:`attnkit.nn.to_decode_layout` lays the model out in place.
+    copies of their own (oneDNN's blocked layout), and :func:`attnkit.nn.to_decode_layout` lays the model out in place.
 
     ``forward(ids (B, L) long, *, cache=None, positions=None, mask=None) -> logits (B, L, vocab_size)``.
 

@@ -1,0 +1,134 @@
+"""The ``triton`` backend as ``torch.library`` custom operators, so ``torch.compile`` and ``torch.export`` see
+one node per attention call and never trace into the kernel launches.
+
+Two operators, ``attnkit::triton_forward`` and ``attnkit::triton_backward``, with fake (shape-only)
+implementations and the backward registered as the forward's autograd formula, built as the ``flash``
+backend's are (``_custom_ops``: a mask or score modifier enters as a description key plus its tensors, the
+tile plan of a mask and a shape is kept by the eager backend's plan cache, so a fixed-shape loop plans once).
+They launch the very kernels an eager call launches (``triton._forward`` / ``triton._backward``), on the
+device of ``q`` and on the current CUDA stream, and return tensors on that device.  Gradients reach ``q``,
+``k``, ``v`` and the sinks; the backend refuses biases and modifiers that need gradients (``triton.check``),
+so the operators compute none for them.
+
+The tests run the operators on CPU tensors under Triton's interpreter (``tests/backends/test_triton_ops.py``:
+``torch.library.opcheck``, ``fullgraph`` compiles against eager, no recompiles); GPU runs are covered by the
+GPU benchmark script, ``benchmarks/gpu.py``, whose correctness checks call the backend eagerly and compiled.
+
+Example (shapes only: the fake implementation, which runs without triton)::
+
+    >>> import torch
+    >>> from torch._subclasses.fake_tensor import FakeTensorMode
+    >>> from attnkit.backends import _triton_custom_ops
+    >>> with FakeTensorMode():
+    ...     q, k, v = torch.empty(1, 4, 40, 16), torch.empty(1, 2, 40, 16), torch.empty(1, 2, 40, 8)
+    ...     out, lse = _triton_custom_ops.triton_forward(q, k, v, "", [], None, "", [], None, 0.25, 0.0)
+    >>> tuple(out.shape), tuple(lse.shape), lse.dtype
+    ((1, 4, 40, 8), (1, 4, 40), torch.float32)
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._common import Call, sink_grad
+from ._custom_ops import fake_input_grads, fake_out_lse, op_arguments, op_call, refuse_double_backward
+
+Tensor = torch.Tensor
+
+__all__: list[str] = []
+
+
+@torch.library.custom_op("attnkit::triton_forward", mutates_args=())
+def triton_forward(q: Tensor, k: Tensor, v: Tensor, mask_key: str, mask_tensors: list[Tensor], bias: Optional[Tensor],
+                   mod_key: str, mod_tensors: list[Tensor], sinks: Optional[Tensor], scale: float,
+                   softcap: float) -> tuple[Tensor, Tensor]:
+    """``(out (B, Hq, Lq, Dv), lse (B, Hq, Lq) float32)``: the triton backend's forward, the sinks (when
+    given) included in each row's denominator and lse.  ``softcap=0`` means none."""
+    from . import triton as tb
+
+    call = op_call(q, k, v, mask_key, mask_tensors, bias, mod_key, mod_tensors, sinks, scale, softcap)
+    out, lse = tb._with_sinks(*tb._forward(q, k, v, tb._mods(call), tb._plans(call).forward()), sinks)
+    return out.contiguous(), lse.contiguous()
+
+
+@triton_forward.register_fake
+def _(q, k, v, mask_key, mask_tensors, bias, mod_key, mod_tensors, sinks, scale, softcap):
+    return fake_out_lse(q, v)
+
+
+@torch.library.custom_op("attnkit::triton_backward", mutates_args=())
+def triton_backward(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                    mask_key: str, mask_tensors: list[Tensor], bias: Optional[Tensor], mod_key: str,
+                    mod_tensors: list[Tensor], sinks: Optional[Tensor], scale: float, softcap: float,
+                    sinks_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv, dsinks)``: the gradients of :func:`triton_forward`'s ``(out, lse)`` (which include the
+    sinks).  ``dsinks`` has the sinks' shape when ``sinks_grad``, else it is empty."""
+    from . import triton as tb
+
+    call = op_call(q, k, v, mask_key, mask_tensors, bias, mod_key, mod_tensors, sinks, scale, softcap)
+    dq, dk, dv = tb._backward(q, k, v, out, lse, dout, dlse, tb._mods(call), tb._plans(call).backward())
+    dsink = sink_grad(out, lse, dout, dlse, sinks) if sinks_grad and sinks is not None else q.new_empty(0)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dsink.contiguous()
+
+
+@triton_backward.register_fake
+def _(dout, dlse, q, k, v, out, lse, mask_key, mask_tensors, bias, mod_key, mod_tensors, sinks, scale, softcap,
+      sinks_grad):
+    dsink = sinks.new_empty(sinks.shape) if sinks_grad and sinks is not None else q.new_empty(0)
+    return (*fake_input_grads(q, k, v), dsink)
+
+
+refuse_double_backward(triton_backward, "triton")
+
+
+_FORWARD_INPUTS = ("q", "k", "v", "mask_key", "mask_tensors", "bias", "mod_key", "mod_tensors", "sinks", "scale",
+                   "softcap")
+
+
+def _setup_context(ctx, inputs, output):
+    args = dict(zip(_FORWARD_INPUTS, inputs))
+    out, lse = output
+    # the mask's and modifier's tensors are saved too: autograd then refuses a backward after they were
+    # modified in place (the backward reads them again), as the eager backend does
+    ctx.save_for_backward(args["q"], args["k"], args["v"], out, lse, args["bias"], args["sinks"],
+                          *args["mod_tensors"], *args["mask_tensors"])
+    ctx.n_mod = len(args["mod_tensors"])
+    ctx.consts = (args["mask_key"], args["mod_key"], args["scale"], args["softcap"])
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, bias, sinks, *rest = ctx.saved_tensors
+    mod_tensors, mask_tensors = rest[:ctx.n_mod], rest[ctx.n_mod:]
+    mask_key, mod_key, scale, softcap = ctx.consts
+    need = ctx.needs_input_grad
+    if need[5] or (need[7] and any(t.requires_grad for t in mod_tensors)):  # (need[7]: any of a list)
+        raise RuntimeError("the triton operators compute no gradient for a bias tensor or a score modifier's tensors "
+                           "(attnkit.attention refuses such calls for backend='triton'): use backend='flash'")
+    none_mask, none_mod = [None] * len(mask_tensors), [None] * len(mod_tensors)
+    sinks_grad = sinks is not None and need[8]
+    if dout is None and dlse is None:
+        return (None, None, None, None, none_mask, None, None, none_mod, None, None, None)
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv, dsink = triton_backward(dout, dlse, q, k, v, out, lse, mask_key, list(mask_tensors), bias, mod_key,
+                                        list(mod_tensors), sinks, scale, softcap, sinks_grad)
+    return (dq, dk, dv, None, none_mask, None, None, none_mod, dsink if sinks_grad else None, None, None)
+
+
+triton_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def run(call: Call):
+    """Backend hook of ``triton``: compute a validated call (``out``, or ``(out, lse)`` with ``return_lse``),
+    eagerly by ``triton.run``, and through the operators (one graph node) while ``torch.compile`` or
+    ``torch.export`` traces."""
+    if not torch.compiler.is_compiling():
+        from . import triton as tb
+        return tb.run(call)
+    mask_key, mask_tensors, bias_t, mod_key, mod_tensors = op_arguments(call)
+    out, lse = triton_forward(call.q, call.k, call.v, mask_key, mask_tensors, bias_t, mod_key, mod_tensors,
+                              call.sinks, float(call.scale), float(call.softcap or 0.0))
+    return (out, lse) if call.return_lse else out
