@@ -30,10 +30,10 @@ import torch
 
 from ._checks import flag, integer
 from . import _sampling
-from .cache import PagedCache, PoolExhausted
+from .cache import PagedCache, PagedSinkCache, PoolExhausted
 from .cache._common import model_dims
-from ._decoding import (DecodeCopies, EvalMode, check_decoder_only, check_eos, check_positions, check_tokens,
-                        cpu_threads, last_logits, reading, timed, weights_key)
+from ._decoding import (EXTRAPOLATING, DecodeCopies, EvalMode, check_decoder_only, check_eos, check_positions,
+                        check_tokens, cpu_threads, last_logits, reading, timed, weights_key)
 from .generate import GenerationResult, SamplingParams, sample
 from ._threads import DecodeThreads
 
@@ -79,6 +79,16 @@ def _key_cost(model) -> float:
     return ATTENTION_FLOP_COST * per_pair / max(per_token, 1.0)
 
 
+def _check_sink_positions(model, capacity: int) -> None:
+    """With sinks the model sees positions ``0 .. n_sink + window - 1``: they must fit its ``max_seq_len``."""
+    cfg = getattr(model, "config", None)
+    max_len, method = getattr(cfg, "max_seq_len", None), getattr(cfg, "positions", None)
+    if max_len is not None and method not in EXTRAPOLATING and capacity > max_len:
+        raise ValueError(f"n_sink + window = {capacity} is beyond the model's max_seq_len={max_len} (positions="
+                         f"{method!r} does not extrapolate): the kept tokens sit at positions 0 .. n_sink + window - "
+                         f"1, so choose n_sink + window <= {max_len}")
+
+
 @dataclass
 class _Request:
     rid: int
@@ -92,6 +102,7 @@ class _Request:
     fresh: bool = False  # got its token from this step's prefill
     feed: list[int] = field(default_factory=list)  # chunked prefill: the tokens to run before decoding
     fed: int = 0  # how many of them ran
+    stream: list[int] = field(default_factory=list)  # sinks: known tokens still to run one per step (past the window)
     logprobs: list = field(default_factory=list)  # one TokenLogprob per token, when asked
 
     def finished(self) -> bool:
@@ -135,6 +146,18 @@ class Engine:
             fits the budget (decode tokens cost 1, a prompt at least one token a step): late chunks of a long
             prompt get fewer tokens, so every step stays near the same time.  ``max_batched_tokens`` stays an
             upper bound on a step's tokens.
+        n_sink, window: attention sinks (StreamingLLM), for generating past the model's context: each sequence
+            attends to its first ``n_sink`` tokens and its last ``window`` (the current one included), at
+            positions within the cache (``0 .. n-1`` for the ``n`` kept tokens), exactly as
+            :class:`~attnkit.cache.SinkCache` does with :func:`attnkit.generate`; the pool is then a
+            :class:`~attnkit.cache.PagedSinkCache`.  Blocks that left the window go back to the pool at once,
+            so a request holds at most ``engine.cache.max_blocks_per_sequence`` blocks however many tokens it
+            asks for, and positions never pass ``n_sink + window - 1`` (which must fit the model's
+            ``max_seq_len``).  Prompts may be longer than ``n_sink + window``: their first ``n_sink + window``
+            tokens are prefilled, the rest stream through one token per step (each token's window differs), as
+            do the tokens recomputed after a preemption.  Prefix caching shares the blocks within the first
+            ``n_sink + window`` positions.  Both or neither (None: full attention).  The model forgets what left
+            the window (see ``docs/inference.md``).
 
     Each step runs the model in eval mode (no dropout while decoding) and restores every module's mode after
     it, so the model can be trained between steps (cached prefixes and weight copies are then made again).
@@ -164,11 +187,23 @@ class Engine:
         >>> done = engine.run()
         >>> done[b] == attnkit.generate(model, [[4, 5]], 5)[0]
         True
+
+    With attention sinks, a request runs far past the pool and the model's ``max_seq_len`` (512 here)::
+
+        >>> from attnkit.cache import SinkCache
+        >>> streaming = attnkit.Engine(model, cache_blocks=24, block_size=4, n_sink=4, window=32)
+        >>> long = streaming.generate([[1, 2, 3]], 600)[0]
+        >>> len(long), streaming.stats["peak_blocks"] <= streaming.cache.max_blocks_per_sequence
+        (600, True)
+        >>> short = streaming.generate([[1, 2, 3]], 60)[0]
+        >>> short == attnkit.generate(model, [[1, 2, 3]], 60, cache=lambda m, b, L: SinkCache.for_model(m, 4, 32))[0]
+        True
     """
 
     def __init__(self, model, cache_blocks: int, block_size: int = 16, max_batch: int = 16, *, preempt: bool = True,
                  prefix_caching: bool = True, relayout: bool = True, max_batched_tokens: int | None = None,
-                 chunk_sizing: str = "tokens", decode_threads: str | int | None = "auto"):
+                 chunk_sizing: str = "tokens", decode_threads: str | int | None = "auto", n_sink: int | None = None,
+                 window: int | None = None):
         integer("cache_blocks", cache_blocks, minimum=1)
         integer("block_size", block_size, minimum=1)
         self.max_batch = integer("max_batch", max_batch, minimum=1)
@@ -191,7 +226,18 @@ class Engine:
         self._copies = DecodeCopies() if relayout else None  # the weights laid out for decoding, owned here
         self._threads = cpu_threads(model, DecodeThreads(decode_threads))  # each decode step's thread count
         self.preempt = preempt
-        self.cache = PagedCache.for_model(model, cache_blocks, block_size, prefix_caching=prefix_caching)
+        if (n_sink is None) != (window is None):
+            raise ValueError(f"n_sink={n_sink!r} and window={window!r}: attention sinks take both (StreamingLLM: "
+                             f"n_sink=4, window=1024), or neither for full attention")
+        if window is not None:
+            integer("n_sink", n_sink, minimum=0)
+            integer("window", window, minimum=1)
+            _check_sink_positions(model, n_sink + window)
+            self.cache = PagedSinkCache.for_model(model, cache_blocks, block_size, n_sink=n_sink, window=window,
+                                                  prefix_caching=prefix_caching)
+        else:
+            self.cache = PagedCache.for_model(model, cache_blocks, block_size, prefix_caching=prefix_caching)
+        self.sink = self.cache if window is not None else None  # the PagedSinkCache, or None for full attention
         self._weights = weights_key(model)  # a change drops the cached prefixes (computed with the old weights)
         self._eval_mode = EvalMode(model)  # its modules, listed again when the weights change
         self._model_dtype = _param_dtype(model)
@@ -228,9 +274,12 @@ class Engine:
             raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 0")
         prompt = [int(t) for t in prompt]
         check_tokens([prompt], getattr(getattr(self.model, "config", None), "vocab_size", None), "prompt")
-        check_positions(self.model, len(prompt), max_new_tokens)
+        if self.sink is None:  # (with sinks positions stay below n_sink + window, checked when built)
+            check_positions(self.model, len(prompt), max_new_tokens)
         bs = self.cache.block_size
         blocks = -(-(len(prompt) + max(max_new_tokens, 1) - 1) // bs)
+        if self.sink is not None:
+            blocks = min(blocks, self.sink.max_blocks_per_sequence)
         if blocks > self.cache.num_blocks:
             raise ValueError(f"a request of {len(prompt)} prompt + {max_new_tokens} new tokens needs {blocks} blocks "
                              f"of {bs}, more than the pool's cache_blocks={self.cache.num_blocks}: create the Engine "
@@ -289,18 +338,26 @@ class Engine:
     def _place_oldest(self) -> tuple[_Request, int, list[int], int] | None:
         """Add the oldest waiting request's tokens (its prompt, and what it produced before a preemption) to
         the pool, reusing cached prefix blocks: ``(request, sid, tokens, n_new)`` with ``n_new`` the tokens
-        left to compute, or None, the pool as it was, when the blocks those need are not free."""
+        left to compute, or None, the pool as it was, when the blocks those need are not free (with sinks, the
+        blocks of the part computed at once: :meth:`_first_chunk`)."""
         cache = self.cache
         req = self.waiting[0]
         tokens = req.prompt + req.out  # after a preemption: recompute what it had produced
         hits = cache.prefix_hits
         sid = cache.add_sequence(tokens)
         n_new = len(tokens) - cache.length(sid)
-        if cache.blocks_needed(sid, n_new) > cache.num_free_blocks:
+        if cache.blocks_needed(sid, self._first_chunk(sid, n_new)) > cache.num_free_blocks:
             cache.free(sid)
             cache.prefix_hits = hits  # not admitted: nothing was reused
             return None
         return req, sid, tokens, n_new
+
+    def _first_chunk(self, sid: int, n_new: int) -> int:
+        """How many of a sequence's ``n_new`` tokens to compute now: all of them, or with sinks those within
+        ``n_sink + window`` positions (at least one); the rest run one token per step (``_Request.stream``)."""
+        if self.sink is None:
+            return n_new
+        return max(1, min(n_new, self.sink.capacity - self.cache.length(sid)))
 
     def _admit(self, events: list) -> None:
         cache = self.cache
@@ -313,18 +370,22 @@ class Engine:
             req.sid, req.admitted, req.fresh = sid, self._admissions, True
             self._admissions += 1
             self.running.append(req)
+            n_now = self._first_chunk(sid, n_new)
+            first = len(tokens) - n_new
+            req.stream = tokens[first + n_now:]  # with sinks, past the window: one token per step
             view = cache.batch([sid])
-            ids = torch.tensor([tokens[len(tokens) - n_new:]], dtype=torch.long, device=cache.device)
-            logits = _rows_logits(self.model, ids, torch.tensor([n_new - 1], device=cache.device), cache=view,
-                                  positions=view.positions(n_new))
-            self.stats["prefill_tokens"] += n_new
+            ids = torch.tensor([tokens[first:first + n_now]], dtype=torch.long, device=cache.device)
+            logits = _rows_logits(self.model, ids, torch.tensor([n_now - 1], device=cache.device), cache=view,
+                                  positions=view.positions(n_now))
+            self.stats["prefill_tokens"] += n_now
             self.stats["peak_blocks"] = max(self.stats["peak_blocks"], cache.stats()["blocks_used"])
-            self._emit(req, self._sample([req], logits)[0], events)
+            if not req.stream:
+                self._emit(req, self._sample([req], logits)[0], events)
 
     def _preempt_newest(self) -> None:
         victim = max(self.running, key=lambda r: r.admitted)
         self.cache.free(victim.sid)
-        victim.sid = None
+        victim.sid, victim.stream = None, []
         self.running.remove(victim)
         self.waiting.appendleft(victim)
         self.stats["preemptions"] += 1
@@ -369,12 +430,34 @@ class Engine:
             cache.reserve(r.sid, 1)
         self._track()
         view = cache.batch([r.sid for r in dec])
-        ids = torch.tensor([[r.out[-1]] for r in dec], dtype=torch.long, device=cache.device)  # (B, 1)
+        ids = torch.tensor([[self._next_token(r)] for r in dec], dtype=torch.long, device=cache.device)  # (B, 1)
         with reading(self._copies), timed(self._threads):
             logits = last_logits(self.model(ids, cache=view, positions=view.positions(1)))
-        self.stats["decode_tokens"] += len(dec)
-        for r, tok in zip(dec, self._sample(dec, logits)):
+        # (with sinks, a sequence streaming known tokens past the window samples after the last of them)
+        rows = [i for i, r in enumerate(dec) if self._samples_next(r)]
+        self.stats["decode_tokens"] += len(rows)
+        self.stats["prefill_tokens"] += len(dec) - len(rows)
+        for r in dec:
+            if r.stream:
+                del r.stream[0]
+            elif r.fed < len(r.feed):
+                r.fed += 1
+        sampling = [dec[i] for i in rows]
+        for r, tok in zip(sampling, self._sample(sampling, logits[rows])):
             self._emit(r, tok, events)
+
+    @staticmethod
+    def _next_token(r: _Request) -> int:
+        """The token ``r`` feeds in a one-token step: the next known one it streams past the window (sinks),
+        else the one it sampled last."""
+        if r.stream:
+            return r.stream[0]
+        return r.feed[r.fed] if r.fed < len(r.feed) else r.out[-1]
+
+    @staticmethod
+    def _samples_next(r: _Request) -> bool:
+        """Whether the logits of ``r``'s next one-token step give its next token (no known token follows)."""
+        return len(r.stream) <= 1 and r.fed >= len(r.feed) - 1
 
     def _room_for_decode(self, decoding) -> list:
         """The running requests ``decoding(r)`` selects, once the pool has a block for each one's next token:
@@ -400,14 +483,16 @@ class Engine:
         admitted prompts (each chunk sized by :meth:`_chunk_len`).  A step with no prompt tokens is a plain
         decode step (:meth:`_decode`); one with prompt tokens is one packed forward over the pool."""
         cache = self.cache
-        dec = self._room_for_decode(lambda r: r.fed == len(r.feed))  # (prefills reserved their blocks)
+        # decoding sequences, and with sinks those feeding their prompt past the window (one token per step);
+        # the other prefills reserved their blocks when admitted
+        dec = self._room_for_decode(lambda r: r.fed == len(r.feed) or self._streaming(r))
         for r in dec:  # before admitting: a new prompt must not take the blocks these decode into
             cache.reserve(r.sid, 1)
         budget = float(self.max_batched_tokens - len(dec))
         work: list[tuple[_Request, list[int]]] = []
         for r in self.running:
-            if r.fed < len(r.feed) and budget > 0:
-                n, cost = self._chunk_len(cache.length(r.sid), len(r.feed) - r.fed, budget)
+            if r.fed < len(r.feed) and budget > 0 and not self._streaming(r):
+                n, cost = self._chunk_len(cache.length(r.sid), self._first_chunk(r.sid, len(r.feed) - r.fed), budget)
                 work.append((r, r.feed[r.fed:r.fed + n]))
                 budget -= cost
         while budget > 0 and self.waiting and len(self.running) < self.max_batch:
@@ -415,19 +500,20 @@ class Engine:
             if placed is None:
                 break
             req, sid, tokens, n_new = placed
-            cache.reserve(sid, n_new)  # the whole prompt's blocks now: its later chunks never run short
+            first = self._first_chunk(sid, n_new)  # (with sinks, the rest runs one token per step)
+            cache.reserve(sid, first)  # the whole prompt's blocks now: its later chunks never run short
             self.waiting.popleft()
             req.sid, req.admitted = sid, self._admissions
             req.feed, req.fed = tokens[len(tokens) - n_new:], 0
             self._admissions += 1
             self.running.append(req)
-            n, cost = self._chunk_len(cache.length(sid), n_new, budget)
+            n, cost = self._chunk_len(cache.length(sid), first, budget)
             work.append((req, req.feed[:n]))
             budget -= cost
         if not work:
             self._decode(dec, events)
             return
-        work = [(r, [r.out[-1]]) for r in dec] + work
+        work = [(r, [self._next_token(r)]) for r in dec] + work
         self._track()
         packed = cache.packed([r.sid for r, _ in work], [len(t) for _, t in work])
         ids = torch.tensor([[t for _, toks in work for t in toks]], dtype=torch.long, device=cache.device)  # (1, T)
@@ -446,6 +532,11 @@ class Engine:
         reqs = [work[i][0] for i in done]
         for r, tok in zip(reqs, self._sample(reqs, logits[done])):
             self._emit(r, tok, events)
+
+    def _streaming(self, r: _Request) -> bool:
+        """With sinks: whether running request ``r`` holds ``n_seen + window`` tokens already, so each forward
+        takes one of its tokens."""
+        return self.sink is not None and self.cache.length(r.sid) >= self.sink.capacity
 
     def _chunk_len(self, start: int, left: int, budget: float) -> tuple[int, float]:
         """``(tokens, cost)`` of the next chunk of a prompt with ``start`` positions stored and ``left`` to go,

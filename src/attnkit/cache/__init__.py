@@ -17,7 +17,8 @@ storing anything.
 The caches: :class:`StaticCache` (preallocated), :class:`SlidingWindowCache` (a ring holding the window),
 :class:`PagedCache` (a block pool shared by many sequences, with fork and prefix caching) and
 :class:`QuantizedCache` (int8/int4 with per-group scales) and :class:`SinkCache` (StreamingLLM: the first
-tokens plus a sliding window, at positions within the cache, for generating past the context).
+tokens plus a sliding window, at positions within the cache, for generating past the context), with
+:class:`PagedSinkCache` keeping the same tokens in a block pool for many sequences.
 
 Example::
 
@@ -36,10 +37,10 @@ from ._common import ModelCache, attend
 from .encoder_decoder import EncoderDecoderCache
 from .paged import PagedBatch, PagedCache, PagedPacked, PoolExhausted, paged_attention
 from .quantized import QuantizedCache, dequantize_groups, quantize_groups
-from .sink import SinkCache
+from .sink import PagedSinkCache, SinkCache
 from .sliding import SlidingWindowCache, window_of
 from .static import StaticCache
 
 __all__ = ["attend", "ModelCache", "StaticCache", "SlidingWindowCache", "PagedCache", "PagedBatch", "PagedPacked",
            "QuantizedCache", "EncoderDecoderCache", "PoolExhausted", "paged_attention", "window_of", "quantize_groups",
-           "dequantize_groups", "SinkCache"]
+           "dequantize_groups", "SinkCache", "PagedSinkCache"]

@@ -278,7 +278,8 @@ class PagedCache:
         copied when either one writes to it).  Returns the new id."""
         src = self._seq(sid)
         for b in src.blocks:
-            self._alloc.incref(b)
+            if b >= 0:  # (-1: a block a streaming cache gave back, PagedSinkCache)
+                self._alloc.incref(b)
         new = self._next_id
         self._next_id += 1
         self._seqs[new] = _Sequence(list(src.blocks), src.length, list(src.tokens), list(src.hashes))
@@ -298,7 +299,8 @@ class PagedCache:
         if seq is None:
             raise ValueError(f"PagedCache: no sequence {sid!r} to free (live ones: {sorted(self._seqs)})")
         for b in reversed(seq.blocks):  # the deepest blocks are evicted first
-            self._alloc.decref(b)
+            if b >= 0:  # (-1: a block a streaming cache gave back, PagedSinkCache)
+                self._alloc.decref(b)
 
     def truncate(self, sid: int, length: int) -> None:
         """Keep the first ``length`` positions of sequence ``sid`` and their token ids (e.g. after a speculative
@@ -456,6 +458,8 @@ class PagedCache:
         bs = self.block_size
         for seq in self._seqs.values():
             for i, b in enumerate(seq.blocks):
+                if b < 0:  # given back (PagedSinkCache)
+                    continue
                 fill[b] = max(fill.get(b, 0), min(bs, max(0, seq.length - i * bs)))
         used = len(fill)
         stored = sum(fill.values())
