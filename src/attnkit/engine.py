@@ -120,7 +120,7 @@ class Engine:
             :class:`~attnkit.cache.PoolExhausted` error is raised instead.
         prefix_caching: reuse the cached blocks of a prompt prefix seen before.
         relayout: decode steps read copies of the weights laid out for the number of sequences they
-            decode, as :func:`attnkit.generate` does (float32 on CPU: column-major from 4 sequences), and
+            decode, as :func:`attnkit.generate` does (float32 on CPU: oneDNN's blocked layout for 4-64 sequences), and
             with ``max_batch >= 4`` so do prefills of up to 64 tokens; the copies are held by the Engine (as
             much memory again as the weights copied), made at the first step that needs them and again
             after the weights change.  The model's own weights are never moved.  False reads the weights
