@@ -27,8 +27,8 @@ def _split(result) -> tuple[Tensor, Tensor | None]:
 
 def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *,
                      max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, mask=None, bias=None,
-                     scale: float | None = None, softcap: float | None = None, dropout_p: float = 0.0,
-                     return_lse: bool = False, backend: str = "auto"):
+                     scale: float | None = None, softcap: float | None = None, sinks: Tensor | None = None,
+                     dropout_p: float = 0.0, return_lse: bool = False, backend: str = "auto"):
     """Attention over packed variable-length sequences: each sequence attends only within itself.
 
     Args:
@@ -102,14 +102,15 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
         >>> torch.allclose(out[3:], one[0].transpose(0, 1), atol=1e-6)
         True
     """
-    cu_q, cu_k, bias = _packed.validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, bias)
+    cu_q, cu_k, bias, sinks = _packed.validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                mask, bias, sinks)  # sinks: (Hq,) or None
     lq, lk = cu_q.diff().tolist(), cu_k.diff().tolist()
-    choice = _packed.choose(q, k, v, cu_q, cu_k, mask, bias, scale, softcap, dropout_p, backend, _select)
+    choice = _packed.choose(q, k, v, cu_q, cu_k, mask, bias, scale, softcap, dropout_p, backend, _select, sinks)
     if choice.batched:
         out, lse = _flash_varlen.attention(q, k, v, cu_q.tolist(), cu_k.tolist(), mask, choice.scale, softcap,
-                                           dropout_p, choice.segments)
+                                           dropout_p, choice.segments, sinks)
         return (out, lse) if return_lse else out
-    kw = dict(mask=mask, scale=scale, softcap=softcap, dropout_p=dropout_p, return_lse=return_lse,
+    kw = dict(mask=mask, scale=scale, softcap=softcap, sinks=sinks, dropout_p=dropout_p, return_lse=return_lse,
               backend=backend)
     starts_q, starts_k = cu_q[:-1].tolist(), cu_k[:-1].tolist()
     alone = _packed.alone(lq, lk, bias)
