@@ -172,3 +172,27 @@ def test_packed_sink_model_gives_the_padded_loss_and_gradients(flash_kwargs, mon
     _assert_same(_loss_and_grads(model, packed), want)
     assert len(seen) == 2 and all(isinstance(m, masks._Varlen) and s is not None for m, s in seen)
     assert all(m.cu_q.tolist() == [0, 5, 16, 17, 25] for m, _ in seen)
+
+
+def test_restarting_position_ids_keep_sequences_apart_in_the_attention_function():
+    """A model that built a plain causal mask for a packed row: the restarting position ids mark the sequences
+    (with the sinks in every row); increasing ids, two rows or a padding mask leave the mask as it was."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 4, 9, 8, generator=g), torch.randn(1, 2, 9, 8, generator=g), torch.randn(1, 2, 9, 8,
+                                                                                                       generator=g)
+    sinks = torch.randn(4, generator=g)
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    out, _ = hf.attention_forward(torch.nn.Module(), q, k, v, None, is_causal=True, position_ids=pos, s_aux=sinks)
+    for a, b in ((0, 3), (3, 5), (5, 9)):
+        alone, _ = hf.attention_forward(torch.nn.Module(), q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], None,
+                                        is_causal=True, s_aux=sinks)
+        torch.testing.assert_close(out[:, a:b], alone, atol=1e-6, rtol=0)
+    plain, _ = hf.attention_forward(torch.nn.Module(), q, k, v, None, is_causal=True, s_aux=sinks)
+    same, _ = hf.attention_forward(torch.nn.Module(), q, k, v, None, is_causal=True, s_aux=sinks,
+                                   position_ids=torch.arange(3, 12)[None])
+    assert torch.equal(plain, same)
+    padded = torch.ones(1, 1, 9, 9, dtype=torch.bool).tril()
+    padded[..., :2] = False
+    kept, _ = hf.attention_forward(torch.nn.Module(), q, k, v, padded, position_ids=pos, s_aux=sinks)
+    want, _ = hf.attention_forward(torch.nn.Module(), q, k, v, padded, s_aux=sinks)
+    assert torch.equal(kept, want)
