@@ -21,12 +21,12 @@ log-sum-exp (with its gradient) are as for ``attention()``.  The backward recomp
 ``(q, k, v, out, lse)`` like the flash backend's.
 
 Attention sinks (one logit per query head, ``sinks (Hq,)``) join each row's denominator as a segment's piece is
-written: ``out * exp(lse - lse')`` with ``lse' = logaddexp(lse, sink)``, exact whichever kernel made the piece
-(the fused kernel takes no sinks).  Rows of no segment get ``lse' = sink``.  In the backward the fused kernel
-reads the saved ``(out, lse')``, whose weights ``exp(s - lse')`` already leave the sink's share out; the
-explicit tiles renormalise over their keys themselves and get the sink-free gradients
-(``_flash_impl._sinkless_grads``).  The sinks' gradient is ``sum over rows of p_sink * (dlse - rowsum(dout *
-out))``, ``p_sink = exp(sink - lse')``.
+written, in place: ``out * exp(lse - lse') = out * sigmoid(lse - sink)`` with ``lse' = logaddexp(lse, sink)``,
+exact whichever kernel made the piece (the fused kernel takes no sinks).  Rows of no segment get ``lse' =
+sink``.  In the backward the fused kernel reads the saved ``(out, lse')``, whose weights ``exp(s - lse')``
+already leave the sink's share out; the explicit tiles renormalise over their keys themselves and get the
+sink-free gradients (``_flash_impl._sinkless_grads``).  The sinks' gradient is ``sum over rows of p_sink *
+(dlse - rowsum(dout * out))``, ``p_sink = exp(sink - lse')``.
 """
 
 from __future__ import annotations
@@ -197,11 +197,12 @@ class _Packed:
 
 
 def _with_sink(o: Tensor, l: Tensor, sink: Tensor | None) -> Tensor:  # noqa: E741
-    """A piece's output ``o (L, Hq, Dv)`` with the sinks ``(Hq,)`` in its rows' denominators (``l (L, Hq)``
-    its lse without them), computed in ``l``'s dtype at least; ``o`` itself without sinks."""
+    """A piece's output ``o (L, Hq, Dv)`` (the kernel's own, a view) with the sinks ``(Hq,)`` in its rows'
+    denominators, ``l (L, Hq)`` being its lse without them: scaled in place (memory already touched, one rounding
+    to ``o``'s dtype); ``o`` as it is without sinks."""
     if sink is None:
         return o
-    return o * torch.exp(l - torch.logaddexp(l, sink))[..., None]  # (exp(-inf) = 0 in a row that saw no key)
+    return o.mul_(torch.sigmoid(l - sink)[..., None])  # exp(l - logaddexp(l, sink)); 0 in a row that saw no key
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, segs: list[Segment], st: Settings,
@@ -302,7 +303,7 @@ def sinks_grad(out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | None, sink
     out))`` with ``p_sink = exp(sink - lse)`` (1 in a row that saw no key, whose output is 0: only ``dlse``
     reaches the sink from it).  ``out (Tq, Hq, Dv)``, ``lse``/``dlse (Tq, Hq)`` include the sinks."""
     p = torch.exp(sinks.detach().to(lse.dtype) - lse)  # (Tq, Hq)
-    g = -(dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+    g = -torch.einsum("thd,thd->th", dout.to(lse.dtype), out.to(lse.dtype))  # rowsum(dout * out), no product kept
     if dlse is not None:
         g = g + dlse.to(lse.dtype)
     return (p * g).sum(0).to(sinks.dtype)

@@ -254,9 +254,9 @@ def explain(select, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_se
                      f"{len(own) - direct} by their mask's tile plan")
         lines.append(f"  runs of shorter sequences, each one call under masks.varlen: {len(segs) - len(own)}")
         if sinks is not None:
-            lines.append("  sinks: added to each row's denominator as each piece is written, out * exp(lse - "
-                         "logaddexp(lse, sink)) (the fused kernel takes none); its backward reads the lse with "
-                         "the sink, the tiled pieces take the sink-free gradients")
+            lines.append("  sinks: added to each row's denominator as each piece is written, out * sigmoid(lse - "
+                         "sink) from the kernel's lse (the fused kernel takes none); its backward reads the lse with "
+                         "the sink, the explicit tiles take the sink-free gradients")
     else:
         lq, lk = cu_q.diff().tolist(), cu_k.diff().tolist()
         seqs = alone(lq, lk, bias)
