@@ -173,10 +173,10 @@ def _costs(q, k, v, cu_q: list[int], cu_k: list[int], segs, mask, scale, softcap
     batched segments.  Copies (``COPY_FLOPS`` per element written): the batched call writes the output (and
     the gradients) once and lays out its tiled segments' tokens head first; the per-sequence path copies q, k,
     v head first, assembles the output by an index sort and, with gradients, fills a zero gradient of each
-    packed tensor for every sequence run alone (the backward of a slice).  Sinks cost each way the same: one
-    more pass that writes the output (the batched call scales each piece, ``attention()`` adds them after its
-    kernel) and, with gradients, one that writes the output gradient of the sink-free result for the explicit
-    tiles; a sequence run alone is what ``auto`` picks with the sinks (never ``sdpa``, which has none)."""
+    packed tensor for every sequence run alone (the backward of a slice).  Sinks: the batched call scales each
+    piece in place (no fresh memory), ``attention()`` writes its output once more; with gradients, segments off
+    the fused kernel make both ways write the output gradient of the sink-free result once; a sequence run
+    alone costs what ``auto`` picks with the sinks (never ``sdpa``, which has none)."""
     hq, hkv, d, dv = q.shape[1], k.shape[1], q.shape[2], v.shape[2]
     lq, lk = [b - a for a, b in zip(cu_q, cu_q[1:])], [b - a for a, b in zip(cu_k, cu_k[1:])]
     solo = set(alone(lq, lk, None))
@@ -189,9 +189,9 @@ def _costs(q, k, v, cu_q: list[int], cu_k: list[int], segs, mask, scale, softcap
     if solo:
         per_seq_copies = tokens + 3 * outs + (2 * len(solo) * tokens + 3 * outs if needs_grad else 0)
     if sinks is not None:
-        sink_copies = outs * (2 if needs_grad else 1)
-        batched_copies += sink_copies
-        per_seq_copies += sink_copies
+        sink_grads = outs if needs_grad and not all(seg.fused for seg in segs) else 0
+        batched_copies += sink_grads
+        per_seq_copies += outs + sink_grads
     batched = per_seq = 0.0
     for seg in segs:
         call = _flash_varlen._call(seg, q, k, v, st)
