@@ -367,3 +367,206 @@ def test_batched_dropout_is_reproducible_and_its_gradient_checks():
                                                                              mask=masks.causal(), backend="flash"))
     inputs = [t.double().requires_grad_() for t in (q, k, v)]
     assert torch.autograd.gradcheck(fn, inputs, atol=1e-6, fast_mode=True)
+
+
+# ------------------------------------------------------------------------------------------ sinks
+
+SINK_MASKS = ["none", "causal", "causal-top-left", "sliding-window", "window-both-sides", "not-causal"]
+
+
+def _sinks(hq: int, seed: int, dtype=torch.float32) -> torch.Tensor:
+    return (torch.randn(hq, generator=torch.Generator().manual_seed(seed + 7)) * 2).to(dtype)
+
+
+def _per_sequence_with_lse(fn, q, k, v, cu_q, cu_k, **kwargs):
+    """``fn`` on each sequence alone: ``(out (Tq, Hq, Dv), lse (Hq, Tq))`` packed back."""
+    outs, lses = [], []
+    for s in range(cu_q.numel() - 1):
+        a, b, c, d = int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s]), int(cu_k[s + 1])
+        o, l = fn(_heads_first(q[a:b]), _heads_first(k[c:d]), _heads_first(v[c:d]), **kwargs)  # noqa: E741
+        outs.append(o[0].transpose(0, 1))
+        lses.append(l[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+def _check_sinks_rule(q, k, v, sinks, cu_q, cu_k, mask_name, backend, *, softcap=None, lse_loss=False,
+                      grad_slack=1.0, dtype=torch.float32):
+    """attention_varlen(..., sinks=) output, lse and gradients (q, k, v and the sinks) against per-sequence
+    ``attention(..., sinks=)`` in float64 (the oracle) under the numerical rule, the naive error being the
+    per-sequence textbook formula's in ``dtype``."""
+    mask = MASKS[mask_name]()
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v, sinks)]
+    out, lse = attnkit.attention_varlen(*leaves[:3], cu_q, cu_k, mask=mask, sinks=leaves[3], softcap=softcap,
+                                        backend=backend, return_lse=True)
+    o64 = [t.detach().double().requires_grad_() for t in (q, k, v, sinks)]
+    oracle = _per_sequence_with_lse(lambda *a, **kw: attnkit.attention(*a, backend="math", return_lse=True, **kw),
+                                    *o64[:3], cu_q, cu_k, mask=mask, sinks=o64[3], softcap=softcap)
+    nv = [t.detach().to(dtype).requires_grad_() for t in (q, k, v, sinks)]
+    naive = _per_sequence_with_lse(reference, *nv[:3], cu_q, cu_k, mask=mask, sinks=nv[3], softcap=softcap)
+    assert out.shape == oracle[0].shape and lse.shape == oracle[1].shape and out.dtype == dtype
+    err = lambda a, b: float((a.detach().double() - b.detach().double()).abs().max()) if a.numel() else 0.0  # noqa: E731
+    for got, want, nai in zip((out, lse), oracle, naive):
+        assert err(got, want) <= 2 * err(nai, want) + 1e-6, (err(got, want), err(nai, want))
+    gen = torch.Generator().manual_seed(1)
+    g = torch.randn(oracle[0].shape, dtype=torch.float64, generator=gen)
+    gl = torch.randn(oracle[1].shape, dtype=torch.float64, generator=gen) if lse_loss else None
+
+    def loss(o, l):  # noqa: E741
+        return (o * g.to(o.dtype)).sum() + (0 if gl is None else (l * gl.to(l.dtype)).sum())
+
+    for result, ins in ((( out, lse), leaves), (oracle, o64), (naive, nv)):
+        loss(*result).backward()
+    for name, a, o, n in zip(("q", "k", "v", "sinks"), leaves, o64, nv):
+        grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in (a, o, n)]
+        assert err(grads[0], grads[1]) <= grad_slack * (3 * err(grads[2], grads[1]) + 1e-6), (
+            name, err(grads[0], grads[1]), err(grads[2], grads[1]))
+
+
+def _fused_slack(q, k, cu_q, cu_k, group: int, softcap) -> float:
+    """The gradient slack test_batched_call_matches_per_sequence_attention allows PyTorch's fused kernel."""
+    if softcap is not None:
+        return 1.0
+    top = max([float((q[a:b].transpose(0, 1) @ k[c:d].transpose(0, 1).repeat_interleave(group, 0).transpose(1, 2))
+                     .abs().max()) / q.shape[-1] ** 0.5
+               for a, b, c, d in zip(cu_q.tolist(), cu_q[1:].tolist(), cu_k.tolist(), cu_k[1:].tolist())
+               if b > a and d > c] or [0.0])
+    return 2.0 if top < 4 else 3.0 if top < 16 else 8.0
+
+
+@settings(max_examples=25, deadline=None)
+@given(seqs=st.lists(st.tuples(st.sampled_from(EDGE_LENGTHS), st.sampled_from(EDGE_LENGTHS), st.booleans()),
+                     min_size=1, max_size=4),
+       heads=st.sampled_from([(2, 1), (4, 2), (2, 2)]), mask_name=st.sampled_from(SINK_MASKS),
+       softcap=st.sampled_from([None, None, 4.0]), backend=st.sampled_from(["flash", "auto"]),
+       lse_loss=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_sinks_match_per_sequence_attention_and_the_oracle(seqs, heads, mask_name, softcap, backend, lse_loss, seed):
+    """sinks= on the batched call (backend='flash') and on auto's choice: output, lse and gradients of q, k, v
+    and the sinks against per-sequence attention(..., sinks=) in float64, with lengths 0, 1 and around the tile
+    sizes, Lq != Lk, GQA, softcap, a loss on the lse or not (the fused backward or the explicit one)."""
+    lengths_q = [lq for lq, _, _ in seqs]
+    lengths_k = [lq if same else lk for lq, lk, same in seqs]
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, *heads, d=8, seed=seed)
+    sinks = _sinks(heads[0], seed)
+    said = attnkit.backends.explain(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, backend=backend, softcap=softcap,
+                                    sinks=sinks)
+    assert "sinks:" in said, said
+    if backend == "flash":
+        assert ("one batched flash call" in said) == (q.shape[0] > 0), said
+    slack = _fused_slack(q, k, cu_q, cu_k, heads[0] // heads[1], softcap)
+    _check_sinks_rule(q, k, v, sinks, cu_q, cu_k, mask_name, backend, softcap=softcap, lse_loss=lse_loss,
+                      grad_slack=slack)
+
+
+@pytest.mark.parametrize("backend", ["flash", "math"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sinks_on_long_sequences_with_zero_lengths(backend, dtype):
+    # several tiles per sequence, Lq != Lk, a zero-length sequence, one with no keys; flash: the fused kernel on
+    # the causal sequences with Lq == Lk, the tile plan on the others; math: the per-sequence path
+    q, k, v, cu_q, cu_k = _packed([150, 0, 300, 7, 90], [170, 5, 300, 0, 60], hq=4, hkv=1, d=32)
+    _check_sinks_rule(q, k, v, _sinks(4, 0), cu_q, cu_k, "causal", backend, dtype=dtype,
+                      grad_slack=_fused_slack(q, k, cu_q, cu_k, 4, None) if backend == "flash" else 1.0)
+
+
+def test_sinks_batched_call_equals_per_sequence_flash_calls():
+    """The batched call against attention(backend='flash', sinks=) on each sequence, in float32."""
+    q, k, v, cu_q, cu_k = _packed([70, 3, 130, 0, 66, 5], [70, 9, 130, 4, 40, 0], seed=3)
+    sinks = _sinks(4, 3)
+    for mask_name in ("causal", "sliding-window", "none"):
+        out, lse = attnkit.attention_varlen(q, k, v, cu_q, cu_k, mask=MASKS[mask_name](), sinks=sinks,
+                                            backend="flash", return_lse=True)
+        want, want_lse = _per_sequence_with_lse(
+            lambda *a, **kw: attnkit.attention(*a, backend="flash", return_lse=True, **kw), q, k, v, cu_q, cu_k,
+            mask=MASKS[mask_name](), sinks=sinks)
+        torch.testing.assert_close(out, want, atol=2e-6, rtol=0)
+        torch.testing.assert_close(lse, want_lse, atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["flash", "math"])
+@pytest.mark.parametrize("lse_loss", [False, True])
+def test_sinks_gradcheck_float64(backend, lse_loss):
+    # a sequence with tiles of its own (66 >= 64: the fused kernel on CPU under causal), short ones sharing one
+    # call, one that sees nothing (no keys)
+    q, k, v, cu_q, cu_k = _packed([2, 66, 1, 3], [3, 66, 1, 0], hq=2, hkv=1, d=4, seed=5)
+    sinks = _sinks(2, 5)
+
+    def fn(q, k, v, sinks):
+        out, lse = attnkit.attention_varlen(q, k, v, cu_q, cu_k, mask=masks.causal(), sinks=sinks, backend=backend,
+                                            return_lse=True)
+        return (out, lse) if lse_loss else out
+
+    inputs = [t.double().requires_grad_() for t in (q, k, v, sinks)]
+    assert torch.autograd.gradcheck(fn, inputs, atol=1e-6, fast_mode=True)
+
+
+@pytest.mark.parametrize("backend", ["flash", "math"])
+def test_sinks_rows_that_see_nothing(backend):
+    """Rows that see nothing (a causal sequence with Lq > Lk, a sequence without keys): output 0, lse = sink,
+    zero gradients; the sink's gradient from them is 0 under a loss on the output, dlse under one on the lse."""
+    q, k, v, cu_q, cu_k = _packed([100, 80, 3], [70, 0, 1], seed=4)
+    sinks = _sinks(4, 4).requires_grad_()
+    q.requires_grad_()
+    out, lse = attnkit.attention_varlen(q, k, v, cu_q, cu_k, mask=masks.causal(), sinks=sinks, backend=backend,
+                                        return_lse=True)
+    dead = torch.cat([torch.arange(30), torch.arange(100, 180), torch.tensor([180, 181])])
+    assert (out[dead] == 0).all() and torch.equal(lse[:, dead], sinks.detach()[:, None].expand(4, dead.numel()))
+    out.sum().backward()
+    assert (q.grad[dead] == 0).all() and torch.isfinite(q.grad).all()
+    # the sink's gradient equals that of the live rows alone: the dead rows add nothing
+    live = torch.ones(q.shape[0], dtype=torch.bool)
+    live[dead] = False
+    s2 = sinks.detach().clone().requires_grad_()
+    o2 = attnkit.attention_varlen(q.detach(), k, v, cu_q, cu_k, mask=masks.causal(), sinks=s2, backend=backend)
+    o2[live].sum().backward()
+    torch.testing.assert_close(sinks.grad, s2.grad, atol=1e-6, rtol=0)
+    # through the lse, each dead row gives its sink exactly dlse (lse = sink there)
+    s3 = sinks.detach().clone().requires_grad_()
+    _, l3 = attnkit.attention_varlen(q.detach(), k, v, cu_q, cu_k, mask=masks.causal(), sinks=s3, backend=backend,
+                                     return_lse=True)
+    l3[:, dead].sum().backward()
+    torch.testing.assert_close(s3.grad, torch.full((4,), float(dead.numel())), atol=1e-6, rtol=0)
+
+
+def test_sinks_alone_get_their_gradient():
+    """Only the sinks require grad: the batched call's backward computes theirs alone."""
+    q, k, v, cu_q, cu_k = _packed([70, 5], [70, 9], seed=6)
+    sinks = _sinks(4, 6).requires_grad_()
+    attnkit.attention_varlen(q, k, v, cu_q, cu_k, mask=masks.causal(), sinks=sinks, backend="flash").sum().backward()
+    s64 = sinks.detach().double().requires_grad_()
+    want = _per_sequence_with_lse(lambda *a, **kw: attnkit.attention(*a, backend="math", return_lse=True, **kw),
+                                  q.double(), k.double(), v.double(), cu_q, cu_k, mask=masks.causal(), sinks=s64)[0]
+    want.sum().backward()
+    torch.testing.assert_close(sinks.grad.double(), s64.grad, atol=1e-4, rtol=0)
+
+
+def test_sinks_explain_and_the_paths():
+    q, k, v, cu_q, cu_k = _packed([300, 40, 257], [300, 40, 257])
+    sinks = _sinks(4, 0)
+    say = lambda **kw: attnkit.backends.explain(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, sinks=sinks,  # noqa: E731
+                                                **kw)
+    assert "sinks: added to each row's denominator as each piece is written" in say(mask=masks.causal(),
+                                                                                    backend="flash")
+    assert "sinks: passed to every attention() call" in say(mask=masks.causal(), backend="math")
+    # sdpa has no sinks: asked for, the per-sequence path says so
+    with pytest.raises(ValueError, match="backend='sdpa' cannot take this call: SDPA has no attention sinks"):
+        attnkit.attention_varlen(q, k, v, cu_q, cu_k, mask=masks.causal(), sinks=sinks, backend="sdpa")
+    want = attnkit.attention_varlen(q, k, v, cu_q, cu_k, mask=masks.causal(), sinks=sinks, backend="math")
+    for backend in ("auto", "flash"):
+        got = attnkit.attention_varlen(q, k, v, cu_q, cu_k, mask=masks.causal(), sinks=sinks, backend=backend)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    # a very negative sink is no sink
+    torch.testing.assert_close(
+        attnkit.attention_varlen(q, k, v, cu_q, cu_k, sinks=torch.full((4,), -200.0)),
+        attnkit.attention_varlen(q, k, v, cu_q, cu_k), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("sinks, error, match", [
+    (torch.zeros(2, 4), ValueError, r"shared by every packed sequence, shape \(Hq,\)=\(4,\), got shape \(2, 4\)"),
+    (torch.zeros(3), ValueError, r"sinks of shape \(3,\) does not match the 4 query heads"),
+    (torch.zeros(4, dtype=torch.int64), TypeError, "sinks must be a float tensor"),
+    ([0.0] * 4, TypeError, "sinks must be None or a float tensor"),
+    (torch.tensor([0.0, float("inf"), 0.0, 0.0]), ValueError, "non-finite"),
+    (torch.zeros(4, device="meta"), ValueError, "sinks is on meta but q is on cpu"),
+])
+def test_bad_sinks_are_refused(sinks, error, match):
+    with pytest.raises(error, match=match):
+        _bad(sinks=sinks)()

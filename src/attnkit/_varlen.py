@@ -27,8 +27,8 @@ def _split(result) -> tuple[Tensor, Tensor | None]:
 
 def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *,
                      max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, mask=None, bias=None,
-                     scale: float | None = None, softcap: float | None = None, dropout_p: float = 0.0,
-                     return_lse: bool = False, backend: str = "auto"):
+                     scale: float | None = None, softcap: float | None = None, sinks: Tensor | None = None,
+                     dropout_p: float = 0.0, return_lse: bool = False, backend: str = "auto"):
     """Attention over packed variable-length sequences: each sequence attends only within itself.
 
     Args:
@@ -47,8 +47,14 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
             keys) and their ``&``, ``|``, ``~``.  See :func:`attnkit.masks.varlen`.
         bias: ``None`` or a float tensor broadcastable to ``(Hq, Tq, Tk)`` in packed coordinates.
         scale, softcap, dropout_p, backend: as for :func:`attnkit.attention`.
+        sinks: attention sinks (GPT-OSS): a float tensor ``(Hq,)``, one logit per query head shared by every
+            sequence, added to each row's softmax denominator with a zero value, as ``sinks=`` of
+            :func:`attnkit.attention`.  Differentiable (its gradient sums over the rows of all sequences).
+            Sinks that differ between sequences (a ``(n, Hq)`` tensor) are refused: call ``attention()`` per
+            sequence for those.
         return_lse: also return the log-sum-exp ``(Hq, Tq)`` (float32; float64 for float64 inputs), the layout
-            of ``flash_attn_varlen_func``'s ``softmax_lse``.
+            of ``flash_attn_varlen_func``'s ``softmax_lse``; with ``sinks``, of the whole denominator
+            (``logaddexp(lse_without_sink, sink)``).
 
     Returns:
         ``out (Tq, Hq, Dv)``; with ``return_lse``, ``(out, lse (Hq, Tq))``.
@@ -66,7 +72,8 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
         q4       · · · | █ █
 
     A row that may attend to nothing (also every row of a sequence with no keys) gives 0, ``lse = -inf``
-    and zero gradients.  Nothing is padded to ``(n, max_len)``; the work follows the real tokens, in one of
+    and zero gradients (with ``sinks``: ``lse = sink``, and the sink's gradient from the row comes only
+    through ``lse``).  Nothing is padded to ``(n, max_len)``; the work follows the real tokens, in one of
     two ways:
 
     * **one batched flash call** (``backend="flash"``, and ``auto``'s usual choice): each sequence with at
@@ -75,7 +82,9 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
       ``Lq_s == Lk_s``, PyTorch's fused flash kernel computes it in one call on strided views of the packed
       tensors, skipping the masked tiles; other masks run the flash backend's tile plan of the sequence's
       own mask.  Consecutive shorter sequences share one call under :func:`attnkit.masks.varlen`.  Outputs
-      and gradients are written once into the packed tensors; the backward recomputes each sequence's tiles;
+      and gradients are written once into the packed tensors; the backward recomputes each sequence's tiles.
+      Sinks join each row's denominator as its output is written, from the kernel's lse (exact; PyTorch's
+      fused kernel takes none itself);
     * **the per-sequence path** (any other ``backend``, a ``bias``, while ``torch.compile`` traces): each
       sequence with at least ``OWN_CALL_MIN`` (128) queries and keys runs as its own
       :func:`attnkit.attention` call on views of the packed tensors (up to ``MAX_OWN_CALLS``), and the
@@ -101,15 +110,20 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
         ...                         v[3:].transpose(0, 1)[None], mask=attnkit.masks.causal())
         >>> torch.allclose(out[3:], one[0].transpose(0, 1), atol=1e-6)
         True
+        >>> sinks = torch.zeros(4, requires_grad=True)      # GPT-OSS's learned per-head sink logits
+        >>> attnkit.attention_varlen(q, k, v, cu, cu, mask=attnkit.masks.causal(), sinks=sinks).sum().backward()
+        >>> sinks.grad.shape
+        torch.Size([4])
     """
-    cu_q, cu_k, bias = _packed.validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, bias)
+    cu_q, cu_k, bias, sinks = _packed.validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                mask, bias, sinks)  # sinks: (Hq,) or None
     lq, lk = cu_q.diff().tolist(), cu_k.diff().tolist()
-    choice = _packed.choose(q, k, v, cu_q, cu_k, mask, bias, scale, softcap, dropout_p, backend, _select)
+    choice = _packed.choose(q, k, v, cu_q, cu_k, mask, bias, scale, softcap, dropout_p, backend, _select, sinks)
     if choice.batched:
         out, lse = _flash_varlen.attention(q, k, v, cu_q.tolist(), cu_k.tolist(), mask, choice.scale, softcap,
-                                           dropout_p, choice.segments)
+                                           dropout_p, choice.segments, sinks)
         return (out, lse) if return_lse else out
-    kw = dict(mask=mask, scale=scale, softcap=softcap, dropout_p=dropout_p, return_lse=return_lse,
+    kw = dict(mask=mask, scale=scale, softcap=softcap, sinks=sinks, dropout_p=dropout_p, return_lse=return_lse,
               backend=backend)
     starts_q, starts_k = cu_q[:-1].tolist(), cu_k[:-1].tolist()
     alone = _packed.alone(lq, lk, bias)

@@ -82,7 +82,8 @@ def reference(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, scale: f
         s = s.masked_fill(~dense, float("-inf"))
     if sinks is not None:
         sink = sinks.to(dtype).expand(B, Hq)[:, :, None]  # (B, Hq, 1)
-        m = torch.maximum(s.amax(dim=-1), sink).detach()  # finite: the sink is
+        top = s.amax(dim=-1) if Lk > 0 else sink.expand(B, Hq, Lq)  # (no keys: the sink alone)
+        m = torch.maximum(top, sink).detach()  # finite: the sink is
         e = torch.exp(s - m[..., None])
         den = e.sum(dim=-1) + torch.exp(sink - m)
         return (e / den[..., None]) @ v, m + torch.log(den)

@@ -132,3 +132,67 @@ def test_cu_seq_lens_for_several_rows_are_refused():
     cu = torch.tensor([0, 3, 6], dtype=torch.int32)
     with pytest.raises(ValueError, match="packed into one row, but the batch has 2 rows"):
         hf.attention_forward(torch.nn.Module(), q, k, v, None, is_causal=True, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+
+
+def _gpt_oss(impl: str):
+    """A tiny GPT-OSS (alternating sliding-window and full layers, each with learned sinks), its sinks made
+    to matter."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    if "gpt_oss" not in CONFIG_MAPPING_NAMES:
+        pytest.skip(f"transformers {transformers.__version__} has no gpt_oss")
+    cfg = transformers.GptOssConfig(**{**_COMMON, "intermediate_size": 64}, head_dim=16, num_local_experts=2,
+                                    num_experts_per_tok=1, sliding_window=4, max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=impl).train()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".sinks"):
+                p.copy_(torch.randn_like(p) * 2)
+    return model
+
+
+@pytest.mark.parametrize("flash_kwargs", [False, True], ids=["position-ids", "cu-seq-lens"])
+def test_packed_sink_model_gives_the_padded_loss_and_gradients(flash_kwargs, monkeypatch):
+    """GPT-OSS's s_aux reaches attnkit on the packed batch too (every layer gets its sinks with the packed-sequence
+    mask), and the loss and gradients (the sinks' included) equal the padded batch's under eager attention."""
+    seqs = _sequences()
+    want = _loss_and_grads(_gpt_oss("eager"), _padded(seqs))
+    assert any(n.endswith(".sinks") for n in want[1])
+    model = _gpt_oss("attnkit")
+    collate = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)
+    packed = collate([{"input_ids": s} for s in seqs])
+    seen = []
+    real = hf.attention
+
+    def spy(q, k, v, **kw):
+        seen.append((kw["mask"], kw.get("sinks")))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(hf, "attention", spy)
+    _assert_same(_loss_and_grads(model, packed), want)
+    assert len(seen) == 2 and all(isinstance(m, masks._Varlen) and s is not None for m, s in seen)
+    assert all(m.cu_q.tolist() == [0, 5, 16, 17, 25] for m, _ in seen)
+
+
+def test_restarting_position_ids_keep_sequences_apart_in_the_attention_function():
+    """A model that built a plain causal mask for a packed row: the restarting position ids mark the sequences
+    (with the sinks in every row); increasing ids, two rows or a padding mask leave the mask as it was."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 4, 9, 8, generator=g), torch.randn(1, 2, 9, 8, generator=g), torch.randn(1, 2, 9, 8,
+                                                                                                       generator=g)
+    sinks = torch.randn(4, generator=g)
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    out, _ = hf.attention_forward(torch.nn.Module(), q, k, v, None, is_causal=True, position_ids=pos, s_aux=sinks)
+    for a, b in ((0, 3), (3, 5), (5, 9)):
+        alone, _ = hf.attention_forward(torch.nn.Module(), q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], None,
+                                        is_causal=True, s_aux=sinks)
+        torch.testing.assert_close(out[:, a:b], alone, atol=1e-6, rtol=0)
+    plain, _ = hf.attention_forward(torch.nn.Module(), q, k, v, None, is_causal=True, s_aux=sinks)
+    same, _ = hf.attention_forward(torch.nn.Module(), q, k, v, None, is_causal=True, s_aux=sinks,
+                                   position_ids=torch.arange(3, 12)[None])
+    assert torch.equal(plain, same)
+    padded = torch.ones(1, 1, 9, 9, dtype=torch.bool).tril()
+    padded[..., :2] = False
+    kept, _ = hf.attention_forward(torch.nn.Module(), q, k, v, padded, position_ids=pos, s_aux=sinks)
+    want, _ = hf.attention_forward(torch.nn.Module(), q, k, v, padded, s_aux=sinks)
+    assert torch.equal(kept, want)

@@ -19,6 +19,14 @@ packed result (no accumulation, no per-sequence output buffers or index sorts). 
 sequence's own positions; softcap, scale, grouped-query heads, dropout (a seed per segment) and the
 log-sum-exp (with its gradient) are as for ``attention()``.  The backward recomputes each segment from
 ``(q, k, v, out, lse)`` like the flash backend's.
+
+Attention sinks (one logit per query head, ``sinks (Hq,)``) join each row's denominator as a segment's piece is
+written, in place: ``out * exp(lse - lse') = out * sigmoid(lse - sink)`` with ``lse' = logaddexp(lse, sink)``,
+exact whichever kernel made the piece (the fused kernel takes no sinks).  Rows of no segment get ``lse' =
+sink``.  In the backward the fused kernel reads the saved ``(out, lse')``, whose weights ``exp(s - lse')``
+already leave the sink's share out; the explicit tiles renormalise over their keys themselves and get the
+sink-free gradients (``_flash_impl._sinkless_grads``).  The sinks' gradient is ``sum over rows of p_sink *
+(dlse - rowsum(dout * out))``, ``p_sink = exp(sink - lse')``.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from ..masks import Mask
 from . import _flash_ops as ops
 from . import _flash_plan as planning
 from ._common import Call, accumulation_dtype
-from ._flash_impl import _backward_plan, _forward_plan, _fusable
+from ._flash_impl import _backward_plan, _forward_plan, _fusable, _sinkless_grads
 
 Tensor = torch.Tensor
 
@@ -134,16 +142,19 @@ def segments(q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], cu_k: list[int], 
 # ------------------------------------------------------------------------ layout
 
 
-def _padded(x: Tensor, spans: list[tuple[int, int, int]]) -> tuple[Tensor, list[int]]:
+def _padded(x: Tensor | list[Tensor], spans: list[tuple[int, int, int]]) -> tuple[Tensor, list[int]]:
     """``x (T, H, E)``'s rows ``[a, b)`` of each span ``(a, b, rows)`` laid out head first in one buffer
-    ``(H, sum(rows), E)``, each span at its own offset and zero-padded to ``rows``; and the offsets."""
+    ``(H, sum(rows), E)``, each span at its own offset and zero-padded to ``rows``; and the offsets.  ``x`` may
+    be a list: one tensor of that shape per span, read for that span's rows."""
     offsets, total = [], 0
     for _, _, rows in spans:
         offsets.append(total)
         total += rows
-    buf = x.new_empty(x.shape[1], total, x.shape[2])
-    for (a, b, rows), o in zip(spans, offsets):
-        buf[:, o:o + b - a].copy_(x[a:b].transpose(0, 1))
+    xs = x if isinstance(x, list) else [x] * len(spans)
+    like = x[0] if isinstance(x, list) else x
+    buf = like.new_empty(like.shape[1], total, like.shape[2])
+    for (a, b, rows), o, src in zip(spans, offsets, xs):
+        buf[:, o:o + b - a].copy_(src[a:b].transpose(0, 1))
         buf[:, o + b - a:o + rows].zero_()
     return buf, offsets
 
@@ -185,10 +196,22 @@ class _Packed:
 # ----------------------------------------------------------------------- compute
 
 
-def forward(q: Tensor, k: Tensor, v: Tensor, segs: list[Segment], st: Settings) -> tuple[Tensor, Tensor]:
-    """``out (Tq, Hq, Dv)`` in q's dtype and ``lse (Tq, Hq)``; rows of no segment get 0 and -inf."""
+def _with_sink(o: Tensor, l: Tensor, sink: Tensor | None) -> Tensor:  # noqa: E741
+    """A piece's output ``o (L, Hq, Dv)`` (the kernel's own, a view) with the sinks ``(Hq,)`` in its rows'
+    denominators, ``l (L, Hq)`` being its lse without them: scaled in place (memory already touched, one rounding
+    to ``o``'s dtype); ``o`` as it is without sinks."""
+    if sink is None:
+        return o
+    return o.mul_(torch.sigmoid(l - sink)[..., None])  # exp(l - logaddexp(l, sink)); 0 in a row that saw no key
+
+
+def forward(q: Tensor, k: Tensor, v: Tensor, segs: list[Segment], st: Settings,
+            sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``out (Tq, Hq, Dv)`` in q's dtype, ``lse (Tq, Hq)`` and, with ``sinks (Hq,)``, the lse without them
+    (else None); ``out`` and ``lse`` include the sinks.  Rows of no segment get 0 and -inf (with sinks, the sink)."""
     tq, hq = q.shape[0], q.shape[1]
     hkv = k.shape[1]
+    sink = None if sinks is None else sinks.detach().to(st.lse_dtype)  # (Hq,)
     out = _Packed(tq, q.new_empty(0, hq, v.shape[2]), 0.0)
     lse = _Packed(tq, q.new_empty(0, hq), float("-inf"), st.lse_dtype)
     planned = [s for s in segs if not s.direct]
@@ -201,23 +224,29 @@ def forward(q: Tensor, k: Tensor, v: Tensor, segs: list[Segment], st: Settings) 
         if s.direct:  # (1, Hq, L, Dv) and (1, Hq, L), laid out (L, Hq, .) by the kernel
             o, l = ops._FUSED[0](_views(q, s.qa, s.qb), _views(k, s.ka, s.kb), _views(v, s.ka, s.kb), 0.0,  # noqa: E741
                                  s.mask is not None, scale=st.scale)
-            out.put(s.qa, o[0].transpose(0, 1))
-            lse.put(s.qa, l[0].t())
+            l = l[0].t()  # noqa: E741  (L, Hq)
+            out.put(s.qa, _with_sink(o[0].transpose(0, 1), l, sink))
+            lse.put(s.qa, l)
             del o, l
             continue
         a, b = at[id(s)]
         work = _work(s, s.plan, q3[:, a:], k3[:, b:], v3[:, b:], hq, hkv, st, s.fused)
         o3, l3 = ops.forward(work)  # (Hq, Lq_pad, Dv), (Lq_pad, Hq)
-        out.put(s.qa, o3[:, :s.lq].transpose(0, 1))
-        lse.put(s.qa, l3[:s.lq])
-        del o3, l3, work
-    return out.result(), lse.result()
+        l = l3[:s.lq].to(st.lse_dtype)  # noqa: E741
+        out.put(s.qa, _with_sink(o3[:, :s.lq].transpose(0, 1), l, sink))
+        lse.put(s.qa, l)
+        del o3, l3, l, work
+    bare = lse.result()
+    if sink is None:
+        return out.result(), bare, None
+    return out.result(), torch.logaddexp(bare, sink), bare
 
 
 def backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | None,
-             segs: list[Segment], st: Settings) -> tuple[Tensor, Tensor, Tensor]:
+             segs: list[Segment], st: Settings, bare: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` in the packed layouts and the inputs' dtypes; ``lse (Tq, Hq)``, ``dlse (Tq, Hq)``
-    or None.  Rows and keys of no segment get zero gradients."""
+    or None; with sinks, ``out`` and ``lse`` include them and ``bare (Tq, Hq)`` is the lse without them.
+    Rows and keys of no segment get zero gradients."""
     hq, hkv = q.shape[1], k.shape[1]
     dq, dk, dv = _Packed(q.shape[0], q, 0.0), _Packed(k.shape[0], k, 0.0), _Packed(v.shape[0], v, 0.0)
     fused = [s.fused and dlse is None for s in segs]  # the fused backward takes no gradient of the lse
@@ -225,6 +254,12 @@ def backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Te
     for s in tiled:
         if s.plan_b is None:
             s.plan_b = _backward_plan(_call(s, q, k, v, st))
+    # the explicit tiles renormalise over their keys: they take the gradients of the sink-free result
+    explicit = bare is not None and not all(fused)
+    if explicit:  # (Tq, Hq, Dv), (Tq, Hq), (Tq, Hq): elementwise, so the packed layout serves
+        dout_b, dlse_b, lse_b = _sinkless_grads(out, lse, bare, dout, dlse)
+    grads_of = {id(s): (dout_b, dlse_b, lse_b) if explicit and not f else (dout, dlse, lse)
+                for s, f in zip(segs, fused)}
     if tiled:
         spans_q = [(s.qa, s.qb, s.plan_b.q_pad) for s in tiled]
         spans_k = [(s.ka, s.kb, s.plan_b.kv_pad) for s in tiled]
@@ -232,7 +267,7 @@ def backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Te
         k3, ko = _padded(k, spans_k)
         v3, _ = _padded(v, spans_k)
         out3, _ = _padded(out, spans_q)
-        dout3, _ = _padded(dout, spans_q)
+        dout3, _ = _padded([grads_of[id(s)][0] for s in tiled], spans_q)
         at = {id(s): (a, b) for s, a, b in zip(tiled, qo, ko)}
     for s, f in zip(segs, fused):
         if s.direct and f:
@@ -246,13 +281,14 @@ def backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Te
             continue
         plan = s.plan_b
         a, b = at[id(s)]
+        _, dlse_s, lse_s = grads_of[id(s)]
         work = _work(s, plan, q3[:, a:], k3[:, b:], v3[:, b:], hq, hkv, st, f)
         lse3 = torch.full((plan.q_pad, hq), float("inf"), dtype=lse.dtype, device=lse.device)  # padded rows: P = 0
-        lse3[:s.lq] = lse[s.qa:s.qb]
+        lse3[:s.lq] = lse_s[s.qa:s.qb]
         dlse3 = None
-        if dlse is not None:
-            dlse3 = torch.zeros(hq, plan.q_pad, dtype=dlse.dtype, device=dlse.device)  # (Hq, Lq_pad)
-            dlse3[:, :s.lq] = dlse[s.qa:s.qb].t()
+        if dlse_s is not None:
+            dlse3 = torch.zeros(hq, plan.q_pad, dtype=dlse_s.dtype, device=dlse_s.device)  # (Hq, Lq_pad)
+            dlse3[:, :s.lq] = dlse_s[s.qa:s.qb].t()
         dq3, dk3, dv3 = ops.backward(work, out3[:, a:a + plan.q_pad], lse3, dout3[:, a:a + plan.q_pad], dlse3, f,
                                      None, [])
         dq.put(s.qa, dq3[:, :s.lq].transpose(0, 1))
@@ -262,14 +298,25 @@ def backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Te
     return dq.result(), dk.result(), dv.result()
 
 
+def sinks_grad(out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | None, sinks: Tensor) -> Tensor:
+    """The gradient of the sinks ``(Hq,)``, summed over every packed row: ``p_sink * (dlse - rowsum(dout *
+    out))`` with ``p_sink = exp(sink - lse)`` (1 in a row that saw no key, whose output is 0: only ``dlse``
+    reaches the sink from it).  ``out (Tq, Hq, Dv)``, ``lse``/``dlse (Tq, Hq)`` include the sinks."""
+    p = torch.exp(sinks.detach().to(lse.dtype) - lse)  # (Tq, Hq)
+    g = -torch.einsum("thd,thd->th", dout.to(lse.dtype), out.to(lse.dtype))  # rowsum(dout * out), no product kept
+    if dlse is not None:
+        g = g + dlse.to(lse.dtype)
+    return (p * g).sum(0).to(sinks.dtype)
+
+
 class _VarlenFunction(torch.autograd.Function):
-    """Inputs ``(q, k, v, state)`` packed; outputs ``(out (Tq, Hq, Dv), lse (Hq, Tq))``."""
+    """Inputs ``(q, k, v, sinks (Hq,) or None, state)`` packed; outputs ``(out (Tq, Hq, Dv), lse (Hq, Tq))``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, state):
+    def forward(ctx, q, k, v, sinks, state):
         segs, st = state
-        out, lse = forward(q, k, v, segs, st)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse, bare = forward(q, k, v, segs, st, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, bare, sinks)
         ctx.state = state
         ctx.set_materialize_grads(False)
         return out, lse.t().contiguous()
@@ -280,27 +327,32 @@ class _VarlenFunction(torch.autograd.Function):
             raise RuntimeError("the flash backend's backward is not differentiable (create_graph=True or a double "
                                "backward, e.g. a gradient penalty): use backend='math' or 'sdpa' for such a loss")
         if dout is None and dlse is None:
-            return None, None, None, None
-        q, k, v, out, lse = ctx.saved_tensors
+            return None, None, None, None, None
+        q, k, v, out, lse, bare, sinks = ctx.saved_tensors
         segs, st = ctx.state
         dout = torch.zeros_like(out) if dout is None else dout.to(out.dtype)
         dlse = None if dlse is None else dlse.t().to(lse.dtype)  # (Tq, Hq)
-        dq, dk, dv = backward(q, k, v, out, lse, dout, dlse, segs, st)
-        return dq, dk, dv, None
+        dsinks = sinks_grad(out, lse, dout, dlse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
+        dq = dk = dv = None
+        if any(ctx.needs_input_grad[:3]):
+            dq, dk, dv = backward(q, k, v, out, lse, dout, dlse, segs, st, bare)
+        return dq, dk, dv, dsinks, None
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], cu_k: list[int], mask: Mask | None,
-              scale: float, softcap: float | None, dropout_p: float, segs: list[Segment] | None = None):
+              scale: float, softcap: float | None, dropout_p: float, segs: list[Segment] | None = None,
+              sinks: Tensor | None = None):
     """Packed attention as one batched call: ``(out (Tq, Hq, Dv), lse (Hq, Tq))`` (inputs validated by the
-    caller; ``segs`` from :func:`segments` when already planned)."""
+    caller; ``segs`` from :func:`segments` when already planned; ``sinks (Hq,)`` or None)."""
     st = settings(q, scale, softcap, dropout_p)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    needs_grad = torch.is_grad_enabled() and (any(t.requires_grad for t in (q, k, v))
+                                              or (sinks is not None and sinks.requires_grad))
     if segs is None:
         segs = segments(q, k, v, cu_q, cu_k, mask, st, ops.draw_seed() if dropout_p > 0 else 0, needs_grad)
     if not needs_grad:
-        out, lse = forward(q, k, v, segs, st)
+        out, lse, _ = forward(q, k, v, segs, st, sinks)
         return out, lse.t()
-    return _VarlenFunction.apply(q, k, v, (segs, st))
+    return _VarlenFunction.apply(q, k, v, sinks, (segs, st))
 
 
 def settings(q: Tensor, scale: float, softcap: float | None, dropout_p: float) -> Settings:

@@ -12,7 +12,7 @@ from ..bias import ScoreMod
 from . import _flash_varlen
 from . import flash as _flash
 from . import sdpa as _sdpa
-from ._call import _make_call
+from ._call import _check_sinks, _make_call
 from ._common import Call
 
 Tensor = torch.Tensor
@@ -87,8 +87,24 @@ def _check_varlen_bias(bias, hq: int, tq: int, tk: int):
     return bias[None]  # (1, Hq|1, Tq|1, Tk|1); attention() checks the rest
 
 
-def validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, bias):
-    """The checked ``(cu_q, cu_k, bias (1, Hq|1, Tq|1, Tk|1) or None)`` of an ``attention_varlen`` call."""
+def _check_varlen_sinks(sinks, q: Tensor, n: int) -> Tensor | None:
+    """``sinks`` as an ``(Hq,)`` view (expanded, so its gradient reaches the caller's tensor), or None."""
+    if sinks is None:
+        return None
+    hq = q.shape[1]
+    if isinstance(sinks, Tensor) and sinks.dim() > 1:
+        raise ValueError(f"attention_varlen: sinks must be one logit per query head shared by every packed "
+                         f"sequence, shape (Hq,)=({hq},), got shape {tuple(sinks.shape)}; for sinks that differ "
+                         f"between the {n} sequences, call attnkit.attention() on each sequence")
+    if isinstance(sinks, Tensor) and sinks.dim() == 1 and sinks.shape[0] not in (1, hq):
+        raise ValueError(f"attention_varlen: sinks of shape {tuple(sinks.shape)} does not match the {hq} query "
+                         f"heads of q {tuple(q.shape)}: give one logit per query head, shape ({hq},)")
+    return _check_sinks(sinks, q[None].transpose(1, 2))[0]  # (1, Hq, Tq, D) view: the (1, Hq) check -> (Hq,)
+
+
+def validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, bias, sinks=None):
+    """The checked ``(cu_q, cu_k, bias (1, Hq|1, Tq|1, Tk|1) or None, sinks (Hq,) or None)`` of an
+    ``attention_varlen`` call."""
     _check_packed(q, k, v)
     cu_q = _check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[0], "queries (q.shape[0])", q.device)
     cu_k = _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[0], "keys (k.shape[0])", q.device)
@@ -105,7 +121,8 @@ def validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, m
     if mask is not None:
         _masks.varlen(cu_q[:1], cu_k[:1], mask)  # (checks that the mask applies per sequence)
     bias = _check_varlen_bias(bias, q.shape[1], q.shape[0], k.shape[0])
-    return cu_q, cu_k, bias
+    sinks = _check_varlen_sinks(sinks, q, cu_q.numel() - 1)
+    return cu_q, cu_k, bias, sinks
 
 
 # ------------------------------------------------------------------- the two paths
@@ -141,13 +158,13 @@ def _refusal(q: Tensor, bias, backend: str) -> str | None:
     return None
 
 
-def _seq_call(q, k, v, a, b, c, d, mask, scale, softcap, dropout_p) -> Call:
+def _seq_call(q, k, v, a, b, c, d, mask, scale, softcap, dropout_p, sinks=None) -> Call:
     return _make_call(*(t.transpose(0, 1)[None] for t in (q[a:b], k[c:d], v[c:d])), mask=mask, scale=scale,
-                      softcap=softcap, dropout_p=dropout_p)
+                      softcap=softcap, dropout_p=dropout_p, sinks=sinks)
 
 
 def _costs(q, k, v, cu_q: list[int], cu_k: list[int], segs, mask, scale, softcap, dropout_p,
-           needs_grad: bool, select) -> tuple[float, float]:
+           needs_grad: bool, select, sinks=None) -> tuple[float, float]:
     """Estimated cost (flop-equivalents) of the batched call and of the per-sequence path.
 
     Kernels: a batched segment computed by one fused kernel call costs what ``sdpa`` would (the same kernel),
@@ -156,7 +173,10 @@ def _costs(q, k, v, cu_q: list[int], cu_k: list[int], segs, mask, scale, softcap
     batched segments.  Copies (``COPY_FLOPS`` per element written): the batched call writes the output (and
     the gradients) once and lays out its tiled segments' tokens head first; the per-sequence path copies q, k,
     v head first, assembles the output by an index sort and, with gradients, fills a zero gradient of each
-    packed tensor for every sequence run alone (the backward of a slice)."""
+    packed tensor for every sequence run alone (the backward of a slice).  Sinks: the batched call scales each
+    piece in place (no fresh memory), ``attention()`` writes its output once more; with gradients, segments off
+    the fused kernel make both ways write the output gradient of the sink-free result once; a sequence run
+    alone costs what ``auto`` picks with the sinks (never ``sdpa``, which has none)."""
     hq, hkv, d, dv = q.shape[1], k.shape[1], q.shape[2], v.shape[2]
     lq, lk = [b - a for a, b in zip(cu_q, cu_q[1:])], [b - a for a, b in zip(cu_k, cu_k[1:])]
     solo = set(alone(lq, lk, None))
@@ -168,6 +188,10 @@ def _costs(q, k, v, cu_q: list[int], cu_k: list[int], segs, mask, scale, softcap
     per_seq_copies = outs + (tokens if needs_grad else 0)
     if solo:
         per_seq_copies = tokens + 3 * outs + (2 * len(solo) * tokens + 3 * outs if needs_grad else 0)
+    if sinks is not None:
+        sink_grads = outs if needs_grad and not all(seg.fused for seg in segs) else 0
+        batched_copies += sink_grads
+        per_seq_copies += outs + sink_grads
     batched = per_seq = 0.0
     for seg in segs:
         call = _flash_varlen._call(seg, q, k, v, st)
@@ -177,20 +201,21 @@ def _costs(q, k, v, cu_q: list[int], cu_k: list[int], segs, mask, scale, softcap
             batched_copies += passes * (seg.lq * hq * (d + (2 * dv if needs_grad else 0)) + seg.lk * hkv * (d + dv))
         s = cu_q.index(seg.qa) if seg.own else -1
         if s in solo and not seg.direct:  # what auto picks for it alone
-            call = _seq_call(q, k, v, seg.qa, seg.qb, seg.ka, seg.kb, mask, scale, softcap, dropout_p)
+            call = _seq_call(q, k, v, seg.qa, seg.qb, seg.ka, seg.kb, mask, scale, softcap, dropout_p, sinks)
             kernel = select(call, "auto").cost(call)
         per_seq += kernel  # (a sequence alone on the same kernel, or the packed rest: as batched)
     return batched + COPY_FLOPS * batched_copies, per_seq + COPY_FLOPS * per_seq_copies
 
 
-def choose(q, k, v, cu_q: Tensor, cu_k: Tensor, mask, bias, scale, softcap, dropout_p, backend, select) -> _Choice:
+def choose(q, k, v, cu_q: Tensor, cu_k: Tensor, mask, bias, scale, softcap, dropout_p, backend, select,
+           sinks=None) -> _Choice:
     """Batched flash call or per-sequence path (see :func:`attnkit.attention_varlen`); ``select`` is the
-    backend registry's ``select`` (what ``auto`` picks for a sequence run alone)."""
+    backend registry's ``select`` (what ``auto`` picks for a sequence run alone); ``sinks (Hq,)`` or None."""
     why_not = _refusal(q, bias, backend)
     if why_not is not None:
         return _Choice(False, why_not)
     call = _make_call(*(t.transpose(0, 1)[None] for t in (q, k, v)), scale=scale, softcap=softcap,
-                      dropout_p=dropout_p)  # checks the tensors and settings
+                      dropout_p=dropout_p, sinks=sinks)  # checks the tensors and settings
     needs_grad = call.needs_grad
     cq, ck = cu_q.tolist(), cu_k.tolist()
     st = _flash_varlen.settings(q, call.scale, softcap, dropout_p)
@@ -198,7 +223,8 @@ def choose(q, k, v, cu_q: Tensor, cu_k: Tensor, mask, bias, scale, softcap, drop
     segs = _flash_varlen.segments(q, k, v, cq, ck, mask, st, seed, needs_grad)
     if backend == "flash":
         return _Choice(True, "backend='flash' was asked for", call.scale, segs)
-    batched, per_seq = _costs(q, k, v, cq, ck, segs, mask, call.scale, softcap, dropout_p, needs_grad, select)
+    batched, per_seq = _costs(q, k, v, cq, ck, segs, mask, call.scale, softcap, dropout_p, needs_grad, select,
+                              sinks)
     if batched <= per_seq:
         return _Choice(True, "the cheaper estimate", call.scale, segs, (batched, per_seq))
     return _Choice(False, "the cheaper estimate", call.scale, None, (batched, per_seq))
@@ -207,12 +233,14 @@ def choose(q, k, v, cu_q: Tensor, cu_k: Tensor, mask, bias, scale, softcap, drop
 
 
 def explain(select, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *,
-            max_seqlen_q=None, max_seqlen_k=None, mask=None, bias=None, scale=None, softcap=None,
+            max_seqlen_q=None, max_seqlen_k=None, mask=None, bias=None, scale=None, softcap=None, sinks=None,
             dropout_p: float = 0.0, return_lse: bool = False, backend: str = "auto") -> str:
     """How :func:`attention_varlen` would compute this call (``backends.explain`` with ``cu_seqlens_q`` and
-    ``cu_seqlens_k``): the batched flash call or the per-sequence path, why, and the segments or calls."""
-    cu_q, cu_k, bias = validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, bias)
-    choice = choose(q, k, v, cu_q, cu_k, mask, bias, scale, softcap, dropout_p, backend, select)
+    ``cu_seqlens_k``): the batched flash call or the per-sequence path, why, the segments or calls, and where
+    the sinks (if any) enter."""
+    cu_q, cu_k, bias, sinks = validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask,
+                                        bias, sinks)
+    choice = choose(q, k, v, cu_q, cu_k, mask, bias, scale, softcap, dropout_p, backend, select, sinks)
     n = cu_q.numel() - 1
     head = f"attention_varlen on {n} sequences, q {tuple(q.shape)} {str(q.dtype).replace('torch.', '')}"
     lines = []
@@ -225,12 +253,18 @@ def explain(select, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_se
                      f"their own: {direct} as one fused kernel call each on views of the packed tensors, "
                      f"{len(own) - direct} by their mask's tile plan")
         lines.append(f"  runs of shorter sequences, each one call under masks.varlen: {len(segs) - len(own)}")
+        if sinks is not None:
+            lines.append("  sinks: added to each row's denominator as each piece is written, out * sigmoid(lse - "
+                         "sink) from the kernel's lse (the fused kernel takes none); its backward reads the lse with "
+                         "the sink, the explicit tiles take the sink-free gradients")
     else:
         lq, lk = cu_q.diff().tolist(), cu_k.diff().tolist()
         seqs = alone(lq, lk, bias)
         lines.append(f"{head}: the per-sequence path ({choice.reason})")
         lines.append(f"  {len(seqs)} sequences of >= {OWN_CALL_MIN} queries and keys as their own attention() "
                      f"call (backend={backend!r}), the others as one packed call under masks.varlen")
+        if sinks is not None:
+            lines.append("  sinks: passed to every attention() call (sdpa has none: auto picks another backend)")
     if choice.costs is not None:
         lines.append(f"  estimated cost: batched {choice.costs[0] / 1e9:.3g}, per-sequence "
                      f"{choice.costs[1] / 1e9:.3g} GFLOP-equivalents")

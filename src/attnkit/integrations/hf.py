@@ -12,7 +12,8 @@
   key_padding(keep)`` — instead of a dense ``(B, 1, Lq, Lk)`` tensor, so block-sparse backends see the
   structure.  Packed sequences (position ids that restart per sequence, as ``DataCollatorWithFlattening``
   gives them for padding-free training) become :func:`attnkit.masks.varlen`, so each sequence's tiles are
-  the only ones computed; the ``cu_seq_lens_q/k`` keywords do the same in the attention function.  Patterns
+  the only ones computed; the ``cu_seq_lens_q/k`` keywords do the same in the attention function, and so
+  do position ids restarting in one row where the model built its mask without them (GPT-OSS).  Patterns
   it does not recognise (image-token overlays, chunked attention, static caches) are built densely by
   ``transformers``' own ``sdpa_mask``, so they are exact too.
 
@@ -421,6 +422,27 @@ def _with_sequence_bounds(mask, cu_q, cu_k, query: Tensor, key: Tensor):
     return _masks.varlen(cu_q, cu_k) & dense
 
 
+def _restarting_positions(position_ids, mask, query: Tensor, key: Tensor) -> Tensor | None:
+    """The packed sequences ``cu (n + 1,)`` int32 that position ids restarting within one row mark, when the
+    model's own mask does not keep them apart: models that build their mask without the position ids (GPT-OSS,
+    Qwen2-VL and others in transformers 5.x) leave packing to the attention function, as flash-attention's
+    integration reads it.  A new sequence starts wherever a position id is not its predecessor's plus one (as
+    ``masking_utils.find_packed_sequence_indices``).  None where nothing is packed: several rows, a cache
+    (``Lq != Lk``), a mask already per sequence or one that is not a pattern (a padding mask)."""
+    lq, lk = query.shape[2], key.shape[2]
+    if not isinstance(position_ids, Tensor) or query.shape[0] != 1 or lq != lk or lq < 2:
+        return None
+    if position_ids.dim() != 2 or tuple(position_ids.shape) != (1, lq):
+        return None  # (multimodal rope ids have more axes)
+    if mask is not None and not (isinstance(mask, Mask) and not mask.is_varlen() and _masks._per_sequence(mask)):
+        return None
+    starts = (position_ids[0].diff() != 1).nonzero()[:, 0] + 1  # (n - 1,)
+    if starts.numel() == 0:
+        return None
+    lq_t = torch.tensor([lq], device=starts.device)
+    return torch.cat([torch.zeros_like(lq_t), starts, lq_t]).to(torch.int32)
+
+
 def _collecting_attentions() -> bool:
     """Whether transformers' output recorder is collecting attention weights in this forward."""
     try:
@@ -453,7 +475,10 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         kwargs: ``output_attentions=True`` (or transformers' output recorder asking for attentions) returns
             the weights; ``cu_seq_lens_q``/``cu_seq_lens_k`` (sequences packed into one row, as
             ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` passes them) keep each sequence to
-            itself (:func:`attnkit.masks.varlen`, the layer's pattern inside each sequence); ``indices`` (a sparse indexer's top-k keys per query, ``(B, Lq, topk)``: DeepSeek-V3.2,
+            itself (:func:`attnkit.masks.varlen`, the layer's pattern inside each sequence), and so do
+            ``position_ids`` that restart within one row when the model built its causal / window mask without
+            them (GPT-OSS, Qwen2-VL: as flash-attention's integration reads them); ``indices`` (a sparse
+            indexer's top-k keys per query, ``(B, Lq, topk)``: DeepSeek-V3.2,
             GLM-MoE-DSA and their relatives) restricts each query to those keys, as eager attention does;
             ``s_aux`` or ``sinks`` (a per-head sink logit, ``(Hq,)``: GPT-OSS and the other sink models) is
             added to each row's softmax denominator as in eager attention (``sinks=`` of
@@ -482,6 +507,10 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     mask, additive = _resolve_mask(module, attention_mask, query, key, is_causal, sliding_window)
     if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
         mask = _with_sequence_bounds(mask, kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"), query, key)
+    else:
+        cu = _restarting_positions(kwargs.get("position_ids"), mask, query, key)
+        if cu is not None:
+            mask = _masks.varlen(cu, cu, mask)
     if kwargs.get("indices") is not None:  # a sparse indexer's top-k keys (eager applies them as a mask)
         sel = _selected_keys(kwargs["indices"], query, key)
         if mask is None or isinstance(mask, Tensor):
