@@ -546,11 +546,8 @@ def test_sinks_explain_and_the_paths():
     assert "sinks: added to each row's denominator as each piece is written" in say(mask=masks.causal(),
                                                                                     backend="flash")
     assert "sinks: passed to every attention() call" in say(mask=masks.causal(), backend="math")
-    # sdpa has no sinks: asked for, the per-sequence path says so
-    with pytest.raises(ValueError, match="backend='sdpa' cannot take this call: SDPA has no attention sinks"):
-        attnkit.attention_varlen(q, k, v, cu_q, cu_k, mask=masks.causal(), sinks=sinks, backend="sdpa")
     want = attnkit.attention_varlen(q, k, v, cu_q, cu_k, mask=masks.causal(), sinks=sinks, backend="math")
-    for backend in ("auto", "flash"):
+    for backend in ("auto", "flash", "sdpa"):
         got = attnkit.attention_varlen(q, k, v, cu_q, cu_k, mask=masks.causal(), sinks=sinks, backend=backend)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     # a very negative sink is no sink

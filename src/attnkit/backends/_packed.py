@@ -176,7 +176,7 @@ def _costs(q, k, v, cu_q: list[int], cu_k: list[int], segs, mask, scale, softcap
     packed tensor for every sequence run alone (the backward of a slice).  Sinks: the batched call scales each
     piece in place (no fresh memory), ``attention()`` writes its output once more; with gradients, segments off
     the fused kernel make both ways write the output gradient of the sink-free result once; a sequence run
-    alone costs what ``auto`` picks with the sinks (never ``sdpa``, which has none)."""
+    alone costs what ``auto`` picks with the sinks."""
     hq, hkv, d, dv = q.shape[1], k.shape[1], q.shape[2], v.shape[2]
     lq, lk = [b - a for a, b in zip(cu_q, cu_q[1:])], [b - a for a, b in zip(cu_k, cu_k[1:])]
     solo = set(alone(lq, lk, None))
@@ -264,7 +264,7 @@ def explain(select, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_se
         lines.append(f"  {len(seqs)} sequences of >= {OWN_CALL_MIN} queries and keys as their own attention() "
                      f"call (backend={backend!r}), the others as one packed call under masks.varlen")
         if sinks is not None:
-            lines.append("  sinks: passed to every attention() call (sdpa has none: auto picks another backend)")
+            lines.append("  sinks: passed to every attention() call")
     if choice.costs is not None:
         lines.append(f"  estimated cost: batched {choice.costs[0] / 1e9:.3g}, per-sequence "
                      f"{choice.costs[1] / 1e9:.3g} GFLOP-equivalents")
