@@ -30,6 +30,8 @@ def _gathered(pool, table, n):
     (None, None, None),
     (masks.causal(), B_.alibi(B_.alibi_slopes(4).double()), None),
     (masks.sliding_window(3), B_.relative_buckets(torch.randn(4, 8, dtype=F64), bidirectional=False), 2.0),
+    (masks.causal() & masks.sliding_window(4), None, None),  # combinations of positional masks: the pool path
+    ((masks.sliding_window(2) | masks.prefix_lm(2)) & ~masks.block_local(5), None, None),
 ])
 @pytest.mark.parametrize("lq", [1, 3])
 @pytest.mark.parametrize("layout,hq", [("block", 4), ("head", 4), ("head", 2)])
@@ -532,3 +534,11 @@ def test_garbage_in_unfilled_and_hidden_slots_reaches_no_row(fill, mask, lq, lay
         got = paged_attention(q, bad_k, bad_v, table, lens, mask=mask)
         assert torch.isfinite(got).all(), (which, fill)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_combined_positional_masks_take_the_pool_path():
+    from attnkit.backends.paged import _position_only
+    assert _position_only(masks.causal() & masks.sliding_window(4), None)
+    assert _position_only(~masks.block_local(4) | masks.prefix_lm(2), None)
+    assert not _position_only(masks.causal() & masks.key_padding(torch.tensor([3])), None)
+    assert not _position_only(masks.causal(align="top_left") & masks.sliding_window(4), None)

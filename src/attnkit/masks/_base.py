@@ -258,8 +258,8 @@ class Mask:
 
     def is_positional(self, align: str = "bottom_right") -> bool:
         """Whether the mask reads nothing but the query and key positions, with alignment ``align`` (the
-        built-in ``causal``, ``sliding_window``, ``prefix_lm`` and ``block_local``): one can then evaluate it
-        per sequence of a paged cache from positions alone.
+        built-in ``causal``, ``sliding_window``, ``prefix_lm`` and ``block_local``, and ``&``, ``|``, ``~`` of
+        such masks): one can then evaluate it per sequence of a paged cache from positions alone.
 
         Example::
 
@@ -267,6 +267,8 @@ class Mask:
             >>> from attnkit import masks
             >>> masks.causal().is_positional(), masks.causal(align="top_left").is_positional()
             (True, False)
+            >>> (masks.causal() & masks.sliding_window(4)).is_positional()
+            True
             >>> masks.key_padding(torch.tensor([3])).is_positional()
             False
         """
@@ -461,6 +463,9 @@ class _And(Mask):
     def cheap_structure(self):
         return self.a.cheap_structure() and self.b.cheap_structure()
 
+    def is_positional(self, align="bottom_right"):
+        return self.a.is_positional(align) and self.b.is_positional(align)
+
     def __repr__(self):
         return f"({self.a!r} & {self.b!r})"
 
@@ -507,6 +512,9 @@ class _Not(Mask):
     def cheap_structure(self):
         return self.a.cheap_structure()
 
+    def is_positional(self, align="bottom_right"):
+        return self.a.is_positional(align)
+
     def __repr__(self):
         return f"~{self.a!r}"
 
@@ -543,6 +551,9 @@ class _Named(Mask):
 
     def cheap_structure(self):
         return self.inner.cheap_structure()
+
+    def is_positional(self, align="bottom_right"):
+        return self.inner.is_positional(align)
 
     def __repr__(self):
         return self.name
