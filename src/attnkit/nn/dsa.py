@@ -147,7 +147,7 @@ def selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, *, mask
     B, _, Lq, _ = q.shape
     Lk = k.shape[2]
     idx = _check_indices(indices, B, Lq, Lk)
-    allowed = _dense_allowed(_checks.as_mask("mask", mask), B, Lq, Lk, q.device)  # (B, Lq, Lk)
+    allowed = _dense_allowed(_checks.as_mask("mask", mask), B, Lq, Lk, q.device, q.shape[1])  # (B, Lq, Lk)
     ok = _slots(idx, allowed)
     return _gathered(lambda *a, **kw: attention(*a, **kw, backend=backend), q, k, v, idx.clamp(min=0), ok, scale)
 
@@ -164,11 +164,11 @@ def _slots(idx: Tensor, allowed: Tensor) -> Tensor:
     return ok
 
 
-def _dense_allowed(m: _masks.Mask | None, B: int, Lq: int, Lk: int, device) -> Tensor:
-    """The mask as ``(B, Lq, Lk)`` bool (a key any head may see)."""
+def _dense_allowed(m: _masks.Mask | None, B: int, Lq: int, Lk: int, device, heads: int = 1) -> Tensor:
+    """The mask as ``(B, Lq, Lk)`` bool (it must not vary by head)."""
     if m is None:
         return torch.ones(B, Lq, Lk, dtype=torch.bool, device=device)
-    dense = m.to_dense(Lq, Lk, batch=B, device=device)  # (B', H', Lq, Lk)
+    dense = m.to_dense(Lq, Lk, batch=B, heads=heads, device=device)  # (B', H', Lq, Lk)
     if dense.shape[1] > 1 and not bool((dense == dense[:, :1]).all()):
         raise ValueError(f"mask={m!r} differs between heads; a DSA selection is one set of keys per query for "
                          f"every head: use a mask that does not depend on the head")
@@ -299,7 +299,7 @@ class DeepSeekSparseAttention(LatentAttention):
             kv, _, extra = _checks.cache_kv(kv)  # (B, 1, Lk, r + dr + di)
         Lk = kv.shape[2]
         m = _checks.combine(self.mask, call_mask, extra)
-        allowed = _dense_allowed(m, B, L, Lk, x.device)  # (B, L, Lk)
+        allowed = _dense_allowed(m, B, L, Lk, x.device, self.n_heads)  # (B, L, Lk), the same for every head
         r, dr = self.kv_lora_rank, self.qk_rope_head_dim
         grad = self.training and torch.is_grad_enabled()
         with torch.set_grad_enabled(grad):  # the indexer's graph serves its own loss only
@@ -314,7 +314,7 @@ class DeepSeekSparseAttention(LatentAttention):
         if self.dense_warmup:  # the paper's warm-up: dense attention, the indexer learns to follow it
             out = (self._expanded if Lk == L else self._absorbed)(q_nope, q_rope, latent, m, dropout_p)
         elif Lk == L:  # a prompt (nothing stored before): ordinary attention, the selection as a mask
-            att = sel[:, None] if m is None else m.to_dense(L, Lk, batch=B, device=x.device) & sel[:, None]
+            att = sel[:, None]  # (allowed by the mask, and selected)
             out = self._expanded(q_nope, q_rope, latent, att, dropout_p)
         else:  # decoding: read only the selected latents
             out = self._absorbed_gathered(q_nope, q_rope, latent, idx, _slots(idx, allowed), dropout_p)
@@ -345,12 +345,13 @@ class DeepSeekSparseAttention(LatentAttention):
             k_nope = self.kv_b_proj(c[:, 0]).view(B, Lk, self.n_heads, -1).transpose(1, 2)[..., :self.qk_nope_head_dim]
             k = torch.cat((k_nope, k_rope.expand(-1, self.n_heads, -1, -1)), dim=-1)
             qf = torch.cat((q_nope, q_rope), dim=-1)
-            s = torch.matmul(qf, k.transpose(-1, -2)).float() * self.scale  # (B, H, L, Lk)
+            dt = torch.promote_types(qf.dtype, torch.float32)
+            s = torch.matmul(qf, k.transpose(-1, -2)).to(dt) * self.scale  # (B, H, L, Lk)
             p = torch.softmax(s.masked_fill(~sel[:, None], float("-inf")), dim=-1).nan_to_num(0.0).sum(1)
             total = p.sum(-1, keepdim=True)
             rows = total[..., 0] > 0
             p = p / total.clamp(min=1e-30)
-        logq = torch.log_softmax(index.float().masked_fill(~sel, float("-inf")), dim=-1)
+        logq = torch.log_softmax(index.to(dt).masked_fill(~sel, float("-inf")), dim=-1)
         terms = torch.where(p > 0, p * (torch.log(p.clamp(min=1e-30)) - logq), torch.zeros_like(p))
         kl = terms.sum(-1)  # (B, L)
         return kl[rows].sum() / rows.sum().clamp(min=1)
