@@ -216,8 +216,15 @@ class LightningIndexer(nn.Module):
     def scores(self, q: Tensor, w: Tensor, k: Tensor) -> Tensor:
         """``sum_j w[t, j] relu(q[t, j] . k[s] / sqrt(head_dim))`` ``(B, Lq, Lk)``, in float32 at least."""
         dt = torch.promote_types(q.dtype, torch.float32)
-        s = torch.relu(torch.matmul(q.to(dt), k.to(dt).transpose(-1, -2)) * self.config.head_dim ** -0.5)
-        return torch.einsum("bhqk,bqh->bqk", s, w.to(dt))  # (B, Lq, Lk)
+        B, H, L, D = q.shape
+        # one product for every head: (B, H L, D) @ (B, D, Lk), the single key head read once (never expanded)
+        q = (q.to(dt) * self.config.head_dim ** -0.5).reshape(B, H * L, D)
+        s = torch.relu_(torch.bmm(q, k[:, 0].to(dt).transpose(1, 2))) if not torch.is_grad_enabled() else \
+            torch.relu(torch.bmm(q, k[:, 0].to(dt).transpose(1, 2)))
+        w = w.to(dt)
+        if L == 1:  # decoding: (B, 1, H) @ (B, H, Lk)
+            return torch.bmm(w.view(B, 1, H), s)
+        return torch.matmul(w.unsqueeze(-2), s.view(B, H, L, -1).transpose(1, 2)).squeeze(-2)  # (B, L, Lk)
 
 
 class DeepSeekSparseAttention(LatentAttention):
