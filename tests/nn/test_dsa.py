@@ -272,3 +272,18 @@ def test_bad_configurations_and_masks_are_refused():
     per_head[:, 1, :, 0] = False
     with pytest.raises(ValueError, match="differs between heads"):
         m(torch.randn(1, 5, 32), mask=per_head)
+
+
+def test_the_docs_picture_of_the_selected_keys_is_the_real_output():
+    import contextlib
+    import io
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "sparse.md").read_text(encoding="utf-8")
+    section = text[text.index("## DeepSeek sparse attention"):]
+    code, shown = re.search(r"```python\n(.*?)```\n\n```text\n(.*?)```", section, re.S).groups()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "docs/sparse.md", "exec"), {"__name__": "docs_sparse"})  # noqa: S102
+    assert out.getvalue() == shown
