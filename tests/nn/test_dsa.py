@@ -8,6 +8,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import attnkit
 from attnkit import masks
@@ -287,3 +289,33 @@ def test_the_docs_picture_of_the_selected_keys_is_the_real_output():
     with contextlib.redirect_stdout(out):
         exec(compile(code, "docs/sparse.md", "exec"), {"__name__": "docs_sparse"})  # noqa: S102
     assert out.getvalue() == shown
+
+
+@given(st.integers(1, 2), st.sampled_from([(2, 1), (4, 2), (3, 3)]), st.integers(1, 6), st.integers(1, 9),
+       st.integers(1, 5), st.integers(0, 10_000))
+@settings(max_examples=25, deadline=None)
+def test_selected_attention_is_attention_under_the_selection_as_a_mask(B, heads, Lq, Lk, K, seed):
+    Hq, Hkv = heads
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, h, n, 8, generator=g) for h, n in ((Hq, Lq), (Hkv, Lk), (Hkv, Lk)))
+    idx = torch.randint(-1, Lk, (B, Lq, K), generator=g)  # repeats and unused slots (-1) included
+    sel = torch.zeros(B, Lq, Lk + 1, dtype=torch.bool).scatter_(-1, torch.where(idx < 0, Lk, idx), True)[..., :Lk]
+    want = attnkit.attention(q, k, v, mask=sel[:, None] & masks.causal().to_dense(Lq, Lk))
+    torch.testing.assert_close(selected_attention(q, k, v, idx, mask=masks.causal()), want, rtol=1e-5, atol=1e-6)
+
+
+@given(st.integers(1, 12), st.integers(0, 10_000))
+@settings(max_examples=30, deadline=None)
+def test_top_k_keys_is_a_stable_sort_cut_after_k(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randint(0, 4, (3, n), generator=g).float()  # many ties
+    k = int(torch.randint(1, n + 1, (1,), generator=g))
+    want = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k].sort(-1).values
+    assert torch.equal(top_k_keys(scores, k), want)
+
+
+def test_selected_attention_passes_gradcheck():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 4, generator=g, dtype=D64, requires_grad=True) for n in (3, 5, 5))
+    idx = torch.tensor([[[0, 4], [2, -1], [1, 3]]])
+    assert torch.autograd.gradcheck(lambda q, k, v: selected_attention(q, k, v, idx), (q, k, v))

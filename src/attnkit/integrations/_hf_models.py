@@ -370,7 +370,8 @@ def _dtype_device(model) -> tuple[torch.dtype, torch.device]:
 
 def from_hf(model, *, backend: str = "auto"):
     """Convert a ``transformers`` causal LM of :data:`FAMILIES` (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3,
-    Phi-3, OLMo 2, SmolLM3, Granite) into an :class:`attnkit.nn.DecoderLM`.
+    Phi-3, OLMo 2, SmolLM3, Granite, DeepSeek-V3 and DeepSeek-V3.2 with dense feed-forward layers) into an
+    :class:`attnkit.nn.DecoderLM`.
 
     The result computes the same logits (up to float rounding) on the same device and dtype, and is served
     by attnkit's caches, :func:`attnkit.generate` and the engine.  ``backend`` is the attnkit attention
