@@ -192,6 +192,9 @@ def test_decoding_reads_only_the_selected_keys_and_equals_a_full_forward():
     assert seen and all(n == 3 for n in seen)  # each decode step attends to top_k gathered keys
     torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-5, atol=1e-5)
     assert layer.k.shape[-1] == 16 + 8 + 16 and layer.v.shape[-1] == 0  # latent, rope key, index key
+    chunked = StaticCache(1, max_len=12)  # a chunk of several queries after the prompt gathers per query
+    outs = [m(x[:, :5], cache=chunked.layers[0]), m(x[:, 5:9], cache=chunked.layers[0]), m(x[:, 9:], cache=chunked.layers[0])]
+    torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-5, atol=1e-5)
 
 
 def _model(**kw):
@@ -319,3 +322,19 @@ def test_selected_attention_passes_gradcheck():
     q, k, v = (torch.randn(1, 2, n, 4, generator=g, dtype=D64, requires_grad=True) for n in (3, 5, 5))
     idx = torch.tensor([[[0, 4], [2, -1], [1, 3]]])
     assert torch.autograd.gradcheck(lambda q, k, v: selected_attention(q, k, v, idx), (q, k, v))
+
+
+def test_a_cache_that_attends_itself_is_refused_before_anything_is_stored():
+    class Attends:
+        seq_len, updates = 0, 0
+
+        def peek(self, n_new):
+            return n_new, True
+
+        def update(self, k, v):
+            self.updates += 1
+
+    cache = Attends()
+    with pytest.raises(ValueError, match="use a StaticCache"):
+        _dsa()(torch.randn(1, 3, 32), cache=cache)
+    assert cache.updates == 0

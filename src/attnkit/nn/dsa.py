@@ -297,6 +297,11 @@ class DeepSeekSparseAttention(LatentAttention):
         stored = torch.cat((c, k_rope, ik.detach().to(c.dtype)), dim=-1)  # (B, 1, L, r + dr + di): what a cache stores
         kv, extra = stored, None
         if cache is not None:
+            peek = getattr(cache, "peek", None)
+            if callable(peek) and peek(L)[1]:  # refused before anything is stored
+                raise ValueError(f"DeepSeekSparseAttention gathers its selected keys from the cache, which "
+                                 f"{type(cache).__name__} does not hand out (its update() computes attention "
+                                 f"itself): use a StaticCache")
             kv = _update_cache(cache, stored, stored.new_empty(B, 1, L, 0), call_mask=call_mask, heads=self.n_heads,
                                q_len=L)
             if hasattr(kv, "attend"):
