@@ -52,8 +52,8 @@ def main(argv=None) -> None:
     heads, d = 128, args.d_model
     torch.manual_seed(0)
     rope = RotaryEmbedding(64, interleaved=True)
-    dsa = DeepSeekSparseAttention(d, heads, **dims, positions=rope, mask=masks.causal(),
-                                  indexer=IndexerConfig(top_k=top_k, n_heads=64, head_dim=128), backend=args.backend).eval()
+    dsa = DeepSeekSparseAttention(d, heads, **dims, positions=rope, mask=masks.causal(), backend=args.backend,
+                                  indexer=IndexerConfig(top_k=top_k, n_heads=64, head_dim=128)).eval()
     full = LatentAttention(d, heads, **dims, positions=rope, mask=masks.causal(), backend=args.backend).eval()
     full.load_state_dict({k: v for k, v in dsa.state_dict().items() if not k.startswith("indexer.")})
 
@@ -82,11 +82,12 @@ def main(argv=None) -> None:
             {"attention": f"DSA (top-k {top_k})", "keys read": top_k, "ms/step": f"{t['dsa'] * 1e3:.1f}",
              "vs full": f"{t['full'] / t['dsa']:.2f}x faster"}]
     print(f"one decode step at {cached} cached tokens: 128 heads, latent 512 + rope 64, nope 128, v 128, q latent "
-          f"1536, indexer 64 x 128, d_model {d}, float32, backend {args.backend!r}, {machine()}, load average {load:.1f} at the end")
+          f"1536, indexer 64 x 128, d_model {d}, float32, backend {args.backend!r}, {machine()}, load average "
+          f"{load:.1f} at the end")
     print(table(rows, list(rows[0])))
     print("saved", save("dsa_quick" if args.quick else "dsa",
-                        {"cached": cached, "top_k": top_k, "d_model": d, "backend": args.backend, "rows": rows, "load": load,
-                         "ratio": t["full"] / t["dsa"]}, out=args.out))
+                        {"cached": cached, "top_k": top_k, "d_model": d, "backend": args.backend, "rows": rows,
+                         "load": load, "ratio": t["full"] / t["dsa"]}, out=args.out))
 
 
 if __name__ == "__main__":

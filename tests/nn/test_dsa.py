@@ -193,7 +193,7 @@ def test_decoding_reads_only_the_selected_keys_and_equals_a_full_forward():
     torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-5, atol=1e-5)
     assert layer.k.shape[-1] == 16 + 8 + 16 and layer.v.shape[-1] == 0  # latent, rope key, index key
     chunked = StaticCache(1, max_len=12)  # a chunk of several queries after the prompt gathers per query
-    outs = [m(x[:, :5], cache=chunked.layers[0]), m(x[:, 5:9], cache=chunked.layers[0]), m(x[:, 9:], cache=chunked.layers[0])]
+    outs = [m(x[:, a:b], cache=chunked.layers[0]) for a, b in ((0, 5), (5, 9), (9, 11))]
     torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-5, atol=1e-5)
 
 

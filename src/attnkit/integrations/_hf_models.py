@@ -36,7 +36,8 @@ latent attention (:class:`attnkit.nn.LatentAttention`, ``DecoderConfig.kv_lora_r
 ``(qk_nope_head_dim + qk_rope_head_dim)^-0.5`` gains YaRN's ``mscale_all_dim`` correction squared as
 ``attn_scale``.  ``deepseek_v32`` (DeepSeek-V3.2, every feed-forward dense as well) adds DSA's lightning
 indexer (:class:`attnkit.nn.DeepSeekSparseAttention`, ``DecoderConfig.indexer``): its ``index_topk``,
-``index_n_heads``, ``index_head_dim``, half-split rotary pairs, weights ``self_attn.indexer.*``.  Mixture-of-experts models (DeepSeek with experts, Mixtral, Qwen MoE, ...) are refused.
+``index_n_heads``, ``index_head_dim``, half-split rotary pairs, weights ``self_attn.indexer.*``.
+Mixture-of-experts models (DeepSeek with experts, Mixtral, Qwen MoE, ...) are refused.
 
 Weights map one to one except two fusions: attnkit's ``attn.qkv_proj`` stacks ``[q_proj; k_proj; v_proj]`` and
 ``ffn.up_proj`` stacks ``[gate_proj; up_proj]``.

@@ -315,7 +315,8 @@ class DeepSeekSparseAttention(LatentAttention):
         r, dr = self.kv_lora_rank, self.qk_rope_head_dim
         grad = self.training and torch.is_grad_enabled()
         with torch.set_grad_enabled(grad):  # the indexer's graph serves its own loss only
-            index = self.indexer.scores(iq, iw, ik if cache is None else kv[..., r + dr:]).masked_fill(~allowed, float("-inf"))  # (B, L, Lk)
+            index = self.indexer.scores(iq, iw, ik if cache is None else kv[..., r + dr:])
+            index = index.masked_fill(~allowed, float("-inf"))  # (B, L, Lk): hidden keys are never chosen first
         idx, chosen = _select(index.detach(), min(self.top_k, Lk))  # (B, L, K), (B, L, Lk): not differentiable
         self.last_selection = idx
         latent = kv[..., : r + dr]
@@ -337,7 +338,6 @@ class DeepSeekSparseAttention(LatentAttention):
                            dropout_p: float) -> Tensor:
         """:meth:`LatentAttention._absorbed` over the latents ``idx (B, L, K)`` selects per query."""
         w_uk, w_uv = self._up_weights()
-        B, H, L, _ = q_nope.shape
         q_lat = torch.einsum("bhld,hdr->bhlr", q_nope, w_uk.to(q_nope.dtype))
         q = torch.cat((q_lat, q_rope), dim=-1)  # (B, H, L, r + dr)
         r = self.kv_lora_rank

@@ -499,8 +499,8 @@ class DecoderLM(_LMBase):
         return kind(cfg.d_model, cfg.n_heads, kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank,
                     qk_rope_head_dim=cfg.qk_rope_head_dim, qk_nope_head_dim=cfg.head_dim,
                     v_head_dim=cfg.v_head_dim or cfg.head_dim, positions=self._layer_positions(i),
-                    mask=self._layer_mask(i), scale=cfg.attn_scale, bias=cfg.qkv_bias, out_bias=cfg.out_bias, dropout=cfg.attention_dropout,
-                    backend=cfg.backend, **extra)
+                    mask=self._layer_mask(i), scale=cfg.attn_scale, bias=cfg.qkv_bias, out_bias=cfg.out_bias,
+                    dropout=cfg.attention_dropout, backend=cfg.backend, **extra)
 
     def _layer_mask(self, i: int) -> _masks.Mask:
         return _checks.combine(_masks.causal(), self.config.layer_mask(i))
