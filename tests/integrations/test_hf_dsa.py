@@ -73,8 +73,14 @@ def test_attnkit_attention_decodes_as_eager_through_transformers_generate():
     assert torch.equal(model.generate(prompt, max_new_tokens=6, do_sample=False), want)
 
 
-def test_from_hf_converts_deepseek_v32_with_its_indexer():
-    hf_model = _hf("deepseek_v32").eval()
+_YARN = dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                              "original_max_position_embeddings": 8, "mscale": 0.7, "mscale_all_dim": 0.9},
+             attention_bias=True)
+
+
+@pytest.mark.parametrize("extra", [{}, _YARN], ids=["default-rope", "yarn-biases"])
+def test_from_hf_converts_deepseek_v32_with_its_indexer(extra):
+    hf_model = _hf("deepseek_v32", **extra).eval()
     hf_model.generation_config.eos_token_id = None
     model = from_hf(hf_model)
     assert all(isinstance(layer.attn, DeepSeekSparseAttention) for layer in model.layers)
