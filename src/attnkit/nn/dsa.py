@@ -175,6 +175,12 @@ def _dense_allowed(m: _masks.Mask | None, B: int, Lq: int, Lk: int, device, head
     return dense[:, 0].expand(B, Lq, Lk)
 
 
+def _attending_cache(cache) -> ValueError:
+    return ValueError(f"DeepSeekSparseAttention gathers its selected keys from the cache, which {type(cache).__name__} "
+                      f"does not hand out (its update() computes attention itself; paged caches and the Engine): use "
+                      f"a StaticCache (attnkit.generate's default cache='static')")
+
+
 class LightningIndexer(nn.Module):
     """DSA's lightning indexer: index scores ``(B, Lq, Lk)`` of every (query, key) pair (see the module doc).
 
@@ -299,15 +305,11 @@ class DeepSeekSparseAttention(LatentAttention):
         if cache is not None:
             peek = getattr(cache, "peek", None)
             if callable(peek) and peek(L)[1]:  # refused before anything is stored
-                raise ValueError(f"DeepSeekSparseAttention gathers its selected keys from the cache, which "
-                                 f"{type(cache).__name__} does not hand out (its update() computes attention "
-                                 f"itself): use a StaticCache")
+                raise _attending_cache(cache)
             kv = _update_cache(cache, stored, stored.new_empty(B, 1, L, 0), call_mask=call_mask, heads=self.n_heads,
                                q_len=L)
             if hasattr(kv, "attend"):
-                raise ValueError(f"DeepSeekSparseAttention gathers its selected keys from the cache, which "
-                                 f"{type(cache).__name__} does not hand out (its update() computes attention "
-                                 f"itself): use a StaticCache")
+                raise _attending_cache(cache)
             kv, _, extra = _checks.cache_kv(kv)  # (B, 1, Lk, r + dr + di)
         Lk = kv.shape[2]
         m = _checks.combine(self.mask, call_mask, extra)
