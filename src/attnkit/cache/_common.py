@@ -65,6 +65,9 @@ def model_dims(model) -> dict:
     latent = getattr(cfg, "kv_lora_rank", None)
     if latent:  # multi-head latent attention: one "key" head holds [latent; rope key], the values are inside it
         n_kv, d_head, d_value = 1, latent + cfg.qk_rope_head_dim, 0
+        indexer = getattr(cfg, "indexer", None)
+        if indexer is not None:  # DeepSeek sparse attention: each token's index key follows its latent
+            d_head += indexer.head_dim
     return {"n_layers": n_layers, "n_kv_heads": n_kv, "d_head": d_head, "d_value": d_value, "dtype": dtype,
             "device": device, "max_seq_len": getattr(cfg, "max_seq_len", None)}
 

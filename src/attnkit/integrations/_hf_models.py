@@ -34,7 +34,10 @@ by ``1 + w`` in float32; attnkit's ``norm_offset=1.0`` does the same, so the wei
 ``deepseek_v3`` with every feed-forward dense (``first_k_dense_replace >= num_hidden_layers``) has multi-head
 latent attention (:class:`attnkit.nn.LatentAttention`, ``DecoderConfig.kv_lora_rank``); its score scale
 ``(qk_nope_head_dim + qk_rope_head_dim)^-0.5`` gains YaRN's ``mscale_all_dim`` correction squared as
-``attn_scale``.  Mixture-of-experts models (DeepSeek with experts, Mixtral, Qwen MoE, ...) are refused.
+``attn_scale``.  ``deepseek_v32`` (DeepSeek-V3.2, every feed-forward dense as well) adds DSA's lightning
+indexer (:class:`attnkit.nn.DeepSeekSparseAttention`, ``DecoderConfig.indexer``): its ``index_topk``,
+``index_n_heads``, ``index_head_dim``, half-split rotary pairs, weights ``self_attn.indexer.*``.
+Mixture-of-experts models (DeepSeek with experts, Mixtral, Qwen MoE, ...) are refused.
 
 Weights map one to one except two fusions: attnkit's ``attn.qkv_proj`` stacks ``[q_proj; k_proj; v_proj]`` and
 ``ffn.up_proj`` stacks ``[gate_proj; up_proj]``.
@@ -50,14 +53,16 @@ from ._transformers import _transformers as load_transformers
 Tensor = torch.Tensor
 
 FAMILIES = ("llama", "mistral", "qwen2", "gemma2", "qwen3", "gemma3_text", "phi3", "olmo2", "smollm3", "granite",
-            "deepseek_v3")
+            "deepseek_v3", "deepseek_v32")
+_DEEPSEEKS = ("deepseek_v3", "deepseek_v32")
 _GEMMAS = ("gemma2", "gemma3_text")
 _SLIDE_ALL = ("mistral", "phi3")  # sliding_window: every layer or none
 _SLIDE_TYPED = ("qwen2", "qwen3", "smollm3", "gemma2", "gemma3_text")  # layer_types say which layers slide
 # model types whose feed-forward layers are mixtures of experts (configs with experts are caught as well)
 _MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "granitemoehybrid",
         "phimoe", "deepseek_v2", "deepseek_v3", "dbrx", "jamba", "jetmoe", "gpt_oss", "llama4", "dots1",
-        "ernie4_5_moe", "glm4_moe", "hunyuan_v1_moe", "minimax", "qwen3_next", "flex_olmo")
+        "ernie4_5_moe", "glm4_moe", "hunyuan_v1_moe", "minimax", "qwen3_next", "flex_olmo", "deepseek_v32",
+        "glm_moe_dsa")
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 
 
@@ -148,7 +153,7 @@ def _check_dense(cfg) -> None:
     """ValueError for a config with mixture-of-experts feed-forward layers (attnkit.nn has none)."""
     family = getattr(cfg, "model_type", None)
     experts = max(int(getattr(cfg, name, 0) or 0) for name in ("num_experts", "num_local_experts", "n_routed_experts"))
-    if family == "deepseek_v3" and (experts == 0 or getattr(cfg, "first_k_dense_replace", 0) >= cfg.num_hidden_layers):
+    if family in _DEEPSEEKS and (experts == 0 or getattr(cfg, "first_k_dense_replace", 0) >= cfg.num_hidden_layers):
         return  # every layer's feed-forward is dense
     if family in _MOE or experts > 0:
         raise ValueError(f"model_type={family!r} has mixture-of-experts feed-forward layers, which attnkit.nn does "
@@ -184,7 +189,7 @@ def decoder_config(hf_config, *, backend: str = "auto"):
     _check_dense(cfg)
     if family in _GEMMAS:
         return _gemma_config(cfg, backend)
-    if family == "deepseek_v3":
+    if family in _DEEPSEEKS:
         return _deepseek_config(cfg, backend)
     if family not in FAMILIES:
         raise ValueError(f"decoder_config converts configs of {FAMILIES}, got model_type={family!r}")
@@ -218,8 +223,14 @@ def _deepseek_scale(rope: dict, qk_head_dim: int) -> float:
 
 
 def _deepseek_config(cfg, backend: str):
-    """DeepSeek-V3 with dense feed-forward layers only: multi-head latent attention (DecoderConfig.kv_lora_rank)."""
-    from ..nn import DecoderConfig
+    """DeepSeek-V3 with dense feed-forward layers only: multi-head latent attention (DecoderConfig.kv_lora_rank);
+    DeepSeek-V3.2 adds its indexer (DecoderConfig.indexer)."""
+    from ..nn import DecoderConfig, IndexerConfig
+
+    indexer = None
+    if cfg.model_type == "deepseek_v32":
+        indexer = IndexerConfig(top_k=cfg.index_topk, n_heads=cfg.index_n_heads, head_dim=cfg.index_head_dim,
+                                rope_interleaved=False)  # the indexer pairs (i, i + d/2); the attention (2i, 2i + 1)
 
     if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
         raise ValueError(f"hidden_act={cfg.hidden_act!r}: attnkit's SwiGLU uses silu")
@@ -243,7 +254,7 @@ def _deepseek_config(cfg, backend: str):
         norm="rms", norm_eps=cfg.rms_norm_eps, norm_first=True, ffn="swiglu", qkv_bias=biased, out_bias=biased,
         tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)), dropout=0.0,
         attention_dropout=float(getattr(cfg, "attention_dropout", 0.0) or 0.0),
-        init_std=getattr(cfg, "initializer_range", 0.02), backend=backend)
+        init_std=getattr(cfg, "initializer_range", 0.02), backend=backend, indexer=indexer)
 
 
 def _gemma_config(cfg, backend: str):
@@ -299,6 +310,7 @@ _QK_NORMS = {"q_norm": "q_norm", "k_norm": "k_norm"}  # self_attn.<name> -> attn
 # DeepSeek's latent attention: self_attn.<HF name> -> attn.<attnkit name> (LatentAttention)
 _MLA = {"q_proj": "q_proj", "q_a_proj": "q_a_proj", "q_a_layernorm": "q_norm", "q_b_proj": "q_b_proj",
         "kv_a_proj_with_mqa": "kv_a_proj", "kv_a_layernorm": "kv_norm", "kv_b_proj": "kv_b_proj", "o_proj": "out_proj"}
+_INDEXER = ("wq_b", "wk", "k_norm", "weights_proj")  # self_attn.indexer.<name> -> attn.indexer.<name>
 
 
 def _norm_shift(family: str, norm_offset: float) -> float:
@@ -324,10 +336,13 @@ def _to_attnkit_state(hf_state: dict, n_layers: int, tied: bool, family: str, no
             if f"{h}self_attn.{name}.weight" in hf_state:
                 s[f"{a}attn.{name}.weight"] = _shifted(hf_state[f"{h}self_attn.{name}.weight"], off)
         for kind in ("weight", "bias"):
-            if family == "deepseek_v3":
+            if family in _DEEPSEEKS:
                 for hf_name, name in _MLA.items():
                     if f"{h}self_attn.{hf_name}.{kind}" in hf_state:
                         s[f"{a}attn.{name}.{kind}"] = hf_state[f"{h}self_attn.{hf_name}.{kind}"]
+                for name in _INDEXER:  # DeepSeek-V3.2's lightning indexer: the same names
+                    if f"{h}self_attn.indexer.{name}.{kind}" in hf_state:
+                        s[f"{a}attn.indexer.{name}.{kind}"] = hf_state[f"{h}self_attn.indexer.{name}.{kind}"]
                 s[f"{a}ffn.up_proj.weight"] = torch.cat([hf_state[h + "mlp.gate_proj.weight"],
                                                          hf_state[h + "mlp.up_proj.weight"]], 0)  # rows [gate; up]
                 s[f"{a}ffn.down_proj.weight"] = hf_state[h + "mlp.down_proj.weight"]
@@ -356,7 +371,8 @@ def _dtype_device(model) -> tuple[torch.dtype, torch.device]:
 
 def from_hf(model, *, backend: str = "auto"):
     """Convert a ``transformers`` causal LM of :data:`FAMILIES` (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3,
-    Phi-3, OLMo 2, SmolLM3, Granite) into an :class:`attnkit.nn.DecoderLM`.
+    Phi-3, OLMo 2, SmolLM3, Granite, DeepSeek-V3 and DeepSeek-V3.2 with dense feed-forward layers) into an
+    :class:`attnkit.nn.DecoderLM`.
 
     The result computes the same logits (up to float rounding) on the same device and dtype, and is served
     by attnkit's caches, :func:`attnkit.generate` and the engine.  ``backend`` is the attnkit attention
@@ -634,6 +650,9 @@ def hf_config(config, *, attn_implementation: str | None = None, family: str | N
     cfg = config
     if family is not None and family not in FAMILIES:
         raise ValueError(f"family={family!r} is not one of {FAMILIES}")
+    if getattr(cfg, "indexer", None) is not None or family == "deepseek_v32":
+        raise ValueError("to_hf does not convert DeepSeek sparse attention (config.indexer, DeepSeek-V3.2) back to "
+                         "transformers; keep the attnkit model, or convert a model without an indexer")
     lefts = _layer_lefts(cfg)
     rope, max_len = _hf_rope(cfg)
     common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ff_dim,

@@ -3,7 +3,8 @@
 * Attention: :class:`MultiHeadAttention` (self, grouped-query, cross, cached; ``from_torch``),
   :class:`SingleHeadAttention` (the articles' one head), :class:`AdditiveAttention` (Bahdanau),
   :class:`AxialAttention` (grids), :class:`LatentAttention` (multi-head latent attention, DeepSeek-V2/V3:
-  caches hold a small latent per token).
+  caches hold a small latent per token), :class:`DeepSeekSparseAttention` (DSA, DeepSeek-V3.2: a lightning
+  indexer picks each query's top-k keys; :class:`IndexerConfig`, :func:`indexer_loss`).
 * Positions: :class:`RotaryEmbedding`, :class:`ALiBi`, :class:`T5RelativeBias`, :class:`SinusoidalPositions`.
 * Blocks and models: :class:`TransformerBlock`, :class:`Encoder`, :class:`Decoder`, :class:`DecoderLM`
   (:class:`DecoderConfig`), :class:`EncoderDecoder`.
@@ -29,6 +30,8 @@ from . import tasks
 from .attention import AttentionConfig, MultiHeadAttention
 from .axial import AxialAttention
 from .blocks import BlockConfig, Decoder, Encoder, TransformerBlock, default_d_ff
+from .dsa import (DeepSeekSparseAttention, IndexerConfig, LightningIndexer, indexer_loss, selected_attention,
+                  top_k_keys)
 from .latent import LatentAttention
 from .layers import FeedForward, Linear, RMSNorm, linear, to_decode_layout
 from .models import DecoderConfig, DecoderLM, EncoderDecoder
@@ -41,6 +44,12 @@ __all__ = [
     "AdditiveAttention",
     "AxialAttention",
     "LatentAttention",
+    "DeepSeekSparseAttention",
+    "IndexerConfig",
+    "LightningIndexer",
+    "indexer_loss",
+    "selected_attention",
+    "top_k_keys",
     "RotaryEmbedding",
     "ALiBi",
     "T5RelativeBias",

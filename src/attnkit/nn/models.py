@@ -12,6 +12,7 @@ from .. import masks as _masks
 from . import _checks
 from .attention import AttentionConfig
 from .blocks import BlockConfig, Decoder, Encoder, TransformerBlock, _cache_positions, _layer_caches, default_d_ff
+from .dsa import DeepSeekSparseAttention, IndexerConfig
 from .latent import LatentAttention
 from .layers import Linear, _dropout, linear, make_norm
 from .positions import ALiBi, PositionEncoding, RotaryEmbedding, SinusoidalPositions, T5RelativeBias, _parse_scaling
@@ -34,7 +35,8 @@ class DecoderConfig:
     OLMo 2 (``qk_norm="all", pre_norms=False, post_norms=True``), SmolLM3 (``rope_layers``), Granite
     (``embed_scale``, ``attn_scale``, ``residual_scale``, ``logit_divisor``), DeepSeek-V3's multi-head latent
     attention (``kv_lora_rank``, ``q_lora_rank``, ``qk_rope_head_dim``, ``v_head_dim``; ``d_head`` is then
-    ``qk_nope_head_dim``) as well as GPT-style models (``norm="layer", ffn="gelu"``, biases,
+    ``qk_nope_head_dim``), DeepSeek-V3.2's sparse attention (plus ``indexer=IndexerConfig(...)``) as well as
+    GPT-style models (``norm="layer", ffn="gelu"``, biases,
     ``positions="sinusoidal"`` or ``"alibi"``).  ``attention_sinks=True`` gives every self-attention a learned
     sink logit per head (GPT-OSS; :class:`MultiHeadAttention` ``sinks=True``).
 
@@ -104,6 +106,9 @@ class DecoderConfig:
     q_lora_rank: int | None = None  # MLA: rank of the query projection; None = a full projection
     qk_rope_head_dim: int | None = None  # MLA: rotary dims per head, one rotary key shared by every head
     v_head_dim: int | None = None  # MLA: value dims per head; None = d_head
+    # DeepSeek sparse attention (DeepSeek-V3.2): an IndexerConfig gives every latent-attention layer a lightning
+    # indexer, and each query attends to its top-k keys (DeepSeekSparseAttention); needs kv_lora_rank
+    indexer: IndexerConfig | None = None
     tie_embeddings: bool = True  # the output head reuses the token embedding
     dropout: float = 0.0  # embedding and residual dropout (training)
     attention_dropout: float = 0.0  # dropout on the attention probabilities (training)
@@ -193,6 +198,12 @@ class DecoderConfig:
     def _check_latent(self) -> None:
         for name in ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim"):
             _checks.positive_int(name, getattr(self, name), allow_none=True)
+        if self.indexer is not None and not isinstance(self.indexer, IndexerConfig):
+            raise TypeError(f"indexer must be an attnkit.nn.IndexerConfig (DeepSeek sparse attention), got "
+                            f"{type(self.indexer).__name__}")
+        if self.indexer is not None and self.kv_lora_rank is None:
+            raise ValueError("indexer= (DeepSeek sparse attention) selects keys for latent attention layers: set "
+                             "kv_lora_rank and qk_rope_head_dim too (or indexer=None)")
         if self.kv_lora_rank is None:
             for name in ("q_lora_rank", "qk_rope_head_dim", "v_head_dim"):
                 if getattr(self, name) is not None:
@@ -483,12 +494,13 @@ class DecoderLM(_LMBase):
         cfg = self.config
         if not cfg.latent:
             return None
-        return LatentAttention(cfg.d_model, cfg.n_heads, kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank,
-                               qk_rope_head_dim=cfg.qk_rope_head_dim, qk_nope_head_dim=cfg.head_dim,
-                               v_head_dim=cfg.v_head_dim or cfg.head_dim, positions=self._layer_positions(i),
-                               mask=self._layer_mask(i), scale=cfg.attn_scale,
-                               bias=cfg.qkv_bias, out_bias=cfg.out_bias, dropout=cfg.attention_dropout,
-                               backend=cfg.backend)
+        kind, extra = (LatentAttention, {}) if cfg.indexer is None else (DeepSeekSparseAttention,
+                                                                          {"indexer": cfg.indexer})
+        return kind(cfg.d_model, cfg.n_heads, kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank,
+                    qk_rope_head_dim=cfg.qk_rope_head_dim, qk_nope_head_dim=cfg.head_dim,
+                    v_head_dim=cfg.v_head_dim or cfg.head_dim, positions=self._layer_positions(i),
+                    mask=self._layer_mask(i), scale=cfg.attn_scale, bias=cfg.qkv_bias, out_bias=cfg.out_bias,
+                    dropout=cfg.attention_dropout, backend=cfg.backend, **extra)
 
     def _layer_mask(self, i: int) -> _masks.Mask:
         return _checks.combine(_masks.causal(), self.config.layer_mask(i))
