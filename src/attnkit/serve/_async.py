@@ -274,8 +274,8 @@ class AsyncEngine:
                     self._finish(rid, stream, "error", error=f"{type(e).__name__}: {e}")
                 self._refresh()
                 continue
+            self._refresh()  # (before the tokens go out: a client reacting to them sees this step's state)
             self._deliver(events)
-            self._refresh()
         for rid, stream in list(self._live.items()):  # closing: abort what is left
             engine.abort(rid)
             self._finish(rid, stream, "abort")
@@ -293,11 +293,9 @@ class AsyncEngine:
                 future.set_exception(e)
                 return
             stream.rid = rid
-            with self._lock:
-                self._pending_adds -= 1
-                self.submitted += 1
-            self.metrics.request_started(len(stream.prompt))
             self._live[rid] = stream
+            self._refresh(added=True)  # (the queue's count and the pending adds change together)
+            self.metrics.request_started(len(stream.prompt))
             future.set_result(rid)
             if rid in self.engine.results:  # max_new_tokens=0: done at once
                 self.engine.take(rid)
@@ -344,12 +342,15 @@ class AsyncEngine:
         self.metrics.request_finished(reason, len(stream.tokens) + len(tokens))
         stream._put(Delta(list(tokens), list(logprobs), reason, error))
 
-    def _refresh(self) -> None:
+    def _refresh(self, added: bool = False) -> None:
         engine = self.engine
         snap = {"running": len(engine.running), "waiting": len(engine.waiting),
                 "blocks_used": engine.cache.stats()["blocks_used"], "blocks_total": engine.cache.num_blocks}
         with self._lock:
             self._snapshot = snap
+            if added:
+                self._pending_adds -= 1
+                self.submitted += 1
         self.metrics.set_state(snap)
 
     # ------------------------------------------------------------------ closing
