@@ -376,11 +376,19 @@ def _engine_for(served: ServedModel, *, cache_blocks: int, block_size: int, max_
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, except that SIGINT / SIGTERM end it cleanly without re-raising the signal afterwards."""
+    """uvicorn's server, except that SIGINT / SIGTERM end it cleanly without re-raising the signal afterwards, and
+    abort the requests in flight at once (their streams end with ``finish_reason="abort"`` and ``[DONE]``), so
+    shutting down never waits for long generations."""
+
+    def __init__(self, config, engine: AsyncEngine):
+        super().__init__(config)
+        self.engine = engine
 
     def handle_exit(self, sig, frame) -> None:
         if self.should_exit and sig == 2:  # a second Ctrl-C: stop waiting for open connections
             self.force_exit = True
+        if not self.should_exit:
+            threading.Thread(target=self.engine.close, name="attnkit-serve-stop", daemon=True).start()
         self.should_exit = True
 
 
@@ -411,7 +419,7 @@ class RunningServer:
         self._sock = _bind(host, port)
         self.host, self.port = host, self._sock.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
-        self._server = _Server(_config(app, log_level, graceful_s))
+        self._server = _Server(_config(app, log_level, graceful_s), engine)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name="attnkit-serve", daemon=True)
         self._thread.start()
@@ -423,6 +431,7 @@ class RunningServer:
             time.sleep(0.01)
 
     def stop(self, timeout: float = 30.0) -> None:
+        self.engine.close()  # (requests in flight end with "abort" at once)
         self._server.should_exit = True
         self._thread.join(timeout)
         self.engine.close()
@@ -454,7 +463,7 @@ def run_server(served: ServedModel, *, host: str = "127.0.0.1", port: int = 8000
                          max_batched_tokens=max_batched_tokens, max_waiting=max_waiting)
     sock = _bind(host, port)
     try:
-        server = _Server(_config(build_app(served, engine), log_level, graceful_s))
+        server = _Server(_config(build_app(served, engine), log_level, graceful_s), engine)
         announce(f"attnkit serve: {served.name!r} ({served.family}) on http://{host}:{sock.getsockname()[1]}/v1 "
                  f"(Ctrl-C stops)")
         server.run(sockets=[sock])
