@@ -62,3 +62,17 @@ def start(served):
     yield make
     for server in running:
         server.stop()
+
+
+def slow_steps(engine, seconds: float = 0.03):
+    """Make each step of ``engine`` (an attnkit.Engine) take ``seconds`` longer, so a long request surely still
+    runs while a test looks at the queue (on a loaded machine a tiny model's 200 tokens can pass in a blink)."""
+    import time
+
+    real = engine.step
+
+    def step():
+        time.sleep(seconds)
+        return real()
+
+    engine.step = step

@@ -8,6 +8,8 @@ import pytest
 
 import attnkit
 
+from .conftest import slow_steps
+
 openai = pytest.importorskip("openai")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -205,6 +207,7 @@ def test_bad_chat_requests_and_bodies(start, served, server_log):
 
 def test_a_full_queue_answers_503(start):
     server = start(max_batch=1, max_waiting=1)
+    slow_steps(server.engine.engine)
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True,
             "logit_bias": {"2": -100}}  # (no eos: it runs until it is stopped)
     with httpx.Client(timeout=60) as c, c.stream("POST", server.url + "/v1/completions", json=body) as first:
@@ -218,6 +221,7 @@ def test_a_full_queue_answers_503(start):
 
 def test_a_client_that_disconnects_frees_its_blocks(start, served, server_log):
     server = start(max_batch=1)
+    slow_steps(server.engine.engine)
     ids = served.tokenizer(PROMPT).input_ids
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True,
             "logit_bias": {"2": -100}}  # (no eos: it runs until it is stopped)
@@ -235,3 +239,11 @@ def test_a_client_that_disconnects_frees_its_blocks(start, served, server_log):
     assert server.engine.engine.cache.num_free_blocks == server.engine.engine.cache.num_blocks
     assert server.engine.finished.get("abort") == 1
     assert not server_log
+
+
+def test_max_tokens_defaults_to_what_the_context_and_pool_hold(start, served):
+    server = start(cache_blocks=4, block_size=8)  # 32 positions, less than the model's 256
+    reply = httpx.post(server.url + "/v1/completions", timeout=60,
+                       json={"model": "tiny", "prompt": PROMPT, "temperature": 0, "logit_bias": {"2": -100}}).json()
+    assert reply["usage"]["completion_tokens"] == 32 - reply["usage"]["prompt_tokens"]
+    assert reply["choices"][0]["finish_reason"] == "length"

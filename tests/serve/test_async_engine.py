@@ -10,6 +10,8 @@ import attnkit
 from attnkit.nn import DecoderConfig, DecoderLM
 from attnkit.serve import AsyncEngine, Overloaded
 
+from .conftest import slow_steps
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -30,6 +32,11 @@ def _engine(model, **kw):
     kw.setdefault("block_size", 4)
     kw.setdefault("max_batch", 3)
     return attnkit.Engine(model, **kw)
+
+
+def _slow(engine):
+    slow_steps(engine)
+    return engine
 
 
 def test_streams_from_many_threads_equal_generate_alone(model):
@@ -78,7 +85,7 @@ def test_async_streams_and_logprobs(model):
 
 
 def test_abort_frees_blocks_at_once_and_the_slot_goes_to_the_next(model):
-    with AsyncEngine(_engine(model, max_batch=1)) as engine:
+    with AsyncEngine(_slow(_engine(model, max_batch=1))) as engine:
         long = engine.submit([1, 2, 3], 200)
         waiting = engine.submit([4, 5], 5)
         first = next(iter(long))
@@ -103,7 +110,7 @@ def test_bad_arguments_raise_in_the_caller_and_the_worker_lives_on(model):
 
 
 def test_a_full_queue_is_refused(model):
-    with AsyncEngine(_engine(model, max_batch=1), max_waiting=1) as engine:
+    with AsyncEngine(_slow(_engine(model, max_batch=1)), max_waiting=1) as engine:
         a = engine.submit([1, 2], 200)
         next(iter(a))  # running
         b = engine.submit([3], 3)  # waits

@@ -36,9 +36,17 @@ def _serve(model_dir, *extra):
     raise AssertionError("the server did not start:\n" + "".join(lines))
 
 
+@pytest.fixture(scope="module")
+def long_model_dir(tmp_path_factory):
+    """A context of 4096 positions: a request of 4000 tokens surely still streams when the signal comes."""
+    from attnkit.serve import make_demo_model
+
+    return make_demo_model(tmp_path_factory.mktemp("long") / "tiny", max_positions=4096)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_serve_starts_answers_and_stops_on_a_signal(model_dir, sig):
-    proc, url, _ = _serve(model_dir)
+def test_serve_starts_answers_and_stops_on_a_signal(long_model_dir, sig):
+    proc, url, _ = _serve(long_model_dir)
     try:
         assert url.startswith("http://127.0.0.1:")  # loopback by default
         assert httpx.get(url + "/health", timeout=30).json() == {"status": "ok"}
@@ -46,7 +54,7 @@ def test_serve_starts_answers_and_stops_on_a_signal(model_dir, sig):
         assert httpx.post(url + "/v1/completions", json=body, timeout=60).json()["usage"]["completion_tokens"] == 3
         # a streaming request still open when the signal comes is ended, not waited for
         with httpx.stream("POST", url + "/v1/completions", timeout=60,
-                          json=dict(body, max_tokens=200, stream=True, logit_bias={"2": -100})) as r:
+                          json=dict(body, max_tokens=4000, stream=True, logit_bias={"2": -100})) as r:
             lines = r.iter_lines()
             next(lines)
             proc.send_signal(sig)

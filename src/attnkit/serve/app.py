@@ -189,8 +189,9 @@ class _Handler:
         if room < 1:
             raise ApiError(f"the prompt is {len(prompt)} tokens, and the model's context is {self.ctx.max_context}: "
                            f"shorten it", "messages" if req.chat else "prompt")
-        if req.max_tokens is None:
-            return room
+        if req.max_tokens is None:  # the rest of the context, as far as the block pool holds it
+            cache = self.engine.engine.cache
+            return max(1, min(room, cache.num_blocks * cache.block_size - len(prompt)))
         if req.max_tokens > room:
             raise ApiError(f"max_tokens={req.max_tokens} plus the prompt's {len(prompt)} tokens is beyond the "
                            f"model's context of {self.ctx.max_context}: ask for at most {room}",
