@@ -39,11 +39,12 @@ def _slow(engine):
     return engine
 
 
-def test_streams_from_many_threads_equal_generate_alone(model):
+@pytest.mark.parametrize("chunked", [None, 6], ids=["whole-prefill", "chunked-prefill"])
+def test_streams_from_many_threads_equal_generate_alone(model, chunked):
     prompts = _prompts(8)
     lengths = [3 + 2 * i for i in range(8)]
     out = {}
-    with AsyncEngine(_engine(model)) as engine:
+    with AsyncEngine(_engine(model, max_batched_tokens=chunked)) as engine:
         def client(i):
             stream = engine.submit(prompts[i], lengths[i])
             out[i] = (stream.tokens, [d.finish_reason for d in stream])

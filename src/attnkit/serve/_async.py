@@ -339,7 +339,7 @@ class AsyncEngine:
         self._live.pop(rid, None)
         with self._lock:
             self.finished[reason] = self.finished.get(reason, 0) + 1
-        self.metrics.request_finished(reason, len(stream.tokens) + len(tokens))
+        self.metrics.request_finished(reason)
         stream._put(Delta(list(tokens), list(logprobs), reason, error))
 
     def _refresh(self, added: bool = False) -> None:

@@ -88,7 +88,7 @@ class Metrics:
             self.itl.observe(seconds)
             self.generation_tokens += 1
 
-    def request_finished(self, reason: str, tokens: int) -> None:
+    def request_finished(self, reason: str) -> None:
         with self._lock:
             self.finished[reason] = self.finished.get(reason, 0) + 1
 
