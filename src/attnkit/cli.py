@@ -13,6 +13,7 @@ Subcommands (each takes ``--help``)::
     attnkit demo [--quick]                  # the library at work (what make demo runs)
     attnkit bench [--quick] [--out DIR]     # run the benchmark scripts in benchmarks/
     attnkit distill [--window W] [--out FILE.pt]  # distil a recall model into a smaller or sliding-window student
+    attnkit serve MODEL_DIR [--port N]      # an OpenAI-compatible server over the Engine (docs/serving.md)
     attnkit --version
 
 Bad arguments, missing or malformed files and inputs of the wrong shape print one line on stderr and exit
@@ -585,6 +586,26 @@ def _cmd_distill(args) -> int:
 # ---------------------------------------------------------------------------------- the parser
 
 
+def _cmd_serve(args) -> int:
+    _require(["starlette", "uvicorn", "transformers"], extra="serve", needed_by="attnkit serve")
+    import torch
+
+    from .serve import load_model_dir
+    from .serve.app import run_server
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        served = load_model_dir(args.model_dir, name=args.name, dtype=args.dtype, device=args.device)
+        run_server(served, host=args.host, port=args.port, cache_blocks=args.cache_blocks,
+                   block_size=args.block_size, max_batch=args.max_batch, max_batched_tokens=args.max_batched_tokens,
+                   max_waiting=args.max_waiting, log_level=args.log_level,
+                   announce=lambda line: print(line, flush=True))
+    except ValueError as e:
+        raise UsageError(f"attnkit serve: {e}") from None
+    return EXIT_OK
+
+
 def _positive(text: str) -> int:
     try:
         n = int(text)
@@ -733,6 +754,31 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "steps unless given; no accuracy to expect)")
     ds.add_argument("--no-progress", action="store_true", help="no progress bar")
     ds.set_defaults(func=_cmd_distill)
+
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the Engine (needs attnkit[serve])",
+                        description="Load a Hugging Face model directory from disk (config.json, safetensors weights, "
+                                    "tokenizer files; a family attnkit.integrations.hf.from_hf converts), and serve "
+                                    "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health "
+                                    "and GET /metrics until Ctrl-C (see docs/serving.md).")
+    sv.add_argument("model_dir", metavar="MODEL_DIR", help="the model folder (nothing is downloaded)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
+                                                        "only; 0.0.0.0 opens it to the network)")
+    sv.add_argument("--port", type=_nonnegative, default=8000, help="TCP port (default 8000; 0: a free one)")
+    sv.add_argument("--name", help="the model id clients send (default: the folder's name)")
+    sv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"],
+                    help="weights and KV cache dtype (default float32)")
+    sv.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    sv.add_argument("--cache-blocks", type=_positive, default=512, help="KV blocks in the pool (default 512)")
+    sv.add_argument("--block-size", type=_positive, default=16, help="positions per KV block (default 16)")
+    sv.add_argument("--max-batch", type=_positive, default=16, help="most requests decoded together (default 16)")
+    sv.add_argument("--max-batched-tokens", type=_positive, default=None,
+                    help="chunked prefill: the most tokens in one step (default: off, each prompt prefilled alone)")
+    sv.add_argument("--max-waiting", type=_nonnegative, default=256,
+                    help="most requests waiting for a slot; more are answered 503 (default 256)")
+    sv.add_argument("--threads", type=_positive, default=None, help="torch threads (default: torch's)")
+    sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                    help="server log level (default info; debug logs every request)")
+    sv.set_defaults(func=_cmd_serve)
     return p
 
 

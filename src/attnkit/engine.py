@@ -299,6 +299,33 @@ class Engine:
             self.waiting.append(req)
         return rid
 
+    def abort(self, rid: int) -> bool:
+        """Drop request ``rid`` now: a waiting request leaves the queue, a running one frees its blocks at once
+        (its slot goes to the next waiting request at the next step), a finished one's tokens are discarded.
+        Returns whether the request was found (False for an unknown id or one taken already)."""
+        for req in self.waiting:
+            if req.rid == rid:
+                self.waiting.remove(req)
+                return True
+        for req in self.running:
+            if req.rid == rid:
+                self.cache.free(req.sid)
+                req.sid = None
+                self.running.remove(req)
+                return True
+        self.logprobs.pop(rid, None)
+        return self.results.pop(rid, None) is not None
+
+    def token_logprobs(self, rid: int) -> list:
+        """The :class:`~attnkit.generate.TokenLogprob` s of request ``rid`` so far (waiting, running or
+        finished; empty without ``logprobs``), e.g. for a stream that reports each token as it comes."""
+        if rid in self.logprobs:
+            return self.logprobs[rid]
+        for req in (*self.running, *self.waiting):
+            if req.rid == rid:
+                return req.logprobs
+        raise KeyError(f"no request {rid} (unknown, aborted or taken already)")
+
     @property
     def has_work(self) -> bool:
         """Whether some request is waiting or running."""
