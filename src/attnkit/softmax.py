@@ -70,6 +70,9 @@ def merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[T
         ``(out, lse)``: the output over the union of keys (in ``out_a``'s dtype, computed in float32
         at least) and its log-sum-exp (float32 at least).  Exact when either side is empty.
 
+    Non-tensors and integer tensors raise a TypeError; pieces of different shapes, an lse that is not one value
+    per row of its output, or tensors on different devices a ValueError.
+
     Example::
 
         >>> import torch
@@ -120,6 +123,10 @@ def add_sink(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
         the denominator (in ``out``'s dtype) and the log-sum-exp that includes the sink.  A row that saw no
         key keeps output 0 and gets ``lse' = sink``.  Differentiable in all three inputs.  Apply it once,
         after :func:`merge`-ing the pieces: it is the step that ring attention and paged decoding use.
+
+    Non-tensors and integer tensors raise a TypeError; an ``out`` that is not 4-D, an ``lse`` that is not one
+    value per row of it, sinks that do not broadcast to ``(B, H)`` or hold a NaN or an infinity, or tensors on
+    different devices a ValueError.
 
     Example::
 
