@@ -266,8 +266,11 @@ def test_extreme_sinks_in_every_dtype(dtype, same_dtype, magnitude, sign, backen
 
     def ref(dt, naive_sinks=None):
         if where == "attention":
-            return lambda q, k, v, s: reference(*(_heads_first(t) for t in (q, k, v)), mask=mask, dtype=dt,
-                                                sinks=s if naive_sinks is None else naive_sinks(s))[0][0].transpose(0, 1)
+            def whole(q, k, v, s):
+                s = s if naive_sinks is None else naive_sinks(s)
+                out, _ = reference(*(_heads_first(t) for t in (q, k, v)), mask=mask, dtype=dt, sinks=s)
+                return out[0].transpose(0, 1)
+            return whole
         return lambda q, k, v, s: _varlen_reference(q, k, v, cu, cu, mask, dtype=dt, sinks=s, naive_sinks=naive_sinks)
 
     if backend == "sdpa" and dtype == torch.float16 and big > 1.6e7 * 0.25:
@@ -318,16 +321,16 @@ def _pieces():
 
 
 @pytest.mark.parametrize("case, error, words", [
-    (lambda o, l: softmax.add_sink(o, l, torch.tensor([float("nan"), 0.0])), ValueError, "non-finite"),
-    (lambda o, l: softmax.add_sink(o, l, [0.0, 1.0]), TypeError, "sinks must be a float tensor"),
-    (lambda o, l: softmax.add_sink(o, l, torch.zeros(3)), ValueError, "does not broadcast to \\(B, H\\)=\\(1, 2\\)"),
-    (lambda o, l: softmax.add_sink(o, l[..., :2], torch.zeros(2)), ValueError, "lse must be"),
-    (lambda o, l: softmax.add_sink(o[0], l[0], torch.zeros(2)), ValueError, "out must be \\(B, H, L, Dv\\)"),
-    (lambda o, l: softmax.add_sink(o, l.long(), torch.zeros(2)), TypeError, "lse must be a float tensor"),
-    (lambda o, l: softmax.merge(o, l, o[..., :3], l), ValueError, "must have one shape"),
-    (lambda o, l: softmax.merge(o, l, o, l[..., :2]), ValueError, "lse_b must be"),
-    (lambda o, l: softmax.merge(o, [1.0], o, l), TypeError, "lse_a must be a float tensor"),
-    (lambda o, l: softmax.merge(o.tolist(), l, o, l), TypeError, "out_a must be a float tensor"),
+    (lambda o, ls: softmax.add_sink(o, ls, torch.tensor([float("nan"), 0.0])), ValueError, "non-finite"),
+    (lambda o, ls: softmax.add_sink(o, ls, [0.0, 1.0]), TypeError, "sinks must be a float tensor"),
+    (lambda o, ls: softmax.add_sink(o, ls, torch.zeros(3)), ValueError, "does not broadcast to \\(B, H\\)=\\(1, 2\\)"),
+    (lambda o, ls: softmax.add_sink(o, ls[..., :2], torch.zeros(2)), ValueError, "lse must be"),
+    (lambda o, ls: softmax.add_sink(o[0], ls[0], torch.zeros(2)), ValueError, "out must be \\(B, H, L, Dv\\)"),
+    (lambda o, ls: softmax.add_sink(o, ls.long(), torch.zeros(2)), TypeError, "lse must be a float tensor"),
+    (lambda o, ls: softmax.merge(o, ls, o[..., :3], ls), ValueError, "must have one shape"),
+    (lambda o, ls: softmax.merge(o, ls, o, ls[..., :2]), ValueError, "lse_b must be"),
+    (lambda o, ls: softmax.merge(o, [1.0], o, ls), TypeError, "lse_a must be a float tensor"),
+    (lambda o, ls: softmax.merge(o.tolist(), ls, o, ls), TypeError, "out_a must be a float tensor"),
 ])
 def test_softmax_merge_and_add_sink_validate(case, error, words):
     out, lse = _pieces()

@@ -252,9 +252,9 @@ def _check_per_sequence(mask: Mask, fn: str = "varlen") -> None:
         if not isinstance(m, _PER_SEQUENCE):
             part = "" if m is mask else f" (its part {m!r})"
             raise ValueError(f"{fn}: mask={mask!r}{part} cannot be applied within each packed sequence (it holds "
-                             f"data for one fixed length); use causal, sliding_window, prefix_lm, block_local, strided, "
-                             f"dilated, global_tokens or from_fn (they see each sequence's own rows and keys), "
-                             f"combined with &, | and ~")
+                             f"data for one fixed length); use causal, sliding_window, prefix_lm, block_local, "
+                             f"strided, dilated, global_tokens or from_fn (they see each sequence's own rows and "
+                             f"keys), combined with &, | and ~")
 
 
 class _Varlen(Mask):
