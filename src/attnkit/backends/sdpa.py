@@ -177,9 +177,12 @@ def _sinks_too_large(call: Call) -> bool:
     """Whether the sink key's value (:func:`_sink_key_value`) would overflow the inputs' dtype (float16 with a
     sink beyond about ``1.6e7 * scale``).  Read from the data (one sync, as the sinks' finiteness check makes);
     not while ``torch.compile`` traces."""
-    if torch.compiler.is_compiling() or call.q.device.type == "meta":
-        return False
+    if torch.compiler.is_compiling() or call.q.device.type == "meta" or call.scale == 0:
+        return False  # (scale=0: check refuses the sinks anyway)
     dtype = call.q.dtype
+    top = torch.finfo(dtype).max / 16
+    if torch.finfo(call.sinks.dtype).max / (abs(call.scale) * top / max(1.0, abs(call.scale))) <= top:
+        return False  # no value of the sinks' dtype is too large: nothing to read (the usual case)
     c = _sink_key_value(call.sinks.detach().to(accumulation_dtype(dtype)), call.scale, dtype)
     return not bool(c <= torch.finfo(dtype).max / 16)
 
