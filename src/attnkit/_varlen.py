@@ -7,6 +7,7 @@ import torch
 from . import masks as _masks
 from .backends import _flash_varlen, _packed
 from .backends import select as _select
+from .backends._call import _refuse_foreign
 from .functional import attention
 
 Tensor = torch.Tensor
@@ -28,7 +29,7 @@ def _split(result) -> tuple[Tensor, Tensor | None]:
 def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *,
                      max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, mask=None, bias=None,
                      scale: float | None = None, softcap: float | None = None, sinks: Tensor | None = None,
-                     dropout_p: float = 0.0, return_lse: bool = False, backend: str = "auto"):
+                     dropout_p: float = 0.0, return_lse: bool = False, backend: str = "auto", **unknown):
     """Attention over packed variable-length sequences: each sequence attends only within itself.
 
     Args:
@@ -52,6 +53,9 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
             :func:`attnkit.attention`.  Differentiable (its gradient sums over the rows of all sequences).
             Sinks that differ between sequences (a ``(n, Hq)`` tensor) are refused: call ``attention()`` per
             sequence for those.
+        **unknown: ``flash_attn_varlen_func``'s ``causal``, ``softmax_scale``, ``window_size`` (and the other
+            foreign keyword arguments :func:`attnkit.attention` names) raise a TypeError naming the attnkit
+            equivalent.
         return_lse: also return the log-sum-exp ``(Hq, Tq)`` (float32; float64 for float64 inputs), the layout
             of ``flash_attn_varlen_func``'s ``softmax_lse``; with ``sinks``, of the whole denominator
             (``logaddexp(lse_without_sink, sink)``).
@@ -115,6 +119,7 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
         >>> sinks.grad.shape
         torch.Size([4])
     """
+    _refuse_foreign("attention_varlen", unknown)
     cu_q, cu_k, bias, sinks = _packed.validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                 mask, bias, sinks)  # sinks: (Hq,) or None
     lq, lk = cu_q.diff().tolist(), cu_k.diff().tolist()
@@ -127,7 +132,8 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
               backend=backend)
     starts_q, starts_k = cu_q[:-1].tolist(), cu_k[:-1].tolist()
     alone = _packed.alone(lq, lk, bias)
-    packed = [s for s in range(len(lq)) if s not in set(alone) and lq[s] > 0]
+    # sequences with no queries drop out, except under a bias (packed coordinates: every key keeps its column)
+    packed = [s for s in range(len(lq)) if s not in set(alone) and (lq[s] > 0 or bias is not None)]
     outs, lses, rows = [], [], []
     if alone:  # heads first, once: a sequence's (1, H, L, D) slice is then a view with contiguous rows
         qh, kh, vh = (t.transpose(0, 1).contiguous() for t in (q, k, v))  # (H, T, D)

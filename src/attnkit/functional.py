@@ -11,7 +11,7 @@ from . import backends as _backends
 from .backends import _math
 from .backends._call import (  # noqa: F401  (the checks stay importable from here)
     _check_bias, _check_mask, _check_number, _check_qkv, _check_scale, _check_sinks, _empty_result, _is_empty,
-    _make_call, _refuse_foreign, graph_zero)
+    _make_call, _refuse_foreign, graph_zero, layout_swap_suspected)
 from .backends._common import Call, per_mask
 from .masks import Mask, _nothing_visible, _positions_unchecked
 
@@ -55,6 +55,19 @@ def _warn_if_nothing_visible(call: Call) -> None:
                       f"from_fn predicate gets query rows (as in FlexAttention) while the built-in masks use "
                       f"positions row + Lk - Lq: give it positions with masks.from_fn(fn, align='bottom_right'), "
                       f"or align the built-ins with align='top_left'", stacklevel=3)
+
+
+def _warn_if_layout_swapped(call: Call) -> None:
+    """Warn when FlashAttention's ``(B, L, H, D)`` tensors look read as ``(B, H, L, D)`` (see
+    ``layout_swap_suspected``): the causal mask would leave most rows with nothing to see."""
+    if not layout_swap_suspected(call):
+        return
+    hq, lq, lk = call.q.shape[1], call.q_len, call.kv_len
+    warnings.warn(f"attention: q {tuple(call.q.shape)} and k {tuple(call.k.shape)} read as (B, H, L, D) give "
+                  f"Hq = Hkv = {hq} and Lq={lq} > Lk={lk}, so the causal mask leaves the first {lq - lk} of every "
+                  f"{lq} query rows with no key (output 0). If these are FlashAttention's (B, L, H, D) tensors, pass "
+                  f"q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2) (and transpose the output back)",
+                  stacklevel=3)
 
 
 # ---------------------------------------------------------------------- public API
@@ -131,6 +144,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, scale: f
         result = _empty_result(call)
     else:
         _warn_if_nothing_visible(call)
+        _warn_if_layout_swapped(call)
         result = chosen.run(call)
     if _OBSERVERS:
         out = result[0] if return_lse else result

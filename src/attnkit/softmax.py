@@ -70,6 +70,9 @@ def merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[T
         ``(out, lse)``: the output over the union of keys (in ``out_a``'s dtype, computed in float32
         at least) and its log-sum-exp (float32 at least).  Exact when either side is empty.
 
+    Non-tensors and integer tensors raise a TypeError; pieces of different shapes, an lse that is not one value
+    per row of its output, or tensors on different devices a ValueError.
+
     Example::
 
         >>> import torch
@@ -81,6 +84,18 @@ def merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[T
         >>> torch.allclose(out, full, atol=1e-6)
         True
     """
+    for name, t in (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
+        _check_float("merge", name, t)
+    if out_a.dim() < 2:
+        raise ValueError(f"merge: out_a must be (..., L, Dv), got shape {tuple(out_a.shape)}")
+    if out_b.shape != out_a.shape:
+        raise ValueError(f"merge: out_a {tuple(out_a.shape)} and out_b {tuple(out_b.shape)} must have one shape: "
+                         f"two pieces of the same rows, each (..., L, Dv)")
+    for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if t.shape != out_a.shape[:-1]:
+            raise ValueError(f"merge: {name} must be the log-sum-exp of each row of out_a {tuple(out_a.shape)}, "
+                             f"shape {tuple(out_a.shape[:-1])}, got {tuple(t.shape)}")
+    _check_devices("merge", out_a, (("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)), "out_a")
     acc = torch.promote_types(torch.promote_types(lse_a.dtype, lse_b.dtype), torch.float32)
     la, lb = lse_a.to(acc), lse_b.to(acc)
     m = torch.maximum(la, lb)
@@ -109,6 +124,10 @@ def add_sink(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
         key keeps output 0 and gets ``lse' = sink``.  Differentiable in all three inputs.  Apply it once,
         after :func:`merge`-ing the pieces: it is the step that ring attention and paged decoding use.
 
+    Non-tensors and integer tensors raise a TypeError; an ``out`` that is not 4-D, an ``lse`` that is not one
+    value per row of it, sinks that do not broadcast to ``(B, H)`` or hold a NaN or an infinity, or tensors on
+    different devices a ValueError.
+
     Example::
 
         >>> import torch
@@ -121,6 +140,26 @@ def add_sink(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
         >>> torch.allclose(out[0, 0], full), torch.allclose(lse[0, 0], torch.logsumexp(ext, -1))
         (True, True)
     """
+    for name, t in (("out", out), ("lse", lse), ("sinks", sinks)):
+        _check_float("add_sink", name, t)
+    if out.dim() != 4:
+        raise ValueError(f"add_sink: out must be (B, H, L, Dv), got shape {tuple(out.shape)}")
+    if lse.shape != out.shape[:-1]:
+        raise ValueError(f"add_sink: lse must be the log-sum-exp of each row of out {tuple(out.shape)}, shape "
+                         f"{tuple(out.shape[:-1])}, got {tuple(lse.shape)}")
+    B, H = out.shape[0], out.shape[1]
+    if sinks.dim() > 2 or not _broadcasts(sinks.shape, (B, H)):
+        raise ValueError(f"add_sink: sinks of shape {tuple(sinks.shape)} does not broadcast to (B, H)=({B}, {H}): "
+                         f"give one logit per head, shape ({H},) (or ({B}, {H}))")
+    _check_devices("add_sink", out, (("lse", lse), ("sinks", sinks)), "out")
+    if not torch.compiler.is_compiling() and not bool(torch.isfinite(sinks.detach()).all()):
+        raise ValueError(f"add_sink: sinks holds a non-finite value ({sinks.detach().flatten()[:8].tolist()}): give "
+                         f"finite logits (with no sink, skip add_sink)")
+    return _add_sink(out, lse, sinks)
+
+
+def _add_sink(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`add_sink` on inputs already checked (the backends' own step; no sync)."""
     acc = torch.promote_types(lse.dtype, torch.float32)
     B, H = lse.shape[0], lse.shape[1]
     sk = sinks.to(acc).expand(B, H)[..., None]  # (B, H, 1)
@@ -129,3 +168,27 @@ def add_sink(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
     factor = torch.exp(la - lse_s)  # exp(-inf) = 0 for an empty row
     oacc = torch.promote_types(out.dtype, acc)
     return (out.to(oacc) * factor[..., None]).to(out.dtype), lse_s
+
+
+# ---------------------------------------------------------------------- input checks
+
+
+def _check_float(fn: str, name: str, t) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{fn}: {name} must be a float tensor, got {type(t).__name__}: pass torch.tensor(...)")
+    if not t.is_floating_point():
+        raise TypeError(f"{fn}: {name} must be a float tensor, got dtype {t.dtype}: use {name}.float()")
+
+
+def _check_devices(fn: str, first: Tensor, others, first_name: str) -> None:
+    for name, t in others:
+        if t.device != first.device:
+            raise ValueError(f"{fn}: {name} is on {t.device} but {first_name} is on {first.device}: put them on one "
+                             f"device")
+
+
+def _broadcasts(shape, target) -> bool:
+    try:
+        return torch.broadcast_shapes(shape, target) == torch.Size(target)
+    except RuntimeError:
+        return False

@@ -117,7 +117,7 @@ def _signature(call: Call) -> tuple:
     return (tuple(call.q.shape), tuple(call.k.shape), tuple(call.v.shape), call.q.dtype, call.q.device,
             call.q.stride(), call.k.stride(), call.v.stride(), id(call.mask), bias_key, call.scale,
             call.softcap, call.dropout_p > 0, call.return_lse, call.needs_grad, torch.is_grad_enabled(),
-            call.sinks is not None)
+            call.sinks is not None, call.sinks is not None and _sdpa._sinks_too_large(call))
 
 
 def select(call: Call, backend: str) -> Backend:

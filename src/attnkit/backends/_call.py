@@ -41,13 +41,36 @@ def _check_qkv(q, k, v) -> None:
                          f"same batch (expand a shared k/v with k.expand({B}, -1, -1, -1))")
     if Hkv != Hv:
         raise ValueError(f"k and v must have the same number of heads, got Hk={Hkv} and Hv={Hv}: project both "
-                         f"to the same number of key/value heads")
+                         f"to the same number of key/value heads{_layout_hint(q, k, v)}")
     if Hkv == 0 or Hq % Hkv != 0:
-        raise ValueError(f"got Hq={Hq} and Hkv={Hkv}: Hq must be a multiple of Hkv (grouped-query attention)")
+        raise ValueError(f"got Hq={Hq} and Hkv={Hkv}: Hq must be a multiple of Hkv (grouped-query attention)"
+                         f"{_layout_hint(q, k, v)}")
     if D != Dk:
         raise ValueError(f"q and k must have the same head dim, got D={D} for q and D={Dk} for k")
     if Lk != Lv:
-        raise ValueError(f"k and v must have the same length, got Lk={Lk} and Lv={Lv}")
+        raise ValueError(f"k and v must have the same length, got Lk={Lk} and Lv={Lv}{_layout_hint(q, k, v)}")
+
+
+def _layout_hint(q: Tensor, k: Tensor, v: Tensor) -> str:
+    """The layout attnkit reads, and FlashAttention's fix when the tensors read as ``(B, L, H, D)`` fit."""
+    hint = "; attnkit reads q, k, v as (B, H, L, D), heads before length"
+    (_, lq, hq, _), (_, lk, hkv, _), (_, lv, hv, _) = q.shape, k.shape, v.shape
+    if hkv == hv and hkv > 0 and hq % hkv == 0 and lk == lv:
+        hint += (f": these shapes fit FlashAttention's (B, L, H, D) layout (Hq={hq}, Hkv={hkv}, Lq={lq}, Lk={lk}); "
+                 f"pass q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)")
+    return hint
+
+
+def layout_swap_suspected(call: Call) -> bool:
+    """Whether the call's shapes look like FlashAttention's ``(B, L, H, D)`` tensors read as ``(B, H, L, D)``:
+    a bottom-right causal mask with ``Lq >= 2 * Lk`` (at least half its rows see nothing), ``Lk`` dividing
+    ``Lq``, ``Lq <= 256`` (a head count) and ``Hq == Hkv >= 16`` (self-attention in that layout has equal
+    lengths, read as equal head counts, and grouped-query heads, read as lengths, divide)."""
+    m = call.mask
+    if m is None or not isinstance(m, Mask) or not m.is_causal("bottom_right"):
+        return False
+    hq, hkv, lq, lk = call.q.shape[1], call.k.shape[1], call.q_len, call.kv_len
+    return 0 < 2 * lk <= lq <= 256 and lq % lk == 0 and hq == hkv >= 16
 
 
 def _broadcasts(shape, target) -> bool:

@@ -15,7 +15,7 @@ from ..bias import ScoreMod
 from ..masks import Mask
 from . import _flash_ops as ops
 from . import _flash_plan as planning
-from ..softmax import add_sink
+from ..softmax import _add_sink as add_sink  # (inputs checked by the call)
 from ._common import Call, per_mask, sink_grad
 from ._reads import (check_reach, check_unchanged, derived_params, mod_params, probe_params, read_tensors,
                      reachable_tensors, tensor_key, tensor_versions)

@@ -52,7 +52,21 @@ def fused_ops():
     ba = [a.name for a in bwd._schema.arguments]
     if fa != _FWD_ARGS or ba != _BWD_ARGS or len(fwd._schema.returns) != 2 or len(bwd._schema.returns) != 3:
         return None
-    return fwd, bwd
+
+    def forward(query, key, value, *args, **kwargs):
+        return fwd(_unit_last(query), _unit_last(key), _unit_last(value), *args, **kwargs)
+
+    def backward(grad_out, query, key, value, out, *args, **kwargs):
+        return bwd(*(_unit_last(t) for t in (grad_out, query, key, value, out)), *args, **kwargs)
+
+    return forward, backward
+
+
+def _unit_last(x: Tensor) -> Tensor:
+    """``x`` with its last dimension contiguous: PyTorch's fused CPU kernel reads each row's elements as
+    consecutive memory whatever the stride (a view strided in the head dimension gives wrong results; other
+    dimensions may have any stride)."""
+    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
 
 
 _FUSED = fused_ops()

@@ -7,7 +7,8 @@ The packed ``q (Tq, Hq, D)``, ``k (Tk, Hkv, D)``, ``v (Tk, Hkv, Dv)`` are cut in
   its first query and key, so no tile straddles two sequences and its last tile is short.  With no mask,
   or a causal mask on ``Lq == Lk``, on CPU, PyTorch's fused flash kernel computes it in one call on
   strided views of the packed tensors (no copy at all: the kernel tiles it, skipping the masked tiles of
-  a causal mask, and writes its output and gradients in the packed ``(L, H, D)`` layout).  Otherwise the
+  a causal mask, and writes its output and gradients in the packed ``(L, H, D)`` layout; a tensor whose head
+  dimension is not contiguous is copied first, by the kernel's entry in ``_flash_ops``).  Otherwise the
   flash plan of its mask (``_flash_plan``, on the sequence's own lengths) runs on its rows, laid out head
   first in one buffer shared by all such segments, each padded to its whole tiles with zeros;
 * a run of consecutive shorter sequences is one segment under :func:`attnkit.masks.varlen` (a sequence of

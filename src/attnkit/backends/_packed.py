@@ -119,7 +119,7 @@ def validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, m
         raise TypeError(f"attention_varlen: mask must be None or an attnkit.masks.Mask applied within each "
                         f"sequence (e.g. masks.causal()), got {type(mask).__name__}")
     if mask is not None:
-        _masks.varlen(cu_q[:1], cu_k[:1], mask)  # (checks that the mask applies per sequence)
+        _masks._check_per_sequence(mask, "attention_varlen")
     bias = _check_varlen_bias(bias, q.shape[1], q.shape[0], k.shape[0])
     sinks = _check_varlen_sinks(sinks, q, cu_q.numel() - 1)
     return cu_q, cu_k, bias, sinks

@@ -25,7 +25,7 @@ import dataclasses
 
 import torch
 
-from ..softmax import add_sink
+from ..softmax import _add_sink as add_sink  # (inputs checked by the call)
 from ._common import Call, accumulation_dtype, modify_scores
 
 Tensor = torch.Tensor

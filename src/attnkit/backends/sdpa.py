@@ -132,6 +132,9 @@ def check(call: Call) -> str | None:
         return "SDPA does not return the log-sum-exp"
     if call.sinks is not None and call.scale == 0:
         return "with scale=0 the sink logit cannot ride on an extra key (it enters as logit / scale)"
+    if call.sinks is not None and _sinks_too_large(call):
+        return (f"a sink logit of {float(call.sinks.detach().abs().max()):.3g} at scale={call.scale:.3g} is beyond "
+                f"what the sink key can carry in {call.q.dtype} (the other backends take it)")
     b = call.bias
     if isinstance(b, ScoreMod) and not (b.additive or b.scale_factor is not None):
         return f"SDPA takes only additive score modifiers (ALiBi, T5 buckets) or a scalar temperature, not {b!r}"
@@ -162,6 +165,28 @@ def _sink_columns(d: int) -> int:
     return 3 + (-(d + 3)) % 8
 
 
+def _sink_key_value(sinks: Tensor, scale: float, dtype: torch.dtype) -> Tensor:
+    """The smallest power of two ``c >= 1`` that keeps ``|sinks| / (scale * c)`` below a sixteenth of
+    ``dtype``'s largest value (and of that over ``scale`` when ``scale > 1``), as a 0-dim tensor."""
+    limit = torch.finfo(dtype).max / 16 / max(1.0, abs(scale))
+    need = (sinks.abs().amax() / (abs(scale) * limit)).clamp(min=1.0)
+    return torch.exp2(torch.ceil(torch.log2(need)))
+
+
+def _sinks_too_large(call: Call) -> bool:
+    """Whether the sink key's value (:func:`_sink_key_value`) would overflow the inputs' dtype (float16 with a
+    sink beyond about ``1.6e7 * scale``).  Read from the data (one sync, as the sinks' finiteness check makes);
+    not while ``torch.compile`` traces."""
+    if torch.compiler.is_compiling() or call.q.device.type == "meta" or call.scale == 0:
+        return False  # (scale=0: check refuses the sinks anyway)
+    dtype = call.q.dtype
+    top = torch.finfo(dtype).max / 16
+    if torch.finfo(call.sinks.dtype).max / (abs(call.scale) * top / max(1.0, abs(call.scale))) <= top:
+        return False  # no value of the sinks' dtype is too large: nothing to read (the usual case)
+    c = _sink_key_value(call.sinks.detach().to(accumulation_dtype(dtype)), call.scale, dtype)
+    return not bool(c <= torch.finfo(dtype).max / 16)
+
+
 def _with_sink_key(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, scale: float):
     """``q``, ``k``, ``v`` with the sinks as one more key that every query sees: its value is zero and its
     score is each head's sink logit.  q gains columns holding ``sink / scale`` (split into a rounded part
@@ -172,16 +197,21 @@ def _with_sink_key(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, scale: float)
     Hkv, Lk = k.shape[1], k.shape[2]
     extra = _sink_columns(D)
     acc = accumulation_dtype(q.dtype)
-    s = sinks.to(acc) / scale  # (B, Hq)
+    # the added key holds c (a power of two, 1 unless needed) so that q's parts, sink / (scale * c), stay far
+    # inside q's dtype (float16 holds at most 65504: sinks=2e4 at scale 1/4 would be inf); computed from the
+    # tensors, with no sync and nothing data-dependent in the shapes
+    c = _sink_key_value(sinks.detach().to(acc), scale, q.dtype)
+    s = sinks.to(acc) / c / scale  # (B, Hq)
     parts, left = [], s
-    for _ in range(3):
-        part = left.to(q.dtype)
+    for _ in range(3):  # values that q's dtype holds exactly; their gradient stays in acc (no rounding)
+        part = left + (left.to(q.dtype).to(acc) - left).detach()
         parts.append(part)
-        left = left - part.to(acc)
-    parts = torch.stack(parts, dim=-1)[:, :, None, :].expand(B, Hq, Lq, 3)
+        left = left - part
+    # the rows' gradients are summed in acc (a sum over Lq rows rounded to bfloat16 would be off by an ulp)
+    parts = torch.stack(parts, dim=-1)[:, :, None, :].expand(B, Hq, Lq, 3).to(q.dtype)
     q2 = torch.cat([q, parts, q.new_zeros(B, Hq, Lq, extra - 3)], dim=-1)
     key = k.new_zeros(1, 1, 1, D + extra)
-    key[..., D:D + 3] = 1
+    key[..., D:D + 3] = c.to(k.dtype)
     k2 = torch.cat([torch.cat([k, k.new_zeros(B, Hkv, Lk, extra)], dim=-1), key.expand(B, Hkv, 1, D + extra)],
                    dim=2)
     v2 = torch.cat([v, v.new_zeros(B, Hkv, 1, v.shape[-1])], dim=2)

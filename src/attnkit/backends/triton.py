@@ -51,7 +51,7 @@ import torch
 from ..bias import ScoreMod
 from ..masks import Mask
 from . import _triton_plan as _plan
-from ..softmax import add_sink
+from ..softmax import _add_sink as add_sink  # (inputs checked by the call)
 from ._common import Call, check_paged_values, sink_grad
 from ._reads import check_unchanged, tensor_versions
 

@@ -33,7 +33,8 @@ from ..backends._common import zero_unseen
 from ..bias import ScoreMod
 from ..functional import attention
 from ..masks import EMPTY, FULL, Mask
-from ..softmax import add_sink, merge
+from ..softmax import _add_sink as add_sink  # (inputs checked by the call)
+from ..softmax import merge
 from ._layout import Layout, check_divisible, check_layout, group_info
 
 Tensor = torch.Tensor

@@ -43,9 +43,9 @@ from ._builtins import (_BlockLocal, _Causal, _Dilated, _Document, _GlobalTokens
                         _PrefixLM, _RandomBlocks, _SlidingWindow, _Strided, _SummaryColumns, block_local, causal,
                         dilated, document, fixed, global_tokens, key_padding, prefix_lm, random_blocks, sliding_window,
                         strided)
-from ._convert import (_decodes_differently, _FlexPredicate, _FromDense, _FromFlex, _FromFn, _nothing_visible,
-                       _per_sequence, _positions_unchecked, _reads_absolute_positions, _Varlen, from_dense, from_flex,
-                       from_fn, varlen)
+from ._convert import (_check_per_sequence, _decodes_differently, _FlexPredicate, _FromDense, _FromFlex, _FromFn,
+                       _nothing_visible, _per_sequence, _positions_unchecked, _reads_absolute_positions, _Varlen,
+                       from_dense, from_flex, from_fn, varlen)
 
 __all__ = [
     "Mask",

@@ -247,13 +247,14 @@ def _per_sequence(mask: Mask) -> bool:
     return all(isinstance(m, _PER_SEQUENCE) for m in _leaves(mask))
 
 
-def _check_per_sequence(mask: Mask) -> None:
+def _check_per_sequence(mask: Mask, fn: str = "varlen") -> None:
     for m in _leaves(mask):
         if not isinstance(m, _PER_SEQUENCE):
-            raise ValueError(f"varlen: mask {m!r} cannot be applied within each packed sequence (it holds data "
-                             f"for one fixed length); use causal, sliding_window, prefix_lm, block_local, strided, "
-                             f"dilated, global_tokens or from_fn (they see each sequence's own rows and keys), "
-                             f"combined with &, | and ~")
+            part = "" if m is mask else f" (its part {m!r})"
+            raise ValueError(f"{fn}: mask={mask!r}{part} cannot be applied within each packed sequence (it holds "
+                             f"data for one fixed length); use causal, sliding_window, prefix_lm, block_local, "
+                             f"strided, dilated, global_tokens or from_fn (they see each sequence's own rows and "
+                             f"keys), combined with &, | and ~")
 
 
 class _Varlen(Mask):
@@ -330,7 +331,23 @@ class _Varlen(Mask):
             fmin, fmax = torch.where(one, lo_r1, _BIG), torch.where(one, hi_first, -_BIG)
         else:
             fmin, fmax = torch.full_like(kmin, _BIG), torch.full_like(kmax, -_BIG)
+            # the element mask decides inside the bounds: a head axis it has (a from_fn reading h) must stay in
+            # the structure, which tells the kernels whether one mask serves every head
+            lead = self._lead(t, r0.view(-1), s0.view(-1), cq, ck)
+            kmin, kmax, fmin, fmax = (x + lead for x in (kmin, kmax, fmin, fmax))
         return _band_from_keys(t, kmin, kmax, fmin, fmax)
+
+    def _lead(self, t, rows: Tensor, seqs: Tensor, cq: Tensor, ck: Tensor) -> Tensor:
+        """Zeros ``(B', H', 1)`` with the batch and head axes the inner mask's predicate has, found by evaluating
+        it on every batch element and head at each query tile's first row and its sequence's first key (an
+        element-wise predicate that reads ``b`` or ``h`` returns those axes, as the tile grids of masks are
+        derived by evaluation)."""
+        b = torch.arange(t.batch, device=t.device).view(-1, 1, 1, 1)
+        h = torch.arange(t.heads, device=t.device).view(1, -1, 1, 1)
+        q = rows.view(1, 1, -1, 1)
+        k = ck[seqs].clamp(max=max(0, t.kv_len - 1)).view(1, 1, -1, 1)
+        got = _checked_bool(self, self._mod(b, h, q, k, t.q_len, t.kv_len))
+        return torch.zeros(got.shape[0], got.shape[1], 1, dtype=torch.long, device=t.device)
 
     def _validate(self, batch, heads, q_len, kv_len):
         tq, tk = int(self.cu_q[-1]), int(self.cu_k[-1])
