@@ -14,7 +14,8 @@ from .attention import AttentionConfig
 from .blocks import BlockConfig, Decoder, Encoder, TransformerBlock, _cache_positions, _layer_caches, default_d_ff
 from .latent import LatentAttention
 from .layers import Linear, _dropout, linear, make_norm
-from .positions import ALiBi, PositionEncoding, RotaryEmbedding, SinusoidalPositions, T5RelativeBias, _parse_scaling
+from .positions import (ALiBi, PositionEncoding, RotaryEmbedding, SinusoidalPositions, T5RelativeBias, _check_t5_layout,
+                        _parse_scaling)
 
 Tensor = torch.Tensor
 
@@ -174,8 +175,8 @@ class DecoderConfig:
         if self.positions == "t5":  # the bucket layout's errors at configuration time, not when building
             for bidirectional in (False, True):
                 try:
-                    T5RelativeBias(self.n_heads, self.t5_num_buckets, self.t5_max_distance,
-                                   bidirectional=bidirectional)
+                    _check_t5_layout(self.n_heads, self.t5_num_buckets, self.t5_max_distance,
+                                    bidirectional=bidirectional)
                 except (TypeError, ValueError) as e:
                     raise type(e)(f"t5_num_buckets={self.t5_num_buckets!r}, t5_max_distance={self.t5_max_distance!r}: "
                                   f"{e}") from None

@@ -477,6 +477,16 @@ class ALiBi(PositionEncoding):
         return f"n_heads={self.n_heads}"
 
 
+def _check_t5_layout(n_heads: int, num_buckets: int, max_distance: int, *, bidirectional: bool) -> None:
+    """Raise what :class:`T5RelativeBias` would raise for this bucket layout, without building a table (and so
+    without drawing from the global random generator)."""
+    _checks.positive_int("n_heads", n_heads)
+    _checks.positive_int("num_buckets", num_buckets)
+    _checks.positive_int("max_distance", max_distance)
+    _bias.relative_buckets(torch.zeros(1, num_buckets), bidirectional=_checks.flag("bidirectional", bidirectional),
+                           max_distance=max_distance)
+
+
 class T5RelativeBias(PositionEncoding):
     """T5's learned relative position bias: ``table[h, bucket(j - p)]`` added to the scores.
 
@@ -500,9 +510,7 @@ class T5RelativeBias(PositionEncoding):
 
     def __init__(self, n_heads: int, num_buckets: int = 32, max_distance: int = 128, *, bidirectional: bool = True):
         super().__init__()
-        _checks.positive_int("n_heads", n_heads)
-        _checks.positive_int("num_buckets", num_buckets)
-        _checks.positive_int("max_distance", max_distance)
+        _check_t5_layout(n_heads, num_buckets, max_distance, bidirectional=bidirectional)
         self.n_heads, self.max_distance = n_heads, max_distance
         self.bidirectional = _checks.flag("bidirectional", bidirectional)
         self.table = nn.Parameter(torch.randn(n_heads, num_buckets) * 0.02)
