@@ -330,7 +330,7 @@ def _doctor_table_and_findings(out: str) -> tuple[dict, dict]:
 def test_python_dash_m_attnkit_is_the_demo():
     text = (ROOT / "src" / "attnkit" / "__main__.py").read_text()
     assert 'main(sys.argv[1:] or ["demo"])' in text
-    assert "attnkit demo" in (ROOT / "Makefile").read_text().split("demo: $(STAMP)")[1].splitlines()[1]
+    assert "attnkit demo" in (ROOT / "Makefile").read_text().split("demo: $(DEMO_STAMP)")[1].splitlines()[1]
 
 
 # ------------------------------------------------------------- doctor: bad arguments and paths

@@ -446,9 +446,11 @@ def _cmd_demo(args) -> int:
 # ------------------------------------------------------------------------------------- bench
 
 
+_SOURCE_BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"  # a source checkout: <repo>/src/attnkit/cli.py
+
+
 def _default_bench_dir() -> Path | None:
-    here = Path(__file__).resolve().parents[2] / "benchmarks"  # a source checkout: <repo>/src/attnkit/cli.py
-    for candidate in (Path.cwd() / "benchmarks", here):
+    for candidate in (Path.cwd() / "benchmarks", _SOURCE_BENCHMARKS):
         if candidate.is_dir():
             return candidate
     return None
@@ -462,8 +464,13 @@ def _takes_option(script_text: str, option: str) -> bool:
 def _cmd_bench(args) -> int:
     folder = Path(args.dir) if args.dir else _default_bench_dir()
     if folder is None or not folder.is_dir():
-        raise UsageError("attnkit bench: no benchmarks/ folder found; run it from the attnkit repository "
-                         "or pass --dir PATH")
+        if args.dir:
+            raise UsageError(f"attnkit bench: --dir {args.dir}: no benchmarks/ folder found there; pass the "
+                             f"benchmarks/ folder of an attnkit source checkout")
+        raise UsageError("attnkit bench: no benchmarks/ folder found: the benchmark scripts are not part of the "
+                         "installed package; get the attnkit source repository, install its peers with "
+                         "pip install 'attnkit[bench]', and run attnkit bench from the repository's root (or pass "
+                         "--dir PATH/benchmarks)")
     scripts = sorted(p for p in folder.glob("*.py") if not p.name.startswith("_"))
     if args.only:
         wanted = set(args.only.split(","))
