@@ -303,6 +303,13 @@ def _cmd_masks_show(args) -> int:
 
 def _load_model(path: str):
     import torch
+    if (Path(path) / "config.json").is_file() and (Path(path) / "model.safetensors").is_file():
+        from .nn import DecoderLM  # a directory written by DecoderLM.save_pretrained: no unpickling
+
+        try:
+            return DecoderLM.from_pretrained(path)
+        except (OSError, ValueError, TypeError) as e:
+            raise UsageError(f"{path}: cannot load a DecoderLM from it ({type(e).__name__}: {e})") from None
     p = _existing_file(path)
     try:
         model = torch.load(p, map_location="cpu", weights_only=False)  # a whole module: unpickling runs code
@@ -681,8 +688,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Without --model it examines the example models that show each symptom.")
     d.add_argument("--example", choices=["all", "healthy", "uniform", "sharp", "saturated", "vanishing_gradient"],
                    help="one example model (default: all of them, briefly)")
-    d.add_argument("--model", metavar="FILE.pt", help="a whole model saved with torch.save(model, path); loading "
-                                                      "unpickles it, so only load files you trust")
+    d.add_argument("--model", metavar="FILE.pt", help="a DecoderLM.save_pretrained directory, or a whole model "
+                                                      "saved with torch.save(model, path) (loading that unpickles "
+                                                      "it, so only load files you trust)")
     d.add_argument("--vocab", type=_positive, help="vocabulary size for --model without config.vocab_size")
     d.add_argument("--seq-len", type=_at_least_two, default=32,
                    help="tokens per sequence (default 32; at least 2: the doctor measures rows that may attend "
@@ -725,8 +733,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "and report the losses and both models' held-out accuracy. The student has "
                                     "half the teacher's width (--width, --layers), or with --window W the "
                                     "teacher's own weights attending under a sliding window of W keys.")
-    ds.add_argument("--teacher", metavar="FILE.pt", help="a whole DecoderLM saved with torch.save(model, path) "
-                                                         "(unpickled: only load files you trust)")
+    ds.add_argument("--teacher", metavar="FILE.pt", help="a DecoderLM.save_pretrained directory, or a whole "
+                                                         "DecoderLM saved with torch.save(model, path) (unpickled: "
+                                                         "only load files you trust)")
     ds.add_argument("--teacher-steps", type=_positive, default=None,
                     help="training steps of the built-in teacher (default 600)")
     ds.add_argument("--steps", type=_positive, default=None, help="distillation steps (default 300)")
