@@ -548,6 +548,21 @@ def _distill_teacher(args):
     return model.eval(), f"the demo's recall model, trained {args.teacher_steps} steps"
 
 
+def _recall_reach(batch, window: int) -> float:
+    """The share of an associative-recall batch's answers that lie within a sliding window of ``window`` keys:
+    a value token at most ``window - 1`` positions before the query, right after a copy of the query's key (the
+    key itself may sit just outside: the value's own window holds it).  A model attending within the window
+    answers the rest by guessing at best."""
+    hit = total = 0
+    for row, want in zip(batch.ids.tolist(), batch.targets.tolist()):
+        for q, target in enumerate(want):
+            if target < 0:
+                continue
+            total += 1
+            hit += any(row[p - 1] == row[q] and row[p] == target for p in range(max(1, q - window + 1), q))
+    return hit / max(total, 1)
+
+
 def _cmd_distill(args) -> int:
     import torch
 
@@ -584,6 +599,10 @@ def _cmd_distill(args) -> int:
         report = distill(teacher, student, lambda step: associative_recall(32, **task, generator=g), steps=args.steps,
                          eval_batch=held, progress=not args.no_progress)
         print(report)
+        if args.window is not None:
+            print(f"  the window reaches the answer of {_recall_reach(held, args.window):.1%} of the held-out queries "
+                  f"(its pair ends within the last {args.window} tokens): a student attending within it can pass "
+                  f"that only by guessing, whatever the teacher does")
         if args.out is not None:
             try:
                 Path(args.out).parent.mkdir(parents=True, exist_ok=True)
