@@ -535,7 +535,7 @@ def test_the_wheel_ships_types_and_builds_without_warnings(tmp_path):
         meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
     assert f"Version: {attnkit.__version__}" in meta and "License-Expression: MIT" in meta
     requires = [ln for ln in meta.splitlines() if ln.startswith("Requires-Dist:") and "extra ==" not in ln]
-    assert requires == ["Requires-Dist: torch>=2.5"], requires
+    assert requires == ["Requires-Dist: torch>=2.5", "Requires-Dist: safetensors>=0.4"], requires  # (save_pretrained)
     assert "Provides-Extra: demo" in meta
 
 

@@ -165,12 +165,12 @@ def _cmd_explain(args) -> int:
 
 
 def _mask_builders() -> dict:
-    """Every public mask builder in attnkit.masks (functions returning a Mask) except from_fn/from_dense/from_flex
-    (they take Python objects, not words)."""
+    """Every public mask builder in attnkit.masks (functions returning a Mask) except from_fn/from_dense/from_flex/
+    from_dict (they take Python objects, not words)."""
     out = {}
     for name in _masks.__all__:
         obj = getattr(_masks, name)
-        if inspect.isfunction(obj) and name not in ("from_fn", "from_dense", "from_flex"):
+        if inspect.isfunction(obj) and name not in ("from_fn", "from_dense", "from_flex", "from_dict"):
             out[name] = obj
     return out
 
