@@ -112,7 +112,7 @@ class ScoreMod:
         return spec is not None and spec == other._spec()
 
     def __hash__(self):  # by kind only: the tensors a modifier holds may change in place
-        return hash(type(self).__name__) if self._spec() is not None else object.__hash__(self)
+        return hash(type(self).__name__) if type(self)._spec is not ScoreMod._spec else object.__hash__(self)
 
     def to_dict(self) -> dict:
         """A JSON-ready description that :func:`attnkit.bias.from_dict` rebuilds an equal modifier from (tensors

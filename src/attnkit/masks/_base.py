@@ -309,12 +309,21 @@ class Mask:
             return True
         if not isinstance(other, Mask):
             return NotImplemented
-        key = self.value_key()
-        return key is not None and key == other.value_key()
+        key = self._cached_value_key()
+        return key is not None and key == other._cached_value_key()
 
     def __hash__(self):
-        key = self.value_key()
+        key = self._cached_value_key()
         return hash(key) if key is not None else object.__hash__(self)
+
+    def _cached_value_key(self) -> str | None:
+        """:meth:`value_key`, computed once (masks are dict keys on every attention call; a mask's value does
+        not change)."""
+        try:
+            return self.__dict__["_value_key"]
+        except KeyError:
+            key = self.__dict__["_value_key"] = self.value_key()
+            return key
 
     def to_dict(self) -> dict:
         """A JSON-ready description that :func:`attnkit.masks.from_dict` rebuilds an equal mask from.
