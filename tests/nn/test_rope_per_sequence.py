@@ -61,3 +61,15 @@ def test_chunked_prefill_is_refused(kind):
     with pytest.raises(ValueError, match=f"rope scaling '{kind}'.*chunked prefill.*max_batched_tokens=None"):
         attnkit.Engine(model, cache_blocks=16, block_size=4, max_batch=2, max_batched_tokens=8)
     attnkit.Engine(DecoderLM(DecoderConfig.preset("tiny")), cache_blocks=16, max_batched_tokens=16)  # others chunk
+
+
+def test_compiled_multi_token_calls_are_refused(monkeypatch):
+    """Under torch.compile the lengths cannot be read from the positions: one-token steps take the table of
+    their position, longer calls raise."""
+    rope = RotaryEmbedding(16, base=50.0, scaling=SCALINGS["dynamic"])
+    x = torch.randn(1, 1, 4, 16)
+    eager = rope.rotate(x[:, :, -1:], torch.tensor([11]))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    torch.testing.assert_close(rope.rotate(x[:, :, -1:], torch.tensor([11]), max_position=11), eager, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="compile one-token decode steps only"):
+        rope.rotate(x, torch.arange(8, 12), max_position=11)
