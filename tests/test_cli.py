@@ -330,7 +330,7 @@ def _doctor_table_and_findings(out: str) -> tuple[dict, dict]:
 def test_python_dash_m_attnkit_is_the_demo():
     text = (ROOT / "src" / "attnkit" / "__main__.py").read_text()
     assert 'main(sys.argv[1:] or ["demo"])' in text
-    assert "attnkit demo" in (ROOT / "Makefile").read_text().split("demo: $(STAMP)")[1].splitlines()[1]
+    assert "attnkit demo" in (ROOT / "Makefile").read_text().split("demo: $(DEMO_STAMP)")[1].splitlines()[1]
 
 
 # ------------------------------------------------------------- doctor: bad arguments and paths
@@ -535,7 +535,7 @@ def test_the_wheel_ships_types_and_builds_without_warnings(tmp_path):
         meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
     assert f"Version: {attnkit.__version__}" in meta and "License-Expression: MIT" in meta
     requires = [ln for ln in meta.splitlines() if ln.startswith("Requires-Dist:") and "extra ==" not in ln]
-    assert requires == ["Requires-Dist: torch>=2.5"], requires
+    assert requires == ["Requires-Dist: torch>=2.5", "Requires-Dist: safetensors>=0.4"], requires  # (save_pretrained)
     assert "Provides-Extra: demo" in meta
 
 

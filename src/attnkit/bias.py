@@ -29,7 +29,8 @@ from .masks import _check_align, _index_grid, _offset
 
 Tensor = torch.Tensor
 
-__all__ = ["ScoreMod", "alibi", "alibi_slopes", "relative_buckets", "t5_bucket", "temperature", "from_fn", "compose"]
+__all__ = ["ScoreMod", "alibi", "alibi_slopes", "relative_buckets", "t5_bucket", "temperature", "from_fn", "compose",
+           "from_dict"]
 
 
 class ScoreMod:
@@ -96,6 +97,43 @@ class ScoreMod:
         """
         return False
 
+    def _spec(self) -> dict | None:
+        """A JSON-ready description of the modifier's values, None when it wraps a user function."""
+        return None
+
+    def __eq__(self, other):
+        """Built-in modifiers with equal values compare equal (slopes, tables and temperatures element by
+        element); a modifier from a user function equals only itself."""
+        if self is other:
+            return True
+        if not isinstance(other, ScoreMod):
+            return NotImplemented
+        spec = self._spec()
+        return spec is not None and spec == other._spec()
+
+    def __hash__(self):  # by kind only: the tensors a modifier holds may change in place
+        return hash(type(self).__name__) if type(self)._spec is not ScoreMod._spec else object.__hash__(self)
+
+    def to_dict(self) -> dict:
+        """A JSON-ready description that :func:`attnkit.bias.from_dict` rebuilds an equal modifier from (tensors
+        as lists of floats); a modifier from a user function (:func:`from_fn`) raises ValueError.
+
+        Example::
+
+            >>> import torch
+            >>> from attnkit import bias
+            >>> mod = bias.compose(bias.temperature(2.0), bias.alibi(torch.tensor([0.5, 0.25])))
+            >>> mod.to_dict()
+            {'type': 'compose', 'mods': [{'type': 'temperature', 't': 2.0}, {'type': 'alibi', 'slopes': [0.5, 0.25], 'align': 'bottom_right'}]}
+            >>> bias.from_dict(mod.to_dict()) == mod
+            True
+        """
+        spec = self._spec()
+        if spec is None:
+            raise ValueError(f"{self!r} cannot be serialised: it calls a Python function; only attnkit's built-in "
+                             f"modifiers (alibi, relative_buckets, temperature and compose of them) are")
+        return spec
+
     def score_mod(self, q_len: int, kv_len: int) -> Callable[..., Tensor]:
         """Bound to a shape, as FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx) -> score``."""
         def mod(score, b, h, q_idx, kv_idx):
@@ -158,6 +196,9 @@ class _ALiBi(ScoreMod):
 
     def __repr__(self):
         return f"alibi({len(self.slopes)} slopes, align={self.align!r})"
+
+    def _spec(self):
+        return {"type": "alibi", "slopes": self.slopes.detach().cpu().tolist(), "align": self.align}
 
 
 def alibi(slopes, *, align: str = "bottom_right") -> ScoreMod:
@@ -236,6 +277,10 @@ class _RelativeBuckets(ScoreMod):
         h, n = self.table.shape
         return f"relative_buckets({h}x{n}, bidirectional={self.bidirectional}, max_distance={self.max_distance})"
 
+    def _spec(self):
+        return {"type": "relative_buckets", "table": self.table.detach().cpu().tolist(),
+                "bidirectional": self.bidirectional, "max_distance": self.max_distance, "align": self.align}
+
 
 def relative_buckets(table: Tensor, *, bidirectional: bool = True, max_distance: int = 128,
                      align: str = "bottom_right") -> ScoreMod:
@@ -279,6 +324,10 @@ class _Temperature(ScoreMod):
 
     def __repr__(self):
         return f"temperature({self.t if not isinstance(self.t, torch.Tensor) else self.t.tolist()})"
+
+    def _spec(self):
+        return {"type": "temperature", "t": self.t.detach().cpu().tolist() if isinstance(self.t, torch.Tensor)
+                else self.t}
 
 
 def temperature(t) -> ScoreMod:
@@ -352,6 +401,10 @@ class _Compose(ScoreMod):
     def __repr__(self):
         return " then ".join(map(repr, self.mods))
 
+    def _spec(self):
+        specs = [m._spec() for m in self.mods]
+        return None if None in specs else {"type": "compose", "mods": specs}
+
 
 def compose(*mods: ScoreMod) -> ScoreMod:
     """Apply several modifiers in order, e.g. ``compose(temperature(2.0), alibi(slopes))``."""
@@ -359,3 +412,32 @@ def compose(*mods: ScoreMod) -> ScoreMod:
         if not isinstance(m, ScoreMod):
             raise TypeError(f"compose: expected attnkit.bias modifiers, got {type(m).__name__}")
     return _Compose(tuple(mods))
+
+
+def from_dict(data: dict) -> ScoreMod:
+    """The modifier a :meth:`ScoreMod.to_dict` description stands for (float32 tensors from the lists).
+
+    Example::
+
+        >>> from attnkit import bias
+        >>> bias.from_dict({"type": "temperature", "t": 2.0})
+        temperature(2.0)
+    """
+    if not isinstance(data, dict) or "type" not in data:
+        raise ValueError(f"bias.from_dict takes a dict with a 'type' as ScoreMod.to_dict gives, got {data!r:.120}")
+    d = dict(data)
+    kind = d.pop("type")
+    try:
+        if kind == "alibi":
+            return alibi(torch.tensor(d.pop("slopes"), dtype=torch.float32), **d)
+        if kind == "relative_buckets":
+            return relative_buckets(torch.tensor(d.pop("table"), dtype=torch.float32), **d)
+        if kind == "temperature":
+            t = d.pop("t")
+            return temperature(torch.tensor(t, dtype=torch.float32) if isinstance(t, list) else t, **d)
+        if kind == "compose":
+            return compose(*(from_dict(m) for m in d.pop("mods")), **d)
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"bias.from_dict: {data!r:.120} is not a {kind!r} description ({e})") from None
+    raise ValueError(f"bias.from_dict: type {kind!r} is not one of 'alibi', 'relative_buckets', 'temperature', "
+                     f"'compose'")

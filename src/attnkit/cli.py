@@ -166,12 +166,12 @@ def _cmd_explain(args) -> int:
 
 
 def _mask_builders() -> dict:
-    """Every public mask builder in attnkit.masks (functions returning a Mask) except from_fn/from_dense/from_flex
-    (they take Python objects, not words)."""
+    """Every public mask builder in attnkit.masks (functions returning a Mask) except from_fn/from_dense/from_flex/
+    from_dict (they take Python objects, not words)."""
     out = {}
     for name in _masks.__all__:
         obj = getattr(_masks, name)
-        if inspect.isfunction(obj) and name not in ("from_fn", "from_dense", "from_flex"):
+        if inspect.isfunction(obj) and name not in ("from_fn", "from_dense", "from_flex", "from_dict"):
             out[name] = obj
     return out
 
@@ -304,6 +304,13 @@ def _cmd_masks_show(args) -> int:
 
 def _load_model(path: str):
     import torch
+    if (Path(path) / "config.json").is_file() and (Path(path) / "model.safetensors").is_file():
+        from .nn import DecoderLM  # a directory written by DecoderLM.save_pretrained: no unpickling
+
+        try:
+            return DecoderLM.from_pretrained(path)
+        except (OSError, ValueError, TypeError) as e:
+            raise UsageError(f"{path}: cannot load a DecoderLM from it ({type(e).__name__}: {e})") from None
     p = _existing_file(path)
     try:
         model = torch.load(p, map_location="cpu", weights_only=False)  # a whole module: unpickling runs code
@@ -447,9 +454,11 @@ def _cmd_demo(args) -> int:
 # ------------------------------------------------------------------------------------- bench
 
 
+_SOURCE_BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"  # a source checkout: <repo>/src/attnkit/cli.py
+
+
 def _default_bench_dir() -> Path | None:
-    here = Path(__file__).resolve().parents[2] / "benchmarks"  # a source checkout: <repo>/src/attnkit/cli.py
-    for candidate in (Path.cwd() / "benchmarks", here):
+    for candidate in (Path.cwd() / "benchmarks", _SOURCE_BENCHMARKS):
         if candidate.is_dir():
             return candidate
     return None
@@ -463,8 +472,13 @@ def _takes_option(script_text: str, option: str) -> bool:
 def _cmd_bench(args) -> int:
     folder = Path(args.dir) if args.dir else _default_bench_dir()
     if folder is None or not folder.is_dir():
-        raise UsageError("attnkit bench: no benchmarks/ folder found; run it from the attnkit repository "
-                         "or pass --dir PATH")
+        if args.dir:
+            raise UsageError(f"attnkit bench: --dir {args.dir}: no benchmarks/ folder found there; pass the "
+                             f"benchmarks/ folder of an attnkit source checkout")
+        raise UsageError("attnkit bench: no benchmarks/ folder found: the benchmark scripts are not part of the "
+                         "installed package; get the attnkit source repository, install its peers with "
+                         "pip install 'attnkit[bench]', and run attnkit bench from the repository's root (or pass "
+                         "--dir PATH/benchmarks)")
     scripts = sorted(p for p in folder.glob("*.py") if not p.name.startswith("_"))
     if args.only:
         wanted = set(args.only.split(","))
@@ -535,6 +549,21 @@ def _distill_teacher(args):
     return model.eval(), f"the demo's recall model, trained {args.teacher_steps} steps"
 
 
+def _recall_reach(batch, window: int) -> float:
+    """The share of an associative-recall batch's answers that lie within a sliding window of ``window`` keys:
+    a value token at most ``window - 1`` positions before the query, right after a copy of the query's key (the
+    key itself may sit just outside: the value's own window holds it).  A model attending within the window
+    answers the rest by guessing at best."""
+    hit = total = 0
+    for row, want in zip(batch.ids.tolist(), batch.targets.tolist()):
+        for q, target in enumerate(want):
+            if target < 0:
+                continue
+            total += 1
+            hit += any(row[p - 1] == row[q] and row[p] == target for p in range(max(1, q - window + 1), q))
+    return hit / max(total, 1)
+
+
 def _cmd_distill(args) -> int:
     import torch
 
@@ -571,6 +600,10 @@ def _cmd_distill(args) -> int:
         report = distill(teacher, student, lambda step: associative_recall(32, **task, generator=g), steps=args.steps,
                          eval_batch=held, progress=not args.no_progress)
         print(report)
+        if args.window is not None:
+            print(f"  the window reaches the answer of {_recall_reach(held, args.window):.1%} of the held-out queries "
+                  f"(its pair ends within the last {args.window} tokens): a student attending within it can pass "
+                  f"that only by guessing, whatever the teacher does")
         if args.out is not None:
             try:
                 Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -695,8 +728,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Without --model it examines the example models that show each symptom.")
     d.add_argument("--example", choices=["all", "healthy", "uniform", "sharp", "saturated", "vanishing_gradient"],
                    help="one example model (default: all of them, briefly)")
-    d.add_argument("--model", metavar="FILE.pt", help="a whole model saved with torch.save(model, path); loading "
-                                                      "unpickles it, so only load files you trust")
+    d.add_argument("--model", metavar="FILE.pt", help="a DecoderLM.save_pretrained directory, or a whole model "
+                                                      "saved with torch.save(model, path) (loading that unpickles "
+                                                      "it, so only load files you trust)")
     d.add_argument("--vocab", type=_positive, help="vocabulary size for --model without config.vocab_size")
     d.add_argument("--seq-len", type=_at_least_two, default=32,
                    help="tokens per sequence (default 32; at least 2: the doctor measures rows that may attend "
@@ -739,8 +773,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "and report the losses and both models' held-out accuracy. The student has "
                                     "half the teacher's width (--width, --layers), or with --window W the "
                                     "teacher's own weights attending under a sliding window of W keys.")
-    ds.add_argument("--teacher", metavar="FILE.pt", help="a whole DecoderLM saved with torch.save(model, path) "
-                                                         "(unpickled: only load files you trust)")
+    ds.add_argument("--teacher", metavar="FILE.pt", help="a DecoderLM.save_pretrained directory, or a whole "
+                                                         "DecoderLM saved with torch.save(model, path) (unpickled: "
+                                                         "only load files you trust)")
     ds.add_argument("--teacher-steps", type=_positive, default=None,
                     help="training steps of the built-in teacher (default 600)")
     ds.add_argument("--steps", type=_positive, default=None, help="distillation steps (default 300)")

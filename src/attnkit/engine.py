@@ -79,6 +79,13 @@ def _key_cost(model) -> float:
     return ATTENTION_FLOP_COST * per_pair / max(per_token, 1.0)
 
 
+def _length_dependent_rope(model) -> str | None:
+    """The rope scaling type (LongRoPE, dynamic NTK) of a model whose rotations depend on a sequence's length,
+    else None."""
+    modules = model.modules() if isinstance(model, torch.nn.Module) else ()
+    return next((m.scaling["type"] for m in modules if getattr(m, "length_dependent", False) is True), None)
+
+
 def _check_sink_positions(model, capacity: int) -> None:
     """With sinks the model sees positions ``0 .. n_sink + window - 1``: they must fit its ``max_seq_len``."""
     cfg = getattr(model, "config", None)
@@ -118,7 +125,10 @@ class Engine:
         max_batch: most sequences decoded together.
         preempt: when the pool runs out, preempt the newest sequence and recompute it later; with False a
             :class:`~attnkit.cache.PoolExhausted` error is raised instead.
-        prefix_caching: reuse the cached blocks of a prompt prefix seen before.
+        prefix_caching: reuse the cached blocks of a prompt prefix seen before.  Off for a model whose rope
+            scaling follows each sequence's length (LongRoPE, dynamic NTK): a cached prefix's keys carry the
+            frequencies of the prompt that computed them.  Such a model refuses ``max_batched_tokens`` too, and
+            a preempted sequence recomputes its prompt at once and the tokens it had made one per step.
         relayout: decode steps read copies of the weights laid out for the number of sequences they
             decode, as :func:`attnkit.generate` does (float32 on CPU: oneDNN's blocked layout for 4-64 sequences), and
             with ``max_batch >= 4`` so do prefills of up to 64 tokens; the copies are held by the Engine (as
@@ -221,6 +231,15 @@ class Engine:
         self.max_batched_tokens = max_batched_tokens
         self.chunk_sizing = chunk_sizing
         check_decoder_only(model, "Engine")
+        # LongRoPE / dynamic NTK: a sequence's rotations follow its own length, as when it runs alone; a chunk, a
+        # prefix computed for another prompt or a recomputation at once would see another length
+        self._length_rope = _length_dependent_rope(model)
+        if self._length_rope is not None and max_batched_tokens is not None:
+            raise ValueError(f"max_batched_tokens={max_batched_tokens}: the model's rope scaling "
+                             f"{self._length_rope!r} picks a prompt's frequencies from its whole length, which a "
+                             f"chunk of it does not see, so chunked prefill would change its tokens; use "
+                             f"max_batched_tokens=None (each prompt prefilled at once)")
+        prefix_caching = prefix_caching and self._length_rope is None
         self._key_cost = _key_cost(model)
         self.model = model
         self._copies = DecodeCopies() if relayout else None  # the weights laid out for decoding, owned here
@@ -399,6 +418,8 @@ class Engine:
             self.running.append(req)
             n_now = self._first_chunk(sid, n_new)
             first = len(tokens) - n_new
+            if self._length_rope is not None:  # after a preemption the tokens it made run one per step, as before
+                n_now = max(1, min(n_now, len(req.prompt) - first))
             req.stream = tokens[first + n_now:]  # with sinks, past the window: one token per step
             view = cache.batch([sid])
             ids = torch.tensor([tokens[first:first + n_now]], dtype=torch.long, device=cache.device)

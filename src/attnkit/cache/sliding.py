@@ -153,7 +153,8 @@ class SlidingWindowCache(LayoutCache):
         super().__init__()
         integer("n_layers", n_layers, minimum=1)
         self.window = integer("window", window, minimum=1)
-        self._set_layout(batch_size, n_kv_heads, d_head, d_value, dtype, device, latent=False)
+        # d_value=0: a latent cache (attnkit.nn.LatentAttention), values inside the keys
+        self._set_layout(batch_size, n_kv_heads, d_head, d_value, dtype, device, latent=True)
         self.layers = tuple(SlidingWindowLayerCache(self, i) for i in range(n_layers))
         self._allocate_known()
 

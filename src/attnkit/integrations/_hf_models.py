@@ -29,7 +29,9 @@ global layers alternating through ``layer_types``, and RMSNorm weights stored as
 by ``1 + w`` in float32; attnkit's ``norm_offset=1.0`` does the same, so the weights copy bit for bit).
 
 ``gemma3_text`` is Gemma 2 plus q/k norms (stored as ``w - 1`` too) and a rope of its own for the sliding layers
-(``rope_parameters["sliding_attention"]``, ``rope_local_theta``), usually without soft-caps.
+(``rope_parameters["sliding_attention"]``, ``rope_local_theta``) and its final logit soft-cap; transformers' Gemma 3
+keeps ``attn_logit_softcapping`` in its config but never caps the scores with it, so ``from_hf`` ignores it and
+``to_hf`` refuses a score ``softcap``.
 
 ``deepseek_v3`` with every feed-forward dense (``first_k_dense_replace >= num_hidden_layers``) has multi-head
 latent attention (:class:`attnkit.nn.LatentAttention`, ``DecoderConfig.kv_lora_rank``); its score scale
@@ -293,7 +295,8 @@ def _gemma_config(cfg, backend: str):
         max_seq_len=max_len, positions="rope", rope_theta=theta, rope_scaling=scaling,
         **extra, norm="rms", norm_eps=cfg.rms_norm_eps, norm_offset=1.0,
         norm_first=True, post_norms=True, ffn="geglu", qkv_bias=biased, out_bias=biased, ffn_bias=False,
-        softcap=cfg.attn_logit_softcapping, logit_softcap=cfg.final_logit_softcapping,
+        # transformers' Gemma 3 keeps attn_logit_softcapping in its config but never applies it to the scores
+        softcap=None if gemma3 else cfg.attn_logit_softcapping, logit_softcap=cfg.final_logit_softcapping,
         attn_scale=None if scalar == d_head else float(scalar) ** -0.5, embed_scale=cfg.hidden_size ** 0.5,
         tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", True)), dropout=0.0,
         attention_dropout=float(getattr(cfg, "attention_dropout", 0.0) or 0.0),
@@ -506,6 +509,8 @@ def _gemma_hf_config(cfg, common: dict, lefts: list[int | None], family: str):
               ("logit_divisor", cfg.logit_divisor, None)]
     if not gemma3:
         checks.append(("rope_local_theta", cfg.rope_local_theta, None))
+    else:  # transformers' Gemma 3 reads attn_logit_softcapping but never caps the scores with it
+        checks.append(("softcap", cfg.softcap, None))
     _check_fields(cfg, checks, name)
     if cfg.embed_scale is None or abs(cfg.embed_scale - cfg.d_model ** 0.5) > 1e-9 * cfg.d_model ** 0.5:
         raise ValueError(f"config.embed_scale={cfg.embed_scale!r}: transformers' {name} scales embeddings by "
@@ -528,7 +533,8 @@ def _gemma_hf_config(cfg, common: dict, lefts: list[int | None], family: str):
     return (transformers.Gemma3TextConfig if gemma3 else transformers.Gemma2Config)(
         **common, hidden_activation="gelu_pytorch_tanh", attention_bias=cfg.qkv_bias, query_pre_attn_scalar=scalar,
         # with no sliding layer the window is unused, but Gemma 2 builds its sliding mask anyway: one that hides nothing
-        sliding_window=slides[0] + 1 if slides else cfg.max_seq_len, attn_logit_softcapping=cfg.softcap,
+        sliding_window=slides[0] + 1 if slides else cfg.max_seq_len,
+        attn_logit_softcapping=None if gemma3 else cfg.softcap,
         final_logit_softcapping=cfg.logit_softcap,
         layer_types=["full_attention" if x is None else "sliding_attention" for x in lefts])
 
@@ -678,6 +684,8 @@ def hf_config(config, *, attn_implementation: str | None = None, family: str | N
     _check_fields(cfg, checks, "Llama-family models")
     wanted = family
     family = _hf_family(cfg, lefts)
+    if wanted == "mistral" and family == "llama" and not (cfg.qkv_bias or cfg.out_bias or cfg.ffn_bias):
+        family = "mistral"  # a Mistral without a window: transformers' sliding_window=None
     if wanted is not None and wanted != family:
         raise ValueError(f"family={wanted!r}: this config's biases and windows make it {_NAMES[family]} "
                          f"(family={family!r})")

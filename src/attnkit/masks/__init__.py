@@ -46,6 +46,7 @@ from ._builtins import (_BlockLocal, _Causal, _Dilated, _Document, _GlobalTokens
 from ._convert import (_check_per_sequence, _decodes_differently, _FlexPredicate, _FromDense, _FromFlex, _FromFn,
                        _nothing_visible, _per_sequence, _positions_unchecked, _reads_absolute_positions, _Varlen,
                        from_dense, from_flex, from_fn, varlen)
+from ._serial import from_dict
 
 __all__ = [
     "Mask",
@@ -65,4 +66,5 @@ __all__ = [
     "from_flex",
     "from_dense",
     "varlen",
+    "from_dict",
 ]

@@ -302,6 +302,52 @@ class Mask:
         """
         return None
 
+    def __eq__(self, other):
+        """Masks built alike compare equal (:meth:`value_key`); masks holding tensors or functions compare by
+        identity."""
+        if self is other:
+            return True
+        if not isinstance(other, Mask):
+            return NotImplemented
+        key = self._cached_value_key()
+        return key is not None and key == other._cached_value_key()
+
+    def __hash__(self):
+        key = self._cached_value_key()
+        return hash(key) if key is not None else object.__hash__(self)
+
+    def _cached_value_key(self) -> str | None:
+        """:meth:`value_key`, computed once (masks are dict keys on every attention call; a mask's value does
+        not change)."""
+        try:
+            return self.__dict__["_value_key"]
+        except KeyError:
+            key = self.__dict__["_value_key"] = self.value_key()
+            return key
+
+    def to_dict(self) -> dict:
+        """A JSON-ready description that :func:`attnkit.masks.from_dict` rebuilds an equal mask from.
+
+        Only masks made of built-ins that hold no tensors serialise (those with a :meth:`value_key`): a mask
+        from a Python function, a dense tensor, key lengths or document ids raises ValueError.
+
+        Example::
+
+            >>> from attnkit import masks
+            >>> m = masks.causal() & masks.sliding_window(3)
+            >>> m.to_dict()
+            {'mask': "(causal(align='bottom_right') & sliding_window(left=3, right=0, align='bottom_right'))"}
+            >>> masks.from_dict(m.to_dict()) == m
+            True
+        """
+        key = self.value_key()
+        if key is None:
+            raise ValueError(f"{self!r} cannot be serialised: only masks built from attnkit's built-ins without "
+                             f"tensors (causal, sliding_window, prefix_lm, block_local, strided, fixed, dilated, "
+                             f"random_blocks and their &, |, ~) are; a mask from a Python function, a tensor, key "
+                             f"lengths or document ids must be rebuilt by the code that made it")
+        return {"mask": key}
+
     def cheap_structure(self) -> bool:
         """Whether :meth:`block_structure` is cheap to compute for another tiling: True for the built-ins
         (also those holding tensors: documents, key padding), False where it evaluates a user function or a

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+import json
+import os
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn as nn
@@ -15,7 +17,8 @@ from .blocks import BlockConfig, Decoder, Encoder, TransformerBlock, _cache_posi
 from .dsa import DeepSeekSparseAttention, IndexerConfig
 from .latent import LatentAttention
 from .layers import Linear, _dropout, linear, make_norm
-from .positions import ALiBi, PositionEncoding, RotaryEmbedding, SinusoidalPositions, T5RelativeBias, _parse_scaling
+from .positions import (ALiBi, PositionEncoding, RotaryEmbedding, SinusoidalPositions, T5RelativeBias, _check_t5_layout,
+                        _parse_scaling)
 
 Tensor = torch.Tensor
 
@@ -179,8 +182,8 @@ class DecoderConfig:
         if self.positions == "t5":  # the bucket layout's errors at configuration time, not when building
             for bidirectional in (False, True):
                 try:
-                    T5RelativeBias(self.n_heads, self.t5_num_buckets, self.t5_max_distance,
-                                   bidirectional=bidirectional)
+                    _check_t5_layout(self.n_heads, self.t5_num_buckets, self.t5_max_distance,
+                                    bidirectional=bidirectional)
                 except (TypeError, ValueError) as e:
                     raise type(e)(f"t5_num_buckets={self.t5_num_buckets!r}, t5_max_distance={self.t5_max_distance!r}: "
                                   f"{e}") from None
@@ -243,6 +246,48 @@ class DecoderConfig:
         """A copy with some fields changed (validated)."""
         return replace(self, **changes)
 
+    def to_dict(self) -> dict:
+        """The fields as a JSON-ready dict (masks as :meth:`attnkit.masks.Mask.to_dict` gives them, tuples as
+        lists); :meth:`from_dict` rebuilds an equal config.  A mask that cannot be serialised (made from a
+        Python function or a tensor) raises ValueError.
+
+        Example::
+
+            >>> from attnkit import masks
+            >>> cfg = DecoderConfig.preset("tiny", mask=masks.sliding_window(7))
+            >>> cfg.to_dict()["mask"]
+            {'mask': "sliding_window(left=7, right=0, align='bottom_right')"}
+            >>> DecoderConfig.from_dict(cfg.to_dict()) == cfg
+            True
+        """
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "mask":
+                value = _mask_dict(f.name, value)
+            elif f.name == "layer_masks" and value is not None:
+                value = [_mask_dict(f"layer_masks[{i}]", m) for i, m in enumerate(value)]
+            out[f.name] = _json_ready(value)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "DecoderConfig":
+        """The config a :meth:`to_dict` dict describes (validated as any config)."""
+        if not isinstance(data, dict):
+            raise TypeError(f"DecoderConfig.from_dict takes a dict (DecoderConfig.to_dict), got {type(data).__name__}")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"DecoderConfig.from_dict: unknown fields {unknown} (known: {sorted(names)})")
+        kw = dict(data)
+        if kw.get("mask") is not None:
+            kw["mask"] = _masks.from_dict(kw["mask"])
+        if kw.get("layer_masks") is not None:
+            kw["layer_masks"] = tuple(None if m is None else _masks.from_dict(m) for m in kw["layer_masks"])
+        if kw.get("rope_layers") is not None:
+            kw["rope_layers"] = tuple(kw["rope_layers"])
+        return cls(**kw)
+
     def layer_mask(self, i: int) -> _masks.Mask | None:
         """Layer ``i``'s mask besides causal: ``mask`` AND-ed with ``layer_masks[i]`` (None: causal only).
 
@@ -301,6 +346,23 @@ class DecoderConfig:
         return BlockConfig(attention, self.ff_dim, dropout=self.dropout, norm_first=self.norm_first, norm=self.norm,
                            norm_eps=self.norm_eps, norm_offset=self.norm_offset, ffn=self.ffn, ffn_bias=self.ffn_bias,
                            post_norms=self.post_norms, pre_norms=self.pre_norms, residual_scale=self.residual_scale)
+
+
+def _mask_dict(name: str, mask) -> dict | None:
+    if mask is None:
+        return None
+    try:
+        return mask.to_dict()
+    except ValueError as e:
+        raise ValueError(f"config.{name}: {e}") from None
+
+
+def _json_ready(value):
+    if isinstance(value, (list, tuple)):
+        return [_json_ready(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _json_ready(v) for k, v in value.items()}
+    return value
 
 
 def _check_layer_masks(value, n_layers: int) -> tuple[_masks.Mask | None, ...] | None:
@@ -489,6 +551,64 @@ class DecoderLM(_LMBase):
             for i in range(cfg.n_layers))
         self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_offset) if cfg.norm_first else None
         self._init_weights(cfg.n_layers)
+
+    CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
+
+    def save_pretrained(self, directory: str | os.PathLike) -> None:
+        """Write the model to ``directory`` (created if needed): ``config.json`` (:meth:`DecoderConfig.to_dict`)
+        and ``model.safetensors`` (the weights in their dtype).  :meth:`from_pretrained` reads it back.  This is
+        the way to store a model: a whole-model pickle (``torch.save(model)``) does not load with
+        ``torch.load(weights_only=True)``; a ``state_dict()`` does.
+
+        Example::
+
+            >>> import tempfile, torch
+            >>> from attnkit.nn import DecoderConfig, DecoderLM
+            >>> model = DecoderLM(DecoderConfig.preset("tiny")).eval()
+            >>> with tempfile.TemporaryDirectory() as d:
+            ...     model.save_pretrained(d)
+            ...     loaded = DecoderLM.from_pretrained(d)
+            >>> ids = torch.tensor([[1, 2, 3]])
+            >>> torch.equal(loaded(ids), model(ids)), loaded.config == model.config
+            (True, True)
+        """
+        from safetensors.torch import save_model
+
+        config = {"architecture": "DecoderLM", "config": self.config.to_dict()}  # before writing: mask errors
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, self.CONFIG_NAME), "w") as f:
+            json.dump(config, f, indent=2)
+        save_model(self, os.path.join(directory, self.WEIGHTS_NAME))
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike, *, device: str | torch.device = "cpu") -> "DecoderLM":
+        """The model :meth:`save_pretrained` wrote to ``directory``, in eval mode, its weights in the dtype
+        they were saved in, on ``device``.  Building it leaves the global random generator as it was."""
+        from safetensors import safe_open
+        from safetensors.torch import load_model
+
+        path = os.path.join(directory, cls.CONFIG_NAME)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"DecoderLM.from_pretrained: no {cls.CONFIG_NAME} in {str(directory)!r}: pass "
+                                    f"a directory written by DecoderLM.save_pretrained")
+        with open(path) as f:
+            saved = json.load(f)
+        if not isinstance(saved, dict) or saved.get("architecture") != "DecoderLM" or "config" not in saved:
+            raise ValueError(f"{path} is not a DecoderLM config (save_pretrained writes "
+                             f"{{'architecture': 'DecoderLM', 'config': ...}})")
+        config = DecoderConfig.from_dict(saved["config"])
+        weights = os.path.join(directory, cls.WEIGHTS_NAME)
+        with safe_open(weights, framework="pt") as f:
+            first = next(iter(f.keys()), None)
+            dtype = f.get_slice(first).get_dtype() if first is not None else None
+        with torch.random.fork_rng(devices=[]):  # the initial weights are overwritten: draw nothing of the caller's
+            model = cls(config)
+        if dtype is not None:
+            model.to(getattr(torch, {"F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                                     "F64": "float64"}.get(dtype, "float32")))
+        model.to(device)
+        load_model(model, weights, strict=True, device=str(device))
+        return model.eval()
 
     def _latent_attention(self, i: int) -> LatentAttention | None:
         cfg = self.config

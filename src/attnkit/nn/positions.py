@@ -207,18 +207,21 @@ class RotaryEmbedding(PositionEncoding):
               (``truncate`` rounds that range to whole dims), and the rotated queries and keys multiplied by
               ``attention_factor`` (default ``0.1 ln f + 1``, or DeepSeek's ratio of that form with ``mscale``
               and ``mscale_all_dim``);
-            * ``longrope``: frequencies divided by ``short_factor`` (one per pair) while a call's largest
-              position is below ``original_max_seq_len``, by ``long_factor`` once it is not, and the rotated
+            * ``longrope``: frequencies divided by ``short_factor`` (one per pair) while a sequence's length
+              is at most ``original_max_seq_len``, by ``long_factor`` once it is not, and the rotated
               queries and keys multiplied by ``attention_factor`` (default
               ``sqrt(1 + ln f / ln original_max_seq_len)``; 1 without ``factor``);
-            * ``dynamic`` (dynamic NTK): while a call's positions stay below ``original_max_seq_len`` the
-              frequencies are the plain ones; a call reaching ``n > original_max_seq_len`` positions uses the
-              base ``base * (f n / original_max_seq_len - (f - 1))^(dim / (dim - 2))`` for all its positions.
+            * ``dynamic`` (dynamic NTK): while a sequence's length is at most ``original_max_seq_len`` the
+              frequencies are the plain ones; a sequence of length ``n > original_max_seq_len`` uses the base
+              ``base * (f n / original_max_seq_len - (f - 1))^(dim / (dim - 2))``.
 
-            The last two pick their frequencies per call from its largest position, as transformers does
-            (keys already in a KV cache keep the rotation they were stored with; transformers' dynamic NTK also
-            keeps the frequencies of the longest call it has seen until a call fits the original length, where
-            this module depends on the call alone: the same while sequences only grow, as in decoding).
+            The last two pick each sequence's frequencies from its own length, never from the batch: a row
+            whose positions start at 0 (a prompt computed at once) takes its largest position + 1 for all its
+            tokens, as transformers does for one sequence; a row continuing a cached sequence (decode steps, the
+            tokens a speculative step verifies) gives each token its own ``p + 1``, as decoding it one token at
+            a time would.  Keys already in a KV cache keep the rotation they were stored with (transformers'
+            batched calls take the batch's largest position instead, and its dynamic NTK keeps the frequencies of
+            the longest call it has seen).
         max_seq_len: if given, positions ``>= max_seq_len`` raise ValueError (RoPE does not extrapolate).
 
     :meth:`rotate` takes ``x (B, H, L, D)`` and positions ``(L,)`` or ``(B, L)``; the angles are computed
@@ -260,7 +263,7 @@ class RotaryEmbedding(PositionEncoding):
 
     @property
     def length_dependent(self) -> bool:
-        """Whether the frequencies depend on a call's largest position (LongRoPE, dynamic NTK)."""
+        """Whether the frequencies depend on the sequence's length (LongRoPE, dynamic NTK)."""
         return self.scaling is not None and self.scaling["type"] in ("longrope", "dynamic")
 
     def _exponents(self) -> Tensor:
@@ -393,8 +396,47 @@ class RotaryEmbedding(PositionEncoding):
                 raise ValueError(f"RotaryEmbedding: position {hi} is beyond max_seq_len={self.max_seq_len}; "
                                  f"rotary positions do not extrapolate: raise max_seq_len (with rope scaling) "
                                  f"or use ALiBi")
+        if self.length_dependent:
+            return self._gather_per_sequence(positions, hi)
         cos, sin = self._table(hi + 1, positions.device, torch.float32)
         return cos[positions], sin[positions]
+
+    def _lengths(self, positions: Tensor) -> Tensor:
+        """The length whose frequencies each token takes (LongRoPE, dynamic NTK), like ``positions``: a row whose
+        positions start at 0 is a prompt computed at once, and every token of it takes the row's length (its
+        largest position + 1, as transformers); a row that continues a sequence (a decode step, tokens a
+        speculative step verifies) gives each token its own length ``p + 1``, as decoding it alone one token at a
+        time would.  So a sequence's rotations never depend on the other rows of the batch."""
+        rows = positions.reshape(-1, positions.shape[-1])  # (R, L)
+        first, last = rows.amin(-1, keepdim=True), rows.amax(-1, keepdim=True)
+        return torch.where(first == 0, last + 1, rows + 1).reshape(positions.shape)
+
+    def _gather_per_sequence(self, positions: Tensor, hi: int) -> tuple[Tensor, Tensor]:
+        """float32 cos/sin at ``positions`` with each token's frequencies chosen from its own length
+        (:meth:`_lengths`)."""
+        if torch.compiler.is_compiling():  # the lengths are read from the tensor: only one-token calls compile
+            if positions.shape[-1] != 1 or positions.dim() != 1:
+                raise ValueError(f"rope scaling {self.scaling['type']!r} picks each sequence's frequencies from its "
+                                 f"own length, which a compiled forward cannot read: compile one-token decode steps "
+                                 f"only (positions=None), or call it without torch.compile")
+            cos, sin = self._table(hi + 1, positions.device, torch.float32)
+            return cos[positions], sin[positions]
+        lengths = self._lengths(positions)
+        old = self.scaling["original_max_seq_len"]
+        # tokens that share a frequency set share a table: a length <= old (the plain set), LongRoPE's long set,
+        # or each length past old (dynamic NTK)
+        group = (lengths > old).long() if self.scaling["type"] == "longrope" else lengths.clamp(min=old)
+        keys = torch.unique(group).tolist()
+        if len(keys) == 1:  # the usual case: one set for the whole call
+            cos, sin = self._table(int(lengths.max()), positions.device, torch.float32)
+            return cos[positions], sin[positions]
+        cos = torch.empty(*positions.shape, self.dim, device=positions.device)
+        sin = torch.empty_like(cos)
+        for key in keys:
+            sel = group == key
+            c, s = self._table(int(lengths[sel].max()), positions.device, torch.float32)
+            cos[sel], sin[sel] = c[positions[sel]], s[positions[sel]]
+        return cos, sin
 
     def _share(self, positions: Tensor | None, max_position: int = 0) -> None:
         """Gather cos/sin for ``positions`` once for every layer of one forward; ``None`` ends the sharing."""
@@ -477,6 +519,16 @@ class ALiBi(PositionEncoding):
         return f"n_heads={self.n_heads}"
 
 
+def _check_t5_layout(n_heads: int, num_buckets: int, max_distance: int, *, bidirectional: bool) -> None:
+    """Raise what :class:`T5RelativeBias` would raise for this bucket layout, without building a table (and so
+    without drawing from the global random generator)."""
+    _checks.positive_int("n_heads", n_heads)
+    _checks.positive_int("num_buckets", num_buckets)
+    _checks.positive_int("max_distance", max_distance)
+    _bias.relative_buckets(torch.zeros(1, num_buckets), bidirectional=_checks.flag("bidirectional", bidirectional),
+                           max_distance=max_distance)
+
+
 class T5RelativeBias(PositionEncoding):
     """T5's learned relative position bias: ``table[h, bucket(j - p)]`` added to the scores.
 
@@ -500,9 +552,7 @@ class T5RelativeBias(PositionEncoding):
 
     def __init__(self, n_heads: int, num_buckets: int = 32, max_distance: int = 128, *, bidirectional: bool = True):
         super().__init__()
-        _checks.positive_int("n_heads", n_heads)
-        _checks.positive_int("num_buckets", num_buckets)
-        _checks.positive_int("max_distance", max_distance)
+        _check_t5_layout(n_heads, num_buckets, max_distance, bidirectional=bidirectional)
         self.n_heads, self.max_distance = n_heads, max_distance
         self.bidirectional = _checks.flag("bidirectional", bidirectional)
         self.table = nn.Parameter(torch.randn(n_heads, num_buckets) * 0.02)
