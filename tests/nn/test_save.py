@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from attnkit import bias, masks
-from attnkit.nn import DecoderConfig, DecoderLM
+from attnkit.nn import DecoderConfig, DecoderLM, IndexerConfig
 
 SW = masks.sliding_window(3)
 _LONGROPE = {"type": "longrope", "original_max_seq_len": 16, "factor": 4.0,
@@ -30,6 +30,8 @@ CONFIGS = {
     "mixed-masks": dict(layer_masks=(masks.causal() & masks.sliding_window(2), masks.block_local(4))),
     "sinks": dict(attention_sinks=True, mask=SW),
     "mla": dict(kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12),
+    "dsa": dict(kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12,
+                indexer=IndexerConfig(top_k=4, n_heads=2, head_dim=8)),
     "alibi": dict(positions="alibi", norm="layer", ffn="gelu", qkv_bias=True, out_bias=True, ffn_bias=True),
     "t5": dict(positions="t5", t5_num_buckets=16, t5_max_distance=64, tie_embeddings=False),
     "sinusoidal": dict(positions="sinusoidal", norm_first=False, norm="layer"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import json
 import os
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 import torch.nn as nn
@@ -25,6 +25,10 @@ Tensor = torch.Tensor
 __all__ = ["DecoderConfig", "DecoderLM", "EncoderDecoder"]
 
 _POSITIONS = ("rope", "alibi", "t5", "sinusoidal", "none")
+
+
+# DecoderConfig fields that hold a config dataclass of their own: to_dict writes their fields, from_dict rebuilds them
+_NESTED_CONFIGS = {"indexer": IndexerConfig}
 
 
 @dataclass
@@ -267,6 +271,8 @@ class DecoderConfig:
                 value = _mask_dict(f.name, value)
             elif f.name == "layer_masks" and value is not None:
                 value = [_mask_dict(f"layer_masks[{i}]", m) for i, m in enumerate(value)]
+            elif f.name in _NESTED_CONFIGS and value is not None:
+                value = asdict(value)
             out[f.name] = _json_ready(value)
         return out
 
@@ -286,6 +292,9 @@ class DecoderConfig:
             kw["layer_masks"] = tuple(None if m is None else _masks.from_dict(m) for m in kw["layer_masks"])
         if kw.get("rope_layers") is not None:
             kw["rope_layers"] = tuple(kw["rope_layers"])
+        for name, config_cls in _NESTED_CONFIGS.items():
+            if isinstance(kw.get(name), dict):
+                kw[name] = config_cls(**kw[name])
         return cls(**kw)
 
     def layer_mask(self, i: int) -> _masks.Mask | None:
