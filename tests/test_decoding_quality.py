@@ -6,6 +6,8 @@
 - PyTorch's fused CPU flash kernel, reached through attnkit's kernels, on tensors of any layout;
 """
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -146,3 +148,53 @@ def test_chunked_prefill_with_sinks_batches_requests():
                             decode_threads=None)
     got = engine.generate(prompts, 7)
     assert got == [attnkit.generate(model, [p], 7)[0] for p in prompts]
+
+
+# ----------------------------------------------------------------------------- item: distillation with sinks
+
+
+def _sink_lm(seed: int, d: int = 32) -> DecoderLM:
+    torch.manual_seed(seed)
+    model = DecoderLM(DecoderConfig(vocab_size=32, d_model=d, n_layers=2, n_heads=4, max_seq_len=128,
+                                    attention_sinks=True))
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.attn.sinks.normal_(0.0, 1.0)  # (zero-initialised: make the sinks take a visible share)
+    return model
+
+
+def test_capture_records_a_sink_models_attention():
+    from attnkit.distill import attention_kl, capture
+
+    model = _sink_lm(0).double().eval()
+    x = torch.randint(0, 32, (2, 9))
+    with torch.no_grad():
+        plain = model(x)
+        with capture(model) as cap:
+            logits = model(x)
+    torch.testing.assert_close(logits, plain, rtol=0, atol=0)  # capture changes nothing
+    for layer, rec in zip(model.layers, cap.attention):
+        assert rec.sinks is layer.attn.sinks
+        want = attnkit.attention_weights(rec.q, rec.k, mask=rec.mask, bias=rec.bias, scale=rec.scale,
+                                         sinks=rec.sinks)
+        w = rec.weights()
+        torch.testing.assert_close(w, want, rtol=0, atol=1e-12)
+        assert bool((w.sum(-1) < 1 - 1e-6).all())  # each sink keeps a share
+        assert float(attention_kl(rec, rec)) == pytest.approx(0.0, abs=1e-12)
+    assert "_attend" not in vars(model.layers[0].attn)
+
+
+def test_distill_between_sink_models():
+    from attnkit.distill import distill
+    from attnkit.nn.tasks import associative_recall
+
+    def batches(step):
+        return associative_recall(8, n_pairs=4, n_queries=2, generator=torch.Generator().manual_seed(step))
+
+    teacher, student = _sink_lm(0), _sink_lm(1, d=16)
+    sinks_before = [layer.attn.sinks.detach().clone() for layer in student.layers]
+    report = distill(teacher, student, batches, steps=3, progress=False,
+                     weights={"logits": 1, "hidden": 1, "attention": 1, "relations": 1})
+    assert report.steps == 3 and all(math.isfinite(v) for step in report.losses for v in step.values())
+    assert any(not torch.equal(b, layer.attn.sinks) for b, layer in zip(sinks_before, student.layers))
+    assert all(p.grad is None for p in teacher.parameters())
