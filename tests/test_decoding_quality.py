@@ -198,3 +198,25 @@ def test_distill_between_sink_models():
     assert report.steps == 3 and all(math.isfinite(v) for step in report.losses for v in step.values())
     assert any(not torch.equal(b, layer.attn.sinks) for b, layer in zip(sinks_before, student.layers))
     assert all(p.grad is None for p in teacher.parameters())
+
+
+# ----------------------------------------------------------------------------- item: transformers models
+
+
+@pytest.mark.parametrize("who", ["generate", "Engine"])
+def test_a_transformers_model_is_refused_with_the_conversion_to_use(who):
+    transformers = pytest.importorskip("transformers")
+    from attnkit.integrations.hf import from_hf
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    run = {"generate": lambda m: attnkit.generate(m, [[1, 2, 3]], 4),
+           "Engine": lambda m: attnkit.Engine(m, cache_blocks=8, block_size=4).generate([[1, 2, 3]], 4)}[who]
+    with pytest.raises(TypeError, match=r"LlamaForCausalLM.*attnkit\.integrations\.hf\.from_hf\(model\)"):
+        run(hf)
+    # what the message says works, and gives transformers' own greedy tokens
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False)[0, 3:].tolist()
+    assert run(from_hf(hf)) == [want]
