@@ -220,3 +220,61 @@ def test_a_transformers_model_is_refused_with_the_conversion_to_use(who):
     with torch.no_grad():
         want = hf.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False)[0, 3:].tolist()
     assert run(from_hf(hf)) == [want]
+
+
+# ----------------------------------------------------------------------------- item: ragged batches
+
+
+def _caches_made(monkeypatch) -> list[str]:
+    """Records which cache class each generate call builds."""
+    from attnkit.cache import PagedCache, StaticCache
+
+    made = []
+    for name, cls in (("PagedCache", PagedCache), ("StaticCache", StaticCache)):
+        original = cls.for_model.__func__
+
+        def spy(klass, *a, _original=original, _name=name, **kw):
+            made.append(_name)
+            return _original(klass, *a, **kw)
+
+        monkeypatch.setattr(cls, "for_model", classmethod(spy))
+    return made
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_default_generate_takes_the_paged_path_for_ragged_prompts(monkeypatch, dtype):
+    model = _model(5, DTYPES[dtype], qkv_bias=True)
+    prompts = [_prompt(s, n) for s, n in enumerate((3, 11, 7, 16))]
+    made = _caches_made(monkeypatch)
+    out = attnkit.generate(model, prompts, 8)
+    assert made == ["PagedCache"]
+    assert out == attnkit.generate(model, prompts, 8, cache="static")  # the left-padded batch: same tokens
+    assert out == [attnkit.generate(model, [p], 8)[0] for p in prompts]  # each alone
+    made.clear()
+    attnkit.generate(model, [p[:3] for p in prompts], 4)  # one length: the static batch
+    assert made == ["StaticCache"]
+
+
+def test_resolve_cache_says_which_cache_generate_takes():
+    from attnkit.generate import resolve_cache
+
+    model = _model(0, torch.float32)
+    ragged, even = [[1, 2, 3], [4, 5]], [[1, 2], [4, 5]]
+    assert resolve_cache(model, ragged) == "paged"
+    assert resolve_cache(model, torch.tensor(even)) == "static"
+    assert resolve_cache(model, [[1, 2, 3]]) == "static"
+    assert resolve_cache(model, ragged, compile=True) == "static"  # compiled steps need the static buffers
+    assert resolve_cache(model, ragged, speculative=True) == "static"  # (each prompt is decoded alone)
+    for asked in ("static", "sliding", "int8", None):
+        assert resolve_cache(model, ragged, asked) == asked
+
+
+def test_default_generate_takes_ragged_prompts_with_absolute_position_masks():
+    """The left-padded batch refuses masks that read absolute positions; the default no longer pads ragged
+    prompts, so such a model generates them (each as it does alone)."""
+    longformer = masks.causal() & (masks.sliding_window(3) | masks.global_tokens([0, 1]))
+    model = _model(6, torch.float64, layer_masks=(longformer, longformer))
+    prompts = [_prompt(1, 5), _prompt(2, 9)]
+    with pytest.raises(ValueError, match="absolute positions"):
+        attnkit.generate(model, prompts, 4, cache="static")
+    assert attnkit.generate(model, prompts, 4) == [attnkit.generate(model, [p], 4)[0] for p in prompts]
