@@ -25,6 +25,7 @@ from ..bias import ScoreMod
 from ..masks import FULL
 from ._common import accumulation_dtype, zero_unseen
 from ._flash_plan import Heads, Job, Plan
+from ._fused import _FUSED, fused_ops  # noqa: F401  (fused_ops: read by the tests)
 
 Tensor = torch.Tensor
 
@@ -36,45 +37,6 @@ GATHER_ELEMENTS = 1 << 25
 WORKSPACE_BYTES = 64 << 20  # a gather workspace (keys or values) larger than this is not kept between calls
 SPLIT_MASK_ELEMENTS = 1 << 20  # bigger element masks are confined to the partial key tiles of a chunk
 
-_FWD_ARGS = ["query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale"]
-_BWD_ARGS = ["grad_out", "query", "key", "value", "out", "logsumexp", "dropout_p", "is_causal", "attn_mask", "scale"]
-
-
-def dense_rows(x: Tensor) -> Tensor:
-    """``x``, or a contiguous copy of it when its last dimension is not dense (stride other than 1).
-
-    PyTorch's fused CPU flash kernel reads each row of ``q``, ``k``, ``v``, ``out`` and ``grad_out`` as
-    consecutive elements whatever the tensor's last stride says, so a feature-major tensor (what a linear
-    layer with a bias may return for a few rows, or a transposed view) gives wrong numbers, NaN or reads past
-    the tensor.  Other strides (heads, rows, batch; broadcast ones included) it reads correctly."""
-    return x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
-
-
-def fused_ops():
-    """PyTorch's fused CPU flash kernel ``(forward, backward)``, or None when this build lacks it or its
-    signature changed (the explicit path then computes everything).  Both entries take their tensors in any
-    layout: those whose rows are not dense are copied first (:func:`dense_rows`)."""
-    try:
-        fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-        bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-    except (AttributeError, RuntimeError):
-        return None
-    fa = [a.name for a in fwd._schema.arguments]
-    ba = [a.name for a in bwd._schema.arguments]
-    if fa != _FWD_ARGS or ba != _BWD_ARGS or len(fwd._schema.returns) != 2 or len(bwd._schema.returns) != 3:
-        return None
-
-    def forward(query, key, value, *args, **kw):
-        return fwd(dense_rows(query), dense_rows(key), dense_rows(value), *args, **kw)
-
-    def backward(grad_out, query, key, value, out, *args, **kw):
-        return bwd(dense_rows(grad_out), dense_rows(query), dense_rows(key), dense_rows(value), dense_rows(out),
-                   *args, **kw)
-
-    return forward, backward
-
-
-_FUSED = fused_ops()
 
 
 # ----------------------------------------------------------------------------- dropout

@@ -491,7 +491,7 @@ def gather_positions(pool: Tensor, runs: list[tuple[int, int]], L: int, out: Ten
 
 def _fused_cpu():
     """PyTorch's fused CPU flash forward (``(out, lse)``), or None when this build lacks it."""
-    from ._flash_ops import _FUSED
+    from ._fused import _FUSED
     return None if _FUSED is None else _FUSED[0]
 
 
