@@ -140,9 +140,12 @@ def test_chunked_prefill_with_sinks_and_latent_attention_matches_generate(kind, 
         assert _chunked(model, prompt, 6, chunk) == attnkit.generate(model, [prompt], 6)[0]
 
 
-def test_chunked_prefill_with_sinks_batches_requests():
+@pytest.mark.parametrize("kw", [dict(attention_sinks=True, qkv_bias=True),
+                                dict(kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8, n_kv_heads=None)],
+                         ids=["sinks", "latent"])
+def test_chunked_prefill_with_sinks_and_latent_attention_batches_requests(kw):
     """Several requests at once: decode tokens and prompt chunks share each packed forward."""
-    model = _model(4, torch.float64, attention_sinks=True, qkv_bias=True)
+    model = _model(4, torch.float64, **kw)
     prompts = [_prompt(s, 3 + 4 * s) for s in range(4)]
     engine = attnkit.Engine(model, cache_blocks=64, block_size=4, max_batch=4, max_batched_tokens=6,
                             decode_threads=None)
