@@ -31,7 +31,8 @@ from ._threads import DecodeThreads
 
 Tensor = torch.Tensor
 
-__all__ = ["generate", "resolve_cache", "sample", "SamplingParams", "GenerationResult", "TokenLogprob", "SpeculativeStats"]
+__all__ = ["generate", "resolve_cache", "sample", "SamplingParams", "GenerationResult", "TokenLogprob",
+           "SpeculativeStats"]
 
 CACHES = ("auto", "static", "sliding", "paged", "int8", "int4")
 

@@ -60,11 +60,10 @@ def capture(model: nn.Module):
     bias, scale, softcap, dropout_p)`` (and ``sinks`` for a module with learned attention sinks); ``capture``
     wraps it on each layer's self-attention (per instance; the class is untouched) and keeps its arguments as an
     :class:`AttentionRecord` (``q (B, Hq, Lq, D)``, ``k``, ``v`` after projections and rotary positions; mask,
-    bias, scale, softcap, sinks).  A forward hook on each
-    :class:`~attnkit.nn.TransformerBlock` keeps its output.  Nothing of size ``Lq x Lk`` is stored: the
-    attention losses recompute the weights from the record in blocks of rows.  The model computes exactly
-    what it computes without ``capture``; the wrappers and hooks are removed on exit, also after an error.
-    A layer called several times keeps its last call.
+    bias, scale, softcap, sinks).  A forward hook on each :class:`~attnkit.nn.TransformerBlock` keeps its
+    output.  Nothing of size ``Lq x Lk`` is stored: the attention losses recompute the weights from the record
+    in blocks of rows.  The model computes exactly what it computes without ``capture``; the wrappers and
+    hooks are removed on exit, also after an error.  A layer called several times keeps its last call.
 
     Yields:
         A :class:`Capture` filled by each forward pass (``attention`` and ``hidden`` indexed by layer).

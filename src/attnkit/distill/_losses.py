@@ -34,8 +34,8 @@ class AttentionRecord:
     None), ``bias`` (a tensor, a score modifier such as ALiBi, or None), ``scale``, ``softcap`` and ``sinks``
     (learned sink logits ``(Hq,)``, or None: :meth:`weights` leaves each row the share its keys keep beside
     the sink; the attention losses compare distributions over keys, each row renormalised over its keys, as
-    for weights given as tensors).  The
-    tensors stay in the autograd graph of the forward that made them, so a loss on them trains the model.
+    for weights given as tensors).  The tensors stay in the autograd graph of the forward that made them, so
+    a loss on them trains the model.
     :func:`attnkit.distill.capture` records one per layer; the attention losses recompute the weights from
     it a block of query rows at a time instead of keeping every layer's ``(B, Hq, Lq, Lk)`` weights.
 
