@@ -97,8 +97,8 @@ def test_attend_chunk_reads_any_layout(n, before, causal, sinks, dtype):
     q, k, v = (_feature_major(1, h, m, 8, dtype=dt) for h, m in ((4, n), (2, L), (2, L)))
 
     def chunk(q, k, v, mask=None, scale=None, sinks=None):
-        return paged_kernel.attend_chunk(q, k, v, scale=scale, causal=mask is not None,
-                                         sinks=None if sinks is None else sinks[None])
+        extra = {} if sinks is None else {"sinks": sinks[None]}  # (1, Hq)
+        return paged_kernel.attend_chunk(q, k, v, scale=scale, causal=mask is not None, **extra)
 
     check_against_oracle(chunk, q, k, v, mask=masks.causal() if causal else None, scale=0.3,
                          sinks=torch.randn(4, dtype=dt) if sinks else None)
