@@ -4,6 +4,7 @@ and the copies of the weights that decode steps read."""
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 
@@ -23,10 +24,22 @@ def check_decoder_only(model, who: str) -> None:
         raise TypeError(f"{who} takes a decoder language model, a torch.nn.Module called as model(ids, cache=..., "
                         f"positions=...) -> logits with a .config (e.g. attnkit.nn.DecoderLM), got "
                         f"{type(model).__name__} {model!r:.60}")
+    if _is_transformers_model(model):
+        raise TypeError(f"{who} takes an attnkit model, got a Hugging Face transformers model "
+                        f"({type(model).__name__}), which it cannot read or drive: convert it first with "
+                        f"attnkit.integrations.hf.from_hf(model) (the same weights as an attnkit.nn.DecoderLM), or "
+                        f"use the model's own generate()")
     if isinstance(model, EncoderDecoder):
         raise TypeError(f"{who} takes a decoder-only language model (e.g. attnkit.nn.DecoderLM), got an "
                         f"EncoderDecoder: encode once with model.encode(src), then decode step by step with "
                         f"model.decode(tgt, memory, cache=attnkit.cache.EncoderDecoderCache(...))")
+
+
+def _is_transformers_model(model) -> bool:
+    """Whether ``model`` is a transformers ``PreTrainedModel`` (transformers is never imported for this)."""
+    tr = sys.modules.get("transformers")
+    base = getattr(tr, "PreTrainedModel", None) if tr is not None else None
+    return isinstance(base, type) and isinstance(model, base)
 
 
 def check_tokens(prompts: list[list[int]], vocab: int | None, name: str | None = None) -> None:

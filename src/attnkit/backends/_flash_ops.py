@@ -25,6 +25,7 @@ from ..bias import ScoreMod
 from ..masks import FULL
 from ._common import accumulation_dtype, zero_unseen
 from ._flash_plan import Heads, Job, Plan
+from ._fused import _FUSED, fused_ops  # noqa: F401  (fused_ops: read by the tests)
 
 Tensor = torch.Tensor
 
@@ -36,40 +37,6 @@ GATHER_ELEMENTS = 1 << 25
 WORKSPACE_BYTES = 64 << 20  # a gather workspace (keys or values) larger than this is not kept between calls
 SPLIT_MASK_ELEMENTS = 1 << 20  # bigger element masks are confined to the partial key tiles of a chunk
 
-_FWD_ARGS = ["query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale"]
-_BWD_ARGS = ["grad_out", "query", "key", "value", "out", "logsumexp", "dropout_p", "is_causal", "attn_mask", "scale"]
-
-
-def fused_ops():
-    """PyTorch's fused CPU flash kernel ``(forward, backward)``, or None when this build lacks it or its
-    signature changed (the explicit path then computes everything)."""
-    try:
-        fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-        bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-    except (AttributeError, RuntimeError):
-        return None
-    fa = [a.name for a in fwd._schema.arguments]
-    ba = [a.name for a in bwd._schema.arguments]
-    if fa != _FWD_ARGS or ba != _BWD_ARGS or len(fwd._schema.returns) != 2 or len(bwd._schema.returns) != 3:
-        return None
-
-    def forward(query, key, value, *args, **kwargs):
-        return fwd(_unit_last(query), _unit_last(key), _unit_last(value), *args, **kwargs)
-
-    def backward(grad_out, query, key, value, out, *args, **kwargs):
-        return bwd(*(_unit_last(t) for t in (grad_out, query, key, value, out)), *args, **kwargs)
-
-    return forward, backward
-
-
-def _unit_last(x: Tensor) -> Tensor:
-    """``x`` with its last dimension contiguous: PyTorch's fused CPU kernel reads each row's elements as
-    consecutive memory whatever the stride (a view strided in the head dimension gives wrong results; other
-    dimensions may have any stride)."""
-    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
-
-
-_FUSED = fused_ops()
 
 
 # ----------------------------------------------------------------------------- dropout

@@ -491,7 +491,7 @@ def gather_positions(pool: Tensor, runs: list[tuple[int, int]], L: int, out: Ten
 
 def _fused_cpu():
     """PyTorch's fused CPU flash forward (``(out, lse)``), or None when this build lacks it."""
-    from ._flash_ops import _FUSED
+    from ._fused import _FUSED
     return None if _FUSED is None else _FUSED[0]
 
 
@@ -505,24 +505,39 @@ def takes_chunk(q: Tensor, k: Tensor, v: Tensor, *, mask, bias, softcap) -> bool
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)))
 
 
-def attend_chunk(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool) -> Tensor:
+def attend_chunk(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool,
+                 sinks: Tensor | None = None) -> Tensor:
     """A prompt chunk's ``n`` queries ``q (1, Hq, n, D)`` over its sequence's ``L`` keys ``k (1, Hkv, L, D)``,
     ``v (1, Hkv, L, Dv)`` (the chunk's own keys last), with PyTorch's fused CPU flash kernel (grouped-query
-    heads read their shared key head; nothing is repeated).
+    heads read their shared key head; nothing is repeated).  The tensors may be laid out any way (the kernel's
+    entry copies those whose rows are not dense).
 
     ``causal``: query ``i`` sits at position ``L - n + i`` and sees the keys up to it (bottom-right).  The
     ``L - n`` keys before the chunk are seen by every query: one call with no mask; the chunk's own
     ``n x n`` keys take the kernel's causal mask in a second call; the two are merged by their
     log-sum-exps (no ``n x L`` mask is built or applied).  ``causal=False``: every query sees every key.
-    Returns ``(1, Hq, n, Dv)`` in ``q``'s dtype."""
+    ``sinks``: None or ``(1, Hq)`` logits, one more term in each row's softmax denominator (the output is
+    scaled by ``sigmoid(lse - sink)``).  Returns ``(1, Hq, n, Dv)`` in ``q``'s dtype."""
     fwd = _fused_cpu()
     n, L = q.shape[2], k.shape[2]
     s = L - n
+    acc = accumulation_dtype(q.dtype)
     if not causal or s == 0:
-        return fwd(q, k, v, 0.0, causal, scale=scale)[0]
+        o, lse = fwd(q, k, v, 0.0, causal, scale=scale)
+        if sinks is None:
+            return o
+        return (o.to(acc) * _sink_weight(lse, sinks).to(acc)).to(q.dtype)
     o1, l1 = fwd(q, k[:, :, :s], v[:, :, :s], 0.0, False, scale=scale)  # the keys before the chunk: all seen
     o2, l2 = fwd(q, k[:, :, s:], v[:, :, s:], 0.0, True, scale=scale)  # the chunk's own keys: causal
-    acc = accumulation_dtype(q.dtype)
     lse = torch.logaddexp(l1, l2)  # (1, Hq, n); every row sees its own key: finite
     w1, w2 = torch.exp(l1 - lse).unsqueeze(-1), torch.exp(l2 - lse).unsqueeze(-1)  # (1, Hq, n, 1)
+    if sinks is not None:
+        sunk = _sink_weight(lse, sinks)
+        w1, w2 = w1 * sunk, w2 * sunk
     return (o1.to(acc) * w1.to(acc) + o2.to(acc) * w2.to(acc)).to(q.dtype)
+
+
+def _sink_weight(lse: Tensor, sinks: Tensor) -> Tensor:
+    """``(1, Hq, n, 1)``: the share of each row's softmax its keys keep once the sink logit ``sinks (1, Hq)``
+    joins the denominator, ``exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink)``."""
+    return torch.sigmoid(lse - sinks.to(lse.dtype)[..., None]).unsqueeze(-1)

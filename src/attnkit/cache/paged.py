@@ -28,7 +28,7 @@ from ..masks import Mask
 from .._checks import flag, integer
 from ..backends import paged as _kernel
 from ..backends.paged import PoolLayout, block_runs, seq_view
-from ..backends._call import _check_number
+from ..backends._call import _check_number, _check_sinks
 from ._block_pool import BlockPool, PoolExhausted
 from ._common import check_dtype, check_new_kv, model_dims
 
@@ -123,7 +123,6 @@ def _prepare(q: Tensor, scale, softcap, bias, mask, sinks=None) -> tuple:
     scale, softcap = _check_modifiers(scale, softcap, bias, mask)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if sinks is not None:
-        from ..backends._call import _check_sinks
         sinks = _check_sinks(sinks, q)
     if isinstance(mask, Mask) and mask.is_causal("bottom_right") and q.shape[2] == 1:
         mask = None  # the newest query sees every stored key
@@ -708,30 +707,36 @@ class _PackedAttend:
     def __init__(self, k_pool: Tensor, v_pool: Tensor, packed: "PagedPacked"):
         self.k_pool, self.v_pool, self.packed = k_pool, v_pool, packed
 
-    def attend(self, q: Tensor, *, mask=None, bias=None, scale=None, softcap=None) -> Tensor:
+    def attend(self, q: Tensor, *, mask=None, bias=None, scale=None, softcap=None, sinks=None,
+               value_dims: int | None = None) -> Tensor:
+        """``sinks``: as in :func:`attnkit.attention` (a logit per query head); ``value_dims``: the values are
+        the first ``value_dims`` channels of the stored keys (a latent cache, :class:`attnkit.nn.LatentAttention`)."""
         from ..functional import attention
 
         pk = self.packed
         _, Hq, T, D = q.shape
-        out = q.new_empty(1, Hq, T, self.v_pool.shape[3])  # (1, Hq, T, Dv)
+        dv = self.v_pool.shape[3] if value_dims is None else value_dims
+        out = q.new_empty(1, Hq, T, dv)  # (1, Hq, T, Dv)
         dec = pk._decode_rows
         if dec:
             rows = torch.tensor([pk.offsets[i] for i in dec], device=q.device)
             qd = q[0, :, rows].transpose(0, 1).unsqueeze(2)  # (Bd, Hq, 1, D)
             od = _PagedDecode(self.k_pool, self.v_pool, pk._decode_plan()).attend(
-                qd, mask=mask, bias=bias, scale=scale, softcap=softcap)  # (Bd, Hq, 1, Dv)
+                qd, mask=mask, bias=bias, scale=scale, softcap=softcap, sinks=sinks,
+                value_dims=value_dims)  # (Bd, Hq, 1, Dv)
             out[0, :, rows] = od[:, :, 0].transpose(0, 1)
-        plan = pk._read_plan()
         for i in pk._chunk_rows:
             a, n = pk.offsets[i], pk.n_new[i]
-            L = plan.lens[i]
-            k, v = pk._keys(self.k_pool, self.v_pool, i)  # (1, Hkv, L, D), (1, Hkv, L, Dv): one copy each
+            k, v = pk._keys(self.k_pool, self.v_pool, i, value_dims is None)  # (1, Hkv, L, D), (1, Hkv, L, Dv)
+            if value_dims is not None:
+                v = k[..., :value_dims]
             qi = q[:, :, a:a + n]  # (1, Hq, n, D)
             if _kernel.takes_chunk(qi, k, v, mask=mask, bias=bias, softcap=softcap):
                 out[:, :, a:a + n] = _kernel.attend_chunk(qi, k, v, scale=D ** -0.5 if scale is None else scale,
-                                                          causal=mask is not None)
+                                                          causal=mask is not None, sinks=_check_sinks(sinks, qi))
             else:
-                out[:, :, a:a + n] = attention(qi, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap)
+                out[:, :, a:a + n] = attention(qi, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap,
+                                               sinks=sinks)
         return out
 
 
@@ -850,14 +855,15 @@ class PagedPacked(_View):
             self._plans["all"] = _Plan.reading(self.cache, self.ids, lens)
         return self._plans["all"]
 
-    def _keys(self, k_pool: Tensor, v_pool: Tensor, i: int) -> tuple[Tensor, Tensor]:
+    def _keys(self, k_pool: Tensor, v_pool: Tensor, i: int, values: bool = True) -> tuple[Tensor, Tensor | None]:
         """Sequence ``ids[i]``'s keys and values so far, ``(1, Hkv, L, D)`` and ``(1, Hkv, L, Dv)``, copied in
-        position order into the cache's workspace (contiguous; overwritten by the next call)."""
+        position order into the cache's workspace (contiguous; overwritten by the next call); the values None
+        when ``values`` is False (a latent cache's values are part of its keys)."""
         plan = self._read_plan()
         L, runs, c = plan.lens[i], plan.runs[i], self.cache
         kw, vw = c._chunk_workspace(L, len(c._seqs[self.ids[i]].blocks) * c.block_size)  # (its reserved blocks)
         return (_kernel.gather_positions(k_pool, runs, L, kw)[None],
-                _kernel.gather_positions(v_pool, runs, L, vw)[None])
+                _kernel.gather_positions(v_pool, runs, L, vw)[None] if values else None)
 
     def _decode_plan(self) -> _Plan:
         if "decode" not in self._plans:

@@ -57,13 +57,13 @@ def capture(model: nn.Module):
     """Record, while active, the attention inputs and hidden states of every layer of an attnkit model.
 
     Every attention in :mod:`attnkit.nn` goes through one method per module, ``_attend(q, k, v, *, mask,
-    bias, scale, softcap, dropout_p)``; ``capture`` wraps it on each layer's self-attention (per instance; the
-    class is untouched) and keeps its arguments as an :class:`AttentionRecord` (``q (B, Hq, Lq, D)``, ``k``,
-    ``v`` after projections and rotary positions; mask, bias, scale, softcap).  A forward hook on each
-    :class:`~attnkit.nn.TransformerBlock` keeps its output.  Nothing of size ``Lq x Lk`` is stored: the
-    attention losses recompute the weights from the record in blocks of rows.  The model computes exactly
-    what it computes without ``capture``; the wrappers and hooks are removed on exit, also after an error.
-    A layer called several times keeps its last call.
+    bias, scale, softcap, dropout_p)`` (and ``sinks`` for a module with learned attention sinks); ``capture``
+    wraps it on each layer's self-attention (per instance; the class is untouched) and keeps its arguments as an
+    :class:`AttentionRecord` (``q (B, Hq, Lq, D)``, ``k``, ``v`` after projections and rotary positions; mask,
+    bias, scale, softcap, sinks).  A forward hook on each :class:`~attnkit.nn.TransformerBlock` keeps its
+    output.  Nothing of size ``Lq x Lk`` is stored: the attention losses recompute the weights from the record
+    in blocks of rows.  The model computes exactly what it computes without ``capture``; the wrappers and
+    hooks are removed on exit, also after an error.  A layer called several times keeps its last call.
 
     Yields:
         A :class:`Capture` filled by each forward pass (``attention`` and ``hidden`` indexed by layer).
@@ -104,9 +104,10 @@ def capture(model: nn.Module):
 
 
 def _wrap(cap: Capture, i: int, inner):
-    def _attend(q, k, v, *, mask, bias, scale, softcap, dropout_p):
-        out = inner(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, dropout_p=dropout_p)
-        cap.attention[i] = AttentionRecord(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap)
+    def _attend(q, k, v, *, mask, bias, scale, softcap, dropout_p, sinks=None):
+        extra = {} if sinks is None else {"sinks": sinks}  # (only a module with sinks passes them)
+        out = inner(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, dropout_p=dropout_p, **extra)
+        cap.attention[i] = AttentionRecord(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, sinks=sinks)
         return out
 
     return _attend

@@ -31,8 +31,11 @@ class AttentionRecord:
 
     ``q (B, Hq, Lq, D)``, ``k (B, Hkv, Lk, D)``, ``v (B, Hkv, Lk, Dv)`` as the layer passed them (after its
     projections, q/k norms and rotary positions), the layer's ``mask`` (an :class:`attnkit.masks.Mask` or
-    None), ``bias`` (a tensor, a score modifier such as ALiBi, or None), ``scale`` and ``softcap``.  The
-    tensors stay in the autograd graph of the forward that made them, so a loss on them trains the model.
+    None), ``bias`` (a tensor, a score modifier such as ALiBi, or None), ``scale``, ``softcap`` and ``sinks``
+    (learned sink logits ``(Hq,)``, or None: :meth:`weights` leaves each row the share its keys keep beside
+    the sink; the attention losses compare distributions over keys, each row renormalised over its keys, as
+    for weights given as tensors).  The tensors stay in the autograd graph of the forward that made them, so
+    a loss on them trains the model.
     :func:`attnkit.distill.capture` records one per layer; the attention losses recompute the weights from
     it a block of query rows at a time instead of keeping every layer's ``(B, Hq, Lq, Lk)`` weights.
 
@@ -54,10 +57,11 @@ class AttentionRecord:
     bias: object = None
     scale: float | None = None
     softcap: float | None = None
+    sinks: Tensor | None = None
 
     def __post_init__(self):
         call = _make_call(self.q, self.k, self.v, mask=self.mask, bias=self.bias, scale=self.scale,
-                          softcap=self.softcap)
+                          softcap=self.softcap, sinks=self.sinks)
         self.mask, self.bias, self.scale = call.mask, call.bias, call.scale
         self._call = call
 
@@ -71,7 +75,10 @@ class AttentionRecord:
         """The full weights ``(B, Hq, Lq, Lk)`` (materialised: meant for small cases and tests)."""
         B, H, Lq, Lk = self.shape
         s = _scores(self._call, 0, Lq, None)
-        return torch.softmax(s, -1).nan_to_num(0.0)
+        if self.sinks is None:
+            return torch.softmax(s, -1).nan_to_num(0.0)
+        sink = self.sinks.to(s.dtype).expand(B, H)[:, :, None, None].expand(B, H, Lq, 1)  # one more column
+        return torch.softmax(torch.cat((s, sink), -1), -1)[..., :Lk]
 
 
 def _scores(call: Call, r0: int, r1: int, other: Call | None) -> Tensor:
