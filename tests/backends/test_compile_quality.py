@@ -95,16 +95,16 @@ def _heads_first(t):  # (T, H, D) -> (1, H, T, D)
     return t.transpose(0, 1)[None]
 
 
-@pytest.mark.parametrize("where", ["inside", "passed"])
-def test_varlen_mask_compiles_to_one_graph_through_flash(where):
+@pytest.mark.parametrize("where, backend", [("inside", "flash"), ("passed", "flash"), ("inside", "math")])
+def test_varlen_mask_compiles_to_one_graph(where, backend):
     q, k, v, cu = _packed([5, 0, 9, 2])
     counter = _counter()
     if where == "inside":
         fn = torch.compile(lambda q, k, v, cu: attnkit.attention(q, k, v, mask=M.varlen(cu, cu, M.causal()),
-                                                                 backend="flash"), fullgraph=True, backend=counter)
+                                                                 backend=backend), fullgraph=True, backend=counter)
         run = lambda q, k, v, mask: fn(q, k, v, cu)
     else:
-        fn = torch.compile(lambda q, k, v, mask: attnkit.attention(q, k, v, mask=mask, backend="flash"),
+        fn = torch.compile(lambda q, k, v, mask: attnkit.attention(q, k, v, mask=mask, backend=backend),
                            fullgraph=True, backend=counter)
         run = fn
     check_against_oracle(run, *(_heads_first(t) for t in (q, k, v)), mask=M.varlen(cu, cu, M.causal()))
@@ -210,8 +210,9 @@ def test_rotary_module_and_model_do_not_recompile_on_the_second_call():
 # ------------------------------------------------------------------- 9: dynamic sequence lengths
 
 
-@pytest.mark.parametrize("backend", ["math", "sdpa", "flash", "auto"])
-def test_mark_dynamic_length_is_one_graph_for_many_lengths(backend):
+@pytest.mark.parametrize("backend, mask", [("math", None), ("sdpa", None), ("math", "causal"), ("sdpa", "causal"),
+                                           ("flash", "causal"), ("auto", "causal")])
+def test_mark_dynamic_length_is_one_graph_for_many_lengths(backend, mask):
     """``mark_dynamic`` on the sequence length: one graph serves every length (it raised
     ConstraintViolationError: the backend decision specialised the length), forward and gradients against the
     float64 oracle at each length."""
@@ -226,7 +227,7 @@ def test_mark_dynamic_length_is_one_graph_for_many_lengths(backend):
 
     for L in (24, 40):
         q, k, v = random_qkv(1, 4, 2, L, L, 8, dtype=torch.float32, requires_grad=True, seed=L)
-        check_against_oracle(dynamic, q, k, v, mask=M.causal())
+        check_against_oracle(dynamic, q, k, v, mask=None if mask is None else M.causal())
     assert counter.frame_count == 1
 
 
