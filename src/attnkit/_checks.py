@@ -79,7 +79,7 @@ def number(name: str, value, *, low: float | None = None, high: float | None = N
     if isinstance(value, torch.Tensor):
         raise TypeError(f"{name}={value!r} must be a Python number, not a tensor: pass float({name}) (a tensor "
                         f"{name} would get no gradient here)")
-    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(float(value)):
+    if isinstance(value, bool) or not isinstance(value, Real) or not _finite(float(value)):
         raise ValueError(f"{name}={value!r} must be a finite number{fix}")
     x = float(value)
     if low is not None and (x < low or (low_open and x == low)):
@@ -89,13 +89,19 @@ def number(name: str, value, *, low: float | None = None, high: float | None = N
     return x
 
 
+def _finite(x: float) -> bool:
+    """``math.isfinite(x)`` by comparisons (NaN fails both), which ``torch.compile(dynamic=True)`` traces where it
+    refuses ``math.isfinite`` of a number it keeps symbolic."""
+    return -math.inf < x < math.inf
+
+
 def _plain_number(value) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float))
 
 
 def finite_float(name: str, value) -> float:
     """``value``, a finite int or float (not a bool), as a float."""
-    if not _plain_number(value) or not math.isfinite(value):
+    if not _plain_number(value) or not _finite(value):
         raise ValueError(f"{name}={value!r} must be a finite number")
     return float(value)
 
@@ -104,7 +110,7 @@ def positive_float(name: str, value, *, allow_none: bool = False) -> float | Non
     """``value``, a finite int or float ``> 0``, as a float; None passes where ``allow_none``."""
     if value is None and allow_none:
         return None
-    if not _plain_number(value) or not math.isfinite(value) or value <= 0:
+    if not _plain_number(value) or not _finite(value) or value <= 0:
         raise ValueError(f"{name}={value!r} must be a finite number > 0{' (or None)' if allow_none else ''}")
     return float(value)
 
@@ -121,3 +127,25 @@ def choice(name: str, value, options: tuple):
     if value not in options:
         raise ValueError(f"{name}={value!r} is not one of {options}")
     return value
+
+
+def holds(ok: torch.Tensor, message: str) -> bool:
+    """Whether a condition on tensor values holds (``ok``: a one-element bool tensor).
+
+    Eagerly: ``bool(ok)``, for the caller to raise its own error, with the values.  While ``torch.compile`` or
+    ``torch.export`` traces, the values are unknown (reading them would break the graph): the condition becomes
+    an assertion in the graph (``torch._assert_async``), which raises a RuntimeError with ``message`` when the
+    compiled code meets values that break it, and this returns True.
+
+    Example::
+
+        >>> import torch
+        >>> from attnkit._checks import holds
+        >>> lengths = torch.tensor([3, -1])
+        >>> holds((lengths >= 0).all(), "lengths must be >= 0")
+        False
+    """
+    if torch.compiler.is_compiling():
+        torch._assert_async(ok, message)
+        return True
+    return bool(ok)

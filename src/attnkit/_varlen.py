@@ -89,11 +89,15 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
       and gradients are written once into the packed tensors; the backward recomputes each sequence's tiles.
       Sinks join each row's denominator as its output is written, from the kernel's lse (exact; PyTorch's
       fused kernel takes none itself);
-    * **the per-sequence path** (any other ``backend``, a ``bias``, while ``torch.compile`` traces): each
-      sequence with at least ``OWN_CALL_MIN`` (128) queries and keys runs as its own
-      :func:`attnkit.attention` call on views of the packed tensors (up to ``MAX_OWN_CALLS``), and the
-      others share one call under :func:`attnkit.masks.varlen`, whose block structure lets the ``flash``
-      and ``triton`` backends visit only each sequence's tiles.
+    * **the per-sequence path** (any other ``backend``, a ``bias``): each sequence with at least
+      ``OWN_CALL_MIN`` (128) queries and keys runs as its own :func:`attnkit.attention` call on views of the
+      packed tensors (up to ``MAX_OWN_CALLS``), and the others share one call under
+      :func:`attnkit.masks.varlen`, whose block structure lets the ``flash`` and ``triton`` backends visit
+      only each sequence's tiles.
+
+    While ``torch.compile`` traces, the call is one :func:`attnkit.attention` call on the packed tensors under
+    :func:`attnkit.masks.varlen` (one graph, no graph breaks: the lengths stay tensors), and the checks of
+    ``cu_seqlens``' values are assertions in the graph (a RuntimeError when the compiled code meets bad ones).
 
     ``auto`` takes the cheaper of the two by a cost estimate: the kernels' (a sequence on the fused kernel
     costs what ``sdpa`` would, a tiled one what ``flash`` estimates, a sequence run alone what ``auto`` picks
@@ -122,6 +126,12 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     _refuse_foreign("attention_varlen", unknown)
     cu_q, cu_k, bias, sinks = _packed.validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                 mask, bias, sinks)  # sinks: (Hq,) or None
+    if torch.compiler.is_compiling():  # one packed call: the lengths stay graph values (no .tolist())
+        o, lse = _split(attention(*(t.transpose(0, 1)[None] for t in (q, k, v)), mask=_masks.varlen(cu_q, cu_k, mask),
+                                  bias=bias, scale=scale, softcap=softcap, sinks=sinks, dropout_p=dropout_p,
+                                  return_lse=return_lse, backend=backend))  # (1, H, T, D) views
+        out = o[0].transpose(0, 1).contiguous()  # (Tq, Hq, Dv)
+        return (out, lse) if return_lse else out
     lq, lk = cu_q.diff().tolist(), cu_k.diff().tolist()
     choice = _packed.choose(q, k, v, cu_q, cu_k, mask, bias, scale, softcap, dropout_p, backend, _select, sinks)
     if choice.batched:

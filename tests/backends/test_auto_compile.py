@@ -104,7 +104,7 @@ def test_named_backend_is_kept_under_compile():
 
 
 def test_a_key_padding_mask_traces_into_one_graph():
-    """Its length check reads tensor values: skipped while tracing (eager calls make it)."""
+    """Its length check reads tensor values: an assertion in the graph while traced (eager calls raise)."""
     q, k, v = _qkv(16, grad=False)
     q, k, v = (t.expand(2, -1, -1, -1) for t in (q, k, v))
     mask = M.key_padding(torch.tensor([16, 9]))

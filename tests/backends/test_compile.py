@@ -268,12 +268,12 @@ def test_fixed_shape_loop_neither_recompiles_nor_replans(monkeypatch):
 
 
 def test_a_new_length_compiles_once_and_is_reused():
-    """Dynamo makes the length dynamic at the second size; the flash decision specialises it (plans are per
-    shape): one frame per length, reused when a length comes back."""
+    """Dynamo makes the length dynamic at the second size, and the flash operator plans each length when the
+    graph runs: a frame for the first length and one for every later length."""
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(lambda q, k, v: attnkit.attention(q, k, v, mask=M.sliding_window(15), backend="flash"),
                              fullgraph=True, backend=counter)
-    for L, frames in ((64, 1), (80, 2), (96, 3), (80, 3)):
+    for L, frames in ((64, 1), (80, 2), (96, 2), (80, 2), (64, 2)):
         q, k, v = _qkv(L, dtype=torch.float32)
         out = compiled(q, k, v)
         torch.testing.assert_close(out, attnkit.attention(q, k, v, mask=M.sliding_window(15), backend="flash"))

@@ -125,6 +125,11 @@ def select(call: Call, backend: str) -> Backend:
     if torch.compiler.is_compiling() and not _custom_ops.deciding():
         if backend == "auto" and _is_cpu_decode(call):
             return _REGISTRY["math"]  # traced math, which Inductor fuses into one loop nest
+        if _symbolic_sizes(call):
+            # a dynamic length (mark_dynamic, dynamic=True): the backends' checks run traced, on the symbolic
+            # sizes (relations between them become guards; no size is specialised), so one graph serves every
+            # length.  auto's costs need the sizes' values: it takes the backend that serves any length
+            return _checked(call, backend) if backend != "auto" else _any_length(call)
         # the eager decision, computed once while tracing from the call's constants and the mask's tensors
         return _REGISTRY[_custom_ops.decide(call, backend)]
     if backend == "auto" and _custom_ops.deciding():
@@ -143,6 +148,11 @@ def select(call: Call, backend: str) -> Backend:
                 _PICKS.pop(next(iter(_PICKS)))
             _PICKS[key] = (_ref(call.mask), _ref(call.bias), chosen)
         return chosen
+    return _checked(call, backend)
+
+
+def _checked(call: Call, backend: str) -> Backend:
+    """The named backend, if it takes ``call``; else a ValueError naming the reason and the backends that can."""
     b = _get(backend)
     reason = b.check(call)
     if reason is not None:
@@ -150,6 +160,30 @@ def select(call: Call, backend: str) -> Backend:
         raise ValueError(f"backend={backend!r} cannot take this call: {reason}; "
                          f"backends that can: {takers} (or backend='auto')")
     return b
+
+
+DYNAMIC_ORDER = {"cpu": ("flash", "math")}  # auto's pick for a traced call of dynamic length, by device type
+DYNAMIC_ORDER_OTHER = ("sdpa", "math")  # ... elsewhere
+
+
+def _any_length(call: Call) -> Backend:
+    """auto's pick for a traced call whose sizes are symbolic: on CPU ``flash`` (one operator node; it plans
+    the tiles of each length when the graph runs), elsewhere ``sdpa``; ``math`` where these cannot take it."""
+    for name in DYNAMIC_ORDER.get(call.q.device.type, DYNAMIC_ORDER_OTHER):
+        b = _REGISTRY.get(name)
+        if b is not None and b.available() and b.check(call) is None:
+            return b
+    return _checked(call, "math")
+
+
+def _symbolic_sizes(call: Call) -> bool:
+    """Whether a traced call has a size that ``torch.compile`` keeps symbolic (a dynamic sequence length)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true as known
+
+    # (dynamo shows a symbolic size as an int; a size whose parity the compiler cannot tell is symbolic, and
+    # asking makes no guard)
+    tensors = [call.q, call.k, call.v] + ([call.bias] if isinstance(call.bias, torch.Tensor) else [])
+    return any(not (known(n % 2 == 0) or known(n % 2 == 1)) for t in tensors for n in t.shape)
 
 
 def _dense_fused(call: Call) -> Backend | None:

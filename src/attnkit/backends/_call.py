@@ -7,11 +7,12 @@ ring attention) builds its call here, so a bad argument gets the same message wh
 from __future__ import annotations
 
 import math
+import operator
 import sys
 
 import torch
 
-from .._checks import flag, number
+from .._checks import flag, holds, number
 from ..bias import ScoreMod
 from ..masks import Mask, from_dense, from_flex
 from ._common import Call, accumulation_dtype
@@ -220,7 +221,8 @@ def _check_sinks(sinks, q: Tensor) -> Tensor | None:
                          f"one logit per query head, shape ({Hq},) (or ({B}, {Hq}))")
     if sinks.device != q.device:
         raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}: move it with sinks.to(q.device)")
-    if not torch.compiler.is_compiling() and not bool(torch.isfinite(sinks.detach()).all()):
+    if not holds(torch.isfinite(sinks.detach()).all(), "sinks holds a non-finite value: give finite logits (for no "
+                                                           "sink at all, leave sinks=None)"):
         raise ValueError(f"sinks holds a non-finite value ({sinks.detach().tolist()}): give finite logits "
                          f"(for no sink at all, leave sinks=None)")
     return sinks.expand(B, Hq)
@@ -235,7 +237,9 @@ def _make_call(q, k, v, *, mask=None, bias=None, scale=None, softcap=None, dropo
     if q.shape[-1] == 0 and scale is None:
         raise ValueError(f"q has head dimension D=0 (shape {tuple(q.shape)}): the default scale 1/sqrt(D) is "
                          f"undefined; give heads of size >= 1 (or an explicit scale)")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else _check_number("scale", scale)
+    # (operator.index: the head size is fixed in a compiled graph even under dynamic=True, so the default scale
+    # is a number, not a symbolic float)
+    scale = 1.0 / math.sqrt(operator.index(q.shape[-1])) if scale is None else _check_number("scale", scale)
     _check_scale(scale, q, bias)
     if softcap is not None:
         softcap = _check_number("softcap", softcap, low=0.0, low_open=True, fix=" (or None for no softcap)")

@@ -74,6 +74,10 @@ def describe(obj) -> tuple[object, list[Tensor]]:
             return ("list", tuple(walk(e) for e in x))
         if isinstance(x, dict):  # a memo of derived values (random blocks per shape): rebuilt empty
             return ("memo",)
+        if isinstance(x, int) and not isinstance(x, bool):
+            # (a constant of the key: under dynamic=True dynamo makes an input object's ints symbolic, and
+            # operator.index specialises such an int to its value)
+            return ("value", operator.index(x))
         return ("value", x)  # None, numbers, strings, functions
 
     return walk(obj), tensors

@@ -94,7 +94,10 @@ def flash_backward(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v
         state=(stripped, plan_b, _seed(seed), True, params), sinks=sinks, versions=[], reach=(),
         has_bias_t=bias is not None, needs_input_grad=(True, True, True, bias_grad, sinks_grad, False,
                                                         *[True] * len(params)))
-    with torch.no_grad(), _autograd_inside(bool(params)):
+    # a non-additive modifier (a temperature, a composition holding one) is differentiated with autograd in
+    # the recomputing backward even when none of its tensors needs a gradient (the score's gradient flows
+    # through it)
+    with torch.no_grad(), _autograd_inside(bool(params) or isinstance(call.bias, ScoreMod)):
         grads = flash._FlashFunction.backward(ctx, dout, dlse)
     dq, dk, dv, dbias, dsink = grads[:5]
     dparams = iter(grads[6:])

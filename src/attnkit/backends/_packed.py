@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import masks as _masks
+from .._checks import holds
 from ..bias import ScoreMod
 from . import _flash_varlen
 from . import flash as _flash
@@ -45,18 +46,18 @@ def _check_cu(name: str, cu, total: int, what: str, device: torch.device) -> Ten
         raise ValueError(f"{name} must be 1-D with n + 1 entries (0 first), got shape {tuple(cu.shape)}")
     if cu.device != device:
         raise ValueError(f"{name} is on {cu.device} but q is on {device}: move it with {name}.to(q.device)")
-    first, last = int(cu[0]), int(cu[-1])
-    if first != 0:
-        raise ValueError(f"{name}[0]={first} must be 0: {name} holds prefix sums of the lengths, [0, L0, L0 + L1, "
-                         f"...] (torch.nn.functional.pad(lengths.cumsum(0), (1, 0)))")
+    # (while traced, each check is an assertion in the graph: holds)
+    if not holds(cu[0] == 0, f"{name}[0] must be 0: {name} holds prefix sums of the lengths"):
+        raise ValueError(f"{name}[0]={int(cu[0])} must be 0: {name} holds prefix sums of the lengths, [0, L0, L0 + "
+                         f"L1, ...] (torch.nn.functional.pad(lengths.cumsum(0), (1, 0)))")
     steps = cu.diff()
-    if bool((steps < 0).any()):
+    if not holds((steps >= 0).all(), f"{name} must not decrease (zero-length sequences repeat an entry)"):
         i = int((steps < 0).nonzero()[0, 0])
         raise ValueError(f"{name} must not decrease (zero-length sequences repeat an entry), got {name}[{i}]="
                          f"{int(cu[i])} > {name}[{i + 1}]={int(cu[i + 1])}")
-    if last != total:
-        raise ValueError(f"{name}[-1]={last} must equal the number of packed {what}, {total}: the last prefix "
-                         f"sum is the total length")
+    if not holds(cu[-1] == total, f"{name}[-1] must equal the number of packed {what}, {total}"):
+        raise ValueError(f"{name}[-1]={int(cu[-1])} must equal the number of packed {what}, {total}: the last "
+                         f"prefix sum is the total length")
     return cu
 
 
@@ -65,8 +66,9 @@ def _check_max(name: str, value, cu: Tensor, cu_name: str) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int or None, got {value!r}")
-    longest = int(cu.diff().max()) if cu.numel() > 1 else 0
-    if value < longest:
+    if cu.numel() > 1 and not holds((cu.diff() <= value).all(), f"{name}={value} is smaller than the longest "
+                                                                    f"sequence in {cu_name}"):
+        longest = int(cu.diff().max())
         raise ValueError(f"{name}={value} is smaller than the longest sequence in {cu_name} ({longest}): pass "
                          f"int({cu_name}.diff().max()), or None")
 

@@ -111,12 +111,12 @@ def run(call: Call):
 
 def check(call: Call) -> str | None:
     """Backend hook: None (flash takes every mask, bias, dtype and device), unless a score modifier's
-    function reads a tensor that requires grad where flash cannot find it to give it its gradient (while
-    traced: where its custom operators cannot take it)."""
+    function reads a tensor that requires grad where flash cannot find it to give it its gradient (for a
+    traced call: where its custom operators cannot take it)."""
     from . import _custom_ops, _flash_custom_ops
 
     reason = _unreached_reason(call)
-    if reason is None and _custom_ops.deciding():
+    if reason is None and (_custom_ops.deciding() or torch.compiler.is_compiling()):
         reason = _flash_custom_ops.traced_reason(call)
     return reason
 

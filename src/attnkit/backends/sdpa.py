@@ -267,7 +267,7 @@ def run(call: Call):
     if bias is not None:
         while bias.dim() < 4:  # SDPA wants a mask of at least 2 dims; (B', H', Lq', Lk') broadcasts
             bias = bias.unsqueeze(0)
-    gqa = call.group > 1
+    gqa = True if call.group > 1 else False  # (a Python bool, a guard, also for symbolic head counts)
     if call.sinks is not None:
         return _run_sinks(call, q, k, v, scale, bias, gqa)
     if call.mask is None or _is_plain_causal(call):

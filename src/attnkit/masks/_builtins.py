@@ -9,6 +9,7 @@ from typing import Callable
 
 import torch
 
+from .._checks import holds
 from ._base import Mask, _Named
 from ._blocks import (_BIG, EMPTY, FULL, PARTIAL, _and_tiles, _band_from_keys, _ceil_div, _check_align, _check_bool,
                       _check_int, _Grid, _index_tensor, _offset, _or_tiles, _pool_kinds, _short_list)
@@ -153,10 +154,8 @@ class _KeyLengths(_Interval):
         n = len(self.lengths)
         if n not in (1, batch):
             raise ValueError(f"key_padding: got {n} lengths for a batch of {batch}: give one length per sequence")
-        if torch.compiler.is_compiling():  # (a check on the values would break the graph; eager calls make it)
-            return
         too_long = self.lengths > kv_len
-        if bool(too_long.any()):
+        if not holds(~too_long.any(), "key_padding: a length exceeds the key length Lk; each length must be <= Lk"):
             i = int(too_long.nonzero()[0, 0])
             raise ValueError(f"key_padding: lengths[{i}]={int(self.lengths[i])} exceeds the key length "
                              f"Lk={kv_len}; each length must be <= Lk")
@@ -543,7 +542,7 @@ def key_padding(lengths) -> Mask:
         raise TypeError(f"key_padding: a (B, Lk) key mask must be a bool tensor (True = real key), got dtype "
                         f"{t.dtype}: pass mask.bool() (a 0/1 attention_mask), or lengths (B,)")
     t = _index_tensor("key_padding lengths", t, ndim=(1,))
-    if bool((t < 0).any()):
+    if not holds((t >= 0).all(), "key_padding: lengths must be >= 0"):
         raise ValueError(f"key_padding: lengths must be >= 0, got {t.tolist()}")
     return _KeyLengths(t)
 

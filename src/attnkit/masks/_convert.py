@@ -7,6 +7,7 @@ from typing import Callable
 
 import torch
 
+from .._checks import holds
 from ._base import Mask, _And, _checked_bool, _checked_shape, _leaves, _Named, _Or
 from ._blocks import (_ALIGNS, _BIG, _EVAL_CHUNK, EMPTY, FULL, PARTIAL, _band_from_keys, _ceil_div, _check_align, _Grid,
                       _index_grid, _index_tensor, _offset, _pool_kinds)
@@ -350,11 +351,12 @@ class _Varlen(Mask):
         return torch.zeros(got.shape[0], got.shape[1], 1, dtype=torch.long, device=t.device)
 
     def _validate(self, batch, heads, q_len, kv_len):
-        tq, tk = int(self.cu_q[-1]), int(self.cu_k[-1])
         if batch != 1:
             raise ValueError(f"varlen: the packed sequences are one batch element, got a batch of {batch}: view "
                              f"packed q (Tq, H, D) as (1, H, Tq, D)")
-        if (q_len, kv_len) != (tq, tk):
+        ends = (self.cu_q[-1] == q_len) & (self.cu_k[-1] == kv_len)
+        if not holds(ends, "varlen: cu_seqlens must end at the packed lengths (Lq, Lk) of the score matrix"):
+            tq, tk = int(self.cu_q[-1]), int(self.cu_k[-1])
             raise ValueError(f"varlen: cu_seqlens end at Tq={tq} and Tk={tk}, but the score matrix is "
                              f"(Lq, Lk)=({q_len}, {kv_len}): the last entries must be the packed lengths")
 
@@ -371,11 +373,11 @@ def _cu_seqlens(name: str, values) -> Tensor:
     if t.numel() == 0:
         raise ValueError(f"varlen: {name} must have n + 1 entries (0 first), got an empty tensor: pass [0] "
                          f"for no sequences")
-    if int(t[0]) != 0:
+    if not holds(t[0] == 0, f"varlen: {name} must start at 0"):
         raise ValueError(f"varlen: {name} must start at 0, got {t[:4].tolist()}...: it holds prefix sums of the "
                          f"sequence lengths, [0, L0, L0 + L1, ...]")
     steps = t.diff()
-    if bool((steps < 0).any()):
+    if not holds((steps >= 0).all(), f"varlen: {name} must not decrease"):
         i = int((steps < 0).nonzero()[0, 0])
         raise ValueError(f"varlen: {name} must not decrease, got {name}[{i}]={int(t[i])} > {name}[{i + 1}]="
                          f"{int(t[i + 1])}: it holds prefix sums of the lengths (cumsum of the lengths, 0 first)")

@@ -338,6 +338,10 @@ class RotaryEmbedding(PositionEncoding):
     def _table(self, n: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos and sin ``(N, dim)`` for positions ``0 .. N-1`` (N >= n), expanded to the pairing and multiplied by
         the attention factor, with the frequencies of a call whose positions are ``< n``."""
+        if torch.compiler.is_compiling():
+            # computed in the graph, not cached: a table stored in (or looked up from) the dict while traced would
+            # put a guard on the dict's keys, which the first call's own entry then fails (a recompile)
+            return self._new_table(n, n, device, dtype)
         variant = self._variant(n)
         key = (variant, device, dtype)
         cached = self._tables.get(key)
@@ -350,18 +354,23 @@ class RotaryEmbedding(PositionEncoding):
                 if variant is None and self.scaling is not None and self.scaling["type"] in ("longrope", "dynamic"):
                     size = min(size, self.scaling["original_max_seq_len"])  # past it the frequencies change
                 size = max(size, n)
-            t = torch.arange(size, device=device, dtype=torch.float32)
-            freqs = torch.outer(t, self.inv_freq_for(n).to(device))  # (N, dim/2)
-            if self.interleaved:
-                freqs = freqs.repeat_interleave(2, dim=-1)  # (N, dim): theta_0 theta_0 theta_1 theta_1 ...
-            else:
-                freqs = torch.cat([freqs, freqs], dim=-1)  # (N, dim): theta_0 .. theta_{d/2-1} twice
-            cos, sin = freqs.cos(), freqs.sin()
-            if self.attention_factor != 1.0:
-                cos, sin = cos * self.attention_factor, sin * self.attention_factor
-            cached = (cos.to(dtype), sin.to(dtype))
+            cached = self._new_table(size, n, device, dtype)
             self._tables[key] = cached
         return cached
+
+    def _new_table(self, size: int, n: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and sin ``(size, dim)`` for positions ``0 .. size-1`` with the frequencies of a call whose
+        positions are ``< n`` (see :meth:`_table`)."""
+        t = torch.arange(size, device=device, dtype=torch.float32)
+        freqs = torch.outer(t, self.inv_freq_for(n).to(device))  # (N, dim/2)
+        if self.interleaved:
+            freqs = freqs.repeat_interleave(2, dim=-1)  # (N, dim): theta_0 theta_0 theta_1 theta_1 ...
+        else:
+            freqs = torch.cat([freqs, freqs], dim=-1)  # (N, dim): theta_0 .. theta_{d/2-1} twice
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype = torch.float32, *,
                 max_position: int | None = None) -> tuple[Tensor, Tensor]:
