@@ -197,13 +197,21 @@ def test_penalties_change_tokens_and_engine_matches_generate(tiny):
         assert len(set(attnkit.generate(tiny, [[5, 5, 5]], 10, frequency_penalty=100.0)[0])) == 10
 
 
+def test_negative_penalties_reward_repeating():
+    x = torch.zeros(1, 4)
+    got = _sampling.apply_presence_frequency(x, [[2, 2, 3]], presence=-0.5, frequency=-0.25)
+    assert got.tolist() == [[0.0, 0.0, 1.0, 0.75]]
+    params = SamplingParams(presence_penalty=-2.0, frequency_penalty=-1.5)
+    assert (params.presence_penalty, params.frequency_penalty) == (-2.0, -1.5)
+
+
 # ----------------------------------------------------------------------------- errors
 
 
 @pytest.mark.parametrize("kw, match", [
     (dict(repetition_penalty=-1.0), "repetition_penalty"),
     (dict(repetition_penalty=0), "repetition_penalty"),
-    (dict(presence_penalty=-0.5), "presence_penalty"),
+    (dict(presence_penalty=float("inf")), "presence_penalty"),
     (dict(frequency_penalty=float("nan")), "frequency_penalty"),
     (dict(min_p=1.5), "min_p"),
     (dict(min_p=-0.1), "min_p"),

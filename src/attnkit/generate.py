@@ -81,10 +81,10 @@ class SamplingParams:
         self.repetition_penalty = number(
             "repetition_penalty", repetition_penalty, low=0.0, low_open=True,
             fix=" (1 is no penalty, above 1 discourages repeating a token)")
-        self.presence_penalty = number("presence_penalty", presence_penalty, low=0.0,
-                                        fix=" (0 is no penalty; a negative value would reward repeating)")
-        self.frequency_penalty = number("frequency_penalty", frequency_penalty, low=0.0,
-                                         fix=" (0 is no penalty; a negative value would reward repeating)")
+        self.presence_penalty = number("presence_penalty", presence_penalty,
+                                        fix=" (0 is no penalty, above 0 discourages repeating, below 0 rewards it)")
+        self.frequency_penalty = number("frequency_penalty", frequency_penalty,
+                                         fix=" (0 is no penalty, above 0 discourages repeating, below 0 rewards it)")
         if min_p is not None:
             min_p = number("min_p", min_p, low=0.0, high=1.0,
                            fix=" (a share of the top token's probability in [0, 1], or None)")
@@ -718,7 +718,7 @@ def generate(model, prompts, max_new_tokens: int, *, cache: str | Callable | Non
             (no copies; :func:`attnkit.nn.to_decode_layout` lays out a model of your own in place).
         repetition_penalty: > 0; every token of the prompt or output so far has its logit divided by it
             (when positive) or multiplied (when negative), as transformers' ``RepetitionPenaltyLogitsProcessor``.
-        presence_penalty, frequency_penalty: >= 0, subtracted from a token's logit once if it occurs in the
+        presence_penalty, frequency_penalty: finite (OpenAI's range is [-2, 2]; below 0 rewards repeating), subtracted from a token's logit once if it occurs in the
             output / once per occurrence (the OpenAI definition).
         min_p: in [0, 1]; when sampling, drop tokens less likely than ``min_p`` times the most likely one
             (after temperature, top-k and top-p, as transformers' ``MinPLogitsWarper``).

@@ -170,7 +170,7 @@ def _error(r, status, param):
     ({"model": "tiny", "prompt": "ba", "n": 0}, 400, "n"),
     ({"model": "tiny", "prompt": "ba", "stop": [1]}, 400, "stop"),
     ({"model": "tiny", "prompt": "ba", "logit_bias": {"x": 1}}, 400, "logit_bias"),
-    ({"model": "tiny", "prompt": "ba", "presence_penalty": -1}, 400, "presence_penalty"),
+    ({"model": "tiny", "prompt": "ba", "presence_penalty": -2.5}, 400, "presence_penalty"),
     ({"model": "tiny", "prompt": "ba", "stream": "yes"}, 400, "stream"),
     ({"model": "tiny", "prompt": "ba", "logprobs": 50}, 400, "logprobs"),
     ({"model": "tiny", "prompt": "ba", "echo": True}, 400, "echo"),
