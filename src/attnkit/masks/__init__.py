@@ -30,9 +30,10 @@ Example::
     [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
 """
 
-# The package is one concern (what may attend to what) in four modules: ``_blocks`` (tilings and block
-# structure), ``_base`` (the Mask protocol and the combinators), ``_builtins`` (the built-in masks) and
-# ``_convert`` (masks from functions, BlockMasks, tensors and packed sequences).  Every name stays importable
+# The package is one concern (what may attend to what) in five modules: ``_blocks`` (tilings and block
+# structure), ``_base`` (the Mask protocol and the combinators), ``_builtins`` (the built-in masks),
+# ``_selected`` (key blocks chosen from the data) and ``_convert`` (masks from functions, BlockMasks, tensors
+# and packed sequences).  Every name stays importable
 # from ``attnkit.masks``.
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from ._builtins import (_BlockLocal, _Causal, _Dilated, _Document, _GlobalTokens
                         _PrefixLM, _RandomBlocks, _SlidingWindow, _Strided, _SummaryColumns, block_local, causal,
                         dilated, document, fixed, global_tokens, key_padding, prefix_lm, random_blocks, sliding_window,
                         strided)
+from ._selected import _SelectedBlocks, selected_blocks, top_k_blocks
 from ._convert import (_decodes_differently, _FlexPredicate, _FromDense, _FromFlex, _FromFn, _nothing_visible,
                        _per_sequence, _positions_unchecked, _reads_absolute_positions, _Varlen, from_dense, from_flex,
                        from_fn, varlen)
@@ -61,6 +63,8 @@ __all__ = [
     "dilated",
     "global_tokens",
     "random_blocks",
+    "selected_blocks",
+    "top_k_blocks",
     "from_fn",
     "from_flex",
     "from_dense",
