@@ -3,7 +3,8 @@
 * Attention: :class:`MultiHeadAttention` (self, grouped-query, cross, cached; ``from_torch``),
   :class:`SingleHeadAttention` (the articles' one head), :class:`AdditiveAttention` (Bahdanau),
   :class:`AxialAttention` (grids), :class:`LatentAttention` (multi-head latent attention, DeepSeek-V2/V3:
-  caches hold a small latent per token).
+  caches hold a small latent per token), :class:`MoBAAttention` (mixture of block attention, Kimi: each query
+  attends to the key blocks whose mean key matches it best).
 * Positions: :class:`RotaryEmbedding`, :class:`ALiBi`, :class:`T5RelativeBias`, :class:`SinusoidalPositions`.
 * Blocks and models: :class:`TransformerBlock`, :class:`Encoder`, :class:`Decoder`, :class:`DecoderLM`
   (:class:`DecoderConfig`), :class:`EncoderDecoder`.
@@ -31,6 +32,7 @@ from .axial import AxialAttention
 from .blocks import BlockConfig, Decoder, Encoder, TransformerBlock, default_d_ff
 from .latent import LatentAttention
 from .layers import FeedForward, Linear, RMSNorm, linear, to_decode_layout
+from .moba import MoBAAttention
 from .models import DecoderConfig, DecoderLM, EncoderDecoder
 from .positions import ALiBi, PositionEncoding, RotaryEmbedding, SinusoidalPositions, T5RelativeBias
 from .simple import AdditiveAttention, SingleHeadAttention
@@ -41,6 +43,7 @@ __all__ = [
     "AdditiveAttention",
     "AxialAttention",
     "LatentAttention",
+    "MoBAAttention",
     "RotaryEmbedding",
     "ALiBi",
     "T5RelativeBias",

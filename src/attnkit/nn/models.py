@@ -13,6 +13,7 @@ from . import _checks
 from .attention import AttentionConfig
 from .blocks import BlockConfig, Decoder, Encoder, TransformerBlock, _cache_positions, _layer_caches, default_d_ff
 from .latent import LatentAttention
+from .moba import MoBAAttention
 from .layers import Linear, _dropout, linear, make_norm
 from .positions import ALiBi, PositionEncoding, RotaryEmbedding, SinusoidalPositions, T5RelativeBias, _parse_scaling
 
@@ -109,6 +110,8 @@ class DecoderConfig:
     attention_dropout: float = 0.0  # dropout on the attention probabilities (training)
     init_std: float = 0.02
     backend: str = "auto"
+    # content-based sparse attention in every layer, e.g. {"method": "moba", "block": 64, "top_k": 8} (MoBAAttention)
+    sparse_attention: dict | None = None
 
     _PRESETS = {
         "tiny": dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, max_seq_len=512),
@@ -182,6 +185,7 @@ class DecoderConfig:
         _checks.causal_model_mask("mask", self.mask)
         self.layer_masks = _check_layer_masks(self.layer_masks, self.n_layers)
         self._check_latent()
+        self.sparse_attention = _check_sparse_attention(self.sparse_attention, self.latent)
         if self.positions == "rope" and self.rotary_dim is None and self.d_head_ % 2 and not self.kv_lora_rank:
             raise ValueError(f"positions='rope' rotates pairs of channels: the head size d_head={self.d_head_} must "
                              f"be even (pick d_model/n_heads or d_head even, or rotary_dim=an even size)")
@@ -290,6 +294,28 @@ class DecoderConfig:
         return BlockConfig(attention, self.ff_dim, dropout=self.dropout, norm_first=self.norm_first, norm=self.norm,
                            norm_eps=self.norm_eps, norm_offset=self.norm_offset, ffn=self.ffn, ffn_bias=self.ffn_bias,
                            post_norms=self.post_norms, pre_norms=self.pre_norms, residual_scale=self.residual_scale)
+
+
+_SPARSE_METHODS = {"moba": {"block": 64, "top_k": 8}}  # method -> its options with their defaults
+
+
+def _check_sparse_attention(value, latent: bool) -> dict | None:
+    """``sparse_attention`` with every option of its method filled in (None: full attention)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or "method" not in value:
+        raise TypeError(f"sparse_attention must be None or a dict with a 'method' ({sorted(_SPARSE_METHODS)}) and its "
+                        f"options, e.g. {{'method': 'moba', 'block': 64, 'top_k': 8}}; got {value!r}")
+    method = _checks.choice("sparse_attention['method']", value["method"], tuple(_SPARSE_METHODS))
+    defaults = _SPARSE_METHODS[method]
+    unknown = sorted(set(value) - set(defaults) - {"method"})
+    if unknown:
+        raise ValueError(f"sparse_attention: {unknown} are not options of {method!r}; its options are "
+                         f"{sorted(defaults)}")
+    if latent:
+        raise ValueError(f"sparse_attention={value!r} applies to multi-head attention layers, not to latent "
+                         f"attention (kv_lora_rank): set one of them only")
+    return {"method": method, **defaults, **{n: v for n, v in value.items() if n != "method"}}
 
 
 def _check_layer_masks(value, n_layers: int) -> tuple[_masks.Mask | None, ...] | None:
@@ -474,7 +500,7 @@ class DecoderLM(_LMBase):
         block = cfg.block_config()
         self.layers = nn.ModuleList(
             TransformerBlock.from_config(block, positions=self._layer_positions(i), mask=self._layer_mask(i),
-                                         attn=self._latent_attention(i))
+                                         attn=self._latent_attention(i) or self._sparse_attention(i, block))
             for i in range(cfg.n_layers))
         self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_offset) if cfg.norm_first else None
         self._init_weights(cfg.n_layers)
@@ -489,6 +515,15 @@ class DecoderLM(_LMBase):
                                mask=self._layer_mask(i), scale=cfg.attn_scale,
                                bias=cfg.qkv_bias, out_bias=cfg.out_bias, dropout=cfg.attention_dropout,
                                backend=cfg.backend)
+
+    def _sparse_attention(self, i: int, block: BlockConfig) -> nn.Module | None:
+        """Layer ``i``'s content-based sparse attention (``config.sparse_attention``), or None."""
+        sparse = self.config.sparse_attention
+        if sparse is None:
+            return None
+        options = {n: v for n, v in sparse.items() if n != "method"}
+        return MoBAAttention.from_config(block.attention, positions=self._layer_positions(i), mask=self._layer_mask(i),
+                                         **options)
 
     def _layer_mask(self, i: int) -> _masks.Mask:
         return _checks.combine(_masks.causal(), self.config.layer_mask(i))

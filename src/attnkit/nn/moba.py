@@ -1,0 +1,172 @@
+"""MoBA, mixture of block attention (Lu et al., Moonshot AI, 2025): each query attends to the key blocks whose
+mean key best matches it, plus its own block.
+
+The keys are cut into blocks of ``block`` positions.  Query ``t`` (at position ``p``) scores every key block
+``j`` that ends before its own block by ``s_j = q_t . mean(K_j)`` and keeps the ``top_k`` best; it attends to
+those blocks and to its own block ``p // block`` (causally: the keys up to ``p``).  The choice is made per
+query and per head; it is not differentiable (the gradient flows through the attention over the chosen keys,
+as in the paper).  The attention itself is one :func:`attnkit.attention` call under the mask
+``masks.selected_blocks(choice, block=(1, block)) & causal``, so the flash backend visits only the key tiles
+some query of a tile chose.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import masks as _masks
+from . import _checks
+from .attention import AttentionConfig, MultiHeadAttention, _Attends, _check_layer_cache, _update_cache
+
+Tensor = torch.Tensor
+
+__all__ = ["MoBAAttention", "moba_selection"]
+
+_SCORE_ROWS = 4096  # query rows scored at once (bounds the (rows, key blocks) score matrix)
+
+
+def moba_selection(q: Tensor, k: Tensor, block: int, top_k: int) -> Tensor:
+    """MoBA's choice of key blocks: ``(B, Hq, Lq, top_k + 1)`` long, the ``top_k`` best earlier blocks of every
+    query (``-1`` where fewer exist) and, last, the query's own block.
+
+    ``q (B, Hq, Lq, D)``, ``k (B, Hkv, Lk, D)``; query row ``i`` sits at position ``i + Lk - Lq``.  A block
+    ``j`` is a candidate when it ends before the query's own block; its score is ``q . mean(k_j)``.  Computed
+    without gradients.
+
+    Example::
+
+        >>> import torch
+        >>> k = torch.zeros(1, 1, 12, 2); k[0, 0, 4:8, 0] = 1.0      # block 1 (keys 4..7) points along x
+        >>> q = torch.tensor([[[[1.0, 0.0]]]])                       # one query at position 11 (block 2)
+        >>> moba_selection(q, k, block=4, top_k=1).tolist()
+        [[[[1, 2]]]]
+    """
+    B, Hq, L, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    g = Hq // Hkv
+    own = torch.arange(Lk - L, Lk, device=q.device) // block  # (L,)
+    out = torch.full((B, Hq, L, top_k + 1), -1, dtype=torch.long, device=q.device)
+    out[..., top_k] = own
+    nf = Lk // block  # complete key blocks: only they can end before a query's own block
+    kk = min(top_k, nf)
+    if kk == 0 or L == 0:
+        return out
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    with torch.no_grad():
+        means = k[:, :, :nf * block].detach().to(dtype).reshape(B, Hkv, nf, block, D).mean(3)  # (B, Hkv, nf, D)
+        means = means[:, :, None].transpose(-1, -2)  # (B, Hkv, 1, D, nf)
+        earlier = torch.arange(nf, device=q.device) < own[:, None]  # (L, nf)
+        for s in range(0, L, _SCORE_ROWS):
+            e = min(L, s + _SCORE_ROWS)
+            qs = q[:, :, s:e].detach().to(dtype).reshape(B, Hkv, g, e - s, D)
+            scores = torch.matmul(qs, means).reshape(B, Hq, e - s, nf)
+            scores = scores.masked_fill(~earlier[s:e], float("-inf"))
+            top = torch.topk(scores, kk, dim=-1)
+            out[:, :, s:e, :kk] = torch.where(torch.isneginf(top.values), -1, top.indices)
+    return out
+
+
+class MoBAAttention(MultiHeadAttention):
+    """Causal self-attention with MoBA's content-based block selection, batch-first ``(B, L, d_model)``.
+
+    Takes every option of :class:`MultiHeadAttention` (grouped-query heads, rotary positions, q/k norms,
+    sinks...) plus ``block`` (keys per block; MoBA: 512 to 4096 for long contexts, 64 here by default) and
+    ``top_k`` (earlier blocks each query chooses besides its own; the paper counts the own block in its
+    top-k, so its ``top_k = 3`` is ``top_k=2`` here).  The module is always causal: ``mask`` (if any) is
+    AND-ed with :func:`attnkit.masks.causal`.  Scores are taken after the rotary embedding, as in the
+    paper's drop-in replacement of the attention function.
+
+    With a KV cache, a one-token decoding step gathers the chosen blocks' keys and values and attends over
+    them alone (the block means are computed from the cached keys); longer calls attend under the selection
+    mask.  Caches that compute attention themselves (paged, quantized) are refused.
+
+    Example::
+
+        >>> import torch
+        >>> from attnkit.cache import StaticCache
+        >>> from attnkit.nn import MoBAAttention
+        >>> moba = MoBAAttention(32, 4, n_kv_heads=2, block=4, top_k=1)
+        >>> x = torch.randn(1, 14, 32)
+        >>> full = moba(x)
+        >>> cache = StaticCache(1, max_len=16)
+        >>> steps = [moba(x[:, :9], cache=cache.layers[0])] + [moba(x[:, i:i + 1], cache=cache.layers[0])
+        ...                                                    for i in range(9, 14)]
+        >>> torch.allclose(torch.cat(steps, 1), full, atol=1e-5)
+        True
+    """
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, *, block: int = 64,
+                 top_k: int = 8, positions=None, mask=None, **options):
+        _Attends.__init__(self)
+        self._build(AttentionConfig(d_model, n_heads, n_kv_heads, **options), positions, mask)
+        self._set_selection(block, top_k)
+
+    @classmethod
+    def from_config(cls, config: AttentionConfig, *, positions=None, mask=None, block: int = 64,
+                    top_k: int = 8) -> "MoBAAttention":
+        """The module an :class:`AttentionConfig` describes (see :meth:`MultiHeadAttention.from_config`), with
+        MoBA's ``block`` and ``top_k``."""
+        module = super().from_config(config, positions=positions, mask=mask)
+        module._set_selection(block, top_k)
+        return module
+
+    def _set_selection(self, block: int, top_k: int) -> None:
+        self.block = _checks.positive_int("block", block)
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+            raise ValueError(f"top_k={top_k!r} must be an int >= 0 (the earlier blocks each query chooses besides "
+                             f"its own)")
+        self.top_k = top_k
+        if self.kdim != self.d_model or self.vdim != self.d_model:
+            raise ValueError("MoBAAttention is self-attention: kdim and vdim must equal d_model")
+        if not any(c.is_causal("bottom_right") for c in (self.mask.conjuncts() if self.mask is not None else ())):
+            self.mask = _checks.combine(_masks.causal(), self.mask)
+        self._plain_causal = self.mask.is_causal("bottom_right")
+
+    def _forward_batch_first(self, x: Tensor, context, *, mask, cache, positions, need_weights: bool):
+        if context is not None:
+            raise ValueError("MoBAAttention is self-attention: context must be None")
+        _checks.features("x", x, self.d_model, what=f"(B, L, d_model={self.d_model})")
+        need_weights = _checks.flag("need_weights", need_weights)
+        _check_layer_cache("cache", cache)
+        self._check_dtype(x)
+        call_mask = _checks.as_mask("mask", mask)
+        q, k, v, bias = self._self_qkv(x, cache, positions)
+        extra = None
+        if cache is not None:
+            peek = getattr(cache, "peek", None)
+            if callable(peek) and peek(k.shape[2])[1]:
+                raise ValueError(f"MoBAAttention needs the cached keys to choose blocks; {type(cache).__name__} "
+                                 f"computes attention itself: use a StaticCache or a SlidingCache")
+            kv = _update_cache(cache, k, v, call_mask=call_mask, heads=self.n_heads, q_len=x.shape[1],
+                               need_weights=need_weights)
+            if hasattr(kv, "attend"):
+                raise ValueError(f"MoBAAttention needs the cached keys to choose blocks; {type(cache).__name__} "
+                                 f"computes attention itself: use a StaticCache or a SlidingCache")
+            k, v, extra = _checks.cache_kv(kv)
+        return self._attention(q, k, v, bias=bias, call_mask=call_mask, extra=extra, need_weights=need_weights)
+
+    def _attention(self, q: Tensor, k: Tensor, v: Tensor, *, bias, call_mask, extra, need_weights: bool):
+        choice = moba_selection(q, k, self.block, self.top_k)
+        if q.shape[2] == 1 and bias is None and call_mask is None and extra is None and not need_weights \
+                and self._plain_causal and not (self.training and self.dropout > 0):
+            return self._output(self._gathered(q, k, v, choice))
+        chosen = _masks.selected_blocks(choice, block=(1, self.block))
+        return super()._attention(q, k, v, bias=bias, call_mask=call_mask, extra=_checks.combine(extra, chosen),
+                                  need_weights=need_weights)
+
+    def _gathered(self, q: Tensor, k: Tensor, v: Tensor, choice: Tensor) -> Tensor:
+        """One query per row at the last position: attention over the keys of the chosen blocks only."""
+        B, Hq, _, _ = q.shape
+        Hkv, Lk = k.shape[1], k.shape[2]
+        keys = (choice[:, :, 0, :, None] * self.block + torch.arange(self.block, device=q.device))  # (B, Hq, K, blk)
+        valid = (choice[:, :, 0, :, None] >= 0) & (keys < Lk)
+        keys = torch.where(valid, keys, 0).flatten(2)  # (B, Hq, K * blk)
+        b = torch.arange(B, device=q.device).view(B, 1, 1)
+        h = (torch.arange(Hq, device=q.device) // (Hq // Hkv)).view(1, Hq, 1)
+        ks, vs = k[b, h, keys], v[b, h, keys]  # (B, Hq, K * blk, D): only the chosen blocks are read
+        sk = {} if self.sinks is None else {"sinks": self.sinks}
+        return self._attend(q, ks, vs, mask=valid.flatten(2)[:, :, None], bias=None, scale=self._scale(),
+                            softcap=self.softcap, dropout_p=0.0, **sk)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, block={self.block}, top_k={self.top_k}"
