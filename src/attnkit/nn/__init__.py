@@ -4,7 +4,8 @@
   :class:`SingleHeadAttention` (the articles' one head), :class:`AdditiveAttention` (Bahdanau),
   :class:`AxialAttention` (grids), :class:`LatentAttention` (multi-head latent attention, DeepSeek-V2/V3:
   caches hold a small latent per token), :class:`MoBAAttention` (mixture of block attention, Kimi: each query
-  attends to the key blocks whose mean key matches it best).
+  attends to the key blocks whose mean key matches it best), :class:`NSAAttention` (native sparse attention,
+  DeepSeek: compressed, selected and sliding-window branches mixed by learned gates).
 * Positions: :class:`RotaryEmbedding`, :class:`ALiBi`, :class:`T5RelativeBias`, :class:`SinusoidalPositions`.
 * Blocks and models: :class:`TransformerBlock`, :class:`Encoder`, :class:`Decoder`, :class:`DecoderLM`
   (:class:`DecoderConfig`), :class:`EncoderDecoder`.
@@ -33,6 +34,7 @@ from .blocks import BlockConfig, Decoder, Encoder, TransformerBlock, default_d_f
 from .latent import LatentAttention
 from .layers import FeedForward, Linear, RMSNorm, linear, to_decode_layout
 from .moba import MoBAAttention
+from .nsa import NSAAttention
 from .models import DecoderConfig, DecoderLM, EncoderDecoder
 from .positions import ALiBi, PositionEncoding, RotaryEmbedding, SinusoidalPositions, T5RelativeBias
 from .simple import AdditiveAttention, SingleHeadAttention
@@ -44,6 +46,7 @@ __all__ = [
     "AxialAttention",
     "LatentAttention",
     "MoBAAttention",
+    "NSAAttention",
     "RotaryEmbedding",
     "ALiBi",
     "T5RelativeBias",

@@ -27,7 +27,7 @@ _SCORE_ROWS = 4096  # query rows scored at once (bounds the (rows, key blocks) s
 
 def moba_selection(q: Tensor, k: Tensor, block: int, top_k: int) -> Tensor:
     """MoBA's choice of key blocks: ``(B, Hq, Lq, top_k + 1)`` long, the ``top_k`` best earlier blocks of every
-    query (``-1`` where fewer exist) and, last, the query's own block.
+    query (``-1`` where fewer exist; ties go to the lower block) and, last, the query's own block.
 
     ``q (B, Hq, Lq, D)``, ``k (B, Hkv, Lk, D)``; query row ``i`` sits at position ``i + Lk - Lq``.  A block
     ``j`` is a candidate when it ends before the query's own block; its score is ``q . mean(k_j)``.  Computed
@@ -61,12 +61,61 @@ def moba_selection(q: Tensor, k: Tensor, block: int, top_k: int) -> Tensor:
             qs = q[:, :, s:e].detach().to(dtype).reshape(B, Hkv, g, e - s, D)
             scores = torch.matmul(qs, means).reshape(B, Hq, e - s, nf)
             scores = scores.masked_fill(~earlier[s:e], float("-inf"))
-            top = torch.topk(scores, kk, dim=-1)
-            out[:, :, s:e, :kk] = torch.where(torch.isneginf(top.values), -1, top.indices)
+            order = torch.sort(scores, dim=-1, descending=True, stable=True)  # ties to the lower block
+            picked, values = order.indices[..., :kk], order.values[..., :kk]
+            out[:, :, s:e, :kk] = torch.where(torch.isneginf(values), -1, picked)
     return out
 
 
-class MoBAAttention(MultiHeadAttention):
+class _ContentSparse(MultiHeadAttention):
+    """Self-attention that chooses keys from the content: it needs every cached key (no paged or quantized
+    cache that computes attention itself), and its decode steps gather the chosen key blocks."""
+
+    def _forward_batch_first(self, x: Tensor, context, *, mask, cache, positions, need_weights: bool):
+        if context is not None:
+            raise ValueError(f"{type(self).__name__} is self-attention: context must be None")
+        _checks.features("x", x, self.d_model, what=f"(B, L, d_model={self.d_model})")
+        need_weights = _checks.flag("need_weights", need_weights)
+        _check_layer_cache("cache", cache)
+        self._check_dtype(x)
+        call_mask = _checks.as_mask("mask", mask)
+        q, k, v, bias = self._self_qkv(x, cache, positions)
+        extra = None
+        if cache is not None:
+            peek = getattr(cache, "peek", None)
+            if callable(peek) and peek(k.shape[2])[1]:
+                raise ValueError(f"{type(self).__name__} needs the cached keys to choose blocks; "
+                                 f"{type(cache).__name__} computes attention itself: use a StaticCache")
+            kv = _update_cache(cache, k, v, call_mask=call_mask, heads=self.n_heads, q_len=x.shape[1],
+                               need_weights=need_weights)
+            if hasattr(kv, "attend"):
+                raise ValueError(f"{type(self).__name__} needs the cached keys to choose blocks; "
+                                 f"{type(cache).__name__} computes attention itself: use a StaticCache")
+            k, v, extra = _checks.cache_kv(kv)
+        return self._content_attention(x, q, k, v, bias=bias, call_mask=call_mask, extra=extra,
+                                       need_weights=need_weights)
+
+    def _content_attention(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, *, bias, call_mask, extra,
+                           need_weights: bool) -> Tensor:
+        """The layer's output ``(B, L, d_model)`` from its input ``x``, ``q (B, Hq, L, D)`` and every key and
+        value ``k``, ``v (B, Hkv, Lk, D)`` (query row ``i`` at position ``i + Lk - L``)."""
+        raise NotImplementedError
+
+    def _gather_blocks(self, k: Tensor, v: Tensor, choice: Tensor, block: int, q_heads: int):
+        """The keys and values of the chosen blocks ``choice (B, Hq, K)`` (-1: none), each query head from its
+        key/value head: ``(B, Hq, K * block, D)`` twice and the valid keys ``(B, Hq, K * block)``; nothing else
+        of ``k``, ``v`` is read."""
+        B = choice.shape[0]
+        Hkv, Lk = k.shape[1], k.shape[2]
+        keys = choice[..., None] * block + torch.arange(block, device=k.device)  # (B, Hq, K, block)
+        valid = (choice[..., None] >= 0) & (keys < Lk)
+        keys = torch.where(valid, keys, 0).flatten(2)
+        b = torch.arange(B, device=k.device).view(B, 1, 1)
+        h = (torch.arange(q_heads, device=k.device) // (q_heads // Hkv)).view(1, q_heads, 1)
+        return k[b, h, keys], v[b, h, keys], valid.flatten(2)
+
+
+class MoBAAttention(_ContentSparse):
     """Causal self-attention with MoBA's content-based block selection, batch-first ``(B, L, d_model)``.
 
     Takes every option of :class:`MultiHeadAttention` (grouped-query heads, rotary positions, q/k norms,
@@ -122,51 +171,22 @@ class MoBAAttention(MultiHeadAttention):
             self.mask = _checks.combine(_masks.causal(), self.mask)
         self._plain_causal = self.mask.is_causal("bottom_right")
 
-    def _forward_batch_first(self, x: Tensor, context, *, mask, cache, positions, need_weights: bool):
-        if context is not None:
-            raise ValueError("MoBAAttention is self-attention: context must be None")
-        _checks.features("x", x, self.d_model, what=f"(B, L, d_model={self.d_model})")
-        need_weights = _checks.flag("need_weights", need_weights)
-        _check_layer_cache("cache", cache)
-        self._check_dtype(x)
-        call_mask = _checks.as_mask("mask", mask)
-        q, k, v, bias = self._self_qkv(x, cache, positions)
-        extra = None
-        if cache is not None:
-            peek = getattr(cache, "peek", None)
-            if callable(peek) and peek(k.shape[2])[1]:
-                raise ValueError(f"MoBAAttention needs the cached keys to choose blocks; {type(cache).__name__} "
-                                 f"computes attention itself: use a StaticCache or a SlidingCache")
-            kv = _update_cache(cache, k, v, call_mask=call_mask, heads=self.n_heads, q_len=x.shape[1],
-                               need_weights=need_weights)
-            if hasattr(kv, "attend"):
-                raise ValueError(f"MoBAAttention needs the cached keys to choose blocks; {type(cache).__name__} "
-                                 f"computes attention itself: use a StaticCache or a SlidingCache")
-            k, v, extra = _checks.cache_kv(kv)
-        return self._attention(q, k, v, bias=bias, call_mask=call_mask, extra=extra, need_weights=need_weights)
-
-    def _attention(self, q: Tensor, k: Tensor, v: Tensor, *, bias, call_mask, extra, need_weights: bool):
+    def _content_attention(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, *, bias, call_mask, extra,
+                           need_weights: bool):
         choice = moba_selection(q, k, self.block, self.top_k)
         if q.shape[2] == 1 and bias is None and call_mask is None and extra is None and not need_weights \
                 and self._plain_causal and not (self.training and self.dropout > 0):
             return self._output(self._gathered(q, k, v, choice))
         chosen = _masks.selected_blocks(choice, block=(1, self.block))
-        return super()._attention(q, k, v, bias=bias, call_mask=call_mask, extra=_checks.combine(extra, chosen),
+        return self._attention(q, k, v, bias=bias, call_mask=call_mask, extra=_checks.combine(extra, chosen),
                                   need_weights=need_weights)
 
     def _gathered(self, q: Tensor, k: Tensor, v: Tensor, choice: Tensor) -> Tensor:
         """One query per row at the last position: attention over the keys of the chosen blocks only."""
-        B, Hq, _, _ = q.shape
-        Hkv, Lk = k.shape[1], k.shape[2]
-        keys = (choice[:, :, 0, :, None] * self.block + torch.arange(self.block, device=q.device))  # (B, Hq, K, blk)
-        valid = (choice[:, :, 0, :, None] >= 0) & (keys < Lk)
-        keys = torch.where(valid, keys, 0).flatten(2)  # (B, Hq, K * blk)
-        b = torch.arange(B, device=q.device).view(B, 1, 1)
-        h = (torch.arange(Hq, device=q.device) // (Hq // Hkv)).view(1, Hq, 1)
-        ks, vs = k[b, h, keys], v[b, h, keys]  # (B, Hq, K * blk, D): only the chosen blocks are read
+        ks, vs, valid = self._gather_blocks(k, v, choice[:, :, 0], self.block, q.shape[1])
         sk = {} if self.sinks is None else {"sinks": self.sinks}
-        return self._attend(q, ks, vs, mask=valid.flatten(2)[:, :, None], bias=None, scale=self._scale(),
-                            softcap=self.softcap, dropout_p=0.0, **sk)
+        return self._attend(q, ks, vs, mask=valid[:, :, None], bias=None, scale=self._scale(), softcap=self.softcap,
+                            dropout_p=0.0, **sk)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, block={self.block}, top_k={self.top_k}"

@@ -14,6 +14,7 @@ from .attention import AttentionConfig
 from .blocks import BlockConfig, Decoder, Encoder, TransformerBlock, _cache_positions, _layer_caches, default_d_ff
 from .latent import LatentAttention
 from .moba import MoBAAttention
+from .nsa import NSAAttention
 from .layers import Linear, _dropout, linear, make_norm
 from .positions import ALiBi, PositionEncoding, RotaryEmbedding, SinusoidalPositions, T5RelativeBias, _parse_scaling
 
@@ -110,7 +111,8 @@ class DecoderConfig:
     attention_dropout: float = 0.0  # dropout on the attention probabilities (training)
     init_std: float = 0.02
     backend: str = "auto"
-    # content-based sparse attention in every layer, e.g. {"method": "moba", "block": 64, "top_k": 8} (MoBAAttention)
+    # content-based sparse attention in every layer: {"method": "moba", "block": 64, "top_k": 8} (MoBAAttention) or
+    # {"method": "nsa", ...} (NSAAttention; options compress_block, compress_stride, select_block, select_count, window)
     sparse_attention: dict | None = None
 
     _PRESETS = {
@@ -185,7 +187,7 @@ class DecoderConfig:
         _checks.causal_model_mask("mask", self.mask)
         self.layer_masks = _check_layer_masks(self.layer_masks, self.n_layers)
         self._check_latent()
-        self.sparse_attention = _check_sparse_attention(self.sparse_attention, self.latent)
+        self.sparse_attention = _check_sparse_attention(self.sparse_attention, self.latent, self.positions)
         if self.positions == "rope" and self.rotary_dim is None and self.d_head_ % 2 and not self.kv_lora_rank:
             raise ValueError(f"positions='rope' rotates pairs of channels: the head size d_head={self.d_head_} must "
                              f"be even (pick d_model/n_heads or d_head even, or rotary_dim=an even size)")
@@ -296,10 +298,13 @@ class DecoderConfig:
                            post_norms=self.post_norms, pre_norms=self.pre_norms, residual_scale=self.residual_scale)
 
 
-_SPARSE_METHODS = {"moba": {"block": 64, "top_k": 8}}  # method -> its options with their defaults
+_SPARSE_METHODS = {  # method -> its options with their defaults
+    "moba": {"block": 64, "top_k": 8},
+    "nsa": {"compress_block": 32, "compress_stride": 16, "select_block": 64, "select_count": 16, "window": 512},
+}
 
 
-def _check_sparse_attention(value, latent: bool) -> dict | None:
+def _check_sparse_attention(value, latent: bool, positions: str) -> dict | None:
     """``sparse_attention`` with every option of its method filled in (None: full attention)."""
     if value is None:
         return None
@@ -315,6 +320,9 @@ def _check_sparse_attention(value, latent: bool) -> dict | None:
     if latent:
         raise ValueError(f"sparse_attention={value!r} applies to multi-head attention layers, not to latent "
                          f"attention (kv_lora_rank): set one of them only")
+    if method == "nsa" and positions in ("alibi", "t5"):
+        raise ValueError(f"sparse_attention method 'nsa' takes positions='rope', 'sinusoidal' or 'none', got "
+                         f"positions={positions!r}: its compressed keys have no single position for a score bias")
     return {"method": method, **defaults, **{n: v for n, v in value.items() if n != "method"}}
 
 
@@ -522,7 +530,8 @@ class DecoderLM(_LMBase):
         if sparse is None:
             return None
         options = {n: v for n, v in sparse.items() if n != "method"}
-        return MoBAAttention.from_config(block.attention, positions=self._layer_positions(i), mask=self._layer_mask(i),
+        kind = {"moba": MoBAAttention, "nsa": NSAAttention}[sparse["method"]]
+        return kind.from_config(block.attention, positions=self._layer_positions(i), mask=self._layer_mask(i),
                                          **options)
 
     def _layer_mask(self, i: int) -> _masks.Mask:
