@@ -6,7 +6,9 @@ Sections (float32, one process, ratios measured interleaved; the thread count is
 
 * moba   -- block 64, top-k 8 earlier blocks + the own block, causal, selection included, forward and
             forward+backward at L = 16384 / 32768 (B=1, H=2, D=64):
-            ``moba/query``  the paper's per-query choice (``nn.moba.moba_selection`` + ``masks.selected_blocks``);
+            ``moba/routed`` the paper's per-query choice, routed as the paper computes it
+                            (``nn.moba.moba_attention``: ``attention_varlen`` over each chosen block's queries);
+            ``moba/query``  the same choice as one flash call under ``masks.selected_blocks``;
             ``moba/block``  one choice per block of 64 queries, scored by the block's mean query
                             (``masks.top_k_blocks``): the tiling the kernels skip best;
             ``static``      ``masks.random_blocks(64, 9, causal=True)``, about the same density as moba/block;
@@ -34,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import attnkit  # noqa: E402
 from attnkit import masks  # noqa: E402
 from attnkit.nn import DecoderConfig, DecoderLM  # noqa: E402
-from attnkit.nn.moba import moba_selection  # noqa: E402
+from attnkit.nn.moba import moba_attention, moba_selection  # noqa: E402
 from attnkit.nn.tasks import accuracy, associative_recall, train_lm  # noqa: E402
 from _common import table, timeit  # noqa: E402
 
@@ -76,15 +78,17 @@ def moba_section(lengths, repeat: int, per_query: bool = True) -> list[dict]:
             "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
             "static": lambda: attnkit.attention(q, k, v, mask=static, backend="flash"),
             "moba/block": lambda: attnkit.attention(q, k, v, mask=_block_choice(q, k), backend="flash"),
+            "moba/routed": lambda: moba_attention(q, k, v, block=BLOCK, top_k=TOP_K, backend="flash"),
             "moba/query": lambda: attnkit.attention(q, k, v, mask=per_query(), backend="flash"),
         }
         if not per_query:
             del variants["moba/query"]
         density = {"sdpa": 0.5 + 0.5 / L, "static": static.density(L, L),
                    "moba/block": _block_choice(q, k).density(L, L, heads=H)}
+        density["moba/routed"] = per_query().density(L, L, heads=H)
         if per_query:
-            density["moba/query"] = per_query().density(L, L, heads=H)
-        visited = {name: (None if name == "sdpa" else
+            density["moba/query"] = density["moba/routed"]
+        visited = {name: (None if name in ("sdpa", "moba/routed") else
                           (static if name == "static" else _block_choice(q, k) if name == "moba/block"
                            else per_query()).block_structure(L, L, 64, heads=H).visited_fraction())
                    for name in variants}

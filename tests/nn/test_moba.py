@@ -52,10 +52,13 @@ def _module(d_model=32, heads=4, kv_heads=2, block=4, top_k=2, seed=0, **kw):
     return m.double()
 
 
+@pytest.mark.parametrize("routed", [True, False])
 @pytest.mark.parametrize("L, block, top_k, heads, kv_heads", [(23, 4, 2, 4, 2), (16, 8, 1, 2, 1), (9, 2, 3, 2, 2),
                                                                   (20, 5, 0, 4, 4)])
-def test_forward_and_gradients_equal_the_paper(L, block, top_k, heads, kv_heads):
+def test_forward_and_gradients_equal_the_paper(L, block, top_k, heads, kv_heads, routed):
+    """Both ways of computing it: routed (attention_varlen per chosen block) and one call under the mask."""
     m = _module(heads=heads, kv_heads=kv_heads, block=block, top_k=top_k)
+    m.routed = routed
     x = torch.randn(2, L, 32, dtype=torch.float64, requires_grad=True)
     out = m(x)
     q, k, v, _ = m._self_qkv(x, None, None)
@@ -81,9 +84,10 @@ def test_selection_is_top_k_of_earlier_blocks_plus_own():
     assert set(choice[0, 1, 9, :2].tolist()) == set(scores.topk(2).indices.tolist())
 
 
-def test_training_step_flows_through_the_flash_backend():
+@pytest.mark.parametrize("routed", [True, False])
+def test_training_step_flows_through_the_flash_backend(routed):
     m = _module(block=8, top_k=1).float()
-    m.backend = "flash"
+    m.backend, m.routed = "flash", routed
     x = torch.randn(1, 64, 32, requires_grad=True)
     m(x).square().mean().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())

@@ -7,7 +7,8 @@ those blocks and to its own block ``p // block`` (causally: the keys up to ``p``
 query and per head; it is not differentiable (the gradient flows through the attention over the chosen keys,
 as in the paper).  The attention itself is one :func:`attnkit.attention` call under the mask
 ``masks.selected_blocks(choice, block=(1, block)) & causal``, so the flash backend visits only the key tiles
-some query of a tile chose.
+some query of a tile chose; or, as the paper computes it, routed: every chosen block with the queries that
+chose it is one sequence of an :func:`attnkit.attention_varlen` call (:func:`moba_attention`).
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ from __future__ import annotations
 import torch
 
 from .. import masks as _masks
+from .._varlen import attention_varlen
+from ..functional import attention
 from . import _checks
 from .attention import AttentionConfig, MultiHeadAttention, _Attends, _check_layer_cache, _update_cache
 
 Tensor = torch.Tensor
 
-__all__ = ["MoBAAttention", "moba_selection"]
+__all__ = ["MoBAAttention", "moba_selection", "moba_attention"]
 
 _SCORE_ROWS = 4096  # query rows scored at once (bounds the (rows, key blocks) score matrix)
 
@@ -65,6 +68,61 @@ def moba_selection(q: Tensor, k: Tensor, block: int, top_k: int) -> Tensor:
             picked, values = order.indices[..., :kk], order.values[..., :kk]
             out[:, :, s:e, :kk] = torch.where(torch.isneginf(values), -1, picked)
     return out
+
+
+def moba_attention(q: Tensor, k: Tensor, v: Tensor, *, block: int, top_k: int, choice: Tensor | None = None,
+                   scale: float | None = None, softcap: float | None = None, backend: str = "auto") -> Tensor:
+    """MoBA's attention, routed as the paper computes it: ``(B, Hq, Lq, Dv)`` from ``q (B, Hq, Lq, D)``,
+    ``k``, ``v (B, Hkv, Lk, D)`` (query row ``i`` at position ``i + Lk - Lq``), causal.
+
+    The own blocks are one causal block-local :func:`attnkit.attention` call; every chosen earlier block with
+    the queries that chose it is one sequence of a packed :func:`attnkit.attention_varlen` call, so each query
+    meets only its chosen keys; the parts are merged with their log-sum-exps.  ``choice`` defaults to
+    :func:`moba_selection`.  Equal to ``attention(q, k, v, mask=masks.selected_blocks(choice, block=(1, block))
+    & masks.causal())``.
+
+    Example::
+
+        >>> import torch, attnkit
+        >>> from attnkit import masks
+        >>> q, k, v = (torch.randn(1, 2, 40, 8, dtype=torch.float64) for _ in range(3))
+        >>> choice = moba_selection(q, k, block=8, top_k=2)
+        >>> ref = attnkit.attention(q, k, v, mask=masks.selected_blocks(choice, block=(1, 8)) & masks.causal())
+        >>> torch.allclose(moba_attention(q, k, v, block=8, top_k=2), ref)
+        True
+    """
+    if choice is None:
+        choice = moba_selection(q, k, block, top_k)
+    B, Hq, L, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    g, nkb = Hq // Hkv, -(-Lk // block)
+    opts = dict(scale=scale, softcap=softcap, return_lse=True, backend=backend)
+    mask = _masks.causal() & _masks.block_local(block)
+    out_own, lse_own = attention(q, k, v, mask=mask, **opts)  # (B, Hq, L, Dv), (B, Hq, L)
+    past = choice[..., :-1]
+    bi, hi, ti, si = (past >= 0).nonzero(as_tuple=True)
+    if bi.numel() == 0:
+        return out_own
+    seq = (bi * Hq + hi) * nkb + past[bi, hi, ti, si]  # one sequence per (batch, head, chosen block)
+    order = torch.argsort(seq, stable=True)
+    seq, bi, hi, ti = seq[order], bi[order], hi[order], ti[order]
+    ids, counts = torch.unique_consecutive(seq, return_counts=True)
+    sb, sh, sj = ids // (Hq * nkb), (ids // nkb) % Hq, ids % nkb
+    keys = sj[:, None] * block + torch.arange(block, device=q.device)  # earlier blocks are complete
+    kp = k[sb[:, None], (sh // g)[:, None], keys].reshape(-1, 1, D)
+    vp = v[sb[:, None], (sh // g)[:, None], keys].reshape(-1, 1, v.shape[-1])
+    zero = torch.zeros(1, dtype=torch.int32, device=q.device)
+    cu_q = torch.cat([zero, counts.cumsum(0).to(torch.int32)])
+    cu_k = torch.arange(ids.numel() + 1, dtype=torch.int32, device=q.device) * block
+    out_p, lse_p = attention_varlen(q[bi, hi, ti][:, None], kp, vp, cu_q, cu_k, **opts)
+    row = (bi * Hq + hi) * L + ti  # the query each part belongs to
+    lse_own, lse_p = lse_own.reshape(-1), lse_p[0]
+    top = lse_own.detach().scatter_reduce(0, row, lse_p.detach(), reduce="amax")  # a shift, for exp's range
+    w_own, w_p = torch.exp(lse_own - top), torch.exp(lse_p - top[row])
+    acc = out_own.reshape(-1, out_own.shape[-1]).to(w_own.dtype) * w_own[:, None]
+    acc = acc.index_add(0, row, out_p[:, 0].to(w_p.dtype) * w_p[:, None])
+    denom = w_own.index_add(0, row, w_p)
+    return (acc / denom[:, None]).to(q.dtype).view(B, Hq, L, -1)
 
 
 class _ContentSparse(MultiHeadAttention):
@@ -125,9 +183,12 @@ class MoBAAttention(_ContentSparse):
     AND-ed with :func:`attnkit.masks.causal`.  Scores are taken after the rotary embedding, as in the
     paper's drop-in replacement of the attention function.
 
-    With a KV cache, a one-token decoding step gathers the chosen blocks' keys and values and attends over
-    them alone (the block means are computed from the cached keys); longer calls attend under the selection
-    mask.  Caches that compute attention themselves (paged, quantized) are refused.
+    Longer calls (training, a prefill) are routed as in the paper (:func:`moba_attention`: each chosen block
+    with the queries that chose it, through :func:`attnkit.attention_varlen`); with a per-call mask, a bias,
+    sinks or ``routed = False`` they are one call under ``masks.selected_blocks(choice, block=(1, block)) &
+    mask``.  With a KV cache, a one-token decoding step gathers the chosen blocks' keys and values and attends
+    over them alone (the block means are computed from the cached keys).  Caches that compute attention
+    themselves (paged, quantized) are refused.
 
     Example::
 
@@ -165,6 +226,7 @@ class MoBAAttention(_ContentSparse):
             raise ValueError(f"top_k={top_k!r} must be an int >= 0 (the earlier blocks each query chooses besides "
                              f"its own)")
         self.top_k = top_k
+        self.routed = True  # prefill/training: routed through attention_varlen (False: one call under the mask)
         if self.kdim != self.d_model or self.vdim != self.d_model:
             raise ValueError("MoBAAttention is self-attention: kdim and vdim must equal d_model")
         if not any(c.is_causal("bottom_right") for c in (self.mask.conjuncts() if self.mask is not None else ())):
@@ -177,9 +239,17 @@ class MoBAAttention(_ContentSparse):
         if q.shape[2] == 1 and bias is None and call_mask is None and extra is None and not need_weights \
                 and self._plain_causal and not (self.training and self.dropout > 0):
             return self._output(self._gathered(q, k, v, choice))
+        if self.routed and q.shape[2] > 1 and bias is None and call_mask is None and extra is None \
+                and not need_weights and self._plain_causal and self.sinks is None \
+                and not (self.training and self.dropout > 0):
+            return self._output(self._routed(q, k, v, choice))
         chosen = _masks.selected_blocks(choice, block=(1, self.block))
         return self._attention(q, k, v, bias=bias, call_mask=call_mask, extra=_checks.combine(extra, chosen),
                                   need_weights=need_weights)
+
+    def _routed(self, q: Tensor, k: Tensor, v: Tensor, choice: Tensor) -> Tensor:
+        return moba_attention(q, k, v, block=self.block, top_k=self.top_k, choice=choice, scale=self._scale(),
+                              softcap=self.softcap, backend=self.backend)
 
     def _gathered(self, q: Tensor, k: Tensor, v: Tensor, choice: Tensor) -> Tensor:
         """One query per row at the last position: attention over the keys of the chosen blocks only."""
