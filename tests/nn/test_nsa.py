@@ -91,8 +91,10 @@ def _module(heads=4, kv_heads=2, seed=0, **kw):
     (21, 4, 4, dict(compress_block=6, compress_stride=2, select_block=4, select_count=5, window=8)),
     (3, 2, 2, {}),
 ])
-def test_forward_and_gradients_equal_the_paper(L, heads, kv_heads, opts):
+@pytest.mark.parametrize("routed", [True, False])
+def test_forward_and_gradients_equal_the_paper(L, heads, kv_heads, opts, routed):
     m = _module(heads, kv_heads, **opts)
+    m.routed = routed
     x = torch.randn(2, L, 32, dtype=torch.float64, requires_grad=True)
     out = m(x)
     q, k, v, _ = m._self_qkv(x, None, None)

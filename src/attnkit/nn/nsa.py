@@ -14,9 +14,10 @@ For a query at position ``p`` (heads in groups sharing a key/value head, as in g
 
 The output is ``g_cmp * o_cmp + g_slc * o_slc + g_win * o_win`` with per-head gates ``sigmoid(W_g x)``.  The
 compression, its position embeddings and the gates are trained end to end; the choice of blocks is not
-differentiable.  The selected and window branches are :func:`attnkit.attention` calls under
-``masks.selected_blocks(...) & causal`` and ``causal & sliding_window``: the flash backend visits only their
-tiles.
+differentiable.  The window branch is an :func:`attnkit.attention` call under ``causal & sliding_window``;
+the selected branch is routed as MoBA's (:func:`attnkit.nn.moba.moba_attention`: each chosen block with the
+queries that chose it through :func:`attnkit.attention_varlen`), or, with ``routed = False`` (or sinks,
+dropout), one call under ``masks.selected_blocks(...) & causal``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch.nn as nn
 from .. import masks as _masks
 from . import _checks
 from .attention import AttentionConfig, _Attends
-from .moba import _ContentSparse
+from .moba import _ContentSparse, moba_attention
 from .positions import RotaryEmbedding
 
 Tensor = torch.Tensor
@@ -155,6 +156,7 @@ class NSAAttention(_ContentSparse):
                              f"compressed keys have no single position for a score bias")
         self.compress_block, self.compress_stride = compress_block, compress_stride
         self.select_block, self.select_count, self.window = select_block, select_count, window
+        self.routed = True  # the selected branch through moba_attention (False: one call under the mask)
         if not any(c.is_causal("bottom_right") for c in (self.mask.conjuncts() if self.mask is not None else ())):
             self.mask = _checks.combine(_masks.causal(), self.mask)
         self._plain_causal = self.mask.is_causal("bottom_right")
@@ -208,6 +210,12 @@ class NSAAttention(_ContentSparse):
             o_slc = self._attend(q, ks, vs, mask=valid[:, :, None], **att)
             lo = max(0, Lk - self.window)
             o_win = self._attend(q, k[:, :, lo:], v[:, :, lo:], mask=None, **att)
+        elif self.routed and self._plain_causal and self.sinks is None and dropout_p == 0:
+            # the own block is the first choice (it scores highest): moba_attention takes it last
+            own_last = torch.cat([choice[..., 1:], choice[..., :1]], dim=-1)
+            o_slc = moba_attention(q, k, v, block=self.select_block, top_k=self.select_count - 1, choice=own_last,
+                                   scale=scale, softcap=self.softcap, backend=self.backend)
+            o_win = self._attend(q, k, v, mask=self.mask & _masks.sliding_window(self.window - 1), **att)
         else:
             chosen = self.mask & _masks.selected_blocks(choice, block=(1, self.select_block))
             o_slc = self._attend(q, k, v, mask=chosen, **att)
