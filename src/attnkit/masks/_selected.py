@@ -61,18 +61,22 @@ class _SelectedBlocks(Mask):
 
     def _tiles(self, t: _Tiling) -> _Grid:
         bq, bk = self.block_q, self.block_k
-        table = self.table(_ceil_div(t.kv_len, bk), t.device).to(torch.int32)
-        ii = torch.nn.functional.pad(table.cumsum(-2).cumsum(-1), (1, 0, 1, 0))  # integral image per (b', h')
+        table = self.table(_ceil_div(t.kv_len, bk), t.device)
         r0, r1 = t.rows()
         c0, c1 = t.cols()
         a0 = torch.div(r0, bq, rounding_mode="floor").view(-1, 1)  # the query blocks a tile's rows touch
         a1 = torch.div(r1, bq, rounding_mode="floor").view(-1, 1) + 1
         k0 = torch.div(c0, bk, rounding_mode="floor").view(1, -1)  # ... and the key blocks its keys touch
         k1 = torch.div(c1, bk, rounding_mode="floor").view(1, -1) + 1
-        count = ii[..., a1, k1] - ii[..., a0, k1] - ii[..., a1, k0] + ii[..., a0, k0]
         area = (a1 - a0) * (k1 - k0)
-        kinds = torch.where(count == area, FULL, torch.where(count > 0, PARTIAL, EMPTY)).to(torch.int8)
-        return _Grid(kinds)
+        lead = table.shape[:2]
+        flat = table.reshape(-1, *table.shape[2:])
+        kinds = torch.empty(flat.shape[0], a0.shape[0], k0.shape[1], dtype=torch.int8, device=table.device)
+        for i in range(flat.shape[0]):  # one (b', h') at a time: the integral image is (query blocks, key blocks)
+            ii = torch.nn.functional.pad(flat[i].to(torch.int32).cumsum(0).cumsum(1), (1, 0, 1, 0))
+            count = ii[a1, k1] - ii[a0, k1] - ii[a1, k0] + ii[a0, k0]
+            kinds[i] = torch.where(count == area, FULL, torch.where(count > 0, PARTIAL, EMPTY))
+        return _Grid(kinds.view(*lead, *kinds.shape[1:]))
 
     def _validate(self, batch, heads, q_len, kv_len):
         nb, nh, nqb = self.indices.shape[:3]
