@@ -63,7 +63,7 @@ def _block_choice(q: torch.Tensor, k: torch.Tensor) -> masks.Mask:
     return masks.selected_blocks(torch.cat([earlier, own], -1), block=BLOCK) & masks.causal()
 
 
-def moba_section(lengths, repeat: int, per_query: bool = True) -> list[dict]:
+def moba_section(lengths, repeat: int, with_query: bool = True) -> list[dict]:
     rows = []
     for L in lengths:
         g = torch.Generator().manual_seed(L)
@@ -81,12 +81,12 @@ def moba_section(lengths, repeat: int, per_query: bool = True) -> list[dict]:
             "moba/routed": lambda: moba_attention(q, k, v, block=BLOCK, top_k=TOP_K, backend="flash"),
             "moba/query": lambda: attnkit.attention(q, k, v, mask=per_query(), backend="flash"),
         }
-        if not per_query:
+        if not with_query:
             del variants["moba/query"]
         density = {"sdpa": 0.5 + 0.5 / L, "static": static.density(L, L),
                    "moba/block": _block_choice(q, k).density(L, L, heads=H)}
         density["moba/routed"] = per_query().density(L, L, heads=H)
-        if per_query:
+        if with_query:
             density["moba/query"] = density["moba/routed"]
         visited = {name: (None if name in ("sdpa", "moba/routed") else
                           (static if name == "static" else _block_choice(q, k) if name == "moba/block"

@@ -7,8 +7,8 @@ those blocks and to its own block ``p // block`` (causally: the keys up to ``p``
 query and per head; it is not differentiable (the gradient flows through the attention over the chosen keys,
 as in the paper).  The attention itself is one :func:`attnkit.attention` call under the mask
 ``masks.selected_blocks(choice, block=(1, block)) & causal``, so the flash backend visits only the key tiles
-some query of a tile chose; or, as the paper computes it, routed: every chosen block with the queries that
-chose it is one sequence of an :func:`attnkit.attention_varlen` call (:func:`moba_attention`).
+some query of a tile chose; or, as the paper computes it, routed: every chosen block meets the queries that
+chose it, all such pairs in one batched call (:func:`moba_attention`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 
 from .. import masks as _masks
-from .._varlen import attention_varlen
 from ..functional import attention
 from . import _checks
 from .attention import AttentionConfig, MultiHeadAttention, _Attends, _check_layer_cache, _update_cache
@@ -75,8 +74,8 @@ def moba_attention(q: Tensor, k: Tensor, v: Tensor, *, block: int, top_k: int, c
     """MoBA's attention, routed as the paper computes it: ``(B, Hq, Lq, Dv)`` from ``q (B, Hq, Lq, D)``,
     ``k``, ``v (B, Hkv, Lk, D)`` (query row ``i`` at position ``i + Lk - Lq``), causal.
 
-    The own blocks are one causal block-local :func:`attnkit.attention` call; every chosen earlier block with
-    the queries that chose it is one sequence of a packed :func:`attnkit.attention_varlen` call, so each query
+    The own blocks are one causal block-local :func:`attnkit.attention` call; every chosen earlier block meets
+    the queries that chose it (in chunks of ``block`` queries, all chunks in one batched call), so each query
     meets only its chosen keys; the parts are merged with their log-sum-exps.  ``choice`` defaults to
     :func:`moba_selection`.  Equal to ``attention(q, k, v, mask=masks.selected_blocks(choice, block=(1, block))
     & masks.causal())``.
@@ -107,20 +106,26 @@ def moba_attention(q: Tensor, k: Tensor, v: Tensor, *, block: int, top_k: int, c
     order = torch.argsort(seq, stable=True)
     seq, bi, hi, ti = seq[order], bi[order], hi[order], ti[order]
     ids, counts = torch.unique_consecutive(seq, return_counts=True)
+    # each sequence's queries in chunks of `block` rows (the last one padded): one batched call over the chunks
+    per_seq = -(-counts // block)
+    seq_of_chunk = torch.repeat_interleave(torch.arange(ids.numel(), device=q.device), per_seq)
+    seq_of_pair = torch.repeat_interleave(torch.arange(ids.numel(), device=q.device), counts)
+    rank = torch.arange(seq.numel(), device=q.device) - (counts.cumsum(0) - counts)[seq_of_pair]
+    chunk = (per_seq.cumsum(0) - per_seq)[seq_of_pair] + torch.div(rank, block, rounding_mode="floor")
+    slot = rank % block
+    n_chunks = int(per_seq.sum())
+    qc = q.new_zeros(n_chunks, block, D).index_put((chunk, slot), q[bi, hi, ti])
     sb, sh, sj = ids // (Hq * nkb), (ids // nkb) % Hq, ids % nkb
-    keys = sj[:, None] * block + torch.arange(block, device=q.device)  # earlier blocks are complete
-    kp = k[sb[:, None], (sh // g)[:, None], keys].reshape(-1, 1, D)
-    vp = v[sb[:, None], (sh // g)[:, None], keys].reshape(-1, 1, v.shape[-1])
-    zero = torch.zeros(1, dtype=torch.int32, device=q.device)
-    cu_q = torch.cat([zero, counts.cumsum(0).to(torch.int32)])
-    cu_k = torch.arange(ids.numel() + 1, dtype=torch.int32, device=q.device) * block
-    out_p, lse_p = attention_varlen(q[bi, hi, ti][:, None], kp, vp, cu_q, cu_k, **opts)
+    keys = (sj[:, None] * block + torch.arange(block, device=q.device))[seq_of_chunk]  # earlier blocks: complete
+    b_c, h_c = sb[seq_of_chunk, None], (sh // g)[seq_of_chunk, None]
+    out_c, lse_c = attention(qc[:, None], k[b_c, h_c, keys][:, None], v[b_c, h_c, keys][:, None], **opts)
+    out_p, lse_p = out_c[:, 0][chunk, slot], lse_c[:, 0][chunk, slot]  # (pairs, Dv), (pairs,)
     row = (bi * Hq + hi) * L + ti  # the query each part belongs to
-    lse_own, lse_p = lse_own.reshape(-1), lse_p[0]
+    lse_own = lse_own.reshape(-1)
     top = lse_own.detach().scatter_reduce(0, row, lse_p.detach(), reduce="amax")  # a shift, for exp's range
     w_own, w_p = torch.exp(lse_own - top), torch.exp(lse_p - top[row])
     acc = out_own.reshape(-1, out_own.shape[-1]).to(w_own.dtype) * w_own[:, None]
-    acc = acc.index_add(0, row, out_p[:, 0].to(w_p.dtype) * w_p[:, None])
+    acc = acc.index_add(0, row, out_p.to(w_p.dtype) * w_p[:, None])
     denom = w_own.index_add(0, row, w_p)
     return (acc / denom[:, None]).to(q.dtype).view(B, Hq, L, -1)
 
@@ -184,7 +189,7 @@ class MoBAAttention(_ContentSparse):
     paper's drop-in replacement of the attention function.
 
     Longer calls (training, a prefill) are routed as in the paper (:func:`moba_attention`: each chosen block
-    with the queries that chose it, through :func:`attnkit.attention_varlen`); with a per-call mask, a bias,
+    meets the queries that chose it); with a per-call mask, a bias,
     sinks or ``routed = False`` they are one call under ``masks.selected_blocks(choice, block=(1, block)) &
     mask``.  With a KV cache, a one-token decoding step gathers the chosen blocks' keys and values and attends
     over them alone (the block means are computed from the cached keys).  Caches that compute attention
@@ -226,7 +231,7 @@ class MoBAAttention(_ContentSparse):
             raise ValueError(f"top_k={top_k!r} must be an int >= 0 (the earlier blocks each query chooses besides "
                              f"its own)")
         self.top_k = top_k
-        self.routed = True  # prefill/training: routed through attention_varlen (False: one call under the mask)
+        self.routed = True  # prefill/training: routed by moba_attention (False: one call under the mask)
         if self.kdim != self.d_model or self.vdim != self.d_model:
             raise ValueError("MoBAAttention is self-attention: kdim and vdim must equal d_model")
         if not any(c.is_causal("bottom_right") for c in (self.mask.conjuncts() if self.mask is not None else ())):

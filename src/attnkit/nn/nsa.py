@@ -16,7 +16,7 @@ The output is ``g_cmp * o_cmp + g_slc * o_slc + g_win * o_win`` with per-head ga
 compression, its position embeddings and the gates are trained end to end; the choice of blocks is not
 differentiable.  The window branch is an :func:`attnkit.attention` call under ``causal & sliding_window``;
 the selected branch is routed as MoBA's (:func:`attnkit.nn.moba.moba_attention`: each chosen block with the
-queries that chose it through :func:`attnkit.attention_varlen`), or, with ``routed = False`` (or sinks,
+queries that chose it, in one batched call), or, with ``routed = False`` (or sinks,
 dropout), one call under ``masks.selected_blocks(...) & causal``.
 """
 
