@@ -126,6 +126,9 @@ def test_decoding_equals_the_full_forward():
     cache = StaticCache(1, max_len=24)
     steps = [m(x[:, :5], cache=cache.layers[0])] + [m(x[:, i:i + 1], cache=cache.layers[0]) for i in range(5, 23)]
     assert torch.allclose(torch.cat(steps, 1), full, atol=1e-12)
+    chunked = StaticCache(1, max_len=24)  # a prefill in chunks: queries behind a longer key range
+    parts = [m(x[:, a:b], cache=chunked.layers[0]) for a, b in ((0, 6), (6, 13), (13, 23))]
+    assert torch.allclose(torch.cat(parts, 1), full, atol=1e-12)
 
 
 @pytest.mark.parametrize("kw, match", [
