@@ -193,3 +193,13 @@ def test_bad_sparse_attention_configs_are_refused(sparse, match):
 def test_sparse_attention_and_latent_attention_exclude_each_other():
     with pytest.raises(ValueError, match="not to latent"):
         DecoderConfig.preset("tiny", sparse_attention={"method": "moba"}, kv_lora_rank=16, qk_rope_head_dim=8)
+
+
+def test_moba_attention_refuses_a_choice_of_later_blocks():
+    from attnkit.nn.moba import moba_attention
+
+    q = k = v = torch.randn(1, 1, 16, 4)
+    choice = torch.tensor([0, 1, 1, 1]).view(1, 1, 1, 4).repeat(1, 1, 16, 1)[..., :2]  # block 0, then own
+    choice[0, 0, 3, 0] = 1  # row 3 sits in block 0: block 1 is later
+    with pytest.raises(ValueError, match="does not end before the query's own block"):
+        moba_attention(q, k, v, block=4, top_k=1, choice=choice)

@@ -76,8 +76,9 @@ def moba_attention(q: Tensor, k: Tensor, v: Tensor, *, block: int, top_k: int, c
 
     The own blocks are one causal block-local :func:`attnkit.attention` call; every chosen earlier block meets
     the queries that chose it (in chunks of ``block`` queries, all chunks in one batched call), so each query
-    meets only its chosen keys; the parts are merged with their log-sum-exps.  ``choice`` defaults to
-    :func:`moba_selection`.  Equal to ``attention(q, k, v, mask=masks.selected_blocks(choice, block=(1, block))
+    meets only its chosen keys; the parts are merged with their log-sum-exps.  ``choice (B, Hq, Lq, n + 1)``
+    is laid out as :func:`moba_selection` returns it (its default): earlier blocks (-1: none), then each
+    query's own block, which is not read (the own block is the one holding the query's position).  Equal to ``attention(q, k, v, mask=masks.selected_blocks(choice, block=(1, block))
     & masks.causal())``.
 
     Example::
@@ -99,6 +100,10 @@ def moba_attention(q: Tensor, k: Tensor, v: Tensor, *, block: int, top_k: int, c
     mask = _masks.causal() & _masks.block_local(block)
     out_own, lse_own = attention(q, k, v, mask=mask, **opts)  # (B, Hq, L, Dv), (B, Hq, L)
     past = choice[..., :-1]
+    own = torch.arange(Lk - L, Lk, device=q.device) // block
+    if not torch.compiler.is_compiling() and bool((past >= own[:, None]).any()):
+        raise ValueError("moba_attention: choice lists a block that does not end before the query's own block; "
+                         "its earlier-block columns must hold blocks j < position // block (or -1)")
     bi, hi, ti, si = (past >= 0).nonzero(as_tuple=True)
     if bi.numel() == 0:
         return out_own
