@@ -17,7 +17,7 @@ Sections (float32, one process, ratios measured interleaved; the thread count is
             against the same model with full causal attention.
 * recall -- associative recall (attnkit.nn.tasks), a few hundred steps: full, MoBA and NSA students.
 
-    python benchmarks/content_sparse.py --quick           # L = 4096 / 8192, a short recall run
+    python benchmarks/content_sparse.py --quick           # L = 2048 / 4096, a short recall run
     python benchmarks/content_sparse.py --only moba --lengths 16384
 """
 
@@ -172,13 +172,13 @@ def main() -> None:
     only = set(args.only or ("moba", "nsa", "recall"))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {_load()} at start")
     if "moba" in only:
-        lengths = args.lengths or ([4096, 8192] if args.quick else [16384, 32768])
+        lengths = args.lengths or ([2048, 4096] if args.quick else [16384, 32768])
         print(table(moba_section(lengths, args.repeat, not args.no_per_query),
                     ["L", "variant", "density", "tiles visited (64x64)", "fwd s", "fwd+bwd s", "sdpa/x fwd",
                      "sdpa/x fwd+bwd", "x/static fwd", "x/static fwd+bwd"]))
         print(_load())
     if "nsa" in only:
-        L = args.nsa_length or (4096 if args.quick else 16384)
+        L = args.nsa_length or (2048 if args.quick else 16384)
         print(table(nsa_section(L, args.repeat), ["L", "model", "step s", "full/x"]))
         print(_load())
     if "recall" in only:
