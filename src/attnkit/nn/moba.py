@@ -29,7 +29,7 @@ _SCORE_ROWS = 4096  # query rows scored at once (bounds the (rows, key blocks) s
 
 def moba_selection(q: Tensor, k: Tensor, block: int, top_k: int) -> Tensor:
     """MoBA's choice of key blocks: ``(B, Hq, Lq, top_k + 1)`` long, the ``top_k`` best earlier blocks of every
-    query (``-1`` where fewer exist; ties go to the lower block) and, last, the query's own block.
+    query (``-1`` where fewer exist; among equal scores, ``torch.topk``'s pick) and, last, its own block.
 
     ``q (B, Hq, Lq, D)``, ``k (B, Hkv, Lk, D)``; query row ``i`` sits at position ``i + Lk - Lq``.  A block
     ``j`` is a candidate when it ends before the query's own block; its score is ``q . mean(k_j)``.  Computed
@@ -63,9 +63,8 @@ def moba_selection(q: Tensor, k: Tensor, block: int, top_k: int) -> Tensor:
             qs = q[:, :, s:e].detach().to(dtype).reshape(B, Hkv, g, e - s, D)
             scores = torch.matmul(qs, means).reshape(B, Hq, e - s, nf)
             scores = scores.masked_fill(~earlier[s:e], float("-inf"))
-            order = torch.sort(scores, dim=-1, descending=True, stable=True)  # ties to the lower block
-            picked, values = order.indices[..., :kk], order.values[..., :kk]
-            out[:, :, s:e, :kk] = torch.where(torch.isneginf(values), -1, picked)
+            top = torch.topk(scores, kk, dim=-1)
+            out[:, :, s:e, :kk] = torch.where(torch.isneginf(top.values), -1, top.indices)
     return out
 
 
@@ -78,8 +77,8 @@ def moba_attention(q: Tensor, k: Tensor, v: Tensor, *, block: int, top_k: int, c
     the queries that chose it (in chunks of ``block`` queries, all chunks in one batched call), so each query
     meets only its chosen keys; the parts are merged with their log-sum-exps.  ``choice (B, Hq, Lq, n + 1)``
     is laid out as :func:`moba_selection` returns it (its default): earlier blocks (-1: none), then each
-    query's own block, which is not read (the own block is the one holding the query's position).  Equal to ``attention(q, k, v, mask=masks.selected_blocks(choice, block=(1, block))
-    & masks.causal())``.
+    query's own block, which is not read (the own block is the one holding the query's position).  Equal to
+    ``attention(q, k, v, mask=masks.selected_blocks(choice, block=(1, block)) & masks.causal())``.
 
     Example::
 
