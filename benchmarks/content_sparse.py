@@ -15,7 +15,8 @@ Sections (float32, one process, ratios measured interleaved; the thread count is
             ``sdpa``        ``scaled_dot_product_attention(is_causal=True)``.
 * nsa    -- one training step (forward, backward, AdamW) of a small DecoderLM at L = 16384 with NSA layers
             against the same model with full causal attention.
-* recall -- associative recall (attnkit.nn.tasks), a few hundred steps: full, MoBA and NSA students.
+* recall -- associative recall (attnkit.nn.tasks, the task of examples/distill_recall.py), 900 steps: full
+            attention, MoBA and NSA students from the same seed on the same batches.
 
     python benchmarks/content_sparse.py --quick           # L = 2048 / 4096, a short recall run
     python benchmarks/content_sparse.py --only moba --lengths 16384
@@ -132,28 +133,35 @@ def nsa_section(L: int, repeat: int) -> list[dict]:
             for name in steps]
 
 
-def recall_section(steps: int, n_pairs: int) -> list[dict]:
+RECALL = dict(n_pairs=6, n_queries=4, n_keys=16, n_values=16)  # the task of examples/distill_recall.py
+RECALL_MODELS = {
+    "full": None,
+    "moba": {"method": "moba", "block": 4, "top_k": 2},
+    "nsa": {"method": "nsa", "compress_block": 4, "compress_stride": 2, "select_block": 4, "select_count": 3,
+            "window": 4},
+}
+
+
+def recall_section(steps: int, models, positions: str) -> list[dict]:
+    """Each model trained from the same initial seed on the same batches, then scored on 512 held-out
+    sequences (only the answers count; chance is 1/16)."""
     rows = []
-    L = 2 * (n_pairs + 4)
-
-    def batch(step):
-        return associative_recall(32, n_pairs=n_pairs, n_queries=4, n_keys=64, n_values=64,
-                                  generator=torch.Generator().manual_seed(step))
-
-    test = associative_recall(512, n_pairs=n_pairs, n_queries=4, n_keys=64, n_values=64,
-                              generator=torch.Generator().manual_seed(10**6))
-    for name, sparse in (("full", None), ("moba", {"method": "moba", "block": 8, "top_k": 2}),
-                         ("nsa", {"method": "nsa", "compress_block": 8, "compress_stride": 4, "select_block": 8,
-                                  "select_count": 3, "window": 8})):
+    L = 2 * (RECALL["n_pairs"] + RECALL["n_queries"])
+    test = associative_recall(512, **RECALL, generator=torch.Generator().manual_seed(10**6))
+    for name in models:
         torch.manual_seed(0)
-        model = DecoderLM(DecoderConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=4, max_seq_len=L,
-                                        sparse_attention=sparse))
+        model = DecoderLM(DecoderConfig(vocab_size=33, d_model=64, n_layers=2, n_heads=4, max_seq_len=L,
+                                        positions=positions, tie_embeddings=False,
+                                        sparse_attention=RECALL_MODELS[name]))
         t0 = time.perf_counter()
-        losses = train_lm(model, batch, steps=steps, lr=3e-3)
+        losses = train_lm(model, lambda step: associative_recall(32, **RECALL,
+                                                                 generator=torch.Generator().manual_seed(step)),
+                          steps=steps, lr=5e-3)
         with torch.no_grad():
             acc = accuracy(model(test.ids), test.targets)
-        rows.append({"model": name, "sequence": L, "steps": steps, "final loss": f"{losses[-1]:.3f}",
-                     "test accuracy": f"{acc:.3f}", "train s": f"{time.perf_counter() - t0:.0f}"})
+        rows.append({"model": name, "positions": positions, "sequence": L, "steps": steps,
+                     "final loss": f"{losses[-1]:.3f}", "test accuracy": f"{acc:.3f}",
+                     "train s": f"{time.perf_counter() - t0:.0f}"})
     return rows
 
 
@@ -166,6 +174,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--recall-steps", type=int)
+    p.add_argument("--recall-models", nargs="+", choices=tuple(RECALL_MODELS), default=list(RECALL_MODELS))
+    p.add_argument("--recall-positions", choices=("rope", "alibi", "none"), default="rope")
     p.add_argument("--no-per-query", action="store_true", help="skip moba/query (slow at long lengths)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -182,9 +192,9 @@ def main() -> None:
         print(table(nsa_section(L, args.repeat), ["L", "model", "step s", "full/x"]))
         print(_load())
     if "recall" in only:
-        steps = args.recall_steps or (150 if args.quick else 600)
-        print(table(recall_section(steps, n_pairs=24), ["model", "sequence", "steps", "final loss", "test accuracy",
-                                                          "train s"]))
+        steps = args.recall_steps or (60 if args.quick else 900)
+        rows = recall_section(steps, args.recall_models, args.recall_positions)
+        print(table(rows, ["model", "positions", "sequence", "steps", "final loss", "test accuracy", "train s"]))
         print(_load())
 
 
