@@ -167,11 +167,12 @@ def _cmd_explain(args) -> int:
 
 def _mask_builders() -> dict:
     """Every public mask builder in attnkit.masks (functions returning a Mask) except from_fn/from_dense/from_flex/
-    from_dict (they take Python objects, not words)."""
+    from_dict and selected_blocks/top_k_blocks (they take Python objects or tensors computed from data, not words)."""
     out = {}
     for name in _masks.__all__:
         obj = getattr(_masks, name)
-        if inspect.isfunction(obj) and name not in ("from_fn", "from_dense", "from_flex", "from_dict"):
+        if inspect.isfunction(obj) and name not in ("from_fn", "from_dense", "from_flex", "from_dict", "selected_blocks",
+                                                    "top_k_blocks"):
             out[name] = obj
     return out
 

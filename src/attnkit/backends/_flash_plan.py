@@ -327,6 +327,31 @@ def _gather_jobs(heads: Heads, tiles: Tensor, kinds: Tensor, counts: Tensor, per
     return jobs
 
 
+SCATTERED_RUNS = 4  # runs of visited tiles per query tile from which a pattern may be scattered
+
+
+def _scattered(tiles: Tensor, counts: Tensor) -> bool:
+    """Whether the visited tiles form many runs per query tile (``SCATTERED_RUNS`` or more on average) whose
+    starts move irregularly from one query tile to the next (content-chosen blocks): the band planner would
+    find no bands there and only cost time (it walks the runs in Python), so the gather path is taken."""
+    nq, C = tiles.shape
+    if nq < 3 or C == 0:
+        return False
+    valid = torch.arange(C) < counts[:, None]
+    prev = torch.cat([torch.full((nq, 1), -2, dtype=tiles.dtype), tiles[:, :-1]], dim=1)
+    new = valid & (tiles != prev + 1)
+    runs = new.sum(1)
+    if float(runs.double().mean()) < SCATTERED_RUNS:
+        return False
+    starts = torch.full((nq, int(runs.max())), -1, dtype=tiles.dtype)
+    rows, pos = new.nonzero(as_tuple=True)
+    starts[rows, (new.cumsum(1) - 1)[rows, pos]] = tiles[rows, pos]
+    live = starts >= 0
+    step = starts[1:] - starts[:-1]
+    same = (step[1:] == step[:-1]) & live[2:] & live[1:-1] & live[:-2]
+    return float(same.double().mean()) < 0.5
+
+
 def build(mask: Mask | None, batch: int, hq: int, hkv: int, q_len: int, kv_len: int, bq: int, bk: int,
           device) -> Plan:
     """The plan for one call shape (see the module docstring)."""
@@ -342,7 +367,11 @@ def build(mask: Mask | None, batch: int, hq: int, hkv: int, q_len: int, kv_len: 
         for hi in range(hp):
             heads = _heads_for(bi if per_b else None, hi if per_h else None, batch, hq, hkv)
             t, k, c = tiles[bi, hi], kinds[bi, hi], counts[bi, hi]  # (nq, C), (nq, C), (nq,)
-            bands, gathers = _band_jobs(heads, t, k, c), _gather_jobs(heads, t, k, c, per_window)
+            gathers = _gather_jobs(heads, t, k, c, per_window)
+            if _scattered(t, c):  # (a data-dependent selection: bands would be about one call per run)
+                jobs += gathers
+                continue
+            bands = _band_jobs(heads, t, k, c)
             jobs += bands if len(bands) <= BAND_CALLS_PER_GATHER * len(gathers) else gathers
     jobs.sort(key=lambda j: not j.first)  # every row's first job writes before any job merges into it
     covered = sum(j.n for j in jobs if j.first) == bp * hp * nq

@@ -30,9 +30,10 @@ Example::
     [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
 """
 
-# The package is one concern (what may attend to what) in four modules: ``_blocks`` (tilings and block
-# structure), ``_base`` (the Mask protocol and the combinators), ``_builtins`` (the built-in masks) and
-# ``_convert`` (masks from functions, BlockMasks, tensors and packed sequences).  Every name stays importable
+# The package is one concern (what may attend to what) in five modules: ``_blocks`` (tilings and block
+# structure), ``_base`` (the Mask protocol and the combinators), ``_builtins`` (the built-in masks),
+# ``_selected`` (key blocks chosen from the data) and ``_convert`` (masks from functions, BlockMasks, tensors
+# and packed sequences).  Every name stays importable
 # from ``attnkit.masks``.
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from ._convert import (_check_per_sequence, _decodes_differently, _FlexPredicate
                        _nothing_visible, _per_sequence, _positions_unchecked, _reads_absolute_positions, _Varlen,
                        from_dense, from_flex, from_fn, varlen)
 from ._serial import from_dict
+from ._selected import _SelectedBlocks, selected_blocks, top_k_blocks
 
 __all__ = [
     "Mask",
@@ -62,6 +64,8 @@ __all__ = [
     "dilated",
     "global_tokens",
     "random_blocks",
+    "selected_blocks",
+    "top_k_blocks",
     "from_fn",
     "from_flex",
     "from_dense",

@@ -98,6 +98,10 @@ class Mask:
         """The batch size the mask carries data for (1 when it does not depend on the batch)."""
         return 1
 
+    def _head_count(self) -> int:
+        """The number of heads the mask carries data for (1 when it does not depend on the head)."""
+        return 1
+
     # ---- public
     def mask_mod(self, q_len: int, kv_len: int) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
         """The predicate bound to a shape, as FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) -> bool``."""
@@ -439,7 +443,7 @@ class Mask:
         _check_int("batch", batch)
         _check_int("head", head)
         _check_int("max_width", max_width, minimum=1)
-        nb, nh = max(batch + 1, self._batch_size()), head + 1
+        nb, nh = max(batch + 1, self._batch_size()), max(head + 1, self._head_count())
         self._validate(nb, nh, q_len, kv_len)
         density = self._density(q_len, kv_len, torch.tensor([batch]), torch.tensor([head]))  # of what is drawn
         header = f"{self!r}  {q_len}x{kv_len}, density {density:.1%}"
@@ -500,6 +504,9 @@ class _And(Mask):
     def _batch_size(self):
         return max(self.a._batch_size(), self.b._batch_size())
 
+    def _head_count(self):
+        return max(self.a._head_count(), self.b._head_count())
+
     def conjuncts(self):
         return self.a.conjuncts() + self.b.conjuncts()
 
@@ -552,6 +559,9 @@ class _Not(Mask):
     def _batch_size(self):
         return self.a._batch_size()
 
+    def _head_count(self):
+        return self.a._head_count()
+
     def value_key(self):
         return repr(self) if self.a.value_key() is not None else None
 
@@ -588,6 +598,9 @@ class _Named(Mask):
 
     def _batch_size(self):
         return self.inner._batch_size()
+
+    def _head_count(self):
+        return self.inner._head_count()
 
     def conjuncts(self):
         return self.inner.conjuncts()

@@ -4,7 +4,9 @@
   :class:`SingleHeadAttention` (the articles' one head), :class:`AdditiveAttention` (Bahdanau),
   :class:`AxialAttention` (grids), :class:`LatentAttention` (multi-head latent attention, DeepSeek-V2/V3:
   caches hold a small latent per token), :class:`DeepSeekSparseAttention` (DSA, DeepSeek-V3.2: a lightning
-  indexer picks each query's top-k keys; :class:`IndexerConfig`, :func:`indexer_loss`).
+  indexer picks each query's top-k keys; :class:`IndexerConfig`, :func:`indexer_loss`), :class:`MoBAAttention` (mixture of block attention, Kimi: each query
+  attends to the key blocks whose mean key matches it best), :class:`NSAAttention` (native sparse attention,
+  DeepSeek: compressed, selected and sliding-window branches mixed by learned gates).
 * Positions: :class:`RotaryEmbedding`, :class:`ALiBi`, :class:`T5RelativeBias`, :class:`SinusoidalPositions`.
 * Blocks and models: :class:`TransformerBlock`, :class:`Encoder`, :class:`Decoder`, :class:`DecoderLM`
   (:class:`DecoderConfig`), :class:`EncoderDecoder`.
@@ -34,6 +36,8 @@ from .dsa import (DeepSeekSparseAttention, IndexerConfig, LightningIndexer, inde
                   top_k_keys)
 from .latent import LatentAttention
 from .layers import FeedForward, Linear, RMSNorm, linear, to_decode_layout
+from .moba import MoBAAttention
+from .nsa import NSAAttention
 from .models import DecoderConfig, DecoderLM, EncoderDecoder
 from .positions import ALiBi, PositionEncoding, RotaryEmbedding, SinusoidalPositions, T5RelativeBias
 from .simple import AdditiveAttention, SingleHeadAttention
@@ -50,6 +54,8 @@ __all__ = [
     "indexer_loss",
     "selected_attention",
     "top_k_keys",
+    "MoBAAttention",
+    "NSAAttention",
     "RotaryEmbedding",
     "ALiBi",
     "T5RelativeBias",

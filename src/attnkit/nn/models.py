@@ -16,6 +16,8 @@ from .attention import AttentionConfig
 from .blocks import BlockConfig, Decoder, Encoder, TransformerBlock, _cache_positions, _layer_caches, default_d_ff
 from .dsa import DeepSeekSparseAttention, IndexerConfig
 from .latent import LatentAttention
+from .moba import MoBAAttention
+from .nsa import NSAAttention
 from .layers import Linear, _dropout, linear, make_norm
 from .positions import (ALiBi, PositionEncoding, RotaryEmbedding, SinusoidalPositions, T5RelativeBias, _check_t5_layout,
                         _parse_scaling)
@@ -121,6 +123,9 @@ class DecoderConfig:
     attention_dropout: float = 0.0  # dropout on the attention probabilities (training)
     init_std: float = 0.02
     backend: str = "auto"
+    # content-based sparse attention in every layer: {"method": "moba", "block": 64, "top_k": 8} (MoBAAttention) or
+    # {"method": "nsa", ...} (NSAAttention; options compress_block, compress_stride, select_block, select_count, window)
+    sparse_attention: dict | None = None
 
     _PRESETS = {
         "tiny": dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, max_seq_len=512),
@@ -194,6 +199,7 @@ class DecoderConfig:
         _checks.causal_model_mask("mask", self.mask)
         self.layer_masks = _check_layer_masks(self.layer_masks, self.n_layers)
         self._check_latent()
+        self.sparse_attention = _check_sparse_attention(self.sparse_attention, self.latent, self.positions)
         if self.positions == "rope" and self.rotary_dim is None and self.d_head_ % 2 and not self.kv_lora_rank:
             raise ValueError(f"positions='rope' rotates pairs of channels: the head size d_head={self.d_head_} must "
                              f"be even (pick d_model/n_heads or d_head even, or rotary_dim=an even size)")
@@ -372,6 +378,32 @@ def _json_ready(value):
     if isinstance(value, dict):
         return {k: _json_ready(v) for k, v in value.items()}
     return value
+_SPARSE_METHODS = {  # method -> its options with their defaults
+    "moba": {"block": 64, "top_k": 8},
+    "nsa": {"compress_block": 32, "compress_stride": 16, "select_block": 64, "select_count": 16, "window": 512},
+}
+
+
+def _check_sparse_attention(value, latent: bool, positions: str) -> dict | None:
+    """``sparse_attention`` with every option of its method filled in (None: full attention)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or "method" not in value:
+        raise TypeError(f"sparse_attention must be None or a dict with a 'method' ({sorted(_SPARSE_METHODS)}) and its "
+                        f"options, e.g. {{'method': 'moba', 'block': 64, 'top_k': 8}}; got {value!r}")
+    method = _checks.choice("sparse_attention['method']", value["method"], tuple(_SPARSE_METHODS))
+    defaults = _SPARSE_METHODS[method]
+    unknown = sorted(set(value) - set(defaults) - {"method"})
+    if unknown:
+        raise ValueError(f"sparse_attention: {unknown} are not options of {method!r}; its options are "
+                         f"{sorted(defaults)}")
+    if latent:
+        raise ValueError(f"sparse_attention={value!r} applies to multi-head attention layers, not to latent "
+                         f"attention (kv_lora_rank): set one of them only")
+    if method == "nsa" and positions in ("alibi", "t5"):
+        raise ValueError(f"sparse_attention method 'nsa' takes positions='rope', 'sinusoidal' or 'none', got "
+                         f"positions={positions!r}: its compressed keys have no single position for a score bias")
+    return {"method": method, **defaults, **{n: v for n, v in value.items() if n != "method"}}
 
 
 def _check_layer_masks(value, n_layers: int) -> tuple[_masks.Mask | None, ...] | None:
@@ -556,7 +588,7 @@ class DecoderLM(_LMBase):
         block = cfg.block_config()
         self.layers = nn.ModuleList(
             TransformerBlock.from_config(block, positions=self._layer_positions(i), mask=self._layer_mask(i),
-                                         attn=self._latent_attention(i))
+                                         attn=self._latent_attention(i) or self._sparse_attention(i, block))
             for i in range(cfg.n_layers))
         self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_offset) if cfg.norm_first else None
         self._init_weights(cfg.n_layers)
@@ -630,6 +662,16 @@ class DecoderLM(_LMBase):
                     v_head_dim=cfg.v_head_dim or cfg.head_dim, positions=self._layer_positions(i),
                     mask=self._layer_mask(i), scale=cfg.attn_scale, bias=cfg.qkv_bias, out_bias=cfg.out_bias,
                     dropout=cfg.attention_dropout, backend=cfg.backend, **extra)
+
+    def _sparse_attention(self, i: int, block: BlockConfig) -> nn.Module | None:
+        """Layer ``i``'s content-based sparse attention (``config.sparse_attention``), or None."""
+        sparse = self.config.sparse_attention
+        if sparse is None:
+            return None
+        options = {n: v for n, v in sparse.items() if n != "method"}
+        kind = {"moba": MoBAAttention, "nsa": NSAAttention}[sparse["method"]]
+        return kind.from_config(block.attention, positions=self._layer_positions(i), mask=self._layer_mask(i),
+                                         **options)
 
     def _layer_mask(self, i: int) -> _masks.Mask:
         return _checks.combine(_masks.causal(), self.config.layer_mask(i))
