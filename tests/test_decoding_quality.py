@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 import attnkit
 from attnkit import masks
 from attnkit.backends import paged as paged_kernel
-from attnkit.nn import DecoderConfig, DecoderLM
+from attnkit.nn import DecoderConfig, DecoderLM, IndexerConfig
 from attnkit.testing import check_against_oracle
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -270,6 +270,24 @@ def test_resolve_cache_says_which_cache_generate_takes():
     assert resolve_cache(model, ragged, speculative=True) == "static"  # (each prompt is decoded alone)
     for asked in ("static", "sliding", "int8", None):
         assert resolve_cache(model, ragged, asked) == asked
+
+
+@pytest.mark.parametrize("extra", [
+    dict(sparse_attention={"method": "moba", "block": 4, "top_k": 1}),
+    dict(kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8, d_head=16,
+         indexer=IndexerConfig(top_k=3, n_heads=2, head_dim=8)),
+], ids=["moba", "dsa"])
+def test_default_generate_keeps_a_static_cache_for_models_that_gather_cached_keys(extra):
+    """MoBA, NSA and DSA read the cached keys themselves (no paged cache): ragged prompts stay on the static
+    path and give each prompt's tokens alone."""
+    from attnkit.generate import resolve_cache
+
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny", n_layers=1, init_std=0.3, **extra)).eval()
+    ragged = [[1, 2, 3, 4, 5], [6, 7]]
+    assert resolve_cache(model, ragged) == "static"
+    together = attnkit.generate(model, ragged, 5)
+    assert together == [attnkit.generate(model, [p], 5)[0] for p in ragged]
 
 
 def test_default_generate_takes_ragged_prompts_with_absolute_position_masks():

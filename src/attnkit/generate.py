@@ -836,7 +836,8 @@ def generate(model, prompts, max_new_tokens: int, *, cache: str | Callable | Non
 def resolve_cache(model, prompts, cache="auto", *, compile: bool = False, speculative: bool = False):
     """The cache :func:`generate` uses for ``prompts`` when asked for ``cache``: ``cache`` itself, or for
     ``"auto"``, ``"paged"`` when the prompts differ in length and the model is on the CPU (and neither
-    ``compile`` nor speculative decoding asks for a static cache), else ``"static"``.
+    ``compile`` nor speculative decoding asks for a static cache, and no attention layer gathers its keys
+    from the cache itself — ``gathers_cached_keys``: MoBA, NSA, DSA), else ``"static"``.
 
     Example::
 
@@ -851,7 +852,8 @@ def resolve_cache(model, prompts, cache="auto", *, compile: bool = False, specul
     prompts = _prompts(prompts)
     ragged = len({len(p) for p in prompts}) > 1
     on_cpu = model_dims(model)["device"].type == "cpu"
-    return "paged" if ragged and on_cpu and not compile and not speculative else "static"
+    gathers = any(getattr(m, "gathers_cached_keys", False) for m in model.modules())
+    return "paged" if ragged and on_cpu and not compile and not speculative and not gathers else "static"
 
 
 class GenerationResult:

@@ -246,6 +246,10 @@ class DeepSeekSparseAttention(LatentAttention):
     index key]`` (``kv_lora_rank + qk_rope_head_dim + head_dim`` numbers, with a zero-width value):
     ``StaticCache.for_model`` reads that off a DSA model's config.
 
+    ``gathers_cached_keys`` (True): decode steps gather keys from the cache, so caches that compute attention
+    themselves (paged, quantized; the Engine) are refused and :func:`attnkit.generate`'s ``cache="auto"`` keeps
+    a static cache for such models.
+
     **Training.**  While ``training`` and with gradients on, every call stores ``indexer_loss`` (a scalar
     tensor: the mean over queries of the KL divergence from the attention's distribution to the indexer's,
     see the module doc); add :func:`indexer_loss` of the model to the language-model loss.  Set
@@ -263,6 +267,8 @@ class DeepSeekSparseAttention(LatentAttention):
         >>> dsa.last_selection.shape  # (B, L, top_k): the keys each query read
         torch.Size([1, 6, 3])
     """
+
+    gathers_cached_keys = True
 
     def __init__(self, d_model: int, n_heads: int, *, indexer: IndexerConfig, **latent):
         super().__init__(d_model, n_heads, **latent)

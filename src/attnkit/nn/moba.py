@@ -138,6 +138,9 @@ class _ContentSparse(MultiHeadAttention):
     """Self-attention that chooses keys from the content: it needs every cached key (no paged or quantized
     cache that computes attention itself), and its decode steps gather the chosen key blocks."""
 
+    #: decode steps read the cached keys themselves: paged and quantized caches are refused
+    gathers_cached_keys = True
+
     def _forward_batch_first(self, x: Tensor, context, *, mask, cache, positions, need_weights: bool):
         if context is not None:
             raise ValueError(f"{type(self).__name__} is self-attention: context must be None")
