@@ -193,7 +193,7 @@ def _dense_fused(call: Call) -> Backend | None:
     step meets a new key length each time; planning the tiled backend's cost at every step made the decode
     steps of a model with ``backend="auto"`` several times slower on a busy machine)."""
     if (call.bias is None and (call.mask is None or _sdpa._single_query_window(call) is not None)
-            and not _splitkv_wins(call)):
+            and not _splitkv_wins(call) and not _sdpa.unfused_on_cpu(call)):
         b = _REGISTRY.get("sdpa")
         if b is not None and b.available() and b.check(call) is None:
             return b

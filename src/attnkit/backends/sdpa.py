@@ -145,9 +145,18 @@ def check(call: Call) -> str | None:
     return None
 
 
+def unfused_on_cpu(call: Call) -> bool:
+    """Whether PyTorch runs ``call`` through its unfused math path: its fused CPU kernel needs the value head
+    size equal to the query's (latent attention's decode, 576 against 512, fell back to it: a one-query step
+    over 1,024 keys and 16 heads took ~100x the tiled backends' time)."""
+    return call.q.device.type == "cpu" and call.q.shape[-1] != call.v.shape[-1]
+
+
 def cost(call: Call) -> float:
     if call.q_len == 0 or call.kv_len == 0:  # nothing to compute (attention() returns zeros)
         return 0.0
+    if unfused_on_cpu(call):  # PyTorch's math path: the scores materialised, k and v copied per query head
+        return 8.0 * call.flops()
     window = _single_query_window(call)
     if window is not None:  # decoding: only the visible keys are read
         return call.flops() * max(window[1] - window[0] + 1, 0) / call.kv_len
