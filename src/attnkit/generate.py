@@ -635,7 +635,7 @@ def _stream_speculative(model, prompts: list[list[int]], max_new_tokens: int, ca
                 else:
                     proposal, qs = [], []
                     new = seq[drafter.length:]
-                    for j in range(n):
+                    for _ in range(n):
                         dl = step_logits(drafter.feed(new)[-1:], proposal, first=len(proposal))
                         if params.greedy:  # deterministic proposals: no distribution to keep
                             d = int(dl[0].argmax())

@@ -721,10 +721,8 @@ class _PackedAttend:
             od = _PagedDecode(self.k_pool, self.v_pool, pk._decode_plan()).attend(
                 qd, mask=mask, bias=bias, scale=scale, softcap=softcap)  # (Bd, Hq, 1, Dv)
             out[0, :, rows] = od[:, :, 0].transpose(0, 1)
-        plan = pk._read_plan()
         for i in pk._chunk_rows:
             a, n = pk.offsets[i], pk.n_new[i]
-            L = plan.lens[i]
             k, v = pk._keys(self.k_pool, self.v_pool, i)  # (1, Hkv, L, D), (1, Hkv, L, Dv): one copy each
             qi = q[:, :, a:a + n]  # (1, Hq, n, D)
             if _kernel.takes_chunk(qi, k, v, mask=mask, bias=bias, softcap=softcap):

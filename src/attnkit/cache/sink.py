@@ -21,7 +21,7 @@ import torch
 
 from .._checks import integer
 from ._common import ModelCache, check_new_kv, model_dims
-from .paged import PagedCache, PoolExhausted, _View, _PoolLayer, _token_ids
+from .paged import PagedCache, PoolExhausted, _View, _PoolLayer
 
 Tensor = torch.Tensor
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn as nn
 
 from . import _checks
 from .attention import _Attends, _is_bottom_right_causal, _update_cache
