@@ -584,8 +584,9 @@ def register(name: str = "attnkit", *, backend: str = "auto") -> str:
             :func:`attnkit.backends.explain`).
 
     Raises:
-        ImportError: transformers is not installed.  RuntimeError: its version is outside
-        :data:`SUPPORTED_TRANSFORMERS`, or its masks no longer mean what attnkit assumes.
+        ImportError: transformers is not installed.
+        RuntimeError: its version is outside :data:`SUPPORTED_TRANSFORMERS`, or its masks no longer mean
+            what attnkit assumes.
 
     Example::
 

@@ -124,7 +124,7 @@ class LatentAttention(_Attends):
 
     @property
     def latent_dim(self) -> int:
-        """What a cache stores per token: ``kv_lora_rank + qk_rope_head_dim``."""
+        """What a cache stores per token, ``kv_lora_rank + qk_rope_head_dim``."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     # ------------------------------------------------------------------------ projections
