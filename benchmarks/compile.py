@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-import attnkit  # noqa: E402
-from attnkit import masks  # noqa: E402
-from attnkit.nn import DecoderConfig, DecoderLM  # noqa: E402
-from _common import OUT_HELP, machine, save, table, timeit  # noqa: E402
+import attnkit
+from attnkit import masks
+from attnkit.nn import DecoderConfig, DecoderLM
+from _common import OUT_HELP, machine, save, table, timeit
 
 B, H, D = 1, 4, 64
 WINDOW = 256

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-import attnkit  # noqa: E402
-from _common import OUT_HELP, machine, save, table, timeit  # noqa: E402
+import attnkit
+from _common import OUT_HELP, machine, save, table, timeit
 
 NAIVE_LIMIT = 4096 * 4096 * 8  # score elements above which the naive formula is skipped (memory)
 

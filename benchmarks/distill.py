@@ -30,12 +30,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import OUT_HELP, machine, save, table, timeit  # noqa: E402
+from _common import OUT_HELP, machine, save, table, timeit
 
-from attnkit import masks  # noqa: E402
-from attnkit.distill import distill, sparse_student  # noqa: E402
-from attnkit.nn import DecoderConfig, DecoderLM  # noqa: E402
-from attnkit.nn.tasks import TaskBatch, accuracy, associative_recall, copy_task, train_lm  # noqa: E402
+from attnkit import masks
+from attnkit.distill import distill, sparse_student
+from attnkit.nn import DecoderConfig, DecoderLM
+from attnkit.nn.tasks import TaskBatch, accuracy, associative_recall, copy_task, train_lm
 
 TASK = dict(n_pairs=6, n_queries=4)  # the demo's recall task: 20 tokens, 16 keys, 16 values
 VOCAB = 33  # 32 recall tokens and the copy task's separator

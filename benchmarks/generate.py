@@ -39,11 +39,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import attnkit  # noqa: E402
-from _common import OUT_HELP, machine, save, table, timeit  # noqa: E402
-from attnkit.cache import QuantizedCache, StaticCache  # noqa: E402
-from attnkit.nn import to_decode_layout  # noqa: E402
-from attnkit.quantize import weight_bytes  # noqa: E402
+import attnkit
+from _common import OUT_HELP, machine, save, table, timeit
+from attnkit.cache import QuantizedCache, StaticCache
+from attnkit.nn import to_decode_layout
+from attnkit.quantize import weight_bytes
 
 PROMPT = 32
 
@@ -283,11 +283,11 @@ def long_context(args, rows, results):
 
         def ours():
             for _ in range(reps):
-                attnkit.attention(q, k, v, mask=mask)
+                attnkit.attention(q, k, v, mask=mask)  # noqa: F821 (runs before the del below)
 
         def sdpa():
             for _ in range(reps):
-                F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+                F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: F821 (runs before the del below)
 
         with torch.no_grad():
             ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
@@ -367,7 +367,7 @@ def mixed_workload(args, model, rows, results):
         n = max(o for _, o in chunk)
         toks = attnkit.generate(model, [p for p, _ in chunk], n,
                                 cache=lambda m, b, _len: StaticCache.for_model(m, b, max_len))
-        for i, ((p, o), t) in enumerate(zip(chunk, toks)):
+        for i, ((_p, o), t) in enumerate(zip(chunk, toks)):
             static_out[s + i] = t[:o]
         for step in range(n):  # positions held by unfinished sequences / preallocated positions
             waste_num += sum(len(p) + min(step, o) for p, o in chunk if step < o)

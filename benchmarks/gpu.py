@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import OUT_HELP, save, table  # noqa: E402
+from _common import OUT_HELP, save, table
 
 TOKENS = 16384  # B * L: every length sees the same number of query tokens
 MODEL_DIM = 2048  # H * D
@@ -49,7 +49,7 @@ def need_gpu() -> None:
         sys.exit(2)
     try:
         import triton  # noqa: F401
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 (a broken install raises more than ImportError)
         print(f"benchmarks/gpu.py needs triton (pip install 'attnkit[gpu]'): {type(e).__name__}: {e}",
               file=sys.stderr)
         sys.exit(2)
@@ -241,19 +241,19 @@ def attention_rows(lengths, dims, kinds, budget_s, device):
                 for name, fn in impls.items():
                     def fwd():
                         with torch.no_grad():
-                            fn(q, k, v)
+                            fn(q, k, v)  # noqa: F821 (runs before the del below)
                     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
 
                     def fwd_bwd():
                         for t in leaves:
                             t.grad = None
-                        fn(*leaves).backward(go)
+                        fn(*leaves).backward(go)  # noqa: F821 (runs before the del below)
                     try:
                         t_f = cuda_time(fwd)
                         t_fb = cuda_time(fwd_bwd)
                         row[f"{name} fwd"] = fwd_flops / t_f / 1e12
                         row[f"{name} fwd+bwd"] = fwd_flops * (1 + BWD_FACTOR) / t_fb / 1e12
-                    except Exception as e:  # report and go on: one failing peer must not hide the rest
+                    except Exception as e:  # noqa: BLE001 (report and go on: one failing peer must not hide the rest
                         row[f"{name} fwd"] = row[f"{name} fwd+bwd"] = float("nan")
                         row["note"] = f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
                 rows.append(row)
@@ -279,7 +279,7 @@ def peak_bandwidth(device) -> tuple[float | None, float]:
         peak = next((tb * 1e12 for name, tb in _DATASHEET_TBPS.items() if name in props.name), None)
     src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    t = cuda_time(lambda: dst.copy_(src), repeat=10)
+    t = cuda_time(lambda: dst.copy_(src), repeat=10)  # noqa: F821 (runs before the del below)
     del src, dst
     return peak, 2.0 * (1 << 30) / t  # a copy reads and writes every byte
 
@@ -297,7 +297,7 @@ def decode_rows(device):
         table_ = torch.randperm(pool, device=device).view(B, n_pages).to(torch.int32)
         lens = torch.full((B,), seq, dtype=torch.int32, device=device)
         q = torch.randn(B, Hq, 1, D, device=device, dtype=torch.bfloat16)
-        t = cuda_time(lambda: paged_decode(q, k_pool, v_pool, table_, lens), repeat=50)
+        t = cuda_time(lambda: paged_decode(q, k_pool, v_pool, table_, lens), repeat=50)  # noqa: F821 (runs before the del below)
         read = 2 * B * seq * Hkv * D * k_pool.element_size()  # every key and value once
         rows.append({"B": B, "seq_len": seq, "Hq/Hkv": f"{Hq}/{Hkv}", "D": D, "us": t * 1e6, "GB/s": read / t / 1e9})
         print(rows[-1], flush=True)

@@ -20,10 +20,10 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import OUT_HELP, machine, save, table, timeit  # noqa: E402
+from _common import OUT_HELP, machine, save, table, timeit
 
-import attnkit  # noqa: E402
-from attnkit.integrations.hf import from_hf  # noqa: E402
+import attnkit
+from attnkit.integrations.hf import from_hf
 
 
 def configs(width: int, layers: int, vocab: int) -> dict:

@@ -25,9 +25,9 @@ except ImportError:  # the subject of this benchmark, not a peer: nothing to mea
     sys.exit(0)
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import OUT_HELP, machine, save, table, timeit  # noqa: E402
+from _common import OUT_HELP, machine, save, table, timeit
 
-from attnkit.integrations import hf  # noqa: E402
+from attnkit.integrations import hf
 
 IMPLS = ("eager", "sdpa", "attnkit")
 

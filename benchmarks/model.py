@@ -27,10 +27,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import OUT_HELP, machine, save, table  # noqa: E402
+from _common import OUT_HELP, machine, save, table
 
-from attnkit.cache import StaticCache  # noqa: E402
-from attnkit.nn import DecoderConfig, DecoderLM, to_decode_layout  # noqa: E402
+from attnkit.cache import StaticCache
+from attnkit.nn import DecoderConfig, DecoderLM, to_decode_layout
 
 
 def build_attnkit(cfg: DecoderConfig) -> DecoderLM:

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import OUT_HELP, machine, save, table  # noqa: E402
+from _common import OUT_HELP, machine, save, table
 
 
 def _rss_mb() -> float:

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import attnkit  # noqa: E402
-from attnkit import masks  # noqa: E402
-from _common import OUT_HELP, machine, save, table, timeit  # noqa: E402
+import attnkit
+from attnkit import masks
+from _common import OUT_HELP, machine, save, table, timeit
 
 B, H, D = 1, 8, 64
 

@@ -39,9 +39,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-import attnkit  # noqa: E402
-from attnkit import masks  # noqa: E402
-from _common import OUT_HELP, machine, save, table  # noqa: E402
+import attnkit
+from attnkit import masks
+from _common import OUT_HELP, machine, save, table
 
 B, H, D = 1, 8, 64
 NAIVE_LIMIT = 1 << 28  # score elements (B*H*L*L) above which the naive formula is skipped (1 GiB per tensor)

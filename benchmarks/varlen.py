@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import attnkit  # noqa: E402
-from attnkit import masks  # noqa: E402
-from _common import OUT_HELP, machine, save, table, timeit  # noqa: E402
+import attnkit
+from attnkit import masks
+from _common import OUT_HELP, machine, save, table, timeit
 
 N_SEQ, HQ, HKV, D = 16, 8, 2, 64
 

@@ -1,4 +1,9 @@
-"""Shared test settings: hypothesis without deadlines (CI machines are shared and noisy), seeded torch."""
+"""Shared test settings: hypothesis without deadlines (CI machines are shared and noisy), seeded torch; the
+markers each test gets from where it lives (see pyproject.toml for what each means); and a check that every
+``dev`` dependency is installed, so a broken install fails the run instead of skipping hundreds of tests."""
+
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,11 +14,87 @@ settings.register_profile("attnkit", deadline=None, max_examples=40, derandomize
 settings.load_profile("attnkit")
 
 
+# the modules of pyproject.toml's `dev` extra that tests import (pytest-xdist runs `make test`; ruff and mypy
+# are commands of `make check`)
+DEV_MODULES = ("hypothesis", "numpy", "rich", "matplotlib", "transformers", "triton", "setuptools", "sphinx",
+               "myst_parser")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# marker -> the test files (or folders) that carry it; tests elsewhere are marked where they are written
+MARKED_PATHS = {
+    "distributed": ["tests/distributed/"],
+    "hf": ["tests/integrations/", "tests/test_sampling.py"],
+    "triton_interpreter": ["tests/backends/test_triton.py", "tests/backends/test_triton_ops.py"],
+    # torch.compile traces, the benchmark scripts and child pytest runs: seconds to minutes a test
+    "slow": ["tests/backends/test_compile.py", "tests/backends/test_auto_compile.py", "tests/test_benchmarks.py",
+             "tests/test_suite_output.py"],
+}
+
+# the slowest tests of the core (each over 10 s in a --durations run of the fast lane on 2 loaded cores),
+# with all their parameters; `make test` runs them, `make test-fast` leaves them out
+SLOW = (
+    "tests/backends/test_flash.py::test_small_tiles_for_documents_in_both_directions",
+    "tests/backends/test_flash_properties.py::test_forward_backward_memory_grows_linearly",
+    "tests/backends/test_padding_garbage.py::test_hidden_garbage_changes_nothing",
+    "tests/cache/test_protocol.py::test_static_cache_under_torch_compile",
+    "tests/diagnostics/test_doctor.py::test_a_healthy_trained_model_gets_no_findings",
+    "tests/diagnostics/test_doctor.py::test_a_loss_reading_one_position_is_not_a_vanishing_gradient",
+    "tests/diagnostics/test_doctor.py::test_report_text_markdown_and_plots",
+    "tests/nn/test_attention.py::test_self_attention_matches_the_written_out_formula",
+    "tests/nn/test_learning.py::test_tiny_decoder_learns_to_copy",
+    "tests/nn/test_precision.py::test_tiny_decoder_forward_under_torch_compile",
+    "tests/test_cli.py::test_console_script_entry_point",
+    "tests/test_cli.py::test_demo_quick_runs_every_step",
+    "tests/test_cli.py::test_doctor_one_example_in_full",
+    "tests/test_cli.py::test_import_attnkit_stays_light",
+    "tests/test_cli.py::test_the_wheel_ships_types_and_builds_without_warnings",
+    "tests/test_functional.py::test_dropout_is_reproducible",
+    "tests/test_functional.py::test_gradients_flow_into_learnable_bias_parameters",
+    "tests/test_functional.py::test_hypothesis_cases_against_oracle",
+    "tests/test_functional.py::test_on_demand_submodules_load_when_named",
+    "tests/test_generate.py::test_compiled_decode_steps_give_the_eager_tokens",
+    "tests/test_generate.py::test_compiled_weights_are_frozen_per_model_and_refreshed_after_in_place_changes",
+    "tests/test_generate.py::test_ragged_batch_equals_one_by_one",
+    "tests/test_masks.py::test_block_structure_prints_at_most_64_characters_a_side",
+    "tests/test_masks.py::test_combined_structures_are_sound",
+    "tests/test_masks.py::test_from_flex_matches_flex_attention_on_cpu",
+    "tests/test_quantize.py::test_bfloat16_model_generates_the_same_tokens",
+    "tests/test_quantize.py::test_quantized_cache_keeps_greedy_tokens",
+    "tests/test_sinks.py::test_gradcheck_float64",
+    "tests/test_sinks.py::test_property_any_shape_and_sink",
+    "tests/test_sinks.py::test_sdpa_sinks_gradcheck_float64",
+    "tests/test_speculative.py::test_verify_rule_keeps_the_target_distribution",
+    "tests/test_varlen.py::test_batched_call_matches_per_sequence_attention",
+    "tests/test_varlen.py::test_sinks_match_per_sequence_attention_and_the_oracle",
+    "tests/test_varlen.py::test_varlen_matches_per_sequence_attention",
+    "tests/test_docs.py::test_code_blocks_run",
+)
+
+
 def pytest_configure(config):
     """Keep pytest's final "N passed in X s" line, which CI reads.  addopts already holds ``-q``, so one more
-    ``-q`` on the command line makes ``-qq``, and below ``-q`` pytest prints no summary line at all."""
+    ``-q`` on the command line makes ``-qq``, and below ``-q`` pytest prints no summary line at all.
+
+    Fail at once when a ``dev`` dependency is missing: each is a requirement of the suite, not an option."""
     if config.option.verbose < -1:
         config.option.verbose = -1
+    missing = [m for m in DEV_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise pytest.UsageError(f"the test suite needs {', '.join(missing)} (attnkit's dev dependencies): "
+                                f"install them with pip install -e '.[dev]' (make test does)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        where = Path(item.path).resolve().relative_to(ROOT).as_posix()
+        for marker, paths in MARKED_PATHS.items():
+            if any(where == p or (p.endswith("/") and where.startswith(p)) for p in paths):
+                item.add_marker(marker)
+        if "interpreted" in getattr(item, "fixturenames", ()):
+            item.add_marker("triton_interpreter")
+        if item.nodeid.split("[")[0] in SLOW:
+            item.add_marker("slow")
 
 
 @pytest.fixture(autouse=True)

@@ -159,7 +159,7 @@ def test_generate_read_bandwidth_covers_every_decode_thread_count_with_its_sprea
     try:
         bw = generate.read_bandwidth(passes=3, rounds=3)
         assert sorted(bw) == [1, 2] and torch.get_num_threads() == 2
-        for n, b in bw.items():
+        for b in bw.values():
             assert len(b["rates"]) == 3 and 0 < b["p10"] <= b["median"] <= b["p90"]
         both = generate.pooled(bw, bw)
         assert len(both[1]["rates"]) == 6 and both[1]["median"] == bw[1]["median"]

@@ -87,7 +87,7 @@ def test_every_bool_option_refuses_strings_none_and_numbers(tiny):
                 if not str(e).startswith(f"{name} must be True or False, got "):
                     wrong.append(f"entry {i} ({name}={bad!r}): {e}")
     assert not wrong, "\n".join(wrong)
-    for name, call in entries:  # and each takes a real bool (here False, as numpy's)
+    for _name, call in entries:  # and each takes a real bool (here False, as numpy's)
         call(np.bool_(False))
 
 

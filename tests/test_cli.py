@@ -519,10 +519,9 @@ def test_the_wheel_ships_types_and_builds_without_warnings(tmp_path):
 
     import shutil
 
-    pytest.importorskip("setuptools")
     source = tmp_path / "source"  # a copy: building leaves build/ and an egg-info behind
     shutil.copytree(ROOT / "src", source / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, source / name)
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                         str(source), "-w", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
@@ -532,15 +531,18 @@ def test_the_wheel_ships_types_and_builds_without_warnings(tmp_path):
     (wheel,) = tmp_path.glob("attnkit-*.whl")
     with zipfile.ZipFile(wheel) as z:
         assert "attnkit/py.typed" in z.namelist()
+        assert any(n.endswith(".dist-info/licenses/LICENSE") for n in z.namelist()), z.namelist()
         meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
     assert f"Version: {attnkit.__version__}" in meta and "License-Expression: MIT" in meta
     requires = [ln for ln in meta.splitlines() if ln.startswith("Requires-Dist:") and "extra ==" not in ln]
-    assert requires == ["Requires-Dist: torch>=2.5", "Requires-Dist: safetensors>=0.4"], requires  # (save_pretrained)
+    assert requires == ["Requires-Dist: torch>=2.13", "Requires-Dist: safetensors>=0.4"], requires  # (save_pretrained)
     assert "Provides-Extra: demo" in meta
 
 
+@pytest.mark.hf
 def test_doctor_on_a_saved_hugging_face_model_running_attnkit_attention(capsys, tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     from attnkit.integrations import hf
 
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

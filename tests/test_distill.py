@@ -258,8 +258,10 @@ def test_encoder_teacher_and_student():
     assert report.teacher_accuracy is None
 
 
+@pytest.mark.hf
 def test_hf_teacher_directly_and_through_from_hf():
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     from attnkit.integrations.hf import from_hf
 
     cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -1,4 +1,4 @@
-"""Every code block in README.md and docs/*.md runs.
+"""Every code block in README.md, CONTRIBUTING.md and docs/*.md runs.
 
 ```python blocks run in order, sharing one namespace per file.  In ```bash blocks, each line that starts with
 `attnkit ` runs through the CLI in-process and must exit 0 (or the code named by a trailing
@@ -17,7 +17,7 @@ import pytest
 from attnkit.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-FILES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+FILES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md"] + sorted((ROOT / "docs").glob("*.md"))
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
 EXIT = re.compile(r"#.*\bexit code\s+(\d+)")
 QUICK = {"demo", "bench", "distill"}
@@ -45,7 +45,7 @@ def commands(code: str) -> list[tuple[list[str], int]]:
 
 def test_the_docs_exist_and_hold_runnable_blocks():
     names = {p.name for p in FILES}
-    assert {"README.md", "tutorial.md", "masks.md"} <= names
+    assert {"README.md", "CONTRIBUTING.md", "tutorial.md", "masks.md"} <= names
     for path in FILES:
         kinds = {lang for lang, _, _ in blocks(path.read_text(encoding="utf-8"))}
         if path.name != "README.md":

@@ -136,7 +136,7 @@ def test_paged_sink_cache_steps_equal_sink_cache_batched_and_packed():
     refs = [SinkCache.for_model(model, N_SINK, WINDOW) for _ in range(2)]
     rng = random.Random(0)
     with torch.no_grad():
-        for pool, (a, b) in zip(pools, ids):  # b stays 3 tokens behind a
+        for pool, (a, _b) in zip(pools, ids):  # b stays 3 tokens behind a
             view = pool.batch([a])
             model(torch.tensor([[9, 8, 7]]), cache=view, positions=view.positions(3))
         model(torch.tensor([[9, 8, 7]]), cache=refs[0])

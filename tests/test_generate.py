@@ -6,7 +6,6 @@ import copy
 import pytest
 import torch
 
-import attnkit
 from attnkit import masks
 from attnkit.cache import (EncoderDecoderCache, PagedCache, QuantizedCache, SlidingWindowCache, StaticCache)
 from attnkit.generate import SamplingParams, generate, sample

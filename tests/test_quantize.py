@@ -34,7 +34,7 @@ def trained():
     opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
     g = torch.Generator().manual_seed(0)
     T = 64
-    for step in range(300):
+    for _ in range(300):
         x = torch.randint(0, V, (16, P), generator=g).repeat(1, T // P + 1)[:, :T + 1]  # (16, T+1)
         pos = torch.randint(0, cfg.max_seq_len - T, (16, 1), generator=g) + torch.arange(T)
         logits = model(x[:, :-1], positions=pos)

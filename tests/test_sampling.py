@@ -3,6 +3,8 @@ generate under the same controls, stop rules, logprobs, the Engine per request, 
 
 import pytest
 import torch
+import transformers
+from transformers.generation import logits_process as lp
 
 import attnkit
 from attnkit import _sampling
@@ -10,10 +12,6 @@ from attnkit.generate import GenerationResult, SamplingParams, TokenLogprob
 from attnkit.nn import DecoderConfig, DecoderLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-transformers = pytest.importorskip("transformers")
-lp = pytest.importorskip("transformers.generation.logits_process")
 
 
 def _logits(n=4, v=50, seed=0):

@@ -297,7 +297,7 @@ def test_batched_call_lse_gradient(mask_name):
     outs, lses = [], []
     for s in range(cu_q.numel() - 1):
         a, b, c, d = int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s]), int(cu_k[s + 1])
-        o, l = attnkit.attention(_heads_first(o64[0][a:b]), _heads_first(o64[1][c:d]), _heads_first(o64[2][c:d]),
+        o, l = attnkit.attention(_heads_first(o64[0][a:b]), _heads_first(o64[1][c:d]), _heads_first(o64[2][c:d]),  # noqa: E741
                                  mask=MASKS[mask_name](), backend="math", return_lse=True)
         outs.append(o[0].transpose(0, 1))
         lses.append(l[0])
@@ -305,7 +305,7 @@ def test_batched_call_lse_gradient(mask_name):
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=0)
     torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=0)
     live = torch.isfinite(want_lse)
-    loss = lambda o, l: (o * 0.3).sum() + torch.where(live, l, 0.0).square().sum()  # noqa: E731
+    loss = lambda o, l: (o * 0.3).sum() + torch.where(live, l, 0.0).square().sum()  # noqa: E731, E741
     loss(out, lse.double()).backward()
     loss(want, want_lse).backward()
     for a, b in zip(leaves, o64):
@@ -414,7 +414,7 @@ def _check_sinks_rule(q, k, v, sinks, cu_q, cu_k, mask_name, backend, *, softcap
     def loss(o, l):  # noqa: E741
         return (o * g.to(o.dtype)).sum() + (0 if gl is None else (l * gl.to(l.dtype)).sum())
 
-    for result, ins in ((( out, lse), leaves), (oracle, o64), (naive, nv)):
+    for result, _ins in ((( out, lse), leaves), (oracle, o64), (naive, nv)):
         loss(*result).backward()
     for name, a, o, n in zip(("q", "k", "v", "sinks"), leaves, o64, nv):
         grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in (a, o, n)]

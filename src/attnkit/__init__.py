@@ -25,7 +25,7 @@ from ._varlen import attention_varlen
 from .generate import generate
 from .quantize import quantize
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _ON_DEMAND = ("distributed", "integrations", "plot", "testing", "cli", "distill")
 

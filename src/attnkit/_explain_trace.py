@@ -214,7 +214,7 @@ class SoftmaxSteps:
         if m != 0.0:
             lines.append(f"subtract the row maximum m = {_num(m, d)} first (the largest exp is then exp(0) = 1: "
                          f"nothing overflows and the sum cannot underflow to 0; the weights do not change)")
-        for j, (sj, ej) in enumerate(zip(s, e)):
+        for _j, (sj, ej) in enumerate(zip(s, e)):
             arg = _num(sj, d) if m == 0.0 else f"{_num(sj, d)} - {_factor(m, d)}"
             note = "   (masked)" if math.isinf(sj) else ""
             lines.append(f"exp({arg}) = {_num(ej, d)}{note}")
@@ -405,7 +405,7 @@ class Trace:
                 out.append(f"  {name}{n}[{c + 1}] = x{n}·W_{name.lower()}[:, {c + 1}] = {written}")
                 out.append(f"        = {psum} = {_num(float(res[i, c]), d)}")
             if name == "Q":
-                out.append(f"  (the other rows and K, V the same way)")
+                out.append("  (the other rows and K, V the same way)")
                 break
         for name, t in (("Q", self.q), ("K", self.k), ("V", self.v)):
             out.append(_assigned(f"  {name} = ", t, d))

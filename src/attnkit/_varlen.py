@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from . import masks as _masks
+from .bias import BiasLike
+from .masks import Mask
 from .backends import _flash_varlen, _packed
 from .backends import select as _select
 from .backends._call import _refuse_foreign
@@ -27,7 +31,8 @@ def _split(result) -> tuple[Tensor, Tensor | None]:
 
 
 def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *,
-                     max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, mask=None, bias=None,
+                     max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+                     mask: Mask | None = None, bias: BiasLike | None = None,
                      scale: float | None = None, softcap: float | None = None, sinks: Tensor | None = None,
                      dropout_p: float = 0.0, return_lse: bool = False, backend: str = "auto", **unknown):
     """Attention over packed variable-length sequences: each sequence attends only within itself.
@@ -138,8 +143,8 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
         out, lse = _flash_varlen.attention(q, k, v, cu_q.tolist(), cu_k.tolist(), mask, choice.scale, softcap,
                                            dropout_p, choice.segments, sinks)
         return (out, lse) if return_lse else out
-    kw = dict(mask=mask, scale=scale, softcap=softcap, sinks=sinks, dropout_p=dropout_p, return_lse=return_lse,
-              backend=backend)
+    kw: dict[str, Any] = dict(mask=mask, scale=scale, softcap=softcap, sinks=sinks, dropout_p=dropout_p,
+                              return_lse=return_lse, backend=backend)
     starts_q, starts_k = cu_q[:-1].tolist(), cu_k[:-1].tolist()
     alone = _packed.alone(lq, lk, bias)
     # sequences with no queries drop out, except under a bias (packed coordinates: every key keeps its column)

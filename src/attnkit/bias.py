@@ -20,7 +20,7 @@ Example::
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, TypeAlias, Union
 
 import torch
 
@@ -29,8 +29,8 @@ from .masks import _check_align, _index_grid, _offset
 
 Tensor = torch.Tensor
 
-__all__ = ["ScoreMod", "alibi", "alibi_slopes", "relative_buckets", "t5_bucket", "temperature", "from_fn", "compose",
-           "from_dict"]
+__all__ = ["ScoreMod", "BiasLike", "alibi", "alibi_slopes", "relative_buckets", "t5_bucket", "temperature", "from_fn",
+           "compose", "from_dict"]
 
 
 class ScoreMod:
@@ -152,6 +152,11 @@ class ScoreMod:
         while out.dim() < 4:
             out = out.unsqueeze(0)
         return out.expand(out.shape[0], out.shape[1], q_len, kv_len)
+
+
+BiasLike: TypeAlias = Union[ScoreMod, Tensor]
+"""What ``bias=`` takes (with ``None`` for no bias): a :class:`ScoreMod` or a float tensor broadcastable to
+``(B, Hq, Lq, Lk)``, added to the scores."""
 
 
 def _head_param(name: str, values, *, positive: bool) -> Tensor:

@@ -62,7 +62,7 @@ class UsageError(Exception):
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a usage error as one line on stderr and exit code 2."""
 
-    def error(self, message: str):  # noqa: D102 (argparse API)
+    def error(self, message: str):
         raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 

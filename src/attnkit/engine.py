@@ -67,7 +67,7 @@ def _rows_logits(model, ids: Tensor, rows: Tensor, **kw) -> Tensor:
 def _key_cost(model) -> float:
     """What one query attending to one more key costs, in tokens: the attention's multiply-adds per (query,
     key) pair and layer, ``n_heads * (d_head + d_value)``, over the multiply-adds of a token's projections and
-    feed-forward in a layer (the layer's parameters), times :data:`ATTENTION_FLOP_COST`."""
+    feed-forward in a layer (the layer's parameters), times ``ATTENTION_FLOP_COST``."""
     cfg = model.config
     d = model_dims(model)
     per_pair = cfg.n_heads * (d["d_head"] + (d["d_value"] or d["d_head"]))
@@ -152,7 +152,7 @@ class Engine:
             budget has left.  ``"cost"``: a chunk of ``c`` tokens after ``s`` stored positions costs
             ``c + key_cost * (c * s + c * (c + 1) / 2)`` (its projections, plus its attention over the keys
             so far; ``key_cost`` is the attention's multiply-adds per key over a token's per-layer
-            multiply-adds, times :data:`ATTENTION_FLOP_COST`), and each step takes the most tokens whose cost
+            multiply-adds, times ``ATTENTION_FLOP_COST``), and each step takes the most tokens whose cost
             fits the budget (decode tokens cost 1, a prompt at least one token a step): late chunks of a long
             prompt get fewer tokens, so every step stays near the same time.  ``max_batched_tokens`` stays an
             upper bound on a step's tokens.

@@ -13,7 +13,8 @@ from .backends._call import (  # noqa: F401  (the checks stay importable from he
     _check_bias, _check_mask, _check_number, _check_qkv, _check_scale, _check_sinks, _empty_result, _is_empty,
     _make_call, _refuse_foreign, graph_zero, layout_swap_suspected)
 from .backends._common import Call, per_mask
-from .masks import Mask, _nothing_visible, _positions_unchecked
+from .bias import BiasLike
+from .masks import Mask, MaskLike, _nothing_visible, _positions_unchecked
 
 Tensor = torch.Tensor
 
@@ -73,7 +74,8 @@ def _warn_if_layout_swapped(call: Call) -> None:
 # ---------------------------------------------------------------------- public API
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, scale: float | None = None,
+def attention(q: Tensor, k: Tensor, v: Tensor, *, mask: MaskLike | None = None, bias: BiasLike | None = None,
+              scale: float | None = None,
               softcap: float | None = None, sinks: Tensor | None = None, dropout_p: float = 0.0,
               return_lse: bool = False, backend: str = "auto", **unknown):
     """Scaled dot-product attention: ``softmax(mask(bias(softcap(q @ k^T * scale)))) @ v``.

@@ -42,7 +42,7 @@ CACHES = ("auto", "static", "sliding", "paged", "int8", "int4")
 
 class SamplingParams:
     """How the next token is chosen: ``temperature`` (0 = greedy), ``top_k``, ``top_p``, ``eos_id``, ``seed``,
-    and the controls of :mod:`attnkit._sampling` (keyword-only): ``repetition_penalty``, ``presence_penalty``,
+    and the controls of ``attnkit._sampling`` (keyword-only): ``repetition_penalty``, ``presence_penalty``,
     ``frequency_penalty``, ``min_p``, ``logit_bias``, ``stop`` and ``logprobs``.
 
     Validated on construction.  With a ``seed`` each sequence draws from its own generator seeded with it,
@@ -447,7 +447,7 @@ def _stream(model, prompts: list[list[int]], max_new_tokens: int, cache, params:
 
 class SpeculativeStats:
     """Counts of a speculative generation: tokens ``proposed`` by the drafter, ``accepted`` by the target,
-    target forwards (``verify_steps``) and tokens produced; :attr:`acceptance_rate` is accepted / proposed.
+    target forwards (``verify_steps``) and tokens produced; ``acceptance_rate`` is accepted / proposed.
 
     Pass one as ``generate(..., stats=...)``; every call adds its counts to it.
 
@@ -636,7 +636,7 @@ def _stream_speculative(model, prompts: list[list[int]], max_new_tokens: int, ca
                 else:
                     proposal, qs = [], []
                     new = seq[drafter.length:]
-                    for j in range(n):
+                    for _ in range(n):
                         dl = step_logits(drafter.feed(new)[-1:], proposal, first=len(proposal))
                         if params.greedy:  # deterministic proposals: no distribution to keep
                             d = int(dl[0].argmax())

@@ -58,7 +58,7 @@ def _run_cases(module_path: str, out_path: str, names: list[str]) -> None:
         try:
             module.CASES[name]()
             verdicts[name] = None
-        except Exception:  # every failure, assertion or crash, goes back to the parent test
+        except Exception:  # noqa: BLE001 (every failure, assertion or crash, goes back to the parent test
             verdicts[name] = traceback.format_exc()
     Path(out_path).write_text(json.dumps(verdicts))
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import attnkit
-from attnkit import backends, bias, masks
+from attnkit import bias, masks
 from attnkit.testing import random_qkv
 
 W_GLOBAL = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
@@ -440,7 +440,7 @@ def test_changes_between_forward_and_backward_are_caught():
     w = params[0] * 1.0
     mod = bias.from_fn(lambda s, b, h, i, j: s + w[h] * (i - j))
     out = attnkit.attention(q, k, v, bias=mod, backend="flash")
-    w = params[1] * 1.0  # noqa: F841 (the function reads w when called again)
+    w = params[1] * 1.0
     with pytest.raises(RuntimeError, match="rebound"):
         out.sum().backward()
     wt = torch.randn(12, 12, dtype=torch.float64, requires_grad=True)

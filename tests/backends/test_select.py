@@ -46,6 +46,21 @@ EMPTY_MASKS = {
 }
 
 
+def _empty_refusal(backend, lse_too):
+    """The start of the reason ``backend`` gives for refusing an empty call below (q needs its gradient), or
+    None: it must take the call.  A backend not named here fails the test until its refusals are named."""
+    known = {"auto", "math", "sdpa", "flash", "splitkv", "triton"}
+    assert backend in known, f"name the empty calls backend {backend!r} may refuse in _empty_refusal"
+    if backend == "sdpa" and lse_too:
+        return "SDPA does not return the log-sum-exp"
+    if backend == "splitkv":
+        return "split-KV decoding computes no gradients"
+    if backend == "triton":  # (CPU tensors: triton runs them only under TRITON_INTERPRET=1)
+        from attnkit.backends import triton
+        return triton._device_reason(torch.device("cpu"))
+    return None
+
+
 def test_empty_shapes_give_zeros_and_minus_inf_on_every_backend_and_explain_answers():
     """Lq=0, Lk=0 (one query and no keys: a decode step on an empty cache), B=0, H=0, with every mask: zeros and
     lse -inf from auto and each backend that takes the call, and explain says which backend would run."""
@@ -60,8 +75,12 @@ def test_empty_shapes_give_zeros_and_minus_inf_on_every_backend_and_explain_answ
             for backend in ["auto", *backends.available()]:
                 for lse_too in (False, True):
                     call = attnkit.functional._make_call(q, k, v, mask=mask, return_lse=lse_too)
-                    if backend != "auto" and backends._REGISTRY[backend].check(call) is not None:
-                        continue  # (sdpa returns no lse: refused with a ValueError, tested elsewhere)
+                    reason = None if backend == "auto" else backends._REGISTRY[backend].check(call)
+                    refuses = _empty_refusal(backend, lse_too)
+                    if refuses is not None:  # (the refusal's ValueError is tested with each backend)
+                        assert reason is not None and reason.startswith(refuses), (backend, lse_too, reason)
+                        continue
+                    assert reason is None, (B, H, Lq, Lk, name, backend, lse_too, reason)
                     res = attnkit.attention(q, k, v, mask=mask, backend=backend, return_lse=lse_too)
                     out, lse = res if lse_too else (res, None)
                     where = (B, H, Lq, Lk, name, backend, lse_too)

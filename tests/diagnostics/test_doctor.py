@@ -450,13 +450,15 @@ def test_probe_ignores_attention_calls_outside_the_model():
 
 
 def _tiny_llama():
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2)
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
+@pytest.mark.hf
 def test_doctor_diagnoses_a_hugging_face_model_running_attnkit_attention():
     from attnkit.integrations import hf
 
@@ -475,6 +477,7 @@ def test_doctor_diagnoses_a_hugging_face_model_running_attnkit_attention():
         assert math.isclose(a.grad_norm, b.grad_norm, rel_tol=1e-3)
 
 
+@pytest.mark.hf
 def test_doctor_on_a_hugging_face_model_without_attnkit_attention_names_from_hf():
     model = _tiny_llama()
     model.set_attn_implementation("eager")

@@ -8,10 +8,10 @@ import torch
 import attnkit
 from attnkit import masks
 
-transformers = pytest.importorskip("transformers")
-from attnkit.integrations.hf import from_hf, to_hf  # noqa: E402
-from attnkit.cache import SlidingWindowCache, StaticCache  # noqa: E402
-from attnkit.nn import DecoderConfig, DecoderLM  # noqa: E402
+import transformers
+from attnkit.integrations.hf import from_hf, to_hf
+from attnkit.cache import SlidingWindowCache, StaticCache
+from attnkit.nn import DecoderConfig, DecoderLM
 
 V = 96
 TOL = 1e-4

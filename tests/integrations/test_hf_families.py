@@ -7,9 +7,9 @@ import torch
 import attnkit
 from attnkit import masks
 
-transformers = pytest.importorskip("transformers")
-from attnkit.integrations.hf import from_hf, to_hf  # noqa: E402
-from attnkit.nn import DecoderLM  # noqa: E402
+import transformers
+from attnkit.integrations.hf import from_hf, to_hf
+from attnkit.nn import DecoderLM
 
 V = 96
 TOL = 1e-4

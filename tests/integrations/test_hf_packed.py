@@ -6,10 +6,10 @@ import torch
 
 from attnkit import masks
 
-transformers = pytest.importorskip("transformers")
-from transformers import masking_utils as mu  # noqa: E402
+import transformers
+from transformers import masking_utils as mu
 
-from attnkit.integrations import hf  # noqa: E402
+from attnkit.integrations import hf
 
 V = 96
 TOL = 1e-4

@@ -220,7 +220,8 @@ _HF_ROPES = {
 
 
 def _hf_rope(name, max_pos=64):
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     params = {"rope_type": name.split("-")[0], "rope_theta": 500.0, **_HF_ROPES[name]}
     cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=16, max_position_embeddings=max_pos,
                                    rope_parameters=params)
@@ -230,6 +231,7 @@ def _hf_rope(name, max_pos=64):
     return cfg, RotaryEmbedding(16, base=500.0, scaling=scaling)
 
 
+@pytest.mark.hf
 @pytest.mark.parametrize("name", sorted(_HF_ROPES))
 def test_rope_scaling_frequencies_and_attention_factor_equal_transformers(name):
     """inv_freq and attention factor equal transformers' rope init functions at every length (for longrope and
@@ -244,6 +246,7 @@ def test_rope_scaling_frequencies_and_attention_factor_equal_transformers(name):
         assert rope.attention_factor == pytest.approx(factor, rel=1e-12), (n, factor)
 
 
+@pytest.mark.hf
 @pytest.mark.parametrize("name", sorted(_HF_ROPES))
 def test_rope_scaling_rotations_equal_transformers_rotary_embedding(name):
     """cos/sin at positions (attention factor included) equal transformers' LlamaRotaryEmbedding, and the rotated

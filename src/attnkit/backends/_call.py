@@ -36,7 +36,7 @@ def _check_qkv(q, k, v) -> None:
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}: move them with "
                          f".to(q.device)")
-    (B, Hq, Lq, D), (Bk, Hkv, Lk, Dk), (Bv, Hv, Lv, Dv) = q.shape, k.shape, v.shape
+    (B, Hq, _Lq, D), (Bk, Hkv, Lk, Dk), (Bv, Hv, Lv, _Dv) = q.shape, k.shape, v.shape
     if not (B == Bk == Bv):
         raise ValueError(f"batch sizes differ: q has B={B}, k has B={Bk}, v has B={Bv}: give every tensor the "
                          f"same batch (expand a shared k/v with k.expand({B}, -1, -1, -1))")
@@ -86,8 +86,8 @@ def _shape_hint(t: Tensor, shape, name: str) -> str:
     if t.dim() == 2 and t.shape == (B, Lk) and B > 1:
         fix = (f"{name}[:, None, None, :]" + ("" if name == "bias" else f", or masks.key_padding({name})"))
         return f": a (B, Lk) padding {name} needs the head and query axes: pass {fix}"
-    return (f": give it shape (B, H, Lq, Lk) or one that broadcasts to it (size 1 or missing leading axes), "
-            f"e.g. (Lq, Lk) or (B, 1, 1, Lk)")
+    return (": give it shape (B, H, Lq, Lk) or one that broadcasts to it (size 1 or missing leading axes), "
+            "e.g. (Lq, Lk) or (B, 1, 1, Lk)")
 
 
 def _is_block_mask(mask) -> bool:

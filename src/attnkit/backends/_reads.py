@@ -183,7 +183,7 @@ def tensor_key(tensors: list[Tensor]) -> tuple:
 
 def _has_contents(cell) -> bool:
     try:
-        cell.cell_contents
+        cell.cell_contents  # noqa: B018 (reading an empty cell raises ValueError)
     except ValueError:
         return False
     return True

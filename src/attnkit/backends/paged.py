@@ -451,7 +451,7 @@ def _attend_pool(q: Tensor, k_pool: Tensor, v_pool: Tensor, layout: PoolLayout, 
     m.scatter_reduce_(0, own.view(-1, 1, 1).expand(-1, Hkv, G), sc.detach().amax(-1), "amax")  # a shift only
     m = torch.where(torch.isfinite(m), m, torch.zeros((), dtype=acc, device=dev))  # rows reading nothing
     e = torch.exp(sc - m[own].unsqueeze(-1))  # (N, Hkv, G, bs)
-    l = torch.zeros(B + 1, Hkv, G, dtype=acc, device=dev).index_add_(0, own, e.sum(-1))[:B]
+    l = torch.zeros(B + 1, Hkv, G, dtype=acc, device=dev).index_add_(0, own, e.sum(-1))[:B]  # noqa: E741 (l: the softmax denominator, as in the papers)
     ob = products(e.to(v_pool.dtype), 1, Dv, v_pool.dtype)  # (N, Hkv, G, Dv)
     # a weight 0 still reads its value (0 * NaN is NaN): the blocks of a row that hold slots it may not see
     # (the unfilled end of its last block, keys its mask hides) are weighed again with those values zeroed

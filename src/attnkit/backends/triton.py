@@ -83,7 +83,7 @@ def _import_error() -> str | None:
             import triton  # noqa: F401
 
             _state["error"] = None
-        except Exception as e:  # a broken install raises more than ImportError
+        except Exception as e:  # noqa: BLE001 (a broken install raises more than ImportError
             _state["error"] = f"{type(e).__name__}: {e}"
     return _state["error"]
 

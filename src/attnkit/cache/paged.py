@@ -254,7 +254,7 @@ class PagedCache:
 
     def add_sequence(self, tokens=None) -> int:
         """Start a sequence and return its id.  With the prompt's token ids (and prefix caching on), the
-        longest run of its full blocks already in the cache is reused: :meth:`length` then tells how many
+        longest run of its full blocks already in the cache is reused: :meth:`PagedCache.length` then tells how many
         positions are stored (at most ``len(tokens) - 1``, so the last prompt token is always computed)."""
         seq = _Sequence(tokens=[] if tokens is None else _token_ids("add_sequence", tokens))
         sid = self._next_id
@@ -776,7 +776,7 @@ class PagedPacked(_View):
     segment (a chunk of a prompt) each layer copies its sequence's keys and values in position order into a
     workspace the cache keeps (one layer's keys and values of the longest such sequence) and attends its
     queries to them: with no bias and softcap and a causal mask (or none), on the CPU, by
-    :func:`attnkit.backends.paged.attend_chunk` (the fused kernel on the keys before the chunk, then on its
+    ``attnkit.backends.paged.attend_chunk`` (the fused kernel on the keys before the chunk, then on its
     own keys causally, merged); otherwise by :func:`attnkit.attention`.
 
     Example::

@@ -436,7 +436,7 @@ class QuantizedCache(ModelCache):
     of a full-precision cache — and attention runs as usual.  In a left-padded batch the padding never
     widens a key group's range, but a row's key groups are counted from the batch's first position, not
     from its own first token: its tokens agree with decoding it alone as closely as the quantization
-    allows, not exactly.  :meth:`nbytes` is the storage held (compare
+    allows, not exactly.  ``nbytes()`` is the storage held (compare
     ``StaticCache.nbytes``); :meth:`workspace_nbytes` the workspace (at most a chunk plus the residual of
     one layer in full precision); ``layers[i].read()`` dequantizes a layer for inspection.
 

@@ -21,7 +21,7 @@ import torch
 
 from .._checks import integer
 from ._common import ModelCache, check_new_kv, model_dims
-from .paged import PagedCache, PoolExhausted, _View, _PoolLayer, _token_ids
+from .paged import PagedCache, PoolExhausted, _View, _PoolLayer
 
 Tensor = torch.Tensor
 
@@ -171,7 +171,7 @@ class PagedSinkCache(PagedCache):
     ``p`` of a sequence is stored in block ``p // block_size`` as in the plain pool, with rotary keys stored
     un-rotated; a forward reads the kept keys in order and rotates them at their positions within the cache,
     so a step's result is that of :class:`SinkCache`.  Each block that left the window goes back to the pool
-    as soon as the sequence has moved past it (its entry in :meth:`block_table` becomes ``-1``): a sequence
+    as soon as the sequence has moved past it (its entry in ``block_table`` becomes ``-1``): a sequence
     never holds more than :attr:`max_blocks_per_sequence` blocks however long it runs.  The non-sink tokens of
     a block that holds sinks, and the oldest tokens of a partly evicted block, are masked token by token.
 
@@ -235,7 +235,7 @@ class PagedSinkCache(PagedCache):
 
     @property
     def max_blocks_per_sequence(self) -> int:
-        """The most blocks one sequence holds at any time: those of the sinks plus those the ``window``
+        """The most blocks one sequence holds at any time, those of the sinks plus those the ``window``
         newest positions can straddle (``ceil(n_sink / bs) + ceil((window - 1) / bs) + 1``)."""
         return self._sink_blocks + -(-(self.window - 1) // self.block_size) + 1
 

@@ -94,7 +94,7 @@ class StaticCache(LayoutCache):
     """A KV cache preallocated for ``max_len`` positions in every layer (static shapes, no reallocation).
 
     Args:
-        n_layers: decoder layers (one :class:`StaticLayerCache` each, in ``cache.layers``).
+        n_layers: decoder layers (one ``StaticLayerCache`` each, in ``cache.layers``).
         max_len: positions each layer can hold (prompt plus new tokens).
         batch_size, n_kv_heads, d_head, d_value, dtype, device: the layout; when given, storage is
             allocated now, otherwise on the first update from the shapes it sees.

@@ -386,7 +386,7 @@ def distill(teacher: nn.Module, student: nn.Module, batches, *, steps: int, laye
         raise ValueError(f"eval_every={eval_every!r} must be a positive int or None")
     projections = nn.ModuleDict()
     if "hidden" in w:
-        for s, tl in lmap.items():
+        for s in lmap:
             if s_side.width is None or t_side.width is None:
                 raise ValueError("hidden-state matching needs models built from TransformerBlocks (or HF models)")
             projections[str(s)] = HiddenProjection(s_side.width, t_side.width)

@@ -33,7 +33,7 @@ def check_layout(layout) -> str:
 def _ranks(group) -> str:
     try:
         return str(dist.get_process_group_ranks(group))
-    except Exception:  # (older PyTorch, or a group this process cannot inspect)
+    except Exception:  # noqa: BLE001 (older PyTorch, or a group this process cannot inspect)
         return "unknown"
 
 

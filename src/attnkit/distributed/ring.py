@@ -270,7 +270,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, cfg: _Config) -> tuple[Tensor, Ten
             for it in cfg.plan.items[i]:
                 mask = _Placed(cfg.mask, it.row0, it.col0, L) if it.masked else None
                 bias = None if cfg.bias is None else _PlacedBias(cfg.bias, it.row0, it.col0, L)
-                o, l = attention(q[:, :, it.rows], kb[:, :, it.cols], vb[:, :, it.cols], mask=mask, bias=bias,
+                o, l = attention(q[:, :, it.rows], kb[:, :, it.cols], vb[:, :, it.cols], mask=mask, bias=bias,  # noqa: E741
                                  scale=cfg.scale, softcap=cfg.softcap, return_lse=True)
                 out[:, :, it.rows], lse[:, :, it.rows] = merge(out[:, :, it.rows], lse[:, :, it.rows], o, l)
         _wait(sends + recvs, cfg)

@@ -184,7 +184,7 @@ def _family_options(cfg, family: str) -> dict:
 
 
 def decoder_config(hf_config, *, backend: str = "auto"):
-    """The :class:`attnkit.nn.DecoderConfig` of a ``transformers`` config of one of :data:`FAMILIES`."""
+    """The :class:`attnkit.nn.DecoderConfig` of a ``transformers`` config of one of ``FAMILIES``."""
     from ..nn import DecoderConfig
 
     cfg, family = hf_config, hf_config.model_type
@@ -373,7 +373,7 @@ def _dtype_device(model) -> tuple[torch.dtype, torch.device]:
 
 
 def from_hf(model, *, backend: str = "auto"):
-    """Convert a ``transformers`` causal LM of :data:`FAMILIES` (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3,
+    """Convert a ``transformers`` causal LM of ``FAMILIES`` (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3,
     Phi-3, OLMo 2, SmolLM3, Granite, DeepSeek-V3 and DeepSeek-V3.2 with dense feed-forward layers) into an
     :class:`attnkit.nn.DecoderLM`.
 
@@ -651,7 +651,7 @@ def _deepseek_hf_config(cfg, common: dict, lefts: list[int | None]):
 
 def hf_config(config, *, attn_implementation: str | None = None, family: str | None = None):
     """The ``transformers`` config of an :class:`attnkit.nn.DecoderConfig`: the family its features ask for
-    (see :func:`to_hf`), or ``family`` (a ``model_type`` in :data:`FAMILIES`) when given."""
+    (see :func:`to_hf`), or ``family`` (a ``model_type`` in ``FAMILIES``) when given."""
     transformers = _transformers()
     cfg = config
     if family is not None and family not in FAMILIES:
@@ -754,7 +754,7 @@ def to_hf(model, *, attn_implementation: str | None = None, family: str | None =
     ``Gemma3ForCausalLM``.  Of the Llama layout, ``qk_norm=True`` makes ``Qwen3ForCausalLM``, ``qk_norm="all"``
     with output-only norms (``pre_norms=False, post_norms=True``) ``Olmo2ForCausalLM``, ``rope_layers``
     ``SmolLM3ForCausalLM``, and ``embed_scale`` / ``attn_scale`` / ``residual_scale`` / ``logit_divisor``
-    ``GraniteForCausalLM``.  ``family`` (a ``model_type`` of :data:`FAMILIES`, e.g. ``"phi3"`` for
+    ``GraniteForCausalLM``.  ``family`` (a ``model_type`` of ``FAMILIES``, e.g. ``"phi3"`` for
     ``Phi3ForCausalLM``, whose fused projections attnkit's equal) picks the family instead; a config it cannot
     express raises ``ValueError``.
     ``config.attention_dropout`` becomes HF's ``attention_dropout``; ``config.dropout`` (embedding and

@@ -343,7 +343,7 @@ def _model_type_uses_interface(model_type: str) -> bool:
     try:
         from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
         cls = getattr(transformers, MODEL_MAPPING_NAMES[model_type])
-    except Exception:  # (an unknown or custom model type: assume it calls the attention interface)
+    except Exception:  # noqa: BLE001 (an unknown or custom model type: assume it calls the attention interface)
         return True
     if getattr(cls, "_supports_attention_backend", True):
         return True
@@ -352,7 +352,7 @@ def _model_type_uses_interface(model_type: str) -> bool:
     can_set = getattr(cls, "_can_set_attn_implementation", None)
     try:
         return bool(can_set()) if callable(can_set) else False
-    except Exception:
+    except Exception:  # noqa: BLE001 (the model class's own check may raise anything: then it cannot)
         return False
 
 
@@ -584,8 +584,9 @@ def register(name: str = "attnkit", *, backend: str = "auto") -> str:
             :func:`attnkit.backends.explain`).
 
     Raises:
-        ImportError: transformers is not installed.  RuntimeError: its version is outside
-        :data:`SUPPORTED_TRANSFORMERS`, or its masks no longer mean what attnkit assumes.
+        ImportError: transformers is not installed.
+        RuntimeError: its version is outside :data:`SUPPORTED_TRANSFORMERS`, or its masks no longer mean
+            what attnkit assumes.
 
     Example::
 

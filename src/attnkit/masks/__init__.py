@@ -38,6 +38,10 @@ Example::
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, TypeAlias, Union
+
+import torch
+
 from ._base import Mask, _And, _Named, _Not, _Or
 from ._blocks import EMPTY, FULL, PARTIAL, BlockStructure, _check_align, _index_grid, _offset
 from ._builtins import (_BlockLocal, _Causal, _Dilated, _Document, _GlobalTokens, _Interval, _KeyColumns, _KeyLengths,
@@ -50,8 +54,16 @@ from ._convert import (_check_per_sequence, _decodes_differently, _FlexPredicate
 from ._serial import from_dict
 from ._selected import _SelectedBlocks, selected_blocks, top_k_blocks
 
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
+
+MaskLike: TypeAlias = Union[Mask, torch.Tensor, "BlockMask"]
+"""What ``mask=`` takes (with ``None`` for no mask): a :class:`Mask`, a bool tensor broadcastable to
+``(B, Hq, Lq, Lk)`` (True means "may attend"), or a FlexAttention ``BlockMask`` (read with :func:`from_flex`)."""
+
 __all__ = [
     "Mask",
+    "MaskLike",
     "BlockStructure",
     "causal",
     "sliding_window",

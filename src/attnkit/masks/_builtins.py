@@ -265,7 +265,7 @@ class _Document(Mask):
         return _Grid(torch.where(full, FULL, torch.where(overlap, PARTIAL, EMPTY)).to(torch.int8))
 
     def _validate(self, batch, heads, q_len, kv_len):
-        for name, ids, n in (("ids", self.q_ids, None), ("kv_ids", self.kv_ids, kv_len)):
+        for name, ids, _n in (("ids", self.q_ids, None), ("kv_ids", self.kv_ids, kv_len)):
             if ids is None:
                 continue
             if ids.shape[0] not in (1, batch):

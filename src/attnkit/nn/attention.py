@@ -168,7 +168,7 @@ class MultiHeadAttention(_Attends):
 
     **Scores.**  ``q.k * scale`` with ``scale = 1 / (sqrt(d_head) * temperature)``, then ``softcap``, then
     the position bias (ALiBi/T5), then the masks; optional ``qk_norm`` (RMSNorm of every query and key
-    head) before rotary positions.  Every score goes through :meth:`_attend` (one method per module,
+    head) before rotary positions.  Every score goes through ``_attend`` (one method per module,
     calling :func:`attnkit.attention` with ``backend``; diagnostics and ring attention wrap it).
 
     **Masks.**  ``mask`` (constructor, e.g. ``masks.causal()``) and ``mask`` (call) are AND-ed; either is
@@ -522,7 +522,7 @@ class MultiHeadAttention(_Attends):
 
     def _attention(self, q: Tensor, k: Tensor, v: Tensor, *, bias, call_mask, extra, need_weights: bool):
         """``q (B, Hq, L, d_head)`` over every key ``k, v (B, Hkv, Lk, d_head)`` under the layer's, the call's
-        and the cache's masks, through :meth:`_attend`: ``out (B, L, d_model)``, and the weights
+        and the cache's masks, through ``_attend``: ``out (B, L, d_model)``, and the weights
         ``(B, Hq, L, Lk)`` with ``need_weights``."""
         B, _, L, _ = q.shape
         layer_mask = self.mask

@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn as nn
 
 from . import _checks
 from .attention import _Attends, _is_bottom_right_causal, _update_cache
@@ -125,7 +124,7 @@ class LatentAttention(_Attends):
 
     @property
     def latent_dim(self) -> int:
-        """What a cache stores per token: ``kv_lora_rank + qk_rope_head_dim``."""
+        """What a cache stores per token, ``kv_lora_rank + qk_rope_head_dim``."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     # ------------------------------------------------------------------------ projections

@@ -40,8 +40,8 @@ __all__ = ["PositionEncoding", "RotaryEmbedding", "ALiBi", "T5RelativeBias", "Si
 class PositionEncoding(nn.Module):
     """Base class of the position encodings :class:`~attnkit.nn.MultiHeadAttention` accepts.
 
-    Hooks (each a no-op by default): :meth:`rotate` queries/keys ``(B, H, L, D)`` at absolute positions;
-    :meth:`score_mod` gives an :mod:`attnkit.bias` modifier; :meth:`encode` gives vectors ``(..., L, dim)``
+    Hooks (each a no-op by default): ``rotate`` queries/keys ``(B, H, L, D)`` at absolute positions;
+    ``score_mod`` gives an :mod:`attnkit.bias` modifier; ``encode`` gives vectors ``(..., L, dim)``
     to add to the query/key inputs.
 
     Example (a custom encoding: a fixed bias that only lets queries see keys within distance 2; a
@@ -224,7 +224,7 @@ class RotaryEmbedding(PositionEncoding):
             the longest call it has seen).
         max_seq_len: if given, positions ``>= max_seq_len`` raise ValueError (RoPE does not extrapolate).
 
-    :meth:`rotate` takes ``x (B, H, L, D)`` and positions ``(L,)`` or ``(B, L)``; the angles are computed
+    ``rotate`` takes ``x (B, H, L, D)`` and positions ``(L,)`` or ``(B, L)``; the angles are computed
     in float32 and cached per device.
 
     Example::
@@ -282,7 +282,7 @@ class RotaryEmbedding(PositionEncoding):
         """The inverse frequencies ``(dim/2,)`` (float32) of a call whose positions are all ``< seq_len``.
 
         Only LongRoPE and dynamic NTK depend on ``seq_len`` (see ``scaling``); the others return
-        :attr:`inv_freq`.  The rotated vectors are also multiplied by :attr:`attention_factor`.
+        ``inv_freq``.  The rotated vectors are also multiplied by ``attention_factor``.
 
         Example::
 
@@ -588,7 +588,7 @@ class SinusoidalPositions(PositionEncoding):
     """The original Transformer's absolute encoding: ``pe[p, 2i] = sin(p / base^(2i/dim))``,
     ``pe[p, 2i+1] = cos(p / base^(2i/dim))``.
 
-    :meth:`encode` maps positions ``(L,)`` or ``(B, L)`` to ``(L, dim)`` or ``(B, L, dim)`` (float32).
+    ``encode`` maps positions ``(L,)`` or ``(B, L)`` to ``(L, dim)`` or ``(B, L, dim)`` (float32).
     Inside :class:`~attnkit.nn.MultiHeadAttention` it is added to the query and key inputs (not the
     values, as DETR does); at a model's embedding it is added to the token embeddings.
 
