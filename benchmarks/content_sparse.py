@@ -34,12 +34,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-import attnkit  # noqa: E402
-from attnkit import masks  # noqa: E402
-from attnkit.nn import DecoderConfig, DecoderLM  # noqa: E402
-from attnkit.nn.moba import moba_attention, moba_selection  # noqa: E402
-from attnkit.nn.tasks import accuracy, associative_recall, train_lm  # noqa: E402
-from _common import table, timeit  # noqa: E402
+import attnkit
+from attnkit import masks
+from attnkit.nn import DecoderConfig, DecoderLM
+from attnkit.nn.moba import moba_attention, moba_selection
+from attnkit.nn.tasks import accuracy, associative_recall, train_lm
+from _common import table, timeit
 
 BLOCK, TOP_K, H, D = 64, 8, 2, 64
 
@@ -84,38 +84,69 @@ def moba_section(lengths, repeat: int, with_query: bool = True) -> list[dict]:
         }
         if not with_query:
             del variants["moba/query"]
-        density = {"sdpa": 0.5 + 0.5 / L, "static": static.density(L, L),
-                   "moba/block": _block_choice(q, k).density(L, L, heads=H)}
+        density = {
+            "sdpa": 0.5 + 0.5 / L,
+            "static": static.density(L, L),
+            "moba/block": _block_choice(q, k).density(L, L, heads=H),
+        }
         density["moba/routed"] = per_query().density(L, L, heads=H)
         if with_query:
             density["moba/query"] = density["moba/routed"]
-        visited = {name: (None if name in ("sdpa", "moba/routed") else
-                          (static if name == "static" else _block_choice(q, k) if name == "moba/block"
-                           else per_query()).block_structure(L, L, 64, heads=H).visited_fraction())
-                   for name in variants}
+        visited = {
+            name: (
+                None
+                if name in ("sdpa", "moba/routed")
+                else (static if name == "static" else _block_choice(q, k) if name == "moba/block" else per_query())
+                .block_structure(L, L, 64, heads=H)
+                .visited_fraction()
+            )
+            for name in variants
+        }
         with torch.no_grad():
             fwd = timeit(variants, repeat=repeat, budget_s=120)
         both = timeit({n: (lambda f=f: f().backward(go)) for n, f in variants.items()}, repeat=repeat, budget_s=240)
         for name in variants:
-            rows.append({"L": L, "variant": name, "density": f"{density[name]:.3f}",
-                         "tiles visited (64x64)": "-" if visited[name] is None else f"{visited[name]:.3f}",
-                         "fwd s": f"{fwd[name]:.3f}", "fwd+bwd s": f"{both[name]:.3f}",
-                         "sdpa/x fwd": f"{fwd['sdpa'] / fwd[name]:.2f}",
-                         "sdpa/x fwd+bwd": f"{both['sdpa'] / both[name]:.2f}",
-                         "x/static fwd": f"{fwd[name] / fwd['static']:.2f}",
-                         "x/static fwd+bwd": f"{both[name] / both['static']:.2f}"})
+            rows.append(
+                {
+                    "L": L,
+                    "variant": name,
+                    "density": f"{density[name]:.3f}",
+                    "tiles visited (64x64)": "-" if visited[name] is None else f"{visited[name]:.3f}",
+                    "fwd s": f"{fwd[name]:.3f}",
+                    "fwd+bwd s": f"{both[name]:.3f}",
+                    "sdpa/x fwd": f"{fwd['sdpa'] / fwd[name]:.2f}",
+                    "sdpa/x fwd+bwd": f"{both['sdpa'] / both[name]:.2f}",
+                    "x/static fwd": f"{fwd[name] / fwd['static']:.2f}",
+                    "x/static fwd+bwd": f"{both[name] / both['static']:.2f}",
+                }
+            )
     return rows
 
 
 def _model(sparse, L: int, vocab: int = 256, d_model: int = 128, layers: int = 2, heads: int = 2) -> DecoderLM:
     torch.manual_seed(0)
-    return DecoderLM(DecoderConfig(vocab_size=vocab, d_model=d_model, n_layers=layers, n_heads=heads,
-                                   max_seq_len=L, backend="flash", sparse_attention=sparse))
+    return DecoderLM(
+        DecoderConfig(
+            vocab_size=vocab,
+            d_model=d_model,
+            n_layers=layers,
+            n_heads=heads,
+            max_seq_len=L,
+            backend="flash",
+            sparse_attention=sparse,
+        )
+    )
 
 
 def nsa_section(L: int, repeat: int) -> list[dict]:
-    nsa = {"method": "nsa", "compress_block": 32, "compress_stride": 16, "select_block": 64, "select_count": 16,
-           "window": 512}
+    nsa = {
+        "method": "nsa",
+        "compress_block": 32,
+        "compress_stride": 16,
+        "select_block": 64,
+        "select_count": 16,
+        "window": 512,
+    }
     ids = torch.randint(0, 256, (1, L + 1), generator=torch.Generator().manual_seed(0))
     steps = {}
     for name, sparse in (("full causal", None), ("nsa", nsa), ("moba", {"method": "moba", "block": 64, "top_k": 8})):
@@ -127,18 +158,27 @@ def nsa_section(L: int, repeat: int) -> list[dict]:
             opt.zero_grad()
             loss.backward()
             opt.step()
+
         steps[name] = step
     t = timeit(steps, repeat=repeat, budget_s=300)
-    return [{"L": L, "model": name, "step s": f"{t[name]:.3f}", "full/x": f"{t['full causal'] / t[name]:.2f}"}
-            for name in steps]
+    return [
+        {"L": L, "model": name, "step s": f"{t[name]:.3f}", "full/x": f"{t['full causal'] / t[name]:.2f}"}
+        for name in steps
+    ]
 
 
 RECALL = dict(n_pairs=6, n_queries=4, n_keys=16, n_values=16)  # the task of examples/distill_recall.py
 RECALL_MODELS = {
     "full": None,
     "moba": {"method": "moba", "block": 4, "top_k": 2},
-    "nsa": {"method": "nsa", "compress_block": 4, "compress_stride": 2, "select_block": 4, "select_count": 3,
-            "window": 4},
+    "nsa": {
+        "method": "nsa",
+        "compress_block": 4,
+        "compress_stride": 2,
+        "select_block": 4,
+        "select_count": 3,
+        "window": 4,
+    },
 }
 
 
@@ -150,18 +190,38 @@ def recall_section(steps: int, models, positions: str) -> list[dict]:
     test = associative_recall(512, **RECALL, generator=torch.Generator().manual_seed(10**6))
     for name in models:
         torch.manual_seed(0)
-        model = DecoderLM(DecoderConfig(vocab_size=33, d_model=64, n_layers=2, n_heads=4, max_seq_len=L,
-                                        positions=positions, tie_embeddings=False,
-                                        sparse_attention=RECALL_MODELS[name]))
+        model = DecoderLM(
+            DecoderConfig(
+                vocab_size=33,
+                d_model=64,
+                n_layers=2,
+                n_heads=4,
+                max_seq_len=L,
+                positions=positions,
+                tie_embeddings=False,
+                sparse_attention=RECALL_MODELS[name],
+            )
+        )
         t0 = time.perf_counter()
-        losses = train_lm(model, lambda step: associative_recall(32, **RECALL,
-                                                                 generator=torch.Generator().manual_seed(step)),
-                          steps=steps, lr=5e-3)
+        losses = train_lm(
+            model,
+            lambda step: associative_recall(32, **RECALL, generator=torch.Generator().manual_seed(step)),
+            steps=steps,
+            lr=5e-3,
+        )
         with torch.no_grad():
             acc = accuracy(model(test.ids), test.targets)
-        rows.append({"model": name, "positions": positions, "sequence": L, "steps": steps,
-                     "final loss": f"{losses[-1]:.3f}", "test accuracy": f"{acc:.3f}",
-                     "train s": f"{time.perf_counter() - t0:.0f}"})
+        rows.append(
+            {
+                "model": name,
+                "positions": positions,
+                "sequence": L,
+                "steps": steps,
+                "final loss": f"{losses[-1]:.3f}",
+                "test accuracy": f"{acc:.3f}",
+                "train s": f"{time.perf_counter() - t0:.0f}",
+            }
+        )
     return rows
 
 
@@ -183,9 +243,23 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {_load()} at start")
     if "moba" in only:
         lengths = args.lengths or ([2048, 4096] if args.quick else [16384, 32768])
-        print(table(moba_section(lengths, args.repeat, not args.no_per_query),
-                    ["L", "variant", "density", "tiles visited (64x64)", "fwd s", "fwd+bwd s", "sdpa/x fwd",
-                     "sdpa/x fwd+bwd", "x/static fwd", "x/static fwd+bwd"]))
+        print(
+            table(
+                moba_section(lengths, args.repeat, not args.no_per_query),
+                [
+                    "L",
+                    "variant",
+                    "density",
+                    "tiles visited (64x64)",
+                    "fwd s",
+                    "fwd+bwd s",
+                    "sdpa/x fwd",
+                    "sdpa/x fwd+bwd",
+                    "x/static fwd",
+                    "x/static fwd+bwd",
+                ],
+            )
+        )
         print(_load())
     if "nsa" in only:
         L = args.nsa_length or (2048 if args.quick else 16384)

@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import OUT_HELP, machine, save, table, timeit  # noqa: E402
+from _common import OUT_HELP, machine, save, table, timeit
 
-from attnkit import masks  # noqa: E402
-from attnkit.cache import StaticCache  # noqa: E402
-from attnkit.nn import DeepSeekSparseAttention, IndexerConfig, LatentAttention, RotaryEmbedding  # noqa: E402
+from attnkit import masks
+from attnkit.cache import StaticCache
+from attnkit.nn import DeepSeekSparseAttention, IndexerConfig, LatentAttention, RotaryEmbedding
 
 
 def main(argv=None) -> None:
@@ -42,8 +42,12 @@ def main(argv=None) -> None:
     ap.add_argument("--d-model", type=int, default=1024)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--backend", default="flash", help="attention backend of both layers (default flash: 'auto' "
-                    "picks sdpa for 128 query heads over one latent key head, many times slower here)")
+    ap.add_argument(
+        "--backend",
+        default="flash",
+        help="attention backend of both layers (default flash: 'auto' "
+        "picks sdpa for 128 query heads over one latent key head, many times slower here)",
+    )
     ap.add_argument("--out", metavar="DIR", default=None, help=OUT_HELP)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -52,8 +56,15 @@ def main(argv=None) -> None:
     heads, d = 128, args.d_model
     torch.manual_seed(0)
     rope = RotaryEmbedding(64, interleaved=True)
-    dsa = DeepSeekSparseAttention(d, heads, **dims, positions=rope, mask=masks.causal(), backend=args.backend,
-                                  indexer=IndexerConfig(top_k=top_k, n_heads=64, head_dim=128)).eval()
+    dsa = DeepSeekSparseAttention(
+        d,
+        heads,
+        **dims,
+        positions=rope,
+        mask=masks.causal(),
+        backend=args.backend,
+        indexer=IndexerConfig(top_k=top_k, n_heads=64, head_dim=128),
+    ).eval()
     full = LatentAttention(d, heads, **dims, positions=rope, mask=masks.causal(), backend=args.backend).eval()
     full.load_state_dict({k: v for k, v in dsa.state_dict().items() if not k.startswith("indexer.")})
 
@@ -73,21 +84,47 @@ def main(argv=None) -> None:
             with torch.no_grad():
                 module(x, cache=cache.layers[0])
             cache.layers[0].length -= 1  # roll back: every step decodes at the same length
+
         return run
 
     t = timeit({"full": step(full, full_cache), "dsa": step(dsa, dsa_cache)}, repeat=args.repeat, budget_s=300)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    rows = [{"attention": "full (LatentAttention)", "keys read": cached, "ms/step": f"{t['full'] * 1e3:.1f}",
-             "vs full": "1.00x"},
-            {"attention": f"DSA (top-k {top_k})", "keys read": top_k, "ms/step": f"{t['dsa'] * 1e3:.1f}",
-             "vs full": f"{t['full'] / t['dsa']:.2f}x faster"}]
-    print(f"one decode step at {cached} cached tokens: 128 heads, latent 512 + rope 64, nope 128, v 128, q latent "
-          f"1536, indexer 64 x 128, d_model {d}, float32, backend {args.backend!r}, {machine()}, load average "
-          f"{load:.1f} at the end")
+    rows = [
+        {
+            "attention": "full (LatentAttention)",
+            "keys read": cached,
+            "ms/step": f"{t['full'] * 1e3:.1f}",
+            "vs full": "1.00x",
+        },
+        {
+            "attention": f"DSA (top-k {top_k})",
+            "keys read": top_k,
+            "ms/step": f"{t['dsa'] * 1e3:.1f}",
+            "vs full": f"{t['full'] / t['dsa']:.2f}x faster",
+        },
+    ]
+    print(
+        f"one decode step at {cached} cached tokens: 128 heads, latent 512 + rope 64, nope 128, v 128, q latent "
+        f"1536, indexer 64 x 128, d_model {d}, float32, backend {args.backend!r}, {machine()}, load average "
+        f"{load:.1f} at the end"
+    )
     print(table(rows, list(rows[0])))
-    print("saved", save("dsa_quick" if args.quick else "dsa",
-                        {"cached": cached, "top_k": top_k, "d_model": d, "backend": args.backend, "rows": rows,
-                         "load": load, "ratio": t["full"] / t["dsa"]}, out=args.out))
+    print(
+        "saved",
+        save(
+            "dsa_quick" if args.quick else "dsa",
+            {
+                "cached": cached,
+                "top_k": top_k,
+                "d_model": d,
+                "backend": args.backend,
+                "rows": rows,
+                "load": load,
+                "ratio": t["full"] / t["dsa"],
+            },
+            out=args.out,
+        ),
+    )
 
 
 if __name__ == "__main__":

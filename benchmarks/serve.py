@@ -45,8 +45,16 @@ from _common import OUT_HELP, save, table
 # ----------------------------------------------------------------------------------------- clients
 
 
-def jobs_for(words: list[str], n: int, *, seed: int, prompt_words=(2, 60), max_tokens=(4, 48),
-             disconnect_share: float = 0.0, eos_id: int | None = None) -> list[dict]:
+def jobs_for(
+    words: list[str],
+    n: int,
+    *,
+    seed: int,
+    prompt_words=(2, 60),
+    max_tokens=(4, 48),
+    disconnect_share: float = 0.0,
+    eos_id: int | None = None,
+) -> list[dict]:
     """``n`` requests with random prompts of made-up words and random output lengths; a ``disconnect_share`` of
     them (every 1/share-th) leave after a few chunks (``disconnect_after``) and ask for many tokens with ``eos_id``
     banned, so they are surely still running when they go."""
@@ -56,9 +64,14 @@ def jobs_for(words: list[str], n: int, *, seed: int, prompt_words=(2, 60), max_t
     for i in range(n):
         prompt = " ".join(rng.choice(words) for _ in range(rng.randint(*prompt_words)))
         leaves = bool(every) and i % every == every - 1
-        jobs.append({"prompt": prompt, "max_tokens": 200 if leaves else rng.randint(*max_tokens),
-                     "disconnect_after": rng.randint(1, 4) if leaves else None,
-                     "no_eos": {str(eos_id): -100} if leaves and eos_id is not None else None})
+        jobs.append(
+            {
+                "prompt": prompt,
+                "max_tokens": 200 if leaves else rng.randint(*max_tokens),
+                "disconnect_after": rng.randint(1, 4) if leaves else None,
+                "no_eos": {str(eos_id): -100} if leaves and eos_id is not None else None,
+            }
+        )
     return jobs
 
 
@@ -70,8 +83,16 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, job: dict, chat:
         body["prompt"] = job["prompt"]
     if job.get("no_eos"):
         body["logit_bias"] = job["no_eos"]
-    rec = {"job": job, "text": "", "times": [], "done": 0, "finish_reason": None, "ids": set(), "error": None,
-           "left": False}
+    rec = {
+        "job": job,
+        "text": "",
+        "times": [],
+        "done": 0,
+        "finish_reason": None,
+        "ids": set(),
+        "error": None,
+        "left": False,
+    }
     start = time.perf_counter()
     path = "/v1/chat/completions" if chat else "/v1/completions"
     try:
@@ -107,13 +128,15 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, job: dict, chat:
     return rec
 
 
-async def run_clients(url: str, model: str, jobs: list[dict], concurrency: int, *, chat: bool = False,
-                      timeout: float = 120.0) -> tuple[list[dict], float]:
+async def run_clients(
+    url: str, model: str, jobs: list[dict], concurrency: int, *, chat: bool = False, timeout: float = 120.0
+) -> tuple[list[dict], float]:
     """Run ``jobs`` with at most ``concurrency`` in flight; returns their records (in job order) and the wall
     time."""
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+
         async def run(job):
             async with sem:
                 return await _one(client, url, model, job, chat, timeout)
@@ -134,17 +157,19 @@ def check_load(records: list[dict], expected_text, metrics_text: str) -> list[st
         elif rec["left"]:
             continue
         elif rec["done"] != 1 or rec["finish_reason"] is None or len(rec["ids"]) != 1:
-            problems.append(f"request {i}: {rec['done']} [DONE], finish_reason {rec['finish_reason']}, ids "
-                            f"{rec['ids']}")
+            problems.append(
+                f"request {i}: {rec['done']} [DONE], finish_reason {rec['finish_reason']}, ids {rec['ids']}"
+            )
         elif rec["text"] != expected_text(job):
-            problems.append(f"request {i}: text {rec['text'][:60]!r} differs from generate's "
-                            f"{expected_text(job)[:60]!r}")
+            problems.append(
+                f"request {i}: text {rec['text'][:60]!r} differs from generate's {expected_text(job)[:60]!r}"
+            )
     ids = [next(iter(r["ids"])) for r in records if len(r["ids"]) == 1]
     if len(set(ids)) != len(ids):
         problems.append("two streams share an id")
     values = {}
     for line in metrics_text.splitlines():
-        m = re.match(r'^(attnkit_\w+)(\{[^}]*\})? (\S+)$', line)
+        m = re.match(r"^(attnkit_\w+)(\{[^}]*\})? (\S+)$", line)
         if m:
             values[m.group(1) + (m.group(2) or "")] = float(m.group(3))
     for name in ("attnkit_kv_blocks_used", "attnkit_requests_running", "attnkit_requests_waiting"):
@@ -179,12 +204,22 @@ def latency_summary(records: list[dict], wall: float, count_tokens) -> dict:
     tokens = sum(count_tokens(r["text"]) for r in done)
 
     def pct(xs, q):
-        return round(1000 * statistics.quantiles(xs, n=100, method="inclusive")[q - 1], 1) if len(xs) > 1 else \
-            (round(1000 * xs[0], 1) if xs else None)
+        return (
+            round(1000 * statistics.quantiles(xs, n=100, method="inclusive")[q - 1], 1)
+            if len(xs) > 1
+            else (round(1000 * xs[0], 1) if xs else None)
+        )
 
-    return {"requests": len(done), "failed": len(records) - len(done), "req_per_s": round(len(done) / wall, 2),
-            "out_tok_per_s": round(tokens / wall, 1), "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
-            "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99)}
+    return {
+        "requests": len(done),
+        "failed": len(records) - len(done),
+        "req_per_s": round(len(done) / wall, 2),
+        "out_tok_per_s": round(tokens / wall, 1),
+        "ttft_p50_ms": pct(ttft, 50),
+        "ttft_p99_ms": pct(ttft, 99),
+        "itl_p50_ms": pct(itl, 50),
+        "itl_p99_ms": pct(itl, 99),
+    }
 
 
 # ----------------------------------------------------------------------------------------- servers
@@ -203,8 +238,7 @@ class Server:
         self.url = f"http://127.0.0.1:{port}"
         self.log = log
         self._file = open(log, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._file, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdout=self._file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         deadline = time.monotonic() + ready_s
         while True:
             if self.proc.poll() is not None:
@@ -242,9 +276,25 @@ class Server:
 
 def attnkit_server(model_dir: Path, log: Path, args) -> Server:
     port = free_port()
-    cmd = [sys.executable, "-m", "attnkit", "serve", str(model_dir), "--port", str(port), "--log-level", "warning",
-           "--max-batch", str(args.max_batch), "--cache-blocks", str(args.cache_blocks), "--block-size", "16",
-           "--max-waiting", "1024"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "attnkit",
+        "serve",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        "--max-batch",
+        str(args.max_batch),
+        "--cache-blocks",
+        str(args.cache_blocks),
+        "--block-size",
+        "16",
+        "--max-waiting",
+        "1024",
+    ]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     env = dict(os.environ)
@@ -285,19 +335,23 @@ def load_check(model_dir: Path, workdir: Path, args) -> tuple[dict, list[str]]:
 
     log = workdir / "attnkit-load.log"
     with attnkit_server(model_dir, log, args) as server:
-        records, wall = asyncio.run(run_clients(server.url, server.models[0], jobs, len(jobs),
-                                                timeout=args.timeout))
+        records, wall = asyncio.run(run_clients(server.url, server.models[0], jobs, len(jobs), timeout=args.timeout))
         metrics = wait_idle(server.url)
         problems = check_load(records, expected, metrics)
         code = server.stop()
     text = log.read_text()
     if "Traceback" in text:
-        problems.append("a traceback in the server log:\n" + text[text.index("Traceback"):][:2000])
+        problems.append("a traceback in the server log:\n" + text[text.index("Traceback") :][:2000])
     if code != 0:
         problems.append(f"the server exited with {code} after SIGINT")
     left = sum(r["left"] for r in records)
-    return {"clients": len(jobs), "left_mid_stream": left, "completed": len(jobs) - left, "wall_s": round(wall, 2),
-            "problems": problems}, problems
+    return {
+        "clients": len(jobs),
+        "left_mid_stream": left,
+        "completed": len(jobs) - left,
+        "wall_s": round(wall, 2),
+        "problems": problems,
+    }, problems
 
 
 def throughput(model_dir: Path, workdir: Path, args) -> list[dict]:
@@ -319,13 +373,13 @@ def throughput(model_dir: Path, workdir: Path, args) -> list[dict]:
             continue
         with server:
             model = server.models[0]
-            asyncio.run(run_clients(server.url, model, jobs_for(words, 2, seed=9), 2, chat=True,
-                                    timeout=args.timeout))  # warm-up
+            asyncio.run(
+                run_clients(server.url, model, jobs_for(words, 2, seed=9), 2, chat=True, timeout=args.timeout)
+            )  # warm-up
             for conc in [int(c) for c in args.concurrency.split(",")]:
                 n = max(args.min_requests, args.requests_per_client * conc)
                 jobs = jobs_for(words, n, seed=conc, prompt_words=(8, 64), max_tokens=(args.max_tokens,) * 2)
-                records, wall = asyncio.run(run_clients(server.url, model, jobs, conc, chat=True,
-                                                        timeout=args.timeout))
+                records, wall = asyncio.run(run_clients(server.url, model, jobs, conc, chat=True, timeout=args.timeout))
                 row = {"server": peer, "concurrency": conc, **latency_summary(records, wall, count)}
                 errors = [r["error"] for r in records if r["error"]]
                 if errors:
@@ -339,8 +393,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="16 load clients; attnkit at concurrency 1 and 8")
     ap.add_argument("--model-dir", help="an HF model folder (default: a random Llama written here)")
-    ap.add_argument("--size", default="small", choices=["tiny", "small"],
-                    help="the written model: tiny (64 wide, 2 layers) or small (256 wide, 4 layers; default)")
+    ap.add_argument(
+        "--size",
+        default="small",
+        choices=["tiny", "small"],
+        help="the written model: tiny (64 wide, 2 layers) or small (256 wide, 4 layers; default)",
+    )
     ap.add_argument("--load-clients", type=int, default=64, help="clients of the load check (0: skip it)")
     ap.add_argument("--peers", default=None, help="servers to time (default attnkit,transformers; --quick: attnkit)")
     ap.add_argument("--concurrency", default=None, help="client counts (default 1,8,32; --quick: 1,8)")
@@ -367,25 +425,41 @@ def main(argv=None) -> int:
         elif args.size == "tiny":
             model_dir = make_demo_model(work / "tiny", max_positions=1024)
         else:
-            model_dir = make_demo_model(work / "small", vocab_words=2000, hidden_size=256, layers=4, heads=8,
-                                        kv_heads=4, max_positions=1024)
-        print(f"model: {model_dir.name}; load: {os.getloadavg()[0]:.2f} (1-minute load average at the start), "
-              f"{os.cpu_count()} cores", flush=True)
+            model_dir = make_demo_model(
+                work / "small", vocab_words=2000, hidden_size=256, layers=4, heads=8, kv_heads=4, max_positions=1024
+            )
+        print(
+            f"model: {model_dir.name}; load: {os.getloadavg()[0]:.2f} (1-minute load average at the start), "
+            f"{os.cpu_count()} cores",
+            flush=True,
+        )
         payload: dict = {"model": model_dir.name, "load_avg_start": os.getloadavg()[0]}
         failed = False
         if args.load_clients:
             summary, problems = load_check(model_dir, work, args)
             payload["load_check"] = summary
-            print(f"load check: {summary['clients']} clients, {summary['left_mid_stream']} left mid-stream, "
-                  f"{summary['wall_s']} s: " + ("OK" if not problems else "FAILED\n  " + "\n  ".join(problems)),
-                  flush=True)
+            print(
+                f"load check: {summary['clients']} clients, {summary['left_mid_stream']} left mid-stream, "
+                f"{summary['wall_s']} s: " + ("OK" if not problems else "FAILED\n  " + "\n  ".join(problems)),
+                flush=True,
+            )
             failed = bool(problems)
         rows = throughput(model_dir, work, args) if args.concurrency else []
         payload["throughput"] = rows
         payload["load_avg_end"] = os.getloadavg()[0]
         if rows:
-            cols = ["server", "concurrency", "requests", "failed", "req_per_s", "out_tok_per_s", "ttft_p50_ms",
-                    "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"]
+            cols = [
+                "server",
+                "concurrency",
+                "requests",
+                "failed",
+                "req_per_s",
+                "out_tok_per_s",
+                "ttft_p50_ms",
+                "ttft_p99_ms",
+                "itl_p50_ms",
+                "itl_p99_ms",
+            ]
             print(table(rows, cols))
         if not args.quick:
             print(f"saved {save('serve', payload, args.out)}")

@@ -42,7 +42,12 @@ nitpick_ignore_regex = [
     (r"py:class", r"list\[tuple\[int"),
 ]
 # returned by PagedSinkCache.batch()/packed(), used through the PagedBatch/PagedPacked interface, not exported
-nitpick_ignore = [("py:class", "attnkit.cache.sink.PagedSinkBatch"), ("py:class", "attnkit.cache.sink.PagedSinkPacked")]
+nitpick_ignore = [
+    ("py:class", "os.PathLike"),
+    ("py:class", "starlette.applications.Starlette"),
+    ("py:class", "attnkit.cache.sink.PagedSinkBatch"),
+    ("py:class", "attnkit.cache.sink.PagedSinkPacked"),
+]
 
 # BENCHMARKS.md sits beside docs/, outside Sphinx's sources: the guides' links to it go to its copy as a page
 # of the build (docs/benchmarks.rst includes it)

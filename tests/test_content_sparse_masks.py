@@ -32,7 +32,7 @@ def _dense_selection(indices, bq, bk, lq, lk):
             for i in range(lq):
                 for j in indices[b, h, i // bq].tolist():
                     if j >= 0:
-                        out[b, h, i, j * bk:(j + 1) * bk] = True
+                        out[b, h, i, j * bk : (j + 1) * bk] = True
     return out
 
 
@@ -57,8 +57,16 @@ def test_top_k_blocks_picks_the_highest_scores_and_never_minus_inf():
     assert idx.tolist() == [[[[1, 3], [0, -1]]]]  # ties to the lower block; -inf never chosen
 
 
-@given(lq=st.integers(1, 40), lk=st.integers(1, 40), bq=st.integers(1, 9), bk=st.integers(1, 9),
-       tq=st.integers(1, 12), tk=st.integers(1, 12), seed=st.integers(0, 999), heads=st.integers(1, 3))
+@given(
+    lq=st.integers(1, 40),
+    lk=st.integers(1, 40),
+    bq=st.integers(1, 9),
+    bk=st.integers(1, 9),
+    tq=st.integers(1, 12),
+    tk=st.integers(1, 12),
+    seed=st.integers(0, 999),
+    heads=st.integers(1, 3),
+)
 @settings(max_examples=30)
 def test_block_structure_is_exact_for_any_tiling(lq, lk, bq, bk, tq, tk, seed, heads):
     """Every tile the structure calls full is all allowed, every empty one all refused, every partial mixed."""
@@ -70,7 +78,7 @@ def test_block_structure_is_exact_for_any_tiling(lq, lk, bq, bk, tq, tk, seed, h
     for h in range(heads):
         for a in range(kinds.shape[1]):
             for c in range(kinds.shape[2]):
-                tile = dense[min(h, dense.shape[0] - 1), a * tq:(a + 1) * tq, c * tk:(c + 1) * tk]
+                tile = dense[min(h, dense.shape[0] - 1), a * tq : (a + 1) * tq, c * tk : (c + 1) * tk]
                 want = M.FULL if bool(tile.all()) else M.PARTIAL if bool(tile.any()) else M.EMPTY
                 assert int(kinds[min(h, kinds.shape[0] - 1), a, c]) == want
 
@@ -91,12 +99,22 @@ def _combined(kind, idx, bq, bk, lq, lk, b):
     raise AssertionError(kind)
 
 
-@given(b=st.integers(1, 2), hkv=st.integers(1, 2), group=st.sampled_from([1, 2, 3]), lq=st.integers(1, 60),
-       extra=st.integers(0, 20), d=st.sampled_from([4, 8]), bq=st.sampled_from([1, 4, 8, 16]),
-       bk=st.sampled_from([4, 8, 16]), top=st.integers(1, 4), tile=st.sampled_from([None, 8, 16]),
-       kind=st.sampled_from(["alone", "causal", "padding", "document"]),
-       dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.float16]),
-       shared=st.booleans(), seed=st.integers(0, 2**16))
+@given(
+    b=st.integers(1, 2),
+    hkv=st.integers(1, 2),
+    group=st.sampled_from([1, 2, 3]),
+    lq=st.integers(1, 60),
+    extra=st.integers(0, 20),
+    d=st.sampled_from([4, 8]),
+    bq=st.sampled_from([1, 4, 8, 16]),
+    bk=st.sampled_from([4, 8, 16]),
+    top=st.integers(1, 4),
+    tile=st.sampled_from([None, 8, 16]),
+    kind=st.sampled_from(["alone", "causal", "padding", "document"]),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.float16]),
+    shared=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 @settings(max_examples=40)
 def test_flash_meets_the_numerical_rule(b, hkv, group, lq, extra, d, bq, bk, top, tile, kind, dtype, shared, seed):
     g = torch.Generator().manual_seed(seed)
@@ -166,27 +184,33 @@ def test_a_query_block_with_nothing_selected_gives_zero_and_no_nan():
 # ------------------------------------------------------------------------------------- errors
 
 
-@pytest.mark.parametrize("build, match", [
-    (lambda: M.selected_blocks(torch.zeros(2, 3, dtype=torch.long), block=4), "shape .B, H, query blocks, k."),
-    (lambda: M.selected_blocks(torch.zeros(1, 1, 2, 1), block=4), "must hold integers"),
-    (lambda: M.selected_blocks(torch.full((1, 1, 2, 1), -2), block=4), ">= 0, or -1"),
-    (lambda: M.selected_blocks(torch.zeros(1, 1, 2, 1, dtype=torch.long), block=0), "block"),
-    (lambda: M.selected_blocks(torch.zeros(1, 1, 2, 1, dtype=torch.long), block=(4, 2, 1)), "pair"),
-    (lambda: M.top_k_blocks(torch.zeros(1, 1, 2, 3), 4, block=4), "k=4 is larger than the number of key blocks"),
-    (lambda: M.top_k_blocks(torch.zeros(1, 1, 2, 3), 0, block=4), "k"),
-    (lambda: M.top_k_blocks(torch.zeros(1, 2, 3), 1, block=4), "shape"),
-    (lambda: M.top_k_blocks(torch.full((1, 1, 1, 3), float("nan")), 1, block=4), "NaN"),
-])
+@pytest.mark.parametrize(
+    "build, match",
+    [
+        (lambda: M.selected_blocks(torch.zeros(2, 3, dtype=torch.long), block=4), "shape .B, H, query blocks, k."),
+        (lambda: M.selected_blocks(torch.zeros(1, 1, 2, 1), block=4), "must hold integers"),
+        (lambda: M.selected_blocks(torch.full((1, 1, 2, 1), -2), block=4), ">= 0, or -1"),
+        (lambda: M.selected_blocks(torch.zeros(1, 1, 2, 1, dtype=torch.long), block=0), "block"),
+        (lambda: M.selected_blocks(torch.zeros(1, 1, 2, 1, dtype=torch.long), block=(4, 2, 1)), "pair"),
+        (lambda: M.top_k_blocks(torch.zeros(1, 1, 2, 3), 4, block=4), "k=4 is larger than the number of key blocks"),
+        (lambda: M.top_k_blocks(torch.zeros(1, 1, 2, 3), 0, block=4), "k"),
+        (lambda: M.top_k_blocks(torch.zeros(1, 2, 3), 1, block=4), "shape"),
+        (lambda: M.top_k_blocks(torch.full((1, 1, 1, 3), float("nan")), 1, block=4), "NaN"),
+    ],
+)
 def test_bad_selections_are_refused_when_built(build, match):
     with pytest.raises((ValueError, TypeError), match=match):
         build()
 
 
-@pytest.mark.parametrize("shape, lq, lk, match", [
-    ((1, 1, 3, 1), 8, 8, "has 3 query blocks, but Lq=8 with block_q=4 makes 2"),
-    ((3, 1, 2, 1), 8, 8, "batch size 3 for a batch of 2"),
-    ((1, 3, 2, 1), 8, 8, "3 heads for 4 query heads"),
-])
+@pytest.mark.parametrize(
+    "shape, lq, lk, match",
+    [
+        ((1, 1, 3, 1), 8, 8, "has 3 query blocks, but Lq=8 with block_q=4 makes 2"),
+        ((3, 1, 2, 1), 8, 8, "batch size 3 for a batch of 2"),
+        ((1, 3, 2, 1), 8, 8, "3 heads for 4 query heads"),
+    ],
+)
 def test_selections_of_the_wrong_shape_are_refused_when_called(shape, lq, lk, match):
     q = torch.randn(2, 4, lq, 4)
     k = v = torch.randn(2, 2, lk, 4)
@@ -222,6 +246,7 @@ def test_show_and_explain_describe_the_selection():
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_under_torch_compile_with_the_mask_built_inside():
     """The selection computed inside the compiled function (as a module does), fullgraph, forward and backward."""
+
     def fn(q, k, v):
         scores = q.view(1, 2, 4, 8, 4).mean(3) @ k.view(1, 2, 4, 8, 4).mean(3).transpose(-1, -2)
         future = torch.ones(4, 4, dtype=torch.bool).triu(1)

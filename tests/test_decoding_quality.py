@@ -42,8 +42,9 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 
 def _chunked(model, prompt, n_new, chunk, **kw):
-    engine = attnkit.Engine(model, cache_blocks=32, block_size=4, max_batch=1, max_batched_tokens=chunk,
-                            decode_threads=None, **kw)
+    engine = attnkit.Engine(
+        model, cache_blocks=32, block_size=4, max_batch=1, max_batched_tokens=chunk, decode_threads=None, **kw
+    )
     return engine.generate([prompt], n_new)[0]
 
 
@@ -51,8 +52,12 @@ def _chunked(model, prompt, n_new, chunk, **kw):
 
 
 @settings(max_examples=12)
-@given(seed=st.integers(0, 10_000), chunk=st.integers(1, 5), length=st.integers(4, 14),
-       dtype=st.sampled_from(sorted(DTYPES)))
+@given(
+    seed=st.integers(0, 10_000),
+    chunk=st.integers(1, 5),
+    length=st.integers(4, 14),
+    dtype=st.sampled_from(sorted(DTYPES)),
+)
 def test_chunked_prefill_with_qkv_bias_matches_generate(seed, chunk, length, dtype):
     model = _model(seed, DTYPES[dtype], qkv_bias=True)
     prompt = _prompt(seed, length)
@@ -70,8 +75,9 @@ def test_chunked_prefill_with_qkv_bias_gives_generates_logprobs(chunk):
     model = _model(1, torch.float32, qkv_bias=True)
     prompt = _prompt(2, 13)
     alone = attnkit.generate(model, [prompt], 5, logprobs=5)
-    engine = attnkit.Engine(model, cache_blocks=32, block_size=4, max_batch=1, max_batched_tokens=chunk,
-                            decode_threads=None)
+    engine = attnkit.Engine(
+        model, cache_blocks=32, block_size=4, max_batch=1, max_batched_tokens=chunk, decode_threads=None
+    )
     got = engine.generate([prompt], 5, logprobs=5)
     assert got.tokens == alone.tokens
     for a, b in zip(got.logprobs[0], alone.logprobs[0]):
@@ -89,8 +95,13 @@ def _feature_major(*shape: int, dtype=torch.float64) -> torch.Tensor:
 
 
 @settings(max_examples=20)
-@given(n=st.integers(1, 6), before=st.integers(0, 9), causal=st.booleans(), sinks=st.booleans(),
-       dtype=st.sampled_from(sorted(DTYPES)))
+@given(
+    n=st.integers(1, 6),
+    before=st.integers(0, 9),
+    causal=st.booleans(),
+    sinks=st.booleans(),
+    dtype=st.sampled_from(sorted(DTYPES)),
+)
 def test_attend_chunk_reads_any_layout(n, before, causal, sinks, dtype):
     dt = DTYPES[dtype]
     L = before + n
@@ -100,8 +111,15 @@ def test_attend_chunk_reads_any_layout(n, before, causal, sinks, dtype):
         extra = {} if sinks is None else {"sinks": sinks[None]}  # (1, Hq)
         return paged_kernel.attend_chunk(q, k, v, scale=scale, causal=mask is not None, **extra)
 
-    check_against_oracle(chunk, q, k, v, mask=masks.causal() if causal else None, scale=0.3,
-                         sinks=torch.randn(4, dtype=dt) if sinks else None)
+    check_against_oracle(
+        chunk,
+        q,
+        k,
+        v,
+        mask=masks.causal() if causal else None,
+        scale=0.3,
+        sinks=torch.randn(4, dtype=dt) if sinks else None,
+    )
 
 
 @pytest.mark.parametrize("backend", ["auto", "flash"])
@@ -112,8 +130,7 @@ def test_attention_varlen_reads_any_layout(backend, mask):
     q, k, v = (_feature_major(2 * n, h, 8, dtype=torch.float32) for h in (4, 2, 2))
     cu = torch.tensor([0, n, 2 * n], dtype=torch.int32)
     got = attnkit.attention_varlen(q, k, v, cu, cu, mask=mask, backend=backend)
-    want = attnkit.attention_varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, mask=mask,
-                                    backend=backend)
+    want = attnkit.attention_varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, mask=mask, backend=backend)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))  # (clone keeps the layout)
     qc, kc, vc = (t.detach().contiguous().requires_grad_() for t in (q, k, v))
@@ -131,24 +148,32 @@ def test_attention_varlen_reads_any_layout(backend, mask):
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 @pytest.mark.parametrize("kind", ["sinks", "latent", "latent+bias"])
 def test_chunked_prefill_with_sinks_and_latent_attention_matches_generate(kind, dtype, chunk):
-    kw = {"sinks": dict(attention_sinks=True),
-          "latent": dict(kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8, n_kv_heads=None),
-          "latent+bias": dict(kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8, n_kv_heads=None, qkv_bias=True)}[kind]
+    kw = {
+        "sinks": dict(attention_sinks=True),
+        "latent": dict(kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8, n_kv_heads=None),
+        "latent+bias": dict(kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8, n_kv_heads=None, qkv_bias=True),
+    }[kind]
     model = _model(3, DTYPES[dtype], **kw)
     for seed in range(2):
         prompt = _prompt(seed, 11)
         assert _chunked(model, prompt, 6, chunk) == attnkit.generate(model, [prompt], 6)[0]
 
 
-@pytest.mark.parametrize("kw", [dict(attention_sinks=True, qkv_bias=True),
-                                dict(kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8, n_kv_heads=None)],
-                         ids=["sinks", "latent"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(attention_sinks=True, qkv_bias=True),
+        dict(kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8, n_kv_heads=None),
+    ],
+    ids=["sinks", "latent"],
+)
 def test_chunked_prefill_with_sinks_and_latent_attention_batches_requests(kw):
     """Several requests at once: decode tokens and prompt chunks share each packed forward."""
     model = _model(4, torch.float64, **kw)
     prompts = [_prompt(s, 3 + 4 * s) for s in range(4)]
-    engine = attnkit.Engine(model, cache_blocks=64, block_size=4, max_batch=4, max_batched_tokens=6,
-                            decode_threads=None)
+    engine = attnkit.Engine(
+        model, cache_blocks=64, block_size=4, max_batch=4, max_batched_tokens=6, decode_threads=None
+    )
     got = engine.generate(prompts, 7)
     assert got == [attnkit.generate(model, [p], 7)[0] for p in prompts]
 
@@ -158,8 +183,9 @@ def test_chunked_prefill_with_sinks_and_latent_attention_batches_requests(kw):
 
 def _sink_lm(seed: int, d: int = 32) -> DecoderLM:
     torch.manual_seed(seed)
-    model = DecoderLM(DecoderConfig(vocab_size=32, d_model=d, n_layers=2, n_heads=4, max_seq_len=128,
-                                    attention_sinks=True))
+    model = DecoderLM(
+        DecoderConfig(vocab_size=32, d_model=d, n_layers=2, n_heads=4, max_seq_len=128, attention_sinks=True)
+    )
     with torch.no_grad():
         for layer in model.layers:
             layer.attn.sinks.normal_(0.0, 1.0)  # (zero-initialised: make the sinks take a visible share)
@@ -178,8 +204,7 @@ def test_capture_records_a_sink_models_attention():
     torch.testing.assert_close(logits, plain, rtol=0, atol=0)  # capture changes nothing
     for layer, rec in zip(model.layers, cap.attention):
         assert rec.sinks is layer.attn.sinks
-        want = attnkit.attention_weights(rec.q, rec.k, mask=rec.mask, bias=rec.bias, scale=rec.scale,
-                                         sinks=rec.sinks)
+        want = attnkit.attention_weights(rec.q, rec.k, mask=rec.mask, bias=rec.bias, scale=rec.scale, sinks=rec.sinks)
         w = rec.weights()
         torch.testing.assert_close(w, want, rtol=0, atol=1e-12)
         assert bool((w.sum(-1) < 1 - 1e-6).all())  # each sink keeps a share
@@ -196,8 +221,14 @@ def test_distill_between_sink_models():
 
     teacher, student = _sink_lm(0), _sink_lm(1, d=16)
     sinks_before = [layer.attn.sinks.detach().clone() for layer in student.layers]
-    report = distill(teacher, student, batches, steps=3, progress=False,
-                     weights={"logits": 1, "hidden": 1, "attention": 1, "relations": 1})
+    report = distill(
+        teacher,
+        student,
+        batches,
+        steps=3,
+        progress=False,
+        weights={"logits": 1, "hidden": 1, "attention": 1, "relations": 1},
+    )
     assert report.steps == 3 and all(math.isfinite(v) for step in report.losses for v in step.values())
     assert any(not torch.equal(b, layer.attn.sinks) for b, layer in zip(sinks_before, student.layers))
     assert all(p.grad is None for p in teacher.parameters())
@@ -212,11 +243,20 @@ def test_a_transformers_model_is_refused_with_the_conversion_to_use(who):
     from attnkit.integrations.hf import from_hf
 
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     hf = transformers.LlamaForCausalLM(cfg).eval()
-    run = {"generate": lambda m: attnkit.generate(m, [[1, 2, 3]], 4),
-           "Engine": lambda m: attnkit.Engine(m, cache_blocks=8, block_size=4).generate([[1, 2, 3]], 4)}[who]
+    run = {
+        "generate": lambda m: attnkit.generate(m, [[1, 2, 3]], 4),
+        "Engine": lambda m: attnkit.Engine(m, cache_blocks=8, block_size=4).generate([[1, 2, 3]], 4),
+    }[who]
     with pytest.raises(TypeError, match=r"LlamaForCausalLM.*attnkit\.integrations\.hf\.from_hf\(model\)"):
         run(hf)
     # what the message says works, and gives transformers' own greedy tokens
@@ -272,11 +312,20 @@ def test_resolve_cache_says_which_cache_generate_takes():
         assert resolve_cache(model, ragged, asked) == asked
 
 
-@pytest.mark.parametrize("extra", [
-    dict(sparse_attention={"method": "moba", "block": 4, "top_k": 1}),
-    dict(kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8, d_head=16,
-         indexer=IndexerConfig(top_k=3, n_heads=2, head_dim=8)),
-], ids=["moba", "dsa"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(sparse_attention={"method": "moba", "block": 4, "top_k": 1}),
+        dict(
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            v_head_dim=8,
+            d_head=16,
+            indexer=IndexerConfig(top_k=3, n_heads=2, head_dim=8),
+        ),
+    ],
+    ids=["moba", "dsa"],
+)
 def test_default_generate_keeps_a_static_cache_for_models_that_gather_cached_keys(extra):
     """MoBA, NSA and DSA read the cached keys themselves (no paged cache): ragged prompts stay on the static
     path and give each prompt's tokens alone."""

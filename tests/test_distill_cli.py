@@ -11,8 +11,9 @@ from attnkit.cli import _recall_reach, main
 
 def test_recall_reach_counts_the_answers_within_the_window():
     # keys 1, 2, values 11, 12; the query at position 4 asks key 1, whose value sits at position 1
-    batch = SimpleNamespace(ids=torch.tensor([[1, 11, 2, 12, 1, 11]]),
-                            targets=torch.tensor([[-100, -100, -100, -100, 11, -100]]))
+    batch = SimpleNamespace(
+        ids=torch.tensor([[1, 11, 2, 12, 1, 11]]), targets=torch.tensor([[-100, -100, -100, -100, 11, -100]])
+    )
     assert [_recall_reach(batch, w) for w in (2, 3, 4, 6)] == [0.0, 0.0, 1.0, 1.0]
     wrong = SimpleNamespace(ids=batch.ids, targets=torch.tensor([[-100, -100, -100, -100, 12, -100]]))
     assert _recall_reach(wrong, 6) == 0.0  # 12 follows key 2, not the query's key

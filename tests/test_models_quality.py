@@ -26,8 +26,7 @@ def test_t5_config_and_positions_leave_the_global_generator_alone():
 
 def test_mla_model_decodes_with_a_sliding_cache():
     """cache='sliding' on a latent-attention model with a window: the latent ring gives the static cache's tokens."""
-    cfg = DecoderConfig.preset("tiny", kv_lora_rank=16, qk_rope_head_dim=8, mask=masks.sliding_window(3),
-                               init_std=0.2)
+    cfg = DecoderConfig.preset("tiny", kv_lora_rank=16, qk_rope_head_dim=8, mask=masks.sliding_window(3), init_std=0.2)
     torch.manual_seed(0)
     model = DecoderLM(cfg).eval()
     prompts = [[5, 60, 7, 80, 9, 10], [3, 4, 200]]
@@ -36,16 +35,27 @@ def test_mla_model_decodes_with_a_sliding_cache():
     cache = attnkit.cache.SlidingWindowCache.for_model(model, 2)
     with torch.no_grad():
         full = model(ids)
-        steps = torch.cat([model(ids[:, :5], cache=cache)] + [model(ids[:, t:t + 1], cache=cache)
-                                                              for t in range(5, 12)], dim=1)
+        steps = torch.cat(
+            [model(ids[:, :5], cache=cache)] + [model(ids[:, t : t + 1], cache=cache) for t in range(5, 12)], dim=1
+        )
     torch.testing.assert_close(steps, full, atol=1e-5, rtol=0)
 
 
 transformers = pytest.importorskip("transformers")
 from attnkit.integrations.hf import from_hf, to_hf  # noqa: E402
 
-_COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-               num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=64)
+_COMMON = dict(
+    vocab_size=V,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    max_position_embeddings=64,
+)
 
 
 def _random(model):
@@ -62,10 +72,18 @@ def test_gemma3_attn_logit_softcapping_is_not_applied_either_way():
     softcap of attnkit's own has no Gemma 3 equivalent."""
     torch.manual_seed(0)
     hf_cfg = transformers.Gemma3TextConfig(
-        **_COMMON, head_dim=16, sliding_window=4, query_pre_attn_scalar=16, initializer_range=0.3,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"], attn_logit_softcapping=0.5,
-        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})
+        **_COMMON,
+        head_dim=16,
+        sliding_window=4,
+        query_pre_attn_scalar=16,
+        initializer_range=0.3,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        attn_logit_softcapping=0.5,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1e4},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+        },
+    )
     hf = _random(transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager"))
     ids = torch.randint(3, V, (2, 12), generator=torch.Generator().manual_seed(1))
     model = from_hf(hf)
@@ -83,8 +101,7 @@ def test_gemma3_attn_logit_softcapping_is_not_applied_either_way():
 def test_to_hf_mistral_without_a_window():
     """family='mistral' with no window: transformers' MistralConfig(sliding_window=None), logits equal."""
     torch.manual_seed(0)
-    model = DecoderLM(DecoderConfig(vocab_size=V, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                                    init_std=0.1)).eval()
+    model = DecoderLM(DecoderConfig(vocab_size=V, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, init_std=0.1)).eval()
     hf = to_hf(model, family="mistral", attn_implementation="eager")
     assert type(hf).__name__ == "MistralForCausalLM" and hf.config.sliding_window is None
     ids = torch.randint(3, V, (2, 10), generator=torch.Generator().manual_seed(1))

@@ -54,8 +54,9 @@ def _varlen_reference(q, k, v, cu_q, cu_k, inner, *, dtype, sinks=None, bias=Non
     """The textbook formula on the packed tensors under ``masks.varlen`` in ``dtype``: ``(Tq, Hq, Dv)``."""
     m = masks.varlen(cu_q, cu_k, inner)
     s = None if sinks is None else (sinks if naive_sinks is None else naive_sinks(sinks))
-    out, _ = reference(*(_heads_first(t) for t in (q, k, v)), mask=m, bias=None if bias is None else bias[None],
-                       sinks=s, dtype=dtype)
+    out, _ = reference(
+        *(_heads_first(t) for t in (q, k, v)), mask=m, bias=None if bias is None else bias[None], sinks=s, dtype=dtype
+    )
     return out[0].transpose(0, 1)
 
 
@@ -87,8 +88,9 @@ def _check_rule(fn, inputs, oracle_fn, naive_fn):
 
 HEAD_MASKS = {
     "head0-or-diagonal": lambda: masks.from_fn(lambda b, h, i, j: (h == 0) | (i == j), name="head0_or_diag"),
-    "per-head-window": lambda: masks.from_fn(lambda b, h, p, j: (p >= j) & (p - j <= h), name="window_h",
-                                             align="bottom_right"),
+    "per-head-window": lambda: masks.from_fn(
+        lambda b, h, p, j: (p >= j) & (p - j <= h), name="window_h", align="bottom_right"
+    ),
     "causal-and-odd-heads": lambda: masks.causal() & masks.from_fn(lambda b, h, i, j: (h % 2 == 1) | (j == 0)),
     "window-or-head-keys": lambda: masks.sliding_window(2) | masks.from_fn(lambda b, h, i, j: j <= h),
     "not-head1-lower": lambda: ~masks.from_fn(lambda b, h, i, j: (h == 1) & (i >= j)),
@@ -120,10 +122,14 @@ def test_varlen_block_structure_keeps_the_head_axis():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @settings(max_examples=8, deadline=None)
-@given(seqs=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 12)), min_size=1, max_size=4),
-       long=st.sampled_from([None, (64, 64), (70, 66)]), mask_name=st.sampled_from(sorted(HEAD_MASKS)),
-       path=st.sampled_from(["plain", "bias", "sinks", "attention"]),
-       heads=st.sampled_from([(3, 3), (4, 2), (2, 1)]), seed=st.integers(0, 2 ** 16))
+@given(
+    seqs=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 12)), min_size=1, max_size=4),
+    long=st.sampled_from([None, (64, 64), (70, 66)]),
+    mask_name=st.sampled_from(sorted(HEAD_MASKS)),
+    path=st.sampled_from(["plain", "bias", "sinks", "attention"]),
+    heads=st.sampled_from([(3, 3), (4, 2), (2, 1)]),
+    seed=st.integers(0, 2**16),
+)
 def test_head_dependent_masks_on_every_path(seqs, long, mask_name, backend, path, heads, seed):
     """Both varlen paths (the batched call with own segments and runs, the per-sequence path: a bias forces
     it) and attention() under masks.varlen, on every backend, against the dense float64 oracle."""
@@ -134,21 +140,26 @@ def test_head_dependent_masks_on_every_path(seqs, long, mask_name, backend, path
     q, k, v, cu_q, cu_k = _packed(lq, lk, *heads, seed=seed)
     hq, tq, tk = heads[0], q.shape[0], k.shape[0]
     inner = HEAD_MASKS[mask_name]()
-    bias = torch.randn(hq, tq, tk, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)) \
-        if path == "bias" else None
+    bias = (
+        torch.randn(hq, tq, tk, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        if path == "bias"
+        else None
+    )
     sinks = torch.linspace(-1.0, 1.0, hq, dtype=torch.float64) if path == "sinks" else None
     inputs = (q, k, v) if sinks is None else (q, k, v, sinks)
 
     def fn(q, k, v, s=None):
         if path == "attention":
-            out = attnkit.attention(*(_heads_first(t) for t in (q, k, v)), mask=masks.varlen(cu_q, cu_k, inner),
-                                    backend=backend)
+            out = attnkit.attention(
+                *(_heads_first(t) for t in (q, k, v)), mask=masks.varlen(cu_q, cu_k, inner), backend=backend
+            )
             return out[0].transpose(0, 1)
         return attnkit.attention_varlen(q, k, v, cu_q, cu_k, mask=inner, bias=bias, sinks=s, backend=backend)
 
     def ref(dtype):
-        return lambda q, k, v, s=None: _varlen_reference(q, k, v, cu_q, cu_k, inner, dtype=dtype, sinks=s,
-                                                         bias=None if bias is None else bias.to(dtype))
+        return lambda q, k, v, s=None: _varlen_reference(
+            q, k, v, cu_q, cu_k, inner, dtype=dtype, sinks=s, bias=None if bias is None else bias.to(dtype)
+        )
 
     _check_rule(fn, inputs, ref(torch.float64), ref(q.dtype))
 
@@ -180,9 +191,13 @@ def _laid_out(x: torch.Tensor, how: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @settings(max_examples=5, deadline=None)
-@given(lengths=st.lists(st.integers(1, 90), min_size=1, max_size=3).filter(lambda ls: max(ls) >= 64),
-       layouts=st.tuples(*[st.sampled_from(LAYOUTS)] * 3), mask_name=st.sampled_from(["none", "causal"]),
-       per_sequence=st.booleans(), seed=st.integers(0, 2 ** 16))
+@given(
+    lengths=st.lists(st.integers(1, 90), min_size=1, max_size=3).filter(lambda ls: max(ls) >= 64),
+    layouts=st.tuples(*[st.sampled_from(LAYOUTS)] * 3),
+    mask_name=st.sampled_from(["none", "causal"]),
+    per_sequence=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_varlen_views_strided_in_any_dimension(lengths, layouts, mask_name, backend, per_sequence, seed):
     """The batched fused call (sequences of >= 64 tokens, no mask or causal) and the per-sequence path (a zero
     bias forces it) on q, k, v laid out any way, gaps of NaN between their elements: every output and gradient
@@ -204,12 +219,19 @@ def test_varlen_views_strided_in_any_dimension(lengths, layouts, mask_name, back
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @settings(max_examples=4, deadline=None)
-@given(layouts=st.tuples(*[st.sampled_from(LAYOUTS)] * 3), mask_name=st.sampled_from(["none", "causal"]),
-       lq=st.integers(1, 70), seed=st.integers(0, 2 ** 16))
+@given(
+    layouts=st.tuples(*[st.sampled_from(LAYOUTS)] * 3),
+    mask_name=st.sampled_from(["none", "causal"]),
+    lq=st.integers(1, 70),
+    seed=st.integers(0, 2**16),
+)
 def test_attention_views_strided_in_any_dimension(layouts, mask_name, backend, lq, seed):
     g = torch.Generator().manual_seed(seed)
-    q, k, v = torch.randn(2, 2, lq, 8, generator=g), torch.randn(2, 1, 70, 8, generator=g), \
-        torch.randn(2, 1, 70, 8, generator=g)
+    q, k, v = (
+        torch.randn(2, 2, lq, 8, generator=g),
+        torch.randn(2, 1, 70, 8, generator=g),
+        torch.randn(2, 1, 70, 8, generator=g),
+    )
     mask = None if mask_name == "none" else masks.causal()
     views = [_laid_out(t, how) for t, how in zip((q, k, v), layouts)]
     out = attnkit.attention(*views, mask=mask, backend=backend)
@@ -248,9 +270,14 @@ def _naive_sinks(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @settings(max_examples=8, deadline=None)
-@given(same_dtype=st.booleans(), magnitude=st.sampled_from([2e4, 6e4, 1e6, "max"]),
-       sign=st.sampled_from([1.0, -1.0]), backend=st.sampled_from(BACKENDS),
-       where=st.sampled_from(["attention", "varlen-batched", "varlen-per-sequence"]), seed=st.integers(0, 2 ** 16))
+@given(
+    same_dtype=st.booleans(),
+    magnitude=st.sampled_from([2e4, 6e4, 1e6, "max"]),
+    sign=st.sampled_from([1.0, -1.0]),
+    backend=st.sampled_from(BACKENDS),
+    where=st.sampled_from(["attention", "varlen-batched", "varlen-per-sequence"]),
+    seed=st.integers(0, 2**16),
+)
 def test_extreme_sinks_in_every_dtype(dtype, same_dtype, magnitude, sign, backend, where, seed):
     sink_dtype = dtype if same_dtype else torch.promote_types(dtype, torch.float32)
     big = torch.finfo(sink_dtype).max / 2 if magnitude == "max" else float(magnitude)
@@ -264,16 +291,19 @@ def test_extreme_sinks_in_every_dtype(dtype, same_dtype, magnitude, sign, backen
 
     def fn(q, k, v, s):
         if where == "attention":
-            return attnkit.attention(*(_heads_first(t) for t in (q, k, v)), mask=mask, sinks=s,
-                                     backend=backend)[0].transpose(0, 1)
+            return attnkit.attention(*(_heads_first(t) for t in (q, k, v)), mask=mask, sinks=s, backend=backend)[
+                0
+            ].transpose(0, 1)
         return attnkit.attention_varlen(q, k, v, cu, cu, mask=mask, bias=bias, sinks=s, backend=backend)
 
     def ref(dt, naive_sinks=None):
         if where == "attention":
+
             def whole(q, k, v, s):
                 s = s if naive_sinks is None else naive_sinks(s)
                 out, _ = reference(*(_heads_first(t) for t in (q, k, v)), mask=mask, dtype=dt, sinks=s)
                 return out[0].transpose(0, 1)
+
             return whole
         return lambda q, k, v, s: _varlen_reference(q, k, v, cu, cu, mask, dtype=dt, sinks=s, naive_sinks=naive_sinks)
 
@@ -324,18 +354,25 @@ def _pieces():
     return out, lse
 
 
-@pytest.mark.parametrize("case, error, words", [
-    (lambda o, ls: softmax.add_sink(o, ls, torch.tensor([float("nan"), 0.0])), ValueError, "non-finite"),
-    (lambda o, ls: softmax.add_sink(o, ls, [0.0, 1.0]), TypeError, "sinks must be a float tensor"),
-    (lambda o, ls: softmax.add_sink(o, ls, torch.zeros(3)), ValueError, "does not broadcast to \\(B, H\\)=\\(1, 2\\)"),
-    (lambda o, ls: softmax.add_sink(o, ls[..., :2], torch.zeros(2)), ValueError, "lse must be"),
-    (lambda o, ls: softmax.add_sink(o[0], ls[0], torch.zeros(2)), ValueError, "out must be \\(B, H, L, Dv\\)"),
-    (lambda o, ls: softmax.add_sink(o, ls.long(), torch.zeros(2)), TypeError, "lse must be a float tensor"),
-    (lambda o, ls: softmax.merge(o, ls, o[..., :3], ls), ValueError, "must have one shape"),
-    (lambda o, ls: softmax.merge(o, ls, o, ls[..., :2]), ValueError, "lse_b must be"),
-    (lambda o, ls: softmax.merge(o, [1.0], o, ls), TypeError, "lse_a must be a float tensor"),
-    (lambda o, ls: softmax.merge(o.tolist(), ls, o, ls), TypeError, "out_a must be a float tensor"),
-])
+@pytest.mark.parametrize(
+    "case, error, words",
+    [
+        (lambda o, ls: softmax.add_sink(o, ls, torch.tensor([float("nan"), 0.0])), ValueError, "non-finite"),
+        (lambda o, ls: softmax.add_sink(o, ls, [0.0, 1.0]), TypeError, "sinks must be a float tensor"),
+        (
+            lambda o, ls: softmax.add_sink(o, ls, torch.zeros(3)),
+            ValueError,
+            "does not broadcast to \\(B, H\\)=\\(1, 2\\)",
+        ),
+        (lambda o, ls: softmax.add_sink(o, ls[..., :2], torch.zeros(2)), ValueError, "lse must be"),
+        (lambda o, ls: softmax.add_sink(o[0], ls[0], torch.zeros(2)), ValueError, "out must be \\(B, H, L, Dv\\)"),
+        (lambda o, ls: softmax.add_sink(o, ls.long(), torch.zeros(2)), TypeError, "lse must be a float tensor"),
+        (lambda o, ls: softmax.merge(o, ls, o[..., :3], ls), ValueError, "must have one shape"),
+        (lambda o, ls: softmax.merge(o, ls, o, ls[..., :2]), ValueError, "lse_b must be"),
+        (lambda o, ls: softmax.merge(o, [1.0], o, ls), TypeError, "lse_a must be a float tensor"),
+        (lambda o, ls: softmax.merge(o.tolist(), ls, o, ls), TypeError, "out_a must be a float tensor"),
+    ],
+)
 def test_softmax_merge_and_add_sink_validate(case, error, words):
     out, lse = _pieces()
     with pytest.raises(error, match=words):
@@ -344,10 +381,14 @@ def test_softmax_merge_and_add_sink_validate(case, error, words):
 
 def test_softmax_merge_and_add_sink_still_exact():
     g = torch.Generator().manual_seed(0)
-    s, v = torch.randn(1, 2, 3, 6, generator=g, dtype=torch.float64), torch.randn(1, 2, 6, 4, generator=g,
-                                                                                  dtype=torch.float64)
-    parts = [(torch.softmax(s[..., i:i + 3], -1) @ v[:, :, i:i + 3], torch.logsumexp(s[..., i:i + 3], -1))
-             for i in (0, 3)]
+    s, v = (
+        torch.randn(1, 2, 3, 6, generator=g, dtype=torch.float64),
+        torch.randn(1, 2, 6, 4, generator=g, dtype=torch.float64),
+    )
+    parts = [
+        (torch.softmax(s[..., i : i + 3], -1) @ v[:, :, i : i + 3], torch.logsumexp(s[..., i : i + 3], -1))
+        for i in (0, 3)
+    ]
     out, lse = softmax.merge(*parts[0], *parts[1])
     torch.testing.assert_close(out, torch.softmax(s, -1) @ v)
     sink = torch.tensor([0.5, -1.0], dtype=torch.float64)
@@ -368,12 +409,15 @@ def test_varlen_refusal_names_the_mask_the_caller_passed():
         masks.varlen(cu, cu, masks.fixed(4, 2))
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    ({"causal": True}, r"takes no causal=True: pass mask=masks.causal\(\)"),
-    ({"softmax_scale": 0.1}, r"takes no softmax_scale=0.1: pass scale="),
-    ({"window_size": (2, 0)}, r"takes no window_size=\(2, 0\): pass mask=masks.sliding_window\(2, 0\)"),
-    ({"dropout": 0.1}, r"got an unexpected keyword argument 'dropout'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"causal": True}, r"takes no causal=True: pass mask=masks.causal\(\)"),
+        ({"softmax_scale": 0.1}, r"takes no softmax_scale=0.1: pass scale="),
+        ({"window_size": (2, 0)}, r"takes no window_size=\(2, 0\): pass mask=masks.sliding_window\(2, 0\)"),
+        ({"dropout": 0.1}, r"got an unexpected keyword argument 'dropout'"),
+    ],
+)
 def test_varlen_names_the_equivalent_of_flash_attention_keywords(kwargs, words):
     q, k, v, cu, _ = _packed([4, 4], [4, 4])
     with pytest.raises(TypeError, match=r"^attention_varlen\(\) " + words):
@@ -395,10 +439,12 @@ def test_flash_attention_layout_with_a_causal_mask_warns():
         warnings.simplefilter("error")  # the right layout, and calls outside the heuristic, do not warn
         attnkit.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask=masks.causal())
         attnkit.attention(q, k, v)  # no mask: nothing gives the layout away
-        attnkit.attention(torch.randn(1, 32, 6, 8), torch.randn(1, 32, 4, 8), torch.randn(1, 32, 4, 8),
-                          mask=masks.causal())  # Lk does not divide Lq
-        attnkit.attention(torch.randn(1, 2, 2, 8), torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8),
-                          mask=masks.causal())  # two heads: a plausible (B, H, L, D) call
+        attnkit.attention(
+            torch.randn(1, 32, 6, 8), torch.randn(1, 32, 4, 8), torch.randn(1, 32, 4, 8), mask=masks.causal()
+        )  # Lk does not divide Lq
+        attnkit.attention(
+            torch.randn(1, 2, 2, 8), torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), mask=masks.causal()
+        )  # two heads: a plausible (B, H, L, D) call
         # documented: self-attention tensors in (B, L, H, D) with as many key as query heads fit either layout
         # and run as (B, H, L, D) without a word
         attnkit.attention(*(torch.randn(1, 64, 4, 8) for _ in range(3)), mask=masks.causal())
@@ -406,8 +452,11 @@ def test_flash_attention_layout_with_a_causal_mask_warns():
 
 def test_mismatched_head_counts_name_the_layout():
     q, k, v = torch.randn(1, 128, 8, 16), torch.randn(1, 130, 2, 16), torch.randn(1, 130, 2, 16)
-    with pytest.raises(ValueError, match=r"\(B, H, L, D\), heads before length: these shapes fit FlashAttention's "
-                                         r"\(B, L, H, D\) layout \(Hq=8, Hkv=2, Lq=128, Lk=130\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"\(B, H, L, D\), heads before length: these shapes fit FlashAttention's "
+        r"\(B, L, H, D\) layout \(Hq=8, Hkv=2, Lq=128, Lk=130\)",
+    ):
         attnkit.attention(q, k, v)
     with pytest.raises(ValueError, match=r"Hq must be a multiple of Hkv.*reads q, k, v as \(B, H, L, D\)"):
         attnkit.attention(torch.randn(1, 3, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8))

@@ -89,12 +89,16 @@ def merge(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[T
     if out_a.dim() < 2:
         raise ValueError(f"merge: out_a must be (..., L, Dv), got shape {tuple(out_a.shape)}")
     if out_b.shape != out_a.shape:
-        raise ValueError(f"merge: out_a {tuple(out_a.shape)} and out_b {tuple(out_b.shape)} must have one shape: "
-                         f"two pieces of the same rows, each (..., L, Dv)")
+        raise ValueError(
+            f"merge: out_a {tuple(out_a.shape)} and out_b {tuple(out_b.shape)} must have one shape: "
+            f"two pieces of the same rows, each (..., L, Dv)"
+        )
     for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
         if t.shape != out_a.shape[:-1]:
-            raise ValueError(f"merge: {name} must be the log-sum-exp of each row of out_a {tuple(out_a.shape)}, "
-                             f"shape {tuple(out_a.shape[:-1])}, got {tuple(t.shape)}")
+            raise ValueError(
+                f"merge: {name} must be the log-sum-exp of each row of out_a {tuple(out_a.shape)}, "
+                f"shape {tuple(out_a.shape[:-1])}, got {tuple(t.shape)}"
+            )
     _check_devices("merge", out_a, (("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)), "out_a")
     acc = torch.promote_types(torch.promote_types(lse_a.dtype, lse_b.dtype), torch.float32)
     la, lb = lse_a.to(acc), lse_b.to(acc)
@@ -145,16 +149,22 @@ def add_sink(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
     if out.dim() != 4:
         raise ValueError(f"add_sink: out must be (B, H, L, Dv), got shape {tuple(out.shape)}")
     if lse.shape != out.shape[:-1]:
-        raise ValueError(f"add_sink: lse must be the log-sum-exp of each row of out {tuple(out.shape)}, shape "
-                         f"{tuple(out.shape[:-1])}, got {tuple(lse.shape)}")
+        raise ValueError(
+            f"add_sink: lse must be the log-sum-exp of each row of out {tuple(out.shape)}, shape "
+            f"{tuple(out.shape[:-1])}, got {tuple(lse.shape)}"
+        )
     B, H = out.shape[0], out.shape[1]
     if sinks.dim() > 2 or not _broadcasts(sinks.shape, (B, H)):
-        raise ValueError(f"add_sink: sinks of shape {tuple(sinks.shape)} does not broadcast to (B, H)=({B}, {H}): "
-                         f"give one logit per head, shape ({H},) (or ({B}, {H}))")
+        raise ValueError(
+            f"add_sink: sinks of shape {tuple(sinks.shape)} does not broadcast to (B, H)=({B}, {H}): "
+            f"give one logit per head, shape ({H},) (or ({B}, {H}))"
+        )
     _check_devices("add_sink", out, (("lse", lse), ("sinks", sinks)), "out")
     if not torch.compiler.is_compiling() and not bool(torch.isfinite(sinks.detach()).all()):
-        raise ValueError(f"add_sink: sinks holds a non-finite value ({sinks.detach().flatten()[:8].tolist()}): give "
-                         f"finite logits (with no sink, skip add_sink)")
+        raise ValueError(
+            f"add_sink: sinks holds a non-finite value ({sinks.detach().flatten()[:8].tolist()}): give "
+            f"finite logits (with no sink, skip add_sink)"
+        )
     return _add_sink(out, lse, sinks)
 
 
@@ -183,8 +193,9 @@ def _check_float(fn: str, name: str, t) -> None:
 def _check_devices(fn: str, first: Tensor, others, first_name: str) -> None:
     for name, t in others:
         if t.device != first.device:
-            raise ValueError(f"{fn}: {name} is on {t.device} but {first_name} is on {first.device}: put them on one "
-                             f"device")
+            raise ValueError(
+                f"{fn}: {name} is on {t.device} but {first_name} is on {first.device}: put them on one device"
+            )
 
 
 def _broadcasts(shape, target) -> bool:

@@ -49,8 +49,9 @@ def test_flash_with_a_temperature_and_return_lse_compiles_forward_and_backward(c
     mod = _temperature_cases()[case]
     q, k, v = random_qkv(1, 4, 2, 24, 24, 8, dtype=torch.float32, requires_grad=True, seed=1)
     counter = _counter()
-    fn = torch.compile(lambda q, k, v, **kw: attnkit.attention(q, k, v, backend="flash", **kw), fullgraph=True,
-                       backend=counter)
+    fn = torch.compile(
+        lambda q, k, v, **kw: attnkit.attention(q, k, v, backend="flash", **kw), fullgraph=True, backend=counter
+    )
     got = fn(q, k, v, mask=M.causal(), bias=mod, return_lse=True)
     want = attnkit.attention(q, k, v, mask=M.causal(), bias=mod, return_lse=True, backend="flash")
     for a, b in zip(got, want):
@@ -69,8 +70,11 @@ def test_flash_with_a_temperature_and_return_lse_compiles_forward_and_backward(c
 def test_key_padding_built_inside_the_compiled_function_is_one_graph(backend):
     q, k, v = random_qkv(2, 2, 2, 16, 16, 8, dtype=torch.float32, requires_grad=True, seed=2)
     counter = _counter()
-    fn = torch.compile(lambda q, k, v, n: attnkit.attention(q, k, v, mask=M.key_padding(n), backend=backend),
-                       fullgraph=True, backend=counter)
+    fn = torch.compile(
+        lambda q, k, v, n: attnkit.attention(q, k, v, mask=M.key_padding(n), backend=backend),
+        fullgraph=True,
+        backend=counter,
+    )
     for lengths in ([9, 16], [3, 12]):  # new lengths, same shape: no recompile
         n = torch.tensor(lengths)
         check_against_oracle(lambda q, k, v, mask: fn(q, k, v, n), q, k, v, mask=M.key_padding(n))
@@ -100,12 +104,20 @@ def test_varlen_mask_compiles_to_one_graph(where, backend):
     q, k, v, cu = _packed([5, 0, 9, 2])
     counter = _counter()
     if where == "inside":
-        fn = torch.compile(lambda q, k, v, cu: attnkit.attention(q, k, v, mask=M.varlen(cu, cu, M.causal()),
-                                                                 backend=backend), fullgraph=True, backend=counter)
-        run = lambda q, k, v, mask: fn(q, k, v, cu)
+        fn = torch.compile(
+            lambda q, k, v, cu: attnkit.attention(q, k, v, mask=M.varlen(cu, cu, M.causal()), backend=backend),
+            fullgraph=True,
+            backend=counter,
+        )
+
+        def run(q, k, v, mask):
+            return fn(q, k, v, cu)
     else:
-        fn = torch.compile(lambda q, k, v, mask: attnkit.attention(q, k, v, mask=mask, backend=backend),
-                           fullgraph=True, backend=counter)
+        fn = torch.compile(
+            lambda q, k, v, mask: attnkit.attention(q, k, v, mask=mask, backend=backend),
+            fullgraph=True,
+            backend=counter,
+        )
         run = fn
     check_against_oracle(run, *(_heads_first(t) for t in (q, k, v)), mask=M.varlen(cu, cu, M.causal()))
     assert counter.frame_count == 1
@@ -117,8 +129,7 @@ def _per_sequence(q, k, v, cu, mask, dtype):
     outs = []
     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
         if b > a:
-            one, _ = reference(*(_heads_first(t[a:b].detach()).to(dtype) for t in (q, k, v)), mask=mask,
-                               dtype=dtype)
+            one, _ = reference(*(_heads_first(t[a:b].detach()).to(dtype) for t in (q, k, v)), mask=mask, dtype=dtype)
             outs.append(one[0].transpose(0, 1))
     return torch.cat(outs)
 
@@ -128,7 +139,10 @@ def test_attention_varlen_compiles_to_one_graph_with_gradients():
     new cu_seqlens of the same shape without a recompile; forward and gradients against eager and the
     per-sequence float64 oracle."""
     q, k, v, cu = _packed([5, 0, 9, 2])
-    step = lambda q, k, v, cu: attnkit.attention_varlen(q, k, v, cu, cu, mask=M.causal())
+
+    def step(q, k, v, cu):
+        return attnkit.attention_varlen(q, k, v, cu, cu, mask=M.causal())
+
     assert torch._dynamo.explain(step)(q, k, v, cu).graph_break_count == 0
     torch._dynamo.reset()
     counter = _counter()
@@ -147,8 +161,9 @@ def test_attention_varlen_compiles_to_one_graph_with_gradients():
 
 def test_attention_varlen_value_checks_are_assertions_in_the_graph():
     q, k, v, cu = _packed([5, 0, 9, 2])
-    fn = torch.compile(lambda q, k, v, cu: attnkit.attention_varlen(q, k, v, cu, cu, mask=M.causal()),
-                       fullgraph=True, backend="eager")
+    fn = torch.compile(
+        lambda q, k, v, cu: attnkit.attention_varlen(q, k, v, cu, cu, mask=M.causal()), fullgraph=True, backend="eager"
+    )
     fn(q, k, v, cu)
     with pytest.raises(RuntimeError, match=r"cu_seqlens_q must not decrease"):
         fn(q, k, v, torch.tensor([0, 9, 5, 14, 16], dtype=torch.int32))
@@ -168,8 +183,9 @@ def test_a_non_finite_sink_raises_in_the_compiled_graph():
     skipped, and the rows came out NaN)."""
     q, k, v = random_qkv(1, 4, 2, 16, 16, 8, dtype=torch.float32, seed=4)
     counter = _counter("eager")
-    fn = torch.compile(lambda q, k, v, s: attnkit.attention(q, k, v, mask=M.causal(), sinks=s), fullgraph=True,
-                       backend=counter)
+    fn = torch.compile(
+        lambda q, k, v, s: attnkit.attention(q, k, v, mask=M.causal(), sinks=s), fullgraph=True, backend=counter
+    )
     sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
     torch.testing.assert_close(fn(q, k, v, sinks), attnkit.attention(q, k, v, mask=M.causal(), sinks=sinks))
     bad = torch.tensor([0.5, float("nan"), 2.0, 0.0])
@@ -210,15 +226,18 @@ def test_rotary_module_and_model_do_not_recompile_on_the_second_call():
 # ------------------------------------------------------------------- 9: dynamic sequence lengths
 
 
-@pytest.mark.parametrize("backend, mask", [("math", None), ("sdpa", None), ("math", "causal"), ("sdpa", "causal"),
-                                           ("flash", "causal"), ("auto", "causal")])
+@pytest.mark.parametrize(
+    "backend, mask",
+    [("math", None), ("sdpa", None), ("math", "causal"), ("sdpa", "causal"), ("flash", "causal"), ("auto", "causal")],
+)
 def test_mark_dynamic_length_is_one_graph_for_many_lengths(backend, mask):
     """``mark_dynamic`` on the sequence length: one graph serves every length (it raised
     ConstraintViolationError: the backend decision specialised the length), forward and gradients against the
     float64 oracle at each length."""
     counter = _counter()
-    fn = torch.compile(lambda q, k, v, mask: attnkit.attention(q, k, v, mask=mask, backend=backend),
-                       fullgraph=True, backend=counter)
+    fn = torch.compile(
+        lambda q, k, v, mask: attnkit.attention(q, k, v, mask=mask, backend=backend), fullgraph=True, backend=counter
+    )
 
     def dynamic(q, k, v, mask):  # (check_against_oracle passes copies: mark those)
         for t in (q, k, v):
@@ -236,8 +255,9 @@ def test_dynamic_true_serves_new_lengths_without_recompiling():
     plans each length when the graph runs): one graph for three lengths, a sliding window included."""
     counter = _counter()
     mask = M.causal() & M.sliding_window(7)
-    fn = torch.compile(lambda q, k, v, mask: attnkit.attention(q, k, v, mask=mask), fullgraph=True, dynamic=True,
-                       backend=counter)
+    fn = torch.compile(
+        lambda q, k, v, mask: attnkit.attention(q, k, v, mask=mask), fullgraph=True, dynamic=True, backend=counter
+    )
     frames = []
     for L in (24, 40, 33):
         q, k, v = random_qkv(1, 4, 2, L, L, 8, dtype=torch.float32, requires_grad=True, seed=L)

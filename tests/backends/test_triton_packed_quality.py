@@ -31,6 +31,7 @@ def _head_dependent(inner):
         for t in (q, k, v):
             t.requires_grad_()
         check_against_oracle(_triton, q, k, v, mask=masks.varlen(cu_q, cu_k, inner))
+
     return case
 
 
@@ -48,6 +49,7 @@ def _strided(dim):
         out = _triton(*views, mask=masks.causal())
         want = attnkit.attention(q, k, v, mask=masks.causal(), backend="math")
         torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
+
     return case
 
 
@@ -56,16 +58,20 @@ def _extreme_sinks(dtype):
         q, k, v = _qkv(dtype, hq=4, hkv=2)
         sinks = torch.tensor([2e4, -2e4, 0.3, 6e4])
         check_against_oracle(_triton, q, k, v, mask=masks.causal(), sinks=sinks)
+
     return case
 
 
 CASES = {
     "varlen-head0-or-diagonal": _head_dependent(masks.from_fn(lambda b, h, i, j: (h == 0) | (i == j))),
     "varlen-causal-and-odd-heads": _head_dependent(
-        masks.causal() & masks.from_fn(lambda b, h, i, j: (h % 2 == 1) | (j == 0))),
+        masks.causal() & masks.from_fn(lambda b, h, i, j: (h % 2 == 1) | (j == 0))
+    ),
     **{f"strided-dim{d}": _strided(d) for d in range(4)},
-    **{f"sinks-{str(dt).replace('torch.', '')}": _extreme_sinks(dt)
-       for dt in (torch.float16, torch.bfloat16, torch.float32)},
+    **{
+        f"sinks-{str(dt).replace('torch.', '')}": _extreme_sinks(dt)
+        for dt in (torch.float16, torch.bfloat16, torch.float32)
+    },
 }
 
 

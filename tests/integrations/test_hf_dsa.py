@@ -15,11 +15,33 @@ from attnkit.nn import DeepSeekSparseAttention  # noqa: E402
 
 V = 96
 TOL = 1e-4
-_DSA = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=12,
-            v_head_dim=10, index_topk=5, index_n_heads=8, index_head_dim=16, first_k_dense_replace=2,
-            n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=32, num_experts_per_tok=2, n_group=1,
-            topk_group=1, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_DSA = dict(
+    vocab_size=V,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    q_lora_rank=24,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=12,
+    v_head_dim=10,
+    index_topk=5,
+    index_n_heads=8,
+    index_head_dim=16,
+    first_k_dense_replace=2,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    moe_intermediate_size=32,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 
 def _hf(kind, **kw):
@@ -27,8 +49,12 @@ def _hf(kind, **kw):
     if kind == "deepseek_v32":
         cfg = transformers.DeepseekV32Config(**{**_DSA, **kw})
     else:  # GLM-MoE-DSA: interleaved indexer rope; the second layer reuses the first one's top-k ("shared")
-        cfg = transformers.GlmMoeDsaConfig(**{**_DSA, **kw}, indexer_types=["full", "shared", "full"][:_DSA[
-            "num_hidden_layers"] if "num_hidden_layers" not in kw else kw["num_hidden_layers"]])
+        cfg = transformers.GlmMoeDsaConfig(
+            **{**_DSA, **kw},
+            indexer_types=["full", "shared", "full"][
+                : _DSA["num_hidden_layers"] if "num_hidden_layers" not in kw else kw["num_hidden_layers"]
+            ],
+        )
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
     with torch.no_grad():  # larger weights than the initializer's, so a wrong selection shows in the logits
         for name, p in model.named_parameters():
@@ -73,9 +99,17 @@ def test_attnkit_attention_decodes_as_eager_through_transformers_generate():
     assert torch.equal(model.generate(prompt, max_new_tokens=6, do_sample=False), want)
 
 
-_YARN = dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
-                              "original_max_position_embeddings": 8, "mscale": 0.7, "mscale_all_dim": 0.9},
-             attention_bias=True)
+_YARN = dict(
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 1e4,
+        "factor": 4.0,
+        "original_max_position_embeddings": 8,
+        "mscale": 0.7,
+        "mscale_all_dim": 0.9,
+    },
+    attention_bias=True,
+)
 
 
 @pytest.mark.parametrize("extra", [{}, _YARN], ids=["default-rope", "yarn-biases"])
@@ -96,8 +130,9 @@ def test_from_hf_converts_deepseek_v32_with_its_indexer(extra):
         out = model(ids, positions=pos, mask=masks.key_padding(am.bool()))
         assert (out - ref)[am.bool()].abs().max() <= TOL
     prompts = [[5, 9, 14, 3, 22, 7, 40], [11, 12, 13]]
-    want = [hf_model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p):].tolist()
-            for p in prompts]
+    want = [
+        hf_model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p) :].tolist() for p in prompts
+    ]
     assert attnkit.generate(model, prompts, 8) == want
     with pytest.raises(ValueError, match="to_hf does not convert DeepSeek sparse attention"):
         to_hf(model)

@@ -14,8 +14,17 @@ from hypothesis import strategies as st
 import attnkit
 from attnkit import masks
 from attnkit.cache import StaticCache
-from attnkit.nn import (DecoderConfig, DecoderLM, DeepSeekSparseAttention, IndexerConfig, LatentAttention,
-                        RotaryEmbedding, indexer_loss, selected_attention, top_k_keys)
+from attnkit.nn import (
+    DecoderConfig,
+    DecoderLM,
+    DeepSeekSparseAttention,
+    IndexerConfig,
+    LatentAttention,
+    RotaryEmbedding,
+    indexer_loss,
+    selected_attention,
+    top_k_keys,
+)
 
 D64 = torch.float64
 DIMS = dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10)
@@ -23,9 +32,16 @@ DIMS = dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim
 
 def _dsa(top_k=4, q_lora_rank=24, interleaved=False, **kw):
     torch.manual_seed(0)
-    m = DeepSeekSparseAttention(32, 4, **DIMS, q_lora_rank=q_lora_rank, positions=RotaryEmbedding(8, interleaved=True),
-                                mask=masks.causal(), indexer=IndexerConfig(top_k, 8, 16, rope_interleaved=interleaved),
-                                **kw)
+    m = DeepSeekSparseAttention(
+        32,
+        4,
+        **DIMS,
+        q_lora_rank=q_lora_rank,
+        positions=RotaryEmbedding(8, interleaved=True),
+        mask=masks.causal(),
+        indexer=IndexerConfig(top_k, 8, 16, rope_interleaved=interleaved),
+        **kw,
+    )
     with torch.no_grad():
         for p in m.parameters():
             if p.dim() == 2:
@@ -44,7 +60,7 @@ def _rope(x, p, interleaved, base=10000.0):
         a, b = x[..., 0::2], x[..., 1::2]
         ra, rb = a * theta.cos() - b * theta.sin(), b * theta.cos() + a * theta.sin()
         return torch.stack((ra, rb), -1).flatten(-2)
-    a, b = x[..., : d // 2], x[..., d // 2:]
+    a, b = x[..., : d // 2], x[..., d // 2 :]
     return torch.cat((a * theta.cos() - b * theta.sin(), b * theta.cos() + a * theta.sin()), -1)
 
 
@@ -69,19 +85,25 @@ def _paper(m: DeepSeekSparseAttention, x: torch.Tensor, P: dict):
         c = _rms(ckv[:, :r], P["kv_norm.weight"])
         kv = (c @ P["kv_b_proj.weight"].T).view(L, H, dn + dv)
         iq = (ql.detach() @ P["indexer.wq_b.weight"].T).view(L, nI, dI)
-        ik = torch.nn.functional.layer_norm(xb.detach() @ P["indexer.wk.weight"].T, (dI,), P["indexer.k_norm.weight"],
-                                            P["indexer.k_norm.bias"], 1e-6)
+        ik = torch.nn.functional.layer_norm(
+            xb.detach() @ P["indexer.wk.weight"].T, (dI,), P["indexer.k_norm.weight"], P["indexer.k_norm.bias"], 1e-6
+        )
         iw = xb.detach() @ P["indexer.weights_proj.weight"].T / math.sqrt(nI)
         rows = []
         for t in range(L):
             keys = range(t + 1)
             q_t = torch.cat((q[t, :, :dn], _rope(q[t, :, dn:], t, True)), -1)  # (H, dn + dr)
             iq_t = torch.cat((_rope(iq[t, :, :dr], t, il), iq[t, :, dr:]), -1)
-            index = torch.stack([(iw[t] * torch.relu(iq_t @ torch.cat((_rope(ik[s, :dr], s, il), ik[s, dr:]))
-                                                      / math.sqrt(dI))).sum() for s in keys])
+            index = torch.stack(
+                [
+                    (iw[t] * torch.relu(iq_t @ torch.cat((_rope(ik[s, :dr], s, il), ik[s, dr:])) / math.sqrt(dI))).sum()
+                    for s in keys
+                ]
+            )
             chosen = sorted(index.detach().topk(min(K, t + 1)).indices.tolist())
-            k_t = torch.stack([torch.cat((kv[s, :, :dn], _rope(ckv[s, r:], s, True).expand(H, dr)), -1)
-                               for s in chosen], 1)  # (H, |S|, dn + dr)
+            k_t = torch.stack(
+                [torch.cat((kv[s, :, :dn], _rope(ckv[s, r:], s, True).expand(H, dr)), -1) for s in chosen], 1
+            )  # (H, |S|, dn + dr)
             v_t = torch.stack([kv[s, :, dn:] for s in chosen], 1)
             a = torch.softmax((k_t @ q_t[:, :, None])[..., 0] / math.sqrt(dn + dr), -1)  # (H, |S|)
             rows.append((a[:, :, None] * v_t).sum(1).reshape(H * dv))
@@ -137,8 +159,9 @@ def test_gradients_and_the_indexer_loss_match_the_paper():
 
 def test_dense_warmup_attends_densely_and_its_target_is_the_dense_distribution():
     m = _dsa(top_k=2).train()
-    mla = LatentAttention(32, 4, **DIMS, q_lora_rank=24, positions=RotaryEmbedding(8, interleaved=True),
-                          mask=masks.causal())
+    mla = LatentAttention(
+        32, 4, **DIMS, q_lora_rank=24, positions=RotaryEmbedding(8, interleaved=True), mask=masks.causal()
+    )
     mla.load_state_dict({k: v for k, v in m.state_dict().items() if not k.startswith("indexer.")})
     x = torch.randn(2, 8, 32)
     m.dense_warmup = True
@@ -180,13 +203,13 @@ def test_decoding_reads_only_the_selected_keys_and_equals_a_full_forward():
     for i in range(6, 11):
         sel = None
         # poison every cached latent the step will not select: the output must not change
-        outs.append(m(x[:, i:i + 1], cache=layer))
+        outs.append(m(x[:, i : i + 1], cache=layer))
         sel = m.last_selection  # (B, 1, 3)
         before = layer.k.clone()
         keep = torch.zeros(2, i + 1, dtype=torch.bool).scatter_(1, sel[:, 0], True)
         layer.k[:, 0, : i + 1, : 16 + 8][~keep] = float("nan")
         layer.length -= 1
-        again = m(x[:, i:i + 1], cache=layer)
+        again = m(x[:, i : i + 1], cache=layer)
         assert torch.equal(again, outs[-1])
         layer.k.copy_(before)
     assert seen and all(n == 3 for n in seen)  # each decode step attends to top_k gathered keys
@@ -199,9 +222,18 @@ def test_decoding_reads_only_the_selected_keys_and_equals_a_full_forward():
 
 def _model(**kw):
     torch.manual_seed(0)
-    cfg = DecoderConfig.preset("tiny", n_layers=2, d_head=12, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
-                               v_head_dim=10, max_seq_len=64, indexer=IndexerConfig(top_k=4, n_heads=4, head_dim=16),
-                               **kw)
+    cfg = DecoderConfig.preset(
+        "tiny",
+        n_layers=2,
+        d_head=12,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        v_head_dim=10,
+        max_seq_len=64,
+        indexer=IndexerConfig(top_k=4, n_heads=4, head_dim=16),
+        **kw,
+    )
     return DecoderLM(cfg)
 
 
@@ -210,7 +242,7 @@ def _greedy_full(model, prompt, n):
     with torch.no_grad():
         for _ in range(n):
             ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def test_a_dsa_decoder_trains_and_generates_as_recomputing_every_position():
@@ -286,7 +318,7 @@ def test_the_docs_picture_of_the_selected_keys_is_the_real_output():
     from pathlib import Path
 
     text = (Path(__file__).resolve().parents[2] / "docs" / "sparse.md").read_text(encoding="utf-8")
-    section = text[text.index("## DeepSeek sparse attention"):]
+    section = text[text.index("## DeepSeek sparse attention") :]
     code, shown = re.search(r"```python\n(.*?)```\n\n```text\n(.*?)```", section, re.S).groups()
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -294,8 +326,14 @@ def test_the_docs_picture_of_the_selected_keys_is_the_real_output():
     assert out.getvalue() == shown
 
 
-@given(st.integers(1, 2), st.sampled_from([(2, 1), (4, 2), (3, 3)]), st.integers(1, 6), st.integers(1, 9),
-       st.integers(1, 5), st.integers(0, 10_000))
+@given(
+    st.integers(1, 2),
+    st.sampled_from([(2, 1), (4, 2), (3, 3)]),
+    st.integers(1, 6),
+    st.integers(1, 9),
+    st.integers(1, 5),
+    st.integers(0, 10_000),
+)
 @settings(max_examples=25, deadline=None)
 def test_selected_attention_is_attention_under_the_selection_as_a_mask(B, heads, Lq, Lk, K, seed):
     Hq, Hkv = heads

@@ -34,7 +34,7 @@ def paper_moba(q, k, v, block, top_k, scale):
                 own = p // block
                 gates = []
                 for j in range(own):  # blocks that end before the own block
-                    gates.append((float(q[b, h, i].detach() @ kh[j * block:(j + 1) * block].detach().mean(0)), j))
+                    gates.append((float(q[b, h, i].detach() @ kh[j * block : (j + 1) * block].detach().mean(0)), j))
                 chosen = {j for _, j in sorted(gates, key=lambda t: -t[0])[:top_k]}
                 keys = [t for t in range(p + 1) if t // block in chosen or t // block == own]
                 idx = torch.tensor(keys)
@@ -47,14 +47,16 @@ def paper_moba(q, k, v, block, top_k, scale):
 
 def _module(d_model=32, heads=4, kv_heads=2, block=4, top_k=2, seed=0, **kw):
     torch.manual_seed(seed)
-    m = MoBAAttention(d_model, heads, kv_heads, block=block, top_k=top_k,
-                      positions=RotaryEmbedding(d_model // heads), **kw)
+    m = MoBAAttention(
+        d_model, heads, kv_heads, block=block, top_k=top_k, positions=RotaryEmbedding(d_model // heads), **kw
+    )
     return m.double()
 
 
 @pytest.mark.parametrize("routed", [True, False])
-@pytest.mark.parametrize("L, block, top_k, heads, kv_heads", [(23, 4, 2, 4, 2), (16, 8, 1, 2, 1), (9, 2, 3, 2, 2),
-                                                                  (20, 5, 0, 4, 4)])
+@pytest.mark.parametrize(
+    "L, block, top_k, heads, kv_heads", [(23, 4, 2, 4, 2), (16, 8, 1, 2, 1), (9, 2, 3, 2, 2), (20, 5, 0, 4, 4)]
+)
 def test_forward_and_gradients_equal_the_paper(L, block, top_k, heads, kv_heads, routed):
     """Both ways of computing it: routed (attention_varlen per chosen block) and one call under the mask."""
     m = _module(heads=heads, kv_heads=kv_heads, block=block, top_k=top_k)
@@ -98,7 +100,7 @@ def test_decoding_equals_the_full_forward_and_reads_only_chosen_blocks():
     x = torch.randn(2, 21, 32, dtype=torch.float64)
     full = m(x)
     cache = StaticCache(1, max_len=24)
-    steps = [m(x[:, :6], cache=cache.layers[0])] + [m(x[:, i:i + 1], cache=cache.layers[0]) for i in range(6, 21)]
+    steps = [m(x[:, :6], cache=cache.layers[0])] + [m(x[:, i : i + 1], cache=cache.layers[0]) for i in range(6, 21)]
     assert torch.allclose(torch.cat(steps, 1), full, atol=1e-12)
     chunked = StaticCache(1, max_len=24)  # a prefill in chunks: queries behind a longer key range
     parts = [m(x[:, a:b], cache=chunked.layers[0]) for a, b in ((0, 6), (6, 13), (13, 21))]
@@ -111,7 +113,7 @@ def test_decoding_equals_the_full_forward_and_reads_only_chosen_blocks():
         for h in range(4):
             for j in choice[b, h, 0].tolist():
                 if j >= 0:
-                    keep[b, h // 2, j * 4:(j + 1) * 4] = True
+                    keep[b, h // 2, j * 4 : (j + 1) * 4] = True
     poisoned_k = torch.where(keep[..., None], k, float("nan"))
     poisoned_v = torch.where(keep[..., None], v, float("nan"))
     out = m._gathered(q[:, :, -1:], poisoned_k, poisoned_v, choice)
@@ -127,8 +129,7 @@ def test_paged_caches_are_refused():
             m(torch.randn(1, n, 32), cache=cache.batch([sid]).layers[0])
 
 
-@pytest.mark.parametrize("kw, match", [(dict(block=0), "block"), (dict(top_k=-1), "top_k"),
-                                       (dict(top_k=1.5), "top_k")])
+@pytest.mark.parametrize("kw, match", [(dict(block=0), "block"), (dict(top_k=-1), "top_k"), (dict(top_k=1.5), "top_k")])
 def test_bad_options_are_refused(kw, match):
     with pytest.raises((ValueError, TypeError), match=match):
         MoBAAttention(32, 4, **kw)
@@ -150,8 +151,9 @@ def test_the_module_is_causal_even_without_a_mask():
 
 def _lm(**sparse):
     torch.manual_seed(0)
-    cfg = DecoderConfig.preset("tiny", n_kv_heads=2, sparse_attention={"method": "moba", "block": 4, "top_k": 1,
-                                                                        **sparse})
+    cfg = DecoderConfig.preset(
+        "tiny", n_kv_heads=2, sparse_attention={"method": "moba", "block": 4, "top_k": 1, **sparse}
+    )
     return DecoderLM(cfg)
 
 
@@ -180,11 +182,14 @@ def test_decoder_lm_trains():
     assert losses[-1] < losses[0] - 0.3
 
 
-@pytest.mark.parametrize("sparse, match", [
-    ({"block": 4}, "must be None or a dict with a 'method'"),
-    ({"method": "nope"}, "is not one of"),
-    ({"method": "moba", "blok": 4}, "not options of 'moba'"),
-])
+@pytest.mark.parametrize(
+    "sparse, match",
+    [
+        ({"block": 4}, "must be None or a dict with a 'method'"),
+        ({"method": "nope"}, "is not one of"),
+        ({"method": "moba", "blok": 4}, "not options of 'moba'"),
+    ],
+)
 def test_bad_sparse_attention_configs_are_refused(sparse, match):
     with pytest.raises((ValueError, TypeError), match=match):
         DecoderConfig.preset("tiny", sparse_attention=sparse)

@@ -16,8 +16,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def _mlp(seq, x):
     first, _, last = seq
-    return torch.nn.functional.linear(torch.nn.functional.gelu(torch.nn.functional.linear(x, first.weight, first.bias)),
-                                      last.weight, last.bias)
+    return torch.nn.functional.linear(
+        torch.nn.functional.gelu(torch.nn.functional.linear(x, first.weight, first.bias)), last.weight, last.bias
+    )
 
 
 def _softmax_attend(q, keys, values, scale):
@@ -32,7 +33,7 @@ def paper_nsa(m, x, q, k, v):
     compressed attention probabilities, summed over a group's heads and over the compressed blocks overlapping
     each selection block; top-n blocks at or before the query, with the own block, the one before it and the
     first block always in (ties to the lower block).  Window: the last w keys.  Gates: sigmoid(W_g x)."""
-    l, d, ls, n, w = m.compress_block, m.compress_stride, m.select_block, m.select_count, m.window
+    l, d, ls, n, w = m.compress_block, m.compress_stride, m.select_block, m.select_count, m.window  # noqa: E741  (the paper's l)
     B, Hq, L, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     g = Hq // Hkv
@@ -42,10 +43,20 @@ def paper_nsa(m, x, q, k, v):
     out = torch.zeros(B, Hq, L, D, dtype=q.dtype)
     for b in range(B):
         for hk in range(Hkv):
-            kc = torch.stack([_mlp(m.compress_k, (k[b, hk, i * d:i * d + l] + m.pos_k).reshape(-1))
-                              for i in range(n_cmp)]) if n_cmp else torch.zeros(0, D, dtype=q.dtype)
-            vc = torch.stack([_mlp(m.compress_v, (v[b, hk, i * d:i * d + l] + m.pos_v).reshape(-1))
-                              for i in range(n_cmp)]) if n_cmp else torch.zeros(0, D, dtype=q.dtype)
+            kc = (
+                torch.stack(
+                    [_mlp(m.compress_k, (k[b, hk, i * d : i * d + l] + m.pos_k).reshape(-1)) for i in range(n_cmp)]
+                )
+                if n_cmp
+                else torch.zeros(0, D, dtype=q.dtype)
+            )
+            vc = (
+                torch.stack(
+                    [_mlp(m.compress_v, (v[b, hk, i * d : i * d + l] + m.pos_v).reshape(-1)) for i in range(n_cmp)]
+                )
+                if n_cmp
+                else torch.zeros(0, D, dtype=q.dtype)
+            )
             for t in range(L):
                 p = t + Lk - L
                 vis = [i for i in range(n_cmp) if i * d + l - 1 <= p]
@@ -85,12 +96,15 @@ def _module(heads=4, kv_heads=2, seed=0, **kw):
     return m
 
 
-@pytest.mark.parametrize("L, heads, kv_heads, opts", [
-    (19, 4, 2, {}),
-    (17, 2, 1, dict(compress_block=4, compress_stride=4, select_block=8, select_count=2, window=3)),
-    (21, 4, 4, dict(compress_block=6, compress_stride=2, select_block=4, select_count=5, window=8)),
-    (3, 2, 2, {}),
-])
+@pytest.mark.parametrize(
+    "L, heads, kv_heads, opts",
+    [
+        (19, 4, 2, {}),
+        (17, 2, 1, dict(compress_block=4, compress_stride=4, select_block=8, select_count=2, window=3)),
+        (21, 4, 4, dict(compress_block=6, compress_stride=2, select_block=4, select_count=5, window=8)),
+        (3, 2, 2, {}),
+    ],
+)
 @pytest.mark.parametrize("routed", [True, False])
 def test_forward_and_gradients_equal_the_paper(L, heads, kv_heads, opts, routed):
     m = _module(heads, kv_heads, **opts)
@@ -124,19 +138,22 @@ def test_decoding_equals_the_full_forward():
     x = torch.randn(2, 23, 32, dtype=torch.float64)
     full = m(x)
     cache = StaticCache(1, max_len=24)
-    steps = [m(x[:, :5], cache=cache.layers[0])] + [m(x[:, i:i + 1], cache=cache.layers[0]) for i in range(5, 23)]
+    steps = [m(x[:, :5], cache=cache.layers[0])] + [m(x[:, i : i + 1], cache=cache.layers[0]) for i in range(5, 23)]
     assert torch.allclose(torch.cat(steps, 1), full, atol=1e-12)
     chunked = StaticCache(1, max_len=24)  # a prefill in chunks: queries behind a longer key range
     parts = [m(x[:, a:b], cache=chunked.layers[0]) for a, b in ((0, 6), (6, 13), (13, 23))]
     assert torch.allclose(torch.cat(parts, 1), full, atol=1e-12)
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(compress_block=5, compress_stride=2), "compress_block=5 must be a multiple of compress_stride=2"),
-    (dict(select_block=6, compress_stride=4, compress_block=8), "select_block=6 must be a multiple"),
-    (dict(window=0), "window"),
-    (dict(select_count=0), "select_count"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(compress_block=5, compress_stride=2), "compress_block=5 must be a multiple of compress_stride=2"),
+        (dict(select_block=6, compress_stride=4, compress_block=8), "select_block=6 must be a multiple"),
+        (dict(window=0), "window"),
+        (dict(select_count=0), "select_count"),
+    ],
+)
 def test_bad_options_are_refused(kw, match):
     with pytest.raises((ValueError, TypeError), match=match):
         NSAAttention(32, 4, **kw)
@@ -152,9 +169,18 @@ def test_a_call_mask_and_bias_positions_are_refused():
 
 def _lm():
     torch.manual_seed(0)
-    cfg = DecoderConfig.preset("tiny", n_kv_heads=2, sparse_attention={
-        "method": "nsa", "compress_block": 4, "compress_stride": 2, "select_block": 4, "select_count": 3,
-        "window": 4})
+    cfg = DecoderConfig.preset(
+        "tiny",
+        n_kv_heads=2,
+        sparse_attention={
+            "method": "nsa",
+            "compress_block": 4,
+            "compress_stride": 2,
+            "select_block": 4,
+            "select_count": 3,
+            "window": 4,
+        },
+    )
     return DecoderLM(cfg)
 
 

@@ -10,8 +10,13 @@ from attnkit.nn import DecoderConfig, DecoderLM, RotaryEmbedding
 
 OLD = 8
 SCALINGS = {
-    "longrope": {"type": "longrope", "original_max_seq_len": OLD, "factor": 4.0,
-                 "short_factor": [1.0 + 0.2 * i for i in range(8)], "long_factor": [3.0 + 2.0 * i for i in range(8)]},
+    "longrope": {
+        "type": "longrope",
+        "original_max_seq_len": OLD,
+        "factor": 4.0,
+        "short_factor": [1.0 + 0.2 * i for i in range(8)],
+        "long_factor": [3.0 + 2.0 * i for i in range(8)],
+    },
     "dynamic": {"type": "dynamic", "factor": 8.0, "original_max_seq_len": OLD},
 }
 PROMPT = [17, 201, 5, 88, 140, 33]  # 6 tokens: the generation crosses the original length
@@ -34,7 +39,7 @@ def test_rotation_of_a_row_does_not_depend_on_the_batch(kind):
     torch.testing.assert_close(both[0], rope.rotate(x[:1], torch.arange(12))[0], atol=0, rtol=0)
     torch.testing.assert_close(both[1, :, 6:], rope.rotate(x[1:, :, 6:], torch.arange(6))[0], atol=0, rtol=0)
     # a continuation: each token as one decode step would rotate it
-    steps = torch.cat([rope.rotate(x[:1, :, t:t + 1], torch.tensor([t])) for t in range(6, 12)], dim=2)
+    steps = torch.cat([rope.rotate(x[:1, :, t : t + 1], torch.tensor([t])) for t in range(6, 12)], dim=2)
     torch.testing.assert_close(rope.rotate(x[:1, :, 6:], torch.arange(6, 12)), steps, atol=0, rtol=0)
 
 

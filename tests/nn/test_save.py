@@ -12,8 +12,13 @@ from attnkit import bias, masks
 from attnkit.nn import DecoderConfig, DecoderLM, IndexerConfig
 
 SW = masks.sliding_window(3)
-_LONGROPE = {"type": "longrope", "original_max_seq_len": 16, "factor": 4.0,
-             "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [2.0 + 0.5 * i for i in range(8)]}
+_LONGROPE = {
+    "type": "longrope",
+    "original_max_seq_len": 16,
+    "factor": 4.0,
+    "short_factor": [1.0 + 0.1 * i for i in range(8)],
+    "long_factor": [2.0 + 0.5 * i for i in range(8)],
+}
 CONFIGS = {
     "llama": dict(),
     "rope-linear": dict(rope_scaling={"type": "linear", "factor": 2.0}),
@@ -24,17 +29,40 @@ CONFIGS = {
     "rope-dynamic": dict(rope_scaling={"type": "dynamic", "factor": 2.0, "original_max_seq_len": 16}),
     "partial-interleaved": dict(rotary_dim=8, rope_interleaved=True, rope_theta=500.0),
     "mistral": dict(mask=SW, n_kv_heads=2),
-    "gemma-like": dict(n_layers=4, layer_masks=(SW, None) * 2, ffn="geglu", post_norms=True, norm_offset=1.0,
-                       softcap=30.0, logit_softcap=20.0, embed_scale=8.0, attn_scale=0.3, qk_norm=True,
-                       rope_local_theta=100.0),
+    "gemma-like": dict(
+        n_layers=4,
+        layer_masks=(SW, None) * 2,
+        ffn="geglu",
+        post_norms=True,
+        norm_offset=1.0,
+        softcap=30.0,
+        logit_softcap=20.0,
+        embed_scale=8.0,
+        attn_scale=0.3,
+        qk_norm=True,
+        rope_local_theta=100.0,
+    ),
     "mixed-masks": dict(layer_masks=(masks.causal() & masks.sliding_window(2), masks.block_local(4))),
     "sinks": dict(attention_sinks=True, mask=SW),
     "mla": dict(kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12),
-    "dsa": dict(kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12,
-                indexer=IndexerConfig(top_k=4, n_heads=2, head_dim=8)),
+    "dsa": dict(
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        indexer=IndexerConfig(top_k=4, n_heads=2, head_dim=8),
+    ),
     "moba": dict(sparse_attention={"method": "moba", "block": 4, "top_k": 2}),
-    "nsa": dict(sparse_attention={"method": "nsa", "compress_block": 4, "compress_stride": 2, "select_block": 4,
-                                  "select_count": 2, "window": 8}),
+    "nsa": dict(
+        sparse_attention={
+            "method": "nsa",
+            "compress_block": 4,
+            "compress_stride": 2,
+            "select_block": 4,
+            "select_count": 2,
+            "window": 8,
+        }
+    ),
     "alibi": dict(positions="alibi", norm="layer", ffn="gelu", qkv_bias=True, out_bias=True, ffn_bias=True),
     "t5": dict(positions="t5", t5_num_buckets=16, t5_max_distance=64, tie_embeddings=False),
     "sinusoidal": dict(positions="sinusoidal", norm_first=False, norm="layer"),
@@ -101,10 +129,21 @@ def test_state_dict_loads_with_weights_only():
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
 
 
-BUILT_INS = [masks.causal(), masks.causal("top_left"), masks.sliding_window(3), masks.sliding_window(None, 2),
-             masks.prefix_lm(3), masks.block_local(4), masks.strided(2), masks.fixed(4, 1), masks.dilated(3, 2),
-             masks.random_blocks(4, 2, seed=1), ~masks.causal(), masks.causal() | masks.sliding_window(2),
-             masks.causal() & masks.sliding_window(5) & ~masks.block_local(2)]
+BUILT_INS = [
+    masks.causal(),
+    masks.causal("top_left"),
+    masks.sliding_window(3),
+    masks.sliding_window(None, 2),
+    masks.prefix_lm(3),
+    masks.block_local(4),
+    masks.strided(2),
+    masks.fixed(4, 1),
+    masks.dilated(3, 2),
+    masks.random_blocks(4, 2, seed=1),
+    ~masks.causal(),
+    masks.causal() | masks.sliding_window(2),
+    masks.causal() & masks.sliding_window(5) & ~masks.block_local(2),
+]
 
 
 @pytest.mark.parametrize("i", range(len(BUILT_INS)))
@@ -130,10 +169,14 @@ def test_masks_that_cannot_serialise_say_so():
 
 
 def test_score_modifiers_compare_and_serialise_by_value():
-    mods = [bias.alibi(bias.alibi_slopes(4)), bias.alibi([0.5, 0.25], align="top_left"), bias.temperature(2.0),
-            bias.temperature(torch.tensor([1.0, 2.0])), bias.relative_buckets(torch.randn(2, 8), bidirectional=False,
-                                                                             max_distance=16),
-            bias.compose(bias.temperature(0.5), bias.alibi([1.0, 0.5]))]
+    mods = [
+        bias.alibi(bias.alibi_slopes(4)),
+        bias.alibi([0.5, 0.25], align="top_left"),
+        bias.temperature(2.0),
+        bias.temperature(torch.tensor([1.0, 2.0])),
+        bias.relative_buckets(torch.randn(2, 8), bidirectional=False, max_distance=16),
+        bias.compose(bias.temperature(0.5), bias.alibi([1.0, 0.5])),
+    ]
     for i, m in enumerate(mods):
         again = bias.from_dict(json.loads(json.dumps(m.to_dict())))
         assert again == m and hash(again) == hash(m)
@@ -141,8 +184,9 @@ def test_score_modifiers_compare_and_serialise_by_value():
         z = torch.zeros(1, dtype=torch.long)
         q, k = torch.arange(5).view(-1, 1), torch.arange(5).view(1, -1)
         heads = torch.arange(2).view(-1, 1, 1)
-        torch.testing.assert_close(again.apply(torch.zeros(5, 5), z, heads, q, k, 5, 5),
-                                   m.apply(torch.zeros(5, 5), z, heads, q, k, 5, 5))
+        torch.testing.assert_close(
+            again.apply(torch.zeros(5, 5), z, heads, q, k, 5, 5), m.apply(torch.zeros(5, 5), z, heads, q, k, 5, 5)
+        )
     assert bias.alibi([0.5, 0.25]) != bias.alibi([0.5, 0.3])
     fn = bias.from_fn(lambda s, b, h, q, k: s)
     assert fn == fn and fn != bias.from_fn(lambda s, b, h, q, k: s)

@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("starlette", reason="the serve extra (pip install 'attnkit[serve]')")
 
-from attnkit.serve import load_model_dir, make_demo_model  # noqa: E402
+from attnkit.serve import load_model_dir, make_demo_model
 
 
 @pytest.fixture(scope="session")

@@ -38,8 +38,16 @@ def test_completions_with_the_openai_client(start, served, server_log):
     assert reply.choices[0].text == text
     assert reply.usage.prompt_tokens == len(ids) and reply.usage.completion_tokens == len(tokens)
     assert reply.usage.total_tokens == len(ids) + len(tokens)
-    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == reply.choices[0].finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(tokens)
@@ -56,8 +64,9 @@ def test_chat_with_the_openai_client(start, served, server_log):
     tokens, text = _reference(served, ids, 10)
     assert reply.choices[0].message.role == "assistant" and reply.choices[0].message.content == text
     assert reply.usage.prompt_tokens == len(ids) and reply.usage.completion_tokens == len(tokens)
-    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
-                                                 stream=True))
+    chunks = list(
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0, stream=True)
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
@@ -80,14 +89,31 @@ def test_sampling_fields_map_onto_the_engine(start, served):
     client = _client(server)
     ids = served.tokenizer(PROMPT).input_ids
     kw = dict(model="tiny", prompt=PROMPT, max_tokens=8)
-    sampled = dict(temperature=0.9, top_p=0.9, seed=5, presence_penalty=0.5, frequency_penalty=0.3,
-                   extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.2})
+    sampled = dict(
+        temperature=0.9,
+        top_p=0.9,
+        seed=5,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.2},
+    )
     a = client.completions.create(**kw, **sampled)
     b = client.completions.create(**kw, **sampled)
     assert a.choices[0].text == b.choices[0].text  # the seed repeats
-    ref = attnkit.generate(served.model, [ids], 8, temperature=0.9, top_p=0.9, seed=5, presence_penalty=0.5,
-                           frequency_penalty=0.3, top_k=20, min_p=0.05, repetition_penalty=1.2,
-                           eos_id=list(served.eos_ids))[0]
+    ref = attnkit.generate(
+        served.model,
+        [ids],
+        8,
+        temperature=0.9,
+        top_p=0.9,
+        seed=5,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        top_k=20,
+        min_p=0.05,
+        repetition_penalty=1.2,
+        eos_id=list(served.eos_ids),
+    )[0]
     assert a.choices[0].text == served.tokenizer.decode(ref, skip_special_tokens=True)
     banned = served.tokenizer.convert_tokens_to_ids("zi")
     greedy = _reference(served, ids, 8)[0]
@@ -101,8 +127,9 @@ def test_sampling_fields_map_onto_the_engine(start, served):
 def test_n_choices_and_logprobs(start, served):
     server = start()
     client = _client(server)
-    reply = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=1.0, seed=3, n=3,
-                                      logprobs=2)
+    reply = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=5, temperature=1.0, seed=3, n=3, logprobs=2
+    )
     assert [c.index for c in reply.choices] == [0, 1, 2]
     assert reply.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in reply.choices)
     lp = reply.choices[0].logprobs
@@ -111,8 +138,14 @@ def test_n_choices_and_logprobs(start, served):
     ids = served.tokenizer(PROMPT).input_ids
     ref = attnkit.generate(served.model, [ids], 5, temperature=1.0, seed=4, logprobs=2, eos_id=list(served.eos_ids))
     assert reply.choices[1].logprobs.token_logprobs == pytest.approx([t.logprob for t in ref.logprobs[0]], abs=1e-5)
-    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "ba"}], max_tokens=3,
-                                          temperature=0, logprobs=True, top_logprobs=3)
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "ba"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens and len(content[0].top_logprobs) == 3
     assert content[0].top_logprobs[0].logprob >= content[0].logprob - 1e-9  # greedy: the chosen is the top one
@@ -125,11 +158,12 @@ def test_stop_strings_match_decoded_text(start, served):
     _, text = _reference(served, ids, 12)
     words = text.split()
     stop = words[3]
-    want = text[:text.index(stop)]
+    want = text[: text.index(stop)]
     reply = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop, "qqq"])
     assert reply.choices[0].text == want and reply.choices[0].finish_reason == "stop"
-    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stop=stop,
-                                            stream=True))
+    chunks = list(
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stop=stop, stream=True)
+    )
     assert "".join(c.choices[0].text for c in chunks) == want
     assert chunks[-1].choices[0].finish_reason == "stop"
     assert server.engine.wait_idle() and server.engine.stats()["blocks_used"] == 0
@@ -142,9 +176,15 @@ def test_models_health_metrics(start):
     assert [m.id for m in models.data] == ["tiny"]
     _client(server).completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, stream=True)
     text = httpx.get(server.url + "/metrics").text
-    for name in ("attnkit_requests_running", "attnkit_requests_waiting", "attnkit_kv_blocks_used",
-                 "attnkit_prompt_tokens_total", "attnkit_generation_tokens_total",
-                 "attnkit_time_to_first_token_seconds_bucket", "attnkit_inter_token_latency_seconds_count"):
+    for name in (
+        "attnkit_requests_running",
+        "attnkit_requests_waiting",
+        "attnkit_kv_blocks_used",
+        "attnkit_prompt_tokens_total",
+        "attnkit_generation_tokens_total",
+        "attnkit_time_to_first_token_seconds_bucket",
+        "attnkit_inter_token_latency_seconds_count",
+    ):
         assert f"\n{name}" in text
     assert "# TYPE attnkit_time_to_first_token_seconds histogram" in text
 
@@ -156,26 +196,29 @@ def _error(r, status, param):
     return err
 
 
-@pytest.mark.parametrize("body, status, param", [
-    ({"model": "tiny", "prompt": "ba", "temperature": -0.5}, 400, "temperature"),
-    ({"model": "tiny", "prompt": "ba", "temperature": "hot"}, 400, "temperature"),
-    ({"model": "tiny", "prompt": "ba", "max_tokens": 5000}, 400, "max_tokens"),
-    ({"model": "tiny", "prompt": "ba", "max_tokens": 0}, 400, "max_tokens"),
-    ({"model": "tiny", "prompt": "ba", "max_tokens": 2.5}, 400, "max_tokens"),
-    ({"model": "other", "prompt": "ba"}, 404, "model"),
-    ({"prompt": "ba"}, 400, "model"),
-    ({"model": "tiny", "prompt": 3}, 400, "prompt"),
-    ({"model": "tiny", "prompt": [10 ** 6]}, 400, "prompt"),
-    ({"model": "tiny", "prompt": "ba", "top_p": 0}, 400, "top_p"),
-    ({"model": "tiny", "prompt": "ba", "n": 0}, 400, "n"),
-    ({"model": "tiny", "prompt": "ba", "stop": [1]}, 400, "stop"),
-    ({"model": "tiny", "prompt": "ba", "logit_bias": {"x": 1}}, 400, "logit_bias"),
-    ({"model": "tiny", "prompt": "ba", "presence_penalty": -2.5}, 400, "presence_penalty"),
-    ({"model": "tiny", "prompt": "ba", "stream": "yes"}, 400, "stream"),
-    ({"model": "tiny", "prompt": "ba", "logprobs": 50}, 400, "logprobs"),
-    ({"model": "tiny", "prompt": "ba", "echo": True}, 400, "echo"),
-    ({"model": "tiny", "prompt": "ba", "colour": "blue"}, 400, "colour"),
-])
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"model": "tiny", "prompt": "ba", "temperature": -0.5}, 400, "temperature"),
+        ({"model": "tiny", "prompt": "ba", "temperature": "hot"}, 400, "temperature"),
+        ({"model": "tiny", "prompt": "ba", "max_tokens": 5000}, 400, "max_tokens"),
+        ({"model": "tiny", "prompt": "ba", "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": "tiny", "prompt": "ba", "max_tokens": 2.5}, 400, "max_tokens"),
+        ({"model": "other", "prompt": "ba"}, 404, "model"),
+        ({"prompt": "ba"}, 400, "model"),
+        ({"model": "tiny", "prompt": 3}, 400, "prompt"),
+        ({"model": "tiny", "prompt": [10**6]}, 400, "prompt"),
+        ({"model": "tiny", "prompt": "ba", "top_p": 0}, 400, "top_p"),
+        ({"model": "tiny", "prompt": "ba", "n": 0}, 400, "n"),
+        ({"model": "tiny", "prompt": "ba", "stop": [1]}, 400, "stop"),
+        ({"model": "tiny", "prompt": "ba", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+        ({"model": "tiny", "prompt": "ba", "presence_penalty": -2.5}, 400, "presence_penalty"),
+        ({"model": "tiny", "prompt": "ba", "stream": "yes"}, 400, "stream"),
+        ({"model": "tiny", "prompt": "ba", "logprobs": 50}, 400, "logprobs"),
+        ({"model": "tiny", "prompt": "ba", "echo": True}, 400, "echo"),
+        ({"model": "tiny", "prompt": "ba", "colour": "blue"}, 400, "colour"),
+    ],
+)
 def test_bad_completion_requests_name_the_field(start, body, status, param, server_log):
     server = start()
     _error(httpx.post(server.url + "/v1/completions", json=body), status, param)
@@ -190,26 +233,47 @@ def test_bad_chat_requests_and_bodies(start, served, server_log):
     _error(httpx.post(url, json=[1, 2]), 400, None)
     _error(httpx.post(url, json={"model": "tiny", "messages": []}), 400, "messages")
     _error(httpx.post(url, json={"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}), 400, "messages")
-    _error(httpx.post(url, json={"model": "tiny", "messages": [{"role": "user", "content": "ba"}],
-                                 "top_logprobs": 2}), 400, "top_logprobs")
-    _error(httpx.post(url, json={"model": "tiny", "messages": [{"role": "user", "content": "ba"}],
-                                 "max_completion_tokens": 10 ** 5}), 400, "max_completion_tokens")
-    _error(httpx.post(url, json={"model": "tiny", "messages": [{"role": "user", "content": "ba"}],
-                                 "tools": [{"type": "function"}]}), 400, "tools")
+    _error(
+        httpx.post(url, json={"model": "tiny", "messages": [{"role": "user", "content": "ba"}], "top_logprobs": 2}),
+        400,
+        "top_logprobs",
+    )
+    _error(
+        httpx.post(
+            url, json={"model": "tiny", "messages": [{"role": "user", "content": "ba"}], "max_completion_tokens": 10**5}
+        ),
+        400,
+        "max_completion_tokens",
+    )
+    _error(
+        httpx.post(
+            url,
+            json={"model": "tiny", "messages": [{"role": "user", "content": "ba"}], "tools": [{"type": "function"}]},
+        ),
+        400,
+        "tools",
+    )
     assert httpx.get(server.url + "/v1/nothing").status_code == 404
     assert httpx.get(server.url + "/v1/nothing").json()["error"]["message"]
     assert httpx.get(url).status_code == 405
     with pytest.raises(openai.BadRequestError, match="temperature"):
-        _client(server).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "ba"}],
-                                                temperature=-1)
+        _client(server).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "ba"}], temperature=-1
+        )
     assert not server_log
 
 
 def test_a_full_queue_answers_503(start):
     server = start(max_batch=1, max_waiting=1)
     slow_steps(server.engine.engine)
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True,
-            "logit_bias": {"2": -100}}  # (no eos: it runs until it is stopped)
+    body = {
+        "model": "tiny",
+        "prompt": PROMPT,
+        "max_tokens": 200,
+        "temperature": 0,
+        "stream": True,
+        "logit_bias": {"2": -100},
+    }  # (no eos: it runs until it is stopped)
     with httpx.Client(timeout=60) as c, c.stream("POST", server.url + "/v1/completions", json=body) as first:
         next(first.iter_lines())  # running
         with c.stream("POST", server.url + "/v1/completions", json=body) as second:  # waiting
@@ -223,16 +287,23 @@ def test_a_client_that_disconnects_frees_its_blocks(start, served, server_log):
     server = start(max_batch=1)
     slow_steps(server.engine.engine)
     ids = served.tokenizer(PROMPT).input_ids
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True,
-            "logit_bias": {"2": -100}}  # (no eos: it runs until it is stopped)
+    body = {
+        "model": "tiny",
+        "prompt": PROMPT,
+        "max_tokens": 200,
+        "temperature": 0,
+        "stream": True,
+        "logit_bias": {"2": -100},
+    }  # (no eos: it runs until it is stopped)
     with httpx.Client(timeout=60) as c:
         with c.stream("POST", server.url + "/v1/completions", json=body) as r:
             lines = r.iter_lines()
             next(lines)
             assert server.engine.stats()["blocks_used"] > 0
         # gone mid-stream: the next request gets the slot and the pool is empty again
-        reply = c.post(server.url + "/v1/completions", json=dict(body, stream=False, max_tokens=6,
-                                                                 logit_bias=None)).json()
+        reply = c.post(
+            server.url + "/v1/completions", json=dict(body, stream=False, max_tokens=6, logit_bias=None)
+        ).json()
     assert reply["choices"][0]["text"] == _reference(served, ids, 6)[1]
     assert server.engine.wait_idle()
     assert server.engine.stats()["blocks_used"] == 0
@@ -243,7 +314,10 @@ def test_a_client_that_disconnects_frees_its_blocks(start, served, server_log):
 
 def test_max_tokens_defaults_to_what_the_context_and_pool_hold(start, served):
     server = start(cache_blocks=4, block_size=8)  # 32 positions, less than the model's 256
-    reply = httpx.post(server.url + "/v1/completions", timeout=60,
-                       json={"model": "tiny", "prompt": PROMPT, "temperature": 0, "logit_bias": {"2": -100}}).json()
+    reply = httpx.post(
+        server.url + "/v1/completions",
+        timeout=60,
+        json={"model": "tiny", "prompt": PROMPT, "temperature": 0, "logit_bias": {"2": -100}},
+    ).json()
     assert reply["usage"]["completion_tokens"] == 32 - reply["usage"]["prompt_tokens"]
     assert reply["choices"][0]["finish_reason"] == "length"

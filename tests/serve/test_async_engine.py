@@ -23,8 +23,9 @@ def model():
 
 def _prompts(n, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, 200, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(1, 200, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
+    ]
 
 
 def _engine(model, **kw):
@@ -45,6 +46,7 @@ def test_streams_from_many_threads_equal_generate_alone(model, chunked):
     lengths = [3 + 2 * i for i in range(8)]
     out = {}
     with AsyncEngine(_engine(model, max_batched_tokens=chunked)) as engine:
+
         def client(i):
             stream = engine.submit(prompts[i], lengths[i])
             out[i] = (stream.tokens, [d.finish_reason for d in stream])

@@ -18,9 +18,26 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _serve(model_dir, *extra):
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    proc = subprocess.Popen([sys.executable, "-m", "attnkit", "serve", str(model_dir), "--port", "0", "--threads",
-                             "1", "--log-level", "warning", *extra], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "attnkit",
+            "serve",
+            str(model_dir),
+            "--port",
+            "0",
+            "--threads",
+            "1",
+            "--log-level",
+            "warning",
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     deadline = time.monotonic() + 120
     lines = []
     while time.monotonic() < deadline:
@@ -53,8 +70,12 @@ def test_serve_starts_answers_and_stops_on_a_signal(long_model_dir, sig):
         body = {"model": "tiny", "prompt": "ba be", "max_tokens": 3, "temperature": 0}
         assert httpx.post(url + "/v1/completions", json=body, timeout=60).json()["usage"]["completion_tokens"] == 3
         # a streaming request still open when the signal comes is ended, not waited for
-        with httpx.stream("POST", url + "/v1/completions", timeout=60,
-                          json=dict(body, max_tokens=4000, stream=True, logit_bias={"2": -100})) as r:
+        with httpx.stream(
+            "POST",
+            url + "/v1/completions",
+            timeout=60,
+            json=dict(body, max_tokens=4000, stream=True, logit_bias={"2": -100}),
+        ) as r:
             lines = r.iter_lines()
             next(lines)
             proc.send_signal(sig)
@@ -62,8 +83,7 @@ def test_serve_starts_answers_and_stops_on_a_signal(long_model_dir, sig):
         assert proc.wait(30) == 0
         out = proc.stdout.read()
         assert "attnkit serve: stopped" in out and "Traceback" not in out
-        assert any(json.loads(x[6:])["choices"][0]["finish_reason"] == "abort" for x in rest
-                   if x.startswith("data: {"))
+        assert any(json.loads(x[6:])["choices"][0]["finish_reason"] == "abort" for x in rest if x.startswith("data: {"))
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -72,7 +92,9 @@ def test_serve_starts_answers_and_stops_on_a_signal(long_model_dir, sig):
 
 def test_serve_refuses_an_unsupported_family(tmp_path, capsys):
     (tmp_path / "gpt").mkdir()
-    (tmp_path / "gpt" / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    (tmp_path / "gpt" / "config.json").write_text(
+        json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    )
     assert main(["serve", str(tmp_path / "gpt")]) == 2
     err = capsys.readouterr().err
     assert "'gpt2'" in err and "llama" in err and "mistral" in err

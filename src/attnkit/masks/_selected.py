@@ -81,22 +81,30 @@ class _SelectedBlocks(Mask):
     def _validate(self, batch, heads, q_len, kv_len):
         nb, nh, nqb = self.indices.shape[:3]
         if nb not in (1, batch):
-            raise ValueError(f"selected_blocks: the selection has batch size {nb} for a batch of {batch}: give one "
-                             f"selection per sequence (or one, shape (1, ...), for all)")
+            raise ValueError(
+                f"selected_blocks: the selection has batch size {nb} for a batch of {batch}: give one "
+                f"selection per sequence (or one, shape (1, ...), for all)"
+            )
         if nh not in (1, heads):
-            raise ValueError(f"selected_blocks: the selection has {nh} heads for {heads} query heads: give one per "
-                             f"query head (repeat a grouped-query selection over its group) or one for all")
+            raise ValueError(
+                f"selected_blocks: the selection has {nh} heads for {heads} query heads: give one per "
+                f"query head (repeat a grouped-query selection over its group) or one for all"
+            )
         want = _ceil_div(q_len, self.block_q)
         if nqb != want:
-            raise ValueError(f"selected_blocks: the selection has {nqb} query blocks, but Lq={q_len} with "
-                             f"block_q={self.block_q} makes {want}: pass indices of shape (B, H, {want}, k)")
+            raise ValueError(
+                f"selected_blocks: the selection has {nqb} query blocks, but Lq={q_len} with "
+                f"block_q={self.block_q} makes {want}: pass indices of shape (B, H, {want}, k)"
+            )
         if torch.compiler.is_compiling() or self.indices.numel() == 0:  # (a check on values would break the graph)
             return
         nkb, top = _ceil_div(kv_len, self.block_k), int(self.indices.max())
         if top >= nkb:
-            raise ValueError(f"selected_blocks: the selection holds key block {top}, but Lk={kv_len} with "
-                             f"block_k={self.block_k} has {nkb} key blocks (0..{nkb - 1}): indices must be < {nkb} "
-                             f"(-1 marks an unused slot)")
+            raise ValueError(
+                f"selected_blocks: the selection holds key block {top}, but Lk={kv_len} with "
+                f"block_k={self.block_k} has {nkb} key blocks (0..{nkb - 1}): indices must be < {nkb} "
+                f"(-1 marks an unused slot)"
+            )
 
     def _size_guess(self):
         rows = self.indices.shape[2] * self.block_q
@@ -116,8 +124,9 @@ class _SelectedBlocks(Mask):
     def __repr__(self):
         if self.indices.numel() <= 8:
             shown = _short_list(self.indices.reshape(-1))
-            return f"selected_blocks({shown} of shape {tuple(self.indices.shape)}, block=({self.block_q}, " \
-                   f"{self.block_k}))"
+            return (
+                f"selected_blocks({shown} of shape {tuple(self.indices.shape)}, block=({self.block_q}, {self.block_k}))"
+            )
         return f"selected_blocks(indices {tuple(self.indices.shape)}, block=({self.block_q}, {self.block_k}))"
 
 
@@ -126,17 +135,24 @@ def _check_indices(indices) -> Tensor:
         try:
             indices = torch.tensor(indices)
         except (TypeError, ValueError, RuntimeError):
-            raise TypeError(f"selected_blocks: indices must be an int tensor (B, H, query blocks, k), got "
-                            f"{type(indices).__name__}") from None
+            raise TypeError(
+                f"selected_blocks: indices must be an int tensor (B, H, query blocks, k), got {type(indices).__name__}"
+            ) from None
     if indices.dtype == torch.bool or indices.is_floating_point() or indices.is_complex():
-        raise TypeError(f"selected_blocks: indices must hold integers (key-block numbers), got dtype {indices.dtype}:"
-                        f" to choose from scores use masks.top_k_blocks(scores, k, block=...)")
+        raise TypeError(
+            f"selected_blocks: indices must hold integers (key-block numbers), got dtype {indices.dtype}:"
+            f" to choose from scores use masks.top_k_blocks(scores, k, block=...)"
+        )
     if indices.dim() != 4:
-        raise ValueError(f"selected_blocks: indices must have shape (B, H, query blocks, k) (4 dimensions, 1 where "
-                         f"the choice is shared), got shape {tuple(indices.shape)}")
+        raise ValueError(
+            f"selected_blocks: indices must have shape (B, H, query blocks, k) (4 dimensions, 1 where "
+            f"the choice is shared), got shape {tuple(indices.shape)}"
+        )
     if not torch.compiler.is_compiling() and indices.numel() and int(indices.min()) < -1:
-        raise ValueError(f"selected_blocks: indices must be key-block numbers >= 0, or -1 for an unused slot; got "
-                         f"{int(indices.min())}")
+        raise ValueError(
+            f"selected_blocks: indices must be key-block numbers >= 0, or -1 for an unused slot; got "
+            f"{int(indices.min())}"
+        )
     return indices if indices.dtype == torch.long else indices.long()
 
 
@@ -182,11 +198,14 @@ def top_k_blocks(scores: Tensor, k: int, block) -> Mask:
         [[[[0, 2], [0, -1]]]]
     """
     if not isinstance(scores, Tensor) or not scores.is_floating_point():
-        raise TypeError(f"top_k_blocks: scores must be a float tensor (B, H, query blocks, key blocks), got "
-                        f"{scores.dtype if isinstance(scores, Tensor) else type(scores).__name__}")
+        raise TypeError(
+            f"top_k_blocks: scores must be a float tensor (B, H, query blocks, key blocks), got "
+            f"{scores.dtype if isinstance(scores, Tensor) else type(scores).__name__}"
+        )
     if scores.dim() != 4:
-        raise ValueError(f"top_k_blocks: scores must have shape (B, H, query blocks, key blocks), got shape "
-                         f"{tuple(scores.shape)}")
+        raise ValueError(
+            f"top_k_blocks: scores must have shape (B, H, query blocks, key blocks), got shape {tuple(scores.shape)}"
+        )
     _check_int("k", k, minimum=1)
     nkb = scores.shape[-1]
     if k > nkb:

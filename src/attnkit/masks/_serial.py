@@ -7,8 +7,7 @@ import ast
 from . import _builtins
 from ._base import Mask
 
-_CONSTRUCTORS = ("causal", "sliding_window", "prefix_lm", "block_local", "strided", "fixed", "dilated",
-                 "random_blocks")
+_CONSTRUCTORS = ("causal", "sliding_window", "prefix_lm", "block_local", "strided", "fixed", "dilated", "random_blocks")
 
 
 def from_dict(data: dict) -> Mask:
@@ -44,8 +43,11 @@ def _build(node, text: str) -> Mask:
             args = [ast.literal_eval(a) for a in node.args]
             kwargs = {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg is not None}
         except ValueError:
-            raise ValueError(f"masks.from_dict: {ast.unparse(node)!r} in {text!r} has an argument that is not a "
-                             f"literal") from None
+            raise ValueError(
+                f"masks.from_dict: {ast.unparse(node)!r} in {text!r} has an argument that is not a literal"
+            ) from None
         return getattr(_builtins, node.func.id)(*args, **kwargs)
-    raise ValueError(f"masks.from_dict: {ast.unparse(node)!r} in {text!r} is not a built-in mask constructor "
-                     f"({', '.join(_CONSTRUCTORS)}) or &, |, ~ of them")
+    raise ValueError(
+        f"masks.from_dict: {ast.unparse(node)!r} in {text!r} is not a built-in mask constructor "
+        f"({', '.join(_CONSTRUCTORS)}) or &, |, ~ of them"
+    )

@@ -32,8 +32,7 @@ from . import tasks
 from .attention import AttentionConfig, MultiHeadAttention
 from .axial import AxialAttention
 from .blocks import BlockConfig, Decoder, Encoder, TransformerBlock, default_d_ff
-from .dsa import (DeepSeekSparseAttention, IndexerConfig, LightningIndexer, indexer_loss, selected_attention,
-                  top_k_keys)
+from .dsa import DeepSeekSparseAttention, IndexerConfig, LightningIndexer, indexer_loss, selected_attention, top_k_keys
 from .latent import LatentAttention
 from .layers import FeedForward, Linear, RMSNorm, linear, to_decode_layout
 from .moba import MoBAAttention

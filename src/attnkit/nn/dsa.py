@@ -35,8 +35,14 @@ from .positions import RotaryEmbedding
 
 Tensor = torch.Tensor
 
-__all__ = ["IndexerConfig", "LightningIndexer", "DeepSeekSparseAttention", "top_k_keys", "selected_attention",
-           "indexer_loss"]
+__all__ = [
+    "IndexerConfig",
+    "LightningIndexer",
+    "DeepSeekSparseAttention",
+    "top_k_keys",
+    "selected_attention",
+    "indexer_loss",
+]
 
 
 @dataclass(frozen=True)
@@ -72,8 +78,10 @@ def top_k_keys(scores: Tensor, k: int) -> Tensor:
         raise TypeError(f"scores must be a tensor (..., Lk), got {type(scores).__name__}")
     k = _checks.positive_int("k", k)
     if k > scores.shape[-1]:
-        raise ValueError(f"k={k} is larger than the number of keys Lk={scores.shape[-1]}: pass k=min(k, Lk) "
-                         f"(a query cannot select more keys than there are)")
+        raise ValueError(
+            f"k={k} is larger than the number of keys Lk={scores.shape[-1]}: pass k=min(k, Lk) "
+            f"(a query cannot select more keys than there are)"
+        )
     return _select(scores, k)[0]
 
 
@@ -90,17 +98,27 @@ def _select(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 
 def _check_indices(indices, B: int, Lq: int, Lk: int) -> Tensor:
-    if not isinstance(indices, Tensor) or indices.dtype.is_floating_point or indices.dtype == torch.bool \
-            or indices.is_complex():
-        raise TypeError(f"indices must be an integer tensor (B, Lq, top_k) of key positions, got "
-                        f"{type(indices).__name__ if not isinstance(indices, Tensor) else indices.dtype}")
+    if (
+        not isinstance(indices, Tensor)
+        or indices.dtype.is_floating_point
+        or indices.dtype == torch.bool
+        or indices.is_complex()
+    ):
+        raise TypeError(
+            f"indices must be an integer tensor (B, Lq, top_k) of key positions, got "
+            f"{type(indices).__name__ if not isinstance(indices, Tensor) else indices.dtype}"
+        )
     if indices.dim() != 3 or indices.shape[0] not in (1, B) or indices.shape[1] != Lq or indices.shape[2] < 1:
-        raise ValueError(f"indices has shape {tuple(indices.shape)}, expected (B={B}, Lq={Lq}, top_k >= 1): one "
-                         f"row of selected keys per query")
+        raise ValueError(
+            f"indices has shape {tuple(indices.shape)}, expected (B={B}, Lq={Lq}, top_k >= 1): one "
+            f"row of selected keys per query"
+        )
     if indices.numel() and (int(indices.min()) < -1 or int(indices.max()) >= Lk):
         bad = int(indices.min()) if int(indices.min()) < -1 else int(indices.max())
-        raise ValueError(f"indices selects key {bad}, outside [0, Lk={Lk}) (-1 marks an unused slot): check the "
-                         f"selection against the keys it indexes")
+        raise ValueError(
+            f"indices selects key {bad}, outside [0, Lk={Lk}) (-1 marks an unused slot): check the "
+            f"selection against the keys it indexes"
+        )
     return indices.long().expand(B, Lq, indices.shape[2])
 
 
@@ -122,8 +140,9 @@ def _gathered(attend, q: Tensor, k: Tensor, v: Tensor, idx: Tensor, ok: Tensor, 
     return out.view(B, Lq, Hq, Dv).transpose(1, 2)  # (B, Hq, Lq, Dv)
 
 
-def selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, *, mask=None, scale: float | None = None,
-                       backend: str = "auto") -> Tensor:
+def selected_attention(
+    q: Tensor, k: Tensor, v: Tensor, indices: Tensor, *, mask=None, scale: float | None = None, backend: str = "auto"
+) -> Tensor:
     """Attention where query row ``t`` reads only the keys ``indices[b, t]`` (a DSA selection), gathered.
 
     ``q (B, Hq, Lq, D)``, ``k (B, Hkv, Lk, D)``, ``v (B, Hkv, Lk, Dv)``, ``indices (B, Lq, top_k)`` integer
@@ -142,8 +161,10 @@ def selected_attention(q: Tensor, k: Tensor, v: Tensor, indices: Tensor, *, mask
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a 4-D tensor (B, H, L, D), got "
-                             f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
+            raise ValueError(
+                f"{name} must be a 4-D tensor (B, H, L, D), got "
+                f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}"
+            )
     B, _, Lq, _ = q.shape
     Lk = k.shape[2]
     idx = _check_indices(indices, B, Lq, Lk)
@@ -170,15 +191,19 @@ def _dense_allowed(m: _masks.Mask | None, B: int, Lq: int, Lk: int, device, head
         return torch.ones(B, Lq, Lk, dtype=torch.bool, device=device)
     dense = m.to_dense(Lq, Lk, batch=B, heads=heads, device=device)  # (B', H', Lq, Lk)
     if dense.shape[1] > 1 and not bool((dense == dense[:, :1]).all()):
-        raise ValueError(f"mask={m!r} differs between heads; a DSA selection is one set of keys per query for "
-                         f"every head: use a mask that does not depend on the head")
+        raise ValueError(
+            f"mask={m!r} differs between heads; a DSA selection is one set of keys per query for "
+            f"every head: use a mask that does not depend on the head"
+        )
     return dense[:, 0].expand(B, Lq, Lk)
 
 
 def _attending_cache(cache) -> ValueError:
-    return ValueError(f"DeepSeekSparseAttention gathers its selected keys from the cache, which {type(cache).__name__} "
-                      f"does not hand out (its update() computes attention itself; paged caches and the Engine): use "
-                      f"a StaticCache (attnkit.generate's default cache='static')")
+    return ValueError(
+        f"DeepSeekSparseAttention gathers its selected keys from the cache, which {type(cache).__name__} "
+        f"does not hand out (its update() computes attention itself; paged caches and the Engine): use "
+        f"a StaticCache (attnkit.generate's default cache='static')"
+    )
 
 
 class LightningIndexer(nn.Module):
@@ -189,8 +214,9 @@ class LightningIndexer(nn.Module):
     (``LayerNorm(head_dim)``), ``weights_proj`` (``d_model -> n_heads``).
     """
 
-    def __init__(self, d_model: int, q_dim: int | None, config: IndexerConfig, rope_dim: int,
-                 positions: RotaryEmbedding | None):
+    def __init__(
+        self, d_model: int, q_dim: int | None, config: IndexerConfig, rope_dim: int, positions: RotaryEmbedding | None
+    ):
         super().__init__()
         self.config, self.rope_dim, self.positions = config, rope_dim, positions
         if config.head_dim < rope_dim:
@@ -211,7 +237,7 @@ class LightningIndexer(nn.Module):
         q = proj.view(B, L, self.config.n_heads, self.config.head_dim).transpose(1, 2)
         if self.positions is not None:
             q = self.positions.rotate(q, pos, max_position=hi)
-        w = self.weights_proj(x) * self.config.n_heads ** -0.5  # (B, L, n_heads)
+        w = self.weights_proj(x) * self.config.n_heads**-0.5  # (B, L, n_heads)
         return q, w
 
     def keys(self, x: Tensor, pos: Tensor, hi) -> Tensor:
@@ -224,9 +250,12 @@ class LightningIndexer(nn.Module):
         dt = torch.promote_types(q.dtype, torch.float32)
         B, H, L, D = q.shape
         # one product for every head: (B, H L, D) @ (B, D, Lk), the single key head read once (never expanded)
-        q = (q.to(dt) * self.config.head_dim ** -0.5).reshape(B, H * L, D)
-        s = torch.relu_(torch.bmm(q, k[:, 0].to(dt).transpose(1, 2))) if not torch.is_grad_enabled() else \
-            torch.relu(torch.bmm(q, k[:, 0].to(dt).transpose(1, 2)))
+        q = (q.to(dt) * self.config.head_dim**-0.5).reshape(B, H * L, D)
+        s = (
+            torch.relu_(torch.bmm(q, k[:, 0].to(dt).transpose(1, 2)))
+            if not torch.is_grad_enabled()
+            else torch.relu(torch.bmm(q, k[:, 0].to(dt).transpose(1, 2)))
+        )
         w = w.to(dt)
         if L == 1:  # decoding: (B, 1, H) @ (B, H, Lk)
             return torch.bmm(w.view(B, 1, H), s)
@@ -235,7 +264,7 @@ class LightningIndexer(nn.Module):
 
 class DeepSeekSparseAttention(LatentAttention):
     """DeepSeek sparse attention: :class:`LatentAttention` whose queries each attend to the top-k keys a
-    :class:`LightningIndexer` picks (DeepSeek-V3.2, GLM-MoE-DSA; see :mod:`attnkit.nn.dsa`).
+    :class:`LightningIndexer` picks (DeepSeek-V3.2, GLM-MoE-DSA; see the module ``attnkit.nn.dsa``).
 
     Args (besides :class:`LatentAttention`'s):
         indexer: an :class:`IndexerConfig` (top-k, heads, head size, rotary pairing).
@@ -276,8 +305,7 @@ class DeepSeekSparseAttention(LatentAttention):
             raise TypeError(f"indexer must be an IndexerConfig, got {type(indexer).__name__}")
         rope = self.positions
         if rope is not None and rope.interleaved != indexer.rope_interleaved:
-            rope = RotaryEmbedding(rope.dim, base=rope.base, interleaved=indexer.rope_interleaved,
-                                   scaling=rope.scaling)
+            rope = RotaryEmbedding(rope.dim, base=rope.base, interleaved=indexer.rope_interleaved, scaling=rope.scaling)
         self.indexer = LightningIndexer(d_model, self.q_lora_rank, indexer, self.qk_rope_head_dim, rope)
         self.top_k = indexer.top_k
         self.dense_warmup = False
@@ -286,7 +314,7 @@ class DeepSeekSparseAttention(LatentAttention):
 
     @property
     def latent_dim(self) -> int:
-        """What a cache stores per token: ``kv_lora_rank + qk_rope_head_dim + index head_dim``."""
+        """The numbers a cache stores per token, ``kv_lora_rank + qk_rope_head_dim + index head_dim``."""
         return self.kv_lora_rank + self.qk_rope_head_dim + self.indexer.config.head_dim
 
     def forward(self, x: Tensor, *, mask=None, cache=None, positions=None) -> Tensor:
@@ -296,8 +324,9 @@ class DeepSeekSparseAttention(LatentAttention):
         call_mask = _checks.as_mask("mask", mask)
         q_latent = None if self.q_lora_rank is None else self.q_norm(self.q_a_proj(x))
         q = self.q_proj(x) if q_latent is None else self.q_b_proj(q_latent)
-        q_nope, q_rope = q.view(B, L, self.n_heads, -1).transpose(1, 2).split(
-            (self.qk_nope_head_dim, self.qk_rope_head_dim), dim=-1)
+        q_nope, q_rope = (
+            q.view(B, L, self.n_heads, -1).transpose(1, 2).split((self.qk_nope_head_dim, self.qk_rope_head_dim), dim=-1)
+        )
         c, k_rope = self._latent(x)
         pos, hi = self._absolute_positions(cache, positions, x)
         if self.positions is not None:
@@ -312,8 +341,9 @@ class DeepSeekSparseAttention(LatentAttention):
             peek = getattr(cache, "peek", None)
             if callable(peek) and peek(L)[1]:  # refused before anything is stored
                 raise _attending_cache(cache)
-            kv = _update_cache(cache, stored, stored.new_empty(B, 1, L, 0), call_mask=call_mask, heads=self.n_heads,
-                               q_len=L)
+            kv = _update_cache(
+                cache, stored, stored.new_empty(B, 1, L, 0), call_mask=call_mask, heads=self.n_heads, q_len=L
+            )
             if hasattr(kv, "attend"):
                 raise _attending_cache(cache)
             kv, _, extra = _checks.cache_kv(kv)  # (B, 1, Lk, r + dr + di)
@@ -323,7 +353,7 @@ class DeepSeekSparseAttention(LatentAttention):
         r, dr = self.kv_lora_rank, self.qk_rope_head_dim
         grad = self.training and torch.is_grad_enabled()
         with torch.set_grad_enabled(grad):  # the indexer's graph serves its own loss only
-            index = self.indexer.scores(iq, iw, ik if cache is None else kv[..., r + dr:])
+            index = self.indexer.scores(iq, iw, ik if cache is None else kv[..., r + dr :])
             index = index.masked_fill(~allowed, float("-inf"))  # (B, L, Lk): hidden keys are never chosen first
         idx, chosen = _select(index.detach(), min(self.top_k, Lk))  # (B, L, K), (B, L, Lk): not differentiable
         self.last_selection = idx
@@ -342,8 +372,9 @@ class DeepSeekSparseAttention(LatentAttention):
         self.indexer_loss = self._kl(q_nope, q_rope, latent, sel, index) if grad else None
         return self.out_proj(out.transpose(1, 2).reshape(B, L, self.n_heads * self.v_head_dim))
 
-    def _absorbed_gathered(self, q_nope: Tensor, q_rope: Tensor, latent: Tensor, idx: Tensor, ok: Tensor,
-                           dropout_p: float) -> Tensor:
+    def _absorbed_gathered(
+        self, q_nope: Tensor, q_rope: Tensor, latent: Tensor, idx: Tensor, ok: Tensor, dropout_p: float
+    ) -> Tensor:
         """:meth:`LatentAttention._absorbed` over the latents ``idx (B, L, K)`` selects per query."""
         w_uk, w_uv = self._up_weights()
         q_lat = torch.einsum("bhld,hdr->bhlr", q_nope, w_uk.to(q_nope.dtype))
@@ -362,7 +393,7 @@ class DeepSeekSparseAttention(LatentAttention):
         with torch.no_grad():
             c, k_rope = latent.split((self.kv_lora_rank, self.qk_rope_head_dim), dim=-1)
             B, Lk = latent.shape[0], latent.shape[2]
-            k_nope = self.kv_b_proj(c[:, 0]).view(B, Lk, self.n_heads, -1).transpose(1, 2)[..., :self.qk_nope_head_dim]
+            k_nope = self.kv_b_proj(c[:, 0]).view(B, Lk, self.n_heads, -1).transpose(1, 2)[..., : self.qk_nope_head_dim]
             k = torch.cat((k_nope, k_rope.expand(-1, self.n_heads, -1, -1)), dim=-1)
             qf = torch.cat((q_nope, q_rope), dim=-1)
             dt = torch.promote_types(qf.dtype, torch.float32)
@@ -378,16 +409,18 @@ class DeepSeekSparseAttention(LatentAttention):
 
     def extra_repr(self) -> str:
         c = self.indexer.config
-        return (f"{super().extra_repr()}, top_k={self.top_k}, index_n_heads={c.n_heads}, "
-                f"index_head_dim={c.head_dim}")
+        return f"{super().extra_repr()}, top_k={self.top_k}, index_n_heads={c.n_heads}, index_head_dim={c.head_dim}"
 
 
 def indexer_loss(model: nn.Module) -> Tensor:
     """The sum of the ``indexer_loss`` every :class:`DeepSeekSparseAttention` in ``model`` stored on its last
     training call (add it to the language-model loss; its gradient reaches the indexers only)."""
-    losses = [m.indexer_loss for m in model.modules() if isinstance(m, DeepSeekSparseAttention)
-              and m.indexer_loss is not None]
+    losses = [
+        m.indexer_loss for m in model.modules() if isinstance(m, DeepSeekSparseAttention) and m.indexer_loss is not None
+    ]
     if not losses:
-        raise ValueError("no DeepSeekSparseAttention in the model stored an indexer loss: run a forward in "
-                         "training mode (model.train()) with gradients enabled first")
+        raise ValueError(
+            "no DeepSeekSparseAttention in the model stored an indexer loss: run a forward in "
+            "training mode (model.train()) with gradients enabled first"
+        )
     return torch.stack(losses).sum()

@@ -8,7 +8,7 @@ query and per head; it is not differentiable (the gradient flows through the att
 as in the paper).  The attention itself is one :func:`attnkit.attention` call under the mask
 ``masks.selected_blocks(choice, block=(1, block)) & causal``, so the flash backend visits only the key tiles
 some query of a tile chose; or, as the paper computes it, routed: every chosen block meets the queries that
-chose it, all such pairs in one batched call (:func:`moba_attention`).
+chose it, all such pairs in one batched call (:func:`attnkit.nn.moba.moba_attention`).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def moba_selection(q: Tensor, k: Tensor, block: int, top_k: int) -> Tensor:
         return out
     dtype = torch.promote_types(q.dtype, torch.float32)
     with torch.no_grad():
-        means = k[:, :, :nf * block].detach().to(dtype).reshape(B, Hkv, nf, block, D).mean(3)  # (B, Hkv, nf, D)
+        means = k[:, :, : nf * block].detach().to(dtype).reshape(B, Hkv, nf, block, D).mean(3)  # (B, Hkv, nf, D)
         means = means[:, :, None].transpose(-1, -2)  # (B, Hkv, 1, D, nf)
         earlier = torch.arange(nf, device=q.device) < own[:, None]  # (L, nf)
         for s in range(0, L, _SCORE_ROWS):
@@ -68,8 +68,18 @@ def moba_selection(q: Tensor, k: Tensor, block: int, top_k: int) -> Tensor:
     return out
 
 
-def moba_attention(q: Tensor, k: Tensor, v: Tensor, *, block: int, top_k: int, choice: Tensor | None = None,
-                   scale: float | None = None, softcap: float | None = None, backend: str = "auto") -> Tensor:
+def moba_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    block: int,
+    top_k: int,
+    choice: Tensor | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    backend: str = "auto",
+) -> Tensor:
     """MoBA's attention, routed as the paper computes it: ``(B, Hq, Lq, Dv)`` from ``q (B, Hq, Lq, D)``,
     ``k``, ``v (B, Hkv, Lk, D)`` (query row ``i`` at position ``i + Lk - Lq``), causal.
 
@@ -101,8 +111,10 @@ def moba_attention(q: Tensor, k: Tensor, v: Tensor, *, block: int, top_k: int, c
     past = choice[..., :-1]
     own = torch.arange(Lk - L, Lk, device=q.device) // block
     if not torch.compiler.is_compiling() and bool((past >= own[:, None]).any()):
-        raise ValueError("moba_attention: choice lists a block that does not end before the query's own block; "
-                         "its earlier-block columns must hold blocks j < position // block (or -1)")
+        raise ValueError(
+            "moba_attention: choice lists a block that does not end before the query's own block; "
+            "its earlier-block columns must hold blocks j < position // block (or -1)"
+        )
     bi, hi, ti, si = (past >= 0).nonzero(as_tuple=True)
     if bi.numel() == 0:
         return out_own
@@ -154,19 +166,26 @@ class _ContentSparse(MultiHeadAttention):
         if cache is not None:
             peek = getattr(cache, "peek", None)
             if callable(peek) and peek(k.shape[2])[1]:
-                raise ValueError(f"{type(self).__name__} needs the cached keys to choose blocks; "
-                                 f"{type(cache).__name__} computes attention itself: use a StaticCache")
-            kv = _update_cache(cache, k, v, call_mask=call_mask, heads=self.n_heads, q_len=x.shape[1],
-                               need_weights=need_weights)
+                raise ValueError(
+                    f"{type(self).__name__} needs the cached keys to choose blocks; "
+                    f"{type(cache).__name__} computes attention itself: use a StaticCache"
+                )
+            kv = _update_cache(
+                cache, k, v, call_mask=call_mask, heads=self.n_heads, q_len=x.shape[1], need_weights=need_weights
+            )
             if hasattr(kv, "attend"):
-                raise ValueError(f"{type(self).__name__} needs the cached keys to choose blocks; "
-                                 f"{type(cache).__name__} computes attention itself: use a StaticCache")
+                raise ValueError(
+                    f"{type(self).__name__} needs the cached keys to choose blocks; "
+                    f"{type(cache).__name__} computes attention itself: use a StaticCache"
+                )
             k, v, extra = _checks.cache_kv(kv)
-        return self._content_attention(x, q, k, v, bias=bias, call_mask=call_mask, extra=extra,
-                                       need_weights=need_weights)
+        return self._content_attention(
+            x, q, k, v, bias=bias, call_mask=call_mask, extra=extra, need_weights=need_weights
+        )
 
-    def _content_attention(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, *, bias, call_mask, extra,
-                           need_weights: bool) -> Tensor:
+    def _content_attention(
+        self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, *, bias, call_mask, extra, need_weights: bool
+    ) -> Tensor:
         """The layer's output ``(B, L, d_model)`` from its input ``x``, ``q (B, Hq, L, D)`` and every key and
         value ``k``, ``v (B, Hkv, Lk, D)`` (query row ``i`` at position ``i + Lk - L``)."""
         raise NotImplementedError
@@ -195,7 +214,7 @@ class MoBAAttention(_ContentSparse):
     AND-ed with :func:`attnkit.masks.causal`.  Scores are taken after the rotary embedding, as in the
     paper's drop-in replacement of the attention function.
 
-    Longer calls (training, a prefill) are routed as in the paper (:func:`moba_attention`: each chosen block
+    Longer calls (training, a prefill) are routed as in the paper (:func:`attnkit.nn.moba.moba_attention`: each chosen block
     meets the queries that chose it); with a per-call mask, a bias,
     sinks or ``routed = False`` they are one call under ``masks.selected_blocks(choice, block=(1, block)) &
     mask``.  With a KV cache, a one-token decoding step gathers the chosen blocks' keys and values and attends
@@ -217,15 +236,26 @@ class MoBAAttention(_ContentSparse):
         True
     """
 
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, *, block: int = 64,
-                 top_k: int = 8, positions=None, mask=None, **options):
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int | None = None,
+        *,
+        block: int = 64,
+        top_k: int = 8,
+        positions=None,
+        mask=None,
+        **options,
+    ):
         _Attends.__init__(self)
         self._build(AttentionConfig(d_model, n_heads, n_kv_heads, **options), positions, mask)
         self._set_selection(block, top_k)
 
     @classmethod
-    def from_config(cls, config: AttentionConfig, *, positions=None, mask=None, block: int = 64,
-                    top_k: int = 8) -> "MoBAAttention":
+    def from_config(
+        cls, config: AttentionConfig, *, positions=None, mask=None, block: int = 64, top_k: int = 8
+    ) -> "MoBAAttention":
         """The module an :class:`AttentionConfig` describes (see :meth:`MultiHeadAttention.from_config`), with
         MoBA's ``block`` and ``top_k``."""
         module = super().from_config(config, positions=positions, mask=mask)
@@ -235,8 +265,9 @@ class MoBAAttention(_ContentSparse):
     def _set_selection(self, block: int, top_k: int) -> None:
         self.block = _checks.positive_int("block", block)
         if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-            raise ValueError(f"top_k={top_k!r} must be an int >= 0 (the earlier blocks each query chooses besides "
-                             f"its own)")
+            raise ValueError(
+                f"top_k={top_k!r} must be an int >= 0 (the earlier blocks each query chooses besides its own)"
+            )
         self.top_k = top_k
         self.routed = True  # prefill/training: routed by moba_attention (False: one call under the mask)
         if self.kdim != self.d_model or self.vdim != self.d_model:
@@ -245,30 +276,57 @@ class MoBAAttention(_ContentSparse):
             self.mask = _checks.combine(_masks.causal(), self.mask)
         self._plain_causal = self.mask.is_causal("bottom_right")
 
-    def _content_attention(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, *, bias, call_mask, extra,
-                           need_weights: bool):
+    def _content_attention(
+        self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, *, bias, call_mask, extra, need_weights: bool
+    ):
         choice = moba_selection(q, k, self.block, self.top_k)
-        if q.shape[2] == 1 and bias is None and call_mask is None and extra is None and not need_weights \
-                and self._plain_causal and not (self.training and self.dropout > 0):
+        if (
+            q.shape[2] == 1
+            and bias is None
+            and call_mask is None
+            and extra is None
+            and not need_weights
+            and self._plain_causal
+            and not (self.training and self.dropout > 0)
+        ):
             return self._output(self._gathered(q, k, v, choice))
-        if self.routed and q.shape[2] > 1 and bias is None and call_mask is None and extra is None \
-                and not need_weights and self._plain_causal and self.sinks is None \
-                and not (self.training and self.dropout > 0):
+        if (
+            self.routed
+            and q.shape[2] > 1
+            and bias is None
+            and call_mask is None
+            and extra is None
+            and not need_weights
+            and self._plain_causal
+            and self.sinks is None
+            and not (self.training and self.dropout > 0)
+        ):
             return self._output(self._routed(q, k, v, choice))
         chosen = _masks.selected_blocks(choice, block=(1, self.block))
-        return self._attention(q, k, v, bias=bias, call_mask=call_mask, extra=_checks.combine(extra, chosen),
-                                  need_weights=need_weights)
+        return self._attention(
+            q, k, v, bias=bias, call_mask=call_mask, extra=_checks.combine(extra, chosen), need_weights=need_weights
+        )
 
     def _routed(self, q: Tensor, k: Tensor, v: Tensor, choice: Tensor) -> Tensor:
-        return moba_attention(q, k, v, block=self.block, top_k=self.top_k, choice=choice, scale=self._scale(),
-                              softcap=self.softcap, backend=self.backend)
+        return moba_attention(
+            q,
+            k,
+            v,
+            block=self.block,
+            top_k=self.top_k,
+            choice=choice,
+            scale=self._scale(),
+            softcap=self.softcap,
+            backend=self.backend,
+        )
 
     def _gathered(self, q: Tensor, k: Tensor, v: Tensor, choice: Tensor) -> Tensor:
         """One query per row at the last position: attention over the keys of the chosen blocks only."""
         ks, vs, valid = self._gather_blocks(k, v, choice[:, :, 0], self.block, q.shape[1])
         sk = {} if self.sinks is None else {"sinks": self.sinks}
-        return self._attend(q, ks, vs, mask=valid[:, :, None], bias=None, scale=self._scale(), softcap=self.softcap,
-                            dropout_p=0.0, **sk)
+        return self._attend(
+            q, ks, vs, mask=valid[:, :, None], bias=None, scale=self._scale(), softcap=self.softcap, dropout_p=0.0, **sk
+        )
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, block={self.block}, top_k={self.top_k}"

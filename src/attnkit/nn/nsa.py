@@ -47,8 +47,17 @@ def _compressed_visible(q_len: int, kv_len: int, n_cmp: int, block: int, stride:
     return ends[None, :] <= pos[:, None]
 
 
-def nsa_selection(q: Tensor, k_cmp: Tensor, kv_len: int, *, compress_block: int, compress_stride: int,
-                  select_block: int, select_count: int, scale: float) -> Tensor:
+def nsa_selection(
+    q: Tensor,
+    k_cmp: Tensor,
+    kv_len: int,
+    *,
+    compress_block: int,
+    compress_stride: int,
+    select_block: int,
+    select_count: int,
+    scale: float,
+) -> Tensor:
     """NSA's choice of selection blocks: ``(B, Hkv, Lq, select_count)`` long (``-1`` where fewer exist), shared
     by the query heads of each key/value head.
 
@@ -66,8 +75,9 @@ def nsa_selection(q: Tensor, k_cmp: Tensor, kv_len: int, *, compress_block: int,
     own = pos // select_block
     j = torch.arange(n_slc, device=dev)
     starts = torch.arange(n_cmp, device=dev) * compress_stride  # compressed block i covers [start, start + block)
-    overlap = (starts[:, None] < (j[None, :] + 1) * select_block) & \
-              (starts[:, None] + compress_block > j[None, :] * select_block)  # (n_cmp, n_slc)
+    overlap = (starts[:, None] < (j[None, :] + 1) * select_block) & (
+        starts[:, None] + compress_block > j[None, :] * select_block
+    )  # (n_cmp, n_slc)
     forced = torch.where(j[None, :] == own[:, None], 3.0, 0.0) + torch.where(j[None, :] == own[:, None] - 1, 2.0, 0.0)
     forced = forced + torch.where((j[None, :] == 0) & (own[:, None] > 1), 1.0, 0.0)  # (L, n_slc)
     allowed = j[None, :] <= own[:, None]
@@ -124,17 +134,38 @@ class NSAAttention(_ContentSparse):
         True
     """
 
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, *, compress_block: int = 32,
-                 compress_stride: int = 16, select_block: int = 64, select_count: int = 16, window: int = 512,
-                 positions=None, mask=None, **options):
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int | None = None,
+        *,
+        compress_block: int = 32,
+        compress_stride: int = 16,
+        select_block: int = 64,
+        select_count: int = 16,
+        window: int = 512,
+        positions=None,
+        mask=None,
+        **options,
+    ):
         _Attends.__init__(self)
         self._build(AttentionConfig(d_model, n_heads, n_kv_heads, **options), positions, mask)
         self._set_nsa(compress_block, compress_stride, select_block, select_count, window)
 
     @classmethod
-    def from_config(cls, config: AttentionConfig, *, positions=None, mask=None, compress_block: int = 32,
-                    compress_stride: int = 16, select_block: int = 64, select_count: int = 16,
-                    window: int = 512) -> "NSAAttention":
+    def from_config(
+        cls,
+        config: AttentionConfig,
+        *,
+        positions=None,
+        mask=None,
+        compress_block: int = 32,
+        compress_stride: int = 16,
+        select_block: int = 64,
+        select_count: int = 16,
+        window: int = 512,
+    ) -> "NSAAttention":
         """The module an :class:`AttentionConfig` describes (see :meth:`MultiHeadAttention.from_config`), with
         NSA's options."""
         module = super().from_config(config, positions=positions, mask=mask)
@@ -142,18 +173,27 @@ class NSAAttention(_ContentSparse):
         return module
 
     def _set_nsa(self, compress_block, compress_stride, select_block, select_count, window) -> None:
-        for name, value in (("compress_block", compress_block), ("compress_stride", compress_stride),
-                            ("select_block", select_block), ("select_count", select_count), ("window", window)):
+        for name, value in (
+            ("compress_block", compress_block),
+            ("compress_stride", compress_stride),
+            ("select_block", select_block),
+            ("select_count", select_count),
+            ("window", window),
+        ):
             _checks.positive_int(name, value)
         for name, value in (("compress_block", compress_block), ("select_block", select_block)):
             if value % compress_stride:
-                raise ValueError(f"{name}={value} must be a multiple of compress_stride={compress_stride} (NSA maps "
-                                 f"compressed blocks onto selection blocks in steps of the stride)")
+                raise ValueError(
+                    f"{name}={value} must be a multiple of compress_stride={compress_stride} (NSA maps "
+                    f"compressed blocks onto selection blocks in steps of the stride)"
+                )
         if self.kdim != self.d_model or self.vdim != self.d_model:
             raise ValueError("NSAAttention is self-attention: kdim and vdim must equal d_model")
         if self.positions is not None and not isinstance(self.positions, RotaryEmbedding):
-            raise ValueError(f"NSAAttention takes rotary positions or none, got {type(self.positions).__name__}: the "
-                             f"compressed keys have no single position for a score bias")
+            raise ValueError(
+                f"NSAAttention takes rotary positions or none, got {type(self.positions).__name__}: the "
+                f"compressed keys have no single position for a score bias"
+            )
         self.compress_block, self.compress_stride = compress_block, compress_stride
         self.select_block, self.select_count, self.window = select_block, select_count, window
         self.routed = True  # the selected branch through moba_attention (False: one call under the mask)
@@ -181,11 +221,14 @@ class NSAAttention(_ContentSparse):
         vb = v.unfold(2, lb, st).transpose(-1, -2)
         return self.compress_k((kb + self.pos_k).flatten(-2)), self.compress_v((vb + self.pos_v).flatten(-2))
 
-    def _content_attention(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, *, bias, call_mask, extra,
-                           need_weights: bool):
+    def _content_attention(
+        self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, *, bias, call_mask, extra, need_weights: bool
+    ):
         if call_mask is not None or extra is not None:
-            raise ValueError("NSAAttention takes no per-call mask (its compressed branch attends to blocks, not "
-                             "tokens): pass mask=None and a cache that adds none (StaticCache)")
+            raise ValueError(
+                "NSAAttention takes no per-call mask (its compressed branch attends to blocks, not "
+                "tokens): pass mask=None and a cache that adds none (StaticCache)"
+            )
         if need_weights:
             raise ValueError("need_weights=True is not available with NSAAttention (three attentions are mixed)")
         B, Hq, L, _ = q.shape
@@ -197,8 +240,16 @@ class NSAAttention(_ContentSparse):
         kc, vc = self.compress(k, v)
         n_cmp = kc.shape[2]
         visible = _compressed_visible(L, Lk, n_cmp, self.compress_block, self.compress_stride, q.device)
-        choice = nsa_selection(q, kc, Lk, compress_block=self.compress_block, compress_stride=self.compress_stride,
-                               select_block=self.select_block, select_count=self.select_count, scale=scale)
+        choice = nsa_selection(
+            q,
+            kc,
+            Lk,
+            compress_block=self.compress_block,
+            compress_stride=self.compress_stride,
+            select_block=self.select_block,
+            select_count=self.select_count,
+            scale=scale,
+        )
         choice = choice.repeat_interleave(Hq // Hkv, dim=1)  # (B, Hq, L, n): one choice per group
         decoding = L == 1 and self._plain_causal
         if n_cmp == 0:
@@ -213,8 +264,17 @@ class NSAAttention(_ContentSparse):
         elif self.routed and self._plain_causal and self.sinks is None and dropout_p == 0:
             # the own block is the first choice (it scores highest): moba_attention takes it last
             own_last = torch.cat([choice[..., 1:], choice[..., :1]], dim=-1)
-            o_slc = moba_attention(q, k, v, block=self.select_block, top_k=self.select_count - 1, choice=own_last,
-                                   scale=scale, softcap=self.softcap, backend=self.backend)
+            o_slc = moba_attention(
+                q,
+                k,
+                v,
+                block=self.select_block,
+                top_k=self.select_count - 1,
+                choice=own_last,
+                scale=scale,
+                softcap=self.softcap,
+                backend=self.backend,
+            )
             o_win = self._attend(q, k, v, mask=self.mask & _masks.sliding_window(self.window - 1), **att)
         else:
             chosen = self.mask & _masks.selected_blocks(choice, block=(1, self.select_block))
@@ -224,6 +284,8 @@ class NSAAttention(_ContentSparse):
         return self._output(out)
 
     def extra_repr(self) -> str:
-        return (f"{super().extra_repr()}, compress_block={self.compress_block}, compress_stride="
-                f"{self.compress_stride}, select_block={self.select_block}, select_count={self.select_count}, "
-                f"window={self.window}")
+        return (
+            f"{super().extra_repr()}, compress_block={self.compress_block}, compress_stride="
+            f"{self.compress_stride}, select_block={self.select_block}, select_count={self.select_count}, "
+            f"window={self.window}"
+        )

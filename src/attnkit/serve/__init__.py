@@ -14,5 +14,13 @@ from ._async import AsyncEngine, Delta, Overloaded, RequestStream
 from ._metrics import Metrics
 from ._model import ServedModel, load_model_dir, make_demo_model
 
-__all__ = ["AsyncEngine", "RequestStream", "Delta", "Overloaded", "Metrics", "ServedModel", "load_model_dir",
-           "make_demo_model"]
+__all__ = [
+    "AsyncEngine",
+    "RequestStream",
+    "Delta",
+    "Overloaded",
+    "Metrics",
+    "ServedModel",
+    "load_model_dir",
+    "make_demo_model",
+]

@@ -49,8 +49,9 @@ class RequestStream:
     """The token stream of one request: iterate it (``for`` or ``async for``) for :class:`Delta` s until the
     one with a ``finish_reason``.  ``tokens`` holds every token delivered so far."""
 
-    def __init__(self, owner: "AsyncEngine", prompt: list[int], max_new_tokens: int, eos_ids: tuple[int, ...],
-                 logprobs: bool):
+    def __init__(
+        self, owner: "AsyncEngine", prompt: list[int], max_new_tokens: int, eos_ids: tuple[int, ...], logprobs: bool
+    ):
         self._owner = owner
         self.prompt = prompt
         self.max_new_tokens = max_new_tokens
@@ -112,8 +113,10 @@ class RequestStream:
 
     def __aiter__(self):
         if self._loop is None:
-            raise RuntimeError("this stream was submitted outside an asyncio loop: iterate it with `for`, or "
-                               "submit it with `await engine.asubmit(...)` inside the loop")
+            raise RuntimeError(
+                "this stream was submitted outside an asyncio loop: iterate it with `for`, or "
+                "submit it with `await engine.asubmit(...)` inside the loop"
+            )
         return self
 
     async def __anext__(self) -> Delta:
@@ -166,8 +169,9 @@ class AsyncEngine:
     def __init__(self, engine: Engine, *, max_waiting: int | None = None, metrics: Metrics | None = None):
         if not isinstance(engine, Engine):
             raise TypeError(f"engine must be an attnkit.Engine, got {type(engine).__name__}")
-        if max_waiting is not None and (isinstance(max_waiting, bool) or not isinstance(max_waiting, int)
-                                        or max_waiting < 0):
+        if max_waiting is not None and (
+            isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0
+        ):
             raise ValueError(f"max_waiting={max_waiting!r} must be an int >= 0 or None (no limit)")
         self.engine = engine
         self.max_waiting = max_waiting
@@ -204,16 +208,23 @@ class AsyncEngine:
     def _queue_add(self, prompt, max_new_tokens, sampling):
         eos = sampling.get("eos_id")
         eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
-        tokens = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt) if isinstance(prompt, (list, tuple)) \
+        tokens = (
+            prompt.tolist()
+            if hasattr(prompt, "tolist")
+            else list(prompt)
+            if isinstance(prompt, (list, tuple))
             else prompt
+        )
         stream = RequestStream(self, tokens, max_new_tokens, eos_ids, sampling.get("logprobs") is not None)
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if self._closing:
                 raise RuntimeError("AsyncEngine is closed: no more requests")
             if self.max_waiting is not None and self._snapshot["waiting"] + self._pending_adds >= self.max_waiting:
-                raise Overloaded(f"{self._snapshot['waiting'] + self._pending_adds} requests wait already "
-                                 f"(max_waiting={self.max_waiting}): try again later")
+                raise Overloaded(
+                    f"{self._snapshot['waiting'] + self._pending_adds} requests wait already "
+                    f"(max_waiting={self.max_waiting}): try again later"
+                )
             self._pending_adds += 1
             self._commands.append(("add", stream, (prompt, max_new_tokens, sampling), future))
         self._wake.set()
@@ -287,7 +298,7 @@ class AsyncEngine:
             prompt, max_new_tokens, sampling = args
             try:
                 rid = self.engine.add(prompt, max_new_tokens, **sampling)
-            except BaseException as e:  # bad arguments: raised in the caller's thread
+            except BaseException as e:  # noqa: BLE001  (bad arguments, re-raised in the caller's thread)
                 with self._lock:
                     self._pending_adds -= 1
                 future.set_exception(e)
@@ -326,7 +337,7 @@ class AsyncEngine:
             lps = []
             if stream.wants_logprobs:
                 have = len(stream.tokens)
-                lps = list(engine.token_logprobs(rid)[have:have + len(toks)])
+                lps = list(engine.token_logprobs(rid)[have : have + len(toks)])
             if rid in engine.results:
                 out = engine.take(rid)
                 stopped = len(out) < stream.max_new_tokens or (out and out[-1] in stream.eos_ids)
@@ -334,8 +345,9 @@ class AsyncEngine:
             else:
                 stream._put(Delta(toks, lps))
 
-    def _finish(self, rid: int, stream: RequestStream, reason: str, *, tokens=(), logprobs=(),
-                error: str | None = None) -> None:
+    def _finish(
+        self, rid: int, stream: RequestStream, reason: str, *, tokens=(), logprobs=(), error: str | None = None
+    ) -> None:
         self._live.pop(rid, None)
         with self._lock:
             self.finished[reason] = self.finished.get(reason, 0) + 1
@@ -344,8 +356,12 @@ class AsyncEngine:
 
     def _refresh(self, added: bool = False) -> None:
         engine = self.engine
-        snap = {"running": len(engine.running), "waiting": len(engine.waiting),
-                "blocks_used": engine.cache.stats()["blocks_used"], "blocks_total": engine.cache.num_blocks}
+        snap = {
+            "running": len(engine.running),
+            "waiting": len(engine.waiting),
+            "blocks_used": engine.cache.stats()["blocks_used"],
+            "blocks_total": engine.cache.num_blocks,
+        }
         with self._lock:
             self._snapshot = snap
             if added:
@@ -361,7 +377,7 @@ class AsyncEngine:
             self._closing = True
             dropped = list(self._commands)
             self._commands.clear()
-        for kind, stream, _, future in dropped:  # (a command queued after the worker's last look)
+        for kind, _stream, _, future in dropped:  # (a command queued after the worker's last look)
             if kind == "add":
                 with self._lock:
                     self._pending_adds -= 1
@@ -377,5 +393,7 @@ class AsyncEngine:
 
     def __repr__(self) -> str:
         s = self.stats()
-        return (f"AsyncEngine({s['running']} running, {s['waiting']} waiting, {s['blocks_used']}/"
-                f"{s['blocks_total']} blocks, {self.submitted} submitted)")
+        return (
+            f"AsyncEngine({s['running']} running, {s['waiting']} waiting, {s['blocks_used']}/"
+            f"{s['blocks_total']} blocks, {self.submitted} submitted)"
+        )

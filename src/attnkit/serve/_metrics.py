@@ -14,8 +14,27 @@ __all__ = ["Metrics", "Histogram"]
 
 # bucket upper bounds in seconds (the +Inf bucket is implicit)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
-               0.75, 1.0, 2.5)
+ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+)
 
 
 class Histogram:
@@ -112,24 +131,40 @@ class Metrics:
                     lines.append(f"{p}_{name}{suffix}{lab} {_value(value)}")
 
             s = self.state
-            metric("requests_running", "gauge", "Requests being decoded in the running batch.",
-                   [("", {}, s["running"])])
-            metric("requests_waiting", "gauge", "Requests queued for a slot in the running batch.",
-                   [("", {}, s["waiting"])])
-            metric("kv_blocks_used", "gauge", "KV cache blocks held by running requests.",
-                   [("", {}, s["blocks_used"])])
+            metric(
+                "requests_running", "gauge", "Requests being decoded in the running batch.", [("", {}, s["running"])]
+            )
+            metric(
+                "requests_waiting",
+                "gauge",
+                "Requests queued for a slot in the running batch.",
+                [("", {}, s["waiting"])],
+            )
+            metric("kv_blocks_used", "gauge", "KV cache blocks held by running requests.", [("", {}, s["blocks_used"])])
             metric("kv_blocks_total", "gauge", "KV cache blocks in the pool.", [("", {}, s["blocks_total"])])
-            metric("prompt_tokens_total", "counter", "Prompt tokens of the requests accepted.",
-                   [("", {}, self.prompt_tokens)])
+            metric(
+                "prompt_tokens_total",
+                "counter",
+                "Prompt tokens of the requests accepted.",
+                [("", {}, self.prompt_tokens)],
+            )
             metric("generation_tokens_total", "counter", "Tokens generated.", [("", {}, self.generation_tokens)])
-            metric("requests_finished_total", "counter", "Requests ended, by finish reason (stop, length, abort, "
-                   "error).", [("", {"finish_reason": k}, v) for k, v in sorted(self.finished.items())])
-            metric("requests_rejected_total", "counter", "Requests refused before queueing, by reason.",
-                   [("", {"reason": k}, v) for k, v in sorted(self.rejected.items())])
-            for name, h, help_ in (("time_to_first_token_seconds", self.ttft,
-                                    "Seconds from a request's arrival to its first token."),
-                                   ("inter_token_latency_seconds", self.itl,
-                                    "Seconds between two consecutive tokens of a request.")):
+            metric(
+                "requests_finished_total",
+                "counter",
+                "Requests ended, by finish reason (stop, length, abort, error).",
+                [("", {"finish_reason": k}, v) for k, v in sorted(self.finished.items())],
+            )
+            metric(
+                "requests_rejected_total",
+                "counter",
+                "Requests refused before queueing, by reason.",
+                [("", {"reason": k}, v) for k, v in sorted(self.rejected.items())],
+            )
+            for name, h, help_ in (
+                ("time_to_first_token_seconds", self.ttft, "Seconds from a request's arrival to its first token."),
+                ("inter_token_latency_seconds", self.itl, "Seconds between two consecutive tokens of a request."),
+            ):
                 cum = h.cumulative()
                 samples = [("_bucket", {"le": _value(b)}, c) for b, c in zip(h.bounds, cum)]
                 samples += [("_bucket", {"le": "+Inf"}, cum[-1]), ("_sum", {}, h.sum), ("_count", {}, h.count)]

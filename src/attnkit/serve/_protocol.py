@@ -22,8 +22,15 @@ MAX_STOPS = 8
 class ApiError(Exception):
     """An error answered as OpenAI's error JSON with HTTP ``status``."""
 
-    def __init__(self, message: str, param: str | None = None, *, status: int = 400,
-                 type_: str = "invalid_request_error", code: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        *,
+        status: int = 400,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.message, self.param, self.status, self.type, self.code = message, param, status, type_, code
 
@@ -76,8 +83,16 @@ def _int(body: dict, name: str, *, low: int | None = None, high: int | None = No
     return x
 
 
-def _number(body: dict, name: str, *, low: float | None = None, high: float | None = None, low_open: bool = False,
-            default=None, why: str = ""):
+def _number(
+    body: dict,
+    name: str,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    default=None,
+    why: str = "",
+):
     x = body.get(name)
     if x is None:
         return default
@@ -133,11 +148,37 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
     return out
 
 
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-           "repetition_penalty", "logit_bias", "stop", "seed", "n", "stream", "stream_options", "user", "logprobs"}
+_COMMON = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "stop",
+    "seed",
+    "n",
+    "stream",
+    "stream_options",
+    "user",
+    "logprobs",
+}
 _UNSUPPORTED = {  # field -> the value it may have here (its default)
-    "echo": False, "suffix": None, "tools": None, "tool_choice": None, "functions": None, "function_call": None,
-    "parallel_tool_calls": None, "audio": None, "modalities": None, "prediction": None, "web_search_options": None,
+    "echo": False,
+    "suffix": None,
+    "tools": None,
+    "tool_choice": None,
+    "functions": None,
+    "function_call": None,
+    "parallel_tool_calls": None,
+    "audio": None,
+    "modalities": None,
+    "prediction": None,
+    "web_search_options": None,
 }
 
 
@@ -145,8 +186,9 @@ def _refuse_unknown(body: dict, allowed: set[str]) -> None:
     for name, value in body.items():
         if name in _UNSUPPORTED:
             if value not in (_UNSUPPORTED[name], None):
-                raise ApiError(f"{name}={value!r:.80} is not supported by this server (attnkit generates plain "
-                               f"text)", name)
+                raise ApiError(
+                    f"{name}={value!r:.80} is not supported by this server (attnkit generates plain text)", name
+                )
         elif name not in allowed:
             raise ApiError(f"Unrecognized request argument supplied: {name}", name)
 
@@ -160,20 +202,37 @@ def _common(body: dict, ctx, allowed: set[str], chat: bool) -> GenerationRequest
     if not isinstance(model, str):
         raise ApiError(f"model={model!r:.80} must be a string naming the model (GET /v1/models lists it)", "model")
     if model != ctx.name:
-        raise ApiError(f"The model {model!r} does not exist: this server serves {ctx.name!r}", "model", status=404,
-                       code="model_not_found")
+        raise ApiError(
+            f"The model {model!r} does not exist: this server serves {ctx.name!r}",
+            "model",
+            status=404,
+            code="model_not_found",
+        )
     limit_field = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, limit_field, low=1)
     sampling = {
         "temperature": _number(body, "temperature", low=0.0, default=1.0, why=" (0 is greedy)"),
         "top_p": _number(body, "top_p", low=0.0, high=1.0, low_open=True),
         "min_p": _number(body, "min_p", low=0.0, high=1.0),
-        "presence_penalty": _number(body, "presence_penalty", low=-2.0, high=2.0, default=0.0,
-                                    why=" (OpenAI's range; below 0 rewards repeating a token)"),
-        "frequency_penalty": _number(body, "frequency_penalty", low=-2.0, high=2.0, default=0.0,
-                                     why=" (OpenAI's range; below 0 rewards repeating a token)"),
-        "repetition_penalty": _number(body, "repetition_penalty", low=0.0, low_open=True, default=1.0,
-                                      why=" (1 is no penalty)"),
+        "presence_penalty": _number(
+            body,
+            "presence_penalty",
+            low=-2.0,
+            high=2.0,
+            default=0.0,
+            why=" (OpenAI's range; below 0 rewards repeating a token)",
+        ),
+        "frequency_penalty": _number(
+            body,
+            "frequency_penalty",
+            low=-2.0,
+            high=2.0,
+            default=0.0,
+            why=" (OpenAI's range; below 0 rewards repeating a token)",
+        ),
+        "repetition_penalty": _number(
+            body, "repetition_penalty", low=0.0, low_open=True, default=1.0, why=" (1 is no penalty)"
+        ),
         "logit_bias": _logit_bias(body, ctx.vocab_size),
         "seed": _int(body, "seed"),
     }
@@ -185,16 +244,18 @@ def _common(body: dict, ctx, allowed: set[str], chat: bool) -> GenerationRequest
     include_usage = False
     if options is not None:
         if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
-            raise ApiError(f"stream_options={options!r:.80} must be an object like {{\"include_usage\": true}}",
-                           "stream_options")
+            raise ApiError(
+                f'stream_options={options!r:.80} must be an object like {{"include_usage": true}}', "stream_options"
+            )
         if not stream:
             raise ApiError("stream_options is only allowed with stream=true", "stream_options")
         include_usage = _bool(options, "include_usage")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise ApiError(f"user={user!r:.80} must be a string", "user")
-    return GenerationRequest(model, [], max_tokens, sampling, _stop(body), n, stream, include_usage, chat=chat,
-                             max_tokens_field=limit_field)
+    return GenerationRequest(
+        model, [], max_tokens, sampling, _stop(body), n, stream, include_usage, chat=chat, max_tokens_field=limit_field
+    )
 
 
 def parse_completion(body, ctx) -> GenerationRequest:
@@ -212,12 +273,18 @@ def parse_completion(body, ctx) -> GenerationRequest:
         prompts = list(prompt)
     elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         prompts = [list(prompt)]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) and p and all(_is_int(t) for t in p)
-                                                     for p in prompt):
+    elif (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt)
+    ):
         prompts = [list(p) for p in prompt]
     else:
-        raise ApiError(f"prompt={prompt!r:.80} must be a non-empty string, a list of strings, a list of token ids "
-                       f"or a list of such lists", "prompt")
+        raise ApiError(
+            f"prompt={prompt!r:.80} must be a non-empty string, a list of strings, a list of token ids "
+            f"or a list of such lists",
+            "prompt",
+        )
     out = []
     for p in prompts:
         ids = ctx.encode(p) if isinstance(p, str) else p
@@ -236,14 +303,17 @@ def _message_text(i: int, m) -> tuple[str, str]:
         raise ApiError(f"messages[{i}] must be an object with 'role' and 'content'", "messages")
     role, content = m.get("role"), m.get("content")
     if role not in ("system", "developer", "user", "assistant"):
-        raise ApiError(f"messages[{i}].role={role!r:.40} must be 'system', 'developer', 'user' or 'assistant'",
-                       "messages")
+        raise ApiError(
+            f"messages[{i}].role={role!r:.40} must be 'system', 'developer', 'user' or 'assistant'", "messages"
+        )
     if isinstance(content, list):  # content parts: only text ones
         texts = []
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(f"messages[{i}].content[{j}] must be {{\"type\": \"text\", \"text\": ...}} (this "
-                               f"server takes text only)", "messages")
+                raise ApiError(
+                    f'messages[{i}].content[{j}] must be {{"type": "text", "text": ...}} (this server takes text only)',
+                    "messages",
+                )
             texts.append(part["text"])
         content = "".join(texts)
     if not isinstance(content, str):
@@ -254,12 +324,14 @@ def _message_text(i: int, m) -> tuple[str, str]:
 def parse_chat(body, ctx) -> GenerationRequest:
     """``POST /v1/chat/completions``: ``messages`` rendered with the tokenizer's chat template; ``logprobs``
     true or false with ``top_logprobs`` alternatives."""
-    req = _common(body, ctx, _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format"},
-                  chat=True)
+    req = _common(
+        body, ctx, _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format"}, chat=True
+    )
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
-        raise ApiError(f"response_format={fmt!r:.80} is not supported by this server (only {{\"type\": \"text\"}})",
-                       "response_format")
+        raise ApiError(
+            f'response_format={fmt!r:.80} is not supported by this server (only {{"type": "text"}})', "response_format"
+        )
     wants = _bool(body, "logprobs")
     top = _int(body, "top_logprobs", low=0, high=MAX_TOP_LOGPROBS)
     if top is not None and not wants:

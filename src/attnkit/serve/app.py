@@ -5,7 +5,7 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (the tokenizer's
 /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).  Streaming answers are server-sent events in
 OpenAI's chunk format ending with ``data: [DONE]``.  A client that disconnects has its requests aborted at once
 (their KV blocks go back to the pool).  Bad requests are answered with OpenAI's error JSON naming the field
-(:mod:`attnkit.serve._protocol`); a full waiting queue with 503.
+(``attnkit.serve._protocol``); a full waiting queue with 503.
 
 Example (a server in a background thread, called with the ``openai`` client)::
 
@@ -39,8 +39,9 @@ try:
     from starlette.responses import JSONResponse, PlainTextResponse
     from starlette.routing import Route
 except ImportError as e:  # pragma: no cover (a plain install)
-    raise ImportError(f"attnkit.serve.app needs the serve extra ({e.name} is missing): pip install "
-                      f"'attnkit[serve]'") from None
+    raise ImportError(
+        f"attnkit.serve.app needs the serve extra ({e.name} is missing): pip install 'attnkit[serve]'"
+    ) from None
 
 from ..engine import Engine
 from ._async import AsyncEngine, Overloaded, RequestStream
@@ -70,8 +71,11 @@ class _Context:
 
     def chat_encode(self, messages: list[dict]) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
-            raise ApiError(f"the model {self.name!r} has no chat template (tokenizer_config.json's chat_template): "
-                           f"use /v1/completions", "messages")
+            raise ApiError(
+                f"the model {self.name!r} has no chat template (tokenizer_config.json's chat_template): "
+                f"use /v1/completions",
+                "messages",
+            )
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
@@ -96,7 +100,7 @@ class _Text:
         hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
         if hits:
             end = max(min(hits), self.sent)
-            out, self.sent = text[self.sent:end], end
+            out, self.sent = text[self.sent : end], end
             self.text = text[:end]
             return out, True
         end = len(text)
@@ -109,7 +113,7 @@ class _Text:
                         end = min(end, len(text) - k)
                         break
         end = max(end, self.sent)
-        out, self.sent = text[self.sent:end], end
+        out, self.sent = text[self.sent : end], end
         self.text = text[:end]
         return out, False
 
@@ -121,8 +125,12 @@ def _completion_logprobs(ctx: _Context, lps, offset: int) -> dict:
     for t in tokens:
         offsets.append(at)
         at += len(t)
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{ctx.piece(t): v for t, v in lp.top} for lp in lps], "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{ctx.piece(t): v for t, v in lp.top} for lp in lps],
+        "text_offset": offsets,
+    }
 
 
 def _chat_logprobs(ctx: _Context, lps) -> dict:
@@ -130,8 +138,7 @@ def _chat_logprobs(ctx: _Context, lps) -> dict:
         s = ctx.piece(t)
         return {"token": s, "logprob": v, "bytes": list(s.encode())}
 
-    return {"content": [dict(entry(lp.token, lp.logprob), top_logprobs=[entry(t, v) for t, v in lp.top])
-                        for lp in lps]}
+    return {"content": [dict(entry(lp.token, lp.logprob), top_logprobs=[entry(t, v) for t, v in lp.top]) for lp in lps]}
 
 
 # ------------------------------------------------------------------------------ requests
@@ -148,9 +155,20 @@ class _Handler:
     # ---------------------------------------------------------------- plain routes
 
     async def models(self, request: Request):
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.ctx.name, "object": "model", "created": self.created, "owned_by": "attnkit",
-             "max_model_len": self.ctx.max_context}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.ctx.name,
+                        "object": "model",
+                        "created": self.created,
+                        "owned_by": "attnkit",
+                        "max_model_len": self.ctx.max_context,
+                    }
+                ],
+            }
+        )
 
     async def health(self, request: Request):
         return JSONResponse({"status": "ok"})
@@ -187,15 +205,19 @@ class _Handler:
     def _max_tokens(self, req: GenerationRequest, prompt: list[int]) -> int:
         room = self.ctx.max_context - len(prompt)
         if room < 1:
-            raise ApiError(f"the prompt is {len(prompt)} tokens, and the model's context is {self.ctx.max_context}: "
-                           f"shorten it", "messages" if req.chat else "prompt")
+            raise ApiError(
+                f"the prompt is {len(prompt)} tokens, and the model's context is {self.ctx.max_context}: shorten it",
+                "messages" if req.chat else "prompt",
+            )
         if req.max_tokens is None:  # the rest of the context, as far as the block pool holds it
             cache = self.engine.engine.cache
             return max(1, min(room, cache.num_blocks * cache.block_size - len(prompt)))
         if req.max_tokens > room:
-            raise ApiError(f"max_tokens={req.max_tokens} plus the prompt's {len(prompt)} tokens is beyond the "
-                           f"model's context of {self.ctx.max_context}: ask for at most {room}",
-                           req.max_tokens_field)
+            raise ApiError(
+                f"max_tokens={req.max_tokens} plus the prompt's {len(prompt)} tokens is beyond the "
+                f"model's context of {self.ctx.max_context}: ask for at most {room}",
+                req.max_tokens_field,
+            )
         return req.max_tokens
 
     async def _submit(self, req: GenerationRequest, limits: list[int]) -> list[RequestStream]:
@@ -206,9 +228,15 @@ class _Handler:
                     sampling = dict(req.sampling)
                     if sampling["seed"] is not None:
                         sampling["seed"] += j  # n choices from one seed differ, and repeat with it
-                    streams.append(await self.engine.asubmit(
-                        prompt, limit, eos_id=list(self.ctx.served.eos_ids) or None, logprobs=req.logprobs,
-                        **sampling))
+                    streams.append(
+                        await self.engine.asubmit(
+                            prompt,
+                            limit,
+                            eos_id=list(self.ctx.served.eos_ids) or None,
+                            logprobs=req.logprobs,
+                            **sampling,
+                        )
+                    )
         except Overloaded as e:
             for s in streams:
                 s.abort()
@@ -245,27 +273,52 @@ class _Handler:
                 lps += lp
                 reason = r or reason
             if req.chat:
-                choice = {"index": i, "message": {"role": "assistant", "content": text.text},
-                          "logprobs": _chat_logprobs(self.ctx, lps) if req.logprobs is not None else None,
-                          "finish_reason": reason}
+                choice = {
+                    "index": i,
+                    "message": {"role": "assistant", "content": text.text},
+                    "logprobs": _chat_logprobs(self.ctx, lps) if req.logprobs is not None else None,
+                    "finish_reason": reason,
+                }
             else:
-                choice = {"index": i, "text": text.text,
-                          "logprobs": _completion_logprobs(self.ctx, lps, 0) if req.logprobs is not None else None,
-                          "finish_reason": reason}
+                choice = {
+                    "index": i,
+                    "text": text.text,
+                    "logprobs": _completion_logprobs(self.ctx, lps, 0) if req.logprobs is not None else None,
+                    "finish_reason": reason,
+                }
             choices.append(choice)
         kind = "chat.completion" if req.chat else "text_completion"
-        return {"id": _new_id(req), "object": kind, "created": int(time.time()), "model": self.ctx.name,
-                "choices": choices, "usage": self._usage(req, streams)}
+        return {
+            "id": _new_id(req),
+            "object": kind,
+            "created": int(time.time()),
+            "model": self.ctx.name,
+            "choices": choices,
+            "usage": self._usage(req, streams),
+        }
 
     async def _chunks(self, req: GenerationRequest, streams: list[RequestStream]):
         """The streamed chunks (dicts), then ``[DONE]``; choices one after another."""
-        head = {"id": _new_id(req), "object": "chat.completion.chunk" if req.chat else "text_completion",
-                "created": int(time.time()), "model": self.ctx.name}
+        head = {
+            "id": _new_id(req),
+            "object": "chat.completion.chunk" if req.chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.ctx.name,
+        }
         for i, stream in enumerate(streams):
             text = _Text(self.ctx.tokenizer, req.stop)
             if req.chat:
-                yield dict(head, choices=[{"index": i, "delta": {"role": "assistant", "content": ""},
-                                           "logprobs": None, "finish_reason": None}])
+                yield dict(
+                    head,
+                    choices=[
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                )
             offset = 0
             try:
                 async for piece, lps, reason in self._choice(stream, text):
@@ -276,8 +329,7 @@ class _Handler:
                         lp = _chat_logprobs(self.ctx, lps) if req.logprobs is not None and lps else None
                         choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
                     else:
-                        lp = _completion_logprobs(self.ctx, lps, offset) if req.logprobs is not None and lps \
-                            else None
+                        lp = _completion_logprobs(self.ctx, lps, offset) if req.logprobs is not None and lps else None
                         choice = {"index": i, "text": piece, "logprobs": lp, "finish_reason": reason}
                     offset += len(piece)
                     yield dict(head, choices=[choice])
@@ -312,9 +364,17 @@ class _EventStream:
         self.chunks, self.streams, self.receive = chunks, streams, receive
 
     async def __call__(self, scope, receive, send):
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                                (b"x-accel-buffering", b"no")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"text/event-stream; charset=utf-8"),
+                    (b"cache-control", b"no-cache"),
+                    (b"x-accel-buffering", b"no"),
+                ],
+            }
+        )
         watcher = asyncio.create_task(_abort_on_disconnect(self.receive, self.streams))
         try:
             async for chunk in self.chunks:
@@ -341,14 +401,18 @@ def _guarded(fn):
             return JSONResponse(e.body(), status_code=e.status)
         except Exception as e:  # never let one request take the server down
             log.exception("internal error answering %s %s", request.method, request.url.path)
-            return JSONResponse(error_body(f"internal server error: {type(e).__name__}", "server_error"),
-                                status_code=500)
+            return JSONResponse(
+                error_body(f"internal server error: {type(e).__name__}", "server_error"), status_code=500
+            )
+
     return endpoint
 
 
 async def _http_error(request: Request, exc: HTTPException):
-    return JSONResponse(error_body(f"{request.method} {request.url.path}: {exc.detail}", "invalid_request_error"),
-                        status_code=exc.status_code)
+    return JSONResponse(
+        error_body(f"{request.method} {request.url.path}: {exc.detail}", "invalid_request_error"),
+        status_code=exc.status_code,
+    )
 
 
 def build_app(served: ServedModel, engine: AsyncEngine) -> Starlette:
@@ -361,18 +425,32 @@ def build_app(served: ServedModel, engine: AsyncEngine) -> Starlette:
         yield
         await asyncio.to_thread(engine.close)
 
-    routes = [Route("/v1/completions", _guarded(h.completions), methods=["POST"]),
-              Route("/v1/chat/completions", _guarded(h.chat), methods=["POST"]),
-              Route("/v1/models", _guarded(h.models), methods=["GET"]),
-              Route("/health", _guarded(h.health), methods=["GET"]),
-              Route("/metrics", _guarded(h.metrics), methods=["GET"])]
+    routes = [
+        Route("/v1/completions", _guarded(h.completions), methods=["POST"]),
+        Route("/v1/chat/completions", _guarded(h.chat), methods=["POST"]),
+        Route("/v1/models", _guarded(h.models), methods=["GET"]),
+        Route("/health", _guarded(h.health), methods=["GET"]),
+        Route("/metrics", _guarded(h.metrics), methods=["GET"]),
+    ]
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
 
 
-def _engine_for(served: ServedModel, *, cache_blocks: int, block_size: int, max_batch: int,
-                max_batched_tokens: int | None, max_waiting: int | None) -> AsyncEngine:
-    engine = Engine(served.model, cache_blocks=cache_blocks, block_size=block_size, max_batch=max_batch,
-                    max_batched_tokens=max_batched_tokens)
+def _engine_for(
+    served: ServedModel,
+    *,
+    cache_blocks: int,
+    block_size: int,
+    max_batch: int,
+    max_batched_tokens: int | None,
+    max_waiting: int | None,
+) -> AsyncEngine:
+    engine = Engine(
+        served.model,
+        cache_blocks=cache_blocks,
+        block_size=block_size,
+        max_batch=max_batch,
+        max_batched_tokens=max_batched_tokens,
+    )
     return AsyncEngine(engine, max_waiting=max_waiting)
 
 
@@ -407,12 +485,13 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def _config(app, log_level: str, graceful_s: float) -> "uvicorn.Config":
-    return uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=graceful_s,
-                          access_log=log_level == "debug")
+    return uvicorn.Config(
+        app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=graceful_s, access_log=log_level == "debug"
+    )
 
 
 class RunningServer:
-    """A server running in a background thread (for tests and notebooks): ``url``, ``engine``, :meth:`stop`
+    """A server running in a background thread (for tests and notebooks): ``url``, ``engine``, ``stop()``
     (also on leaving a ``with`` block)."""
 
     def __init__(self, app, engine: AsyncEngine, host: str, port: int, log_level: str, graceful_s: float):
@@ -421,8 +500,9 @@ class RunningServer:
         self.host, self.port = host, self._sock.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
         self._server = _Server(_config(app, log_level, graceful_s), engine)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
-                                        name="attnkit-serve", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]}, name="attnkit-serve", daemon=True
+        )
         self._thread.start()
         deadline = time.monotonic() + 60
         while not self._server.started:
@@ -445,28 +525,62 @@ class RunningServer:
         self.stop()
 
 
-def start_server(served: ServedModel, *, host: str = "127.0.0.1", port: int = 0, cache_blocks: int = 256,
-                 block_size: int = 16, max_batch: int = 16, max_batched_tokens: int | None = None,
-                 max_waiting: int | None = 256, log_level: str = "warning", graceful_s: float = 5.0) -> RunningServer:
+def start_server(
+    served: ServedModel,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    cache_blocks: int = 256,
+    block_size: int = 16,
+    max_batch: int = 16,
+    max_batched_tokens: int | None = None,
+    max_waiting: int | None = 256,
+    log_level: str = "warning",
+    graceful_s: float = 5.0,
+) -> RunningServer:
     """Serve ``served`` from a background thread (``port=0``: a free port; see ``server.url``) until
     ``server.stop()``.  The Engine arguments are :class:`attnkit.Engine`'s; ``max_waiting`` bounds the queue."""
-    engine = _engine_for(served, cache_blocks=cache_blocks, block_size=block_size, max_batch=max_batch,
-                         max_batched_tokens=max_batched_tokens, max_waiting=max_waiting)
+    engine = _engine_for(
+        served,
+        cache_blocks=cache_blocks,
+        block_size=block_size,
+        max_batch=max_batch,
+        max_batched_tokens=max_batched_tokens,
+        max_waiting=max_waiting,
+    )
     return RunningServer(build_app(served, engine), engine, host, port, log_level, graceful_s)
 
 
-def run_server(served: ServedModel, *, host: str = "127.0.0.1", port: int = 8000, cache_blocks: int = 256,
-               block_size: int = 16, max_batch: int = 16, max_batched_tokens: int | None = None,
-               max_waiting: int | None = 256, log_level: str = "info", graceful_s: float = 5.0,
-               announce=print) -> None:
+def run_server(
+    served: ServedModel,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    cache_blocks: int = 256,
+    block_size: int = 16,
+    max_batch: int = 16,
+    max_batched_tokens: int | None = None,
+    max_waiting: int | None = 256,
+    log_level: str = "info",
+    graceful_s: float = 5.0,
+    announce=print,
+) -> None:
     """Serve ``served`` in this thread until SIGINT / SIGTERM (what ``attnkit serve`` runs)."""
-    engine = _engine_for(served, cache_blocks=cache_blocks, block_size=block_size, max_batch=max_batch,
-                         max_batched_tokens=max_batched_tokens, max_waiting=max_waiting)
+    engine = _engine_for(
+        served,
+        cache_blocks=cache_blocks,
+        block_size=block_size,
+        max_batch=max_batch,
+        max_batched_tokens=max_batched_tokens,
+        max_waiting=max_waiting,
+    )
     sock = _bind(host, port)
     try:
         server = _Server(_config(build_app(served, engine), log_level, graceful_s), engine)
-        announce(f"attnkit serve: {served.name!r} ({served.family}) on http://{host}:{sock.getsockname()[1]}/v1 "
-                 f"(Ctrl-C stops)")
+        announce(
+            f"attnkit serve: {served.name!r} ({served.family}) on http://{host}:{sock.getsockname()[1]}/v1 "
+            f"(Ctrl-C stops)"
+        )
         server.run(sockets=[sock])
     finally:
         engine.close()
