@@ -39,7 +39,7 @@ from attnkit import masks
 from attnkit.nn import DecoderConfig, DecoderLM
 from attnkit.nn.moba import moba_attention, moba_selection
 from attnkit.nn.tasks import accuracy, associative_recall, train_lm
-from _common import table, timeit
+from _common import OUT_HELP, save, table, timeit
 
 BLOCK, TOP_K, H, D = 64, 8, 2, 64
 
@@ -237,15 +237,18 @@ def main() -> None:
     p.add_argument("--recall-models", nargs="+", choices=tuple(RECALL_MODELS), default=list(RECALL_MODELS))
     p.add_argument("--recall-positions", choices=("rope", "alibi", "none"), default="rope")
     p.add_argument("--no-per-query", action="store_true", help="skip moba/query (slow at long lengths)")
+    p.add_argument("--out", metavar="DIR", default=None, help=OUT_HELP)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     only = set(args.only or ("moba", "nsa", "recall"))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {_load()} at start")
+    results: dict = {"threads": args.threads, "load at start": _load()}
     if "moba" in only:
         lengths = args.lengths or ([2048, 4096] if args.quick else [16384, 32768])
+        results["moba"] = moba_rows = moba_section(lengths, args.repeat, not args.no_per_query)
         print(
             table(
-                moba_section(lengths, args.repeat, not args.no_per_query),
+                moba_rows,
                 [
                     "L",
                     "variant",
@@ -263,13 +266,15 @@ def main() -> None:
         print(_load())
     if "nsa" in only:
         L = args.nsa_length or (2048 if args.quick else 16384)
-        print(table(nsa_section(L, args.repeat), ["L", "model", "step s", "full/x"]))
+        results["nsa"] = nsa_rows = nsa_section(L, args.repeat)
+        print(table(nsa_rows, ["L", "model", "step s", "full/x"]))
         print(_load())
     if "recall" in only:
         steps = args.recall_steps or (60 if args.quick else 900)
-        rows = recall_section(steps, args.recall_models, args.recall_positions)
+        results["recall"] = rows = recall_section(steps, args.recall_models, args.recall_positions)
         print(table(rows, ["model", "positions", "sequence", "steps", "final loss", "test accuracy", "train s"]))
         print(_load())
+    print(f"saved {save('content_sparse', results, args.out)}")
 
 
 if __name__ == "__main__":

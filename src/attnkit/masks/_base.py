@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
@@ -60,6 +61,9 @@ def _checked_shape(mask: Mask, out: Tensor, *index: Tensor) -> Tensor:
 
 # ---------------------------------------------------------------------------- masks
 
+
+# id(mask) -> (weak reference to the mask, its value key): Mask._cached_value_key's memo
+_VALUE_KEYS: dict[int, tuple[weakref.ref, str | None]] = {}
 
 class Mask:
     """A vectorised predicate ``(b, h, q_idx, kv_idx) -> bool`` and its block structure.
@@ -322,12 +326,15 @@ class Mask:
 
     def _cached_value_key(self) -> str | None:
         """:meth:`value_key`, computed once (masks are dict keys on every attention call; a mask's value does
-        not change)."""
-        try:
-            return self.__dict__["_value_key"]
-        except KeyError:
-            key = self.__dict__["_value_key"] = self.value_key()
-            return key
+        not change).  Kept beside the mask, not in its attributes: the backends read a mask's attributes to
+        describe it (plan caches, compile keys), and that description must not change once it is hashed."""
+        ident = id(self)
+        entry = _VALUE_KEYS.get(ident)
+        if entry is not None and entry[0]() is self:
+            return entry[1]
+        key = self.value_key()
+        _VALUE_KEYS[ident] = (weakref.ref(self, lambda _, i=ident: _VALUE_KEYS.pop(i, None)), key)
+        return key
 
     def to_dict(self) -> dict:
         """A JSON-ready description that :func:`attnkit.masks.from_dict` rebuilds an equal mask from.
