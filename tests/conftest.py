@@ -17,7 +17,7 @@ settings.load_profile("attnkit")
 # the modules of pyproject.toml's `dev` extra that tests import (pytest-xdist runs `make test`; ruff and mypy
 # are commands of `make check`)
 DEV_MODULES = ("hypothesis", "numpy", "rich", "matplotlib", "transformers", "triton", "setuptools", "sphinx",
-               "myst_parser")
+               "myst_parser", "starlette", "uvicorn", "openai", "httpx")
 
 ROOT = Path(__file__).resolve().parents[1]
 

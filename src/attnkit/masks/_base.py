@@ -63,7 +63,7 @@ def _checked_shape(mask: Mask, out: Tensor, *index: Tensor) -> Tensor:
 
 
 # id(mask) -> (weak reference to the mask, its value key): Mask._cached_value_key's memo
-_VALUE_KEYS: dict[int, tuple[weakref.ref, str | None]] = {}
+_VALUE_KEYS: dict[int, tuple[weakref.ref[Mask], str | None]] = {}
 
 class Mask:
     """A vectorised predicate ``(b, h, q_idx, kv_idx) -> bool`` and its block structure.
@@ -333,7 +333,11 @@ class Mask:
         if entry is not None and entry[0]() is self:
             return entry[1]
         key = self.value_key()
-        _VALUE_KEYS[ident] = (weakref.ref(self, lambda _, i=ident: _VALUE_KEYS.pop(i, None)), key)
+
+        def forget(_: weakref.ref[Mask], i: int = ident) -> None:
+            _VALUE_KEYS.pop(i, None)
+
+        _VALUE_KEYS[ident] = (weakref.ref(self, forget), key)
         return key
 
     def to_dict(self) -> dict:
