@@ -8,10 +8,10 @@ import torch
 import attnkit
 from attnkit import masks
 
-transformers = pytest.importorskip("transformers")
-from attnkit.integrations import hf  # noqa: E402
-from attnkit.integrations.hf import from_hf, to_hf  # noqa: E402
-from attnkit.nn import DeepSeekSparseAttention  # noqa: E402
+import transformers
+from attnkit.integrations import hf
+from attnkit.integrations.hf import from_hf, to_hf
+from attnkit.nn import DeepSeekSparseAttention
 
 V = 96
 TOL = 1e-4

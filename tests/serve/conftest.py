@@ -5,8 +5,6 @@ import logging
 
 import pytest
 
-pytest.importorskip("starlette", reason="the serve extra (pip install 'attnkit[serve]')")
-
 from attnkit.serve import load_model_dir, make_demo_model
 
 

@@ -4,13 +4,13 @@ the Engine, metrics, and disconnects."""
 import json
 
 import httpx
+import openai
 import pytest
 
 import attnkit
 
 from .conftest import slow_steps
 
-openai = pytest.importorskip("openai")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
