@@ -44,6 +44,21 @@ def test_every_attention_module_is_routed_and_restored(one_rank, monkeypatch):
     assert ctx.positions(8).tolist() == shard(torch.arange(8), dim=0, layout="contiguous").tolist()
 
 
+def test_a_model_with_attention_sinks_runs_in_the_ring(one_rank):
+    """The wrapper passes the layers' learned sinks on (it took no ``sinks`` and raised TypeError)."""
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny", attention_sinks=True, init_std=0.3)).eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if getattr(m, "sinks", None) is not None:
+                m.sinks.normal_(0.0, 2.0)  # sinks that change the output
+    ids = torch.randint(0, 256, (1, 16))
+    expected = model(ids)
+    with ring_context(model, layout="contiguous") as ctx:
+        out = model(ids, positions=ctx.positions(16))
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+
+
 def test_a_wrapper_already_installed_comes_back_after_an_error(one_rank):
     mha = MultiHeadAttention(16, 2, mask=masks.causal())
     mine = mha._attend

@@ -696,13 +696,13 @@ def _refuse_what_ring_cannot_do(name: str):
 
 
 def _ring_attend(layout: str, group, name: str):
-    def _attend(q, k, v, *, mask, bias, scale, softcap, dropout_p):
+    def _attend(q, k, v, *, mask, bias, scale, softcap, dropout_p, sinks=None):
         if dropout_p:
             raise ValueError(f"ring_context: module {name or '(model)'!r} is training with attention dropout "
                              f"{dropout_p}, which ring attention does not have: build it with dropout=0.0 or call "
                              f"model.eval()")
         return ring_attention(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, group=group,
-                              layout=layout)
+                              layout=layout, sinks=sinks)
     return _attend
 
 
