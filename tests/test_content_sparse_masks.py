@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 import attnkit
 from attnkit import backends
 from attnkit import masks as M
-from attnkit.backends import _flash_impl as flash_impl
-from attnkit.backends import flash
-from attnkit.functional import _make_call
+from attnkit.backends.flash import autograd as flash_impl
+from attnkit.backends.flash import flash_attention
+from attnkit.backends.call import make_call
 from attnkit.testing import check_against_oracle
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -126,7 +126,7 @@ def test_flash_meets_the_numerical_rule(b, hkv, group, lq, extra, d, bq, bk, top
     mask = _combined(kind, idx, bq, bk, lq, lk, b)
 
     def fn(q, k, v, **kw):
-        return flash._run(_make_call(q, k, v, **kw), tile, tile)
+        return flash_attention(q, k, v, block_q=tile, block_k=tile, **kw)
 
     check_against_oracle(fn, q, k, v, mask=mask, return_lse=True)
 
@@ -151,7 +151,7 @@ def test_flash_visits_exactly_the_selected_tiles():
     idx = _random_indices(g, 1, 2, n, n, top)
     m = M.selected_blocks(idx, block=blk) & M.causal()
     q = k = v = torch.randn(1, 2, L, 16)
-    call = _make_call(q, k, v, mask=m)
+    call = make_call(q, k, v, mask=m)
     table = m.block_structure(L, L, blk, batch=1, heads=2).kinds() > 0
     expect = _dense_selection(idx, blk, blk, L, L)[:, :, ::blk, ::blk] & torch.ones(n, n, dtype=torch.bool).tril()
     assert torch.equal(table, expect)

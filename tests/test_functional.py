@@ -39,7 +39,7 @@ def refusal(backend, *, bias_name=None, softcap=None):
 def run_or_refuse(backend, q, k, v, refuses=None, **kw):
     """Check the backend against the oracle; where ``refuses`` names a refusal (see :func:`refusal`), check
     that the backend refuses the call with a ValueError giving exactly that reason."""
-    call = attnkit.functional._make_call(q, k, v, **kw)
+    call = attnkit.backends.call.make_call(q, k, v, **kw)
     reason = backends._REGISTRY[backend].check(call)
     if refuses is None:
         assert reason is None, f"backend={backend!r} refused a call it takes: {reason}"
@@ -243,7 +243,7 @@ def test_attention_weights():
 
 def test_auto_and_explain():
     q, k, v = qkv(grad=False)
-    assert attnkit.backends.select(attnkit.functional._make_call(q, k, v), "auto").name != "math"
+    assert attnkit.backends.select(attnkit.backends.call.make_call(q, k, v), "auto").name != "math"
     text = backends.explain(q, k, v, softcap=2.0)
     assert "auto picks 'math'" in text and "sdpa" in text and "softcap" in text
     assert "math" in backends.available() and "sdpa" in backends.available()

@@ -178,4 +178,4 @@ def test_no_source_file_over_1000_lines():
 def test_import_reader_sees_imports_inside_functions():
     targets = {t for t, _ in _imports("attnkit.cache._common")}
     assert "attnkit.functional" in targets  # imported inside a function there
-    assert "attnkit.masks" in {t for t, _ in _imports("attnkit.backends._call")}
+    assert "attnkit.masks" in {t for t, _ in _imports("attnkit.backends.call")}

@@ -339,7 +339,7 @@ def test_sdpa_float16_large_sink_repro():
     huge = torch.full((2,), 1e10)  # beyond what the sink key carries in float16: sdpa declines, auto goes elsewhere
     with pytest.raises(ValueError, match="sink logit"):
         attnkit.attention(q, k, v, sinks=huge, backend="sdpa")
-    assert attnkit.backends.select(attnkit.backends._make_call(q, k, v, sinks=huge), "auto").name != "sdpa"
+    assert attnkit.backends.select(attnkit.backends.call.make_call(q, k, v, sinks=huge), "auto").name != "sdpa"
     assert (attnkit.attention(q, k, v, sinks=huge) == 0).all()
 
 

@@ -328,17 +328,17 @@ def test_batched_call_rows_that_see_nothing_get_zero_output_and_gradient():
 
 def test_batched_segments_start_at_each_sequence():
     """Long sequences get their own tiles (the plan's lengths are the sequence's), short neighbours share."""
-    from attnkit.backends import _flash_varlen as fv
+    from attnkit.backends import flash as fv
 
     lengths = [1, 64, 200, 3, 0, 5, 130, 20]
     q, k, v, cu_q, cu_k = _packed(lengths, lengths)
-    st_ = fv.settings(q, 0.25, None, 0.0)
-    segs = fv.segments(q, k, v, cu_q.tolist(), cu_k.tolist(), masks.sliding_window(30), st_, 0, True)
+    st_ = fv.varlen_settings(q, 0.25, None, 0.0)
+    segs = fv.varlen_segments(q, k, v, cu_q.tolist(), cu_k.tolist(), masks.sliding_window(30), st_, 0, True)
     assert [(s.qa, s.qb, s.own) for s in segs] == [(0, 1, False), (1, 65, True), (65, 265, True),
                                                    (265, 273, False), (273, 403, True), (403, 423, False)]
     for s in segs:
         assert not s.direct and s.plan.q_len == s.lq and s.plan.kv_len == s.lk and s.plan_b.q_len == s.lq
-    causal = fv.segments(q, k, v, cu_q.tolist(), cu_k.tolist(), masks.causal(), st_, 0, False)
+    causal = fv.varlen_segments(q, k, v, cu_q.tolist(), cu_k.tolist(), masks.causal(), st_, 0, False)
     assert [s.direct for s in causal] == [False, True, True, False, True, False]  # fused on packed views
 
 

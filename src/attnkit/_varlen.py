@@ -9,9 +9,10 @@ import torch
 from . import masks as _masks
 from .bias import BiasLike
 from .masks import Mask
-from .backends import _flash_varlen, _packed
+from .backends import packed as _packed
+from .backends.flash import varlen_attention
 from .backends import select as _select
-from .backends._call import _refuse_foreign
+from .backends.call import refuse_foreign
 from .functional import attention
 
 Tensor = torch.Tensor
@@ -128,7 +129,7 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
         >>> sinks.grad.shape
         torch.Size([4])
     """
-    _refuse_foreign("attention_varlen", unknown)
+    refuse_foreign("attention_varlen", unknown)
     cu_q, cu_k, bias, sinks = _packed.validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                 mask, bias, sinks)  # sinks: (Hq,) or None
     if torch.compiler.is_compiling():  # one packed call: the lengths stay graph values (no .tolist())
@@ -140,7 +141,7 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     lq, lk = cu_q.diff().tolist(), cu_k.diff().tolist()
     choice = _packed.choose(q, k, v, cu_q, cu_k, mask, bias, scale, softcap, dropout_p, backend, _select, sinks)
     if choice.batched:
-        out, lse = _flash_varlen.attention(q, k, v, cu_q.tolist(), cu_k.tolist(), mask, choice.scale, softcap,
+        out, lse = varlen_attention(q, k, v, cu_q.tolist(), cu_k.tolist(), mask, choice.scale, softcap,
                                            dropout_p, choice.segments, sinks)
         return (out, lse) if return_lse else out
     kw: dict[str, Any] = dict(mask=mask, scale=scale, softcap=softcap, sinks=sinks, dropout_p=dropout_p,

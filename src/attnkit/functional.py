@@ -8,11 +8,9 @@ import weakref
 import torch
 
 from . import backends as _backends
-from .backends import _math
-from .backends._call import (  # noqa: F401  (the checks stay importable from here)
-    _check_bias, _check_mask, _check_number, _check_qkv, _check_scale, _check_sinks, _empty_result, _is_empty,
-    _make_call, _refuse_foreign, graph_zero, layout_swap_suspected)
-from .backends._common import Call, per_mask
+from .backends import math as _math
+from .backends.call import Call, empty_result, graph_zero, is_empty, layout_swap_suspected, make_call, refuse_foreign
+from .backends.scores import per_mask
 from .bias import BiasLike
 from .masks import Mask, MaskLike, _nothing_visible, _positions_unchecked
 
@@ -136,14 +134,14 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask: MaskLike | None = None, 
         >>> out.shape
         torch.Size([2, 8, 10, 64])
     """
-    _refuse_foreign("attention", unknown)
-    call = _make_call(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, dropout_p=dropout_p,
+    refuse_foreign("attention", unknown)
+    call = make_call(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, dropout_p=dropout_p,
                       return_lse=return_lse, sinks=sinks)
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string, got {type(backend).__name__}")
     chosen = _backends.select(call, backend)
-    if _is_empty(call):
-        result = _empty_result(call)
+    if is_empty(call):
+        result = empty_result(call)
     else:
         _warn_if_nothing_visible(call)
         _warn_if_layout_swapped(call)
@@ -174,11 +172,11 @@ def attention_weights(q: Tensor, k: Tensor, v: Tensor | None = None, *, mask=Non
         >>> torch.allclose(w.sum(-1), torch.ones(1, 1, 3))
         True
     """
-    _refuse_foreign("attention_weights", unknown)
+    refuse_foreign("attention_weights", unknown)
     if v is None:
         v = k
-    call = _make_call(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, sinks=sinks)
-    if _is_empty(call):
+    call = make_call(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, sinks=sinks)
+    if is_empty(call):
         return torch.zeros(call.batch, call.heads, call.q_len, call.kv_len, dtype=q.dtype,
                            device=q.device) + graph_zero(q, k)
     _warn_if_nothing_visible(call)

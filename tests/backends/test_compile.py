@@ -17,9 +17,9 @@ import attnkit
 from attnkit import backends
 from attnkit import bias as B
 from attnkit import masks as M
-from attnkit.backends import _custom_ops as O
-from attnkit.backends import _flash_custom_ops as C
-from attnkit.backends import _flash_plan
+from attnkit.backends import operators as O
+from attnkit.backends.flash import custom_ops as C
+from attnkit.backends.flash import plan as _flash_plan
 from attnkit.testing import check_against_oracle
 from attnkit.testing import random_qkv
 
@@ -68,7 +68,7 @@ def test_constant_results_are_marked_as_dynamo_marks_them():
     def probe():
         return 0
 
-    assert vars(torch._dynamo.assume_constant_result(probe)) == vars(O._constant_result(lambda: 0)) == {
+    assert vars(torch._dynamo.assume_constant_result(probe)) == vars(O.constant_result(lambda: 0)) == {
         "_dynamo_marked_constant": True}
 
 

@@ -11,9 +11,10 @@ import attnkit
 from attnkit import bias as B
 from attnkit import masks as M
 from attnkit.backends import flash
-from attnkit.backends import _flash_impl
-from attnkit.backends import _flash_ops as ops
-from attnkit.functional import _make_call
+from attnkit.backends.flash import autograd as _flash_impl
+from attnkit.backends.flash import ops
+from attnkit.backends.fused import fused_ops
+from attnkit.backends.call import make_call
 from attnkit.testing import check_against_oracle, random_qkv, reference
 
 
@@ -22,10 +23,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def run_flash(q, k, v, *, fused=True, block=16, **kw):
     """flash on a validated call; ``fused=False`` forces the explicit path."""
-    call = _make_call(q, k, v, **kw)
+    call = make_call(q, k, v, **kw)
     if call.q_len == 0 or call.kv_len == 0:
         return attnkit.attention(q, k, v, backend="flash", **kw)
-    return flash._run(call, block, block, fused=None if fused else False)
+    return _flash_impl._run(call, block, block, fused=None if fused else False)
 
 
 def qkv(b=2, hq=4, hkv=2, lq=50, lk=50, d=16, dv=None, dtype=torch.float32, grad=True, seed=0):
@@ -304,16 +305,16 @@ def test_dropout_gradcheck():
 
 
 def test_sliding_window_is_few_strided_calls():
-    call = _make_call(*qkv(1, 8, 8, 4096, 4096, 64, grad=False), mask=M.sliding_window(255))
-    plan = flash._plan(call)
+    call = make_call(*qkv(1, 8, 8, 4096, 4096, 64, grad=False), mask=M.sliding_window(255))
+    plan = _flash_impl._plan(call)
     assert plan.visited_pairs == 1 + 2 + 3 * 30
     assert len(plan.jobs) == 2 and all(j.tiles is None for j in plan.jobs)
     lead, band = plan.jobs
     assert lead.rows.tolist() == [0, 1, 2] and lead.kstep == 0 and lead.w == 3  # clipped windows: one call
     assert band.n == 29 and band.kstep == 1 and band.k0 == 1  # one strided view of k and v
-    assert flash._forward_plan(call).block_q == 64  # a narrow window wastes less on 64-row tiles
-    wide = _make_call(*qkv(1, 8, 8, 4096, 4096, 64, grad=False), mask=M.sliding_window(2047))
-    assert flash._forward_plan(wide).block_q == 128
+    assert _flash_impl._forward_plan(call).block_q == 64  # a narrow window wastes less on 64-row tiles
+    wide = make_call(*qkv(1, 8, 8, 4096, 4096, 64, grad=False), mask=M.sliding_window(2047))
+    assert _flash_impl._forward_plan(wide).block_q == 128
 
 
 def test_small_tiles_for_documents_in_both_directions():
@@ -322,30 +323,30 @@ def test_small_tiles_for_documents_in_both_directions():
     backward (overlapping key windows); user functions are planned once, on the default tiles."""
     q, k, v = qkv(1, 2, 1, 2048, 2048, 8)
     doc = M.document(doc_ids(2048, [190, 470, 1230, 1250, 1590]))
-    call = _make_call(q, k, v, mask=doc)
-    assert flash._forward_plan(call).block_q == 64 and flash._backward_plan(call) is flash._forward_plan(call)
+    call = make_call(q, k, v, mask=doc)
+    assert _flash_impl._forward_plan(call).block_q == 64 and _flash_impl._backward_plan(call) is _flash_impl._forward_plan(call)
     check_against_oracle(lambda *a, **kw: attnkit.attention(*a, backend="flash", **kw), q, k, v, mask=doc)
     check_against_oracle(lambda *a, **kw: attnkit.attention(*a, backend="flash", **kw), q, k, v,
                          mask=doc & M.causal())
-    window = _make_call(q, k, v, mask=M.sliding_window(100))
-    assert flash._forward_plan(window).block_q == 64 and flash._backward_plan(window).block_q == 128
-    fn = _make_call(q, k, v, mask=M.from_fn(lambda b, h, qi, ki: (qi // 90) == (ki // 90)))
-    assert flash._forward_plan(fn).block_q == 128 and flash._backward_plan(fn).block_q == 128
+    window = make_call(q, k, v, mask=M.sliding_window(100))
+    assert _flash_impl._forward_plan(window).block_q == 64 and _flash_impl._backward_plan(window).block_q == 128
+    fn = make_call(q, k, v, mask=M.from_fn(lambda b, h, qi, ki: (qi // 90) == (ki // 90)))
+    assert _flash_impl._forward_plan(fn).block_q == 128 and _flash_impl._backward_plan(fn).block_q == 128
 
 
 def test_forward_and_backward_tilings_differ():
     """The forward may use 64-row tiles and the backward 128-row ones, padded differently (L=300)."""
     q, k, v = qkv(1, 4, 2, 300, 300, 16)
-    call = _make_call(q, k, v, mask=M.sliding_window(30))
-    assert flash._forward_plan(call).q_pad == 320 and flash._plan(call).q_pad == 384
+    call = make_call(q, k, v, mask=M.sliding_window(30))
+    assert _flash_impl._forward_plan(call).q_pad == 320 and _flash_impl._plan(call).q_pad == 384
     for bias in (None, B.alibi(B.alibi_slopes(4))):
         check_against_oracle(lambda *a, **kw: attnkit.attention(*a, backend="flash", **kw), q, k, v,
                              mask=M.sliding_window(30), bias=bias)
 
 
 def test_scattered_pattern_gathers():
-    call = _make_call(*qkv(1, 2, 2, 4096, 4096, 16, grad=False), mask=M.random_blocks(128, 4, seed=0))
-    plan = flash._plan(call)
+    call = make_call(*qkv(1, 2, 2, 4096, 4096, 16, grad=False), mask=M.random_blocks(128, 4, seed=0))
+    plan = _flash_impl._plan(call)
     assert all(j.tiles is not None for j in plan.jobs)
     assert sum(j.pairs for j in plan.jobs) == plan.visited_pairs == 32 * 4
 
@@ -397,10 +398,10 @@ def test_element_mask_only_on_partial_tiles():
 
     mask = M.from_fn(fn)
     q, k, v = qkv(1, 2, 2, 512, 512, 16, grad=False)
-    call = _make_call(q, k, v, mask=mask)
-    flash._plan(call, 64, 64)  # the block structure evaluates the predicate tile by tile
+    call = make_call(q, k, v, mask=mask)
+    _flash_impl._plan(call, 64, 64)  # the block structure evaluates the predicate tile by tile
     seen.clear()
-    out = flash._run(call, 64, 64)
+    out = _flash_impl._run(call, 64, 64)
     assert seen
     for qt, kt in seen:  # every tile pair evaluated element-wise is a diagonal (partial) or skipped one
         assert int(kt.min()) >= int(qt.min()), "a full tile below the diagonal was evaluated"
@@ -417,7 +418,7 @@ def test_causal_blocks_and_full_prefixes(fused, monkeypatch):
     q, k, v = qkv(1, 2, 1, 1024, 1024, 16)
     causal = M.causal() & M.sliding_window(None)  # the same mask, not recognised as the kernel's own causal
     check_against_oracle(lambda *a, **kw: run_flash(*a, fused=fused, block=32, **kw), q, k, v, mask=causal)
-    plan = flash._plan(_make_call(q, k, v, mask=causal), 32, 32)
+    plan = _flash_impl._plan(make_call(q, k, v, mask=causal), 32, 32)
     items = [i for key, val in plan.cache.items() if key[0] == "chunks" for _, its in val for i in its]
     assert any(i.causal for i in items) and any(i.chunk.kinds.eq(2).all() for i in items)
     assert len(plan.jobs) < 12  # 32 query tiles in a few shared windows
@@ -442,9 +443,9 @@ def test_split_and_lazy_chunks(name, monkeypatch):
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
 def test_plain_causal_is_one_kernel_call(fused):
     q, k, v = qkv(2, 4, 2, 300, 300, 16)
-    assert flash._plan(_make_call(q, k, v, mask=M.causal())).whole_causal
+    assert _flash_impl._plan(make_call(q, k, v, mask=M.causal())).whole_causal
     k2, v2 = k[:, :, :299], v[:, :, :299]
-    assert not flash._plan(_make_call(q, k2, v2, mask=M.causal())).whole_causal  # Lq != Lk
+    assert not _flash_impl._plan(make_call(q, k2, v2, mask=M.causal())).whole_causal  # Lq != Lk
     for bias in (None, B.alibi(B.alibi_slopes(4))):
         check_against_oracle(lambda *a, **kw: run_flash(*a, fused=fused, block=64, **kw), q, k, v,
                              mask=M.causal(), bias=bias)
@@ -477,9 +478,9 @@ def test_masks_made_under_inference_mode_are_planned_and_their_changes_noticed()
 
 def test_plans_are_shared_by_value_for_builtin_masks():
     q, k, v = qkv(1, 2, 2, 300, 300, 16, grad=False)
-    a = flash._plan(_make_call(q, k, v, mask=M.causal() & M.sliding_window(50)))
-    b = flash._plan(_make_call(q, k, v, mask=M.causal() & M.sliding_window(50)))  # a new but equal mask
-    c = flash._plan(_make_call(q, k, v, mask=M.causal() & M.sliding_window(51)))
+    a = _flash_impl._plan(make_call(q, k, v, mask=M.causal() & M.sliding_window(50)))
+    b = _flash_impl._plan(make_call(q, k, v, mask=M.causal() & M.sliding_window(50)))  # a new but equal mask
+    c = _flash_impl._plan(make_call(q, k, v, mask=M.causal() & M.sliding_window(51)))
     assert a is b and a is not c
 
 
@@ -526,10 +527,10 @@ def test_fused_op_signature():
     """The fused path leans on a private PyTorch op: notice when its signature changes (the explicit path
     then takes over, see fused_ops)."""
     if not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
-        assert ops.fused_ops() is None
+        assert fused_ops() is None
         return
-    assert ops.fused_ops() is not None, "the private CPU flash op changed its signature"
-    fwd, bwd = ops.fused_ops()
+    assert fused_ops() is not None, "the private CPU flash op changed its signature"
+    fwd, bwd = fused_ops()
     q, k, v = qkv(1, 4, 2, 20, 30, 8, dtype=torch.float64, grad=False)
     o, lse = fwd(q, k, v, 0.0, False, attn_mask=None, scale=0.5)
     ref, ref_lse = reference(q, k, v, scale=0.5)

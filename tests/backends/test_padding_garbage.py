@@ -9,15 +9,15 @@ import torch
 
 import attnkit
 from attnkit import masks
-from attnkit.backends import flash
-from attnkit.functional import _make_call
+from attnkit.backends.flash import autograd as _flash_impl
+from attnkit.backends.call import make_call
 
 FILLS = [float("nan"), float("inf"), float("-inf")]
 
 
 def _flash(fused):
     def fn(q, k, v, **kw):
-        return flash._run(_make_call(q, k, v, **kw), fused=fused)
+        return _flash_impl._run(make_call(q, k, v, **kw), fused=fused)
     return fn
 
 
@@ -27,7 +27,7 @@ BACKENDS = {
     "auto": lambda q, k, v, **kw: attnkit.attention(q, k, v, **kw),
     "flash-fused": _flash(None),
     "flash-explicit": _flash(False),
-    "flash-small-tiles": lambda q, k, v, **kw: flash._run(_make_call(q, k, v, **kw), 4, 4, fused=False),
+    "flash-small-tiles": lambda q, k, v, **kw: _flash_impl._run(make_call(q, k, v, **kw), 4, 4, fused=False),
 }
 
 LENGTHS = [13, 20, 6]

@@ -200,7 +200,8 @@ def test_paged_attention_checks_the_block_ids_a_sequence_reads():
 def test_a_rebound_tensor_never_reuses_an_old_plan(backend):
     """A predicate reading a global that is rebound to a new tensor at each step: the memo entry holds the
     tensors it was built from, so a freed tensor's id cannot be taken for the new one's."""
-    from attnkit.backends import flash, sdpa
+    from attnkit.backends import sdpa
+    from attnkit.backends.flash import autograd as flash
     from attnkit.backends.flash import flash_attention
     global DOC_STEP
     run = flash_attention if backend == "flash" else functools.partial(attnkit.attention, backend="sdpa")

@@ -74,7 +74,7 @@ def test_empty_shapes_give_zeros_and_minus_inf_on_every_backend_and_explain_answ
             assert backends.explain(q, k, v, mask=mask).startswith("auto picks"), (B, H, Lq, Lk, name)
             for backend in ["auto", *backends.available()]:
                 for lse_too in (False, True):
-                    call = attnkit.functional._make_call(q, k, v, mask=mask, return_lse=lse_too)
+                    call = attnkit.backends.call.make_call(q, k, v, mask=mask, return_lse=lse_too)
                     reason = None if backend == "auto" else backends._REGISTRY[backend].check(call)
                     refuses = _empty_refusal(backend, lse_too)
                     if refuses is not None:  # (the refusal's ValueError is tested with each backend)

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import attnkit
 from attnkit import backends, bias, masks
-from attnkit.backends import _splitkv
+from attnkit.backends import splitkv as _splitkv
 from attnkit.cache import SlidingWindowCache, StaticCache, attend
 from attnkit.testing import check_against_oracle
 

@@ -28,10 +28,11 @@ from hypothesis import strategies as st
 import attnkit
 from attnkit import bias as biases
 from attnkit import masks
-from attnkit.backends import _triton_plan as plan
+from attnkit.backends.triton import ops as tb_ops
+from attnkit.backends.triton import plan
 from attnkit.backends import sdpa as sdpa_backend
 from attnkit.backends import triton as tb
-from attnkit.functional import _make_call
+from attnkit.backends.call import make_call
 from attnkit.testing import check_against_oracle, random_qkv, reference
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -251,7 +252,7 @@ def _():
 @case("auto-never-picks-the-interpreter")
 def _():
     q, k, v = _qkv(Lq=20, Lk=20)
-    call = _make_call(q, k, v, mask=masks.causal())
+    call = make_call(q, k, v, mask=masks.causal())
     assert tb.check(call) is None  # the interpreter takes it...
     assert attnkit.backends.select(call, "auto").name != "triton"  # ...but auto does not choose it
     assert "triton  takes it" in attnkit.backends.explain(q, k, v, mask=masks.causal())
@@ -282,11 +283,11 @@ def _():
     ids = _ids([10, 27])
     m = masks.document(ids) & masks.causal()
     q, k, v = _qkv(Hq=1, Lq=37, Lk=37)
-    p1 = tb._plans(_make_call(q, k, v, mask=m)).forward()
-    p2 = tb._plans(_make_call(q, k, v, mask=m)).forward()
+    p1 = tb_ops._plans(make_call(q, k, v, mask=m)).forward()
+    p2 = tb_ops._plans(make_call(q, k, v, mask=m)).forward()
     assert p1 is p2
     ids[0, 5:] = 1  # edited in place: the plan must follow
-    p3 = tb._plans(_make_call(q, k, v, mask=m)).forward()
+    p3 = tb_ops._plans(make_call(q, k, v, mask=m)).forward()
     assert p3 is not p1
     check_against_oracle(_triton, q, k, v, mask=m)
 
@@ -455,7 +456,7 @@ def _compile_main(out_path: str) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import ASTSource, make_backend
 
-    K = tb._kernels()
+    K = tb_ops._kernels()
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
     results = {"interpreted": K.INTERPRETED}
@@ -486,7 +487,7 @@ def _compile_main(out_path: str) -> None:
                 results[f"{name}[flags={on}]"] = traceback.format_exc()
     os.environ["TRITON_INTERPRET"] = "1"  # too late: triton is already imported for the compiler
     q = torch.randn(1, 1, 4, 16)
-    results["cpu_reason"] = tb.check(_make_call(q, q, q))
+    results["cpu_reason"] = tb.check(make_call(q, q, q))
     results["listed"] = "triton" in attnkit.backends.available()
     Path(out_path).write_text(json.dumps(results))
 
@@ -522,7 +523,7 @@ def test_triton_imported_for_the_gpu_declines_cpu_tensors_with_the_reason(compil
 def test_cpu_without_interpreter_is_declined_without_importing_triton(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     q = torch.randn(1, 2, 8, 16)
-    reason = tb.check(_make_call(q, q, q))
+    reason = tb.check(make_call(q, q, q))
     assert "set TRITON_INTERPRET=1" in reason
     if not torch.cuda.is_available():
         assert not tb.available() and "triton" not in attnkit.backends.available()
@@ -543,21 +544,21 @@ def test_check_names_what_it_declines(monkeypatch, kwargs, dtype, expected):
     # these reasons come before any device question, so no triton import is needed to reach them...
     monkeypatch.setattr(tb, "_device_reason", lambda device: None)
     q = torch.randn(1, 2, 8, 16, dtype=dtype)
-    assert expected in tb.check(_make_call(q, q, q, **kwargs))
+    assert expected in tb.check(make_call(q, q, q, **kwargs))
 
 
 def test_head_dim_over_256_is_declined(monkeypatch):
     monkeypatch.setattr(tb, "_device_reason", lambda device: None)
     q = torch.randn(1, 1, 4, 320)
-    assert "at most 256" in tb.check(_make_call(q, q, q))
+    assert "at most 256" in tb.check(make_call(q, q, q))
 
 
 def _gpu_costs(mask, L):
     """The triton and sdpa costs of a bf16 call as they would be on a GPU (its tile plan, no launch)."""
     q = torch.randn(1, 1, L, 64, dtype=torch.bfloat16)
-    call = _make_call(q, q, q, mask=mask)
-    fwd, _ = tb._configs(64, torch.bfloat16, False)
-    p = tb._build_plan(mask, L, L, 1, 1, fwd, torch.device("cpu"))
+    call = make_call(q, q, q, mask=mask)
+    fwd, _ = tb_ops._configs(64, torch.bfloat16, False)
+    p = tb_ops._build_plan(mask, L, L, 1, 1, fwd, torch.device("cpu"))
     return tb._tile_cost(call.flops(), p), sdpa_backend.cost(call)
 
 
@@ -694,9 +695,9 @@ def test_transposed_lists_hold_the_same_tiles(kind, L, bm, bn):
 
 def test_a_million_token_window_plans_a_few_tiles_per_row():
     # the kernels' work and the plan's size follow the visited tiles, not Lq x Lk
-    fwd, _ = tb._configs(128, torch.bfloat16, False)  # 128 x 64 tiles
+    fwd, _ = tb_ops._configs(128, torch.bfloat16, False)  # 128 x 64 tiles
     L = 1 << 20
-    p = tb._build_plan(masks.sliding_window(255), L, L, 1, 1, fwd, torch.device("cpu"))
+    p = tb_ops._build_plan(masks.sliding_window(255), L, L, 1, 1, fwd, torch.device("cpu"))
     # a query tile of 128 rows sees keys [r0 - 255, r0 + 127]: 383 keys, six tiles of 64
     assert p.lists.index.shape == (1, 1, L // 128, 6) and p.preds.lo_off == -255 and p.bitmap is None
     assert p.visited < 1e-3

@@ -23,7 +23,7 @@ import attnkit
 from attnkit import backends
 from attnkit import bias as B
 from attnkit import masks as M
-from attnkit.functional import _make_call
+from attnkit.backends.call import make_call
 from attnkit.testing import check_against_oracle, random_qkv
 
 CASES: dict = {}  # name -> case, run by the interpreter child
@@ -46,9 +46,9 @@ def _ids(L):
 
 def _op_args(q, k, v, sinks=None, **kwargs):
     """The forward operator's arguments for an ``attention`` call's keywords."""
-    from attnkit.backends._custom_ops import op_arguments
+    from attnkit.backends.operators import op_arguments
 
-    call = _make_call(q, k, v, sinks=sinks, **kwargs)
+    call = make_call(q, k, v, sinks=sinks, **kwargs)
     mask_key, mask_tensors, bias_t, mod_key, mod_tensors = op_arguments(call)
     return (q, k, v, mask_key, mask_tensors, bias_t, mod_key, mod_tensors, call.sinks, float(call.scale),
             float(call.softcap or 0.0))
@@ -152,7 +152,7 @@ for _name in _COMPILE:
 def _():
     """Five forward+backward steps of one shape: one compiled frame, the tile plans built on the first step
     only; new document ids of the same shape reach the operator as an input (no recompile, new layout)."""
-    from attnkit.backends import triton as tb
+    from attnkit.backends.triton import ops as tb
 
     torch._dynamo.reset()
     builds = []

@@ -1,4 +1,5 @@
-"""Call validation: turn ``attention()``'s arguments into a checked :class:`~attnkit.backends._common.Call`.
+"""The call every backend takes: :class:`Call`, and :func:`make_call`, which turns ``attention()``'s arguments
+into a checked one.
 
 Every entry point that computes attention (``attnkit.attention``, each backend's public function, the caches,
 ring attention) builds its call here, so a bad argument gets the same message wherever it is passed.
@@ -9,20 +10,84 @@ from __future__ import annotations
 import math
 import operator
 import sys
+from dataclasses import dataclass, field
 
 import torch
 
 from .._checks import flag, holds, number
 from ..bias import ScoreMod
 from ..masks import Mask, from_dense, from_flex
-from ._common import Call, accumulation_dtype
 
 Tensor = torch.Tensor
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half-precision inputs, the input's own dtype otherwise (float64 stays float64)."""
+    return torch.float32 if dtype in HALF else dtype
+
+
+@dataclass
+class Call:
+    """One validated ``attention()`` call.  ``mask`` is a Mask (bool tensors were wrapped), ``scale`` a float."""
+
+    q: Tensor  # (B, Hq, Lq, D)
+    k: Tensor  # (B, Hkv, Lk, D)
+    v: Tensor  # (B, Hkv, Lk, Dv)
+    mask: Mask | None
+    bias: Tensor | ScoreMod | None
+    scale: float
+    softcap: float | None
+    dropout_p: float
+    return_lse: bool
+    sinks: Tensor | None = None  # (B, Hq): one logit per query head in every row's denominator
+    cache: dict = field(default_factory=dict)  # per-call memo shared by support checks and the run
+
+    @property
+    def batch(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def heads(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def group(self) -> int:
+        return self.q.shape[1] // self.k.shape[1]
+
+    @property
+    def q_len(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def kv_len(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def needs_grad(self) -> bool:
+        if not torch.is_grad_enabled():
+            return False
+        tensors = (self.q, self.k, self.v, self.bias) if isinstance(self.bias, Tensor) else (self.q, self.k, self.v)
+        return any(t.requires_grad for t in tensors) or (self.sinks is not None and self.sinks.requires_grad)
+
+    def flops(self) -> float:
+        """Forward multiply-adds x 2 of the dense computation."""
+        f = self.cache.get("flops")
+        if f is None:
+            (b, h, lq, d), lk, dv = self.q.shape, self.k.shape[2], self.v.shape[3]
+            f = self.cache["flops"] = 2.0 * b * h * lq * lk * (d + dv)
+        return f
+
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _check_qkv(q, k, v) -> None:
+def check_qkv(q, k, v) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -96,7 +161,7 @@ def _is_block_mask(mask) -> bool:
     return flex is not None and isinstance(mask, flex.BlockMask)
 
 
-def _check_mask(mask, q: Tensor, shape) -> Mask | None:
+def check_mask(mask, q: Tensor, shape) -> Mask | None:
     if mask is None:
         return None
     if _is_block_mask(mask):
@@ -124,7 +189,7 @@ def _check_mask(mask, q: Tensor, shape) -> Mask | None:
                     f"{type(mask).__name__}")
 
 
-def _check_bias(bias, q: Tensor, shape):
+def check_bias(bias, q: Tensor, shape):
     if bias is None:
         return None
     if isinstance(bias, ScoreMod):
@@ -146,12 +211,12 @@ def _check_bias(bias, q: Tensor, shape):
     raise TypeError(f"bias must be None, a float tensor or an attnkit.bias modifier, got {type(bias).__name__}")
 
 
-def _check_number(name: str, value, *, low: float | None = None, high: float | None = None,
+def check_number(name: str, value, *, low: float | None = None, high: float | None = None,
                   low_open: bool = False, high_open: bool = False, fix: str = "") -> float:
     return number(name, value, low=low, high=high, low_open=low_open, high_open=high_open, fix=fix)
 
 
-def _check_scale(scale: float, q: Tensor, bias) -> None:
+def check_scale(scale: float, q: Tensor, bias) -> None:
     """Refuse a scale so large that it alone overflows the scores: above ``sqrt(finfo.max)`` of the dtype
     the scores are computed in, a score ``q.k * scale`` is inf for any ``|q.k|`` above that same bound
     and the softmax's rows become NaN (at such a scale the result would be the argmax's hard limit anyway)."""
@@ -187,7 +252,7 @@ _FOREIGN = {  # keyword arguments of other attention functions: what attnkit tak
 }
 
 
-def _refuse_foreign(fn: str, kwargs: dict) -> None:
+def refuse_foreign(fn: str, kwargs: dict) -> None:
     """A TypeError for keyword arguments attnkit does not take, naming attnkit's equivalent where known."""
     if not kwargs:
         return
@@ -206,7 +271,7 @@ def _refuse_foreign(fn: str, kwargs: dict) -> None:
     raise TypeError(f"{fn}() takes no {name}={shown}: {fix}")
 
 
-def _check_sinks(sinks, q: Tensor) -> Tensor | None:
+def check_sinks(sinks, q: Tensor) -> Tensor | None:
     """``sinks`` as a ``(B, Hq)`` view (expanded, so its gradient reaches the caller's tensor)."""
     if sinks is None:
         return None
@@ -228,23 +293,23 @@ def _check_sinks(sinks, q: Tensor) -> Tensor | None:
     return sinks.expand(B, Hq)
 
 
-def _make_call(q, k, v, *, mask=None, bias=None, scale=None, softcap=None, dropout_p=0.0,
+def make_call(q, k, v, *, mask=None, bias=None, scale=None, softcap=None, dropout_p=0.0,
                return_lse=False, sinks=None) -> Call:
-    _check_qkv(q, k, v)
+    check_qkv(q, k, v)
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    mask = _check_mask(mask, q, shape)
-    bias = _check_bias(bias, q, shape)
+    mask = check_mask(mask, q, shape)
+    bias = check_bias(bias, q, shape)
     if q.shape[-1] == 0 and scale is None:
         raise ValueError(f"q has head dimension D=0 (shape {tuple(q.shape)}): the default scale 1/sqrt(D) is "
                          f"undefined; give heads of size >= 1 (or an explicit scale)")
     # (operator.index: the head size is fixed in a compiled graph even under dynamic=True, so the default scale
     # is a number, not a symbolic float)
-    scale = 1.0 / math.sqrt(operator.index(q.shape[-1])) if scale is None else _check_number("scale", scale)
-    _check_scale(scale, q, bias)
+    scale = 1.0 / math.sqrt(operator.index(q.shape[-1])) if scale is None else check_number("scale", scale)
+    check_scale(scale, q, bias)
     if softcap is not None:
-        softcap = _check_number("softcap", softcap, low=0.0, low_open=True, fix=" (or None for no softcap)")
-    dropout_p = _check_number("dropout_p", dropout_p, low=0.0, high=1.0, high_open=True)
-    sinks = _check_sinks(sinks, q)
+        softcap = check_number("softcap", softcap, low=0.0, low_open=True, fix=" (or None for no softcap)")
+    dropout_p = check_number("dropout_p", dropout_p, low=0.0, high=1.0, high_open=True)
+    sinks = check_sinks(sinks, q)
     return Call(q, k, v, mask, bias, scale, softcap, dropout_p, flag("return_lse", return_lse), sinks)
 
 
@@ -254,12 +319,26 @@ def graph_zero(*tensors: Tensor) -> Tensor:
     return sum(t.narrow(-1, 0, 0).sum() for t in tensors)
 
 
-def _is_empty(call: Call) -> bool:
+def single_query_window(call: Call) -> tuple[int, int] | None:
+    """For one query row under a batch-independent interval mask (causal, sliding window, ...) and no
+    bias, the visible keys are one contiguous range [lo, hi]: decoding then needs no mask at all."""
+    if "window" in call.cache:
+        return call.cache["window"]
+    m, window = call.mask, None
+    keys = None if call.q_len != 1 or call.bias is not None or m is None else m.key_range(0, 1, call.kv_len)
+    if keys is not None:
+        lo, hi = keys
+        window = int(max(lo, 0)), int(min(hi, call.kv_len - 1))
+    call.cache["window"] = window
+    return window
+
+
+def is_empty(call: Call) -> bool:
     """Nothing to compute: no batch, no query heads, no queries or no keys."""
     return call.batch == 0 or call.heads == 0 or call.q_len == 0 or call.kv_len == 0
 
 
-def _empty_result(call: Call):
+def empty_result(call: Call):
     """An empty call (or Lq == 0 or Lk == 0): zero output and -inf lse, still attached to the graph (zero
     gradients)."""
     q, k, v = call.q, call.k, call.v

@@ -41,4 +41,4 @@ def fused_ops():
     return forward, backward
 
 
-_FUSED = fused_ops()
+FUSED = fused_ops()  # (forward, backward), or None

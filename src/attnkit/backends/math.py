@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from ..softmax import logsumexp, stable_softmax
-from ._common import Call, accumulation_dtype, grouped_bias, grouped_index, modify_scores, with_sinks, zero_unseen
+from .call import Call, accumulation_dtype
+from .scores import grouped_bias, grouped_index, modify_scores, with_sinks, zero_unseen
 
 Tensor = torch.Tensor
 

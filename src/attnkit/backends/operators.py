@@ -1,5 +1,5 @@
-"""What the backends' ``torch.library`` custom operators share (``_flash_custom_ops``: ``attnkit::flash_forward``
-/ ``flash_backward``; ``_triton_custom_ops``: ``attnkit::triton_forward`` / ``triton_backward``): how a mask or
+"""What the backends' ``torch.library`` custom operators share (``flash.custom_ops``: ``attnkit::flash_forward``
+/ ``flash_backward``; ``triton.custom_ops``: ``attnkit::triton_forward`` / ``triton_backward``): how a mask or
 score modifier enters an operator, the call an operator rebuilds from its arguments, the fake outputs' shapes,
 and ``auto``'s decision while ``torch.compile`` traces.
 
@@ -15,7 +15,7 @@ Inside an operator the object is rebuilt from the two (kept per key and tensors,
 rebuilds nothing) and planned by the eager backend's own plan cache: the tile plan of a mask and a shape is
 computed once, on the first call, not per step.
 
-While ``torch.compile`` traces, ``auto`` makes the eager choice (:func:`decide`): the decision is computed
+While ``torch.compile`` traces, ``auto`` makes the eager choice (``backends.decide``): the decision is computed
 once per traced call site from the call's shapes, dtypes, flags and the mask's and modifier's descriptions
 and tensors, by the very checks and costs eager ``auto`` uses.
 
@@ -23,13 +23,13 @@ Example::
 
     >>> import torch
     >>> from attnkit import masks
-    >>> from attnkit.backends import _custom_ops
+    >>> from attnkit.backends import operators
     >>> ids = torch.tensor([0, 0, 1, 1])
-    >>> description, tensors = _custom_ops.describe(masks.document(ids) & masks.causal())
-    >>> key = _custom_ops.intern(description)
+    >>> description, tensors = operators.describe(masks.document(ids) & masks.causal())
+    >>> key = operators.intern(description)
     >>> key.split(":")[1], len(tensors)
     ('_And(_Document,_Causal)', 1)
-    >>> rebuilt = _custom_ops.rebuild(key, tensors)
+    >>> rebuilt = operators.rebuild(key, tensors)
     >>> bool(torch.equal(rebuilt.to_dense(4, 4), (masks.document(ids) & masks.causal()).to_dense(4, 4)))
     True
 """
@@ -44,7 +44,7 @@ import torch
 
 from ..bias import ScoreMod
 from ..masks import Mask
-from ._common import Call
+from .call import Call
 
 Tensor = torch.Tensor
 
@@ -83,8 +83,8 @@ def describe(obj) -> tuple[object, list[Tensor]]:
     return walk(obj), tensors
 
 
-def _constant_result(fn):
-    """``torch._dynamo.assume_constant_result(fn)``: dynamo calls ``fn`` while tracing and makes its result a
+def constant_result(fn):
+    """``torch._dynamo.assumeconstant_result(fn)``: dynamo calls ``fn`` while tracing and makes its result a
     constant of the graph.  Set as that decorator sets it, without importing ``torch._dynamo`` when attnkit is
     imported (about 2 s); ``tests/backends/test_compile.py`` checks that the decorator still does this."""
     fn._dynamo_marked_constant = True
@@ -96,7 +96,7 @@ _DESCRIPTIONS: dict[str, object] = {}
 _KEYS_LOCK = threading.Lock()
 
 
-@_constant_result
+@constant_result
 def intern(description) -> str:
     """The key of a description (the same key for equal descriptions), registered for :func:`rebuild`.
     Computed while ``torch.compile`` traces (the key is a constant of the graph)."""
@@ -236,30 +236,13 @@ def refuse_double_backward(op, backend: str) -> None:
 # ------------------------------------------------------------------ auto while tracing
 
 
-def _meta(t: Tensor | None):
-    """What a backend's checks and costs read of a tensor, as constants: shape, strides, dtype, device and
-    whether it requires grad (never its values)."""
-    if t is None:
-        return None
-    # operator.index specialises a dynamic size to its value (a guard): tile plans and costs are per shape
-    return (tuple(operator.index(n) for n in t.shape), tuple(operator.index(s) for s in t.stride()), t.dtype,
-            t.device, t.requires_grad)
-
-
-def _empty(meta):
-    if meta is None:
-        return None
-    shape, stride, dtype, device, grad = meta
-    return torch.empty_strided(shape, stride, dtype=dtype, device=device).requires_grad_(grad)
-
-
 _DECIDING = threading.local()
 
 
 def deciding() -> bool:
-    """Whether the selection runs for a traced call (:func:`decide`, or ``explain``'s last line): ``select``
-    must not divert to :func:`decide` again, and flash refuses what its operators cannot take
-    (``_flash_custom_ops.traced_reason``)."""
+    """Whether the selection runs for a traced call (``backends.decide``, or ``explain``'s last line): ``select``
+    must not divert to ``decide`` again, and flash refuses what its operators cannot take
+    (``flash.custom_ops.traced_reason``)."""
     return getattr(_DECIDING, "on", False)
 
 
@@ -272,44 +255,3 @@ class traced_rules:
 
     def __exit__(self, *exc):
         _DECIDING.on = self.was
-
-
-@_constant_result
-def _decide(backend: str, metas: tuple, flags: tuple, mask_key: str, mod_key: str, *tensors: Tensor) -> tuple:
-    """``("ok", name)`` or ``("error", message)``: eager ``select``'s answer for a call rebuilt from its
-    constants, with the mask's and modifier's real tensors.  Runs once per traced call site."""
-    from . import select
-
-    from torch._subclasses.fake_tensor import is_fake
-
-    if any(is_fake(t) for t in tensors):
-        # torch.export (non-strict) traces with fake tensors: a mask's or modifier's values (document ids, key
-        # lengths) are unknown, so their block structure cannot be weighed; flash takes every mask and reads
-        # them when the program runs
-        return ("ok", "flash" if backend == "auto" else backend)
-    n_mask = flags[-1]
-    mask = rebuild(mask_key, list(tensors[:n_mask]))
-    mod = rebuild(mod_key, list(tensors[n_mask:]))
-    with torch.utils._python_dispatch._disable_current_modes(), torch.set_grad_enabled(flags[0]):
-        q, k, v, bias, sinks = (_empty(m) for m in metas)
-        scale, softcap, dropout_p, return_lse = flags[1:5]
-        call = Call(q, k, v, mask, bias if bias is not None else mod, scale, softcap, dropout_p, return_lse, sinks)
-        try:
-            with traced_rules():
-                return ("ok", select(call, backend).name)
-        except ValueError as e:
-            return ("error", str(e))
-
-
-def decide(call: Call, backend: str) -> str:
-    """The name of the backend that eager ``select(call, backend)`` picks, computed from the call's constants
-    while ``torch.compile`` traces (the answer is a constant of the graph); raises the eager ValueError when
-    the named backend cannot take the call."""
-    mask_key, mask_tensors, bias_t, mod_key, mod_tensors = op_arguments(call)
-    metas = tuple(_meta(t) for t in (call.q, call.k, call.v, bias_t, call.sinks))
-    flags = (torch.is_grad_enabled(), float(call.scale), call.softcap, float(call.dropout_p), call.return_lse,
-             len(mask_tensors))
-    verdict, value = _decide(backend, metas, flags, mask_key, mod_key, *mask_tensors, *mod_tensors)
-    if verdict == "error":
-        raise ValueError(value)
-    return value

@@ -1,4 +1,4 @@
-"""``attention_varlen``'s input checks and its choice between one batched flash call (``_flash_varlen``) and
+"""``attention_varlen``'s input checks and its choice between one batched flash call (``flash.varlen_attention``) and
 the per-sequence path (``attention()`` calls), by a cost estimate; ``backends.explain`` reads it too."""
 
 from __future__ import annotations
@@ -10,11 +10,9 @@ import torch
 from .. import masks as _masks
 from .._checks import holds
 from ..bias import ScoreMod
-from . import _flash_varlen
 from . import flash as _flash
 from . import sdpa as _sdpa
-from ._call import _check_sinks, _make_call
-from ._common import Call
+from .call import Call, check_sinks, make_call
 
 Tensor = torch.Tensor
 
@@ -101,7 +99,7 @@ def _check_varlen_sinks(sinks, q: Tensor, n: int) -> Tensor | None:
     if isinstance(sinks, Tensor) and sinks.dim() == 1 and sinks.shape[0] not in (1, hq):
         raise ValueError(f"attention_varlen: sinks of shape {tuple(sinks.shape)} does not match the {hq} query "
                          f"heads of q {tuple(q.shape)}: give one logit per query head, shape ({hq},)")
-    return _check_sinks(sinks, q[None].transpose(1, 2))[0]  # (1, Hq, Tq, D) view: the (1, Hq) check -> (Hq,)
+    return check_sinks(sinks, q[None].transpose(1, 2))[0]  # (1, Hq, Tq, D) view: the (1, Hq) check -> (Hq,)
 
 
 def validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, bias, sinks=None):
@@ -138,7 +136,7 @@ def alone(lq: list[int], lk: list[int], bias) -> list[int]:
 
 @dataclass
 class _Choice:
-    batched: bool  # one batched flash call (``_flash_varlen``), else the per-sequence path
+    batched: bool  # one batched flash call (``flash.varlen_attention``), else the per-sequence path
     reason: str
     scale: float | None = None
     segments: list | None = None  # the batched call's planned segments
@@ -161,7 +159,7 @@ def _refusal(q: Tensor, bias, backend: str) -> str | None:
 
 
 def _seq_call(q, k, v, a, b, c, d, mask, scale, softcap, dropout_p, sinks=None) -> Call:
-    return _make_call(*(t.transpose(0, 1)[None] for t in (q[a:b], k[c:d], v[c:d])), mask=mask, scale=scale,
+    return make_call(*(t.transpose(0, 1)[None] for t in (q[a:b], k[c:d], v[c:d])), mask=mask, scale=scale,
                       softcap=softcap, dropout_p=dropout_p, sinks=sinks)
 
 
@@ -184,7 +182,7 @@ def _costs(q, k, v, cu_q: list[int], cu_k: list[int], segs, mask, scale, softcap
     solo = set(alone(lq, lk, None))
     tokens = q.shape[0] * hq * d + k.shape[0] * hkv * (d + dv)  # elements of q, k, v (and of their gradients)
     outs = q.shape[0] * hq * dv
-    st = _flash_varlen.settings(q, scale, softcap, dropout_p)
+    st = _flash.varlen_settings(q, scale, softcap, dropout_p)
     passes = 2 if needs_grad else 1  # tiled segments are laid out again in the backward (with out and dout)
     batched_copies = outs + (tokens if needs_grad else 0)
     per_seq_copies = outs + (tokens if needs_grad else 0)
@@ -196,7 +194,7 @@ def _costs(q, k, v, cu_q: list[int], cu_k: list[int], segs, mask, scale, softcap
         per_seq_copies += outs + sink_grads
     batched = per_seq = 0.0
     for seg in segs:
-        call = _flash_varlen._call(seg, q, k, v, st)
+        call = _flash.segment_call(seg, q, k, v, st)
         kernel = _sdpa.cost(call) if seg.direct else _flash.cost(call)
         batched += kernel
         if not seg.direct:
@@ -216,13 +214,13 @@ def choose(q, k, v, cu_q: Tensor, cu_k: Tensor, mask, bias, scale, softcap, drop
     why_not = _refusal(q, bias, backend)
     if why_not is not None:
         return _Choice(False, why_not)
-    call = _make_call(*(t.transpose(0, 1)[None] for t in (q, k, v)), scale=scale, softcap=softcap,
+    call = make_call(*(t.transpose(0, 1)[None] for t in (q, k, v)), scale=scale, softcap=softcap,
                       dropout_p=dropout_p, sinks=sinks)  # checks the tensors and settings
     needs_grad = call.needs_grad
     cq, ck = cu_q.tolist(), cu_k.tolist()
-    st = _flash_varlen.settings(q, call.scale, softcap, dropout_p)
-    seed = _flash_varlen.ops.draw_seed() if dropout_p > 0 else 0
-    segs = _flash_varlen.segments(q, k, v, cq, ck, mask, st, seed, needs_grad)
+    st = _flash.varlen_settings(q, call.scale, softcap, dropout_p)
+    seed = _flash.draw_seed() if dropout_p > 0 else 0
+    segs = _flash.varlen_segments(q, k, v, cq, ck, mask, st, seed, needs_grad)
     if backend == "flash":
         return _Choice(True, "backend='flash' was asked for", call.scale, segs)
     batched, per_seq = _costs(q, k, v, cq, ck, segs, mask, call.scale, softcap, dropout_p, needs_grad, select,
@@ -251,7 +249,7 @@ def explain(select, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_se
         own = [s for s in segs if s.own]
         direct = sum(s.direct for s in own)
         lines.append(f"{head}: one batched flash call ({choice.reason})")
-        lines.append(f"  {len(own)} sequences of >= {_flash_varlen.OWN_TILES_MIN} queries and keys with tiles of "
+        lines.append(f"  {len(own)} sequences of >= {_flash.OWN_TILES_MIN} queries and keys with tiles of "
                      f"their own: {direct} as one fused kernel call each on views of the packed tensors, "
                      f"{len(own) - direct} by their mask's tile plan")
         lines.append(f"  runs of shorter sequences, each one call under masks.varlen: {len(segs) - len(own)}")

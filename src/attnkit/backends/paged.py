@@ -8,7 +8,7 @@ Layout (that of :class:`attnkit.cache.PagedCache` and of the Triton decode kerne
 Position ``p`` of sequence ``b`` lives in block ``block_table[b, p // block_size]`` at offset
 ``p % block_size``.  The public entry is :func:`attnkit.cache.paged_attention`, which validates a call and
 comes here; the cache's decode objects come here with block lists they hold already
-(:func:`attend_blocks`).  Scores go through the pipeline every backend shares (``_common.score_pipeline``:
+(:func:`attend_blocks`).  Scores go through the pipeline every backend shares (``scores.score_pipeline``:
 softcap, then bias, then mask; sinks as one more column), evaluated per sequence at its own positions.
 """
 
@@ -21,8 +21,9 @@ import torch
 from ..bias import ScoreMod
 from ..masks import Mask
 from ..softmax import stable_softmax
-from . import _splitkv
-from ._common import (accumulation_dtype, check_paged_values, grouped_heads, score_pipeline, with_sinks,
+from . import splitkv as _splitkv
+from .call import accumulation_dtype
+from .scores import (check_paged_values, grouped_heads, score_pipeline, with_sinks,
                       zero_unseen)
 
 Tensor = torch.Tensor
@@ -491,8 +492,8 @@ def gather_positions(pool: Tensor, runs: list[tuple[int, int]], L: int, out: Ten
 
 def _fused_cpu():
     """PyTorch's fused CPU flash forward (``(out, lse)``), or None when this build lacks it."""
-    from ._fused import _FUSED
-    return None if _FUSED is None else _FUSED[0]
+    from .fused import FUSED
+    return None if FUSED is None else FUSED[0]
 
 
 def takes_chunk(q: Tensor, k: Tensor, v: Tensor, *, mask, bias, softcap) -> bool:

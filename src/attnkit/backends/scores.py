@@ -1,79 +1,16 @@
-"""What every backend shares: the description of one call, and the score pipeline on a block."""
+"""What every backend shares: the score pipeline on a block (grouped heads, the score modifier, softcap, mask,
+sinks), the accumulation dtype, the sinks' gradient and the paged checks.  Other packages that compute
+attention themselves (caches, probes, losses) import it too."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import torch
 
 from ..bias import ScoreMod
-from ..masks import Mask
+from .call import Call
+
 
 Tensor = torch.Tensor
-
-HALF = (torch.float16, torch.bfloat16)
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 for half-precision inputs, the input's own dtype otherwise (float64 stays float64)."""
-    return torch.float32 if dtype in HALF else dtype
-
-
-@dataclass
-class Call:
-    """One validated ``attention()`` call.  ``mask`` is a Mask (bool tensors were wrapped), ``scale`` a float."""
-
-    q: Tensor  # (B, Hq, Lq, D)
-    k: Tensor  # (B, Hkv, Lk, D)
-    v: Tensor  # (B, Hkv, Lk, Dv)
-    mask: Mask | None
-    bias: Tensor | ScoreMod | None
-    scale: float
-    softcap: float | None
-    dropout_p: float
-    return_lse: bool
-    sinks: Tensor | None = None  # (B, Hq): one logit per query head in every row's denominator
-    cache: dict = field(default_factory=dict)  # per-call memo shared by support checks and the run
-
-    @property
-    def batch(self) -> int:
-        return self.q.shape[0]
-
-    @property
-    def heads(self) -> int:
-        return self.q.shape[1]
-
-    @property
-    def kv_heads(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def group(self) -> int:
-        return self.q.shape[1] // self.k.shape[1]
-
-    @property
-    def q_len(self) -> int:
-        return self.q.shape[2]
-
-    @property
-    def kv_len(self) -> int:
-        return self.k.shape[2]
-
-    @property
-    def needs_grad(self) -> bool:
-        if not torch.is_grad_enabled():
-            return False
-        tensors = (self.q, self.k, self.v, self.bias) if isinstance(self.bias, Tensor) else (self.q, self.k, self.v)
-        return any(t.requires_grad for t in tensors) or (self.sinks is not None and self.sinks.requires_grad)
-
-    def flops(self) -> float:
-        """Forward multiply-adds x 2 of the dense computation."""
-        f = self.cache.get("flops")
-        if f is None:
-            (b, h, lq, d), lk, dv = self.q.shape, self.k.shape[2], self.v.shape[3]
-            f = self.cache["flops"] = 2.0 * b * h * lq * lk * (d + dv)
-        return f
-
 
 def sink_grad(out: Tensor, lse: Tensor, dout: Tensor | None, dlse: Tensor | None, sinks: Tensor) -> Tensor:
     """The gradient of the sinks ``(B, Hq)`` from a result ``out (B, Hq, Lq, Dv)``, ``lse (B, Hq, Lq)`` that

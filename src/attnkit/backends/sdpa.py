@@ -28,9 +28,9 @@ import torch.nn.functional as F
 
 from ..bias import ScoreMod
 from ..masks import Mask
-from ._call import graph_zero
-from ._common import Call, accumulation_dtype, per_mask, zero_unseen
-from ._reads import reachable_tensors, tensor_key
+from .call import Call, accumulation_dtype, graph_zero, single_query_window
+from .scores import per_mask, zero_unseen
+from .reads import reachable_tensors, tensor_key
 
 Tensor = torch.Tensor
 
@@ -52,20 +52,6 @@ def _is_plain_causal(call: Call) -> bool:
 
 def _dense_size(call: Call) -> int:
     return call.batch * call.heads * call.q_len * call.kv_len
-
-
-def _single_query_window(call: Call) -> tuple[int, int] | None:
-    """For one query row under a batch-independent interval mask (causal, sliding window, ...) and no
-    bias, the visible keys are one contiguous range [lo, hi]: decoding then needs no mask at all."""
-    if "window" in call.cache:
-        return call.cache["window"]
-    m, window = call.mask, None
-    keys = None if call.q_len != 1 or call.bias is not None or m is None else m.key_range(0, 1, call.kv_len)
-    if keys is not None:
-        lo, hi = keys
-        window = int(max(lo, 0)), int(min(hi, call.kv_len - 1))
-    call.cache["window"] = window
-    return window
 
 
 def _hidden_keys(call: Call, allowed: Tensor, traced: bool = False) -> Tensor | None:
@@ -132,7 +118,7 @@ def check(call: Call) -> str | None:
         return "SDPA does not return the log-sum-exp"
     if call.sinks is not None and call.scale == 0:
         return "with scale=0 the sink logit cannot ride on an extra key (it enters as logit / scale)"
-    if call.sinks is not None and _sinks_too_large(call):
+    if call.sinks is not None and sinks_too_large(call):
         return (f"a sink logit of {float(call.sinks.detach().abs().max()):.3g} at scale={call.scale:.3g} is beyond "
                 f"what the sink key can carry in {call.q.dtype} (the other backends take it)")
     b = call.bias
@@ -157,7 +143,7 @@ def cost(call: Call) -> float:
         return 0.0
     if unfused_on_cpu(call):  # PyTorch's math path: the scores materialised, k and v copied per query head
         return 8.0 * call.flops()
-    window = _single_query_window(call)
+    window = single_query_window(call)
     if window is not None:  # decoding: only the visible keys are read
         return call.flops() * max(window[1] - window[0] + 1, 0) / call.kv_len
     if call.sinks is not None:  # copies of q, k, v one key and a few columns wider, the mask dense
@@ -182,7 +168,7 @@ def _sink_key_value(sinks: Tensor, scale: float, dtype: torch.dtype) -> Tensor:
     return torch.exp2(torch.ceil(torch.log2(need)))
 
 
-def _sinks_too_large(call: Call) -> bool:
+def sinks_too_large(call: Call) -> bool:
     """Whether the sink key's value (:func:`_sink_key_value`) would overflow the inputs' dtype (float16 with a
     sink beyond about ``1.6e7 * scale``).  Read from the data (one sync, as the sinks' finiteness check makes);
     not while ``torch.compile`` traces."""
@@ -300,7 +286,7 @@ def run(call: Call):
             n = call.q_len
             out = plain(k[:, :, :n], v[:, :, :n], None if bias is None else bias[..., :n])
         return out
-    window = _single_query_window(call)
+    window = single_query_window(call)
     if window is not None:  # decoding one token against a cache: slice the visible keys
         lo, hi = window
         if hi < lo:

@@ -26,7 +26,8 @@ import dataclasses
 import torch
 
 from ..softmax import _add_sink as add_sink  # (inputs checked by the call)
-from ._common import Call, accumulation_dtype, modify_scores
+from .call import Call, accumulation_dtype, single_query_window
+from .scores import modify_scores
 
 Tensor = torch.Tensor
 
@@ -161,9 +162,7 @@ def _merge(o: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
 def _window(call: Call) -> tuple[int, int] | None:
     """The keys ``[lo, hi]`` one query sees under an interval mask (causal, sliding window: the same for
     every sequence and head) and no bias: those keys are read as a view, without the mask."""
-    from .sdpa import _single_query_window
-
-    return _single_query_window(call) if call.mask is not None else None
+    return single_query_window(call) if call.mask is not None else None
 
 
 def _plain(call: Call, acc: torch.dtype) -> tuple[Tensor, Tensor | None]:

@@ -28,7 +28,7 @@ from ..masks import Mask
 from .._checks import flag, integer
 from ..backends import paged as _kernel
 from ..backends.paged import PoolLayout, block_runs, seq_view
-from ..backends._call import _check_number, _check_sinks
+from ..backends.call import check_number, check_sinks
 from ._block_pool import BlockPool, PoolExhausted
 from ._common import check_dtype, check_new_kv, model_dims
 
@@ -57,9 +57,9 @@ def _check_modifiers(scale, softcap, bias, mask) -> tuple[float | None, float | 
     if isinstance(mask, Tensor) and mask.dtype != torch.bool:
         raise TypeError(f"paged_attention: a tensor mask must be bool (True = may attend), got {mask.dtype}")
     if scale is not None:
-        scale = _check_number("scale", scale)
+        scale = check_number("scale", scale)
     if softcap is not None:
-        softcap = _check_number("softcap", softcap, low=0.0, low_open=True, fix=" (or None for no softcap)")
+        softcap = check_number("softcap", softcap, low=0.0, low_open=True, fix=" (or None for no softcap)")
     return scale, softcap
 
 
@@ -123,7 +123,7 @@ def _prepare(q: Tensor, scale, softcap, bias, mask, sinks=None) -> tuple:
     scale, softcap = _check_modifiers(scale, softcap, bias, mask)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if sinks is not None:
-        sinks = _check_sinks(sinks, q)
+        sinks = check_sinks(sinks, q)
     if isinstance(mask, Mask) and mask.is_causal("bottom_right") and q.shape[2] == 1:
         mask = None  # the newest query sees every stored key
     return scale, softcap, mask, sinks
@@ -733,7 +733,7 @@ class _PackedAttend:
             qi = q[:, :, a:a + n]  # (1, Hq, n, D)
             if _kernel.takes_chunk(qi, k, v, mask=mask, bias=bias, softcap=softcap):
                 out[:, :, a:a + n] = _kernel.attend_chunk(qi, k, v, scale=D ** -0.5 if scale is None else scale,
-                                                          causal=mask is not None, sinks=_check_sinks(sinks, qi))
+                                                          causal=mask is not None, sinks=check_sinks(sinks, qi))
             else:
                 out[:, :, a:a + n] = attention(qi, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap,
                                                sinks=sinks)

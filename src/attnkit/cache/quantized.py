@@ -312,8 +312,8 @@ class _QuantizedDecode:
         self.layer, self.pad_mask = layer, pad_mask
 
     def attend(self, q: Tensor, *, mask=None, bias=None, scale=None, softcap=None, sinks=None) -> Tensor:
-        from ..backends._common import accumulation_dtype, grouped_bias, grouped_index, modify_scores
-        from ..backends._call import _make_call
+        from ..backends.scores import grouped_bias, grouped_index, modify_scores
+        from ..backends.call import accumulation_dtype, make_call
         from ..masks import Mask, from_dense
         from ..softmax import stable_softmax
 
@@ -323,7 +323,7 @@ class _QuantizedDecode:
         B, Hq, Lq, D = q.shape
         H, Dv = layer.rk.shape[1], layer.rv.shape[3]
         if Lq == 0 or L == 0:  # no queries, or nothing stored: rows that see nothing give 0
-            from ..backends._call import graph_zero
+            from ..backends.call import graph_zero
             return q.new_zeros(B, Hq, Lq, Dv) + graph_zero(q)
         if sinks is not None or (torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad
                                                                  for t in (q, layer.rk, layer.rv))):
@@ -339,7 +339,7 @@ class _QuantizedDecode:
         # and the score modifiers see the real (B, Hkv, L, D) layout
         k_shape = q.new_empty(1, 1, 1, 1).expand(B, H, L, D)
         v_shape = q.new_empty(1, 1, 1, 1).expand(B, H, L, Dv)
-        call = _make_call(q, k_shape, v_shape, mask=mask, bias=bias, scale=scale, softcap=softcap)
+        call = make_call(q, k_shape, v_shape, mask=mask, bias=bias, scale=scale, softcap=softcap)
         G = Hq // H
         dt = layer.rk.dtype
         acc = accumulation_dtype(q.dtype)

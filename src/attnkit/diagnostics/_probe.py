@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from ..backends._common import Call, accumulation_dtype, grouped_bias, grouped_index, modify_scores
+from ..backends.call import Call, accumulation_dtype, make_call
+from ..backends.scores import grouped_bias, grouped_index, modify_scores
 from .. import functional as _functional
-from ..backends._call import _make_call
 from ..softmax import stable_softmax
 
 Tensor = torch.Tensor
@@ -226,7 +226,7 @@ class Probe:
     def _record(self, name: str, module: nn.Module, q, k, v, *, mask, bias, scale, softcap, out) -> None:
         """Keep the statistics of one attention call (and its score gradient once a backward pass runs)."""
         with torch.no_grad():
-            call = _make_call(q.detach(), k.detach(), v.detach(), mask=mask, bias=bias, scale=scale,
+            call = make_call(q.detach(), k.detach(), v.detach(), mask=mask, bias=bias, scale=scale,
                               softcap=softcap)
             if call.q_len == 0 or call.kv_len == 0:
                 return

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .._checks import positive_float
-from ..backends._common import Call, accumulation_dtype, grouped_bias, grouped_index, modify_scores
-from ..backends._call import _make_call
+from ..backends.call import Call, accumulation_dtype, make_call
+from ..backends.scores import grouped_bias, grouped_index, modify_scores
 from ..masks import Mask
 
 Tensor = torch.Tensor
@@ -60,7 +60,7 @@ class AttentionRecord:
     sinks: Tensor | None = None
 
     def __post_init__(self):
-        call = _make_call(self.q, self.k, self.v, mask=self.mask, bias=self.bias, scale=self.scale,
+        call = make_call(self.q, self.k, self.v, mask=self.mask, bias=self.bias, scale=self.scale,
                           softcap=self.softcap, sinks=self.sinks)
         self.mask, self.bias, self.scale = call.mask, call.bias, call.scale
         self._call = call

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from .._checks import flag
-from ..backends._call import _check_bias, _check_mask, _check_number, _check_qkv, _check_sinks
-from ..backends._common import zero_unseen
+from ..backends.call import check_bias, check_mask, check_number, check_qkv, check_sinks
+from ..backends.scores import zero_unseen
 from ..bias import ScoreMod
 from ..functional import attention
 from ..masks import EMPTY, FULL, Mask
@@ -462,7 +462,7 @@ def _tensor_digest(t: torch.Tensor) -> tuple:
 def _contents(x, depth: int = 0) -> list:
     """What a mask or bias holds, comparable across processes: the values of its tensors (and of those its
     functions reach), not only how it prints (``document(32 ids)`` looks alike whatever the ids)."""
-    from ..backends._reads import reachable_tensors
+    from ..backends.reads import reachable_tensors
     if depth > 8:
         return []
     if isinstance(x, torch.Tensor):
@@ -489,7 +489,7 @@ def _agree(group, rank: int, world: int, q, k, v, check=None, **settings):
     """
     error = result = None
     try:
-        _check_qkv(q, k, v)
+        check_qkv(q, k, v)
         b = settings.get("bias")
         if callable(b) and not isinstance(b, (ScoreMod, torch.Tensor)):
             raise TypeError("bias must be None or an attnkit.bias modifier; wrap a function "
@@ -622,17 +622,17 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, sca
                             f"{tuple(bias.shape)} tensor: a dense (L, L) bias defeats sharding the sequence; "
                             f"express it as a function of positions with attnkit.bias.from_fn(fn)")
         try:
-            m, b = _check_mask(mask, q, shape), _check_bias(bias, q, shape)
+            m, b = check_mask(mask, q, shape), check_bias(bias, q, shape)
         except ValueError as e:
             raise ValueError(f"ring_attention: the mask and bias describe the full sequence, an L x L score "
                              f"matrix with L = {world} ranks x {n} local tokens = {L} (e.g. document ids for all "
                              f"L tokens): {e}") from None
         if b is not None:
             _check_bias_constant(b, q, q.shape[1], L)
-        s = 1.0 / math.sqrt(q.shape[3]) if scale is None else _check_number("scale", scale)
-        c = None if softcap is None else _check_number("softcap", softcap, low=0.0, low_open=True,
+        s = 1.0 / math.sqrt(q.shape[3]) if scale is None else check_number("scale", scale)
+        c = None if softcap is None else check_number("softcap", softcap, low=0.0, low_open=True,
                                                         fix=" (or None for no softcap)")
-        _check_sinks(sinks, q)
+        check_sinks(sinks, q)
         return m, b, s, c
 
     mask, bias, scale, softcap = _agree(group, rank, world, q, k, v, check, mask=mask, bias=bias, scale=scale,
@@ -647,7 +647,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, sca
     cfg = _Config(group, rank, world, lay, plan, mask, bias, scale, softcap)
     out, lse = _RingAttention.apply(q, k.contiguous(), v.contiguous(), cfg)
     if sinks is not None:  # once, after every block was merged: a sink is not a key
-        out, lse = add_sink(out, lse, _check_sinks(sinks, q))
+        out, lse = add_sink(out, lse, check_sinks(sinks, q))
     return (out, lse) if return_lse else out
 
 

@@ -2,7 +2,7 @@
 
 The ``(Lq, Lk)`` score matrix is cut into tiles (128 x 128 by default) and only the tiles the mask's
 block structure marks non-empty are computed; the element mask is applied only on partial tiles.  The
-visited tiles are grouped into a few large batched calls (see ``_flash_plan``): a sliding window is one
+visited tiles are grouped into a few large batched calls (see ``plan``): a sliding window is one
 call whose key windows are strided views of ``k`` and ``v``, a scattered pattern gathers its key tiles
 into contiguous windows.  Rows covered by several calls are merged with their log-sum-exps (online
 softmax, float32).  The backward recomputes each tile's scores from ``(q, k, v, out, lse)``: it keeps
@@ -40,11 +40,18 @@ from __future__ import annotations
 
 import torch
 
-from ._call import _empty_result, _is_empty, _make_call
-from ._common import Call
-from ._flash_impl import (  # noqa: F401  (the implementation's names stay readable from here)
-    CALL_OVERHEAD_FLOPS, EXPLICIT_FACTOR, FUSED_FACTOR, FUSED_MASKED_FACTOR, _PLANS, _FlashFunction,
-    _backward_plan, _bias_needs_grad, _check_block, _finish, _forward_plan, _fusable, _plan, _run, _unreached_reason)
+from .. import operators
+from ..call import Call, empty_result, is_empty, make_call
+from . import custom_ops
+from .autograd import (CALL_OVERHEAD_FLOPS, EXPLICIT_FACTOR, FUSED_FACTOR, FUSED_MASKED_FACTOR, _bias_needs_grad,
+                       _check_block, _forward_plan, _fusable, _run, _unreached_reason)
+
+# packed sequences as one batched call: what attnkit.attention_varlen and its choice (``backends.packed``) use
+from .ops import draw_seed  # noqa: F401
+from .varlen import OWN_TILES_MIN, segment_call  # noqa: F401
+from .varlen import attention as varlen_attention  # noqa: F401
+from .varlen import segments as varlen_segments  # noqa: F401
+from .varlen import settings as varlen_settings  # noqa: F401
 
 Tensor = torch.Tensor
 
@@ -87,11 +94,11 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, sc
         >>> out.shape, lse.shape
         (torch.Size([1, 8, 1000, 64]), torch.Size([1, 8, 1000]))
     """
-    call = _make_call(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, dropout_p=dropout_p,
+    call = make_call(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, dropout_p=dropout_p,
                       return_lse=return_lse, sinks=sinks)
     block_q, block_k = _check_block("block_q", block_q), _check_block("block_k", block_k)
-    if _is_empty(call):
-        return _empty_result(call)
+    if is_empty(call):
+        return empty_result(call)
     if torch.compiler.is_compiling() and block_q is None and block_k is None:  # one operator node when traced
         return run(call)
     return _run(call, block_q, block_k)
@@ -102,10 +109,9 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, sc
 
 def run(call: Call):
     """Backend hook: compute a validated call (``out``, or ``(out, lse)`` with ``return_lse``); while
-    ``torch.compile`` or ``torch.export`` traces, through the custom operators (``_flash_custom_ops``)."""
+    ``torch.compile`` or ``torch.export`` traces, through the custom operators (``custom_ops``)."""
     if torch.compiler.is_compiling():
-        from . import _flash_custom_ops
-        return _flash_custom_ops.run(call)
+        return custom_ops.run(call)
     return _run(call)
 
 
@@ -113,11 +119,9 @@ def check(call: Call) -> str | None:
     """Backend hook: None (flash takes every mask, bias, dtype and device), unless a score modifier's
     function reads a tensor that requires grad where flash cannot find it to give it its gradient (for a
     traced call: where its custom operators cannot take it)."""
-    from . import _custom_ops, _flash_custom_ops
-
     reason = _unreached_reason(call)
-    if reason is None and (_custom_ops.deciding() or torch.compiler.is_compiling()):
-        reason = _flash_custom_ops.traced_reason(call)
+    if reason is None and (operators.deciding() or torch.compiler.is_compiling()):
+        reason = custom_ops.traced_reason(call)
     return reason
 
 

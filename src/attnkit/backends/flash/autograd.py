@@ -1,6 +1,6 @@
 """The eager implementation of the ``flash`` backend (see ``flash``): tile plans, the work handed to
-``_flash_ops``, the ``autograd.Function`` with its recomputing backward, and ``_run``.  ``flash`` is the
-public layer over it; ``_flash_custom_ops`` wraps it as ``torch.library`` operators for traced code."""
+``ops``, the ``autograd.Function`` with its recomputing backward, and ``_run``.  The package (``flash``) is
+the public layer over it; ``custom_ops`` wraps it as ``torch.library`` operators for traced code."""
 
 from __future__ import annotations
 
@@ -11,13 +11,15 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from ..bias import ScoreMod
-from ..masks import Mask
-from . import _flash_ops as ops
-from . import _flash_plan as planning
-from ..softmax import _add_sink as add_sink  # (inputs checked by the call)
-from ._common import Call, per_mask, sink_grad
-from ._reads import (check_reach, check_unchanged, derived_params, mod_params, probe_params, read_tensors,
+from ...bias import ScoreMod
+from ...masks import Mask
+from . import ops
+from . import plan as planning
+from ...softmax import _add_sink as add_sink  # (inputs checked by the call)
+from ..call import Call
+from ..fused import FUSED
+from ..scores import per_mask, sink_grad
+from ..reads import (check_reach, check_unchanged, derived_params, mod_params, probe_params, read_tensors,
                      reachable_tensors, tensor_key, tensor_versions)
 
 Tensor = torch.Tensor
@@ -150,7 +152,7 @@ def _bias_needs_grad(call: Call) -> tuple[bool, list[Tensor]]:
 
 def _fusable(call: Call, bias_grad: bool) -> bool:
     """Whether the fused CPU kernel computes this call exactly."""
-    if ops._FUSED is None or call.q.device.type != "cpu" or call.softcap is not None or call.dropout_p > 0:
+    if FUSED is None or call.q.device.type != "cpu" or call.softcap is not None or call.dropout_p > 0:
         return False
     if call.v.shape[-1] != call.q.shape[-1]:
         return False  # the fused kernel needs one head size for q, k and v

@@ -4,7 +4,7 @@ one node per attention call (and never trace into the tile loop).
 Two operators, ``attnkit::flash_forward`` and ``attnkit::flash_backward``, with fake (shape-only)
 implementations and the backward registered as the forward's autograd formula.  A mask or score modifier
 enters as a description key plus its tensors, and ``auto`` decides while traced as it decides eagerly (both
-in ``_custom_ops``, shared with the ``triton`` backend's operators).  Dropout takes its seed as a tensor drawn
+in ``backends.operators``, shared with the ``triton`` backend's operators).  Dropout takes its seed as a tensor drawn
 in the graph.
 
 Example::
@@ -25,9 +25,9 @@ from typing import Optional
 
 import torch
 
-from ..bias import ScoreMod
-from ._common import Call
-from ._custom_ops import (describe, fake_input_grads, fake_out_lse, lse_dtype, op_arguments, op_call, rebuild,
+from ...bias import ScoreMod
+from ..call import Call
+from ..operators import (describe, fake_input_grads, fake_out_lse, lse_dtype, op_arguments, op_call, rebuild,
                           refuse_double_backward)
 
 Tensor = torch.Tensor
@@ -48,7 +48,7 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, mask_key: str, mask_tensors: 
     """``(out (B, Hq, Lq, Dv), lse (B, Hq, Lq), bare)``: the flash backend's forward; ``bare`` is the lse
     without the sinks (an empty tensor without sinks).  ``softcap=0`` means none; ``seed`` (int64, one
     element) is the dropout seed (None without dropout)."""
-    from . import _flash_impl as flash
+    from . import autograd as flash
 
     call = op_call(q, k, v, mask_key, mask_tensors, bias, mod_key, mod_tensors, sinks, scale, softcap, dropout_p)
     plan = flash._forward_plan(call)
@@ -79,7 +79,7 @@ def flash_backward(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v
     modifier tensor (zeros where ``mod_grads`` is False or the tensor got no gradient)."""
     from types import SimpleNamespace
 
-    from . import _flash_impl as flash
+    from . import autograd as flash
 
     leaves = [t.detach().requires_grad_(g) for t, g in zip(mod_tensors, mod_grads)]
     mod = rebuild(mod_key, leaves, fresh=True) if any(mod_grads) else None
@@ -199,7 +199,7 @@ def traced_reason(call: Call) -> str | None:
     say) would get no gradient, as the operators take only the modifier's attributes as inputs."""
     if not isinstance(call.bias, ScoreMod):
         return None
-    from ._reads import mod_params
+    from ..reads import mod_params
 
     described = {id(t) for t in describe(call.bias)[1]}
     hidden = [t for t in mod_params(call.bias) if id(t) not in described]

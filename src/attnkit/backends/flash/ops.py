@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..bias import ScoreMod
-from ..masks import FULL
-from ._common import accumulation_dtype, zero_unseen
-from ._flash_plan import Heads, Job, Plan
-from ._fused import _FUSED, fused_ops  # noqa: F401  (fused_ops: read by the tests)
+from ...bias import ScoreMod
+from ...masks import FULL
+from ..fused import FUSED
+from ..call import accumulation_dtype
+from ..scores import zero_unseen
+from .plan import Heads, Job, Plan
 
 Tensor = torch.Tensor
 
@@ -794,7 +795,7 @@ def forward(work: Work) -> tuple[Tensor, Tensor]:
     nh, dv = work.q3.shape[0], work.v3.shape[-1]
     dev = work.q3.device
     if work.fused and plan.whole_causal and work.bias is None and work.scale > 0:  # one call: the kernel's causal
-        o, l = _FUSED[0](work.q3[None], work.k3[None], work.v3[None], 0.0, True, scale=work.scale)  # noqa: E741
+        o, l = FUSED[0](work.q3[None], work.k3[None], work.v3[None], 0.0, True, scale=work.scale)  # noqa: E741
         return o[0], l[0].t()
     items = prepared(work, work.fused, False)
     if work.fused and plan.covered and all(i.chunk.first and i.chunk.q_consecutive and j.heads.count == nh
@@ -836,7 +837,7 @@ def _fused_chunk(work: Work, item: Prepared) -> tuple[Tensor, Tensor]:
     ch, heads = item.chunk, item.chunk.job.heads
     m = None if item.kernel_causal(work) else item.element_mask(work)
     qw, (kw, vw) = rows_of(work.q3, heads, ch), item.kv(work, m)
-    o, l = _FUSED[0](qw, kw, vw, 0.0, item.kernel_causal(work), attn_mask=item.float_mask(work, m),  # noqa: E741
+    o, l = FUSED[0](qw, kw, vw, 0.0, item.kernel_causal(work), attn_mask=item.float_mask(work, m),  # noqa: E741
                      scale=work.scale)
     live = item.live if not item.lazy else (None if m is None else m.any(-1)[:, None])
     if work.bias_neginf:  # a row the bias leaves without a finite score attends to nothing (the kernel says 0)
@@ -921,7 +922,7 @@ def backward(work: Work, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | 
     dev = work.q3.device
     nh = work.q3.shape[0]
     if fused and work.plan.whole_causal and work.bias is None and work.scale > 0:
-        dq, dk, dv = _FUSED[1](dout[None], work.q3[None], work.k3[None], work.v3[None], out[None],
+        dq, dk, dv = FUSED[1](dout[None], work.q3[None], work.k3[None], work.v3[None], out[None],
                                lse.t()[None], 0.0, True, scale=work.scale)
         return dq[0], dk[0], dv[0]
     items = prepared(work, fused, True)
@@ -944,7 +945,7 @@ def backward(work: Work, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | 
             m = None if fused and item.kernel_causal(work) else item.element_mask(work)
             if fused:
                 qw, (kw, vw) = rows_of(work.q3, heads, ch), item.kv(work, m)
-                dq, dk, dv = _FUSED[1](rows_of(dout, heads, ch), qw, kw, vw, rows_of(out, heads, ch),
+                dq, dk, dv = FUSED[1](rows_of(dout, heads, ch), qw, kw, vw, rows_of(out, heads, ch),
                                        lse_rows(lse_b, heads, ch), 0.0, item.kernel_causal(work),
                                        attn_mask=item.float_mask(work, m), scale=work.scale)
             else:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..masks import FULL, PARTIAL, Mask
+from ...masks import FULL, PARTIAL, Mask
 
 Tensor = torch.Tensor
 

@@ -9,7 +9,7 @@ The packed ``q (Tq, Hq, D)``, ``k (Tk, Hkv, D)``, ``v (Tk, Hkv, Dv)`` are cut in
   strided views of the packed tensors (no copy at all: the kernel tiles it, skipping the masked tiles of
   a causal mask, and writes its output and gradients in the packed ``(L, H, D)`` layout; a tensor whose head
   dimension is not contiguous is copied first, by the kernel's entry in ``_flash_ops``).  Otherwise the
-  flash plan of its mask (``_flash_plan``, on the sequence's own lengths) runs on its rows, laid out head
+  flash plan of its mask (``plan``, on the sequence's own lengths) runs on its rows, laid out head
   first in one buffer shared by all such segments, each padded to its whole tiles with zeros;
 * a run of consecutive shorter sequences is one segment under :func:`attnkit.masks.varlen` (a sequence of
   a few tokens is cheaper inside a shared tile than as a call of its own); its block structure still
@@ -26,7 +26,7 @@ written, in place: ``out * exp(lse - lse') = out * sigmoid(lse - sink)`` with ``
 exact whichever kernel made the piece (the fused kernel takes no sinks).  Rows of no segment get ``lse' =
 sink``.  In the backward the fused kernel reads the saved ``(out, lse')``, whose weights ``exp(s - lse')``
 already leave the sink's share out; the explicit tiles renormalise over their keys themselves and get the
-sink-free gradients (``_flash_impl._sinkless_grads``).  The sinks' gradient is ``sum over rows of p_sink *
+sink-free gradients (``autograd._sinkless_grads``).  The sinks' gradient is ``sum over rows of p_sink *
 (dlse - rowsum(dout * out))``, ``p_sink = exp(sink - lse')``.
 """
 
@@ -36,12 +36,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import masks as _masks
-from ..masks import Mask
-from . import _flash_ops as ops
-from . import _flash_plan as planning
-from ._common import Call, accumulation_dtype
-from ._flash_impl import _backward_plan, _forward_plan, _fusable, _sinkless_grads
+from ... import masks as _masks
+from ...masks import Mask
+from . import ops
+from . import plan as planning
+from ..call import Call, accumulation_dtype
+from ..fused import FUSED
+from .autograd import _backward_plan, _forward_plan, _fusable, _sinkless_grads
 
 Tensor = torch.Tensor
 
@@ -86,7 +87,7 @@ def _views(x: Tensor, a: int, b: int) -> Tensor:
     return x[a:b].transpose(0, 1)[None]  # (T, H, E) -> (1, H, b - a, E), a view
 
 
-def _call(seg: Segment, q: Tensor, k: Tensor, v: Tensor, st: Settings) -> Call:
+def segment_call(seg: Segment, q: Tensor, k: Tensor, v: Tensor, st: Settings) -> Call:
     """The segment as an ``attention()`` call on views (for planning and the fused kernel's conditions)."""
     return Call(_views(q, seg.qa, seg.qb), _views(k, seg.ka, seg.kb), _views(v, seg.ka, seg.kb), seg.mask, None,
                 st.scale, st.softcap, st.dropout_p, False)
@@ -116,7 +117,7 @@ def segments(q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], cu_k: list[int], 
             local_k = torch.tensor(cu_k[s0:s1 + 1]) - ka
             m = _masks.varlen(local_q, local_k, mask)
         seg = Segment(qa, qb, ka, kb, m, own, False, False, (seed + SEED_STEP * len(segs)) & 0x7FFFFFFF)
-        call = _call(seg, q, k, v, st)
+        call = segment_call(seg, q, k, v, st)
         seg.fused = _fusable(call, False)
         seg.direct = own and seg.fused and _direct(mask, qb - qa, kb - ka, st.scale)
         if not seg.direct:
@@ -223,7 +224,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, segs: list[Segment], st: Settings,
         at = {id(s): (a, b) for s, a, b in zip(planned, qo, ko)}
     for s in segs:
         if s.direct:  # (1, Hq, L, Dv) and (1, Hq, L), laid out (L, Hq, .) by the kernel
-            o, l = ops._FUSED[0](_views(q, s.qa, s.qb), _views(k, s.ka, s.kb), _views(v, s.ka, s.kb), 0.0,  # noqa: E741
+            o, l = FUSED[0](_views(q, s.qa, s.qb), _views(k, s.ka, s.kb), _views(v, s.ka, s.kb), 0.0,  # noqa: E741
                                  s.mask is not None, scale=st.scale)
             l = l[0].t()  # noqa: E741  (L, Hq)
             out.put(s.qa, _with_sink(o[0].transpose(0, 1), l, sink))
@@ -254,7 +255,7 @@ def backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Te
     tiled = [s for s, f in zip(segs, fused) if not (s.direct and f)]
     for s in tiled:
         if s.plan_b is None:
-            s.plan_b = _backward_plan(_call(s, q, k, v, st))
+            s.plan_b = _backward_plan(segment_call(s, q, k, v, st))
     # the explicit tiles renormalise over their keys: they take the gradients of the sink-free result
     explicit = bare is not None and not all(fused)
     if explicit:  # (Tq, Hq, Dv), (Tq, Hq), (Tq, Hq): elementwise, so the packed layout serves
@@ -273,7 +274,7 @@ def backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Te
     for s, f in zip(segs, fused):
         if s.direct and f:
             lse_s = lse[s.qa:s.qb].t()[None]  # (1, Hq, L), the kernel's own layout
-            g = ops._FUSED[1](_views(dout, s.qa, s.qb), _views(q, s.qa, s.qb), _views(k, s.ka, s.kb),
+            g = FUSED[1](_views(dout, s.qa, s.qb), _views(q, s.qa, s.qb), _views(k, s.ka, s.kb),
                               _views(v, s.ka, s.kb), _views(out, s.qa, s.qb), lse_s, 0.0, s.mask is not None,
                               scale=st.scale)
             for x, gx, a in ((dq, g[0], s.qa), (dk, g[1], s.ka), (dv, g[2], s.ka)):

@@ -3,11 +3,11 @@ one node per attention call and never trace into the kernel launches.
 
 Two operators, ``attnkit::triton_forward`` and ``attnkit::triton_backward``, with fake (shape-only)
 implementations and the backward registered as the forward's autograd formula, built as the ``flash``
-backend's are (``_custom_ops``: a mask or score modifier enters as a description key plus its tensors, the
+backend's are (``backends.operators``: a mask or score modifier enters as a description key plus its tensors, the
 tile plan of a mask and a shape is kept by the eager backend's plan cache, so a fixed-shape loop plans once).
-They launch the very kernels an eager call launches (``triton._forward`` / ``triton._backward``), on the
+They launch the very kernels an eager call launches (``ops._forward`` / ``ops._backward``), on the
 device of ``q`` and on the current CUDA stream, and return tensors on that device.  Gradients reach ``q``,
-``k``, ``v`` and the sinks; the backend refuses biases and modifiers that need gradients (``triton.check``),
+``k``, ``v`` and the sinks; the backend refuses biases and modifiers that need gradients (``attnkit.backends.triton.check``),
 so the operators compute none for them.
 
 The tests run the operators on CPU tensors under Triton's interpreter (``tests/backends/test_triton_ops.py``:
@@ -18,10 +18,10 @@ Example (shapes only: the fake implementation, which runs without triton)::
 
     >>> import torch
     >>> from torch._subclasses.fake_tensor import FakeTensorMode
-    >>> from attnkit.backends import _triton_custom_ops
+    >>> from attnkit.backends.triton import custom_ops
     >>> with FakeTensorMode():
     ...     q, k, v = torch.empty(1, 4, 40, 16), torch.empty(1, 2, 40, 16), torch.empty(1, 2, 40, 8)
-    ...     out, lse = _triton_custom_ops.triton_forward(q, k, v, "", [], None, "", [], None, 0.25, 0.0)
+    ...     out, lse = custom_ops.triton_forward(q, k, v, "", [], None, "", [], None, 0.25, 0.0)
     >>> tuple(out.shape), tuple(lse.shape), lse.dtype
     ((1, 4, 40, 8), (1, 4, 40), torch.float32)
 """
@@ -32,8 +32,13 @@ from typing import Optional
 
 import torch
 
-from ._common import Call, sink_grad
-from ._custom_ops import fake_input_grads, fake_out_lse, op_arguments, op_call, refuse_double_backward
+from ..call import Call
+from ..scores import sink_grad
+from ..operators import fake_input_grads, fake_out_lse, op_arguments, op_call, refuse_double_backward
+from .autograd import _with_sinks
+from .ops import _backward as _launch_backward
+from .ops import _forward as _launch_forward
+from .ops import _mods, _plans
 
 Tensor = torch.Tensor
 
@@ -46,10 +51,8 @@ def triton_forward(q: Tensor, k: Tensor, v: Tensor, mask_key: str, mask_tensors:
                    softcap: float) -> tuple[Tensor, Tensor]:
     """``(out (B, Hq, Lq, Dv), lse (B, Hq, Lq) float32)``: the triton backend's forward, the sinks (when
     given) included in each row's denominator and lse.  ``softcap=0`` means none."""
-    from . import triton as tb
-
     call = op_call(q, k, v, mask_key, mask_tensors, bias, mod_key, mod_tensors, sinks, scale, softcap)
-    out, lse = tb._with_sinks(*tb._forward(q, k, v, tb._mods(call), tb._plans(call).forward()), sinks)
+    out, lse = _with_sinks(*_launch_forward(q, k, v, _mods(call), _plans(call).forward()), sinks)
     return out.contiguous(), lse.contiguous()
 
 
@@ -65,10 +68,8 @@ def triton_backward(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, 
                     sinks_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(dq, dk, dv, dsinks)``: the gradients of :func:`triton_forward`'s ``(out, lse)`` (which include the
     sinks).  ``dsinks`` has the sinks' shape when ``sinks_grad``, else it is empty."""
-    from . import triton as tb
-
     call = op_call(q, k, v, mask_key, mask_tensors, bias, mod_key, mod_tensors, sinks, scale, softcap)
-    dq, dk, dv = tb._backward(q, k, v, out, lse, dout, dlse, tb._mods(call), tb._plans(call).backward())
+    dq, dk, dv = _launch_backward(q, k, v, out, lse, dout, dlse, _mods(call), _plans(call).backward())
     dsink = sink_grad(out, lse, dout, dlse, sinks) if sinks_grad and sinks is not None else q.new_empty(0)
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), dsink.contiguous()
 
@@ -122,12 +123,7 @@ triton_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def run(call: Call):
-    """Backend hook of ``triton``: compute a validated call (``out``, or ``(out, lse)`` with ``return_lse``),
-    eagerly by ``triton.run``, and through the operators (one graph node) while ``torch.compile`` or
-    ``torch.export`` traces."""
-    if not torch.compiler.is_compiling():
-        from . import triton as tb
-        return tb.run(call)
+    """Compute a validated call through the operators (``out``, or ``(out, lse)`` with ``return_lse``)."""
     mask_key, mask_tensors, bias_t, mod_key, mod_tensors = op_arguments(call)
     out, lse = triton_forward(call.q, call.k, call.v, mask_key, mask_tensors, bias_t, mod_key, mod_tensors,
                               call.sinks, float(call.scale), float(call.softcap or 0.0))

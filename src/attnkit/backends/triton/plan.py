@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..masks import BlockStructure, Mask
+from ...masks import BlockStructure, Mask
 
 Tensor = torch.Tensor
 
