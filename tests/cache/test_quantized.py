@@ -1,5 +1,7 @@
 """QuantizedCache: error bounds of the groups, the full-precision residual, memory, and attention error."""
 
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -253,3 +255,24 @@ def test_non_finite_values_and_the_float16_top():
     c16.layers[0].update(x[:, :, :1], x[:, :, :1])  # flushes the first group into the store
     k_all, _ = c16.layers[0].read()
     assert torch.isfinite(k_all).all() and float(k_all.max()) == 65504.0
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_padded_decode_checks_the_mask_as_attention_does(grad):
+    """With left padding the caller's mask joins the cache's padding mask; it is checked first by the call
+    attention() builds (a string or a float tensor gave from_dense's own messages), on the chunked read and on
+    the differentiable one alike."""
+    cache = QuantizedCache(1, max_len=64, bits=8, group_size=8)
+    cache.set_left_padding(torch.tensor([0, 5]))
+    layer = cache.layers[0]
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(2, 2, 41, 16, generator=g) for _ in range(2))
+    layer.update(k[:, :, :40], v[:, :, :40])
+    kv = layer.update(k[:, :, 40:], v[:, :, 40:])
+    q = torch.randn(2, 2, 1, 16, generator=g).requires_grad_(grad)
+    k_all, v_all = layer.read()
+    for bad in ("causal", torch.ones(1, 1, 1, 41), torch.ones(1, 1, 1, 7, dtype=torch.bool)):
+        with pytest.raises((TypeError, ValueError)) as want:
+            attnkit.attention(q, k_all, v_all, mask=bad)
+        with pytest.raises(want.type, match=re.escape(str(want.value))):
+            kv.attend(q, mask=bad)

@@ -79,7 +79,7 @@ CASES: dict[str, dict] = {
 ERROR_CASES = ("uneven_lengths", "mismatched_heads", "one_rank_bad_input", "mismatched_mask", "odd_zigzag_shard",
                "indivisible_shard", "learnable_bias", "dense_bias", "plain_function_bias", "local_document_ids",
                "mismatched_mask_values", "mismatched_bias_values", "one_rank_learnable_bias",
-               "unshard_mismatch", "string_return_lse", "usable_after_errors")
+               "unshard_mismatch", "string_return_lse", "overflowing_scale", "usable_after_errors")
 OTHER_CASES = ("shard_positions", "unshard_roundtrip", "unshard_gradient", "no_grad_forward", "gradcheck",
                "padding_garbage")
 
@@ -195,6 +195,8 @@ def _error_case(name: str, rank: int, world: int) -> dict:
     if name == "string_return_lse":  # "no" is truthy: refused like attention's, on every rank
         return _expect_error(lambda: ring_attention(x, x, x, return_lse="no"), TypeError,
                              "return_lse must be True or False")
+    if name == "overflowing_scale":  # attention()'s check (its call is built the same way), not NaN rows
+        return _expect_error(lambda: ring_attention(x, x, x, scale=1e30), ValueError, "would overflow")
     if name == "plain_function_bias":  # the same TypeError as attention's, not "differs across ranks"
         return _expect_error(lambda: ring_attention(x, x, x, bias=lambda s, b, h, i, j: s), TypeError,
                              "wrap a function", "from_fn")

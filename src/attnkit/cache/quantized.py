@@ -332,14 +332,14 @@ class _QuantizedDecode:
             mask = None  # the newest query sees every stored key
         if mask is None and bias is None and softcap is None and self.pad_mask is None and _plain_query(q, layer):
             return self._plain(q, 1.0 / math.sqrt(D) if scale is None else float(scale))
-        if self.pad_mask is not None:
-            pad = from_dense(self.pad_mask)
-            mask = pad if mask is None else (mask if isinstance(mask, Mask) else from_dense(mask)) & pad
         # the call's keys and values are shape-only stand-ins (nothing reads them): the contract's checks
         # and the score modifiers see the real (B, Hkv, L, D) layout
         k_shape = q.new_empty(1, 1, 1, 1).expand(B, H, L, D)
         v_shape = q.new_empty(1, 1, 1, 1).expand(B, H, L, Dv)
         call = make_call(q, k_shape, v_shape, mask=mask, bias=bias, scale=scale, softcap=softcap)
+        if self.pad_mask is not None:  # (the caller's mask checked by the call first)
+            pad = from_dense(self.pad_mask)
+            call.mask = pad if call.mask is None else call.mask & pad
         G = Hq // H
         dt = layer.rk.dtype
         acc = accumulation_dtype(q.dtype)
@@ -364,12 +364,14 @@ class _QuantizedDecode:
         """With gradients on (the query or the residual's new keys carry a graph): the store dequantized into
         new tensors and one ordinary attention call, so the shared workspace is never part of a graph; the
         gradient reaches the query and the full-precision residual (quantized keys have none)."""
+        from ..backends.call import check_mask
         from ..functional import attention
-        from ..masks import Mask, from_dense
+        from ..masks import from_dense
         k_all, v_all = self.layer._read(self.layer.rk.dtype)  # fresh tensors; the residual copied in last
-        if self.pad_mask is not None:
+        if self.pad_mask is not None:  # (the caller's mask checked as the call checks it first)
             pad = from_dense(self.pad_mask)
-            mask = pad if mask is None else (mask if isinstance(mask, Mask) else from_dense(mask)) & pad
+            mask = check_mask(mask, q, (q.shape[0], q.shape[1], q.shape[2], k_all.shape[2]))
+            mask = pad if mask is None else mask & pad
         return attention(q, k_all, v_all, mask=mask, bias=bias, scale=scale, softcap=softcap, sinks=sinks)
 
     def _plain(self, q: Tensor, scale: float) -> Tensor:

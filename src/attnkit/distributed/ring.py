@@ -19,7 +19,6 @@ Within one step a rank works through its (query rows, key columns) items of at m
 
 from __future__ import annotations
 
-import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .._checks import flag
-from ..backends.call import check_bias, check_mask, check_number, check_qkv, check_sinks
+from ..backends.call import check_qkv, check_sinks, make_call
 from ..backends.scores import zero_unseen
 from ..bias import ScoreMod
 from ..functional import attention
@@ -616,24 +615,26 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, sca
                              f"or pass layout='contiguous' if that is how it was cut")
         L = n * world
         check_divisible(L, world, layout, "ring_attention")
-        shape = (q.shape[0], q.shape[1], L, L)
         if isinstance(bias, torch.Tensor):
             raise TypeError(f"ring_attention: bias must be None or an attnkit.bias modifier, got a "
                             f"{tuple(bias.shape)} tensor: a dense (L, L) bias defeats sharding the sequence; "
                             f"express it as a function of positions with attnkit.bias.from_fn(fn)")
+        # built as attention() builds its call: this rank's shard with the scale, softcap and sinks, then the
+        # full sequence (an L x L score matrix) with the mask and bias, on shape-only stand-ins for q, k, v
+        make_call(q, k, v, scale=scale, softcap=softcap, sinks=sinks)
+        B, Hq, _, D = q.shape
+        shape_only = q.new_empty(1, 1, 1, 1)
         try:
-            m, b = check_mask(mask, q, shape), check_bias(bias, q, shape)
+            call = make_call(shape_only.expand(B, Hq, L, D), shape_only.expand(B, k.shape[1], L, D),
+                             shape_only.expand(B, v.shape[1], L, v.shape[3]), mask=mask, bias=bias, scale=scale,
+                             softcap=softcap, sinks=sinks)
         except ValueError as e:
             raise ValueError(f"ring_attention: the mask and bias describe the full sequence, an L x L score "
                              f"matrix with L = {world} ranks x {n} local tokens = {L} (e.g. document ids for all "
                              f"L tokens): {e}") from None
-        if b is not None:
-            _check_bias_constant(b, q, q.shape[1], L)
-        s = 1.0 / math.sqrt(q.shape[3]) if scale is None else check_number("scale", scale)
-        c = None if softcap is None else check_number("softcap", softcap, low=0.0, low_open=True,
-                                                        fix=" (or None for no softcap)")
-        check_sinks(sinks, q)
-        return m, b, s, c
+        if call.bias is not None:
+            _check_bias_constant(call.bias, q, q.shape[1], L)
+        return call.mask, call.bias, call.scale, call.softcap
 
     mask, bias, scale, softcap = _agree(group, rank, world, q, k, v, check, mask=mask, bias=bias, scale=scale,
                                         softcap=softcap, layout=layout, return_lse=bool(return_lse))
