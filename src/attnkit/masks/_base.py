@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import weakref
-from typing import Callable
+from abc import abstractmethod
+from dataclasses import dataclass
+from typing import Callable, TypeAlias, Union
 
 import torch
 
@@ -30,7 +32,7 @@ def _grid_by_eval(mask: Mask, t: _Tiling) -> _Grid:
         stop = min(nq, start + step)
         q = torch.arange(start * bq, stop * bq, device=t.device).view(1, 1, -1, 1)
         valid = (q < t.q_len) & kvalid
-        allowed = mask._mod(b, h, q.clamp(max=t.q_len - 1), k, t.q_len, t.kv_len)
+        allowed = mask.evaluate(b, h, q.clamp(max=t.q_len - 1), k, t.q_len, t.kv_len)
         allowed = _checked_bool(mask, allowed)
         lead = (allowed.shape[0], allowed.shape[1])
         allowed = allowed.expand(*lead, q.shape[2], kp)
@@ -59,6 +61,68 @@ def _checked_shape(mask: Mask, out: Tensor, *index: Tensor) -> Tensor:
                          f"broadcasting ops (e.g. q_idx >= kv_idx), without reshaping them") from None
 
 
+# ---------------------------------------------------------------- what Mask.form answers
+# A built-in mask described on a (q_len, kv_len) score matrix in terms of query rows i and keys j, its
+# alignment applied, so that a kernel can compute it from a few numbers or tensors instead of calling its
+# predicate.
+
+
+@dataclass(frozen=True, slots=True)
+class Band:
+    """A band of keys around each row (:func:`causal`, :func:`sliding_window`): row ``i`` sees key ``j`` iff
+    ``i + lo <= j <= i + hi``; None means unbounded on that side."""
+
+    lo: int | None
+    hi: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Prefix:
+    """A prefix seen by every row, causal after it (:func:`prefix_lm`): row ``i`` sees key ``j`` iff
+    ``j <= i + offset`` or ``j < n``."""
+
+    offset: int
+    n: int
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Documents:
+    """Document ids (:func:`document`): row ``i`` of batch element ``b`` sees key ``j`` iff
+    ``q_ids[b, i] == kv_ids[b, j]`` (``b`` clamped to the tensors' first axis, which may be 1)."""
+
+    q_ids: Tensor  # (B', q_len) int
+    kv_ids: Tensor  # (B', kv_len) int
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class KeyLengths:
+    """Key padding given by lengths (:func:`key_padding`): key ``j`` of batch element ``b`` is visible iff
+    ``j < lengths[b]`` (``b`` clamped: one length serves every batch element)."""
+
+    lengths: Tensor  # (B',) int
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Dense:
+    """A bool tensor (:func:`from_dense`, or a tensor passed as ``mask=``): True where a query may attend."""
+
+    mask: Tensor  # (B', H', Lq', Lk') bool, each axis 1 or the call's size
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Varlen:
+    """Packed sequences (:func:`varlen`): sequence ``s`` owns query rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]``
+    and keys ``cu_seqlens_k[s]:cu_seqlens_k[s+1]``; ``mask`` (or None) applies within each sequence."""
+
+    cu_seqlens_q: Tensor  # (n + 1,) int
+    cu_seqlens_k: Tensor  # (n + 1,) int
+    mask: Mask | None
+
+
+MaskForm: TypeAlias = Union[Band, Prefix, Documents, KeyLengths, Dense, Varlen]
+"""What :meth:`Mask.form` returns for a mask a kernel can evaluate in place (None for other masks)."""
+
+
 # ---------------------------------------------------------------------------- masks
 
 
@@ -68,58 +132,32 @@ _VALUE_KEYS: dict[int, tuple[weakref.ref[Mask], str | None]] = {}
 class Mask:
     """A vectorised predicate ``(b, h, q_idx, kv_idx) -> bool`` and its block structure.
 
-    Subclasses implement ``_mod(b, h, q, k, q_len, kv_len)`` (``q`` are query *rows*; masks that use
-    positions apply their alignment) and may implement ``_tiles`` arithmetically; the default derives
-    tiles by evaluating the predicate one chunk of query tiles at a time.
+    A subclass implements :meth:`evaluate` (the predicate; query *rows*, masks that use positions apply their
+    alignment) and answers the other public questions where it has something better than the default:
+    :meth:`validate` (the sizes it applies to), :meth:`batch_size`, :meth:`is_causal`, :meth:`conjuncts` (the
+    parts of an ``&``), :meth:`key_range` (one row's visible keys), :meth:`form` (what a kernel needs to
+    evaluate it in place: a :class:`Band`, :class:`Prefix`, :class:`Documents`, :class:`KeyLengths`,
+    :class:`Dense` or :class:`Varlen`), :meth:`is_positional`, :meth:`wraps_function`, :meth:`value_key` and
+    :meth:`cheap_structure`.  Its block structure is derived by evaluating the predicate one chunk of query
+    tiles at a time; the built-ins compute theirs arithmetically (the private ``_tiles``).
 
-    Other code asks a mask through its public methods, which the built-ins override where they have an
-    answer: :meth:`evaluate` (the predicate on index tensors), :meth:`is_causal`, :meth:`conjuncts` (the
-    parts of an ``&``), :meth:`key_range` (one row's visible keys), :meth:`key_offsets` / :meth:`prefix_rule` /
-    :meth:`document_ids` / :meth:`key_lengths` / :meth:`dense_tensor` (the forms kernels evaluate in place),
-    :meth:`is_varlen`, :meth:`is_positional`, :meth:`wraps_function`, :meth:`value_key`,
-    :meth:`cheap_structure` and :meth:`batch_size`.
+    Example::
+
+        >>> import torch
+        >>> from attnkit import masks
+        >>> class Even(masks.Mask):   # keys at even positions only
+        ...     def evaluate(self, b, h, q_idx, kv_idx, q_len, kv_len):
+        ...         return (kv_idx % 2 == 0) & (q_idx >= 0)
+        >>> (Even() & masks.causal()).to_dense(3, 3)[0, 0].int().tolist()
+        [[1, 0, 0], [1, 0, 0], [1, 0, 1]]
     """
 
-    # ---- to implement
-    def _mod(self, b: Tensor, h: Tensor, q: Tensor, k: Tensor, q_len: int, kv_len: int) -> Tensor:
-        raise NotImplementedError
-
-    def _tiles(self, t: _Tiling) -> _Band | _Grid:
-        return _grid_by_eval(self, t)
-
-    def _validate(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
-        """Raise ValueError when the mask cannot apply to these sizes."""
-
-    def _size(self) -> tuple[int, int] | None:
-        """The (Lq, Lk) the mask is defined for, when it carries one (used to draw it)."""
-        return None
-
-    def _size_guess(self) -> tuple[int, int] | None:
-        """A size to draw it at: the size it is defined for, else one that suits it (key lengths)."""
-        return self._size()
-
-    def _batch_size(self) -> int:
-        """The batch size the mask carries data for (1 when it does not depend on the batch)."""
-        return 1
-
-    def _head_count(self) -> int:
-        """The number of heads the mask carries data for (1 when it does not depend on the head)."""
-        return 1
-
-    # ---- public
-    def mask_mod(self, q_len: int, kv_len: int) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
-        """The predicate bound to a shape, as FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) -> bool``."""
-        def mod(b, h, q_idx, kv_idx):
-            return self._mod(b, h, q_idx, kv_idx, q_len, kv_len)
-        return mod
-
-    def validate(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
-        """Check that the mask applies to a ``(batch, heads, q_len, kv_len)`` score matrix."""
-        self._validate(batch, heads, q_len, kv_len)
-
+    # ---- the predicate (every subclass implements it)
+    @abstractmethod
     def evaluate(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor, q_len: int, kv_len: int) -> Tensor:
         """The predicate on broadcastable index tensors of a ``(q_len, kv_len)`` score matrix: batch ``b``,
         head ``h``, query *rows* ``q_idx`` and keys ``kv_idx`` (masks that use positions apply their alignment).
+        A bool tensor broadcastable against the index tensors.
 
         Example::
 
@@ -131,7 +169,33 @@ class Mask:
                     [1, 1, 0],
                     [1, 1, 1]], dtype=torch.int32)
         """
-        return self._mod(b, h, q_idx, kv_idx, q_len, kv_len)
+        raise NotImplementedError(f"{type(self).__name__} must implement evaluate(b, h, q_idx, kv_idx, q_len, kv_len)")
+
+    # ---- private: how the built-ins compute their tiles and pick a size to be drawn at
+    def _tiles(self, t: _Tiling) -> _Band | _Grid:
+        return _grid_by_eval(self, t)
+
+    def _size(self) -> tuple[int, int] | None:
+        """The (Lq, Lk) the mask is defined for, when it carries one (used to draw it)."""
+        return None
+
+    def _size_guess(self) -> tuple[int, int] | None:
+        """A size to draw it at: the size it is defined for, else one that suits it (key lengths)."""
+        return self._size()
+
+    def _head_count(self) -> int:
+        """The number of heads the mask carries data for (1 when it does not depend on the head)."""
+        return 1
+
+    # ---- public
+    def mask_mod(self, q_len: int, kv_len: int) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
+        """The predicate bound to a shape, as FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) -> bool``."""
+        def mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return self.evaluate(b, h, q_idx, kv_idx, q_len, kv_len)
+        return mod
+
+    def validate(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
+        """Check that the mask applies to a ``(batch, heads, q_len, kv_len)`` score matrix (ValueError if not)."""
 
     def batch_size(self) -> int:
         """The batch size the mask carries data for (1 when it does not depend on the batch).
@@ -143,7 +207,7 @@ class Mask:
             >>> masks.causal().batch_size(), masks.key_padding(torch.tensor([3, 5])).batch_size()
             (1, 2)
         """
-        return self._batch_size()
+        return 1
 
     def is_causal(self, align: str | None = "bottom_right") -> bool:
         """Whether this is the plain causal mask :func:`causal` with alignment ``align`` (``None``: either).
@@ -158,7 +222,7 @@ class Mask:
         """
         return False
 
-    def conjuncts(self) -> "tuple[Mask, ...]":
+    def conjuncts(self) -> tuple[Mask, ...]:
         """The masks whose ``&`` this mask is (names such as :func:`fixed` unwrapped; ``(self,)`` when it is
         no ``&``).
 
@@ -187,82 +251,34 @@ class Mask:
         """
         return None
 
-    def key_offsets(self, q_len: int, kv_len: int) -> tuple[int | None, int | None] | None:
-        """For a band mask (causal, sliding window): ``(lo, hi)`` such that row ``i`` sees key ``j`` iff
-        ``i + lo <= j <= i + hi`` (``None``: unbounded on that side), alignment applied; None for others.
+    def form(self, q_len: int, kv_len: int) -> MaskForm | None:
+        """What a kernel needs to know to evaluate this mask in place on a ``(q_len, kv_len)`` score matrix,
+        alignment applied (rows ``i``, keys ``j``), or None when it has no such form and must be evaluated:
 
-        Example::
+        - :class:`Band` ``(lo, hi)``: row ``i`` sees key ``j`` iff ``i + lo <= j <= i + hi`` (:func:`causal`,
+          :func:`sliding_window`; None: unbounded on that side);
+        - :class:`Prefix` ``(offset, n)``: ``j <= i + offset`` or ``j < n`` (:func:`prefix_lm`);
+        - :class:`Documents` ``(q_ids, kv_ids)``: ``q_ids[b, i] == kv_ids[b, j]`` (:func:`document`);
+        - :class:`KeyLengths` ``(lengths,)``: ``j < lengths[b]`` (:func:`key_padding` with lengths);
+        - :class:`Dense` ``(mask,)``: the bool tensor itself (:func:`from_dense`, a tensor passed as ``mask=``);
+        - :class:`Varlen` ``(cu_seqlens_q, cu_seqlens_k, mask)``: packed sequences (:func:`varlen`).
 
-            >>> from attnkit import masks
-            >>> masks.causal().key_offsets(4, 6), masks.sliding_window(3).key_offsets(4, 6)
-            ((None, 2), (-1, 2))
-        """
-        return None
-
-    def prefix_rule(self, q_len: int, kv_len: int) -> tuple[int, int] | None:
-        """For :func:`prefix_lm`: ``(offset, n)`` such that row ``i`` sees key ``j`` iff ``j <= i + offset`` or
-        ``j < n``; None for other masks.
-
-        Example::
-
-            >>> from attnkit import masks
-            >>> masks.prefix_lm(3).prefix_rule(4, 6), masks.causal().prefix_rule(4, 6)
-            ((2, 3), None)
-        """
-        return None
-
-    def document_ids(self, q_len: int, kv_len: int, device=None) -> tuple[Tensor, Tensor] | None:
-        """For :func:`document`: the ids ``(B', q_len)`` of the queries and ``(B', kv_len)`` of the keys (a
-        query sees the keys with its id); None for other masks.
+        Only a mask itself answers, not an ``&`` of masks: ask each of :meth:`conjuncts`.
 
         Example::
 
             >>> import torch
             >>> from attnkit import masks
-            >>> q_ids, kv_ids = masks.document(torch.tensor([0, 0, 1])).document_ids(3, 3)
-            >>> q_ids.tolist(), kv_ids.tolist()
-            ([[0, 0, 1]], [[0, 0, 1]])
-        """
-        return None
-
-    def key_lengths(self) -> Tensor | None:
-        """For :func:`key_padding` with lengths: the ``(B',)`` number of keys each sequence keeps (key ``j``
-        visible iff ``j < lengths[b]``); None for other masks.
-
-        Example::
-
-            >>> import torch
-            >>> from attnkit import masks
-            >>> masks.key_padding(torch.tensor([3, 5])).key_lengths()
+            >>> masks.causal().form(4, 6), masks.sliding_window(3).form(4, 6)
+            (Band(lo=None, hi=2), Band(lo=-1, hi=2))
+            >>> masks.prefix_lm(3).form(4, 6)
+            Prefix(offset=2, n=3)
+            >>> masks.key_padding(torch.tensor([3, 5])).form(4, 6).lengths
             tensor([3, 5])
+            >>> masks.strided(2).form(4, 6) is None, (masks.causal() & masks.sliding_window(3)).form(4, 6) is None
+            (True, True)
         """
         return None
-
-    def dense_tensor(self) -> Tensor | None:
-        """For a mask made by :func:`from_dense` (or a bool tensor passed as ``mask=``): the bool tensor
-        ``(B', H', Lq', Lk')`` it wraps; None for other masks.
-
-        Example::
-
-            >>> import torch
-            >>> from attnkit import masks
-            >>> masks.from_dense(torch.ones(2, 2, dtype=torch.bool)).dense_tensor().shape
-            torch.Size([1, 1, 2, 2])
-            >>> masks.causal().dense_tensor() is None
-            True
-        """
-        return None
-
-    def is_varlen(self) -> bool:
-        """Whether this is a :func:`varlen` mask over packed sequences.
-
-        Example::
-
-            >>> from attnkit import masks
-            >>> masks.varlen([0, 3, 5]).is_varlen(), masks.causal().is_varlen()
-            (True, False)
-        """
-        return False
 
     def is_positional(self, align: str = "bottom_right") -> bool:
         """Whether the mask reads nothing but the query and key positions, with alignment ``align`` (the
@@ -381,9 +397,9 @@ class Mask:
         """The mask as a bool tensor ``(B', H', q_len, kv_len)``; ``B'``/``H'`` are 1 where it does not vary."""
         _check_int("q_len", q_len)
         _check_int("kv_len", kv_len)
-        self._validate(batch, heads, q_len, kv_len)
+        self.validate(batch, heads, q_len, kv_len)
         b, h, q, k = _index_grid(batch, heads, q_len, kv_len, device)
-        out = _checked_bool(self, self._mod(b, h, q, k, q_len, kv_len))
+        out = _checked_bool(self, self.evaluate(b, h, q, k, q_len, kv_len))
         return out.expand(out.shape[0], out.shape[1], q_len, kv_len)
 
     def block_structure(self, q_len: int, kv_len: int, block_q: int = 128, block_k: int | None = None, *,
@@ -403,7 +419,7 @@ class Mask:
         _check_int("block_k", block_k, minimum=1)
         _check_int("q_len", q_len)
         _check_int("kv_len", kv_len)
-        self._validate(batch, heads, q_len, kv_len)
+        self.validate(batch, heads, q_len, kv_len)
         device = torch.device(device) if device is not None else torch.device("cpu")
         t = _Tiling(q_len, kv_len, block_q, block_k, batch, heads, device)
         if t.nq == 0 or t.nk == 0:
@@ -419,7 +435,7 @@ class Mask:
         """Share of ``(query, key)`` pairs that may attend, counted a chunk of rows at a time."""
         for name, value in (("q_len", q_len), ("kv_len", kv_len), ("batch", batch), ("heads", heads)):
             _check_int(name, value)
-        self._validate(batch, heads, q_len, kv_len)
+        self.validate(batch, heads, q_len, kv_len)
         return self._density(q_len, kv_len, torch.arange(batch), torch.arange(heads))
 
     def _density(self, q_len: int, kv_len: int, bs: Tensor, hs: Tensor) -> float:
@@ -433,7 +449,7 @@ class Mask:
         total = 0
         for start in range(0, q_len, step):
             q = torch.arange(start, min(q_len, start + step)).view(1, 1, -1, 1)
-            m = _checked_bool(self, self._mod(b, h, q, k, q_len, kv_len))
+            m = _checked_bool(self, self.evaluate(b, h, q, k, q_len, kv_len))
             m = m.expand(nb, nh, q.shape[2], kv_len)
             total += int(m.sum())
         return total / (nb * nh * q_len * kv_len)
@@ -454,8 +470,8 @@ class Mask:
         _check_int("batch", batch)
         _check_int("head", head)
         _check_int("max_width", max_width, minimum=1)
-        nb, nh = max(batch + 1, self._batch_size()), max(head + 1, self._head_count())
-        self._validate(nb, nh, q_len, kv_len)
+        nb, nh = max(batch + 1, self.batch_size()), max(head + 1, self._head_count())
+        self.validate(nb, nh, q_len, kv_len)
         density = self._density(q_len, kv_len, torch.tensor([batch]), torch.tensor([head]))  # of what is drawn
         header = f"{self!r}  {q_len}x{kv_len}, density {density:.1%}"
         if max(q_len, kv_len) <= max_width:
@@ -496,15 +512,15 @@ class _And(Mask):
     def __init__(self, a: Mask, b: Mask):
         self.a, self.b = a, b
 
-    def _mod(self, b, h, q, k, q_len, kv_len):
-        return self.a._mod(b, h, q, k, q_len, kv_len) & self.b._mod(b, h, q, k, q_len, kv_len)
+    def evaluate(self, b, h, q, k, q_len, kv_len):
+        return self.a.evaluate(b, h, q, k, q_len, kv_len) & self.b.evaluate(b, h, q, k, q_len, kv_len)
 
     def _tiles(self, t):
         return _and_tiles(self.a._tiles(t), self.b._tiles(t), t)
 
-    def _validate(self, *args):
-        self.a._validate(*args)
-        self.b._validate(*args)
+    def validate(self, *args):
+        self.a.validate(*args)
+        self.b.validate(*args)
 
     def _size(self):
         return self.a._size() or self.b._size()
@@ -512,8 +528,8 @@ class _And(Mask):
     def _size_guess(self):
         return self._size() or self.a._size_guess() or self.b._size_guess()
 
-    def _batch_size(self):
-        return max(self.a._batch_size(), self.b._batch_size())
+    def batch_size(self):
+        return max(self.a.batch_size(), self.b.batch_size())
 
     def _head_count(self):
         return max(self.a._head_count(), self.b._head_count())
@@ -535,8 +551,8 @@ class _And(Mask):
 
 
 class _Or(_And):
-    def _mod(self, b, h, q, k, q_len, kv_len):
-        return self.a._mod(b, h, q, k, q_len, kv_len) | self.b._mod(b, h, q, k, q_len, kv_len)
+    def evaluate(self, b, h, q, k, q_len, kv_len):
+        return self.a.evaluate(b, h, q, k, q_len, kv_len) | self.b.evaluate(b, h, q, k, q_len, kv_len)
 
     def _tiles(self, t):
         return _or_tiles(self.a._tiles(t), self.b._tiles(t), t)
@@ -552,14 +568,14 @@ class _Not(Mask):
     def __init__(self, a: Mask):
         self.a = a
 
-    def _mod(self, b, h, q, k, q_len, kv_len):
-        return ~self.a._mod(b, h, q, k, q_len, kv_len)
+    def evaluate(self, b, h, q, k, q_len, kv_len):
+        return ~self.a.evaluate(b, h, q, k, q_len, kv_len)
 
     def _tiles(self, t):
         return _Grid((FULL - _as_grid(self.a._tiles(t), t).kinds).to(torch.int8))
 
-    def _validate(self, *args):
-        self.a._validate(*args)
+    def validate(self, *args):
+        self.a.validate(*args)
 
     def _size(self):
         return self.a._size()
@@ -567,8 +583,8 @@ class _Not(Mask):
     def _size_guess(self):
         return self.a._size_guess()
 
-    def _batch_size(self):
-        return self.a._batch_size()
+    def batch_size(self):
+        return self.a.batch_size()
 
     def _head_count(self):
         return self.a._head_count()
@@ -592,14 +608,14 @@ class _Named(Mask):
     def __init__(self, name: str, inner: Mask):
         self.name, self.inner = name, inner
 
-    def _mod(self, *args):
-        return self.inner._mod(*args)
+    def evaluate(self, *args):
+        return self.inner.evaluate(*args)
 
     def _tiles(self, t):
         return self.inner._tiles(t)
 
-    def _validate(self, *args):
-        self.inner._validate(*args)
+    def validate(self, *args):
+        self.inner.validate(*args)
 
     def _size(self):
         return self.inner._size()
@@ -607,8 +623,8 @@ class _Named(Mask):
     def _size_guess(self):
         return self.inner._size_guess()
 
-    def _batch_size(self):
-        return self.inner._batch_size()
+    def batch_size(self):
+        return self.inner.batch_size()
 
     def _head_count(self):
         return self.inner._head_count()

@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 
 from .._checks import holds
-from ._base import Mask, _Named
+from ._base import Band, Documents, KeyLengths, Mask, Prefix, _Named
 from ._blocks import (_BIG, EMPTY, FULL, PARTIAL, _and_tiles, _band_from_keys, _ceil_div, _check_align, _check_bool,
                       _check_int, _Grid, _index_tensor, _offset, _or_tiles, _pool_kinds, _short_list)
 
@@ -29,7 +29,7 @@ class _Interval(Mask):
     def _bounds(self, b: Tensor, h: Tensor, p: Tensor) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
 
-    def _mod(self, b, h, q, k, q_len, kv_len):
+    def evaluate(self, b, h, q, k, q_len, kv_len):
         lo, hi = self._bounds(b, h, q + _offset(self.align, q_len, kv_len))
         return (k >= lo) & (k <= hi)
 
@@ -74,8 +74,8 @@ class _Causal(_Interval):
     def is_causal(self, align="bottom_right"):
         return align is None or self.align == align
 
-    def key_offsets(self, q_len, kv_len):
-        return None, _offset(self.align, q_len, kv_len)
+    def form(self, q_len, kv_len):
+        return Band(None, _offset(self.align, q_len, kv_len))
 
     def __repr__(self):
         return f"causal(align={self.align!r})"
@@ -95,9 +95,9 @@ class _SlidingWindow(_Interval):
     def _row_bounds(self, p):
         return (-math.inf if self.left is None else p - self.left), (math.inf if self.right is None else p + self.right)
 
-    def key_offsets(self, q_len, kv_len):
+    def form(self, q_len, kv_len):
         off = _offset(self.align, q_len, kv_len)
-        return (None if self.left is None else off - self.left), (None if self.right is None else off + self.right)
+        return Band(None if self.left is None else off - self.left, None if self.right is None else off + self.right)
 
     def __repr__(self):
         return f"sliding_window(left={self.left}, right={self.right}, align={self.align!r})"
@@ -114,8 +114,8 @@ class _PrefixLM(_Interval):
     def _row_bounds(self, p):
         return -math.inf, max(p, self.n - 1)
 
-    def prefix_rule(self, q_len, kv_len):
-        return _offset(self.align, q_len, kv_len), self.n
+    def form(self, q_len, kv_len):
+        return Prefix(_offset(self.align, q_len, kv_len), self.n)
 
     def __repr__(self):
         return f"prefix_lm({self.n}, align={self.align!r})"
@@ -146,11 +146,11 @@ class _KeyLengths(_Interval):
         lengths = self.lengths.to(p.device)
         return _const(p, 0), lengths[b.clamp(max=len(lengths) - 1)] - 1 + torch.zeros_like(p)
 
-    def _mod(self, b, h, q, k, q_len, kv_len):
+    def evaluate(self, b, h, q, k, q_len, kv_len):
         lengths = self.lengths.to(k.device)
         return k < lengths[b.clamp(max=len(lengths) - 1)]
 
-    def _validate(self, batch, heads, q_len, kv_len):
+    def validate(self, batch, heads, q_len, kv_len):
         n = len(self.lengths)
         if n not in (1, batch):
             raise ValueError(f"key_padding: got {n} lengths for a batch of {batch}: give one length per sequence")
@@ -164,7 +164,7 @@ class _KeyLengths(_Interval):
         n = int(self.lengths.max()) if len(self.lengths) else 0
         return (n, n)
 
-    def _batch_size(self):
+    def batch_size(self):
         return len(self.lengths)
 
     def key_range(self, row, q_len, kv_len):
@@ -176,8 +176,8 @@ class _KeyLengths(_Interval):
     def value_key(self):
         return None
 
-    def key_lengths(self):
-        return self.lengths
+    def form(self, q_len, kv_len):
+        return KeyLengths(self.lengths)
 
     def __repr__(self):
         return f"key_padding(lengths={_short_list(self.lengths)})"
@@ -194,7 +194,7 @@ class _KeyColumns(Mask):
             return self.keep.to(device)
         return self.rule(torch.arange(kv_len, device=device)).view(1, -1)
 
-    def _mod(self, b, h, q, k, q_len, kv_len):
+    def evaluate(self, b, h, q, k, q_len, kv_len):
         keep = self._keep(kv_len, k.device)  # (B', Lk)
         return keep[b.clamp(max=keep.shape[0] - 1), k] & torch.ones_like(q, dtype=torch.bool)
 
@@ -206,7 +206,7 @@ class _KeyColumns(Mask):
         kinds = _pool_kinds(keep[:, None, :], valid.view(1, 1, -1), 1, t.block_k)  # (B', 1, nk)
         return _Grid(kinds[:, None, :, :])  # (B', 1, 1, nk)
 
-    def _validate(self, batch, heads, q_len, kv_len):
+    def validate(self, batch, heads, q_len, kv_len):
         if self.keep is not None:
             n, lk = self.keep.shape
             if n not in (1, batch) or lk != kv_len:
@@ -216,7 +216,7 @@ class _KeyColumns(Mask):
     def _size(self):
         return None if self.keep is None else (self.keep.shape[1], self.keep.shape[1])
 
-    def _batch_size(self):
+    def batch_size(self):
         return 1 if self.keep is None else self.keep.shape[0]
 
     def value_key(self):
@@ -241,7 +241,7 @@ class _Document(Mask):
             return kv[:, off:off + q_len], kv
         return self.q_ids.to(device), self.kv_ids.to(device)
 
-    def _mod(self, b, h, q, k, q_len, kv_len):
+    def evaluate(self, b, h, q, k, q_len, kv_len):
         qi, ki = self._ids(q_len, kv_len, q.device)
         bq = b.clamp(max=qi.shape[0] - 1)
         bk = b.clamp(max=ki.shape[0] - 1)
@@ -264,7 +264,7 @@ class _Document(Mask):
         overlap = (qmax >= kmin) & (kmax >= qmin)
         return _Grid(torch.where(full, FULL, torch.where(overlap, PARTIAL, EMPTY)).to(torch.int8))
 
-    def _validate(self, batch, heads, q_len, kv_len):
+    def validate(self, batch, heads, q_len, kv_len):
         for name, ids, _n in (("ids", self.q_ids, None), ("kv_ids", self.kv_ids, kv_len)):
             if ids is None:
                 continue
@@ -282,15 +282,15 @@ class _Document(Mask):
             raise ValueError(f"document: ids/kv_ids have lengths {self.q_ids.shape[1]}/{self.kv_ids.shape[1]}, "
                              f"expected Lq={q_len} and Lk={kv_len}")
 
-    def _batch_size(self):
+    def batch_size(self):
         return max(self.q_ids.shape[0], 1 if self.kv_ids is None else self.kv_ids.shape[0])
 
     def _size(self):
         n = self.q_ids.shape[1]
         return (n, n) if self.kv_ids is None else (n, self.kv_ids.shape[1])
 
-    def document_ids(self, q_len, kv_len, device=None):
-        return self._ids(q_len, kv_len, device)
+    def form(self, q_len, kv_len):
+        return Documents(*self._ids(q_len, kv_len, None))
 
     def __repr__(self):
         return f"document({self.q_ids.shape[1]} ids)" if self.kv_ids is None else "document(ids, kv_ids)"
@@ -301,7 +301,7 @@ class _Strided(Mask):
         _check_int("stride", stride, minimum=1)
         self.stride, self.causal, self.align = stride, _check_bool("causal", causal), _check_align(align)
 
-    def _mod(self, b, h, q, k, q_len, kv_len):
+    def evaluate(self, b, h, q, k, q_len, kv_len):
         d = q + _offset(self.align, q_len, kv_len) - k
         ok = (d.abs() < self.stride) | (torch.remainder(d, self.stride) == 0)
         return ok & (d >= 0) if self.causal else ok
@@ -336,7 +336,7 @@ class _Dilated(Mask):
         self.window, self.dilation = window, dilation
         self.causal, self.align = _check_bool("causal", causal), _check_align(align)
 
-    def _mod(self, b, h, q, k, q_len, kv_len):
+    def evaluate(self, b, h, q, k, q_len, kv_len):
         d = q + _offset(self.align, q_len, kv_len) - k
         span = self.window * self.dilation
         ok = (torch.remainder(d, self.dilation) == 0) & (d <= span) & (d >= (0 if self.causal else -span))
@@ -369,7 +369,7 @@ class _GlobalTokens(Mask):
     def _member(self, positions: Tensor) -> Tensor:
         return torch.isin(positions, self.indices.to(positions.device))
 
-    def _mod(self, b, h, q, k, q_len, kv_len):
+    def evaluate(self, b, h, q, k, q_len, kv_len):
         return self._member(q + _offset(self.align, q_len, kv_len)) | self._member(k)
 
     def _tiles(self, t):
@@ -460,7 +460,7 @@ class _RandomBlocks(Mask):
         self._cache[key] = table
         return table
 
-    def _mod(self, b, h, q, k, q_len, kv_len):
+    def evaluate(self, b, h, q, k, q_len, kv_len):
         table = self.table(q_len, kv_len).to(q.device)
         first = self._rows(q_len, kv_len)[0]
         p = q + _offset(self.align, q_len, kv_len)

@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from .._checks import holds
-from ._base import Mask, _And, _checked_bool, _checked_shape, _leaves, _Named, _Or
+from ._base import Dense, Mask, Varlen, _And, _checked_bool, _checked_shape, _leaves, _Named, _Or
 from ._blocks import (_ALIGNS, _BIG, _EVAL_CHUNK, EMPTY, FULL, PARTIAL, _band_from_keys, _ceil_div, _check_align, _Grid,
                       _index_grid, _index_tensor, _offset, _pool_kinds)
 from ._builtins import (_BlockLocal, _Causal, _Dilated, _GlobalTokens, _Interval, _PrefixLM, _RandomBlocks,
@@ -27,7 +27,7 @@ class _FromFn(Mask):
         self.fn, self.name = fn, name or getattr(fn, "__name__", "fn")
         self.align = None if align is None else _check_align(align)
 
-    def _mod(self, b, h, q, k, q_len, kv_len):
+    def evaluate(self, b, h, q, k, q_len, kv_len):
         p = q if self.align is None else q + _offset(self.align, q_len, kv_len)
         return _checked_shape(self, _checked_bool(self, self.fn(b, h, p, k)), b, h, p, k)
 
@@ -69,7 +69,7 @@ class _FromFlex(_FromFn):
         super().__init__(predicate, "block_mask")
         self.seq_lengths, self.fixed_lengths = seq_lengths, fixed_lengths
 
-    def _validate(self, batch, heads, q_len, kv_len):
+    def validate(self, batch, heads, q_len, kv_len):
         kinds = self.fn.kinds
         if self.fixed_lengths and (q_len, kv_len) != self.seq_lengths:
             raise ValueError(f"from_flex: the BlockMask was built for (Q_LEN, KV_LEN)={self.seq_lengths} but the call "
@@ -83,7 +83,7 @@ class _FromFlex(_FromFn):
     def _size(self):
         return self.seq_lengths
 
-    def _batch_size(self):
+    def batch_size(self):
         return self.fn.kinds.shape[0]
 
     def __repr__(self):
@@ -95,7 +95,7 @@ class _FromDense(Mask):
     def __init__(self, t: Tensor):
         self.t = t
 
-    def _mod(self, b, h, q, k, q_len, kv_len):
+    def evaluate(self, b, h, q, k, q_len, kv_len):
         t = self.t.to(q.device)
         bi = b.clamp(max=t.shape[0] - 1) if t.shape[0] > 1 else torch.zeros_like(b)
         hi = h.clamp(max=t.shape[1] - 1) if t.shape[1] > 1 else torch.zeros_like(h)
@@ -111,7 +111,7 @@ class _FromDense(Mask):
         cols = torch.arange(m.shape[3], device=t.device).view(1, -1) < t.kv_len
         return _Grid(_pool_kinds(m, rows & cols, t.block_q, t.block_k))
 
-    def _validate(self, batch, heads, q_len, kv_len):
+    def validate(self, batch, heads, q_len, kv_len):
         b, h, lq, lk = self.t.shape
         ok = b in (1, batch) and h in (1, heads) and lq in (1, q_len) and lk in (1, kv_len)
         if not ok:
@@ -125,11 +125,11 @@ class _FromDense(Mask):
     def _size(self):
         return (self.t.shape[2], self.t.shape[3])
 
-    def _batch_size(self):
+    def batch_size(self):
         return self.t.shape[0]
 
-    def dense_tensor(self):
-        return self.t
+    def form(self, q_len, kv_len):
+        return Dense(self.t)
 
     def cheap_structure(self):
         return False
@@ -270,8 +270,8 @@ class _Varlen(Mask):
     def num_sequences(self) -> int:
         return self.cu_q.numel() - 1
 
-    def is_varlen(self):
-        return True
+    def form(self, q_len, kv_len):
+        return Varlen(self.cu_q, self.cu_k, self.inner)
 
     def _locate(self, q: Tensor, k: Tensor):
         """Per element: the query's sequence, its local row, its sequence's local key index of ``k``, the
@@ -282,7 +282,7 @@ class _Varlen(Mask):
         sk = (torch.searchsorted(ck, k.contiguous(), right=True) - 1).clamp(0, last)
         return sq, sk, cq, ck
 
-    def _mod(self, b, h, q, k, q_len, kv_len):
+    def evaluate(self, b, h, q, k, q_len, kv_len):
         cq, ck = self.cu_q.to(q.device), self.cu_k.to(q.device)
         sq = (torch.searchsorted(cq, q.contiguous(), right=True) - 1).clamp(0, max(0, self.num_sequences - 1))
         lo, hi, exact = self._row_keys(self.inner, b, h, sq, q, cq, ck)
@@ -293,7 +293,7 @@ class _Varlen(Mask):
         if self.inner is None:
             return same
         lq, lk = cq[sq + 1] - cq[sq], ck[sq + 1] - ck[sq]  # the query's sequence lengths, (..., Lq, 1)
-        return same & self.inner._mod(b, h, q - cq[sq], k - ck[sq], lq, lk)
+        return same & self.inner.evaluate(b, h, q - cq[sq], k - ck[sq], lq, lk)
 
     def _row_keys(self, m: Mask | None, b, h, s, r, cq, ck):
         """Global key bounds ``(lo, hi, exact)`` of query row ``r`` of sequence ``s`` under the per-sequence
@@ -347,10 +347,10 @@ class _Varlen(Mask):
         h = torch.arange(t.heads, device=t.device).view(1, -1, 1, 1)
         q = rows.view(1, 1, -1, 1)
         k = ck[seqs].clamp(max=max(0, t.kv_len - 1)).view(1, 1, -1, 1)
-        got = _checked_bool(self, self._mod(b, h, q, k, t.q_len, t.kv_len))
+        got = _checked_bool(self, self.evaluate(b, h, q, k, t.q_len, t.kv_len))
         return torch.zeros(got.shape[0], got.shape[1], 1, dtype=torch.long, device=t.device)
 
-    def _validate(self, batch, heads, q_len, kv_len):
+    def validate(self, batch, heads, q_len, kv_len):
         if batch != 1:
             raise ValueError(f"varlen: the packed sequences are one batch element, got a batch of {batch}: view "
                              f"packed q (Tq, H, D) as (1, H, Tq, D)")
@@ -430,7 +430,7 @@ def _nothing_visible(mask: Mask, batch: int, heads: int, q_len: int, kv_len: int
     step = max(1, _EVAL_CHUNK // max(1, batch * heads * kv_len))
     for start in range(0, q_len, step):
         q = torch.arange(start, min(q_len, start + step), device=k.device).view(1, 1, -1, 1)
-        if bool(_checked_bool(mask, mask._mod(b, h, q, k, q_len, kv_len)).any()):
+        if bool(_checked_bool(mask, mask.evaluate(b, h, q, k, q_len, kv_len)).any()):
             return False
     return True
 

@@ -51,7 +51,7 @@ class _SelectedBlocks(Mask):
         self._cache[key] = table
         return table
 
-    def _mod(self, b, h, q, k, q_len, kv_len):
+    def evaluate(self, b, h, q, k, q_len, kv_len):
         q, k = torch.as_tensor(q), torch.as_tensor(k)
         t = self.table(_ceil_div(kv_len, self.block_k), k.device)
         b, h = torch.as_tensor(b, device=k.device), torch.as_tensor(h, device=k.device)
@@ -78,7 +78,7 @@ class _SelectedBlocks(Mask):
             kinds[i] = torch.where(count == area, FULL, torch.where(count > 0, PARTIAL, EMPTY))
         return _Grid(kinds.view(*lead, *kinds.shape[1:]))
 
-    def _validate(self, batch, heads, q_len, kv_len):
+    def validate(self, batch, heads, q_len, kv_len):
         nb, nh, nqb = self.indices.shape[:3]
         if nb not in (1, batch):
             raise ValueError(
@@ -111,7 +111,7 @@ class _SelectedBlocks(Mask):
         top = int(self.indices.max()) + 1 if self.indices.numel() else 0
         return rows, max(rows, top * self.block_k)
 
-    def _batch_size(self):
+    def batch_size(self):
         return self.indices.shape[0]
 
     def _head_count(self):
