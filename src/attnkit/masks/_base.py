@@ -5,7 +5,7 @@ from __future__ import annotations
 import weakref
 from abc import abstractmethod
 from dataclasses import dataclass
-from typing import Callable, TypeAlias, Union
+from typing import Callable, Iterator, TypeAlias, Union
 
 import torch
 
@@ -40,20 +40,21 @@ def _grid_by_eval(mask: Mask, t: _Tiling) -> _Grid:
     return _Grid(torch.cat(parts, dim=2))
 
 
-def _checked_bool(mask: Mask, out) -> Tensor:
+def _checked_bool(mask: Mask, out: object) -> Tensor:
     if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
         got = out.dtype if isinstance(out, torch.Tensor) else type(out).__name__
         raise TypeError(f"{mask!r}: the mask function must return a bool tensor, got {got}")
     while out.dim() < 4:
         out = out.unsqueeze(0)
-    return out
+    checked: Tensor = out
+    return checked
 
 
 def _checked_shape(mask: Mask, out: Tensor, *index: Tensor) -> Tensor:
     """``out`` when it broadcasts against the index tensors it was computed from, else a clear error."""
-    shape = torch.broadcast_shapes(*(i.shape for i in index))
+    shape = torch.broadcast_shapes(*(i.shape for i in index))  # type: ignore[no-untyped-call]  # (torch.functional is unannotated)
     try:
-        torch.broadcast_shapes(out.shape, shape)
+        torch.broadcast_shapes(out.shape, shape)  # type: ignore[no-untyped-call]  # (torch.functional is unannotated)
         return out
     except RuntimeError:
         raise ValueError(f"{mask!r}: the mask function returned shape {tuple(out.shape)} for index tensors that "
@@ -326,7 +327,7 @@ class Mask:
         """
         return None
 
-    def __eq__(self, other):
+    def __eq__(self, other: object) -> bool:
         """Masks built alike compare equal (:meth:`value_key`); masks holding tensors or functions compare by
         identity."""
         if self is other:
@@ -336,7 +337,7 @@ class Mask:
         key = self._cached_value_key()
         return key is not None and key == other._cached_value_key()
 
-    def __hash__(self):
+    def __hash__(self) -> int:
         key = self._cached_value_key()
         return hash(key) if key is not None else object.__hash__(self)
 
@@ -356,7 +357,7 @@ class Mask:
         _VALUE_KEYS[ident] = (weakref.ref(self, forget), key)
         return key
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, str]:
         """A JSON-ready description that :func:`attnkit.masks.from_dict` rebuilds an equal mask from.
 
         Only masks made of built-ins that hold no tensors serialise (those with a :meth:`value_key`): a mask
@@ -501,7 +502,7 @@ class Mask:
         return _Not(self)
 
 
-def _as_mask(x, op: str) -> Mask:
+def _as_mask(x: object, op: str) -> Mask:
     if not isinstance(x, Mask):
         raise TypeError(f"cannot combine a Mask with {type(x).__name__} using {op!r}: "
                         f"wrap a bool tensor with attnkit.masks.from_dense(t)")
@@ -512,55 +513,55 @@ class _And(Mask):
     def __init__(self, a: Mask, b: Mask):
         self.a, self.b = a, b
 
-    def evaluate(self, b, h, q, k, q_len, kv_len):
+    def evaluate(self, b: Tensor, h: Tensor, q: Tensor, k: Tensor, q_len: int, kv_len: int) -> Tensor:
         return self.a.evaluate(b, h, q, k, q_len, kv_len) & self.b.evaluate(b, h, q, k, q_len, kv_len)
 
-    def _tiles(self, t):
+    def _tiles(self, t: _Tiling) -> _Band | _Grid:
         return _and_tiles(self.a._tiles(t), self.b._tiles(t), t)
 
-    def validate(self, *args):
-        self.a.validate(*args)
-        self.b.validate(*args)
+    def validate(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
+        self.a.validate(batch, heads, q_len, kv_len)
+        self.b.validate(batch, heads, q_len, kv_len)
 
-    def _size(self):
+    def _size(self) -> tuple[int, int] | None:
         return self.a._size() or self.b._size()
 
-    def _size_guess(self):
+    def _size_guess(self) -> tuple[int, int] | None:
         return self._size() or self.a._size_guess() or self.b._size_guess()
 
-    def batch_size(self):
+    def batch_size(self) -> int:
         return max(self.a.batch_size(), self.b.batch_size())
 
-    def _head_count(self):
+    def _head_count(self) -> int:
         return max(self.a._head_count(), self.b._head_count())
 
-    def conjuncts(self):
+    def conjuncts(self) -> tuple[Mask, ...]:
         return self.a.conjuncts() + self.b.conjuncts()
 
-    def value_key(self):
+    def value_key(self) -> str | None:
         return repr(self) if self.a.value_key() is not None and self.b.value_key() is not None else None
 
-    def cheap_structure(self):
+    def cheap_structure(self) -> bool:
         return self.a.cheap_structure() and self.b.cheap_structure()
 
-    def is_positional(self, align="bottom_right"):
+    def is_positional(self, align: str = "bottom_right") -> bool:
         return self.a.is_positional(align) and self.b.is_positional(align)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"({self.a!r} & {self.b!r})"
 
 
 class _Or(_And):
-    def evaluate(self, b, h, q, k, q_len, kv_len):
+    def evaluate(self, b: Tensor, h: Tensor, q: Tensor, k: Tensor, q_len: int, kv_len: int) -> Tensor:
         return self.a.evaluate(b, h, q, k, q_len, kv_len) | self.b.evaluate(b, h, q, k, q_len, kv_len)
 
-    def _tiles(self, t):
+    def _tiles(self, t: _Tiling) -> _Band | _Grid:
         return _or_tiles(self.a._tiles(t), self.b._tiles(t), t)
 
-    def conjuncts(self):
+    def conjuncts(self) -> tuple[Mask, ...]:
         return (self,)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"({self.a!r} | {self.b!r})"
 
 
@@ -568,37 +569,37 @@ class _Not(Mask):
     def __init__(self, a: Mask):
         self.a = a
 
-    def evaluate(self, b, h, q, k, q_len, kv_len):
+    def evaluate(self, b: Tensor, h: Tensor, q: Tensor, k: Tensor, q_len: int, kv_len: int) -> Tensor:
         return ~self.a.evaluate(b, h, q, k, q_len, kv_len)
 
-    def _tiles(self, t):
+    def _tiles(self, t: _Tiling) -> _Band | _Grid:
         return _Grid((FULL - _as_grid(self.a._tiles(t), t).kinds).to(torch.int8))
 
-    def validate(self, *args):
-        self.a.validate(*args)
+    def validate(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
+        self.a.validate(batch, heads, q_len, kv_len)
 
-    def _size(self):
+    def _size(self) -> tuple[int, int] | None:
         return self.a._size()
 
-    def _size_guess(self):
+    def _size_guess(self) -> tuple[int, int] | None:
         return self.a._size_guess()
 
-    def batch_size(self):
+    def batch_size(self) -> int:
         return self.a.batch_size()
 
-    def _head_count(self):
+    def _head_count(self) -> int:
         return self.a._head_count()
 
-    def value_key(self):
+    def value_key(self) -> str | None:
         return repr(self) if self.a.value_key() is not None else None
 
-    def cheap_structure(self):
+    def cheap_structure(self) -> bool:
         return self.a.cheap_structure()
 
-    def is_positional(self, align="bottom_right"):
+    def is_positional(self, align: str = "bottom_right") -> bool:
         return self.a.is_positional(align)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"~{self.a!r}"
 
 
@@ -608,44 +609,44 @@ class _Named(Mask):
     def __init__(self, name: str, inner: Mask):
         self.name, self.inner = name, inner
 
-    def evaluate(self, *args):
-        return self.inner.evaluate(*args)
+    def evaluate(self, b: Tensor, h: Tensor, q: Tensor, k: Tensor, q_len: int, kv_len: int) -> Tensor:
+        return self.inner.evaluate(b, h, q, k, q_len, kv_len)
 
-    def _tiles(self, t):
+    def _tiles(self, t: _Tiling) -> _Band | _Grid:
         return self.inner._tiles(t)
 
-    def validate(self, *args):
-        self.inner.validate(*args)
+    def validate(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
+        self.inner.validate(batch, heads, q_len, kv_len)
 
-    def _size(self):
+    def _size(self) -> tuple[int, int] | None:
         return self.inner._size()
 
-    def _size_guess(self):
+    def _size_guess(self) -> tuple[int, int] | None:
         return self.inner._size_guess()
 
-    def batch_size(self):
+    def batch_size(self) -> int:
         return self.inner.batch_size()
 
-    def _head_count(self):
+    def _head_count(self) -> int:
         return self.inner._head_count()
 
-    def conjuncts(self):
+    def conjuncts(self) -> tuple[Mask, ...]:
         return self.inner.conjuncts()
 
-    def value_key(self):
+    def value_key(self) -> str | None:
         return repr(self) if self.inner.value_key() is not None else None
 
-    def cheap_structure(self):
+    def cheap_structure(self) -> bool:
         return self.inner.cheap_structure()
 
-    def is_positional(self, align="bottom_right"):
+    def is_positional(self, align: str = "bottom_right") -> bool:
         return self.inner.is_positional(align)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return self.name
 
 
-def _leaves(mask: Mask):
+def _leaves(mask: Mask) -> Iterator[Mask]:
     """The masks a combination (``&``, ``|``, ``~``, a named pattern) is built from, recursively."""
     stack = [mask]
     while stack:
