@@ -76,11 +76,11 @@ def test_temperature_and_compose():
     score = torch.ones(1, 2, 3, 3)
     idx = [torch.arange(n).view(*shape) for n, shape in ((1, (-1, 1, 1, 1)), (2, (1, -1, 1, 1)),
                                                           (3, (1, 1, -1, 1)), (3, (1, 1, 1, -1)))]
-    out = bias.temperature(2.0)._mod(score, *idx, 3, 3)
+    out = bias.temperature(2.0).apply(score, *idx, 3, 3)
     assert (out == 0.5).all()
-    per_head = bias.temperature(torch.tensor([1.0, 4.0]))._mod(score, *idx, 3, 3)
+    per_head = bias.temperature(torch.tensor([1.0, 4.0])).apply(score, *idx, 3, 3)
     assert (per_head[0, 1] == 0.25).all()
-    both = bias.compose(bias.temperature(2.0), bias.alibi(torch.tensor([1.0, 1.0])))._mod(score, *idx, 3, 3)
+    both = bias.compose(bias.temperature(2.0), bias.alibi(torch.tensor([1.0, 1.0]))).apply(score, *idx, 3, 3)
     assert both[0, 0, 2, 0].item() == pytest.approx(0.5 - 2)
     assert bias.compose(bias.alibi(torch.ones(2)), bias.relative_buckets(torch.zeros(2, 8))).additive
     assert not bias.compose(bias.temperature(2.0)).additive

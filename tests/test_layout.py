@@ -147,7 +147,7 @@ def _outside_masks(name: str) -> bool:
 
 def test_private_mask_protocol_stays_inside_masks_and_bias():
     methods, private_classes = _private_protocol()
-    assert {"_mod", "_tiles", "_batch_size"} <= methods and {"_Causal", "_And", "_ALiBi"} <= private_classes
+    assert {"_tiles", "_size", "_head_count"} <= methods and {"_Causal", "_And", "_ALiBi"} <= private_classes
     bad = []
     for name in filter(_outside_masks, SOURCES):
         for node in ast.walk(TREES[name]):

@@ -528,3 +528,78 @@ def test_from_flex_refuses_what_flex_attention_refuses():
         masks.from_flex(bm[0])
     with pytest.raises(TypeError, match="BlockMask"):
         masks.from_flex(masks.causal())
+
+
+def dense_from_form(form, lq, lk, batch=1):
+    """A (B', Lq, Lk) bool mask computed from a ``Mask.form`` answer alone (rows i, keys j)."""
+    i, j = torch.arange(lq).view(1, -1, 1), torch.arange(lk).view(1, 1, -1)
+    if isinstance(form, masks.Band):
+        lo = torch.ones_like(i + j, dtype=torch.bool) if form.lo is None else j >= i + form.lo
+        hi = torch.ones_like(i + j, dtype=torch.bool) if form.hi is None else j <= i + form.hi
+        return lo & hi
+    if isinstance(form, masks.Prefix):
+        return (j <= i + form.offset) | (j < form.n)
+    if isinstance(form, masks.Documents):
+        return form.q_ids[:, :, None] == form.kv_ids[:, None, :]
+    if isinstance(form, masks.KeyLengths):
+        return (j < form.lengths.view(-1, 1, 1)).expand(-1, lq, lk)
+    if isinstance(form, masks.Dense):
+        return form.mask[:, 0].expand(-1, lq, lk)
+    raise AssertionError(f"no evaluator for {form!r}")
+
+
+@pytest.mark.parametrize("lq,lk", [(6, 6), (3, 8), (1, 9)])
+@pytest.mark.parametrize("name,mask", [
+    ("causal", masks.causal()),
+    ("causal_top_left", masks.causal(align="top_left")),
+    ("sliding_window", masks.sliding_window(2)),
+    ("sliding_window_sym", masks.sliding_window(2, 3)),
+    ("sliding_window_unbounded", masks.sliding_window(None, 1, align="top_left")),
+    ("prefix_lm", masks.prefix_lm(3)),
+    ("prefix_lm_top_left", masks.prefix_lm(2, align="top_left")),
+    ("key_padding", masks.key_padding(torch.tensor([2, 5]))),
+    ("document", masks.document(torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2]))),
+])
+def test_form_alone_gives_the_mask(name, mask, lq, lk):
+    if name == "document":  # (one id per key: the keys of this call)
+        mask = masks.document(torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2])[:lk])
+    want = mask.to_dense(lq, lk, batch=2)[:, 0]  # (B', Lq, Lk)
+    got = dense_from_form(mask.form(lq, lk), lq, lk)
+    assert torch.equal(got.expand_as(want), want), f"{mask!r} on ({lq}, {lk}): form {mask.form(lq, lk)!r}"
+
+
+def test_form_of_dense_and_varlen_masks_holds_their_tensors():
+    t = torch.rand(2, 1, 4, 5) > 0.5
+    form = masks.from_dense(t).form(4, 5)
+    assert isinstance(form, masks.Dense) and form.mask is t
+    assert torch.equal(dense_from_form(form, 4, 5), t[:, 0])
+    inner = masks.causal()
+    v = masks.varlen([0, 2, 5], [0, 3, 5], mask=inner).form(5, 5)
+    assert isinstance(v, masks.Varlen) and v.mask is inner
+    assert v.cu_seqlens_q.tolist() == [0, 2, 5] and v.cu_seqlens_k.tolist() == [0, 3, 5]
+
+
+def test_form_is_none_for_masks_a_kernel_must_evaluate():
+    for m in (masks.strided(2), masks.block_local(4), masks.from_fn(lambda b, h, q, k: q >= k),
+              masks.causal() & masks.sliding_window(3), ~masks.causal(), masks.fixed(4, 1),
+              masks.key_padding(torch.ones(1, 6, dtype=torch.bool))):
+        assert m.form(6, 6) is None, m
+    parts = (masks.causal() & masks.prefix_lm(2)).conjuncts()  # an & answers through its parts
+    assert [type(p.form(6, 6)) for p in parts] == [masks.Band, masks.Prefix]
+    assert masks.causal().form(4, 6) == masks.Band(None, 2) and masks.Band(None, 2) != masks.Prefix(None, 2)
+
+
+def test_a_subclass_implements_evaluate_and_one_without_it_is_told_so():
+    class Even(masks.Mask):
+        def evaluate(self, b, h, q_idx, kv_idx, q_len, kv_len):
+            return (kv_idx % 2 == 0) & (q_idx >= 0)
+
+    dense = (Even() & masks.causal()).to_dense(4, 4)[0, 0]
+    assert dense.int().tolist() == [[1, 0, 0, 0], [1, 0, 0, 0], [1, 0, 1, 0], [1, 0, 1, 0]]
+    assert Even().form(4, 4) is None and Even().block_structure(8, 8, 4).partial_count.sum() > 0
+
+    class Nothing(masks.Mask):
+        pass
+
+    with pytest.raises(NotImplementedError, match="Nothing must implement evaluate"):
+        Nothing().to_dense(2, 2)

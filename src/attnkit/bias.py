@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import math
+from abc import abstractmethod
 from typing import Callable, TypeAlias, Union
 
 import torch
@@ -34,9 +35,9 @@ __all__ = ["ScoreMod", "BiasLike", "alibi", "alibi_slopes", "relative_buckets", 
 
 
 class ScoreMod:
-    """A score modifier.  Subclasses implement ``_mod(score, b, h, q, k, q_len, kv_len)`` (``q`` are
-    query rows; position-aware modifiers apply their alignment) with broadcastable index tensors; other
-    code calls :meth:`apply` and asks :meth:`is_positional`.
+    """A score modifier.  Subclasses implement :meth:`apply` (``q_idx`` are query rows; position-aware
+    modifiers apply their alignment) with broadcastable index tensors, and :meth:`validate` where it has sizes
+    to check; other code calls them and asks :meth:`is_positional`.
 
     ``additive`` modifiers (ALiBi, T5 buckets) can also be materialised as a float bias tensor
     (:meth:`materialize`) for backends that only take a dense bias.  Kernels that compute a modifier in
@@ -53,20 +54,12 @@ class ScoreMod:
     scale_factor: float | None = None  # a pure rescaling of every score (temperature), foldable into `scale`
     slopes: Tensor | None = None  # ALiBi's (Hq,) slopes: adds -slope * |p - j| (kernels compute it in place)
 
-    def _mod(self, score: Tensor, b: Tensor, h: Tensor, q: Tensor, k: Tensor, q_len: int, kv_len: int) -> Tensor:
-        raise NotImplementedError
-
-    def _validate(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
-        """Raise ValueError when the modifier cannot apply to these sizes."""
-
-    def validate(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
-        self._validate(batch, heads, q_len, kv_len)
-
+    @abstractmethod
     def apply(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor, q_len: int,
               kv_len: int) -> Tensor:
         """The modified scores, on broadcastable index tensors of a ``(q_len, kv_len)`` score matrix: batch
         ``b``, head ``h``, query *rows* ``q_idx`` and keys ``kv_idx`` (position-aware modifiers apply their
-        alignment).
+        alignment).  Every subclass implements it.
 
         Example::
 
@@ -79,7 +72,12 @@ class ScoreMod:
                     [-1.,  0., -1.],
                     [-2., -1.,  0.]])
         """
-        return self._mod(score, b, h, q_idx, kv_idx, q_len, kv_len)
+        raise NotImplementedError(f"{type(self).__name__} must implement apply(score, b, h, q_idx, kv_idx, q_len, "
+                                  f"kv_len)")
+
+    def validate(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
+        """Check that the modifier applies to a ``(batch, heads, q_len, kv_len)`` score matrix (ValueError if
+        not)."""
 
     def is_positional(self, align: str = "bottom_right") -> bool:
         """Whether the modifier reads nothing but the head and the query and key positions, with alignment
@@ -137,7 +135,7 @@ class ScoreMod:
     def score_mod(self, q_len: int, kv_len: int) -> Callable[..., Tensor]:
         """Bound to a shape, as FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx) -> score``."""
         def mod(score, b, h, q_idx, kv_idx):
-            return self._mod(score, b, h, q_idx, kv_idx, q_len, kv_len)
+            return self.apply(score, b, h, q_idx, kv_idx, q_len, kv_len)
         return mod
 
     def materialize(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1,
@@ -145,10 +143,10 @@ class ScoreMod:
         """The additive term as a float tensor ``(B', H', q_len, kv_len)`` (additive modifiers only)."""
         if not self.additive:
             raise TypeError(f"{self!r} is not additive and cannot be materialised as a bias tensor")
-        self._validate(batch, heads, q_len, kv_len)
+        self.validate(batch, heads, q_len, kv_len)
         b, h, q, k = _index_grid(batch, heads, q_len, kv_len, device)
         zero = torch.zeros((), device=b.device, dtype=dtype)
-        out = self._mod(zero, b, h, q, k, q_len, kv_len).to(dtype)
+        out = self.apply(zero, b, h, q, k, q_len, kv_len).to(dtype)
         while out.dim() < 4:
             out = out.unsqueeze(0)
         return out.expand(out.shape[0], out.shape[1], q_len, kv_len)
@@ -186,12 +184,12 @@ class _ALiBi(ScoreMod):
     def __init__(self, slopes: Tensor, align: str):
         self.slopes, self.align = slopes, _check_align(align)
 
-    def _mod(self, score, b, h, q, k, q_len, kv_len):
+    def apply(self, score, b, h, q, k, q_len, kv_len):
         slopes = self.slopes.to(device=h.device)
         p = q + _offset(self.align, q_len, kv_len)
         return score - slopes[h] * (p - k).abs().to(slopes.dtype)
 
-    def _validate(self, batch, heads, q_len, kv_len):
+    def validate(self, batch, heads, q_len, kv_len):
         if len(self.slopes) != heads:
             raise ValueError(f"alibi: got {len(self.slopes)} slopes for Hq={heads} query heads: "
                              f"give one slope per query head (attnkit.bias.alibi_slopes({heads}))")
@@ -264,13 +262,13 @@ class _RelativeBuckets(ScoreMod):
         self.table, self.bidirectional, self.max_distance = table, bool(bidirectional), max_distance
         self.align = _check_align(align)
 
-    def _mod(self, score, b, h, q, k, q_len, kv_len):
+    def apply(self, score, b, h, q, k, q_len, kv_len):
         p = q + _offset(self.align, q_len, kv_len)
         bucket = t5_bucket(k - p, bidirectional=self.bidirectional, num_buckets=self.table.shape[1],
                            max_distance=self.max_distance)
         return score + self.table.to(h.device)[h, bucket]
 
-    def _validate(self, batch, heads, q_len, kv_len):
+    def validate(self, batch, heads, q_len, kv_len):
         if self.table.shape[0] != heads:
             raise ValueError(f"relative_buckets: the table has {self.table.shape[0]} rows for Hq={heads} query "
                              f"heads: give a (Hq, num_buckets) table")
@@ -315,12 +313,12 @@ class _Temperature(ScoreMod):
         self.t = t
         self.scale_factor = (1.0 / float(t)) if not isinstance(t, torch.Tensor) else None
 
-    def _mod(self, score, b, h, q, k, q_len, kv_len):
+    def apply(self, score, b, h, q, k, q_len, kv_len):
         if isinstance(self.t, torch.Tensor):
             return score / self.t.to(h.device)[h]
         return score / self.t
 
-    def _validate(self, batch, heads, q_len, kv_len):
+    def validate(self, batch, heads, q_len, kv_len):
         if isinstance(self.t, torch.Tensor) and len(self.t) != heads:
             raise ValueError(f"temperature: got {len(self.t)} temperatures for Hq={heads} query heads")
 
@@ -353,7 +351,7 @@ class _FromFn(ScoreMod):
             raise TypeError(f"from_fn: fn must be callable as fn(score, b, h, q_idx, kv_idx) -> score, got {fn!r}")
         self.fn, self.name = fn, name or getattr(fn, "__name__", "fn")
 
-    def _mod(self, score, b, h, q, k, q_len, kv_len):
+    def apply(self, score, b, h, q, k, q_len, kv_len):
         out = self.fn(score, b, h, q, k)
         if not isinstance(out, torch.Tensor) or not out.is_floating_point():
             raise TypeError(f"{self!r}: fn must return a float tensor of scores, got "
@@ -394,14 +392,14 @@ class _Compose(ScoreMod):
         self.mods = mods
         self.additive = all(m.additive for m in mods)
 
-    def _mod(self, score, b, h, q, k, q_len, kv_len):
+    def apply(self, score, b, h, q, k, q_len, kv_len):
         for m in self.mods:
-            score = m._mod(score, b, h, q, k, q_len, kv_len)
+            score = m.apply(score, b, h, q, k, q_len, kv_len)
         return score
 
-    def _validate(self, *args):
+    def validate(self, *args):
         for m in self.mods:
-            m._validate(*args)
+            m.validate(*args)
 
     def __repr__(self):
         return " then ".join(map(repr, self.mods))

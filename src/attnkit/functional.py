@@ -35,7 +35,8 @@ def _warn_if_nothing_visible(call: Call) -> None:
     aligned both ways when ``Lq != Lk``): the mark of a row predicate combined with bottom-right masks.
     Evaluated once per mask and shape; the built-in masks on their own are not checked."""
     m = call.mask
-    if m is None or m.dense_tensor() is not None or call.q.device.type == "meta" or torch.compiler.is_compiling():
+    if m is None or call.q.device.type == "meta" or torch.compiler.is_compiling():  # (a dense mask has no unchecked
+        # positions)
         return
     if not _positions_unchecked(m, call.q_len, call.kv_len):
         return

@@ -350,7 +350,7 @@ class _Band(masks.Mask):
     def __init__(self, w):
         self.w = w
 
-    def _mod(self, b, h, q, k, q_len, kv_len):
+    def evaluate(self, b, h, q, k, q_len, kv_len):
         return (q - k).abs() <= self.w
 
     def __eq__(self, other):

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..bias import ScoreMod
-from ..masks import Mask
+from ..masks import Dense, Mask
 from .call import Call, accumulation_dtype, graph_zero, single_query_window
 from .scores import per_mask, zero_unseen
 from .reads import reachable_tensors, tensor_key
@@ -71,15 +71,15 @@ def _dense(call: Call) -> tuple[Tensor, Tensor, bool, Tensor | None]:
     """The mask as bool (B', H', Lq, Lk), which rows see a key, whether all do, and the keys no query may
     see (``_hidden_keys``); memoised per mask."""
     m = call.mask
+    form = m.form(call.q_len, call.kv_len)
     if torch.compiler.is_compiling() or call.q.device.type == "meta":  # traced (or meta: shapes only): no Python
         # bool from tensor data, no traced tensors memoised
-        dense = m.dense_tensor()
-        allowed = dense if dense is not None else m.to_dense(
+        allowed = form.mask if isinstance(form, Dense) else m.to_dense(
             call.q_len, call.kv_len, batch=call.batch, heads=call.heads, device=call.q.device)
         # False: empty rows handled, also if none
         return allowed, allowed.any(dim=-1, keepdim=True), False, _hidden_keys(call, allowed, traced=True)
-    if m.dense_tensor() is not None:  # a user's bool tensor: pass it as it is
-        allowed = m.dense_tensor()
+    if isinstance(form, Dense):  # a user's bool tensor: pass it as it is
+        allowed = form.mask
         live = allowed.any(dim=-1, keepdim=True)
         return allowed, live, bool(live.all()), _hidden_keys(call, allowed)
     key = (call.batch, call.heads, call.q_len, call.kv_len, call.q.device)

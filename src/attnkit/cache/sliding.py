@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..masks import Mask
+from ..masks import Band, Mask
 from .._checks import integer
 from ._common import LayoutCache, check_new_kv, model_dims
 
@@ -28,9 +28,9 @@ def window_of(mask) -> int | None:
         return None
     wins = []
     for part in mask.conjuncts():
-        offsets = part.key_offsets(1, 1)  # (one query at its own position: the offsets are the window's sides)
-        if offsets is not None and offsets[0] is not None:
-            wins.append(-offsets[0] + 1)
+        band = part.form(1, 1)  # (one query at its own position: the offsets are the window's sides)
+        if isinstance(band, Band) and band.lo is not None:
+            wins.append(-band.lo + 1)
     return min(wins) if wins else None
 
 

@@ -55,10 +55,10 @@ class _Placed(Mask):
     def __init__(self, inner: Mask, row0: int, col0: int, seq_len: int):
         self.inner, self.row0, self.col0, self.seq_len = inner, row0, col0, seq_len
 
-    def _mod(self, b, h, q, k, q_len, kv_len):
+    def evaluate(self, b, h, q, k, q_len, kv_len):
         return self.inner.evaluate(b, h, q + self.row0, k + self.col0, self.seq_len, self.seq_len)
 
-    def _batch_size(self):
+    def batch_size(self):
         return self.inner.batch_size()
 
     def __repr__(self):
@@ -72,7 +72,7 @@ class _PlacedBias(ScoreMod):
         self.inner, self.row0, self.col0, self.seq_len = inner, row0, col0, seq_len
         self.additive, self.scale_factor = inner.additive, inner.scale_factor
 
-    def _mod(self, score, b, h, q, k, q_len, kv_len):
+    def apply(self, score, b, h, q, k, q_len, kv_len):
         return self.inner.apply(score, b, h, q + self.row0, k + self.col0, self.seq_len, self.seq_len)
 
     def __repr__(self):

@@ -423,10 +423,10 @@ def _sliding_left(mask, name: str = "config.mask") -> int | None:
     for m in mask.conjuncts() if isinstance(mask, _masks.Mask) else (mask,):
         if isinstance(m, _masks.Mask) and m.is_causal("bottom_right"):
             continue
-        offsets = m.key_offsets(1, 1) if isinstance(m, _masks.Mask) else None  # (one query at its own position)
-        if offsets is not None and m.is_positional("bottom_right") and offsets[1] in (0, None):
-            if offsets[0] is not None:
-                lefts.append(-offsets[0])
+        band = m.form(1, 1) if isinstance(m, _masks.Mask) else None  # (one query at its own position)
+        if isinstance(band, _masks.Band) and m.is_positional("bottom_right") and band.hi in (0, None):
+            if band.lo is not None:
+                lefts.append(-band.lo)
             continue
         raise ValueError(f"{name}={mask!r}: only a causal sliding window (masks.sliding_window(left)) has a "
                          f"transformers equivalent")

@@ -414,7 +414,7 @@ def _with_sequence_bounds(mask, cu_q, cu_k, query: Tensor, key: Tensor):
     if query.shape[0] != 1:
         raise ValueError(f"cu_seq_lens_q/cu_seq_lens_k describe sequences packed into one row, but the batch has "
                          f"{query.shape[0]} rows: pack the batch into one row (DataCollatorWithFlattening)")
-    if isinstance(mask, Mask) and mask.is_varlen():  # already built from the restarting position ids
+    if isinstance(mask, Mask) and isinstance(mask.form(query.shape[2], key.shape[2]), _masks.Varlen):  # from position ids
         return mask
     if mask is None or (isinstance(mask, Mask) and _masks._per_sequence(mask)):
         return _masks.varlen(cu_q, cu_k, mask)
@@ -434,7 +434,8 @@ def _restarting_positions(position_ids, mask, query: Tensor, key: Tensor) -> Ten
         return None
     if position_ids.dim() != 2 or tuple(position_ids.shape) != (1, lq):
         return None  # (multimodal rope ids have more axes)
-    if mask is not None and not (isinstance(mask, Mask) and not mask.is_varlen() and _masks._per_sequence(mask)):
+    if mask is not None and not (isinstance(mask, Mask) and not isinstance(mask.form(lq, lk), _masks.Varlen)
+                                 and _masks._per_sequence(mask)):
         return None
     starts = (position_ids[0].diff() != 1).nonzero()[:, 0] + 1  # (n - 1,)
     if starts.numel() == 0:

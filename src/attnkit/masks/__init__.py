@@ -31,7 +31,8 @@ Example::
 """
 
 # The package is one concern (what may attend to what) in five modules: ``_blocks`` (tilings and block
-# structure), ``_base`` (the Mask protocol and the combinators), ``_builtins`` (the built-in masks),
+# structure), ``_base`` (the Mask protocol, what ``Mask.form`` answers, and the combinators), ``_builtins``
+# (the built-in masks),
 # ``_selected`` (key blocks chosen from the data) and ``_convert`` (masks from functions, BlockMasks, tensors
 # and packed sequences).  Every name stays importable
 # from ``attnkit.masks``.
@@ -42,7 +43,8 @@ from typing import TYPE_CHECKING, TypeAlias, Union
 
 import torch
 
-from ._base import Mask, _And, _Named, _Not, _Or
+from ._base import (Band, Dense, Documents, KeyLengths, Mask, MaskForm, Prefix, Varlen, _And, _Named, _Not,
+                    _Or)
 from ._blocks import EMPTY, FULL, PARTIAL, BlockStructure, _check_align, _index_grid, _offset
 from ._builtins import (_BlockLocal, _Causal, _Dilated, _Document, _GlobalTokens, _Interval, _KeyColumns, _KeyLengths,
                         _PrefixLM, _RandomBlocks, _SlidingWindow, _Strided, _SummaryColumns, block_local, causal,
@@ -65,6 +67,13 @@ __all__ = [
     "Mask",
     "MaskLike",
     "BlockStructure",
+    "MaskForm",
+    "Band",
+    "Prefix",
+    "Documents",
+    "KeyLengths",
+    "Dense",
+    "Varlen",
     "causal",
     "sliding_window",
     "key_padding",

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import weakref
-from typing import Callable
+from abc import abstractmethod
+from dataclasses import dataclass
+from typing import Callable, Iterator, TypeAlias, Union
 
 import torch
 
@@ -30,7 +32,7 @@ def _grid_by_eval(mask: Mask, t: _Tiling) -> _Grid:
         stop = min(nq, start + step)
         q = torch.arange(start * bq, stop * bq, device=t.device).view(1, 1, -1, 1)
         valid = (q < t.q_len) & kvalid
-        allowed = mask._mod(b, h, q.clamp(max=t.q_len - 1), k, t.q_len, t.kv_len)
+        allowed = mask.evaluate(b, h, q.clamp(max=t.q_len - 1), k, t.q_len, t.kv_len)
         allowed = _checked_bool(mask, allowed)
         lead = (allowed.shape[0], allowed.shape[1])
         allowed = allowed.expand(*lead, q.shape[2], kp)
@@ -38,25 +40,88 @@ def _grid_by_eval(mask: Mask, t: _Tiling) -> _Grid:
     return _Grid(torch.cat(parts, dim=2))
 
 
-def _checked_bool(mask: Mask, out) -> Tensor:
+def _checked_bool(mask: Mask, out: object) -> Tensor:
     if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
         got = out.dtype if isinstance(out, torch.Tensor) else type(out).__name__
         raise TypeError(f"{mask!r}: the mask function must return a bool tensor, got {got}")
     while out.dim() < 4:
         out = out.unsqueeze(0)
-    return out
+    checked: Tensor = out
+    return checked
 
 
 def _checked_shape(mask: Mask, out: Tensor, *index: Tensor) -> Tensor:
     """``out`` when it broadcasts against the index tensors it was computed from, else a clear error."""
-    shape = torch.broadcast_shapes(*(i.shape for i in index))
+    shape = torch.broadcast_shapes(*(i.shape for i in index))  # type: ignore[no-untyped-call]  # (torch.functional is unannotated)
     try:
-        torch.broadcast_shapes(out.shape, shape)
+        torch.broadcast_shapes(out.shape, shape)  # type: ignore[no-untyped-call]  # (torch.functional is unannotated)
         return out
     except RuntimeError:
         raise ValueError(f"{mask!r}: the mask function returned shape {tuple(out.shape)} for index tensors that "
                          f"broadcast to {tuple(shape)}: build the result from b, h, q_idx, kv_idx with "
                          f"broadcasting ops (e.g. q_idx >= kv_idx), without reshaping them") from None
+
+
+# ---------------------------------------------------------------- what Mask.form answers
+# A built-in mask described on a (q_len, kv_len) score matrix in terms of query rows i and keys j, its
+# alignment applied, so that a kernel can compute it from a few numbers or tensors instead of calling its
+# predicate.
+
+
+@dataclass(frozen=True, slots=True)
+class Band:
+    """A band of keys around each row (:func:`causal`, :func:`sliding_window`): row ``i`` sees key ``j`` iff
+    ``i + lo <= j <= i + hi``; None means unbounded on that side."""
+
+    lo: int | None
+    hi: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Prefix:
+    """A prefix seen by every row, causal after it (:func:`prefix_lm`): row ``i`` sees key ``j`` iff
+    ``j <= i + offset`` or ``j < n``."""
+
+    offset: int
+    n: int
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Documents:
+    """Document ids (:func:`document`): row ``i`` of batch element ``b`` sees key ``j`` iff
+    ``q_ids[b, i] == kv_ids[b, j]`` (``b`` clamped to the tensors' first axis, which may be 1)."""
+
+    q_ids: Tensor  # (B', q_len) int
+    kv_ids: Tensor  # (B', kv_len) int
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class KeyLengths:
+    """Key padding given by lengths (:func:`key_padding`): key ``j`` of batch element ``b`` is visible iff
+    ``j < lengths[b]`` (``b`` clamped: one length serves every batch element)."""
+
+    lengths: Tensor  # (B',) int
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Dense:
+    """A bool tensor (:func:`from_dense`, or a tensor passed as ``mask=``): True where a query may attend."""
+
+    mask: Tensor  # (B', H', Lq', Lk') bool, each axis 1 or the call's size
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Varlen:
+    """Packed sequences (:func:`varlen`): sequence ``s`` owns query rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]``
+    and keys ``cu_seqlens_k[s]:cu_seqlens_k[s+1]``; ``mask`` (or None) applies within each sequence."""
+
+    cu_seqlens_q: Tensor  # (n + 1,) int
+    cu_seqlens_k: Tensor  # (n + 1,) int
+    mask: Mask | None
+
+
+MaskForm: TypeAlias = Union[Band, Prefix, Documents, KeyLengths, Dense, Varlen]
+"""What :meth:`Mask.form` returns for a mask a kernel can evaluate in place (None for other masks)."""
 
 
 # ---------------------------------------------------------------------------- masks
@@ -68,58 +133,32 @@ _VALUE_KEYS: dict[int, tuple[weakref.ref[Mask], str | None]] = {}
 class Mask:
     """A vectorised predicate ``(b, h, q_idx, kv_idx) -> bool`` and its block structure.
 
-    Subclasses implement ``_mod(b, h, q, k, q_len, kv_len)`` (``q`` are query *rows*; masks that use
-    positions apply their alignment) and may implement ``_tiles`` arithmetically; the default derives
-    tiles by evaluating the predicate one chunk of query tiles at a time.
+    A subclass implements :meth:`evaluate` (the predicate; query *rows*, masks that use positions apply their
+    alignment) and answers the other public questions where it has something better than the default:
+    :meth:`validate` (the sizes it applies to), :meth:`batch_size`, :meth:`is_causal`, :meth:`conjuncts` (the
+    parts of an ``&``), :meth:`key_range` (one row's visible keys), :meth:`form` (what a kernel needs to
+    evaluate it in place: a :class:`Band`, :class:`Prefix`, :class:`Documents`, :class:`KeyLengths`,
+    :class:`Dense` or :class:`Varlen`), :meth:`is_positional`, :meth:`wraps_function`, :meth:`value_key` and
+    :meth:`cheap_structure`.  Its block structure is derived by evaluating the predicate one chunk of query
+    tiles at a time; the built-ins compute theirs arithmetically (the private ``_tiles``).
 
-    Other code asks a mask through its public methods, which the built-ins override where they have an
-    answer: :meth:`evaluate` (the predicate on index tensors), :meth:`is_causal`, :meth:`conjuncts` (the
-    parts of an ``&``), :meth:`key_range` (one row's visible keys), :meth:`key_offsets` / :meth:`prefix_rule` /
-    :meth:`document_ids` / :meth:`key_lengths` / :meth:`dense_tensor` (the forms kernels evaluate in place),
-    :meth:`is_varlen`, :meth:`is_positional`, :meth:`wraps_function`, :meth:`value_key`,
-    :meth:`cheap_structure` and :meth:`batch_size`.
+    Example::
+
+        >>> import torch
+        >>> from attnkit import masks
+        >>> class Even(masks.Mask):   # keys at even positions only
+        ...     def evaluate(self, b, h, q_idx, kv_idx, q_len, kv_len):
+        ...         return (kv_idx % 2 == 0) & (q_idx >= 0)
+        >>> (Even() & masks.causal()).to_dense(3, 3)[0, 0].int().tolist()
+        [[1, 0, 0], [1, 0, 0], [1, 0, 1]]
     """
 
-    # ---- to implement
-    def _mod(self, b: Tensor, h: Tensor, q: Tensor, k: Tensor, q_len: int, kv_len: int) -> Tensor:
-        raise NotImplementedError
-
-    def _tiles(self, t: _Tiling) -> _Band | _Grid:
-        return _grid_by_eval(self, t)
-
-    def _validate(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
-        """Raise ValueError when the mask cannot apply to these sizes."""
-
-    def _size(self) -> tuple[int, int] | None:
-        """The (Lq, Lk) the mask is defined for, when it carries one (used to draw it)."""
-        return None
-
-    def _size_guess(self) -> tuple[int, int] | None:
-        """A size to draw it at: the size it is defined for, else one that suits it (key lengths)."""
-        return self._size()
-
-    def _batch_size(self) -> int:
-        """The batch size the mask carries data for (1 when it does not depend on the batch)."""
-        return 1
-
-    def _head_count(self) -> int:
-        """The number of heads the mask carries data for (1 when it does not depend on the head)."""
-        return 1
-
-    # ---- public
-    def mask_mod(self, q_len: int, kv_len: int) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
-        """The predicate bound to a shape, as FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) -> bool``."""
-        def mod(b, h, q_idx, kv_idx):
-            return self._mod(b, h, q_idx, kv_idx, q_len, kv_len)
-        return mod
-
-    def validate(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
-        """Check that the mask applies to a ``(batch, heads, q_len, kv_len)`` score matrix."""
-        self._validate(batch, heads, q_len, kv_len)
-
+    # ---- the predicate (every subclass implements it)
+    @abstractmethod
     def evaluate(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor, q_len: int, kv_len: int) -> Tensor:
         """The predicate on broadcastable index tensors of a ``(q_len, kv_len)`` score matrix: batch ``b``,
         head ``h``, query *rows* ``q_idx`` and keys ``kv_idx`` (masks that use positions apply their alignment).
+        A bool tensor broadcastable against the index tensors.
 
         Example::
 
@@ -131,7 +170,33 @@ class Mask:
                     [1, 1, 0],
                     [1, 1, 1]], dtype=torch.int32)
         """
-        return self._mod(b, h, q_idx, kv_idx, q_len, kv_len)
+        raise NotImplementedError(f"{type(self).__name__} must implement evaluate(b, h, q_idx, kv_idx, q_len, kv_len)")
+
+    # ---- private: how the built-ins compute their tiles and pick a size to be drawn at
+    def _tiles(self, t: _Tiling) -> _Band | _Grid:
+        return _grid_by_eval(self, t)
+
+    def _size(self) -> tuple[int, int] | None:
+        """The (Lq, Lk) the mask is defined for, when it carries one (used to draw it)."""
+        return None
+
+    def _size_guess(self) -> tuple[int, int] | None:
+        """A size to draw it at: the size it is defined for, else one that suits it (key lengths)."""
+        return self._size()
+
+    def _head_count(self) -> int:
+        """The number of heads the mask carries data for (1 when it does not depend on the head)."""
+        return 1
+
+    # ---- public
+    def mask_mod(self, q_len: int, kv_len: int) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
+        """The predicate bound to a shape, as FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) -> bool``."""
+        def mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return self.evaluate(b, h, q_idx, kv_idx, q_len, kv_len)
+        return mod
+
+    def validate(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
+        """Check that the mask applies to a ``(batch, heads, q_len, kv_len)`` score matrix (ValueError if not)."""
 
     def batch_size(self) -> int:
         """The batch size the mask carries data for (1 when it does not depend on the batch).
@@ -143,7 +208,7 @@ class Mask:
             >>> masks.causal().batch_size(), masks.key_padding(torch.tensor([3, 5])).batch_size()
             (1, 2)
         """
-        return self._batch_size()
+        return 1
 
     def is_causal(self, align: str | None = "bottom_right") -> bool:
         """Whether this is the plain causal mask :func:`causal` with alignment ``align`` (``None``: either).
@@ -158,7 +223,7 @@ class Mask:
         """
         return False
 
-    def conjuncts(self) -> "tuple[Mask, ...]":
+    def conjuncts(self) -> tuple[Mask, ...]:
         """The masks whose ``&`` this mask is (names such as :func:`fixed` unwrapped; ``(self,)`` when it is
         no ``&``).
 
@@ -187,82 +252,34 @@ class Mask:
         """
         return None
 
-    def key_offsets(self, q_len: int, kv_len: int) -> tuple[int | None, int | None] | None:
-        """For a band mask (causal, sliding window): ``(lo, hi)`` such that row ``i`` sees key ``j`` iff
-        ``i + lo <= j <= i + hi`` (``None``: unbounded on that side), alignment applied; None for others.
+    def form(self, q_len: int, kv_len: int) -> MaskForm | None:
+        """What a kernel needs to know to evaluate this mask in place on a ``(q_len, kv_len)`` score matrix,
+        alignment applied (rows ``i``, keys ``j``), or None when it has no such form and must be evaluated:
 
-        Example::
+        - :class:`Band` ``(lo, hi)``: row ``i`` sees key ``j`` iff ``i + lo <= j <= i + hi`` (:func:`causal`,
+          :func:`sliding_window`; None: unbounded on that side);
+        - :class:`Prefix` ``(offset, n)``: ``j <= i + offset`` or ``j < n`` (:func:`prefix_lm`);
+        - :class:`Documents` ``(q_ids, kv_ids)``: ``q_ids[b, i] == kv_ids[b, j]`` (:func:`document`);
+        - :class:`KeyLengths` ``(lengths,)``: ``j < lengths[b]`` (:func:`key_padding` with lengths);
+        - :class:`Dense` ``(mask,)``: the bool tensor itself (:func:`from_dense`, a tensor passed as ``mask=``);
+        - :class:`Varlen` ``(cu_seqlens_q, cu_seqlens_k, mask)``: packed sequences (:func:`varlen`).
 
-            >>> from attnkit import masks
-            >>> masks.causal().key_offsets(4, 6), masks.sliding_window(3).key_offsets(4, 6)
-            ((None, 2), (-1, 2))
-        """
-        return None
-
-    def prefix_rule(self, q_len: int, kv_len: int) -> tuple[int, int] | None:
-        """For :func:`prefix_lm`: ``(offset, n)`` such that row ``i`` sees key ``j`` iff ``j <= i + offset`` or
-        ``j < n``; None for other masks.
-
-        Example::
-
-            >>> from attnkit import masks
-            >>> masks.prefix_lm(3).prefix_rule(4, 6), masks.causal().prefix_rule(4, 6)
-            ((2, 3), None)
-        """
-        return None
-
-    def document_ids(self, q_len: int, kv_len: int, device=None) -> tuple[Tensor, Tensor] | None:
-        """For :func:`document`: the ids ``(B', q_len)`` of the queries and ``(B', kv_len)`` of the keys (a
-        query sees the keys with its id); None for other masks.
+        Only a mask itself answers, not an ``&`` of masks: ask each of :meth:`conjuncts`.
 
         Example::
 
             >>> import torch
             >>> from attnkit import masks
-            >>> q_ids, kv_ids = masks.document(torch.tensor([0, 0, 1])).document_ids(3, 3)
-            >>> q_ids.tolist(), kv_ids.tolist()
-            ([[0, 0, 1]], [[0, 0, 1]])
-        """
-        return None
-
-    def key_lengths(self) -> Tensor | None:
-        """For :func:`key_padding` with lengths: the ``(B',)`` number of keys each sequence keeps (key ``j``
-        visible iff ``j < lengths[b]``); None for other masks.
-
-        Example::
-
-            >>> import torch
-            >>> from attnkit import masks
-            >>> masks.key_padding(torch.tensor([3, 5])).key_lengths()
+            >>> masks.causal().form(4, 6), masks.sliding_window(3).form(4, 6)
+            (Band(lo=None, hi=2), Band(lo=-1, hi=2))
+            >>> masks.prefix_lm(3).form(4, 6)
+            Prefix(offset=2, n=3)
+            >>> masks.key_padding(torch.tensor([3, 5])).form(4, 6).lengths
             tensor([3, 5])
+            >>> masks.strided(2).form(4, 6) is None, (masks.causal() & masks.sliding_window(3)).form(4, 6) is None
+            (True, True)
         """
         return None
-
-    def dense_tensor(self) -> Tensor | None:
-        """For a mask made by :func:`from_dense` (or a bool tensor passed as ``mask=``): the bool tensor
-        ``(B', H', Lq', Lk')`` it wraps; None for other masks.
-
-        Example::
-
-            >>> import torch
-            >>> from attnkit import masks
-            >>> masks.from_dense(torch.ones(2, 2, dtype=torch.bool)).dense_tensor().shape
-            torch.Size([1, 1, 2, 2])
-            >>> masks.causal().dense_tensor() is None
-            True
-        """
-        return None
-
-    def is_varlen(self) -> bool:
-        """Whether this is a :func:`varlen` mask over packed sequences.
-
-        Example::
-
-            >>> from attnkit import masks
-            >>> masks.varlen([0, 3, 5]).is_varlen(), masks.causal().is_varlen()
-            (True, False)
-        """
-        return False
 
     def is_positional(self, align: str = "bottom_right") -> bool:
         """Whether the mask reads nothing but the query and key positions, with alignment ``align`` (the
@@ -310,7 +327,7 @@ class Mask:
         """
         return None
 
-    def __eq__(self, other):
+    def __eq__(self, other: object) -> bool:
         """Masks built alike compare equal (:meth:`value_key`); masks holding tensors or functions compare by
         identity."""
         if self is other:
@@ -320,7 +337,7 @@ class Mask:
         key = self._cached_value_key()
         return key is not None and key == other._cached_value_key()
 
-    def __hash__(self):
+    def __hash__(self) -> int:
         key = self._cached_value_key()
         return hash(key) if key is not None else object.__hash__(self)
 
@@ -340,7 +357,7 @@ class Mask:
         _VALUE_KEYS[ident] = (weakref.ref(self, forget), key)
         return key
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, str]:
         """A JSON-ready description that :func:`attnkit.masks.from_dict` rebuilds an equal mask from.
 
         Only masks made of built-ins that hold no tensors serialise (those with a :meth:`value_key`): a mask
@@ -381,9 +398,9 @@ class Mask:
         """The mask as a bool tensor ``(B', H', q_len, kv_len)``; ``B'``/``H'`` are 1 where it does not vary."""
         _check_int("q_len", q_len)
         _check_int("kv_len", kv_len)
-        self._validate(batch, heads, q_len, kv_len)
+        self.validate(batch, heads, q_len, kv_len)
         b, h, q, k = _index_grid(batch, heads, q_len, kv_len, device)
-        out = _checked_bool(self, self._mod(b, h, q, k, q_len, kv_len))
+        out = _checked_bool(self, self.evaluate(b, h, q, k, q_len, kv_len))
         return out.expand(out.shape[0], out.shape[1], q_len, kv_len)
 
     def block_structure(self, q_len: int, kv_len: int, block_q: int = 128, block_k: int | None = None, *,
@@ -403,7 +420,7 @@ class Mask:
         _check_int("block_k", block_k, minimum=1)
         _check_int("q_len", q_len)
         _check_int("kv_len", kv_len)
-        self._validate(batch, heads, q_len, kv_len)
+        self.validate(batch, heads, q_len, kv_len)
         device = torch.device(device) if device is not None else torch.device("cpu")
         t = _Tiling(q_len, kv_len, block_q, block_k, batch, heads, device)
         if t.nq == 0 or t.nk == 0:
@@ -419,7 +436,7 @@ class Mask:
         """Share of ``(query, key)`` pairs that may attend, counted a chunk of rows at a time."""
         for name, value in (("q_len", q_len), ("kv_len", kv_len), ("batch", batch), ("heads", heads)):
             _check_int(name, value)
-        self._validate(batch, heads, q_len, kv_len)
+        self.validate(batch, heads, q_len, kv_len)
         return self._density(q_len, kv_len, torch.arange(batch), torch.arange(heads))
 
     def _density(self, q_len: int, kv_len: int, bs: Tensor, hs: Tensor) -> float:
@@ -433,7 +450,7 @@ class Mask:
         total = 0
         for start in range(0, q_len, step):
             q = torch.arange(start, min(q_len, start + step)).view(1, 1, -1, 1)
-            m = _checked_bool(self, self._mod(b, h, q, k, q_len, kv_len))
+            m = _checked_bool(self, self.evaluate(b, h, q, k, q_len, kv_len))
             m = m.expand(nb, nh, q.shape[2], kv_len)
             total += int(m.sum())
         return total / (nb * nh * q_len * kv_len)
@@ -454,8 +471,8 @@ class Mask:
         _check_int("batch", batch)
         _check_int("head", head)
         _check_int("max_width", max_width, minimum=1)
-        nb, nh = max(batch + 1, self._batch_size()), max(head + 1, self._head_count())
-        self._validate(nb, nh, q_len, kv_len)
+        nb, nh = max(batch + 1, self.batch_size()), max(head + 1, self._head_count())
+        self.validate(nb, nh, q_len, kv_len)
         density = self._density(q_len, kv_len, torch.tensor([batch]), torch.tensor([head]))  # of what is drawn
         header = f"{self!r}  {q_len}x{kv_len}, density {density:.1%}"
         if max(q_len, kv_len) <= max_width:
@@ -485,7 +502,7 @@ class Mask:
         return _Not(self)
 
 
-def _as_mask(x, op: str) -> Mask:
+def _as_mask(x: object, op: str) -> Mask:
     if not isinstance(x, Mask):
         raise TypeError(f"cannot combine a Mask with {type(x).__name__} using {op!r}: "
                         f"wrap a bool tensor with attnkit.masks.from_dense(t)")
@@ -496,55 +513,55 @@ class _And(Mask):
     def __init__(self, a: Mask, b: Mask):
         self.a, self.b = a, b
 
-    def _mod(self, b, h, q, k, q_len, kv_len):
-        return self.a._mod(b, h, q, k, q_len, kv_len) & self.b._mod(b, h, q, k, q_len, kv_len)
+    def evaluate(self, b: Tensor, h: Tensor, q: Tensor, k: Tensor, q_len: int, kv_len: int) -> Tensor:
+        return self.a.evaluate(b, h, q, k, q_len, kv_len) & self.b.evaluate(b, h, q, k, q_len, kv_len)
 
-    def _tiles(self, t):
+    def _tiles(self, t: _Tiling) -> _Band | _Grid:
         return _and_tiles(self.a._tiles(t), self.b._tiles(t), t)
 
-    def _validate(self, *args):
-        self.a._validate(*args)
-        self.b._validate(*args)
+    def validate(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
+        self.a.validate(batch, heads, q_len, kv_len)
+        self.b.validate(batch, heads, q_len, kv_len)
 
-    def _size(self):
+    def _size(self) -> tuple[int, int] | None:
         return self.a._size() or self.b._size()
 
-    def _size_guess(self):
+    def _size_guess(self) -> tuple[int, int] | None:
         return self._size() or self.a._size_guess() or self.b._size_guess()
 
-    def _batch_size(self):
-        return max(self.a._batch_size(), self.b._batch_size())
+    def batch_size(self) -> int:
+        return max(self.a.batch_size(), self.b.batch_size())
 
-    def _head_count(self):
+    def _head_count(self) -> int:
         return max(self.a._head_count(), self.b._head_count())
 
-    def conjuncts(self):
+    def conjuncts(self) -> tuple[Mask, ...]:
         return self.a.conjuncts() + self.b.conjuncts()
 
-    def value_key(self):
+    def value_key(self) -> str | None:
         return repr(self) if self.a.value_key() is not None and self.b.value_key() is not None else None
 
-    def cheap_structure(self):
+    def cheap_structure(self) -> bool:
         return self.a.cheap_structure() and self.b.cheap_structure()
 
-    def is_positional(self, align="bottom_right"):
+    def is_positional(self, align: str = "bottom_right") -> bool:
         return self.a.is_positional(align) and self.b.is_positional(align)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"({self.a!r} & {self.b!r})"
 
 
 class _Or(_And):
-    def _mod(self, b, h, q, k, q_len, kv_len):
-        return self.a._mod(b, h, q, k, q_len, kv_len) | self.b._mod(b, h, q, k, q_len, kv_len)
+    def evaluate(self, b: Tensor, h: Tensor, q: Tensor, k: Tensor, q_len: int, kv_len: int) -> Tensor:
+        return self.a.evaluate(b, h, q, k, q_len, kv_len) | self.b.evaluate(b, h, q, k, q_len, kv_len)
 
-    def _tiles(self, t):
+    def _tiles(self, t: _Tiling) -> _Band | _Grid:
         return _or_tiles(self.a._tiles(t), self.b._tiles(t), t)
 
-    def conjuncts(self):
+    def conjuncts(self) -> tuple[Mask, ...]:
         return (self,)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"({self.a!r} | {self.b!r})"
 
 
@@ -552,37 +569,37 @@ class _Not(Mask):
     def __init__(self, a: Mask):
         self.a = a
 
-    def _mod(self, b, h, q, k, q_len, kv_len):
-        return ~self.a._mod(b, h, q, k, q_len, kv_len)
+    def evaluate(self, b: Tensor, h: Tensor, q: Tensor, k: Tensor, q_len: int, kv_len: int) -> Tensor:
+        return ~self.a.evaluate(b, h, q, k, q_len, kv_len)
 
-    def _tiles(self, t):
+    def _tiles(self, t: _Tiling) -> _Band | _Grid:
         return _Grid((FULL - _as_grid(self.a._tiles(t), t).kinds).to(torch.int8))
 
-    def _validate(self, *args):
-        self.a._validate(*args)
+    def validate(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
+        self.a.validate(batch, heads, q_len, kv_len)
 
-    def _size(self):
+    def _size(self) -> tuple[int, int] | None:
         return self.a._size()
 
-    def _size_guess(self):
+    def _size_guess(self) -> tuple[int, int] | None:
         return self.a._size_guess()
 
-    def _batch_size(self):
-        return self.a._batch_size()
+    def batch_size(self) -> int:
+        return self.a.batch_size()
 
-    def _head_count(self):
+    def _head_count(self) -> int:
         return self.a._head_count()
 
-    def value_key(self):
+    def value_key(self) -> str | None:
         return repr(self) if self.a.value_key() is not None else None
 
-    def cheap_structure(self):
+    def cheap_structure(self) -> bool:
         return self.a.cheap_structure()
 
-    def is_positional(self, align="bottom_right"):
+    def is_positional(self, align: str = "bottom_right") -> bool:
         return self.a.is_positional(align)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"~{self.a!r}"
 
 
@@ -592,44 +609,44 @@ class _Named(Mask):
     def __init__(self, name: str, inner: Mask):
         self.name, self.inner = name, inner
 
-    def _mod(self, *args):
-        return self.inner._mod(*args)
+    def evaluate(self, b: Tensor, h: Tensor, q: Tensor, k: Tensor, q_len: int, kv_len: int) -> Tensor:
+        return self.inner.evaluate(b, h, q, k, q_len, kv_len)
 
-    def _tiles(self, t):
+    def _tiles(self, t: _Tiling) -> _Band | _Grid:
         return self.inner._tiles(t)
 
-    def _validate(self, *args):
-        self.inner._validate(*args)
+    def validate(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
+        self.inner.validate(batch, heads, q_len, kv_len)
 
-    def _size(self):
+    def _size(self) -> tuple[int, int] | None:
         return self.inner._size()
 
-    def _size_guess(self):
+    def _size_guess(self) -> tuple[int, int] | None:
         return self.inner._size_guess()
 
-    def _batch_size(self):
-        return self.inner._batch_size()
+    def batch_size(self) -> int:
+        return self.inner.batch_size()
 
-    def _head_count(self):
+    def _head_count(self) -> int:
         return self.inner._head_count()
 
-    def conjuncts(self):
+    def conjuncts(self) -> tuple[Mask, ...]:
         return self.inner.conjuncts()
 
-    def value_key(self):
+    def value_key(self) -> str | None:
         return repr(self) if self.inner.value_key() is not None else None
 
-    def cheap_structure(self):
+    def cheap_structure(self) -> bool:
         return self.inner.cheap_structure()
 
-    def is_positional(self, align="bottom_right"):
+    def is_positional(self, align: str = "bottom_right") -> bool:
         return self.inner.is_positional(align)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return self.name
 
 
-def _leaves(mask: Mask):
+def _leaves(mask: Mask) -> Iterator[Mask]:
     """The masks a combination (``&``, ``|``, ``~``, a named pattern) is built from, recursively."""
     stack = [mask]
     while stack:

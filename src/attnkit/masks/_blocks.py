@@ -35,15 +35,15 @@ def _offset(align: str, q_len: int, kv_len: int) -> int:
     return kv_len - q_len if align == "bottom_right" else 0
 
 
-def _check_int(name: str, value, *, minimum: int = 0, allow_none: bool = False) -> None:
+def _check_int(name: str, value: object, *, minimum: int = 0, allow_none: bool = False) -> None:
     integer(name, value, minimum=minimum, allow_none=allow_none)
 
 
-def _check_bool(name: str, value) -> bool:
+def _check_bool(name: str, value: object) -> bool:
     return flag(name, value)  # (a string such as "false" would be truthy)
 
 
-def _index_tensor(name: str, values, *, ndim: Sequence[int]) -> Tensor:
+def _index_tensor(name: str, values: object, *, ndim: Sequence[int]) -> Tensor:
     try:
         t = values if isinstance(values, Tensor) else torch.tensor(values)  # (a numpy array is copied)
     except (TypeError, ValueError, RuntimeError):
@@ -57,7 +57,8 @@ def _index_tensor(name: str, values, *, ndim: Sequence[int]) -> Tensor:
     return t.to(torch.long)
 
 
-def _index_grid(batch: int, heads: int, q_len: int, kv_len: int, device=None) -> tuple[Tensor, ...]:
+def _index_grid(batch: int, heads: int, q_len: int, kv_len: int,
+                device: torch.device | str | None = None) -> tuple[Tensor, ...]:
     """Index tensors b (B,1,1,1), h (1,H,1,1), q (1,1,Lq,1), k (1,1,1,Lk) that broadcast to (B, H, Lq, Lk)."""
     device = torch.device(device) if device is not None else torch.device("cpu")
     return (torch.arange(batch, device=device).view(-1, 1, 1, 1), torch.arange(heads, device=device).view(1, -1, 1, 1),
@@ -148,7 +149,7 @@ def _band_from_keys(t: _Tiling, kmin: Tensor, kmax: Tensor, fmin: Tensor, fmax: 
     flo, fhi = torch.maximum(flo, lo), torch.minimum(fhi, hi)
     fempty = (fhi <= flo) | empty | (fmin > fmax)
     flo, fhi = torch.where(fempty, lo, flo), torch.where(fempty, lo, fhi)
-    lo, hi, flo, fhi = torch.broadcast_tensors(lo, hi, flo, fhi)
+    lo, hi, flo, fhi = torch.broadcast_tensors(lo, hi, flo, fhi)  # type: ignore[no-untyped-call]  # (torch.functional is unannotated)
     return _Band(lo, hi, flo, fhi)
 
 
@@ -183,7 +184,7 @@ def _or_tiles(a: _Band | _Grid, b: _Band | _Grid, t: _Tiling) -> _Band | _Grid:
             fhi = torch.where(touch, torch.maximum(a.fhi, b.fhi), torch.where(a_bigger, a.fhi, b.fhi))
             none = ~(fa | fb)
             flo, fhi = torch.where(none, lo, flo), torch.where(none, lo, fhi)
-            lo, hi, flo, fhi = torch.broadcast_tensors(lo, hi, flo, fhi)
+            lo, hi, flo, fhi = torch.broadcast_tensors(lo, hi, flo, fhi)  # type: ignore[no-untyped-call]  # (torch.functional is unannotated)
             return _Band(lo, hi, flo, fhi)
     return _Grid(torch.maximum(_as_grid(a, t).kinds, _as_grid(b, t).kinds))
 

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence, TypeVar
 
 import torch
 
 from .._checks import holds
-from ._base import Mask, _Named
-from ._blocks import (_BIG, EMPTY, FULL, PARTIAL, _and_tiles, _band_from_keys, _ceil_div, _check_align, _check_bool,
-                      _check_int, _Grid, _index_tensor, _offset, _or_tiles, _pool_kinds, _short_list)
+from ._base import Band, Documents, KeyLengths, Mask, Prefix, _Named
+from ._blocks import (_BIG, EMPTY, FULL, PARTIAL, _and_tiles, _Band, _band_from_keys, _ceil_div, _check_align,
+                      _check_bool, _check_int, _Grid, _index_tensor, _offset, _or_tiles, _pool_kinds, _short_list,
+                      _Tiling)
 
 Tensor = torch.Tensor
 
@@ -29,7 +30,7 @@ class _Interval(Mask):
     def _bounds(self, b: Tensor, h: Tensor, p: Tensor) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
 
-    def _mod(self, b, h, q, k, q_len, kv_len):
+    def evaluate(self, b: Tensor, h: Tensor, q: Tensor, k: Tensor, q_len: int, kv_len: int) -> Tensor:
         lo, hi = self._bounds(b, h, q + _offset(self.align, q_len, kv_len))
         return (k >= lo) & (k <= hi)
 
@@ -39,16 +40,16 @@ class _Interval(Mask):
         lo, hi = self._bounds(zero, zero, torch.full((), p, dtype=torch.long))
         return int(lo), int(hi)
 
-    def key_range(self, row, q_len, kv_len):
+    def key_range(self, row: int, q_len: int, kv_len: int) -> tuple[float, float] | None:
         return self._row_bounds(row + _offset(self.align, q_len, kv_len))
 
-    def is_positional(self, align="bottom_right"):
+    def is_positional(self, align: str = "bottom_right") -> bool:
         return self.align == align
 
-    def value_key(self):
+    def value_key(self) -> str | None:
         return repr(self)
 
-    def _tiles(self, t):
+    def _tiles(self, t: _Tiling) -> _Band | _Grid:
         r0, r1 = t.rows()
         off = _offset(self.align, t.q_len, t.kv_len)
         b, h = t.index()
@@ -65,41 +66,41 @@ class _Causal(_Interval):
     def __init__(self, align: str):
         self.align = _check_align(align)
 
-    def _bounds(self, b, h, p):
+    def _bounds(self, b: Tensor, h: Tensor, p: Tensor) -> tuple[Tensor, Tensor]:
         return _const(p, -_BIG), p
 
-    def _row_bounds(self, p):
+    def _row_bounds(self, p: int) -> tuple[float, float]:
         return -math.inf, p
 
-    def is_causal(self, align="bottom_right"):
+    def is_causal(self, align: str | None = "bottom_right") -> bool:
         return align is None or self.align == align
 
-    def key_offsets(self, q_len, kv_len):
-        return None, _offset(self.align, q_len, kv_len)
+    def form(self, q_len: int, kv_len: int) -> Band:
+        return Band(None, _offset(self.align, q_len, kv_len))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"causal(align={self.align!r})"
 
 
 class _SlidingWindow(_Interval):
-    def __init__(self, left, right, align):
+    def __init__(self, left: int | None, right: int | None, align: str):
         _check_int("left", left, allow_none=True)
         _check_int("right", right, allow_none=True)
         self.left, self.right, self.align = left, right, _check_align(align)
 
-    def _bounds(self, b, h, p):
+    def _bounds(self, b: Tensor, h: Tensor, p: Tensor) -> tuple[Tensor, Tensor]:
         lo = _const(p, -_BIG) if self.left is None else p - self.left
         hi = _const(p, _BIG) if self.right is None else p + self.right
         return lo, hi
 
-    def _row_bounds(self, p):
+    def _row_bounds(self, p: int) -> tuple[float, float]:
         return (-math.inf if self.left is None else p - self.left), (math.inf if self.right is None else p + self.right)
 
-    def key_offsets(self, q_len, kv_len):
+    def form(self, q_len: int, kv_len: int) -> Band:
         off = _offset(self.align, q_len, kv_len)
-        return (None if self.left is None else off - self.left), (None if self.right is None else off + self.right)
+        return Band(None if self.left is None else off - self.left, None if self.right is None else off + self.right)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"sliding_window(left={self.left}, right={self.right}, align={self.align!r})"
 
 
@@ -108,16 +109,16 @@ class _PrefixLM(_Interval):
         _check_int("n", n)
         self.n, self.align = n, _check_align(align)
 
-    def _bounds(self, b, h, p):
+    def _bounds(self, b: Tensor, h: Tensor, p: Tensor) -> tuple[Tensor, Tensor]:
         return _const(p, -_BIG), torch.clamp(p, min=self.n - 1)
 
-    def _row_bounds(self, p):
+    def _row_bounds(self, p: int) -> tuple[float, float]:
         return -math.inf, max(p, self.n - 1)
 
-    def prefix_rule(self, q_len, kv_len):
-        return _offset(self.align, q_len, kv_len), self.n
+    def form(self, q_len: int, kv_len: int) -> Prefix:
+        return Prefix(_offset(self.align, q_len, kv_len), self.n)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"prefix_lm({self.n}, align={self.align!r})"
 
 
@@ -126,15 +127,15 @@ class _BlockLocal(_Interval):
         _check_int("block", block, minimum=1)
         self.block, self.align = block, _check_align(align)
 
-    def _bounds(self, b, h, p):
+    def _bounds(self, b: Tensor, h: Tensor, p: Tensor) -> tuple[Tensor, Tensor]:
         lo = torch.div(p, self.block, rounding_mode="floor") * self.block
         return lo, lo + self.block - 1
 
-    def _row_bounds(self, p):
+    def _row_bounds(self, p: int) -> tuple[float, float]:
         lo = p // self.block * self.block
         return lo, lo + self.block - 1
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"block_local({self.block}, align={self.align!r})"
 
 
@@ -142,15 +143,15 @@ class _KeyLengths(_Interval):
     def __init__(self, lengths: Tensor):
         self.lengths = lengths
 
-    def _bounds(self, b, h, p):
+    def _bounds(self, b: Tensor, h: Tensor, p: Tensor) -> tuple[Tensor, Tensor]:
         lengths = self.lengths.to(p.device)
         return _const(p, 0), lengths[b.clamp(max=len(lengths) - 1)] - 1 + torch.zeros_like(p)
 
-    def _mod(self, b, h, q, k, q_len, kv_len):
+    def evaluate(self, b: Tensor, h: Tensor, q: Tensor, k: Tensor, q_len: int, kv_len: int) -> Tensor:
         lengths = self.lengths.to(k.device)
         return k < lengths[b.clamp(max=len(lengths) - 1)]
 
-    def _validate(self, batch, heads, q_len, kv_len):
+    def validate(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
         n = len(self.lengths)
         if n not in (1, batch):
             raise ValueError(f"key_padding: got {n} lengths for a batch of {batch}: give one length per sequence")
@@ -160,26 +161,26 @@ class _KeyLengths(_Interval):
             raise ValueError(f"key_padding: lengths[{i}]={int(self.lengths[i])} exceeds the key length "
                              f"Lk={kv_len}; each length must be <= Lk")
 
-    def _size_guess(self):  # (the lengths fix no key length: any Lk >= the longest fits)
+    def _size_guess(self) -> tuple[int, int] | None:  # (the lengths fix no key length: any Lk >= the longest fits)
         n = int(self.lengths.max()) if len(self.lengths) else 0
         return (n, n)
 
-    def _batch_size(self):
+    def batch_size(self) -> int:
         return len(self.lengths)
 
-    def key_range(self, row, q_len, kv_len):
+    def key_range(self, row: int, q_len: int, kv_len: int) -> tuple[float, float] | None:
         return None  # (one interval per batch element)
 
-    def is_positional(self, align="bottom_right"):
+    def is_positional(self, align: str = "bottom_right") -> bool:
         return False
 
-    def value_key(self):
+    def value_key(self) -> str | None:
         return None
 
-    def key_lengths(self):
-        return self.lengths
+    def form(self, q_len: int, kv_len: int) -> KeyLengths:
+        return KeyLengths(self.lengths)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"key_padding(lengths={_short_list(self.lengths)})"
 
 
@@ -189,16 +190,17 @@ class _KeyColumns(Mask):
     def __init__(self, name: str, keep: Tensor | None = None, rule: Callable[[Tensor], Tensor] | None = None):
         self.name, self.keep, self.rule = name, keep, rule
 
-    def _keep(self, kv_len: int, device) -> Tensor:
+    def _keep(self, kv_len: int, device: torch.device) -> Tensor:
         if self.keep is not None:
             return self.keep.to(device)
+        assert self.rule is not None  # (built with keep= or rule=)
         return self.rule(torch.arange(kv_len, device=device)).view(1, -1)
 
-    def _mod(self, b, h, q, k, q_len, kv_len):
+    def evaluate(self, b: Tensor, h: Tensor, q: Tensor, k: Tensor, q_len: int, kv_len: int) -> Tensor:
         keep = self._keep(kv_len, k.device)  # (B', Lk)
         return keep[b.clamp(max=keep.shape[0] - 1), k] & torch.ones_like(q, dtype=torch.bool)
 
-    def _tiles(self, t):
+    def _tiles(self, t: _Tiling) -> _Band | _Grid:
         keep = self._keep(t.kv_len, t.device)
         pad = t.nk * t.block_k - t.kv_len
         valid = torch.arange(t.nk * t.block_k, device=t.device) < t.kv_len
@@ -206,26 +208,26 @@ class _KeyColumns(Mask):
         kinds = _pool_kinds(keep[:, None, :], valid.view(1, 1, -1), 1, t.block_k)  # (B', 1, nk)
         return _Grid(kinds[:, None, :, :])  # (B', 1, 1, nk)
 
-    def _validate(self, batch, heads, q_len, kv_len):
+    def validate(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
         if self.keep is not None:
             n, lk = self.keep.shape
             if n not in (1, batch) or lk != kv_len:
                 raise ValueError(f"key_padding: the key mask has shape {(n, lk)}, expected ({batch}, {kv_len}) "
                                  f"(one row per sequence, one column per key)")
 
-    def _size(self):
+    def _size(self) -> tuple[int, int] | None:
         return None if self.keep is None else (self.keep.shape[1], self.keep.shape[1])
 
-    def _batch_size(self):
+    def batch_size(self) -> int:
         return 1 if self.keep is None else self.keep.shape[0]
 
-    def value_key(self):
+    def value_key(self) -> str | None:
         return repr(self) if self.keep is None else None  # a column rule named by its parameters (fixed())
 
-    def cheap_structure(self):
+    def cheap_structure(self) -> bool:
         return self.keep is None
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return self.name
 
 
@@ -234,23 +236,24 @@ class _Document(Mask):
         self.q_ids = q_ids if q_ids.dim() == 2 else q_ids.view(1, -1)
         self.kv_ids = None if kv_ids is None else (kv_ids if kv_ids.dim() == 2 else kv_ids.view(1, -1))
 
-    def _ids(self, q_len, kv_len, device):
+    def _ids(self, q_len: int, kv_len: int, device: torch.device | None) -> tuple[Tensor, Tensor]:
         if self.kv_ids is None:  # one id sequence for the keys; queries sit at their bottom-right positions
             kv = self.q_ids.to(device)
             off = kv_len - q_len
             return kv[:, off:off + q_len], kv
         return self.q_ids.to(device), self.kv_ids.to(device)
 
-    def _mod(self, b, h, q, k, q_len, kv_len):
+    def evaluate(self, b: Tensor, h: Tensor, q: Tensor, k: Tensor, q_len: int, kv_len: int) -> Tensor:
         qi, ki = self._ids(q_len, kv_len, q.device)
         bq = b.clamp(max=qi.shape[0] - 1)
         bk = b.clamp(max=ki.shape[0] - 1)
-        return qi[bq, q] == ki[bk, k]
+        same: Tensor = qi[bq, q] == ki[bk, k]
+        return same
 
-    def _tiles(self, t):
+    def _tiles(self, t: _Tiling) -> _Band | _Grid:
         qi, ki = self._ids(t.q_len, t.kv_len, t.device)
 
-        def tile_range(ids, block, n):
+        def tile_range(ids: Tensor, block: int, n: int) -> tuple[Tensor, Tensor]:
             pad = n * block - ids.shape[1]
             lo = torch.nn.functional.pad(ids, (0, pad), value=int(ids.max()) + 1 if ids.numel() else 0)
             hi = torch.nn.functional.pad(ids, (0, pad), value=int(ids.min()) - 1 if ids.numel() else 0)
@@ -264,7 +267,7 @@ class _Document(Mask):
         overlap = (qmax >= kmin) & (kmax >= qmin)
         return _Grid(torch.where(full, FULL, torch.where(overlap, PARTIAL, EMPTY)).to(torch.int8))
 
-    def _validate(self, batch, heads, q_len, kv_len):
+    def validate(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
         for name, ids, _n in (("ids", self.q_ids, None), ("kv_ids", self.kv_ids, kv_len)):
             if ids is None:
                 continue
@@ -282,17 +285,17 @@ class _Document(Mask):
             raise ValueError(f"document: ids/kv_ids have lengths {self.q_ids.shape[1]}/{self.kv_ids.shape[1]}, "
                              f"expected Lq={q_len} and Lk={kv_len}")
 
-    def _batch_size(self):
+    def batch_size(self) -> int:
         return max(self.q_ids.shape[0], 1 if self.kv_ids is None else self.kv_ids.shape[0])
 
-    def _size(self):
+    def _size(self) -> tuple[int, int] | None:
         n = self.q_ids.shape[1]
         return (n, n) if self.kv_ids is None else (n, self.kv_ids.shape[1])
 
-    def document_ids(self, q_len, kv_len, device=None):
-        return self._ids(q_len, kv_len, device)
+    def form(self, q_len: int, kv_len: int) -> Documents:
+        return Documents(*self._ids(q_len, kv_len, None))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"document({self.q_ids.shape[1]} ids)" if self.kv_ids is None else "document(ids, kv_ids)"
 
 
@@ -301,12 +304,12 @@ class _Strided(Mask):
         _check_int("stride", stride, minimum=1)
         self.stride, self.causal, self.align = stride, _check_bool("causal", causal), _check_align(align)
 
-    def _mod(self, b, h, q, k, q_len, kv_len):
+    def evaluate(self, b: Tensor, h: Tensor, q: Tensor, k: Tensor, q_len: int, kv_len: int) -> Tensor:
         d = q + _offset(self.align, q_len, kv_len) - k
         ok = (d.abs() < self.stride) | (torch.remainder(d, self.stride) == 0)
         return ok & (d >= 0) if self.causal else ok
 
-    def _tiles(self, t):
+    def _tiles(self, t: _Tiling) -> _Band | _Grid:
         s = self.stride
         local = _SlidingWindow(s - 1, 0 if self.causal else s - 1, self.align)._tiles(t)
         r0, r1 = t.rows()
@@ -322,10 +325,10 @@ class _Strided(Mask):
         grid = _Grid(torch.where(full, FULL, torch.where(hit, PARTIAL, EMPTY)).to(torch.int8)[None, None])
         return _or_tiles(local, grid, t)
 
-    def value_key(self):
+    def value_key(self) -> str | None:
         return repr(self)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"strided({self.stride}, causal={self.causal}, align={self.align!r})"
 
 
@@ -336,13 +339,13 @@ class _Dilated(Mask):
         self.window, self.dilation = window, dilation
         self.causal, self.align = _check_bool("causal", causal), _check_align(align)
 
-    def _mod(self, b, h, q, k, q_len, kv_len):
+    def evaluate(self, b: Tensor, h: Tensor, q: Tensor, k: Tensor, q_len: int, kv_len: int) -> Tensor:
         d = q + _offset(self.align, q_len, kv_len) - k
         span = self.window * self.dilation
         ok = (torch.remainder(d, self.dilation) == 0) & (d <= span) & (d >= (0 if self.causal else -span))
         return ok
 
-    def _tiles(self, t):
+    def _tiles(self, t: _Tiling) -> _Band | _Grid:
         s, span = self.dilation, self.window * self.dilation
         r0, r1 = t.rows()
         c0, c1 = t.cols()
@@ -355,10 +358,10 @@ class _Dilated(Mask):
         full = hit & ((s == 1) | (dmin == dmax)) & (dmin >= low) & (dmax <= span)
         return _Grid(torch.where(full, FULL, torch.where(hit, PARTIAL, EMPTY)).to(torch.int8)[None, None])
 
-    def value_key(self):
+    def value_key(self) -> str | None:
         return repr(self)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"dilated(window={self.window}, dilation={self.dilation}, causal={self.causal}, align={self.align!r})"
 
 
@@ -369,10 +372,10 @@ class _GlobalTokens(Mask):
     def _member(self, positions: Tensor) -> Tensor:
         return torch.isin(positions, self.indices.to(positions.device))
 
-    def _mod(self, b, h, q, k, q_len, kv_len):
+    def evaluate(self, b: Tensor, h: Tensor, q: Tensor, k: Tensor, q_len: int, kv_len: int) -> Tensor:
         return self._member(q + _offset(self.align, q_len, kv_len)) | self._member(k)
 
-    def _tiles(self, t):
+    def _tiles(self, t: _Tiling) -> _Band | _Grid:
         off = _offset(self.align, t.q_len, t.kv_len)
         rows = torch.arange(t.nq * t.block_q, device=t.device)
         keys = torch.arange(t.nk * t.block_k, device=t.device)
@@ -383,15 +386,16 @@ class _GlobalTokens(Mask):
         kinds = torch.maximum(qk.view(-1, 1), kk.view(1, -1))
         return _Grid(kinds[None, None])
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"global_tokens({_short_list(self.indices)}, align={self.align!r})"
 
 
 _RANDOM_TABLES = 16  # block tables a random_blocks mask keeps (one per query-block range and key-block count)
 _M31 = (1 << 31) - 1
+_IntOrTensor = TypeVar("_IntOrTensor", int, Tensor)
 
 
-def _mix31(x):
+def _mix31(x: _IntOrTensor) -> _IntOrTensor:
     """A 31-bit integer hash of int64 tensors or Python ints (every intermediate below 2^62: no overflow)."""
     x = x & _M31
     x = ((x ^ (x >> 16)) * 0x45D9F3B) & _M31
@@ -460,7 +464,7 @@ class _RandomBlocks(Mask):
         self._cache[key] = table
         return table
 
-    def _mod(self, b, h, q, k, q_len, kv_len):
+    def evaluate(self, b: Tensor, h: Tensor, q: Tensor, k: Tensor, q_len: int, kv_len: int) -> Tensor:
         table = self.table(q_len, kv_len).to(q.device)
         first = self._rows(q_len, kv_len)[0]
         p = q + _offset(self.align, q_len, kv_len)
@@ -468,7 +472,7 @@ class _RandomBlocks(Mask):
                     torch.div(k, self.block, rounding_mode="floor")]
         return out & (k <= p) if self.causal else out
 
-    def _tiles(self, t):
+    def _tiles(self, t: _Tiling) -> _Band | _Grid:
         table = self.table(t.q_len, t.kv_len).to(t.device).to(torch.int64)
         first = self._rows(t.q_len, t.kv_len)[0]
         off = _offset(self.align, t.q_len, t.kv_len)
@@ -484,10 +488,10 @@ class _RandomBlocks(Mask):
         grid = _Grid(kinds[None, None])
         return _and_tiles(grid, _Causal(self.align)._tiles(t), t) if self.causal else grid
 
-    def value_key(self):
+    def value_key(self) -> str | None:
         return repr(self)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"random_blocks(block={self.block}, n={self.n}, seed={self.seed}, causal={self.causal}, "
                 f"align={self.align!r})")
 
@@ -522,7 +526,7 @@ def sliding_window(left: int | None, right: int | None = 0, *, align: str = "bot
     return _SlidingWindow(left, right, align)
 
 
-def key_padding(lengths) -> Mask:
+def key_padding(lengths: Tensor | Sequence[int]) -> Mask:
     """Padding: only real keys may be attended to.
 
     ``lengths``: a sequence or ``(B,)`` int tensor with the number of real keys of each sequence (the
@@ -547,7 +551,8 @@ def key_padding(lengths) -> Mask:
     return _KeyLengths(t)
 
 
-def document(ids, kv_ids=None) -> Mask:
+def document(ids: Tensor | Sequence[int] | Sequence[Sequence[int]],
+             kv_ids: Tensor | Sequence[int] | Sequence[Sequence[int]] | None = None) -> Mask:
     """Packed sequences: a query sees only keys of the same document.
 
     ``ids``: ``(Lk,)`` or ``(B, Lk)`` document id of every token (queries use the ids at their
@@ -610,7 +615,7 @@ def dilated(window: int, dilation: int, *, causal: bool = False, align: str = "b
     return _Dilated(window, dilation, causal, align)
 
 
-def global_tokens(indices, *, align: str = "bottom_right") -> Mask:
+def global_tokens(indices: Tensor | Sequence[int], *, align: str = "bottom_right") -> Mask:
     """Longformer / BigBird global attention: tokens at ``indices`` see everything and are seen by all.
     Combine with a local pattern: ``sliding_window(w, w) | global_tokens([0])``."""
     t = _index_tensor("global_tokens indices", indices, ndim=(1,))

@@ -3,16 +3,19 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Sequence, cast
 
 import torch
 
 from .._checks import holds
-from ._base import Mask, _And, _checked_bool, _checked_shape, _leaves, _Named, _Or
-from ._blocks import (_ALIGNS, _BIG, _EVAL_CHUNK, EMPTY, FULL, PARTIAL, _band_from_keys, _ceil_div, _check_align, _Grid,
-                      _index_grid, _index_tensor, _offset, _pool_kinds)
+from ._base import Dense, Mask, Varlen, _And, _checked_bool, _checked_shape, _leaves, _Named, _Or
+from ._blocks import (_ALIGNS, _BIG, _EVAL_CHUNK, EMPTY, FULL, PARTIAL, _Band, _band_from_keys, _ceil_div, _check_align,
+                      _Grid, _index_grid, _index_tensor, _offset, _pool_kinds, _Tiling)
 from ._builtins import (_BlockLocal, _Causal, _Dilated, _GlobalTokens, _Interval, _PrefixLM, _RandomBlocks,
                         _SlidingWindow, _Strided)
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 Tensor = torch.Tensor
 
@@ -21,23 +24,23 @@ class _FromFn(Mask):
     """``fn(b, h, q_idx, kv_idx)``; ``q_idx`` is the query row (``align=None``, FlexAttention's convention) or
     the query's position under ``align``."""
 
-    def __init__(self, fn: Callable, name: str | None, align: str | None = None):
+    def __init__(self, fn: Callable[..., Tensor], name: str | None, align: str | None = None):
         if not callable(fn):
             raise TypeError(f"from_fn: fn must be callable as fn(b, h, q_idx, kv_idx) -> bool tensor, got {fn!r}")
         self.fn, self.name = fn, name or getattr(fn, "__name__", "fn")
         self.align = None if align is None else _check_align(align)
 
-    def _mod(self, b, h, q, k, q_len, kv_len):
+    def evaluate(self, b: Tensor, h: Tensor, q: Tensor, k: Tensor, q_len: int, kv_len: int) -> Tensor:
         p = q if self.align is None else q + _offset(self.align, q_len, kv_len)
         return _checked_shape(self, _checked_bool(self, self.fn(b, h, p, k)), b, h, p, k)
 
-    def wraps_function(self):
+    def wraps_function(self) -> bool:
         return True
 
-    def cheap_structure(self):
+    def cheap_structure(self) -> bool:
         return False
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"from_fn({self.name})" if self.align is None else f"from_fn({self.name}, align={self.align!r})"
 
 
@@ -45,10 +48,10 @@ class _FlexPredicate:
     """A FlexAttention ``BlockMask`` as one predicate: an element may attend when its block is full, or when
     its block is partial and the BlockMask's ``mask_mod`` allows it (empty blocks are never visited)."""
 
-    def __init__(self, kinds: Tensor, mask_mod: Callable, block_size: tuple[int, int]):
+    def __init__(self, kinds: Tensor, mask_mod: Callable[..., object], block_size: tuple[int, int]):
         self.kinds, self.mask_mod, self.block_size = kinds, mask_mod, block_size  # kinds (B', H', nq, nk) int8
 
-    def __call__(self, b, h, q_idx, kv_idx):
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         kinds = self.kinds.to(q_idx.device)
         bi = b.clamp(max=kinds.shape[0] - 1) if kinds.shape[0] > 1 else torch.zeros_like(b)
         hi = h.clamp(max=kinds.shape[1] - 1) if kinds.shape[1] > 1 else torch.zeros_like(h)
@@ -58,7 +61,8 @@ class _FlexPredicate:
         if not isinstance(allowed, Tensor) or allowed.dtype != torch.bool:
             got = allowed.dtype if isinstance(allowed, Tensor) else type(allowed).__name__
             raise TypeError(f"from_flex: the BlockMask's mask_mod must return a bool tensor, got {got}")
-        return (kind == FULL) | ((kind == PARTIAL) & allowed)
+        out: Tensor = (kind == FULL) | ((kind == PARTIAL) & allowed)
+        return out
 
 
 class _FromFlex(_FromFn):
@@ -69,8 +73,12 @@ class _FromFlex(_FromFn):
         super().__init__(predicate, "block_mask")
         self.seq_lengths, self.fixed_lengths = seq_lengths, fixed_lengths
 
-    def _validate(self, batch, heads, q_len, kv_len):
-        kinds = self.fn.kinds
+    @property
+    def _predicate(self) -> _FlexPredicate:
+        return cast(_FlexPredicate, self.fn)  # (the function this mask was built with)
+
+    def validate(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
+        kinds = self._predicate.kinds
         if self.fixed_lengths and (q_len, kv_len) != self.seq_lengths:
             raise ValueError(f"from_flex: the BlockMask was built for (Q_LEN, KV_LEN)={self.seq_lengths} but the call "
                              f"has Lq={q_len}, Lk={kv_len}: build it for these lengths (create_block_mask(..., "
@@ -80,22 +88,22 @@ class _FromFlex(_FromFn):
                              f"broadcast to B={batch}, Hq={heads}: build it with B=None/H=None (broadcast) or the "
                              f"call's sizes")
 
-    def _size(self):
+    def _size(self) -> tuple[int, int] | None:
         return self.seq_lengths
 
-    def _batch_size(self):
-        return self.fn.kinds.shape[0]
+    def batch_size(self) -> int:
+        return int(self._predicate.kinds.shape[0])
 
-    def __repr__(self):
-        name = getattr(self.fn.mask_mod, "__name__", "mask_mod")
-        return f"from_flex({name}, seq_lengths={self.seq_lengths}, BLOCK_SIZE={self.fn.block_size})"
+    def __repr__(self) -> str:
+        name = getattr(self._predicate.mask_mod, "__name__", "mask_mod")
+        return f"from_flex({name}, seq_lengths={self.seq_lengths}, BLOCK_SIZE={self._predicate.block_size})"
 
 
 class _FromDense(Mask):
     def __init__(self, t: Tensor):
         self.t = t
 
-    def _mod(self, b, h, q, k, q_len, kv_len):
+    def evaluate(self, b: Tensor, h: Tensor, q: Tensor, k: Tensor, q_len: int, kv_len: int) -> Tensor:
         t = self.t.to(q.device)
         bi = b.clamp(max=t.shape[0] - 1) if t.shape[0] > 1 else torch.zeros_like(b)
         hi = h.clamp(max=t.shape[1] - 1) if t.shape[1] > 1 else torch.zeros_like(h)
@@ -103,7 +111,7 @@ class _FromDense(Mask):
         ki = k if t.shape[3] > 1 else torch.zeros_like(k)
         return t[bi, hi, qi, ki]
 
-    def _tiles(self, t):
+    def _tiles(self, t: _Tiling) -> _Band | _Grid:
         m = self.t.to(t.device).expand(self.t.shape[0], self.t.shape[1], t.q_len, t.kv_len)
         qp, kp = t.nq * t.block_q - t.q_len, t.nk * t.block_k - t.kv_len
         m = torch.nn.functional.pad(m, (0, kp, 0, qp))
@@ -111,7 +119,7 @@ class _FromDense(Mask):
         cols = torch.arange(m.shape[3], device=t.device).view(1, -1) < t.kv_len
         return _Grid(_pool_kinds(m, rows & cols, t.block_q, t.block_k))
 
-    def _validate(self, batch, heads, q_len, kv_len):
+    def validate(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
         b, h, lq, lk = self.t.shape
         ok = b in (1, batch) and h in (1, heads) and lq in (1, q_len) and lk in (1, kv_len)
         if not ok:
@@ -122,19 +130,19 @@ class _FromDense(Mask):
             raise ValueError(f"from_dense: the mask has shape {tuple(self.t.shape)}, which does not broadcast to "
                              f"(B, H, Lq, Lk)=({batch}, {heads}, {q_len}, {kv_len}){hint}")
 
-    def _size(self):
+    def _size(self) -> tuple[int, int] | None:
         return (self.t.shape[2], self.t.shape[3])
 
-    def _batch_size(self):
+    def batch_size(self) -> int:
         return self.t.shape[0]
 
-    def dense_tensor(self):
-        return self.t
+    def form(self, q_len: int, kv_len: int) -> Dense:
+        return Dense(self.t)
 
-    def cheap_structure(self):
+    def cheap_structure(self) -> bool:
         return False
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"from_dense({tuple(self.t.shape)})"
 
 
@@ -174,7 +182,7 @@ def from_fn(fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor], *, name: str
     return _FromFn(fn, name, align)
 
 
-def from_flex(block_mask) -> Mask:
+def from_flex(block_mask: BlockMask) -> Mask:
     """A mask from a FlexAttention ``BlockMask`` (the inverse of :meth:`Mask.mask_mod`).
 
     The result follows ``flex_attention``'s kernels: its ``mask_mod`` gets query *rows* (``q_idx`` is the row,
@@ -212,7 +220,7 @@ def from_flex(block_mask) -> Mask:
     kinds = torch.zeros(*lead, nq, max(nk, 1), dtype=torch.int8, device=block_mask.kv_num_blocks.device)
     for count, index, kind in ((block_mask.kv_num_blocks, block_mask.kv_indices, PARTIAL),
                                (block_mask.full_kv_num_blocks, block_mask.full_kv_indices, FULL)):
-        if count is None or index.shape[-1] == 0:
+        if count is None or index is None or index.shape[-1] == 0:
             continue
         count, index = count[..., :nq, None].long(), index[..., :nq, :].long()
         live = torch.arange(index.shape[-1], device=index.device) < count
@@ -270,10 +278,10 @@ class _Varlen(Mask):
     def num_sequences(self) -> int:
         return self.cu_q.numel() - 1
 
-    def is_varlen(self):
-        return True
+    def form(self, q_len: int, kv_len: int) -> Varlen:
+        return Varlen(self.cu_q, self.cu_k, self.inner)
 
-    def _locate(self, q: Tensor, k: Tensor):
+    def _locate(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Per element: the query's sequence, its local row, its sequence's local key index of ``k``, the
         sequence's lengths, and whether ``k`` belongs to the same sequence."""
         cq, ck = self.cu_q.to(q.device), self.cu_k.to(q.device)
@@ -282,20 +290,23 @@ class _Varlen(Mask):
         sk = (torch.searchsorted(ck, k.contiguous(), right=True) - 1).clamp(0, last)
         return sq, sk, cq, ck
 
-    def _mod(self, b, h, q, k, q_len, kv_len):
+    def evaluate(self, b: Tensor, h: Tensor, q: Tensor, k: Tensor, q_len: int, kv_len: int) -> Tensor:
         cq, ck = self.cu_q.to(q.device), self.cu_k.to(q.device)
         sq = (torch.searchsorted(cq, q.contiguous(), right=True) - 1).clamp(0, max(0, self.num_sequences - 1))
         lo, hi, exact = self._row_keys(self.inner, b, h, sq, q, cq, ck)
         if exact:  # intervals: per-row key bounds (global, inside the row's sequence), two comparisons per key
-            return (k >= lo) & (k <= hi)
+            inside: Tensor = (k >= lo) & (k <= hi)
+            return inside
         sq, sk, cq, ck = self._locate(q, k)
-        same = sq == sk
+        same: Tensor = sq == sk
         if self.inner is None:
             return same
         lq, lk = cq[sq + 1] - cq[sq], ck[sq + 1] - ck[sq]  # the query's sequence lengths, (..., Lq, 1)
-        return same & self.inner._mod(b, h, q - cq[sq], k - ck[sq], lq, lk)
+        # (the per-sequence masks take per-element length tensors where other masks take ints)
+        return same & self.inner.evaluate(b, h, q - cq[sq], k - ck[sq], cast(int, lq), cast(int, lk))
 
-    def _row_keys(self, m: Mask | None, b, h, s, r, cq, ck):
+    def _row_keys(self, m: Mask | None, b: Tensor, h: Tensor, s: Tensor, r: Tensor, cq: Tensor,
+                  ck: Tensor) -> tuple[Tensor, Tensor, bool]:
         """Global key bounds ``(lo, hi, exact)`` of query row ``r`` of sequence ``s`` under the per-sequence
         mask ``m``: arithmetic for intervals and their ``&`` (``exact``: every key in between may attend);
         else the whole sequence (not exact: the element mask decides)."""
@@ -314,7 +325,7 @@ class _Varlen(Mask):
             return torch.maximum(lo + start, start), torch.minimum(hi + start, stop), True
         return start + torch.zeros_like(r), stop + torch.zeros_like(r), False
 
-    def _tiles(self, t):
+    def _tiles(self, t: _Tiling) -> _Band | _Grid:
         r0, r1 = t.rows()
         cq, ck = self.cu_q.to(t.device), self.cu_k.to(t.device)
         s0, _, _, _ = self._locate(r0, r0)
@@ -338,7 +349,7 @@ class _Varlen(Mask):
             kmin, kmax, fmin, fmax = (x + lead for x in (kmin, kmax, fmin, fmax))
         return _band_from_keys(t, kmin, kmax, fmin, fmax)
 
-    def _lead(self, t, rows: Tensor, seqs: Tensor, cq: Tensor, ck: Tensor) -> Tensor:
+    def _lead(self, t: _Tiling, rows: Tensor, seqs: Tensor, cq: Tensor, ck: Tensor) -> Tensor:
         """Zeros ``(B', H', 1)`` with the batch and head axes the inner mask's predicate has, found by evaluating
         it on every batch element and head at each query tile's first row and its sequence's first key (an
         element-wise predicate that reads ``b`` or ``h`` returns those axes, as the tile grids of masks are
@@ -347,10 +358,10 @@ class _Varlen(Mask):
         h = torch.arange(t.heads, device=t.device).view(1, -1, 1, 1)
         q = rows.view(1, 1, -1, 1)
         k = ck[seqs].clamp(max=max(0, t.kv_len - 1)).view(1, 1, -1, 1)
-        got = _checked_bool(self, self._mod(b, h, q, k, t.q_len, t.kv_len))
+        got = _checked_bool(self, self.evaluate(b, h, q, k, t.q_len, t.kv_len))
         return torch.zeros(got.shape[0], got.shape[1], 1, dtype=torch.long, device=t.device)
 
-    def _validate(self, batch, heads, q_len, kv_len):
+    def validate(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
         if batch != 1:
             raise ValueError(f"varlen: the packed sequences are one batch element, got a batch of {batch}: view "
                              f"packed q (Tq, H, D) as (1, H, Tq, D)")
@@ -360,15 +371,15 @@ class _Varlen(Mask):
             raise ValueError(f"varlen: cu_seqlens end at Tq={tq} and Tk={tk}, but the score matrix is "
                              f"(Lq, Lk)=({q_len}, {kv_len}): the last entries must be the packed lengths")
 
-    def _size(self):
+    def _size(self) -> tuple[int, int] | None:
         return (int(self.cu_q[-1]), int(self.cu_k[-1]))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         inner = "" if self.inner is None else f", mask={self.inner!r}"
         return f"varlen({self.num_sequences} sequences{inner})"
 
 
-def _cu_seqlens(name: str, values) -> Tensor:
+def _cu_seqlens(name: str, values: Tensor | Sequence[int]) -> Tensor:
     t = _index_tensor(f"varlen {name}", values, ndim=(1,))
     if t.numel() == 0:
         raise ValueError(f"varlen: {name} must have n + 1 entries (0 first), got an empty tensor: pass [0] "
@@ -384,7 +395,8 @@ def _cu_seqlens(name: str, values) -> Tensor:
     return t
 
 
-def varlen(cu_seqlens_q, cu_seqlens_k=None, mask: Mask | None = None) -> Mask:
+def varlen(cu_seqlens_q: Tensor | Sequence[int], cu_seqlens_k: Tensor | Sequence[int] | None = None,
+           mask: Mask | None = None) -> Mask:
     """Packed variable-length sequences: each sequence attends only within itself.
 
     ``cu_seqlens_q``: prefix sums ``[0, L0, L0 + L1, ..., Tq]`` (n + 1 entries) of the query lengths of
@@ -423,14 +435,15 @@ def varlen(cu_seqlens_q, cu_seqlens_k=None, mask: Mask | None = None) -> Mask:
 # ------------------------------------------------------------------ questions about a mask
 
 
-def _nothing_visible(mask: Mask, batch: int, heads: int, q_len: int, kv_len: int, device=None) -> bool:
+def _nothing_visible(mask: Mask, batch: int, heads: int, q_len: int, kv_len: int,
+                     device: torch.device | str | None = None) -> bool:
     """True when ``mask`` lets no query of a ``(batch, heads, q_len, kv_len)`` call see any key, evaluated a
     chunk of rows at a time (stopping at the first chunk that sees something)."""
     b, h, _, k = _index_grid(batch, heads, 0, kv_len, device)
     step = max(1, _EVAL_CHUNK // max(1, batch * heads * kv_len))
     for start in range(0, q_len, step):
         q = torch.arange(start, min(q_len, start + step), device=k.device).view(1, 1, -1, 1)
-        if bool(_checked_bool(mask, mask._mod(b, h, q, k, q_len, kv_len)).any()):
+        if bool(_checked_bool(mask, mask.evaluate(b, h, q, k, q_len, kv_len)).any()):
             return False
     return True
 
@@ -443,8 +456,9 @@ def _positions_unchecked(mask: Mask, q_len: int, kv_len: int) -> bool:
     for m in _leaves(mask):
         if isinstance(m, _FromFn) and m.align is None:
             return True
-        if getattr(m, "align", None) in _ALIGNS:
-            aligns.add(m.align)
+        align = getattr(m, "align", None)
+        if align in _ALIGNS:
+            aligns.add(align)
     return q_len != kv_len and len(aligns) > 1
 
 

@@ -8,6 +8,8 @@ indices, so the tiled kernels visit only the chosen tiles, and it combines with 
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from ._base import Mask
@@ -18,7 +20,7 @@ Tensor = torch.Tensor
 _TABLES = 4  # selection tables kept per mask (one per key length and device)
 
 
-def _blocks(block) -> tuple[int, int]:
+def _blocks(block: int | tuple[int, int]) -> tuple[int, int]:
     if isinstance(block, tuple) and len(block) == 2:
         bq, bk = block
     elif isinstance(block, (tuple, list)):
@@ -35,9 +37,9 @@ class _SelectedBlocks(Mask):
 
     def __init__(self, indices: Tensor, block_q: int, block_k: int):
         self.indices, self.block_q, self.block_k = indices, block_q, block_k
-        self._cache: dict = {}
+        self._cache: dict[tuple[int, str, int], Tensor] = {}
 
-    def table(self, num_key_blocks: int, device=None) -> Tensor:
+    def table(self, num_key_blocks: int, device: torch.device | str | None = None) -> Tensor:
         """The chosen key blocks as a bool table ``(B', H', query blocks, num_key_blocks)`` (True: chosen)."""
         idx = self.indices if device is None else self.indices.to(device)
         key = (num_key_blocks, str(idx.device), self.indices._version)
@@ -51,13 +53,14 @@ class _SelectedBlocks(Mask):
         self._cache[key] = table
         return table
 
-    def _mod(self, b, h, q, k, q_len, kv_len):
+    def evaluate(self, b: Tensor, h: Tensor, q: Tensor, k: Tensor, q_len: int, kv_len: int) -> Tensor:
         q, k = torch.as_tensor(q), torch.as_tensor(k)
         t = self.table(_ceil_div(kv_len, self.block_k), k.device)
         b, h = torch.as_tensor(b, device=k.device), torch.as_tensor(h, device=k.device)
         qb = torch.div(q, self.block_q, rounding_mode="floor").clamp(max=t.shape[2] - 1)
         kb = torch.div(k, self.block_k, rounding_mode="floor")
-        return t[b.clamp(max=t.shape[0] - 1), h.clamp(max=t.shape[1] - 1), qb, kb]
+        out: Tensor = t[b.clamp(max=t.shape[0] - 1), h.clamp(max=t.shape[1] - 1), qb, kb]
+        return out
 
     def _tiles(self, t: _Tiling) -> _Grid:
         bq, bk = self.block_q, self.block_k
@@ -78,7 +81,7 @@ class _SelectedBlocks(Mask):
             kinds[i] = torch.where(count == area, FULL, torch.where(count > 0, PARTIAL, EMPTY))
         return _Grid(kinds.view(*lead, *kinds.shape[1:]))
 
-    def _validate(self, batch, heads, q_len, kv_len):
+    def validate(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
         nb, nh, nqb = self.indices.shape[:3]
         if nb not in (1, batch):
             raise ValueError(
@@ -106,22 +109,22 @@ class _SelectedBlocks(Mask):
                 f"(-1 marks an unused slot)"
             )
 
-    def _size_guess(self):
+    def _size_guess(self) -> tuple[int, int] | None:
         rows = self.indices.shape[2] * self.block_q
         top = int(self.indices.max()) + 1 if self.indices.numel() else 0
         return rows, max(rows, top * self.block_k)
 
-    def _batch_size(self):
+    def batch_size(self) -> int:
         return self.indices.shape[0]
 
-    def _head_count(self):
+    def _head_count(self) -> int:
         return self.indices.shape[1]
 
     def selection(self) -> tuple[Tensor, int, int]:
         """``(indices, block_q, block_k)``: the chosen key blocks ``(B', H', query blocks, k)`` (-1: unused)."""
         return self.indices, self.block_q, self.block_k
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         if self.indices.numel() <= 8:
             shown = _short_list(self.indices.reshape(-1))
             return (
@@ -130,7 +133,7 @@ class _SelectedBlocks(Mask):
         return f"selected_blocks(indices {tuple(self.indices.shape)}, block=({self.block_q}, {self.block_k}))"
 
 
-def _check_indices(indices) -> Tensor:
+def _check_indices(indices: object) -> Tensor:
     if not isinstance(indices, Tensor):
         try:
             indices = torch.tensor(indices)
@@ -156,7 +159,7 @@ def _check_indices(indices) -> Tensor:
     return indices if indices.dtype == torch.long else indices.long()
 
 
-def selected_blocks(indices, block) -> Mask:
+def selected_blocks(indices: Tensor | Sequence[object], block: int | tuple[int, int]) -> Mask:
     """Key blocks chosen per ``(batch, head, query block)``: the mask of content-based block-sparse attention.
 
     ``indices``: an int tensor ``(B, H, ceil(Lq / block_q), k)`` (``B`` or ``H`` may be 1 when the choice is
@@ -182,7 +185,7 @@ def selected_blocks(indices, block) -> Mask:
     return _SelectedBlocks(_check_indices(indices), bq, bk)
 
 
-def top_k_blocks(scores: Tensor, k: int, block) -> Mask:
+def top_k_blocks(scores: Tensor, k: int, block: int | tuple[int, int]) -> Mask:
     """:func:`selected_blocks` of the ``k`` highest-scoring key blocks of every ``(batch, head, query block)``.
 
     ``scores``: a float tensor ``(B, H, query blocks, key blocks)``; a score of ``-inf`` is never chosen

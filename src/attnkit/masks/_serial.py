@@ -10,7 +10,7 @@ from ._base import Mask
 _CONSTRUCTORS = ("causal", "sliding_window", "prefix_lm", "block_local", "strided", "fixed", "dilated", "random_blocks")
 
 
-def from_dict(data: dict) -> Mask:
+def from_dict(data: dict[str, object]) -> Mask:
     """The mask a :meth:`Mask.to_dict` description stands for.
 
     The description is read as an expression of the built-in constructors with literal arguments and the
@@ -32,7 +32,7 @@ def from_dict(data: dict) -> Mask:
     return _build(tree, text)
 
 
-def _build(node, text: str) -> Mask:
+def _build(node: ast.expr, text: str) -> Mask:
     if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.BitAnd, ast.BitOr)):
         a, b = _build(node.left, text), _build(node.right, text)
         return a & b if isinstance(node.op, ast.BitAnd) else a | b
@@ -46,7 +46,8 @@ def _build(node, text: str) -> Mask:
             raise ValueError(
                 f"masks.from_dict: {ast.unparse(node)!r} in {text!r} has an argument that is not a literal"
             ) from None
-        return getattr(_builtins, node.func.id)(*args, **kwargs)
+        built: Mask = getattr(_builtins, node.func.id)(*args, **kwargs)
+        return built
     raise ValueError(
         f"masks.from_dict: {ast.unparse(node)!r} in {text!r} is not a built-in mask constructor "
         f"({', '.join(_CONSTRUCTORS)}) or &, |, ~ of them"

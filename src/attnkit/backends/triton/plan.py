@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...masks import BlockStructure, Mask
+from ...masks import Band, BlockStructure, Documents, KeyLengths, Mask, Prefix
 
 Tensor = torch.Tensor
 
@@ -59,19 +59,19 @@ def predicates(mask: Mask, q_len: int, kv_len: int, device: torch.device, batch:
         out.lo_off = value if out.lo_off is None else max(out.lo_off, value)
 
     for term in mask.conjuncts():
-        band, prefix = term.key_offsets(q_len, kv_len), term.prefix_rule(q_len, kv_len)
-        ids, lengths = term.document_ids(q_len, kv_len, device), term.key_lengths()
-        if band is not None:
-            if band[0] is not None:
-                lo(band[0])
-            if band[1] is not None:
-                hi(band[1])
-        elif prefix is not None and out.prefix is None:
-            out.prefix = prefix
-        elif ids is not None and out.doc is None:
-            out.doc = (ids[0].to(torch.int64).contiguous(), ids[1].to(torch.int64).contiguous())
-        elif lengths is not None and out.key_lengths is None:
-            lengths = lengths.to(device=device, dtype=torch.int64)
+        form = term.form(q_len, kv_len)
+        if isinstance(form, Band):
+            if form.lo is not None:
+                lo(form.lo)
+            if form.hi is not None:
+                hi(form.hi)
+        elif isinstance(form, Prefix) and out.prefix is None:
+            out.prefix = (form.offset, form.n)
+        elif isinstance(form, Documents) and out.doc is None:
+            out.doc = (form.q_ids.to(device=device, dtype=torch.int64).contiguous(),
+                       form.kv_ids.to(device=device, dtype=torch.int64).contiguous())
+        elif isinstance(form, KeyLengths) and out.key_lengths is None:
+            lengths = form.lengths.to(device=device, dtype=torch.int64)
             out.key_lengths = lengths.expand(batch).contiguous() if lengths.shape[0] == 1 else lengths.contiguous()
         else:
             return None

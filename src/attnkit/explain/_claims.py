@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ._explain_trace import as_matrix, plain, short, softmax_rows, trace
+from ._trace import as_matrix, plain, short, softmax_rows, trace
 
 Tensor = torch.Tensor
 

@@ -9,7 +9,7 @@ from typing import Sequence
 
 import torch
 
-from .masks import Mask
+from ..masks import Mask
 
 Tensor = torch.Tensor
 
@@ -160,7 +160,7 @@ def _dense_mask(mask, length: int) -> Tensor | None:
         if mask != "causal":
             raise ValueError(f"mask={mask!r}: the only mask given by name is 'causal'; pass an attnkit Mask or "
                              f"an (L, L) bool matrix for others")
-        from .masks import causal
+        from ..masks import causal
         mask = causal()
     if isinstance(mask, Mask):
         return mask.to_dense(length, length)[0, 0]

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._explain_claims import CheckReport, ClaimResult, check, load_claims
-from ._explain_trace import SoftmaxSteps, Trace, WeightedSum, explain_softmax, explain_weighted_sum, trace
+from ._claims import CheckReport, ClaimResult, check, load_claims
+from ._trace import SoftmaxSteps, Trace, WeightedSum, explain_softmax, explain_weighted_sum, trace
 
 __all__ = [
     "ARTICLE",
