@@ -1,5 +1,5 @@
-"""What ``generate`` and ``Engine`` share: input checks, the last-position logits, eval mode while decoding,
-and the copies of the weights that decode steps read."""
+"""What :func:`~attnkit.decoding.generate` and :class:`~attnkit.decoding.Engine` share: input checks, the
+last-position logits, eval mode while decoding, and the copies of the weights that decode steps read."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ import sys
 
 import torch
 
-from . import _sampling
-from ._threads import DecodeThreads
-from .nn.layers import _DecodeCopies as DecodeCopies
+from .._threads import DecodeThreads
+from ..nn.layers import _DecodeCopies as DecodeCopies
 
 Tensor = torch.Tensor
 
@@ -19,7 +18,7 @@ EXTRAPOLATING = ("alibi", "t5", "none")  # position methods that take positions 
 
 def check_decoder_only(model, who: str) -> None:
     """generate and Engine run decoder-only LMs: an encoder-decoder gets a clear error, not a missing argument."""
-    from .nn import EncoderDecoder
+    from ..nn import EncoderDecoder
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{who} takes a decoder language model, a torch.nn.Module called as model(ids, cache=..., "
                         f"positions=...) -> logits with a .config (e.g. attnkit.nn.DecoderLM), got "
@@ -50,19 +49,6 @@ def check_tokens(prompts: list[list[int]], vocab: int | None, name: str | None =
         bad = [t for t in p if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"{name or f'prompts[{i}]'} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
-
-
-def check_eos(params, vocab: int | None) -> None:
-    """``params``' (a SamplingParams) end-of-sequence ids, logit biases and stop sequences inside the vocabulary."""
-    if vocab is None:
-        return
-    bad = [t for t in params.eos_ids if t >= vocab]
-    if bad:
-        raise ValueError(f"eos_id={params.eos_id} is outside the vocabulary [0, {vocab}): the model can never emit "
-                         f"{bad[0]}; pass the tokenizer's end-of-sequence id (or None)")
-    _sampling.check_in_vocab("logit_bias", params.logit_bias, vocab)
-    for i, s in enumerate(params.stop):
-        _sampling.check_in_vocab(f"stop[{i}]", s, vocab)
 
 
 def check_positions(model, longest: int, max_new_tokens: int) -> None:

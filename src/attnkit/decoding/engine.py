@@ -28,14 +28,15 @@ from numbers import Integral
 
 import torch
 
-from ._checks import flag, integer
-from . import _sampling
-from .cache import PagedCache, PagedSinkCache, PoolExhausted
-from .cache._common import model_dims
-from ._decoding import (EXTRAPOLATING, DecodeCopies, EvalMode, check_decoder_only, check_eos, check_positions,
-                        check_tokens, cpu_threads, last_logits, reading, timed, weights_key)
-from .generate import GenerationResult, SamplingParams, sample
-from ._threads import DecodeThreads
+from .._checks import flag, integer
+from .._threads import DecodeThreads
+from ..cache import PagedCache, PagedSinkCache, PoolExhausted
+from ..cache._common import model_dims
+from . import sampling as _sampling
+from ._steps import (EXTRAPOLATING, DecodeCopies, EvalMode, check_decoder_only, check_positions, check_tokens,
+                     cpu_threads, last_logits, reading, timed, weights_key)
+from .generation import GenerationResult
+from .sampling import SamplingParams, check_vocab, resolve_sampling, sample
 
 Tensor = torch.Tensor
 
@@ -55,7 +56,7 @@ def _param_dtype(model) -> torch.dtype | None:
 def _rows_logits(model, ids: Tensor, rows: Tensor, **kw) -> Tensor:
     """``(len(rows), V)`` float32 logits of a ``(1, T)`` forward at token indices ``rows``; a DecoderLM runs
     its output head on those rows alone (``logits_at``)."""
-    from .nn import DecoderLM
+    from ..nn import DecoderLM
 
     if isinstance(model, DecoderLM):
         out = model(ids, logits_at=rows, **kw)
@@ -276,14 +277,12 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
 
-    def add(self, prompt, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
-            top_p: float | None = None, eos_id: int | list[int] | None = None, seed: int | None = None,
-            repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-            min_p: float | None = None, logit_bias: dict[int, float] | None = None,
-            stop: list[list[int]] | None = None, logprobs: int | None = None) -> int:
-        """Queue a request; returns its id.  Sampling arguments as in :func:`attnkit.generate` (a request
-        ends after an eos id or a stop sequence, both included in its tokens); with ``logprobs`` its
-        :class:`~attnkit.generate.TokenLogprob` s are kept in ``engine.logprobs[rid]`` next to ``results``."""
+    def add(self, prompt, max_new_tokens: int, *, sampling: SamplingParams | None = None,
+            **sampling_keywords) -> int:
+        """Queue a request; returns its id.  ``sampling`` is a :class:`~attnkit.decoding.SamplingParams`
+        (None: greedy), or, as in :func:`attnkit.decoding.generate`, its arguments as keywords (never both).  A
+        request ends after an eos id or a stop sequence, both included in its tokens; with ``logprobs`` its
+        :class:`~attnkit.decoding.TokenLogprob` s are kept in ``engine.logprobs[rid]`` next to ``results``."""
         if isinstance(prompt, Tensor):
             prompt = prompt.tolist()
         if not isinstance(prompt, (list, tuple)) or not prompt or not all(
@@ -303,10 +302,8 @@ class Engine:
             raise ValueError(f"a request of {len(prompt)} prompt + {max_new_tokens} new tokens needs {blocks} blocks "
                              f"of {bs}, more than the pool's cache_blocks={self.cache.num_blocks}: create the Engine "
                              f"with more cache_blocks")
-        params = SamplingParams(temperature, top_k, top_p, eos_id, seed, repetition_penalty=repetition_penalty,
-                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, min_p=min_p,
-                                logit_bias=logit_bias, stop=stop, logprobs=logprobs)
-        check_eos(params, getattr(getattr(self.model, "config", None), "vocab_size", None))
+        params = resolve_sampling(sampling, sampling_keywords, "Engine.add")
+        check_vocab(params, getattr(getattr(self.model, "config", None), "vocab_size", None))
         rid = self._next_rid
         self._next_rid += 1
         req = _Request(rid, prompt, int(max_new_tokens), params, params.generator(self.cache.device))
@@ -336,7 +333,7 @@ class Engine:
         return self.results.pop(rid, None) is not None
 
     def token_logprobs(self, rid: int) -> list:
-        """The :class:`~attnkit.generate.TokenLogprob` s of request ``rid`` so far (waiting, running or
+        """The :class:`~attnkit.decoding.TokenLogprob` s of request ``rid`` so far (waiting, running or
         finished; empty without ``logprobs``), e.g. for a stream that reports each token as it comes."""
         if rid in self.logprobs:
             return self.logprobs[rid]
@@ -625,12 +622,15 @@ class Engine:
             self.step()
         return dict(self.results)
 
-    def generate(self, prompts, max_new_tokens: int, **sampling):
-        """Queue every prompt with the same settings, run, and return the tokens in prompt order (with
-        ``logprobs``, a :class:`~attnkit.generate.GenerationResult` as :func:`attnkit.generate` returns)."""
-        rids = [self.add(p, max_new_tokens, **sampling) for p in prompts]
+    def generate(self, prompts, max_new_tokens: int, *, sampling: SamplingParams | None = None,
+                 **sampling_keywords):
+        """Queue every prompt with the same ``sampling`` (or sampling keywords, as :meth:`add`), run, and
+        return the tokens in prompt order (with ``logprobs``, a :class:`~attnkit.decoding.GenerationResult`
+        as :func:`attnkit.decoding.generate` returns)."""
+        params = resolve_sampling(sampling, sampling_keywords, "Engine.generate")
+        rids = [self.add(p, max_new_tokens, sampling=params) for p in prompts]
         self.run()
-        if sampling.get("logprobs") is None:
+        if params.logprobs is None:
             return [self.take(r) for r in rids]
         lps = [self.logprobs.get(r, []) for r in rids]
         return GenerationResult([self.take(r) for r in rids], lps)

@@ -1,199 +1,40 @@
-"""Incremental decoding: ``generate`` (batched, ragged prompts, every cache) and token sampling.
+"""Incremental decoding: :func:`generate` (batched, ragged prompts, every cache).
 
 ``generate(model, prompts, max_new_tokens)`` runs the prompts through ``model`` once (the *prefill*), then
 feeds one new token per sequence per step, the keys and values of everything before it kept in a KV cache
 (:mod:`attnkit.cache`).  Prompts of different lengths are left-padded into one batch: each row gets its own
 absolute positions and the padding is hidden from attention, so every sequence's tokens are those it gets
 when generated alone.  ``cache=None`` recomputes the whole sequence every step (the baseline a cache beats).
+How each token is chosen is :mod:`attnkit.decoding.sampling`; speculative decoding is
+:mod:`attnkit.decoding.speculative`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import math
 import threading
 import types
 import weakref
-from numbers import Integral, Real
-from typing import Callable, Iterator, Sequence
+from numbers import Integral
+from typing import Callable, Iterator
 
 import torch
 
-from . import _sampling
-from ._sampling import TokenLogprob
-from .cache import PagedCache, QuantizedCache, SlidingWindowCache, StaticCache
-from ._checks import flag, number
-from .cache._common import model_dims
-from ._decoding import (DecodeCopies, EvalMode, check_decoder_only, check_eos, check_positions, check_tokens,
-                        cpu_threads, last_logits, reading, timed, weights_key)
-from ._threads import DecodeThreads
+from .._checks import flag
+from .._threads import DecodeThreads
+from ..cache import PagedCache, QuantizedCache, SlidingWindowCache, StaticCache
+from ..cache._common import model_dims
+from . import sampling as _sampling
+from ._steps import (DecodeCopies, EvalMode, check_decoder_only, check_positions, check_tokens, cpu_threads,
+                     last_logits, reading, timed, weights_key)
+from .sampling import SamplingParams, TokenLogprob, check_vocab, resolve_sampling, sample
+from .speculative import Speculation, stream_speculative
 
 Tensor = torch.Tensor
 
-__all__ = ["generate", "resolve_cache", "sample", "SamplingParams", "GenerationResult", "TokenLogprob",
-           "SpeculativeStats"]
+__all__ = ["generate", "resolve_cache", "GenerationResult"]
 
 CACHES = ("auto", "static", "sliding", "paged", "int8", "int4")
-
-
-# ----------------------------------------------------------------------------- sampling
-
-
-class SamplingParams:
-    """How the next token is chosen: ``temperature`` (0 = greedy), ``top_k``, ``top_p``, ``eos_id``, ``seed``,
-    and the controls of ``attnkit._sampling`` (keyword-only): ``repetition_penalty``, ``presence_penalty``,
-    ``frequency_penalty``, ``min_p``, ``logit_bias``, ``stop`` and ``logprobs``.
-
-    Validated on construction.  With a ``seed`` each sequence draws from its own generator seeded with it,
-    so a sequence samples the same tokens in any batch (identical prompts in one batch sample alike).
-    ``top_k``, ``top_p``, ``min_p`` and ``seed`` shape sampling only: with ``temperature=0`` the argmax is
-    taken and they change nothing; ``logit_bias`` and the penalties change the logits before either.
-    ``eos_id`` is one id or a list of ids (``eos_ids`` is always the tuple).
-
-    Example::
-
-        >>> from attnkit.generate import SamplingParams
-        >>> SamplingParams(temperature=0.8, top_p=0.9, seed=1)
-        SamplingParams(temperature=0.8, top_k=None, top_p=0.9, eos_id=None, seed=1)
-        >>> SamplingParams(repetition_penalty=1.2, eos_id=[2, 7], stop=[[5, 6]]).eos_ids
-        (2, 7)
-    """
-
-    __slots__ = ("temperature", "top_k", "top_p", "eos_id", "seed", "eos_ids", "repetition_penalty",
-                 "presence_penalty", "frequency_penalty", "min_p", "logit_bias", "stop", "logprobs")
-
-    def __init__(self, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                 eos_id: int | Sequence[int] | None = None, seed: int | None = None, *,
-                 repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                 min_p: float | None = None, logit_bias: dict[int, float] | None = None,
-                 stop: Sequence[Sequence[int]] | None = None, logprobs: int | None = None):
-        if isinstance(temperature, bool) or not isinstance(temperature, Real) or not math.isfinite(temperature) \
-                or temperature < 0:
-            raise ValueError(f"temperature={temperature!r} must be a finite number >= 0 (0 is greedy)")
-        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, Integral) or top_k < 1):
-            raise ValueError(f"top_k={top_k!r} must be an int >= 1 or None")
-        if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, Real) or not 0 < top_p <= 1):
-            raise ValueError(f"top_p={top_p!r} must be a number in (0, 1] or None")
-        eos_ids = _sampling.check_eos(eos_id)
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, Integral)):
-            raise ValueError(f"seed={seed!r} must be an int or None")
-        self.repetition_penalty = number(
-            "repetition_penalty", repetition_penalty, low=0.0, low_open=True,
-            fix=" (1 is no penalty, above 1 discourages repeating a token)")
-        self.presence_penalty = number("presence_penalty", presence_penalty,
-                                        fix=" (0 is no penalty, above 0 discourages repeating, below 0 rewards it)")
-        self.frequency_penalty = number("frequency_penalty", frequency_penalty,
-                                         fix=" (0 is no penalty, above 0 discourages repeating, below 0 rewards it)")
-        if min_p is not None:
-            min_p = number("min_p", min_p, low=0.0, high=1.0,
-                           fix=" (a share of the top token's probability in [0, 1], or None)")
-        self.min_p = min_p
-        self.logit_bias = _sampling.check_logit_bias(logit_bias)
-        self.stop = _sampling.check_stop(stop)
-        self.logprobs = _sampling.check_logprobs(logprobs)
-        self.temperature = float(temperature)
-        self.top_k = None if top_k is None else int(top_k)
-        self.top_p = None if top_p is None else float(top_p)
-        self.eos_ids = eos_ids
-        self.eos_id = None if not eos_ids else eos_ids[0] if not isinstance(eos_id, (list, tuple)) else list(eos_ids)
-        self.seed = None if seed is None else int(seed)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    def generator(self, device) -> torch.Generator | None:
-        """A fresh generator for one sequence (None without a seed, or when greedy)."""
-        if self.seed is None or self.greedy:
-            return None
-        g = torch.Generator(device=device)
-        g.manual_seed(self.seed)
-        return g
-
-    def __repr__(self) -> str:
-        extra = "".join(f", {k}={getattr(self, k)!r}" for k, default in _EXTRA_DEFAULTS
-                        if getattr(self, k) != default)
-        return (f"SamplingParams(temperature={self.temperature}, top_k={self.top_k}, top_p={self.top_p}, "
-                f"eos_id={self.eos_id}, seed={self.seed}{extra})")
-
-
-_EXTRA_DEFAULTS = (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
-                   ("min_p", None), ("logit_bias", {}), ("stop", ()), ("logprobs", None))
-
-
-def _filtered(logits: Tensor, params: SamplingParams) -> Tensor:
-    """Temperature, then top-k, then top-p, then min-p on ``(N, V)`` float32 logits.
-
-    The row maximum is subtracted before dividing by the temperature, so a tiny temperature or huge logits
-    give ``-inf`` for the unlikely tokens (never ``inf - inf``): the softmax stays finite."""
-    top = logits.amax(dim=-1, keepdim=True)
-    logits = (logits - torch.where(torch.isfinite(top), top, torch.zeros_like(top))) / params.temperature
-    V = logits.shape[-1]
-    if params.top_k is not None and params.top_k < V:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]  # (N, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p is not None and params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        before = torch.cumsum(probs, dim=-1) - probs  # mass of the strictly more likely tokens
-        drop_sorted = before >= params.top_p  # keep the smallest set reaching top_p (always the first)
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    if params.min_p is not None:
-        logits = _sampling.apply_min_p(logits, params.min_p)
-    return logits
-
-
-def sample(logits: Tensor, params: SamplingParams | None = None,
-           generators: Sequence[torch.Generator | None] | None = None) -> Tensor:
-    """The next token of each row of ``logits (N, V)``: argmax when greedy, else a draw from the filtered
-    softmax by inverse CDF, one uniform per row from that row's generator (``generators[i]``; the global
-    generator where it is None).  Returns ``(N,)`` int64.
-
-    Example::
-
-        >>> import torch
-        >>> from attnkit.generate import sample, SamplingParams
-        >>> logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 0.0]])
-        >>> sample(logits).tolist()
-        [1, 0]
-        >>> p = SamplingParams(temperature=1.0, top_k=1, seed=0)
-        >>> sample(logits, p, [p.generator("cpu"), p.generator("cpu")]).tolist()
-        [1, 0]
-    """
-    params = params or SamplingParams()
-    if not isinstance(logits, Tensor) or logits.dim() != 2 or not logits.is_floating_point():
-        raise ValueError(f"sample: logits must be a float tensor (N, V), one row per sequence, got "
-                         f"{tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__}")
-    if logits.numel() and bool(torch.isnan(logits).any()):
-        rows = torch.isnan(logits).any(-1).nonzero().view(-1).tolist()
-        raise ValueError(f"sample: logits of rows {rows[:5]} hold NaN (the model's output is broken): check the "
-                         f"model's weights and inputs")
-    if logits.numel() and not params.greedy:
-        bad = (logits == float("inf")).any(-1) | (logits == float("-inf")).all(-1)
-        if bool(bad.any()):
-            rows = bad.nonzero().view(-1).tolist()
-            raise ValueError(f"sample: logits of rows {rows[:5]} are +inf somewhere or -inf everywhere, which "
-                             f"leaves no distribution to sample from: check the model's output (or the logit "
-                             f"processor that produced them)")
-    if generators is not None and len(generators) != logits.shape[0]:
-        raise ValueError(f"sample: got {len(generators)} generators for {logits.shape[0]} rows of logits: give one "
-                         f"per row (None for the global generator)")
-    if params.greedy:
-        return logits.argmax(dim=-1)
-    probs = torch.softmax(_filtered(logits.float(), params), dim=-1)  # (N, V)
-    N = probs.shape[0]
-    gens = list(generators) if generators is not None else [None] * N
-    u = torch.stack([torch.rand((), generator=g, device=probs.device) for g in gens]) if N else probs.new_zeros(0)
-    cdf = torch.cumsum(probs, dim=-1)
-    tok = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)  # (N,)
-    tok = tok.clamp(max=probs.shape[-1] - 1)
-    # never land on a token the filters removed (a zero-width CDF step at the end)
-    bad = probs.gather(-1, tok.unsqueeze(-1)).squeeze(-1) == 0
-    if bool(bad.any()):
-        tok = torch.where(bad, probs.argmax(dim=-1), tok)
-    return tok
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -318,7 +159,7 @@ def _recompile_limit() -> dict:
 
 def _check_shiftable(model) -> None:
     """Left padding shifts a row's slots by its padding: refuse masks that read absolute positions."""
-    from .masks import Mask, _reads_absolute_positions
+    from ..masks import Mask, _reads_absolute_positions
     for name, module in model.named_modules():
         mask = getattr(module, "mask", None)
         part = _reads_absolute_positions(mask) if isinstance(mask, Mask) else None
@@ -442,234 +283,10 @@ def _stream(model, prompts: list[list[int]], max_new_tokens: int, cache, params:
     steps.close()
 
 
-# ----------------------------------------------------------------------------- speculative decoding
-
-
-class SpeculativeStats:
-    """Counts of a speculative generation: tokens ``proposed`` by the drafter, ``accepted`` by the target,
-    target forwards (``verify_steps``) and tokens produced; ``acceptance_rate`` is accepted / proposed.
-
-    Pass one as ``generate(..., stats=...)``; every call adds its counts to it.
-
-    Example::
-
-        >>> from attnkit.generate import SpeculativeStats
-        >>> SpeculativeStats()
-        SpeculativeStats(proposed=0, accepted=0, verify_steps=0, tokens=0, acceptance_rate=0.000)
-    """
-
-    __slots__ = ("proposed", "accepted", "verify_steps", "tokens")
-
-    def __init__(self):
-        self.proposed = self.accepted = self.verify_steps = self.tokens = 0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.proposed if self.proposed else 0.0
-
-    @property
-    def tokens_per_step(self) -> float:
-        """Tokens produced per target forward (1 for plain decoding)."""
-        return self.tokens / self.verify_steps if self.verify_steps else 0.0
-
-    def __repr__(self) -> str:
-        return (f"SpeculativeStats(proposed={self.proposed}, accepted={self.accepted}, "
-                f"verify_steps={self.verify_steps}, tokens={self.tokens}, "
-                f"acceptance_rate={self.acceptance_rate:.3f})")
-
-
-_LOOKUP_NGRAM = 3  # prompt lookup matches the last 3, 2, then 1 tokens
-
-
-def _lookup(seq: list[int], k: int) -> list[int]:
-    """Up to ``k`` tokens that followed an earlier occurrence of the longest suffix n-gram of ``seq``: the
-    latest occurrence followed by ``k`` tokens, else the one followed by the most."""
-    for n in range(min(_LOOKUP_NGRAM, len(seq) - 1), 0, -1):
-        tail = seq[-n:]
-        best: list[int] = []
-        for start in range(len(seq) - n - 1, -1, -1):
-            if seq[start:start + n] == tail:
-                cont = seq[start + n:start + n + k]
-                if len(cont) == k:
-                    return cont
-                if len(cont) > len(best):
-                    best = cont
-        if best:
-            return best
-    return []
-
-
-def _probs(logits: Tensor, params: SamplingParams) -> Tensor:
-    """The distribution ``sample`` draws from, ``(N, V)`` (one-hot at the argmax when greedy)."""
-    if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
-    return torch.softmax(_filtered(logits.float(), params), dim=-1)
-
-
-def _draw(probs: Tensor, gen) -> int:
-    """One token from ``probs (V,)`` by inverse CDF with ``gen``'s next uniform."""
-    u = torch.rand((), generator=gen, device=probs.device)
-    cdf = torch.cumsum(probs, dim=-1)
-    tok = int(torch.searchsorted(cdf, (u * cdf[-1]).view(1)).clamp(max=probs.shape[-1] - 1))
-    return tok if probs[tok] > 0 else int(probs.argmax())
-
-
-def _verify(logits: Tensor, p: Tensor, q: Tensor | None, proposal: list[int], greedy: bool, gen) -> tuple[int, int]:
-    """How many of ``proposal``'s tokens the target accepts, and the token that follows them.
-
-    ``logits``/``p`` ``(n + 1, V)``: the target's (processed) logits and distribution after each proposed
-    prefix; ``q (n, V)``: the drafter's distributions (None: deterministic proposals, one-hot).  Greedy:
-    accept while the proposal is the argmax, then the argmax.  Sampling: accept ``d`` with probability
-    ``min(1, p(d) / q(d))``; at the first rejection draw from ``max(0, p - q)`` renormalised; when all are
-    accepted draw the next from ``p``.  Each produced token then follows the target's distribution."""
-    for j, d in enumerate(proposal):
-        if greedy:
-            best = int(logits[j].argmax())
-            if best != d:
-                return j, best
-            continue
-        qj = q[j] if q is not None else torch.nn.functional.one_hot(torch.tensor(d), p.shape[-1]).to(p)
-        u = float(torch.rand((), generator=gen, device=p.device))
-        if u * float(qj[d]) < float(p[j, d]):
-            continue
-        resid = (p[j] - qj).clamp(min=0)
-        return j, (_draw(resid, gen) if float(resid.sum()) > 0 else _draw(p[j], gen))
-    n = len(proposal)
-    return n, (int(logits[n].argmax()) if greedy else _draw(p[n], gen))
-
-
-class _Sequence:
-    """One sequence's KV cache for speculative decoding: ``feed`` runs tokens through it, ``truncate``
-    rolls rejected positions back."""
-
-    def __init__(self, model, cache: str, max_len: int):
-        self.model = model
-        if cache == "paged":
-            bs = 16
-            self.pool = PagedCache.for_model(model, -(-max_len // bs), bs, prefix_caching=False)
-            self.sid = self.pool.add_sequence()
-        else:
-            self.kv = StaticCache.for_model(model, 1, max_len)
-        self.paged = cache == "paged"
-        self.length = 0
-        self.device = model_dims(model)["device"]
-
-    def feed(self, tokens: list[int]) -> Tensor:
-        """Logits ``(len(tokens), V)`` float32 of ``tokens`` appended after the stored positions."""
-        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
-        if self.paged:
-            view = self.pool.batch([self.sid])
-            out = self.model(ids, cache=view, positions=view.positions(len(tokens)))
-        else:
-            out = self.model(ids, cache=self.kv)
-        self.length += len(tokens)
-        logits = out[0] if isinstance(out, tuple) else out
-        return logits[0].float()
-
-    def truncate(self, length: int) -> None:
-        if self.paged:
-            self.pool.truncate(self.sid, length)
-        else:
-            self.kv.truncate(length)
-        self.length = length
-
-
-def _stream_speculative_eval(model, prompts, max_new_tokens, cache, params, draft, k, stats):
-    """:func:`_stream_speculative` with the model and the draft in eval mode while it runs; every module's
-    own mode comes back when the stream ends or is closed."""
-    with contextlib.ExitStack() as stack:
-        for m in (model,) if draft is None else (model, draft):
-            stack.enter_context(EvalMode(m)())
-        yield from _stream_speculative(model, prompts, max_new_tokens, cache, params, draft, k, stats)
-
-
-def _stream_speculative(model, prompts: list[list[int]], max_new_tokens: int, cache, params: SamplingParams,
-                        draft, k: int, stats: SpeculativeStats | None) -> Iterator[tuple[int, int, TokenLogprob | None]]:
-    """Each prompt alone: a drafter proposes up to ``k`` tokens, the target scores them all in one forward,
-    the longest accepted run plus one token of the target's is kept, the rest rolled back."""
-    if max_new_tokens == 0:
-        return
-    stats = stats if stats is not None else SpeculativeStats()
-    device = model_dims(model)["device"]
-    transform = _sampling.transforms_logits(params)
-    for i, prompt in enumerate(prompts):
-        gen = params.generator(device)
-        max_len = len(prompt) + max_new_tokens + k + 1
-        target = _Sequence(model, cache, max_len)
-        drafter = _Sequence(draft, cache, max_len) if draft is not None else None
-        out: list[int] = []
-
-        def step_logits(raw: Tensor, proposal: list[int], first: int = 0) -> Tensor:
-            """Logits row j scores the token after ``out + proposal[:first + j]`` (the controls applied)."""
-            if not transform:
-                return raw
-            rows = len(raw)
-            return _sampling.process(raw, params, [prompt] * rows,
-                                     [out + proposal[:first + j] for j in range(rows)])
-
-        with torch.no_grad():
-            raw = target.feed(prompt)[-1:]
-            tok = int(sample(step_logits(raw, []), params, [gen])[0])
-        pending = [(tok, raw[0])]
-        while True:
-            # emit what the last verification produced, stopping where a plain generation stops
-            finished = False
-            for tok, row in pending:
-                out.append(tok)
-                stats.tokens += 1
-                lp = _sampling.logprobs_of(row[None], [tok], params.logprobs)[0] if params.logprobs is not None \
-                    else None
-                yield i, tok, lp
-                if _sampling.stops(out, params) or len(out) == max_new_tokens:
-                    finished = True
-                    break
-            if finished:
-                break
-            seq = prompt + out  # its last token is not in the target's cache yet
-            n = min(k, max_new_tokens - len(out) - 1)
-            with torch.no_grad():
-                q = None
-                if n == 0:
-                    proposal = []
-                elif drafter is None:
-                    proposal = _lookup(seq, n)
-                else:
-                    proposal, qs = [], []
-                    new = seq[drafter.length:]
-                    for _ in range(n):
-                        dl = step_logits(drafter.feed(new)[-1:], proposal, first=len(proposal))
-                        if params.greedy:  # deterministic proposals: no distribution to keep
-                            d = int(dl[0].argmax())
-                        else:
-                            qj = _probs(dl, params)[0]
-                            d = _draw(qj, gen)
-                            qs.append(qj)
-                        proposal.append(d)
-                        new = [d]
-                    q = torch.stack(qs) if qs else None  # (n, V) when sampling
-                start = target.length
-                raw = target.feed([seq[-1]] + proposal)  # (n + 1, V)
-                stats.verify_steps += 1
-                stats.proposed += len(proposal)
-                logits = step_logits(raw, proposal)
-                p = _probs(logits, params)  # (n + 1, V)
-                accepted, nxt = _verify(logits, p, q, proposal, params.greedy, gen)
-                stats.accepted += accepted
-                target.truncate(start + 1 + accepted)
-                if drafter is not None:
-                    drafter.truncate(min(drafter.length, len(seq) + accepted))
-            pending = [(d, raw[j]) for j, d in enumerate(proposal[:accepted])] + [(nxt, raw[accepted])]
-
-
-def generate(model, prompts, max_new_tokens: int, *, cache: str | Callable | None = "auto",
-             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-             eos_id: int | Sequence[int] | None = None, seed: int | None = None, stream: bool = False,
-             compile: bool = False, relayout: bool = True, repetition_penalty: float = 1.0,
-             presence_penalty: float = 0.0, frequency_penalty: float = 0.0, min_p: float | None = None,
-             logit_bias: dict[int, float] | None = None, stop: Sequence[Sequence[int]] | None = None,
-             logprobs: int | None = None, draft_model=None, prompt_lookup: bool = False,
-             num_speculative_tokens: int = 4, stats: SpeculativeStats | None = None,
-             decode_threads: str | int | None = "auto"):
+def generate(model, prompts, max_new_tokens: int, *, sampling: SamplingParams | None = None,
+             cache: str | Callable | None = "auto", stream: bool = False, compile: bool = False,
+             relayout: bool = True, speculative: Speculation | None = None,
+             decode_threads: str | int | None = "auto", **sampling_keywords):
     """Generate ``max_new_tokens`` tokens after each prompt with a decoder language model.
 
     Args:
@@ -678,6 +295,12 @@ def generate(model, prompts, max_new_tokens: int, *, cache: str | Callable | Non
         prompts: a list of prompts, each a non-empty list of token ids (lengths may differ), or a
             ``(B, L)`` tensor.
         max_new_tokens: tokens to generate per prompt (fewer when ``eos_id`` ends a sequence).
+        sampling: how each token is chosen, a :class:`~attnkit.decoding.SamplingParams` (None: greedy).
+        **sampling_keywords: as a convenience, the arguments of :class:`~attnkit.decoding.SamplingParams`
+            (``temperature``, ``top_k``, ``top_p``, ``eos_id``, ``seed``, ``repetition_penalty``,
+            ``presence_penalty``, ``frequency_penalty``, ``min_p``, ``logit_bias``, ``stop``, ``logprobs``)
+            instead of ``sampling``: ``generate(model, p, 8, temperature=0.7)`` is
+            ``generate(model, p, 8, sampling=SamplingParams(temperature=0.7))``; passing both is a TypeError.
         cache: ``"auto"`` (the default: see below), ``"static"`` (preallocated), ``"sliding"`` (ring of the
             model's sliding window), ``"paged"`` (block pool: each prompt prefilled alone, decoding batched
             through block tables), ``"int8"``/``"int4"`` (:class:`~attnkit.cache.QuantizedCache`), a callable
@@ -688,11 +311,6 @@ def generate(model, prompts, max_new_tokens: int, *, cache: str | Callable | Non
             ``"static"`` otherwise: prompts of one length, ``compile=True``, speculative decoding, other
             devices.  Both give each sequence the tokens it gets alone (below); :func:`resolve_cache` tells
             which one a call takes.
-        temperature: 0 picks the most likely token (greedy); > 0 samples from ``softmax(logits / T)``.
-        top_k, top_p: keep only the ``k`` most likely tokens / the smallest set with probability >= ``p``.
-        eos_id: a sequence ends after emitting this token (it is included in the output); a list of ids
-            ends it at any of them.
-        seed: seeds one generator per sequence, so a sequence samples the same tokens in any batch.
         stream: return an iterator of ``(prompt_index, token)`` pairs, yielded as each step produces them
             (``(prompt_index, token, TokenLogprob)`` triples with ``logprobs``).
         compile: run the one-token decode steps through ``torch.compile`` (with ``cache="static"`` or a
@@ -716,34 +334,14 @@ def generate(model, prompts, max_new_tokens: int, *, cache: str | Callable | Non
             one of the few values sampled from each weight (a whole-tensor update is, one edited row may
             not be: edit weights under ``torch.no_grad()`` instead).  False reads the weights as they are
             (no copies; :func:`attnkit.nn.to_decode_layout` lays out a model of your own in place).
-        repetition_penalty: > 0; every token of the prompt or output so far has its logit divided by it
-            (when positive) or multiplied (when negative), as transformers' ``RepetitionPenaltyLogitsProcessor``.
-        presence_penalty, frequency_penalty: finite (OpenAI's range is [-2, 2]; below 0 rewards repeating), subtracted from a token's logit once if it occurs in the
-            output / once per occurrence (the OpenAI definition).
-        min_p: in [0, 1]; when sampling, drop tokens less likely than ``min_p`` times the most likely one
-            (after temperature, top-k and top-p, as transformers' ``MinPLogitsWarper``).
-        logit_bias: ``{token: bias}`` added to those logits before everything else (``-inf`` bans a token).
-        stop: stop sequences, each a list of token ids: a sequence ends once its output ends with one; the
-            stop tokens are included in the output (as the eos token is).  The match lies in the output.
-        logprobs: None, or ``n >= 0``: also return each token's log-probability under the model (the
-            log-softmax of its raw logits, before the controls above) and the ``n`` most likely tokens of that
-            step; the call then returns a :class:`GenerationResult`.
         decode_threads: torch's thread count for each one-token decode step on CPU: ``"auto"`` times the
             steps at the caller's count, one fewer and one, keeps the fastest and re-checks as decoding goes
             (a core busy with another process makes fewer threads faster; see ``attnkit._threads``; what was
             measured is kept with the model for its later generations of the same batch size); an int uses
             that many; None leaves it alone.  The caller's count is set back after every step.
-        draft_model: speculative decoding with a smaller :class:`~attnkit.nn.DecoderLM` of the same vocabulary:
-            it proposes ``num_speculative_tokens`` tokens, the model scores all of them in one forward through
-            its KV cache, the accepted run plus one token of the model's own is kept and the rest rolled
-            back (``cache="static"`` or ``"paged"``).  Greedy decoding gives the plain tokens; sampling
-            accepts a proposal with probability ``min(1, p/q)`` and otherwise draws from ``max(0, p - q)``
-            renormalised, which keeps the model's own distribution (the draws differ from a plain seeded
-            run's).  Each prompt is decoded on its own.
-        prompt_lookup: speculative decoding without a second model: the proposal is what followed the latest
-            earlier occurrence of the last 3 (else 2, else 1) tokens in the prompt and output.
-        num_speculative_tokens: tokens proposed per step (>= 1) with ``draft_model`` or ``prompt_lookup``.
-        stats: a :class:`SpeculativeStats` that counts the proposed and accepted tokens (the acceptance rate).
+        speculative: a :class:`~attnkit.decoding.Speculation`: speculative decoding with a draft model or
+            prompt lookup (``cache="static"`` or ``"paged"``, without ``compile``); None decodes one token
+            per step.
 
     Returns:
         ``list[list[int]]``: the new tokens of each prompt (or, with ``stream=True``, the iterator); with
@@ -782,35 +380,33 @@ def generate(model, prompts, max_new_tokens: int, *, cache: str | Callable | Non
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, Integral) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 0")
     max_new_tokens = int(max_new_tokens)
-    params = SamplingParams(temperature, top_k, top_p, eos_id, seed, repetition_penalty=repetition_penalty,
-                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, min_p=min_p,
-                            logit_bias=logit_bias, stop=stop, logprobs=logprobs)
+    params = resolve_sampling(sampling, sampling_keywords, "generate")
     if cache is not None and not callable(cache) and cache not in CACHES:
         raise ValueError(f"cache={cache!r} is not one of {CACHES + (None,)} or a callable (model, batch, max_len)")
     stream, compile, relayout = flag("stream", stream), flag("compile", compile), flag("relayout", relayout)
-    prompt_lookup = flag("prompt_lookup", prompt_lookup)
-    cache = resolve_cache(model, prompts, cache, compile=compile,
-                          speculative=draft_model is not None or prompt_lookup)
+    if speculative is not None and not isinstance(speculative, Speculation):
+        raise TypeError(f"speculative must be an attnkit.decoding.Speculation or None, got "
+                        f"{type(speculative).__name__}")
+    cache = resolve_cache(model, prompts, cache, compile=compile, speculative=speculative is not None)
     if compile and not (cache == "static" or (callable(cache) and not isinstance(cache, str))):
         raise ValueError(f"compile=True needs cache='static' (or a callable making a StaticCache), got "
                          f"cache={cache!r}: its fixed buffers are what lets the decode step compile once")
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     check_tokens(prompts, vocab)
-    check_eos(params, vocab)
+    check_vocab(params, vocab)
     check_positions(model, max(len(p) for p in prompts), max_new_tokens)
     if cache is not None and cache != "paged" and len({len(p) for p in prompts}) > 1:
         _check_shiftable(model)
-    speculative = _check_speculative(model, draft_model, prompt_lookup, num_speculative_tokens, cache, compile,
-                                     stats)
-    if draft_model is not None:
-        check_positions(draft_model, max(len(p) for p in prompts), max_new_tokens)
+    if speculative is not None:
+        speculative.check(model, cache, compile)
+        if speculative.draft_model is not None:
+            check_positions(speculative.draft_model, max(len(p) for p in prompts), max_new_tokens)
     DecodeThreads(decode_threads)  # (refuses a bad value before any work)
 
     def run(triples: bool = True) -> Iterator[tuple]:
         """``(prompt_index, token, TokenLogprob or None)`` triples, or ``(prompt_index, token)`` pairs."""
-        if speculative:
-            events = _stream_speculative_eval(model, prompts, max_new_tokens, cache, params, draft_model,
-                                              int(num_speculative_tokens), stats)
+        if speculative is not None:
+            events = stream_speculative(model, prompts, max_new_tokens, cache, params, speculative)
         else:
             # (compiled code freezes a packed copy of the weights of its own; cache=None has no one-token steps)
             copies = _decode_copies(model) if relayout and not compile and cache is not None else None
@@ -841,7 +437,7 @@ def resolve_cache(model, prompts, cache="auto", *, compile: bool = False, specul
 
     Example::
 
-        >>> from attnkit.generate import resolve_cache
+        >>> from attnkit.decoding import resolve_cache
         >>> from attnkit.nn import DecoderLM, DecoderConfig
         >>> model = DecoderLM(DecoderConfig.preset("tiny"))
         >>> resolve_cache(model, [[1, 2, 3], [4, 5]]), resolve_cache(model, [[1, 2], [4, 5]])
@@ -890,36 +486,3 @@ class GenerationResult:
 
     def __repr__(self) -> str:
         return f"GenerationResult(tokens={self.tokens!r:.200}, logprobs=[{len(self.logprobs)} lists])"
-
-
-def _check_speculative(model, draft, prompt_lookup, k, cache, compile, stats) -> bool:
-    """Whether the call decodes speculatively; a clear error for the combinations that cannot."""
-    if draft is None and not prompt_lookup:
-        if stats is not None and not isinstance(stats, SpeculativeStats):
-            raise TypeError(f"stats must be a SpeculativeStats or None, got {type(stats).__name__}")
-        return False
-    if draft is not None and prompt_lookup:
-        raise ValueError("draft_model and prompt_lookup=True both draft the proposals: pass one of them")
-    if isinstance(k, bool) or not isinstance(k, Integral) or k < 1:
-        raise ValueError(f"num_speculative_tokens={k!r} must be an int >= 1 (tokens proposed per step)")
-    if stats is not None and not isinstance(stats, SpeculativeStats):
-        raise TypeError(f"stats must be a SpeculativeStats or None, got {type(stats).__name__}")
-    if cache not in ("static", "paged"):
-        raise ValueError(f"speculative decoding rolls rejected tokens back in a static or paged cache: pass "
-                         f"cache='static' or cache='paged', got cache={cache!r}")
-    if compile:
-        raise ValueError("compile=True applies to one-token decode steps; speculative decoding verifies several "
-                         "tokens a step: pass compile=False")
-    if draft is not None:
-        if not isinstance(draft, torch.nn.Module) or not hasattr(draft, "config"):
-            raise TypeError(f"draft_model must be a decoder LM with a config (an attnkit.nn.DecoderLM), got "
-                            f"{type(draft).__name__}")
-        check_decoder_only(draft, "generate's draft_model")
-        tv = getattr(model.config, "vocab_size", None)
-        dv = getattr(draft.config, "vocab_size", None)
-        if tv != dv:
-            raise ValueError(f"draft_model has vocab_size={dv} but the model has {tv}: the draft must share the "
-                             f"model's vocabulary (the same tokenizer)")
-        if draft is model:
-            raise ValueError("draft_model is the model itself: pass a smaller model (or prompt_lookup=True)")
-    return True

@@ -43,7 +43,7 @@ except ImportError as e:  # pragma: no cover (a plain install)
         f"attnkit.serve.app needs the serve extra ({e.name} is missing): pip install 'attnkit[serve]'"
     ) from None
 
-from ..engine import Engine
+from ..decoding import Engine
 from ._async import AsyncEngine, Overloaded, RequestStream
 from ._model import ServedModel
 from ._protocol import ApiError, GenerationRequest, error_body, parse_chat, parse_completion
