@@ -19,19 +19,26 @@ EXTRAPOLATING = ("alibi", "t5", "none")  # position methods that take positions 
 def check_decoder_only(model, who: str) -> None:
     """generate and Engine run decoder-only LMs: an encoder-decoder gets a clear error, not a missing argument."""
     from ..nn import EncoderDecoder
+
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"{who} takes a decoder language model, a torch.nn.Module called as model(ids, cache=..., "
-                        f"positions=...) -> logits with a .config (e.g. attnkit.nn.DecoderLM), got "
-                        f"{type(model).__name__} {model!r:.60}")
+        raise TypeError(
+            f"{who} takes a decoder language model, a torch.nn.Module called as model(ids, cache=..., "
+            f"positions=...) -> logits with a .config (e.g. attnkit.nn.DecoderLM), got "
+            f"{type(model).__name__} {model!r:.60}"
+        )
     if _is_transformers_model(model):
-        raise TypeError(f"{who} takes an attnkit model, got a Hugging Face transformers model "
-                        f"({type(model).__name__}), which it cannot read or drive: convert it first with "
-                        f"attnkit.integrations.hf.from_hf(model) (the same weights as an attnkit.nn.DecoderLM), or "
-                        f"use the model's own generate()")
+        raise TypeError(
+            f"{who} takes an attnkit model, got a Hugging Face transformers model "
+            f"({type(model).__name__}), which it cannot read or drive: convert it first with "
+            f"attnkit.integrations.hf.from_hf(model) (the same weights as an attnkit.nn.DecoderLM), or "
+            f"use the model's own generate()"
+        )
     if isinstance(model, EncoderDecoder):
-        raise TypeError(f"{who} takes a decoder-only language model (e.g. attnkit.nn.DecoderLM), got an "
-                        f"EncoderDecoder: encode once with model.encode(src), then decode step by step with "
-                        f"model.decode(tgt, memory, cache=attnkit.cache.EncoderDecoderCache(...))")
+        raise TypeError(
+            f"{who} takes a decoder-only language model (e.g. attnkit.nn.DecoderLM), got an "
+            f"EncoderDecoder: encode once with model.encode(src), then decode step by step with "
+            f"model.decode(tgt, memory, cache=attnkit.cache.EncoderDecoderCache(...))"
+        )
 
 
 def _is_transformers_model(model) -> bool:
@@ -58,13 +65,17 @@ def check_positions(model, longest: int, max_new_tokens: int) -> None:
     method = getattr(cfg, "positions", None)
     need = longest + max_new_tokens - 1  # the last new token is never fed back
     if max_len is not None and method not in EXTRAPOLATING and longest > max_len:
-        raise ValueError(f"a prompt of {longest} tokens is longer than the model's max_seq_len={max_len} "
-                         f"(positions={method!r} does not extrapolate): shorten the prompt to at most {max_len} "
-                         f"tokens (e.g. keep its last {max_len})")
+        raise ValueError(
+            f"a prompt of {longest} tokens is longer than the model's max_seq_len={max_len} "
+            f"(positions={method!r} does not extrapolate): shorten the prompt to at most {max_len} "
+            f"tokens (e.g. keep its last {max_len})"
+        )
     if max_len is not None and method not in EXTRAPOLATING and need > max_len:
-        raise ValueError(f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} needs positions up to "
-                         f"{need - 1}, beyond the model's max_seq_len={max_len} (positions={method!r} does not "
-                         f"extrapolate): shorten the prompt or ask for at most {max_len - longest + 1} new tokens")
+        raise ValueError(
+            f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} needs positions up to "
+            f"{need - 1}, beyond the model's max_seq_len={max_len} (positions={method!r} does not "
+            f"extrapolate): shorten the prompt or ask for at most {max_len - longest + 1} new tokens"
+        )
 
 
 def last_logits(out) -> Tensor:

@@ -25,8 +25,18 @@ from .._threads import DecodeThreads
 from ..cache import PagedCache, QuantizedCache, SlidingWindowCache, StaticCache
 from ..cache._common import model_dims
 from . import sampling as _sampling
-from ._steps import (DecodeCopies, EvalMode, check_decoder_only, check_positions, check_tokens, cpu_threads,
-                     last_logits, reading, timed, weights_key)
+from ._steps import (
+    DecodeCopies,
+    EvalMode,
+    check_decoder_only,
+    check_positions,
+    check_tokens,
+    cpu_threads,
+    last_logits,
+    reading,
+    timed,
+    weights_key,
+)
 from .sampling import SamplingParams, TokenLogprob, check_vocab, resolve_sampling, sample
 from .speculative import Speculation, stream_speculative
 
@@ -42,22 +52,33 @@ CACHES = ("auto", "static", "sliding", "paged", "int8", "int4")
 
 def _prompts(prompts) -> list[list[int]]:
     if isinstance(prompts, Tensor):
-        if prompts.dim() != 2 or prompts.dtype.is_floating_point or prompts.dtype.is_complex \
-                or prompts.dtype == torch.bool or 0 in prompts.shape:
-            raise ValueError(f"prompts as a tensor must be 2-D token ids (B, L) with B, L >= 1, got {prompts.dtype} "
-                             f"{tuple(prompts.shape)}")
+        if (
+            prompts.dim() != 2
+            or prompts.dtype.is_floating_point
+            or prompts.dtype.is_complex
+            or prompts.dtype == torch.bool
+            or 0 in prompts.shape
+        ):
+            raise ValueError(
+                f"prompts as a tensor must be 2-D token ids (B, L) with B, L >= 1, got {prompts.dtype} "
+                f"{tuple(prompts.shape)}"
+            )
         return [[int(t) for t in row] for row in prompts.tolist()]
     if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise TypeError(f"prompts must be a non-empty list of token-id lists or a (B, L) tensor, got "
-                        f"{type(prompts).__name__}")
+        raise TypeError(
+            f"prompts must be a non-empty list of token-id lists or a (B, L) tensor, got {type(prompts).__name__}"
+        )
     if all(isinstance(t, Integral) for t in prompts):
         raise TypeError("prompts must be a list of prompts (lists of token ids): wrap a single prompt as [prompt]")
     out = []
     for i, p in enumerate(prompts):
         if isinstance(p, Tensor):
             p = p.tolist()
-        if not isinstance(p, (list, tuple)) or not p or not all(
-                isinstance(t, Integral) and not isinstance(t, bool) for t in p):
+        if (
+            not isinstance(p, (list, tuple))
+            or not p
+            or not all(isinstance(t, Integral) and not isinstance(t, bool) for t in p)
+        ):
             raise ValueError(f"prompts[{i}] must be a non-empty list of int token ids, got {p!r:.80}")
         out.append([int(t) for t in p])
     return out
@@ -67,9 +88,11 @@ def _make_cache(model, cache, batch: int, max_len: int):
     if callable(cache) and not isinstance(cache, str):
         made = cache(model, batch, max_len)
         if not hasattr(made, "layers"):
-            raise TypeError(f"cache={cache!r} returned {type(made).__name__}, not a cache: a callable passed as cache "
-                            f"must return a model-level cache for (model, batch={batch}, max_len={max_len}), e.g. "
-                            f"attnkit.cache.StaticCache.for_model(model, batch, max_len)")
+            raise TypeError(
+                f"cache={cache!r} returned {type(made).__name__}, not a cache: a callable passed as cache "
+                f"must return a model-level cache for (model, batch={batch}, max_len={max_len}), e.g. "
+                f"attnkit.cache.StaticCache.for_model(model, batch, max_len)"
+            )
         return made
     if cache == "static":
         return StaticCache.for_model(model, batch, max_len)
@@ -146,6 +169,7 @@ def _compiled_step(model):
     def step(ids, **kw):
         with torch._inductor.config.patch(freezing=True), torch._dynamo.config.patch(**_recompile_limit()):
             return compiled(model, ids, **kw)
+
     return step
 
 
@@ -160,14 +184,17 @@ def _recompile_limit() -> dict:
 def _check_shiftable(model) -> None:
     """Left padding shifts a row's slots by its padding: refuse masks that read absolute positions."""
     from ..masks import Mask, _reads_absolute_positions
+
     for name, module in model.named_modules():
         mask = getattr(module, "mask", None)
         part = _reads_absolute_positions(mask) if isinstance(mask, Mask) else None
         if part is not None:
-            raise ValueError(f"prompts of different lengths are left-padded into one batch, which shifts each row's "
-                             f"slots, and {name or 'the model'}'s mask reads absolute positions ({part!r}): its "
-                             f"tokens would differ from generating each prompt alone; use cache='paged' or "
-                             f"cache=None (exact for ragged prompts), or give prompts of one length")
+            raise ValueError(
+                f"prompts of different lengths are left-padded into one batch, which shifts each row's "
+                f"slots, and {name or 'the model'}'s mask reads absolute positions ({part!r}): its "
+                f"tokens would differ from generating each prompt alone; use cache='paged' or "
+                f"cache=None (exact for ragged prompts), or give prompts of one length"
+            )
 
 
 def _steps_padded(model, prompts, max_new_tokens, cache, compiled: bool = False) -> Iterator[Tensor]:
@@ -183,9 +210,11 @@ def _steps_padded(model, prompts, max_new_tokens, cache, compiled: bool = False)
     ragged = any(pad)
     if ragged:
         if not hasattr(kv, "set_left_padding"):
-            raise TypeError(f"prompts of different lengths are left-padded, and the {type(kv).__name__} made by the "
-                            f"cache callable has no set_left_padding to hide the padding: return a StaticCache, "
-                            f"SlidingWindowCache or QuantizedCache, or use cache='paged'")
+            raise TypeError(
+                f"prompts of different lengths are left-padded, and the {type(kv).__name__} made by the "
+                f"cache callable has no set_left_padding to hide the padding: return a StaticCache, "
+                f"SlidingWindowCache or QuantizedCache, or use cache='paged'"
+            )
         kv.set_left_padding(pad)
         offs = torch.tensor(pad, device=device).view(-1, 1)
         pos = (torch.arange(L, device=device).view(1, -1) - offs).clamp(min=0)  # (B, L) per-row positions
@@ -236,9 +265,16 @@ def _steps_recompute(model, prompts) -> Iterator[Tensor]:
             seqs[n] = torch.cat([seqs[n], nxt[rows].view(-1, 1)], dim=1)
 
 
-def _stream(model, prompts: list[list[int]], max_new_tokens: int, cache, params: SamplingParams,
-            compiled: bool = False, copies: DecodeCopies | None = None, threads: DecodeThreads | None = None
-            ) -> Iterator[tuple[int, int, TokenLogprob | None]]:
+def _stream(
+    model,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    cache,
+    params: SamplingParams,
+    compiled: bool = False,
+    copies: DecodeCopies | None = None,
+    threads: DecodeThreads | None = None,
+) -> Iterator[tuple[int, int, TokenLogprob | None]]:
     """Yields ``(prompt index, token, its log-probabilities or None)`` as each step produces them.  Each
     forward runs in eval mode and without gradients, and only then (a caller reading the stream keeps its
     model's modes and its grad mode); the one-token decode steps, and the prefill of 4 or more prompts, read
@@ -283,10 +319,20 @@ def _stream(model, prompts: list[list[int]], max_new_tokens: int, cache, params:
     steps.close()
 
 
-def generate(model, prompts, max_new_tokens: int, *, sampling: SamplingParams | None = None,
-             cache: str | Callable | None = "auto", stream: bool = False, compile: bool = False,
-             relayout: bool = True, speculative: Speculation | None = None,
-             decode_threads: str | int | None = "auto", **sampling_keywords):
+def generate(
+    model,
+    prompts,
+    max_new_tokens: int,
+    *,
+    sampling: SamplingParams | None = None,
+    cache: str | Callable | None = "auto",
+    stream: bool = False,
+    compile: bool = False,
+    relayout: bool = True,
+    speculative: Speculation | None = None,
+    decode_threads: str | int | None = "auto",
+    **sampling_keywords,
+):
     """Generate ``max_new_tokens`` tokens after each prompt with a decoder language model.
 
     Args:
@@ -385,12 +431,15 @@ def generate(model, prompts, max_new_tokens: int, *, sampling: SamplingParams | 
         raise ValueError(f"cache={cache!r} is not one of {CACHES + (None,)} or a callable (model, batch, max_len)")
     stream, compile, relayout = flag("stream", stream), flag("compile", compile), flag("relayout", relayout)
     if speculative is not None and not isinstance(speculative, Speculation):
-        raise TypeError(f"speculative must be an attnkit.decoding.Speculation or None, got "
-                        f"{type(speculative).__name__}")
+        raise TypeError(
+            f"speculative must be an attnkit.decoding.Speculation or None, got {type(speculative).__name__}"
+        )
     cache = resolve_cache(model, prompts, cache, compile=compile, speculative=speculative is not None)
     if compile and not (cache == "static" or (callable(cache) and not isinstance(cache, str))):
-        raise ValueError(f"compile=True needs cache='static' (or a callable making a StaticCache), got "
-                         f"cache={cache!r}: its fixed buffers are what lets the decode step compile once")
+        raise ValueError(
+            f"compile=True needs cache='static' (or a callable making a StaticCache), got "
+            f"cache={cache!r}: its fixed buffers are what lets the decode step compile once"
+        )
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     check_tokens(prompts, vocab)
     check_vocab(params, vocab)
@@ -410,8 +459,16 @@ def generate(model, prompts, max_new_tokens: int, *, sampling: SamplingParams | 
         else:
             # (compiled code freezes a packed copy of the weights of its own; cache=None has no one-token steps)
             copies = _decode_copies(model) if relayout and not compile and cache is not None else None
-            events = _stream(model, prompts, max_new_tokens, cache, params, compile, copies,
-                             cpu_threads(model, _threads_for(model, decode_threads, len(prompts))))
+            events = _stream(
+                model,
+                prompts,
+                max_new_tokens,
+                cache,
+                params,
+                compile,
+                copies,
+                cpu_threads(model, _threads_for(model, decode_threads, len(prompts))),
+            )
         try:
             for i, tok, lp in events:
                 yield (i, tok, lp) if triples else (i, tok)

@@ -34,6 +34,7 @@ __all__ = ["SamplingParams", "sample", "TokenLogprob", "resolve_sampling"]
 
 # ----------------------------------------------------------------------------- the parameters
 
+
 class SamplingParams:
     """How the next token is chosen, validated on construction; passed as ``sampling=`` to
     :func:`~attnkit.decoding.generate`, :meth:`Engine.add <attnkit.decoding.Engine.add>` and
@@ -75,16 +76,44 @@ class SamplingParams:
         (2, 7)
     """
 
-    __slots__ = ("temperature", "top_k", "top_p", "eos_id", "seed", "eos_ids", "repetition_penalty",
-                 "presence_penalty", "frequency_penalty", "min_p", "logit_bias", "stop", "logprobs")
+    __slots__ = (
+        "temperature",
+        "top_k",
+        "top_p",
+        "eos_id",
+        "seed",
+        "eos_ids",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "min_p",
+        "logit_bias",
+        "stop",
+        "logprobs",
+    )
 
-    def __init__(self, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                 eos_id: int | Sequence[int] | None = None, seed: int | None = None, *,
-                 repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                 min_p: float | None = None, logit_bias: dict[int, float] | None = None,
-                 stop: Sequence[Sequence[int]] | None = None, logprobs: int | None = None):
-        if isinstance(temperature, bool) or not isinstance(temperature, Real) or not math.isfinite(temperature) \
-                or temperature < 0:
+    def __init__(
+        self,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_id: int | Sequence[int] | None = None,
+        seed: int | None = None,
+        *,
+        repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        min_p: float | None = None,
+        logit_bias: dict[int, float] | None = None,
+        stop: Sequence[Sequence[int]] | None = None,
+        logprobs: int | None = None,
+    ):
+        if (
+            isinstance(temperature, bool)
+            or not isinstance(temperature, Real)
+            or not math.isfinite(temperature)
+            or temperature < 0
+        ):
             raise ValueError(f"temperature={temperature!r} must be a finite number >= 0 (0 is greedy)")
         if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, Integral) or top_k < 1):
             raise ValueError(f"top_k={top_k!r} must be an int >= 1 or None")
@@ -94,15 +123,26 @@ class SamplingParams:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, Integral)):
             raise ValueError(f"seed={seed!r} must be an int or None")
         self.repetition_penalty = number(
-            "repetition_penalty", repetition_penalty, low=0.0, low_open=True,
-            fix=" (1 is no penalty, above 1 discourages repeating a token)")
-        self.presence_penalty = number("presence_penalty", presence_penalty,
-                                        fix=" (0 is no penalty, above 0 discourages repeating, below 0 rewards it)")
-        self.frequency_penalty = number("frequency_penalty", frequency_penalty,
-                                         fix=" (0 is no penalty, above 0 discourages repeating, below 0 rewards it)")
+            "repetition_penalty",
+            repetition_penalty,
+            low=0.0,
+            low_open=True,
+            fix=" (1 is no penalty, above 1 discourages repeating a token)",
+        )
+        self.presence_penalty = number(
+            "presence_penalty",
+            presence_penalty,
+            fix=" (0 is no penalty, above 0 discourages repeating, below 0 rewards it)",
+        )
+        self.frequency_penalty = number(
+            "frequency_penalty",
+            frequency_penalty,
+            fix=" (0 is no penalty, above 0 discourages repeating, below 0 rewards it)",
+        )
         if min_p is not None:
-            min_p = number("min_p", min_p, low=0.0, high=1.0,
-                           fix=" (a share of the top token's probability in [0, 1], or None)")
+            min_p = number(
+                "min_p", min_p, low=0.0, high=1.0, fix=" (a share of the top token's probability in [0, 1], or None)"
+            )
         self.min_p = min_p
         self.logit_bias = check_logit_bias(logit_bias)
         self.stop = check_stop(stop)
@@ -127,19 +167,39 @@ class SamplingParams:
         return g
 
     def __repr__(self) -> str:
-        extra = "".join(f", {k}={getattr(self, k)!r}" for k, default in _EXTRA_DEFAULTS
-                        if getattr(self, k) != default)
-        return (f"SamplingParams(temperature={self.temperature}, top_k={self.top_k}, top_p={self.top_p}, "
-                f"eos_id={self.eos_id}, seed={self.seed}{extra})")
+        extra = "".join(f", {k}={getattr(self, k)!r}" for k, default in _EXTRA_DEFAULTS if getattr(self, k) != default)
+        return (
+            f"SamplingParams(temperature={self.temperature}, top_k={self.top_k}, top_p={self.top_p}, "
+            f"eos_id={self.eos_id}, seed={self.seed}{extra})"
+        )
 
 
-_EXTRA_DEFAULTS = (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
-                   ("min_p", None), ("logit_bias", {}), ("stop", ()), ("logprobs", None))
+_EXTRA_DEFAULTS = (
+    ("repetition_penalty", 1.0),
+    ("presence_penalty", 0.0),
+    ("frequency_penalty", 0.0),
+    ("min_p", None),
+    ("logit_bias", {}),
+    ("stop", ()),
+    ("logprobs", None),
+)
 
 
 # the keyword forms of a SamplingParams that generate, Engine.add and AsyncEngine.submit also take
-KEYWORDS = ("temperature", "top_k", "top_p", "eos_id", "seed", "repetition_penalty", "presence_penalty",
-            "frequency_penalty", "min_p", "logit_bias", "stop", "logprobs")
+KEYWORDS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "eos_id",
+    "seed",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "min_p",
+    "logit_bias",
+    "stop",
+    "logprobs",
+)
 
 
 def resolve_sampling(sampling: SamplingParams | None, keywords: dict, who: str) -> SamplingParams:
@@ -157,11 +217,14 @@ def resolve_sampling(sampling: SamplingParams | None, keywords: dict, who: str) 
     if keywords:
         unknown = [k for k in keywords if k not in KEYWORDS]
         if unknown:
-            raise TypeError(f"{who}() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}"
-                            f"{_moved_hint(unknown)}")
+            raise TypeError(
+                f"{who}() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}{_moved_hint(unknown)}"
+            )
         if sampling is not None:
-            raise TypeError(f"{who}() got sampling={sampling!r} and the sampling keyword(s) "
-                            f"{', '.join(keywords)}: pass one SamplingParams, or the keywords alone")
+            raise TypeError(
+                f"{who}() got sampling={sampling!r} and the sampling keyword(s) "
+                f"{', '.join(keywords)}: pass one SamplingParams, or the keywords alone"
+            )
         return SamplingParams(**keywords)
     if sampling is None:
         return SamplingParams()
@@ -175,8 +238,10 @@ def _moved_hint(unknown: list[str]) -> str:
     moved = [k for k in unknown if k in ("draft_model", "prompt_lookup", "num_speculative_tokens", "stats")]
     if not moved:
         return ""
-    return (": speculative decoding takes one object, speculative=attnkit.decoding.Speculation(draft_model=..., "
-            "prompt_lookup=..., num_tokens=..., stats=...)")
+    return (
+        ": speculative decoding takes one object, speculative=attnkit.decoding.Speculation(draft_model=..., "
+        "prompt_lookup=..., num_tokens=..., stats=...)"
+    )
 
 
 # ----------------------------------------------------------------------------- checks
@@ -206,8 +271,10 @@ def check_stop(stop) -> tuple[tuple[int, ...], ...]:
     if stop is None:
         return ()
     if not isinstance(stop, (list, tuple)) or (stop and all(isinstance(s, Integral) for s in stop)):
-        raise TypeError(f"stop={stop!r:.80} must be a list of stop sequences, each a list of token ids "
-                        f"(wrap a single sequence as [[...]])")
+        raise TypeError(
+            f"stop={stop!r:.80} must be a list of stop sequences, each a list of token ids "
+            f"(wrap a single sequence as [[...]])"
+        )
     out = []
     for i, s in enumerate(stop):
         if not isinstance(s, (list, tuple)) or not s:
@@ -235,8 +302,10 @@ def check_logprobs(n) -> int | None:
     if n is None:
         return None
     if isinstance(n, bool) or not isinstance(n, Integral) or n < 0:
-        raise ValueError(f"logprobs={n!r} must be an int >= 0 (the number of most likely tokens to report besides "
-                         f"the chosen one) or None")
+        raise ValueError(
+            f"logprobs={n!r} must be an int >= 0 (the number of most likely tokens to report besides "
+            f"the chosen one) or None"
+        )
     return int(n)
 
 
@@ -245,8 +314,9 @@ def check_in_vocab(name: str, ids, vocab: int | None) -> None:
         return
     bad = sorted({t for t in ids if t >= vocab})
     if bad:
-        raise ValueError(f"{name} holds token ids {bad[:5]} outside the vocabulary [0, {vocab}): the model can "
-                         f"never emit them")
+        raise ValueError(
+            f"{name} holds token ids {bad[:5]} outside the vocabulary [0, {vocab}): the model can never emit them"
+        )
 
 
 def check_vocab(params: SamplingParams, vocab: int | None) -> None:
@@ -255,8 +325,10 @@ def check_vocab(params: SamplingParams, vocab: int | None) -> None:
         return
     bad = [t for t in params.eos_ids if t >= vocab]
     if bad:
-        raise ValueError(f"eos_id={params.eos_id} is outside the vocabulary [0, {vocab}): the model can never emit "
-                         f"{bad[0]}; pass the tokenizer's end-of-sequence id (or None)")
+        raise ValueError(
+            f"eos_id={params.eos_id} is outside the vocabulary [0, {vocab}): the model can never emit "
+            f"{bad[0]}; pass the tokenizer's end-of-sequence id (or None)"
+        )
     check_in_vocab("logit_bias", params.logit_bias, vocab)
     for i, s in enumerate(params.stop):
         check_in_vocab(f"stop[{i}]", s, vocab)
@@ -293,8 +365,7 @@ def apply_repetition_penalty(logits: Tensor, seen_rows: list[list[int]], penalty
     return torch.where(_seen(logits, seen_rows), penalised, logits)
 
 
-def apply_presence_frequency(logits: Tensor, out_rows: list[list[int]], presence: float,
-                             frequency: float) -> Tensor:
+def apply_presence_frequency(logits: Tensor, out_rows: list[list[int]], presence: float, frequency: float) -> Tensor:
     """``logits - frequency * count - presence * (count > 0)``, ``count`` a token's occurrences in the output."""
     if presence == 0.0 and frequency == 0.0:
         return logits
@@ -327,8 +398,7 @@ def process(logits: Tensor, params, prompts: list[list[int]], outputs: list[list
     after ``outputs[i]``."""
     logits = apply_logit_bias(logits, params.logit_bias)
     if params.repetition_penalty != 1.0:
-        logits = apply_repetition_penalty(logits, [p + o for p, o in zip(prompts, outputs)],
-                                          params.repetition_penalty)
+        logits = apply_repetition_penalty(logits, [p + o for p, o in zip(prompts, outputs)], params.repetition_penalty)
     return apply_presence_frequency(logits, outputs, params.presence_penalty, params.frequency_penalty)
 
 
@@ -362,8 +432,9 @@ def _filtered(logits: Tensor, params: SamplingParams) -> Tensor:
     return logits
 
 
-def sample(logits: Tensor, params: SamplingParams | None = None,
-           generators: Sequence[torch.Generator | None] | None = None) -> Tensor:
+def sample(
+    logits: Tensor, params: SamplingParams | None = None, generators: Sequence[torch.Generator | None] | None = None
+) -> Tensor:
     """The next token of each row of ``logits (N, V)``: argmax when greedy, else a draw from the filtered
     softmax by inverse CDF, one uniform per row from that row's generator (``generators[i]``; the global
     generator where it is None).  Returns ``(N,)`` int64.
@@ -381,22 +452,30 @@ def sample(logits: Tensor, params: SamplingParams | None = None,
     """
     params = params or SamplingParams()
     if not isinstance(logits, Tensor) or logits.dim() != 2 or not logits.is_floating_point():
-        raise ValueError(f"sample: logits must be a float tensor (N, V), one row per sequence, got "
-                         f"{tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__}")
+        raise ValueError(
+            f"sample: logits must be a float tensor (N, V), one row per sequence, got "
+            f"{tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__}"
+        )
     if logits.numel() and bool(torch.isnan(logits).any()):
         rows = torch.isnan(logits).any(-1).nonzero().view(-1).tolist()
-        raise ValueError(f"sample: logits of rows {rows[:5]} hold NaN (the model's output is broken): check the "
-                         f"model's weights and inputs")
+        raise ValueError(
+            f"sample: logits of rows {rows[:5]} hold NaN (the model's output is broken): check the "
+            f"model's weights and inputs"
+        )
     if logits.numel() and not params.greedy:
         bad = (logits == float("inf")).any(-1) | (logits == float("-inf")).all(-1)
         if bool(bad.any()):
             rows = bad.nonzero().view(-1).tolist()
-            raise ValueError(f"sample: logits of rows {rows[:5]} are +inf somewhere or -inf everywhere, which "
-                             f"leaves no distribution to sample from: check the model's output (or the logit "
-                             f"processor that produced them)")
+            raise ValueError(
+                f"sample: logits of rows {rows[:5]} are +inf somewhere or -inf everywhere, which "
+                f"leaves no distribution to sample from: check the model's output (or the logit "
+                f"processor that produced them)"
+            )
     if generators is not None and len(generators) != logits.shape[0]:
-        raise ValueError(f"sample: got {len(generators)} generators for {logits.shape[0]} rows of logits: give one "
-                         f"per row (None for the global generator)")
+        raise ValueError(
+            f"sample: got {len(generators)} generators for {logits.shape[0]} rows of logits: give one "
+            f"per row (None for the global generator)"
+        )
     if params.greedy:
         return logits.argmax(dim=-1)
     probs = torch.softmax(_filtered(logits.float(), params), dim=-1)  # (N, V)
@@ -423,7 +502,7 @@ def stops(out: list[int], params) -> bool:
         return False
     if out[-1] in params.eos_ids:
         return True
-    return any(len(s) <= len(out) and tuple(out[-len(s):]) == s for s in params.stop)
+    return any(len(s) <= len(out) and tuple(out[-len(s) :]) == s for s in params.stop)
 
 
 # ----------------------------------------------------------------------------- log-probabilities

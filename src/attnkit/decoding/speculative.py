@@ -48,22 +48,33 @@ class Speculation:
         >>> from attnkit.decoding import Speculation, SpeculativeStats
         >>> from attnkit.nn import DecoderLM, DecoderConfig
         >>> model = DecoderLM(DecoderConfig.preset("tiny"))
-        >>> spec = Speculation(prompt_lookup=True, num_tokens=4, stats=SpeculativeStats())
-        >>> spec
+        >>> Speculation(prompt_lookup=True, num_tokens=4)
         Speculation(prompt_lookup=True, num_tokens=4)
+        >>> stats = SpeculativeStats()
+        >>> spec = Speculation(prompt_lookup=True, num_tokens=4, stats=stats)
         >>> prompt = [[5, 6, 7, 8, 5, 6, 7]]
         >>> attnkit.generate(model, prompt, 8, speculative=spec) == attnkit.generate(model, prompt, 8)
         True
+        >>> stats.tokens
+        8
     """
 
     __slots__ = ("draft_model", "prompt_lookup", "num_tokens", "stats")
 
-    def __init__(self, draft_model=None, *, prompt_lookup: bool = False, num_tokens: int = 4,
-                 stats: SpeculativeStats | None = None):
+    def __init__(
+        self,
+        draft_model=None,
+        *,
+        prompt_lookup: bool = False,
+        num_tokens: int = 4,
+        stats: SpeculativeStats | None = None,
+    ):
         prompt_lookup = flag("prompt_lookup", prompt_lookup)
         if draft_model is None and not prompt_lookup:
-            raise ValueError("Speculation needs a draft_model or prompt_lookup=True to propose tokens (for plain "
-                             "decoding pass speculative=None)")
+            raise ValueError(
+                "Speculation needs a draft_model or prompt_lookup=True to propose tokens (for plain "
+                "decoding pass speculative=None)"
+            )
         if draft_model is not None and prompt_lookup:
             raise ValueError("draft_model and prompt_lookup=True both draft the proposals: pass one of them")
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, Integral) or num_tokens < 1:
@@ -72,8 +83,10 @@ class Speculation:
             raise TypeError(f"stats must be a SpeculativeStats or None, got {type(stats).__name__}")
         if draft_model is not None:
             if not isinstance(draft_model, torch.nn.Module) or not hasattr(draft_model, "config"):
-                raise TypeError(f"draft_model must be a decoder LM with a config (an attnkit.nn.DecoderLM), got "
-                                f"{type(draft_model).__name__}")
+                raise TypeError(
+                    f"draft_model must be a decoder LM with a config (an attnkit.nn.DecoderLM), got "
+                    f"{type(draft_model).__name__}"
+                )
             check_decoder_only(draft_model, "Speculation's draft_model")
         self.draft_model = draft_model
         self.prompt_lookup = prompt_lookup
@@ -83,18 +96,24 @@ class Speculation:
     def check(self, model, cache, compile: bool) -> None:
         """A clear error for a model, cache or ``compile`` this speculation cannot run with."""
         if cache not in ("static", "paged"):
-            raise ValueError(f"speculative decoding rolls rejected tokens back in a static or paged cache: pass "
-                             f"cache='static' or cache='paged', got cache={cache!r}")
+            raise ValueError(
+                f"speculative decoding rolls rejected tokens back in a static or paged cache: pass "
+                f"cache='static' or cache='paged', got cache={cache!r}"
+            )
         if compile:
-            raise ValueError("compile=True applies to one-token decode steps; speculative decoding verifies several "
-                             "tokens a step: pass compile=False")
+            raise ValueError(
+                "compile=True applies to one-token decode steps; speculative decoding verifies several "
+                "tokens a step: pass compile=False"
+            )
         draft = self.draft_model
         if draft is not None:
             tv = getattr(model.config, "vocab_size", None)
             dv = getattr(draft.config, "vocab_size", None)
             if tv != dv:
-                raise ValueError(f"draft_model has vocab_size={dv} but the model has {tv}: the draft must share the "
-                                 f"model's vocabulary (the same tokenizer)")
+                raise ValueError(
+                    f"draft_model has vocab_size={dv} but the model has {tv}: the draft must share the "
+                    f"model's vocabulary (the same tokenizer)"
+                )
             if draft is model:
                 raise ValueError("draft_model is the model itself: pass a smaller model (or prompt_lookup=True)")
 
@@ -132,9 +151,11 @@ class SpeculativeStats:
         return self.tokens / self.verify_steps if self.verify_steps else 0.0
 
     def __repr__(self) -> str:
-        return (f"SpeculativeStats(proposed={self.proposed}, accepted={self.accepted}, "
-                f"verify_steps={self.verify_steps}, tokens={self.tokens}, "
-                f"acceptance_rate={self.acceptance_rate:.3f})")
+        return (
+            f"SpeculativeStats(proposed={self.proposed}, accepted={self.accepted}, "
+            f"verify_steps={self.verify_steps}, tokens={self.tokens}, "
+            f"acceptance_rate={self.acceptance_rate:.3f})"
+        )
 
 
 _LOOKUP_NGRAM = 3  # prompt lookup matches the last 3, 2, then 1 tokens
@@ -147,8 +168,8 @@ def _lookup(seq: list[int], k: int) -> list[int]:
         tail = seq[-n:]
         best: list[int] = []
         for start in range(len(seq) - n - 1, -1, -1):
-            if seq[start:start + n] == tail:
-                cont = seq[start + n:start + n + k]
+            if seq[start : start + n] == tail:
+                cont = seq[start + n : start + n + k]
                 if len(cont) == k:
                     return cont
                 if len(cont) > len(best):
@@ -233,20 +254,30 @@ class _Sequence:
         self.length = length
 
 
-def stream_speculative(model, prompts: list[list[int]], max_new_tokens: int, cache, params: SamplingParams,
-                       spec: Speculation) -> Iterator[tuple[int, int, TokenLogprob | None]]:
+def stream_speculative(
+    model, prompts: list[list[int]], max_new_tokens: int, cache, params: SamplingParams, spec: Speculation
+) -> Iterator[tuple[int, int, TokenLogprob | None]]:
     """:func:`_stream_speculative` as ``spec`` asks, with the model and the draft in eval mode while it runs;
     every module's own mode comes back when the stream ends or is closed."""
     draft = spec.draft_model
     with contextlib.ExitStack() as stack:
         for m in (model,) if draft is None else (model, draft):
             stack.enter_context(EvalMode(m)())
-        yield from _stream_speculative(model, prompts, max_new_tokens, cache, params, draft, spec.num_tokens,
-                                       spec.stats)
+        yield from _stream_speculative(
+            model, prompts, max_new_tokens, cache, params, draft, spec.num_tokens, spec.stats
+        )
 
 
-def _stream_speculative(model, prompts: list[list[int]], max_new_tokens: int, cache, params: SamplingParams,
-                        draft, k: int, stats: SpeculativeStats | None) -> Iterator[tuple[int, int, TokenLogprob | None]]:
+def _stream_speculative(
+    model,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    cache,
+    params: SamplingParams,
+    draft,
+    k: int,
+    stats: SpeculativeStats | None,
+) -> Iterator[tuple[int, int, TokenLogprob | None]]:
     """Each prompt alone: a drafter proposes up to ``k`` tokens, the target scores them all in one forward,
     the longest accepted run plus one token of the target's is kept, the rest rolled back."""
     if max_new_tokens == 0:
@@ -266,8 +297,7 @@ def _stream_speculative(model, prompts: list[list[int]], max_new_tokens: int, ca
             if not transform:
                 return raw
             rows = len(raw)
-            return sampling.process(raw, params, [prompt] * rows,
-                                     [out + proposal[:first + j] for j in range(rows)])
+            return sampling.process(raw, params, [prompt] * rows, [out + proposal[: first + j] for j in range(rows)])
 
         with torch.no_grad():
             raw = target.feed(prompt)[-1:]
@@ -279,8 +309,7 @@ def _stream_speculative(model, prompts: list[list[int]], max_new_tokens: int, ca
             for tok, row in pending:
                 out.append(tok)
                 stats.tokens += 1
-                lp = sampling.logprobs_of(row[None], [tok], params.logprobs)[0] if params.logprobs is not None \
-                    else None
+                lp = sampling.logprobs_of(row[None], [tok], params.logprobs)[0] if params.logprobs is not None else None
                 yield i, tok, lp
                 if sampling.stops(out, params) or len(out) == max_new_tokens:
                     finished = True
@@ -297,7 +326,7 @@ def _stream_speculative(model, prompts: list[list[int]], max_new_tokens: int, ca
                     proposal = _lookup(seq, n)
                 else:
                     proposal, qs = [], []
-                    new = seq[drafter.length:]
+                    new = seq[drafter.length :]
                     for _ in range(n):
                         dl = step_logits(drafter.feed(new)[-1:], proposal, first=len(proposal))
                         if params.greedy:  # deterministic proposals: no distribution to keep
@@ -321,5 +350,3 @@ def _stream_speculative(model, prompts: list[list[int]], max_new_tokens: int, ca
                 if drafter is not None:
                     drafter.truncate(min(drafter.length, len(seq) + accepted))
             pending = [(d, raw[j]) for j, d in enumerate(proposal[:accepted])] + [(nxt, raw[accepted])]
-
-
