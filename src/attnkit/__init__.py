@@ -3,7 +3,8 @@
 The core is :func:`attention` (one call for every mask, bias, head layout and backend) with
 :mod:`attnkit.masks` (what may attend to what) and :mod:`attnkit.bias` (score modifiers).  Around it:
 :mod:`attnkit.nn` (modules, positions, blocks, models), :mod:`attnkit.cache` with :mod:`attnkit.decoding`
-(:func:`generate`, :class:`Engine`, :class:`SamplingParams`) and :func:`quantize` (inference), :mod:`attnkit.explain` and :mod:`attnkit.diagnostics`
+(:func:`generate`, :class:`~attnkit.decoding.Engine`, :class:`~attnkit.decoding.SamplingParams`) and
+:func:`quantize` (inference), :mod:`attnkit.explain` and :mod:`attnkit.diagnostics`
 (the four steps traced; the doctor).  Loaded on first use (``attnkit.testing...`` works after a plain
 ``import attnkit``): ``attnkit.distributed`` (ring attention over ``torch.distributed``),
 ``attnkit.integrations`` (Hugging Face transformers), ``attnkit.plot``, ``attnkit.testing`` (the oracle

@@ -221,8 +221,8 @@ def quantize(model: nn.Module, dtype: str = "int8", *, compute_dtype: torch.dtyp
 
     Args:
         model: any module (e.g. an :class:`attnkit.nn.DecoderLM`).
-        dtype: ``"int8"`` (:class:`Int8Linear`, per-output-channel scales, 4x smaller than float32) or
-            ``"bfloat16"`` (:class:`BF16Linear`, 2x smaller, float32 activations).
+        dtype: ``"int8"`` (:class:`~attnkit.quantization.Int8Linear`, per-output-channel scales, 4x smaller than float32) or
+            ``"bfloat16"`` (:class:`~attnkit.quantization.BF16Linear`, 2x smaller, float32 activations).
         compute_dtype: the activations' dtype inside an int8 product (bfloat16: the fast CPU kernel).
         skip: a name or names of submodules (as in ``model.named_modules()``) to leave as they are, with
             everything inside them.

@@ -1,6 +1,6 @@
 """``Engine``: continuous batching over a paged KV cache.
 
-Requests (a prompt, how many tokens, how to sample) are added at any time.  Each :meth:`Engine.step`:
+Requests (a prompt, how many tokens, how to sample) are added at any time.  Each :meth:`Engine.step <attnkit.decoding.Engine.step>`:
 
 1. **admits** waiting requests, oldest first, while fewer than ``max_batch`` run and the block pool has
    room for the prompt; each admitted prompt is prefilled alone (reusing cached prefix blocks) and gives its

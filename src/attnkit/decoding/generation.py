@@ -1,4 +1,4 @@
-"""Incremental decoding: :func:`generate` (batched, ragged prompts, every cache).
+"""Incremental decoding: :func:`~attnkit.decoding.generate` (batched, ragged prompts, every cache).
 
 ``generate(model, prompts, max_new_tokens)`` runs the prompts through ``model`` once (the *prefill*), then
 feeds one new token per sequence per step, the keys and values of everything before it kept in a KV cache
@@ -355,7 +355,7 @@ def generate(
             speculative decoding), where it decoded 2.7x faster than the left-padded static batch (whose
             padding mask makes every step's attention plan a call of its own; see ``docs/inference.md``), and
             ``"static"`` otherwise: prompts of one length, ``compile=True``, speculative decoding, other
-            devices.  Both give each sequence the tokens it gets alone (below); :func:`resolve_cache` tells
+            devices.  Both give each sequence the tokens it gets alone (below); :func:`~attnkit.decoding.resolve_cache` tells
             which one a call takes.
         stream: return an iterator of ``(prompt_index, token)`` pairs, yielded as each step produces them
             (``(prompt_index, token, TokenLogprob)`` triples with ``logprobs``).
@@ -391,8 +391,8 @@ def generate(
 
     Returns:
         ``list[list[int]]``: the new tokens of each prompt (or, with ``stream=True``, the iterator); with
-        ``logprobs``, a :class:`GenerationResult` (``.tokens`` that list, ``.logprobs`` one
-        :class:`TokenLogprob` per token).
+        ``logprobs``, a :class:`~attnkit.decoding.GenerationResult` (``.tokens`` that list, ``.logprobs`` one
+        :class:`~attnkit.decoding.TokenLogprob` per token).
 
     The controls apply in the order transformers applies its processors: ``logit_bias``, the repetition
     penalty, the presence and frequency penalties, then temperature, top-k, top-p and min-p.

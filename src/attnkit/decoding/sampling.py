@@ -1,4 +1,4 @@
-"""How the next token is chosen: :class:`SamplingParams`, :func:`sample` and the controls around them.
+"""How the next token is chosen: :class:`~attnkit.decoding.SamplingParams`, :func:`~attnkit.decoding.sample` and the controls around them.
 
 Applied to a step's ``(N, V)`` float32 logits in the order transformers applies its processors:
 
@@ -10,7 +10,7 @@ Applied to a step's ``(N, V)`` float32 logits in the order transformers applies 
 3. ``presence_penalty`` / ``frequency_penalty`` — subtracted once per token seen in the output / once per
    occurrence in the output (the OpenAI and vLLM definition; transformers has no such processor);
 4. then temperature, top-k, top-p and last ``min_p`` (``MinPLogitsWarper``: tokens whose probability is
-   below ``min_p`` times the top token's are dropped) in :func:`sample`.
+   below ``min_p`` times the top token's are dropped) in :func:`~attnkit.decoding.sample`.
 
 A sequence ends after emitting one of its end-of-sequence ids or after its output ends with one of its stop
 sequences; the stop tokens (like the eos token) are part of the output.

@@ -1,8 +1,8 @@
 """Speculative decoding: a drafter proposes tokens, the model verifies them all in one forward.
 
-The settings are one :class:`Speculation` (``generate(..., speculative=Speculation(...))``): a smaller
+The settings are one :class:`~attnkit.decoding.Speculation` (``generate(..., speculative=Speculation(...))``): a smaller
 ``draft_model`` of the same vocabulary, or ``prompt_lookup`` (what followed an earlier occurrence of the last
-tokens), ``num_tokens`` proposed per step, and a :class:`SpeculativeStats` that counts what was accepted.
+tokens), ``num_tokens`` proposed per step, and a :class:`~attnkit.decoding.SpeculativeStats` that counts what was accepted.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``AsyncEngine``: one :class:`~attnkit.Engine` driven by its own thread, fed from any thread or asyncio loop.
+"""``AsyncEngine``: one :class:`~attnkit.decoding.Engine` driven by its own thread, fed from any thread or asyncio loop.
 
 The Engine itself is a synchronous object (``add``, ``step``, ``take``).  Here a worker thread owns it: between
 two steps it runs the commands other threads queued (add a request, abort one), then steps while some request
@@ -139,7 +139,7 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """Drive ``engine`` (an :class:`~attnkit.Engine`) from a thread of its own, safely from any other thread
+    """Drive ``engine`` (an :class:`~attnkit.decoding.Engine`) from a thread of its own, safely from any other thread
     or asyncio loop.
 
     Args:
@@ -192,7 +192,7 @@ class AsyncEngine:
     # ------------------------------------------------------------------ submitting
 
     def submit(self, prompt, max_new_tokens: int, **sampling) -> RequestStream:
-        """Queue a request (the arguments of :meth:`attnkit.Engine.add`: ``sampling=SamplingParams(...)`` or
+        """Queue a request (the arguments of :meth:`attnkit.decoding.Engine.add`: ``sampling=SamplingParams(...)`` or
         the sampling keywords); returns its stream once the engine has accepted it.  Raises what ``add`` raises
         for bad arguments, :class:`Overloaded` when ``max_waiting`` requests wait already, RuntimeError after
         :meth:`close`."""

@@ -539,7 +539,7 @@ def start_server(
     graceful_s: float = 5.0,
 ) -> RunningServer:
     """Serve ``served`` from a background thread (``port=0``: a free port; see ``server.url``) until
-    ``server.stop()``.  The Engine arguments are :class:`attnkit.Engine`'s; ``max_waiting`` bounds the queue."""
+    ``server.stop()``.  The Engine arguments are :class:`attnkit.decoding.Engine`'s; ``max_waiting`` bounds the queue."""
     engine = _engine_for(
         served,
         cache_blocks=cache_blocks,
