@@ -43,7 +43,7 @@ import attnkit
 from _common import OUT_HELP, machine, save, table, timeit
 from attnkit.cache import QuantizedCache, StaticCache
 from attnkit.nn import to_decode_layout
-from attnkit.quantize import weight_bytes
+from attnkit.quantization import weight_bytes
 
 PROMPT = 32
 
@@ -116,7 +116,7 @@ def decode_thread_count(model, batch: int) -> int:
     sequences (torch's count when it has not decided)."""
     import importlib
 
-    policy = importlib.import_module("attnkit.generate")._THREADS.get(model, {}).get(batch)
+    policy = importlib.import_module("attnkit.decoding.generation")._THREADS.get(model, {}).get(batch)
     return policy.chosen if policy is not None and policy.chosen else torch.get_num_threads()
 
 
@@ -552,7 +552,7 @@ def chunked_prefill(args, rows, results):
 def speculative(args, rows, results):
     """Batch-1 greedy decoding of the copy task by trained models: plain, prompt lookup, and a draft model
     with a quarter of the target's parameters."""
-    from attnkit.generate import SpeculativeStats
+    from attnkit.decoding import Speculation, SpeculativeStats
     from attnkit.nn import DecoderConfig, DecoderLM
     from attnkit.nn.tasks import copy_task, train_lm
 
@@ -580,14 +580,14 @@ def speculative(args, rows, results):
     prompts = copy_task(args.copy_prompts, length=n, n_symbols=sym,
                         generator=torch.Generator().manual_seed(1)).ids[:, :n + 1].tolist()  # x SEP
     toks, stats = {}, {}
-    variants = {"plain": {}, "prompt lookup k=8": dict(prompt_lookup=True, num_speculative_tokens=8),
-                "draft model k=4": dict(draft_model=draft, num_speculative_tokens=4),
-                "draft model k=8": dict(draft_model=draft, num_speculative_tokens=8)}
+    variants = {"plain": {}, "prompt lookup k=8": dict(prompt_lookup=True, num_tokens=8),
+                "draft model k=4": dict(draft_model=draft, num_tokens=4),
+                "draft model k=8": dict(draft_model=draft, num_tokens=8)}
 
     def run(name):
         st = stats[name] = SpeculativeStats()
-        kw = dict(variants[name], stats=st) if variants[name] else {}
-        toks[name] = [attnkit.generate(target, [p], n, **kw)[0] for p in prompts]
+        spec = Speculation(**variants[name], stats=st) if variants[name] else None
+        toks[name] = [attnkit.generate(target, [p], n, speculative=spec)[0] for p in prompts]
 
     t = timeit({name: (lambda name=name: run(name)) for name in variants}, repeat=args.repeat, warmup=1,
                budget_s=args.budget)

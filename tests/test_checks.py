@@ -9,7 +9,7 @@ import attnkit
 from attnkit import bias, masks, nn
 from attnkit._checks import flag
 from attnkit.cache import PagedCache
-from attnkit.quantize import BF16Linear, Int8Linear
+from attnkit.quantization import BF16Linear, Int8Linear
 
 NONE_MEANS_DEFAULT = ("out_bias", "qkv_bias", "ffn_bias", "grad")  # None: follow bias / whatever requires grad
 NAMED_CHOICES = ("qk_norm",)  # a flag or a named layout ("head", "all"): another string is a ValueError

@@ -299,7 +299,7 @@ def test_default_generate_takes_the_paged_path_for_ragged_prompts(monkeypatch, d
 
 
 def test_resolve_cache_says_which_cache_generate_takes():
-    from attnkit.generate import resolve_cache
+    from attnkit.decoding import resolve_cache
 
     model = _model(0, torch.float32)
     ragged, even = [[1, 2, 3], [4, 5]], [[1, 2], [4, 5]]
@@ -329,7 +329,7 @@ def test_resolve_cache_says_which_cache_generate_takes():
 def test_default_generate_keeps_a_static_cache_for_models_that_gather_cached_keys(extra):
     """MoBA, NSA and DSA read the cached keys themselves (no paged cache): ragged prompts stay on the static
     path and give each prompt's tokens alone."""
-    from attnkit.generate import resolve_cache
+    from attnkit.decoding import resolve_cache
 
     torch.manual_seed(0)
     model = DecoderLM(DecoderConfig.preset("tiny", n_layers=1, init_std=0.3, **extra)).eval()

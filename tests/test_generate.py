@@ -8,7 +8,7 @@ import torch
 
 from attnkit import masks
 from attnkit.cache import (EncoderDecoderCache, PagedCache, QuantizedCache, SlidingWindowCache, StaticCache)
-from attnkit.generate import SamplingParams, generate, sample
+from attnkit.decoding import SamplingParams, generate, sample
 from attnkit.nn import DecoderConfig, DecoderLM, EncoderDecoder
 
 VARIANTS = {
@@ -224,7 +224,7 @@ def test_compiled_weights_are_frozen_per_model_and_refreshed_after_in_place_chan
 def _copies(model) -> dict:
     """generate's copies of the model's weights: {(weight, layout): copy}."""
     import sys
-    held = sys.modules["attnkit.generate"]._COPIES.get(model)
+    held = sys.modules["attnkit.decoding.generation"]._COPIES.get(model)
     return {} if held is None else {(e.weight(), slot[1]): e.copy for slot, e in held._copies.items()}
 
 

@@ -15,7 +15,7 @@ import attnkit
 from attnkit import masks
 from attnkit.cache import QuantizedCache
 from attnkit.nn import DecoderConfig, DecoderLM
-from attnkit.quantize import BF16Linear, Int8Linear, weight_bytes
+from attnkit.quantization import BF16Linear, Int8Linear, weight_bytes
 
 V, P = 32, 16  # vocabulary, period of the task
 

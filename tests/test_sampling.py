@@ -7,8 +7,8 @@ import transformers
 from transformers.generation import logits_process as lp
 
 import attnkit
-from attnkit import _sampling
-from attnkit.generate import GenerationResult, SamplingParams, TokenLogprob
+from attnkit.decoding import sampling as _sampling
+from attnkit.decoding import GenerationResult, SamplingParams, TokenLogprob
 from attnkit.nn import DecoderConfig, DecoderLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -67,7 +67,7 @@ def test_order_and_warpers_equal_transformers_pipeline():
         lp.SequenceBiasLogitsProcessor({(2,): 3.0}), lp.RepetitionPenaltyLogitsProcessor(1.4),
         lp.TemperatureLogitsWarper(0.7), lp.TopKLogitsWarper(12), lp.TopPLogitsWarper(0.9), lp.MinPLogitsWarper(0.05)])
     want = torch.softmax(procs(ids, x.clone()), -1)
-    from attnkit.generate import _filtered
+    from attnkit.decoding.sampling import _filtered
     got = torch.softmax(_filtered(_sampling.process(x, params, ids.tolist(), [[] for _ in range(3)]), params), -1)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 

@@ -5,7 +5,8 @@ import torch
 
 import attnkit
 from attnkit.cache import PagedCache, StaticCache
-from attnkit.generate import SamplingParams, SpeculativeStats, _verify
+from attnkit.decoding import SamplingParams, Speculation, SpeculativeStats
+from attnkit.decoding.speculative import _verify
 from attnkit.nn import DecoderConfig, DecoderLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -31,7 +32,8 @@ def test_greedy_speculative_equals_plain_generate(models, cache, how):
     st = SpeculativeStats()
     kw = dict(draft_model=draft) if how == "draft" else dict(prompt_lookup=True)
     for k in (1, 3):
-        assert attnkit.generate(target, PROMPTS, 14, cache=cache, num_speculative_tokens=k, stats=st, **kw) == plain
+        spec = Speculation(**kw, num_tokens=k, stats=st)
+        assert attnkit.generate(target, PROMPTS, 14, cache=cache, speculative=spec) == plain
     assert st.tokens == 2 * 2 * 14 and st.proposed > 0 and 0 <= st.accepted <= st.proposed
     assert st.verify_steps < st.tokens  # some steps produced more than one token
     assert st.acceptance_rate == st.accepted / st.proposed
@@ -44,14 +46,15 @@ def test_greedy_speculative_under_controls_and_stops(models):
     stop = [plain.tokens[0][3:5]]
     plain_stop = attnkit.generate(target, PROMPTS, 12, stop=stop, **kw)
     for spec in (dict(draft_model=draft), dict(prompt_lookup=True)):
-        got = attnkit.generate(target, PROMPTS, 12, num_speculative_tokens=4, **spec, **kw)
+        got = attnkit.generate(target, PROMPTS, 12, speculative=Speculation(**spec, num_tokens=4), **kw)
         assert got.tokens == plain.tokens
         for a, b in zip(got.logprobs, plain.logprobs):
             assert [x.token for x in a] == [x.token for x in b]
             assert max(abs(x.logprob - y.logprob) for x, y in zip(a, b)) < 1e-5
-        assert attnkit.generate(target, PROMPTS, 12, stop=stop, **spec, **kw).tokens == plain_stop.tokens
+        got = attnkit.generate(target, PROMPTS, 12, stop=stop, speculative=Speculation(**spec), **kw)
+        assert got.tokens == plain_stop.tokens
     streamed = [[] for _ in PROMPTS]
-    for i, t in attnkit.generate(target, PROMPTS, 12, prompt_lookup=True, stream=True):
+    for i, t in attnkit.generate(target, PROMPTS, 12, speculative=Speculation(prompt_lookup=True), stream=True):
         streamed[i].append(t)
     assert streamed == attnkit.generate(target, PROMPTS, 12)
 
@@ -81,7 +84,7 @@ def test_sampled_speculative_keeps_the_target_distribution(how):
     produced c matches the sum of the target's probabilities of c at those steps (the target scores the
     whole output in one forward), z-scores within 4 (seeded); the draft's own distributions are far from
     the target's, so accepting its proposals unchecked would fail."""
-    from attnkit.generate import _probs
+    from attnkit.decoding.speculative import _probs
     torch.manual_seed(1)
     cfg = dict(vocab_size=3, max_seq_len=1024, n_layers=1, d_model=16, n_heads=2)
     target = DecoderLM(DecoderConfig.preset("tiny", **cfg)).double().eval()
@@ -92,8 +95,8 @@ def test_sampled_speculative_keeps_the_target_distribution(how):
     params = SamplingParams(1.0)
     spec = dict(draft_model=draft) if how == "draft" else dict(prompt_lookup=True)
     st = SpeculativeStats()
-    out = attnkit.generate(target, [prompt], n, temperature=1.0, seed=0, num_speculative_tokens=3, stats=st,
-                           **spec)[0]
+    out = attnkit.generate(target, [prompt], n, sampling=SamplingParams(temperature=1.0, seed=0),
+                           speculative=Speculation(**spec, num_tokens=3, stats=st))[0]
     ids = torch.tensor([prompt + out[:-1]])
     with torch.no_grad():
         p = _probs(target(ids)[0, len(prompt) - 1:].float(), params).double()  # (n, 3)
@@ -152,27 +155,43 @@ def test_paged_cache_truncate_frees_blocks_and_forgets_overwritten_prefixes(mode
 
 
 @pytest.mark.parametrize("kw, err, match", [
-    (dict(prompt_lookup=True, num_speculative_tokens=0), ValueError, "num_speculative_tokens"),
-    (dict(prompt_lookup=True, num_speculative_tokens=2.0), ValueError, "num_speculative_tokens"),
-    (dict(prompt_lookup=True, cache=None), ValueError, "static or paged"),
-    (dict(prompt_lookup=True, cache="int8"), ValueError, "static or paged"),
-    (dict(prompt_lookup=True, compile=True), ValueError, "compile"),
+    (dict(prompt_lookup=True, num_tokens=0), ValueError, "num_tokens"),
+    (dict(prompt_lookup=True, num_tokens=2.0), ValueError, "num_tokens"),
     (dict(prompt_lookup=1), TypeError, "prompt_lookup"),
     (dict(prompt_lookup=True, stats={}), TypeError, "stats"),
     (dict(draft_model="small"), TypeError, "draft_model"),
+    (dict(), ValueError, "draft_model or prompt_lookup"),
 ])
-def test_bad_speculative_arguments(models, kw, err, match):
+def test_bad_speculation_arguments(kw, err, match):
+    with pytest.raises(err, match=match):
+        Speculation(**kw)
+
+
+@pytest.mark.parametrize("kw, err, match", [
+    (dict(cache=None), ValueError, "static or paged"),
+    (dict(cache="int8"), ValueError, "static or paged"),
+    (dict(compile=True), ValueError, "compile"),
+])
+def test_speculation_with_a_cache_or_compile_it_cannot_use(models, kw, err, match):
     target, _ = models
     with pytest.raises(err, match=match):
-        attnkit.generate(target, [[1, 2]], 3, **kw)
+        attnkit.generate(target, [[1, 2]], 3, speculative=Speculation(prompt_lookup=True), **kw)
+
+
+def test_speculative_takes_a_speculation_and_the_old_keywords_say_where_they_went(models):
+    target, draft = models
+    with pytest.raises(TypeError, match="Speculation or None, got dict"):
+        attnkit.generate(target, [[1, 2]], 3, speculative=dict(prompt_lookup=True))
+    with pytest.raises(TypeError, match=r"'draft_model'.*speculative=attnkit.decoding.Speculation"):
+        attnkit.generate(target, [[1, 2]], 3, draft_model=draft)
 
 
 def test_draft_with_another_vocabulary_or_both_drafters_is_refused(models):
     target, draft = models
     other = DecoderLM(DecoderConfig.preset("tiny", vocab_size=100))
     with pytest.raises(ValueError, match="vocab_size=100"):
-        attnkit.generate(target, [[1, 2]], 3, draft_model=other)
+        attnkit.generate(target, [[1, 2]], 3, speculative=Speculation(other))
     with pytest.raises(ValueError, match="one of them"):
-        attnkit.generate(target, [[1, 2]], 3, draft_model=draft, prompt_lookup=True)
+        Speculation(draft, prompt_lookup=True)
     with pytest.raises(ValueError, match="itself"):
-        attnkit.generate(target, [[1, 2]], 3, draft_model=target)
+        attnkit.generate(target, [[1, 2]], 3, speculative=Speculation(target))

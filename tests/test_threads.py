@@ -160,7 +160,7 @@ def test_generate_and_engine_decode_at_the_policy_count_and_restore_the_callers(
 def test_generate_keeps_what_it_measured_for_the_next_generation_of_that_batch_size(two_threads):
     import importlib
 
-    gen = importlib.import_module("attnkit.generate")  # (the module: attnkit.generate is the function)
+    gen = importlib.import_module("attnkit.decoding.generation")
 
     model = DecoderLM(DecoderConfig.preset("tiny")).eval()
     attnkit.generate(model, [[1, 2, 3]], 10)

@@ -2,8 +2,9 @@
 
 The core is :func:`attention` (one call for every mask, bias, head layout and backend) with
 :mod:`attnkit.masks` (what may attend to what) and :mod:`attnkit.bias` (score modifiers).  Around it:
-:mod:`attnkit.nn` (modules, positions, blocks, models), :mod:`attnkit.cache` with :func:`generate`,
-:class:`Engine` and :func:`quantize` (inference), :mod:`attnkit.explain` and :mod:`attnkit.diagnostics`
+:mod:`attnkit.nn` (modules, positions, blocks, models), :mod:`attnkit.cache` with :mod:`attnkit.decoding`
+(:func:`generate`, :class:`~attnkit.decoding.Engine`, :class:`~attnkit.decoding.SamplingParams`) and
+:func:`quantize` (inference), :mod:`attnkit.explain` and :mod:`attnkit.diagnostics`
 (the four steps traced; the doctor).  Loaded on first use (``attnkit.testing...`` works after a plain
 ``import attnkit``): ``attnkit.distributed`` (ring attention over ``torch.distributed``),
 ``attnkit.integrations`` (Hugging Face transformers), ``attnkit.plot``, ``attnkit.testing`` (the oracle
@@ -18,12 +19,11 @@ Example::
     torch.Size([1, 4, 32, 16])
 """
 
-from . import backends, bias, cache, diagnostics, explain, masks, nn, softmax
-from .engine import Engine
+from . import backends, bias, cache, decoding, diagnostics, explain, masks, nn, softmax
+from .decoding import Engine, SamplingParams, generate
 from .functional import attention, attention_weights
 from ._varlen import attention_varlen
-from .generate import generate
-from .quantize import quantize
+from .quantization import quantize
 
 __version__ = "0.2.0"
 
@@ -38,4 +38,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'attnkit' has no attribute {name!r}")
 
 __all__ = ["attention", "attention_weights", "attention_varlen", "masks", "bias", "softmax", "backends", "nn", "cache", "generate",
-           "Engine", "quantize", "explain", "diagnostics"]
+           "Engine", "SamplingParams", "decoding", "quantize", "explain", "diagnostics"]

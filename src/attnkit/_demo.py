@@ -137,7 +137,7 @@ def run(out_dir: str | Path = "attnkit-demo", *, quick: bool = False, seed: int 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from . import generate
+    from .decoding import generate
     from .diagnostics import doctor
     from .explain import ARTICLE, ARTICLE_CLAIMS, check, trace
     from .nn import DecoderConfig, DecoderLM

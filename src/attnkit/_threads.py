@@ -24,7 +24,7 @@ What it costs a short generation is kept small:
   times the chosen count's recent median (the machine became busy).  A re-checked count wins when its
   fresh step is :data:`MARGIN` faster than that median;
 * :func:`attnkit.generate` keeps one policy per model and batch size, so later generations start from
-  what earlier ones decided; an :class:`attnkit.Engine` keeps its own.
+  what earlier ones decided; an :class:`attnkit.decoding.Engine` keeps its own.
 
 Torch's thread count is the caller's (process-wide) setting: a step changes it only for its own
 duration and gives the caller's count back when it ends, also on error.  Python threads of the caller

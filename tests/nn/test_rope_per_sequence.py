@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import attnkit
+from attnkit.decoding import Speculation
 from attnkit.nn import DecoderConfig, DecoderLM, RotaryEmbedding
 
 OLD = 8
@@ -54,10 +55,10 @@ def test_greedy_tokens_alone_batched_engine_and_speculative(kind):
     assert engine.generate([LONGER, PROMPT, PROMPT], N)[1:] == [alone, alone]
     tight = attnkit.Engine(model, cache_blocks=9, block_size=4, max_batch=2)  # 2 sequences need 10 blocks
     assert tight.generate([LONGER, PROMPT], N)[1] == alone and tight.stats["preemptions"] > 0
-    assert attnkit.generate(model, [PROMPT], N, prompt_lookup=True, num_speculative_tokens=3) == [alone]
+    assert attnkit.generate(model, [PROMPT], N, speculative=Speculation(prompt_lookup=True, num_tokens=3)) == [alone]
     draft = DecoderLM(model.config.replace(n_layers=1)).eval()
-    assert attnkit.generate(model, [PROMPT], N, draft_model=draft, num_speculative_tokens=3) == [alone]
-    assert attnkit.generate(model, [PROMPT], N, draft_model=draft, cache="paged") == [alone]
+    assert attnkit.generate(model, [PROMPT], N, speculative=Speculation(draft, num_tokens=3)) == [alone]
+    assert attnkit.generate(model, [PROMPT], N, speculative=Speculation(draft), cache="paged") == [alone]
 
 
 @pytest.mark.parametrize("kind", sorted(SCALINGS))

@@ -235,7 +235,7 @@ def choose(q, k, v, cu_q: Tensor, cu_k: Tensor, mask, bias, scale, softcap, drop
 def explain(select, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *,
             max_seqlen_q=None, max_seqlen_k=None, mask=None, bias=None, scale=None, softcap=None, sinks=None,
             dropout_p: float = 0.0, return_lse: bool = False, backend: str = "auto") -> str:
-    """How :func:`attention_varlen` would compute this call (``backends.explain`` with ``cu_seqlens_q`` and
+    """How :func:`attnkit.attention_varlen` would compute this call (``backends.explain`` with ``cu_seqlens_q`` and
     ``cu_seqlens_k``): the batched flash call or the per-sequence path, why, the segments or calls, and where
     the sinks (if any) enter."""
     cu_q, cu_k, bias, sinks = validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask,

@@ -163,7 +163,7 @@ class SinkCache(ModelCache):
 
 class PagedSinkCache(PagedCache):
     """StreamingLLM's sink cache over a :class:`~attnkit.cache.PagedCache` pool, for many sequences at once
-    (what :class:`attnkit.Engine` decodes with when given ``n_sink`` and ``window``).
+    (what :class:`attnkit.decoding.Engine` decodes with when given ``n_sink`` and ``window``).
 
     Each sequence keeps what :class:`SinkCache` keeps: its first ``n_sink`` tokens and the last ``window``
     (the current one included), at positions within the cache (``0 .. n-1`` for the ``n`` kept keys, the

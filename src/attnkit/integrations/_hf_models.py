@@ -760,7 +760,7 @@ def to_hf(model, *, attn_implementation: str | None = None, family: str | None =
     ``config.attention_dropout`` becomes HF's ``attention_dropout``; ``config.dropout`` (embedding and
     residual dropout, training only) has no equivalent in these models and is not carried over.
     The result has the same dtype, device and training mode, and computes the same logits;
-    ``attn_implementation`` is passed to the config (e.g. ``"attnkit"`` after :func:`register`).
+    ``attn_implementation`` is passed to the config (e.g. ``"attnkit"`` after :func:`~attnkit.integrations.hf.register`).
 
     Example::
 

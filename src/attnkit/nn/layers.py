@@ -20,7 +20,7 @@ picks the kernel from the layout and the row count, for float32 CPU products tha
   shapes seen;
 * anything else (gradients, other dtypes and devices, ``torch.compile`` graphs): ``F.linear``.
 
-The model's weights are never moved to get the layout: :func:`attnkit.generate` and :class:`attnkit.Engine`
+The model's weights are never moved to get the layout: :func:`attnkit.generate` and :class:`attnkit.decoding.Engine`
 decode through copies they own (``_DecodeCopies``: float32 weights in oneDNN's blocked layout for 4-64
 rows, row-major for 1-3, bfloat16 column-major for 4-64; made again when a weight changes), and
 :func:`to_decode_layout` changes a module's own weights in place (column-major: parameters stay ordinary
@@ -177,7 +177,7 @@ _SAMPLES = 64  # values of a weight kept beside its copy, to notice writes its v
 
 class _DecodeCopies:
     """Copies of weights in the layout each decode-sized product reads fastest, owned by whoever decodes
-    (:func:`attnkit.generate` keeps one set per model, an :class:`attnkit.Engine` its own), so that the
+    (:func:`attnkit.generate` keeps one set per model, an :class:`attnkit.decoding.Engine` its own), so that the
     model's parameters never change their memory.
 
     While :meth:`active`, :func:`linear` reads the copy of a weight whose layout is not the one its product
@@ -309,7 +309,7 @@ def to_decode_layout(module: nn.Module, batch_size: int = 1) -> nn.Module:
     This changes the module's own weights: column-major parameters are not contiguous, so
     ``weight.view(-1)``, ``torch.nn.utils.parameters_to_vector`` and ``safetensors`` refuse them until
     they are laid out row-major again (``to_decode_layout(module)``).  :func:`attnkit.generate` and
-    :class:`attnkit.Engine` never call it: by default (``relayout=True``) they decode through copies of
+    :class:`attnkit.decoding.Engine` never call it: by default (``relayout=True``) they decode through copies of
     their own, which take as much memory again as the weights they copy.  To get the speed without the
     copies on a model you own, call this and pass ``relayout=False`` to them.
 

@@ -541,7 +541,7 @@ class DecoderLM(_LMBase):
     ``attn_norm``, ``attn.qkv_proj`` (rows ``[q; k; v]``), ``attn.out_proj``, ``ffn_norm``,
     ``ffn.up_proj`` (SwiGLU: rows ``[gate; up]``), ``ffn.down_proj``; ``norm``; ``lm_head`` (``None`` when
     tied).  Weights are row-major like ``nn.Linear``'s, the fastest layout for decoding up to 3 sequences
-    a step on CPU; :func:`attnkit.generate` and :class:`attnkit.Engine` decode bigger batches through
+    a step on CPU; :func:`attnkit.generate` and :class:`attnkit.decoding.Engine` decode bigger batches through
     copies of their own (oneDNN's blocked layout), and :func:`attnkit.nn.to_decode_layout` lays the model out in place.
 
     ``forward(ids (B, L) long, *, cache=None, positions=None, mask=None) -> logits (B, L, vocab_size)``.

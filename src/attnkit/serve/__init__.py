@@ -1,4 +1,4 @@
-"""Serving attnkit's :class:`~attnkit.Engine`: an OpenAI-compatible HTTP server (``attnkit serve MODEL_DIR``).
+"""Serving attnkit's :class:`~attnkit.decoding.Engine`: an OpenAI-compatible HTTP server (``attnkit serve MODEL_DIR``).
 
 * :class:`AsyncEngine` drives one Engine from a thread of its own; requests come from any thread or asyncio
   loop, each with its own :class:`RequestStream` of tokens, and can be aborted (their blocks are freed at once).

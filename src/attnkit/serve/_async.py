@@ -1,4 +1,4 @@
-"""``AsyncEngine``: one :class:`~attnkit.Engine` driven by its own thread, fed from any thread or asyncio loop.
+"""``AsyncEngine``: one :class:`~attnkit.decoding.Engine` driven by its own thread, fed from any thread or asyncio loop.
 
 The Engine itself is a synchronous object (``add``, ``step``, ``take``).  Here a worker thread owns it: between
 two steps it runs the commands other threads queued (add a request, abort one), then steps while some request
@@ -18,7 +18,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..engine import Engine
+from ..decoding import Engine
+from ..decoding.sampling import resolve_sampling
 from ._metrics import Metrics
 
 __all__ = ["AsyncEngine", "RequestStream", "Delta", "Overloaded"]
@@ -138,7 +139,7 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """Drive ``engine`` (an :class:`~attnkit.Engine`) from a thread of its own, safely from any other thread
+    """Drive ``engine`` (an :class:`~attnkit.decoding.Engine`) from a thread of its own, safely from any other thread
     or asyncio loop.
 
     Args:
@@ -191,9 +192,10 @@ class AsyncEngine:
     # ------------------------------------------------------------------ submitting
 
     def submit(self, prompt, max_new_tokens: int, **sampling) -> RequestStream:
-        """Queue a request (the arguments of :meth:`attnkit.Engine.add`); returns its stream once the engine
-        has accepted it.  Raises what ``add`` raises for bad arguments, :class:`Overloaded` when
-        ``max_waiting`` requests wait already, RuntimeError after :meth:`close`."""
+        """Queue a request (the arguments of :meth:`attnkit.decoding.Engine.add`: ``sampling=SamplingParams(...)`` or
+        the sampling keywords); returns its stream once the engine has accepted it.  Raises what ``add`` raises
+        for bad arguments, :class:`Overloaded` when ``max_waiting`` requests wait already, RuntimeError after
+        :meth:`close`."""
         stream, future = self._queue_add(prompt, max_new_tokens, sampling)
         future.result()
         return stream
@@ -205,9 +207,8 @@ class AsyncEngine:
         await asyncio.wrap_future(future)
         return stream
 
-    def _queue_add(self, prompt, max_new_tokens, sampling):
-        eos = sampling.get("eos_id")
-        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+    def _queue_add(self, prompt, max_new_tokens, keywords):
+        sampling = resolve_sampling(keywords.pop("sampling", None), keywords, "submit")
         tokens = (
             prompt.tolist()
             if hasattr(prompt, "tolist")
@@ -215,7 +216,7 @@ class AsyncEngine:
             if isinstance(prompt, (list, tuple))
             else prompt
         )
-        stream = RequestStream(self, tokens, max_new_tokens, eos_ids, sampling.get("logprobs") is not None)
+        stream = RequestStream(self, tokens, max_new_tokens, sampling.eos_ids, sampling.logprobs is not None)
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if self._closing:
@@ -297,7 +298,7 @@ class AsyncEngine:
         if kind == "add":
             prompt, max_new_tokens, sampling = args
             try:
-                rid = self.engine.add(prompt, max_new_tokens, **sampling)
+                rid = self.engine.add(prompt, max_new_tokens, sampling=sampling)
             except BaseException as e:  # noqa: BLE001  (bad arguments, re-raised in the caller's thread)
                 with self._lock:
                     self._pending_adds -= 1

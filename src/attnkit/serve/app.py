@@ -43,7 +43,7 @@ except ImportError as e:  # pragma: no cover (a plain install)
         f"attnkit.serve.app needs the serve extra ({e.name} is missing): pip install 'attnkit[serve]'"
     ) from None
 
-from ..engine import Engine
+from ..decoding import Engine
 from ._async import AsyncEngine, Overloaded, RequestStream
 from ._model import ServedModel
 from ._protocol import ApiError, GenerationRequest, error_body, parse_chat, parse_completion
@@ -539,7 +539,7 @@ def start_server(
     graceful_s: float = 5.0,
 ) -> RunningServer:
     """Serve ``served`` from a background thread (``port=0``: a free port; see ``server.url``) until
-    ``server.stop()``.  The Engine arguments are :class:`attnkit.Engine`'s; ``max_waiting`` bounds the queue."""
+    ``server.stop()``.  The Engine arguments are :class:`attnkit.decoding.Engine`'s; ``max_waiting`` bounds the queue."""
     engine = _engine_for(
         served,
         cache_blocks=cache_blocks,

@@ -1,5 +1,5 @@
-"""What ``generate`` and ``Engine`` share: input checks, the last-position logits, eval mode while decoding,
-and the copies of the weights that decode steps read."""
+"""What :func:`~attnkit.decoding.generate` and :class:`~attnkit.decoding.Engine` share: input checks, the
+last-position logits, eval mode while decoding, and the copies of the weights that decode steps read."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ import sys
 
 import torch
 
-from . import _sampling
-from ._threads import DecodeThreads
-from .nn.layers import _DecodeCopies as DecodeCopies
+from .._threads import DecodeThreads
+from ..nn.layers import _DecodeCopies as DecodeCopies
 
 Tensor = torch.Tensor
 
@@ -19,20 +18,27 @@ EXTRAPOLATING = ("alibi", "t5", "none")  # position methods that take positions 
 
 def check_decoder_only(model, who: str) -> None:
     """generate and Engine run decoder-only LMs: an encoder-decoder gets a clear error, not a missing argument."""
-    from .nn import EncoderDecoder
+    from ..nn import EncoderDecoder
+
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"{who} takes a decoder language model, a torch.nn.Module called as model(ids, cache=..., "
-                        f"positions=...) -> logits with a .config (e.g. attnkit.nn.DecoderLM), got "
-                        f"{type(model).__name__} {model!r:.60}")
+        raise TypeError(
+            f"{who} takes a decoder language model, a torch.nn.Module called as model(ids, cache=..., "
+            f"positions=...) -> logits with a .config (e.g. attnkit.nn.DecoderLM), got "
+            f"{type(model).__name__} {model!r:.60}"
+        )
     if _is_transformers_model(model):
-        raise TypeError(f"{who} takes an attnkit model, got a Hugging Face transformers model "
-                        f"({type(model).__name__}), which it cannot read or drive: convert it first with "
-                        f"attnkit.integrations.hf.from_hf(model) (the same weights as an attnkit.nn.DecoderLM), or "
-                        f"use the model's own generate()")
+        raise TypeError(
+            f"{who} takes an attnkit model, got a Hugging Face transformers model "
+            f"({type(model).__name__}), which it cannot read or drive: convert it first with "
+            f"attnkit.integrations.hf.from_hf(model) (the same weights as an attnkit.nn.DecoderLM), or "
+            f"use the model's own generate()"
+        )
     if isinstance(model, EncoderDecoder):
-        raise TypeError(f"{who} takes a decoder-only language model (e.g. attnkit.nn.DecoderLM), got an "
-                        f"EncoderDecoder: encode once with model.encode(src), then decode step by step with "
-                        f"model.decode(tgt, memory, cache=attnkit.cache.EncoderDecoderCache(...))")
+        raise TypeError(
+            f"{who} takes a decoder-only language model (e.g. attnkit.nn.DecoderLM), got an "
+            f"EncoderDecoder: encode once with model.encode(src), then decode step by step with "
+            f"model.decode(tgt, memory, cache=attnkit.cache.EncoderDecoderCache(...))"
+        )
 
 
 def _is_transformers_model(model) -> bool:
@@ -52,19 +58,6 @@ def check_tokens(prompts: list[list[int]], vocab: int | None, name: str | None =
             raise ValueError(f"{name or f'prompts[{i}]'} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
 
 
-def check_eos(params, vocab: int | None) -> None:
-    """``params``' (a SamplingParams) end-of-sequence ids, logit biases and stop sequences inside the vocabulary."""
-    if vocab is None:
-        return
-    bad = [t for t in params.eos_ids if t >= vocab]
-    if bad:
-        raise ValueError(f"eos_id={params.eos_id} is outside the vocabulary [0, {vocab}): the model can never emit "
-                         f"{bad[0]}; pass the tokenizer's end-of-sequence id (or None)")
-    _sampling.check_in_vocab("logit_bias", params.logit_bias, vocab)
-    for i, s in enumerate(params.stop):
-        _sampling.check_in_vocab(f"stop[{i}]", s, vocab)
-
-
 def check_positions(model, longest: int, max_new_tokens: int) -> None:
     """The longest prompt plus ``max_new_tokens`` fits the model's positions (unless they extrapolate)."""
     cfg = getattr(model, "config", None)
@@ -72,13 +65,17 @@ def check_positions(model, longest: int, max_new_tokens: int) -> None:
     method = getattr(cfg, "positions", None)
     need = longest + max_new_tokens - 1  # the last new token is never fed back
     if max_len is not None and method not in EXTRAPOLATING and longest > max_len:
-        raise ValueError(f"a prompt of {longest} tokens is longer than the model's max_seq_len={max_len} "
-                         f"(positions={method!r} does not extrapolate): shorten the prompt to at most {max_len} "
-                         f"tokens (e.g. keep its last {max_len})")
+        raise ValueError(
+            f"a prompt of {longest} tokens is longer than the model's max_seq_len={max_len} "
+            f"(positions={method!r} does not extrapolate): shorten the prompt to at most {max_len} "
+            f"tokens (e.g. keep its last {max_len})"
+        )
     if max_len is not None and method not in EXTRAPOLATING and need > max_len:
-        raise ValueError(f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} needs positions up to "
-                         f"{need - 1}, beyond the model's max_seq_len={max_len} (positions={method!r} does not "
-                         f"extrapolate): shorten the prompt or ask for at most {max_len - longest + 1} new tokens")
+        raise ValueError(
+            f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} needs positions up to "
+            f"{need - 1}, beyond the model's max_seq_len={max_len} (positions={method!r} does not "
+            f"extrapolate): shorten the prompt or ask for at most {max_len - longest + 1} new tokens"
+        )
 
 
 def last_logits(out) -> Tensor:

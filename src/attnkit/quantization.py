@@ -55,7 +55,7 @@ class Int8Linear(nn.Module):
     Example::
 
         >>> import torch
-        >>> from attnkit.quantize import Int8Linear
+        >>> from attnkit.quantization import Int8Linear
         >>> lin = torch.nn.Linear(64, 32)
         >>> q = Int8Linear.from_linear(lin)
         >>> x = torch.randn(3, 64)
@@ -143,7 +143,7 @@ class BF16Linear(nn.Module):
     Example::
 
         >>> import torch
-        >>> from attnkit.quantize import BF16Linear
+        >>> from attnkit.quantization import BF16Linear
         >>> lin = torch.nn.Linear(64, 32)
         >>> x = torch.randn(3, 64)
         >>> bool((BF16Linear.from_linear(lin)(x) - lin(x)).abs().max() < 0.05)
@@ -185,7 +185,7 @@ def weight_bytes(model: nn.Module) -> int:
     Example::
 
         >>> import torch
-        >>> from attnkit.quantize import weight_bytes
+        >>> from attnkit.quantization import weight_bytes
         >>> weight_bytes(torch.nn.Linear(4, 3))                  # 12 weights + 3 biases, float32
         60
     """
@@ -221,8 +221,8 @@ def quantize(model: nn.Module, dtype: str = "int8", *, compute_dtype: torch.dtyp
 
     Args:
         model: any module (e.g. an :class:`attnkit.nn.DecoderLM`).
-        dtype: ``"int8"`` (:class:`Int8Linear`, per-output-channel scales, 4x smaller than float32) or
-            ``"bfloat16"`` (:class:`BF16Linear`, 2x smaller, float32 activations).
+        dtype: ``"int8"`` (:class:`~attnkit.quantization.Int8Linear`, per-output-channel scales, 4x smaller than float32) or
+            ``"bfloat16"`` (:class:`~attnkit.quantization.BF16Linear`, 2x smaller, float32 activations).
         compute_dtype: the activations' dtype inside an int8 product (bfloat16: the fast CPU kernel).
         skip: a name or names of submodules (as in ``model.named_modules()``) to leave as they are, with
             everything inside them.
@@ -240,7 +240,7 @@ def quantize(model: nn.Module, dtype: str = "int8", *, compute_dtype: torch.dtyp
     Example::
 
         >>> import torch, attnkit
-        >>> from attnkit.quantize import weight_bytes
+        >>> from attnkit.quantization import weight_bytes
         >>> m = torch.nn.Sequential(torch.nn.Linear(256, 256, bias=False), torch.nn.ReLU())
         >>> before = weight_bytes(m)
         >>> attnkit.quantize(m, "int8")[0].__class__.__name__, round(before / weight_bytes(m), 2)

@@ -1,6 +1,6 @@
 """``Engine``: continuous batching over a paged KV cache.
 
-Requests (a prompt, how many tokens, how to sample) are added at any time.  Each :meth:`Engine.step`:
+Requests (a prompt, how many tokens, how to sample) are added at any time.  Each :meth:`Engine.step <attnkit.decoding.Engine.step>`:
 
 1. **admits** waiting requests, oldest first, while fewer than ``max_batch`` run and the block pool has
    room for the prompt; each admitted prompt is prefilled alone (reusing cached prefix blocks) and gives its
@@ -28,14 +28,26 @@ from numbers import Integral
 
 import torch
 
-from ._checks import flag, integer
-from . import _sampling
-from .cache import PagedCache, PagedSinkCache, PoolExhausted
-from .cache._common import model_dims
-from ._decoding import (EXTRAPOLATING, DecodeCopies, EvalMode, check_decoder_only, check_eos, check_positions,
-                        check_tokens, cpu_threads, last_logits, reading, timed, weights_key)
-from .generate import GenerationResult, SamplingParams, sample
-from ._threads import DecodeThreads
+from .._checks import flag, integer
+from .._threads import DecodeThreads
+from ..cache import PagedCache, PagedSinkCache, PoolExhausted
+from ..cache._common import model_dims
+from . import sampling as _sampling
+from ._steps import (
+    EXTRAPOLATING,
+    DecodeCopies,
+    EvalMode,
+    check_decoder_only,
+    check_positions,
+    check_tokens,
+    cpu_threads,
+    last_logits,
+    reading,
+    timed,
+    weights_key,
+)
+from .generation import GenerationResult
+from .sampling import SamplingParams, check_vocab, resolve_sampling, sample
 
 Tensor = torch.Tensor
 
@@ -55,7 +67,7 @@ def _param_dtype(model) -> torch.dtype | None:
 def _rows_logits(model, ids: Tensor, rows: Tensor, **kw) -> Tensor:
     """``(len(rows), V)`` float32 logits of a ``(1, T)`` forward at token indices ``rows``; a DecoderLM runs
     its output head on those rows alone (``logits_at``)."""
-    from .nn import DecoderLM
+    from ..nn import DecoderLM
 
     if isinstance(model, DecoderLM):
         out = model(ids, logits_at=rows, **kw)
@@ -91,9 +103,11 @@ def _check_sink_positions(model, capacity: int) -> None:
     cfg = getattr(model, "config", None)
     max_len, method = getattr(cfg, "max_seq_len", None), getattr(cfg, "positions", None)
     if max_len is not None and method not in EXTRAPOLATING and capacity > max_len:
-        raise ValueError(f"n_sink + window = {capacity} is beyond the model's max_seq_len={max_len} (positions="
-                         f"{method!r} does not extrapolate): the kept tokens sit at positions 0 .. n_sink + window - "
-                         f"1, so choose n_sink + window <= {max_len}")
+        raise ValueError(
+            f"n_sink + window = {capacity} is beyond the model's max_seq_len={max_len} (positions="
+            f"{method!r} does not extrapolate): the kept tokens sit at positions 0 .. n_sink + window - "
+            f"1, so choose n_sink + window <= {max_len}"
+        )
 
 
 @dataclass
@@ -210,10 +224,22 @@ class Engine:
         True
     """
 
-    def __init__(self, model, cache_blocks: int, block_size: int = 16, max_batch: int = 16, *, preempt: bool = True,
-                 prefix_caching: bool = True, relayout: bool = True, max_batched_tokens: int | None = None,
-                 chunk_sizing: str = "tokens", decode_threads: str | int | None = "auto", n_sink: int | None = None,
-                 window: int | None = None):
+    def __init__(
+        self,
+        model,
+        cache_blocks: int,
+        block_size: int = 16,
+        max_batch: int = 16,
+        *,
+        preempt: bool = True,
+        prefix_caching: bool = True,
+        relayout: bool = True,
+        max_batched_tokens: int | None = None,
+        chunk_sizing: str = "tokens",
+        decode_threads: str | int | None = "auto",
+        n_sink: int | None = None,
+        window: int | None = None,
+    ):
         integer("cache_blocks", cache_blocks, minimum=1)
         integer("block_size", block_size, minimum=1)
         self.max_batch = integer("max_batch", max_batch, minimum=1)
@@ -222,12 +248,16 @@ class Engine:
         if max_batched_tokens is not None:
             integer("max_batched_tokens", max_batched_tokens, minimum=1)
             if max_batched_tokens < self.max_batch:
-                raise ValueError(f"max_batched_tokens={max_batched_tokens} is below max_batch={self.max_batch}: a step "
-                                 f"must fit one decode token of every running sequence; pass max_batched_tokens >= "
-                                 f"{self.max_batch} (or a smaller max_batch)")
+                raise ValueError(
+                    f"max_batched_tokens={max_batched_tokens} is below max_batch={self.max_batch}: a step "
+                    f"must fit one decode token of every running sequence; pass max_batched_tokens >= "
+                    f"{self.max_batch} (or a smaller max_batch)"
+                )
         if chunk_sizing not in ("tokens", "cost"):
-            raise ValueError(f"chunk_sizing={chunk_sizing!r} must be 'tokens' (fill each step's max_batched_tokens "
-                             f"with prompt tokens) or 'cost' (fewer tokens for chunks that attend to more keys)")
+            raise ValueError(
+                f"chunk_sizing={chunk_sizing!r} must be 'tokens' (fill each step's max_batched_tokens "
+                f"with prompt tokens) or 'cost' (fewer tokens for chunks that attend to more keys)"
+            )
         self.max_batched_tokens = max_batched_tokens
         self.chunk_sizing = chunk_sizing
         check_decoder_only(model, "Engine")
@@ -235,10 +265,12 @@ class Engine:
         # prefix computed for another prompt or a recomputation at once would see another length
         self._length_rope = _length_dependent_rope(model)
         if self._length_rope is not None and max_batched_tokens is not None:
-            raise ValueError(f"max_batched_tokens={max_batched_tokens}: the model's rope scaling "
-                             f"{self._length_rope!r} picks a prompt's frequencies from its whole length, which a "
-                             f"chunk of it does not see, so chunked prefill would change its tokens; use "
-                             f"max_batched_tokens=None (each prompt prefilled at once)")
+            raise ValueError(
+                f"max_batched_tokens={max_batched_tokens}: the model's rope scaling "
+                f"{self._length_rope!r} picks a prompt's frequencies from its whole length, which a "
+                f"chunk of it does not see, so chunked prefill would change its tokens; use "
+                f"max_batched_tokens=None (each prompt prefilled at once)"
+            )
         prefix_caching = prefix_caching and self._length_rope is None
         self._key_cost = _key_cost(model)
         self.model = model
@@ -246,14 +278,17 @@ class Engine:
         self._threads = cpu_threads(model, DecodeThreads(decode_threads))  # each decode step's thread count
         self.preempt = preempt
         if (n_sink is None) != (window is None):
-            raise ValueError(f"n_sink={n_sink!r} and window={window!r}: attention sinks take both (StreamingLLM: "
-                             f"n_sink=4, window=1024), or neither for full attention")
+            raise ValueError(
+                f"n_sink={n_sink!r} and window={window!r}: attention sinks take both (StreamingLLM: "
+                f"n_sink=4, window=1024), or neither for full attention"
+            )
         if window is not None:
             integer("n_sink", n_sink, minimum=0)
             integer("window", window, minimum=1)
             _check_sink_positions(model, n_sink + window)
-            self.cache = PagedSinkCache.for_model(model, cache_blocks, block_size, n_sink=n_sink, window=window,
-                                                  prefix_caching=prefix_caching)
+            self.cache = PagedSinkCache.for_model(
+                model, cache_blocks, block_size, n_sink=n_sink, window=window, prefix_caching=prefix_caching
+            )
         else:
             self.cache = PagedCache.for_model(model, cache_blocks, block_size, prefix_caching=prefix_caching)
         self.sink = self.cache if window is not None else None  # the PagedSinkCache, or None for full attention
@@ -271,23 +306,30 @@ class Engine:
         self.logprobs: dict[int, list] = {}  # rid -> TokenLogprob per token, for finished requests that asked
         self._next_rid = 0
         self._admissions = 0
-        self.stats = {"steps": 0, "preemptions": 0, "prefill_tokens": 0, "decode_tokens": 0, "peak_blocks": 0,
-                      "waste_sum": 0.0, "waste_steps": 0}
+        self.stats = {
+            "steps": 0,
+            "preemptions": 0,
+            "prefill_tokens": 0,
+            "decode_tokens": 0,
+            "peak_blocks": 0,
+            "waste_sum": 0.0,
+            "waste_steps": 0,
+        }
 
     # ------------------------------------------------------------------ requests
 
-    def add(self, prompt, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
-            top_p: float | None = None, eos_id: int | list[int] | None = None, seed: int | None = None,
-            repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-            min_p: float | None = None, logit_bias: dict[int, float] | None = None,
-            stop: list[list[int]] | None = None, logprobs: int | None = None) -> int:
-        """Queue a request; returns its id.  Sampling arguments as in :func:`attnkit.generate` (a request
-        ends after an eos id or a stop sequence, both included in its tokens); with ``logprobs`` its
-        :class:`~attnkit.generate.TokenLogprob` s are kept in ``engine.logprobs[rid]`` next to ``results``."""
+    def add(self, prompt, max_new_tokens: int, *, sampling: SamplingParams | None = None, **sampling_keywords) -> int:
+        """Queue a request; returns its id.  ``sampling`` is a :class:`~attnkit.decoding.SamplingParams`
+        (None: greedy), or, as in :func:`attnkit.decoding.generate`, its arguments as keywords (never both).  A
+        request ends after an eos id or a stop sequence, both included in its tokens; with ``logprobs`` its
+        :class:`~attnkit.decoding.TokenLogprob` s are kept in ``engine.logprobs[rid]`` next to ``results``."""
         if isinstance(prompt, Tensor):
             prompt = prompt.tolist()
-        if not isinstance(prompt, (list, tuple)) or not prompt or not all(
-                isinstance(t, Integral) and not isinstance(t, bool) for t in prompt):
+        if (
+            not isinstance(prompt, (list, tuple))
+            or not prompt
+            or not all(isinstance(t, Integral) and not isinstance(t, bool) for t in prompt)
+        ):
             raise ValueError(f"prompt must be a non-empty list of int token ids, got {prompt!r:.80}")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, Integral) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 0")
@@ -300,13 +342,13 @@ class Engine:
         if self.sink is not None:
             blocks = min(blocks, self.sink.max_blocks_per_sequence)
         if blocks > self.cache.num_blocks:
-            raise ValueError(f"a request of {len(prompt)} prompt + {max_new_tokens} new tokens needs {blocks} blocks "
-                             f"of {bs}, more than the pool's cache_blocks={self.cache.num_blocks}: create the Engine "
-                             f"with more cache_blocks")
-        params = SamplingParams(temperature, top_k, top_p, eos_id, seed, repetition_penalty=repetition_penalty,
-                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, min_p=min_p,
-                                logit_bias=logit_bias, stop=stop, logprobs=logprobs)
-        check_eos(params, getattr(getattr(self.model, "config", None), "vocab_size", None))
+            raise ValueError(
+                f"a request of {len(prompt)} prompt + {max_new_tokens} new tokens needs {blocks} blocks "
+                f"of {bs}, more than the pool's cache_blocks={self.cache.num_blocks}: create the Engine "
+                f"with more cache_blocks"
+            )
+        params = resolve_sampling(sampling, sampling_keywords, "Engine.add")
+        check_vocab(params, getattr(getattr(self.model, "config", None), "vocab_size", None))
         rid = self._next_rid
         self._next_rid += 1
         req = _Request(rid, prompt, int(max_new_tokens), params, params.generator(self.cache.device))
@@ -336,7 +378,7 @@ class Engine:
         return self.results.pop(rid, None) is not None
 
     def token_logprobs(self, rid: int) -> list:
-        """The :class:`~attnkit.generate.TokenLogprob` s of request ``rid`` so far (waiting, running or
+        """The :class:`~attnkit.decoding.TokenLogprob` s of request ``rid`` so far (waiting, running or
         finished; empty without ``logprobs``), e.g. for a stream that reports each token as it comes."""
         if rid in self.logprobs:
             return self.logprobs[rid]
@@ -359,13 +401,13 @@ class Engine:
         else:
             toks = []
             for i, r in enumerate(reqs):
-                row = logits[i:i + 1]
+                row = logits[i : i + 1]
                 if not plain[i]:
                     row = _sampling.process(row, r.params, [r.prompt], [r.out])
                 toks.append(int(sample(row, r.params, [r.generator])[0]))
         for i, r in enumerate(reqs):
             if r.params.logprobs is not None:
-                r.logprobs.extend(_sampling.logprobs_of(logits[i:i + 1], [toks[i]], r.params.logprobs))
+                r.logprobs.extend(_sampling.logprobs_of(logits[i : i + 1], [toks[i]], r.params.logprobs))
         return toks
 
     def _emit(self, req: _Request, tok: int, events: list) -> None:
@@ -420,11 +462,16 @@ class Engine:
             first = len(tokens) - n_new
             if self._length_rope is not None:  # after a preemption the tokens it made run one per step, as before
                 n_now = max(1, min(n_now, len(req.prompt) - first))
-            req.stream = tokens[first + n_now:]  # with sinks, past the window: one token per step
+            req.stream = tokens[first + n_now :]  # with sinks, past the window: one token per step
             view = cache.batch([sid])
-            ids = torch.tensor([tokens[first:first + n_now]], dtype=torch.long, device=cache.device)
-            logits = _rows_logits(self.model, ids, torch.tensor([n_now - 1], device=cache.device), cache=view,
-                                  positions=view.positions(n_now))
+            ids = torch.tensor([tokens[first : first + n_now]], dtype=torch.long, device=cache.device)
+            logits = _rows_logits(
+                self.model,
+                ids,
+                torch.tensor([n_now - 1], device=cache.device),
+                cache=view,
+                positions=view.positions(n_now),
+            )
             self.stats["prefill_tokens"] += n_now
             self.stats["peak_blocks"] = max(self.stats["peak_blocks"], cache.stats()["blocks_used"])
             if not req.stream:
@@ -445,9 +492,11 @@ class Engine:
         cache = self.cache
         dtype = _param_dtype(self.model)
         if dtype != self._model_dtype:
-            raise ValueError(f"Engine: the model's weights are now {dtype} but the Engine was built for "
-                             f"{self._model_dtype} (its block pool holds that dtype): make a new Engine for the "
-                             f"converted model")
+            raise ValueError(
+                f"Engine: the model's weights are now {dtype} but the Engine was built for "
+                f"{self._model_dtype} (its block pool holds that dtype): make a new Engine for the "
+                f"converted model"
+            )
         key = weights_key(self.model)
         if key != self._weights:  # new weights (load_state_dict, an optimizer step): cached prefixes are stale
             cache.clear_prefix_cache()
@@ -455,8 +504,11 @@ class Engine:
             self._eval_mode = EvalMode(self.model)  # (new weights may come with new modules: quantize)
         if self._copies is not None:
             self._copies.refresh()
-        with torch.no_grad(), torch.autocast(self._device_type, dtype=self._autocast_dtype, enabled=self._autocast), \
-                self._eval_mode():
+        with (
+            torch.no_grad(),
+            torch.autocast(self._device_type, dtype=self._autocast_dtype, enabled=self._autocast),
+            self._eval_mode(),
+        ):
             if self.max_batched_tokens is not None:
                 self._step_chunked(events)
             else:
@@ -517,10 +569,12 @@ class Engine:
             if need <= cache.num_free_blocks:
                 return dec
             if not self.preempt:
-                raise PoolExhausted(f"Engine: the decode step needs {need} more block(s) but only "
-                                    f"{cache.num_free_blocks} of {cache.num_blocks} are free and preemption is "
-                                    f"off: create the Engine with more cache_blocks, a smaller max_batch, or "
-                                    f"preempt=True")
+                raise PoolExhausted(
+                    f"Engine: the decode step needs {need} more block(s) but only "
+                    f"{cache.num_free_blocks} of {cache.num_blocks} are free and preemption is "
+                    f"off: create the Engine with more cache_blocks, a smaller max_batch, or "
+                    f"preempt=True"
+                )
             self._preempt_newest()
 
     # ------------------------------------------------------------------ chunked prefill
@@ -541,7 +595,7 @@ class Engine:
         for r in self.running:
             if r.fed < len(r.feed) and budget > 0 and not self._streaming(r):
                 n, cost = self._chunk_len(cache.length(r.sid), self._first_chunk(r.sid, len(r.feed) - r.fed), budget)
-                work.append((r, r.feed[r.fed:r.fed + n]))
+                work.append((r, r.feed[r.fed : r.fed + n]))
                 budget -= cost
         while budget > 0 and self.waiting and len(self.running) < self.max_batch:
             placed = self._place_oldest()
@@ -552,7 +606,7 @@ class Engine:
             cache.reserve(sid, first)  # the whole prompt's blocks now: its later chunks never run short
             self.waiting.popleft()
             req.sid, req.admitted = sid, self._admissions
-            req.feed, req.fed = tokens[len(tokens) - n_new:], 0
+            req.feed, req.fed = tokens[len(tokens) - n_new :], 0
             self._admissions += 1
             self.running.append(req)
             n, cost = self._chunk_len(cache.length(sid), first, budget)
@@ -625,16 +679,20 @@ class Engine:
             self.step()
         return dict(self.results)
 
-    def generate(self, prompts, max_new_tokens: int, **sampling):
-        """Queue every prompt with the same settings, run, and return the tokens in prompt order (with
-        ``logprobs``, a :class:`~attnkit.generate.GenerationResult` as :func:`attnkit.generate` returns)."""
-        rids = [self.add(p, max_new_tokens, **sampling) for p in prompts]
+    def generate(self, prompts, max_new_tokens: int, *, sampling: SamplingParams | None = None, **sampling_keywords):
+        """Queue every prompt with the same ``sampling`` (or sampling keywords, as :meth:`add`), run, and
+        return the tokens in prompt order (with ``logprobs``, a :class:`~attnkit.decoding.GenerationResult`
+        as :func:`attnkit.decoding.generate` returns)."""
+        params = resolve_sampling(sampling, sampling_keywords, "Engine.generate")
+        rids = [self.add(p, max_new_tokens, sampling=params) for p in prompts]
         self.run()
-        if sampling.get("logprobs") is None:
+        if params.logprobs is None:
             return [self.take(r) for r in rids]
         lps = [self.logprobs.get(r, []) for r in rids]
         return GenerationResult([self.take(r) for r in rids], lps)
 
     def __repr__(self) -> str:
-        return (f"Engine({len(self.running)} running, {len(self.waiting)} waiting, {len(self.results)} done, "
-                f"{self.cache!r})")
+        return (
+            f"Engine({len(self.running)} running, {len(self.waiting)} waiting, {len(self.results)} done, "
+            f"{self.cache!r})"
+        )
