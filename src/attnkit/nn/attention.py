@@ -12,6 +12,7 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from .. import masks as _masks
+from ..cache import CacheAttention
 from ..cache import attend as cache_attend
 from ..functional import attention, attention_weights
 from . import _checks, _hooks
@@ -191,9 +192,9 @@ def _update_cache(cache, k: Tensor, v: Tensor, *, call_mask, heads: int, q_len: 
         if lk_next is not None:
             _checks.check_mask_shape("mask", call_mask, k.shape[0], heads, q_len, lk_next)
     kv = cache.update(k, v)
-    if need_weights and hasattr(kv, "attend"):
+    if need_weights and isinstance(kv, CacheAttention):
         raise ValueError("need_weights=True is not available with a cache that computes attention "
-                         "itself (its update() returned an object with attend())")
+                         "itself (its update() returned a CacheAttention, an object with attend())")
     return kv
 
 
@@ -494,7 +495,7 @@ class MultiHeadAttention(_Attends):
         if cache is not None:
             kv = _update_cache(cache, k, v, call_mask=call_mask, heads=self.n_heads, q_len=x.shape[1],
                                need_weights=need_weights)
-            if hasattr(kv, "attend"):  # the cache computes attention itself (paged, quantized)
+            if isinstance(kv, CacheAttention):  # the cache computes attention itself (paged, quantized)
                 out = cache_attend(kv, q, mask=_checks.combine(self.mask, call_mask), bias=bias, scale=self._scale(),
                                    softcap=self.softcap, sinks=self.sinks)
                 return self._output(out)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .. import masks as _masks
+from ..cache import CacheAttention
 from ..functional import attention
 from . import _checks
 from .attention import AttentionConfig, MultiHeadAttention, _Attends, _check_layer_cache, _update_cache
@@ -173,7 +174,7 @@ class _ContentSparse(MultiHeadAttention):
             kv = _update_cache(
                 cache, k, v, call_mask=call_mask, heads=self.n_heads, q_len=x.shape[1], need_weights=need_weights
             )
-            if hasattr(kv, "attend"):
+            if isinstance(kv, CacheAttention):
                 raise ValueError(
                     f"{type(self).__name__} needs the cached keys to choose blocks; "
                     f"{type(cache).__name__} computes attention itself: use a StaticCache"
