@@ -404,7 +404,7 @@ class PagedCache:
         kw, vw = self._workspace
         return kw[:H * L * D].view(H, L, D), vw[:H * L * Dv].view(H, L, Dv)
 
-    def packed(self, seq_ids: Iterable[int], n_new: Iterable[int]) -> "PagedPacked":
+    def packed(self, seq_ids: Iterable[Any], n_new: Iterable[Any]) -> "PagedPacked":
         """The model-level cache for one forward whose ``(1, sum(n_new))`` tokens pack ``n_new[i]`` new tokens of
         sequence ``seq_ids[i]`` after each other (decode tokens and prompt chunks mixed); pass
         ``positions=packed.positions()`` to the model.  See :class:`PagedPacked`."""

@@ -298,8 +298,8 @@ class PagedSinkCache(PagedCache):
         (positions within the cache) or let the model read ``view.seq_len``."""
         return PagedSinkBatch(self, super().batch(seq_ids).ids)
 
-    def packed(self, seq_ids: Iterable[int],  # type: ignore[override]  # (the sink pool's own view)
-               n_new: Iterable[int]) -> "PagedSinkPacked":
+    def packed(self, seq_ids: Iterable[Any],  # type: ignore[override]  # (the sink pool's own view)
+               n_new: Iterable[Any]) -> "PagedSinkPacked":
         """The model-level cache for one forward packing ``n_new[i]`` tokens of ``seq_ids[i]`` (see
         :meth:`PagedCache.packed`); pass ``positions=packed.positions()``."""
         base = super().packed(seq_ids, n_new)

@@ -12,6 +12,7 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from .. import masks as _masks
+from ..bias import BiasLike
 from ..cache import CacheAttention
 from ..cache import attend as cache_attend
 from ..functional import attention, attention_weights
@@ -505,7 +506,7 @@ class MultiHeadAttention(_Attends):
     def _scale(self) -> float:
         return 1.0 / (math.sqrt(self.d_head) * self.temperature)
 
-    def _self_qkv(self, x: Tensor, cache, positions) -> tuple[Tensor, Tensor, Tensor, object]:
+    def _self_qkv(self, x: Tensor, cache, positions) -> tuple[Tensor, Tensor, Tensor, BiasLike | None]:
         """Self-attention's ``q (B, Hq, L, d_head)``, new ``k``, ``v (B, Hkv, L, d_head)`` (normed, rotated at
         their absolute positions) and the position bias (a score modifier or None)."""
         if not self.self_capable:

@@ -211,7 +211,8 @@ class LatentAttention(_Attends):
         q = torch.cat((q_lat.view(H, B, L, -1).transpose(0, 1), q_rope), dim=-1)  # (B, H, L, r + dr)
         r = self.kv_lora_rank
         if isinstance(kv, CacheAttention):  # a paged decode step: the values are the stored latents' first r channels
-            out = kv.attend(q, mask=mask, bias=None, scale=self.scale, softcap=None, value_dims=r)
+            out = kv.attend(q, mask=mask, bias=None, scale=self.scale, softcap=None,  # type: ignore[call-arg]
+                            value_dims=r)  # (an option of the paged caches' decode steps)
         else:
             out = self._attend(q, kv, kv[..., :r], mask=mask, bias=None, scale=self.scale, softcap=None,
                                dropout_p=dropout_p)  # (B, H, L, r): one key head, the latent
