@@ -209,7 +209,9 @@ def test_capture_records_a_sink_models_attention():
         torch.testing.assert_close(w, want, rtol=0, atol=1e-12)
         assert bool((w.sum(-1) < 1 - 1e-6).all())  # each sink keeps a share
         assert float(attention_kl(rec, rec)) == pytest.approx(0.0, abs=1e-12)
-    assert "_attend" not in vars(model.layers[0].attn)
+    seen = cap.attention[0]
+    model(x)
+    assert cap.attention[0] is seen  # capture's hooks are gone after exit
 
 
 def test_distill_between_sink_models():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from numbers import Real
+from typing import Literal, overload
 
 import torch
 
@@ -37,6 +38,10 @@ def flag(name: str, value) -> bool:
     raise TypeError(f"{name} must be True or False, got {value!r:.80} ({type(value).__name__})")
 
 
+@overload
+def integer(name: str, value: object, *, minimum: int | None = None, allow_none: Literal[False] = False) -> int: ...
+@overload
+def integer(name: str, value: object, *, minimum: int | None = None, allow_none: bool) -> int | None: ...
 def integer(name: str, value, *, minimum: int | None = None, allow_none: bool = False) -> int | None:
     """``value`` as an int (not a bool) ``>= minimum``; None passes where ``allow_none``.
 

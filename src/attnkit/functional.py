@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from collections import OrderedDict
+from typing import Callable
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from . import backends as _backends
 from .backends import math as _math
@@ -16,12 +19,38 @@ from .masks import Mask, MaskLike, _nothing_visible, _positions_unchecked
 
 Tensor = torch.Tensor
 
-__all__ = ["attention", "attention_weights"]
+__all__ = ["attention", "attention_weights", "observe_attention"]
 
 
-# Callables ``observe(q, k, v, mask=, bias=, scale=, softcap=, out=)`` told of every attention() call's result;
-# attnkit.diagnostics.probe adds one while it runs (so it sees models that call attention() themselves).
-_OBSERVERS: list = []
+# observe_attention's observers, by handle id (attnkit.diagnostics.probe adds one while it runs)
+_observers: "OrderedDict[int, Callable[..., object]]" = OrderedDict()
+
+
+def observe_attention(observer: Callable[..., object]) -> RemovableHandle:
+    """Call ``observer(q, k, v, *, mask, bias, scale, softcap, out)`` after every :func:`attention` call, in
+    every thread, until the returned handle's ``remove()`` (the handle is also a context manager).
+
+    ``out`` is the call's output ``(B, Hq, Lq, Dv)`` (without the log-sum-exp of ``return_lse=True``); the
+    other arguments are the call's own.  An observer sees, it does not change: what it returns is ignored.
+    :func:`attnkit.diagnostics.probe` observes this way the models that call :func:`attention` themselves.
+
+    Example::
+
+        >>> import torch, attnkit
+        >>> from attnkit.functional import observe_attention
+        >>> shapes = []
+        >>> with observe_attention(lambda q, k, v, *, out, **kw: shapes.append(tuple(out.shape))):
+        ...     _ = attnkit.attention(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4))
+        >>> _ = attnkit.attention(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4))
+        >>> shapes  # the second call came after the handle was removed
+        [(1, 2, 3, 4)]
+    """
+    if not callable(observer):
+        raise TypeError(f"observe_attention: observer must be callable as observer(q, k, v, *, mask, bias, scale, "
+                        f"softcap, out), got {type(observer).__name__}")
+    handle = RemovableHandle(_observers)
+    _observers[handle.id] = observer
+    return handle
 
 
 # mask -> {shape: whether it leaves every row empty} (weakly keyed; a few shapes per mask)
@@ -147,9 +176,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask: MaskLike | None = None, 
         _warn_if_nothing_visible(call)
         _warn_if_layout_swapped(call)
         result = chosen.run(call)
-    if _OBSERVERS:
+    if _observers:
         out = result[0] if return_lse else result
-        for observe in tuple(_OBSERVERS):
+        for observe in tuple(_observers.values()):
             observe(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, out=out)
     return result
 

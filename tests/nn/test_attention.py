@@ -147,21 +147,19 @@ def test_a_self_attention_module_can_attend_to_a_context_of_the_same_width():
     torch.testing.assert_close(m(x, ctx), m.out_proj(out.transpose(1, 2).reshape(2, 3, 8)), rtol=0, atol=1e-12)
 
 
-# ------------------------------------------------------------------------------------ _attend
+# ------------------------------------------------------------------------------------ attention hooks
 
 
-def test_every_forward_path_goes_through_attend(concat_layer_cache):
+def test_every_forward_path_runs_the_attention_hooks(concat_layer_cache):
     calls = []
     m = MultiHeadAttention(8, 2, mask=masks.causal(), positions=RotaryEmbedding(4))
     cross = MultiHeadAttention(8, 2, kdim=5)
     for mod in (m, cross):
-        original = mod._attend
+        def hook(module, call, compute):
+            calls.append((tuple(call.q.shape), tuple(call.k.shape), call.dropout_p, call.sinks))
+            return compute(call)
 
-        def wrapped(q, k, v, *, _orig=original, **kw):
-            calls.append((tuple(q.shape), tuple(k.shape), sorted(kw)))
-            return _orig(q, k, v, **kw)
-
-        mod._attend = wrapped
+        mod.register_attention_hook(hook)
     x = torch.randn(1, 4, 8)
     m(x)
     c = concat_layer_cache()
@@ -170,7 +168,7 @@ def test_every_forward_path_goes_through_attend(concat_layer_cache):
     cross(x, torch.randn(1, 6, 5))
     assert [c[:2] for c in calls] == [((1, 2, 4, 4), (1, 2, 4, 4)), ((1, 2, 4, 4), (1, 2, 4, 4)),
                                       ((1, 2, 1, 4), (1, 2, 5, 4)), ((1, 2, 4, 4), (1, 2, 6, 4))]
-    assert all(kw == ["bias", "dropout_p", "mask", "scale", "softcap"] for *_, kw in calls)
+    assert all(c[2:] == (0.0, None) for c in calls)
 
 
 def test_backend_is_passed_to_attention():

@@ -198,8 +198,7 @@ def test_decoding_reads_only_the_selected_keys_and_equals_a_full_forward():
     layer = cache.layers[0]
     outs = [m(x[:, :6], cache=layer)]
     seen = []
-    orig = m._attend
-    m._attend = lambda q, k, v, **kw: (seen.append(k.shape[2]), orig(q, k, v, **kw))[1]
+    m.register_attention_hook(lambda module, call, compute: seen.append(call.k.shape[2]) or compute(call))
     for i in range(6, 11):
         sel = None
         # poison every cached latent the step will not select: the output must not change

@@ -40,8 +40,7 @@ def test_the_articles_worked_example_loads_into_a_single_head():
 def test_single_head_with_d_v_context_and_mask_goes_through_attend():
     head = SingleHeadAttention(6, 3, d_v=5).to(D64)
     calls = []
-    orig = head._attend
-    head._attend = lambda q, k, v, **kw: calls.append(q.shape) or orig(q, k, v, **kw)
+    head.register_attention_hook(lambda module, call, compute: calls.append(call.q.shape) or compute(call))
     x, ctx = torch.randn(2, 4, 6, dtype=D64), torch.randn(2, 7, 6, dtype=D64)
     out = head(x, ctx, mask=masks.key_padding([7, 3]))
     q, k, v = x @ head.W_q, ctx @ head.W_k, ctx @ head.W_v

@@ -5,14 +5,16 @@ before the current forward).  Decoder layer ``i`` calls ``cache.layers[i].update
 ``(B, Hkv, L_new, D)`` (already rotated at their absolute positions) and values; the update returns what
 attention must see, in position order, so query row ``i`` sits at position ``i + Lk - L_new``:
 
-- ``(k_all, v_all)``, or ``(k_all, v_all, extra_mask)`` with a bool mask broadcastable to
-  ``(B, Hq, L_new, Lk)`` (padding of a ragged batch, a window), AND-ed with the layer's mask; or
-- an object with ``attend(q, *, mask, bias, scale, softcap) -> (B, Hq, L_new, Dv)`` that computes the
-  attention itself (the paged cache's decode step reads the pool through the block table).
+- a :class:`CacheRead`: ``(k_all, v_all)``, or ``(k_all, v_all, extra_mask)`` with a bool mask broadcastable
+  to ``(B, Hq, L_new, Lk)`` (padding of a ragged batch, a window), AND-ed with the layer's mask (a tuple, so it
+  unpacks as one; ``read.k``, ``read.v``, ``read.mask``); or
+- a :class:`CacheAttention`: an object with ``attend(q, *, mask, bias, scale, softcap) -> (B, Hq, L_new, Dv)``
+  that computes the attention itself (the paged cache's decode step reads the pool through the block table).
 
-A layer cache may also offer ``peek(n_new) -> (Lk or None, attends)``: what an update of ``n_new`` tokens
-would return, before it is made (the built-in ones do), so an attention layer rejects a bad call without
-storing anything.
+:class:`LayerCache` is that protocol as a type.  A layer cache may also offer ``peek(n_new) -> (Lk or None,
+attends)``: what an update of ``n_new`` tokens would return, before it is made (the built-in ones do), so an
+attention layer rejects a bad call without storing anything.  A cache of your own may return plain
+``(k, v)`` / ``(k, v, mask)`` tuples: they are read as a :class:`CacheRead`.
 
 The caches: :class:`StaticCache` (preallocated), :class:`SlidingWindowCache` (a ring holding the window),
 :class:`PagedCache` (a block pool shared by many sequences, with fork and prefix caching) and
@@ -34,6 +36,7 @@ Example::
 """
 
 from ._common import ModelCache, attend
+from ._protocol import CacheAttention, CacheRead, CacheResult, LayerCache
 from .encoder_decoder import EncoderDecoderCache
 from .paged import PagedBatch, PagedCache, PagedPacked, PoolExhausted, paged_attention
 from .quantized import QuantizedCache, dequantize_groups, quantize_groups
@@ -41,6 +44,6 @@ from .sink import PagedSinkCache, SinkCache
 from .sliding import SlidingWindowCache, window_of
 from .static import StaticCache
 
-__all__ = ["attend", "ModelCache", "StaticCache", "SlidingWindowCache", "PagedCache", "PagedBatch", "PagedPacked",
+__all__ = ["attend", "CacheRead", "CacheAttention", "CacheResult", "LayerCache", "ModelCache", "StaticCache", "SlidingWindowCache", "PagedCache", "PagedBatch", "PagedPacked",
            "QuantizedCache", "EncoderDecoderCache", "PoolExhausted", "paged_attention", "window_of", "quantize_groups",
            "dequantize_groups", "SinkCache", "PagedSinkCache"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections import OrderedDict
+from dataclasses import dataclass, field
 
 
 class PoolExhausted(RuntimeError):
@@ -20,7 +21,18 @@ class PoolExhausted(RuntimeError):
 PoolExhausted.__module__ = "attnkit.cache.paged"  # where it is documented and exported
 
 
-def chain(parent: int, tokens: tuple) -> int:
+@dataclass
+class SequenceBlocks:
+    """One sequence of a paged cache: its blocks (in position order; -1 for one given back), what it stores."""
+
+    blocks: list[int] = field(default_factory=list)
+    length: int = 0  # positions whose keys/values are stored
+    tokens: list[int] = field(default_factory=list)  # known token ids (for prefix hashing)
+    hashes: list[int] = field(default_factory=list)  # chained hash of each full block registered so far
+    unshared: bool = False  # registers no more blocks (its contents predate clear_prefix_cache)
+
+
+def chain(parent: int, tokens: tuple[int, ...]) -> int:
     """The chained hash of a full block holding ``tokens`` after the blocks hashed to ``parent``."""
     return hash((parent, tokens))
 
@@ -43,7 +55,7 @@ class BlockPool:
         self.refs = [0] * num_blocks
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 but cached: reusable until evicted (LRU)
         self.table: dict[int, int] = {}  # chained hash -> block
-        self.key: dict[int, tuple] = {}  # block -> (hash, parent hash, tokens): verified on lookup
+        self.key: dict[int, tuple[int, int, tuple[int, ...]]] = {}  # block -> (hash, parent hash, tokens): verified on lookup
 
     def num_free(self) -> int:
         return len(self.free) + len(self.evictable)
@@ -95,7 +107,7 @@ class BlockPool:
             else:
                 insort(self.free, b)
 
-    def lookup(self, h: int, parent: int, tokens: tuple) -> int | None:
+    def lookup(self, h: int, parent: int, tokens: tuple[int, ...]) -> int | None:
         b = self.table.get(h)
         if b is None or self.key.get(b) != (h, parent, tokens):
             return None
@@ -117,7 +129,7 @@ class BlockPool:
         if entry is not None and self.table.get(entry[0]) == b:
             del self.table[entry[0]]
 
-    def register(self, b: int, h: int, parent: int, tokens: tuple) -> None:
+    def register(self, b: int, h: int, parent: int, tokens: tuple[int, ...]) -> None:
         if h in self.table or b in self.key:
             return  # the same content is cached in another block already
         self.table[h] = b

@@ -2,25 +2,29 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from numbers import Integral
-from typing import Sequence
+from typing import Any, Iterable, Sequence, cast
 
 import torch
 
 from .._checks import integer
+from ..bias import BiasLike
+from ..masks import Mask
+from ._protocol import CacheAttention, CacheResult
 
 Tensor = torch.Tensor
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def check_dtype(name: str, dtype) -> torch.dtype:
-    if dtype not in _FLOATS:
+def check_dtype(name: str, dtype: object) -> torch.dtype:
+    if not isinstance(dtype, torch.dtype) or dtype not in _FLOATS:
         raise TypeError(f"{name}={dtype!r} must be a floating dtype: one of {list(_FLOATS)}")
     return dtype
 
 
-def check_new_kv(k, v, *, batch: int | None, heads: int | None, d_head: int | None, d_value: int | None,
+def check_new_kv(k: Tensor, v: Tensor, *, batch: int | None, heads: int | None, d_head: int | None, d_value: int | None,
                  dtype: torch.dtype | None, device: torch.device | None) -> None:
     """Check the new keys/values ``k (B, Hkv, L, D)``, ``v (B, Hkv, L, Dv)`` against a cache's layout."""
     for name, t in (("k", k), ("v", v)):
@@ -44,7 +48,7 @@ def check_new_kv(k, v, *, batch: int | None, heads: int | None, d_head: int | No
         raise ValueError(f"cache update: k/v are on {k.device} but the cache lives on {device}")
 
 
-def model_dims(model) -> dict:
+def model_dims(model: Any) -> dict[str, Any]:
     """``n_layers``, ``n_kv_heads``, ``d_head``, ``d_value``, ``dtype``, ``device``, ``max_seq_len`` of a
     decoder model with a ``config`` (an :class:`attnkit.nn.DecoderConfig` or anything with those fields)."""
     cfg = getattr(model, "config", model)
@@ -72,7 +76,7 @@ def model_dims(model) -> dict:
             "device": device, "max_seq_len": getattr(cfg, "max_seq_len", None)}
 
 
-def _padding_counts(pad) -> Tensor:
+def _padding_counts(pad: object) -> Tensor:
     """``pad`` as a ``(B,)`` long tensor of counts >= 0: integers only (a float or bool would be truncated)."""
     fix = "give a (B,) list or integer tensor of counts >= 0, one per row"
     if isinstance(pad, Tensor):
@@ -81,7 +85,7 @@ def _padding_counts(pad) -> Tensor:
         t = pad.long()
     else:
         try:
-            items = None if isinstance(pad, (str, bytes, dict)) else list(pad)
+            items = None if isinstance(pad, (str, bytes, dict)) else list(cast(Iterable[Any], pad))
         except TypeError:
             items = None
         if items is None or not all(isinstance(x, Integral) and not isinstance(x, bool) for x in items):
@@ -92,7 +96,7 @@ def _padding_counts(pad) -> Tensor:
     return t
 
 
-def padding_mask(pad: Tensor | None, start: int, end: int, memo: dict) -> Tensor | None:
+def padding_mask(pad: Tensor | None, start: int, end: int, memo: dict[tuple[int, int], Tensor]) -> Tensor | None:
     """``(B, 1, 1, end - start)`` bool, True for keys at padded-row indices ``>= pad[b]`` (None: no padding)."""
     if pad is None:
         return None
@@ -106,6 +110,45 @@ def padding_mask(pad: Tensor | None, start: int, end: int, memo: dict) -> Tensor
         memo.clear()
         memo[key] = m
     return m
+
+
+class LeftPadding:
+    """The left padding of a ragged batch, kept by a model-level cache and read by its layers: the counts
+    ``(B,)`` (None when no row is padded), the rows they were given for, and the key masks made from them."""
+
+    def __init__(self) -> None:
+        self.counts: Tensor | None = None
+        self.rows: int | None = None  # rows of the last set() (kept when every count is 0)
+        self._memo: dict[tuple[int, int], Tensor] = {}
+
+    def set(self, pad: object, batch: int | None) -> None:
+        """Take ``pad`` (``(B,)`` counts, or None), checked against the cache's ``batch`` when it is known."""
+        if pad is None:
+            self.counts, self.rows = None, None
+        else:
+            pad = _padding_counts(pad)
+            if batch is not None and pad.shape[0] != batch:
+                raise ValueError(f"set_left_padding got {pad.shape[0]} counts {pad.tolist()[:8]} for a batch of "
+                                 f"{batch} rows: give one count per row")
+            self.counts = pad if bool(pad.any()) else None
+            self.rows = pad.shape[0]
+        self._memo = {}
+
+    def check_rows(self, batch: int) -> None:
+        """A layer update of ``batch`` rows: the padding set before must have one count per row."""
+        if self.rows is not None and self.rows != batch:
+            raise ValueError(f"the cache's left padding has {self.rows} counts but the update has a batch of "
+                             f"{batch} rows: call set_left_padding with one count per row")
+
+    def key_mask(self, start: int, end: int, device: torch.device) -> Tensor | None:
+        """``(B, 1, 1, end - start)`` bool on ``device``, True for the keys at positions ``start:end`` that are
+        not padding (None: no padding)."""
+        pad = self.counts
+        if pad is None:
+            return None
+        if pad.device != device:
+            pad = self.counts = pad.to(device)
+        return padding_mask(pad, start, end, self._memo)
 
 
 class ModelCache:
@@ -128,52 +171,30 @@ class ModelCache:
         [[False, False, True, True], [True, True, True, True]]
     """
 
-    layers: Sequence
-    left_padding: Tensor | None = None
+    layers: Sequence[Any]
 
     def __init__(self) -> None:
-        self.left_padding = None
-        self._pad_rows: int | None = None  # rows of the last set_left_padding (kept when every count is 0)
-        self._mask_memo: dict = {}
+        self.padding = LeftPadding()  # (shared with the layers, which read their key masks from it)
+
+    @property
+    def left_padding(self) -> Tensor | None:
+        """The ``(B,)`` padding counts of a left-padded batch (None: no padding)."""
+        return self.padding.counts
 
     @property
     def seq_len(self) -> int:
         """Positions stored so far (the last layer is updated last, so this is the value before a forward)."""
-        return self.layers[-1].length
+        n: int = self.layers[-1].length
+        return n
 
-    def set_left_padding(self, pad) -> None:
+    def set_left_padding(self, pad: object) -> None:
         """Mark the first ``pad[b]`` positions of each row as padding (``pad``: ``(B,)`` ints, one per row of
         the batch, or None)."""
-        if pad is None:
-            self.left_padding, self._pad_rows = None, None
-        else:
-            pad = _padding_counts(pad)
-            batch = self._batch()
-            if batch is not None and pad.shape[0] != batch:
-                raise ValueError(f"set_left_padding got {pad.shape[0]} counts {pad.tolist()[:8]} for a batch of "
-                                 f"{batch} rows: give one count per row")
-            self.left_padding = pad if bool(pad.any()) else None
-            self._pad_rows = pad.shape[0]
-        self._mask_memo = {}
+        self.padding.set(pad, self._batch())
 
     def _batch(self) -> int | None:
         """The batch size the storage is laid out for, when known before the first update."""
         return None
-
-    def _check_padding_rows(self, batch: int) -> None:
-        """A layer update of ``batch`` rows: the left padding set before must have one count per row."""
-        if self._pad_rows is not None and self._pad_rows != batch:
-            raise ValueError(f"the cache's left padding has {self._pad_rows} counts but the update has a batch of "
-                             f"{batch} rows: call set_left_padding with one count per row")
-
-    def _key_mask(self, start: int, end: int) -> Tensor | None:
-        pad = self.left_padding
-        if pad is not None and pad.device != self._device():
-            pad = self.left_padding = pad.to(self._device())
-        return padding_mask(pad, start, end, self._mask_memo)
-
-    def _device(self) -> torch.device:
-        return torch.device("cpu")
 
     def nbytes(self) -> int:
         """Bytes held by every layer's storage."""
@@ -189,13 +210,41 @@ class ModelCache:
         return len(self.layers)
 
 
+@dataclass(frozen=True)
+class KVLayout:
+    """The layout of a cache whose layers store keys ``(B, Hkv, L, D)`` and values ``(B, Hkv, L, Dv)``: what
+    the cache was given, None where the first update decides."""
+
+    batch_size: int | None = None
+    n_kv_heads: int | None = None
+    d_head: int | None = None
+    d_value: int | None = None
+    dtype: torch.dtype | None = None
+    device: torch.device | None = None
+
+    def check_first(self, k: Tensor, v: Tensor) -> None:
+        """The first update (storage not allocated yet): its layout against what the cache was given."""
+        check_new_kv(k, v, batch=self.batch_size, heads=self.n_kv_heads, d_head=self.d_head, d_value=self.d_value,
+                     dtype=self.dtype, device=None)
+
+    def storage(self, k: Tensor, v: Tensor) -> tuple[int, int, int, int, torch.dtype, torch.device]:
+        """``(B, Hkv, D, Dv, dtype, device)`` of the storage: the layout given, the rest read off ``k``, ``v``."""
+        return (self.batch_size if self.batch_size is not None else k.shape[0],
+                self.n_kv_heads if self.n_kv_heads is not None else k.shape[1],
+                self.d_head if self.d_head is not None else k.shape[3],
+                self.d_value if self.d_value is not None else v.shape[3],
+                self.dtype or k.dtype, self.device or k.device)
+
+
 class LayoutCache(ModelCache):
     """A model-level cache whose layers store ``(B, Hkv, L, D)`` key and ``(B, Hkv, L, Dv)`` value tensors
     of one layout (:class:`attnkit.cache.StaticCache`, :class:`attnkit.cache.SlidingWindowCache`): the
     layout given (or taken from the first update), and the storage allocated up front when it is known."""
 
+    layers: Sequence[Any]
+
     def _set_layout(self, batch_size: int | None, n_kv_heads: int | None, d_head: int | None,
-                    d_value: int | None, dtype: torch.dtype | None, device, *, latent: bool) -> None:
+                    d_value: int | None, dtype: torch.dtype | None, device: Any, *, latent: bool) -> None:
         """Check and keep the layout of a cache whose layers store ``(B, Hkv, L, D)`` tensors; what is None
         is taken from the first update (``d_value`` defaults to ``d_head``; ``latent`` allows ``d_value=0``)."""
         for name, val in (("batch_size", batch_size), ("n_kv_heads", n_kv_heads), ("d_head", d_head),
@@ -206,36 +255,30 @@ class LayoutCache(ModelCache):
         self.d_value = d_value if d_value is not None else d_head
         self.dtype = check_dtype("dtype", dtype) if dtype is not None else None
         self.device = torch.device(device) if device is not None else None
+        self.layout = KVLayout(self.batch_size, self.n_kv_heads, self.d_head, self.d_value, self.dtype, self.device)
 
     def _allocate_known(self) -> None:
         """Allocate every layer's storage now when the batch, heads and head size are known."""
-        if None not in (self.batch_size, self.n_kv_heads, self.d_head):
+        if self.batch_size is not None and self.n_kv_heads is not None and self.d_head is not None:
             dt = self.dtype or torch.float32
+            d_value = self.d_value if self.d_value is not None else self.d_head
             probe_k = torch.empty(self.batch_size, self.n_kv_heads, 0, self.d_head, dtype=dt, device=self.device)
-            probe_v = torch.empty(self.batch_size, self.n_kv_heads, 0, self.d_value, dtype=dt, device=self.device)
+            probe_v = torch.empty(self.batch_size, self.n_kv_heads, 0, d_value, dtype=dt, device=self.device)
             for layer in self.layers:
-                layer._allocate(probe_k, probe_v)
+                layer.allocate(probe_k, probe_v)
 
     def _batch(self) -> int | None:
         k = self.layers[0].k
         return k.shape[0] if k is not None else self.batch_size
 
-    def _check_first(self, k, v) -> None:
-        """The first update (storage not allocated yet): its layout against what the cache was given."""
-        check_new_kv(k, v, batch=self.batch_size, heads=self.n_kv_heads, d_head=self.d_head, d_value=self.d_value,
-                     dtype=self.dtype, device=None)
 
-    def _device(self) -> torch.device:
-        k = self.layers[0].k
-        return k.device if k is not None else (self.device or torch.device("cpu"))
-
-
-def attend(kv, q: Tensor, *, mask=None, bias=None, scale: float | None = None, softcap: float | None = None,
-           backend: str = "auto", sinks: Tensor | None = None) -> Tensor:
+def attend(kv: CacheResult | tuple[Any, ...], q: Tensor, *, mask: Mask | Tensor | None = None,
+           bias: BiasLike | None = None, scale: float | None = None,
+           softcap: float | None = None, backend: str = "auto", sinks: Tensor | None = None) -> Tensor:
     """Attention of ``q (B, Hq, L_new, D)`` over what a layer cache's ``update`` returned.
 
-    ``kv`` is ``(k_all, v_all)``, ``(k_all, v_all, extra_mask)`` (AND-ed with ``mask``) or an object with
-    ``attend(q, *, mask, bias, scale, softcap)``.  ``mask``/``bias`` are the layer's own, in the bottom-right
+    ``kv`` is a :class:`CacheRead` (``(k_all, v_all)`` or ``(k_all, v_all, extra_mask)``, the mask AND-ed with
+    ``mask``) or a :class:`CacheAttention` (``attend(q, *, mask, bias, scale, softcap)``).  ``mask``/``bias`` are the layer's own, in the bottom-right
     alignment of the contract; ``sinks`` as in :func:`attnkit.attention` (passed to ``attend`` only when
     given).  Returns ``(B, Hq, L_new, Dv)``.
 
@@ -249,14 +292,14 @@ def attend(kv, q: Tensor, *, mask=None, bias=None, scale: float | None = None, s
         torch.Size([1, 2, 3, 4])
     """
     from ..functional import attention
-    from ..masks import Mask, from_dense
+    from ..masks import from_dense
 
-    if hasattr(kv, "attend"):
+    if isinstance(kv, CacheAttention):
         extra_kw = {} if sinks is None else {"sinks": sinks}
         return kv.attend(q, mask=mask, bias=bias, scale=scale, softcap=softcap, **extra_kw)
     if not isinstance(kv, tuple) or len(kv) not in (2, 3):
-        raise TypeError(f"a cache update must return (k, v), (k, v, extra_mask) or an object with attend(), "
-                        f"got {type(kv).__name__}")
+        raise TypeError(f"a cache update must return a CacheRead (or a (k, v) / (k, v, extra_mask) tuple) or a "
+                        f"CacheAttention (an object with attend()), got {type(kv).__name__}")
     k, v = kv[0], kv[1]
     extra = kv[2] if len(kv) == 3 else None
     if extra is not None:
@@ -265,4 +308,5 @@ def attend(kv, q: Tensor, *, mask=None, bias=None, scale: float | None = None, s
         else:
             m = mask if isinstance(mask, Mask) else from_dense(mask)
             mask = m & (extra if isinstance(extra, Mask) else from_dense(extra))
-    return attention(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, backend=backend, sinks=sinks)
+    out: Tensor = attention(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, backend=backend, sinks=sinks)
+    return out

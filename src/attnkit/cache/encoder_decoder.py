@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 from .static import StaticCache
 
 
@@ -21,7 +23,7 @@ class EncoderDecoderCache:
         (2, 2, 0)
     """
 
-    def __init__(self, self_cache, cross_cache):
+    def __init__(self, self_cache: Any, cross_cache: Any) -> None:
         for name, c in (("self_cache", self_cache), ("cross_cache", cross_cache)):
             if not hasattr(c, "layers"):
                 raise TypeError(f"{name} must be a model-level cache with one per-layer cache per decoder layer "
@@ -32,25 +34,29 @@ class EncoderDecoderCache:
         self.self_cache, self.cross_cache = self_cache, cross_cache
 
     @classmethod
-    def for_model(cls, model, batch_size: int, max_len: int, source_len: int) -> "EncoderDecoderCache":
+    def for_model(cls, model: Any, batch_size: int, max_len: int, source_len: int) -> "EncoderDecoderCache":
         """Two :class:`StaticCache` s for ``model``: ``max_len`` target and ``source_len`` source positions."""
         return cls(StaticCache.for_model(model, batch_size, max_len),
                    StaticCache.for_model(model, batch_size, source_len))
 
     @property
-    def layers(self):
-        return self.self_cache.layers
+    def layers(self) -> Sequence[Any]:
+        layers: Sequence[Any] = self.self_cache.layers
+        return layers
 
     @property
-    def cross_layers(self):
-        return self.cross_cache.layers
+    def cross_layers(self) -> Sequence[Any]:
+        layers: Sequence[Any] = self.cross_cache.layers
+        return layers
 
     @property
     def seq_len(self) -> int:
-        return self.self_cache.seq_len
+        n: int = self.self_cache.seq_len
+        return n
 
     def nbytes(self) -> int:
-        return self.self_cache.nbytes() + self.cross_cache.nbytes()
+        n: int = self.self_cache.nbytes() + self.cross_cache.nbytes()
+        return n
 
     def reset(self) -> None:
         self.self_cache.reset()

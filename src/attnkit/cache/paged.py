@@ -18,19 +18,21 @@ This module holds the cache objects; the free list, reference counts and prefix 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from numbers import Integral
+from typing import Any, Iterable, cast
 
 import torch
 
-from ..bias import ScoreMod
+from ..bias import BiasLike, ScoreMod
 from ..masks import Mask
 from .._checks import flag, integer
 from ..backends import paged as _kernel
 from ..backends.paged import PoolLayout, block_runs, seq_view
 from ..backends.call import check_number, check_sinks
-from ._block_pool import BlockPool, PoolExhausted
+from ._block_pool import BlockPool, PoolExhausted, SequenceBlocks
 from ._common import check_dtype, check_new_kv, model_dims
+from ._pool_view import PoolLayer, PoolView
+from ._protocol import CacheAttention, CacheRead
 
 Tensor = torch.Tensor
 
@@ -132,40 +134,32 @@ def _prepare(q: Tensor, scale, softcap, bias, mask, sinks=None) -> tuple:
 # ----------------------------------------------------------------------------- the cache
 
 
-@dataclass
-class _Sequence:
-    blocks: list[int] = field(default_factory=list)
-    length: int = 0  # positions whose keys/values are stored
-    tokens: list[int] = field(default_factory=list)  # known token ids (for prefix hashing)
-    hashes: list[int] = field(default_factory=list)  # chained hash of each full block registered so far
-    unshared: bool = False  # registers no more blocks (its contents predate clear_prefix_cache)
-
-
-def _items(values) -> list | None:
+def _items(values: object) -> list[Any] | None:
     """The elements of an iterable that is not a string or a mapping, else None."""
     if isinstance(values, (str, bytes, dict)):
         return None
     try:
-        return list(values)
+        return list(cast(Iterable[Any], values))  # (anything iterable; a TypeError otherwise)
     except TypeError:
         return None
 
 
-def _token_ids(who: str, tokens) -> list[int]:
+def _token_ids(who: str, tokens: object) -> list[int]:
     """``tokens`` (a list of ints or a 1-D integer tensor) as a list of ints; anything else raises (a float
     would be truncated to another token, a string read character by character)."""
     if isinstance(tokens, Tensor):
         if tokens.dim() != 1 or tokens.dtype == torch.bool or tokens.is_floating_point() or tokens.is_complex():
             raise TypeError(f"PagedCache.{who}: tokens must be a list or 1-D integer tensor of token ids, got a "
                             f"{tuple(tokens.shape)} {tokens.dtype} tensor")
-        return tokens.tolist()
+        ids: list[int] = tokens.tolist()
+        return ids
     items = _items(tokens)
     if items is None or not all(isinstance(t, Integral) and not isinstance(t, bool) for t in items):
         raise TypeError(f"PagedCache.{who}: tokens must be a list of int token ids, got {tokens!r:.80}")
     return [int(t) for t in items]
 
 
-def _sequence_ids(who: str, seq_ids) -> list[int]:
+def _sequence_ids(who: str, seq_ids: object) -> list[int]:
     """``seq_ids`` (a list of the ids ``add_sequence`` returned) as a list of ints."""
     items = _items(seq_ids.tolist() if isinstance(seq_ids, Tensor) and seq_ids.dim() == 1 else seq_ids)
     if items is None or not all(isinstance(s, Integral) and not isinstance(s, bool) for s in items):
@@ -209,8 +203,8 @@ class PagedCache:
     """
 
     def __init__(self, n_layers: int, num_blocks: int, block_size: int = 16, *, n_kv_heads: int, d_head: int,
-                 d_value: int | None = None, dtype: torch.dtype = torch.float32, device=None,
-                 prefix_caching: bool = True):
+                 d_value: int | None = None, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None, prefix_caching: bool = True) -> None:
         self.n_layers = integer("n_layers", n_layers, minimum=1)
         self.num_blocks = integer("num_blocks", num_blocks, minimum=1)
         self.block_size = integer("block_size", block_size, minimum=1)
@@ -230,13 +224,13 @@ class PagedCache:
             self.v_pools = [torch.zeros(shape_v, dtype=dtype, device=self.device) for _ in range(n_layers)]
         self._alloc = BlockPool(num_blocks)
         self._workspace: tuple[Tensor, Tensor] | None = None  # flat k, v scratch of packed forwards' chunks
-        self._seqs: dict[int, _Sequence] = {}
+        self._seqs: dict[int, SequenceBlocks] = {}
         self._next_id = 0
         self.prefix_hits = 0  # blocks reused from the prefix cache so far
 
     @classmethod
-    def for_model(cls, model, num_blocks: int, block_size: int = 16, *, dtype: torch.dtype | None = None,
-                  device=None, prefix_caching: bool = True) -> "PagedCache":
+    def for_model(cls, model: Any, num_blocks: int, block_size: int = 16, *, dtype: torch.dtype | None = None,
+                  device: torch.device | str | None = None, prefix_caching: bool = True) -> "PagedCache":
         """A pool laid out for ``model`` (read from ``model.config`` and its parameters)."""
         d = model_dims(model)
         return cls(d["n_layers"], num_blocks, block_size, n_kv_heads=d["n_kv_heads"], d_head=d["d_head"],
@@ -245,18 +239,18 @@ class PagedCache:
 
     # ------------------------------------------------------------------ sequences
 
-    def _seq(self, sid: int) -> _Sequence:
+    def _seq(self, sid: int) -> SequenceBlocks:
         s = None if isinstance(sid, bool) else self._seqs.get(sid)  # (True == 1 would find sequence 1)
         if s is None:
             raise ValueError(f"PagedCache: no sequence {sid!r} (live ones: {sorted(self._seqs)}); add it with "
                              f"add_sequence() first")
         return s
 
-    def add_sequence(self, tokens=None) -> int:
+    def add_sequence(self, tokens: object = None) -> int:
         """Start a sequence and return its id.  With the prompt's token ids (and prefix caching on), the
         longest run of its full blocks already in the cache is reused: :meth:`PagedCache.length` then tells how many
         positions are stored (at most ``len(tokens) - 1``, so the last prompt token is always computed)."""
-        seq = _Sequence(tokens=[] if tokens is None else _token_ids("add_sequence", tokens))
+        seq = SequenceBlocks(tokens=[] if tokens is None else _token_ids("add_sequence", tokens))
         sid = self._next_id
         self._next_id += 1
         self._seqs[sid] = seq
@@ -266,7 +260,7 @@ class PagedCache:
             self.prefix_hits += len(seq.blocks)
         return sid
 
-    def append_tokens(self, sid: int, tokens) -> None:
+    def append_tokens(self, sid: int, tokens: object) -> None:
         """Record token ids of sequence ``sid`` (prompt continuation or sampled tokens) for prefix hashing."""
         seq = self._seq(sid)
         seq.tokens.extend(_token_ids("append_tokens", tokens))
@@ -281,7 +275,7 @@ class PagedCache:
                 self._alloc.incref(b)
         new = self._next_id
         self._next_id += 1
-        self._seqs[new] = _Sequence(list(src.blocks), src.length, list(src.tokens), list(src.hashes))
+        self._seqs[new] = SequenceBlocks(list(src.blocks), src.length, list(src.tokens), list(src.hashes))
         return new
 
     def clear_prefix_cache(self) -> None:
@@ -389,7 +383,7 @@ class PagedCache:
         seq.length += n
         self._register(seq)
 
-    def _register(self, seq: _Sequence) -> None:
+    def _register(self, seq: SequenceBlocks) -> None:
         if not self.prefix_caching or seq.unshared:
             return
         full = min(seq.length, len(seq.tokens)) // self.block_size
@@ -410,7 +404,7 @@ class PagedCache:
         kw, vw = self._workspace
         return kw[:H * L * D].view(H, L, D), vw[:H * L * Dv].view(H, L, Dv)
 
-    def packed(self, seq_ids, n_new) -> "PagedPacked":
+    def packed(self, seq_ids: Iterable[Any], n_new: Iterable[Any]) -> "PagedPacked":
         """The model-level cache for one forward whose ``(1, sum(n_new))`` tokens pack ``n_new[i]`` new tokens of
         sequence ``seq_ids[i]`` after each other (decode tokens and prompt chunks mixed); pass
         ``positions=packed.positions()`` to the model.  See :class:`PagedPacked`."""
@@ -424,7 +418,7 @@ class PagedCache:
             self._seq(s)
         return PagedPacked(self, ids, n_new)
 
-    def batch(self, seq_ids) -> "PagedBatch":
+    def batch(self, seq_ids: object) -> "PagedBatch":
         """The model-level cache for one forward over sequences ``seq_ids`` (in this order)."""
         ids = _sequence_ids("PagedCache.batch", seq_ids)
         if len(set(ids)) != len(ids):
@@ -433,14 +427,14 @@ class PagedCache:
             self._seq(s)
         return PagedBatch(self, ids)
 
-    def block_table(self, seq_ids) -> Tensor:
+    def block_table(self, seq_ids: object) -> Tensor:
         """``(B, max_blocks)`` int32 block ids of ``seq_ids`` (rows padded with 0)."""
         seqs = [self._seq(s) for s in _sequence_ids("PagedCache.block_table", seq_ids)]
         width = max([len(s.blocks) for s in seqs], default=0)
         rows = [s.blocks + [0] * (width - len(s.blocks)) for s in seqs]
         return torch.tensor(rows, dtype=torch.int32, device=self.device).view(len(seqs), width)
 
-    def seq_lens(self, seq_ids) -> Tensor:
+    def seq_lens(self, seq_ids: object) -> Tensor:
         """``(B,)`` int32 positions stored per sequence."""
         return torch.tensor([self._seq(s).length for s in _sequence_ids("PagedCache.seq_lens", seq_ids)],
                             dtype=torch.int32, device=self.device)
@@ -451,7 +445,7 @@ class PagedCache:
         """Bytes of the pools (every layer)."""
         return sum(t.nbytes for t in self.k_pools) + sum(t.nbytes for t in self.v_pools)
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """Blocks in use, positions stored, and the share of the pool allocated but not filled (``waste``)."""
         fill: dict[int, int] = {}
         bs = self.block_size
@@ -477,8 +471,8 @@ class _Plan:
 
     def __init__(self, cache: PagedCache, ids: list[int], n_new: int):
         seqs = [cache._seqs[s] for s in ids]
-        for s in ids:
-            cache.reserve(s, n_new)
+        for sid in ids:
+            cache.reserve(sid, n_new)
         bs, dev = cache.block_size, cache.device
         self.cache, self.ids, self.n_new = cache, ids, n_new
         starts = [s.length for s in seqs]
@@ -492,15 +486,15 @@ class _Plan:
         self.write_offsets = torch.tensor(off, dtype=torch.long, device=dev)
         self.blocks = [s.blocks[:-(-n // bs)] for s, n in zip(seqs, self.lens)]
         self.runs = [block_runs(b) for b in self.blocks]
-        self._tables = None
-        self._layout = None
+        self._tables: tuple[Tensor, Tensor] | None = None
+        self._layout: dict[bool, PoolLayout] | None = None
 
     @classmethod
     def reading(cls, cache: PagedCache, ids: list[int], lens: list[int]) -> "_Plan":
         """A plan that only reads: sequences ``ids`` holding ``lens`` positions (written already)."""
         self = cls.__new__(cls)
         bs = cache.block_size
-        self.cache, self.ids, self.n_new, self.lens = cache, ids, None, lens
+        self.cache, self.ids, self.n_new, self.lens = cache, ids, 0, lens  # (writes nothing)
         self.blocks = [cache._seqs[s].blocks[:-(-n // bs)] for s, n in zip(ids, lens)]
         self.runs = [block_runs(b) for b in self.blocks]
         self._tables = None
@@ -511,17 +505,19 @@ class _Plan:
         """The pool-wide decode layout (built once per step, shared by every layer)."""
         if self._layout is None:
             self._layout = {}
-        if whole not in self._layout:
-            self._layout[whole] = PoolLayout(self.blocks, self.lens, self.cache.block_size, self.cache.device,
-                                              self.cache.num_blocks if whole else None)
-        return self._layout[whole]
+        built = self._layout.get(whole)
+        if built is None:
+            built = self._layout[whole] = PoolLayout(self.blocks, self.lens, self.cache.block_size,
+                                                     self.cache.device, self.cache.num_blocks if whole else None)
+        return built
 
     def tables(self) -> tuple[Tensor, Tensor]:
         """``block_table (B, max_blocks)`` and ``seq_lens (B,)`` int32 tensors (for the GPU kernel)."""
-        if self._tables is None:
-            self._tables = (self.cache.block_table(self.ids),
-                            torch.tensor(self.lens, dtype=torch.int32, device=self.cache.device))
-        return self._tables
+        tables = self._tables
+        if tables is None:
+            tables = self._tables = (self.cache.block_table(self.ids),
+                                     torch.tensor(self.lens, dtype=torch.int32, device=self.cache.device))
+        return tables
 
     def gather(self, pool: Tensor) -> tuple[Tensor, Tensor | None]:
         """Every stored position of each sequence, right-aligned: ``(B, Hkv, max_len, D)`` and the padding mask."""
@@ -541,13 +537,14 @@ class _Plan:
         return out, (cols >= pad)[:, None, None, :]  # (B, 1, 1, L)
 
 
-class _PagedDecode:
+class _PagedDecode(CacheAttention):
     """What a decode step's layer returns: attention through the block table (see ``paged_attention``)."""
 
     def __init__(self, k_pool: Tensor, v_pool: Tensor, plan: _Plan):
         self.k_pool, self.v_pool, self.plan = k_pool, v_pool, plan
 
-    def attend(self, q: Tensor, *, mask=None, bias=None, scale=None, softcap=None, sinks=None,
+    def attend(self, q: Tensor, *, mask: Mask | Tensor | None = None, bias: BiasLike | None = None,
+               scale: float | None = None, softcap: float | None = None, sinks: Tensor | None = None,
                value_dims: int | None = None) -> Tensor:
         """``value_dims``: the values are the first ``value_dims`` channels of the stored keys (a latent cache,
         :class:`attnkit.nn.LatentAttention`, stores no values of its own)."""
@@ -561,43 +558,10 @@ class _PagedDecode:
                                      scale=scale, softcap=softcap, bias=bias, mask=mask)
 
 
-class _PoolLayer:
-    """Layer ``index`` of a forward's view (``PagedBatch`` or ``PagedPacked``) of a :class:`PagedCache`."""
-
-    def __init__(self, owner, index: int):
-        self._owner, self.index = owner, index
-
-    @property
-    def length(self) -> int:
-        return self._owner.seq_len
-
-    @property
-    def seq_len(self) -> int:
-        """The view's stored length when its sequences hold the same (sequences of different lengths raise:
-        the forward passes explicit positions to the model)."""
-        return self._owner.seq_len
-
-    def _pools(self) -> tuple[Tensor, Tensor]:
-        c = self._owner.cache
-        return c.k_pools[self.index], c.v_pools[self.index]
-
-    def _done(self, out):
-        """``out``, once the last layer has committed the forward's new lengths."""
-        if self.index == self._owner.cache.n_layers - 1:
-            self._owner._commit()
-        return out
-
-    def nbytes(self) -> int:
-        kp, vp = self._pools()
-        return kp.nbytes + vp.nbytes
-
-    def reset(self) -> None:
-        raise TypeError(f"a {type(self._owner).__name__} layer cannot be reset: free the sequences in the "
-                        f"PagedCache instead")
-
-
-class PagedLayerCache(_PoolLayer):
+class PagedLayerCache(PoolLayer):
     """Layer ``index`` of a :class:`PagedBatch`: writes new keys/values into the pool through the plan."""
+
+    _owner: PagedBatch
 
     def peek(self, n_new: int) -> tuple[int | None, bool]:
         """``(Lk, attends)`` of an update of ``n_new`` tokens (see ``StaticLayerCache.peek``): one token
@@ -605,7 +569,7 @@ class PagedLayerCache(_PoolLayer):
         o = self._owner
         return max((o.cache._seqs[s].length for s in o.ids), default=0) + n_new, n_new == 1
 
-    def update(self, k: Tensor, v: Tensor):
+    def update(self, k: Tensor, v: Tensor) -> CacheRead | _PagedDecode:
         """Store ``k (B, Hkv, L_new, D)``, ``v`` for the batch's sequences; one new token each returns a
         paged decode object (``attend``), more return the gathered keys/values in position order."""
         o = self._owner
@@ -617,26 +581,17 @@ class PagedLayerCache(_PoolLayer):
         B, H, n, _ = k.shape
         kp[plan.write_blocks, :, plan.write_offsets] = k.transpose(1, 2).reshape(B * n, H, k.shape[3])  # (B*n, Hkv, D)
         vp[plan.write_blocks, :, plan.write_offsets] = v.transpose(1, 2).reshape(B * n, H, v.shape[3])
+        out: CacheRead | _PagedDecode
         if n == 1:
             out = _PagedDecode(kp, vp, plan)
         else:
             k_all, mask = plan.gather(kp)  # (B, Hkv, L, D), right-aligned
             v_all, _ = plan.gather(vp)
-            out = (k_all, v_all) if mask is None else (k_all, v_all, mask)
+            out = CacheRead(k_all, v_all, mask)
         return self._done(out)
 
 
-class _View:
-    """What the model-level views of a :class:`PagedCache` (``cache``, ``layers``) share."""
-
-    def nbytes(self) -> int:
-        return self.cache.nbytes()
-
-    def __len__(self) -> int:
-        return len(self.layers)
-
-
-class PagedBatch(_View):
+class PagedBatch(PoolView):
     """The model-level view of a :class:`PagedCache` for a forward over some of its sequences.
 
     ``layers[i]`` writes layer ``i``; the last layer's update commits the new lengths (and registers
@@ -686,8 +641,9 @@ class PagedBatch(_View):
         return self._plan
 
     def _commit(self) -> None:
+        n_new = 0 if self._plan is None else self._plan.n_new
         for s in self.ids:
-            self.cache._advance(s, self._plan.n_new)
+            self.cache._advance(s, n_new)
         self._plan = None
 
     def __repr__(self) -> str:
@@ -697,7 +653,7 @@ class PagedBatch(_View):
 # ----------------------------------------------------------------------------- packed forwards (chunked prefill)
 
 
-class _PackedAttend:
+class _PackedAttend(CacheAttention):
     """What a packed forward's layer returns: each sequence's queries attend to its own keys.
 
     The one-token segments (decode steps) attend together through the block tables, as a decode step does;
@@ -707,7 +663,8 @@ class _PackedAttend:
     def __init__(self, k_pool: Tensor, v_pool: Tensor, packed: "PagedPacked"):
         self.k_pool, self.v_pool, self.packed = k_pool, v_pool, packed
 
-    def attend(self, q: Tensor, *, mask=None, bias=None, scale=None, softcap=None, sinks=None,
+    def attend(self, q: Tensor, *, mask: Mask | Tensor | None = None, bias: BiasLike | None = None,
+               scale: float | None = None, softcap: float | None = None, sinks: Tensor | None = None,
                value_dims: int | None = None) -> Tensor:
         """``sinks``: as in :func:`attnkit.attention` (a logit per query head); ``value_dims``: the values are
         the first ``value_dims`` channels of the stored keys (a latent cache, :class:`attnkit.nn.LatentAttention`)."""
@@ -728,8 +685,7 @@ class _PackedAttend:
         for i in pk._chunk_rows:
             a, n = pk.offsets[i], pk.n_new[i]
             k, v = pk._keys(self.k_pool, self.v_pool, i, value_dims is None)  # (1, Hkv, L, D), (1, Hkv, L, Dv)
-            if value_dims is not None:
-                v = k[..., :value_dims]
+            v = k[..., :value_dims] if value_dims is not None else cast(Tensor, v)  # (values read unless latent)
             qi = q[:, :, a:a + n]  # (1, Hq, n, D)
             if _kernel.takes_chunk(qi, k, v, mask=mask, bias=bias, softcap=softcap):
                 out[:, :, a:a + n] = _kernel.attend_chunk(qi, k, v, scale=D ** -0.5 if scale is None else scale,
@@ -740,8 +696,10 @@ class _PackedAttend:
         return out
 
 
-class PagedPackedLayerCache(_PoolLayer):
+class PagedPackedLayerCache(PoolLayer):
     """Layer ``index`` of a :class:`PagedPacked`: writes the packed keys/values into the pool."""
+
+    _owner: PagedPacked
 
     def peek(self, n_new: int) -> tuple[int | None, bool]:
         """``(None, True)``: the keys differ per sequence, and the returned object computes attention."""
@@ -763,7 +721,7 @@ class PagedPackedLayerCache(_PoolLayer):
         return self._done(_PackedAttend(kp, vp, o))
 
 
-class PagedPacked(_View):
+class PagedPacked(PoolView):
     """The model-level view of a :class:`PagedCache` for one forward over packed tokens of several sequences.
 
     The forward's ``(1, T)`` tokens are ``n_new[0]`` tokens of ``ids[0]``, then ``n_new[1]`` of ``ids[1]``, ...
@@ -808,7 +766,7 @@ class PagedPacked(_View):
         self._decode_rows = [i for i, n in enumerate(n_new) if n == 1]
         self._chunk_rows = [i for i, n in enumerate(n_new) if n > 1]
         self._reserved = self._committed = False
-        self._plans: dict = {}
+        self._plans: dict[str, _Plan] = {}
 
     @property
     def seq_len(self) -> int:

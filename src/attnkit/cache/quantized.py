@@ -20,11 +20,15 @@ copy is one chunk (plus the residual) of one layer, whatever the length.
 from __future__ import annotations
 
 import math
+from typing import Any, cast
 
 import torch
 
 from .._checks import integer
+from ..bias import BiasLike
+from ..masks import Mask
 from ._common import ModelCache, check_dtype, check_new_kv, model_dims
+from ._protocol import CacheAttention, CacheRead
 
 Tensor = torch.Tensor
 
@@ -33,7 +37,8 @@ __all__ = ["QuantizedCache", "QuantizedLayerCache", "quantize_groups", "dequanti
 _FP16_MAX = 65504.0
 
 
-def quantize_groups(x: Tensor, dim: int, bits: int, scale_dtype: torch.dtype = torch.float16):
+def quantize_groups(x: Tensor, dim: int, bits: int,
+                    scale_dtype: torch.dtype = torch.float16) -> tuple[Tensor, Tensor, Tensor]:
     """Asymmetric quantization of ``x`` with one scale and zero point per slice along ``dim``.
 
     Returns ``(q, scale, zero)``: ``q`` uint8 in ``0 .. 2^bits - 1`` (not packed) with ``x``'s shape, and
@@ -118,10 +123,11 @@ class QuantizedLayerCache:
         self.length = 0
         self.n_quant = 0  # tokens in the quantized store (a multiple of group_size)
         self.n_res = 0  # tokens in the residual
-        self.kq = None
+        self.kq: Tensor | None = None  # the store, allocated by the first update
 
     @torch.inference_mode(False)  # ordinary tensors: the cache may be written outside inference_mode later
-    def _allocate(self, k: Tensor, v: Tensor) -> None:
+    def _allocate(self, k: Tensor, v: Tensor) -> Tensor:
+        """Allocate the store and the residual for keys and values laid out as ``k``, ``v``: the key store."""
         o = self._owner
         B, H, _, D = k.shape
         Dv = v.shape[3]
@@ -145,6 +151,7 @@ class QuantizedLayerCache:
         self.v_zero = torch.zeros(B, H, C, Dv // gv, dtype=sd, device=dev)
         self.rk = torch.zeros(B, H, o.residual, D, dtype=k.dtype, device=dev)
         self.rv = torch.zeros(B, H, o.residual, Dv, dtype=v.dtype, device=dev)
+        return self.kq
 
     def _flush(self, k: Tensor, v: Tensor) -> None:
         """Quantize ``k``/``v`` (B, Hkv, f, D), f a multiple of group_size, onto the end of the store (no
@@ -155,7 +162,8 @@ class QuantizedLayerCache:
         Dv = v.shape[3]
         g, gv = o.group_size, self.gv
         a, b = self.n_quant, self.n_quant + f
-        if b > self.kq.shape[2]:
+        kq = cast(Tensor, self.kq)  # (allocated by the first update)
+        if b > kq.shape[2]:
             raise ValueError(f"QuantizedCache overflow in layer {self.index}: it holds max_len={o.max_len} "
                              f"positions; create it with a larger max_len")
         pad = o.left_padding
@@ -166,7 +174,7 @@ class QuantizedLayerCache:
             k = torch.where(is_pad, k.gather(2, first), k)
         q, s, z = quantize_groups(k.reshape(B, H, f // g, g, D), 3, o.bits, o.scale_dtype)  # per channel
         q = q.view(B, H, f, D)
-        self.kq[:, :, a:b] = _pack4(q) if o.bits == 4 else q
+        kq[:, :, a:b] = _pack4(q) if o.bits == 4 else q
         self.k_scale[:, :, a // g:b // g] = s.squeeze(3)
         self.k_zero[:, :, a // g:b // g] = z.squeeze(3)
         q, s, z = quantize_groups(v.reshape(B, H, f, Dv // gv, gv), 4, o.bits, o.scale_dtype)  # per token
@@ -181,7 +189,7 @@ class QuantizedLayerCache:
         ``out`` ``(B, Hkv, b - a, D)``: a converting copy, then one in-place ``addcmul``."""
         o = self._owner
         g, gv = o.group_size, self.gv
-        q = (self.kq if which == "k" else self.vq)[:, :, a:b]
+        q = cast(Tensor, self.kq if which == "k" else self.vq)[:, :, a:b]
         if o.bits == 4:  # low nibble: channel i, high nibble: channel i + D/2
             half = q.shape[-1]
             out[..., :half].copy_(q & 15)
@@ -205,7 +213,7 @@ class QuantizedLayerCache:
         """Every stored position in position order, in new tensors: the store dequantized, then the
         full-precision residual (a multi-token step's read; a decode step reads in chunks instead)."""
         n, r = self.n_quant, self.n_res
-        B, H = self.kq.shape[:2]
+        B, H = cast(Tensor, self.kq).shape[:2]
         D, Dv = self.rk.shape[3], self.rv.shape[3]
         dev = self.rk.device
         k_all = torch.empty(B, H, n + r, D, dtype=dtype, device=dev)
@@ -224,17 +232,18 @@ class QuantizedLayerCache:
             raise ValueError(f"QuantizedLayerCache {self.index} holds nothing yet: update it first")
         return self._read(self.rk.dtype)
 
-    def update(self, k: Tensor, v: Tensor):
+    def update(self, k: Tensor, v: Tensor) -> CacheRead | _QuantizedDecode:
         """Store ``k (B, Hkv, L_new, D)``, ``v``.  A decode step (at most 16 new tokens) returns an object
         whose ``attend`` reads the store a chunk at a time; a longer step returns every position in position
         order, what was stored before it dequantized and its own tokens (with the residual's) in full
         precision, plus the padding mask of a left-padded batch."""
-        if self.kq is None:
+        kq = self.kq
+        if kq is None:
             check_new_kv(k, v, batch=None, heads=None, d_head=None, d_value=None, dtype=self._owner.dtype, device=None)
-            self._allocate(k, v)
-        check_new_kv(k, v, batch=self.kq.shape[0], heads=self.kq.shape[1], d_head=self.rk.shape[3],
+            kq = self._allocate(k, v)
+        check_new_kv(k, v, batch=kq.shape[0], heads=kq.shape[1], d_head=self.rk.shape[3],
                      d_value=self.rv.shape[3], dtype=self.rk.dtype, device=self.rk.device)
-        self._owner._check_padding_rows(k.shape[0])
+        self._owner.padding.check_rows(k.shape[0])
         o = self._owner
         R, g, n = o.residual, o.group_size, k.shape[2]
         total = self.n_res + n
@@ -257,7 +266,7 @@ class QuantizedLayerCache:
             self.rk[:, :, :self.n_res] = ks[:, :, f:]
             self.rv[:, :, :self.n_res] = vs[:, :, f:]
         self.length += n
-        mask = o._key_mask(0, self.length)
+        mask = o.padding.key_mask(0, self.length, self.rk.device)
         if n <= _DECODE_QUERIES:
             return _QuantizedDecode(self, mask)
         # a prompt attends to its own keys and values (and the residual's) in full precision, to the store
@@ -270,7 +279,7 @@ class QuantizedLayerCache:
             self._dequantize("v", 0, n_old, v_all[:, :, :n_old])
         k_all[:, :, n_old:] = ks
         v_all[:, :, n_old:] = vs
-        return (k_all, v_all) if mask is None else (k_all, v_all, mask)
+        return CacheRead(k_all, v_all, mask)
 
     @property
     def seq_len(self) -> int:
@@ -299,7 +308,7 @@ _DECODE_QUERIES = 16  # new tokens up to which an update returns the chunked rea
 _CHUNK = 512  # store positions dequantized at a time by the decode read
 
 
-class _QuantizedDecode:
+class _QuantizedDecode(CacheAttention):
     """What a decode step's ``update`` returns: attention that reads the quantized store a chunk at a time.
 
     Scores ``q @ k^T`` are computed chunk by chunk from keys dequantized into a small workspace shared by
@@ -311,10 +320,11 @@ class _QuantizedDecode:
     def __init__(self, layer: QuantizedLayerCache, pad_mask: Tensor | None):
         self.layer, self.pad_mask = layer, pad_mask
 
-    def attend(self, q: Tensor, *, mask=None, bias=None, scale=None, softcap=None, sinks=None) -> Tensor:
-        from ..backends.scores import grouped_bias, grouped_index, modify_scores
+    def attend(self, q: Tensor, *, mask: Mask | Tensor | None = None, bias: BiasLike | None = None,
+               scale: float | None = None, softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
         from ..backends.call import accumulation_dtype, make_call
-        from ..masks import Mask, from_dense
+        from ..backends.scores import grouped_bias, grouped_index, modify_scores
+        from ..masks import from_dense
         from ..softmax import stable_softmax
 
         layer, o = self.layer, self.layer._owner
@@ -360,7 +370,8 @@ class _QuantizedDecode:
             out += torch.matmul(p[..., a:b], layer._dequantize("v", a, b, wv[:, :, :b - a]))
         return out.view(B, Hq, Lq, Dv).to(q.dtype)
 
-    def _differentiable(self, q: Tensor, *, mask, bias, scale, softcap, sinks=None) -> Tensor:
+    def _differentiable(self, q: Tensor, *, mask: Mask | Tensor | None, bias: BiasLike | None, scale: float | None,
+                        softcap: float | None, sinks: Tensor | None = None) -> Tensor:
         """With gradients on (the query or the residual's new keys carry a graph): the store dequantized into
         new tensors and one ordinary attention call, so the shared workspace is never part of a graph; the
         gradient reaches the query and the full-precision residual (quantized keys have none)."""
@@ -372,7 +383,8 @@ class _QuantizedDecode:
             pad = from_dense(self.pad_mask)
             mask = check_mask(mask, q, (q.shape[0], q.shape[1], q.shape[2], k_all.shape[2]))
             mask = pad if mask is None else mask & pad
-        return attention(q, k_all, v_all, mask=mask, bias=bias, scale=scale, softcap=softcap, sinks=sinks)
+        out: Tensor = attention(q, k_all, v_all, mask=mask, bias=bias, scale=scale, softcap=softcap, sinks=sinks)
+        return out
 
     def _plain(self, q: Tensor, scale: float) -> Tensor:
         """Nothing modifies the scores: a store of one chunk is dequantized with the residual behind it for one
@@ -410,7 +422,7 @@ class _QuantizedDecode:
         return out.view(B, Hq, Lq, Dv).to(q.dtype)
 
 
-def _plain_query(q, layer: QuantizedLayerCache) -> bool:
+def _plain_query(q: object, layer: QuantizedLayerCache) -> bool:
     """Whether ``q`` fits the store as is (anything else takes the checked path, whose errors are clear)."""
     return (isinstance(q, Tensor) and q.dim() == 4 and q.dtype == layer.rk.dtype and q.device == layer.rk.device
             and q.shape[0] == layer.rk.shape[0] and q.shape[1] % layer.rk.shape[1] == 0
@@ -456,7 +468,7 @@ class QuantizedCache(ModelCache):
     def __init__(self, n_layers: int, max_len: int, *, bits: int = 8, group_size: int = 32,
                  residual: int | None = None, batch_size: int | None = None, n_kv_heads: int | None = None,
                  d_head: int | None = None, d_value: int | None = None, dtype: torch.dtype | None = None,
-                 device=None, scale_dtype: torch.dtype = torch.float16):
+                 device: torch.device | str | None = None, scale_dtype: torch.dtype = torch.float16) -> None:
         super().__init__()
         integer("n_layers", n_layers, minimum=1)
         self.max_len = integer("max_len", max_len, minimum=1)
@@ -475,7 +487,7 @@ class QuantizedCache(ModelCache):
         self.layers = tuple(QuantizedLayerCache(self, i) for i in range(n_layers))
         self.chunk = max(group_size, _CHUNK // group_size * group_size)  # whole groups per decode chunk
         self._ws: tuple[Tensor, Tensor] | None = None
-        if None not in (batch_size, n_kv_heads, d_head):
+        if batch_size is not None and n_kv_heads is not None and d_head is not None:
             dt = self.dtype or torch.float32
             dv = d_value if d_value is not None else d_head
             pk = torch.empty(batch_size, n_kv_heads, 0, d_head, dtype=dt, device=self.device)
@@ -484,8 +496,9 @@ class QuantizedCache(ModelCache):
                 layer._allocate(pk, pv)
 
     @classmethod
-    def for_model(cls, model, batch_size: int, max_len: int | None = None, *, bits: int = 8, group_size: int = 32,
-                  residual: int | None = None, dtype: torch.dtype | None = None, device=None) -> "QuantizedCache":
+    def for_model(cls, model: Any, batch_size: int, max_len: int | None = None, *, bits: int = 8,
+                  group_size: int = 32, residual: int | None = None, dtype: torch.dtype | None = None,
+                  device: torch.device | str | None = None) -> "QuantizedCache":
         """A cache laid out for ``model``; ``max_len`` defaults to its ``max_seq_len``."""
         d = model_dims(model)
         if d["d_value"] == 0:
@@ -500,7 +513,8 @@ class QuantizedCache(ModelCache):
                    dtype=dtype or d["dtype"], device=device or d["device"])
 
     @torch.inference_mode(False)  # ordinary tensors: the cache may be written outside inference_mode later
-    def _workspace(self, B: int, H: int, D: int, Dv: int, dtype: torch.dtype, device) -> tuple[Tensor, Tensor]:
+    def _workspace(self, B: int, H: int, D: int, Dv: int, dtype: torch.dtype,
+                   device: torch.device) -> tuple[Tensor, Tensor]:
         """One pair of full-precision buffers ``(B, Hkv, chunk + residual, D)`` shared by every layer: a decode
         step dequantizes the store into it a chunk at a time (kept: fresh pages cost more than the copy)."""
         ws = self._ws
@@ -517,10 +531,6 @@ class QuantizedCache(ModelCache):
     def _batch(self) -> int | None:
         layer = self.layers[0]
         return layer.kq.shape[0] if layer.kq is not None else None
-
-    def _device(self) -> torch.device:
-        layer = self.layers[0]
-        return layer.rk.device if layer.kq is not None else (self.device or torch.device("cpu"))
 
     def __repr__(self) -> str:
         return (f"QuantizedCache({len(self.layers)} layers, int{self.bits}, group {self.group_size}, "

@@ -17,18 +17,25 @@ n_sink=, window=)`` decodes with): blocks that left the window go back to the po
 
 from __future__ import annotations
 
+from typing import Any, Iterable
+
 import torch
 
 from .._checks import integer
+from ..bias import BiasLike
+from ..masks import Mask
 from ._common import ModelCache, check_new_kv, model_dims
-from .paged import PagedCache, PoolExhausted, _View, _PoolLayer
+from ._pool_view import PoolLayer, PoolView
+from ._protocol import CacheAttention, CacheRead
+from ._block_pool import SequenceBlocks
+from .paged import PagedCache, PoolExhausted
 
 Tensor = torch.Tensor
 
 __all__ = ["SinkCache", "PagedSinkCache"]
 
 
-def _unrotate(rope, k: Tensor, positions: Tensor) -> Tensor:
+def _unrotate(rope: Any, k: Tensor, positions: Tensor) -> Tensor:
     """``k (B, Hkv, n, D)``, rotated by ``rope`` at ``positions`` (``(n,)`` or ``(B, n)``), rotated back: the
     key before its rotation."""
     cos, sin = rope.cos_sin(positions, k.dtype)
@@ -41,7 +48,7 @@ def _unrotate(rope, k: Tensor, positions: Tensor) -> Tensor:
     return torch.cat([raw, kp], dim=-1)
 
 
-def _rotary(model):
+def _rotary(model: Any) -> Any:
     """The model's :class:`attnkit.nn.RotaryEmbedding` when it has one (else None), after checking that every
     layer rotates with it: the cache rotates the kept keys at their positions within the cache itself."""
     cfg = getattr(model, "config", None)
@@ -77,10 +84,10 @@ class SinkLayerCache:
             return k
         return _unrotate(rope, k, torch.arange(start, start + k.shape[2], device=k.device))
 
-    def update(self, k: Tensor, v: Tensor):
+    def update(self, k: Tensor, v: Tensor) -> CacheRead:
         o = self._owner
         n = k.shape[2]
-        if self.k is not None:
+        if self.k is not None and self.v is not None:
             check_new_kv(k, v, batch=self.k.shape[0], heads=self.k.shape[1], d_head=self.k.shape[3],
                          d_value=self.v.shape[3], dtype=self.k.dtype, device=self.k.device)
         if n != 1 and self.length:
@@ -98,10 +105,10 @@ class SinkLayerCache:
             self.v = torch.cat([self.v[:, :, :s], self.v[:, :, s + 1:]], dim=2)
         self.length += n
         k_all = self.k if o.rope is None else o.rope.rotate(self.k, torch.arange(self.k.shape[2], device=k.device))
-        return k_all, self.v
+        return CacheRead(k_all, self.v)
 
     def nbytes(self) -> int:
-        return 0 if self.k is None else self.k.nbytes + self.v.nbytes
+        return 0 if self.k is None or self.v is None else self.k.nbytes + self.v.nbytes
 
     def reset(self) -> None:
         self.length, self.k, self.v = 0, None, None
@@ -134,7 +141,7 @@ class SinkCache(ModelCache):
         40
     """
 
-    def __init__(self, n_layers: int, n_sink: int, window: int, *, rope=None):
+    def __init__(self, n_layers: int, n_sink: int, window: int, *, rope: Any = None) -> None:
         super().__init__()
         integer("n_layers", n_layers, minimum=1)
         self.n_sink = integer("n_sink", n_sink, minimum=0)
@@ -144,16 +151,17 @@ class SinkCache(ModelCache):
         self.layers = tuple(SinkLayerCache(self, i) for i in range(n_layers))
 
     @classmethod
-    def for_model(cls, model, n_sink: int = 4, window: int = 1024) -> "SinkCache":
+    def for_model(cls, model: Any, n_sink: int = 4, window: int = 1024) -> "SinkCache":
         """A cache for an :class:`attnkit.nn.DecoderLM` (its rotary embedding, when it has one)."""
         d = model_dims(model)
         return cls(d["n_layers"], n_sink, window, rope=_rotary(model))
 
     @property
     def seq_len(self) -> int:
-        return self.layers[-1].seq_len
+        n: int = self.layers[-1].seq_len
+        return n
 
-    def set_left_padding(self, pad) -> None:
+    def set_left_padding(self, pad: Any) -> None:
         if pad is not None and any(int(p) for p in pad):
             raise ValueError("SinkCache takes prompts of one length (no left padding): generate them one at a time")
 
@@ -209,9 +217,10 @@ class PagedSinkCache(PagedCache):
         ([[0, -1, 2, 3]], 4)
     """
 
-    def __init__(self, n_layers: int, num_blocks: int, block_size: int = 16, *, n_sink: int, window: int, rope=None,
-                 n_kv_heads: int, d_head: int, d_value: int | None = None, dtype: torch.dtype = torch.float32,
-                 device=None, prefix_caching: bool = True):
+    def __init__(self, n_layers: int, num_blocks: int, block_size: int = 16, *, n_sink: int, window: int,
+                 rope: Any = None, n_kv_heads: int, d_head: int, d_value: int | None = None,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 prefix_caching: bool = True) -> None:
         super().__init__(n_layers, num_blocks, block_size, n_kv_heads=n_kv_heads, d_head=d_head, d_value=d_value,
                          dtype=dtype, device=device, prefix_caching=prefix_caching)
         self.n_sink = integer("n_sink", n_sink, minimum=0)
@@ -224,8 +233,9 @@ class PagedSinkCache(PagedCache):
         self._sink_blocks = -(-self.n_sink // block_size)  # the blocks holding sink tokens, never given back
 
     @classmethod
-    def for_model(cls, model, num_blocks: int, block_size: int = 16, *, n_sink: int = 4, window: int = 1024,
-                  dtype: torch.dtype | None = None, device=None, prefix_caching: bool = True) -> "PagedSinkCache":
+    def for_model(cls, model: Any, num_blocks: int, block_size: int = 16, *, n_sink: int = 4, window: int = 1024,
+                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                  prefix_caching: bool = True) -> "PagedSinkCache":
         """A pool laid out for ``model`` (its config, parameters and rotary embedding, when it has one)."""
         rope = _rotary(model)
         d = model_dims(model)
@@ -252,7 +262,7 @@ class PagedSinkCache(PagedCache):
 
     # ------------------------------------------------------------------ blocks
 
-    def add_sequence(self, tokens=None) -> int:
+    def add_sequence(self, tokens: object = None) -> int:
         sid = super().add_sequence(tokens)
         self._evict(self._seqs[sid])
         return sid
@@ -261,7 +271,7 @@ class PagedSinkCache(PagedCache):
         super()._advance(sid, n)
         self._evict(self._seqs[sid])
 
-    def _evict(self, seq) -> None:
+    def _evict(self, seq: SequenceBlocks) -> None:
         """Give back the blocks of ``seq`` that only hold tokens its next query no longer reads."""
         bs = self.block_size
         keep_from = max(self.n_sink, seq.length + 1 - self.window)  # the oldest non-sink position read next
@@ -271,7 +281,7 @@ class PagedSinkCache(PagedCache):
             seq.blocks[i] = -1
             i -= 1
 
-    def _register(self, seq) -> None:
+    def _register(self, seq: SequenceBlocks) -> None:
         if not self.prefix_caching or seq.unshared:
             return
         full = min(seq.length, len(seq.tokens), self.capacity) // self.block_size  # computed before any eviction
@@ -283,12 +293,13 @@ class PagedSinkCache(PagedCache):
 
     # ------------------------------------------------------------------ forwards
 
-    def batch(self, seq_ids) -> "PagedSinkBatch":
+    def batch(self, seq_ids: object) -> "PagedSinkBatch":  # type: ignore[override]  # (the sink pool's own view)
         """The model-level cache for one forward over sequences ``seq_ids``; pass ``positions=view.positions(L)``
         (positions within the cache) or let the model read ``view.seq_len``."""
         return PagedSinkBatch(self, super().batch(seq_ids).ids)
 
-    def packed(self, seq_ids, n_new) -> "PagedSinkPacked":
+    def packed(self, seq_ids: Iterable[Any],  # type: ignore[override]  # (the sink pool's own view)
+               n_new: Iterable[Any]) -> "PagedSinkPacked":
         """The model-level cache for one forward packing ``n_new[i]`` tokens of ``seq_ids[i]`` (see
         :meth:`PagedCache.packed`); pass ``positions=packed.positions()``."""
         base = super().packed(seq_ids, n_new)
@@ -304,8 +315,8 @@ class _SinkPlan:
 
     def __init__(self, cache: PagedSinkCache, ids: list[int], n_new: list[int]):
         C, bs, dev = cache.capacity, cache.block_size, cache.device
-        seqs = [cache._seqs[s] for s in ids]
-        starts = [s.length for s in seqs]
+        seqs = [cache._seqs[sid] for sid in ids]
+        starts = [seq.length for seq in seqs]
         for sid, st, n in zip(ids, starts, n_new):
             if n > 1 and st + n > C:
                 raise ValueError(f"PagedSinkCache: sequence {sid} holds {st} tokens and the forward adds {n}, past "
@@ -315,24 +326,24 @@ class _SinkPlan:
         if need > cache.num_free_blocks:
             raise PoolExhausted(f"PagedSinkCache pool exhausted: the forward needs {need} more block(s) but only "
                                 f"{cache.num_free_blocks} of {cache.num_blocks} are free")
-        for s, n in zip(ids, n_new):
-            cache.reserve(s, n)
+        for sid, n in zip(ids, n_new):
+            cache.reserve(sid, n)
         blk, off, pos = [], [], []
-        for s, st, n in zip(seqs, starts, n_new):
+        for seq, st, n in zip(seqs, starts, n_new):
             for p in range(st, st + n):
-                blk.append(s.blocks[p // bs])
+                blk.append(seq.blocks[p // bs])
                 off.append(p % bs)
                 pos.append(min(p, C - 1))  # its position within the cache
         self.n_new = n_new
         self.write_blocks = torch.tensor(blk, dtype=torch.long, device=dev)  # (sum(n_new),)
         self.write_offsets = torch.tensor(off, dtype=torch.long, device=dev)
         self.write_positions = torch.tensor(pos, dtype=torch.long, device=dev)
-        self.reads = []  # per sequence: (blocks (L,), offsets (L,)) of its kept keys in order
-        for s, st, n in zip(seqs, starts, n_new):
+        self.reads: list[tuple[Tensor, Tensor]] = []  # per sequence: (blocks (L,), offsets (L,)) of its kept keys
+        for seq, st, n in zip(seqs, starts, n_new):
             L = st + n
             kept = torch.arange(L, device=dev) if L <= C else torch.cat(
                 [torch.arange(cache.n_sink, device=dev), torch.arange(L - cache.window, L, device=dev)])
-            table = torch.tensor(s.blocks, dtype=torch.long, device=dev)
+            table = torch.tensor(seq.blocks, dtype=torch.long, device=dev)
             self.reads.append((table[kept // bs], kept % bs))
         self.rope, self.dev = cache.rope, dev
 
@@ -344,7 +355,7 @@ class _SinkPlan:
             x = self.rope.rotate(x, torch.arange(x.shape[2], device=self.dev))
         return x
 
-    def padded(self, k_pool: Tensor, v_pool: Tensor) -> tuple:
+    def padded(self, k_pool: Tensor, v_pool: Tensor) -> tuple[Tensor, ...]:
         """Every sequence's kept keys and values, rotated and right-aligned: ``(B, Hkv, L, D)``, ``(B, Hkv, L,
         Dv)`` and, when their lengths differ, the ``(B, 1, 1, L)`` mask of the real columns."""
         B = len(self.reads)
@@ -373,13 +384,15 @@ class _SinkPlan:
         return k_all, v_all, (cols >= pad)[:, None, None, :]  # (B, 1, 1, L)
 
 
-class _SinkLayer(_PoolLayer):
+class _SinkLayer(PoolLayer):
     """Layer ``index`` of a :class:`PagedSinkBatch` or :class:`PagedSinkPacked`."""
+
+    _owner: PagedSinkBatch | PagedSinkPacked
 
     def peek(self, n_new: int) -> tuple[int | None, bool]:
         return self._owner._peek(n_new)
 
-    def update(self, k: Tensor, v: Tensor):
+    def update(self, k: Tensor, v: Tensor) -> CacheRead | _SinkPackedAttend:
         """Store the new ``k (B, Hkv, L_new, D)`` (un-rotated from their positions within the cache) and ``v``;
         return what the queries attend to (see the view)."""
         o = self._owner
@@ -396,7 +409,7 @@ class _SinkLayer(_PoolLayer):
         return self._done(o._read(kp, vp, plan))
 
 
-class PagedSinkBatch(_View):
+class PagedSinkBatch(PoolView):
     """The model-level view of a :class:`PagedSinkCache` for a forward of ``L`` tokens of each of some
     sequences: each layer returns the sequences' kept keys and values rotated at their positions within the
     cache (right-aligned, with a mask of the real columns when their lengths differ).  ``positions(L)``
@@ -435,37 +448,39 @@ class PagedSinkBatch(_View):
             raise ValueError(f"PagedSinkBatch: layers of one forward got {self._plan.n_new[0]} and {n_new} new tokens")
         return self._plan
 
-    def _read(self, k_pool: Tensor, v_pool: Tensor, plan: _SinkPlan):
-        return plan.padded(k_pool, v_pool)
+    def _read(self, k_pool: Tensor, v_pool: Tensor, plan: _SinkPlan) -> CacheRead:
+        return CacheRead(*plan.padded(k_pool, v_pool))
 
     def _commit(self) -> None:
+        n_new = 0 if self._plan is None else self._plan.n_new[0]
         for s in self.ids:
-            self.cache._advance(s, self._plan.n_new[0])
+            self.cache._advance(s, n_new)
         self._plan = None
 
     def __repr__(self) -> str:
         return f"PagedSinkBatch(sequences {self.ids}, lengths {[self.cache.length(s) for s in self.ids]})"
 
 
-class _SinkPackedAttend:
+class _SinkPackedAttend(CacheAttention):
     """What a packed forward's layer returns: each sequence's queries attend to its own kept keys."""
 
     def __init__(self, k_pool: Tensor, v_pool: Tensor, view: "PagedSinkPacked", plan: _SinkPlan):
         self.k_pool, self.v_pool, self.view, self.plan = k_pool, v_pool, view, plan
 
-    def attend(self, q: Tensor, *, mask=None, bias=None, scale=None, softcap=None, sinks=None) -> Tensor:
+    def attend(self, q: Tensor, *, mask: Mask | Tensor | None = None, bias: BiasLike | None = None,
+               scale: float | None = None, softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
         from ._common import attend
 
         _, Hq, T, _ = q.shape
         out = q.new_empty(1, Hq, T, self.v_pool.shape[3])  # (1, Hq, T, Dv)
         for i, (a, n) in enumerate(zip(self.view.offsets, self.view.n_new)):
-            kv = (self.plan.keys(self.k_pool, i, True), self.plan.keys(self.v_pool, i, False))
+            kv = CacheRead(self.plan.keys(self.k_pool, i, True), self.plan.keys(self.v_pool, i, False))
             out[:, :, a:a + n] = attend(kv, q[:, :, a:a + n], mask=mask, bias=bias, scale=scale, softcap=softcap,
                                         sinks=sinks)
         return out
 
 
-class PagedSinkPacked(_View):
+class PagedSinkPacked(PoolView):
     """The model-level view of a :class:`PagedSinkCache` for one forward over packed tokens of several
     sequences (see :class:`~attnkit.cache.PagedPacked`): ``positions()`` gives each token's position within
     the cache, ``last()`` each sequence's last token in ``T``; a sequence's chunk of more than one token must

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..masks import Band, Mask
 from .._checks import integer
 from ._common import LayoutCache, check_new_kv, model_dims
+from ._protocol import CacheRead
 
 Tensor = torch.Tensor
 
 __all__ = ["SlidingWindowCache", "SlidingWindowLayerCache", "window_of"]
 
 
-def window_of(mask) -> int | None:
+def window_of(mask: object) -> int | None:
     """The number of positions a query may see (itself included) under ``mask``, when it is a causal
     sliding window (``masks.sliding_window(left)``, alone or AND-ed with other masks), else None.
 
@@ -43,32 +46,31 @@ class SlidingWindowLayerCache:
     """
 
     def __init__(self, owner: "SlidingWindowCache", index: int):
-        self._owner, self.index = owner, index
+        self.index = index
+        self.window = owner.window
+        self._layout, self._padding = owner.layout, owner.padding  # (the model-level cache's, shared)
         self.length = 0  # positions seen, including those that left the window
         self.k: Tensor | None = None
         self.v: Tensor | None = None
 
     @torch.inference_mode(False)  # ordinary tensors: the cache may be written outside inference_mode later
-    def _allocate(self, k: Tensor, v: Tensor) -> None:
-        o = self._owner
-        B = o.batch_size if o.batch_size is not None else k.shape[0]
-        H = o.n_kv_heads if o.n_kv_heads is not None else k.shape[1]
-        D = o.d_head if o.d_head is not None else k.shape[3]
-        Dv = o.d_value if o.d_value is not None else v.shape[3]
-        dtype, device = o.dtype or k.dtype, o.device or k.device
-        self.k = torch.zeros(B, H, 2 * o.window, D, dtype=dtype, device=device)  # (B, Hkv, 2W, D)
-        self.v = torch.zeros(B, H, 2 * o.window, Dv, dtype=dtype, device=device)  # (B, Hkv, 2W, Dv)
+    def allocate(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Allocate the ring of ``2 * window`` slots, laid out as the cache was given or as ``k``, ``v``."""
+        B, H, D, Dv, dtype, device = self._layout.storage(k, v)
+        self.k = torch.zeros(B, H, 2 * self.window, D, dtype=dtype, device=device)  # (B, Hkv, 2W, D)
+        self.v = torch.zeros(B, H, 2 * self.window, Dv, dtype=dtype, device=device)  # (B, Hkv, 2W, Dv)
+        return self.k, self.v
 
-    def update(self, k: Tensor, v: Tensor):
+    def update(self, k: Tensor, v: Tensor) -> CacheRead:
         """Store ``k (B, Hkv, L_new, D)``, ``v``; return the window's keys/values in position order, the new
         ones last, with a mask when some query may not see every returned key (window or padding)."""
-        if self.k is None:
-            self._owner._check_first(k, v)
-            self._allocate(k, v)
-        K, V, W = self.k, self.v, self._owner.window
+        K, V, W = self.k, self.v, self.window
+        if K is None or V is None:
+            self._layout.check_first(k, v)
+            K, V = self.allocate(k, v)
         check_new_kv(k, v, batch=K.shape[0], heads=K.shape[1], d_head=K.shape[3], d_value=V.shape[3],
                      dtype=K.dtype, device=K.device)
-        self._owner._check_padding_rows(k.shape[0])
+        self._padding.check_rows(k.shape[0])
         start, n = self.length, k.shape[2]
         end = start + n
         if n == 1:
@@ -81,8 +83,7 @@ class SlidingWindowLayerCache:
             cnt = min(end, W)
             lo = (end - cnt) % W
             k_all, v_all = K[:, :, lo:lo + cnt], V[:, :, lo:lo + cnt]  # (B, Hkv, cnt, D): positions end-cnt..end-1
-            mask = self._owner._key_mask(end - cnt, end)
-            return (k_all, v_all) if mask is None else (k_all, v_all, mask)
+            return CacheRead(k_all, v_all, self._padding.key_mask(end - cnt, end, K.device))
         old = min(start, W)
         lo = (start - old) % W
         k_all = torch.cat([K[:, :, lo:lo + old], k], dim=2)  # (B, Hkv, old + n, D): positions start-old..end-1
@@ -93,13 +94,13 @@ class SlidingWindowLayerCache:
         K.index_copy_(2, slots, k[:, :, n - m:].repeat(1, 1, 2, 1))
         V.index_copy_(2, slots, v[:, :, n - m:].repeat(1, 1, 2, 1))
         self.length = end
-        mask = self._owner._key_mask(start - old, end)
+        mask = self._padding.key_mask(start - old, end, K.device)
         if old + n > W:  # some of the returned keys are older than a later query's window
             qpos = torch.arange(start, end, device=K.device).view(-1, 1)
             kpos = torch.arange(start - old, end, device=K.device).view(1, -1)
             win = (kpos > qpos - W)[None, None]  # (1, 1, n, Lk)
             mask = win if mask is None else mask & win
-        return (k_all, v_all) if mask is None else (k_all, v_all, mask)
+        return CacheRead(k_all, v_all, mask)
 
     @property
     def seq_len(self) -> int:
@@ -108,17 +109,17 @@ class SlidingWindowLayerCache:
 
     def peek(self, n_new: int) -> tuple[int, bool]:
         """``(Lk, attends)`` of an update of ``n_new`` tokens (see ``StaticLayerCache.peek``)."""
-        W = self._owner.window
+        W = self.window
         return (min(self.length + 1, W) if n_new == 1 else min(self.length, W) + n_new), False
 
     def nbytes(self) -> int:
-        return 0 if self.k is None else self.k.nbytes + self.v.nbytes
+        return 0 if self.k is None or self.v is None else self.k.nbytes + self.v.nbytes
 
     def reset(self) -> None:
         self.length = 0
 
     def __repr__(self) -> str:
-        return f"SlidingWindowLayerCache(layer {self.index}, {self.length} seen, window {self._owner.window})"
+        return f"SlidingWindowLayerCache(layer {self.index}, {self.length} seen, window {self.window})"
 
 
 class SlidingWindowCache(LayoutCache):
@@ -149,7 +150,7 @@ class SlidingWindowCache(LayoutCache):
 
     def __init__(self, n_layers: int, window: int, *, batch_size: int | None = None, n_kv_heads: int | None = None,
                  d_head: int | None = None, d_value: int | None = None, dtype: torch.dtype | None = None,
-                 device=None):
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
         integer("n_layers", n_layers, minimum=1)
         self.window = integer("window", window, minimum=1)
@@ -159,24 +160,25 @@ class SlidingWindowCache(LayoutCache):
         self._allocate_known()
 
     @classmethod
-    def for_model(cls, model, batch_size: int, window: int | None = None, *, dtype: torch.dtype | None = None,
-                  device=None) -> "SlidingWindowCache":
+    def for_model(cls, model: Any, batch_size: int, window: int | None = None, *,
+                  dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> "SlidingWindowCache":
         """A cache for ``model``; ``window`` defaults to the widest sliding window of the model's layers
         (``model.config.layer_mask(i)``, else ``model.config.mask``), which must bound every layer."""
         d = model_dims(model)
         if window is None:
-            cfg = getattr(model, "config", None)
+            cfg: Any = getattr(model, "config", None)
             if hasattr(cfg, "layer_mask") and getattr(cfg, "layer_masks", None) is not None:
                 masks = [cfg.layer_mask(i) for i in range(d["n_layers"])]
             else:
                 masks = [getattr(cfg, "mask", None)] * d["n_layers"]
             wins = [window_of(m) if isinstance(m, Mask) else None for m in masks]
             full = [i for i, w in enumerate(wins) if w is None]
+            bounded = [w for w in wins if w is not None]
             if full:
                 raise ValueError(f"window is required: layers {full} of the model attend without a causal sliding "
                                  f"window (their mask: {masks[full[0]]!r}), so a ring buffer would drop keys they "
                                  f"read; use cache='static' (or pass window=... to keep that many positions)")
-            window = max(wins)
+            window = max(bounded)
         return cls(d["n_layers"], window, batch_size=batch_size, n_kv_heads=d["n_kv_heads"], d_head=d["d_head"],
                    d_value=d["d_value"], dtype=dtype or d["dtype"], device=device or d["device"])
 

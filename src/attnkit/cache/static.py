@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .._checks import integer
 from ._common import LayoutCache, check_new_kv, model_dims
+from ._protocol import CacheRead
 
 Tensor = torch.Tensor
 
@@ -20,33 +23,31 @@ class StaticLayerCache:
     """
 
     def __init__(self, owner: "StaticCache", index: int):
-        self._owner, self.index = owner, index
+        self.index = index
+        self.max_len = owner.max_len
+        self._layout, self._padding = owner.layout, owner.padding  # (the model-level cache's, shared)
         self.length = 0
         self.k: Tensor | None = None
         self.v: Tensor | None = None
 
     @torch.inference_mode(False)  # ordinary tensors: the cache may be written outside inference_mode later
-    def _allocate(self, k: Tensor, v: Tensor) -> None:
-        o = self._owner
-        B = o.batch_size if o.batch_size is not None else k.shape[0]
-        H = o.n_kv_heads if o.n_kv_heads is not None else k.shape[1]
-        D = o.d_head if o.d_head is not None else k.shape[3]
-        Dv = o.d_value if o.d_value is not None else v.shape[3]
-        dtype = o.dtype or k.dtype
-        device = o.device or k.device
-        self.k = torch.zeros(B, H, o.max_len, D, dtype=dtype, device=device)  # (B, Hkv, max_len, D)
-        self.v = torch.zeros(B, H, o.max_len, Dv, dtype=dtype, device=device)  # (B, Hkv, max_len, Dv)
+    def allocate(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Allocate the storage for ``max_len`` positions, laid out as the cache was given or as ``k``, ``v``."""
+        B, H, D, Dv, dtype, device = self._layout.storage(k, v)
+        self.k = torch.zeros(B, H, self.max_len, D, dtype=dtype, device=device)  # (B, Hkv, max_len, D)
+        self.v = torch.zeros(B, H, self.max_len, Dv, dtype=dtype, device=device)  # (B, Hkv, max_len, Dv)
+        return self.k, self.v
 
-    def update(self, k: Tensor, v: Tensor):
+    def update(self, k: Tensor, v: Tensor) -> CacheRead:
         """Store ``k (B, Hkv, L_new, D)``, ``v (B, Hkv, L_new, Dv)``; return everything attention should see:
         ``(k_all, v_all)`` of length ``length + L_new``, plus the padding mask of a left-padded batch."""
-        if self.k is None:
-            self._owner._check_first(k, v)
-            self._allocate(k, v)
         K, V = self.k, self.v
+        if K is None or V is None:
+            self._layout.check_first(k, v)
+            K, V = self.allocate(k, v)
         check_new_kv(k, v, batch=K.shape[0], heads=K.shape[1], d_head=K.shape[3], d_value=V.shape[3],
                      dtype=K.dtype, device=K.device)
-        self._owner._check_padding_rows(k.shape[0])
+        self._padding.check_rows(k.shape[0])
         start, n = self.length, k.shape[2]
         end = start + n
         if end > K.shape[2]:
@@ -57,8 +58,7 @@ class StaticLayerCache:
         V.narrow(2, start, n).copy_(v)
         self.length = end
         k_all, v_all = K.narrow(2, 0, end), V.narrow(2, 0, end)  # (B, Hkv, end, D), (B, Hkv, end, Dv): views
-        mask = self._owner._key_mask(0, end) if self._owner.left_padding is not None else None
-        return (k_all, v_all) if mask is None else (k_all, v_all, mask)
+        return CacheRead(k_all, v_all, self._padding.key_mask(0, end, K.device))
 
     @property
     def seq_len(self) -> int:
@@ -72,7 +72,7 @@ class StaticLayerCache:
         return self.length + n_new, False
 
     def nbytes(self) -> int:
-        return 0 if self.k is None else self.k.nbytes + self.v.nbytes
+        return 0 if self.k is None or self.v is None else self.k.nbytes + self.v.nbytes
 
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` positions (later ones are overwritten by the next update)."""
@@ -118,7 +118,7 @@ class StaticCache(LayoutCache):
 
     def __init__(self, n_layers: int, max_len: int, *, batch_size: int | None = None,
                  n_kv_heads: int | None = None, d_head: int | None = None, d_value: int | None = None,
-                 dtype: torch.dtype | None = None, device=None):
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
         super().__init__()
         integer("n_layers", n_layers, minimum=1)
         self.max_len = integer("max_len", max_len, minimum=1)
@@ -128,8 +128,8 @@ class StaticCache(LayoutCache):
         self._allocate_known()
 
     @classmethod
-    def for_model(cls, model, batch_size: int, max_len: int | None = None, *, dtype: torch.dtype | None = None,
-                  device=None) -> "StaticCache":
+    def for_model(cls, model: Any, batch_size: int, max_len: int | None = None, *,
+                  dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> "StaticCache":
         """A cache laid out for ``model`` (read from ``model.config``); ``max_len`` defaults to its
         ``max_seq_len``, ``dtype``/``device`` to its parameters'."""
         d = model_dims(model)

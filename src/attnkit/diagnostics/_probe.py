@@ -1,16 +1,16 @@
 """``probe(model)``: record what every attnkit attention layer does, without changing what it computes.
 
-Every attention inside :mod:`attnkit.nn` goes through one method, ``module._attend(q, k, v, *, mask, bias,
-scale, softcap, dropout_p)``.  While the probe is active it wraps that method on each attention module
-(per instance; the class is untouched): the original still computes the output, and on the side the probe
-recomputes the attention weights from the same ``q, k, v`` and score modifiers, one block of query rows at
+Every attention module of :mod:`attnkit.nn` takes attention hooks (``module.register_attention_hook``, see
+:class:`attnkit.nn.AttentionCall`).  While the probe is active it hooks each attention module: the module
+still computes the output, and on the side the probe recomputes the attention weights from the same ``q, k, v`` and score modifiers, one block of query rows at
 a time, and keeps them (or, for long sequences, only their per-row statistics).  Models that call
 :func:`attnkit.attention` themselves (their own modules, or a Hugging Face model running with
 ``attn_implementation="attnkit"``) are seen the same way: the probe observes each such call made while the
-model runs and files it under the innermost module that made it.  A hook on the output
+model runs (through :func:`attnkit.functional.observe_attention`) and files it under the innermost module that
+made it.  A hook on the output
 records the gradient of the scores when a backward pass runs: with ``g = dL/d(out)``,
 ``dL/d(scores) = w * (g v^T - rowsum(w * g v^T))`` (the softmax backward; dropout is not modelled, so
-probe a model in ``eval()`` mode).  On exit every wrapped method is restored, also after an error.
+probe a model in ``eval()`` mode).  On exit every hook is removed, also after an error.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import torch.nn as nn
 
 from ..backends.call import Call, accumulation_dtype, make_call
 from ..backends.scores import grouped_bias, grouped_index, modify_scores
-from .. import functional as _functional
+from ..functional import observe_attention
+from ..nn import AttentionCall
 from ..softmax import stable_softmax
 
 Tensor = torch.Tensor
@@ -36,7 +37,7 @@ _ROW_BLOCK_ELEMENTS = 1 << 22  # score elements per block of query rows while re
 
 
 def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Every attnkit attention module inside ``model`` (those computing attention through ``_attend``).
+    """Every attnkit attention module inside ``model`` (those taking ``register_attention_hook``).
 
     Example::
 
@@ -46,12 +47,13 @@ def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    return [(name, m) for name, m in model.named_modules() if callable(getattr(type(m), "_attend", None))]
+    return [(name, m) for name, m in model.named_modules()
+            if callable(getattr(type(m), "register_attention_hook", None))]
 
 
 @dataclass
 class CallRecord:
-    """One call of a layer's ``_attend``.
+    """One attention computation of a layer.
 
     Attributes:
         shape: ``(B, Hq, Lq, Lk)``.
@@ -96,7 +98,7 @@ class CallRecord:
 
 @dataclass
 class LayerRecord:
-    """What the probe saw in one attention module: one :class:`CallRecord` per ``_attend`` call.
+    """What the probe saw in one attention module: one :class:`CallRecord` per attention computation.
 
     Example::
 
@@ -210,10 +212,10 @@ class Probe:
         self._outputs: list[Tensor] = []
         self._thread = threading.get_ident()  # attention() calls of other threads are not this model's
         self._running: list[tuple[str, nn.Module]] = []  # the modules whose forward is running, outermost first
-        self._in_attend = 0  # > 0 inside a wrapped _attend: its attention() call is recorded there already
+        self._in_hook = 0  # > 0 inside the probe's attention hook: its attention() call is recorded there already
 
     def outputs(self) -> list[Tensor]:
-        """The outputs of every recorded ``_attend`` call that are part of an autograd graph."""
+        """The outputs of every recorded attention call that are part of an autograd graph."""
         return [o for o in self._outputs if o.requires_grad]
 
     def release(self) -> None:
@@ -243,23 +245,24 @@ class Probe:
             out.register_hook(hook)
             self._outputs.append(out)
 
-    def _wrap(self, name: str, module: nn.Module):
-        inner = module._attend  # the bound method, or whatever wrapper is installed already
+    def _hook(self, name: str):
+        """The attention hook recording the calls of the module ``name``."""
 
-        def _attend(q, k, v, *, mask, bias, scale, softcap, dropout_p):
-            self._in_attend += 1
+        def hook(module: nn.Module, call: AttentionCall, compute) -> Tensor:
+            self._in_hook += 1
             try:
-                out = inner(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, dropout_p=dropout_p)
+                out = compute(call)
             finally:
-                self._in_attend -= 1
-            self._record(name, module, q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, out=out)
+                self._in_hook -= 1
+            self._record(name, module, call.q, call.k, call.v, mask=call.mask, bias=call.bias, scale=call.scale,
+                         softcap=call.softcap, out=out)
             return out
 
-        return _attend
+        return hook
 
     def _observe(self, q, k, v, *, mask, bias, scale, softcap, out) -> None:
-        """An :func:`attnkit.attention` call made outside a wrapped ``_attend`` while the model runs."""
-        if self._in_attend or not self._running or threading.get_ident() != self._thread:
+        """An :func:`attnkit.attention` call made outside an attention hook while the model runs."""
+        if self._in_hook or not self._running or threading.get_ident() != self._thread:
             return
         name, module = self._running[-1]
         self._record(name, module, q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, out=out)
@@ -285,14 +288,14 @@ class Probe:
 def probe(model: nn.Module, *, max_elements: int = 1 << 22):
     """Record every attnkit attention layer of ``model`` while the context is active.
 
-    The layers are the attention modules of :mod:`attnkit.nn` (through their ``_attend``) and any other
+    The layers are the attention modules of :mod:`attnkit.nn` (through their attention hooks) and any other
     module of ``model`` that calls :func:`attnkit.attention` in its forward (a Hugging Face attention layer
     with ``attn_implementation="attnkit"``, or your own), named after the innermost module making the call.
     For each call the probe keeps a :class:`CallRecord`: the weights ``(B, Hq, Lq, Lk)`` when
     they have at most ``max_elements`` entries (else only per-row statistics: normalised entropy, largest
     weight, allowed keys, spread of the scores), and, once a backward pass runs through the output, the
     squared norm of the gradient of the scores per batch element and head.  The model computes exactly
-    what it computes without the probe.  Wrapped methods are restored on exit, also after an error.
+    what it computes without the probe.  The hooks are removed on exit, also after an error.
 
     Yields:
         A :class:`Probe`; ``probe.layers`` maps module names (as in ``model.named_modules()``) to
@@ -310,8 +313,11 @@ def probe(model: nn.Module, *, max_elements: int = 1 << 22):
         >>> rec = p.layers[""].calls[0]
         >>> rec.weights.shape, rec.grad_sq.shape
         (torch.Size([1, 2, 5, 5]), torch.Size([1, 2]))
-        >>> "_attend" in vars(mha)  # restored
-        False
+        >>> with probe(mha):  # probes nest: each records every call
+        ...     with probe(mha) as inner:
+        ...         _ = mha(torch.randn(1, 5, 16))
+        >>> len(inner.layers[""].calls)
+        1
 
     A module of your own that calls :func:`attnkit.attention` is recorded under its name::
 
@@ -330,25 +336,14 @@ def probe(model: nn.Module, *, max_elements: int = 1 << 22):
                          f"summarised, not kept)")
     modules = attention_modules(model)
     p = Probe(model, max_elements)
-    saved: list[tuple[nn.Module, bool, object]] = []
     handles: list = []
     try:
         for name, module in modules:
-            had = "_attend" in vars(module)
-            saved.append((module, had, vars(module).get("_attend")))
-            module._attend = p._wrap(name, module)
-        handles = p._track(model)
-        _functional._OBSERVERS.append(p._observe)
+            handles.append(module.register_attention_hook(p._hook(name)))
+        handles += p._track(model)
+        handles.append(observe_attention(p._observe))
         yield p
     finally:
-        if p._observe in _functional._OBSERVERS:
-            _functional._OBSERVERS.remove(p._observe)
-        for h in handles:
+        for h in reversed(handles):
             h.remove()
         p._running.clear()
-        for module, had, previous in reversed(saved):
-            if had:
-                module._attend = previous
-            else:
-                del module._attend
-

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
 
-from ..diagnostics._probe import attention_modules
+from ..diagnostics import attention_modules
+from ..nn import AttentionCall
 from ._losses import AttentionRecord
 
 Tensor = torch.Tensor
@@ -56,14 +58,13 @@ class Capture:
 def capture(model: nn.Module):
     """Record, while active, the attention inputs and hidden states of every layer of an attnkit model.
 
-    Every attention in :mod:`attnkit.nn` goes through one method per module, ``_attend(q, k, v, *, mask,
-    bias, scale, softcap, dropout_p)`` (and ``sinks`` for a module with learned attention sinks); ``capture``
-    wraps it on each layer's self-attention (per instance; the class is untouched) and keeps its arguments as an
+    ``capture`` puts an attention hook (:meth:`attnkit.nn.MultiHeadAttention.register_attention_hook`) on each
+    layer's self-attention and keeps the :class:`attnkit.nn.AttentionCall` it sees as an
     :class:`AttentionRecord` (``q (B, Hq, Lq, D)``, ``k``, ``v`` after projections and rotary positions; mask,
     bias, scale, softcap, sinks).  A forward hook on each :class:`~attnkit.nn.TransformerBlock` keeps its
     output.  Nothing of size ``Lq x Lk`` is stored: the attention losses recompute the weights from the record
-    in blocks of rows.  The model computes exactly what it computes without ``capture``; the wrappers and
-    hooks are removed on exit, also after an error.  A layer called several times keeps its last call.
+    in blocks of rows.  The model computes exactly what it computes without ``capture``; the hooks are
+    removed on exit, also after an error.  A layer called several times keeps its last call.
 
     Yields:
         A :class:`Capture` filled by each forward pass (``attention`` and ``hidden`` indexed by layer).
@@ -78,39 +79,43 @@ def capture(model: nn.Module):
         ...     _ = model(torch.randint(0, 256, (2, 7)))
         >>> cap.attention[0].q.shape, cap.attention[0].shape, cap.hidden[1].shape
         (torch.Size([2, 4, 7, 16]), (2, 4, 7, 7), torch.Size([2, 7, 64]))
-        >>> "_attend" in vars(model.layers[0].attn)  # removed on exit
-        False
+        >>> with capture(model) as outer, capture(model) as inner:  # captures nest: both see each call
+        ...     _ = model(torch.randint(0, 256, (1, 3)))
+        >>> outer.attention[0].q is inner.attention[0].q
+        True
     """
     attn, blocks = attention_layers(model)
     cap = Capture([None] * len(attn), [None] * len(blocks))
-    saved: list[tuple[nn.Module, bool, object]] = []
     hooks = []
     try:
         for i, module in enumerate(attn):
-            had = "_attend" in vars(module)
-            saved.append((module, had, vars(module).get("_attend")))
-            module._attend = _wrap(cap, i, module._attend)
+            hooks.append(cast(Any, module).register_attention_hook(_recorder(cap, i)))  # (nn.Module typed)
         for i, block in enumerate(blocks):
             hooks.append(block.register_forward_hook(_keeper(cap, i)))
         yield cap
     finally:
-        for h in hooks:
+        for h in reversed(hooks):
             h.remove()
-        for module, had, previous in reversed(saved):
-            if had:
-                module._attend = previous
-            else:
-                del module._attend
 
 
-def _wrap(cap: Capture, i: int, inner):
-    def _attend(q, k, v, *, mask, bias, scale, softcap, dropout_p, sinks=None):
-        extra = {} if sinks is None else {"sinks": sinks}  # (only a module with sinks passes them)
-        out = inner(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, dropout_p=dropout_p, **extra)
-        cap.attention[i] = AttentionRecord(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, sinks=sinks)
+def _recorder(cap: Capture, i: int):
+    """The attention hook keeping layer ``i``'s call in ``cap.attention[i]``."""
+
+    def hook(module: nn.Module, call: AttentionCall, compute) -> Tensor:
+        out = compute(call)
+        cap.attention[i] = AttentionRecord(
+            call.q,
+            call.k,
+            call.v,
+            mask=call.mask,
+            bias=call.bias,
+            scale=call.scale,
+            softcap=call.softcap,
+            sinks=call.sinks,
+        )
         return out
 
-    return _attend
+    return hook
 
 
 def _keeper(cap: Capture, i: int):

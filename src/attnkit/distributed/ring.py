@@ -696,15 +696,17 @@ def _refuse_what_ring_cannot_do(name: str):
     return check
 
 
-def _ring_attend(layout: str, group, name: str):
-    def _attend(q, k, v, *, mask, bias, scale, softcap, dropout_p, sinks=None):
-        if dropout_p:
+def _ring_hook(layout: str, group, name: str):
+    """The attention hook computing a module's attention as :func:`ring_attention`."""
+
+    def hook(module, call, compute):
+        if call.dropout_p:
             raise ValueError(f"ring_context: module {name or '(model)'!r} is training with attention dropout "
-                             f"{dropout_p}, which ring attention does not have: build it with dropout=0.0 or call "
-                             f"model.eval()")
-        return ring_attention(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, group=group,
-                              layout=layout, sinks=sinks)
-    return _attend
+                             f"{call.dropout_p}, which ring attention does not have: build it with dropout=0.0 or "
+                             f"call model.eval()")
+        return ring_attention(call.q, call.k, call.v, mask=call.mask, bias=call.bias, scale=call.scale,
+                              softcap=call.softcap, group=group, layout=layout, sinks=call.sinks)
+    return hook
 
 
 @contextmanager
@@ -722,7 +724,7 @@ def ring_context(model: torch.nn.Module, *, layout: str = "zigzag", group=None):
     attention is self-attention over one sequence) and ``need_weights=True`` (the weights of a shard's keys
     alone are not the attention weights).  A model that calls :func:`attnkit.attention` itself calls
     :func:`ring_attention` in its place.  On exit (also after an error) the modules compute as before; the
-    replacement is per instance, so other models are untouched.
+    replacement is an attention hook on each module (``register_attention_hook``), so other models are untouched.
 
     Yields:
         A :class:`RingContext` (``ctx.modules``: the routed modules; ``ctx.positions(n)``).
@@ -745,25 +747,18 @@ def ring_context(model: torch.nn.Module, *, layout: str = "zigzag", group=None):
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"ring_context: model must be a torch.nn.Module, got {type(model).__name__}")
     layout = check_layout(layout)
-    modules = [(name, m) for name, m in model.named_modules() if callable(getattr(type(m), "_attend", None))]
+    modules = [(name, m) for name, m in model.named_modules()
+               if callable(getattr(type(m), "register_attention_hook", None))]
     if not modules:
         raise ValueError(f"ring_context: {type(model).__name__} has no attnkit.nn attention module (one with "
-                         f"_attend, e.g. MultiHeadAttention); a model that calls attnkit.attention itself calls "
+                         f"register_attention_hook, e.g. MultiHeadAttention); a model that calls attnkit.attention itself calls "
                          f"attnkit.distributed.ring_attention in its place")
-    saved: list[tuple[torch.nn.Module, bool, object]] = []
     hooks = []
     try:
         for name, module in modules:
-            had = "_attend" in vars(module)
-            saved.append((module, had, vars(module).get("_attend")))
-            module._attend = _ring_attend(layout, group, name)
+            hooks.append(module.register_attention_hook(_ring_hook(layout, group, name)))
             hooks.append(module.register_forward_pre_hook(_refuse_what_ring_cannot_do(name), with_kwargs=True))
         yield RingContext([name for name, _ in modules], layout, group)
     finally:
-        for hook in hooks:
+        for hook in reversed(hooks):
             hook.remove()
-        for module, had, previous in reversed(saved):
-            if had:
-                module._attend = previous
-            else:
-                del module._attend

@@ -16,8 +16,12 @@
 * Layers: :class:`Linear` (CPU decoding kernels picked by weight layout and batch), :class:`RMSNorm`, :class:`FeedForward`.
 * Generated training tasks: :mod:`attnkit.nn.tasks` (copying, associative recall).
 
-Every attention score in this package is computed by one method, ``_attend`` (see
-:class:`MultiHeadAttention`), which calls :func:`attnkit.attention`.
+Every attention score in this package is computed by one private method per module, which calls
+:func:`attnkit.attention`.  ``module.register_attention_hook(hook)`` (on every attention module here) observes
+or replaces that computation: ``hook(module, call, compute)`` gets an :class:`AttentionCall` (``q``, ``k``,
+``v``, mask, bias, scale, softcap, dropout_p, sinks) and ``compute``, the computation it stands for, and
+returns the output; the handle it returns removes it (the doctor's probe, distillation's capture and ring
+attention's ``ring_context`` are such hooks).
 
 Example::
 
@@ -29,6 +33,7 @@ Example::
 """
 
 from . import tasks
+from ._hooks import AttentionCall, AttentionHook
 from .attention import AttentionConfig, MultiHeadAttention
 from .axial import AxialAttention
 from .blocks import BlockConfig, Decoder, Encoder, TransformerBlock, default_d_ff
@@ -43,6 +48,8 @@ from .simple import AdditiveAttention, SingleHeadAttention
 
 __all__ = [
     "MultiHeadAttention",
+    "AttentionCall",
+    "AttentionHook",
     "SingleHeadAttention",
     "AdditiveAttention",
     "AxialAttention",

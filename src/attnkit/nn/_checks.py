@@ -113,11 +113,12 @@ def combine(*ms: _masks.Mask | None) -> _masks.Mask | None:
 
 
 def cache_kv(kv) -> tuple[Tensor, Tensor, _masks.Mask | None]:
-    """What a layer cache's ``update(k, v)`` returned, when not an object with ``attend()``: ``(k_all, v_all,
+    """What a layer cache's ``update(k, v)`` returned, when not a :class:`attnkit.cache.CacheAttention`: a
+    :class:`attnkit.cache.CacheRead` (or a plain ``(k, v)`` / ``(k, v, extra_mask)``) as ``(k_all, v_all,
     extra_mask or None)``."""
     if not isinstance(kv, (tuple, list)) or len(kv) not in (2, 3):
-        raise TypeError(f"cache.update(k, v) must return (k, v), (k, v, extra_mask) or an object with attend(), "
-                        f"got {type(kv).__name__}")
+        raise TypeError(f"cache.update(k, v) must return a CacheRead (or a (k, v) / (k, v, extra_mask) tuple) or "
+                        f"a CacheAttention (an object with attend()), got {type(kv).__name__}")
     return kv[0], kv[1], as_mask("the cache's extra_mask", kv[2]) if len(kv) == 3 else None
 
 

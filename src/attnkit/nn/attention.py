@@ -1,18 +1,23 @@
-"""Multi-head attention (:class:`AttentionConfig`): self, grouped-query, cross and cached, scores by ``_attend``."""
+"""Multi-head attention (:class:`AttentionConfig`): self, grouped-query, cross and cached; attention hooks."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
 
 from .. import masks as _masks
+from ..bias import BiasLike
+from ..cache import CacheAttention
 from ..cache import attend as cache_attend
 from ..functional import attention, attention_weights
-from . import _checks
+from . import _checks, _hooks
+from ._hooks import AttentionCall, AttentionHook
 from .layers import Linear, RMSNorm, linear
 from .positions import PositionEncoding, RotaryEmbedding
 
@@ -22,21 +27,64 @@ __all__ = ["MultiHeadAttention", "AttentionConfig"]
 
 
 class _Attends(nn.Module):
-    """The one place where attention is computed inside :mod:`attnkit.nn` (see ``_attend``)."""
+    """The one place where attention is computed inside :mod:`attnkit.nn` (see ``_attend``), and its hooks."""
 
     backend: str = "auto"
+    _attention_hooks: Mapping[int, AttentionHook] = _hooks._NO_HOOKS  # an instance's own once it registers one
+
+    def register_attention_hook(self, hook: AttentionHook) -> RemovableHandle:
+        """Observe or replace the attention this module computes; ``handle.remove()`` takes the hook off.
+
+        ``hook(module, call, compute) -> out`` runs in place of every attention computation of the module:
+        ``call`` is an :class:`AttentionCall` (``q (B, Hq, Lq, D)``, ``k``, ``v``, mask, bias, scale, softcap,
+        dropout_p, sinks) and ``compute(call)`` the computation it stands for (the hooks registered before,
+        then :func:`attnkit.attention` with the module's ``backend``), returning ``out (B, Hq, Lq, Dv)``.  A
+        hook observes (``out = compute(call)``, look, return ``out``), changes the inputs (``compute(
+        call.replace(mask=...))``) or replaces the computation (return its own ``(B, Hq, Lq, Dv)`` without
+        calling ``compute``).  The hook registered last runs outermost.  The handle is also a context manager
+        that removes the hook on exit.  A paged or quantized cache's decode step computes attention itself
+        (its ``update`` returns a :class:`attnkit.cache.CacheAttention`) and runs no hook.
+
+        Example::
+
+            >>> import torch
+            >>> from attnkit import masks
+            >>> from attnkit.nn import MultiHeadAttention
+            >>> mha = MultiHeadAttention(16, 2, mask=masks.causal())
+            >>> seen = []
+            >>> def hook(module, call, compute):
+            ...     seen.append(tuple(call.q.shape))
+            ...     return compute(call)
+            >>> with mha.register_attention_hook(hook):
+            ...     _ = mha(torch.randn(1, 5, 16))
+            >>> _ = mha(torch.randn(1, 5, 16))  # removed: not seen
+            >>> seen
+            [(1, 2, 5, 8)]
+        """
+        hooks = self.__dict__.get("_attention_hooks")
+        hooks, handle = _hooks.register(hooks, hook)
+        self._attention_hooks = hooks
+        return handle
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, *, mask, bias, scale: float | None,
                 softcap: float | None, dropout_p: float, sinks: Tensor | None = None) -> Tensor:
         """``q (B, Hq, Lq, D)``, ``k (B, Hkv, Lk, D)``, ``v (B, Hkv, Lk, Dv)`` -> ``(B, Hq, Lq, Dv)``.
 
         Every attention computed in :mod:`attnkit.nn` calls this method, which calls
-        :func:`attnkit.attention` with the module's ``backend``.  Diagnostics and ring attention wrap or
-        replace it on an instance (``module._attend = wrapped``); ``sinks`` is passed only by a module that
-        has them.
+        :func:`attnkit.attention` with the module's ``backend``, through the hooks of
+        :meth:`register_attention_hook` when there are any; ``sinks`` is passed only by a module that has them.
         """
+        if self._attention_hooks:
+            call = AttentionCall(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, dropout_p=dropout_p,
+                                 sinks=sinks)
+            return _hooks.run(self, self._attention_hooks, call, self._compute)
         return attention(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, dropout_p=dropout_p,
                          backend=self.backend, sinks=sinks)
+
+    def _compute(self, c: AttentionCall) -> Tensor:
+        """The module's own attention of one call (under its hooks)."""
+        return attention(c.q, c.k, c.v, mask=c.mask, bias=c.bias, scale=c.scale, softcap=c.softcap,
+                         dropout_p=c.dropout_p, backend=self.backend, sinks=c.sinks)
 
     def _check_dtype(self, x: Tensor) -> None:
         """``x`` has the dtype of the module's weights (read off ``out_proj``), unless autocast converts it."""
@@ -145,9 +193,9 @@ def _update_cache(cache, k: Tensor, v: Tensor, *, call_mask, heads: int, q_len: 
         if lk_next is not None:
             _checks.check_mask_shape("mask", call_mask, k.shape[0], heads, q_len, lk_next)
     kv = cache.update(k, v)
-    if need_weights and hasattr(kv, "attend"):
+    if need_weights and isinstance(kv, CacheAttention):
         raise ValueError("need_weights=True is not available with a cache that computes attention "
-                         "itself (its update() returned an object with attend())")
+                         "itself (its update() returned a CacheAttention, an object with attend())")
     return kv
 
 
@@ -168,8 +216,9 @@ class MultiHeadAttention(_Attends):
 
     **Scores.**  ``q.k * scale`` with ``scale = 1 / (sqrt(d_head) * temperature)``, then ``softcap``, then
     the position bias (ALiBi/T5), then the masks; optional ``qk_norm`` (RMSNorm of every query and key
-    head) before rotary positions.  Every score goes through ``_attend`` (one method per module,
-    calling :func:`attnkit.attention` with ``backend``; diagnostics and ring attention wrap it).
+    head) before rotary positions.  Every score is computed by one call of :func:`attnkit.attention` with
+    ``backend``, which :meth:`register_attention_hook` lets a hook observe or replace (the doctor's probe,
+    distillation's capture and ring attention do).
 
     **Masks.**  ``mask`` (constructor, e.g. ``masks.causal()``) and ``mask`` (call) are AND-ed; either is
     an :class:`attnkit.masks.Mask` or a bool tensor broadcastable to ``(B, n_heads, Lq, Lk)``.  Query row
@@ -187,7 +236,7 @@ class MultiHeadAttention(_Attends):
     ``(k_all, v_all)``, ``(k_all, v_all, extra_mask)`` (``extra_mask``: None, a Mask or a bool tensor
     broadcastable to ``(B, Hq, L, Lk)``, AND-ed with the masks) or an object with
     ``attend(q, *, mask, bias, scale, softcap) -> (B, Hq, L, d_head)`` that computes attention itself
-    (paged/quantized caches; this bypasses ``_attend`` and cannot return weights).  A cache with
+    (paged/quantized caches; this runs no attention hook and cannot return weights).  A cache with
     ``peek(n_new) -> (Lk or None, attends)`` (the built-in ones) lets the module check the call mask and
     ``need_weights`` before the update, so a rejected call leaves the cache unchanged.
 
@@ -447,7 +496,7 @@ class MultiHeadAttention(_Attends):
         if cache is not None:
             kv = _update_cache(cache, k, v, call_mask=call_mask, heads=self.n_heads, q_len=x.shape[1],
                                need_weights=need_weights)
-            if hasattr(kv, "attend"):  # the cache computes attention itself (paged, quantized)
+            if isinstance(kv, CacheAttention):  # the cache computes attention itself (paged, quantized)
                 out = cache_attend(kv, q, mask=_checks.combine(self.mask, call_mask), bias=bias, scale=self._scale(),
                                    softcap=self.softcap, sinks=self.sinks)
                 return self._output(out)
@@ -457,7 +506,7 @@ class MultiHeadAttention(_Attends):
     def _scale(self) -> float:
         return 1.0 / (math.sqrt(self.d_head) * self.temperature)
 
-    def _self_qkv(self, x: Tensor, cache, positions) -> tuple[Tensor, Tensor, Tensor, object]:
+    def _self_qkv(self, x: Tensor, cache, positions) -> tuple[Tensor, Tensor, Tensor, BiasLike | None]:
         """Self-attention's ``q (B, Hq, L, d_head)``, new ``k``, ``v (B, Hkv, L, d_head)`` (normed, rotated at
         their absolute positions) and the position bias (a score modifier or None)."""
         if not self.self_capable:

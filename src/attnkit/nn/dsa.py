@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from .. import _checks as _scalars
 from .. import masks as _masks
+from ..cache import CacheAttention
 from ..functional import attention
 from . import _checks
 from .attention import _update_cache
@@ -344,7 +345,7 @@ class DeepSeekSparseAttention(LatentAttention):
             kv = _update_cache(
                 cache, stored, stored.new_empty(B, 1, L, 0), call_mask=call_mask, heads=self.n_heads, q_len=L
             )
-            if hasattr(kv, "attend"):
+            if isinstance(kv, CacheAttention):
                 raise _attending_cache(cache)
             kv, _, extra = _checks.cache_kv(kv)  # (B, 1, Lk, r + dr + di)
         Lk = kv.shape[2]

@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from ..cache import CacheAttention
 from . import _checks
 from .attention import _Attends, _is_bottom_right_causal, _update_cache
 from .layers import Linear, RMSNorm
@@ -166,14 +167,14 @@ class LatentAttention(_Attends):
         if cache is not None:  # the latent is stored as a key, with a zero-width value
             kv = _update_cache(cache, latent, latent.new_empty(B, 1, L, 0), call_mask=call_mask, heads=self.n_heads,
                                q_len=L)
-            if not hasattr(kv, "attend"):
+            if not isinstance(kv, CacheAttention):
                 kv, _, extra = _checks.cache_kv(kv)  # kv: (B, 1, Lk, r + dr)
         layer_mask = self.mask
         if L == 1 and call_mask is None and extra is None and _is_bottom_right_causal(layer_mask):
             layer_mask = None  # one query at the last position sees every key: no mask to evaluate
         m = _checks.combine(layer_mask, call_mask, extra)
         dropout_p = self.dropout if self.training else 0.0
-        if not hasattr(kv, "attend") and kv.shape[2] == L:  # a prompt (nothing stored before): ordinary attention
+        if not isinstance(kv, CacheAttention) and kv.shape[2] == L:  # a prompt (nothing stored before): ordinary attention
             out = self._expanded(q_nope, q_rope, kv, m, dropout_p)
         else:
             out = self._absorbed(q_nope, q_rope, kv, m, dropout_p)
@@ -209,8 +210,9 @@ class LatentAttention(_Attends):
         q_lat = torch.bmm(q_nope.transpose(0, 1).reshape(H, B * L, -1), w_uk.to(q_nope.dtype))  # (H, B L, r)
         q = torch.cat((q_lat.view(H, B, L, -1).transpose(0, 1), q_rope), dim=-1)  # (B, H, L, r + dr)
         r = self.kv_lora_rank
-        if hasattr(kv, "attend"):  # a paged decode step: the values are the stored latents' first r channels
-            out = kv.attend(q, mask=mask, bias=None, scale=self.scale, softcap=None, value_dims=r)
+        if isinstance(kv, CacheAttention):  # a paged decode step: the values are the stored latents' first r channels
+            out = kv.attend(q, mask=mask, bias=None, scale=self.scale, softcap=None,  # type: ignore[call-arg]
+                            value_dims=r)  # (an option of the paged caches' decode steps)
         else:
             out = self._attend(q, kv, kv[..., :r], mask=mask, bias=None, scale=self.scale, softcap=None,
                                dropout_p=dropout_p)  # (B, H, L, r): one key head, the latent

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .. import masks as _masks
+from ..cache import CacheAttention
 from ..functional import attention
 from . import _checks
 from .attention import AttentionConfig, MultiHeadAttention, _Attends, _check_layer_cache, _update_cache
@@ -173,7 +174,7 @@ class _ContentSparse(MultiHeadAttention):
             kv = _update_cache(
                 cache, k, v, call_mask=call_mask, heads=self.n_heads, q_len=x.shape[1], need_weights=need_weights
             )
-            if hasattr(kv, "attend"):
+            if isinstance(kv, CacheAttention):
                 raise ValueError(
                     f"{type(self).__name__} needs the cached keys to choose blocks; "
                     f"{type(cache).__name__} computes attention itself: use a StaticCache"
@@ -216,7 +217,8 @@ class MoBAAttention(_ContentSparse):
 
     Longer calls (training, a prefill) are routed as in the paper (:func:`attnkit.nn.moba.moba_attention`: each chosen block
     meets the queries that chose it); with a per-call mask, a bias,
-    sinks or ``routed = False`` they are one call under ``masks.selected_blocks(choice, block=(1, block)) &
+    sinks, an attention hook (:meth:`~attnkit.nn.MultiHeadAttention.register_attention_hook`, which then sees
+    the whole call) or ``routed = False`` they are one call under ``masks.selected_blocks(choice, block=(1, block)) &
     mask``.  With a KV cache, a one-token decoding step gathers the chosen blocks' keys and values and attends
     over them alone (the block means are computed from the cached keys).  Caches that compute attention
     themselves (paged, quantized) are refused.
@@ -292,6 +294,7 @@ class MoBAAttention(_ContentSparse):
             return self._output(self._gathered(q, k, v, choice))
         if (
             self.routed
+            and not self._attention_hooks  # (hooked: one call under the mask, which the hooks see whole)
             and q.shape[2] > 1
             and bias is None
             and call_mask is None
