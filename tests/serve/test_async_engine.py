@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import attnkit
+from attnkit.decoding import SamplingParams
 from attnkit.nn import DecoderConfig, DecoderLM
 from attnkit.serve import AsyncEngine, Overloaded
 
@@ -110,6 +111,20 @@ def test_bad_arguments_raise_in_the_caller_and_the_worker_lives_on(model):
         with pytest.raises(ValueError, match="temperature"):
             engine.submit([1], 3, temperature=-1.0)
         assert list(engine.submit([1, 2], 2))[-1].finish_reason == "length"
+
+
+def test_submit_takes_one_sampling_object_as_the_keywords(model):
+    plain = attnkit.generate(model, [[1, 2, 3]], 12)[0]
+    eos = plain[4]  # ends the stream early: its finish reason is "stop"
+    kw = dict(temperature=0.0, eos_id=eos, logprobs=1)
+    with AsyncEngine(_engine(model)) as engine:
+        by_object = engine.submit([1, 2, 3], 12, sampling=SamplingParams(**kw))
+        by_keywords = engine.submit([1, 2, 3], 12, **kw)
+        list(by_object), list(by_keywords)
+        assert by_object.tokens == by_keywords.tokens == plain[: plain.index(eos) + 1]
+        assert by_object.finish_reason == by_keywords.finish_reason == "stop"
+        with pytest.raises(TypeError, match="not both|pass one SamplingParams"):
+            engine.submit([1], 3, sampling=SamplingParams(), seed=1)
 
 
 def test_a_full_queue_is_refused(model):

@@ -91,6 +91,19 @@ class SamplingParams:
         "stop",
         "logprobs",
     )
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    eos_id: int | list[int] | None  # as given (one id or a list)
+    seed: int | None
+    eos_ids: tuple[int, ...]  # every end-of-sequence id
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    min_p: float | None
+    logit_bias: dict[int, float]
+    stop: tuple[tuple[int, ...], ...]
+    logprobs: int | None
 
     def __init__(
         self,
@@ -174,7 +187,7 @@ class SamplingParams:
         )
 
 
-_EXTRA_DEFAULTS = (
+_EXTRA_DEFAULTS: tuple[tuple[str, object], ...] = (
     ("repetition_penalty", 1.0),
     ("presence_penalty", 0.0),
     ("frequency_penalty", 0.0),

@@ -60,6 +60,10 @@ class Speculation:
     """
 
     __slots__ = ("draft_model", "prompt_lookup", "num_tokens", "stats")
+    draft_model: torch.nn.Module | None
+    prompt_lookup: bool
+    num_tokens: int
+    stats: SpeculativeStats | None
 
     def __init__(
         self,
