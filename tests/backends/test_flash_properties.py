@@ -16,8 +16,7 @@ from hypothesis import strategies as st
 from attnkit import bias as B
 from attnkit import masks as M
 from attnkit.backends import flash
-from attnkit.backends.flash import autograd as _flash_impl
-from attnkit.backends.call import make_call
+from attnkit.backends.call import make_call as _make_call  # (the test bodies seed hypothesis: kept as they were)
 from attnkit.testing import check_against_oracle
 
 
@@ -69,7 +68,7 @@ def test_numerical_rule_on_drawn_calls(b, hkv, group, lq, lk, d, block, p, mask,
     v = torch.randn(b, hkv, lk, d, generator=g).to(dtype).requires_grad_()
 
     def fn(q, k, v, **kw):
-        return _flash_impl._run(make_call(q, k, v, **kw), block, block, fused=None if fused else False)
+        return flash._run(_make_call(q, k, v, **kw), block, block, fused=None if fused else False)
 
     check_against_oracle(fn, q, k, v, mask=_mask(mask, p, lq, lk), bias=_bias(bias, hq, lq, lk), softcap=softcap)
 
@@ -166,7 +165,7 @@ def test_every_visited_tile_is_computed_exactly_once(mask, p, lq, lk, block):
     m = _UNIONS[mask](p, lk)
     if block == 4 and max(lq, lk) > 300:
         lq, lk = min(lq, 300), min(lk, 300)
-    plan = _flash_impl._forward_plan(make_call(torch.zeros(1, 1, lq, 4), torch.zeros(1, 1, lk, 4),
+    plan = flash._forward_plan(_make_call(torch.zeros(1, 1, lq, 4), torch.zeros(1, 1, lk, 4),
                                           torch.zeros(1, 1, lk, 4), mask=m), block, block)
     visited = m.block_structure(lq, lk, block, block).kinds().reshape(-1, plan.nq, plan.nk) != M.EMPTY
     cov = _coverage(plan, visited.shape[0])
@@ -250,7 +249,7 @@ def test_explicit_backward_meets_the_rule_at_large_scores(b, hkv, group, lq, lk,
     q, k, v = _large_score_inputs(b, hkv, group, lq, lk, d, score, seed)
 
     def fn(q, k, v, **kw):
-        return _flash_impl._run(make_call(q, k, v, **kw), block, block, fused=False)
+        return flash._run(_make_call(q, k, v, **kw), block, block, fused=False)
 
     errs = _grad_errors(fn, q, k, v, _grad_mask(mask, lq, lk, b), lse_loss, seed)
     # (the lse value: an ulp of an lse above 16 exceeds the rule's 1e-6, and its rounding is one ulp either
@@ -285,7 +284,7 @@ def test_one_key_rows_have_exactly_zero_score_gradients():
     q = (torch.randn(1, 2, 7, 16, generator=g) * 4).requires_grad_()
     k = (torch.randn(1, 2, 7, 16, generator=g) * 4).requires_grad_()
     v = torch.randn(1, 2, 7, 16, generator=g).requires_grad_()
-    out, lse = _flash_impl._run(make_call(q, k, v, mask=M.sliding_window(0, 0), return_lse=True), fused=False)
+    out, lse = flash._run(_make_call(q, k, v, mask=M.sliding_window(0, 0), return_lse=True), fused=False)
     (out * torch.randn(out.shape, generator=g)).sum().backward()
     assert torch.equal(q.grad, torch.zeros_like(q.grad)) and torch.equal(k.grad, torch.zeros_like(k.grad))
 
@@ -317,7 +316,7 @@ def test_fused_kernel_gradients_within_the_documented_bound(b, hkv, group, lq, l
         if backend == "sdpa":
             out = attnkit.attention(q, k, v, backend="sdpa", **kw)
         else:
-            out = _flash_impl._run(make_call(q, k, v, **kw), fused=True)
+            out = flash._run(_make_call(q, k, v, **kw), fused=True)
         return out, torch.zeros(out.shape[:-1])
 
     errs = _grad_errors(fn, q, k, v, m, False, seed)
