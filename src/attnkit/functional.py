@@ -27,12 +27,12 @@ _observers: "OrderedDict[int, Callable[..., object]]" = OrderedDict()
 
 
 def observe_attention(observer: Callable[..., object]) -> RemovableHandle:
-    """Call ``observer(q, k, v, *, mask, bias, scale, softcap, out)`` after every :func:`attention` call, in
-    every thread, until the returned handle's ``remove()`` (the handle is also a context manager).
+    """Call ``observer(q, k, v, *, mask, bias, scale, softcap, out)`` after every :func:`attnkit.attention`
+    call, in every thread, until the returned handle's ``remove()`` (the handle is also a context manager).
 
     ``out`` is the call's output ``(B, Hq, Lq, Dv)`` (without the log-sum-exp of ``return_lse=True``); the
     other arguments are the call's own.  An observer sees, it does not change: what it returns is ignored.
-    :func:`attnkit.diagnostics.probe` observes this way the models that call :func:`attention` themselves.
+    :func:`attnkit.diagnostics.probe` observes this way the models that call :func:`attnkit.attention` themselves.
 
     Example::
 

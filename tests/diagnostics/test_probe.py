@@ -168,3 +168,12 @@ def test_additive_and_single_head_attention_are_probed():
     with probe(head) as p:
         head(torch.randn(3, 4))
     assert p.layers[""].calls[0].shape == (1, 1, 3, 3)
+
+
+def test_a_layer_with_learned_sinks_is_refused_by_name():
+    """The probe's recomputed weights leave a sink's share out: it says so instead of recording wrong ones."""
+    model = DecoderLM(DecoderConfig.preset("tiny", attention_sinks=True)).eval()
+    with pytest.raises(ValueError, match="'layers.0.attn' has learned attention sinks"):
+        with probe(model):
+            model(torch.randint(0, 256, (1, 4)))
+    model(torch.randint(0, 256, (1, 4)))  # the hooks are gone after the error

@@ -24,8 +24,8 @@ def check_dtype(name: str, dtype: object) -> torch.dtype:
     return dtype
 
 
-def check_new_kv(k: Tensor, v: Tensor, *, batch: int | None, heads: int | None, d_head: int | None, d_value: int | None,
-                 dtype: torch.dtype | None, device: torch.device | None) -> None:
+def check_new_kv(k: Tensor, v: Tensor, *, batch: int | None, heads: int | None, d_head: int | None,
+                 d_value: int | None, dtype: torch.dtype | None, device: torch.device | None) -> None:
     """Check the new keys/values ``k (B, Hkv, L, D)``, ``v (B, Hkv, L, Dv)`` against a cache's layout."""
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, Tensor):
@@ -278,8 +278,8 @@ def attend(kv: CacheResult | tuple[Any, ...], q: Tensor, *, mask: Mask | Tensor 
     """Attention of ``q (B, Hq, L_new, D)`` over what a layer cache's ``update`` returned.
 
     ``kv`` is a :class:`CacheRead` (``(k_all, v_all)`` or ``(k_all, v_all, extra_mask)``, the mask AND-ed with
-    ``mask``) or a :class:`CacheAttention` (``attend(q, *, mask, bias, scale, softcap)``).  ``mask``/``bias`` are the layer's own, in the bottom-right
-    alignment of the contract; ``sinks`` as in :func:`attnkit.attention` (passed to ``attend`` only when
+    ``mask``) or a :class:`CacheAttention` (``attend(q, *, mask, bias, scale, softcap)``).  ``mask``/``bias``
+    are the layer's own, in the bottom-right alignment of the contract; ``sinks`` as in :func:`attnkit.attention` (passed to ``attend`` only when
     given).  Returns ``(B, Hq, L_new, Dv)``.
 
     Example::

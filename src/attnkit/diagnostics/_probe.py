@@ -2,15 +2,15 @@
 
 Every attention module of :mod:`attnkit.nn` takes attention hooks (``module.register_attention_hook``, see
 :class:`attnkit.nn.AttentionCall`).  While the probe is active it hooks each attention module: the module
-still computes the output, and on the side the probe recomputes the attention weights from the same ``q, k, v`` and score modifiers, one block of query rows at
-a time, and keeps them (or, for long sequences, only their per-row statistics).  Models that call
-:func:`attnkit.attention` themselves (their own modules, or a Hugging Face model running with
-``attn_implementation="attnkit"``) are seen the same way: the probe observes each such call made while the
-model runs (through :func:`attnkit.functional.observe_attention`) and files it under the innermost module that
-made it.  A hook on the output
-records the gradient of the scores when a backward pass runs: with ``g = dL/d(out)``,
-``dL/d(scores) = w * (g v^T - rowsum(w * g v^T))`` (the softmax backward; dropout is not modelled, so
-probe a model in ``eval()`` mode).  On exit every hook is removed, also after an error.
+still computes the output, and on the side the probe recomputes the attention weights from the same
+``q, k, v`` and score modifiers, one block of query rows at a time, and keeps them (or, for long sequences,
+only their per-row statistics).  Models that call :func:`attnkit.attention` themselves (their own modules,
+or a Hugging Face model running with ``attn_implementation="attnkit"``) are seen the same way: the probe
+observes each such call made while the model runs (through :func:`attnkit.functional.observe_attention`) and
+files it under the innermost module that made it.  A hook on the output records the gradient of the scores
+when a backward pass runs: with ``g = dL/d(out)``, ``dL/d(scores) = w * (g v^T - rowsum(w * g v^T))`` (the
+softmax backward; dropout is not modelled, so probe a model in ``eval()`` mode).  On exit every hook is
+removed, also after an error.
 """
 
 from __future__ import annotations
@@ -249,6 +249,9 @@ class Probe:
         """The attention hook recording the calls of the module ``name``."""
 
         def hook(module: nn.Module, call: AttentionCall, compute) -> Tensor:
+            if call.sinks is not None:  # (the recomputed weights would leave the sinks' share out)
+                raise ValueError(f"probe: layer {name or '(model)'!r} has learned attention sinks, which the probe's "
+                                 f"statistics do not model: probe a model without sinks")
             self._in_hook += 1
             try:
                 out = compute(call)

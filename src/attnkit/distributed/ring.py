@@ -751,8 +751,8 @@ def ring_context(model: torch.nn.Module, *, layout: str = "zigzag", group=None):
                if callable(getattr(type(m), "register_attention_hook", None))]
     if not modules:
         raise ValueError(f"ring_context: {type(model).__name__} has no attnkit.nn attention module (one with "
-                         f"register_attention_hook, e.g. MultiHeadAttention); a model that calls attnkit.attention itself calls "
-                         f"attnkit.distributed.ring_attention in its place")
+                         f"register_attention_hook, e.g. MultiHeadAttention); a model that calls attnkit.attention "
+                         f"itself calls attnkit.distributed.ring_attention in its place")
     hooks = []
     try:
         for name, module in modules:
