@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 
 from .. import masks as _masks
@@ -12,9 +14,20 @@ from .._checks import choice, finite_float, flag, positive_float, probability  #
 Tensor = torch.Tensor
 
 
+@overload
+def positive_int(name: str, value, *, allow_none: Literal[False] = False) -> int: ...
+@overload
+def positive_int(name: str, value, *, allow_none: bool) -> int | None: ...
 def positive_int(name: str, value, *, allow_none: bool = False) -> int | None:
     """A size: an int ``>= 1`` (None passes where ``allow_none``)."""
     return integer(name, value, minimum=1, allow_none=allow_none)
+
+
+def config_object(name: str, config, kind: type) -> None:
+    """``config`` is a ``kind`` (a module's config dataclass), for ``Module.from_config``."""
+    if not isinstance(config, kind):
+        raise TypeError(f"{name} takes an attnkit.nn.{kind.__name__}, got {type(config).__name__}: build one, "
+                        f"e.g. {kind.__name__}(...), or pass the options to the module's constructor")
 
 
 def head_layout(d_model: int, n_heads: int, n_kv_heads: int | None, d_head: int | None) -> tuple[int, int]:

@@ -18,7 +18,7 @@ import torch
 from .. import masks as _masks
 from ..functional import attention
 from . import _checks
-from .attention import AttentionConfig, MultiHeadAttention, _Attends, _check_layer_cache, _update_cache
+from .attention import AttentionConfig, MultiHeadAttention, _check_layer_cache, _update_cache
 
 Tensor = torch.Tensor
 
@@ -238,29 +238,25 @@ class MoBAAttention(_ContentSparse):
 
     def __init__(
         self,
-        d_model: int,
-        n_heads: int,
-        n_kv_heads: int | None = None,
-        *,
+        config: AttentionConfig | int | None = None,
+        *fields,
         block: int = 64,
         top_k: int = 8,
         positions=None,
         mask=None,
         **options,
     ):
-        _Attends.__init__(self)
-        self._build(AttentionConfig(d_model, n_heads, n_kv_heads, **options), positions, mask)
+        super().__init__(config, *fields, positions=positions, mask=mask, **options)
         self._set_selection(block, top_k)
 
     @classmethod
     def from_config(
         cls, config: AttentionConfig, *, positions=None, mask=None, block: int = 64, top_k: int = 8
     ) -> "MoBAAttention":
-        """The module an :class:`AttentionConfig` describes (see :meth:`MultiHeadAttention.from_config`), with
-        MoBA's ``block`` and ``top_k``."""
-        module = super().from_config(config, positions=positions, mask=mask)
-        module._set_selection(block, top_k)
-        return module
+        """``MoBAAttention(config, ...)``, refusing anything but an :class:`AttentionConfig` (see
+        :meth:`MultiHeadAttention.from_config`)."""
+        _checks.config_object("from_config", config, AttentionConfig)
+        return cls(config, positions=positions, mask=mask, block=block, top_k=top_k)
 
     def _set_selection(self, block: int, top_k: int) -> None:
         self.block = _checks.positive_int("block", block)

@@ -587,8 +587,8 @@ class DecoderLM(_LMBase):
                                                    interleaved=cfg.rope_interleaved)
         block = cfg.block_config()
         self.layers = nn.ModuleList(
-            TransformerBlock.from_config(block, positions=self._layer_positions(i), mask=self._layer_mask(i),
-                                         attn=self._latent_attention(i) or self._sparse_attention(i, block))
+            TransformerBlock(block, positions=self._layer_positions(i), mask=self._layer_mask(i),
+                             attn=self._latent_attention(i) or self._sparse_attention(i, block))
             for i in range(cfg.n_layers))
         self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_offset) if cfg.norm_first else None
         self._init_weights(cfg.n_layers)
@@ -761,9 +761,9 @@ class EncoderDecoder(_LMBase):
         self.decoder_positions = (self.encoder_positions if cfg.positions in ("rope", "alibi")
                                   else _make_positions(cfg, bidirectional=False))
         block = cfg.block_config()
-        self.encoder = Encoder._from_config(block, n_enc, causal=False, positions=self.encoder_positions, mask=None)
-        self.decoder = Decoder._from_config(block.replace(cross_attention=True), cfg.n_layers, causal=True,
-                                            positions=self.decoder_positions, mask=cfg.mask)
+        self.encoder = Encoder(block, n_enc, positions=self.encoder_positions)
+        self.decoder = Decoder(block.replace(cross_attention=True), cfg.n_layers, positions=self.decoder_positions,
+                               mask=cfg.mask)
         self._init_weights(cfg.n_layers + n_enc)
 
     def encode(self, src: Tensor, *, src_mask=None) -> Tensor:
