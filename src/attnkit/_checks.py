@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from numbers import Real
+from typing import Literal, overload
 
 import torch
 
@@ -106,6 +107,10 @@ def finite_float(name: str, value) -> float:
     return float(value)
 
 
+@overload
+def positive_float(name: str, value, *, allow_none: Literal[False] = False) -> float: ...
+@overload
+def positive_float(name: str, value, *, allow_none: bool) -> float | None: ...
 def positive_float(name: str, value, *, allow_none: bool = False) -> float | None:
     """``value``, a finite int or float ``> 0``, as a float; None passes where ``allow_none``."""
     if value is None and allow_none:

@@ -19,8 +19,8 @@ from .latent import LatentAttention
 from .moba import MoBAAttention
 from .nsa import NSAAttention
 from .layers import Linear, _dropout, linear, make_norm
-from .positions import (ALiBi, PositionEncoding, RotaryEmbedding, SinusoidalPositions, T5RelativeBias, _check_t5_layout,
-                        _parse_scaling)
+from .positions import ALiBi, PositionEncoding, RotaryEmbedding, SinusoidalPositions, T5RelativeBias, _check_t5_layout
+from .rope_scaling import RopeScaling
 
 Tensor = torch.Tensor
 
@@ -82,7 +82,9 @@ class DecoderConfig:
     max_seq_len: int = 2048  # positions >= this raise, unless the position method extrapolates (alibi, t5, none)
     positions: str = "rope"  # "rope" | "alibi" | "t5" | "sinusoidal" | "none"
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # {"type": "linear" | "ntk" | "llama3" | "yarn" | "longrope" | "dynamic", ...}
+    # a dict {"type": "linear" | "ntk" | "llama3" | "yarn" | "longrope" | "dynamic", ...} (Hugging Face's form too),
+    # or a typed attnkit.nn.RopeScaling, kept as its dict (RopeScaling.to_dict: the JSON form)
+    rope_scaling: dict | None = None
     rotary_dim: int | None = None  # partial rotary: rotate the first rotary_dim dims of each head
     rope_interleaved: bool = False  # pair dims (2i, 2i+1) instead of (i, i + d/2)
     t5_num_buckets: int = 32
@@ -155,7 +157,10 @@ class DecoderConfig:
         _checks.positive_int("d_ff", self.d_ff, allow_none=True)
         _checks.positive_int("rotary_dim", self.rotary_dim, allow_none=True)
         _checks.positive_float("rope_theta", self.rope_theta)
-        _parse_scaling(self.rope_scaling, self.rope_theta)  # errors at configuration time, not when building
+        if isinstance(self.rope_scaling, RopeScaling):
+            self.rope_scaling = self.rope_scaling.to_dict()
+        elif self.rope_scaling is not None:  # errors at configuration time, not when building
+            RopeScaling.from_hf(self.rope_scaling, self.rope_theta)
         _checks.positive_float("norm_eps", self.norm_eps)
         self.norm_offset = _checks.finite_float("norm_offset", self.norm_offset)
         for name in ("softcap", "attn_scale", "embed_scale", "logit_softcap", "logit_divisor", "rope_local_theta"):
@@ -480,7 +485,7 @@ class _LMBase(nn.Module):
         if torch.compiler.is_compiling():  # reading the tensor would split the graph: check inside it instead
             rope = getattr(self, "positions", None)
             if isinstance(rope, RotaryEmbedding) and rope.length_dependent:
-                raise ValueError(f"rope scaling {rope.scaling['type']!r} picks its frequencies from the largest "
+                raise ValueError(f"rope scaling {rope.scaling.type!r} picks its frequencies from the largest "  # type: ignore[union-attr]
                                  f"position, which a compiled forward does not read from given positions: call "
                                  f"it with positions=None (the cache's offset) or without torch.compile")
             torch._assert_async((pos >= 0).all(), "positions must be >= 0")
