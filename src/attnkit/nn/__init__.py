@@ -41,8 +41,15 @@ from .moba import MoBAAttention
 from .nsa import NSAAttention
 from .models import DecoderConfig, DecoderLM, EncoderDecoder
 from .positions import ALiBi, PositionEncoding, RotaryEmbedding, SinusoidalPositions, T5RelativeBias
-from .rope_scaling import (DynamicNTKScaling, LinearScaling, Llama3Scaling, LongRoPEScaling, NTKScaling, RopeScaling,
-                           YaRNScaling)
+from .rope_scaling import (
+    DynamicNTKScaling,
+    LinearScaling,
+    Llama3Scaling,
+    LongRoPEScaling,
+    NTKScaling,
+    RopeScaling,
+    YaRNScaling,
+)
 from .simple import AdditiveAttention, SingleHeadAttention
 
 __all__ = [
