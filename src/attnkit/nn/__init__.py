@@ -3,7 +3,7 @@
 * Attention: :class:`MultiHeadAttention` (self, grouped-query, cross, cached; ``from_torch``),
   :class:`SingleHeadAttention` (the articles' one head), :class:`AdditiveAttention` (Bahdanau),
   :class:`AxialAttention` (grids), :class:`LatentAttention` (multi-head latent attention, DeepSeek-V2/V3:
-  caches hold a small latent per token), :class:`DeepSeekSparseAttention` (DSA, DeepSeek-V3.2: a lightning
+  caches hold a small latent per token; :class:`LatentConfig`), :class:`DeepSeekSparseAttention` (DSA, DeepSeek-V3.2: a lightning
   indexer picks each query's top-k keys; :class:`IndexerConfig`, :func:`indexer_loss`), :class:`MoBAAttention` (mixture of block attention, Kimi: each query
   attends to the key blocks whose mean key matches it best), :class:`NSAAttention` (native sparse attention,
   DeepSeek: compressed, selected and sliding-window branches mixed by learned gates).
@@ -35,7 +35,7 @@ from .attention import AttentionConfig, MultiHeadAttention
 from .axial import AxialAttention
 from .blocks import BlockConfig, Decoder, Encoder, TransformerBlock, default_d_ff
 from .dsa import DeepSeekSparseAttention, IndexerConfig, LightningIndexer, indexer_loss, selected_attention, top_k_keys
-from .latent import LatentAttention
+from .latent import LatentAttention, LatentConfig
 from .layers import FeedForward, Linear, RMSNorm, linear, to_decode_layout
 from .moba import MoBAAttention
 from .nsa import NSAAttention
@@ -58,6 +58,7 @@ __all__ = [
     "AdditiveAttention",
     "AxialAttention",
     "LatentAttention",
+    "LatentConfig",
     "DeepSeekSparseAttention",
     "IndexerConfig",
     "LightningIndexer",

@@ -90,30 +90,6 @@ def _rows(proj: nn.Module, x: Tensor, start: int, stop: int) -> Tensor:
 _POSITIONAL = ("d_model", "n_heads", "n_kv_heads", "d_head", "kdim", "vdim", "bias")
 
 
-def attention_config(config, fields: tuple, options: dict, *, owner: str) -> "AttentionConfig":
-    """The :class:`AttentionConfig` a module constructor was given: ``config`` itself, or the one its fields make
-    (``MultiHeadAttention(64, 8, n_kv_heads=2)`` is ``MultiHeadAttention(AttentionConfig(64, 8, n_kv_heads=2))``)."""
-    if isinstance(config, AttentionConfig):
-        if fields or options:
-            given = [f"{len(fields)} positional" if fields else "", *options]
-            raise TypeError(f"{owner} got an AttentionConfig and the fields {', '.join(g for g in given if g)}: pass "
-                            f"one or the other (config.replace(...) makes a config with some fields changed)")
-        return config
-    if config is not None and (isinstance(config, bool) or not isinstance(config, int)):
-        raise TypeError(f"{owner} takes an attnkit.nn.AttentionConfig, or its fields ({owner}(d_model, n_heads, "
-                        f"...)), got {type(config).__name__} {config!r:.60}")
-    fields = fields if config is None else (config, *fields)
-    if len(fields) > len(_POSITIONAL):
-        raise TypeError(f"{owner} takes at most {len(_POSITIONAL)} fields by position ({', '.join(_POSITIONAL)}), "
-                        f"got {len(fields)}: pass the others by keyword")
-    try:
-        return AttentionConfig(*fields, **options)
-    except TypeError as e:  # a missing or unknown field
-        names = ", ".join(f.name for f in dataclasses.fields(AttentionConfig))
-        raise TypeError(f"{owner}: {str(e).split('() ', 1)[-1]} (its options are "
-                        f"positions, mask and AttentionConfig's fields: {names})") from None
-
-
 @dataclass(frozen=True)
 class AttentionConfig:
     """The options of a :class:`MultiHeadAttention`, as one object that blocks and models pass along.
@@ -283,7 +259,9 @@ class MultiHeadAttention(_Attends):
     def __init__(self, config: AttentionConfig | int | None = None, *fields, positions: PositionEncoding | None = None,
                  mask=None, **options):
         super().__init__()
-        self._build(attention_config(config, fields, options, owner=type(self).__name__), positions, mask)
+        cfg = _checks.config_of(AttentionConfig, config, fields, options, owner=type(self).__name__,
+                                positional=_POSITIONAL, beside="positions, mask")
+        self._build(cfg, positions, mask)
 
     @classmethod
     def from_config(cls, config: AttentionConfig, *, positions: PositionEncoding | None = None,

@@ -15,7 +15,7 @@ from . import _checks
 from .attention import AttentionConfig
 from .blocks import BlockConfig, Decoder, Encoder, TransformerBlock, _cache_positions, _layer_caches, default_d_ff
 from .dsa import DeepSeekSparseAttention, IndexerConfig
-from .latent import LatentAttention
+from .latent import LatentAttention, LatentConfig
 from .moba import MoBAAttention
 from .nsa import NSAAttention
 from .layers import Linear, _dropout, linear, make_norm
@@ -662,11 +662,12 @@ class DecoderLM(_LMBase):
             return None
         kind, extra = (LatentAttention, {}) if cfg.indexer is None else (DeepSeekSparseAttention,
                                                                           {"indexer": cfg.indexer})
-        return kind(cfg.d_model, cfg.n_heads, kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank,
-                    qk_rope_head_dim=cfg.qk_rope_head_dim, qk_nope_head_dim=cfg.head_dim,
-                    v_head_dim=cfg.v_head_dim or cfg.head_dim, positions=self._layer_positions(i),
-                    mask=self._layer_mask(i), scale=cfg.attn_scale, bias=cfg.qkv_bias, out_bias=cfg.out_bias,
-                    dropout=cfg.attention_dropout, backend=cfg.backend, **extra)
+        ranks = dict(kv_lora_rank=cfg.kv_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim)  # (set: cfg.latent)
+        latent = LatentConfig(cfg.d_model, cfg.n_heads, q_lora_rank=cfg.q_lora_rank, qk_nope_head_dim=cfg.head_dim,
+                              v_head_dim=cfg.v_head_dim or cfg.head_dim, scale=cfg.attn_scale, bias=cfg.qkv_bias,
+                              out_bias=cfg.out_bias, dropout=cfg.attention_dropout, backend=cfg.backend,
+                              **ranks)  # type: ignore[arg-type]
+        return kind(latent, positions=self._layer_positions(i), mask=self._layer_mask(i), **extra)
 
     def _sparse_attention(self, i: int, block: BlockConfig) -> nn.Module | None:
         """Layer ``i``'s content-based sparse attention (``config.sparse_attention``), or None."""
