@@ -204,8 +204,7 @@ def _weights(weights, student: _Side, teacher: _Side) -> dict[str, float]:
     for k, w in weights.items():
         if k not in TERMS:
             raise ValueError(f"unknown loss term {k!r} in weights: choose from {', '.join(TERMS)}")
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
-            raise ValueError(f"weights[{k!r}]={w!r} must be a finite number >= 0")
+        _checks.number(f"weights[{k!r}]", w, low=0.0)
         if w:
             out[k] = float(w)
     if not out:
@@ -330,8 +329,7 @@ class DistillConfig:
     progress: bool = True  # a rich progress bar, when rich is installed
 
     def __post_init__(self):
-        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
-            raise ValueError(f"steps={self.steps!r} must be a positive int")
+        _checks.int_in_range("steps", self.steps, 1)
         _checks.positive_float("temperature", self.temperature)
         _checks.choice("heads", self.heads, ("auto", "mean", "map"))
         _checks.integer("eval_every", self.eval_every, minimum=1, allow_none=True)

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _checks
 from .. import masks as _masks
 from ._transformers import _transformers as load_transformers
 
@@ -646,8 +647,8 @@ def hf_config(config, *, attn_implementation: str | None = None, family: str | N
     (see :func:`to_hf`), or ``family`` (a ``model_type`` in ``FAMILIES``) when given."""
     transformers = _transformers()
     cfg = config
-    if family is not None and family not in FAMILIES:
-        raise ValueError(f"family={family!r} is not one of {FAMILIES}")
+    if family is not None:
+        _checks.choice("family", family, FAMILIES)
     if getattr(cfg, "indexer", None) is not None or family == "deepseek_v32":
         raise ValueError("to_hf does not convert DeepSeek sparse attention (config.indexer, DeepSeek-V3.2) back to "
                          "transformers; keep the attnkit model, or convert a model without an indexer")

@@ -10,7 +10,7 @@ import torch
 from .. import masks as _masks
 from .._checks import integer
 # re-exported: the modules' checks of plain arguments
-from .._checks import choice, finite_float, flag, positive_float, probability  # noqa: F401
+from .._checks import choice, finite_float, flag, int_in_range, number, positive_float, probability  # noqa: F401
 
 Tensor = torch.Tensor
 _Config = TypeVar("_Config")

@@ -273,9 +273,7 @@ class MultiHeadAttention(_Attends):
 
     def _build(self, cfg: AttentionConfig, positions: PositionEncoding | None, mask) -> None:
         """Checks ``cfg`` and the built parts, then makes the projections, norms and sinks."""
-        if not isinstance(cfg.batch_first, bool):
-            raise TypeError(f"batch_first must be True or False, got {cfg.batch_first!r}")
-        self.config, self.batch_first = cfg, cfg.batch_first
+        self.config, self.batch_first = cfg, _checks.flag("batch_first", cfg.batch_first)
         d_model, n_heads = cfg.d_model, cfg.n_heads
         n_kv_heads, d_head = _checks.head_layout(d_model, n_heads, cfg.n_kv_heads, cfg.d_head)
         bias = _checks.flag("bias", cfg.bias)

@@ -260,11 +260,9 @@ class MoBAAttention(_ContentSparse):
 
     def _set_selection(self, block: int, top_k: int) -> None:
         self.block = _checks.positive_int("block", block)
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-            raise ValueError(
-                f"top_k={top_k!r} must be an int >= 0 (the earlier blocks each query chooses besides its own)"
-            )
-        self.top_k = top_k
+        self.top_k = _checks.int_in_range(
+            "top_k", top_k, 0, fix=" (the earlier blocks each query chooses besides its own)"
+        )
         self.routed = True  # prefill/training: routed by moba_attention (False: one call under the mask)
         if self.kdim != self.d_model or self.vdim != self.d_model:
             raise ValueError("MoBAAttention is self-attention: kdim and vdim must equal d_model")
