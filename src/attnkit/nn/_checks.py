@@ -59,6 +59,13 @@ def config_object(name: str, config, kind: type) -> None:
                         f"e.g. {kind.__name__}(...), or pass the options to the module's constructor")
 
 
+def backend(value) -> str:
+    """A backend name: a string, checked against the registry when the module computes attention."""
+    if not isinstance(value, str):
+        raise TypeError(f"backend must be a string such as 'auto', got {type(value).__name__}")
+    return value
+
+
 def head_layout(d_model: int, n_heads: int, n_kv_heads: int | None, d_head: int | None) -> tuple[int, int]:
     """Validated ``(n_kv_heads, d_head)``."""
     positive_int("d_model", d_model)

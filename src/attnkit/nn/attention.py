@@ -285,9 +285,7 @@ class MultiHeadAttention(_Attends):
         self.dropout = _checks.probability("dropout", cfg.dropout)
         self.softcap = _checks.positive_float("softcap", cfg.softcap, allow_none=True)
         self.temperature = _checks.positive_float("temperature", cfg.temperature)
-        if not isinstance(cfg.backend, str):
-            raise TypeError(f"backend must be a string such as 'auto', got {type(cfg.backend).__name__}")
-        self.backend = cfg.backend
+        self.backend = _checks.backend(cfg.backend)
         if positions is not None and not isinstance(positions, PositionEncoding):
             raise TypeError(f"positions must be None or an attnkit.nn PositionEncoding (RotaryEmbedding, ALiBi, "
                             f"T5RelativeBias, SinusoidalPositions), got {type(positions).__name__}")

@@ -145,12 +145,10 @@ class LatentAttention(_Attends):
         if positions is not None and positions.dim != qk_rope_head_dim:
             raise ValueError(f"positions=RotaryEmbedding({positions.dim}) must rotate qk_rope_head_dim="
                              f"{qk_rope_head_dim} dims: use RotaryEmbedding({qk_rope_head_dim})")
-        if not isinstance(backend, str):
-            raise TypeError(f"backend must be a string such as 'auto', got {type(backend).__name__}")
         self.d_model, self.n_heads = d_model, n_heads
         self.kv_lora_rank, self.q_lora_rank = kv_lora_rank, q_lora_rank
         self.qk_rope_head_dim, self.qk_nope_head_dim, self.v_head_dim = qk_rope_head_dim, qk_nope_head_dim, v_head_dim
-        self.positions, self.backend = positions, backend
+        self.positions, self.backend = positions, _checks.backend(backend)
         self.mask = _checks.as_mask("mask", mask)
         self.dropout = _checks.probability("dropout", dropout)
         qk = qk_nope_head_dim + qk_rope_head_dim
