@@ -216,7 +216,15 @@ class LinearScaling(RopeScaling):
 
 @dataclass(frozen=True)
 class NTKScaling(RopeScaling):
-    """Static NTK-aware scaling: the base raised to ``base * factor^(dim / (dim - 2))``."""
+    """Static NTK-aware scaling: the base raised to ``base * factor^(dim / (dim - 2))``.
+
+    Example::
+
+        >>> from attnkit.nn import NTKScaling, RotaryEmbedding
+        >>> rope = RotaryEmbedding(8, scaling=NTKScaling(4.0))  # base 10000 * 4^(8/6)
+        >>> round(float(rope.inv_freq[1] ** -4))
+        63496
+    """
 
     type: ClassVar[str] = "ntk"
     factor: float  # the stretch of the context, > 0
@@ -232,7 +240,16 @@ class NTKScaling(RopeScaling):
 class DynamicNTKScaling(RopeScaling):
     """Dynamic NTK: while a sequence's length is at most ``original_max_seq_len`` the frequencies are the plain
     ones; a sequence of length ``n > original_max_seq_len`` uses the base
-    ``base * (factor n / original_max_seq_len - (factor - 1))^(dim / (dim - 2))``."""
+    ``base * (factor n / original_max_seq_len - (factor - 1))^(dim / (dim - 2))``.
+
+    Example::
+
+        >>> import torch
+        >>> from attnkit.nn import DynamicNTKScaling, RotaryEmbedding
+        >>> rope = RotaryEmbedding(8, scaling=DynamicNTKScaling(2.0, original_max_seq_len=16))
+        >>> rope.length_dependent, torch.equal(rope.inv_freq_for(16), rope.inv_freq)
+        (True, True)
+    """
 
     type: ClassVar[str] = "dynamic"
     length_dependent: ClassVar[bool] = True
@@ -253,7 +270,14 @@ class DynamicNTKScaling(RopeScaling):
 @dataclass(frozen=True)
 class Llama3Scaling(RopeScaling):
     """Llama 3.1's: wavelengths longer than ``original_max_seq_len / low_freq_factor`` divided by ``factor``,
-    shorter than ``original_max_seq_len / high_freq_factor`` kept, a smooth blend between."""
+    shorter than ``original_max_seq_len / high_freq_factor`` kept, a smooth blend between.
+
+    Example::
+
+        >>> from attnkit.nn import Llama3Scaling
+        >>> Llama3Scaling(8.0).to_dict()
+        {'type': 'llama3', 'factor': 8.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0, 'original_max_seq_len': 8192}
+    """
 
     type: ClassVar[str] = "llama3"
     factor: float  # > 0
@@ -286,7 +310,14 @@ class YaRNScaling(RopeScaling):
     """YaRN: a per-frequency blend of interpolated (``/ factor``) and original frequencies over the wavelengths
     between ``beta_fast`` and ``beta_slow`` rotations in ``original_max_seq_len`` (``truncate`` rounds that range
     to whole dims), and the rotated queries and keys multiplied by ``attention_factor`` (default
-    ``0.1 ln factor + 1``, or DeepSeek's ratio of that form with ``mscale`` and ``mscale_all_dim``)."""
+    ``0.1 ln factor + 1``, or DeepSeek's ratio of that form with ``mscale`` and ``mscale_all_dim``).
+
+    Example::
+
+        >>> from attnkit.nn import YaRNScaling
+        >>> YaRNScaling(4.0, original_max_seq_len=4096, mscale=1.0, mscale_all_dim=1.0).attention_factor  # a ratio of 1
+        1.0
+    """
 
     type: ClassVar[str] = "yarn"
     factor: float  # > 0
@@ -342,7 +373,16 @@ class LongRoPEScaling(RopeScaling):
     """LongRoPE (Phi-3): frequencies divided by ``short_factor`` (one per rotated pair) while a sequence's length
     is at most ``original_max_seq_len``, by ``long_factor`` once it is not, and the rotated queries and keys
     multiplied by ``attention_factor`` (default ``sqrt(1 + ln factor / ln original_max_seq_len)``; 1 without
-    ``factor``, which sets only that default)."""
+    ``factor``, which sets only that default).
+
+    Example::
+
+        >>> import torch
+        >>> from attnkit.nn import LongRoPEScaling, RotaryEmbedding
+        >>> rope = RotaryEmbedding(4, scaling=LongRoPEScaling([1.0, 1.0], [2.0, 4.0], original_max_seq_len=8))
+        >>> torch.allclose(rope.inv_freq_for(9), rope.inv_freq / torch.tensor([2.0, 4.0]))  # past 8: the long factors
+        True
+    """
 
     type: ClassVar[str] = "longrope"
     length_dependent: ClassVar[bool] = True
