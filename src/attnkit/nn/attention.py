@@ -209,7 +209,7 @@ class MultiHeadAttention(_Attends):
     ``MultiHeadAttention(AttentionConfig(64, 8, n_kv_heads=2))`` (``d_model`` to ``bias`` may be given by
     position, the others by keyword); the config is then checked as one.
 
-    Args (``positions`` and ``mask`` besides the config's fields):
+    Args:
         d_model: width of ``x`` and of the output.
         n_heads, n_kv_heads, d_head: head layout (see above).
         kdim, vdim: widths of the cross-attention key and value inputs (``kdim`` defaults to ``d_model``,

@@ -74,7 +74,7 @@ class LatentAttention(_Attends):
     (kept as ``config``); as a convenience its fields may stand in its place (``d_model`` and ``n_heads`` by
     position, the others by keyword), making one config.
 
-    Args (``positions`` and ``mask`` besides the config's fields):
+    Args:
         d_model: model width.
         n_heads: query heads (every head has its own key and value, all from one latent).
         kv_lora_rank: width of the latent ``c`` (DeepSeek-V3: 512).
