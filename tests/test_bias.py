@@ -96,7 +96,7 @@ def test_temperature_and_compose():
     (lambda: bias.alibi([0.5, float("nan")]), ValueError, "alibi slopes must be finite numbers"),
     (lambda: bias.alibi(torch.tensor([float("inf")])), ValueError, "must be finite"),
     (lambda: bias.temperature(torch.tensor([1.0, float("inf")])), ValueError, "temperature must be finite"),
-    (lambda: bias.temperature(0), ValueError, "t must be a finite number > 0"),
+    (lambda: bias.temperature(0), ValueError, "temperature: t=0 must be a finite number > 0"),
     (lambda: bias.temperature(torch.tensor([1.0, -1.0])), ValueError, "> 0"),
     (lambda: bias.relative_buckets(torch.ones(4)), ValueError, "Hq, num_buckets"),
     (lambda: bias.relative_buckets(torch.ones(2, 8), max_distance=1), ValueError, "max_distance"),

@@ -399,3 +399,26 @@ def test_progress_bar_without_rich(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "rich.progress", None)  # import rich.progress raises ImportError
     report = distill(lm(seed=0), lm(d=16, seed=1), recall, steps=2, progress=True)
     assert report.steps == 2 and "distil" not in capsys.readouterr().out
+
+
+def test_a_distill_config_is_the_keywords_as_one_object():
+    from attnkit.distill import DistillConfig
+
+    teacher = lm(seed=0)
+    options = dict(steps=2, weights={"logits": 1.0, "attention": 5.0}, temperature=1.5, lr=1e-2, warmup=1,
+                   progress=False)
+    by_keywords, by_config = lm(d=16, seed=1), lm(d=16, seed=1)
+    a = distill(teacher, by_keywords, recall, **options)
+    b = distill(teacher, by_config, recall, DistillConfig(**options))
+    assert a.losses == b.losses and a.weights == b.weights
+    assert all(torch.equal(x, y) for x, y in zip(by_keywords.state_dict().values(), by_config.state_dict().values()))
+    with pytest.raises(TypeError, match="got a DistillConfig and the options lr: pass one or the other"):
+        distill(teacher, by_config, recall, DistillConfig(steps=1), lr=1.0)
+    with pytest.raises(TypeError, match="distill: got an unexpected keyword argument 'step'"):
+        distill(teacher, by_config, recall, step=1)
+    with pytest.raises(TypeError, match="distill: missing 1 required positional argument: 'steps'"):
+        distill(teacher, by_config, recall)
+    with pytest.raises(ValueError, match="heads='all' is not one of"):
+        DistillConfig(steps=1, heads="all")
+    with pytest.raises(ValueError, match="temperature=0 must be a finite number > 0"):
+        DistillConfig(steps=1, temperature=0)

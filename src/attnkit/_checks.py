@@ -111,6 +111,10 @@ def finite_float(name: str, value) -> float:
     return float(value)
 
 
+@overload
+def positive_float(name: str, value, *, allow_none: Literal[False] = False) -> float: ...
+@overload
+def positive_float(name: str, value, *, allow_none: bool) -> float | None: ...
 def positive_float(name: str, value, *, allow_none: bool = False) -> float | None:
     """``value``, a finite int or float ``> 0``, as a float; None passes where ``allow_none``."""
     if value is None and allow_none:
@@ -127,10 +131,31 @@ def probability(name: str, value) -> float:
     return float(value)
 
 
-def choice(name: str, value, options: tuple):
-    """``value`` when it is one of ``options``."""
+def choice(name: str, value, options: tuple, *, fix: str = ""):
+    """``value`` when it is one of ``options``; ``fix`` ends the message (e.g. what each option means)."""
     if value not in options:
-        raise ValueError(f"{name}={value!r} is not one of {options}")
+        raise ValueError(f"{name}={value!r} is not one of {options}{fix}")
+    return value
+
+
+def int_in_range(name: str, value, low: int, high: int | None = None, *, fix: str = "") -> int:
+    """``value``, an int (not a bool) with ``low <= value`` and, when ``high`` is given, ``value < high`` (an
+    index); anything else raises ValueError, as the float checks do (:func:`integer` raises TypeError for a
+    non-int).  ``fix`` ends the message (e.g. what the value counts, or what else may be passed).
+
+    Example::
+
+        >>> from attnkit._checks import int_in_range
+        >>> int_in_range("row", 3, 0, 4)
+        3
+        >>> int_in_range("row", 4, 0, 4, fix=" (rows are 0-based)")
+        Traceback (most recent call last):
+        ...
+        ValueError: row=4 must be an int in [0, 4) (rows are 0-based)
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value >= high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high})"
+        raise ValueError(f"{name}={value!r} must be an int {bound}{fix}")
     return value
 
 

@@ -26,6 +26,7 @@ from typing import Callable, TypeAlias, Union
 import torch
 
 from ._checks import flag
+from . import _checks
 from .masks import _check_align, _index_grid, _offset
 
 Tensor = torch.Tensor
@@ -220,8 +221,7 @@ def alibi_slopes(n_heads: int) -> Tensor:
         >>> alibi_slopes(4).tolist()
         [0.25, 0.0625, 0.015625, 0.00390625]
     """
-    if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads < 1:
-        raise ValueError(f"alibi_slopes: n_heads must be a positive int, got {n_heads!r}")
+    _checks.int_in_range("alibi_slopes: n_heads", n_heads, 1)
 
     def power_of_two(n: int) -> list[float]:
         start = 2.0 ** (-8.0 / n)
@@ -298,8 +298,7 @@ def relative_buckets(table: Tensor, *, bidirectional: bool = True, max_distance:
     bidirectional = flag("bidirectional", bidirectional)
     if table.shape[1] < 2 or (bidirectional and table.shape[1] < 4):
         raise ValueError(f"relative_buckets: num_buckets={table.shape[1]} is too small (need >= 4 bidirectional)")
-    if isinstance(max_distance, bool) or not isinstance(max_distance, int) or max_distance < 2:
-        raise ValueError(f"relative_buckets: max_distance must be an int >= 2, got {max_distance!r}")
+    _checks.int_in_range("relative_buckets: max_distance", max_distance, 2)
     max_exact = (table.shape[1] // 2 if bidirectional else table.shape[1]) // 2
     if max_distance <= max_exact:
         raise ValueError(f"relative_buckets: max_distance={max_distance} must exceed the {max_exact} exact buckets "
@@ -339,9 +338,7 @@ def temperature(t) -> ScoreMod:
     if isinstance(t, torch.Tensor):
         t = _head_param("temperature", t, positive=True)
     else:
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
-            raise ValueError(f"temperature: t must be a finite number > 0, got {t!r}")
-        t = float(t)
+        t = _checks.positive_float("temperature: t", t)
     return _Temperature(t)
 
 

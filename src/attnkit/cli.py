@@ -569,7 +569,7 @@ def _cmd_distill(args) -> int:
     import torch
 
     from . import masks
-    from .distill import distill, sparse_student
+    from .distill import DistillConfig, distill, sparse_student
     from .nn import DecoderLM
     from .nn.tasks import associative_recall
 
@@ -598,8 +598,9 @@ def _cmd_distill(args) -> int:
         held = associative_recall(64 if args.quick else 512, **task, generator=torch.Generator().manual_seed(args.seed + 2))
         g = torch.Generator().manual_seed(args.seed + 3)
         print(f"teacher: {what}; {kind}", flush=True)
-        report = distill(teacher, student, lambda step: associative_recall(32, **task, generator=g), steps=args.steps,
-                         eval_batch=held, progress=not args.no_progress)
+        options = DistillConfig(steps=args.steps, progress=not args.no_progress)
+        report = distill(teacher, student, lambda step: associative_recall(32, **task, generator=g), options,
+                         eval_batch=held)
         print(report)
         if args.window is not None:
             print(f"  the window reaches the answer of {_recall_reach(held, args.window):.1%} of the held-out queries "

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._checks import flag, integer
+from ._checks import choice, flag, integer
 
 Tensor = torch.Tensor
 
@@ -246,8 +246,7 @@ def quantize(model: nn.Module, dtype: str = "int8", *, compute_dtype: torch.dtyp
         >>> attnkit.quantize(m, "int8")[0].__class__.__name__, round(before / weight_bytes(m), 2)
         ('Int8Linear', 3.94)
     """
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not one of {DTYPES}")
+    choice("dtype", dtype, DTYPES)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     _check_compute_dtype(compute_dtype)

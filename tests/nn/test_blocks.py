@@ -137,3 +137,35 @@ def test_a_block_built_from_its_config_is_the_block_the_keywords_build():
         TransformerBlock.from_config(cfg.replace(norm_first=False))
     with pytest.raises(ValueError, match="a TransformerBlock is batch-first"):
         TransformerBlock.from_config(cfg.replace(attention=cfg.attention.replace(batch_first=False)))
+
+
+def test_the_config_is_the_way_in_and_the_flat_options_build_the_same_config():
+    from attnkit.nn import AttentionConfig, BlockConfig, Decoder, MultiHeadAttention
+
+    att = AttentionConfig(16, 4, n_kv_heads=2, qk_norm=True)
+    torch.manual_seed(0)
+    by_config = MultiHeadAttention(att, mask=masks.causal())
+    torch.manual_seed(0)
+    by_fields = MultiHeadAttention(16, 4, 2, qk_norm=True, mask=masks.causal())
+    assert by_config.config is att and by_fields.config == att and repr(by_config) == repr(by_fields)
+    assert all(torch.equal(a, b) for a, b in zip(by_config.state_dict().values(), by_fields.state_dict().values()))
+    cfg = BlockConfig(att, norm="rms", ffn="swiglu", cross_attention=True)
+    assert TransformerBlock(cfg).config is cfg
+    dec = Decoder(cfg, 2)
+    assert [layer.config for layer in dec.layers] == [cfg, cfg] and dec.cross_attention
+    enc = Encoder(cfg.replace(cross_attention=False), 3)
+    assert len(enc.layers) == 3 and enc.layers[0].attn.mask is None
+    with pytest.raises(TypeError, match="got an AttentionConfig and the fields n_heads: pass one or the other"):
+        MultiHeadAttention(att, n_heads=2)
+    with pytest.raises(TypeError, match="got a BlockConfig and the options norm: pass one or the other"):
+        TransformerBlock(cfg, norm="layer")
+    with pytest.raises(TypeError, match="MultiHeadAttention takes an attnkit.nn.AttentionConfig, or its fields"):
+        MultiHeadAttention(cfg)
+    with pytest.raises(TypeError, match=r"TransformerBlock: unknown options \['heads'\]"):
+        TransformerBlock(16, heads=4)
+    with pytest.raises(TypeError, match="MultiHeadAttention: got an unexpected keyword argument 'heads'"):
+        MultiHeadAttention(16, heads=4)
+    with pytest.raises(TypeError, match="got n_heads by position and by keyword"):
+        TransformerBlock(16, 4, n_heads=4)
+    with pytest.raises(ValueError, match="Encoder layers have no cross attention"):
+        Encoder(cfg, 1)

@@ -166,3 +166,22 @@ def test_latent_attention_errors_name_the_field():
         attnkit.generate(_mla_model(), [[1, 2, 3]], 2, cache="int8")
     with pytest.raises(TypeError, match="x has dtype torch.float64"):
         _mla()(torch.randn(1, 3, 32, dtype=D64))
+
+
+def test_latent_attention_takes_its_config_or_the_fields_that_make_one():
+    from attnkit.nn import LatentConfig
+
+    cfg = LatentConfig(32, 2, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, q_lora_rank=16)
+    torch.manual_seed(0)
+    by_config = LatentAttention(cfg, mask=masks.causal())
+    torch.manual_seed(0)
+    by_fields = LatentAttention(32, 2, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
+                                q_lora_rank=16, mask=masks.causal())
+    assert by_config.config is cfg and by_fields.config == cfg and repr(by_config) == repr(by_fields)
+    assert all(torch.equal(a, b) for a, b in zip(by_config.state_dict().values(), by_fields.state_dict().values()))
+    with pytest.raises(TypeError, match="got a LatentConfig and the fields dropout: pass one or the other"):
+        LatentAttention(cfg, dropout=0.1)
+    with pytest.raises(TypeError, match="LatentAttention: missing 1 required positional argument: 'v_head_dim'"):
+        LatentAttention(32, 2, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=8)
+    with pytest.raises(ValueError, match="kv_lora_rank=0 must be >= 1"):
+        LatentAttention(cfg.replace(kv_lora_rank=0))

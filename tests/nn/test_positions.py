@@ -309,3 +309,47 @@ def test_length_dependent_rope_refuses_a_position_bound_under_compile(monkeypatc
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     with pytest.raises(ValueError, match="rope scaling 'dynamic' picks its frequencies from the largest position"):
         model(ids, positions=torch.arange(4))
+
+
+_TYPED = {
+    "linear": ("LinearScaling", dict(factor=2.5)),
+    "ntk": ("NTKScaling", dict(factor=3.0)),
+    "llama3": ("Llama3Scaling", dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=16)),
+    "yarn": ("YaRNScaling", dict(factor=4.0, original_max_seq_len=32, mscale=0.707, mscale_all_dim=1.0)),
+    "longrope": ("LongRoPEScaling", dict(short_factor=[1.0, 1.1, 1.2, 1.3], long_factor=[2.0, 2.5, 3.0, 3.5],
+                                         original_max_seq_len=16, factor=4.0)),
+    "dynamic": ("DynamicNTKScaling", dict(factor=2.0, original_max_seq_len=16)),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_TYPED))
+def test_typed_rope_scaling_is_the_dict_form(kind):
+    """Each typed scaling gives the frequencies and attention factor of its dict form, reads that form back
+    (from_hf, Hugging Face's spelling included) and writes it (to_dict, to_hf)."""
+    import attnkit.nn as nn_
+    from attnkit.nn import DecoderConfig, RopeScaling
+
+    name, fields = _TYPED[kind]
+    typed = getattr(nn_, name)(**fields)
+    a, b = RotaryEmbedding(8, base=500.0, scaling=typed), RotaryEmbedding(8, base=500.0, scaling={"type": kind, **fields})
+    assert a.scaling == b.scaling == typed and a.attention_factor == b.attention_factor == typed.attention_factor
+    for n in (5, 16, 17, 40):
+        assert torch.equal(a.inv_freq_for(n), b.inv_freq_for(n))
+    assert RopeScaling.from_hf(typed.to_dict()) == typed == type(typed).from_hf(typed.to_hf())
+    assert typed.to_hf()["rope_type"] == kind and a.length_dependent == (kind in ("longrope", "dynamic"))
+    cfg = DecoderConfig.preset("tiny", rope_scaling=typed)
+    assert cfg.rope_scaling == typed.to_dict() and DecoderConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_typed_rope_scaling_errors():
+    from attnkit.nn import LinearScaling, Llama3Scaling, RopeScaling, YaRNScaling
+
+    with pytest.raises(ValueError, match=r"scaling\['factor'\]=-1.0 must be a finite number > 0"):
+        LinearScaling(-1.0)
+    with pytest.raises(ValueError, match="high_freq_factor > low_freq_factor, got 1.0 and 2.0"):
+        Llama3Scaling(8.0, low_freq_factor=2.0, high_freq_factor=1.0)
+    with pytest.raises(ValueError, match="YaRNScaling.from_hf got a 'linear' scaling"):
+        YaRNScaling.from_hf({"type": "linear", "factor": 2.0})
+    with pytest.raises(TypeError, match="scaling must be None, a RopeScaling"):
+        RotaryEmbedding(8, scaling=[("type", "linear")])
+    assert RopeScaling.from_hf({"rope_type": "default", "rope_theta": 1.0}) is None

@@ -95,7 +95,7 @@ def _length_dependent_rope(model) -> str | None:
     """The rope scaling type (LongRoPE, dynamic NTK) of a model whose rotations depend on a sequence's length,
     else None."""
     modules = model.modules() if isinstance(model, torch.nn.Module) else ()
-    return next((m.scaling["type"] for m in modules if getattr(m, "length_dependent", False) is True), None)
+    return next((m.scaling.type for m in modules if getattr(m, "length_dependent", False) is True), None)  # type: ignore[return-value]
 
 
 def _check_sink_positions(model, capacity: int) -> None:

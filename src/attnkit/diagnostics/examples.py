@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from .. import masks
+from .. import _checks
 from ..nn import DecoderConfig, DecoderLM, MultiHeadAttention
 
 Tensor = torch.Tensor
@@ -80,8 +81,7 @@ def example(name: str, *, seed: int = 0, batch_size: int = 4, seq_len: int = 32)
     if name not in EXAMPLES:
         raise ValueError(f"unknown example {name!r}: choose one of {', '.join(EXAMPLES)}")
     for arg, value in (("batch_size", batch_size), ("seq_len", seq_len)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 2:
-            raise ValueError(f"{arg}={value!r} must be an int >= 2")
+        _checks.int_in_range(arg, value, 2)
     g = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

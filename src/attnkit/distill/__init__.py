@@ -7,8 +7,8 @@
   recompute the weights from each layer's ``q, k`` a block of query rows at a time.
 * :func:`capture`: each layer's attention inputs (:class:`AttentionRecord`) and hidden states from an
   attnkit model's forward pass.
-* :func:`distill`: the training loop (layer map, loss weights, progress bar, :class:`DistillReport`), for
-  attnkit and Hugging Face teachers.
+* :func:`distill`: the training loop (its options a :class:`DistillConfig`: layer map, loss weights, optimiser,
+  progress bar; :class:`DistillReport`), for attnkit and Hugging Face teachers.
 * :func:`sparse_student`: dense to sparse, the teacher's weights attending under a sliding window,
   block-sparse or strided mask.
 
@@ -28,9 +28,9 @@ Example::
 
 from ._capture import Capture, attention_layers, capture
 from ._losses import AttentionRecord, HiddenProjection, attention_kl, hidden_mse, logit_kl, relation_kl
-from ._loop import TERMS, DistillReport, distill, uniform_layer_map
+from ._loop import TERMS, DistillConfig, DistillReport, distill, uniform_layer_map
 from ._sparse import sparse_student
 
 __all__ = ["logit_kl", "hidden_mse", "HiddenProjection", "attention_kl", "relation_kl", "AttentionRecord",
-           "capture", "Capture", "attention_layers", "distill", "DistillReport", "uniform_layer_map", "TERMS",
+           "capture", "Capture", "attention_layers", "distill", "DistillConfig", "DistillReport", "uniform_layer_map", "TERMS",
            "sparse_student"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
@@ -12,13 +13,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .. import _checks
 from ..nn.tasks import IGNORE
 from ._capture import attention_layers, capture
 from ._losses import HiddenProjection, attention_kl, hidden_mse, logit_kl, relation_kl
 
 Tensor = torch.Tensor
 
-__all__ = ["distill", "DistillReport", "uniform_layer_map", "TERMS"]
+__all__ = ["distill", "DistillConfig", "DistillReport", "uniform_layer_map", "TERMS"]
 
 TERMS = ("logits", "targets", "hidden", "attention", "relations")
 # an attention row's KL is small next to the logits' T^2-scaled KL: without the factor 10 the attention
@@ -202,8 +204,7 @@ def _weights(weights, student: _Side, teacher: _Side) -> dict[str, float]:
     for k, w in weights.items():
         if k not in TERMS:
             raise ValueError(f"unknown loss term {k!r} in weights: choose from {', '.join(TERMS)}")
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
-            raise ValueError(f"weights[{k!r}]={w!r} must be a finite number >= 0")
+        _checks.number(f"weights[{k!r}]", w, low=0.0)
         if w:
             out[k] = float(w)
     if not out:
@@ -299,12 +300,69 @@ def _progress(enabled: bool, steps: int):
                     TextColumn("{task.fields[acc]}"), TimeElapsedColumn())
 
 
-def distill(teacher: nn.Module, student: nn.Module, batches, *, steps: int, layer_map=None,
-            weights: dict[str, float] | None = None, temperature: float = 2.0, heads: str = "auto",
-            relation_heads: int | None = None, chunk_rows: int | None = None, lr: float = 3e-3,
-            weight_decay: float = 0.0, warmup: int = 20, clip: float = 1.0, scored_only: bool = True,
-            eval_batch=None, eval_every: int | None = None, progress: bool = True, on_step=None) -> DistillReport:
+@dataclass(frozen=True)
+class DistillConfig:
+    """How :func:`distill` trains, as one object (see :func:`distill` for what each option does); checked when
+    built.  The parts of one run, ``eval_batch`` and ``on_step``, are passed to :func:`distill` beside it.
+
+    Example::
+
+        >>> from attnkit.distill import DistillConfig
+        >>> cfg = DistillConfig(steps=100, weights={"logits": 1.0, "relations": 1.0}, lr=1e-3, progress=False)
+        >>> cfg.replace(steps=10).steps, cfg.temperature
+        (10, 2.0)
+    """
+
+    steps: int  # optimisation steps (>= 1)
+    layer_map: dict | list | None = None  # {student layer: teacher layer}, a teacher layer or None per student layer
+    weights: dict[str, float] | None = None  # loss term -> weight (terms: TERMS); None: the defaults
+    temperature: float = 2.0  # of the logits' KL
+    heads: str = "auto"  # attention terms: "mean", "map" or "auto"
+    relation_heads: int | None = None  # relation heads of the "relations" term (MiniLMv2)
+    chunk_rows: int | None = None  # query rows per block of the attention and relation terms
+    scored_only: bool = True  # with targets, the logits' KL at the scored positions only
+    lr: float = 3e-3  # AdamW's peak learning rate
+    weight_decay: float = 0.0
+    warmup: int = 20  # linear warm-up steps before the cosine decay
+    clip: float = 1.0  # gradient-norm clip (0: none)
+    eval_every: int | None = None  # student accuracy on eval_batch every this many steps (report.curve)
+    progress: bool = True  # a rich progress bar, when rich is installed
+
+    def __post_init__(self):
+        _checks.int_in_range("steps", self.steps, 1)
+        _checks.positive_float("temperature", self.temperature)
+        _checks.choice("heads", self.heads, ("auto", "mean", "map"))
+        _checks.integer("eval_every", self.eval_every, minimum=1, allow_none=True)
+
+    def replace(self, **changes) -> "DistillConfig":
+        """A copy with some fields changed (checked)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _distill_config(config, options: dict) -> DistillConfig:
+    """``config``, or the :class:`DistillConfig` the keyword options make (checked in one place)."""
+    if config is not None:
+        if not isinstance(config, DistillConfig):
+            raise TypeError(f"distill's config must be an attnkit.distill.DistillConfig, got {type(config).__name__}")
+        if options:
+            raise TypeError(f"distill got a DistillConfig and the options {', '.join(options)}: pass one or the other "
+                            f"(config.replace(...) makes a config with some fields changed)")
+        return config
+    try:
+        return DistillConfig(**options)
+    except TypeError as e:  # a missing or unknown option
+        names = ", ".join(f.name for f in dataclasses.fields(DistillConfig))
+        raise TypeError(f"distill: {str(e).split('() ', 1)[-1]} (its options are eval_batch, on_step and "
+                        f"DistillConfig's fields: {names})") from None
+
+
+def distill(teacher: nn.Module, student: nn.Module, batches, config: DistillConfig | None = None, *, eval_batch=None,
+            on_step=None, **options) -> DistillReport:
     """Train ``student`` to imitate ``teacher`` on ``batches`` for ``steps`` steps; returns a :class:`DistillReport`.
+
+    The options are a :class:`DistillConfig`: ``distill(teacher, student, batches, DistillConfig(steps=100,
+    lr=1e-3))``, or, as a convenience, its fields as keywords, ``distill(teacher, student, batches, steps=100,
+    lr=1e-3)``, which build one.
 
     Each step runs the teacher (eval mode, no gradients) and the student (train mode) on one batch and minimises
     ``sum_term weights[term] * loss_term`` over the active terms:
@@ -365,8 +423,8 @@ def distill(teacher: nn.Module, student: nn.Module, batches, *, steps: int, laye
         >>> report.weights
         {'logits': 1.0, 'attention': 10.0}
     """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps={steps!r} must be a positive int")
+    cfg = _distill_config(config, options)
+    steps = cfg.steps
     t_side, s_side = _Side("teacher", teacher), _Side("student", student)
     if teacher is student:
         raise ValueError("teacher and student are the same model: distil into a separate student (e.g. "
@@ -375,15 +433,8 @@ def distill(teacher: nn.Module, student: nn.Module, batches, *, steps: int, laye
     if shared:
         raise ValueError(f"the student shares {len(shared)} parameter tensor(s) with the teacher: training it would "
                          f"change the teacher; give the student its own copy (copy.deepcopy)")
-    lmap = _layer_map(layer_map, s_side, t_side)
-    w = _weights(weights, s_side, t_side)
-    t = float(temperature)
-    if not math.isfinite(t) or t <= 0:
-        raise ValueError(f"temperature={temperature!r} must be a finite number > 0")
-    if heads not in ("auto", "mean", "map"):
-        raise ValueError(f"heads={heads!r} must be 'auto', 'mean' or 'map'")
-    if eval_every is not None and (isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 1):
-        raise ValueError(f"eval_every={eval_every!r} must be a positive int or None")
+    lmap = _layer_map(cfg.layer_map, s_side, t_side)
+    w = _weights(cfg.weights, s_side, t_side)
     projections = nn.ModuleDict()
     if "hidden" in w:
         for s in lmap:
@@ -394,7 +445,8 @@ def distill(teacher: nn.Module, student: nn.Module, batches, *, steps: int, laye
         if ref is not None:
             projections.to(device=ref.device, dtype=ref.dtype)
     params = list(student.parameters()) + list(projections.parameters())
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98))
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
+    warmup = cfg.warmup
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda st: min(1.0, (st + 1) / max(1, warmup)) * 0.5 * (
         1 + math.cos(math.pi * min(st, steps) / steps)))
     get = _batch_source(batches)
@@ -404,7 +456,7 @@ def distill(teacher: nn.Module, student: nn.Module, batches, *, steps: int, laye
     t_modes, s_modes = _modes(teacher), _modes(student)
     report = DistillReport(steps=0, losses=[], weights=w, layer_map=lmap)
     start = time.perf_counter()
-    bar = _progress(progress, steps)
+    bar = _progress(cfg.progress, steps)
     last = None
     ev = _split(eval_batch) if eval_batch is not None else None
     try:
@@ -430,21 +482,20 @@ def distill(teacher: nn.Module, student: nn.Module, batches, *, steps: int, laye
             with torch.no_grad():
                 t_logits, t_hidden, t_attn = t_side.run(inputs, attention=need_attn, hidden=need_hidden)
             s_logits, s_hidden, s_attn = s_side.run(inputs, attention=need_attn, hidden=need_hidden)
-            terms = _terms(w, lmap, s_logits, t_logits, s_hidden, t_hidden, s_attn, t_attn, targets, projections,
-                           temperature=t, heads=heads, relation_heads=relation_heads, chunk_rows=chunk_rows,
-                           scored_only=scored_only)
+            terms = _terms(cfg, w, lmap, (s_logits, s_hidden, s_attn), (t_logits, t_hidden, t_attn), targets,
+                           projections)
             total = sum(w[k] * v for k, v in terms.items())
             opt.zero_grad(set_to_none=True)
             total.backward()
-            if clip:
-                torch.nn.utils.clip_grad_norm_(params, clip)
+            if cfg.clip:
+                torch.nn.utils.clip_grad_norm_(params, cfg.clip)
             opt.step()
             sched.step()
             record = {"total": float(total.detach()), **{k: float(v.detach()) for k, v in terms.items()}}
             report.losses.append(record)
             report.steps = step + 1
             acc_text = ""
-            if eval_every and ev is not None and (step + 1) % eval_every == 0:
+            if cfg.eval_every and ev is not None and (step + 1) % cfg.eval_every == 0:
                 acc = _accuracy(s_side, *ev)
                 if acc is not None:
                     report.curve.append((step + 1, acc))
@@ -476,16 +527,18 @@ def _heads(heads: str, student, teacher) -> str:
     return "map" if ht % hs == 0 else "mean"
 
 
-def _terms(w, lmap, s_logits, t_logits, s_hidden, t_hidden, s_attn, t_attn, targets, projections, *, temperature,
-           heads, relation_heads, chunk_rows, scored_only) -> dict[str, Tensor]:
+def _terms(cfg: DistillConfig, w, lmap, student: tuple, teacher: tuple, targets, projections) -> dict[str, Tensor]:
+    """Each active loss term (unweighted) of one step; ``student`` and ``teacher`` are (logits, hidden, attention)."""
+    (s_logits, s_hidden, s_attn), (t_logits, t_hidden, t_attn) = student, teacher
+    heads, relation_heads, chunk_rows = cfg.heads, cfg.relation_heads, cfg.chunk_rows
     out = {}
     scored = None
-    if targets is not None and scored_only and s_logits is not None and targets.shape == s_logits.shape[:-1]:
+    if targets is not None and cfg.scored_only and s_logits is not None and targets.shape == s_logits.shape[:-1]:
         scored = targets != IGNORE
         if not bool(scored.any()):
             scored = None
     if "logits" in w:
-        out["logits"] = logit_kl(s_logits, t_logits, temperature=temperature, mask=scored)
+        out["logits"] = logit_kl(s_logits, t_logits, temperature=float(cfg.temperature), mask=scored)
     if "targets" in w:
         if targets is None:
             raise ValueError("weights['targets'] > 0 needs batches with targets (a TaskBatch or (inputs, targets))")

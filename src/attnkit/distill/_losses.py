@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .._checks import positive_float
+from .._checks import choice, int_in_range, positive_float
 from ..backends.call import Call, accumulation_dtype, make_call
 from ..backends.scores import grouped_bias, grouped_index, modify_scores
 from ..masks import Mask
@@ -141,10 +141,8 @@ def _kl_rows(log_p: Tensor, log_q: Tensor) -> tuple[Tensor, Tensor]:
 def _row_step(n_rows: int, per_row: int, chunk_rows: int | None) -> int:
     if chunk_rows is None:
         return max(1, _BLOCK_ELEMENTS // max(1, per_row))
-    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
-        raise ValueError(f"chunk_rows={chunk_rows!r} must be a positive int (query rows per block) or None "
-                         f"(blocks of about {_BLOCK_ELEMENTS:,} scores)")
-    return chunk_rows
+    return int_in_range("chunk_rows", chunk_rows, 1, fix=f" (query rows per block) or None (blocks of about "
+                        f"{_BLOCK_ELEMENTS:,} scores)")
 
 
 def _chunked(fn, n_rows: int, step: int, tensors: tuple[Tensor, ...]) -> Tensor:
@@ -237,8 +235,7 @@ class HiddenProjection(nn.Module):
     def __init__(self, d_student: int, d_teacher: int, *, learned: bool = False):
         super().__init__()
         for name, d in (("d_student", d_student), ("d_teacher", d_teacher)):
-            if isinstance(d, bool) or not isinstance(d, int) or d < 1:
-                raise ValueError(f"{name}={d!r} must be a positive int (a hidden width)")
+            int_in_range(name, d, 1, fix=" (a hidden width)")
         self.d_student, self.d_teacher = d_student, d_teacher
         self.proj = nn.Linear(d_student, d_teacher, bias=False) if learned or d_student != d_teacher else None
 
@@ -306,9 +303,8 @@ def attention_kl(student, teacher, *, heads: str = "mean", chunk_rows: int | Non
         >>> abs(float(attention_kl(s, t)) - expected) < 1e-6
         True
     """
-    if heads not in ("mean", "map"):
-        raise ValueError(f"heads={heads!r} must be 'mean' (average each side's heads) or 'map' (student head i "
-                         f"against a group of Ht/Hs teacher heads)")
+    choice("heads", heads, ("mean", "map"), fix=": 'mean' averages each side's heads, 'map' sets student head i "
+           "against a group of Ht/Hs teacher heads")
     s_call, s_w = _as_attention("student", student)
     t_call, t_w = _as_attention("teacher", teacher)
     s_shape = s_w.shape if s_w is not None else (s_call.batch, s_call.heads, s_call.q_len, s_call.kv_len)

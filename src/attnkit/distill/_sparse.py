@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _checks as _scalars
 from .. import masks as _masks
 
 __all__ = ["sparse_student"]
@@ -50,9 +51,8 @@ def sparse_student(teacher, mask, *, layers=None):
     if isinstance(chosen, (int, str, _masks.Mask)) or not hasattr(chosen, "__iter__"):
         raise TypeError(f"layers must be None (every layer) or a list of layer indices, got {type(layers).__name__}")
     chosen = list(chosen)
-    for i in chosen:
-        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
-            raise ValueError(f"layers holds {i!r}: layer indices must be ints in [0, n_layers={n})")
+    for j, i in enumerate(chosen):
+        _scalars.int_in_range(f"layers[{j}]", i, 0, n, fix=" (a layer index: n_layers)")
     own = cfg.layer_masks or (None,) * n
     per_layer = tuple(_checks.combine(own[i], mask) if i in chosen else own[i] for i in range(n))
     new_cfg = cfg.replace(layer_masks=per_layer)

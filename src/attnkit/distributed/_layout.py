@@ -18,16 +18,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .. import _checks
 Tensor = torch.Tensor
 
 LAYOUTS = ("zigzag", "contiguous")
 
 
 def check_layout(layout) -> str:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}: use 'zigzag' (balanced causal work, the "
-                         f"default) or 'contiguous' (each rank one block; best for sliding windows)")
-    return layout
+    return _checks.choice("layout", layout, LAYOUTS, fix=": use 'zigzag' (balanced causal work, the default) or "
+                          "'contiguous' (each rank one block; best for sliding windows)")
 
 
 def _ranks(group) -> str:
@@ -103,9 +102,8 @@ def check_divisible(seq_len: int, world: int, layout: str, what: str) -> None:
 def _check_dim(x: Tensor, dim, what: str) -> int:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what}: x must be a torch.Tensor, got {type(x).__name__}")
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
-        raise ValueError(f"{what}: dim={dim!r} is not a dimension of a tensor of shape {tuple(x.shape)}: "
-                         f"give the sequence dimension (2 for (B, H, L, D), 1 for (B, L, d_model))")
+    _checks.int_in_range(f"{what}: dim", dim, -x.dim(), x.dim(), fix=f" (a dimension of a tensor of shape "
+                         f"{tuple(x.shape)}): give the sequence dimension (2 for (B, H, L, D), 1 for (B, L, d_model))")
     return dim % x.dim()
 
 

@@ -9,6 +9,7 @@ from typing import Sequence
 
 import torch
 
+from .. import _checks
 from ..masks import Mask
 
 Tensor = torch.Tensor
@@ -123,9 +124,7 @@ def short(value) -> str:
 def _check_scale(scale) -> float | None:
     if scale is None:
         return None
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(float(scale)):
-        raise ValueError(f"scale={scale!r} must be a finite number (or None for 1/sqrt(d_k))")
-    return float(scale)
+    return _checks.number("scale", scale, fix=" (or None for 1/sqrt(d_k))")
 
 
 def _mask_tensor(mask) -> Tensor:
@@ -386,8 +385,7 @@ class Trace:
     def explain(self, row: int = 0) -> str:
         """The four steps as text, with the arithmetic of query row ``row`` (0-based) written out."""
         L, dm = self.x.shape
-        if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < L:
-            raise ValueError(f"row={row!r} must be an int in [0, {L}) (rows are 0-based; printed as x1..x{L})")
+        _checks.int_in_range("row", row, 0, L, fix=f" (rows are 0-based; printed as x1..x{L})")
         d, i, n = self.digits, row, row + 1
         dk, dv = self.q.shape[1], self.v.shape[1]
         out = [f"Attention in four steps: L={L} tokens, d_model={dm}, d_k={dk}, d_v={dv} (computed in float64)",

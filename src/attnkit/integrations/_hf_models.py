@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _checks
 from .. import masks as _masks
 from ._transformers import _transformers as load_transformers
 
@@ -215,7 +216,7 @@ def decoder_config(hf_config, *, backend: str = "auto"):
 
 def _deepseek_scale(rope: dict, qk_head_dim: int) -> float:
     """DeepSeek's score scale: ``qk_head_dim^-0.5``, times ``mscale(factor, mscale_all_dim)^2`` with a scaled rope."""
-    from ..nn.positions import _yarn_mscale
+    from ..nn.rope_scaling import _yarn_mscale
 
     scale = qk_head_dim ** -0.5
     if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
@@ -475,25 +476,17 @@ def _hf_rope(cfg) -> tuple[dict, int]:
     rope, max_len = {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}, cfg.max_seq_len
     if cfg.rope_scaling is None:
         return rope, max_len
-    from ..nn.positions import _parse_scaling
+    from ..nn.rope_scaling import DynamicNTKScaling, RopeScaling
 
-    s = _parse_scaling(cfg.rope_scaling)
+    s = RopeScaling.from_hf(cfg.rope_scaling)
     if s is None:
         return rope, max_len
-    if s["type"] == "ntk":
+    if s.type == "ntk":
         raise ValueError("rope scaling 'ntk' (static NTK) has no transformers equivalent (linear, llama3, yarn, "
                          "longrope and dynamic do)")
-    rope.update(rope_type=s["type"])
-    if s["factor"] is not None:
-        rope["factor"] = s["factor"]
-    if s["type"] == "dynamic":
-        return rope, s["original_max_seq_len"]
-    if "original_max_seq_len" in s:
-        rope["original_max_position_embeddings"] = s["original_max_seq_len"]
-    names = {"llama3": ("low_freq_factor", "high_freq_factor"),
-             "yarn": ("beta_fast", "beta_slow", "truncate", "mscale", "mscale_all_dim", "attention_factor"),
-             "longrope": ("short_factor", "long_factor", "attention_factor")}.get(s["type"], ())
-    rope.update({k: list(s[k]) if isinstance(s[k], tuple) else s[k] for k in names if k in s})
+    rope.update(s.to_hf())
+    if isinstance(s, DynamicNTKScaling):  # HF's max_position_embeddings is the length dynamic NTK scales beyond
+        return {k: v for k, v in rope.items() if k != "original_max_position_embeddings"}, s.original_max_seq_len
     return rope, max_len
 
 
@@ -654,8 +647,8 @@ def hf_config(config, *, attn_implementation: str | None = None, family: str | N
     (see :func:`to_hf`), or ``family`` (a ``model_type`` in ``FAMILIES``) when given."""
     transformers = _transformers()
     cfg = config
-    if family is not None and family not in FAMILIES:
-        raise ValueError(f"family={family!r} is not one of {FAMILIES}")
+    if family is not None:
+        _checks.choice("family", family, FAMILIES)
     if getattr(cfg, "indexer", None) is not None or family == "deepseek_v32":
         raise ValueError("to_hf does not convert DeepSeek sparse attention (config.indexer, DeepSeek-V3.2) back to "
                          "transformers; keep the attnkit model, or convert a model without an indexer")

@@ -3,16 +3,18 @@
 * Attention: :class:`MultiHeadAttention` (self, grouped-query, cross, cached; ``from_torch``),
   :class:`SingleHeadAttention` (the articles' one head), :class:`AdditiveAttention` (Bahdanau),
   :class:`AxialAttention` (grids), :class:`LatentAttention` (multi-head latent attention, DeepSeek-V2/V3:
-  caches hold a small latent per token), :class:`DeepSeekSparseAttention` (DSA, DeepSeek-V3.2: a lightning
+  caches hold a small latent per token; :class:`LatentConfig`), :class:`DeepSeekSparseAttention` (DSA, DeepSeek-V3.2: a lightning
   indexer picks each query's top-k keys; :class:`IndexerConfig`, :func:`indexer_loss`), :class:`MoBAAttention` (mixture of block attention, Kimi: each query
   attends to the key blocks whose mean key matches it best), :class:`NSAAttention` (native sparse attention,
   DeepSeek: compressed, selected and sliding-window branches mixed by learned gates).
-* Positions: :class:`RotaryEmbedding`, :class:`ALiBi`, :class:`T5RelativeBias`, :class:`SinusoidalPositions`.
+* Positions: :class:`RotaryEmbedding` (scaled by a :class:`RopeScaling`: :class:`LinearScaling`, :class:`NTKScaling`,
+  :class:`Llama3Scaling`, :class:`YaRNScaling`, :class:`LongRoPEScaling`, :class:`DynamicNTKScaling`, each with
+  ``from_hf(dict)``), :class:`ALiBi`, :class:`T5RelativeBias`, :class:`SinusoidalPositions`.
 * Blocks and models: :class:`TransformerBlock`, :class:`Encoder`, :class:`Decoder`, :class:`DecoderLM`
   (:class:`DecoderConfig`), :class:`EncoderDecoder`.
 * Configuration objects: :class:`AttentionConfig` (a :class:`MultiHeadAttention`) and :class:`BlockConfig` (a
-  :class:`TransformerBlock`), which ``from_config`` builds from; a :class:`DecoderConfig` makes them once for its
-  layers (:meth:`DecoderConfig.block_config`).
+  :class:`TransformerBlock`), which the modules are built from (``MultiHeadAttention(config)``); a
+  :class:`DecoderConfig` makes them once for its layers (:meth:`DecoderConfig.block_config`).
 * Layers: :class:`Linear` (CPU decoding kernels picked by weight layout and batch), :class:`RMSNorm`, :class:`FeedForward`.
 * Generated training tasks: :mod:`attnkit.nn.tasks` (copying, associative recall).
 
@@ -38,12 +40,21 @@ from .attention import AttentionConfig, MultiHeadAttention
 from .axial import AxialAttention
 from .blocks import BlockConfig, Decoder, Encoder, TransformerBlock, default_d_ff
 from .dsa import DeepSeekSparseAttention, IndexerConfig, LightningIndexer, indexer_loss, selected_attention, top_k_keys
-from .latent import LatentAttention
+from .latent import LatentAttention, LatentConfig
 from .layers import FeedForward, Linear, RMSNorm, linear, to_decode_layout
 from .moba import MoBAAttention
 from .nsa import NSAAttention
 from .models import DecoderConfig, DecoderLM, EncoderDecoder
 from .positions import ALiBi, PositionEncoding, RotaryEmbedding, SinusoidalPositions, T5RelativeBias
+from .rope_scaling import (
+    DynamicNTKScaling,
+    LinearScaling,
+    Llama3Scaling,
+    LongRoPEScaling,
+    NTKScaling,
+    RopeScaling,
+    YaRNScaling,
+)
 from .simple import AdditiveAttention, SingleHeadAttention
 
 __all__ = [
@@ -54,6 +65,7 @@ __all__ = [
     "AdditiveAttention",
     "AxialAttention",
     "LatentAttention",
+    "LatentConfig",
     "DeepSeekSparseAttention",
     "IndexerConfig",
     "LightningIndexer",
@@ -67,6 +79,13 @@ __all__ = [
     "T5RelativeBias",
     "SinusoidalPositions",
     "PositionEncoding",
+    "RopeScaling",
+    "LinearScaling",
+    "NTKScaling",
+    "Llama3Scaling",
+    "YaRNScaling",
+    "LongRoPEScaling",
+    "DynamicNTKScaling",
     "TransformerBlock",
     "AttentionConfig",
     "BlockConfig",

@@ -2,19 +2,68 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Literal, TypeVar, overload
+
 import torch
 
 from .. import masks as _masks
 from .._checks import integer
 # re-exported: the modules' checks of plain arguments
-from .._checks import choice, finite_float, flag, positive_float, probability  # noqa: F401
+from .._checks import choice, finite_float, flag, int_in_range, number, positive_float, probability  # noqa: F401
 
 Tensor = torch.Tensor
+_Config = TypeVar("_Config")
 
 
+@overload
+def positive_int(name: str, value, *, allow_none: Literal[False] = False) -> int: ...
+@overload
+def positive_int(name: str, value, *, allow_none: bool) -> int | None: ...
 def positive_int(name: str, value, *, allow_none: bool = False) -> int | None:
     """A size: an int ``>= 1`` (None passes where ``allow_none``)."""
     return integer(name, value, minimum=1, allow_none=allow_none)
+
+
+def config_of(kind: type[_Config], config, fields: tuple, options: dict, *, owner: str,
+              positional: tuple[str, ...], beside: str) -> _Config:
+    """The ``kind`` config (a dataclass) a module constructor was given: ``config`` itself, or, as a convenience,
+    the one its fields make (``fields`` by position: at most ``positional``, in the dataclass's order; ``options``
+    by keyword).  ``beside`` names the constructor's other keywords, for the message of an unknown one."""
+    name = kind.__name__
+    if isinstance(config, kind):
+        if fields or options:
+            given = ", ".join([f"{len(fields)} positional"] * bool(fields) + list(options))
+            raise TypeError(f"{owner} got {'an' if name[0] in 'AEIOU' else 'a'} {name} and the fields {given}: pass "
+                            f"one or the other (config.replace(...) makes a config with some fields changed)")
+        return config
+    if config is not None and (isinstance(config, bool) or not isinstance(config, int)):
+        raise TypeError(f"{owner} takes an attnkit.nn.{name}, or its fields ({owner}({', '.join(positional[:2])}, "
+                        f"...)), got {type(config).__name__} {config!r:.60}")
+    fields = fields if config is None else (config, *fields)
+    if len(fields) > len(positional):
+        raise TypeError(f"{owner} takes at most {len(positional)} fields by position ({', '.join(positional)}), "
+                        f"got {len(fields)}: pass the others by keyword")
+    try:
+        return kind(*fields, **options)
+    except TypeError as e:  # a missing or unknown field
+        names = ", ".join(f.name for f in dataclasses.fields(kind))  # type: ignore[arg-type]
+        raise TypeError(f"{owner}: {str(e).split('() ', 1)[-1]} (its options are {beside} and {name}'s fields: "
+                        f"{names})") from None
+
+
+def config_object(name: str, config, kind: type) -> None:
+    """``config`` is a ``kind`` (a module's config dataclass), for ``Module.from_config``."""
+    if not isinstance(config, kind):
+        raise TypeError(f"{name} takes an attnkit.nn.{kind.__name__}, got {type(config).__name__}: build one, "
+                        f"e.g. {kind.__name__}(...), or pass the options to the module's constructor")
+
+
+def backend(value) -> str:
+    """A backend name: a string, checked against the registry when the module computes attention."""
+    if not isinstance(value, str):
+        raise TypeError(f"backend must be a string such as 'auto', got {type(value).__name__}")
+    return value
 
 
 def head_layout(d_model: int, n_heads: int, n_kv_heads: int | None, d_head: int | None) -> tuple[int, int]:

@@ -134,6 +134,10 @@ def _rows(proj: nn.Module, x: Tensor, start: int, stop: int) -> Tensor:
     return linear(x, proj.weight[start:stop], None if b is None else b[start:stop])
 
 
+# the fields MultiHeadAttention(d_model, ...) takes by position, in the order of the keywords it always took
+_POSITIONAL = ("d_model", "n_heads", "n_kv_heads", "d_head", "kdim", "vdim", "bias")
+
+
 @dataclass(frozen=True)
 class AttentionConfig:
     """The options of a :class:`MultiHeadAttention`, as one object that blocks and models pass along.
@@ -141,8 +145,8 @@ class AttentionConfig:
     Each field means what the :class:`MultiHeadAttention` keyword of the same name means (``None`` takes the
     default described there); the fields are checked when a module is built from the config, with the same
     messages.  The parts a module is given built, ``positions`` (one position encoding shared by every layer)
-    and ``mask`` (often one per layer), are passed beside it: ``MultiHeadAttention.from_config(config,
-    positions=..., mask=...)``.  :class:`TransformerBlock` keeps its self-attention's config in
+    and ``mask`` (often one per layer), are passed beside it: ``MultiHeadAttention(config, positions=...,
+    mask=...)``.  :class:`TransformerBlock` keeps its self-attention's config in
     :class:`BlockConfig` ``.attention``, and :class:`DecoderConfig` builds both once for all its layers.
 
     Example::
@@ -150,10 +154,10 @@ class AttentionConfig:
         >>> from attnkit import masks
         >>> from attnkit.nn import AttentionConfig, MultiHeadAttention
         >>> cfg = AttentionConfig(64, 8, n_kv_heads=2, bias=False, qk_norm=True)
-        >>> mha = MultiHeadAttention.from_config(cfg, mask=masks.causal())
+        >>> mha = MultiHeadAttention(cfg, mask=masks.causal())
         >>> mha.config is cfg, mha.n_kv_heads, mha.d_head, mha.qkv_proj.bias
         (True, 2, 8, None)
-        >>> cross = MultiHeadAttention.from_config(cfg.replace(kdim=32))  # 64-wide queries, a 32-wide context
+        >>> cross = MultiHeadAttention(cfg.replace(kdim=32))  # 64-wide queries, a 32-wide context
         >>> cross.kv_proj.weight.shape
         torch.Size([32, 32])
     """
@@ -248,6 +252,12 @@ class MultiHeadAttention(_Attends):
     ``context`` must still be passed on every call (its width and batch are checked; it is not read
     once cached).  Cross attention has no causal mask and no positions.
 
+    ``MultiHeadAttention(config, *, positions=None, mask=None)`` builds the module an :class:`AttentionConfig`
+    describes, with its built parts ``positions`` and ``mask``; ``module.config`` is the config.  As a convenience
+    the config's fields may stand in its place: ``MultiHeadAttention(64, 8, n_kv_heads=2)`` is
+    ``MultiHeadAttention(AttentionConfig(64, 8, n_kv_heads=2))`` (``d_model`` to ``bias`` may be given by
+    position, the others by keyword); the config is then checked as one.
+
     Args:
         d_model: width of ``x`` and of the output.
         n_heads, n_kv_heads, d_head: head layout (see above).
@@ -270,9 +280,6 @@ class MultiHeadAttention(_Attends):
             ``(L, B, d_model)``, as ``torch.nn.MultiheadAttention(batch_first=False)`` does (masks, positions
             and weights keep their batch-first shapes).
 
-    The options besides ``positions`` and ``mask`` make an :class:`AttentionConfig`, kept as ``config``;
-    :meth:`from_config` builds the module from one (as :class:`TransformerBlock` and :class:`DecoderLM` do).
-
     ``forward(x, context=None, *, mask=None, cache=None, positions=None, need_weights=False,
     key_padding_mask=None)`` returns ``out (B, L, d_model)``, or ``(out, weights (B, n_heads, L, Lk))`` with
     ``need_weights=True`` (weights before dropout, differentiable, computed by
@@ -284,7 +291,7 @@ class MultiHeadAttention(_Attends):
 
         >>> import torch
         >>> from attnkit import masks
-        >>> from attnkit.nn import MultiHeadAttention
+        >>> from attnkit.nn import AttentionConfig, MultiHeadAttention
         >>> mha = MultiHeadAttention(64, 8, n_kv_heads=2, mask=masks.causal())
         >>> mha.qkv_proj.weight.shape  # rows [q (8*8); k (2*8); v (2*8)]
         torch.Size([96, 64])
@@ -294,43 +301,28 @@ class MultiHeadAttention(_Attends):
         >>> cross = MultiHeadAttention(64, 8, kdim=32)  # 64-wide queries attend to a 32-wide context
         >>> cross(torch.randn(2, 10, 64), torch.randn(2, 7, 32)).shape
         torch.Size([2, 10, 64])
+        >>> MultiHeadAttention(AttentionConfig(64, 8, kdim=32)).config == cross.config
+        True
     """
 
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, d_head: int | None = None,
-                 kdim: int | None = None, vdim: int | None = None, bias: bool = True, dropout: float = 0.0,
-                 qk_norm: bool = False, positions: PositionEncoding | None = None, mask=None,
-                 softcap: float | None = None, temperature: float = 1.0, backend: str = "auto",
-                 out_bias: bool | None = None, qk_norm_eps: float = 1e-6, qk_norm_offset: float = 0.0,
-                 batch_first: bool = True, sinks: bool = False):
+    def __init__(self, config: AttentionConfig | int | None = None, *fields, positions: PositionEncoding | None = None,
+                 mask=None, **options):
         super().__init__()
-        self._build(AttentionConfig(d_model, n_heads, n_kv_heads, d_head, kdim, vdim, bias=bias, out_bias=out_bias,
-                                    dropout=dropout, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps,
-                                    qk_norm_offset=qk_norm_offset, softcap=softcap, temperature=temperature,
-                                    sinks=sinks, backend=backend, batch_first=batch_first), positions, mask)
+        cfg = _checks.config_of(AttentionConfig, config, fields, options, owner=type(self).__name__,
+                                positional=_POSITIONAL, beside="positions, mask")
+        self._build(cfg, positions, mask)
 
     @classmethod
     def from_config(cls, config: AttentionConfig, *, positions: PositionEncoding | None = None,
                     mask=None) -> "MultiHeadAttention":
-        """The module an :class:`AttentionConfig` describes, with its built parts: ``positions`` (a
-        :class:`~attnkit.nn.PositionEncoding` or None) and ``mask`` (applied to every call).
-
-        ``MultiHeadAttention.from_config(AttentionConfig(d_model, n_heads, **options), positions=p, mask=m)``
-        is ``MultiHeadAttention(d_model, n_heads, positions=p, mask=m, **options)``; ``module.config`` is
-        the config.  See :class:`AttentionConfig` for an example.
-        """
-        if not isinstance(config, AttentionConfig):
-            raise TypeError(f"from_config takes an attnkit.nn.AttentionConfig, got {type(config).__name__}: for "
-                            f"separate options call MultiHeadAttention(d_model, n_heads, ...)")
-        module = cls.__new__(cls)
-        _Attends.__init__(module)
-        module._build(config, positions, mask)
-        return module
+        """``MultiHeadAttention(config, positions=positions, mask=mask)``, refusing anything but an
+        :class:`AttentionConfig` (so a stray options dict is not read as ``d_model``)."""
+        _checks.config_object("from_config", config, AttentionConfig)
+        return cls(config, positions=positions, mask=mask)
 
     def _build(self, cfg: AttentionConfig, positions: PositionEncoding | None, mask) -> None:
         """Checks ``cfg`` and the built parts, then makes the projections, norms and sinks."""
-        if not isinstance(cfg.batch_first, bool):
-            raise TypeError(f"batch_first must be True or False, got {cfg.batch_first!r}")
-        self.config, self.batch_first = cfg, cfg.batch_first
+        self.config, self.batch_first = cfg, _checks.flag("batch_first", cfg.batch_first)
         d_model, n_heads = cfg.d_model, cfg.n_heads
         n_kv_heads, d_head = _checks.head_layout(d_model, n_heads, cfg.n_kv_heads, cfg.d_head)
         bias = _checks.flag("bias", cfg.bias)
@@ -342,9 +334,7 @@ class MultiHeadAttention(_Attends):
         self.dropout = _checks.probability("dropout", cfg.dropout)
         self.softcap = _checks.positive_float("softcap", cfg.softcap, allow_none=True)
         self.temperature = _checks.positive_float("temperature", cfg.temperature)
-        if not isinstance(cfg.backend, str):
-            raise TypeError(f"backend must be a string such as 'auto', got {type(cfg.backend).__name__}")
-        self.backend = cfg.backend
+        self.backend = _checks.backend(cfg.backend)
         if positions is not None and not isinstance(positions, PositionEncoding):
             raise TypeError(f"positions must be None or an attnkit.nn PositionEncoding (RotaryEmbedding, ALiBi, "
                             f"T5RelativeBias, SinusoidalPositions), got {type(positions).__name__}")

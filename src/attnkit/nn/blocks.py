@@ -45,14 +45,15 @@ class BlockConfig:
     offset, ``softcap``, ``temperature``, ``sinks``, ``backend``) live in ``attention``, whose ``d_model`` is
     the block's.  The cross attention (``cross_attention=True``) uses ``attention`` with ``kdim=context_dim``
     and no sinks.  Checked when a block is built, with the keywords' messages.  The parts given built,
-    ``positions``, ``mask`` and ``attn``, are passed beside the config: ``TransformerBlock.from_config(config,
-    positions=..., mask=..., attn=...)``.  :meth:`DecoderConfig.block_config` makes the one its layers share.
+    ``positions``, ``mask`` and ``attn``, are passed beside the config: ``TransformerBlock(config,
+    positions=..., mask=..., attn=...)``; :class:`Encoder` and :class:`Decoder` take one too.
+    :meth:`DecoderConfig.block_config` makes the one its layers share.
 
     Example::
 
         >>> from attnkit.nn import AttentionConfig, BlockConfig, TransformerBlock
         >>> cfg = BlockConfig(AttentionConfig(32, 4, n_kv_heads=2), norm="rms", ffn="swiglu")
-        >>> block = TransformerBlock.from_config(cfg)
+        >>> block = TransformerBlock(cfg)
         >>> block.config is cfg, block.attn.config is cfg.attention, block.ffn.d_ff
         (True, True, 128)
     """
@@ -85,6 +86,59 @@ class BlockConfig:
         return self.attention.replace(kdim=self.context_dim, vdim=None, sinks=False)
 
 
+# TransformerBlock(d_model, ...)'s options: the fields it takes by position, and the keywords that set a field of
+# the attention's config (the rest are BlockConfig's fields, or the defaults below)
+_BLOCK_POSITIONAL = ("d_model", "n_heads", "n_kv_heads", "d_head", "d_ff")
+_ATTENTION_OPTIONS = ("d_model", "n_heads", "n_kv_heads", "d_head", "qk_norm", "softcap", "temperature", "sinks",
+                      "backend")
+_BLOCK_OPTIONS = tuple(f.name for f in dataclasses.fields(BlockConfig) if f.name != "attention")
+_DEFAULTS = ("bias", "qkv_bias", "out_bias", "attention_dropout")
+
+
+def block_config(config, fields: tuple, options: dict, *, owner: str) -> BlockConfig:
+    """The :class:`BlockConfig` a block (or stack) constructor was given: ``config`` itself, or the one its flat
+    options make (see :class:`TransformerBlock`): ``bias`` is the default of ``qkv_bias`` (the attention's
+    ``bias``), ``out_bias`` and ``ffn_bias``; ``attention_dropout`` (default ``dropout``) the attention's
+    ``dropout``; ``norm_eps`` and ``norm_offset`` are also the q/k norms'."""
+    if isinstance(config, BlockConfig):
+        if fields or options:
+            given = [f"{len(fields)} positional" if fields else "", *options]
+            raise TypeError(f"{owner} got a BlockConfig and the options {', '.join(g for g in given if g)}: pass "
+                            f"one or the other (config.replace(...) makes a config with some fields changed)")
+        return config
+    if config is not None and (isinstance(config, bool) or not isinstance(config, int)):
+        raise TypeError(f"{owner} takes an attnkit.nn.BlockConfig, or its options ({owner}(d_model, n_heads, "
+                        f"...)), got {type(config).__name__} {config!r:.60}")
+    fields = fields if config is None else (config, *fields)
+    if len(fields) > len(_BLOCK_POSITIONAL):
+        raise TypeError(f"{owner} takes at most {len(_BLOCK_POSITIONAL)} options by position "
+                        f"({', '.join(_BLOCK_POSITIONAL)}), got {len(fields)}: pass the others by keyword")
+    for name in _BLOCK_POSITIONAL[:len(fields)]:
+        if name in options:
+            raise TypeError(f"{owner} got {name} by position and by keyword: pass it once")
+    options = {**dict(zip(_BLOCK_POSITIONAL, fields)), **options}
+    unknown = [k for k in options if k not in _ATTENTION_OPTIONS + _BLOCK_OPTIONS + _DEFAULTS]
+    missing = [k for k in ("d_model", "n_heads") if k not in options]
+    if unknown or missing:
+        what = f"unknown options {unknown}" if unknown else f"missing {' and '.join(missing)}"
+        raise TypeError(f"{owner}: {what} (its options are positions, mask, attn, {', '.join(_DEFAULTS)}, "
+                        f"{', '.join(_ATTENTION_OPTIONS)} and BlockConfig's fields: {', '.join(_BLOCK_OPTIONS)})")
+    bias = _checks.flag("bias", options.pop("bias", True))  # the default of the three biases
+
+    def biased(name: str) -> bool:
+        value = options.pop(name, None)
+        return bias if value is None else _checks.flag(name, value)
+
+    dropout = options.pop("attention_dropout", None)
+    dropout = options.get("dropout", BlockConfig.dropout) if dropout is None else \
+        _checks.probability("attention_dropout", dropout)
+    attention = AttentionConfig(**{k: options.pop(k) for k in _ATTENTION_OPTIONS if k in options},
+                                bias=biased("qkv_bias"), out_bias=biased("out_bias"), dropout=dropout,
+                                qk_norm_eps=options.get("norm_eps", BlockConfig.norm_eps),
+                                qk_norm_offset=options.get("norm_offset", BlockConfig.norm_offset))
+    return BlockConfig(attention, ffn_bias=biased("ffn_bias"), **options)
+
+
 class TransformerBlock(nn.Module):
     """One transformer layer: self-attention, optional cross attention, feed-forward; each with a residual.
 
@@ -96,6 +150,12 @@ class TransformerBlock(nn.Module):
     ``x = x + post_norm(attn(x))`` (OLMo 2).  ``residual_scale`` multiplies each sub-layer's output before its
     residual add (Granite's ``residual_multiplier``).  With ``cross_attention=True`` a cross-attention
     sub-layer over ``context (B, Lc, context_dim)`` sits between the two.
+
+    ``TransformerBlock(config, *, positions=None, mask=None, attn=None)`` builds the block a :class:`BlockConfig`
+    describes, with its built parts; ``block.config`` is the config.  As a convenience the options below may
+    stand in its place (``d_model`` to ``d_ff`` by position, the others by keyword), flat: they make one
+    :class:`BlockConfig`, checked as one (``TransformerBlock(32, 4, norm="rms")`` is
+    ``TransformerBlock(BlockConfig(AttentionConfig(32, 4, qk_norm_eps=1e-5), norm="rms"))``).
 
     Args:
         d_model, n_heads, n_kv_heads, d_head: see :class:`MultiHeadAttention`.
@@ -114,9 +174,6 @@ class TransformerBlock(nn.Module):
         sinks: a learned sink logit per head in the self-attention (:class:`MultiHeadAttention`).
         bias: default for ``qkv_bias`` (q/k/v projections), ``out_bias`` (attention output) and ``ffn_bias``.
 
-    The options besides ``positions``, ``mask`` and ``attn`` make a :class:`BlockConfig`, kept as ``config``;
-    :meth:`from_config` builds a block from one (as the stacks and :class:`DecoderLM` do).
-
     Submodules: ``attn_norm``, ``attn``, (``cross_norm``, ``cross_attn``), ``ffn_norm``, ``ffn``; with
     ``post_norms`` also ``attn_post_norm``, (``cross_post_norm``), ``ffn_post_norm``.
 
@@ -133,45 +190,22 @@ class TransformerBlock(nn.Module):
         >>> block = TransformerBlock(32, 4, norm="rms", ffn="swiglu", mask=masks.causal(), cross_attention=True)
         >>> block(torch.randn(2, 6, 32), torch.randn(2, 9, 32)).shape
         torch.Size([2, 6, 32])
+        >>> TransformerBlock(block.config, mask=masks.causal()).config == block.config
+        True
     """
 
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, d_head: int | None = None,
-                 d_ff: int | None = None, *, dropout: float = 0.0, norm_first: bool = True, norm: str = "layer",
-                 norm_eps: float = 1e-5, ffn: str = "gelu", cross_attention: bool = False,
-                 context_dim: int | None = None, positions=None, mask=None, bias: bool = True,
-                 qkv_bias: bool | None = None, out_bias: bool | None = None, ffn_bias: bool | None = None,
-                 qk_norm: bool = False, softcap: float | None = None, temperature: float = 1.0,
-                 backend: str = "auto", attention_dropout: float | None = None, post_norms: bool = False,
-                 norm_offset: float = 0.0, pre_norms: bool = True, residual_scale: float = 1.0,
-                 attn: nn.Module | None = None, sinks: bool = False):
+    def __init__(self, config: BlockConfig | int | None = None, *fields, positions=None, mask=None,
+                 attn: nn.Module | None = None, **options):
         super().__init__()
-        bias = _checks.flag("bias", bias)  # the default of the three biases below
-        qkv_bias = bias if qkv_bias is None else _checks.flag("qkv_bias", qkv_bias)
-        out_bias = bias if out_bias is None else _checks.flag("out_bias", out_bias)
-        ffn_bias = bias if ffn_bias is None else _checks.flag("ffn_bias", ffn_bias)
-        attn_p = dropout if attention_dropout is None else _checks.probability("attention_dropout", attention_dropout)
-        attention = AttentionConfig(d_model, n_heads, n_kv_heads, d_head, bias=qkv_bias, out_bias=out_bias,
-                                    dropout=attn_p, qk_norm=qk_norm, qk_norm_eps=norm_eps, qk_norm_offset=norm_offset,
-                                    softcap=softcap, temperature=temperature, sinks=sinks, backend=backend)
-        config = BlockConfig(attention, d_ff, dropout=dropout, norm_first=norm_first, norm=norm, norm_eps=norm_eps,
-                             norm_offset=norm_offset, ffn=ffn, ffn_bias=ffn_bias, post_norms=post_norms,
-                             pre_norms=pre_norms, residual_scale=residual_scale, cross_attention=cross_attention,
-                             context_dim=context_dim)
-        self._build(config, positions, mask, attn)
+        self._build(block_config(config, fields, options, owner=type(self).__name__), positions, mask, attn)
 
     @classmethod
     def from_config(cls, config: BlockConfig, *, positions=None, mask=None,
                     attn: nn.Module | None = None) -> "TransformerBlock":
-        """The block a :class:`BlockConfig` describes, with its built parts: ``positions`` and ``mask`` (of the
-        self-attention) or ``attn`` (a built self-attention module instead); ``block.config`` is the config.
-        See :class:`BlockConfig` for an example."""
-        if not isinstance(config, BlockConfig):
-            raise TypeError(f"from_config takes an attnkit.nn.BlockConfig, got {type(config).__name__}: for "
-                            f"separate options call TransformerBlock(d_model, n_heads, ...)")
-        block = cls.__new__(cls)
-        nn.Module.__init__(block)
-        block._build(config, positions, mask, attn)
-        return block
+        """``TransformerBlock(config, positions=positions, mask=mask, attn=attn)``, refusing anything but a
+        :class:`BlockConfig`."""
+        _checks.config_object("from_config", config, BlockConfig)
+        return cls(config, positions=positions, mask=mask, attn=attn)
 
     def _build(self, cfg: BlockConfig, positions, mask, attn: nn.Module | None) -> None:
         """Checks ``cfg`` (the keywords' messages), then makes the norms, the attention and the feed-forward."""
@@ -280,22 +314,16 @@ def _cache_positions(cache, batch: int, length: int, device, positions) -> Tenso
 
 
 class _Stack(nn.Module):
-    def _build(self, d_model, n_layers, n_heads, causal, cross, block_options):
-        """From the stack's keyword options: the first block checks them, the config it kept builds the others."""
+    def _build(self, config: BlockConfig, n_layers: int, *, causal: bool, positions, mask, attn) -> None:
+        """``n_layers`` blocks built from ``config`` (``mask`` AND-ed with causal when ``causal``)."""
         _checks.positive_int("n_layers", n_layers)
-        opts = dict(block_options)
-        mask = self._mask(causal, opts.pop("mask", None))
-        first = TransformerBlock(d_model, n_heads, mask=mask, cross_attention=cross, **opts)
-        self._build_layers(first.config, n_layers, positions=opts.get("positions"), mask=mask,
-                           attn=opts.get("attn"), first=first)
-
-    @classmethod
-    def _from_config(cls, config: BlockConfig, n_layers: int, *, causal: bool, positions, mask):
-        """A stack of ``n_layers`` blocks built from ``config`` (``mask`` AND-ed with causal when ``causal``)."""
-        stack = cls.__new__(cls)
-        nn.Module.__init__(stack)
-        stack._build_layers(config, n_layers, positions=positions, mask=stack._mask(causal, mask))
-        return stack
+        mask = self._mask(causal, mask)
+        self.layers = nn.ModuleList(TransformerBlock(config, positions=positions, mask=mask, attn=attn)
+                                    for _ in range(n_layers))
+        self.cross_attention = bool(config.cross_attention)
+        self.norm = make_norm(config.norm, config.d_model, config.norm_eps, config.norm_offset) if config.norm_first \
+            else None
+        self.d_model = config.d_model
 
     @staticmethod
     def _mask(causal: bool, mask) -> _masks.Mask | None:
@@ -303,16 +331,6 @@ class _Stack(nn.Module):
         if not causal:
             return user_mask
         return _masks.causal() & user_mask if user_mask is not None else _masks.causal()
-
-    def _build_layers(self, config: BlockConfig, n_layers: int, *, positions, mask, attn=None, first=None) -> None:
-        layers = [] if first is None else [first]
-        layers += [TransformerBlock.from_config(config, positions=positions, mask=mask, attn=attn)
-                   for _ in range(n_layers - len(layers))]
-        self.layers = nn.ModuleList(layers)
-        self.cross_attention = bool(config.cross_attention)
-        self.norm = make_norm(config.norm, config.d_model, config.norm_eps, config.norm_offset) if config.norm_first \
-            else None
-        self.d_model = config.d_model
 
     def _shared_rotary(self, pos: Tensor, hi: int | None) -> _SharedRotary:
         from .positions import RotaryEmbedding
@@ -345,8 +363,10 @@ class _SharedRotary:
 class Encoder(_Stack):
     """A stack of bidirectional :class:`TransformerBlock` s (no causal mask), with a final norm when Pre-LN.
 
-    ``block_options`` go to every block (``norm``, ``ffn``, ``positions`` (one instance shared by all
-    layers), ``mask``, ``dropout``, ...).  ``forward(x (B, L, d_model), *, mask=None, positions=None)``
+    ``Encoder(config, n_layers, *, positions=None, mask=None, attn=None)``: every layer is
+    ``TransformerBlock(config, positions=positions, mask=mask, attn=attn)`` (``positions`` is one instance shared by
+    all layers).  As a convenience ``Encoder(d_model, n_layers, n_heads, **block_options)`` takes
+    :class:`TransformerBlock`'s options in place of the config (``norm``, ``ffn``, ``dropout``, ...).  ``forward(x (B, L, d_model), *, mask=None, positions=None)``
     returns ``(B, L, d_model)``; ``mask`` is e.g. the inputs' key padding.
 
     Example::
@@ -359,11 +379,13 @@ class Encoder(_Stack):
         torch.Size([2, 7, 32])
     """
 
-    def __init__(self, d_model: int, n_layers: int, n_heads: int, **block_options):
+    def __init__(self, config: BlockConfig | int, n_layers: int, n_heads: int | None = None, *, positions=None,
+                 mask=None, attn: nn.Module | None = None, **block_options):
         super().__init__()
-        if "cross_attention" in block_options:
+        if "cross_attention" in block_options or getattr(config, "cross_attention", False):
             raise ValueError("Encoder layers have no cross attention; use Decoder(cross_attention=True)")
-        self._build(d_model, n_layers, n_heads, causal=False, cross=False, block_options=block_options)
+        config = block_config(config, () if n_heads is None else (n_heads,), block_options, owner="Encoder")
+        self._build(config, n_layers, causal=False, positions=positions, mask=mask, attn=attn)
 
     def forward(self, x: Tensor, *, mask=None, positions=None) -> Tensor:
         _checks.features("x", x, self.d_model, what=f"(B, L, d_model={self.d_model})")
@@ -376,7 +398,9 @@ class Encoder(_Stack):
 
 class Decoder(_Stack):
     """A stack of causal :class:`TransformerBlock` s (``masks.causal()`` AND-ed with ``mask``), optionally
-    with cross attention to an encoder's output, and a final norm when Pre-LN.
+    with cross attention to an encoder's output, and a final norm when Pre-LN.  Built as :class:`Encoder` is:
+    ``Decoder(config, n_layers, *, positions=None, mask=None, attn=None)``, or
+    ``Decoder(d_model, n_layers, n_heads, **block_options)``.
 
     ``forward(x (B, L, d_model), context=None, *, mask=None, context_mask=None, cache=None,
     positions=None) -> (B, L, d_model)``.  ``cache`` is a model-level cache: ``cache.layers[i]`` (self
@@ -393,11 +417,11 @@ class Decoder(_Stack):
         torch.Size([2, 5, 32])
     """
 
-    def __init__(self, d_model: int, n_layers: int, n_heads: int, *, cross_attention: bool = False,
-                 **block_options):
+    def __init__(self, config: BlockConfig | int, n_layers: int, n_heads: int | None = None, *, positions=None,
+                 mask=None, attn: nn.Module | None = None, **block_options):
         super().__init__()
-        self.cross_attention = _checks.flag("cross_attention", cross_attention)
-        self._build(d_model, n_layers, n_heads, causal=True, cross=self.cross_attention, block_options=block_options)
+        config = block_config(config, () if n_heads is None else (n_heads,), block_options, owner="Decoder")
+        self._build(config, n_layers, causal=True, positions=positions, mask=mask, attn=attn)
 
     def forward(self, x: Tensor, context=None, *, mask=None, context_mask=None, cache=None, positions=None) -> Tensor:
         _checks.features("x", x, self.d_model, what=f"(B, L, d_model={self.d_model})")

@@ -30,7 +30,7 @@ from ..cache import CacheAttention
 from ..functional import attention
 from . import _checks
 from .attention import _update_cache
-from .latent import LatentAttention
+from .latent import LatentAttention, LatentConfig
 from .layers import Linear
 from .positions import RotaryEmbedding
 
@@ -267,7 +267,7 @@ class DeepSeekSparseAttention(LatentAttention):
     """DeepSeek sparse attention: :class:`LatentAttention` whose queries each attend to the top-k keys a
     :class:`LightningIndexer` picks (DeepSeek-V3.2, GLM-MoE-DSA; see the module ``attnkit.nn.dsa``).
 
-    Args (besides :class:`LatentAttention`'s):
+    Args (besides :class:`LatentAttention`'s: a :class:`LatentConfig` or its fields, ``positions``, ``mask``):
         indexer: an :class:`IndexerConfig` (top-k, heads, head size, rotary pairing).
 
     ``forward(x, *, mask=None, cache=None, positions=None)``.  Without a cache (or into an empty one) the
@@ -300,14 +300,22 @@ class DeepSeekSparseAttention(LatentAttention):
 
     gathers_cached_keys = True
 
-    def __init__(self, d_model: int, n_heads: int, *, indexer: IndexerConfig, **latent):
-        super().__init__(d_model, n_heads, **latent)
+    def __init__(
+        self,
+        config: LatentConfig | int | None = None,
+        *fields,
+        indexer: IndexerConfig,
+        positions=None,
+        mask=None,
+        **options,
+    ):
+        super().__init__(config, *fields, positions=positions, mask=mask, **options)
         if not isinstance(indexer, IndexerConfig):
             raise TypeError(f"indexer must be an IndexerConfig, got {type(indexer).__name__}")
         rope = self.positions
         if rope is not None and rope.interleaved != indexer.rope_interleaved:
             rope = RotaryEmbedding(rope.dim, base=rope.base, interleaved=indexer.rope_interleaved, scaling=rope.scaling)
-        self.indexer = LightningIndexer(d_model, self.q_lora_rank, indexer, self.qk_rope_head_dim, rope)
+        self.indexer = LightningIndexer(self.d_model, self.q_lora_rank, indexer, self.qk_rope_head_dim, rope)
         self.top_k = indexer.top_k
         self.dense_warmup = False
         self.indexer_loss: Tensor | None = None

@@ -17,7 +17,9 @@ layer, however many heads there are.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -29,11 +31,49 @@ from .positions import RotaryEmbedding
 
 Tensor = torch.Tensor
 
-__all__ = ["LatentAttention"]
+__all__ = ["LatentAttention", "LatentConfig"]
+
+
+@dataclass(frozen=True)
+class LatentConfig:
+    """The options of a :class:`LatentAttention` (each field as described there), as one object; checked when a
+    module is built from it.  ``positions`` and ``mask`` are passed beside it: ``LatentAttention(config,
+    positions=..., mask=...)``.
+
+    Example::
+
+        >>> from attnkit.nn import LatentAttention, LatentConfig
+        >>> cfg = LatentConfig(64, 4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+        >>> mla = LatentAttention(cfg)
+        >>> mla.config is cfg, mla.latent_dim
+        (True, 24)
+    """
+
+    d_model: int  # model width
+    n_heads: int  # query heads
+    kv_lora_rank: int  # width of the latent c (DeepSeek-V3: 512)
+    qk_rope_head_dim: int  # rotary dims per head, shared by every head's key (64)
+    qk_nope_head_dim: int  # dims of each query/key head without positions (128)
+    v_head_dim: int  # dims of each value head (128)
+    q_lora_rank: int | None = None  # rank of the low-rank query projection (1536); None: one full q_proj
+    scale: float | None = None  # score scale; None = 1/sqrt(qk_nope_head_dim + qk_rope_head_dim)
+    bias: bool = False  # biases on q_a_proj and kv_a_proj
+    out_bias: bool = False  # bias on out_proj
+    dropout: float = 0.0  # on the attention weights while training
+    backend: str = "auto"
+    norm_eps: float = 1e-6  # eps of q_norm and kv_norm
+
+    def replace(self, **changes) -> "LatentConfig":
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
 
 
 class LatentAttention(_Attends):
     """Multi-head latent attention (DeepSeek-V2/V3), batch-first ``(B, L, d_model) -> (B, L, d_model)``.
+
+    ``LatentAttention(config, *, positions=None, mask=None)`` builds the module a :class:`LatentConfig` describes
+    (kept as ``config``); as a convenience its fields may stand in its place (``d_model`` and ``n_heads`` by
+    position, the others by keyword), making one config.
 
     Args:
         d_model: model width.
@@ -83,12 +123,16 @@ class LatentAttention(_Attends):
         (24, 24)
     """
 
-    def __init__(self, d_model: int, n_heads: int, *, kv_lora_rank: int, qk_rope_head_dim: int,
-                 qk_nope_head_dim: int, v_head_dim: int, q_lora_rank: int | None = None,
-                 positions: RotaryEmbedding | None = None, mask=None, scale: float | None = None,
-                 bias: bool = False, out_bias: bool = False, dropout: float = 0.0, backend: str = "auto",
-                 norm_eps: float = 1e-6):
+    def __init__(self, config: LatentConfig | int | None = None, *fields, positions: RotaryEmbedding | None = None,
+                 mask=None, **options):
         super().__init__()
+        cfg = _checks.config_of(LatentConfig, config, fields, options, owner=type(self).__name__,
+                                positional=("d_model", "n_heads"), beside="positions, mask")
+        self.config = cfg
+        d_model, n_heads, kv_lora_rank, q_lora_rank = cfg.d_model, cfg.n_heads, cfg.kv_lora_rank, cfg.q_lora_rank
+        qk_rope_head_dim, qk_nope_head_dim, v_head_dim = cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+        scale, bias, out_bias, dropout, backend, norm_eps = (cfg.scale, cfg.bias, cfg.out_bias, cfg.dropout,
+                                                             cfg.backend, cfg.norm_eps)
         for name, value in (("d_model", d_model), ("n_heads", n_heads), ("kv_lora_rank", kv_lora_rank),
                             ("qk_rope_head_dim", qk_rope_head_dim), ("qk_nope_head_dim", qk_nope_head_dim),
                             ("v_head_dim", v_head_dim)):
@@ -102,12 +146,10 @@ class LatentAttention(_Attends):
         if positions is not None and positions.dim != qk_rope_head_dim:
             raise ValueError(f"positions=RotaryEmbedding({positions.dim}) must rotate qk_rope_head_dim="
                              f"{qk_rope_head_dim} dims: use RotaryEmbedding({qk_rope_head_dim})")
-        if not isinstance(backend, str):
-            raise TypeError(f"backend must be a string such as 'auto', got {type(backend).__name__}")
         self.d_model, self.n_heads = d_model, n_heads
         self.kv_lora_rank, self.q_lora_rank = kv_lora_rank, q_lora_rank
         self.qk_rope_head_dim, self.qk_nope_head_dim, self.v_head_dim = qk_rope_head_dim, qk_nope_head_dim, v_head_dim
-        self.positions, self.backend = positions, backend
+        self.positions, self.backend = positions, _checks.backend(backend)
         self.mask = _checks.as_mask("mask", mask)
         self.dropout = _checks.probability("dropout", dropout)
         qk = qk_nope_head_dim + qk_rope_head_dim

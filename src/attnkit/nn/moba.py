@@ -19,7 +19,7 @@ from .. import masks as _masks
 from ..cache import CacheAttention
 from ..functional import attention
 from . import _checks
-from .attention import AttentionConfig, MultiHeadAttention, _Attends, _check_layer_cache, _update_cache
+from .attention import AttentionConfig, MultiHeadAttention, _check_layer_cache, _update_cache
 
 Tensor = torch.Tensor
 
@@ -240,37 +240,31 @@ class MoBAAttention(_ContentSparse):
 
     def __init__(
         self,
-        d_model: int,
-        n_heads: int,
-        n_kv_heads: int | None = None,
-        *,
+        config: AttentionConfig | int | None = None,
+        *fields,
         block: int = 64,
         top_k: int = 8,
         positions=None,
         mask=None,
         **options,
     ):
-        _Attends.__init__(self)
-        self._build(AttentionConfig(d_model, n_heads, n_kv_heads, **options), positions, mask)
+        super().__init__(config, *fields, positions=positions, mask=mask, **options)
         self._set_selection(block, top_k)
 
     @classmethod
     def from_config(
         cls, config: AttentionConfig, *, positions=None, mask=None, block: int = 64, top_k: int = 8
     ) -> "MoBAAttention":
-        """The module an :class:`AttentionConfig` describes (see :meth:`MultiHeadAttention.from_config`), with
-        MoBA's ``block`` and ``top_k``."""
-        module = super().from_config(config, positions=positions, mask=mask)
-        module._set_selection(block, top_k)
-        return module
+        """``MoBAAttention(config, ...)``, refusing anything but an :class:`AttentionConfig` (see
+        :meth:`MultiHeadAttention.from_config`)."""
+        _checks.config_object("from_config", config, AttentionConfig)
+        return cls(config, positions=positions, mask=mask, block=block, top_k=top_k)
 
     def _set_selection(self, block: int, top_k: int) -> None:
         self.block = _checks.positive_int("block", block)
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-            raise ValueError(
-                f"top_k={top_k!r} must be an int >= 0 (the earlier blocks each query chooses besides its own)"
-            )
-        self.top_k = top_k
+        self.top_k = _checks.int_in_range(
+            "top_k", top_k, 0, fix=" (the earlier blocks each query chooses besides its own)"
+        )
         self.routed = True  # prefill/training: routed by moba_attention (False: one call under the mask)
         if self.kdim != self.d_model or self.vdim != self.d_model:
             raise ValueError("MoBAAttention is self-attention: kdim and vdim must equal d_model")

@@ -15,12 +15,12 @@ from . import _checks
 from .attention import AttentionConfig
 from .blocks import BlockConfig, Decoder, Encoder, TransformerBlock, _cache_positions, _layer_caches, default_d_ff
 from .dsa import DeepSeekSparseAttention, IndexerConfig
-from .latent import LatentAttention
+from .latent import LatentAttention, LatentConfig
 from .moba import MoBAAttention
 from .nsa import NSAAttention
 from .layers import Linear, _dropout, linear, make_norm
-from .positions import (ALiBi, PositionEncoding, RotaryEmbedding, SinusoidalPositions, T5RelativeBias, _check_t5_layout,
-                        _parse_scaling)
+from .positions import ALiBi, PositionEncoding, RotaryEmbedding, SinusoidalPositions, T5RelativeBias, _check_t5_layout
+from .rope_scaling import RopeScaling
 
 Tensor = torch.Tensor
 
@@ -82,7 +82,9 @@ class DecoderConfig:
     max_seq_len: int = 2048  # positions >= this raise, unless the position method extrapolates (alibi, t5, none)
     positions: str = "rope"  # "rope" | "alibi" | "t5" | "sinusoidal" | "none"
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # {"type": "linear" | "ntk" | "llama3" | "yarn" | "longrope" | "dynamic", ...}
+    # a dict {"type": "linear" | "ntk" | "llama3" | "yarn" | "longrope" | "dynamic", ...} (Hugging Face's form too),
+    # or a typed attnkit.nn.RopeScaling, kept as its dict (RopeScaling.to_dict: the JSON form)
+    rope_scaling: dict | None = None
     rotary_dim: int | None = None  # partial rotary: rotate the first rotary_dim dims of each head
     rope_interleaved: bool = False  # pair dims (2i, 2i+1) instead of (i, i + d/2)
     t5_num_buckets: int = 32
@@ -155,7 +157,10 @@ class DecoderConfig:
         _checks.positive_int("d_ff", self.d_ff, allow_none=True)
         _checks.positive_int("rotary_dim", self.rotary_dim, allow_none=True)
         _checks.positive_float("rope_theta", self.rope_theta)
-        _parse_scaling(self.rope_scaling, self.rope_theta)  # errors at configuration time, not when building
+        if isinstance(self.rope_scaling, RopeScaling):
+            self.rope_scaling = self.rope_scaling.to_dict()
+        elif self.rope_scaling is not None:  # errors at configuration time, not when building
+            RopeScaling.from_hf(self.rope_scaling, self.rope_theta)
         _checks.positive_float("norm_eps", self.norm_eps)
         self.norm_offset = _checks.finite_float("norm_offset", self.norm_offset)
         for name in ("softcap", "attn_scale", "embed_scale", "logit_softcap", "logit_divisor", "rope_local_theta"):
@@ -480,7 +485,7 @@ class _LMBase(nn.Module):
         if torch.compiler.is_compiling():  # reading the tensor would split the graph: check inside it instead
             rope = getattr(self, "positions", None)
             if isinstance(rope, RotaryEmbedding) and rope.length_dependent:
-                raise ValueError(f"rope scaling {rope.scaling['type']!r} picks its frequencies from the largest "
+                raise ValueError(f"rope scaling {rope.scaling.type!r} picks its frequencies from the largest "  # type: ignore[union-attr]
                                  f"position, which a compiled forward does not read from given positions: call "
                                  f"it with positions=None (the cache's offset) or without torch.compile")
             torch._assert_async((pos >= 0).all(), "positions must be >= 0")
@@ -587,8 +592,8 @@ class DecoderLM(_LMBase):
                                                    interleaved=cfg.rope_interleaved)
         block = cfg.block_config()
         self.layers = nn.ModuleList(
-            TransformerBlock.from_config(block, positions=self._layer_positions(i), mask=self._layer_mask(i),
-                                         attn=self._latent_attention(i) or self._sparse_attention(i, block))
+            TransformerBlock(block, positions=self._layer_positions(i), mask=self._layer_mask(i),
+                             attn=self._latent_attention(i) or self._sparse_attention(i, block))
             for i in range(cfg.n_layers))
         self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_offset) if cfg.norm_first else None
         self._init_weights(cfg.n_layers)
@@ -657,11 +662,12 @@ class DecoderLM(_LMBase):
             return None
         kind, extra = (LatentAttention, {}) if cfg.indexer is None else (DeepSeekSparseAttention,
                                                                           {"indexer": cfg.indexer})
-        return kind(cfg.d_model, cfg.n_heads, kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank,
-                    qk_rope_head_dim=cfg.qk_rope_head_dim, qk_nope_head_dim=cfg.head_dim,
-                    v_head_dim=cfg.v_head_dim or cfg.head_dim, positions=self._layer_positions(i),
-                    mask=self._layer_mask(i), scale=cfg.attn_scale, bias=cfg.qkv_bias, out_bias=cfg.out_bias,
-                    dropout=cfg.attention_dropout, backend=cfg.backend, **extra)
+        ranks = dict(kv_lora_rank=cfg.kv_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim)  # (set: cfg.latent)
+        latent = LatentConfig(cfg.d_model, cfg.n_heads, q_lora_rank=cfg.q_lora_rank, qk_nope_head_dim=cfg.head_dim,
+                              v_head_dim=cfg.v_head_dim or cfg.head_dim, scale=cfg.attn_scale, bias=cfg.qkv_bias,
+                              out_bias=cfg.out_bias, dropout=cfg.attention_dropout, backend=cfg.backend,
+                              **ranks)  # type: ignore[arg-type]
+        return kind(latent, positions=self._layer_positions(i), mask=self._layer_mask(i), **extra)
 
     def _sparse_attention(self, i: int, block: BlockConfig) -> nn.Module | None:
         """Layer ``i``'s content-based sparse attention (``config.sparse_attention``), or None."""
@@ -761,9 +767,9 @@ class EncoderDecoder(_LMBase):
         self.decoder_positions = (self.encoder_positions if cfg.positions in ("rope", "alibi")
                                   else _make_positions(cfg, bidirectional=False))
         block = cfg.block_config()
-        self.encoder = Encoder._from_config(block, n_enc, causal=False, positions=self.encoder_positions, mask=None)
-        self.decoder = Decoder._from_config(block.replace(cross_attention=True), cfg.n_layers, causal=True,
-                                            positions=self.decoder_positions, mask=cfg.mask)
+        self.encoder = Encoder(block, n_enc, positions=self.encoder_positions)
+        self.decoder = Decoder(block.replace(cross_attention=True), cfg.n_layers, positions=self.decoder_positions,
+                               mask=cfg.mask)
         self._init_weights(cfg.n_layers + n_enc)
 
     def encode(self, src: Tensor, *, src_mask=None) -> Tensor:

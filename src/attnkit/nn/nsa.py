@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from .. import masks as _masks
 from . import _checks
-from .attention import AttentionConfig, _Attends
+from .attention import AttentionConfig
 from .moba import _ContentSparse, moba_attention
 from .positions import RotaryEmbedding
 
@@ -136,10 +136,8 @@ class NSAAttention(_ContentSparse):
 
     def __init__(
         self,
-        d_model: int,
-        n_heads: int,
-        n_kv_heads: int | None = None,
-        *,
+        config: AttentionConfig | int | None = None,
+        *fields,
         compress_block: int = 32,
         compress_stride: int = 16,
         select_block: int = 64,
@@ -149,8 +147,7 @@ class NSAAttention(_ContentSparse):
         mask=None,
         **options,
     ):
-        _Attends.__init__(self)
-        self._build(AttentionConfig(d_model, n_heads, n_kv_heads, **options), positions, mask)
+        super().__init__(config, *fields, positions=positions, mask=mask, **options)
         self._set_nsa(compress_block, compress_stride, select_block, select_count, window)
 
     @classmethod
@@ -166,11 +163,17 @@ class NSAAttention(_ContentSparse):
         select_count: int = 16,
         window: int = 512,
     ) -> "NSAAttention":
-        """The module an :class:`AttentionConfig` describes (see :meth:`MultiHeadAttention.from_config`), with
-        NSA's options."""
-        module = super().from_config(config, positions=positions, mask=mask)
-        module._set_nsa(compress_block, compress_stride, select_block, select_count, window)
-        return module
+        """``NSAAttention(config, ...)``, refusing anything but an :class:`AttentionConfig` (see
+        :meth:`MultiHeadAttention.from_config`)."""
+        _checks.config_object("from_config", config, AttentionConfig)
+        nsa = dict(
+            compress_block=compress_block,
+            compress_stride=compress_stride,
+            select_block=select_block,
+            select_count=select_count,
+            window=window,
+        )
+        return cls(config, positions=positions, mask=mask, **nsa)
 
     def _set_nsa(self, compress_block, compress_stride, select_block, select_count, window) -> None:
         for name, value in (

@@ -24,13 +24,13 @@ Example::
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn as nn
 
 from .. import bias as _bias
 from . import _checks
+from .rope_scaling import RopeScaling, _plain
 
 Tensor = torch.Tensor
 
@@ -78,108 +78,14 @@ class PositionEncoding(nn.Module):
 
 # ----------------------------------------------------------------------------------- rotary
 
-_SCALINGS = ("linear", "ntk", "llama3", "yarn", "longrope", "dynamic")
-
-
-def _original_len(s: dict, kind: str) -> int:
-    old = s.pop("original_max_position_embeddings", None)
-    old = s.pop("original_max_seq_len", old)
-    if old is None:
-        raise ValueError(f"{kind} scaling needs scaling['original_max_seq_len'] (Hugging Face's "
-                         f"original_max_position_embeddings): the context length the model was trained at")
-    return _checks.positive_int("scaling['original_max_seq_len']", old)
-
-
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's magnitude correction ``0.1 * mscale * ln(factor) + 1`` (1 for ``factor <= 1``)."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-def _factors(name: str, value) -> tuple[float, ...]:
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
-        raise TypeError(f"scaling[{name!r}] must be a list of positive floats (one per rotated pair), got {value!r}")
-    return tuple(_checks.positive_float(f"scaling[{name!r}][{i}]", float(f)) for i, f in enumerate(value))
-
-
-def _parse_scaling(scaling, base: float | None = None) -> dict | None:
-    """The validated scaling dict (``type``, ``factor``, each type's own fields, ``attention_factor``), or None.
-    Hugging Face's form is accepted: ``rope_type`` beside or instead of ``type``, ``original_max_position_embeddings``
-    for ``original_max_seq_len``, and ``rope_theta``, which must equal ``base``."""
-    if scaling is None:
-        return None
+def _scaling(scaling, base: float | None = None) -> RopeScaling | None:
+    """``scaling`` as a :class:`~attnkit.nn.RopeScaling` (a dict read by its ``from_hf``), or None."""
+    if scaling is None or isinstance(scaling, RopeScaling):
+        return scaling
     if not isinstance(scaling, dict):
-        raise TypeError(f"scaling must be None or a dict like {{'type': 'linear', 'factor': 2.0}}, got {scaling!r}")
-    s = dict(scaling)
-    kind, hf_kind = s.pop("type", None), s.pop("rope_type", None)
-    if kind is not None and hf_kind is not None and kind != hf_kind:
-        raise ValueError(f"scaling has type={kind!r} and rope_type={hf_kind!r}: give one")
-    kind = kind if kind is not None else hf_kind
-    theta = s.pop("rope_theta", None)
-    if theta is not None and base is not None and float(theta) != float(base):
-        raise ValueError(f"scaling['rope_theta']={theta!r} differs from the rotary base {base!r}: pass the same "
-                         f"value as base (rope_theta in a DecoderConfig), or drop it from the scaling dict")
-    if kind == "default":
-        if s:
-            raise ValueError(f"scaling has keys {sorted(s)} that the 'default' rope type does not use")
-        return None
-    if kind not in _SCALINGS:
-        raise ValueError(f"scaling type {kind!r} is not one of {_SCALINGS} (give it as scaling['type'])")
-    factor = s.pop("factor", None)
-    if kind == "longrope":  # the factor only sets the default attention factor
-        factor = _checks.positive_float("scaling['factor']", factor, allow_none=True)
-    else:
-        factor = _checks.positive_float("scaling['factor']", factor)
-    out = {"type": kind, "factor": factor}
-    attention_factor = _checks.positive_float("scaling['attention_factor']", s.pop("attention_factor", None),
-                                              allow_none=True)
-    if kind == "llama3":
-        out["low_freq_factor"] = _checks.positive_float("scaling['low_freq_factor']", s.pop("low_freq_factor", 1.0))
-        out["high_freq_factor"] = _checks.positive_float("scaling['high_freq_factor']",
-                                                         s.pop("high_freq_factor", 4.0))
-        if "original_max_seq_len" not in s and "original_max_position_embeddings" not in s:
-            s["original_max_seq_len"] = 8192  # Llama 3's
-        out["original_max_seq_len"] = _original_len(s, kind)
-        if out["high_freq_factor"] <= out["low_freq_factor"]:
-            raise ValueError(f"llama3 scaling needs high_freq_factor > low_freq_factor, got "
-                             f"{out['high_freq_factor']} and {out['low_freq_factor']}")
-    elif kind == "yarn":
-        out["original_max_seq_len"] = _original_len(s, kind)
-        out["beta_fast"] = _checks.positive_float("scaling['beta_fast']", s.pop("beta_fast", None) or 32.0)
-        out["beta_slow"] = _checks.positive_float("scaling['beta_slow']", s.pop("beta_slow", None) or 1.0)
-        out["truncate"] = bool(s.pop("truncate", True))
-        mscale, mscale_all = s.pop("mscale", None), s.pop("mscale_all_dim", None)
-        for name, value in (("mscale", mscale), ("mscale_all_dim", mscale_all)):
-            if value is not None:
-                out[name] = _checks.finite_float(f"scaling[{name!r}]", value)
-        if attention_factor is None:  # YaRN's sqrt(1/t) = 0.1 ln(s) + 1, or DeepSeek's ratio of two of them
-            if mscale and mscale_all:
-                attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
-            else:
-                attention_factor = _yarn_mscale(factor)
-    elif kind == "longrope":
-        out["original_max_seq_len"] = _original_len(s, kind)
-        for name in ("short_factor", "long_factor"):
-            if name not in s:
-                raise ValueError(f"longrope scaling needs scaling[{name!r}]: a list of dim/2 positive floats")
-            out[name] = _factors(name, s.pop(name))
-        if len(out["short_factor"]) != len(out["long_factor"]):
-            raise ValueError(f"longrope scaling: short_factor has {len(out['short_factor'])} entries and "
-                             f"long_factor {len(out['long_factor'])}: give one per rotated pair (dim/2) in each")
-        if attention_factor is None:  # sqrt(1 + ln(s) / ln(L_original)), 1 without a factor
-            if factor is None or factor <= 1.0:
-                attention_factor = 1.0
-            else:
-                attention_factor = math.sqrt(1 + math.log(factor) / math.log(out["original_max_seq_len"]))
-    elif kind == "dynamic":
-        out["original_max_seq_len"] = _original_len(s, kind)
-    if kind in ("yarn", "longrope"):
-        out["attention_factor"] = float(attention_factor)
-    elif attention_factor not in (None, 1.0):
-        raise ValueError(f"scaling['attention_factor']={attention_factor} is not used by {kind!r} scaling: drop it "
-                         f"(only yarn and longrope scale the rotated queries and keys)")
-    if s:
-        raise ValueError(f"scaling has keys {sorted(s)} that {kind!r} scaling does not use")
-    return out
+        raise TypeError(f"scaling must be None, a RopeScaling (e.g. attnkit.nn.LinearScaling(2.0)) or a dict like "
+                        f"{{'type': 'linear', 'factor': 2.0}}, got {scaling!r}")
+    return RopeScaling.from_hf(scaling, base)
 
 
 class RotaryEmbedding(PositionEncoding):
@@ -194,26 +100,30 @@ class RotaryEmbedding(PositionEncoding):
         dim: rotated dims per head (even, <= d_head).
         base: ``theta`` (Llama: 10000, Llama 3: 500000).
         interleaved: pairing, see above.
-        scaling: ``None`` or a dict ``{"type": ..., "factor": f, ...}`` (Hugging Face's ``rope_scaling`` /
-            ``rope_parameters`` format is accepted, ``original_max_position_embeddings`` for
-            ``original_max_seq_len``):
+        scaling: ``None``, a :class:`~attnkit.nn.RopeScaling` (the typed form, e.g.
+            ``YaRNScaling(4.0, original_max_seq_len=4096)``), or its dict form ``{"type": ..., "factor": f, ...}``
+            read by :meth:`RopeScaling.from_hf <attnkit.nn.RopeScaling.from_hf>` (Hugging Face's
+            ``rope_scaling`` / ``rope_parameters`` format is accepted, ``original_max_position_embeddings`` for
+            ``original_max_seq_len``); kept as ``scaling`` (typed):
 
-            * ``linear``: positions divided by ``f``;
-            * ``ntk``: the base raised to ``base * f^(dim / (dim - 2))`` (static NTK-aware scaling);
-            * ``llama3``: low frequencies divided by ``f``, high ones kept, a smooth blend between
-              (``low_freq_factor``, ``high_freq_factor``, ``original_max_seq_len``);
-            * ``yarn``: per-frequency blend of interpolated (``/ f``) and original frequencies over the
-              wavelengths between ``beta_fast`` and ``beta_slow`` rotations in ``original_max_seq_len``
-              (``truncate`` rounds that range to whole dims), and the rotated queries and keys multiplied by
-              ``attention_factor`` (default ``0.1 ln f + 1``, or DeepSeek's ratio of that form with ``mscale``
-              and ``mscale_all_dim``);
-            * ``longrope``: frequencies divided by ``short_factor`` (one per pair) while a sequence's length
-              is at most ``original_max_seq_len``, by ``long_factor`` once it is not, and the rotated
-              queries and keys multiplied by ``attention_factor`` (default
+            * ``linear`` (:class:`~attnkit.nn.LinearScaling`): positions divided by ``f``;
+            * ``ntk`` (:class:`~attnkit.nn.NTKScaling`): the base raised to ``base * f^(dim / (dim - 2))``
+              (static NTK-aware scaling);
+            * ``llama3`` (:class:`~attnkit.nn.Llama3Scaling`): low frequencies divided by ``f``, high ones kept,
+              a smooth blend between (``low_freq_factor``, ``high_freq_factor``, ``original_max_seq_len``);
+            * ``yarn`` (:class:`~attnkit.nn.YaRNScaling`): per-frequency blend of interpolated (``/ f``) and
+              original frequencies over the wavelengths between ``beta_fast`` and ``beta_slow`` rotations in
+              ``original_max_seq_len`` (``truncate`` rounds that range to whole dims), and the rotated queries and
+              keys multiplied by ``attention_factor`` (default ``0.1 ln f + 1``, or DeepSeek's ratio of that form
+              with ``mscale`` and ``mscale_all_dim``);
+            * ``longrope`` (:class:`~attnkit.nn.LongRoPEScaling`): frequencies divided by ``short_factor`` (one
+              per pair) while a sequence's length is at most ``original_max_seq_len``, by ``long_factor`` once it
+              is not, and the rotated queries and keys multiplied by ``attention_factor`` (default
               ``sqrt(1 + ln f / ln original_max_seq_len)``; 1 without ``factor``);
-            * ``dynamic`` (dynamic NTK): while a sequence's length is at most ``original_max_seq_len`` the
-              frequencies are the plain ones; a sequence of length ``n > original_max_seq_len`` uses the base
-              ``base * (f n / original_max_seq_len - (f - 1))^(dim / (dim - 2))``.
+            * ``dynamic`` (dynamic NTK, :class:`~attnkit.nn.DynamicNTKScaling`): while a sequence's length is at
+              most ``original_max_seq_len`` the frequencies are the plain ones; a sequence of length
+              ``n > original_max_seq_len`` uses the base ``base * (f n / original_max_seq_len - (f - 1))^(dim /
+              (dim - 2))``.
 
             The last two pick each sequence's frequencies from its own length, never from the batch: a row
             whose positions start at 0 (a prompt computed at once) takes its largest position + 1 for all its
@@ -240,8 +150,8 @@ class RotaryEmbedding(PositionEncoding):
 
     absolute = True
 
-    def __init__(self, dim: int, *, base: float = 10000.0, interleaved: bool = False, scaling: dict | None = None,
-                 max_seq_len: int | None = None):
+    def __init__(self, dim: int, *, base: float = 10000.0, interleaved: bool = False,
+                 scaling: RopeScaling | dict | None = None, max_seq_len: int | None = None):
         super().__init__()
         _checks.positive_int("dim", dim)
         if dim % 2:
@@ -249,11 +159,12 @@ class RotaryEmbedding(PositionEncoding):
         self.dim = dim
         self.base = _checks.positive_float("base", base)
         self.interleaved = _checks.flag("interleaved", interleaved)
-        self.scaling = _parse_scaling(scaling, self.base)
+        self.scaling = _scaling(scaling, self.base)
         self.max_seq_len = _checks.positive_int("max_seq_len", max_seq_len, allow_none=True)
-        self.attention_factor = self.scaling.get("attention_factor", 1.0) if self.scaling else 1.0
-        if self.scaling is not None and "short_factor" in self.scaling and len(self.scaling["short_factor"]) != dim // 2:
-            raise ValueError(f"longrope scaling has {len(self.scaling['short_factor'])} short/long factors but "
+        self.attention_factor = 1.0 if self.scaling is None else self.scaling.attention_factor
+        short = getattr(self.scaling, "short_factor", None)
+        if short is not None and len(short) != dim // 2:
+            raise ValueError(f"longrope scaling has {len(short)} short/long factors but "
                              f"RotaryEmbedding(dim={dim}) rotates {dim // 2} pairs: give one factor per pair")
         # (dim/2,) float32, the frequencies of calls within the original length; not a buffer, so model.to(dtype)
         # keeps it exact
@@ -264,19 +175,15 @@ class RotaryEmbedding(PositionEncoding):
     @property
     def length_dependent(self) -> bool:
         """Whether the frequencies depend on the sequence's length (LongRoPE, dynamic NTK)."""
-        return self.scaling is not None and self.scaling["type"] in ("longrope", "dynamic")
-
-    def _exponents(self) -> Tensor:
-        d = self.dim
-        return torch.arange(0, d, 2, dtype=torch.int64).float() / d  # (dim/2,): 2i / dim
+        return self.scaling is not None and self.scaling.length_dependent
 
     def _variant(self, n: int):
         """Which frequency set a call whose positions are ``< n`` uses: None (the fixed one), "long" (LongRoPE
         past the original length) or ``n`` itself (dynamic NTK past the original length)."""
         s = self.scaling
-        if s is None or s["type"] not in ("longrope", "dynamic") or n <= s["original_max_seq_len"]:
+        if s is None or not s.length_dependent or n <= s.original_max_seq_len:  # type: ignore[attr-defined]
             return None
-        return "long" if s["type"] == "longrope" else n
+        return "long" if s.type == "longrope" else n
 
     def inv_freq_for(self, seq_len: int) -> Tensor:
         """The inverse frequencies ``(dim/2,)`` (float32) of a call whose positions are all ``< seq_len``.
@@ -292,48 +199,9 @@ class RotaryEmbedding(PositionEncoding):
             >>> bool((rope.inv_freq_for(32)[1:] < rope.inv_freq[1:]).all())  # pair 0 (frequency 1) is kept
             True
         """
-        d, base, s = self.dim, self.base, self.scaling
-        kind = None if s is None else s["type"]
-        if kind == "ntk":
-            base = base * s["factor"] ** (d / (d - 2)) if d > 2 else base
-        elif kind == "dynamic" and seq_len > s["original_max_seq_len"] and d > 2:
-            f, old = s["factor"], s["original_max_seq_len"]
-            base = base * ((f * seq_len / old) - (f - 1)) ** (d / (d - 2))
-        if kind == "longrope":
-            ext = s["long_factor"] if seq_len > s["original_max_seq_len"] else s["short_factor"]
-            return 1.0 / (torch.tensor(ext, dtype=torch.float32) * base ** self._exponents())
-        inv = 1.0 / (base ** self._exponents())
-        if kind in (None, "ntk", "dynamic"):
-            return inv
-        if kind == "linear":
-            return inv / s["factor"]
-        if kind == "yarn":
-            return self._yarn(inv)
-        old, lo, hi = s["original_max_seq_len"], s["low_freq_factor"], s["high_freq_factor"]
-        wavelen = 2 * math.pi / inv
-        smooth = (old / wavelen - lo) / (hi - lo)
-        mid = (1 - smooth) * inv / s["factor"] + smooth * inv
-        return torch.where(wavelen > old / lo, inv / s["factor"], torch.where(wavelen < old / hi, inv, mid))
-
-    def _yarn(self, inv: Tensor) -> Tensor:
-        """YaRN: dims rotating more than ``beta_fast`` times over the original length keep their frequency,
-        dims rotating fewer than ``beta_slow`` times are interpolated (``/ factor``), a linear ramp between."""
-        s, d = self.scaling, self.dim
-        old, f = s["original_max_seq_len"], s["factor"]
-
-        def dim_of(rotations: float) -> float:  # the (fractional) dim that turns `rotations` times in `old` positions
-            return d * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(self.base))
-
-        lo, hi = dim_of(s["beta_fast"]), dim_of(s["beta_slow"])
-        if s["truncate"]:
-            lo, hi = math.floor(lo), math.ceil(hi)
-        lo, hi = max(lo, 0), min(hi, d - 1)
-        if lo == hi:
-            hi += 0.001  # a ramp of zero width would divide by zero
-        ramp = ((torch.arange(d // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)  # 0: keep, 1: interpolate
-        keep = 1 - ramp
-        pos_freqs = 1.0 / inv  # base^(2i/d)
-        return (1.0 / (f * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+        if self.scaling is None:
+            return _plain(self.base, self.dim)
+        return self.scaling.inv_freq(self.base, self.dim, seq_len)
 
     def _table(self, n: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos and sin ``(N, dim)`` for positions ``0 .. N-1`` (N >= n), expanded to the pairing and multiplied by
@@ -351,8 +219,8 @@ class RotaryEmbedding(PositionEncoding):
                 size = n
             else:
                 size = max(256, 1 << max(0, n - 1).bit_length())
-                if variant is None and self.scaling is not None and self.scaling["type"] in ("longrope", "dynamic"):
-                    size = min(size, self.scaling["original_max_seq_len"])  # past it the frequencies change
+                if variant is None and self.length_dependent:
+                    size = min(size, self.scaling.original_max_seq_len)  # type: ignore[union-attr] # past it the frequencies change
                 size = max(size, n)
             cached = self._new_table(size, n, device, dtype)
             self._tables[key] = cached
@@ -425,16 +293,16 @@ class RotaryEmbedding(PositionEncoding):
         (:meth:`_lengths`)."""
         if torch.compiler.is_compiling():  # the lengths are read from the tensor: only one-token calls compile
             if positions.shape[-1] != 1 or positions.dim() != 1:
-                raise ValueError(f"rope scaling {self.scaling['type']!r} picks each sequence's frequencies from its "
+                raise ValueError(f"rope scaling {self.scaling.type!r} picks each sequence's frequencies from its "  # type: ignore[union-attr]
                                  f"own length, which a compiled forward cannot read: compile one-token decode steps "
                                  f"only (positions=None), or call it without torch.compile")
             cos, sin = self._table(hi + 1, positions.device, torch.float32)
             return cos[positions], sin[positions]
         lengths = self._lengths(positions)
-        old = self.scaling["original_max_seq_len"]
+        old = self.scaling.original_max_seq_len  # type: ignore[union-attr]
         # tokens that share a frequency set share a table: a length <= old (the plain set), LongRoPE's long set,
         # or each length past old (dynamic NTK)
-        group = (lengths > old).long() if self.scaling["type"] == "longrope" else lengths.clamp(min=old)
+        group = (lengths > old).long() if self.scaling.type == "longrope" else lengths.clamp(min=old)  # type: ignore[union-attr]
         keys = torch.unique(group).tolist()
         if len(keys) == 1:  # the usual case: one set for the whole call
             cos, sin = self._table(int(lengths.max()), positions.device, torch.float32)

@@ -57,9 +57,7 @@ class SingleHeadAttention(_Attends):
         _checks.positive_int("d_model", d_model)
         _checks.positive_int("d_k", d_k)
         d_v = d_k if d_v is None else _checks.positive_int("d_v", d_v)
-        if not isinstance(backend, str):
-            raise TypeError(f"backend must be a string such as 'auto', got {type(backend).__name__}")
-        self.d_model, self.d_k, self.d_v, self.backend = d_model, d_k, d_v, backend
+        self.d_model, self.d_k, self.d_v, self.backend = d_model, d_k, d_v, _checks.backend(backend)
         bound = 1.0 / math.sqrt(d_model)
         self.W_q = nn.Parameter(torch.empty(d_model, d_k).uniform_(-bound, bound))
         self.W_k = nn.Parameter(torch.empty(d_model, d_k).uniform_(-bound, bound))
@@ -124,9 +122,7 @@ class AdditiveAttention(_Attends):
         super().__init__()
         for name, val in (("q_dim", q_dim), ("k_dim", k_dim), ("hidden", hidden)):
             _checks.positive_int(name, val)
-        if not isinstance(backend, str):
-            raise TypeError(f"backend must be a string such as 'auto', got {type(backend).__name__}")
-        self.q_dim, self.k_dim, self.hidden, self.backend = q_dim, k_dim, hidden, backend
+        self.q_dim, self.k_dim, self.hidden, self.backend = q_dim, k_dim, hidden, _checks.backend(backend)
         self.dropout = _checks.probability("dropout", dropout)
         self.W_q = Linear(q_dim, hidden, bias=True)  # the one bias of the tanh layer
         self.W_k = Linear(k_dim, hidden, bias=False)

@@ -18,6 +18,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from .. import _checks
 from ..decoding import Engine
 from ..decoding.sampling import resolve_sampling
 from ._metrics import Metrics
@@ -170,10 +171,8 @@ class AsyncEngine:
     def __init__(self, engine: Engine, *, max_waiting: int | None = None, metrics: Metrics | None = None):
         if not isinstance(engine, Engine):
             raise TypeError(f"engine must be an attnkit.Engine, got {type(engine).__name__}")
-        if max_waiting is not None and (
-            isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0
-        ):
-            raise ValueError(f"max_waiting={max_waiting!r} must be an int >= 0 or None (no limit)")
+        if max_waiting is not None:
+            _checks.int_in_range("max_waiting", max_waiting, 0, fix=" or None (no limit)")
         self.engine = engine
         self.max_waiting = max_waiting
         self.metrics = metrics if metrics is not None else Metrics()
