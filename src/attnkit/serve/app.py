@@ -470,14 +470,21 @@ def _engine_for(
     max_batched_tokens: int | str | None,
     max_waiting: int | None,
 ) -> AsyncEngine:
-    if max_batched_tokens == "auto":
-        max_batched_tokens = _auto_batched_tokens(served.model, max_batch)
+    if isinstance(max_batched_tokens, str):
+        if max_batched_tokens != "auto":
+            raise ValueError(
+                f"max_batched_tokens={max_batched_tokens!r} must be an int >= max_batch, 'auto' or None (each prompt "
+                f"prefilled alone)"
+            )
+        batched = _auto_batched_tokens(served.model, max_batch)
+    else:
+        batched = max_batched_tokens
     engine = Engine(
         served.model,
         cache_blocks=cache_blocks,
         block_size=block_size,
         max_batch=max_batch,
-        max_batched_tokens=max_batched_tokens,
+        max_batched_tokens=batched,
     )
     return AsyncEngine(engine, max_waiting=max_waiting)
 
