@@ -297,6 +297,8 @@ def attnkit_server(model_dir: Path, log: Path, args) -> Server:
     ]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
+    if args.max_batched_tokens is not None:
+        cmd += ["--max-batched-tokens", str(args.max_batched_tokens)]
     env = dict(os.environ)
     src = Path(__file__).resolve().parents[1] / "src"
     env["PYTHONPATH"] = f"{src}{os.pathsep}{env.get('PYTHONPATH', '')}"
@@ -407,6 +409,12 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64, help="output tokens per throughput request")
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--cache-blocks", type=int, default=1024)
+    ap.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=None,
+        help="attnkit's tokens per step (default: the server's, 512; 0: each prompt prefilled alone)",
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch threads of each server (default: torch's)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per request at most")
     ap.add_argument("--out", help=OUT_HELP)

@@ -172,3 +172,41 @@ def test_generate_keeps_what_it_measured_for_the_next_generation_of_that_batch_s
     attnkit.generate(model, [[1], [2]], 4)
     assert gen._THREADS[model][2] is not policy  # another batch size measures for itself
     assert torch.get_num_threads() == 2
+
+
+def test_follow_runs_at_the_chosen_count_untimed_and_gives_the_callers_back(two_threads):
+    policy = DecodeThreads("auto", clock=FakeClock({1: 1.0, 2: 3.0}))
+    with policy.follow():  # nothing chosen yet: the caller's count
+        assert torch.get_num_threads() == 2
+    run_steps(policy, 3)  # untimed first step, then one round: 1 thread is clearly faster
+    steps = policy._steps
+    with policy.follow():
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == 2 and policy._steps == steps  # not a step of the policy
+    with pytest.raises(RuntimeError, match="boom"):
+        with DecodeThreads(1).follow():
+            assert torch.get_num_threads() == 1
+            raise RuntimeError("boom")
+    assert torch.get_num_threads() == 2
+    with DecodeThreads(None).follow():
+        assert torch.get_num_threads() == 2
+
+
+@pytest.mark.parametrize("chunked", [None, 8], ids=["whole-prefill", "chunked-prefill"])
+def test_engine_prefills_at_the_decode_steps_count(two_threads, chunked):
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny")).eval()
+    ref = attnkit.generate(model, [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13]], 6, decode_threads=None)
+    seen = []
+    hook = model.register_forward_pre_hook(lambda m, a: seen.append((a[0].shape, torch.get_num_threads())))
+    try:
+        engine = attnkit.Engine(model, cache_blocks=16, block_size=4, max_batch=2, decode_threads=1,
+                                max_batched_tokens=chunked)
+        rids = [engine.add([1, 2, 3], 6), engine.add([4, 5, 6, 7, 8, 9, 10, 11, 12, 13], 6)]
+        done = engine.run()
+        assert [done[r] for r in rids] == ref
+        assert any(shape[-1] > 1 for shape, _ in seen)  # forwards with prompt tokens ran ...
+        assert {n for _, n in seen} == {1}  # ... at the count the decode steps use, like the decode steps
+        assert torch.get_num_threads() == 2
+    finally:
+        hook.remove()

@@ -168,6 +168,27 @@ class DecodeThreads:
         self._since = self._slow = 0
 
     @contextlib.contextmanager
+    def follow(self):
+        """Runs a step that is not a decode step (a prefill, a step with prompt chunks: its time says nothing
+        of the decode steps') at the count the decode steps run at now, untimed; torch's count is the caller's
+        again afterwards.  Before the policy has chosen (and with None), torch's count is left alone."""
+        caller = torch.get_num_threads()
+        if self.threads is None:
+            n = caller
+        elif self.threads != "auto":
+            n = int(self.threads)
+        else:
+            n = self._chosen if self._base == caller and self._chosen is not None else caller
+        if n == caller:
+            yield
+            return
+        torch.set_num_threads(n)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(caller)
+
+    @contextlib.contextmanager
     def step(self):
         """Runs one decode step (the block) at the chosen thread count, timing it; torch's count is the
         caller's again afterwards."""

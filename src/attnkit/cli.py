@@ -632,8 +632,9 @@ def _cmd_serve(args) -> int:
         torch.set_num_threads(args.threads)
     try:
         served = load_model_dir(args.model_dir, name=args.name, dtype=args.dtype, device=args.device)
+        batched = "auto" if args.max_batched_tokens is None else args.max_batched_tokens or None
         run_server(served, host=args.host, port=args.port, cache_blocks=args.cache_blocks,
-                   block_size=args.block_size, max_batch=args.max_batch, max_batched_tokens=args.max_batched_tokens,
+                   block_size=args.block_size, max_batch=args.max_batch, max_batched_tokens=batched,
                    max_waiting=args.max_waiting, log_level=args.log_level,
                    announce=lambda line: print(line, flush=True))
     except ValueError as e:
@@ -808,8 +809,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--cache-blocks", type=_positive, default=512, help="KV blocks in the pool (default 512)")
     sv.add_argument("--block-size", type=_positive, default=16, help="positions per KV block (default 16)")
     sv.add_argument("--max-batch", type=_positive, default=16, help="most requests decoded together (default 16)")
-    sv.add_argument("--max-batched-tokens", type=_positive, default=None,
-                    help="chunked prefill: the most tokens in one step (default: off, each prompt prefilled alone)")
+    sv.add_argument("--max-batched-tokens", type=_nonnegative, default=None,
+                    help="the most tokens in one step: a decode token of every running request, then chunks of "
+                         "the prompts admitted, in one forward (default 512, or --max-batch if larger; 0: each "
+                         "prompt prefilled alone before the decode step)")
     sv.add_argument("--max-waiting", type=_nonnegative, default=256,
                     help="most requests waiting for a slot; more are answered 503 (default 256)")
     sv.add_argument("--threads", type=_positive, default=None, help="torch threads (default: torch's)")

@@ -321,3 +321,21 @@ def test_max_tokens_defaults_to_what_the_context_and_pool_hold(start, served):
     ).json()
     assert reply["usage"]["completion_tokens"] == 32 - reply["usage"]["prompt_tokens"]
     assert reply["choices"][0]["finish_reason"] == "length"
+
+
+def test_the_server_packs_prompts_into_steps_by_default(start, served):
+    import torch
+
+    from attnkit.serve.app import DEFAULT_MAX_BATCHED_TOKENS, _auto_batched_tokens
+
+    assert start().engine.engine.max_batched_tokens == DEFAULT_MAX_BATCHED_TOKENS
+    assert start(max_batched_tokens=None).engine.engine.max_batched_tokens is None  # each prompt alone
+    assert _auto_batched_tokens(served.model, 600) == 600  # one decode token of each of 600 requests fits
+
+    class LengthDependentRope(torch.nn.Module):
+        length_dependent = True
+
+    # LongRoPE, dynamic NTK: the Engine refuses chunks of a prompt, so each prompt is prefilled alone
+    assert _auto_batched_tokens(torch.nn.Sequential(LengthDependentRope()), 16) is None
+    with pytest.raises(ValueError, match="max_batched_tokens='many' must be an int"):
+        start(max_batched_tokens="many")

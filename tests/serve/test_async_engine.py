@@ -189,3 +189,34 @@ def test_engine_must_be_an_engine(model):
         AsyncEngine(model)
     with pytest.raises(ValueError, match="max_waiting"):
         AsyncEngine(_engine(model), max_waiting=-1)
+
+
+def test_one_wakeup_of_the_loop_per_step_for_all_its_streams(model):
+    prompts = _prompts(4, seed=5)
+
+    async def main(engine):
+        loop = asyncio.get_running_loop()
+        wakeups = []
+        real = loop.call_soon_threadsafe
+
+        def counting(callback, *args, **kw):
+            if threading.current_thread().name == "attnkit-engine":
+                wakeups.append(callback)
+            return real(callback, *args, **kw)
+
+        loop.call_soon_threadsafe = counting
+        try:
+            streams = [await engine.asubmit(p, 6) for p in prompts]
+            for s in streams:
+                async for _ in s:
+                    pass
+        finally:
+            del loop.call_soon_threadsafe
+        return streams, wakeups
+
+    with AsyncEngine(_slow(_engine(model, max_batch=4))) as engine:
+        streams, wakeups = asyncio.run(main(engine))
+        steps = engine.engine.stats["steps"]
+    assert [s.tokens for s in streams] == [attnkit.generate(model, [p], 6)[0] for p in prompts]
+    deliveries = [cb for cb in wakeups if getattr(cb, "__name__", "") in ("set", "_set_all")]
+    assert steps >= 6 and len(deliveries) <= steps  # 4 streams got a token at most steps, woken together

@@ -60,3 +60,65 @@ def test_metrics_count_what_was_served(start, served):
     assert lines["attnkit_inter_token_latency_seconds_count"] == "8"
     assert lines['attnkit_inter_token_latency_seconds_bucket{le="+Inf"}'] == "8"
     assert lines["attnkit_kv_blocks_used"] == "0" and lines["attnkit_kv_blocks_total"] == "96"
+
+
+@pytest.fixture(scope="module")
+def byte_tok():
+    """A tiny byte-level BPE tokenizer trained here: characters of several bytes come in several tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=280, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<eos>"]
+    )
+    tk.train_from_iterator(["hello world, the words of the world"] * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>")
+
+
+class _CountingTokenizer:
+    """Wraps a tokenizer and records how many tokens each decode call reads."""
+
+    def __init__(self, tok):
+        self.tok, self.lengths = tok, []
+
+    def decode(self, ids, **kw):
+        self.lengths.append(len(ids))
+        return self.tok.decode(ids, **kw)
+
+
+@pytest.mark.parametrize("stops", [[], ["ö w"], ["中文 x"]])
+def test_streamed_text_equals_decoding_it_whole_with_split_characters(byte_tok, stops):
+    text = "héllo wörld 中文 the world, ünïcode 日本語 and words " * 3
+    ids = byte_tok(text, add_special_tokens=False).input_ids
+    ids = ids[:20] + [byte_tok.eos_token_id] + ids[20:]  # a special token inside: not text
+    whole = byte_tok.decode(ids, skip_special_tokens=True)
+    assert "\ufffd" not in whole and any(
+        len(byte_tok.decode([i])) == 1 and "\ufffd" in byte_tok.decode([i]) for i in ids
+    )
+    t = _Text(byte_tok, stops)
+    pieces, hit = [], False
+    for i in ids:
+        piece, hit = t.feed([i], final=False)
+        pieces.append(piece)
+        if hit:
+            break
+    if not hit:
+        pieces.append(t.feed([], final=True)[0])
+    cut = min([whole.find(s) for s in stops if s in whole], default=len(whole))
+    assert "".join(pieces) == t.text == whole[:cut]
+    assert hit == (cut < len(whole))
+    assert not any("\ufffd" in p for p in pieces)  # a character's bytes wait for each other
+
+
+def test_each_token_is_decoded_with_a_few_neighbours_not_the_whole_text(byte_tok):
+    counting = _CountingTokenizer(byte_tok)
+    ids = byte_tok("héllo wörld 中文 the world " * 20, add_special_tokens=False).input_ids
+    t = _Text(counting, ["zzz"])
+    for i in ids:
+        t.feed([i], final=False)
+    t.feed([], final=True)
+    assert len(ids) > 150 and t.text == byte_tok.decode(ids)
+    assert max(counting.lengths) <= 8  # decoding the whole text each time would read up to len(ids) tokens

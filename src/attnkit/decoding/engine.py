@@ -21,6 +21,7 @@ drops every cached prefix, since those were computed with the old weights.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -151,7 +152,8 @@ class Engine:
             as they are.
         decode_threads: torch's thread count for the plain decode steps on CPU, as in :func:`attnkit.generate`
             (``"auto"``: the fastest of the caller's count, one fewer and one, measured on the steps and
-            re-checked; the caller's count is set back after each step).
+            re-checked; the caller's count is set back after each step).  Steps with prompt tokens (prefills,
+            chunked steps) run at the count the decode steps chose, untimed.
         max_batched_tokens: chunked prefill.  None (the default): each admitted prompt is prefilled alone in
             its step, before the batched decode.  An int ``N >= max_batch``: each step is one forward of at most
             ``N`` tokens over the pool (:meth:`attnkit.cache.PagedCache.packed`: queries of different lengths
@@ -512,13 +514,19 @@ class Engine:
             if self.max_batched_tokens is not None:
                 self._step_chunked(events)
             else:
-                with reading(self._copies if self.max_batch > 3 else None):  # prefills of <= 64 tokens read them too
+                with reading(self._copies if self.max_batch > 3 else None), self._following():  # (<= 64 tokens)
                     self._admit(events)
                 self._decode(self._room_for_decode(lambda r: not r.fresh), events)
                 for r in self.running:
                     r.fresh = False
         self.stats["steps"] += 1
         return events
+
+    def _following(self):
+        """A step with prompt tokens runs at the thread count the decode steps chose, untimed (on a busy machine
+        the decode steps' measurements pick fewer threads than the caller's; a prefill at the caller's count
+        would then wait on a thread that shares its core)."""
+        return contextlib.nullcontext() if self._threads is None else self._threads.follow()
 
     def _decode(self, dec: list[_Request], events: list) -> None:
         """One token for each of ``dec`` (their blocks have room): one batched forward through their block
@@ -619,7 +627,7 @@ class Engine:
         self._track()
         packed = cache.packed([r.sid for r, _ in work], [len(t) for _, t in work])
         ids = torch.tensor([[t for _, toks in work for t in toks]], dtype=torch.long, device=cache.device)  # (1, T)
-        with reading(self._copies):  # (the copies laid out for up to 64 rows; larger products read the weights)
+        with reading(self._copies), self._following():  # (copies laid out for up to 64 rows; larger read the weights)
             logits = _rows_logits(self.model, ids, packed.last(), cache=packed, positions=packed.positions())
         done = []
         for i, (r, toks) in enumerate(work):

@@ -75,7 +75,9 @@ class RequestStream:
 
     # ------------------------------------------------------------------ the worker's side
 
-    def _put(self, delta: Delta) -> None:
+    def _put(self, delta: Delta, wakeups: dict | None = None) -> None:
+        """Queue ``delta`` for the reader.  A reader in an asyncio loop is woken through the loop: at once, or,
+        given ``wakeups`` (``{loop: [events]}``), by the caller, once per loop for all of a step's streams."""
         with self._cond:
             if self._closed:
                 return
@@ -86,10 +88,10 @@ class RequestStream:
             self._items.append(delta)
             self._cond.notify_all()
         if self._loop is not None:
-            try:
-                self._loop.call_soon_threadsafe(self._event.set)
-            except RuntimeError:  # the caller's loop is closed: nobody reads this stream any more
-                pass
+            if wakeups is not None:
+                wakeups.setdefault(self._loop, []).append(self._event)
+            else:
+                _wake_loops({self._loop: [self._event]})
 
     @property
     def done(self) -> bool:
@@ -137,6 +139,21 @@ class RequestStream:
     def __repr__(self) -> str:
         state = self.finish_reason or "running"
         return f"RequestStream(rid={self.rid}, {len(self.prompt)} prompt + {len(self.tokens)} tokens, {state})"
+
+
+def _set_all(events: list[asyncio.Event]) -> None:
+    for event in events:
+        event.set()
+
+
+def _wake_loops(wakeups: dict) -> None:
+    """Set each loop's events from inside that loop: one ``call_soon_threadsafe`` (one wakeup of the loop) per
+    loop, however many of its streams got something."""
+    for loop, events in wakeups.items():
+        try:
+            loop.call_soon_threadsafe(_set_all, events)
+        except RuntimeError:  # the caller's loop is closed: nobody reads these streams any more
+            pass
 
 
 class AsyncEngine:
@@ -319,11 +336,13 @@ class AsyncEngine:
         self._refresh()
 
     def _deliver(self, events: list[tuple[int, int]]) -> None:
+        """Hand one step's tokens to their streams: one delta per stream, and one wakeup per asyncio loop."""
         engine = self.engine
         now = time.perf_counter()
         new: dict[int, list[int]] = {}
         for rid, tok in events:
             new.setdefault(rid, []).append(tok)
+        wakeups: dict = {}
         for rid, toks in new.items():
             stream = self._live.get(rid)
             if stream is None:
@@ -341,18 +360,27 @@ class AsyncEngine:
             if rid in engine.results:
                 out = engine.take(rid)
                 stopped = len(out) < stream.max_new_tokens or (out and out[-1] in stream.eos_ids)
-                self._finish(rid, stream, "stop" if stopped else "length", tokens=toks, logprobs=lps)
+                self._finish(rid, stream, "stop" if stopped else "length", tokens=toks, logprobs=lps, wakeups=wakeups)
             else:
-                stream._put(Delta(toks, lps))
+                stream._put(Delta(toks, lps), wakeups)
+        _wake_loops(wakeups)
 
     def _finish(
-        self, rid: int, stream: RequestStream, reason: str, *, tokens=(), logprobs=(), error: str | None = None
+        self,
+        rid: int,
+        stream: RequestStream,
+        reason: str,
+        *,
+        tokens=(),
+        logprobs=(),
+        error: str | None = None,
+        wakeups: dict | None = None,
     ) -> None:
         self._live.pop(rid, None)
         with self._lock:
             self.finished[reason] = self.finished.get(reason, 0) + 1
         self.metrics.request_finished(reason)
-        stream._put(Delta(list(tokens), list(logprobs), reason, error))
+        stream._put(Delta(list(tokens), list(logprobs), reason, error), wakeups)
 
     def _refresh(self, added: bool = False) -> None:
         engine = self.engine

@@ -52,6 +52,10 @@ __all__ = ["build_app", "start_server", "run_server", "RunningServer"]
 
 log = logging.getLogger("attnkit.serve")
 
+# each engine step is one forward of at most this many tokens: a decode token of every running request, then
+# chunks of the prompts admitted (so prompts arriving together are prefilled together, beside the decodes)
+DEFAULT_MAX_BATCHED_TOKENS = 512
+
 
 # ------------------------------------------------------------------------------ the model's side
 
@@ -84,37 +88,59 @@ class _Context:
 
 
 class _Text:
-    """A choice's text as its tokens come: decoded in full each time (so multi-token characters come out whole),
-    cut at the first stop string, and held back while its end could still begin a stop string."""
+    """A choice's text as its tokens come, cut at the first stop string and held back while its end could still
+    begin one.
+
+    Decoding is incremental: each call decodes only the last few tokens, twice (those already read, and those
+    plus the new ones, from the same first token, so a tokenizer that treats a text's first token differently
+    treats both alike), and gives out the difference; tokens that end inside a character (``\ufffd``) wait for
+    the rest of its bytes.  Each token costs the same however long the text is, where decoding the whole text
+    each time would cost its length.  ``text`` is what was given out."""
 
     def __init__(self, tokenizer, stops: list[str]):
         self.tokenizer, self.stops = tokenizer, stops
         self.tokens: list[int] = []
-        self.sent = 0  # characters given out so far
-        self.text = ""
+        self.text = ""  # the text given out so far
+        self._held = ""  # decoded text not given out yet: its end could begin a stop string
+        self._prefix = 0  # tokens[_prefix:_read] are the context of the next decode ...
+        self._read = 0  # ... and tokens[:_read] are decoded
+        self._reach = max((len(s) for s in stops), default=1) - 1  # how far back into `text` a stop may start
+
+    def _decoded(self, final: bool) -> str:
+        """The text of the tokens not decoded yet (empty while they end inside a character, unless final)."""
+        toks = self.tokens
+        if self._read == len(toks):
+            return ""
+        before = self.tokenizer.decode(toks[self._prefix : self._read], skip_special_tokens=True)
+        after = self.tokenizer.decode(toks[self._prefix :], skip_special_tokens=True)
+        if not final and (len(after) <= len(before) or after.endswith("\ufffd")):
+            return ""  # nothing new yet, or an incomplete character: wait for its other bytes
+        self._prefix, self._read = self._read, len(toks)
+        return after[len(before) :]
 
     def feed(self, tokens: list[int], final: bool) -> tuple[str, bool]:
         """The new text after ``tokens``, and whether a stop string ended it."""
         self.tokens += tokens
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        self._held += self._decoded(final)
+        look = max(0, len(self.text) - self._reach)
+        window = self.text[look:] + self._held  # (a stop string may begin in text given out already)
+        start = len(self.text) - look  # where the held text begins in the window
+        hits = [i for i in (window.find(s) for s in self.stops) if i >= 0]
         if hits:
-            end = max(min(hits), self.sent)
-            out, self.sent = text[self.sent : end], end
-            self.text = text[:end]
+            end = max(min(hits), start)
+            out, self._held = window[start:end], ""
+            self.text += out
             return out, True
-        end = len(text)
+        end = len(window)
         if not final:
-            if text.endswith("\ufffd"):  # an incomplete character: wait for its other bytes
-                end = self.sent
             for s in self.stops:  # the longest tail that starts a stop string waits
-                for k in range(min(len(s) - 1, len(text)), 0, -1):
-                    if text.endswith(s[:k]):
-                        end = min(end, len(text) - k)
+                for k in range(min(len(s) - 1, len(window)), 0, -1):
+                    if window.endswith(s[:k]):
+                        end = min(end, len(window) - k)
                         break
-        end = max(end, self.sent)
-        out, self.sent = text[self.sent : end], end
-        self.text = text[:end]
+        end = max(end, start)
+        out, self._held = window[start:end], window[end:]
+        self.text += out
         return out, False
 
 
@@ -441,17 +467,34 @@ def _engine_for(
     cache_blocks: int,
     block_size: int,
     max_batch: int,
-    max_batched_tokens: int | None,
+    max_batched_tokens: int | str | None,
     max_waiting: int | None,
 ) -> AsyncEngine:
+    if isinstance(max_batched_tokens, str):
+        if max_batched_tokens != "auto":
+            raise ValueError(
+                f"max_batched_tokens={max_batched_tokens!r} must be an int >= max_batch, 'auto' or None (each prompt "
+                f"prefilled alone)"
+            )
+        batched = _auto_batched_tokens(served.model, max_batch)
+    else:
+        batched = max_batched_tokens
     engine = Engine(
         served.model,
         cache_blocks=cache_blocks,
         block_size=block_size,
         max_batch=max_batch,
-        max_batched_tokens=max_batched_tokens,
+        max_batched_tokens=batched,
     )
     return AsyncEngine(engine, max_waiting=max_waiting)
+
+
+def _auto_batched_tokens(model, max_batch: int) -> int | None:
+    """``DEFAULT_MAX_BATCHED_TOKENS`` (``max_batch`` if larger), or None for a model whose rope scaling follows
+    each sequence's length (LongRoPE, dynamic NTK), which the Engine does not prefill in chunks."""
+    if any(getattr(m, "length_dependent", False) is True for m in model.modules()):
+        return None
+    return max(DEFAULT_MAX_BATCHED_TOKENS, max_batch)
 
 
 class _Server(uvicorn.Server):
@@ -533,13 +576,17 @@ def start_server(
     cache_blocks: int = 256,
     block_size: int = 16,
     max_batch: int = 16,
-    max_batched_tokens: int | None = None,
+    max_batched_tokens: int | str | None = "auto",
     max_waiting: int | None = 256,
     log_level: str = "warning",
     graceful_s: float = 5.0,
 ) -> RunningServer:
     """Serve ``served`` from a background thread (``port=0``: a free port; see ``server.url``) until
-    ``server.stop()``.  The Engine arguments are :class:`attnkit.decoding.Engine`'s; ``max_waiting`` bounds the queue."""
+    ``server.stop()``.  The Engine arguments are :class:`attnkit.decoding.Engine`'s; ``max_batched_tokens`` (at least
+    ``max_batch``) is the most tokens of one step, a decode token of every running request and chunks of the
+    prompts admitted in one forward ("auto": ``DEFAULT_MAX_BATCHED_TOKENS`` or ``max_batch`` if larger, None for
+    a model whose rope follows each sequence's length; None: each prompt prefilled alone before the decode
+    step); ``max_waiting`` bounds the queue."""
     engine = _engine_for(
         served,
         cache_blocks=cache_blocks,
@@ -559,7 +606,7 @@ def run_server(
     cache_blocks: int = 256,
     block_size: int = 16,
     max_batch: int = 16,
-    max_batched_tokens: int | None = None,
+    max_batched_tokens: int | str | None = "auto",
     max_waiting: int | None = 256,
     log_level: str = "info",
     graceful_s: float = 5.0,
