@@ -13,7 +13,8 @@
 * Configuration objects: :class:`AttentionConfig` (a :class:`MultiHeadAttention`) and :class:`BlockConfig` (a
   :class:`TransformerBlock`), which ``from_config`` builds from; a :class:`DecoderConfig` makes them once for its
   layers (:meth:`DecoderConfig.block_config`).
-* Layers: :class:`Linear` (CPU decoding kernels picked by weight layout and batch), :class:`RMSNorm`, :class:`FeedForward`.
+* Layers: :class:`Linear` (CPU decoding kernels picked by weight layout and batch, and for 1-3 rows by timing
+  them on this machine: :func:`decode_products`), :class:`RMSNorm`, :class:`FeedForward`.
 * Generated training tasks: :mod:`attnkit.nn.tasks` (copying, associative recall).
 
 Every attention score in this package is computed by one method, ``_attend`` (see
@@ -34,6 +35,7 @@ from .axial import AxialAttention
 from .blocks import BlockConfig, Decoder, Encoder, TransformerBlock, default_d_ff
 from .dsa import DeepSeekSparseAttention, IndexerConfig, LightningIndexer, indexer_loss, selected_attention, top_k_keys
 from .latent import LatentAttention
+from ._products import decode_products
 from .layers import FeedForward, Linear, RMSNorm, linear, to_decode_layout
 from .moba import MoBAAttention
 from .nsa import NSAAttention
@@ -73,6 +75,7 @@ __all__ = [
     "RMSNorm",
     "FeedForward",
     "to_decode_layout",
+    "decode_products",
     "default_d_ff",
     "tasks",
 ]
