@@ -105,6 +105,9 @@ class Int8Linear(nn.Module):
         True
     """
 
+    weight_int8: Tensor  # (buffers, registered in __init__)
+    scale: Tensor
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  compute_dtype: torch.dtype = torch.bfloat16, activations: str = "float", device=None):
         super().__init__()
@@ -118,7 +121,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", torch.ones(out_features, dtype=torch.float32, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None
         self._fast: bool | None = None
-        self._scale_c: Tensor | None = None
+        self._scale_c: tuple | None = None  # (key, the scales in compute_dtype)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, compute_dtype: torch.dtype = torch.bfloat16,
@@ -250,6 +253,10 @@ class Int4Linear(nn.Module):
         >>> bool((q(x) - lin(x)).abs().max() < 0.3)
         True
     """
+
+    weight_int4: Tensor  # (buffers, registered in __init__)
+    scale: Tensor
+    zero: Tensor
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group_size: int = 32,
                  device=None):

@@ -62,12 +62,12 @@ class ProductChoice(NamedTuple):
 
     def __str__(self) -> str:
         rows = "1 row" if self.rows == 1 else "2-3 rows"
-        speeds = ", ".join(f"{k} {self.gbps(k):.1f} GB/s" for k in sorted(self.seconds, key=self.seconds.get))
+        speeds = ", ".join(f"{k} {self.gbps(k):.1f} GB/s" for k in sorted(self.seconds, key=lambda k: self.seconds[k]))
         why = (
             "the fastest"
             if self.kernel != "linear"
             else "the fastest"
-            if min(self.seconds, key=self.seconds.get) == "linear"
+            if min(self.seconds, key=lambda k: self.seconds[k]) == "linear"
             else f"no other kernel was {MARGIN:.0%} faster"
         )
         return (
@@ -118,7 +118,7 @@ def _measure(
         if r >= 2 and _clock() - start > BUDGET:
             break
     seconds = {k: statistics.median(t) for k, t in times.items()}
-    best = min(seconds, key=seconds.get)
+    best = min(seconds, key=lambda k: seconds[k])
     kernel = best if seconds[best] * (1 + MARGIN) <= seconds["linear"] else "linear"
     return ProductChoice(rows, out_features, in_features, threads, kernel, seconds)
 
