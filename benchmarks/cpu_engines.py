@@ -82,10 +82,10 @@ def build_model(folder: Path, size: str, seed: int = 0) -> None:
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # a larger spread than the 0.02 init: logits with clear maxima (greedy is defined)
-        for p in model.parameters():
+    with torch.no_grad():  # a larger spread than the 0.02 init, and an output head whose logits have clear
+        for name, p in model.named_parameters():  # maxima (std ~3): greedy tokens and perplexity mean something
             if p.dim() == 2:
-                p.normal_(0.0, 0.5 / math.sqrt(p.shape[1]))
+                p.normal_(0.0, (3.0 if name == "lm_head.weight" else 0.5) / math.sqrt(p.shape[1]))
     model.save_pretrained(folder, safe_serialization=True)
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, VOCAB)}}
     tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
