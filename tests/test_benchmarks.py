@@ -1,5 +1,6 @@
 """The benchmark scripts keep running as the library changes (nothing here times anything)."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -170,3 +171,45 @@ def test_generate_read_bandwidth_covers_every_decode_thread_count_with_its_sprea
         assert generate.decode_thread_count(model, 1) in (1, 2)
     finally:
         torch.set_num_threads(before)
+
+
+def test_cpu_engines_without_llama_cpp_or_ctranslate2_says_how_to_install_and_runs_the_rest(tmp_path, monkeypatch,
+                                                                                              capsys):
+    """The engine processes are replaced by canned answers (nothing is built or timed): a missing engine is
+    an install hint, the others fill the table, with agreement against HF float32's tokens."""
+    bench = _load("cpu_engines")
+    monkeypatch.setattr(bench, "build_model", lambda folder, size: None)
+    monkeypatch.setattr(bench, "has", lambda python, module: False)
+    seen = []
+
+    def spawn(python, spec, timeout):
+        seen.append((spec["engine"], spec["mode"], [b["reference"] is not None for b in spec["batches"]]))
+        tokens = [[5, 6, 7] if spec["mode"] != "int4" else [5, 6, 9] for _ in range(2)]
+        return {"results": [{"prefill_s": 0.5, "total_s": 1.5, "tokens": tokens[:len(b["prompts"])]}
+                            for b in spec["batches"]]}
+
+    monkeypatch.setattr(bench, "spawn", spawn)
+    out = tmp_path / "r.json"
+    assert bench.main(["--batches", "1", "2", "--prompt", "4", "--new", "3", "--work", str(tmp_path),
+                       "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "pip install ctranslate2" in text and "llama-cpp-python is not installed" in text
+    assert [e[:2] for e in seen] == [("hf", "float32"), ("attnkit", "float32"), ("attnkit", "int8"),
+                                     ("attnkit", "int8 act"), ("attnkit", "int4")]
+    assert seen[0][2] == [False, False] and seen[1][2] == [True, True]  # HF's tokens are the reference
+    rows = json.loads(out.read_text())["rows"]
+    int4 = [r for r in rows if r["mode"] == "int4"]
+    assert [r["agree"] for r in int4] == [2 / 3, 2 / 3] and rows[0]["decode_tok_s"] == 2.0  # 1 x 2 tokens / 1 s
+    assert "batch 2" in text and "1.00x" in text
+
+
+def test_cpu_engines_agreement_and_safetensors_reader(tmp_path):
+    bench = _load("cpu_engines")
+    assert bench.agreement([[1, 2, 3], [4, 5, 6]], [[1, 2, 0], [4, 0, 6]]) == 4 / 6
+    import torch
+    from safetensors.torch import save_file
+
+    t = {"a": torch.randn(3, 4), "b": torch.arange(5, dtype=torch.float32)}
+    save_file(t, tmp_path / "m.safetensors")
+    got = bench._safetensors(tmp_path / "m.safetensors")
+    assert set(got) == {"a", "b"} and all(torch.equal(torch.from_numpy(got[k].copy()), t[k]) for k in t)

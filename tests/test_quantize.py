@@ -15,7 +15,7 @@ import attnkit
 from attnkit import masks
 from attnkit.cache import QuantizedCache
 from attnkit.nn import DecoderConfig, DecoderLM
-from attnkit.quantization import BF16Linear, Int8Linear, weight_bytes
+from attnkit.quantization import BF16Linear, Int4Linear, Int8Linear, weight_bytes
 
 V, P = 32, 16  # vocabulary, period of the task
 
@@ -253,3 +253,86 @@ def test_quantized_layers_keep_the_mode_and_frozen_biases_of_the_layers_they_rep
     assert m[0].bias.requires_grad and not m[2].bias.requires_grad
     training = torch.nn.Sequential(torch.nn.Linear(64, 64)).train()
     assert attnkit.quantize(training, dtype)[0].training
+
+
+@pytest.mark.parametrize("mode,agree,max_err", [("int4", 0.97, 2.0), ("int8 activations", 0.99, 1.0)])
+def test_int4_weights_and_int8_activations_keep_greedy_tokens(trained, mode, agree, max_err):
+    """The less exact modes against the float32 model (teacher-forced argmax, logit error, free-running greedy
+    tokens): int4 weights in groups of 32, and int8 weights with int8 activations and integer products."""
+    model, seq, full, greedy = trained
+    q = attnkit.quantize(copy.deepcopy(model), "int4") if mode == "int4" else attnkit.quantize(
+        copy.deepcopy(model), "int8", activations="int8")
+    kinds = {type(m) for m in q.modules()}
+    assert (Int4Linear if mode == "int4" else Int8Linear) in kinds and torch.nn.Linear not in kinds
+    with torch.no_grad():
+        logits = q(seq)
+    assert float((logits.argmax(-1) == full.argmax(-1)).float().mean()) >= agree
+    assert float((logits - full).abs().max()) < max_err
+    got = torch.tensor(attnkit.generate(q, seq[:, :32].tolist(), 256))
+    assert float((got == greedy).float().mean()) >= agree
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize("part", [(0, 40), (8, 24)])
+def test_int4_kernel_matches_its_dequantized_weight(rows, part):
+    """The packed int4 product (output features padded to 16) against float64 on the dequantized weight:
+    within twice bfloat16's own error; the weights within half a group step plus zero's rounding."""
+    torch.manual_seed(rows)
+    lin = torch.nn.Linear(64, 40)
+    q = Int4Linear.from_linear(lin)
+    g = lin.weight.detach().reshape(40, 2, 32)
+    step = ((g.amax(-1) - g.amin(-1)) / 15).repeat_interleave(32, dim=1)  # (40, 64)
+    slack = q.zero.abs().repeat_interleave(32, dim=1) * 2 ** -8
+    assert bool(((q.dequantized() - lin.weight).abs() <= step / 2 + slack + 1e-6).all())
+    x = torch.randn(rows, 64)
+    a, b = part
+    w, bias = q.dequantized()[a:b].double(), lin.bias[a:b].detach().double()
+    ref = torch.nn.functional.linear(x.double(), w, bias)
+    naive = (torch.nn.functional.linear(x.bfloat16(), w.bfloat16()).double() + bias - ref).abs().max().item()
+    with torch.no_grad():
+        got = q.forward_rows(x, a, b)
+    assert got.dtype == torch.float32 and got.shape == (rows, b - a)
+    assert (got.double() - ref).abs().max().item() <= 2 * naive + 1e-6
+    x.requires_grad_(True)  # with gradients: the dequantized product, differentiable in the input
+    q(x).sum().backward()
+    torch.testing.assert_close(x.grad, q.dequantized().sum(0).expand(rows, 64))
+    sd = {k: v.clone() for k, v in q.state_dict().items()}
+    sd["zero"] += 1.0  # a new offset, loaded in place: the packed copy is made again
+    q.load_state_dict(sd)
+    with torch.no_grad():
+        torch.testing.assert_close(q(x), (x @ q.dequantized().t() + lin.bias).detach(), atol=0.05, rtol=0.01)
+
+
+def test_int8_activations_error_is_bounded_by_the_activation_step():
+    """Integer products quantize the input per call (7-bit, one scale for all rows): each activation is off
+    by at most half that step, so row j of the output is off the float64 product of the int8 weight by at
+    most step / 2 * sum|W_j|."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 40)
+    q = Int8Linear.from_linear(lin, activations="int8")
+    for x in (torch.randn(1, 64), torch.randn(6, 64) * 3, torch.randn(2, 3, 64)):
+        w = q.dequantized().double()
+        ref = torch.nn.functional.linear(x.double(), w, lin.bias.double())
+        step = float(x.clamp(min=0).max() - x.clamp(max=0).min()) / 127
+        with torch.no_grad():
+            got = q(x)
+        bound = step / 2 * w.abs().sum(1) * 1.01 + 1e-4
+        assert got.shape == ref.shape and bool(((got.double() - ref).abs() <= bound).all())
+        part = q.forward_rows(x, 5, 21)
+        assert bool(((part.double() - ref[..., 5:21]).abs() <= bound[5:21]).all())
+    assert "activations='int8'" in repr(q)
+
+
+def test_int4_and_activation_argument_errors():
+    m = torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.Linear(8, 4))
+    with pytest.raises(ValueError, match="activations='int16' must be 'float'"):
+        attnkit.quantize(m, "int8", activations="int16")
+    with pytest.raises(ValueError, match="activations='int8' applies to dtype='int8' only"):
+        attnkit.quantize(m, "int4", activations="int8")
+    with pytest.raises(ValueError, match=r"group_size=48 must be one of \(32, 64, 128, 256\)"):
+        attnkit.quantize(m, "int4", group_size=48)
+    with pytest.raises(ValueError, match="group_size=32 must be one of .* and divide in_features=48"):
+        Int4Linear(48, 8)
+    attnkit.quantize(m, "int4")  # the 8-input layer stays float: no group of 32 divides it
+    assert isinstance(m[0], Int4Linear) and type(m[1]) is torch.nn.Linear
+    assert weight_bytes(m[0]) < 64 * 8 * 4 / 4  # 4 bits a weight, plus a scale and offset per 32

@@ -108,3 +108,71 @@ def test_linear_sends_only_decode_sized_products_to_onednn(monkeypatch):
             assert torch.allclose(layers.linear(x, w), x @ w.T, atol=1e-5)
     used = [s[0] for s in calls]
     assert layers._ONEDNN_ROWS in used and all(r <= layers._ONEDNN_ROWS for r in used)
+
+
+@pytest.mark.parametrize("kernel", ["linear", "columns", "onednn"])
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_each_measured_decode_kernel_matches_float64(monkeypatch, kernel, rows, with_bias):
+    """Whichever kernel the measurement picks for 1-3 rows, :func:`linear` computes the product (float64 oracle)."""
+    from attnkit.nn import _products
+    if kernel == "onednn" and not layers._onednn_linear_works():
+        pytest.skip("this PyTorch has no oneDNN linear")
+    g = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 40, generator=g), torch.randn(24, 40, generator=g)
+    b = torch.randn(24, generator=g) if with_bias else None
+    forced = _products.ProductChoice(_products._rows_class(rows), 24, 40, torch.get_num_threads(), kernel, {})
+    monkeypatch.setitem(_products._CHOICES, (forced.rows, 24, 40, torch.get_num_threads()), forced)
+    with torch.no_grad():
+        got = linear(x, w, b)
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    naive = (F.linear(x, w, b).double() - ref).abs().max().item()
+    assert got.shape == (rows, 24)
+    assert (got.double() - ref).abs().max().item() <= 2 * naive + 1e-6 + 1e-5 * ref.abs().max().item()
+
+
+def test_decode_kernel_is_measured_once_per_shape_and_thread_count_and_explained(monkeypatch):
+    """The first product of a shape measures it at every thread count a decode step may run at; later
+    products (any of 1 row, or 2-3 rows, separately) reuse the choice, which decode_products reports."""
+    from attnkit.nn import _products, decode_products
+    monkeypatch.setattr(_products, "_CHOICES", {})
+    measured = []
+    real = _products._measure
+    monkeypatch.setattr(_products, "_measure", lambda *a: measured.append(a[:4]) or real(*a))
+    w = torch.randn(20, 36)
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.no_grad():
+            for rows in (1, 1, 2, 3, 1):
+                linear(torch.randn(rows, 36), w)
+    finally:
+        torch.set_num_threads(old)
+    assert measured == [(1, 20, 36, 2), (1, 20, 36, 1), (2, 20, 36, 2), (2, 20, 36, 1)]
+    text = str(decode_products())
+    assert "1 row x (20, 36) at 2 threads" in text and "2-3 rows x (20, 36) at 1 thread:" in text
+    assert all(f"{k} " in text for k in ("linear", "columns")) and "GB/s" in text
+    assert torch.get_num_threads() == old
+
+
+def test_decode_kernel_choice_prefers_f_linear_and_ignores_a_slow_call(monkeypatch):
+    """A fake clock: each call takes its kernel's time, and one call of the fastest is slowed 100x (another
+    process took its core): the medians decide; F.linear stays unless another kernel is MARGIN faster."""
+    from attnkit.nn import _products
+    now = [0.0]
+    monkeypatch.setattr(_products, "_clock", lambda: now[0])
+
+    def choice(costs):
+        calls = []
+
+        def run(k, x, w, b):
+            calls.append(k)
+            now[0] += costs[k] * (100 if calls.count(k) == 3 else 1)  # (the 1st call, untimed, counts)
+
+        monkeypatch.setattr(_products, "run", run)
+        return _products._measure(1, 8, 8, 1, tuple(costs), torch.zeros(8, 8))
+
+    c = choice({"linear": 1.0, "columns": 0.5, "onednn": 0.8})
+    assert c.kernel == "columns" and c.seconds["columns"] == 0.5 and c.gbps("columns") == 4 * 64 / 0.5 / 1e9
+    assert choice({"linear": 1.0, "columns": 0.95, "onednn": 0.93}).kernel == "linear"  # within MARGIN
+    assert "no other kernel was 10% faster" in str(choice({"linear": 1.0, "columns": 0.95}))

@@ -15,7 +15,8 @@
 * Configuration objects: :class:`AttentionConfig` (a :class:`MultiHeadAttention`) and :class:`BlockConfig` (a
   :class:`TransformerBlock`), which the modules are built from (``MultiHeadAttention(config)``); a
   :class:`DecoderConfig` makes them once for its layers (:meth:`DecoderConfig.block_config`).
-* Layers: :class:`Linear` (CPU decoding kernels picked by weight layout and batch), :class:`RMSNorm`, :class:`FeedForward`.
+* Layers: :class:`Linear` (CPU decoding kernels picked by weight layout and batch, and for 1-3 rows by timing
+  them on this machine: :func:`decode_products`), :class:`RMSNorm`, :class:`FeedForward`.
 * Generated training tasks: :mod:`attnkit.nn.tasks` (copying, associative recall).
 
 Every attention score in this package is computed by one private method per module, which calls
@@ -41,6 +42,7 @@ from .axial import AxialAttention
 from .blocks import BlockConfig, Decoder, Encoder, TransformerBlock, default_d_ff
 from .dsa import DeepSeekSparseAttention, IndexerConfig, LightningIndexer, indexer_loss, selected_attention, top_k_keys
 from .latent import LatentAttention, LatentConfig
+from ._products import decode_products
 from .layers import FeedForward, Linear, RMSNorm, linear, to_decode_layout
 from .moba import MoBAAttention
 from .nsa import NSAAttention
@@ -99,6 +101,7 @@ __all__ = [
     "RMSNorm",
     "FeedForward",
     "to_decode_layout",
+    "decode_products",
     "default_d_ff",
     "tasks",
 ]

@@ -6,9 +6,11 @@ stream a weight depends on its memory layout and on the number of rows a step fe
 picks the kernel from the layout and the row count, for float32 CPU products that need no gradient
 (decoding, prefill, evaluation):
 
-* 1 to 3 rows and a row-major weight: ``weight @ x.T`` through MKL, with a single row padded to two
-  (MKL's two-column product streams the weight with every thread, ~1.8x faster than oneDNN at one row and
-  ~1.4x at two on the 2-core machine of ``benchmarks/generate.py``; one row alone takes a slower path);
+* 1 to 3 rows and a row-major weight: the kernel measured fastest on this machine for the product's shape
+  and thread count (``F.linear``, MKL's two-column product with one row padded to two, or oneDNN's linear),
+  chosen once per process (``attnkit.nn._products``; :func:`attnkit.nn.decode_products` says what was
+  chosen and why).  No one kernel wins everywhere: MKL's two-column product was ~1.8x faster than oneDNN on an
+  Intel CPU and 2.5x slower than ``F.linear`` on an AMD Zen 3, where MKL takes its generic path;
 * more rows up to 64, or a column-major weight (memory ``(in, out)``), or a weight in oneDNN's own blocked
   layout: oneDNN's linear kernel, which uses every thread where ``F.linear`` (MKL) uses one for a
   matrix-vector product.  From 4 rows up it streams a column-major weight 1.25-1.35x faster than a
@@ -43,7 +45,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import _checks
+from . import _checks, _products
 
 Tensor = torch.Tensor
 
@@ -124,11 +126,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
             if weight.is_mkldnn:  # a blocked copy (_DecodeCopies, 4-64 rows)
                 return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
             if 1 <= rows <= _MKL_ROWS and weight.dim() == 2 and weight.stride(1) == 1 and weight.stride(0) == k:
-                x2 = x.reshape(rows, k)
-                if rows == 1:
-                    x2 = torch.cat([x2, x2])  # MKL streams (out, in) @ (in, 2) with every thread, (in, 1) with one
-                y = torch.mm(weight, x2.t()).t()[:rows]  # (rows, out), a view of (out, 2 or 3)
-                y = y + bias if bias is not None else y.contiguous()
+                # the kernel this machine streams a row-major weight fastest with, measured once (_products)
+                kernel = _products.choose(rows, weight.shape[0], k, _onednn_linear_works())
+                y = _products.run(kernel, x.reshape(rows, k), weight, bias)  # (rows, out)
                 return y.view(*x.shape[:-1], weight.shape[0])
             if (rows > 1 or torch.get_num_threads() > 1) and rows <= _ONEDNN_ROWS and _onednn_linear_works():
                 return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
