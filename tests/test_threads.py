@@ -200,8 +200,9 @@ def test_engine_prefills_at_the_decode_steps_count(two_threads, chunked):
     seen = []
     hook = model.register_forward_pre_hook(lambda m, a: seen.append((a[0].shape, torch.get_num_threads())))
     try:
-        engine = attnkit.Engine(model, cache_blocks=16, block_size=4, max_batch=2, decode_threads=1,
-                                max_batched_tokens=chunked)
+        engine = attnkit.Engine(
+            model, cache_blocks=16, block_size=4, max_batch=2, decode_threads=1, max_batched_tokens=chunked
+        )
         rids = [engine.add([1, 2, 3], 6), engine.add([4, 5, 6, 7, 8, 9, 10, 11, 12, 13], 6)]
         done = engine.run()
         assert [done[r] for r in rids] == ref
