@@ -47,6 +47,9 @@ nitpick_ignore = [
     ("py:class", "starlette.applications.Starlette"),
     ("py:class", "attnkit.cache.sink.PagedSinkBatch"),
     ("py:class", "attnkit.cache.sink.PagedSinkPacked"),
+    # returned by attnkit.nn.decode_products(): printed or read through .choices, not exported
+    ("py:class", "DecodeProducts"),
+    ("py:class", "attnkit.nn._products.DecodeProducts"),
 ]
 
 # BENCHMARKS.md sits beside docs/, outside Sphinx's sources: the guides' links to it go to its copy as a page
