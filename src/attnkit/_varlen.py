@@ -142,7 +142,7 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     choice = _packed.choose(q, k, v, cu_q, cu_k, mask, bias, scale, softcap, dropout_p, backend, _select, sinks)
     if choice.batched:
         out, lse = varlen_attention(q, k, v, cu_q.tolist(), cu_k.tolist(), mask, choice.scale, softcap,
-                                           dropout_p, choice.segments, sinks)
+                                    dropout_p, choice.segments, sinks)
         return (out, lse) if return_lse else out
     kw: dict[str, Any] = dict(mask=mask, scale=scale, softcap=softcap, sinks=sinks, dropout_p=dropout_p,
                               return_lse=return_lse, backend=backend)

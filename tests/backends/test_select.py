@@ -9,6 +9,7 @@ import attnkit
 from attnkit.testing import check_against_oracle
 from attnkit import backends
 from attnkit import masks as M
+from attnkit.backends.call import make_call
 
 
 def test_maskless_calls_pick_sdpa_without_planning(monkeypatch):
@@ -96,3 +97,22 @@ def test_explain_names_the_attnkit_equivalent_of_sdpa_keywords():
     with pytest.raises(TypeError, match=r"explain\(\) takes no is_causal=True: pass mask=masks\.causal\(\)"):
         backends.explain(q, q, q, is_causal=True)
     assert backends.explain(q, q, q, mask=M.causal(), backend="math").startswith("uses 'math'")
+
+
+def test_select_and_explain_read_one_rule_list(monkeypatch):
+    """auto's policy is one ordered list (AUTO_RULES): without its 'nothing to skip' rule, select weighs the
+    costs for a maskless decode step, and explain says so instead of 'not weighed'."""
+    q, k = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 16, 8)
+    assert [r.name for r in backends.AUTO_RULES] == ["decode-sized CPU call", "dynamic length", "nothing to skip",
+                                                     "cheapest"]
+    before = backends.explain(q, k, k)
+    assert "not weighed: without mask or bias there is nothing to skip" in before
+    monkeypatch.setattr(backends, "AUTO_RULES", tuple(r for r in backends.AUTO_RULES if r.name != "nothing to skip"))
+    monkeypatch.setattr(backends, "_PICKS", {})  # (auto's memo of the decision just made)
+    after = backends.explain(q, k, k)
+    chosen = backends.select(make_call(q, k, k), "auto")
+    costs = {n: b.cost(make_call(q, k, k)) for n, b in backends._REGISTRY.items() if b.available()}
+    assert chosen.name == min(costs, key=costs.get)
+    assert "not weighed" not in after and f"{chosen.name:7s} takes it; estimated cost" in after
+    assert after.splitlines()[0].startswith(f"auto picks {chosen.name!r}")
+    assert after.splitlines()[-1] == before.splitlines()[-1]  # the traced rules are unchanged

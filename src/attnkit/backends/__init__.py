@@ -136,8 +136,9 @@ class Rule:
 
     name: str
     pick: Callable[[Call], "Backend | None"]  # the backend this rule gives the call, or None when it does not apply
-    why: Callable[[Call], str] | None = None  # why it decided, for explain (None: the costs, printed per backend)
-    traced: bool = False
+    why: Callable[[Call], str]  # why it decided, as explain says it
+    traced: bool = False  # applies only while torch.compile traces
+    weighs: bool = False  # decides by the backends' costs (explain prints each one's); else the others are not weighed
 
 
 def _traced_decode(call: Call) -> Backend | None:
@@ -199,8 +200,9 @@ def _splitkv_wins(call: Call) -> bool:
     return b is not None and b.check is _splitkv.check and _splitkv.wins(call)
 
 
-def _cheapest(call: Call) -> Backend:
-    best, best_cost = None, float("inf")
+def _cheapest(call: Call) -> Backend | None:
+    best: Backend | None = None
+    best_cost = float("inf")
     for b in _REGISTRY.values():
         if b.available() and b.check(call) is None:
             c = b.cost(call)
@@ -215,7 +217,7 @@ AUTO_RULES: tuple[Rule, ...] = (
     Rule("dynamic length", _traced_any_length, lambda call: "a dynamic length: the backend that serves any length",
          traced=True),
     Rule("nothing to skip", _nothing_to_skip, _why_nothing_to_skip),
-    Rule("cheapest", _cheapest),
+    Rule("cheapest", _cheapest, lambda call: "the cheapest estimate", weighs=True),
 )
 
 
@@ -229,13 +231,21 @@ def _decision(call: Call, traced: bool) -> tuple[Rule, Backend] | None:
     return None
 
 
+def _eager_decision(call: Call) -> tuple[Rule, Backend]:
+    """The eager rules' decision (the last rule, the cheapest estimate, always picks: math takes every call)."""
+    hit = _decision(call, traced=False)
+    if hit is None:
+        raise RuntimeError("attnkit.backends: no backend takes this call (math was unregistered?)")
+    return hit
+
+
 def select(call: Call, backend: str) -> Backend:
     """The backend that runs ``call``: the named one (if it takes the call) or auto's pick."""
     if torch.compiler.is_compiling() and not operators.deciding():
         if backend == "auto":
-            hit = _decision(call, traced=True)
-            if hit is not None:
-                return hit[1]
+            traced = _decision(call, traced=True)
+            if traced is not None:
+                return traced[1]
         elif _symbolic_sizes(call):
             return _checked(call, backend)  # (the checks run traced, on the symbolic sizes)
         # the eager decision, computed once while tracing from the call's constants and the mask's tensors
@@ -243,7 +253,7 @@ def select(call: Call, backend: str) -> Backend:
     if backend != "auto":
         return _checked(call, backend)
     if operators.deciding():
-        return _decision(call, traced=False)[1]  # (not memoised: the traced rules may differ from eager's)
+        return _eager_decision(call)[1]  # (not memoised: the traced rules may differ from eager's)
     key = _signature(call)
     hit = _PICKS.get(key)
     # weak references to the mask and bias tell a reused id from the same object without keeping
@@ -251,7 +261,7 @@ def select(call: Call, backend: str) -> Backend:
     if hit is not None and _alive(hit[0]) is call.mask and _alive(hit[1]) is call.bias \
             and _REGISTRY.get(hit[2].name) is hit[2]:
         return hit[2]
-    chosen = _decision(call, traced=False)[1]
+    chosen = _eager_decision(call)[1]
     with _PICKS_LOCK:  # (threads share the memo)
         while len(_PICKS) >= _PICKS_SIZE:
             _PICKS.pop(next(iter(_PICKS)))
@@ -379,9 +389,9 @@ def explain(q, k, v, **kwargs) -> str:
     if call.bias is not None:
         desc.append(f"bias {call.bias!r}" if not hasattr(call.bias, "shape") else f"bias {tuple(call.bias.shape)}")
     lines = [f"{'auto picks' if backend == 'auto' else 'uses'} {chosen.name!r} for {', '.join(desc)}"]
-    decided = _decision(call, traced=False) if backend == "auto" else None
-    # a rule that decides before the costs (why is not None): the other backends are not weighed
-    unweighed = decided[0] if decided is not None and decided[0].why is not None and decided[1] is chosen else None
+    decided = _eager_decision(call) if backend == "auto" else None
+    # a rule that decides before the costs: the other backends are not weighed
+    unweighed = decided[0] if decided is not None and not decided[0].weighs and decided[1] is chosen else None
     for name, b in _REGISTRY.items():
         if not b.available():
             lines.append(f"  {name:7s} not available on this machine")

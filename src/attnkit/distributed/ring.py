@@ -632,7 +632,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, sca
             raise ValueError(f"ring_attention: the mask and bias describe the full sequence, an L x L score "
                              f"matrix with L = {world} ranks x {n} local tokens = {L} (e.g. document ids for all "
                              f"L tokens): {e}") from None
-        if call.bias is not None:
+        if isinstance(call.bias, ScoreMod):  # (a tensor bias was refused above)
             _check_bias_constant(call.bias, q, q.shape[1], L)
         return call.mask, call.bias, call.scale, call.softcap
 

@@ -47,11 +47,14 @@ from .autograd import (CALL_OVERHEAD_FLOPS, EXPLICIT_FACTOR, FUSED_FACTOR, FUSED
                        _check_block, _forward_plan, _fusable, _run, _unreached_reason)
 
 # packed sequences as one batched call: what attnkit.attention_varlen and its choice (``backends.packed``) use
-from .ops import draw_seed  # noqa: F401
-from .varlen import OWN_TILES_MIN, segment_call  # noqa: F401
-from .varlen import attention as varlen_attention  # noqa: F401
-from .varlen import segments as varlen_segments  # noqa: F401
-from .varlen import settings as varlen_settings  # noqa: F401
+from . import varlen as _varlen
+from .ops import draw_seed as draw_seed
+from .varlen import OWN_TILES_MIN as OWN_TILES_MIN
+from .varlen import segment_call as segment_call
+
+varlen_attention = _varlen.attention
+varlen_segments = _varlen.segments
+varlen_settings = _varlen.settings
 
 Tensor = torch.Tensor
 

@@ -49,13 +49,14 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, mask_key: str, mask_tensors: 
     without the sinks (an empty tensor without sinks).  ``softcap=0`` means none; ``seed`` (int64, one
     element) is the dropout seed (None without dropout)."""
     from . import autograd as flash
+    from . import ops
 
     call = op_call(q, k, v, mask_key, mask_tensors, bias, mod_key, mod_tensors, sinks, scale, softcap, dropout_p)
     plan = flash._forward_plan(call)
     fused = flash._fusable(call, False)
     with torch.no_grad():
         work = flash._work(call, plan, fused, [], _seed(seed))
-        out, lse, bare = flash._finish(*flash.ops.forward(work), call)
+        out, lse, bare = flash._finish(*ops.forward(work), call)
     lse = lse.contiguous()
     bare = lse.new_empty(0) if bare is None else bare.contiguous()
     return out.contiguous(), lse, bare
