@@ -245,8 +245,8 @@ class MoBAAttention(_ContentSparse):
 
     Longer calls (training, a prefill) are routed as in the paper (:func:`attnkit.nn.moba.moba_attention`: each chosen block
     meets the queries that chose it); with a per-call mask, a bias,
-    sinks or ``routed = False`` they are one call under ``masks.selected_blocks(choice, block=(1, block)) &
-    mask``.  With a KV cache, a one-token decoding step gathers the chosen blocks' keys and values and attends
+    sinks, ``routed = False`` or under ``torch.compile`` (routing's sizes depend on the data; the mask keeps one
+    graph) they are one call under ``masks.selected_blocks(choice, block=(1, block)) & mask``.  With a KV cache, a one-token decoding step gathers the chosen blocks' keys and values and attends
     over them alone; a :class:`~attnkit.cache.StaticCache` keeps the block means (each computed once, from its
     block's keys, when the block completes), so the step reads no other cached key or value.  Caches that compute attention
     themselves (paged, quantized) are refused.
@@ -334,6 +334,7 @@ class MoBAAttention(_ContentSparse):
             return self._output(self._gathered(q, k, v, choice))
         if (
             self.routed
+            and not torch.compiler.is_compiling()  # routing's sizes depend on the data: one graph takes the mask
             and q.shape[2] > 1
             and bias is None
             and call_mask is None

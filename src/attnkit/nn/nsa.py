@@ -17,7 +17,7 @@ compression, its position embeddings and the gates are trained end to end; the c
 differentiable.  The window branch is an :func:`attnkit.attention` call under ``causal & sliding_window``;
 the selected branch is routed as MoBA's (:func:`attnkit.nn.moba.moba_attention`: each chosen block with the
 queries that chose it, in one batched call), or, with ``routed = False`` (or sinks,
-dropout), one call under ``masks.selected_blocks(...) & causal``.
+dropout, or under ``torch.compile``), one call under ``masks.selected_blocks(...) & causal``.
 """
 
 from __future__ import annotations
@@ -277,7 +277,13 @@ class NSAAttention(_ContentSparse):
             o_slc = self._attend(q, ks, vs, mask=valid[:, :, None], **att)
             lo = max(0, Lk - self.window)
             o_win = self._attend(q, k[:, :, lo:], v[:, :, lo:], mask=None, **att)
-        elif self.routed and self._plain_causal and self.sinks is None and dropout_p == 0:
+        elif (
+            self.routed
+            and not torch.compiler.is_compiling()
+            and self._plain_causal
+            and self.sinks is None
+            and not dropout_p
+        ):
             # the own block is the first choice (it scores highest): moba_attention takes it last
             own_last = torch.cat([choice[..., 1:], choice[..., :1]], dim=-1)
             o_slc = moba_attention(
