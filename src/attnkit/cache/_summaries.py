@@ -8,7 +8,7 @@ when the block's last key arrives, and hands out all of them without reading the
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Hashable
 
 import torch
 
@@ -27,7 +27,7 @@ class BlockSummaries:
     recomputes the blocks it lost.  Storage ``(B, H, capacity, D)`` per summarised tensor grows by doubling.
     """
 
-    def __init__(self, span: int, stride: int, key):
+    def __init__(self, span: int, stride: int, key: Hashable):
         self.span, self.stride, self.key = span, stride, key
         self.count = 0  # summaries computed (valid while the cache keeps their keys)
         self.buffers: tuple[Tensor, ...] = ()
@@ -38,7 +38,11 @@ class BlockSummaries:
         return 0 if kv_len < self.span else (kv_len - self.span) // self.stride + 1
 
     def update(
-        self, k: Tensor, v: Tensor | None, prev_len: int, summarise: Callable[[Tensor, Tensor | None], tuple]
+        self,
+        k: Tensor,
+        v: Tensor | None,
+        prev_len: int,
+        summarise: Callable[[Tensor, Tensor | None], tuple[Tensor, ...]],
     ) -> tuple[Tensor, ...]:
         """The summaries of every block complete in ``k (B, H, Lk, D)`` (and ``v``): a tuple of ``(B, H, n, D')``.
 
@@ -72,7 +76,9 @@ class BlockSummaries:
         return f"BlockSummaries({self.count} blocks of {self.span} every {self.stride}, {len(self.buffers)} tensors)"
 
 
-def summaries_of(cache, name: str, *, span: int, stride: int, key, layout: tuple) -> BlockSummaries | None:
+def summaries_of(
+    cache: object, name: str, *, span: int, stride: int, key: Hashable, layout: tuple[object, ...]
+) -> BlockSummaries | None:
     """The summaries ``name`` a layer cache keeps (created on first use), or None for a cache that keeps none
     (one without a ``summaries`` dict).  A different ``key`` or ``layout`` (batch, heads, dtype, device of the
     keys) starts them over."""

@@ -26,7 +26,7 @@ class StaticLayerCache:
         self.v: Tensor | None = None
         # per-block summaries of the keys an attention layer keeps beside them (MoBA's block means, NSA's
         # compressed keys), by name; each checks itself against the stored length (cache._summaries)
-        self.summaries: dict = {}
+        self.summaries: dict[str, object] = {}
 
     @torch.inference_mode(False)  # ordinary tensors: the cache may be written outside inference_mode later
     def _allocate(self, k: Tensor, v: Tensor) -> None:

@@ -205,7 +205,9 @@ class _ContentSparse(MultiHeadAttention):
         cache ``k``, ``v`` came from (it may keep per-block summaries, :mod:`attnkit.cache._summaries`)."""
         raise NotImplementedError
 
-    def _summaries(self, cache, name: str, k: Tensor, v: Tensor, q_len: int, span: int, stride: int, key, summarise):
+    def _summaries(
+        self, cache, name: str, k: Tensor, v: Tensor | None, q_len: int, span: int, stride: int, key, summarise
+    ):
         """The summaries of every complete block of ``k``, kept in ``cache`` (only the blocks completed by this
         call are computed, from their keys alone) or, with no cache that keeps them, computed from all of ``k``."""
         store = (
@@ -293,7 +295,8 @@ class MoBAAttention(_ContentSparse):
         return module
 
     def _set_selection(self, block: int, top_k: int) -> None:
-        self.block = _checks.positive_int("block", block)
+        _checks.positive_int("block", block)
+        self.block: int = block
         if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
             raise ValueError(
                 f"top_k={top_k!r} must be an int >= 0 (the earlier blocks each query chooses besides its own)"
