@@ -237,7 +237,7 @@ RECALL_MODELS = {
         "compress_block": 4,
         "compress_stride": 2,
         "select_block": 4,
-        "select_count": 3,
+        "select_count": 4,  # the own block, the one before and block 0 are forced: 4 leaves one to choose
         "window": 4,
     },
 }
