@@ -4,6 +4,11 @@ recall comparison.
 
 Sections (float32, one process, ratios measured interleaved; the thread count is printed, default 1):
 
+* density -- flash time under the selected-blocks mask / (density x dense flash time), block 64, top-k 8 per
+            block of 64 queries (random scores; with --causal-too also causal, the own block added), beside a
+            static block-sparse mask (``masks.random_blocks``) of the same density, forward and forward+backward
+            at L = 4096 / 8192 / 16384 (B=1, H=2, D=64);
+
 * moba   -- block 64, top-k 8 earlier blocks + the own block, causal, selection included, forward and
             forward+backward at L = 16384 / 32768 (B=1, H=2, D=64):
             ``moba/routed`` the paper's per-query choice, routed as the paper computes it
@@ -15,8 +20,9 @@ Sections (float32, one process, ratios measured interleaved; the thread count is
             ``sdpa``        ``scaled_dot_product_attention(is_causal=True)``.
 * nsa    -- one training step (forward, backward, AdamW) of a small DecoderLM at L = 16384 with NSA layers
             against the same model with full causal attention.
-* recall -- associative recall (attnkit.nn.tasks, the task of examples/distill_recall.py), 900 steps: full
-            attention, MoBA and NSA students from the same seed on the same batches.
+* recall -- associative recall (attnkit.nn.tasks, the task of examples/distill_recall.py), 600 steps (the
+            first third copying, then copying and recall on alternate steps): full attention, MoBA and NSA
+            students from the same seed on the same batches.
 
     python benchmarks/content_sparse.py --quick           # L = 2048 / 4096, a short recall run
     python benchmarks/content_sparse.py --only moba --lengths 16384
@@ -38,7 +44,7 @@ import attnkit
 from attnkit import masks
 from attnkit.nn import DecoderConfig, DecoderLM
 from attnkit.nn.moba import moba_attention, moba_selection
-from attnkit.nn.tasks import accuracy, associative_recall, train_lm
+from attnkit.nn.tasks import accuracy, associative_recall, copy_task, train_lm
 from _common import OUT_HELP, save, table, timeit
 
 BLOCK, TOP_K, H, D = 64, 8, 2, 64
@@ -123,6 +129,61 @@ def moba_section(lengths, repeat: int, with_query: bool = True) -> list[dict]:
     return rows
 
 
+def _density_masks(L: int, causal: bool, g: torch.Generator) -> tuple[masks.Mask, masks.Mask]:
+    """A selected-blocks mask (top-k of random block scores per query block; causal: the own block plus the
+    top-k earlier blocks) and a static block-sparse mask of about the same density."""
+    nb = L // BLOCK
+    scores = torch.randn(1, H, nb, nb, generator=g)
+    if not causal:
+        return masks.top_k_blocks(scores, TOP_K, block=BLOCK), masks.random_blocks(BLOCK, TOP_K, seed=1)
+    i = torch.arange(nb)
+    scores = scores.masked_fill(i[None, :] > i[:, None], float("-inf")).masked_fill(i[None, :] == i[:, None], 1e9)
+    chosen = masks.top_k_blocks(scores, TOP_K + 1, block=BLOCK) & masks.causal()
+    return chosen, masks.random_blocks(BLOCK, TOP_K + 1, seed=1, causal=True)
+
+
+def density_section(lengths, repeat: int, causal_too: bool) -> list[dict]:
+    """flash time under a mask / (its density x dense flash time), the selected-blocks mask beside a static
+    block-sparse mask; the masks are built before timing (the selection is not in the time)."""
+    rows = []
+    for L in lengths:
+        for causal in (False, True) if causal_too else (False,):
+            g = torch.Generator().manual_seed(L)
+            q, k, v = (torch.randn(1, H, L, D, generator=g).requires_grad_() for _ in range(3))
+            go = torch.randn(1, H, L, D, generator=g)
+            chosen, static = _density_masks(L, causal, g)
+            variants = {
+                "dense": (None, 1.0),
+                "selected": (chosen, chosen.density(L, L, heads=H)),
+                "static": (static, static.density(L, L, heads=H)),
+            }
+            calls = {
+                n: (lambda m=m: attnkit.attention(q, k, v, mask=m, backend="flash")) for n, (m, _) in variants.items()
+            }
+            with torch.no_grad():
+                fwd = timeit(calls, repeat=repeat, budget_s=300)
+            both = timeit({n: (lambda f=f: f().backward(go)) for n, f in calls.items()}, repeat=repeat, budget_s=600)
+            for name, (_, dens) in variants.items():
+                if name == "dense":
+                    continue
+                rows.append(
+                    {
+                        "L": L,
+                        "mask": name + (" & causal" if causal else ""),
+                        "density": f"{dens:.4f}",
+                        "fwd s": f"{fwd[name]:.3f}",
+                        "dense fwd s": f"{fwd['dense']:.3f}",
+                        "x/(density*dense) fwd": f"{fwd[name] / (dens * fwd['dense']):.2f}",
+                        "fwd+bwd s": f"{both[name]:.3f}",
+                        "dense fwd+bwd s": f"{both['dense']:.3f}",
+                        "x/(density*dense) fwd+bwd": f"{both[name] / (dens * both['dense']):.2f}",
+                        "load": _load().split(" ", 2)[2],
+                    }
+                )
+            print(table(rows[-2:], list(rows[-1])), flush=True)
+    return rows
+
+
 def _model(sparse, L: int, vocab: int = 256, d_model: int = 128, layers: int = 2, heads: int = 2) -> DecoderLM:
     torch.manual_seed(0)
     return DecoderLM(
@@ -176,15 +237,26 @@ RECALL_MODELS = {
         "compress_block": 4,
         "compress_stride": 2,
         "select_block": 4,
-        "select_count": 3,
+        "select_count": 4,  # the own block, the one before and block 0 are forced: 4 leaves one to choose
         "window": 4,
     },
 }
 
 
+def _recall_batch(step: int, steps: int):
+    """The training batch of ``step``: copying (10 distinct symbols of 32, a separator, the same symbols; the
+    length drawn from 6..14 each step, so that only a content-based lookup solves it, the circuit recall
+    needs) for the first third of the steps, then copying and recall on alternate steps."""
+    g = torch.Generator().manual_seed(step)
+    length = int(torch.randint(6, 15, (), generator=g))
+    if step < steps // 3 or step % 2 == 0:
+        return copy_task(32, length=length, n_symbols=32, distinct=True, generator=g)
+    return associative_recall(32, **RECALL, generator=g)
+
+
 def recall_section(steps: int, models, positions: str) -> list[dict]:
-    """Each model trained from the same initial seed on the same batches, then scored on 512 held-out
-    sequences (only the answers count; chance is 1/16)."""
+    """Each model trained from the same initial seed on the same batches (:func:`_recall_batch`), then scored
+    on 512 held-out recall sequences (only the answers count; chance is 1/16)."""
     rows = []
     L = 2 * (RECALL["n_pairs"] + RECALL["n_queries"])
     test = associative_recall(512, **RECALL, generator=torch.Generator().manual_seed(10**6))
@@ -196,21 +268,16 @@ def recall_section(steps: int, models, positions: str) -> list[dict]:
                 d_model=64,
                 n_layers=2,
                 n_heads=4,
-                max_seq_len=L,
+                max_seq_len=32,
                 positions=positions,
                 tie_embeddings=False,
                 sparse_attention=RECALL_MODELS[name],
             )
         )
         t0 = time.perf_counter()
-        losses = train_lm(
-            model,
-            lambda step: associative_recall(32, **RECALL, generator=torch.Generator().manual_seed(step)),
-            steps=steps,
-            lr=5e-3,
-        )
+        losses = train_lm(model, lambda step: _recall_batch(step, steps), steps=steps, lr=5e-3)
         with torch.no_grad():
-            acc = accuracy(model(test.ids), test.targets)
+            acc = accuracy(model.eval()(test.ids), test.targets)
         rows.append(
             {
                 "model": name,
@@ -228,7 +295,8 @@ def recall_section(steps: int, models, positions: str) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--only", choices=("moba", "nsa", "recall"), action="append")
+    p.add_argument("--only", choices=("density", "moba", "nsa", "recall"), action="append")
+    p.add_argument("--causal-too", action="store_true", help="density: the causal masks as well")
     p.add_argument("--lengths", type=int, nargs="+")
     p.add_argument("--nsa-length", type=int)
     p.add_argument("--threads", type=int, default=1)
@@ -240,9 +308,13 @@ def main() -> None:
     p.add_argument("--out", metavar="DIR", default=None, help=OUT_HELP)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    only = set(args.only or ("moba", "nsa", "recall"))
+    only = set(args.only or ("density", "moba", "nsa", "recall"))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {_load()} at start")
     results: dict = {"threads": args.threads, "load at start": _load()}
+    if "density" in only:
+        lengths = args.lengths or ([2048, 4096] if args.quick else [4096, 8192, 16384])
+        results["density"] = density_section(lengths, args.repeat, args.causal_too)
+        print(_load())
     if "moba" in only:
         lengths = args.lengths or ([2048, 4096] if args.quick else [16384, 32768])
         results["moba"] = moba_rows = moba_section(lengths, args.repeat, not args.no_per_query)
@@ -270,7 +342,7 @@ def main() -> None:
         print(table(nsa_rows, ["L", "model", "step s", "full/x"]))
         print(_load())
     if "recall" in only:
-        steps = args.recall_steps or (60 if args.quick else 900)
+        steps = args.recall_steps or (60 if args.quick else 600)
         results["recall"] = rows = recall_section(steps, args.recall_models, args.recall_positions)
         print(table(rows, ["model", "positions", "sequence", "steps", "final loss", "test accuracy", "train s"]))
         print(_load())

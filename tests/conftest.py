@@ -28,7 +28,7 @@ MARKED_PATHS = {
     "triton_interpreter": ["tests/backends/test_triton.py", "tests/backends/test_triton_ops.py"],
     # torch.compile traces, the benchmark scripts and child pytest runs: seconds to minutes a test
     "slow": ["tests/backends/test_compile.py", "tests/backends/test_auto_compile.py", "tests/test_benchmarks.py",
-             "tests/test_suite_output.py"],
+             "tests/test_suite_output.py", "tests/nn/test_content_sparse_compile.py"],
 }
 
 # the slowest tests of the core (each over 10 s in a --durations run of the fast lane on 2 loaded cores),

@@ -120,6 +120,48 @@ def test_decoding_equals_the_full_forward_and_reads_only_chosen_blocks():
     assert torch.allclose(m._output(out), full[:, -1:], atol=1e-12)
 
 
+def _poison_all_but(layer, keep):
+    """NaN in every stored key and value outside ``keep (B, Hkv, Lk)``: a read of them would show."""
+    n = keep.shape[-1]
+    layer.k[:, :, :n].masked_fill_(~keep[..., None], float("nan"))
+    layer.v[:, :, :n].masked_fill_(~keep[..., None], float("nan"))
+
+
+def test_a_decode_step_reads_the_kept_block_means_and_the_chosen_blocks_only():
+    m = _module(block=4, top_k=2)
+    x = torch.randn(2, 39, 32, dtype=torch.float64)
+    full = m(x)
+    cache = StaticCache(1, max_len=40)
+    layer = cache.layers[0]
+    with torch.no_grad():
+        m(x[:, :38], cache=layer)
+        q, k, v, _ = m._self_qkv(x, None, None)
+        choice = moba_selection(q[:, :, -1:], k, 4, 2)  # (B, Hq, 1, 3): the last query's blocks, own block last
+        keep = torch.zeros(2, 2, 38, dtype=torch.bool)
+        for b, h, j in (choice[:, :, 0] >= 0).nonzero().tolist():
+            block = int(choice[b, h, 0, j])
+            keep[b, h // 2, block * 4 : (block + 1) * 4] = True
+        assert keep.float().mean() < 0.6
+        _poison_all_but(layer, keep)
+        step = m(x[:, 38:], cache=layer)
+    assert torch.allclose(step, full[:, 38:], atol=1e-12)
+
+
+def test_block_means_are_computed_once_and_survive_a_truncation():
+    m = _module(block=4, top_k=2)
+    x = torch.randn(1, 23, 32, dtype=torch.float64)
+    cache = StaticCache(1, max_len=24)
+    with torch.no_grad():
+        steps = [m(x[:, :5], cache=cache.layers[0])] + [m(x[:, i : i + 1], cache=cache.layers[0]) for i in range(5, 23)]
+        assert cache.layers[0].summaries["moba"].reads == 20  # each key of the 5 complete blocks read once
+        assert torch.allclose(torch.cat(steps, 1), m(x), atol=1e-12)
+        cache.truncate(10)  # blocks 0 and 1 stay; the new tokens complete blocks 2.. again
+        y = torch.cat([x[:, :10], torch.randn(1, 13, 32, dtype=torch.float64)], 1)
+        again = [m(y[:, i : i + 1], cache=cache.layers[0]) for i in range(10, 23)]
+        assert torch.allclose(torch.cat(again, 1), m(y)[:, 10:], atol=1e-12)
+        assert cache.layers[0].summaries["moba"].reads == 20 + 12
+
+
 def test_paged_caches_are_refused():
     m = _module().float()
     cache = PagedCache(1, num_blocks=8, block_size=4, n_kv_heads=2, d_head=8)

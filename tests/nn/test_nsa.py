@@ -10,6 +10,7 @@ import torch
 import attnkit
 from attnkit.cache import StaticCache
 from attnkit.nn import DecoderConfig, DecoderLM, NSAAttention, RotaryEmbedding
+from attnkit.nn.nsa import nsa_selection
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -143,6 +144,58 @@ def test_decoding_equals_the_full_forward():
     chunked = StaticCache(1, max_len=24)  # a prefill in chunks: queries behind a longer key range
     parts = [m(x[:, a:b], cache=chunked.layers[0]) for a, b in ((0, 6), (6, 13), (13, 23))]
     assert torch.allclose(torch.cat(parts, 1), full, atol=1e-12)
+
+
+def test_a_decode_step_reads_the_kept_compression_the_chosen_blocks_and_the_window_only():
+    m = _module(select_count=4)
+    x = torch.randn(2, 31, 32, dtype=torch.float64)
+    with torch.no_grad():
+        full = m(x)
+        cache = StaticCache(1, max_len=32)
+        layer = cache.layers[0]
+        m(x[:, :30], cache=layer)
+        q, k, v, _ = m._self_qkv(x, None, None)
+        kc, _ = m.compress(k, v)
+        choice = nsa_selection(
+            q[:, :, -1:],
+            kc,
+            31,
+            compress_block=4,
+            compress_stride=2,
+            select_block=4,
+            select_count=4,
+            scale=m._scale(),
+        )  # (B, Hkv, 1, 4): shared by each group of query heads
+        keep = torch.zeros(2, 2, 30, dtype=torch.bool)
+        keep[..., 31 - 5 :] = True  # the window
+        for b, h, j in (choice[:, :, 0] >= 0).nonzero().tolist():
+            block = int(choice[b, h, 0, j])
+            keep[b, h, block * 4 : (block + 1) * 4] = True
+        assert keep.float().mean() < 0.6
+        _poison_all_but(layer, keep)
+        step = m(x[:, 30:], cache=layer)
+    assert torch.allclose(step, full[:, 30:], atol=1e-12)
+
+
+def test_compressed_keys_are_kept_while_weights_stand_and_recomputed_after_a_step():
+    m = _module()
+    x = torch.randn(1, 20, 32, dtype=torch.float64)
+    cache = StaticCache(1, max_len=24)
+    with torch.no_grad():
+        steps = [m(x[:, :6], cache=cache.layers[0])] + [m(x[:, i : i + 1], cache=cache.layers[0]) for i in range(6, 20)]
+        assert torch.allclose(torch.cat(steps, 1), m(x), atol=1e-12)
+        # the prefill compresses blocks 0 and 1 (keys 0..5); later each new block reads its own 4 keys alone
+        assert cache.layers[0].summaries["nsa"].reads == 6 + 7 * 4
+        m.compress_k[0].weight.add_(0.1)  # as an optimizer step would: the kept compression is stale
+        cache.truncate(19)
+        last = m(x[:, 19:], cache=cache.layers[0])
+    assert torch.allclose(last, m(x)[:, 19:], atol=1e-12)
+
+
+def _poison_all_but(layer, keep):
+    n = keep.shape[-1]
+    layer.k[:, :, :n].masked_fill_(~keep[..., None], float("nan"))
+    layer.v[:, :, :n].masked_fill_(~keep[..., None], float("nan"))
 
 
 @pytest.mark.parametrize(

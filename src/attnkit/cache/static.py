@@ -29,6 +29,9 @@ class StaticLayerCache:
         self.length = 0
         self.k: Tensor | None = None
         self.v: Tensor | None = None
+        # per-block summaries of the keys an attention layer keeps beside them (MoBA's block means, NSA's
+        # compressed keys), by name; each checks itself against the stored length (cache._summaries)
+        self.summaries: dict[str, object] = {}
 
     @torch.inference_mode(False)  # ordinary tensors: the cache may be written outside inference_mode later
     def allocate(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -84,6 +87,7 @@ class StaticLayerCache:
 
     def reset(self) -> None:
         self.length = 0
+        self.summaries.clear()
 
     def __repr__(self) -> str:
         shape = "unallocated" if self.k is None else f"k {tuple(self.k.shape)} {self.k.dtype}"

@@ -94,7 +94,11 @@ def _select(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
     tied = scores == kth
     room = k - above.sum(-1, keepdim=True)  # how many of the tied keys are taken
     chosen = above | (tied & (tied.cumsum(-1) <= room))
-    idx = chosen.nonzero()[:, -1].view(*scores.shape[:-1], k)
+    # exactly k chosen per row: their positions, ascending (a weight falling with the position; static shapes,
+    # so the selection traces into one graph under torch.compile)
+    lk = scores.shape[-1]
+    weight = torch.where(chosen, lk - torch.arange(lk, device=scores.device), 0)  # (..., Lk)
+    idx = weight.topk(k, dim=-1).indices  # (..., k)
     return idx, chosen
 
 

@@ -17,6 +17,7 @@ import torch
 
 from .. import masks as _masks
 from ..cache import CacheAttention
+from ..cache._summaries import summaries_of
 from ..functional import attention
 from . import _checks
 from .attention import AttentionConfig, MultiHeadAttention, _check_layer_cache, _update_cache
@@ -44,24 +45,37 @@ def moba_selection(q: Tensor, k: Tensor, block: int, top_k: int) -> Tensor:
         >>> moba_selection(q, k, block=4, top_k=1).tolist()
         [[[[1, 2]]]]
     """
+    nf = k.shape[2] // block  # complete key blocks: only they can end before a query's own block
+    return _choose_blocks(q, _block_means(k[:, :, : nf * block], block), k.shape[2], block, top_k)
+
+
+def _block_means(k: Tensor, block: int) -> Tensor:
+    """The mean key of each block: ``(B, H, n, D)`` from ``k (B, H, n * block, D)``, in float32 at least,
+    without gradients.  (A cache keeps them as blocks complete; both paths compute them with this function.)"""
+    B, H, n_keys, D = k.shape
+    dtype = torch.promote_types(k.dtype, torch.float32)
+    with torch.no_grad():
+        return k.detach().to(dtype).reshape(B, H, n_keys // block, block, D).mean(3)  # (B, H, n, D)
+
+
+def _choose_blocks(q: Tensor, means: Tensor, kv_len: int, block: int, top_k: int) -> Tensor:
+    """:func:`moba_selection` from the block means ``(B, Hkv, n, D)`` of the complete blocks of ``kv_len``
+    keys: reads no key."""
     B, Hq, L, D = q.shape
-    Hkv, Lk = k.shape[1], k.shape[2]
+    Hkv, nf = means.shape[1], means.shape[2]
     g = Hq // Hkv
-    own = torch.arange(Lk - L, Lk, device=q.device) // block  # (L,)
+    own = torch.arange(kv_len - L, kv_len, device=q.device) // block  # (L,)
     out = torch.full((B, Hq, L, top_k + 1), -1, dtype=torch.long, device=q.device)
     out[..., top_k] = own
-    nf = Lk // block  # complete key blocks: only they can end before a query's own block
     kk = min(top_k, nf)
     if kk == 0 or L == 0:
         return out
-    dtype = torch.promote_types(q.dtype, torch.float32)
     with torch.no_grad():
-        means = k[:, :, : nf * block].detach().to(dtype).reshape(B, Hkv, nf, block, D).mean(3)  # (B, Hkv, nf, D)
-        means = means[:, :, None].transpose(-1, -2)  # (B, Hkv, 1, D, nf)
+        means = means.to(torch.promote_types(q.dtype, means.dtype))[:, :, None].transpose(-1, -2)  # (B, Hkv, 1, D, nf)
         earlier = torch.arange(nf, device=q.device) < own[:, None]  # (L, nf)
         for s in range(0, L, _SCORE_ROWS):
             e = min(L, s + _SCORE_ROWS)
-            qs = q[:, :, s:e].detach().to(dtype).reshape(B, Hkv, g, e - s, D)
+            qs = q[:, :, s:e].detach().to(means.dtype).reshape(B, Hkv, g, e - s, D)
             scores = torch.matmul(qs, means).reshape(B, Hq, e - s, nf)
             scores = scores.masked_fill(~earlier[s:e], float("-inf"))
             top = torch.topk(scores, kk, dim=-1)
@@ -181,15 +195,32 @@ class _ContentSparse(MultiHeadAttention):
                 )
             k, v, extra = _checks.cache_kv(kv)
         return self._content_attention(
-            x, q, k, v, bias=bias, call_mask=call_mask, extra=extra, need_weights=need_weights
+            x, q, k, v, bias=bias, call_mask=call_mask, extra=extra, need_weights=need_weights, cache=cache
         )
 
     def _content_attention(
-        self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, *, bias, call_mask, extra, need_weights: bool
+        self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, *, bias, call_mask, extra, need_weights: bool, cache=None
     ) -> Tensor:
         """The layer's output ``(B, L, d_model)`` from its input ``x``, ``q (B, Hq, L, D)`` and every key and
-        value ``k``, ``v (B, Hkv, Lk, D)`` (query row ``i`` at position ``i + Lk - L``)."""
+        value ``k``, ``v (B, Hkv, Lk, D)`` (query row ``i`` at position ``i + Lk - L``); ``cache``: the layer
+        cache ``k``, ``v`` came from (it may keep per-block summaries, :mod:`attnkit.cache._summaries`)."""
         raise NotImplementedError
+
+    def _summaries(
+        self, cache, name: str, k: Tensor, v: Tensor | None, q_len: int, span: int, stride: int, key, summarise
+    ):
+        """The summaries of every complete block of ``k``, kept in ``cache`` (only the blocks completed by this
+        call are computed, from their keys alone) or, with no cache that keeps them, computed from all of ``k``."""
+        store = (
+            None
+            if cache is None
+            else summaries_of(
+                cache, name, span=span, stride=stride, key=(id(self), key), layout=(k.shape[:2], k.dtype, k.device)
+            )
+        )
+        if store is None:
+            return summarise(k, v)
+        return store.update(k, v, k.shape[2] - q_len, summarise)
 
     def _gather_blocks(self, k: Tensor, v: Tensor, choice: Tensor, block: int, q_heads: int):
         """The keys and values of the chosen blocks ``choice (B, Hq, K)`` (-1: none), each query head from its
@@ -218,9 +249,11 @@ class MoBAAttention(_ContentSparse):
     Longer calls (training, a prefill) are routed as in the paper (:func:`attnkit.nn.moba.moba_attention`: each chosen block
     meets the queries that chose it); with a per-call mask, a bias,
     sinks, an attention hook (:meth:`~attnkit.nn.MultiHeadAttention.register_attention_hook`, which then sees
-    the whole call) or ``routed = False`` they are one call under ``masks.selected_blocks(choice, block=(1, block)) &
-    mask``.  With a KV cache, a one-token decoding step gathers the chosen blocks' keys and values and attends
-    over them alone (the block means are computed from the cached keys).  Caches that compute attention
+    the whole call), ``routed = False`` or under ``torch.compile`` (routing's sizes depend on the data; the mask
+    keeps one graph) they are one call under ``masks.selected_blocks(choice, block=(1, block)) & mask``.  With a
+    KV cache, a one-token decoding step gathers the chosen blocks' keys and values and attends over them alone; a
+    :class:`~attnkit.cache.StaticCache` keeps the block means (each computed once, from its block's keys, when the
+    block completes), so the step reads no other cached key or value.  Caches that compute attention
     themselves (paged, quantized) are refused.
 
     Example::
@@ -273,9 +306,21 @@ class MoBAAttention(_ContentSparse):
         self._plain_causal = self.mask.is_causal("bottom_right")
 
     def _content_attention(
-        self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, *, bias, call_mask, extra, need_weights: bool
+        self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, *, bias, call_mask, extra, need_weights: bool, cache=None
     ):
-        choice = moba_selection(q, k, self.block, self.top_k)
+        b, Lk = self.block, k.shape[2]
+        (means,) = self._summaries(
+            cache,
+            "moba",
+            k,
+            None,
+            q.shape[2],
+            b,
+            b,
+            b,
+            lambda ks, _: (_block_means(ks[:, :, : ks.shape[2] // b * b], b),),
+        )  # (B, Hkv, Lk // block, D): with a cache, only blocks completed now read their keys
+        choice = _choose_blocks(q, means, Lk, b, self.top_k)
         if (
             q.shape[2] == 1
             and bias is None
@@ -289,6 +334,7 @@ class MoBAAttention(_ContentSparse):
         if (
             self.routed
             and not self._attention_hooks  # (hooked: one call under the mask, which the hooks see whole)
+            and not torch.compiler.is_compiling()  # routing's sizes depend on the data: one graph takes the mask
             and q.shape[2] > 1
             and bias is None
             and call_mask is None

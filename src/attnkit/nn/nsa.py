@@ -17,7 +17,7 @@ compression, its position embeddings and the gates are trained end to end; the c
 differentiable.  The window branch is an :func:`attnkit.attention` call under ``causal & sliding_window``;
 the selected branch is routed as MoBA's (:func:`attnkit.nn.moba.moba_attention`: each chosen block with the
 queries that chose it, in one batched call), or, with ``routed = False`` (or sinks,
-dropout), one call under ``masks.selected_blocks(...) & causal``.
+dropout, or under ``torch.compile``), one call under ``masks.selected_blocks(...) & causal``.
 """
 
 from __future__ import annotations
@@ -114,8 +114,10 @@ class NSAAttention(_ContentSparse):
     ``pos_k`` / ``pos_v`` (``(l, d_head)`` intra-block position embeddings) and ``gate_proj``
     (``d_model -> 3 * n_heads``).
 
-    With a KV cache, a one-token step attends over the compressed blocks (recomputed from the cached keys),
-    the chosen blocks' keys gathered alone, and the last ``window`` keys.  Caches that compute attention
+    With a KV cache, a one-token step attends over the compressed blocks, the chosen blocks' keys gathered
+    alone, and the last ``window`` keys.  Under ``torch.no_grad`` (decoding) a :class:`~attnkit.cache.StaticCache`
+    keeps the compressed keys and values (each block compressed once, from its own keys, when it completes;
+    recomputed when the compression's weights change), so the step reads no other cached key or value.  Caches that compute attention
     themselves (paged, quantized) are refused; so is a per-call ``mask``.
 
     Example::
@@ -224,8 +226,22 @@ class NSAAttention(_ContentSparse):
         vb = v.unfold(2, lb, st).transpose(-1, -2)
         return self.compress_k((kb + self.pos_k).flatten(-2)), self.compress_v((vb + self.pos_v).flatten(-2))
 
+    def _compressed(self, k: Tensor, v: Tensor, q_len: int, cache) -> tuple[Tensor, Tensor]:
+        """The compressed keys and values of every complete block of ``k``, ``v``.  A cache keeps them (each
+        computed once, from its block's keys alone, when the block completes) while the compression cannot
+        take gradients (``torch.no_grad``, decoding); otherwise they are computed here from every key."""
+        learned = (self.compress_k, self.compress_v, self.pos_k, self.pos_v)
+        params = [p for part in learned for p in (part.parameters() if isinstance(part, nn.Module) else (part,))]
+        if cache is None or (torch.is_grad_enabled() and any(p.requires_grad for p in params)):
+            return self.compress(k, v)
+        weights = tuple((p.data_ptr(), p._version) for p in params)  # an optimizer step (in place) makes them stale
+        kc, vc = self._summaries(
+            cache, "nsa", k, v, q_len, self.compress_block, self.compress_stride, weights, self.compress
+        )
+        return kc, vc
+
     def _content_attention(
-        self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, *, bias, call_mask, extra, need_weights: bool
+        self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, *, bias, call_mask, extra, need_weights: bool, cache=None
     ):
         if call_mask is not None or extra is not None:
             raise ValueError(
@@ -240,7 +256,7 @@ class NSAAttention(_ContentSparse):
         sk = {} if self.sinks is None else {"sinks": self.sinks}
         att = dict(bias=None, scale=scale, softcap=self.softcap, dropout_p=dropout_p, **sk)
         gates = torch.sigmoid(self.gate_proj(x)).view(B, L, 3, Hq).permute(2, 0, 3, 1)[..., None]  # (3, B, Hq, L, 1)
-        kc, vc = self.compress(k, v)
+        kc, vc = self._compressed(k, v, L, cache)  # (B, Hkv, n_cmp, D) each
         n_cmp = kc.shape[2]
         visible = _compressed_visible(L, Lk, n_cmp, self.compress_block, self.compress_stride, q.device)
         choice = nsa_selection(
@@ -264,7 +280,13 @@ class NSAAttention(_ContentSparse):
             o_slc = self._attend(q, ks, vs, mask=valid[:, :, None], **att)
             lo = max(0, Lk - self.window)
             o_win = self._attend(q, k[:, :, lo:], v[:, :, lo:], mask=None, **att)
-        elif self.routed and self._plain_causal and self.sinks is None and dropout_p == 0:
+        elif (
+            self.routed
+            and not torch.compiler.is_compiling()
+            and self._plain_causal
+            and self.sinks is None
+            and not dropout_p
+        ):
             # the own block is the first choice (it scores highest): moba_attention takes it last
             own_last = torch.cat([choice[..., 1:], choice[..., :1]], dim=-1)
             o_slc = moba_attention(
