@@ -23,7 +23,7 @@ import torch
 
 from ._checks import flag
 from .bias import ScoreMod
-from .masks import Mask, _index_grid
+from .masks import Mask, index_grid
 
 Tensor = torch.Tensor
 
@@ -73,7 +73,7 @@ def reference(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, scale: f
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
     if isinstance(bias, ScoreMod):
-        b, h, qi, ki = _index_grid(B, Hq, Lq, Lk, q.device)
+        b, h, qi, ki = index_grid(B, Hq, Lq, Lk, q.device)
         s = bias.apply(s, b, h, qi, ki, Lq, Lk).to(dtype)
     elif bias is not None:
         s = s + bias.to(dtype)

@@ -215,11 +215,11 @@ def decoder_config(hf_config, *, backend: str = "auto"):
 
 def _deepseek_scale(rope: dict, qk_head_dim: int) -> float:
     """DeepSeek's score scale: ``qk_head_dim^-0.5``, times ``mscale(factor, mscale_all_dim)^2`` with a scaled rope."""
-    from ..nn.positions import _yarn_mscale
+    from ..nn.positions import yarn_mscale
 
     scale = qk_head_dim ** -0.5
     if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
-        m = _yarn_mscale(rope["factor"], rope["mscale_all_dim"])
+        m = yarn_mscale(rope["factor"], rope["mscale_all_dim"])
         scale = scale * m * m
     return scale
 
@@ -475,9 +475,9 @@ def _hf_rope(cfg) -> tuple[dict, int]:
     rope, max_len = {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}, cfg.max_seq_len
     if cfg.rope_scaling is None:
         return rope, max_len
-    from ..nn.positions import _parse_scaling
+    from ..nn.positions import parse_scaling
 
-    s = _parse_scaling(cfg.rope_scaling)
+    s = parse_scaling(cfg.rope_scaling)
     if s is None:
         return rope, max_len
     if s["type"] == "ntk":

@@ -20,7 +20,7 @@ from .moba import MoBAAttention
 from .nsa import NSAAttention
 from .layers import Linear, _dropout, linear, make_norm
 from .positions import (ALiBi, PositionEncoding, RotaryEmbedding, SinusoidalPositions, T5RelativeBias, _check_t5_layout,
-                        _parse_scaling)
+                        parse_scaling)
 
 Tensor = torch.Tensor
 
@@ -155,7 +155,7 @@ class DecoderConfig:
         _checks.positive_int("d_ff", self.d_ff, allow_none=True)
         _checks.positive_int("rotary_dim", self.rotary_dim, allow_none=True)
         _checks.positive_float("rope_theta", self.rope_theta)
-        _parse_scaling(self.rope_scaling, self.rope_theta)  # errors at configuration time, not when building
+        parse_scaling(self.rope_scaling, self.rope_theta)  # errors at configuration time, not when building
         _checks.positive_float("norm_eps", self.norm_eps)
         self.norm_offset = _checks.finite_float("norm_offset", self.norm_offset)
         for name in ("softcap", "attn_scale", "embed_scale", "logit_softcap", "logit_divisor", "rope_local_theta"):

@@ -90,7 +90,7 @@ def _original_len(s: dict, kind: str) -> int:
     return _checks.positive_int("scaling['original_max_seq_len']", old)
 
 
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     """YaRN's magnitude correction ``0.1 * mscale * ln(factor) + 1`` (1 for ``factor <= 1``)."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
@@ -101,7 +101,7 @@ def _factors(name: str, value) -> tuple[float, ...]:
     return tuple(_checks.positive_float(f"scaling[{name!r}][{i}]", float(f)) for i, f in enumerate(value))
 
 
-def _parse_scaling(scaling, base: float | None = None) -> dict | None:
+def parse_scaling(scaling, base: float | None = None) -> dict | None:
     """The validated scaling dict (``type``, ``factor``, each type's own fields, ``attention_factor``), or None.
     Hugging Face's form is accepted: ``rope_type`` beside or instead of ``type``, ``original_max_position_embeddings``
     for ``original_max_seq_len``, and ``rope_theta``, which must equal ``base``."""
@@ -153,9 +153,9 @@ def _parse_scaling(scaling, base: float | None = None) -> dict | None:
                 out[name] = _checks.finite_float(f"scaling[{name!r}]", value)
         if attention_factor is None:  # YaRN's sqrt(1/t) = 0.1 ln(s) + 1, or DeepSeek's ratio of two of them
             if mscale and mscale_all:
-                attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+                attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
             else:
-                attention_factor = _yarn_mscale(factor)
+                attention_factor = yarn_mscale(factor)
     elif kind == "longrope":
         out["original_max_seq_len"] = _original_len(s, kind)
         for name in ("short_factor", "long_factor"):
@@ -249,7 +249,7 @@ class RotaryEmbedding(PositionEncoding):
         self.dim = dim
         self.base = _checks.positive_float("base", base)
         self.interleaved = _checks.flag("interleaved", interleaved)
-        self.scaling = _parse_scaling(scaling, self.base)
+        self.scaling = parse_scaling(scaling, self.base)
         self.max_seq_len = _checks.positive_int("max_seq_len", max_seq_len, allow_none=True)
         self.attention_factor = self.scaling.get("attention_factor", 1.0) if self.scaling else 1.0
         if self.scaling is not None and "short_factor" in self.scaling and len(self.scaling["short_factor"]) != dim // 2:
