@@ -354,16 +354,19 @@ def test_only_a_backend_folder_imports_its_own_submodules():
 
 
 def _test_module(path: Path) -> str:
-    """The attnkit module or package a test file tests: a test under ``tests/<pkg>/`` tests ``attnkit.<pkg>``;
-    a top-level ``tests/test_<x>.py`` tests ``attnkit.<x>`` when that module exists (``test_checks.py`` ->
-    ``attnkit._checks``, as a private module is named for what it holds), else attnkit itself (the public API)."""
+    """The attnkit package or module a test file tests: a test under ``tests/<pkg>/`` tests ``attnkit.<pkg>``; a
+    top-level ``tests/test_<x>.py`` tests the module named by the longest ``_``-separated prefix of ``x`` that is
+    a module, public or private (``test_cli_distill.py`` -> ``attnkit.cli``, ``test_checks.py`` ->
+    ``attnkit._checks``), else attnkit's public API (``attnkit``: no private name is its own)."""
     rel = path.relative_to(TESTS)
     if len(rel.parts) > 1:
         return "attnkit." + rel.parts[0]
-    stem = rel.stem.removeprefix("test_")
-    for candidate in (f"attnkit.{stem}", f"attnkit._{stem}"):
-        if candidate in SOURCES:
-            return candidate
+    words = rel.stem.removeprefix("test_").split("_")
+    for n in range(len(words), 0, -1):
+        stem = "_".join(words[:n])
+        for candidate in (f"attnkit.{stem}", f"attnkit._{stem}"):
+            if candidate in SOURCES:
+                return candidate
     return "attnkit"
 
 
@@ -405,8 +408,29 @@ def _foreign_private_uses(path: Path, tree: ast.AST) -> list[str]:
     return out
 
 
+# tests that still spy on another package's private step, each with its reason
+TESTS_WAITING = {
+    ("cache/test_paged.py", "attnkit.backends.paged._attend_pool"): "checks that paged_attention took the pool path",
+    ("cache/test_paged.py", "attnkit.backends.paged._position_only"): "the pool path's mask rule",
+    ("test_engine.py", "attnkit.backends.paged._attend_pool"): "counts the Engine's pool decode steps",
+    ("test_functional.py", "attnkit.backends._REGISTRY"): "asks each backend's check() for its refusal reason",
+    ("test_generate.py", "attnkit.nn.layers._onednn_packed_works"): "which decode copy layout this machine gets",
+    ("test_sinks.py", "attnkit.backends.sdpa._with_sink_key"): "the sink key's float32 split of the logit",
+    ("test_content_sparse_masks.py", "attnkit.backends.flash.autograd._plan"): "the tiles a selection plan visits",
+    ("test_content_sparse_masks.py", "attnkit.backends.flash.autograd._backward_plan"): "the backward plan's tiles",
+}
+
+
+def _waiting(use: str) -> bool:
+    where, dotted = use.split(":", 1)[0].removeprefix("tests/"), use.split(" uses ", 1)[1].split(",", 1)[0]
+    return (where, dotted) in TESTS_WAITING
+
+
 def test_tests_use_only_their_own_packages_private_names():
-    bad = [use for path in sorted(TESTS.rglob("*.py")) for use in _foreign_private_uses(path, ast.parse(path.read_text()))]
+    uses = [use for path in sorted(TESTS.rglob("*.py")) for use in _foreign_private_uses(path, ast.parse(path.read_text()))]
+    assert {(u.split(":", 1)[0].removeprefix("tests/"), u.split(" uses ", 1)[1].split(",", 1)[0])
+            for u in uses if _waiting(u)} == set(TESTS_WAITING), "a waiting use is gone: drop it from TESTS_WAITING"
+    bad = [use for use in uses if not _waiting(use)]
     assert not bad, ("tests use private names of a package they do not test (use the public seam, or move the "
                      "test into the folder of the package it tests):\n" + "\n".join(bad))
 
@@ -418,3 +442,6 @@ def test_the_private_use_reader_tells_own_from_foreign():
     assert len(_foreign_private_uses(TESTS / "cache" / "test_x.py", tree)) == 1  # backends' private name
     assert len(_foreign_private_uses(TESTS / "backends" / "test_x.py", tree)) == 1  # cache's private module
     assert len(_foreign_private_uses(TESTS / "test_unknown_topic.py", tree)) == 2
+    assert _test_module(TESTS / "test_cli_distill.py") == "attnkit.cli"
+    assert _test_module(TESTS / "test_checks.py") == "attnkit._checks"
+    assert _test_module(TESTS / "decoding" / "test_sampling.py") == "attnkit.decoding"
