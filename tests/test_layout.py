@@ -45,13 +45,13 @@ def _is_package(name: str) -> bool:
     return SOURCES[name].name == "__init__.py"
 
 
-def _imports(name: str) -> list[tuple[str, int]]:
-    """The attnkit modules ``name`` imports, anywhere in its body, with the line of each import."""
-    package = name if _is_package(name) else name.rpartition(".")[0]
+def _imported(tree: ast.AST, package: str) -> list[tuple[str, int, list[str]]]:
+    """Every attnkit import in ``tree``, anywhere in its body: the module it names, its line, and the names taken
+    from it (empty for ``import x``); ``package`` is where relative imports start."""
     found = []
-    for node in ast.walk(TREES[name]):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found += [(a.name, node.lineno) for a in node.names if a.name.split(".")[0] == "attnkit"]
+            found += [(a.name, node.lineno, []) for a in node.names if a.name.split(".")[0] == "attnkit"]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
@@ -59,11 +59,24 @@ def _imports(name: str) -> list[tuple[str, int]]:
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            if target.split(".")[0] != "attnkit":
-                continue
-            for alias in node.names:  # `from pkg import sub` imports the submodule pkg.sub
-                sub = f"{target}.{alias.name}"
-                found.append((sub if sub in SOURCES else target, node.lineno))
+            if target.split(".")[0] == "attnkit":
+                found.append((target, node.lineno, [a.name for a in node.names]))
+    return found
+
+
+def _package_of(name: str) -> str:
+    return name if _is_package(name) else name.rpartition(".")[0]
+
+
+def _imports(name: str) -> list[tuple[str, int]]:
+    """The attnkit modules ``name`` imports, anywhere in its body, with the line of each import."""
+    found = []
+    for target, line, names in _imported(TREES[name], _package_of(name)):
+        if not names:
+            found.append((target, line))
+        for alias in names:  # `from pkg import sub` imports the submodule pkg.sub
+            sub = f"{target}.{alias}"
+            found.append((sub if sub in SOURCES else target, line))
     return [(t, line) for t, line in found if t in SOURCES]
 
 
@@ -135,8 +148,7 @@ def test_the_import_graph_holds_package_to_submodule_edges():
 
 def test_waiting_imports_are_still_there():
     for name, dotted in WAITING:
-        package = name if _is_package(name) else name.rpartition(".")[0]
-        assert dotted in {d for d, _ in _private_imports(name, TREES[name], package)}, f"{name} -> {dotted} is gone"
+        assert dotted in {d for d, _ in _private_imports(name, TREES[name], _package_of(name))}, f"{name} -> {dotted} is gone"
 
 
 def test_cycle_finder_finds_a_cycle():
@@ -305,19 +317,8 @@ def _inside(name: str, package: str) -> bool:
 def _private_imports(name: str, tree: ast.AST, package: str) -> list[tuple[str, int]]:
     """The private attnkit modules and names ``tree`` imports, as dotted paths with their lines; ``package`` is
     the package relative imports start from."""
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found += [(a.name, node.lineno) for a in node.names if a.name.split(".")[0] == "attnkit"]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[:len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
-            if target.split(".")[0] == "attnkit":
-                found += [(f"{target}.{a.name}", node.lineno) for a in node.names]
+    found = [(dotted, line) for target, line, names in _imported(tree, package)
+             for dotted in ([f"{target}.{a}" for a in names] if names else [target])]
     return [(dotted, line) for dotted, line in found if _private_owner(dotted) is not None]
 
 
@@ -333,8 +334,7 @@ WAITING = {
 def test_no_module_imports_another_packages_private_parts():
     bad = []
     for name in SOURCES:
-        package = name if _is_package(name) else name.rpartition(".")[0]
-        for dotted, line in _private_imports(name, TREES[name], package):
+        for dotted, line in _private_imports(name, TREES[name], _package_of(name)):
             owner = _private_owner(dotted)
             if (name, owner) in FRIENDS or (name, dotted) in WAITING:
                 continue
