@@ -511,17 +511,8 @@ def test_the_wheel_ships_types_and_builds_without_warnings(tmp_path):
 
 
 @pytest.mark.hf
-def test_doctor_on_a_saved_hugging_face_model_running_attnkit_attention(capsys, tmp_path):
-    import transformers
-
-    from attnkit.integrations import hf
-
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    hf.register()
-    model.set_attn_implementation("attnkit")
+def test_doctor_on_a_saved_hugging_face_model_running_attnkit_attention(capsys, tmp_path, attnkit_llama):
+    model = attnkit_llama
     torch.save(model, tmp_path / "hf.pt")
     code, out, err = run(capsys, "doctor", "--model", str(tmp_path / "hf.pt"), "--seq-len", "8")
     assert code == 0, err
