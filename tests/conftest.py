@@ -3,6 +3,7 @@ markers each test gets from where it lives (see pyproject.toml for what each mea
 ``dev`` dependency is installed, so a broken install fails the run instead of skipping hundreds of tests."""
 
 import importlib.util
+import math
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,44 @@ def fresh_dynamo(one_thread):
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def t5_bucket():
+    """T5's relative-position bucket of one integer ``rel = j - p``, written out as in the T5 paper's code: the
+    reference for ``attnkit.bias.t5_bucket`` and ``attnkit.nn.T5RelativeBias``."""
+
+    def bucket(rel: int, bidirectional: bool, num_buckets: int, max_distance: int) -> int:
+        ret = 0
+        n = -rel
+        if bidirectional:
+            num_buckets //= 2
+            if n < 0:
+                ret += num_buckets
+            n = abs(n)
+        else:
+            n = max(n, 0)
+        max_exact = num_buckets // 2
+        if n < max_exact:
+            return ret + n
+        log_ratio = math.log(n / max_exact) / math.log(max_distance / max_exact)
+        return ret + min(max_exact + int(log_ratio * (num_buckets - max_exact)), num_buckets - 1)
+
+    return bucket
+
+
+@pytest.fixture
+def attnkit_llama():
+    """A two-layer Hugging Face Llama (weights drawn after ``torch.manual_seed(0)``, eval mode) running attnkit's
+    attention (``attn_implementation="attnkit"``); needs transformers."""
+    import transformers
+
+    from attnkit.integrations import hf
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    hf.register()
+    model.set_attn_implementation("attnkit")
+    return model

@@ -413,35 +413,6 @@ def test_explain_input_takes_a_mask_of_json_booleans(capsys, tmp_path):
     assert "scaled(x1,x2) = -inf   (masked: x1 may not attend to x2)" in out
 
 
-def test_demo_circuit_claim_uses_each_roles_baseline_and_an_untrained_model_fails_it():
-    from attnkit._demo import _circuit, _head_roles, _recall_model, _uniform_roles
-    from attnkit.nn.tasks import associative_recall
-
-    P, Q = 6, 4
-    batch = associative_recall(64, n_pairs=P, n_queries=Q, generator=torch.Generator().manual_seed(4))
-    length = batch.ids.shape[1]  # k v k v ... then q a q a ...
-    pair, prev = _uniform_roles(length, P)
-    assert pair == pytest.approx(sum(1 / (p + 1) for p in range(2 * P, length, 2)) / Q)  # about 0.064
-    assert prev == pytest.approx(sum(1 / (p + 1) for p in range(1, 2 * P, 2)) / P)  # about 0.204
-    assert round(pair, 3) == 0.064 and round(prev, 3) == 0.204
-    model = _recall_model(0).eval()
-    roles = _head_roles(model, batch, P)
-    before = {(name, h): r for name, h, *r in roles}
-    previous = max(r[4] for r in roles)
-    assert previous > 1.2 * prev  # ALiBi alone favours the previous token: a uniform baseline is not enough
-    _, _, recall_ok, previous_ok = _circuit(roles, before, pair, prev)
-    assert not recall_ok and not previous_ok
-    # a head that learned the roles passes: the same table with one recall and one previous-token head
-    trained = [(n, h, 0.9 if (n, h) == ("layers.1.attn", 2) else v, k, 0.6 if (n, h) == ("layers.0.attn", 0) else p)
-               for n, h, v, k, p in roles]
-    recall, previous_head, recall_ok, previous_ok = _circuit(trained, before, pair, prev)
-    assert recall[:2] == ("layers.1.attn", 2) and previous_head[:2] == ("layers.0.attn", 0)
-    assert recall_ok and previous_ok
-
-
-# ------------------------------------------------------------- optional dependencies, --version, bench --out
-
-
 def _hide(monkeypatch, *modules):
     """Make ``import NAME`` fail as it does where NAME is not installed."""
     for name in modules:
@@ -540,17 +511,8 @@ def test_the_wheel_ships_types_and_builds_without_warnings(tmp_path):
 
 
 @pytest.mark.hf
-def test_doctor_on_a_saved_hugging_face_model_running_attnkit_attention(capsys, tmp_path):
-    import transformers
-
-    from attnkit.integrations import hf
-
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    hf.register()
-    model.set_attn_implementation("attnkit")
+def test_doctor_on_a_saved_hugging_face_model_running_attnkit_attention(capsys, tmp_path, attnkit_llama):
+    model = attnkit_llama
     torch.save(model, tmp_path / "hf.pt")
     code, out, err = run(capsys, "doctor", "--model", str(tmp_path / "hf.pt"), "--seq-len", "8")
     assert code == 0, err
@@ -559,3 +521,13 @@ def test_doctor_on_a_saved_hugging_face_model_running_attnkit_attention(capsys, 
     torch.save(model, tmp_path / "eager.pt")
     assert_usage_error(capsys, "doctor", "--model", str(tmp_path / "eager.pt"), "--seq-len", "8",
                        match="attnkit.integrations.hf.from_hf(model)")
+
+
+def test_the_command_line_loads_a_saved_directory(tmp_path, capsys):
+    from attnkit.cli import _load_model
+    from attnkit.nn import DecoderConfig, DecoderLM
+
+    model = DecoderLM(DecoderConfig.preset("tiny")).eval()
+    model.save_pretrained(tmp_path)
+    loaded = _load_model(str(tmp_path))
+    assert isinstance(loaded, DecoderLM) and loaded.config == model.config

@@ -27,7 +27,7 @@ import torch
 
 from ._checks import flag
 from . import _checks
-from .masks import _check_align, _index_grid, _offset
+from .masks import _check_align, _offset, index_grid
 
 Tensor = torch.Tensor
 
@@ -145,7 +145,7 @@ class ScoreMod:
         if not self.additive:
             raise TypeError(f"{self!r} is not additive and cannot be materialised as a bias tensor")
         self.validate(batch, heads, q_len, kv_len)
-        b, h, q, k = _index_grid(batch, heads, q_len, kv_len, device)
+        b, h, q, k = index_grid(batch, heads, q_len, kv_len, device)
         zero = torch.zeros((), device=b.device, dtype=dtype)
         out = self.apply(zero, b, h, q, k, q_len, kv_len).to(dtype)
         while out.dim() < 4:

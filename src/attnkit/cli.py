@@ -642,34 +642,24 @@ def _cmd_serve(args) -> int:
     return EXIT_OK
 
 
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n} must be >= 1")
-    return n
+def _int_at_least(minimum: int, why: str = ""):
+    """An argparse type: an integer of at least ``minimum`` (``why`` says why, after the bound)."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if n < minimum:
+            raise argparse.ArgumentTypeError(f"{n} must be >= {minimum}{why}")
+        return n
+
+    return parse
 
 
-def _at_least_two(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if n < 2:
-        raise argparse.ArgumentTypeError(f"{n} must be >= 2 (a row needs two keys to show a weight pattern)")
-    return n
-
-
-def _nonnegative(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{n} must be >= 0")
-    return n
+_positive = _int_at_least(1)
+_at_least_two = _int_at_least(2, " (a row needs two keys to show a weight pattern)")
+_nonnegative = _int_at_least(0)
 
 
 def build_parser() -> argparse.ArgumentParser:

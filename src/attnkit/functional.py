@@ -15,7 +15,7 @@ from .backends import math as _math
 from .backends.call import Call, empty_result, graph_zero, is_empty, layout_swap_suspected, make_call, refuse_foreign
 from .backends.scores import per_mask
 from .bias import BiasLike
-from .masks import Mask, MaskLike, _nothing_visible, _positions_unchecked
+from .masks import Mask, MaskLike, nothing_visible, positions_unchecked
 
 Tensor = torch.Tensor
 
@@ -67,13 +67,13 @@ def _warn_if_nothing_visible(call: Call) -> None:
     if m is None or call.q.device.type == "meta" or torch.compiler.is_compiling():  # (a dense mask has no unchecked
         # positions)
         return
-    if not _positions_unchecked(m, call.q_len, call.kv_len):
+    if not positions_unchecked(m, call.q_len, call.kv_len):
         return
     key = (call.batch, call.heads, call.q_len, call.kv_len)
     memo = per_mask(_CHECKED_VISIBLE, m)
     empty = None if memo is None else memo.get(key)
     if empty is None:
-        empty = _nothing_visible(m, call.batch, call.heads, call.q_len, call.kv_len, call.q.device)
+        empty = nothing_visible(m, call.batch, call.heads, call.q_len, call.kv_len, call.q.device)
         if memo is not None:
             if len(memo) >= _CHECKED_PER_MASK:
                 memo.clear()

@@ -165,10 +165,10 @@ def add_sink(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
             f"add_sink: sinks holds a non-finite value ({sinks.detach().flatten()[:8].tolist()}): give "
             f"finite logits (with no sink, skip add_sink)"
         )
-    return _add_sink(out, lse, sinks)
+    return add_sink_unchecked(out, lse, sinks)
 
 
-def _add_sink(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
+def add_sink_unchecked(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
     """:func:`add_sink` on inputs already checked (the backends' own step; no sync)."""
     acc = torch.promote_types(lse.dtype, torch.float32)
     B, H = lse.shape[0], lse.shape[1]

@@ -23,11 +23,11 @@ import torch
 
 from ._checks import flag
 from .bias import ScoreMod
-from .masks import Mask, _index_grid
+from .masks import Mask, index_grid
 
 Tensor = torch.Tensor
 
-__all__ = ["reference", "check_against_oracle", "random_qkv"]
+__all__ = ["reference", "check_against_oracle", "random_qkv", "max_err"]
 
 
 def random_qkv(batch: int, q_heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int,
@@ -73,7 +73,7 @@ def reference(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, scale: f
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
     if isinstance(bias, ScoreMod):
-        b, h, qi, ki = _index_grid(B, Hq, Lq, Lk, q.device)
+        b, h, qi, ki = index_grid(B, Hq, Lq, Lk, q.device)
         s = bias.apply(s, b, h, qi, ki, Lq, Lk).to(dtype)
     elif bias is not None:
         s = s + bias.to(dtype)
@@ -93,7 +93,8 @@ def reference(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, scale: f
     return w @ v, lse
 
 
-def _max_err(a: Tensor, b: Tensor) -> float:
+def max_err(a: Tensor, b: Tensor) -> float:
+    """The largest ``|a - b|``, in float64; infinities of one sign count as equal, an empty tensor gives 0.0."""
     if a.numel() == 0:
         return 0.0
     a, b = a.detach().double(), b.detach().double()
@@ -143,12 +144,12 @@ def check_against_oracle(fn: Callable[..., object], q: Tensor, k: Tensor, v: Ten
         raise AssertionError(f"output of shape {tuple(out.shape)} and dtype {out.dtype}, expected "
                              f"{tuple(oracle.shape)} and {q.dtype}")
     report = {}
-    e_out, e_naive = _max_err(out, oracle), _max_err(naive, oracle)
+    e_out, e_naive = max_err(out, oracle), max_err(naive, oracle)
     report["out"] = {"err": e_out, "naive": e_naive, "bound": factor * e_naive + atol}
     if kwargs.get("return_lse") and lse is not None:
         if tuple(lse.shape) != tuple(oracle_lse.shape):
             raise AssertionError(f"lse of shape {tuple(lse.shape)}, expected {tuple(oracle_lse.shape)}")
-        e, en = _max_err(lse, oracle_lse), _max_err(naive_lse, oracle_lse)
+        e, en = max_err(lse, oracle_lse), max_err(naive_lse, oracle_lse)
         report["lse"] = {"err": e, "naive": en, "bound": factor * en + atol}
     if any(wants):
         g = torch.Generator().manual_seed(seed)
@@ -161,7 +162,7 @@ def check_against_oracle(fn: Callable[..., object], q: Tensor, k: Tensor, v: Ten
                 continue
             ga = a.grad if a.grad is not None else torch.zeros_like(a)
             gn = n.grad if n.grad is not None else torch.zeros_like(n)
-            e, en = _max_err(ga, o.grad), _max_err(gn, o.grad)
+            e, en = max_err(ga, o.grad), max_err(gn, o.grad)
             report[f"d{name}"] = {"err": e, "naive": en, "bound": grad_factor * en + atol}
     for item in report.values():
         item["ok"] = bool(item["err"] <= item["bound"])

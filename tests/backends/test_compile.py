@@ -427,19 +427,10 @@ def test_export_with_document_ids_as_an_input():
 
 
 @pytest.mark.hf
-def test_hugging_face_llama_keeps_attnkit_kernels_under_compile():
+def test_hugging_face_llama_keeps_attnkit_kernels_under_compile(attnkit_llama):
     """A small Llama with attn_implementation="attnkit" and a padded batch: eager auto picks flash for its
     ``causal() & key_padding`` mask, and so does the compiled model (one graph, same logits)."""
-    import transformers
-
-    from attnkit.integrations import hf
-
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    hf.register()
-    model.set_attn_implementation("attnkit")
+    model = attnkit_llama
     ids = torch.randint(0, 64, (2, 384), generator=torch.Generator().manual_seed(1))
     keep = torch.ones(2, 384, dtype=torch.long)
     keep[1, 300:] = 0

@@ -199,6 +199,16 @@ def test_a_non_finite_sink_raises_in_the_compiled_graph():
 # ------------------------------------------------------------------- 8: the rotary table cache
 
 
+def _same_in_one_graph(module, x, atol):
+    """Three calls of the compiled ``module`` equal eager ones and compile one frame (no recompilation)."""
+    counter = _counter("eager")
+    fn = torch.compile(module, fullgraph=True, backend=counter)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(fn(x), module(x), rtol=1e-5, atol=atol)
+    assert counter.frame_count == 1
+
+
 def test_rotary_module_and_model_do_not_recompile_on_the_second_call():
     """The rotary table is computed in the graph while traced, not stored in (or read from) the module's
     cache: a dict filled during the first call put a guard on its keys that the second call failed."""
@@ -207,20 +217,10 @@ def test_rotary_module_and_model_do_not_recompile_on_the_second_call():
     torch.manual_seed(0)
     mha = MultiHeadAttention(16, 2, positions=RotaryEmbedding(8), mask=M.causal())
     x = torch.randn(1, 10, 16)
-    counter = _counter("eager")
-    fn = torch.compile(mha, fullgraph=True, backend=counter)
-    with torch.no_grad():
-        for _ in range(3):
-            torch.testing.assert_close(fn(x), mha(x), rtol=1e-5, atol=1e-6)
-    assert counter.frame_count == 1
+    _same_in_one_graph(mha, x, atol=1e-6)
     model = DecoderLM(DecoderConfig.preset("tiny")).eval()
     ids = torch.randint(0, 32, (1, 12), generator=torch.Generator().manual_seed(1))
-    counter = _counter("eager")
-    fn = torch.compile(model, fullgraph=True, backend=counter)
-    with torch.no_grad():
-        for _ in range(3):
-            torch.testing.assert_close(fn(ids), model(ids), rtol=1e-5, atol=1e-5)
-    assert counter.frame_count == 1
+    _same_in_one_graph(model, ids, atol=1e-5)
 
 
 # ------------------------------------------------------------------- 9: dynamic sequence lengths

@@ -33,7 +33,7 @@ from attnkit.backends.triton import plan
 from attnkit.backends import sdpa as sdpa_backend
 from attnkit.backends import triton as tb
 from attnkit.backends.call import make_call
-from attnkit.testing import check_against_oracle, random_qkv, reference
+from attnkit.testing import check_against_oracle, max_err, random_qkv, reference
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -219,12 +219,6 @@ def _():
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
-def _max_err(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    same_inf = torch.isinf(a) & torch.isinf(b) & (a.sign() == b.sign())
-    return float(torch.where(same_inf, 0.0, (a - b).abs()).max())
-
-
 @case("lse-and-its-gradient")
 def _():
     # lse against the oracle by the numerical rule; then a loss that uses lse (as merging partial results
@@ -235,7 +229,7 @@ def _():
         out, lse = _triton(q, k, v, mask=mask, return_lse=True)
         _, lse64 = reference(q.double(), k.double(), v.double(), mask=mask)
         _, lse_naive = reference(q, k, v, mask=mask)
-        assert _max_err(lse, lse64) <= 2 * _max_err(lse_naive, lse64) + 1e-6
+        assert max_err(lse, lse64) <= 2 * max_err(lse_naive, lse64) + 1e-6
         g = torch.Generator().manual_seed(5)
         go, gl = torch.randn(out.shape, generator=g), torch.randn(lse.shape, generator=g)
         grads = {}
@@ -246,7 +240,7 @@ def _():
             ((o.double() * go.double()).sum() + (ls.double() * gl.double()).sum()).backward()
             grads[name] = [t.grad for t in leaves]
         for kern, orac, naive in zip(grads["kernel"], grads["oracle"], grads["naive"]):
-            assert _max_err(kern, orac) <= 3 * _max_err(naive, orac) + 1e-6
+            assert max_err(kern, orac) <= 3 * max_err(naive, orac) + 1e-6
 
 
 @case("auto-never-picks-the-interpreter")

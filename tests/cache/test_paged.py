@@ -196,7 +196,7 @@ def test_pool_decode_numerical_rule_in_low_precision(monkeypatch, dtype):
     """In float32 and half types the pool decode's error against the float64 oracle is at most twice the naive
     formula's in the same dtype (scores and softmax run in float32)."""
     from attnkit.backends import paged as P
-    from attnkit.testing import _max_err, reference
+    from attnkit.testing import max_err, reference
     calls = []
     real = P._attend_pool
     monkeypatch.setattr(P, "_attend_pool", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -213,7 +213,7 @@ def test_pool_decode_numerical_rule_in_low_precision(monkeypatch, dtype):
         k, v = _gathered(k_pool, table[r], n), _gathered(v_pool, table[r], n)
         oracle, _ = reference(q[r:r + 1].double(), k.double(), v.double())
         naive, _ = reference(q[r:r + 1].to(dtype), k.to(dtype), v.to(dtype))
-        assert _max_err(got[r:r + 1], oracle) <= 2 * _max_err(naive, oracle) + 1e-6
+        assert max_err(got[r:r + 1], oracle) <= 2 * max_err(naive, oracle) + 1e-6
 
 
 def test_ragged_batch_decode_and_prefill_equal_each_sequence_alone():

@@ -24,7 +24,7 @@ import torch
 import attnkit
 from attnkit import bias as B
 from attnkit import masks as M
-from attnkit.testing import reference
+from attnkit.testing import max_err, reference
 
 WORLDS = (2, 4)
 LAYOUTS = ("zigzag", "contiguous")
@@ -84,13 +84,6 @@ OTHER_CASES = ("shard_positions", "unshard_roundtrip", "unshard_gradient", "no_g
                "padding_garbage")
 
 
-def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    same_inf = torch.isinf(a) & torch.isinf(b) & (torch.sign(a) == torch.sign(b))
-    d = torch.where(same_inf, torch.zeros_like(a), (a - b).abs())
-    return float(d.max()) if d.numel() else 0.0
-
-
 def _finite(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
 
@@ -137,7 +130,7 @@ def _compare(rank: int, world: int, layout: str, *, mask=None, bias=None, softca
     report = {}
     if dtype == torch.float64:
         for name, got, want in zip(names, ring_out, oracle):
-            err = _max_err(got, shard(want, layout=layout))
+            err = max_err(got, shard(want, layout=layout))
             report[name] = {"err": err, "bound": 1e-9}
     else:  # the numerical rule: at most 2x (3x for grads) the error of the textbook formula in float32
         def textbook(q_, k_, v_, **kw_):
@@ -145,8 +138,8 @@ def _compare(rank: int, world: int, layout: str, *, mask=None, bias=None, softca
         naive = _run_full(textbook, *(t.to(dtype) for t in (q, k, v)), dout, dl, kw)
         for name, got, want, nv in zip(names, ring_out, oracle, naive):
             factor = 2.0 if name in ("out", "lse") else 3.0
-            report[name] = {"err": _max_err(got, shard(want, layout=layout)),
-                            "bound": factor * _max_err(nv, want) + 1e-6}
+            report[name] = {"err": max_err(got, shard(want, layout=layout)),
+                            "bound": factor * max_err(nv, want) + 1e-6}
     return report
 
 
@@ -250,8 +243,8 @@ def _other_case(name: str, rank: int, world: int) -> dict:
         local = torch.randn(1, 2, L // world, 4, dtype=torch.float64).requires_grad_(True)
         ((rank + 1) * (unshard(local) * w).sum()).backward()
         want = shard(w, layout="zigzag") * (world * (world + 1) / 2)
-        if _max_err(local.grad, want) > 1e-12:
-            raise AssertionError(f"unshard gradient off by {_max_err(local.grad, want)}")
+        if max_err(local.grad, want) > 1e-12:
+            raise AssertionError(f"unshard gradient off by {max_err(local.grad, want)}")
         return {}
     if name == "gradcheck":
         return _gradcheck(rank, world)
@@ -268,8 +261,8 @@ def _other_case(name: str, rank: int, world: int) -> dict:
             out.backward(shard(torch.ones_like(q)))
             runs.append([out.detach()] + [t.grad for t in leaves])
         for name_, a, b in zip(("out", "dq", "dk", "dv"), *runs):
-            if not torch.isfinite(a).all() or _max_err(a, b) > 1e-5:
-                raise AssertionError(f"{name_}: garbage changed it by {_max_err(a, b)}")
+            if not torch.isfinite(a).all() or max_err(a, b) > 1e-5:
+                raise AssertionError(f"{name_}: garbage changed it by {max_err(a, b)}")
         hidden = shard(junk)
         for grad in runs[1][2:]:
             if grad[hidden].abs().max() != 0 if hidden.any() else False:

@@ -84,7 +84,7 @@ def test_packed_batch_gives_the_padded_loss_and_gradients(name, flash_kwargs, mo
     monkeypatch.setattr(hf, "attention", spy)
     _assert_same(_loss_and_grads(model, packed), want)
     # the work follows the real tokens: every layer got the packed-sequence mask, no dense (B, 1, L, L) one
-    assert seen and all(isinstance(m, masks._Varlen) for m in seen)
+    assert seen and all(isinstance(m.form(25, 25), masks.Varlen) for m in seen)
     assert all(m.cu_q.tolist() == [0, 5, 16, 17, 25] for m in seen)
 
 
@@ -111,7 +111,7 @@ def test_build_mask_turns_the_packed_sequence_mask_into_varlen():
     for fn, inner in ((mu.causal_mask_function, "causal"), (mu.sliding_window_causal_mask_function(2), "window")):
         packed = mu.and_masks(mu.remap_positions_for_packed_sequence(fn, pos), mu.packed_sequence_mask_function(ids))
         got = hf.build_mask(1, 9, 9, mask_function=packed, allow_is_causal_skip=False)
-        assert isinstance(got.mask, masks._Varlen) and got.mask.cu_q.tolist() == [0, 3, 5, 9], inner
+        assert isinstance(got.mask.form(9, 9), masks.Varlen) and got.mask.cu_q.tolist() == [0, 3, 5, 9], inner
         want = mu.sdpa_mask(batch_size=1, q_length=9, kv_length=9, mask_function=packed,
                             allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
         assert torch.equal(got.to_dense(), want)
@@ -170,7 +170,7 @@ def test_packed_sink_model_gives_the_padded_loss_and_gradients(flash_kwargs, mon
 
     monkeypatch.setattr(hf, "attention", spy)
     _assert_same(_loss_and_grads(model, packed), want)
-    assert len(seen) == 2 and all(isinstance(m, masks._Varlen) and s is not None for m, s in seen)
+    assert len(seen) == 2 and all(isinstance(m.form(25, 25), masks.Varlen) and s is not None for m, s in seen)
     assert all(m.cu_q.tolist() == [0, 5, 16, 17, 25] for m, _ in seen)
 
 

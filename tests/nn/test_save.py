@@ -194,12 +194,3 @@ def test_score_modifiers_compare_and_serialise_by_value():
         bias.compose(bias.temperature(2.0), fn).to_dict()
     with pytest.raises(ValueError, match="type 'nope'"):
         bias.from_dict({"type": "nope"})
-
-
-def test_the_command_line_loads_a_saved_directory(tmp_path, capsys):
-    from attnkit.cli import _load_model
-
-    model = DecoderLM(DecoderConfig.preset("tiny")).eval()
-    model.save_pretrained(tmp_path)
-    loaded = _load_model(str(tmp_path))
-    assert isinstance(loaded, DecoderLM) and loaded.config == model.config

@@ -27,6 +27,15 @@ def _client(server):
 
 
 PROMPT = "ba be bi bo bu da de"
+# a streamed completion that never meets an eos (token 2 is barred): it runs until it is stopped
+ENDLESS_STREAM = {
+    "model": "tiny",
+    "prompt": PROMPT,
+    "max_tokens": 200,
+    "temperature": 0,
+    "stream": True,
+    "logit_bias": {"2": -100},
+}
 
 
 def test_completions_with_the_openai_client(start, served, server_log):
@@ -266,14 +275,7 @@ def test_bad_chat_requests_and_bodies(start, served, server_log):
 def test_a_full_queue_answers_503(start):
     server = start(max_batch=1, max_waiting=1)
     slow_steps(server.engine.engine)
-    body = {
-        "model": "tiny",
-        "prompt": PROMPT,
-        "max_tokens": 200,
-        "temperature": 0,
-        "stream": True,
-        "logit_bias": {"2": -100},
-    }  # (no eos: it runs until it is stopped)
+    body = ENDLESS_STREAM
     with httpx.Client(timeout=60) as c, c.stream("POST", server.url + "/v1/completions", json=body) as first:
         next(first.iter_lines())  # running
         with c.stream("POST", server.url + "/v1/completions", json=body) as second:  # waiting
@@ -287,14 +289,7 @@ def test_a_client_that_disconnects_frees_its_blocks(start, served, server_log):
     server = start(max_batch=1)
     slow_steps(server.engine.engine)
     ids = served.tokenizer(PROMPT).input_ids
-    body = {
-        "model": "tiny",
-        "prompt": PROMPT,
-        "max_tokens": 200,
-        "temperature": 0,
-        "stream": True,
-        "logit_bias": {"2": -100},
-    }  # (no eos: it runs until it is stopped)
+    body = ENDLESS_STREAM
     with httpx.Client(timeout=60) as c:
         with c.stream("POST", server.url + "/v1/completions", json=body) as r:
             lines = r.iter_lines()

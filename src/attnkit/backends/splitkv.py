@@ -25,7 +25,7 @@ import dataclasses
 
 import torch
 
-from ..softmax import _add_sink as add_sink  # (inputs checked by the call)
+from ..softmax import add_sink_unchecked as add_sink  # (inputs checked by the call)
 from .call import Call, accumulation_dtype, single_query_window
 from .scores import modify_scores
 

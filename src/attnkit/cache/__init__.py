@@ -35,7 +35,7 @@ Example::
     torch.Size([1, 4, 1, 4])
 """
 
-from ._common import ModelCache, attend
+from ._common import ModelCache, attend, model_dims
 from ._protocol import CacheAttention, CacheRead, CacheResult, LayerCache
 from .encoder_decoder import EncoderDecoderCache
 from .paged import PagedBatch, PagedCache, PagedPacked, PoolExhausted, paged_attention
@@ -47,4 +47,4 @@ from .static import StaticCache
 __all__ = ["attend", "CacheRead", "CacheAttention", "CacheResult", "LayerCache", "ModelCache", "StaticCache",
            "SlidingWindowCache", "PagedCache", "PagedBatch", "PagedPacked",
            "QuantizedCache", "EncoderDecoderCache", "PoolExhausted", "paged_attention", "window_of", "quantize_groups",
-           "dequantize_groups", "SinkCache", "PagedSinkCache"]
+           "dequantize_groups", "SinkCache", "PagedSinkCache", "model_dims"]

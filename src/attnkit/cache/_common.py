@@ -151,6 +151,19 @@ class LeftPadding:
         return padding_mask(pad, start, end, self._memo)
 
 
+def stored_for(layer: Any, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """A static or sliding layer's key and value storage for an update with ``k``, ``v``: allocated on the first
+    update (after checking the layout), then checked to fit ``k`` and ``v`` and the padding's rows."""
+    K, V = layer.k, layer.v
+    if K is None or V is None:
+        layer._layout.check_first(k, v)
+        K, V = layer.allocate(k, v)
+    check_new_kv(k, v, batch=K.shape[0], heads=K.shape[1], d_head=K.shape[3], d_value=V.shape[3],
+                 dtype=K.dtype, device=K.device)
+    layer._padding.check_rows(k.shape[0])
+    return K, V
+
+
 class ModelCache:
     """A model-level cache: one per-layer cache per decoder layer and the number of tokens stored.
 
@@ -256,6 +269,14 @@ class LayoutCache(ModelCache):
         self.dtype = check_dtype("dtype", dtype) if dtype is not None else None
         self.device = torch.device(device) if device is not None else None
         self.layout = KVLayout(self.batch_size, self.n_kv_heads, self.d_head, self.d_value, self.dtype, self.device)
+
+    def _build_layers(self, layer_type: Any, n_layers: int, batch_size: int | None, n_kv_heads: int | None,
+                      d_head: int | None, d_value: int | None, dtype: torch.dtype | None, device: Any) -> None:
+        """Keep the layout, make ``n_layers`` layers of ``layer_type`` and allocate them when the layout is known;
+        ``d_value=0`` is a latent cache (:class:`attnkit.nn.LatentAttention`), its values inside the keys."""
+        self._set_layout(batch_size, n_kv_heads, d_head, d_value, dtype, device, latent=True)
+        self.layers = tuple(layer_type(self, i) for i in range(n_layers))
+        self._allocate_known()
 
     def _allocate_known(self) -> None:
         """Allocate every layer's storage now when the batch, heads and head size are known."""

@@ -8,7 +8,7 @@ import torch
 
 from ..masks import Band, Mask
 from .._checks import integer
-from ._common import LayoutCache, check_new_kv, model_dims
+from ._common import LayoutCache, model_dims, stored_for
 from ._protocol import CacheRead
 
 Tensor = torch.Tensor
@@ -64,13 +64,8 @@ class SlidingWindowLayerCache:
     def update(self, k: Tensor, v: Tensor) -> CacheRead:
         """Store ``k (B, Hkv, L_new, D)``, ``v``; return the window's keys/values in position order, the new
         ones last, with a mask when some query may not see every returned key (window or padding)."""
-        K, V, W = self.k, self.v, self.window
-        if K is None or V is None:
-            self._layout.check_first(k, v)
-            K, V = self.allocate(k, v)
-        check_new_kv(k, v, batch=K.shape[0], heads=K.shape[1], d_head=K.shape[3], d_value=V.shape[3],
-                     dtype=K.dtype, device=K.device)
-        self._padding.check_rows(k.shape[0])
+        K, V = stored_for(self, k, v)
+        W = self.window
         start, n = self.length, k.shape[2]
         end = start + n
         if n == 1:
@@ -154,10 +149,7 @@ class SlidingWindowCache(LayoutCache):
         super().__init__()
         integer("n_layers", n_layers, minimum=1)
         self.window = integer("window", window, minimum=1)
-        # d_value=0: a latent cache (attnkit.nn.LatentAttention), values inside the keys
-        self._set_layout(batch_size, n_kv_heads, d_head, d_value, dtype, device, latent=True)
-        self.layers = tuple(SlidingWindowLayerCache(self, i) for i in range(n_layers))
-        self._allocate_known()
+        self._build_layers(SlidingWindowLayerCache, n_layers, batch_size, n_kv_heads, d_head, d_value, dtype, device)
 
     @classmethod
     def for_model(cls, model: Any, batch_size: int, window: int | None = None, *,

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from .._checks import integer
-from ._common import LayoutCache, check_new_kv, model_dims
+from ._common import LayoutCache, model_dims, stored_for
 from ._protocol import CacheRead
 
 Tensor = torch.Tensor
@@ -44,13 +44,7 @@ class StaticLayerCache:
     def update(self, k: Tensor, v: Tensor) -> CacheRead:
         """Store ``k (B, Hkv, L_new, D)``, ``v (B, Hkv, L_new, Dv)``; return everything attention should see:
         ``(k_all, v_all)`` of length ``length + L_new``, plus the padding mask of a left-padded batch."""
-        K, V = self.k, self.v
-        if K is None or V is None:
-            self._layout.check_first(k, v)
-            K, V = self.allocate(k, v)
-        check_new_kv(k, v, batch=K.shape[0], heads=K.shape[1], d_head=K.shape[3], d_value=V.shape[3],
-                     dtype=K.dtype, device=K.device)
-        self._padding.check_rows(k.shape[0])
+        K, V = stored_for(self, k, v)
         start, n = self.length, k.shape[2]
         end = start + n
         if end > K.shape[2]:
@@ -126,10 +120,7 @@ class StaticCache(LayoutCache):
         super().__init__()
         integer("n_layers", n_layers, minimum=1)
         self.max_len = integer("max_len", max_len, minimum=1)
-        # d_value=0: a latent cache (attnkit.nn.LatentAttention), values inside the keys
-        self._set_layout(batch_size, n_kv_heads, d_head, d_value, dtype, device, latent=True)
-        self.layers = tuple(StaticLayerCache(self, i) for i in range(n_layers))
-        self._allocate_known()
+        self._build_layers(StaticLayerCache, n_layers, batch_size, n_kv_heads, d_head, d_value, dtype, device)
 
     @classmethod
     def for_model(cls, model: Any, batch_size: int, max_len: int | None = None, *,

@@ -9,7 +9,7 @@ import sys
 import torch
 
 from .._threads import DecodeThreads
-from ..nn.layers import _DecodeCopies as DecodeCopies
+from ..nn.layers import DecodeCopies as DecodeCopies
 
 Tensor = torch.Tensor
 

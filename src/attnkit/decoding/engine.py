@@ -32,7 +32,7 @@ import torch
 from .._checks import flag, integer
 from .._threads import DecodeThreads
 from ..cache import PagedCache, PagedSinkCache, PoolExhausted
-from ..cache._common import model_dims
+from ..cache import model_dims
 from . import sampling as _sampling
 from ._steps import (
     EXTRAPOLATING,

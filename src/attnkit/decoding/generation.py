@@ -23,7 +23,7 @@ import torch
 from .._checks import flag
 from .._threads import DecodeThreads
 from ..cache import PagedCache, QuantizedCache, SlidingWindowCache, StaticCache
-from ..cache._common import model_dims
+from ..cache import model_dims
 from . import sampling as _sampling
 from ._steps import (
     DecodeCopies,
@@ -183,11 +183,11 @@ def _recompile_limit() -> dict:
 
 def _check_shiftable(model) -> None:
     """Left padding shifts a row's slots by its padding: refuse masks that read absolute positions."""
-    from ..masks import Mask, _reads_absolute_positions
+    from ..masks import Mask, reads_absolute_positions
 
     for name, module in model.named_modules():
         mask = getattr(module, "mask", None)
-        part = _reads_absolute_positions(mask) if isinstance(mask, Mask) else None
+        part = reads_absolute_positions(mask) if isinstance(mask, Mask) else None
         if part is not None:
             raise ValueError(
                 f"prompts of different lengths are left-padded into one batch, which shifts each row's "

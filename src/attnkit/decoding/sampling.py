@@ -199,20 +199,7 @@ _EXTRA_DEFAULTS: tuple[tuple[str, object], ...] = (
 
 
 # the keyword forms of a SamplingParams that generate, Engine.add and AsyncEngine.submit also take
-KEYWORDS = (
-    "temperature",
-    "top_k",
-    "top_p",
-    "eos_id",
-    "seed",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "min_p",
-    "logit_bias",
-    "stop",
-    "logprobs",
-)
+KEYWORDS = tuple(name for name in SamplingParams.__slots__ if name != "eos_ids")  # eos_ids is derived
 
 
 def resolve_sampling(sampling: SamplingParams | None, keywords: dict, who: str) -> SamplingParams:

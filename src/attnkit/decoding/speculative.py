@@ -15,7 +15,7 @@ import torch
 
 from .._checks import flag
 from ..cache import PagedCache, StaticCache
-from ..cache._common import model_dims
+from ..cache import model_dims
 from . import sampling
 from ._steps import EvalMode, check_decoder_only
 from .sampling import SamplingParams, TokenLogprob, _filtered, sample

@@ -32,7 +32,7 @@ from ..backends.scores import zero_unseen
 from ..bias import ScoreMod
 from ..functional import attention
 from ..masks import EMPTY, FULL, Mask
-from ..softmax import _add_sink as add_sink  # (inputs checked by the call)
+from ..softmax import add_sink_unchecked as add_sink  # (inputs checked by the call)
 from ..softmax import merge
 from ._layout import Layout, check_divisible, check_layout, group_info
 

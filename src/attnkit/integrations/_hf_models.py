@@ -216,11 +216,11 @@ def decoder_config(hf_config, *, backend: str = "auto"):
 
 def _deepseek_scale(rope: dict, qk_head_dim: int) -> float:
     """DeepSeek's score scale: ``qk_head_dim^-0.5``, times ``mscale(factor, mscale_all_dim)^2`` with a scaled rope."""
-    from ..nn.rope_scaling import _yarn_mscale
+    from ..nn.rope_scaling import yarn_mscale
 
     scale = qk_head_dim ** -0.5
     if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
-        m = _yarn_mscale(rope["factor"], rope["mscale_all_dim"])
+        m = yarn_mscale(rope["factor"], rope["mscale_all_dim"])
         scale = scale * m * m
     return scale
 

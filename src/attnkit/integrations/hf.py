@@ -56,12 +56,12 @@ from .. import backends as _backends
 from .. import masks as _masks
 from ..functional import attention, attention_weights
 from ..masks import Mask
-from ._hf_models import from_hf, to_hf
+from ._hf_models import FAMILIES, from_hf, to_hf
 from ._transformers import SUPPORTED_TRANSFORMERS, _check_version, _transformers  # noqa: F401
 
 Tensor = torch.Tensor
 
-__all__ = ["register", "attention_forward", "build_mask", "from_hf", "to_hf", "SUPPORTED_TRANSFORMERS"]
+__all__ = ["register", "attention_forward", "build_mask", "from_hf", "to_hf", "SUPPORTED_TRANSFORMERS", "FAMILIES"]
 
 
 # names transformers itself defines; registering one of them would replace it for every model in the process

@@ -10,7 +10,7 @@ from typing import Callable, Iterator, TypeAlias, Union
 import torch
 
 from ._blocks import (_EVAL_CHUNK, EMPTY, FULL, PARTIAL, BlockStructure, _and_tiles, _as_grid, _Band, _ceil_div,
-                      _check_int, _Grid, _index_grid, _or_tiles, _pool_kinds, _structure_from_band,
+                      _check_int, _Grid, index_grid, _or_tiles, _pool_kinds, _structure_from_band,
                       _structure_from_grid, _Tiling)
 
 Tensor = torch.Tensor
@@ -399,7 +399,7 @@ class Mask:
         _check_int("q_len", q_len)
         _check_int("kv_len", kv_len)
         self.validate(batch, heads, q_len, kv_len)
-        b, h, q, k = _index_grid(batch, heads, q_len, kv_len, device)
+        b, h, q, k = index_grid(batch, heads, q_len, kv_len, device)
         out = _checked_bool(self, self.evaluate(b, h, q, k, q_len, kv_len))
         return out.expand(out.shape[0], out.shape[1], q_len, kv_len)
 

@@ -57,7 +57,7 @@ def _index_tensor(name: str, values: object, *, ndim: Sequence[int]) -> Tensor:
     return t.to(torch.long)
 
 
-def _index_grid(batch: int, heads: int, q_len: int, kv_len: int,
+def index_grid(batch: int, heads: int, q_len: int, kv_len: int,
                 device: torch.device | str | None = None) -> tuple[Tensor, ...]:
     """Index tensors b (B,1,1,1), h (1,H,1,1), q (1,1,Lq,1), k (1,1,1,Lk) that broadcast to (B, H, Lq, Lk)."""
     device = torch.device(device) if device is not None else torch.device("cpu")

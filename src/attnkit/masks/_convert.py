@@ -10,7 +10,7 @@ import torch
 from .._checks import holds
 from ._base import Dense, Mask, Varlen, _And, _checked_bool, _checked_shape, _leaves, _Named, _Or
 from ._blocks import (_ALIGNS, _BIG, _EVAL_CHUNK, EMPTY, FULL, PARTIAL, _Band, _band_from_keys, _ceil_div, _check_align,
-                      _Grid, _index_grid, _index_tensor, _offset, _pool_kinds, _Tiling)
+                      _Grid, index_grid, _index_tensor, _offset, _pool_kinds, _Tiling)
 from ._builtins import (_BlockLocal, _Causal, _Dilated, _GlobalTokens, _Interval, _PrefixLM, _RandomBlocks,
                         _SlidingWindow, _Strided)
 
@@ -435,11 +435,11 @@ def varlen(cu_seqlens_q: Tensor | Sequence[int], cu_seqlens_k: Tensor | Sequence
 # ------------------------------------------------------------------ questions about a mask
 
 
-def _nothing_visible(mask: Mask, batch: int, heads: int, q_len: int, kv_len: int,
+def nothing_visible(mask: Mask, batch: int, heads: int, q_len: int, kv_len: int,
                      device: torch.device | str | None = None) -> bool:
     """True when ``mask`` lets no query of a ``(batch, heads, q_len, kv_len)`` call see any key, evaluated a
     chunk of rows at a time (stopping at the first chunk that sees something)."""
-    b, h, _, k = _index_grid(batch, heads, 0, kv_len, device)
+    b, h, _, k = index_grid(batch, heads, 0, kv_len, device)
     step = max(1, _EVAL_CHUNK // max(1, batch * heads * kv_len))
     for start in range(0, q_len, step):
         q = torch.arange(start, min(q_len, start + step), device=k.device).view(1, 1, -1, 1)
@@ -448,7 +448,7 @@ def _nothing_visible(mask: Mask, batch: int, heads: int, q_len: int, kv_len: int
     return True
 
 
-def _positions_unchecked(mask: Mask, q_len: int, kv_len: int) -> bool:
+def positions_unchecked(mask: Mask, q_len: int, kv_len: int) -> bool:
     """Whether ``mask`` has a part that may read positions differently from the others: a ``from_fn`` (or
     BlockMask) predicate over query rows, or, when ``Lq != Lk``, parts aligned both top-left and
     bottom-right."""
@@ -484,7 +484,7 @@ def _decodes_differently(mask: Mask) -> tuple[Mask, str] | None:
     return None
 
 
-def _reads_absolute_positions(mask: Mask) -> Mask | None:
+def reads_absolute_positions(mask: Mask) -> Mask | None:
     """A part of ``mask`` that reads absolute query/key positions (or may: ``from_fn``, ``from_dense``, ...)
     rather than only their distance ``p - j``, or None: shifting every position of a row by the same amount
     (left padding) changes what such a part allows.  A top-left aligned part counts: its queries sit at

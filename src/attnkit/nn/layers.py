@@ -23,7 +23,7 @@ picks the kernel from the layout and the row count, for float32 CPU products tha
 * anything else (gradients, other dtypes and devices, ``torch.compile`` graphs): ``F.linear``.
 
 The model's weights are never moved to get the layout: :func:`attnkit.generate` and :class:`attnkit.decoding.Engine`
-decode through copies they own (``_DecodeCopies``: float32 weights in oneDNN's blocked layout for 4-64
+decode through copies they own (``DecodeCopies``: float32 weights in oneDNN's blocked layout for 4-64
 rows, row-major for 1-3, bfloat16 column-major for 4-64; made again when a weight changes), and
 :func:`to_decode_layout` changes a module's own weights in place (column-major: parameters stay ordinary
 tensors), for those who want the layout without the copies.
@@ -123,7 +123,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
             weight = copies.weight_for(weight, rows)
         if (x.dtype is torch.float32 and weight.dtype is torch.float32
                 and (bias is None or (bias.dtype is torch.float32 and bias.is_cpu))):
-            if weight.is_mkldnn:  # a blocked copy (_DecodeCopies, 4-64 rows)
+            if weight.is_mkldnn:  # a blocked copy (DecodeCopies, 4-64 rows)
                 return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
             if 1 <= rows <= _MKL_ROWS and weight.dim() == 2 and weight.stride(1) == 1 and weight.stride(0) == k:
                 # the kernel this machine streams a row-major weight fastest with, measured once (_products)
@@ -170,12 +170,12 @@ def _decode_layout(w: Tensor, rows: int) -> str | None:
     return None
 
 
-_DECODE_COPIES: contextvars.ContextVar["_DecodeCopies | None"] = contextvars.ContextVar("attnkit_decode_copies",
+_DECODE_COPIES: contextvars.ContextVar["DecodeCopies | None"] = contextvars.ContextVar("attnkit_decode_copies",
                                                                                        default=None)
 _SAMPLES = 64  # values of a weight kept beside its copy, to notice writes its version counter does not see
 
 
-class _DecodeCopies:
+class DecodeCopies:
     """Copies of weights in the layout each decode-sized product reads fastest, owned by whoever decodes
     (:func:`attnkit.generate` keeps one set per model, an :class:`attnkit.decoding.Engine` its own), so that the
     model's parameters never change their memory.

@@ -69,7 +69,7 @@ def _ntk_base(base: float, dim: int, factor: float) -> float:
     return base * factor ** (dim / (dim - 2)) if dim > 2 else base
 
 
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     """YaRN's magnitude correction ``0.1 * mscale * ln(factor) + 1`` (1 for ``factor <= 1``)."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
@@ -342,9 +342,9 @@ class YaRNScaling(RopeScaling):
         attention_factor = _checks.positive_float("scaling['attention_factor']", self.attention_factor, allow_none=True)
         if attention_factor is None:  # YaRN's sqrt(1/t) = 0.1 ln(s) + 1, or DeepSeek's ratio of two of them
             if self.mscale and self.mscale_all_dim:
-                attention_factor = _yarn_mscale(factor, self.mscale) / _yarn_mscale(factor, self.mscale_all_dim)
+                attention_factor = yarn_mscale(factor, self.mscale) / yarn_mscale(factor, self.mscale_all_dim)
             else:
-                attention_factor = _yarn_mscale(factor)
+                attention_factor = yarn_mscale(factor)
         self._set("attention_factor", float(attention_factor))
 
     def inv_freq(self, base: float, dim: int, seq_len: int) -> Tensor:

@@ -51,7 +51,7 @@ def load_model_dir(
     (with the list of those it does)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from ..integrations._hf_models import FAMILIES
+    from ..integrations.hf import FAMILIES
     from ..integrations.hf import from_hf
 
     path = Path(path)

@@ -15,7 +15,7 @@ from ...bias import ScoreMod
 from ...masks import Mask
 from . import ops
 from . import plan as planning
-from ...softmax import _add_sink as add_sink  # (inputs checked by the call)
+from ...softmax import add_sink_unchecked as add_sink  # (inputs checked by the call)
 from ..call import Call
 from ..fused import FUSED
 from ..scores import per_mask, sink_grad

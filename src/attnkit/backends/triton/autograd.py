@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ...softmax import _add_sink as add_sink  # (inputs checked by the call)
+from ...softmax import add_sink_unchecked as add_sink  # (inputs checked by the call)
 from ..call import Call
 from ..reads import check_unchanged, tensor_versions
 from ..scores import sink_grad

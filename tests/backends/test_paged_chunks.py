@@ -11,6 +11,7 @@ from attnkit.cache import PagedCache
 from attnkit.nn import DecoderConfig, DecoderLM
 from attnkit.testing import check_against_oracle, random_qkv
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one intra-op thread is faster
 needs_fused = pytest.mark.skipif(kernel._fused_cpu() is None, reason="this PyTorch build has no fused CPU flash kernel")
 
 
