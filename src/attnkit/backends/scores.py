@@ -82,7 +82,7 @@ def score_pipeline(s: Tensor, b: Tensor, h: Tensor, q: Tensor, k: Tensor, q_len:
     ``b``, ``h``, ``q``, ``k`` are index tensors broadcastable to ``s`` (batch row, query head, query row,
     key); ``q_len``/``kv_len`` are the lengths a mask or modifier aligns them with (bottom-right: query
     ``i`` sits at position ``i + kv_len - q_len``).  ``bias`` and ``mask`` are a score modifier and a
-    :class:`Mask` (or None); a tensor bias or bool mask enters already sliced to ``s`` as ``bias_block`` /
+    :class:`~attnkit.masks.Mask` (or None); a tensor bias or bool mask enters already sliced to ``s`` as ``bias_block`` /
     ``mask_block`` (True = may attend).  A hidden score is ``-inf``.
     """
     if softcap is not None:

@@ -36,6 +36,7 @@ Example::
 """
 
 from ._common import ModelCache, attend, model_dims
+from ._summaries import BlockSummaries, summaries_of
 from ._protocol import CacheAttention, CacheRead, CacheResult, LayerCache
 from .encoder_decoder import EncoderDecoderCache
 from .paged import PagedBatch, PagedCache, PagedPacked, PoolExhausted, paged_attention
@@ -47,4 +48,4 @@ from .static import StaticCache
 __all__ = ["attend", "CacheRead", "CacheAttention", "CacheResult", "LayerCache", "ModelCache", "StaticCache",
            "SlidingWindowCache", "PagedCache", "PagedBatch", "PagedPacked",
            "QuantizedCache", "EncoderDecoderCache", "PoolExhausted", "paged_attention", "window_of", "quantize_groups",
-           "dequantize_groups", "SinkCache", "PagedSinkCache", "model_dims"]
+           "dequantize_groups", "SinkCache", "PagedSinkCache", "model_dims", "BlockSummaries", "summaries_of"]

@@ -16,8 +16,7 @@ from __future__ import annotations
 import torch
 
 from .. import masks as _masks
-from ..cache import CacheAttention
-from ..cache._summaries import summaries_of
+from ..cache import CacheAttention, summaries_of
 from ..functional import attention
 from . import _checks
 from .attention import AttentionConfig, MultiHeadAttention, _check_layer_cache, _update_cache
