@@ -29,7 +29,7 @@ def test_make_demo_installs_the_demo_extra_and_make_test_the_dev_extra(tmp_path)
 
 def test_bench_without_a_source_checkout_says_what_to_do(tmp_path, monkeypatch, capsys):
     """After `pip install attnkit` the package has no benchmarks/ beside it and the current directory has none."""
-    monkeypatch.setattr(cli, "_SOURCE_BENCHMARKS", tmp_path / "site-packages" / "benchmarks")
+    monkeypatch.setattr(cli._commands, "_SOURCE_BENCHMARKS", tmp_path / "site-packages" / "benchmarks")
     monkeypatch.chdir(tmp_path)
     assert cli.main(["bench", "--quick"]) == 2
     err = capsys.readouterr().err

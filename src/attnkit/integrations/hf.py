@@ -56,7 +56,8 @@ from .. import backends as _backends
 from .. import masks as _masks
 from ..functional import attention, attention_weights
 from ..masks import Mask
-from ._hf_models import FAMILIES, from_hf, to_hf
+from ._hf_export import to_hf
+from ._hf_models import FAMILIES, from_hf
 from ._transformers import SUPPORTED_TRANSFORMERS, _check_version, _transformers  # noqa: F401
 
 Tensor = torch.Tensor

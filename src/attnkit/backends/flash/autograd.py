@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from ...bias import ScoreMod
 from ...masks import Mask
+from . import backward as bwd
 from . import ops
 from . import plan as planning
 from ...softmax import add_sink_unchecked as add_sink  # (inputs checked by the call)
@@ -285,7 +286,7 @@ class _FlashFunction(torch.autograd.Function):
         if bias_grad:
             dbias = torch.zeros(work.bias.shape, dtype=work.acc, device=q.device)
         dparams: list[Tensor | None] = [None] * len(params)
-        dq3, dk3, dv3 = ops.backward(work, out3, lse3, dout3, dlse3, fused, dbias, dparams)
+        dq3, dk3, dv3 = bwd.backward(work, out3, lse3, dout3, dlse3, fused, dbias, dparams)
         B, Hkv, Lk = call.batch, call.kv_heads, call.kv_len
         dq = _unflat(dq3, call, call.q.dtype)
         dk = dk3[:, :Lk].reshape(B, Hkv, Lk, -1).to(call.k.dtype)

@@ -38,6 +38,7 @@ import torch
 
 from ... import masks as _masks
 from ...masks import Mask
+from . import backward as bwd
 from . import ops
 from . import plan as planning
 from ..call import Call, accumulation_dtype
@@ -291,7 +292,7 @@ def backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Te
         if dlse_s is not None:
             dlse3 = torch.zeros(hq, plan.q_pad, dtype=dlse_s.dtype, device=dlse_s.device)  # (Hq, Lq_pad)
             dlse3[:, :s.lq] = dlse_s[s.qa:s.qb].t()
-        dq3, dk3, dv3 = ops.backward(work, out3[:, a:a + plan.q_pad], lse3, dout3[:, a:a + plan.q_pad], dlse3, f,
+        dq3, dk3, dv3 = bwd.backward(work, out3[:, a:a + plan.q_pad], lse3, dout3[:, a:a + plan.q_pad], dlse3, f,
                                      None, [])
         dq.put(s.qa, dq3[:, :s.lq].transpose(0, 1))
         dk.put(s.ka, dk3[:, :s.lk].transpose(0, 1))
