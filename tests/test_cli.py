@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnkit import masks
+from attnkit import cli, masks
 from attnkit.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -531,3 +531,14 @@ def test_the_command_line_loads_a_saved_directory(tmp_path, capsys):
     model.save_pretrained(tmp_path)
     loaded = _load_model(str(tmp_path))
     assert isinstance(loaded, DecoderLM) and loaded.config == model.config
+
+
+def test_bench_without_a_source_checkout_says_what_to_do(tmp_path, monkeypatch, capsys):
+    """After `pip install attnkit` the package has no benchmarks/ beside it and the current directory has none."""
+    monkeypatch.setattr(cli._commands, "_SOURCE_BENCHMARKS", tmp_path / "site-packages" / "benchmarks")
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["bench", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert "not part of the installed package" in err and "attnkit[bench]" in err and "--dir" in err
+    assert cli.main(["bench", "--dir", str(tmp_path / "nowhere")]) == 2
+    assert "--dir" in capsys.readouterr().err

@@ -66,7 +66,7 @@ def _check_fields(cfg, checks: list, family: str) -> None:
 
 
 def _hf_rope(cfg) -> tuple[dict, int]:
-    """HF ``rope_parameters`` and ``max_position_embeddings`` of a DecoderConfig (see :func:`_rope`)."""
+    """HF ``rope_parameters`` and ``max_position_embeddings`` of a DecoderConfig (see ``_hf_models._rope``)."""
     rope, max_len = {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}, cfg.max_seq_len
     if cfg.rope_scaling is None:
         return rope, max_len
