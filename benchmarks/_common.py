@@ -13,8 +13,9 @@ from typing import Callable
 import torch
 
 
-def timeit(fns: dict[str, Callable[[], object]], *, repeat: int = 5, warmup: int = 1,
-           budget_s: float = 30.0) -> dict[str, float]:
+def timeit(
+    fns: dict[str, Callable[[], object]], *, repeat: int = 5, warmup: int = 1, budget_s: float = 30.0
+) -> dict[str, float]:
     """Median seconds per call of each function, measured interleaved (round-robin) so that a noisy
     neighbour slows every variant alike; stops early when ``budget_s`` is spent (at least 1 run each)."""
     for fn in fns.values():
@@ -57,5 +58,6 @@ def save(name: str, payload: dict, out: str | Path | None = None) -> Path:
 def machine(threads: bool = True) -> str:
     """The machine in one line; ``threads=False`` leaves out this process's thread count (a script whose
     timed work runs in other processes says theirs)."""
-    return (f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}"
-            + (f", {torch.get_num_threads()} threads" if threads else ""))
+    return f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}" + (
+        f", {torch.get_num_threads()} threads" if threads else ""
+    )

@@ -57,15 +57,22 @@ def attention_rows(lengths: list[int], repeat: int) -> list[dict]:
         torch._dynamo.reset()
         compiled = torch.compile(fwd, fullgraph=True)
         passes = {
-            "forward": lambda f: (lambda: _no_grad(f, q, k, v)),
-            "forward+backward": lambda f: (lambda: torch.autograd.grad(f(q, k, v), (q, k, v), dout)),
+            "forward": lambda f: lambda: _no_grad(f, q, k, v),
+            "forward+backward": lambda f: lambda: torch.autograd.grad(f(q, k, v), (q, k, v), dout),
         }
         for name, make in passes.items():
             compile_s = _first_call_s(make(compiled))
             t = timeit({"eager": make(fwd), "compiled": make(compiled)}, repeat=repeat, budget_s=120.0)
-            rows.append({"pass": name, "L": L, "eager (ms)": f"{t['eager'] * 1e3:.1f}",
-                         "compiled (ms)": f"{t['compiled'] * 1e3:.1f}",
-                         "compiled / eager": f"{t['compiled'] / t['eager']:.2f}", "compile (s)": f"{compile_s:.1f}"})
+            rows.append(
+                {
+                    "pass": name,
+                    "L": L,
+                    "eager (ms)": f"{t['eager'] * 1e3:.1f}",
+                    "compiled (ms)": f"{t['compiled'] * 1e3:.1f}",
+                    "compiled / eager": f"{t['compiled'] / t['eager']:.2f}",
+                    "compile (s)": f"{compile_s:.1f}",
+                }
+            )
             print(table(rows[-1:], list(rows[-1])), flush=True)
     return rows
 
@@ -78,8 +85,9 @@ def _no_grad(f, *args):
 def training_rows(L: int, n_layers: int, repeat: int) -> list[dict]:
     """A DecoderLM training step, eager against compiled; FlexAttention cannot run it on CPU."""
     torch.manual_seed(0)
-    cfg = DecoderConfig.preset("llama-like", vocab_size=8192, n_layers=n_layers, n_kv_heads=2, max_seq_len=L,
-                               mask=masks.sliding_window(511))
+    cfg = DecoderConfig.preset(
+        "llama-like", vocab_size=8192, n_layers=n_layers, n_kv_heads=2, max_seq_len=L, mask=masks.sliding_window(511)
+    )
     models = {"eager": DecoderLM(cfg), "compiled": DecoderLM(cfg)}
     models["compiled"].load_state_dict(models["eager"].state_dict())
     opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, m in models.items()}
@@ -98,14 +106,21 @@ def training_rows(L: int, n_layers: int, repeat: int) -> list[dict]:
             loss.backward()
             opts[name].step()
             opts[name].zero_grad(set_to_none=True)
+
         return run
 
     compile_s = _first_call_s(step("compiled"))
     t = timeit({"eager": step("eager"), "compiled": step("compiled")}, repeat=repeat, budget_s=240.0)
-    return [{"step": f"DecoderLM train step, L={L}, window 512, {n_layers} layers", "eager (ms)": f"{t['eager'] * 1e3:.0f}",
-             "compiled (ms)": f"{t['compiled'] * 1e3:.0f}", "compiled / eager": f"{t['compiled'] / t['eager']:.2f}",
-             "compile (s)": f"{compile_s:.1f}",
-             "FlexAttention": "impossible on CPU: flex_attention has no CPU backward"}]
+    return [
+        {
+            "step": f"DecoderLM train step, L={L}, window 512, {n_layers} layers",
+            "eager (ms)": f"{t['eager'] * 1e3:.0f}",
+            "compiled (ms)": f"{t['compiled'] * 1e3:.0f}",
+            "compiled / eager": f"{t['compiled'] / t['eager']:.2f}",
+            "compile (s)": f"{compile_s:.1f}",
+            "FlexAttention": "impossible on CPU: flex_attention has no CPU backward",
+        }
+    ]
 
 
 def flex_rows(lengths: list[int], repeat: int) -> list[dict]:
@@ -131,14 +146,28 @@ def flex_rows(lengths: list[int], repeat: int) -> list[dict]:
             flex_s = _first_call_s(lambda: flex(q, k, v, block_mask=block_mask))
             ours_s = _first_call_s(lambda: ours(q, k, v))
             err = float((flex(q, k, v, block_mask=block_mask) - attnkit.attention(q, k, v, mask=mask)).abs().max())
-            t = timeit({"attnkit": lambda: attnkit.attention(q, k, v, mask=mask), "attnkit compiled": lambda: ours(q, k, v),
-                        "flex compiled": lambda: flex(q, k, v, block_mask=block_mask)}, repeat=repeat, budget_s=120.0)
-        rows.append({"L": L, "attnkit (ms)": f"{t['attnkit'] * 1e3:.1f}",
-                     "attnkit compiled (ms)": f"{t['attnkit compiled'] * 1e3:.1f}",
-                     "flex compiled (ms)": f"{t['flex compiled'] * 1e3:.1f}",
-                     "flex / attnkit compiled": f"{t['flex compiled'] / t['attnkit compiled']:.2f}",
-                     "attnkit compile (s)": f"{ours_s:.1f}", "flex compile (s)": f"{flex_s:.1f}",
-                     "flex block mask (s)": f"{block_mask_s:.2f}", "max |diff|": f"{err:.1e}"})
+            t = timeit(
+                {
+                    "attnkit": lambda: attnkit.attention(q, k, v, mask=mask),
+                    "attnkit compiled": lambda: ours(q, k, v),
+                    "flex compiled": lambda: flex(q, k, v, block_mask=block_mask),
+                },
+                repeat=repeat,
+                budget_s=120.0,
+            )
+        rows.append(
+            {
+                "L": L,
+                "attnkit (ms)": f"{t['attnkit'] * 1e3:.1f}",
+                "attnkit compiled (ms)": f"{t['attnkit compiled'] * 1e3:.1f}",
+                "flex compiled (ms)": f"{t['flex compiled'] * 1e3:.1f}",
+                "flex / attnkit compiled": f"{t['flex compiled'] / t['attnkit compiled']:.2f}",
+                "attnkit compile (s)": f"{ours_s:.1f}",
+                "flex compile (s)": f"{flex_s:.1f}",
+                "flex block mask (s)": f"{block_mask_s:.2f}",
+                "max |diff|": f"{err:.1e}",
+            }
+        )
         print(table(rows[-1:], list(rows[-1])), flush=True)
     return rows
 
@@ -152,8 +181,14 @@ def generate_rows(new_tokens: int) -> list[dict]:
     first = _first_call_s(lambda: attnkit.generate(model, prompts, new_tokens, compile=True))
     second = _first_call_s(lambda: attnkit.generate(model, prompts, new_tokens, compile=True))
     eager = _first_call_s(lambda: attnkit.generate(model, prompts, new_tokens))
-    return [{"generate": f"small model, {new_tokens} new tokens", "first call, compiling (s)": f"{first:.1f}",
-             "second call (s)": f"{second:.2f}", "eager (s)": f"{eager:.2f}"}]
+    return [
+        {
+            "generate": f"small model, {new_tokens} new tokens",
+            "first call, compiling (s)": f"{first:.1f}",
+            "second call (s)": f"{second:.2f}",
+            "eager (s)": f"{eager:.2f}",
+        }
+    ]
 
 
 def main() -> None:

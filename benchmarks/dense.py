@@ -50,15 +50,20 @@ def main(argv=None) -> None:
             flops = 4 * B * H * L * L * D * (0.5 if causal else 1.0)
             go = torch.randn(B, H, L, D)
             for mode in ("fwd", "fwd+bwd"):
+
                 def wrap(f):
                     if mode == "fwd":
+
                         def run():
                             with torch.no_grad():
                                 f()
                     else:
+
                         def run():
                             f().backward(go)
+
                     return run
+
                 fns = {
                     "attnkit": wrap(lambda: attnkit.attention(q, k, v, mask=mask)),
                     "sdpa": wrap(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)),
@@ -67,16 +72,30 @@ def main(argv=None) -> None:
                     fns["naive"] = wrap(lambda: naive(q, k, v, causal))
                 t = timeit(fns, repeat=repeat, budget_s=20 if not args.quick else 5)
                 mult = 1 if mode == "fwd" else 3.5  # backward ~2.5x the forward's matmul work
-                row = {"mask": "causal" if causal else "none", "L": L, "pass": mode,
-                       "attnkit ms": f"{t['attnkit'] * 1e3:.1f}", "sdpa ms": f"{t['sdpa'] * 1e3:.1f}",
-                       "naive ms": f"{t['naive'] * 1e3:.1f}" if "naive" in t else "skipped (memory)",
-                       "attnkit GFLOP/s": f"{flops * mult / t['attnkit'] / 1e9:.1f}",
-                       "attnkit/sdpa time": f"{t['attnkit'] / t['sdpa']:.3f}",
-                       "naive/attnkit time": f"{t['naive'] / t['attnkit']:.2f}" if "naive" in t else "-"}
+                row = {
+                    "mask": "causal" if causal else "none",
+                    "L": L,
+                    "pass": mode,
+                    "attnkit ms": f"{t['attnkit'] * 1e3:.1f}",
+                    "sdpa ms": f"{t['sdpa'] * 1e3:.1f}",
+                    "naive ms": f"{t['naive'] * 1e3:.1f}" if "naive" in t else "skipped (memory)",
+                    "attnkit GFLOP/s": f"{flops * mult / t['attnkit'] / 1e9:.1f}",
+                    "attnkit/sdpa time": f"{t['attnkit'] / t['sdpa']:.3f}",
+                    "naive/attnkit time": f"{t['naive'] / t['attnkit']:.2f}" if "naive" in t else "-",
+                }
                 rows.append(row)
                 print(row, flush=True)
-    cols = ["mask", "L", "pass", "attnkit ms", "sdpa ms", "naive ms", "attnkit GFLOP/s", "attnkit/sdpa time",
-            "naive/attnkit time"]
+    cols = [
+        "mask",
+        "L",
+        "pass",
+        "attnkit ms",
+        "sdpa ms",
+        "naive ms",
+        "attnkit GFLOP/s",
+        "attnkit/sdpa time",
+        "naive/attnkit time",
+    ]
     print()
     print(f"dense attention, float32, B={B}, H={H}, D={D}; {machine()}")
     print(table(rows, cols))

@@ -44,8 +44,17 @@ WEIGHTS = {"logits": 1.0, "attention": 10.0, "relations": 10.0}  # the smaller s
 
 def recall_model(d_model: int, seed: int) -> DecoderLM:
     torch.manual_seed(seed)
-    return DecoderLM(DecoderConfig(vocab_size=VOCAB, d_model=d_model, n_layers=2, n_heads=4, max_seq_len=64,
-                                   positions="alibi", tie_embeddings=False))
+    return DecoderLM(
+        DecoderConfig(
+            vocab_size=VOCAB,
+            d_model=d_model,
+            n_layers=2,
+            n_heads=4,
+            max_seq_len=64,
+            positions="alibi",
+            tie_embeddings=False,
+        )
+    )
 
 
 def evaluate(model, batch: TaskBatch) -> float:
@@ -92,11 +101,22 @@ def episodes(batch: int, n: int, generator) -> TaskBatch:
 def smaller_student(teacher, steps: int, eval_every: int, held_out: TaskBatch, seed: int) -> dict:
     base = recall_model(32, seed + 100)
     distilled, scratch = copy.deepcopy(base), copy.deepcopy(base)
-    batches = [associative_recall(32, **TASK, generator=torch.Generator().manual_seed(seed + 1000 + s))
-               for s in range(steps)]
+    batches = [
+        associative_recall(32, **TASK, generator=torch.Generator().manual_seed(seed + 1000 + s)) for s in range(steps)
+    ]
     t0 = time.perf_counter()
-    report = distill(teacher, distilled, lambda step: batches[step], steps=steps, lr=5e-3, eval_batch=held_out,
-                     eval_every=eval_every, progress=False, heads="map", weights=WEIGHTS)
+    report = distill(
+        teacher,
+        distilled,
+        lambda step: batches[step],
+        steps=steps,
+        lr=5e-3,
+        eval_batch=held_out,
+        eval_every=eval_every,
+        progress=False,
+        heads="map",
+        weights=WEIGHTS,
+    )
     t_distill = time.perf_counter() - t0
     curve_scratch = []
 
@@ -108,15 +128,22 @@ def smaller_student(teacher, steps: int, eval_every: int, held_out: TaskBatch, s
     t0 = time.perf_counter()
     train_lm(scratch, lambda step: batches[step], steps=steps, lr=5e-3, on_step=on_step)
     t_scratch = time.perf_counter() - t0
-    return dict(report=report, curve_distilled=report.curve, curve_scratch=curve_scratch,
-                distilled=evaluate(distilled, held_out), scratch=evaluate(scratch, held_out),
-                seconds_distill=t_distill, seconds_scratch=t_scratch,
-                params_teacher=sum(p.numel() for p in teacher.parameters()),
-                params_student=sum(p.numel() for p in base.parameters()))
+    return dict(
+        report=report,
+        curve_distilled=report.curve,
+        curve_scratch=curve_scratch,
+        distilled=evaluate(distilled, held_out),
+        scratch=evaluate(scratch, held_out),
+        seconds_distill=t_distill,
+        seconds_scratch=t_scratch,
+        params_teacher=sum(p.numel() for p in teacher.parameters()),
+        params_student=sum(p.numel() for p in base.parameters()),
+    )
 
 
-def dense_to_sparse(teacher, finetune_steps: int, steps: int, test: TaskBatch, seed: int, long_len: int,
-                    budget_s: float) -> dict:
+def dense_to_sparse(
+    teacher, finetune_steps: int, steps: int, test: TaskBatch, seed: int, long_len: int, budget_s: float
+) -> dict:
     dense = copy.deepcopy(teacher).train()
     g = torch.Generator().manual_seed(seed + 2000)
     train_lm(dense, lambda step: episodes(32, 4, g), steps=finetune_steps, lr=2e-3, warmup=10)
@@ -125,8 +152,16 @@ def dense_to_sparse(teacher, finetune_steps: int, steps: int, test: TaskBatch, s
     student = sparse_student(dense, masks.sliding_window(window))
     before = evaluate(student, test)
     g2 = torch.Generator().manual_seed(seed + 3000)
-    report = distill(dense, student, lambda step: episodes(32, 4, g2), steps=steps, lr=2e-3, warmup=10,
-                     eval_batch=test, progress=False)
+    report = distill(
+        dense,
+        student,
+        lambda step: episodes(32, 4, g2),
+        steps=steps,
+        lr=2e-3,
+        warmup=10,
+        eval_batch=test,
+        progress=False,
+    )
     after = evaluate(student, test)
     times = {}
     for length in (test.ids.shape[1], long_len):
@@ -134,8 +169,15 @@ def dense_to_sparse(teacher, finetune_steps: int, steps: int, test: TaskBatch, s
         with torch.inference_mode():
             t = timeit({"teacher": lambda: dense(ids), "student": lambda: student(ids)}, repeat=7, budget_s=budget_s)
         times[length] = t
-    return dict(teacher=evaluate(dense, test), before=before, after=after, window=window + 1,
-                keys=test.ids.shape[1], times=times, report=report)
+    return dict(
+        teacher=evaluate(dense, test),
+        before=before,
+        after=after,
+        window=window + 1,
+        keys=test.ids.shape[1],
+        times=times,
+        report=report,
+    )
 
 
 def main() -> None:
@@ -162,43 +204,83 @@ def main() -> None:
     rows = []
     scratch_curve = dict(small["curve_scratch"])
     for step, acc in small["curve_distilled"]:
-        rows.append({"step": step, "distilled": f"{acc:.1%}", "from scratch": f"{scratch_curve.get(step, float('nan')):.1%}"})
-    print(f"\n1. half-width student ({small['params_student']:,} parameters; teacher {small['params_teacher']:,}), "
-          f"{steps} steps, same batches and optimiser; 95% of the teacher = {goal:.1%}")
+        rows.append(
+            {"step": step, "distilled": f"{acc:.1%}", "from scratch": f"{scratch_curve.get(step, float('nan')):.1%}"}
+        )
+    print(
+        f"\n1. half-width student ({small['params_student']:,} parameters; teacher {small['params_teacher']:,}), "
+        f"{steps} steps, same batches and optimiser; 95% of the teacher = {goal:.1%}"
+    )
     print(table(rows, ["step", "distilled", "from scratch"]))
     ok1 = small["distilled"] >= goal and small["scratch"] < goal
-    print(f"after {steps} steps: distilled {small['distilled']:.1%} ({small['distilled'] / t_acc:.1%} of the "
-          f"teacher), from scratch {small['scratch']:.1%} ({small['scratch'] / t_acc:.1%}); target "
-          f"{'met' if ok1 else 'MISSED'}; {small['seconds_distill']:.0f} s distilling, {small['seconds_scratch']:.0f} s "
-          f"from scratch", flush=True)
+    print(
+        f"after {steps} steps: distilled {small['distilled']:.1%} ({small['distilled'] / t_acc:.1%} of the "
+        f"teacher), from scratch {small['scratch']:.1%} ({small['scratch'] / t_acc:.1%}); target "
+        f"{'met' if ok1 else 'MISSED'}; {small['seconds_distill']:.0f} s distilling, {small['seconds_scratch']:.0f} s "
+        f"from scratch",
+        flush=True,
+    )
 
     test80 = episodes(n_test // 4, 4, torch.Generator().manual_seed(seed + 5))
     long_len = 512 if q else 4096
     sp = dense_to_sparse(teacher, 30 if q else 200, 30 if q else 200, test80, seed, long_len, 3 if q else 20)
     ok2 = sp["after"] >= 0.95 * sp["teacher"]
-    print(f"\n2. dense to sparse: 4 recall episodes back to back ({sp['keys']} tokens), sliding window of "
-          f"{sp['window']} keys ({sp['window'] / sp['keys']:.0%})")
-    print(table([{"model": "dense teacher", "accuracy": f"{sp['teacher']:.1%}"},
-                 {"model": "window student, teacher's weights", "accuracy": f"{sp['before']:.1%}"},
-                 {"model": f"window student, distilled {sp['report'].steps} steps", "accuracy": f"{sp['after']:.1%}"}],
-                ["model", "accuracy"]))
+    print(
+        f"\n2. dense to sparse: 4 recall episodes back to back ({sp['keys']} tokens), sliding window of "
+        f"{sp['window']} keys ({sp['window'] / sp['keys']:.0%})"
+    )
+    print(
+        table(
+            [
+                {"model": "dense teacher", "accuracy": f"{sp['teacher']:.1%}"},
+                {"model": "window student, teacher's weights", "accuracy": f"{sp['before']:.1%}"},
+                {"model": f"window student, distilled {sp['report'].steps} steps", "accuracy": f"{sp['after']:.1%}"},
+            ],
+            ["model", "accuracy"],
+        )
+    )
     trows = []
     for length, t in sp["times"].items():
-        trows.append({"length": length, "batch": 1 if length > 256 else 32, "teacher ms": f"{t['teacher'] * 1e3:.2f}",
-                      "student ms": f"{t['student'] * 1e3:.2f}", "student / teacher": f"{t['student'] / t['teacher']:.2f}"})
+        trows.append(
+            {
+                "length": length,
+                "batch": 1 if length > 256 else 32,
+                "teacher ms": f"{t['teacher'] * 1e3:.2f}",
+                "student ms": f"{t['student'] * 1e3:.2f}",
+                "student / teacher": f"{t['student'] / t['teacher']:.2f}",
+            }
+        )
     print(table(trows, ["length", "batch", "teacher ms", "student ms", "student / teacher"]))
     print(f"after distillation: {sp['after'] / sp['teacher']:.1%} of the teacher; target {'met' if ok2 else 'MISSED'}")
     print(f"\n{machine()}; {time.perf_counter() - started:.0f} s in all")
-    path = save("distill" + ("_quick" if q else ""), out=args.out, payload={
-        "quick": q, "teacher": {"steps": teacher_steps, "accuracy": t_acc},
-        "smaller_student": {"steps": steps, "distilled": small["distilled"], "scratch": small["scratch"],
-                            "curve_distilled": small["curve_distilled"], "curve_scratch": small["curve_scratch"],
-                            "params_student": small["params_student"], "params_teacher": small["params_teacher"],
-                            "target_met": ok1},
-        "dense_to_sparse": {"keys": sp["keys"], "window": sp["window"], "teacher": sp["teacher"],
-                            "before": sp["before"], "after": sp["after"], "steps": sp["report"].steps,
-                            "forward_seconds": {str(k): v for k, v in sp["times"].items()}, "target_met": ok2},
-    })
+    path = save(
+        "distill" + ("_quick" if q else ""),
+        out=args.out,
+        payload={
+            "quick": q,
+            "teacher": {"steps": teacher_steps, "accuracy": t_acc},
+            "smaller_student": {
+                "steps": steps,
+                "distilled": small["distilled"],
+                "scratch": small["scratch"],
+                "curve_distilled": small["curve_distilled"],
+                "curve_scratch": small["curve_scratch"],
+                "params_student": small["params_student"],
+                "params_teacher": small["params_teacher"],
+                "target_met": ok1,
+            },
+            "dense_to_sparse": {
+                "keys": sp["keys"],
+                "window": sp["window"],
+                "teacher": sp["teacher"],
+                "before": sp["before"],
+                "after": sp["after"],
+                "steps": sp["report"].steps,
+                "forward_seconds": {str(k): v for k, v in sp["times"].items()},
+                "target_met": ok2,
+            },
+        },
+    )
     print(f"wrote {path}")
 
 

@@ -107,8 +107,10 @@ def pooled(*measures: dict[int, dict]) -> dict[int, dict]:
 
 def bandwidth_text(bw: dict[int, dict]) -> str:
     """``1 thread 21.3 GB/s (20.1-22.0), 2 threads ...``: the median and the 10th-90th percentile spread."""
-    return ", ".join(f"{n} thread{'s' * (n > 1)} {b['median'] / 1e9:.1f} GB/s ({b['p10'] / 1e9:.1f}-"
-                     f"{b['p90'] / 1e9:.1f})" for n, b in sorted(bw.items()))
+    return ", ".join(
+        f"{n} thread{'s' * (n > 1)} {b['median'] / 1e9:.1f} GB/s ({b['p10'] / 1e9:.1f}-{b['p90'] / 1e9:.1f})"
+        for n, b in sorted(bw.items())
+    )
 
 
 def decode_thread_count(model, batch: int) -> int:
@@ -146,9 +148,18 @@ def hf_llama(seed: int = 0):
     import transformers
 
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-                                   num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=2048,
-                                   rms_norm_eps=1e-6, tie_word_embeddings=False, attn_implementation="sdpa")
+    cfg = transformers.LlamaConfig(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
     model = transformers.LlamaForCausalLM(cfg).eval()
     model.generation_config.eos_token_id = None  # random weights: never stop early
     model.generation_config.pad_token_id = 0
@@ -157,9 +168,10 @@ def hf_llama(seed: int = 0):
 
 def hf_generate(model, prompts: torch.Tensor, n: int) -> list[list[int]]:
     with torch.no_grad():
-        out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=n,
-                             min_new_tokens=n, do_sample=False)
-    return out[:, prompts.shape[1]:].tolist()
+        out = model.generate(
+            prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=n, min_new_tokens=n, do_sample=False
+        )
+    return out[:, prompts.shape[1] :].tolist()
 
 
 def streamed_bytes(model) -> int:
@@ -193,9 +205,14 @@ def decode_rows(args, hf, model, rows, results):
     variants["attnkit int8 weights"] = q8
     # compiled rows use backend "auto": while tracing it picks math for decode steps, which Inductor fuses
     # (copies of the models: the compiled code freezes its own copy of the weights)
-    compiled = ({"attnkit float32, compiled": copy.deepcopy(auto),
-                 "attnkit bfloat16, compiled": copy.deepcopy(auto).to(torch.bfloat16)}
-                if args.compile else {})
+    compiled = (
+        {
+            "attnkit float32, compiled": copy.deepcopy(auto),
+            "attnkit bfloat16, compiled": copy.deepcopy(auto).to(torch.bfloat16),
+        }
+        if args.compile
+        else {}
+    )
     for name, m in {**variants, **compiled}.items():
         step_bytes[name] = streamed_bytes(m)
     step_bytes["HF float32"] = step_bytes["attnkit float32"]
@@ -217,9 +234,9 @@ def decode_rows(args, hf, model, rows, results):
         fns = {"HF float32": run_hf}
         for name, m in variants.items():
             kw = {"relayout": False} if name.endswith("kept") else {}
-            fns[name] = (lambda m=m, name=name, kw=kw: toks.__setitem__(name, attnkit.generate(m, plist, n, **kw)))
+            fns[name] = lambda m=m, name=name, kw=kw: toks.__setitem__(name, attnkit.generate(m, plist, n, **kw))
         for name, m in compiled.items():
-            fns[name] = (lambda m=m, name=name: toks.__setitem__(name, attnkit.generate(m, plist, n, compile=True)))
+            fns[name] = lambda m=m, name=name: toks.__setitem__(name, attnkit.generate(m, plist, n, compile=True))
         before = read_bandwidth()
         t = timeit(fns, repeat=args.repeat, warmup=1, budget_s=args.budget)
         bw = pooled(before, read_bandwidth())  # (measured around the timing, at each count the steps may use)
@@ -234,17 +251,34 @@ def decode_rows(args, hf, model, rows, results):
             limit_ms[name] = step_bytes[name] / bw[threads]["median"] * 1e3
             step_ms = t[name] / n * 1e3
             lo, hi = step_bytes[name] / bw[threads]["p90"] * 1e3, step_bytes[name] / bw[threads]["p10"] * 1e3
-            row = {"measure": "decode, contended" if args.contended else "decode", "what": name, "batch": B, "new tokens": n,
-                   "tokens/s": f"{B * n / t[name]:.0f}", "ms/step": f"{step_ms:.1f}",
-                   "vs HF fp32": f"{base / t[name]:.2f}x",
-                   "x limit": (f"{step_ms / limit_ms[name]:.2f} ({step_ms / hi:.2f}-{step_ms / lo:.2f}) at "
-                               f"{threads} thr" if B == 1 else "-"),
-                   "same tokens as HF": f"{agreement(toks[name], toks['HF float32']):.1%}"}
+            row = {
+                "measure": "decode, contended" if args.contended else "decode",
+                "what": name,
+                "batch": B,
+                "new tokens": n,
+                "tokens/s": f"{B * n / t[name]:.0f}",
+                "ms/step": f"{step_ms:.1f}",
+                "vs HF fp32": f"{base / t[name]:.2f}x",
+                "x limit": (
+                    f"{step_ms / limit_ms[name]:.2f} ({step_ms / hi:.2f}-{step_ms / lo:.2f}) at {threads} thr"
+                    if B == 1
+                    else "-"
+                ),
+                "same tokens as HF": f"{agreement(toks[name], toks['HF float32']):.1%}",
+            }
             rows.append(row)
             print(row, flush=True)
-        results.setdefault("decode", []).append({"batch": B, "seconds": t, "new_tokens": n, "limit_ms": limit_ms,
-                                                 "limit_threads": limit_threads, "step_bytes": step_bytes,
-                                                 "read_bandwidth": {k: {**v, "rates": None} for k, v in bw.items()}})
+        results.setdefault("decode", []).append(
+            {
+                "batch": B,
+                "seconds": t,
+                "new_tokens": n,
+                "limit_ms": limit_ms,
+                "limit_threads": limit_threads,
+                "step_bytes": step_bytes,
+                "read_bandwidth": {k: {**v, "rates": None} for k, v in bw.items()},
+            }
+        )
     # logit error of the int8 / bf16 weights on one batch
     ids = torch.randint(0, 32000, (4, 64), generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
@@ -254,12 +288,25 @@ def decode_rows(args, hf, model, rows, results):
             err = float((out - ref).abs().max())
             agree = float((out.argmax(-1) == ref.argmax(-1)).float().mean())
             mem = streamed_bytes(variants[name])
-            rows.append({"measure": "weights", "what": name, "batch": 4, "new tokens": "-", "tokens/s": "-",
-                         "ms/step": "-", "vs HF fp32": f"{streamed_bytes(model) / mem:.2f}x fewer bytes a step",
-                         "x limit": f"{mem / args.bandwidth * 1e3:.1f} ms limit",
-                         "same tokens as HF": f"max|dlogit| {err:.3f}, argmax {agree:.1%}"})
-            results.setdefault("weights", {})[name] = {"bytes": mem, "max_logit_err": err, "argmax_agree": agree,
-                                                      "fp32_bytes": streamed_bytes(model)}
+            rows.append(
+                {
+                    "measure": "weights",
+                    "what": name,
+                    "batch": 4,
+                    "new tokens": "-",
+                    "tokens/s": "-",
+                    "ms/step": "-",
+                    "vs HF fp32": f"{streamed_bytes(model) / mem:.2f}x fewer bytes a step",
+                    "x limit": f"{mem / args.bandwidth * 1e3:.1f} ms limit",
+                    "same tokens as HF": f"max|dlogit| {err:.3f}, argmax {agree:.1%}",
+                }
+            )
+            results.setdefault("weights", {})[name] = {
+                "bytes": mem,
+                "max_logit_err": err,
+                "argmax_agree": agree,
+                "fp32_bytes": streamed_bytes(model),
+            }
 
 
 def long_context(args, rows, results):
@@ -295,15 +342,30 @@ def long_context(args, rows, results):
             t = timeit({"attnkit": ours, "sdpa": sdpa}, repeat=args.repeat + 3, warmup=1, budget_s=args.budget)
         kv_bytes = k.nbytes // k.shape[2] * L * 2  # keys and values read once
         ms = {name: t[name] / reps * 1e3 for name in t}
-        rows.append({"measure": "long-context decode attention", "what": f"{L // 1024}k keys, auto: {picked}",
-                     "batch": 1, "new tokens": "-", "tokens/s": "-",
-                     "ms/step": f"{ms['attnkit']:.2f} / SDPA {ms['sdpa']:.2f}",
-                     "vs HF fp32": f"{t['sdpa'] / t['attnkit']:.2f}x SDPA",
-                     "x limit": f"{ms['attnkit'] / (kv_bytes / args.bandwidth * 1e3):.2f}",
-                     "same tokens as HF": f"max|diff| {err:.1e}"})
+        rows.append(
+            {
+                "measure": "long-context decode attention",
+                "what": f"{L // 1024}k keys, auto: {picked}",
+                "batch": 1,
+                "new tokens": "-",
+                "tokens/s": "-",
+                "ms/step": f"{ms['attnkit']:.2f} / SDPA {ms['sdpa']:.2f}",
+                "vs HF fp32": f"{t['sdpa'] / t['attnkit']:.2f}x SDPA",
+                "x limit": f"{ms['attnkit'] / (kv_bytes / args.bandwidth * 1e3):.2f}",
+                "same tokens as HF": f"max|diff| {err:.1e}",
+            }
+        )
         print(rows[-1], flush=True)
-        out.append({"keys": L, "picked": picked, "ms": ms, "vs_sdpa": t["sdpa"] / t["attnkit"],
-                    "threads": torch.get_num_threads(), "max_abs_diff": err})
+        out.append(
+            {
+                "keys": L,
+                "picked": picked,
+                "ms": ms,
+                "vs_sdpa": t["sdpa"] / t["attnkit"],
+                "threads": torch.get_num_threads(),
+                "max_abs_diff": err,
+            }
+        )
         del cache, layer, k, v
     results["long_context"] = out
 
@@ -328,9 +390,19 @@ def profile_step(model, rows, results):
     mm = sum(v for k, v in ev.items() if k in ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise"))
     attn = sum(v for k, v in ev.items() if "scaled_dot_product" in k)
     share = {"matmul": mm / total, "attention": attn / total, "other": 1 - (mm + attn) / total}
-    rows.append({"measure": "profile", "what": "batch-1 step (profiled)", "batch": 1, "new tokens": "-",
-                 "tokens/s": "-", "ms/step": f"{wall * 1e3:.1f}", "vs HF fp32": "-", "x limit": "-",
-                 "same tokens as HF": ", ".join(f"{k} {v:.0%}" for k, v in share.items())})
+    rows.append(
+        {
+            "measure": "profile",
+            "what": "batch-1 step (profiled)",
+            "batch": 1,
+            "new tokens": "-",
+            "tokens/s": "-",
+            "ms/step": f"{wall * 1e3:.1f}",
+            "vs HF fp32": "-",
+            "x limit": "-",
+            "same tokens as HF": ", ".join(f"{k} {v:.0%}" for k, v in share.items()),
+        }
+    )
     results["profile"] = share
 
 
@@ -338,15 +410,29 @@ def cache_vs_recompute(args, model, rows, results):
     plist = torch.randint(0, 32000, (1, PROMPT), generator=torch.Generator().manual_seed(3)).tolist()
     out = []
     for n in args.lengths:
-        t = timeit({"static": lambda: attnkit.generate(model, plist, n),
-                    "none": lambda: attnkit.generate(model, plist, n, cache=None)},
-                   repeat=args.repeat if n <= 64 else max(1, args.repeat - 2), warmup=int(n <= 64),
-                   budget_s=args.budget)
+        t = timeit(
+            {
+                "static": lambda: attnkit.generate(model, plist, n),
+                "none": lambda: attnkit.generate(model, plist, n, cache=None),
+            },
+            repeat=args.repeat if n <= 64 else max(1, args.repeat - 2),
+            warmup=int(n <= 64),
+            budget_s=args.budget,
+        )
         ratio = t["none"] / t["static"]
-        rows.append({"measure": "KV cache vs none", "what": "static / recompute", "batch": 1, "new tokens": n,
-                     "tokens/s": f"{n / t['static']:.0f} / {n / t['none']:.0f}",
-                     "ms/step": f"{t['static'] / n * 1e3:.1f} / {t['none'] / n * 1e3:.1f}",
-                     "vs HF fp32": f"cache {ratio:.1f}x faster", "x limit": "-", "same tokens as HF": "-"})
+        rows.append(
+            {
+                "measure": "KV cache vs none",
+                "what": "static / recompute",
+                "batch": 1,
+                "new tokens": n,
+                "tokens/s": f"{n / t['static']:.0f} / {n / t['none']:.0f}",
+                "ms/step": f"{t['static'] / n * 1e3:.1f} / {t['none'] / n * 1e3:.1f}",
+                "vs HF fp32": f"cache {ratio:.1f}x faster",
+                "x limit": "-",
+                "same tokens as HF": "-",
+            }
+        )
         print(rows[-1], flush=True)
         out.append({"new_tokens": n, "seconds": t, "ratio": ratio})
     results["cache_vs_none"] = out
@@ -355,18 +441,20 @@ def cache_vs_recompute(args, model, rows, results):
 def mixed_workload(args, model, rows, results):
     rng = random.Random(0)
     lo, hi = args.mixed_lengths
-    reqs = [([rng.randrange(32000) for _ in range(rng.randint(lo, hi))], rng.randint(lo, hi))
-            for _ in range(args.requests)]
+    reqs = [
+        ([rng.randrange(32000) for _ in range(rng.randint(lo, hi))], rng.randint(lo, hi)) for _ in range(args.requests)
+    ]
     B = args.static_batch
     max_len = 2 * hi  # static preallocation: every slot holds the longest prompt plus the longest output
     static_out: dict[int, list[int]] = {}
     t0 = time.perf_counter()
     waste_num = waste_den = 0
     for s in range(0, len(reqs), B):
-        chunk = reqs[s:s + B]
+        chunk = reqs[s : s + B]
         n = max(o for _, o in chunk)
-        toks = attnkit.generate(model, [p for p, _ in chunk], n,
-                                cache=lambda m, b, _len: StaticCache.for_model(m, b, max_len))
+        toks = attnkit.generate(
+            model, [p for p, _ in chunk], n, cache=lambda m, b, _len: StaticCache.for_model(m, b, max_len)
+        )
         for i, ((_p, o), t) in enumerate(zip(chunk, toks)):
             static_out[s + i] = t[:o]
         for step in range(n):  # positions held by unfinished sequences / preallocated positions
@@ -385,18 +473,35 @@ def mixed_workload(args, model, rows, results):
     same = sum(engine_out[i] == static_out[i] for i in range(len(reqs))) / len(reqs)
     n_tok = sum(o for _, o in reqs)
     for name, t, w in (("static batching", t_static, static_waste), ("Engine (paged)", t_engine, engine.mean_waste)):
-        rows.append({"measure": "mixed workload", "what": name, "batch": B if name.startswith("static") else
-                     f"<= {args.engine_batch}", "new tokens": n_tok, "tokens/s": f"{n_tok / t:.1f}",
-                     "ms/step": "-", "vs HF fp32": f"{t_static / t:.2f}x static",
-                     "x limit": f"waste {w:.1%}",
-                     "same tokens as HF": f"{same:.0%} of requests equal" if name.startswith("Engine") else "-"})
+        rows.append(
+            {
+                "measure": "mixed workload",
+                "what": name,
+                "batch": B if name.startswith("static") else f"<= {args.engine_batch}",
+                "new tokens": n_tok,
+                "tokens/s": f"{n_tok / t:.1f}",
+                "ms/step": "-",
+                "vs HF fp32": f"{t_static / t:.2f}x static",
+                "x limit": f"waste {w:.1%}",
+                "same tokens as HF": f"{same:.0%} of requests equal" if name.startswith("Engine") else "-",
+            }
+        )
         print(rows[-1], flush=True)
-    results["mixed"] = {"requests": len(reqs), "lengths": [lo, hi], "static_batch": B, "engine_batch":
-                        args.engine_batch, "pool_blocks": blocks, "block_size": block, "seconds_static": t_static,
-                        "seconds_engine": t_engine, "static_waste": static_waste,
-                        "engine_waste_mean": engine.mean_waste,
-                        "preemptions": engine.stats["preemptions"], "same_tokens": same,
-                        "peak_blocks": engine.stats["peak_blocks"]}
+    results["mixed"] = {
+        "requests": len(reqs),
+        "lengths": [lo, hi],
+        "static_batch": B,
+        "engine_batch": args.engine_batch,
+        "pool_blocks": blocks,
+        "block_size": block,
+        "seconds_static": t_static,
+        "seconds_engine": t_engine,
+        "static_waste": static_waste,
+        "engine_waste_mean": engine.mean_waste,
+        "preemptions": engine.stats["preemptions"],
+        "same_tokens": same,
+        "peak_blocks": engine.stats["peak_blocks"],
+    }
 
 
 def quantized_cache(args, model, rows, results):
@@ -405,8 +510,10 @@ def quantized_cache(args, model, rows, results):
     for B in (1, 8):
         plist = torch.randint(0, 32000, (B, PROMPT), generator=torch.Generator().manual_seed(5)).tolist()
         toks = {}
-        fns = {c: (lambda c=c: toks.__setitem__(c, attnkit.generate(model, plist, n, cache=c)))
-               for c in ("static", "int8", "int4")}
+        fns = {
+            c: (lambda c=c: toks.__setitem__(c, attnkit.generate(model, plist, n, cache=c)))
+            for c in ("static", "int8", "int4")
+        }
         t = timeit(fns, repeat=max(1, args.repeat - 2), warmup=1, budget_s=args.budget)
         L = PROMPT + n
         for c in fns:
@@ -423,10 +530,19 @@ def quantized_cache(args, model, rows, results):
                     ratios.append((s / q.nbytes(), s / (q.nbytes() + q.workspace_nbytes())))
                 ratio = f"{ratios[0][0]:.2f}x ({ratios[0][1]:.2f}x with workspace) at {L}"
                 long_ratio = f"{ratios[1][0]:.2f}x ({ratios[1][1]:.2f}x) at 2048, {ratios[2][0]:.2f}x at 8192"
-            rows.append({"measure": "KV cache storage", "what": c, "batch": B, "new tokens": n,
-                         "tokens/s": f"{B * n / t[c]:.0f}", "ms/step": f"{t[c] / n * 1e3:.1f}",
-                         "vs HF fp32": f"{ratio} smaller", "x limit": long_ratio,
-                         "same tokens as HF": f"{agreement(toks[c], toks['static']):.1%} = static"})
+            rows.append(
+                {
+                    "measure": "KV cache storage",
+                    "what": c,
+                    "batch": B,
+                    "new tokens": n,
+                    "tokens/s": f"{B * n / t[c]:.0f}",
+                    "ms/step": f"{t[c] / n * 1e3:.1f}",
+                    "vs HF fp32": f"{ratio} smaller",
+                    "x limit": long_ratio,
+                    "same tokens as HF": f"{agreement(toks[c], toks['static']):.1%} = static",
+                }
+            )
             print(rows[-1], flush=True)
         out[B] = {"seconds": t}
     results["quantized_cache"] = out
@@ -436,8 +552,14 @@ def _chunked_run(model, short, long_prompt, *, arrive, dec_new, long_new, blocks
     """One Engine through the workload: 8 requests decode, the long prompt arrives at step ``arrive``.  Returns
     the step times split into plain decode steps (no prompt token in them) and the steps a running request
     waited through while the long prompt was being prefilled, the total time, and the tokens."""
-    engine = attnkit.Engine(model, cache_blocks=blocks, block_size=16, max_batch=len(short) + 1,
-                            max_batched_tokens=budget, chunk_sizing=sizing)
+    engine = attnkit.Engine(
+        model,
+        cache_blocks=blocks,
+        block_size=16,
+        max_batch=len(short) + 1,
+        max_batched_tokens=budget,
+        chunk_sizing=sizing,
+    )
     rids = [engine.add(p, dec_new) for p in short]
     steps = []  # (seconds, kind): "plain", "waited" (a running request waits through a prefill chunk) or ""
     late, step, prefill_steps, spans = None, 0, 0, True
@@ -451,8 +573,11 @@ def _chunked_run(model, short, long_prompt, *, arrive, dec_new, long_new, blocks
         engine.step()
         dt = time.perf_counter() - t0
         has_prompt = engine.stats["prefill_tokens"] > prefilled
-        prefilling = late is not None and late not in engine.results and (
-            has_prompt or any(r.rid == late and r.fed < len(r.feed) for r in engine.running))
+        prefilling = (
+            late is not None
+            and late not in engine.results
+            and (has_prompt or any(r.rid == late and r.fed < len(r.feed) for r in engine.running))
+        )
         if has_prompt and late is not None:
             prefill_steps += 1
             spans = spans and running == len(short)
@@ -464,17 +589,23 @@ def _chunked_run(model, short, long_prompt, *, arrive, dec_new, long_new, blocks
             steps.append((dt, ""))
         step += 1
     t_all = time.perf_counter() - t_all
-    return {"steps": steps, "seconds": t_all, "tokens": len(short) * dec_new + long_new,
-            "prefill_steps": prefill_steps, "spans_prefill": spans,
-            "tokens_out": [engine.results[r] for r in rids + [late]]}
+    return {
+        "steps": steps,
+        "seconds": t_all,
+        "tokens": len(short) * dec_new + long_new,
+        "prefill_steps": prefill_steps,
+        "spans_prefill": spans,
+        "tokens_out": [engine.results[r] for r in rids + [late]],
+    }
 
 
 def _whole_prefill_seconds(model, long_prompt, repeat: int) -> float:
     """The median time of the long prompt's prefill alone (one forward, the Engine's prefill path)."""
     times = []
     for _ in range(repeat):
-        engine = attnkit.Engine(model, cache_blocks=len(long_prompt) // 16 + 2, block_size=16, max_batch=1,
-                                prefix_caching=False)
+        engine = attnkit.Engine(
+            model, cache_blocks=len(long_prompt) // 16 + 2, block_size=16, max_batch=1, prefix_caching=False
+        )
         engine.add(long_prompt, 1)
         t0 = time.perf_counter()
         engine.step()
@@ -494,8 +625,11 @@ def chunked_prefill(args, rows, results):
     model = DecoderLM(DecoderConfig.preset("small", max_seq_len=8192)).eval()  # vocab 32000, d 256, 4 layers
     rng = random.Random(1)
     long_len, n_dec, arrive, long_new = args.long_prompt, 8, 16, 16
-    policies = [("no chunking", None, "tokens"), *((f"max_batched_tokens={c}", c, "tokens") for c in args.chunk),
-                *((f"max_batched_tokens={c}, chunk_sizing='cost'", c, "cost") for c in args.chunk_cost)]
+    policies = [
+        ("no chunking", None, "tokens"),
+        *((f"max_batched_tokens={c}", c, "tokens") for c in args.chunk),
+        *((f"max_batched_tokens={c}, chunk_sizing='cost'", c, "cost") for c in args.chunk_cost),
+    ]
     # the slowest prefill (the smallest token budget; cost sizing takes fewer tokens late) must end while
     # every short request still decodes
     dec_new = arrive + 2 * -(-long_len // (min(args.chunk + args.chunk_cost) - n_dec)) + 16
@@ -508,8 +642,19 @@ def chunked_prefill(args, rows, results):
     runs: dict[str, list[dict]] = {name: [] for name, _, _ in policies}
     for _ in range(repeat):
         for name, budget, sizing in policies:
-            runs[name].append(_chunked_run(model, short, long_prompt, arrive=arrive, dec_new=dec_new,
-                                           long_new=long_new, blocks=blocks, budget=budget, sizing=sizing))
+            runs[name].append(
+                _chunked_run(
+                    model,
+                    short,
+                    long_prompt,
+                    arrive=arrive,
+                    dec_new=dec_new,
+                    long_new=long_new,
+                    blocks=blocks,
+                    budget=budget,
+                    sizing=sizing,
+                )
+            )
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     ref_tokens = runs["no chunking"][0]["tokens_out"]
     out = {}
@@ -529,24 +674,49 @@ def chunked_prefill(args, rows, results):
         base_tps = base_tps or tps
         extra = sum(waited) - plain * len(waited)  # the prefill's cost, spread over the steps
         same = all(r["tokens_out"] == ref_tokens for r in rs)
-        out[name] = {"budget": budget, "chunk_sizing": sizing, "plain_step_s": plain, "longest_step_s": longest,
-                     "longest_vs_plain": longest / plain, "longest_vs_no_chunking_plain": longest / base_plain,
-                     "p90_vs_plain": sorted(waited)[int(0.9 * (len(waited) - 1))] / plain,
-                     "tokens_per_s": tps, "throughput_vs_no_chunking": tps / base_tps,
-                     "prefill_steps": rs[0]["prefill_steps"], "prefill_extra_s": extra,
-                     "prefill_extra_vs_whole": extra / whole, "spans_prefill": all(r["spans_prefill"] for r in rs),
-                     "same_tokens": same, "seconds": [r["seconds"] for r in rs]}
-        rows.append({"measure": f"{long_len}-token prompt joins {n_dec} decodes", "what": name, "batch": n_dec,
-                     "new tokens": rs[0]["tokens"], "tokens/s": f"{tps:.1f}", "ms/step": f"{plain * 1e3:.1f}",
-                     "vs HF fp32": f"longest step {longest / plain:.1f}x a decode step (90th pct "
-                                   f"{out[name]['p90_vs_plain']:.1f}x)",
-                     "x limit": f"{tps / base_tps:.2f}x the throughput; prefill {extra / whole:.2f}x one forward "
-                                f"in {out[name]['prefill_steps']} steps",
-                     "same tokens as HF": "-" if budget is None else ("same as no chunking" if same else "DIFFERENT")})
+        out[name] = {
+            "budget": budget,
+            "chunk_sizing": sizing,
+            "plain_step_s": plain,
+            "longest_step_s": longest,
+            "longest_vs_plain": longest / plain,
+            "longest_vs_no_chunking_plain": longest / base_plain,
+            "p90_vs_plain": sorted(waited)[int(0.9 * (len(waited) - 1))] / plain,
+            "tokens_per_s": tps,
+            "throughput_vs_no_chunking": tps / base_tps,
+            "prefill_steps": rs[0]["prefill_steps"],
+            "prefill_extra_s": extra,
+            "prefill_extra_vs_whole": extra / whole,
+            "spans_prefill": all(r["spans_prefill"] for r in rs),
+            "same_tokens": same,
+            "seconds": [r["seconds"] for r in rs],
+        }
+        rows.append(
+            {
+                "measure": f"{long_len}-token prompt joins {n_dec} decodes",
+                "what": name,
+                "batch": n_dec,
+                "new tokens": rs[0]["tokens"],
+                "tokens/s": f"{tps:.1f}",
+                "ms/step": f"{plain * 1e3:.1f}",
+                "vs HF fp32": f"longest step {longest / plain:.1f}x a decode step (90th pct "
+                f"{out[name]['p90_vs_plain']:.1f}x)",
+                "x limit": f"{tps / base_tps:.2f}x the throughput; prefill {extra / whole:.2f}x one forward "
+                f"in {out[name]['prefill_steps']} steps",
+                "same tokens as HF": "-" if budget is None else ("same as no chunking" if same else "DIFFERENT"),
+            }
+        )
         print(rows[-1], flush=True)
-    results["chunked_prefill"] = {"long_prompt": long_len, "decoding": n_dec, "decode_new": dec_new,
-                                  "threads": torch.get_num_threads(), "load_average": [load, os.getloadavg()[0]],
-                                  "whole_prefill_s": whole, "repeat": repeat, **out}
+    results["chunked_prefill"] = {
+        "long_prompt": long_len,
+        "decoding": n_dec,
+        "decode_new": dec_new,
+        "threads": torch.get_num_threads(),
+        "load_average": [load, os.getloadavg()[0]],
+        "whole_prefill_s": whole,
+        "repeat": repeat,
+        **out,
+    }
 
 
 def speculative(args, rows, results):
@@ -562,68 +732,116 @@ def speculative(args, rows, results):
     for name, layers in (("target", 4), ("draft", 1)):  # d 256: the draft has 1/4 of the target's layers
         torch.manual_seed(0)
         m = DecoderLM(DecoderConfig(vocab_size=sym + 1, d_model=256, n_layers=layers, n_heads=4, max_seq_len=256))
-        saved = (Path(args.out) if args.out else Path("benchmarks") / "results") / \
-            f"copy_{name}_{layers}x256_len{n}_steps{args.train_steps}.pt"  # beside the JSON results
+        saved = (
+            Path(args.out) if args.out else Path("benchmarks") / "results"
+        ) / f"copy_{name}_{layers}x256_len{n}_steps{args.train_steps}.pt"  # beside the JSON results
         if saved.exists():  # trained by an earlier run of this section (same task, configuration and steps)
             m.load_state_dict(torch.load(saved))
             print(f"loaded the trained {name} from {saved.name}", flush=True)
         else:
             t0 = time.perf_counter()
-            losses = train_lm(m, lambda step: copy_task(32, length=n, n_symbols=sym, generator=g),
-                              steps=args.train_steps, on_step=lambda step, loss: loss < 0.02)
-            print(f"trained {name} ({sum(p.numel() for p in m.parameters()) / 1e6:.2f}M parameters) in "
-                  f"{len(losses)} steps, {time.perf_counter() - t0:.0f} s, final loss {losses[-1]:.3f}", flush=True)
+            losses = train_lm(
+                m,
+                lambda step: copy_task(32, length=n, n_symbols=sym, generator=g),
+                steps=args.train_steps,
+                on_step=lambda step, loss: loss < 0.02,
+            )
+            print(
+                f"trained {name} ({sum(p.numel() for p in m.parameters()) / 1e6:.2f}M parameters) in "
+                f"{len(losses)} steps, {time.perf_counter() - t0:.0f} s, final loss {losses[-1]:.3f}",
+                flush=True,
+            )
             saved.parent.mkdir(parents=True, exist_ok=True)
             torch.save(m.state_dict(), saved)
         models[name] = m.eval()
     target, draft = models["target"], models["draft"]
-    prompts = copy_task(args.copy_prompts, length=n, n_symbols=sym,
-                        generator=torch.Generator().manual_seed(1)).ids[:, :n + 1].tolist()  # x SEP
+    prompts = (
+        copy_task(args.copy_prompts, length=n, n_symbols=sym, generator=torch.Generator().manual_seed(1))
+        .ids[:, : n + 1]
+        .tolist()
+    )  # x SEP
     toks, stats = {}, {}
-    variants = {"plain": {}, "prompt lookup k=8": dict(prompt_lookup=True, num_tokens=8),
-                "draft model k=4": dict(draft_model=draft, num_tokens=4),
-                "draft model k=8": dict(draft_model=draft, num_tokens=8)}
+    variants = {
+        "plain": {},
+        "prompt lookup k=8": dict(prompt_lookup=True, num_tokens=8),
+        "draft model k=4": dict(draft_model=draft, num_tokens=4),
+        "draft model k=8": dict(draft_model=draft, num_tokens=8),
+    }
 
     def run(name):
         st = stats[name] = SpeculativeStats()
         spec = Speculation(**variants[name], stats=st) if variants[name] else None
         toks[name] = [attnkit.generate(target, [p], n, speculative=spec)[0] for p in prompts]
 
-    t = timeit({name: (lambda name=name: run(name)) for name in variants}, repeat=args.repeat, warmup=1,
-               budget_s=args.budget)
+    t = timeit(
+        {name: (lambda name=name: run(name)) for name in variants}, repeat=args.repeat, warmup=1, budget_s=args.budget
+    )
     correct = sum(o == p[:n] for o, p in zip(toks["plain"], prompts)) / len(prompts)
-    out = {"copy_length": n, "prompts": len(prompts), "target_params": sum(p.numel() for p in target.parameters()),
-           "draft_params": sum(p.numel() for p in draft.parameters()), "copied_exactly": correct}
+    out = {
+        "copy_length": n,
+        "prompts": len(prompts),
+        "target_params": sum(p.numel() for p in target.parameters()),
+        "draft_params": sum(p.numel() for p in draft.parameters()),
+        "copied_exactly": correct,
+    }
     for name in variants:
         tps = len(prompts) * n / t[name]
         rate = stats[name].acceptance_rate if name != "plain" else None
-        out[name] = {"seconds": t[name], "tokens_per_s": tps, "vs_plain": t["plain"] / t[name],
-                     "acceptance_rate": rate, "tokens_per_verify": stats[name].tokens_per_step or None,
-                     "same_tokens": toks[name] == toks["plain"]}
-        rows.append({"measure": "speculative, copy task", "what": name, "batch": 1, "new tokens": n,
-                     "tokens/s": f"{tps:.1f}", "ms/step": "-", "vs HF fp32": f"{t['plain'] / t[name]:.2f}x plain",
-                     "x limit": "-" if rate is None else f"accepts {rate:.0%}, {stats[name].tokens_per_step:.1f} tok/verify",
-                     "same tokens as HF": "-" if name == "plain" else
-                     ("same as plain" if toks[name] == toks["plain"] else "DIFFERENT")})
+        out[name] = {
+            "seconds": t[name],
+            "tokens_per_s": tps,
+            "vs_plain": t["plain"] / t[name],
+            "acceptance_rate": rate,
+            "tokens_per_verify": stats[name].tokens_per_step or None,
+            "same_tokens": toks[name] == toks["plain"],
+        }
+        rows.append(
+            {
+                "measure": "speculative, copy task",
+                "what": name,
+                "batch": 1,
+                "new tokens": n,
+                "tokens/s": f"{tps:.1f}",
+                "ms/step": "-",
+                "vs HF fp32": f"{t['plain'] / t[name]:.2f}x plain",
+                "x limit": "-" if rate is None else f"accepts {rate:.0%}, {stats[name].tokens_per_step:.1f} tok/verify",
+                "same tokens as HF": "-"
+                if name == "plain"
+                else ("same as plain" if toks[name] == toks["plain"] else "DIFFERENT"),
+            }
+        )
         print(rows[-1], flush=True)
     results["speculative"] = out
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer tokens, requests and repeats; no compiled rows "
-                                                         "unless --compile is given")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer tokens, requests and repeats; no compiled rows unless --compile is given",
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    ap.add_argument("--compile", dest="compile", action="store_true", default=None,
-                    help="time the generate(compile=True) rows (the default without --quick; each compiles for "
-                         "minutes first)")
-    ap.add_argument("--no-compile", dest="compile", action="store_false",
-                    help="skip the generate(compile=True) rows")
-    ap.add_argument("--only", nargs="*", default=None,
-                    help="sections to run: decode longctx profile cache mixed quantized chunked speculative (default: "
-                         "all; with --quick all but chunked and speculative)")
-    ap.add_argument("--contended", action="store_true",
-                    help="run with a busy-loop process of this script's own on one core (stopped at the end)")
+    ap.add_argument(
+        "--compile",
+        dest="compile",
+        action="store_true",
+        default=None,
+        help="time the generate(compile=True) rows (the default without --quick; each compiles for minutes first)",
+    )
+    ap.add_argument("--no-compile", dest="compile", action="store_false", help="skip the generate(compile=True) rows")
+    ap.add_argument(
+        "--only",
+        nargs="*",
+        default=None,
+        help="sections to run: decode longctx profile cache mixed quantized chunked speculative (default: "
+        "all; with --quick all but chunked and speculative)",
+    )
+    ap.add_argument(
+        "--contended",
+        action="store_true",
+        help="run with a busy-loop process of this script's own on one core (stopped at the end)",
+    )
     ap.add_argument("--out", metavar="DIR", default=None, help=OUT_HELP)
     args = ap.parse_args(argv)
     if args.compile is None:
@@ -641,8 +859,10 @@ def run(args) -> None:
     try:
         import transformers  # noqa: F401  (the model comes from transformers, and HF generate is the baseline)
     except ImportError:
-        print("benchmarks/generate.py: skipped, its model and baseline come from transformers, which is not "
-              "installed (pip install 'attnkit[bench]')")
+        print(
+            "benchmarks/generate.py: skipped, its model and baseline come from transformers, which is not "
+            "installed (pip install 'attnkit[bench]')"
+        )
         return
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -664,7 +884,8 @@ def run(args) -> None:
     # (--quick leaves out the chunked-prefill and speculative sections unless --only names them: they train
     # and prefill for minutes)
     default = ["decode", "longctx", "profile", "cache", "mixed", "quantized"] + (
-        [] if args.quick else ["chunked", "speculative"])
+        [] if args.quick else ["chunked", "speculative"]
+    )
     sections = set(args.only or default)
     from attnkit.integrations.hf import from_hf
 
@@ -676,8 +897,11 @@ def run(args) -> None:
     bw = read_bandwidth()
     args.bandwidth = bw[torch.get_num_threads()]["median"]  # (every thread: the long-context rows use them all)
     rows: list[dict] = []
-    results: dict = {"load_average_start": load, "contended": args.contended,
-                     "read_bandwidth": {n: {**b, "rates": None} for n, b in bw.items()}}
+    results: dict = {
+        "load_average_start": load,
+        "contended": args.contended,
+        "read_bandwidth": {n: {**b, "rates": None} for n, b in bw.items()},
+    }
     if "decode" in sections:
         decode_rows(args, hf, model, rows, results)
     if "longctx" in sections:
@@ -695,12 +919,23 @@ def run(args) -> None:
     if "speculative" in sections:
         speculative(args, rows, results)
     results["load_average_end"] = os.getloadavg()[0]
-    cols = ["measure", "what", "batch", "new tokens", "tokens/s", "ms/step", "vs HF fp32", "x limit",
-            "same tokens as HF"]
+    cols = [
+        "measure",
+        "what",
+        "batch",
+        "new tokens",
+        "tokens/s",
+        "ms/step",
+        "vs HF fp32",
+        "x limit",
+        "same tokens as HF",
+    ]
     print()
-    print(f"generate, llama-like (58M), {PROMPT}-token prompts, greedy; {machine()}; load average "
-          f"{results['load_average_start']:.1f} -> {results['load_average_end']:.1f}; read bandwidth at start "
-          f"{bandwidth_text(bw)}" + ("; a busy loop on one core (--contended)" if args.contended else ""))
+    print(
+        f"generate, llama-like (58M), {PROMPT}-token prompts, greedy; {machine()}; load average "
+        f"{results['load_average_start']:.1f} -> {results['load_average_end']:.1f}; read bandwidth at start "
+        f"{bandwidth_text(bw)}" + ("; a busy loop on one core (--contended)" if args.contended else "")
+    )
     print(table(rows, cols))
     name = ("generate_quick" if args.quick else "generate") + ("_contended" if args.contended else "")
     path = save(name, {"rows": rows, **results}, out=args.out)

@@ -44,14 +44,16 @@ BWD_FACTOR = 2.5  # backward matmul work relative to the forward (FlashAttention
 def need_gpu() -> None:
     """Exit with a clear message (status 2) unless a CUDA GPU and triton are usable."""
     if not torch.cuda.is_available():
-        print(f"benchmarks/gpu.py needs a CUDA GPU: torch.cuda.is_available() is False here (torch "
-              f"{torch.__version__}). Nothing was measured.", file=sys.stderr)
+        print(
+            f"benchmarks/gpu.py needs a CUDA GPU: torch.cuda.is_available() is False here (torch "
+            f"{torch.__version__}). Nothing was measured.",
+            file=sys.stderr,
+        )
         sys.exit(2)
     try:
         import triton  # noqa: F401
     except Exception as e:  # noqa: BLE001 (a broken install raises more than ImportError)
-        print(f"benchmarks/gpu.py needs triton (pip install 'attnkit[gpu]'): {type(e).__name__}: {e}",
-              file=sys.stderr)
+        print(f"benchmarks/gpu.py needs triton (pip install 'attnkit[gpu]'): {type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(2)
 
 
@@ -104,18 +106,23 @@ def make_masks(kind: str, L: int, device):
     from attnkit import masks
 
     if kind == "causal":
+
         def mod(b, h, q, k):
             return q >= k
+
         ak = masks.causal()
     elif kind == "sliding_window":
+
         def mod(b, h, q, k):
             return (q >= k) & (q - k < WINDOW)
+
         ak = masks.sliding_window(WINDOW - 1)
     else:
         ids = torch.cat([torch.full((n,), i) for i, n in enumerate(doc_lengths(L))]).to(device)
 
         def mod(b, h, q, k):
             return (ids[q] == ids[k]) & (q >= k)
+
         ak = masks.document(ids) & masks.causal()
     return ak, create_block_mask(mod, None, None, L, L, device=device)
 
@@ -138,17 +145,22 @@ def correctness(device) -> list[str]:
     lines = []
     L = 777
     ids = torch.cat([torch.full((n,), i) for i, n in enumerate([200, 77, 500])])
-    cases = {"causal": dict(mask=masks.causal()), "sliding_window": dict(mask=masks.sliding_window(100)),
-             "document": dict(mask=masks.document(ids) & masks.causal()),
-             "prefix_lm+softcap": dict(mask=masks.prefix_lm(50), softcap=20.0),
-             "strided(bitmap)+alibi": dict(mask=masks.strided(16), bias=bias.alibi(bias.alibi_slopes(4)))}
+    cases = {
+        "causal": dict(mask=masks.causal()),
+        "sliding_window": dict(mask=masks.sliding_window(100)),
+        "document": dict(mask=masks.document(ids) & masks.causal()),
+        "prefix_lm+softcap": dict(mask=masks.prefix_lm(50), softcap=20.0),
+        "strided(bitmap)+alibi": dict(mask=masks.strided(16), bias=bias.alibi(bias.alibi_slopes(4))),
+    }
     for name, kw in cases.items():
-        for D in ((64, 128) if name == "causal" else (64,)):  # every compile costs seconds: one D per mask
+        for D in (64, 128) if name == "causal" else (64,):  # every compile costs seconds: one D per mask
             q = torch.randn(1, 4, L, D, dtype=torch.bfloat16, requires_grad=True)
             k, v = (torch.randn(1, 2, L, D, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
             rep = check_against_oracle(triton, q, k, v, **kw)
-            lines.append(f"ok  {name:22s} D={D:3d} bf16 GQA 4/2: out err {rep['out']['err']:.2e} <= "
-                         f"{rep['out']['bound']:.2e}, dq err {rep['dq']['err']:.2e} <= {rep['dq']['bound']:.2e}")
+            lines.append(
+                f"ok  {name:22s} D={D:3d} bf16 GQA 4/2: out err {rep['out']['err']:.2e} <= "
+                f"{rep['out']['bound']:.2e}, dq err {rep['dq']['err']:.2e} <= {rep['dq']['bound']:.2e}"
+            )
     lines += compiled_correctness(device, {name: cases[name] for name in ("sliding_window", "document")})
     B, Hq, Hkv, D, page = 4, 32, 8, 128, 16
     lens = torch.tensor([1, 300, 4097, 2048], dtype=torch.int32)
@@ -167,8 +179,9 @@ def correctness(device) -> list[str]:
         return paged_decode(q.to(device), *pools, table_.to(device), lens.to(device)).cpu()
 
     rep = check_against_oracle(paged, q, k, v, mask=masks.key_padding(lens.long()), grad=False)
-    lines.append(f"ok  paged_decode           D=128 bf16 GQA 32/8: out err {rep['out']['err']:.2e} <= "
-                 f"{rep['out']['bound']:.2e}")
+    lines.append(
+        f"ok  paged_decode           D=128 bf16 GQA 32/8: out err {rep['out']['err']:.2e} <= {rep['out']['bound']:.2e}"
+    )
     return lines
 
 
@@ -192,13 +205,17 @@ def compiled_correctness(device, cases: dict, L: int = 777, D: int = 64) -> list
         explained = torch._dynamo.explain(call)(*(t.detach().to(device) for t in (q, k, v)), **kw)
         nodes = explained.graphs[0].code.count("attnkit.triton_forward") if explained.graphs else 0
         if explained.graph_break_count or explained.graph_count != 1 or nodes != 1:
-            raise AssertionError(f"compiled triton with the {name} mask: {explained.graph_count} graph(s), "
-                                 f"{explained.graph_break_count} graph break(s), {nodes} attnkit.triton_forward "
-                                 f"node(s); expected one graph, no break, one node")
+            raise AssertionError(
+                f"compiled triton with the {name} mask: {explained.graph_count} graph(s), "
+                f"{explained.graph_break_count} graph break(s), {nodes} attnkit.triton_forward "
+                f"node(s); expected one graph, no break, one node"
+            )
         rep = check_against_oracle(triton_compiled, q, k, v, **kw)
-        lines.append(f"ok  compiled {name:13s} D={D:3d} bf16 GQA 4/2: out err {rep['out']['err']:.2e} <= "
-                     f"{rep['out']['bound']:.2e}, dq err {rep['dq']['err']:.2e} <= {rep['dq']['bound']:.2e} "
-                     f"(one attnkit::triton_forward node, no graph break)")
+        lines.append(
+            f"ok  compiled {name:13s} D={D:3d} bf16 GQA 4/2: out err {rep['out']['err']:.2e} <= "
+            f"{rep['out']['bound']:.2e}, dq err {rep['dq']['err']:.2e} <= {rep['dq']['bound']:.2e} "
+            f"(one attnkit::triton_forward node, no graph break)"
+        )
     return lines
 
 
@@ -233,21 +250,26 @@ def attention_rows(lengths, dims, kinds, budget_s, device):
                     "flex (compiled)": lambda q, k, v: flex(q, k, v, block_mask=block_mask),
                 }
                 if kind == "causal":
+
                     def sdpa(q, k, v):
                         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
                     impls["sdpa flash"] = sdpa
                 row = {"D": D, "mask": kind, "L": L, "B": B, "H": H}
                 for name, fn in impls.items():
+
                     def fwd():
                         with torch.no_grad():
                             fn(q, k, v)  # noqa: F821 (runs before the del below)
+
                     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
 
                     def fwd_bwd():
                         for t in leaves:
                             t.grad = None
                         fn(*leaves).backward(go)  # noqa: F821 (runs before the del below)
+
                     try:
                         t_f = cuda_time(fwd)
                         t_fb = cuda_time(fwd_bwd)
@@ -266,8 +288,17 @@ def attention_rows(lengths, dims, kinds, budget_s, device):
 # ------------------------------------------------------------------------------------------------ decode
 
 
-_DATASHEET_TBPS = {"H200": 4.8, "H100 SXM": 3.35, "H100 PCIe": 2.0, "H100 NVL": 3.9, "A100-SXM4-80GB": 2.04,
-                   "A100-SXM4-40GB": 1.56, "A100 80GB PCIe": 1.94, "L40S": 0.864, "RTX 4090": 1.01}
+_DATASHEET_TBPS = {
+    "H200": 4.8,
+    "H100 SXM": 3.35,
+    "H100 PCIe": 2.0,
+    "H100 NVL": 3.9,
+    "A100-SXM4-80GB": 2.04,
+    "A100-SXM4-40GB": 1.56,
+    "A100 80GB PCIe": 1.94,
+    "L40S": 0.864,
+    "RTX 4090": 1.01,
+}
 
 
 def peak_bandwidth(device) -> tuple[float | None, float]:
@@ -317,14 +348,18 @@ def summary(rows) -> list[str]:
 
     causal = [r for r in rows if r.get("mask") == "causal" and "sdpa flash fwd" in r]
     ratio = gmean([r["attnkit triton fwd"] / r["sdpa flash fwd"] for r in causal])
-    out.append(f"dense causal forward: attnkit triton at {ratio:.0%} of SDPA-flash TFLOP/s (geometric mean over "
-               f"{len(causal)} shapes; target >= 70%) -> {'met' if ratio >= 0.7 else 'NOT met'}")
+    out.append(
+        f"dense causal forward: attnkit triton at {ratio:.0%} of SDPA-flash TFLOP/s (geometric mean over "
+        f"{len(causal)} shapes; target >= 70%) -> {'met' if ratio >= 0.7 else 'NOT met'}"
+    )
     for kind in ("sliding_window", "document"):
         rs = [r for r in rows if r.get("mask") == kind and "flex (compiled) fwd" in r]
         for mode in ("fwd", "fwd+bwd"):
             x = gmean([r[f"attnkit triton {mode}"] / r[f"flex (compiled) {mode}"] for r in rs])
-            out.append(f"{kind} {mode}: attnkit triton {x:.2f}x FlexAttention (geometric mean over {len(rs)} shapes; "
-                       f"target >= 1.0x) -> {'met' if x >= 1.0 else 'NOT met'}")
+            out.append(
+                f"{kind} {mode}: attnkit triton {x:.2f}x FlexAttention (geometric mean over {len(rs)} shapes; "
+                f"target >= 1.0x) -> {'met' if x >= 1.0 else 'NOT met'}"
+            )
     return out
 
 
@@ -332,10 +367,18 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--dims", type=int, nargs="+", default=[64, 128])
-    ap.add_argument("--masks", nargs="+", default=["causal", "sliding_window", "document"],
-                    choices=["causal", "sliding_window", "document"])
-    ap.add_argument("--budget", type=float, default=150.0,
-                    help="seconds for the attention table; later shapes are skipped (kernel compiles count)")
+    ap.add_argument(
+        "--masks",
+        nargs="+",
+        default=["causal", "sliding_window", "document"],
+        choices=["causal", "sliding_window", "document"],
+    )
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=150.0,
+        help="seconds for the attention table; later shapes are skipped (kernel compiles count)",
+    )
     ap.add_argument("--out", metavar="DIR", default=None, help=OUT_HELP)
     args = ap.parse_args(argv)
     need_gpu()
@@ -351,22 +394,40 @@ def main(argv=None) -> None:
     cols = ["D", "mask", "L", "B", "H"]
     for impl in ("attnkit triton", "sdpa flash", "flex (compiled)"):
         cols += [f"{impl} fwd", f"{impl} fwd+bwd"]
-    fmt = [{c: (f"{r[c]:.1f}" if isinstance(r.get(c), float) else r.get(c, "-")) for c in cols + ["note"]}
-           for r in rows]
+    fmt = [
+        {c: (f"{r[c]:.1f}" if isinstance(r.get(c), float) else r.get(c, "-")) for c in cols + ["note"]} for r in rows
+    ]
     print(f"\nTFLOP/s, bfloat16, B*L = {TOKENS} tokens, H*D = {MODEL_DIM}; {name}; {time.strftime('%Y-%m-%d')}")
     print(table(fmt, cols + ["note"]))
-    print(f"\npaged decode (bf16, pages of 16): memory bandwidth limit {peak / 1e9 if peak else float('nan'):.0f} GB/s "
-          f"(datasheet), {copy / 1e9:.0f} GB/s (measured copy)")
+    print(
+        f"\npaged decode (bf16, pages of 16): memory bandwidth limit {peak / 1e9 if peak else float('nan'):.0f} GB/s "
+        f"(datasheet), {copy / 1e9:.0f} GB/s (measured copy)"
+    )
     for r in dec:
         r["% of peak"] = f"{r['GB/s'] * 1e9 / peak:.0%}" if peak else "-"
         r["% of copy"] = f"{r['GB/s'] * 1e9 / copy:.0%}"
-    print(table([{k: (f"{v:.1f}" if isinstance(v, float) else v) for k, v in r.items()} for r in dec],
-                list(dec[0].keys())))
+    print(
+        table(
+            [{k: (f"{v:.1f}" if isinstance(v, float) else v) for k, v in r.items()} for r in dec], list(dec[0].keys())
+        )
+    )
     lines = summary(rows)
     print("\n" + "\n".join(lines))
-    path = save("gpu", {"device": name, "torch": torch.__version__, "checks": checks, "attention": rows,
-                        "decode": dec, "peak_bytes_per_s": peak, "copy_bytes_per_s": copy, "summary": lines,
-                        "seconds": time.perf_counter() - t0}, out=args.out)
+    path = save(
+        "gpu",
+        {
+            "device": name,
+            "torch": torch.__version__,
+            "checks": checks,
+            "attention": rows,
+            "decode": dec,
+            "peak_bytes_per_s": peak,
+            "copy_bytes_per_s": copy,
+            "summary": lines,
+            "seconds": time.perf_counter() - t0,
+        },
+        out=args.out,
+    )
     print(f"\nwrote {path} ({time.perf_counter() - t0:.0f} s)")
 
 

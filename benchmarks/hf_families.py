@@ -28,24 +28,51 @@ from attnkit.integrations.hf import from_hf
 
 def configs(width: int, layers: int, vocab: int) -> dict:
     heads = width // 64
-    common = dict(vocab_size=vocab, hidden_size=width, intermediate_size=width * 8 // 3, num_hidden_layers=layers,
-                  num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), pad_token_id=0, bos_token_id=1,
-                  eos_token_id=2, max_position_embeddings=4096)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=width,
+        intermediate_size=width * 8 // 3,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        max_position_embeddings=4096,
+    )
     types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
     pairs = 32  # rotated pairs of a 64-wide head
     return {
         "qwen3": transformers.Qwen3Config(**common),
         "gemma3": transformers.Gemma3TextConfig(**common, head_dim=64, sliding_window=128, layer_types=types),
-        "phi3 (longrope)": transformers.Phi3Config(**common, original_max_position_embeddings=1024, rope_parameters={
-            "rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * pairs,
-            "long_factor": [1.0 + 0.1 * i for i in range(pairs)]}),
+        "phi3 (longrope)": transformers.Phi3Config(
+            **common,
+            original_max_position_embeddings=1024,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 1e4,
+                "short_factor": [1.0] * pairs,
+                "long_factor": [1.0 + 0.1 * i for i in range(pairs)],
+            },
+        ),
         "olmo2": transformers.Olmo2Config(**common),
         "smollm3": transformers.SmolLM3Config(**common, no_rope_layers=[int(i % 4 != 3) for i in range(layers)]),
-        "granite": transformers.GraniteConfig(**common, embedding_multiplier=12.0, attention_multiplier=0.015625,
-                                              residual_multiplier=0.22, logits_scaling=8.0),
+        "granite": transformers.GraniteConfig(
+            **common,
+            embedding_multiplier=12.0,
+            attention_multiplier=0.015625,
+            residual_multiplier=0.22,
+            logits_scaling=8.0,
+        ),
         "deepseek-v3 (dense, MLA)": transformers.DeepseekV3Config(
-            **{**common, "num_key_value_heads": heads}, q_lora_rank=width // 2, kv_lora_rank=width // 4,
-            qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, first_k_dense_replace=layers),
+            **{**common, "num_key_value_heads": heads},
+            q_lora_rank=width // 2,
+            kv_lora_rank=width // 4,
+            qk_rope_head_dim=32,
+            qk_nope_head_dim=64,
+            v_head_dim=64,
+            first_k_dense_replace=layers,
+        ),
     }
 
 
@@ -89,18 +116,33 @@ def main(argv=None) -> None:
 
         t_fwd = timeit({"hf": fwd_hf, "attnkit": fwd_ours}, repeat=repeat, budget_s=40)
         t_gen = timeit({"hf": gen_hf, "attnkit": gen_ours}, repeat=repeat, budget_s=40)
-        rows.append({"family": name, "forward attnkit s": f"{t_fwd['attnkit']:.4f}", "forward HF s": f"{t_fwd['hf']:.4f}",
-                     "forward HF/attnkit": f"{t_fwd['hf'] / t_fwd['attnkit']:.2f}x",
-                     f"decode {new} attnkit s": f"{t_gen['attnkit']:.4f}", f"decode {new} HF s": f"{t_gen['hf']:.4f}",
-                     "decode HF/attnkit": f"{t_gen['hf'] / t_gen['attnkit']:.2f}x", "max_err": f"{err:.1e}",
-                     "same_tokens": ours == hf_tokens})
+        rows.append(
+            {
+                "family": name,
+                "forward attnkit s": f"{t_fwd['attnkit']:.4f}",
+                "forward HF s": f"{t_fwd['hf']:.4f}",
+                "forward HF/attnkit": f"{t_fwd['hf'] / t_fwd['attnkit']:.2f}x",
+                f"decode {new} attnkit s": f"{t_gen['attnkit']:.4f}",
+                f"decode {new} HF s": f"{t_gen['hf']:.4f}",
+                "decode HF/attnkit": f"{t_gen['hf'] / t_gen['attnkit']:.2f}x",
+                "max_err": f"{err:.1e}",
+                "same_tokens": ours == hf_tokens,
+            }
+        )
     cols = list(rows[0])
-    print(f"from_hf families (width {width}, {layers} layers; forward batch {batch} x {length}; decode batch 1, "
-          f"{prompt}-token prompt, {new} new), float32, HF attn_implementation='sdpa', {machine()}")
+    print(
+        f"from_hf families (width {width}, {layers} layers; forward batch {batch} x {length}; decode batch 1, "
+        f"{prompt}-token prompt, {new} new), float32, HF attn_implementation='sdpa', {machine()}"
+    )
     print(table(rows, cols))
-    print("saved", save("hf_families_quick" if args.quick else "hf_families",
-                        {"rows": rows, "width": width, "layers": layers, "batch": batch, "length": length},
-                        out=args.out))
+    print(
+        "saved",
+        save(
+            "hf_families_quick" if args.quick else "hf_families",
+            {"rows": rows, "width": width, "layers": layers, "batch": batch, "length": length},
+            out=args.out,
+        ),
+    )
 
 
 if __name__ == "__main__":

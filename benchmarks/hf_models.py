@@ -20,8 +20,10 @@ import torch
 try:
     import transformers
 except ImportError:  # the subject of this benchmark, not a peer: nothing to measure without it
-    print("benchmarks/hf_models.py: skipped, it measures Hugging Face models and transformers is not installed "
-          "(pip install 'attnkit[bench]')")
+    print(
+        "benchmarks/hf_models.py: skipped, it measures Hugging Face models and transformers is not installed "
+        "(pip install 'attnkit[bench]')"
+    )
     sys.exit(0)
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -33,12 +35,23 @@ IMPLS = ("eager", "sdpa", "attnkit")
 
 
 def build(kind: str, width: int, layers: int, vocab: int):
-    common = dict(vocab_size=vocab, hidden_size=width, intermediate_size=width * 8 // 3, num_hidden_layers=layers,
-                  num_attention_heads=width // 64, num_key_value_heads=max(1, width // 256), pad_token_id=0,
-                  bos_token_id=1, eos_token_id=2)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=width,
+        intermediate_size=width * 8 // 3,
+        num_hidden_layers=layers,
+        num_attention_heads=width // 64,
+        num_key_value_heads=max(1, width // 256),
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
-    cfg = (transformers.LlamaConfig(**common) if kind == "llama"
-           else transformers.MistralConfig(**common, sliding_window=256))
+    cfg = (
+        transformers.LlamaConfig(**common)
+        if kind == "llama"
+        else transformers.MistralConfig(**common, sliding_window=256)
+    )
     return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
 
 
@@ -68,8 +81,7 @@ def main(argv=None) -> None:
             model.set_attn_implementation(impl)
             with torch.no_grad():
                 logits[impl] = model(ids, attention_mask=am).logits
-            tokens[impl] = model.generate(ids, attention_mask=am, max_new_tokens=new, do_sample=False,
-                                          pad_token_id=0)
+            tokens[impl] = model.generate(ids, attention_mask=am, max_new_tokens=new, do_sample=False, pad_token_id=0)
         real = am.bool()
         err = {i: float((logits[i] - logits["eager"])[real].abs().max()) for i in IMPLS}
         same = {i: bool(torch.equal(tokens[i], tokens["eager"])) for i in IMPLS}
@@ -78,6 +90,7 @@ def main(argv=None) -> None:
             def run():
                 model.set_attn_implementation(impl)
                 return fn()
+
             return run
 
         def forward():
@@ -94,15 +107,31 @@ def main(argv=None) -> None:
         for mode, fn in (("forward", forward), ("fwd+bwd", train_step), (f"generate {new}", generate)):
             t = timeit({i: with_impl(i, fn) for i in IMPLS}, repeat=repeat, budget_s=60)
             for impl in IMPLS:
-                rows.append({"model": kind, "mode": mode, "impl": impl, "median_s": f"{t[impl]:.4f}",
-                             "vs_sdpa": f"{t[impl] / t['sdpa']:.2f}x", "max_err": f"{err[impl]:.1e}",
-                             "same_tokens": same[impl]})
+                rows.append(
+                    {
+                        "model": kind,
+                        "mode": mode,
+                        "impl": impl,
+                        "median_s": f"{t[impl]:.4f}",
+                        "vs_sdpa": f"{t[impl] / t['sdpa']:.2f}x",
+                        "max_err": f"{err[impl]:.1e}",
+                        "same_tokens": same[impl],
+                    }
+                )
     cols = ["model", "mode", "impl", "median_s", "vs_sdpa", "max_err", "same_tokens"]
-    print(f"HF models (width {width}, {layers} layers, batch {batch}, length {length}, left padding), float32, "
-          f"{machine()}")
+    print(
+        f"HF models (width {width}, {layers} layers, batch {batch}, length {length}, left padding), float32, "
+        f"{machine()}"
+    )
     print(table(rows, cols))
-    print("saved", save("hf_models_quick" if args.quick else "hf_models", {"rows": rows, "width": width, "layers": layers, "batch": batch,
-                                       "length": length}, out=args.out))
+    print(
+        "saved",
+        save(
+            "hf_models_quick" if args.quick else "hf_models",
+            {"rows": rows, "width": width, "layers": layers, "batch": batch, "length": length},
+            out=args.out,
+        ),
+    )
 
 
 if __name__ == "__main__":

@@ -41,10 +41,17 @@ def build_attnkit(cfg: DecoderConfig) -> DecoderLM:
 def build_hf(cfg: DecoderConfig):
     import transformers
 
-    hc = transformers.LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ff_dim,
-                                  num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-                                  num_key_value_heads=cfg.kv_heads, max_position_embeddings=cfg.max_seq_len,
-                                  rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings)
+    hc = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.d_model,
+        intermediate_size=cfg.ff_dim,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.kv_heads,
+        max_position_embeddings=cfg.max_seq_len,
+        rms_norm_eps=cfg.norm_eps,
+        tie_word_embeddings=cfg.tie_embeddings,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM._from_config(hc, attn_implementation="sdpa")
 
@@ -54,11 +61,24 @@ def build_xt(cfg: DecoderConfig):
 
     torch.manual_seed(0)
     return TransformerWrapper(
-        num_tokens=cfg.vocab_size, max_seq_len=cfg.max_seq_len, use_abs_pos_emb=False,
+        num_tokens=cfg.vocab_size,
+        max_seq_len=cfg.max_seq_len,
+        use_abs_pos_emb=False,
         tie_embedding=cfg.tie_embeddings,
-        attn_layers=Decoder(dim=cfg.d_model, depth=cfg.n_layers, heads=cfg.n_heads, attn_dim_head=cfg.head_dim,
-                            rotary_pos_emb=True, attn_flash=True, use_rmsnorm=True, ff_glu=True, ff_swish=True,
-                            ff_mult=cfg.ff_dim / cfg.d_model, ff_no_bias=True))
+        attn_layers=Decoder(
+            dim=cfg.d_model,
+            depth=cfg.n_layers,
+            heads=cfg.n_heads,
+            attn_dim_head=cfg.head_dim,
+            rotary_pos_emb=True,
+            attn_flash=True,
+            use_rmsnorm=True,
+            ff_glu=True,
+            ff_swish=True,
+            ff_mult=cfg.ff_dim / cfg.d_model,
+            ff_no_bias=True,
+        ),
+    )
 
 
 def logits_of(name: str, model, ids):
@@ -86,6 +106,7 @@ def decode_fns(models: dict, prompt: torch.Tensor, n_new: int) -> dict:
                 for _ in range(n_new):
                     tok = model(tok, cache=cache)[:, -1:].argmax(-1)
                 return time.perf_counter() - start
+
         return run
 
     def hf(model):
@@ -98,6 +119,7 @@ def decode_fns(models: dict, prompt: torch.Tensor, n_new: int) -> dict:
                     out = model(tok, cache=past, use_cache=True)  # transformers 5.2x: cache= (was past_key_values)
                     past, tok = out.cache, out.logits[:, -1:].argmax(-1)
                 return time.perf_counter() - start
+
         return run
 
     for name, model in models.items():
@@ -113,7 +135,7 @@ def median_times(fns: dict, repeat: int, *, timed_inside: bool = False) -> dict:
         fn()
     runs = {name: [] for name in fns}
     for i in range(repeat):
-        for name in (list(fns) if i % 2 == 0 else list(reversed(fns))):
+        for name in list(fns) if i % 2 == 0 else list(reversed(fns)):
             start = time.perf_counter()
             inside = fns[name]()
             runs[name].append(inside if timed_inside else time.perf_counter() - start)
@@ -151,6 +173,7 @@ def main(argv=None) -> None:
         def run():
             with torch.inference_mode():
                 logits_of(name, model, ids)
+
         return run
 
     def train(name, model):
@@ -158,16 +181,21 @@ def main(argv=None) -> None:
             model.zero_grad(set_to_none=True)
             logits = logits_of(name, model, ids)
             F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+
         return run
 
-    print(f"model.py: llama-like ({params['attnkit DecoderLM'] / 1e6:.1f}M parameters), float32, "
-          f"B={B}, L={L}; {machine()}")
+    print(
+        f"model.py: llama-like ({params['attnkit DecoderLM'] / 1e6:.1f}M parameters), float32, "
+        f"B={B}, L={L}; {machine()}"
+    )
     t_fwd = median_times({n: fwd(n, m) for n, m in models.items()}, repeat)
     t_train = median_times({n: train(n, m) for n, m in models.items()}, repeat)
     hf = "HF Llama (sdpa)"
-    dec_models = {"attnkit DecoderLM": models["attnkit DecoderLM"],
-                  "attnkit DecoderLM, column-major weights": column_major(models["attnkit DecoderLM"]),
-                  **({hf: models[hf]} if hf in models else {})}
+    dec_models = {
+        "attnkit DecoderLM": models["attnkit DecoderLM"],
+        "attnkit DecoderLM, column-major weights": column_major(models["attnkit DecoderLM"]),
+        **({hf: models[hf]} if hf in models else {}),
+    }
     prompt = ids[:1, :P]
     t_dec = median_times(decode_fns(dec_models, prompt, N), repeat, timed_inside=True)
 
@@ -176,16 +204,37 @@ def main(argv=None) -> None:
 
     rows = []
     for n in models:
-        rows.append({"model": n, "params (M)": f"{params[n] / 1e6:.1f}",
-                     "forward tok/s": f"{B * L / t_fwd[n]:,.0f}", "fwd vs HF": vs_hf(t_fwd, n),
-                     "fwd+bwd tok/s": f"{B * L / t_train[n]:,.0f}", "fwd+bwd vs HF": vs_hf(t_train, n)})
+        rows.append(
+            {
+                "model": n,
+                "params (M)": f"{params[n] / 1e6:.1f}",
+                "forward tok/s": f"{B * L / t_fwd[n]:,.0f}",
+                "fwd vs HF": vs_hf(t_fwd, n),
+                "fwd+bwd tok/s": f"{B * L / t_train[n]:,.0f}",
+                "fwd+bwd vs HF": vs_hf(t_train, n),
+            }
+        )
     print(table(rows, list(rows[0])))
-    drows = [{"decoding (B=1)": n, "ms / token": f"{t_dec[n] / N * 1e3:.2f}",
-              "vs HF": vs_hf(t_dec, n)} for n in dec_models]
+    drows = [
+        {"decoding (B=1)": n, "ms / token": f"{t_dec[n] / N * 1e3:.2f}", "vs HF": vs_hf(t_dec, n)} for n in dec_models
+    ]
     print(f"\ndecoding: after a {P}-token prompt, {N} one-token forwards with a KV cache (prompt not timed)")
     print(table(drows, list(drows[0])))
-    path = save("model_quick" if args.quick else "model", {"config": "llama-like", "batch": B, "length": L, "prompt": P, "new_tokens": N,
-                          "params": params, "forward_s": t_fwd, "train_s": t_train, "decode_s": t_dec}, out=args.out)
+    path = save(
+        "model_quick" if args.quick else "model",
+        {
+            "config": "llama-like",
+            "batch": B,
+            "length": L,
+            "prompt": P,
+            "new_tokens": N,
+            "params": params,
+            "forward_s": t_fwd,
+            "train_s": t_train,
+            "decode_s": t_dec,
+        },
+        out=args.out,
+    )
     print(f"\nwrote {path}")
 
 

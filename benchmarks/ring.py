@@ -57,8 +57,9 @@ def _worker(args) -> None:
 
     W, rank = args.world, args.rank
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=W,
-                            timeout=timedelta(seconds=1800))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=W, timeout=timedelta(seconds=1800)
+    )
     L, H, D = args.seq_len, args.heads, args.head_dim
     mask = attnkit.masks.causal()
     g = torch.Generator().manual_seed(rank)
@@ -109,15 +110,45 @@ def _free_port() -> int:
 
 def _launch(mode: str, world: int, layout: str, args, tmp: Path) -> list[dict]:
     port = _free_port()
-    common = ["--seq-len", str(args.seq_len), "--heads", str(args.heads), "--head-dim", str(args.head_dim),
-              "--repeat", str(args.repeat), "--threads", str(args.threads), "--mode", mode, "--layout", layout,
-              "--world", str(world), "--port", str(port)]
+    common = [
+        "--seq-len",
+        str(args.seq_len),
+        "--heads",
+        str(args.heads),
+        "--head-dim",
+        str(args.head_dim),
+        "--repeat",
+        str(args.repeat),
+        "--threads",
+        str(args.threads),
+        "--mode",
+        mode,
+        "--layout",
+        layout,
+        "--world",
+        str(world),
+        "--port",
+        str(port),
+    ]
     env = dict(os.environ)
     if args.live_memory:  # glibc then returns every freed tensor to the OS at once: peak RSS ~ live tensors
         env["MALLOC_MMAP_THRESHOLD_"] = str(1 << 16)
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", "--rank", str(r), "--worker-out",
-                               str(tmp / f"{mode}_{layout}_{world}_{r}.json"), *common], env=env)
-             for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--worker",
+                "--rank",
+                str(r),
+                "--worker-out",
+                str(tmp / f"{mode}_{layout}_{world}_{r}.json"),
+                *common,
+            ],
+            env=env,
+        )
+        for r in range(world)
+    ]
     for p in procs:
         if p.wait() != 0:
             raise SystemExit(f"a worker of {mode} W={world} {layout} failed with exit code {p.returncode}")
@@ -131,10 +162,19 @@ def main(argv=None) -> None:
     ap.add_argument("--heads", type=int, default=None)
     ap.add_argument("--head-dim", type=int, default=None)
     ap.add_argument("--repeat", type=int, default=None)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1: on a shared, "
-                    "oversubscribed machine multi-threaded regions stall whenever one thread is descheduled)")
-    ap.add_argument("--live-memory", action="store_true", help="fix glibc's mmap threshold so that the peak "
-                    "resident memory counts live tensors, not allocator caching (costs page faults: slower)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads per process (default 1: on a shared, "
+        "oversubscribed machine multi-threaded regions stall whenever one thread is descheduled)",
+    )
+    ap.add_argument(
+        "--live-memory",
+        action="store_true",
+        help="fix glibc's mmap threshold so that the peak "
+        "resident memory counts live tensors, not allocator caching (costs page faults: slower)",
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mode", default="ring", help=argparse.SUPPRESS)
     ap.add_argument("--layout", default="zigzag", help=argparse.SUPPRESS)
@@ -171,11 +211,14 @@ def main(argv=None) -> None:
             elems = [r.get("forward_elements", 0) for r in ranks]
             if mode == "ring" and world == 1:
                 base_time, base_peak = fb, max(peaks)
-            row = {"run": "attnkit.attention, 1 process" if mode == "attention" else f"ring, {world} x {layout}",
-                   "fwd s": f"{fwd:.2f}", "fwd+bwd s": f"{fb:.2f}",
-                   "CPU s, all ranks": f"{sum(r['cpu_s'] for r in ranks):.2f}",
-                   "fwd peak MB/rank": f"{max(fwd_peaks):.0f}",
-                   "fwd+bwd peak MB/rank": f"{max(peaks):.0f}" + (f" ({min(peaks):.0f})" if world > 1 else "")}
+            row = {
+                "run": "attnkit.attention, 1 process" if mode == "attention" else f"ring, {world} x {layout}",
+                "fwd s": f"{fwd:.2f}",
+                "fwd+bwd s": f"{fb:.2f}",
+                "CPU s, all ranks": f"{sum(r['cpu_s'] for r in ranks):.2f}",
+                "fwd peak MB/rank": f"{max(fwd_peaks):.0f}",
+                "fwd+bwd peak MB/rank": f"{max(peaks):.0f}" + (f" ({min(peaks):.0f})" if world > 1 else ""),
+            }
             if mode == "ring":
                 row["time vs ring 1"] = f"{fb / base_time:.2f}x"
                 row["memory vs ring 1"] = f"{max(peaks) / base_peak:.2f}"
@@ -186,17 +229,33 @@ def main(argv=None) -> None:
                     row["work balance"] = f"{max(elems) / max(min(elems), 1):.2f}"
             rows.append(row)
             print(f"done: {row['run']}", flush=True)
-    columns = ["run", "fwd s", "fwd+bwd s", "CPU s, all ranks", "time vs ring 1", "fwd peak MB/rank",
-               "fwd+bwd peak MB/rank", "memory vs ring 1", "fwd CPU s per rank", "fwd balance", "bwd balance",
-               "work balance"]
-    print(f"\nring attention, causal, float32, B=1 H={args.heads} L={args.seq_len} D={args.head_dim}; "
-          f"{machine(threads=False)}; {args.threads} torch thread(s) per process; "
-          f"{'glibc mmap threshold 64 KiB (--live-memory); ' if args.live_memory else ''}"
-          f"{'median of ' + str(args.repeat) if args.repeat > 1 else 'one run'} per cell")
+    columns = [
+        "run",
+        "fwd s",
+        "fwd+bwd s",
+        "CPU s, all ranks",
+        "time vs ring 1",
+        "fwd peak MB/rank",
+        "fwd+bwd peak MB/rank",
+        "memory vs ring 1",
+        "fwd CPU s per rank",
+        "fwd balance",
+        "bwd balance",
+        "work balance",
+    ]
+    print(
+        f"\nring attention, causal, float32, B=1 H={args.heads} L={args.seq_len} D={args.head_dim}; "
+        f"{machine(threads=False)}; {args.threads} torch thread(s) per process; "
+        f"{'glibc mmap threshold 64 KiB (--live-memory); ' if args.live_memory else ''}"
+        f"{'median of ' + str(args.repeat) if args.repeat > 1 else 'one run'} per cell"
+    )
     print(table(rows, columns))
     name = ("ring_quick" if quick else "ring") + ("_live_memory" if args.live_memory else "")
-    path = save(name, {"seq_len": args.seq_len, "heads": args.heads,
-                                                    "head_dim": args.head_dim, "rows": rows, "raw": raw}, out=args.out)
+    path = save(
+        name,
+        {"seq_len": args.seq_len, "heads": args.heads, "head_dim": args.head_dim, "rows": rows, "raw": raw},
+        out=args.out,
+    )
     print(f"\nwritten to {path}")
 
 

@@ -45,6 +45,7 @@ def main() -> None:
         def run():
             with torch.no_grad():
                 attnkit.attention(q, k, v, mask=causal, sinks=s, backend="flash")
+
         return run
 
     def fwd_bwd(s):
@@ -52,13 +53,21 @@ def main() -> None:
             out = attnkit.attention(q, k, v, mask=causal, sinks=s, backend="flash")
             grads = torch.autograd.grad(out, (q, k, v) if s is None else (q, k, v, s), dout)
             return grads
+
         return run
 
     rows = []
     for name, make in (("forward", fwd), ("forward+backward", fwd_bwd)):
         t = timeit({"no sinks": make(None), "sinks": make(sinks)}, repeat=repeat, budget_s=120.0)
-        rows.append({"pass": name, "L": L, "no sinks (ms)": f"{t['no sinks'] * 1e3:.1f}",
-                     "sinks (ms)": f"{t['sinks'] * 1e3:.1f}", "ratio": f"{t['sinks'] / t['no sinks']:.3f}"})
+        rows.append(
+            {
+                "pass": name,
+                "L": L,
+                "no sinks (ms)": f"{t['no sinks'] * 1e3:.1f}",
+                "sinks (ms)": f"{t['sinks'] * 1e3:.1f}",
+                "ratio": f"{t['sinks'] / t['no sinks']:.3f}",
+            }
+        )
     print(f"flash, causal, B={B} H={H} D={D} float32; {machine()}")
     print(table(rows, ["pass", "L", "no sinks (ms)", "sinks (ms)", "ratio"]))
     if args.length is None and not args.quick:  # (a smoke run leaves the recorded result alone)

@@ -87,8 +87,17 @@ def local_attention_peer(window: int):
     except ImportError:
         return None
 
-    la = LocalAttention(window_size=window, causal=True, look_backward=1, look_forward=0, exact_windowsize=True,
-                        dropout=0.0, autopad=True, scale=D ** -0.5, use_rotary_pos_emb=False)
+    la = LocalAttention(
+        window_size=window,
+        causal=True,
+        look_backward=1,
+        look_forward=0,
+        exact_windowsize=True,
+        dropout=0.0,
+        autopad=True,
+        scale=D**-0.5,
+        use_rotary_pos_emb=False,
+    )
     return lambda q, k, v: la(q, k, v)
 
 
@@ -106,7 +115,7 @@ def timeit(fns: dict, *, repeat: int = 5, warmup: int = 1, budget_s: float = 60.
     times: dict[str, list[float]] = {n: [] for n in names}
     start = time.perf_counter()
     for i in range(repeat):
-        for n in (names if i % 2 == 0 else names[::-1]):
+        for n in names if i % 2 == 0 else names[::-1]:
             t0 = time.perf_counter()
             fns[n]()
             times[n].append(time.perf_counter() - t0)
@@ -124,6 +133,7 @@ def fwd(fn, q, k, v):
     def run():
         with torch.no_grad():
             fn(q, k, v)
+
     return run
 
 
@@ -131,6 +141,7 @@ def fwd_bwd(fn, q, k, v, go):
     def run():
         q.grad = k.grad = v.grad = None
         fn(q, k, v).backward(go)
+
     return run
 
 
@@ -198,14 +209,29 @@ def window_section(lengths, repeat, notes):
         bw = {n: f for n, f in peers.items() if not (n == "flex" and flex_bwd)}
         tb = timeit({n: fwd_bwd(f, qg, kg, vg, go) for n, f in bw.items()}, repeat=max(1, repeat - 2), warmup=1)
         skipped = {n: "skipped" for n in ("local-attention", "naive") if n not in peers}  # see the notes
-        rows.append({"L": L, "mode": "fwd", **skipped, **{n: fmt(x) for n, x in t.items()},
-                     "sdpa/flash": ratio(t["sdpa+mask"], t["flash"]), "flex/flash": ratio(t["flex"], t["flash"]),
-                     "local/flash": ratio(t.get("local-attention"), t["flash"]),
-                     "flex compile s": f"{flex.compile_s:.1f}"})
-        rows.append({"L": L, "mode": "fwd+bwd", **skipped, **{n: fmt(x) for n, x in tb.items()},
-                     "flex": "no CPU bwd" if flex_bwd else fmt(tb.get("flex")),
-                     "sdpa/flash": ratio(tb["sdpa+mask"], tb["flash"]),
-                     "local/flash": ratio(tb.get("local-attention"), tb["flash"])})
+        rows.append(
+            {
+                "L": L,
+                "mode": "fwd",
+                **skipped,
+                **{n: fmt(x) for n, x in t.items()},
+                "sdpa/flash": ratio(t["sdpa+mask"], t["flash"]),
+                "flex/flash": ratio(t["flex"], t["flash"]),
+                "local/flash": ratio(t.get("local-attention"), t["flash"]),
+                "flex compile s": f"{flex.compile_s:.1f}",
+            }
+        )
+        rows.append(
+            {
+                "L": L,
+                "mode": "fwd+bwd",
+                **skipped,
+                **{n: fmt(x) for n, x in tb.items()},
+                "flex": "no CPU bwd" if flex_bwd else fmt(tb.get("flex")),
+                "sdpa/flash": ratio(tb["sdpa+mask"], tb["flash"]),
+                "local/flash": ratio(tb.get("local-attention"), tb["flash"]),
+            }
+        )
         print(table(rows[-2:], list(rows[-2].keys())), flush=True)
     return rows
 
@@ -221,17 +247,25 @@ def density_section(L, densities, repeat, notes):
         n = max(1, round(dens * nb))
         mask = masks.random_blocks(128, n, seed=1)
         allowed = mask.to_dense(L, L)
-        peers = {"flash": lambda q, k, v: attnkit.attention(q, k, v, mask=mask, backend="flash"),
-                 "sdpa+mask": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed),
-                 "sdpa dense": dense}
+        peers = {
+            "flash": lambda q, k, v: attnkit.attention(q, k, v, mask=mask, backend="flash"),
+            "sdpa+mask": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed),
+            "sdpa dense": dense,
+        }
         with torch.no_grad():
             check_same(f"sdpa at density {dens}", peers["sdpa+mask"](q, k, v), peers["flash"](q, k, v))
         t = timeit({n_: fwd(f, q, k, v) for n_, f in peers.items()}, repeat=repeat, warmup=1)
         real = n / nb
-        rows.append({"density": f"{real:.1%}", "flash s": fmt(t["flash"]), "sdpa+mask s": fmt(t["sdpa+mask"]),
-                     "sdpa dense s": fmt(t["sdpa dense"]),
-                     "flash / (density x dense)": f"{t['flash'] / (real * t['sdpa dense']):.2f}",
-                     "sdpa+mask/flash": ratio(t["sdpa+mask"], t["flash"])})
+        rows.append(
+            {
+                "density": f"{real:.1%}",
+                "flash s": fmt(t["flash"]),
+                "sdpa+mask s": fmt(t["sdpa+mask"]),
+                "sdpa dense s": fmt(t["sdpa dense"]),
+                "flash / (density x dense)": f"{t['flash'] / (real * t['sdpa dense']):.2f}",
+                "sdpa+mask/flash": ratio(t["sdpa+mask"], t["flash"]),
+            }
+        )
         print(f"  density {real:.1%} done", flush=True)
     print(table(rows, list(rows[-1].keys())), flush=True)
     return rows
@@ -249,8 +283,10 @@ def document_section(L, repeat, notes):
         mask = masks.document(ids) & masks.causal() if causal else masks.document(ids)
         q, k, v = inputs(L)
         allowed = mask.to_dense(L, L)
-        peers = {"flash": lambda q, k, v: attnkit.attention(q, k, v, mask=mask, backend="flash"),
-                 "sdpa+mask": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)}
+        peers = {
+            "flash": lambda q, k, v: attnkit.attention(q, k, v, mask=mask, backend="flash"),
+            "sdpa+mask": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=allowed),
+        }
         with torch.no_grad():
             check_same("sdpa document", peers["sdpa+mask"](q, k, v), peers["flash"](q, k, v))
         t = timeit({n: fwd(f, q, k, v) for n, f in peers.items()}, repeat=repeat, warmup=1)
@@ -258,9 +294,15 @@ def document_section(L, repeat, notes):
         go = torch.randn(B, H, L, D)
         tb = timeit({n: fwd_bwd(f, qg, kg, vg, go) for n, f in peers.items()}, repeat=max(1, repeat - 2), warmup=1)
         for mode, tt in (("fwd", t), ("fwd+bwd", tb)):
-            rows.append({"mask": "document & causal" if causal else "document", "mode": mode,
-                         "flash": fmt(tt["flash"]), "sdpa+mask": fmt(tt["sdpa+mask"]),
-                         "sdpa/flash": ratio(tt["sdpa+mask"], tt["flash"])})
+            rows.append(
+                {
+                    "mask": "document & causal" if causal else "document",
+                    "mode": mode,
+                    "flash": fmt(tt["flash"]),
+                    "sdpa+mask": fmt(tt["sdpa+mask"]),
+                    "sdpa/flash": ratio(tt["sdpa+mask"], tt["flash"]),
+                }
+            )
         print(table(rows[-2:], list(rows[-2].keys())), flush=True)
     notes.add(f"document lengths: {lengths}")
     return rows
@@ -270,15 +312,24 @@ def causal_section(lengths, repeat, notes):
     rows = []
     for L in lengths:
         q, k, v = inputs(L)
-        peers = {"flash": lambda q, k, v: attnkit.attention(q, k, v, mask=masks.causal(), backend="flash"),
-                 "sdpa causal": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)}
+        peers = {
+            "flash": lambda q, k, v: attnkit.attention(q, k, v, mask=masks.causal(), backend="flash"),
+            "sdpa causal": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        }
         t = timeit({n: fwd(f, q, k, v) for n, f in peers.items()}, repeat=repeat, warmup=1)
         qg, kg, vg = inputs(L, grad=True)
         go = torch.randn(B, H, L, D)
         tb = timeit({n: fwd_bwd(f, qg, kg, vg, go) for n, f in peers.items()}, repeat=max(1, repeat - 2), warmup=1)
         for mode, tt in (("fwd", t), ("fwd+bwd", tb)):
-            rows.append({"L": L, "mode": mode, "flash": fmt(tt["flash"]), "sdpa causal": fmt(tt["sdpa causal"]),
-                         "flash/sdpa": f"{tt['flash'] / tt['sdpa causal']:.2f}"})
+            rows.append(
+                {
+                    "L": L,
+                    "mode": mode,
+                    "flash": fmt(tt["flash"]),
+                    "sdpa causal": fmt(tt["sdpa causal"]),
+                    "flash/sdpa": f"{tt['flash'] / tt['sdpa causal']:.2f}",
+                }
+            )
         print(table(rows[-2:], list(rows[-2].keys())), flush=True)
     return rows
 
@@ -300,12 +351,22 @@ print(json.dumps({"peak_rss": int(hwm.split()[1]) * 1024, "seconds": dt}))
 
 def memory_section(L, threads, notes):
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # freed blocks return to the OS: RSS ~ live memory
-    res = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, str(L), str(threads)], capture_output=True,
-                         text=True, check=True, env=env)
+    res = subprocess.run(
+        [sys.executable, "-c", _MEMORY_SCRIPT, str(L), str(threads)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+    )
     r = json.loads(res.stdout.strip().splitlines()[-1])
-    row = {"L": L, "heads": 1, "mask": "causal sliding window 512", "fwd+bwd s": f"{r['seconds']:.2f}",
-           "peak RSS GiB (whole process)": f"{r['peak_rss'] / 2**30:.2f}",
-           "dense score matrix GiB": f"{L * L * 4 / 2**30:.0f}"}
+    row = {
+        "L": L,
+        "heads": 1,
+        "mask": "causal sliding window 512",
+        "fwd+bwd s": f"{r['seconds']:.2f}",
+        "peak RSS GiB (whole process)": f"{r['peak_rss'] / 2**30:.2f}",
+        "dense score matrix GiB": f"{L * L * 4 / 2**30:.0f}",
+    }
     print(table([row], list(row.keys())), flush=True)
     return [row]
 
@@ -316,10 +377,20 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--only", choices=SECTIONS, action="append", help="run only these sections")
     ap.add_argument("--repeat", type=int, default=None)
-    ap.add_argument("--lengths", type=int, nargs="+", default=None,
-                    help="sequence lengths of the window section (default 2048 8192 16384; --quick: 1024)")
-    ap.add_argument("--densities", type=float, nargs="+", default=None,
-                    help="densities of the density section (default 0.05 0.10 0.25 0.50; --quick: 0.10 0.50)")
+    ap.add_argument(
+        "--lengths",
+        type=int,
+        nargs="+",
+        default=None,
+        help="sequence lengths of the window section (default 2048 8192 16384; --quick: 1024)",
+    )
+    ap.add_argument(
+        "--densities",
+        type=float,
+        nargs="+",
+        default=None,
+        help="densities of the density section (default 0.05 0.10 0.25 0.50; --quick: 0.10 0.50)",
+    )
     ap.add_argument("--out", metavar="DIR", default=None, help=OUT_HELP)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -329,8 +400,11 @@ def main(argv=None) -> None:
     sections = args.only or SECTIONS
     notes: set[str] = set()
     results = {}
-    print(f"# sparse attention, float32, B={B} H={H} D={D}; {machine()}; load average "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    print(
+        f"# sparse attention, float32, B={B} H={H} D={D}; {machine()}; load average "
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}",
+        flush=True,
+    )
     load_start = os.getloadavg()
     if "window" in sections:
         lengths = args.lengths or ([1024] if quick else [2048, 8192, 16384])  # FlexAttention compiles per length

@@ -61,7 +61,7 @@ def main() -> None:
     for s in range(N_SEQ):
         a, b = int(cu[s]), int(cu[s + 1])
         for src, dst in ((q, qp), (k, kp), (v, vp)):
-            dst[s, :, :b - a] = src[a:b].transpose(0, 1)
+            dst[s, :, : b - a] = src[a:b].transpose(0, 1)
     q4, k4, v4 = (t.transpose(0, 1)[None].contiguous() for t in (q, k, v))  # (1, H, T, D)
 
     def varlen():
@@ -77,8 +77,9 @@ def main() -> None:
     ref = varlen()
     for s in range(N_SEQ):
         a, b = int(cu[s]), int(cu[s + 1])
-        torch.testing.assert_close(padded()[s, :, :b - a].transpose(0, 1), ref[a:b], atol=1e-4, rtol=0) \
-            if s == 0 else None
+        torch.testing.assert_close(
+            padded()[s, :, : b - a].transpose(0, 1), ref[a:b], atol=1e-4, rtol=0
+        ) if s == 0 else None
     torch.testing.assert_close(document()[0].transpose(0, 1), ref, atol=1e-4, rtol=0)
 
     leaves = [t.clone().requires_grad_() for t in (q, k, v, qp, kp, vp, q4, k4, v4)]
@@ -87,16 +88,22 @@ def main() -> None:
         def run():
             out = fn(*inputs)
             out.backward(torch.ones_like(out))
+
         return run
 
     fwd = {"varlen": varlen, "padded": padded, "document": document}
     bwd = {
-        "varlen": backward(lambda a, b, c: attnkit.attention_varlen(a, b, c, cu, cu, mask=masks.causal(),
-                                                                    backend=args.backend), *leaves[:3]),
-        "padded": backward(lambda a, b, c: attnkit.attention(a, b, c, mask=masks.causal(), backend=args.backend),
-                           *leaves[3:6]),
-        "document": backward(lambda a, b, c: attnkit.attention(a, b, c, mask=masks.document(ids) & masks.causal(),
-                                                               backend=args.backend), *leaves[6:]),
+        "varlen": backward(
+            lambda a, b, c: attnkit.attention_varlen(a, b, c, cu, cu, mask=masks.causal(), backend=args.backend),
+            *leaves[:3],
+        ),
+        "padded": backward(
+            lambda a, b, c: attnkit.attention(a, b, c, mask=masks.causal(), backend=args.backend), *leaves[3:6]
+        ),
+        "document": backward(
+            lambda a, b, c: attnkit.attention(a, b, c, mask=masks.document(ids) & masks.causal(), backend=args.backend),
+            *leaves[6:],
+        ),
     }
     rows, results = [], {}
     pair_ratio = padded_pairs / real_pairs
@@ -105,17 +112,34 @@ def main() -> None:
             t = timeit(fns, repeat=args.repeat, budget_s=300)
         results[name] = t
         speedup = t["padded"] / t["varlen"]
-        rows.append({"pass": name, "varlen s": f"{t['varlen']:.3f}", "padded s": f"{t['padded']:.3f}",
-                     "document s": f"{t['document']:.3f}", "padded/varlen": f"{speedup:.2f}x",
-                     "target (0.8 x pairs)": f"{0.8 * pair_ratio:.2f}x",
-                     "document/varlen": f"{t['document'] / t['varlen']:.2f}x"})
-    print(f"backend={args.backend!r}: {N_SEQ} sequences, lengths {lo}..{hi} (longest {longest}, {total} tokens), "
-          f"causal; padded / real "
-          f"query-key pairs = {pair_ratio:.2f}; {machine()}, load {os.getloadavg()[0]:.1f}")
+        rows.append(
+            {
+                "pass": name,
+                "varlen s": f"{t['varlen']:.3f}",
+                "padded s": f"{t['padded']:.3f}",
+                "document s": f"{t['document']:.3f}",
+                "padded/varlen": f"{speedup:.2f}x",
+                "target (0.8 x pairs)": f"{0.8 * pair_ratio:.2f}x",
+                "document/varlen": f"{t['document'] / t['varlen']:.2f}x",
+            }
+        )
+    print(
+        f"backend={args.backend!r}: {N_SEQ} sequences, lengths {lo}..{hi} (longest {longest}, {total} tokens), "
+        f"causal; padded / real "
+        f"query-key pairs = {pair_ratio:.2f}; {machine()}, load {os.getloadavg()[0]:.1f}"
+    )
     print(table(rows, list(rows[0])))
-    save(f"varlen_{args.backend}" + ("_quick" if args.quick else ""),
-         {"backend": args.backend, "lengths": lengths.tolist(), "pair_ratio": pair_ratio, "seconds": results, "load": os.getloadavg()[0]},
-         out=args.out)
+    save(
+        f"varlen_{args.backend}" + ("_quick" if args.quick else ""),
+        {
+            "backend": args.backend,
+            "lengths": lengths.tolist(),
+            "pair_ratio": pair_ratio,
+            "seconds": results,
+            "load": os.getloadavg()[0],
+        },
+        out=args.out,
+    )
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ def refresh(text: str) -> str:
     def sub(m: re.Match) -> str:
         output = run_command(m.group(2)).rstrip() + "\n"
         return m.group(1) + output + m.group(4)
+
     return PAIR.sub(sub, text)
 
 

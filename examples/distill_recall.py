@@ -27,8 +27,17 @@ TASK = dict(n_pairs=6, n_queries=4)
 
 def recall_model(d_model: int, seed: int) -> DecoderLM:
     torch.manual_seed(seed)
-    return DecoderLM(DecoderConfig(vocab_size=33, d_model=d_model, n_layers=2, n_heads=4, max_seq_len=64,
-                                   positions="alibi", tie_embeddings=False))
+    return DecoderLM(
+        DecoderConfig(
+            vocab_size=33,
+            d_model=d_model,
+            n_layers=2,
+            n_heads=4,
+            max_seq_len=64,
+            positions="alibi",
+            tie_embeddings=False,
+        )
+    )
 
 
 def held_out_accuracy(model, batch) -> float:
@@ -53,21 +62,39 @@ def main() -> None:
 
     teacher = recall_model(64, 0)
     g = torch.Generator().manual_seed(1)
-    train_lm(teacher, lambda step: copy_task(32, length=10, n_symbols=32, distinct=True, generator=g)
-             if step < teacher_steps // 3 else associative_recall(32, **TASK, generator=g), steps=teacher_steps, lr=5e-3)
+    train_lm(
+        teacher,
+        lambda step: (
+            copy_task(32, length=10, n_symbols=32, distinct=True, generator=g)
+            if step < teacher_steps // 3
+            else associative_recall(32, **TASK, generator=g)
+        ),
+        steps=teacher_steps,
+        lr=5e-3,
+    )
     print(f"teacher: {held_out_accuracy(teacher, held):.1%} held-out recall accuracy after {teacher_steps} steps")
 
     batches = [associative_recall(32, **TASK, generator=torch.Generator().manual_seed(100 + s)) for s in range(steps)]
     student = recall_model(32, 1)
     scratch = copy.deepcopy(student)
-    report = distill(teacher, student, lambda step: batches[step], steps=steps, lr=5e-3, eval_batch=held,
-                     weights={"logits": 1.0, "attention": 10.0, "relations": 10.0}, heads="map")
+    report = distill(
+        teacher,
+        student,
+        lambda step: batches[step],
+        steps=steps,
+        lr=5e-3,
+        eval_batch=held,
+        weights={"logits": 1.0, "attention": 10.0, "relations": 10.0},
+        heads="map",
+    )
     train_lm(scratch, lambda step: batches[step], steps=steps, lr=5e-3)
     print(f"\nhalf-width student\n{report}")
     print(f"   the same student trained on the targets for {steps} steps: {held_out_accuracy(scratch, held):.1%}")
     gap = attention_gap(student, teacher, held.ids[:64])
-    print(f"   attention KL to the teacher per layer: distilled {', '.join(f'{x:.3f}' for x in gap)}; from scratch "
-          f"{', '.join(f'{x:.3f}' for x in attention_gap(scratch, teacher, held.ids[:64]))}")
+    print(
+        f"   attention KL to the teacher per layer: distilled {', '.join(f'{x:.3f}' for x in gap)}; from scratch "
+        f"{', '.join(f'{x:.3f}' for x in attention_gap(scratch, teacher, held.ids[:64]))}"
+    )
 
 
 if __name__ == "__main__":

@@ -46,8 +46,14 @@ def peak_mb() -> float:
 def build_layer(args) -> torch.nn.Module:
     """Layer 0 of a one-layer DecoderLM, with the same weights on every process (seeded)."""
     torch.manual_seed(0)
-    cfg = DecoderConfig(vocab_size=256, d_model=args.d_model, n_layers=1, n_heads=args.heads,
-                        n_kv_heads=args.kv_heads, max_seq_len=args.seq_len)
+    cfg = DecoderConfig(
+        vocab_size=256,
+        d_model=args.d_model,
+        n_layers=1,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        max_seq_len=args.seq_len,
+    )
     layer = DecoderLM(cfg).layers[0]
     return layer.double() if args.check else layer
 
@@ -73,8 +79,12 @@ def warm_up(layer, args, world: int = 1, layout: str = "zigzag") -> None:
     x = torch.zeros(1, 8 * world, args.d_model, dtype=torch.float64 if args.check else torch.float32)
     if world > 1:
         x = shard(x, dim=1, layout=layout)
-    step(layer, x, torch.ones_like(x), shard(torch.arange(8 * world), dim=0, layout=layout) if world > 1
-         else torch.arange(8))
+    step(
+        layer,
+        x,
+        torch.ones_like(x),
+        shard(torch.arange(8 * world), dim=0, layout=layout) if world > 1 else torch.arange(8),
+    )
     layer.zero_grad(set_to_none=True)
 
 
@@ -127,31 +137,54 @@ def check(args, layer, out, dx, rank) -> None:
     reference = build_layer(args)  # same seed, same weights, plain attention
     x, grad_out = inputs(args)
     ref_out, ref_dx = step(reference, x, grad_out, torch.arange(args.seq_len))
-    errors = {"out": (out_all - ref_out).abs().max().item(), "dx": (dx_all - ref_dx).abs().max().item(),
-              "dparams": max((g - p.grad).abs().max().item() for g, p in zip(grads, reference.parameters()))}
+    errors = {
+        "out": (out_all - ref_out).abs().max().item(),
+        "dx": (dx_all - ref_dx).abs().max().item(),
+        "dparams": max((g - p.grad).abs().max().item() for g, p in zip(grads, reference.parameters())),
+    }
     bad = {k: e for k, e in errors.items() if not e <= 1e-9}
     if bad:
         raise SystemExit(f"rank {rank}: ring attention differs from one process: {bad}")
     if rank == 0:
-        print("check passed: outputs, input and parameter gradients equal one process (float64), max |diff| "
-              + ", ".join(f"{k} {e:.1e}" for k, e in errors.items()))
+        print(
+            "check passed: outputs, input and parameter gradients equal one process (float64), max |diff| "
+            + ", ".join(f"{k} {e:.1e}" for k, e in errors.items())
+        )
 
 
 def report(args, everyone) -> None:
-    cmd = [sys.executable, os.path.abspath(__file__), "--single", "--seq-len", str(args.seq_len), "--d-model",
-           str(args.d_model), "--heads", str(args.heads), "--kv-heads", str(args.kv_heads)]
-    one = json.loads(subprocess.run(cmd + (["--check"] if args.check else []), check=True, capture_output=True,
-                                    text=True).stdout.strip().splitlines()[-1])
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--single",
+        "--seq-len",
+        str(args.seq_len),
+        "--d-model",
+        str(args.d_model),
+        "--heads",
+        str(args.heads),
+        "--kv-heads",
+        str(args.kv_heads),
+    ]
+    one = json.loads(
+        subprocess.run(cmd + (["--check"] if args.check else []), check=True, capture_output=True, text=True)
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     world = len(everyone)
-    print(f"\none DecoderLM layer (d_model={args.d_model}, {args.heads} heads, {args.kv_heads} kv heads, RoPE, "
-          f"causal), forward + backward of L={args.seq_len} tokens, layout={args.layout!r}")
+    print(
+        f"\none DecoderLM layer (d_model={args.d_model}, {args.heads} heads, {args.kv_heads} kv heads, RoPE, "
+        f"causal), forward + backward of L={args.seq_len} tokens, layout={args.layout!r}"
+    )
     print(f"{'':18s}{'tokens':>8s}{'time s':>9s}{'peak MB':>10s}")
     for e in everyone:
         print(f"{'rank ' + str(e['rank']) + ' of ' + str(world):18s}{e['tokens']:8d}{e['s']:9.2f}{e['peak_mb']:10.1f}")
     print(f"{'one process':18s}{args.seq_len:8d}{one['s']:9.2f}{one['peak_mb']:10.1f}")
     worst = max(e["peak_mb"] for e in everyone)
-    print(f"peak memory per rank: {worst / max(one['peak_mb'], 1e-9):.2f} of one process's (1/W = {1 / world:.2f}); "
-          f"the processes share this machine's cores, so time does not fall here")
+    print(
+        f"peak memory per rank: {worst / max(one['peak_mb'], 1e-9):.2f} of one process's (1/W = {1 / world:.2f}); "
+        f"the processes share this machine's cores, so time does not fall here"
+    )
 
 
 def main(argv=None) -> None:

@@ -10,15 +10,33 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-settings.register_profile("attnkit", deadline=None, max_examples=40, derandomize=True,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile(
+    "attnkit",
+    deadline=None,
+    max_examples=40,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 settings.load_profile("attnkit")
 
 
 # the modules of pyproject.toml's `dev` extra that tests import (pytest-xdist runs `make test`; ruff and mypy
 # are commands of `make check`)
-DEV_MODULES = ("hypothesis", "numpy", "rich", "matplotlib", "transformers", "triton", "setuptools", "sphinx",
-               "myst_parser", "starlette", "uvicorn", "openai", "httpx")
+DEV_MODULES = (
+    "hypothesis",
+    "numpy",
+    "rich",
+    "matplotlib",
+    "transformers",
+    "triton",
+    "setuptools",
+    "sphinx",
+    "myst_parser",
+    "starlette",
+    "uvicorn",
+    "openai",
+    "httpx",
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,8 +46,13 @@ MARKED_PATHS = {
     "hf": ["tests/integrations/", "tests/test_sampling.py"],
     "triton_interpreter": ["tests/backends/test_triton.py", "tests/backends/test_triton_ops.py"],
     # torch.compile traces, the benchmark scripts and child pytest runs: seconds to minutes a test
-    "slow": ["tests/backends/test_compile.py", "tests/backends/test_auto_compile.py", "tests/test_benchmarks.py",
-             "tests/test_suite_output.py", "tests/nn/test_content_sparse_compile.py"],
+    "slow": [
+        "tests/backends/test_compile.py",
+        "tests/backends/test_auto_compile.py",
+        "tests/test_benchmarks.py",
+        "tests/test_suite_output.py",
+        "tests/nn/test_content_sparse_compile.py",
+    ],
 }
 
 # the slowest tests of the core (each over 10 s in a --durations run of the fast lane on 2 loaded cores),
@@ -82,8 +105,10 @@ def pytest_configure(config):
         config.option.verbose = -1
     missing = [m for m in DEV_MODULES if importlib.util.find_spec(m) is None]
     if missing:
-        raise pytest.UsageError(f"the test suite needs {', '.join(missing)} (attnkit's dev dependencies): "
-                                f"install them with pip install -e '.[dev]' (make test does)")
+        raise pytest.UsageError(
+            f"the test suite needs {', '.join(missing)} (attnkit's dev dependencies): "
+            f"install them with pip install -e '.[dev]' (make test does)"
+        )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -156,8 +181,14 @@ def attnkit_llama():
 
     from attnkit.integrations import hf
 
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).eval()
     hf.register()

@@ -11,9 +11,22 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_generate_benchmark_mixed_section_runs():
     """The mixed-workload section read the Engine's old per-step waste list and crashed after its table."""
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "generate.py"), "--quick", "--no-compile",
-                           "--threads", "1", "--only", "mixed"], capture_output=True, text=True, timeout=600,
-                          cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "generate.py"),
+            "--quick",
+            "--no-compile",
+            "--threads",
+            "1",
+            "--only",
+            "mixed",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Engine (paged)" in proc.stdout
 
@@ -34,9 +47,11 @@ def _load(name: str):
 
 def _run_without(script: str, hidden: list[str], *args: str) -> subprocess.CompletedProcess:
     """Run benchmarks/SCRIPT as a script where the modules ``hidden`` cannot be imported."""
-    code = (f"import runpy, sys\nfor m in {hidden!r}: sys.modules[m] = None\n"
-            f"sys.argv = [{str(ROOT / 'benchmarks' / script)!r}, *{list(args)!r}]\n"
-            f"runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    code = (
+        f"import runpy, sys\nfor m in {hidden!r}: sys.modules[m] = None\n"
+        f"sys.argv = [{str(ROOT / 'benchmarks' / script)!r}, *{list(args)!r}]\n"
+        f"runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT)
 
 
@@ -93,8 +108,13 @@ def test_results_go_under_the_current_directory_or_out(tmp_path, monkeypatch):
 
 
 def test_sinks_benchmark_runs():
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sinks.py"), "--length", "256", "--repeat", "1",
-                           "--threads", "1"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "sinks.py"), "--length", "256", "--repeat", "1", "--threads", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "forward+backward" in proc.stdout and "ratio" in proc.stdout
 
@@ -138,9 +158,22 @@ def test_generate_contended_starts_its_busy_loop_and_always_stops_it():
 
 
 def test_generate_long_context_section_runs(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "generate.py"), "--quick", "--no-compile",
-                           "--only", "longctx", "--out", str(tmp_path)], capture_output=True, text=True,
-                          timeout=600, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "generate.py"),
+            "--quick",
+            "--no-compile",
+            "--only",
+            "longctx",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "32k keys, auto: splitkv" in proc.stdout and "x SDPA" in proc.stdout
 
@@ -172,8 +205,9 @@ def test_generate_read_bandwidth_covers_every_decode_thread_count_with_its_sprea
         torch.set_num_threads(before)
 
 
-def test_cpu_engines_without_llama_cpp_or_ctranslate2_says_how_to_install_and_runs_the_rest(tmp_path, monkeypatch,
-                                                                                              capsys):
+def test_cpu_engines_without_llama_cpp_or_ctranslate2_says_how_to_install_and_runs_the_rest(
+    tmp_path, monkeypatch, capsys
+):
     """The engine processes are replaced by canned answers (nothing is built or timed): a missing engine is
     an install hint, the others fill the table, with agreement against HF float32's tokens."""
     bench = _load("cpu_engines")
@@ -184,17 +218,27 @@ def test_cpu_engines_without_llama_cpp_or_ctranslate2_says_how_to_install_and_ru
     def spawn(python, spec, timeout):
         seen.append((spec["engine"], spec["mode"], [b["reference"] is not None for b in spec["batches"]]))
         tokens = [[5, 6, 7] if spec["mode"] != "int4" else [5, 6, 9] for _ in range(2)]
-        return {"results": [{"prefill_s": 0.5, "total_s": 1.5, "tokens": tokens[:len(b["prompts"])]}
-                            for b in spec["batches"]]}
+        return {
+            "results": [
+                {"prefill_s": 0.5, "total_s": 1.5, "tokens": tokens[: len(b["prompts"])]} for b in spec["batches"]
+            ]
+        }
 
     monkeypatch.setattr(bench, "spawn", spawn)
     out = tmp_path / "r.json"
-    assert bench.main(["--batches", "1", "2", "--prompt", "4", "--new", "3", "--work", str(tmp_path),
-                       "--out", str(out)]) == 0
+    assert (
+        bench.main(["--batches", "1", "2", "--prompt", "4", "--new", "3", "--work", str(tmp_path), "--out", str(out)])
+        == 0
+    )
     text = capsys.readouterr().out
     assert "pip install ctranslate2" in text and "llama-cpp-python is not installed" in text
-    assert [e[:2] for e in seen] == [("hf", "float32"), ("attnkit", "float32"), ("attnkit", "int8"),
-                                     ("attnkit", "int8 act"), ("attnkit", "int4")]
+    assert [e[:2] for e in seen] == [
+        ("hf", "float32"),
+        ("attnkit", "float32"),
+        ("attnkit", "int8"),
+        ("attnkit", "int8 act"),
+        ("attnkit", "int4"),
+    ]
     assert seen[0][2] == [False, False] and seen[1][2] == [True, True]  # HF's tokens are the reference
     rows = json.loads(out.read_text())["rows"]
     int4 = [r for r in rows if r["mode"] == "int4"]

@@ -32,9 +32,10 @@ def _model(seed=0, **kw) -> DecoderLM:
 
 def _state(model) -> dict:
     """What a caller may rely on after lending the model out."""
-    tensors = {name: (t, t.data_ptr(), t.dtype, t.shape, t.stride(), t.requires_grad, t.detach().clone())
-               for name, t in [*model.named_parameters(remove_duplicate=False),
-                               *model.named_buffers(remove_duplicate=False)]}
+    tensors = {
+        name: (t, t.data_ptr(), t.dtype, t.shape, t.stride(), t.requires_grad, t.detach().clone())
+        for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    }
     return {"tensors": tensors, "modes": {name: m.training for name, m in model.named_modules()}}
 
 
@@ -54,15 +55,17 @@ def _assert_as_before(model, before: dict, tmp_path) -> None:
     save_file(model.state_dict(), str(tmp_path / "model.safetensors"))
 
 
-@pytest.mark.parametrize("n, cache", [(1, "static"), (4, "static"), (5, "static"), (5, "paged"), (4, None),
-                                      (4, "int8")])
+@pytest.mark.parametrize(
+    "n, cache", [(1, "static"), (4, "static"), (5, "static"), (5, "paged"), (4, None), (4, "int8")]
+)
 def test_generate_leaves_the_model_as_it_was(n, cache, tmp_path):
     model = _model()
     prompts = torch.tensor([p[:1] * 3 for p in PROMPTS[:n]])  # a tensor of prompts: it is the caller's too
     given = prompts.clone()
     before = _state(model)
-    expected = [attnkit.generate(copy.deepcopy(model).eval(), [p], 4, cache=cache, relayout=False)[0]
-                for p in prompts.tolist()]
+    expected = [
+        attnkit.generate(copy.deepcopy(model).eval(), [p], 4, cache=cache, relayout=False)[0] for p in prompts.tolist()
+    ]
     assert attnkit.generate(model, prompts, 4, cache=cache) == expected
     _assert_as_before(model, before, tmp_path)
     assert torch.equal(prompts, given)

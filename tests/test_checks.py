@@ -13,15 +13,22 @@ from attnkit.quantization import BF16Linear, Int8Linear
 
 NONE_MEANS_DEFAULT = ("out_bias", "qkv_bias", "ffn_bias", "grad")  # None: follow bias / whatever requires grad
 NAMED_CHOICES = ("qk_norm",)  # a flag or a named layout ("head", "all"): another string is a ValueError
-BOOL_FIELDS = ("rope_interleaved", "norm_first", "qkv_bias", "out_bias", "ffn_bias", "qk_norm", "post_norms",
-               "tie_embeddings")
+BOOL_FIELDS = (
+    "rope_interleaved",
+    "norm_first",
+    "qkv_bias",
+    "out_bias",
+    "ffn_bias",
+    "qk_norm",
+    "post_norms",
+    "tie_embeddings",
+)
 
 
 def test_flag_takes_bools_and_refuses_the_rest():
     assert flag("x", True) is True and flag("x", False) is False
     assert flag("x", np.bool_(True)) is True and flag("x", torch.tensor(False)) is False
-    for bad in ("no", "False", "", None, 1, 0, 1.0, np.int64(1), [True], torch.tensor([True, False]),
-                torch.tensor(1)):
+    for bad in ("no", "False", "", None, 1, 0, 1.0, np.int64(1), [True], torch.tensor([True, False]), torch.tensor(1)):
         with pytest.raises(TypeError, match=r"^x must be True or False, got "):
             flag("x", bad)
 
@@ -52,8 +59,7 @@ def _entries(model):
     yield "need_weights", lambda f: mha(x, need_weights=f)
     yield "need_weights", lambda f: single(x, need_weights=f)
     yield "need_weights", lambda f: additive(x, x, need_weights=f)
-    for name in ("norm_first", "cross_attention", "bias", "qkv_bias", "out_bias", "ffn_bias", "qk_norm",
-                 "post_norms"):
+    for name in ("norm_first", "cross_attention", "bias", "qkv_bias", "out_bias", "ffn_bias", "qk_norm", "post_norms"):
         yield name, lambda f, n=name: nn.TransformerBlock(8, 2, **{n: f})
     yield "cross_attention", lambda f: nn.Decoder(8, 1, 2, cross_attention=f)
     yield "interleaved", lambda f: nn.RotaryEmbedding(8, interleaved=f)
@@ -81,7 +87,9 @@ def test_every_bool_option_refuses_strings_none_and_numbers(tiny):
                 call(bad)
                 wrong.append(f"entry {i} ({name}={bad!r}): accepted")
             except ValueError as e:
-                if not (name in NAMED_CHOICES and isinstance(bad, str) and str(e).startswith(f"{name}={bad!r} must be")):
+                if not (
+                    name in NAMED_CHOICES and isinstance(bad, str) and str(e).startswith(f"{name}={bad!r} must be")
+                ):
                     wrong.append(f"entry {i} ({name}={bad!r}): {e}")
             except TypeError as e:
                 if not str(e).startswith(f"{name} must be True or False, got "):

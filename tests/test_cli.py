@@ -43,8 +43,11 @@ def test_explain_without_arguments_is_the_article_example(capsys):
 
 def test_explain_input_file_and_row(capsys, tmp_path):
     f = tmp_path / "mine.json"
-    f.write_text(json.dumps({"X": [[1, 0], [0, 1]], "W_q": [[1, 0], [0, 1]], "W_k": [[2, 0], [0, 2]],
-                             "W_v": [[1], [3]], "scale": 1.0}))
+    f.write_text(
+        json.dumps(
+            {"X": [[1, 0], [0, 1]], "W_q": [[1, 0], [0, 1]], "W_k": [[2, 0], [0, 2]], "W_v": [[1], [3]], "scale": 1.0}
+        )
+    )
     code, out, _ = run(capsys, "explain", "--input", str(f), "--row", "1")
     assert code == 0
     assert "score(x2,x2) = 0.0*0.0 + 1.0*2.0 = 0.0 + 2.0 = 2.0" in out
@@ -72,26 +75,31 @@ def test_explain_check_article_exits_1_with_claimed_and_exact(capsys):
 
 def test_explain_check_exits_0_when_all_claims_hold(capsys, tmp_path):
     f = tmp_path / "good.json"
-    f.write_text('{"X": [[1.0, 0.5, -0.2, 1.2], [0.3, -1.0, 0.8, 0.4], [-0.7, 0.6, 1.1, -0.5]],'
-                 ' "W_q": [[0.1, 0.4], [-0.2, 0.3], [0.5, -0.1], [0.2, 0.1]],'
-                 ' "W_k": [[-0.3, 0.2], [0.1, 0.5], [0.4, -0.2], [-0.1, 0.3]],'
-                 ' "W_v": [[0.2, -0.1], [0.3, 0.4], [-0.2, 0.1], [0.5, -0.3]],'
-                 ' "K[0]": [-0.45, 0.85], "scores[0]": [0.524, -0.319, -0.039], "weights[0]": [0.450, 0.248, 0.302],'
-                 ' "softmax": [{"scores": [2.0, -1.0, 0.5], "weights": [0.79, 0.04, 0.18]}]}')
+    f.write_text(
+        '{"X": [[1.0, 0.5, -0.2, 1.2], [0.3, -1.0, 0.8, 0.4], [-0.7, 0.6, 1.1, -0.5]],'
+        ' "W_q": [[0.1, 0.4], [-0.2, 0.3], [0.5, -0.1], [0.2, 0.1]],'
+        ' "W_k": [[-0.3, 0.2], [0.1, 0.5], [0.4, -0.2], [-0.1, 0.3]],'
+        ' "W_v": [[0.2, -0.1], [0.3, 0.4], [-0.2, 0.1], [0.5, -0.3]],'
+        ' "K[0]": [-0.45, 0.85], "scores[0]": [0.524, -0.319, -0.039], "weights[0]": [0.450, 0.248, 0.302],'
+        ' "softmax": [{"scores": [2.0, -1.0, 0.5], "weights": [0.79, 0.04, 0.18]}]}'
+    )
     code, out, _ = run(capsys, "explain", "--check", str(f))
     assert code == 0, out
     assert "All 4 claims hold." in out
 
 
-@pytest.mark.parametrize("content, match", [
-    (None, "no such file"),
-    ("{not json", "not valid JSON"),
-    ("[1, 2]", "expected a JSON object"),
-    ('{"X": [[1, 2]], "W_q": [[1], [2]], "W_k": [[1], [2]]}', "missing key(s) W_v"),
-    ('{"X": [[1, 2]], "W_q": [[1]], "W_k": [[1], [2]], "W_v": [[1], [2]]}', "w_q has 1 rows but x has d_model=2"),
-    ('{"X": [[1, 2], [3]], "W_q": [[1], [2]], "W_k": [[1], [2]], "W_v": [[1], [2]]}', "equal-length rows"),
-    ('{"X": [[1, 2]], "W_q": [[1], [2]], "W_k": [[1], [2]], "W_v": [[1], [2]], "mask": [[1, 1]]}', "(L, L)"),
-])
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        (None, "no such file"),
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        ('{"X": [[1, 2]], "W_q": [[1], [2]], "W_k": [[1], [2]]}', "missing key(s) W_v"),
+        ('{"X": [[1, 2]], "W_q": [[1]], "W_k": [[1], [2]], "W_v": [[1], [2]]}', "w_q has 1 rows but x has d_model=2"),
+        ('{"X": [[1, 2], [3]], "W_q": [[1], [2]], "W_k": [[1], [2]], "W_v": [[1], [2]]}', "equal-length rows"),
+        ('{"X": [[1, 2]], "W_q": [[1], [2]], "W_k": [[1], [2]], "W_v": [[1], [2]], "mask": [[1, 1]]}', "(L, L)"),
+    ],
+)
 def test_explain_input_errors(capsys, tmp_path, content, match):
     f = tmp_path / "in.json"
     if content is not None:
@@ -99,32 +107,38 @@ def test_explain_input_errors(capsys, tmp_path, content, match):
     assert_usage_error(capsys, "explain", "--input", str(f), match=match)
 
 
-@pytest.mark.parametrize("content, match", [
-    ("{bad", "not valid JSON"),
-    ('{"X": [[1.0]], "W_q": [[1.0]], "W_k": [[1.0]], "W_v": [[1.0]], "scores[5]": [1]}', "index 5 out of range"),
-    ('{"X": [[1.0]], "W_q": [[1.0]], "W_k": [[1.0]], "W_v": [[1.0]], "weight": [1]}', "unknown key 'weight'"),
-    ('{"X": [[1.0]], "W_q": [[1.0]], "W_k": [[1.0]], "W_v": [[1.0]], "scores": [[NaN]]}', "NaN is not allowed"),
-    ('{"X": [[1.0]], "W_q": [[1.0]], "W_k": [[1.0]], "W_v": [[1.0]]}', "nothing to check"),
-    ('{"softmax": [{"scores": [], "weights": []}]}', "scores is empty"),
-])
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        ("{bad", "not valid JSON"),
+        ('{"X": [[1.0]], "W_q": [[1.0]], "W_k": [[1.0]], "W_v": [[1.0]], "scores[5]": [1]}', "index 5 out of range"),
+        ('{"X": [[1.0]], "W_q": [[1.0]], "W_k": [[1.0]], "W_v": [[1.0]], "weight": [1]}', "unknown key 'weight'"),
+        ('{"X": [[1.0]], "W_q": [[1.0]], "W_k": [[1.0]], "W_v": [[1.0]], "scores": [[NaN]]}', "NaN is not allowed"),
+        ('{"X": [[1.0]], "W_q": [[1.0]], "W_k": [[1.0]], "W_v": [[1.0]]}', "nothing to check"),
+        ('{"softmax": [{"scores": [], "weights": []}]}', "scores is empty"),
+    ],
+)
 def test_explain_check_errors(capsys, tmp_path, content, match):
     f = tmp_path / "claims.json"
     f.write_text(content)
     assert_usage_error(capsys, "explain", "--check", str(f), match=match)
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["explain", "--softmax", "1,x"], "'x' is not a number"),
-    (["explain", "--softmax", "1,inf"], "not allowed"),
-    (["explain", "--softmax", "1", "--check", "f.json"], "at most one of"),
-    (["explain", "--row", "7"], "row=7"),
-    (["explain", "--row", "-1"], "must be >= 0"),
-    (["explain", "--digits", "two"], "not an integer"),
-    (["explain", "--frobnicate"], "unrecognized arguments"),
-    (["frobnicate"], "invalid choice"),
-    (["masks", "show", "global_tokens", "none"], "indices must be integers"),
-    (["masks", "show", "strided", "4", "causal=maybe"], "causal must be True or False"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["explain", "--softmax", "1,x"], "'x' is not a number"),
+        (["explain", "--softmax", "1,inf"], "not allowed"),
+        (["explain", "--softmax", "1", "--check", "f.json"], "at most one of"),
+        (["explain", "--row", "7"], "row=7"),
+        (["explain", "--row", "-1"], "must be >= 0"),
+        (["explain", "--digits", "two"], "not an integer"),
+        (["explain", "--frobnicate"], "unrecognized arguments"),
+        (["frobnicate"], "invalid choice"),
+        (["masks", "show", "global_tokens", "none"], "indices must be integers"),
+        (["masks", "show", "strided", "4", "causal=maybe"], "causal must be True or False"),
+    ],
+)
 def test_bad_arguments(capsys, argv, match):
     assert_usage_error(capsys, *argv, match=match)
 
@@ -155,6 +169,7 @@ EXAMPLES = {  # every built-in, with command-line arguments and the same mask bu
 
 def test_every_builtin_mask_is_covered():
     from attnkit.cli import _mask_builders
+
     assert set(_mask_builders()) == set(EXAMPLES)
 
 
@@ -181,20 +196,23 @@ def test_masks_show_expression_and_tiles(capsys):
     assert code == 0 and all(name in out for name in EXAMPLES)
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["masks", "show", "nope"], "unknown mask 'nope'"),
-    (["masks", "show", "sliding_window"], "missing a required argument"),
-    (["masks", "show", "sliding_window", "1", "2", "3", "4"], "too many positional arguments"),
-    (["masks", "show", "sliding_window", "-3x"], "unrecognized arguments"),
-    (["masks", "show", "strided", "0"], "stride=0 must be >= 1"),
-    (["masks", "show", "causal", "align=middle"], "align='middle'"),
-    (["masks", "show", "causal", "--len", "0"], "must be >= 1"),
-    (["masks", "show", "causal", "--len", "1000000"], "pass a smaller --len"),
-    (["masks", "show", "causal() & os.system('x')"], "is not a built-in mask"),
-    (["masks", "show", "causal(__import__('os'))"], "literal"),
-    (["masks", "show", "causal(("], "cannot parse"),
-    (["masks"], "choose an action"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["masks", "show", "nope"], "unknown mask 'nope'"),
+        (["masks", "show", "sliding_window"], "missing a required argument"),
+        (["masks", "show", "sliding_window", "1", "2", "3", "4"], "too many positional arguments"),
+        (["masks", "show", "sliding_window", "-3x"], "unrecognized arguments"),
+        (["masks", "show", "strided", "0"], "stride=0 must be >= 1"),
+        (["masks", "show", "causal", "align=middle"], "align='middle'"),
+        (["masks", "show", "causal", "--len", "0"], "must be >= 1"),
+        (["masks", "show", "causal", "--len", "1000000"], "pass a smaller --len"),
+        (["masks", "show", "causal() & os.system('x')"], "is not a built-in mask"),
+        (["masks", "show", "causal(__import__('os'))"], "literal"),
+        (["masks", "show", "causal(("], "cannot parse"),
+        (["masks"], "choose an action"),
+    ],
+)
 def test_masks_errors(capsys, argv, match):
     assert_usage_error(capsys, *argv, match=match)
 
@@ -217,10 +235,13 @@ def test_bench_runs_scripts_that_take_quick(capfd, tmp_path):
     assert "exit code 4" in capfd.readouterr().out
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["bench", "--dir", "/nonexistent/benchmarks"], "no benchmarks/ folder"),
-    (["bench", "--only", "nope", "--dir", "."], "no benchmark named nope"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["bench", "--dir", "/nonexistent/benchmarks"], "no benchmarks/ folder"),
+        (["bench", "--only", "nope", "--dir", "."], "no benchmark named nope"),
+    ],
+)
 def test_bench_errors(capsys, tmp_path, argv, match):
     argv = [str(tmp_path) if a == "." else a for a in argv]
     assert_usage_error(capsys, *argv, match=match)
@@ -249,8 +270,12 @@ def test_help_on_every_command(capsys):
 def test_console_script_entry_point():
     text = (ROOT / "pyproject.toml").read_text()
     assert 'attnkit = "attnkit.cli:main"' in text
-    r = subprocess.run([sys.executable, "-m", "attnkit.cli", "explain", "--input", "missing.json"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "attnkit.cli", "explain", "--input", "missing.json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and r.stderr.strip() == "error: missing.json: no such file"
 
 
@@ -259,8 +284,9 @@ def test_console_script_entry_point():
 
 def test_doctor_one_example_in_full(capsys, tmp_path):
     # `attnkit doctor` over every example, in brief, is run and its output checked by tests/test_docs.py
-    code, out, _ = run(capsys, "doctor", "--example", "uniform", "--plot", str(tmp_path / "p"),
-                       "--markdown", str(tmp_path / "r.md"))
+    code, out, _ = run(
+        capsys, "doctor", "--example", "uniform", "--plot", str(tmp_path / "p"), "--markdown", str(tmp_path / "r.md")
+    )
     assert code == 0
     assert out.splitlines()[1].split()[:3] == ["layer", "head", "entropy"]
     assert "[uniform] attention weights too uniform in layers.0.attn, heads [0, 1, 2, 3]" in out
@@ -272,6 +298,7 @@ def test_doctor_one_example_in_full(capsys, tmp_path):
 
 def test_doctor_on_a_saved_model(capsys, tmp_path):
     from attnkit.diagnostics.examples import example
+
     model, _ = example("saturated")
     torch.save(model, tmp_path / "m.pt")
     code, out, _ = run(capsys, "doctor", "--model", str(tmp_path / "m.pt"), "--seq-len", "32")
@@ -291,8 +318,12 @@ def test_doctor_on_a_saved_model(capsys, tmp_path):
 def test_demo_quick_runs_every_step(capsys, tmp_path):
     code, out, _ = run(capsys, "demo", "--quick", "--out", str(tmp_path / "demo"))
     assert code == 0, out
-    headings = ["1. Attention in four steps", "2. A small DecoderLM learns associative recall",
-                "3. Where the model looks", "4. Generation with a KV cache"]
+    headings = [
+        "1. Attention in four steps",
+        "2. A small DecoderLM learns associative recall",
+        "3. Where the model looks",
+        "4. Generation with a KV cache",
+    ]
     assert all(h in out for h in headings)
     assert "Q1[1] = x1·W_q[:, 1] = 1.0*0.1 + 0.5*(-0.2) + (-0.2)*0.5 + 1.2*0.2" in out
     assert "slips: Q[1], Q[2], K[0], K[1], K[2], V[0], V[1], V[2], softmax[0].weights" in out
@@ -312,7 +343,7 @@ def _doctor_table_and_findings(out: str) -> tuple[dict, dict]:
     lines = out.splitlines()
     start = next(i for i, ln in enumerate(lines) if ln.split()[:3] == ["layer", "head", "entropy"])
     marked = {}
-    for ln in lines[start + 2:]:
+    for ln in lines[start + 2 :]:
         if not ln.strip():
             break
         cells = ln.split()
@@ -342,6 +373,7 @@ class _EmbeddingModel(torch.nn.Module):
     def __init__(self):
         super().__init__()
         from attnkit.nn import MultiHeadAttention
+
         self.emb = torch.nn.Embedding(50, 16)
         self.attention = MultiHeadAttention(16, 2, mask=masks.causal())
         self.out = torch.nn.Linear(16, 50)
@@ -356,6 +388,7 @@ class _TableModel(torch.nn.Module):
     def __init__(self):
         super().__init__()
         from attnkit.nn import MultiHeadAttention
+
         self.table = torch.nn.Parameter(torch.randn(50, 16))
         self.attention = MultiHeadAttention(16, 2, mask=masks.causal())
 
@@ -363,28 +396,42 @@ class _TableModel(torch.nn.Module):
         return self.attention(self.table[ids])
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["doctor", "--seq-len", "1"], "--seq-len: 1 must be >= 2"),
-    (["doctor", "--batch-size", "1", "--example", "healthy"], "--batch-size 1: the example models take at least 2"),
-    (["doctor", "--example", "healthy", "--plot", "{file}"], "is a file, not a directory"),
-    (["doctor", "--example", "healthy", "--markdown", "{dir}"], "is a directory; give a file name"),
-    (["doctor", "--markdown", "{dir}"], "is a directory; give a file name"),
-    (["doctor", "--model", "{dir}"], "is a directory, not a file"),
-    (["explain", "--check", "{dir}"], "is a directory, not a file"),
-    (["explain", "--input", "{dir}"], "is a directory, not a file"),
-    (["doctor", "--model", "{emb}", "--vocab", "5000"], "--vocab 5000 is more than the model's vocabulary: its first "
-                                                        "embedding, 'emb', has 50 rows; pass --vocab 50"),
-    (["doctor", "--model", "{emb}"], "pass --vocab V (random token ids are drawn from [0, V)) (its first "
-                                     "embedding, 'emb', has 50 rows)"),
-    (["doctor", "--model", "{table}", "--vocab", "5000"], "the model failed on random token ids of shape (4, 32) "
-                                                          "(IndexError"),
-    (["doctor", "--model", "{table}"], "pass --vocab V if it takes token ids, or run a model that takes other inputs "
-                                       "from Python"),
-    (["doctor", "--seq-len", "1"], "1 must be >= 2"),
-    (["masks", "show", "key_padding", "3,5", "--len", "6", "--batch", "2"], "--batch 2 is out of range: the mask "
-                                                                         "holds 2 sequences"),
-    (["doctor", "--seq-len", "0"], "0 must be >= 2"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["doctor", "--seq-len", "1"], "--seq-len: 1 must be >= 2"),
+        (["doctor", "--batch-size", "1", "--example", "healthy"], "--batch-size 1: the example models take at least 2"),
+        (["doctor", "--example", "healthy", "--plot", "{file}"], "is a file, not a directory"),
+        (["doctor", "--example", "healthy", "--markdown", "{dir}"], "is a directory; give a file name"),
+        (["doctor", "--markdown", "{dir}"], "is a directory; give a file name"),
+        (["doctor", "--model", "{dir}"], "is a directory, not a file"),
+        (["explain", "--check", "{dir}"], "is a directory, not a file"),
+        (["explain", "--input", "{dir}"], "is a directory, not a file"),
+        (
+            ["doctor", "--model", "{emb}", "--vocab", "5000"],
+            "--vocab 5000 is more than the model's vocabulary: its first "
+            "embedding, 'emb', has 50 rows; pass --vocab 50",
+        ),
+        (
+            ["doctor", "--model", "{emb}"],
+            "pass --vocab V (random token ids are drawn from [0, V)) (its first embedding, 'emb', has 50 rows)",
+        ),
+        (
+            ["doctor", "--model", "{table}", "--vocab", "5000"],
+            "the model failed on random token ids of shape (4, 32) (IndexError",
+        ),
+        (
+            ["doctor", "--model", "{table}"],
+            "pass --vocab V if it takes token ids, or run a model that takes other inputs from Python",
+        ),
+        (["doctor", "--seq-len", "1"], "1 must be >= 2"),
+        (
+            ["masks", "show", "key_padding", "3,5", "--len", "6", "--batch", "2"],
+            "--batch 2 is out of range: the mask holds 2 sequences",
+        ),
+        (["doctor", "--seq-len", "0"], "0 must be >= 2"),
+    ],
+)
 def test_doctor_bad_arguments_and_paths_are_one_line(capsys, tmp_path, argv, match):
     (tmp_path / "afile").write_text("")
     torch.save(_EmbeddingModel(), tmp_path / "emb.pt")
@@ -397,8 +444,18 @@ def test_doctor_bad_arguments_and_paths_are_one_line(capsys, tmp_path, argv, mat
 def test_doctor_on_a_model_without_config_within_its_vocabulary(capsys, tmp_path):
     torch.manual_seed(0)
     torch.save(_EmbeddingModel(), tmp_path / "emb.pt")
-    code, out, err = run(capsys, "doctor", "--model", str(tmp_path / "emb.pt"), "--vocab", "50", "--batch-size", "1",
-                         "--plot", str(tmp_path / "p"))
+    code, out, err = run(
+        capsys,
+        "doctor",
+        "--model",
+        str(tmp_path / "emb.pt"),
+        "--vocab",
+        "50",
+        "--batch-size",
+        "1",
+        "--plot",
+        str(tmp_path / "p"),
+    )
     assert code == 0, err
     # the layer is named `attention`: its heatmap must not overwrite the grid attention.png
     assert "heatmaps: " + ", ".join(str(tmp_path / "p" / n) for n in ("attention.png", "attention_2.png")) in out
@@ -406,8 +463,10 @@ def test_doctor_on_a_model_without_config_within_its_vocabulary(capsys, tmp_path
 
 def test_explain_input_takes_a_mask_of_json_booleans(capsys, tmp_path):
     f = tmp_path / "mine.json"
-    f.write_text('{"X": [[1, 0], [0, 1]], "W_q": [[1, 0], [0, 1]], "W_k": [[2, 0], [0, 2]], "W_v": [[1], [3]],'
-                 ' "mask": [[true, false], [true, true]]}')
+    f.write_text(
+        '{"X": [[1, 0], [0, 1]], "W_q": [[1, 0], [0, 1]], "W_k": [[2, 0], [0, 2]], "W_v": [[1], [3]],'
+        ' "mask": [[true, false], [true, true]]}'
+    )
     code, out, _ = run(capsys, "explain", "--input", str(f))
     assert code == 0
     assert "scaled(x1,x2) = -inf   (masked: x1 may not attend to x2)" in out
@@ -422,8 +481,9 @@ def _hide(monkeypatch, *modules):
 @pytest.mark.parametrize("hidden", [("rich",), ("matplotlib",), ("rich", "matplotlib")])
 def test_demo_without_its_optional_dependencies_is_one_line_before_any_work(capsys, monkeypatch, tmp_path, hidden):
     _hide(monkeypatch, *hidden)
-    line = assert_usage_error(capsys, "demo", "--quick", "--out", str(tmp_path / "demo"),
-                              match="pip install 'attnkit[demo]'")
+    line = assert_usage_error(
+        capsys, "demo", "--quick", "--out", str(tmp_path / "demo"), match="pip install 'attnkit[demo]'"
+    )
     assert all(name in line for name in hidden)
     assert not (tmp_path / "demo").exists()  # nothing was started
 
@@ -436,9 +496,15 @@ def test_doctor_plot_without_matplotlib_is_one_line_before_any_work(capsys, monk
 
     monkeypatch.setattr(attnkit.diagnostics, "doctor", no_work)
     _hide(monkeypatch, "matplotlib")
-    assert_usage_error(capsys, "doctor", "--example", "uniform", "--plot", str(tmp_path / "p"),
-                       match="attnkit doctor --plot needs matplotlib, which is not installed: pip install "
-                             "'attnkit[plot]'")
+    assert_usage_error(
+        capsys,
+        "doctor",
+        "--example",
+        "uniform",
+        "--plot",
+        str(tmp_path / "p"),
+        match="attnkit doctor --plot needs matplotlib, which is not installed: pip install 'attnkit[plot]'",
+    )
     assert not (tmp_path / "p").exists()
 
 
@@ -456,7 +522,8 @@ def test_bench_writes_results_under_the_current_directory_or_out(capfd, tmp_path
         "import argparse, pathlib\n"
         "ap = argparse.ArgumentParser(); ap.add_argument('--quick', action='store_true'); ap.add_argument('--out')\n"
         "a = ap.parse_args(); p = pathlib.Path(a.out); p.mkdir(parents=True, exist_ok=True)\n"
-        "(p / 'writes.json').write_text('{}')\n")
+        "(p / 'writes.json').write_text('{}')\n"
+    )
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
@@ -473,9 +540,11 @@ def test_bench_writes_results_under_the_current_directory_or_out(capfd, tmp_path
 
 def test_import_attnkit_stays_light():
     """Reading torch._dynamo's config at import cost ~2 s over `import torch`: nothing heavy at import."""
-    code = ("import sys, attnkit\n"
-            "heavy = ['torch._dynamo', 'torch._inductor', 'sympy', 'triton', 'transformers', 'matplotlib', 'rich']\n"
-            "print([m for m in heavy if m in sys.modules])")
+    code = (
+        "import sys, attnkit\n"
+        "heavy = ['torch._dynamo', 'torch._inductor', 'sympy', 'triton', 'transformers', 'matplotlib', 'rich']\n"
+        "print([m for m in heavy if m in sys.modules])"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "[]", r.stdout
@@ -494,8 +563,24 @@ def test_the_wheel_ships_types_and_builds_without_warnings(tmp_path):
     shutil.copytree(ROOT / "src", source / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, source / name)
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                        str(source), "-w", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            str(source),
+            "-w",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     log = r.stdout + r.stderr
     assert "Warning" not in log and "deprecated" not in log, log[-3000:]
@@ -519,8 +604,15 @@ def test_doctor_on_a_saved_hugging_face_model_running_attnkit_attention(capsys, 
     assert "model.layers.0.self_attn" in out and "model.layers.1.self_attn" in out
     model.set_attn_implementation("eager")
     torch.save(model, tmp_path / "eager.pt")
-    assert_usage_error(capsys, "doctor", "--model", str(tmp_path / "eager.pt"), "--seq-len", "8",
-                       match="attnkit.integrations.hf.from_hf(model)")
+    assert_usage_error(
+        capsys,
+        "doctor",
+        "--model",
+        str(tmp_path / "eager.pt"),
+        "--seq-len",
+        "8",
+        match="attnkit.integrations.hf.from_hf(model)",
+    )
 
 
 def test_the_command_line_loads_a_saved_directory(tmp_path, capsys):

@@ -7,11 +7,20 @@ import pytest
 import torch
 
 from attnkit import masks
-from attnkit.distill import (AttentionRecord, HiddenProjection, attention_kl, capture, distill, hidden_mse,
-                             logit_kl, relation_kl, sparse_student, uniform_layer_map)
+from attnkit.distill import (
+    AttentionRecord,
+    HiddenProjection,
+    attention_kl,
+    capture,
+    distill,
+    hidden_mse,
+    logit_kl,
+    relation_kl,
+    sparse_student,
+    uniform_layer_map,
+)
 from attnkit.nn import DecoderConfig, DecoderLM, Encoder
 from attnkit.nn.tasks import associative_recall
-
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -23,8 +32,17 @@ def kl(p, q):
 
 def lm(vocab=32, d=32, layers=2, heads=4, seed=0, **kw):
     torch.manual_seed(seed)
-    return DecoderLM(DecoderConfig(vocab_size=vocab, d_model=d, n_layers=layers, n_heads=heads, max_seq_len=128,
-                                   positions=kw.pop("positions", "alibi"), **kw))
+    return DecoderLM(
+        DecoderConfig(
+            vocab_size=vocab,
+            d_model=d,
+            n_layers=layers,
+            n_heads=heads,
+            max_seq_len=128,
+            positions=kw.pop("positions", "alibi"),
+            **kw,
+        )
+    )
 
 
 def recall(step, batch=16):
@@ -151,8 +169,8 @@ def test_relation_kl_chunked_equals_unchunked():
     a = relation_kl(s, t, relation_heads=2, mask=masks.causal(), chunk_rows=2)
     b = relation_kl(s, t, relation_heads=2, mask=masks.causal())
     assert float(a.detach()) == pytest.approx(float(b.detach()), rel=1e-5)
-    ga, = torch.autograd.grad(a, s)
-    gb, = torch.autograd.grad(b, s)
+    (ga,) = torch.autograd.grad(a, s)
+    (gb,) = torch.autograd.grad(b, s)
     torch.testing.assert_close(ga, gb, rtol=1e-4, atol=1e-7)
 
 
@@ -193,8 +211,14 @@ def test_gradients_reach_only_the_student_and_the_teacher_is_unchanged():
     state = copy.deepcopy(teacher.state_dict())
     student = lm(d=16, seed=1).eval()
     before = copy.deepcopy(student.state_dict())
-    distill(teacher, student, recall, steps=2, progress=False,
-            weights={"logits": 1, "targets": 1, "hidden": 1, "attention": 1, "relations": 1})
+    distill(
+        teacher,
+        student,
+        recall,
+        steps=2,
+        progress=False,
+        weights={"logits": 1, "targets": 1, "hidden": 1, "attention": 1, "relations": 1},
+    )
     assert all(p.grad is None for p in teacher.parameters())
     assert [m.training for m in teacher.modules()] == modes
     for k, v in teacher.state_dict().items():
@@ -206,8 +230,15 @@ def test_gradients_reach_only_the_student_and_the_teacher_is_unchanged():
 def test_loop_decreases_the_loss_on_a_small_task():
     teacher = lm(seed=0)
     student = lm(d=16, layers=1, seed=3)
-    report = distill(teacher, student, recall, steps=40, progress=False, lr=1e-2,
-                     weights={"logits": 1.0, "attention": 1.0, "hidden": 1.0, "relations": 1.0})
+    report = distill(
+        teacher,
+        student,
+        recall,
+        steps=40,
+        progress=False,
+        lr=1e-2,
+        weights={"logits": 1.0, "attention": 1.0, "hidden": 1.0, "relations": 1.0},
+    )
     assert report.steps == 40 and report.layer_map == {0: 1}
     first = sum(report.total_losses[:5]) / 5
     last = sum(report.total_losses[-5:]) / 5
@@ -219,8 +250,7 @@ def test_loop_decreases_the_loss_on_a_small_task():
 def test_eval_batch_curve_and_accuracy():
     teacher, student = lm(seed=0), lm(d=16, seed=1)
     held = recall(999, batch=32)
-    report = distill(teacher, student, [recall(0), recall(1)], steps=4, eval_batch=held, eval_every=2,
-                     progress=False)
+    report = distill(teacher, student, [recall(0), recall(1)], steps=4, eval_batch=held, eval_every=2, progress=False)
     assert [s for s, _ in report.curve] == [2, 4]
     assert report.student_accuracy_before is not None
     assert 0.0 <= report.teacher_accuracy <= 1.0 and 0.0 <= report.student_accuracy <= 1.0
@@ -254,8 +284,7 @@ def test_encoder_teacher_and_student():
             return self.enc(self.proj(x))
 
     wrapped = Narrow()
-    report = distill(teacher, wrapped, xs, steps=30, lr=1e-2, progress=False,
-                     weights={"attention": 1.0, "hidden": 1.0})
+    report = distill(teacher, wrapped, xs, steps=30, lr=1e-2, progress=False, weights={"attention": 1.0, "hidden": 1.0})
     assert report.total_losses[-1] < report.total_losses[0]
     assert report.teacher_accuracy is None
 
@@ -266,20 +295,29 @@ def test_hf_teacher_directly_and_through_from_hf():
 
     from attnkit.integrations.hf import from_hf
 
-    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="eager").eval()
     student = lm(d=16, layers=1, seed=1, positions="rope")
-    report = distill(hf, student, recall, steps=3, progress=False,
-                     weights={"logits": 1.0, "attention": 1.0, "hidden": 1.0})
+    report = distill(
+        hf, student, recall, steps=3, progress=False, weights={"logits": 1.0, "attention": 1.0, "hidden": 1.0}
+    )
     assert report.steps == 3 and all(math.isfinite(v) for v in report.total_losses)
     with pytest.raises(ValueError, match="from_hf"):
         distill(hf, student, recall, steps=1, weights={"relations": 1.0}, progress=False)
     sdpa = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa").eval()
     converted = from_hf(sdpa)
-    report = distill(converted, student, recall, steps=2, progress=False,
-                     weights={"logits": 1.0, "attention": 1.0, "relations": 1.0})
+    report = distill(
+        converted, student, recall, steps=2, progress=False, weights={"logits": 1.0, "attention": 1.0, "relations": 1.0}
+    )
     assert report.steps == 2
 
 
@@ -405,8 +443,9 @@ def test_a_distill_config_is_the_keywords_as_one_object():
     from attnkit.distill import DistillConfig
 
     teacher = lm(seed=0)
-    options = dict(steps=2, weights={"logits": 1.0, "attention": 5.0}, temperature=1.5, lr=1e-2, warmup=1,
-                   progress=False)
+    options = dict(
+        steps=2, weights={"logits": 1.0, "attention": 5.0}, temperature=1.5, lr=1e-2, warmup=1, progress=False
+    )
     by_keywords, by_config = lm(d=16, seed=1), lm(d=16, seed=1)
     a = distill(teacher, by_keywords, recall, **options)
     b = distill(teacher, by_config, recall, DistillConfig(**options))

@@ -82,18 +82,20 @@ def test_code_blocks_run(path, tmp_path, monkeypatch, capsys):
                 capsys.readouterr()
                 code_ = main(argv)
                 out, err = capsys.readouterr()
-                assert code_ == expected, (f"{where}: attnkit {' '.join(argv)} exited {code_}, "
-                                           f"expected {expected}\n{err}")
+                assert code_ == expected, (
+                    f"{where}: attnkit {' '.join(argv)} exited {code_}, expected {expected}\n{err}"
+                )
                 shown = found[i + 1] if i + 1 < len(found) else None
                 if len(cmds) == 1 and shown and shown[0] == "text" and _adjacent(text, line, shown[2], code):
                     assert out.rstrip() == shown[1].rstrip(), (
                         f"{where}: the output shown under `attnkit {' '.join(argv)}` is stale; "
-                        f"run python docs/update_outputs.py")
+                        f"run python docs/update_outputs.py"
+                    )
 
 
 def _adjacent(text: str, bash_line: int, text_line: int, code: str) -> bool:
     """True when the ```text block starts right after the ```bash block (only blank lines between)."""
     lines = text.splitlines()
     closing = bash_line + code.count("\n")  # 0-based index of the bash block's closing ```
-    between = lines[closing + 1: text_line - 1]
+    between = lines[closing + 1 : text_line - 1]
     return all(not ln.strip() for ln in between)

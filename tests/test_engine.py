@@ -36,6 +36,7 @@ def _alone(model, reqs):
 
 def test_engine_equals_one_by_one_under_preemption(model, monkeypatch):
     from attnkit.backends import paged
+
     pool_steps = []
     real = paged._attend_pool
     monkeypatch.setattr(paged, "_attend_pool", lambda q, *a, **k: pool_steps.append(q.shape[0]) or real(q, *a, **k))
@@ -83,12 +84,12 @@ def test_prefix_caching_reuses_a_shared_prompt(model):
 
 
 def test_eos_ends_a_request(model):
-    (prompt, _, _), = _requests(1, seed=4)
+    ((prompt, _, _),) = _requests(1, seed=4)
     full = attnkit.generate(model, [prompt], 10)[0]
     eos = full[3]
     engine = attnkit.Engine(model, cache_blocks=10, block_size=4)
     rid = engine.add(prompt, 10, eos_id=eos)
-    assert engine.run()[rid] == full[:full.index(eos) + 1]
+    assert engine.run()[rid] == full[: full.index(eos) + 1]
 
 
 def test_exhausted_pool_without_preemption_raises(model):
@@ -133,8 +134,9 @@ def test_engine_decodes_through_copies_of_its_own(model):
         attnkit.Engine(m, cache_blocks=8, relayout="no")
 
 
-@pytest.mark.parametrize("variant", [dict(positions="alibi", mask=attnkit.masks.sliding_window(6)),
-                                     dict(positions="t5", n_kv_heads=1)])
+@pytest.mark.parametrize(
+    "variant", [dict(positions="alibi", mask=attnkit.masks.sliding_window(6)), dict(positions="t5", n_kv_heads=1)]
+)
 def test_engine_with_windows_and_relative_biases(variant):
     """The paged decode evaluates the model's window and its ALiBi/T5 bias per sequence."""
     torch.manual_seed(1)
@@ -234,6 +236,7 @@ def test_string_flags_are_refused(model):
 
 def test_an_encoder_decoder_is_a_clear_error():
     from attnkit.nn import EncoderDecoder
+
     ed = EncoderDecoder(DecoderConfig.preset("tiny"))
     with pytest.raises(TypeError, match="decoder-only.*EncoderDecoderCache"):
         attnkit.Engine(ed, cache_blocks=4)
@@ -260,6 +263,7 @@ def test_new_weights_drop_the_cached_prefixes():
 
 def test_a_model_converted_after_the_engine_was_built_is_a_clear_error(model):
     import copy
+
     m = copy.deepcopy(model)
     engine = attnkit.Engine(m, cache_blocks=8, block_size=4)
     m.double()
@@ -289,12 +293,20 @@ def test_chunked_prefill_gives_the_tokens_of_each_request_alone(model, dtype, bl
     try:
         rng = random.Random(3)
         shared = [rng.randrange(64) for _ in range(9)]
-        reqs = _requests(8, seed=4) + [(shared + [5, 6], 6, {}), (shared + [7], 5, dict(temperature=1.0, seed=9,
-                                                                                       repetition_penalty=1.3))]
+        reqs = _requests(8, seed=4) + [
+            (shared + [5, 6], 6, {}),
+            (shared + [7], 5, dict(temperature=1.0, seed=9, repetition_penalty=1.3)),
+        ]
         want = _alone(m, reqs)
         rec = _Recorder(m)
-        engine = attnkit.Engine(rec, cache_blocks=blocks, block_size=4, max_batch=4, max_batched_tokens=max(budget, 4),
-                                prefix_caching=prefix)
+        engine = attnkit.Engine(
+            rec,
+            cache_blocks=blocks,
+            block_size=4,
+            max_batch=4,
+            max_batched_tokens=max(budget, 4),
+            prefix_caching=prefix,
+        )
         rids = [engine.add(p, n, **s) for p, n, s in reqs]
         engine.run()
         assert [engine.take(r) for r in rids] == want
@@ -347,8 +359,7 @@ def test_cost_sizing_gives_late_chunks_fewer_tokens_and_the_same_tokens(model):
     """chunk_sizing='cost': a chunk's tokens shrink as the keys it attends to grow, every step stays within the
     budget, and every request still gets its tokens alone."""
     rec = _Recorder(model)
-    engine = attnkit.Engine(rec, cache_blocks=64, block_size=4, max_batch=3, max_batched_tokens=24,
-                            chunk_sizing="cost")
+    engine = attnkit.Engine(rec, cache_blocks=64, block_size=4, max_batch=3, max_batched_tokens=24, chunk_sizing="cost")
     engine._key_cost = 0.05  # (the tiny model's own is far smaller: make the keys weigh within 90 tokens)
     short = [engine.add([i + 1, 2, 3], 30) for i in range(2)]
     engine.step()
@@ -386,6 +397,7 @@ def test_chunked_engine_decodes_plain_steps_through_the_batched_path(model, monk
     """A step with no prompt tokens is the Engine's ordinary decode step (weight copies, thread policy), not a
     packed forward."""
     from attnkit.cache import PagedCache
+
     packed = []
     real = PagedCache.packed
     monkeypatch.setattr(PagedCache, "packed", lambda self, *a: packed.append(a) or real(self, *a))
@@ -393,4 +405,6 @@ def test_chunked_engine_decodes_plain_steps_through_the_batched_path(model, monk
     rids = [engine.add([1, 2, 3, 4, 5, 6], 6), engine.add([7, 8], 6)]
     engine.run()
     assert len(packed) == 2 and engine.stats["steps"] == 7  # two prefill steps (4 + 2 and 2 tokens), then decode
-    assert [engine.results[r] for r in rids] == [attnkit.generate(model, [p], 6)[0] for p in ([1, 2, 3, 4, 5, 6], [7, 8])]
+    assert [engine.results[r] for r in rids] == [
+        attnkit.generate(model, [p], 6)[0] for p in ([1, 2, 3, 4, 5, 6], [7, 8])
+    ]

@@ -20,8 +20,16 @@ def _model(positions="rope", dtype=torch.float64, **kw):
     torch.manual_seed(0)
     # init_std=0.3: attention that depends on which keys are kept (the default's small weights give near-constant
     # greedy tokens that a wrong window would not change)
-    cfg = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, positions=positions,
-               init_std=0.3)
+    cfg = dict(
+        vocab_size=64,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        max_seq_len=64,
+        positions=positions,
+        init_std=0.3,
+    )
     return DecoderLM(DecoderConfig(**{**cfg, **kw})).to(dtype).eval()
 
 
@@ -30,8 +38,9 @@ def _alone(model, prompt, n, sampling=None):
     whole run the model's max_seq_len, which generate checks), else its first n_sink + window tokens at once and
     the rest one per forward (as StreamingLLM streams a long input)."""
     if len(prompt) <= N_SINK + WINDOW and len(prompt) + n - 1 <= model.config.max_seq_len:
-        return attnkit.generate(model, [prompt], n, cache=lambda m, b, L: SinkCache.for_model(m, N_SINK, WINDOW),
-                                **(sampling or {}))[0]
+        return attnkit.generate(
+            model, [prompt], n, cache=lambda m, b, L: SinkCache.for_model(m, N_SINK, WINDOW), **(sampling or {})
+        )[0]
     assert not sampling
     cache, C, out = SinkCache.for_model(model, N_SINK, WINDOW), N_SINK + WINDOW, []
     with torch.no_grad():
@@ -51,20 +60,30 @@ def _requests(n, seed, long_prompts=True):
     return [([rng.randrange(64) for _ in range(rng.randint(1, top))], rng.randint(20, 45)) for _ in range(n)]
 
 
-@pytest.mark.parametrize("positions,dtype,kw", [
-    ("rope", torch.float64, {}),
-    ("rope", torch.float32, {"n_kv_heads": 1}),  # multi-query
-    ("alibi", torch.float64, {}),
-    ("none", torch.float32, {}),
-    ("sinusoidal", torch.float64, {}),  # absolute positions: those within the cache, as SinkCache gives them
-    ("rope", torch.float64, {"attention_sinks": True}),  # learned sink logits too
-])
+@pytest.mark.parametrize(
+    "positions,dtype,kw",
+    [
+        ("rope", torch.float64, {}),
+        ("rope", torch.float32, {"n_kv_heads": 1}),  # multi-query
+        ("alibi", torch.float64, {}),
+        ("none", torch.float32, {}),
+        ("sinusoidal", torch.float64, {}),  # absolute positions: those within the cache, as SinkCache gives them
+        ("rope", torch.float64, {"attention_sinks": True}),  # learned sink logits too
+    ],
+)
 @pytest.mark.parametrize("max_batched_tokens", [None, 8])
 def test_engine_equals_sink_cache_alone(positions, dtype, kw, max_batched_tokens):
     model = _model(positions, dtype, **kw)
     reqs = _requests(6, seed=1)
-    engine = attnkit.Engine(model, cache_blocks=64, block_size=4, max_batch=4, n_sink=N_SINK, window=WINDOW,
-                            max_batched_tokens=max_batched_tokens)
+    engine = attnkit.Engine(
+        model,
+        cache_blocks=64,
+        block_size=4,
+        max_batch=4,
+        n_sink=N_SINK,
+        window=WINDOW,
+        max_batched_tokens=max_batched_tokens,
+    )
     rids = [engine.add(p, n) for p, n in reqs]
     done = engine.run()
     assert any(len(p) > N_SINK + WINDOW for p, _ in reqs)  # prompts past the window are streamed
@@ -77,8 +96,16 @@ def test_preemption_and_prefix_caching_give_the_same_tokens(max_batched_tokens, 
     model = _model()
     shared = [3, 1, 4, 1, 5, 9, 2, 6]  # two full blocks of 4, within n_sink + window
     reqs = _requests(5, seed=2, long_prompts=False) + [(shared + [5], 30), (shared + [8, 8], 25)]
-    engine = attnkit.Engine(model, cache_blocks=12, block_size=4, max_batch=4, n_sink=N_SINK, window=WINDOW,
-                            max_batched_tokens=max_batched_tokens, chunk_sizing=chunk_sizing)
+    engine = attnkit.Engine(
+        model,
+        cache_blocks=12,
+        block_size=4,
+        max_batch=4,
+        n_sink=N_SINK,
+        window=WINDOW,
+        max_batched_tokens=max_batched_tokens,
+        chunk_sizing=chunk_sizing,
+    )
     rids = [engine.add(p, n) for p, n in reqs]
     done = engine.run()
     assert engine.stats["preemptions"] > 0  # recomputed past the window, one token per step
@@ -110,8 +137,9 @@ def test_sampling_controls_are_unchanged():
 
 def test_blocks_per_sequence_stay_bounded_and_go_back():
     model = _model()
-    engine = attnkit.Engine(model, cache_blocks=40, block_size=4, max_batch=3, n_sink=N_SINK, window=WINDOW,
-                            preempt=False)  # 3 x 150 tokens at full attention would need 114 blocks
+    engine = attnkit.Engine(
+        model, cache_blocks=40, block_size=4, max_batch=3, n_sink=N_SINK, window=WINDOW, preempt=False
+    )  # 3 x 150 tokens at full attention would need 114 blocks
     pool = engine.cache
     bound = pool.max_blocks_per_sequence
     assert bound == 1 + 2 + 1  # the sink block, and the 9 newest positions straddle at most 3 blocks
@@ -130,8 +158,9 @@ def test_blocks_per_sequence_stay_bounded_and_go_back():
 
 def test_paged_sink_cache_steps_equal_sink_cache_batched_and_packed():
     model = _model()
-    pools = [PagedSinkCache.for_model(model, num_blocks=16, block_size=4, n_sink=N_SINK, window=WINDOW)
-             for _ in range(2)]
+    pools = [
+        PagedSinkCache.for_model(model, num_blocks=16, block_size=4, n_sink=N_SINK, window=WINDOW) for _ in range(2)
+    ]
     ids = [[p.add_sequence(), p.add_sequence()] for p in pools]
     refs = [SinkCache.for_model(model, N_SINK, WINDOW) for _ in range(2)]
     rng = random.Random(0)

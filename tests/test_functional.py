@@ -114,16 +114,21 @@ def test_dtypes_head_dims_and_groups(backend, dtype, d, heads):
 @pytest.mark.parametrize("backend", CORE)
 def test_softcap_and_scale(backend):
     q, k, v = qkv()
-    run_or_refuse(backend, q * 4, k * 4, v, refusal(backend, softcap=5.0), softcap=5.0, scale=0.3,
-                  mask=masks.causal())
+    run_or_refuse(backend, q * 4, k * 4, v, refusal(backend, softcap=5.0), softcap=5.0, scale=0.3, mask=masks.causal())
     run_or_refuse(backend, q, k, v, scale=0.05)
 
 
 @given(
-    b=st.integers(1, 2), hkv=st.integers(1, 2), group=st.sampled_from([1, 2, 4]),
-    lq=st.integers(1, 17), lk=st.integers(1, 17), d=st.sampled_from([16, 24, 64]),
-    dv=st.sampled_from([8, 16, 32]), mask=st.sampled_from(list(MASKS)),
-    use_bias=st.booleans(), softcap=st.sampled_from([None, 3.0]),
+    b=st.integers(1, 2),
+    hkv=st.integers(1, 2),
+    group=st.sampled_from([1, 2, 4]),
+    lq=st.integers(1, 17),
+    lk=st.integers(1, 17),
+    d=st.sampled_from([16, 24, 64]),
+    dv=st.sampled_from([8, 16, 32]),
+    mask=st.sampled_from(list(MASKS)),
+    use_bias=st.booleans(),
+    softcap=st.sampled_from([None, 3.0]),
     dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
     backend=st.sampled_from(CORE + ["auto"]),
 )
@@ -155,7 +160,8 @@ def test_gradients_flow_into_learnable_bias_parameters():
     slopes = bias.alibi_slopes(4).double().requires_grad_()
     table = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
     fn = lambda s, t: attnkit.attention(  # noqa: E731
-        q, k, v, bias=bias.compose(bias.alibi(s), bias.relative_buckets(t, max_distance=16)), backend="math")
+        q, k, v, bias=bias.compose(bias.alibi(s), bias.relative_buckets(t, max_distance=16)), backend="math"
+    )
     assert torch.autograd.gradcheck(fn, (slopes, table))
 
 
@@ -267,28 +273,57 @@ def bad_cases():
         ("int dtype", lambda: attnkit.attention(q.long(), k.long(), v.long()), TypeError, "dtype torch.int64"),
         ("not tensor", lambda: attnkit.attention(q.tolist(), k, v), TypeError, "q must be a torch.Tensor"),
         ("device", lambda: attnkit.attention(q, k.to("meta"), v), ValueError, "one device"),
-        ("mask shape", lambda: attnkit.attention(q, k, v, mask=torch.ones(3, 11, dtype=torch.bool)),
-         ValueError, r"mask of shape \(3, 11\) does not broadcast"),
+        (
+            "mask shape",
+            lambda: attnkit.attention(q, k, v, mask=torch.ones(3, 11, dtype=torch.bool)),
+            ValueError,
+            r"mask of shape \(3, 11\) does not broadcast",
+        ),
         ("mask dtype", lambda: attnkit.attention(q, k, v, mask=torch.ones(9, 11)), TypeError, "bool tensor"),
         ("mask type", lambda: attnkit.attention(q, k, v, mask="causal"), TypeError, "mask must be None"),
-        ("bias shape", lambda: attnkit.attention(q, k, v, bias=torch.zeros(5, 11)), ValueError,
-         r"bias of shape \(5, 11\) does not broadcast"),
-        ("bias dtype", lambda: attnkit.attention(q, k, v, bias=torch.zeros(9, 11, dtype=torch.bool)), TypeError,
-         "belongs in mask="),
+        (
+            "bias shape",
+            lambda: attnkit.attention(q, k, v, bias=torch.zeros(5, 11)),
+            ValueError,
+            r"bias of shape \(5, 11\) does not broadcast",
+        ),
+        (
+            "bias dtype",
+            lambda: attnkit.attention(q, k, v, bias=torch.zeros(9, 11, dtype=torch.bool)),
+            TypeError,
+            "belongs in mask=",
+        ),
         ("bias fn", lambda: attnkit.attention(q, k, v, bias=lambda s, b, h, i, j: s), TypeError, "from_fn"),
-        ("alibi heads", lambda: attnkit.attention(q, k, v, bias=bias.alibi(bias.alibi_slopes(3))), ValueError,
-         "3 slopes for Hq=4"),
+        (
+            "alibi heads",
+            lambda: attnkit.attention(q, k, v, bias=bias.alibi(bias.alibi_slopes(3))),
+            ValueError,
+            "3 slopes for Hq=4",
+        ),
         ("softcap", lambda: attnkit.attention(q, k, v, softcap=0.0), ValueError, "softcap=0.0 must be > 0"),
         ("softcap neg", lambda: attnkit.attention(q, k, v, softcap=-1), ValueError, "softcap=-1"),
         ("dropout", lambda: attnkit.attention(q, k, v, dropout_p=1.0), ValueError, "dropout_p=1.0 must be < 1"),
         ("dropout neg", lambda: attnkit.attention(q, k, v, dropout_p=-0.1), ValueError, "dropout_p=-0.1"),
         ("scale nan", lambda: attnkit.attention(q, k, v, scale=float("nan")), ValueError, "scale=nan"),
         ("window", lambda: attnkit.attention(q, k, v, mask=masks.sliding_window(-2)), ValueError, "left=-2"),
-        ("backend", lambda: attnkit.attention(q, k, v, backend="cuda"), ValueError,
-         "backend='cuda' is not available here: choose one of"),
-        ("backend cannot", lambda: attnkit.attention(q, k, v, softcap=2.0, backend="sdpa"), ValueError,
-         r"backend='sdpa' cannot take this call: SDPA has no softcap; backends that can: \[.*'math'"),
-        ("padding", lambda: attnkit.attention(q, k, v, mask=masks.key_padding([3, 3, 3])), ValueError, "3 lengths for a batch of 2"),
+        (
+            "backend",
+            lambda: attnkit.attention(q, k, v, backend="cuda"),
+            ValueError,
+            "backend='cuda' is not available here: choose one of",
+        ),
+        (
+            "backend cannot",
+            lambda: attnkit.attention(q, k, v, softcap=2.0, backend="sdpa"),
+            ValueError,
+            r"backend='sdpa' cannot take this call: SDPA has no softcap; backends that can: \[.*'math'",
+        ),
+        (
+            "padding",
+            lambda: attnkit.attention(q, k, v, mask=masks.key_padding([3, 3, 3])),
+            ValueError,
+            "3 lengths for a batch of 2",
+        ),
     ]
 
 
@@ -313,6 +348,7 @@ def test_common_mistakes_name_their_fix():
     dtype than its weights, 3-D token ids: each gets a clear error with the fix (no fix, or a raw PyTorch
     error, before)."""
     from attnkit import masks, nn
+
     q = k = v = torch.randn(2, 2, 8, 4)
     pad = torch.tensor([[1] * 8, [1] * 5 + [0] * 3])
     with pytest.raises(ValueError, match=r"mask\[:, None, None, :\], or masks.key_padding\(mask\)"):
@@ -321,8 +357,10 @@ def test_common_mistakes_name_their_fix():
         attnkit.attention(q, k, v, bias=torch.zeros(2, 8))
     with pytest.raises(TypeError, match="must be a bool tensor.*mask.bool\\(\\)"):
         masks.key_padding(pad)
-    assert torch.equal(attnkit.attention(q, k, v, mask=masks.key_padding(pad.bool())),
-                       attnkit.attention(q, k, v, mask=pad.bool()[:, None, None, :]))
+    assert torch.equal(
+        attnkit.attention(q, k, v, mask=masks.key_padding(pad.bool())),
+        attnkit.attention(q, k, v, mask=pad.bool()[:, None, None, :]),
+    )
     with pytest.raises(TypeError, match="return_lse must be True or False"):
         attnkit.attention(q, k, v, return_lse="no")
     mha = nn.MultiHeadAttention(16, 2)
@@ -339,6 +377,7 @@ def test_fixed_masks_pickle():
     import pickle
 
     from attnkit import masks
+
     m = masks.fixed(16, 4)
     assert torch.equal(pickle.loads(pickle.dumps(m)).to_dense(40, 40), m.to_dense(40, 40))
 
@@ -347,28 +386,40 @@ def test_on_demand_submodules_load_when_named():
     """README writes attnkit.testing.check_against_oracle: it failed after a plain `import attnkit`."""
     import subprocess
     import sys
-    code = ("import attnkit; print(attnkit.testing.check_against_oracle.__name__, "
-            "attnkit.distributed.ring_attention.__name__, attnkit.plot.__name__)")
+
+    code = (
+        "import attnkit; print(attnkit.testing.check_against_oracle.__name__, "
+        "attnkit.distributed.ring_attention.__name__, attnkit.plot.__name__)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "check_against_oracle ring_attention attnkit.plot" in out.stdout, out.stderr
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         attnkit.nope  # noqa: B018
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(is_causal=True), r"is_causal=True: pass mask=masks\.causal\(\).*bottom-right.*top-left.*align='top_left'"),
-    (dict(is_causal=False), "is_causal=False: drop it"),
-    (dict(attn_mask=torch.ones(9, 11, dtype=torch.bool)), r"attn_mask=<tensor \(9, 11\) torch.bool>: pass a bool "
-                                                          r"mask as mask=.*float.*bias="),
-    (dict(enable_gqa=True), "enable_gqa=True: drop it: grouped-query attention is automatic"),
-    (dict(causal=True), r"causal=True: pass mask=masks\.causal\(\)"),
-    (dict(window_size=(4, 0)), r"window_size=\(4, 0\): pass mask=masks\.sliding_window\(4, 0\)"),
-    (dict(window_size=(-1, 2)), r"window_size=\(-1, 2\): pass mask=masks\.sliding_window\(None, 2\)"),
-    (dict(softmax_scale=0.5), "softmax_scale=0.5: pass scale= instead"),
-    (dict(block_mask=None), "pass the BlockMask as mask="),
-    (dict(score_mod=None), r"bias=attnkit\.bias\.from_fn\(score_mod\)"),
-    (dict(not_a_thing=1), "attention\\(\\) got an unexpected keyword argument 'not_a_thing'"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (
+            dict(is_causal=True),
+            r"is_causal=True: pass mask=masks\.causal\(\).*bottom-right.*top-left.*align='top_left'",
+        ),
+        (dict(is_causal=False), "is_causal=False: drop it"),
+        (
+            dict(attn_mask=torch.ones(9, 11, dtype=torch.bool)),
+            r"attn_mask=<tensor \(9, 11\) torch.bool>: pass a bool "
+            r"mask as mask=.*float.*bias=",
+        ),
+        (dict(enable_gqa=True), "enable_gqa=True: drop it: grouped-query attention is automatic"),
+        (dict(causal=True), r"causal=True: pass mask=masks\.causal\(\)"),
+        (dict(window_size=(4, 0)), r"window_size=\(4, 0\): pass mask=masks\.sliding_window\(4, 0\)"),
+        (dict(window_size=(-1, 2)), r"window_size=\(-1, 2\): pass mask=masks\.sliding_window\(None, 2\)"),
+        (dict(softmax_scale=0.5), "softmax_scale=0.5: pass scale= instead"),
+        (dict(block_mask=None), "pass the BlockMask as mask="),
+        (dict(score_mod=None), r"bias=attnkit\.bias\.from_fn\(score_mod\)"),
+        (dict(not_a_thing=1), "attention\\(\\) got an unexpected keyword argument 'not_a_thing'"),
+    ],
+)
 def test_keywords_of_other_attention_functions_name_the_attnkit_equivalent(kw, match):
     q, k, v = qkv(grad=False)
     with pytest.raises(TypeError, match=match):
@@ -403,11 +454,23 @@ def test_a_scale_that_overflows_the_scores_is_refused():
     assert torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("mask", [None, masks.causal(), masks.causal(align="top_left"), masks.sliding_window(3),
-                                  masks.key_padding([5, 7]), masks.prefix_lm(2), masks.block_local(4),
-                                  masks.document(torch.arange(11) // 4), masks.random_blocks(2, 1),
-                                  masks.from_fn(lambda b, h, q, k: q >= k), masks.causal() & masks.global_tokens([0]),
-                                  "dense"])
+@pytest.mark.parametrize(
+    "mask",
+    [
+        None,
+        masks.causal(),
+        masks.causal(align="top_left"),
+        masks.sliding_window(3),
+        masks.key_padding([5, 7]),
+        masks.prefix_lm(2),
+        masks.block_local(4),
+        masks.document(torch.arange(11) // 4),
+        masks.random_blocks(2, 1),
+        masks.from_fn(lambda b, h, q, k: q >= k),
+        masks.causal() & masks.global_tokens([0]),
+        "dense",
+    ],
+)
 def test_meta_tensors_propagate_shapes_with_every_mask(mask):
     """Meta tensors (no data) with a mask raised Tensor.item() errors: auto, math and sdpa give the output's
     shape; flash, which plans its tiles from the mask's values, refuses them clearly."""
@@ -428,6 +491,7 @@ def test_a_row_predicate_that_leaves_every_query_empty_warns():
     """A FlexAttention-style predicate gets query rows; & a bottom-right built-in, with Lq != Lk, it can allow
     nothing at all, silently: attention warns; from_fn(align='bottom_right') gives positions and sees keys."""
     import warnings
+
     q, k, v = qkv(grad=False, lq=2, lk=12)
     flex_causal = lambda b, h, i, j: i >= j  # noqa: E731  (FlexAttention's causal mask_mod, over rows)
     rows = masks.from_fn(flex_causal) & masks.sliding_window(2)  # rows 0, 1 see keys <= 1; the window 8..11

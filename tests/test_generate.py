@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from attnkit import masks
-from attnkit.cache import (EncoderDecoderCache, PagedCache, QuantizedCache, SlidingWindowCache, StaticCache)
+from attnkit.cache import EncoderDecoderCache, PagedCache, QuantizedCache, SlidingWindowCache, StaticCache
 from attnkit.decoding import SamplingParams, generate, sample
 from attnkit.nn import DecoderConfig, DecoderLM, EncoderDecoder
 
@@ -72,8 +72,9 @@ def test_cached_logits_equal_full_recomputation(variant, kind):
 @pytest.mark.parametrize("positions", ["t5", "rope"])
 def test_encoder_decoder_cross_attention_cache(positions, kind):
     torch.manual_seed(0)
-    model = EncoderDecoder(DecoderConfig.preset("tiny", vocab_size=64, positions=positions, n_kv_heads=2,
-                                                init_std=0.1)).eval()
+    model = EncoderDecoder(
+        DecoderConfig.preset("tiny", vocab_size=64, positions=positions, n_kv_heads=2, init_std=0.1)
+    ).eval()
     g = torch.Generator().manual_seed(2)
     src, tgt = torch.randint(0, 64, (2, 11), generator=g), torch.randint(0, 64, (2, 9), generator=g)
     with torch.no_grad():
@@ -125,7 +126,7 @@ def test_top_k_and_top_p_filter_the_distribution():
     toks = sample(logits, p, gens)
     assert set(toks.tolist()) == {0, 1}
     frac = float((toks == 0).float().mean())
-    assert abs(frac - 1 / (1 + torch.e ** -1)) < 0.03  # softmax over the two kept tokens
+    assert abs(frac - 1 / (1 + torch.e**-1)) < 0.03  # softmax over the two kept tokens
     probs = torch.softmax(logits[0], -1)  # top_p=0.8 keeps tokens 0 and 1 (0.64 + 0.24 >= 0.8)
     assert float(probs[0]) < 0.8 <= float(probs[:2].sum())
     toks = sample(logits, SamplingParams(temperature=1.0, top_p=0.8), gens)
@@ -144,9 +145,9 @@ def test_stream_yields_tokens_as_they_come_and_eos_stops_a_sequence():
     assert got == full
     eos = full[1][2]
     stopped = generate(model, PROMPTS, 8, eos_id=eos)
-    assert stopped[1] == full[1][:full[1].index(eos) + 1]  # ends with eos, included
+    assert stopped[1] == full[1][: full[1].index(eos) + 1]  # ends with eos, included
     for s, f in zip(stopped, full):
-        assert s == (f[:f.index(eos) + 1] if eos in f else f)
+        assert s == (f[: f.index(eos) + 1] if eos in f else f)
 
 
 def test_tensor_prompts_and_zero_new_tokens():
@@ -224,6 +225,7 @@ def test_compiled_weights_are_frozen_per_model_and_refreshed_after_in_place_chan
 def _copies(model) -> dict:
     """generate's copies of the model's weights: {(weight, layout): copy}."""
     import sys
+
     held = sys.modules["attnkit.decoding.generation"]._COPIES.get(model)
     return {} if held is None else {(e.weight(), slot[1]): e.copy for slot, e in held._copies.items()}
 
@@ -233,6 +235,7 @@ def test_generate_decodes_through_copies_laid_out_for_its_batch():
     generate keeps with the model (the model's weights stay row-major), up to 3 the weights themselves;
     the same tokens either way; relayout=False reads the weights as they are, whatever their layout."""
     from attnkit.nn import layers, to_decode_layout
+
     model = copy.deepcopy(_model("rope"))
     w, head = model.layers[0].attn.qkv_proj.weight, model.embed.weight  # tied head
     prompts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]]
@@ -258,7 +261,8 @@ def test_generate_decodes_through_copies_laid_out_for_its_batch():
     laid = to_decode_layout(copy.deepcopy(model), batch_size=8)  # laid out in place by its owner
     assert generate(laid, prompts[:1], 5) == alone[:1]  # 1 sequence: a row-major copy
     assert generate(laid, prompts, 5, relayout=False) == alone and _copies(laid).keys() <= {
-        (p, "row") for p in laid.parameters()}
+        (p, "row") for p in laid.parameters()
+    }
     b16 = copy.deepcopy(model).to(torch.bfloat16)
     generate(b16, prompts[:1], 2)
     assert _copies(b16) == {}  # bfloat16 at 1 sequence: as it is

@@ -55,7 +55,7 @@ def _imported(tree: ast.AST, package: str) -> list[tuple[str, int, list[str]]]:
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
-                base = base[:len(base) - (node.level - 1)]
+                base = base[: len(base) - (node.level - 1)]
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
@@ -92,9 +92,13 @@ def _where(name: str, line: int | None = None) -> str:
 
 
 def test_backends_do_not_import_functional():
-    bad = [f"{_where(name, line)} imports attnkit.functional"
-           for name in SOURCES if name.startswith("attnkit.backends")
-           for target, line in _imports(name) if target == "attnkit.functional"]
+    bad = [
+        f"{_where(name, line)} imports attnkit.functional"
+        for name in SOURCES
+        if name.startswith("attnkit.backends")
+        for target, line in _imports(name)
+        if target == "attnkit.functional"
+    ]
     assert not bad, "backends must not import the public layer above them:\n" + "\n".join(bad)
 
 
@@ -137,8 +141,10 @@ def test_no_import_cycles():
         members = set(component)
         edges = [f"    {a} -> {b}" for a in component for b in sorted(graph[a] & members)]
         lines.append(f"  cycle among {', '.join(component)}:\n" + "\n".join(edges))
-    assert not cycles, ("import cycles (a submodule that imports its own package's __init__ counts: import from "
-                        "the defining submodule instead):\n" + "\n".join(lines))
+    assert not cycles, (
+        "import cycles (a submodule that imports its own package's __init__ counts: import from "
+        "the defining submodule instead):\n" + "\n".join(lines)
+    )
 
 
 def test_the_import_graph_holds_package_to_submodule_edges():
@@ -148,7 +154,9 @@ def test_the_import_graph_holds_package_to_submodule_edges():
 
 def test_waiting_imports_are_still_there():
     for name, dotted in WAITING:
-        assert dotted in {d for d, _ in _private_imports(name, TREES[name], _package_of(name))}, f"{name} -> {dotted} is gone"
+        assert dotted in {d for d, _ in _private_imports(name, TREES[name], _package_of(name))}, (
+            f"{name} -> {dotted} is gone"
+        )
 
 
 def test_cycle_finder_finds_a_cycle():
@@ -158,14 +166,21 @@ def test_cycle_finder_finds_a_cycle():
 
 def _private_protocol() -> tuple[set[str], set[str]]:
     """The private method names of masks and score modifiers, and the private mask and modifier classes."""
-    classes = {obj for module in (masks, bias) for obj in vars(module).values()
-               if inspect.isclass(obj) and issubclass(obj, (masks.Mask, bias.ScoreMod))}
+    classes = {
+        obj
+        for module in (masks, bias)
+        for obj in vars(module).values()
+        if inspect.isclass(obj) and issubclass(obj, (masks.Mask, bias.ScoreMod))
+    }
     for module in list(vars(masks).values()):  # the package's own modules too
         if inspect.ismodule(module) and module.__name__.startswith("attnkit.masks."):
-            classes |= {obj for obj in vars(module).values()
-                        if inspect.isclass(obj) and issubclass(obj, masks.Mask)}
-    methods = {attr for cls in classes for attr in vars(cls)
-               if attr.startswith("_") and not attr.startswith("__") and callable(getattr(cls, attr))}
+            classes |= {obj for obj in vars(module).values() if inspect.isclass(obj) and issubclass(obj, masks.Mask)}
+    methods = {
+        attr
+        for cls in classes
+        for attr in vars(cls)
+        if attr.startswith("_") and not attr.startswith("__") and callable(getattr(cls, attr))
+    }
     private_classes = {cls.__name__ for cls in classes if cls.__name__.startswith("_")}
     return methods, private_classes
 
@@ -182,20 +197,23 @@ def test_private_mask_protocol_stays_inside_masks_and_bias():
         for node in ast.walk(TREES[name]):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in methods:
                 owner = node.func.value
-                own = (isinstance(owner, ast.Name) and owner.id in ("self", "cls")) or \
-                    (isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super")
+                own = (isinstance(owner, ast.Name) and owner.id in ("self", "cls")) or (
+                    isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super"
+                )
                 if not own:
-                    bad.append(f"{_where(name, node.lineno)} calls the private {node.func.attr}() of "
-                               f"{ast.unparse(owner)}")
+                    bad.append(
+                        f"{_where(name, node.lineno)} calls the private {node.func.attr}() of {ast.unparse(owner)}"
+                    )
             elif isinstance(node, ast.Attribute) and node.attr in private_classes:
                 bad.append(f"{_where(name, node.lineno)} uses the private class {ast.unparse(node)}")
             elif isinstance(node, ast.ImportFrom):
                 hit = [a.name for a in node.names if a.name in private_classes]
                 if hit and (node.module or "").split(".")[-1] in ("masks", "bias", "_base", "_builtins", "_convert"):
                     bad.append(f"{_where(name, node.lineno)} imports the private class(es) {', '.join(hit)}")
-    assert not bad, ("code outside attnkit.masks and attnkit.bias uses their private protocol; use the public "
-                     "methods (Mask.evaluate, Mask.is_causal, Mask.conjuncts, ScoreMod.apply, ...):\n"
-                     + "\n".join(bad))
+    assert not bad, (
+        "code outside attnkit.masks and attnkit.bias uses their private protocol; use the public "
+        "methods (Mask.evaluate, Mask.is_causal, Mask.conjuncts, ScoreMod.apply, ...):\n" + "\n".join(bad)
+    )
 
 
 def test_no_source_file_over_1000_lines():
@@ -270,8 +288,10 @@ ALLOWED = _allowed(TABLE)
 
 
 def test_the_table_reader_reads_rows_and_everything_above():
-    text = ("## Layers\n\n| place | holds | may import |\n|---|---|---|\n| `a/` | x | torch |\n"
-            "| `b.py`, `c/` | y | a, `numpy` |\n| `d.py` | z | everything above |\n")
+    text = (
+        "## Layers\n\n| place | holds | may import |\n|---|---|---|\n| `a/` | x | torch |\n"
+        "| `b.py`, `c/` | y | a, `numpy` |\n| `d.py` | z | everything above |\n"
+    )
     table = _table(text)
     assert table == [(["a"], set()), (["b", "c"], {"a"}), (["d"], None)]
     assert _allowed(table) == {"a": {"a"}, "b": {"a", "b"}, "c": {"a", "c"}, "d": {"a", "b", "c", "d"}}
@@ -280,19 +300,25 @@ def test_the_table_reader_reads_rows_and_everything_above():
 
 def test_every_module_belongs_to_a_row_of_the_layer_table():
     missing = sorted({_layer(name) for name in SOURCES} - set(ALLOWED))
-    assert not missing, (f"{ARCHITECTURE.name} has no row for the layer(s) {', '.join(missing)}: add a row that says "
-                         "what each holds and may import")
+    assert not missing, (
+        f"{ARCHITECTURE.name} has no row for the layer(s) {', '.join(missing)}: add a row that says "
+        "what each holds and may import"
+    )
     stale = sorted(set(ALLOWED) - {_layer(name) for name in SOURCES})
     assert not stale, f"{ARCHITECTURE.name} has rows for layers that do not exist: {', '.join(stale)}"
 
 
 def test_modules_import_only_the_layers_their_row_allows():
-    bad = [f"{_where(name, line)}: {_layer(name)} imports {target} ({_layer(target)}), which its row of "
-           f"{ARCHITECTURE.name} does not allow"
-           for name in SOURCES for target, line in _imports(name)
-           if _layer(target) not in ALLOWED.get(_layer(name), {_layer(name)})]
-    assert not bad, "imports against the layer table (move the code, or change the table and say why):\n" + \
-        "\n".join(bad)
+    bad = [
+        f"{_where(name, line)}: {_layer(name)} imports {target} ({_layer(target)}), which its row of "
+        f"{ARCHITECTURE.name} does not allow"
+        for name in SOURCES
+        for target, line in _imports(name)
+        if _layer(target) not in ALLOWED.get(_layer(name), {_layer(name)})
+    ]
+    assert not bad, "imports against the layer table (move the code, or change the table and say why):\n" + "\n".join(
+        bad
+    )
 
 
 def _private_owner(dotted: str) -> str | None:
@@ -317,8 +343,11 @@ def _inside(name: str, package: str) -> bool:
 def _private_imports(name: str, tree: ast.AST, package: str) -> list[tuple[str, int]]:
     """The private attnkit modules and names ``tree`` imports, as dotted paths with their lines; ``package`` is
     the package relative imports start from."""
-    found = [(dotted, line) for target, line, names in _imported(tree, package)
-             for dotted in ([f"{target}.{a}" for a in names] if names else [target])]
+    found = [
+        (dotted, line)
+        for target, line, names in _imported(tree, package)
+        for dotted in ([f"{target}.{a}" for a in names] if names else [target])
+    ]
     return [(dotted, line) for dotted, line in found if _private_owner(dotted) is not None]
 
 
@@ -340,16 +369,22 @@ def test_no_module_imports_another_packages_private_parts():
                 continue
             if not _inside(name, owner):
                 bad.append(f"{_where(name, line)} imports {dotted}, private to {owner}")
-    assert not bad, ("modules import private parts of another package (give the name a public home in that "
-                     "package):\n" + "\n".join(bad))
+    assert not bad, (
+        "modules import private parts of another package (give the name a public home in that "
+        "package):\n" + "\n".join(bad)
+    )
 
 
 def test_only_a_backend_folder_imports_its_own_submodules():
     folders = {name for name in SOURCES if name.startswith("attnkit.backends.") and _is_package(name)}
     assert {"attnkit.backends.flash", "attnkit.backends.triton"} <= folders
-    bad = [f"{_where(name, line)} imports {target}: outside {folder} import the names {folder} exports"
-           for name in SOURCES for target, line in _imports(name) for folder in folders
-           if target.startswith(folder + ".") and not _inside(name, folder)]
+    bad = [
+        f"{_where(name, line)} imports {target}: outside {folder} import the names {folder} exports"
+        for name in SOURCES
+        for target, line in _imports(name)
+        for folder in folders
+        if target.startswith(folder + ".") and not _inside(name, folder)
+    ]
     assert not bad, "\n".join(bad)
 
 
@@ -403,8 +438,9 @@ def _foreign_private_uses(path: Path, tree: ast.AST) -> list[str]:
     for dotted, line in sorted(set(_private_uses(tree))):
         owner = _private_owner(dotted)
         if own == "attnkit" or not _inside(dotted, own):
-            out.append(f"{path.relative_to(TESTS.parent)}:{line} uses {dotted}, private to {owner} "
-                       f"(the test tests {own})")
+            out.append(
+                f"{path.relative_to(TESTS.parent)}:{line} uses {dotted}, private to {owner} (the test tests {own})"
+            )
     return out
 
 
@@ -427,12 +463,19 @@ def _waiting(use: str) -> bool:
 
 
 def test_tests_use_only_their_own_packages_private_names():
-    uses = [use for path in sorted(TESTS.rglob("*.py")) for use in _foreign_private_uses(path, ast.parse(path.read_text()))]
-    assert {(u.split(":", 1)[0].removeprefix("tests/"), u.split(" uses ", 1)[1].split(",", 1)[0])
-            for u in uses if _waiting(u)} == set(TESTS_WAITING), "a waiting use is gone: drop it from TESTS_WAITING"
+    uses = [
+        use for path in sorted(TESTS.rglob("*.py")) for use in _foreign_private_uses(path, ast.parse(path.read_text()))
+    ]
+    assert {
+        (u.split(":", 1)[0].removeprefix("tests/"), u.split(" uses ", 1)[1].split(",", 1)[0])
+        for u in uses
+        if _waiting(u)
+    } == set(TESTS_WAITING), "a waiting use is gone: drop it from TESTS_WAITING"
     bad = [use for use in uses if not _waiting(use)]
-    assert not bad, ("tests use private names of a package they do not test (use the public seam, or move the "
-                     "test into the folder of the package it tests):\n" + "\n".join(bad))
+    assert not bad, (
+        "tests use private names of a package they do not test (use the public seam, or move the "
+        "test into the folder of the package it tests):\n" + "\n".join(bad)
+    )
 
 
 def test_the_private_use_reader_tells_own_from_foreign():

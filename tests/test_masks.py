@@ -39,8 +39,11 @@ def paper_cases():
         ("dilated_causal", masks.dilated(3, 2, causal=True), lambda p, j: (p - j) % 2 == 0 and 0 <= p - j <= 6),
         # Longformer global attention: symmetric
         ("global", masks.global_tokens(g), lambda p, j: p in g or j in g),
-        ("window|global", masks.sliding_window(1, 1) | masks.global_tokens([0]),
-         lambda p, j: abs(p - j) <= 1 or p == 0 or j == 0),
+        (
+            "window|global",
+            masks.sliding_window(1, 1) | masks.global_tokens([0]),
+            lambda p, j: abs(p - j) <= 1 or p == 0 or j == 0,
+        ),
         ("causal&window", masks.causal() & masks.sliding_window(2, 2), lambda p, j: p - 2 <= j <= p),
         ("~causal", ~masks.causal(), lambda p, j: j > p),
     ]
@@ -114,11 +117,11 @@ def test_random_blocks_follow_positions_not_the_call_shape(causal):
     m = masks.random_blocks(4, 2, seed=3, causal=causal)
     full = m.to_dense(23, 23)[0, 0]
     for lq in (1, 2, 5, 22):
-        assert torch.equal(m.to_dense(lq, 23)[0, 0], full[23 - lq:])
+        assert torch.equal(m.to_dense(lq, 23)[0, 0], full[23 - lq :])
     if causal:
         assert not full.triu(1).any()  # no key after the query's position
         for p in range(23):
-            assert torch.equal(m.to_dense(1, p + 1)[0, 0, 0], full[p, :p + 1]), p
+            assert torch.equal(m.to_dense(1, p + 1)[0, 0, 0], full[p, : p + 1]), p
         assert torch.equal(m.to_dense(4, 10)[0, 0], full[6:10, :10])
         blocks = m.to_dense(24, 24)[0, 0].view(6, 4, 6, 4)[:, -1].any(-1)  # (query block, key block), last rows
         assert (blocks.sum(1) == torch.tensor([1, 2, 2, 2, 2, 2])).all()  # min(n, blocks up to its own)
@@ -127,14 +130,18 @@ def test_random_blocks_follow_positions_not_the_call_shape(causal):
 def test_random_blocks_seeds_use_every_bit():
     """The draw folds the whole seed (0 and 2^31 drew alike; seeds >= 2^63 failed at first use)."""
     dense = lambda seed: masks.random_blocks(2, 1, seed=seed).to_dense(32, 32)  # noqa: E731
-    assert not torch.equal(dense(0), dense(2 ** 31))
-    assert dense(2 ** 64 + 3).shape == (1, 1, 32, 32)
+    assert not torch.equal(dense(0), dense(2**31))
+    assert dense(2**64 + 3).shape == (1, 1, 32, 32)
 
 
 def test_boolean_arguments_refuse_non_bools():
     """A string such as "false" is truthy: it must not silently build the causal pattern."""
-    for make in (lambda c: masks.strided(4, causal=c), lambda c: masks.dilated(2, 2, causal=c),
-                 lambda c: masks.fixed(4, 1, causal=c), lambda c: masks.random_blocks(4, 1, causal=c)):
+    for make in (
+        lambda c: masks.strided(4, causal=c),
+        lambda c: masks.dilated(2, 2, causal=c),
+        lambda c: masks.fixed(4, 1, causal=c),
+        lambda c: masks.random_blocks(4, 1, causal=c),
+    ):
         with pytest.raises(TypeError, match="causal must be True or False"):
             make("false")
     assert masks.strided(4, causal=False).causal is False
@@ -157,7 +164,7 @@ def _dense_kinds(dense, bq, bk):
     nq, nk = -(-lq // bq), -(-lk // bk)
     out = torch.zeros(*dense.shape[:-2], nq, nk, dtype=torch.int8)
     for i, j in itertools.product(range(nq), range(nk)):
-        tile = dense[..., i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
+        tile = dense[..., i * bq : (i + 1) * bq, j * bk : (j + 1) * bk]
         allv, anyv = tile.flatten(-2).all(-1), tile.flatten(-2).any(-1)
         out[..., i, j] = torch.where(allv, FULL, torch.where(anyv, PARTIAL, EMPTY))
     return out
@@ -179,13 +186,25 @@ def _check_structure(mask, lq, lk, bq, bk, batch=1, heads=1, exact=True):
 
 
 EXACT = [
-    masks.causal(), masks.causal(align="top_left"), masks.sliding_window(5), masks.sliding_window(3, 6),
-    masks.sliding_window(None, 2), masks.prefix_lm(6), masks.block_local(5), masks.dilated(2, 3),
-    masks.dilated(4, 1, causal=True), masks.global_tokens([0, 7, 8]), masks.random_blocks(3, 2, seed=1),
-    masks.random_blocks(4, 2, seed=5, causal=True), masks.random_blocks(3, 1, seed=2, align="top_left"),
-    "document", masks.causal() & masks.sliding_window(4),
-    masks.from_fn(lambda b, h, q, k: (q // 3 + k // 4) % 2 == 0), ~masks.causal(),
-    masks.strided(1), "causal&document",
+    masks.causal(),
+    masks.causal(align="top_left"),
+    masks.sliding_window(5),
+    masks.sliding_window(3, 6),
+    masks.sliding_window(None, 2),
+    masks.prefix_lm(6),
+    masks.block_local(5),
+    masks.dilated(2, 3),
+    masks.dilated(4, 1, causal=True),
+    masks.global_tokens([0, 7, 8]),
+    masks.random_blocks(3, 2, seed=1),
+    masks.random_blocks(4, 2, seed=5, causal=True),
+    masks.random_blocks(3, 1, seed=2, align="top_left"),
+    "document",
+    masks.causal() & masks.sliding_window(4),
+    masks.from_fn(lambda b, h, q, k: (q // 3 + k // 4) % 2 == 0),
+    ~masks.causal(),
+    masks.strided(1),
+    "causal&document",
 ]
 
 
@@ -197,13 +216,22 @@ def _sized(mask, lk):
     if mask == "causal&document":
         return masks.causal() & masks.document(ids)
     return mask
-SOUND = [masks.strided(4), masks.strided(3, causal=False), masks.fixed(4, 1), masks.fixed(6, 2, causal=False),
-         masks.sliding_window(1, 1) | masks.global_tokens([3]), masks.prefix_lm(3) | masks.sliding_window(0, 2)]
+
+
+SOUND = [
+    masks.strided(4),
+    masks.strided(3, causal=False),
+    masks.fixed(4, 1),
+    masks.fixed(6, 2, causal=False),
+    masks.sliding_window(1, 1) | masks.global_tokens([3]),
+    masks.prefix_lm(3) | masks.sliding_window(0, 2),
+]
 
 
 @pytest.mark.parametrize("mask", EXACT, ids=repr)
-@pytest.mark.parametrize("lq,lk,bq,bk", [(21, 21, 4, 4), (13, 21, 4, 3), (21, 13, 5, 2), (21, 21, 1, 1),
-                                          (21, 21, 32, 32), (9, 21, 2, 7)])
+@pytest.mark.parametrize(
+    "lq,lk,bq,bk", [(21, 21, 4, 4), (13, 21, 4, 3), (21, 13, 5, 2), (21, 21, 1, 1), (21, 21, 32, 32), (9, 21, 2, 7)]
+)
 def test_block_structure_exact_for_builtins(mask, lq, lk, bq, bk):
     if isinstance(mask, str) and lq > lk:
         lq = lk  # a document mask's queries are a suffix of its keys
@@ -244,12 +272,20 @@ def band_masks(draw):
     return masks.key_padding([draw(st.integers(0, 8))])
 
 
-@given(a=band_masks(), b=band_masks(), op=st.sampled_from(["&", "|", "~"]),
-       lq=st.integers(1, 24), lk=st.integers(1, 24), bq=st.integers(1, 8), bk=st.integers(1, 8))
+@given(
+    a=band_masks(),
+    b=band_masks(),
+    op=st.sampled_from(["&", "|", "~"]),
+    lq=st.integers(1, 24),
+    lk=st.integers(1, 24),
+    bq=st.integers(1, 8),
+    bk=st.integers(1, 8),
+)
 def test_combined_structures_are_sound(a, b, op, lq, lk, bq, bk):
     m = a & b if op == "&" else (a | b if op == "|" else ~a)
     if max(len(getattr(x, "lengths", [0])) for x in (a, b)) and any(
-            int(getattr(x, "lengths", torch.tensor([0])).max()) > lk for x in (a, b)):
+        int(getattr(x, "lengths", torch.tensor([0])).max()) > lk for x in (a, b)
+    ):
         return  # padding longer than the keys is an error, tested elsewhere
     _check_structure(m, lq, lk, bq, bk, exact=(bq == bk == 1 and op != "|"))
 
@@ -297,23 +333,26 @@ def test_mask_mod_binds_shape():
     assert mod(0, 0, q, k).tolist() == [[True] * 4 + [False], [True] * 5]
 
 
-@pytest.mark.parametrize("make,exc,match", [
-    (lambda: masks.sliding_window(-1), ValueError, "left=-1"),
-    (lambda: masks.sliding_window(2, -3), ValueError, "right=-3"),
-    (lambda: masks.sliding_window(2.5), TypeError, "left"),
-    (lambda: masks.causal(align="center"), ValueError, "align='center'"),
-    (lambda: masks.key_padding([3, -1]), ValueError, "lengths"),
-    (lambda: masks.key_padding(torch.ones(2, 3, 4, dtype=torch.bool)), ValueError, "key_padding"),
-    (lambda: masks.block_local(0), ValueError, "block=0"),
-    (lambda: masks.strided(0), ValueError, "stride=0"),
-    (lambda: masks.fixed(4, 5), ValueError, "summary=5"),
-    (lambda: masks.dilated(2, 0), ValueError, "dilation=0"),
-    (lambda: masks.global_tokens([-1]), ValueError, "indices"),
-    (lambda: masks.document(torch.rand(5)), TypeError, "integers"),
-    (lambda: masks.from_fn(3), TypeError, "callable"),
-    (lambda: masks.from_dense(torch.ones(3, 3)), TypeError, "bool"),
-    (lambda: masks.causal() & torch.ones(2, 2, dtype=torch.bool), TypeError, "from_dense"),
-])
+@pytest.mark.parametrize(
+    "make,exc,match",
+    [
+        (lambda: masks.sliding_window(-1), ValueError, "left=-1"),
+        (lambda: masks.sliding_window(2, -3), ValueError, "right=-3"),
+        (lambda: masks.sliding_window(2.5), TypeError, "left"),
+        (lambda: masks.causal(align="center"), ValueError, "align='center'"),
+        (lambda: masks.key_padding([3, -1]), ValueError, "lengths"),
+        (lambda: masks.key_padding(torch.ones(2, 3, 4, dtype=torch.bool)), ValueError, "key_padding"),
+        (lambda: masks.block_local(0), ValueError, "block=0"),
+        (lambda: masks.strided(0), ValueError, "stride=0"),
+        (lambda: masks.fixed(4, 5), ValueError, "summary=5"),
+        (lambda: masks.dilated(2, 0), ValueError, "dilation=0"),
+        (lambda: masks.global_tokens([-1]), ValueError, "indices"),
+        (lambda: masks.document(torch.rand(5)), TypeError, "integers"),
+        (lambda: masks.from_fn(3), TypeError, "callable"),
+        (lambda: masks.from_dense(torch.ones(3, 3)), TypeError, "bool"),
+        (lambda: masks.causal() & torch.ones(2, 2, dtype=torch.bool), TypeError, "from_dense"),
+    ],
+)
 def test_bad_mask_arguments(make, exc, match):
     with pytest.raises(exc, match=match):
         make()
@@ -353,8 +392,13 @@ def test_show_draws_combinations_in_either_order():
 
 
 def test_show_refuses_bad_sizes_clearly():
-    for kw, match in [(dict(q_len=-3), "q_len=-3"), (dict(q_len=3, kv_len=-1), "kv_len=-1"),
-                      (dict(batch=-1), "batch=-1"), (dict(head=-2), "head=-2"), (dict(max_width=0), "max_width=0")]:
+    for kw, match in [
+        (dict(q_len=-3), "q_len=-3"),
+        (dict(q_len=3, kv_len=-1), "kv_len=-1"),
+        (dict(batch=-1), "batch=-1"),
+        (dict(head=-2), "head=-2"),
+        (dict(max_width=0), "max_width=0"),
+    ]:
         with pytest.raises(ValueError, match=match):
             masks.causal().show(**kw)
     with pytest.raises(TypeError, match="q_len"):
@@ -391,14 +435,21 @@ def _pooled(kinds, g):
     for r in range(0, nq, g):
         row = []
         for c in range(0, nk, g):
-            block = kinds[r:r + g, c:c + g]
+            block = kinds[r : r + g, c : c + g]
             row.append("█" if bool((block == 2).all()) else "·" if bool((block == 0).all()) else "░")
         out.append(" " + "".join(row))
     return out
 
 
-@pytest.mark.parametrize("mask", [masks.causal(), masks.sliding_window(300, 40), masks.document(
-    torch.arange(4096) // 700), masks.causal() | masks.from_fn(lambda b, h, q, k: k % 1000 == 0)])
+@pytest.mark.parametrize(
+    "mask",
+    [
+        masks.causal(),
+        masks.sliding_window(300, 40),
+        masks.document(torch.arange(4096) // 700),
+        masks.causal() | masks.from_fn(lambda b, h, q, k: k % 1000 == 0),
+    ],
+)
 def test_block_structure_prints_at_most_64_characters_a_side(mask):
     """A 2**20-token structure printed a 67-million-character string: wide tilings are pooled, as show() does."""
     s = mask.block_structure(4096, 4096, 16)  # 256 x 256 tiles: 4 x 4 per character
@@ -439,6 +490,7 @@ def test_from_fn_align_gives_positions_like_the_built_ins():
         masks.from_fn(lambda b, h, q, k: k <= q, align="middle")
     # decoding against a cache: positions are what a model needs, rows are refused as before
     from attnkit.masks import _decodes_differently
+
     assert _decodes_differently(positions & masks.causal()) is None
     assert "align='bottom_right'" in _decodes_differently(rows)[1]
     assert "top_left" in _decodes_differently(masks.from_fn(lambda b, h, p, k: k <= p, align="top_left"))[1]
@@ -455,6 +507,7 @@ def test_from_flex_matches_flex_attention_on_cpu():
     multiples of the block): attention(mask=from_flex(bm)) and attention(mask=bm) give flex_attention's output
     and lse, on every backend."""
     import attnkit
+
     flex = _flex()
     doc_q, doc_k = torch.arange(70) // 30, torch.arange(100) // 30
 
@@ -495,14 +548,15 @@ def test_from_flex_follows_the_blocks_as_flex_kernels_do():
         n = torch.tensor([[[len(d[r]) for r in range(3)]]], dtype=torch.int32)
         idx = torch.zeros(1, 1, 3, 4, dtype=torch.int32)
         for r, cols in d.items():
-            idx[0, 0, r, :len(cols)] = torch.tensor(cols, dtype=torch.int32)
+            idx[0, 0, r, : len(cols)] = torch.tensor(cols, dtype=torch.int32)
         return n, idx
 
     def every_third(b, h, q, k):
         return (q + k) % 3 == 0
 
-    bm = flex.BlockMask.from_kv_blocks(*table(partial), *table(full), BLOCK_SIZE=32, mask_mod=every_third,
-                                       seq_lengths=(80, 120))
+    bm = flex.BlockMask.from_kv_blocks(
+        *table(partial), *table(full), BLOCK_SIZE=32, mask_mod=every_third, seq_lengths=(80, 120)
+    )
     q, k = torch.arange(80).view(-1, 1), torch.arange(120).view(1, -1)
     kind = torch.zeros(3, 4, dtype=torch.long)
     for r in range(3):
@@ -517,6 +571,7 @@ def test_from_flex_follows_the_blocks_as_flex_kernels_do():
 
 def test_from_flex_refuses_what_flex_attention_refuses():
     import attnkit
+
     flex = _flex()
     bm = flex.create_block_mask(lambda b, h, q, k: q >= k, 2, None, 64, 64, device="cpu")
     q = torch.randn(2, 1, 32, 8)
@@ -549,17 +604,20 @@ def dense_from_form(form, lq, lk, batch=1):
 
 
 @pytest.mark.parametrize("lq,lk", [(6, 6), (3, 8), (1, 9)])
-@pytest.mark.parametrize("name,mask", [
-    ("causal", masks.causal()),
-    ("causal_top_left", masks.causal(align="top_left")),
-    ("sliding_window", masks.sliding_window(2)),
-    ("sliding_window_sym", masks.sliding_window(2, 3)),
-    ("sliding_window_unbounded", masks.sliding_window(None, 1, align="top_left")),
-    ("prefix_lm", masks.prefix_lm(3)),
-    ("prefix_lm_top_left", masks.prefix_lm(2, align="top_left")),
-    ("key_padding", masks.key_padding(torch.tensor([2, 5]))),
-    ("document", masks.document(torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2]))),
-])
+@pytest.mark.parametrize(
+    "name,mask",
+    [
+        ("causal", masks.causal()),
+        ("causal_top_left", masks.causal(align="top_left")),
+        ("sliding_window", masks.sliding_window(2)),
+        ("sliding_window_sym", masks.sliding_window(2, 3)),
+        ("sliding_window_unbounded", masks.sliding_window(None, 1, align="top_left")),
+        ("prefix_lm", masks.prefix_lm(3)),
+        ("prefix_lm_top_left", masks.prefix_lm(2, align="top_left")),
+        ("key_padding", masks.key_padding(torch.tensor([2, 5]))),
+        ("document", masks.document(torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2]))),
+    ],
+)
 def test_form_alone_gives_the_mask(name, mask, lq, lk):
     if name == "document":  # (one id per key: the keys of this call)
         mask = masks.document(torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2])[:lk])
@@ -580,9 +638,15 @@ def test_form_of_dense_and_varlen_masks_holds_their_tensors():
 
 
 def test_form_is_none_for_masks_a_kernel_must_evaluate():
-    for m in (masks.strided(2), masks.block_local(4), masks.from_fn(lambda b, h, q, k: q >= k),
-              masks.causal() & masks.sliding_window(3), ~masks.causal(), masks.fixed(4, 1),
-              masks.key_padding(torch.ones(1, 6, dtype=torch.bool))):
+    for m in (
+        masks.strided(2),
+        masks.block_local(4),
+        masks.from_fn(lambda b, h, q, k: q >= k),
+        masks.causal() & masks.sliding_window(3),
+        ~masks.causal(),
+        masks.fixed(4, 1),
+        masks.key_padding(torch.ones(1, 6, dtype=torch.bool)),
+    ):
         assert m.form(6, 6) is None, m
     parts = (masks.causal() & masks.prefix_lm(2)).conjuncts()  # an & answers through its parts
     assert [type(p.form(6, 6)) for p in parts] == [masks.Band, masks.Prefix]

@@ -19,6 +19,7 @@ def test_png_grid_of_heads_with_token_labels(tmp_path):
     fig = plot_attention(w, tokens=tokens, path=path, batch=1, title="t")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     from matplotlib.image import imread
+
     img = imread(path)
     assert img.shape[0] > 100 and img.shape[1] > 300
     panels = _panels(fig)
@@ -34,8 +35,12 @@ def test_png_grid_of_heads_with_token_labels(tmp_path):
 def test_layers_are_rows_and_heads_select():
     w = torch.softmax(torch.randn(4, 5, 5), -1)
     fig = plot_attention({"layer 0": w, "layer 1": w * 0 + 0.2}, heads=[3, 1], query_tokens=list("vwxyz"))
-    assert [ax.get_title() for ax in _panels(fig)] == ["layer 0, head 3", "layer 0, head 1", "layer 1, head 3",
-                                                       "layer 1, head 1"]
+    assert [ax.get_title() for ax in _panels(fig)] == [
+        "layer 0, head 3",
+        "layer 0, head 1",
+        "layer 1, head 3",
+        "layer 1, head 1",
+    ]
     assert [t.get_text() for t in _panels(fig)[2].get_yticklabels()] == list("vwxyz")
     assert not any(t.get_visible() for t in _panels(fig)[0].get_xticklabels())  # inner row: no key labels
     one = plot_attention(w[0], heads=0)
@@ -49,16 +54,19 @@ def test_long_sequences_thin_their_labels():
     assert 20 <= len(labels) <= 48 and labels[0] == "0"
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(weights=torch.rand(5)), r"\(Lq, Lk\), \(H, Lq, Lk\) or \(B, H, Lq, Lk\)"),
-    (dict(weights=[[0.5, 0.5]]), "must be a tensor"),
-    (dict(weights=torch.rand(2, 3, 3), tokens=["a", "b"]), "tokens has 2 entries but the weights have length 3"),
-    (dict(weights=torch.rand(2, 3, 3), heads=[2]), "is not a head"),
-    (dict(weights=torch.rand(2, 3, 3), heads=[]), "at least one head"),
-    (dict(weights=torch.rand(1, 2, 3, 3), batch=1), "batch=1 is out of range"),
-    (dict(weights={"a": torch.rand(3, 3), "b": torch.rand(4, 4)}), "same \\(Lq, Lk\\)"),
-    (dict(weights={}), "empty mapping"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(weights=torch.rand(5)), r"\(Lq, Lk\), \(H, Lq, Lk\) or \(B, H, Lq, Lk\)"),
+        (dict(weights=[[0.5, 0.5]]), "must be a tensor"),
+        (dict(weights=torch.rand(2, 3, 3), tokens=["a", "b"]), "tokens has 2 entries but the weights have length 3"),
+        (dict(weights=torch.rand(2, 3, 3), heads=[2]), "is not a head"),
+        (dict(weights=torch.rand(2, 3, 3), heads=[]), "at least one head"),
+        (dict(weights=torch.rand(1, 2, 3, 3), batch=1), "batch=1 is out of range"),
+        (dict(weights={"a": torch.rand(3, 3), "b": torch.rand(4, 4)}), "same \\(Lq, Lk\\)"),
+        (dict(weights={}), "empty mapping"),
+    ],
+)
 def test_bad_input(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         plot_attention(**kwargs)

@@ -28,17 +28,24 @@ def trained():
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    cfg = DecoderConfig(vocab_size=V, d_model=64, n_layers=2, n_heads=4, max_seq_len=320, positions="rope",
-                        mask=masks.sliding_window(31))
+    cfg = DecoderConfig(
+        vocab_size=V,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        max_seq_len=320,
+        positions="rope",
+        mask=masks.sliding_window(31),
+    )
     model = DecoderLM(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
     g = torch.Generator().manual_seed(0)
     T = 64
     for _ in range(300):
-        x = torch.randint(0, V, (16, P), generator=g).repeat(1, T // P + 1)[:, :T + 1]  # (16, T+1)
+        x = torch.randint(0, V, (16, P), generator=g).repeat(1, T // P + 1)[:, : T + 1]  # (16, T+1)
         pos = torch.randint(0, cfg.max_seq_len - T, (16, 1), generator=g) + torch.arange(T)
         logits = model(x[:, :-1], positions=pos)
-        loss = torch.nn.functional.cross_entropy(logits[:, P:].reshape(-1, V), x[:, P + 1:].reshape(-1))
+        loss = torch.nn.functional.cross_entropy(logits[:, P:].reshape(-1, V), x[:, P + 1 :].reshape(-1))
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -48,7 +55,7 @@ def trained():
     seq = torch.randint(0, V, (4, P), generator=g).repeat(1, 18)  # (4, 288): a 32-token prompt + 256 steps
     with torch.no_grad():
         full = model(seq)
-    assert float((full[:, P:-1].argmax(-1) == seq[:, P + 1:]).float().mean()) == 1.0  # it learned the task
+    assert float((full[:, P:-1].argmax(-1) == seq[:, P + 1 :]).float().mean()) == 1.0  # it learned the task
     greedy = torch.tensor(attnkit.generate(model, seq[:, :32].tolist(), 256))  # (4, 256) float32 reference
     torch.set_num_threads(n)
     return model, seq, full, greedy
@@ -59,7 +66,7 @@ def _decode(model, seq, cache):
     with torch.no_grad():
         out = [model(seq[:, :32], cache=cache)[:, -1:]]
         for t in range(32, seq.shape[1] - 1):
-            out.append(model(seq[:, t:t + 1], cache=cache))
+            out.append(model(seq[:, t : t + 1], cache=cache))
     return torch.cat(out, dim=1)  # (4, 256, V)
 
 
@@ -157,6 +164,7 @@ def test_quantized_fused_projections_serve_every_attention_path(dtype):
     """Cross attention, encoder-decoder models and absolute positions read parts of a fused projection:
     quantized layers give them through forward_rows."""
     from attnkit.nn import EncoderDecoder, MultiHeadAttention, SinusoidalPositions
+
     torch.manual_seed(0)
     ed = EncoderDecoder(DecoderConfig.preset("tiny", positions="t5")).eval()
     src, tgt = torch.randint(0, 256, (2, 9)), torch.randint(0, 256, (2, 7))
@@ -164,8 +172,12 @@ def test_quantized_fused_projections_serve_every_attention_path(dtype):
     cross = MultiHeadAttention(32, 4).eval()
     x, ctx = torch.randn(2, 5, 32), torch.randn(2, 6, 32)
     with torch.no_grad():
-        for model, run in ((ed, lambda m: m(src, tgt)), (mha, lambda m: m(x)), (cross, lambda m: m(x, context=ctx)),
-                           (cross, lambda m: m(x, context=(ctx, ctx + 1)))):
+        for model, run in (
+            (ed, lambda m: m(src, tgt)),
+            (mha, lambda m: m(x)),
+            (cross, lambda m: m(x, context=ctx)),
+            (cross, lambda m: m(x, context=(ctx, ctx + 1))),
+        ):
             want = run(model)
             got = run(attnkit.quantize(copy.deepcopy(model), dtype))
             assert (got - want).abs().max() < 0.05
@@ -260,8 +272,11 @@ def test_int4_weights_and_int8_activations_keep_greedy_tokens(trained, mode, agr
     """The less exact modes against the float32 model (teacher-forced argmax, logit error, free-running greedy
     tokens): int4 weights in groups of 32, and int8 weights with int8 activations and integer products."""
     model, seq, full, greedy = trained
-    q = attnkit.quantize(copy.deepcopy(model), "int4") if mode == "int4" else attnkit.quantize(
-        copy.deepcopy(model), "int8", activations="int8")
+    q = (
+        attnkit.quantize(copy.deepcopy(model), "int4")
+        if mode == "int4"
+        else attnkit.quantize(copy.deepcopy(model), "int8", activations="int8")
+    )
     kinds = {type(m) for m in q.modules()}
     assert (Int4Linear if mode == "int4" else Int8Linear) in kinds and torch.nn.Linear not in kinds
     with torch.no_grad():
@@ -282,7 +297,7 @@ def test_int4_kernel_matches_its_dequantized_weight(rows, part):
     q = Int4Linear.from_linear(lin)
     g = lin.weight.detach().reshape(40, 2, 32)
     step = ((g.amax(-1) - g.amin(-1)) / 15).repeat_interleave(32, dim=1)  # (40, 64)
-    slack = q.zero.abs().repeat_interleave(32, dim=1) * 2 ** -8
+    slack = q.zero.abs().repeat_interleave(32, dim=1) * 2**-8
     assert bool(((q.dequantized() - lin.weight).abs() <= step / 2 + slack + 1e-6).all())
     x = torch.randn(rows, 64)
     a, b = part

@@ -48,13 +48,16 @@ _MASKS = {
 
 @pytest.mark.parametrize("backend", ["math", "flash"])
 @pytest.mark.parametrize("mask", list(_MASKS))
-@pytest.mark.parametrize("dtype,Dv,softcap", [(torch.float32, 16, None), (torch.float16, 8, None),
-                                              (torch.bfloat16, 16, 20.0), (torch.float32, 8, 5.0)])
+@pytest.mark.parametrize(
+    "dtype,Dv,softcap",
+    [(torch.float32, 16, None), (torch.float16, 8, None), (torch.bfloat16, 16, 20.0), (torch.float32, 8, 5.0)],
+)
 def test_rule_against_the_oracle_forward_and_backward(backend, mask, dtype, Dv, softcap):
     # Dv != D takes flash's explicit path, Dv == D its fused one
     q, k, v, sinks = _qkv(Dv=Dv, dtype=dtype)
-    report = check_against_oracle(_backend(backend), q, k, v, mask=_MASKS[mask](), softcap=softcap,
-                                  sinks=sinks, return_lse=True)
+    report = check_against_oracle(
+        _backend(backend), q, k, v, mask=_MASKS[mask](), softcap=softcap, sinks=sinks, return_lse=True
+    )
     assert {"out", "lse", "dq", "dk", "dv", "dsinks"} <= set(report)
 
 
@@ -73,8 +76,9 @@ def test_gradcheck_float64(backend, Dv, bias):
     b = torch.randn(1, 2, 5, 7, dtype=torch.float64, requires_grad=True) if bias else None
 
     def f(q, k, v, sinks, *b):
-        out, lse = attnkit.attention(q, k, v, mask=masks.causal(), sinks=sinks, return_lse=True,
-                                     backend=backend, bias=b[0] if b else None)
+        out, lse = attnkit.attention(
+            q, k, v, mask=masks.causal(), sinks=sinks, return_lse=True, backend=backend, bias=b[0] if b else None
+        )
         return out, lse
 
     assert torch.autograd.gradcheck(f, (q, k, v, sinks, *([b] if bias else [])))
@@ -102,8 +106,10 @@ def test_lse_includes_the_sink_and_merge_then_add_sink_once_is_exact():
     out, lse = add_sink(*merge(*a, *b), sinks)
     torch.testing.assert_close(out, full)
     torch.testing.assert_close(lse, full_lse)
-    twice = merge(*attnkit.attention(q, k[:, :, :10], v[:, :, :10], sinks=sinks, return_lse=True),
-                  *attnkit.attention(q, k[:, :, 10:], v[:, :, 10:], sinks=sinks, return_lse=True))[0]
+    twice = merge(
+        *attnkit.attention(q, k[:, :, :10], v[:, :, :10], sinks=sinks, return_lse=True),
+        *attnkit.attention(q, k[:, :, 10:], v[:, :, 10:], sinks=sinks, return_lse=True),
+    )[0]
     assert not torch.allclose(twice, full)  # why the docs say: merge without the sink, add it once
 
 
@@ -131,6 +137,7 @@ def test_sdpa_sink_logit_keeps_float32_precision_in_bfloat16():
     # the logit rides on q's extra columns in three rounded parts: with a bfloat16 q the
     # sink key's score is the logit to float32 precision (one bfloat16 column would round 3.3 to 3.296875)
     from attnkit.backends.sdpa import _with_sink_key
+
     q, k, v, _ = _qkv(dtype=torch.bfloat16)
     sinks = torch.tensor([3.3, -2.3, 0.1, 300.7]).expand(2, 4)
     q2, k2, v2 = _with_sink_key(q, k.detach(), v.detach(), sinks, scale=0.25)
@@ -161,12 +168,15 @@ def test_sdpa_refuses_what_it_cannot_add_a_sink_to_and_explain_says_why():
     check_against_oracle(attnkit.attention, q, k, v, mask=masks.causal(), sinks=sinks)
 
 
-@pytest.mark.parametrize("sinks,err,match", [
-    ([0.0] * 4, TypeError, "sinks must be None or a float tensor"),
-    (torch.zeros(4, dtype=torch.int64), TypeError, "float tensor"),
-    (torch.zeros(3), ValueError, r"does not broadcast to \(B, Hq\)=\(2, 4\)"),
-    (torch.tensor([0.0, float("nan"), 0.0, 0.0]), ValueError, "non-finite"),
-])
+@pytest.mark.parametrize(
+    "sinks,err,match",
+    [
+        ([0.0] * 4, TypeError, "sinks must be None or a float tensor"),
+        (torch.zeros(4, dtype=torch.int64), TypeError, "float tensor"),
+        (torch.zeros(3), ValueError, r"does not broadcast to \(B, Hq\)=\(2, 4\)"),
+        (torch.tensor([0.0, float("nan"), 0.0, 0.0]), ValueError, "non-finite"),
+    ],
+)
 def test_bad_sinks_are_refused_with_the_fix(sinks, err, match):
     q, k, v, _ = _qkv()
     with pytest.raises(err, match=match):
@@ -180,12 +190,20 @@ def test_no_sink_is_the_limit_of_a_very_negative_sink():
 
 
 @settings(max_examples=25, deadline=None)
-@given(B=st.integers(1, 2), G=st.integers(1, 3), Hkv=st.integers(1, 2), Lq=st.integers(1, 40),
-       Lk=st.integers(1, 40), window=st.one_of(st.none(), st.integers(0, 8)), scale=st.floats(-3.0, 3.0),
-       backend=st.sampled_from(["math", "flash"]), seed=st.integers(0, 2 ** 16))
+@given(
+    B=st.integers(1, 2),
+    G=st.integers(1, 3),
+    Hkv=st.integers(1, 2),
+    Lq=st.integers(1, 40),
+    Lk=st.integers(1, 40),
+    window=st.one_of(st.none(), st.integers(0, 8)),
+    scale=st.floats(-3.0, 3.0),
+    backend=st.sampled_from(["math", "flash"]),
+    seed=st.integers(0, 2**16),
+)
 def test_property_any_shape_and_sink(B, G, Hkv, Lq, Lk, window, scale, backend, seed):
     q, k, v, _ = _qkv(B=B, Hq=G * Hkv, Hkv=Hkv, Lq=Lq, Lk=Lk, D=8, Dv=8, seed=seed)
-    sinks = (torch.randn(G * Hkv, generator=torch.Generator().manual_seed(seed)) * 10 ** scale).requires_grad_(True)
+    sinks = (torch.randn(G * Hkv, generator=torch.Generator().manual_seed(seed)) * 10**scale).requires_grad_(True)
     mask = masks.causal() if window is None else masks.sliding_window(window)
     check_against_oracle(_backend(backend), q, k, v, mask=mask, sinks=sinks, return_lse=True)
 
@@ -194,12 +212,12 @@ def test_ring_attention_adds_the_sink_once_forward_and_backward():
     import torch.distributed as dist
 
     from attnkit.distributed import ring_attention, shard
+
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         q, k, v, sinks = _qkv(B=1, Lq=32, Lk=32, dtype=torch.float64)
         out, lse = ring_attention(shard(q), shard(k), shard(v), mask=masks.causal(), sinks=sinks, return_lse=True)
-        want, want_lse = attnkit.attention(q, k, v, mask=masks.causal(), sinks=sinks, return_lse=True,
-                                           backend="math")
+        want, want_lse = attnkit.attention(q, k, v, mask=masks.causal(), sinks=sinks, return_lse=True, backend="math")
         torch.testing.assert_close(out, shard(want))
         torch.testing.assert_close(lse, shard(want_lse))
         g = torch.randn_like(out)
@@ -216,9 +234,13 @@ def test_ring_attention_adds_the_sink_once_forward_and_backward():
 
 def _sink_model(**kw):
     from attnkit.nn import DecoderConfig, DecoderLM
+
     torch.manual_seed(0)
-    model = DecoderLM(DecoderConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                                    max_seq_len=64, attention_sinks=True, **kw)).eval()
+    model = DecoderLM(
+        DecoderConfig(
+            vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, attention_sinks=True, **kw
+        )
+    ).eval()
     with torch.no_grad():
         for m in model.modules():
             if getattr(m, "sinks", None) is not None:
@@ -228,6 +250,7 @@ def _sink_model(**kw):
 
 def test_multihead_attention_sinks_parameter_gets_its_gradient():
     from attnkit.nn import MultiHeadAttention
+
     mha = MultiHeadAttention(32, 4, n_kv_heads=2, mask=masks.causal(), sinks=True)
     assert tuple(mha.sinks.shape) == (4,) and "sinks=True" in repr(mha)
     with torch.no_grad():
@@ -263,11 +286,12 @@ def test_generate_with_sinks_decodes_like_the_full_forward(cache):
     with torch.no_grad():
         for _ in range(12):
             seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
-    assert out == seq[len(prompt):]
+    assert out == seq[len(prompt) :]
 
 
 def test_cache_decode_logits_equal_the_full_forward_with_sinks():
     from attnkit.cache import StaticCache
+
     model = _sink_model()
     ids = torch.randint(0, 64, (2, 10))
     with torch.no_grad():
@@ -275,7 +299,7 @@ def test_cache_decode_logits_equal_the_full_forward_with_sinks():
         cache = StaticCache.for_model(model, 2, 16)
         step = [model(ids[:, :6], cache=cache)]
         for i in range(6, 10):
-            step.append(model(ids[:, i:i + 1], cache=cache))
+            step.append(model(ids[:, i : i + 1], cache=cache))
     torch.testing.assert_close(torch.cat(step, 1), full, atol=1e-5, rtol=1e-5)
 
 
@@ -291,6 +315,7 @@ def test_engine_with_sinks_matches_generate():
 
 def test_paged_attention_with_sinks_against_attention():
     from attnkit.cache import paged_attention
+
     g = torch.Generator().manual_seed(0)
     k_pool, v_pool = torch.randn(8, 2, 4, 16, generator=g), torch.randn(8, 2, 4, 16, generator=g)
     table = torch.tensor([[3, 5, 0], [1, 0, 0]], dtype=torch.int32)
@@ -301,6 +326,9 @@ def test_paged_attention_with_sinks_against_attention():
     for b, (row, n) in enumerate(zip(table.tolist(), lens.tolist())):
         k = torch.cat([k_pool[i] for i in row], 1)[None, :, :n]
         v = torch.cat([v_pool[i] for i in row], 1)[None, :, :n]
-        torch.testing.assert_close(out[b:b + 1], attnkit.attention(q[b:b + 1], k, v, sinks=sinks, backend="math"))
-    hm_k, hm_v = k_pool.transpose(0, 1).contiguous().transpose(0, 1), v_pool.transpose(0, 1).contiguous().transpose(0, 1)
+        torch.testing.assert_close(out[b : b + 1], attnkit.attention(q[b : b + 1], k, v, sinks=sinks, backend="math"))
+    hm_k, hm_v = (
+        k_pool.transpose(0, 1).contiguous().transpose(0, 1),
+        v_pool.transpose(0, 1).contiguous().transpose(0, 1),
+    )
     torch.testing.assert_close(paged_attention(q, hm_k, hm_v, table, lens, sinks=sinks), out)

@@ -43,8 +43,14 @@ def test_logsumexp():
     assert out[2].item() == 0.0
 
 
-@given(n=st.integers(1, 12), split=st.integers(0, 12), dv=st.integers(1, 5),
-       mask_a=st.booleans(), mask_b=st.booleans(), seed=st.integers(0, 1000))
+@given(
+    n=st.integers(1, 12),
+    split=st.integers(0, 12),
+    dv=st.integers(1, 5),
+    mask_a=st.booleans(),
+    mask_b=st.booleans(),
+    seed=st.integers(0, 1000),
+)
 def test_merge_equals_attention_over_the_union(n, split, dv, mask_a, mask_b, seed):
     split = min(split, n)
     g = torch.Generator().manual_seed(seed)
@@ -57,8 +63,9 @@ def test_merge_equals_attention_over_the_union(n, split, dv, mask_a, mask_b, see
 
     def part(sl):
         ss, vv = s[:, sl], v[sl]
-        return stable_softmax(ss) @ vv if ss.shape[1] else torch.zeros(3, dv, dtype=torch.float64), logsumexp(ss) \
-            if ss.shape[1] else torch.full((3,), -INF, dtype=torch.float64)
+        return stable_softmax(ss) @ vv if ss.shape[1] else torch.zeros(3, dv, dtype=torch.float64), logsumexp(
+            ss
+        ) if ss.shape[1] else torch.full((3,), -INF, dtype=torch.float64)
 
     out, lse = merge(*part(slice(0, split)), *part(slice(split, n)))
     torch.testing.assert_close(out, stable_softmax(s) @ v, atol=1e-12, rtol=0)

@@ -13,8 +13,12 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("quiet", [[], ["-q"], ["-qq"]])
 def test_the_run_ends_with_the_summary_line(quiet):
     # addopts already holds -q: one more -q (a common habit) used to make -qq, where pytest drops the line
-    r = subprocess.run([sys.executable, "-m", "pytest", *quiet, "-p", "no:cacheprovider",
-                        "tests/test_softmax.py::test_logsumexp"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", *quiet, "-p", "no:cacheprovider", "tests/test_softmax.py::test_logsumexp"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert re.fullmatch(r"1 passed in [\d.]+s( \(\d+:\d\d:\d\d\))?", r.stdout.strip().splitlines()[-1]), r.stdout

@@ -39,6 +39,7 @@ def test_lse_shape_dtype_and_dropout():
     def bad_lse(q, k, v, **kw):
         out, lse = attnkit.attention(q, k, v, **kw)
         return out, lse + 1.0
+
     with pytest.raises(AssertionError, match="lse"):
         check_against_oracle(bad_lse, q, k, v, mask=masks.causal(), return_lse=True)
     check_against_oracle(attnkit.attention, q, k, v, mask=masks.causal(), return_lse=True)

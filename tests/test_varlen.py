@@ -84,10 +84,14 @@ def _packed(lengths_q, lengths_k, hq=4, hkv=2, d=16, dv=None, seed=0):
 
 
 @settings(max_examples=20, deadline=None)
-@given(seqs=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40), st.booleans()), min_size=1, max_size=4),
-       heads=st.sampled_from([(2, 1), (4, 2), (3, 3)]), dims=st.sampled_from([(8, 8), (16, 8), (4, 12)]),
-       mask_name=st.sampled_from(sorted(MASKS)), backend=st.sampled_from(["math", "sdpa", "flash"]),
-       seed=st.integers(0, 2 ** 16))
+@given(
+    seqs=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40), st.booleans()), min_size=1, max_size=4),
+    heads=st.sampled_from([(2, 1), (4, 2), (3, 3)]),
+    dims=st.sampled_from([(8, 8), (16, 8), (4, 12)]),
+    mask_name=st.sampled_from(sorted(MASKS)),
+    backend=st.sampled_from(["math", "sdpa", "flash"]),
+    seed=st.integers(0, 2**16),
+)
 def test_varlen_matches_per_sequence_attention(seqs, heads, dims, mask_name, backend, seed):
     lengths_q = [lq for lq, _, _ in seqs]
     lengths_k = [lq if same else lk for lq, lk, same in seqs]  # Lq == Lk or not, per sequence
@@ -108,13 +112,20 @@ def test_softcap_scale_and_bias(backend):
     softcap = None if backend == "sdpa" else 5.0  # (SDPA has no softcap)
     q, k, v, cu_q, cu_k = _packed([20, 33], [25, 30])
     bias = torch.randn(4, q.shape[0], k.shape[0], generator=torch.Generator().manual_seed(3))
-    out = attnkit.attention_varlen(q, k, v, cu_q, cu_k, mask=masks.causal(), bias=bias, softcap=softcap, scale=0.3,
-                                   backend=backend)
+    out = attnkit.attention_varlen(
+        q, k, v, cu_q, cu_k, mask=masks.causal(), bias=bias, softcap=softcap, scale=0.3, backend=backend
+    )
     ref = []
     for s in range(2):
         a, b, c, d = int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s]), int(cu_k[s + 1])
-        o = attnkit.attention(*(_heads_first(t).double() for t in (q[a:b], k[c:d], v[c:d])), mask=masks.causal(),
-                              bias=bias[None, :, a:b, c:d].double(), softcap=softcap, scale=0.3, backend="math")
+        o = attnkit.attention(
+            *(_heads_first(t).double() for t in (q[a:b], k[c:d], v[c:d])),
+            mask=masks.causal(),
+            bias=bias[None, :, a:b, c:d].double(),
+            softcap=softcap,
+            scale=0.3,
+            backend="math",
+        )
         ref.append(o[0].transpose(0, 1))
     torch.testing.assert_close(out.double(), torch.cat(ref), atol=1e-5, rtol=0)
 
@@ -160,8 +171,11 @@ def test_flash_visits_only_each_sequences_tiles():
 
 
 @settings(max_examples=40, deadline=None)
-@given(lengths=st.lists(st.tuples(st.integers(0, 50), st.integers(0, 50)), min_size=1, max_size=5),
-       mask_name=st.sampled_from(sorted(MASKS)), block=st.sampled_from([(8, 8), (16, 8), (7, 13)]))
+@given(
+    lengths=st.lists(st.tuples(st.integers(0, 50), st.integers(0, 50)), min_size=1, max_size=5),
+    mask_name=st.sampled_from(sorted(MASKS)),
+    block=st.sampled_from([(8, 8), (16, 8), (7, 13)]),
+)
 def test_block_structure_is_exact_or_conservative(lengths, mask_name, block):
     """No tile with an element that may attend is skipped, and every full tile is full."""
     cu_q, cu_k = _cu([a for a, _ in lengths]), _cu([b for _, b in lengths])
@@ -182,14 +196,28 @@ def test_block_structure_is_exact_or_conservative(lengths, mask_name, block):
 
 def test_varlen_mask_positions_are_per_sequence():
     m = masks.varlen([0, 2, 5], [0, 3, 5], mask=masks.causal())
-    assert m.to_dense(5, 5)[0, 0].int().tolist() == [[1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 0, 0],
-                                                     [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]]
+    assert m.to_dense(5, 5)[0, 0].int().tolist() == [
+        [1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0],
+        [0, 0, 0, 0, 0],
+        [0, 0, 0, 1, 0],
+        [0, 0, 0, 1, 1],
+    ]
     m = masks.varlen([0, 2, 5], [0, 3, 5], mask=masks.causal(align="top_left"))
-    assert m.to_dense(5, 5)[0, 0].int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 0, 1, 0],
-                                                     [0, 0, 0, 1, 1], [0, 0, 0, 1, 1]]
+    assert m.to_dense(5, 5)[0, 0].int().tolist() == [
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [0, 0, 0, 1, 0],
+        [0, 0, 0, 1, 1],
+        [0, 0, 0, 1, 1],
+    ]
     fn = masks.from_fn(lambda b, h, i, j: j == i, name="diagonal")  # local rows and keys
     assert masks.varlen([0, 2, 4], mask=fn).to_dense(4, 4)[0, 0].int().tolist() == [
-        [1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]]
+        [1, 0, 0, 0],
+        [0, 1, 0, 0],
+        [0, 0, 1, 0],
+        [0, 0, 0, 1],
+    ]
 
 
 # ------------------------------------------------------------------------------------------ bad input
@@ -200,30 +228,40 @@ def _bad(**override):
     args = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
     kwargs = {n: override.pop(n) for n in list(override) if n not in args}
     args.update(override)
-    return lambda: attnkit.attention_varlen(args["q"], args["k"], args["v"], args["cu_seqlens_q"],
-                                            args["cu_seqlens_k"], **kwargs)
+    return lambda: attnkit.attention_varlen(
+        args["q"], args["k"], args["v"], args["cu_seqlens_q"], args["cu_seqlens_k"], **kwargs
+    )
 
 
-@pytest.mark.parametrize("override, error, match", [
-    ({"cu_seqlens_q": torch.tensor([0, 3, 7])}, TypeError, "must have dtype torch.int32.*got torch.int64"),
-    ({"cu_seqlens_q": [0, 3, 7]}, TypeError, "cu_seqlens_q must be an int32 tensor"),
-    ({"cu_seqlens_q": torch.tensor([0, 5, 3, 7], dtype=torch.int32)}, ValueError, "must not decrease"),
-    ({"cu_seqlens_q": torch.tensor([1, 3, 7], dtype=torch.int32)}, ValueError, r"cu_seqlens_q\[0\]=1 must be 0"),
-    ({"cu_seqlens_q": torch.tensor([0, 3, 6], dtype=torch.int32)}, ValueError,
-     r"cu_seqlens_q\[-1\]=6 must equal the number of packed queries.*7"),
-    ({"cu_seqlens_k": torch.tensor([0, 5, 8], dtype=torch.int32)}, ValueError, r"cu_seqlens_k\[-1\]=8"),
-    ({"cu_seqlens_k": torch.tensor([0, 7], dtype=torch.int32)}, ValueError, "3 entries and cu_seqlens_k 2"),
-    ({"cu_seqlens_q": torch.tensor([[0, 3, 7]], dtype=torch.int32)}, ValueError, "must be 1-D"),
-    ({"cu_seqlens_q": torch.tensor([0, 3, 7], dtype=torch.int32, device="meta")}, ValueError,
-     "cu_seqlens_q is on meta but q is on cpu"),
-    ({"max_seqlen_q": 3}, ValueError, "max_seqlen_q=3 is smaller than the longest sequence.*4"),
-    ({"max_seqlen_k": 2.0}, TypeError, "max_seqlen_k must be an int"),
-    ({"q": torch.randn(1, 7, 4, 16)}, ValueError, "q must have 3 dims"),
-    ({"mask": torch.ones(7, 7, dtype=torch.bool)}, TypeError, "mask must be None or an attnkit.masks.Mask"),
-    ({"mask": masks.key_padding([3])}, ValueError, "cannot be applied within each packed sequence"),
-    ({"mask": masks.random_blocks(2, 1)}, ValueError, "cannot be applied within each packed sequence"),
-    ({"bias": attnkit.bias.alibi(attnkit.bias.alibi_slopes(4))}, TypeError, "bias modifiers"),
-])
+@pytest.mark.parametrize(
+    "override, error, match",
+    [
+        ({"cu_seqlens_q": torch.tensor([0, 3, 7])}, TypeError, "must have dtype torch.int32.*got torch.int64"),
+        ({"cu_seqlens_q": [0, 3, 7]}, TypeError, "cu_seqlens_q must be an int32 tensor"),
+        ({"cu_seqlens_q": torch.tensor([0, 5, 3, 7], dtype=torch.int32)}, ValueError, "must not decrease"),
+        ({"cu_seqlens_q": torch.tensor([1, 3, 7], dtype=torch.int32)}, ValueError, r"cu_seqlens_q\[0\]=1 must be 0"),
+        (
+            {"cu_seqlens_q": torch.tensor([0, 3, 6], dtype=torch.int32)},
+            ValueError,
+            r"cu_seqlens_q\[-1\]=6 must equal the number of packed queries.*7",
+        ),
+        ({"cu_seqlens_k": torch.tensor([0, 5, 8], dtype=torch.int32)}, ValueError, r"cu_seqlens_k\[-1\]=8"),
+        ({"cu_seqlens_k": torch.tensor([0, 7], dtype=torch.int32)}, ValueError, "3 entries and cu_seqlens_k 2"),
+        ({"cu_seqlens_q": torch.tensor([[0, 3, 7]], dtype=torch.int32)}, ValueError, "must be 1-D"),
+        (
+            {"cu_seqlens_q": torch.tensor([0, 3, 7], dtype=torch.int32, device="meta")},
+            ValueError,
+            "cu_seqlens_q is on meta but q is on cpu",
+        ),
+        ({"max_seqlen_q": 3}, ValueError, "max_seqlen_q=3 is smaller than the longest sequence.*4"),
+        ({"max_seqlen_k": 2.0}, TypeError, "max_seqlen_k must be an int"),
+        ({"q": torch.randn(1, 7, 4, 16)}, ValueError, "q must have 3 dims"),
+        ({"mask": torch.ones(7, 7, dtype=torch.bool)}, TypeError, "mask must be None or an attnkit.masks.Mask"),
+        ({"mask": masks.key_padding([3])}, ValueError, "cannot be applied within each packed sequence"),
+        ({"mask": masks.random_blocks(2, 1)}, ValueError, "cannot be applied within each packed sequence"),
+        ({"bias": attnkit.bias.alibi(attnkit.bias.alibi_slopes(4))}, TypeError, "bias modifiers"),
+    ],
+)
 def test_bad_input_is_refused(override, error, match):
     with pytest.raises(error, match=match):
         _bad(**override)()
@@ -247,8 +285,9 @@ def test_varlen_mask_refuses_a_batch_and_wrong_lengths():
 def test_long_and_short_sequences_together_keep_the_packed_order(backend):
     """Long sequences run as their own calls, short ones packed: outputs and lse come back in packed order."""
     q, k, v, cu_q, cu_k = _packed([5, 140, 0, 20, 130], [9, 135, 3, 20, 200], hq=2, hkv=1, d=8)
-    out, lse = attnkit.attention_varlen(q, k, v, cu_q, cu_k, mask=masks.sliding_window(50), return_lse=True,
-                                        backend=backend)
+    out, lse = attnkit.attention_varlen(
+        q, k, v, cu_q, cu_k, mask=masks.sliding_window(50), return_lse=True, backend=backend
+    )
     m = masks.varlen(cu_q, cu_k, masks.sliding_window(50))
     want, want_lse = reference(*(_heads_first(t) for t in (q, k, v)), mask=m)
     torch.testing.assert_close(out, want[0].transpose(0, 1), atol=1e-5, rtol=0)
@@ -258,15 +297,28 @@ def test_long_and_short_sequences_together_keep_the_packed_order(backend):
 # ------------------------------------------------------------------------- the batched flash call
 
 EDGE_LENGTHS = [0, 1, 2, 5, 63, 64, 65, 127, 128, 129, 200]  # around the own-tile threshold and tile sizes
-BATCHED_MASKS = ["none", "causal", "causal-top-left", "sliding-window", "window-both-sides", "strided",
-                 "window-or-global", "not-causal"]
+BATCHED_MASKS = [
+    "none",
+    "causal",
+    "causal-top-left",
+    "sliding-window",
+    "window-both-sides",
+    "strided",
+    "window-or-global",
+    "not-causal",
+]
 
 
 @settings(max_examples=25, deadline=None)
-@given(seqs=st.lists(st.tuples(st.sampled_from(EDGE_LENGTHS), st.sampled_from(EDGE_LENGTHS), st.booleans()),
-                     min_size=1, max_size=4),
-       heads=st.sampled_from([(2, 1), (4, 2), (2, 2)]), mask_name=st.sampled_from(BATCHED_MASKS),
-       softcap=st.sampled_from([None, None, 4.0]), seed=st.integers(0, 2 ** 16))
+@given(
+    seqs=st.lists(
+        st.tuples(st.sampled_from(EDGE_LENGTHS), st.sampled_from(EDGE_LENGTHS), st.booleans()), min_size=1, max_size=4
+    ),
+    heads=st.sampled_from([(2, 1), (4, 2), (2, 2)]),
+    mask_name=st.sampled_from(BATCHED_MASKS),
+    softcap=st.sampled_from([None, None, 4.0]),
+    seed=st.integers(0, 2**16),
+)
 def test_batched_call_matches_per_sequence_attention(seqs, heads, mask_name, softcap, seed):
     """backend='flash' runs one batched call (own tiles from each sequence's start, short runs shared): output
     and gradients against per-sequence calls in float64, with lengths 1, tile multiples and not, Lq != Lk,
@@ -278,10 +330,22 @@ def test_batched_call_matches_per_sequence_attention(seqs, heads, mask_name, sof
     assert ("one batched flash call" in said) == (q.shape[0] > 0), said
     # PyTorch's fused kernel (no softcap) meets the rule's gradient bound within the factors the README documents
     # by the largest scaled score (rows with one key keep a residue of about 1e-6 where the exact gradient is 0)
-    top = max([float((q[a:b].transpose(0, 1) @ k[c:d].transpose(0, 1).repeat_interleave(
-        heads[0] // heads[1], 0).transpose(1, 2)).abs().max()) / 8 ** 0.5
-        for a, b, c, d in zip(cu_q.tolist(), cu_q[1:].tolist(), cu_k.tolist(), cu_k[1:].tolist()) if b > a and d > c]
-        or [0.0])
+    top = max(
+        [
+            float(
+                (
+                    q[a:b].transpose(0, 1)
+                    @ k[c:d].transpose(0, 1).repeat_interleave(heads[0] // heads[1], 0).transpose(1, 2)
+                )
+                .abs()
+                .max()
+            )
+            / 8**0.5
+            for a, b, c, d in zip(cu_q.tolist(), cu_q[1:].tolist(), cu_k.tolist(), cu_k[1:].tolist())
+            if b > a and d > c
+        ]
+        or [0.0]
+    )
     slack = 1.0 if softcap is not None else (2.0 if top < 4 else 3.0 if top < 16 else 8.0)
     _check_rule(q, k, v, cu_q, cu_k, mask_name, "flash", softcap=softcap, grad_slack=slack)
 
@@ -291,14 +355,19 @@ def test_batched_call_lse_gradient(mask_name):
     """A loss on the returned lse: the fused sequences go through the explicit backward, which takes it."""
     q, k, v, cu_q, cu_k = _packed([70, 3, 130, 0, 66], [70, 9, 130, 4, 40], seed=2)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, lse = attnkit.attention_varlen(*leaves, cu_q, cu_k, mask=MASKS[mask_name](), backend="flash",
-                                        return_lse=True)
+    out, lse = attnkit.attention_varlen(*leaves, cu_q, cu_k, mask=MASKS[mask_name](), backend="flash", return_lse=True)
     o64 = [t.double().requires_grad_() for t in (q, k, v)]
     outs, lses = [], []
     for s in range(cu_q.numel() - 1):
         a, b, c, d = int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s]), int(cu_k[s + 1])
-        o, l = attnkit.attention(_heads_first(o64[0][a:b]), _heads_first(o64[1][c:d]), _heads_first(o64[2][c:d]),  # noqa: E741
-                                 mask=MASKS[mask_name](), backend="math", return_lse=True)
+        o, l = attnkit.attention(  # noqa: E741
+            _heads_first(o64[0][a:b]),
+            _heads_first(o64[1][c:d]),
+            _heads_first(o64[2][c:d]),
+            mask=MASKS[mask_name](),
+            backend="math",
+            return_lse=True,
+        )
         outs.append(o[0].transpose(0, 1))
         lses.append(l[0])
     want, want_lse = torch.cat(outs), torch.cat(lses, dim=1)
@@ -334,8 +403,14 @@ def test_batched_segments_start_at_each_sequence():
     q, k, v, cu_q, cu_k = _packed(lengths, lengths)
     st_ = fv.varlen_settings(q, 0.25, None, 0.0)
     segs = fv.varlen_segments(q, k, v, cu_q.tolist(), cu_k.tolist(), masks.sliding_window(30), st_, 0, True)
-    assert [(s.qa, s.qb, s.own) for s in segs] == [(0, 1, False), (1, 65, True), (65, 265, True),
-                                                   (265, 273, False), (273, 403, True), (403, 423, False)]
+    assert [(s.qa, s.qb, s.own) for s in segs] == [
+        (0, 1, False),
+        (1, 65, True),
+        (65, 265, True),
+        (265, 273, False),
+        (273, 403, True),
+        (403, 423, False),
+    ]
     for s in segs:
         assert not s.direct and s.plan.q_len == s.lq and s.plan.kv_len == s.lk and s.plan_b.q_len == s.lq
     causal = fv.varlen_segments(q, k, v, cu_q.tolist(), cu_k.tolist(), masks.causal(), st_, 0, False)
@@ -351,8 +426,9 @@ def test_auto_weighs_the_batched_call_against_per_sequence_calls():
     assert "the per-sequence path (the cheaper estimate)" in say(mask=masks.causal(), dropout_p=0.1)
     assert "the per-sequence path (backend='sdpa' was asked for)" in say(mask=masks.causal(), backend="sdpa")
     out = attnkit.attention_varlen(q, k, v, cu_q, cu_k, mask=masks.causal())
-    torch.testing.assert_close(out, attnkit.attention_varlen(q, k, v, cu_q, cu_k, mask=masks.causal(),
-                                                             backend="sdpa"), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        out, attnkit.attention_varlen(q, k, v, cu_q, cu_k, mask=masks.causal(), backend="sdpa"), atol=1e-5, rtol=0
+    )
 
 
 def test_batched_dropout_is_reproducible_and_its_gradient_checks():
@@ -363,8 +439,9 @@ def test_batched_dropout_is_reproducible_and_its_gradient_checks():
         return attnkit.attention_varlen(q, k, v, cu_q, cu_k, mask=masks.causal(), dropout_p=0.3, backend="flash")
 
     a, b = fn(q, k, v), fn(q, k, v)
-    assert torch.equal(a, b) and not torch.equal(a, attnkit.attention_varlen(q, k, v, cu_q, cu_k,
-                                                                             mask=masks.causal(), backend="flash"))
+    assert torch.equal(a, b) and not torch.equal(
+        a, attnkit.attention_varlen(q, k, v, cu_q, cu_k, mask=masks.causal(), backend="flash")
+    )
     inputs = [t.double().requires_grad_() for t in (q, k, v)]
     assert torch.autograd.gradcheck(fn, inputs, atol=1e-6, fast_mode=True)
 
@@ -389,18 +466,27 @@ def _per_sequence_with_lse(fn, q, k, v, cu_q, cu_k, **kwargs):
     return torch.cat(outs), torch.cat(lses, dim=1)
 
 
-def _check_sinks_rule(q, k, v, sinks, cu_q, cu_k, mask_name, backend, *, softcap=None, lse_loss=False,
-                      grad_slack=1.0, dtype=torch.float32):
+def _check_sinks_rule(
+    q, k, v, sinks, cu_q, cu_k, mask_name, backend, *, softcap=None, lse_loss=False, grad_slack=1.0, dtype=torch.float32
+):
     """attention_varlen(..., sinks=) output, lse and gradients (q, k, v and the sinks) against per-sequence
     ``attention(..., sinks=)`` in float64 (the oracle) under the numerical rule, the naive error being the
     per-sequence textbook formula's in ``dtype``."""
     mask = MASKS[mask_name]()
     leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v, sinks)]
-    out, lse = attnkit.attention_varlen(*leaves[:3], cu_q, cu_k, mask=mask, sinks=leaves[3], softcap=softcap,
-                                        backend=backend, return_lse=True)
+    out, lse = attnkit.attention_varlen(
+        *leaves[:3], cu_q, cu_k, mask=mask, sinks=leaves[3], softcap=softcap, backend=backend, return_lse=True
+    )
     o64 = [t.detach().double().requires_grad_() for t in (q, k, v, sinks)]
-    oracle = _per_sequence_with_lse(lambda *a, **kw: attnkit.attention(*a, backend="math", return_lse=True, **kw),
-                                    *o64[:3], cu_q, cu_k, mask=mask, sinks=o64[3], softcap=softcap)
+    oracle = _per_sequence_with_lse(
+        lambda *a, **kw: attnkit.attention(*a, backend="math", return_lse=True, **kw),
+        *o64[:3],
+        cu_q,
+        cu_k,
+        mask=mask,
+        sinks=o64[3],
+        softcap=softcap,
+    )
     nv = [t.detach().to(dtype).requires_grad_() for t in (q, k, v, sinks)]
     naive = _per_sequence_with_lse(reference, *nv[:3], cu_q, cu_k, mask=mask, sinks=nv[3], softcap=softcap)
     assert out.shape == oracle[0].shape and lse.shape == oracle[1].shape and out.dtype == dtype
@@ -414,31 +500,49 @@ def _check_sinks_rule(q, k, v, sinks, cu_q, cu_k, mask_name, backend, *, softcap
     def loss(o, l):  # noqa: E741
         return (o * g.to(o.dtype)).sum() + (0 if gl is None else (l * gl.to(l.dtype)).sum())
 
-    for result, _ins in ((( out, lse), leaves), (oracle, o64), (naive, nv)):
+    for result, _ins in (((out, lse), leaves), (oracle, o64), (naive, nv)):
         loss(*result).backward()
     for name, a, o, n in zip(("q", "k", "v", "sinks"), leaves, o64, nv):
         grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in (a, o, n)]
         assert err(grads[0], grads[1]) <= grad_slack * (3 * err(grads[2], grads[1]) + 1e-6), (
-            name, err(grads[0], grads[1]), err(grads[2], grads[1]))
+            name,
+            err(grads[0], grads[1]),
+            err(grads[2], grads[1]),
+        )
 
 
 def _fused_slack(q, k, cu_q, cu_k, group: int, softcap) -> float:
     """The gradient slack test_batched_call_matches_per_sequence_attention allows PyTorch's fused kernel."""
     if softcap is not None:
         return 1.0
-    top = max([float((q[a:b].transpose(0, 1) @ k[c:d].transpose(0, 1).repeat_interleave(group, 0).transpose(1, 2))
-                     .abs().max()) / q.shape[-1] ** 0.5
-               for a, b, c, d in zip(cu_q.tolist(), cu_q[1:].tolist(), cu_k.tolist(), cu_k[1:].tolist())
-               if b > a and d > c] or [0.0])
+    top = max(
+        [
+            float(
+                (q[a:b].transpose(0, 1) @ k[c:d].transpose(0, 1).repeat_interleave(group, 0).transpose(1, 2))
+                .abs()
+                .max()
+            )
+            / q.shape[-1] ** 0.5
+            for a, b, c, d in zip(cu_q.tolist(), cu_q[1:].tolist(), cu_k.tolist(), cu_k[1:].tolist())
+            if b > a and d > c
+        ]
+        or [0.0]
+    )
     return 2.0 if top < 4 else 3.0 if top < 16 else 8.0
 
 
 @settings(max_examples=25, deadline=None)
-@given(seqs=st.lists(st.tuples(st.sampled_from(EDGE_LENGTHS), st.sampled_from(EDGE_LENGTHS), st.booleans()),
-                     min_size=1, max_size=4),
-       heads=st.sampled_from([(2, 1), (4, 2), (2, 2)]), mask_name=st.sampled_from(SINK_MASKS),
-       softcap=st.sampled_from([None, None, 4.0]), backend=st.sampled_from(["flash", "auto"]),
-       lse_loss=st.booleans(), seed=st.integers(0, 2 ** 16))
+@given(
+    seqs=st.lists(
+        st.tuples(st.sampled_from(EDGE_LENGTHS), st.sampled_from(EDGE_LENGTHS), st.booleans()), min_size=1, max_size=4
+    ),
+    heads=st.sampled_from([(2, 1), (4, 2), (2, 2)]),
+    mask_name=st.sampled_from(SINK_MASKS),
+    softcap=st.sampled_from([None, None, 4.0]),
+    backend=st.sampled_from(["flash", "auto"]),
+    lse_loss=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_sinks_match_per_sequence_attention_and_the_oracle(seqs, heads, mask_name, softcap, backend, lse_loss, seed):
     """sinks= on the batched call (backend='flash') and on auto's choice: output, lse and gradients of q, k, v
     and the sinks against per-sequence attention(..., sinks=) in float64, with lengths 0, 1 and around the tile
@@ -447,14 +551,16 @@ def test_sinks_match_per_sequence_attention_and_the_oracle(seqs, heads, mask_nam
     lengths_k = [lq if same else lk for lq, lk, same in seqs]
     q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, *heads, d=8, seed=seed)
     sinks = _sinks(heads[0], seed)
-    said = attnkit.backends.explain(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, backend=backend, softcap=softcap,
-                                    sinks=sinks)
+    said = attnkit.backends.explain(
+        q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, backend=backend, softcap=softcap, sinks=sinks
+    )
     assert "sinks:" in said, said
     if backend == "flash":
         assert ("one batched flash call" in said) == (q.shape[0] > 0), said
     slack = _fused_slack(q, k, cu_q, cu_k, heads[0] // heads[1], softcap)
-    _check_sinks_rule(q, k, v, sinks, cu_q, cu_k, mask_name, backend, softcap=softcap, lse_loss=lse_loss,
-                      grad_slack=slack)
+    _check_sinks_rule(
+        q, k, v, sinks, cu_q, cu_k, mask_name, backend, softcap=softcap, lse_loss=lse_loss, grad_slack=slack
+    )
 
 
 @pytest.mark.parametrize("backend", ["flash", "math"])
@@ -463,8 +569,18 @@ def test_sinks_on_long_sequences_with_zero_lengths(backend, dtype):
     # several tiles per sequence, Lq != Lk, a zero-length sequence, one with no keys; flash: the fused kernel on
     # the causal sequences with Lq == Lk, the tile plan on the others; math: the per-sequence path
     q, k, v, cu_q, cu_k = _packed([150, 0, 300, 7, 90], [170, 5, 300, 0, 60], hq=4, hkv=1, d=32)
-    _check_sinks_rule(q, k, v, _sinks(4, 0), cu_q, cu_k, "causal", backend, dtype=dtype,
-                      grad_slack=_fused_slack(q, k, cu_q, cu_k, 4, None) if backend == "flash" else 1.0)
+    _check_sinks_rule(
+        q,
+        k,
+        v,
+        _sinks(4, 0),
+        cu_q,
+        cu_k,
+        "causal",
+        backend,
+        dtype=dtype,
+        grad_slack=_fused_slack(q, k, cu_q, cu_k, 4, None) if backend == "flash" else 1.0,
+    )
 
 
 def test_sinks_batched_call_equals_per_sequence_flash_calls():
@@ -472,11 +588,19 @@ def test_sinks_batched_call_equals_per_sequence_flash_calls():
     q, k, v, cu_q, cu_k = _packed([70, 3, 130, 0, 66, 5], [70, 9, 130, 4, 40, 0], seed=3)
     sinks = _sinks(4, 3)
     for mask_name in ("causal", "sliding-window", "none"):
-        out, lse = attnkit.attention_varlen(q, k, v, cu_q, cu_k, mask=MASKS[mask_name](), sinks=sinks,
-                                            backend="flash", return_lse=True)
+        out, lse = attnkit.attention_varlen(
+            q, k, v, cu_q, cu_k, mask=MASKS[mask_name](), sinks=sinks, backend="flash", return_lse=True
+        )
         want, want_lse = _per_sequence_with_lse(
-            lambda *a, **kw: attnkit.attention(*a, backend="flash", return_lse=True, **kw), q, k, v, cu_q, cu_k,
-            mask=MASKS[mask_name](), sinks=sinks)
+            lambda *a, **kw: attnkit.attention(*a, backend="flash", return_lse=True, **kw),
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            mask=MASKS[mask_name](),
+            sinks=sinks,
+        )
         torch.testing.assert_close(out, want, atol=2e-6, rtol=0)
         torch.testing.assert_close(lse, want_lse, atol=2e-6, rtol=0)
 
@@ -490,8 +614,9 @@ def test_sinks_gradcheck_float64(backend, lse_loss):
     sinks = _sinks(2, 5)
 
     def fn(q, k, v, sinks):
-        out, lse = attnkit.attention_varlen(q, k, v, cu_q, cu_k, mask=masks.causal(), sinks=sinks, backend=backend,
-                                            return_lse=True)
+        out, lse = attnkit.attention_varlen(
+            q, k, v, cu_q, cu_k, mask=masks.causal(), sinks=sinks, backend=backend, return_lse=True
+        )
         return (out, lse) if lse_loss else out
 
     inputs = [t.double().requires_grad_() for t in (q, k, v, sinks)]
@@ -505,8 +630,9 @@ def test_sinks_rows_that_see_nothing(backend):
     q, k, v, cu_q, cu_k = _packed([100, 80, 3], [70, 0, 1], seed=4)
     sinks = _sinks(4, 4).requires_grad_()
     q.requires_grad_()
-    out, lse = attnkit.attention_varlen(q, k, v, cu_q, cu_k, mask=masks.causal(), sinks=sinks, backend=backend,
-                                        return_lse=True)
+    out, lse = attnkit.attention_varlen(
+        q, k, v, cu_q, cu_k, mask=masks.causal(), sinks=sinks, backend=backend, return_lse=True
+    )
     dead = torch.cat([torch.arange(30), torch.arange(100, 180), torch.tensor([180, 181])])
     assert (out[dead] == 0).all() and torch.equal(lse[:, dead], sinks.detach()[:, None].expand(4, dead.numel()))
     out.sum().backward()
@@ -520,8 +646,9 @@ def test_sinks_rows_that_see_nothing(backend):
     torch.testing.assert_close(sinks.grad, s2.grad, atol=1e-6, rtol=0)
     # through the lse, each dead row gives its sink exactly dlse (lse = sink there)
     s3 = sinks.detach().clone().requires_grad_()
-    _, l3 = attnkit.attention_varlen(q.detach(), k, v, cu_q, cu_k, mask=masks.causal(), sinks=s3, backend=backend,
-                                     return_lse=True)
+    _, l3 = attnkit.attention_varlen(
+        q.detach(), k, v, cu_q, cu_k, mask=masks.causal(), sinks=s3, backend=backend, return_lse=True
+    )
     l3[:, dead].sum().backward()
     torch.testing.assert_close(s3.grad, torch.full((4,), float(dead.numel())), atol=1e-6, rtol=0)
 
@@ -532,8 +659,16 @@ def test_sinks_alone_get_their_gradient():
     sinks = _sinks(4, 6).requires_grad_()
     attnkit.attention_varlen(q, k, v, cu_q, cu_k, mask=masks.causal(), sinks=sinks, backend="flash").sum().backward()
     s64 = sinks.detach().double().requires_grad_()
-    want = _per_sequence_with_lse(lambda *a, **kw: attnkit.attention(*a, backend="math", return_lse=True, **kw),
-                                  q.double(), k.double(), v.double(), cu_q, cu_k, mask=masks.causal(), sinks=s64)[0]
+    want = _per_sequence_with_lse(
+        lambda *a, **kw: attnkit.attention(*a, backend="math", return_lse=True, **kw),
+        q.double(),
+        k.double(),
+        v.double(),
+        cu_q,
+        cu_k,
+        mask=masks.causal(),
+        sinks=s64,
+    )[0]
     want.sum().backward()
     torch.testing.assert_close(sinks.grad.double(), s64.grad, atol=1e-4, rtol=0)
 
@@ -541,10 +676,18 @@ def test_sinks_alone_get_their_gradient():
 def test_sinks_explain_and_the_paths():
     q, k, v, cu_q, cu_k = _packed([300, 40, 257], [300, 40, 257])
     sinks = _sinks(4, 0)
-    say = lambda **kw: attnkit.backends.explain(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, sinks=sinks,  # noqa: E731
-                                                **kw)
-    assert "sinks: added to each row's denominator as each piece is written" in say(mask=masks.causal(),
-                                                                                    backend="flash")
+    say = lambda **kw: attnkit.backends.explain(  # noqa: E731
+        q,
+        k,
+        v,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        sinks=sinks,
+        **kw,
+    )
+    assert "sinks: added to each row's denominator as each piece is written" in say(
+        mask=masks.causal(), backend="flash"
+    )
     assert "sinks: passed to every attention() call" in say(mask=masks.causal(), backend="math")
     want = attnkit.attention_varlen(q, k, v, cu_q, cu_k, mask=masks.causal(), sinks=sinks, backend="math")
     for backend in ("auto", "flash", "sdpa"):
@@ -553,17 +696,23 @@ def test_sinks_explain_and_the_paths():
     # a very negative sink is no sink
     torch.testing.assert_close(
         attnkit.attention_varlen(q, k, v, cu_q, cu_k, sinks=torch.full((4,), -200.0)),
-        attnkit.attention_varlen(q, k, v, cu_q, cu_k), atol=1e-6, rtol=0)
+        attnkit.attention_varlen(q, k, v, cu_q, cu_k),
+        atol=1e-6,
+        rtol=0,
+    )
 
 
-@pytest.mark.parametrize("sinks, error, match", [
-    (torch.zeros(2, 4), ValueError, r"shared by every packed sequence, shape \(Hq,\)=\(4,\), got shape \(2, 4\)"),
-    (torch.zeros(3), ValueError, r"sinks of shape \(3,\) does not match the 4 query heads"),
-    (torch.zeros(4, dtype=torch.int64), TypeError, "sinks must be a float tensor"),
-    ([0.0] * 4, TypeError, "sinks must be None or a float tensor"),
-    (torch.tensor([0.0, float("inf"), 0.0, 0.0]), ValueError, "non-finite"),
-    (torch.zeros(4, device="meta"), ValueError, "sinks is on meta but q is on cpu"),
-])
+@pytest.mark.parametrize(
+    "sinks, error, match",
+    [
+        (torch.zeros(2, 4), ValueError, r"shared by every packed sequence, shape \(Hq,\)=\(4,\), got shape \(2, 4\)"),
+        (torch.zeros(3), ValueError, r"sinks of shape \(3,\) does not match the 4 query heads"),
+        (torch.zeros(4, dtype=torch.int64), TypeError, "sinks must be a float tensor"),
+        ([0.0] * 4, TypeError, "sinks must be None or a float tensor"),
+        (torch.tensor([0.0, float("inf"), 0.0, 0.0]), ValueError, "non-finite"),
+        (torch.zeros(4, device="meta"), ValueError, "sinks is on meta but q is on cpu"),
+    ],
+)
 def test_bad_sinks_are_refused(sinks, error, match):
     with pytest.raises(error, match=match):
         _bad(sinks=sinks)()

@@ -34,8 +34,26 @@ def __getattr__(name: str):
     """The submodules that import heavier dependencies load when first named (PEP 562)."""
     if name in _ON_DEMAND:
         import importlib
+
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'attnkit' has no attribute {name!r}")
 
-__all__ = ["attention", "attention_weights", "attention_varlen", "masks", "bias", "softmax", "backends", "nn", "cache", "generate",
-           "Engine", "SamplingParams", "decoding", "quantize", "explain", "diagnostics"]
+
+__all__ = [
+    "attention",
+    "attention_weights",
+    "attention_varlen",
+    "masks",
+    "bias",
+    "softmax",
+    "backends",
+    "nn",
+    "cache",
+    "generate",
+    "Engine",
+    "SamplingParams",
+    "decoding",
+    "quantize",
+    "explain",
+    "diagnostics",
+]

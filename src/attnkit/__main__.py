@@ -1,7 +1,7 @@
 """``python -m attnkit``: the demo (as ``attnkit demo``); with arguments, any ``attnkit`` command.
 
-    python -m attnkit                 # the demo
-    python -m attnkit explain --help  # the same as: attnkit explain --help
+python -m attnkit                 # the demo
+python -m attnkit explain --help  # the same as: attnkit explain --help
 """
 
 from __future__ import annotations

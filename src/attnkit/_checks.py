@@ -58,15 +58,24 @@ def integer(name: str, value, *, minimum: int | None = None, allow_none: bool = 
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int{' or None' if allow_none else ''}, got {value!r} "
-                        f"({type(value).__name__})")
+        raise TypeError(
+            f"{name} must be an int{' or None' if allow_none else ''}, got {value!r} ({type(value).__name__})"
+        )
     if minimum is not None and value < minimum:
         raise ValueError(f"{name}={value} must be >= {minimum}")
     return value
 
 
-def number(name: str, value, *, low: float | None = None, high: float | None = None, low_open: bool = False,
-           high_open: bool = False, fix: str = "") -> float:
+def number(
+    name: str,
+    value,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    fix: str = "",
+) -> float:
     """``value``, a finite Python number (not a bool, not a tensor), as a float inside the bounds ``low`` and
     ``high`` (excluded where ``low_open`` / ``high_open``); ``fix`` ends the messages (e.g. what else may be
     passed).
@@ -82,8 +91,10 @@ def number(name: str, value, *, low: float | None = None, high: float | None = N
         ValueError: dropout_p=1.0 must be < 1.0
     """
     if isinstance(value, torch.Tensor):
-        raise TypeError(f"{name}={value!r} must be a Python number, not a tensor: pass float({name}) (a tensor "
-                        f"{name} would get no gradient here)")
+        raise TypeError(
+            f"{name}={value!r} must be a Python number, not a tensor: pass float({name}) (a tensor "
+            f"{name} would get no gradient here)"
+        )
     if isinstance(value, bool) or not isinstance(value, Real) or not _finite(float(value)):
         raise ValueError(f"{name}={value!r} must be a finite number{fix}")
     x = float(value)

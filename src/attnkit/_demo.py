@@ -47,8 +47,18 @@ class DemoSizes:
 
     @classmethod
     def quick(cls) -> "DemoSizes":
-        return cls(max_steps=10, copy_steps=4, target=2.0, required=0.0, eval_every=5, test_size=64, gen_prompt=8,
-                   gen_new=8, gen_d_model=64, gen_layers=2)
+        return cls(
+            max_steps=10,
+            copy_steps=4,
+            target=2.0,
+            required=0.0,
+            eval_every=5,
+            test_size=64,
+            gen_prompt=8,
+            gen_new=8,
+            gen_d_model=64,
+            gen_layers=2,
+        )
 
 
 def _recall_model(seed: int):
@@ -56,8 +66,9 @@ def _recall_model(seed: int):
 
     # 32 recall tokens (16 keys, 16 values) and the copy task's separator (id 32); ALiBi carries no position
     # in q/k, so both tasks must be solved by matching content: the induction circuit
-    cfg = DecoderConfig(vocab_size=33, d_model=64, n_layers=2, n_heads=4, max_seq_len=64, positions="alibi",
-                        tie_embeddings=False)
+    cfg = DecoderConfig(
+        vocab_size=33, d_model=64, n_layers=2, n_heads=4, max_seq_len=64, positions="alibi", tie_embeddings=False
+    )
     torch.manual_seed(seed)
     return DecoderLM(cfg)
 
@@ -121,8 +132,9 @@ def _timed(fn):
     return out, time.perf_counter() - start
 
 
-def run(out_dir: str | Path = "attnkit-demo", *, quick: bool = False, seed: int = 0, threads: int | None = 1,
-        console=None) -> int:
+def run(
+    out_dir: str | Path = "attnkit-demo", *, quick: bool = False, seed: int = 0, threads: int | None = 1, console=None
+) -> int:
     """Run the demo, writing ``attention.png`` and ``doctor.md`` into ``out_dir``; returns the exit code
     (0 when every step worked, 1 when the model missed the accuracy it must reach or the cached tokens
     differ from recomputed ones).
@@ -172,22 +184,38 @@ def run(out_dir: str | Path = "attnkit-demo", *, quick: bool = False, seed: int 
         roles_batch = associative_recall(256, **task, generator=torch.Generator().manual_seed(seed + 4))
         before = {(name, h): r for name, h, *r in _head_roles(model, roles_batch, P)}  # at init: ALiBi's recency
         example = associative_recall(1, **task, generator=torch.Generator().manual_seed(seed + 7))
-        console.print(f"Each sequence holds {P} key-value pairs, then {Q} keys whose values must be recalled, e.g.\n"
-                      f"  {' '.join(_labels(example.ids[0].tolist()))}\n"
-                      f"The model ({sum(p.numel() for p in model.parameters()):,} parameters, 2 layers x 4 heads, "
-                      f"ALiBi) is scored on the value after each query.", markup=False)
-        console.print(f"Training starts with copying ({sizes.copy_length} distinct symbols, a separator, the same "
-                      f"symbols again): it needs the same two-step circuit (find the current token earlier, read the "
-                      f"token after it), forms it within a few hundred steps because every copied position is "
-                      f"scored, and recall then reuses it.", markup=False)
+        console.print(
+            f"Each sequence holds {P} key-value pairs, then {Q} keys whose values must be recalled, e.g.\n"
+            f"  {' '.join(_labels(example.ids[0].tolist()))}\n"
+            f"The model ({sum(p.numel() for p in model.parameters()):,} parameters, 2 layers x 4 heads, "
+            f"ALiBi) is scored on the value after each query.",
+            markup=False,
+        )
+        console.print(
+            f"Training starts with copying ({sizes.copy_length} distinct symbols, a separator, the same "
+            f"symbols again): it needs the same two-step circuit (find the current token earlier, read the "
+            f"token after it), forms it within a few hundred steps because every copied position is "
+            f"scored, and recall then reuses it.",
+            markup=False,
+        )
         g = torch.Generator().manual_seed(seed + 1)
         held_out = associative_recall(256, **task, generator=torch.Generator().manual_seed(seed + 2))
-        copy_check = copy_task(256, length=sizes.copy_length, n_symbols=32, distinct=True,
-                               generator=torch.Generator().manual_seed(seed + 6))
+        copy_check = copy_task(
+            256,
+            length=sizes.copy_length,
+            n_symbols=32,
+            distinct=True,
+            generator=torch.Generator().manual_seed(seed + 6),
+        )
         state = {"phase": "copy", "acc": 0.0, "switched": None}
-        columns = [TextColumn("{task.description:8s}"), BarColumn(), MofNCompleteColumn(),
-                   TextColumn("loss {task.fields[loss]}"), TextColumn("held-out accuracy {task.fields[acc]}"),
-                   TimeElapsedColumn()]
+        columns = [
+            TextColumn("{task.description:8s}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("held-out accuracy {task.fields[acc]}"),
+            TimeElapsedColumn(),
+        ]
         with Progress(*columns, console=console) as bar:
             job = bar.add_task("copy", total=sizes.max_steps, loss="-", acc="-")
 
@@ -211,27 +239,35 @@ def run(out_dir: str | Path = "attnkit-demo", *, quick: bool = False, seed: int 
                     if state["acc"] >= sizes.copy_target:
                         state["phase"] = "recall"
                     if state["phase"] == "recall" or (step + 1) % (sizes.eval_every * 4) == 0:
-                        bar.console.print(f"  step {step + 1:5d}  copy    loss {loss:.3f}  held-out accuracy "
-                                          f"{state['acc']:.1%}", markup=False)
+                        bar.console.print(
+                            f"  step {step + 1:5d}  copy    loss {loss:.3f}  held-out accuracy {state['acc']:.1%}",
+                            markup=False,
+                        )
                     if state["phase"] == "recall":
                         state["switched"] = step + 1
                         bar.update(job, description="recall", acc="-")
                     return False
                 if (step + 1) % (sizes.eval_every * 4) == 0 or state["acc"] >= sizes.target:
-                    bar.console.print(f"  step {step + 1:5d}  recall  loss {loss:.3f}  held-out accuracy "
-                                      f"{state['acc']:.1%}", markup=False)
+                    bar.console.print(
+                        f"  step {step + 1:5d}  recall  loss {loss:.3f}  held-out accuracy {state['acc']:.1%}",
+                        markup=False,
+                    )
                 return state["acc"] >= sizes.target
 
-            losses, seconds = _timed(lambda: train_lm(model, make_batch, steps=sizes.max_steps, lr=sizes.lr,
-                                                      on_step=on_step))
+            losses, seconds = _timed(
+                lambda: train_lm(model, make_batch, steps=sizes.max_steps, lr=sizes.lr, on_step=on_step)
+            )
             bar.update(job, total=len(losses), completed=len(losses))
         test = associative_recall(sizes.test_size, **task, generator=torch.Generator().manual_seed(seed + 3))
         with torch.no_grad():
             test_acc = accuracy(model(test.ids), test.targets)
         copy_steps = state["switched"] or len(losses)
-        console.print(f"Trained {len(losses)} steps in {seconds:.1f} s ({copy_steps} copying, "
-                      f"{len(losses) - copy_steps} recall): recall accuracy on {sizes.test_size} new sequences "
-                      f"({sizes.test_size * Q} queries): {test_acc:.1%}", markup=False)
+        console.print(
+            f"Trained {len(losses)} steps in {seconds:.1f} s ({copy_steps} copying, "
+            f"{len(losses) - copy_steps} recall): recall accuracy on {sizes.test_size} new sequences "
+            f"({sizes.test_size * Q} queries): {test_acc:.1%}",
+            markup=False,
+        )
         if test_acc < sizes.required:
             ok = False
             console.print(f"[red]The model stayed below the {sizes.required:.0%} it must reach.[/red]")
@@ -241,31 +277,49 @@ def run(out_dir: str | Path = "attnkit-demo", *, quick: bool = False, seed: int 
         console.rule("[bold]3. Where the model looks: heatmaps and the attention doctor")
         roles = _head_roles(model, roles_batch, P)
         uniform_pair, uniform_prev = _uniform_roles(roles_batch.ids.shape[1], P)
-        table = Table("layer", "head", "query -> value of its pair", "query -> its key", "value -> previous token",
-                      title=f"mean attention weight (a uniform spread gives {uniform_pair:.2f} for a query's pair, "
-                            f"{uniform_prev:.2f} for a value's previous token)")
+        table = Table(
+            "layer",
+            "head",
+            "query -> value of its pair",
+            "query -> its key",
+            "value -> previous token",
+            title=f"mean attention weight (a uniform spread gives {uniform_pair:.2f} for a query's pair, "
+            f"{uniform_prev:.2f} for a value's previous token)",
+        )
         for name, h, on_value, on_key, prev in roles:
             table.add_row(name, str(h), f"{on_value:.2f}", f"{on_key:.2f}", f"{prev:.2f}")
         console.print(table)
         recall, previous, recall_ok, previous_ok = _circuit(roles, before, uniform_pair, uniform_prev)
         recall_init, prev_init = before[recall[:2]][0], before[previous[:2]][2]
         if recall_ok:
-            console.print(f"The recall head is {recall[0]} head {recall[1]}: {recall[2]:.0%} of each query's "
-                          f"attention goes to the value stored with the queried key ({recall_init:.0%} before "
-                          f"training, {uniform_pair:.0%} for a uniform spread).", markup=False)
+            console.print(
+                f"The recall head is {recall[0]} head {recall[1]}: {recall[2]:.0%} of each query's "
+                f"attention goes to the value stored with the queried key ({recall_init:.0%} before "
+                f"training, {uniform_pair:.0%} for a uniform spread).",
+                markup=False,
+            )
         if recall_ok and previous_ok:
-            console.print(f"It builds on {previous[0]} head {previous[1]}, which has learned to look at the token "
-                          f"before each value, its key: {previous[4]:.0%} of a value's attention, against "
-                          f"{prev_init:.0%} before training and {uniform_prev:.0%} for a uniform spread. Together: "
-                          f"an induction circuit.", markup=False)
+            console.print(
+                f"It builds on {previous[0]} head {previous[1]}, which has learned to look at the token "
+                f"before each value, its key: {previous[4]:.0%} of a value's attention, against "
+                f"{prev_init:.0%} before training and {uniform_prev:.0%} for a uniform spread. Together: "
+                f"an induction circuit.",
+                markup=False,
+            )
         elif recall_ok:
-            console.print(f"No head of the other layer looks at the previous token much more than before training "
-                          f"(at most {previous[4]:.0%}, against {prev_init:.0%}): the key reaches its value some "
-                          f"other way.", markup=False)
+            console.print(
+                f"No head of the other layer looks at the previous token much more than before training "
+                f"(at most {previous[4]:.0%}, against {prev_init:.0%}): the key reaches its value some "
+                f"other way.",
+                markup=False,
+            )
         else:
-            console.print(f"No induction circuit has formed in {len(losses)} training steps: the most any head "
-                          f"puts on the queried pair's value is {recall[2]:.0%} ({recall_init:.0%} before training, "
-                          f"{uniform_pair:.0%} for a uniform spread).", markup=False)
+            console.print(
+                f"No induction circuit has formed in {len(losses)} training steps: the most any head "
+                f"puts on the queried pair's value is {recall[2]:.0%} ({recall_init:.0%} before training, "
+                f"{uniform_pair:.0%} for a uniform spread).",
+                markup=False,
+            )
         sample = associative_recall(8, **task, generator=torch.Generator().manual_seed(seed + 5))
 
         def recall_loss(logits, ids):
@@ -273,8 +327,12 @@ def run(out_dir: str | Path = "attnkit-demo", *, quick: bool = False, seed: int 
 
         diagnosis = doctor(model, sample.ids, recall_loss)
         png = out / "attention.png"
-        plot_attention(diagnosis.weights, tokens=_labels(sample.ids[0].tolist()), path=png,
-                       title="attention of the trained recall model (first layer on top)")
+        plot_attention(
+            diagnosis.weights,
+            tokens=_labels(sample.ids[0].tolist()),
+            path=png,
+            title="attention of the trained recall model (first layer on top)",
+        )
         md = out / "doctor.md"
         md.write_text(diagnosis.to_markdown("Attention doctor: the demo's associative-recall model"), encoding="utf-8")
         console.print(str(diagnosis), markup=False)
@@ -286,10 +344,13 @@ def run(out_dir: str | Path = "attnkit-demo", *, quick: bool = False, seed: int 
         prompts = [row[: 2 * P + 1].tolist() for row in test.ids[:64]]  # the pairs and the first query
         answers = generate(model, prompts, max_new_tokens=1)
         right = sum(a[0] == int(t) for a, t in zip(answers, test.targets[:64, 2 * P]))
-        console.print(f"The recall model answers {right} of 64 prompts right through attnkit.generate "
-                      f"(static KV cache).", markup=False)
-        cfg = DecoderConfig(vocab_size=512, d_model=sizes.gen_d_model, n_layers=sizes.gen_layers, n_heads=8,
-                            max_seq_len=512)
+        console.print(
+            f"The recall model answers {right} of 64 prompts right through attnkit.generate (static KV cache).",
+            markup=False,
+        )
+        cfg = DecoderConfig(
+            vocab_size=512, d_model=sizes.gen_d_model, n_layers=sizes.gen_layers, n_heads=8, max_seq_len=512
+        )
         torch.manual_seed(seed)
         lm = DecoderLM(cfg).eval()
         prompt = [torch.randint(0, 512, (sizes.gen_prompt,), generator=torch.Generator().manual_seed(seed)).tolist()]
@@ -299,13 +360,21 @@ def run(out_dir: str | Path = "attnkit-demo", *, quick: bool = False, seed: int 
         full, t_full = _timed(lambda: generate(lm, prompt, sizes.gen_new, cache=None))
         same = cached == full
         n = sizes.gen_new
-        table = Table("decoding", "time", "tokens/s", title=f"{cfg.n_layers}-layer DecoderLM (d_model "
-                      f"{cfg.d_model}, random weights), {sizes.gen_prompt}-token prompt, {n} new tokens, greedy")
+        table = Table(
+            "decoding",
+            "time",
+            "tokens/s",
+            title=f"{cfg.n_layers}-layer DecoderLM (d_model "
+            f"{cfg.d_model}, random weights), {sizes.gen_prompt}-token prompt, {n} new tokens, greedy",
+        )
         table.add_row("recompute every position (cache=None)", f"{t_full:.2f} s", f"{n / t_full:.0f}")
         table.add_row("static KV cache", f"{t_cached:.2f} s", f"{n / t_cached:.0f}")
         console.print(table)
-        console.print(f"The KV cache is {t_full / t_cached:.1f}x faster here; the tokens are "
-                      f"{'identical' if same else 'DIFFERENT'}.", markup=False)
+        console.print(
+            f"The KV cache is {t_full / t_cached:.1f}x faster here; the tokens are "
+            f"{'identical' if same else 'DIFFERENT'}.",
+            markup=False,
+        )
         if not same:
             ok = False
         console.print()

@@ -81,10 +81,15 @@ class DecodeThreads:
     """
 
     def __init__(self, threads: str | int | None = "auto", clock=time.perf_counter):
-        if threads is not None and threads != "auto" and (isinstance(threads, bool) or not isinstance(threads, int)
-                                                          or threads < 1):
-            raise ValueError(f"decode_threads={threads!r} must be 'auto' (measure 1 thread against more on the "
-                             f"live decode steps), a positive int, or None (leave torch's thread count alone)")
+        if (
+            threads is not None
+            and threads != "auto"
+            and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1)
+        ):
+            raise ValueError(
+                f"decode_threads={threads!r} must be 'auto' (measure 1 thread against more on the "
+                f"live decode steps), a positive int, or None (leave torch's thread count alone)"
+            )
         self.threads = threads
         self._clock = clock
         self._steps = 0  # steps run (all of them, probes and re-checks too)
@@ -142,7 +147,7 @@ class DecodeThreads:
         if self._slow >= 2 or self._since >= self._interval:
             self._periodic = self._slow < 2
             if not self._periodic:  # (the slow steps are the chosen count's times now)
-                self._times[n] = deque(list(recent)[-self._slow:], maxlen=_KEEP)
+                self._times[n] = deque(list(recent)[-self._slow :], maxlen=_KEEP)
             for c in _candidates(self._base):
                 if c != self._chosen:
                     self._times.pop(c, None)  # (old times of a count say nothing of the machine now)

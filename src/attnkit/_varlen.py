@@ -31,11 +31,25 @@ def _split(result) -> tuple[Tensor, Tensor | None]:
 # ---------------------------------------------------------------------- public API
 
 
-def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *,
-                     max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
-                     mask: Mask | None = None, bias: BiasLike | None = None,
-                     scale: float | None = None, softcap: float | None = None, sinks: Tensor | None = None,
-                     dropout_p: float = 0.0, return_lse: bool = False, backend: str = "auto", **unknown):
+def attention_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    *,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    mask: Mask | None = None,
+    bias: BiasLike | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+    dropout_p: float = 0.0,
+    return_lse: bool = False,
+    backend: str = "auto",
+    **unknown,
+):
     """Attention over packed variable-length sequences: each sequence attends only within itself.
 
     Args:
@@ -130,22 +144,41 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
         torch.Size([4])
     """
     refuse_foreign("attention_varlen", unknown)
-    cu_q, cu_k, bias, sinks = _packed.validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                mask, bias, sinks)  # sinks: (Hq,) or None
+    cu_q, cu_k, bias, sinks = _packed.validated(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, bias, sinks
+    )  # sinks: (Hq,) or None
     if torch.compiler.is_compiling():  # one packed call: the lengths stay graph values (no .tolist())
-        o, lse = _split(attention(*(t.transpose(0, 1)[None] for t in (q, k, v)), mask=_masks.varlen(cu_q, cu_k, mask),
-                                  bias=bias, scale=scale, softcap=softcap, sinks=sinks, dropout_p=dropout_p,
-                                  return_lse=return_lse, backend=backend))  # (1, H, T, D) views
+        o, lse = _split(
+            attention(
+                *(t.transpose(0, 1)[None] for t in (q, k, v)),
+                mask=_masks.varlen(cu_q, cu_k, mask),
+                bias=bias,
+                scale=scale,
+                softcap=softcap,
+                sinks=sinks,
+                dropout_p=dropout_p,
+                return_lse=return_lse,
+                backend=backend,
+            )
+        )  # (1, H, T, D) views
         out = o[0].transpose(0, 1).contiguous()  # (Tq, Hq, Dv)
         return (out, lse) if return_lse else out
     lq, lk = cu_q.diff().tolist(), cu_k.diff().tolist()
     choice = _packed.choose(q, k, v, cu_q, cu_k, mask, bias, scale, softcap, dropout_p, backend, _select, sinks)
     if choice.batched:
-        out, lse = varlen_attention(q, k, v, cu_q.tolist(), cu_k.tolist(), mask, choice.scale, softcap,
-                                    dropout_p, choice.segments, sinks)
+        out, lse = varlen_attention(
+            q, k, v, cu_q.tolist(), cu_k.tolist(), mask, choice.scale, softcap, dropout_p, choice.segments, sinks
+        )
         return (out, lse) if return_lse else out
-    kw: dict[str, Any] = dict(mask=mask, scale=scale, softcap=softcap, sinks=sinks, dropout_p=dropout_p,
-                              return_lse=return_lse, backend=backend)
+    kw: dict[str, Any] = dict(
+        mask=mask,
+        scale=scale,
+        softcap=softcap,
+        sinks=sinks,
+        dropout_p=dropout_p,
+        return_lse=return_lse,
+        backend=backend,
+    )
     starts_q, starts_k = cu_q[:-1].tolist(), cu_k[:-1].tolist()
     alone = _packed.alone(lq, lk, bias)
     # sequences with no queries drop out, except under a bias (packed coordinates: every key keeps its column)
@@ -169,8 +202,12 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
             qp, kp, vp = q[rq], k[rk], v[rk]
             cq = torch.tensor([0] + [lq[s] for s in packed], device=q.device).cumsum(0)
             ck = torch.tensor([0] + [lk[s] for s in packed], device=q.device).cumsum(0)
-        o, lse = _split(attention(*(t.transpose(0, 1)[None] for t in (qp, kp, vp)), **{
-            **kw, "mask": _masks.varlen(cq, ck, mask), "bias": bias}))  # (1, H, T, D) views
+        o, lse = _split(
+            attention(
+                *(t.transpose(0, 1)[None] for t in (qp, kp, vp)),
+                **{**kw, "mask": _masks.varlen(cq, ck, mask), "bias": bias},
+            )
+        )  # (1, H, T, D) views
         outs.append(o[0].transpose(0, 1))
         lses.append(lse)
         rows.append(torch.arange(q.shape[0], device=q.device) if rq is None else rq)
@@ -185,4 +222,3 @@ def attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
         lse = torch.cat(lses, dim=1)[:, order] if return_lse else None
     out = out.contiguous()  # (Tq, Hq, Dv)
     return (out, lse) if return_lse else out
-

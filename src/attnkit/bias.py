@@ -31,8 +31,18 @@ from .masks import _check_align, _offset, index_grid
 
 Tensor = torch.Tensor
 
-__all__ = ["ScoreMod", "BiasLike", "alibi", "alibi_slopes", "relative_buckets", "t5_bucket", "temperature", "from_fn",
-           "compose", "from_dict"]
+__all__ = [
+    "ScoreMod",
+    "BiasLike",
+    "alibi",
+    "alibi_slopes",
+    "relative_buckets",
+    "t5_bucket",
+    "temperature",
+    "from_fn",
+    "compose",
+    "from_dict",
+]
 
 
 class ScoreMod:
@@ -56,8 +66,9 @@ class ScoreMod:
     slopes: Tensor | None = None  # ALiBi's (Hq,) slopes: adds -slope * |p - j| (kernels compute it in place)
 
     @abstractmethod
-    def apply(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor, q_len: int,
-              kv_len: int) -> Tensor:
+    def apply(
+        self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor, q_len: int, kv_len: int
+    ) -> Tensor:
         """The modified scores, on broadcastable index tensors of a ``(q_len, kv_len)`` score matrix: batch
         ``b``, head ``h``, query *rows* ``q_idx`` and keys ``kv_idx`` (position-aware modifiers apply their
         alignment).  Every subclass implements it.
@@ -73,8 +84,9 @@ class ScoreMod:
                     [-1.,  0., -1.],
                     [-2., -1.,  0.]])
         """
-        raise NotImplementedError(f"{type(self).__name__} must implement apply(score, b, h, q_idx, kv_idx, q_len, "
-                                  f"kv_len)")
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement apply(score, b, h, q_idx, kv_idx, q_len, kv_len)"
+        )
 
     def validate(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
         """Check that the modifier applies to a ``(batch, heads, q_len, kv_len)`` score matrix (ValueError if
@@ -129,18 +141,30 @@ class ScoreMod:
         """
         spec = self._spec()
         if spec is None:
-            raise ValueError(f"{self!r} cannot be serialised: it calls a Python function; only attnkit's built-in "
-                             f"modifiers (alibi, relative_buckets, temperature and compose of them) are")
+            raise ValueError(
+                f"{self!r} cannot be serialised: it calls a Python function; only attnkit's built-in "
+                f"modifiers (alibi, relative_buckets, temperature and compose of them) are"
+            )
         return spec
 
     def score_mod(self, q_len: int, kv_len: int) -> Callable[..., Tensor]:
         """Bound to a shape, as FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx) -> score``."""
+
         def mod(score, b, h, q_idx, kv_idx):
             return self.apply(score, b, h, q_idx, kv_idx, q_len, kv_len)
+
         return mod
 
-    def materialize(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1,
-                    device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
+    def materialize(
+        self,
+        q_len: int,
+        kv_len: int,
+        *,
+        batch: int = 1,
+        heads: int = 1,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> Tensor:
         """The additive term as a float tensor ``(B', H', q_len, kv_len)`` (additive modifiers only)."""
         if not self.additive:
             raise TypeError(f"{self!r} is not additive and cannot be materialised as a bias tensor")
@@ -192,8 +216,10 @@ class _ALiBi(ScoreMod):
 
     def validate(self, batch, heads, q_len, kv_len):
         if len(self.slopes) != heads:
-            raise ValueError(f"alibi: got {len(self.slopes)} slopes for Hq={heads} query heads: "
-                             f"give one slope per query head (attnkit.bias.alibi_slopes({heads}))")
+            raise ValueError(
+                f"alibi: got {len(self.slopes)} slopes for Hq={heads} query heads: "
+                f"give one slope per query head (attnkit.bias.alibi_slopes({heads}))"
+            )
 
     def is_positional(self, align="bottom_right"):
         return self.align == align
@@ -234,8 +260,9 @@ def alibi_slopes(n_heads: int) -> Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
-def t5_bucket(relative_position: Tensor, *, bidirectional: bool = True, num_buckets: int = 32,
-              max_distance: int = 128) -> Tensor:
+def t5_bucket(
+    relative_position: Tensor, *, bidirectional: bool = True, num_buckets: int = 32, max_distance: int = 128
+) -> Tensor:
     """T5's bucket of ``relative_position = j - p``: exact buckets for small distances, logarithmic
     ones up to ``max_distance``; with ``bidirectional=False`` only the past (``j <= p``) is bucketed."""
     bidirectional = flag("bidirectional", bidirectional)
@@ -249,8 +276,9 @@ def t5_bucket(relative_position: Tensor, *, bidirectional: bool = True, num_buck
         n = n.clamp(min=0)
     max_exact = num_buckets // 2
     is_small = n < max_exact
-    large = max_exact + (torch.log(n.clamp(min=1).float() / max_exact) / math.log(max_distance / max_exact)
-                         * (num_buckets - max_exact)).to(ret.dtype)
+    large = max_exact + (
+        torch.log(n.clamp(min=1).float() / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact)
+    ).to(ret.dtype)
     large = large.clamp(max=num_buckets - 1)
     return ret + torch.where(is_small, n, large)
 
@@ -264,14 +292,17 @@ class _RelativeBuckets(ScoreMod):
 
     def apply(self, score, b, h, q, k, q_len, kv_len):
         p = q + _offset(self.align, q_len, kv_len)
-        bucket = t5_bucket(k - p, bidirectional=self.bidirectional, num_buckets=self.table.shape[1],
-                           max_distance=self.max_distance)
+        bucket = t5_bucket(
+            k - p, bidirectional=self.bidirectional, num_buckets=self.table.shape[1], max_distance=self.max_distance
+        )
         return score + self.table.to(h.device)[h, bucket]
 
     def validate(self, batch, heads, q_len, kv_len):
         if self.table.shape[0] != heads:
-            raise ValueError(f"relative_buckets: the table has {self.table.shape[0]} rows for Hq={heads} query "
-                             f"heads: give a (Hq, num_buckets) table")
+            raise ValueError(
+                f"relative_buckets: the table has {self.table.shape[0]} rows for Hq={heads} query "
+                f"heads: give a (Hq, num_buckets) table"
+            )
 
     def is_positional(self, align="bottom_right"):
         return self.align == align
@@ -281,12 +312,18 @@ class _RelativeBuckets(ScoreMod):
         return f"relative_buckets({h}x{n}, bidirectional={self.bidirectional}, max_distance={self.max_distance})"
 
     def _spec(self):
-        return {"type": "relative_buckets", "table": self.table.detach().cpu().tolist(),
-                "bidirectional": self.bidirectional, "max_distance": self.max_distance, "align": self.align}
+        return {
+            "type": "relative_buckets",
+            "table": self.table.detach().cpu().tolist(),
+            "bidirectional": self.bidirectional,
+            "max_distance": self.max_distance,
+            "align": self.align,
+        }
 
 
-def relative_buckets(table: Tensor, *, bidirectional: bool = True, max_distance: int = 128,
-                     align: str = "bottom_right") -> ScoreMod:
+def relative_buckets(
+    table: Tensor, *, bidirectional: bool = True, max_distance: int = 128, align: str = "bottom_right"
+) -> ScoreMod:
     """T5's relative position bias: adds ``table[h, bucket(j - p)]``.
 
     ``table``: ``(Hq, num_buckets)`` float tensor, usually a learned parameter (gradients flow into it).
@@ -301,9 +338,11 @@ def relative_buckets(table: Tensor, *, bidirectional: bool = True, max_distance:
     _checks.int_in_range("relative_buckets: max_distance", max_distance, 2)
     max_exact = (table.shape[1] // 2 if bidirectional else table.shape[1]) // 2
     if max_distance <= max_exact:
-        raise ValueError(f"relative_buckets: max_distance={max_distance} must exceed the {max_exact} exact buckets "
-                         f"({table.shape[1]} buckets{', half per direction' if bidirectional else ''}): the "
-                         f"logarithmic buckets span max_exact .. max_distance; raise max_distance or use fewer buckets")
+        raise ValueError(
+            f"relative_buckets: max_distance={max_distance} must exceed the {max_exact} exact buckets "
+            f"({table.shape[1]} buckets{', half per direction' if bidirectional else ''}): the "
+            f"logarithmic buckets span max_exact .. max_distance; raise max_distance or use fewer buckets"
+        )
     return _RelativeBuckets(table, bidirectional, max_distance, align)
 
 
@@ -328,8 +367,10 @@ class _Temperature(ScoreMod):
         return f"temperature({self.t if not isinstance(self.t, torch.Tensor) else self.t.tolist()})"
 
     def _spec(self):
-        return {"type": "temperature", "t": self.t.detach().cpu().tolist() if isinstance(self.t, torch.Tensor)
-                else self.t}
+        return {
+            "type": "temperature",
+            "t": self.t.detach().cpu().tolist() if isinstance(self.t, torch.Tensor) else self.t,
+        }
 
 
 def temperature(t) -> ScoreMod:
@@ -351,8 +392,10 @@ class _FromFn(ScoreMod):
     def apply(self, score, b, h, q, k, q_len, kv_len):
         out = self.fn(score, b, h, q, k)
         if not isinstance(out, torch.Tensor) or not out.is_floating_point():
-            raise TypeError(f"{self!r}: fn must return a float tensor of scores, got "
-                            f"{out.dtype if isinstance(out, torch.Tensor) else type(out).__name__}")
+            raise TypeError(
+                f"{self!r}: fn must return a float tensor of scores, got "
+                f"{out.dtype if isinstance(out, torch.Tensor) else type(out).__name__}"
+            )
         _check_score_shape(self, out, score, b, h, q, k)
         return out
 
@@ -369,13 +412,17 @@ def _check_score_shape(mod: ScoreMod, out: Tensor, score: Tensor, *index: Tensor
     except RuntimeError:
         ok = False
     lead = len(shape) - out.dim()
-    ok = ok and all(s == 1 or (d >= lead and out.shape[d - lead] == s)
-                    for d, s in enumerate((1,) * (len(shape) - score.dim()) + tuple(score.shape)))
+    ok = ok and all(
+        s == 1 or (d >= lead and out.shape[d - lead] == s)
+        for d, s in enumerate((1,) * (len(shape) - score.dim()) + tuple(score.shape))
+    )
     if not ok:
-        raise ValueError(f"{mod!r}: fn returned shape {tuple(out.shape)} for scores of shape {tuple(score.shape)} "
-                         f"(index tensors broadcasting to {tuple(shape)}): return one score per element, built from "
-                         f"score, b, h, q_idx, kv_idx with elementwise, broadcasting ops (e.g. "
-                         f"score - (q_idx - kv_idx).abs()), without reshaping or reducing them")
+        raise ValueError(
+            f"{mod!r}: fn returned shape {tuple(out.shape)} for scores of shape {tuple(score.shape)} "
+            f"(index tensors broadcasting to {tuple(shape)}): return one score per element, built from "
+            f"score, b, h, q_idx, kv_idx with elementwise, broadcasting ops (e.g. "
+            f"score - (q_idx - kv_idx).abs()), without reshaping or reducing them"
+        )
 
 
 def from_fn(fn: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor], *, name: str | None = None) -> ScoreMod:
@@ -439,5 +486,6 @@ def from_dict(data: dict) -> ScoreMod:
             return compose(*(from_dict(m) for m in d.pop("mods")), **d)
     except (KeyError, TypeError) as e:
         raise ValueError(f"bias.from_dict: {data!r:.120} is not a {kind!r} description ({e})") from None
-    raise ValueError(f"bias.from_dict: type {kind!r} is not one of 'alibi', 'relative_buckets', 'temperature', "
-                     f"'compose'")
+    raise ValueError(
+        f"bias.from_dict: type {kind!r} is not one of 'alibi', 'relative_buckets', 'temperature', 'compose'"
+    )

@@ -46,8 +46,10 @@ def observe_attention(observer: Callable[..., object]) -> RemovableHandle:
         [(1, 2, 3, 4)]
     """
     if not callable(observer):
-        raise TypeError(f"observe_attention: observer must be callable as observer(q, k, v, *, mask, bias, scale, "
-                        f"softcap, out), got {type(observer).__name__}")
+        raise TypeError(
+            f"observe_attention: observer must be callable as observer(q, k, v, *, mask, bias, scale, "
+            f"softcap, out), got {type(observer).__name__}"
+        )
     handle = RemovableHandle(_observers)
     _observers[handle.id] = observer
     return handle
@@ -79,11 +81,14 @@ def _warn_if_nothing_visible(call: Call) -> None:
                 memo.clear()
             memo[key] = empty
     if empty:  # (Python's warning filters show it once per calling line)
-        warnings.warn(f"mask {m!r} leaves every query of this (B, H, Lq, Lk)=({call.batch}, {call.heads}, "
-                      f"{call.q_len}, {call.kv_len}) call with no key to attend to: the output is all zeros. A "
-                      f"from_fn predicate gets query rows (as in FlexAttention) while the built-in masks use "
-                      f"positions row + Lk - Lq: give it positions with masks.from_fn(fn, align='bottom_right'), "
-                      f"or align the built-ins with align='top_left'", stacklevel=3)
+        warnings.warn(
+            f"mask {m!r} leaves every query of this (B, H, Lq, Lk)=({call.batch}, {call.heads}, "
+            f"{call.q_len}, {call.kv_len}) call with no key to attend to: the output is all zeros. A "
+            f"from_fn predicate gets query rows (as in FlexAttention) while the built-in masks use "
+            f"positions row + Lk - Lq: give it positions with masks.from_fn(fn, align='bottom_right'), "
+            f"or align the built-ins with align='top_left'",
+            stacklevel=3,
+        )
 
 
 def _warn_if_layout_swapped(call: Call) -> None:
@@ -92,20 +97,33 @@ def _warn_if_layout_swapped(call: Call) -> None:
     if not layout_swap_suspected(call):
         return
     hq, lq, lk = call.q.shape[1], call.q_len, call.kv_len
-    warnings.warn(f"attention: q {tuple(call.q.shape)} and k {tuple(call.k.shape)} read as (B, H, L, D) give "
-                  f"Hq = Hkv = {hq} and Lq={lq} > Lk={lk}, so the causal mask leaves the first {lq - lk} of every "
-                  f"{lq} query rows with no key (output 0). If these are FlashAttention's (B, L, H, D) tensors, pass "
-                  f"q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2) (and transpose the output back)",
-                  stacklevel=3)
+    warnings.warn(
+        f"attention: q {tuple(call.q.shape)} and k {tuple(call.k.shape)} read as (B, H, L, D) give "
+        f"Hq = Hkv = {hq} and Lq={lq} > Lk={lk}, so the causal mask leaves the first {lq - lk} of every "
+        f"{lq} query rows with no key (output 0). If these are FlashAttention's (B, L, H, D) tensors, pass "
+        f"q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2) (and transpose the output back)",
+        stacklevel=3,
+    )
 
 
 # ---------------------------------------------------------------------- public API
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, *, mask: MaskLike | None = None, bias: BiasLike | None = None,
-              scale: float | None = None,
-              softcap: float | None = None, sinks: Tensor | None = None, dropout_p: float = 0.0,
-              return_lse: bool = False, backend: str = "auto", **unknown):
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: MaskLike | None = None,
+    bias: BiasLike | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+    dropout_p: float = 0.0,
+    return_lse: bool = False,
+    backend: str = "auto",
+    **unknown,
+):
     """Scaled dot-product attention: ``softmax(mask(bias(softcap(q @ k^T * scale)))) @ v``.
 
     Args:
@@ -165,8 +183,18 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask: MaskLike | None = None, 
         torch.Size([2, 8, 10, 64])
     """
     refuse_foreign("attention", unknown)
-    call = make_call(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, dropout_p=dropout_p,
-                      return_lse=return_lse, sinks=sinks)
+    call = make_call(
+        q,
+        k,
+        v,
+        mask=mask,
+        bias=bias,
+        scale=scale,
+        softcap=softcap,
+        dropout_p=dropout_p,
+        return_lse=return_lse,
+        sinks=sinks,
+    )
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string, got {type(backend).__name__}")
     chosen = _backends.select(call, backend)
@@ -183,9 +211,18 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask: MaskLike | None = None, 
     return result
 
 
-def attention_weights(q: Tensor, k: Tensor, v: Tensor | None = None, *, mask=None, bias=None,
-                      scale: float | None = None, softcap: float | None = None, sinks: Tensor | None = None,
-                      **unknown) -> Tensor:
+def attention_weights(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor | None = None,
+    *,
+    mask=None,
+    bias=None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+    **unknown,
+) -> Tensor:
     """The attention weights ``(B, Hq, Lq, Lk)`` that :func:`attention` would apply (before dropout).
 
     With ``sinks`` a row's weights sum to ``1 - exp(sink - lse)``, the sink's share left out.
@@ -207,7 +244,8 @@ def attention_weights(q: Tensor, k: Tensor, v: Tensor | None = None, *, mask=Non
         v = k
     call = make_call(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, sinks=sinks)
     if is_empty(call):
-        return torch.zeros(call.batch, call.heads, call.q_len, call.kv_len, dtype=q.dtype,
-                           device=q.device) + graph_zero(q, k)
+        return torch.zeros(
+            call.batch, call.heads, call.q_len, call.kv_len, dtype=q.dtype, device=q.device
+        ) + graph_zero(q, k)
     _warn_if_nothing_visible(call)
     return _math.weights(call)

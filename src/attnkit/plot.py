@@ -33,8 +33,10 @@ def _require_matplotlib():
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        raise ImportError("attnkit.plot needs matplotlib, which is not installed: pip install 'attnkit[plot]' "
-                          "(or pip install matplotlib)") from None
+        raise ImportError(
+            "attnkit.plot needs matplotlib, which is not installed: pip install 'attnkit[plot]' "
+            "(or pip install matplotlib)"
+        ) from None
     return Figure, FigureCanvasAgg
 
 
@@ -73,8 +75,9 @@ def _labels(name: str, tokens, length: int) -> list[str] | None:
         return None
     tokens = [str(t) for t in tokens]
     if len(tokens) != length:
-        raise ValueError(f"{name} has {len(tokens)} entries but the weights have length {length}: give one "
-                         f"label per position")
+        raise ValueError(
+            f"{name} has {len(tokens)} entries but the weights have length {length}: give one label per position"
+        )
     return tokens
 
 
@@ -93,9 +96,18 @@ def _set_ticks(ax, labels: list[str] | None, length: int, axis: str) -> None:
             ax.set_yticklabels([labels[i] for i in ticks], fontsize=7)
 
 
-def plot_attention(weights, tokens: Sequence | None = None, heads=None, *, path: str | Path | None = None,
-                   query_tokens: Sequence | None = None, batch: int = 0, title: str | None = None,
-                   cmap: str = "viridis", dpi: int = 110):
+def plot_attention(
+    weights,
+    tokens: Sequence | None = None,
+    heads=None,
+    *,
+    path: str | Path | None = None,
+    query_tokens: Sequence | None = None,
+    batch: int = 0,
+    title: str | None = None,
+    cmap: str = "viridis",
+    dpi: int = 110,
+):
     """Draw attention weights as a grid of heatmaps (one panel per head; one row per layer).
 
     Args:
@@ -132,13 +144,12 @@ def plot_attention(weights, tokens: Sequence | None = None, heads=None, *, path:
     if len(shapes) != 1:
         raise ValueError(f"every layer must have the same (Lq, Lk) to share labels, got {sorted(shapes)}")
     lq, lk = shapes.pop()
-    chosen = {name: _select_heads(f"weights[{name!r}]" if name else "weights", w, heads)
-              for name, w in layers.items()}
+    chosen = {name: _select_heads(f"weights[{name!r}]" if name else "weights", w, heads) for name, w in layers.items()}
     xlabels = _labels("tokens", tokens, lk)
     if query_tokens is not None:
         ylabels = _labels("query_tokens", query_tokens, lq)
     else:
-        ylabels = None if xlabels is None else (xlabels[lk - lq:] if lq <= lk else None)
+        ylabels = None if xlabels is None else (xlabels[lk - lq :] if lq <= lk else None)
     ncols = max(len(c) for c in chosen.values())
     nrows = len(layers)
     panel = 2.2 + 0.06 * min(max(lq, lk), 64)
@@ -169,8 +180,14 @@ def plot_attention(weights, tokens: Sequence | None = None, heads=None, *, path:
             ax.label_outer()
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.subplots_adjust(left=0.7 / fig.get_figwidth() + 0.02, right=0.88, bottom=0.12 if xlabels else 0.08,
-                        top=0.88 if title else 0.94, wspace=0.08, hspace=0.25)
+    fig.subplots_adjust(
+        left=0.7 / fig.get_figwidth() + 0.02,
+        right=0.88,
+        bottom=0.12 if xlabels else 0.08,
+        top=0.88 if title else 0.94,
+        wspace=0.08,
+        hspace=0.25,
+    )
     if image is not None:
         cax = fig.add_axes((0.91, 0.2, 0.015, 0.6))
         fig.colorbar(image, cax=cax, label="weight")

@@ -66,8 +66,9 @@ def _pack_dynamic(q: Tensor, scale: Tensor):
     """``q (out, in)`` int8 with per-row ``scale`` in the packed form of PyTorch's int8 GEMM."""
     with warnings.catch_warnings():  # (PyTorch warns that quantized tensors may go; the packed form is what
         warnings.simplefilter("ignore")  # its int8 GEMM reads, checked by _dynamic_works)
-        qw = torch._make_per_channel_quantized_tensor(q.detach().cpu(), scale.detach().cpu().double(),
-                                                       torch.zeros(q.shape[0], dtype=torch.long), 0)
+        qw = torch._make_per_channel_quantized_tensor(
+            q.detach().cpu(), scale.detach().cpu().double(), torch.zeros(q.shape[0], dtype=torch.long), 0
+        )
         return torch.ops.quantized.linear_prepack(qw, None)
 
 
@@ -108,8 +109,16 @@ class Int8Linear(nn.Module):
     weight_int8: Tensor  # (buffers, registered in __init__)
     scale: Tensor
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
-                 compute_dtype: torch.dtype = torch.bfloat16, activations: str = "float", device=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        compute_dtype: torch.dtype = torch.bfloat16,
+        activations: str = "float",
+        device=None,
+    ):
         super().__init__()
         _check_features(in_features, out_features)
         bias = flag("bias", bias)
@@ -124,12 +133,19 @@ class Int8Linear(nn.Module):
         self._scale_c: tuple | None = None  # (key, the scales in compute_dtype)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, compute_dtype: torch.dtype = torch.bfloat16,
-                    activations: str = "float") -> "Int8Linear":
+    def from_linear(
+        cls, linear: nn.Linear, *, compute_dtype: torch.dtype = torch.bfloat16, activations: str = "float"
+    ) -> "Int8Linear":
         """Quantize ``linear`` per output channel (symmetric, round to nearest)."""
         w = linear.weight.detach().float()
-        q = cls(linear.in_features, linear.out_features, linear.bias is not None, compute_dtype=compute_dtype,
-                activations=activations, device=w.device)
+        q = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            compute_dtype=compute_dtype,
+            activations=activations,
+            device=w.device,
+        )
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # (out,)
         q.weight_int8.copy_((w / scale[:, None]).round().clamp(-127, 127).to(torch.int8))
         q.scale.copy_(scale)
@@ -154,10 +170,17 @@ class Int8Linear(nn.Module):
             raise ValueError(f"Int8Linear: input has {x.shape[-1]} features, expected in_features={self.in_features}")
         lead = x.shape[:-1]
         grad = torch.is_grad_enabled() and (x.requires_grad or (self.bias is not None and self.bias.requires_grad))
-        if (self.activations == "int8" and not grad and x.is_cpu and self.weight_int8.is_cpu and x.numel()
-                and _dynamic_works()):
-            y = torch.ops.quantized.linear_dynamic(x.reshape(-1, self.in_features).float().contiguous(),
-                                                   self._packed_rows(start, stop), True).to(x.dtype)  # (N, out)
+        if (
+            self.activations == "int8"
+            and not grad
+            and x.is_cpu
+            and self.weight_int8.is_cpu
+            and x.numel()
+            and _dynamic_works()
+        ):
+            y = torch.ops.quantized.linear_dynamic(
+                x.reshape(-1, self.in_features).float().contiguous(), self._packed_rows(start, stop), True
+            ).to(x.dtype)  # (N, out)
             if self.bias is not None:
                 y = y + self.bias[start:stop].to(x.dtype)
             return y.view(*lead, stop - start)
@@ -189,8 +212,10 @@ class Int8Linear(nn.Module):
         hit = self._packed.get((start, stop))
         if hit is None or hit[0] != key:
             with torch.inference_mode(False):
-                hit = self._packed[(start, stop)] = (key, _pack_dynamic(self.weight_int8[start:stop],
-                                                                        self.scale[start:stop]))
+                hit = self._packed[(start, stop)] = (
+                    key,
+                    _pack_dynamic(self.weight_int8[start:stop], self.scale[start:stop]),
+                )
         return hit[1]
 
     def _apply(self, fn, recurse=True):
@@ -200,14 +225,18 @@ class Int8Linear(nn.Module):
         return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"compute_dtype={self.compute_dtype}" + (", activations='int8'" if self.activations == "int8" else ""))
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"compute_dtype={self.compute_dtype}" + (", activations='int8'" if self.activations == "int8" else "")
+        )
 
 
 def _check_activations(activations) -> str:
     if activations not in ACTIVATIONS:
-        raise ValueError(f"activations={activations!r} must be 'float' (weight-only int8: activations in "
-                         f"compute_dtype) or 'int8' (activations quantized per call, integer products)")
+        raise ValueError(
+            f"activations={activations!r} must be 'float' (weight-only int8: activations in "
+            f"compute_dtype) or 'int8' (activations quantized per call, integer products)"
+        )
     return activations
 
 
@@ -258,18 +287,20 @@ class Int4Linear(nn.Module):
     scale: Tensor
     zero: Tensor
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group_size: int = 32,
-                 device=None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group_size: int = 32, device=None):
         super().__init__()
         _check_features(in_features, out_features)
         bias = flag("bias", bias)
         if group_size not in GROUP_SIZES or in_features % group_size:
-            raise ValueError(f"group_size={group_size!r} must be one of {GROUP_SIZES} and divide "
-                             f"in_features={in_features}: pick a smaller group, or leave this layer out (skip=)")
+            raise ValueError(
+                f"group_size={group_size!r} must be one of {GROUP_SIZES} and divide "
+                f"in_features={in_features}: pick a smaller group, or leave this layer out (skip=)"
+            )
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
         groups = in_features // group_size
-        self.register_buffer("weight_int4", torch.zeros(out_features, in_features // 2, dtype=torch.uint8,
-                                                        device=device))
+        self.register_buffer(
+            "weight_int4", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device)
+        )
         self.register_buffer("scale", torch.ones(out_features, groups, device=device))
         self.register_buffer("zero", torch.zeros(out_features, groups, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None
@@ -279,8 +310,9 @@ class Int4Linear(nn.Module):
     def from_linear(cls, linear: nn.Linear, *, group_size: int = 32) -> "Int4Linear":
         """Quantize ``linear`` in groups of ``group_size`` input features (asymmetric, round to nearest)."""
         w = linear.weight.detach().float()
-        m = cls(linear.in_features, linear.out_features, linear.bias is not None, group_size=group_size,
-                device=w.device)
+        m = cls(
+            linear.in_features, linear.out_features, linear.bias is not None, group_size=group_size, device=w.device
+        )
         g = w.reshape(m.out_features, -1, group_size)  # (out, groups, group_size)
         lo, hi = g.amin(-1), g.amax(-1)  # (out, groups)
         # scale and zero in bfloat16's precision, as the kernel reads them (dequantized() is then its weight)
@@ -317,8 +349,9 @@ class Int4Linear(nn.Module):
         grad = torch.is_grad_enabled() and (x.requires_grad or (self.bias is not None and self.bias.requires_grad))
         if x.is_cpu and self.weight_int4.is_cpu and not grad and x2.shape[0] and _int4_works():
             packed, sz = self._packed_rows(start, stop)
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16).contiguous(), packed,
-                                                           self.group_size, sz)[:, :stop - start].to(x.dtype)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2.to(torch.bfloat16).contiguous(), packed, self.group_size, sz
+            )[:, : stop - start].to(x.dtype)
         else:
             y = F.linear(x2, self.dequantized()[start:stop].to(x.dtype))
         if self.bias is not None:
@@ -326,8 +359,9 @@ class Int4Linear(nn.Module):
         return y.reshape(*lead, stop - start)
 
     def _packed_rows(self, start: int, stop: int) -> tuple[Tensor, Tensor]:
-        key = tuple((t.data_ptr(), None if t.is_inference() else t._version)
-                    for t in (self.weight_int4, self.scale, self.zero))
+        key = tuple(
+            (t.data_ptr(), None if t.is_inference() else t._version) for t in (self.weight_int4, self.scale, self.zero)
+        )
         hit = self._packed.get((start, stop))
         if hit is None or hit[0] != key:
             with torch.inference_mode(False), torch.no_grad():
@@ -346,8 +380,10 @@ class Int4Linear(nn.Module):
         return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"group_size={self.group_size}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"group_size={self.group_size}"
+        )
 
 
 class BF16Linear(nn.Module):
@@ -368,8 +404,9 @@ class BF16Linear(nn.Module):
         _check_features(in_features, out_features)
         bias = flag("bias", bias)
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=torch.bfloat16, device=device),
-                                   requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.zeros(out_features, in_features, dtype=torch.bfloat16, device=device), requires_grad=False
+        )
         self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None
 
     @classmethod
@@ -423,13 +460,22 @@ def _skip_names(skip) -> set[str]:
         return {skip}
     names = list(skip) if isinstance(skip, (list, tuple, set, frozenset)) else None
     if names is None or not all(isinstance(n, str) for n in names):
-        raise TypeError(f"skip must be a submodule name or a list of names (as in model.named_modules()), "
-                        f"e.g. skip=['lm_head'], got {skip!r:.80}")
+        raise TypeError(
+            f"skip must be a submodule name or a list of names (as in model.named_modules()), "
+            f"e.g. skip=['lm_head'], got {skip!r:.80}"
+        )
     return set(names)
 
 
-def quantize(model: nn.Module, dtype: str = "int8", *, compute_dtype: torch.dtype = torch.bfloat16,
-             skip=(), activations: str = "float", group_size: int = 32) -> nn.Module:
+def quantize(
+    model: nn.Module,
+    dtype: str = "int8",
+    *,
+    compute_dtype: torch.dtype = torch.bfloat16,
+    skip=(),
+    activations: str = "float",
+    group_size: int = 32,
+) -> nn.Module:
     """Replace every ``nn.Linear`` in ``model`` (in place) by a weight-only quantized version; returns it.
 
     Args:
@@ -483,8 +529,10 @@ def quantize(model: nn.Module, dtype: str = "int8", *, compute_dtype: torch.dtyp
         return any(name == s or name.startswith(s + ".") or s == "" for s in skip)
 
     if isinstance(model, nn.Linear):
-        raise TypeError("quantize replaces Linear layers inside a model; wrap a lone Linear with "
-                        "Int8Linear.from_linear(linear) instead")
+        raise TypeError(
+            "quantize replaces Linear layers inside a model; wrap a lone Linear with "
+            "Int8Linear.from_linear(linear) instead"
+        )
     # PyTorch's own attention and Transformer layers read their Linear weights directly: they stay float
     torch_owned = {id(c) for m in model.modules() if isinstance(m, _READS_WEIGHTS) for c in m.modules()}
     # a Linear whose weight another module also holds (an output head tied to the embedding) stays float:
@@ -507,8 +555,11 @@ def quantize(model: nn.Module, dtype: str = "int8", *, compute_dtype: torch.dtyp
         if new is None:
             new = replaced[id(lin)] = (
                 Int8Linear.from_linear(lin, compute_dtype=compute_dtype, activations=activations)
-                if dtype == "int8" else Int4Linear.from_linear(lin, group_size=group_size) if dtype == "int4"
-                else BF16Linear.from_linear(lin))
+                if dtype == "int8"
+                else Int4Linear.from_linear(lin, group_size=group_size)
+                if dtype == "int4"
+                else BF16Linear.from_linear(lin)
+            )
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, new)

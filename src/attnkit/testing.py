@@ -30,9 +30,19 @@ Tensor = torch.Tensor
 __all__ = ["reference", "check_against_oracle", "random_qkv", "max_err"]
 
 
-def random_qkv(batch: int, q_heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int,
-               value_dim: int | None = None, *, dtype: torch.dtype = torch.float32, requires_grad: bool = False,
-               seed: int = 0) -> list[Tensor]:
+def random_qkv(
+    batch: int,
+    q_heads: int,
+    kv_heads: int,
+    q_len: int,
+    kv_len: int,
+    head_dim: int,
+    value_dim: int | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    requires_grad: bool = False,
+    seed: int = 0,
+) -> list[Tensor]:
     """Reproducible ``[q, k, v]``: ``q (batch, q_heads, q_len, head_dim)``, ``k (batch, kv_heads, kv_len,
     head_dim)``, ``v (batch, kv_heads, kv_len, value_dim or head_dim)``, standard normal values drawn in float32
     from a generator seeded with ``seed`` (the same values whatever ``dtype``), then cast to ``dtype``.
@@ -45,14 +55,26 @@ def random_qkv(batch: int, q_heads: int, kv_heads: int, q_len: int, kv_len: int,
         ((2, 4, 9, 16), (2, 2, 11, 16), torch.float64, True)
     """
     g = torch.Generator().manual_seed(seed)
-    shapes = ((batch, q_heads, q_len, head_dim), (batch, kv_heads, kv_len, head_dim),
-              (batch, kv_heads, kv_len, head_dim if value_dim is None else value_dim))
+    shapes = (
+        (batch, q_heads, q_len, head_dim),
+        (batch, kv_heads, kv_len, head_dim),
+        (batch, kv_heads, kv_len, head_dim if value_dim is None else value_dim),
+    )
     return [torch.randn(*shape, generator=g).to(dtype).requires_grad_(requires_grad) for shape in shapes]
 
 
-def reference(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, scale: float | None = None,
-              softcap: float | None = None, sinks: Tensor | None = None,
-              dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+def reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask=None,
+    bias=None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor]:
     """The textbook formula, written out, in ``dtype`` (default: the inputs' dtype).
 
     ``sinks`` (``(Hq,)`` or broadcastable to ``(B, Hq)``) adds ``exp(sink)`` to each row's denominator:
@@ -103,9 +125,19 @@ def max_err(a: Tensor, b: Tensor) -> float:
     return float(d.max())
 
 
-def check_against_oracle(fn: Callable[..., object], q: Tensor, k: Tensor, v: Tensor, *, grad: bool | None = None,
-                         factor: float = 2.0, grad_factor: float = 3.0, atol: float = 1e-6,
-                         seed: int = 0, **kwargs) -> dict:
+def check_against_oracle(
+    fn: Callable[..., object],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    grad: bool | None = None,
+    factor: float = 2.0,
+    grad_factor: float = 3.0,
+    atol: float = 1e-6,
+    seed: int = 0,
+    **kwargs,
+) -> dict:
     """Run ``fn(q, k, v, **kwargs)`` and compare it with the float64 oracle under the numerical rule.
 
     ``kwargs`` may hold ``mask``, ``bias``, ``scale``, ``softcap``, ``sinks`` (passed to the reference too)
@@ -117,15 +149,19 @@ def check_against_oracle(fn: Callable[..., object], q: Tensor, k: Tensor, v: Ten
     errors and bounds when the rule does not hold; returns them otherwise.
     """
     if float(kwargs.get("dropout_p", 0.0) or 0.0) > 0:
-        raise ValueError(f"check_against_oracle: dropout_p={kwargs['dropout_p']} — the oracle has no dropout; "
-                         f"check dropout against a formula using the same keep pattern")
+        raise ValueError(
+            f"check_against_oracle: dropout_p={kwargs['dropout_p']} — the oracle has no dropout; "
+            f"check dropout against a formula using the same keep pattern"
+        )
     grad = None if grad is None else flag("grad", grad)
     ref_kw = {n: kwargs[n] for n in ("mask", "bias", "scale", "softcap") if n in kwargs}
     sinks = kwargs.pop("sinks", None)
     wants = [bool(t.requires_grad) for t in (q, k, v)] if grad is not False else [False] * 3
     if grad is True and not any(wants):
-        raise ValueError("check_against_oracle: grad=True but none of q, k, v requires grad: call "
-                         "requires_grad_() on the inputs whose gradients should be checked")
+        raise ValueError(
+            "check_against_oracle: grad=True but none of q, k, v requires grad: call "
+            "requires_grad_() on the inputs whose gradients should be checked"
+        )
     if sinks is not None and grad is not False and sinks.requires_grad:
         wants.append(True)
     elif sinks is not None:
@@ -135,14 +171,13 @@ def check_against_oracle(fn: Callable[..., object], q: Tensor, k: Tensor, v: Ten
     result = fn(*leaves[:3], **kwargs, **({} if sinks is None else {"sinks": leaves[3]}))
     out, lse = (result[0], result[1]) if isinstance(result, tuple) else (result, None)
     o64 = [t.detach().double().requires_grad_(w) for t, w in zip(inputs, wants)]
-    oracle, oracle_lse = reference(*o64[:3], **ref_kw, sinks=o64[3] if sinks is not None else None,
-                                   dtype=torch.float64)
+    oracle, oracle_lse = reference(*o64[:3], **ref_kw, sinks=o64[3] if sinks is not None else None, dtype=torch.float64)
     nv = [t.detach().clone().requires_grad_(w) for t, w in zip(inputs, wants)]
-    naive, naive_lse = reference(*nv[:3], **ref_kw, sinks=nv[3] if sinks is not None else None,
-                                 dtype=q.dtype)
+    naive, naive_lse = reference(*nv[:3], **ref_kw, sinks=nv[3] if sinks is not None else None, dtype=q.dtype)
     if tuple(out.shape) != tuple(oracle.shape) or out.dtype != q.dtype:
-        raise AssertionError(f"output of shape {tuple(out.shape)} and dtype {out.dtype}, expected "
-                             f"{tuple(oracle.shape)} and {q.dtype}")
+        raise AssertionError(
+            f"output of shape {tuple(out.shape)} and dtype {out.dtype}, expected {tuple(oracle.shape)} and {q.dtype}"
+        )
     report = {}
     e_out, e_naive = max_err(out, oracle), max_err(naive, oracle)
     report["out"] = {"err": e_out, "naive": e_naive, "bound": factor * e_naive + atol}
@@ -170,6 +205,11 @@ def check_against_oracle(fn: Callable[..., object], q: Tensor, k: Tensor, v: Ten
     if not any(wants):
         report["grads"] = "none checked"
     if bad:
-        raise AssertionError("numerical rule violated: " + "; ".join(
-            f"{n}: max|err|={r['err']:.3e} > bound {r['bound']:.3e} (naive {r['naive']:.3e})" for n, r in bad.items()))
+        raise AssertionError(
+            "numerical rule violated: "
+            + "; ".join(
+                f"{n}: max|err|={r['err']:.3e} > bound {r['bound']:.3e} (naive {r['naive']:.3e})"
+                for n, r in bad.items()
+            )
+        )
     return report

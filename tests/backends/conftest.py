@@ -33,13 +33,21 @@ def interpreted(request) -> dict:
     """``{case name: None | traceback}`` for the requesting module's selected cases (the ``name`` parameter
     of its tests), run in one child process under ``TRITON_INTERPRET=1``."""
     path = Path(request.module.__file__)
-    selected = [item.callspec.params["name"] for item in request.session.items
-                if item.path == path and hasattr(item, "callspec") and "name" in item.callspec.params]
+    selected = [
+        item.callspec.params["name"]
+        for item in request.session.items
+        if item.path == path and hasattr(item, "callspec") and "name" in item.callspec.params
+    ]
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "verdicts.json"
-        proc = subprocess.run([sys.executable, __file__, str(path), str(out), *selected], env=env,
-                              capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+        proc = subprocess.run(
+            [sys.executable, __file__, str(path), str(out), *selected],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=CHILD_TIMEOUT_S,
+        )
         if proc.returncode != 0 or not out.exists():
             pytest.fail(f"the interpreter child failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
         return json.loads(out.read_text())

@@ -43,8 +43,9 @@ def test_default_backend_model_compiles_to_one_graph_and_matches_eager(case):
     # what a layer's attention call looks like: (1, 4, L, 8) queries against (1, 2, L, 8) keys
     q = torch.randn(1, 4, L, 8, dtype=torch.float64)
     k = torch.randn(1, 2, L, 8, dtype=torch.float64)
-    kw = dict(mask=M.causal() & overrides["mask"] if "mask" in overrides else M.causal(),
-              softcap=overrides.get("softcap"))
+    kw = dict(
+        mask=M.causal() & overrides["mask"] if "mask" in overrides else M.causal(), softcap=overrides.get("softcap")
+    )
     text = backends.explain(q, k, k, **kw)
     assert text.startswith(f"auto picks {eager_pick!r}"), text
     assert text.splitlines()[-1].startswith(f"under torch.compile auto picks {traced_pick!r}"), text
@@ -95,14 +96,15 @@ def test_explain_names_the_pick_under_compile_only_for_auto():
 def test_named_backend_is_kept_under_compile():
     """Only auto changes while tracing: a named backend still runs (math here, which traces)."""
     q, k, v = _qkv(16, grad=False)
-    compiled = torch.compile(functools.partial(attnkit.attention, backend="math"), fullgraph=True,
-                             backend="aot_eager")
+    compiled = torch.compile(functools.partial(attnkit.attention, backend="math"), fullgraph=True, backend="aot_eager")
     check_against_oracle(compiled, q, k, v, softcap=3.0, grad=False)
     # (dynamo reports the ValueError raised while tracing as Unsupported, with the message)
-    with pytest.raises((ValueError, torch._dynamo.exc.Unsupported),
-                       match="backend='sdpa' cannot take this call: SDPA has no softcap"):
-        torch.compile(functools.partial(attnkit.attention, backend="sdpa"), fullgraph=True,
-                      backend="aot_eager")(q, k, v, softcap=3.0)
+    with pytest.raises(
+        (ValueError, torch._dynamo.exc.Unsupported), match="backend='sdpa' cannot take this call: SDPA has no softcap"
+    ):
+        torch.compile(functools.partial(attnkit.attention, backend="sdpa"), fullgraph=True, backend="aot_eager")(
+            q, k, v, softcap=3.0
+        )
 
 
 def test_a_key_padding_mask_traces_into_one_graph():
@@ -110,8 +112,7 @@ def test_a_key_padding_mask_traces_into_one_graph():
     q, k, v = _qkv(16, grad=False)
     q, k, v = (t.expand(2, -1, -1, -1) for t in (q, k, v))
     mask = M.key_padding(torch.tensor([16, 9]))
-    compiled = torch.compile(lambda q, k, v: attnkit.attention(q, k, v, mask=mask), fullgraph=True,
-                             backend="aot_eager")
+    compiled = torch.compile(lambda q, k, v: attnkit.attention(q, k, v, mask=mask), fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(q, k, v), attnkit.attention(q, k, v, mask=mask, backend="math"))
 
 
@@ -125,10 +126,12 @@ def test_rotary_stacks_and_layers_compile_to_one_graph():
     ed = EncoderDecoder(DecoderConfig.preset("tiny", d_model=32, n_heads=4, n_layers=2)).eval()
     src, tgt = torch.randint(0, 256, (2, 9)), torch.randint(0, 256, (2, 5))
     x, ctx = torch.randn(2, 5, 32), torch.randn(2, 7, 32)
-    calls = [(ed, (src, tgt)),
-             (Encoder(32, 2, 4, positions=RotaryEmbedding(8)).eval(), (x,)),
-             (Decoder(32, 2, 4, cross_attention=True, positions=RotaryEmbedding(8)).eval(), (x, ctx)),
-             (MultiHeadAttention(32, 4, positions=RotaryEmbedding(8)).eval(), (x,))]
+    calls = [
+        (ed, (src, tgt)),
+        (Encoder(32, 2, 4, positions=RotaryEmbedding(8)).eval(), (x,)),
+        (Decoder(32, 2, 4, cross_attention=True, positions=RotaryEmbedding(8)).eval(), (x, ctx)),
+        (MultiHeadAttention(32, 4, positions=RotaryEmbedding(8)).eval(), (x,)),
+    ]
     with torch.no_grad():
         for module, args in calls:
             torch._dynamo.reset()

@@ -52,24 +52,47 @@ def test_opcheck_forward_and_backward():
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64, requires_grad=True)
     mod_desc, mod_tensors = O.describe(B.alibi(slopes))
     sinks = torch.randn(4, dtype=torch.float64, requires_grad=True)
-    torch.library.opcheck(C.flash_forward, (q, k, v, mask_key, [], None, O.intern(mod_desc), mod_tensors, sinks, 0.3,
-                                            0.0, 0.0, None))
+    torch.library.opcheck(
+        C.flash_forward, (q, k, v, mask_key, [], None, O.intern(mod_desc), mod_tensors, sinks, 0.3, 0.0, 0.0, None)
+    )
     doc = M.document(torch.tensor([0] * 15 + [1] * 25))
     doc_desc, doc_tensors = O.describe(doc)
     fwd = (q, k, v, O.intern(doc_desc), doc_tensors, None, "", [], None, 0.3, 2.0, 0.0, None)
     torch.library.opcheck(C.flash_forward, fwd)
     out, lse, bare = C.flash_forward(*fwd)
     detached = [t.detach() for t in (q, k, v, out, lse, bare)]
-    torch.library.opcheck(C.flash_backward, (torch.randn_like(out), None, *detached, O.intern(doc_desc), doc_tensors,
-                                             None, "", [], None, 0.3, 2.0, 0.0, None, False, False, []))
+    torch.library.opcheck(
+        C.flash_backward,
+        (
+            torch.randn_like(out),
+            None,
+            *detached,
+            O.intern(doc_desc),
+            doc_tensors,
+            None,
+            "",
+            [],
+            None,
+            0.3,
+            2.0,
+            0.0,
+            None,
+            False,
+            False,
+            [],
+        ),
+    )
 
 
 def test_constant_results_are_marked_as_dynamo_marks_them():
     def probe():
         return 0
 
-    assert vars(torch._dynamo.assume_constant_result(probe)) == vars(O.constant_result(lambda: 0)) == {
-        "_dynamo_marked_constant": True}
+    assert (
+        vars(torch._dynamo.assume_constant_result(probe))
+        == vars(O.constant_result(lambda: 0))
+        == {"_dynamo_marked_constant": True}
+    )
 
 
 def test_describe_and_rebuild_round_trip():
@@ -110,8 +133,9 @@ def test_each_mask_family_compiles_through_flash_forward_and_backward(family):
     q, k, v = _qkv()
     mask = MASKS[family](q.shape[2])
     check_against_oracle(_compiled("flash"), q, k, v, mask=mask)
-    assert "attnkit.flash_forward" in _graph_ops(functools.partial(attnkit.attention, backend="flash"), q, k, v,
-                                                 mask=mask)
+    assert "attnkit.flash_forward" in _graph_ops(
+        functools.partial(attnkit.attention, backend="flash"), q, k, v, mask=mask
+    )
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "math"])
@@ -196,8 +220,9 @@ def test_auto_picks_under_compile_what_it_picks_eagerly():
         assert text.splitlines()[-1].startswith(f"under torch.compile auto picks {pick!r} too"), (name, text)
         torch._dynamo.reset()
         code = _graph_ops(attnkit.attention, q, k, v, **kw)
-        traced = ("flash" if "attnkit.flash_forward" in code else
-                  "sdpa" if "scaled_dot_product_attention" in code else "math")
+        traced = (
+            "flash" if "attnkit.flash_forward" in code else "sdpa" if "scaled_dot_product_attention" in code else "math"
+        )
         assert traced == pick, (name, text, code)
 
 
@@ -210,14 +235,16 @@ def test_from_fn_modifier_with_closure_parameters_is_refused_by_flash_under_comp
     text = backends.explain(q, k, v, bias=mod, mask=M.sliding_window(31))
     assert text.startswith("auto picks 'flash'"), text
     assert "under torch.compile auto picks 'math': flash cannot take it (under torch.compile" in text
-    out = torch.compile(attnkit.attention, fullgraph=True, backend="aot_eager")(q, k, v, bias=mod,
-                                                                                 mask=M.sliding_window(31))
+    out = torch.compile(attnkit.attention, fullgraph=True, backend="aot_eager")(
+        q, k, v, bias=mod, mask=M.sliding_window(31)
+    )
     (dw,) = torch.autograd.grad(out.sum(), w)
     (want,) = torch.autograd.grad(attnkit.attention(q, k, v, bias=mod, mask=M.sliding_window(31)).sum(), w)
     torch.testing.assert_close(dw, want, rtol=1e-4, atol=1e-4)
     # (dynamo reports the ValueError raised while tracing as Unsupported, with the message)
-    with pytest.raises((ValueError, torch._dynamo.exc.Unsupported),
-                       match="pass a tensor bias instead, or use backend='math'"):
+    with pytest.raises(
+        (ValueError, torch._dynamo.exc.Unsupported), match="pass a tensor bias instead, or use backend='math'"
+    ):
         _compiled("flash")(q, k, v, bias=mod, mask=M.sliding_window(31))
 
 
@@ -227,8 +254,9 @@ def test_flash_attention_itself_is_one_operator_node():
     q, k, v = _qkv(64)
     code = _graph_ops(lambda q, k, v: flash_attention(q, k, v, mask=M.sliding_window(9), return_lse=True), q, k, v)
     assert code.count("attnkit.flash_forward") == 1
-    check_against_oracle(torch.compile(flash_attention, fullgraph=True, backend="aot_eager"), q, k, v,
-                         mask=M.sliding_window(9))
+    check_against_oracle(
+        torch.compile(flash_attention, fullgraph=True, backend="aot_eager"), q, k, v, mask=M.sliding_window(9)
+    )
 
 
 def test_from_fn_mask_traces_through_the_operator():
@@ -273,8 +301,11 @@ def test_a_new_length_compiles_once_and_is_reused():
     """Dynamo makes the length dynamic at the second size, and the flash operator plans each length when the
     graph runs: a frame for the first length and one for every later length."""
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(lambda q, k, v: attnkit.attention(q, k, v, mask=M.sliding_window(15), backend="flash"),
-                             fullgraph=True, backend=counter)
+    compiled = torch.compile(
+        lambda q, k, v: attnkit.attention(q, k, v, mask=M.sliding_window(15), backend="flash"),
+        fullgraph=True,
+        backend=counter,
+    )
     for L, frames in ((64, 1), (80, 2), (96, 2), (80, 2), (64, 2)):
         q, k, v = _qkv(L, dtype=torch.float32)
         out = compiled(q, k, v)
@@ -345,8 +376,7 @@ def test_decoder_lm_compiles_to_one_graph_forward_and_backward(family):
     from attnkit.nn import DecoderConfig, DecoderLM
 
     torch.manual_seed(0)
-    cfg = DecoderConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                        **MODEL_MASKS.get(family, {}))
+    cfg = DecoderConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, **MODEL_MASKS.get(family, {}))
     model = DecoderLM(cfg).double()
     ids = torch.randint(0, 32, (1, 320), generator=torch.Generator().manual_seed(1))
     call = (ids, M.document(torch.arange(320) // 100)) if family == "document" else (ids,)
@@ -370,8 +400,11 @@ def test_multi_head_attention_compiles_to_one_graph(family):
     from attnkit.nn import MultiHeadAttention
 
     torch.manual_seed(0)
-    masks = {"sliding_window": M.causal() & M.sliding_window(31), "document": M.document(torch.arange(256) // 60),
-             "block_sparse": M.random_blocks(32, 2, seed=1)}
+    masks = {
+        "sliding_window": M.causal() & M.sliding_window(31),
+        "document": M.document(torch.arange(256) // 60),
+        "block_sparse": M.random_blocks(32, 2, seed=1),
+    }
     mha = MultiHeadAttention(32, 4, n_kv_heads=2, mask=masks[family]).double()
     x = torch.randn(1, 256, 32, dtype=torch.float64, requires_grad=True)
     assert torch._dynamo.explain(mha)(x).graph_break_count == 0
@@ -391,8 +424,9 @@ def test_export_decoder_lm_with_a_sliding_window_runs_and_matches_eager():
     from attnkit.nn import DecoderConfig, DecoderLM
 
     torch.manual_seed(0)
-    model = DecoderLM(DecoderConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                                    mask=M.sliding_window(15))).eval()
+    model = DecoderLM(
+        DecoderConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, mask=M.sliding_window(15))
+    ).eval()
     ids = torch.randint(0, 32, (1, 256), generator=torch.Generator().manual_seed(1))
     program = torch.export.export(model, (ids,))
     targets = [str(n.target) for n in program.graph.nodes if n.op == "call_function"]

@@ -76,10 +76,18 @@ def test_every_mask(name, fused):
         check_against_oracle(lambda *a, **kw: run_flash(*a, fused=fused, **kw), q, k, v, mask=MASKS[name](lq, lk))
 
 
-@pytest.mark.parametrize("shape", [
-    (1, 1, 1, 1, 1, 16), (1, 2, 1, 1, 9, 40), (2, 8, 2, 70, 33, 64), (1, 8, 1, 33, 70, 128),
-    (1, 2, 2, 17, 17, 256), (3, 4, 4, 16, 48, 16), (1, 8, 8, 129, 5, 40),
-])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (1, 1, 1, 1, 1, 16),
+        (1, 2, 1, 1, 9, 40),
+        (2, 8, 2, 70, 33, 64),
+        (1, 8, 1, 33, 70, 128),
+        (1, 2, 2, 17, 17, 256),
+        (3, 4, 4, 16, 48, 16),
+        (1, 8, 8, 129, 5, 40),
+    ],
+)
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
 def test_shapes(shape, fused):
     b, hq, hkv, lq, lk, d = shape
@@ -115,16 +123,27 @@ def test_biases_and_softcap(name, softcap):
     bias = BIASES[name](2, 4, 45, 52)
     for mask in (None, M.causal() & M.sliding_window(17)):
         for fused in (True, False):
-            check_against_oracle(lambda *a, **kw: run_flash(*a, fused=fused, **kw), q, k, v, mask=mask, bias=bias,
-                                 softcap=softcap, scale=0.3)
+            check_against_oracle(
+                lambda *a, **kw: run_flash(*a, fused=fused, **kw),
+                q,
+                k,
+                v,
+                mask=mask,
+                bias=bias,
+                softcap=softcap,
+                scale=0.3,
+            )
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
 def test_dtypes(dtype, fused):
     q, k, v = qkv(lq=60, lk=75, d=40, dtype=dtype)
-    for mask, bias in ((M.causal(), None), (M.sliding_window(20, 3), B.alibi(B.alibi_slopes(4))),
-                       (M.document(doc_ids(75, [30])), torch.randn(60, 75).to(dtype))):
+    for mask, bias in (
+        (M.causal(), None),
+        (M.sliding_window(20, 3), B.alibi(B.alibi_slopes(4))),
+        (M.document(doc_ids(75, [30])), torch.randn(60, 75).to(dtype)),
+    ):
         check_against_oracle(lambda *a, **kw: run_flash(*a, fused=fused, **kw), q, k, v, mask=mask, bias=bias)
     out = run_flash(q, k, v, fused=fused, mask=M.causal(), return_lse=True)
     assert out[0].dtype == dtype and out[1].dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
@@ -185,13 +204,15 @@ def test_gradcheck_float64(fused):
     bias = torch.randn(1, 4, 9, 11, dtype=torch.float64, requires_grad=True)
 
     def fn(q, k, v, bias):
-        out, lse = run_flash(q, k, v, fused=fused, block=3, mask=M.causal() & M.sliding_window(5), bias=bias,
-                             return_lse=True)
+        out, lse = run_flash(
+            q, k, v, fused=fused, block=3, mask=M.causal() & M.sliding_window(5), bias=bias, return_lse=True
+        )
         return out, torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
 
     assert torch.autograd.gradcheck(fn, (q, k, v, bias), eps=1e-6, atol=1e-5, fast_mode=True)
-    tiny = [t.detach().requires_grad_() for t in (q[:, :2, :5, :2], k[:, :1, :6, :2], v[:, :1, :6, :2],
-                                                    bias[:, :2, :5, :6])]
+    tiny = [
+        t.detach().requires_grad_() for t in (q[:, :2, :5, :2], k[:, :1, :6, :2], v[:, :1, :6, :2], bias[:, :2, :5, :6])
+    ]
     assert torch.autograd.gradcheck(fn, tiny, eps=1e-6, atol=1e-5)  # the full Jacobian on a tiny case
 
     def fn2(q, k, v):
@@ -207,8 +228,9 @@ def test_gradcheck_learnable_modifiers():
     w = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
 
     def fn(q, k, v, slopes, table, w):
-        mod = B.compose(B.alibi(slopes), B.relative_buckets(table, max_distance=10),
-                        B.from_fn(lambda s, b, h, qi, ki: s * w))
+        mod = B.compose(
+            B.alibi(slopes), B.relative_buckets(table, max_distance=10), B.from_fn(lambda s, b, h, qi, ki: s * w)
+        )
         return run_flash(q, k, v, block=3, mask=M.sliding_window(4, 2), bias=mod)
 
     assert torch.autograd.gradcheck(fn, (q, k, v, slopes, table, w), eps=1e-6, atol=1e-5, fast_mode=True)
@@ -240,8 +262,10 @@ def test_lse_gradient_flows():
     q, k, v = qkv(1, 2, 2, 20, 26, 8, dtype=torch.float64)
     go, gl = torch.randn(1, 2, 20, 8, dtype=torch.float64), torch.randn(1, 2, 20, dtype=torch.float64)
     grads = []
-    for fn in (lambda: run_flash(q, k, v, block=8, mask=M.sliding_window(9), return_lse=True),
-               lambda: reference(q, k, v, mask=M.sliding_window(9))):
+    for fn in (
+        lambda: run_flash(q, k, v, block=8, mask=M.sliding_window(9), return_lse=True),
+        lambda: reference(q, k, v, mask=M.sliding_window(9)),
+    ):
         out, lse = fn()
         grads.append(torch.autograd.grad((out * go).sum() + (lse * gl).sum(), [q, k, v]))
     for a, b in zip(*grads):
@@ -259,8 +283,14 @@ def _dropout_reference(q, k, v, mask, p, seed):
     s = q @ kk.transpose(-1, -2) / q.shape[-1] ** 0.5
     s = s.masked_fill(~mask.to_dense(Lq, k.shape[2]), float("-inf"))
     w = torch.softmax(s, -1)
-    keep = ops.dropout_keep(seed, torch.arange(Bn).view(-1, 1, 1, 1), torch.arange(Hq).view(1, -1, 1, 1),
-                            torch.arange(Lq).view(1, 1, -1, 1), torch.arange(k.shape[2]).view(1, 1, 1, -1), p)
+    keep = ops.dropout_keep(
+        seed,
+        torch.arange(Bn).view(-1, 1, 1, 1),
+        torch.arange(Hq).view(1, -1, 1, 1),
+        torch.arange(Lq).view(1, 1, -1, 1),
+        torch.arange(k.shape[2]).view(1, 1, 1, -1),
+        p,
+    )
     return (w * keep / (1 - p)) @ vv, keep
 
 
@@ -324,10 +354,11 @@ def test_small_tiles_for_documents_in_both_directions():
     q, k, v = qkv(1, 2, 1, 2048, 2048, 8)
     doc = M.document(doc_ids(2048, [190, 470, 1230, 1250, 1590]))
     call = make_call(q, k, v, mask=doc)
-    assert _flash_impl._forward_plan(call).block_q == 64 and _flash_impl._backward_plan(call) is _flash_impl._forward_plan(call)
+    assert _flash_impl._forward_plan(call).block_q == 64 and _flash_impl._backward_plan(
+        call
+    ) is _flash_impl._forward_plan(call)
     check_against_oracle(lambda *a, **kw: attnkit.attention(*a, backend="flash", **kw), q, k, v, mask=doc)
-    check_against_oracle(lambda *a, **kw: attnkit.attention(*a, backend="flash", **kw), q, k, v,
-                         mask=doc & M.causal())
+    check_against_oracle(lambda *a, **kw: attnkit.attention(*a, backend="flash", **kw), q, k, v, mask=doc & M.causal())
     window = make_call(q, k, v, mask=M.sliding_window(100))
     assert _flash_impl._forward_plan(window).block_q == 64 and _flash_impl._backward_plan(window).block_q == 128
     fn = make_call(q, k, v, mask=M.from_fn(lambda b, h, qi, ki: (qi // 90) == (ki // 90)))
@@ -340,8 +371,9 @@ def test_forward_and_backward_tilings_differ():
     call = make_call(q, k, v, mask=M.sliding_window(30))
     assert _flash_impl._forward_plan(call).q_pad == 320 and _flash_impl._plan(call).q_pad == 384
     for bias in (None, B.alibi(B.alibi_slopes(4))):
-        check_against_oracle(lambda *a, **kw: attnkit.attention(*a, backend="flash", **kw), q, k, v,
-                             mask=M.sliding_window(30), bias=bias)
+        check_against_oracle(
+            lambda *a, **kw: attnkit.attention(*a, backend="flash", **kw), q, k, v, mask=M.sliding_window(30), bias=bias
+        )
 
 
 def test_scattered_pattern_gathers():
@@ -360,8 +392,9 @@ def test_gather_workspace_is_reused_and_per_thread(monkeypatch):
     monkeypatch.setattr(_flash_impl, "_SHARED", {})
     q, k, v = qkv(1, 2, 2, 64, 64, 8)
     for seed in (0, 1):  # the second call reuses the first one's workspace
-        check_against_oracle(lambda *a, **kw: run_flash(*a, block=8, **kw), q, k, v,
-                             mask=M.random_blocks(8, 3, seed=seed))
+        check_against_oracle(
+            lambda *a, **kw: run_flash(*a, block=8, **kw), q, k, v, mask=M.random_blocks(8, 3, seed=seed)
+        )
     buf = ops._workspaces()[("k", torch.float32, "cpu")]
     out = run_flash(q, k, v, block=8, mask=M.random_blocks(8, 3, seed=2))
     assert ops._workspaces()[("k", torch.float32, "cpu")] is buf  # kept, not reallocated
@@ -424,8 +457,9 @@ def test_causal_blocks_and_full_prefixes(fused, monkeypatch):
     assert len(plan.jobs) < 12  # 32 query tiles in a few shared windows
 
 
-@pytest.mark.parametrize("name", ["causal", "document_causal", "global_window", "random_blocks", "from_dense",
-                                  "padding", "strided"])
+@pytest.mark.parametrize(
+    "name", ["causal", "document_causal", "global_window", "random_blocks", "from_dense", "padding", "strided"]
+)
 def test_split_and_lazy_chunks(name, monkeypatch):
     """Tiny thresholds: every masked chunk is split into full and partial key ranges (merged by lse),
     element masks are re-evaluated on use instead of kept, and work is cut into many chunks."""
@@ -436,8 +470,9 @@ def test_split_and_lazy_chunks(name, monkeypatch):
     q, k, v = qkv(2, 4, 2, 64, 64, 8)
     for fused in (True, False):
         for bias in (None, B.alibi(B.alibi_slopes(4))):
-            check_against_oracle(lambda *a, **kw: run_flash(*a, fused=fused, block=8, **kw), q, k, v,
-                                 mask=MASKS[name](64, 64), bias=bias)
+            check_against_oracle(
+                lambda *a, **kw: run_flash(*a, fused=fused, block=8, **kw), q, k, v, mask=MASKS[name](64, 64), bias=bias
+            )
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
@@ -447,8 +482,9 @@ def test_plain_causal_is_one_kernel_call(fused):
     k2, v2 = k[:, :, :299], v[:, :, :299]
     assert not _flash_impl._plan(make_call(q, k2, v2, mask=M.causal())).whole_causal  # Lq != Lk
     for bias in (None, B.alibi(B.alibi_slopes(4))):
-        check_against_oracle(lambda *a, **kw: run_flash(*a, fused=fused, block=64, **kw), q, k, v,
-                             mask=M.causal(), bias=bias)
+        check_against_oracle(
+            lambda *a, **kw: run_flash(*a, fused=fused, block=64, **kw), q, k, v, mask=M.causal(), bias=bias
+        )
     check_against_oracle(lambda *a, **kw: run_flash(*a, fused=fused, block=64, **kw), q, k2, v2, mask=M.causal())
 
 

@@ -51,13 +51,34 @@ def _bias(kind: str, hq: int, lq: int, lk: int):
 
 
 @given(
-    b=st.integers(1, 2), hkv=st.integers(1, 2), group=st.sampled_from([1, 2, 4]),
-    lq=st.integers(1, 70), lk=st.integers(1, 70), d=st.sampled_from([4, 8, 16]),
-    block=st.sampled_from([4, 8, 16, 32]), p=st.integers(1, 40),
-    mask=st.sampled_from(["none", "causal", "window", "causal_window", "strided", "dilated", "random", "prefix",
-                          "global", "fn", "fn_heads", "padding"]),
-    bias=st.sampled_from(["none", "tensor", "alibi", "t5"]), softcap=st.sampled_from([None, 5.0]),
-    dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]), fused=st.booleans(),
+    b=st.integers(1, 2),
+    hkv=st.integers(1, 2),
+    group=st.sampled_from([1, 2, 4]),
+    lq=st.integers(1, 70),
+    lk=st.integers(1, 70),
+    d=st.sampled_from([4, 8, 16]),
+    block=st.sampled_from([4, 8, 16, 32]),
+    p=st.integers(1, 40),
+    mask=st.sampled_from(
+        [
+            "none",
+            "causal",
+            "window",
+            "causal_window",
+            "strided",
+            "dilated",
+            "random",
+            "prefix",
+            "global",
+            "fn",
+            "fn_heads",
+            "padding",
+        ]
+    ),
+    bias=st.sampled_from(["none", "tensor", "alibi", "t5"]),
+    softcap=st.sampled_from([None, 5.0]),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+    fused=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_numerical_rule_on_drawn_calls(b, hkv, group, lq, lk, d, block, p, mask, bias, softcap, dtype, fused, seed):
@@ -117,8 +138,9 @@ _MEMORY_SCRIPT = textwrap.dedent("""
 def _extra_bytes(L: int) -> int:
     # a fixed mmap threshold: freed blocks go back to the OS, so RSS follows live allocations
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    res = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, str(L)], capture_output=True, text=True,
-                         timeout=600, env=env)
+    res = subprocess.run(
+        [sys.executable, "-c", _MEMORY_SCRIPT, str(L)], capture_output=True, text=True, timeout=600, env=env
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     return json.loads(res.stdout.strip().splitlines()[-1])["extra"]
 
@@ -157,16 +179,22 @@ _UNIONS = {  # masks whose rows visit several separate runs of key tiles
 }
 
 
-@given(mask=st.sampled_from(sorted(_UNIONS)), p=st.integers(1, 300), lq=st.integers(1, 1200),
-       lk=st.integers(1, 1200), block=st.sampled_from([4, 16, 64, 128]))
+@given(
+    mask=st.sampled_from(sorted(_UNIONS)),
+    p=st.integers(1, 300),
+    lq=st.integers(1, 1200),
+    lk=st.integers(1, 1200),
+    block=st.sampled_from([4, 16, 64, 128]),
+)
 def test_every_visited_tile_is_computed_exactly_once(mask, p, lq, lk, block):
     """Plans only (no arithmetic): a padded shared window must never cover a tile its row visits in
     another run (it was merged twice: sliding_window | global_tokens was wrong by 1e-2)."""
     m = _UNIONS[mask](p, lk)
     if block == 4 and max(lq, lk) > 300:
         lq, lk = min(lq, 300), min(lk, 300)
-    plan = flash._forward_plan(_make_call(torch.zeros(1, 1, lq, 4), torch.zeros(1, 1, lk, 4),
-                                          torch.zeros(1, 1, lk, 4), mask=m), block, block)
+    plan = flash._forward_plan(
+        _make_call(torch.zeros(1, 1, lq, 4), torch.zeros(1, 1, lk, 4), torch.zeros(1, 1, lk, 4), mask=m), block, block
+    )
     visited = m.block_structure(lq, lk, block, block).kinds().reshape(-1, plan.nq, plan.nk) != M.EMPTY
     cov = _coverage(plan, visited.shape[0])
     assert not bool((visited & (cov != 1)).any()), "a visited tile computed twice or never"
@@ -175,8 +203,13 @@ def test_every_visited_tile_is_computed_exactly_once(mask, p, lq, lk, block):
 def test_window_or_global_tokens_matches_the_oracle():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 1, 1024, 16, generator=g, requires_grad=True) for _ in range(3))
-    check_against_oracle(lambda *a, **kw: flash.flash_attention(*a, **kw), q, k, v,
-                         mask=M.sliding_window(400) | M.global_tokens([0, 512]))
+    check_against_oracle(
+        lambda *a, **kw: flash.flash_attention(*a, **kw),
+        q,
+        k,
+        v,
+        mask=M.sliding_window(400) | M.global_tokens([0, 512]),
+    )
 
 
 # ------------------------------------------------------------------- gradients at large scores, lse in the loss
@@ -222,7 +255,7 @@ def _grad_errors(fn, q, k, v, mask, lse_loss: bool, seed: int) -> dict:
 def _large_score_inputs(b, hkv, group, lq, lk, d, score, seed):
     """q, k, v whose scores q·k/sqrt(d) have a standard deviation of about ``score``."""
     g = torch.Generator().manual_seed(seed)
-    s = score ** 0.5
+    s = score**0.5
     q = torch.randn(b, hkv * group, lq, d, generator=g) * s
     k = torch.randn(b, hkv, lk, d, generator=g) * s
     v = torch.randn(b, hkv, lk, d, generator=g)
@@ -230,20 +263,30 @@ def _large_score_inputs(b, hkv, group, lq, lk, d, score, seed):
 
 
 def _grad_mask(kind, lq, lk, b):
-    return {"none": None, "causal": M.causal(), "window": M.sliding_window(5),
-            "padding": M.key_padding([max(1, lk - 3 * i) for i in range(b)]),
-            "one_key": M.sliding_window(0, 0) if lq <= lk else M.causal(),
-            "global": M.global_tokens([0]) | M.sliding_window(3, 3)}[kind]
+    return {
+        "none": None,
+        "causal": M.causal(),
+        "window": M.sliding_window(5),
+        "padding": M.key_padding([max(1, lk - 3 * i) for i in range(b)]),
+        "one_key": M.sliding_window(0, 0) if lq <= lk else M.causal(),
+        "global": M.global_tokens([0]) | M.sliding_window(3, 3),
+    }[kind]
 
 
 @given(
-    b=st.integers(1, 2), hkv=st.integers(1, 2), group=st.sampled_from([1, 2, 4]),
-    lq=st.integers(1, 40), lk=st.integers(1, 40), d=st.sampled_from([8, 16, 32, 64]),
-    score=st.floats(0.5, 120.0), mask=st.sampled_from(["none", "causal", "window", "padding", "one_key", "global"]),
-    block=st.sampled_from([None, 4, 8]), lse_loss=st.booleans(), seed=st.integers(0, 2**16),
+    b=st.integers(1, 2),
+    hkv=st.integers(1, 2),
+    group=st.sampled_from([1, 2, 4]),
+    lq=st.integers(1, 40),
+    lk=st.integers(1, 40),
+    d=st.sampled_from([8, 16, 32, 64]),
+    score=st.floats(0.5, 120.0),
+    mask=st.sampled_from(["none", "causal", "window", "padding", "one_key", "global"]),
+    block=st.sampled_from([None, 4, 8]),
+    lse_loss=st.booleans(),
+    seed=st.integers(0, 2**16),
 )
-def test_explicit_backward_meets_the_rule_at_large_scores(b, hkv, group, lq, lk, d, score, mask, block, lse_loss,
-                                                           seed):
+def test_explicit_backward_meets_the_rule_at_large_scores(b, hkv, group, lq, lk, d, score, mask, block, lse_loss, seed):
     """The explicit path (the one a gradient of the lse takes) meets the rule for dq, dk and dv at any score
     magnitude, with the lse in the loss or not; small tiles make rows that several chunks cover."""
     q, k, v = _large_score_inputs(b, hkv, group, lq, lk, d, score, seed)
@@ -261,7 +304,10 @@ def test_explicit_backward_meets_the_rule_at_large_scores(b, hkv, group, lq, lk,
 
 
 @given(
-    lq=st.integers(1, 24), lk=st.integers(1, 24), score=st.floats(0.5, 100.0), lse_loss=st.booleans(),
+    lq=st.integers(1, 24),
+    lk=st.integers(1, 24),
+    score=st.floats(0.5, 100.0),
+    lse_loss=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_auto_with_a_loss_on_lse_meets_the_rule(lq, lk, score, lse_loss, seed):
@@ -296,16 +342,22 @@ FUSED_BOUND = ((4.0, 2.0), (16.0, 3.0), (64.0, 8.0))
 
 
 @given(
-    b=st.integers(1, 2), hkv=st.integers(1, 2), group=st.sampled_from([1, 2]),
-    lq=st.integers(1, 40), lk=st.integers(1, 40), d=st.sampled_from([8, 16, 32, 64]),
-    score=st.floats(0.2, 30.0), mask=st.sampled_from(["none", "causal", "padding", "one_key"]),
-    backend=st.sampled_from(["sdpa", "flash"]), seed=st.integers(0, 2**16),
+    b=st.integers(1, 2),
+    hkv=st.integers(1, 2),
+    group=st.sampled_from([1, 2]),
+    lq=st.integers(1, 40),
+    lk=st.integers(1, 40),
+    d=st.sampled_from([8, 16, 32, 64]),
+    score=st.floats(0.2, 30.0),
+    mask=st.sampled_from(["none", "causal", "padding", "one_key"]),
+    backend=st.sampled_from(["sdpa", "flash"]),
+    seed=st.integers(0, 2**16),
 )
 def test_fused_kernel_gradients_within_the_documented_bound(b, hkv, group, lq, lk, d, score, mask, backend, seed):
     import attnkit
 
     q, k, v = _large_score_inputs(b, hkv, group, lq, lk, d, score, seed)
-    smax = float((q[:, ::group] @ k.transpose(-1, -2)).abs().max()) / d ** 0.5
+    smax = float((q[:, ::group] @ k.transpose(-1, -2)).abs().max()) / d**0.5
     if smax >= FUSED_BOUND[-1][0]:
         return  # no bound is documented above
     factor = next(f for top, f in FUSED_BOUND if smax < top)

@@ -18,6 +18,7 @@ FILLS = [float("nan"), float("inf"), float("-inf")]
 def _flash(fused):
     def fn(q, k, v, **kw):
         return _flash_impl._run(make_call(q, k, v, **kw), fused=fused)
+
     return fn
 
 
@@ -96,8 +97,11 @@ def test_keys_past_a_top_left_causal_mask_are_hidden(backend, fill):
     bad_v[:, :, 5:] = fill
     got = _run(BACKENDS[backend], q, bad_k, bad_v, mask)
     for name, a, b in zip(("out", "dq", "dk", "dv"), (got[0], *got[2:]), (want[0], *want[2:])):
-        torch.testing.assert_close(a[..., :5, :] if name in ("dk", "dv") else a,
-                                   b[..., :5, :] if name in ("dk", "dv") else b, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            a[..., :5, :] if name in ("dk", "dv") else a,
+            b[..., :5, :] if name in ("dk", "dv") else b,
+            msg=lambda m: f"{name}: {m}",
+        )
     assert torch.equal(got[3][:, :, 5:], torch.zeros_like(got[3][:, :, 5:]))
     assert torch.equal(got[4][:, :, 5:], torch.zeros_like(got[4][:, :, 5:]))
 

@@ -28,7 +28,7 @@ def test_attend_chunk_meets_the_numerical_rule(dtype, hq, hkv, n, L, causal):
 
     def fn(q, k, v, mask=None):
         assert kernel.takes_chunk(q, k, v, mask=mask, bias=None, softcap=None)
-        return kernel.attend_chunk(q, k, v, scale=16 ** -0.5, causal=mask is not None)
+        return kernel.attend_chunk(q, k, v, scale=16**-0.5, causal=mask is not None)
 
     check_against_oracle(fn, q, k, v, mask=mask)
 
@@ -50,7 +50,7 @@ def test_gather_positions_copies_a_fragmented_sequence_in_position_order(L):
     table = [7, 8, 2, 3, 4, 11]  # runs (7, 2), (2, 3), (11, 1)
     want = torch.stack([pool[table[p // 4], :, p % 4] for p in range(L)], dim=1)  # (Hkv, L, D)
     out = torch.full((2, L, 8), float("nan"))
-    got = kernel.gather_positions(pool, kernel.block_runs(table[:-(-L // 4)]), L, out)
+    got = kernel.gather_positions(pool, kernel.block_runs(table[: -(-L // 4)]), L, out)
     assert got is out and torch.equal(got, want)
 
 
@@ -59,12 +59,15 @@ def _model(**over):
     return DecoderLM(DecoderConfig.preset("tiny", vocab_size=64, init_std=0.1, **over)).double().eval()
 
 
-@pytest.mark.parametrize("over, fused_calls", [
-    ({}, 4),  # bottom-right causal: the fused split kernel, 2 chunks x 2 layers
-    ({"n_kv_heads": 1}, 4),
-    ({"positions": "alibi"}, 0),  # a bias: attention() on the workspace copy
-    ({"n_layers": 2, "layer_masks": (masks.sliding_window(5), None)}, 2),  # the causal layer only
-])
+@pytest.mark.parametrize(
+    "over, fused_calls",
+    [
+        ({}, 4),  # bottom-right causal: the fused split kernel, 2 chunks x 2 layers
+        ({"n_kv_heads": 1}, 4),
+        ({"positions": "alibi"}, 0),  # a bias: attention() on the workspace copy
+        ({"n_layers": 2, "layer_masks": (masks.sliding_window(5), None)}, 2),  # the causal layer only
+    ],
+)
 def test_packed_forward_gives_each_sequence_its_logits_alone(over, fused_calls, monkeypatch):
     """Decode tokens of two sequences and chunks of two prompts (one fragmented across the pool, one long
     enough to grow the workspace) in one forward equal each sequence's forward alone."""
@@ -83,12 +86,12 @@ def test_packed_forward_gives_each_sequence_its_logits_alone(over, fused_calls, 
                 model(torch.tensor([toks[:n]]), cache=view, positions=view.positions(n))
         new = [1, 1, 8, 30]  # two decode tokens, a chunk after a 3-token prefix, a whole 30-token prompt
         packed = pool.packed(ids, new)
-        flat = [t for toks, n in zip(seqs, new) for t in toks[len(toks) - n:]]
+        flat = [t for toks, n in zip(seqs, new) for t in toks[len(toks) - n :]]
         got = model(torch.tensor([flat]), cache=packed, positions=packed.positions())[0]  # (T, V)
         o = 0
         for toks, n in zip(seqs, new):
-            alone = model(torch.tensor([toks]))[0, len(toks) - n:]
-            torch.testing.assert_close(got[o:o + n], alone, rtol=1e-9, atol=1e-9)
+            alone = model(torch.tensor([toks]))[0, len(toks) - n :]
+            torch.testing.assert_close(got[o : o + n], alone, rtol=1e-9, atol=1e-9)
             o += n
     assert [pool.length(s) for s in ids] == [len(t) for t in seqs]
     assert len(calls) == (fused_calls if kernel._fused_cpu() is not None else 0)

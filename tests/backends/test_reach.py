@@ -47,8 +47,11 @@ def _scaled(s, b, h, i, j, w):
 def test_flash_gives_gradients_to_tensors_reached_through_globals_methods_and_partials():
     holder = _Holder()
     w_partial = torch.tensor(0.9, dtype=torch.float64, requires_grad=True)
-    cases = [(W_GLOBAL, bias.from_fn(_shift_global)), (holder.w, bias.from_fn(holder.mod)),
-             (w_partial, bias.from_fn(functools.partial(_scaled, w=w_partial)))]
+    cases = [
+        (W_GLOBAL, bias.from_fn(_shift_global)),
+        (holder.w, bias.from_fn(holder.mod)),
+        (w_partial, bias.from_fn(functools.partial(_scaled, w=w_partial))),
+    ]
     for param, mod in cases:
         want = _grad_of(param, "math", mod, masks.sliding_window(7))
         got = _grad_of(param, "flash", mod, masks.sliding_window(7))
@@ -62,8 +65,11 @@ class _Unreachable:  # a class attribute: classes are not searched
 def test_a_tensor_flash_cannot_reach_is_refused_not_silently_dropped():
     mod = bias.from_fn(lambda s, b, h, i, j: s + _Unreachable.w * (i - j).to(s.dtype))
     q, k, v = _qkv()
-    with pytest.raises(ValueError, match=r"backend='flash' cannot take this call: the score modifier's function "
-                                         r"reads 1 tensor\(s\) that require grad"):
+    with pytest.raises(
+        ValueError,
+        match=r"backend='flash' cannot take this call: the score modifier's function "
+        r"reads 1 tensor\(s\) that require grad",
+    ):
         attnkit.attention(q, k, v, bias=mod, backend="flash")
     want = _grad_of(_Unreachable.w, "math", mod)
     assert torch.allclose(_grad_of(_Unreachable.w, "auto", mod), want)  # auto takes another backend
@@ -77,11 +83,13 @@ def test_gradcheck_of_a_global_parameter_through_flash():
 
     def fn(q, k, v):  # gradients w.r.t. q, k, v (W_GLOBAL's is checked against math above)
         return attnkit.attention(q, k, v, bias=mod, mask=masks.causal(), backend="flash")
+
     assert torch.autograd.gradcheck(fn, (q, k, v))
 
 
-@pytest.mark.parametrize("shape", [(40, 40), (40,), (4, 1, 40), (2, 1, 1, 40), (1, 1, 1, 1), (2, 4, 40, 40),
-                                   (1, 4, 40, 1)])
+@pytest.mark.parametrize(
+    "shape", [(40, 40), (40,), (4, 1, 40), (2, 1, 1, 40), (1, 1, 1, 1), (2, 4, 40, 40), (1, 4, 40, 1)]
+)
 def test_flash_gradient_of_a_broadcast_tensor_bias(shape):
     q, k, v = _qkv(b=2, hq=4, hkv=2)
     b = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).requires_grad_()
@@ -150,10 +158,16 @@ def test_bool_masks_of_one_and_zero_dims_broadcast_like_a_bias():
     want = attnkit.attention(q, k, v, mask=keys[None, None, None, :], backend="math")
     for backend in ("math", "sdpa", "flash"):
         assert torch.allclose(attnkit.attention(q, k, v, mask=keys, backend=backend), want, atol=1e-6)
-        assert torch.allclose(attnkit.attention(q, k, v, mask=torch.tensor(True), backend=backend),
-                              attnkit.attention(q, k, v, backend="math"), atol=1e-6)
-    with pytest.raises(TypeError, match=r"scale=tensor\(0.5000\) must be a Python number, not a tensor: pass "
-                                        r"float\(scale\)"):
+        assert torch.allclose(
+            attnkit.attention(q, k, v, mask=torch.tensor(True), backend=backend),
+            attnkit.attention(q, k, v, backend="math"),
+            atol=1e-6,
+        )
+    with pytest.raises(
+        TypeError,
+        match=r"scale=tensor\(0.5000\) must be a Python number, not a tensor: pass "
+        r"float\(scale\)",
+    ):
         attnkit.attention(q, k, v, scale=torch.tensor(0.5))
 
 
@@ -185,13 +199,15 @@ def test_flash_refuses_a_backward_after_what_the_mask_or_bias_reads_changed():
 
 def test_paged_attention_checks_the_block_ids_a_sequence_reads():
     from attnkit.cache import paged_attention
+
     q, pool = torch.randn(2, 4, 1, 16), torch.randn(5, 2, 8, 16)
     lens = torch.tensor([3, 9], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"block_table\[1, 1\] = 5 is not a block of the pool \[0, 5\)"):
         paged_attention(q, pool, pool, torch.tensor([[0, -1], [1, 5]], dtype=torch.int32), lens)
     with pytest.raises(ValueError, match=r"seq_lens holds -1"):
-        paged_attention(q, pool, pool, torch.tensor([[0, 2], [1, 3]], dtype=torch.int32),
-                        torch.tensor([-1, 9], dtype=torch.int32))
+        paged_attention(
+            q, pool, pool, torch.tensor([[0, 2], [1, 3]], dtype=torch.int32), torch.tensor([-1, 9], dtype=torch.int32)
+        )
     out = paged_attention(q, pool, pool, torch.tensor([[0, -1], [1, 3]], dtype=torch.int32), lens)  # -1 unread
     assert out.shape == (2, 4, 1, 16)
 
@@ -203,6 +219,7 @@ def test_a_rebound_tensor_never_reuses_an_old_plan(backend):
     from attnkit.backends import sdpa
     from attnkit.backends.flash import autograd as flash
     from attnkit.backends.flash import flash_attention
+
     global DOC_STEP
     run = flash_attention if backend == "flash" else functools.partial(attnkit.attention, backend="sdpa")
     g = torch.Generator().manual_seed(0)
@@ -217,7 +234,11 @@ def test_a_rebound_tensor_never_reuses_an_old_plan(backend):
             bad.append(step)
     assert not bad
     # and by construction: the memo holds the tensor its entry was built from
-    held = flash._PLANS[m].values() if backend == "flash" else [e[4:] for st in sdpa._DENSE_CACHE.values() for e in st.values()]
+    held = (
+        flash._PLANS[m].values()
+        if backend == "flash"
+        else [e[4:] for st in sdpa._DENSE_CACHE.values() for e in st.values()]
+    )
     assert any(DOC_STEP is t for entry in held for part in entry if isinstance(part, list) for t in part)
 
 
@@ -245,8 +266,10 @@ def test_tensors_of_a_bound_methods_module_and_of_a_global_slots_object_are_watc
     global SLOTS_DOCS
     SLOTS_DOCS = Docs(torch.zeros(64, dtype=torch.long))
     q, k, v = _qkv(lq=64, lk=64, dtype=torch.float32)
-    for m, t in ((masks.from_fn(packer.allowed), packer.doc),
-                 (masks.from_fn(lambda b, h, i, j: SLOTS_DOCS.ids[i] == SLOTS_DOCS.ids[j]), SLOTS_DOCS.ids)):
+    for m, t in (
+        (masks.from_fn(packer.allowed), packer.doc),
+        (masks.from_fn(lambda b, h, i, j: SLOTS_DOCS.ids[i] == SLOTS_DOCS.ids[j]), SLOTS_DOCS.ids),
+    ):
         attnkit.attention(q, k, v, mask=m, backend=backend)
         t.copy_(torch.arange(64) // 8)
         want = attnkit.attention(q, k, v, mask=t[:, None] == t[None, :], backend="math")
@@ -258,6 +281,7 @@ SLOTS_DOCS = None
 
 def test_public_flash_attention_refuses_an_unreachable_gradient_too():
     from attnkit.backends.flash import flash_attention
+
     q, k, v = _qkv(lq=8, lk=8)
     mod = bias.from_fn(lambda s, b, h, i, j: s + _Unreachable.w * (i - j).to(s.dtype))
     with pytest.raises(ValueError, match="flash_attention cannot take this call: the score modifier's function"):
@@ -267,6 +291,7 @@ def test_public_flash_attention_refuses_an_unreachable_gradient_too():
 def test_parameters_rewritten_in_place_by_the_model_are_not_a_false_error():
     """An embedding with max_norm renormalises its weight in place at each lookup; the bias (a bound method
     of the model) never reads it: two forwards, one backward must work on flash as on math."""
+
     class Model(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -323,13 +348,21 @@ def test_the_lse_gradient_of_a_one_key_row_is_kept():
     for a, b in zip(*grads):
         assert torch.allclose(a, b, atol=1e-9)
     q, k, v = _qkv(lq=4, lk=4, d=3)  # causal's first row sees one key; softcap takes the explicit path
-    fn = lambda q, k, v: attnkit.attention(q, k, v, mask=masks.causal(), softcap=30.0, return_lse=True,  # noqa: E731
-                                           backend="flash")
+    fn = lambda q, k, v: attnkit.attention(  # noqa: E731
+        q,
+        k,
+        v,
+        mask=masks.causal(),
+        softcap=30.0,
+        return_lse=True,
+        backend="flash",
+    )
     assert torch.autograd.gradcheck(fn, (q, k, v))
 
 
 def test_a_minus_inf_bias_on_the_fused_path_gives_empty_rows_lse_minus_inf():
     from attnkit.backends.flash import flash_attention
+
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 1, n, 8, generator=g) for n in (4, 12, 12))
     allowed = torch.zeros(4, 12, dtype=torch.bool)
@@ -337,8 +370,7 @@ def test_a_minus_inf_bias_on_the_fused_path_gives_empty_rows_lse_minus_inf():
     b = torch.zeros(4, 12)
     b[0, 0:4] = float("-inf")  # row 0: nothing in its first job
     b[1] = float("-inf")  # row 1: nothing at all
-    out, lse = flash_attention(q, k, v, mask=masks.from_dense(allowed), bias=b, block_q=4, block_k=4,
-                               return_lse=True)
+    out, lse = flash_attention(q, k, v, mask=masks.from_dense(allowed), bias=b, block_q=4, block_k=4, return_lse=True)
     want, want_lse = attnkit.attention(q, k, v, mask=allowed, bias=b, backend="math", return_lse=True)
     assert torch.allclose(out, want, atol=1e-5) and torch.allclose(lse, want_lse, atol=1e-5)
     assert lse[0, 0, 1] == float("-inf") and bool((out[0, 0, 1] == 0).all())
@@ -393,6 +425,7 @@ def test_a_value_derived_from_a_parameter_gets_the_gradient_once():
     gradient and autograd carries it to log_slope (both were inputs, so log_slope got the path twice:
     2x the gradient, or 'backward through the graph a second time'); a function reading both a parameter
     and a value computed from it is refused by flash, and auto takes math."""
+
     class Model(torch.nn.Module):
         def __init__(self, derive):
             super().__init__()
@@ -457,6 +490,7 @@ def test_checkpointing_frees_the_inputs_and_torch_func_uses_another_backend():
     """q, k, v went through the autograd Function's context, not save_for_backward: non-reentrant
     checkpointing could not free them; under torch.func transforms auto skips flash (no functorch rule)."""
     from torch.utils.checkpoint import checkpoint
+
     q, k, v = _qkv(lq=64, lk=64)
     inner = {}
 
@@ -484,6 +518,7 @@ def test_saved_tensor_hooks_and_module_attributes():
     it was saved; a module attribute the bias reads, reassigned by a second forward before the backward,
     gave silently wrong gradients (module tensors were not watched): now an error."""
     from torch.utils.checkpoint import checkpoint
+
     q, k, v = _qkv(lq=16, lk=16)
     w = torch.randn(1, 2, 16, 16, dtype=torch.float64, requires_grad=True)
 
@@ -525,8 +560,9 @@ def test_linear_subclasses_and_bool_likes_are_accepted():
 
     class CastedLinear(torch.nn.Linear):
         def forward(self, x):
-            return torch.nn.functional.linear(x, self.weight.to(x.dtype),
-                                              None if self.bias is None else self.bias.to(x.dtype))
+            return torch.nn.functional.linear(
+                x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype)
+            )
 
     mha = MultiHeadAttention(16, 2)
     mha.out_proj = CastedLinear(16, 16)

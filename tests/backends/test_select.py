@@ -14,6 +14,7 @@ from attnkit.backends.call import make_call
 
 def test_maskless_calls_pick_sdpa_without_planning(monkeypatch):
     """A decode step meets a new key length every time: auto must not plan the flash tiles for each one."""
+
     def no_planning(call):
         raise AssertionError("flash was weighed for a call with nothing to skip")
 
@@ -39,11 +40,18 @@ def test_maskless_calls_pick_sdpa_without_planning(monkeypatch):
 
 
 EMPTY_MASKS = {
-    "none": lambda: None, "causal": M.causal, "causal_top_left": lambda: M.causal(align="top_left"),
-    "sliding_window": lambda: M.sliding_window(3), "two_sided_window": lambda: M.sliding_window(None, None),
-    "prefix_lm": lambda: M.prefix_lm(2), "block_local": lambda: M.block_local(2), "strided": lambda: M.strided(2),
-    "global_tokens": lambda: M.global_tokens([0]), "random_blocks": lambda: M.random_blocks(2, 1),
-    "from_fn": lambda: M.from_fn(lambda b, h, i, j: i >= j), "combined": lambda: M.causal() & M.sliding_window(2),
+    "none": lambda: None,
+    "causal": M.causal,
+    "causal_top_left": lambda: M.causal(align="top_left"),
+    "sliding_window": lambda: M.sliding_window(3),
+    "two_sided_window": lambda: M.sliding_window(None, None),
+    "prefix_lm": lambda: M.prefix_lm(2),
+    "block_local": lambda: M.block_local(2),
+    "strided": lambda: M.strided(2),
+    "global_tokens": lambda: M.global_tokens([0]),
+    "random_blocks": lambda: M.random_blocks(2, 1),
+    "from_fn": lambda: M.from_fn(lambda b, h, i, j: i >= j),
+    "combined": lambda: M.causal() & M.sliding_window(2),
 }
 
 
@@ -58,6 +66,7 @@ def _empty_refusal(backend, lse_too):
         return "split-KV decoding computes no gradients"
     if backend == "triton":  # (CPU tensors: triton runs them only under TRITON_INTERPRET=1)
         from attnkit.backends import triton
+
         return triton._device_reason(torch.device("cpu"))
     return None
 
@@ -65,8 +74,15 @@ def _empty_refusal(backend, lse_too):
 def test_empty_shapes_give_zeros_and_minus_inf_on_every_backend_and_explain_answers():
     """Lq=0, Lk=0 (one query and no keys: a decode step on an empty cache), B=0, H=0, with every mask: zeros and
     lse -inf from auto and each backend that takes the call, and explain says which backend would run."""
-    for B, H, Lq, Lk in [(1, 1, 1, 0), (2, 2, 3, 0), (1, 1, 0, 0), (1, 2, 0, 4), (0, 2, 1, 0), (0, 2, 2, 2),
-                         (1, 0, 2, 2)]:
+    for B, H, Lq, Lk in [
+        (1, 1, 1, 0),
+        (2, 2, 3, 0),
+        (1, 1, 0, 0),
+        (1, 2, 0, 4),
+        (0, 2, 1, 0),
+        (0, 2, 2, 2),
+        (1, 0, 2, 2),
+    ]:
         q = torch.randn(B, H, Lq, 8, requires_grad=True)
         k = torch.randn(B, max(H, 1), Lk, 8)
         v = torch.randn(B, max(H, 1), Lk, 4)
@@ -103,8 +119,12 @@ def test_select_and_explain_read_one_rule_list(monkeypatch):
     """auto's policy is one ordered list (AUTO_RULES): without its 'nothing to skip' rule, select weighs the
     costs for a maskless decode step, and explain says so instead of 'not weighed'."""
     q, k = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 16, 8)
-    assert [r.name for r in backends.AUTO_RULES] == ["decode-sized CPU call", "dynamic length", "nothing to skip",
-                                                     "cheapest"]
+    assert [r.name for r in backends.AUTO_RULES] == [
+        "decode-sized CPU call",
+        "dynamic length",
+        "nothing to skip",
+        "cheapest",
+    ]
     before = backends.explain(q, k, k)
     assert "not weighed: without mask or bias there is nothing to skip" in before
     monkeypatch.setattr(backends, "AUTO_RULES", tuple(r for r in backends.AUTO_RULES if r.name != "nothing to skip"))

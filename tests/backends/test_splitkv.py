@@ -32,9 +32,18 @@ MODS = {
 }
 
 
-@given(b=st.integers(1, 2), hkv=st.integers(1, 2), g=st.sampled_from([1, 2, 4]), lq=st.integers(1, 3),
-       lk=st.integers(0, 300), mask=st.sampled_from(sorted(MASKS)), mod=st.sampled_from(sorted(MODS)),
-       dtype=st.sampled_from([torch.float32, torch.float64]), lse=st.booleans(), seed=st.integers(0, 2**16))
+@given(
+    b=st.integers(1, 2),
+    hkv=st.integers(1, 2),
+    g=st.sampled_from([1, 2, 4]),
+    lq=st.integers(1, 3),
+    lk=st.integers(0, 300),
+    mask=st.sampled_from(sorted(MASKS)),
+    mod=st.sampled_from(sorted(MODS)),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    lse=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_exact_within_the_rule_against_the_float64_oracle(b, hkv, g, lq, lk, mask, mod, dtype, lse, seed):
     """Every mask that applies to decoding, score modifiers, sinks, grouped heads, empty rows and empty caches;
     small chunks (and few pieces) so that the split, the shorter last chunk and the merge all run."""
@@ -111,16 +120,29 @@ def test_auto_picks_it_for_a_long_cpu_decode_call_and_explain_says_why():
     assert "computes no gradients" in backends.explain(with_grad, k, v)
 
 
-@pytest.mark.parametrize("make", [lambda: StaticCache(1, max_len=6000, batch_size=1, n_kv_heads=2, d_head=32),
-                                  lambda: SlidingWindowCache(1, window=5000, batch_size=1, n_kv_heads=2, d_head=32)])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: StaticCache(1, max_len=6000, batch_size=1, n_kv_heads=2, d_head=32),
+        lambda: SlidingWindowCache(1, window=5000, batch_size=1, n_kv_heads=2, d_head=32),
+    ],
+)
 def test_static_and_sliding_caches_reach_it_through_their_attention(make, monkeypatch):
     monkeypatch.setattr(_splitkv, "MIN_KEYS", 4096)
     calls = []
     real = _splitkv.run
     entry = backends._REGISTRY["splitkv"]
-    monkeypatch.setitem(backends._REGISTRY, "splitkv",
-                        backends.Backend(entry.name, lambda call: calls.append(call.kv_len) or real(call),
-                                         entry.check, entry.cost, description=entry.description))
+    monkeypatch.setitem(
+        backends._REGISTRY,
+        "splitkv",
+        backends.Backend(
+            entry.name,
+            lambda call: calls.append(call.kv_len) or real(call),
+            entry.check,
+            entry.cost,
+            description=entry.description,
+        ),
+    )
     backends._PICKS.clear()
     cache = make()
     layer = cache.layers[0]
@@ -143,8 +165,16 @@ def test_bfloat16_within_the_rule():
         check_against_oracle(splitkv, q, k, v, mask=masks.sliding_window(3000), grad=False)
 
 
-@pytest.mark.parametrize("kw", [{}, {"mask": masks.sliding_window(3000)}, {"softcap": 3.0},
-                                {"bias": bias.alibi(bias.alibi_slopes(8))}, {"sinks": "sinks"}])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"mask": masks.sliding_window(3000)},
+        {"softcap": 3.0},
+        {"bias": bias.alibi(bias.alibi_slopes(8))},
+        {"sinks": "sinks"},
+    ],
+)
 def test_the_paged_decode_path_takes_a_long_sequence_split_over_its_blocks(kw, monkeypatch):
     """A sequence whose blocks are consecutive, long enough: paged_attention reads its blocks in place, each
     one a chunk merged by log-sum-exp; the result is the oracle's on the gathered keys within the rule."""
@@ -173,9 +203,9 @@ def test_the_paged_decode_path_takes_a_long_sequence_split_over_its_blocks(kw, m
     assert calls == [1]
     assert bool((out[1] == 0).all())
     for b in (0, 2):
-        ks = k_pool[table[b, :nb[b]].long()].transpose(0, 1).reshape(1, 2, -1, 32)[:, :, :lens[b]]
-        vs = v_pool[table[b, :nb[b]].long()].transpose(0, 1).reshape(1, 2, -1, 32)[:, :, :lens[b]]
-        check_against_oracle(lambda *a, **k2: out[b:b + 1], q[b:b + 1], ks, vs, grad=False, **kw)
+        ks = k_pool[table[b, : nb[b]].long()].transpose(0, 1).reshape(1, 2, -1, 32)[:, :, : lens[b]]
+        vs = v_pool[table[b, : nb[b]].long()].transpose(0, 1).reshape(1, 2, -1, 32)[:, :, : lens[b]]
+        check_against_oracle(lambda *a, **k2: out[b : b + 1], q[b : b + 1], ks, vs, grad=False, **kw)
 
 
 def test_a_paged_cache_decode_step_of_a_long_sequence_takes_it(monkeypatch):

@@ -46,6 +46,7 @@ def case(name: str):
     def register(fn):
         CASES[name] = fn
         return fn
+
     return register
 
 
@@ -71,18 +72,36 @@ _MASKS = {
     "causal-top-left": (lambda: masks.causal(align="top_left"), 1, 1, 21, 45, "fp16"),
     "sliding-window": (lambda: masks.sliding_window(6, 2), 1, 1, 45, 45, "fp32"),
     "sliding-window-left-unbounded": (lambda: masks.sliding_window(None, 3), 1, 1, 33, 40, "bf16"),
-    "document-causal-batched": (lambda: masks.document(_ids([9, 20, 11], batch=2)) & masks.causal(),
-                                2, 1, 40, 40, "fp32"),
+    "document-causal-batched": (
+        lambda: masks.document(_ids([9, 20, 11], batch=2)) & masks.causal(),
+        2,
+        1,
+        40,
+        40,
+        "fp32",
+    ),
     "document-cross": (lambda: masks.document(_ids([10, 13]), _ids([20, 17])), 1, 1, 23, 37, "bf16"),
     "prefix-lm": (lambda: masks.prefix_lm(11), 1, 1, 37, 37, "fp16"),
     "key-padding-lengths": (lambda: masks.key_padding([30, 12]) & masks.causal(), 2, 1, 33, 33, "fp32"),
-    "key-padding-bool": (lambda: masks.key_padding(torch.rand(2, 35, generator=torch.Generator().manual_seed(1))
-                                                   > 0.3), 2, 1, 20, 35, "bf16"),
+    "key-padding-bool": (
+        lambda: masks.key_padding(torch.rand(2, 35, generator=torch.Generator().manual_seed(1)) > 0.3),
+        2,
+        1,
+        20,
+        35,
+        "bf16",
+    ),
     "strided": (lambda: masks.strided(4), 1, 1, 37, 37, "fp16"),
     "random-blocks": (lambda: masks.random_blocks(8, 2, seed=3), 1, 1, 40, 40, "fp32"),
     "from-fn": (lambda: masks.from_fn(lambda b, h, q, k: (q + 2 * k) % 3 != 0, name="mod3"), 1, 1, 30, 35, "bf16"),
-    "from-dense-per-head": (lambda: masks.from_dense(torch.rand(1, 2, 29, 35, generator=torch.Generator()
-                                                                .manual_seed(2)) > 0.5), 1, 2, 29, 35, "fp16"),
+    "from-dense-per-head": (
+        lambda: masks.from_dense(torch.rand(1, 2, 29, 35, generator=torch.Generator().manual_seed(2)) > 0.5),
+        1,
+        2,
+        29,
+        35,
+        "fp16",
+    ),
     "not-causal": (lambda: ~masks.causal(), 1, 1, 33, 33, "fp32"),
     "window-or-global": (lambda: masks.sliding_window(3, 3) | masks.global_tokens([0, 20]), 1, 1, 37, 37, "bf16"),
     "causal-and-strided": (lambda: masks.causal() & masks.strided(5, causal=False), 1, 1, 37, 37, "fp16"),
@@ -96,6 +115,7 @@ def _mask_case(name):
     def run():
         q, k, v = _qkv(B=B, Hq=Hq, Lq=Lq, Lk=Lk, dtype=DTYPES[dt])
         check_against_oracle(_triton, q, k, v, mask=make())
+
     return run
 
 
@@ -111,8 +131,15 @@ def _():
     q, k, v = _qkv(Hq=4, Hkv=2, Lq=35, Lk=36, D=16, dtype=torch.float32)
 
     def packed(q, k, v, mask):  # (1, H, T, D) views of the packed (T, H, D) tensors
-        out = attnkit.attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu_q, cu_k,
-                                       mask=masks.causal(), backend="triton")
+        out = attnkit.attention_varlen(
+            q[0].transpose(0, 1),
+            k[0].transpose(0, 1),
+            v[0].transpose(0, 1),
+            cu_q,
+            cu_k,
+            mask=masks.causal(),
+            backend="triton",
+        )
         return out.transpose(0, 1)[None]
 
     check_against_oracle(packed, q, k, v, mask=masks.varlen(cu_q, cu_k, masks.causal()))
@@ -150,8 +177,9 @@ def _sinks_case(dtype, mask, Hq, Hkv, return_lse):
 
 CASES["sinks-gqa-causal-fp32-lse"] = lambda: _sinks_case(torch.float32, masks.causal(), 4, 2, True)
 CASES["sinks-window-fp16"] = lambda: _sinks_case(torch.float16, masks.sliding_window(5), 2, 1, False)
-CASES["sinks-empty-rows-bf16"] = lambda: _sinks_case(torch.bfloat16, masks.causal(align="top_left") &
-                                                     masks.key_padding([12]), 2, 2, True)
+CASES["sinks-empty-rows-bf16"] = lambda: _sinks_case(
+    torch.bfloat16, masks.causal(align="top_left") & masks.key_padding([12]), 2, 2, True
+)
 
 
 for _D in (16, 256):  # and D=40, Dv=24 in "odd-lengths-and-head-dims"
@@ -233,8 +261,11 @@ def _():
         g = torch.Generator().manual_seed(5)
         go, gl = torch.randn(out.shape, generator=g), torch.randn(lse.shape, generator=g)
         grads = {}
-        for name, dtype, backend in (("kernel", dt, "triton"), ("oracle", torch.float64, "math"),
-                                     ("naive", dt, "math")):
+        for name, dtype, backend in (
+            ("kernel", dt, "triton"),
+            ("oracle", torch.float64, "math"),
+            ("naive", dt, "math"),
+        ):
             leaves = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
             o, ls = attnkit.attention(*leaves, mask=mask, return_lse=True, backend=backend)
             ((o.double() * go.double()).sum() + (ls.double() * gl.double()).sum()).backward()
@@ -267,8 +298,10 @@ def _():
             out.float().sum().backward()
             runs.append([out, *(t.grad for t in leaves)])
         for clean, dirty in zip(*runs):
-            assert torch.equal(clean[..., :32, :] if clean.shape[-2] == 64 else clean,
-                               dirty[..., :32, :] if dirty.shape[-2] == 64 else dirty)
+            assert torch.equal(
+                clean[..., :32, :] if clean.shape[-2] == 64 else clean,
+                dirty[..., :32, :] if dirty.shape[-2] == 64 else dirty,
+            )
         assert (runs[1][2][:, :, 32:] == 0).all() and (runs[1][3][:, :, 32:] == 0).all()
 
 
@@ -303,13 +336,23 @@ def _paged_case(dtype, B=3, Hq=4, Hkv=2, D=24, Dv=16, page=8, lens=(37, 1, 20), 
         v_pool = torch.zeros(B * n_pages + 3, Hkv, page, Dv, dtype=dtype)
         for b in range(B):
             for j in range(n_pages):
-                k_pool[table[b, j]] = k[b, :, j * page:(j + 1) * page]
-                v_pool[table[b, j]] = v[b, :, j * page:(j + 1) * page]
+                k_pool[table[b, j]] = k[b, :, j * page : (j + 1) * page]
+                v_pool[table[b, j]] = v[b, :, j * page : (j + 1) * page]
         if splits is None:
             return tb.paged_decode(q, k_pool, v_pool, table, lens, bias=bias, softcap=softcap)
         slopes = bias.slopes if isinstance(bias, biases.ScoreMod) else None
-        return tb._paged_decode(q, k_pool, v_pool, table, lens, scale=D ** -0.5, softcap=softcap, slopes=slopes,
-                                bias=bias if isinstance(bias, torch.Tensor) else None, num_splits=splits)
+        return tb._paged_decode(
+            q,
+            k_pool,
+            v_pool,
+            table,
+            lens,
+            scale=D**-0.5,
+            softcap=softcap,
+            slopes=slopes,
+            bias=bias if isinstance(bias, torch.Tensor) else None,
+            num_splits=splits,
+        )
 
     out = paged(q, k, v, None, **kwargs)
     assert out.shape == (B, Hq, 1, Dv) and out.dtype == dtype
@@ -397,8 +440,11 @@ def _garbage_case(mask_fn, fill, softcap=None):
     B, Hq, Hkv, L, D = 2, 4, 2, 35, 16
     lengths = [21, 35]
     g = torch.Generator().manual_seed(3)
-    q, k, v = torch.randn(B, Hq, L, D, generator=g), torch.randn(B, Hkv, L, D, generator=g), \
-        torch.randn(B, Hkv, L, D, generator=g)
+    q, k, v = (
+        torch.randn(B, Hq, L, D, generator=g),
+        torch.randn(B, Hkv, L, D, generator=g),
+        torch.randn(B, Hkv, L, D, generator=g),
+    )
     junk = (torch.arange(L)[None, :] >= torch.tensor(lengths)[:, None])[:, None, :, None].expand(B, Hkv, L, D)
     k, v = k.masked_fill(junk, 0.0), v.masked_fill(junk, 0.0)
     results = []
@@ -418,7 +464,9 @@ for _fill in ("nan", "inf", "-inf"):
     CASES[f"garbage-{_fill}-key-padding"] = (lambda f: lambda: _garbage_case(masks.key_padding, float(f)))(_fill)
 CASES["garbage-nan-bool-key-mask-causal-softcap"] = lambda: _garbage_case(
     lambda n: masks.key_padding(torch.arange(35)[None, :] < torch.tensor(n)[:, None]) & masks.causal(),
-    float("nan"), softcap=4.0)
+    float("nan"),
+    softcap=4.0,
+)
 
 
 # ------------------------------------------------------------------------- run by the interpreter child
@@ -436,12 +484,42 @@ def test_kernel_case(name, interpreted):
 # passes (TTIR, TTGIR), which reject what the interpreter lets through (types that differ between branches,
 # non-constexpr shapes, ...), and then asks the backend about CPU tensors with TRITON_INTERPRET set too late.
 
-_POINTERS = {"Lse": "*fp32", "Delta": "*fp32", "DQ": "*fp32", "DK": "*fp32", "DV_": "*fp32", "Count": "*i32",
-             "Index": "*i32", "TileId": "*i32", "Bitmap": "*i32", "Slopes": "*fp32", "Bias": "*fp32", "QDoc": "*i64",
-             "KDoc": "*i64", "KeyLen": "*i64", "BlockTable": "*i32", "SeqLens": "*i32", "PartOut": "*fp32",
-             "PartLse": "*fp32", "scale": "fp32", "softcap": "fp32"}
-_FLAGS = ("HAS_SOFTCAP", "HAS_ALIBI", "HAS_BIAS", "HAS_LO", "HAS_HI", "HAS_PREFIX", "HAS_DOC", "HAS_KEYLEN",
-          "HAS_BITMAP", "EVEN_N", "ALIBI_AT_END", "SPLIT")
+_POINTERS = {
+    "Lse": "*fp32",
+    "Delta": "*fp32",
+    "DQ": "*fp32",
+    "DK": "*fp32",
+    "DV_": "*fp32",
+    "Count": "*i32",
+    "Index": "*i32",
+    "TileId": "*i32",
+    "Bitmap": "*i32",
+    "Slopes": "*fp32",
+    "Bias": "*fp32",
+    "QDoc": "*i64",
+    "KDoc": "*i64",
+    "KeyLen": "*i64",
+    "BlockTable": "*i32",
+    "SeqLens": "*i32",
+    "PartOut": "*fp32",
+    "PartLse": "*fp32",
+    "scale": "fp32",
+    "softcap": "fp32",
+}
+_FLAGS = (
+    "HAS_SOFTCAP",
+    "HAS_ALIBI",
+    "HAS_BIAS",
+    "HAS_LO",
+    "HAS_HI",
+    "HAS_PREFIX",
+    "HAS_DOC",
+    "HAS_KEYLEN",
+    "HAS_BITMAP",
+    "EVEN_N",
+    "ALIBI_AT_END",
+    "SPLIT",
+)
 
 
 def _compile_main(out_path: str) -> None:
@@ -454,15 +532,27 @@ def _compile_main(out_path: str) -> None:
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
     results = {"interpreted": K.INTERPRETED}
-    meta = dict(D=64, DV=64, BLOCK_D=64, BLOCK_DV=64, BLOCK_M=64, BLOCK_N=64, WORDS=2, BLOCK_G=16, BLOCK_S=16,
-                EMULATE_BF16=False, PRECISION="tf32")
+    meta = dict(
+        D=64,
+        DV=64,
+        BLOCK_D=64,
+        BLOCK_DV=64,
+        BLOCK_M=64,
+        BLOCK_N=64,
+        WORDS=2,
+        BLOCK_G=16,
+        BLOCK_S=16,
+        EMULATE_BF16=False,
+        PRECISION="tf32",
+    )
     for name in ("_attn_fwd", "_attn_bwd_dq", "_attn_bwd_dkdv", "_paged_decode", "_paged_combine"):
         fn = getattr(K, name)
         for on in (False, True):
             constexprs = {a: (on if a in _FLAGS else meta[a]) for a in fn.arg_names if a in _FLAGS or a in meta}
             data = {a: "*bf16" for a in ("Q", "K", "V", "Out", "DO", "KPool", "VPool")}
-            signature = {a: "constexpr" if a in constexprs else _POINTERS.get(a, data.get(a, "i32"))
-                         for a in fn.arg_names}
+            signature = {
+                a: "constexpr" if a in constexprs else _POINTERS.get(a, data.get(a, "i32")) for a in fn.arg_names
+            }
             try:
                 src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
                 options = backend.parse_options({"num_warps": 4, "num_stages": 2})
@@ -471,8 +561,9 @@ def _compile_main(out_path: str) -> None:
                 context = ir.context()
                 ir.load_dialects(context)
                 backend.load_dialects(context)
-                module = src.make_ir(target, options, backend.get_codegen_implementation(options),
-                                     backend.get_module_map(), context)
+                module = src.make_ir(
+                    target, options, backend.get_codegen_implementation(options), backend.get_module_map(), context
+                )
                 metadata = {"hash": "0", "target": target, **options.__dict__}
                 for stage in ("ttir", "ttgir"):
                     module = stages[stage](module, metadata)
@@ -491,8 +582,9 @@ def compiled():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "compiled.json"
-        proc = subprocess.run([sys.executable, __file__, "--compile", str(out)], env=env, capture_output=True,
-                              text=True, timeout=500)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--compile", str(out)], env=env, capture_output=True, text=True, timeout=500
+        )
         if proc.returncode != 0 or not out.exists():
             pytest.fail(f"the compiler child failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
         return json.loads(out.read_text())
@@ -525,15 +617,18 @@ def test_cpu_without_interpreter_is_declined_without_importing_triton(monkeypatc
             attnkit.attention(q, q, q, backend="triton")
 
 
-@pytest.mark.parametrize("kwargs, dtype, expected", [
-    ({}, torch.float64, "float64 is not supported"),
-    ({"dropout_p": 0.1}, torch.float32, "no dropout"),
-    ({"bias": biases.from_fn(lambda s, b, h, q, k: s * 2)}, torch.float32, "not computed by the Triton kernels"),
-    ({"bias": biases.relative_buckets(torch.zeros(2, 8))}, torch.float32, "not computed by the Triton kernels"),
-    ({"bias": biases.alibi(torch.ones(2, requires_grad=True))}, torch.float32, "learnable ALiBi slopes"),
-    ({"bias": torch.zeros(8, 8, requires_grad=True)}, torch.float32, "bias gradient"),
-    ({"bias": biases.temperature(2.0), "softcap": 3.0}, torch.float32, "temperature after a softcap"),
-])
+@pytest.mark.parametrize(
+    "kwargs, dtype, expected",
+    [
+        ({}, torch.float64, "float64 is not supported"),
+        ({"dropout_p": 0.1}, torch.float32, "no dropout"),
+        ({"bias": biases.from_fn(lambda s, b, h, q, k: s * 2)}, torch.float32, "not computed by the Triton kernels"),
+        ({"bias": biases.relative_buckets(torch.zeros(2, 8))}, torch.float32, "not computed by the Triton kernels"),
+        ({"bias": biases.alibi(torch.ones(2, requires_grad=True))}, torch.float32, "learnable ALiBi slopes"),
+        ({"bias": torch.zeros(8, 8, requires_grad=True)}, torch.float32, "bias gradient"),
+        ({"bias": biases.temperature(2.0), "softcap": 3.0}, torch.float32, "temperature after a softcap"),
+    ],
+)
 def test_check_names_what_it_declines(monkeypatch, kwargs, dtype, expected):
     # these reasons come before any device question, so no triton import is needed to reach them...
     monkeypatch.setattr(tb, "_device_reason", lambda device: None)
@@ -626,8 +721,13 @@ def _eval_predicates(p: plan.Predicates, b, q, k):
     return ok
 
 
-@given(kind=st.integers(0, len(_PLAN_MASKS) - 1), L=st.integers(9, 40), shrink=st.integers(0, 8),
-       bm=st.sampled_from([4, 8, 16]), bn=st.sampled_from([4, 8, 16, 48]))
+@given(
+    kind=st.integers(0, len(_PLAN_MASKS) - 1),
+    L=st.integers(9, 40),
+    shrink=st.integers(0, 8),
+    bm=st.sampled_from([4, 8, 16]),
+    bn=st.sampled_from([4, 8, 16, 48]),
+)
 def test_tile_lists_with_predicates_or_bitmaps_rebuild_the_mask(kind, L, shrink, bm, bn):
     Lq, Lk = L - shrink * (kind != 3), L  # documents keep Lq == Lk
     B, H = 2, 2
@@ -658,8 +758,12 @@ def test_tile_lists_with_predicates_or_bitmaps_rebuild_the_mask(kind, L, shrink,
     assert torch.equal(rebuilt, dense)
 
 
-@given(kind=st.integers(0, len(_PLAN_MASKS) - 1), L=st.integers(9, 40), bm=st.sampled_from([4, 8, 16]),
-       bn=st.sampled_from([4, 8, 16]))
+@given(
+    kind=st.integers(0, len(_PLAN_MASKS) - 1),
+    L=st.integers(9, 40),
+    bm=st.sampled_from([4, 8, 16]),
+    bn=st.sampled_from([4, 8, 16]),
+)
 def test_transposed_lists_hold_the_same_tiles(kind, L, bm, bn):
     mask = _PLAN_MASKS[kind](L, L)
     lists = plan.tile_lists(mask.block_structure(L, L, bm, bn, batch=2, heads=2))
@@ -705,8 +809,13 @@ def test_predicates_cover_the_built_in_masks_and_only_those():
     assert plan.predicates(masks.prefix_lm(3), 10, 10, cpu).prefix == (0, 3)
     assert plan.predicates(masks.key_padding([5]), 6, 10, cpu).key_lengths.tolist() == [5]
     assert plan.predicates(masks.sliding_window(2, 1, align="top_left"), 6, 10, cpu).lo_off == -2
-    for m in (masks.causal() | masks.prefix_lm(2), ~masks.causal(), masks.block_local(4), masks.prefix_lm(2)
-              & masks.prefix_lm(3), masks.from_fn(lambda b, h, q, k: q >= k)):
+    for m in (
+        masks.causal() | masks.prefix_lm(2),
+        ~masks.causal(),
+        masks.block_local(4),
+        masks.prefix_lm(2) & masks.prefix_lm(3),
+        masks.from_fn(lambda b, h, q, k: q >= k),
+    ):
         assert plan.predicates(m, 10, 10, cpu) is None
 
 

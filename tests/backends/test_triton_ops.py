@@ -50,8 +50,19 @@ def _op_args(q, k, v, sinks=None, **kwargs):
 
     call = make_call(q, k, v, sinks=sinks, **kwargs)
     mask_key, mask_tensors, bias_t, mod_key, mod_tensors = op_arguments(call)
-    return (q, k, v, mask_key, mask_tensors, bias_t, mod_key, mod_tensors, call.sinks, float(call.scale),
-            float(call.softcap or 0.0))
+    return (
+        q,
+        k,
+        v,
+        mask_key,
+        mask_tensors,
+        bias_t,
+        mod_key,
+        mod_tensors,
+        call.sinks,
+        float(call.scale),
+        float(call.softcap or 0.0),
+    )
 
 
 # ------------------------------------------------------------------------------------------ opcheck
@@ -61,8 +72,9 @@ _OPCHECK = {
     "causal-sinks": lambda L: dict(mask=M.causal(), sinks=torch.randn(2).requires_grad_()),
     "sliding-window-alibi": lambda L: dict(mask=M.causal() & M.sliding_window(9), bias=B.alibi(B.alibi_slopes(2))),
     "document-softcap": lambda L: dict(mask=M.document(_ids(L)) & M.causal(), softcap=3.0),
-    "tensor-mask-and-bias": lambda L: dict(mask=torch.rand(L, L, generator=torch.Generator().manual_seed(1)) > 0.4,
-                                           bias=torch.randn(1, 2, L, L)),
+    "tensor-mask-and-bias": lambda L: dict(
+        mask=torch.rand(L, L, generator=torch.Generator().manual_seed(1)) > 0.4, bias=torch.randn(1, 2, L, L)
+    ),
 }
 
 
@@ -70,6 +82,7 @@ def _opcheck_forward(name):
     def run():
         q, k, v = _qkv()
         torch.library.opcheck(torch.ops.attnkit.triton_forward.default, _op_args(q, k, v, **_OPCHECK[name](40)))
+
     return run
 
 
@@ -87,8 +100,9 @@ def _():
     g = torch.Generator().manual_seed(3)
     dout, dlse = torch.randn(out.shape, generator=g), torch.randn(lse.shape, generator=g)
     for dl, sinks_grad in ((dlse, True), (None, False)):
-        torch.library.opcheck(torch.ops.attnkit.triton_backward.default,
-                              (dout, dl, q, k, v, out, lse, *args[3:], sinks_grad))
+        torch.library.opcheck(
+            torch.ops.attnkit.triton_backward.default, (dout, dl, q, k, v, out, lse, *args[3:], sinks_grad)
+        )
 
 
 # --------------------------------------------------------------------------------- torch.compile
@@ -144,8 +158,9 @@ _COMPILE = {
 }
 
 for _name in _COMPILE:
-    CASES[f"compile-{_name}"] = (lambda name: lambda: _compiled_matches_eager(
-        _COMPILE[name](40), oracle=name == "sinks-return-lse"))(_name)
+    CASES[f"compile-{_name}"] = (
+        lambda name: lambda: _compiled_matches_eager(_COMPILE[name](40), oracle=name == "sinks-return-lse")
+    )(_name)
 
 
 @case("fixed-shape-loop-neither-recompiles-nor-replans")
@@ -195,8 +210,9 @@ def _():
         kw = dict(mask=M.causal() & M.sliding_window(9))
         lines = backends.explain(q, k, v, **kw).splitlines()
         assert lines[0].startswith("auto picks 'triton'"), lines
-        assert lines[-1] == ("under torch.compile auto picks 'triton' too (as the custom operators "
-                             "attnkit::triton_forward/backward)"), lines
+        assert lines[-1] == (
+            "under torch.compile auto picks 'triton' too (as the custom operators attnkit::triton_forward/backward)"
+        ), lines
         assert _graph_code(attnkit.attention, q, k, v, **kw).count("attnkit.triton_forward") == 1
         compiled = torch.compile(attnkit.attention, fullgraph=True, backend="aot_eager")
         torch.testing.assert_close(compiled(q, k, v, **kw), attnkit.attention(q, k, v, backend="triton", **kw))

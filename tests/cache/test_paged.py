@@ -26,13 +26,16 @@ def _gathered(pool, table, n):
     return torch.stack(rows, dim=1)[None]
 
 
-@pytest.mark.parametrize("mask,bias,softcap", [
-    (None, None, None),
-    (masks.causal(), B_.alibi(B_.alibi_slopes(4).double()), None),
-    (masks.sliding_window(3), B_.relative_buckets(torch.randn(4, 8, dtype=F64), bidirectional=False), 2.0),
-    (masks.causal() & masks.sliding_window(4), None, None),  # combinations of positional masks: the pool path
-    ((masks.sliding_window(2) | masks.prefix_lm(2)) & ~masks.block_local(5), None, None),
-])
+@pytest.mark.parametrize(
+    "mask,bias,softcap",
+    [
+        (None, None, None),
+        (masks.causal(), B_.alibi(B_.alibi_slopes(4).double()), None),
+        (masks.sliding_window(3), B_.relative_buckets(torch.randn(4, 8, dtype=F64), bidirectional=False), 2.0),
+        (masks.causal() & masks.sliding_window(4), None, None),  # combinations of positional masks: the pool path
+        ((masks.sliding_window(2) | masks.prefix_lm(2)) & ~masks.block_local(5), None, None),
+    ],
+)
 @pytest.mark.parametrize("lq", [1, 3])
 @pytest.mark.parametrize("layout,hq", [("block", 4), ("head", 4), ("head", 2)])
 def test_paged_attention_equals_attention_on_gathered(mask, bias, softcap, lq, layout, hq):
@@ -42,8 +45,11 @@ def test_paged_attention_equals_attention_on_gathered(mask, bias, softcap, lq, l
     if layout == "head":
         k_pool, v_pool = (t.transpose(0, 1).contiguous().transpose(0, 1) for t in (k_pool, v_pool))
     if hq == 2 and bias is not None:
-        bias = B_.alibi(B_.alibi_slopes(2).double()) if mask is not None and softcap is None else \
-            B_.relative_buckets(torch.randn(2, 8, dtype=F64), bidirectional=False)
+        bias = (
+            B_.alibi(B_.alibi_slopes(2).double())
+            if mask is not None and softcap is None
+            else B_.relative_buckets(torch.randn(2, 8, dtype=F64), bidirectional=False)
+        )
     table = torch.tensor([[3, 5, 9], [1, 0, 0], [7, 2, 4]], dtype=torch.int32)
     lens = torch.tensor([9, 3, 12], dtype=torch.int32)
     q = torch.randn(3, hq, lq, 8, dtype=F64)
@@ -51,15 +57,18 @@ def test_paged_attention_equals_attention_on_gathered(mask, bias, softcap, lq, l
     for b in range(3):
         n = int(lens[b])
         k, v = _gathered(k_pool, table[b], n), _gathered(v_pool, table[b], n)
-        want = attnkit.attention(q[b:b + 1], k, v, mask=mask, bias=bias, softcap=softcap)
-        torch.testing.assert_close(got[b:b + 1], want, rtol=0, atol=1e-12)
+        want = attnkit.attention(q[b : b + 1], k, v, mask=mask, bias=bias, softcap=softcap)
+        torch.testing.assert_close(got[b : b + 1], want, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("bias,products", [
-    (None, 2),
-    (B_.alibi(B_.alibi_slopes(8).double()), 2),
-    (B_.from_fn(lambda s, b, h, q, k: s + 0.1 * torch.cos(k.to(s.dtype))), 2 * 3),
-])
+@pytest.mark.parametrize(
+    "bias,products",
+    [
+        (None, 2),
+        (B_.alibi(B_.alibi_slopes(8).double()), 2),
+        (B_.from_fn(lambda s, b, h, q, k: s + 0.1 * torch.cos(k.to(s.dtype))), 2 * 3),
+    ],
+)
 def test_paged_attention_reads_views_of_the_pool_without_repeating_heads(monkeypatch, bias, products):
     """Keys and values enter the products as views of the pool (no gather, no copy) with Hkv heads, not Hq:
     a decode whose modifiers read only positions reads the used span of the pool in one product for keys
@@ -83,8 +92,10 @@ def test_paged_attention_reads_views_of_the_pool_without_repeating_heads(monkeyp
     monkeypatch.setattr(torch, "matmul", real)
     for r in range(2):
         n = int(lens[r])
-        want = attnkit.attention(q[r:r + 1], _gathered(k_pool, table[r], n), _gathered(v_pool, table[r], n), bias=bias)
-        torch.testing.assert_close(out[r:r + 1], want, rtol=0, atol=1e-12)
+        want = attnkit.attention(
+            q[r : r + 1], _gathered(k_pool, table[r], n), _gathered(v_pool, table[r], n), bias=bias
+        )
+        torch.testing.assert_close(out[r : r + 1], want, rtol=0, atol=1e-12)
 
 
 def test_head_major_pool_reads_one_view_per_sequence(monkeypatch):
@@ -117,19 +128,32 @@ _POSITION_MODS = ["none", "window", "prefix", "block_local", "alibi", "t5", "tem
 
 
 def _position_mods(kind: str, hq: int):
-    mask = {"window": masks.sliding_window(5), "prefix": masks.prefix_lm(6), "block_local": masks.block_local(8),
-            "window+alibi": masks.sliding_window(9)}.get(kind)
+    mask = {
+        "window": masks.sliding_window(5),
+        "prefix": masks.prefix_lm(6),
+        "block_local": masks.block_local(8),
+        "window+alibi": masks.sliding_window(9),
+    }.get(kind)
     g = torch.Generator().manual_seed(hq)
-    bias = {"alibi": B_.alibi(B_.alibi_slopes(hq).double()), "window+alibi": B_.alibi(B_.alibi_slopes(hq).double()),
-            "t5": B_.relative_buckets(torch.randn(hq, 8, generator=g, dtype=F64), bidirectional=False),
-            "temperature": B_.temperature(torch.rand(hq, generator=g, dtype=F64) + 0.5)}.get(kind)
+    bias = {
+        "alibi": B_.alibi(B_.alibi_slopes(hq).double()),
+        "window+alibi": B_.alibi(B_.alibi_slopes(hq).double()),
+        "t5": B_.relative_buckets(torch.randn(hq, 8, generator=g, dtype=F64), bidirectional=False),
+        "temperature": B_.temperature(torch.rand(hq, generator=g, dtype=F64) + 0.5),
+    }.get(kind)
     return mask, bias
 
 
 @settings(max_examples=60, deadline=None)
-@given(data=st.data(), layout=st.sampled_from(["block", "head"]), hkv=st.sampled_from([1, 2]),
-       group=st.sampled_from([1, 2]), softcap=st.sampled_from([None, 3.0]), nb=st.integers(4, 96),
-       mods=st.sampled_from(_POSITION_MODS))
+@given(
+    data=st.data(),
+    layout=st.sampled_from(["block", "head"]),
+    hkv=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 2]),
+    softcap=st.sampled_from([None, 3.0]),
+    nb=st.integers(4, 96),
+    mods=st.sampled_from(_POSITION_MODS),
+)
 def test_pool_decode_equals_the_gathered_oracle(data, layout, hkv, group, softcap, nb, mods):
     """The decode over spans of the pool (any scatter of blocks, gaps, blocks shared by several rows, empty
     rows, grouped heads, softcap, both storage orders, masks and biases evaluated at each block's own
@@ -147,26 +171,27 @@ def test_pool_decode_equals_the_gathered_oracle(data, layout, hkv, group, softca
         n = data.draw(st.integers(0, 6 * bs))
         shared = []
         if r and rows[0] and data.draw(st.booleans()):  # start with row 0's first blocks (a shared prefix)
-            shared = rows[0][:data.draw(st.integers(1, len(rows[0])))]
+            shared = rows[0][: data.draw(st.integers(1, len(rows[0])))]
         need = max(0, -(-n // bs) - len(shared))
         if need > len(free):
             n, need = len(shared) * bs, 0
         own = data.draw(st.permutations(free))[:need]
         free = [b for b in free if b not in own]
-        rows.append(shared[:-(-n // bs)] + own)
+        rows.append(shared[: -(-n // bs)] + own)
         lens.append(n)
     width = max(1, max(len(r) for r in rows))
     table = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
     q = torch.randn(B, hkv * group, 1, d, generator=g, dtype=F64)
-    got = paged_attention(q, k_pool, v_pool, table, torch.tensor(lens, dtype=torch.int32), softcap=softcap,
-                          mask=mask, bias=bias)
+    got = paged_attention(
+        q, k_pool, v_pool, table, torch.tensor(lens, dtype=torch.int32), softcap=softcap, mask=mask, bias=bias
+    )
     for r in range(B):
         if lens[r] == 0:
             assert got[r].abs().max() == 0
             continue
         k, v = _gathered(k_pool, table[r], lens[r]), _gathered(v_pool, table[r], lens[r])
-        want = attnkit.attention(q[r:r + 1], k, v, softcap=softcap, mask=mask, bias=bias)
-        torch.testing.assert_close(got[r:r + 1], want, rtol=0, atol=1e-12)
+        want = attnkit.attention(q[r : r + 1], k, v, softcap=softcap, mask=mask, bias=bias)
+        torch.testing.assert_close(got[r : r + 1], want, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("mods", _POSITION_MODS[1:])
@@ -174,6 +199,7 @@ def test_pool_decode_takes_position_only_modifiers(monkeypatch, mods):
     """Every built-in mask and bias that reads only positions runs on the pool path (scattered blocks, a
     shared prefix block, grouped heads) and equals the gathered oracle."""
     from attnkit.backends import paged as P
+
     calls = []
     real = P._attend_pool
     monkeypatch.setattr(P, "_attend_pool", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -186,9 +212,10 @@ def test_pool_decode_takes_position_only_modifiers(monkeypatch, mods):
     assert calls
     for r in range(3):
         n = int(lens[r])
-        want = attnkit.attention(q[r:r + 1], _gathered(k_pool, table[r], n), _gathered(v_pool, table[r], n),
-                                 mask=mask, bias=bias)
-        torch.testing.assert_close(got[r:r + 1], want, rtol=0, atol=1e-12)
+        want = attnkit.attention(
+            q[r : r + 1], _gathered(k_pool, table[r], n), _gathered(v_pool, table[r], n), mask=mask, bias=bias
+        )
+        torch.testing.assert_close(got[r : r + 1], want, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -197,6 +224,7 @@ def test_pool_decode_numerical_rule_in_low_precision(monkeypatch, dtype):
     formula's in the same dtype (scores and softmax run in float32)."""
     from attnkit.backends import paged as P
     from attnkit.testing import max_err, reference
+
     calls = []
     real = P._attend_pool
     monkeypatch.setattr(P, "_attend_pool", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -211,9 +239,9 @@ def test_pool_decode_numerical_rule_in_low_precision(monkeypatch, dtype):
     for r in range(4):
         n = int(lens[r])
         k, v = _gathered(k_pool, table[r], n), _gathered(v_pool, table[r], n)
-        oracle, _ = reference(q[r:r + 1].double(), k.double(), v.double())
-        naive, _ = reference(q[r:r + 1].to(dtype), k.to(dtype), v.to(dtype))
-        assert max_err(got[r:r + 1], oracle) <= 2 * max_err(naive, oracle) + 1e-6
+        oracle, _ = reference(q[r : r + 1].double(), k.double(), v.double())
+        naive, _ = reference(q[r : r + 1].to(dtype), k.to(dtype), v.to(dtype))
+        assert max_err(got[r : r + 1], oracle) <= 2 * max_err(naive, oracle) + 1e-6
 
 
 def test_ragged_batch_decode_and_prefill_equal_each_sequence_alone():
@@ -227,30 +255,31 @@ def test_ragged_batch_decode_and_prefill_equal_each_sequence_alone():
         attend(cache.batch([s]).layers[0].update(k[:, :, :n], v[:, :, :n]), q[:, :, :n], mask=mask, bias=bias)
     for step in range(4):  # ragged decode: one token each
         cur = [n + step for n in lens]
-        qs = torch.cat([q[:, :, c:c + 1] for (q, _, _), c in zip(data, cur)])
-        ks = torch.cat([k[:, :, c:c + 1] for (_, k, _), c in zip(data, cur)])
-        vs = torch.cat([v[:, :, c:c + 1] for (_, _, v), c in zip(data, cur)])
+        qs = torch.cat([q[:, :, c : c + 1] for (q, _, _), c in zip(data, cur)])
+        ks = torch.cat([k[:, :, c : c + 1] for (_, k, _), c in zip(data, cur)])
+        vs = torch.cat([v[:, :, c : c + 1] for (_, _, v), c in zip(data, cur)])
         batch = cache.batch(ids)
         assert batch.positions(1)[:, 0].tolist() == cur
         out = attend(batch.layers[0].update(ks, vs), qs, mask=mask, bias=bias)
         for b, ((q, k, v), c) in enumerate(zip(data, cur)):
-            want = attnkit.attention(q[:, :, c:c + 1], k[:, :, :c + 1], v[:, :, :c + 1], mask=mask, bias=bias)
-            torch.testing.assert_close(out[b:b + 1], want, rtol=0, atol=1e-12)
+            want = attnkit.attention(q[:, :, c : c + 1], k[:, :, : c + 1], v[:, :, : c + 1], mask=mask, bias=bias)
+            torch.testing.assert_close(out[b : b + 1], want, rtol=0, atol=1e-12)
     # a ragged multi-token step (two tokens each) is right-aligned with a padding mask
     cur = [n + 4 for n in lens]
-    qs = torch.cat([q[:, :, c:c + 2] for (q, _, _), c in zip(data, cur)])
-    ks = torch.cat([k[:, :, c:c + 2] for (_, k, _), c in zip(data, cur)])
-    vs = torch.cat([v[:, :, c:c + 2] for (_, _, v), c in zip(data, cur)])
+    qs = torch.cat([q[:, :, c : c + 2] for (q, _, _), c in zip(data, cur)])
+    ks = torch.cat([k[:, :, c : c + 2] for (_, k, _), c in zip(data, cur)])
+    vs = torch.cat([v[:, :, c : c + 2] for (_, _, v), c in zip(data, cur)])
     out = attend(cache.batch(ids).layers[0].update(ks, vs), qs, mask=mask, bias=bias)
     for b, ((q, k, v), c) in enumerate(zip(data, cur)):
-        want = attnkit.attention(q[:, :, c:c + 2], k[:, :, :c + 2], v[:, :, :c + 2], mask=mask, bias=bias)
-        torch.testing.assert_close(out[b:b + 1], want, rtol=0, atol=1e-12)
+        want = attnkit.attention(q[:, :, c : c + 2], k[:, :, : c + 2], v[:, :, : c + 2], mask=mask, bias=bias)
+        torch.testing.assert_close(out[b : b + 1], want, rtol=0, atol=1e-12)
 
 
 def test_a_ragged_batch_without_positions_is_an_error():
     """Default positions are seq_len + arange(L): one seq_len for sequences of different lengths gave the
     shorter ones wrong positions (silently wrong logits); the batch's seq_len now refuses."""
     from attnkit.nn import DecoderConfig, DecoderLM
+
     torch.manual_seed(0)
     model = DecoderLM(DecoderConfig.preset("tiny")).eval()
     pool = PagedCache.for_model(model, 8, 4)
@@ -365,8 +394,11 @@ def test_exhausted_pool_error_and_all_or_nothing_reserve():
 
 
 @settings(max_examples=30)
-@given(ops=st.lists(st.tuples(st.sampled_from(["add", "grow", "fork", "free"]), st.integers(0, 7),
-                              st.integers(1, 9)), max_size=40))
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["add", "grow", "fork", "free"]), st.integers(0, 7), st.integers(1, 9)), max_size=40
+    )
+)
 def test_allocator_invariants(ops):
     """Reference counts equal the number of sequences holding each block; blocks are never lost."""
     cache = PagedCache(1, num_blocks=12, block_size=3, n_kv_heads=1, d_head=1, prefix_caching=True)
@@ -398,8 +430,13 @@ def test_allocator_invariants(ops):
 
 def test_a_pool_with_empty_blocks_is_a_clear_error():
     with pytest.raises(ValueError, match="blocks hold 0 positions"):
-        paged_attention(torch.randn(2, 2, 1, 16), torch.randn(4, 1, 0, 16), torch.randn(4, 1, 0, 16),
-                        torch.zeros(2, 3, dtype=torch.int32), torch.tensor([0, 0], dtype=torch.int32))
+        paged_attention(
+            torch.randn(2, 2, 1, 16),
+            torch.randn(4, 1, 0, 16),
+            torch.randn(4, 1, 0, 16),
+            torch.zeros(2, 3, dtype=torch.int32),
+            torch.tensor([0, 0], dtype=torch.int32),
+        )
 
 
 def test_bad_arguments_of_paged_attention_are_clear_errors():
@@ -410,20 +447,24 @@ def test_bad_arguments_of_paged_attention_are_clear_errors():
     table = torch.tensor([[3, 5], [1, 0]], dtype=torch.int32)
     lens = torch.tensor([7, 2], dtype=torch.int32)
     for kw, err, match in (
-            (dict(softcap=-1.0), ValueError, r"softcap=-1.0 must be > 0.0 \(or None for no softcap\)"),
-            (dict(softcap=0), ValueError, "softcap=0 must be > 0.0"),
-            (dict(scale="x"), ValueError, "scale='x' must be a finite number"),
-            (dict(scale=float("nan")), ValueError, "scale=nan must be a finite number"),
-            (dict(bias="alibi"), TypeError, "bias must be None, an attnkit.bias modifier or a float tensor, got str"),
-            (dict(bias=lambda s, b, h, i, j: s), TypeError, "bias.from_fn"),
-            (dict(bias=torch.zeros(1, 1, 1, 8, dtype=torch.long)), TypeError, "a tensor bias must be a float"),
-            (dict(mask="causal"), TypeError, "mask must be None, an attnkit.masks.Mask or a bool tensor, got str"),
-            (dict(mask=lambda b, h, i, j: i >= j), TypeError, "masks.from_fn"),
-            (dict(mask=torch.ones(1, 1, 1, 8)), TypeError, "a tensor mask must be bool")):
+        (dict(softcap=-1.0), ValueError, r"softcap=-1.0 must be > 0.0 \(or None for no softcap\)"),
+        (dict(softcap=0), ValueError, "softcap=0 must be > 0.0"),
+        (dict(scale="x"), ValueError, "scale='x' must be a finite number"),
+        (dict(scale=float("nan")), ValueError, "scale=nan must be a finite number"),
+        (dict(bias="alibi"), TypeError, "bias must be None, an attnkit.bias modifier or a float tensor, got str"),
+        (dict(bias=lambda s, b, h, i, j: s), TypeError, "bias.from_fn"),
+        (dict(bias=torch.zeros(1, 1, 1, 8, dtype=torch.long)), TypeError, "a tensor bias must be a float"),
+        (dict(mask="causal"), TypeError, "mask must be None, an attnkit.masks.Mask or a bool tensor, got str"),
+        (dict(mask=lambda b, h, i, j: i >= j), TypeError, "masks.from_fn"),
+        (dict(mask=torch.ones(1, 1, 1, 8)), TypeError, "a tensor mask must be bool"),
+    ):
         with pytest.raises(err, match=match):
             paged_attention(q, kp, vp, table, lens, **kw)
-    for name, bad in (("block_table", (table > 0, lens)), ("block_table", (table.double(), lens)),
-                      ("seq_lens", (table, lens > 0))):
+    for name, bad in (
+        ("block_table", (table > 0, lens)),
+        ("block_table", (table.double(), lens)),
+        ("seq_lens", (table, lens > 0)),
+    ):
         with pytest.raises(TypeError, match=f"{name} must be an integer tensor"):
             paged_attention(q, kp, vp, *bad)
     ref = paged_attention(q, kp, vp, table, lens, softcap=2.0, scale=1)  # an int scale is a number
@@ -456,6 +497,7 @@ def test_a_decode_step_with_autograd_on_has_the_static_cache_gradients():
     """With gradients on, the pool-wide decode raised from an out= matmul: it now records the graph, and the
     gradients (parameters and query) equal those through a StaticCache."""
     from attnkit.nn import DecoderConfig, DecoderLM
+
     torch.manual_seed(0)
     model = DecoderLM(DecoderConfig.preset("tiny", vocab_size=32, n_kv_heads=2)).double()
     prompts, nxt = [[1, 2, 3, 4, 5], [6, 7]], torch.tensor([[8], [9]])
@@ -493,9 +535,18 @@ def test_paged_attention_gradients_reach_the_query_and_the_pool(head_major):
     table = torch.tensor([[3, 9, 1], [0, 0, 0], [10, 11, 2]], dtype=torch.int32)
     lens = torch.tensor([11, 3, 9], dtype=torch.int32)
     out = paged_attention(q, kp, vp, table, lens, softcap=5.0, bias=B_.alibi(B_.alibi_slopes(4)))
-    ref = torch.cat([attnkit.attention(q[b:b + 1], _gathered(kp, table[b], int(n)), _gathered(vp, table[b], int(n)),
-                                       softcap=5.0, bias=B_.alibi(B_.alibi_slopes(4)))
-                     for b, n in enumerate(lens)])
+    ref = torch.cat(
+        [
+            attnkit.attention(
+                q[b : b + 1],
+                _gathered(kp, table[b], int(n)),
+                _gathered(vp, table[b], int(n)),
+                softcap=5.0,
+                bias=B_.alibi(B_.alibi_slopes(4)),
+            )
+            for b, n in enumerate(lens)
+        ]
+    )
     dout = torch.randn_like(ref)
     got = torch.autograd.grad((out * dout).sum(), (q, kp, vp))
     want = torch.autograd.grad((ref * dout).sum(), (q, kp, vp))
@@ -538,6 +589,7 @@ def test_garbage_in_unfilled_and_hidden_slots_reaches_no_row(fill, mask, lq, lay
 
 def test_combined_positional_masks_take_the_pool_path():
     from attnkit.backends.paged import _position_only
+
     assert _position_only(masks.causal() & masks.sliding_window(4), None)
     assert _position_only(~masks.block_local(4) | masks.prefix_lm(2), None)
     assert not _position_only(masks.causal() & masks.key_padding(torch.tensor([3])), None)

@@ -86,8 +86,7 @@ def test_cached_equals_full(kind, variant):
 
 
 @settings(max_examples=25)
-@given(sizes=st.lists(st.integers(1, 9), min_size=1, max_size=8), window=st.integers(1, 9),
-       left_pad=st.integers(0, 4))
+@given(sizes=st.lists(st.integers(1, 9), min_size=1, max_size=8), window=st.integers(1, 9), left_pad=st.integers(0, 4))
 def test_sliding_window_any_chunking(sizes, window, left_pad):
     """Any chunking, any window, with ALiBi and a left-padded row: the ring equals the windowed model."""
     q, k, v = _qkv(t=20)
@@ -100,8 +99,8 @@ def test_sliding_window_any_chunking(sizes, window, left_pad):
     got = _run(lambda: cache, q, k, v, _chunks(T, sizes), mask, bias)
     for b in range(2):  # reference: each row alone, without its padding
         p = pad[b]
-        want = _full(q[b:b + 1, :, p:], k[b:b + 1, :, p:], v[b:b + 1, :, p:], mask, bias)
-        torch.testing.assert_close(got[b:b + 1, :, p:], want, rtol=0, atol=1e-12)
+        want = _full(q[b : b + 1, :, p:], k[b : b + 1, :, p:], v[b : b + 1, :, p:], mask, bias)
+        torch.testing.assert_close(got[b : b + 1, :, p:], want, rtol=0, atol=1e-12)
     assert cache.nbytes() == 2 * 2 * 2 * (2 * window) * 8 * 8  # k and v, B=2, Hkv=2, 2W slots, D=8, float64
 
 
@@ -119,8 +118,8 @@ def test_left_padded_batch_equals_rows_alone(kind):
     tol = 1e-12 if kind == "static" else 0.05
     for b in range(2):
         p = int(pad[b])
-        want = _full(q[b:b + 1, :, p:], k[b:b + 1, :, p:], v[b:b + 1, :, p:], mask, bias)
-        torch.testing.assert_close(got[b:b + 1, :, p:], want, rtol=0, atol=tol)
+        want = _full(q[b : b + 1, :, p:], k[b : b + 1, :, p:], v[b : b + 1, :, p:], mask, bias)
+        torch.testing.assert_close(got[b : b + 1, :, p:], want, rtol=0, atol=tol)
 
 
 def test_static_views_do_not_copy_and_seq_len_counts():
@@ -141,8 +140,9 @@ def test_static_cache_under_torch_compile():
 
     def step(cache, q1, k1, v1):
         kv = cache.layers[0].update(k1, v1)
-        return torch.softmax(q1 @ kv[0].repeat_interleave(2, 1).transpose(-1, -2) / 8 ** 0.5, -1) @ \
-            kv[1].repeat_interleave(2, 1)
+        return torch.softmax(q1 @ kv[0].repeat_interleave(2, 1).transpose(-1, -2) / 8**0.5, -1) @ kv[
+            1
+        ].repeat_interleave(2, 1)
 
     compiled = torch.compile(step, backend="aot_eager")
     c_eager = StaticCache(1, max_len=12, batch_size=1, n_kv_heads=2, d_head=8)
@@ -177,6 +177,7 @@ def test_a_rejected_call_leaves_the_cache_unchanged(kind):
     update: a rejected step stores nothing, so the retry gives the logits of the same steps without the
     rejected one (layer 0 had stored the step and the retry was off by 3e-2)."""
     from attnkit.nn import DecoderConfig, DecoderLM
+
     torch.manual_seed(0)
     lm = DecoderLM(DecoderConfig.preset("tiny", mask=masks.sliding_window(7))).eval()
     ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(1))
@@ -186,9 +187,11 @@ def test_a_rejected_call_leaves_the_cache_unchanged(kind):
             pool = PagedCache.for_model(lm, 8, 4)
             sid = pool.add_sequence()
             return lambda: pool.batch([sid])
-        made = {"static": lambda: StaticCache.for_model(lm, 1, 16),
-                "sliding": lambda: SlidingWindowCache.for_model(lm, 1),
-                "int8": lambda: QuantizedCache.for_model(lm, 1, 64, group_size=4)}[kind]()
+        made = {
+            "static": lambda: StaticCache.for_model(lm, 1, 16),
+            "sliding": lambda: SlidingWindowCache.for_model(lm, 1),
+            "int8": lambda: QuantizedCache.for_model(lm, 1, 64, group_size=4),
+        }[kind]()
         return lambda: made
 
     with torch.no_grad():
@@ -207,9 +210,11 @@ def test_a_rejected_call_leaves_the_cache_unchanged(kind):
         assert torch.equal(lm(ids[:, 5:], cache=cache())[:, -1], ref)
 
 
-_MAKERS = {"static": lambda **kw: StaticCache(1, max_len=16, **kw),
-           "sliding": lambda **kw: SlidingWindowCache(1, window=8, **kw),
-           "int8": lambda **kw: QuantizedCache(1, max_len=16, group_size=4, **kw)}
+_MAKERS = {
+    "static": lambda **kw: StaticCache(1, max_len=16, **kw),
+    "sliding": lambda **kw: SlidingWindowCache(1, window=8, **kw),
+    "int8": lambda **kw: QuantizedCache(1, max_len=16, group_size=4, **kw),
+}
 
 
 @pytest.mark.parametrize("kind", list(_MAKERS))
@@ -236,8 +241,10 @@ def test_left_padding_needs_one_integer_count_per_row(kind):
 @pytest.mark.parametrize("kind", list(_MAKERS))
 def test_the_first_update_checks_its_layout(kind):
     """The first update (storage allocated from its shapes) read k.shape[3] of a 3-D tensor: IndexError."""
-    for k, err, match in ((torch.randn(1, 3, 4), ValueError, r"k must be \(B, Hkv, L_new, D\), got shape \(1, 3, 4\)"),
-                          ([[1.0]], TypeError, "k must be a torch.Tensor, got list")):
+    for k, err, match in (
+        (torch.randn(1, 3, 4), ValueError, r"k must be \(B, Hkv, L_new, D\), got shape \(1, 3, 4\)"),
+        ([[1.0]], TypeError, "k must be a torch.Tensor, got list"),
+    ):
         cache = _MAKERS[kind]()
         with pytest.raises(err, match=match):
             cache.layers[0].update(k, k)
@@ -250,8 +257,12 @@ def test_the_first_update_checks_its_layout(kind):
 def test_an_encoder_decoder_cache_of_non_caches_is_a_clear_error():
     """EncoderDecoderCache(None, None) raised AttributeError ('layers')."""
     from attnkit.cache import EncoderDecoderCache
-    for a, b, name in ((None, StaticCache(1, 4), "self_cache"), (StaticCache(1, 4), [], "cross_cache"),
-                       (StaticCache(1, 4).layers[0], StaticCache(1, 4), "self_cache")):
+
+    for a, b, name in (
+        (None, StaticCache(1, 4), "self_cache"),
+        (StaticCache(1, 4), [], "cross_cache"),
+        (StaticCache(1, 4).layers[0], StaticCache(1, 4), "self_cache"),
+    ):
         with pytest.raises(TypeError, match=f"{name} must be a model-level cache"):
             EncoderDecoderCache(a, b)
     assert len(EncoderDecoderCache(StaticCache(2, 4), StaticCache(2, 3)).cross_layers) == 2

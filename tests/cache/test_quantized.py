@@ -13,15 +13,20 @@ from attnkit.cache import QuantizedCache, StaticCache, attend, dequantize_groups
 
 
 @settings(max_examples=30)
-@given(bits=st.sampled_from([4, 8]), rows=st.integers(1, 5), cols=st.integers(1, 40),
-       spread=st.floats(1e-3, 1e3), seed=st.integers(0, 1000))
+@given(
+    bits=st.sampled_from([4, 8]),
+    rows=st.integers(1, 5),
+    cols=st.integers(1, 40),
+    spread=st.floats(1e-3, 1e3),
+    seed=st.integers(0, 1000),
+)
 def test_group_quantization_error_is_half_a_step(bits, rows, cols, spread, seed):
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * spread
     q, s, z = quantize_groups(x, dim=1, bits=bits)
     assert q.dtype == torch.uint8 and int(q.max()) <= (1 << bits) - 1
     err = (dequantize_groups(q, s, z) - x).abs()
     # half a step, plus a float16 ulp of the zero point and of the scale times the largest level
-    bound = s.float() * 0.5 + z.float().abs() * 2 ** -10 + s.float() * (1 << bits) * 2 ** -10
+    bound = s.float() * 0.5 + z.float().abs() * 2**-10 + s.float() * (1 << bits) * 2**-10
     assert bool((err <= bound + 1e-6).all())
 
 
@@ -35,13 +40,13 @@ def test_keys_per_channel_values_per_token_and_residual_exact(bits):
     v = torch.randn(1, 2, 37, 16)
     k_all, v_all = layer.update(k[:, :, :30], v[:, :, :30])
     for t in range(30, 37):
-        layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        layer.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
     k_all, v_all = layer.read()
     n_res = layer.n_res
     assert layer.n_quant % 8 == 0 and 1 <= n_res <= 16 and layer.n_quant + n_res == 37
     assert torch.equal(k_all[:, :, -n_res:], k[:, :, -n_res:])  # the newest tokens: full precision
     assert torch.equal(v_all[:, :, -n_res:], v[:, :, -n_res:])
-    err_k = (k_all - k).abs()[:, :, :layer.n_quant]
+    err_k = (k_all - k).abs()[:, :, : layer.n_quant]
     step = 1.0 / ((1 << bits) - 1)
     # other channels: error bounded by their own range (about 6) times half a step, not by the outlier's
     assert float(err_k[..., [0, 1, 2, 4, 5]].max()) < 8 * step
@@ -49,13 +54,26 @@ def test_keys_per_channel_values_per_token_and_residual_exact(bits):
 
 
 @settings(max_examples=25)
-@given(max_len=st.integers(1, 40), group=st.sampled_from([4, 8]), groups=st.integers(1, 2),
-       chunks=st.lists(st.integers(1, 9), min_size=1, max_size=12))
+@given(
+    max_len=st.integers(1, 40),
+    group=st.sampled_from([4, 8]),
+    groups=st.integers(1, 2),
+    chunks=st.lists(st.integers(1, 9), min_size=1, max_size=12),
+)
 def test_fills_exactly_max_len_then_overflows(max_len, group, groups, chunks):
     """The store holds max_len - 1 tokens rounded down to whole groups (the residual keeps >= 1 token): any
     sequence of updates fills exactly max_len positions, and one more is a clear overflow error."""
-    cache = QuantizedCache(1, max_len=max_len, bits=8, group_size=group, residual=group * groups,
-                           batch_size=1, n_kv_heads=1, d_head=8, scale_dtype=torch.float32)
+    cache = QuantizedCache(
+        1,
+        max_len=max_len,
+        bits=8,
+        group_size=group,
+        residual=group * groups,
+        batch_size=1,
+        n_kv_heads=1,
+        d_head=8,
+        scale_dtype=torch.float32,
+    )
     layer = cache.layers[0]
     assert layer.kq.shape[2] == (max_len - 1) // group * group
     x = torch.randn(1, 1, max_len, 8, generator=torch.Generator().manual_seed(max_len))
@@ -64,7 +82,7 @@ def test_fills_exactly_max_len_then_overflows(max_len, group, groups, chunks):
         c = min(c, max_len - done)
         if c == 0:
             break
-        layer.update(x[:, :, done:done + c], x[:, :, done:done + c])
+        layer.update(x[:, :, done : done + c], x[:, :, done : done + c])
         k_all, _ = layer.read()
         done += c
         assert k_all.shape[2] == done and float((k_all - x[:, :, :done]).abs().max()) < 0.05
@@ -95,9 +113,10 @@ def test_attention_error_is_bounded(bits, tol):
     attend(cache.layers[0].update(k[:, :, :64], v[:, :, :64]), q[:, :, :64], mask=masks.causal())
     worst = 0.0
     for t in range(64, 96):
-        out = attend(cache.layers[0].update(k[:, :, t:t + 1], v[:, :, t:t + 1]), q[:, :, t:t + 1],
-                     mask=masks.causal())
-        want = attnkit.attention(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1])
+        out = attend(
+            cache.layers[0].update(k[:, :, t : t + 1], v[:, :, t : t + 1]), q[:, :, t : t + 1], mask=masks.causal()
+        )
+        want = attnkit.attention(q[:, :, t : t + 1], k[:, :, : t + 1], v[:, :, : t + 1])
         worst = max(worst, float((out - want).abs().max()))
     assert worst < tol
 
@@ -107,11 +126,13 @@ def test_quantized_errors():
         QuantizedCache(1, max_len=8, bits=3)
     with pytest.raises(ValueError, match="bits=8.0 must be 8"):  # (8.0 == 8 passed, then 1 << 8.0 raised)
         QuantizedCache(1, max_len=8, bits=8.0)
-    for kw, err, match in ((dict(x=[1.0, 2.0]), TypeError, "x must be a float tensor, got list"),
-                           (dict(x=torch.ones(2, 4, dtype=torch.long)), TypeError, "got torch.int64"),
-                           (dict(bits=9), ValueError, "bits=9 must be an int in 1..8"),
-                           (dict(bits=4.0), ValueError, "bits=4.0"),
-                           (dict(dim=2), ValueError, r"dim=2 must be an int in \[-2, 2\)")):
+    for kw, err, match in (
+        (dict(x=[1.0, 2.0]), TypeError, "x must be a float tensor, got list"),
+        (dict(x=torch.ones(2, 4, dtype=torch.long)), TypeError, "got torch.int64"),
+        (dict(bits=9), ValueError, "bits=9 must be an int in 1..8"),
+        (dict(bits=4.0), ValueError, "bits=4.0"),
+        (dict(dim=2), ValueError, r"dim=2 must be an int in \[-2, 2\)"),
+    ):
         with pytest.raises(err, match=match):
             quantize_groups(**{"x": torch.randn(2, 4), "dim": 1, "bits": 8, **kw})
     with pytest.raises(ValueError, match="residual=12 must be a multiple of group_size=8"):
@@ -126,12 +147,15 @@ def test_quantized_errors():
 
 
 @pytest.mark.parametrize("bits,chunk", [(8, 24), (4, 24), (8, 512)])
-@pytest.mark.parametrize("mask,bias,softcap,hq", [
-    (None, None, None, 2),
-    (masks.causal(), None, None, 4),
-    (masks.causal(), attnkit.bias.alibi(attnkit.bias.alibi_slopes(4)), None, 4),
-    (masks.sliding_window(40), None, 5.0, 4),
-])
+@pytest.mark.parametrize(
+    "mask,bias,softcap,hq",
+    [
+        (None, None, None, 2),
+        (masks.causal(), None, None, 4),
+        (masks.causal(), attnkit.bias.alibi(attnkit.bias.alibi_slopes(4)), None, 4),
+        (masks.sliding_window(40), None, 5.0, 4),
+    ],
+)
 def test_decode_read_in_chunks_equals_attention_on_the_dequantized_cache(bits, chunk, mask, bias, softcap, hq):
     """A decode step reads the store a chunk at a time (chunks of 3 groups: several of them; or one chunk
     holding the whole store), with grouped heads, masks, biases and softcap: the same as attention over
@@ -204,6 +228,7 @@ def test_a_step_of_zero_tokens_on_every_cache():
     """A forward with no new tokens returns (B, 0, vocab) logits on an empty cache and on a filled one."""
     from attnkit.cache import PagedCache
     from attnkit.nn import DecoderConfig, DecoderLM
+
     torch.manual_seed(0)
     model = DecoderLM(DecoderConfig.preset("tiny", vocab_size=64)).eval()
     none = torch.zeros(1, 0, dtype=torch.long)

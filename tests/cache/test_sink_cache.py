@@ -10,8 +10,11 @@ from attnkit.nn import DecoderConfig, DecoderLM
 
 def _model(positions="rope", **kw):
     torch.manual_seed(0)
-    return DecoderLM(DecoderConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=256,
-                                   positions=positions, **kw)).eval()
+    return DecoderLM(
+        DecoderConfig(
+            vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=256, positions=positions, **kw
+        )
+    ).eval()
 
 
 @pytest.mark.parametrize("positions", ["rope", "alibi"])
@@ -44,8 +47,9 @@ def test_each_step_equals_a_fresh_forward_over_the_kept_tokens_for_one_layer():
     # one layer: a token's key and value depend only on the token itself, so the cached step must equal a
     # forward over exactly the kept tokens (positions 0..n-1: positions within the cache)
     torch.manual_seed(0)
-    model = DecoderLM(DecoderConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2,
-                                    max_seq_len=256)).eval()
+    model = DecoderLM(
+        DecoderConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=256)
+    ).eval()
     n_sink, window = 3, 8
     cache = SinkCache.for_model(model, n_sink, window)
     seq = [4, 8, 15, 16, 23]

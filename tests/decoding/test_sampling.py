@@ -45,8 +45,9 @@ def test_logit_bias_equals_sequence_bias_and_bad_words():
     want = lp.SequenceBiasLogitsProcessor({(t,): b for t, b in bias.items()})(_ids(), x.clone())
     torch.testing.assert_close(_sampling.apply_logit_bias(x, bias), want, rtol=0, atol=0)
     ban = lp.NoBadWordsLogitsProcessor([[5], [11]], eos_token_id=0)(_ids(), x.clone())
-    torch.testing.assert_close(_sampling.apply_logit_bias(x, {5: float("-inf"), 11: float("-inf")}), ban,
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        _sampling.apply_logit_bias(x, {5: float("-inf"), 11: float("-inf")}), ban, rtol=0, atol=0
+    )
 
 
 def test_presence_and_frequency_penalties_follow_their_definition():
@@ -63,11 +64,19 @@ def test_order_and_warpers_equal_transformers_pipeline():
     """bias, repetition penalty, then temperature, top-k, top-p, min-p: the same kept set and probabilities."""
     x, ids = _logits(3, 40), _ids(3, 6, 40)
     params = SamplingParams(0.7, top_k=12, top_p=0.9, min_p=0.05, repetition_penalty=1.4, logit_bias={2: 3.0})
-    procs = lp.LogitsProcessorList([
-        lp.SequenceBiasLogitsProcessor({(2,): 3.0}), lp.RepetitionPenaltyLogitsProcessor(1.4),
-        lp.TemperatureLogitsWarper(0.7), lp.TopKLogitsWarper(12), lp.TopPLogitsWarper(0.9), lp.MinPLogitsWarper(0.05)])
+    procs = lp.LogitsProcessorList(
+        [
+            lp.SequenceBiasLogitsProcessor({(2,): 3.0}),
+            lp.RepetitionPenaltyLogitsProcessor(1.4),
+            lp.TemperatureLogitsWarper(0.7),
+            lp.TopKLogitsWarper(12),
+            lp.TopPLogitsWarper(0.9),
+            lp.MinPLogitsWarper(0.05),
+        ]
+    )
     want = torch.softmax(procs(ids, x.clone()), -1)
     from attnkit.decoding.sampling import _filtered
+
     got = torch.softmax(_filtered(_sampling.process(x, params, ids.tolist(), [[] for _ in range(3)]), params), -1)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
@@ -77,20 +86,33 @@ def test_order_and_warpers_equal_transformers_pipeline():
 
 def _hf_pair():
     from attnkit.integrations.hf import from_hf
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").double().eval()
     return hf, from_hf(hf)
 
 
-@pytest.mark.parametrize("controls", [
-    dict(repetition_penalty=1.8),
-    dict(logit_bias={7: 4.0, 9: -2.0}),
-    dict(repetition_penalty=0.6, logit_bias={5: float("-inf")}),
-    dict(eos_id=[30, 31, 40]),
-])
+@pytest.mark.parametrize(
+    "controls",
+    [
+        dict(repetition_penalty=1.8),
+        dict(logit_bias={7: 4.0, 9: -2.0}),
+        dict(repetition_penalty=0.6, logit_bias={5: float("-inf")}),
+        dict(eos_id=[30, 31, 40]),
+    ],
+)
 def test_greedy_generate_matches_hf_generate_under_controls(controls):
     hf, model = _hf_pair()
     prompts = [[1, 5, 9, 12, 5, 3], [1, 7, 7, 20]]
@@ -101,11 +123,17 @@ def test_greedy_generate_matches_hf_generate_under_controls(controls):
         hf_kw["sequence_bias"] = {(t,): b for t, b in controls["logit_bias"].items()}
     eos = controls.get("eos_id")
     for p in prompts:
-        out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                          max_new_tokens=12, do_sample=False, eos_token_id=eos if eos else None, pad_token_id=0,
-                          **hf_kw)[0, len(p):].tolist()
+        out = hf.generate(
+            torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=eos if eos else None,
+            pad_token_id=0,
+            **hf_kw,
+        )[0, len(p) :].tolist()
         if eos:
-            out = out[:next((i + 1 for i, t in enumerate(out) if t in eos), len(out))]
+            out = out[: next((i + 1 for i, t in enumerate(out) if t in eos), len(out))]
         for cache in ("static", "paged"):
             assert attnkit.generate(model, [p], 12, cache=cache, **controls)[0] == out, (controls, cache)
     engine = attnkit.Engine(model, cache_blocks=16, block_size=4, max_batch=2)
@@ -129,8 +157,11 @@ def test_stop_sequences_end_after_them_in_generate_and_engine(tiny):
     stop = [plain[0][4:6], [plain[1][2]]]
     got = attnkit.generate(tiny, prompts, 16, temperature=1.0, seed=3, stop=stop)
     for g, p in zip(got, plain):  # each output is the plain one cut just after its first stop match
-        cut = next(i + 1 for i in range(len(p)) if any(i + 1 >= len(s) and tuple(p[i + 1 - len(s):i + 1]) == tuple(s)
-                                                        for s in stop))
+        cut = next(
+            i + 1
+            for i in range(len(p))
+            if any(i + 1 >= len(s) and tuple(p[i + 1 - len(s) : i + 1]) == tuple(s) for s in stop)
+        )
         assert g == p[:cut] and len(g) < 16
     engine = attnkit.Engine(tiny, cache_blocks=16, block_size=4)
     assert engine.generate(prompts, 16, temperature=1.0, seed=3, stop=stop) == got
@@ -161,7 +192,7 @@ def test_logprobs_structure_and_values(tiny):
     for p, toks, lps in zip(prompts, res.tokens, res.logprobs):
         assert [x.token for x in lps] == toks
         with torch.no_grad():
-            ref = torch.log_softmax(tiny(torch.tensor([p + toks]))[0, len(p) - 1:-1].double(), -1)  # (5, V)
+            ref = torch.log_softmax(tiny(torch.tensor([p + toks]))[0, len(p) - 1 : -1].double(), -1)  # (5, V)
         for t, x in enumerate(lps):
             assert isinstance(x, TokenLogprob) and len(x.top) == 3
             assert abs(x.logprob - ref[t, toks[t]].item()) < 1e-5  # sampled from float32 logits
@@ -170,8 +201,9 @@ def test_logprobs_structure_and_values(tiny):
     engine = attnkit.Engine(tiny, cache_blocks=16, block_size=4)
     eres = engine.generate(prompts, 5, logprobs=3, repetition_penalty=1.5)
     assert eres.tokens == res.tokens
-    assert [[(x.token, round(x.logprob, 9)) for x in r] for r in eres.logprobs] == \
-        [[(x.token, round(x.logprob, 9)) for x in r] for r in res.logprobs]
+    assert [[(x.token, round(x.logprob, 9)) for x in r] for r in eres.logprobs] == [
+        [(x.token, round(x.logprob, 9)) for x in r] for r in res.logprobs
+    ]
     rid = engine.add([1, 2], 2, logprobs=1)
     engine.run()
     assert len(engine.logprobs[rid]) == 2 and engine.take(rid) and rid not in engine.logprobs
@@ -206,25 +238,28 @@ def test_negative_penalties_reward_repeating():
 # ----------------------------------------------------------------------------- errors
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(repetition_penalty=-1.0), "repetition_penalty"),
-    (dict(repetition_penalty=0), "repetition_penalty"),
-    (dict(presence_penalty=float("inf")), "presence_penalty"),
-    (dict(frequency_penalty=float("nan")), "frequency_penalty"),
-    (dict(min_p=1.5), "min_p"),
-    (dict(min_p=-0.1), "min_p"),
-    (dict(logprobs=-1), "logprobs"),
-    (dict(logprobs=True), "logprobs"),
-    (dict(logit_bias={3: float("inf")}), "logit_bias"),
-    (dict(logit_bias={-1: 1.0}), "logit_bias"),
-    (dict(logit_bias={999: 1.0}), "logit_bias"),
-    (dict(stop=[1, 2]), "stop"),
-    (dict(stop=[[]]), "stop"),
-    (dict(stop=[[1, 999]]), "stop"),
-    (dict(eos_id=[]), "eos_id"),
-    (dict(eos_id=[2, -3]), "eos_id"),
-    (dict(eos_id=[2, 999]), "eos_id"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(repetition_penalty=-1.0), "repetition_penalty"),
+        (dict(repetition_penalty=0), "repetition_penalty"),
+        (dict(presence_penalty=float("inf")), "presence_penalty"),
+        (dict(frequency_penalty=float("nan")), "frequency_penalty"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(min_p=-0.1), "min_p"),
+        (dict(logprobs=-1), "logprobs"),
+        (dict(logprobs=True), "logprobs"),
+        (dict(logit_bias={3: float("inf")}), "logit_bias"),
+        (dict(logit_bias={-1: 1.0}), "logit_bias"),
+        (dict(logit_bias={999: 1.0}), "logit_bias"),
+        (dict(stop=[1, 2]), "stop"),
+        (dict(stop=[[]]), "stop"),
+        (dict(stop=[[1, 999]]), "stop"),
+        (dict(eos_id=[]), "eos_id"),
+        (dict(eos_id=[2, -3]), "eos_id"),
+        (dict(eos_id=[2, 999]), "eos_id"),
+    ],
+)
 def test_bad_controls_get_clear_errors(tiny, kw, match):
     with pytest.raises((ValueError, TypeError), match=match):
         attnkit.generate(tiny, [[1, 2]], 2, **kw)

@@ -12,7 +12,6 @@ from attnkit.nn import DecoderConfig, DecoderLM
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-
 @pytest.fixture(scope="module")
 def models():
     torch.manual_seed(0)
@@ -85,6 +84,7 @@ def test_sampled_speculative_keeps_the_target_distribution(how):
     whole output in one forward), z-scores within 4 (seeded); the draft's own distributions are far from
     the target's, so accepting its proposals unchecked would fail."""
     from attnkit.decoding.speculative import _probs
+
     torch.manual_seed(1)
     cfg = dict(vocab_size=3, max_seq_len=1024, n_layers=1, d_model=16, n_heads=2)
     target = DecoderLM(DecoderConfig.preset("tiny", **cfg)).double().eval()
@@ -95,12 +95,17 @@ def test_sampled_speculative_keeps_the_target_distribution(how):
     params = SamplingParams(1.0)
     spec = dict(draft_model=draft) if how == "draft" else dict(prompt_lookup=True)
     st = SpeculativeStats()
-    out = attnkit.generate(target, [prompt], n, sampling=SamplingParams(temperature=1.0, seed=0),
-                           speculative=Speculation(**spec, num_tokens=3, stats=st))[0]
+    out = attnkit.generate(
+        target,
+        [prompt],
+        n,
+        sampling=SamplingParams(temperature=1.0, seed=0),
+        speculative=Speculation(**spec, num_tokens=3, stats=st),
+    )[0]
     ids = torch.tensor([prompt + out[:-1]])
     with torch.no_grad():
-        p = _probs(target(ids)[0, len(prompt) - 1:].float(), params).double()  # (n, 3)
-        q = _probs(draft(ids)[0, len(prompt) - 1:].float(), params).double()
+        p = _probs(target(ids)[0, len(prompt) - 1 :].float(), params).double()  # (n, 3)
+        q = _probs(draft(ids)[0, len(prompt) - 1 :].float(), params).double()
     hits = torch.nn.functional.one_hot(torch.tensor(out), 3).double()
     z = (hits - p).sum(0) / (p * (1 - p)).sum(0).sqrt()
     assert z.abs().max() < 4, z
@@ -154,24 +159,30 @@ def test_paged_cache_truncate_frees_blocks_and_forgets_overwritten_prefixes(mode
 # ----------------------------------------------------------------------------- errors
 
 
-@pytest.mark.parametrize("kw, err, match", [
-    (dict(prompt_lookup=True, num_tokens=0), ValueError, "num_tokens"),
-    (dict(prompt_lookup=True, num_tokens=2.0), ValueError, "num_tokens"),
-    (dict(prompt_lookup=1), TypeError, "prompt_lookup"),
-    (dict(prompt_lookup=True, stats={}), TypeError, "stats"),
-    (dict(draft_model="small"), TypeError, "draft_model"),
-    (dict(), ValueError, "draft_model or prompt_lookup"),
-])
+@pytest.mark.parametrize(
+    "kw, err, match",
+    [
+        (dict(prompt_lookup=True, num_tokens=0), ValueError, "num_tokens"),
+        (dict(prompt_lookup=True, num_tokens=2.0), ValueError, "num_tokens"),
+        (dict(prompt_lookup=1), TypeError, "prompt_lookup"),
+        (dict(prompt_lookup=True, stats={}), TypeError, "stats"),
+        (dict(draft_model="small"), TypeError, "draft_model"),
+        (dict(), ValueError, "draft_model or prompt_lookup"),
+    ],
+)
 def test_bad_speculation_arguments(kw, err, match):
     with pytest.raises(err, match=match):
         Speculation(**kw)
 
 
-@pytest.mark.parametrize("kw, err, match", [
-    (dict(cache=None), ValueError, "static or paged"),
-    (dict(cache="int8"), ValueError, "static or paged"),
-    (dict(compile=True), ValueError, "compile"),
-])
+@pytest.mark.parametrize(
+    "kw, err, match",
+    [
+        (dict(cache=None), ValueError, "static or paged"),
+        (dict(cache="int8"), ValueError, "static or paged"),
+        (dict(compile=True), ValueError, "compile"),
+    ],
+)
 def test_speculation_with_a_cache_or_compile_it_cannot_use(models, kw, err, match):
     target, _ = models
     with pytest.raises(err, match=match):

@@ -83,8 +83,20 @@ def test_report_text_markdown_and_plots(tmp_path):
     model, ids = example("sharp")
     report = doctor(model, ids)
     text = str(report)
-    assert text.splitlines()[0].split() == ["layer", "head", "entropy", "max", "weight", "saturated", "rows",
-                                            "score", "std", "grad", "norm", "symptom"]
+    assert text.splitlines()[0].split() == [
+        "layer",
+        "head",
+        "entropy",
+        "max",
+        "weight",
+        "saturated",
+        "rows",
+        "score",
+        "std",
+        "grad",
+        "norm",
+        "symptom",
+    ]
     assert "[sharp] attention weights very sharp in layers.0.attn" in text
     assert "likely causes: scores so large that softmax saturates" in text
     assert "nothing, if the model is trained and does its task: lookup heads are meant to pick one key" in text
@@ -130,8 +142,10 @@ def test_a_layer_with_idle_heads_is_not_uniform():
     assert_table_agrees_with_findings(report)
     relaxed = doctor(model, ids, thresholds=Thresholds(uniform_heads=0.75))
     assert relaxed.kinds == {"uniform"}
-    assert [(f.layer, f.heads) for f in relaxed.findings] == [("layers.0.attn", [1, 2, 3]),
-                                                              ("layers.1.attn", [0, 1, 2, 3])]
+    assert [(f.layer, f.heads) for f in relaxed.findings] == [
+        ("layers.0.attn", [1, 2, 3]),
+        ("layers.1.attn", [0, 1, 2, 3]),
+    ]
     assert [s.symptom for s in relaxed.heads if s.layer == "layers.0.attn"] == [None, "uniform", "uniform", "uniform"]
     assert_table_agrees_with_findings(relaxed)
 
@@ -146,12 +160,12 @@ def assert_table_agrees_with_findings(report):
     named = {(f.layer, h): f.kind for f in report.findings for h in f.heads}
     assert marked == named, str(report)
     text = str(report).splitlines()
-    rows = [line.split() for line in text[2:text.index("")]]  # layer, head, 5 numbers, [symptom]
+    rows = [line.split() for line in text[2 : text.index("")]]  # layer, head, 5 numbers, [symptom]
     assert len(rows) == len(report.heads)
     assert {(r[0], int(r[1])): r[7] for r in rows if len(r) == 8} == named, str(report)
     assert all(len(r) in (7, 8) for r in rows)
     assert ("No findings" in str(report)) == (not named and report.healthy)
-    md_rows = [line.strip("|").split("|") for line in report.to_markdown().splitlines()[4:4 + len(report.heads)]]
+    md_rows = [line.strip("|").split("|") for line in report.to_markdown().splitlines()[4 : 4 + len(report.heads)]]
     assert {(r[0].strip(), int(r[1])): r[7].strip() for r in md_rows if r[7].strip()} == named
 
 
@@ -185,15 +199,18 @@ class _NoAttention(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("call, error, match", [
-    (lambda: doctor("model", torch.zeros(1)), TypeError, "torch.nn.Module"),
-    (lambda: doctor(_NoAttention(), torch.zeros(1)), ValueError, "computed no attention through attnkit"),
-    (lambda: doctor(example("healthy")[0], example("healthy")[1], loss_fn=lambda o, b: o), TypeError, "scalar"),
-    (lambda: doctor(example("healthy")[0], example("healthy")[1], loss_fn=3), TypeError, "callable"),
-    (lambda: Thresholds(sharp_heads=0.0), ValueError, "sharp_heads"),
-    (lambda: Thresholds(vanishing_ratio=2.0), ValueError, "vanishing_ratio"),
-    (lambda: example("broken"), ValueError, "unknown example"),
-])
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda: doctor("model", torch.zeros(1)), TypeError, "torch.nn.Module"),
+        (lambda: doctor(_NoAttention(), torch.zeros(1)), ValueError, "computed no attention through attnkit"),
+        (lambda: doctor(example("healthy")[0], example("healthy")[1], loss_fn=lambda o, b: o), TypeError, "scalar"),
+        (lambda: doctor(example("healthy")[0], example("healthy")[1], loss_fn=3), TypeError, "callable"),
+        (lambda: Thresholds(sharp_heads=0.0), ValueError, "sharp_heads"),
+        (lambda: Thresholds(vanishing_ratio=2.0), ValueError, "vanishing_ratio"),
+        (lambda: example("broken"), ValueError, "unknown example"),
+    ],
+)
 def test_bad_input(call, error, match):
     with pytest.raises(error, match=match):
         call()
@@ -205,8 +222,11 @@ def test_a_healthy_trained_model_gets_no_findings(one_thread):
     from attnkit.nn.tasks import accuracy, copy_task, train_lm
 
     torch.manual_seed(0)
-    model = DecoderLM(DecoderConfig(vocab_size=17, d_model=64, n_layers=2, n_heads=4, max_seq_len=64,
-                                    positions="alibi", tie_embeddings=False))
+    model = DecoderLM(
+        DecoderConfig(
+            vocab_size=17, d_model=64, n_layers=2, n_heads=4, max_seq_len=64, positions="alibi", tie_embeddings=False
+        )
+    )
     g = torch.Generator().manual_seed(1)
     task = lambda n, gen: copy_task(n, length=8, n_symbols=16, distinct=True, generator=gen)  # noqa: E731
     check = task(128, torch.Generator().manual_seed(2))
@@ -237,11 +257,26 @@ def _head_tables(draw):
     for layer in range(draw(st.integers(1, 3))):
         for head in range(draw(st.integers(1, 4))):
             rows = draw(st.sampled_from([0, 5]))
-            stats.append(HeadStats(f"layers.{layer}.attn", head, draw(st.floats(0, 1)), draw(st.floats(0, 1)),
-                                   draw(st.floats(0, 1)), draw(st.floats(0, 20)),
-                                   draw(st.none() | st.sampled_from([0.0, 1e-9, 1e-5, 1e-2, 1.0])), rows))
-    t = Thresholds(uniform_entropy=draw(_share), sharp_max_weight=draw(_share), saturated_rows=draw(_share),
-                   uniform_heads=draw(_share), sharp_heads=draw(_share), saturated_heads=draw(_share))
+            stats.append(
+                HeadStats(
+                    f"layers.{layer}.attn",
+                    head,
+                    draw(st.floats(0, 1)),
+                    draw(st.floats(0, 1)),
+                    draw(st.floats(0, 1)),
+                    draw(st.floats(0, 20)),
+                    draw(st.none() | st.sampled_from([0.0, 1e-9, 1e-5, 1e-2, 1.0])),
+                    rows,
+                )
+            )
+    t = Thresholds(
+        uniform_entropy=draw(_share),
+        sharp_max_weight=draw(_share),
+        saturated_rows=draw(_share),
+        uniform_heads=draw(_share),
+        sharp_heads=draw(_share),
+        saturated_heads=draw(_share),
+    )
     return stats, t, draw(st.none() | st.sampled_from([0.0, 1e-3, 1.0]))
 
 
@@ -284,8 +319,10 @@ def test_heads_without_a_row_of_two_keys_have_no_finding_and_no_nan():
 
 def test_a_layer_is_judged_on_its_heads_with_rows():
     """Head 0 sees only itself (no rows), head 1 is uniform: the layer is uniform, head 0 is not named."""
-    stats = [HeadStats("a", 0, math.nan, math.nan, math.nan, math.nan, None, 0),
-             HeadStats("a", 1, 0.999, 0.1, 0.0, 0.01, 1e-2, 10)]
+    stats = [
+        HeadStats("a", 0, math.nan, math.nan, math.nan, math.nan, None, 0),
+        HeadStats("a", 1, 0.999, 0.1, 0.0, 0.01, 1e-2, 10),
+    ]
     findings, grads = _diagnose(stats, Thresholds(), 1e-2)
     assert [(f.kind, f.heads) for f in findings] == [("uniform", [1])] and grads == {"a": 1e-2}
 
@@ -300,12 +337,14 @@ def test_grad_norm_is_over_the_rows_the_loss_reaches_on_one_key_scale():
     g = torch.randn(2, 5, 16, dtype=torch.float64)
     report = doctor(mha, x, loss_fn=lambda out, batch: (out * g).sum())
     scores = []
+
     def attend(module, call, compute):  # replaces the computation, keeping the scores' gradient
         s = call.q @ call.k.transpose(-1, -2) * call.scale
         s = s.masked_fill(~torch.ones(5, 5, dtype=torch.bool).tril(), -math.inf)
         s.retain_grad()
         scores.append(s)
         return torch.softmax(s, -1) @ call.v
+
     mha.register_attention_hook(attend)
     (mha(x) * g).sum().backward()
     ds = scores[0].grad  # (B, H, L, L)
@@ -369,7 +408,8 @@ def test_a_saturated_head_counts_toward_a_sharp_layer():
     made the finding disappear, since a saturated head was not counted)."""
     t = Thresholds()
     stats = [HeadStats("l", 0, 0.0, 1.0, 0.3, 9.0, None, 5)] + [
-        HeadStats("l", h, 0.1, 0.95, 0.0, 5.0, None, 5) for h in (1, 2, 3)]
+        HeadStats("l", h, 0.1, 0.95, 0.0, 5.0, None, 5) for h in (1, 2, 3)
+    ]
     findings, _ = _diagnose(stats, t, None)
     assert [(f.kind, f.heads) for f in findings] == [("sharp", [0, 1, 2, 3])]
 
@@ -420,6 +460,7 @@ def test_doctor_sees_a_model_that_calls_attnkit_attention_itself():
     assert [f.layer for f in report.findings if f.kind == "saturated"] == ["layers.1"]
     assert all(s.grad_norm is not None and s.grad_norm > 0 for s in report.heads if s.layer == "layers.0")
     import attnkit
+
     q, k, v = model.layers[0].seen[-1]
     expected = attnkit.attention_weights(q, k, v, mask=masks.causal())[0]
     torch.testing.assert_close(report.weights["layers.0"], expected.float(), atol=1e-6, rtol=0)
@@ -435,6 +476,7 @@ def test_probe_counts_a_call_inside_an_attnkit_module_once():
     assert len(p.layers[""].calls) == 1
     import gc
     import weakref
+
     gone = weakref.ref(p)
     del p
     gc.collect()
@@ -457,8 +499,14 @@ def test_probe_ignores_attention_calls_outside_the_model():
 def _tiny_llama():
     import transformers
 
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(cfg).eval()
 
@@ -477,8 +525,9 @@ def test_doctor_diagnoses_a_hugging_face_model_running_attnkit_attention():
     ref = doctor(converted, ids)
     for a, b in zip(report.heads, ref.heads):
         assert a.head == b.head and a.rows == b.rows
-        assert math.isclose(a.entropy, b.entropy, rel_tol=1e-4) and math.isclose(a.max_weight, b.max_weight,
-                                                                                  rel_tol=1e-4)
+        assert math.isclose(a.entropy, b.entropy, rel_tol=1e-4) and math.isclose(
+            a.max_weight, b.max_weight, rel_tol=1e-4
+        )
         assert math.isclose(a.grad_norm, b.grad_norm, rel_tol=1e-3)
 
 

@@ -25,6 +25,7 @@ CASES = {
 
 def _positions(name):
     from attnkit.nn import ALiBi, T5RelativeBias
+
     return {"alibi": lambda: ALiBi(4), "t5": lambda: T5RelativeBias(4, bidirectional=True)}[name]()
 
 
@@ -59,9 +60,11 @@ def test_weights_are_the_modules_own_and_the_output_is_unchanged(case):
 
 def _reference_attend(module, store):
     """A float64 attention hook that materialises the scores as a leaf of the graph and keeps their gradient."""
+
     def attend(module, call, compute):
         q, k, v, mask, scale, softcap = call.q, call.k, call.v, call.mask, call.scale, call.softcap
         from attnkit.testing import reference  # the textbook formula, for the mask/bias semantics
+
         g = q.shape[1] // k.shape[1]
         k2, v2 = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)  # (B, Hq, L, D)
         s = q @ k2.transpose(-1, -2) * scale
@@ -74,6 +77,7 @@ def _reference_attend(module, store):
         out = torch.softmax(s, -1) @ v2
         torch.testing.assert_close(out, reference(q, k, v, mask=mask, scale=scale, softcap=softcap)[0])
         return out
+
     return attend
 
 
@@ -139,10 +143,13 @@ def test_cross_attention_and_no_grad():
     torch.testing.assert_close(rec.weights.sum(-1), torch.ones(1, 2, 3))
 
 
-@pytest.mark.parametrize("call, error", [
-    (lambda: probe("model").__enter__(), TypeError),
-    (lambda: probe(MultiHeadAttention(8, 2), max_elements=-1).__enter__(), ValueError),
-])
+@pytest.mark.parametrize(
+    "call, error",
+    [
+        (lambda: probe("model").__enter__(), TypeError),
+        (lambda: probe(MultiHeadAttention(8, 2), max_elements=-1).__enter__(), ValueError),
+    ],
+)
 def test_bad_arguments(call, error):
     with pytest.raises(error):
         call()
@@ -163,7 +170,9 @@ def test_additive_and_single_head_attention_are_probed():
     s = add.scores(q, k).detach().requires_grad_(True)  # (B, Lq, Lk)
     (torch.softmax(s, -1) @ v * g).sum().backward()
     torch.testing.assert_close(rec.weights[:, 0], torch.softmax(s, -1).float().detach(), rtol=0, atol=1e-6)
-    torch.testing.assert_close(rec.grad_sq[:, 0], s.grad.pow(2).sum(dim=(-1, -2)) * 5, rtol=1e-9, atol=1e-12)  # x 5 keys
+    torch.testing.assert_close(
+        rec.grad_sq[:, 0], s.grad.pow(2).sum(dim=(-1, -2)) * 5, rtol=1e-9, atol=1e-12
+    )  # x 5 keys
     head = SingleHeadAttention(4, 2)
     with probe(head) as p:
         head(torch.randn(3, 4))

@@ -20,9 +20,27 @@ def _free_port() -> int:
 
 
 def test_example_matches_one_process_under_torchrun():
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), str(EXAMPLE), "--seq-len", "64", "--d-model", "32", "--heads", "4",
-           "--kv-heads", "2", "--check"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+        str(EXAMPLE),
+        "--seq-len",
+        "64",
+        "--d-model",
+        "32",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--check",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     try:
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
@@ -34,4 +52,3 @@ def test_example_matches_one_process_under_torchrun():
     for rank in range(2):
         assert f"rank {rank} of 2" in run.stdout, log[-4000:]
     assert "one process" in run.stdout and "peak memory per rank" in run.stdout, log[-4000:]
-

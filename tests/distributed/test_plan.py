@@ -26,8 +26,9 @@ def _plans(mask, lay: Layout, block: int, batch: int = 1, heads: int = 1):
 
 def _check_plan(mask, lay: Layout, block: int, batch: int = 1, heads: int = 1) -> list:
     L, W = lay.seq_len, lay.world
-    dense = (mask.to_dense(L, L, batch=batch, heads=heads) if mask is not None
-             else torch.ones(1, 1, L, L, dtype=torch.bool))
+    dense = (
+        mask.to_dense(L, L, batch=batch, heads=heads) if mask is not None else torch.ones(1, 1, L, L, dtype=torch.bool)
+    )
     some, every = dense.any(dim=(0, 1)), dense.all(dim=(0, 1))  # (L, L): visible for some / every (b, h)
     count = torch.zeros(L, L, dtype=torch.long)
     plans = _plans(mask, lay, block, batch, heads)
@@ -75,9 +76,14 @@ _MASKS = [  # (L, random.Random) -> mask
 ]
 
 
-@given(world=st.integers(1, 4), chunks=st.integers(1, 5), layout=st.sampled_from(["zigzag", "contiguous"]),
-       block=st.sampled_from([1, 2, 3, 4, 8, 512]), which=st.integers(0, len(_MASKS) - 1),
-       seed=st.integers(0, 2**16))
+@given(
+    world=st.integers(1, 4),
+    chunks=st.integers(1, 5),
+    layout=st.sampled_from(["zigzag", "contiguous"]),
+    block=st.sampled_from([1, 2, 3, 4, 8, 512]),
+    which=st.integers(0, len(_MASKS) - 1),
+    seed=st.integers(0, 2**16),
+)
 def test_every_visible_pair_once_and_unmasked_items_full(world, chunks, layout, block, which, seed):
     L = 2 * world * chunks
     mask = _MASKS[which](L, random.Random(seed))
@@ -113,6 +119,7 @@ def test_mask_digests_follow_values_and_versions():
     """What ranks compare: equal bytes give equal digests (NaN included), an in-place edit changes the
     digest (the per-tensor memo follows the version), and a large mask is read a chunk at a time."""
     from attnkit.distributed import ring
+
     a = torch.tensor([1.0, float("nan"), 3.0])
     assert ring._tensor_digest(a) == ring._tensor_digest(a.clone())
     before = ring._tensor_digest(a)

@@ -71,17 +71,44 @@ CASES: dict[str, dict] = {
     "fine_tiles_document": dict(mask=M.causal() & M.document(_doc_ids(32, 1, 4)[0]), block=3),
     "coarse_tiles_prime_chunk": dict(mask=M.causal(), block=8, L=88, bias=B.alibi(_SLOPES)),
     "float32_causal": dict(mask=M.causal(), dtype=torch.float32, L=64),
-    "float32_gqa_alibi_document": dict(mask=M.causal() & M.document(_doc_ids(64, 1, 5)[0]), bias=B.alibi(_SLOPES),
-                                       hq=4, hkv=2, dtype=torch.float32, L=64),
+    "float32_gqa_alibi_document": dict(
+        mask=M.causal() & M.document(_doc_ids(64, 1, 5)[0]),
+        bias=B.alibi(_SLOPES),
+        hq=4,
+        hkv=2,
+        dtype=torch.float32,
+        L=64,
+    ),
     "float32_window": dict(mask=M.sliding_window(7), dtype=torch.float32, L=64, block=4),
 }
 
-ERROR_CASES = ("uneven_lengths", "mismatched_heads", "one_rank_bad_input", "mismatched_mask", "odd_zigzag_shard",
-               "indivisible_shard", "learnable_bias", "dense_bias", "plain_function_bias", "local_document_ids",
-               "mismatched_mask_values", "mismatched_bias_values", "one_rank_learnable_bias",
-               "unshard_mismatch", "string_return_lse", "overflowing_scale", "usable_after_errors")
-OTHER_CASES = ("shard_positions", "unshard_roundtrip", "unshard_gradient", "no_grad_forward", "gradcheck",
-               "padding_garbage")
+ERROR_CASES = (
+    "uneven_lengths",
+    "mismatched_heads",
+    "one_rank_bad_input",
+    "mismatched_mask",
+    "odd_zigzag_shard",
+    "indivisible_shard",
+    "learnable_bias",
+    "dense_bias",
+    "plain_function_bias",
+    "local_document_ids",
+    "mismatched_mask_values",
+    "mismatched_bias_values",
+    "one_rank_learnable_bias",
+    "unshard_mismatch",
+    "string_return_lse",
+    "overflowing_scale",
+    "usable_after_errors",
+)
+OTHER_CASES = (
+    "shard_positions",
+    "unshard_roundtrip",
+    "unshard_gradient",
+    "no_grad_forward",
+    "gradcheck",
+    "padding_garbage",
+)
 
 
 def _finite(lse: torch.Tensor) -> torch.Tensor:
@@ -99,8 +126,25 @@ def _run_full(fn, q, k, v, dout, dlse, kwargs):
     return [out, lse] + [t.grad for t in leaves]
 
 
-def _compare(rank: int, world: int, layout: str, *, mask=None, bias=None, softcap=None, scale=None,
-             dtype=torch.float64, batch=1, hq=4, hkv=4, L=32, d=8, dv=None, dlse=False, block=None) -> dict:
+def _compare(
+    rank: int,
+    world: int,
+    layout: str,
+    *,
+    mask=None,
+    bias=None,
+    softcap=None,
+    scale=None,
+    dtype=torch.float64,
+    batch=1,
+    hq=4,
+    hkv=4,
+    L=32,
+    d=8,
+    dv=None,
+    dlse=False,
+    block=None,
+) -> dict:
     from attnkit.distributed import ring, ring_attention, shard
 
     dv = dv or d
@@ -115,15 +159,21 @@ def _compare(rank: int, world: int, layout: str, *, mask=None, bias=None, softca
         mask[..., 0] = True
     kw = dict(mask=mask, bias=bias, softcap=softcap, scale=scale)
 
-    oracle = _run_full(lambda *t, **kw_: attnkit.attention(*t, **kw_, return_lse=True, backend="math"),
-                       q, k, v, dout, dl, kw)
+    oracle = _run_full(
+        lambda *t, **kw_: attnkit.attention(*t, **kw_, return_lse=True, backend="math"), q, k, v, dout, dl, kw
+    )
     saved = ring._BLOCK
     if block is not None:
         ring._BLOCK = block
     try:
         local = [shard(t.to(dtype), layout=layout) for t in (q, k, v)]
-        ring_out = _run_full(lambda *t, **kw_: ring_attention(*t, **kw_, layout=layout, return_lse=True),
-                             *local, shard(dout, layout=layout), None if dl is None else shard(dl, layout=layout), kw)
+        ring_out = _run_full(
+            lambda *t, **kw_: ring_attention(*t, **kw_, layout=layout, return_lse=True),
+            *local,
+            shard(dout, layout=layout),
+            None if dl is None else shard(dl, layout=layout),
+            kw,
+        )
     finally:
         ring._BLOCK = saved
     names = ["out", "lse", "dq", "dk", "dv"]
@@ -133,13 +183,14 @@ def _compare(rank: int, world: int, layout: str, *, mask=None, bias=None, softca
             err = max_err(got, shard(want, layout=layout))
             report[name] = {"err": err, "bound": 1e-9}
     else:  # the numerical rule: at most 2x (3x for grads) the error of the textbook formula in float32
+
         def textbook(q_, k_, v_, **kw_):
             return reference(q_, k_, v_, **{n: kw_[n] for n in ("mask", "bias", "scale", "softcap")})
+
         naive = _run_full(textbook, *(t.to(dtype) for t in (q, k, v)), dout, dl, kw)
         for name, got, want, nv in zip(names, ring_out, oracle, naive):
             factor = 2.0 if name in ("out", "lse") else 3.0
-            report[name] = {"err": max_err(got, shard(want, layout=layout)),
-                            "bound": factor * max_err(nv, want) + 1e-6}
+            report[name] = {"err": max_err(got, shard(want, layout=layout)), "bound": factor * max_err(nv, want) + 1e-6}
     return report
 
 
@@ -183,31 +234,43 @@ def _error_case(name: str, rank: int, world: int) -> dict:
         slopes = torch.ones(2, requires_grad=True)
         return _expect_error(lambda: ring_attention(x, x, x, bias=B.alibi(slopes)), ValueError, "require grad")
     if name == "dense_bias":
-        return _expect_error(lambda: ring_attention(x, x, x, bias=torch.zeros(8 * world, 8 * world)), TypeError,
-                             "from_fn")
+        return _expect_error(
+            lambda: ring_attention(x, x, x, bias=torch.zeros(8 * world, 8 * world)), TypeError, "from_fn"
+        )
     if name == "string_return_lse":  # "no" is truthy: refused like attention's, on every rank
-        return _expect_error(lambda: ring_attention(x, x, x, return_lse="no"), TypeError,
-                             "return_lse must be True or False")
+        return _expect_error(
+            lambda: ring_attention(x, x, x, return_lse="no"), TypeError, "return_lse must be True or False"
+        )
     if name == "overflowing_scale":  # attention()'s check (its call is built the same way), not NaN rows
         return _expect_error(lambda: ring_attention(x, x, x, scale=1e30), ValueError, "would overflow")
     if name == "plain_function_bias":  # the same TypeError as attention's, not "differs across ranks"
-        return _expect_error(lambda: ring_attention(x, x, x, bias=lambda s, b, h, i, j: s), TypeError,
-                             "wrap a function", "from_fn")
+        return _expect_error(
+            lambda: ring_attention(x, x, x, bias=lambda s, b, h, i, j: s), TypeError, "wrap a function", "from_fn"
+        )
     if name == "local_document_ids":  # ids for this rank's 8 tokens instead of all 8W
-        return _expect_error(lambda: ring_attention(x, x, x, mask=M.document(torch.zeros(8, dtype=torch.long))),
-                             ValueError, "full sequence", f"L = {world} ranks x 8 local tokens")
+        return _expect_error(
+            lambda: ring_attention(x, x, x, mask=M.document(torch.zeros(8, dtype=torch.long))),
+            ValueError,
+            "full sequence",
+            f"L = {world} ranks x 8 local tokens",
+        )
     if name == "mismatched_mask_values":  # prints as document(8W ids) on every rank: the values are compared
         ids = torch.zeros(8 * world, dtype=torch.long) if rank == 0 else torch.arange(8 * world)
-        return _expect_error(lambda: ring_attention(x, x, x, mask=M.document(ids)), ValueError,
-                             "mask holds different values")
+        return _expect_error(
+            lambda: ring_attention(x, x, x, mask=M.document(ids)), ValueError, "mask holds different values"
+        )
     if name == "mismatched_bias_values":
         slopes = torch.tensor([0.5, 0.25 + 0.125 * (rank == world - 1)])
-        return _expect_error(lambda: ring_attention(x, x, x, bias=B.alibi(slopes)), ValueError,
-                             "bias holds different values")
+        return _expect_error(
+            lambda: ring_attention(x, x, x, bias=B.alibi(slopes)), ValueError, "bias holds different values"
+        )
     if name == "one_rank_learnable_bias":  # refused on one rank: every rank stops (a peer crashed in the ring)
         slopes = torch.ones(2).requires_grad_(rank == 0)
-        return _expect_error(lambda: ring_attention(x, x, x, bias=B.alibi(slopes)), ValueError,
-                             "require grad" if rank == 0 else "rank 0 rejected")
+        return _expect_error(
+            lambda: ring_attention(x, x, x, bias=B.alibi(slopes)),
+            ValueError,
+            "require grad" if rank == 0 else "rank 0 rejected",
+        )
     if name == "unshard_mismatch":
         y = torch.randn(1, 2, 8 + 2 * rank, 4)
         return _expect_error(lambda: unshard(y), ValueError, "differ across ranks")
@@ -226,9 +289,11 @@ def _other_case(name: str, rank: int, world: int) -> dict:
     if name == "shard_positions":
         c = L // (2 * world)
         got = {lay: shard(torch.arange(L), dim=0, layout=lay).tolist() for lay in LAYOUTS}
-        want = {"zigzag": list(range(rank * c, (rank + 1) * c)) + list(range((2 * world - 1 - rank) * c,
-                                                                              (2 * world - rank) * c)),
-                "contiguous": list(range(rank * 2 * c, (rank + 1) * 2 * c))}
+        want = {
+            "zigzag": list(range(rank * c, (rank + 1) * c))
+            + list(range((2 * world - 1 - rank) * c, (2 * world - rank) * c)),
+            "contiguous": list(range(rank * 2 * c, (rank + 1) * 2 * c)),
+        }
         if got != want:
             raise AssertionError(f"positions {got}, expected {want}")
         return {}
@@ -254,8 +319,10 @@ def _other_case(name: str, rank: int, world: int) -> dict:
         lengths = [L, L - 5]
         junk = (torch.arange(L)[None, :] >= torch.tensor(lengths)[:, None])[:, None, :, None].expand_as(k)
         runs = []
-        for kk, vv in ((k.masked_fill(junk, 0.0), v.masked_fill(junk, 0.0)),
-                       (k.masked_fill(junk, float("nan")), v.masked_fill(junk, float("inf")))):
+        for kk, vv in (
+            (k.masked_fill(junk, 0.0), v.masked_fill(junk, 0.0)),
+            (k.masked_fill(junk, float("nan")), v.masked_fill(junk, float("inf"))),
+        ):
             leaves = [shard(t).requires_grad_() for t in (q, kk, vv)]
             out = ring_attention(*leaves, mask=M.key_padding(lengths) & M.causal())
             out.backward(shard(torch.ones_like(q)))
@@ -314,8 +381,15 @@ def _gradcheck(rank: int, world: int) -> dict:
     v = torch.randn(1, 1, L, 2, generator=g, dtype=torch.float64, requires_grad=True)
 
     def fn(q_, k_, v_):
-        out, lse = ring_attention(Scatter.apply(q_), Scatter.apply(k_), Scatter.apply(v_), mask=M.causal(),
-                                  bias=B.alibi(B.alibi_slopes(2)), softcap=3.0, return_lse=True)
+        out, lse = ring_attention(
+            Scatter.apply(q_),
+            Scatter.apply(k_),
+            Scatter.apply(v_),
+            mask=M.causal(),
+            bias=B.alibi(B.alibi_slopes(2)),
+            softcap=3.0,
+            return_lse=True,
+        )
         return Gather.apply(out), Gather.apply(lse)
 
     torch.manual_seed(0)  # fast mode draws random directions: the same ones on every rank
@@ -333,11 +407,15 @@ def _worker(rank: int, world: int, port: int, out_path: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
     results = {}
-    jobs = [(f"{name}[{lay}]", lambda n=name, lay=lay: _compare(rank, world, lay, **CASES[n]))
-            for name in CASES for lay in LAYOUTS]
+    jobs = [
+        (f"{name}[{lay}]", lambda n=name, lay=lay: _compare(rank, world, lay, **CASES[n]))
+        for name in CASES
+        for lay in LAYOUTS
+    ]
     jobs += [(name, lambda n=name: _error_case(n, rank, world)) for name in ERROR_CASES]
     jobs += [(name, lambda n=name: _other_case(n, rank, world)) for name in OTHER_CASES]
     for name, job in jobs:
@@ -358,10 +436,27 @@ def _free_port() -> int:
 def _launch(world: int, tmp: Path) -> subprocess.Popen:
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), "--world", str(world), "--port",
-                               str(port), "--out", str(tmp / f"w{world}_r{r}.json")],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
-             for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--rank",
+                str(r),
+                "--world",
+                str(world),
+                "--port",
+                str(port),
+                "--out",
+                str(tmp / f"w{world}_r{r}.json"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            text=True,
+        )
+        for r in range(world)
+    ]
     return procs
 
 

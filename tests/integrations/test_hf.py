@@ -16,8 +16,18 @@ from attnkit.integrations import hf
 
 V = 96  # vocabulary
 TOL = 1e-4  # float32 parity with eager
-_COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, attention_dropout=0.0)
+_COMMON = dict(
+    vocab_size=V,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    attention_dropout=0.0,
+)
 
 
 def _config(name: str):
@@ -28,12 +38,28 @@ def _config(name: str):
     if name == "qwen2":
         return transformers.Qwen2Config(**_COMMON)
     if name == "gemma2":
-        return transformers.Gemma2Config(**_COMMON, head_dim=16, sliding_window=4, attn_logit_softcapping=3.0,
-                                         final_logit_softcapping=20.0, query_pre_attn_scalar=16)
+        return transformers.Gemma2Config(
+            **_COMMON,
+            head_dim=16,
+            sliding_window=4,
+            attn_logit_softcapping=3.0,
+            final_logit_softcapping=20.0,
+            query_pre_attn_scalar=16,
+        )
     if name == "gpt2":
-        return transformers.GPT2Config(vocab_size=V, n_embd=64, n_layer=2, n_head=4, n_positions=64, attn_pdrop=0.0,
-                                       resid_pdrop=0.0, embd_pdrop=0.0, pad_token_id=0, bos_token_id=1,
-                                       eos_token_id=2)
+        return transformers.GPT2Config(
+            vocab_size=V,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            attn_pdrop=0.0,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
     raise KeyError(name)
 
 
@@ -183,9 +209,17 @@ def test_training_step_gradients_match_eager(name):
 
 def _bert():
     torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                  intermediate_size=128, max_position_embeddings=32, hidden_dropout_prob=0.0,
-                                  attention_probs_dropout_prob=0.0, pad_token_id=0)
+    cfg = transformers.BertConfig(
+        vocab_size=V,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        pad_token_id=0,
+    )
     return transformers.AutoModelForMaskedLM.from_config(cfg, attn_implementation="eager").eval()
 
 
@@ -219,15 +253,19 @@ def _recorded_masks(monkeypatch):
         seen.append(out)
         return out
 
-    monkeypatch.setattr(mu.AttentionMaskInterface, "_global_mapping",
-                        {**mu.AttentionMaskInterface._global_mapping, "attnkit": spy})
+    monkeypatch.setattr(
+        mu.AttentionMaskInterface, "_global_mapping", {**mu.AttentionMaskInterface._global_mapping, "attnkit": spy}
+    )
     return seen
 
 
-@pytest.mark.parametrize("name, expected", [
-    ("llama", "(causal(align='bottom_right') & key_padding(bool (3, 9)))"),
-    ("mistral", "(sliding_window(left=3, right=0, align='bottom_right') & key_padding(bool (3, 9)))"),
-])
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("llama", "(causal(align='bottom_right') & key_padding(bool (3, 9)))"),
+        ("mistral", "(sliding_window(left=3, right=0, align='bottom_right') & key_padding(bool (3, 9)))"),
+    ],
+)
 def test_models_get_structured_masks(name, expected, monkeypatch):
     seen = _recorded_masks(monkeypatch)
     model = _model(name, impl="attnkit")
@@ -271,8 +309,15 @@ _PATTERNS = {
 }
 
 
-@given(kind=st.sampled_from(sorted(_PATTERNS)), window=st.integers(1, 6), q_len=st.integers(1, 7),
-       past=st.integers(0, 6), dropped=st.integers(0, 4), batch=st.integers(1, 3), pads=st.data())
+@given(
+    kind=st.sampled_from(sorted(_PATTERNS)),
+    window=st.integers(1, 6),
+    q_len=st.integers(1, 7),
+    past=st.integers(0, 6),
+    dropped=st.integers(0, 4),
+    batch=st.integers(1, 3),
+    pads=st.data(),
+)
 def test_build_mask_equals_transformers_sdpa_mask(kind, window, q_len, past, dropped, batch, pads):
     """For any shape, cache offset and padding, attnkit's mask allows exactly what transformers' does."""
     fn = _PATTERNS[kind](window)
@@ -285,11 +330,27 @@ def test_build_mask_equals_transformers_sdpa_mask(kind, window, q_len, past, dro
     for b, n in enumerate(n_pad):
         am[b, :n] = False
     for padding in (None, am):
-        want = mu.sdpa_mask(batch_size=batch, q_length=q_len, kv_length=kv_len, q_offset=q_off, kv_offset=kv_off,
-                            mask_function=fn, attention_mask=padding, allow_is_causal_skip=False,
-                            allow_is_bidirectional_skip=False)
-        got = hf.build_mask(batch, q_len, kv_len, q_off, kv_off, mask_function=fn, attention_mask=padding,
-                            allow_is_bidirectional_skip=True)
+        want = mu.sdpa_mask(
+            batch_size=batch,
+            q_length=q_len,
+            kv_length=kv_len,
+            q_offset=q_off,
+            kv_offset=kv_off,
+            mask_function=fn,
+            attention_mask=padding,
+            allow_is_causal_skip=False,
+            allow_is_bidirectional_skip=False,
+        )
+        got = hf.build_mask(
+            batch,
+            q_len,
+            kv_len,
+            q_off,
+            kv_off,
+            mask_function=fn,
+            attention_mask=padding,
+            allow_is_bidirectional_skip=True,
+        )
         assert isinstance(got, hf._StructuredMask)  # every one of these has the bottom-right alignment
         assert torch.equal(got.to_dense(), want)
 
@@ -299,8 +360,16 @@ def test_build_mask_falls_back_where_alignment_differs():
     am = torch.ones(2, 10, dtype=torch.bool)
     am[0, :2] = False
     got = hf.build_mask(2, 1, 10, torch.tensor(4), 0, mask_function=mu.causal_mask_function, attention_mask=am)
-    want = mu.sdpa_mask(batch_size=2, q_length=1, kv_length=10, q_offset=torch.tensor(4), kv_offset=0,
-                        mask_function=mu.causal_mask_function, attention_mask=am, allow_is_causal_skip=False)
+    want = mu.sdpa_mask(
+        batch_size=2,
+        q_length=1,
+        kv_length=10,
+        q_offset=torch.tensor(4),
+        kv_offset=0,
+        mask_function=mu.causal_mask_function,
+        attention_mask=am,
+        allow_is_causal_skip=False,
+    )
     assert isinstance(got, torch.Tensor) and torch.equal(got, want)
     # callers that will add to the mask ask for a tensor
     got = hf.build_mask(2, 3, 3, mask_function=mu.causal_mask_function, allow_is_causal_skip=False)
@@ -341,16 +410,26 @@ def test_attention_forward_passes_dropout_scale_softcap_and_bias():
     m = hf._StructuredMask(masks.causal() & masks.key_padding(keep), (2, 1, 5, 5), torch.device("cpu"))
     kw = dict(scale=0.3, softcap=2.0, bias=bias, mask=m.mask)
     torch.manual_seed(7)
-    out, w = hf.attention_forward(torch.nn.Module(), q, k, v, m, dropout=0.5, scaling=0.3, softcap=2.0,
-                                  position_bias=bias)
+    out, w = hf.attention_forward(
+        torch.nn.Module(), q, k, v, m, dropout=0.5, scaling=0.3, softcap=2.0, position_bias=bias
+    )
     torch.manual_seed(7)
     want = attnkit.attention(q, k, v, dropout_p=0.5, **kw).transpose(1, 2)
     assert w is None and torch.equal(out, want)
     out0, _ = hf.attention_forward(torch.nn.Module(), q, k, v, m, scaling=0.3, softcap=2.0, position_bias=bias)
     assert not torch.allclose(out0, out)  # dropout did something
-    check_against_oracle(lambda q, k, v, **kw: hf.attention_forward(
-        torch.nn.Module(), q, k, v, m, scaling=0.3, softcap=2.0, position_bias=bias)[0].transpose(1, 2),
-        q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), mask=m.mask, bias=bias, scale=0.3, softcap=2.0)
+    check_against_oracle(
+        lambda q, k, v, **kw: hf.attention_forward(
+            torch.nn.Module(), q, k, v, m, scaling=0.3, softcap=2.0, position_bias=bias
+        )[0].transpose(1, 2),
+        q.requires_grad_(),
+        k.requires_grad_(),
+        v.requires_grad_(),
+        mask=m.mask,
+        bias=bias,
+        scale=0.3,
+        softcap=2.0,
+    )
 
 
 def test_attention_forward_without_mask_uses_module_causality():
@@ -406,9 +485,18 @@ def test_register_with_a_backend_and_bad_arguments():
         hf.register("")
 
 
-@pytest.mark.parametrize("version, ok", [("5.4.0", True), ("5.24.0", True), ("5.99.1.dev0", True),
-                                         ("5.3.0", False), ("4.57.6", False), ("6.0.0", False),
-                                         ("6.0.0rc1", False)])
+@pytest.mark.parametrize(
+    "version, ok",
+    [
+        ("5.4.0", True),
+        ("5.24.0", True),
+        ("5.99.1.dev0", True),
+        ("5.3.0", False),
+        ("4.57.6", False),
+        ("6.0.0", False),
+        ("6.0.0rc1", False),
+    ],
+)
 def test_version_gate(version, ok):
     if ok:
         hf._check_version(version)
@@ -439,11 +527,31 @@ def test_sparse_indexer_models_keep_their_top_k_selection():
     eager/sdpa (which turn them into a mask): attnkit applies them (it attended densely before)."""
     name = hf.register()
     cfg = transformers.DeepseekV32Config(
-        vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, kv_lora_rank=16,
-        q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=8, n_group=1, topk_group=1,
-        num_experts_per_tok=2, max_position_embeddings=64, index_topk=3, index_head_dim=16, index_n_heads=2,
-        head_dim=16, first_k_dense_replace=2, pad_token_id=0)
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        kv_lora_rank=16,
+        q_lora_rank=32,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        qk_nope_head_dim=8,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        index_topk=3,
+        index_head_dim=16,
+        index_n_heads=2,
+        head_dim=16,
+        first_k_dense_replace=2,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
     ids = torch.randint(3, 64, (1, 10), generator=torch.Generator().manual_seed(1))
@@ -472,9 +580,21 @@ def test_seq2seq_models_that_call_the_interface_get_structured_masks(monkeypatch
     """BART sets _supports_attention_backend = False yet calls the attention interface: its masks reach
     attnkit structured (key padding, causal), not as dense float biases, and its logits stay eager's."""
     name = hf.register()
-    cfg = dict(vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
-               decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32,
-               pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+    cfg = dict(
+        vocab_size=64,
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=32,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=1,
+    )
     torch.manual_seed(0)
     eager = transformers.BartForConditionalGeneration(transformers.BartConfig(**cfg, attn_implementation="eager"))
     ours = transformers.BartForConditionalGeneration(transformers.BartConfig(**cfg, attn_implementation=name))
@@ -501,8 +621,15 @@ def test_seq2seq_models_that_call_the_interface_get_structured_masks(monkeypatch
 
 
 def test_siglip2_pooling_head_gets_a_plain_tensor_mask():
-    vcfg = transformers.Siglip2VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                            num_attention_heads=4, num_channels=3, patch_size=4, num_patches=16)
+    vcfg = transformers.Siglip2VisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_channels=3,
+        patch_size=4,
+        num_patches=16,
+    )
     torch.manual_seed(0)
     model = transformers.Siglip2VisionModel(vcfg).eval()
     pv = torch.randn(2, 16, 3 * 4 * 4)
@@ -517,10 +644,18 @@ def test_siglip2_pooling_head_gets_a_plain_tensor_mask():
 
 
 def test_bigbird_pegasus_encoder_adding_the_mask_to_its_scores_matches_eager():
-    cfg = transformers.BigBirdPegasusConfig(vocab_size=V, d_model=32, encoder_layers=1, decoder_layers=1,
-                                            encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
-                                            decoder_ffn_dim=64, max_position_embeddings=64,
-                                            attention_type="original_full")
+    cfg = transformers.BigBirdPegasusConfig(
+        vocab_size=V,
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=64,
+        attention_type="original_full",
+    )
     torch.manual_seed(0)
     model = transformers.BigBirdPegasusForConditionalGeneration(cfg).eval()
     ids, am = _batch()
@@ -534,8 +669,9 @@ def test_bigbird_pegasus_encoder_adding_the_mask_to_its_scores_matches_eager():
 def test_a_padding_mask_built_for_one_query_row_serves_every_row():
     # BridgeTower builds its key padding mask for one query row and reuses it for all of them
     keep = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
-    m = hf.build_mask(2, 1, 5, mask_function=mu.bidirectional_mask_function, attention_mask=keep,
-                      allow_is_bidirectional_skip=True)
+    m = hf.build_mask(
+        2, 1, 5, mask_function=mu.bidirectional_mask_function, attention_mask=keep, allow_is_bidirectional_skip=True
+    )
     q = torch.randn(2, 4, 3, 8)
     k = v = torch.randn(2, 2, 5, 8)
     out, _ = hf.attention_forward(torch.nn.Module(), q, k, v, m)

@@ -15,39 +15,97 @@ from attnkit.nn import DecoderConfig, DecoderLM
 
 V = 96
 TOL = 1e-4
-_COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=64)
+_COMMON = dict(
+    vocab_size=V,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    max_position_embeddings=64,
+)
 
 HF_CONFIGS = {
     "llama": lambda: transformers.LlamaConfig(**_COMMON),
     "llama-biases-untied-llama3": lambda: transformers.LlamaConfig(
-        **_COMMON, attention_bias=True, mlp_bias=True, tie_word_embeddings=False, head_dim=32,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+        **_COMMON,
+        attention_bias=True,
+        mlp_bias=True,
+        tie_word_embeddings=False,
+        head_dim=32,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    ),
     "mistral-window": lambda: transformers.MistralConfig(**_COMMON, sliding_window=4),
     # long-context rope types, with sequences on both sides of the original length (8)
-    "llama-yarn": lambda: transformers.LlamaConfig(**_COMMON, rope_parameters={
-        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8}),
-    "llama-longrope": lambda: transformers.LlamaConfig(**_COMMON, rope_parameters={
-        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 8,
-        "short_factor": [1.0 + 0.05 * i for i in range(8)], "long_factor": [1.5 + 0.5 * i for i in range(8)]}),
-    "qwen2-dynamic": lambda: transformers.Qwen2Config(**{**_COMMON, "max_position_embeddings": 8}, rope_parameters={
-        "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}),
+    "llama-yarn": lambda: transformers.LlamaConfig(
+        **_COMMON,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 8,
+        },
+    ),
+    "llama-longrope": lambda: transformers.LlamaConfig(
+        **_COMMON,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "original_max_position_embeddings": 8,
+            "short_factor": [1.0 + 0.05 * i for i in range(8)],
+            "long_factor": [1.5 + 0.5 * i for i in range(8)],
+        },
+    ),
+    "qwen2-dynamic": lambda: transformers.Qwen2Config(
+        **{**_COMMON, "max_position_embeddings": 8},
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0},
+    ),
     "qwen2": lambda: transformers.Qwen2Config(**_COMMON, tie_word_embeddings=True),
     "qwen2-window-linear-rope": lambda: transformers.Qwen2Config(
-        **_COMMON, use_sliding_window=True, sliding_window=5, max_window_layers=0,
-        rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
+        **_COMMON,
+        use_sliding_window=True,
+        sliding_window=5,
+        max_window_layers=0,
+        rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    ),
     "qwen2-mixed-layers": lambda: transformers.Qwen2Config(  # sliding, full, sliding; attention dropout
-        **{**_COMMON, "num_hidden_layers": 3}, use_sliding_window=True, sliding_window=4, attention_dropout=0.25,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+        **{**_COMMON, "num_hidden_layers": 3},
+        use_sliding_window=True,
+        sliding_window=4,
+        attention_dropout=0.25,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    ),
     # Gemma 2: sliding / global / sliding, score and logit soft-caps, query_pre_attn_scalar != head_dim; weights
     # large enough (initializer_range) that every one of these changes the logits
     "gemma2": lambda: transformers.Gemma2Config(
-        **{**_COMMON, "num_hidden_layers": 3}, head_dim=16, sliding_window=4, query_pre_attn_scalar=24,
-        attn_logit_softcapping=3.0, final_logit_softcapping=5.0, initializer_range=0.1),
+        **{**_COMMON, "num_hidden_layers": 3},
+        head_dim=16,
+        sliding_window=4,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=3.0,
+        final_logit_softcapping=5.0,
+        initializer_range=0.1,
+    ),
     "gemma2-biases-untied": lambda: transformers.Gemma2Config(
-        **_COMMON, head_dim=16, sliding_window=5, query_pre_attn_scalar=16, attention_bias=True,
-        tie_word_embeddings=False, final_logit_softcapping=None, initializer_range=0.1),
+        **_COMMON,
+        head_dim=16,
+        sliding_window=5,
+        query_pre_attn_scalar=16,
+        attention_bias=True,
+        tie_word_embeddings=False,
+        final_logit_softcapping=None,
+        initializer_range=0.1,
+    ),
 }
 
 
@@ -90,7 +148,7 @@ def test_from_hf_logits_match(name):
             ref = torch.zeros_like(out)
             for b in range(len(ids)):
                 real = am[b].bool()
-                ref[b, real] = _hf(name)(ids[b:b + 1, real]).logits[0]  # afresh: HF's dynamic NTK keeps state
+                ref[b, real] = _hf(name)(ids[b : b + 1, real]).logits[0]  # afresh: HF's dynamic NTK keeps state
         else:
             ref = hf_model(ids, attention_mask=am, position_ids=pos).logits
     err = (out - ref)[am.bool()].abs().max().item()
@@ -112,8 +170,11 @@ def test_from_hf_config_and_sensitivity():
     mixed = from_hf(_hf("qwen2-mixed-layers"))
     cfg = mixed.config
     assert cfg.mask is None and cfg.attention_dropout == 0.25
-    assert [repr(m) for m in cfg.layer_masks] == ["sliding_window(left=3, right=0, align='bottom_right')", "None",
-                                                  "sliding_window(left=3, right=0, align='bottom_right')"]
+    assert [repr(m) for m in cfg.layer_masks] == [
+        "sliding_window(left=3, right=0, align='bottom_right')",
+        "None",
+        "sliding_window(left=3, right=0, align='bottom_right')",
+    ]
     assert [layer.attn.dropout for layer in mixed.layers] == [0.25] * 3
     ids = torch.randint(3, V, (1, 12))
     with torch.no_grad():  # the per-layer windows change the logits
@@ -153,17 +214,27 @@ def test_from_hf_gemma2_config_and_sensitivity():
     model = from_hf(_hf("gemma2"))
     cfg = model.config
     assert (cfg.ffn, cfg.post_norms, cfg.embed_scale, cfg.softcap, cfg.logit_softcap) == ("geglu", True, 8.0, 3.0, 5.0)
-    assert cfg.attn_scale == pytest.approx(24 ** -0.5) and cfg.tie_embeddings and cfg.mask is None
+    assert cfg.attn_scale == pytest.approx(24**-0.5) and cfg.tie_embeddings and cfg.mask is None
     assert [m is None for m in cfg.layer_masks] == [False, True, False]  # sliding, global, sliding
     assert repr(cfg.layer_masks[0]) == "sliding_window(left=3, right=0, align='bottom_right')"
     other = from_hf(_hf("gemma2-biases-untied")).config
     assert (other.qkv_bias, other.out_bias, other.tie_embeddings, other.attn_scale, other.logit_softcap) == (
-        True, True, False, None, None)
+        True,
+        True,
+        False,
+        None,
+        None,
+    )
     ids = torch.randint(3, V, (2, 12), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         ref = model(ids)
-        for change in [dict(softcap=None), dict(logit_softcap=None), dict(attn_scale=None), dict(layer_masks=None),
-                       dict(embed_scale=None)]:
+        for change in [
+            dict(softcap=None),
+            dict(logit_softcap=None),
+            dict(attn_scale=None),
+            dict(layer_masks=None),
+            dict(embed_scale=None),
+        ]:
             alt = DecoderLM(cfg.replace(**change)).eval()
             alt.load_state_dict(model.state_dict())
             assert (alt(ids) - ref).abs().max() > 1e-2, change
@@ -198,15 +269,27 @@ def test_from_hf_decodes_with_attnkit_caches_like_hf_generate(name):
         assert torch.equal(got, want), f"{name}, {type(cache).__name__}:\n{got}\n{want}"
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral-window", "qwen2", "qwen2-mixed-layers", "gemma2", "llama-yarn",
-                                  "llama-longrope", "qwen2-dynamic"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "llama",
+        "mistral-window",
+        "qwen2",
+        "qwen2-mixed-layers",
+        "gemma2",
+        "llama-yarn",
+        "llama-longrope",
+        "qwen2-dynamic",
+    ],
+)
 def test_from_hf_serves_attnkit_generate_and_engine_like_hf(name):
     hf_model = _hf(name)
     hf_model.generation_config.eos_token_id = None  # run to max_new_tokens
     model = from_hf(hf_model)
     prompts = [[5, 9, 14, 3, 22, 7, 40], [11, 12, 13], [30, 31, 32, 33, 34]]
-    want = [hf_model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p):].tolist()
-            for p in prompts]
+    want = [
+        hf_model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p) :].tolist() for p in prompts
+    ]
     caches = ["static", "paged"] + (["sliding"] if name == "mistral-window" else [])
     for cache in caches:
         assert attnkit.generate(model, prompts, 8, cache=cache) == want, f"{name}, cache={cache}"
@@ -258,41 +341,98 @@ def test_from_hf_keeps_dtype():
 
 _ATTNKIT = {
     "llama-like": dict(),
-    "llama-biases": dict(qkv_bias=True, out_bias=True, ffn_bias=True, tie_embeddings=False,
-                         rope_scaling={"type": "linear", "factor": 2.0}),
+    "llama-biases": dict(
+        qkv_bias=True,
+        out_bias=True,
+        ffn_bias=True,
+        tie_embeddings=False,
+        rope_scaling={"type": "linear", "factor": 2.0},
+    ),
     "mistral-like": dict(mask=masks.sliding_window(3)),
     "qwen2-like": dict(qkv_bias=True, rope_theta=1e6),
-    "llama-yarn": dict(rope_scaling={"type": "yarn", "factor": 4.0, "original_max_seq_len": 8, "mscale": 0.8,
-                                     "mscale_all_dim": 0.5}),
-    "llama-longrope": dict(rope_scaling={"type": "longrope", "factor": 4.0, "original_max_seq_len": 8,
-                                         "short_factor": [1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7],
-                                         "long_factor": [2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 5.5]}),
+    "llama-yarn": dict(
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_seq_len": 8, "mscale": 0.8, "mscale_all_dim": 0.5}
+    ),
+    "llama-longrope": dict(
+        rope_scaling={
+            "type": "longrope",
+            "factor": 4.0,
+            "original_max_seq_len": 8,
+            "short_factor": [1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7],
+            "long_factor": [2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 5.5],
+        }
+    ),
     "llama-dynamic": dict(rope_scaling={"type": "dynamic", "factor": 8.0, "original_max_seq_len": 8}),
     "qwen2-window": dict(qkv_bias=True, mask=masks.causal() & masks.sliding_window(5)),
-    "qwen2-mixed": dict(qkv_bias=True, n_layers=3, attention_dropout=0.125,
-                        layer_masks=(None, masks.sliding_window(3), masks.sliding_window(3))),
-    "qwen2-mixed-with-mask": dict(qkv_bias=True, n_layers=3, mask=masks.causal(),
-                                  layer_masks=(masks.sliding_window(2), masks.causal(),
-                                               masks.sliding_window(6) & masks.sliding_window(2))),
-    "gemma2-like": dict(ffn="geglu", post_norms=True, embed_scale=8.0, softcap=2.0, logit_softcap=4.0, attn_scale=0.2,
-                        n_layers=3, layer_masks=(masks.sliding_window(3), None, masks.sliding_window(3)),
-                        attention_dropout=0.1, norm_offset=1.0),
-    "gemma2-biases-global": dict(ffn="geglu", post_norms=True, embed_scale=8.0, qkv_bias=True, out_bias=True,
-                                 tie_embeddings=False, norm_offset=1.0),
+    "qwen2-mixed": dict(
+        qkv_bias=True,
+        n_layers=3,
+        attention_dropout=0.125,
+        layer_masks=(None, masks.sliding_window(3), masks.sliding_window(3)),
+    ),
+    "qwen2-mixed-with-mask": dict(
+        qkv_bias=True,
+        n_layers=3,
+        mask=masks.causal(),
+        layer_masks=(masks.sliding_window(2), masks.causal(), masks.sliding_window(6) & masks.sliding_window(2)),
+    ),
+    "gemma2-like": dict(
+        ffn="geglu",
+        post_norms=True,
+        embed_scale=8.0,
+        softcap=2.0,
+        logit_softcap=4.0,
+        attn_scale=0.2,
+        n_layers=3,
+        layer_masks=(masks.sliding_window(3), None, masks.sliding_window(3)),
+        attention_dropout=0.1,
+        norm_offset=1.0,
+    ),
+    "gemma2-biases-global": dict(
+        ffn="geglu",
+        post_norms=True,
+        embed_scale=8.0,
+        qkv_bias=True,
+        out_bias=True,
+        tie_embeddings=False,
+        norm_offset=1.0,
+    ),
     "qwen3-like": dict(qk_norm=True, qkv_bias=True, out_bias=True, layer_masks=(masks.sliding_window(3), None)),
     "olmo2-like": dict(qk_norm="all", pre_norms=False, post_norms=True),
     "smollm3-like": dict(rope_layers=(False, True), ffn_bias=True),
     "granite-like": dict(embed_scale=2.0, attn_scale=0.3, residual_scale=0.5, logit_divisor=3.0),
-    "gemma3-like": dict(ffn="geglu", post_norms=True, embed_scale=8.0, qk_norm=True, norm_offset=1.0,
-                        layer_masks=(masks.sliding_window(3), None), rope_local_theta=100.0),
+    "gemma3-like": dict(
+        ffn="geglu",
+        post_norms=True,
+        embed_scale=8.0,
+        qk_norm=True,
+        norm_offset=1.0,
+        layer_masks=(masks.sliding_window(3), None),
+        rope_local_theta=100.0,
+    ),
     # norms without Gemma's offset: converted through w - 1 (logits match; the round trip has offset 1.0)
     "gemma2-no-offset": dict(ffn="geglu", post_norms=True, embed_scale=8.0, softcap=2.0),
 }
-_FAMILY = {"llama-like": "Llama", "llama-biases": "Llama", "llama-yarn": "Llama", "llama-longrope": "Llama",
-           "llama-dynamic": "Llama", "mistral-like": "Mistral", "qwen2-like": "Qwen2",
-           "qwen2-window": "Qwen2", "qwen2-mixed": "Qwen2", "qwen2-mixed-with-mask": "Qwen2",
-           "qwen3-like": "Qwen3", "olmo2-like": "Olmo2", "smollm3-like": "SmolLM3", "granite-like": "Granite",
-           "gemma3-like": "Gemma3", "gemma2-like": "Gemma2", "gemma2-biases-global": "Gemma2", "gemma2-no-offset": "Gemma2"}
+_FAMILY = {
+    "llama-like": "Llama",
+    "llama-biases": "Llama",
+    "llama-yarn": "Llama",
+    "llama-longrope": "Llama",
+    "llama-dynamic": "Llama",
+    "mistral-like": "Mistral",
+    "qwen2-like": "Qwen2",
+    "qwen2-window": "Qwen2",
+    "qwen2-mixed": "Qwen2",
+    "qwen2-mixed-with-mask": "Qwen2",
+    "qwen3-like": "Qwen3",
+    "olmo2-like": "Olmo2",
+    "smollm3-like": "SmolLM3",
+    "granite-like": "Granite",
+    "gemma3-like": "Gemma3",
+    "gemma2-like": "Gemma2",
+    "gemma2-biases-global": "Gemma2",
+    "gemma2-no-offset": "Gemma2",
+}
 
 
 @pytest.mark.parametrize("name", sorted(_ATTNKIT))
@@ -350,33 +490,42 @@ def test_conversion_errors_name_the_problem():
     proportional.rope_parameters = {"rope_type": "proportional", "rope_theta": 1e4, "factor": 2.0}
     with pytest.raises(ValueError, match="rope_type='proportional'"):
         from_hf(transformers.LlamaForCausalLM(proportional))
-    chunked = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**_COMMON, use_sliding_window=True,
-                                                                     sliding_window=4))
+    chunked = transformers.Qwen2ForCausalLM(
+        transformers.Qwen2Config(**_COMMON, use_sliding_window=True, sliding_window=4)
+    )
     chunked.config.layer_types = ["full_attention", "chunked_attention"]
     with pytest.raises(ValueError, match=r"layer_types=\['full_attention', 'chunked_attention'\]: from_hf converts"):
         from_hf(chunked)
     two_windows = (masks.sliding_window(3), masks.sliding_window(5))
-    for kw, match in [(dict(qkv_bias=True, layer_masks=two_windows), r"sliding windows differ \(left=\[3, 5\]"),
-                      (dict(layer_masks=(None, masks.sliding_window(3))), "mixed: the Llama-family model that mixes "
-                                                                          "them is Qwen2"),
-                      (dict(layer_masks=(None, masks.prefix_lm(2))), r"config.layer_mask\(1\)=prefix_lm")]:
+    for kw, match in [
+        (dict(qkv_bias=True, layer_masks=two_windows), r"sliding windows differ \(left=\[3, 5\]"),
+        (dict(layer_masks=(None, masks.sliding_window(3))), "mixed: the Llama-family model that mixes them is Qwen2"),
+        (dict(layer_masks=(None, masks.prefix_lm(2))), r"config.layer_mask\(1\)=prefix_lm"),
+    ]:
         with pytest.raises(ValueError, match=match):
             to_hf(DecoderLM(DecoderConfig.preset("tiny", **kw)))
-    for field, value, match in [("positions", "alibi", "config.positions='alibi'"),
-                                ("norm", "layer", "config.norm='layer'"), ("softcap", 5.0, "config.softcap=5.0"),
-                                ("mask", masks.prefix_lm(3), "only a causal sliding window"),
-                                ("out_bias", True, "no transformers Llama-family model")]:
+    for field, value, match in [
+        ("positions", "alibi", "config.positions='alibi'"),
+        ("norm", "layer", "config.norm='layer'"),
+        ("softcap", 5.0, "config.softcap=5.0"),
+        ("mask", masks.prefix_lm(3), "only a causal sliding window"),
+        ("out_bias", True, "no transformers Llama-family model"),
+    ]:
         model = DecoderLM(DecoderConfig.preset("tiny", **{field: value}))
         with pytest.raises(ValueError, match=match):
             to_hf(model)
     gemma = dict(ffn="geglu", post_norms=True, embed_scale=8.0)
-    for kw, match in [(dict(gemma, post_norms=False), "config.post_norms=False: transformers' Gemma 2 needs"),
-                      (dict(gemma, embed_scale=2.0), r"config.embed_scale=2.0: .* sqrt\(d_model\)=8.0"),
-                      (dict(gemma, ffn="swiglu"), "config.ffn='swiglu': transformers' Gemma 2 needs ffn='geglu'"),
-                      (dict(gemma, qkv_bias=True), "config.out_bias=False: transformers' Gemma 2 needs out_bias=True"),
-                      (dict(gemma, layer_masks=(masks.sliding_window(2), masks.sliding_window(4))),
-                       r"sliding windows differ \(left=\[2, 4\]"),
-                      (dict(attn_scale=0.5, mask=masks.sliding_window(3)), "transformers' Granite has none")]:
+    for kw, match in [
+        (dict(gemma, post_norms=False), "config.post_norms=False: transformers' Gemma 2 needs"),
+        (dict(gemma, embed_scale=2.0), r"config.embed_scale=2.0: .* sqrt\(d_model\)=8.0"),
+        (dict(gemma, ffn="swiglu"), "config.ffn='swiglu': transformers' Gemma 2 needs ffn='geglu'"),
+        (dict(gemma, qkv_bias=True), "config.out_bias=False: transformers' Gemma 2 needs out_bias=True"),
+        (
+            dict(gemma, layer_masks=(masks.sliding_window(2), masks.sliding_window(4))),
+            r"sliding windows differ \(left=\[2, 4\]",
+        ),
+        (dict(attn_scale=0.5, mask=masks.sliding_window(3)), "transformers' Granite has none"),
+    ]:
         with pytest.raises(ValueError, match=match):
             to_hf(DecoderLM(DecoderConfig.preset("tiny", **kw)))
     gelu = transformers.Gemma2Config(**_COMMON, head_dim=16, hidden_activation="gelu")

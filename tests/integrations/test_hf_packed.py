@@ -13,8 +13,18 @@ from attnkit.integrations import hf
 
 V = 96
 TOL = 1e-4
-_COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, attention_dropout=0.0)
+_COMMON = dict(
+    vocab_size=V,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    attention_dropout=0.0,
+)
 LENGTHS = [5, 11, 1, 8]  # a one-token sequence too
 
 
@@ -25,8 +35,9 @@ def _registered():
 
 def _model(name: str, impl: str):
     torch.manual_seed(0)
-    cfg = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-           "mistral": transformers.MistralConfig}[name]
+    cfg = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "mistral": transformers.MistralConfig}[
+        name
+    ]
     extra = {"sliding_window": 4} if name == "mistral" else {}
     return transformers.AutoModelForCausalLM.from_config(cfg(**_COMMON, **extra), attn_implementation=impl).train()
 
@@ -42,8 +53,8 @@ def _padded(seqs):
     ids = torch.zeros(len(seqs), n, dtype=torch.long)
     am = torch.zeros_like(ids)
     for i, s in enumerate(seqs):
-        ids[i, :len(s)] = torch.tensor(s)
-        am[i, :len(s)] = 1
+        ids[i, : len(s)] = torch.tensor(s)
+        am[i, : len(s)] = 1
     return {"input_ids": ids, "attention_mask": am, "labels": ids.masked_fill(am == 0, -100)}
 
 
@@ -96,12 +107,16 @@ def test_cu_seq_lens_without_position_ids_keep_sequences_apart():
     packed = collate([{"input_ids": s} for s in seqs])
     assert "position_ids" not in packed
     with torch.no_grad():
-        logits = model(input_ids=packed["input_ids"], cu_seq_lens_q=packed["cu_seq_lens_q"],
-                       cu_seq_lens_k=packed["cu_seq_lens_k"], max_length_q=packed["max_length_q"],
-                       max_length_k=packed["max_length_k"], use_cache=False).logits
+        logits = model(
+            input_ids=packed["input_ids"],
+            cu_seq_lens_q=packed["cu_seq_lens_q"],
+            cu_seq_lens_k=packed["cu_seq_lens_k"],
+            max_length_q=packed["max_length_q"],
+            max_length_k=packed["max_length_k"],
+            use_cache=False,
+        ).logits
         # the third sequence alone, at positions 16.. as in the packed row (the rotary phase is relative anyway)
-        alone = model(input_ids=torch.tensor([seqs[1]]), position_ids=torch.arange(5, 16)[None],
-                      use_cache=False).logits
+        alone = model(input_ids=torch.tensor([seqs[1]]), position_ids=torch.arange(5, 16)[None], use_cache=False).logits
     torch.testing.assert_close(logits[0, 5:16], alone[0], atol=TOL, rtol=0)
 
 
@@ -112,17 +127,28 @@ def test_build_mask_turns_the_packed_sequence_mask_into_varlen():
         packed = mu.and_masks(mu.remap_positions_for_packed_sequence(fn, pos), mu.packed_sequence_mask_function(ids))
         got = hf.build_mask(1, 9, 9, mask_function=packed, allow_is_causal_skip=False)
         assert isinstance(got.mask.form(9, 9), masks.Varlen) and got.mask.cu_q.tolist() == [0, 3, 5, 9], inner
-        want = mu.sdpa_mask(batch_size=1, q_length=9, kv_length=9, mask_function=packed,
-                            allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
+        want = mu.sdpa_mask(
+            batch_size=1,
+            q_length=9,
+            kv_length=9,
+            mask_function=packed,
+            allow_is_causal_skip=False,
+            allow_is_bidirectional_skip=False,
+        )
         assert torch.equal(got.to_dense(), want)
         # two rows: a document mask with the pattern, equal to transformers' own too
         pos2 = torch.cat([pos, torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3]])])
         ids2 = mu.find_packed_sequence_indices(pos2)
-        packed2 = mu.and_masks(mu.remap_positions_for_packed_sequence(fn, pos2),
-                               mu.packed_sequence_mask_function(ids2))
+        packed2 = mu.and_masks(mu.remap_positions_for_packed_sequence(fn, pos2), mu.packed_sequence_mask_function(ids2))
         got2 = hf.build_mask(2, 9, 9, mask_function=packed2, allow_is_causal_skip=False)
-        want2 = mu.sdpa_mask(batch_size=2, q_length=9, kv_length=9, mask_function=packed2,
-                             allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
+        want2 = mu.sdpa_mask(
+            batch_size=2,
+            q_length=9,
+            kv_length=9,
+            mask_function=packed2,
+            allow_is_causal_skip=False,
+            allow_is_bidirectional_skip=False,
+        )
         assert torch.equal(got2.to_dense(), want2)
 
 
@@ -138,10 +164,17 @@ def _gpt_oss(impl: str):
     """A tiny GPT-OSS (alternating sliding-window and full layers, each with learned sinks), its sinks made
     to matter."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
     if "gpt_oss" not in CONFIG_MAPPING_NAMES:
         pytest.skip(f"transformers {transformers.__version__} has no gpt_oss")
-    cfg = transformers.GptOssConfig(**{**_COMMON, "intermediate_size": 64}, head_dim=16, num_local_experts=2,
-                                    num_experts_per_tok=1, sliding_window=4, max_position_embeddings=128)
+    cfg = transformers.GptOssConfig(
+        **{**_COMMON, "intermediate_size": 64},
+        head_dim=16,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        sliding_window=4,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=impl).train()
     with torch.no_grad():
@@ -178,18 +211,23 @@ def test_restarting_position_ids_keep_sequences_apart_in_the_attention_function(
     """A model that built a plain causal mask for a packed row: the restarting position ids mark the sequences
     (with the sinks in every row); increasing ids, two rows or a padding mask leave the mask as it was."""
     g = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(1, 4, 9, 8, generator=g), torch.randn(1, 2, 9, 8, generator=g), torch.randn(1, 2, 9, 8,
-                                                                                                       generator=g)
+    q, k, v = (
+        torch.randn(1, 4, 9, 8, generator=g),
+        torch.randn(1, 2, 9, 8, generator=g),
+        torch.randn(1, 2, 9, 8, generator=g),
+    )
     sinks = torch.randn(4, generator=g)
     pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
     out, _ = hf.attention_forward(torch.nn.Module(), q, k, v, None, is_causal=True, position_ids=pos, s_aux=sinks)
     for a, b in ((0, 3), (3, 5), (5, 9)):
-        alone, _ = hf.attention_forward(torch.nn.Module(), q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], None,
-                                        is_causal=True, s_aux=sinks)
+        alone, _ = hf.attention_forward(
+            torch.nn.Module(), q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], None, is_causal=True, s_aux=sinks
+        )
         torch.testing.assert_close(out[:, a:b], alone, atol=1e-6, rtol=0)
     plain, _ = hf.attention_forward(torch.nn.Module(), q, k, v, None, is_causal=True, s_aux=sinks)
-    same, _ = hf.attention_forward(torch.nn.Module(), q, k, v, None, is_causal=True, s_aux=sinks,
-                                   position_ids=torch.arange(3, 12)[None])
+    same, _ = hf.attention_forward(
+        torch.nn.Module(), q, k, v, None, is_causal=True, s_aux=sinks, position_ids=torch.arange(3, 12)[None]
+    )
     assert torch.equal(plain, same)
     padded = torch.ones(1, 1, 9, 9, dtype=torch.bool).tril()
     padded[..., :2] = False

@@ -10,16 +10,32 @@ from attnkit.integrations import hf
 
 V = 96
 TOL = 1e-4  # float32 parity with eager
-_SMALL = dict(vocab_size=V, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-              attention_dropout=0.0, num_local_experts=2, num_experts=2, num_experts_per_tok=1,
-              moe_intermediate_size=32, sliding_window=4, max_position_embeddings=128)
+_SMALL = dict(
+    vocab_size=V,
+    hidden_size=64,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    attention_dropout=0.0,
+    num_local_experts=2,
+    num_experts=2,
+    num_experts_per_tok=1,
+    moe_intermediate_size=32,
+    sliding_window=4,
+    max_position_embeddings=128,
+)
 CAUSAL = ["gpt_oss", "deepseek_v4", "flint", "granite_swa", "granitemoe_swa", "hy_v4", "mimo_v2_flash"]
 ALL = CAUSAL + ["openai_privacy_filter"]
 
 
 def _model(model_type: str):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
     if model_type not in CONFIG_MAPPING_NAMES:
         pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
     cfg = transformers.AutoConfig.for_model(model_type, **_SMALL)

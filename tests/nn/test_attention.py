@@ -25,8 +25,8 @@ def manual_self(m: MultiHeadAttention, x, *, mask=None, bias=None):
     """The module's forward written out from its weights, with the textbook formula (float64)."""
     Hq, Hkv, D = m.n_heads, m.n_kv_heads, m.d_head
     w, b = m.qkv_proj.weight, m.qkv_proj.bias
-    wq, wk, wv = w[: Hq * D], w[Hq * D: (Hq + Hkv) * D], w[(Hq + Hkv) * D:]
-    bq, bk, bv = (None, None, None) if b is None else (b[: Hq * D], b[Hq * D: (Hq + Hkv) * D], b[(Hq + Hkv) * D:])
+    wq, wk, wv = w[: Hq * D], w[Hq * D : (Hq + Hkv) * D], w[(Hq + Hkv) * D :]
+    bq, bk, bv = (None, None, None) if b is None else (b[: Hq * D], b[Hq * D : (Hq + Hkv) * D], b[(Hq + Hkv) * D :])
     q = split_heads(x @ wq.T + (0 if bq is None else bq), Hq, D)
     k = split_heads(x @ wk.T + (0 if bk is None else bk), Hkv, D)
     v = split_heads(x @ wv.T + (0 if bv is None else bv), Hkv, D)
@@ -131,8 +131,7 @@ def test_cross_attention_with_different_key_and_value_widths_takes_a_pair():
     x, kin, vin = torch.randn(2, 4, 8, dtype=D64), torch.randn(2, 6, 3, dtype=D64), torch.randn(2, 6, 5, dtype=D64)
     q, k, v = split_heads(m.q_proj(x), 2, 4), split_heads(m.k_proj(kin), 2, 4), split_heads(m.v_proj(vin), 2, 4)
     out, _ = reference(q, k, v)
-    torch.testing.assert_close(m(x, (kin, vin)), m.out_proj(out.transpose(1, 2).reshape(2, 4, 8)), rtol=0,
-                               atol=1e-12)
+    torch.testing.assert_close(m(x, (kin, vin)), m.out_proj(out.transpose(1, 2).reshape(2, 4, 8)), rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match="kdim=3 != vdim=5"):
         m(x, kin)
 
@@ -155,6 +154,7 @@ def test_every_forward_path_runs_the_attention_hooks(concat_layer_cache):
     m = MultiHeadAttention(8, 2, mask=masks.causal(), positions=RotaryEmbedding(4))
     cross = MultiHeadAttention(8, 2, kdim=5)
     for mod in (m, cross):
+
         def hook(module, call, compute):
             calls.append((tuple(call.q.shape), tuple(call.k.shape), call.dropout_p, call.sinks))
             return compute(call)
@@ -166,8 +166,12 @@ def test_every_forward_path_runs_the_attention_hooks(concat_layer_cache):
     m(x, cache=c)
     m(x[:, :1], cache=c)
     cross(x, torch.randn(1, 6, 5))
-    assert [c[:2] for c in calls] == [((1, 2, 4, 4), (1, 2, 4, 4)), ((1, 2, 4, 4), (1, 2, 4, 4)),
-                                      ((1, 2, 1, 4), (1, 2, 5, 4)), ((1, 2, 4, 4), (1, 2, 6, 4))]
+    assert [c[:2] for c in calls] == [
+        ((1, 2, 4, 4), (1, 2, 4, 4)),
+        ((1, 2, 4, 4), (1, 2, 4, 4)),
+        ((1, 2, 1, 4), (1, 2, 5, 4)),
+        ((1, 2, 4, 4), (1, 2, 6, 4)),
+    ]
     assert all(c[2:] == (0.0, None) for c in calls)
 
 
@@ -188,13 +192,18 @@ def test_backend_is_passed_to_attention():
 @pytest.mark.parametrize("layout", [(4, 4), (4, 1)])
 def test_cached_self_attention_equals_full_recomputation(concat_layer_cache, positions, layout):
     hq, hkv = layout
-    pe = {None: None, "rope": RotaryEmbedding(4), "alibi": ALiBi(hq), "t5": T5RelativeBias(hq, bidirectional=False),
-          "sinusoidal": SinusoidalPositions(16)}[positions]
+    pe = {
+        None: None,
+        "rope": RotaryEmbedding(4),
+        "alibi": ALiBi(hq),
+        "t5": T5RelativeBias(hq, bidirectional=False),
+        "sinusoidal": SinusoidalPositions(16),
+    }[positions]
     m = MultiHeadAttention(16, hq, n_kv_heads=hkv, positions=pe, mask=masks.causal() & masks.sliding_window(4))
     x = torch.randn(2, 9, 16)
     full = m(x)
     c = concat_layer_cache()
-    parts = [m(x[:, :3], cache=c)] + [m(x[:, t:t + 1], cache=c) for t in range(3, 7)] + [m(x[:, 7:], cache=c)]
+    parts = [m(x[:, :3], cache=c)] + [m(x[:, t : t + 1], cache=c) for t in range(3, 7)] + [m(x[:, 7:], cache=c)]
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=0, atol=1e-5)
 
 
@@ -207,7 +216,7 @@ def test_cache_extra_mask_is_and_ed_with_the_layer_mask(concat_layer_cache):
         return hide[:, None, None, :kv_len]  # bool (B, 1, 1, Lk)
 
     c = concat_layer_cache(extra)
-    parts = [m(x[:, :2], cache=c)] + [m(x[:, t:t + 1], cache=c) for t in range(2, 5)]
+    parts = [m(x[:, :2], cache=c)] + [m(x[:, t : t + 1], cache=c) for t in range(2, 5)]
     full = m(x, mask=hide[:, None, None, :])
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=0, atol=1e-6)
     c = concat_layer_cache(lambda kv_len: masks.key_padding(torch.tensor([kv_len, kv_len])))  # a Mask works too
@@ -228,6 +237,7 @@ def test_a_cache_that_computes_attention_itself_gets_q_and_the_masks():
         def attend(self, q, *, mask, bias, scale, softcap):
             seen.update(mask=mask, bias=bias, scale=scale, softcap=softcap)
             import attnkit
+
             return attnkit.attention(q, self.k, self.v, mask=mask, bias=bias, scale=scale, softcap=softcap)
 
     m = MultiHeadAttention(8, 2, mask=masks.causal(), positions=ALiBi(2), softcap=5.0, temperature=2.0)
@@ -248,7 +258,7 @@ def test_cross_attention_cache_projects_the_context_once(concat_layer_cache):
     full = m(x, ctx)
     projected.clear()
     c = concat_layer_cache()
-    parts = [m(x[:, t:t + 1], ctx, cache=c) for t in range(5)]
+    parts = [m(x[:, t : t + 1], ctx, cache=c) for t in range(5)]
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=0, atol=1e-6)
     assert projected == [torch.Size([2, 7, 16])]  # once, on the first call
     assert c.calls == 5 and c.seq_len == 7
@@ -276,10 +286,13 @@ def test_bad_cache_results_are_explained():
 def test_a_cache_without_update_is_a_clear_error():
     """cache=[] (or a model-level cache given to one layer) raised AttributeError deep in the forward."""
     from attnkit.cache import StaticCache
+
     mha = MultiHeadAttention(8, 2, positions=RotaryEmbedding(4))
-    for cache, match in (([], "cache must be None or one layer's KV cache with update"),
-                         (object(), "got object"),
-                         (StaticCache(2, max_len=8), r"model-level StaticCache: .* cache.layers\[i\]")):
+    for cache, match in (
+        ([], "cache must be None or one layer's KV cache with update"),
+        (object(), "got object"),
+        (StaticCache(2, max_len=8), r"model-level StaticCache: .* cache.layers\[i\]"),
+    ):
         with pytest.raises(TypeError, match=match):
             mha(torch.randn(1, 2, 8), cache=cache)
     cache = StaticCache(1, max_len=8)
@@ -331,8 +344,7 @@ def test_from_torch_is_identical(batch_first, kind, masking):
     expected, t_w = tm(*t_in, key_padding_mask=kpm, attn_mask=am, need_weights=True)
     # the converted module takes the source module's layout, and torch's padding mask as it is
     context = None if kind == "self" else ((t_in[1], t_in[2]) if kind == "kdim_vdim" else t_in[1])
-    out, w = ours(t_in[0], context, mask=torch_masks_to_ours(None, am, B, H), key_padding_mask=kpm,
-                  need_weights=True)
+    out, w = ours(t_in[0], context, mask=torch_masks_to_ours(None, am, B, H), key_padding_mask=kpm, need_weights=True)
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-10)
     torch.testing.assert_close(w.mean(1), t_w, rtol=0, atol=1e-10)
     # a batch-first module, and the padding mask converted once to an attnkit mask
@@ -449,15 +461,21 @@ def test_from_torch_keeps_the_training_mode():
     assert MultiHeadAttention.from_torch(tm.train()).training
 
 
-@pytest.mark.parametrize("options", [dict(n_kv_heads=2, qk_norm=True, softcap=20.0, sinks=True, bias=False),
-                                     dict(kdim=12, vdim=10, out_bias=False, temperature=2.0, qk_norm="all")])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(n_kv_heads=2, qk_norm=True, softcap=20.0, sinks=True, bias=False),
+        dict(kdim=12, vdim=10, out_bias=False, temperature=2.0, qk_norm="all"),
+    ],
+)
 def test_from_config_builds_the_module_the_keywords_build(options):
     from attnkit.nn import AttentionConfig
 
     rope = RotaryEmbedding(4) if "kdim" not in options else None
     torch.manual_seed(0)
-    mine = MultiHeadAttention.from_config(AttentionConfig(16, 4, **options), positions=rope,
-                                          mask=None if rope is None else masks.causal()).double()
+    mine = MultiHeadAttention.from_config(
+        AttentionConfig(16, 4, **options), positions=rope, mask=None if rope is None else masks.causal()
+    ).double()
     torch.manual_seed(0)
     ref = MultiHeadAttention(16, 4, positions=rope, mask=None if rope is None else masks.causal(), **options).double()
     assert mine.config == ref.config == AttentionConfig(16, 4, **options)

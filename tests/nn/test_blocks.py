@@ -15,8 +15,9 @@ D64 = torch.float64
 @pytest.mark.parametrize("norm_first", [True, False])
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 def test_block_composes_its_sublayers_in_the_stated_order(norm_first, norm):
-    block = TransformerBlock(16, 4, norm_first=norm_first, norm=norm, ffn="swiglu", cross_attention=True,
-                             mask=masks.causal()).to(D64)
+    block = TransformerBlock(
+        16, 4, norm_first=norm_first, norm=norm, ffn="swiglu", cross_attention=True, mask=masks.causal()
+    ).to(D64)
     for p in block.parameters():  # non-trivial norms
         if p.dim() == 1:
             torch.nn.init.uniform_(p, 0.5, 1.5)
@@ -36,8 +37,12 @@ def test_block_composes_its_sublayers_in_the_stated_order(norm_first, norm):
 def test_feed_forward_written_out():
     x = torch.randn(2, 3, 8, dtype=D64)
     gelu = FeedForward(8, 12, "gelu").to(D64)
-    torch.testing.assert_close(gelu(x), F.gelu(x @ gelu.up_proj.weight.T + gelu.up_proj.bias) @ gelu.down_proj.weight.T
-                               + gelu.down_proj.bias, rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        gelu(x),
+        F.gelu(x @ gelu.up_proj.weight.T + gelu.up_proj.bias) @ gelu.down_proj.weight.T + gelu.down_proj.bias,
+        rtol=0,
+        atol=1e-12,
+    )
     sw = FeedForward(8, 12, "swiglu", bias=False).to(D64)
     gate, up = sw.up_proj.weight[:12], sw.up_proj.weight[12:]
     torch.testing.assert_close(sw(x), (F.silu(x @ gate.T) * (x @ up.T)) @ sw.down_proj.weight.T, rtol=0, atol=1e-12)
@@ -47,8 +52,9 @@ def test_rms_norm_and_linear_match_their_definitions():
     x = torch.randn(4, 6, dtype=D64)
     n = RMSNorm(6, eps=1e-5).to(D64)
     torch.nn.init.uniform_(n.weight)
-    torch.testing.assert_close(n(x), x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-5) * n.weight, rtol=0,
-                               atol=1e-12)
+    torch.testing.assert_close(
+        n(x), x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-5) * n.weight, rtol=0, atol=1e-12
+    )
     lin, ref = Linear(6, 3).to(D64), torch.nn.Linear(6, 3).to(D64)
     ref.load_state_dict(lin.state_dict())
     torch.testing.assert_close(lin(x), ref(x), rtol=0, atol=1e-12)
@@ -115,15 +121,32 @@ def test_a_block_built_from_its_config_is_the_block_the_keywords_build():
     from attnkit.nn import BlockConfig, RotaryEmbedding
 
     rope = RotaryEmbedding(8)
-    kw = dict(n_kv_heads=2, norm="rms", ffn="geglu", post_norms=True, qkv_bias=False, ffn_bias=False,
-              attention_dropout=0.1, qk_norm=True, norm_eps=1e-6, norm_offset=1.0, cross_attention=True,
-              context_dim=12, residual_scale=0.5, sinks=True)
+    kw = dict(
+        n_kv_heads=2,
+        norm="rms",
+        ffn="geglu",
+        post_norms=True,
+        qkv_bias=False,
+        ffn_bias=False,
+        attention_dropout=0.1,
+        qk_norm=True,
+        norm_eps=1e-6,
+        norm_offset=1.0,
+        cross_attention=True,
+        context_dim=12,
+        residual_scale=0.5,
+        sinks=True,
+    )
     torch.manual_seed(0)
     ref = TransformerBlock(32, 4, positions=rope, mask=masks.causal(), **kw).double().eval()
     cfg = ref.config
     assert isinstance(cfg, BlockConfig) and ref.attn.config is cfg.attention
     assert (cfg.attention.dropout, cfg.attention.bias, cfg.attention.qk_norm_eps, cfg.attention.qk_norm_offset) == (
-        0.1, False, 1e-6, 1.0)
+        0.1,
+        False,
+        1e-6,
+        1.0,
+    )
     assert ref.cross_attn.config == cfg.cross_attention_config() and ref.cross_attn.sinks is None
     torch.manual_seed(0)
     mine = TransformerBlock.from_config(cfg, positions=rope, mask=masks.causal()).double().eval()

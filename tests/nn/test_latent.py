@@ -19,8 +19,15 @@ DIMS = dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim
 
 def _mla(q_lora_rank=24, **kw):
     torch.manual_seed(0)
-    m = LatentAttention(32, 4, **DIMS, q_lora_rank=q_lora_rank, positions=RotaryEmbedding(8, interleaved=True),
-                        mask=masks.causal(), **kw)
+    m = LatentAttention(
+        32,
+        4,
+        **DIMS,
+        q_lora_rank=q_lora_rank,
+        positions=RotaryEmbedding(8, interleaved=True),
+        mask=masks.causal(),
+        **kw,
+    )
     with torch.no_grad():
         for p in m.parameters():
             if p.dim() == 2:
@@ -68,7 +75,7 @@ def test_decoding_from_the_latent_cache_equals_a_full_forward_and_builds_no_per_
     outs = [m(x[:, :6], cache=cache.layers[0])]  # prompt: ordinary attention from its own latents
     assert len(calls) == 1
     for i in range(6, 10):  # decode: absorbed projections, kv_b_proj's weight read, its forward never run
-        outs.append(m(x[:, i:i + 1], cache=cache.layers[0]))
+        outs.append(m(x[:, i : i + 1], cache=cache.layers[0]))
     assert len(calls) == 1
     torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-5, atol=1e-5)
     # a chunk after the prompt attends absorbed too
@@ -82,8 +89,18 @@ def test_decoding_from_the_latent_cache_equals_a_full_forward_and_builds_no_per_
 
 def _mla_model(q_lora_rank=24, v_head_dim=10, **kw):
     torch.manual_seed(0)
-    cfg = DecoderConfig.preset("tiny", n_layers=2, d_head=12, kv_lora_rank=16, q_lora_rank=q_lora_rank, qk_rope_head_dim=8,
-                               v_head_dim=v_head_dim, max_seq_len=64, rope_interleaved=True, **kw)
+    cfg = DecoderConfig.preset(
+        "tiny",
+        n_layers=2,
+        d_head=12,
+        kv_lora_rank=16,
+        q_lora_rank=q_lora_rank,
+        qk_rope_head_dim=8,
+        v_head_dim=v_head_dim,
+        max_seq_len=64,
+        rope_interleaved=True,
+        **kw,
+    )
     model = DecoderLM(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -97,7 +114,7 @@ def _greedy_full(model, prompt, n):
     with torch.no_grad():
         for _ in range(n):  # every step a full forward over the whole sequence, no cache
             ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def test_an_mla_decoder_generates_through_static_paged_caches_and_the_engine_as_a_full_forward():
@@ -120,7 +137,9 @@ def test_a_quantized_mla_model_decodes_from_its_latent_cache_as_its_full_forward
     x = torch.randint(0, 256, (1, 9))
     cache = StaticCache.for_model(model, 1, 9)
     with torch.no_grad():
-        steps = torch.cat([model(x[:, :5], cache=cache)] + [model(x[:, i:i + 1], cache=cache) for i in range(5, 9)], 1)
+        steps = torch.cat(
+            [model(x[:, :5], cache=cache)] + [model(x[:, i : i + 1], cache=cache) for i in range(5, 9)], 1
+        )
         full = model(x)
     # against the same (dequantized) weights in float64: decoding from latents is as close as the full forward
     oracle = DecoderLM(model.config).to(D64).eval()
@@ -148,18 +167,22 @@ def test_mla_caches_store_the_latent_only():
 
 
 def test_latent_attention_errors_name_the_field():
-    for kw, match in [(dict(qk_rope_head_dim=7), "qk_rope_head_dim=7 must be even"),
-                      (dict(positions=RotaryEmbedding(4)), r"must rotate qk_rope_head_dim=8 dims"),
-                      (dict(kv_lora_rank=0), "kv_lora_rank=0")]:
+    for kw, match in [
+        (dict(qk_rope_head_dim=7), "qk_rope_head_dim=7 must be even"),
+        (dict(positions=RotaryEmbedding(4)), r"must rotate qk_rope_head_dim=8 dims"),
+        (dict(kv_lora_rank=0), "kv_lora_rank=0"),
+    ]:
         args = {**DIMS, **kw}
         with pytest.raises(ValueError, match=match):
             LatentAttention(32, 4, **args)
     with pytest.raises(TypeError, match="takes a RotaryEmbedding"):
         LatentAttention(32, 4, **DIMS, positions=attnkit.nn.ALiBi(4))
-    for kw, match in [(dict(kv_lora_rank=16), "needs qk_rope_head_dim"),
-                      (dict(q_lora_rank=8), "q_lora_rank=8 is a field of multi-head latent attention"),
-                      (dict(kv_lora_rank=16, qk_rope_head_dim=8, n_kv_heads=2), "n_kv_heads=2 is not available"),
-                      (dict(kv_lora_rank=16, qk_rope_head_dim=8, positions="alibi"), "positions='alibi' is not")]:
+    for kw, match in [
+        (dict(kv_lora_rank=16), "needs qk_rope_head_dim"),
+        (dict(q_lora_rank=8), "q_lora_rank=8 is a field of multi-head latent attention"),
+        (dict(kv_lora_rank=16, qk_rope_head_dim=8, n_kv_heads=2), "n_kv_heads=2 is not available"),
+        (dict(kv_lora_rank=16, qk_rope_head_dim=8, positions="alibi"), "positions='alibi' is not"),
+    ]:
         with pytest.raises(ValueError, match=match):
             DecoderConfig.preset("tiny", **kw)
     with pytest.raises(ValueError, match="QuantizedCache does not store latent attention's caches"):
@@ -175,8 +198,9 @@ def test_latent_attention_takes_its_config_or_the_fields_that_make_one():
     torch.manual_seed(0)
     by_config = LatentAttention(cfg, mask=masks.causal())
     torch.manual_seed(0)
-    by_fields = LatentAttention(32, 2, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
-                                q_lora_rank=16, mask=masks.causal())
+    by_fields = LatentAttention(
+        32, 2, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, q_lora_rank=16, mask=masks.causal()
+    )
     assert by_config.config is cfg and by_fields.config == cfg and repr(by_config) == repr(by_fields)
     assert all(torch.equal(a, b) for a, b in zip(by_config.state_dict().values(), by_fields.state_dict().values()))
     with pytest.raises(TypeError, match="got a LatentConfig and the fields dropout: pass one or the other"):

@@ -15,8 +15,7 @@ def test_onednn_operator_is_found_where_pytorch_has_onednn():
     assert layers._onednn_packed_works() == torch.backends.mkldnn.is_available()
 
 
-@pytest.mark.parametrize("shape", [(1, 64), (1, 1, 64), (2, 64), (1, 3, 64), (4, 64), (3, 5, 64), (0, 64),
-                                   (2, 0, 64)])
+@pytest.mark.parametrize("shape", [(1, 64), (1, 1, 64), (2, 64), (1, 3, 64), (4, 64), (3, 5, 64), (0, 64), (2, 0, 64)])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("layout", ["row", "column", "row slice", "packed"])
@@ -89,6 +88,7 @@ def test_feed_forward_kinds_against_their_formulas():
 def test_linear_sends_only_decode_sized_products_to_onednn(monkeypatch):
     """oneDNN keeps memory per distinct row count: beyond _ONEDNN_ROWS rows products take F.linear."""
     from attnkit.nn import layers
+
     calls = []
     real = torch.ops.mkldnn._linear_pointwise
 
@@ -116,6 +116,7 @@ def test_linear_sends_only_decode_sized_products_to_onednn(monkeypatch):
 def test_each_measured_decode_kernel_matches_float64(monkeypatch, kernel, rows, with_bias):
     """Whichever kernel the measurement picks for 1-3 rows, :func:`linear` computes the product (float64 oracle)."""
     from attnkit.nn import _products
+
     if kernel == "onednn" and not layers._onednn_linear_works():
         pytest.skip("this PyTorch has no oneDNN linear")
     g = torch.Generator().manual_seed(rows)
@@ -135,6 +136,7 @@ def test_decode_kernel_is_measured_once_per_shape_and_thread_count_and_explained
     """The first product of a shape measures it at every thread count a decode step may run at; later
     products (any of 1 row, or 2-3 rows, separately) reuse the choice, which decode_products reports."""
     from attnkit.nn import _products, decode_products
+
     monkeypatch.setattr(_products, "_CHOICES", {})
     measured = []
     real = _products._measure
@@ -159,6 +161,7 @@ def test_decode_kernel_choice_prefers_f_linear_and_ignores_a_slow_call(monkeypat
     """A fake clock: each call takes its kernel's time, and one call of the fastest is slowed 100x (another
     process took its core): the medians decide; F.linear stays unless another kernel is MARGIN faster."""
     from attnkit.nn import _products
+
     now = [0.0]
     monkeypatch.setattr(_products, "_clock", lambda: now[0])
 

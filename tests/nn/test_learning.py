@@ -43,8 +43,9 @@ def test_tiny_decoder_learns_to_copy(name):
     torch.manual_seed(0)
     # untied: a tied head starts by predicting the input token (worst for the sinusoidal model, which stays
     # there for hundreds of steps); the copy target is a different token
-    cfg = DecoderConfig(vocab_size=SYMBOLS + 1, d_model=64, n_layers=2, n_heads=4, max_seq_len=64,
-                        tie_embeddings=False, **changes)
+    cfg = DecoderConfig(
+        vocab_size=SYMBOLS + 1, d_model=64, n_layers=2, n_heads=4, max_seq_len=64, tie_embeddings=False, **changes
+    )
     model = DecoderLM(cfg)
     g = torch.Generator().manual_seed(1)
     check = task(128, torch.Generator().manual_seed(2))

@@ -26,7 +26,7 @@ VARIANTS = {
 def incremental(model, ids, cache, chunks, **kw):
     out, start = [], 0
     for n in chunks:
-        out.append(model(ids[:, start:start + n], cache=cache, **kw))
+        out.append(model(ids[:, start : start + n], cache=cache, **kw))
         start += n
     return torch.cat(out, dim=1)
 
@@ -59,7 +59,7 @@ def test_ragged_batch_with_left_padding_and_explicit_positions(concat_cache):
         alone = model(ids[1:, pad:])
         cache = concat_cache(cfg.n_layers, extra_mask=extra)
         first = model(ids[:, :5], cache=cache, positions=positions[:, :5])
-        rest = [model(ids[:, t:t + 1], cache=cache, positions=positions[:, t:t + 1]) for t in range(5, L)]
+        rest = [model(ids[:, t : t + 1], cache=cache, positions=positions[:, t : t + 1]) for t in range(5, L)]
         logits = torch.cat([first, *rest], dim=1)
         no_cache = model(ids, positions=positions, mask=real[:, None, None, :])
     torch.testing.assert_close(logits[1, pad:], alone[0], rtol=0, atol=1e-5)
@@ -115,13 +115,15 @@ def test_presets_and_config_validation():
         DecoderLM(DecoderConfig.preset("tiny", rope_scaling={"type": "proportional", "factor": 2.0}))
     with pytest.raises(ValueError, match="yarn scaling needs scaling\\['original_max_seq_len'\\]"):
         DecoderLM(DecoderConfig.preset("tiny", rope_scaling={"type": "yarn", "factor": 2.0}))
-    for kw, match in [(dict(pre_norms=False), "pre_norms=False needs post_norms=True"),
-                      (dict(qk_norm="proj"), "qk_norm='proj' must be"),
-                      (dict(rope_layers=(True,)), "one bool per layer \\(2\\)"),
-                      (dict(rope_layers=(True, False), positions="alibi"), "rope_layers is for positions='rope'"),
-                      (dict(rope_local_theta=1e4), "it needs positions='rope' and layer_masks"),
-                      (dict(residual_scale=0.0), "residual_scale=0.0 must be"),
-                      (dict(logit_divisor=-1.0), "logit_divisor=-1.0 must be")]:
+    for kw, match in [
+        (dict(pre_norms=False), "pre_norms=False needs post_norms=True"),
+        (dict(qk_norm="proj"), "qk_norm='proj' must be"),
+        (dict(rope_layers=(True,)), "one bool per layer \\(2\\)"),
+        (dict(rope_layers=(True, False), positions="alibi"), "rope_layers is for positions='rope'"),
+        (dict(rope_local_theta=1e4), "it needs positions='rope' and layer_masks"),
+        (dict(residual_scale=0.0), "residual_scale=0.0 must be"),
+        (dict(logit_divisor=-1.0), "logit_divisor=-1.0 must be"),
+    ]:
         with pytest.raises(ValueError, match=match):
             DecoderConfig.preset("tiny", **kw)
     with pytest.raises(TypeError, match="DecoderConfig"):
@@ -222,9 +224,12 @@ def test_decoder_lm_with_layer_masks_equals_a_hand_built_stack():
 
     model = _mixed().double()
     cfg = model.config
-    blocks = [TransformerBlock.from_config(cfg.block_config(), positions=model.positions,
-                                           mask=masks.causal() & m if m is not None else masks.causal()).double()
-              for m in MIXED]
+    blocks = [
+        TransformerBlock.from_config(
+            cfg.block_config(), positions=model.positions, mask=masks.causal() & m if m is not None else masks.causal()
+        ).double()
+        for m in MIXED
+    ]
     for block, layer in zip(blocks, model.layers):
         block.load_state_dict(layer.state_dict())
     ids = torch.randint(0, cfg.vocab_size, (2, 11), generator=torch.Generator().manual_seed(5))
@@ -280,8 +285,13 @@ def test_sliding_window_cache_with_layer_masks():
         SlidingWindowCache.for_model(_mixed(), 2)
     # every layer slides, with different windows: the ring keeps the widest, each layer applies its own
     torch.manual_seed(0)
-    cfg = DecoderConfig.preset("tiny", n_layers=3, n_kv_heads=2, init_std=0.2,
-                               layer_masks=(masks.sliding_window(2), masks.sliding_window(6), masks.sliding_window(4)))
+    cfg = DecoderConfig.preset(
+        "tiny",
+        n_layers=3,
+        n_kv_heads=2,
+        init_std=0.2,
+        layer_masks=(masks.sliding_window(2), masks.sliding_window(6), masks.sliding_window(4)),
+    )
     windowed = DecoderLM(cfg).eval()
     assert SlidingWindowCache.for_model(windowed, 2).window == 7
     assert attnkit.generate(windowed, prompts, 8, cache="sliding") == attnkit.generate(windowed, prompts, 8, cache=None)
@@ -327,7 +337,7 @@ def test_gemma_style_fields_do_what_they_say():
     with torch.no_grad():
         raw = plain(ids)
         torch.testing.assert_close(variant(logit_softcap=0.05)(ids), 0.05 * torch.tanh(raw / 0.05), rtol=0, atol=1e-12)
-        torch.testing.assert_close(variant(attn_scale=16 ** -0.5)(ids), raw, rtol=0, atol=1e-12)  # d_head = 16
+        torch.testing.assert_close(variant(attn_scale=16**-0.5)(ids), raw, rtol=0, atol=1e-12)  # d_head = 16
         assert (variant(attn_scale=0.5)(ids) - raw).abs().max() > 1e-6
         # embed_scale multiplies the token embeddings: equal to scaling the (untied) embedding table
         scaled = variant(embed_scale=3.0)
@@ -345,7 +355,7 @@ def test_gemma_style_fields_do_what_they_say():
         h = torch.randn(2, 7, 64, dtype=torch.float64)
         ffn = block.ffn
         gate, up = ffn.up_proj(h).split(ffn.d_ff, -1)
-        gelu_tanh = 0.5 * gate * (1 + torch.tanh(math.sqrt(2 / math.pi) * (gate + 0.044715 * gate ** 3)))
+        gelu_tanh = 0.5 * gate * (1 + torch.tanh(math.sqrt(2 / math.pi) * (gate + 0.044715 * gate**3)))
         torch.testing.assert_close(ffn(h), ffn.down_proj(gelu_tanh * up), rtol=0, atol=1e-12)
         a = h + block.attn_post_norm(block.attn(block.attn_norm(h), positions=torch.arange(7)))
         want = a + block.ffn_post_norm(ffn(block.ffn_norm(a)))
@@ -361,6 +371,7 @@ def test_token_ids_outside_the_vocabulary_are_clear_errors():
 
 def test_rms_norm_offset_is_gemmas_one_plus_weight():
     from attnkit.nn import RMSNorm
+
     x = torch.randn(3, 16, dtype=torch.bfloat16)
     norm = RMSNorm(16, offset=1.0)
     assert torch.equal(norm.weight, torch.zeros(16))  # the identity
@@ -384,15 +395,30 @@ def test_decoder_logits_at_runs_the_head_on_chosen_rows():
 
 
 def test_every_layer_is_built_from_the_one_block_config():
-    cfg = DecoderConfig.preset("tiny", n_layers=3, n_kv_heads=2, qkv_bias=True, attention_dropout=0.1,
-                               attn_scale=0.125, softcap=30.0, norm_offset=1.0, attention_sinks=True, qk_norm=True)
+    cfg = DecoderConfig.preset(
+        "tiny",
+        n_layers=3,
+        n_kv_heads=2,
+        qkv_bias=True,
+        attention_dropout=0.1,
+        attn_scale=0.125,
+        softcap=30.0,
+        norm_offset=1.0,
+        attention_sinks=True,
+        qk_norm=True,
+    )
     model = DecoderLM(cfg)
     block = model.layers[0].config
     assert all(layer.config is block and layer.attn.config is block.attention for layer in model.layers)
     assert block == cfg.block_config()
     attn = model.layers[2].attn
     assert (attn.n_kv_heads, attn.dropout, attn.softcap, attn.qkv_proj.bias is not None, attn.sinks.shape) == (
-        2, 0.1, 30.0, True, (4,))
+        2,
+        0.1,
+        30.0,
+        True,
+        (4,),
+    )
     assert attn._scale() == pytest.approx(0.125)  # attn_scale as the attention's temperature
     assert attn.q_norm.offset == 1.0 and model.layers[0].attn_norm.offset == 1.0
     enc_dec = EncoderDecoder(cfg.replace(positions="t5", attention_sinks=False))

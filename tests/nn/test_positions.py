@@ -25,7 +25,7 @@ def rope_complex(x, positions, dim, base, interleaved, pos_scale=1.0):
     if interleaved:
         z = torch.complex(xr[..., 0::2], xr[..., 1::2])
     else:
-        z = torch.complex(xr[..., : dim // 2], xr[..., dim // 2:])
+        z = torch.complex(xr[..., : dim // 2], xr[..., dim // 2 :])
     z = z * torch.polar(torch.ones_like(angle), angle)
     if interleaved:
         out = torch.stack([z.real, z.imag], dim=-1).flatten(-2)
@@ -69,8 +69,9 @@ def test_rope_linear_and_ntk_scaling():
     x = torch.randn(1, 1, 6, 8, dtype=D64)
     pos = torch.arange(6) * 3
     linear = RotaryEmbedding(8, scaling={"type": "linear", "factor": 4.0})
-    torch.testing.assert_close(linear.rotate(x, pos), rope_complex(x, pos, 8, 10000.0, False, pos_scale=4.0),
-                               rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        linear.rotate(x, pos), rope_complex(x, pos, 8, 10000.0, False, pos_scale=4.0), rtol=0, atol=1e-6
+    )
     ntk = RotaryEmbedding(8, scaling={"rope_type": "ntk", "factor": 4.0})
     base = 10000.0 * 4.0 ** (8 / 6)
     torch.testing.assert_close(ntk.rotate(x, pos), rope_complex(x, pos, 8, base, False), rtol=0, atol=1e-6)
@@ -181,6 +182,7 @@ def test_rope_scaling_in_hugging_face_form():
     with pytest.raises(ValueError, match="type='linear' and rope_type='llama3'"):
         RotaryEmbedding(8, scaling={**hf, "rope_type": "llama3"})
     from attnkit.nn import DecoderConfig
+
     with pytest.raises(ValueError, match="differs from the rotary base"):  # at configuration time
         DecoderConfig.preset("tiny", rope_scaling={**hf, "rope_theta": 1.0})
 
@@ -191,12 +193,18 @@ _HF_ROPES = {
     "linear": dict(factor=2.5),
     "llama3": dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16),
     "yarn": dict(factor=4.0, original_max_position_embeddings=32),
-    "yarn-deepseek": dict(factor=4.0, original_max_position_embeddings=32, mscale=0.707, mscale_all_dim=1.0,
-                          beta_fast=16, beta_slow=2),
-    "yarn-untruncated-attention-factor": dict(factor=8.0, original_max_position_embeddings=16, truncate=False,
-                                              attention_factor=1.5),
-    "longrope": dict(factor=4.0, original_max_position_embeddings=16, short_factor=[1.0 + 0.1 * i for i in range(8)],
-                     long_factor=[2.0 + 0.3 * i for i in range(8)]),
+    "yarn-deepseek": dict(
+        factor=4.0, original_max_position_embeddings=32, mscale=0.707, mscale_all_dim=1.0, beta_fast=16, beta_slow=2
+    ),
+    "yarn-untruncated-attention-factor": dict(
+        factor=8.0, original_max_position_embeddings=16, truncate=False, attention_factor=1.5
+    ),
+    "longrope": dict(
+        factor=4.0,
+        original_max_position_embeddings=16,
+        short_factor=[1.0 + 0.1 * i for i in range(8)],
+        long_factor=[2.0 + 0.3 * i for i in range(8)],
+    ),
     "dynamic": dict(factor=2.0),
 }
 
@@ -205,8 +213,9 @@ def _hf_rope(name, max_pos=64):
     import transformers
 
     params = {"rope_type": name.split("-")[0], "rope_theta": 500.0, **_HF_ROPES[name]}
-    cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=16, max_position_embeddings=max_pos,
-                                   rope_parameters=params)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, num_attention_heads=4, head_dim=16, max_position_embeddings=max_pos, rope_parameters=params
+    )
     scaling = dict(params)
     if params["rope_type"] == "dynamic":  # HF's max_position_embeddings is the length it scales beyond
         scaling["original_max_position_embeddings"] = max_pos
@@ -252,11 +261,23 @@ def test_rope_scaling_rotations_equal_transformers_rotary_embedding(name):
 def test_rope_scaling_errors_name_the_field():
     for scaling, match in [
         ({"type": "yarn", "factor": 2.0}, "needs scaling\\['original_max_seq_len'\\]"),
-        ({"type": "longrope", "original_max_seq_len": 8, "short_factor": [1.0] * 4}, "needs scaling\\['long_factor'\\]"),
-        ({"type": "longrope", "original_max_seq_len": 8, "short_factor": [1.0] * 4, "long_factor": [1.0] * 3},
-         "short_factor has 4 entries and long_factor 3"),
-        ({"type": "longrope", "original_max_seq_len": 8, "short_factor": [1.0, -1.0, 1, 1], "long_factor": [1.0] * 4},
-         "short_factor'\\]\\[1\\]=-1.0"),
+        (
+            {"type": "longrope", "original_max_seq_len": 8, "short_factor": [1.0] * 4},
+            "needs scaling\\['long_factor'\\]",
+        ),
+        (
+            {"type": "longrope", "original_max_seq_len": 8, "short_factor": [1.0] * 4, "long_factor": [1.0] * 3},
+            "short_factor has 4 entries and long_factor 3",
+        ),
+        (
+            {
+                "type": "longrope",
+                "original_max_seq_len": 8,
+                "short_factor": [1.0, -1.0, 1, 1],
+                "long_factor": [1.0] * 4,
+            },
+            "short_factor'\\]\\[1\\]=-1.0",
+        ),
         ({"type": "linear", "factor": 2.0, "attention_factor": 2.0}, "not used by 'linear' scaling"),
         ({"type": "dynamic", "factor": 2.0}, "original_max_seq_len"),
         ({"type": "yarn", "factor": 2.0, "original_max_seq_len": 8, "beta": 3}, "keys \\['beta'\\]"),
@@ -264,13 +285,28 @@ def test_rope_scaling_errors_name_the_field():
         with pytest.raises((TypeError, ValueError), match=match):
             RotaryEmbedding(8, scaling=scaling)
     with pytest.raises(ValueError, match="longrope scaling has 2 short/long factors but RotaryEmbedding\\(dim=8\\)"):
-        RotaryEmbedding(8, scaling={"type": "longrope", "original_max_seq_len": 8, "short_factor": [1.0, 1.0],
-                                    "long_factor": [1.0, 2.0]})
+        RotaryEmbedding(
+            8,
+            scaling={
+                "type": "longrope",
+                "original_max_seq_len": 8,
+                "short_factor": [1.0, 1.0],
+                "long_factor": [1.0, 2.0],
+            },
+        )
 
 
 def test_longrope_switches_frequencies_per_call_at_the_original_length():
-    rope = RotaryEmbedding(4, scaling={"type": "longrope", "original_max_seq_len": 8, "factor": 4.0,
-                                       "short_factor": [1.0, 1.0], "long_factor": [3.0, 5.0]})
+    rope = RotaryEmbedding(
+        4,
+        scaling={
+            "type": "longrope",
+            "original_max_seq_len": 8,
+            "factor": 4.0,
+            "short_factor": [1.0, 1.0],
+            "long_factor": [3.0, 5.0],
+        },
+    )
     q = torch.randn(1, 1, 9, 4)
     short = rope.rotate(q[:, :, :8], torch.arange(8))
     long = rope.rotate(q, torch.arange(9))  # position 8: the call reaches 9 > 8 positions
@@ -298,8 +334,10 @@ _TYPED = {
     "ntk": ("NTKScaling", dict(factor=3.0)),
     "llama3": ("Llama3Scaling", dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=16)),
     "yarn": ("YaRNScaling", dict(factor=4.0, original_max_seq_len=32, mscale=0.707, mscale_all_dim=1.0)),
-    "longrope": ("LongRoPEScaling", dict(short_factor=[1.0, 1.1, 1.2, 1.3], long_factor=[2.0, 2.5, 3.0, 3.5],
-                                         original_max_seq_len=16, factor=4.0)),
+    "longrope": (
+        "LongRoPEScaling",
+        dict(short_factor=[1.0, 1.1, 1.2, 1.3], long_factor=[2.0, 2.5, 3.0, 3.5], original_max_seq_len=16, factor=4.0),
+    ),
     "dynamic": ("DynamicNTKScaling", dict(factor=2.0, original_max_seq_len=16)),
 }
 
@@ -313,7 +351,10 @@ def test_typed_rope_scaling_is_the_dict_form(kind):
 
     name, fields = _TYPED[kind]
     typed = getattr(nn_, name)(**fields)
-    a, b = RotaryEmbedding(8, base=500.0, scaling=typed), RotaryEmbedding(8, base=500.0, scaling={"type": kind, **fields})
+    a, b = (
+        RotaryEmbedding(8, base=500.0, scaling=typed),
+        RotaryEmbedding(8, base=500.0, scaling={"type": kind, **fields}),
+    )
     assert a.scaling == b.scaling == typed and a.attention_factor == b.attention_factor == typed.attention_factor
     for n in (5, 16, 17, 40):
         assert torch.equal(a.inv_freq_for(n), b.inv_freq_for(n))

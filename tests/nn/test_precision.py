@@ -18,9 +18,14 @@ def _loss(model, batch):
     return F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(), ignore_index=-100)
 
 
-@pytest.mark.parametrize("changes", [dict(positions="rope", n_kv_heads=2),
-                                     dict(positions="alibi", mask=masks.sliding_window(5)),
-                                     dict(positions="t5", norm="layer", ffn="gelu", norm_first=False)])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        dict(positions="rope", n_kv_heads=2),
+        dict(positions="alibi", mask=masks.sliding_window(5)),
+        dict(positions="t5", norm="layer", ffn="gelu", norm_first=False),
+    ],
+)
 def test_autocast_bfloat16_training_step_matches_float32(changes):
     torch.manual_seed(0)
     model = DecoderLM(DecoderConfig.preset("tiny", vocab_size=17, **changes))

@@ -142,6 +142,7 @@ def test_axial_attention_causal_axes_and_errors():
 
 def test_small_module_argument_errors():
     from attnkit.nn import AdditiveAttention, DecoderConfig, SingleHeadAttention
+
     with pytest.raises(TypeError, match="backend must be a string"):
         SingleHeadAttention(4, 2, backend=3)
     with pytest.raises(TypeError, match="values has dtype torch.int64"):
@@ -161,6 +162,7 @@ def test_threads_sharing_a_rotary_stack_leave_nothing_behind():
     import threading
 
     from attnkit.nn import Encoder, RotaryEmbedding
+
     torch.manual_seed(0)
     rope = RotaryEmbedding(8)
     enc = Encoder(32, 1, 4, positions=rope).eval()

@@ -71,18 +71,48 @@ def register(backend: Backend) -> None:
     _REGISTRY[backend.name] = backend
 
 
-register(Backend("math", _math.run, _math.check, _math.cost,
-                 description="textbook formula, materialised scores; the oracle; any dtype"))
-register(Backend("sdpa", _sdpa.run, _sdpa.check, _sdpa.cost,
-                 description="torch.nn.functional.scaled_dot_product_attention"))
-register(Backend("flash", _flash.run, _flash.check, _flash.cost,
-                 description="tiled block-sparse attention in PyTorch ops; memory-efficient backward"))
-register(Backend("triton", _triton.run, _triton.check, _triton.cost, _triton.available,
-                 description="Triton block-sparse flash kernels; CUDA GPUs (or TRITON_INTERPRET=1 on CPU)",
-                 unavailable_reason=_triton.unavailable_reason))
-register(Backend("splitkv", _splitkv.run, _splitkv.check, _splitkv.cost,
-                 description="CPU decoding: keys split into chunks merged by log-sum-exp; grouped heads read "
-                             "each key once; no gradients"))
+register(
+    Backend(
+        "math",
+        _math.run,
+        _math.check,
+        _math.cost,
+        description="textbook formula, materialised scores; the oracle; any dtype",
+    )
+)
+register(
+    Backend("sdpa", _sdpa.run, _sdpa.check, _sdpa.cost, description="torch.nn.functional.scaled_dot_product_attention")
+)
+register(
+    Backend(
+        "flash",
+        _flash.run,
+        _flash.check,
+        _flash.cost,
+        description="tiled block-sparse attention in PyTorch ops; memory-efficient backward",
+    )
+)
+register(
+    Backend(
+        "triton",
+        _triton.run,
+        _triton.check,
+        _triton.cost,
+        _triton.available,
+        description="Triton block-sparse flash kernels; CUDA GPUs (or TRITON_INTERPRET=1 on CPU)",
+        unavailable_reason=_triton.unavailable_reason,
+    )
+)
+register(
+    Backend(
+        "splitkv",
+        _splitkv.run,
+        _splitkv.check,
+        _splitkv.cost,
+        description="CPU decoding: keys split into chunks merged by log-sum-exp; grouped heads read "
+        "each key once; no gradients",
+    )
+)
 
 
 def available() -> list[str]:
@@ -116,10 +146,26 @@ def _signature(call: Call) -> tuple:
     the same signature, so auto decides once per forward (and once per decoding step)."""
     bias = call.bias
     bias_key = (id(bias), bias.requires_grad, tuple(bias.shape)) if hasattr(bias, "shape") else id(bias)
-    return (tuple(call.q.shape), tuple(call.k.shape), tuple(call.v.shape), call.q.dtype, call.q.device,
-            call.q.stride(), call.k.stride(), call.v.stride(), id(call.mask), bias_key, call.scale,
-            call.softcap, call.dropout_p > 0, call.return_lse, call.needs_grad, torch.is_grad_enabled(),
-            call.sinks is not None, call.sinks is not None and _sdpa.sinks_too_large(call))
+    return (
+        tuple(call.q.shape),
+        tuple(call.k.shape),
+        tuple(call.v.shape),
+        call.q.dtype,
+        call.q.device,
+        call.q.stride(),
+        call.k.stride(),
+        call.v.stride(),
+        id(call.mask),
+        bias_key,
+        call.scale,
+        call.softcap,
+        call.dropout_p > 0,
+        call.return_lse,
+        call.needs_grad,
+        torch.is_grad_enabled(),
+        call.sinks is not None,
+        call.sinks is not None and _sdpa.sinks_too_large(call),
+    )
 
 
 # ------------------------------------------------------------------ auto's rules
@@ -146,8 +192,13 @@ def _traced_decode(call: Call) -> Backend | None:
     traced, Inductor fuses its scores, softmax and weighted sum into one loop nest, where the fused SDPA kernel
     pays a parallel region per call (a bfloat16 decode step of an 8-layer model: ~7 ms against ~11 ms)."""
     Lq, Lk = call.q.shape[2], call.k.shape[2]
-    if (call.q.device.type == "cpu" and Lq <= _DECODE_QUERIES and Lk <= _DECODE_KEYS
-            and not call.needs_grad and call.dropout_p == 0):
+    if (
+        call.q.device.type == "cpu"
+        and Lq <= _DECODE_QUERIES
+        and Lk <= _DECODE_KEYS
+        and not call.needs_grad
+        and call.dropout_p == 0
+    ):
         return _REGISTRY["math"]
     return None
 
@@ -181,8 +232,12 @@ def _nothing_to_skip(call: Call) -> Backend | None:
     step meets a new key length each time; planning the tiled backend's cost at every step made the decode
     steps of a model with ``backend="auto"`` several times slower on a busy machine).  Not for a long CPU
     decode call, which ``splitkv`` takes at half the fused kernel's cost."""
-    if (call.bias is None and (call.mask is None or single_query_window(call) is not None)
-            and not _splitkv_wins(call) and not _sdpa.unfused_on_cpu(call)):
+    if (
+        call.bias is None
+        and (call.mask is None or single_query_window(call) is not None)
+        and not _splitkv_wins(call)
+        and not _sdpa.unfused_on_cpu(call)
+    ):
         b = _REGISTRY.get("sdpa")
         if b is not None and b.available() and b.check(call) is None:
             return b
@@ -190,8 +245,11 @@ def _nothing_to_skip(call: Call) -> Backend | None:
 
 
 def _why_nothing_to_skip(call: Call) -> str:
-    return ("without mask or bias there is nothing to skip" if call.mask is None else
-            "one query whose mask leaves it one window of keys (read as a view): nothing to skip")
+    return (
+        "without mask or bias there is nothing to skip"
+        if call.mask is None
+        else "one query whose mask leaves it one window of keys (read as a view): nothing to skip"
+    )
 
 
 def _splitkv_wins(call: Call) -> bool:
@@ -212,10 +270,18 @@ def _cheapest(call: Call) -> Backend | None:
 
 
 AUTO_RULES: tuple[Rule, ...] = (
-    Rule("decode-sized CPU call", _traced_decode, lambda call: "a decode-sized CPU call, which Inductor fuses",
-         traced=True),
-    Rule("dynamic length", _traced_any_length, lambda call: "a dynamic length: the backend that serves any length",
-         traced=True),
+    Rule(
+        "decode-sized CPU call",
+        _traced_decode,
+        lambda call: "a decode-sized CPU call, which Inductor fuses",
+        traced=True,
+    ),
+    Rule(
+        "dynamic length",
+        _traced_any_length,
+        lambda call: "a dynamic length: the backend that serves any length",
+        traced=True,
+    ),
     Rule("nothing to skip", _nothing_to_skip, _why_nothing_to_skip),
     Rule("cheapest", _cheapest, lambda call: "the cheapest estimate", weighs=True),
 )
@@ -258,8 +324,12 @@ def select(call: Call, backend: str) -> Backend:
     hit = _PICKS.get(key)
     # weak references to the mask and bias tell a reused id from the same object without keeping
     # either alive (a bool tensor mask is a new Mask at every call: its entry just dies)
-    if hit is not None and _alive(hit[0]) is call.mask and _alive(hit[1]) is call.bias \
-            and _REGISTRY.get(hit[2].name) is hit[2]:
+    if (
+        hit is not None
+        and _alive(hit[0]) is call.mask
+        and _alive(hit[1]) is call.bias
+        and _REGISTRY.get(hit[2].name) is hit[2]
+    ):
         return hit[2]
     chosen = _eager_decision(call)[1]
     with _PICKS_LOCK:  # (threads share the memo)
@@ -275,8 +345,9 @@ def _checked(call: Call, backend: str) -> Backend:
     reason = b.check(call)
     if reason is not None:
         takers = [n for n in available() if n != backend and _REGISTRY[n].check(call) is None]
-        raise ValueError(f"backend={backend!r} cannot take this call: {reason}; "
-                         f"backends that can: {takers} (or backend='auto')")
+        raise ValueError(
+            f"backend={backend!r} cannot take this call: {reason}; backends that can: {takers} (or backend='auto')"
+        )
     return b
 
 
@@ -292,14 +363,20 @@ def _symbolic_sizes(call: Call) -> bool:
 
 # ------------------------------------------------------------------ auto while tracing
 
+
 def _meta(t: Tensor | None):
     """What a backend's checks and costs read of a tensor, as constants: shape, strides, dtype, device and
     whether it requires grad (never its values)."""
     if t is None:
         return None
     # operator.index specialises a dynamic size to its value (a guard): tile plans and costs are per shape
-    return (tuple(operator.index(n) for n in t.shape), tuple(operator.index(s) for s in t.stride()), t.dtype,
-            t.device, t.requires_grad)
+    return (
+        tuple(operator.index(n) for n in t.shape),
+        tuple(operator.index(s) for s in t.stride()),
+        t.dtype,
+        t.device,
+        t.requires_grad,
+    )
 
 
 def _empty(meta):
@@ -307,8 +384,6 @@ def _empty(meta):
         return None
     shape, stride, dtype, device, grad = meta
     return torch.empty_strided(shape, stride, dtype=dtype, device=device).requires_grad_(grad)
-
-
 
 
 @constant_result
@@ -342,8 +417,14 @@ def decide(call: Call, backend: str) -> str:
     the named backend cannot take the call."""
     mask_key, mask_tensors, bias_t, mod_key, mod_tensors = op_arguments(call)
     metas = tuple(_meta(t) for t in (call.q, call.k, call.v, bias_t, call.sinks))
-    flags = (torch.is_grad_enabled(), float(call.scale), call.softcap, float(call.dropout_p), call.return_lse,
-             len(mask_tensors))
+    flags = (
+        torch.is_grad_enabled(),
+        float(call.scale),
+        call.softcap,
+        float(call.dropout_p),
+        call.return_lse,
+        len(mask_tensors),
+    )
     verdict, value = _decide(backend, metas, flags, mask_key, mod_key, *mask_tensors, *mod_tensors)
     if verdict == "error":
         raise ValueError(value)
@@ -375,10 +456,25 @@ def explain(q, k, v, **kwargs) -> str:
     backend = kwargs.pop("backend", "auto")
     if "cu_seqlens_q" in kwargs or "cu_seqlens_k" in kwargs:  # packed sequences: attention_varlen's choice
         from . import packed
-        return packed.explain(select, q, k, v, kwargs.pop("cu_seqlens_q", None), kwargs.pop("cu_seqlens_k", None),
-                               backend=backend, **kwargs)
-    refuse_foreign("explain", {n: x for n, x in kwargs.items()
-                                if n not in ("mask", "bias", "scale", "softcap", "sinks", "dropout_p", "return_lse")})
+
+        return packed.explain(
+            select,
+            q,
+            k,
+            v,
+            kwargs.pop("cu_seqlens_q", None),
+            kwargs.pop("cu_seqlens_k", None),
+            backend=backend,
+            **kwargs,
+        )
+    refuse_foreign(
+        "explain",
+        {
+            n: x
+            for n, x in kwargs.items()
+            if n not in ("mask", "bias", "scale", "softcap", "sinks", "dropout_p", "return_lse")
+        },
+    )
     call = make_call(q, k, v, **kwargs)
     chosen = select(call, backend)
     desc = [f"q {tuple(q.shape)} {str(q.dtype).replace('torch.', '')}", f"k {tuple(k.shape)}", f"v {tuple(v.shape)}"]
@@ -400,14 +496,18 @@ def explain(q, k, v, **kwargs) -> str:
         if reason is None and unweighed is not None and b is not chosen:
             lines.append(f"  {name:7s} takes it; not weighed: {unweighed.why(call)}")
         elif reason is None:
-            lines.append(f"  {name:7s} takes it; estimated cost {b.cost(call) / 1e9:.3g} GFLOP-equivalents"
-                         f"{'  <- chosen' if b is chosen else ''}")
+            lines.append(
+                f"  {name:7s} takes it; estimated cost {b.cost(call) / 1e9:.3g} GFLOP-equivalents"
+                f"{'  <- chosen' if b is chosen else ''}"
+            )
         else:
             lines.append(f"  {name:7s} cannot: {reason}")
     if backend == "auto" and chosen.name == "splitkv" and _splitkv_wins(call):
-        lines.append(f"splitkv: a CPU decode call ({call.group * call.q_len} query rows per kv head <= "
-                     f"{_splitkv.DECODE_ROWS}, {call.batch} x {call.kv_len} keys >= {_splitkv.MIN_KEYS}): each key is read "
-                     f"once for its {call.group} grouped heads, chunks over the threads merged by log-sum-exp")
+        lines.append(
+            f"splitkv: a CPU decode call ({call.group * call.q_len} query rows per kv head <= "
+            f"{_splitkv.DECODE_ROWS}, {call.batch} x {call.kv_len} keys >= {_splitkv.MIN_KEYS}): each key is read "
+            f"once for its {call.group} grouped heads, chunks over the threads merged by log-sum-exp"
+        )
     traced_rule = _decision(call, traced=True) if backend == "auto" else None
     if traced_rule is not None:
         rule, traced = traced_rule

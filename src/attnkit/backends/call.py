@@ -92,25 +92,33 @@ def check_qkv(q, k, v) -> None:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
-            raise ValueError(f"{name} must have 4 dims (B, H, L, D), got shape {tuple(t.shape)}: "
-                             f"add the missing dims with {name}.view(...) or {name}[None]")
+            raise ValueError(
+                f"{name} must have 4 dims (B, H, L, D), got shape {tuple(t.shape)}: "
+                f"add the missing dims with {name}.view(...) or {name}[None]"
+            )
         if t.dtype not in _DTYPES:
             raise TypeError(f"{name} has dtype {t.dtype}; attention takes float16, bfloat16, float32 or float64")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}: cast them with .to()")
     if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}: move them with "
-                         f".to(q.device)")
+        raise ValueError(
+            f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}: move them with .to(q.device)"
+        )
     (B, Hq, _Lq, D), (Bk, Hkv, Lk, Dk), (Bv, Hv, Lv, _Dv) = q.shape, k.shape, v.shape
     if not (B == Bk == Bv):
-        raise ValueError(f"batch sizes differ: q has B={B}, k has B={Bk}, v has B={Bv}: give every tensor the "
-                         f"same batch (expand a shared k/v with k.expand({B}, -1, -1, -1))")
+        raise ValueError(
+            f"batch sizes differ: q has B={B}, k has B={Bk}, v has B={Bv}: give every tensor the "
+            f"same batch (expand a shared k/v with k.expand({B}, -1, -1, -1))"
+        )
     if Hkv != Hv:
-        raise ValueError(f"k and v must have the same number of heads, got Hk={Hkv} and Hv={Hv}: project both "
-                         f"to the same number of key/value heads{_layout_hint(q, k, v)}")
+        raise ValueError(
+            f"k and v must have the same number of heads, got Hk={Hkv} and Hv={Hv}: project both "
+            f"to the same number of key/value heads{_layout_hint(q, k, v)}"
+        )
     if Hkv == 0 or Hq % Hkv != 0:
-        raise ValueError(f"got Hq={Hq} and Hkv={Hkv}: Hq must be a multiple of Hkv (grouped-query attention)"
-                         f"{_layout_hint(q, k, v)}")
+        raise ValueError(
+            f"got Hq={Hq} and Hkv={Hkv}: Hq must be a multiple of Hkv (grouped-query attention){_layout_hint(q, k, v)}"
+        )
     if D != Dk:
         raise ValueError(f"q and k must have the same head dim, got D={D} for q and D={Dk} for k")
     if Lk != Lv:
@@ -122,8 +130,10 @@ def _layout_hint(q: Tensor, k: Tensor, v: Tensor) -> str:
     hint = "; attnkit reads q, k, v as (B, H, L, D), heads before length"
     (_, lq, hq, _), (_, lk, hkv, _), (_, lv, hv, _) = q.shape, k.shape, v.shape
     if hkv == hv and hkv > 0 and hq % hkv == 0 and lk == lv:
-        hint += (f": these shapes fit FlashAttention's (B, L, H, D) layout (Hq={hq}, Hkv={hkv}, Lq={lq}, Lk={lk}); "
-                 f"pass q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)")
+        hint += (
+            f": these shapes fit FlashAttention's (B, L, H, D) layout (Hq={hq}, Hkv={hkv}, Lq={lq}, Lk={lk}); "
+            f"pass q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)"
+        )
     return hint
 
 
@@ -149,10 +159,12 @@ def _shape_hint(t: Tensor, shape, name: str) -> str:
     """A fix for a mask/bias that does not broadcast: a Hugging Face style (B, Lk) padding mask, mostly."""
     B, _, _, Lk = shape
     if t.dim() == 2 and t.shape == (B, Lk) and B > 1:
-        fix = (f"{name}[:, None, None, :]" + ("" if name == "bias" else f", or masks.key_padding({name})"))
+        fix = f"{name}[:, None, None, :]" + ("" if name == "bias" else f", or masks.key_padding({name})")
         return f": a (B, Lk) padding {name} needs the head and query axes: pass {fix}"
-    return (": give it shape (B, H, Lq, Lk) or one that broadcasts to it (size 1 or missing leading axes), "
-            "e.g. (Lq, Lk) or (B, 1, 1, Lk)")
+    return (
+        ": give it shape (B, H, Lq, Lk) or one that broadcasts to it (size 1 or missing leading axes), "
+        "e.g. (Lq, Lk) or (B, 1, 1, Lk)"
+    )
 
 
 def _is_block_mask(mask) -> bool:
@@ -171,22 +183,30 @@ def check_mask(mask, q: Tensor, shape) -> Mask | None:
         return mask
     if isinstance(mask, torch.Tensor):
         if mask.dtype != torch.bool:
-            raise TypeError(f"mask must be a bool tensor (True = may attend), got dtype {mask.dtype}: use "
-                            f"mask.bool() for a 0/1 mask, or pass additive float scores as bias=")
+            raise TypeError(
+                f"mask must be a bool tensor (True = may attend), got dtype {mask.dtype}: use "
+                f"mask.bool() for a 0/1 mask, or pass additive float scores as bias="
+            )
         if not _broadcasts(mask.shape, shape):
-            raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to (B, H, Lq, Lk)={shape}"
-                             f"{_shape_hint(mask, shape, 'mask')}")
+            raise ValueError(
+                f"mask of shape {tuple(mask.shape)} does not broadcast to (B, H, Lq, Lk)={shape}"
+                f"{_shape_hint(mask, shape, 'mask')}"
+            )
         if mask.device != q.device:
             raise ValueError(f"mask is on {mask.device} but q is on {q.device}: move it with mask.to(q.device)")
         while mask.dim() < 2:  # (Lk,) or (): broadcast like a bias of that shape
             mask = mask.unsqueeze(0)
         return from_dense(mask)
     if callable(mask):
-        raise TypeError("mask must be None, an attnkit.masks.Mask, a bool tensor or a FlexAttention BlockMask; wrap "
-                        "a function fn(b, h, q_idx, kv_idx) -> bool tensor with attnkit.masks.from_fn(fn) (q_idx is "
-                        "the query row, as in FlexAttention; from_fn(fn, align='bottom_right') gives positions)")
-    raise TypeError(f"mask must be None, an attnkit.masks.Mask, a bool tensor or a FlexAttention BlockMask, got "
-                    f"{type(mask).__name__}")
+        raise TypeError(
+            "mask must be None, an attnkit.masks.Mask, a bool tensor or a FlexAttention BlockMask; wrap "
+            "a function fn(b, h, q_idx, kv_idx) -> bool tensor with attnkit.masks.from_fn(fn) (q_idx is "
+            "the query row, as in FlexAttention; from_fn(fn, align='bottom_right') gives positions)"
+        )
+    raise TypeError(
+        f"mask must be None, an attnkit.masks.Mask, a bool tensor or a FlexAttention BlockMask, got "
+        f"{type(mask).__name__}"
+    )
 
 
 def check_bias(bias, q: Tensor, shape):
@@ -197,22 +217,36 @@ def check_bias(bias, q: Tensor, shape):
         return bias
     if isinstance(bias, torch.Tensor):
         if not bias.is_floating_point():
-            raise TypeError(f"bias must be a float tensor of additive scores, got dtype {bias.dtype} "
-                            f"(a bool tensor belongs in mask=)")
+            raise TypeError(
+                f"bias must be a float tensor of additive scores, got dtype {bias.dtype} "
+                f"(a bool tensor belongs in mask=)"
+            )
         if not _broadcasts(bias.shape, shape):
-            raise ValueError(f"bias of shape {tuple(bias.shape)} does not broadcast to (B, H, Lq, Lk)={shape}"
-                             f"{_shape_hint(bias, shape, 'bias')}")
+            raise ValueError(
+                f"bias of shape {tuple(bias.shape)} does not broadcast to (B, H, Lq, Lk)={shape}"
+                f"{_shape_hint(bias, shape, 'bias')}"
+            )
         if bias.device != q.device:
             raise ValueError(f"bias is on {bias.device} but q is on {q.device}: move it with bias.to(q.device)")
         return bias
     if callable(bias):
-        raise TypeError("bias must be None, a float tensor or an attnkit.bias modifier; wrap a function "
-                        "fn(score, b, h, q_idx, kv_idx) with attnkit.bias.from_fn(fn)")
+        raise TypeError(
+            "bias must be None, a float tensor or an attnkit.bias modifier; wrap a function "
+            "fn(score, b, h, q_idx, kv_idx) with attnkit.bias.from_fn(fn)"
+        )
     raise TypeError(f"bias must be None, a float tensor or an attnkit.bias modifier, got {type(bias).__name__}")
 
 
-def check_number(name: str, value, *, low: float | None = None, high: float | None = None,
-                  low_open: bool = False, high_open: bool = False, fix: str = "") -> float:
+def check_number(
+    name: str,
+    value,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    fix: str = "",
+) -> float:
     return number(name, value, low=low, high=high, low_open=low_open, high_open=high_open, fix=fix)
 
 
@@ -225,24 +259,33 @@ def check_scale(scale: float, q: Tensor, bias) -> None:
     limit = math.sqrt(torch.finfo(acc).max)
     if abs(scale * factor) > limit:
         what = f"scale={scale!r}" + (f" with {bias!r}" if factor != 1.0 else "")
-        raise ValueError(f"{what} scales the scores by {scale * factor:.3g}, beyond {limit:.3g} (the square root "
-                         f"of the largest {str(acc).replace('torch.', '')}, in which the scores are computed): "
-                         f"scores would overflow to inf and give NaN rows; use a scale of at most {limit:.3g} in "
-                         f"magnitude")
+        raise ValueError(
+            f"{what} scales the scores by {scale * factor:.3g}, beyond {limit:.3g} (the square root "
+            f"of the largest {str(acc).replace('torch.', '')}, in which the scores are computed): "
+            f"scores would overflow to inf and give NaN rows; use a scale of at most {limit:.3g} in "
+            f"magnitude"
+        )
 
 
 _FOREIGN = {  # keyword arguments of other attention functions: what attnkit takes instead
-    "is_causal": ("pass mask=masks.causal() instead (from attnkit import masks). attnkit's causal mask is "
-                  "bottom-right aligned (query row i sits at position i + Lk - Lq, as in FlashAttention), while "
-                  "SDPA's is_causal is top-left aligned: they differ when Lq != Lk, where "
-                  "masks.causal(align='top_left') is SDPA's"),
+    "is_causal": (
+        "pass mask=masks.causal() instead (from attnkit import masks). attnkit's causal mask is "
+        "bottom-right aligned (query row i sits at position i + Lk - Lq, as in FlashAttention), while "
+        "SDPA's is_causal is top-left aligned: they differ when Lq != Lk, where "
+        "masks.causal(align='top_left') is SDPA's"
+    ),
     "attn_mask": ("pass a bool mask as mask= (True = may attend, as in SDPA) and a float (additive) mask as bias="),
-    "enable_gqa": ("drop it: grouped-query attention is automatic when Hq is a multiple of Hkv (k and v are never "
-                   "copied)"),
-    "causal": ("pass mask=masks.causal() instead (from attnkit import masks); it is bottom-right aligned, as "
-               "FlashAttention's causal=True"),
-    "window_size": ("pass mask=masks.sliding_window(left, right) instead (from attnkit import masks) for "
-                    "FlashAttention's window_size=(left, right); -1 (unbounded) is None there"),
+    "enable_gqa": (
+        "drop it: grouped-query attention is automatic when Hq is a multiple of Hkv (k and v are never copied)"
+    ),
+    "causal": (
+        "pass mask=masks.causal() instead (from attnkit import masks); it is bottom-right aligned, as "
+        "FlashAttention's causal=True"
+    ),
+    "window_size": (
+        "pass mask=masks.sliding_window(left, right) instead (from attnkit import masks) for "
+        "FlashAttention's window_size=(left, right); -1 (unbounded) is None there"
+    ),
     "softmax_scale": "pass scale= instead",
     "block_mask": ("pass the BlockMask as mask= (it is converted with attnkit.masks.from_flex)"),
     "score_mod": ("pass bias=attnkit.bias.from_fn(score_mod) instead"),
@@ -260,11 +303,17 @@ def refuse_foreign(fn: str, kwargs: dict) -> None:
     fix = _FOREIGN.get(name)
     if name in ("is_causal", "causal") and value is False:
         fix = "drop it: without mask= no mask applies"
-    elif name == "window_size" and isinstance(value, (tuple, list)) and len(value) == 2 \
-            and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+    elif (
+        name == "window_size"
+        and isinstance(value, (tuple, list))
+        and len(value) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+    ):
         left, right = (None if x < 0 else x for x in value)
-        fix = (f"pass mask=masks.sliding_window({left}, {right}) instead (from attnkit import masks): "
-               f"FlashAttention's window_size=(left, right), -1 (unbounded) being None")
+        fix = (
+            f"pass mask=masks.sliding_window({left}, {right}) instead (from attnkit import masks): "
+            f"FlashAttention's window_size=(left, right), -1 (unbounded) being None"
+        )
     if fix is None:
         raise TypeError(f"{fn}() got an unexpected keyword argument {name!r}")
     shown = f"<tensor {tuple(value.shape)} {value.dtype}>" if isinstance(value, Tensor) else repr(value)
@@ -277,31 +326,42 @@ def check_sinks(sinks, q: Tensor) -> Tensor | None:
         return None
     B, Hq = q.shape[0], q.shape[1]
     if not isinstance(sinks, torch.Tensor):
-        raise TypeError(f"sinks must be None or a float tensor of shape (Hq,)=({Hq},), one logit per query head, "
-                        f"got {type(sinks).__name__}: pass torch.tensor([...])")
+        raise TypeError(
+            f"sinks must be None or a float tensor of shape (Hq,)=({Hq},), one logit per query head, "
+            f"got {type(sinks).__name__}: pass torch.tensor([...])"
+        )
     if not sinks.is_floating_point():
         raise TypeError(f"sinks must be a float tensor, got dtype {sinks.dtype}: use sinks.float()")
     if not _broadcasts(sinks.shape, (B, Hq)):
-        raise ValueError(f"sinks of shape {tuple(sinks.shape)} does not broadcast to (B, Hq)=({B}, {Hq}): give "
-                         f"one logit per query head, shape ({Hq},) (or ({B}, {Hq}))")
+        raise ValueError(
+            f"sinks of shape {tuple(sinks.shape)} does not broadcast to (B, Hq)=({B}, {Hq}): give "
+            f"one logit per query head, shape ({Hq},) (or ({B}, {Hq}))"
+        )
     if sinks.device != q.device:
         raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}: move it with sinks.to(q.device)")
-    if not holds(torch.isfinite(sinks.detach()).all(), "sinks holds a non-finite value: give finite logits (for no "
-                                                           "sink at all, leave sinks=None)"):
-        raise ValueError(f"sinks holds a non-finite value ({sinks.detach().tolist()}): give finite logits "
-                         f"(for no sink at all, leave sinks=None)")
+    if not holds(
+        torch.isfinite(sinks.detach()).all(),
+        "sinks holds a non-finite value: give finite logits (for no sink at all, leave sinks=None)",
+    ):
+        raise ValueError(
+            f"sinks holds a non-finite value ({sinks.detach().tolist()}): give finite logits "
+            f"(for no sink at all, leave sinks=None)"
+        )
     return sinks.expand(B, Hq)
 
 
-def make_call(q, k, v, *, mask=None, bias=None, scale=None, softcap=None, dropout_p=0.0,
-               return_lse=False, sinks=None) -> Call:
+def make_call(
+    q, k, v, *, mask=None, bias=None, scale=None, softcap=None, dropout_p=0.0, return_lse=False, sinks=None
+) -> Call:
     check_qkv(q, k, v)
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     mask = check_mask(mask, q, shape)
     bias = check_bias(bias, q, shape)
     if q.shape[-1] == 0 and scale is None:
-        raise ValueError(f"q has head dimension D=0 (shape {tuple(q.shape)}): the default scale 1/sqrt(D) is "
-                         f"undefined; give heads of size >= 1 (or an explicit scale)")
+        raise ValueError(
+            f"q has head dimension D=0 (shape {tuple(q.shape)}): the default scale 1/sqrt(D) is "
+            f"undefined; give heads of size >= 1 (or an explicit scale)"
+        )
     # (operator.index: the head size is fixed in a compiled graph even under dynamic=True, so the default scale
     # is a number, not a symbolic float)
     scale = 1.0 / math.sqrt(operator.index(q.shape[-1])) if scale is None else check_number("scale", scale)

@@ -105,9 +105,11 @@ def intern(description) -> str:
     try:
         hash(description)
     except TypeError:
-        raise TypeError(f"a mask or score modifier holds an attribute of an unhashable type ({description!r}), which "
-                        f"attnkit's compiled operators cannot describe: hold tuples, numbers, strings, functions or "
-                        f"tensors, or use backend='math'") from None
+        raise TypeError(
+            f"a mask or score modifier holds an attribute of an unhashable type ({description!r}), which "
+            f"attnkit's compiled operators cannot describe: hold tuples, numbers, strings, functions or "
+            f"tensors, or use backend='math'"
+        ) from None
     with _KEYS_LOCK:
         key = _KEYS.get(description)
         if key is None:
@@ -143,16 +145,31 @@ def rebuild(key: str, tensors: list[Tensor], *, fresh: bool = False):
         return None
     description = _DESCRIPTIONS.get(key)
     if description is None:
-        raise RuntimeError(f"attnkit operator: unknown mask/score modifier key {key!r}: the program was traced "
-                           f"in another process; trace it again in this one (the keys live in the process that "
-                           f"traced it)")
+        raise RuntimeError(
+            f"attnkit operator: unknown mask/score modifier key {key!r}: the program was traced "
+            f"in another process; trace it again in this one (the keys live in the process that "
+            f"traced it)"
+        )
     if fresh:
         return _build(description, tensors)
     # by storage, layout and version: a compiled graph hands the operator a fresh view of the same tensor (a
     # document mask's ids.view(1, -1)) at every call; the entry holds the tensors, so no other tensor can take
     # their storage's address while it lives
-    memo = (key, tuple((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
-                        t.device, t._version) for t in tensors))
+    memo = (
+        key,
+        tuple(
+            (
+                t.untyped_storage().data_ptr(),
+                t.storage_offset(),
+                tuple(t.shape),
+                t.stride(),
+                t.dtype,
+                t.device,
+                t._version,
+            )
+            for t in tensors
+        ),
+    )
     with _REBUILT_LOCK:
         hit = _REBUILT.get(memo)
         if hit is not None:
@@ -198,8 +215,9 @@ def op_arguments(call: Call) -> tuple[str, list[Tensor], Tensor | None, str, lis
     return intern(mask_desc), mask_tensors, bias_t, intern(mod_desc), mod_tensors
 
 
-def op_call(q, k, v, mask_key, mask_tensors, bias, mod_key, mod_tensors, sinks, scale, softcap, dropout_p=0.0,
-            mod=None) -> Call:
+def op_call(
+    q, k, v, mask_key, mask_tensors, bias, mod_key, mod_tensors, sinks, scale, softcap, dropout_p=0.0, mod=None
+) -> Call:
     """The call an operator's arguments describe (``softcap=0`` means none; ``mod`` replaces the rebuilt
     score modifier)."""
     mask = rebuild(mask_key, list(mask_tensors))
@@ -226,9 +244,12 @@ def fake_input_grads(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, T
 
 def refuse_double_backward(op, backend: str) -> None:
     """Register, as the autograd formula of a backward operator, an error that names what to use instead."""
+
     def backward(ctx, *grads):
-        raise RuntimeError(f"the {backend} backend's backward is not differentiable (create_graph=True or a double "
-                           f"backward, e.g. a gradient penalty): use backend='math' or 'sdpa' for such a loss")
+        raise RuntimeError(
+            f"the {backend} backend's backward is not differentiable (create_graph=True or a double "
+            f"backward, e.g. a gradient penalty): use backend='math' or 'sdpa' for such a loss"
+        )
 
     op.register_autograd(backward, setup_context=lambda ctx, inputs, output: None)
 

@@ -29,33 +29,45 @@ def _check_packed(q, k, v) -> None:
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 3:
-            raise ValueError(f"attention_varlen: {name} must have 3 dims {layout} (the sequences packed along the "
-                             f"first), got shape {tuple(t.shape)}; for (B, H, L, D) tensors use attention()")
+            raise ValueError(
+                f"attention_varlen: {name} must have 3 dims {layout} (the sequences packed along the "
+                f"first), got shape {tuple(t.shape)}; for (B, H, L, D) tensors use attention()"
+            )
 
 
 def _check_cu(name: str, cu, total: int, what: str, device: torch.device) -> Tensor:
     if not isinstance(cu, Tensor):
-        raise TypeError(f"{name} must be an int32 tensor of n + 1 prefix sums [0, L0, L0 + L1, ...], got "
-                        f"{type(cu).__name__}: pass torch.tensor(..., dtype=torch.int32)")
+        raise TypeError(
+            f"{name} must be an int32 tensor of n + 1 prefix sums [0, L0, L0 + L1, ...], got "
+            f"{type(cu).__name__}: pass torch.tensor(..., dtype=torch.int32)"
+        )
     if cu.dtype != torch.int32:
-        raise TypeError(f"{name} must have dtype torch.int32 (as flash_attn_varlen_func takes), got {cu.dtype}: "
-                        f"pass {name}.to(torch.int32)")
+        raise TypeError(
+            f"{name} must have dtype torch.int32 (as flash_attn_varlen_func takes), got {cu.dtype}: "
+            f"pass {name}.to(torch.int32)"
+        )
     if cu.dim() != 1 or cu.numel() == 0:
         raise ValueError(f"{name} must be 1-D with n + 1 entries (0 first), got shape {tuple(cu.shape)}")
     if cu.device != device:
         raise ValueError(f"{name} is on {cu.device} but q is on {device}: move it with {name}.to(q.device)")
     # (while traced, each check is an assertion in the graph: holds)
     if not holds(cu[0] == 0, f"{name}[0] must be 0: {name} holds prefix sums of the lengths"):
-        raise ValueError(f"{name}[0]={int(cu[0])} must be 0: {name} holds prefix sums of the lengths, [0, L0, L0 + "
-                         f"L1, ...] (torch.nn.functional.pad(lengths.cumsum(0), (1, 0)))")
+        raise ValueError(
+            f"{name}[0]={int(cu[0])} must be 0: {name} holds prefix sums of the lengths, [0, L0, L0 + "
+            f"L1, ...] (torch.nn.functional.pad(lengths.cumsum(0), (1, 0)))"
+        )
     steps = cu.diff()
     if not holds((steps >= 0).all(), f"{name} must not decrease (zero-length sequences repeat an entry)"):
         i = int((steps < 0).nonzero()[0, 0])
-        raise ValueError(f"{name} must not decrease (zero-length sequences repeat an entry), got {name}[{i}]="
-                         f"{int(cu[i])} > {name}[{i + 1}]={int(cu[i + 1])}")
+        raise ValueError(
+            f"{name} must not decrease (zero-length sequences repeat an entry), got {name}[{i}]="
+            f"{int(cu[i])} > {name}[{i + 1}]={int(cu[i + 1])}"
+        )
     if not holds(cu[-1] == total, f"{name}[-1] must equal the number of packed {what}, {total}"):
-        raise ValueError(f"{name}[-1]={int(cu[-1])} must equal the number of packed {what}, {total}: the last "
-                         f"prefix sum is the total length")
+        raise ValueError(
+            f"{name}[-1]={int(cu[-1])} must equal the number of packed {what}, {total}: the last "
+            f"prefix sum is the total length"
+        )
     return cu
 
 
@@ -64,26 +76,31 @@ def _check_max(name: str, value, cu: Tensor, cu_name: str) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int or None, got {value!r}")
-    if cu.numel() > 1 and not holds((cu.diff() <= value).all(), f"{name}={value} is smaller than the longest "
-                                                                    f"sequence in {cu_name}"):
+    if cu.numel() > 1 and not holds(
+        (cu.diff() <= value).all(), f"{name}={value} is smaller than the longest sequence in {cu_name}"
+    ):
         longest = int(cu.diff().max())
-        raise ValueError(f"{name}={value} is smaller than the longest sequence in {cu_name} ({longest}): pass "
-                         f"int({cu_name}.diff().max()), or None")
+        raise ValueError(
+            f"{name}={value} is smaller than the longest sequence in {cu_name} ({longest}): pass "
+            f"int({cu_name}.diff().max()), or None"
+        )
 
 
 def _check_varlen_bias(bias, hq: int, tq: int, tk: int):
     if bias is None:
         return None
     if isinstance(bias, ScoreMod) or (callable(bias) and not isinstance(bias, Tensor)):
-        raise TypeError("attention_varlen: bias modifiers (alibi, relative_buckets, from_fn) read positions of "
-                        "one (Lq, Lk) matrix, not of each packed sequence; pass a float tensor broadcastable to "
-                        f"(Hq, Tq, Tk)=({hq}, {tq}, {tk}) in packed coordinates, or call attention() per sequence")
+        raise TypeError(
+            "attention_varlen: bias modifiers (alibi, relative_buckets, from_fn) read positions of "
+            "one (Lq, Lk) matrix, not of each packed sequence; pass a float tensor broadcastable to "
+            f"(Hq, Tq, Tk)=({hq}, {tq}, {tk}) in packed coordinates, or call attention() per sequence"
+        )
     if not isinstance(bias, Tensor):
-        raise TypeError(f"bias must be None or a float tensor broadcastable to (Hq, Tq, Tk), got "
-                        f"{type(bias).__name__}")
+        raise TypeError(f"bias must be None or a float tensor broadcastable to (Hq, Tq, Tk), got {type(bias).__name__}")
     if bias.dim() > 3:
-        raise ValueError(f"attention_varlen: bias must broadcast to (Hq, Tq, Tk)=({hq}, {tq}, {tk}), got shape "
-                         f"{tuple(bias.shape)}")
+        raise ValueError(
+            f"attention_varlen: bias must broadcast to (Hq, Tq, Tk)=({hq}, {tq}, {tk}), got shape {tuple(bias.shape)}"
+        )
     return bias[None]  # (1, Hq|1, Tq|1, Tk|1); attention() checks the rest
 
 
@@ -93,12 +110,16 @@ def _check_varlen_sinks(sinks, q: Tensor, n: int) -> Tensor | None:
         return None
     hq = q.shape[1]
     if isinstance(sinks, Tensor) and sinks.dim() > 1:
-        raise ValueError(f"attention_varlen: sinks must be one logit per query head shared by every packed "
-                         f"sequence, shape (Hq,)=({hq},), got shape {tuple(sinks.shape)}; for sinks that differ "
-                         f"between the {n} sequences, call attnkit.attention() on each sequence")
+        raise ValueError(
+            f"attention_varlen: sinks must be one logit per query head shared by every packed "
+            f"sequence, shape (Hq,)=({hq},), got shape {tuple(sinks.shape)}; for sinks that differ "
+            f"between the {n} sequences, call attnkit.attention() on each sequence"
+        )
     if isinstance(sinks, Tensor) and sinks.dim() == 1 and sinks.shape[0] not in (1, hq):
-        raise ValueError(f"attention_varlen: sinks of shape {tuple(sinks.shape)} does not match the {hq} query "
-                         f"heads of q {tuple(q.shape)}: give one logit per query head, shape ({hq},)")
+        raise ValueError(
+            f"attention_varlen: sinks of shape {tuple(sinks.shape)} does not match the {hq} query "
+            f"heads of q {tuple(q.shape)}: give one logit per query head, shape ({hq},)"
+        )
     return check_sinks(sinks, q[None].transpose(1, 2))[0]  # (1, Hq, Tq, D) view: the (1, Hq) check -> (Hq,)
 
 
@@ -109,15 +130,19 @@ def validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, m
     cu_q = _check_cu("cu_seqlens_q", cu_seqlens_q, q.shape[0], "queries (q.shape[0])", q.device)
     cu_k = _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[0], "keys (k.shape[0])", q.device)
     if cu_q.numel() != cu_k.numel():
-        raise ValueError(f"cu_seqlens_q has {cu_q.numel()} entries and cu_seqlens_k {cu_k.numel()}: both need "
-                         f"n + 1 entries for the same n sequences")
+        raise ValueError(
+            f"cu_seqlens_q has {cu_q.numel()} entries and cu_seqlens_k {cu_k.numel()}: both need "
+            f"n + 1 entries for the same n sequences"
+        )
     if v.shape[0] != k.shape[0]:
         raise ValueError(f"k and v must pack the same keys, got Tk={k.shape[0]} for k and {v.shape[0]} for v")
     _check_max("max_seqlen_q", max_seqlen_q, cu_q, "cu_seqlens_q")
     _check_max("max_seqlen_k", max_seqlen_k, cu_k, "cu_seqlens_k")
     if mask is not None and not isinstance(mask, _masks.Mask):
-        raise TypeError(f"attention_varlen: mask must be None or an attnkit.masks.Mask applied within each "
-                        f"sequence (e.g. masks.causal()), got {type(mask).__name__}")
+        raise TypeError(
+            f"attention_varlen: mask must be None or an attnkit.masks.Mask applied within each "
+            f"sequence (e.g. masks.causal()), got {type(mask).__name__}"
+        )
     if mask is not None:
         _masks._check_per_sequence(mask, "attention_varlen")
     bias = _check_varlen_bias(bias, q.shape[1], q.shape[0], k.shape[0])
@@ -159,12 +184,31 @@ def _refusal(q: Tensor, bias, backend: str) -> str | None:
 
 
 def _seq_call(q, k, v, a, b, c, d, mask, scale, softcap, dropout_p, sinks=None) -> Call:
-    return make_call(*(t.transpose(0, 1)[None] for t in (q[a:b], k[c:d], v[c:d])), mask=mask, scale=scale,
-                      softcap=softcap, dropout_p=dropout_p, sinks=sinks)
+    return make_call(
+        *(t.transpose(0, 1)[None] for t in (q[a:b], k[c:d], v[c:d])),
+        mask=mask,
+        scale=scale,
+        softcap=softcap,
+        dropout_p=dropout_p,
+        sinks=sinks,
+    )
 
 
-def _costs(q, k, v, cu_q: list[int], cu_k: list[int], segs, mask, scale, softcap, dropout_p,
-           needs_grad: bool, select, sinks=None) -> tuple[float, float]:
+def _costs(
+    q,
+    k,
+    v,
+    cu_q: list[int],
+    cu_k: list[int],
+    segs,
+    mask,
+    scale,
+    softcap,
+    dropout_p,
+    needs_grad: bool,
+    select,
+    sinks=None,
+) -> tuple[float, float]:
     """Estimated cost (flop-equivalents) of the batched call and of the per-sequence path.
 
     Kernels: a batched segment computed by one fused kernel call costs what ``sdpa`` would (the same kernel),
@@ -207,15 +251,17 @@ def _costs(q, k, v, cu_q: list[int], cu_k: list[int], segs, mask, scale, softcap
     return batched + COPY_FLOPS * batched_copies, per_seq + COPY_FLOPS * per_seq_copies
 
 
-def choose(q, k, v, cu_q: Tensor, cu_k: Tensor, mask, bias, scale, softcap, dropout_p, backend, select,
-           sinks=None) -> _Choice:
+def choose(
+    q, k, v, cu_q: Tensor, cu_k: Tensor, mask, bias, scale, softcap, dropout_p, backend, select, sinks=None
+) -> _Choice:
     """Batched flash call or per-sequence path (see :func:`attnkit.attention_varlen`); ``select`` is the
     backend registry's ``select`` (what ``auto`` picks for a sequence run alone); ``sinks (Hq,)`` or None."""
     why_not = _refusal(q, bias, backend)
     if why_not is not None:
         return _Choice(False, why_not)
-    call = make_call(*(t.transpose(0, 1)[None] for t in (q, k, v)), scale=scale, softcap=softcap,
-                      dropout_p=dropout_p, sinks=sinks)  # checks the tensors and settings
+    call = make_call(
+        *(t.transpose(0, 1)[None] for t in (q, k, v)), scale=scale, softcap=softcap, dropout_p=dropout_p, sinks=sinks
+    )  # checks the tensors and settings
     needs_grad = call.needs_grad
     cq, ck = cu_q.tolist(), cu_k.tolist()
     st = _flash.varlen_settings(q, call.scale, softcap, dropout_p)
@@ -223,23 +269,37 @@ def choose(q, k, v, cu_q: Tensor, cu_k: Tensor, mask, bias, scale, softcap, drop
     segs = _flash.varlen_segments(q, k, v, cq, ck, mask, st, seed, needs_grad)
     if backend == "flash":
         return _Choice(True, "backend='flash' was asked for", call.scale, segs)
-    batched, per_seq = _costs(q, k, v, cq, ck, segs, mask, call.scale, softcap, dropout_p, needs_grad, select,
-                              sinks)
+    batched, per_seq = _costs(q, k, v, cq, ck, segs, mask, call.scale, softcap, dropout_p, needs_grad, select, sinks)
     if batched <= per_seq:
         return _Choice(True, "the cheaper estimate", call.scale, segs, (batched, per_seq))
     return _Choice(False, "the cheaper estimate", call.scale, None, (batched, per_seq))
 
 
-
-
-def explain(select, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *,
-            max_seqlen_q=None, max_seqlen_k=None, mask=None, bias=None, scale=None, softcap=None, sinks=None,
-            dropout_p: float = 0.0, return_lse: bool = False, backend: str = "auto") -> str:
+def explain(
+    select,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    *,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    mask=None,
+    bias=None,
+    scale=None,
+    softcap=None,
+    sinks=None,
+    dropout_p: float = 0.0,
+    return_lse: bool = False,
+    backend: str = "auto",
+) -> str:
     """How :func:`attnkit.attention_varlen` would compute this call (``backends.explain`` with ``cu_seqlens_q`` and
     ``cu_seqlens_k``): the batched flash call or the per-sequence path, why, the segments or calls, and where
     the sinks (if any) enter."""
-    cu_q, cu_k, bias, sinks = validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask,
-                                        bias, sinks)
+    cu_q, cu_k, bias, sinks = validated(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, bias, sinks
+    )
     choice = choose(q, k, v, cu_q, cu_k, mask, bias, scale, softcap, dropout_p, backend, select, sinks)
     n = cu_q.numel() - 1
     head = f"attention_varlen on {n} sequences, q {tuple(q.shape)} {str(q.dtype).replace('torch.', '')}"
@@ -249,23 +309,31 @@ def explain(select, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_se
         own = [s for s in segs if s.own]
         direct = sum(s.direct for s in own)
         lines.append(f"{head}: one batched flash call ({choice.reason})")
-        lines.append(f"  {len(own)} sequences of >= {_flash.OWN_TILES_MIN} queries and keys with tiles of "
-                     f"their own: {direct} as one fused kernel call each on views of the packed tensors, "
-                     f"{len(own) - direct} by their mask's tile plan")
+        lines.append(
+            f"  {len(own)} sequences of >= {_flash.OWN_TILES_MIN} queries and keys with tiles of "
+            f"their own: {direct} as one fused kernel call each on views of the packed tensors, "
+            f"{len(own) - direct} by their mask's tile plan"
+        )
         lines.append(f"  runs of shorter sequences, each one call under masks.varlen: {len(segs) - len(own)}")
         if sinks is not None:
-            lines.append("  sinks: added to each row's denominator as each piece is written, out * sigmoid(lse - "
-                         "sink) from the kernel's lse (the fused kernel takes none); its backward reads the lse with "
-                         "the sink, the explicit tiles take the sink-free gradients")
+            lines.append(
+                "  sinks: added to each row's denominator as each piece is written, out * sigmoid(lse - "
+                "sink) from the kernel's lse (the fused kernel takes none); its backward reads the lse with "
+                "the sink, the explicit tiles take the sink-free gradients"
+            )
     else:
         lq, lk = cu_q.diff().tolist(), cu_k.diff().tolist()
         seqs = alone(lq, lk, bias)
         lines.append(f"{head}: the per-sequence path ({choice.reason})")
-        lines.append(f"  {len(seqs)} sequences of >= {OWN_CALL_MIN} queries and keys as their own attention() "
-                     f"call (backend={backend!r}), the others as one packed call under masks.varlen")
+        lines.append(
+            f"  {len(seqs)} sequences of >= {OWN_CALL_MIN} queries and keys as their own attention() "
+            f"call (backend={backend!r}), the others as one packed call under masks.varlen"
+        )
         if sinks is not None:
             lines.append("  sinks: passed to every attention() call")
     if choice.costs is not None:
-        lines.append(f"  estimated cost: batched {choice.costs[0] / 1e9:.3g}, per-sequence "
-                     f"{choice.costs[1] / 1e9:.3g} GFLOP-equivalents")
+        lines.append(
+            f"  estimated cost: batched {choice.costs[0] / 1e9:.3g}, per-sequence "
+            f"{choice.costs[1] / 1e9:.3g} GFLOP-equivalents"
+        )
     return "\n".join(lines)

@@ -23,8 +23,7 @@ from ..masks import Mask
 from ..softmax import stable_softmax
 from . import splitkv as _splitkv
 from .call import accumulation_dtype
-from .scores import (check_paged_values, grouped_heads, score_pipeline, with_sinks,
-                      zero_unseen)
+from .scores import check_paged_values, grouped_heads, score_pipeline, with_sinks, zero_unseen
 
 Tensor = torch.Tensor
 
@@ -32,8 +31,13 @@ Tensor = torch.Tensor
 def check_paged_args(q, k_pool, v_pool, block_table, seq_lens) -> None:
     """Raise TypeError/ValueError unless ``q``, ``k_pool``, ``v_pool``, ``block_table`` and ``seq_lens`` have the
     shapes, dtypes and values :func:`attend_table` reads (block ids inside the pool, lengths inside the table)."""
-    for name, t, nd in (("q", q, 4), ("k_pool", k_pool, 4), ("v_pool", v_pool, 4), ("block_table", block_table, 2),
-                        ("seq_lens", seq_lens, 1)):
+    for name, t, nd in (
+        ("q", q, 4),
+        ("k_pool", k_pool, 4),
+        ("v_pool", v_pool, 4),
+        ("block_table", block_table, 2),
+        ("seq_lens", seq_lens, 1),
+    ):
         if not isinstance(t, Tensor):
             raise TypeError(f"paged_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != nd:
@@ -41,22 +45,29 @@ def check_paged_args(q, k_pool, v_pool, block_table, seq_lens) -> None:
     B, Hq, _, D = q.shape
     NB, Hkv, bs, Dk = k_pool.shape
     if v_pool.shape[:3] != k_pool.shape[:3]:
-        raise ValueError(f"paged_attention: v_pool {tuple(v_pool.shape)} must match k_pool {tuple(k_pool.shape)} "
-                         f"in (num_blocks, Hkv, block_size)")
+        raise ValueError(
+            f"paged_attention: v_pool {tuple(v_pool.shape)} must match k_pool {tuple(k_pool.shape)} "
+            f"in (num_blocks, Hkv, block_size)"
+        )
     if Dk != D:
         raise ValueError(f"paged_attention: q has head dim {D} but k_pool has {Dk}")
     if Hq % Hkv:
         raise ValueError(f"paged_attention: got Hq={Hq} and Hkv={Hkv}: Hq must be a multiple of Hkv")
     if block_table.shape[0] != B or seq_lens.shape[0] != B:
-        raise ValueError(f"paged_attention: block_table {tuple(block_table.shape)} and seq_lens "
-                         f"{tuple(seq_lens.shape)} must have one row per sequence (B={B})")
+        raise ValueError(
+            f"paged_attention: block_table {tuple(block_table.shape)} and seq_lens "
+            f"{tuple(seq_lens.shape)} must have one row per sequence (B={B})"
+        )
     for name, t in (("block_table", block_table), ("seq_lens", seq_lens)):
         if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
-            raise TypeError(f"paged_attention: {name} must be an integer tensor (int32), got dtype {t.dtype}: "
-                            f"{name} holds {'block ids' if name == 'block_table' else 'key counts'}, not a mask")
+            raise TypeError(
+                f"paged_attention: {name} must be an integer tensor (int32), got dtype {t.dtype}: "
+                f"{name} holds {'block ids' if name == 'block_table' else 'key counts'}, not a mask"
+            )
     if not (q.dtype == k_pool.dtype == v_pool.dtype):
-        raise TypeError(f"paged_attention: q, k_pool, v_pool must share one dtype, got {q.dtype}, "
-                        f"{k_pool.dtype}, {v_pool.dtype}")
+        raise TypeError(
+            f"paged_attention: q, k_pool, v_pool must share one dtype, got {q.dtype}, {k_pool.dtype}, {v_pool.dtype}"
+        )
     check_paged_values("paged_attention", block_table, seq_lens, NB, bs)
 
 
@@ -69,9 +80,19 @@ def _triton_backend():
     return tb if hasattr(tb, "paged_decode") and hasattr(tb, "check_paged_decode") else None
 
 
-def attend_table(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor, seq_lens: Tensor, *,
-                 scale: float, softcap: float | None = None, bias=None, mask=None,
-                 sinks: Tensor | None = None) -> Tensor:
+def attend_table(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    *,
+    scale: float,
+    softcap: float | None = None,
+    bias=None,
+    mask=None,
+    sinks: Tensor | None = None,
+) -> Tensor:
     """:func:`attnkit.cache.paged_attention` once its arguments are checked: ``scale`` a float, ``softcap`` a
     positive float or None, ``bias``/``mask`` of the kinds it takes (a bottom-right causal mask of a decode
     step already dropped), ``sinks`` ``(B, Hq)`` or None.  The Triton kernel takes a CUDA decode step with no
@@ -90,19 +111,33 @@ def attend_table(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor,
     rows = block_table.tolist()
     runs = []
     for b, (row, n) in enumerate(zip(rows, lens)):
-        used = row[:-(-n // bs)]
+        used = row[: -(-n // bs)]
         if any(not 0 <= x < NB for x in used):
-            raise ValueError(f"paged_attention: block_table[{b}] holds block ids outside [0, {NB}) among the "
-                             f"{len(used)} blocks its seq_lens[{b}]={n} uses")
+            raise ValueError(
+                f"paged_attention: block_table[{b}] holds block ids outside [0, {NB}) among the "
+                f"{len(used)} blocks its seq_lens[{b}]={n} uses"
+            )
         runs.append(block_runs(used))
     layouts = functools.cache(lambda whole: PoolLayout(rows, lens, bs, q.device, NB if whole else None))
-    return attend_blocks(q, k_pool, v_pool, lens, runs, layouts, scale=scale, softcap=softcap, bias=bias,
-                         mask=mask, sinks=sinks)
+    return attend_blocks(
+        q, k_pool, v_pool, lens, runs, layouts, scale=scale, softcap=softcap, bias=bias, mask=mask, sinks=sinks
+    )
 
 
-def attend_blocks(q: Tensor, k_pool: Tensor, v_pool: Tensor, lens: list[int], runs: list[list[tuple[int, int]]],
-                  layouts, *, scale: float, softcap: float | None = None, bias=None, mask=None,
-                  sinks: Tensor | None = None) -> Tensor:
+def attend_blocks(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    lens: list[int],
+    runs: list[list[tuple[int, int]]],
+    layouts,
+    *,
+    scale: float,
+    softcap: float | None = None,
+    bias=None,
+    mask=None,
+    sinks: Tensor | None = None,
+) -> Tensor:
     """Attention of ``q (B, Hq, Lq, D)`` over sequences holding ``lens[b]`` positions in the blocks ``runs[b]``
     (``(first block, count)`` runs, :func:`block_runs`), arguments checked as for :func:`attend_table`.
 
@@ -111,13 +146,13 @@ def attend_blocks(q: Tensor, k_pool: Tensor, v_pool: Tensor, lens: list[int], ru
     over the whole pool); otherwise each sequence is attended alone over views of its runs.  Returns
     ``(B, Hq, Lq, Dv)`` in ``q``'s dtype."""
     if _splitkv.takes_paged(q, k_pool, runs, lens, mask, bias):  # a long sequence in one run: split-KV, in place
-        return _splitkv.paged_decode(q, k_pool, v_pool, runs, lens, scale=scale, softcap=softcap, bias=bias,
-                                     mask=mask, sinks=sinks)
+        return _splitkv.paged_decode(
+            q, k_pool, v_pool, runs, lens, scale=scale, softcap=softcap, bias=bias, mask=mask, sinks=sinks
+        )
     layout = None if sinks is not None else _pool_layout(q, k_pool, v_pool, bias, mask, layouts)
     if layout is not None:
         return _attend_pool(q, k_pool, v_pool, layout, scale=scale, softcap=softcap, mask=mask, bias=bias)
-    return _attend_runs(q, k_pool, v_pool, lens, runs, scale=scale, softcap=softcap, bias=bias, mask=mask,
-                        sinks=sinks)
+    return _attend_runs(q, k_pool, v_pool, lens, runs, scale=scale, softcap=softcap, bias=bias, mask=mask, sinks=sinks)
 
 
 def _softmax(sc: Tensor, sinks: Tensor | None, b: int, masked: bool) -> Tensor:
@@ -174,18 +209,40 @@ def _sequence_scores(sc: Tensor, b: int, rows: tuple[Tensor, Tensor] | None, *, 
     hi, qi = rows
     bi = torch.full((1, 1, 1, 1), b, device=dev)
     ki = torch.arange(L, device=dev).view(1, 1, 1, L)
-    return score_pipeline(sc, bi, hi, qi, ki, Lq, L, softcap=softcap, bias=bias,
-                          mask=mask if isinstance(mask, Mask) else None,
-                          bias_block=_row_bias(bias, b, Hkv, G, Lq, L) if isinstance(bias, Tensor) else None,
-                          mask_block=_row_bias(mask, b, Hkv, G, Lq, L) if isinstance(mask, Tensor) else None)
+    return score_pipeline(
+        sc,
+        bi,
+        hi,
+        qi,
+        ki,
+        Lq,
+        L,
+        softcap=softcap,
+        bias=bias,
+        mask=mask if isinstance(mask, Mask) else None,
+        bias_block=_row_bias(bias, b, Hkv, G, Lq, L) if isinstance(bias, Tensor) else None,
+        mask_block=_row_bias(mask, b, Hkv, G, Lq, L) if isinstance(mask, Tensor) else None,
+    )
 
 
-def _attend_runs(q: Tensor, k_pool: Tensor, v_pool: Tensor, lens: list[int], runs: list[list[tuple[int, int]]], *,
-                 scale: float, softcap, bias, mask, sinks=None) -> Tensor:
+def _attend_runs(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    lens: list[int],
+    runs: list[list[tuple[int, int]]],
+    *,
+    scale: float,
+    softcap,
+    bias,
+    mask,
+    sinks=None,
+) -> Tensor:
     """Attention per sequence over views of its runs of consecutive blocks (nothing is gathered)."""
     if _head_major(k_pool) and _head_major(v_pool):
-        return _attend_views(q, k_pool, v_pool, lens, runs, scale=scale, softcap=softcap, bias=bias, mask=mask,
-                             sinks=sinks)
+        return _attend_views(
+            q, k_pool, v_pool, lens, runs, scale=scale, softcap=softcap, bias=bias, mask=mask, sinks=sinks
+        )
     B, Hq, Lq, D, Hkv, bs, Dv, G = _sizes(q, k_pool, v_pool)
     acc = accumulation_dtype(q.dtype)
     dev = q.device
@@ -198,7 +255,7 @@ def _attend_runs(q: Tensor, k_pool: Tensor, v_pool: Tensor, lens: list[int], run
             outs.append(q.new_zeros(Hq, Lq, Dv))
             continue
         qb = q[b].reshape(Hkv, G * Lq, D)  # (Hkv, G*Lq, D): the G query heads of a kv head together
-        parts = [torch.matmul(qb, k_pool[a:a + n].transpose(-1, -2)) for a, n in rb]  # (n, Hkv, G*Lq, bs)
+        parts = [torch.matmul(qb, k_pool[a : a + n].transpose(-1, -2)) for a, n in rb]  # (n, Hkv, G*Lq, bs)
         sc = parts[0] if len(parts) == 1 else torch.cat(parts)  # (N, Hkv, G*Lq, bs)
         N = sc.shape[0]
         sc = sc.permute(1, 2, 0, 3).reshape(Hkv, G, Lq, N * bs)[..., :L]  # (Hkv, G, Lq, L), position order
@@ -213,11 +270,11 @@ def _attend_runs(q: Tensor, k_pool: Tensor, v_pool: Tensor, lens: list[int], run
         if p.dtype != v_pool.dtype:
             p = p.to(v_pool.dtype)
         if len(rb) == 1:
-            ob = torch.matmul(p, v_pool[rb[0][0]:rb[0][0] + N]).sum(0, dtype=acc)  # (Hkv, G*Lq, Dv)
+            ob = torch.matmul(p, v_pool[rb[0][0] : rb[0][0] + N]).sum(0, dtype=acc)  # (Hkv, G*Lq, Dv)
         else:
             o, ob = 0, None
             for a, n in rb:
-                part = torch.matmul(p[o:o + n], v_pool[a:a + n]).sum(0, dtype=acc)
+                part = torch.matmul(p[o : o + n], v_pool[a : a + n]).sum(0, dtype=acc)
                 ob = part if ob is None else ob + part
                 o += n
         if not bool(torch.isfinite(ob).all()):  # maybe garbage behind a weight 0 (the unfilled end of the last
@@ -264,28 +321,34 @@ def _pool_layout(q: Tensor, k_pool: Tensor, v_pool: Tensor, bias, mask, layouts)
 def _position_only(mask, bias) -> bool:
     """Whether ``mask`` and ``bias`` (None or built-ins, bottom-right aligned) read nothing but the head and
     the query and key positions, so the pool path can evaluate them per block of each sequence."""
-    return ((mask is None or (isinstance(mask, Mask) and mask.is_positional("bottom_right")))
-            and (bias is None or (isinstance(bias, ScoreMod) and bias.is_positional("bottom_right"))))
+    return (mask is None or (isinstance(mask, Mask) and mask.is_positional("bottom_right"))) and (
+        bias is None or (isinstance(bias, ScoreMod) and bias.is_positional("bottom_right"))
+    )
 
 
 def _head_major(pool: Tensor) -> bool:
     """Whether consecutive blocks of one head are adjacent in memory (``PagedCache``'s layout), so a run of
     blocks is a ``(Hkv, positions, D)`` view."""
     NB, H, bs, D = pool.shape
-    return pool.stride(3) == 1 and pool.stride(2) == D and (pool.stride(0) == bs * D or NB == 1) \
+    return (
+        pool.stride(3) == 1
+        and pool.stride(2) == D
+        and (pool.stride(0) == bs * D or NB == 1)
         and (pool.stride(1) == NB * bs * D or H == 1)
+    )
 
 
 def seq_view(pool: Tensor, runs: list[tuple[int, int]], L: int) -> Tensor:
     """A sequence's first ``L`` positions ``(Hkv, L, D)``: a view of a head-major pool for one run of blocks,
     a copy of its runs otherwise."""
     H, bs, D = pool.shape[1:]
-    views = [pool[a:a + n].transpose(0, 1).reshape(H, n * bs, D) for a, n in runs]  # views when head-major
+    views = [pool[a : a + n].transpose(0, 1).reshape(H, n * bs, D) for a, n in runs]  # views when head-major
     return (views[0] if len(views) == 1 else torch.cat(views, dim=1))[:, :L]
 
 
-def _attend_views(q: Tensor, k_pool: Tensor, v_pool: Tensor, lens: list[int], runs, *, scale: float, softcap,
-                  bias, mask, sinks=None) -> Tensor:
+def _attend_views(
+    q: Tensor, k_pool: Tensor, v_pool: Tensor, lens: list[int], runs, *, scale: float, softcap, bias, mask, sinks=None
+) -> Tensor:
     """``_attend_runs`` on a head-major pool: one attention per sequence over ``(Hkv, L, D)`` views of its
     blocks (PyTorch's fused kernel when nothing modifies the scores and heads are not grouped)."""
     B, Hq, Lq, D, Hkv, _, Dv, G = _sizes(q, k_pool, v_pool)
@@ -302,8 +365,9 @@ def _attend_views(q: Tensor, k_pool: Tensor, v_pool: Tensor, lens: list[int], ru
             continue
         k, v = seq_view(k_pool, runs[b], L), seq_view(v_pool, runs[b], L)  # (Hkv, L, D), (Hkv, L, Dv)
         if fused:
-            outs.append(torch.nn.functional.scaled_dot_product_attention(q[b:b + 1], k[None], v[None],
-                                                                         scale=scale)[0])
+            outs.append(
+                torch.nn.functional.scaled_dot_product_attention(q[b : b + 1], k[None], v[None], scale=scale)[0]
+            )
             continue
         sc = torch.matmul(q[b].reshape(Hkv, G * Lq, D), k.transpose(-1, -2)).view(Hkv, G, Lq, L)
         sc = _sequence_scores(sc.to(acc) * scale, b, rows, softcap=softcap, bias=bias, mask=mask)
@@ -330,7 +394,7 @@ class PoolLayout:
 
     def __init__(self, blocks: list[list[int]], lens: list[int], bs: int, device, whole: int | None = None):
         B = len(blocks)
-        used = [row[:-(-n // bs)] for row, n in zip(blocks, lens)]
+        used = [row[: -(-n // bs)] for row, n in zip(blocks, lens)]
         first: dict[int, tuple[int, int, int]] = {}  # block -> (row, filled positions, its index in the row)
         extra: list[tuple[int, int, int, int]] = []
         for r, (row, n) in enumerate(zip(used, lens)):
@@ -372,8 +436,7 @@ class PoolLayout:
         # blocks is copied first) plus a cost per call, against the spans read whole
         runs = [block_runs(row) for row in used if row]
         self.rows_read = len(runs)
-        self.per_sequence_cost = sum(sum(n for _, n in r) * (1 if len(r) == 1 else 3) + self._CALL_COST
-                                     for r in runs)
+        self.per_sequence_cost = sum(sum(n for _, n in r) * (1 if len(r) == 1 else 3) + self._CALL_COST for r in runs)
         self.cost = sum(hi - lo + self._SPAN_COST for lo, hi in bounds) + len(extra) * 3
 
     def positions(self) -> tuple[Tensor, Tensor]:
@@ -383,14 +446,16 @@ class PoolLayout:
             dev, bs = self.owner.device, self._bs
             lens = torch.tensor(self._lens + [1], dtype=torch.long, device=dev)  # row B: unread blocks
             p = (lens[self.owner] - 1).view(-1, 1, 1, 1)
-            k = (torch.tensor(self._index, dtype=torch.long, device=dev).view(-1, 1) * bs
-                 + torch.arange(bs, device=dev)).view(-1, 1, 1, bs)
+            k = (
+                torch.tensor(self._index, dtype=torch.long, device=dev).view(-1, 1) * bs + torch.arange(bs, device=dev)
+            ).view(-1, 1, 1, bs)
             self._positions = (p, k)
         return self._positions
 
 
-def _attend_pool(q: Tensor, k_pool: Tensor, v_pool: Tensor, layout: PoolLayout, *, scale: float, softcap,
-                 mask=None, bias=None) -> Tensor:
+def _attend_pool(
+    q: Tensor, k_pool: Tensor, v_pool: Tensor, layout: PoolLayout, *, scale: float, softcap, mask=None, bias=None
+) -> Tensor:
     """One decode query per sequence against the blocks of some spans of the pool at once.
 
     Each block's scores come from the query of the row that owns it: one batched matrix product per span
@@ -418,7 +483,7 @@ def _attend_pool(q: Tensor, k_pool: Tensor, v_pool: Tensor, layout: PoolLayout, 
         pieces, o = [], 0
         for kv in parts:
             n = kv[pool_part].shape[0]
-            pieces.append(part_product(a[o:o + n], kv[pool_part], pool_part, None if graph else out[o:o + n]))
+            pieces.append(part_product(a[o : o + n], kv[pool_part], pool_part, None if graph else out[o : o + n]))
             o += n
         return torch.cat(pieces) if graph else out
 
@@ -483,9 +548,9 @@ def gather_positions(pool: Tensor, runs: list[tuple[int, int]], L: int, out: Ten
             break
         full, rest = divmod(take, bs)
         if full:  # (Hkv, full, bs, D) <- the run's blocks, heads first
-            out[:, o:o + full * bs].view(H, full, bs, D).copy_(pool[a:a + full].transpose(0, 1))
+            out[:, o : o + full * bs].view(H, full, bs, D).copy_(pool[a : a + full].transpose(0, 1))
         if rest:  # the filled start of the sequence's last block
-            out[:, o + full * bs:o + take].copy_(pool[a + full, :, :rest])
+            out[:, o + full * bs : o + take].copy_(pool[a + full, :, :rest])
         o += take
     return out
 
@@ -493,6 +558,7 @@ def gather_positions(pool: Tensor, runs: list[tuple[int, int]], L: int, out: Ten
 def _fused_cpu():
     """PyTorch's fused CPU flash forward (``(out, lse)``), or None when this build lacks it."""
     from .fused import FUSED
+
     return None if FUSED is None else FUSED[0]
 
 
@@ -500,14 +566,18 @@ def takes_chunk(q: Tensor, k: Tensor, v: Tensor, *, mask, bias, softcap) -> bool
     """Whether :func:`attend_chunk` computes a prompt chunk's attention: CPU tensors that autograd does not
     track, values as wide as the keys (the kernel's requirement), no bias or softcap, and no mask or a
     bottom-right causal one."""
-    return (q.device.type == "cpu" and _fused_cpu() is not None and bias is None and softcap is None
-            and v.shape[-1] == k.shape[-1]
-            and (mask is None or (isinstance(mask, Mask) and mask.is_causal("bottom_right")))
-            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)))
+    return (
+        q.device.type == "cpu"
+        and _fused_cpu() is not None
+        and bias is None
+        and softcap is None
+        and v.shape[-1] == k.shape[-1]
+        and (mask is None or (isinstance(mask, Mask) and mask.is_causal("bottom_right")))
+        and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
+    )
 
 
-def attend_chunk(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool,
-                 sinks: Tensor | None = None) -> Tensor:
+def attend_chunk(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool, sinks: Tensor | None = None) -> Tensor:
     """A prompt chunk's ``n`` queries ``q (1, Hq, n, D)`` over its sequence's ``L`` keys ``k (1, Hkv, L, D)``,
     ``v (1, Hkv, L, Dv)`` (the chunk's own keys last), with PyTorch's fused CPU flash kernel (grouped-query
     heads read their shared key head; nothing is repeated).  The tensors may be laid out any way (the kernel's

@@ -55,8 +55,7 @@ def reachable_tensors(obj, *, modules: bool = True) -> list[Tensor]:
         return items
 
     def walk(x, depth: int) -> None:
-        if depth > _REACH_DEPTH or x is None or isinstance(x, (str, bytes, int, float, bool, complex)) \
-                or id(x) in seen:
+        if depth > _REACH_DEPTH or x is None or isinstance(x, (str, bytes, int, float, bool, complex)) or id(x) in seen:
             return
         seen.add(id(x))
         if isinstance(x, Tensor):
@@ -109,8 +108,9 @@ def mod_params(obj) -> list[Tensor]:
     return [t for t in reachable_tensors(obj) if t.requires_grad]
 
 
-def probe_params(mod: ScoreMod, params: list[Tensor], device, dtype: torch.dtype = torch.float32
-                 ) -> tuple[list[Tensor], list[Tensor]]:
+def probe_params(
+    mod: ScoreMod, params: list[Tensor], device, dtype: torch.dtype = torch.float32
+) -> tuple[list[Tensor], list[Tensor]]:
     """``(used, missing)``: the ``params`` that ``mod``'s result depends on directly (not only through another
     of them), and the leaf tensors requiring grad it depends on that are not (and are not behind)
     ``params``; found by applying the modifier to one score and walking its autograd graph.  The flash
@@ -195,8 +195,12 @@ def tensor_versions(*objs) -> list[tuple[Tensor, int]]:
     unchanged.  Left out: inference tensors (no version counter), tensors that require grad (parameters an
     optimizer or a layer, e.g. an embedding's max_norm, may legitimately rewrite), and everything inside
     ``nn.Module`` objects."""
-    return [(t, t._version) for o in objs for t in reachable_tensors(o, modules=False)
-            if not (t.is_inference() or t.requires_grad)]
+    return [
+        (t, t._version)
+        for o in objs
+        for t in reachable_tensors(o, modules=False)
+        if not (t.is_inference() or t.requires_grad)
+    ]
 
 
 def check_unchanged(versions: list[tuple[Tensor, int]]) -> None:
@@ -204,10 +208,12 @@ def check_unchanged(versions: list[tuple[Tensor, int]]) -> None:
     between the forward and this backward (the backward would compute the gradients of another function)."""
     for t, v in versions:
         if t._version != v:
-            raise RuntimeError(f"a tensor the attention's mask or bias reads (shape {tuple(t.shape)}, {t.dtype}) was "
-                               f"modified in place between the forward and the backward (version {v} -> "
-                               f"{t._version}), so the backward cannot recompute what the forward did: modify a "
-                               f"clone, or change it only after backward()")
+            raise RuntimeError(
+                f"a tensor the attention's mask or bias reads (shape {tuple(t.shape)}, {t.dtype}) was "
+                f"modified in place between the forward and the backward (version {v} -> "
+                f"{t._version}), so the backward cannot recompute what the forward did: modify a "
+                f"clone, or change it only after backward()"
+            )
 
 
 def read_tensors(*objs) -> tuple[Tensor, ...]:
@@ -247,8 +253,10 @@ def check_reach(before: tuple[Tensor, ...], call) -> None:
     gone = [t for t in before if id(t) not in now]
     if gone:
         t = gone[0]
-        raise RuntimeError(f"a tensor the attention's mask or bias read in the forward (shape {tuple(t.shape)}, "
-                           f"{t.dtype}) is no longer what it reads at the backward (a variable or attribute it "
-                           f"names was rebound, e.g. by a second forward), so the flash backward cannot "
-                           f"recompute what the forward did: compute such tensors inside the bias function, call "
-                           f"backward() before rebinding them, or use backend='math' or 'sdpa'")
+        raise RuntimeError(
+            f"a tensor the attention's mask or bias read in the forward (shape {tuple(t.shape)}, "
+            f"{t.dtype}) is no longer what it reads at the backward (a variable or attribute it "
+            f"names was rebound, e.g. by a second forward), so the flash backward cannot "
+            f"recompute what the forward did: compute such tensors inside the bias function, call "
+            f"backward() before rebinding them, or use backend='math' or 'sdpa'"
+        )

@@ -12,6 +12,7 @@ from .call import Call
 
 Tensor = torch.Tensor
 
+
 def sink_grad(out: Tensor, lse: Tensor, dout: Tensor | None, dlse: Tensor | None, sinks: Tensor) -> Tensor:
     """The gradient of the sinks ``(B, Hq)`` from a result ``out (B, Hq, Lq, Dv)``, ``lse (B, Hq, Lq)`` that
     includes them: ``d sink = sum over rows of p_sink * (dlse - rowsum(dout * out))`` where
@@ -63,20 +64,51 @@ def grouped_bias(bias: Tensor, call: Call) -> Tensor:
     return bias.reshape(b, call.kv_heads, call.group, lq, lk)
 
 
-def modify_scores(s: Tensor, call: Call, b: Tensor, h: Tensor, q: Tensor, k: Tensor,
-                  bias_block: Tensor | None = None, apply_mask: bool = True) -> Tensor:
+def modify_scores(
+    s: Tensor,
+    call: Call,
+    b: Tensor,
+    h: Tensor,
+    q: Tensor,
+    k: Tensor,
+    bias_block: Tensor | None = None,
+    apply_mask: bool = True,
+) -> Tensor:
     """softcap, then bias, then mask, on a block of scaled scores in the grouped layout.
 
     ``q``/``k`` are the block's query rows / keys as broadcastable index tensors; ``bias_block`` is the
     matching slice of a tensor bias (the caller slices it).
     """
-    return score_pipeline(s, b, h, q, k, call.q_len, call.kv_len, softcap=call.softcap, bias=call.bias,
-                          mask=call.mask if apply_mask else None, bias_block=bias_block)
+    return score_pipeline(
+        s,
+        b,
+        h,
+        q,
+        k,
+        call.q_len,
+        call.kv_len,
+        softcap=call.softcap,
+        bias=call.bias,
+        mask=call.mask if apply_mask else None,
+        bias_block=bias_block,
+    )
 
 
-def score_pipeline(s: Tensor, b: Tensor, h: Tensor, q: Tensor, k: Tensor, q_len: int, kv_len: int, *,
-                   softcap: float | None, bias, mask, bias_block: Tensor | None = None,
-                   mask_block: Tensor | None = None) -> Tensor:
+def score_pipeline(
+    s: Tensor,
+    b: Tensor,
+    h: Tensor,
+    q: Tensor,
+    k: Tensor,
+    q_len: int,
+    kv_len: int,
+    *,
+    softcap: float | None,
+    bias,
+    mask,
+    bias_block: Tensor | None = None,
+    mask_block: Tensor | None = None,
+) -> Tensor:
     """softcap, then bias, then mask, on scaled scores ``s``: the one order every backend follows.
 
     ``b``, ``h``, ``q``, ``k`` are index tensors broadcastable to ``s`` (batch row, query head, query row,
@@ -108,37 +140,54 @@ def with_sinks(s: Tensor, sinks: Tensor) -> Tensor:
 _CHECKED_TABLES: list = []  # the last (block_table, seq_lens, versions) checked: a decode step checks once
 
 
-def check_paged_values(who: str, block_table: Tensor, seq_lens: Tensor, num_blocks: int, block_size: int,
-                       bias_len: int | None = None) -> None:
+def check_paged_values(
+    who: str, block_table: Tensor, seq_lens: Tensor, num_blocks: int, block_size: int, bias_len: int | None = None
+) -> None:
     """Raise ValueError unless every ``seq_lens`` is in ``[0, max_blocks * block_size]`` (and at most
     ``bias_len``) and every block id a sequence reads is in ``[0, num_blocks)``.  One host sync; the layers of
     a decode step share their table, so a table checked last time (same tensors, same versions) is not
     checked again."""
     versioned = not (block_table.is_inference() or seq_lens.is_inference())  # (no version counter to trust)
-    key = (block_table, seq_lens, block_table._version, seq_lens._version, num_blocks, block_size,
-           bias_len) if versioned else None
-    if key is not None and _CHECKED_TABLES and all(
-            a is b if isinstance(a, Tensor) else a == b for a, b in zip(_CHECKED_TABLES[0], key)):
+    key = (
+        (block_table, seq_lens, block_table._version, seq_lens._version, num_blocks, block_size, bias_len)
+        if versioned
+        else None
+    )
+    if (
+        key is not None
+        and _CHECKED_TABLES
+        and all(a is b if isinstance(a, Tensor) else a == b for a, b in zip(_CHECKED_TABLES[0], key))
+    ):
         return
     B, max_blocks = block_table.shape
     if block_size < 1:
-        raise ValueError(f"{who}: the pool's blocks hold {block_size} positions (its block dimension is empty): "
-                         f"give a pool (num_blocks, Hkv, block_size >= 1, D)")
+        raise ValueError(
+            f"{who}: the pool's blocks hold {block_size} positions (its block dimension is empty): "
+            f"give a pool (num_blocks, Hkv, block_size >= 1, D)"
+        )
     if B:
         lo, hi = (int(x) for x in torch.aminmax(seq_lens))
         if lo < 0 or hi > max_blocks * block_size:
-            raise ValueError(f"{who}: seq_lens holds {lo if lo < 0 else hi}, outside [0, {max_blocks * block_size}] "
-                             f"(block_table has {max_blocks} blocks of {block_size} per sequence)")
+            raise ValueError(
+                f"{who}: seq_lens holds {lo if lo < 0 else hi}, outside [0, {max_blocks * block_size}] "
+                f"(block_table has {max_blocks} blocks of {block_size} per sequence)"
+            )
         if bias_len is not None and hi > bias_len:
-            raise ValueError(f"{who}: the bias covers {bias_len} keys but seq_lens holds {hi}: give a bias of at "
-                             f"least max(seq_lens) keys")
-        used = torch.arange(max_blocks, device=block_table.device) < (seq_lens.long() + block_size - 1)[:, None] \
-            // block_size
+            raise ValueError(
+                f"{who}: the bias covers {bias_len} keys but seq_lens holds {hi}: give a bias of at "
+                f"least max(seq_lens) keys"
+            )
+        used = (
+            torch.arange(max_blocks, device=block_table.device)
+            < (seq_lens.long() + block_size - 1)[:, None] // block_size
+        )
         bad = used & ((block_table < 0) | (block_table >= num_blocks))
         if bool(bad.any()):
             b, j = (int(x) for x in bad.nonzero()[0])
-            raise ValueError(f"{who}: block_table[{b}, {j}] = {int(block_table[b, j])} is not a block of the pool "
-                             f"[0, {num_blocks}) but sequence {b} reads it (seq_lens[{b}] = {int(seq_lens[b])})")
+            raise ValueError(
+                f"{who}: block_table[{b}, {j}] = {int(block_table[b, j])} is not a block of the pool "
+                f"[0, {num_blocks}) but sequence {b} reads it (seq_lens[{b}] = {int(seq_lens[b])})"
+            )
     _CHECKED_TABLES[:] = [key] if key is not None else []
 
 

@@ -46,8 +46,11 @@ def _is_plain_causal(call: Call) -> bool:
     """A causal mask SDPA's ``is_causal`` computes (top-left aligned; the fused kernel gives NaN for a
     negative scale, so such a call takes the mask as a tensor)."""
     m = call.mask
-    return m is not None and (m.is_causal("top_left") or (m.is_causal(None) and call.q_len == call.kv_len)) \
+    return (
+        m is not None
+        and (m.is_causal("top_left") or (m.is_causal(None) and call.q_len == call.kv_len))
         and call.scale > 0
+    )
 
 
 def _dense_size(call: Call) -> int:
@@ -74,8 +77,11 @@ def _dense(call: Call) -> tuple[Tensor, Tensor, bool, Tensor | None]:
     form = m.form(call.q_len, call.kv_len)
     if torch.compiler.is_compiling() or call.q.device.type == "meta":  # traced (or meta: shapes only): no Python
         # bool from tensor data, no traced tensors memoised
-        allowed = form.mask if isinstance(form, Dense) else m.to_dense(
-            call.q_len, call.kv_len, batch=call.batch, heads=call.heads, device=call.q.device)
+        allowed = (
+            form.mask
+            if isinstance(form, Dense)
+            else m.to_dense(call.q_len, call.kv_len, batch=call.batch, heads=call.heads, device=call.q.device)
+        )
         # False: empty rows handled, also if none
         return allowed, allowed.any(dim=-1, keepdim=True), False, _hidden_keys(call, allowed, traced=True)
     if isinstance(form, Dense):  # a user's bool tensor: pass it as it is
@@ -119,13 +125,14 @@ def check(call: Call) -> str | None:
     if call.sinks is not None and call.scale == 0:
         return "with scale=0 the sink logit cannot ride on an extra key (it enters as logit / scale)"
     if call.sinks is not None and sinks_too_large(call):
-        return (f"a sink logit of {float(call.sinks.detach().abs().max()):.3g} at scale={call.scale:.3g} is beyond "
-                f"what the sink key can carry in {call.q.dtype} (the other backends take it)")
+        return (
+            f"a sink logit of {float(call.sinks.detach().abs().max()):.3g} at scale={call.scale:.3g} is beyond "
+            f"what the sink key can carry in {call.q.dtype} (the other backends take it)"
+        )
     b = call.bias
     if isinstance(b, ScoreMod) and not (b.additive or b.scale_factor is not None):
         return f"SDPA takes only additive score modifiers (ALiBi, T5 buckets) or a scalar temperature, not {b!r}"
-    needs_dense = (call.mask is not None and not _is_plain_causal(call)) or (
-        isinstance(b, ScoreMod) and b.additive)
+    needs_dense = (call.mask is not None and not _is_plain_causal(call)) or (isinstance(b, ScoreMod) and b.additive)
     if needs_dense and _dense_size(call) > _MAX_DENSE:
         return f"the mask/bias would be materialised as {_dense_size(call):,} elements (limit {_MAX_DENSE:,})"
     return None
@@ -206,9 +213,8 @@ def _with_sink_key(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, scale: float)
     parts = torch.stack(parts, dim=-1)[:, :, None, :].expand(B, Hq, Lq, 3).to(q.dtype)
     q2 = torch.cat([q, parts, q.new_zeros(B, Hq, Lq, extra - 3)], dim=-1)
     key = k.new_zeros(1, 1, 1, D + extra)
-    key[..., D:D + 3] = c.to(k.dtype)
-    k2 = torch.cat([torch.cat([k, k.new_zeros(B, Hkv, Lk, extra)], dim=-1), key.expand(B, Hkv, 1, D + extra)],
-                   dim=2)
+    key[..., D : D + 3] = c.to(k.dtype)
+    k2 = torch.cat([torch.cat([k, k.new_zeros(B, Hkv, Lk, extra)], dim=-1), key.expand(B, Hkv, 1, D + extra)], dim=2)
     v2 = torch.cat([v, v.new_zeros(B, Hkv, 1, v.shape[-1])], dim=2)
     return q2, k2, v2
 
@@ -234,12 +240,14 @@ def _run_sinks(call: Call, q: Tensor, k: Tensor, v: Tensor, scale: float, bias: 
                 rows = rows.unsqueeze(0)
             attn_mask = torch.cat([rows, rows.new_ones(*rows.shape[:-1], 1).expand(*rows.shape[:-1], 1)], dim=-1)
             if bias is not None:
-                b = torch.broadcast_to(bias.to(q.dtype), (*torch.broadcast_shapes(bias.shape[:-1], rows.shape[:-1]),
-                                                          Lk))
+                b = torch.broadcast_to(
+                    bias.to(q.dtype), (*torch.broadcast_shapes(bias.shape[:-1], rows.shape[:-1]), Lk)
+                )
                 b = torch.cat([b, b.new_zeros(*b.shape[:-1], 1)], dim=-1)
                 attn_mask = b.masked_fill(~attn_mask, float("-inf"))
-        return F.scaled_dot_product_attention(q2, k2, v2, attn_mask=attn_mask, dropout_p=call.dropout_p,
-                                              scale=scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(
+            q2, k2, v2, attn_mask=attn_mask, dropout_p=call.dropout_p, scale=scale, enable_gqa=gqa
+        )
 
     out = once(k, v)
     # a NaN or inf in a key no query may see reaches the rows through SDPA's arithmetic (see run): only then
@@ -257,8 +265,9 @@ def run(call: Call):
     if isinstance(bias, ScoreMod) and not bias.additive:
         scale, bias = scale * bias.scale_factor, None  # a scalar temperature folds into the scale
     elif isinstance(bias, ScoreMod):
-        bias = bias.materialize(call.q_len, call.kv_len, batch=call.batch, heads=call.heads,
-                                device=q.device, dtype=q.dtype)
+        bias = bias.materialize(
+            call.q_len, call.kv_len, batch=call.batch, heads=call.heads, device=q.device, dtype=q.dtype
+        )
     if bias is not None:
         while bias.dim() < 4:  # SDPA wants a mask of at least 2 dims; (B', H', Lq', Lk') broadcasts
             bias = bias.unsqueeze(0)
@@ -266,6 +275,7 @@ def run(call: Call):
     if call.sinks is not None:
         return _run_sinks(call, q, k, v, scale, bias, gqa)
     if call.mask is None or _is_plain_causal(call):
+
         def plain(k, v, bias):
             causal = call.mask is not None
             attn_mask = None if bias is None else bias.to(q.dtype)
@@ -273,8 +283,9 @@ def run(call: Call):
                 allowed = call.mask.to_dense(call.q_len, k.shape[2], device=q.device)
                 attn_mask = attn_mask.masked_fill(~allowed, float("-inf"))
                 causal = False
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p,
-                                                  is_causal=causal, scale=scale, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p, is_causal=causal, scale=scale, enable_gqa=gqa
+            )
 
         # top-left causal with Lq < Lk: the keys past Lq are seen by no query; a NaN or inf there (padding
         # garbage) must not reach the rows: the call is made without them (traced: always; else when the
@@ -291,8 +302,9 @@ def run(call: Call):
         lo, hi = window
         if hi < lo:
             return torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device) + graph_zero(q, k, v)
-        return F.scaled_dot_product_attention(q, k[:, :, lo:hi + 1], v[:, :, lo:hi + 1],
-                                              dropout_p=call.dropout_p, scale=scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(
+            q, k[:, :, lo : hi + 1], v[:, :, lo : hi + 1], dropout_p=call.dropout_p, scale=scale, enable_gqa=gqa
+        )
     allowed, live, all_live, hidden = _dense(call)
     traced = torch.compiler.is_compiling()
     if hidden is not None and traced:
@@ -300,16 +312,18 @@ def run(call: Call):
     if not all_live:
         allowed = allowed | ~live  # compute empty rows against every key, then zero them below
     attn_mask = allowed if bias is None else bias.to(q.dtype).masked_fill(~allowed, float("-inf"))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p,
-                                         scale=scale, enable_gqa=gqa)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p, scale=scale, enable_gqa=gqa
+    )
     # SDPA adds the mask to the scores (NaN - inf is NaN) and weighs every value (0 * inf is NaN): a NaN or
     # inf in a key no query may see (padding garbage) reaches every row it shares a call with, also the
     # empty rows computed against every key.  Such a row's output is then not finite: only then is the call
     # made again with those keys zeroed (a check of the output, not a pass over the keys and values)
     if hidden is not None and not traced and q.device.type != "meta" and not bool(torch.isfinite(out.detach()).all()):
         k, v = _without_hidden(k, v, hidden)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p,
-                                             scale=scale, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p, scale=scale, enable_gqa=gqa
+        )
     if not all_live:  # (where, not a product: a NaN in a key such a row cannot see must not leak into it)
         out = torch.where(live, out, torch.zeros((), dtype=out.dtype, device=out.device))
     return out

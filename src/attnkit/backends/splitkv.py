@@ -60,8 +60,7 @@ def check(call: Call) -> str | None:
 def wins(call: Call) -> bool:
     """Whether ``call`` is a CPU decode call this backend beats PyTorch's fused kernel on: few query rows per
     kv head against at least :data:`MIN_KEYS` keys over the batch (see :func:`cost`)."""
-    return (call.group * call.q_len <= DECODE_ROWS and call.batch * call.kv_len >= MIN_KEYS
-            and check(call) is None)
+    return call.group * call.q_len <= DECODE_ROWS and call.batch * call.kv_len >= MIN_KEYS and check(call) is None
 
 
 def cost(call: Call) -> float:
@@ -97,16 +96,26 @@ def _bias_rows(call: Call) -> Tensor | None:
     return bias.expand(Bb, call.heads, Lq, Lkb).reshape(Bb, call.kv_heads, G * Lq, Lkb)
 
 
-def _pieces(call: Call, qg: Tensor, bias_rows: Tensor | None, bs: slice, hs: slice, a: int, C: int, n: int,
-            acc: torch.dtype, kv: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+def _pieces(
+    call: Call,
+    qg: Tensor,
+    bias_rows: Tensor | None,
+    bs: slice,
+    hs: slice,
+    a: int,
+    C: int,
+    n: int,
+    acc: torch.dtype,
+    kv: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor]:
     """Keys ``a .. a + C*n`` of sequences ``bs`` and kv heads ``hs`` as ``C`` chunks of ``n``: each chunk's
     normalised output ``(Bx, Hx, C, G*Lq, Dv)`` and log-sum-exp ``(Bx, Hx, C, G*Lq)``, in ``acc``.  ``kv``:
     those chunks' keys and values ``(Bx, Hx, C, n, D|Dv)`` when they are not ``call.k``'s (a paged pool)."""
     G, Lq = call.group, call.q_len
     dev = call.q.device
     if kv is None:
-        k = call.k[bs, hs, a:a + C * n].unflatten(2, (C, n))  # (Bx, Hx, C, n, D): a view
-        v = call.v[bs, hs, a:a + C * n].unflatten(2, (C, n))  # (Bx, Hx, C, n, Dv)
+        k = call.k[bs, hs, a : a + C * n].unflatten(2, (C, n))  # (Bx, Hx, C, n, D): a view
+        v = call.v[bs, hs, a : a + C * n].unflatten(2, (C, n))  # (Bx, Hx, C, n, Dv)
     else:
         k, v = kv
     q = qg[bs, hs].unsqueeze(2)  # (Bx, Hx, 1, G*Lq, D)
@@ -117,16 +126,19 @@ def _pieces(call: Call, qg: Tensor, bias_rows: Tensor | None, bs: slice, hs: sli
     if modified:
         rows = torch.arange(G * Lq, device=dev)
         bi = torch.arange(call.batch, device=dev)[bs].view(-1, 1, 1, 1, 1)
-        hi = (torch.arange(call.kv_heads, device=dev)[hs].view(1, -1, 1, 1, 1) * G
-              + (rows // Lq).view(1, 1, 1, -1, 1))  # query head of each row
+        hi = torch.arange(call.kv_heads, device=dev)[hs].view(1, -1, 1, 1, 1) * G + (rows // Lq).view(
+            1, 1, 1, -1, 1
+        )  # query head of each row
         qi = (rows % Lq).view(1, 1, 1, -1, 1)
         ki = (a + torch.arange(C * n, device=dev)).view(1, 1, C, 1, n)
         block = None
         if bias_rows is not None:
-            block = bias_rows[bs if bias_rows.shape[0] > 1 else slice(None),
-                              hs if bias_rows.shape[1] > 1 else slice(None)]  # (Bx|1, Hx|1, GL|1, Lk|1)
-            block = (block[..., a:a + C * n].unflatten(-1, (C, n)) if block.shape[-1] > 1
-                     else block.unsqueeze(-1)).transpose(-3, -2)  # (Bx|1, Hx|1, C|1, GL|1, n|1)
+            block = bias_rows[
+                bs if bias_rows.shape[0] > 1 else slice(None), hs if bias_rows.shape[1] > 1 else slice(None)
+            ]  # (Bx|1, Hx|1, GL|1, Lk|1)
+            block = (
+                block[..., a : a + C * n].unflatten(-1, (C, n)) if block.shape[-1] > 1 else block.unsqueeze(-1)
+            ).transpose(-3, -2)  # (Bx|1, Hx|1, C|1, GL|1, n|1)
         s = modify_scores(s, call, bi, hi, qi, ki, bias_block=block, apply_mask=False)
         if call.mask is not None:
             allowed = call.mask.evaluate(bi, hi, qi, ki, Lq, call.kv_len)
@@ -186,8 +198,9 @@ def run(call: Call):
     window = _window(call) if B * Hq * Lq and Lk else None
     if window is not None and window[1] >= window[0]:  # one query, an interval mask: its keys, no mask
         lo, hi = window
-        return run(dataclasses.replace(call, k=call.k[:, :, lo:hi + 1], v=call.v[:, :, lo:hi + 1], mask=None,
-                                       cache={}))
+        return run(
+            dataclasses.replace(call, k=call.k[:, :, lo : hi + 1], v=call.v[:, :, lo : hi + 1], mask=None, cache={})
+        )
     if B * Hq * Lq == 0 or Lk == 0 or window is not None:  # (an empty window: nothing to see)
         out = q.new_zeros(B, Hq, Lq, Dv)
         lse = torch.full((B, Hq, Lq), float("-inf"), dtype=acc, device=q.device)
@@ -200,8 +213,11 @@ def run(call: Call):
         bias_rows = _bias_rows(call)
         C, n = _split(call)
         outs, lses = [], []
-        pieces = ([(slice(b, b + 1), slice(h, h + 1)) for b in range(B) for h in range(Hkv)] if C > 1
-                  else [(slice(None), slice(None))])  # split: one (sequence, kv head) at a time
+        pieces = (
+            [(slice(b, b + 1), slice(h, h + 1)) for b in range(B) for h in range(Hkv)]
+            if C > 1
+            else [(slice(None), slice(None))]
+        )  # split: one (sequence, kv head) at a time
         for bs, hs in pieces:
             o, lse = _pieces(call, qg, bias_rows, bs, hs, 0, C, n, acc)
             if C * n < Lk:  # the last, shorter chunk
@@ -223,21 +239,38 @@ def run(call: Call):
     return out
 
 
-
 def takes_paged(q: Tensor, k_pool: Tensor, runs: list, lens: list[int], mask, bias) -> bool:
     """Whether :func:`paged_decode` takes a paged decode call: CPU, no gradients, one query per sequence,
     a block-major pool, each sequence's blocks one run of consecutive ids, and a sequence of at least
     :data:`MIN_KEYS` keys; a mask, when given, an :class:`attnkit.masks.Mask`, a bias None or a modifier."""
     from ..masks import Mask
 
-    return (q.device.type == "cpu" and q.shape[2] == 1 and q.is_floating_point()
-            and not (torch.is_grad_enabled() and (q.requires_grad or k_pool.requires_grad))
-            and k_pool.is_contiguous() and max(lens, default=0) >= MIN_KEYS and all(len(r) <= 1 for r in runs)
-            and (mask is None or isinstance(mask, Mask)) and (bias is None or not isinstance(bias, Tensor)))
+    return (
+        q.device.type == "cpu"
+        and q.shape[2] == 1
+        and q.is_floating_point()
+        and not (torch.is_grad_enabled() and (q.requires_grad or k_pool.requires_grad))
+        and k_pool.is_contiguous()
+        and max(lens, default=0) >= MIN_KEYS
+        and all(len(r) <= 1 for r in runs)
+        and (mask is None or isinstance(mask, Mask))
+        and (bias is None or not isinstance(bias, Tensor))
+    )
 
 
-def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, runs: list, lens: list[int], *, scale: float,
-                 softcap=None, bias=None, mask=None, sinks: Tensor | None = None) -> Tensor:
+def paged_decode(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    runs: list,
+    lens: list[int],
+    *,
+    scale: float,
+    softcap=None,
+    bias=None,
+    mask=None,
+    sinks: Tensor | None = None,
+) -> Tensor:
     """Decode attention over a paged pool whose sequences each hold one run of consecutive blocks
     (:func:`takes_paged`): each block is a chunk, read where it lies, and the chunks merge by log-sum-exp.
 
@@ -259,17 +292,28 @@ def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, runs: list, lens: li
             lse = torch.full((1, Hq, Lq), float("-inf"), dtype=acc)
         else:
             first, count = runs[b][0]
-            kv = (k_pool[first:first + count].transpose(0, 1).unsqueeze(0),  # (1, Hkv, N, bs, D): a view
-                  v_pool[first:first + count].transpose(0, 1).unsqueeze(0))  # (1, Hkv, N, bs, Dv)
+            kv = (
+                k_pool[first : first + count].transpose(0, 1).unsqueeze(0),  # (1, Hkv, N, bs, D): a view
+                v_pool[first : first + count].transpose(0, 1).unsqueeze(0),
+            )  # (1, Hkv, N, bs, Dv)
             hidden = key_padding([L])  # the unfilled end of the last block
             shape = torch.zeros((), dtype=q.dtype).expand  # (k and v of the call: shapes only, no memory)
-            call = Call(q[b:b + 1], shape(1, Hkv, L, D), shape(1, Hkv, L, Dv),
-                        hidden if mask is None else hidden & mask, bias, scale, softcap, 0.0, True)
+            call = Call(
+                q[b : b + 1],
+                shape(1, Hkv, L, D),
+                shape(1, Hkv, L, Dv),
+                hidden if mask is None else hidden & mask,
+                bias,
+                scale,
+                softcap,
+                0.0,
+                True,
+            )
             qg = call.q.reshape(1, Hkv, call.group * Lq, D)  # (1, Hkv, G*Lq, D)
             o, lse = _pieces(call, qg, None, slice(None), slice(None), 0, count, bs, acc, kv)
             o, lse = _merge(o, lse)  # (1, Hkv, G*Lq, Dv), (1, Hkv, G*Lq)
             out, lse = o.reshape(1, Hq, Lq, Dv), lse.reshape(1, Hq, Lq)
         if sinks is not None:
-            out, lse = add_sink(out, lse, sinks[b:b + 1])
+            out, lse = add_sink(out, lse, sinks[b : b + 1])
         outs.append(out.to(q.dtype))
     return torch.cat(outs)

@@ -45,7 +45,28 @@ from .sink import PagedSinkCache, SinkCache
 from .sliding import SlidingWindowCache, window_of
 from .static import StaticCache
 
-__all__ = ["attend", "CacheRead", "CacheAttention", "CacheResult", "LayerCache", "ModelCache", "StaticCache",
-           "SlidingWindowCache", "PagedCache", "PagedBatch", "PagedPacked",
-           "QuantizedCache", "EncoderDecoderCache", "PoolExhausted", "paged_attention", "window_of", "quantize_groups",
-           "dequantize_groups", "SinkCache", "PagedSinkCache", "model_dims", "BlockSummaries", "summaries_of"]
+__all__ = [
+    "attend",
+    "CacheRead",
+    "CacheAttention",
+    "CacheResult",
+    "LayerCache",
+    "ModelCache",
+    "StaticCache",
+    "SlidingWindowCache",
+    "PagedCache",
+    "PagedBatch",
+    "PagedPacked",
+    "QuantizedCache",
+    "EncoderDecoderCache",
+    "PoolExhausted",
+    "paged_attention",
+    "window_of",
+    "quantize_groups",
+    "dequantize_groups",
+    "SinkCache",
+    "PagedSinkCache",
+    "model_dims",
+    "BlockSummaries",
+    "summaries_of",
+]

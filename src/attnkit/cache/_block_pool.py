@@ -55,7 +55,9 @@ class BlockPool:
         self.refs = [0] * num_blocks
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 but cached: reusable until evicted (LRU)
         self.table: dict[int, int] = {}  # chained hash -> block
-        self.key: dict[int, tuple[int, int, tuple[int, ...]]] = {}  # block -> (hash, parent hash, tokens): verified on lookup
+        self.key: dict[
+            int, tuple[int, int, tuple[int, ...]]
+        ] = {}  # block -> (hash, parent hash, tokens): verified on lookup
 
     def num_free(self) -> int:
         return len(self.free) + len(self.evictable)
@@ -140,7 +142,7 @@ class BlockPool:
         is always computed), as ``(blocks, their chained hashes)``; each block's reference is taken."""
         blocks, hashes, parent = [], [], ROOT
         for i in range((len(tokens) - 1) // block_size):
-            chunk = tuple(tokens[i * block_size:(i + 1) * block_size])
+            chunk = tuple(tokens[i * block_size : (i + 1) * block_size])
             h = chain(parent, chunk)
             b = self.lookup(h, parent, chunk)
             if b is None:
@@ -150,13 +152,14 @@ class BlockPool:
             parent = h
         return blocks, hashes
 
-    def register_full(self, blocks: list[int], tokens: list[int], hashes: list[int], full: int,
-                      block_size: int) -> None:
+    def register_full(
+        self, blocks: list[int], tokens: list[int], hashes: list[int], full: int, block_size: int
+    ) -> None:
         """Offer a sequence's full blocks ``len(hashes)`` to ``full - 1`` (``blocks``, holding ``tokens``) for
         prefix reuse, appending each one's chained hash to ``hashes``."""
         for i in range(len(hashes), full):
             parent = hashes[-1] if hashes else ROOT
-            chunk = tuple(tokens[i * block_size:(i + 1) * block_size])
+            chunk = tuple(tokens[i * block_size : (i + 1) * block_size])
             h = chain(parent, chunk)
             self.register(blocks[i], h, parent, chunk)
             hashes.append(h)

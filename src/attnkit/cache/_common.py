@@ -24,8 +24,17 @@ def check_dtype(name: str, dtype: object) -> torch.dtype:
     return dtype
 
 
-def check_new_kv(k: Tensor, v: Tensor, *, batch: int | None, heads: int | None, d_head: int | None,
-                 d_value: int | None, dtype: torch.dtype | None, device: torch.device | None) -> None:
+def check_new_kv(
+    k: Tensor,
+    v: Tensor,
+    *,
+    batch: int | None,
+    heads: int | None,
+    d_head: int | None,
+    d_value: int | None,
+    dtype: torch.dtype | None,
+    device: torch.device | None,
+) -> None:
     """Check the new keys/values ``k (B, Hkv, L, D)``, ``v (B, Hkv, L, Dv)`` against a cache's layout."""
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, Tensor):
@@ -36,14 +45,22 @@ def check_new_kv(k: Tensor, v: Tensor, *, batch: int | None, heads: int | None, 
         raise ValueError(f"cache update: k {tuple(k.shape)} and v {tuple(v.shape)} must agree on (B, Hkv, L_new)")
     B, H, _, D = k.shape
     Dv = v.shape[3]
-    for what, got, want in (("batch size B", B, batch), ("kv heads Hkv", H, heads), ("key dim D", D, d_head),
-                            ("value dim Dv", Dv, d_value)):
+    for what, got, want in (
+        ("batch size B", B, batch),
+        ("kv heads Hkv", H, heads),
+        ("key dim D", D, d_head),
+        ("value dim Dv", Dv, d_value),
+    ):
         if want is not None and got != want:
-            raise ValueError(f"cache update: got {what}={got} but the cache was made for {want}: "
-                             f"create the cache with matching sizes (e.g. Cache.for_model(model, ...))")
+            raise ValueError(
+                f"cache update: got {what}={got} but the cache was made for {want}: "
+                f"create the cache with matching sizes (e.g. Cache.for_model(model, ...))"
+            )
     if dtype is not None and (k.dtype != dtype or v.dtype != dtype):
-        raise TypeError(f"cache update: k/v have dtype {k.dtype}/{v.dtype} but the cache stores {dtype}: "
-                        f"create the cache with dtype={k.dtype}")
+        raise TypeError(
+            f"cache update: k/v have dtype {k.dtype}/{v.dtype} but the cache stores {dtype}: "
+            f"create the cache with dtype={k.dtype}"
+        )
     if device is not None and (k.device != device or v.device != device):
         raise ValueError(f"cache update: k/v are on {k.device} but the cache lives on {device}")
 
@@ -55,9 +72,11 @@ def model_dims(model: Any) -> dict[str, Any]:
     try:
         n_layers, n_heads, d_model = cfg.n_layers, cfg.n_heads, cfg.d_model
     except AttributeError as e:
-        raise TypeError(f"cannot read the cache layout off {type(model).__name__}: it needs a .config with "
-                        f"n_layers, n_heads, d_model (and optionally n_kv_heads, d_head); pass the sizes "
-                        f"to the cache constructor instead") from e
+        raise TypeError(
+            f"cannot read the cache layout off {type(model).__name__}: it needs a .config with "
+            f"n_layers, n_heads, d_model (and optionally n_kv_heads, d_head); pass the sizes "
+            f"to the cache constructor instead"
+        ) from e
     n_kv = getattr(cfg, "n_kv_heads", None) or n_heads
     d_head = getattr(cfg, "d_head", None) or d_model // n_heads
     params = [p for p in model.parameters()] if hasattr(model, "parameters") else []
@@ -72,8 +91,15 @@ def model_dims(model: Any) -> dict[str, Any]:
         indexer = getattr(cfg, "indexer", None)
         if indexer is not None:  # DeepSeek sparse attention: each token's index key follows its latent
             d_head += indexer.head_dim
-    return {"n_layers": n_layers, "n_kv_heads": n_kv, "d_head": d_head, "d_value": d_value, "dtype": dtype,
-            "device": device, "max_seq_len": getattr(cfg, "max_seq_len", None)}
+    return {
+        "n_layers": n_layers,
+        "n_kv_heads": n_kv,
+        "d_head": d_head,
+        "d_value": d_value,
+        "dtype": dtype,
+        "device": device,
+        "max_seq_len": getattr(cfg, "max_seq_len", None),
+    }
 
 
 def _padding_counts(pad: object) -> Tensor:
@@ -128,8 +154,10 @@ class LeftPadding:
         else:
             pad = _padding_counts(pad)
             if batch is not None and pad.shape[0] != batch:
-                raise ValueError(f"set_left_padding got {pad.shape[0]} counts {pad.tolist()[:8]} for a batch of "
-                                 f"{batch} rows: give one count per row")
+                raise ValueError(
+                    f"set_left_padding got {pad.shape[0]} counts {pad.tolist()[:8]} for a batch of "
+                    f"{batch} rows: give one count per row"
+                )
             self.counts = pad if bool(pad.any()) else None
             self.rows = pad.shape[0]
         self._memo = {}
@@ -137,8 +165,10 @@ class LeftPadding:
     def check_rows(self, batch: int) -> None:
         """A layer update of ``batch`` rows: the padding set before must have one count per row."""
         if self.rows is not None and self.rows != batch:
-            raise ValueError(f"the cache's left padding has {self.rows} counts but the update has a batch of "
-                             f"{batch} rows: call set_left_padding with one count per row")
+            raise ValueError(
+                f"the cache's left padding has {self.rows} counts but the update has a batch of "
+                f"{batch} rows: call set_left_padding with one count per row"
+            )
 
     def key_mask(self, start: int, end: int, device: torch.device) -> Tensor | None:
         """``(B, 1, 1, end - start)`` bool on ``device``, True for the keys at positions ``start:end`` that are
@@ -158,8 +188,9 @@ def stored_for(layer: Any, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     if K is None or V is None:
         layer._layout.check_first(k, v)
         K, V = layer.allocate(k, v)
-    check_new_kv(k, v, batch=K.shape[0], heads=K.shape[1], d_head=K.shape[3], d_value=V.shape[3],
-                 dtype=K.dtype, device=K.device)
+    check_new_kv(
+        k, v, batch=K.shape[0], heads=K.shape[1], d_head=K.shape[3], d_value=V.shape[3], dtype=K.dtype, device=K.device
+    )
     layer._padding.check_rows(k.shape[0])
     return K, V
 
@@ -237,16 +268,27 @@ class KVLayout:
 
     def check_first(self, k: Tensor, v: Tensor) -> None:
         """The first update (storage not allocated yet): its layout against what the cache was given."""
-        check_new_kv(k, v, batch=self.batch_size, heads=self.n_kv_heads, d_head=self.d_head, d_value=self.d_value,
-                     dtype=self.dtype, device=None)
+        check_new_kv(
+            k,
+            v,
+            batch=self.batch_size,
+            heads=self.n_kv_heads,
+            d_head=self.d_head,
+            d_value=self.d_value,
+            dtype=self.dtype,
+            device=None,
+        )
 
     def storage(self, k: Tensor, v: Tensor) -> tuple[int, int, int, int, torch.dtype, torch.device]:
         """``(B, Hkv, D, Dv, dtype, device)`` of the storage: the layout given, the rest read off ``k``, ``v``."""
-        return (self.batch_size if self.batch_size is not None else k.shape[0],
-                self.n_kv_heads if self.n_kv_heads is not None else k.shape[1],
-                self.d_head if self.d_head is not None else k.shape[3],
-                self.d_value if self.d_value is not None else v.shape[3],
-                self.dtype or k.dtype, self.device or k.device)
+        return (
+            self.batch_size if self.batch_size is not None else k.shape[0],
+            self.n_kv_heads if self.n_kv_heads is not None else k.shape[1],
+            self.d_head if self.d_head is not None else k.shape[3],
+            self.d_value if self.d_value is not None else v.shape[3],
+            self.dtype or k.dtype,
+            self.device or k.device,
+        )
 
 
 class LayoutCache(ModelCache):
@@ -256,12 +298,25 @@ class LayoutCache(ModelCache):
 
     layers: Sequence[Any]
 
-    def _set_layout(self, batch_size: int | None, n_kv_heads: int | None, d_head: int | None,
-                    d_value: int | None, dtype: torch.dtype | None, device: Any, *, latent: bool) -> None:
+    def _set_layout(
+        self,
+        batch_size: int | None,
+        n_kv_heads: int | None,
+        d_head: int | None,
+        d_value: int | None,
+        dtype: torch.dtype | None,
+        device: Any,
+        *,
+        latent: bool,
+    ) -> None:
         """Check and keep the layout of a cache whose layers store ``(B, Hkv, L, D)`` tensors; what is None
         is taken from the first update (``d_value`` defaults to ``d_head``; ``latent`` allows ``d_value=0``)."""
-        for name, val in (("batch_size", batch_size), ("n_kv_heads", n_kv_heads), ("d_head", d_head),
-                          ("d_value", d_value)):
+        for name, val in (
+            ("batch_size", batch_size),
+            ("n_kv_heads", n_kv_heads),
+            ("d_head", d_head),
+            ("d_value", d_value),
+        ):
             if val is not None:
                 integer(name, val, minimum=0 if latent and name == "d_value" else 1)
         self.batch_size, self.n_kv_heads, self.d_head = batch_size, n_kv_heads, d_head
@@ -270,8 +325,17 @@ class LayoutCache(ModelCache):
         self.device = torch.device(device) if device is not None else None
         self.layout = KVLayout(self.batch_size, self.n_kv_heads, self.d_head, self.d_value, self.dtype, self.device)
 
-    def _build_layers(self, layer_type: Any, n_layers: int, batch_size: int | None, n_kv_heads: int | None,
-                      d_head: int | None, d_value: int | None, dtype: torch.dtype | None, device: Any) -> None:
+    def _build_layers(
+        self,
+        layer_type: Any,
+        n_layers: int,
+        batch_size: int | None,
+        n_kv_heads: int | None,
+        d_head: int | None,
+        d_value: int | None,
+        dtype: torch.dtype | None,
+        device: Any,
+    ) -> None:
         """Keep the layout, make ``n_layers`` layers of ``layer_type`` and allocate them when the layout is known;
         ``d_value=0`` is a latent cache (:class:`attnkit.nn.LatentAttention`), its values inside the keys."""
         self._set_layout(batch_size, n_kv_heads, d_head, d_value, dtype, device, latent=True)
@@ -293,9 +357,17 @@ class LayoutCache(ModelCache):
         return k.shape[0] if k is not None else self.batch_size
 
 
-def attend(kv: CacheResult | tuple[Any, ...], q: Tensor, *, mask: Mask | Tensor | None = None,
-           bias: BiasLike | None = None, scale: float | None = None,
-           softcap: float | None = None, backend: str = "auto", sinks: Tensor | None = None) -> Tensor:
+def attend(
+    kv: CacheResult | tuple[Any, ...],
+    q: Tensor,
+    *,
+    mask: Mask | Tensor | None = None,
+    bias: BiasLike | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    backend: str = "auto",
+    sinks: Tensor | None = None,
+) -> Tensor:
     """Attention of ``q (B, Hq, L_new, D)`` over what a layer cache's ``update`` returned.
 
     ``kv`` is a :class:`CacheRead` (``(k_all, v_all)`` or ``(k_all, v_all, extra_mask)``, the mask AND-ed with
@@ -319,8 +391,10 @@ def attend(kv: CacheResult | tuple[Any, ...], q: Tensor, *, mask: Mask | Tensor 
         extra_kw = {} if sinks is None else {"sinks": sinks}
         return kv.attend(q, mask=mask, bias=bias, scale=scale, softcap=softcap, **extra_kw)
     if not isinstance(kv, tuple) or len(kv) not in (2, 3):
-        raise TypeError(f"a cache update must return a CacheRead (or a (k, v) / (k, v, extra_mask) tuple) or a "
-                        f"CacheAttention (an object with attend()), got {type(kv).__name__}")
+        raise TypeError(
+            f"a cache update must return a CacheRead (or a (k, v) / (k, v, extra_mask) tuple) or a "
+            f"CacheAttention (an object with attend()), got {type(kv).__name__}"
+        )
     k, v = kv[0], kv[1]
     extra = kv[2] if len(kv) == 3 else None
     if extra is not None:

@@ -26,18 +26,23 @@ class EncoderDecoderCache:
     def __init__(self, self_cache: Any, cross_cache: Any) -> None:
         for name, c in (("self_cache", self_cache), ("cross_cache", cross_cache)):
             if not hasattr(c, "layers"):
-                raise TypeError(f"{name} must be a model-level cache with one per-layer cache per decoder layer "
-                                f"(e.g. StaticCache(n_layers, max_len)), got {type(c).__name__}")
+                raise TypeError(
+                    f"{name} must be a model-level cache with one per-layer cache per decoder layer "
+                    f"(e.g. StaticCache(n_layers, max_len)), got {type(c).__name__}"
+                )
         if len(self_cache.layers) != len(cross_cache.layers):
-            raise ValueError(f"the self cache has {len(self_cache.layers)} layers but the cross cache "
-                             f"{len(cross_cache.layers)}: give both one per decoder layer")
+            raise ValueError(
+                f"the self cache has {len(self_cache.layers)} layers but the cross cache "
+                f"{len(cross_cache.layers)}: give both one per decoder layer"
+            )
         self.self_cache, self.cross_cache = self_cache, cross_cache
 
     @classmethod
     def for_model(cls, model: Any, batch_size: int, max_len: int, source_len: int) -> "EncoderDecoderCache":
         """Two :class:`StaticCache` s for ``model``: ``max_len`` target and ``source_len`` source positions."""
-        return cls(StaticCache.for_model(model, batch_size, max_len),
-                   StaticCache.for_model(model, batch_size, source_len))
+        return cls(
+            StaticCache.for_model(model, batch_size, max_len), StaticCache.for_model(model, batch_size, source_len)
+        )
 
     @property
     def layers(self) -> Sequence[Any]:

@@ -46,16 +46,20 @@ def _check_modifiers(scale, softcap, bias, mask) -> tuple[float | None, float | 
     """``scale`` and ``softcap`` as :func:`attnkit.attention` takes them; ``bias`` and ``mask`` of a kind the
     decode reads."""
     if bias is not None and not isinstance(bias, (ScoreMod, Tensor)):
-        raise TypeError(f"paged_attention: bias must be None, an attnkit.bias modifier or a float tensor, got "
-                        f"{type(bias).__name__}" + ("; wrap a function with attnkit.bias.from_fn(fn)" if callable(bias)
-                                                     else ""))
+        raise TypeError(
+            f"paged_attention: bias must be None, an attnkit.bias modifier or a float tensor, got "
+            f"{type(bias).__name__}" + ("; wrap a function with attnkit.bias.from_fn(fn)" if callable(bias) else "")
+        )
     if isinstance(bias, Tensor) and not bias.is_floating_point():
-        raise TypeError(f"paged_attention: a tensor bias must be a float tensor of additive scores, got dtype "
-                        f"{bias.dtype} (a bool tensor belongs in mask=)")
+        raise TypeError(
+            f"paged_attention: a tensor bias must be a float tensor of additive scores, got dtype "
+            f"{bias.dtype} (a bool tensor belongs in mask=)"
+        )
     if mask is not None and not isinstance(mask, (Mask, Tensor)):
-        raise TypeError(f"paged_attention: mask must be None, an attnkit.masks.Mask or a bool tensor, got "
-                        f"{type(mask).__name__}" + ("; wrap a predicate with attnkit.masks.from_fn(fn)"
-                                                     if callable(mask) else ""))
+        raise TypeError(
+            f"paged_attention: mask must be None, an attnkit.masks.Mask or a bool tensor, got "
+            f"{type(mask).__name__}" + ("; wrap a predicate with attnkit.masks.from_fn(fn)" if callable(mask) else "")
+        )
     if isinstance(mask, Tensor) and mask.dtype != torch.bool:
         raise TypeError(f"paged_attention: a tensor mask must be bool (True = may attend), got {mask.dtype}")
     if scale is not None:
@@ -65,9 +69,19 @@ def _check_modifiers(scale, softcap, bias, mask) -> tuple[float | None, float | 
     return scale, softcap
 
 
-def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor, seq_lens: Tensor, *,
-                    scale: float | None = None, softcap: float | None = None, bias=None, mask=None,
-                    sinks: Tensor | None = None) -> Tensor:
+def paged_attention(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+    bias=None,
+    mask=None,
+    sinks: Tensor | None = None,
+) -> Tensor:
     """Attention of each sequence's newest queries over its keys, read through its block table.
 
     Args:
@@ -115,8 +129,9 @@ def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tens
     """
     _kernel.check_paged_args(q, k_pool, v_pool, block_table, seq_lens)
     scale, softcap, mask, sinks = _prepare(q, scale, softcap, bias, mask, sinks)
-    return _kernel.attend_table(q, k_pool, v_pool, block_table, seq_lens, scale=scale, softcap=softcap, bias=bias,
-                                mask=mask, sinks=sinks)
+    return _kernel.attend_table(
+        q, k_pool, v_pool, block_table, seq_lens, scale=scale, softcap=softcap, bias=bias, mask=mask, sinks=sinks
+    )
 
 
 def _prepare(q: Tensor, scale, softcap, bias, mask, sinks=None) -> tuple:
@@ -149,8 +164,10 @@ def _token_ids(who: str, tokens: object) -> list[int]:
     would be truncated to another token, a string read character by character)."""
     if isinstance(tokens, Tensor):
         if tokens.dim() != 1 or tokens.dtype == torch.bool or tokens.is_floating_point() or tokens.is_complex():
-            raise TypeError(f"PagedCache.{who}: tokens must be a list or 1-D integer tensor of token ids, got a "
-                            f"{tuple(tokens.shape)} {tokens.dtype} tensor")
+            raise TypeError(
+                f"PagedCache.{who}: tokens must be a list or 1-D integer tensor of token ids, got a "
+                f"{tuple(tokens.shape)} {tokens.dtype} tensor"
+            )
         ids: list[int] = tokens.tolist()
         return ids
     items = _items(tokens)
@@ -163,9 +180,10 @@ def _sequence_ids(who: str, seq_ids: object) -> list[int]:
     """``seq_ids`` (a list of the ids ``add_sequence`` returned) as a list of ints."""
     items = _items(seq_ids.tolist() if isinstance(seq_ids, Tensor) and seq_ids.dim() == 1 else seq_ids)
     if items is None or not all(isinstance(s, Integral) and not isinstance(s, bool) for s in items):
-        raise TypeError(f"{who}: seq_ids must be a list of sequence ids (ints from add_sequence()), got "
-                        f"{seq_ids!r:.80}" + (f"; for one sequence pass [{seq_ids!r}]"
-                                              if isinstance(seq_ids, Integral) else ""))
+        raise TypeError(
+            f"{who}: seq_ids must be a list of sequence ids (ints from add_sequence()), got "
+            f"{seq_ids!r:.80}" + (f"; for one sequence pass [{seq_ids!r}]" if isinstance(seq_ids, Integral) else "")
+        )
     return [int(s) for s in items]
 
 
@@ -202,9 +220,19 @@ class PagedCache:
         8
     """
 
-    def __init__(self, n_layers: int, num_blocks: int, block_size: int = 16, *, n_kv_heads: int, d_head: int,
-                 d_value: int | None = None, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None, prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        n_layers: int,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        n_kv_heads: int,
+        d_head: int,
+        d_value: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        prefix_caching: bool = True,
+    ) -> None:
         self.n_layers = integer("n_layers", n_layers, minimum=1)
         self.num_blocks = integer("num_blocks", num_blocks, minimum=1)
         self.block_size = integer("block_size", block_size, minimum=1)
@@ -229,21 +257,38 @@ class PagedCache:
         self.prefix_hits = 0  # blocks reused from the prefix cache so far
 
     @classmethod
-    def for_model(cls, model: Any, num_blocks: int, block_size: int = 16, *, dtype: torch.dtype | None = None,
-                  device: torch.device | str | None = None, prefix_caching: bool = True) -> "PagedCache":
+    def for_model(
+        cls,
+        model: Any,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        prefix_caching: bool = True,
+    ) -> "PagedCache":
         """A pool laid out for ``model`` (read from ``model.config`` and its parameters)."""
         d = model_dims(model)
-        return cls(d["n_layers"], num_blocks, block_size, n_kv_heads=d["n_kv_heads"], d_head=d["d_head"],
-                   d_value=d["d_value"], dtype=dtype or d["dtype"], device=device or d["device"],
-                   prefix_caching=prefix_caching)
+        return cls(
+            d["n_layers"],
+            num_blocks,
+            block_size,
+            n_kv_heads=d["n_kv_heads"],
+            d_head=d["d_head"],
+            d_value=d["d_value"],
+            dtype=dtype or d["dtype"],
+            device=device or d["device"],
+            prefix_caching=prefix_caching,
+        )
 
     # ------------------------------------------------------------------ sequences
 
     def _seq(self, sid: int) -> SequenceBlocks:
         s = None if isinstance(sid, bool) else self._seqs.get(sid)  # (True == 1 would find sequence 1)
         if s is None:
-            raise ValueError(f"PagedCache: no sequence {sid!r} (live ones: {sorted(self._seqs)}); add it with "
-                             f"add_sequence() first")
+            raise ValueError(
+                f"PagedCache: no sequence {sid!r} (live ones: {sorted(self._seqs)}); add it with add_sequence() first"
+            )
         return s
 
     def add_sequence(self, tokens: object = None) -> int:
@@ -314,8 +359,10 @@ class PagedCache:
         seq = self._seq(sid)
         integer("length", length, minimum=0)
         if length > seq.length:
-            raise ValueError(f"PagedCache.truncate: length={length} is beyond the {seq.length} positions stored for "
-                             f"sequence {sid}: a sequence can only be cut back")
+            raise ValueError(
+                f"PagedCache.truncate: length={length} is beyond the {seq.length} positions stored for "
+                f"sequence {sid}: a sequence can only be cut back"
+            )
         bs = self.block_size
         keep = -(-length // bs)
         for b in reversed(seq.blocks[keep:]):
@@ -360,7 +407,8 @@ class PagedCache:
                 f"PagedCache pool exhausted: sequence {sid} needs {need} more block(s) of {self.block_size} "
                 f"positions for {n_new} new token(s), but only {self._alloc.num_free()} of {self.num_blocks} "
                 f"are free; free finished sequences, create the cache with more blocks, or let the Engine "
-                f"preempt")
+                f"preempt"
+            )
         bs = self.block_size
         if n_new > 0 and seq.length % bs:
             i = seq.length // bs
@@ -399,10 +447,12 @@ class PagedCache:
         if self._workspace is None or self._workspace[0].numel() < H * L * D or self._workspace[1].numel() < H * L * Dv:
             cap = max(L, capacity)
             with torch.inference_mode(False):  # written in and outside inference_mode alike
-                self._workspace = (torch.empty(H * cap * D, dtype=self.dtype, device=self.device),
-                                   torch.empty(H * cap * Dv, dtype=self.dtype, device=self.device))
+                self._workspace = (
+                    torch.empty(H * cap * D, dtype=self.dtype, device=self.device),
+                    torch.empty(H * cap * Dv, dtype=self.dtype, device=self.device),
+                )
         kw, vw = self._workspace
-        return kw[:H * L * D].view(H, L, D), vw[:H * L * Dv].view(H, L, Dv)
+        return kw[: H * L * D].view(H, L, D), vw[: H * L * Dv].view(H, L, Dv)
 
     def packed(self, seq_ids: Iterable[Any], n_new: Iterable[Any]) -> "PagedPacked":
         """The model-level cache for one forward whose ``(1, sum(n_new))`` tokens pack ``n_new[i]`` new tokens of
@@ -436,8 +486,11 @@ class PagedCache:
 
     def seq_lens(self, seq_ids: object) -> Tensor:
         """``(B,)`` int32 positions stored per sequence."""
-        return torch.tensor([self._seq(s).length for s in _sequence_ids("PagedCache.seq_lens", seq_ids)],
-                            dtype=torch.int32, device=self.device)
+        return torch.tensor(
+            [self._seq(s).length for s in _sequence_ids("PagedCache.seq_lens", seq_ids)],
+            dtype=torch.int32,
+            device=self.device,
+        )
 
     # ------------------------------------------------------------------ accounting
 
@@ -456,14 +509,21 @@ class PagedCache:
                 fill[b] = max(fill.get(b, 0), min(bs, max(0, seq.length - i * bs)))
         used = len(fill)
         stored = sum(fill.values())
-        return {"blocks_used": used, "blocks_free": self.num_free_blocks, "positions_stored": stored,
-                "slots_allocated": used * bs, "waste": (used * bs - stored) / (self.num_blocks * bs),
-                "prefix_hits": self.prefix_hits}
+        return {
+            "blocks_used": used,
+            "blocks_free": self.num_free_blocks,
+            "positions_stored": stored,
+            "slots_allocated": used * bs,
+            "waste": (used * bs - stored) / (self.num_blocks * bs),
+            "prefix_hits": self.prefix_hits,
+        }
 
     def __repr__(self) -> str:
         st = self.stats()
-        return (f"PagedCache({self.n_layers} layers, {self.num_blocks} blocks x {self.block_size}, "
-                f"{len(self._seqs)} sequences, {st['blocks_used']} blocks used, {self.nbytes() / 2**20:.2f} MiB)")
+        return (
+            f"PagedCache({self.n_layers} layers, {self.num_blocks} blocks x {self.block_size}, "
+            f"{len(self._seqs)} sequences, {st['blocks_used']} blocks used, {self.nbytes() / 2**20:.2f} MiB)"
+        )
 
 
 class _Plan:
@@ -484,7 +544,7 @@ class _Plan:
                 off.append(p % bs)
         self.write_blocks = torch.tensor(blk, dtype=torch.long, device=dev)  # (B * n_new,)
         self.write_offsets = torch.tensor(off, dtype=torch.long, device=dev)
-        self.blocks = [s.blocks[:-(-n // bs)] for s, n in zip(seqs, self.lens)]
+        self.blocks = [s.blocks[: -(-n // bs)] for s, n in zip(seqs, self.lens)]
         self.runs = [block_runs(b) for b in self.blocks]
         self._tables: tuple[Tensor, Tensor] | None = None
         self._layout: dict[bool, PoolLayout] | None = None
@@ -495,7 +555,7 @@ class _Plan:
         self = cls.__new__(cls)
         bs = cache.block_size
         self.cache, self.ids, self.n_new, self.lens = cache, ids, 0, lens  # (writes nothing)
-        self.blocks = [cache._seqs[s].blocks[:-(-n // bs)] for s, n in zip(ids, lens)]
+        self.blocks = [cache._seqs[s].blocks[: -(-n // bs)] for s, n in zip(ids, lens)]
         self.runs = [block_runs(b) for b in self.blocks]
         self._tables = None
         self._layout = None
@@ -507,16 +567,23 @@ class _Plan:
             self._layout = {}
         built = self._layout.get(whole)
         if built is None:
-            built = self._layout[whole] = PoolLayout(self.blocks, self.lens, self.cache.block_size,
-                                                     self.cache.device, self.cache.num_blocks if whole else None)
+            built = self._layout[whole] = PoolLayout(
+                self.blocks,
+                self.lens,
+                self.cache.block_size,
+                self.cache.device,
+                self.cache.num_blocks if whole else None,
+            )
         return built
 
     def tables(self) -> tuple[Tensor, Tensor]:
         """``block_table (B, max_blocks)`` and ``seq_lens (B,)`` int32 tensors (for the GPU kernel)."""
         tables = self._tables
         if tables is None:
-            tables = self._tables = (self.cache.block_table(self.ids),
-                                     torch.tensor(self.lens, dtype=torch.int32, device=self.cache.device))
+            tables = self._tables = (
+                self.cache.block_table(self.ids),
+                torch.tensor(self.lens, dtype=torch.int32, device=self.cache.device),
+            )
         return tables
 
     def gather(self, pool: Tensor) -> tuple[Tensor, Tensor | None]:
@@ -529,7 +596,7 @@ class _Plan:
         L = max(self.lens)
         out = pool.new_zeros(len(rows), H, L, D)
         for b, r in enumerate(rows):
-            out[b, :, L - r.shape[1]:] = r  # right-align: every sequence ends at column L - 1 (bottom-right)
+            out[b, :, L - r.shape[1] :] = r  # right-align: every sequence ends at column L - 1 (bottom-right)
         if all(n == L for n in self.lens):
             return out, None
         cols = torch.arange(L, device=pool.device).view(1, -1)
@@ -543,19 +610,38 @@ class _PagedDecode(CacheAttention):
     def __init__(self, k_pool: Tensor, v_pool: Tensor, plan: _Plan):
         self.k_pool, self.v_pool, self.plan = k_pool, v_pool, plan
 
-    def attend(self, q: Tensor, *, mask: Mask | Tensor | None = None, bias: BiasLike | None = None,
-               scale: float | None = None, softcap: float | None = None, sinks: Tensor | None = None,
-               value_dims: int | None = None) -> Tensor:
+    def attend(
+        self,
+        q: Tensor,
+        *,
+        mask: Mask | Tensor | None = None,
+        bias: BiasLike | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
+        sinks: Tensor | None = None,
+        value_dims: int | None = None,
+    ) -> Tensor:
         """``value_dims``: the values are the first ``value_dims`` channels of the stored keys (a latent cache,
         :class:`attnkit.nn.LatentAttention`, stores no values of its own)."""
         v_pool = self.v_pool if value_dims is None else self.k_pool[..., :value_dims]
         if q.is_cuda or sinks is not None:  # the Triton kernel when it takes the call (sinks: per sequence)
             table, lens = self.plan.tables()
-            return paged_attention(q, self.k_pool, v_pool, table, lens, scale=scale, softcap=softcap,
-                                   bias=bias, mask=mask, sinks=sinks)
+            return paged_attention(
+                q, self.k_pool, v_pool, table, lens, scale=scale, softcap=softcap, bias=bias, mask=mask, sinks=sinks
+            )
         scale, softcap, mask, _ = _prepare(q, scale, softcap, bias, mask)
-        return _kernel.attend_blocks(q, self.k_pool, v_pool, self.plan.lens, self.plan.runs, self.plan.layout,
-                                     scale=scale, softcap=softcap, bias=bias, mask=mask)
+        return _kernel.attend_blocks(
+            q,
+            self.k_pool,
+            v_pool,
+            self.plan.lens,
+            self.plan.runs,
+            self.plan.layout,
+            scale=scale,
+            softcap=softcap,
+            bias=bias,
+            mask=mask,
+        )
 
 
 class PagedLayerCache(PoolLayer):
@@ -574,8 +660,16 @@ class PagedLayerCache(PoolLayer):
         paged decode object (``attend``), more return the gathered keys/values in position order."""
         o = self._owner
         c = o.cache
-        check_new_kv(k, v, batch=len(o.ids), heads=c.n_kv_heads, d_head=c.d_head, d_value=c.d_value,
-                     dtype=c.dtype, device=c.device)
+        check_new_kv(
+            k,
+            v,
+            batch=len(o.ids),
+            heads=c.n_kv_heads,
+            d_head=c.d_head,
+            d_value=c.d_value,
+            dtype=c.dtype,
+            device=c.device,
+        )
         plan = o._plan_for(k.shape[2])
         kp, vp = self._pools()
         B, H, n, _ = k.shape
@@ -622,9 +716,11 @@ class PagedBatch(PoolView):
         positions read); sequences of different lengths raise: pass ``positions=batch.positions(L)``."""
         lens = [self.cache._seqs[s].length for s in self.ids]
         if len(set(lens)) > 1:
-            raise ValueError(f"PagedBatch: its sequences hold different lengths {lens}, so default positions "
-                             f"(seq_len + arange(L)) would be wrong for all but the longest: pass "
-                             f"positions=batch.positions(L) to the model")
+            raise ValueError(
+                f"PagedBatch: its sequences hold different lengths {lens}, so default positions "
+                f"(seq_len + arange(L)) would be wrong for all but the longest: pass "
+                f"positions=batch.positions(L) to the model"
+            )
         return lens[0] if lens else 0
 
     def positions(self, n_new: int) -> Tensor:
@@ -663,9 +759,17 @@ class _PackedAttend(CacheAttention):
     def __init__(self, k_pool: Tensor, v_pool: Tensor, packed: "PagedPacked"):
         self.k_pool, self.v_pool, self.packed = k_pool, v_pool, packed
 
-    def attend(self, q: Tensor, *, mask: Mask | Tensor | None = None, bias: BiasLike | None = None,
-               scale: float | None = None, softcap: float | None = None, sinks: Tensor | None = None,
-               value_dims: int | None = None) -> Tensor:
+    def attend(
+        self,
+        q: Tensor,
+        *,
+        mask: Mask | Tensor | None = None,
+        bias: BiasLike | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
+        sinks: Tensor | None = None,
+        value_dims: int | None = None,
+    ) -> Tensor:
         """``sinks``: as in :func:`attnkit.attention` (a logit per query head); ``value_dims``: the values are
         the first ``value_dims`` channels of the stored keys (a latent cache, :class:`attnkit.nn.LatentAttention`)."""
         from ..functional import attention
@@ -679,20 +783,27 @@ class _PackedAttend(CacheAttention):
             rows = torch.tensor([pk.offsets[i] for i in dec], device=q.device)
             qd = q[0, :, rows].transpose(0, 1).unsqueeze(2)  # (Bd, Hq, 1, D)
             od = _PagedDecode(self.k_pool, self.v_pool, pk._decode_plan()).attend(
-                qd, mask=mask, bias=bias, scale=scale, softcap=softcap, sinks=sinks,
-                value_dims=value_dims)  # (Bd, Hq, 1, Dv)
+                qd, mask=mask, bias=bias, scale=scale, softcap=softcap, sinks=sinks, value_dims=value_dims
+            )  # (Bd, Hq, 1, Dv)
             out[0, :, rows] = od[:, :, 0].transpose(0, 1)
         for i in pk._chunk_rows:
             a, n = pk.offsets[i], pk.n_new[i]
             k, v = pk._keys(self.k_pool, self.v_pool, i, value_dims is None)  # (1, Hkv, L, D), (1, Hkv, L, Dv)
             v = k[..., :value_dims] if value_dims is not None else cast(Tensor, v)  # (values read unless latent)
-            qi = q[:, :, a:a + n]  # (1, Hq, n, D)
+            qi = q[:, :, a : a + n]  # (1, Hq, n, D)
             if _kernel.takes_chunk(qi, k, v, mask=mask, bias=bias, softcap=softcap):
-                out[:, :, a:a + n] = _kernel.attend_chunk(qi, k, v, scale=D ** -0.5 if scale is None else scale,
-                                                          causal=mask is not None, sinks=check_sinks(sinks, qi))
+                out[:, :, a : a + n] = _kernel.attend_chunk(
+                    qi,
+                    k,
+                    v,
+                    scale=D**-0.5 if scale is None else scale,
+                    causal=mask is not None,
+                    sinks=check_sinks(sinks, qi),
+                )
             else:
-                out[:, :, a:a + n] = attention(qi, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap,
-                                               sinks=sinks)
+                out[:, :, a : a + n] = attention(
+                    qi, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, sinks=sinks
+                )
         return out
 
 
@@ -709,11 +820,14 @@ class PagedPackedLayerCache(PoolLayer):
         """Store ``k (1, Hkv, T, D)``, ``v (1, Hkv, T, Dv)`` (the packed tokens) at their sequences' slots."""
         o = self._owner
         c = o.cache
-        check_new_kv(k, v, batch=1, heads=c.n_kv_heads, d_head=c.d_head, d_value=c.d_value, dtype=c.dtype,
-                     device=c.device)
+        check_new_kv(
+            k, v, batch=1, heads=c.n_kv_heads, d_head=c.d_head, d_value=c.d_value, dtype=c.dtype, device=c.device
+        )
         if k.shape[2] != o.total:
-            raise ValueError(f"PagedPacked: the forward packs {o.total} tokens ({o.n_new} per sequence) but layer "
-                             f"{self.index} got {k.shape[2]}")
+            raise ValueError(
+                f"PagedPacked: the forward packs {o.total} tokens ({o.n_new} per sequence) but layer "
+                f"{self.index} got {k.shape[2]}"
+            )
         o._reserve()
         kp, vp = self._pools()
         kp[o.write_blocks, :, o.write_offsets] = k[0].transpose(0, 1)  # (T, Hkv, D)
@@ -770,8 +884,9 @@ class PagedPacked(PoolView):
 
     @property
     def seq_len(self) -> int:
-        raise ValueError("PagedPacked: its sequences hold different lengths: pass positions=packed.positions() "
-                         "to the model")
+        raise ValueError(
+            "PagedPacked: its sequences hold different lengths: pass positions=packed.positions() to the model"
+        )
 
     def positions(self) -> Tensor:
         """``(1, T)`` absolute positions of the packed tokens."""
@@ -780,20 +895,25 @@ class PagedPacked(PoolView):
 
     def last(self) -> Tensor:
         """``(len(ids),)`` index of each sequence's last token in the packed ``T``."""
-        return torch.tensor([a + n - 1 for a, n in zip(self.offsets, self.n_new)], dtype=torch.long,
-                            device=self.cache.device)
+        return torch.tensor(
+            [a + n - 1 for a, n in zip(self.offsets, self.n_new)], dtype=torch.long, device=self.cache.device
+        )
 
     def _reserve(self) -> None:
         if self._committed:
-            raise ValueError("PagedPacked: this view served its forward already; make a new one with "
-                             "PagedCache.packed(...) for the next")
+            raise ValueError(
+                "PagedPacked: this view served its forward already; make a new one with "
+                "PagedCache.packed(...) for the next"
+            )
         if self._reserved:
             return
         c = self.cache
         need = sum(c.blocks_needed(s, n) for s, n in zip(self.ids, self.n_new))
         if need > c.num_free_blocks:
-            raise PoolExhausted(f"PagedCache pool exhausted: a packed forward needs {need} more block(s) but only "
-                                f"{c.num_free_blocks} of {c.num_blocks} are free")
+            raise PoolExhausted(
+                f"PagedCache pool exhausted: a packed forward needs {need} more block(s) but only "
+                f"{c.num_free_blocks} of {c.num_blocks} are free"
+            )
         for s, n in zip(self.ids, self.n_new):
             c.reserve(s, n)
         bs = c.block_size
@@ -820,14 +940,17 @@ class PagedPacked(PoolView):
         plan = self._read_plan()
         L, runs, c = plan.lens[i], plan.runs[i], self.cache
         kw, vw = c._chunk_workspace(L, len(c._seqs[self.ids[i]].blocks) * c.block_size)  # (its reserved blocks)
-        return (_kernel.gather_positions(k_pool, runs, L, kw)[None],
-                _kernel.gather_positions(v_pool, runs, L, vw)[None] if values else None)
+        return (
+            _kernel.gather_positions(k_pool, runs, L, kw)[None],
+            _kernel.gather_positions(v_pool, runs, L, vw)[None] if values else None,
+        )
 
     def _decode_plan(self) -> _Plan:
         if "decode" not in self._plans:
             rows = self._decode_rows
-            self._plans["decode"] = _Plan.reading(self.cache, [self.ids[i] for i in rows],
-                                                  [self.starts[i] + 1 for i in rows])
+            self._plans["decode"] = _Plan.reading(
+                self.cache, [self.ids[i] for i in rows], [self.starts[i] + 1 for i in rows]
+            )
         return self._plans["decode"]
 
     def _commit(self) -> None:

@@ -37,8 +37,9 @@ __all__ = ["QuantizedCache", "QuantizedLayerCache", "quantize_groups", "dequanti
 _FP16_MAX = 65504.0
 
 
-def quantize_groups(x: Tensor, dim: int, bits: int,
-                    scale_dtype: torch.dtype = torch.float16) -> tuple[Tensor, Tensor, Tensor]:
+def quantize_groups(
+    x: Tensor, dim: int, bits: int, scale_dtype: torch.dtype = torch.float16
+) -> tuple[Tensor, Tensor, Tensor]:
     """Asymmetric quantization of ``x`` with one scale and zero point per slice along ``dim``.
 
     Returns ``(q, scale, zero)``: ``q`` uint8 in ``0 .. 2^bits - 1`` (not packed) with ``x``'s shape, and
@@ -59,24 +60,30 @@ def quantize_groups(x: Tensor, dim: int, bits: int,
         True
     """
     if not isinstance(x, Tensor) or not x.is_floating_point():
-        raise TypeError(f"quantize_groups: x must be a float tensor, got "
-                        f"{x.dtype if isinstance(x, Tensor) else type(x).__name__}")
+        raise TypeError(
+            f"quantize_groups: x must be a float tensor, got {x.dtype if isinstance(x, Tensor) else type(x).__name__}"
+        )
     if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
         raise ValueError(f"quantize_groups: bits={bits!r} must be an int in 1..8 (the codes are uint8)")
     if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
-        raise ValueError(f"quantize_groups: dim={dim!r} must be an int in [{-x.dim()}, {x.dim()}) for x of shape "
-                         f"{tuple(x.shape)}")
+        raise ValueError(
+            f"quantize_groups: dim={dim!r} must be an int in [{-x.dim()}, {x.dim()}) for x of shape {tuple(x.shape)}"
+        )
     levels = (1 << bits) - 1
     xf = x.float()
     bad = ~torch.isfinite(xf)
     if bool(bad.any()):  # one NaN would make its whole group (every key of a channel's group) NaN
-        raise ValueError(f"QuantizedCache: {int(bad.sum())} key/value entries are NaN or inf; quantization needs "
-                         f"finite values (a group's scale spans its range): check the model's keys and values")
+        raise ValueError(
+            f"QuantizedCache: {int(bad.sum())} key/value entries are NaN or inf; quantization needs "
+            f"finite values (a group's scale spans its range): check the model's keys and values"
+        )
     lo = xf.amin(dim, keepdim=True)
     hi = xf.amax(dim, keepdim=True)
     if scale_dtype == torch.float16 and bool((torch.maximum(hi.abs(), lo.abs()) > _FP16_MAX).any()):
-        raise ValueError(f"QuantizedCache: a key/value exceeds the float16 range (|x| > {_FP16_MAX}); create the "
-                         f"cache with scale_dtype=torch.float32")
+        raise ValueError(
+            f"QuantizedCache: a key/value exceeds the float16 range (|x| > {_FP16_MAX}); create the "
+            f"cache with scale_dtype=torch.float32"
+        )
     # round the stored zero down and the stored scale up, so the grid zero .. zero + levels * scale covers
     # [lo, hi] after rounding to scale_dtype: nothing is clamped, every value is within half a step
     zero = lo.to(scale_dtype)
@@ -99,7 +106,7 @@ def dequantize_groups(q: Tensor, scale: Tensor, zero: Tensor, dtype: torch.dtype
         >>> dequantize_groups(torch.tensor([[0, 255]], dtype=torch.uint8), torch.tensor([[0.5]]), torch.tensor([[-1.0]]))
         tensor([[ -1.0000, 126.5000]])
     """
-    return (q.to(dtype) * scale.to(dtype) + zero.to(dtype))
+    return q.to(dtype) * scale.to(dtype) + zero.to(dtype)
 
 
 def _pack4(q: Tensor) -> Tensor:
@@ -134,8 +141,10 @@ class QuantizedLayerCache:
         g = o.group_size
         gv = min(g, Dv)
         if Dv % gv:
-            raise ValueError(f"QuantizedCache: value dim Dv={Dv} is not a multiple of group_size={g}: pick a "
-                             f"group_size that divides {Dv}")
+            raise ValueError(
+                f"QuantizedCache: value dim Dv={Dv} is not a multiple of group_size={g}: pick a "
+                f"group_size that divides {Dv}"
+            )
         if o.bits == 4 and (D % 2 or Dv % 2):
             raise ValueError(f"QuantizedCache(bits=4) packs two values a byte: D={D} and Dv={Dv} must be even")
         self.gv = gv
@@ -164,19 +173,21 @@ class QuantizedLayerCache:
         a, b = self.n_quant, self.n_quant + f
         kq = cast(Tensor, self.kq)  # (allocated by the first update)
         if b > kq.shape[2]:
-            raise ValueError(f"QuantizedCache overflow in layer {self.index}: it holds max_len={o.max_len} "
-                             f"positions; create it with a larger max_len")
+            raise ValueError(
+                f"QuantizedCache overflow in layer {self.index}: it holds max_len={o.max_len} "
+                f"positions; create it with a larger max_len"
+            )
         pad = o.left_padding
         if pad is not None and int(pad.max()) > a:  # a left-padded row's padding must not widen its key groups:
-            pad = pad.to(k.device)                  # padding slots take the row's first real key
+            pad = pad.to(k.device)  # padding slots take the row's first real key
             first = (pad - a).clamp(0, f - 1).view(B, 1, 1, 1).expand(B, H, 1, D)
             is_pad = torch.arange(a, b, device=k.device).view(1, 1, f, 1) < pad.view(B, 1, 1, 1)
             k = torch.where(is_pad, k.gather(2, first), k)
         q, s, z = quantize_groups(k.reshape(B, H, f // g, g, D), 3, o.bits, o.scale_dtype)  # per channel
         q = q.view(B, H, f, D)
         kq[:, :, a:b] = _pack4(q) if o.bits == 4 else q
-        self.k_scale[:, :, a // g:b // g] = s.squeeze(3)
-        self.k_zero[:, :, a // g:b // g] = z.squeeze(3)
+        self.k_scale[:, :, a // g : b // g] = s.squeeze(3)
+        self.k_zero[:, :, a // g : b // g] = z.squeeze(3)
         q, s, z = quantize_groups(v.reshape(B, H, f, Dv // gv, gv), 4, o.bits, o.scale_dtype)  # per token
         q = q.view(B, H, f, Dv)
         self.vq[:, :, a:b] = _pack4(q) if o.bits == 4 else q
@@ -200,8 +211,12 @@ class QuantizedLayerCache:
         dt = out.dtype
         if which == "k":  # per channel, groups of g tokens
             kd = out.view(B, H, n // g, g, D)
-            torch.addcmul(self.k_zero[:, :, a // g:b // g, None].to(dt), kd,
-                          self.k_scale[:, :, a // g:b // g, None].to(dt), out=kd)
+            torch.addcmul(
+                self.k_zero[:, :, a // g : b // g, None].to(dt),
+                kd,
+                self.k_scale[:, :, a // g : b // g, None].to(dt),
+                out=kd,
+            )
         else:  # per token, groups of gv channels
             vd = out.view(B, H, n, D // gv, gv)
             torch.addcmul(self.v_zero[:, :, a:b, :, None].to(dt), vd, self.v_scale[:, :, a:b, :, None].to(dt), out=vd)
@@ -241,30 +256,40 @@ class QuantizedLayerCache:
         if kq is None:
             check_new_kv(k, v, batch=None, heads=None, d_head=None, d_value=None, dtype=self._owner.dtype, device=None)
             kq = self._allocate(k, v)
-        check_new_kv(k, v, batch=kq.shape[0], heads=kq.shape[1], d_head=self.rk.shape[3],
-                     d_value=self.rv.shape[3], dtype=self.rk.dtype, device=self.rk.device)
+        check_new_kv(
+            k,
+            v,
+            batch=kq.shape[0],
+            heads=kq.shape[1],
+            d_head=self.rk.shape[3],
+            d_value=self.rv.shape[3],
+            dtype=self.rk.dtype,
+            device=self.rk.device,
+        )
         self._owner.padding.check_rows(k.shape[0])
         o = self._owner
         R, g, n = o.residual, o.group_size, k.shape[2]
         total = self.n_res + n
         n_old = self.n_quant  # a longer step reads the store before it and its own tokens in full precision
         if self.length + n > o.max_len:
-            raise ValueError(f"QuantizedCache overflow in layer {self.index}: it holds max_len={o.max_len} "
-                             f"positions, {self.length} are stored and {n} more were given; create the cache "
-                             f"with a larger max_len (at least {self.length + n})")
+            raise ValueError(
+                f"QuantizedCache overflow in layer {self.index}: it holds max_len={o.max_len} "
+                f"positions, {self.length} are stored and {n} more were given; create the cache "
+                f"with a larger max_len (at least {self.length + n})"
+            )
         if total <= R:
-            self.rk[:, :, self.n_res:total] = k
-            self.rv[:, :, self.n_res:total] = v
+            self.rk[:, :, self.n_res : total] = k
+            self.rv[:, :, self.n_res : total] = v
             self.n_res = total
             ks, vs = self.rk[:, :, :total], self.rv[:, :, :total]
         else:
-            ks = torch.cat([self.rk[:, :, :self.n_res], k], dim=2)  # (B, Hkv, total, D)
-            vs = torch.cat([self.rv[:, :, :self.n_res], v], dim=2)
+            ks = torch.cat([self.rk[:, :, : self.n_res], k], dim=2)  # (B, Hkv, total, D)
+            vs = torch.cat([self.rv[:, :, : self.n_res], v], dim=2)
             f = -(-(total - R) // g) * g  # whole groups, leaving 1..R tokens in the residual
             self._flush(ks[:, :, :f], vs[:, :, :f])
             self.n_res = total - f
-            self.rk[:, :, :self.n_res] = ks[:, :, f:]
-            self.rv[:, :, :self.n_res] = vs[:, :, f:]
+            self.rk[:, :, : self.n_res] = ks[:, :, f:]
+            self.rv[:, :, : self.n_res] = vs[:, :, f:]
         self.length += n
         mask = o.padding.key_mask(0, self.length, self.rk.device)
         if n <= _DECODE_QUERIES:
@@ -293,15 +318,18 @@ class QuantizedLayerCache:
     def nbytes(self) -> int:
         if self.kq is None:
             return 0
-        return sum(t.nbytes for t in (self.kq, self.k_scale, self.k_zero, self.vq, self.v_scale, self.v_zero,
-                                      self.rk, self.rv))
+        return sum(
+            t.nbytes for t in (self.kq, self.k_scale, self.k_zero, self.vq, self.v_scale, self.v_zero, self.rk, self.rv)
+        )
 
     def reset(self) -> None:
         self.length = self.n_quant = self.n_res = 0
 
     def __repr__(self) -> str:
-        return (f"QuantizedLayerCache(layer {self.index}, {self.n_quant} quantized + {self.n_res} full-precision "
-                f"positions, int{self._owner.bits})")
+        return (
+            f"QuantizedLayerCache(layer {self.index}, {self.n_quant} quantized + {self.n_res} full-precision "
+            f"positions, int{self._owner.bits})"
+        )
 
 
 _DECODE_QUERIES = 16  # new tokens up to which an update returns the chunked reader
@@ -320,8 +348,16 @@ class _QuantizedDecode(CacheAttention):
     def __init__(self, layer: QuantizedLayerCache, pad_mask: Tensor | None):
         self.layer, self.pad_mask = layer, pad_mask
 
-    def attend(self, q: Tensor, *, mask: Mask | Tensor | None = None, bias: BiasLike | None = None,
-               scale: float | None = None, softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
+    def attend(
+        self,
+        q: Tensor,
+        *,
+        mask: Mask | Tensor | None = None,
+        bias: BiasLike | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
+        sinks: Tensor | None = None,
+    ) -> Tensor:
         from ..backends.call import accumulation_dtype, make_call
         from ..backends.scores import grouped_bias, grouped_index, modify_scores
         from ..masks import from_dense
@@ -334,9 +370,11 @@ class _QuantizedDecode(CacheAttention):
         H, Dv = layer.rk.shape[1], layer.rv.shape[3]
         if Lq == 0 or L == 0:  # no queries, or nothing stored: rows that see nothing give 0
             from ..backends.call import graph_zero
+
             return q.new_zeros(B, Hq, Lq, Dv) + graph_zero(q)
-        if sinks is not None or (torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad
-                                                                 for t in (q, layer.rk, layer.rv))):
+        if sinks is not None or (
+            torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in (q, layer.rk, layer.rv))
+        ):
             return self._differentiable(q, mask=mask, bias=bias, scale=scale, softcap=softcap, sinks=sinks)
         if isinstance(mask, Mask) and mask.is_causal("bottom_right") and Lq == 1:
             mask = None  # the newest query sees every stored key
@@ -356,28 +394,37 @@ class _QuantizedDecode(CacheAttention):
         qg = q.reshape(B, H, G * Lq, D).to(dt)
         spans = [(a, min(n, a + o.chunk)) for a in range(0, n, o.chunk)]
         wk, wv = o._workspace(B, H, D, Dv, dt, q.device)
-        parts = [torch.matmul(qg, layer._dequantize("k", a, b, wk[:, :, :b - a]).transpose(-1, -2))
-                 for a, b in spans]
+        parts = [torch.matmul(qg, layer._dequantize("k", a, b, wk[:, :, : b - a]).transpose(-1, -2)) for a, b in spans]
         parts.append(torch.matmul(qg, layer.rk[:, :, :r].transpose(-1, -2)))
         s = torch.cat(parts, dim=-1).to(acc).view(B, H, G, Lq, L) * call.scale
         dev = q.device
         bi, hi, qi, ki = grouped_index(call, torch.arange(Lq, device=dev), torch.arange(L, device=dev))
-        s = modify_scores(s, call, bi, hi, qi, ki,
-                          bias_block=grouped_bias(call.bias, call) if isinstance(call.bias, Tensor) else None)
+        s = modify_scores(
+            s, call, bi, hi, qi, ki, bias_block=grouped_bias(call.bias, call) if isinstance(call.bias, Tensor) else None
+        )
         p = stable_softmax(s, dim=-1).view(B, H, G * Lq, L).to(dt)  # a row that sees nothing: zeros
         out = torch.matmul(p[..., n:], layer.rv[:, :, :r]).to(acc)
         for a, b in spans:
-            out += torch.matmul(p[..., a:b], layer._dequantize("v", a, b, wv[:, :, :b - a]))
+            out += torch.matmul(p[..., a:b], layer._dequantize("v", a, b, wv[:, :, : b - a]))
         return out.view(B, Hq, Lq, Dv).to(q.dtype)
 
-    def _differentiable(self, q: Tensor, *, mask: Mask | Tensor | None, bias: BiasLike | None, scale: float | None,
-                        softcap: float | None, sinks: Tensor | None = None) -> Tensor:
+    def _differentiable(
+        self,
+        q: Tensor,
+        *,
+        mask: Mask | Tensor | None,
+        bias: BiasLike | None,
+        scale: float | None,
+        softcap: float | None,
+        sinks: Tensor | None = None,
+    ) -> Tensor:
         """With gradients on (the query or the residual's new keys carry a graph): the store dequantized into
         new tensors and one ordinary attention call, so the shared workspace is never part of a graph; the
         gradient reaches the query and the full-precision residual (quantized keys have none)."""
         from ..backends.call import check_mask
         from ..functional import attention
         from ..masks import from_dense
+
         k_all, v_all = self.layer._read(self.layer.rk.dtype)  # fresh tensors; the residual copied in last
         if self.pad_mask is not None:  # (the caller's mask checked as the call checks it first)
             pad = from_dense(self.pad_mask)
@@ -403,18 +450,21 @@ class _QuantizedDecode(CacheAttention):
             if n:
                 layer._dequantize("k", 0, n, wk[:, :, :n])
                 layer._dequantize("v", 0, n, wv[:, :, :n])
-            wk[:, :, n:n + r] = layer.rk[:, :, :r]
-            wv[:, :, n:n + r] = layer.rv[:, :, :r]
+            wk[:, :, n : n + r] = layer.rk[:, :, :r]
+            wv[:, :, n : n + r] = layer.rv[:, :, :r]
             return torch.nn.functional.scaled_dot_product_attention(
-                q, wk[:, :, :n + r], wv[:, :, :n + r], scale=scale, enable_gqa=G > 1)
-        parts = [torch.bmm(qg, layer._dequantize("k", a, b, wk[:, :, :b - a]).flatten(0, 1).transpose(1, 2))
-                 for a, b in spans]
+                q, wk[:, :, : n + r], wv[:, :, : n + r], scale=scale, enable_gqa=G > 1
+            )
+        parts = [
+            torch.bmm(qg, layer._dequantize("k", a, b, wk[:, :, : b - a]).flatten(0, 1).transpose(1, 2))
+            for a, b in spans
+        ]
         parts.append(torch.bmm(qg, layer.rk[:, :, :r].flatten(0, 1).transpose(1, 2)))
         s = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         p = torch.softmax(s.to(acc) * scale, dim=-1).to(dt)  # (B*H, G*Lq, L): every row sees its own key
         out = torch.bmm(p[:, :, n:], layer.rv[:, :, :r].flatten(0, 1)).to(acc)
         for a, b in spans:
-            vc = layer._dequantize("v", a, b, wv[:, :, :b - a]).flatten(0, 1)
+            vc = layer._dequantize("v", a, b, wv[:, :, : b - a]).flatten(0, 1)
             if dt == acc:
                 out.baddbmm_(p[:, :, a:b], vc)
             else:
@@ -424,9 +474,15 @@ class _QuantizedDecode(CacheAttention):
 
 def _plain_query(q: object, layer: QuantizedLayerCache) -> bool:
     """Whether ``q`` fits the store as is (anything else takes the checked path, whose errors are clear)."""
-    return (isinstance(q, Tensor) and q.dim() == 4 and q.dtype == layer.rk.dtype and q.device == layer.rk.device
-            and q.shape[0] == layer.rk.shape[0] and q.shape[1] % layer.rk.shape[1] == 0
-            and q.shape[3] == layer.rk.shape[3])
+    return (
+        isinstance(q, Tensor)
+        and q.dim() == 4
+        and q.dtype == layer.rk.dtype
+        and q.device == layer.rk.device
+        and q.shape[0] == layer.rk.shape[0]
+        and q.shape[1] % layer.rk.shape[1] == 0
+        and q.shape[3] == layer.rk.shape[3]
+    )
 
 
 class QuantizedCache(ModelCache):
@@ -465,10 +521,22 @@ class QuantizedCache(ModelCache):
         (torch.Size([1, 2, 100, 64]), True)
     """
 
-    def __init__(self, n_layers: int, max_len: int, *, bits: int = 8, group_size: int = 32,
-                 residual: int | None = None, batch_size: int | None = None, n_kv_heads: int | None = None,
-                 d_head: int | None = None, d_value: int | None = None, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, scale_dtype: torch.dtype = torch.float16) -> None:
+    def __init__(
+        self,
+        n_layers: int,
+        max_len: int,
+        *,
+        bits: int = 8,
+        group_size: int = 32,
+        residual: int | None = None,
+        batch_size: int | None = None,
+        n_kv_heads: int | None = None,
+        d_head: int | None = None,
+        d_value: int | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        scale_dtype: torch.dtype = torch.float16,
+    ) -> None:
         super().__init__()
         integer("n_layers", n_layers, minimum=1)
         self.max_len = integer("max_len", max_len, minimum=1)
@@ -478,8 +546,10 @@ class QuantizedCache(ModelCache):
         self.group_size = integer("group_size", group_size, minimum=1)
         residual = group_size if residual is None else integer("residual", residual, minimum=1)
         if residual % group_size:
-            raise ValueError(f"QuantizedCache: residual={residual} must be a multiple of group_size={group_size} "
-                             f"(tokens leave the residual a whole group at a time)")
+            raise ValueError(
+                f"QuantizedCache: residual={residual} must be a multiple of group_size={group_size} "
+                f"(tokens leave the residual a whole group at a time)"
+            )
         self.residual = residual
         self.scale_dtype = check_dtype("scale_dtype", scale_dtype)
         self.dtype = check_dtype("dtype", dtype) if dtype is not None else None
@@ -496,32 +566,56 @@ class QuantizedCache(ModelCache):
                 layer._allocate(pk, pv)
 
     @classmethod
-    def for_model(cls, model: Any, batch_size: int, max_len: int | None = None, *, bits: int = 8,
-                  group_size: int = 32, residual: int | None = None, dtype: torch.dtype | None = None,
-                  device: torch.device | str | None = None) -> "QuantizedCache":
+    def for_model(
+        cls,
+        model: Any,
+        batch_size: int,
+        max_len: int | None = None,
+        *,
+        bits: int = 8,
+        group_size: int = 32,
+        residual: int | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> "QuantizedCache":
         """A cache laid out for ``model``; ``max_len`` defaults to its ``max_seq_len``."""
         d = model_dims(model)
         if d["d_value"] == 0:
-            raise ValueError("QuantizedCache does not store latent attention's caches (the model's config has "
-                             "kv_lora_rank: its values live inside the keys): use a StaticCache or a PagedCache "
-                             "(cache='static' or 'paged')")
+            raise ValueError(
+                "QuantizedCache does not store latent attention's caches (the model's config has "
+                "kv_lora_rank: its values live inside the keys): use a StaticCache or a PagedCache "
+                "(cache='static' or 'paged')"
+            )
         max_len = max_len if max_len is not None else d["max_seq_len"]
         if max_len is None:
             raise ValueError("max_len is required: the model's config has no max_seq_len")
-        return cls(d["n_layers"], max_len, bits=bits, group_size=group_size, residual=residual,
-                   batch_size=batch_size, n_kv_heads=d["n_kv_heads"], d_head=d["d_head"], d_value=d["d_value"],
-                   dtype=dtype or d["dtype"], device=device or d["device"])
+        return cls(
+            d["n_layers"],
+            max_len,
+            bits=bits,
+            group_size=group_size,
+            residual=residual,
+            batch_size=batch_size,
+            n_kv_heads=d["n_kv_heads"],
+            d_head=d["d_head"],
+            d_value=d["d_value"],
+            dtype=dtype or d["dtype"],
+            device=device or d["device"],
+        )
 
     @torch.inference_mode(False)  # ordinary tensors: the cache may be written outside inference_mode later
-    def _workspace(self, B: int, H: int, D: int, Dv: int, dtype: torch.dtype,
-                   device: torch.device) -> tuple[Tensor, Tensor]:
+    def _workspace(
+        self, B: int, H: int, D: int, Dv: int, dtype: torch.dtype, device: torch.device
+    ) -> tuple[Tensor, Tensor]:
         """One pair of full-precision buffers ``(B, Hkv, chunk + residual, D)`` shared by every layer: a decode
         step dequantizes the store into it a chunk at a time (kept: fresh pages cost more than the copy)."""
         ws = self._ws
         if ws is None or ws[0].dtype != dtype or ws[0].device != torch.device(device) or ws[0].shape[:2] != (B, H):
             cap = min(self.chunk + self.residual, self.max_len)  # a chunk, or a short store and its residual
-            ws = self._ws = (torch.empty(B, H, cap, D, dtype=dtype, device=device),
-                             torch.empty(B, H, cap, Dv, dtype=dtype, device=device))
+            ws = self._ws = (
+                torch.empty(B, H, cap, D, dtype=dtype, device=device),
+                torch.empty(B, H, cap, Dv, dtype=dtype, device=device),
+            )
         return ws
 
     def workspace_nbytes(self) -> int:
@@ -533,5 +627,7 @@ class QuantizedCache(ModelCache):
         return layer.kq.shape[0] if layer.kq is not None else None
 
     def __repr__(self) -> str:
-        return (f"QuantizedCache({len(self.layers)} layers, int{self.bits}, group {self.group_size}, "
-                f"{self.seq_len}/{self.max_len} positions, {self.nbytes() / 2**20:.2f} MiB)")
+        return (
+            f"QuantizedCache({len(self.layers)} layers, int{self.bits}, group {self.group_size}, "
+            f"{self.seq_len}/{self.max_len} positions, {self.nbytes() / 2**20:.2f} MiB)"
+        )

@@ -41,10 +41,10 @@ def _unrotate(rope: Any, k: Tensor, positions: Tensor) -> Tensor:
     cos, sin = rope.cos_sin(positions, k.dtype)
     if cos.dim() == 3:  # (B, n, dim) -> (B, 1, n, dim)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    kr, kp = k[..., :rope.dim], k[..., rope.dim:]
+    kr, kp = k[..., : rope.dim], k[..., rope.dim :]
     raw = kr * cos - rope._rotate_pairs(kr) * sin  # the inverse rotation
     if rope.attention_factor != 1.0:  # cos and sin carry the factor (YaRN, LongRoPE): rotating back multiplied by it
-        raw = raw / rope.attention_factor ** 2  # again, where the inverse divides by it
+        raw = raw / rope.attention_factor**2  # again, where the inverse divides by it
     return torch.cat([raw, kp], dim=-1)
 
 
@@ -52,13 +52,17 @@ def _rotary(model: Any) -> Any:
     """The model's :class:`attnkit.nn.RotaryEmbedding` when it has one (else None), after checking that every
     layer rotates with it: the cache rotates the kept keys at their positions within the cache itself."""
     cfg = getattr(model, "config", None)
-    for name, why in (("rope_layers", "some layers have no positions"),
-                      ("rope_local_theta", "some layers rotate with another base"),
-                      ("kv_lora_rank", "latent attention rotates a separate key part")):
+    for name, why in (
+        ("rope_layers", "some layers have no positions"),
+        ("rope_local_theta", "some layers rotate with another base"),
+        ("kv_lora_rank", "latent attention rotates a separate key part"),
+    ):
         if getattr(cfg, name, None) is not None:
-            raise ValueError(f"a sink cache rotates every layer's kept keys with the model's one rotary embedding, "
-                             f"but this model has {name}={getattr(cfg, name)!r} ({why}): it cannot be decoded "
-                             f"with attention sinks; use a full cache")
+            raise ValueError(
+                f"a sink cache rotates every layer's kept keys with the model's one rotary embedding, "
+                f"but this model has {name}={getattr(cfg, name)!r} ({why}): it cannot be decoded "
+                f"with attention sinks; use a full cache"
+            )
     rope = getattr(model, "positions", None)
     rotary = callable(getattr(rope, "rotate", None)) and callable(getattr(rope, "cos_sin", None))
     return rope if rotary else None
@@ -88,21 +92,32 @@ class SinkLayerCache:
         o = self._owner
         n = k.shape[2]
         if self.k is not None and self.v is not None:
-            check_new_kv(k, v, batch=self.k.shape[0], heads=self.k.shape[1], d_head=self.k.shape[3],
-                         d_value=self.v.shape[3], dtype=self.k.dtype, device=self.k.device)
+            check_new_kv(
+                k,
+                v,
+                batch=self.k.shape[0],
+                heads=self.k.shape[1],
+                d_head=self.k.shape[3],
+                d_value=self.v.shape[3],
+                dtype=self.k.dtype,
+                device=self.k.device,
+            )
         if n != 1 and self.length:
-            raise ValueError(f"SinkCache takes a prompt and then one token per step, got {n} new tokens after "
-                             f"{self.length}")
+            raise ValueError(
+                f"SinkCache takes a prompt and then one token per step, got {n} new tokens after {self.length}"
+            )
         if n > o.capacity:
-            raise ValueError(f"a prompt of {n} tokens does not fit SinkCache's n_sink + window = {o.capacity}: "
-                             f"shorten it or make the window larger")
+            raise ValueError(
+                f"a prompt of {n} tokens does not fit SinkCache's n_sink + window = {o.capacity}: "
+                f"shorten it or make the window larger"
+            )
         raw = self._unrotate(k, self.seq_len)
         self.k = raw if self.k is None else torch.cat([self.k, raw], dim=2)
         self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
         if self.k.shape[2] > o.capacity:  # evict the oldest token after the sinks
             s = o.n_sink
-            self.k = torch.cat([self.k[:, :, :s], self.k[:, :, s + 1:]], dim=2)
-            self.v = torch.cat([self.v[:, :, :s], self.v[:, :, s + 1:]], dim=2)
+            self.k = torch.cat([self.k[:, :, :s], self.k[:, :, s + 1 :]], dim=2)
+            self.v = torch.cat([self.v[:, :, :s], self.v[:, :, s + 1 :]], dim=2)
         self.length += n
         k_all = self.k if o.rope is None else o.rope.rotate(self.k, torch.arange(self.k.shape[2], device=k.device))
         return CacheRead(k_all, self.v)
@@ -114,7 +129,9 @@ class SinkLayerCache:
         self.length, self.k, self.v = 0, None, None
 
     def __repr__(self) -> str:
-        return f"SinkLayerCache(layer {self.index}, {self.length} seen, {0 if self.k is None else self.k.shape[2]} kept)"
+        return (
+            f"SinkLayerCache(layer {self.index}, {self.length} seen, {0 if self.k is None else self.k.shape[2]} kept)"
+        )
 
 
 class SinkCache(ModelCache):
@@ -217,31 +234,74 @@ class PagedSinkCache(PagedCache):
         ([[0, -1, 2, 3]], 4)
     """
 
-    def __init__(self, n_layers: int, num_blocks: int, block_size: int = 16, *, n_sink: int, window: int,
-                 rope: Any = None, n_kv_heads: int, d_head: int, d_value: int | None = None,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 prefix_caching: bool = True) -> None:
-        super().__init__(n_layers, num_blocks, block_size, n_kv_heads=n_kv_heads, d_head=d_head, d_value=d_value,
-                         dtype=dtype, device=device, prefix_caching=prefix_caching)
+    def __init__(
+        self,
+        n_layers: int,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        n_sink: int,
+        window: int,
+        rope: Any = None,
+        n_kv_heads: int,
+        d_head: int,
+        d_value: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        prefix_caching: bool = True,
+    ) -> None:
+        super().__init__(
+            n_layers,
+            num_blocks,
+            block_size,
+            n_kv_heads=n_kv_heads,
+            d_head=d_head,
+            d_value=d_value,
+            dtype=dtype,
+            device=device,
+            prefix_caching=prefix_caching,
+        )
         self.n_sink = integer("n_sink", n_sink, minimum=0)
         self.window = integer("window", window, minimum=1)
         self.capacity = self.n_sink + self.window
         if self.d_value == 0:
-            raise ValueError("PagedSinkCache: d_value=0 is a latent cache (values inside the keys), which a sink "
-                             "cache does not store: give d_value")
+            raise ValueError(
+                "PagedSinkCache: d_value=0 is a latent cache (values inside the keys), which a sink "
+                "cache does not store: give d_value"
+            )
         self.rope = rope
         self._sink_blocks = -(-self.n_sink // block_size)  # the blocks holding sink tokens, never given back
 
     @classmethod
-    def for_model(cls, model: Any, num_blocks: int, block_size: int = 16, *, n_sink: int = 4, window: int = 1024,
-                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                  prefix_caching: bool = True) -> "PagedSinkCache":
+    def for_model(
+        cls,
+        model: Any,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        n_sink: int = 4,
+        window: int = 1024,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        prefix_caching: bool = True,
+    ) -> "PagedSinkCache":
         """A pool laid out for ``model`` (its config, parameters and rotary embedding, when it has one)."""
         rope = _rotary(model)
         d = model_dims(model)
-        return cls(d["n_layers"], num_blocks, block_size, n_sink=n_sink, window=window, rope=rope,
-                   n_kv_heads=d["n_kv_heads"], d_head=d["d_head"], d_value=d["d_value"], dtype=dtype or d["dtype"],
-                   device=device or d["device"], prefix_caching=prefix_caching)
+        return cls(
+            d["n_layers"],
+            num_blocks,
+            block_size,
+            n_sink=n_sink,
+            window=window,
+            rope=rope,
+            n_kv_heads=d["n_kv_heads"],
+            d_head=d["d_head"],
+            d_value=d["d_value"],
+            dtype=dtype or d["dtype"],
+            device=device or d["device"],
+            prefix_caching=prefix_caching,
+        )
 
     @property
     def max_blocks_per_sequence(self) -> int:
@@ -288,8 +348,10 @@ class PagedSinkCache(PagedCache):
         self._alloc.register_full(seq.blocks, seq.tokens, seq.hashes, full, self.block_size)
 
     def truncate(self, sid: int, length: int) -> None:
-        raise ValueError("PagedSinkCache.truncate: a sink cache gives evicted positions back to the pool, so it "
-                         "cannot cut a sequence back; use a PagedCache for speculative decoding")
+        raise ValueError(
+            "PagedSinkCache.truncate: a sink cache gives evicted positions back to the pool, so it "
+            "cannot cut a sequence back; use a PagedCache for speculative decoding"
+        )
 
     # ------------------------------------------------------------------ forwards
 
@@ -298,16 +360,20 @@ class PagedSinkCache(PagedCache):
         (positions within the cache) or let the model read ``view.seq_len``."""
         return PagedSinkBatch(self, super().batch(seq_ids).ids)
 
-    def packed(self, seq_ids: Iterable[Any],  # type: ignore[override]  # (the sink pool's own view)
-               n_new: Iterable[Any]) -> "PagedSinkPacked":
+    def packed(
+        self,
+        seq_ids: Iterable[Any],  # type: ignore[override]  # (the sink pool's own view)
+        n_new: Iterable[Any],
+    ) -> "PagedSinkPacked":
         """The model-level cache for one forward packing ``n_new[i]`` tokens of ``seq_ids[i]`` (see
         :meth:`PagedCache.packed`); pass ``positions=packed.positions()``."""
         base = super().packed(seq_ids, n_new)
         return PagedSinkPacked(self, base.ids, base.n_new)
 
     def __repr__(self) -> str:
-        return super().__repr__().replace("PagedCache(", f"PagedSinkCache(n_sink={self.n_sink}, "
-                                          f"window={self.window}, ", 1)
+        return (
+            super().__repr__().replace("PagedCache(", f"PagedSinkCache(n_sink={self.n_sink}, window={self.window}, ", 1)
+        )
 
 
 class _SinkPlan:
@@ -319,13 +385,17 @@ class _SinkPlan:
         starts = [seq.length for seq in seqs]
         for sid, st, n in zip(ids, starts, n_new):
             if n > 1 and st + n > C:
-                raise ValueError(f"PagedSinkCache: sequence {sid} holds {st} tokens and the forward adds {n}, past "
-                                 f"n_sink + window = {C}: past that a sequence takes one token per forward (each "
-                                 f"token's window differs); feed at most {max(1, C - st)} now")
+                raise ValueError(
+                    f"PagedSinkCache: sequence {sid} holds {st} tokens and the forward adds {n}, past "
+                    f"n_sink + window = {C}: past that a sequence takes one token per forward (each "
+                    f"token's window differs); feed at most {max(1, C - st)} now"
+                )
         need = sum(cache.blocks_needed(s, n) for s, n in zip(ids, n_new))
         if need > cache.num_free_blocks:
-            raise PoolExhausted(f"PagedSinkCache pool exhausted: the forward needs {need} more block(s) but only "
-                                f"{cache.num_free_blocks} of {cache.num_blocks} are free")
+            raise PoolExhausted(
+                f"PagedSinkCache pool exhausted: the forward needs {need} more block(s) but only "
+                f"{cache.num_free_blocks} of {cache.num_blocks} are free"
+            )
         for sid, n in zip(ids, n_new):
             cache.reserve(sid, n)
         blk, off, pos = [], [], []
@@ -341,8 +411,11 @@ class _SinkPlan:
         self.reads: list[tuple[Tensor, Tensor]] = []  # per sequence: (blocks (L,), offsets (L,)) of its kept keys
         for seq, st, n in zip(seqs, starts, n_new):
             L = st + n
-            kept = torch.arange(L, device=dev) if L <= C else torch.cat(
-                [torch.arange(cache.n_sink, device=dev), torch.arange(L - cache.window, L, device=dev)])
+            kept = (
+                torch.arange(L, device=dev)
+                if L <= C
+                else torch.cat([torch.arange(cache.n_sink, device=dev), torch.arange(L - cache.window, L, device=dev)])
+            )
             table = torch.tensor(seq.blocks, dtype=torch.long, device=dev)
             self.reads.append((table[kept // bs], kept % bs))
         self.rope, self.dev = cache.rope, dev
@@ -365,8 +438,9 @@ class _SinkPlan:
         L = max(lens)
         # right-aligned: each sequence's newest key at column L - 1; the columns before its first key read that
         # key again (masked out) and sit at position 0
-        idx = [torch.cat([blk.new_zeros(L - n), torch.arange(n, device=self.dev)]) for n, (blk, _) in
-               zip(lens, self.reads)]
+        idx = [
+            torch.cat([blk.new_zeros(L - n), torch.arange(n, device=self.dev)]) for n, (blk, _) in zip(lens, self.reads)
+        ]
         blk = torch.stack([b_[i] for i, (b_, _) in zip(idx, self.reads)])  # (B, L)
         off = torch.stack([o[i] for i, (_, o) in zip(idx, self.reads)])
         k_all = k_pool[blk, :, off].transpose(1, 2)  # (B, L, Hkv, D) -> (B, Hkv, L, D)
@@ -374,7 +448,7 @@ class _SinkPlan:
         if self.rope is not None:
             if self.rope.length_dependent:  # its frequencies follow each sequence's own largest position
                 for b, n in enumerate(lens):
-                    k_all[b, :, L - n:] = self.keys(k_pool, b, True)[0]
+                    k_all[b, :, L - n :] = self.keys(k_pool, b, True)[0]
             else:
                 k_all = self.rope.rotate(k_all, torch.stack(idx))  # at positions 0 .. n-1 within the cache
         if all(n == L for n in lens):
@@ -397,8 +471,9 @@ class _SinkLayer(PoolLayer):
         return what the queries attend to (see the view)."""
         o = self._owner
         c = o.cache
-        check_new_kv(k, v, batch=o._batch, heads=c.n_kv_heads, d_head=c.d_head, d_value=c.d_value, dtype=c.dtype,
-                     device=c.device)
+        check_new_kv(
+            k, v, batch=o._batch, heads=c.n_kv_heads, d_head=c.d_head, d_value=c.d_value, dtype=c.dtype, device=c.device
+        )
         plan = o._plan_for(k.shape[2])
         B, H, n, D = k.shape
         if c.rope is not None:
@@ -426,8 +501,10 @@ class PagedSinkBatch(PoolView):
         """The position within the cache of the next token, when the sequences share it."""
         pos = [self.cache.cache_position(s) for s in self.ids]
         if len(set(pos)) > 1:
-            raise ValueError(f"PagedSinkBatch: its sequences' next tokens sit at different positions {pos}: pass "
-                             f"positions=batch.positions(L) to the model")
+            raise ValueError(
+                f"PagedSinkBatch: its sequences' next tokens sit at different positions {pos}: pass "
+                f"positions=batch.positions(L) to the model"
+            )
         return pos[0] if pos else 0
 
     def positions(self, n_new: int) -> Tensor:
@@ -467,16 +544,25 @@ class _SinkPackedAttend(CacheAttention):
     def __init__(self, k_pool: Tensor, v_pool: Tensor, view: "PagedSinkPacked", plan: _SinkPlan):
         self.k_pool, self.v_pool, self.view, self.plan = k_pool, v_pool, view, plan
 
-    def attend(self, q: Tensor, *, mask: Mask | Tensor | None = None, bias: BiasLike | None = None,
-               scale: float | None = None, softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
+    def attend(
+        self,
+        q: Tensor,
+        *,
+        mask: Mask | Tensor | None = None,
+        bias: BiasLike | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
+        sinks: Tensor | None = None,
+    ) -> Tensor:
         from ._common import attend
 
         _, Hq, T, _ = q.shape
         out = q.new_empty(1, Hq, T, self.v_pool.shape[3])  # (1, Hq, T, Dv)
         for i, (a, n) in enumerate(zip(self.view.offsets, self.view.n_new)):
             kv = CacheRead(self.plan.keys(self.k_pool, i, True), self.plan.keys(self.v_pool, i, False))
-            out[:, :, a:a + n] = attend(kv, q[:, :, a:a + n], mask=mask, bias=bias, scale=scale, softcap=softcap,
-                                        sinks=sinks)
+            out[:, :, a : a + n] = attend(
+                kv, q[:, :, a : a + n], mask=mask, bias=bias, scale=scale, softcap=softcap, sinks=sinks
+            )
         return out
 
 
@@ -499,8 +585,9 @@ class PagedSinkPacked(PoolView):
 
     @property
     def seq_len(self) -> int:
-        raise ValueError("PagedSinkPacked: its sequences hold different lengths: pass positions=packed.positions() "
-                         "to the model")
+        raise ValueError(
+            "PagedSinkPacked: its sequences hold different lengths: pass positions=packed.positions() to the model"
+        )
 
     def positions(self) -> Tensor:
         """``(1, T)`` positions within the cache of the packed tokens."""
@@ -510,19 +597,24 @@ class PagedSinkPacked(PoolView):
 
     def last(self) -> Tensor:
         """``(len(ids),)`` index of each sequence's last token in the packed ``T``."""
-        return torch.tensor([a + n - 1 for a, n in zip(self.offsets, self.n_new)], dtype=torch.long,
-                            device=self.cache.device)
+        return torch.tensor(
+            [a + n - 1 for a, n in zip(self.offsets, self.n_new)], dtype=torch.long, device=self.cache.device
+        )
 
     def _peek(self, n_new: int) -> tuple[int | None, bool]:
         return None, True
 
     def _plan_for(self, n_new: int) -> _SinkPlan:
         if self._committed:
-            raise ValueError("PagedSinkPacked: this view served its forward already; make a new one with "
-                             "PagedSinkCache.packed(...) for the next")
+            raise ValueError(
+                "PagedSinkPacked: this view served its forward already; make a new one with "
+                "PagedSinkCache.packed(...) for the next"
+            )
         if n_new != self.total:
-            raise ValueError(f"PagedSinkPacked: the forward packs {self.total} tokens ({self.n_new} per sequence) "
-                             f"but a layer got {n_new}")
+            raise ValueError(
+                f"PagedSinkPacked: the forward packs {self.total} tokens ({self.n_new} per sequence) "
+                f"but a layer got {n_new}"
+            )
         if self._plan is None:
             self._plan = _SinkPlan(self.cache, self.ids, self.n_new)
         return self._plan

@@ -70,24 +70,24 @@ class SlidingWindowLayerCache:
         end = start + n
         if n == 1:
             s = start % W
-            K[:, :, s:s + 1] = k
-            K[:, :, s + W:s + W + 1] = k
-            V[:, :, s:s + 1] = v
-            V[:, :, s + W:s + W + 1] = v
+            K[:, :, s : s + 1] = k
+            K[:, :, s + W : s + W + 1] = k
+            V[:, :, s : s + 1] = v
+            V[:, :, s + W : s + W + 1] = v
             self.length = end
             cnt = min(end, W)
             lo = (end - cnt) % W
-            k_all, v_all = K[:, :, lo:lo + cnt], V[:, :, lo:lo + cnt]  # (B, Hkv, cnt, D): positions end-cnt..end-1
+            k_all, v_all = K[:, :, lo : lo + cnt], V[:, :, lo : lo + cnt]  # (B, Hkv, cnt, D): positions end-cnt..end-1
             return CacheRead(k_all, v_all, self._padding.key_mask(end - cnt, end, K.device))
         old = min(start, W)
         lo = (start - old) % W
-        k_all = torch.cat([K[:, :, lo:lo + old], k], dim=2)  # (B, Hkv, old + n, D): positions start-old..end-1
-        v_all = torch.cat([V[:, :, lo:lo + old], v], dim=2)
+        k_all = torch.cat([K[:, :, lo : lo + old], k], dim=2)  # (B, Hkv, old + n, D): positions start-old..end-1
+        v_all = torch.cat([V[:, :, lo : lo + old], v], dim=2)
         m = min(n, W)
         pos = torch.arange(end - m, end, device=K.device)
         slots = torch.cat([pos % W, pos % W + W])  # (2m,)
-        K.index_copy_(2, slots, k[:, :, n - m:].repeat(1, 1, 2, 1))
-        V.index_copy_(2, slots, v[:, :, n - m:].repeat(1, 1, 2, 1))
+        K.index_copy_(2, slots, k[:, :, n - m :].repeat(1, 1, 2, 1))
+        V.index_copy_(2, slots, v[:, :, n - m :].repeat(1, 1, 2, 1))
         self.length = end
         mask = self._padding.key_mask(start - old, end, K.device)
         if old + n > W:  # some of the returned keys are older than a later query's window
@@ -143,17 +143,33 @@ class SlidingWindowCache(LayoutCache):
         ([2.0, 3.0, 4.0, 5.0], 6)
     """
 
-    def __init__(self, n_layers: int, window: int, *, batch_size: int | None = None, n_kv_heads: int | None = None,
-                 d_head: int | None = None, d_value: int | None = None, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        n_layers: int,
+        window: int,
+        *,
+        batch_size: int | None = None,
+        n_kv_heads: int | None = None,
+        d_head: int | None = None,
+        d_value: int | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
         super().__init__()
         integer("n_layers", n_layers, minimum=1)
         self.window = integer("window", window, minimum=1)
         self._build_layers(SlidingWindowLayerCache, n_layers, batch_size, n_kv_heads, d_head, d_value, dtype, device)
 
     @classmethod
-    def for_model(cls, model: Any, batch_size: int, window: int | None = None, *,
-                  dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> "SlidingWindowCache":
+    def for_model(
+        cls,
+        model: Any,
+        batch_size: int,
+        window: int | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> "SlidingWindowCache":
         """A cache for ``model``; ``window`` defaults to the widest sliding window of the model's layers
         (``model.config.layer_mask(i)``, else ``model.config.mask``), which must bound every layer."""
         d = model_dims(model)
@@ -167,13 +183,25 @@ class SlidingWindowCache(LayoutCache):
             full = [i for i, w in enumerate(wins) if w is None]
             bounded = [w for w in wins if w is not None]
             if full:
-                raise ValueError(f"window is required: layers {full} of the model attend without a causal sliding "
-                                 f"window (their mask: {masks[full[0]]!r}), so a ring buffer would drop keys they "
-                                 f"read; use cache='static' (or pass window=... to keep that many positions)")
+                raise ValueError(
+                    f"window is required: layers {full} of the model attend without a causal sliding "
+                    f"window (their mask: {masks[full[0]]!r}), so a ring buffer would drop keys they "
+                    f"read; use cache='static' (or pass window=... to keep that many positions)"
+                )
             window = max(bounded)
-        return cls(d["n_layers"], window, batch_size=batch_size, n_kv_heads=d["n_kv_heads"], d_head=d["d_head"],
-                   d_value=d["d_value"], dtype=dtype or d["dtype"], device=device or d["device"])
+        return cls(
+            d["n_layers"],
+            window,
+            batch_size=batch_size,
+            n_kv_heads=d["n_kv_heads"],
+            d_head=d["d_head"],
+            d_value=d["d_value"],
+            dtype=dtype or d["dtype"],
+            device=device or d["device"],
+        )
 
     def __repr__(self) -> str:
-        return (f"SlidingWindowCache({len(self.layers)} layers, window {self.window}, {self.seq_len} seen, "
-                f"{self.nbytes() / 2**20:.2f} MiB)")
+        return (
+            f"SlidingWindowCache({len(self.layers)} layers, window {self.window}, {self.seq_len} seen, "
+            f"{self.nbytes() / 2**20:.2f} MiB)"
+        )

@@ -48,9 +48,11 @@ class StaticLayerCache:
         start, n = self.length, k.shape[2]
         end = start + n
         if end > K.shape[2]:
-            raise ValueError(f"StaticCache overflow in layer {self.index}: it holds max_len={K.shape[2]} positions, "
-                             f"{start} are stored and {n} more were given; create the cache with a larger "
-                             f"max_len (at least {end})")
+            raise ValueError(
+                f"StaticCache overflow in layer {self.index}: it holds max_len={K.shape[2]} positions, "
+                f"{start} are stored and {n} more were given; create the cache with a larger "
+                f"max_len (at least {end})"
+            )
         K.narrow(2, start, n).copy_(k)
         V.narrow(2, start, n).copy_(v)
         self.length = end
@@ -75,8 +77,10 @@ class StaticLayerCache:
         """Keep the first ``length`` positions (later ones are overwritten by the next update)."""
         integer("length", length, minimum=0)
         if length > self.length:
-            raise ValueError(f"StaticCache.truncate: length={length} is beyond the {self.length} positions stored in "
-                             f"layer {self.index}: a cache can only be cut back")
+            raise ValueError(
+                f"StaticCache.truncate: length={length} is beyond the {self.length} positions stored in "
+                f"layer {self.index}: a cache can only be cut back"
+            )
         self.length = length
 
     def reset(self) -> None:
@@ -114,25 +118,49 @@ class StaticCache(LayoutCache):
         (torch.Size([1, 2, 5, 8]), 5)
     """
 
-    def __init__(self, n_layers: int, max_len: int, *, batch_size: int | None = None,
-                 n_kv_heads: int | None = None, d_head: int | None = None, d_value: int | None = None,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        n_layers: int,
+        max_len: int,
+        *,
+        batch_size: int | None = None,
+        n_kv_heads: int | None = None,
+        d_head: int | None = None,
+        d_value: int | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
         super().__init__()
         integer("n_layers", n_layers, minimum=1)
         self.max_len = integer("max_len", max_len, minimum=1)
         self._build_layers(StaticLayerCache, n_layers, batch_size, n_kv_heads, d_head, d_value, dtype, device)
 
     @classmethod
-    def for_model(cls, model: Any, batch_size: int, max_len: int | None = None, *,
-                  dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> "StaticCache":
+    def for_model(
+        cls,
+        model: Any,
+        batch_size: int,
+        max_len: int | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> "StaticCache":
         """A cache laid out for ``model`` (read from ``model.config``); ``max_len`` defaults to its
         ``max_seq_len``, ``dtype``/``device`` to its parameters'."""
         d = model_dims(model)
         max_len = max_len if max_len is not None else d["max_seq_len"]
         if max_len is None:
             raise ValueError("max_len is required: the model's config has no max_seq_len")
-        return cls(d["n_layers"], max_len, batch_size=batch_size, n_kv_heads=d["n_kv_heads"], d_head=d["d_head"],
-                   d_value=d["d_value"], dtype=dtype or d["dtype"], device=device or d["device"])
+        return cls(
+            d["n_layers"],
+            max_len,
+            batch_size=batch_size,
+            n_kv_heads=d["n_kv_heads"],
+            d_head=d["d_head"],
+            d_value=d["d_value"],
+            dtype=dtype or d["dtype"],
+            device=device or d["device"],
+        )
 
     def truncate(self, length: int) -> None:
         """Roll every layer back to its first ``length`` positions (e.g. tokens a speculative step rejected):
@@ -150,11 +178,15 @@ class StaticCache(LayoutCache):
         """
         integer("length", length, minimum=0)
         if length > self.seq_len:
-            raise ValueError(f"StaticCache.truncate: length={length} is beyond the {self.seq_len} positions stored: "
-                             f"a cache can only be cut back")
+            raise ValueError(
+                f"StaticCache.truncate: length={length} is beyond the {self.seq_len} positions stored: "
+                f"a cache can only be cut back"
+            )
         for layer in self.layers:
             layer.truncate(length)
 
     def __repr__(self) -> str:
-        return (f"StaticCache({len(self.layers)} layers, {self.seq_len}/{self.max_len} positions, "
-                f"{self.nbytes() / 2**20:.2f} MiB)")
+        return (
+            f"StaticCache({len(self.layers)} layers, {self.seq_len}/{self.max_len} positions, "
+            f"{self.nbytes() / 2**20:.2f} MiB)"
+        )

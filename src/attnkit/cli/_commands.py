@@ -16,6 +16,7 @@ from ._explain_masks import _existing_file
 
 def _load_model(path: str):
     import torch
+
     if (Path(path) / "config.json").is_file() and (Path(path) / "model.safetensors").is_file():
         from ..nn import DecoderLM  # a directory written by DecoderLM.save_pretrained: no unpickling
 
@@ -29,8 +30,10 @@ def _load_model(path: str):
     except Exception as e:  # noqa: BLE001 (any unpickling failure is a bad file for the user)
         raise UsageError(f"{path}: cannot load a model from it ({type(e).__name__}: {e})") from None
     if not isinstance(model, torch.nn.Module):
-        raise UsageError(f"{path}: holds a {type(model).__name__}, not a torch.nn.Module; save the whole model "
-                         f"with torch.save(model, path)")
+        raise UsageError(
+            f"{path}: holds a {type(model).__name__}, not a torch.nn.Module; save the whole model "
+            f"with torch.save(model, path)"
+        )
     return model
 
 
@@ -42,8 +45,11 @@ def _print_findings(report) -> None:
     for f in report.findings:
         kinds.setdefault(f.kind, []).append(f)
     for kind, fs in kinds.items():
-        layers = ", ".join(f.layer or "(model)" for f in fs) if len(fs) <= 3 else \
-            f"{len(fs)} layers, {fs[0].layer} to {fs[-1].layer}"
+        layers = (
+            ", ".join(f.layer or "(model)" for f in fs)
+            if len(fs) <= 3
+            else f"{len(fs)} layers, {fs[0].layer} to {fs[-1].layer}"
+        )
         print(f"  [{kind}] in {layers}; {fs[0].layer or '(model)'}: {fs[0].evidence}")
         print(f"      likely cause: {fs[0].causes[0]}; fix: {fs[0].fixes[0]}")
 
@@ -72,17 +78,23 @@ def _model_run(args):
     vocab = config_vocab or args.vocab
     if vocab is None:
         if embedding is None:
-            raise UsageError(f"attnkit doctor: {type(model).__name__} has no config.vocab_size and no embedding; "
-                             f"the command feeds random token ids: pass --vocab V if it takes token ids, or run a "
-                             f"model that takes other inputs from Python with attnkit.diagnostics.doctor(model, "
-                             f"batch, loss_fn=...)")
-        raise UsageError(f"attnkit doctor: {type(model).__name__} has no config.vocab_size; pass --vocab V "
-                         f"(random token ids are drawn from [0, V)) (its first embedding, {embedding[0]!r}, has "
-                         f"{embedding[1]} rows)")
+            raise UsageError(
+                f"attnkit doctor: {type(model).__name__} has no config.vocab_size and no embedding; "
+                f"the command feeds random token ids: pass --vocab V if it takes token ids, or run a "
+                f"model that takes other inputs from Python with attnkit.diagnostics.doctor(model, "
+                f"batch, loss_fn=...)"
+            )
+        raise UsageError(
+            f"attnkit doctor: {type(model).__name__} has no config.vocab_size; pass --vocab V "
+            f"(random token ids are drawn from [0, V)) (its first embedding, {embedding[0]!r}, has "
+            f"{embedding[1]} rows)"
+        )
     if config_vocab is None and embedding is not None and args.vocab > embedding[1]:
-        raise UsageError(f"attnkit doctor: --vocab {args.vocab} is more than the model's vocabulary: its first "
-                         f"embedding, {embedding[0]!r}, has {embedding[1]} rows; pass --vocab {embedding[1]} "
-                         f"or less")
+        raise UsageError(
+            f"attnkit doctor: --vocab {args.vocab} is more than the model's vocabulary: its first "
+            f"embedding, {embedding[0]!r}, has {embedding[1]} rows; pass --vocab {embedding[1]} "
+            f"or less"
+        )
     g = torch.Generator().manual_seed(args.seed)
     batch = torch.randint(0, int(vocab), (args.batch_size, args.seq_len), generator=g)
     return args.model, model, batch
@@ -92,13 +104,17 @@ def _check_outputs(args) -> None:
     """Refuse, before any work, a --plot that is a file or a --markdown that is a directory, and a --plot
     without matplotlib."""
     if args.plot is not None and Path(args.plot).exists() and not Path(args.plot).is_dir():
-        raise UsageError(f"attnkit doctor: --plot {args.plot}: is a file, not a directory (heatmaps are written "
-                         f"into the directory DIR)")
+        raise UsageError(
+            f"attnkit doctor: --plot {args.plot}: is a file, not a directory (heatmaps are written "
+            f"into the directory DIR)"
+        )
     if args.plot is not None:
         _require(["matplotlib"], extra="plot", needed_by="attnkit doctor --plot")
     if args.markdown is not None and Path(args.markdown).is_dir():
-        raise UsageError(f"attnkit doctor: --markdown {args.markdown}: is a directory; give a file name such as "
-                         f"{Path(args.markdown) / 'doctor.md'}")
+        raise UsageError(
+            f"attnkit doctor: --markdown {args.markdown}: is a directory; give a file name such as "
+            f"{Path(args.markdown) / 'doctor.md'}"
+        )
 
 
 def _cmd_doctor(args) -> int:
@@ -112,8 +128,10 @@ def _cmd_doctor(args) -> int:
         runs = [_model_run(args)]
     else:
         if args.batch_size < 2:
-            raise UsageError(f"attnkit doctor: --batch-size {args.batch_size}: the example models take at least 2 "
-                             f"sequences (--batch-size 1 works with --model)")
+            raise UsageError(
+                f"attnkit doctor: --batch-size {args.batch_size}: the example models take at least 2 "
+                f"sequences (--batch-size 1 works with --model)"
+            )
         names = EXAMPLES if args.example in (None, "all") else [args.example]
         runs = [(n, *example(n, seed=args.seed, batch_size=args.batch_size, seq_len=args.seq_len)) for n in names]
     for name, model, batch in runs:
@@ -125,9 +143,10 @@ def _cmd_doctor(args) -> int:
             if args.model is None:  # a built-in example failing is a bug, not a bad argument
                 raise
             first = (str(e).splitlines() or [""])[0]  # the user's model failed on the random batch
-            raise UsageError(f"attnkit doctor {name}: the model failed on random token ids of shape "
-                             f"{tuple(batch.shape)} ({type(e).__name__}: {first}); check --vocab and --seq-len"
-                             ) from None
+            raise UsageError(
+                f"attnkit doctor {name}: the model failed on random token ids of shape "
+                f"{tuple(batch.shape)} ({type(e).__name__}: {first}); check --vocab and --seq-len"
+            ) from None
         if len(runs) > 1:
             print(f"== example {name!r}")
             _print_findings(report)
@@ -185,26 +204,33 @@ def _cmd_bench(args) -> int:
     folder = Path(args.dir) if args.dir else _default_bench_dir()
     if folder is None or not folder.is_dir():
         if args.dir:
-            raise UsageError(f"attnkit bench: --dir {args.dir}: no benchmarks/ folder found there; pass the "
-                             f"benchmarks/ folder of an attnkit source checkout")
-        raise UsageError("attnkit bench: no benchmarks/ folder found: the benchmark scripts are not part of the "
-                         "installed package; get the attnkit source repository, install its peers with "
-                         "pip install 'attnkit[bench]', and run attnkit bench from the repository's root (or pass "
-                         "--dir PATH/benchmarks)")
+            raise UsageError(
+                f"attnkit bench: --dir {args.dir}: no benchmarks/ folder found there; pass the "
+                f"benchmarks/ folder of an attnkit source checkout"
+            )
+        raise UsageError(
+            "attnkit bench: no benchmarks/ folder found: the benchmark scripts are not part of the "
+            "installed package; get the attnkit source repository, install its peers with "
+            "pip install 'attnkit[bench]', and run attnkit bench from the repository's root (or pass "
+            "--dir PATH/benchmarks)"
+        )
     scripts = sorted(p for p in folder.glob("*.py") if not p.name.startswith("_"))
     if args.only:
         wanted = set(args.only.split(","))
         unknown = wanted - {p.stem for p in scripts}
         if unknown:
-            raise UsageError(f"attnkit bench: no benchmark named {', '.join(sorted(unknown))} in {folder} "
-                             f"(have {', '.join(p.stem for p in scripts) or 'none'})")
+            raise UsageError(
+                f"attnkit bench: no benchmark named {', '.join(sorted(unknown))} in {folder} "
+                f"(have {', '.join(p.stem for p in scripts) or 'none'})"
+            )
         scripts = [p for p in scripts if p.stem in wanted]
     if not scripts:
         raise UsageError(f"attnkit bench: {folder} holds no benchmark scripts")
     out = Path(args.out or Path("benchmarks") / "results").resolve()  # under the current directory by default
     if out.exists() and not out.is_dir():
-        raise UsageError(f"attnkit bench: --out {args.out}: is a file, not a directory (results are written into "
-                         f"the directory DIR)")
+        raise UsageError(
+            f"attnkit bench: --out {args.out}: is a file, not a directory (results are written into the directory DIR)"
+        )
     failures = 0
     for script in scripts:
         text = script.read_text(encoding="utf-8", errors="replace")
@@ -241,12 +267,16 @@ def _distill_teacher(args):
     if args.teacher is not None:
         model = _load_model(args.teacher)
         if not isinstance(model, DecoderLM):
-            raise UsageError(f"attnkit distill: --teacher {args.teacher} holds a {type(model).__name__}; the command "
-                             f"takes a saved attnkit.nn.DecoderLM (distil other models from Python with "
-                             f"attnkit.distill.distill)")
+            raise UsageError(
+                f"attnkit distill: --teacher {args.teacher} holds a {type(model).__name__}; the command "
+                f"takes a saved attnkit.nn.DecoderLM (distil other models from Python with "
+                f"attnkit.distill.distill)"
+            )
         if model.config.vocab_size < 32:
-            raise UsageError(f"attnkit distill: the teacher's vocab_size={model.config.vocab_size} is below the 32 "
-                             f"tokens of the recall task (16 keys, 16 values)")
+            raise UsageError(
+                f"attnkit distill: the teacher's vocab_size={model.config.vocab_size} is below the 32 "
+                f"tokens of the recall task (16 keys, 16 values)"
+            )
         return model.eval(), f"{args.teacher}"
     model = _recall_model(args.seed)
     g = torch.Generator().manual_seed(args.seed + 1)
@@ -285,8 +315,10 @@ def _cmd_distill(args) -> int:
     from ..nn.tasks import associative_recall
 
     if args.out is not None and Path(args.out).is_dir():
-        raise UsageError(f"attnkit distill: --out {args.out}: is a directory; give a file name such as "
-                         f"{Path(args.out) / 'student.pt'}")
+        raise UsageError(
+            f"attnkit distill: --out {args.out}: is a directory; give a file name such as "
+            f"{Path(args.out) / 'student.pt'}"
+        )
     args.teacher_steps = args.teacher_steps or (20 if args.quick else 600)
     args.steps = args.steps or (5 if args.quick else 300)
     old = torch.get_num_threads()
@@ -300,23 +332,31 @@ def _cmd_distill(args) -> int:
         else:
             width = args.width or max(cfg.n_heads, cfg.d_model // 2)
             if width % cfg.n_heads:
-                raise UsageError(f"attnkit distill: --width {width} must be a multiple of the teacher's "
-                                 f"{cfg.n_heads} heads")
+                raise UsageError(
+                    f"attnkit distill: --width {width} must be a multiple of the teacher's {cfg.n_heads} heads"
+                )
             torch.manual_seed(args.seed + 100)
-            student = DecoderLM(cfg.replace(d_model=width, d_head=None, d_ff=None, n_layers=args.layers or cfg.n_layers))
+            student = DecoderLM(
+                cfg.replace(d_model=width, d_head=None, d_ff=None, n_layers=args.layers or cfg.n_layers)
+            )
             kind = f"student of width {width} and {student.config.n_layers} layers"
         task = dict(n_pairs=6, n_queries=4)
-        held = associative_recall(64 if args.quick else 512, **task, generator=torch.Generator().manual_seed(args.seed + 2))
+        held = associative_recall(
+            64 if args.quick else 512, **task, generator=torch.Generator().manual_seed(args.seed + 2)
+        )
         g = torch.Generator().manual_seed(args.seed + 3)
         print(f"teacher: {what}; {kind}", flush=True)
         options = DistillConfig(steps=args.steps, progress=not args.no_progress)
-        report = distill(teacher, student, lambda step: associative_recall(32, **task, generator=g), options,
-                         eval_batch=held)
+        report = distill(
+            teacher, student, lambda step: associative_recall(32, **task, generator=g), options, eval_batch=held
+        )
         print(report)
         if args.window is not None:
-            print(f"  the window reaches the answer of {_recall_reach(held, args.window):.1%} of the held-out queries "
-                  f"(its pair ends within the last {args.window} tokens): a student attending within it can pass "
-                  f"that only by guessing, whatever the teacher does")
+            print(
+                f"  the window reaches the answer of {_recall_reach(held, args.window):.1%} of the held-out queries "
+                f"(its pair ends within the last {args.window} tokens): a student attending within it can pass "
+                f"that only by guessing, whatever the teacher does"
+            )
         if args.out is not None:
             try:
                 Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -344,10 +384,18 @@ def _cmd_serve(args) -> int:
     try:
         served = load_model_dir(args.model_dir, name=args.name, dtype=args.dtype, device=args.device)
         batched = "auto" if args.max_batched_tokens is None else args.max_batched_tokens or None
-        run_server(served, host=args.host, port=args.port, cache_blocks=args.cache_blocks,
-                   block_size=args.block_size, max_batch=args.max_batch, max_batched_tokens=batched,
-                   max_waiting=args.max_waiting, log_level=args.log_level,
-                   announce=lambda line: print(line, flush=True))
+        run_server(
+            served,
+            host=args.host,
+            port=args.port,
+            cache_blocks=args.cache_blocks,
+            block_size=args.block_size,
+            max_batch=args.max_batch,
+            max_batched_tokens=batched,
+            max_waiting=args.max_waiting,
+            log_level=args.log_level,
+            announce=lambda line: print(line, flush=True),
+        )
     except ValueError as e:
         raise UsageError(f"attnkit serve: {e}") from None
     return EXIT_OK

@@ -32,5 +32,7 @@ def _require(modules: Sequence[str], *, extra: str, needed_by: str) -> None:
         except ImportError:
             missing.append(name)
     if missing:
-        raise UsageError(f"{needed_by} needs {' and '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
-                         f"not installed: pip install 'attnkit[{extra}]' (or pip install {' '.join(missing)})")
+        raise UsageError(
+            f"{needed_by} needs {' and '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
+            f"not installed: pip install 'attnkit[{extra}]' (or pip install {' '.join(missing)})"
+        )

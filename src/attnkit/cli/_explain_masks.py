@@ -85,8 +85,9 @@ def _cmd_explain(args) -> int:
         spec, where = _explain.ARTICLE, ""
         header = "The worked example of the first article (section 3): three tokens, d_model=4, d_k=2.\n\n"
     try:
-        t = _explain.trace(spec["X"], spec["W_q"], spec["W_k"], spec["W_v"], mask=spec.get("mask"),
-                           scale=spec.get("scale"))
+        t = _explain.trace(
+            spec["X"], spec["W_q"], spec["W_k"], spec["W_v"], mask=spec.get("mask"), scale=spec.get("scale")
+        )
         t.digits = args.digits
         text = t.explain(args.row)
     except (ValueError, TypeError) as e:
@@ -104,8 +105,14 @@ def _mask_builders() -> dict:
     out = {}
     for name in _masks.__all__:
         obj = getattr(_masks, name)
-        if inspect.isfunction(obj) and name not in ("from_fn", "from_dense", "from_flex", "from_dict", "selected_blocks",
-                                                    "top_k_blocks"):
+        if inspect.isfunction(obj) and name not in (
+            "from_fn",
+            "from_dense",
+            "from_flex",
+            "from_dict",
+            "selected_blocks",
+            "top_k_blocks",
+        ):
             out[name] = obj
     return out
 
@@ -142,8 +149,10 @@ def _word_value(text: str):
 def _build_from_words(name: str, words: Sequence[str]):
     builders = _mask_builders()
     if name not in builders:
-        raise UsageError(f"attnkit masks show: unknown mask {name!r}; choose from {', '.join(builders)} "
-                         f"(or write an expression such as 'causal() & sliding_window(3)')")
+        raise UsageError(
+            f"attnkit masks show: unknown mask {name!r}; choose from {', '.join(builders)} "
+            f"(or write an expression such as 'causal() & sliding_window(3)')"
+        )
     fn = builders[name]
     args, kwargs = [], {}
     for w in words:
@@ -174,8 +183,10 @@ def _build_from_expression(text: str):
         try:
             return ast.literal_eval(node)
         except ValueError:
-            raise UsageError(f"attnkit masks show: arguments must be literal numbers, lists, strings, True/False "
-                             f"or None, got {ast.unparse(node)!r}") from None
+            raise UsageError(
+                f"attnkit masks show: arguments must be literal numbers, lists, strings, True/False "
+                f"or None, got {ast.unparse(node)!r}"
+            ) from None
 
     def build(node):
         if isinstance(node, ast.BinOp) and type(node.op) in _AST_OPS:
@@ -188,8 +199,10 @@ def _build_from_expression(text: str):
             args = [literal(a) for a in node.args]
             kwargs = {k.arg: literal(k.value) for k in node.keywords if k.arg is not None}
             return builders[node.func.id](*args, **kwargs)
-        raise UsageError(f"attnkit masks show: {ast.unparse(node)!r} is not a built-in mask; expressions combine "
-                         f"{', '.join(builders)} with &, | and ~")
+        raise UsageError(
+            f"attnkit masks show: {ast.unparse(node)!r} is not a built-in mask; expressions combine "
+            f"{', '.join(builders)} with &, | and ~"
+        )
 
     return build(tree.body)
 
@@ -214,8 +227,10 @@ def _cmd_masks_show(args) -> int:
     name = args.name
     for flag, value in (("--len", args.len), ("--kv-len", args.kv_len)):
         if value is not None and value > _MAX_SHOW_LEN:
-            raise UsageError(f"attnkit masks show: {flag} {value} is more than the {_MAX_SHOW_LEN} positions it "
-                             f"draws (its density is counted element by element); pass a smaller {flag}")
+            raise UsageError(
+                f"attnkit masks show: {flag} {value} is more than the {_MAX_SHOW_LEN} positions it "
+                f"draws (its density is counted element by element); pass a smaller {flag}"
+            )
     is_expr = any(c in name for c in "()&|~ ")
     if is_expr and args.args:
         raise UsageError("attnkit masks show: give either NAME with ARGS or one expression in quotes, not both")
@@ -224,8 +239,10 @@ def _cmd_masks_show(args) -> int:
         kv_len = args.len if args.kv_len is None else args.kv_len
         rows = mask.batch_size()
         if rows > 1 and args.batch >= rows:
-            raise UsageError(f"attnkit masks show {name}: --batch {args.batch} is out of range: the mask holds "
-                             f"{rows} sequences (0-based: --batch 0 .. {rows - 1})")
+            raise UsageError(
+                f"attnkit masks show {name}: --batch {args.batch} is out of range: the mask holds "
+                f"{rows} sequences (0-based: --batch 0 .. {rows - 1})"
+            )
         text = mask.show(args.len, kv_len, batch=args.batch, head=args.head, max_width=args.width)
     except (ValueError, TypeError, IndexError) as e:
         raise UsageError(f"attnkit masks show {name}: {e}") from None

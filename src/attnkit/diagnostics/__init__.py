@@ -19,5 +19,16 @@ Example::
 from ._doctor import SYMPTOMS, Finding, HeadStats, Report, Thresholds, doctor
 from ._probe import CallRecord, LayerRecord, Probe, attention_modules, probe
 
-__all__ = ["probe", "doctor", "Report", "Finding", "HeadStats", "Thresholds", "SYMPTOMS", "Probe", "LayerRecord",
-           "CallRecord", "attention_modules"]
+__all__ = [
+    "probe",
+    "doctor",
+    "Report",
+    "Finding",
+    "HeadStats",
+    "Thresholds",
+    "SYMPTOMS",
+    "Probe",
+    "LayerRecord",
+    "CallRecord",
+    "attention_modules",
+]

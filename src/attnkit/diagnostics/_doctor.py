@@ -43,14 +43,18 @@ SYMPTOMS: dict[str, dict] = {
     "uniform": {
         "title": "attention weights too uniform",
         "symptom": "every weight is close to 1/L: the layer averages its inputs instead of selecting",
-        "causes": ["parameter initialisation, especially of W_q and W_k, too small",
-                   "a wrong scaling factor (d_k taken too large, or the scores scaled twice)",
-                   "embeddings with too small a norm",
-                   "or simply an untrained model: with the usual small initialisation (std 0.02) every layer "
-                   "starts near uniform and sharpens as it trains; check again after some training steps"],
-        "fixes": ["check the initialisation range (Xavier is the usual choice)",
-                  "check the scaling factor 1/sqrt(d_k), in particular the value of d_k",
-                  "add layer normalisation before attention (Pre-LN: norm_first=True)"],
+        "causes": [
+            "parameter initialisation, especially of W_q and W_k, too small",
+            "a wrong scaling factor (d_k taken too large, or the scores scaled twice)",
+            "embeddings with too small a norm",
+            "or simply an untrained model: with the usual small initialisation (std 0.02) every layer "
+            "starts near uniform and sharpens as it trains; check again after some training steps",
+        ],
+        "fixes": [
+            "check the initialisation range (Xavier is the usual choice)",
+            "check the scaling factor 1/sqrt(d_k), in particular the value of d_k",
+            "add layer normalisation before attention (Pre-LN: norm_first=True)",
+        ],
     },
     "sharp": {
         # The doctor cannot tell a trained lookup head (copying, induction, recall: one key on purpose) from
@@ -58,33 +62,48 @@ SYMPTOMS: dict[str, dict] = {
         # saturated rows.  So the finding says what to check rather than assuming a bug.
         "title": "attention weights very sharp",
         "symptom": "almost all of each row's weight falls on one key: intended in a trained head that looks up "
-                   "one position (copying, induction, recall), a problem in an untrained or badly scaled model",
-        "causes": ["scores so large that softmax saturates (in an untrained model usually the 1/sqrt(d_k) "
-                   "scaling missing)", "keys with too large a norm",
-                   "queries and keys nearly parallel (too small an angle between them)",
-                   "nothing, if the model is trained and does its task: lookup heads are meant to pick one key"],
-        "fixes": ["make sure the 1/sqrt(d_k) scaling is applied; if it is and the model does its task, look at "
-                  "where these heads point (report.plot) before changing anything",
-                  "add a temperature to soften the softmax (MultiHeadAttention(temperature=...) > 1)",
-                  "normalise the vectors: qk_norm=True (RMSNorm of every query and key head)"],
+        "one position (copying, induction, recall), a problem in an untrained or badly scaled model",
+        "causes": [
+            "scores so large that softmax saturates (in an untrained model usually the 1/sqrt(d_k) scaling missing)",
+            "keys with too large a norm",
+            "queries and keys nearly parallel (too small an angle between them)",
+            "nothing, if the model is trained and does its task: lookup heads are meant to pick one key",
+        ],
+        "fixes": [
+            "make sure the 1/sqrt(d_k) scaling is applied; if it is and the model does its task, look at "
+            "where these heads point (report.plot) before changing anything",
+            "add a temperature to soften the softmax (MultiHeadAttention(temperature=...) > 1)",
+            "normalise the vectors: qk_norm=True (RMSNorm of every query and key head)",
+        ],
     },
     "saturated": {
         "title": "softmax saturated",
         "symptom": "rows are numerically one-hot, so softmax passes back almost no gradient to the scores",
-        "causes": ["scores far too large: the 1/sqrt(d_k) scaling missing, or huge query/key norms",
-                   "keys with too large a norm"],
-        "fixes": ["apply the 1/sqrt(d_k) scaling", "normalise queries and keys (qk_norm=True) or cap the "
-                  "scores (softcap=...)", "add a temperature > 1 or reduce the initialisation of W_q and W_k"],
+        "causes": [
+            "scores far too large: the 1/sqrt(d_k) scaling missing, or huge query/key norms",
+            "keys with too large a norm",
+        ],
+        "fixes": [
+            "apply the 1/sqrt(d_k) scaling",
+            "normalise queries and keys (qk_norm=True) or cap the scores (softcap=...)",
+            "add a temperature > 1 or reduce the initialisation of W_q and W_k",
+        ],
     },
     "vanishing_gradient": {
         "title": "vanishing gradients",
         "symptom": "the gradient reaching this layer's attention scores is close to zero",
         # the article lists saturation first; a layer with saturated weights is reported as `saturated`
         # instead, so here depth and initialisation come first
-        "causes": ["a network too deep for its normalisation (e.g. Post-LN without residual paths)",
-                   "an unreasonable range of scores", "softmax in its saturated region"],
-        "fixes": ["add residual connections (and prefer Pre-LN, norm_first=True, for deep stacks)",
-                  "adjust the initialisation", "use a numerically stable softmax (attnkit always does)"],
+        "causes": [
+            "a network too deep for its normalisation (e.g. Post-LN without residual paths)",
+            "an unreasonable range of scores",
+            "softmax in its saturated region",
+        ],
+        "fixes": [
+            "add residual connections (and prefer Pre-LN, norm_first=True, for deep stacks)",
+            "adjust the initialisation",
+            "use a numerically stable softmax (attnkit always does)",
+        ],
     },
 }
 
@@ -122,8 +141,14 @@ class Thresholds:
     saturated_heads: float = 0.5
 
     def __post_init__(self):
-        for name in ("uniform_entropy", "sharp_max_weight", "saturated_rows", "uniform_heads", "sharp_heads",
-                     "saturated_heads"):
+        for name in (
+            "uniform_entropy",
+            "sharp_max_weight",
+            "saturated_rows",
+            "uniform_heads",
+            "sharp_heads",
+            "saturated_heads",
+        ):
             x = getattr(self, name)
             if not (isinstance(x, (int, float)) and 0.0 < x <= 1.0):
                 raise ValueError(f"{name}={x!r} must be in (0, 1]")
@@ -192,9 +217,11 @@ class Finding:
 
     def __str__(self) -> str:
         info = SYMPTOMS[self.kind]
-        lines = [f"[{self.kind}] {info['title']} in {self.layer or '(model)'}, heads {self.heads}: {self.evidence}",
-                 "  likely causes: " + "; ".join(self.causes),
-                 "  fixes: " + "; ".join(self.fixes)]
+        lines = [
+            f"[{self.kind}] {info['title']} in {self.layer or '(model)'}, heads {self.heads}: {self.evidence}",
+            "  likely causes: " + "; ".join(self.causes),
+            "  fixes: " + "; ".join(self.fixes),
+        ]
         return "\n".join(lines)
 
 
@@ -232,8 +259,11 @@ class Report:
         out = []
         for s in self.heads:
             grad = "-" if s.grad_norm is None else f"{s.grad_norm:.2e}"
-            stats = [f"{s.entropy:.3f}", f"{s.max_weight:.3f}", f"{s.saturated:.0%}", f"{s.score_std:.2f}"] \
-                if s.rows else ["-"] * 4
+            stats = (
+                [f"{s.entropy:.3f}", f"{s.max_weight:.3f}", f"{s.saturated:.0%}", f"{s.score_std:.2f}"]
+                if s.rows
+                else ["-"] * 4
+            )
             out.append([s.layer or "(model)", str(s.head), *stats, grad, s.symptom or ""])
         return out
 
@@ -258,21 +288,35 @@ class Report:
 
     def to_markdown(self, title: str = "Attention doctor") -> str:
         """The report as Markdown: the per-head table, then each finding with causes and fixes."""
-        lines = [f"# {title}", "", "| " + " | ".join(self._HEADER) + " |",
-                 "|" + "|".join("---" for _ in self._HEADER) + "|"]
+        lines = [
+            f"# {title}",
+            "",
+            "| " + " | ".join(self._HEADER) + " |",
+            "|" + "|".join("---" for _ in self._HEADER) + "|",
+        ]
         lines += ["| " + " | ".join(r) + " |" for r in self._rows()]
-        lines += ["", "Entropy is normalised (1 = uniform over the keys a row may see, 0 = one key); a row is "
-                      f"saturated when its largest weight is within {SATURATION:g} of 1; grad norm is the RMS over "
-                      "rows of the norm of the gradient of the loss with respect to a row of scores; all are over "
-                      "the rows that may attend to at least two keys.", ""]
+        lines += [
+            "",
+            "Entropy is normalised (1 = uniform over the keys a row may see, 0 = one key); a row is "
+            f"saturated when its largest weight is within {SATURATION:g} of 1; grad norm is the RMS over "
+            "rows of the norm of the gradient of the loss with respect to a row of scores; all are over "
+            "the rows that may attend to at least two keys.",
+            "",
+        ]
         if any(not s.rows for s in self.heads):
             lines[-1:-1] = ["", self._NO_ROWS.replace("- :", "`-`:")]
         if not self.findings:
             lines.append("**No findings.**")
         for f in self.findings:
             info = SYMPTOMS[f.kind]
-            lines += [f"## `{f.kind}`: {info['title']} in `{f.layer or '(model)'}`", "",
-                      f"Heads {f.heads}: {f.evidence}. Symptom: {info['symptom']}.", "", "Likely causes:", ""]
+            lines += [
+                f"## `{f.kind}`: {info['title']} in `{f.layer or '(model)'}`",
+                "",
+                f"Heads {f.heads}: {f.evidence}. Symptom: {info['symptom']}.",
+                "",
+                "Likely causes:",
+                "",
+            ]
             lines += [f"- {c}" for c in f.causes]
             lines += ["", "Fixes:", ""]
             lines += [f"- {x}" for x in f.fixes]
@@ -292,8 +336,10 @@ class Report:
         from ..plot import plot_attention
 
         if not self.weights:
-            raise ValueError("no attention weights were kept (the sequences were longer than max_elements): "
-                             "rerun doctor with a shorter batch or a larger max_elements to plot")
+            raise ValueError(
+                "no attention weights were kept (the sequences were longer than max_elements): "
+                "rerun doctor with a shorter batch or a larger max_elements to plot"
+            )
         folder = Path(folder)
         paths = []
         taken = {"attention"}  # the grid's name, also where no grid is written: the names never move
@@ -342,9 +388,18 @@ def _head_stats(record: LayerRecord) -> list[HeadStats]:
         if rows == 0:
             e = m = s = torch.tensor([float("nan")])
         grad = (math.sqrt(sq / cnt) if cnt else 0.0) if have_grad and rows else None  # no row reached: 0
-        out.append(HeadStats(record.name, h, float(e.mean()), float(m.mean()),
-                             float((m >= 1 - SATURATION).float().mean()) if rows else float("nan"),
-                             float(s.mean()), grad, rows))
+        out.append(
+            HeadStats(
+                record.name,
+                h,
+                float(e.mean()),
+                float(m.mean()),
+                float((m >= 1 - SATURATION).float().mean()) if rows else float("nan"),
+                float(s.mean()),
+                grad,
+                rows,
+            )
+        )
     return out
 
 
@@ -366,10 +421,14 @@ def _evidence(kind: str, heads: list[HeadStats]) -> str:
     if kind == "uniform":
         return f"mean normalised entropy {mean([h.entropy for h in heads]):.3f} (1 = exactly uniform)"
     if kind == "sharp":
-        return (f"mean largest weight {mean([h.max_weight for h in heads]):.3f}, "
-                f"score std {mean([h.score_std for h in heads]):.1f}")
-    return (f"{mean([h.saturated for h in heads]):.0%} of rows saturated, "
-            f"score std {mean([h.score_std for h in heads]):.1f}")
+        return (
+            f"mean largest weight {mean([h.max_weight for h in heads]):.3f}, "
+            f"score std {mean([h.score_std for h in heads]):.1f}"
+        )
+    return (
+        f"{mean([h.saturated for h in heads]):.0%} of rows saturated, "
+        f"score std {mean([h.score_std for h in heads]):.1f}"
+    )
 
 
 def _layer_grads(layers: dict[str, list[HeadStats]]) -> dict[str, float | None]:
@@ -380,8 +439,9 @@ def _layer_grads(layers: dict[str, list[HeadStats]]) -> dict[str, float | None]:
     return grads
 
 
-def _layer_finding(name: str, heads: list[HeadStats], t: Thresholds, grad: float | None, top: float,
-                   output_grad: float | None) -> Finding | None:
+def _layer_finding(
+    name: str, heads: list[HeadStats], t: Thresholds, grad: float | None, top: float, output_grad: float | None
+) -> Finding | None:
     """The layer's finding, if any: its most severe symptom (saturated, vanishing_gradient, sharp, uniform)
     and the heads that show it.  A weight symptom needs its share of the layer's heads (``Thresholds``)."""
     shown: dict[str, Finding] = {}
@@ -390,18 +450,26 @@ def _layer_finding(name: str, heads: list[HeadStats], t: Thresholds, grad: float
         return None
     own = {h.head: _head_symptom(h, t) for h in heads}
     for kind in ("saturated", "sharp", "uniform"):  # a saturated head that is also sharp counts as sharp
-        hit = [h for h in heads if own[h.head] == kind
-               or (kind == "sharp" and own[h.head] == "saturated" and h.max_weight >= t.sharp_max_weight)]
+        hit = [
+            h
+            for h in heads
+            if own[h.head] == kind
+            or (kind == "sharp" and own[h.head] == "saturated" and h.max_weight >= t.sharp_max_weight)
+        ]
         if hit and len(hit) >= getattr(t, f"{kind}_heads") * len(heads):
             shown[kind] = Finding(kind, name, [h.head for h in hit], _evidence(kind, hit))
     if grad is not None:
         vs_top = top > 0 and grad < t.vanishing_ratio * top
         vs_out = output_grad is not None and output_grad > 0 and grad < t.vanishing_ratio * output_grad
         if vs_top or vs_out or (grad == 0 and (top > 0 or (output_grad or 0) > 0)):
-            ref = (f"{grad / output_grad:.1e} of the gradient at the model's output ({output_grad:.2e})"
-                   if vs_out else f"{grad / top:.1e} of the largest layer's ({top:.2e})")
-            shown["vanishing_gradient"] = Finding("vanishing_gradient", name, [h.head for h in heads],
-                                                  f"score gradient norm {grad:.2e}, {ref}")
+            ref = (
+                f"{grad / output_grad:.1e} of the gradient at the model's output ({output_grad:.2e})"
+                if vs_out
+                else f"{grad / top:.1e} of the largest layer's ({top:.2e})"
+            )
+            shown["vanishing_gradient"] = Finding(
+                "vanishing_gradient", name, [h.head for h in heads], f"score gradient norm {grad:.2e}, {ref}"
+            )
     for kind in ("saturated", "vanishing_gradient", "sharp", "uniform"):
         if kind in shown:
             f = shown[kind]
@@ -410,8 +478,9 @@ def _layer_finding(name: str, heads: list[HeadStats], t: Thresholds, grad: float
     return None
 
 
-def _diagnose(stats: list[HeadStats], t: Thresholds, output_grad: float | None
-              ) -> tuple[list[Finding], dict[str, float | None]]:
+def _diagnose(
+    stats: list[HeadStats], t: Thresholds, output_grad: float | None
+) -> tuple[list[Finding], dict[str, float | None]]:
     """The one rule behind both the table and the findings: at most one finding per layer (the most
     severe: saturated, vanishing_gradient, sharp, uniform), and every head's ``symptom`` is the kind of the
     finding that names it, else None.
@@ -460,8 +529,14 @@ def _default_loss(output, batch) -> Tensor:
     out = _main_output(output)
     if not isinstance(out, Tensor):
         raise TypeError(f"the model returned {type(output).__name__}; pass loss_fn(output, batch) -> scalar tensor")
-    if (isinstance(batch, Tensor) and batch.dtype == torch.long and out.dim() == 3 and batch.dim() == 2
-            and out.shape[:2] == batch.shape and batch.shape[1] >= 2):
+    if (
+        isinstance(batch, Tensor)
+        and batch.dtype == torch.long
+        and out.dim() == 3
+        and batch.dim() == 2
+        and out.shape[:2] == batch.shape
+        and batch.shape[1] >= 2
+    ):
         vocab = out.shape[-1]  # a language model: next-token cross-entropy
         return F.cross_entropy(out[:, :-1].reshape(-1, vocab).float(), batch[:, 1:].reshape(-1))
     return 0.5 * out.float().pow(2).mean()
@@ -471,18 +546,28 @@ def _nothing_seen(model: nn.Module) -> str:
     """Why the doctor saw no attention in ``model``, and how to make its attention go through attnkit."""
     if attention_modules(model):
         return "the model ran but none of its attention layers was called on this batch"
-    text = (f"{type(model).__name__} computed no attention through attnkit on this batch: the doctor sees the "
-            f"attention modules of attnkit.nn and every call of attnkit.attention made while the model runs")
+    text = (
+        f"{type(model).__name__} computed no attention through attnkit on this batch: the doctor sees the "
+        f"attention modules of attnkit.nn and every call of attnkit.attention made while the model runs"
+    )
     if type(model).__module__.startswith("transformers."):
         implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
-        text += (f"; this Hugging Face model runs attn_implementation={implementation!r}: convert it with "
-                 f"attnkit.integrations.hf.from_hf(model), or call attnkit.integrations.hf.register() and "
-                 f"model.set_attn_implementation('attnkit')")
+        text += (
+            f"; this Hugging Face model runs attn_implementation={implementation!r}: convert it with "
+            f"attnkit.integrations.hf.from_hf(model), or call attnkit.integrations.hf.register() and "
+            f"model.set_attn_implementation('attnkit')"
+        )
     return text
 
 
-def doctor(model: nn.Module, batch, loss_fn: Callable | None = None, *, thresholds: Thresholds | None = None,
-           max_elements: int = 1 << 22) -> Report:
+def doctor(
+    model: nn.Module,
+    batch,
+    loss_fn: Callable | None = None,
+    *,
+    thresholds: Thresholds | None = None,
+    max_elements: int = 1 << 22,
+) -> Report:
     """Examine every attnkit attention layer of ``model`` on ``batch`` and name what looks wrong.
 
     The layers are those :func:`~attnkit.diagnostics.probe` sees: the attention modules of :mod:`attnkit.nn`

@@ -47,8 +47,9 @@ def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    return [(name, m) for name, m in model.named_modules()
-            if callable(getattr(type(m), "register_attention_hook", None))]
+    return [
+        (name, m) for name, m in model.named_modules() if callable(getattr(type(m), "register_attention_hook", None))
+    ]
 
 
 @dataclass
@@ -228,8 +229,7 @@ class Probe:
     def _record(self, name: str, module: nn.Module, q, k, v, *, mask, bias, scale, softcap, out) -> None:
         """Keep the statistics of one attention call (and its score gradient once a backward pass runs)."""
         with torch.no_grad():
-            call = make_call(q.detach(), k.detach(), v.detach(), mask=mask, bias=bias, scale=scale,
-                              softcap=softcap)
+            call = make_call(q.detach(), k.detach(), v.detach(), mask=mask, bias=bias, scale=scale, softcap=softcap)
             if call.q_len == 0 or call.kv_len == 0:
                 return
             keep = call.batch * call.heads * call.q_len * call.kv_len <= self.max_elements
@@ -237,11 +237,13 @@ class Probe:
         rec._inputs = (call,)
         self.layers.setdefault(name, LayerRecord(name, module)).calls.append(rec)
         if out.requires_grad:
+
             def hook(grad, rec=rec):
                 if rec._inputs is not None:
                     with torch.no_grad():
                         _score_gradient(rec, rec._inputs[0], grad.detach())
                 return None
+
             out.register_hook(hook)
             self._outputs.append(out)
 
@@ -250,15 +252,27 @@ class Probe:
 
         def hook(module: nn.Module, call: AttentionCall, compute) -> Tensor:
             if call.sinks is not None:  # (the recomputed weights would leave the sinks' share out)
-                raise ValueError(f"probe: layer {name or '(model)'!r} has learned attention sinks, which the probe's "
-                                 f"statistics do not model: probe a model without sinks")
+                raise ValueError(
+                    f"probe: layer {name or '(model)'!r} has learned attention sinks, which the probe's "
+                    f"statistics do not model: probe a model without sinks"
+                )
             self._in_hook += 1
             try:
                 out = compute(call)
             finally:
                 self._in_hook -= 1
-            self._record(name, module, call.q, call.k, call.v, mask=call.mask, bias=call.bias, scale=call.scale,
-                         softcap=call.softcap, out=out)
+            self._record(
+                name,
+                module,
+                call.q,
+                call.k,
+                call.v,
+                mask=call.mask,
+                bias=call.bias,
+                scale=call.scale,
+                softcap=call.softcap,
+                out=out,
+            )
             return out
 
         return hook
@@ -274,6 +288,7 @@ class Probe:
         """Forward hooks on every module of ``model`` that keep :attr:`_running` (the handles, to remove)."""
         handles = []
         for name, module in model.named_modules():
+
             def enter(mod, args, name=name):
                 if threading.get_ident() == self._thread:
                     self._running.append((name, mod))
@@ -335,8 +350,9 @@ def probe(model: nn.Module, *, max_elements: int = 1 << 22):
         (['0'], (1, 2, 4, 4))
     """
     if isinstance(max_elements, bool) or not isinstance(max_elements, int) or max_elements < 0:
-        raise ValueError(f"max_elements={max_elements!r} must be an int >= 0 (weights larger than this are "
-                         f"summarised, not kept)")
+        raise ValueError(
+            f"max_elements={max_elements!r} must be an int >= 0 (weights larger than this are summarised, not kept)"
+        )
     modules = attention_modules(model)
     p = Probe(model, max_elements)
     handles: list = []

@@ -45,8 +45,7 @@ class _DeepPostLN(nn.Module):
     def __init__(self, d_model: int = 32, n_heads: int = 4, n_layers: int = 16):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, d_model)
-        self.layers = nn.ModuleList(MultiHeadAttention(d_model, n_heads, mask=masks.causal())
-                                    for _ in range(n_layers))
+        self.layers = nn.ModuleList(MultiHeadAttention(d_model, n_heads, mask=masks.causal()) for _ in range(n_layers))
         self.norms = nn.ModuleList(nn.LayerNorm(d_model) for _ in range(n_layers))
         self.head = nn.Linear(d_model, VOCAB)
 
@@ -88,8 +87,9 @@ def example(name: str, *, seed: int = 0, batch_size: int = 4, seq_len: int = 32)
         if name == "vanishing_gradient":
             model: nn.Module = _DeepPostLN()
         else:
-            cfg = DecoderConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, max_seq_len=max(64, seq_len),
-                                init_std=0.25)
+            cfg = DecoderConfig(
+                vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, max_seq_len=max(64, seq_len), init_std=0.25
+            )
             model = DecoderLM(cfg)
             if name == "uniform":
                 _scale_qk(model, _QK_SMALL)

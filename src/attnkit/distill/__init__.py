@@ -31,6 +31,20 @@ from ._losses import AttentionRecord, HiddenProjection, attention_kl, hidden_mse
 from ._loop import TERMS, DistillConfig, DistillReport, distill, uniform_layer_map
 from ._sparse import sparse_student
 
-__all__ = ["logit_kl", "hidden_mse", "HiddenProjection", "attention_kl", "relation_kl", "AttentionRecord",
-           "capture", "Capture", "attention_layers", "distill", "DistillConfig", "DistillReport", "uniform_layer_map", "TERMS",
-           "sparse_student"]
+__all__ = [
+    "logit_kl",
+    "hidden_mse",
+    "HiddenProjection",
+    "attention_kl",
+    "relation_kl",
+    "AttentionRecord",
+    "capture",
+    "Capture",
+    "attention_layers",
+    "distill",
+    "DistillConfig",
+    "DistillReport",
+    "uniform_layer_map",
+    "TERMS",
+    "sparse_student",
+]

@@ -95,16 +95,20 @@ class DistillReport:
         n = max(1, min(10, self.steps // 5 or 1))
         first, last = self.losses[:n], self.losses[-n:]
         keys = ["total"] + [k for k in TERMS if self.weights.get(k)]
-        lines = [f"distilled {self.steps} steps in {self.seconds:.1f} s; layer map (student: teacher) "
-                 f"{self.layer_map}; weights {self.weights}",
-                 f"  {'loss':10s} {'first ' + str(n):>10s} {'last ' + str(n):>10s}"]
+        lines = [
+            f"distilled {self.steps} steps in {self.seconds:.1f} s; layer map (student: teacher) "
+            f"{self.layer_map}; weights {self.weights}",
+            f"  {'loss':10s} {'first ' + str(n):>10s} {'last ' + str(n):>10s}",
+        ]
         lines += [f"  {k:10s} {mean(k, first):>10s} {mean(k, last):>10s}" for k in keys]
         if self.teacher_accuracy is not None:
             before = "" if self.student_accuracy_before is None else f" (before: {self.student_accuracy_before:.1%})"
-            lines.append(f"  accuracy: teacher {self.teacher_accuracy:.1%}, student {self.student_accuracy:.1%}"
-                         f"{before}, {self.relative_accuracy:.1%} of the teacher's"
-                         if self.relative_accuracy is not None else
-                         f"  accuracy: teacher {self.teacher_accuracy:.1%}, student {self.student_accuracy:.1%}{before}")
+            lines.append(
+                f"  accuracy: teacher {self.teacher_accuracy:.1%}, student {self.student_accuracy:.1%}"
+                f"{before}, {self.relative_accuracy:.1%} of the teacher's"
+                if self.relative_accuracy is not None
+                else f"  accuracy: teacher {self.teacher_accuracy:.1%}, student {self.student_accuracy:.1%}{before}"
+            )
         return "\n".join(lines)
 
 
@@ -121,8 +125,10 @@ class _Side:
 
     def __init__(self, name: str, model):
         if not isinstance(model, nn.Module):
-            raise TypeError(f"{name} must be a torch.nn.Module (an attnkit model or a Hugging Face model), got "
-                            f"{type(model).__name__}")
+            raise TypeError(
+                f"{name} must be a torch.nn.Module (an attnkit model or a Hugging Face model), got "
+                f"{type(model).__name__}"
+            )
         from ..nn.blocks import Decoder, Encoder
 
         self.name, self.model, self.hf = name, model, _is_hf(model)
@@ -134,9 +140,11 @@ class _Side:
         else:
             attn, blocks = attention_layers(model)
             if not attn:
-                raise TypeError(f"{name} ({type(model).__name__}) has no attnkit attention layers: pass an attnkit.nn "
-                                f"model, a Hugging Face model, or a Hugging Face model converted with "
-                                f"attnkit.integrations.hf.from_hf")
+                raise TypeError(
+                    f"{name} ({type(model).__name__}) has no attnkit attention layers: pass an attnkit.nn "
+                    f"model, a Hugging Face model, or a Hugging Face model converted with "
+                    f"attnkit.integrations.hf.from_hf"
+                )
             self.n_layers = len(attn)
             self.width = blocks[0].attn.d_model if blocks else None
             self.vocab = getattr(getattr(model, "config", None), "vocab_size", None)
@@ -149,22 +157,28 @@ class _Side:
             out = m(**kw, output_attentions=attention, output_hidden_states=hidden)
             attn = list(out.attentions) if attention else []
             if attention and (len(attn) != self.n_layers or any(a is None for a in attn)):
-                raise ValueError(f"the {self.name} (a Hugging Face {type(m).__name__}) returned no attention weights: "
-                                 f"build it with attn_implementation='eager' (or 'attnkit' after "
-                                 f"attnkit.integrations.hf.register()), or convert it with from_hf")
+                raise ValueError(
+                    f"the {self.name} (a Hugging Face {type(m).__name__}) returned no attention weights: "
+                    f"build it with attn_implementation='eager' (or 'attnkit' after "
+                    f"attnkit.integrations.hf.register()), or convert it with from_hf"
+                )
             hs = list(out.hidden_states[1:]) if hidden else []
             return out.logits, hs, attn
         with capture(m) as cap:
             out = m(**inputs) if isinstance(inputs, dict) else m(inputs)
         logits = out if isinstance(out, Tensor) else getattr(out, "logits", None)
         if logits is None:
-            raise TypeError(f"the {self.name} returned {type(out).__name__}: expected a tensor (logits or, for an "
-                            f"Encoder/Decoder stack, hidden states) or an object with .logits")
+            raise TypeError(
+                f"the {self.name} returned {type(out).__name__}: expected a tensor (logits or, for an "
+                f"Encoder/Decoder stack, hidden states) or an object with .logits"
+            )
         missing = [i for i, a in enumerate(cap.attention) if a is None] if attention else []
         if missing:
-            raise ValueError(f"the {self.name}'s attention layers {missing} computed no attention in its forward "
-                             f"pass (a layer served by a cache that attends itself, or not called): run it without "
-                             f"a cache")
+            raise ValueError(
+                f"the {self.name}'s attention layers {missing} computed no attention in its forward "
+                f"pass (a layer served by a cache that attends itself, or not called): run it without "
+                f"a cache"
+            )
         return (None if self.stack else logits), cap.hidden, cap.attention
 
 
@@ -175,18 +189,24 @@ def _layer_map(layer_map, student: _Side, teacher: _Side) -> dict[int, int]:
         pairs = list(layer_map.items())
     elif isinstance(layer_map, (list, tuple)):
         if len(layer_map) != student.n_layers:
-            raise ValueError(f"layer_map has {len(layer_map)} entries but the student has {student.n_layers} layers: "
-                             f"give one teacher layer (or None) per student layer, or a dict {{student: teacher}}")
+            raise ValueError(
+                f"layer_map has {len(layer_map)} entries but the student has {student.n_layers} layers: "
+                f"give one teacher layer (or None) per student layer, or a dict {{student: teacher}}"
+            )
         pairs = [(i, t) for i, t in enumerate(layer_map) if t is not None]
     else:
-        raise TypeError(f"layer_map must be None (uniform), a dict {{student layer: teacher layer}} or a list of "
-                        f"teacher layers, got {type(layer_map).__name__}")
+        raise TypeError(
+            f"layer_map must be None (uniform), a dict {{student layer: teacher layer}} or a list of "
+            f"teacher layers, got {type(layer_map).__name__}"
+        )
     out = {}
     for s, t in pairs:
         for who, i, n in (("student", s, student.n_layers), ("teacher", t, teacher.n_layers)):
             if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
-                raise ValueError(f"layer_map entry {s!r}: {t!r}: the {who} layer {i!r} must be an int in [0, {n}) "
-                                 f"(the {who} has {n} layers)")
+                raise ValueError(
+                    f"layer_map entry {s!r}: {t!r}: the {who} layer {i!r} must be an int in [0, {n}) "
+                    f"(the {who} has {n} layers)"
+                )
         out[s] = t
     if not out:
         raise ValueError("layer_map pairs no layers: give at least one {student layer: teacher layer}")
@@ -198,8 +218,9 @@ def _weights(weights, student: _Side, teacher: _Side) -> dict[str, float]:
     if weights is None:
         weights = dict(_STACK_WEIGHTS if stack else _LM_WEIGHTS)
     if not isinstance(weights, dict):
-        raise TypeError(f"weights must be a dict such as {{'logits': 1.0, 'attention': 1.0}}, got "
-                        f"{type(weights).__name__}")
+        raise TypeError(
+            f"weights must be a dict such as {{'logits': 1.0, 'attention': 1.0}}, got {type(weights).__name__}"
+        )
     out = {}
     for k, w in weights.items():
         if k not in TERMS:
@@ -211,16 +232,22 @@ def _weights(weights, student: _Side, teacher: _Side) -> dict[str, float]:
         raise ValueError("every loss weight is 0: give at least one term a weight > 0")
     if stack and (out.get("logits") or out.get("targets")):
         which = "student" if student.stack else "teacher"
-        raise ValueError(f"the {which} is an Encoder/Decoder stack, which returns hidden states, not logits: use "
-                         f"weights={{'hidden': 1.0, 'attention': 1.0}} (or wrap the stack with an output head)")
+        raise ValueError(
+            f"the {which} is an Encoder/Decoder stack, which returns hidden states, not logits: use "
+            f"weights={{'hidden': 1.0, 'attention': 1.0}} (or wrap the stack with an output head)"
+        )
     if out.get("relations") and (student.hf or teacher.hf):
-        raise ValueError("relation transfer needs each layer's queries, keys and values, which a Hugging Face "
-                         "model does not return: convert it with attnkit.integrations.hf.from_hf, or set "
-                         "weights['relations'] to 0")
+        raise ValueError(
+            "relation transfer needs each layer's queries, keys and values, which a Hugging Face "
+            "model does not return: convert it with attnkit.integrations.hf.from_hf, or set "
+            "weights['relations'] to 0"
+        )
     if out.get("logits") and student.vocab is not None and teacher.vocab is not None and student.vocab != teacher.vocab:
-        raise ValueError(f"the vocabularies differ: the student has vocab_size={student.vocab}, the teacher "
-                         f"{teacher.vocab}; logit distillation needs one vocabulary (the same tokenizer): build the "
-                         f"student with vocab_size={teacher.vocab}, or set weights['logits'] to 0")
+        raise ValueError(
+            f"the vocabularies differ: the student has vocab_size={student.vocab}, the teacher "
+            f"{teacher.vocab}; logit distillation needs one vocabulary (the same tokenizer): build the "
+            f"student with vocab_size={teacher.vocab}, or set weights['logits'] to 0"
+        )
     return out
 
 
@@ -235,8 +262,10 @@ def _split(batch):
         return d, d.pop("targets", None)
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         return batch[0], batch[1]
-    raise TypeError(f"a batch must be a TaskBatch, a tensor of inputs, a pair (inputs, targets) or a dict of model "
-                    f"keyword arguments (with optional 'targets'), got {type(batch).__name__}")
+    raise TypeError(
+        f"a batch must be a TaskBatch, a tensor of inputs, a pair (inputs, targets) or a dict of model "
+        f"keyword arguments (with optional 'targets'), got {type(batch).__name__}"
+    )
 
 
 def _batch_source(batches):
@@ -244,8 +273,9 @@ def _batch_source(batches):
     if callable(batches) and not hasattr(batches, "__iter__"):
         return batches
     if not hasattr(batches, "__iter__") or isinstance(batches, (Tensor, dict)):
-        raise TypeError(f"batches must be a function step -> batch or an iterable of batches, got "
-                        f"{type(batches).__name__}")
+        raise TypeError(
+            f"batches must be a function step -> batch or an iterable of batches, got {type(batches).__name__}"
+        )
     state = {"it": iter(batches)}
     reiterable = state["it"] is not batches
 
@@ -296,8 +326,14 @@ def _progress(enabled: bool, steps: int):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     except ImportError:
         return None
-    return Progress(TextColumn("distil"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
-                    TextColumn("{task.fields[acc]}"), TimeElapsedColumn())
+    return Progress(
+        TextColumn("distil"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TextColumn("{task.fields[acc]}"),
+        TimeElapsedColumn(),
+    )
 
 
 @dataclass(frozen=True)
@@ -345,19 +381,31 @@ def _distill_config(config, options: dict) -> DistillConfig:
         if not isinstance(config, DistillConfig):
             raise TypeError(f"distill's config must be an attnkit.distill.DistillConfig, got {type(config).__name__}")
         if options:
-            raise TypeError(f"distill got a DistillConfig and the options {', '.join(options)}: pass one or the other "
-                            f"(config.replace(...) makes a config with some fields changed)")
+            raise TypeError(
+                f"distill got a DistillConfig and the options {', '.join(options)}: pass one or the other "
+                f"(config.replace(...) makes a config with some fields changed)"
+            )
         return config
     try:
         return DistillConfig(**options)
     except TypeError as e:  # a missing or unknown option
         names = ", ".join(f.name for f in dataclasses.fields(DistillConfig))
-        raise TypeError(f"distill: {str(e).split('() ', 1)[-1]} (its options are eval_batch, on_step and "
-                        f"DistillConfig's fields: {names})") from None
+        raise TypeError(
+            f"distill: {str(e).split('() ', 1)[-1]} (its options are eval_batch, on_step and "
+            f"DistillConfig's fields: {names})"
+        ) from None
 
 
-def distill(teacher: nn.Module, student: nn.Module, batches, config: DistillConfig | None = None, *, eval_batch=None,
-            on_step=None, **options) -> DistillReport:
+def distill(
+    teacher: nn.Module,
+    student: nn.Module,
+    batches,
+    config: DistillConfig | None = None,
+    *,
+    eval_batch=None,
+    on_step=None,
+    **options,
+) -> DistillReport:
     """Train ``student`` to imitate ``teacher`` on ``batches`` for ``steps`` steps; returns a :class:`DistillReport`.
 
     The options are a :class:`DistillConfig`: ``distill(teacher, student, batches, DistillConfig(steps=100,
@@ -427,12 +475,16 @@ def distill(teacher: nn.Module, student: nn.Module, batches, config: DistillConf
     steps = cfg.steps
     t_side, s_side = _Side("teacher", teacher), _Side("student", student)
     if teacher is student:
-        raise ValueError("teacher and student are the same model: distil into a separate student (e.g. "
-                         "copy.deepcopy(teacher), or attnkit.distill.sparse_student(teacher, mask))")
+        raise ValueError(
+            "teacher and student are the same model: distil into a separate student (e.g. "
+            "copy.deepcopy(teacher), or attnkit.distill.sparse_student(teacher, mask))"
+        )
     shared = {id(p) for p in teacher.parameters()} & {id(p) for p in student.parameters()}
     if shared:
-        raise ValueError(f"the student shares {len(shared)} parameter tensor(s) with the teacher: training it would "
-                         f"change the teacher; give the student its own copy (copy.deepcopy)")
+        raise ValueError(
+            f"the student shares {len(shared)} parameter tensor(s) with the teacher: training it would "
+            f"change the teacher; give the student its own copy (copy.deepcopy)"
+        )
     lmap = _layer_map(cfg.layer_map, s_side, t_side)
     w = _weights(cfg.weights, s_side, t_side)
     projections = nn.ModuleDict()
@@ -447,8 +499,9 @@ def distill(teacher: nn.Module, student: nn.Module, batches, config: DistillConf
     params = list(student.parameters()) + list(projections.parameters())
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
     warmup = cfg.warmup
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda st: min(1.0, (st + 1) / max(1, warmup)) * 0.5 * (
-        1 + math.cos(math.pi * min(st, steps) / steps)))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda st: min(1.0, (st + 1) / max(1, warmup)) * 0.5 * (1 + math.cos(math.pi * min(st, steps) / steps))
+    )
     get = _batch_source(batches)
     need_attn = "attention" in w or "relations" in w
     need_hidden = "hidden" in w
@@ -482,8 +535,9 @@ def distill(teacher: nn.Module, student: nn.Module, batches, config: DistillConf
             with torch.no_grad():
                 t_logits, t_hidden, t_attn = t_side.run(inputs, attention=need_attn, hidden=need_hidden)
             s_logits, s_hidden, s_attn = s_side.run(inputs, attention=need_attn, hidden=need_hidden)
-            terms = _terms(cfg, w, lmap, (s_logits, s_hidden, s_attn), (t_logits, t_hidden, t_attn), targets,
-                           projections)
+            terms = _terms(
+                cfg, w, lmap, (s_logits, s_hidden, s_attn), (t_logits, t_hidden, t_attn), targets, projections
+            )
             total = sum(w[k] * v for k, v in terms.items())
             opt.zero_grad(set_to_none=True)
             total.backward()
@@ -545,17 +599,25 @@ def _terms(cfg: DistillConfig, w, lmap, student: tuple, teacher: tuple, targets,
         out["targets"] = F.cross_entropy(s_logits.flatten(0, -2).float(), targets.flatten(), ignore_index=IGNORE)
     pairs = sorted(lmap.items())
     if "hidden" in w:
-        out["hidden"] = sum(hidden_mse(s_hidden[s], t_hidden[t], projection=projections[str(s)].proj)
-                            for s, t in pairs) / len(pairs)
+        out["hidden"] = sum(
+            hidden_mse(s_hidden[s], t_hidden[t], projection=projections[str(s)].proj) for s, t in pairs
+        ) / len(pairs)
     if "attention" in w:
-        out["attention"] = sum(attention_kl(s_attn[s], t_attn[t], heads=_heads(heads, s_attn[s], t_attn[t]),
-                                            chunk_rows=chunk_rows) for s, t in pairs) / len(pairs)
+        out["attention"] = sum(
+            attention_kl(s_attn[s], t_attn[t], heads=_heads(heads, s_attn[s], t_attn[t]), chunk_rows=chunk_rows)
+            for s, t in pairs
+        ) / len(pairs)
     if "relations" in w:
         total = 0.0
         for s, t in pairs:
             rs, rt = s_attn[s], t_attn[t]
             for name in ("q", "k", "v"):
-                total = total + relation_kl(getattr(rs, name), getattr(rt, name), relation_heads=relation_heads,
-                                            mask=rt.mask, chunk_rows=chunk_rows)
+                total = total + relation_kl(
+                    getattr(rs, name),
+                    getattr(rt, name),
+                    relation_heads=relation_heads,
+                    mask=rt.mask,
+                    chunk_rows=chunk_rows,
+                )
         out["relations"] = total / (3 * len(pairs))
     return out

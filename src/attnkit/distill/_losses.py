@@ -60,8 +60,16 @@ class AttentionRecord:
     sinks: Tensor | None = None
 
     def __post_init__(self):
-        call = make_call(self.q, self.k, self.v, mask=self.mask, bias=self.bias, scale=self.scale,
-                          softcap=self.softcap, sinks=self.sinks)
+        call = make_call(
+            self.q,
+            self.k,
+            self.v,
+            mask=self.mask,
+            bias=self.bias,
+            scale=self.scale,
+            softcap=self.softcap,
+            sinks=self.sinks,
+        )
         self.mask, self.bias, self.scale = call.mask, call.bias, call.scale
         self._call = call
 
@@ -118,8 +126,9 @@ def _logsumexp(x: Tensor, dim: int) -> Tensor:
     m = x.detach().amax(dim, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     total = torch.exp(x - m).sum(dim, keepdim=True)
-    return torch.where(total > 0, m + total.clamp_min(torch.finfo(total.dtype).tiny).log(),
-                       torch.full_like(total, float("-inf")))
+    return torch.where(
+        total > 0, m + total.clamp_min(torch.finfo(total.dtype).tiny).log(), torch.full_like(total, float("-inf"))
+    )
 
 
 def _log_softmax(s: Tensor) -> Tensor:
@@ -141,8 +150,9 @@ def _kl_rows(log_p: Tensor, log_q: Tensor) -> tuple[Tensor, Tensor]:
 def _row_step(n_rows: int, per_row: int, chunk_rows: int | None) -> int:
     if chunk_rows is None:
         return max(1, _BLOCK_ELEMENTS // max(1, per_row))
-    return int_in_range("chunk_rows", chunk_rows, 1, fix=f" (query rows per block) or None (blocks of about "
-                        f"{_BLOCK_ELEMENTS:,} scores)")
+    return int_in_range(
+        "chunk_rows", chunk_rows, 1, fix=f" (query rows per block) or None (blocks of about {_BLOCK_ELEMENTS:,} scores)"
+    )
 
 
 def _chunked(fn, n_rows: int, step: int, tensors: tuple[Tensor, ...]) -> Tensor:
@@ -188,8 +198,10 @@ def logit_kl(student: Tensor, teacher: Tensor, *, temperature: float = 1.0, mask
     kl = (log_p.exp() * (log_p - log_q)).sum(-1)  # (...)
     if mask is not None:
         if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.shape != kl.shape:
-            raise ValueError(f"mask must be a bool tensor of shape {tuple(kl.shape)} (the logits' shape without "
-                             f"the vocabulary), got {getattr(mask, 'shape', type(mask).__name__)}")
+            raise ValueError(
+                f"mask must be a bool tensor of shape {tuple(kl.shape)} (the logits' shape without "
+                f"the vocabulary), got {getattr(mask, 'shape', type(mask).__name__)}"
+            )
         if not bool(mask.any()):
             raise ValueError("mask selects no position: nothing to distil")
         kl = kl[mask]
@@ -201,12 +213,16 @@ def _same_logits(student: Tensor, teacher: Tensor) -> None:
         if not isinstance(x, Tensor) or not x.is_floating_point():
             raise TypeError(f"{name} logits must be a float tensor (..., V), got {type(x).__name__}")
     if student.shape[-1] != teacher.shape[-1]:
-        raise ValueError(f"the vocabularies differ: student logits have V={student.shape[-1]}, teacher logits "
-                         f"V={teacher.shape[-1]}; logit distillation needs one vocabulary (same tokenizer): give "
-                         f"both models the same vocab_size, or set the 'logits' weight to 0")
+        raise ValueError(
+            f"the vocabularies differ: student logits have V={student.shape[-1]}, teacher logits "
+            f"V={teacher.shape[-1]}; logit distillation needs one vocabulary (same tokenizer): give "
+            f"both models the same vocab_size, or set the 'logits' weight to 0"
+        )
     if student.shape != teacher.shape:
-        raise ValueError(f"student logits {tuple(student.shape)} and teacher logits {tuple(teacher.shape)} differ "
-                         f"in shape: feed both models the same batch")
+        raise ValueError(
+            f"student logits {tuple(student.shape)} and teacher logits {tuple(teacher.shape)} differ "
+            f"in shape: feed both models the same batch"
+        )
 
 
 # ---------------------------------------------------------------------------------------- hidden states
@@ -243,8 +259,9 @@ class HiddenProjection(nn.Module):
         return hidden_mse(student, teacher, projection=self.proj, mask=mask)
 
 
-def hidden_mse(student: Tensor, teacher: Tensor, *, projection: nn.Module | None = None,
-               mask: Tensor | None = None) -> Tensor:
+def hidden_mse(
+    student: Tensor, teacher: Tensor, *, projection: nn.Module | None = None, mask: Tensor | None = None
+) -> Tensor:
     """``mean((projection(student) - teacher)^2)`` over positions (``mask`` bool ``(B, L)``) and features.
 
     ``student (B, L, d_s)``, ``teacher (B, L, d_t)``; ``projection`` maps ``d_s -> d_t`` (required when the
@@ -258,17 +275,23 @@ def hidden_mse(student: Tensor, teacher: Tensor, *, projection: nn.Module | None
         1.0
     """
     if student.dim() != 3 or teacher.dim() != 3 or student.shape[:2] != teacher.shape[:2]:
-        raise ValueError(f"hidden states must be (B, L, d) with the same B and L, got student "
-                         f"{tuple(student.shape)} and teacher {tuple(teacher.shape)}")
+        raise ValueError(
+            f"hidden states must be (B, L, d) with the same B and L, got student "
+            f"{tuple(student.shape)} and teacher {tuple(teacher.shape)}"
+        )
     h = student if projection is None else projection(student)
     if h.shape[-1] != teacher.shape[-1]:
-        raise ValueError(f"student width {student.shape[-1]} != teacher width {teacher.shape[-1]}: pass a "
-                         f"projection (HiddenProjection({student.shape[-1]}, {teacher.shape[-1]}))")
+        raise ValueError(
+            f"student width {student.shape[-1]} != teacher width {teacher.shape[-1]}: pass a "
+            f"projection (HiddenProjection({student.shape[-1]}, {teacher.shape[-1]}))"
+        )
     err = (h.float() - teacher.detach().float()).pow(2).mean(-1)  # (B, L)
     if mask is not None:
         if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.shape != err.shape:
-            raise ValueError(f"mask must be a bool tensor of shape {tuple(err.shape)}, got "
-                             f"{getattr(mask, 'shape', type(mask).__name__)}")
+            raise ValueError(
+                f"mask must be a bool tensor of shape {tuple(err.shape)}, got "
+                f"{getattr(mask, 'shape', type(mask).__name__)}"
+            )
         err = err[mask]
     return err.mean()
 
@@ -303,19 +326,27 @@ def attention_kl(student, teacher, *, heads: str = "mean", chunk_rows: int | Non
         >>> abs(float(attention_kl(s, t)) - expected) < 1e-6
         True
     """
-    choice("heads", heads, ("mean", "map"), fix=": 'mean' averages each side's heads, 'map' sets student head i "
-           "against a group of Ht/Hs teacher heads")
+    choice(
+        "heads",
+        heads,
+        ("mean", "map"),
+        fix=": 'mean' averages each side's heads, 'map' sets student head i against a group of Ht/Hs teacher heads",
+    )
     s_call, s_w = _as_attention("student", student)
     t_call, t_w = _as_attention("teacher", teacher)
     s_shape = s_w.shape if s_w is not None else (s_call.batch, s_call.heads, s_call.q_len, s_call.kv_len)
     t_shape = t_w.shape if t_w is not None else (t_call.batch, t_call.heads, t_call.q_len, t_call.kv_len)
     if (s_shape[0], *s_shape[2:]) != (t_shape[0], *t_shape[2:]):
-        raise ValueError(f"student attention (B, H, Lq, Lk)={tuple(s_shape)} and teacher {tuple(t_shape)} differ in "
-                         f"B, Lq or Lk: feed both models the same batch")
+        raise ValueError(
+            f"student attention (B, H, Lq, Lk)={tuple(s_shape)} and teacher {tuple(t_shape)} differ in "
+            f"B, Lq or Lk: feed both models the same batch"
+        )
     Hs, Ht = s_shape[1], t_shape[1]
     if heads == "map" and Ht % Hs:
-        raise ValueError(f"heads='map' needs the teacher's heads to be a multiple of the student's, got Ht={Ht}, "
-                         f"Hs={Hs}: use heads='mean'")
+        raise ValueError(
+            f"heads='map' needs the teacher's heads to be a multiple of the student's, got Ht={Ht}, "
+            f"Hs={Hs}: use heads='mean'"
+        )
     B, _, Lq, Lk = s_shape
 
     def block(r0: int, r1: int):
@@ -357,15 +388,18 @@ def _as_attention(name: str, x) -> tuple[Call | None, Tensor | None]:
         return x._call, None
     if isinstance(x, Tensor) and x.is_floating_point() and x.dim() == 4:
         return None, x
-    raise TypeError(f"{name} must be an AttentionRecord (see attnkit.distill.capture) or attention weights "
-                    f"(B, H, Lq, Lk), got {type(x).__name__}{tuple(x.shape) if isinstance(x, Tensor) else ''}")
+    raise TypeError(
+        f"{name} must be an AttentionRecord (see attnkit.distill.capture) or attention weights "
+        f"(B, H, Lq, Lk), got {type(x).__name__}{tuple(x.shape) if isinstance(x, Tensor) else ''}"
+    )
 
 
 # ------------------------------------------------------------------------------------------ relations
 
 
-def relation_kl(student: Tensor, teacher: Tensor, *, relation_heads: int | None = None, mask=None,
-                chunk_rows: int | None = None) -> Tensor:
+def relation_kl(
+    student: Tensor, teacher: Tensor, *, relation_heads: int | None = None, mask=None, chunk_rows: int | None = None
+) -> Tensor:
     """MiniLMv2 relation transfer: ``mean_rows KL(R_t || R_s)`` of self-relations of queries, keys or values.
 
     ``student (B, Hs, L, ds)`` and ``teacher (B, Ht, L, dt)`` are one layer's queries (or keys, or values) of
@@ -391,17 +425,23 @@ def relation_kl(student: Tensor, teacher: Tensor, *, relation_heads: int | None 
     """
     for name, x in (("student", student), ("teacher", teacher)):
         if not isinstance(x, Tensor) or not x.is_floating_point() or x.dim() != 4:
-            raise TypeError(f"{name} must be a float tensor (B, H, L, d) of queries, keys or values, got "
-                            f"{type(x).__name__}{tuple(x.shape) if isinstance(x, Tensor) else ''}")
+            raise TypeError(
+                f"{name} must be a float tensor (B, H, L, d) of queries, keys or values, got "
+                f"{type(x).__name__}{tuple(x.shape) if isinstance(x, Tensor) else ''}"
+            )
     if student.shape[0] != teacher.shape[0] or student.shape[2] != teacher.shape[2]:
-        raise ValueError(f"student {tuple(student.shape)} and teacher {tuple(teacher.shape)} differ in B or L: "
-                         f"feed both models the same batch")
+        raise ValueError(
+            f"student {tuple(student.shape)} and teacher {tuple(teacher.shape)} differ in B or L: "
+            f"feed both models the same batch"
+        )
     B, Hs, L, ds = student.shape
     Ht, dt = teacher.shape[1], teacher.shape[3]
     R = math.gcd(Hs, Ht) if relation_heads is None else relation_heads
     if isinstance(R, bool) or not isinstance(R, int) or R < 1 or (Hs * ds) % R or (Ht * dt) % R:
-        raise ValueError(f"relation_heads={R!r} must be a positive int dividing both widths, the student's "
-                         f"Hs*ds={Hs * ds} and the teacher's Ht*dt={Ht * dt} (e.g. {math.gcd(Hs, Ht)})")
+        raise ValueError(
+            f"relation_heads={R!r} must be a positive int dividing both widths, the student's "
+            f"Hs*ds={Hs * ds} and the teacher's Ht*dt={Ht * dt} (e.g. {math.gcd(Hs, Ht)})"
+        )
     xs, xt = _relation_heads(student, R), _relation_heads(teacher.detach(), R)  # (B, R, L, width / R)
     allowed = _relation_mask(mask, B, L, student.device)
 
@@ -437,7 +477,8 @@ def _relation_mask(mask, B: int, L: int, device):
         h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
         cols = torch.arange(L, device=device).view(1, 1, 1, -1)
         return lambda r0, r1: mod(b, h, torch.arange(r0, r1, device=device).view(1, 1, -1, 1), cols).expand(
-            -1, 1, r1 - r0, L)
+            -1, 1, r1 - r0, L
+        )
     if isinstance(mask, Tensor) and mask.dtype == torch.bool:
         try:
             full = mask.expand(B, 1, L, L) if mask.dim() <= 4 else None

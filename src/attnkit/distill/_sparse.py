@@ -40,8 +40,10 @@ def sparse_student(teacher, mask, *, layers=None):
     from ..nn import _checks
 
     if not isinstance(teacher, DecoderLM):
-        raise TypeError(f"sparse_student takes an attnkit.nn.DecoderLM teacher (convert a Hugging Face model with "
-                        f"attnkit.integrations.hf.from_hf), got {type(teacher).__name__}")
+        raise TypeError(
+            f"sparse_student takes an attnkit.nn.DecoderLM teacher (convert a Hugging Face model with "
+            f"attnkit.integrations.hf.from_hf), got {type(teacher).__name__}"
+        )
     mask = _checks.causal_model_mask("mask", mask)
     if mask is None:
         raise ValueError("mask is None: give the student's attention pattern, e.g. masks.sliding_window(63)")

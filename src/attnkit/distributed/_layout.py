@@ -19,14 +19,20 @@ import torch
 import torch.distributed as dist
 
 from .. import _checks
+
 Tensor = torch.Tensor
 
 LAYOUTS = ("zigzag", "contiguous")
 
 
 def check_layout(layout) -> str:
-    return _checks.choice("layout", layout, LAYOUTS, fix=": use 'zigzag' (balanced causal work, the default) or "
-                          "'contiguous' (each rank one block; best for sliding windows)")
+    return _checks.choice(
+        "layout",
+        layout,
+        LAYOUTS,
+        fix=": use 'zigzag' (balanced causal work, the default) or "
+        "'contiguous' (each rank one block; best for sliding windows)",
+    )
 
 
 def _ranks(group) -> str:
@@ -39,14 +45,18 @@ def _ranks(group) -> str:
 def group_info(group) -> tuple[int, int]:
     """(rank in the group, world size of the group); raises when torch.distributed is not ready."""
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialized: start the processes with torchrun (or "
-                           "torch.multiprocessing) and call torch.distributed.init_process_group('gloo' or "
-                           "'nccl') first; on one process, use attnkit.attention")
+        raise RuntimeError(
+            "torch.distributed is not initialized: start the processes with torchrun (or "
+            "torch.multiprocessing) and call torch.distributed.init_process_group('gloo' or "
+            "'nccl') first; on one process, use attnkit.attention"
+        )
     rank = dist.get_rank(group)
     if rank < 0:
-        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the group passed as "
-                         f"group= (ranks {_ranks(group)}): call with a group that contains it, or group=None for "
-                         f"the default group")
+        raise ValueError(
+            f"this process (global rank {dist.get_rank()}) is not a member of the group passed as "
+            f"group= (ranks {_ranks(group)}): call with a group that contains it, or group=None for "
+            f"the default group"
+        )
     return rank, dist.get_world_size(group)
 
 
@@ -94,16 +104,24 @@ def check_divisible(seq_len: int, world: int, layout: str, what: str) -> None:
     parts = 2 * world if layout == "zigzag" else world
     if seq_len % parts != 0:
         pad = -seq_len % parts
-        raise ValueError(f"{what}: a length of {seq_len} cannot be cut into {parts} equal parts for layout={layout!r} "
-                         f"over {world} ranks: pad the sequence by {pad} to {seq_len + pad} (and mask the padding "
-                         f"with attnkit.masks.key_padding) or choose a length divisible by {parts}")
+        raise ValueError(
+            f"{what}: a length of {seq_len} cannot be cut into {parts} equal parts for layout={layout!r} "
+            f"over {world} ranks: pad the sequence by {pad} to {seq_len + pad} (and mask the padding "
+            f"with attnkit.masks.key_padding) or choose a length divisible by {parts}"
+        )
 
 
 def _check_dim(x: Tensor, dim, what: str) -> int:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what}: x must be a torch.Tensor, got {type(x).__name__}")
-    _checks.int_in_range(f"{what}: dim", dim, -x.dim(), x.dim(), fix=f" (a dimension of a tensor of shape "
-                         f"{tuple(x.shape)}): give the sequence dimension (2 for (B, H, L, D), 1 for (B, L, d_model))")
+    _checks.int_in_range(
+        f"{what}: dim",
+        dim,
+        -x.dim(),
+        x.dim(),
+        fix=f" (a dimension of a tensor of shape "
+        f"{tuple(x.shape)}): give the sequence dimension (2 for (B, H, L, D), 1 for (B, L, d_model))",
+    )
     return dim % x.dim()
 
 
@@ -199,9 +217,13 @@ def unshard(x_local: Tensor, dim: int = 2, group=None, layout: str = "zigzag") -
     dist.all_gather_object(everyone, mine, group=group)
     if any(e != mine for e in everyone):
         listing = "; ".join(f"rank {r}: shape {e[0]} {e[1]} on {e[2]}" for r, e in enumerate(everyone))
-        raise ValueError(f"unshard: the shards differ across ranks ({listing}); every rank must pass its "
-                         f"equal part of the sequence, as cut by attnkit.distributed.shard")
+        raise ValueError(
+            f"unshard: the shards differ across ranks ({listing}); every rank must pass its "
+            f"equal part of the sequence, as cut by attnkit.distributed.shard"
+        )
     if layout == "zigzag" and x_local.shape[dim] % 2:
-        raise ValueError(f"unshard: a zigzag shard holds two equal chunks, but its length along dim={dim} is "
-                         f"{x_local.shape[dim]} (odd): was it cut with layout='contiguous'?")
+        raise ValueError(
+            f"unshard: a zigzag shard holds two equal chunks, but its length along dim={dim} is "
+            f"{x_local.shape[dim]} (odd): was it cut with layout='contiguous'?"
+        )
     return _Unshard.apply(x_local, dim, group, layout)

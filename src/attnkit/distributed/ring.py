@@ -170,15 +170,18 @@ def _make_plan(mask: Mask | None, lay: Layout, rank: int, batch: int, heads: int
                 local_row0, row0 = qi * c + t * g, q_start + t * g
                 for ki, k_start in enumerate(lay.starts(src)):
                     first = k_start // g
-                    runs = _runs(kmax_rows[tile_row][first:first + tpc], kmin_rows[tile_row][first:first + tpc])
+                    runs = _runs(kmax_rows[tile_row][first : first + tpc], kmin_rows[tile_row][first : first + tpc])
                     for a, b, masked in runs:
                         for c0 in range(a * g, b * g, cols_per_item):
                             c1 = min(b * g, c0 + cols_per_item)
                             cols = slice(ki * c + c0, ki * c + c1)
                             for p0 in range(0, g, _BLOCK):
                                 p1 = min(g, p0 + _BLOCK)
-                                step.append(_Item(slice(local_row0 + p0, local_row0 + p1), cols, row0 + p0,
-                                                  k_start + c0, masked))
+                                step.append(
+                                    _Item(
+                                        slice(local_row0 + p0, local_row0 + p1), cols, row0 + p0, k_start + c0, masked
+                                    )
+                                )
                                 work += (p1 - p0) * (c1 - c0)
         items.append(step)
     return _Plan(hops, items, work * batch * heads)
@@ -262,15 +265,24 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, cfg: _Config) -> tuple[Tensor, Ten
     L = cfg.layout.seq_len
     kv = [k, v]
     for i in range(cfg.plan.hops + 1):
-        nxt, sends, recvs = (_exchange(kv, cfg.next, cfg.prev, cfg.group, _TAG_KV) if i < cfg.plan.hops
-                             else (None, [], []))
+        nxt, sends, recvs = (
+            _exchange(kv, cfg.next, cfg.prev, cfg.group, _TAG_KV) if i < cfg.plan.hops else (None, [], [])
+        )
         with _Clock(cfg):
             kb, vb = kv
             for it in cfg.plan.items[i]:
                 mask = _Placed(cfg.mask, it.row0, it.col0, L) if it.masked else None
                 bias = None if cfg.bias is None else _PlacedBias(cfg.bias, it.row0, it.col0, L)
-                o, l = attention(q[:, :, it.rows], kb[:, :, it.cols], vb[:, :, it.cols], mask=mask, bias=bias,  # noqa: E741
-                                 scale=cfg.scale, softcap=cfg.softcap, return_lse=True)
+                o, l = attention(  # noqa: E741
+                    q[:, :, it.rows],
+                    kb[:, :, it.cols],
+                    vb[:, :, it.cols],
+                    mask=mask,
+                    bias=bias,
+                    scale=cfg.scale,
+                    softcap=cfg.softcap,
+                    return_lse=True,
+                )
                 out[:, :, it.rows], lse[:, :, it.rows] = merge(out[:, :, it.rows], lse[:, :, it.rows], o, l)
         _wait(sends + recvs, cfg)
         if nxt is not None:
@@ -278,8 +290,9 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, cfg: _Config) -> tuple[Tensor, Ten
     return out.to(q.dtype), lse
 
 
-def _block_grads(q: Tensor, kb: Tensor, vb: Tensor, dout: Tensor, lse: Tensor, delta: Tensor, it: _Item,
-                 cfg: _Config) -> tuple[Tensor, Tensor, Tensor]:
+def _block_grads(
+    q: Tensor, kb: Tensor, vb: Tensor, dout: Tensor, lse: Tensor, delta: Tensor, it: _Item, cfg: _Config
+) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of one item: ``dq (B, Hq, r, D)``, ``dk (B, Hkv, c, D)``, ``dv (B, Hkv, c, Dv)``.
 
     ``p = exp(s - lse)`` with the scores ``s`` recomputed at global positions; ``ds = p * (dp - delta)``
@@ -349,8 +362,7 @@ def _backward(q, k, v, out, lse, dout, dlse, cfg: _Config) -> tuple[Tensor, Tens
     dkv_recvs: list = []
     hops = cfg.plan.hops
     for i in range(hops + 1):
-        nxt, kv_sends, kv_recvs = (_exchange(kv, cfg.next, cfg.prev, cfg.group, _TAG_KV) if i < hops
-                                   else (None, [], []))
+        nxt, kv_sends, kv_recvs = _exchange(kv, cfg.next, cfg.prev, cfg.group, _TAG_KV) if i < hops else (None, [], [])
         _wait(dkv_sends, cfg)  # sent while the last step ended: lets those buffers go before new ones come
         dkv_sends = []
         mine = None  # this rank's grads for the block held
@@ -374,8 +386,9 @@ def _backward(q, k, v, out, lse, dout, dlse, cfg: _Config) -> tuple[Tensor, Tens
             dkv_in, dkv_sends, dkv_recvs = _exchange(mine, cfg.next, cfg.prev, cfg.group, _TAG_DKV)
         elif hops > 0:  # the block held now belongs to rank r - hops: send its grads home, receive ours
             kv = nxt = None
-            dkv_in, dkv_sends, dkv_recvs = _exchange(mine, (cfg.rank - hops) % cfg.world,
-                                                     (cfg.rank + hops) % cfg.world, cfg.group, _TAG_HOME)
+            dkv_in, dkv_sends, dkv_recvs = _exchange(
+                mine, (cfg.rank - hops) % cfg.world, (cfg.rank + hops) % cfg.world, cfg.group, _TAG_HOME
+            )
         else:
             dkv_in = mine
         del mine  # the sends in flight keep it alive until they are done
@@ -436,6 +449,7 @@ def _tensor_digest(t: torch.Tensor) -> tuple:
     the same values; a differing element changes them).  Read a chunk at a time, and once per tensor
     version: the layers of a model passing one mask pay for it once."""
     import weakref
+
     head = (tuple(t.shape), str(t.dtype), bool(t.requires_grad))
     memo = _DIGESTS.get(id(t))
     if memo is not None and memo[0]() is t and memo[1] == t._version and memo[2] == t.data_ptr():
@@ -446,7 +460,7 @@ def _tensor_digest(t: torch.Tensor) -> tuple:
     data = x.view(torch.uint8) if x.numel() else x.new_zeros(0, dtype=torch.uint8)  # the bytes: NaN == NaN
     total = weighted = 0
     for a in range(0, data.numel(), _DIGEST_CHUNK):
-        c = data[a:a + _DIGEST_CHUNK].to(torch.int64)
+        c = data[a : a + _DIGEST_CHUNK].to(torch.int64)
         w = torch.arange(a, a + c.numel(), dtype=torch.int64, device=c.device).remainder_(977).add_(1)
         total += int(c.sum())
         weighted += int((c * w).sum())
@@ -462,6 +476,7 @@ def _contents(x, depth: int = 0) -> list:
     """What a mask or bias holds, comparable across processes: the values of its tensors (and of those its
     functions reach), not only how it prints (``document(32 ids)`` looks alike whatever the ids)."""
     from ..backends.reads import reachable_tensors
+
     if depth > 8:
         return []
     if isinstance(x, torch.Tensor):
@@ -491,8 +506,10 @@ def _agree(group, rank: int, world: int, q, k, v, check=None, **settings):
         check_qkv(q, k, v)
         b = settings.get("bias")
         if callable(b) and not isinstance(b, (ScoreMod, torch.Tensor)):
-            raise TypeError("bias must be None or an attnkit.bias modifier; wrap a function "
-                            "fn(score, b, h, q_idx, kv_idx) with attnkit.bias.from_fn(fn)")
+            raise TypeError(
+                "bias must be None or an attnkit.bias modifier; wrap a function "
+                "fn(score, b, h, q_idx, kv_idx) with attnkit.bias.from_fn(fn)"
+            )
         if check is not None:
             result = check()
     except (TypeError, ValueError) as e:
@@ -521,15 +538,20 @@ def _agree(group, rank: int, world: int, q, k, v, check=None, **settings):
         if any(x != values[0] for x in values):
             if name.endswith("values"):
                 same = [r for r, x in enumerate(values) if x == values[0]]
-                raise ValueError(f"ring_attention: the {name.split(chr(39))[0]} holds different values on the "
-                                 f"{world} ranks (ranks {same} agree with rank 0; the tensors it holds, or those "
-                                 f"its functions read, differ elsewhere): every rank must pass the same mask and "
-                                 f"bias, describing the full sequence")
+                raise ValueError(
+                    f"ring_attention: the {name.split(chr(39))[0]} holds different values on the "
+                    f"{world} ranks (ranks {same} agree with rank 0; the tensors it holds, or those "
+                    f"its functions read, differ elsewhere): every rank must pass the same mask and "
+                    f"bias, describing the full sequence"
+                )
             listing = ", ".join(f"rank {r}: {x}" for r, x in enumerate(values))
-            fix = ("every rank must hold an equal part of one sequence, (B, H, L/W, D), cut with "
-                   "attnkit.distributed.shard; to ring-attend an uneven length, pad it to a multiple of 2W "
-                   "(zigzag) or W (contiguous) and mask the padding with attnkit.masks.key_padding"
-                   if name.endswith("shape") else "every rank must make the same call")
+            fix = (
+                "every rank must hold an equal part of one sequence, (B, H, L/W, D), cut with "
+                "attnkit.distributed.shard; to ring-attend an uneven length, pad it to a multiple of 2W "
+                "(zigzag) or W (contiguous) and mask the padding with attnkit.masks.key_padding"
+                if name.endswith("shape")
+                else "every rank must make the same call"
+            )
             raise ValueError(f"ring_attention: the {name} differs across the {world} ranks ({listing}): {fix}")
     return result
 
@@ -544,17 +566,30 @@ def _check_bias_constant(bias: ScoreMod, q: Tensor, heads: int, seq_len: int) ->
     with torch.enable_grad():
         probe = bias.apply(score, one, h, one, one, seq_len, seq_len)
     if isinstance(probe, torch.Tensor) and probe.requires_grad:
-        raise ValueError(f"ring_attention: bias={bias!r} holds tensors that require grad (learnable slopes, "
-                         f"tables or temperatures); ring_attention does not train them: pass them detached "
-                         f"(e.g. alibi(slopes.detach())) or use attnkit.attention on one process")
+        raise ValueError(
+            f"ring_attention: bias={bias!r} holds tensors that require grad (learnable slopes, "
+            f"tables or temperatures); ring_attention does not train them: pass them detached "
+            f"(e.g. alibi(slopes.detach())) or use attnkit.attention on one process"
+        )
 
 
 # ---------------------------------------------------------------------- public API
 
 
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, scale: float | None = None,
-                   softcap: float | None = None, group=None, layout: str = "zigzag", return_lse: bool = False,
-                   sinks: Tensor | None = None):
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask=None,
+    bias=None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    group=None,
+    layout: str = "zigzag",
+    return_lse: bool = False,
+    sinks: Tensor | None = None,
+):
     """Attention over a sequence sharded across a process group (context parallelism).
 
     Call it on every rank of ``group`` with that rank's shards; the result equals this rank's rows of
@@ -607,37 +642,65 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, sca
         flag("return_lse", return_lse)
         n = q.shape[2]
         if k.shape[2] != n:
-            raise ValueError(f"ring_attention is self-attention over one sharded sequence: q and k must hold the "
-                             f"same positions, got local lengths Lq={n} and Lk={k.shape[2]}")
+            raise ValueError(
+                f"ring_attention is self-attention over one sharded sequence: q and k must hold the "
+                f"same positions, got local lengths Lq={n} and Lk={k.shape[2]}"
+            )
         if layout == "zigzag" and n % 2:
-            raise ValueError(f"ring_attention: layout='zigzag' shards hold two equal chunks, but the local length "
-                             f"is {n} (odd): cut the sequence with attnkit.distributed.shard(x, layout='zigzag'), "
-                             f"or pass layout='contiguous' if that is how it was cut")
+            raise ValueError(
+                f"ring_attention: layout='zigzag' shards hold two equal chunks, but the local length "
+                f"is {n} (odd): cut the sequence with attnkit.distributed.shard(x, layout='zigzag'), "
+                f"or pass layout='contiguous' if that is how it was cut"
+            )
         L = n * world
         check_divisible(L, world, layout, "ring_attention")
         if isinstance(bias, torch.Tensor):
-            raise TypeError(f"ring_attention: bias must be None or an attnkit.bias modifier, got a "
-                            f"{tuple(bias.shape)} tensor: a dense (L, L) bias defeats sharding the sequence; "
-                            f"express it as a function of positions with attnkit.bias.from_fn(fn)")
+            raise TypeError(
+                f"ring_attention: bias must be None or an attnkit.bias modifier, got a "
+                f"{tuple(bias.shape)} tensor: a dense (L, L) bias defeats sharding the sequence; "
+                f"express it as a function of positions with attnkit.bias.from_fn(fn)"
+            )
         # built as attention() builds its call: this rank's shard with the scale, softcap and sinks, then the
         # full sequence (an L x L score matrix) with the mask and bias, on shape-only stand-ins for q, k, v
         make_call(q, k, v, scale=scale, softcap=softcap, sinks=sinks)
         B, Hq, _, D = q.shape
         shape_only = q.new_empty(1, 1, 1, 1)
         try:
-            call = make_call(shape_only.expand(B, Hq, L, D), shape_only.expand(B, k.shape[1], L, D),
-                             shape_only.expand(B, v.shape[1], L, v.shape[3]), mask=mask, bias=bias, scale=scale,
-                             softcap=softcap, sinks=sinks)
+            call = make_call(
+                shape_only.expand(B, Hq, L, D),
+                shape_only.expand(B, k.shape[1], L, D),
+                shape_only.expand(B, v.shape[1], L, v.shape[3]),
+                mask=mask,
+                bias=bias,
+                scale=scale,
+                softcap=softcap,
+                sinks=sinks,
+            )
         except ValueError as e:
-            raise ValueError(f"ring_attention: the mask and bias describe the full sequence, an L x L score "
-                             f"matrix with L = {world} ranks x {n} local tokens = {L} (e.g. document ids for all "
-                             f"L tokens): {e}") from None
+            raise ValueError(
+                f"ring_attention: the mask and bias describe the full sequence, an L x L score "
+                f"matrix with L = {world} ranks x {n} local tokens = {L} (e.g. document ids for all "
+                f"L tokens): {e}"
+            ) from None
         if isinstance(call.bias, ScoreMod):  # (a tensor bias was refused above)
             _check_bias_constant(call.bias, q, q.shape[1], L)
         return call.mask, call.bias, call.scale, call.softcap
 
-    mask, bias, scale, softcap = _agree(group, rank, world, q, k, v, check, mask=mask, bias=bias, scale=scale,
-                                        softcap=softcap, layout=layout, return_lse=bool(return_lse))
+    mask, bias, scale, softcap = _agree(
+        group,
+        rank,
+        world,
+        q,
+        k,
+        v,
+        check,
+        mask=mask,
+        bias=bias,
+        scale=scale,
+        softcap=softcap,
+        layout=layout,
+        return_lse=bool(return_lse),
+    )
     B, Hq, n, D = q.shape
     L = n * world
     if n == 0:
@@ -681,18 +744,26 @@ class RingContext:
 def _refuse_what_ring_cannot_do(name: str):
     """A forward pre-hook refusing the calls whose result would be wrong on a shard: cross-attention, a KV
     cache, and the weights (they would cover this rank's keys only)."""
+
     def check(module, args, kwargs):
         where = f"ring_context: module {name or '(model)'!r}"
         if (len(args) > 1 and args[1] is not None) or kwargs.get("context") is not None:
-            raise ValueError(f"{where} was given a context: ring attention is self-attention over one sharded "
-                             f"sequence; run cross-attention outside the context")
+            raise ValueError(
+                f"{where} was given a context: ring attention is self-attention over one sharded "
+                f"sequence; run cross-attention outside the context"
+            )
         if kwargs.get("cache") is not None:
-            raise ValueError(f"{where} was given a KV cache: ring attention computes over shards of one full "
-                             f"sequence; decode with a cache outside the context")
+            raise ValueError(
+                f"{where} was given a KV cache: ring attention computes over shards of one full "
+                f"sequence; decode with a cache outside the context"
+            )
         if kwargs.get("need_weights"):
-            raise ValueError(f"{where}: need_weights=True would give the weights over this rank's keys only; "
-                             f"compute them outside the context (on one process)")
+            raise ValueError(
+                f"{where}: need_weights=True would give the weights over this rank's keys only; "
+                f"compute them outside the context (on one process)"
+            )
         return None
+
     return check
 
 
@@ -701,11 +772,24 @@ def _ring_hook(layout: str, group, name: str):
 
     def hook(module, call, compute):
         if call.dropout_p:
-            raise ValueError(f"ring_context: module {name or '(model)'!r} is training with attention dropout "
-                             f"{call.dropout_p}, which ring attention does not have: build it with dropout=0.0 or "
-                             f"call model.eval()")
-        return ring_attention(call.q, call.k, call.v, mask=call.mask, bias=call.bias, scale=call.scale,
-                              softcap=call.softcap, group=group, layout=layout, sinks=call.sinks)
+            raise ValueError(
+                f"ring_context: module {name or '(model)'!r} is training with attention dropout "
+                f"{call.dropout_p}, which ring attention does not have: build it with dropout=0.0 or "
+                f"call model.eval()"
+            )
+        return ring_attention(
+            call.q,
+            call.k,
+            call.v,
+            mask=call.mask,
+            bias=call.bias,
+            scale=call.scale,
+            softcap=call.softcap,
+            group=group,
+            layout=layout,
+            sinks=call.sinks,
+        )
+
     return hook
 
 
@@ -747,12 +831,15 @@ def ring_context(model: torch.nn.Module, *, layout: str = "zigzag", group=None):
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"ring_context: model must be a torch.nn.Module, got {type(model).__name__}")
     layout = check_layout(layout)
-    modules = [(name, m) for name, m in model.named_modules()
-               if callable(getattr(type(m), "register_attention_hook", None))]
+    modules = [
+        (name, m) for name, m in model.named_modules() if callable(getattr(type(m), "register_attention_hook", None))
+    ]
     if not modules:
-        raise ValueError(f"ring_context: {type(model).__name__} has no attnkit.nn attention module (one with "
-                         f"register_attention_hook, e.g. MultiHeadAttention); a model that calls attnkit.attention "
-                         f"itself calls attnkit.distributed.ring_attention in its place")
+        raise ValueError(
+            f"ring_context: {type(model).__name__} has no attnkit.nn attention module (one with "
+            f"register_attention_hook, e.g. MultiHeadAttention); a model that calls attnkit.attention "
+            f"itself calls attnkit.distributed.ring_attention in its place"
+        )
     hooks = []
     try:
         for name, module in modules:

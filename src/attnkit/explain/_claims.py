@@ -38,12 +38,15 @@ def load_claims(text: str) -> dict:
         >>> load_claims('{"weights[0]": [0.240, 1]}')["weights[0]"][0].text
         '0.240'
     """
+
     def bad_constant(name):
         raise ValueError(f"{name} is not allowed in a claims file: write numbers, or null to skip an entry")
+
     data = json.loads(text, parse_float=_Written, parse_int=_Written, parse_constant=bad_constant)
     if not isinstance(data, dict):
-        raise ValueError(f"a claims file must hold a JSON object with keys X, W_q, W_k, W_v and claims, "
-                         f"got {type(data).__name__}")
+        raise ValueError(
+            f"a claims file must hold a JSON object with keys X, W_q, W_k, W_v and claims, got {type(data).__name__}"
+        )
     return data
 
 
@@ -67,8 +70,9 @@ def _decimals(value) -> int:
     m = _FLOAT_RE.match(text)
     if not m or not (m.group(1) or m.group(2)):
         if text.strip().lower().lstrip("+-") in ("inf", "infinity", "nan"):
-            raise ValueError(f"{text!r} cannot be claimed: write null for a masked entry (-inf in the trace), "
-                             f"which skips it")
+            raise ValueError(
+                f"{text!r} cannot be claimed: write null for a masked entry (-inf in the trace), which skips it"
+            )
         raise ValueError(f"{text!r} is not a number")
     return max(0, len(m.group(2) or "") - int(m.group(3) or 0))
 
@@ -90,8 +94,14 @@ class _Iv:
 
 def _iv_matmul(a: _Iv, b: _Iv) -> _Iv:
     """Tight interval of ``a @ b`` (each variable appears once in each output element)."""
-    c = torch.stack([a.lo[:, :, None] * b.lo[None], a.lo[:, :, None] * b.hi[None],
-                     a.hi[:, :, None] * b.lo[None], a.hi[:, :, None] * b.hi[None]])  # (4, m, k, n)
+    c = torch.stack(
+        [
+            a.lo[:, :, None] * b.lo[None],
+            a.lo[:, :, None] * b.hi[None],
+            a.hi[:, :, None] * b.lo[None],
+            a.hi[:, :, None] * b.hi[None],
+        ]
+    )  # (4, m, k, n)
     return _Iv(c.amin(0).sum(1), c.amax(0).sum(1))
 
 
@@ -118,9 +128,11 @@ def _iv_softmax_scores(s: _Iv) -> _Iv:
 
 def _iv_softmax_exps(e: _Iv) -> _Iv:
     """Tight interval of ``e_i / sum_j e_j`` from intervals of the exponentials."""
+
     def bound(own, other):
         den = own + other.sum(-1, keepdim=True) - other
         return torch.where(den > 0, own / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(den))
+
     return _Iv(bound(e.lo, e.hi), bound(e.hi, e.lo))
 
 
@@ -213,8 +225,10 @@ class CheckReport:
             if r.status in ("ok", "rounding"):
                 extra = " (within the rounding of the earlier claimed values)" if r.status == "rounding" else ""
                 if not r.follows:
-                    extra = (f" (the exact values; it does not follow from your previous steps, which give "
-                             f"{_fmt_nested(r.chained, d)})")
+                    extra = (
+                        f" (the exact values; it does not follow from your previous steps, which give "
+                        f"{_fmt_nested(r.chained, d)})"
+                    )
                 lines.append(f"  {r.name:18s} {claimed}  ok{extra}")
                 continue
             lines.append(f"  {r.name:18s} claimed {claimed}  {marks[r.status]}")
@@ -232,8 +246,7 @@ class CheckReport:
             lines.append(f"All {n} claims hold.")
         else:
             slips = ", ".join(r.label() for r in self.slips) or "none"
-            lines.append(f"{good} of {n} claims hold; slips: {slips}; "
-                         f"{len(self.inherited)} more follow from them.")
+            lines.append(f"{good} of {n} claims hold; slips: {slips}; {len(self.inherited)} more follow from them.")
         return "\n".join(lines)
 
 
@@ -258,9 +271,16 @@ class _Step:
     deps: tuple[str, ...]
 
 
-_MAIN_STEPS = (_Step("Q", ()), _Step("K", ()), _Step("V", ()), _Step("scores", ("Q", "K")),
-               _Step("scaled_scores", ("scores",)), _Step("exp_scores", ("scaled_scores",)),
-               _Step("weights", ("scaled_scores", "exp_scores")), _Step("output", ("weights", "V")))
+_MAIN_STEPS = (
+    _Step("Q", ()),
+    _Step("K", ()),
+    _Step("V", ()),
+    _Step("scores", ("Q", "K")),
+    _Step("scaled_scores", ("scores",)),
+    _Step("exp_scores", ("scaled_scores",)),
+    _Step("weights", ("scaled_scores", "exp_scores")),
+    _Step("output", ("weights", "V")),
+)
 _SOFTMAX_STEPS = (_Step("exp_scores", ()), _Step("weights", ("exp_scores",)), _Step("output", ("weights",)))
 _MAIN_INPUTS = ("X", "W_q", "W_k", "W_v", "scale", "mask", "softmax")
 _SOFTMAX_INPUTS = ("scores", "values")
@@ -270,8 +290,10 @@ def _parse_claim_key(key: str, steps: Sequence[_Step], where: str) -> tuple[str,
     m = _CLAIM_RE.match(key.strip())
     names = [s.name for s in steps]
     if not m or m.group(1) not in names:
-        raise ValueError(f"unknown key {key!r}{where}: claims are {', '.join(names)}, optionally with a 0-based "
-                         f"row or entry like 'scores[0]' or 'Q[1][0]'")
+        raise ValueError(
+            f"unknown key {key!r}{where}: claims are {', '.join(names)}, optionally with a 0-based "
+            f"row or entry like 'scores[0]' or 'Q[1][0]'"
+        )
     idx = tuple(int(x) for x in re.findall(r"\d+", m.group(2)))
     if len(idx) > 2:
         raise ValueError(f"claim {key!r}{where}: at most two indices (row and column)")
@@ -292,7 +314,7 @@ def _claim_tensor(key: str, value, shape: tuple[int, ...], where: str) -> tuple[
     flat_vals = _flatten(nested)
     decs = [(_decimals(v) if v is not None else 0) for v in flat_vals]
     if flat_vals:
-        half = torch.tensor([0.5 * 10.0 ** -d for d in decs], dtype=torch.float64).view(shape)
+        half = torch.tensor([0.5 * 10.0**-d for d in decs], dtype=torch.float64).view(shape)
     return torch.nan_to_num(probe), half, present
 
 
@@ -353,9 +375,11 @@ class _Chain:
             for key, idx, value in claims.get(step.name, []):
                 for a, n in zip(idx, shape):
                     if a >= n:
-                        raise ValueError(f"claim {key!r}{where}: index {a} out of range for {step.name} of shape "
-                                         f"{shape} (indices start at 0)")
-                c, h, present = _claim_tensor(key, value, shape[len(idx):], where)
+                        raise ValueError(
+                            f"claim {key!r}{where}: index {a} out of range for {step.name} of shape "
+                            f"{shape} (indices start at 0)"
+                        )
+                c, h, present = _claim_tensor(key, value, shape[len(idx) :], where)
                 e = exact[idx] if idx else exact
                 clo, chi = (iv.lo[idx], iv.hi[idx]) if idx else (iv.lo, iv.hi)
                 upstream = prov[idx] if idx else prov  # (*sub_shape, n)
@@ -379,17 +403,29 @@ class _Chain:
                 labels.append(key)
                 sources = upstream[differs & present].any(0) if bool((differs & present).any()) else None
                 centre = torch.where(clo == chi, clo, (clo + chi) / 2)
-                self.results.append(ClaimResult(
-                    self.label, key, step.name, _as_claimed(value), e.tolist(), centre.tolist(), status,
-                    _min_decimals(value),
-                    [labels[j] for j in range(me) if sources is not None and bool(sources[j])],
-                    bool(chain_ok.all())))
+                self.results.append(
+                    ClaimResult(
+                        self.label,
+                        key,
+                        step.name,
+                        _as_claimed(value),
+                        e.tolist(),
+                        centre.tolist(),
+                        status,
+                        _min_decimals(value),
+                        [labels[j] for j in range(me) if sources is not None and bool(sources[j])],
+                        bool(chain_ok.all()),
+                    )
+                )
                 # later steps use the claimed values, widened by their rounding; a wrong value carries its
                 # own label (and those it came from) downstream, a right one carries nothing
                 own = torch.zeros(self.n, dtype=torch.bool)
                 own[me] = True
-                new_prov = torch.where(slipped[..., None], upstream | own,
-                                       torch.where(differs[..., None], upstream, torch.zeros_like(upstream)))
+                new_prov = torch.where(
+                    slipped[..., None],
+                    upstream | own,
+                    torch.where(differs[..., None], upstream, torch.zeros_like(upstream)),
+                )
                 new_prov = torch.where(present[..., None], new_prov, upstream)
                 new_lo, new_hi = torch.where(present, c - h, clo), torch.where(present, c + h, chi)
                 if idx:
@@ -438,10 +474,24 @@ def _main_chain(spec: Mapping) -> _Chain:
     missing = [k for k in ("X", "W_q", "W_k", "W_v") if k not in spec]
     if missing:
         raise ValueError(f"missing key(s) {', '.join(missing)}: a check needs the inputs X, W_q, W_k, W_v")
-    t = trace(spec["X"], spec["W_q"], spec["W_k"], spec["W_v"], mask=spec.get("mask"),
-              scale=plain(spec["scale"]) if spec.get("scale") is not None else None)
-    exact = {"Q": t.q, "K": t.k, "V": t.v, "scores": t.scores, "scaled_scores": t.scaled_scores,
-             "exp_scores": torch.exp(t.scaled_scores), "weights": t.weights, "output": t.output}
+    t = trace(
+        spec["X"],
+        spec["W_q"],
+        spec["W_k"],
+        spec["W_v"],
+        mask=spec.get("mask"),
+        scale=plain(spec["scale"]) if spec.get("scale") is not None else None,
+    )
+    exact = {
+        "Q": t.q,
+        "K": t.k,
+        "V": t.v,
+        "scores": t.scores,
+        "scaled_scores": t.scaled_scores,
+        "exp_scores": torch.exp(t.scaled_scores),
+        "weights": t.weights,
+        "output": t.output,
+    }
     claims = _group_claims(spec, _MAIN_STEPS, _MAIN_INPUTS, "")
     use_exps = bool(claims.get("exp_scores"))
     projections = {"Q": t.w_q, "K": t.w_k, "V": t.w_v}

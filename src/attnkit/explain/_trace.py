@@ -23,7 +23,7 @@ def _num(x: float, digits: int = 4) -> str:
         return "-inf" if x < 0 else "inf"
     if math.isnan(x):
         return "nan"
-    if x != 0 and abs(x) < 10 ** -digits:  # tiny: keep `digits` significant digits, still in fixed notation
+    if x != 0 and abs(x) < 10**-digits:  # tiny: keep `digits` significant digits, still in fixed notation
         digits = min(18, digits - 1 - math.floor(math.log10(abs(x))))
     s = f"{x:.{digits}f}".rstrip("0")
     s = s + "0" if s.endswith(".") else s
@@ -84,8 +84,9 @@ def as_matrix(name: str, value, *, ndim: tuple[int, ...] = (2,), masked_ok: bool
         try:
             t = torch.tensor(plain(value), dtype=torch.float64)
         except (TypeError, ValueError, RuntimeError) as e:
-            raise ValueError(f"{name} must be a tensor or a nested list of numbers with equal-length rows, "
-                             f"got {short(value)} ({e})") from None
+            raise ValueError(
+                f"{name} must be a tensor or a nested list of numbers with equal-length rows, got {short(value)} ({e})"
+            ) from None
     if t.dim() not in ndim:
         want = " or ".join(f"{d}-D" for d in ndim)
         raise ValueError(f"{name} must be {want}, got shape {tuple(t.shape)}")
@@ -94,8 +95,9 @@ def as_matrix(name: str, value, *, ndim: tuple[int, ...] = (2,), masked_ok: bool
     if masked_ok and not bool((torch.isnan(t) | (t == float("inf"))).any()):
         return t  # -inf marks a masked score (weight 0), as explain_softmax reads it
     if not bool(torch.isfinite(t).all()):
-        raise ValueError(f"{name} must hold finite numbers{' or -inf (masked)' if masked_ok else ''}, got "
-                         f"{short(t.tolist())}")
+        raise ValueError(
+            f"{name} must hold finite numbers{' or -inf (masked)' if masked_ok else ''}, got {short(t.tolist())}"
+        )
     return t
 
 
@@ -146,8 +148,9 @@ def _mask_tensor(mask) -> Tensor:
     try:
         return torch.tensor(bools_as_floats(mask), dtype=torch.float64)
     except (TypeError, ValueError, RuntimeError) as e:
-        raise ValueError(f"mask must be an (L, L) matrix of bools or 0/1 with equal-length rows, got "
-                         f"{short(mask)} ({e})") from None
+        raise ValueError(
+            f"mask must be an (L, L) matrix of bools or 0/1 with equal-length rows, got {short(mask)} ({e})"
+        ) from None
 
 
 def _dense_mask(mask, length: int) -> Tensor | None:
@@ -157,9 +160,12 @@ def _dense_mask(mask, length: int) -> Tensor | None:
         return None
     if isinstance(mask, str):
         if mask != "causal":
-            raise ValueError(f"mask={mask!r}: the only mask given by name is 'causal'; pass an attnkit Mask or "
-                             f"an (L, L) bool matrix for others")
+            raise ValueError(
+                f"mask={mask!r}: the only mask given by name is 'causal'; pass an attnkit Mask or "
+                f"an (L, L) bool matrix for others"
+            )
         from ..masks import causal
+
         mask = causal()
     if isinstance(mask, Mask):
         return mask.to_dense(length, length)[0, 0]
@@ -211,8 +217,10 @@ class SoftmaxSteps:
         e, total, w = self.exps[row].tolist(), float(self.sums[row]), self.weights[row].tolist()
         lines = []
         if m != 0.0:
-            lines.append(f"subtract the row maximum m = {_num(m, d)} first (the largest exp is then exp(0) = 1: "
-                         f"nothing overflows and the sum cannot underflow to 0; the weights do not change)")
+            lines.append(
+                f"subtract the row maximum m = {_num(m, d)} first (the largest exp is then exp(0) = 1: "
+                f"nothing overflows and the sum cannot underflow to 0; the weights do not change)"
+            )
         for _j, (sj, ej) in enumerate(zip(s, e)):
             arg = _num(sj, d) if m == 0.0 else f"{_num(sj, d)} - {_factor(m, d)}"
             note = "   (masked)" if math.isinf(sj) else ""
@@ -331,8 +339,10 @@ def explain_weighted_sum(weights, values, *, digits: int = 4) -> WeightedSum:
     v = as_matrix("values", values)
     w = w.view(-1, w.shape[-1])  # (R, L)
     if w.shape[-1] != v.shape[0]:
-        raise ValueError(f"weights have {w.shape[-1]} entries per row but there are {v.shape[0]} value vectors: "
-                         f"give one weight per value")
+        raise ValueError(
+            f"weights have {w.shape[-1]} entries per row but there are {v.shape[0]} value vectors: "
+            f"give one weight per value"
+        )
     return WeightedSum(w, v, w @ v, digits)
 
 
@@ -388,8 +398,11 @@ class Trace:
         _checks.int_in_range("row", row, 0, L, fix=f" (rows are 0-based; printed as x1..x{L})")
         d, i, n = self.digits, row, row + 1
         dk, dv = self.q.shape[1], self.v.shape[1]
-        out = [f"Attention in four steps: L={L} tokens, d_model={dm}, d_k={dk}, d_v={dv} (computed in float64)",
-               "", "Inputs (one row per token)"]
+        out = [
+            f"Attention in four steps: L={L} tokens, d_model={dm}, d_k={dk}, d_v={dv} (computed in float64)",
+            "",
+            "Inputs (one row per token)",
+        ]
         for name, t in (("X", self.x), ("W_q", self.w_q), ("W_k", self.w_k), ("W_v", self.w_v)):
             out.append(_assigned(f"  {name} ({t.shape[0]}x{t.shape[1]}) = ", t, d))
         if self.mask is not None:
@@ -414,16 +427,21 @@ class Trace:
             out.append(f"  score(x{n},x{j + 1}) = {written} = {psum} = {_num(float(self.scores[i, j]), d)}")
         out.append(_assigned("  scores = Q·K^T = ", self.scores, d))
         if self.default_scale:
-            out += ["", f"Step 2, scaling: divide by sqrt(d_k) = sqrt({dk}) = {_num(math.sqrt(dk), d)} "
-                        f"(keeps softmax out of its flat, saturated region)"]
+            out += [
+                "",
+                f"Step 2, scaling: divide by sqrt(d_k) = sqrt({dk}) = {_num(math.sqrt(dk), d)} "
+                f"(keeps softmax out of its flat, saturated region)",
+            ]
         else:
             out += ["", f"Step 2, scaling: multiply by the given scale {_num(self.scale, d)}"]
         for j in range(L):
             s, ss = float(self.scores[i, j]), float(self.scaled_scores[i, j])
             op = f"{_num(s, d)} / sqrt({dk})" if self.default_scale else f"{_num(s, d)} * {_factor(self.scale, d)}"
             masked = self.mask is not None and not bool(self.mask[i, j])
-            out.append(f"  scaled(x{n},x{j + 1}) = " + (f"-inf   (masked: x{n} may not attend to x{j + 1})"
-                                                        if masked else f"{op} = {_num(ss, d)}"))
+            out.append(
+                f"  scaled(x{n},x{j + 1}) = "
+                + (f"-inf   (masked: x{n} may not attend to x{j + 1})" if masked else f"{op} = {_num(ss, d)}")
+            )
         out.append(_assigned("  scaled_scores = ", self.scaled_scores, d))
         out += ["", f"Step 3, softmax: weight(x{n}, xj) = exp(scaled(x{n}, xj)) / sum_k exp(scaled(x{n}, xk))"]
         out += ["  " + line for line in self.softmax_steps().explain(i).splitlines()]
@@ -468,8 +486,10 @@ def trace(x, w_q, w_k, w_v, *, mask=None, scale: float | None = None) -> Trace:
         raise ValueError(f"x must have at least one token and one feature, got shape {tuple(X.shape)}")
     for name, w in (("w_q", Wq), ("w_k", Wk), ("w_v", Wv)):
         if w.shape[0] != dm:
-            raise ValueError(f"{name} has {w.shape[0]} rows but x has d_model={dm} columns: {name} must be "
-                             f"(d_model, d_out) so that x @ {name} works")
+            raise ValueError(
+                f"{name} has {w.shape[0]} rows but x has d_model={dm} columns: {name} must be "
+                f"(d_model, d_out) so that x @ {name} works"
+            )
         if w.shape[1] == 0:
             raise ValueError(f"{name} must have at least one column, got shape {tuple(w.shape)}")
     if Wq.shape[1] != Wk.shape[1]:

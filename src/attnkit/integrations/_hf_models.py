@@ -54,17 +54,51 @@ from ._transformers import _transformers as load_transformers
 
 Tensor = torch.Tensor
 
-FAMILIES = ("llama", "mistral", "qwen2", "gemma2", "qwen3", "gemma3_text", "phi3", "olmo2", "smollm3", "granite",
-            "deepseek_v3", "deepseek_v32")
+FAMILIES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "gemma2",
+    "qwen3",
+    "gemma3_text",
+    "phi3",
+    "olmo2",
+    "smollm3",
+    "granite",
+    "deepseek_v3",
+    "deepseek_v32",
+)
 _DEEPSEEKS = ("deepseek_v3", "deepseek_v32")
 _GEMMAS = ("gemma2", "gemma3_text")
 _SLIDE_ALL = ("mistral", "phi3")  # sliding_window: every layer or none
 _SLIDE_TYPED = ("qwen2", "qwen3", "smollm3", "gemma2", "gemma3_text")  # layer_types say which layers slide
 # model types whose feed-forward layers are mixtures of experts (configs with experts are caught as well)
-_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "granitemoehybrid",
-        "phimoe", "deepseek_v2", "deepseek_v3", "dbrx", "jamba", "jetmoe", "gpt_oss", "llama4", "dots1",
-        "ernie4_5_moe", "glm4_moe", "hunyuan_v1_moe", "minimax", "qwen3_next", "flex_olmo", "deepseek_v32",
-        "glm_moe_dsa")
+_MOE = (
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+    "granitemoe",
+    "granitemoeshared",
+    "granitemoehybrid",
+    "phimoe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "dbrx",
+    "jamba",
+    "jetmoe",
+    "gpt_oss",
+    "llama4",
+    "dots1",
+    "ernie4_5_moe",
+    "glm4_moe",
+    "hunyuan_v1_moe",
+    "minimax",
+    "qwen3_next",
+    "flex_olmo",
+    "deepseek_v32",
+    "glm_moe_dsa",
+)
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 
 
@@ -90,8 +124,10 @@ def _rope(cfg, params: dict | None = None) -> tuple[float, dict | None, int]:
     kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
     max_len = cfg.max_position_embeddings
     if kind not in _ROPE_TYPES:
-        raise ValueError(f"rope_type={kind!r} is not supported by attnkit.nn's RotaryEmbedding: convertible "
-                         f"rope types are {_ROPE_TYPES}")
+        raise ValueError(
+            f"rope_type={kind!r} is not supported by attnkit.nn's RotaryEmbedding: convertible "
+            f"rope types are {_ROPE_TYPES}"
+        )
     if params.pop("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("partial_rotary_factor != 1 is not supported by from_hf")
     if kind == "default":
@@ -122,8 +158,10 @@ def _windows(cfg, family: str) -> list[int | None]:
     types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * n)
     unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
     if unknown or len(types) != n:
-        raise ValueError(f"layer_types={types}: from_hf converts 'full_attention' and 'sliding_attention' layers, "
-                         f"one per layer ({n})")
+        raise ValueError(
+            f"layer_types={types}: from_hf converts 'full_attention' and 'sliding_attention' layers, "
+            f"one per layer ({n})"
+        )
     return [window if t == "sliding_attention" else None for t in types]
 
 
@@ -143,11 +181,15 @@ def _family(model) -> str:
     family = getattr(model.config, "model_type", None)
     _check_dense(model.config)
     if family not in FAMILIES:
-        raise ValueError(f"from_hf converts these causal LMs {FAMILIES}, got model_type={family!r}: run "
-                         f"other models in transformers with attn_implementation='attnkit' (register())")
+        raise ValueError(
+            f"from_hf converts these causal LMs {FAMILIES}, got model_type={family!r}: run "
+            f"other models in transformers with attn_implementation='attnkit' (register())"
+        )
     if not (hasattr(model, "model") and hasattr(model, "lm_head")):
-        raise ValueError(f"from_hf needs a causal LM with an output head ({family.capitalize()}ForCausalLM), got "
-                         f"{type(model).__name__}")
+        raise ValueError(
+            f"from_hf needs a causal LM with an output head ({family.capitalize()}ForCausalLM), got "
+            f"{type(model).__name__}"
+        )
     return family
 
 
@@ -158,10 +200,12 @@ def _check_dense(cfg) -> None:
     if family in _DEEPSEEKS and (experts == 0 or getattr(cfg, "first_k_dense_replace", 0) >= cfg.num_hidden_layers):
         return  # every layer's feed-forward is dense
     if family in _MOE or experts > 0:
-        raise ValueError(f"model_type={family!r} has mixture-of-experts feed-forward layers, which attnkit.nn does "
-                         f"not build, so from_hf cannot convert it: run it in transformers with "
-                         f"attn_implementation=\"attnkit\" (after attnkit.integrations.hf.register()) to use "
-                         f"attnkit's attention")
+        raise ValueError(
+            f"model_type={family!r} has mixture-of-experts feed-forward layers, which attnkit.nn does "
+            f"not build, so from_hf cannot convert it: run it in transformers with "
+            f'attn_implementation="attnkit" (after attnkit.integrations.hf.register()) to use '
+            f"attnkit's attention"
+        )
 
 
 def _family_options(cfg, family: str) -> dict:
@@ -176,10 +220,12 @@ def _family_options(cfg, family: str) -> dict:
     if family == "granite":
         d_head = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         scale = float(cfg.attention_multiplier)
-        return dict(embed_scale=None if cfg.embedding_multiplier == 1.0 else float(cfg.embedding_multiplier),
-                    attn_scale=None if scale == d_head ** -0.5 else scale,
-                    residual_scale=float(cfg.residual_multiplier),
-                    logit_divisor=None if cfg.logits_scaling == 1.0 else float(cfg.logits_scaling))
+        return dict(
+            embed_scale=None if cfg.embedding_multiplier == 1.0 else float(cfg.embedding_multiplier),
+            attn_scale=None if scale == d_head**-0.5 else scale,
+            residual_scale=float(cfg.residual_multiplier),
+            logit_divisor=None if cfg.logits_scaling == 1.0 else float(cfg.logits_scaling),
+        )
     return {}
 
 
@@ -200,24 +246,40 @@ def decoder_config(hf_config, *, backend: str = "auto"):
     theta, scaling, max_len = _rope(cfg)
     heads = cfg.num_attention_heads
     biased = family not in ("mistral", "qwen2", "phi3") and bool(getattr(cfg, "attention_bias", False))
-    return DecoderConfig(**_family_options(cfg, family),
-        vocab_size=cfg.vocab_size, d_model=cfg.hidden_size, n_layers=cfg.num_hidden_layers, n_heads=heads,
+    return DecoderConfig(
+        **_family_options(cfg, family),
+        vocab_size=cfg.vocab_size,
+        d_model=cfg.hidden_size,
+        n_layers=cfg.num_hidden_layers,
+        n_heads=heads,
         n_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-        d_head=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads, d_ff=cfg.intermediate_size,
-        max_seq_len=max_len, positions="rope", rope_theta=theta, rope_scaling=scaling,
-        **_layer_masks(_windows(cfg, family)), norm="rms",
-        norm_eps=cfg.rms_norm_eps, norm_first=True, ffn="swiglu", qkv_bias=biased or family == "qwen2",
-        out_bias=biased, ffn_bias=bool(getattr(cfg, "mlp_bias", False)),
-        tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)), dropout=0.0,
+        d_head=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+        d_ff=cfg.intermediate_size,
+        max_seq_len=max_len,
+        positions="rope",
+        rope_theta=theta,
+        rope_scaling=scaling,
+        **_layer_masks(_windows(cfg, family)),
+        norm="rms",
+        norm_eps=cfg.rms_norm_eps,
+        norm_first=True,
+        ffn="swiglu",
+        qkv_bias=biased or family == "qwen2",
+        out_bias=biased,
+        ffn_bias=bool(getattr(cfg, "mlp_bias", False)),
+        tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        dropout=0.0,
         attention_dropout=float(getattr(cfg, "attention_dropout", 0.0) or 0.0),
-        init_std=getattr(cfg, "initializer_range", 0.02), backend=backend)
+        init_std=getattr(cfg, "initializer_range", 0.02),
+        backend=backend,
+    )
 
 
 def _deepseek_scale(rope: dict, qk_head_dim: int) -> float:
     """DeepSeek's score scale: ``qk_head_dim^-0.5``, times ``mscale(factor, mscale_all_dim)^2`` with a scaled rope."""
     from ..nn.rope_scaling import yarn_mscale
 
-    scale = qk_head_dim ** -0.5
+    scale = qk_head_dim**-0.5
     if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
         m = yarn_mscale(rope["factor"], rope["mscale_all_dim"])
         scale = scale * m * m
@@ -231,15 +293,18 @@ def _deepseek_config(cfg, backend: str):
 
     indexer = None
     if cfg.model_type == "deepseek_v32":
-        indexer = IndexerConfig(top_k=cfg.index_topk, n_heads=cfg.index_n_heads, head_dim=cfg.index_head_dim,
-                                rope_interleaved=False)  # the indexer pairs (i, i + d/2); the attention (2i, 2i + 1)
+        indexer = IndexerConfig(
+            top_k=cfg.index_topk, n_heads=cfg.index_n_heads, head_dim=cfg.index_head_dim, rope_interleaved=False
+        )  # the indexer pairs (i, i + d/2); the attention (2i, 2i + 1)
 
     if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
         raise ValueError(f"hidden_act={cfg.hidden_act!r}: attnkit's SwiGLU uses silu")
     heads = cfg.num_attention_heads
     if (getattr(cfg, "num_key_value_heads", None) or heads) != heads:
-        raise ValueError(f"num_key_value_heads={cfg.num_key_value_heads} != num_attention_heads={heads}: latent "
-                         f"attention gives every head its own key and value")
+        raise ValueError(
+            f"num_key_value_heads={cfg.num_key_value_heads} != num_attention_heads={heads}: latent "
+            f"attention gives every head its own key and value"
+        )
     theta, scaling, max_len = _rope(cfg)
     params = dict(cfg.rope_parameters or {})
     if scaling is not None:  # the factor _rope filled in
@@ -247,16 +312,35 @@ def _deepseek_config(cfg, backend: str):
     scale = _deepseek_scale(params, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
     biased = bool(getattr(cfg, "attention_bias", False))
     return DecoderConfig(
-        vocab_size=cfg.vocab_size, d_model=cfg.hidden_size, n_layers=cfg.num_hidden_layers, n_heads=heads,
-        d_head=cfg.qk_nope_head_dim, d_ff=cfg.intermediate_size, kv_lora_rank=cfg.kv_lora_rank,
-        q_lora_rank=cfg.q_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
-        max_seq_len=max_len, positions="rope", rope_theta=theta, rope_scaling=scaling,
+        vocab_size=cfg.vocab_size,
+        d_model=cfg.hidden_size,
+        n_layers=cfg.num_hidden_layers,
+        n_heads=heads,
+        d_head=cfg.qk_nope_head_dim,
+        d_ff=cfg.intermediate_size,
+        kv_lora_rank=cfg.kv_lora_rank,
+        q_lora_rank=cfg.q_lora_rank,
+        qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim,
+        max_seq_len=max_len,
+        positions="rope",
+        rope_theta=theta,
+        rope_scaling=scaling,
         rope_interleaved=bool(getattr(cfg, "rope_interleave", True)),
         attn_scale=None if scale == (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5 else scale,
-        norm="rms", norm_eps=cfg.rms_norm_eps, norm_first=True, ffn="swiglu", qkv_bias=biased, out_bias=biased,
-        tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)), dropout=0.0,
+        norm="rms",
+        norm_eps=cfg.rms_norm_eps,
+        norm_first=True,
+        ffn="swiglu",
+        qkv_bias=biased,
+        out_bias=biased,
+        tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        dropout=0.0,
         attention_dropout=float(getattr(cfg, "attention_dropout", 0.0) or 0.0),
-        init_std=getattr(cfg, "initializer_range", 0.02), backend=backend, indexer=indexer)
+        init_std=getattr(cfg, "initializer_range", 0.02),
+        backend=backend,
+        indexer=indexer,
+    )
 
 
 def _gemma_config(cfg, backend: str):
@@ -273,16 +357,21 @@ def _gemma_config(cfg, backend: str):
     if gemma3:
         params = cfg.rope_parameters
         if not isinstance(params, dict) or not {"full_attention", "sliding_attention"} <= set(params):
-            raise ValueError(f"Gemma 3 rope_parameters={params!r}: from_hf reads one entry per layer type "
-                             f"('full_attention' and 'sliding_attention'), as transformers >= 5 stores them")
+            raise ValueError(
+                f"Gemma 3 rope_parameters={params!r}: from_hf reads one entry per layer type "
+                f"('full_attention' and 'sliding_attention'), as transformers >= 5 stores them"
+            )
         theta, scaling, max_len = _rope(cfg, params["full_attention"])
         local_theta, local_scaling, _ = _rope(cfg, params["sliding_attention"])
         if local_scaling is not None:
-            raise ValueError(f"rope_parameters['sliding_attention']={params['sliding_attention']}: from_hf converts "
-                             f"Gemma 3 sliding layers with the default rope type only")
+            raise ValueError(
+                f"rope_parameters['sliding_attention']={params['sliding_attention']}: from_hf converts "
+                f"Gemma 3 sliding layers with the default rope type only"
+            )
         sliding = any(w is not None for w in windows)
-        extra = dict(qk_norm=True, rope_local_theta=local_theta if sliding else None,
-                     **_layer_masks(windows, per_layer=sliding))
+        extra = dict(
+            qk_norm=True, rope_local_theta=local_theta if sliding else None, **_layer_masks(windows, per_layer=sliding)
+        )
     else:
         theta, scaling, max_len = _rope(cfg)
         extra = _layer_masks(windows)
@@ -290,29 +379,65 @@ def _gemma_config(cfg, backend: str):
     d_head = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     scalar = cfg.query_pre_attn_scalar
     return DecoderConfig(
-        vocab_size=cfg.vocab_size, d_model=cfg.hidden_size, n_layers=cfg.num_hidden_layers, n_heads=heads,
-        n_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, d_head=d_head, d_ff=cfg.intermediate_size,
-        max_seq_len=max_len, positions="rope", rope_theta=theta, rope_scaling=scaling,
-        **extra, norm="rms", norm_eps=cfg.rms_norm_eps, norm_offset=1.0,
-        norm_first=True, post_norms=True, ffn="geglu", qkv_bias=biased, out_bias=biased, ffn_bias=False,
+        vocab_size=cfg.vocab_size,
+        d_model=cfg.hidden_size,
+        n_layers=cfg.num_hidden_layers,
+        n_heads=heads,
+        n_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+        d_head=d_head,
+        d_ff=cfg.intermediate_size,
+        max_seq_len=max_len,
+        positions="rope",
+        rope_theta=theta,
+        rope_scaling=scaling,
+        **extra,
+        norm="rms",
+        norm_eps=cfg.rms_norm_eps,
+        norm_offset=1.0,
+        norm_first=True,
+        post_norms=True,
+        ffn="geglu",
+        qkv_bias=biased,
+        out_bias=biased,
+        ffn_bias=False,
         # transformers' Gemma 3 keeps attn_logit_softcapping in its config but never applies it to the scores
-        softcap=None if gemma3 else cfg.attn_logit_softcapping, logit_softcap=cfg.final_logit_softcapping,
-        attn_scale=None if scalar == d_head else float(scalar) ** -0.5, embed_scale=cfg.hidden_size ** 0.5,
-        tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", True)), dropout=0.0,
+        softcap=None if gemma3 else cfg.attn_logit_softcapping,
+        logit_softcap=cfg.final_logit_softcapping,
+        attn_scale=None if scalar == d_head else float(scalar) ** -0.5,
+        embed_scale=cfg.hidden_size**0.5,
+        tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", True)),
+        dropout=0.0,
         attention_dropout=float(getattr(cfg, "attention_dropout", 0.0) or 0.0),
-        init_std=getattr(cfg, "initializer_range", 0.02), backend=backend)
+        init_std=getattr(cfg, "initializer_range", 0.02),
+        backend=backend,
+    )
 
 
 # HF norm name -> attnkit norm name, per family (Gemma 2's post_attention_layernorm is the attention's output norm)
-_GEMMA_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "attn_post_norm",
-                "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "ffn_post_norm"}
-_NORMS = {"gemma2": _GEMMA_NORMS, "gemma3_text": _GEMMA_NORMS,
-          "olmo2": {"post_attention_layernorm": "attn_post_norm", "post_feedforward_layernorm": "ffn_post_norm"},
-          None: {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}}
+_GEMMA_NORMS = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "attn_post_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "ffn_post_norm",
+}
+_NORMS = {
+    "gemma2": _GEMMA_NORMS,
+    "gemma3_text": _GEMMA_NORMS,
+    "olmo2": {"post_attention_layernorm": "attn_post_norm", "post_feedforward_layernorm": "ffn_post_norm"},
+    None: {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"},
+}
 _QK_NORMS = {"q_norm": "q_norm", "k_norm": "k_norm"}  # self_attn.<name> -> attn.<name>
 # DeepSeek's latent attention: self_attn.<HF name> -> attn.<attnkit name> (LatentAttention)
-_MLA = {"q_proj": "q_proj", "q_a_proj": "q_a_proj", "q_a_layernorm": "q_norm", "q_b_proj": "q_b_proj",
-        "kv_a_proj_with_mqa": "kv_a_proj", "kv_a_layernorm": "kv_norm", "kv_b_proj": "kv_b_proj", "o_proj": "out_proj"}
+_MLA = {
+    "q_proj": "q_proj",
+    "q_a_proj": "q_a_proj",
+    "q_a_layernorm": "q_norm",
+    "q_b_proj": "q_b_proj",
+    "kv_a_proj_with_mqa": "kv_a_proj",
+    "kv_a_layernorm": "kv_norm",
+    "kv_b_proj": "kv_b_proj",
+    "o_proj": "out_proj",
+}
 _INDEXER = ("wq_b", "wk", "k_norm", "weights_proj")  # self_attn.indexer.<name> -> attn.indexer.<name>
 
 
@@ -328,7 +453,10 @@ def _shifted(w: Tensor, shift: float) -> Tensor:
 
 def _to_attnkit_state(hf_state: dict, n_layers: int, tied: bool, family: str, norm_offset: float) -> dict:
     off = _norm_shift(family, norm_offset)
-    s = {"embed.weight": hf_state["model.embed_tokens.weight"], "norm.weight": _shifted(hf_state["model.norm.weight"], off)}
+    s = {
+        "embed.weight": hf_state["model.embed_tokens.weight"],
+        "norm.weight": _shifted(hf_state["model.norm.weight"], off),
+    }
     if not tied:
         s["lm_head.weight"] = hf_state["lm_head.weight"]
     for i in range(n_layers):
@@ -346,8 +474,9 @@ def _to_attnkit_state(hf_state: dict, n_layers: int, tied: bool, family: str, no
                 for name in _INDEXER:  # DeepSeek-V3.2's lightning indexer: the same names
                     if f"{h}self_attn.indexer.{name}.{kind}" in hf_state:
                         s[f"{a}attn.indexer.{name}.{kind}"] = hf_state[f"{h}self_attn.indexer.{name}.{kind}"]
-                s[f"{a}ffn.up_proj.weight"] = torch.cat([hf_state[h + "mlp.gate_proj.weight"],
-                                                         hf_state[h + "mlp.up_proj.weight"]], 0)  # rows [gate; up]
+                s[f"{a}ffn.up_proj.weight"] = torch.cat(
+                    [hf_state[h + "mlp.gate_proj.weight"], hf_state[h + "mlp.up_proj.weight"]], 0
+                )  # rows [gate; up]
                 s[f"{a}ffn.down_proj.weight"] = hf_state[h + "mlp.down_proj.weight"]
                 continue
             qkv = [hf_state.get(f"{h}self_attn.{p}_proj.{kind}") for p in "qkv"]

@@ -14,8 +14,10 @@ def _transformers():
         import transformers
         from transformers import masking_utils
     except ImportError as e:
-        raise ImportError("attnkit.integrations.hf needs Hugging Face transformers "
-                          f"{','.join(SUPPORTED_TRANSFORMERS)}: install it with pip install 'attnkit[hf]'") from e
+        raise ImportError(
+            "attnkit.integrations.hf needs Hugging Face transformers "
+            f"{','.join(SUPPORTED_TRANSFORMERS)}: install it with pip install 'attnkit[hf]'"
+        ) from e
     _check_version(transformers.__version__)
     return transformers, masking_utils
 
@@ -25,5 +27,7 @@ def _check_version(version: str) -> None:
 
     release = Version(Version(version).base_version)  # 6.0.0rc1 counts as 6.0.0, 5.25.0.dev0 as 5.25.0
     if not Version(_MIN_VERSION) <= release < Version(_MAX_VERSION):
-        raise RuntimeError(f"attnkit.integrations.hf supports transformers {','.join(SUPPORTED_TRANSFORMERS)}, "
-                           f"found {version}: install a supported version with pip install 'attnkit[hf]'")
+        raise RuntimeError(
+            f"attnkit.integrations.hf supports transformers {','.join(SUPPORTED_TRANSFORMERS)}, "
+            f"found {version}: install a supported version with pip install 'attnkit[hf]'"
+        )

@@ -66,8 +66,15 @@ __all__ = ["register", "attention_forward", "build_mask", "from_hf", "to_hf", "S
 
 
 # names transformers itself defines; registering one of them would replace it for every model in the process
-_RESERVED = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4",
-             "paged|eager")
+_RESERVED = (
+    "eager",
+    "sdpa",
+    "flex_attention",
+    "flash_attention_2",
+    "flash_attention_3",
+    "flash_attention_4",
+    "paged|eager",
+)
 _UNSUPPORTED_KWARGS = {
     "block_indices": "an indexer's selected key blocks (MiniMax-M3 sparse attention)",
 }
@@ -76,10 +83,16 @@ _UNSUPPORTED_KWARGS = {
 def _selected_keys(indices, query: Tensor, key: Tensor) -> Tensor:
     """A top-k indexer's selection ``indices (B, Lq, topk)`` (DeepSeek-V3.2's sparse attention: the keys each
     query may read; negative entries select nothing) as a bool mask ``(B, 1, Lq, Lk)``."""
-    if not isinstance(indices, Tensor) or indices.dim() != 3 or indices.dtype.is_floating_point \
-            or indices.dtype == torch.bool:
-        raise ValueError(f"indices= must be an integer tensor (B, Lq, topk) of selected key positions, got "
-                         f"{type(indices).__name__ if not isinstance(indices, Tensor) else tuple(indices.shape)}")
+    if (
+        not isinstance(indices, Tensor)
+        or indices.dim() != 3
+        or indices.dtype.is_floating_point
+        or indices.dtype == torch.bool
+    ):
+        raise ValueError(
+            f"indices= must be an integer tensor (B, Lq, topk) of selected key positions, got "
+            f"{type(indices).__name__ if not isinstance(indices, Tensor) else tuple(indices.shape)}"
+        )
     B, Lq, Lk = query.shape[0], query.shape[2], key.shape[2]
     if indices.shape[0] not in (1, B) or indices.shape[1] != Lq:
         raise ValueError(f"indices= has shape {tuple(indices.shape)}, expected (B={B}, Lq={Lq}, topk)")
@@ -146,8 +159,7 @@ def _cell(fn: Callable, name: str):
 @functools.lru_cache(maxsize=1)
 def _closure_codes() -> dict:
     _, mu = _transformers()
-    codes = {"and": mu.and_masks(mu.causal_mask_function).__code__,
-             "window": mu.sliding_window_overlay(1).__code__}
+    codes = {"and": mu.and_masks(mu.causal_mask_function).__code__, "window": mu.sliding_window_overlay(1).__code__}
     if hasattr(mu, "sliding_window_bidirectional_overlay"):
         codes["window_bidirectional"] = mu.sliding_window_bidirectional_overlay(1).__code__
     if hasattr(mu, "packed_sequence_mask_function") and hasattr(mu, "remap_positions_for_packed_sequence"):
@@ -167,8 +179,10 @@ def _packed_pattern(fn: Callable | None) -> tuple[Callable, Tensor] | None:
     if not parts or len(parts) != 2:
         return None
     remap, packed = parts
-    if getattr(remap, "__code__", None) is not codes["remap"] or \
-            getattr(packed, "__code__", None) is not codes["packed"]:
+    if (
+        getattr(remap, "__code__", None) is not codes["remap"]
+        or getattr(packed, "__code__", None) is not codes["packed"]
+    ):
         return None
     ids = _cell(packed, "packed_sequence_mask")
     inner = _cell(remap, "mask_function")
@@ -177,8 +191,9 @@ def _packed_pattern(fn: Callable | None) -> tuple[Callable, Tensor] | None:
     return inner, ids
 
 
-def _packed_mask(fn: Callable | None, batch_size: int, q_length: int, kv_length: int, q_offset, kv_offset,
-                 attention_mask, device) -> "_StructuredMask | None":
+def _packed_mask(
+    fn: Callable | None, batch_size: int, q_length: int, kv_length: int, q_offset, kv_offset, attention_mask, device
+) -> "_StructuredMask | None":
     """Packed sequences as a structured mask: ``masks.varlen`` (one row: each sequence's tiles only) or
     ``document(ids) & pattern`` (several rows), with the layer's causal / window pattern inside each sequence
     (transformers remaps positions to the position ids, which restart per sequence: inside a sequence only
@@ -254,11 +269,21 @@ def _key_mask(attention_mask: Tensor, kv_length: int, kv_offset: int) -> Tensor:
     return keep[:, kv_offset:need]
 
 
-def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
-               mask_function: Callable | None = None, attention_mask: Tensor | None = None,
-               local_size: int | None = None, allow_is_causal_skip: bool = True,
-               allow_is_bidirectional_skip: bool = False, use_vmap: bool = False,
-               device: torch.device | str = "cpu", **kwargs):
+def build_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset=0,
+    kv_offset=0,
+    mask_function: Callable | None = None,
+    attention_mask: Tensor | None = None,
+    local_size: int | None = None,
+    allow_is_causal_skip: bool = True,
+    allow_is_bidirectional_skip: bool = False,
+    use_vmap: bool = False,
+    device: torch.device | str = "cpu",
+    **kwargs,
+):
     """The mask function :func:`register` adds to ``transformers.masking_utils.AttentionMaskInterface``.
 
     ``transformers`` calls it (through ``create_causal_mask`` and friends) with the model's mask pattern
@@ -299,18 +324,30 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
         # a model that does its own attention (Bloom, MPT, ...) never calls attnkit: it gets the mask its
         # own code reads, the one transformers builds for "eager"; so does one whose own code computes with
         # the mask (SigLIP 2's pooling head repeats it, BigBird-Pegasus' encoder adds it to its scores)
-        return mu.eager_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                             kv_offset=kv_offset, mask_function=mask_function or mu.causal_mask_function,
-                             attention_mask=attention_mask, dtype=kwargs.get("dtype") or torch.float32,
-                             allow_is_bidirectional_skip=allow_is_bidirectional_skip, use_vmap=use_vmap,
-                             device=device)
-    packed = None if use_vmap else _packed_mask(mask_function, batch_size, q_length, kv_length, q_offset,
-                                                 kv_offset, attention_mask, device)
+        return mu.eager_mask(
+            batch_size=batch_size,
+            q_length=q_length,
+            kv_length=kv_length,
+            q_offset=q_offset,
+            kv_offset=kv_offset,
+            mask_function=mask_function or mu.causal_mask_function,
+            attention_mask=attention_mask,
+            dtype=kwargs.get("dtype") or torch.float32,
+            allow_is_bidirectional_skip=allow_is_bidirectional_skip,
+            use_vmap=use_vmap,
+            device=device,
+        )
+    packed = (
+        None
+        if use_vmap
+        else _packed_mask(mask_function, batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask, device)
+    )
     if packed is not None:
         return packed
     pattern = _pattern(mask_function)
     structured = (
-        pattern is not None and not use_vmap
+        pattern is not None
+        and not use_vmap
         # callers that pass allow_*_skip=False add to the mask afterwards and need a real tensor
         and (allow_is_causal_skip if pattern.causal else allow_is_bidirectional_skip)
         and (attention_mask is None or (isinstance(attention_mask, Tensor) and attention_mask.dim() == 2))
@@ -319,10 +356,20 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
         ints = all(isinstance(x, int) and not isinstance(x, bool) for x in (q_offset, kv_offset))
         structured = ints and q_offset - kv_offset == kv_length - q_length
     if not structured:
-        return mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                            kv_offset=kv_offset, mask_function=mask_function or mu.causal_mask_function,
-                            attention_mask=attention_mask, local_size=local_size, allow_is_causal_skip=False,
-                            allow_is_bidirectional_skip=False, use_vmap=use_vmap, device=device)
+        return mu.sdpa_mask(
+            batch_size=batch_size,
+            q_length=q_length,
+            kv_length=kv_length,
+            q_offset=q_offset,
+            kv_offset=kv_offset,
+            mask_function=mask_function or mu.causal_mask_function,
+            attention_mask=attention_mask,
+            local_size=local_size,
+            allow_is_causal_skip=False,
+            allow_is_bidirectional_skip=False,
+            use_vmap=use_vmap,
+            device=device,
+        )
     device = torch.device(device)
     # one query at the last position sees every key unless a window bounds it on the left (decoding)
     mask = None if q_length == 1 and pattern.left is None else pattern.mask()
@@ -331,8 +378,7 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
         if torch.compiler.is_compiling() or not bool(keep.all()):  # (traced: the values are unknown)
             padding = _masks.key_padding(keep)
             mask = padding if mask is None else mask & padding
-    return _StructuredMask(mask, (batch_size, 1, q_length, kv_length), device,
-                           rows_alike=pattern.mask() is None)
+    return _StructuredMask(mask, (batch_size, 1, q_length, kv_length), device, rows_alike=pattern.mask() is None)
 
 
 # ------------------------------------------------------------------------------- the attention function
@@ -343,6 +389,7 @@ def _model_type_uses_interface(model_type: str) -> bool:
     transformers, _ = _transformers()
     try:
         from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
         cls = getattr(transformers, MODEL_MAPPING_NAMES[model_type])
     except Exception:  # noqa: BLE001 (an unknown or custom model type: assume it calls the attention interface)
         return True
@@ -382,9 +429,11 @@ def _resolve_mask(module, attention_mask, q: Tensor, k: Tensor, is_causal, slidi
         # builds its padding mask so and reuses it
         one_row = attention_mask.rows_alike and tuple(attention_mask.shape[2:]) == (1, lk)
         if tuple(attention_mask.shape[2:]) != (lq, lk) and not one_row:
-            raise ValueError(f"the attnkit mask was built for (Lq, Lk)={tuple(attention_mask.shape[2:])} but the "
-                             f"layer has queries of length {lq} and keys of length {lk}: the model's cache and "
-                             f"its mask sizes disagree; report the model class to attnkit")
+            raise ValueError(
+                f"the attnkit mask was built for (Lq, Lk)={tuple(attention_mask.shape[2:])} but the "
+                f"layer has queries of length {lq} and keys of length {lk}: the model's cache and "
+                f"its mask sizes disagree; report the model class to attnkit"
+            )
         return attention_mask.mask, None
     if attention_mask is None:
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)
@@ -400,10 +449,14 @@ def _resolve_mask(module, attention_mask, q: Tensor, k: Tensor, is_causal, slidi
             return m, None
         if m.is_floating_point():
             return None, m.to(q.dtype)  # an additive mask (0 / large negative), as eager adds it
-        raise TypeError(f"attention_mask has dtype {m.dtype}: attnkit takes a bool mask (True = may attend) "
-                        f"or a float additive mask")
-    raise TypeError(f"attention_mask of type {type(attention_mask).__name__} is not supported by the attnkit "
-                    f"attention function: pass a 2-D padding mask to the model, or a bool/float 4-D tensor")
+        raise TypeError(
+            f"attention_mask has dtype {m.dtype}: attnkit takes a bool mask (True = may attend) "
+            f"or a float additive mask"
+        )
+    raise TypeError(
+        f"attention_mask of type {type(attention_mask).__name__} is not supported by the attnkit "
+        f"attention function: pass a 2-D padding mask to the model, or a bool/float 4-D tensor"
+    )
 
 
 def _with_sequence_bounds(mask, cu_q, cu_k, query: Tensor, key: Tensor):
@@ -413,9 +466,13 @@ def _with_sequence_bounds(mask, cu_q, cu_k, query: Tensor, key: Tensor):
     cu_q = cu_k if cu_q is None else cu_q
     cu_k = cu_q if cu_k is None else cu_k
     if query.shape[0] != 1:
-        raise ValueError(f"cu_seq_lens_q/cu_seq_lens_k describe sequences packed into one row, but the batch has "
-                         f"{query.shape[0]} rows: pack the batch into one row (DataCollatorWithFlattening)")
-    if isinstance(mask, Mask) and isinstance(mask.form(query.shape[2], key.shape[2]), _masks.Varlen):  # from position ids
+        raise ValueError(
+            f"cu_seq_lens_q/cu_seq_lens_k describe sequences packed into one row, but the batch has "
+            f"{query.shape[0]} rows: pack the batch into one row (DataCollatorWithFlattening)"
+        )
+    if isinstance(mask, Mask) and isinstance(
+        mask.form(query.shape[2], key.shape[2]), _masks.Varlen
+    ):  # from position ids
         return mask
     if mask is None or (isinstance(mask, Mask) and _masks._per_sequence(mask)):
         return _masks.varlen(cu_q, cu_k, mask)
@@ -435,8 +492,9 @@ def _restarting_positions(position_ids, mask, query: Tensor, key: Tensor) -> Ten
         return None
     if position_ids.dim() != 2 or tuple(position_ids.shape) != (1, lq):
         return None  # (multimodal rope ids have more axes)
-    if mask is not None and not (isinstance(mask, Mask) and not isinstance(mask.form(lq, lk), _masks.Varlen)
-                                 and _masks._per_sequence(mask)):
+    if mask is not None and not (
+        isinstance(mask, Mask) and not isinstance(mask.form(lq, lk), _masks.Varlen) and _masks._per_sequence(mask)
+    ):
         return None
     starts = (position_ids[0].diff() != 1).nonzero()[:, 0] + 1  # (n - 1,)
     if starts.numel() == 0:
@@ -455,10 +513,22 @@ def _collecting_attentions() -> bool:
     return bool(collected) and any(key.endswith("attentions") for key in collected)
 
 
-def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
-                      dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
-                      softcap: float | None = None, sliding_window: int | None = None,
-                      position_bias: Tensor | None = None, *, backend: str = "auto", **kwargs):
+def attention_forward(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
+    position_bias: Tensor | None = None,
+    *,
+    backend: str = "auto",
+    **kwargs,
+):
     """The attention function :func:`register` adds to ``transformers.AttentionInterface``.
 
     Args:
@@ -501,8 +571,10 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     """
     for name, what in _UNSUPPORTED_KWARGS.items():
         if kwargs.get(name) is not None:
-            raise ValueError(f"{name}= ({what}) is not supported by attnkit's attention; load this model with "
-                             f"attn_implementation='eager' or 'sdpa'")
+            raise ValueError(
+                f"{name}= ({what}) is not supported by attnkit's attention; load this model with "
+                f"attn_implementation='eager' or 'sdpa'"
+            )
     sinks = kwargs.get("s_aux")
     if sinks is None:
         sinks = kwargs.get("sinks")
@@ -522,12 +594,23 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     bias = position_bias
     if additive is not None:
         bias = additive if bias is None else bias + additive
-    out = attention(query, key, value, mask=mask, bias=bias, scale=scaling, softcap=softcap,
-                    dropout_p=float(dropout or 0.0), backend=backend, sinks=sinks)  # (B, Hq, Lq, Dv)
+    out = attention(
+        query,
+        key,
+        value,
+        mask=mask,
+        bias=bias,
+        scale=scaling,
+        softcap=softcap,
+        dropout_p=float(dropout or 0.0),
+        backend=backend,
+        sinks=sinks,
+    )  # (B, Hq, Lq, Dv)
     weights = None
     if kwargs.get("output_attentions") or _collecting_attentions():
-        weights = attention_weights(query, key, value, mask=mask, bias=bias, scale=scaling, softcap=softcap,
-                                    sinks=sinks)
+        weights = attention_weights(
+            query, key, value, mask=mask, bias=bias, scale=scaling, softcap=softcap, sinks=sinks
+        )
     return out.transpose(1, 2).contiguous(), weights  # (B, Lq, Hq, Dv)
 
 
@@ -538,8 +621,11 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
 def _self_check() -> None:
     """Compare build_mask with transformers' own sdpa_mask on small cases; raise if they ever differ."""
     _, mu = _transformers()
-    patterns = [("causal", mu.causal_mask_function, True), ("bidirectional", mu.bidirectional_mask_function, False),
-                ("sliding_window=3", mu.sliding_window_causal_mask_function(3), True)]
+    patterns = [
+        ("causal", mu.causal_mask_function, True),
+        ("bidirectional", mu.bidirectional_mask_function, False),
+        ("sliding_window=3", mu.sliding_window_causal_mask_function(3), True),
+    ]
     if hasattr(mu, "sliding_window_bidirectional_mask_function"):
         patterns.append(("bidirectional sliding_window=2", mu.sliding_window_bidirectional_mask_function(2), False))
     # (Lq, Lk, q_offset, kv_offset): prefill, decoding against a cache, chunked prefill, a full sliding cache
@@ -552,19 +638,30 @@ def _self_check() -> None:
             padding = torch.ones(2, n, dtype=torch.bool)
             padding[0, : min(3, n - 1)] = False  # left padding in the first sequence
             for pad in (None, padding):
-                got = build_mask(2, lq, lk, qo, ko, mask_function=fn, attention_mask=pad,
-                                 allow_is_bidirectional_skip=True)
+                got = build_mask(
+                    2, lq, lk, qo, ko, mask_function=fn, attention_mask=pad, allow_is_bidirectional_skip=True
+                )
                 got = got.to_dense() if isinstance(got, _StructuredMask) else got
-                want = mu.sdpa_mask(batch_size=2, q_length=lq, kv_length=lk, q_offset=qo, kv_offset=ko,
-                                    mask_function=fn, attention_mask=pad, allow_is_causal_skip=False,
-                                    allow_is_bidirectional_skip=False)
+                want = mu.sdpa_mask(
+                    batch_size=2,
+                    q_length=lq,
+                    kv_length=lk,
+                    q_offset=qo,
+                    kv_offset=ko,
+                    mask_function=fn,
+                    attention_mask=pad,
+                    allow_is_causal_skip=False,
+                    allow_is_bidirectional_skip=False,
+                )
                 if want is None or not torch.equal(got.expand_as(want), want):
                     import transformers
 
-                    raise RuntimeError(f"attnkit's masks differ from transformers {transformers.__version__}'s for "
-                                       f"{name}, Lq={lq}, Lk={lk}, offsets ({qo}, {ko}): this transformers version "
-                                       f"changed the mask semantics; use transformers "
-                                       f"{','.join(SUPPORTED_TRANSFORMERS)} with this attnkit")
+                    raise RuntimeError(
+                        f"attnkit's masks differ from transformers {transformers.__version__}'s for "
+                        f"{name}, Lq={lq}, Lk={lk}, offsets ({qo}, {ko}): this transformers version "
+                        f"changed the mask semantics; use transformers "
+                        f"{','.join(SUPPORTED_TRANSFORMERS)} with this attnkit"
+                    )
 
 
 def register(name: str = "attnkit", *, backend: str = "auto") -> str:
@@ -608,18 +705,21 @@ def register(name: str = "attnkit", *, backend: str = "auto") -> str:
     if not isinstance(name, str) or not name.strip():
         raise TypeError(f"name must be a non-empty string, got {name!r}")
     if name in _RESERVED or name.startswith("paged|"):
-        raise ValueError(f"name={name!r} is one of transformers' own attention implementations; registering it "
-                         f"would replace that implementation for every model: choose another name, e.g. 'attnkit'")
+        raise ValueError(
+            f"name={name!r} is one of transformers' own attention implementations; registering it "
+            f"would replace that implementation for every model: choose another name, e.g. 'attnkit'"
+        )
     routed = next((w for w in ("flash", "sdpa", "flex_attention", "/") if w in name), None)
     if routed is not None:
-        raise ValueError(f"name={name!r} contains {routed!r}, which transformers routes by substring (to a "
-                         f"flash-attention kernel from the hub, or through its SDPA/flex support checks) instead of "
-                         f"to the registered function: choose a name without it, e.g. 'attnkit'")
+        raise ValueError(
+            f"name={name!r} contains {routed!r}, which transformers routes by substring (to a "
+            f"flash-attention kernel from the hub, or through its SDPA/flex support checks) instead of "
+            f"to the registered function: choose a name without it, e.g. 'attnkit'"
+        )
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string, got {type(backend).__name__}")
     if backend != "auto" and backend not in _backends.available():
-        raise ValueError(f"backend={backend!r} is not available here: choose one of "
-                         f"{['auto', *_backends.available()]}")
+        raise ValueError(f"backend={backend!r} is not available here: choose one of {['auto', *_backends.available()]}")
     _self_check()
 
     @functools.wraps(attention_forward)

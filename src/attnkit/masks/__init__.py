@@ -43,16 +43,51 @@ from typing import TYPE_CHECKING, TypeAlias, Union
 
 import torch
 
-from ._base import (Band, Dense, Documents, KeyLengths, Mask, MaskForm, Prefix, Varlen, _And, _Named, _Not,
-                    _Or)
+from ._base import Band, Dense, Documents, KeyLengths, Mask, MaskForm, Prefix, Varlen, _And, _Named, _Not, _Or
 from ._blocks import EMPTY, FULL, PARTIAL, BlockStructure, _check_align, index_grid, _offset
-from ._builtins import (_BlockLocal, _Causal, _Dilated, _Document, _GlobalTokens, _Interval, _KeyColumns, _KeyLengths,
-                        _PrefixLM, _RandomBlocks, _SlidingWindow, _Strided, _SummaryColumns, block_local, causal,
-                        dilated, document, fixed, global_tokens, key_padding, prefix_lm, random_blocks, sliding_window,
-                        strided)
-from ._convert import (_check_per_sequence, _decodes_differently, _FlexPredicate, _FromDense, _FromFlex, _FromFn,
-                       nothing_visible, _per_sequence, positions_unchecked, reads_absolute_positions, _Varlen,
-                       from_dense, from_flex, from_fn, varlen)
+from ._builtins import (
+    _BlockLocal,
+    _Causal,
+    _Dilated,
+    _Document,
+    _GlobalTokens,
+    _Interval,
+    _KeyColumns,
+    _KeyLengths,
+    _PrefixLM,
+    _RandomBlocks,
+    _SlidingWindow,
+    _Strided,
+    _SummaryColumns,
+    block_local,
+    causal,
+    dilated,
+    document,
+    fixed,
+    global_tokens,
+    key_padding,
+    prefix_lm,
+    random_blocks,
+    sliding_window,
+    strided,
+)
+from ._convert import (
+    _check_per_sequence,
+    _decodes_differently,
+    _FlexPredicate,
+    _FromDense,
+    _FromFlex,
+    _FromFn,
+    nothing_visible,
+    _per_sequence,
+    positions_unchecked,
+    reads_absolute_positions,
+    _Varlen,
+    from_dense,
+    from_flex,
+    from_fn,
+    varlen,
+)
 from ._serial import from_dict
 from ._selected import _SelectedBlocks, selected_blocks, top_k_blocks
 

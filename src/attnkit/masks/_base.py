@@ -9,9 +9,25 @@ from typing import Callable, Iterator, TypeAlias, Union
 
 import torch
 
-from ._blocks import (_EVAL_CHUNK, EMPTY, FULL, PARTIAL, BlockStructure, _and_tiles, _as_grid, _Band, _ceil_div,
-                      _check_int, _Grid, index_grid, _or_tiles, _pool_kinds, _structure_from_band,
-                      _structure_from_grid, _Tiling)
+from ._blocks import (
+    _EVAL_CHUNK,
+    EMPTY,
+    FULL,
+    PARTIAL,
+    BlockStructure,
+    _and_tiles,
+    _as_grid,
+    _Band,
+    _ceil_div,
+    _check_int,
+    _Grid,
+    index_grid,
+    _or_tiles,
+    _pool_kinds,
+    _structure_from_band,
+    _structure_from_grid,
+    _Tiling,
+)
 
 Tensor = torch.Tensor
 
@@ -57,9 +73,11 @@ def _checked_shape(mask: Mask, out: Tensor, *index: Tensor) -> Tensor:
         torch.broadcast_shapes(out.shape, shape)  # type: ignore[no-untyped-call]  # (torch.functional is unannotated)
         return out
     except RuntimeError:
-        raise ValueError(f"{mask!r}: the mask function returned shape {tuple(out.shape)} for index tensors that "
-                         f"broadcast to {tuple(shape)}: build the result from b, h, q_idx, kv_idx with "
-                         f"broadcasting ops (e.g. q_idx >= kv_idx), without reshaping them") from None
+        raise ValueError(
+            f"{mask!r}: the mask function returned shape {tuple(out.shape)} for index tensors that "
+            f"broadcast to {tuple(shape)}: build the result from b, h, q_idx, kv_idx with "
+            f"broadcasting ops (e.g. q_idx >= kv_idx), without reshaping them"
+        ) from None
 
 
 # ---------------------------------------------------------------- what Mask.form answers
@@ -130,6 +148,7 @@ MaskForm: TypeAlias = Union[Band, Prefix, Documents, KeyLengths, Dense, Varlen]
 # id(mask) -> (weak reference to the mask, its value key): Mask._cached_value_key's memo
 _VALUE_KEYS: dict[int, tuple[weakref.ref[Mask], str | None]] = {}
 
+
 class Mask:
     """A vectorised predicate ``(b, h, q_idx, kv_idx) -> bool`` and its block structure.
 
@@ -191,8 +210,10 @@ class Mask:
     # ---- public
     def mask_mod(self, q_len: int, kv_len: int) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
         """The predicate bound to a shape, as FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) -> bool``."""
+
         def mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             return self.evaluate(b, h, q_idx, kv_idx, q_len, kv_len)
+
         return mod
 
     def validate(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
@@ -374,10 +395,12 @@ class Mask:
         """
         key = self.value_key()
         if key is None:
-            raise ValueError(f"{self!r} cannot be serialised: only masks built from attnkit's built-ins without "
-                             f"tensors (causal, sliding_window, prefix_lm, block_local, strided, fixed, dilated, "
-                             f"random_blocks and their &, |, ~) are; a mask from a Python function, a tensor, key "
-                             f"lengths or document ids must be rebuilt by the code that made it")
+            raise ValueError(
+                f"{self!r} cannot be serialised: only masks built from attnkit's built-ins without "
+                f"tensors (causal, sliding_window, prefix_lm, block_local, strided, fixed, dilated, "
+                f"random_blocks and their &, |, ~) are; a mask from a Python function, a tensor, key "
+                f"lengths or document ids must be rebuilt by the code that made it"
+            )
         return {"mask": key}
 
     def cheap_structure(self) -> bool:
@@ -393,8 +416,9 @@ class Mask:
         """
         return True
 
-    def to_dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1,
-                 device: torch.device | str | None = None) -> Tensor:
+    def to_dense(
+        self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1, device: torch.device | str | None = None
+    ) -> Tensor:
         """The mask as a bool tensor ``(B', H', q_len, kv_len)``; ``B'``/``H'`` are 1 where it does not vary."""
         _check_int("q_len", q_len)
         _check_int("kv_len", kv_len)
@@ -403,9 +427,17 @@ class Mask:
         out = _checked_bool(self, self.evaluate(b, h, q, k, q_len, kv_len))
         return out.expand(out.shape[0], out.shape[1], q_len, kv_len)
 
-    def block_structure(self, q_len: int, kv_len: int, block_q: int = 128, block_k: int | None = None, *,
-                        batch: int = 1, heads: int = 1,
-                        device: torch.device | str | None = None) -> BlockStructure:
+    def block_structure(
+        self,
+        q_len: int,
+        kv_len: int,
+        block_q: int = 128,
+        block_k: int | None = None,
+        *,
+        batch: int = 1,
+        heads: int = 1,
+        device: torch.device | str | None = None,
+    ) -> BlockStructure:
         """The tiles a kernel must visit for a ``(q_len, kv_len)`` score matrix.
 
         Example::
@@ -455,8 +487,9 @@ class Mask:
             total += int(m.sum())
         return total / (nb * nh * q_len * kv_len)
 
-    def show(self, q_len: int | None = None, kv_len: int | None = None, *, batch: int = 0, head: int = 0,
-             max_width: int = 64) -> str:
+    def show(
+        self, q_len: int | None = None, kv_len: int | None = None, *, batch: int = 0, head: int = 0, max_width: int = 64
+    ) -> str:
         """Draw the mask: one character per element (█ may attend, · may not), or per tile when wide.
 
         ``q_len``/``kv_len`` default to the size the mask carries (else 16); ``batch`` and ``head`` pick what is
@@ -504,8 +537,10 @@ class Mask:
 
 def _as_mask(x: object, op: str) -> Mask:
     if not isinstance(x, Mask):
-        raise TypeError(f"cannot combine a Mask with {type(x).__name__} using {op!r}: "
-                        f"wrap a bool tensor with attnkit.masks.from_dense(t)")
+        raise TypeError(
+            f"cannot combine a Mask with {type(x).__name__} using {op!r}: "
+            f"wrap a bool tensor with attnkit.masks.from_dense(t)"
+        )
     return x
 
 

@@ -26,8 +26,10 @@ EMPTY, PARTIAL, FULL = 0, 1, 2  # tile kinds
 
 def _check_align(align: str) -> str:
     if align not in _ALIGNS:
-        raise ValueError(f"align={align!r} is not one of {_ALIGNS}: use 'bottom_right' (query row i at "
-                         f"position i + Lk - Lq, the decoding alignment) or 'top_left' (row i at position i)")
+        raise ValueError(
+            f"align={align!r} is not one of {_ALIGNS}: use 'bottom_right' (query row i at "
+            f"position i + Lk - Lq, the decoding alignment) or 'top_left' (row i at position i)"
+        )
     return align
 
 
@@ -57,12 +59,17 @@ def _index_tensor(name: str, values: object, *, ndim: Sequence[int]) -> Tensor:
     return t.to(torch.long)
 
 
-def index_grid(batch: int, heads: int, q_len: int, kv_len: int,
-                device: torch.device | str | None = None) -> tuple[Tensor, ...]:
+def index_grid(
+    batch: int, heads: int, q_len: int, kv_len: int, device: torch.device | str | None = None
+) -> tuple[Tensor, ...]:
     """Index tensors b (B,1,1,1), h (1,H,1,1), q (1,1,Lq,1), k (1,1,1,Lk) that broadcast to (B, H, Lq, Lk)."""
     device = torch.device(device) if device is not None else torch.device("cpu")
-    return (torch.arange(batch, device=device).view(-1, 1, 1, 1), torch.arange(heads, device=device).view(1, -1, 1, 1),
-            torch.arange(q_len, device=device).view(1, 1, -1, 1), torch.arange(kv_len, device=device).view(1, 1, 1, -1))
+    return (
+        torch.arange(batch, device=device).view(-1, 1, 1, 1),
+        torch.arange(heads, device=device).view(1, -1, 1, 1),
+        torch.arange(q_len, device=device).view(1, 1, -1, 1),
+        torch.arange(kv_len, device=device).view(1, 1, 1, -1),
+    )
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -238,8 +245,10 @@ class BlockStructure:
         """Dense tile kinds ``(B', H', nq, nk)`` int8: 0 empty, 1 partial, 2 full (for small tilings)."""
         nk = self.num_k_tiles
         out = torch.zeros(*self.full_count.shape, nk, dtype=torch.int8, device=self.full_count.device)
-        for count, index, kind in ((self.partial_count, self.partial_index, PARTIAL),
-                                   (self.full_count, self.full_index, FULL)):
+        for count, index, kind in (
+            (self.partial_count, self.partial_index, PARTIAL),
+            (self.full_count, self.full_index, FULL),
+        ):
             if index.shape[-1] == 0:
                 continue
             live = torch.arange(index.shape[-1], device=index.device) < count[..., None].long()
@@ -275,8 +284,10 @@ class BlockStructure:
         kinds = torch.where(counts[0] == area, FULL, torch.where(counts[0] + counts[1] > 0, PARTIAL, EMPTY))
         kinds = kinds.view(gq, gk)
         grouped = f", one character per {g}x{g} tiles" if g > 1 else ""
-        lines = [f"BlockStructure({self.q_len}x{self.kv_len}, tiles {self.block_q}x{self.block_k}, "
-                 f"{nq}x{nk} tiles, visited {self.visited_fraction():.1%}{grouped}; █ full, ░ partial, · empty)"]
+        lines = [
+            f"BlockStructure({self.q_len}x{self.kv_len}, tiles {self.block_q}x{self.block_k}, "
+            f"{nq}x{nk} tiles, visited {self.visited_fraction():.1%}{grouped}; █ full, ░ partial, · empty)"
+        ]
         chars = {EMPTY: "·", PARTIAL: "░", FULL: "█"}
         for row in kinds.tolist():
             lines.append(" " + "".join(chars[c] for c in row))
@@ -297,8 +308,16 @@ def _structure_from_band(band: _Band, t: _Tiling) -> BlockStructure:
     before = (band.flo - band.lo)[..., None]
     partial_index = torch.where(j < before, band.lo[..., None] + j, band.fhi[..., None] + j - before)
     partial_index = torch.where(j < npart[..., None], partial_index, 0)
-    return BlockStructure(t.q_len, t.kv_len, t.block_q, t.block_k, nfull.to(torch.int32),
-                          full_index.to(torch.int32), npart.to(torch.int32), partial_index.to(torch.int32))
+    return BlockStructure(
+        t.q_len,
+        t.kv_len,
+        t.block_q,
+        t.block_k,
+        nfull.to(torch.int32),
+        full_index.to(torch.int32),
+        npart.to(torch.int32),
+        partial_index.to(torch.int32),
+    )
 
 
 def _structure_from_grid(grid: _Grid, t: _Tiling) -> BlockStructure:

@@ -11,9 +11,26 @@ import torch
 
 from .._checks import holds
 from ._base import Band, Documents, KeyLengths, Mask, Prefix, _Named
-from ._blocks import (_BIG, EMPTY, FULL, PARTIAL, _and_tiles, _Band, _band_from_keys, _ceil_div, _check_align,
-                      _check_bool, _check_int, _Grid, _index_tensor, _offset, _or_tiles, _pool_kinds, _short_list,
-                      _Tiling)
+from ._blocks import (
+    _BIG,
+    EMPTY,
+    FULL,
+    PARTIAL,
+    _and_tiles,
+    _Band,
+    _band_from_keys,
+    _ceil_div,
+    _check_align,
+    _check_bool,
+    _check_int,
+    _Grid,
+    _index_tensor,
+    _offset,
+    _or_tiles,
+    _pool_kinds,
+    _short_list,
+    _Tiling,
+)
 
 Tensor = torch.Tensor
 
@@ -158,8 +175,10 @@ class _KeyLengths(_Interval):
         too_long = self.lengths > kv_len
         if not holds(~too_long.any(), "key_padding: a length exceeds the key length Lk; each length must be <= Lk"):
             i = int(too_long.nonzero()[0, 0])
-            raise ValueError(f"key_padding: lengths[{i}]={int(self.lengths[i])} exceeds the key length "
-                             f"Lk={kv_len}; each length must be <= Lk")
+            raise ValueError(
+                f"key_padding: lengths[{i}]={int(self.lengths[i])} exceeds the key length "
+                f"Lk={kv_len}; each length must be <= Lk"
+            )
 
     def _size_guess(self) -> tuple[int, int] | None:  # (the lengths fix no key length: any Lk >= the longest fits)
         n = int(self.lengths.max()) if len(self.lengths) else 0
@@ -212,8 +231,10 @@ class _KeyColumns(Mask):
         if self.keep is not None:
             n, lk = self.keep.shape
             if n not in (1, batch) or lk != kv_len:
-                raise ValueError(f"key_padding: the key mask has shape {(n, lk)}, expected ({batch}, {kv_len}) "
-                                 f"(one row per sequence, one column per key)")
+                raise ValueError(
+                    f"key_padding: the key mask has shape {(n, lk)}, expected ({batch}, {kv_len}) "
+                    f"(one row per sequence, one column per key)"
+                )
 
     def _size(self) -> tuple[int, int] | None:
         return None if self.keep is None else (self.keep.shape[1], self.keep.shape[1])
@@ -240,7 +261,7 @@ class _Document(Mask):
         if self.kv_ids is None:  # one id sequence for the keys; queries sit at their bottom-right positions
             kv = self.q_ids.to(device)
             off = kv_len - q_len
-            return kv[:, off:off + q_len], kv
+            return kv[:, off : off + q_len], kv
         return self.q_ids.to(device), self.kv_ids.to(device)
 
     def evaluate(self, b: Tensor, h: Tensor, q: Tensor, k: Tensor, q_len: int, kv_len: int) -> Tensor:
@@ -272,18 +293,26 @@ class _Document(Mask):
             if ids is None:
                 continue
             if ids.shape[0] not in (1, batch):
-                raise ValueError(f"document: {name} has {ids.shape[0]} rows for a batch of {batch}: "
-                                 f"give one row per sequence or a single 1-D tensor")
+                raise ValueError(
+                    f"document: {name} has {ids.shape[0]} rows for a batch of {batch}: "
+                    f"give one row per sequence or a single 1-D tensor"
+                )
         if self.kv_ids is None:
             if self.q_ids.shape[1] != kv_len:
-                raise ValueError(f"document: ids has length {self.q_ids.shape[1]} but the keys have Lk={kv_len}: "
-                                 f"give one id per key, or pass kv_ids")
+                raise ValueError(
+                    f"document: ids has length {self.q_ids.shape[1]} but the keys have Lk={kv_len}: "
+                    f"give one id per key, or pass kv_ids"
+                )
             if q_len > kv_len:
-                raise ValueError(f"document: Lq={q_len} queries but only Lk={kv_len} keys: with one ids tensor the "
-                                 f"queries are the last Lq keys (Lq <= Lk); pass kv_ids for separate query ids")
+                raise ValueError(
+                    f"document: Lq={q_len} queries but only Lk={kv_len} keys: with one ids tensor the "
+                    f"queries are the last Lq keys (Lq <= Lk); pass kv_ids for separate query ids"
+                )
         elif self.q_ids.shape[1] != q_len or self.kv_ids.shape[1] != kv_len:
-            raise ValueError(f"document: ids/kv_ids have lengths {self.q_ids.shape[1]}/{self.kv_ids.shape[1]}, "
-                             f"expected Lq={q_len} and Lk={kv_len}")
+            raise ValueError(
+                f"document: ids/kv_ids have lengths {self.q_ids.shape[1]}/{self.kv_ids.shape[1]}, "
+                f"expected Lq={q_len} and Lk={kv_len}"
+            )
 
     def batch_size(self) -> int:
         return max(self.q_ids.shape[0], 1 if self.kv_ids is None else self.kv_ids.shape[0])
@@ -447,7 +476,7 @@ class _RandomBlocks(Mask):
             if self.causal:
                 key = torch.where(c <= r, key, torch.full_like(key, torch.iinfo(torch.int64).max))
             top = key.topk(n, dim=1, largest=False)
-            part = table[a:a + r.shape[0]]
+            part = table[a : a + r.shape[0]]
             part.scatter_(1, top.indices, top.values != torch.iinfo(torch.int64).max)
         return table
 
@@ -468,8 +497,9 @@ class _RandomBlocks(Mask):
         table = self.table(q_len, kv_len).to(q.device)
         first = self._rows(q_len, kv_len)[0]
         p = q + _offset(self.align, q_len, kv_len)
-        out = table[torch.div(p, self.block, rounding_mode="floor") - first,
-                    torch.div(k, self.block, rounding_mode="floor")]
+        out = table[
+            torch.div(p, self.block, rounding_mode="floor") - first, torch.div(k, self.block, rounding_mode="floor")
+        ]
         return out & (k <= p) if self.causal else out
 
     def _tiles(self, t: _Tiling) -> _Band | _Grid:
@@ -492,8 +522,10 @@ class _RandomBlocks(Mask):
         return repr(self)
 
     def __repr__(self) -> str:
-        return (f"random_blocks(block={self.block}, n={self.n}, seed={self.seed}, causal={self.causal}, "
-                f"align={self.align!r})")
+        return (
+            f"random_blocks(block={self.block}, n={self.n}, seed={self.seed}, causal={self.causal}, "
+            f"align={self.align!r})"
+        )
 
 
 # ------------------------------------------------------------------ public builders
@@ -536,23 +568,28 @@ def key_padding(lengths: Tensor | Sequence[int]) -> Mask:
     try:  # a tensor is held (in-place changes are seen); anything else is copied (a numpy array's later
         t = lengths if isinstance(lengths, Tensor) else torch.tensor(lengths)  # writes are not)
     except (TypeError, ValueError, RuntimeError):
-        raise TypeError(f"key_padding: lengths must be a list or tensor of ints, or a (B, Lk) bool tensor, got "
-                        f"{lengths!r}") from None
+        raise TypeError(
+            f"key_padding: lengths must be a list or tensor of ints, or a (B, Lk) bool tensor, got {lengths!r}"
+        ) from None
     if t.dtype == torch.bool:
         if t.dim() != 2:
             raise ValueError(f"key_padding: a bool key mask must have shape (B, Lk), got {tuple(t.shape)}")
         return _KeyColumns(f"key_padding(bool {tuple(t.shape)})", keep=t)
     if t.dim() == 2 and not t.is_floating_point():
-        raise TypeError(f"key_padding: a (B, Lk) key mask must be a bool tensor (True = real key), got dtype "
-                        f"{t.dtype}: pass mask.bool() (a 0/1 attention_mask), or lengths (B,)")
+        raise TypeError(
+            f"key_padding: a (B, Lk) key mask must be a bool tensor (True = real key), got dtype "
+            f"{t.dtype}: pass mask.bool() (a 0/1 attention_mask), or lengths (B,)"
+        )
     t = _index_tensor("key_padding lengths", t, ndim=(1,))
     if not holds((t >= 0).all(), "key_padding: lengths must be >= 0"):
         raise ValueError(f"key_padding: lengths must be >= 0, got {t.tolist()}")
     return _KeyLengths(t)
 
 
-def document(ids: Tensor | Sequence[int] | Sequence[Sequence[int]],
-             kv_ids: Tensor | Sequence[int] | Sequence[Sequence[int]] | None = None) -> Mask:
+def document(
+    ids: Tensor | Sequence[int] | Sequence[Sequence[int]],
+    kv_ids: Tensor | Sequence[int] | Sequence[Sequence[int]] | None = None,
+) -> Mask:
     """Packed sequences: a query sees only keys of the same document.
 
     ``ids``: ``(Lk,)`` or ``(B, Lk)`` document id of every token (queries use the ids at their

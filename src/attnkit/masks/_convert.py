@@ -9,10 +9,35 @@ import torch
 
 from .._checks import holds
 from ._base import Dense, Mask, Varlen, _And, _checked_bool, _checked_shape, _leaves, _Named, _Or
-from ._blocks import (_ALIGNS, _BIG, _EVAL_CHUNK, EMPTY, FULL, PARTIAL, _Band, _band_from_keys, _ceil_div, _check_align,
-                      _Grid, index_grid, _index_tensor, _offset, _pool_kinds, _Tiling)
-from ._builtins import (_BlockLocal, _Causal, _Dilated, _GlobalTokens, _Interval, _PrefixLM, _RandomBlocks,
-                        _SlidingWindow, _Strided)
+from ._blocks import (
+    _ALIGNS,
+    _BIG,
+    _EVAL_CHUNK,
+    EMPTY,
+    FULL,
+    PARTIAL,
+    _Band,
+    _band_from_keys,
+    _ceil_div,
+    _check_align,
+    _Grid,
+    index_grid,
+    _index_tensor,
+    _offset,
+    _pool_kinds,
+    _Tiling,
+)
+from ._builtins import (
+    _BlockLocal,
+    _Causal,
+    _Dilated,
+    _GlobalTokens,
+    _Interval,
+    _PrefixLM,
+    _RandomBlocks,
+    _SlidingWindow,
+    _Strided,
+)
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -55,8 +80,12 @@ class _FlexPredicate:
         kinds = self.kinds.to(q_idx.device)
         bi = b.clamp(max=kinds.shape[0] - 1) if kinds.shape[0] > 1 else torch.zeros_like(b)
         hi = h.clamp(max=kinds.shape[1] - 1) if kinds.shape[1] > 1 else torch.zeros_like(h)
-        kind = kinds[bi, hi, torch.div(q_idx, self.block_size[0], rounding_mode="floor"),
-                     torch.div(kv_idx, self.block_size[1], rounding_mode="floor")]
+        kind = kinds[
+            bi,
+            hi,
+            torch.div(q_idx, self.block_size[0], rounding_mode="floor"),
+            torch.div(kv_idx, self.block_size[1], rounding_mode="floor"),
+        ]
         allowed = self.mask_mod(b, h, q_idx, kv_idx)
         if not isinstance(allowed, Tensor) or allowed.dtype != torch.bool:
             got = allowed.dtype if isinstance(allowed, Tensor) else type(allowed).__name__
@@ -80,13 +109,17 @@ class _FromFlex(_FromFn):
     def validate(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
         kinds = self._predicate.kinds
         if self.fixed_lengths and (q_len, kv_len) != self.seq_lengths:
-            raise ValueError(f"from_flex: the BlockMask was built for (Q_LEN, KV_LEN)={self.seq_lengths} but the call "
-                             f"has Lq={q_len}, Lk={kv_len}: build it for these lengths (create_block_mask(..., "
-                             f"Q_LEN={q_len}, KV_LEN={kv_len})), as flex_attention requires")
+            raise ValueError(
+                f"from_flex: the BlockMask was built for (Q_LEN, KV_LEN)={self.seq_lengths} but the call "
+                f"has Lq={q_len}, Lk={kv_len}: build it for these lengths (create_block_mask(..., "
+                f"Q_LEN={q_len}, KV_LEN={kv_len})), as flex_attention requires"
+            )
         if kinds.shape[0] not in (1, batch) or kinds.shape[1] not in (1, heads):
-            raise ValueError(f"from_flex: the BlockMask has batch and heads {tuple(kinds.shape[:2])}, which do not "
-                             f"broadcast to B={batch}, Hq={heads}: build it with B=None/H=None (broadcast) or the "
-                             f"call's sizes")
+            raise ValueError(
+                f"from_flex: the BlockMask has batch and heads {tuple(kinds.shape[:2])}, which do not "
+                f"broadcast to B={batch}, Hq={heads}: build it with B=None/H=None (broadcast) or the "
+                f"call's sizes"
+            )
 
     def _size(self) -> tuple[int, int] | None:
         return self.seq_lengths
@@ -125,10 +158,14 @@ class _FromDense(Mask):
         if not ok:
             hint = ""
             if (b, h) == (1, 1) and lq == batch != q_len and lk == kv_len:
-                hint = (": it looks like a (B, Lk) padding mask, which needs the head and query axes: pass "
-                        "mask[:, None, None, :], or masks.key_padding(mask)")
-            raise ValueError(f"from_dense: the mask has shape {tuple(self.t.shape)}, which does not broadcast to "
-                             f"(B, H, Lq, Lk)=({batch}, {heads}, {q_len}, {kv_len}){hint}")
+                hint = (
+                    ": it looks like a (B, Lk) padding mask, which needs the head and query axes: pass "
+                    "mask[:, None, None, :], or masks.key_padding(mask)"
+                )
+            raise ValueError(
+                f"from_dense: the mask has shape {tuple(self.t.shape)}, which does not broadcast to "
+                f"(B, H, Lq, Lk)=({batch}, {heads}, {q_len}, {kv_len}){hint}"
+            )
 
     def _size(self) -> tuple[int, int] | None:
         return (self.t.shape[2], self.t.shape[3])
@@ -146,8 +183,9 @@ class _FromDense(Mask):
         return f"from_dense({tuple(self.t.shape)})"
 
 
-def from_fn(fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor], *, name: str | None = None,
-            align: str | None = None) -> Mask:
+def from_fn(
+    fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor], *, name: str | None = None, align: str | None = None
+) -> Mask:
     """A mask from a vectorised predicate ``fn(b, h, q_idx, kv_idx) -> bool tensor``.
 
     The arguments are broadcastable int64 index tensors.  By default (``align=None``) ``q_idx`` is the query
@@ -203,29 +241,42 @@ def from_flex(block_mask: BlockMask) -> Mask:
         >>> masks.from_flex(bm).to_dense(4, 4)[0, 0].int().tolist()
         [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
     """
-    needed = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "BLOCK_SIZE", "seq_lengths",
-              "mask_mod")
+    needed = (
+        "kv_num_blocks",
+        "kv_indices",
+        "full_kv_num_blocks",
+        "full_kv_indices",
+        "BLOCK_SIZE",
+        "seq_lengths",
+        "mask_mod",
+    )
     if not all(hasattr(block_mask, n) for n in needed):
-        raise TypeError(f"from_flex: expected a torch.nn.attention.flex_attention.BlockMask, got "
-                        f"{type(block_mask).__name__}")
+        raise TypeError(
+            f"from_flex: expected a torch.nn.attention.flex_attention.BlockMask, got {type(block_mask).__name__}"
+        )
     import torch.nn.attention.flex_attention as flex  # (the caller holds a BlockMask: already imported)
 
     if block_mask.mask_mod is getattr(flex, "_sliced_mask_mod_error", None):
-        raise ValueError("from_flex: this BlockMask was sliced (block_mask[...]), which drops its mask_mod: pass "
-                         "the BlockMask it was sliced from, built for the batch and heads you need")
+        raise ValueError(
+            "from_flex: this BlockMask was sliced (block_mask[...]), which drops its mask_mod: pass "
+            "the BlockMask it was sliced from, built for the batch and heads you need"
+        )
     bq, bk = (int(x) for x in block_mask.BLOCK_SIZE)
     q_len, kv_len = (int(x) for x in block_mask.seq_lengths)
     nq, nk = _ceil_div(q_len, bq), _ceil_div(kv_len, bk)
     lead = tuple(block_mask.kv_num_blocks.shape[:-1])  # (B', H')
     kinds = torch.zeros(*lead, nq, max(nk, 1), dtype=torch.int8, device=block_mask.kv_num_blocks.device)
-    for count, index, kind in ((block_mask.kv_num_blocks, block_mask.kv_indices, PARTIAL),
-                               (block_mask.full_kv_num_blocks, block_mask.full_kv_indices, FULL)):
+    for count, index, kind in (
+        (block_mask.kv_num_blocks, block_mask.kv_indices, PARTIAL),
+        (block_mask.full_kv_num_blocks, block_mask.full_kv_indices, FULL),
+    ):
         if count is None or index is None or index.shape[-1] == 0:
             continue
         count, index = count[..., :nq, None].long(), index[..., :nq, :].long()
         live = torch.arange(index.shape[-1], device=index.device) < count
-        kinds.scatter_reduce_(-1, index.clamp(0, kinds.shape[-1] - 1), torch.where(live, kind, EMPTY).to(torch.int8),
-                              reduce="amax")
+        kinds.scatter_reduce_(
+            -1, index.clamp(0, kinds.shape[-1] - 1), torch.where(live, kind, EMPTY).to(torch.int8), reduce="amax"
+        )
     large = getattr(flex, "_LARGE_SPARSE_BLOCK_SIZE", None)  # flex's "no block mask": any lengths
     fixed_lengths = not (bq == bk == large)
     return _FromFlex(_FlexPredicate(kinds, block_mask.mask_mod, (bq, bk)), (q_len, kv_len), fixed_lengths)
@@ -236,8 +287,10 @@ def from_dense(t: Tensor) -> Mask:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"from_dense: expected a bool tensor, got {type(t).__name__}")
     if t.dtype != torch.bool:
-        raise TypeError(f"from_dense: the mask must be a bool tensor (True = may attend), got dtype {t.dtype}; "
-                        f"convert with t.bool() or pass a float tensor as bias=")
+        raise TypeError(
+            f"from_dense: the mask must be a bool tensor (True = may attend), got dtype {t.dtype}; "
+            f"convert with t.bool() or pass a float tensor as bias="
+        )
     if t.dim() > 4 or t.dim() < 2:
         raise ValueError(f"from_dense: the mask must have 2 to 4 dims (..., Lq, Lk), got shape {tuple(t.shape)}")
     while t.dim() < 4:
@@ -260,10 +313,12 @@ def _check_per_sequence(mask: Mask, fn: str = "varlen") -> None:
     for m in _leaves(mask):
         if not isinstance(m, _PER_SEQUENCE):
             part = "" if m is mask else f" (its part {m!r})"
-            raise ValueError(f"{fn}: mask={mask!r}{part} cannot be applied within each packed sequence (it holds "
-                             f"data for one fixed length); use causal, sliding_window, prefix_lm, block_local, "
-                             f"strided, dilated, global_tokens or from_fn (they see each sequence's own rows and "
-                             f"keys), combined with &, | and ~")
+            raise ValueError(
+                f"{fn}: mask={mask!r}{part} cannot be applied within each packed sequence (it holds "
+                f"data for one fixed length); use causal, sliding_window, prefix_lm, block_local, "
+                f"strided, dilated, global_tokens or from_fn (they see each sequence's own rows and "
+                f"keys), combined with &, | and ~"
+            )
 
 
 class _Varlen(Mask):
@@ -305,8 +360,9 @@ class _Varlen(Mask):
         # (the per-sequence masks take per-element length tensors where other masks take ints)
         return same & self.inner.evaluate(b, h, q - cq[sq], k - ck[sq], cast(int, lq), cast(int, lk))
 
-    def _row_keys(self, m: Mask | None, b: Tensor, h: Tensor, s: Tensor, r: Tensor, cq: Tensor,
-                  ck: Tensor) -> tuple[Tensor, Tensor, bool]:
+    def _row_keys(
+        self, m: Mask | None, b: Tensor, h: Tensor, s: Tensor, r: Tensor, cq: Tensor, ck: Tensor
+    ) -> tuple[Tensor, Tensor, bool]:
         """Global key bounds ``(lo, hi, exact)`` of query row ``r`` of sequence ``s`` under the per-sequence
         mask ``m``: arithmetic for intervals and their ``&`` (``exact``: every key in between may attend);
         else the whole sequence (not exact: the element mask decides)."""
@@ -363,13 +419,17 @@ class _Varlen(Mask):
 
     def validate(self, batch: int, heads: int, q_len: int, kv_len: int) -> None:
         if batch != 1:
-            raise ValueError(f"varlen: the packed sequences are one batch element, got a batch of {batch}: view "
-                             f"packed q (Tq, H, D) as (1, H, Tq, D)")
+            raise ValueError(
+                f"varlen: the packed sequences are one batch element, got a batch of {batch}: view "
+                f"packed q (Tq, H, D) as (1, H, Tq, D)"
+            )
         ends = (self.cu_q[-1] == q_len) & (self.cu_k[-1] == kv_len)
         if not holds(ends, "varlen: cu_seqlens must end at the packed lengths (Lq, Lk) of the score matrix"):
             tq, tk = int(self.cu_q[-1]), int(self.cu_k[-1])
-            raise ValueError(f"varlen: cu_seqlens end at Tq={tq} and Tk={tk}, but the score matrix is "
-                             f"(Lq, Lk)=({q_len}, {kv_len}): the last entries must be the packed lengths")
+            raise ValueError(
+                f"varlen: cu_seqlens end at Tq={tq} and Tk={tk}, but the score matrix is "
+                f"(Lq, Lk)=({q_len}, {kv_len}): the last entries must be the packed lengths"
+            )
 
     def _size(self) -> tuple[int, int] | None:
         return (int(self.cu_q[-1]), int(self.cu_k[-1]))
@@ -382,21 +442,27 @@ class _Varlen(Mask):
 def _cu_seqlens(name: str, values: Tensor | Sequence[int]) -> Tensor:
     t = _index_tensor(f"varlen {name}", values, ndim=(1,))
     if t.numel() == 0:
-        raise ValueError(f"varlen: {name} must have n + 1 entries (0 first), got an empty tensor: pass [0] "
-                         f"for no sequences")
+        raise ValueError(
+            f"varlen: {name} must have n + 1 entries (0 first), got an empty tensor: pass [0] for no sequences"
+        )
     if not holds(t[0] == 0, f"varlen: {name} must start at 0"):
-        raise ValueError(f"varlen: {name} must start at 0, got {t[:4].tolist()}...: it holds prefix sums of the "
-                         f"sequence lengths, [0, L0, L0 + L1, ...]")
+        raise ValueError(
+            f"varlen: {name} must start at 0, got {t[:4].tolist()}...: it holds prefix sums of the "
+            f"sequence lengths, [0, L0, L0 + L1, ...]"
+        )
     steps = t.diff()
     if not holds((steps >= 0).all(), f"varlen: {name} must not decrease"):
         i = int((steps < 0).nonzero()[0, 0])
-        raise ValueError(f"varlen: {name} must not decrease, got {name}[{i}]={int(t[i])} > {name}[{i + 1}]="
-                         f"{int(t[i + 1])}: it holds prefix sums of the lengths (cumsum of the lengths, 0 first)")
+        raise ValueError(
+            f"varlen: {name} must not decrease, got {name}[{i}]={int(t[i])} > {name}[{i + 1}]="
+            f"{int(t[i + 1])}: it holds prefix sums of the lengths (cumsum of the lengths, 0 first)"
+        )
     return t
 
 
-def varlen(cu_seqlens_q: Tensor | Sequence[int], cu_seqlens_k: Tensor | Sequence[int] | None = None,
-           mask: Mask | None = None) -> Mask:
+def varlen(
+    cu_seqlens_q: Tensor | Sequence[int], cu_seqlens_k: Tensor | Sequence[int] | None = None, mask: Mask | None = None
+) -> Mask:
     """Packed variable-length sequences: each sequence attends only within itself.
 
     ``cu_seqlens_q``: prefix sums ``[0, L0, L0 + L1, ..., Tq]`` (n + 1 entries) of the query lengths of
@@ -419,15 +485,20 @@ def varlen(cu_seqlens_q: Tensor | Sequence[int], cu_seqlens_k: Tensor | Sequence
     cu_q = _cu_seqlens("cu_seqlens_q", cu_seqlens_q)
     cu_k = cu_q if cu_seqlens_k is None else _cu_seqlens("cu_seqlens_k", cu_seqlens_k)
     if cu_q.numel() != cu_k.numel():
-        raise ValueError(f"varlen: cu_seqlens_q has {cu_q.numel()} entries and cu_seqlens_k {cu_k.numel()}: both "
-                         f"need n + 1 entries for the same n sequences")
+        raise ValueError(
+            f"varlen: cu_seqlens_q has {cu_q.numel()} entries and cu_seqlens_k {cu_k.numel()}: both "
+            f"need n + 1 entries for the same n sequences"
+        )
     if cu_k.device != cu_q.device:
-        raise ValueError(f"varlen: cu_seqlens_q is on {cu_q.device} and cu_seqlens_k on {cu_k.device}: put both on "
-                         f"one device")
+        raise ValueError(
+            f"varlen: cu_seqlens_q is on {cu_q.device} and cu_seqlens_k on {cu_k.device}: put both on one device"
+        )
     if mask is not None:
         if not isinstance(mask, Mask):
-            raise TypeError(f"varlen: mask must be None or an attnkit.masks.Mask applied within each sequence, "
-                            f"got {type(mask).__name__}")
+            raise TypeError(
+                f"varlen: mask must be None or an attnkit.masks.Mask applied within each sequence, "
+                f"got {type(mask).__name__}"
+            )
         _check_per_sequence(mask)
     return _Varlen(cu_q, cu_k, mask)
 
@@ -435,8 +506,9 @@ def varlen(cu_seqlens_q: Tensor | Sequence[int], cu_seqlens_k: Tensor | Sequence
 # ------------------------------------------------------------------ questions about a mask
 
 
-def nothing_visible(mask: Mask, batch: int, heads: int, q_len: int, kv_len: int,
-                     device: torch.device | str | None = None) -> bool:
+def nothing_visible(
+    mask: Mask, batch: int, heads: int, q_len: int, kv_len: int, device: torch.device | str | None = None
+) -> bool:
     """True when ``mask`` lets no query of a ``(batch, heads, q_len, kv_len)`` call see any key, evaluated a
     chunk of rows at a time (stopping at the first chunk that sees something)."""
     b, h, _, k = index_grid(batch, heads, 0, kv_len, device)
@@ -468,19 +540,27 @@ def _decodes_differently(mask: Mask) -> tuple[Mask, str] | None:
     blocks, which grow as the cache does; a ``top_left`` part puts a step's query at row 0."""
     for m in _leaves(mask):
         if isinstance(m, _RandomBlocks) and not m.causal:
-            return m, (f"whose draw changes with the key length; use masks.random_blocks({m.block}, {m.n}, "
-                       f"seed={m.seed}, causal=True)")
+            return m, (
+                f"whose draw changes with the key length; use masks.random_blocks({m.block}, {m.n}, "
+                f"seed={m.seed}, causal=True)"
+            )
         if getattr(m, "align", None) == "top_left":
-            return m, ("aligned top_left: a decoding step's query sits at row 0, not at its position; use "
-                       "align='bottom_right' (the default)")
+            return m, (
+                "aligned top_left: a decoding step's query sits at row 0, not at its position; use "
+                "align='bottom_right' (the default)"
+            )
         if isinstance(m, _FromFlex):
-            return m, ("a FlexAttention BlockMask is built for one (Q_LEN, KV_LEN) and gets query rows; build the "
-                       "pattern from the position-aware masks or from_fn(fn, align='bottom_right')")
+            return m, (
+                "a FlexAttention BlockMask is built for one (Q_LEN, KV_LEN) and gets query rows; build the "
+                "pattern from the position-aware masks or from_fn(fn, align='bottom_right')"
+            )
         if isinstance(m, _FromFn) and m.align is None:
-            return m, ("a from_fn predicate gets query rows, not positions (a decoding step's query is row 0); "
-                       "give it positions with from_fn(fn, align='bottom_right'), build the pattern from the "
-                       "position-aware masks (sliding_window, strided, dilated, global_tokens, "
-                       "random_blocks(causal=True), ...) or pass it per call as mask=")
+            return m, (
+                "a from_fn predicate gets query rows, not positions (a decoding step's query is row 0); "
+                "give it positions with from_fn(fn, align='bottom_right'), build the pattern from the "
+                "position-aware masks (sliding_window, strided, dilated, global_tokens, "
+                "random_blocks(causal=True), ...) or pass it per call as mask="
+            )
     return None
 
 

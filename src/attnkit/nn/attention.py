@@ -66,8 +66,19 @@ class _Attends(nn.Module):
         self._attention_hooks = hooks
         return handle
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, *, mask, bias, scale: float | None,
-                softcap: float | None, dropout_p: float, sinks: Tensor | None = None) -> Tensor:
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        mask,
+        bias,
+        scale: float | None,
+        softcap: float | None,
+        dropout_p: float,
+        sinks: Tensor | None = None,
+    ) -> Tensor:
         """``q (B, Hq, Lq, D)``, ``k (B, Hkv, Lk, D)``, ``v (B, Hkv, Lk, Dv)`` -> ``(B, Hq, Lq, Dv)``.
 
         Every attention computed in :mod:`attnkit.nn` calls this method, which calls
@@ -75,34 +86,61 @@ class _Attends(nn.Module):
         :meth:`register_attention_hook` when there are any; ``sinks`` is passed only by a module that has them.
         """
         if self._attention_hooks:
-            call = AttentionCall(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, dropout_p=dropout_p,
-                                 sinks=sinks)
+            call = AttentionCall(
+                q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, dropout_p=dropout_p, sinks=sinks
+            )
             return _hooks.run(self, self._attention_hooks, call, self._compute)
-        return attention(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, dropout_p=dropout_p,
-                         backend=self.backend, sinks=sinks)
+        return attention(
+            q,
+            k,
+            v,
+            mask=mask,
+            bias=bias,
+            scale=scale,
+            softcap=softcap,
+            dropout_p=dropout_p,
+            backend=self.backend,
+            sinks=sinks,
+        )
 
     def _compute(self, c: AttentionCall) -> Tensor:
         """The module's own attention of one call (under its hooks)."""
-        return attention(c.q, c.k, c.v, mask=c.mask, bias=c.bias, scale=c.scale, softcap=c.softcap,
-                         dropout_p=c.dropout_p, backend=self.backend, sinks=c.sinks)
+        return attention(
+            c.q,
+            c.k,
+            c.v,
+            mask=c.mask,
+            bias=c.bias,
+            scale=c.scale,
+            softcap=c.softcap,
+            dropout_p=c.dropout_p,
+            backend=self.backend,
+            sinks=c.sinks,
+        )
 
     def _check_dtype(self, x: Tensor) -> None:
         """``x`` has the dtype of the module's weights (read off ``out_proj``), unless autocast converts it."""
         w = self.out_proj.weight if type(self.out_proj) in (Linear, nn.Linear) else None  # (a subclass may cast)
         if w is not None and x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
-            raise TypeError(f"x has dtype {x.dtype} but this module's weights are {w.dtype}: convert one to the "
-                            f"other (module.to({x.dtype}) or x.to({w.dtype})), or run under torch.autocast")
+            raise TypeError(
+                f"x has dtype {x.dtype} but this module's weights are {w.dtype}: convert one to the "
+                f"other (module.to({x.dtype}) or x.to({w.dtype})), or run under torch.autocast"
+            )
 
 
 def _torch_key_padding(key_padding_mask) -> _masks.Mask:
     """PyTorch's ``key_padding_mask`` (bool ``(B, Lk)``, True = ignore the key) as an attnkit Mask."""
     if not isinstance(key_padding_mask, Tensor):
-        raise TypeError(f"key_padding_mask must be a bool tensor (B, Lk) with True for the keys to ignore "
-                        f"(PyTorch's convention), got {type(key_padding_mask).__name__}")
+        raise TypeError(
+            f"key_padding_mask must be a bool tensor (B, Lk) with True for the keys to ignore "
+            f"(PyTorch's convention), got {type(key_padding_mask).__name__}"
+        )
     if key_padding_mask.dtype != torch.bool:
-        raise TypeError(f"key_padding_mask must be a bool tensor (True = ignore the key, PyTorch's convention), got "
-                        f"dtype {key_padding_mask.dtype}: a float additive mask has no place here; pass "
-                        f"key_padding_mask.isneginf() for a 0/-inf one")
+        raise TypeError(
+            f"key_padding_mask must be a bool tensor (True = ignore the key, PyTorch's convention), got "
+            f"dtype {key_padding_mask.dtype}: a float additive mask has no place here; pass "
+            f"key_padding_mask.isneginf() for a 0/-inf one"
+        )
     if key_padding_mask.dim() != 2:
         raise ValueError(f"key_padding_mask must have shape (B, Lk), got {tuple(key_padding_mask.shape)}")
     return _masks.key_padding(~key_padding_mask)
@@ -117,11 +155,15 @@ def _check_layer_cache(name: str, cache) -> None:
     if cache is None or callable(getattr(cache, "update", None)):
         return
     if hasattr(cache, "layers"):
-        raise TypeError(f"{name} is a model-level {type(cache).__name__}: an attention module takes one layer's "
-                        f"cache, {name}.layers[i] (a model such as DecoderLM takes the whole cache)")
-    raise TypeError(f"{name} must be None or one layer's KV cache with update(k, v) (e.g. "
-                    f"attnkit.cache.StaticCache(n_layers, max_len).layers[0]), got {type(cache).__name__} "
-                    f"{cache!r:.60}")
+        raise TypeError(
+            f"{name} is a model-level {type(cache).__name__}: an attention module takes one layer's "
+            f"cache, {name}.layers[i] (a model such as DecoderLM takes the whole cache)"
+        )
+    raise TypeError(
+        f"{name} must be None or one layer's KV cache with update(k, v) (e.g. "
+        f"attnkit.cache.StaticCache(n_layers, max_len).layers[0]), got {type(cache).__name__} "
+        f"{cache!r:.60}"
+    )
 
 
 def _rows(proj: nn.Module, x: Tensor, start: int, stop: int) -> Tensor:
@@ -192,14 +234,18 @@ def _update_cache(cache, k: Tensor, v: Tensor, *, call_mask, heads: int, q_len: 
     if callable(peek):
         lk_next, attends = peek(k.shape[2])
         if attends and need_weights:
-            raise ValueError("need_weights=True is not available with a cache that computes attention "
-                             "itself (its update() returns an object with attend())")
+            raise ValueError(
+                "need_weights=True is not available with a cache that computes attention "
+                "itself (its update() returns an object with attend())"
+            )
         if lk_next is not None:
             _checks.check_mask_shape("mask", call_mask, k.shape[0], heads, q_len, lk_next)
     kv = cache.update(k, v)
     if need_weights and isinstance(kv, CacheAttention):
-        raise ValueError("need_weights=True is not available with a cache that computes attention "
-                         "itself (its update() returned a CacheAttention, an object with attend())")
+        raise ValueError(
+            "need_weights=True is not available with a cache that computes attention "
+            "itself (its update() returned a CacheAttention, an object with attend())"
+        )
     return kv
 
 
@@ -305,16 +351,30 @@ class MultiHeadAttention(_Attends):
         True
     """
 
-    def __init__(self, config: AttentionConfig | int | None = None, *fields, positions: PositionEncoding | None = None,
-                 mask=None, **options):
+    def __init__(
+        self,
+        config: AttentionConfig | int | None = None,
+        *fields,
+        positions: PositionEncoding | None = None,
+        mask=None,
+        **options,
+    ):
         super().__init__()
-        cfg = _checks.config_of(AttentionConfig, config, fields, options, owner=type(self).__name__,
-                                positional=_POSITIONAL, beside="positions, mask")
+        cfg = _checks.config_of(
+            AttentionConfig,
+            config,
+            fields,
+            options,
+            owner=type(self).__name__,
+            positional=_POSITIONAL,
+            beside="positions, mask",
+        )
         self._build(cfg, positions, mask)
 
     @classmethod
-    def from_config(cls, config: AttentionConfig, *, positions: PositionEncoding | None = None,
-                    mask=None) -> "MultiHeadAttention":
+    def from_config(
+        cls, config: AttentionConfig, *, positions: PositionEncoding | None = None, mask=None
+    ) -> "MultiHeadAttention":
         """``MultiHeadAttention(config, positions=positions, mask=mask)``, refusing anything but an
         :class:`AttentionConfig` (so a stray options dict is not read as ``d_model``)."""
         _checks.config_object("from_config", config, AttentionConfig)
@@ -336,8 +396,10 @@ class MultiHeadAttention(_Attends):
         self.temperature = _checks.positive_float("temperature", cfg.temperature)
         self.backend = _checks.backend(cfg.backend)
         if positions is not None and not isinstance(positions, PositionEncoding):
-            raise TypeError(f"positions must be None or an attnkit.nn PositionEncoding (RotaryEmbedding, ALiBi, "
-                            f"T5RelativeBias, SinusoidalPositions), got {type(positions).__name__}")
+            raise TypeError(
+                f"positions must be None or an attnkit.nn PositionEncoding (RotaryEmbedding, ALiBi, "
+                f"T5RelativeBias, SinusoidalPositions), got {type(positions).__name__}"
+            )
         if positions is not None:
             positions.check_heads(n_heads, d_head, d_model)
         self.positions = positions
@@ -368,8 +430,9 @@ class MultiHeadAttention(_Attends):
 
     def _build_qk_norms(self, qk_norm, eps: float, offset: float) -> None:
         if qk_norm not in (False, True, "head", "all"):
-            raise ValueError(f"qk_norm={qk_norm!r} must be False, True / 'head' (RMSNorm per head) or 'all' (over "
-                             f"all heads at once)")
+            raise ValueError(
+                f"qk_norm={qk_norm!r} must be False, True / 'head' (RMSNorm per head) or 'all' (over all heads at once)"
+            )
         self.qk_norm_all = qk_norm == "all"
         q_out, kv_out, _ = self._split
         q_dim, k_dim = (q_out, kv_out) if self.qk_norm_all else (self.d_head, self.d_head)
@@ -400,10 +463,10 @@ class MultiHeadAttention(_Attends):
         B, L, _ = x.shape
         q_out, kv_out, _ = self._split
         qkv = self.qkv_proj(x)  # (B, L, (Hq + 2 Hkv) d_head)
-        qk = qkv[..., :q_out + kv_out].view(B, L, self.n_heads + self.n_kv_heads, self.d_head).transpose(1, 2)
+        qk = qkv[..., : q_out + kv_out].view(B, L, self.n_heads + self.n_kv_heads, self.d_head).transpose(1, 2)
         qk = self.positions.rotate(qk, pos, max_position=hi)  # (B, Hq + Hkv, L, d_head)
         q, k = qk.split((self.n_heads, self.n_kv_heads), dim=1)
-        return q, k, self._heads(qkv[..., q_out + kv_out:], self.n_kv_heads)
+        return q, k, self._heads(qkv[..., q_out + kv_out :], self.n_kv_heads)
 
     def _project_query(self, x: Tensor) -> Tensor:
         if self.self_capable:
@@ -415,19 +478,24 @@ class MultiHeadAttention(_Attends):
     def _context_inputs(self, context, batch: int) -> tuple[Tensor, Tensor]:
         if isinstance(context, (tuple, list)):
             if len(context) != 2:
-                raise ValueError(f"context must be a tensor or a pair (key_input, value_input), got "
-                                 f"{len(context)} items")
+                raise ValueError(
+                    f"context must be a tensor or a pair (key_input, value_input), got {len(context)} items"
+                )
             key_in, value_in = context
         else:
             if self.kdim != self.vdim:
-                raise ValueError(f"this MultiHeadAttention has kdim={self.kdim} != vdim={self.vdim}: pass "
-                                 f"context=(key_input, value_input)")
+                raise ValueError(
+                    f"this MultiHeadAttention has kdim={self.kdim} != vdim={self.vdim}: pass "
+                    f"context=(key_input, value_input)"
+                )
             key_in = value_in = context
         _checks.features("context", key_in, self.kdim, what=f"(B, Lc, kdim={self.kdim})")
         _checks.features("context values", value_in, self.vdim, what=f"(B, Lc, vdim={self.vdim})")
         if key_in.shape[0] != batch or value_in.shape[:2] != key_in.shape[:2]:
-            raise ValueError(f"context of shape {tuple(key_in.shape)} (values {tuple(value_in.shape)}) does not "
-                             f"match the batch of x (B={batch}) or its keys' length")
+            raise ValueError(
+                f"context of shape {tuple(key_in.shape)} (values {tuple(value_in.shape)}) does not "
+                f"match the batch of x (B={batch}) or its keys' length"
+            )
         return key_in, value_in
 
     def _project_context(self, key_in: Tensor, value_in: Tensor) -> tuple[Tensor, Tensor]:
@@ -450,8 +518,17 @@ class MultiHeadAttention(_Attends):
 
     # ---------------------------------------------------------------------------- forward
 
-    def forward(self, x: Tensor, context=None, *, mask=None, cache=None, positions=None,
-                need_weights: bool = False, key_padding_mask: Tensor | None = None):
+    def forward(
+        self,
+        x: Tensor,
+        context=None,
+        *,
+        mask=None,
+        cache=None,
+        positions=None,
+        need_weights: bool = False,
+        key_padding_mask: Tensor | None = None,
+    ):
         """Attention of ``x (B, L, d_model)`` to itself or to ``context (B, Lc, kdim)``; see the class doc."""
         if key_padding_mask is not None:
             mask = _checks.combine(_checks.as_mask("mask", mask), _torch_key_padding(key_padding_mask))
@@ -484,11 +561,19 @@ class MultiHeadAttention(_Attends):
             (q, k, v), bias = self._cross_qkv(x, context, cache), None
         extra = None
         if cache is not None:
-            kv = _update_cache(cache, k, v, call_mask=call_mask, heads=self.n_heads, q_len=x.shape[1],
-                               need_weights=need_weights)
+            kv = _update_cache(
+                cache, k, v, call_mask=call_mask, heads=self.n_heads, q_len=x.shape[1], need_weights=need_weights
+            )
             if isinstance(kv, CacheAttention):  # the cache computes attention itself (paged, quantized)
-                out = cache_attend(kv, q, mask=_checks.combine(self.mask, call_mask), bias=bias, scale=self._scale(),
-                                   softcap=self.softcap, sinks=self.sinks)
+                out = cache_attend(
+                    kv,
+                    q,
+                    mask=_checks.combine(self.mask, call_mask),
+                    bias=bias,
+                    scale=self._scale(),
+                    softcap=self.softcap,
+                    sinks=self.sinks,
+                )
                 return self._output(out)
             k, v, extra = _checks.cache_kv(kv)  # everything stored, in position order
         return self._attention(q, k, v, bias=bias, call_mask=call_mask, extra=extra, need_weights=need_weights)
@@ -500,8 +585,10 @@ class MultiHeadAttention(_Attends):
         """Self-attention's ``q (B, Hq, L, d_head)``, new ``k``, ``v (B, Hkv, L, d_head)`` (normed, rotated at
         their absolute positions) and the position bias (a score modifier or None)."""
         if not self.self_capable:
-            raise ValueError(f"this MultiHeadAttention has kdim={self.kdim}, vdim={self.vdim} != "
-                             f"d_model={self.d_model}, so it only does cross attention: pass context")
+            raise ValueError(
+                f"this MultiHeadAttention has kdim={self.kdim}, vdim={self.vdim} != "
+                f"d_model={self.d_model}, so it only does cross attention: pass context"
+            )
         pos, hi = self._absolute_positions(cache, positions, x)
         if pos is not None and self.q_norm is None and isinstance(self.positions, RotaryEmbedding):
             q, k, v = self._project_rotated(x, pos, hi)
@@ -529,16 +616,20 @@ class MultiHeadAttention(_Attends):
         if cache is not None:
             offset = getattr(cache, "seq_len", None)
             if not isinstance(offset, int):
-                raise ValueError(f"{type(self.positions).__name__} needs absolute positions with a cache: pass "
-                                 f"positions=..., or give the cache an int attribute seq_len")
+                raise ValueError(
+                    f"{type(self.positions).__name__} needs absolute positions with a cache: pass "
+                    f"positions=..., or give the cache an int attribute seq_len"
+                )
         return torch.arange(offset, offset + L, device=x.device), offset + L - 1
 
     def _cross_qkv(self, x: Tensor, context, cache) -> tuple[Tensor, Tensor, Tensor]:
         """Cross attention's ``q (B, Hq, L, d_head)`` and the context's ``k``, ``v (B, Hkv, Lc, d_head)``;
         zero-length ``k``, ``v`` once ``cache`` holds the context (``cache.seq_len > 0``)."""
         if self.positions is not None:
-            raise ValueError("positions= applies to self-attention; this module was built with "
-                             f"{type(self.positions).__name__}: build the cross-attention module without it")
+            raise ValueError(
+                "positions= applies to self-attention; this module was built with "
+                f"{type(self.positions).__name__}: build the cross-attention module without it"
+            )
         B = x.shape[0]
         key_in, value_in = self._context_inputs(context, B)
         q = self._project_query(x)
@@ -546,8 +637,10 @@ class MultiHeadAttention(_Attends):
         if cache is not None:
             filled = getattr(cache, "seq_len", None)
             if not isinstance(filled, int):
-                raise TypeError(f"a cross-attention cache needs an int attribute seq_len (0 until filled), "
-                                f"got {type(cache).__name__} without one")
+                raise TypeError(
+                    f"a cross-attention cache needs an int attribute seq_len (0 until filled), "
+                    f"got {type(cache).__name__} without one"
+                )
         if filled == 0:
             k, v = self._project_context(key_in, value_in)
         else:  # the cache holds the context's keys and values: nothing new to store
@@ -592,8 +685,9 @@ class MultiHeadAttention(_Attends):
     # --------------------------------------------------------------------------- convert
 
     @classmethod
-    def from_torch(cls, m: nn.MultiheadAttention, *, backend: str = "auto",
-                   batch_first: bool | None = None) -> "MultiHeadAttention":
+    def from_torch(
+        cls, m: nn.MultiheadAttention, *, backend: str = "auto", batch_first: bool | None = None
+    ) -> "MultiHeadAttention":
         """An equivalent module from a ``torch.nn.MultiheadAttention`` (weights copied; dtype, device and training mode kept).
 
         The layout of the inputs is the source module's (``batch_first`` defaults to ``m.batch_first``): a
@@ -623,16 +717,25 @@ class MultiHeadAttention(_Attends):
         if batch_first is None:
             batch_first = bool(m.batch_first)
         if not isinstance(batch_first, bool):
-            raise TypeError(f"from_torch: batch_first must be None (the source module's), True or False, got "
-                            f"{batch_first!r}")
+            raise TypeError(
+                f"from_torch: batch_first must be None (the source module's), True or False, got {batch_first!r}"
+            )
         if m.bias_k is not None or m.add_zero_attn:
             raise ValueError("from_torch: add_bias_kv=True and add_zero_attn=True have no equivalent here")
         E, H = m.embed_dim, m.num_heads
         has_bias = m.in_proj_bias is not None
         ref = m.out_proj.weight
-        out = cls(E, H, kdim=m.kdim, vdim=m.vdim, bias=has_bias, dropout=m.dropout, backend=backend,
-                  out_bias=m.out_proj.bias is not None, batch_first=batch_first).to(device=ref.device,
-                                                                                    dtype=ref.dtype)
+        out = cls(
+            E,
+            H,
+            kdim=m.kdim,
+            vdim=m.vdim,
+            bias=has_bias,
+            dropout=m.dropout,
+            backend=backend,
+            out_bias=m.out_proj.bias is not None,
+            batch_first=batch_first,
+        ).to(device=ref.device, dtype=ref.dtype)
         with torch.no_grad():
             if m._qkv_same_embed_dim:
                 wq, wk, wv = m.in_proj_weight.split(E)

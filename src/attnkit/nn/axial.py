@@ -48,17 +48,21 @@ class AxialAttention(nn.Module):
             raise ValueError(f"axes={axes!r} repeats an axis")
         mask = _checks.as_mask("mask", mha_options.get("mask"))
         if mask is not None and mask.batch_size() > 1:
-            raise ValueError(f"mask={mask!r} holds one entry per sequence, but AxialAttention applies its mask to "
-                             f"every line of every grid along each axis (batch and other axes flattened): give a "
-                             f"mask that is the same for all, e.g. masks.causal(), or mask the inputs instead")
+            raise ValueError(
+                f"mask={mask!r} holds one entry per sequence, but AxialAttention applies its mask to "
+                f"every line of every grid along each axis (batch and other axes flattened): give a "
+                f"mask that is the same for all, e.g. masks.causal(), or mask the inputs instead"
+            )
         self.dim, self.axes = dim, axes
         self.attn = nn.ModuleList(MultiHeadAttention(dim, n_heads, **mha_options) for _ in axes)
 
     def forward(self, x: Tensor) -> Tensor:
         _checks.features("x", x, self.dim, what=f"(B, d_1, ..., d_n, dim={self.dim})", ndim=None)
         if x.dim() < max(self.axes) + 2:
-            raise ValueError(f"x of shape {tuple(x.shape)} has no axis {max(self.axes)} before the feature axis: "
-                             f"axes={self.axes} need x.dim() >= {max(self.axes) + 2}")
+            raise ValueError(
+                f"x of shape {tuple(x.shape)} has no axis {max(self.axes)} before the feature axis: "
+                f"axes={self.axes} need x.dim() >= {max(self.axes) + 2}"
+            )
         if x.numel() == 0:  # an empty grid (some axis of size 0): nothing to attend
             return x.new_zeros(x.shape)
         out = None

@@ -89,8 +89,17 @@ class BlockConfig:
 # TransformerBlock(d_model, ...)'s options: the fields it takes by position, and the keywords that set a field of
 # the attention's config (the rest are BlockConfig's fields, or the defaults below)
 _BLOCK_POSITIONAL = ("d_model", "n_heads", "n_kv_heads", "d_head", "d_ff")
-_ATTENTION_OPTIONS = ("d_model", "n_heads", "n_kv_heads", "d_head", "qk_norm", "softcap", "temperature", "sinks",
-                      "backend")
+_ATTENTION_OPTIONS = (
+    "d_model",
+    "n_heads",
+    "n_kv_heads",
+    "d_head",
+    "qk_norm",
+    "softcap",
+    "temperature",
+    "sinks",
+    "backend",
+)
 _BLOCK_OPTIONS = tuple(f.name for f in dataclasses.fields(BlockConfig) if f.name != "attention")
 _DEFAULTS = ("bias", "qkv_bias", "out_bias", "attention_dropout")
 
@@ -103,17 +112,23 @@ def block_config(config, fields: tuple, options: dict, *, owner: str) -> BlockCo
     if isinstance(config, BlockConfig):
         if fields or options:
             given = [f"{len(fields)} positional" if fields else "", *options]
-            raise TypeError(f"{owner} got a BlockConfig and the options {', '.join(g for g in given if g)}: pass "
-                            f"one or the other (config.replace(...) makes a config with some fields changed)")
+            raise TypeError(
+                f"{owner} got a BlockConfig and the options {', '.join(g for g in given if g)}: pass "
+                f"one or the other (config.replace(...) makes a config with some fields changed)"
+            )
         return config
     if config is not None and (isinstance(config, bool) or not isinstance(config, int)):
-        raise TypeError(f"{owner} takes an attnkit.nn.BlockConfig, or its options ({owner}(d_model, n_heads, "
-                        f"...)), got {type(config).__name__} {config!r:.60}")
+        raise TypeError(
+            f"{owner} takes an attnkit.nn.BlockConfig, or its options ({owner}(d_model, n_heads, "
+            f"...)), got {type(config).__name__} {config!r:.60}"
+        )
     fields = fields if config is None else (config, *fields)
     if len(fields) > len(_BLOCK_POSITIONAL):
-        raise TypeError(f"{owner} takes at most {len(_BLOCK_POSITIONAL)} options by position "
-                        f"({', '.join(_BLOCK_POSITIONAL)}), got {len(fields)}: pass the others by keyword")
-    for name in _BLOCK_POSITIONAL[:len(fields)]:
+        raise TypeError(
+            f"{owner} takes at most {len(_BLOCK_POSITIONAL)} options by position "
+            f"({', '.join(_BLOCK_POSITIONAL)}), got {len(fields)}: pass the others by keyword"
+        )
+    for name in _BLOCK_POSITIONAL[: len(fields)]:
         if name in options:
             raise TypeError(f"{owner} got {name} by position and by keyword: pass it once")
     options = {**dict(zip(_BLOCK_POSITIONAL, fields)), **options}
@@ -121,8 +136,10 @@ def block_config(config, fields: tuple, options: dict, *, owner: str) -> BlockCo
     missing = [k for k in ("d_model", "n_heads") if k not in options]
     if unknown or missing:
         what = f"unknown options {unknown}" if unknown else f"missing {' and '.join(missing)}"
-        raise TypeError(f"{owner}: {what} (its options are positions, mask, attn, {', '.join(_DEFAULTS)}, "
-                        f"{', '.join(_ATTENTION_OPTIONS)} and BlockConfig's fields: {', '.join(_BLOCK_OPTIONS)})")
+        raise TypeError(
+            f"{owner}: {what} (its options are positions, mask, attn, {', '.join(_DEFAULTS)}, "
+            f"{', '.join(_ATTENTION_OPTIONS)} and BlockConfig's fields: {', '.join(_BLOCK_OPTIONS)})"
+        )
     bias = _checks.flag("bias", options.pop("bias", True))  # the default of the three biases
 
     def biased(name: str) -> bool:
@@ -130,12 +147,19 @@ def block_config(config, fields: tuple, options: dict, *, owner: str) -> BlockCo
         return bias if value is None else _checks.flag(name, value)
 
     dropout = options.pop("attention_dropout", None)
-    dropout = options.get("dropout", BlockConfig.dropout) if dropout is None else \
-        _checks.probability("attention_dropout", dropout)
-    attention = AttentionConfig(**{k: options.pop(k) for k in _ATTENTION_OPTIONS if k in options},
-                                bias=biased("qkv_bias"), out_bias=biased("out_bias"), dropout=dropout,
-                                qk_norm_eps=options.get("norm_eps", BlockConfig.norm_eps),
-                                qk_norm_offset=options.get("norm_offset", BlockConfig.norm_offset))
+    dropout = (
+        options.get("dropout", BlockConfig.dropout)
+        if dropout is None
+        else _checks.probability("attention_dropout", dropout)
+    )
+    attention = AttentionConfig(
+        **{k: options.pop(k) for k in _ATTENTION_OPTIONS if k in options},
+        bias=biased("qkv_bias"),
+        out_bias=biased("out_bias"),
+        dropout=dropout,
+        qk_norm_eps=options.get("norm_eps", BlockConfig.norm_eps),
+        qk_norm_offset=options.get("norm_offset", BlockConfig.norm_offset),
+    )
     return BlockConfig(attention, ffn_bias=biased("ffn_bias"), **options)
 
 
@@ -194,14 +218,22 @@ class TransformerBlock(nn.Module):
         True
     """
 
-    def __init__(self, config: BlockConfig | int | None = None, *fields, positions=None, mask=None,
-                 attn: nn.Module | None = None, **options):
+    def __init__(
+        self,
+        config: BlockConfig | int | None = None,
+        *fields,
+        positions=None,
+        mask=None,
+        attn: nn.Module | None = None,
+        **options,
+    ):
         super().__init__()
         self._build(block_config(config, fields, options, owner=type(self).__name__), positions, mask, attn)
 
     @classmethod
-    def from_config(cls, config: BlockConfig, *, positions=None, mask=None,
-                    attn: nn.Module | None = None) -> "TransformerBlock":
+    def from_config(
+        cls, config: BlockConfig, *, positions=None, mask=None, attn: nn.Module | None = None
+    ) -> "TransformerBlock":
         """``TransformerBlock(config, positions=positions, mask=mask, attn=attn)``, refusing anything but a
         :class:`BlockConfig`."""
         _checks.config_object("from_config", config, BlockConfig)
@@ -214,8 +246,10 @@ class TransformerBlock(nn.Module):
         norm_first, post_norms = _checks.flag("norm_first", cfg.norm_first), _checks.flag("post_norms", cfg.post_norms)
         cross_attention = _checks.flag("cross_attention", cfg.cross_attention)
         if post_norms and not norm_first:
-            raise ValueError("post_norms=True needs norm_first=True (Pre-LN): a Post-LN block already normalises "
-                             "after every residual add")
+            raise ValueError(
+                "post_norms=True needs norm_first=True (Pre-LN): a Post-LN block already normalises "
+                "after every residual add"
+            )
         d_model = cfg.d_model
         d_ff = default_d_ff(d_model, cfg.ffn) if cfg.d_ff is None else _checks.positive_int("d_ff", cfg.d_ff)
         if not cfg.pre_norms and not post_norms:
@@ -246,14 +280,15 @@ class TransformerBlock(nn.Module):
             self.ffn_post_norm = norm()
         self.dropout = _dropout(cfg.dropout)
 
-
-    def forward(self, x: Tensor, context=None, *, mask=None, context_mask=None, cache=None, cross_cache=None,
-                positions=None) -> Tensor:
+    def forward(
+        self, x: Tensor, context=None, *, mask=None, context_mask=None, cache=None, cross_cache=None, positions=None
+    ) -> Tensor:
         if self.cross_attention and context is None:
             raise ValueError("this TransformerBlock has cross_attention=True: pass context (B, Lc, context_dim)")
         if not self.cross_attention and context is not None:
-            raise ValueError("context was given but this TransformerBlock has no cross attention: build it "
-                             "with cross_attention=True")
+            raise ValueError(
+                "context was given but this TransformerBlock has no cross attention: build it with cross_attention=True"
+            )
         drop = self.dropout if self.residual_scale == 1.0 else self._scaled_branch
         if self.post_norms:
             x = x + drop(self.attn_post_norm(self.attn(self.attn_norm(x), mask=mask, cache=cache, positions=positions)))
@@ -271,7 +306,6 @@ class TransformerBlock(nn.Module):
             x = self.cross_norm(x + drop(self.cross_attn(x, context, mask=context_mask, cache=cross_cache)))
         return self.ffn_norm(x + drop(self.ffn(x)))
 
-
     def _scaled_branch(self, t: Tensor) -> Tensor:
         """A sub-layer's output, dropped out and scaled by ``residual_scale`` before its residual add (Granite)."""
         return self.dropout(t) * self.residual_scale
@@ -280,11 +314,14 @@ class TransformerBlock(nn.Module):
 def _self_attention(config: AttentionConfig, positions, mask, attn: nn.Module | None) -> nn.Module:
     """``attn`` (a built self-attention module), or the :class:`MultiHeadAttention` ``config`` describes."""
     if attn is not None and not isinstance(attn, nn.Module):
-        raise TypeError(f"attn must be None or a built self-attention module (e.g. LatentAttention), got "
-                        f"{type(attn).__name__}")
+        raise TypeError(
+            f"attn must be None or a built self-attention module (e.g. LatentAttention), got {type(attn).__name__}"
+        )
     if attn is not None and _checks.flag("sinks", config.sinks):
-        raise ValueError("sinks=True configures the MultiHeadAttention this block builds; a built attn module "
-                         "brings its own options: pass sinks=False (or build attn with sinks)")
+        raise ValueError(
+            "sinks=True configures the MultiHeadAttention this block builds; a built attn module "
+            "brings its own options: pass sinks=False (or build attn with sinks)"
+        )
     return attn if attn is not None else MultiHeadAttention.from_config(config, positions=positions, mask=mask)
 
 
@@ -318,11 +355,13 @@ class _Stack(nn.Module):
         """``n_layers`` blocks built from ``config`` (``mask`` AND-ed with causal when ``causal``)."""
         _checks.positive_int("n_layers", n_layers)
         mask = self._mask(causal, mask)
-        self.layers = nn.ModuleList(TransformerBlock(config, positions=positions, mask=mask, attn=attn)
-                                    for _ in range(n_layers))
+        self.layers = nn.ModuleList(
+            TransformerBlock(config, positions=positions, mask=mask, attn=attn) for _ in range(n_layers)
+        )
         self.cross_attention = bool(config.cross_attention)
-        self.norm = make_norm(config.norm, config.d_model, config.norm_eps, config.norm_offset) if config.norm_first \
-            else None
+        self.norm = (
+            make_norm(config.norm, config.d_model, config.norm_eps, config.norm_offset) if config.norm_first else None
+        )
         self.d_model = config.d_model
 
     @staticmethod
@@ -334,6 +373,7 @@ class _Stack(nn.Module):
 
     def _shared_rotary(self, pos: Tensor, hi: int | None) -> _SharedRotary:
         from .positions import RotaryEmbedding
+
         rope = getattr(self.layers[0].attn, "positions", None) if len(self.layers) else None
         ok = isinstance(rope, RotaryEmbedding) and hi is not None and pos.numel() > 0
         return _SharedRotary(rope if ok else None, pos, hi)
@@ -379,8 +419,17 @@ class Encoder(_Stack):
         torch.Size([2, 7, 32])
     """
 
-    def __init__(self, config: BlockConfig | int, n_layers: int, n_heads: int | None = None, *, positions=None,
-                 mask=None, attn: nn.Module | None = None, **block_options):
+    def __init__(
+        self,
+        config: BlockConfig | int,
+        n_layers: int,
+        n_heads: int | None = None,
+        *,
+        positions=None,
+        mask=None,
+        attn: nn.Module | None = None,
+        **block_options,
+    ):
         super().__init__()
         if "cross_attention" in block_options or getattr(config, "cross_attention", False):
             raise ValueError("Encoder layers have no cross attention; use Decoder(cross_attention=True)")
@@ -417,8 +466,17 @@ class Decoder(_Stack):
         torch.Size([2, 5, 32])
     """
 
-    def __init__(self, config: BlockConfig | int, n_layers: int, n_heads: int | None = None, *, positions=None,
-                 mask=None, attn: nn.Module | None = None, **block_options):
+    def __init__(
+        self,
+        config: BlockConfig | int,
+        n_layers: int,
+        n_heads: int | None = None,
+        *,
+        positions=None,
+        mask=None,
+        attn: nn.Module | None = None,
+        **block_options,
+    ):
         super().__init__()
         config = block_config(config, () if n_heads is None else (n_heads,), block_options, owner="Decoder")
         self._build(config, n_layers, causal=True, positions=positions, mask=mask, attn=attn)

@@ -123,29 +123,57 @@ class LatentAttention(_Attends):
         (24, 24)
     """
 
-    def __init__(self, config: LatentConfig | int | None = None, *fields, positions: RotaryEmbedding | None = None,
-                 mask=None, **options):
+    def __init__(
+        self,
+        config: LatentConfig | int | None = None,
+        *fields,
+        positions: RotaryEmbedding | None = None,
+        mask=None,
+        **options,
+    ):
         super().__init__()
-        cfg = _checks.config_of(LatentConfig, config, fields, options, owner=type(self).__name__,
-                                positional=("d_model", "n_heads"), beside="positions, mask")
+        cfg = _checks.config_of(
+            LatentConfig,
+            config,
+            fields,
+            options,
+            owner=type(self).__name__,
+            positional=("d_model", "n_heads"),
+            beside="positions, mask",
+        )
         self.config = cfg
         d_model, n_heads, kv_lora_rank, q_lora_rank = cfg.d_model, cfg.n_heads, cfg.kv_lora_rank, cfg.q_lora_rank
         qk_rope_head_dim, qk_nope_head_dim, v_head_dim = cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
-        scale, bias, out_bias, dropout, backend, norm_eps = (cfg.scale, cfg.bias, cfg.out_bias, cfg.dropout,
-                                                             cfg.backend, cfg.norm_eps)
-        for name, value in (("d_model", d_model), ("n_heads", n_heads), ("kv_lora_rank", kv_lora_rank),
-                            ("qk_rope_head_dim", qk_rope_head_dim), ("qk_nope_head_dim", qk_nope_head_dim),
-                            ("v_head_dim", v_head_dim)):
+        scale, bias, out_bias, dropout, backend, norm_eps = (
+            cfg.scale,
+            cfg.bias,
+            cfg.out_bias,
+            cfg.dropout,
+            cfg.backend,
+            cfg.norm_eps,
+        )
+        for name, value in (
+            ("d_model", d_model),
+            ("n_heads", n_heads),
+            ("kv_lora_rank", kv_lora_rank),
+            ("qk_rope_head_dim", qk_rope_head_dim),
+            ("qk_nope_head_dim", qk_nope_head_dim),
+            ("v_head_dim", v_head_dim),
+        ):
             _checks.positive_int(name, value)
         _checks.positive_int("q_lora_rank", q_lora_rank, allow_none=True)
         if qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim={qk_rope_head_dim} must be even (rotary dims come in pairs)")
         if positions is not None and not isinstance(positions, RotaryEmbedding):
-            raise TypeError(f"LatentAttention takes a RotaryEmbedding of qk_rope_head_dim={qk_rope_head_dim} dims "
-                            f"as positions (decoupled RoPE), got {type(positions).__name__}")
+            raise TypeError(
+                f"LatentAttention takes a RotaryEmbedding of qk_rope_head_dim={qk_rope_head_dim} dims "
+                f"as positions (decoupled RoPE), got {type(positions).__name__}"
+            )
         if positions is not None and positions.dim != qk_rope_head_dim:
-            raise ValueError(f"positions=RotaryEmbedding({positions.dim}) must rotate qk_rope_head_dim="
-                             f"{qk_rope_head_dim} dims: use RotaryEmbedding({qk_rope_head_dim})")
+            raise ValueError(
+                f"positions=RotaryEmbedding({positions.dim}) must rotate qk_rope_head_dim="
+                f"{qk_rope_head_dim} dims: use RotaryEmbedding({qk_rope_head_dim})"
+            )
         self.d_model, self.n_heads = d_model, n_heads
         self.kv_lora_rank, self.q_lora_rank = kv_lora_rank, q_lora_rank
         self.qk_rope_head_dim, self.qk_nope_head_dim, self.v_head_dim = qk_rope_head_dim, qk_nope_head_dim, v_head_dim
@@ -189,7 +217,7 @@ class LatentAttention(_Attends):
         proj = self.kv_b_proj
         w = proj.dequantized() if callable(getattr(proj, "dequantized", None)) else proj.weight  # (attnkit.quantize)
         w = w.view(self.n_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
-        return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]
+        return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
 
     # ---------------------------------------------------------------------------- forward
 
@@ -207,8 +235,9 @@ class LatentAttention(_Attends):
         latent = torch.cat((c, k_rope), dim=-1)  # (B, 1, L, r + dr): what a cache stores
         kv, extra = latent, None
         if cache is not None:  # the latent is stored as a key, with a zero-width value
-            kv = _update_cache(cache, latent, latent.new_empty(B, 1, L, 0), call_mask=call_mask, heads=self.n_heads,
-                               q_len=L)
+            kv = _update_cache(
+                cache, latent, latent.new_empty(B, 1, L, 0), call_mask=call_mask, heads=self.n_heads, q_len=L
+            )
             if not isinstance(kv, CacheAttention):
                 kv, _, extra = _checks.cache_kv(kv)  # kv: (B, 1, Lk, r + dr)
         layer_mask = self.mask
@@ -216,7 +245,9 @@ class LatentAttention(_Attends):
             layer_mask = None  # one query at the last position sees every key: no mask to evaluate
         m = _checks.combine(layer_mask, call_mask, extra)
         dropout_p = self.dropout if self.training else 0.0
-        if not isinstance(kv, CacheAttention) and kv.shape[2] == L:  # a prompt (nothing stored before): ordinary attention
+        if (
+            not isinstance(kv, CacheAttention) and kv.shape[2] == L
+        ):  # a prompt (nothing stored before): ordinary attention
             out = self._expanded(q_nope, q_rope, kv, m, dropout_p)
         else:
             out = self._absorbed(q_nope, q_rope, kv, m, dropout_p)
@@ -230,8 +261,10 @@ class LatentAttention(_Attends):
             return _checks.positions_tensor("positions", positions, B, L, x.device), None
         stored = 0 if cache is None else getattr(cache, "seq_len", None)
         if isinstance(stored, bool) or not isinstance(stored, int):
-            raise ValueError(f"LatentAttention needs absolute positions with a cache: pass positions=..., "
-                             f"or give the cache an int attribute seq_len (got {type(cache).__name__})")
+            raise ValueError(
+                f"LatentAttention needs absolute positions with a cache: pass positions=..., "
+                f"or give the cache an int attribute seq_len (got {type(cache).__name__})"
+            )
         return torch.arange(stored, stored + L, device=x.device), stored + L - 1
 
     def _expanded(self, q_nope: Tensor, q_rope: Tensor, latent: Tensor, mask, dropout_p: float) -> Tensor:
@@ -253,15 +286,24 @@ class LatentAttention(_Attends):
         q = torch.cat((q_lat.view(H, B, L, -1).transpose(0, 1), q_rope), dim=-1)  # (B, H, L, r + dr)
         r = self.kv_lora_rank
         if isinstance(kv, CacheAttention):  # a paged decode step: the values are the stored latents' first r channels
-            out = kv.attend(q, mask=mask, bias=None, scale=self.scale, softcap=None,  # type: ignore[call-arg]
-                            value_dims=r)  # (an option of the paged caches' decode steps)
+            out = kv.attend(
+                q,
+                mask=mask,
+                bias=None,
+                scale=self.scale,
+                softcap=None,  # type: ignore[call-arg]
+                value_dims=r,
+            )  # (an option of the paged caches' decode steps)
         else:
-            out = self._attend(q, kv, kv[..., :r], mask=mask, bias=None, scale=self.scale, softcap=None,
-                               dropout_p=dropout_p)  # (B, H, L, r): one key head, the latent
+            out = self._attend(
+                q, kv, kv[..., :r], mask=mask, bias=None, scale=self.scale, softcap=None, dropout_p=dropout_p
+            )  # (B, H, L, r): one key head, the latent
         out = torch.bmm(out.transpose(0, 1).reshape(H, B * L, r), w_uv.transpose(1, 2).to(out.dtype))  # (H, B L, dv)
         return out.view(H, B, L, -1).transpose(0, 1)  # (B, H, L, dv)
 
     def extra_repr(self) -> str:
-        return (f"d_model={self.d_model}, n_heads={self.n_heads}, kv_lora_rank={self.kv_lora_rank}, "
-                f"q_lora_rank={self.q_lora_rank}, qk_rope_head_dim={self.qk_rope_head_dim}, "
-                f"qk_nope_head_dim={self.qk_nope_head_dim}, v_head_dim={self.v_head_dim}")
+        return (
+            f"d_model={self.d_model}, n_heads={self.n_heads}, kv_lora_rank={self.kv_lora_rank}, "
+            f"q_lora_rank={self.q_lora_rank}, qk_rope_head_dim={self.qk_rope_head_dim}, "
+            f"qk_nope_head_dim={self.qk_nope_head_dim}, v_head_dim={self.v_head_dim}"
+        )

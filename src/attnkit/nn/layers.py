@@ -113,16 +113,26 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """
     # (torch.compile: Inductor lowers these operators only for frozen weights, so graphs keep F.linear)
     # (autocast: F.linear, whose output dtype autocast decides; the fast paths would mix dtypes)
-    if (x.is_cpu and weight.is_cpu and not torch.compiler.is_compiling() and not torch.is_autocast_enabled("cpu")
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                                  or (bias is not None and bias.requires_grad)))):
+    if (
+        x.is_cpu
+        and weight.is_cpu
+        and not torch.compiler.is_compiling()
+        and not torch.is_autocast_enabled("cpu")
+        and not (
+            torch.is_grad_enabled()
+            and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+        )
+    ):
         k = x.shape[-1]
         rows = x.numel() // k if k else 0
         copies = _DECODE_COPIES.get()
         if copies is not None and x.dtype is weight.dtype:  # a decode step of generate or an Engine
             weight = copies.weight_for(weight, rows)
-        if (x.dtype is torch.float32 and weight.dtype is torch.float32
-                and (bias is None or (bias.dtype is torch.float32 and bias.is_cpu))):
+        if (
+            x.dtype is torch.float32
+            and weight.dtype is torch.float32
+            and (bias is None or (bias.dtype is torch.float32 and bias.is_cpu))
+        ):
             if weight.is_mkldnn:  # a blocked copy (DecodeCopies, 4-64 rows)
                 return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
             if 1 <= rows <= _MKL_ROWS and weight.dim() == 2 and weight.stride(1) == 1 and weight.stride(0) == k:
@@ -170,8 +180,9 @@ def _decode_layout(w: Tensor, rows: int) -> str | None:
     return None
 
 
-_DECODE_COPIES: contextvars.ContextVar["DecodeCopies | None"] = contextvars.ContextVar("attnkit_decode_copies",
-                                                                                       default=None)
+_DECODE_COPIES: contextvars.ContextVar["DecodeCopies | None"] = contextvars.ContextVar(
+    "attnkit_decode_copies", default=None
+)
 _SAMPLES = 64  # values of a weight kept beside its copy, to notice writes its version counter does not see
 
 
@@ -197,8 +208,12 @@ class DecodeCopies:
         """``w`` itself when it is laid out for a product of ``rows`` rows (or cannot be copied safely),
         else its copy in that layout."""
         layout = _decode_layout(w, rows)
-        if (layout is None or (w.is_contiguous() if layout == "row" else _is_column_major(w))
-                or w._is_view() or w.is_inference()):
+        if (
+            layout is None
+            or (w.is_contiguous() if layout == "row" else _is_column_major(w))
+            or w._is_view()
+            or w.is_inference()
+        ):
             return w
         slot = (id(w), layout)
         key = _weight_key(w)
@@ -207,8 +222,13 @@ class DecodeCopies:
             return entry.copy
         # ordinary tensors even under inference_mode (where generate may run), like the weights themselves
         with torch.inference_mode(False), torch.no_grad():
-            copy = (_column_major(w.detach()) if layout == "column" else _pack(w) if layout == "packed"
-                    else w.detach().contiguous())
+            copy = (
+                _column_major(w.detach())
+                if layout == "column"
+                else _pack(w)
+                if layout == "packed"
+                else w.detach().contiguous()
+            )
             live = _sampled(w)
             entry = _Copy(weakref.ref(w), key, live, None if live is None else live.clone(), copy)
         with self._lock:
@@ -222,8 +242,9 @@ class DecodeCopies:
             entries = list(self._copies.items())
         stale = {slot for slot, e in entries if (w := e.weight()) is None or _weight_key(w) != e.key}
         sampled = [(slot, e) for slot, e in entries if slot not in stale and e.live is not None]
-        if sampled and not torch.equal(torch.cat([e.live for _, e in sampled]),
-                                       torch.cat([e.saved for _, e in sampled])):
+        if sampled and not torch.equal(
+            torch.cat([e.live for _, e in sampled]), torch.cat([e.saved for _, e in sampled])
+        ):
             stale.update(slot for slot, e in sampled if not torch.equal(e.live, e.saved))
         if stale:
             with self._lock:
@@ -322,8 +343,11 @@ def to_decode_layout(module: nn.Module, batch_size: int = 1) -> nn.Module:
     """
     batch_size = _checks.positive_int("batch_size", batch_size)
     # a language model whose head is tied (lm_head None) streams its embedding like a Linear weight
-    tied = {id(m.embed.weight) for m in module.modules()
-            if isinstance(getattr(m, "embed", None), nn.Embedding) and getattr(m, "lm_head", False) is None}
+    tied = {
+        id(m.embed.weight)
+        for m in module.modules()
+        if isinstance(getattr(m, "embed", None), nn.Embedding) and getattr(m, "lm_head", False) is None
+    }
     # the copies must be ordinary tensors even when called under inference_mode (as generate may be), or the
     # parameters could not be used for training afterwards
     with torch.inference_mode(False), torch.no_grad():
@@ -331,8 +355,9 @@ def to_decode_layout(module: nn.Module, batch_size: int = 1) -> nn.Module:
             if isinstance(sub, nn.Linear) or (isinstance(sub, nn.Embedding) and id(sub.weight) in tied):
                 w = sub.weight
                 if w.dim() == 2:
-                    column = w.device.type == "cpu" and (w.dtype is torch.bfloat16 or (
-                        w.dtype is torch.float32 and batch_size > _MKL_ROWS))
+                    column = w.device.type == "cpu" and (
+                        w.dtype is torch.bfloat16 or (w.dtype is torch.float32 and batch_size > _MKL_ROWS)
+                    )
                     new = _column_major(w.data) if column else _row_major(w.data)
                     if new is not w.data:
                         w.data = new

@@ -132,8 +132,16 @@ class DecoderConfig:
     _PRESETS = {
         "tiny": dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, max_seq_len=512),
         "small": dict(vocab_size=32000, d_model=256, n_layers=4, n_heads=4, max_seq_len=1024),
-        "llama-like": dict(vocab_size=32000, d_model=512, n_layers=8, n_heads=8, d_ff=1408, max_seq_len=2048,
-                           norm_eps=1e-6, tie_embeddings=False),
+        "llama-like": dict(
+            vocab_size=32000,
+            d_model=512,
+            n_layers=8,
+            n_heads=8,
+            d_ff=1408,
+            max_seq_len=2048,
+            norm_eps=1e-6,
+            tie_embeddings=False,
+        ),
     }
 
     def __post_init__(self):
@@ -145,8 +153,16 @@ class DecoderConfig:
         """Each field alone (flags become bools)."""
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "t5_max_distance"):
             _checks.positive_int(name, getattr(self, name))
-        for name in ("rope_interleaved", "norm_first", "qkv_bias", "out_bias", "ffn_bias", "post_norms",
-                     "tie_embeddings", "attention_sinks"):
+        for name in (
+            "rope_interleaved",
+            "norm_first",
+            "qkv_bias",
+            "out_bias",
+            "ffn_bias",
+            "post_norms",
+            "tie_embeddings",
+            "attention_sinks",
+        ):
             setattr(self, name, _checks.flag(name, getattr(self, name)))
         if not isinstance(self.qk_norm, str):  # a flag, or one of the named layouts checked below
             self.qk_norm = _checks.flag("qk_norm", self.qk_norm)
@@ -173,41 +189,54 @@ class DecoderConfig:
     def _check_combinations(self) -> None:
         """Fields that constrain each other."""
         if self.norm_offset and self.norm != "rms":
-            raise ValueError(f"norm_offset={self.norm_offset!r} applies to RMSNorm only: use norm='rms' or "
-                             f"norm_offset=0.0")
+            raise ValueError(
+                f"norm_offset={self.norm_offset!r} applies to RMSNorm only: use norm='rms' or norm_offset=0.0"
+            )
         if not self.pre_norms and not self.post_norms:
             raise ValueError("pre_norms=False needs post_norms=True (OLMo 2 normalises only the sub-layers' outputs)")
         if self.qk_norm not in (False, True, "head", "all"):
-            raise ValueError(f"qk_norm={self.qk_norm!r} must be False, True / 'head' (RMSNorm per head) or 'all' "
-                             f"(over all heads at once)")
+            raise ValueError(
+                f"qk_norm={self.qk_norm!r} must be False, True / 'head' (RMSNorm per head) or 'all' "
+                f"(over all heads at once)"
+            )
         self.rope_layers = _check_rope_layers(self.rope_layers, self.n_layers, self.positions)
         if self.attention_sinks and self.kv_lora_rank is not None:
-            raise ValueError("attention_sinks=True applies to multi-head attention layers; latent attention "
-                             "(kv_lora_rank) has no sinks: pass attention_sinks=False or kv_lora_rank=None")
+            raise ValueError(
+                "attention_sinks=True applies to multi-head attention layers; latent attention "
+                "(kv_lora_rank) has no sinks: pass attention_sinks=False or kv_lora_rank=None"
+            )
         if self.rope_local_theta is not None and (self.positions != "rope" or self.layer_masks is None):
-            raise ValueError(f"rope_local_theta={self.rope_local_theta!r} is the rope base of the layers with a "
-                             f"layer_masks entry: it needs positions='rope' and layer_masks (got positions="
-                             f"{self.positions!r}, layer_masks={self.layer_masks!r})")
+            raise ValueError(
+                f"rope_local_theta={self.rope_local_theta!r} is the rope base of the layers with a "
+                f"layer_masks entry: it needs positions='rope' and layer_masks (got positions="
+                f"{self.positions!r}, layer_masks={self.layer_masks!r})"
+            )
         if self.post_norms and not self.norm_first:
-            raise ValueError("post_norms=True needs norm_first=True (Pre-LN): a Post-LN block already normalises "
-                             "after every residual add")
+            raise ValueError(
+                "post_norms=True needs norm_first=True (Pre-LN): a Post-LN block already normalises "
+                "after every residual add"
+            )
 
     def _check_masks_and_positions(self) -> None:
         if self.positions == "t5":  # the bucket layout's errors at configuration time, not when building
             for bidirectional in (False, True):
                 try:
-                    _check_t5_layout(self.n_heads, self.t5_num_buckets, self.t5_max_distance,
-                                    bidirectional=bidirectional)
+                    _check_t5_layout(
+                        self.n_heads, self.t5_num_buckets, self.t5_max_distance, bidirectional=bidirectional
+                    )
                 except (TypeError, ValueError) as e:
-                    raise type(e)(f"t5_num_buckets={self.t5_num_buckets!r}, t5_max_distance={self.t5_max_distance!r}: "
-                                  f"{e}") from None
+                    raise type(e)(
+                        f"t5_num_buckets={self.t5_num_buckets!r}, t5_max_distance={self.t5_max_distance!r}: {e}"
+                    ) from None
         _checks.causal_model_mask("mask", self.mask)
         self.layer_masks = _check_layer_masks(self.layer_masks, self.n_layers)
         self._check_latent()
         self.sparse_attention = _check_sparse_attention(self.sparse_attention, self.latent, self.positions)
         if self.positions == "rope" and self.rotary_dim is None and self.d_head_ % 2 and not self.kv_lora_rank:
-            raise ValueError(f"positions='rope' rotates pairs of channels: the head size d_head={self.d_head_} must "
-                             f"be even (pick d_model/n_heads or d_head even, or rotary_dim=an even size)")
+            raise ValueError(
+                f"positions='rope' rotates pairs of channels: the head size d_head={self.d_head_} must "
+                f"be even (pick d_model/n_heads or d_head even, or rotary_dim=an even size)"
+            )
         if self.rotary_dim is not None and (self.rotary_dim > self.d_head_ or self.rotary_dim % 2):
             raise ValueError(f"rotary_dim={self.rotary_dim} must be even and <= d_head={self.d_head_}")
         if self.positions == "sinusoidal" and self.d_model % 2:
@@ -217,28 +246,41 @@ class DecoderConfig:
         for name in ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim"):
             _checks.positive_int(name, getattr(self, name), allow_none=True)
         if self.indexer is not None and not isinstance(self.indexer, IndexerConfig):
-            raise TypeError(f"indexer must be an attnkit.nn.IndexerConfig (DeepSeek sparse attention), got "
-                            f"{type(self.indexer).__name__}")
+            raise TypeError(
+                f"indexer must be an attnkit.nn.IndexerConfig (DeepSeek sparse attention), got "
+                f"{type(self.indexer).__name__}"
+            )
         if self.indexer is not None and self.kv_lora_rank is None:
-            raise ValueError("indexer= (DeepSeek sparse attention) selects keys for latent attention layers: set "
-                             "kv_lora_rank and qk_rope_head_dim too (or indexer=None)")
+            raise ValueError(
+                "indexer= (DeepSeek sparse attention) selects keys for latent attention layers: set "
+                "kv_lora_rank and qk_rope_head_dim too (or indexer=None)"
+            )
         if self.kv_lora_rank is None:
             for name in ("q_lora_rank", "qk_rope_head_dim", "v_head_dim"):
                 if getattr(self, name) is not None:
-                    raise ValueError(f"{name}={getattr(self, name)!r} is a field of multi-head latent attention: set "
-                                     f"kv_lora_rank too (or {name}=None)")
+                    raise ValueError(
+                        f"{name}={getattr(self, name)!r} is a field of multi-head latent attention: set "
+                        f"kv_lora_rank too (or {name}=None)"
+                    )
             return
         if self.qk_rope_head_dim is None or self.qk_rope_head_dim % 2:
-            raise ValueError(f"kv_lora_rank={self.kv_lora_rank} (latent attention) needs qk_rope_head_dim, an even "
-                             f"number of rotary dims per head, got {self.qk_rope_head_dim!r}")
-        for name, value, want in (("positions", self.positions, ("rope", "none")),
-                                  ("n_kv_heads", self.n_kv_heads, (None, self.n_heads)),
-                                  ("qk_norm", self.qk_norm, (False,)), ("softcap", self.softcap, (None,)),
-                                  ("rotary_dim", self.rotary_dim, (None,)),
-                                  ("rope_local_theta", self.rope_local_theta, (None,))):
+            raise ValueError(
+                f"kv_lora_rank={self.kv_lora_rank} (latent attention) needs qk_rope_head_dim, an even "
+                f"number of rotary dims per head, got {self.qk_rope_head_dim!r}"
+            )
+        for name, value, want in (
+            ("positions", self.positions, ("rope", "none")),
+            ("n_kv_heads", self.n_kv_heads, (None, self.n_heads)),
+            ("qk_norm", self.qk_norm, (False,)),
+            ("softcap", self.softcap, (None,)),
+            ("rotary_dim", self.rotary_dim, (None,)),
+            ("rope_local_theta", self.rope_local_theta, (None,)),
+        ):
             if value not in want:
-                raise ValueError(f"{name}={value!r} is not available with latent attention (kv_lora_rank="
-                                 f"{self.kv_lora_rank}): use {name}={want[0]!r}")
+                raise ValueError(
+                    f"{name}={value!r} is not available with latent attention (kv_lora_rank="
+                    f"{self.kv_lora_rank}): use {name}={want[0]!r}"
+                )
 
     @property
     def latent(self) -> bool:
@@ -358,14 +400,36 @@ class DecoderConfig:
             ('rms', 'swiglu', 192, 2, 1.0)
         """
         temperature = 1.0 if self.attn_scale is None else 1.0 / (self.attn_scale * math.sqrt(self.head_dim))
-        attention = AttentionConfig(self.d_model, self.n_heads, self.n_kv_heads, self.d_head, bias=self.qkv_bias,
-                                    out_bias=self.out_bias, dropout=self.attention_dropout, qk_norm=self.qk_norm,
-                                    qk_norm_eps=self.norm_eps, qk_norm_offset=self.norm_offset,
-                                    softcap=self.softcap, temperature=temperature, sinks=self.attention_sinks,
-                                    backend=self.backend)
-        return BlockConfig(attention, self.ff_dim, dropout=self.dropout, norm_first=self.norm_first, norm=self.norm,
-                           norm_eps=self.norm_eps, norm_offset=self.norm_offset, ffn=self.ffn, ffn_bias=self.ffn_bias,
-                           post_norms=self.post_norms, pre_norms=self.pre_norms, residual_scale=self.residual_scale)
+        attention = AttentionConfig(
+            self.d_model,
+            self.n_heads,
+            self.n_kv_heads,
+            self.d_head,
+            bias=self.qkv_bias,
+            out_bias=self.out_bias,
+            dropout=self.attention_dropout,
+            qk_norm=self.qk_norm,
+            qk_norm_eps=self.norm_eps,
+            qk_norm_offset=self.norm_offset,
+            softcap=self.softcap,
+            temperature=temperature,
+            sinks=self.attention_sinks,
+            backend=self.backend,
+        )
+        return BlockConfig(
+            attention,
+            self.ff_dim,
+            dropout=self.dropout,
+            norm_first=self.norm_first,
+            norm=self.norm,
+            norm_eps=self.norm_eps,
+            norm_offset=self.norm_offset,
+            ffn=self.ffn,
+            ffn_bias=self.ffn_bias,
+            post_norms=self.post_norms,
+            pre_norms=self.pre_norms,
+            residual_scale=self.residual_scale,
+        )
 
 
 def _mask_dict(name: str, mask) -> dict | None:
@@ -383,6 +447,8 @@ def _json_ready(value):
     if isinstance(value, dict):
         return {k: _json_ready(v) for k, v in value.items()}
     return value
+
+
 _SPARSE_METHODS = {  # method -> its options with their defaults
     "moba": {"block": 64, "top_k": 8},
     "nsa": {"compress_block": 32, "compress_stride": 16, "select_block": 64, "select_count": 16, "window": 512},
@@ -394,20 +460,27 @@ def _check_sparse_attention(value, latent: bool, positions: str) -> dict | None:
     if value is None:
         return None
     if not isinstance(value, dict) or "method" not in value:
-        raise TypeError(f"sparse_attention must be None or a dict with a 'method' ({sorted(_SPARSE_METHODS)}) and its "
-                        f"options, e.g. {{'method': 'moba', 'block': 64, 'top_k': 8}}; got {value!r}")
+        raise TypeError(
+            f"sparse_attention must be None or a dict with a 'method' ({sorted(_SPARSE_METHODS)}) and its "
+            f"options, e.g. {{'method': 'moba', 'block': 64, 'top_k': 8}}; got {value!r}"
+        )
     method = _checks.choice("sparse_attention['method']", value["method"], tuple(_SPARSE_METHODS))
     defaults = _SPARSE_METHODS[method]
     unknown = sorted(set(value) - set(defaults) - {"method"})
     if unknown:
-        raise ValueError(f"sparse_attention: {unknown} are not options of {method!r}; its options are "
-                         f"{sorted(defaults)}")
+        raise ValueError(
+            f"sparse_attention: {unknown} are not options of {method!r}; its options are {sorted(defaults)}"
+        )
     if latent:
-        raise ValueError(f"sparse_attention={value!r} applies to multi-head attention layers, not to latent "
-                         f"attention (kv_lora_rank): set one of them only")
+        raise ValueError(
+            f"sparse_attention={value!r} applies to multi-head attention layers, not to latent "
+            f"attention (kv_lora_rank): set one of them only"
+        )
     if method == "nsa" and positions in ("alibi", "t5"):
-        raise ValueError(f"sparse_attention method 'nsa' takes positions='rope', 'sinusoidal' or 'none', got "
-                         f"positions={positions!r}: its compressed keys have no single position for a score bias")
+        raise ValueError(
+            f"sparse_attention method 'nsa' takes positions='rope', 'sinusoidal' or 'none', got "
+            f"positions={positions!r}: its compressed keys have no single position for a score bias"
+        )
     return {"method": method, **defaults, **{n: v for n, v in value.items() if n != "method"}}
 
 
@@ -416,22 +489,30 @@ def _check_layer_masks(value, n_layers: int) -> tuple[_masks.Mask | None, ...] |
     if value is None:
         return None
     if isinstance(value, (_masks.Mask, torch.Tensor)) or not isinstance(value, (list, tuple)):
-        raise TypeError(f"layer_masks must be a tuple with one Mask (or None) per layer, got "
-                        f"{type(value).__name__}: for one mask on every layer use mask=... instead")
+        raise TypeError(
+            f"layer_masks must be a tuple with one Mask (or None) per layer, got "
+            f"{type(value).__name__}: for one mask on every layer use mask=... instead"
+        )
     if len(value) != n_layers:
-        raise ValueError(f"layer_masks has {len(value)} entries but n_layers={n_layers}: give exactly one Mask or "
-                         f"None per layer (None: that layer is causal only), e.g. "
-                         f"(masks.sliding_window(W - 1), None) * {n_layers // 2 or 1} for alternating layers")
+        raise ValueError(
+            f"layer_masks has {len(value)} entries but n_layers={n_layers}: give exactly one Mask or "
+            f"None per layer (None: that layer is causal only), e.g. "
+            f"(masks.sliding_window(W - 1), None) * {n_layers // 2 or 1} for alternating layers"
+        )
     return tuple(_checks.causal_model_mask(f"layer_masks[{i}]", m) for i, m in enumerate(value))
 
 
 def _check_rope_layers(value, n_layers: int, positions: str) -> tuple[bool, ...] | None:
     if value is None:
         return None
-    if not isinstance(value, (list, tuple)) or len(value) != n_layers or not all(
-            isinstance(x, (bool, int)) and x in (0, 1) for x in value):
-        raise ValueError(f"rope_layers={value!r} must give one bool per layer ({n_layers}): False for a layer "
-                         f"without positions")
+    if (
+        not isinstance(value, (list, tuple))
+        or len(value) != n_layers
+        or not all(isinstance(x, (bool, int)) and x in (0, 1) for x in value)
+    ):
+        raise ValueError(
+            f"rope_layers={value!r} must give one bool per layer ({n_layers}): False for a layer without positions"
+        )
     if positions != "rope":
         raise ValueError(f"rope_layers is for positions='rope', got positions={positions!r}")
     return tuple(bool(x) for x in value)
@@ -439,11 +520,16 @@ def _check_rope_layers(value, n_layers: int, positions: str) -> tuple[bool, ...]
 
 def _make_positions(cfg: DecoderConfig, *, bidirectional: bool) -> PositionEncoding | None:
     if cfg.positions == "rope" and cfg.latent:
-        return RotaryEmbedding(cfg.qk_rope_head_dim, base=cfg.rope_theta, interleaved=cfg.rope_interleaved,
-                               scaling=cfg.rope_scaling)
+        return RotaryEmbedding(
+            cfg.qk_rope_head_dim, base=cfg.rope_theta, interleaved=cfg.rope_interleaved, scaling=cfg.rope_scaling
+        )
     if cfg.positions == "rope":
-        return RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, base=cfg.rope_theta, interleaved=cfg.rope_interleaved,
-                               scaling=cfg.rope_scaling)
+        return RotaryEmbedding(
+            cfg.rotary_dim or cfg.head_dim,
+            base=cfg.rope_theta,
+            interleaved=cfg.rope_interleaved,
+            scaling=cfg.rope_scaling,
+        )
     if cfg.positions == "alibi":
         return ALiBi(cfg.n_heads)
     if cfg.positions == "t5":
@@ -475,7 +561,7 @@ class _LMBase(nn.Module):
             else:
                 nn.init.normal_(p, std=std)
         if self.abs_positions is not None:  # the original Transformer: embeddings * sqrt(d) join unit-size waves
-            nn.init.normal_(self.embed.weight, std=self.config.d_model ** -0.5)
+            nn.init.normal_(self.embed.weight, std=self.config.d_model**-0.5)
 
     def _check_positions(self, pos: Tensor) -> int:
         """The largest position (read from the tensor), checked against ``max_seq_len``."""
@@ -485,13 +571,18 @@ class _LMBase(nn.Module):
         if torch.compiler.is_compiling():  # reading the tensor would split the graph: check inside it instead
             rope = getattr(self, "positions", None)
             if isinstance(rope, RotaryEmbedding) and rope.length_dependent:
-                raise ValueError(f"rope scaling {rope.scaling.type!r} picks its frequencies from the largest "  # type: ignore[union-attr]
-                                 f"position, which a compiled forward does not read from given positions: call "
-                                 f"it with positions=None (the cache's offset) or without torch.compile")
+                raise ValueError(
+                    f"rope scaling {rope.scaling.type!r} picks its frequencies from the largest "  # type: ignore[union-attr]
+                    f"position, which a compiled forward does not read from given positions: call "
+                    f"it with positions=None (the cache's offset) or without torch.compile"
+                )
             torch._assert_async((pos >= 0).all(), "positions must be >= 0")
             if cfg.positions not in ("alibi", "t5", "none"):
-                torch._assert_async((pos < cfg.max_seq_len).all(), f"positions must be < max_seq_len="
-                                    f"{cfg.max_seq_len} (positions={cfg.positions!r} does not extrapolate)")
+                torch._assert_async(
+                    (pos < cfg.max_seq_len).all(),
+                    f"positions must be < max_seq_len="
+                    f"{cfg.max_seq_len} (positions={cfg.positions!r} does not extrapolate)",
+                )
             return cfg.max_seq_len - 1  # a bound, not the maximum: sizes the rotary table without a read
         lo, hi = int(pos.min()), int(pos.max())
         if lo < 0:
@@ -502,9 +593,11 @@ class _LMBase(nn.Module):
     def _check_max(self, hi: int) -> None:
         cfg = self.config
         if hi >= cfg.max_seq_len and cfg.positions not in ("alibi", "t5", "none"):
-            raise ValueError(f"position {hi} is beyond max_seq_len={cfg.max_seq_len} and positions="
-                             f"{cfg.positions!r} does not extrapolate: raise max_seq_len (with rope_scaling for "
-                             f"RoPE) or use positions='alibi'")
+            raise ValueError(
+                f"position {hi} is beyond max_seq_len={cfg.max_seq_len} and positions="
+                f"{cfg.positions!r} does not extrapolate: raise max_seq_len (with rope_scaling for "
+                f"RoPE) or use positions='alibi'"
+            )
 
     def _embed(self, ids: Tensor, pos: Tensor) -> Tensor:
         w = self.embed.weight
@@ -588,13 +681,19 @@ class DecoderLM(_LMBase):
         self.positions = _make_positions(cfg, bidirectional=False)
         self.local_positions = None  # the sliding layers' own rotary embedding (rope_local_theta)
         if cfg.rope_local_theta is not None:
-            self.local_positions = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, base=cfg.rope_local_theta,
-                                                   interleaved=cfg.rope_interleaved)
+            self.local_positions = RotaryEmbedding(
+                cfg.rotary_dim or cfg.head_dim, base=cfg.rope_local_theta, interleaved=cfg.rope_interleaved
+            )
         block = cfg.block_config()
         self.layers = nn.ModuleList(
-            TransformerBlock(block, positions=self._layer_positions(i), mask=self._layer_mask(i),
-                             attn=self._latent_attention(i) or self._sparse_attention(i, block))
-            for i in range(cfg.n_layers))
+            TransformerBlock(
+                block,
+                positions=self._layer_positions(i),
+                mask=self._layer_mask(i),
+                attn=self._latent_attention(i) or self._sparse_attention(i, block),
+            )
+            for i in range(cfg.n_layers)
+        )
         self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.norm_offset) if cfg.norm_first else None
         self._init_weights(cfg.n_layers)
 
@@ -635,13 +734,17 @@ class DecoderLM(_LMBase):
 
         path = os.path.join(directory, cls.CONFIG_NAME)
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"DecoderLM.from_pretrained: no {cls.CONFIG_NAME} in {str(directory)!r}: pass "
-                                    f"a directory written by DecoderLM.save_pretrained")
+            raise FileNotFoundError(
+                f"DecoderLM.from_pretrained: no {cls.CONFIG_NAME} in {str(directory)!r}: pass "
+                f"a directory written by DecoderLM.save_pretrained"
+            )
         with open(path) as f:
             saved = json.load(f)
         if not isinstance(saved, dict) or saved.get("architecture") != "DecoderLM" or "config" not in saved:
-            raise ValueError(f"{path} is not a DecoderLM config (save_pretrained writes "
-                             f"{{'architecture': 'DecoderLM', 'config': ...}})")
+            raise ValueError(
+                f"{path} is not a DecoderLM config (save_pretrained writes "
+                f"{{'architecture': 'DecoderLM', 'config': ...}})"
+            )
         config = DecoderConfig.from_dict(saved["config"])
         weights = os.path.join(directory, cls.WEIGHTS_NAME)
         with safe_open(weights, framework="pt") as f:
@@ -650,8 +753,12 @@ class DecoderLM(_LMBase):
         with torch.random.fork_rng(devices=[]):  # the initial weights are overwritten: draw nothing of the caller's
             model = cls(config)
         if dtype is not None:
-            model.to(getattr(torch, {"F32": "float32", "F16": "float16", "BF16": "bfloat16",
-                                     "F64": "float64"}.get(dtype, "float32")))
+            model.to(
+                getattr(
+                    torch,
+                    {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}.get(dtype, "float32"),
+                )
+            )
         model.to(device)
         load_model(model, weights, strict=True, device=str(device))
         return model.eval()
@@ -660,13 +767,23 @@ class DecoderLM(_LMBase):
         cfg = self.config
         if not cfg.latent:
             return None
-        kind, extra = (LatentAttention, {}) if cfg.indexer is None else (DeepSeekSparseAttention,
-                                                                          {"indexer": cfg.indexer})
+        kind, extra = (
+            (LatentAttention, {}) if cfg.indexer is None else (DeepSeekSparseAttention, {"indexer": cfg.indexer})
+        )
         ranks = dict(kv_lora_rank=cfg.kv_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim)  # (set: cfg.latent)
-        latent = LatentConfig(cfg.d_model, cfg.n_heads, q_lora_rank=cfg.q_lora_rank, qk_nope_head_dim=cfg.head_dim,
-                              v_head_dim=cfg.v_head_dim or cfg.head_dim, scale=cfg.attn_scale, bias=cfg.qkv_bias,
-                              out_bias=cfg.out_bias, dropout=cfg.attention_dropout, backend=cfg.backend,
-                              **ranks)  # type: ignore[arg-type]
+        latent = LatentConfig(
+            cfg.d_model,
+            cfg.n_heads,
+            q_lora_rank=cfg.q_lora_rank,
+            qk_nope_head_dim=cfg.head_dim,
+            v_head_dim=cfg.v_head_dim or cfg.head_dim,
+            scale=cfg.attn_scale,
+            bias=cfg.qkv_bias,
+            out_bias=cfg.out_bias,
+            dropout=cfg.attention_dropout,
+            backend=cfg.backend,
+            **ranks,
+        )  # type: ignore[arg-type]
         return kind(latent, positions=self._layer_positions(i), mask=self._layer_mask(i), **extra)
 
     def _sparse_attention(self, i: int, block: BlockConfig) -> nn.Module | None:
@@ -676,8 +793,9 @@ class DecoderLM(_LMBase):
             return None
         options = {n: v for n, v in sparse.items() if n != "method"}
         kind = {"moba": MoBAAttention, "nsa": NSAAttention}[sparse["method"]]
-        return kind.from_config(block.attention, positions=self._layer_positions(i), mask=self._layer_mask(i),
-                                         **options)
+        return kind.from_config(
+            block.attention, positions=self._layer_positions(i), mask=self._layer_mask(i), **options
+        )
 
     def _layer_mask(self, i: int) -> _masks.Mask:
         return _checks.combine(_masks.causal(), self.config.layer_mask(i))
@@ -692,10 +810,13 @@ class DecoderLM(_LMBase):
 
     def forward(self, ids: Tensor, *, cache=None, positions=None, mask=None, logits_at: Tensor | None = None) -> Tensor:
         _checks.token_ids("ids", ids, self.config.vocab_size)
-        if logits_at is not None and (not isinstance(logits_at, Tensor) or logits_at.dim() != 1
-                                      or logits_at.dtype != torch.long):
-            raise TypeError(f"logits_at must be a 1-D long tensor of indices along L (the positions whose logits to "
-                            f"compute), got {logits_at!r:.80}")
+        if logits_at is not None and (
+            not isinstance(logits_at, Tensor) or logits_at.dim() != 1 or logits_at.dtype != torch.long
+        ):
+            raise TypeError(
+                f"logits_at must be a 1-D long tensor of indices along L (the positions whose logits to "
+                f"compute), got {logits_at!r:.80}"
+            )
         caches = _layer_caches(cache, "layers", len(self.layers))
         pos, hi = self._positions(ids, cache, positions)
         ropes = [r for r in (self.positions, self.local_positions) if isinstance(r, RotaryEmbedding)]
@@ -753,23 +874,27 @@ class EncoderDecoder(_LMBase):
             raise TypeError(f"EncoderDecoder takes a DecoderConfig, got {type(config).__name__}")
         cfg = config
         if cfg.layer_masks is not None:
-            raise ValueError("config.layer_masks is not supported by EncoderDecoder (its decoder applies config.mask "
-                             "to every layer): set layer_masks=None, or use DecoderLM for per-layer masks")
+            raise ValueError(
+                "config.layer_masks is not supported by EncoderDecoder (its decoder applies config.mask "
+                "to every layer): set layer_masks=None, or use DecoderLM for per-layer masks"
+            )
         if cfg.latent:
             raise ValueError("latent attention (config.kv_lora_rank) is not supported by EncoderDecoder: use DecoderLM")
         if cfg.rope_layers is not None:
-            raise ValueError("config.rope_layers is not supported by EncoderDecoder: use DecoderLM for layers "
-                             "without positions")
-        n_enc = cfg.n_layers if n_encoder_layers is None else _checks.positive_int("n_encoder_layers",
-                                                                                   n_encoder_layers)
+            raise ValueError(
+                "config.rope_layers is not supported by EncoderDecoder: use DecoderLM for layers without positions"
+            )
+        n_enc = cfg.n_layers if n_encoder_layers is None else _checks.positive_int("n_encoder_layers", n_encoder_layers)
         self._build_io(cfg)
         self.encoder_positions = _make_positions(cfg, bidirectional=True)
-        self.decoder_positions = (self.encoder_positions if cfg.positions in ("rope", "alibi")
-                                  else _make_positions(cfg, bidirectional=False))
+        self.decoder_positions = (
+            self.encoder_positions if cfg.positions in ("rope", "alibi") else _make_positions(cfg, bidirectional=False)
+        )
         block = cfg.block_config()
         self.encoder = Encoder(block, n_enc, positions=self.encoder_positions)
-        self.decoder = Decoder(block.replace(cross_attention=True), cfg.n_layers, positions=self.decoder_positions,
-                               mask=cfg.mask)
+        self.decoder = Decoder(
+            block.replace(cross_attention=True), cfg.n_layers, positions=self.decoder_positions, mask=cfg.mask
+        )
         self._init_weights(cfg.n_layers + n_enc)
 
     def encode(self, src: Tensor, *, src_mask=None) -> Tensor:

@@ -78,13 +78,16 @@ class PositionEncoding(nn.Module):
 
 # ----------------------------------------------------------------------------------- rotary
 
+
 def _scaling(scaling, base: float | None = None) -> RopeScaling | None:
     """``scaling`` as a :class:`~attnkit.nn.RopeScaling` (a dict read by its ``from_hf``), or None."""
     if scaling is None or isinstance(scaling, RopeScaling):
         return scaling
     if not isinstance(scaling, dict):
-        raise TypeError(f"scaling must be None, a RopeScaling (e.g. attnkit.nn.LinearScaling(2.0)) or a dict like "
-                        f"{{'type': 'linear', 'factor': 2.0}}, got {scaling!r}")
+        raise TypeError(
+            f"scaling must be None, a RopeScaling (e.g. attnkit.nn.LinearScaling(2.0)) or a dict like "
+            f"{{'type': 'linear', 'factor': 2.0}}, got {scaling!r}"
+        )
     return RopeScaling.from_hf(scaling, base)
 
 
@@ -150,8 +153,15 @@ class RotaryEmbedding(PositionEncoding):
 
     absolute = True
 
-    def __init__(self, dim: int, *, base: float = 10000.0, interleaved: bool = False,
-                 scaling: RopeScaling | dict | None = None, max_seq_len: int | None = None):
+    def __init__(
+        self,
+        dim: int,
+        *,
+        base: float = 10000.0,
+        interleaved: bool = False,
+        scaling: RopeScaling | dict | None = None,
+        max_seq_len: int | None = None,
+    ):
         super().__init__()
         _checks.positive_int("dim", dim)
         if dim % 2:
@@ -164,8 +174,10 @@ class RotaryEmbedding(PositionEncoding):
         self.attention_factor = 1.0 if self.scaling is None else self.scaling.attention_factor
         short = getattr(self.scaling, "short_factor", None)
         if short is not None and len(short) != dim // 2:
-            raise ValueError(f"longrope scaling has {len(short)} short/long factors but "
-                             f"RotaryEmbedding(dim={dim}) rotates {dim // 2} pairs: give one factor per pair")
+            raise ValueError(
+                f"longrope scaling has {len(short)} short/long factors but "
+                f"RotaryEmbedding(dim={dim}) rotates {dim // 2} pairs: give one factor per pair"
+            )
         # (dim/2,) float32, the frequencies of calls within the original length; not a buffer, so model.to(dtype)
         # keeps it exact
         self.inv_freq = self.inv_freq_for(0)
@@ -240,8 +252,9 @@ class RotaryEmbedding(PositionEncoding):
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
         return cos.to(dtype), sin.to(dtype)
 
-    def cos_sin(self, positions: Tensor, dtype: torch.dtype = torch.float32, *,
-                max_position: int | None = None) -> tuple[Tensor, Tensor]:
+    def cos_sin(
+        self, positions: Tensor, dtype: torch.dtype = torch.float32, *, max_position: int | None = None
+    ) -> tuple[Tensor, Tensor]:
         """cos and sin at ``positions`` ((L,) -> (L, dim); (B, L) -> (B, L, dim)) in ``dtype``.
 
         ``max_position``: the largest position, when the caller knows it without reading the tensor (and
@@ -264,15 +277,19 @@ class RotaryEmbedding(PositionEncoding):
             if lo < 0:
                 raise ValueError(f"RotaryEmbedding: positions must be >= 0, got min {lo}")
             if self.max_seq_len is not None and hi >= self.max_seq_len:
-                raise ValueError(f"RotaryEmbedding: position {hi} is beyond max_seq_len={self.max_seq_len}; "
-                                 f"rotary positions do not extrapolate: raise max_seq_len (with rope scaling) "
-                                 f"or use ALiBi")
+                raise ValueError(
+                    f"RotaryEmbedding: position {hi} is beyond max_seq_len={self.max_seq_len}; "
+                    f"rotary positions do not extrapolate: raise max_seq_len (with rope scaling) "
+                    f"or use ALiBi"
+                )
         else:
             hi = max_position
             if self.max_seq_len is not None and hi >= self.max_seq_len:
-                raise ValueError(f"RotaryEmbedding: position {hi} is beyond max_seq_len={self.max_seq_len}; "
-                                 f"rotary positions do not extrapolate: raise max_seq_len (with rope scaling) "
-                                 f"or use ALiBi")
+                raise ValueError(
+                    f"RotaryEmbedding: position {hi} is beyond max_seq_len={self.max_seq_len}; "
+                    f"rotary positions do not extrapolate: raise max_seq_len (with rope scaling) "
+                    f"or use ALiBi"
+                )
         if self.length_dependent:
             return self._gather_per_sequence(positions, hi)
         cos, sin = self._table(hi + 1, positions.device, torch.float32)
@@ -293,9 +310,11 @@ class RotaryEmbedding(PositionEncoding):
         (:meth:`_lengths`)."""
         if torch.compiler.is_compiling():  # the lengths are read from the tensor: only one-token calls compile
             if positions.shape[-1] != 1 or positions.dim() != 1:
-                raise ValueError(f"rope scaling {self.scaling.type!r} picks each sequence's frequencies from its "  # type: ignore[union-attr]
-                                 f"own length, which a compiled forward cannot read: compile one-token decode steps "
-                                 f"only (positions=None), or call it without torch.compile")
+                raise ValueError(
+                    f"rope scaling {self.scaling.type!r} picks each sequence's frequencies from its "  # type: ignore[union-attr]
+                    f"own length, which a compiled forward cannot read: compile one-token decode steps "
+                    f"only (positions=None), or call it without torch.compile"
+                )
             cos, sin = self._table(hi + 1, positions.device, torch.float32)
             return cos[positions], sin[positions]
         lengths = self._lengths(positions)
@@ -336,13 +355,15 @@ class RotaryEmbedding(PositionEncoding):
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         if self.dim == x.shape[-1]:
             return x * cos + self._rotate_pairs(x) * sin
-        xr, xp = x[..., : self.dim], x[..., self.dim:]
+        xr, xp = x[..., : self.dim], x[..., self.dim :]
         return torch.cat((xr * cos + self._rotate_pairs(xr) * sin, xp), dim=-1)
 
     def check_heads(self, n_heads, d_head, d_model):
         if self.dim > d_head:
-            raise ValueError(f"RotaryEmbedding(dim={self.dim}) is wider than the heads (d_head={d_head}): "
-                             f"use dim <= d_head (partial rotary rotates the first dim dims)")
+            raise ValueError(
+                f"RotaryEmbedding(dim={self.dim}) is wider than the heads (d_head={d_head}): "
+                f"use dim <= d_head (partial rotary rotates the first dim dims)"
+            )
 
     def extra_repr(self) -> str:
         s = f"{self.dim}, base={self.base:g}"
@@ -389,8 +410,10 @@ class ALiBi(PositionEncoding):
 
     def check_heads(self, n_heads, d_head, d_model):
         if n_heads != self.n_heads:
-            raise ValueError(f"ALiBi was built for n_heads={self.n_heads} but the attention has {n_heads} "
-                             f"query heads: use ALiBi({n_heads})")
+            raise ValueError(
+                f"ALiBi was built for n_heads={self.n_heads} but the attention has {n_heads} "
+                f"query heads: use ALiBi({n_heads})"
+            )
 
     def extra_repr(self) -> str:
         return f"n_heads={self.n_heads}"
@@ -402,8 +425,11 @@ def _check_t5_layout(n_heads: int, num_buckets: int, max_distance: int, *, bidir
     _checks.positive_int("n_heads", n_heads)
     _checks.positive_int("num_buckets", num_buckets)
     _checks.positive_int("max_distance", max_distance)
-    _bias.relative_buckets(torch.zeros(1, num_buckets), bidirectional=_checks.flag("bidirectional", bidirectional),
-                           max_distance=max_distance)
+    _bias.relative_buckets(
+        torch.zeros(1, num_buckets),
+        bidirectional=_checks.flag("bidirectional", bidirectional),
+        max_distance=max_distance,
+    )
 
 
 class T5RelativeBias(PositionEncoding):
@@ -441,12 +467,16 @@ class T5RelativeBias(PositionEncoding):
 
     def check_heads(self, n_heads, d_head, d_model):
         if n_heads != self.n_heads:
-            raise ValueError(f"T5RelativeBias was built for n_heads={self.n_heads} but the attention has "
-                             f"{n_heads} query heads: use T5RelativeBias({n_heads})")
+            raise ValueError(
+                f"T5RelativeBias was built for n_heads={self.n_heads} but the attention has "
+                f"{n_heads} query heads: use T5RelativeBias({n_heads})"
+            )
 
     def extra_repr(self) -> str:
-        return (f"n_heads={self.n_heads}, num_buckets={self.table.shape[1]}, max_distance={self.max_distance}, "
-                f"bidirectional={self.bidirectional}")
+        return (
+            f"n_heads={self.n_heads}, num_buckets={self.table.shape[1]}, max_distance={self.max_distance}, "
+            f"bidirectional={self.bidirectional}"
+        )
 
 
 # ---------------------------------------------------------------------------------- absolute
@@ -482,15 +512,18 @@ class SinusoidalPositions(PositionEncoding):
 
     def encode(self, positions: Tensor) -> Tensor:
         if positions.numel() and self.max_seq_len is not None and int(positions.max()) >= self.max_seq_len:
-            raise ValueError(f"SinusoidalPositions: position {int(positions.max())} is beyond "
-                             f"max_seq_len={self.max_seq_len}")
+            raise ValueError(
+                f"SinusoidalPositions: position {int(positions.max())} is beyond max_seq_len={self.max_seq_len}"
+            )
         angles = positions.float()[..., None] * self.inv_freq.to(positions.device)  # (..., L, dim/2)
         return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)  # (..., L, dim) sin, cos interleaved
 
     def check_heads(self, n_heads, d_head, d_model):
         if self.dim != d_model:
-            raise ValueError(f"SinusoidalPositions(dim={self.dim}) is added to inputs of width d_model={d_model}: "
-                             f"use SinusoidalPositions({d_model})")
+            raise ValueError(
+                f"SinusoidalPositions(dim={self.dim}) is added to inputs of width d_model={d_model}: "
+                f"use SinusoidalPositions({d_model})"
+            )
 
     def extra_repr(self) -> str:
         return f"{self.dim}, base={self.base:g}"

@@ -85,8 +85,9 @@ class SingleHeadAttention(_Attends):
         q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)  # (B, 1, L, d): one head
         m = _checks.as_mask("mask", mask)
         _checks.check_mask_shape("mask", m, q.shape[0], 1, q.shape[2], k.shape[2])
-        out = self._attend(q, k, v, mask=m, bias=None, scale=1.0 / math.sqrt(self.d_k), softcap=None,
-                           dropout_p=0.0).squeeze(1)  # (B, L, d_v)
+        out = self._attend(
+            q, k, v, mask=m, bias=None, scale=1.0 / math.sqrt(self.d_k), softcap=None, dropout_p=0.0
+        ).squeeze(1)  # (B, L, d_v)
         w = attention_weights(q, k, v, mask=m, scale=1.0 / math.sqrt(self.d_k)).squeeze(1) if need_weights else None
         if unbatched:
             out = out.squeeze(0)
@@ -134,8 +135,9 @@ class AdditiveAttention(_Attends):
         hk = self.W_k(keys)  # (B, Lk, hidden)
         return torch.tanh(hq.unsqueeze(2) + hk.unsqueeze(1)) @ self.v  # (B, Lq, Lk)
 
-    def forward(self, query: Tensor, keys: Tensor, values: Tensor | None = None, *, mask=None,
-                need_weights: bool = False):
+    def forward(
+        self, query: Tensor, keys: Tensor, values: Tensor | None = None, *, mask=None, need_weights: bool = False
+    ):
         need_weights = _checks.flag("need_weights", need_weights)
         _checks.features("query", query, self.q_dim, what=f"(B, Lq, q_dim={self.q_dim})")
         _checks.features("keys", keys, self.k_dim, what=f"(B, Lk, k_dim={self.k_dim})")

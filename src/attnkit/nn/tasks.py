@@ -43,8 +43,16 @@ class TaskBatch:
     vocab_size: int
 
 
-def associative_recall(batch: int, *, n_pairs: int = 8, n_queries: int = 4, n_keys: int = 16, n_values: int = 16,
-                       generator: torch.Generator | None = None, device=None) -> TaskBatch:
+def associative_recall(
+    batch: int,
+    *,
+    n_pairs: int = 8,
+    n_queries: int = 4,
+    n_keys: int = 16,
+    n_values: int = 16,
+    generator: torch.Generator | None = None,
+    device=None,
+) -> TaskBatch:
     """Multi-query associative recall: ``k1 v1 k2 v2 ... kn vn  q1 a1 ... qm am``.
 
     Keys (ids ``0 .. n_keys-1``) are distinct within a sequence; values (ids ``n_keys ..``) are drawn at
@@ -63,8 +71,13 @@ def associative_recall(batch: int, *, n_pairs: int = 8, n_queries: int = 4, n_ke
         >>> t[4] == dict(zip(ids[0:4:2], ids[1:4:2]))[ids[4]]  # the answer to the query at position 4
         True
     """
-    for name, v in (("batch", batch), ("n_pairs", n_pairs), ("n_queries", n_queries), ("n_keys", n_keys),
-                    ("n_values", n_values)):
+    for name, v in (
+        ("batch", batch),
+        ("n_pairs", n_pairs),
+        ("n_queries", n_queries),
+        ("n_keys", n_keys),
+        ("n_values", n_values),
+    ):
         _checks.positive_int(name, v)
     if n_pairs > n_keys:
         raise ValueError(f"n_pairs={n_pairs} needs at least as many distinct keys, got n_keys={n_keys}")
@@ -82,8 +95,15 @@ def associative_recall(batch: int, *, n_pairs: int = 8, n_queries: int = 4, n_ke
     return TaskBatch(ids.to(device), targets.to(device), n_keys + n_values)
 
 
-def copy_task(batch: int, *, length: int = 8, n_symbols: int = 16, distinct: bool = False,
-              generator: torch.Generator | None = None, device=None) -> TaskBatch:
+def copy_task(
+    batch: int,
+    *,
+    length: int = 8,
+    n_symbols: int = 16,
+    distinct: bool = False,
+    generator: torch.Generator | None = None,
+    device=None,
+) -> TaskBatch:
     """Copying: ``x_1 .. x_n  SEP  x_1 .. x_n``; the second half is scored (``SEP`` is id ``n_symbols``).
 
     A model can copy by attending a fixed distance back (easy with relative positions) or by induction
@@ -128,8 +148,17 @@ def accuracy(logits: Tensor, targets: Tensor) -> float:
     return float((logits.argmax(-1)[scored] == targets[scored]).float().mean())
 
 
-def train_lm(model: torch.nn.Module, make_batch, *, steps: int, lr: float = 3e-3, weight_decay: float = 0.0,
-             warmup: int = 20, clip: float = 1.0, on_step=None) -> list[float]:
+def train_lm(
+    model: torch.nn.Module,
+    make_batch,
+    *,
+    steps: int,
+    lr: float = 3e-3,
+    weight_decay: float = 0.0,
+    warmup: int = 20,
+    clip: float = 1.0,
+    on_step=None,
+) -> list[float]:
     """Train a causal LM (``model(ids) -> logits``) on batches from ``make_batch(step) -> TaskBatch`` with
     AdamW, linear warm-up and cosine decay; returns the losses.  ``on_step(step, loss)`` may return True to
     stop early.
@@ -146,8 +175,14 @@ def train_lm(model: torch.nn.Module, make_batch, *, steps: int, lr: float = 3e-3
     """
     _checks.positive_int("steps", steps)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, warmup)) * 0.5 * (
-        1 + torch.cos(torch.tensor(torch.pi * min(s, steps) / steps)).item()))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda s: (
+            min(1.0, (s + 1) / max(1, warmup))
+            * 0.5
+            * (1 + torch.cos(torch.tensor(torch.pi * min(s, steps) / steps)).item())
+        ),
+    )
     model.train()
     losses = []
     for step in range(steps):

@@ -36,6 +36,7 @@ Example::
     >>> bool(torch.allclose(out, ref, atol=1e-5))
     True
 """
+
 from __future__ import annotations
 
 import torch
@@ -43,8 +44,18 @@ import torch
 from .. import operators
 from ..call import Call, empty_result, is_empty, make_call
 from . import custom_ops
-from .autograd import (CALL_OVERHEAD_FLOPS, EXPLICIT_FACTOR, FUSED_FACTOR, FUSED_MASKED_FACTOR, _bias_needs_grad,
-                       _check_block, _forward_plan, _fusable, _run, _unreached_reason)
+from .autograd import (
+    CALL_OVERHEAD_FLOPS,
+    EXPLICIT_FACTOR,
+    FUSED_FACTOR,
+    FUSED_MASKED_FACTOR,
+    _bias_needs_grad,
+    _check_block,
+    _forward_plan,
+    _fusable,
+    _run,
+    _unreached_reason,
+)
 
 # packed sequences as one batched call: what attnkit.attention_varlen and its choice (``backends.packed``) use
 from . import varlen as _varlen
@@ -61,9 +72,21 @@ Tensor = torch.Tensor
 __all__ = ["flash_attention"]
 
 
-def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, scale: float | None = None,
-                    softcap: float | None = None, dropout_p: float = 0.0, return_lse: bool = False,
-                    block_q: int | None = None, block_k: int | None = None, sinks: Tensor | None = None):
+def flash_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask=None,
+    bias=None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    dropout_p: float = 0.0,
+    return_lse: bool = False,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    sinks: Tensor | None = None,
+):
     """Block-sparse tiled attention (the ``flash`` backend), with the arguments of :func:`attnkit.attention`.
 
     Args:
@@ -97,8 +120,18 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, mask=None, bias=None, sc
         >>> out.shape, lse.shape
         (torch.Size([1, 8, 1000, 64]), torch.Size([1, 8, 1000]))
     """
-    call = make_call(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, dropout_p=dropout_p,
-                      return_lse=return_lse, sinks=sinks)
+    call = make_call(
+        q,
+        k,
+        v,
+        mask=mask,
+        bias=bias,
+        scale=scale,
+        softcap=softcap,
+        dropout_p=dropout_p,
+        return_lse=return_lse,
+        sinks=sinks,
+    )
     block_q, block_k = _check_block("block_q", block_q), _check_block("block_k", block_k)
     if is_empty(call):
         return empty_result(call)

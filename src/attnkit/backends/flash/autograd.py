@@ -20,11 +20,19 @@ from ...softmax import add_sink_unchecked as add_sink  # (inputs checked by the 
 from ..call import Call
 from ..fused import FUSED
 from ..scores import per_mask, sink_grad
-from ..reads import (check_reach, check_unchanged, derived_params, mod_params, probe_params, read_tensors,
-                     reachable_tensors, tensor_key, tensor_versions)
+from ..reads import (
+    check_reach,
+    check_unchanged,
+    derived_params,
+    mod_params,
+    probe_params,
+    read_tensors,
+    reachable_tensors,
+    tensor_key,
+    tensor_versions,
+)
 
 Tensor = torch.Tensor
-
 
 
 CALL_OVERHEAD_FLOPS = 2e6  # one batched call costs about this many flop-equivalents of Python and setup
@@ -43,8 +51,10 @@ def _check_block(name: str, value) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive int (or None for the default "
-                         f"{planning.BLOCK_Q if name == 'block_q' else planning.BLOCK_K})")
+        raise ValueError(
+            f"{name}={value!r} must be a positive int (or None for the default "
+            f"{planning.BLOCK_Q if name == 'block_q' else planning.BLOCK_K})"
+        )
     return value
 
 
@@ -85,8 +95,12 @@ def _plan(call: Call, block_q: int | None = None, block_k: int | None = None) ->
     with _LOCK:  # (threads share the stores)
         entry = store.pop(full_key, None)  # re-inserted below: the dict keeps least recently used first
     if entry is None:
-        entry = (planning.build(call.mask, call.batch, call.heads, call.kv_heads, call.q_len, call.kv_len,
-                                bq, bk, call.q.device), tensors)
+        entry = (
+            planning.build(
+                call.mask, call.batch, call.heads, call.kv_heads, call.q_len, call.kv_len, bq, bk, call.q.device
+            ),
+            tensors,
+        )
     with _LOCK:
         while len(store) >= limit:
             store.pop(next(iter(store)))
@@ -144,8 +158,7 @@ def _bias_needs_grad(call: Call) -> tuple[bool, list[Tensor]]:
         return call.bias.requires_grad, []
     if isinstance(call.bias, ScoreMod):
         if "bias_params" not in call.cache:  # the reachable tensors the modifier's result depends on
-            call.cache["bias_params"] = probe_params(call.bias, mod_params(call.bias), call.q.device,
-                                                         call.q.dtype)
+            call.cache["bias_params"] = probe_params(call.bias, mod_params(call.bias), call.q.device, call.q.dtype)
         params = call.cache["bias_params"][0]
         return bool(params), params
     return False, []
@@ -188,14 +201,29 @@ def _work(call: Call, plan: planning.Plan, fused: bool, params: list[Tensor], se
     if isinstance(bias, Tensor):
         bias = _bias4(bias).detach()
         neginf = fused and bool(torch.isneginf(bias).any())  # (the fused kernel gives such rows lse 0)
-    return ops.Work(plan, call.batch, call.heads, call.kv_heads, _flat(call.q, plan.q_pad),
-                    _flat(call.k, plan.kv_pad), _flat(call.v, plan.kv_pad), scale, call.softcap, call.mask,
-                    bias, call.dropout_p, seed, fused, params, bias_neginf=neginf)
+    return ops.Work(
+        plan,
+        call.batch,
+        call.heads,
+        call.kv_heads,
+        _flat(call.q, plan.q_pad),
+        _flat(call.k, plan.kv_pad),
+        _flat(call.v, plan.kv_pad),
+        scale,
+        call.softcap,
+        call.mask,
+        bias,
+        call.dropout_p,
+        seed,
+        fused,
+        params,
+        bias_neginf=neginf,
+    )
 
 
 def _unflat(x3: Tensor, call: Call, dtype: torch.dtype) -> Tensor:
     B, H = call.batch, call.heads
-    x = x3[:, :call.q_len]
+    x = x3[:, : call.q_len]
     return x.reshape(B, H, call.q_len, *x3.shape[2:]).to(dtype)
 
 
@@ -241,9 +269,15 @@ class _FlashFunction(torch.autograd.Function):
         # (the modifier's own tensors stay on ctx: the recomputing backward differentiates the very tensors its
         # function reads, which an unpacking hook would replace by copies)
         ctx.save_for_backward(q, k, v, out, lse, bias_t, bare)
-        ctx.state = (dataclasses.replace(call, q=None, k=None, v=None, sinks=None,
-                                         bias=None if bias_t is not None else call.bias),
-                     plan_b, seed, allow_fused, params)
+        ctx.state = (
+            dataclasses.replace(
+                call, q=None, k=None, v=None, sinks=None, bias=None if bias_t is not None else call.bias
+            ),
+            plan_b,
+            seed,
+            allow_fused,
+            params,
+        )
         ctx.sinks = sinks
         ctx.versions = tensor_versions(call.mask, call.bias) + [(p, p._version) for p in params]  # read again
         mod = None if bias_t is not None else call.bias
@@ -255,8 +289,10 @@ class _FlashFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         if torch.is_grad_enabled():  # create_graph=True: the recomputing backward builds no graph of its own
-            raise RuntimeError("the flash backend's backward is not differentiable (create_graph=True or a double "
-                               "backward, e.g. a gradient penalty): use backend='math' or 'sdpa' for such a loss")
+            raise RuntimeError(
+                "the flash backend's backward is not differentiable (create_graph=True or a double "
+                "backward, e.g. a gradient penalty): use backend='math' or 'sdpa' for such a loss"
+            )
         check_unchanged(ctx.versions)
         stripped, plan, seed, allow_fused, params = ctx.state
         q, k, v, out, lse, bias_t, bare = ctx.saved_tensors
@@ -322,11 +358,15 @@ def _run(call: Call, block_q: int | None = None, block_k: int | None = None, *, 
 
 def _unreached_reason(call: Call) -> str | None:
     if call.q.device.type == "meta":
-        return ("meta tensors hold no values to plan the tiles from: use backend='math' or 'sdpa' for the output's "
-                "shape (auto does)")
+        return (
+            "meta tensors hold no values to plan the tiles from: use backend='math' or 'sdpa' for the output's "
+            "shape (auto does)"
+        )
     if not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(call.q):
-        return ("a torch.func transform (grad, vmap, jacrev, ...) is active, and flash's autograd.Function has "
-                "no functorch rule: use backend='math' or 'sdpa' (auto does)")
+        return (
+            "a torch.func transform (grad, vmap, jacrev, ...) is active, and flash's autograd.Function has "
+            "no functorch rule: use backend='math' or 'sdpa' (auto does)"
+        )
     _bias_needs_grad(call)
     params, missing = call.cache.get("bias_params", ([], []))
     if "derived" not in call.cache:
@@ -334,17 +374,23 @@ def _unreached_reason(call: Call) -> str | None:
     if call.cache["derived"] is not None:
         a, b = call.cache["derived"]
         if a is b:
-            return (f"the score modifier's function reads several tensors requiring grad, one of them computed "
-                    f"through a graph too large to check against the others (shape {tuple(a.shape)}): use "
-                    f"backend='math'")
-        return (f"the score modifier's function reaches a tensor {tuple(a.shape)} computed from another it also "
-                f"reaches {tuple(b.shape)} (e.g. a parameter and a value derived from it), whose gradients "
-                f"flash's backward cannot separate: compute the derived value inside the function, or use "
-                f"backend='math'")
+            return (
+                f"the score modifier's function reads several tensors requiring grad, one of them computed "
+                f"through a graph too large to check against the others (shape {tuple(a.shape)}): use "
+                f"backend='math'"
+            )
+        return (
+            f"the score modifier's function reaches a tensor {tuple(a.shape)} computed from another it also "
+            f"reaches {tuple(b.shape)} (e.g. a parameter and a value derived from it), whose gradients "
+            f"flash's backward cannot separate: compute the derived value inside the function, or use "
+            f"backend='math'"
+        )
     if not missing:
         return None
     shapes = ", ".join(str(tuple(t.shape)) for t in missing[:3])
-    return (f"the score modifier's function reads {len(missing)} tensor(s) that require grad (shapes {shapes}) "
-            f"that flash cannot reach to give them their gradient (not through a closure, a default, a partial, "
-            f"a global tensor or module it names, a bound method's object, or a list or dict among those): "
-            f"pass them in one of those ways, or use backend='math'")
+    return (
+        f"the score modifier's function reads {len(missing)} tensor(s) that require grad (shapes {shapes}) "
+        f"that flash cannot reach to give them their gradient (not through a closure, a default, a partial, "
+        f"a global tensor or module it names, a bound method's object, or a list or dict among those): "
+        f"pass them in one of those ways, or use backend='math'"
+    )

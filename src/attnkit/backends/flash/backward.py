@@ -14,6 +14,7 @@ from .plan import Job
 
 Tensor = torch.Tensor
 
+
 def _weights(x: Tensor, stats: tuple[Tensor, Tensor] | None, shape5: tuple[int, ...], inplace: bool) -> Tensor:
     """Softmax weights of the modified scores ``x (N, kcount, G, R, W)``, recomputed in the backward.
 
@@ -82,9 +83,16 @@ def explicit_row_stats(work: Work, item: Prepared, m: Tensor | None, do: Tensor)
     return (mx.view(shape), e.sum(-1).view(shape), dp.mul_(e).sum(-1).view(shape))
 
 
-def explicit_backward(work: Work, item: Prepared, m: Tensor | None, do: Tensor,
-                      stats: tuple[Tensor, Tensor, Tensor] | None, dbias: Tensor | None,
-                      dparams: list[Tensor | None], dlse: Tensor | None = None):
+def explicit_backward(
+    work: Work,
+    item: Prepared,
+    m: Tensor | None,
+    do: Tensor,
+    stats: tuple[Tensor, Tensor, Tensor] | None,
+    dbias: Tensor | None,
+    dparams: list[Tensor | None],
+    dlse: Tensor | None = None,
+):
     """Gradients of one chunk: (dq (N, count, R, D), dk, dv (N, kcount, W, .)); bias grads accumulate.
 
     ``stats``: the rows' merged ``(max, sum, sum * D)`` (:func:`explicit_row_stats`) when other chunks cover
@@ -150,8 +158,13 @@ def _shared_rows(work: Work, items: list[tuple[Job, list[Prepared]]]) -> list[li
     for job, its in items:
         for item in its:
             ch = item.chunk
-            put_rows(cover, job.heads, ch, torch.ones((), dtype=torch.int32, device=cover.device).expand(
-                ch.N, job.heads.count, ch.R), add=True)
+            put_rows(
+                cover,
+                job.heads,
+                ch,
+                torch.ones((), dtype=torch.int32, device=cover.device).expand(ch.N, job.heads.count, ch.R),
+                add=True,
+            )
     flags = [[bool((rows_of(cover, job.heads, item.chunk) > 1).any()) for item in its] for job, its in items]
     work.plan.cache[key] = (items, flags)
     return flags
@@ -183,8 +196,16 @@ def _row_stats(work: Work, items, shared: list[list[bool]], dout: Tensor) -> tup
     return mx, total, weighted
 
 
-def backward(work: Work, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | None, fused: bool,
-             dbias: Tensor | None, dparams: list[Tensor | None]) -> tuple[Tensor, Tensor, Tensor]:
+def backward(
+    work: Work,
+    out: Tensor,
+    lse: Tensor,
+    dout: Tensor,
+    dlse: Tensor | None,
+    fused: bool,
+    dbias: Tensor | None,
+    dparams: list[Tensor | None],
+) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq3, dk3, dv3)`` (``dk3``/``dv3`` in the accumulation dtype, ``dq3`` in it or in the
     input dtype when assembled from the calls' own results); ``out``/``dout`` are ``(B*Hq, Lq_pad, Dv)``
     in the input dtype, ``lse`` ``(Lq_pad, B*Hq)``.  Nothing of size ``Lq x Lk`` is kept: each chunk's
@@ -192,13 +213,26 @@ def backward(work: Work, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | 
     dev = work.q3.device
     nh = work.q3.shape[0]
     if fused and work.plan.whole_causal and work.bias is None and work.scale > 0:
-        dq, dk, dv = FUSED[1](dout[None], work.q3[None], work.k3[None], work.v3[None], out[None],
-                               lse.t()[None], 0.0, True, scale=work.scale)
+        dq, dk, dv = FUSED[1](
+            dout[None],
+            work.q3[None],
+            work.k3[None],
+            work.v3[None],
+            out[None],
+            lse.t()[None],
+            0.0,
+            True,
+            scale=work.scale,
+        )
         return dq[0], dk[0], dv[0]
     items = prepared(work, fused, True)
     # every query row in exactly one call over all heads: concatenate dq instead of zeros + adds
-    pieces = [] if work.plan.covered and all(i.chunk.first and i.chunk.q_consecutive and j.heads.count == nh
-                                             for j, its in items for i in its) else None
+    pieces = (
+        []
+        if work.plan.covered
+        and all(i.chunk.first and i.chunk.q_consecutive and j.heads.count == nh for j, its in items for i in its)
+        else None
+    )
     dq3 = None if pieces is not None else torch.zeros(work.q3.shape, dtype=work.acc, device=dev)
     dk3 = torch.zeros(work.k3.shape, dtype=work.acc, device=dev)
     dv3 = torch.zeros(work.v3.shape, dtype=work.acc, device=dev)
@@ -215,13 +249,30 @@ def backward(work: Work, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | 
             m = None if fused and item.kernel_causal(work) else item.element_mask(work)
             if fused:
                 qw, (kw, vw) = rows_of(work.q3, heads, ch), item.kv(work, m)
-                dq, dk, dv = FUSED[1](rows_of(dout, heads, ch), qw, kw, vw, rows_of(out, heads, ch),
-                                       lse_rows(lse_b, heads, ch), 0.0, item.kernel_causal(work),
-                                       attn_mask=item.float_mask(work, m), scale=work.scale)
+                dq, dk, dv = FUSED[1](
+                    rows_of(dout, heads, ch),
+                    qw,
+                    kw,
+                    vw,
+                    rows_of(out, heads, ch),
+                    lse_rows(lse_b, heads, ch),
+                    0.0,
+                    item.kernel_causal(work),
+                    attn_mask=item.float_mask(work, m),
+                    scale=work.scale,
+                )
             else:
                 st = tuple(rows_of(t, heads, ch) for t in stats) if several else None
-                dq, dk, dv = explicit_backward(work, item, m, rows_of(dout, heads, ch), st, dbias, dparams,
-                                               None if dlse is None else rows_of(dlse.to(work.acc), heads, ch))
+                dq, dk, dv = explicit_backward(
+                    work,
+                    item,
+                    m,
+                    rows_of(dout, heads, ch),
+                    st,
+                    dbias,
+                    dparams,
+                    None if dlse is None else rows_of(dlse.to(work.acc), heads, ch),
+                )
             if pieces is not None:
                 pieces.append((ch.qstart, dq.transpose(0, 1).reshape(nh, ch.N * ch.R, -1)))
             else:

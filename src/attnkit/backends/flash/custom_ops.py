@@ -27,8 +27,16 @@ import torch
 
 from ...bias import ScoreMod
 from ..call import Call
-from ..operators import (describe, fake_input_grads, fake_out_lse, lse_dtype, op_arguments, op_call, rebuild,
-                          refuse_double_backward)
+from ..operators import (
+    describe,
+    fake_input_grads,
+    fake_out_lse,
+    lse_dtype,
+    op_arguments,
+    op_call,
+    rebuild,
+    refuse_double_backward,
+)
 
 Tensor = torch.Tensor
 
@@ -42,9 +50,21 @@ def _seed(seed: Optional[Tensor]) -> int:
 
 
 @torch.library.custom_op("attnkit::flash_forward", mutates_args=())
-def flash_forward(q: Tensor, k: Tensor, v: Tensor, mask_key: str, mask_tensors: list[Tensor], bias: Optional[Tensor],
-                  mod_key: str, mod_tensors: list[Tensor], sinks: Optional[Tensor], scale: float, softcap: float,
-                  dropout_p: float, seed: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+def flash_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask_key: str,
+    mask_tensors: list[Tensor],
+    bias: Optional[Tensor],
+    mod_key: str,
+    mod_tensors: list[Tensor],
+    sinks: Optional[Tensor],
+    scale: float,
+    softcap: float,
+    dropout_p: float,
+    seed: Optional[Tensor],
+) -> tuple[Tensor, Tensor, Tensor]:
     """``(out (B, Hq, Lq, Dv), lse (B, Hq, Lq), bare)``: the flash backend's forward; ``bare`` is the lse
     without the sinks (an empty tensor without sinks).  ``softcap=0`` means none; ``seed`` (int64, one
     element) is the dropout seed (None without dropout)."""
@@ -70,11 +90,29 @@ def _(q, k, v, mask_key, mask_tensors, bias, mod_key, mod_tensors, sinks, scale,
 
 
 @torch.library.custom_op("attnkit::flash_backward", mutates_args=())
-def flash_backward(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                   bare: Tensor, mask_key: str, mask_tensors: list[Tensor], bias: Optional[Tensor], mod_key: str,
-                   mod_tensors: list[Tensor], sinks: Optional[Tensor], scale: float, softcap: float,
-                   dropout_p: float, seed: Optional[Tensor], bias_grad: bool, sinks_grad: bool,
-                   mod_grads: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
+def flash_backward(
+    dout: Tensor,
+    dlse: Optional[Tensor],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    bare: Tensor,
+    mask_key: str,
+    mask_tensors: list[Tensor],
+    bias: Optional[Tensor],
+    mod_key: str,
+    mod_tensors: list[Tensor],
+    sinks: Optional[Tensor],
+    scale: float,
+    softcap: float,
+    dropout_p: float,
+    seed: Optional[Tensor],
+    bias_grad: bool,
+    sinks_grad: bool,
+    mod_grads: list[bool],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
     """``(dq, dk, dv, dbias, dsinks, dmod)``: the gradients of :func:`flash_forward`'s ``(out, lse)``.
     ``dbias``/``dsinks`` are empty unless ``bias_grad``/``sinks_grad``; ``dmod`` holds one tensor per
     modifier tensor (zeros where ``mod_grads`` is False or the tensor got no gradient)."""
@@ -87,14 +125,28 @@ def flash_backward(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v
     params = [t for t in leaves if t.requires_grad]
     call = op_call(q, k, v, mask_key, mask_tensors, bias, mod_key, mod_tensors, sinks, scale, softcap, dropout_p, mod)
     plan_b = flash._backward_plan(call)
-    stripped = Call(None, None, None, call.mask, None if bias is not None else call.bias, call.scale, call.softcap,
-                    call.dropout_p, True, None)
+    stripped = Call(
+        None,
+        None,
+        None,
+        call.mask,
+        None if bias is not None else call.bias,
+        call.scale,
+        call.softcap,
+        call.dropout_p,
+        True,
+        None,
+    )
     has_sinks = sinks is not None and bare.numel() > 0
     ctx = SimpleNamespace(
         saved_tensors=(q, k, v, out, lse, bias, bare if has_sinks else None),
-        state=(stripped, plan_b, _seed(seed), True, params), sinks=sinks, versions=[], reach=(),
-        has_bias_t=bias is not None, needs_input_grad=(True, True, True, bias_grad, sinks_grad, False,
-                                                        *[True] * len(params)))
+        state=(stripped, plan_b, _seed(seed), True, params),
+        sinks=sinks,
+        versions=[],
+        reach=(),
+        has_bias_t=bias is not None,
+        needs_input_grad=(True, True, True, bias_grad, sinks_grad, False, *[True] * len(params)),
+    )
     # a non-additive modifier (a temperature, a composition holding one) is differentiated with autograd in
     # the recomputing backward even when none of its tensors needs a gradient (the score's gradient flows
     # through it)
@@ -106,8 +158,14 @@ def flash_backward(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v
     for t, g in zip(mod_tensors, mod_grads):
         d = next(dparams) if g else None
         dmod.append(t.new_zeros(t.shape) if d is None else d.to(t.dtype).reshape(t.shape).contiguous())
-    return (dq.contiguous(), dk.contiguous(), dv.contiguous(), q.new_empty(0) if dbias is None else dbias.contiguous(),
-            q.new_empty(0) if dsink is None else dsink.contiguous(), dmod)
+    return (
+        dq.contiguous(),
+        dk.contiguous(),
+        dv.contiguous(),
+        q.new_empty(0) if dbias is None else dbias.contiguous(),
+        q.new_empty(0) if dsink is None else dsink.contiguous(),
+        dmod,
+    )
 
 
 class _autograd_inside:
@@ -116,9 +174,18 @@ class _autograd_inside:
     modifier's function with ``torch.autograd.grad``."""
 
     def __init__(self, on: bool):
-        self.guards = [torch._C._SetExcludeDispatchKeyGuard(key, False) for key in (
-            torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.AutogradOther,
-            torch._C.DispatchKey.ADInplaceOrView)] if on else []
+        self.guards = (
+            [
+                torch._C._SetExcludeDispatchKeyGuard(key, False)
+                for key in (
+                    torch._C.DispatchKey.AutogradFunctionality,
+                    torch._C.DispatchKey.AutogradOther,
+                    torch._C.DispatchKey.ADInplaceOrView,
+                )
+            ]
+            if on
+            else []
+        )
 
     def __enter__(self):
         for g in self.guards:
@@ -130,8 +197,29 @@ class _autograd_inside:
 
 
 @flash_backward.register_fake
-def _(dout, dlse, q, k, v, out, lse, bare, mask_key, mask_tensors, bias, mod_key, mod_tensors, sinks, scale,
-      softcap, dropout_p, seed, bias_grad, sinks_grad, mod_grads):
+def _(
+    dout,
+    dlse,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    bare,
+    mask_key,
+    mask_tensors,
+    bias,
+    mod_key,
+    mod_tensors,
+    sinks,
+    scale,
+    softcap,
+    dropout_p,
+    seed,
+    bias_grad,
+    sinks_grad,
+    mod_grads,
+):
     # (contiguous, as the implementation returns them)
     dbias = bias.new_empty(bias.shape) if bias_grad and bias is not None else q.new_empty(0)
     dsink = sinks.new_empty(sinks.shape) if sinks_grad and sinks is not None else q.new_empty(0)
@@ -141,15 +229,39 @@ def _(dout, dlse, q, k, v, out, lse, bare, mask_key, mask_tensors, bias, mod_key
 refuse_double_backward(flash_backward, "flash")
 
 
-_FORWARD_INPUTS = ("q", "k", "v", "mask_key", "mask_tensors", "bias", "mod_key", "mod_tensors", "sinks", "scale",
-                   "softcap", "dropout_p", "seed")
+_FORWARD_INPUTS = (
+    "q",
+    "k",
+    "v",
+    "mask_key",
+    "mask_tensors",
+    "bias",
+    "mod_key",
+    "mod_tensors",
+    "sinks",
+    "scale",
+    "softcap",
+    "dropout_p",
+    "seed",
+)
 
 
 def _setup_context(ctx, inputs, output):
     args = dict(zip(_FORWARD_INPUTS, inputs))
     out, lse, bare = output
-    ctx.save_for_backward(args["q"], args["k"], args["v"], out, lse, bare, args["bias"], args["sinks"], args["seed"],
-                          *args["mod_tensors"], *args["mask_tensors"])
+    ctx.save_for_backward(
+        args["q"],
+        args["k"],
+        args["v"],
+        out,
+        lse,
+        bare,
+        args["bias"],
+        args["sinks"],
+        args["seed"],
+        *args["mod_tensors"],
+        *args["mask_tensors"],
+    )
     ctx.n_mod = len(args["mod_tensors"])
     ctx.consts = (args["mask_key"], args["mod_key"], args["scale"], args["softcap"], args["dropout_p"])
     ctx.set_materialize_grads(False)
@@ -157,7 +269,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse, dbare):
     q, k, v, out, lse, bare, bias, sinks, seed, *rest = ctx.saved_tensors
-    mod_tensors, mask_tensors = rest[:ctx.n_mod], rest[ctx.n_mod:]
+    mod_tensors, mask_tensors = rest[: ctx.n_mod], rest[ctx.n_mod :]
     mask_key, mod_key, scale, softcap, dropout_p = ctx.consts
     need = ctx.needs_input_grad
     bias_grad = bias is not None and need[5]
@@ -169,11 +281,44 @@ def _backward(ctx, dout, dlse, dbare):
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv, dbias, dsink, dmod = flash_backward(
-        dout, dlse, q, k, v, out, lse, bare, mask_key, list(mask_tensors), bias, mod_key, list(mod_tensors), sinks,
-        scale, softcap, dropout_p, seed, bias_grad, sinks_grad, mod_grads)
+        dout,
+        dlse,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        bare,
+        mask_key,
+        list(mask_tensors),
+        bias,
+        mod_key,
+        list(mod_tensors),
+        sinks,
+        scale,
+        softcap,
+        dropout_p,
+        seed,
+        bias_grad,
+        sinks_grad,
+        mod_grads,
+    )
     dmod = [d if g else None for d, g in zip(dmod, mod_grads)]
-    return (dq, dk, dv, None, none_mask, dbias if bias_grad else None, None, dmod,
-            dsink if sinks_grad else None, None, None, None, None)
+    return (
+        dq,
+        dk,
+        dv,
+        None,
+        none_mask,
+        dbias if bias_grad else None,
+        None,
+        dmod,
+        dsink if sinks_grad else None,
+        None,
+        None,
+        None,
+        None,
+    )
 
 
 flash_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -185,10 +330,22 @@ def run(call: Call):
     seed = None
     if call.dropout_p > 0:
         seed = torch.randint(0, 2**31 - 1, (1,), device=call.q.device)
-    out, lse, _ = flash_forward(call.q, call.k, call.v, mask_key, mask_tensors, bias_t, mod_key, mod_tensors,
-                                call.sinks, float(call.scale), float(call.softcap or 0.0), float(call.dropout_p), seed)
+    out, lse, _ = flash_forward(
+        call.q,
+        call.k,
+        call.v,
+        mask_key,
+        mask_tensors,
+        bias_t,
+        mod_key,
+        mod_tensors,
+        call.sinks,
+        float(call.scale),
+        float(call.softcap or 0.0),
+        float(call.dropout_p),
+        seed,
+    )
     return (out, lse) if call.return_lse else out
-
 
 
 # ------------------------------------------------------------------ traced calls
@@ -207,6 +364,8 @@ def traced_reason(call: Call) -> str | None:
     if not hidden:
         return None
     shapes = ", ".join(str(tuple(t.shape)) for t in hidden[:3])
-    return (f"under torch.compile the score modifier's function reads {len(hidden)} tensor(s) requiring grad (shapes "
-            f"{shapes}) that the flash operator cannot take as inputs (only a built-in modifier's own tensors): "
-            f"pass a tensor bias instead, or use backend='math' or 'sdpa' (auto does)")
+    return (
+        f"under torch.compile the score modifier's function reads {len(hidden)} tensor(s) requiring grad (shapes "
+        f"{shapes}) that the flash operator cannot take as inputs (only a built-in modifier's own tensors): "
+        f"pass a tensor bias instead, or use backend='math' or 'sdpa' (auto does)"
+    )

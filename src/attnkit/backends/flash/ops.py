@@ -39,7 +39,6 @@ WORKSPACE_BYTES = 64 << 20  # a gather workspace (keys or values) larger than th
 SPLIT_MASK_ELEMENTS = 1 << 20  # bigger element masks are confined to the partial key tiles of a chunk
 
 
-
 # ----------------------------------------------------------------------------- dropout
 
 
@@ -183,9 +182,22 @@ def _split_full(ch: Chunk, bk: int):
             runs.append((a, j))
             a = j
     for i, (a, b) in enumerate(runs):
-        yield Chunk(ch.job, ch.N, ch.R, ch.qrows, ch.q_consecutive, ch.qstart, ch.kcols[:, a * bk:b * bk],
-                    ch.band, ch.kstart + a * bk if ch.band else 0, ch.kstep, ch.kinds[:, a:b],
-                    ch.first and i == 0, None if ch.tiles is None else ch.tiles[:, a:b], ch.block_k)
+        yield Chunk(
+            ch.job,
+            ch.N,
+            ch.R,
+            ch.qrows,
+            ch.q_consecutive,
+            ch.qstart,
+            ch.kcols[:, a * bk : b * bk],
+            ch.band,
+            ch.kstart + a * bk if ch.band else 0,
+            ch.kstep,
+            ch.kinds[:, a:b],
+            ch.first and i == 0,
+            None if ch.tiles is None else ch.tiles[:, a:b],
+            ch.block_k,
+        )
 
 
 def chunks(work: Work, job: Job, per_item: int):
@@ -211,28 +223,65 @@ def _chunks(work: Work, job: Job, per_item: int):
         if merged:
             qstart = int(rows[0]) * bq
             R = (i1 - i0) * bq
-            yield Chunk(job, 1, R, (qstart + torch.arange(R)).view(1, R), True, qstart,
-                        (job.k0 * bk + ar_w).view(1, W), True, job.k0 * bk, 0,
-                        job.kinds[i0:i1].amin(0, keepdim=True), job.first)
+            yield Chunk(
+                job,
+                1,
+                R,
+                (qstart + torch.arange(R)).view(1, R),
+                True,
+                qstart,
+                (job.k0 * bk + ar_w).view(1, W),
+                True,
+                job.k0 * bk,
+                0,
+                job.kinds[i0:i1].amin(0, keepdim=True),
+                job.first,
+            )
             continue
         N = i1 - i0
         qrows = rows.view(-1, 1) * bq + ar_r
         if job.tiles is None:
             kstart = (job.k0 + i0 * job.kstep) * bk
             kcols = kstart + torch.arange(N).view(-1, 1) * (job.kstep * bk) + ar_w
-            yield Chunk(job, N, bq, qrows, job.consecutive, int(rows[0]) * bq, kcols, True, kstart,
-                        job.kstep * bk, job.kinds[i0:i1], job.first)
+            yield Chunk(
+                job,
+                N,
+                bq,
+                qrows,
+                job.consecutive,
+                int(rows[0]) * bq,
+                kcols,
+                True,
+                kstart,
+                job.kstep * bk,
+                job.kinds[i0:i1],
+                job.first,
+            )
         else:
             kcols = (job.tiles[i0:i1, :, None] * bk + torch.arange(bk)).reshape(N, W)
-            yield Chunk(job, N, bq, qrows, job.consecutive, int(rows[0]) * bq, kcols, False, 0, 0,
-                        job.kinds[i0:i1], job.first, job.tiles[i0:i1], bk)
+            yield Chunk(
+                job,
+                N,
+                bq,
+                qrows,
+                job.consecutive,
+                int(rows[0]) * bq,
+                kcols,
+                False,
+                0,
+                0,
+                job.kinds[i0:i1],
+                job.first,
+                job.tiles[i0:i1],
+                bk,
+            )
 
 
 # ------------------------------------------------------------------- views and scatters
 
 
 def _heads_slice(x: Tensor, start: int, step: int, count: int) -> Tensor:
-    return x[start:start + step * (count - 1) + 1:step]
+    return x[start : start + step * (count - 1) + 1 : step]
 
 
 def rows_of(x: Tensor, heads: Heads, ch: Chunk) -> Tensor:
@@ -268,8 +317,9 @@ def lse_rows(x: Tensor, heads: Heads, ch: Chunk) -> Tensor:
     order, so writing its result is a plain copy) as ``(N, count, R)``."""
     nh = x.shape[1]
     if ch.q_consecutive:
-        return x.as_strided((ch.N, heads.count, ch.R), (ch.R * nh, heads.qstep, nh),
-                            x.storage_offset() + ch.qstart * nh + heads.q0)
+        return x.as_strided(
+            (ch.N, heads.count, ch.R), (ch.R * nh, heads.qstep, nh), x.storage_offset() + ch.qstart * nh + heads.q0
+        )
     xs = _heads_slice(x.t(), heads.q0, heads.qstep, heads.count).t()  # (L_pad, count)
     g = xs.index_select(0, ch.qrows.reshape(-1).to(x.device))  # (N*R, count)
     return g.view(ch.N, ch.R, heads.count).permute(0, 2, 1)
@@ -335,7 +385,7 @@ def add_keys(x: Tensor, heads: Heads, ch: Chunk, value: Tensor) -> None:
     for p0 in range(0, ch.W, step):  # pieces of one window step: those of different items never overlap
         r = min(step, ch.W - p0)
         view = x.as_strided((ch.N, heads.kcount, r, e), (step * e, hstride, e, 1), base + p0 * e)
-        view.add_(value[:, :, p0:p0 + r])
+        view.add_(value[:, :, p0 : p0 + r])
 
 
 # ------------------------------------------------------------------ masks and biases
@@ -365,8 +415,10 @@ def _squeeze_to(x, shape: tuple[int, ...], what: str) -> Tensor:
         x = torch.as_tensor(x)
     while x.dim() > len(shape):
         if x.shape[0] != 1:
-            raise ValueError(f"{what} returned shape {tuple(x.shape)} for index tensors of shape {shape}: it varies "
-                             f"along a batch/head dimension its block structure said it does not depend on")
+            raise ValueError(
+                f"{what} returned shape {tuple(x.shape)} for index tensors of shape {shape}: it varies "
+                f"along a batch/head dimension its block structure said it does not depend on"
+            )
         x = x[0]
     return x.expand(shape)
 
@@ -413,7 +465,7 @@ def element_mask(work: Work, ch: Chunk) -> Tensor | None:
             j1 = j
             while j1 < len(slots) and slots[j1]:
                 j1 += 1
-            m[:, :, j * bk:j1 * bk] = _eval_mask(work, ch.job.heads, ch.qrows, ch.kcols[:, j * bk:j1 * bk])
+            m[:, :, j * bk : j1 * bk] = _eval_mask(work, ch.job.heads, ch.qrows, ch.kcols[:, j * bk : j1 * bk])
             j = j1
     if m.shape[0] > 1 and bool((m == m[:1]).all()):
         m = m[:1]
@@ -526,8 +578,12 @@ def bias_block(work: Work, heads: Heads, ch: Chunk, grouped: bool, dtype: torch.
         base = torch.zeros((), dtype=dtype, device=q.device) if score is None else score
         out = bias.apply(base, b, h, q, k, work.plan.q_len, work.plan.kv_len)
         return out.to(dtype) if score is None else out
-    block = bias[b if bias.shape[0] > 1 else 0, h if bias.shape[1] > 1 else 0,
-                 q if bias.shape[2] > 1 else 0, k if bias.shape[3] > 1 else 0].to(dtype)
+    block = bias[
+        b if bias.shape[0] > 1 else 0,
+        h if bias.shape[1] > 1 else 0,
+        q if bias.shape[2] > 1 else 0,
+        k if bias.shape[3] > 1 else 0,
+    ].to(dtype)
     return block if score is None else score + block
 
 
@@ -536,8 +592,12 @@ def bias_index(work: Work, heads: Heads, ch: Chunk):
     b, h, q, k = _index_shapes(work, heads, ch, True)
     bias = work.bias
     zero = torch.zeros((), dtype=torch.int64, device=q.device)
-    return (b if bias.shape[0] > 1 else zero, h if bias.shape[1] > 1 else zero,
-            q if bias.shape[2] > 1 else zero, k if bias.shape[3] > 1 else zero)
+    return (
+        b if bias.shape[0] > 1 else zero,
+        h if bias.shape[1] > 1 else zero,
+        q if bias.shape[2] > 1 else zero,
+        k if bias.shape[3] > 1 else zero,
+    )
 
 
 def _add_bias_grad(dbias: Tensor, index: tuple[Tensor, ...], dx: Tensor) -> None:
@@ -578,8 +638,9 @@ def _scores(work: Work, heads: Heads, ch: Chunk, qw: Tensor, kw: Tensor) -> tupl
     return s.view(ch.N, heads.kcount, g, ch.R, ch.W), qg
 
 
-def _modify(work: Work, heads: Heads, ch: Chunk, x: Tensor, m: Tensor | None,
-            inplace: bool) -> tuple[Tensor, Tensor | None]:
+def _modify(
+    work: Work, heads: Heads, ch: Chunk, x: Tensor, m: Tensor | None, inplace: bool
+) -> tuple[Tensor, Tensor | None]:
     """softcap, bias, mask on scaled scores in the grouped layout; also returns ``tanh`` of the softcap
     (for its derivative).  ``inplace`` overwrites ``x`` (no autograd through it)."""
     t = None
@@ -675,8 +736,11 @@ def forward(work: Work) -> tuple[Tensor, Tensor]:
         o, l = FUSED[0](work.q3[None], work.k3[None], work.v3[None], 0.0, True, scale=work.scale)  # noqa: E741
         return o[0], l[0].t()
     items = prepared(work, work.fused, False)
-    if work.fused and plan.covered and all(i.chunk.first and i.chunk.q_consecutive and j.heads.count == nh
-                                           for j, its in items for i in its):
+    if (
+        work.fused
+        and plan.covered
+        and all(i.chunk.first and i.chunk.q_consecutive and j.heads.count == nh for j, its in items for i in its)
+    ):
         return _forward_pieces(work)
     new = torch.empty if plan.covered else torch.zeros
     out = new(nh, plan.q_pad, dv, dtype=work.acc, device=dev)
@@ -714,8 +778,15 @@ def _fused_chunk(work: Work, item: Prepared) -> tuple[Tensor, Tensor]:
     ch, heads = item.chunk, item.chunk.job.heads
     m = None if item.kernel_causal(work) else item.element_mask(work)
     qw, (kw, vw) = rows_of(work.q3, heads, ch), item.kv(work, m)
-    o, l = FUSED[0](qw, kw, vw, 0.0, item.kernel_causal(work), attn_mask=item.float_mask(work, m),  # noqa: E741
-                     scale=work.scale)
+    o, l = FUSED[0](  # noqa: E741
+        qw,
+        kw,
+        vw,
+        0.0,
+        item.kernel_causal(work),
+        attn_mask=item.float_mask(work, m),
+        scale=work.scale,
+    )
     live = item.live if not item.lazy else (None if m is None else m.any(-1)[:, None])
     if work.bias_neginf:  # a row the bias leaves without a finite score attends to nothing (the kernel says 0)
         fm = item.float_mask(work, m)
@@ -736,8 +807,9 @@ def _forward_pieces(work: Work) -> tuple[Tensor, Tensor]:
         for item in items:
             o, l = _fused_chunk(work, item)  # noqa: E741
             ch = item.chunk
-            pieces.append((ch.qstart, o.transpose(0, 1).reshape(nh, ch.N * ch.R, -1),
-                           l.permute(0, 2, 1).reshape(ch.N * ch.R, nh)))
+            pieces.append(
+                (ch.qstart, o.transpose(0, 1).reshape(nh, ch.N * ch.R, -1), l.permute(0, 2, 1).reshape(ch.N * ch.R, nh))
+            )
     pieces.sort(key=lambda p: p[0])
     if len(pieces) == 1:
         return pieces[0][1], pieces[0][2]

@@ -132,8 +132,9 @@ def choose_tiling(q_len: int, kv_len: int, block_q: int | None = None, block_k: 
     return max(1, min(bq, q_len)), max(1, min(bk, kv_len))
 
 
-def structure(mask: Mask | None, batch: int, heads: int, q_len: int, kv_len: int, bq: int, bk: int,
-              device) -> tuple[Tensor, Tensor, Tensor]:
+def structure(
+    mask: Mask | None, batch: int, heads: int, q_len: int, kv_len: int, bq: int, bk: int, device
+) -> tuple[Tensor, Tensor, Tensor]:
     """Visited key tiles per (b', h', query tile), sorted: ``(tiles, kinds, counts)``.
 
     ``tiles``/``kinds``: (B', H', nq, C) int64 / int8, padded with tile ``nk`` (sorted last) past
@@ -155,8 +156,9 @@ def structure(mask: Mask | None, batch: int, heads: int, q_len: int, kv_len: int
         fvalid = torch.arange(fi.shape[-1]) < fc[..., None]
         pvalid = torch.arange(pi.shape[-1]) < pc[..., None]
         tiles = torch.cat([torch.where(fvalid, fi, nk), torch.where(pvalid, pi, nk)], dim=-1)
-        kinds = torch.cat([torch.full(fi.shape, FULL, dtype=torch.int8),
-                           torch.full(pi.shape, PARTIAL, dtype=torch.int8)], dim=-1)
+        kinds = torch.cat(
+            [torch.full(fi.shape, FULL, dtype=torch.int8), torch.full(pi.shape, PARTIAL, dtype=torch.int8)], dim=-1
+        )
         tiles, order = tiles.sort(dim=-1, stable=True)
         kinds = kinds.gather(-1, order)
         counts = fc + pc
@@ -220,7 +222,7 @@ def _band_jobs(heads: Heads, tiles: Tensor, kinds: Tensor, counts: Tensor) -> li
         if t not in several:  # one run (every row of a causal or window mask): nothing elsewhere
             return False
         if t not in row_tiles:
-            row_tiles[t] = tiles[t, :int(counts[t])].tolist()
+            row_tiles[t] = tiles[t, : int(counts[t])].tolist()
         own = range(r["lo"], r["lo"] + r["w"])
         return any(lo <= x < hi and x not in own for x in row_tiles[t])
 
@@ -255,8 +257,19 @@ def _shared_windows(heads: Heads, singles: list[dict], kinds: Tensor, elsewhere)
             inside = (window >= r["lo"]) & (window < r["lo"] + r["w"])
             own = kinds[r["rows"][0], (r["pos"][0] + (window - r["lo"])).clamp(0, kinds.shape[1] - 1)]
             rows_kinds.append(torch.where(inside, own, torch.tensor(PARTIAL, dtype=torch.int8)))
-        jobs.append(Job(heads, torch.tensor([r["rows"][0] for r in group]), True, hi - lo, lo, 0, None,
-                        torch.stack(rows_kinds), group[0]["ri"] == 0))
+        jobs.append(
+            Job(
+                heads,
+                torch.tensor([r["rows"][0] for r in group]),
+                True,
+                hi - lo,
+                lo,
+                0,
+                None,
+                torch.stack(rows_kinds),
+                group[0]["ri"] == 0,
+            )
+        )
         group.clear()
 
     for r in sorted(singles, key=lambda r: (r["ri"], r["rows"][0])):
@@ -264,8 +277,9 @@ def _shared_windows(heads: Heads, singles: list[dict], kinds: Tensor, elsewhere)
             lo = min(r["lo"], *(g["lo"] for g in group))
             hi = max(r["lo"] + r["w"], *(g["lo"] + g["w"] for g in group))
             visited = r["w"] + sum(g["w"] for g in group)
-            if (len(group) + 1) * (hi - lo) <= (1 + SHARED_WASTE) * visited and \
-                    not any(elsewhere(m, lo, hi) for m in (*group, r)):
+            if (len(group) + 1) * (hi - lo) <= (1 + SHARED_WASTE) * visited and not any(
+                elsewhere(m, lo, hi) for m in (*group, r)
+            ):
                 group.append(r)
                 continue
         flush()
@@ -288,8 +302,12 @@ def _absorb_leading_rows(heads: Heads, raw: list[dict], kinds: Tensor, elsewhere
         for p in reversed(raw[:j]):
             if p["ri"] != r["ri"] or len(p["rows"]) != 1 or p["rows"][0] != expect:
                 break
-            if p["lo"] < lo0 or p["lo"] + p["w"] > lo0 + w0 or waste + w0 - p["w"] > ABSORB_WASTE * w0 \
-                    or elsewhere(p, lo0, lo0 + w0):
+            if (
+                p["lo"] < lo0
+                or p["lo"] + p["w"] > lo0 + w0
+                or waste + w0 - p["w"] > ABSORB_WASTE * w0
+                or elsewhere(p, lo0, lo0 + w0)
+            ):
                 break
             waste += w0 - p["w"]
             take.append(p)
@@ -304,8 +322,19 @@ def _absorb_leading_rows(heads: Heads, raw: list[dict], kinds: Tensor, elsewhere
             inside = (window >= lo) & (window < lo + w)
             own = kinds[t, (pos + (window - lo)).clamp(0, kinds.shape[1] - 1)]
             rows_kinds.append(torch.where(inside, own, torch.tensor(PARTIAL, dtype=torch.int8)))
-        jobs.append(Job(heads, torch.tensor([m[0] for m in members]), True, w0, lo0, 0, None,
-                        torch.stack(rows_kinds), r["ri"] == 0))
+        jobs.append(
+            Job(
+                heads,
+                torch.tensor([m[0] for m in members]),
+                True,
+                w0,
+                lo0,
+                0,
+                None,
+                torch.stack(rows_kinds),
+                r["ri"] == 0,
+            )
+        )
         for p in take:
             p["rows"], p["pos"] = [], []
         r["rows"], r["pos"], r["lo"] = r["rows"][1:], r["pos"][1:], lo0 + r["kstep"]
@@ -352,8 +381,7 @@ def _scattered(tiles: Tensor, counts: Tensor) -> bool:
     return float(same.double().mean()) < 0.5
 
 
-def build(mask: Mask | None, batch: int, hq: int, hkv: int, q_len: int, kv_len: int, bq: int, bk: int,
-          device) -> Plan:
+def build(mask: Mask | None, batch: int, hq: int, hkv: int, q_len: int, kv_len: int, bq: int, bk: int, device) -> Plan:
     """The plan for one call shape (see the module docstring)."""
     nq, nk = _ceil_div(q_len, bq), _ceil_div(kv_len, bk)
     tiles, kinds, counts = structure(mask, batch, hq, q_len, kv_len, bq, bk, device)

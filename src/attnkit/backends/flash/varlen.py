@@ -90,8 +90,17 @@ def _views(x: Tensor, a: int, b: int) -> Tensor:
 
 def segment_call(seg: Segment, q: Tensor, k: Tensor, v: Tensor, st: Settings) -> Call:
     """The segment as an ``attention()`` call on views (for planning and the fused kernel's conditions)."""
-    return Call(_views(q, seg.qa, seg.qb), _views(k, seg.ka, seg.kb), _views(v, seg.ka, seg.kb), seg.mask, None,
-                st.scale, st.softcap, st.dropout_p, False)
+    return Call(
+        _views(q, seg.qa, seg.qb),
+        _views(k, seg.ka, seg.kb),
+        _views(v, seg.ka, seg.kb),
+        seg.mask,
+        None,
+        st.scale,
+        st.softcap,
+        st.dropout_p,
+        False,
+    )
 
 
 def _direct(mask: Mask | None, lq: int, lk: int, scale: float) -> bool:
@@ -100,8 +109,17 @@ def _direct(mask: Mask | None, lq: int, lk: int, scale: float) -> bool:
     return mask is None or (mask.is_causal(None) and lq == lk and scale > 0)
 
 
-def segments(q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], cu_k: list[int], mask: Mask | None, st: Settings,
-             seed: int, backward: bool) -> list[Segment]:
+def segments(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_q: list[int],
+    cu_k: list[int],
+    mask: Mask | None,
+    st: Settings,
+    seed: int,
+    backward: bool,
+) -> list[Segment]:
     """The segments of a packed batch (module docstring), planned; ``backward``: also the backward's plans."""
     n = len(cu_q) - 1
     segs: list[Segment] = []
@@ -114,8 +132,8 @@ def segments(q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], cu_k: list[int], 
         if own:
             m = mask
         else:
-            local_q = torch.tensor(cu_q[s0:s1 + 1]) - qa
-            local_k = torch.tensor(cu_k[s0:s1 + 1]) - ka
+            local_q = torch.tensor(cu_q[s0 : s1 + 1]) - qa
+            local_k = torch.tensor(cu_k[s0 : s1 + 1]) - ka
             m = _masks.varlen(local_q, local_k, mask)
         seg = Segment(qa, qb, ka, kb, m, own, False, False, (seed + SEED_STEP * len(segs)) & 0x7FFFFFFF)
         call = segment_call(seg, q, k, v, st)
@@ -157,19 +175,19 @@ def _padded(x: Tensor | list[Tensor], spans: list[tuple[int, int, int]]) -> tupl
     like = x[0] if isinstance(x, list) else x
     buf = like.new_empty(like.shape[1], total, like.shape[2])
     for (a, b, rows), o, src in zip(spans, offsets, xs):
-        buf[:, o:o + b - a].copy_(src[a:b].transpose(0, 1))
-        buf[:, o + b - a:o + rows].zero_()
+        buf[:, o : o + b - a].copy_(src[a:b].transpose(0, 1))
+        buf[:, o + b - a : o + rows].zero_()
     return buf, offsets
 
 
-def _work(seg: Segment, plan: planning.Plan, q3: Tensor, k3: Tensor, v3: Tensor, hq: int, hkv: int,
-          st: Settings, fused: bool) -> ops.Work:
+def _work(
+    seg: Segment, plan: planning.Plan, q3: Tensor, k3: Tensor, v3: Tensor, hq: int, hkv: int, st: Settings, fused: bool
+) -> ops.Work:
     """The flash ops' work for one segment on its rows of the padded buffers."""
-    q3, k3, v3 = q3[:, :plan.q_pad], k3[:, :plan.kv_pad], v3[:, :plan.kv_pad]
+    q3, k3, v3 = q3[:, : plan.q_pad], k3[:, : plan.kv_pad], v3[:, : plan.kv_pad]
     if any(j.tiles is not None for j in plan.jobs):  # gathered key tiles are read from a contiguous tensor
         k3, v3 = k3.contiguous(), v3.contiguous()
-    return ops.Work(plan, 1, hq, hkv, q3, k3, v3, st.scale, st.softcap, seg.mask, None, st.dropout_p, seg.seed,
-                    fused)
+    return ops.Work(plan, 1, hq, hkv, q3, k3, v3, st.scale, st.softcap, seg.mask, None, st.dropout_p, seg.seed, fused)
 
 
 class _Packed:
@@ -182,7 +200,7 @@ class _Packed:
         self.fill, self.spans = fill, []
 
     def put(self, start: int, piece: Tensor) -> None:
-        self.x[start:start + piece.shape[0]].copy_(piece)
+        self.x[start : start + piece.shape[0]].copy_(piece)
         self.spans.append((start, start + piece.shape[0]))
 
     def result(self) -> Tensor:
@@ -208,8 +226,9 @@ def _with_sink(o: Tensor, l: Tensor, sink: Tensor | None) -> Tensor:  # noqa: E7
     return o.mul_(torch.sigmoid(l - sink)[..., None])  # exp(l - logaddexp(l, sink)); 0 in a row that saw no key
 
 
-def forward(q: Tensor, k: Tensor, v: Tensor, segs: list[Segment], st: Settings,
-            sinks: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+def forward(
+    q: Tensor, k: Tensor, v: Tensor, segs: list[Segment], st: Settings, sinks: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """``out (Tq, Hq, Dv)`` in q's dtype, ``lse (Tq, Hq)`` and, with ``sinks (Hq,)``, the lse without them
     (else None); ``out`` and ``lse`` include the sinks.  Rows of no segment get 0 and -inf (with sinks, the sink)."""
     tq, hq = q.shape[0], q.shape[1]
@@ -225,8 +244,14 @@ def forward(q: Tensor, k: Tensor, v: Tensor, segs: list[Segment], st: Settings,
         at = {id(s): (a, b) for s, a, b in zip(planned, qo, ko)}
     for s in segs:
         if s.direct:  # (1, Hq, L, Dv) and (1, Hq, L), laid out (L, Hq, .) by the kernel
-            o, l = FUSED[0](_views(q, s.qa, s.qb), _views(k, s.ka, s.kb), _views(v, s.ka, s.kb), 0.0,  # noqa: E741
-                                 s.mask is not None, scale=st.scale)
+            o, l = FUSED[0](  # noqa: E741
+                _views(q, s.qa, s.qb),
+                _views(k, s.ka, s.kb),
+                _views(v, s.ka, s.kb),
+                0.0,
+                s.mask is not None,
+                scale=st.scale,
+            )
             l = l[0].t()  # noqa: E741  (L, Hq)
             out.put(s.qa, _with_sink(o[0].transpose(0, 1), l, sink))
             lse.put(s.qa, l)
@@ -235,8 +260,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, segs: list[Segment], st: Settings,
         a, b = at[id(s)]
         work = _work(s, s.plan, q3[:, a:], k3[:, b:], v3[:, b:], hq, hkv, st, s.fused)
         o3, l3 = ops.forward(work)  # (Hq, Lq_pad, Dv), (Lq_pad, Hq)
-        l = l3[:s.lq].to(st.lse_dtype)  # noqa: E741
-        out.put(s.qa, _with_sink(o3[:, :s.lq].transpose(0, 1), l, sink))
+        l = l3[: s.lq].to(st.lse_dtype)  # noqa: E741
+        out.put(s.qa, _with_sink(o3[:, : s.lq].transpose(0, 1), l, sink))
         lse.put(s.qa, l)
         del o3, l3, l, work
     bare = lse.result()
@@ -245,8 +270,18 @@ def forward(q: Tensor, k: Tensor, v: Tensor, segs: list[Segment], st: Settings,
     return out.result(), torch.logaddexp(bare, sink), bare
 
 
-def backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | None,
-             segs: list[Segment], st: Settings, bare: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def backward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dout: Tensor,
+    dlse: Tensor | None,
+    segs: list[Segment],
+    st: Settings,
+    bare: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` in the packed layouts and the inputs' dtypes; ``lse (Tq, Hq)``, ``dlse (Tq, Hq)``
     or None; with sinks, ``out`` and ``lse`` include them and ``bare (Tq, Hq)`` is the lse without them.
     Rows and keys of no segment get zero gradients."""
@@ -261,8 +296,9 @@ def backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Te
     explicit = bare is not None and not all(fused)
     if explicit:  # (Tq, Hq, Dv), (Tq, Hq), (Tq, Hq): elementwise, so the packed layout serves
         dout_b, dlse_b, lse_b = _sinkless_grads(out, lse, bare, dout, dlse)
-    grads_of = {id(s): (dout_b, dlse_b, lse_b) if explicit and not f else (dout, dlse, lse)
-                for s, f in zip(segs, fused)}
+    grads_of = {
+        id(s): (dout_b, dlse_b, lse_b) if explicit and not f else (dout, dlse, lse) for s, f in zip(segs, fused)
+    }
     if tiled:
         spans_q = [(s.qa, s.qb, s.plan_b.q_pad) for s in tiled]
         spans_k = [(s.ka, s.kb, s.plan_b.kv_pad) for s in tiled]
@@ -274,10 +310,18 @@ def backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Te
         at = {id(s): (a, b) for s, a, b in zip(tiled, qo, ko)}
     for s, f in zip(segs, fused):
         if s.direct and f:
-            lse_s = lse[s.qa:s.qb].t()[None]  # (1, Hq, L), the kernel's own layout
-            g = FUSED[1](_views(dout, s.qa, s.qb), _views(q, s.qa, s.qb), _views(k, s.ka, s.kb),
-                              _views(v, s.ka, s.kb), _views(out, s.qa, s.qb), lse_s, 0.0, s.mask is not None,
-                              scale=st.scale)
+            lse_s = lse[s.qa : s.qb].t()[None]  # (1, Hq, L), the kernel's own layout
+            g = FUSED[1](
+                _views(dout, s.qa, s.qb),
+                _views(q, s.qa, s.qb),
+                _views(k, s.ka, s.kb),
+                _views(v, s.ka, s.kb),
+                _views(out, s.qa, s.qb),
+                lse_s,
+                0.0,
+                s.mask is not None,
+                scale=st.scale,
+            )
             for x, gx, a in ((dq, g[0], s.qa), (dk, g[1], s.ka), (dv, g[2], s.ka)):
                 x.put(a, gx[0].transpose(0, 1))  # laid out (L, H, E) by the kernel
             del g
@@ -287,16 +331,17 @@ def backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Te
         _, dlse_s, lse_s = grads_of[id(s)]
         work = _work(s, plan, q3[:, a:], k3[:, b:], v3[:, b:], hq, hkv, st, f)
         lse3 = torch.full((plan.q_pad, hq), float("inf"), dtype=lse.dtype, device=lse.device)  # padded rows: P = 0
-        lse3[:s.lq] = lse_s[s.qa:s.qb]
+        lse3[: s.lq] = lse_s[s.qa : s.qb]
         dlse3 = None
         if dlse_s is not None:
             dlse3 = torch.zeros(hq, plan.q_pad, dtype=dlse_s.dtype, device=dlse_s.device)  # (Hq, Lq_pad)
-            dlse3[:, :s.lq] = dlse_s[s.qa:s.qb].t()
-        dq3, dk3, dv3 = bwd.backward(work, out3[:, a:a + plan.q_pad], lse3, dout3[:, a:a + plan.q_pad], dlse3, f,
-                                     None, [])
-        dq.put(s.qa, dq3[:, :s.lq].transpose(0, 1))
-        dk.put(s.ka, dk3[:, :s.lk].transpose(0, 1))
-        dv.put(s.ka, dv3[:, :s.lk].transpose(0, 1))
+            dlse3[:, : s.lq] = dlse_s[s.qa : s.qb].t()
+        dq3, dk3, dv3 = bwd.backward(
+            work, out3[:, a : a + plan.q_pad], lse3, dout3[:, a : a + plan.q_pad], dlse3, f, None, []
+        )
+        dq.put(s.qa, dq3[:, : s.lq].transpose(0, 1))
+        dk.put(s.ka, dk3[:, : s.lk].transpose(0, 1))
+        dv.put(s.ka, dv3[:, : s.lk].transpose(0, 1))
         del dq3, dk3, dv3, work
     return dq.result(), dk.result(), dv.result()
 
@@ -327,8 +372,10 @@ class _VarlenFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         if torch.is_grad_enabled():
-            raise RuntimeError("the flash backend's backward is not differentiable (create_graph=True or a double "
-                               "backward, e.g. a gradient penalty): use backend='math' or 'sdpa' for such a loss")
+            raise RuntimeError(
+                "the flash backend's backward is not differentiable (create_graph=True or a double "
+                "backward, e.g. a gradient penalty): use backend='math' or 'sdpa' for such a loss"
+            )
         if dout is None and dlse is None:
             return None, None, None, None, None
         q, k, v, out, lse, bare, sinks = ctx.saved_tensors
@@ -342,14 +389,25 @@ class _VarlenFunction(torch.autograd.Function):
         return dq, dk, dv, dsinks, None
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, cu_q: list[int], cu_k: list[int], mask: Mask | None,
-              scale: float, softcap: float | None, dropout_p: float, segs: list[Segment] | None = None,
-              sinks: Tensor | None = None):
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_q: list[int],
+    cu_k: list[int],
+    mask: Mask | None,
+    scale: float,
+    softcap: float | None,
+    dropout_p: float,
+    segs: list[Segment] | None = None,
+    sinks: Tensor | None = None,
+):
     """Packed attention as one batched call: ``(out (Tq, Hq, Dv), lse (Hq, Tq))`` (inputs validated by the
     caller; ``segs`` from :func:`segments` when already planned; ``sinks (Hq,)`` or None)."""
     st = settings(q, scale, softcap, dropout_p)
-    needs_grad = torch.is_grad_enabled() and (any(t.requires_grad for t in (q, k, v))
-                                              or (sinks is not None and sinks.requires_grad))
+    needs_grad = torch.is_grad_enabled() and (
+        any(t.requires_grad for t in (q, k, v)) or (sinks is not None and sinks.requires_grad)
+    )
     if segs is None:
         segs = segments(q, k, v, cu_q, cu_k, mask, st, ops.draw_seed() if dropout_p > 0 else 0, needs_grad)
     if not needs_grad:

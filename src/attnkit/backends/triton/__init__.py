@@ -49,8 +49,19 @@ from ..call import Call
 from ..scores import check_paged_values
 from . import custom_ops
 from .autograd import _run
-from .ops import (_bias_reason, _device_reason, _import_error, _interpret_requested, _kernels, _MaskPlan,
-                  _placeholders, _plans, _pow2, _rows_contiguous, _stride)
+from .ops import (
+    _bias_reason,
+    _device_reason,
+    _import_error,
+    _interpret_requested,
+    _kernels,
+    _MaskPlan,
+    _placeholders,
+    _plans,
+    _pow2,
+    _rows_contiguous,
+    _stride,
+)
 
 Tensor = torch.Tensor
 
@@ -130,25 +141,35 @@ def run(call: Call):
 
 def _validate_paged(q, k_pool, v_pool, block_table, seq_lens) -> None:
     """Raise TypeError/ValueError for inputs that do not form the paged layout."""
-    for name, t in (("q", q), ("k_pool", k_pool), ("v_pool", v_pool), ("block_table", block_table),
-                    ("seq_lens", seq_lens)):
+    for name, t in (
+        ("q", q),
+        ("k_pool", k_pool),
+        ("v_pool", v_pool),
+        ("block_table", block_table),
+        ("seq_lens", seq_lens),
+    ):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     for name, t in (("q", q), ("k_pool", k_pool), ("v_pool", v_pool)):
         if t.dim() != 4:
-            raise ValueError(f"{name} must have 4 dims, got shape {tuple(t.shape)}: q is (B, Hq, 1, D), the pools "
-                             f"are (num_blocks, Hkv, block_size, D|Dv)")
+            raise ValueError(
+                f"{name} must have 4 dims, got shape {tuple(t.shape)}: q is (B, Hq, 1, D), the pools "
+                f"are (num_blocks, Hkv, block_size, D|Dv)"
+            )
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a float tensor, got dtype {t.dtype}")
     if not (q.dtype == k_pool.dtype == v_pool.dtype):
         raise TypeError(f"q, k_pool, v_pool must share one dtype, got {q.dtype}, {k_pool.dtype}, {v_pool.dtype}")
     B, Hq, Lq, D = q.shape
     if Lq != 1:
-        raise ValueError(f"q has Lq={Lq}: paged decoding takes one query token per sequence, q (B, Hq, 1, D); "
-                         f"use attnkit.attention for several")
+        raise ValueError(
+            f"q has Lq={Lq}: paged decoding takes one query token per sequence, q (B, Hq, 1, D); "
+            f"use attnkit.attention for several"
+        )
     if k_pool.shape[:3] != v_pool.shape[:3]:
-        raise ValueError(f"k_pool {tuple(k_pool.shape)} and v_pool {tuple(v_pool.shape)} must agree on "
-                         f"(num_blocks, Hkv, block_size)")
+        raise ValueError(
+            f"k_pool {tuple(k_pool.shape)} and v_pool {tuple(v_pool.shape)} must agree on (num_blocks, Hkv, block_size)"
+        )
     Hkv = k_pool.shape[1]
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"got Hq={Hq} and Hkv={Hkv}: Hq must be a multiple of Hkv (grouped-query attention)")
@@ -163,8 +184,9 @@ def _validate_paged(q, k_pool, v_pool, block_table, seq_lens) -> None:
             raise TypeError(f"{name} must be int32 (or int64), got dtype {t.dtype}")
     devices = {t.device for t in (q, k_pool, v_pool, block_table, seq_lens)}
     if len(devices) > 1:
-        raise ValueError(f"q, k_pool, v_pool, block_table, seq_lens must be on one device, "
-                         f"got {sorted(map(str, devices))}")
+        raise ValueError(
+            f"q, k_pool, v_pool, block_table, seq_lens must be on one device, got {sorted(map(str, devices))}"
+        )
 
 
 def _validate_paged_bias(q: Tensor, bias) -> None:
@@ -177,16 +199,27 @@ def _validate_paged_bias(q: Tensor, bias) -> None:
             raise ValueError(f"bias is on {bias.device} but q is on {q.device}: move it with bias.to(q.device)")
         shape = (1,) * (4 - bias.dim()) + tuple(bias.shape)
         if bias.dim() > 4 or shape[0] not in (1, q.shape[0]) or shape[1] not in (1, q.shape[1]) or shape[2] != 1:
-            raise ValueError(f"bias of shape {tuple(bias.shape)} does not broadcast to (B, Hq, 1, Lk) with "
-                             f"B={q.shape[0]}, Hq={q.shape[1]}")
+            raise ValueError(
+                f"bias of shape {tuple(bias.shape)} does not broadcast to (B, Hq, 1, Lk) with "
+                f"B={q.shape[0]}, Hq={q.shape[1]}"
+            )
     elif isinstance(bias, ScoreMod):
         bias.validate(q.shape[0], q.shape[1], 1, 1)  # per-head parameters must match Hq
     else:
         raise TypeError(f"bias must be None, a float tensor or an attnkit.bias modifier, got {type(bias).__name__}")
 
 
-def check_paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor, seq_lens: Tensor, *,
-                       scale: float | None = None, softcap: float | None = None, bias=None) -> str | None:
+def check_paged_decode(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+    bias=None,
+) -> str | None:
     """Why :func:`paged_decode` cannot run these inputs here, or None when it can.
 
     Malformed inputs raise (as :func:`paged_decode` would); inputs that are valid but out of the kernel's
@@ -205,11 +238,21 @@ def check_paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: T
     _validate_paged(q, k_pool, v_pool, block_table, seq_lens)
     _validate_paged_bias(q, bias)
     for name, x, positive in (("scale", scale, False), ("softcap", softcap, True)):
-        if x is not None and (isinstance(x, (bool, Tensor)) or not isinstance(x, (int, float))
-                              or not math.isfinite(x) or (positive and x <= 0)):
+        if x is not None and (
+            isinstance(x, (bool, Tensor))
+            or not isinstance(x, (int, float))
+            or not math.isfinite(x)
+            or (positive and x <= 0)
+        ):
             raise ValueError(f"{name}={x!r} must be a finite number{' > 0' if positive else ''} (or None)")
-    check_paged_values("paged_decode", block_table, seq_lens, k_pool.shape[0], k_pool.shape[2],
-                       bias.shape[-1] if isinstance(bias, Tensor) else None)
+    check_paged_values(
+        "paged_decode",
+        block_table,
+        seq_lens,
+        k_pool.shape[0],
+        k_pool.shape[2],
+        bias.shape[-1] if isinstance(bias, Tensor) else None,
+    )
     if q.dtype not in _DTYPES:
         return f"dtype {q.dtype} is not supported by the paged decode kernel (float16, bfloat16, float32)"
     reason = _device_reason(q.device)
@@ -235,8 +278,10 @@ def check_paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: T
         return None
     if bias.scale_factor is not None and softcap is None:
         return None
-    return (f"bias {bias!r}: the paged decode kernel takes None, ALiBi, a scalar temperature (without "
-            f"softcap) or a float tensor")
+    return (
+        f"bias {bias!r}: the paged decode kernel takes None, ALiBi, a scalar temperature (without "
+        f"softcap) or a float tensor"
+    )
 
 
 @lru_cache(maxsize=16)
@@ -251,9 +296,21 @@ def _num_splits(programs: int, max_len: int, device: torch.device) -> int:
     return max(1, min(want, max_len // 256, 64))
 
 
-def _paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor, seq_lens: Tensor, *,
-                  scale: float, softcap: float | None, slopes: Tensor | None = None, alibi_at_end: bool = True,
-                  bias: Tensor | None = None, num_splits: int | None = None, block_n: int | None = None) -> Tensor:
+def _paged_decode(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    *,
+    scale: float,
+    softcap: float | None,
+    slopes: Tensor | None = None,
+    alibi_at_end: bool = True,
+    bias: Tensor | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+) -> Tensor:
     """The kernel launch behind :func:`paged_decode` (``num_splits``/``block_n`` fixed only by tests)."""
     K = _kernels()
     q, k_pool, v_pool = _rows_contiguous(q), _rows_contiguous(k_pool), _rows_contiguous(v_pool)
@@ -275,30 +332,80 @@ def _paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor
             bias = bias.unsqueeze(0)
         bias = bias[:, :, 0, :]  # (B' | 1, Hq' | 1, Lb)
     K._paged_decode[(splits, Hkv, B)](
-        Q=q, KPool=k_pool, VPool=v_pool, BlockTable=block_table, SeqLens=seq_lens, Out=out, PartOut=part_out,
-        PartLse=part_lse, Slopes=slopes if slopes is not None else dummy, Bias=bias if bias is not None else dummy,
-        stride_qb=q.stride(0), stride_qh=q.stride(1), stride_kp=k_pool.stride(0), stride_kh=k_pool.stride(1),
-        stride_ks=k_pool.stride(2), stride_vp=v_pool.stride(0), stride_vh=v_pool.stride(1),
-        stride_vs=v_pool.stride(2), stride_tb=block_table.stride(0), stride_ob=out.stride(0),
-        stride_oh=out.stride(1), stride_bb=_stride(bias, 0) if bias is not None else 0,
-        stride_bh=_stride(bias, 1) if bias is not None else 0, stride_bn=bias.stride(2) if bias is not None else 0,
-        bias_len=bias.shape[2] if bias is not None else 0, scale=float(scale), softcap=float(softcap or 1.0),
+        Q=q,
+        KPool=k_pool,
+        VPool=v_pool,
+        BlockTable=block_table,
+        SeqLens=seq_lens,
+        Out=out,
+        PartOut=part_out,
+        PartLse=part_lse,
+        Slopes=slopes if slopes is not None else dummy,
+        Bias=bias if bias is not None else dummy,
+        stride_qb=q.stride(0),
+        stride_qh=q.stride(1),
+        stride_kp=k_pool.stride(0),
+        stride_kh=k_pool.stride(1),
+        stride_ks=k_pool.stride(2),
+        stride_vp=v_pool.stride(0),
+        stride_vh=v_pool.stride(1),
+        stride_vs=v_pool.stride(2),
+        stride_tb=block_table.stride(0),
+        stride_ob=out.stride(0),
+        stride_oh=out.stride(1),
+        stride_bb=_stride(bias, 0) if bias is not None else 0,
+        stride_bh=_stride(bias, 1) if bias is not None else 0,
+        stride_bn=bias.stride(2) if bias is not None else 0,
+        bias_len=bias.shape[2] if bias is not None else 0,
+        scale=float(scale),
+        softcap=float(softcap or 1.0),
         keys_per_split=per_split,
-        page_size=page, GROUP=Hq // Hkv, NUM_SPLITS=splits, D=D, DV=Dv, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(Dv),
-        BLOCK_G=_pow2(Hq // Hkv), BLOCK_N=block_n, HAS_SOFTCAP=softcap is not None,
-        HAS_ALIBI=slopes is not None, ALIBI_AT_END=alibi_at_end, HAS_BIAS=bias is not None, SPLIT=splits > 1,
+        page_size=page,
+        GROUP=Hq // Hkv,
+        NUM_SPLITS=splits,
+        D=D,
+        DV=Dv,
+        BLOCK_D=_pow2(D),
+        BLOCK_DV=_pow2(Dv),
+        BLOCK_G=_pow2(Hq // Hkv),
+        BLOCK_N=block_n,
+        HAS_SOFTCAP=softcap is not None,
+        HAS_ALIBI=slopes is not None,
+        ALIBI_AT_END=alibi_at_end,
+        HAS_BIAS=bias is not None,
+        SPLIT=splits > 1,
         EMULATE_BF16=K.INTERPRETED and q.dtype == torch.bfloat16,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2)
+        num_warps=4,
+        num_stages=2,
+    )
     if splits > 1:
-        K._paged_combine[(Hq, B)](PartOut=part_out, PartLse=part_lse, Out=out, stride_ob=out.stride(0),
-                                  stride_oh=out.stride(1), NUM_SPLITS=splits, DV=Dv, BLOCK_DV=_pow2(Dv),
-                                  BLOCK_S=_pow2(splits, 2), EMULATE_BF16=K.INTERPRETED and q.dtype == torch.bfloat16)
+        K._paged_combine[(Hq, B)](
+            PartOut=part_out,
+            PartLse=part_lse,
+            Out=out,
+            stride_ob=out.stride(0),
+            stride_oh=out.stride(1),
+            NUM_SPLITS=splits,
+            DV=Dv,
+            BLOCK_DV=_pow2(Dv),
+            BLOCK_S=_pow2(splits, 2),
+            EMULATE_BF16=K.INTERPRETED and q.dtype == torch.bfloat16,
+        )
     return out
 
 
-def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor, seq_lens: Tensor, *,
-                 scale: float | None = None, softcap: float | None = None, bias=None) -> Tensor:
+def paged_decode(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+    bias=None,
+) -> Tensor:
     """Attention of one new token per sequence over a paged KV cache, in one Triton kernel.
 
     Args:
@@ -347,5 +454,15 @@ def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor,
         at_end = bias.align == "bottom_right"
     elif isinstance(bias, ScoreMod) and bias.scale_factor is not None:
         scale = scale * bias.scale_factor
-    return _paged_decode(q, k_pool, v_pool, block_table, seq_lens, scale=scale, softcap=softcap, slopes=slopes,
-                         alibi_at_end=at_end, bias=bias if isinstance(bias, Tensor) else None)
+    return _paged_decode(
+        q,
+        k_pool,
+        v_pool,
+        block_table,
+        seq_lens,
+        scale=scale,
+        softcap=softcap,
+        slopes=slopes,
+        alibi_at_end=at_end,
+        bias=bias if isinstance(bias, Tensor) else None,
+    )

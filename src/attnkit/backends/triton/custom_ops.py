@@ -46,9 +46,19 @@ __all__: list[str] = []
 
 
 @torch.library.custom_op("attnkit::triton_forward", mutates_args=())
-def triton_forward(q: Tensor, k: Tensor, v: Tensor, mask_key: str, mask_tensors: list[Tensor], bias: Optional[Tensor],
-                   mod_key: str, mod_tensors: list[Tensor], sinks: Optional[Tensor], scale: float,
-                   softcap: float) -> tuple[Tensor, Tensor]:
+def triton_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask_key: str,
+    mask_tensors: list[Tensor],
+    bias: Optional[Tensor],
+    mod_key: str,
+    mod_tensors: list[Tensor],
+    sinks: Optional[Tensor],
+    scale: float,
+    softcap: float,
+) -> tuple[Tensor, Tensor]:
     """``(out (B, Hq, Lq, Dv), lse (B, Hq, Lq) float32)``: the triton backend's forward, the sinks (when
     given) included in each row's denominator and lse.  ``softcap=0`` means none."""
     call = op_call(q, k, v, mask_key, mask_tensors, bias, mod_key, mod_tensors, sinks, scale, softcap)
@@ -62,10 +72,24 @@ def _(q, k, v, mask_key, mask_tensors, bias, mod_key, mod_tensors, sinks, scale,
 
 
 @torch.library.custom_op("attnkit::triton_backward", mutates_args=())
-def triton_backward(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                    mask_key: str, mask_tensors: list[Tensor], bias: Optional[Tensor], mod_key: str,
-                    mod_tensors: list[Tensor], sinks: Optional[Tensor], scale: float, softcap: float,
-                    sinks_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def triton_backward(
+    dout: Tensor,
+    dlse: Optional[Tensor],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    mask_key: str,
+    mask_tensors: list[Tensor],
+    bias: Optional[Tensor],
+    mod_key: str,
+    mod_tensors: list[Tensor],
+    sinks: Optional[Tensor],
+    scale: float,
+    softcap: float,
+    sinks_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(dq, dk, dv, dsinks)``: the gradients of :func:`triton_forward`'s ``(out, lse)`` (which include the
     sinks).  ``dsinks`` has the sinks' shape when ``sinks_grad``, else it is empty."""
     call = op_call(q, k, v, mask_key, mask_tensors, bias, mod_key, mod_tensors, sinks, scale, softcap)
@@ -75,8 +99,9 @@ def triton_backward(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, 
 
 
 @triton_backward.register_fake
-def _(dout, dlse, q, k, v, out, lse, mask_key, mask_tensors, bias, mod_key, mod_tensors, sinks, scale, softcap,
-      sinks_grad):
+def _(
+    dout, dlse, q, k, v, out, lse, mask_key, mask_tensors, bias, mod_key, mod_tensors, sinks, scale, softcap, sinks_grad
+):
     dsink = sinks.new_empty(sinks.shape) if sinks_grad and sinks is not None else q.new_empty(0)
     return (*fake_input_grads(q, k, v), dsink)
 
@@ -84,8 +109,19 @@ def _(dout, dlse, q, k, v, out, lse, mask_key, mask_tensors, bias, mod_key, mod_
 refuse_double_backward(triton_backward, "triton")
 
 
-_FORWARD_INPUTS = ("q", "k", "v", "mask_key", "mask_tensors", "bias", "mod_key", "mod_tensors", "sinks", "scale",
-                   "softcap")
+_FORWARD_INPUTS = (
+    "q",
+    "k",
+    "v",
+    "mask_key",
+    "mask_tensors",
+    "bias",
+    "mod_key",
+    "mod_tensors",
+    "sinks",
+    "scale",
+    "softcap",
+)
 
 
 def _setup_context(ctx, inputs, output):
@@ -93,8 +129,17 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     # the mask's and modifier's tensors are saved too: autograd then refuses a backward after they were
     # modified in place (the backward reads them again), as the eager backend does
-    ctx.save_for_backward(args["q"], args["k"], args["v"], out, lse, args["bias"], args["sinks"],
-                          *args["mod_tensors"], *args["mask_tensors"])
+    ctx.save_for_backward(
+        args["q"],
+        args["k"],
+        args["v"],
+        out,
+        lse,
+        args["bias"],
+        args["sinks"],
+        *args["mod_tensors"],
+        *args["mask_tensors"],
+    )
     ctx.n_mod = len(args["mod_tensors"])
     ctx.consts = (args["mask_key"], args["mod_key"], args["scale"], args["softcap"])
     ctx.set_materialize_grads(False)
@@ -102,20 +147,38 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, bias, sinks, *rest = ctx.saved_tensors
-    mod_tensors, mask_tensors = rest[:ctx.n_mod], rest[ctx.n_mod:]
+    mod_tensors, mask_tensors = rest[: ctx.n_mod], rest[ctx.n_mod :]
     mask_key, mod_key, scale, softcap = ctx.consts
     need = ctx.needs_input_grad
     if need[5] or (need[7] and any(t.requires_grad for t in mod_tensors)):  # (need[7]: any of a list)
-        raise RuntimeError("the triton operators compute no gradient for a bias tensor or a score modifier's tensors "
-                           "(attnkit.attention refuses such calls for backend='triton'): use backend='flash'")
+        raise RuntimeError(
+            "the triton operators compute no gradient for a bias tensor or a score modifier's tensors "
+            "(attnkit.attention refuses such calls for backend='triton'): use backend='flash'"
+        )
     none_mask, none_mod = [None] * len(mask_tensors), [None] * len(mod_tensors)
     sinks_grad = sinks is not None and need[8]
     if dout is None and dlse is None:
         return (None, None, None, None, none_mask, None, None, none_mod, None, None, None)
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv, dsink = triton_backward(dout, dlse, q, k, v, out, lse, mask_key, list(mask_tensors), bias, mod_key,
-                                        list(mod_tensors), sinks, scale, softcap, sinks_grad)
+    dq, dk, dv, dsink = triton_backward(
+        dout,
+        dlse,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        mask_key,
+        list(mask_tensors),
+        bias,
+        mod_key,
+        list(mod_tensors),
+        sinks,
+        scale,
+        softcap,
+        sinks_grad,
+    )
     return (dq, dk, dv, None, none_mask, None, None, none_mod, dsink if sinks_grad else None, None, None)
 
 
@@ -125,6 +188,17 @@ triton_forward.register_autograd(_backward, setup_context=_setup_context)
 def run(call: Call):
     """Compute a validated call through the operators (``out``, or ``(out, lse)`` with ``return_lse``)."""
     mask_key, mask_tensors, bias_t, mod_key, mod_tensors = op_arguments(call)
-    out, lse = triton_forward(call.q, call.k, call.v, mask_key, mask_tensors, bias_t, mod_key, mod_tensors,
-                              call.sinks, float(call.scale), float(call.softcap or 0.0))
+    out, lse = triton_forward(
+        call.q,
+        call.k,
+        call.v,
+        mask_key,
+        mask_tensors,
+        bias_t,
+        mod_key,
+        mod_tensors,
+        call.sinks,
+        float(call.scale),
+        float(call.softcap or 0.0),
+    )
     return (out, lse) if call.return_lse else out

@@ -75,15 +75,35 @@ def _tanh(x):
     e = tl.exp(-2.0 * a)
     t = (1.0 - e) / (1.0 + e)
     a2 = a * a
-    series = a * (1.0 + a2 * (-0.3333333333333333 + a2 * (0.13333333333333333 + a2 * (
-        -0.05396825396825397 + a2 * 0.021869488536155203))))
+    series = a * (
+        1.0
+        + a2
+        * (-0.3333333333333333 + a2 * (0.13333333333333333 + a2 * (-0.05396825396825397 + a2 * 0.021869488536155203)))
+    )
     t = tl.where(a < 0.25, series, t)
     return tl.where(x < 0, -t, t)
 
 
-def _score_mods(s, q_pos, k_pos, b, h, softcap, Slopes, alibi_off, Bias, stride_bb, stride_bh, stride_bm,
-                stride_bn, q_len, kv_len, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                HAS_BIAS: tl.constexpr):
+def _score_mods(
+    s,
+    q_pos,
+    k_pos,
+    b,
+    h,
+    softcap,
+    Slopes,
+    alibi_off,
+    Bias,
+    stride_bb,
+    stride_bh,
+    stride_bm,
+    stride_bn,
+    q_len,
+    kv_len,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
     """softcap, then ALiBi or a tensor bias, on scaled scores ``s``; returns ``(s, tanh)`` (tanh for the
     softcap's derivative).  ``q_pos``/``k_pos`` are broadcastable query rows / key indices of the tile."""
     t = s
@@ -99,10 +119,34 @@ def _score_mods(s, q_pos, k_pos, b, h, softcap, Slopes, alibi_off, Bias, stride_
     return s, t
 
 
-def _allowed(q_pos, k_pos, b, lo_off, hi_off, prefix_off, prefix_n, QDoc, KDoc, stride_qdb, stride_kdb,
-             KeyLen, Bitmap, tile, q0, k0, q_len, kv_len, BLOCK_M: tl.constexpr, WORDS: tl.constexpr,
-             HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_DOC: tl.constexpr,
-             HAS_KEYLEN: tl.constexpr, HAS_BITMAP: tl.constexpr):
+def _allowed(
+    q_pos,
+    k_pos,
+    b,
+    lo_off,
+    hi_off,
+    prefix_off,
+    prefix_n,
+    QDoc,
+    KDoc,
+    stride_qdb,
+    stride_kdb,
+    KeyLen,
+    Bitmap,
+    tile,
+    q0,
+    k0,
+    q_len,
+    kv_len,
+    BLOCK_M: tl.constexpr,
+    WORDS: tl.constexpr,
+    HAS_LO: tl.constexpr,
+    HAS_HI: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
+    HAS_DOC: tl.constexpr,
+    HAS_KEYLEN: tl.constexpr,
+    HAS_BITMAP: tl.constexpr,
+):
     """The element mask of a partial tile: the built-in predicates evaluated here, or the tile's bitmap.
 
     Row ``i`` of the query axis sits at ``i + offset``; the offsets were folded into ``lo_off`` /
@@ -139,18 +183,77 @@ def _seen(ok, row_ok):
 # ----------------------------------------------------------------------------------------------- forward
 
 
-def _attn_fwd(Q, K, V, Out, Lse, Count, Index, TileId, Bitmap, Slopes, Bias, QDoc, KDoc, KeyLen,
-              stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
-              stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
-              stride_cb, stride_ch, stride_cr, stride_ib, stride_ih, stride_ir,
-              stride_bb, stride_bh, stride_bm, stride_bn, stride_qdb, stride_kdb,
-              scale, softcap, alibi_off, lo_off, hi_off, prefix_off, prefix_n, q_len, kv_len, GROUP,
-              D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
-              HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
-              HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_DOC: tl.constexpr,
-              HAS_KEYLEN: tl.constexpr, HAS_BITMAP: tl.constexpr, EVEN_N: tl.constexpr,
-              EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr):
+def _attn_fwd(
+    Q,
+    K,
+    V,
+    Out,
+    Lse,
+    Count,
+    Index,
+    TileId,
+    Bitmap,
+    Slopes,
+    Bias,
+    QDoc,
+    KDoc,
+    KeyLen,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_lb,
+    stride_lh,
+    stride_cb,
+    stride_ch,
+    stride_cr,
+    stride_ib,
+    stride_ih,
+    stride_ir,
+    stride_bb,
+    stride_bh,
+    stride_bm,
+    stride_bn,
+    stride_qdb,
+    stride_kdb,
+    scale,
+    softcap,
+    alibi_off,
+    lo_off,
+    hi_off,
+    prefix_off,
+    prefix_n,
+    q_len,
+    kv_len,
+    GROUP,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WORDS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_LO: tl.constexpr,
+    HAS_HI: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
+    HAS_DOC: tl.constexpr,
+    HAS_KEYLEN: tl.constexpr,
+    HAS_BITMAP: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """One query tile of one head: out and lse over the key tiles its tile list names.
 
     Grid ``(query tiles, Hq, B)``.  ``EVEN_N``: Lk is a multiple of BLOCK_N, so key loads need no bounds.
@@ -162,8 +265,11 @@ def _attn_fwd(Q, K, V, Out, Lse, Count, Index, TileId, Bitmap, Slopes, Bias, QDo
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
-                mask=(rows[:, None] < q_len) & (offs_d[None, :] < D), other=0.0)  # (BLOCK_M, BLOCK_D)
+    q = tl.load(
+        Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
+        mask=(rows[:, None] < q_len) & (offs_d[None, :] < D),
+        other=0.0,
+    )  # (BLOCK_M, BLOCK_D)
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
     # scores go straight to base 2 when nothing sits between the scale and the softmax
@@ -186,23 +292,70 @@ def _attn_fwd(Q, K, V, Out, Lse, Count, Index, TileId, Bitmap, Slopes, Bias, QDo
             k = tl.load(k_base + cols[None, :] * stride_kn + offs_d[:, None], mask=offs_d[:, None] < D, other=0.0)
             v = tl.load(v_base + cols[:, None] * stride_vn + offs_dv[None, :], mask=offs_dv[None, :] < DV, other=0.0)
         else:
-            k = tl.load(k_base + cols[None, :] * stride_kn + offs_d[:, None],
-                        mask=(cols[None, :] < kv_len) & (offs_d[:, None] < D), other=0.0)  # (BLOCK_D, BLOCK_N)
-            v = tl.load(v_base + cols[:, None] * stride_vn + offs_dv[None, :],
-                        mask=(cols[:, None] < kv_len) & (offs_dv[None, :] < DV), other=0.0)  # (BLOCK_N, BLOCK_DV)
+            k = tl.load(
+                k_base + cols[None, :] * stride_kn + offs_d[:, None],
+                mask=(cols[None, :] < kv_len) & (offs_d[:, None] < D),
+                other=0.0,
+            )  # (BLOCK_D, BLOCK_N)
+            v = tl.load(
+                v_base + cols[:, None] * stride_vn + offs_dv[None, :],
+                mask=(cols[:, None] < kv_len) & (offs_dv[None, :] < DV),
+                other=0.0,
+            )  # (BLOCK_N, BLOCK_DV)
         s = _dot(q, k, EMULATE_BF16, PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
         if not PLAIN:
-            s, _t = _score_mods(s, rows[:, None], cols[None, :], b, h, softcap, Slopes, alibi_off, Bias,
-                                stride_bb, stride_bh, stride_bm, stride_bn, q_len, kv_len,
-                                HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS)
+            s, _t = _score_mods(
+                s,
+                rows[:, None],
+                cols[None, :],
+                b,
+                h,
+                softcap,
+                Slopes,
+                alibi_off,
+                Bias,
+                stride_bb,
+                stride_bh,
+                stride_bm,
+                stride_bn,
+                q_len,
+                kv_len,
+                HAS_SOFTCAP,
+                HAS_ALIBI,
+                HAS_BIAS,
+            )
             s = s * 1.44269504  # 1/ln(2)
         if not EVEN_N:
             s = tl.where(cols[None, :] < kv_len, s, float("-inf"))
         if j < n_partial:
-            ok = _allowed(rows[:, None], cols[None, :], b, lo_off, hi_off, prefix_off, prefix_n, QDoc, KDoc,
-                          stride_qdb, stride_kdb, KeyLen, Bitmap, tl.load(tile_ids + j), pid_m * BLOCK_M,
-                          kt * BLOCK_N, q_len, kv_len, BLOCK_M, WORDS, HAS_LO, HAS_HI, HAS_PREFIX, HAS_DOC, HAS_KEYLEN,
-                          HAS_BITMAP)
+            ok = _allowed(
+                rows[:, None],
+                cols[None, :],
+                b,
+                lo_off,
+                hi_off,
+                prefix_off,
+                prefix_n,
+                QDoc,
+                KDoc,
+                stride_qdb,
+                stride_kdb,
+                KeyLen,
+                Bitmap,
+                tl.load(tile_ids + j),
+                pid_m * BLOCK_M,
+                kt * BLOCK_N,
+                q_len,
+                kv_len,
+                BLOCK_M,
+                WORDS,
+                HAS_LO,
+                HAS_HI,
+                HAS_PREFIX,
+                HAS_DOC,
+                HAS_KEYLEN,
+                HAS_BITMAP,
+            )
             s = tl.where(ok, s, float("-inf"))
             # values no row of the tile may see weigh 0, but 0 * NaN is NaN: zero them (padding garbage)
             v = tl.where(_seen(ok, rows < q_len)[:, None], v, 0.0)
@@ -217,26 +370,90 @@ def _attn_fwd(Q, K, V, Out, Lse, Count, Index, TileId, Bitmap, Slopes, Bias, QDo
     empty = l_i == 0.0  # nothing visible: output 0 and lse -inf
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)  # ln 2
-    tl.store(Out + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + offs_dv[None, :],
-             _round(out, Out.dtype.element_ty, EMULATE_BF16), mask=(rows[:, None] < q_len) & (offs_dv[None, :] < DV))
+    tl.store(
+        Out + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + offs_dv[None, :],
+        _round(out, Out.dtype.element_ty, EMULATE_BF16),
+        mask=(rows[:, None] < q_len) & (offs_dv[None, :] < DV),
+    )
     tl.store(Lse + b * stride_lb + h * stride_lh + rows, lse, mask=rows < q_len)
 
 
 # ---------------------------------------------------------------------------------------------- backward
 
 
-def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Count, Index, TileId, Bitmap, Slopes, Bias, QDoc, KDoc, KeyLen,
-                 stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
-                 stride_vn, stride_dob, stride_doh, stride_dom, stride_lb, stride_lh,
-                 stride_cb, stride_ch, stride_cr, stride_ib, stride_ih, stride_ir,
-                 stride_bb, stride_bh, stride_bm, stride_bn, stride_qdb, stride_kdb,
-                 scale, softcap, alibi_off, lo_off, hi_off, prefix_off, prefix_n, q_len, kv_len, GROUP,
-                 D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
-                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_DOC: tl.constexpr,
-                 HAS_KEYLEN: tl.constexpr, HAS_BITMAP: tl.constexpr, EVEN_N: tl.constexpr,
-                 EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr):
+def _attn_bwd_dq(
+    Q,
+    K,
+    V,
+    DO,
+    DQ,
+    Lse,
+    Delta,
+    Count,
+    Index,
+    TileId,
+    Bitmap,
+    Slopes,
+    Bias,
+    QDoc,
+    KDoc,
+    KeyLen,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_lb,
+    stride_lh,
+    stride_cb,
+    stride_ch,
+    stride_cr,
+    stride_ib,
+    stride_ih,
+    stride_ir,
+    stride_bb,
+    stride_bh,
+    stride_bm,
+    stride_bn,
+    stride_qdb,
+    stride_kdb,
+    scale,
+    softcap,
+    alibi_off,
+    lo_off,
+    hi_off,
+    prefix_off,
+    prefix_n,
+    q_len,
+    kv_len,
+    GROUP,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WORDS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_LO: tl.constexpr,
+    HAS_HI: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
+    HAS_DOC: tl.constexpr,
+    HAS_KEYLEN: tl.constexpr,
+    HAS_BITMAP: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """dq of one query tile of one head (grid ``(query tiles, Hq, B)``), same tile lists as the forward.
 
     ``p = exp(s - lse)``, ``ds = p * (dO v^T - delta)`` with ``delta = rowsum(dO * out)``, times the
@@ -250,10 +467,16 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Count, Index, TileId, Bitmap, Slop
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = rows < q_len
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
-                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_dom + offs_dv[None, :],
-                 mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    q = tl.load(
+        Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
+        mask=row_ok[:, None] & (offs_d[None, :] < D),
+        other=0.0,
+    )
+    do = tl.load(
+        DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_dom + offs_dv[None, :],
+        mask=row_ok[:, None] & (offs_dv[None, :] < DV),
+        other=0.0,
+    )
     lse = tl.load(Lse + b * stride_lb + h * stride_lh + rows, mask=row_ok, other=float("inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse) * 1.44269504  # empty rows: p = 0; 1/ln(2)
     delta = tl.load(Delta + b * stride_lb + h * stride_lh + rows, mask=row_ok, other=0.0)
@@ -271,15 +494,45 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Count, Index, TileId, Bitmap, Slop
         kt = tl.load(index + j)
         cols = kt * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < kv_len
-        k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :],
-                    mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)  # (BLOCK_N, BLOCK_D)
-        v = tl.load(v_base + cols[:, None] * stride_vn + offs_dv[None, :],
-                    mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)  # (BLOCK_N, BLOCK_DV)
+        k = tl.load(
+            k_base + cols[:, None] * stride_kn + offs_d[None, :],
+            mask=col_ok[:, None] & (offs_d[None, :] < D),
+            other=0.0,
+        )  # (BLOCK_N, BLOCK_D)
+        v = tl.load(
+            v_base + cols[:, None] * stride_vn + offs_dv[None, :],
+            mask=col_ok[:, None] & (offs_dv[None, :] < DV),
+            other=0.0,
+        )  # (BLOCK_N, BLOCK_DV)
         if j < n_partial:
-            ok = _allowed(rows[:, None], cols[None, :], b, lo_off, hi_off, prefix_off, prefix_n, QDoc, KDoc,
-                          stride_qdb, stride_kdb, KeyLen, Bitmap, tl.load(tile_ids + j), pid_m * BLOCK_M,
-                          kt * BLOCK_N, q_len, kv_len, BLOCK_M, WORDS, HAS_LO, HAS_HI, HAS_PREFIX, HAS_DOC, HAS_KEYLEN,
-                          HAS_BITMAP)
+            ok = _allowed(
+                rows[:, None],
+                cols[None, :],
+                b,
+                lo_off,
+                hi_off,
+                prefix_off,
+                prefix_n,
+                QDoc,
+                KDoc,
+                stride_qdb,
+                stride_kdb,
+                KeyLen,
+                Bitmap,
+                tl.load(tile_ids + j),
+                pid_m * BLOCK_M,
+                kt * BLOCK_N,
+                q_len,
+                kv_len,
+                BLOCK_M,
+                WORDS,
+                HAS_LO,
+                HAS_HI,
+                HAS_PREFIX,
+                HAS_DOC,
+                HAS_KEYLEN,
+                HAS_BITMAP,
+            )
             # keys no row of the tile may see are zeroed first: their garbage (NaN, inf) would reach dq
             # through a zero weight (0 * NaN), also through the softcap's derivative
             seen = _seen(ok, row_ok)[:, None]
@@ -288,9 +541,26 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Count, Index, TileId, Bitmap, Slop
         else:
             ok = tl.full([BLOCK_M, BLOCK_N], 1, tl.int1)  # (unused on full tiles: both branches define it)
         s = _dot(q, tl.trans(k), EMULATE_BF16, PRECISION) * scale  # (BLOCK_M, BLOCK_N)
-        s, t = _score_mods(s, rows[:, None], cols[None, :], b, h, softcap, Slopes, alibi_off, Bias,
-                           stride_bb, stride_bh, stride_bm, stride_bn, q_len, kv_len,
-                           HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS)
+        s, t = _score_mods(
+            s,
+            rows[:, None],
+            cols[None, :],
+            b,
+            h,
+            softcap,
+            Slopes,
+            alibi_off,
+            Bias,
+            stride_bb,
+            stride_bh,
+            stride_bm,
+            stride_bn,
+            q_len,
+            kv_len,
+            HAS_SOFTCAP,
+            HAS_ALIBI,
+            HAS_BIAS,
+        )
         s2 = s * 1.44269504  # 1/ln(2)
         if not EVEN_N:
             s2 = tl.where(col_ok[None, :], s2, float("-inf"))
@@ -302,22 +572,86 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, Count, Index, TileId, Bitmap, Slop
         if HAS_SOFTCAP:
             ds = ds * (1.0 - t * t)
         acc += _dot(_round(ds, K.dtype.element_ty, EMULATE_BF16), k, EMULATE_BF16, PRECISION)
-    tl.store(DQ + ((b * tl.num_programs(1) + h) * q_len + rows[:, None]) * D + offs_d[None, :], acc * scale,
-             mask=row_ok[:, None] & (offs_d[None, :] < D))
+    tl.store(
+        DQ + ((b * tl.num_programs(1) + h) * q_len + rows[:, None]) * D + offs_d[None, :],
+        acc * scale,
+        mask=row_ok[:, None] & (offs_d[None, :] < D),
+    )
 
 
-def _attn_bwd_dkdv(Q, K, V, DO, DK, DV_, Lse, Delta, Count, Index, TileId, Bitmap, Slopes, Bias, QDoc, KDoc,
-                   KeyLen, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
-                   stride_vn, stride_dob, stride_doh, stride_dom, stride_lb, stride_lh,
-                   stride_cb, stride_ch, stride_cr, stride_ib, stride_ih, stride_ir,
-                   stride_bb, stride_bh, stride_bm, stride_bn, stride_qdb, stride_kdb,
-                   scale, softcap, alibi_off, lo_off, hi_off, prefix_off, prefix_n, q_len, kv_len, GROUP,
-                   D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
-                   HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_DOC: tl.constexpr,
-                   HAS_KEYLEN: tl.constexpr, HAS_BITMAP: tl.constexpr, EMULATE_BF16: tl.constexpr,
-                   PRECISION: tl.constexpr):
+def _attn_bwd_dkdv(
+    Q,
+    K,
+    V,
+    DO,
+    DK,
+    DV_,
+    Lse,
+    Delta,
+    Count,
+    Index,
+    TileId,
+    Bitmap,
+    Slopes,
+    Bias,
+    QDoc,
+    KDoc,
+    KeyLen,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_lb,
+    stride_lh,
+    stride_cb,
+    stride_ch,
+    stride_cr,
+    stride_ib,
+    stride_ih,
+    stride_ir,
+    stride_bb,
+    stride_bh,
+    stride_bm,
+    stride_bn,
+    stride_qdb,
+    stride_kdb,
+    scale,
+    softcap,
+    alibi_off,
+    lo_off,
+    hi_off,
+    prefix_off,
+    prefix_n,
+    q_len,
+    kv_len,
+    GROUP,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WORDS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_LO: tl.constexpr,
+    HAS_HI: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
+    HAS_DOC: tl.constexpr,
+    HAS_KEYLEN: tl.constexpr,
+    HAS_BITMAP: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """dk and dv of one key tile of one key/value head (grid ``(key tiles, Hkv, B)``).
 
     The GROUP query heads sharing the key/value head are summed here, one after the other, so grouped-query
@@ -332,10 +666,16 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV_, Lse, Delta, Count, Index, TileId, Bitma
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     col_ok = cols < kv_len
-    k = tl.load(K + b * stride_kb + hk * stride_kh + cols[:, None] * stride_kn + offs_d[None, :],
-                mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)  # (BLOCK_N, BLOCK_D)
-    v = tl.load(V + b * stride_vb + hk * stride_vh + cols[:, None] * stride_vn + offs_dv[None, :],
-                mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)  # (BLOCK_N, BLOCK_DV)
+    k = tl.load(
+        K + b * stride_kb + hk * stride_kh + cols[:, None] * stride_kn + offs_d[None, :],
+        mask=col_ok[:, None] & (offs_d[None, :] < D),
+        other=0.0,
+    )  # (BLOCK_N, BLOCK_D)
+    v = tl.load(
+        V + b * stride_vb + hk * stride_vh + cols[:, None] * stride_vn + offs_dv[None, :],
+        mask=col_ok[:, None] & (offs_dv[None, :] < DV),
+        other=0.0,
+    )  # (BLOCK_N, BLOCK_DV)
     dk_acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     for g in range(0, GROUP):
@@ -351,24 +691,71 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV_, Lse, Delta, Count, Index, TileId, Bitma
             mt = tl.load(index + j)
             rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)
             row_ok = rows < q_len
-            q = tl.load(q_base + rows[:, None] * stride_qm + offs_d[None, :],
-                        mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)  # (BLOCK_M, BLOCK_D)
-            do = tl.load(do_base + rows[:, None] * stride_dom + offs_dv[None, :],
-                         mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)  # (BLOCK_M, BLOCK_DV)
+            q = tl.load(
+                q_base + rows[:, None] * stride_qm + offs_d[None, :],
+                mask=row_ok[:, None] & (offs_d[None, :] < D),
+                other=0.0,
+            )  # (BLOCK_M, BLOCK_D)
+            do = tl.load(
+                do_base + rows[:, None] * stride_dom + offs_dv[None, :],
+                mask=row_ok[:, None] & (offs_dv[None, :] < DV),
+                other=0.0,
+            )  # (BLOCK_M, BLOCK_DV)
             lse = tl.load(Lse + b * stride_lb + h * stride_lh + rows, mask=row_ok, other=float("inf"))
             lse2 = tl.where(lse == float("-inf"), float("inf"), lse) * 1.44269504  # empty rows: p = 0
             delta = tl.load(Delta + b * stride_lb + h * stride_lh + rows, mask=row_ok, other=0.0)
             st = _dot(k, tl.trans(q), EMULATE_BF16, PRECISION) * scale  # (BLOCK_N, BLOCK_M)
-            st, tt = _score_mods(st, rows[None, :], cols[:, None], b, h, softcap, Slopes, alibi_off, Bias,
-                                 stride_bb, stride_bh, stride_bm, stride_bn, q_len, kv_len,
-                                 HAS_SOFTCAP, HAS_ALIBI, HAS_BIAS)
+            st, tt = _score_mods(
+                st,
+                rows[None, :],
+                cols[:, None],
+                b,
+                h,
+                softcap,
+                Slopes,
+                alibi_off,
+                Bias,
+                stride_bb,
+                stride_bh,
+                stride_bm,
+                stride_bn,
+                q_len,
+                kv_len,
+                HAS_SOFTCAP,
+                HAS_ALIBI,
+                HAS_BIAS,
+            )
             s2 = st * 1.44269504  # 1/ln(2)
             s2 = tl.where(col_ok[:, None], s2, float("-inf"))
             if j < n_partial:
-                ok = _allowed(rows[None, :], cols[:, None], b, lo_off, hi_off, prefix_off, prefix_n, QDoc,
-                              KDoc, stride_qdb, stride_kdb, KeyLen, Bitmap, tl.load(tile_ids + j),
-                              mt * BLOCK_M, pid_n * BLOCK_N, q_len, kv_len, BLOCK_M, WORDS, HAS_LO, HAS_HI, HAS_PREFIX,
-                              HAS_DOC, HAS_KEYLEN, HAS_BITMAP)
+                ok = _allowed(
+                    rows[None, :],
+                    cols[:, None],
+                    b,
+                    lo_off,
+                    hi_off,
+                    prefix_off,
+                    prefix_n,
+                    QDoc,
+                    KDoc,
+                    stride_qdb,
+                    stride_kdb,
+                    KeyLen,
+                    Bitmap,
+                    tl.load(tile_ids + j),
+                    mt * BLOCK_M,
+                    pid_n * BLOCK_N,
+                    q_len,
+                    kv_len,
+                    BLOCK_M,
+                    WORDS,
+                    HAS_LO,
+                    HAS_HI,
+                    HAS_PREFIX,
+                    HAS_DOC,
+                    HAS_KEYLEN,
+                    HAS_BITMAP,
+                )
                 s2 = tl.where(ok, s2, float("-inf"))
             pt = tl.exp2(s2 - lse2[None, :])  # (BLOCK_N, BLOCK_M); padded query rows have lse2 = inf
             dv_acc += _dot(_round(pt, DO.dtype.element_ty, EMULATE_BF16), do, EMULATE_BF16, PRECISION)
@@ -387,14 +774,52 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV_, Lse, Delta, Count, Index, TileId, Bitma
 # ------------------------------------------------------------------------------------------ paged decode
 
 
-def _paged_decode(Q, KPool, VPool, BlockTable, SeqLens, Out, PartOut, PartLse, Slopes, Bias,
-                  stride_qb, stride_qh, stride_kp, stride_kh, stride_ks, stride_vp, stride_vh, stride_vs,
-                  stride_tb, stride_ob, stride_oh, stride_bb, stride_bh, stride_bn, bias_len,
-                  scale, softcap, keys_per_split, page_size, GROUP, NUM_SPLITS,
-                  D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                  BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                  HAS_ALIBI: tl.constexpr, ALIBI_AT_END: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                  EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr):
+def _paged_decode(
+    Q,
+    KPool,
+    VPool,
+    BlockTable,
+    SeqLens,
+    Out,
+    PartOut,
+    PartLse,
+    Slopes,
+    Bias,
+    stride_qb,
+    stride_qh,
+    stride_kp,
+    stride_kh,
+    stride_ks,
+    stride_vp,
+    stride_vh,
+    stride_vs,
+    stride_tb,
+    stride_ob,
+    stride_oh,
+    stride_bb,
+    stride_bh,
+    stride_bn,
+    bias_len,
+    scale,
+    softcap,
+    keys_per_split,
+    page_size,
+    GROUP,
+    NUM_SPLITS,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    ALIBI_AT_END: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """One query token per sequence against its paged keys, for all GROUP query heads of one key/value head.
 
     Grid ``(NUM_SPLITS, Hkv, B)``: split ``s`` covers keys ``[s * keys_per_split, (s + 1) * keys_per_split)``
@@ -414,8 +839,11 @@ def _paged_decode(Q, KPool, VPool, BlockTable, SeqLens, Out, PartOut, PartLse, S
     g_ok = g < GROUP
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_ok[:, None] & (offs_d[None, :] < D), other=0.0)  # (BLOCK_G, BLOCK_D)
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_ok[:, None] & (offs_d[None, :] < D),
+        other=0.0,
+    )  # (BLOCK_G, BLOCK_D)
     seq_len = tl.load(SeqLens + b)
     start = split * keys_per_split
     stop = tl.minimum(start + keys_per_split, seq_len)
@@ -430,18 +858,27 @@ def _paged_decode(Q, KPool, VPool, BlockTable, SeqLens, Out, PartOut, PartLse, S
         key_ok = keys < stop
         page = tl.load(BlockTable + b * stride_tb + keys // page_size, mask=key_ok, other=0).to(tl.int64)
         slot = keys % page_size
-        k = tl.load(KPool + page[None, :] * stride_kp + hk * stride_kh + slot[None, :] * stride_ks + offs_d[:, None],
-                    mask=key_ok[None, :] & (offs_d[:, None] < D), other=0.0)  # (BLOCK_D, BLOCK_N)
-        v = tl.load(VPool + page[:, None] * stride_vp + hk * stride_vh + slot[:, None] * stride_vs + offs_dv[None, :],
-                    mask=key_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)  # (BLOCK_N, BLOCK_DV)
+        k = tl.load(
+            KPool + page[None, :] * stride_kp + hk * stride_kh + slot[None, :] * stride_ks + offs_d[:, None],
+            mask=key_ok[None, :] & (offs_d[:, None] < D),
+            other=0.0,
+        )  # (BLOCK_D, BLOCK_N)
+        v = tl.load(
+            VPool + page[:, None] * stride_vp + hk * stride_vh + slot[:, None] * stride_vs + offs_dv[None, :],
+            mask=key_ok[:, None] & (offs_dv[None, :] < DV),
+            other=0.0,
+        )  # (BLOCK_N, BLOCK_DV)
         s = _dot(q, k, EMULATE_BF16, PRECISION) * scale  # (BLOCK_G, BLOCK_N)
         if HAS_SOFTCAP:
             s = softcap * _tanh(s / softcap)
         if HAS_ALIBI:
             s = s - slopes[:, None] * tl.abs(pos - keys[None, :]).to(tl.float32)
         if HAS_BIAS:
-            s = s + tl.load(Bias + b * stride_bb + heads[:, None] * stride_bh + keys[None, :] * stride_bn,
-                            mask=g_ok[:, None] & key_ok[None, :] & (keys[None, :] < bias_len), other=0.0).to(tl.float32)
+            s = s + tl.load(
+                Bias + b * stride_bb + heads[:, None] * stride_bh + keys[None, :] * stride_bn,
+                mask=g_ok[:, None] & key_ok[None, :] & (keys[None, :] < bias_len),
+                other=0.0,
+            ).to(tl.float32)
         s = tl.where(key_ok[None, :], s * 1.44269504, float("-inf"))  # 1/ln(2)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -458,13 +895,25 @@ def _paged_decode(Q, KPool, VPool, BlockTable, SeqLens, Out, PartOut, PartLse, S
         tl.store(PartOut + part[:, None] * DV + offs_dv[None, :], out, mask=g_ok[:, None] & (offs_dv[None, :] < DV))
         tl.store(PartLse + part, lse, mask=g_ok)
     else:
-        tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :],
-                 _round(out, Out.dtype.element_ty, EMULATE_BF16),
-                 mask=g_ok[:, None] & (offs_dv[None, :] < DV))
+        tl.store(
+            Out + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :],
+            _round(out, Out.dtype.element_ty, EMULATE_BF16),
+            mask=g_ok[:, None] & (offs_dv[None, :] < DV),
+        )
 
 
-def _paged_combine(PartOut, PartLse, Out, stride_ob, stride_oh, NUM_SPLITS,
-                   DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, EMULATE_BF16: tl.constexpr):
+def _paged_combine(
+    PartOut,
+    PartLse,
+    Out,
+    stride_ob,
+    stride_oh,
+    NUM_SPLITS,
+    DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+):
     """Merge the splits of one (sequence, query head): ``out = sum_s exp(lse_s - lse) out_s`` (grid ``(Hq, B)``).
 
     Splits that saw no key have lse -inf and weigh nothing; a sequence with no keys at all gives 0.
@@ -478,18 +927,35 @@ def _paged_combine(PartOut, PartLse, Out, stride_ob, stride_oh, NUM_SPLITS,
     m = tl.max(lse, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp(lse - m_safe)  # (BLOCK_S,)
-    parts = tl.load(PartOut + (row * NUM_SPLITS + s[:, None]) * DV + offs_dv[None, :],
-                    mask=(s[:, None] < NUM_SPLITS) & (offs_dv[None, :] < DV), other=0.0)  # (BLOCK_S, BLOCK_DV)
+    parts = tl.load(
+        PartOut + (row * NUM_SPLITS + s[:, None]) * DV + offs_dv[None, :],
+        mask=(s[:, None] < NUM_SPLITS) & (offs_dv[None, :] < DV),
+        other=0.0,
+    )  # (BLOCK_S, BLOCK_DV)
     total = tl.sum(w, 0)
     out = tl.sum(parts * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(Out + b * stride_ob + h * stride_oh + offs_dv, _round(out, Out.dtype.element_ty, EMULATE_BF16),
-             mask=offs_dv < DV)
+    tl.store(
+        Out + b * stride_ob + h * stride_oh + offs_dv,
+        _round(out, Out.dtype.element_ty, EMULATE_BF16),
+        mask=offs_dv < DV,
+    )
 
 
 # ------------------------------------------------------------------------------------------------- build
 
-_FUNCTIONS = ("_dot", "_round", "_tanh", "_score_mods", "_allowed", "_seen", "_attn_fwd", "_attn_bwd_dq", "_attn_bwd_dkdv",
-              "_paged_decode", "_paged_combine")
+_FUNCTIONS = (
+    "_dot",
+    "_round",
+    "_tanh",
+    "_score_mods",
+    "_allowed",
+    "_seen",
+    "_attn_fwd",
+    "_attn_bwd_dq",
+    "_attn_bwd_dkdv",
+    "_paged_decode",
+    "_paged_combine",
+)
 
 
 def build() -> types.ModuleType:

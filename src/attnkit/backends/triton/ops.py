@@ -57,16 +57,20 @@ def _kernels():
 def _device_reason(device: torch.device) -> str | None:
     """Why tensors on ``device`` cannot run here (None when they can); imports triton when it must."""
     if device.type == "cpu" and not _interpret_requested():
-        return ("CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before triton is first "
-                "imported (or move the tensors to a CUDA GPU)")
+        return (
+            "CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before triton is first "
+            "imported (or move the tensors to a CUDA GPU)"
+        )
     if device.type not in ("cpu", "cuda"):
         return f"tensors on {device.type}: the Triton kernels run on CUDA GPUs (or on the CPU under TRITON_INTERPRET=1)"
     err = _import_error()
     if err is not None:
         return f"triton does not import ({err})"
     if device.type == "cpu" and not _kernels().INTERPRETED:
-        return ("triton was imported before TRITON_INTERPRET=1 was set, so it compiles for the GPU only: "
-                "set TRITON_INTERPRET=1 before anything imports triton")
+        return (
+            "triton was imported before TRITON_INTERPRET=1 was set, so it compiles for the GPU only: "
+            "set TRITON_INTERPRET=1 before anything imports triton"
+        )
     return None
 
 
@@ -140,8 +144,10 @@ def _bias_reason(call: Call) -> str | None:
         if call.softcap is not None:
             return "a temperature after a softcap: the Triton kernels fold the temperature into the scale"
         return None
-    return (f"bias {b!r} is not computed by the Triton kernels (they take ALiBi, a scalar temperature or a "
-            f"float tensor bias without gradient)")
+    return (
+        f"bias {b!r} is not computed by the Triton kernels (they take ALiBi, a scalar temperature or a "
+        f"float tensor bias without gradient)"
+    )
 
 
 def _mods(call: Call) -> _Mods:
@@ -192,8 +198,9 @@ def _dense_lists(nq: int, nk: int, device: torch.device) -> _plan.TileLists:
     return _plan.TileLists(count, index, torch.zeros_like(index))
 
 
-def _build_plan(mask: Mask | None, q_len: int, kv_len: int, batch: int, heads: int, tiles: _Tiles,
-                device: torch.device) -> _MaskPlan:
+def _build_plan(
+    mask: Mask | None, q_len: int, kv_len: int, batch: int, heads: int, tiles: _Tiles, device: torch.device
+) -> _MaskPlan:
     bm, bn = tiles.block_m, tiles.block_n
     nq, nk = -(-q_len // bm), -(-kv_len // bn)
     if mask is None:
@@ -202,14 +209,17 @@ def _build_plan(mask: Mask | None, q_len: int, kv_len: int, batch: int, heads: i
     lists = _plan.tile_lists(structure)
     rows = lists.count.shape[0] * lists.count.shape[1] * nq
     n_partial = lists.num_partial
-    plan = _MaskPlan(tiles, lists, visited=structure.visited_fraction(), partial=n_partial / max(1, rows * nk),
-                     num_k_tiles=nk)
+    plan = _MaskPlan(
+        tiles, lists, visited=structure.visited_fraction(), partial=n_partial / max(1, rows * nk), num_k_tiles=nk
+    )
     plan.preds = _plan.predicates(mask, q_len, kv_len, device, batch)
     if plan.preds is None and n_partial:
         size = n_partial * bm * -(-bn // 32) * 4
         if size > _MAX_BITMAP_BYTES:
-            plan.reason = (f"mask {mask!r} is not built in, and its bitmap over {n_partial:,} partial tiles would "
-                           f"take {size / 2**20:,.0f} MiB (limit {_MAX_BITMAP_BYTES >> 20} MiB)")
+            plan.reason = (
+                f"mask {mask!r} is not built in, and its bitmap over {n_partial:,} partial tiles would "
+                f"take {size / 2**20:,.0f} MiB (limit {_MAX_BITMAP_BYTES >> 20} MiB)"
+            )
         else:
             plan.bitmap = _plan.bitmap(mask, lists, q_len, kv_len, bm, bn)
     return plan
@@ -245,8 +255,9 @@ def _mask_state(mask: Mask) -> tuple | None:
     return tuple(state)
 
 
-def _cached_plan(mask: Mask | None, q_len: int, kv_len: int, batch: int, heads: int, tiles: _Tiles,
-                 device: torch.device) -> _MaskPlan:
+def _cached_plan(
+    mask: Mask | None, q_len: int, kv_len: int, batch: int, heads: int, tiles: _Tiles, device: torch.device
+) -> _MaskPlan:
     state = None if mask is None else _mask_state(mask)
     if state is None:
         return _build_plan(mask, q_len, kv_len, batch, heads, tiles, device)
@@ -283,8 +294,11 @@ class _Plans:
 
     def backward(self) -> _MaskPlan:
         if self._bwd is None:
-            self._bwd = (self.forward() if self.bwd_tiles == self.fwd_tiles
-                         else _cached_plan(self.mask, *self.shape, self.bwd_tiles, self.device))
+            self._bwd = (
+                self.forward()
+                if self.bwd_tiles == self.fwd_tiles
+                else _cached_plan(self.mask, *self.shape, self.bwd_tiles, self.device)
+            )
         return self._bwd
 
 
@@ -313,8 +327,7 @@ def _placeholders(device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
     return tuple(torch.zeros(1, dtype=dt, device=device) for dt in (torch.int32, torch.int64, torch.float32))
 
 
-def _kernel_kwargs(q: Tensor, k: Tensor, v: Tensor, mods: _Mods, plan: _MaskPlan,
-                   lists: _plan.TileLists) -> dict:
+def _kernel_kwargs(q: Tensor, k: Tensor, v: Tensor, mods: _Mods, plan: _MaskPlan, lists: _plan.TileLists) -> dict:
     """The arguments the three attention kernels share: strides, mask, score modifiers, meta-parameters."""
     K = _kernels()
     i32, i64, f32 = _placeholders(q.device)
@@ -323,32 +336,66 @@ def _kernel_kwargs(q: Tensor, k: Tensor, v: Tensor, mods: _Mods, plan: _MaskPlan
     bias = mods.bias
     D, DV = q.shape[-1], v.shape[-1]
     return dict(
-        Count=lists.count, Index=lists.index, TileId=lists.tile_id,
+        Count=lists.count,
+        Index=lists.index,
+        TileId=lists.tile_id,
         Bitmap=plan.bitmap if plan.bitmap is not None else i32,
         Slopes=mods.slopes if mods.slopes is not None else f32,
         Bias=bias if bias is not None else f32,
-        QDoc=q_ids, KDoc=kv_ids,
+        QDoc=q_ids,
+        KDoc=kv_ids,
         KeyLen=preds.key_lengths if preds.key_lengths is not None else i64,
-        stride_qb=q.stride(0), stride_qh=q.stride(1), stride_qm=q.stride(2),
-        stride_kb=k.stride(0), stride_kh=k.stride(1), stride_kn=k.stride(2),
-        stride_vb=v.stride(0), stride_vh=v.stride(1), stride_vn=v.stride(2),
-        stride_cb=_stride(lists.count, 0), stride_ch=_stride(lists.count, 1), stride_cr=lists.count.stride(2),
-        stride_ib=_stride(lists.index, 0), stride_ih=_stride(lists.index, 1), stride_ir=lists.index.stride(2),
-        stride_bb=_stride(bias, 0) if bias is not None else 0, stride_bh=_stride(bias, 1) if bias is not None else 0,
-        stride_bm=_stride(bias, 2) if bias is not None else 0, stride_bn=_stride(bias, 3) if bias is not None else 0,
-        stride_qdb=_stride(q_ids, 0), stride_kdb=_stride(kv_ids, 0),
-        scale=float(mods.scale), softcap=float(mods.softcap or 1.0), alibi_off=mods.alibi_off,
-        lo_off=preds.lo_off or 0, hi_off=preds.hi_off or 0,
-        prefix_off=preds.prefix[0] if preds.prefix else 0, prefix_n=preds.prefix[1] if preds.prefix else 0,
-        q_len=q.shape[2], kv_len=k.shape[2], GROUP=q.shape[1] // k.shape[1],
-        D=D, DV=DV, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV),
-        BLOCK_M=plan.tiles.block_m, BLOCK_N=plan.tiles.block_n, WORDS=-(-plan.tiles.block_n // 32),
-        HAS_SOFTCAP=mods.softcap is not None, HAS_ALIBI=mods.slopes is not None, HAS_BIAS=bias is not None,
-        HAS_LO=preds.lo_off is not None, HAS_HI=preds.hi_off is not None, HAS_PREFIX=preds.prefix is not None,
-        HAS_DOC=preds.doc is not None, HAS_KEYLEN=preds.key_lengths is not None, HAS_BITMAP=plan.bitmap is not None,
+        stride_qb=q.stride(0),
+        stride_qh=q.stride(1),
+        stride_qm=q.stride(2),
+        stride_kb=k.stride(0),
+        stride_kh=k.stride(1),
+        stride_kn=k.stride(2),
+        stride_vb=v.stride(0),
+        stride_vh=v.stride(1),
+        stride_vn=v.stride(2),
+        stride_cb=_stride(lists.count, 0),
+        stride_ch=_stride(lists.count, 1),
+        stride_cr=lists.count.stride(2),
+        stride_ib=_stride(lists.index, 0),
+        stride_ih=_stride(lists.index, 1),
+        stride_ir=lists.index.stride(2),
+        stride_bb=_stride(bias, 0) if bias is not None else 0,
+        stride_bh=_stride(bias, 1) if bias is not None else 0,
+        stride_bm=_stride(bias, 2) if bias is not None else 0,
+        stride_bn=_stride(bias, 3) if bias is not None else 0,
+        stride_qdb=_stride(q_ids, 0),
+        stride_kdb=_stride(kv_ids, 0),
+        scale=float(mods.scale),
+        softcap=float(mods.softcap or 1.0),
+        alibi_off=mods.alibi_off,
+        lo_off=preds.lo_off or 0,
+        hi_off=preds.hi_off or 0,
+        prefix_off=preds.prefix[0] if preds.prefix else 0,
+        prefix_n=preds.prefix[1] if preds.prefix else 0,
+        q_len=q.shape[2],
+        kv_len=k.shape[2],
+        GROUP=q.shape[1] // k.shape[1],
+        D=D,
+        DV=DV,
+        BLOCK_D=_pow2(D),
+        BLOCK_DV=_pow2(DV),
+        BLOCK_M=plan.tiles.block_m,
+        BLOCK_N=plan.tiles.block_n,
+        WORDS=-(-plan.tiles.block_n // 32),
+        HAS_SOFTCAP=mods.softcap is not None,
+        HAS_ALIBI=mods.slopes is not None,
+        HAS_BIAS=bias is not None,
+        HAS_LO=preds.lo_off is not None,
+        HAS_HI=preds.hi_off is not None,
+        HAS_PREFIX=preds.prefix is not None,
+        HAS_DOC=preds.doc is not None,
+        HAS_KEYLEN=preds.key_lengths is not None,
+        HAS_BITMAP=plan.bitmap is not None,
         EMULATE_BF16=K.INTERPRETED and q.dtype == torch.bfloat16,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=plan.tiles.num_warps, num_stages=plan.tiles.num_stages,
+        num_warps=plan.tiles.num_warps,
+        num_stages=plan.tiles.num_stages,
     )
 
 
@@ -360,14 +407,34 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, mods: _Mods, plan: _MaskPlan) -> t
     lse = torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device)
     kw = _kernel_kwargs(q, k, v, mods, plan, plan.lists)
     grid = (-(-Lq // plan.tiles.block_m), Hq, B)
-    _kernels()._attn_fwd[grid](Q=q, K=k, V=v, Out=out, Lse=lse, stride_ob=out.stride(0), stride_oh=out.stride(1),
-                               stride_om=out.stride(2), stride_lb=lse.stride(0), stride_lh=lse.stride(1),
-                               EVEN_N=k.shape[2] % plan.tiles.block_n == 0, **kw)
+    _kernels()._attn_fwd[grid](
+        Q=q,
+        K=k,
+        V=v,
+        Out=out,
+        Lse=lse,
+        stride_ob=out.stride(0),
+        stride_oh=out.stride(1),
+        stride_om=out.stride(2),
+        stride_lb=lse.stride(0),
+        stride_lh=lse.stride(1),
+        EVEN_N=k.shape[2] % plan.tiles.block_n == 0,
+        **kw,
+    )
     return out, lse
 
 
-def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | None,
-              mods: _Mods, plan: _MaskPlan) -> tuple[Tensor, Tensor, Tensor]:
+def _backward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dout: Tensor,
+    dlse: Tensor | None,
+    mods: _Mods,
+    plan: _MaskPlan,
+) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv for an output gradient (and an lse gradient: d lse / d s is the softmax itself)."""
     q, k, v, do = _rows_contiguous(q), _rows_contiguous(k), _rows_contiguous(v), _rows_contiguous(dout)
     B, Hq, Lq, D = q.shape
@@ -380,11 +447,24 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: T
     dk = torch.empty(B, Hkv, Lk, D, dtype=torch.float32, device=q.device)
     dv = torch.empty(B, Hkv, Lk, DV, dtype=torch.float32, device=q.device)
     K = _kernels()
-    common = dict(Q=q, K=k, V=v, DO=do, Lse=lse, Delta=delta, stride_dob=do.stride(0), stride_doh=do.stride(1),
-                  stride_dom=do.stride(2), stride_lb=lse.stride(0), stride_lh=lse.stride(1))
+    common = dict(
+        Q=q,
+        K=k,
+        V=v,
+        DO=do,
+        Lse=lse,
+        Delta=delta,
+        stride_dob=do.stride(0),
+        stride_doh=do.stride(1),
+        stride_dom=do.stride(2),
+        stride_lb=lse.stride(0),
+        stride_lh=lse.stride(1),
+    )
     bm, bn = plan.tiles.block_m, plan.tiles.block_n
-    K._attn_bwd_dq[(-(-Lq // bm), Hq, B)](DQ=dq, EVEN_N=Lk % bn == 0, **common,
-                                          **_kernel_kwargs(q, k, v, mods, plan, plan.lists))
-    K._attn_bwd_dkdv[(-(-Lk // bn), Hkv, B)](DK=dk, DV_=dv, **common,
-                                             **_kernel_kwargs(q, k, v, mods, plan, plan.transposed()))
+    K._attn_bwd_dq[(-(-Lq // bm), Hq, B)](
+        DQ=dq, EVEN_N=Lk % bn == 0, **common, **_kernel_kwargs(q, k, v, mods, plan, plan.lists)
+    )
+    K._attn_bwd_dkdv[(-(-Lk // bn), Hkv, B)](
+        DK=dk, DV_=dv, **common, **_kernel_kwargs(q, k, v, mods, plan, plan.transposed())
+    )
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -68,8 +68,10 @@ def predicates(mask: Mask, q_len: int, kv_len: int, device: torch.device, batch:
         elif isinstance(form, Prefix) and out.prefix is None:
             out.prefix = (form.offset, form.n)
         elif isinstance(form, Documents) and out.doc is None:
-            out.doc = (form.q_ids.to(device=device, dtype=torch.int64).contiguous(),
-                       form.kv_ids.to(device=device, dtype=torch.int64).contiguous())
+            out.doc = (
+                form.q_ids.to(device=device, dtype=torch.int64).contiguous(),
+                form.kv_ids.to(device=device, dtype=torch.int64).contiguous(),
+            )
         elif isinstance(form, KeyLengths) and out.key_lengths is None:
             lengths = form.lengths.to(device=device, dtype=torch.int64)
             out.key_lengths = lengths.expand(batch).contiguous() if lengths.shape[0] == 1 else lengths.contiguous()
@@ -118,10 +120,14 @@ def tile_lists(structure: BlockStructure) -> TileLists:
     j = torch.arange(width, device=dev)
     pj = j.clamp(max=max(0, pidx.shape[-1] - 1))
     fj = (j - npart[..., None]).clamp(min=0, max=max(0, fidx.shape[-1] - 1))
-    from_p = pidx.gather(-1, pj.expand(*lead, width).contiguous()) if pidx.shape[-1] else torch.zeros(
-        *lead, width, dtype=torch.int32, device=dev)
-    from_f = fidx.gather(-1, fj.contiguous()) if fidx.shape[-1] else torch.zeros(
-        *lead, width, dtype=torch.int32, device=dev)
+    from_p = (
+        pidx.gather(-1, pj.expand(*lead, width).contiguous())
+        if pidx.shape[-1]
+        else torch.zeros(*lead, width, dtype=torch.int32, device=dev)
+    )
+    from_f = (
+        fidx.gather(-1, fj.contiguous()) if fidx.shape[-1] else torch.zeros(*lead, width, dtype=torch.int32, device=dev)
+    )
     is_p = j < npart[..., None]
     live = j < total[..., None]
     index = torch.where(is_p, from_p, torch.where(live, from_f, 0)).to(torch.int32)
@@ -206,8 +212,14 @@ def bitmap(mask: Mask, lists: TileLists, q_len: int, kv_len: int, block_m: int, 
         q = r[sl].view(-1, 1, 1, 1) * block_m + rows.view(1, 1, -1, 1)  # (N, 1, BM, 1)
         k = kt[sl].view(-1, 1, 1, 1) * block_n + cols.view(1, 1, 1, -1)  # (N, 1, 1, 32*words)
         valid = (q < q_len) & (k < kv_len) & (cols.view(1, 1, 1, -1) < block_n)
-        allowed = mask.evaluate(b[sl].view(-1, 1, 1, 1), h[sl].view(-1, 1, 1, 1), q.clamp(max=q_len - 1),
-                            k.clamp(max=kv_len - 1), q_len, kv_len)
+        allowed = mask.evaluate(
+            b[sl].view(-1, 1, 1, 1),
+            h[sl].view(-1, 1, 1, 1),
+            q.clamp(max=q_len - 1),
+            k.clamp(max=kv_len - 1),
+            q_len,
+            kv_len,
+        )
         allowed = (allowed & valid).expand(-1, 1, block_m, words * 32).reshape(-1, block_m, words, 32)
         packed = (allowed.to(torch.int64) * weights).sum(-1)  # (N, BM, words) in [0, 2^32)
         out[sl] = torch.where(packed >= _INT32_SPAN // 2, packed - _INT32_SPAN, packed).to(torch.int32)
