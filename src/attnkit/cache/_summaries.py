@@ -23,7 +23,7 @@ class BlockSummaries:
 
     ``key`` names what the summaries are computed with (the module, its block sizes, the versions of its weights):
     a different key starts over.  The summaries are only trusted for the positions the cache held before the
-    current update (``prev_len``), so a cache cut back (:meth:`StaticCache.truncate`, :meth:`StaticCache.reset`) or refilled
+    current update (``prev_len``), so a cache cut back (:meth:`~attnkit.cache.StaticCache.truncate`, :meth:`~attnkit.cache.ModelCache.reset`) or refilled
     recomputes the blocks it lost.  Storage ``(B, H, capacity, D)`` per summarised tensor grows by doubling.
     """
 
