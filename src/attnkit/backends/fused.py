@@ -12,6 +12,7 @@ Tensor = torch.Tensor
 
 FusedForward = Callable[..., "tuple[Tensor, Tensor]"]  # (q, k, v, dropout_p, is_causal, attn_mask, scale) -> (out, lse)
 FusedBackward = Callable[..., "tuple[Tensor, Tensor, Tensor]"]  # (grad_out, q, k, v, out, lse, ...) -> (dq, dk, dv)
+Fused = tuple[FusedForward, FusedBackward]
 
 _FWD_ARGS = ["query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale"]
 _BWD_ARGS = ["grad_out", "query", "key", "value", "out", "logsumexp", "dropout_p", "is_causal", "attn_mask", "scale"]
@@ -24,7 +25,7 @@ def dense_rows(x: Tensor) -> Tensor:
     return x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
 
 
-def fused_ops() -> tuple[FusedForward, FusedBackward] | None:
+def fused_ops() -> Fused | None:
     """PyTorch's fused CPU flash kernel ``(forward, backward)``, or None when this build lacks it or its
     signature changed (the explicit path then computes everything); both take tensors in any layout."""
     try:
