@@ -119,7 +119,7 @@ def _pieces(
     G, Lq = call.group, call.q_len
     dev = call.q.device
     if kv is None:
-        # (PyTorch leaves Tensor.unflatten unannotated)
+        # views (Bx, Hx, C, n, D|Dv), no copy (PyTorch leaves Tensor.unflatten unannotated)
         k = call.k[bs, hs, a : a + C * n].unflatten(2, (C, n))  # type: ignore[no-untyped-call]  # (Bx, Hx, C, n, D)
         v = call.v[bs, hs, a : a + C * n].unflatten(2, (C, n))  # type: ignore[no-untyped-call]  # (Bx, Hx, C, n, Dv)
     else:
