@@ -4,9 +4,15 @@ their tensors in any layout."""
 
 from __future__ import annotations
 
+from typing import Any, Callable, cast
+
 import torch
 
 Tensor = torch.Tensor
+
+FusedForward = Callable[..., "tuple[Tensor, Tensor]"]  # (q, k, v, dropout_p, is_causal, attn_mask, scale) -> (out, lse)
+FusedBackward = Callable[..., "tuple[Tensor, Tensor, Tensor]"]  # (grad_out, q, k, v, out, lse, ...) -> (dq, dk, dv)
+Fused = tuple[FusedForward, FusedBackward]
 
 _FWD_ARGS = ["query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale"]
 _BWD_ARGS = ["grad_out", "query", "key", "value", "out", "logsumexp", "dropout_p", "is_causal", "attn_mask", "scale"]
@@ -19,7 +25,7 @@ def dense_rows(x: Tensor) -> Tensor:
     return x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
 
 
-def fused_ops():
+def fused_ops() -> Fused | None:
     """PyTorch's fused CPU flash kernel ``(forward, backward)``, or None when this build lacks it or its
     signature changed (the explicit path then computes everything); both take tensors in any layout."""
     try:
@@ -32,11 +38,13 @@ def fused_ops():
     if fa != _FWD_ARGS or ba != _BWD_ARGS or len(fwd._schema.returns) != 2 or len(bwd._schema.returns) != 3:
         return None
 
-    def forward(q, k, v, *args, **kw):
-        return fwd(dense_rows(q), dense_rows(k), dense_rows(v), *args, **kw)
+    def forward(q: Tensor, k: Tensor, v: Tensor, *args: Any, **kw: Any) -> tuple[Tensor, Tensor]:
+        return cast("tuple[Tensor, Tensor]", fwd(dense_rows(q), dense_rows(k), dense_rows(v), *args, **kw))
 
-    def backward(dout, q, k, v, out, *args, **kw):
-        return bwd(*map(dense_rows, (dout, q, k, v, out)), *args, **kw)
+    def backward(
+        dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, *args: Any, **kw: Any
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        return cast("tuple[Tensor, Tensor, Tensor]", bwd(*map(dense_rows, (dout, q, k, v, out)), *args, **kw))
 
     return forward, backward
 

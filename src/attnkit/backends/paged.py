@@ -15,6 +15,7 @@ softcap, then bias, then mask; sinks as one more column), evaluated per sequence
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING, Callable, cast
 
 import torch
 
@@ -27,8 +28,13 @@ from .scores import check_paged_values, grouped_heads, score_pipeline, with_sink
 
 Tensor = torch.Tensor
 
+if TYPE_CHECKING:
+    from types import ModuleType
 
-def check_paged_args(q, k_pool, v_pool, block_table, seq_lens) -> None:
+    from .fused import FusedForward
+
+
+def check_paged_args(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor, seq_lens: Tensor) -> None:
     """Raise TypeError/ValueError unless ``q``, ``k_pool``, ``v_pool``, ``block_table`` and ``seq_lens`` have the
     shapes, dtypes and values :func:`attend_table` reads (block ids inside the pool, lengths inside the table)."""
     for name, t, nd in (
@@ -71,7 +77,7 @@ def check_paged_args(q, k_pool, v_pool, block_table, seq_lens) -> None:
     check_paged_values("paged_attention", block_table, seq_lens, NB, bs)
 
 
-def _triton_backend():
+def _triton_backend() -> ModuleType | None:
     """``attnkit.backends.triton`` when it offers the paged decode kernel, else None."""
     try:
         from . import triton as tb  # the GPU kernel, when the Triton backend is installed
@@ -89,8 +95,8 @@ def attend_table(
     *,
     scale: float,
     softcap: float | None = None,
-    bias=None,
-    mask=None,
+    bias: Tensor | ScoreMod | None = None,
+    mask: Mask | Tensor | None = None,
     sinks: Tensor | None = None,
 ) -> Tensor:
     """:func:`attnkit.cache.paged_attention` once its arguments are checked: ``scale`` a float, ``softcap`` a
@@ -104,12 +110,12 @@ def attend_table(
         tb = _triton_backend()
         kw = dict(scale=scale, softcap=softcap, bias=bias)
         if tb is not None and tb.check_paged_decode(q, k_pool, v_pool, block_table, seq_lens, **kw) is None:
-            return tb.paged_decode(q, k_pool, v_pool, block_table, seq_lens, **kw)
+            return cast(Tensor, tb.paged_decode(q, k_pool, v_pool, block_table, seq_lens, **kw))
     if B == 0:
         return q.new_zeros(B, Hq, Lq, Dv)
     lens = [int(n) for n in seq_lens.tolist()]
     rows = block_table.tolist()
-    runs = []
+    runs: list[list[tuple[int, int]]] = []
     for b, (row, n) in enumerate(zip(rows, lens)):
         used = row[: -(-n // bs)]
         if any(not 0 <= x < NB for x in used):
@@ -130,12 +136,12 @@ def attend_blocks(
     v_pool: Tensor,
     lens: list[int],
     runs: list[list[tuple[int, int]]],
-    layouts,
+    layouts: Callable[[bool], PoolLayout],
     *,
     scale: float,
     softcap: float | None = None,
-    bias=None,
-    mask=None,
+    bias: Tensor | ScoreMod | None = None,
+    mask: Mask | Tensor | None = None,
     sinks: Tensor | None = None,
 ) -> Tensor:
     """Attention of ``q (B, Hq, Lq, D)`` over sequences holding ``lens[b]`` positions in the blocks ``runs[b]``
@@ -147,7 +153,16 @@ def attend_blocks(
     ``(B, Hq, Lq, Dv)`` in ``q``'s dtype."""
     if _splitkv.takes_paged(q, k_pool, runs, lens, mask, bias):  # a long sequence in one run: split-KV, in place
         return _splitkv.paged_decode(
-            q, k_pool, v_pool, runs, lens, scale=scale, softcap=softcap, bias=bias, mask=mask, sinks=sinks
+            q,
+            k_pool,
+            v_pool,
+            runs,
+            lens,
+            scale=scale,
+            softcap=softcap,
+            bias=cast("ScoreMod | None", bias),  # (takes_paged checked both)
+            mask=cast("Mask | None", mask),
+            sinks=sinks,
         )
     layout = None if sinks is not None else _pool_layout(q, k_pool, v_pool, bias, mask, layouts)
     if layout is not None:
@@ -193,12 +208,20 @@ def _sizes(q: Tensor, k_pool: Tensor, v_pool: Tensor) -> tuple[int, int, int, in
     return B, Hq, Lq, D, Hkv, bs, v_pool.shape[3], Hq // Hkv
 
 
-def _row_index(Hkv: int, G: int, Lq: int, device) -> tuple[Tensor, Tensor]:
+def _row_index(Hkv: int, G: int, Lq: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """The query heads ``(Hkv, G, 1, 1)`` and query rows ``(1, 1, Lq, 1)`` of a sequence's scores."""
     return grouped_heads(Hkv, G, device).view(Hkv, G, 1, 1), torch.arange(Lq, device=device).view(1, 1, Lq, 1)
 
 
-def _sequence_scores(sc: Tensor, b: int, rows: tuple[Tensor, Tensor] | None, *, softcap, bias, mask) -> Tensor:
+def _sequence_scores(
+    sc: Tensor,
+    b: int,
+    rows: tuple[Tensor, Tensor] | None,
+    *,
+    softcap: float | None,
+    bias: Tensor | ScoreMod | None,
+    mask: Mask | Tensor | None,
+) -> Tensor:
     """Sequence ``b``'s scaled scores ``(Hkv, G, Lq, L)`` through softcap, bias and mask (the shared score
     pipeline), evaluated at its own length: its query ``i`` at position ``L - Lq + i``.  ``rows``: its
     ``_row_index`` (None when there is no bias or mask)."""
@@ -233,10 +256,10 @@ def _attend_runs(
     runs: list[list[tuple[int, int]]],
     *,
     scale: float,
-    softcap,
-    bias,
-    mask,
-    sinks=None,
+    softcap: float | None,
+    bias: Tensor | ScoreMod | None,
+    mask: Mask | Tensor | None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Attention per sequence over views of its runs of consecutive blocks (nothing is gathered)."""
     if _head_major(k_pool) and _head_major(v_pool):
@@ -272,11 +295,12 @@ def _attend_runs(
         if len(rb) == 1:
             ob = torch.matmul(p, v_pool[rb[0][0] : rb[0][0] + N]).sum(0, dtype=acc)  # (Hkv, G*Lq, Dv)
         else:
-            o, ob = 0, None
+            o, total = 0, None
             for a, n in rb:
                 part = torch.matmul(p[o : o + n], v_pool[a : a + n]).sum(0, dtype=acc)
-                ob = part if ob is None else ob + part
+                total = part if total is None else total + part
                 o += n
+            ob = cast(Tensor, total)  # (rb holds at least one run: L > 0)
         if not bool(torch.isfinite(ob).all()):  # maybe garbage behind a weight 0 (the unfilled end of the last
             ob = _weigh_seen(p_seq, sc, seq_view(v_pool, rb, L)).to(acc)  # block, hidden keys): weigh again
         outs.append(ob.reshape(Hq, Lq, Dv))
@@ -292,7 +316,14 @@ def _weigh_seen(p: Tensor, sc: Tensor, v: Tensor) -> Tensor:
     return torch.matmul(p.reshape(Hkv, G * Lq, L).to(v.dtype), zero_unseen(v, seen))
 
 
-def _pool_layout(q: Tensor, k_pool: Tensor, v_pool: Tensor, bias, mask, layouts) -> "PoolLayout | None":
+def _pool_layout(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    bias: Tensor | ScoreMod | None,
+    mask: Mask | Tensor | None,
+    layouts: Callable[[bool], PoolLayout],
+) -> PoolLayout | None:
     """The layout ``_attend_pool`` should read, or None for one attention call per sequence.
 
     The pool path takes decode steps (one query per sequence) whose mask and bias depend only on the query
@@ -318,7 +349,7 @@ def _pool_layout(q: Tensor, k_pool: Tensor, v_pool: Tensor, bias, mask, layouts)
     return lay if best == spans else layouts(True)
 
 
-def _position_only(mask, bias) -> bool:
+def _position_only(mask: object, bias: object) -> bool:
     """Whether ``mask`` and ``bias`` (None or built-ins, bottom-right aligned) read nothing but the head and
     the query and key positions, so the pool path can evaluate them per block of each sequence."""
     return (mask is None or (isinstance(mask, Mask) and mask.is_positional("bottom_right"))) and (
@@ -347,7 +378,17 @@ def seq_view(pool: Tensor, runs: list[tuple[int, int]], L: int) -> Tensor:
 
 
 def _attend_views(
-    q: Tensor, k_pool: Tensor, v_pool: Tensor, lens: list[int], runs, *, scale: float, softcap, bias, mask, sinks=None
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    lens: list[int],
+    runs: list[list[tuple[int, int]]],
+    *,
+    scale: float,
+    softcap: float | None,
+    bias: Tensor | ScoreMod | None,
+    mask: Mask | Tensor | None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """``_attend_runs`` on a head-major pool: one attention per sequence over ``(Hkv, L, D)`` views of its
     blocks (PyTorch's fused kernel when nothing modifies the scores and heads are not grouped)."""
@@ -392,7 +433,9 @@ class PoolLayout:
     _SPAN_COST = 6  # blocks' worth of reading that one more span costs (its two products)
     _CALL_COST = 4  # the same for one attention call per sequence
 
-    def __init__(self, blocks: list[list[int]], lens: list[int], bs: int, device, whole: int | None = None):
+    def __init__(
+        self, blocks: list[list[int]], lens: list[int], bs: int, device: torch.device, whole: int | None = None
+    ) -> None:
         B = len(blocks)
         used = [row[: -(-n // bs)] for row, n in zip(blocks, lens)]
         first: dict[int, tuple[int, int, int]] = {}  # block -> (row, filled positions, its index in the row)
@@ -427,7 +470,7 @@ class PoolLayout:
         index += [e[3] for e in extra]
         self.owner = torch.tensor(owner, dtype=torch.long, device=device)
         self._index, self._lens, self._bs = index, lens, bs
-        self._positions = None
+        self._positions: tuple[Tensor, Tensor] | None = None
         # (N, bs): the positions of each entry past its row's length (or in a block no row reads)
         self.unfilled = torch.arange(bs, device=device).view(1, bs) >= torch.tensor(fill, device=device).view(-1, 1)
         ids = [blk for lo, hi in bounds for blk in range(lo, hi)] + [e[0] for e in extra]
@@ -454,7 +497,15 @@ class PoolLayout:
 
 
 def _attend_pool(
-    q: Tensor, k_pool: Tensor, v_pool: Tensor, layout: PoolLayout, *, scale: float, softcap, mask=None, bias=None
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    layout: PoolLayout,
+    *,
+    scale: float,
+    softcap: float | None,
+    mask: Mask | Tensor | None = None,
+    bias: Tensor | ScoreMod | None = None,
 ) -> Tensor:
     """One decode query per sequence against the blocks of some spans of the pool at once.
 
@@ -474,18 +525,21 @@ def _attend_pool(
     if layout.extra is not None:
         parts.append((k_pool.index_select(0, layout.extra), v_pool.index_select(0, layout.extra)))
 
-    def products(a: Tensor, pool_part: int, y: int, dtype) -> Tensor:
+    def products(a: Tensor, pool_part: int, y: int, dtype: torch.dtype) -> Tensor:
         """``a[j] @ part[j]`` for every entry ``j`` (``(N, Hkv, G, x) @ (n, Hkv, x, y)`` per part), written into
         one ``(N, Hkv, G, y)`` tensor without copying the pool (with autograd recording, the parts' products
         are concatenated instead: ``out=`` products have no derivative)."""
         graph = torch.is_grad_enabled() and (a.requires_grad or any(kv[pool_part].requires_grad for kv in parts))
         out = None if graph else torch.empty(N, Hkv, G, y, dtype=dtype, device=dev)
-        pieces, o = [], 0
+        pieces: list[Tensor] = []
+        o = 0
         for kv in parts:
             n = kv[pool_part].shape[0]
-            pieces.append(part_product(a[o : o + n], kv[pool_part], pool_part, None if graph else out[o : o + n]))
+            pieces.append(
+                part_product(a[o : o + n], kv[pool_part], pool_part, None if graph else cast(Tensor, out)[o : o + n])
+            )
             o += n
-        return torch.cat(pieces) if graph else out
+        return torch.cat(pieces) if graph else cast(Tensor, out)  # (out is None only when graph)
 
     def part_product(a: Tensor, b: Tensor, pool_part: int, out: Tensor | None) -> Tensor:
         """One part's ``(n, Hkv, G, y)`` products: into ``out``, or a new tensor when ``out`` is None."""
@@ -555,14 +609,14 @@ def gather_positions(pool: Tensor, runs: list[tuple[int, int]], L: int, out: Ten
     return out
 
 
-def _fused_cpu():
+def _fused_cpu() -> FusedForward | None:
     """PyTorch's fused CPU flash forward (``(out, lse)``), or None when this build lacks it."""
     from .fused import FUSED
 
     return None if FUSED is None else FUSED[0]
 
 
-def takes_chunk(q: Tensor, k: Tensor, v: Tensor, *, mask, bias, softcap) -> bool:
+def takes_chunk(q: Tensor, k: Tensor, v: Tensor, *, mask: object, bias: object, softcap: float | None) -> bool:
     """Whether :func:`attend_chunk` computes a prompt chunk's attention: CPU tensors that autograd does not
     track, values as wide as the keys (the kernel's requirement), no bias or softcap, and no mask or a
     bottom-right causal one."""
@@ -589,7 +643,7 @@ def attend_chunk(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool,
     log-sum-exps (no ``n x L`` mask is built or applied).  ``causal=False``: every query sees every key.
     ``sinks``: None or ``(1, Hq)`` logits, one more term in each row's softmax denominator (the output is
     scaled by ``sigmoid(lse - sink)``).  Returns ``(1, Hq, n, Dv)`` in ``q``'s dtype."""
-    fwd = _fused_cpu()
+    fwd = cast("FusedForward", _fused_cpu())  # (takes_chunk checked that this build has it)
     n, L = q.shape[2], k.shape[2]
     s = L - n
     acc = accumulation_dtype(q.dtype)

@@ -22,12 +22,17 @@ are accumulated in float32.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from ..softmax import add_sink_unchecked as add_sink  # (inputs checked by the call)
 from .call import Call, accumulation_dtype, single_query_window
 from .scores import modify_scores
+
+if TYPE_CHECKING:
+    from ..bias import ScoreMod
+    from ..masks import Mask
 
 Tensor = torch.Tensor
 
@@ -114,8 +119,9 @@ def _pieces(
     G, Lq = call.group, call.q_len
     dev = call.q.device
     if kv is None:
-        k = call.k[bs, hs, a : a + C * n].unflatten(2, (C, n))  # (Bx, Hx, C, n, D): a view
-        v = call.v[bs, hs, a : a + C * n].unflatten(2, (C, n))  # (Bx, Hx, C, n, Dv)
+        # views (Bx, Hx, C, n, D|Dv), no copy (PyTorch leaves Tensor.unflatten unannotated)
+        k = call.k[bs, hs, a : a + C * n].unflatten(2, (C, n))  # type: ignore[no-untyped-call]  # (Bx, Hx, C, n, D)
+        v = call.v[bs, hs, a : a + C * n].unflatten(2, (C, n))  # type: ignore[no-untyped-call]  # (Bx, Hx, C, n, Dv)
     else:
         k, v = kv
     q = qg[bs, hs].unsqueeze(2)  # (Bx, Hx, 1, G*Lq, D)
@@ -137,7 +143,9 @@ def _pieces(
                 bs if bias_rows.shape[0] > 1 else slice(None), hs if bias_rows.shape[1] > 1 else slice(None)
             ]  # (Bx|1, Hx|1, GL|1, Lk|1)
             block = (
-                block[..., a : a + C * n].unflatten(-1, (C, n)) if block.shape[-1] > 1 else block.unsqueeze(-1)
+                block[..., a : a + C * n].unflatten(-1, (C, n))  # type: ignore[no-untyped-call]  # (as above)
+                if block.shape[-1] > 1
+                else block.unsqueeze(-1)
             ).transpose(-3, -2)  # (Bx|1, Hx|1, C|1, GL|1, n|1)
         s = modify_scores(s, call, bi, hi, qi, ki, bias_block=block, apply_mask=False)
         if call.mask is not None:
@@ -189,7 +197,7 @@ def _plain(call: Call, acc: torch.dtype) -> tuple[Tensor, Tensor | None]:
     return torch.matmul(p.to(call.v.dtype), call.v).to(acc), lse
 
 
-def run(call: Call):
+def run(call: Call) -> Tensor | tuple[Tensor, Tensor]:
     """Backend hook: ``out (B, Hq, Lq, Dv)``, with ``lse (B, Hq, Lq)`` when ``call.return_lse``."""
     q = call.q
     B, Hq, Lq, _ = q.shape
@@ -203,7 +211,7 @@ def run(call: Call):
         )
     if B * Hq * Lq == 0 or Lk == 0 or window is not None:  # (an empty window: nothing to see)
         out = q.new_zeros(B, Hq, Lq, Dv)
-        lse = torch.full((B, Hq, Lq), float("-inf"), dtype=acc, device=q.device)
+        lse: Tensor | None = torch.full((B, Hq, Lq), float("-inf"), dtype=acc, device=q.device)
     elif call.mask is None and call.bias is None and call.softcap is None and _split(call)[0] == 1:
         o, lse = _plain(call, acc)
         out = o.reshape(B, Hq, Lq, Dv)  # (B, Hkv, G*Lq, Dv) -> (B, Hq, Lq, Dv)
@@ -230,16 +238,19 @@ def run(call: Call):
             o = torch.cat(outs).view(B, Hkv, *outs[0].shape[2:])
             lse = torch.cat(lses).view(B, Hkv, *lses[0].shape[2:])
         out = o.reshape(B, Hq, Lq, Dv)  # (B, Hkv, G*Lq, Dv) -> (B, Hq, Lq, Dv)
-        lse = lse.reshape(B, Hq, Lq)
+        lse = cast(Tensor, lse).reshape(B, Hq, Lq)  # (pieces is never empty)
     if call.sinks is not None:
-        out, lse = add_sink(out, lse, call.sinks)
+        out, lse = add_sink(out, cast(Tensor, lse), call.sinks)  # (lse is computed when there are sinks)
     out = out.to(q.dtype)
     if call.return_lse:
+        lse = cast(Tensor, lse)  # (and when the call returns it)
         return out, lse.to(torch.promote_types(lse.dtype, torch.float32))
     return out
 
 
-def takes_paged(q: Tensor, k_pool: Tensor, runs: list, lens: list[int], mask, bias) -> bool:
+def takes_paged(
+    q: Tensor, k_pool: Tensor, runs: list[list[tuple[int, int]]], lens: list[int], mask: object, bias: object
+) -> bool:
     """Whether :func:`paged_decode` takes a paged decode call: CPU, no gradients, one query per sequence,
     a block-major pool, each sequence's blocks one run of consecutive ids, and a sequence of at least
     :data:`MIN_KEYS` keys; a mask, when given, an :class:`attnkit.masks.Mask`, a bias None or a modifier."""
@@ -262,13 +273,13 @@ def paged_decode(
     q: Tensor,
     k_pool: Tensor,
     v_pool: Tensor,
-    runs: list,
+    runs: list[list[tuple[int, int]]],
     lens: list[int],
     *,
     scale: float,
-    softcap=None,
-    bias=None,
-    mask=None,
+    softcap: float | None = None,
+    bias: ScoreMod | None = None,
+    mask: Mask | None = None,
     sinks: Tensor | None = None,
 ) -> Tensor:
     """Decode attention over a paged pool whose sequences each hold one run of consecutive blocks
@@ -284,7 +295,7 @@ def paged_decode(
     B, Hq, Lq, D = q.shape
     Hkv, bs, Dv = k_pool.shape[1], k_pool.shape[2], v_pool.shape[3]
     acc = accumulation_dtype(q.dtype)
-    outs = []
+    outs: list[Tensor] = []
     for b in range(B):
         L = lens[b]
         if L == 0 or not runs[b]:

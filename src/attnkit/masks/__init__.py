@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, TypeAlias, Union
 import torch
 
 from ._base import Band, Dense, Documents, KeyLengths, Mask, MaskForm, Prefix, Varlen, _And, _Named, _Not, _Or
-from ._blocks import EMPTY, FULL, PARTIAL, BlockStructure, _check_align, index_grid, _offset
+from ._blocks import EMPTY as EMPTY, FULL as FULL, PARTIAL as PARTIAL, BlockStructure, _check_align, index_grid, _offset
 from ._builtins import (
     _BlockLocal,
     _Causal,

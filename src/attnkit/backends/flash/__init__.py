@@ -39,6 +39,8 @@ Example::
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .. import operators
@@ -63,6 +65,10 @@ from .ops import draw_seed as draw_seed
 from .varlen import OWN_TILES_MIN as OWN_TILES_MIN
 from .varlen import segment_call as segment_call
 
+if TYPE_CHECKING:
+    from ...bias import BiasLike
+    from ...masks import MaskLike
+
 varlen_attention = _varlen.attention
 varlen_segments = _varlen.segments
 varlen_settings = _varlen.settings
@@ -77,8 +83,8 @@ def flash_attention(
     k: Tensor,
     v: Tensor,
     *,
-    mask=None,
-    bias=None,
+    mask: MaskLike | None = None,
+    bias: BiasLike | None = None,
     scale: float | None = None,
     softcap: float | None = None,
     dropout_p: float = 0.0,
@@ -86,7 +92,7 @@ def flash_attention(
     block_q: int | None = None,
     block_k: int | None = None,
     sinks: Tensor | None = None,
-):
+) -> Tensor | tuple[Tensor, Tensor]:
     """Block-sparse tiled attention (the ``flash`` backend), with the arguments of :func:`attnkit.attention`.
 
     Args:
@@ -143,7 +149,7 @@ def flash_attention(
 # ----------------------------------------------------------------- backend hooks
 
 
-def run(call: Call):
+def run(call: Call) -> Tensor | tuple[Tensor, Tensor]:
     """Backend hook: compute a validated call (``out``, or ``(out, lse)`` with ``return_lse``); while
     ``torch.compile`` or ``torch.export`` traces, through the custom operators (``custom_ops``)."""
     if torch.compiler.is_compiling():

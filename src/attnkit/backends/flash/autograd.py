@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import weakref
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +48,7 @@ EXPLICIT_FACTOR = 3.5  # explicit matmuls + elementwise softmax passes (measured
 # ------------------------------------------------------------------------- helpers
 
 
-def _check_block(name: str, value) -> int | None:
+def _check_block(name: str, value: object) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -60,8 +61,10 @@ def _check_block(name: str, value) -> int | None:
 
 PLANS_PER_MASK = 8  # plans kept per mask object (one per shape and tiling)
 SHARED_PLANS = 32  # plans kept for masks identified by value (no mask, or built-ins without tensors)
-_PLANS: "weakref.WeakKeyDictionary[Mask, dict]" = weakref.WeakKeyDictionary()
-_SHARED: dict = {}
+_PlanKey = tuple[object, ...]  # (shape, tiling, device, the mask's value or its tensors)
+_Entry = tuple[planning.Plan, list[Tensor]]  # a plan, and the tensors of the mask it was built from
+_PLANS: "weakref.WeakKeyDictionary[Mask, dict[_PlanKey, _Entry]]" = weakref.WeakKeyDictionary()
+_SHARED: dict[_PlanKey, _Entry] = {}
 _LOCK = threading.Lock()
 
 
@@ -78,9 +81,11 @@ def _plan(call: Call, block_q: int | None = None, block_k: int | None = None) ->
     bq, bk = planning.choose_tiling(call.q_len, call.kv_len, block_q, block_k)
     key = (call.batch, call.heads, call.kv_heads, call.q_len, call.kv_len, bq, bk, str(call.q.device))
     if key in call.cache:
-        return call.cache[key]
+        return cast(planning.Plan, call.cache[key])
     value = _value_key(call.mask)
-    tensors: list = []
+    tensors: list[Tensor] = []
+    store: dict[_PlanKey, _Entry] | None
+    full_key: _PlanKey
     if value is not None:
         store, limit, full_key = _SHARED, SHARED_PLANS, key + (value,)
     else:
@@ -185,7 +190,7 @@ def _flat(x: Tensor, length: int) -> Tensor:
     return x3.contiguous()
 
 
-def _bias4(bias) -> Tensor | None:
+def _bias4(bias: object) -> Tensor | None:
     if not isinstance(bias, Tensor):
         return None
     while bias.dim() < 4:
@@ -196,10 +201,11 @@ def _bias4(bias) -> Tensor | None:
 def _work(call: Call, plan: planning.Plan, fused: bool, params: list[Tensor], seed: int) -> ops.Work:
     bias, scale = call.bias, call.scale
     if fused and isinstance(bias, ScoreMod) and not bias.additive:
-        bias, scale = None, scale * bias.scale_factor  # a scalar temperature folds into the scale
+        factor = cast(float, bias.scale_factor)  # (fusable: a scalar temperature)
+        bias, scale = None, scale * factor  # a scalar temperature folds into the scale
     neginf = False
     if isinstance(bias, Tensor):
-        bias = _bias4(bias).detach()
+        bias = cast(Tensor, _bias4(bias)).detach()
         neginf = fused and bool(torch.isneginf(bias).any())  # (the fused kernel gives such rows lse 0)
     return ops.Work(
         plan,
@@ -238,7 +244,9 @@ def _finish(out3: Tensor, lse3: Tensor, call: Call) -> tuple[Tensor, Tensor, Ten
     return out.to(call.q.dtype), lse_s, lse
 
 
-def _sinkless_grads(out: Tensor, lse: Tensor, bare: Tensor, dout: Tensor, dlse: Tensor | None):
+def _sinkless_grads(
+    out: Tensor, lse: Tensor, bare: Tensor, dout: Tensor, dlse: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients of the sink-free result ``(out / c, bare)`` that give those of ``(out, lse)``, the result
     with sinks, for the paths that renormalise each row's weights over its keys themselves.
 
@@ -255,11 +263,24 @@ def _sinkless_grads(out: Tensor, lse: Tensor, bare: Tensor, dout: Tensor, dlse: 
 # ---------------------------------------------------------------------- autograd
 
 
+# (call, forward plan, backward plan, fused, dropout seed, whether the backward may take the fused kernel)
+_State = tuple[Call, planning.Plan, planning.Plan, bool, int, bool]
+
+
 class _FlashFunction(torch.autograd.Function):
     """Inputs ``(q, k, v, bias_tensor, work, *bias_params)``; outputs ``(out, lse)``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias_t, sinks, state, *params):
+    def forward(
+        ctx: Any,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        bias_t: Tensor | None,
+        sinks: Tensor | None,
+        state: _State,
+        *params: Tensor,
+    ) -> tuple[Tensor, Tensor]:
         call, plan, plan_b, fused, seed, allow_fused = state
         work = _work(call, plan, fused, list(params), seed)
         out, lse, bare = _finish(*ops.forward(work), call)
@@ -269,9 +290,10 @@ class _FlashFunction(torch.autograd.Function):
         # (the modifier's own tensors stay on ctx: the recomputing backward differentiates the very tensors its
         # function reads, which an unpacking hook would replace by copies)
         ctx.save_for_backward(q, k, v, out, lse, bias_t, bare)
+        dropped = cast(Tensor, None)  # (the call's tensors are left out; the backward puts the saved ones back)
         ctx.state = (
             dataclasses.replace(
-                call, q=None, k=None, v=None, sinks=None, bias=None if bias_t is not None else call.bias
+                call, q=dropped, k=dropped, v=dropped, sinks=None, bias=None if bias_t is not None else call.bias
             ),
             plan_b,
             seed,
@@ -287,7 +309,7 @@ class _FlashFunction(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, dlse):
+    def backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
         if torch.is_grad_enabled():  # create_graph=True: the recomputing backward builds no graph of its own
             raise RuntimeError(
                 "the flash backend's backward is not differentiable (create_graph=True or a double "
@@ -320,7 +342,7 @@ class _FlashFunction(torch.autograd.Function):
             dlse3 = F.pad(dlse.reshape(-1, call.q_len), (0, plan.q_pad - call.q_len))  # (B*Hq, Lq_pad)
         dbias = None
         if bias_grad:
-            dbias = torch.zeros(work.bias.shape, dtype=work.acc, device=q.device)
+            dbias = torch.zeros(cast(Tensor, work.bias).shape, dtype=work.acc, device=q.device)
         dparams: list[Tensor | None] = [None] * len(params)
         dq3, dk3, dv3 = bwd.backward(work, out3, lse3, dout3, dlse3, fused, dbias, dparams)
         B, Hkv, Lk = call.batch, call.kv_heads, call.kv_len
@@ -336,7 +358,9 @@ class _FlashFunction(torch.autograd.Function):
 # --------------------------------------------------------------------------- run
 
 
-def _run(call: Call, block_q: int | None = None, block_k: int | None = None, *, fused: bool | None = None):
+def _run(
+    call: Call, block_q: int | None = None, block_k: int | None = None, *, fused: bool | None = None
+) -> Tensor | tuple[Tensor, Tensor]:
     """Compute a validated call; ``fused=False`` forces the explicit (public-API) path."""
     plan = _forward_plan(call, block_q, block_k)
     bias_grad, params = _bias_needs_grad(call)
@@ -352,7 +376,8 @@ def _run(call: Call, block_q: int | None = None, block_k: int | None = None, *, 
         return (out, lse) if call.return_lse else out
     bias_t = call.bias if isinstance(call.bias, Tensor) else None
     state = (call, plan, _backward_plan(call, block_q, block_k), use_fused, seed, fused is not False)
-    out, lse = _FlashFunction.apply(call.q, call.k, call.v, bias_t, call.sinks, state, *params)
+    # (PyTorch leaves Function.apply unannotated)
+    out, lse = _FlashFunction.apply(call.q, call.k, call.v, bias_t, call.sinks, state, *params)  # type: ignore[no-untyped-call]
     return (out, lse) if call.return_lse else out
 
 

@@ -4,6 +4,8 @@ saved log-sum-exp (see ``ops`` for the layout and the chunks).  Nothing of size 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
 
 from ...bias import ScoreMod
@@ -11,6 +13,9 @@ from ..fused import FUSED
 from .ops import Chunk, Prepared, Work, _add_bias_grad, _keep, _modify, _scores, add_keys, bias_index, lse_rows
 from .ops import prepared, put_rows, rows_of
 from .plan import Job
+
+if TYPE_CHECKING:
+    from ..fused import Fused
 
 Tensor = torch.Tensor
 
@@ -36,7 +41,9 @@ def _weights(x: Tensor, stats: tuple[Tensor, Tensor] | None, shape5: tuple[int, 
     return p.div_(torch.where(total > 0, total, torch.ones((), dtype=x.dtype, device=x.device)))
 
 
-def _recomputed_scores(work: Work, item: Prepared, m: Tensor | None, autograd: bool):
+def _recomputed_scores(
+    work: Work, item: Prepared, m: Tensor | None, autograd: bool
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor, Tensor, Tensor]:
     """``(x, t, s_leaf, qg, kg, vg)`` of one chunk in the backward: modified scores (a graph from ``s_leaf``
     when a modifier is differentiated with autograd), tanh of the softcap, the grouped queries and
     the key/value windows in the accumulation dtype."""
@@ -92,7 +99,7 @@ def explicit_backward(
     dbias: Tensor | None,
     dparams: list[Tensor | None],
     dlse: Tensor | None = None,
-):
+) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of one chunk: (dq (N, count, R, D), dk, dv (N, kcount, W, .)); bias grads accumulate.
 
     ``stats``: the rows' merged ``(max, sum, sum * D)`` (:func:`explicit_row_stats`) when other chunks cover
@@ -130,11 +137,12 @@ def explicit_backward(
     if dbias is not None:
         _add_bias_grad(dbias, bias_index(work, heads, ch), dx)
     if autograd:
-        grads = torch.autograd.grad(x, [s_leaf, *work.bias_params], dx, allow_unused=True)
+        # (autograd: s_leaf is the graph's leaf)
+        grads = torch.autograd.grad(x, [cast(Tensor, s_leaf), *work.bias_params], dx, allow_unused=True)
         ds = grads[0]
         for i, gp in enumerate(grads[1:]):
             if gp is not None:
-                dparams[i] = gp if dparams[i] is None else dparams[i] + gp
+                dparams[i] = gp if dparams[i] is None else cast(Tensor, dparams[i]) + gp
     else:
         ds = dx
         if t is not None:
@@ -152,7 +160,7 @@ def _shared_rows(work: Work, items: list[tuple[Job, list[Prepared]]]) -> list[li
     key = ("shared", id(items))
     cached = work.plan.cache.get(key)
     if cached is not None and cached[0] is items:
-        return cached[1]
+        return cast("list[list[bool]]", cached[1])
     nh = work.q3.shape[0]
     cover = torch.zeros(nh, work.plan.q_pad, dtype=torch.int32, device=work.q3.device)
     for job, its in items:
@@ -170,7 +178,9 @@ def _shared_rows(work: Work, items: list[tuple[Job, list[Prepared]]]) -> list[li
     return flags
 
 
-def _row_stats(work: Work, items, shared: list[list[bool]], dout: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _row_stats(
+    work: Work, items: list[tuple[Job, list[Prepared]]], shared: list[list[bool]], dout: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
     """``(max, sum, sum * D)`` per row ``(B*Hq, Lq_pad)`` over every chunk of the rows that several chunks
     cover (:func:`explicit_row_stats`, merged as online softmax merges); other rows are left at 0."""
     nh, dev = work.q3.shape[0], work.q3.device
@@ -213,7 +223,7 @@ def backward(
     dev = work.q3.device
     nh = work.q3.shape[0]
     if fused and work.plan.whole_causal and work.bias is None and work.scale > 0:
-        dq, dk, dv = FUSED[1](
+        dq, dk, dv = cast("Fused", FUSED)[1](  # (fused: this build has the kernel)
             dout[None],
             work.q3[None],
             work.k3[None],
@@ -227,7 +237,7 @@ def backward(
         return dq[0], dk[0], dv[0]
     items = prepared(work, fused, True)
     # every query row in exactly one call over all heads: concatenate dq instead of zeros + adds
-    pieces = (
+    pieces: list[tuple[int, Tensor]] | None = (
         []
         if work.plan.covered
         and all(i.chunk.first and i.chunk.q_consecutive and j.heads.count == nh for j, its in items for i in its)
@@ -237,7 +247,8 @@ def backward(
     dk3 = torch.zeros(work.k3.shape, dtype=work.acc, device=dev)
     dv3 = torch.zeros(work.v3.shape, dtype=work.acc, device=dev)
     lse_b = torch.where(lse == float("-inf"), torch.full_like(lse, float("inf")), lse)  # dead rows: P = 0
-    shared, stats = None, None
+    shared: list[list[bool]] | None = None
+    stats: tuple[Tensor, Tensor, Tensor] | None = None
     if not fused:
         shared = _shared_rows(work, items)
         if any(f for flags in shared for f in flags):
@@ -249,7 +260,7 @@ def backward(
             m = None if fused and item.kernel_causal(work) else item.element_mask(work)
             if fused:
                 qw, (kw, vw) = rows_of(work.q3, heads, ch), item.kv(work, m)
-                dq, dk, dv = FUSED[1](
+                dq, dk, dv = cast("Fused", FUSED)[1](
                     rows_of(dout, heads, ch),
                     qw,
                     kw,
@@ -262,7 +273,13 @@ def backward(
                     scale=work.scale,
                 )
             else:
-                st = tuple(rows_of(t, heads, ch) for t in stats) if several else None
+                # (several: the row stats were computed)
+                st = cast(
+                    "tuple[Tensor, Tensor, Tensor] | None",
+                    tuple(rows_of(t, heads, ch) for t in cast("tuple[Tensor, Tensor, Tensor]", stats))
+                    if several
+                    else None,
+                )
                 dq, dk, dv = explicit_backward(
                     work,
                     item,
@@ -276,10 +293,10 @@ def backward(
             if pieces is not None:
                 pieces.append((ch.qstart, dq.transpose(0, 1).reshape(nh, ch.N * ch.R, -1)))
             else:
-                put_rows(dq3, heads, ch, dq, add=True)
+                put_rows(cast(Tensor, dq3), heads, ch, dq, add=True)  # (no pieces: dq3 is allocated)
             add_keys(dk3, heads, ch, dk)
             add_keys(dv3, heads, ch, dv)
     if pieces is not None:
         pieces.sort(key=lambda p: p[0])
         dq3 = pieces[0][1] if len(pieces) == 1 else torch.cat([p[1] for p in pieces], dim=1)
-    return dq3, dk3, dv3
+    return cast(Tensor, dq3), dk3, dv3  # (allocated, or assembled from the pieces)

@@ -21,7 +21,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional, cast
 
 import torch
 
@@ -83,7 +83,21 @@ def flash_forward(
 
 
 @flash_forward.register_fake
-def _(q, k, v, mask_key, mask_tensors, bias, mod_key, mod_tensors, sinks, scale, softcap, dropout_p, seed):
+def _(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask_key: str,
+    mask_tensors: list[Tensor],
+    bias: Optional[Tensor],
+    mod_key: str,
+    mod_tensors: list[Tensor],
+    sinks: Optional[Tensor],
+    scale: float,
+    softcap: float,
+    dropout_p: float,
+    seed: Optional[Tensor],
+) -> tuple[Tensor, Tensor, Tensor]:
     out, lse = fake_out_lse(q, v)
     bare = lse.new_empty(lse.shape) if sinks is not None else q.new_empty(0, dtype=lse_dtype(q))
     return out, lse, bare
@@ -125,10 +139,11 @@ def flash_backward(
     params = [t for t in leaves if t.requires_grad]
     call = op_call(q, k, v, mask_key, mask_tensors, bias, mod_key, mod_tensors, sinks, scale, softcap, dropout_p, mod)
     plan_b = flash._backward_plan(call)
+    dropped = cast(Tensor, None)  # (the call's tensors are left out, as the Function's forward leaves them)
     stripped = Call(
-        None,
-        None,
-        None,
+        dropped,
+        dropped,
+        dropped,
         call.mask,
         None if bias is not None else call.bias,
         call.scale,
@@ -154,14 +169,15 @@ def flash_backward(
         grads = flash._FlashFunction.backward(ctx, dout, dlse)
     dq, dk, dv, dbias, dsink = grads[:5]
     dparams = iter(grads[6:])
-    dmod = []
+    dmod: list[Tensor] = []
     for t, g in zip(mod_tensors, mod_grads):
         d = next(dparams) if g else None
         dmod.append(t.new_zeros(t.shape) if d is None else d.to(t.dtype).reshape(t.shape).contiguous())
+    # (dout is given: q, k and v get their gradients)
     return (
-        dq.contiguous(),
-        dk.contiguous(),
-        dv.contiguous(),
+        cast(Tensor, dq).contiguous(),
+        cast(Tensor, dk).contiguous(),
+        cast(Tensor, dv).contiguous(),
         q.new_empty(0) if dbias is None else dbias.contiguous(),
         q.new_empty(0) if dsink is None else dsink.contiguous(),
         dmod,
@@ -173,7 +189,7 @@ class _autograd_inside:
     the backward of a score modifier with learnable tensors: the recomputing backward differentiates the
     modifier's function with ``torch.autograd.grad``."""
 
-    def __init__(self, on: bool):
+    def __init__(self, on: bool) -> None:
         self.guards = (
             [
                 torch._C._SetExcludeDispatchKeyGuard(key, False)
@@ -187,39 +203,39 @@ class _autograd_inside:
             else []
         )
 
-    def __enter__(self):
+    def __enter__(self) -> None:
         for g in self.guards:
-            g.__enter__()
+            g.__enter__()  # type: ignore[no-untyped-call]  # (PyTorch's stub leaves this __enter__ unannotated)
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         for g in reversed(self.guards):
             g.__exit__(*exc)
 
 
 @flash_backward.register_fake
 def _(
-    dout,
-    dlse,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    bare,
-    mask_key,
-    mask_tensors,
-    bias,
-    mod_key,
-    mod_tensors,
-    sinks,
-    scale,
-    softcap,
-    dropout_p,
-    seed,
-    bias_grad,
-    sinks_grad,
-    mod_grads,
-):
+    dout: Tensor,
+    dlse: Optional[Tensor],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    bare: Tensor,
+    mask_key: str,
+    mask_tensors: list[Tensor],
+    bias: Optional[Tensor],
+    mod_key: str,
+    mod_tensors: list[Tensor],
+    sinks: Optional[Tensor],
+    scale: float,
+    softcap: float,
+    dropout_p: float,
+    seed: Optional[Tensor],
+    bias_grad: bool,
+    sinks_grad: bool,
+    mod_grads: list[bool],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
     # (contiguous, as the implementation returns them)
     dbias = bias.new_empty(bias.shape) if bias_grad and bias is not None else q.new_empty(0)
     dsink = sinks.new_empty(sinks.shape) if sinks_grad and sinks is not None else q.new_empty(0)
@@ -246,7 +262,7 @@ _FORWARD_INPUTS = (
 )
 
 
-def _setup_context(ctx, inputs, output):
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tensor]) -> None:
     args = dict(zip(_FORWARD_INPUTS, inputs))
     out, lse, bare = output
     ctx.save_for_backward(
@@ -267,7 +283,9 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dout, dlse, dbare):
+def _backward(
+    ctx: Any, dout: Tensor | None, dlse: Tensor | None, dbare: Tensor | None
+) -> tuple[Tensor | list[Tensor | None] | None, ...]:
     q, k, v, out, lse, bare, bias, sinks, seed, *rest = ctx.saved_tensors
     mod_tensors, mask_tensors = rest[: ctx.n_mod], rest[ctx.n_mod :]
     mask_key, mod_key, scale, softcap, dropout_p = ctx.consts
@@ -275,7 +293,8 @@ def _backward(ctx, dout, dlse, dbare):
     bias_grad = bias is not None and need[5]
     sinks_grad = sinks is not None and need[8]
     mod_grads = [t.requires_grad for t in mod_tensors] if need[7] else [False] * len(mod_tensors)
-    none_mask, none_mod = [None] * len(mask_tensors), [None] * len(mod_tensors)
+    none_mask: list[Tensor | None] = [None] * len(mask_tensors)
+    none_mod: list[Tensor | None] = [None] * len(mod_tensors)
     if dout is None and dlse is None:
         return (None, None, None, None, none_mask, None, None, none_mod, None, None, None, None, None)
     if dout is None:
@@ -324,7 +343,7 @@ def _backward(ctx, dout, dlse, dbare):
 flash_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def run(call: Call):
+def run(call: Call) -> Tensor | tuple[Tensor, Tensor]:
     """Compute a validated call through the operators (``out``, or ``(out, lse)`` with ``return_lse``)."""
     mask_key, mask_tensors, bias_t, mod_key, mod_tensors = op_arguments(call)
     seed = None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterator, cast
 
 import torch
 
@@ -27,6 +28,10 @@ from ..fused import FUSED
 from ..call import accumulation_dtype
 from ..scores import zero_unseen
 from .plan import Heads, Job, Plan
+
+if TYPE_CHECKING:
+    from ...masks import Mask
+    from ..fused import Fused
 
 Tensor = torch.Tensor
 
@@ -85,9 +90,12 @@ def draw_seed() -> int:
 _LOCAL = threading.local()
 
 
-def _workspaces() -> dict:
+_Workspaces = dict[tuple[str, torch.dtype, str], Tensor]  # (name, dtype, device) -> flat tensor
+
+
+def _workspaces() -> _Workspaces:
     """This thread's gather workspaces ``{(name, dtype, device): flat tensor}`` (threads never share one)."""
-    ws = getattr(_LOCAL, "ws", None)
+    ws: _Workspaces | None = getattr(_LOCAL, "ws", None)
     if ws is None:
         ws = _LOCAL.ws = {}
     return ws
@@ -106,13 +114,13 @@ class Work:
     v3: Tensor  # (B*Hkv, Lk_pad, Dv)
     scale: float
     softcap: float | None
-    mask: object  # Mask | None
-    bias: object  # (B', H', Lq', Lk') float tensor | ScoreMod | None
+    mask: Mask | None
+    bias: Tensor | ScoreMod | None  # (B', H', Lq', Lk') float tensor | ScoreMod | None
     dropout_p: float
     seed: int
     fused: bool  # forward on the fused kernel
     bias_params: list[Tensor] = field(default_factory=list)  # tensors of a ScoreMod that need grads
-    buffers: dict = field(default_factory=dict)  # gather workspaces too big to keep between calls
+    buffers: _Workspaces = field(default_factory=dict)  # gather workspaces too big to keep between calls
     bias_neginf: bool = False  # the tensor bias holds -inf: rows it leaves empty must get lse = -inf
 
     def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
@@ -168,7 +176,7 @@ class Chunk:
         return self.kcols.shape[1]
 
 
-def _split_full(ch: Chunk, bk: int):
+def _split_full(ch: Chunk, bk: int) -> Iterator[Chunk]:
     """A tall shared-window chunk whose element mask would be large computes its runs of all-full key
     tiles without a mask and the rest with one (then merges): a causal block's prefix, a document's
     interior.  (Bands keep one call: their mask is one window pattern shared by every item.)"""
@@ -200,14 +208,14 @@ def _split_full(ch: Chunk, bk: int):
         )
 
 
-def chunks(work: Work, job: Job, per_item: int):
+def chunks(work: Work, job: Job, per_item: int) -> Iterator[Chunk]:
     """Split a job into chunks whose temporaries stay under ``WORK_ELEMENTS`` (and big masked chunks
     into their full and partial key ranges)."""
     for ch in _chunks(work, job, per_item):
         yield from _split_full(ch, work.plan.block_k)
 
 
-def _chunks(work: Work, job: Job, per_item: int):
+def _chunks(work: Work, job: Job, per_item: int) -> Iterator[Chunk]:
     plan = work.plan
     bq, bk = plan.block_q, plan.block_k
     n, W = job.n, job.w * bk
@@ -349,7 +357,8 @@ def keys_of(x: Tensor, heads: Heads, ch: Chunk, buf: Tensor | None = None) -> Te
     # one gather of (head, key tile) rows of the contiguous flat tensor, along dim 0 (PyTorch splits that
     # copy among its threads, not the one along dim 1)
     first = (heads.k0 + heads.kstep * torch.arange(heads.kcount, device=x.device)) * nt
-    rows = (first.view(-1, 1) + ch.tiles.reshape(1, -1).to(x.device)).reshape(-1)
+    tiles = cast(Tensor, ch.tiles)  # (a gather chunk)
+    rows = (first.view(-1, 1) + tiles.reshape(1, -1).to(x.device)).reshape(-1)
     g = torch.index_select(x.view(-1, bk * e), 0, rows, out=None if buf is None else buf.view(-1, bk * e))
     return g.view(heads.kcount, ch.N, ch.W, e).transpose(0, 1)  # from (kcount * N * w, bk * E)
 
@@ -374,7 +383,7 @@ def add_keys(x: Tensor, heads: Heads, ch: Chunk, value: Tensor) -> None:
         bk = ch.block_k
         xs = _heads_slice(x, heads.k0, heads.kstep, heads.kcount).view(heads.kcount, lp // bk, bk * e)
         flat = value.transpose(0, 1).reshape(heads.kcount, ch.N * (ch.W // bk), bk * e)
-        xs.index_add_(1, ch.tiles.reshape(-1).to(x.device), flat.to(x.dtype))
+        xs.index_add_(1, cast(Tensor, ch.tiles).reshape(-1).to(x.device), flat.to(x.dtype))  # (a gather chunk)
         return
     base = x.storage_offset() + heads.k0 * x.stride(0) + ch.kstart * e
     hstride = heads.kstep * x.stride(0)
@@ -391,7 +400,7 @@ def add_keys(x: Tensor, heads: Heads, ch: Chunk, value: Tensor) -> None:
 # ------------------------------------------------------------------ masks and biases
 
 
-def _index_shapes(work: Work, heads: Heads, ch: Chunk, grouped: bool):
+def _index_shapes(work: Work, heads: Heads, ch: Chunk, grouped: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Index tensors (batch, head, query row, key) for the chunk's scores.
 
     grouped: scores laid out (N, kcount, G, R, W) (explicit path); else (N, count, R, W) (fused mask).
@@ -404,13 +413,13 @@ def _index_shapes(work: Work, heads: Heads, ch: Chunk, grouped: bool):
     k = ch.kcols.to(dev).clamp(max=work.plan.kv_len - 1)
     if grouped:
         g = heads.count // heads.kcount
-        hs = (1, heads.kcount, g, 1, 1)
+        hs: tuple[int, ...] = (1, heads.kcount, g, 1, 1)
         return b.view(hs), h.view(hs), q.view(ch.N, 1, 1, ch.R, 1), k.view(ch.N, 1, 1, 1, ch.W)
     hs = (1, heads.count, 1, 1)
     return b.view(hs), h.view(hs), q.view(ch.N, 1, ch.R, 1), k.view(ch.N, 1, 1, ch.W)
 
 
-def _squeeze_to(x, shape: tuple[int, ...], what: str) -> Tensor:
+def _squeeze_to(x: object, shape: tuple[int, ...], what: str) -> Tensor:
     if not isinstance(x, Tensor):
         x = torch.as_tensor(x)
     while x.dim() > len(shape):
@@ -485,7 +494,7 @@ class Prepared:
     lazy: bool  # too big to keep: evaluate the mask on use
     live: Tensor | None  # (N|1, 1, R) rows with at least one allowed key; None when all are
     causal: bool = False  # the element mask is exactly the lower triangle of a square block
-    fmask: dict = field(default_factory=dict)  # float masks for the fused kernel, by dtype
+    fmask: dict[torch.dtype, Tensor] = field(default_factory=dict)  # float masks for the fused kernel, by dtype
     seen: Tensor | None = None  # (N|1, W) keys some row of the chunk may see; None when all are
 
     def element_mask(self, work: "Work") -> Tensor | None:
@@ -518,7 +527,7 @@ class Prepared:
         dt = work.mask_dtype
         if dt in self.fmask:
             return self.fmask[dt]
-        fm = float_mask(work, self.chunk.job.heads, self.chunk, m)
+        fm = cast(Tensor, float_mask(work, self.chunk.job.heads, self.chunk, m))  # (m is a mask: a tensor)
         if fm.numel() <= FLOAT_MASK_CACHE_ELEMENTS:  # a broadcast window pattern: keep it
             self.fmask[dt] = fm
         return fm
@@ -540,11 +549,11 @@ def prepared(work: Work, fused: bool, backward: bool) -> list[tuple[Job, list[Pr
     plan = work.plan
     key = ("chunks", fused, backward, work.bias is not None, str(work.q3.device))
     if key in plan.cache:
-        return plan.cache[key]
+        return cast("list[tuple[Job, list[Prepared]]]", plan.cache[key])
     budget = MASK_CACHE_BYTES - plan.cache.get("mask_bytes", 0)
-    out = []
+    out: list[tuple[Job, list[Prepared]]] = []
     for job in plan.jobs:
-        items = []
+        items: list[Prepared] = []
         for ch in chunks(work, job, _per_item(work, job.heads, job, backward, fused)):
             partial = bool((ch.kinds != FULL).any())
             size = ch.N * ch.R * ch.W
@@ -567,13 +576,15 @@ def prepared(work: Work, fused: bool, backward: bool) -> list[tuple[Job, list[Pr
     return out
 
 
-def bias_block(work: Work, heads: Heads, ch: Chunk, grouped: bool, dtype: torch.dtype, score: Tensor | None = None):
+def bias_block(
+    work: Work, heads: Heads, ch: Chunk, grouped: bool, dtype: torch.dtype, score: Tensor | None = None
+) -> Tensor:
     """The bias on the chunk's scores: a gathered tensor-bias block, or a score modifier applied.
 
     With ``score`` given (explicit path) returns the modified score; otherwise the additive term alone.
     """
     b, h, q, k = _index_shapes(work, heads, ch, grouped)
-    bias = work.bias
+    bias = cast("Tensor | ScoreMod", work.bias)  # (called only with a bias)
     if isinstance(bias, ScoreMod):
         base = torch.zeros((), dtype=dtype, device=q.device) if score is None else score
         out = bias.apply(base, b, h, q, k, work.plan.q_len, work.plan.kv_len)
@@ -587,10 +598,10 @@ def bias_block(work: Work, heads: Heads, ch: Chunk, grouped: bool, dtype: torch.
     return block if score is None else score + block
 
 
-def bias_index(work: Work, heads: Heads, ch: Chunk):
+def bias_index(work: Work, heads: Heads, ch: Chunk) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Index tuple into the (B', H', Lq', Lk') bias for the grouped score layout (for its gradient)."""
     b, h, q, k = _index_shapes(work, heads, ch, True)
-    bias = work.bias
+    bias = cast(Tensor, work.bias)  # (a tensor bias: only it has a gradient here)
     zero = torch.zeros((), dtype=torch.int64, device=q.device)
     return (
         b if bias.shape[0] > 1 else zero,
@@ -603,7 +614,7 @@ def bias_index(work: Work, heads: Heads, ch: Chunk):
 def _add_bias_grad(dbias: Tensor, index: tuple[Tensor, ...], dx: Tensor) -> None:
     """Accumulate the scores' gradient ``dx`` into the bias gradient at ``index``: summed first over the
     dims the bias broadcasts along (where the index does not vary), so every value lands once per element."""
-    shape = torch.broadcast_shapes(*(i.shape for i in index))
+    shape = torch.broadcast_shapes(*(i.shape for i in index))  # type: ignore[no-untyped-call]  # (unannotated in PyTorch)
     full = (1,) * (dx.dim() - len(shape)) + tuple(shape)
     dims = [d for d in range(dx.dim()) if full[d] == 1 and dx.shape[d] > 1]
     value = dx.sum(dims, keepdim=True) if dims else dx
@@ -698,7 +709,7 @@ def explicit_forward(work: Work, item: Prepared, m: Tensor | None) -> tuple[Tens
 # ------------------------------------------------------------------------------ drivers
 
 
-def _merge_dtype(device) -> torch.dtype:
+def _merge_dtype(device: torch.device | str) -> torch.dtype:
     """dtype in which partial log-sum-exps are formed and merged: float64 (O(Lq) values), where it exists."""
     return torch.float32 if torch.device(device).type == "mps" else torch.float64
 
@@ -733,13 +744,13 @@ def forward(work: Work) -> tuple[Tensor, Tensor]:
     nh, dv = work.q3.shape[0], work.v3.shape[-1]
     dev = work.q3.device
     if work.fused and plan.whole_causal and work.bias is None and work.scale > 0:  # one call: the kernel's causal
-        o, l = FUSED[0](work.q3[None], work.k3[None], work.v3[None], 0.0, True, scale=work.scale)  # noqa: E741
+        o, l = cast("Fused", FUSED)[0](work.q3[None], work.k3[None], work.v3[None], 0.0, True, scale=work.scale)  # noqa: E741
         return o[0], l[0].t()
-    items = prepared(work, work.fused, False)
+    jobs = prepared(work, work.fused, False)
     if (
         work.fused
         and plan.covered
-        and all(i.chunk.first and i.chunk.q_consecutive and j.heads.count == nh for j, its in items for i in its)
+        and all(i.chunk.first and i.chunk.q_consecutive and j.heads.count == nh for j, its in jobs for i in its)
     ):
         return _forward_pieces(work)
     new = torch.empty if plan.covered else torch.zeros
@@ -778,7 +789,7 @@ def _fused_chunk(work: Work, item: Prepared) -> tuple[Tensor, Tensor]:
     ch, heads = item.chunk, item.chunk.job.heads
     m = None if item.kernel_causal(work) else item.element_mask(work)
     qw, (kw, vw) = rows_of(work.q3, heads, ch), item.kv(work, m)
-    o, l = FUSED[0](  # noqa: E741
+    o, l = cast("Fused", FUSED)[0](  # noqa: E741  (work.fused: this build has the kernel)
         qw,
         kw,
         vw,
@@ -789,7 +800,7 @@ def _fused_chunk(work: Work, item: Prepared) -> tuple[Tensor, Tensor]:
     )
     live = item.live if not item.lazy else (None if m is None else m.any(-1)[:, None])
     if work.bias_neginf:  # a row the bias leaves without a finite score attends to nothing (the kernel says 0)
-        fm = item.float_mask(work, m)
+        fm = cast(Tensor, item.float_mask(work, m))  # (there is a bias: a tensor)
         seen = (fm != float("-inf")).any(-1)
         live = seen if live is None else live & seen
     if live is not None:  # rows with nothing to see: output 0 (a NaN in a key they cannot see stays out)
@@ -802,7 +813,7 @@ def _forward_pieces(work: Work) -> tuple[Tensor, Tensor]:
     """Every row written once by a call over all heads (the usual band plan): concatenate the calls'
     outputs in row order (one copy) instead of copying each into a preallocated output."""
     nh = work.q3.shape[0]
-    pieces = []
+    pieces: list[tuple[int, Tensor, Tensor]] = []
     for _, items in prepared(work, True, False):
         for item in items:
             o, l = _fused_chunk(work, item)  # noqa: E741

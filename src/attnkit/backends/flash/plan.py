@@ -24,6 +24,7 @@ in one call (``Plan.whole_causal``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Callable, TypedDict, cast
 
 import torch
 
@@ -37,6 +38,21 @@ MAX_GATHER_KEYS = 4096  # keys gathered into one window in the irregular (gather
 BAND_CALLS_PER_GATHER = 2  # bands (no copies) are preferred unless gathering needs less than half the calls
 ABSORB_WASTE = 2  # extra masked windows allowed when folding a band's clipped leading windows into one call
 SHARED_WASTE = 0.25  # extra (masked) work allowed when single-row windows share one call
+
+
+class _Run(TypedDict):
+    """One run of key tiles that consecutive query tiles visit, as the band planner grows it."""
+
+    ri: int  # the run's index within its row
+    rows: list[int]  # query tiles
+    pos: list[int]  # each one's position of the run's first tile in its row's list
+    lo: int  # first key tile (of the first row)
+    w: int  # tiles per row
+    kstep: int  # the start's step from one row to the next
+    last: int  # the last row's first tile
+
+
+_Elsewhere = Callable[[_Run, int, int], bool]  # (run, lo, hi): whether its row visits [lo, hi) in another run
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -106,7 +122,7 @@ class Plan:
     total_pairs: int  # all pairs over the same (B', H')
     covered: bool  # every query tile has a job (else rows without one are zero)
     whole_causal: bool = False  # a plain causal mask on Lq == Lk: the fused kernel's own is_causal does it
-    cache: dict = field(default_factory=dict)  # prepared chunks (with element masks) per chunking
+    cache: dict[object, Any] = field(default_factory=dict)  # prepared chunks (with element masks) per chunking
 
     @property
     def q_pad(self) -> int:
@@ -133,7 +149,14 @@ def choose_tiling(q_len: int, kv_len: int, block_q: int | None = None, block_k: 
 
 
 def structure(
-    mask: Mask | None, batch: int, heads: int, q_len: int, kv_len: int, bq: int, bk: int, device
+    mask: Mask | None,
+    batch: int,
+    heads: int,
+    q_len: int,
+    kv_len: int,
+    bq: int,
+    bk: int,
+    device: torch.device | str | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Visited key tiles per (b', h', query tile), sorted: ``(tiles, kinds, counts)``.
 
@@ -150,7 +173,7 @@ def structure(
         s = mask.block_structure(q_len, kv_len, bq, bk, batch=batch, heads=heads, device=device)
         fc, fi = s.full_count.long().cpu(), s.full_index.long().cpu()
         pc, pi = s.partial_count.long().cpu(), s.partial_index.long().cpu()
-        fc, pc = torch.broadcast_tensors(fc, pc)
+        fc, pc = torch.broadcast_tensors(fc, pc)  # type: ignore[no-untyped-call]  # (unannotated in PyTorch)
         lead = fc.shape
         fi, pi = fi.expand(*lead, fi.shape[-1]), pi.expand(*lead, pi.shape[-1])
         fvalid = torch.arange(fi.shape[-1]) < fc[..., None]
@@ -172,7 +195,8 @@ def _heads_for(bi: int | None, hi: int | None, batch: int, hq: int, hkv: int) ->
     if bi is None and hi is None:
         return Heads(0, 1, batch * hq, 0, 1, batch * hkv, None, None)
     if hi is None:
-        return Heads(bi * hq, 1, hq, bi * hkv, 1, hkv, bi, None)
+        b = cast(int, bi)  # (not both None: the first case)
+        return Heads(b * hq, 1, hq, b * hkv, 1, hkv, bi, None)
     if bi is None:
         return Heads(hi, hq, batch, hi // g, hkv, batch, None, hi)
     return Heads(bi * hq + hi, 1, 1, bi * hkv + hi // g, 1, 1, bi, hi)
@@ -199,8 +223,8 @@ def _band_jobs(heads: Heads, tiles: Tensor, kinds: Tensor, counts: Tensor) -> li
     """Consecutive query tiles whose r-th runs have one length and evenly spaced starts: one job each."""
     rows, ris, los, ws, poss = _segments(tiles, counts)
     order = sorted(range(len(rows)), key=lambda i: (ris[i], rows[i]))
-    raw = []
-    cur = None
+    raw: list[_Run] = []
+    cur: _Run | None = None
     for i in order:
         t, ri, lo, w = rows[i], ris[i], los[i], ws[i]
         if cur is not None and cur["ri"] == ri and cur["rows"][-1] == t - 1 and cur["w"] == w:
@@ -215,7 +239,7 @@ def _band_jobs(heads: Heads, tiles: Tensor, kinds: Tensor, counts: Tensor) -> li
     row_tiles: dict[int, list[int]] = {}
     several = {t for t, ri in zip(rows, ris) if ri > 0}  # rows with more than one run of tiles
 
-    def elsewhere(r: dict, lo: int, hi: int) -> bool:
+    def elsewhere(r: _Run, lo: int, hi: int) -> bool:
         """Whether row ``r["rows"][0]`` visits a tile in ``[lo, hi)`` outside its own run ``r``: padding a
         window over it would compute that tile twice (once here, once in the job of its other run)."""
         t = r["rows"][0]
@@ -227,7 +251,7 @@ def _band_jobs(heads: Heads, tiles: Tensor, kinds: Tensor, counts: Tensor) -> li
         return any(lo <= x < hi and x not in own for x in row_tiles[t])
 
     jobs = _absorb_leading_rows(heads, raw, kinds, elsewhere)
-    singles: list[dict] = []
+    singles: list[_Run] = []
     for r in raw:
         if len(r["rows"]) == 1:
             singles.append(r)
@@ -238,15 +262,15 @@ def _band_jobs(heads: Heads, tiles: Tensor, kinds: Tensor, counts: Tensor) -> li
     return jobs + _shared_windows(heads, singles, kinds, elsewhere)
 
 
-def _shared_windows(heads: Heads, singles: list[dict], kinds: Tensor, elsewhere) -> list[Job]:
+def _shared_windows(heads: Heads, singles: list[_Run], kinds: Tensor, elsewhere: _Elsewhere) -> list[Job]:
     """Group consecutive single-row windows (a causal mask's growing prefixes, a document's boundary
     tiles) into calls over the union of their windows while the padded work stays within
     ``1 + SHARED_WASTE`` of the visited work; the padding is masked.  A row joins only when the union
     holds no tile the row visits in another run (``elsewhere``): that tile would be counted twice."""
-    jobs = []
-    group: list[dict] = []
+    jobs: list[Job] = []
+    group: list[_Run] = []
 
-    def flush():
+    def flush() -> None:
         if not group:
             return
         lo = min(r["lo"] for r in group)
@@ -288,7 +312,7 @@ def _shared_windows(heads: Heads, singles: list[dict], kinds: Tensor, elsewhere)
     return jobs
 
 
-def _absorb_leading_rows(heads: Heads, raw: list[dict], kinds: Tensor, elsewhere) -> list[Job]:
+def _absorb_leading_rows(heads: Heads, raw: list[_Run], kinds: Tensor, elsewhere: _Elsewhere) -> list[Job]:
     """Fold the short windows in front of a band (the first tiles of a sliding window, whose windows are
     clipped at key 0) into one call with the band's first window, at most ``ABSORB_WASTE`` windows of
     extra (masked) work, and only rows that visit no other tile of that window in another run
@@ -381,7 +405,17 @@ def _scattered(tiles: Tensor, counts: Tensor) -> bool:
     return float(same.double().mean()) < 0.5
 
 
-def build(mask: Mask | None, batch: int, hq: int, hkv: int, q_len: int, kv_len: int, bq: int, bk: int, device) -> Plan:
+def build(
+    mask: Mask | None,
+    batch: int,
+    hq: int,
+    hkv: int,
+    q_len: int,
+    kv_len: int,
+    bq: int,
+    bk: int,
+    device: torch.device | str | None,
+) -> Plan:
     """The plan for one call shape (see the module docstring)."""
     nq, nk = _ceil_div(q_len, bq), _ceil_div(kv_len, bk)
     tiles, kinds, counts = structure(mask, batch, hq, q_len, kv_len, bq, bk, device)

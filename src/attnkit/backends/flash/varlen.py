@@ -33,6 +33,7 @@ sink-free gradients (``autograd._sinkless_grads``).  The sinks' gradient is ``su
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -44,6 +45,9 @@ from . import plan as planning
 from ..call import Call, accumulation_dtype
 from ..fused import FUSED
 from .autograd import _backward_plan, _forward_plan, _fusable, _sinkless_grads
+
+if TYPE_CHECKING:
+    from ..fused import Fused
 
 Tensor = torch.Tensor
 
@@ -195,9 +199,10 @@ class _Packed:
     and then dropped, so the kernels' temporaries reuse the same memory from call to call (fresh memory is
     page-faulted in on first touch, which costs about as much as the copy); rows no piece wrote get ``fill``."""
 
-    def __init__(self, total: int, like: Tensor, fill: float, dtype=None):
+    def __init__(self, total: int, like: Tensor, fill: float, dtype: torch.dtype | None = None) -> None:
         self.x = torch.empty(total, *like.shape[1:], dtype=like.dtype if dtype is None else dtype, device=like.device)
-        self.fill, self.spans = fill, []
+        self.fill = fill
+        self.spans: list[tuple[int, int]] = []
 
     def put(self, start: int, piece: Tensor) -> None:
         self.x[start : start + piece.shape[0]].copy_(piece)
@@ -236,15 +241,15 @@ def forward(
     sink = None if sinks is None else sinks.detach().to(st.lse_dtype)  # (Hq,)
     out = _Packed(tq, q.new_empty(0, hq, v.shape[2]), 0.0)
     lse = _Packed(tq, q.new_empty(0, hq), float("-inf"), st.lse_dtype)
-    planned = [s for s in segs if not s.direct]
+    planned = [s for s in segs if not s.direct]  # (each has its plan)
     if planned:
-        q3, qo = _padded(q, [(s.qa, s.qb, s.plan.q_pad) for s in planned])
-        k3, ko = _padded(k, [(s.ka, s.kb, s.plan.kv_pad) for s in planned])
-        v3, _ = _padded(v, [(s.ka, s.kb, s.plan.kv_pad) for s in planned])
+        q3, qo = _padded(q, [(s.qa, s.qb, cast(planning.Plan, s.plan).q_pad) for s in planned])
+        k3, ko = _padded(k, [(s.ka, s.kb, cast(planning.Plan, s.plan).kv_pad) for s in planned])
+        v3, _ = _padded(v, [(s.ka, s.kb, cast(planning.Plan, s.plan).kv_pad) for s in planned])
         at = {id(s): (a, b) for s, a, b in zip(planned, qo, ko)}
     for s in segs:
         if s.direct:  # (1, Hq, L, Dv) and (1, Hq, L), laid out (L, Hq, .) by the kernel
-            o, l = FUSED[0](  # noqa: E741
+            o, l = cast("Fused", FUSED)[0](  # noqa: E741  (a direct segment: this build has the kernel)
                 _views(q, s.qa, s.qb),
                 _views(k, s.ka, s.kb),
                 _views(v, s.ka, s.kb),
@@ -258,7 +263,7 @@ def forward(
             del o, l
             continue
         a, b = at[id(s)]
-        work = _work(s, s.plan, q3[:, a:], k3[:, b:], v3[:, b:], hq, hkv, st, s.fused)
+        work = _work(s, cast(planning.Plan, s.plan), q3[:, a:], k3[:, b:], v3[:, b:], hq, hkv, st, s.fused)
         o3, l3 = ops.forward(work)  # (Hq, Lq_pad, Dv), (Lq_pad, Hq)
         l = l3[: s.lq].to(st.lse_dtype)  # noqa: E741
         out.put(s.qa, _with_sink(o3[:, : s.lq].transpose(0, 1), l, sink))
@@ -295,13 +300,13 @@ def backward(
     # the explicit tiles renormalise over their keys: they take the gradients of the sink-free result
     explicit = bare is not None and not all(fused)
     if explicit:  # (Tq, Hq, Dv), (Tq, Hq), (Tq, Hq): elementwise, so the packed layout serves
-        dout_b, dlse_b, lse_b = _sinkless_grads(out, lse, bare, dout, dlse)
+        dout_b, dlse_b, lse_b = _sinkless_grads(out, lse, cast(Tensor, bare), dout, dlse)
     grads_of = {
         id(s): (dout_b, dlse_b, lse_b) if explicit and not f else (dout, dlse, lse) for s, f in zip(segs, fused)
     }
     if tiled:
-        spans_q = [(s.qa, s.qb, s.plan_b.q_pad) for s in tiled]
-        spans_k = [(s.ka, s.kb, s.plan_b.kv_pad) for s in tiled]
+        spans_q = [(s.qa, s.qb, cast(planning.Plan, s.plan_b).q_pad) for s in tiled]  # (planned above)
+        spans_k = [(s.ka, s.kb, cast(planning.Plan, s.plan_b).kv_pad) for s in tiled]
         q3, qo = _padded(q, spans_q)
         k3, ko = _padded(k, spans_k)
         v3, _ = _padded(v, spans_k)
@@ -311,7 +316,7 @@ def backward(
     for s, f in zip(segs, fused):
         if s.direct and f:
             lse_s = lse[s.qa : s.qb].t()[None]  # (1, Hq, L), the kernel's own layout
-            g = FUSED[1](
+            g = cast("Fused", FUSED)[1](
                 _views(dout, s.qa, s.qb),
                 _views(q, s.qa, s.qb),
                 _views(k, s.ka, s.kb),
@@ -326,7 +331,7 @@ def backward(
                 x.put(a, gx[0].transpose(0, 1))  # laid out (L, H, E) by the kernel
             del g
             continue
-        plan = s.plan_b
+        plan = cast(planning.Plan, s.plan_b)  # (a tiled segment: planned above)
         a, b = at[id(s)]
         _, dlse_s, lse_s = grads_of[id(s)]
         work = _work(s, plan, q3[:, a:], k3[:, b:], v3[:, b:], hq, hkv, st, f)
@@ -361,7 +366,9 @@ class _VarlenFunction(torch.autograd.Function):
     """Inputs ``(q, k, v, sinks (Hq,) or None, state)`` packed; outputs ``(out (Tq, Hq, Dv), lse (Hq, Tq))``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, state):
+    def forward(
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, state: tuple[list[Segment], Settings]
+    ) -> tuple[Tensor, Tensor]:
         segs, st = state
         out, lse, bare = forward(q, k, v, segs, st, sinks)
         ctx.save_for_backward(q, k, v, out, lse, bare, sinks)
@@ -370,7 +377,7 @@ class _VarlenFunction(torch.autograd.Function):
         return out, lse.t().contiguous()
 
     @staticmethod
-    def backward(ctx, dout, dlse):
+    def backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
         if torch.is_grad_enabled():
             raise RuntimeError(
                 "the flash backend's backward is not differentiable (create_graph=True or a double "
@@ -401,7 +408,7 @@ def attention(
     dropout_p: float,
     segs: list[Segment] | None = None,
     sinks: Tensor | None = None,
-):
+) -> tuple[Tensor, Tensor]:
     """Packed attention as one batched call: ``(out (Tq, Hq, Dv), lse (Hq, Tq))`` (inputs validated by the
     caller; ``segs`` from :func:`segments` when already planned; ``sinks (Hq,)`` or None)."""
     st = settings(q, scale, softcap, dropout_p)
@@ -413,7 +420,8 @@ def attention(
     if not needs_grad:
         out, lse, _ = forward(q, k, v, segs, st, sinks)
         return out, lse.t()
-    return _VarlenFunction.apply(q, k, v, sinks, (segs, st))
+    # (PyTorch leaves Function.apply unannotated)
+    return cast("tuple[Tensor, Tensor]", _VarlenFunction.apply(q, k, v, sinks, (segs, st)))  # type: ignore[no-untyped-call]
 
 
 def settings(q: Tensor, scale: float, softcap: float | None, dropout_p: float) -> Settings:
