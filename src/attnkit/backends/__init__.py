@@ -29,7 +29,7 @@ import operator
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, TypeVar, cast
 
 import torch
 
@@ -52,7 +52,7 @@ class Backend:
     """A registered way of computing attention."""
 
     name: str
-    run: Callable[[Call], object]  # -> out, or (out, lse) when call.return_lse
+    run: Callable[[Call], Tensor | tuple[Tensor, Tensor]]  # -> out, or (out, lse) when call.return_lse
     check: Callable[[Call], str | None]  # None when the call is supported, else the reason it is not
     cost: Callable[[Call], float]  # estimated work; auto picks the cheapest supported backend
     available: Callable[[], bool] = lambda: True
@@ -128,24 +128,30 @@ def _get(name: str) -> Backend:
     return b
 
 
-_PICKS: dict[tuple, tuple[object, object, Backend]] = {}  # auto's recent decisions, by call signature
+_PICKS: dict[
+    tuple[object, ...], tuple[weakref.ref[Any] | None, weakref.ref[Any] | None, Backend]
+] = {}  # auto's recent decisions, by call signature
 _PICKS_SIZE = 64
 _PICKS_LOCK = threading.Lock()
 
 
-def _ref(obj):
+_T = TypeVar("_T")
+
+
+def _ref(obj: _T | None) -> weakref.ref[_T] | None:
     return None if obj is None else weakref.ref(obj)
 
 
-def _alive(ref):
+def _alive(ref: weakref.ref[_T] | None) -> _T | None:
     return None if ref is None else ref()
 
 
-def _signature(call: Call) -> tuple:
+def _signature(call: Call) -> tuple[object, ...]:
     """Everything a backend's check and cost may depend on.  The layers of a model call attention with
     the same signature, so auto decides once per forward (and once per decoding step)."""
     bias = call.bias
-    bias_key = (id(bias), bias.requires_grad, tuple(bias.shape)) if hasattr(bias, "shape") else id(bias)
+    t = cast(Tensor, bias)  # (read only where it has a shape: a tensor)
+    bias_key = (id(bias), t.requires_grad, tuple(t.shape)) if hasattr(bias, "shape") else id(bias)
     return (
         tuple(call.q.shape),
         tuple(call.k.shape),
@@ -363,8 +369,11 @@ def _symbolic_sizes(call: Call) -> bool:
 
 # ------------------------------------------------------------------ auto while tracing
 
+# what _meta reads of a tensor: shape, strides, dtype, device, requires_grad
+_Meta = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device, bool]
 
-def _meta(t: Tensor | None):
+
+def _meta(t: Tensor | None) -> _Meta | None:
     """What a backend's checks and costs read of a tensor, as constants: shape, strides, dtype, device and
     whether it requires grad (never its values)."""
     if t is None:
@@ -379,7 +388,7 @@ def _meta(t: Tensor | None):
     )
 
 
-def _empty(meta):
+def _empty(meta: _Meta | None) -> Tensor | None:
     if meta is None:
         return None
     shape, stride, dtype, device, grad = meta
@@ -387,7 +396,14 @@ def _empty(meta):
 
 
 @constant_result
-def _decide(backend: str, metas: tuple, flags: tuple, mask_key: str, mod_key: str, *tensors: Tensor) -> tuple:
+def _decide(
+    backend: str,
+    metas: tuple[_Meta | None, ...],
+    flags: tuple[bool, float, float | None, float, bool, int],
+    mask_key: str,
+    mod_key: str,
+    *tensors: Tensor,
+) -> tuple[str, str]:
     """``("ok", name)`` or ``("error", message)``: eager ``select``'s answer for a call rebuilt from its
     constants, with the mask's and modifier's real tensors.  Runs once per traced call site."""
     from torch._subclasses.fake_tensor import is_fake
@@ -403,6 +419,8 @@ def _decide(backend: str, metas: tuple, flags: tuple, mask_key: str, mod_key: st
     with torch.utils._python_dispatch._disable_current_modes(), torch.set_grad_enabled(flags[0]):
         q, k, v, bias, sinks = (_empty(m) for m in metas)
         scale, softcap, dropout_p, return_lse = flags[1:5]
+        # (q, k and v always have metas: only bias and sinks may be None)
+        q, k, v = cast(Tensor, q), cast(Tensor, k), cast(Tensor, v)
         call = Call(q, k, v, mask, bias if bias is not None else mod, scale, softcap, dropout_p, return_lse, sinks)
         try:
             with traced_rules():
@@ -431,7 +449,7 @@ def decide(call: Call, backend: str) -> str:
     return value
 
 
-def explain(q, k, v, **kwargs) -> str:
+def explain(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> str:
     """Which backend ``attention(q, k, v, **kwargs)`` would use, and why each other one would not.
 
     For ``backend="auto"`` the last line names the backend auto picks while ``torch.compile`` traces the

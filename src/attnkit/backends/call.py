@@ -11,12 +11,16 @@ import math
 import operator
 import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 import torch
 
 from .._checks import flag, holds, number
 from ..bias import ScoreMod
-from ..masks import Mask, from_dense, from_flex
+from ..masks import Mask, MaskLike, from_dense, from_flex
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 Tensor = torch.Tensor
 
@@ -42,7 +46,7 @@ class Call:
     dropout_p: float
     return_lse: bool
     sinks: Tensor | None = None  # (B, Hq): one logit per query head in every row's denominator
-    cache: dict = field(default_factory=dict)  # per-call memo shared by support checks and the run
+    cache: dict[object, Any] = field(default_factory=dict)  # per-call memo shared by support checks and the run
 
     @property
     def batch(self) -> int:
@@ -87,7 +91,7 @@ class Call:
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def check_qkv(q, k, v) -> None:
+def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -149,13 +153,13 @@ def layout_swap_suspected(call: Call) -> bool:
     return 0 < 2 * lk <= lq <= 256 and lq % lk == 0 and hq == hkv >= 16
 
 
-def _broadcasts(shape, target) -> bool:
+def _broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
     if len(shape) > len(target):
         return False
     return all(s in (1, t) for s, t in zip(reversed(shape), reversed(target)))
 
 
-def _shape_hint(t: Tensor, shape, name: str) -> str:
+def _shape_hint(t: Tensor, shape: tuple[int, int, int, int], name: str) -> str:
     """A fix for a mask/bias that does not broadcast: a Hugging Face style (B, Lk) padding mask, mostly."""
     B, _, _, Lk = shape
     if t.dim() == 2 and t.shape == (B, Lk) and B > 1:
@@ -167,13 +171,13 @@ def _shape_hint(t: Tensor, shape, name: str) -> str:
     )
 
 
-def _is_block_mask(mask) -> bool:
+def _is_block_mask(mask: object) -> TypeGuard[BlockMask]:
     """Whether ``mask`` is a FlexAttention ``BlockMask`` (without importing flex_attention)."""
     flex = sys.modules.get("torch.nn.attention.flex_attention")
     return flex is not None and isinstance(mask, flex.BlockMask)
 
 
-def check_mask(mask, q: Tensor, shape) -> Mask | None:
+def check_mask(mask: object, q: Tensor, shape: tuple[int, int, int, int]) -> Mask | None:
     if mask is None:
         return None
     if _is_block_mask(mask):
@@ -209,7 +213,7 @@ def check_mask(mask, q: Tensor, shape) -> Mask | None:
     )
 
 
-def check_bias(bias, q: Tensor, shape):
+def check_bias(bias: object, q: Tensor, shape: tuple[int, int, int, int]) -> Tensor | ScoreMod | None:
     if bias is None:
         return None
     if isinstance(bias, ScoreMod):
@@ -239,7 +243,7 @@ def check_bias(bias, q: Tensor, shape):
 
 def check_number(
     name: str,
-    value,
+    value: object,
     *,
     low: float | None = None,
     high: float | None = None,
@@ -250,7 +254,7 @@ def check_number(
     return number(name, value, low=low, high=high, low_open=low_open, high_open=high_open, fix=fix)
 
 
-def check_scale(scale: float, q: Tensor, bias) -> None:
+def check_scale(scale: float, q: Tensor, bias: Tensor | ScoreMod | None) -> None:
     """Refuse a scale so large that it alone overflows the scores: above ``sqrt(finfo.max)`` of the dtype
     the scores are computed in, a score ``q.k * scale`` is inf for any ``|q.k|`` above that same bound
     and the softmax's rows become NaN (at such a scale the result would be the argmax's hard limit anyway)."""
@@ -295,7 +299,7 @@ _FOREIGN = {  # keyword arguments of other attention functions: what attnkit tak
 }
 
 
-def refuse_foreign(fn: str, kwargs: dict) -> None:
+def refuse_foreign(fn: str, kwargs: dict[str, Any]) -> None:
     """A TypeError for keyword arguments attnkit does not take, naming attnkit's equivalent where known."""
     if not kwargs:
         return
@@ -320,7 +324,7 @@ def refuse_foreign(fn: str, kwargs: dict) -> None:
     raise TypeError(f"{fn}() takes no {name}={shown}: {fix}")
 
 
-def check_sinks(sinks, q: Tensor) -> Tensor | None:
+def check_sinks(sinks: object, q: Tensor) -> Tensor | None:
     """``sinks`` as a ``(B, Hq)`` view (expanded, so its gradient reaches the caller's tensor)."""
     if sinks is None:
         return None
@@ -351,7 +355,17 @@ def check_sinks(sinks, q: Tensor) -> Tensor | None:
 
 
 def make_call(
-    q, k, v, *, mask=None, bias=None, scale=None, softcap=None, dropout_p=0.0, return_lse=False, sinks=None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: MaskLike | None = None,
+    bias: object = None,  # checked here: an attnkit.bias modifier, a float tensor or None
+    scale: float | None = None,
+    softcap: float | None = None,
+    dropout_p: float = 0.0,
+    return_lse: bool = False,
+    sinks: Tensor | None = None,
 ) -> Call:
     check_qkv(q, k, v)
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
@@ -376,14 +390,15 @@ def make_call(
 def graph_zero(*tensors: Tensor) -> Tensor:
     """A 0 attached to the tensors' graph (their gradients through it are zeros), never NaN: summed over
     an empty slice, so an inf or NaN in them does not leak in (``x.sum() * 0`` would be NaN)."""
-    return sum(t.narrow(-1, 0, 0).sum() for t in tensors)
+    # (sum() starts from the int 0, so its type is Tensor | int; with one tensor or more it is a Tensor)
+    return cast(Tensor, sum(t.narrow(-1, 0, 0).sum() for t in tensors))
 
 
 def single_query_window(call: Call) -> tuple[int, int] | None:
     """For one query row under a batch-independent interval mask (causal, sliding window, ...) and no
     bias, the visible keys are one contiguous range [lo, hi]: decoding then needs no mask at all."""
     if "window" in call.cache:
-        return call.cache["window"]
+        return cast("tuple[int, int] | None", call.cache["window"])
     m, window = call.mask, None
     keys = None if call.q_len != 1 or call.bias is not None or m is None else m.key_range(0, 1, call.kv_len)
     if keys is not None:
@@ -398,7 +413,7 @@ def is_empty(call: Call) -> bool:
     return call.batch == 0 or call.heads == 0 or call.q_len == 0 or call.kv_len == 0
 
 
-def empty_result(call: Call):
+def empty_result(call: Call) -> Tensor | tuple[Tensor, Tensor]:
     """An empty call (or Lq == 0 or Lk == 0): zero output and -inf lse, still attached to the graph (zero
     gradients)."""
     q, k, v = call.q, call.k, call.v

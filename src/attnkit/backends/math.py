@@ -58,7 +58,7 @@ def weights(call: Call) -> Tensor:
     return p.reshape(call.batch, call.heads, call.q_len, call.kv_len).to(call.q.dtype)
 
 
-def run(call: Call):
+def run(call: Call) -> Tensor | tuple[Tensor, Tensor]:
     p, lse, vg = _probabilities(call)
     if call.dropout_p > 0:
         keep = torch.rand_like(p) >= call.dropout_p

@@ -39,6 +39,7 @@ from __future__ import annotations
 import operator
 import threading
 from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence, TypeVar, cast
 
 import torch
 
@@ -46,21 +47,29 @@ from ..bias import ScoreMod
 from ..masks import Mask
 from .call import Call
 
+if TYPE_CHECKING:
+    from torch._library.custom_ops import CustomOpDef
+
 Tensor = torch.Tensor
 
 __all__: list[str] = []
 
+# a description: a nested tuple of classes, attribute names and constants (see describe)
+Description = tuple[Any, ...]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
 # ---------------------------------------------------------------- descriptions
 
 
-def describe(obj) -> tuple[object, list[Tensor]]:
+def describe(obj: object) -> tuple[Description, list[Tensor]]:
     """``(description, tensors)`` of a mask or score modifier (or None): a nested tuple of classes, attribute
     names and constants in which each tensor is replaced by its index in ``tensors``.  Plain Python that
     ``torch.compile`` traces (attribute reads on the object), so it works also on masks built inside the
     compiled function."""
     tensors: list[Tensor] = []
 
-    def walk(x):
+    def walk(x: object) -> Description:
         if isinstance(x, Tensor):
             tensors.append(x)
             return ("tensor", len(tensors) - 1)
@@ -83,21 +92,21 @@ def describe(obj) -> tuple[object, list[Tensor]]:
     return walk(obj), tensors
 
 
-def constant_result(fn):
+def constant_result(fn: _F) -> _F:
     """``torch._dynamo.assumeconstant_result(fn)``: dynamo calls ``fn`` while tracing and makes its result a
     constant of the graph.  Set as that decorator sets it, without importing ``torch._dynamo`` when attnkit is
     imported (about 2 s); ``tests/backends/test_compile.py`` checks that the decorator still does this."""
-    fn._dynamo_marked_constant = True
+    cast(Any, fn)._dynamo_marked_constant = True
     return fn
 
 
-_KEYS: dict[object, str] = {}
-_DESCRIPTIONS: dict[str, object] = {}
+_KEYS: dict[Description, str] = {}
+_DESCRIPTIONS: dict[str, Description] = {}
 _KEYS_LOCK = threading.Lock()
 
 
 @constant_result
-def intern(description) -> str:
+def intern(description: Description | None) -> str:
     """The key of a description (the same key for equal descriptions), registered for :func:`rebuild`.
     Computed while ``torch.compile`` traces (the key is a constant of the graph)."""
     if description is None or description == ("value", None):
@@ -119,25 +128,25 @@ def intern(description) -> str:
     return key
 
 
-def _short(description) -> str:
+def _short(description: Description) -> str:
     """A readable name for a key: the classes in a description (``_And(_Causal,_SlidingWindow)``)."""
     kind = description[0]
     if kind == "object":
         inner = [_short(v) for _, v in description[2]]
         inner = [s for s in inner if s]
-        return description[1].__name__ + (f"({','.join(inner)})" if inner else "")
+        return cast(type, description[1]).__name__ + (f"({','.join(inner)})" if inner else "")
     if kind in ("tuple", "list"):
         return ",".join(s for s in (_short(e) for e in description[1]) if s)
     return ""
 
 
-_REBUILT: "OrderedDict[tuple, object]" = OrderedDict()
+_REBUILT: OrderedDict[tuple[object, ...], tuple[Any, tuple[Tensor, ...]]] = OrderedDict()
 REBUILT_KEPT = 64  # rebuilt masks/modifiers kept (with the tensors they hold): one per layer mask and shape
 REBUILT_KEPT_BYTES = 16 << 20  # ... only when their tensors are at most this big (not a dense mask per step)
 _REBUILT_LOCK = threading.Lock()
 
 
-def rebuild(key: str, tensors: list[Tensor], *, fresh: bool = False):
+def rebuild(key: str, tensors: list[Tensor], *, fresh: bool = False) -> Any:  # a Mask, a ScoreMod or None
     """The object a key and its tensors describe (None for the empty key).  The same object is returned for
     the same key and tensors (the same memory, layout and version), so the eager backend's per-mask plan cache
     finds its plan; ``fresh=True`` builds a new one (for modifiers whose tensors get new leaves for gradients)."""
@@ -185,7 +194,7 @@ def rebuild(key: str, tensors: list[Tensor], *, fresh: bool = False):
     return obj
 
 
-def _build(description, tensors: list[Tensor]):
+def _build(description: Description, tensors: list[Tensor]) -> Any:
     kind, *rest = description
     if kind == "tensor":
         return tensors[rest[0]]
@@ -216,14 +225,27 @@ def op_arguments(call: Call) -> tuple[str, list[Tensor], Tensor | None, str, lis
 
 
 def op_call(
-    q, k, v, mask_key, mask_tensors, bias, mod_key, mod_tensors, sinks, scale, softcap, dropout_p=0.0, mod=None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask_key: str,
+    mask_tensors: Sequence[Tensor],
+    bias: Tensor | None,
+    mod_key: str,
+    mod_tensors: Sequence[Tensor],
+    sinks: Tensor | None,
+    scale: float,
+    softcap: float | None,
+    dropout_p: float = 0.0,
+    mod: ScoreMod | None = None,
 ) -> Call:
     """The call an operator's arguments describe (``softcap=0`` means none; ``mod`` replaces the rebuilt
     score modifier)."""
     mask = rebuild(mask_key, list(mask_tensors))
+    score: Tensor | ScoreMod | None = bias
     if bias is None:
-        bias = mod if mod is not None else rebuild(mod_key, list(mod_tensors))
-    return Call(q, k, v, mask, bias, scale, None if softcap == 0 else softcap, dropout_p, True, sinks)
+        score = mod if mod is not None else rebuild(mod_key, list(mod_tensors))
+    return Call(q, k, v, mask, score, scale, None if softcap == 0 else softcap, dropout_p, True, sinks)
 
 
 def lse_dtype(q: Tensor) -> torch.dtype:
@@ -242,10 +264,10 @@ def fake_input_grads(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, T
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def refuse_double_backward(op, backend: str) -> None:
+def refuse_double_backward(op: CustomOpDef, backend: str) -> None:
     """Register, as the autograd formula of a backward operator, an error that names what to use instead."""
 
-    def backward(ctx, *grads):
+    def backward(ctx: object, *grads: Tensor) -> NoReturn:
         raise RuntimeError(
             f"the {backend} backend's backward is not differentiable (create_graph=True or a double "
             f"backward, e.g. a gradient penalty): use backend='math' or 'sdpa' for such a loss"
@@ -270,9 +292,9 @@ def deciding() -> bool:
 class traced_rules:
     """Within: ``select`` decides as for a traced call (see :func:`deciding`)."""
 
-    def __enter__(self):
+    def __enter__(self) -> None:
         self.was = deciding()
         _DECIDING.on = True
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         _DECIDING.on = self.was

@@ -4,6 +4,7 @@ the per-sequence path (``attention()`` calls), by a cost estimate; ``backends.ex
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable, Protocol, cast
 
 import torch
 
@@ -21,10 +22,21 @@ MAX_OWN_CALLS = 64  # ... beyond this many such sequences, all run as one packed
 COPY_FLOPS = 25.0  # flop-equivalents of the fused kernel per element a copy or zero-fill writes (fresh memory)
 
 
+class _Costed(Protocol):
+    """What ``select`` returns (a registered ``Backend``), as far as the estimate reads it."""
+
+    @property
+    def cost(self) -> Callable[[Call], float]: ...
+
+
+# the backend registry's ``select(call, backend)`` (passed in: this module cannot import the registry)
+_Select = Callable[[Call, str], _Costed]
+
+
 # ------------------------------------------------------------------- input checks
 
 
-def _check_packed(q, k, v) -> None:
+def _check_packed(q: Tensor, k: Tensor, v: Tensor) -> None:
     for name, t, layout in (("q", q, "(Tq, Hq, D)"), ("k", k, "(Tk, Hkv, D)"), ("v", v, "(Tk, Hkv, Dv)")):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -35,7 +47,7 @@ def _check_packed(q, k, v) -> None:
             )
 
 
-def _check_cu(name: str, cu, total: int, what: str, device: torch.device) -> Tensor:
+def _check_cu(name: str, cu: object, total: int, what: str, device: torch.device) -> Tensor:
     if not isinstance(cu, Tensor):
         raise TypeError(
             f"{name} must be an int32 tensor of n + 1 prefix sums [0, L0, L0 + L1, ...], got "
@@ -71,7 +83,7 @@ def _check_cu(name: str, cu, total: int, what: str, device: torch.device) -> Ten
     return cu
 
 
-def _check_max(name: str, value, cu: Tensor, cu_name: str) -> None:
+def _check_max(name: str, value: int | None, cu: Tensor, cu_name: str) -> None:
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int):
@@ -86,7 +98,7 @@ def _check_max(name: str, value, cu: Tensor, cu_name: str) -> None:
         )
 
 
-def _check_varlen_bias(bias, hq: int, tq: int, tk: int):
+def _check_varlen_bias(bias: object, hq: int, tq: int, tk: int) -> Tensor | None:
     if bias is None:
         return None
     if isinstance(bias, ScoreMod) or (callable(bias) and not isinstance(bias, Tensor)):
@@ -104,7 +116,7 @@ def _check_varlen_bias(bias, hq: int, tq: int, tk: int):
     return bias[None]  # (1, Hq|1, Tq|1, Tk|1); attention() checks the rest
 
 
-def _check_varlen_sinks(sinks, q: Tensor, n: int) -> Tensor | None:
+def _check_varlen_sinks(sinks: object, q: Tensor, n: int) -> Tensor | None:
     """``sinks`` as an ``(Hq,)`` view (expanded, so its gradient reaches the caller's tensor), or None."""
     if sinks is None:
         return None
@@ -120,10 +132,24 @@ def _check_varlen_sinks(sinks, q: Tensor, n: int) -> Tensor | None:
             f"attention_varlen: sinks of shape {tuple(sinks.shape)} does not match the {hq} query "
             f"heads of q {tuple(q.shape)}: give one logit per query head, shape ({hq},)"
         )
-    return check_sinks(sinks, q[None].transpose(1, 2))[0]  # (1, Hq, Tq, D) view: the (1, Hq) check -> (Hq,)
+    # (not None: check_sinks returns None only for None)
+    return cast(Tensor, check_sinks(sinks, q[None].transpose(1, 2)))[
+        0
+    ]  # (1, Hq, Tq, D) view: the (1, Hq) check -> (Hq,)
 
 
-def validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, bias, sinks=None):
+def validated(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: object,
+    cu_seqlens_k: object,
+    max_seqlen_q: int | None,
+    max_seqlen_k: int | None,
+    mask: _masks.Mask | None,
+    bias: object,
+    sinks: object = None,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """The checked ``(cu_q, cu_k, bias (1, Hq|1, Tq|1, Tk|1) or None, sinks (Hq,) or None)`` of an
     ``attention_varlen`` call."""
     _check_packed(q, k, v)
@@ -153,7 +179,7 @@ def validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, m
 # ------------------------------------------------------------------- the two paths
 
 
-def alone(lq: list[int], lk: list[int], bias) -> list[int]:
+def alone(lq: list[int], lk: list[int], bias: object) -> list[int]:
     """The per-sequence path's sequences that run as their own ``attention()`` call."""
     seqs = [s for s in range(len(lq)) if min(lq[s], lk[s]) >= OWN_CALL_MIN]
     return [] if bias is not None or len(seqs) > MAX_OWN_CALLS else seqs
@@ -164,11 +190,12 @@ class _Choice:
     batched: bool  # one batched flash call (``flash.varlen_attention``), else the per-sequence path
     reason: str
     scale: float | None = None
-    segments: list | None = None  # the batched call's planned segments
+    # the batched call's planned segments (flash's varlen ``Segment``s, a type flash does not export)
+    segments: list[Any] | None = None
     costs: tuple[float, float] | None = None  # (batched, per-sequence) estimates, when weighed
 
 
-def _refusal(q: Tensor, bias, backend: str) -> str | None:
+def _refusal(q: Tensor, bias: object, backend: str) -> str | None:
     """Why the batched flash call cannot take this call (None when it can)."""
     if backend not in ("auto", "flash"):
         return f"backend={backend!r} was asked for"
@@ -183,7 +210,20 @@ def _refusal(q: Tensor, bias, backend: str) -> str | None:
     return None
 
 
-def _seq_call(q, k, v, a, b, c, d, mask, scale, softcap, dropout_p, sinks=None) -> Call:
+def _seq_call(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    a: int,
+    b: int,
+    c: int,
+    d: int,
+    mask: _masks.Mask | None,
+    scale: float | None,
+    softcap: float | None,
+    dropout_p: float,
+    sinks: Tensor | None = None,
+) -> Call:
     return make_call(
         *(t.transpose(0, 1)[None] for t in (q[a:b], k[c:d], v[c:d])),
         mask=mask,
@@ -195,19 +235,19 @@ def _seq_call(q, k, v, a, b, c, d, mask, scale, softcap, dropout_p, sinks=None) 
 
 
 def _costs(
-    q,
-    k,
-    v,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
     cu_q: list[int],
     cu_k: list[int],
-    segs,
-    mask,
-    scale,
-    softcap,
-    dropout_p,
+    segs: list[Any],
+    mask: _masks.Mask | None,
+    scale: float,
+    softcap: float | None,
+    dropout_p: float,
     needs_grad: bool,
-    select,
-    sinks=None,
+    select: _Select,
+    sinks: Tensor | None = None,
 ) -> tuple[float, float]:
     """Estimated cost (flop-equivalents) of the batched call and of the per-sequence path.
 
@@ -252,7 +292,19 @@ def _costs(
 
 
 def choose(
-    q, k, v, cu_q: Tensor, cu_k: Tensor, mask, bias, scale, softcap, dropout_p, backend, select, sinks=None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_q: Tensor,
+    cu_k: Tensor,
+    mask: _masks.Mask | None,
+    bias: Tensor | None,
+    scale: float | None,
+    softcap: float | None,
+    dropout_p: float,
+    backend: str,
+    select: _Select,
+    sinks: Tensor | None = None,
 ) -> _Choice:
     """Batched flash call or per-sequence path (see :func:`attnkit.attention_varlen`); ``select`` is the
     backend registry's ``select`` (what ``auto`` picks for a sequence run alone); ``sinks (Hq,)`` or None."""
@@ -276,20 +328,20 @@ def choose(
 
 
 def explain(
-    select,
+    select: _Select,
     q: Tensor,
     k: Tensor,
     v: Tensor,
     cu_seqlens_q: Tensor,
     cu_seqlens_k: Tensor,
     *,
-    max_seqlen_q=None,
-    max_seqlen_k=None,
-    mask=None,
-    bias=None,
-    scale=None,
-    softcap=None,
-    sinks=None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    mask: _masks.Mask | None = None,
+    bias: object = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: object = None,
     dropout_p: float = 0.0,
     return_lse: bool = False,
     backend: str = "auto",
@@ -305,7 +357,7 @@ def explain(
     head = f"attention_varlen on {n} sequences, q {tuple(q.shape)} {str(q.dtype).replace('torch.', '')}"
     lines = []
     if choice.batched:
-        segs = choice.segments
+        segs = cast("list[Any]", choice.segments)  # (planned for a batched call)
         own = [s for s in segs if s.own]
         direct = sum(s.direct for s in own)
         lines.append(f"{head}: one batched flash call ({choice.reason})")

@@ -5,11 +5,17 @@ which of a modifier's tensors that require grad its result depends on directly."
 from __future__ import annotations
 
 import types
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
 from ..bias import ScoreMod
 from ..masks import Mask
+
+if TYPE_CHECKING:
+    from torch.autograd.graph import Node
+
+    from .call import Call
 
 Tensor = torch.Tensor
 
@@ -20,7 +26,7 @@ _REACH_DEPTH = 5  # steps followed from a mask or modifier (closures, attributes
 _NOT_FOLLOWED = (types.ModuleType, type, dict, list, tuple, set, frozenset, str, bytes, int, float, bool, complex)
 
 
-def reachable_tensors(obj, *, modules: bool = True) -> list[Tensor]:
+def reachable_tensors(obj: object, *, modules: bool = True) -> list[Tensor]:
     """The tensors a mask or score modifier reads, as far as they can be seen without running it: its own
     attributes, combined masks/modifiers, and what a ``from_fn`` function holds — closure cells, default
     arguments, ``functools.partial`` arguments, a bound method's object (its attributes, ``__slots__`` too),
@@ -35,13 +41,13 @@ def reachable_tensors(obj, *, modules: bool = True) -> list[Tensor]:
     out: list[Tensor] = []
     seen: set[int] = set()
 
-    def names(code: types.CodeType):
+    def names(code: types.CodeType) -> Iterator[str]:
         yield from code.co_names
         for c in code.co_consts:
             if isinstance(c, types.CodeType):
                 yield from names(c)
 
-    def attributes(x) -> list:
+    def attributes(x: object) -> list[object]:
         if isinstance(x, Mask):  # a mask's private attributes are derived memos (random_blocks' tables)
             return [v for k, v in vars(x).items() if not k.startswith("_")]
         items = list(vars(x).values()) if hasattr(x, "__dict__") else []
@@ -54,7 +60,7 @@ def reachable_tensors(obj, *, modules: bool = True) -> list[Tensor]:
                         pass
         return items
 
-    def walk(x, depth: int) -> None:
+    def walk(x: object, depth: int) -> None:
         if depth > _REACH_DEPTH or x is None or isinstance(x, (str, bytes, int, float, bool, complex)) or id(x) in seen:
             return
         seen.add(id(x))
@@ -89,9 +95,9 @@ def reachable_tensors(obj, *, modules: bool = True) -> list[Tensor]:
                     walk(value, depth + 1)
                 elif not isinstance(value, _NOT_FOLLOWED) and not callable(value) and id(value) not in seen:
                     seen.add(id(value))
-                    for t in attributes(value):
-                        if isinstance(t, Tensor):
-                            walk(t, depth + 2)
+                    for attr in attributes(value):
+                        if isinstance(attr, Tensor):
+                            walk(attr, depth + 2)
         else:
             items = attributes(x)
         for item in items:
@@ -101,7 +107,7 @@ def reachable_tensors(obj, *, modules: bool = True) -> list[Tensor]:
     return out
 
 
-def mod_params(obj) -> list[Tensor]:
+def mod_params(obj: object) -> list[Tensor]:
     """Tensors that require grad that a score modifier reads: its own (ALiBi slopes, T5 table, per-head
     temperatures), those of composed modifiers, and whatever a ``from_fn`` function reaches (closures,
     globals it names, a bound method's object, ``nn.Module`` parameters; see ``reachable_tensors``)."""
@@ -109,7 +115,7 @@ def mod_params(obj) -> list[Tensor]:
 
 
 def probe_params(
-    mod: ScoreMod, params: list[Tensor], device, dtype: torch.dtype = torch.float32
+    mod: ScoreMod, params: list[Tensor], device: torch.device | str, dtype: torch.dtype = torch.float32
 ) -> tuple[list[Tensor], list[Tensor]]:
     """``(used, missing)``: the ``params`` that ``mod``'s result depends on directly (not only through another
     of them), and the leaf tensors requiring grad it depends on that are not (and are not behind)
@@ -127,7 +133,9 @@ def probe_params(
         if p.grad_fn is not None:
             inner.setdefault(id(p.grad_fn), []).append(p)
     used: dict[int, Tensor] = {}
-    missing, seen, todo = [], set(), [out.grad_fn]
+    missing: list[Tensor] = []
+    seen: set[int] = set()
+    todo: list[Node | None] = [out.grad_fn]
     while todo:
         node = todo.pop()
         if node is None or id(node) in seen:
@@ -174,14 +182,14 @@ def derived_params(params: list[Tensor], limit: int = 200_000) -> tuple[Tensor, 
     return None
 
 
-def tensor_key(tensors: list[Tensor]) -> tuple:
+def tensor_key(tensors: list[Tensor]) -> tuple[tuple[int, object], ...]:
     """A memo key part for these tensors' identities and in-place versions.  Hold the tensors with the
     memoised entry: while they live their ids cannot be reused by other tensors.  An inference tensor has
     no version counter: its key matches nothing, so what depends on it is recomputed."""
     return tuple((id(t), object() if t.is_inference() else t._version) for t in tensors)
 
 
-def _has_contents(cell) -> bool:
+def _has_contents(cell: types.CellType) -> bool:
     try:
         cell.cell_contents  # noqa: B018 (reading an empty cell raises ValueError)
     except ValueError:
@@ -189,7 +197,7 @@ def _has_contents(cell) -> bool:
     return True
 
 
-def tensor_versions(*objs) -> list[tuple[Tensor, int]]:
+def tensor_versions(*objs: object) -> list[tuple[Tensor, int]]:
     """The tensors the masks and biases ``objs`` read that no gradient flows into (index tables, lengths,
     constant biases), with their in-place versions now: what a backward that reads them again must find
     unchanged.  Left out: inference tensors (no version counter), tensors that require grad (parameters an
@@ -216,19 +224,21 @@ def check_unchanged(versions: list[tuple[Tensor, int]]) -> None:
             )
 
 
-def read_tensors(*objs) -> tuple[Tensor, ...]:
+def read_tensors(*objs: object) -> tuple[Tensor, ...]:
     """The tensors the masks/modifiers ``objs`` read, for the rebinding check: what ``reachable_tensors``
     finds outside modules, plus the tensor attributes of a module whose bound method is the function that
     its code names (``self.scale`` in ``def fn(self, ...)``: a module's other attributes may change freely)."""
     out = [t for o in objs for t in reachable_tensors(o, modules=False)]
-    stack, seen = list(objs), set()
+    stack: list[object] = list(objs)
+    seen: set[int] = set()
     while stack:
         x = stack.pop()
         if x is None or id(x) in seen or isinstance(x, Tensor):
             continue
         seen.add(id(x))
         if isinstance(x, types.MethodType) and isinstance(x.__self__, torch.nn.Module):
-            names, codes = set(), [x.__func__.__code__]
+            names: set[str] = set()
+            codes = [x.__func__.__code__]
             while codes:
                 code = codes.pop()
                 names.update(code.co_names)
@@ -244,7 +254,7 @@ def read_tensors(*objs) -> tuple[Tensor, ...]:
     return tuple(out)
 
 
-def check_reach(before: tuple[Tensor, ...], call) -> None:
+def check_reach(before: tuple[Tensor, ...], call: Call) -> None:
     """The backward recomputes the scores by calling the mask and bias again: every tensor they reached in
     the forward must still be what they reach (a closure variable rebound between the forward and the
     backward would give the gradients of another function)."""

@@ -4,9 +4,13 @@ attention themselves (caches, probes, losses) import it too."""
 
 from __future__ import annotations
 
+import weakref
+from typing import TypeVar, cast
+
 import torch
 
 from ..bias import ScoreMod
+from ..masks import Mask
 from .call import Call
 
 
@@ -27,7 +31,7 @@ def sink_grad(out: Tensor, lse: Tensor, dout: Tensor | None, dlse: Tensor | None
     return (p * g).sum(-1).to(sinks.dtype)
 
 
-def grouped_heads(kv_heads: int, group: int, device) -> Tensor:
+def grouped_heads(kv_heads: int, group: int, device: torch.device | str | None) -> Tensor:
     """Query head numbers ``(Hkv, G)``: query head ``hkv * G + g`` shares key/value head ``hkv``."""
     return torch.arange(kv_heads * group, device=device).view(kv_heads, group)
 
@@ -104,8 +108,8 @@ def score_pipeline(
     kv_len: int,
     *,
     softcap: float | None,
-    bias,
-    mask,
+    bias: ScoreMod | Tensor | None,
+    mask: Mask | None,
     bias_block: Tensor | None = None,
     mask_block: Tensor | None = None,
 ) -> Tensor:
@@ -137,7 +141,9 @@ def with_sinks(s: Tensor, sinks: Tensor) -> Tensor:
     return torch.cat([s, sinks.to(s.dtype).expand(*s.shape[:-1], 1)], dim=-1)
 
 
-_CHECKED_TABLES: list = []  # the last (block_table, seq_lens, versions) checked: a decode step checks once
+_CHECKED_TABLES: list[
+    tuple[object, ...]
+] = []  # the last (block_table, seq_lens, versions) checked: a decode step checks once
 
 
 def check_paged_values(
@@ -191,11 +197,16 @@ def check_paged_values(
     _CHECKED_TABLES[:] = [key] if key is not None else []
 
 
-def per_mask(store, mask) -> dict | None:
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+def per_mask(store: weakref.WeakKeyDictionary[Mask, dict[_K, _V]], mask: Mask | None) -> dict[_K, _V] | None:
     """``mask``'s own memo dict in the weakly keyed ``store``, or None for a mask that cannot be a key (a
     subclass that defines ``__eq__`` without ``__hash__``, or uses ``__slots__`` without ``__weakref__``):
     such a mask is simply not memoised."""
     try:
-        return store.setdefault(mask, {})
+        # (None cannot be weakly referenced either: a TypeError, so None)
+        return store.setdefault(cast(Mask, mask), {})
     except TypeError:
         return None

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +38,11 @@ Tensor = torch.Tensor
 _MAX_DENSE = 1 << 28  # largest mask/bias (elements) this backend materialises
 # mask -> {shape key: (dense mask, live rows, all live, tensor key, tensors)}: the layers of one model share
 # a mask; weakly keyed, so a dropped mask frees its dense forms, and a few shapes are kept per mask
-_DENSE_CACHE: "weakref.WeakKeyDictionary[Mask, dict]" = weakref.WeakKeyDictionary()
+# (dense mask, live rows, all live, tensor key, tensors, hidden keys)
+_DenseEntry = tuple[Tensor, Tensor, bool, tuple[tuple[int, object], ...], list[Tensor], "Tensor | None"]
+_DENSE_CACHE: weakref.WeakKeyDictionary[Mask, dict[tuple[int, int, int, int, torch.device], _DenseEntry]] = (
+    weakref.WeakKeyDictionary()
+)
 _DENSE_PER_MASK = 4
 _LOCK = threading.Lock()
 
@@ -73,7 +78,7 @@ def _hidden_keys(call: Call, allowed: Tensor, traced: bool = False) -> Tensor | 
 def _dense(call: Call) -> tuple[Tensor, Tensor, bool, Tensor | None]:
     """The mask as bool (B', H', Lq, Lk), which rows see a key, whether all do, and the keys no query may
     see (``_hidden_keys``); memoised per mask."""
-    m = call.mask
+    m = cast(Mask, call.mask)  # (called for calls with a mask)
     form = m.form(call.q_len, call.kv_len)
     if torch.compiler.is_compiling() or call.q.device.type == "meta":  # traced (or meta: shapes only): no Python
         # bool from tensor data, no traced tensors memoised
@@ -183,13 +188,14 @@ def sinks_too_large(call: Call) -> bool:
         return False  # (scale=0: check refuses the sinks anyway)
     dtype = call.q.dtype
     top = torch.finfo(dtype).max / 16
-    if torch.finfo(call.sinks.dtype).max / (abs(call.scale) * top / max(1.0, abs(call.scale))) <= top:
+    sinks = cast(Tensor, call.sinks)  # (asked for calls with sinks)
+    if torch.finfo(sinks.dtype).max / (abs(call.scale) * top / max(1.0, abs(call.scale))) <= top:
         return False  # no value of the sinks' dtype is too large: nothing to read (the usual case)
-    c = _sink_key_value(call.sinks.detach().to(accumulation_dtype(dtype)), call.scale, dtype)
+    c = _sink_key_value(sinks.detach().to(accumulation_dtype(dtype)), call.scale, dtype)
     return not bool(c <= torch.finfo(dtype).max / 16)
 
 
-def _with_sink_key(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, scale: float):
+def _with_sink_key(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """``q``, ``k``, ``v`` with the sinks as one more key that every query sees: its value is zero and its
     score is each head's sink logit.  q gains columns holding ``sink / scale`` (split into a rounded part
     and the remainder, so the logit keeps float32 precision in bfloat16), the keys zeros there, and the
@@ -204,14 +210,15 @@ def _with_sink_key(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, scale: float)
     # tensors, with no sync and nothing data-dependent in the shapes
     c = _sink_key_value(sinks.detach().to(acc), scale, q.dtype)
     s = sinks.to(acc) / c / scale  # (B, Hq)
-    parts, left = [], s
+    parts: list[Tensor] = []
+    left = s
     for _ in range(3):  # values that q's dtype holds exactly; their gradient stays in acc (no rounding)
         part = left + (left.to(q.dtype).to(acc) - left).detach()
         parts.append(part)
         left = left - part
     # the rows' gradients are summed in acc (a sum over Lq rows rounded to bfloat16 would be off by an ulp)
-    parts = torch.stack(parts, dim=-1)[:, :, None, :].expand(B, Hq, Lq, 3).to(q.dtype)
-    q2 = torch.cat([q, parts, q.new_zeros(B, Hq, Lq, extra - 3)], dim=-1)
+    stacked = torch.stack(parts, dim=-1)[:, :, None, :].expand(B, Hq, Lq, 3).to(q.dtype)
+    q2 = torch.cat([q, stacked, q.new_zeros(B, Hq, Lq, extra - 3)], dim=-1)
     key = k.new_zeros(1, 1, 1, D + extra)
     key[..., D : D + 3] = c.to(k.dtype)
     k2 = torch.cat([torch.cat([k, k.new_zeros(B, Hkv, Lk, extra)], dim=-1), key.expand(B, Hkv, 1, D + extra)], dim=2)
@@ -219,7 +226,7 @@ def _with_sink_key(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, scale: float)
     return q2, k2, v2
 
 
-def _run_sinks(call: Call, q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tensor | None, gqa: bool):
+def _run_sinks(call: Call, q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tensor | None, gqa: bool) -> Tensor:
     """SDPA with the sinks as an extra key every row sees (:func:`_with_sink_key`).  A row whose mask
     allows no key attends to the sink alone: its output is the sink's zero value and its gradients are
     zero, as attnkit's rule says, without zeroing afterwards."""
@@ -230,8 +237,10 @@ def _run_sinks(call: Call, q: Tensor, k: Tensor, v: Tensor, scale: float, bias: 
     if hidden is not None and traced:
         k, v = _without_hidden(k, v, hidden)
 
-    def once(k, v):
-        q2, k2, v2 = _with_sink_key(q, k, v, call.sinks, scale)
+    sinks = cast(Tensor, call.sinks)  # (run for calls with sinks)
+
+    def once(k: Tensor, v: Tensor) -> Tensor:
+        q2, k2, v2 = _with_sink_key(q, k, v, sinks, scale)
         attn_mask = None
         if allowed is not None or bias is not None:
             Lq, Lk = call.q_len, call.kv_len
@@ -241,7 +250,9 @@ def _run_sinks(call: Call, q: Tensor, k: Tensor, v: Tensor, scale: float, bias: 
             attn_mask = torch.cat([rows, rows.new_ones(*rows.shape[:-1], 1).expand(*rows.shape[:-1], 1)], dim=-1)
             if bias is not None:
                 b = torch.broadcast_to(
-                    bias.to(q.dtype), (*torch.broadcast_shapes(bias.shape[:-1], rows.shape[:-1]), Lk)
+                    bias.to(q.dtype),
+                    # (torch.broadcast_shapes has no annotations in torch's sources)
+                    (*torch.broadcast_shapes(bias.shape[:-1], rows.shape[:-1]), Lk),  # type: ignore[no-untyped-call]
                 )
                 b = torch.cat([b, b.new_zeros(*b.shape[:-1], 1)], dim=-1)
                 attn_mask = b.masked_fill(~attn_mask, float("-inf"))
@@ -258,12 +269,13 @@ def _run_sinks(call: Call, q: Tensor, k: Tensor, v: Tensor, scale: float, bias: 
     return out
 
 
-def run(call: Call):
+def run(call: Call) -> Tensor:
     q, k, v = call.q, call.k, call.v
     scale = call.scale
     bias = call.bias
     if isinstance(bias, ScoreMod) and not bias.additive:
-        scale, bias = scale * bias.scale_factor, None  # a scalar temperature folds into the scale
+        # a scalar temperature folds into the scale (check takes a non-additive modifier only with a factor)
+        scale, bias = scale * cast(float, bias.scale_factor), None
     elif isinstance(bias, ScoreMod):
         bias = bias.materialize(
             call.q_len, call.kv_len, batch=call.batch, heads=call.heads, device=q.device, dtype=q.dtype
@@ -276,11 +288,11 @@ def run(call: Call):
         return _run_sinks(call, q, k, v, scale, bias, gqa)
     if call.mask is None or _is_plain_causal(call):
 
-        def plain(k, v, bias):
+        def plain(k: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:
             causal = call.mask is not None
             attn_mask = None if bias is None else bias.to(q.dtype)
             if causal and attn_mask is not None:  # SDPA takes either is_causal or attn_mask
-                allowed = call.mask.to_dense(call.q_len, k.shape[2], device=q.device)
+                allowed = cast(Mask, call.mask).to_dense(call.q_len, k.shape[2], device=q.device)
                 attn_mask = attn_mask.masked_fill(~allowed, float("-inf"))
                 causal = False
             return F.scaled_dot_product_attention(
@@ -296,7 +308,7 @@ def run(call: Call):
         if hides and (out is None or not bool(torch.isfinite(out.detach()).all())):
             n = call.q_len
             out = plain(k[:, :, :n], v[:, :, :n], None if bias is None else bias[..., :n])
-        return out
+        return cast(Tensor, out)  # (None only when hides, and then computed just above)
     window = single_query_window(call)
     if window is not None:  # decoding one token against a cache: slice the visible keys
         lo, hi = window

@@ -42,7 +42,9 @@ __all__ = ["PagedCache", "PagedBatch", "PagedPacked", "PoolExhausted", "paged_at
 # ----------------------------------------------------------------------------- the decode
 
 
-def _check_modifiers(scale, softcap, bias, mask) -> tuple[float | None, float | None]:
+def _check_modifiers(
+    scale: float | None, softcap: float | None, bias: object, mask: object
+) -> tuple[float | None, float | None]:
     """``scale`` and ``softcap`` as :func:`attnkit.attention` takes them; ``bias`` and ``mask`` of a kind the
     decode reads."""
     if bias is not None and not isinstance(bias, (ScoreMod, Tensor)):
@@ -78,8 +80,8 @@ def paged_attention(
     *,
     scale: float | None = None,
     softcap: float | None = None,
-    bias=None,
-    mask=None,
+    bias: BiasLike | None = None,
+    mask: Mask | Tensor | None = None,
     sinks: Tensor | None = None,
 ) -> Tensor:
     """Attention of each sequence's newest queries over its keys, read through its block table.
@@ -134,7 +136,14 @@ def paged_attention(
     )
 
 
-def _prepare(q: Tensor, scale, softcap, bias, mask, sinks=None) -> tuple:
+def _prepare(
+    q: Tensor,
+    scale: float | None,
+    softcap: float | None,
+    bias: BiasLike | None,
+    mask: Mask | Tensor | None,
+    sinks: Tensor | None = None,
+) -> tuple[float, float | None, Mask | Tensor | None, Tensor | None]:
     """``(scale, softcap, mask, sinks)`` checked for the kernel: ``scale`` a float (``1/sqrt(D)`` by default),
     ``sinks`` ``(B, Hq)`` or None, and a decode step's bottom-right causal mask dropped."""
     scale, softcap = _check_modifiers(scale, softcap, bias, mask)

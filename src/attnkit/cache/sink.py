@@ -360,9 +360,9 @@ class PagedSinkCache(PagedCache):
         (positions within the cache) or let the model read ``view.seq_len``."""
         return PagedSinkBatch(self, super().batch(seq_ids).ids)
 
-    def packed(
+    def packed(  # type: ignore[override]  # (the sink pool's own view)
         self,
-        seq_ids: Iterable[Any],  # type: ignore[override]  # (the sink pool's own view)
+        seq_ids: Iterable[Any],
         n_new: Iterable[Any],
     ) -> "PagedSinkPacked":
         """The model-level cache for one forward packing ``n_new[i]`` tokens of ``seq_ids[i]`` (see

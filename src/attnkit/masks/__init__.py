@@ -72,7 +72,7 @@ from ._builtins import (
     strided,
 )
 from ._convert import (
-    _check_per_sequence,
+    _check_per_sequence as _check_per_sequence,  # (for attention_varlen's checks in attnkit.backends.packed)
     _decodes_differently,
     _FlexPredicate,
     _FromDense,

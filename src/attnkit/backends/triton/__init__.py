@@ -41,10 +41,11 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
+from typing import Any, cast
 
 import torch
 
-from ...bias import ScoreMod
+from ...bias import BiasLike, ScoreMod
 from ..call import Call
 from ..scores import check_paged_values
 from . import custom_ops
@@ -128,7 +129,7 @@ def cost(call: Call) -> float:
     return _tile_cost(call.flops(), _plans(call).forward())
 
 
-def run(call: Call):
+def run(call: Call) -> Tensor | tuple[Tensor, Tensor]:
     """Backend hook: compute a validated call (``out``, or ``(out, lse)`` with ``return_lse``); while
     ``torch.compile`` or ``torch.export`` traces, through the custom operators (``custom_ops``)."""
     if torch.compiler.is_compiling():
@@ -139,7 +140,7 @@ def run(call: Call):
 # ----------------------------------------------------------------------------------------- paged decode
 
 
-def _validate_paged(q, k_pool, v_pool, block_table, seq_lens) -> None:
+def _validate_paged(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor, seq_lens: Tensor) -> None:
     """Raise TypeError/ValueError for inputs that do not form the paged layout."""
     for name, t in (
         ("q", q),
@@ -189,7 +190,7 @@ def _validate_paged(q, k_pool, v_pool, block_table, seq_lens) -> None:
         )
 
 
-def _validate_paged_bias(q: Tensor, bias) -> None:
+def _validate_paged_bias(q: Tensor, bias: object) -> None:
     if bias is None:
         return
     if isinstance(bias, Tensor):
@@ -218,7 +219,7 @@ def check_paged_decode(
     *,
     scale: float | None = None,
     softcap: float | None = None,
-    bias=None,
+    bias: BiasLike | None = None,
 ) -> str | None:
     """Why :func:`paged_decode` cannot run these inputs here, or None when it can.
 
@@ -404,7 +405,7 @@ def paged_decode(
     *,
     scale: float | None = None,
     softcap: float | None = None,
-    bias=None,
+    bias: BiasLike | None = None,
 ) -> Tensor:
     """Attention of one new token per sequence over a paged KV cache, in one Triton kernel.
 
@@ -451,7 +452,7 @@ def paged_decode(
     slopes, at_end = None, True
     if isinstance(bias, ScoreMod) and bias.slopes is not None:
         slopes = bias.slopes.detach().to(device=q.device, dtype=torch.float32).contiguous()
-        at_end = bias.align == "bottom_right"
+        at_end = cast(Any, bias).align == "bottom_right"  # (a modifier with slopes is ALiBi, which holds its alignment)
     elif isinstance(bias, ScoreMod) and bias.scale_factor is not None:
         scale = scale * bias.scale_factor
     return _paged_decode(

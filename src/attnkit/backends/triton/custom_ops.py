@@ -28,7 +28,7 @@ Example (shapes only: the fake implementation, which runs without triton)::
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -67,7 +67,19 @@ def triton_forward(
 
 
 @triton_forward.register_fake
-def _(q, k, v, mask_key, mask_tensors, bias, mod_key, mod_tensors, sinks, scale, softcap):
+def _(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask_key: str,
+    mask_tensors: list[Tensor],
+    bias: Optional[Tensor],
+    mod_key: str,
+    mod_tensors: list[Tensor],
+    sinks: Optional[Tensor],
+    scale: float,
+    softcap: float,
+) -> tuple[Tensor, Tensor]:
     return fake_out_lse(q, v)
 
 
@@ -100,8 +112,23 @@ def triton_backward(
 
 @triton_backward.register_fake
 def _(
-    dout, dlse, q, k, v, out, lse, mask_key, mask_tensors, bias, mod_key, mod_tensors, sinks, scale, softcap, sinks_grad
-):
+    dout: Tensor,
+    dlse: Optional[Tensor],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    mask_key: str,
+    mask_tensors: list[Tensor],
+    bias: Optional[Tensor],
+    mod_key: str,
+    mod_tensors: list[Tensor],
+    sinks: Optional[Tensor],
+    scale: float,
+    softcap: float,
+    sinks_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     dsink = sinks.new_empty(sinks.shape) if sinks_grad and sinks is not None else q.new_empty(0)
     return (*fake_input_grads(q, k, v), dsink)
 
@@ -124,7 +151,7 @@ _FORWARD_INPUTS = (
 )
 
 
-def _setup_context(ctx, inputs, output):
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
     args = dict(zip(_FORWARD_INPUTS, inputs))
     out, lse = output
     # the mask's and modifier's tensors are saved too: autograd then refuses a backward after they were
@@ -145,7 +172,8 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dout, dlse):
+# (one entry per forward input: a gradient, None, or a list of None for a list of tensors)
+def _backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tensor | list[None] | None, ...]:
     q, k, v, out, lse, bias, sinks, *rest = ctx.saved_tensors
     mod_tensors, mask_tensors = rest[: ctx.n_mod], rest[ctx.n_mod :]
     mask_key, mod_key, scale, softcap = ctx.consts
@@ -185,7 +213,7 @@ def _backward(ctx, dout, dlse):
 triton_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def run(call: Call):
+def run(call: Call) -> Tensor | tuple[Tensor, Tensor]:
     """Compute a validated call through the operators (``out``, or ``(out, lse)`` with ``return_lse``)."""
     mask_key, mask_tensors, bias_t, mod_key, mod_tensors = op_arguments(call)
     out, lse = triton_forward(

@@ -30,8 +30,13 @@ Scores are kept in base 2 inside the online softmax (``exp2`` is the GPU's nativ
 from __future__ import annotations
 
 import types
+from typing import TYPE_CHECKING, Any, cast
 
-tl = None  # triton.language, bound by build()
+if TYPE_CHECKING:
+    import importlib.abc
+    import importlib.machinery
+
+tl: Any = None  # triton.language, bound by build()
 
 # ----------------------------------------------------------------------------------------------- helpers
 
@@ -973,12 +978,13 @@ def build() -> types.ModuleType:
     from triton.runtime.jit import JITFunction
 
     interpreted = isinstance(language.zeros, InterpretedFunction)
-    spec = importlib.util.find_spec(__name__)
+    # this module was imported from a file, so it has a spec with a loader
+    spec = cast("importlib.machinery.ModuleSpec", importlib.util.find_spec(__name__))
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.tl = language
+    cast("importlib.abc.Loader", spec.loader).exec_module(module)
+    module.__dict__["tl"] = language
     wrap = InterpretedFunction if interpreted else JITFunction
     for name in _FUNCTIONS:
         setattr(module, name, wrap(getattr(module, name)))
-    module.INTERPRETED = interpreted
+    module.__dict__["INTERPRETED"] = interpreted
     return module

@@ -6,10 +6,12 @@ operators (``custom_ops``) call."""
 from __future__ import annotations
 
 import os
+import types
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any, cast
 
 import torch
 
@@ -26,7 +28,7 @@ _TRUE = ("1", "true", "on", "yes", "y")  # what triton accepts as TRITON_INTERPR
 
 # -------------------------------------------------------------------------------------- triton, lazily
 
-_state: dict = {}  # "error": why triton does not import (or None); "kernels": the built kernel module
+_state: dict[str, Any] = {}  # "error": why triton does not import (or None); "kernels": the built kernel module
 
 
 def _interpret_requested() -> bool:
@@ -42,16 +44,16 @@ def _import_error() -> str | None:
             _state["error"] = None
         except Exception as e:  # noqa: BLE001 (a broken install raises more than ImportError
             _state["error"] = f"{type(e).__name__}: {e}"
-    return _state["error"]
+    return cast("str | None", _state["error"])
 
 
-def _kernels():
+def _kernels() -> types.ModuleType:
     """The kernel module, built on first use in the mode triton was imported in (see ``kernels``)."""
     if "kernels" not in _state:
         from . import kernels as _triton_kernels
 
         _state["kernels"] = _triton_kernels.build()
-    return _state["kernels"]
+    return cast(types.ModuleType, _state["kernels"])
 
 
 def _device_reason(device: torch.device) -> str | None:
@@ -157,7 +159,8 @@ def _mods(call: Call) -> _Mods:
         m.scale = call.scale * b.scale_factor  # dividing every score by t is scaling by 1/t (no softcap here)
     elif isinstance(b, ScoreMod) and b.slopes is not None:
         m.slopes = b.slopes.detach().to(device=call.q.device, dtype=torch.float32).contiguous()
-        m.alibi_off = call.kv_len - call.q_len if b.align == "bottom_right" else 0
+        # (a modifier with slopes is ALiBi, which holds its alignment)
+        m.alibi_off = call.kv_len - call.q_len if cast(Any, b).align == "bottom_right" else 0
     elif isinstance(b, Tensor):
         t = b.detach()
         while t.dim() < 4:
@@ -229,12 +232,13 @@ def _build_plan(
 # every step; rebuilding costs host syncs).  The key holds every tensor the mask reads with its in-place
 # version counter, so a mask whose ids were edited in place is planned again; masks with a Python
 # predicate (from_fn, callables) are never reused, since what they read cannot be seen.
-_PLAN_CACHE: "weakref.WeakKeyDictionary[Mask, OrderedDict]" = weakref.WeakKeyDictionary()
+_PLAN_CACHE: weakref.WeakKeyDictionary[Mask, OrderedDict[tuple[object, ...], _MaskPlan]] = weakref.WeakKeyDictionary()
 _PLANS_PER_MASK = 4
 
 
-def _mask_state(mask: Mask) -> tuple | None:
-    state, stack = [], [mask]
+def _mask_state(mask: Mask) -> tuple[tuple[object, ...], ...] | None:
+    state: list[tuple[object, ...]] = []
+    stack = [mask]
     while stack:
         m = stack.pop()
         if m.wraps_function():
@@ -262,7 +266,7 @@ def _cached_plan(
     if state is None:
         return _build_plan(mask, q_len, kv_len, batch, heads, tiles, device)
     try:
-        per_mask = _PLAN_CACHE.setdefault(mask, OrderedDict())
+        per_mask = _PLAN_CACHE.setdefault(cast(Mask, mask), OrderedDict())  # (a state: a mask)
     except TypeError:  # a mask that cannot be a key (unhashable subclass): planned at each call
         return _build_plan(mask, q_len, kv_len, batch, heads, tiles, device)
     key = (q_len, kv_len, batch, heads, tiles, device, state)
@@ -285,7 +289,8 @@ class _Plans:
         self.device = call.q.device
         head_dim = max(call.q.shape[-1], call.v.shape[-1])
         self.fwd_tiles, self.bwd_tiles = _configs(head_dim, call.q.dtype, _kernels().INTERPRETED)
-        self._fwd = self._bwd = None
+        self._fwd: _MaskPlan | None = None
+        self._bwd: _MaskPlan | None = None
 
     def forward(self) -> _MaskPlan:
         if self._fwd is None:
@@ -305,7 +310,7 @@ class _Plans:
 def _plans(call: Call) -> _Plans:
     if "triton" not in call.cache:
         call.cache["triton"] = _Plans(call)
-    return call.cache["triton"]
+    return cast(_Plans, call.cache["triton"])
 
 
 # ---------------------------------------------------------------------------------------------- launch
@@ -324,10 +329,13 @@ def _rows_contiguous(t: Tensor) -> Tensor:
 @lru_cache(maxsize=16)
 def _placeholders(device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
     """int32, int64 and float32 tensors that stand in for pointers a kernel's flags say it will not read."""
-    return tuple(torch.zeros(1, dtype=dt, device=device) for dt in (torch.int32, torch.int64, torch.float32))
+    dtypes = (torch.int32, torch.int64, torch.float32)
+    return cast("tuple[Tensor, Tensor, Tensor]", tuple(torch.zeros(1, dtype=dt, device=device) for dt in dtypes))
 
 
-def _kernel_kwargs(q: Tensor, k: Tensor, v: Tensor, mods: _Mods, plan: _MaskPlan, lists: _plan.TileLists) -> dict:
+def _kernel_kwargs(
+    q: Tensor, k: Tensor, v: Tensor, mods: _Mods, plan: _MaskPlan, lists: _plan.TileLists
+) -> dict[str, Any]:
     """The arguments the three attention kernels share: strides, mask, score modifiers, meta-parameters."""
     K = _kernels()
     i32, i64, f32 = _placeholders(q.device)

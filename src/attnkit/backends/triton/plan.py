@@ -52,10 +52,10 @@ def predicates(mask: Mask, q_len: int, kv_len: int, device: torch.device, batch:
     """
     out = Predicates()
 
-    def hi(value):
+    def hi(value: int) -> None:
         out.hi_off = value if out.hi_off is None else min(out.hi_off, value)
 
-    def lo(value):
+    def lo(value: int) -> None:
         out.lo_off = value if out.lo_off is None else max(out.lo_off, value)
 
     for term in mask.conjuncts():
@@ -110,7 +110,8 @@ def tile_lists(structure: BlockStructure) -> TileLists:
         ([[1, 1], [1, 2], [1, 3]], [[0, 0, 0], [1, 0, 0], [2, 0, 1]])
     """
     npart, nfull = structure.partial_count, structure.full_count  # (B', H', R)
-    lead = torch.broadcast_shapes(npart.shape, nfull.shape)
+    # (torch.broadcast_shapes has no annotations in torch's sources)
+    lead = torch.broadcast_shapes(npart.shape, nfull.shape)  # type: ignore[no-untyped-call]
     npart, nfull = npart.expand(lead), nfull.expand(lead)
     pidx = structure.partial_index.expand(*lead, structure.partial_index.shape[-1])
     fidx = structure.full_index.expand(*lead, structure.full_index.shape[-1])
