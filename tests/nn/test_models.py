@@ -257,7 +257,10 @@ def test_layer_masks_decode_with_caches_like_full_recomputation():
         full = model(ids)
         cache = StaticCache.for_model(model, 2, 16)
         inc = torch.cat([model(ids[:, a:b], cache=cache) for a, b in [(0, 5), (5, 6), (6, 7), (7, 10), (10, 12)]], 1)
-    torch.testing.assert_close(inc, full, rtol=0, atol=1e-5)
+        exact = copy.deepcopy(model).double()(ids)  # the float64 oracle
+    # DESIGN.md's rule: the cached steps (whose 1-3 row products use the kernel timed fastest on this machine)
+    # are as close to float64 as the full pass is, within twice its error
+    assert (inc.double() - exact).abs().max() <= 2 * (full.double() - exact).abs().max() + 1e-6
     prompts = [[5, 9, 14, 3, 22, 7, 40], [11, 12, 13]]  # ragged: left padding in the batch
     want = attnkit.generate(model, prompts, 9, cache=None)  # recomputes every position at every step
     causal_only = DecoderLM(model.config.replace(layer_masks=None)).eval()

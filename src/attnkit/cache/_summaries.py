@@ -58,6 +58,8 @@ class BlockSummaries:
             self.reads += hi - lo
             self._write(new, valid, n)
         self.count = n
+        if not self.buffers:  # no block complete yet (fewer than ``span`` keys): no summary, in its shapes
+            return summarise(k, v)
         return tuple(b[:, :, :n] for b in self.buffers)
 
     @torch.inference_mode(False)  # ordinary tensors: the cache may be written outside inference_mode later
