@@ -166,7 +166,9 @@ def attend_blocks(
         )
     layout = None if sinks is not None else _pool_layout(q, k_pool, v_pool, bias, mask, layouts)
     if layout is not None:
-        return _attend_pool(q, k_pool, v_pool, layout, scale=scale, softcap=softcap, mask=mask, bias=bias)
+        return _attend_pool(  # (_pool_layout takes only masks and modifiers that read positions)
+            q, k_pool, v_pool, layout, scale=scale, softcap=softcap, mask=cast("Mask | None", mask), bias=bias
+        )
     return _attend_runs(q, k_pool, v_pool, lens, runs, scale=scale, softcap=softcap, bias=bias, mask=mask, sinks=sinks)
 
 
@@ -504,7 +506,7 @@ def _attend_pool(
     *,
     scale: float,
     softcap: float | None,
-    mask: Mask | Tensor | None = None,
+    mask: Mask | None = None,
     bias: Tensor | ScoreMod | None = None,
 ) -> Tensor:
     """One decode query per sequence against the blocks of some spans of the pool at once.

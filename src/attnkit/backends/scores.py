@@ -100,10 +100,10 @@ def modify_scores(
 
 def score_pipeline(
     s: Tensor,
-    b: Tensor,
-    h: Tensor,
-    q: Tensor,
-    k: Tensor,
+    b: Tensor | None,
+    h: Tensor | None,
+    q: Tensor | None,
+    k: Tensor | None,
     q_len: int,
     kv_len: int,
     *,
@@ -116,7 +116,7 @@ def score_pipeline(
     """softcap, then bias, then mask, on scaled scores ``s``: the one order every backend follows.
 
     ``b``, ``h``, ``q``, ``k`` are index tensors broadcastable to ``s`` (batch row, query head, query row,
-    key); ``q_len``/``kv_len`` are the lengths a mask or modifier aligns them with (bottom-right: query
+    key; None where neither a score modifier nor a :class:`~attnkit.masks.Mask` reads them); ``q_len``/``kv_len`` are the lengths a mask or modifier aligns them with (bottom-right: query
     ``i`` sits at position ``i + kv_len - q_len``).  ``bias`` and ``mask`` are a score modifier and a
     :class:`~attnkit.masks.Mask` (or None); a tensor bias or bool mask enters already sliced to ``s`` as ``bias_block`` /
     ``mask_block`` (True = may attend).  A hidden score is ``-inf``.
@@ -124,10 +124,12 @@ def score_pipeline(
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
     if isinstance(bias, ScoreMod):
+        b, h, q, k = cast("tuple[Tensor, Tensor, Tensor, Tensor]", (b, h, q, k))  # (given with a modifier)
         s = bias.apply(s, b, h, q, k, q_len, kv_len)
     elif bias_block is not None:
         s = s + bias_block.to(s.dtype)
     if mask is not None:
+        b, h, q, k = cast("tuple[Tensor, Tensor, Tensor, Tensor]", (b, h, q, k))  # (given with a mask)
         allowed = mask.evaluate(b, h, q, k, q_len, kv_len)
         s = s.masked_fill(~allowed, float("-inf"))
     if mask_block is not None:

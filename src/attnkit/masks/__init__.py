@@ -44,7 +44,15 @@ from typing import TYPE_CHECKING, TypeAlias, Union
 import torch
 
 from ._base import Band, Dense, Documents, KeyLengths, Mask, MaskForm, Prefix, Varlen, _And, _Named, _Not, _Or
-from ._blocks import EMPTY as EMPTY, FULL as FULL, PARTIAL as PARTIAL, BlockStructure, _check_align, index_grid, _offset
+from ._blocks import (
+    EMPTY as EMPTY,
+    FULL as FULL,
+    PARTIAL as PARTIAL,
+    BlockStructure,
+    _check_align,
+    index_grid as index_grid,
+    _offset,
+)
 from ._builtins import (
     _BlockLocal,
     _Causal,
@@ -78,10 +86,10 @@ from ._convert import (
     _FromDense,
     _FromFlex,
     _FromFn,
-    nothing_visible,
+    nothing_visible as nothing_visible,
     _per_sequence,
-    positions_unchecked,
-    reads_absolute_positions,
+    positions_unchecked as positions_unchecked,
+    reads_absolute_positions as reads_absolute_positions,
     _Varlen,
     from_dense,
     from_flex,
