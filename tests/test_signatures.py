@@ -8,6 +8,7 @@ checked where they live, not here."""
 from __future__ import annotations
 
 import ast
+import inspect
 from pathlib import Path
 
 import attnkit
@@ -47,3 +48,22 @@ def test_no_function_takes_more_than_twelve_parameters():
 def test_the_count_sees_every_kind_of_parameter():
     fn = ast.parse("def f(self, a, /, b, *c, d, **e): pass").body[0]
     assert isinstance(fn, ast.FunctionDef) and _parameters(fn) == 5
+
+
+def test_the_public_entry_points_are_fully_annotated():
+    """mypy checks masks/, backends/ and cache/ strictly; the entry points users call most are held to the same
+    rule here: every parameter and the return value annotated (the overloads of `attention` and
+    `attention_varlen` say which form `return_lse` gives)."""
+    from attnkit.decoding import Engine
+
+    entry = [attnkit.attention, attnkit.attention_varlen, attnkit.generate]
+    entry += [getattr(Engine, name) for name in ("__init__", "add", "step", "run", "generate", "abort", "take")]
+    bare = []
+    for fn in entry:
+        sig = inspect.signature(fn)
+        bare += [
+            f"{fn.__qualname__}({n})" for n, p in sig.parameters.items() if n != "self" and p.annotation is p.empty
+        ]
+        if sig.return_annotation is sig.empty:
+            bare.append(f"{fn.__qualname__} -> ?")
+    assert not bare, "unannotated: " + ", ".join(bare)

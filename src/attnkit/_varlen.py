@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, cast, overload
 
 import torch
 
@@ -31,6 +31,51 @@ def _split(result) -> tuple[Tensor, Tensor | None]:
 # ---------------------------------------------------------------------- public API
 
 
+@overload
+def attention_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    *,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    mask: Mask | None = None,
+    bias: BiasLike | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+    dropout_p: float = 0.0,
+    return_lse: Literal[False] = False,
+    backend: str = "auto",
+    **unknown: object,
+) -> Tensor: ...
+
+
+@overload
+def attention_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    *,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    mask: Mask | None = None,
+    bias: BiasLike | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+    dropout_p: float = 0.0,
+    return_lse: Literal[True],
+    backend: str = "auto",
+    **unknown: object,
+) -> tuple[Tensor, Tensor]: ...
+
+
+@overload
 def attention_varlen(
     q: Tensor,
     k: Tensor,
@@ -48,8 +93,29 @@ def attention_varlen(
     dropout_p: float = 0.0,
     return_lse: bool = False,
     backend: str = "auto",
-    **unknown,
-):
+    **unknown: object,
+) -> Tensor | tuple[Tensor, Tensor]: ...
+
+
+def attention_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    *,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    mask: Mask | None = None,
+    bias: BiasLike | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+    dropout_p: float = 0.0,
+    return_lse: bool = False,
+    backend: str = "auto",
+    **unknown: object,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Attention over packed variable-length sequences: each sequence attends only within itself.
 
     Args:
@@ -162,7 +228,7 @@ def attention_varlen(
             )
         )  # (1, H, T, D) views
         out = o[0].transpose(0, 1).contiguous()  # (Tq, Hq, Dv)
-        return (out, lse) if return_lse else out
+        return (out, cast(Tensor, lse)) if return_lse else out  # (lse computed with return_lse)
     lq, lk = cu_q.diff().tolist(), cu_k.diff().tolist()
     choice = _packed.choose(q, k, v, cu_q, cu_k, mask, bias, scale, softcap, dropout_p, backend, _select, sinks)
     if choice.batched:
@@ -221,4 +287,4 @@ def attention_varlen(
         out = torch.cat(outs)[order]
         lse = torch.cat(lses, dim=1)[:, order] if return_lse else None
     out = out.contiguous()  # (Tq, Hq, Dv)
-    return (out, lse) if return_lse else out
+    return (out, cast(Tensor, lse)) if return_lse else out  # (lse computed with return_lse)

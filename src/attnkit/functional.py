@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections import OrderedDict
-from typing import Callable
+from typing import Callable, Literal, overload
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -109,6 +109,43 @@ def _warn_if_layout_swapped(call: Call) -> None:
 # ---------------------------------------------------------------------- public API
 
 
+@overload
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: MaskLike | None = None,
+    bias: BiasLike | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+    dropout_p: float = 0.0,
+    return_lse: Literal[False] = False,
+    backend: str = "auto",
+    **unknown: object,
+) -> Tensor: ...
+
+
+@overload
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: MaskLike | None = None,
+    bias: BiasLike | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+    dropout_p: float = 0.0,
+    return_lse: Literal[True],
+    backend: str = "auto",
+    **unknown: object,
+) -> tuple[Tensor, Tensor]: ...
+
+
+@overload
 def attention(
     q: Tensor,
     k: Tensor,
@@ -122,8 +159,25 @@ def attention(
     dropout_p: float = 0.0,
     return_lse: bool = False,
     backend: str = "auto",
-    **unknown,
-):
+    **unknown: object,
+) -> Tensor | tuple[Tensor, Tensor]: ...
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: MaskLike | None = None,
+    bias: BiasLike | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+    dropout_p: float = 0.0,
+    return_lse: bool = False,
+    backend: str = "auto",
+    **unknown: object,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Scaled dot-product attention: ``softmax(mask(bias(softcap(q @ k^T * scale)))) @ v``.
 
     Args:

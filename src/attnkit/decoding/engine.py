@@ -26,6 +26,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 from numbers import Integral
+from typing import Any, Sequence
 
 import torch
 
@@ -228,7 +229,7 @@ class Engine:
 
     def __init__(
         self,
-        model,
+        model: torch.nn.Module,
         cache_blocks: int,
         block_size: int = 16,
         max_batch: int = 16,
@@ -241,7 +242,7 @@ class Engine:
         decode_threads: str | int | None = "auto",
         n_sink: int | None = None,
         window: int | None = None,
-    ):
+    ) -> None:
         integer("cache_blocks", cache_blocks, minimum=1)
         integer("block_size", block_size, minimum=1)
         self.max_batch = integer("max_batch", max_batch, minimum=1)
@@ -320,7 +321,14 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
 
-    def add(self, prompt, max_new_tokens: int, *, sampling: SamplingParams | None = None, **sampling_keywords) -> int:
+    def add(
+        self,
+        prompt: Sequence[int] | Tensor,
+        max_new_tokens: int,
+        *,
+        sampling: SamplingParams | None = None,
+        **sampling_keywords: Any,
+    ) -> int:
         """Queue a request; returns its id.  ``sampling`` is a :class:`~attnkit.decoding.SamplingParams`
         (None: greedy), or, as in :func:`attnkit.decoding.generate`, its arguments as keywords (never both).  A
         request ends after an eos id or a stop sequence, both included in its tokens; with ``logprobs`` its
@@ -687,7 +695,14 @@ class Engine:
             self.step()
         return dict(self.results)
 
-    def generate(self, prompts, max_new_tokens: int, *, sampling: SamplingParams | None = None, **sampling_keywords):
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]] | Tensor,
+        max_new_tokens: int,
+        *,
+        sampling: SamplingParams | None = None,
+        **sampling_keywords: Any,
+    ) -> list[list[int]] | GenerationResult:
         """Queue every prompt with the same ``sampling`` (or sampling keywords, as :meth:`add`), run, and
         return the tokens in prompt order (with ``logprobs``, a :class:`~attnkit.decoding.GenerationResult`
         as :func:`attnkit.decoding.generate` returns)."""

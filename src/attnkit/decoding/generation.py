@@ -16,7 +16,7 @@ import threading
 import types
 import weakref
 from numbers import Integral
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -320,19 +320,19 @@ def _stream(
 
 
 def generate(
-    model,
-    prompts,
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]] | Tensor,
     max_new_tokens: int,
     *,
     sampling: SamplingParams | None = None,
-    cache: str | Callable | None = "auto",
+    cache: str | Callable[..., Any] | None = "auto",
     stream: bool = False,
     compile: bool = False,
     relayout: bool = True,
     speculative: Speculation | None = None,
     decode_threads: str | int | None = "auto",
-    **sampling_keywords,
-):
+    **sampling_keywords: Any,
+) -> list[list[int]] | GenerationResult | Iterator[tuple[int, int] | tuple[int, int, TokenLogprob]]:
     """Generate ``max_new_tokens`` tokens after each prompt with a decoder language model.
 
     Args:

@@ -704,8 +704,8 @@ def ring_attention(
     B, Hq, n, D = q.shape
     L = n * world
     if n == 0:
-        out = attention(q, k, v, return_lse=True, sinks=sinks)
-        return out if return_lse else out[0]
+        res = attention(q, k, v, return_lse=True, sinks=sinks)
+        return res if return_lse else res[0]
     lay = Layout(layout, world, L)
     plan = _make_plan(mask, lay, rank, B, Hq, q.device)
     cfg = _Config(group, rank, world, lay, plan, mask, bias, scale, softcap)

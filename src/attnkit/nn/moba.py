@@ -119,9 +119,10 @@ def moba_attention(
     B, Hq, L, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     g, nkb = Hq // Hkv, -(-Lk // block)
-    opts = dict(scale=scale, softcap=softcap, return_lse=True, backend=backend)
     mask = _masks.causal() & _masks.block_local(block)
-    out_own, lse_own = attention(q, k, v, mask=mask, **opts)  # (B, Hq, L, Dv), (B, Hq, L)
+    out_own, lse_own = attention(
+        q, k, v, mask=mask, scale=scale, softcap=softcap, return_lse=True, backend=backend
+    )  # (B, Hq, L, Dv), (B, Hq, L)
     past = choice[..., :-1]
     own = torch.arange(Lk - L, Lk, device=q.device) // block
     if not torch.compiler.is_compiling() and bool((past >= own[:, None]).any()):
@@ -148,7 +149,15 @@ def moba_attention(
     sb, sh, sj = ids // (Hq * nkb), (ids // nkb) % Hq, ids % nkb
     keys = (sj[:, None] * block + torch.arange(block, device=q.device))[seq_of_chunk]  # earlier blocks: complete
     b_c, h_c = sb[seq_of_chunk, None], (sh // g)[seq_of_chunk, None]
-    out_c, lse_c = attention(qc[:, None], k[b_c, h_c, keys][:, None], v[b_c, h_c, keys][:, None], **opts)
+    out_c, lse_c = attention(
+        qc[:, None],
+        k[b_c, h_c, keys][:, None],
+        v[b_c, h_c, keys][:, None],
+        scale=scale,
+        softcap=softcap,
+        return_lse=True,
+        backend=backend,
+    )
     out_p, lse_p = out_c[:, 0][chunk, slot], lse_c[:, 0][chunk, slot]  # (pairs, Dv), (pairs,)
     row = (bi * Hq + hi) * L + ti  # the query each part belongs to
     lse_own = lse_own.reshape(-1)
