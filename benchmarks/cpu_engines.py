@@ -3,24 +3,31 @@ column, on one random-weight Llama, the same prompt ids and the same thread coun
 
 The model is built once as a Hugging Face ``LlamaForCausalLM`` folder (safetensors, and a word-level tokenizer
 that CTranslate2's converter reads); CTranslate2 converts it with its transformers converter, and llama.cpp
-reads it as a GGUF file written from the same tensors with the ``gguf`` package (q and k rows permuted as
-llama.cpp's own converter does), quantized to q8_0 / q4_0 with llama.cpp's quantizer.  Each engine and
-precision runs in a process of its own: greedy decoding of ``--new`` tokens after ``--prompt`` prompt tokens,
-at batch 1 and 8.  Prefill is the time to the first new token (the prompt's forward); decode is the time of the
-remaining steps, in generated tokens per second over the whole batch.  Agreement is the fraction of greedy
-tokens equal to HF float32's, position by position.  For attnkit's quantized modes the quality cost is also
-measured on the float32 model's own greedy continuation: its perplexity under the quantized model against
-under float32, and the teacher-forced top-1 agreement.
+reads it as a GGUF file made by llama.cpp's own converter (``convert_hf_to_gguf.py`` from the sources that
+llama-cpp-python vendors, given ``--llama-converter``; the folder gets a sentencepiece ``tokenizer.model`` with
+the same pieces, the vocabulary format that converter reads for a Llama) or, without it, by this script's
+writer (the ``gguf`` package, q and k rows permuted as the converter does), quantized to q8_0 / q4_0 with
+llama.cpp's quantizer.  Each engine and precision runs in a process of its own: greedy decoding of ``--new``
+tokens after ``--prompt`` prompt tokens, at batch 1 and 8.  Prefill is the time to the first new token (the
+prompt's forward); decode is the time of the remaining steps, in generated tokens per second over the whole
+batch.  Agreement is the fraction of greedy tokens equal to HF float32's, position by position.  For
+attnkit's quantized modes the quality cost is also measured on the float32 model's own greedy continuation: its
+perplexity under the quantized model against under float32, and the teacher-forced top-1 agreement.
 
 Optional to run, never part of the test suite.  Setup (llama-cpp-python builds llama.cpp from source: about
-40 minutes on 2 cores; CPU only, tuned for the building machine)::
+40 minutes on 2 quiet cores with the options below; CPU only, tuned for the building machine)::
 
     pip install -e '.[bench]' ctranslate2
     python -m venv /tmp/llama-venv
-    CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_BLAS=OFF" /tmp/llama-venv/bin/pip install llama-cpp-python numpy gguf
+    pip download --no-deps --no-binary :all: llama-cpp-python -d /tmp && tar xzf /tmp/llama_cpp_python-*.tar.gz -C /tmp
+    CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+        -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=OFF" /tmp/llama-venv/bin/pip install /tmp/llama_cpp_python-*/
+    /tmp/llama-venv/bin/pip install torch==2.13.0 numpy sentencepiece transformers safetensors protobuf \
+        /tmp/llama_cpp_python-*/vendor/llama.cpp/gguf-py          # what the converter imports
 
-    python benchmarks/cpu_engines.py --llama-python /tmp/llama-venv/bin/python            # 58.5M model
-    python benchmarks/cpu_engines.py --size 336M --llama-python /tmp/llama-venv/bin/python
+    python benchmarks/cpu_engines.py --llama-python /tmp/llama-venv/bin/python \
+        --llama-converter /tmp/llama_cpp_python-*/vendor/llama.cpp/convert_hf_to_gguf.py   # 58.5M model
+    python benchmarks/cpu_engines.py --size 336M --llama-python ... --llama-converter ...
 
 Without llama-cpp-python (or without ctranslate2) the script says how to install it and runs the rest.
 """
@@ -44,10 +51,8 @@ SIZES = {  # hidden, layers, heads, kv heads, intermediate (vocab 32000): about 
 }
 VOCAB = 32000
 INSTALL_LLAMA = (
-    "llama-cpp-python is not installed for {python}: build it (about 40 minutes on 2 cores) with\n"
-    '  python -m venv /tmp/llama-venv && CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_BLAS=OFF" '
-    "/tmp/llama-venv/bin/pip install llama-cpp-python numpy gguf\n"
-    "and pass --llama-python /tmp/llama-venv/bin/python"
+    "llama-cpp-python is not installed for {python}: build it (about 40 minutes on 2 cores) as this script's "
+    "docstring says, and pass --llama-python /tmp/llama-venv/bin/python (and --llama-converter)"
 )
 INSTALL_CT2 = "ctranslate2 is not installed for {python}: pip install ctranslate2 (wheels, a minute)"
 
@@ -305,6 +310,36 @@ def write_gguf(folder: Path, path: Path) -> None:
     w.close()
 
 
+def write_sentencepiece(folder: Path) -> None:
+    """``tokenizer.model`` for the folder: a sentencepiece model with the word-level tokenizer's pieces (ids
+    equal), which is the vocabulary format llama.cpp's converter reads for a Llama."""
+    from sentencepiece import sentencepiece_model_pb2 as spm
+
+    cfg = json.loads((folder / "config.json").read_text())
+    m = spm.ModelProto()
+    m.trainer_spec.model_type = spm.TrainerSpec.UNIGRAM
+    m.trainer_spec.vocab_size = cfg["vocab_size"]
+    m.trainer_spec.unk_id, m.trainer_spec.bos_id, m.trainer_spec.eos_id, m.trainer_spec.pad_id = 0, 1, 2, -1
+    m.normalizer_spec.name = "identity"
+    m.normalizer_spec.add_dummy_prefix = False
+    piece_type = spm.ModelProto.SentencePiece
+    kinds = {0: piece_type.UNKNOWN, 1: piece_type.CONTROL, 2: piece_type.CONTROL}
+    for i, piece in enumerate(["<unk>", "<s>", "</s>", *(f"t{i}" for i in range(3, cfg["vocab_size"]))]):
+        m.pieces.add(piece=piece, score=0.0, type=kinds.get(i, piece_type.NORMAL))
+    (folder / "tokenizer.model").write_bytes(m.SerializeToString())
+
+
+def convert_gguf(folder: Path, path: Path, converter: str) -> None:
+    """The folder as an f32 GGUF file, by llama.cpp's own converter (``convert_hf_to_gguf.py`` of the sources
+    llama-cpp-python vendors)."""
+    if not (folder / "tokenizer.model").exists():
+        write_sentencepiece(folder)
+    cmd = [sys.executable, converter, str(folder), "--outtype", "f32", "--outfile", str(path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0 or not path.exists():
+        raise RuntimeError("llama.cpp's converter failed: " + (proc.stderr.strip().splitlines() or ["?"])[-1])
+
+
 def worker_llama(spec: dict) -> dict:
     import ctypes
 
@@ -312,12 +347,15 @@ def worker_llama(spec: dict) -> dict:
     import numpy as np
 
     work = Path(spec["work"])
-    f32 = work / "model-f32.gguf"
+    f32 = work / ("model-f32.gguf" if spec.get("converter") else "model-f32-writer.gguf")
     if not f32.exists():
-        write_gguf(Path(spec["folder"]), f32)
+        if spec.get("converter"):
+            convert_gguf(Path(spec["folder"]), f32, spec["converter"])
+        else:
+            write_gguf(Path(spec["folder"]), f32)
     path = f32
     if spec["mode"] != "f32":
-        path = work / f"model-{spec['mode']}.gguf"
+        path = f32.with_name(f32.name.replace("f32", spec["mode"]))
         if not path.exists():
             params = L.llama_model_quantize_default_params()
             params.ftype = {"q8_0": L.LLAMA_FTYPE_MOSTLY_Q8_0, "q4_0": L.LLAMA_FTYPE_MOSTLY_Q4_0}[spec["mode"]]
@@ -412,6 +450,12 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--llama-python", default=sys.executable, help="a Python with llama_cpp, numpy and gguf")
+    ap.add_argument(
+        "--llama-converter",
+        default=None,
+        help="llama.cpp's convert_hf_to_gguf.py (in the llama-cpp-python sources, vendor/llama.cpp/); without it "
+        "the GGUF file is written by this script's own writer",
+    )
     ap.add_argument("--ct2-python", default=sys.executable, help="a Python with ctranslate2, torch, transformers")
     ap.add_argument("--work", default=None, help="folder for the model files (default: a temporary one)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per engine process")
@@ -461,6 +505,7 @@ def main(argv=None) -> int:
             "threads": args.threads,
             "repeat": args.repeat,
             "vocab": VOCAB,
+            "converter": args.llama_converter and str(Path(args.llama_converter).resolve()),
             "batches": [{"prompts": ids, "reference": refs[B]} for B, ids in batches.items()],
         }
         got = spawn(python, spec, args.timeout)
