@@ -211,3 +211,17 @@ def test_engine_prefills_at_the_decode_steps_count(two_threads, chunked):
         assert torch.get_num_threads() == 2
     finally:
         hook.remove()
+
+
+def test_the_policy_says_what_it_chose_and_what_it_measured(two_threads):
+    policy = DecodeThreads("auto", clock=FakeClock({1: 1e-3, 2: 3e-3}))  # a busy core: one thread is faster
+    assert "until the steps have been timed" in str(policy)
+    run_steps(policy, 2)
+    assert str(policy).startswith("decode threads: deciding (round 1 of at most 3)")
+    run_steps(policy, 1)
+    text = str(policy)
+    assert text.startswith("decode threads: 1 of the caller's 2, the fastest by median step time")
+    assert f"tried again in {_threads.RECHECK} steps" in text
+    assert "1 thread 0.50 ms, 2 threads 1.50 ms (3 steps run)" in text  # (a step: half its cost, read twice)
+    assert str(DecodeThreads(1)) == "decode threads: 1, as asked (decode_threads=1)"
+    assert "left alone" in str(DecodeThreads(None))

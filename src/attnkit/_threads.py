@@ -109,6 +109,28 @@ class DecodeThreads:
         self._slow = 0  # steps in a row SLOWER than the chosen count's median
         self._periodic = False  # the queued re-check is the periodic one (not a slowdown's)
 
+    def __str__(self) -> str:
+        """What the policy runs the steps at and why: the count, and the median step time it measured at each
+        count.  The count is not stored between processes (unlike the decode products' kernels): it follows the
+        load of the machine now, which a later process does not share."""
+        if self.threads is None:
+            return "decode threads: torch's count, left alone (decode_threads=None)"
+        if self.threads != "auto":
+            return f"decode threads: {self.threads}, as asked (decode_threads={self.threads})"
+        if self._base is None or not self._times:
+            return "decode threads: the caller's count until the steps have been timed (decode_threads='auto')"
+        measured = ", ".join(
+            f"{c} thread{'s' if c > 1 else ''} {1e3 * _median(t):.2f} ms" for c, t in sorted(self._times.items())
+        )
+        if self._probing:
+            state = f"deciding (round {self._rounds + 1} of at most {PROBE}), {self._base} thread(s) meanwhile"
+        else:
+            state = (
+                f"{self._chosen} of the caller's {self._base}, the fastest by median step time; the other counts are"
+                f" tried again in {max(0, self._interval - self._since)} steps, or at once if steps slow down"
+            )
+        return f"decode threads: {state}; median step measured at {measured} ({self._steps} steps run)"
+
     @property
     def chosen(self) -> int | None:
         """The count the steps run at now (None before the first step, or when torch's count is left alone)."""
