@@ -1,13 +1,14 @@
 """The machine a measured choice holds for, and the small JSON files that keep such choices between processes.
 
 Some of attnkit's choices are measured, not read off a table (which kernel streams a decode product fastest:
-``attnkit.nn._products``).  A measurement holds for the machine it ran on, so it is stored under a key of that
+``attnkit.nn._products``; how many threads a decode step runs at: ``attnkit._threads``).  A measurement holds for the machine it ran on, so it is stored under a key of that
 machine, :func:`machine`: the CPU's model name, its core count, the instruction-set extensions the kernels
 dispatch on (AVX2, AVX-512 and its VNNI / bf16 parts, AMX; NEON/SVE on ARM), and torch's version and BLAS /
 oneDNN build.  A new process on the same machine reads the stored choice instead of timing again; another
 machine, another torch or another BLAS finds no file of its own and measures.
 
-Where: one JSON file per kind of choice and machine, ``<kind>-<machine id>.json`` in :func:`cache_dir`:
+Where: one JSON file per kind of choice and machine, ``<kind>-<machine id>.json`` in :func:`cache_dir` (the
+decode-time choices, products' kernels and thread counts, share the kind :data:`DECODE`):
 ``$ATTNKIT_CACHE_DIR`` when set (set to the empty string, nothing is read or written: every process
 measures), else ``$XDG_CACHE_HOME/attnkit``, else ``~/.cache/attnkit``.  A file is written whole to a
 temporary file beside it and moved into place (``os.replace``), so a reader never sees half of one; a missing,
@@ -30,6 +31,7 @@ import torch
 
 ENV = "ATTNKIT_CACHE_DIR"
 FORMAT = 1  # the files' format; a file of another format reads as empty
+DECODE = "decode-choices"  # the kind of the decode-time choices (products' kernels, thread counts): one file
 
 # the CPU flags (Linux's /proc/cpuinfo names) that decide which kernels a BLAS or oneDNN dispatches to
 _ISA = (
@@ -172,6 +174,14 @@ def save(kind: str, choices: dict[str, dict]) -> str | None:
             except OSError:
                 pass
         return f"could not write {where}: {e.strerror or e}"
+
+
+def merge(kind: str, new: dict[str, dict]) -> tuple[dict[str, dict], str | None]:
+    """Adds ``new`` to this machine's stored choices of ``kind``, read again first (another process, or another
+    kind of choice sharing the file, may have added its own since); returns the records now stored and
+    :func:`save`'s answer (None when written or storing is off, else why not)."""
+    records = {**load(kind), **new}
+    return records, save(kind, records)
 
 
 def remove(kind: str) -> Path | None:

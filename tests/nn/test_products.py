@@ -59,7 +59,7 @@ def _product(rows=1):
 
 
 def _file(tmp_path: Path) -> Path:
-    (found,) = tmp_path.glob("decode-products-*.json")
+    (found,) = tmp_path.glob("decode-choices-*.json")
     return found
 
 

@@ -20,7 +20,7 @@ once per shape (a few milliseconds for a 512 x 1408 weight, about a second for a
 the first decode step, which ``decode_threads="auto"`` never times.
 
 The choices are kept between processes, per machine (``attnkit._machine``: the CPU model, cores, instruction
-set, torch and its BLAS / oneDNN build), in ``decode-products-<machine id>.json`` under ``$ATTNKIT_CACHE_DIR``
+set, torch and its BLAS / oneDNN build), in ``decode-choices-<machine id>.json`` under ``$ATTNKIT_CACHE_DIR``
 (else ``$XDG_CACHE_HOME/attnkit`` or ``~/.cache/attnkit``): a later process on the same machine reads its
 choice there and times nothing.  A busy core must not decide for every later process, so a choice is stored
 only when its measurement shows no sign of one: the fastest call of each candidate must pick the kernel its
@@ -45,7 +45,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .. import _machine
+from .. import _machine, _threads
 
 Tensor = torch.Tensor
 
@@ -54,7 +54,7 @@ ROUNDS = 5  # rounds of one call per candidate (fewer when a shape's rounds pass
 BUDGET = 0.3  # seconds of measuring per shape and thread count after which the rounds stop (after the third)
 MARGIN = 0.10  # another kernel must be this much faster than "linear" to be chosen
 CONTENDED = 2.0  # a candidate this much slower at n threads than at one: n threads met a busy core (not stored)
-KIND = "decode-products"  # the stored file's name: decode-products-<machine id>.json (attnkit._machine)
+KIND = _machine.DECODE  # the stored file's name: decode-choices-<machine id>.json (shared with the thread counts)
 _WHAT = {
     "linear": "F.linear, MKL's matrix-vector product",
     "columns": "MKL's two-column product",
@@ -217,8 +217,7 @@ def _store(new: list[ProductChoice]) -> None:
     where = _machine.path(KIND)
     if not keep or where is None:
         return
-    records = {**_machine.load(KIND), **keep}
-    problem = _machine.save(KIND, records)
+    records, problem = _machine.merge(KIND, keep)
     _PROBLEM[:] = [problem] if problem else []
     _FILES[str(where)] = records
 
@@ -266,10 +265,12 @@ def choose(rows: int, out_features: int, in_features: int, onednn: bool) -> str:
 
 
 def clear_decode_choices() -> str | None:
-    """Forgets every decode-product choice: this process's and the ones stored for this machine, so the next
-    decode products are measured again (after a change to the machine that its key does not see, or to
-    re-measure on a quiet machine).  Returns the path of the stored file it deleted, or None when there was none
-    (or storing is off: ``ATTNKIT_CACHE_DIR=""``).
+    """Forgets every decode-time choice, the products' kernels and the decode steps' thread counts: this
+    process's and the ones stored for this machine, so the next decode products are measured again and the next
+    thread policies (of a new model, batch size or Engine) probe again (after a change to the machine that its
+    key does not see, or to re-measure on a quiet machine); a policy already running keeps its count and
+    re-checks it as usual.  Returns the path of the stored file it deleted, or None when there was none (or
+    storing is off: ``ATTNKIT_CACHE_DIR=""``).
 
     Example::
 
@@ -282,18 +283,21 @@ def clear_decode_choices() -> str | None:
         _CHOICES.clear()
         _FILES.clear()
         _PROBLEM.clear()
+        _threads.forget()
         removed = _machine.remove(KIND)
     return None if removed is None else str(removed)
 
 
 class DecodeProducts(NamedTuple):
-    """The kernels chosen so far for decode-sized products in this process (:func:`decode_products`), and the
-    file that keeps them for this machine (``file``: None when storing is off; ``problem``: why it could not
-    be written, if so)."""
+    """The kernels chosen so far for decode-sized products in this process (:func:`decode_products`), the
+    thread counts chosen for decode steps (``threads``: ``attnkit._threads.ThreadChoice``, one per step shape
+    and available count), and the file that keeps both for this machine (``file``: None when storing is off;
+    ``problem``: why it could not be written, if so)."""
 
     choices: tuple
     file: str | None = None
     problem: str | None = None
+    threads: tuple = ()
 
     def __str__(self) -> str:
         head = (
@@ -308,14 +312,24 @@ class DecodeProducts(NamedTuple):
             where = f"  stored choices: {self.file} (read by later processes on this machine)"
             if self.problem:
                 where += f"; {self.problem}: the choices serve this process only"
-        if not self.choices:
-            return "\n".join([head, where, "  none yet (the first decode step of a float32 model on the CPU chooses)"])
-        return "\n".join([head, where, *(f"  {c}" for c in self.choices)])
+        products = [f"  {c}" for c in self.choices] or [
+            "  none yet (the first decode step of a float32 model on the CPU chooses)"
+        ]
+        threads = (
+            f"Decode-step thread counts (decode_threads='auto'), chosen by timing the live decode steps at the "
+            f"caller's count, one fewer and one, per model, batch and available count (the fastest by median step "
+            f"time; stored only without signs of a busy core, re-checked every {_threads.RECHECK}-"
+            f"{_threads.RECHECK_MAX} steps):"
+        )
+        counts = [f"  {c}" for c in self.threads] or ["  none yet (the first generation or Engine on the CPU chooses)"]
+        return "\n".join([head, where, *products, threads, *counts])
 
 
 def decode_products() -> DecodeProducts:
     """What attnkit chose for the decode-sized products run so far in this process, why, the GB/s each
-    candidate streamed, and whether each choice was measured now or read from this machine's stored file.
+    candidate streamed, and whether each choice was measured now or read from this machine's stored file; and
+    the thread count each kind of decode step runs at (``decode_threads="auto"``), with the median step time
+    measured at each count and where it came from.
 
     Example::
 
@@ -330,8 +344,10 @@ def decode_products() -> DecodeProducts:
     """
     with _LOCK:
         where = _machine.path(KIND)
+        problem = _PROBLEM[0] if _PROBLEM else _threads.stored_problem()
         return DecodeProducts(
             tuple(_CHOICES[k] for k in sorted(_CHOICES)),
             None if where is None else str(where),
-            _PROBLEM[0] if _PROBLEM else None,
+            problem,
+            _threads.thread_choices(),
         )
