@@ -398,3 +398,17 @@ def test_decode_products_lists_the_thread_counts_with_their_step_times(stored):
         f"  {STEP}, 2 threads available: 1, the fastest by median step time; median step 1 thread 500.00 ms, " in text
     )
     assert "2 threads 750.00 ms (measured now, stored)" in text
+
+
+def test_generate_and_engine_choices_are_listed_by_model_and_batch(two_threads, monkeypatch):
+    monkeypatch.setattr(_threads, "_CHOICES", {})  # (earlier tests' tiny models have the same shape)
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny")).eval()
+    attnkit.generate(model, [[1, 2, 3]], 10)  # 9 decode steps: the probing ends within PROBE rounds
+    engine = attnkit.Engine(model, cache_blocks=16, block_size=4, max_batch=2)
+    engine.add([1, 2, 3], 12)
+    engine.run()
+    listed = [c for c in decode_products().threads if c.step.startswith(_threads.step_shape(model, "")[:-2])]
+    assert {c.step.rsplit("; ", 1)[1] for c in listed} == {"generate, batch 1", "Engine, up to 2 rows"}
+    assert all(c.available == 2 and c.threads in (1, 2) and set(c.seconds) == {1, 2} for c in listed)
+    assert all(c.unstored.startswith("storing is off") for c in listed)  # (the suite stores nothing)

@@ -143,9 +143,11 @@ class ThreadChoice(NamedTuple):
                 where += f"; the file keeps {self.stored}"
         else:
             where = "measured now, stored"
+        best = min(self.seconds, key=lambda c: self.seconds[c])
+        why = "the fastest by median step time" if best == self.threads else f"kept: {best} was not {MARGIN:.0%} faster"
         return (
             f"{self.step}, {self.available} thread{'s' if self.available > 1 else ''} available: {self.threads}, "
-            f"the fastest by median step time; median step {ms} ({where})"
+            f"{why}; median step {ms} ({where})"
         )
 
 
@@ -228,7 +230,7 @@ def _settle(step: str, available: int, chosen: int, seconds: dict, fastest: dict
         stored = None if before is None else before.threads
         where = _machine.path(KIND)
         if where is None:
-            why = why or "storing is off (ATTNKIT_CACHE_DIR is empty)"
+            why = "storing is off (ATTNKIT_CACHE_DIR is empty)" + (f"; and {why}" if why else "")
         elif not why and stored != chosen and set(seconds) == set(_candidates(available)):
             record = {
                 "threads": chosen,
