@@ -88,3 +88,13 @@ def test_remove_deletes_only_this_machines_file(monkeypatch, tmp_path):
     (tmp_path / "k-someone-else.json").write_text("{}")
     assert _machine.remove("k") == _machine.path("k") and _machine.remove("k") is None
     assert [p.name for p in Path(tmp_path).iterdir()] == ["k-someone-else.json"]
+
+
+def test_merge_adds_to_what_the_file_holds_now(monkeypatch, tmp_path):
+    monkeypatch.setenv("ATTNKIT_CACHE_DIR", str(tmp_path))
+    assert _machine.save(_machine.DECODE, {"1x8x8@2": {"kernel": "linear"}}) is None  # (another writer's record)
+    records, problem = _machine.merge(_machine.DECODE, {"threads m; batch 1@2": {"threads": 1}})
+    assert problem is None and set(records) == {"1x8x8@2", "threads m; batch 1@2"}
+    assert _machine.load(_machine.DECODE) == records
+    records, _ = _machine.merge(_machine.DECODE, {"threads m; batch 1@2": {"threads": 2}})
+    assert records["threads m; batch 1@2"] == {"threads": 2} and records["1x8x8@2"] == {"kernel": "linear"}
