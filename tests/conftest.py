@@ -4,6 +4,7 @@ markers each test gets from where it lives (see pyproject.toml for what each mea
 
 import importlib.util
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -100,9 +101,14 @@ def pytest_configure(config):
     """Keep pytest's final "N passed in X s" line, which CI reads.  addopts already holds ``-q``, so one more
     ``-q`` on the command line makes ``-qq``, and below ``-q`` pytest prints no summary line at all.
 
-    Fail at once when a ``dev`` dependency is missing: each is a requirement of the suite, not an option."""
+    Fail at once when a ``dev`` dependency is missing: each is a requirement of the suite, not an option.
+
+    Keep the suite's measured choices out of the user's cache folder (``ATTNKIT_CACHE_DIR=""``)."""
     if config.option.verbose < -1:
         config.option.verbose = -1
+    # decode-product choices are stored per machine under the user's cache folder: the suite (its doctests and
+    # the child processes it starts included) stores and reads none; the tests of storing name their own folder
+    os.environ["ATTNKIT_CACHE_DIR"] = ""
     missing = [m for m in DEV_MODULES if importlib.util.find_spec(m) is None]
     if missing:
         raise pytest.UsageError(

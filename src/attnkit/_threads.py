@@ -26,6 +26,20 @@ What it costs a short generation is kept small:
 * :func:`attnkit.generate` keeps one policy per model and batch size, so later generations start from
   what earlier ones decided; an :class:`attnkit.decoding.Engine` keeps its own.
 
+Decisions are also kept between processes, per machine (``attnkit._machine``), in the file of the decode-time
+choices (``decode-choices-<machine id>.json``, beside the products' kernels), keyed by the steps' shape
+(:func:`step_shape`: the model and the batch) and the caller's count.  A policy whose steps have a stored count
+starts from it (its first step untimed as ever, then the stored count, no probing round) and re-checks the
+other counts as above, so a changed load is still noticed.  A decision is written only when it differs from the
+stored one and its step times show no sign of a busy core (the rules of the products' kernels): the fastest
+step of each count picks the count the medians picked, and no count above one runs :data:`CONTENDED` times
+slower than one thread, nor (against one thread) :data:`CONTENDED` times slower than when the stored count was
+measured.  So a process that finds a core busy runs at fewer threads itself without telling later processes to.
+Nothing is read or written per step: the stored count is looked up when a policy meets the caller's count, and
+the file written only on a decision.  ``ATTNKIT_CACHE_DIR=""`` stores and reads nothing;
+:func:`attnkit.nn.clear_decode_choices` forgets the stored counts too; :func:`attnkit.nn.decode_products` lists
+every count chosen or read so far, with its step times and where it came from.
+
 Torch's thread count is the caller's (process-wide) setting: a step changes it only for its own
 duration and gives the caller's count back when it ends, also on error.  Python threads of the caller
 that run torch operations during a step see the step's count meanwhile.
@@ -37,10 +51,16 @@ OpenMP's own waiting can also be changed, before the process starts, with ``OMP_
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import math
+import threading
 import time
 from collections import deque
+from typing import NamedTuple
 
 import torch
+
+from . import _machine
 
 PROBE = 3  # most rounds (one step at each candidate count) before the medians decide
 MARGIN = 0.25  # a count whose step time is below 1 / (1 + MARGIN) of every other's wins without more rounds
@@ -48,6 +68,9 @@ RECHECK = 32  # steps at the chosen count before each other candidate runs one s
 RECHECK_MAX = 256  # ... an interval that doubles up to this while re-checks keep the choice
 SLOWER = 1.5  # two steps in a row this much slower than the chosen count's recent median: re-check now
 _KEEP = 5  # recent step times kept per count (their median decides)
+CONTENDED = 2.0  # a count above one this much slower than one thread (or than the stored entry said): not stored
+KIND = _machine.DECODE  # the stored file: decode-choices-<machine id>.json, shared with the products' kernels
+_PREFIX = "threads "  # the stored keys of thread counts: "threads <step shape>@<caller's count>"
 
 
 def _candidates(n: int) -> tuple[int, ...]:
@@ -61,13 +84,196 @@ def _median(times) -> float:
     return s[len(s) // 2]
 
 
+def step_shape(model, rows: str) -> str | None:
+    """What a decode step's time depends on besides the machine and its thread count, as the stored choices'
+    key: the model (its class, width and layers where its config names them, its parameter count and dtypes,
+    and a digest of every parameter's and buffer's shape and dtype) and ``rows`` (the step's batch, in words).
+    None for a model that is not a ``torch.nn.Module`` (nothing is stored for it).
+
+    Example::
+
+        >>> import torch
+        >>> from attnkit._threads import step_shape
+        >>> step_shape(torch.nn.Linear(8, 4), "1 row")                   # doctest: +ELLIPSIS
+        'Linear, 0.0M float32 parameters [...]; 1 row'
+    """
+    if not isinstance(model, torch.nn.Module):
+        return None
+    tensors = [*model.parameters(), *model.buffers()]
+    digest = hashlib.sha256(repr([(tuple(t.shape), str(t.dtype)) for t in tensors]).encode()).hexdigest()[:8]
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
+    parts = [type(model).__name__]
+    config = getattr(model, "config", None)
+    for words, names in (
+        ("width", ("d_model", "hidden_size", "n_embd")),
+        ("layers", ("n_layers", "num_hidden_layers")),
+    ):
+        value = next((getattr(config, n) for n in names if isinstance(getattr(config, n, None), int)), None)
+        if value is not None:
+            parts.append(f"width {value}" if words == "width" else f"{value} layers")
+    count = sum(p.numel() for p in model.parameters())
+    parts.append(f"{count / 1e6:.1f}M {'/'.join(dtypes) or 'no'} parameters [{digest}]")
+    return f"{', '.join(parts)}; {rows}"
+
+
+class ThreadChoice(NamedTuple):
+    """The thread count decode steps of ``step`` (:func:`step_shape`) run at when the caller runs
+    ``available`` threads: ``threads``, from the median step time at each count tried (``seconds``; ``fastest``:
+    the fastest step at each).  ``origin``: ``"measured"`` in this process or ``"stored"`` (read from this
+    machine's file, measured by an earlier process); ``unstored``: why a measured choice was kept from the file
+    (signs of another process on a core; empty when it was not); ``stored``: the count the file holds for this
+    step now (None: none)."""
+
+    step: str
+    available: int
+    threads: int
+    seconds: dict
+    fastest: dict
+    origin: str = "measured"
+    unstored: str = ""
+    stored: int | None = None
+
+    def __str__(self) -> str:
+        ms = ", ".join(f"{c} thread{'s' if c > 1 else ''} {1e3 * s:.2f} ms" for c, s in sorted(self.seconds.items()))
+        if self.origin == "stored":
+            where = "stored: measured by an earlier process on this machine; re-checked as the steps go"
+        elif self.unstored:
+            where = f"measured now, not stored: {self.unstored}"
+            if self.stored is not None:
+                where += f"; the file keeps {self.stored}"
+        else:
+            where = "measured now, stored"
+        best = min(self.seconds, key=lambda c: self.seconds[c])
+        why = "the fastest by median step time" if best == self.threads else f"kept: {best} was not {MARGIN:.0%} faster"
+        return (
+            f"{self.step}, {self.available} thread{'s' if self.available > 1 else ''} available: {self.threads}, "
+            f"{why}; median step {ms} ({where})"
+        )
+
+
+_CHOICES: dict[str, ThreadChoice] = {}  # stored key -> the latest choice of this process for that step
+_FILES: dict[str, dict[str, dict]] = {}  # the stored file's path ("" with storing off) -> its records, read once
+_PROBLEM: list[str] = []  # why the last write of the file failed (empty when it did not)
+_LOCK = threading.Lock()
+
+
+def _stored() -> dict[str, dict]:
+    """This machine's stored records (read from the file on first use in the process)."""
+    where = str(_machine.path(KIND) or "")
+    if where not in _FILES:
+        _FILES[where] = _machine.load(KIND) if where else {}
+    return _FILES[where]
+
+
+def _from_record(key: str, step: str, available: int, record: dict | None) -> ThreadChoice | None:
+    """The stored choice of ``key`` (None when there is none usable: the steps are timed as in a new process)."""
+    if not isinstance(record, dict):
+        return None
+    counts = _candidates(available)
+
+    def times(d) -> dict | None:
+        ok = isinstance(d, dict) and {str(c) for c in counts} == set(d)
+        ok = ok and all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in d.values())
+        return {c: float(d[str(c)]) for c in counts} if ok else None
+
+    seconds, fastest = times(record.get("seconds")), times(record.get("fastest"))
+    chosen = record.get("threads")
+    if seconds is None or fastest is None or chosen not in counts or isinstance(chosen, bool):
+        return None
+    return ThreadChoice(step, available, chosen, seconds, fastest, "stored", "", chosen)
+
+
+def _lookup(step: str, available: int) -> ThreadChoice | None:
+    """The count stored for decode steps of ``step`` at ``available`` threads on this machine, if any."""
+    key = f"{_PREFIX}{step}@{available}"
+    with _LOCK:
+        found = _from_record(key, step, available, _stored().get(key))
+        if found is not None and key not in _CHOICES:
+            _CHOICES[key] = found
+    return found
+
+
+def _contended(chosen: int, seconds: dict, fastest: dict, before: ThreadChoice | None) -> str:
+    """Why the step times may have met another process on a core ("" when they show no sign of one): the
+    fastest steps pick another count than the medians did, or a count above one ran :data:`CONTENDED` times
+    slower than one thread, or than the stored entry's measurement said it runs relative to one thread
+    (``before``)."""
+    quickest = min(fastest, key=lambda c: fastest[c])
+    if quickest != chosen:
+        return f"its fastest steps pick {quickest} thread(s) (steps slowed by another process?)"
+    if 1 not in seconds:
+        return ""
+    for c in sorted(seconds, reverse=True):
+        if c == 1:
+            continue
+        ratio = seconds[c] / seconds[1]
+        if ratio > CONTENDED:
+            return f"{c} threads ran {ratio:.1f}x slower than 1 (a core busy with another process?)"
+        if before is not None and c in before.seconds and 1 in before.seconds:
+            was = before.seconds[c] / before.seconds[1]
+            if ratio > CONTENDED * was:
+                return (
+                    f"{c} threads ran {ratio / was:.1f}x slower against 1 than when the stored count was measured "
+                    "(a core busy with another process?)"
+                )
+    return ""
+
+
+def _settle(step: str, available: int, chosen: int, seconds: dict, fastest: dict) -> None:
+    """A policy decided (a probe or a re-check): kept for :func:`thread_choices`, and written to this machine's
+    file when it differs from what the file holds and its step times show no sign of a busy core."""
+    key = f"{_PREFIX}{step}@{available}"
+    with _LOCK:
+        records = _stored()
+        before = _from_record(key, step, available, records.get(key))
+        why = _contended(chosen, seconds, fastest, before)
+        stored = None if before is None else before.threads
+        where = _machine.path(KIND)
+        if where is None:
+            why = "storing is off (ATTNKIT_CACHE_DIR is empty)" + (f"; and {why}" if why else "")
+        elif not why and stored != chosen and set(seconds) == set(_candidates(available)):
+            record = {
+                "threads": chosen,
+                "seconds": {str(c): s for c, s in seconds.items()},
+                "fastest": {str(c): s for c, s in fastest.items()},
+            }
+            records, problem = _machine.merge(KIND, {key: record})
+            _PROBLEM[:] = [problem] if problem else []
+            _FILES[str(where)] = records
+            stored = chosen if problem is None else stored
+        _CHOICES[key] = ThreadChoice(step, available, chosen, dict(seconds), dict(fastest), "measured", why, stored)
+
+
+def thread_choices() -> tuple[ThreadChoice, ...]:
+    """The thread counts chosen (or read from this machine's file) for decode steps so far in this process,
+    one per step shape and available count, the latest of each."""
+    with _LOCK:
+        return tuple(_CHOICES[k] for k in sorted(_CHOICES))
+
+
+def stored_problem() -> str | None:
+    """Why the last write of a thread choice to this machine's file failed (None when it did not)."""
+    return _PROBLEM[0] if _PROBLEM else None
+
+
+def forget() -> None:
+    """Forgets this process's thread choices and what it read from the file (the file is the caller's to
+    remove: ``attnkit.nn.clear_decode_choices``); live policies keep their counts and re-check as usual."""
+    with _LOCK:
+        _CHOICES.clear()
+        _FILES.clear()
+        _PROBLEM.clear()
+
+
 class DecodeThreads:
     """Picks the thread count of each decode step of one decoding loop (a generation, an Engine).
 
     ``threads="auto"`` tries the caller's count, one fewer and one (:func:`_candidates`) on the live steps
     and keeps the fastest, re-checking as it goes (module doc); an int uses exactly that many threads for the
     steps; None leaves torch's count alone.  ``clock`` is the timer (``time.perf_counter``; replaceable in
-    tests).
+    tests).  ``shape``: what the steps are (:func:`step_shape`), the key of the count stored for this machine:
+    with it, ``"auto"`` starts from the stored count instead of probing, and stores what it decides (module doc);
+    None stores and reads nothing.
 
     Example::
 
@@ -80,7 +286,7 @@ class DecodeThreads:
         True
     """
 
-    def __init__(self, threads: str | int | None = "auto", clock=time.perf_counter):
+    def __init__(self, threads: str | int | None = "auto", clock=time.perf_counter, shape: str | None = None):
         if (
             threads is not None
             and threads != "auto"
@@ -91,6 +297,7 @@ class DecodeThreads:
                 f"live decode steps), a positive int, or None (leave torch's thread count alone)"
             )
         self.threads = threads
+        self.shape = shape
         self._clock = clock
         self._steps = 0  # steps run (all of them, probes and re-checks too)
         self._base: int | None = None  # the caller's count the candidates were made for
@@ -108,6 +315,41 @@ class DecodeThreads:
         self._since = 0  # steps at the chosen count since the last decision
         self._slow = 0  # steps in a row SLOWER than the chosen count's median
         self._periodic = False  # the queued re-check is the periodic one (not a slowdown's)
+        self._stored: ThreadChoice | None = None  # the stored choice the steps started from (no probing)
+        if caller is not None and self.threads == "auto" and self.shape and len(_candidates(caller)) > 1:
+            self._stored = _lookup(self.shape, caller)
+            if self._stored is not None:
+                self._probing, self._chosen = False, self._stored.threads
+
+    def __str__(self) -> str:
+        """What the policy runs the steps at and why: the count, and the median step time it measured at each
+        count (or the stored choice it started from).  Every policy's choices are listed by
+        :func:`attnkit.nn.decode_products`."""
+        if self.threads is None:
+            return "decode threads: torch's count, left alone (decode_threads=None)"
+        if self.threads != "auto":
+            return f"decode threads: {self.threads}, as asked (decode_threads={self.threads})"
+        if self._stored is not None and set(self._times) <= {self._chosen}:  # (no re-check yet)
+            return (
+                f"decode threads: {self._chosen} of the caller's {self._base}, stored by an earlier process for this "
+                f"machine and these steps ({self._stored.step}), where its median step took "
+                + ", ".join(f"{1e3 * v:.2f} ms at {c}" for c, v in sorted(self._stored.seconds.items()))
+                + f"; the other counts are tried again in {max(0, self._interval - self._since)} steps, or at once "
+                f"if steps slow down ({self._steps} steps run)"
+            )
+        if self._base is None or not self._times:
+            return "decode threads: the caller's count until the steps have been timed (decode_threads='auto')"
+        measured = ", ".join(
+            f"{c} thread{'s' if c > 1 else ''} {1e3 * _median(t):.2f} ms" for c, t in sorted(self._times.items())
+        )
+        if self._probing:
+            state = f"deciding (round {self._rounds + 1} of at most {PROBE}), {self._base} thread(s) meanwhile"
+        else:
+            state = (
+                f"{self._chosen} of the caller's {self._base}, the fastest by median step time; the other counts are"
+                f" tried again in {max(0, self._interval - self._since)} steps, or at once if steps slow down"
+            )
+        return f"decode threads: {state}; median step measured at {measured} ({self._steps} steps run)"
 
     @property
     def chosen(self) -> int | None:
@@ -171,6 +413,9 @@ class DecodeThreads:
             elif self._periodic:
                 self._interval = min(2 * self._interval, RECHECK_MAX)
         self._since = self._slow = 0
+        if self.shape and self._base is not None and self._chosen is not None:
+            fastest = {c: min(t) for c, t in self._times.items()}
+            _settle(self.shape, self._base, self._chosen, medians, fastest)
 
     @contextlib.contextmanager
     def follow(self):

@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import torch
 
 from .._checks import flag, integer
-from .._threads import DecodeThreads
+from .._threads import DecodeThreads, step_shape
 from ..cache import PagedCache, PagedSinkCache, PoolExhausted
 from ..cache import model_dims
 from . import sampling as _sampling
@@ -278,7 +278,9 @@ class Engine:
         self._key_cost = _key_cost(model)
         self.model = model
         self._copies = DecodeCopies() if relayout else None  # the weights laid out for decoding, owned here
-        self._threads = cpu_threads(model, DecodeThreads(decode_threads))  # each decode step's thread count
+        self._threads = cpu_threads(  # each decode step's thread count (stored per machine: attnkit._threads)
+            model, DecodeThreads(decode_threads, shape=step_shape(model, f"Engine, up to {self.max_batch} rows"))
+        )
         self.preempt = preempt
         if (n_sink is None) != (window is None):
             raise ValueError(

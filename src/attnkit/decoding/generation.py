@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from .._checks import flag
-from .._threads import DecodeThreads
+from .._threads import DecodeThreads, step_shape
 from ..cache import PagedCache, QuantizedCache, SlidingWindowCache, StaticCache
 from ..cache import model_dims
 from . import sampling as _sampling
@@ -141,7 +141,10 @@ def _threads_for(model, threads, batch: int) -> DecodeThreads:
     if threads != "auto" or not isinstance(model, torch.nn.Module):
         return DecodeThreads(threads)
     with _COPIES_LOCK:
-        return _THREADS.setdefault(model, {}).setdefault(batch, DecodeThreads("auto"))
+        policies = _THREADS.setdefault(model, {})
+        if batch not in policies:  # (stored per machine under the steps' shape: attnkit._threads)
+            policies[batch] = DecodeThreads("auto", shape=step_shape(model, f"generate, batch {batch}"))
+        return policies[batch]
 
 
 def _compiled_step(model):

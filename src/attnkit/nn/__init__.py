@@ -16,7 +16,8 @@
   :class:`TransformerBlock`), which the modules are built from (``MultiHeadAttention(config)``); a
   :class:`DecoderConfig` makes them once for its layers (:meth:`DecoderConfig.block_config`).
 * Layers: :class:`Linear` (CPU decoding kernels picked by weight layout and batch, and for 1-3 rows by timing
-  them on this machine: :func:`decode_products`), :class:`RMSNorm`, :class:`FeedForward`.
+  them on this machine, kept per machine between processes: :func:`decode_products`,
+  :func:`clear_decode_choices`), :class:`RMSNorm`, :class:`FeedForward`.
 * Generated training tasks: :mod:`attnkit.nn.tasks` (copying, associative recall).
 
 Every attention score in this package is computed by one private method per module, which calls
@@ -42,7 +43,7 @@ from .axial import AxialAttention
 from .blocks import BlockConfig, Decoder, Encoder, TransformerBlock, default_d_ff
 from .dsa import DeepSeekSparseAttention, IndexerConfig, LightningIndexer, indexer_loss, selected_attention, top_k_keys
 from .latent import LatentAttention, LatentConfig
-from ._products import DecodeProducts, decode_products
+from ._products import DecodeProducts, clear_decode_choices, decode_products
 from .layers import FeedForward, Linear, RMSNorm, linear, to_decode_layout
 from .moba import MoBAAttention
 from .nsa import NSAAttention
@@ -103,6 +104,7 @@ __all__ = [
     "to_decode_layout",
     "DecodeProducts",
     "decode_products",
+    "clear_decode_choices",
     "default_d_ff",
     "tasks",
 ]
