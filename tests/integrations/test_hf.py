@@ -13,30 +13,15 @@ import transformers
 from transformers import masking_utils as mu
 
 from attnkit.integrations import hf
+from _models import V, hf_kwargs, hf_llama_family
 
-V = 96  # vocabulary
 TOL = 1e-4  # float32 parity with eager
-_COMMON = dict(
-    vocab_size=V,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-    attention_dropout=0.0,
-)
+_COMMON = hf_kwargs(intermediate_size=128, attention_dropout=0.0)
 
 
 def _config(name: str):
-    if name == "llama":
-        return transformers.LlamaConfig(**_COMMON)
-    if name == "mistral":
-        return transformers.MistralConfig(**_COMMON, sliding_window=4)
-    if name == "qwen2":
-        return transformers.Qwen2Config(**_COMMON)
+    if name in ("llama", "mistral", "qwen2"):
+        return hf_llama_family(name, **_COMMON)
     if name == "gemma2":
         return transformers.Gemma2Config(
             **_COMMON,

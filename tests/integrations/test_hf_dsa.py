@@ -12,15 +12,11 @@ import transformers
 from attnkit.integrations import hf
 from attnkit.integrations.hf import from_hf, to_hf
 from attnkit.nn import DeepSeekSparseAttention
+from _models import V, hf_kwargs
 
-V = 96
 TOL = 1e-4
-_DSA = dict(
-    vocab_size=V,
-    hidden_size=64,
+_DSA = hf_kwargs(
     intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
     num_key_value_heads=4,
     kv_lora_rank=16,
     q_lora_rank=24,
@@ -38,9 +34,6 @@ _DSA = dict(
     n_group=1,
     topk_group=1,
     max_position_embeddings=64,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
 )
 
 

@@ -10,21 +10,10 @@ from attnkit import masks
 import transformers
 from attnkit.integrations.hf import from_hf, to_hf
 from attnkit.nn import DecoderLM
+from _models import V, hf_kwargs
 
-V = 96
 TOL = 1e-4
-_COMMON = dict(
-    vocab_size=V,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-    max_position_embeddings=64,
-)
+_COMMON = hf_kwargs(intermediate_size=96, num_hidden_layers=3, max_position_embeddings=64)
 _PAIRS = 8  # rotated pairs of a 16-wide head
 _MLA = dict(
     num_key_value_heads=4,

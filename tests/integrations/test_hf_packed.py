@@ -10,21 +10,10 @@ import transformers
 from transformers import masking_utils as mu
 
 from attnkit.integrations import hf
+from _models import V, hf_kwargs, hf_llama_family
 
-V = 96
 TOL = 1e-4
-_COMMON = dict(
-    vocab_size=V,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-    attention_dropout=0.0,
-)
+_COMMON = hf_kwargs(intermediate_size=128, attention_dropout=0.0)
 LENGTHS = [5, 11, 1, 8]  # a one-token sequence too
 
 
@@ -35,11 +24,9 @@ def _registered():
 
 def _model(name: str, impl: str):
     torch.manual_seed(0)
-    cfg = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "mistral": transformers.MistralConfig}[
-        name
-    ]
-    extra = {"sliding_window": 4} if name == "mistral" else {}
-    return transformers.AutoModelForCausalLM.from_config(cfg(**_COMMON, **extra), attn_implementation=impl).train()
+    return transformers.AutoModelForCausalLM.from_config(
+        hf_llama_family(name, **_COMMON), attn_implementation=impl
+    ).train()
 
 
 def _sequences():

@@ -7,20 +7,12 @@ import torch
 import transformers
 
 from attnkit.integrations import hf
+from _models import V, hf_kwargs
 
-V = 96
 TOL = 1e-4  # float32 parity with eager
-_SMALL = dict(
-    vocab_size=V,
-    hidden_size=64,
+_SMALL = hf_kwargs(
     intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
     head_dim=16,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
     attention_dropout=0.0,
     num_local_experts=2,
     num_experts=2,

@@ -1,0 +1,70 @@
+"""The tiny models and configs that many test files build: small transformers decoders (nothing is downloaded)
+and small attnkit decoders, their weights drawn after a fixed ``torch.manual_seed`` so that each test sees the
+same model every run.  Test files import them as ``from _models import ...`` (pyproject puts tests/ on the path)."""
+
+import torch
+
+from attnkit.nn import DecoderConfig, DecoderLM
+
+V = 96  # the vocabulary of the transformers configs of hf_kwargs
+
+
+def hf_kwargs(**overrides) -> dict:
+    """The keyword arguments of a tiny transformers decoder config: a 96-token vocabulary, 64 wide, two layers,
+    four query heads over two key/value heads, tokens 0, 1 and 2 for padding, start and end; ``overrides``
+    replace or add to them."""
+    base = dict(
+        vocab_size=V,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return {**base, **overrides}
+
+
+def hf_llama_family(name: str, **kwargs):
+    """The transformers config of ``"llama"``, ``"mistral"`` (a 4-token sliding window) or ``"qwen2"`` over
+    ``kwargs`` (the keyword arguments of :func:`hf_kwargs`, say)."""
+    import transformers
+
+    if name == "llama":
+        return transformers.LlamaConfig(**kwargs)
+    if name == "mistral":
+        return transformers.MistralConfig(**kwargs, sliding_window=4)
+    if name == "qwen2":
+        return transformers.Qwen2Config(**kwargs)
+    raise KeyError(name)
+
+
+def tiny_llama(attn_implementation: str | None = "eager", seed: int = 0, **overrides):
+    """A transformers Llama causal LM in eval mode: a 64-token vocabulary, 32 wide, two layers, four query
+    heads over two key/value heads (``overrides`` replace or add config fields), its weights drawn after
+    ``torch.manual_seed(seed)``.  ``attn_implementation=None`` leaves transformers' default."""
+    import transformers
+
+    cfg = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    config = transformers.LlamaConfig(**{**cfg, **overrides})
+    torch.manual_seed(seed)
+    if attn_implementation is None:
+        return transformers.LlamaForCausalLM(config).eval()
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).eval()
+
+
+def tiny_decoder(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> DecoderLM:
+    """An attnkit DecoderLM in eval mode: a 64-token vocabulary, 32 wide, two layers, four query heads over two
+    key/value heads, 64 positions (``overrides`` replace or add DecoderConfig fields), its weights drawn after
+    ``torch.manual_seed(seed)`` and cast to ``dtype``."""
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
+    return DecoderLM(DecoderConfig(**{**cfg, **overrides})).to(dtype).eval()
