@@ -26,6 +26,24 @@ def hf_kwargs(**overrides) -> dict:
     return {**base, **overrides}
 
 
+# the latent attention of the tiny DeepSeek configs: 16-wide latent keys and values, query/key heads of 8 rotated
+# and 12 plain dims, 10-wide values
+MLA = dict(num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10)
+
+
+def deepseek_yarn() -> dict:
+    """DeepSeek's YaRN rope parameters (with its attention-scale terms), switching at 8 positions: inside the test
+    sequences.  A new dict each call: a config keeps the one it is given."""
+    return {
+        "rope_type": "yarn",
+        "rope_theta": 1e4,
+        "factor": 4.0,
+        "original_max_position_embeddings": 8,
+        "mscale": 0.7,
+        "mscale_all_dim": 0.9,
+    }
+
+
 def hf_llama_family(name: str, **kwargs):
     """The transformers config of ``"llama"``, ``"mistral"`` (a 4-token sliding window) or ``"qwen2"`` over
     ``kwargs`` (the keyword arguments of :func:`hf_kwargs`, say)."""
@@ -41,20 +59,13 @@ def hf_llama_family(name: str, **kwargs):
 
 
 def tiny_llama(attn_implementation: str | None = "eager", seed: int = 0, **overrides):
-    """A transformers Llama causal LM in eval mode: a 64-token vocabulary, 32 wide, two layers, four query
-    heads over two key/value heads (``overrides`` replace or add config fields), its weights drawn after
-    ``torch.manual_seed(seed)``.  ``attn_implementation=None`` leaves transformers' default."""
+    """A transformers Llama causal LM in eval mode: the layers and heads of :func:`hf_kwargs` at half the width,
+    a 64-token vocabulary and no padding token (``overrides`` replace or add config fields), its weights drawn
+    after ``torch.manual_seed(seed)``.  ``attn_implementation=None`` leaves transformers' default."""
     import transformers
 
-    cfg = dict(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    config = transformers.LlamaConfig(**{**cfg, **overrides})
+    half = dict(vocab_size=64, hidden_size=32, intermediate_size=64, pad_token_id=None)  # Llama's bos 1, eos 2
+    config = transformers.LlamaConfig(**hf_kwargs(**{**half, **overrides}))
     torch.manual_seed(seed)
     if attn_implementation is None:
         return transformers.LlamaForCausalLM(config).eval()

@@ -17,7 +17,7 @@ from attnkit import masks
 from attnkit.backends import paged as paged_kernel
 from attnkit.nn import DecoderConfig, DecoderLM, IndexerConfig
 from attnkit.testing import check_against_oracle
-from _models import tiny_llama
+from _models import tiny_decoder, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -27,9 +27,7 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 def _model(seed: int, dtype: torch.dtype, **kw) -> DecoderLM:
     """A small decoder with weights large enough that greedy tokens depend on the attention (init_std=0.3),
     and every bias and sink logit random (a Qwen2-style model's q/k/v biases are far from zero)."""
-    torch.manual_seed(seed)
-    cfg = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, init_std=0.3)
-    model = DecoderLM(DecoderConfig(**{**cfg, **kw}))
+    model = tiny_decoder(seed, **{"init_std": 0.3, **kw})
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() < 2 and not name.endswith(("norm.weight", "norm1.weight", "norm2.weight")):

@@ -8,7 +8,7 @@ import torch
 
 import attnkit
 from attnkit.cache import PagedSinkCache, SinkCache
-from attnkit.nn import DecoderConfig, DecoderLM
+from _models import tiny_decoder
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -17,20 +17,9 @@ N_SINK, WINDOW = 4, 9  # capacity 13: the prompts and generations below run far 
 
 
 def _model(positions="rope", dtype=torch.float64, **kw):
-    torch.manual_seed(0)
     # init_std=0.3: attention that depends on which keys are kept (the default's small weights give near-constant
     # greedy tokens that a wrong window would not change)
-    cfg = dict(
-        vocab_size=64,
-        d_model=32,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        max_seq_len=64,
-        positions=positions,
-        init_std=0.3,
-    )
-    return DecoderLM(DecoderConfig(**{**cfg, **kw})).to(dtype).eval()
+    return tiny_decoder(dtype=dtype, positions=positions, init_std=0.3, **kw)
 
 
 def _alone(model, prompt, n, sampling=None):
