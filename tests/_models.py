@@ -58,6 +58,45 @@ def hf_llama_family(name: str, **kwargs):
     raise KeyError(name)
 
 
+def hf_sink_model(model_type: str, attn_implementation: str = "eager", token_classification: bool = False):
+    """A tiny transformers model with learned attention sinks (``s_aux`` / ``sinks``) in eval mode: ``model_type``
+    as transformers names it, a causal LM or a token classifier, with two small experts where it has experts and
+    a 4-token window where it has one; its weights drawn after ``torch.manual_seed(0)``, then its sink logits
+    (which start at zero or small) redrawn with std 2, so that they matter.  Skips the test where this transformers
+    has no such model."""
+    import pytest
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model_type not in CONFIG_MAPPING_NAMES:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+    cfg = transformers.AutoConfig.for_model(
+        model_type,
+        **hf_kwargs(
+            intermediate_size=64,
+            head_dim=16,
+            attention_dropout=0.0,
+            num_local_experts=2,
+            num_experts=2,
+            num_experts_per_tok=1,
+            moe_intermediate_size=32,
+            sliding_window=4,
+            max_position_embeddings=128,
+        ),
+    )
+    auto = transformers.AutoModelForTokenClassification if token_classification else transformers.AutoModelForCausalLM
+    torch.manual_seed(0)
+    model = auto.from_config(cfg, attn_implementation=attn_implementation).eval()
+    n = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.split(".")[-1] == "sinks":
+                p.copy_(torch.randn_like(p) * 2)
+                n += 1
+    assert n >= 1, f"{model_type}: no sink parameter found"
+    return model
+
+
 def tiny_llama(attn_implementation: str | None = "eager", seed: int = 0, **overrides):
     """A transformers Llama causal LM in eval mode: the layers and heads of :func:`hf_kwargs` at half the width,
     a 64-token vocabulary and no padding token (``overrides`` replace or add config fields), its weights drawn

@@ -4,44 +4,16 @@ on tiny random configs (nothing is downloaded)."""
 import pytest
 import torch
 
-import transformers
-
 from attnkit.integrations import hf
-from _models import V, hf_kwargs
+from _models import V, hf_sink_model
 
 TOL = 1e-4  # float32 parity with eager
-_SMALL = hf_kwargs(
-    intermediate_size=64,
-    head_dim=16,
-    attention_dropout=0.0,
-    num_local_experts=2,
-    num_experts=2,
-    num_experts_per_tok=1,
-    moe_intermediate_size=32,
-    sliding_window=4,
-    max_position_embeddings=128,
-)
 CAUSAL = ["gpt_oss", "deepseek_v4", "flint", "granite_swa", "granitemoe_swa", "hy_v4", "mimo_v2_flash"]
 ALL = CAUSAL + ["openai_privacy_filter"]
 
 
 def _model(model_type: str):
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-    if model_type not in CONFIG_MAPPING_NAMES:
-        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
-    cfg = transformers.AutoConfig.for_model(model_type, **_SMALL)
-    auto = transformers.AutoModelForCausalLM if model_type in CAUSAL else transformers.AutoModelForTokenClassification
-    torch.manual_seed(0)
-    model = auto.from_config(cfg, attn_implementation="eager").eval()
-    n = 0
-    with torch.no_grad():  # the sinks start at zero or small: make them matter
-        for name, p in model.named_parameters():
-            if name.split(".")[-1] == "sinks":
-                p.copy_(torch.randn_like(p) * 2)
-                n += 1
-    assert n >= 1, f"{model_type}: no sink parameter found"
-    return model
+    return hf_sink_model(model_type, token_classification=model_type not in CAUSAL)
 
 
 def _batch(length=9):
