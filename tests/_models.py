@@ -4,7 +4,8 @@ same model every run.  Test files import them as ``from _models import ...`` (py
 
 import torch
 
-from attnkit.nn import DecoderConfig, DecoderLM
+from attnkit import masks
+from attnkit.nn import DecoderConfig, DecoderLM, RotaryEmbedding
 
 V = 96  # the vocabulary of the transformers configs of hf_kwargs
 
@@ -26,9 +27,10 @@ def hf_kwargs(**overrides) -> dict:
     return {**base, **overrides}
 
 
-# the latent attention of the tiny DeepSeek configs: 16-wide latent keys and values, query/key heads of 8 rotated
-# and 12 plain dims, 10-wide values
-MLA = dict(num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10)
+# the widths of the tiny latent-attention layers and DeepSeek configs: 16-wide latent keys and values, query/key
+# heads of 8 rotated and 12 plain dims, 10-wide values (MLA: as transformers' config keywords, four KV heads)
+LATENT_DIMS = dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10)
+MLA = dict(num_key_value_heads=4, **LATENT_DIMS)
 
 
 def deepseek_yarn() -> dict:
@@ -118,3 +120,24 @@ def tiny_decoder(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides)
     torch.manual_seed(seed)
     cfg = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
     return DecoderLM(DecoderConfig(**{**cfg, **overrides})).to(dtype).eval()
+
+
+def latent_layer(cls, q_lora_rank: int | None = 24, **kw):
+    """A layer of latent attention ``cls`` (LatentAttention, DeepSeekSparseAttention; ``kw``: more of its
+    arguments) in eval mode: 32 wide, four heads of the LATENT_DIMS widths, interleaved rope, causal; its weight
+    matrices drawn with std 0.3 after ``torch.manual_seed(0)`` (large enough that the attention matters)."""
+    torch.manual_seed(0)
+    m = cls(
+        32,
+        4,
+        **LATENT_DIMS,
+        q_lora_rank=q_lora_rank,
+        positions=RotaryEmbedding(8, interleaved=True),
+        mask=masks.causal(),
+        **kw,
+    )
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    return m.eval()

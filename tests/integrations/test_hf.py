@@ -77,6 +77,16 @@ def _registered():
     assert hf.register() == "attnkit"
 
 
+def _matches_eager(model, run, name: str = "attnkit") -> None:
+    """``run(model)`` (a tensor) under the attention implementation ``name`` is what it is under the model's own
+    (eager) attention, to TOL; the model is left on ``name``."""
+    with torch.no_grad():
+        ref = run(model)
+        model.set_attn_implementation(name)
+        out = run(model)
+    assert (out - ref).abs().max().item() <= TOL
+
+
 class _Spy:
     """Counts attnkit.attention calls made by the HF attention function and records the k/v head counts."""
 
@@ -212,12 +222,8 @@ def test_bert_logits_and_gradients_match_eager():
     model = _bert()
     ids, am = _batch()
     am[2, -2:] = 0  # right padding as well
-    with torch.no_grad():
-        ref = model(ids, attention_mask=am).logits
-        model.set_attn_implementation("attnkit")
-        out = model(ids, attention_mask=am).logits
     # bidirectional: every query row sees the real keys, so padded rows agree too
-    assert (out - ref).abs().max() <= TOL
+    _matches_eager(model, lambda m: m(ids, attention_mask=am).logits)
     model.train()
     ours = _grads(model, ids, am)
     model.set_attn_implementation("eager")
@@ -540,10 +546,7 @@ def test_sparse_indexer_models_keep_their_top_k_selection():
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
     ids = torch.randint(3, 64, (1, 10), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref = model(ids).logits
-        model.set_attn_implementation(name)
-        assert (model(ids).logits - ref).abs().max() <= TOL
+    _matches_eager(model, lambda m: m(ids).logits, name)
     q = k = v = torch.randn(1, 2, 4, 8)
     picked = torch.tensor([[[0, -1], [1, 0], [2, 2], [3, 1]]])  # -1 selects nothing
     allowed = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 1, 0, 1]], dtype=torch.bool)
@@ -561,19 +564,25 @@ def test_register_refuses_names_transformers_routes_by_substring(bad):
         hf.register(bad)
 
 
+# one encoder and one decoder layer, 32 wide, four heads
+_ENCODER_DECODER = dict(
+    d_model=32,
+    encoder_layers=1,
+    decoder_layers=1,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    encoder_ffn_dim=64,
+    decoder_ffn_dim=64,
+)
+
+
 def test_seq2seq_models_that_call_the_interface_get_structured_masks(monkeypatch):
     """BART sets _supports_attention_backend = False yet calls the attention interface: its masks reach
     attnkit structured (key padding, causal), not as dense float biases, and its logits stay eager's."""
     name = hf.register()
     cfg = dict(
+        **_ENCODER_DECODER,
         vocab_size=64,
-        d_model=32,
-        encoder_layers=1,
-        decoder_layers=1,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
         max_position_embeddings=32,
         pad_token_id=0,
         bos_token_id=1,
@@ -621,34 +630,22 @@ def test_siglip2_pooling_head_gets_a_plain_tensor_mask():
     pam = torch.ones(2, 16, dtype=torch.long)
     pam[0, 10:] = 0
     kw = dict(pixel_values=pv, pixel_attention_mask=pam, spatial_shapes=torch.tensor([[4, 4], [4, 4]]))
-    with torch.no_grad():
-        ref = model(**kw).pooler_output
-        model.set_attn_implementation("attnkit")
-        out = model(**kw).pooler_output  # (the head's mask.repeat(...) failed on the structured mask)
-    assert (out - ref).abs().max().item() <= TOL
+    _matches_eager(
+        model, lambda m: m(**kw).pooler_output
+    )  # (the head's mask.repeat(...) failed on the structured mask)
 
 
 def test_bigbird_pegasus_encoder_adding_the_mask_to_its_scores_matches_eager():
     cfg = transformers.BigBirdPegasusConfig(
+        **_ENCODER_DECODER,
         vocab_size=V,
-        d_model=32,
-        encoder_layers=1,
-        decoder_layers=1,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
         max_position_embeddings=64,
         attention_type="original_full",
     )
     torch.manual_seed(0)
     model = transformers.BigBirdPegasusForConditionalGeneration(cfg).eval()
     ids, am = _batch()
-    with torch.no_grad():
-        ref = model(input_ids=ids, attention_mask=am, decoder_input_ids=ids).logits
-        model.set_attn_implementation("attnkit")
-        out = model(input_ids=ids, attention_mask=am, decoder_input_ids=ids).logits
-    assert (out - ref).abs().max().item() <= TOL
+    _matches_eager(model, lambda m: m(input_ids=ids, attention_mask=am, decoder_input_ids=ids).logits)
 
 
 def test_a_padding_mask_built_for_one_query_row_serves_every_row():

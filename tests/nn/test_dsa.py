@@ -25,28 +25,14 @@ from attnkit.nn import (
     selected_attention,
     top_k_keys,
 )
+from _models import LATENT_DIMS, latent_layer
 
 D64 = torch.float64
-DIMS = dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10)
 
 
 def _dsa(top_k=4, q_lora_rank=24, interleaved=False, **kw):
-    torch.manual_seed(0)
-    m = DeepSeekSparseAttention(
-        32,
-        4,
-        **DIMS,
-        q_lora_rank=q_lora_rank,
-        positions=RotaryEmbedding(8, interleaved=True),
-        mask=masks.causal(),
-        indexer=IndexerConfig(top_k, 8, 16, rope_interleaved=interleaved),
-        **kw,
-    )
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.3)
-    return m.eval()
+    indexer = IndexerConfig(top_k, 8, 16, rope_interleaved=interleaved)
+    return latent_layer(DeepSeekSparseAttention, q_lora_rank, indexer=indexer, **kw)
 
 
 # ------------------------------------------------------------------- the paper, one query at a time, float64
@@ -160,7 +146,7 @@ def test_gradients_and_the_indexer_loss_match_the_paper():
 def test_dense_warmup_attends_densely_and_its_target_is_the_dense_distribution():
     m = _dsa(top_k=2).train()
     mla = LatentAttention(
-        32, 4, **DIMS, q_lora_rank=24, positions=RotaryEmbedding(8, interleaved=True), mask=masks.causal()
+        32, 4, **LATENT_DIMS, q_lora_rank=24, positions=RotaryEmbedding(8, interleaved=True), mask=masks.causal()
     )
     mla.load_state_dict({k: v for k, v in m.state_dict().items() if not k.startswith("indexer.")})
     x = torch.randn(2, 8, 32)
@@ -302,7 +288,7 @@ def test_bad_configurations_and_masks_are_refused():
     with pytest.raises(ValueError, match="top_k"):
         IndexerConfig(top_k=0)
     with pytest.raises(ValueError, match="must hold the qk_rope_head_dim=8"):
-        DeepSeekSparseAttention(32, 4, **DIMS, indexer=IndexerConfig(4, 2, 4))
+        DeepSeekSparseAttention(32, 4, **LATENT_DIMS, indexer=IndexerConfig(4, 2, 4))
     m = _dsa()
     per_head = torch.ones(1, 4, 5, 5, dtype=torch.bool)
     per_head[:, 1, :, 0] = False

@@ -12,27 +12,13 @@ import attnkit
 from attnkit import masks
 from attnkit.cache import PagedCache, StaticCache
 from attnkit.nn import DecoderConfig, DecoderLM, LatentAttention, RotaryEmbedding
+from _models import LATENT_DIMS, latent_layer
 
 D64 = torch.float64
-DIMS = dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10)
 
 
 def _mla(q_lora_rank=24, **kw):
-    torch.manual_seed(0)
-    m = LatentAttention(
-        32,
-        4,
-        **DIMS,
-        q_lora_rank=q_lora_rank,
-        positions=RotaryEmbedding(8, interleaved=True),
-        mask=masks.causal(),
-        **kw,
-    )
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.3)
-    return m.eval()
+    return latent_layer(LatentAttention, q_lora_rank, **kw)
 
 
 def _textbook(m: LatentAttention, x: torch.Tensor) -> torch.Tensor:
@@ -172,11 +158,11 @@ def test_latent_attention_errors_name_the_field():
         (dict(positions=RotaryEmbedding(4)), r"must rotate qk_rope_head_dim=8 dims"),
         (dict(kv_lora_rank=0), "kv_lora_rank=0"),
     ]:
-        args = {**DIMS, **kw}
+        args = {**LATENT_DIMS, **kw}
         with pytest.raises(ValueError, match=match):
             LatentAttention(32, 4, **args)
     with pytest.raises(TypeError, match="takes a RotaryEmbedding"):
-        LatentAttention(32, 4, **DIMS, positions=attnkit.nn.ALiBi(4))
+        LatentAttention(32, 4, **LATENT_DIMS, positions=attnkit.nn.ALiBi(4))
     for kw, match in [
         (dict(kv_lora_rank=16), "needs qk_rope_head_dim"),
         (dict(q_lora_rank=8), "q_lora_rank=8 is a field of multi-head latent attention"),
