@@ -141,3 +141,32 @@ def latent_layer(cls, q_lora_rank: int | None = 24, **kw):
             if p.dim() == 2:
                 p.normal_(0, 0.3)
     return m.eval()
+
+
+def latent_decoder(q_lora_rank: int | None = 24, v_head_dim: int = 10, **kw) -> DecoderLM:
+    """A two-layer DecoderLM of the ``"tiny"`` preset with latent attention (16-wide latent, 12 + 8 rotated
+    query/key dims a head, 64 positions; ``kw``: more config fields), its weights drawn after
+    ``torch.manual_seed(0)``, in training mode."""
+    torch.manual_seed(0)
+    cfg = DecoderConfig.preset(
+        "tiny",
+        n_layers=2,
+        d_head=12,
+        kv_lora_rank=16,
+        q_lora_rank=q_lora_rank,
+        qk_rope_head_dim=8,
+        v_head_dim=v_head_dim,
+        max_seq_len=64,
+        **kw,
+    )
+    return DecoderLM(cfg)
+
+
+def greedy_by_full_forward(model, prompt: list[int], n: int) -> list[int]:
+    """The ``n`` greedy tokens after ``prompt``, every step a full forward over the whole sequence (no cache):
+    the reference for cached decoding."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt) :]
