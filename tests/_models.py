@@ -27,6 +27,17 @@ def hf_kwargs(**overrides) -> dict:
     return {**base, **overrides}
 
 
+def left_padded(pads: list[int], length: int):
+    """A batch of ``len(pads)`` random sequences of ``length`` ids from 3..V-1 (a generator seeded with 1), row b
+    left-padded with ``pads[b]`` padding ids 0; and its attention mask (1 at real tokens)."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, V, (len(pads), length), generator=g)
+    am = torch.ones_like(ids)
+    for b, n in enumerate(pads):
+        am[b, :n] = 0
+    return ids.masked_fill(am == 0, 0), am
+
+
 # the widths of the tiny latent-attention layers and DeepSeek configs: 16-wide latent keys and values, query/key
 # heads of 8 rotated and 12 plain dims, 10-wide values (MLA: as transformers' config keywords, four KV heads)
 LATENT_DIMS = dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10)

@@ -13,7 +13,7 @@ import transformers
 from transformers import masking_utils as mu
 
 from attnkit.integrations import hf
-from _models import V, hf_kwargs, hf_llama_family
+from _models import V, hf_kwargs, hf_llama_family, left_padded
 
 TOL = 1e-4  # float32 parity with eager
 _COMMON = hf_kwargs(intermediate_size=128, attention_dropout=0.0)
@@ -61,12 +61,7 @@ def _model(name: str, impl: str = "eager"):
 
 def _batch(length: int = 9):
     """Three sequences, the first two left-padded (pad id 0)."""
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, V, (3, length), generator=g)
-    am = torch.ones_like(ids)
-    am[0, :3] = 0
-    am[1, :1] = 0
-    return ids.masked_fill(am == 0, 0), am
+    return left_padded([3, 1, 0], length)
 
 
 CAUSAL_LMS = ["llama", "mistral", "qwen2", "gemma2", "gpt2"]

@@ -12,7 +12,7 @@ import transformers
 from attnkit.integrations.hf import from_hf, to_hf
 from attnkit.cache import SlidingWindowCache, StaticCache
 from attnkit.nn import DecoderConfig, DecoderLM
-from _models import V, hf_kwargs
+from _models import V, hf_kwargs, left_padded
 
 TOL = 1e-4
 _COMMON = hf_kwargs(intermediate_size=96, max_position_embeddings=64)
@@ -111,13 +111,9 @@ def _hf(name: str):
 
 
 def _left_padded(length: int = 12):
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, V, (3, length), generator=g)
-    am = torch.ones_like(ids)
-    am[0, :4] = 0
-    am[1, :1] = 0
+    ids, am = left_padded([4, 1, 0], length)
     pos = (am.cumsum(-1) - 1).clamp(min=0)  # HF's generate positions: count real tokens only
-    return ids.masked_fill(am == 0, 0), am, pos
+    return ids, am, pos
 
 
 @pytest.mark.parametrize("name", sorted(HF_CONFIGS))

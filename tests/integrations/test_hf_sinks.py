@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from attnkit.integrations import hf
-from _models import V, hf_sink_model
+from _models import hf_sink_model, left_padded
 
 TOL = 1e-4  # float32 parity with eager
 CAUSAL = ["gpt_oss", "deepseek_v4", "flint", "granite_swa", "granitemoe_swa", "hy_v4", "mimo_v2_flash"]
@@ -17,11 +17,7 @@ def _model(model_type: str):
 
 
 def _batch(length=9):
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, V, (2, length), generator=g)
-    am = torch.ones_like(ids)
-    am[0, :2] = 0  # left padding
-    return ids.masked_fill(am == 0, 0), am
+    return left_padded([2, 0], length)
 
 
 @pytest.fixture(scope="module", autouse=True)
