@@ -183,20 +183,11 @@ def t5_bucket():
 def attnkit_llama():
     """A two-layer Hugging Face Llama (weights drawn after ``torch.manual_seed(0)``, eval mode) running attnkit's
     attention (``attn_implementation="attnkit"``); needs transformers."""
-    import transformers
+    from _models import tiny_llama
 
     from attnkit.integrations import hf
 
-    cfg = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    model = tiny_llama(attn_implementation=None)
     hf.register()
     model.set_attn_implementation("attnkit")
     return model

@@ -9,26 +9,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_generate_benchmark_mixed_section_runs():
-    """The mixed-workload section read the Engine's old per-step waste list and crashed after its table."""
+def _run(script: str, *args: str) -> str:
+    """Run benchmarks/SCRIPT with ``args`` from the repository root; it must succeed.  Its standard output."""
     proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "generate.py"),
-            "--quick",
-            "--no-compile",
-            "--threads",
-            "1",
-            "--only",
-            "mixed",
-        ],
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
         capture_output=True,
         text=True,
         timeout=600,
         cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "Engine (paged)" in proc.stdout
+    return proc.stdout
+
+
+def test_generate_benchmark_mixed_section_runs():
+    """The mixed-workload section read the Engine's old per-step waste list and crashed after its table."""
+    out = _run("generate.py", "--quick", "--no-compile", "--threads", "1", "--only", "mixed")
+    assert "Engine (paged)" in out
 
 
 def _load(name: str):
@@ -108,15 +105,8 @@ def test_results_go_under_the_current_directory_or_out(tmp_path, monkeypatch):
 
 
 def test_sinks_benchmark_runs():
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "sinks.py"), "--length", "256", "--repeat", "1", "--threads", "1"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "forward+backward" in proc.stdout and "ratio" in proc.stdout
+    out = _run("sinks.py", "--length", "256", "--repeat", "1", "--threads", "1")
+    assert "forward+backward" in out and "ratio" in out
 
 
 def test_generate_contended_starts_its_busy_loop_and_always_stops_it():
@@ -158,24 +148,8 @@ def test_generate_contended_starts_its_busy_loop_and_always_stops_it():
 
 
 def test_generate_long_context_section_runs(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "generate.py"),
-            "--quick",
-            "--no-compile",
-            "--only",
-            "longctx",
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "32k keys, auto: splitkv" in proc.stdout and "x SDPA" in proc.stdout
+    out = _run("generate.py", "--quick", "--no-compile", "--only", "longctx", "--out", str(tmp_path))
+    assert "32k keys, auto: splitkv" in out and "x SDPA" in out
 
 
 def test_generate_read_bandwidth_covers_every_decode_thread_count_with_its_spread():

@@ -17,6 +17,7 @@ from attnkit import masks
 from attnkit.backends import paged as paged_kernel
 from attnkit.nn import DecoderConfig, DecoderLM, IndexerConfig
 from attnkit.testing import check_against_oracle
+from _models import tiny_decoder, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -26,9 +27,7 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 def _model(seed: int, dtype: torch.dtype, **kw) -> DecoderLM:
     """A small decoder with weights large enough that greedy tokens depend on the attention (init_std=0.3),
     and every bias and sink logit random (a Qwen2-style model's q/k/v biases are far from zero)."""
-    torch.manual_seed(seed)
-    cfg = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, init_std=0.3)
-    model = DecoderLM(DecoderConfig(**{**cfg, **kw}))
+    model = tiny_decoder(seed, **{"init_std": 0.3, **kw})
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() < 2 and not name.endswith(("norm.weight", "norm1.weight", "norm2.weight")):
@@ -241,20 +240,9 @@ def test_distill_between_sink_models():
 
 @pytest.mark.parametrize("who", ["generate", "Engine"])
 def test_a_transformers_model_is_refused_with_the_conversion_to_use(who):
-    import transformers
     from attnkit.integrations.hf import from_hf
 
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    hf = transformers.LlamaForCausalLM(cfg).eval()
+    hf = tiny_llama(attn_implementation=None, num_hidden_layers=1, max_position_embeddings=64)
     run = {
         "generate": lambda m: attnkit.generate(m, [[1, 2, 3]], 4),
         "Engine": lambda m: attnkit.Engine(m, cache_blocks=8, block_size=4).generate([[1, 2, 3]], 4),

@@ -21,6 +21,7 @@ from attnkit.distill import (
 )
 from attnkit.nn import DecoderConfig, DecoderLM, Encoder
 from attnkit.nn.tasks import associative_recall
+from _models import tiny_llama
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -291,21 +292,9 @@ def test_encoder_teacher_and_student():
 
 @pytest.mark.hf
 def test_hf_teacher_directly_and_through_from_hf():
-    import transformers
-
     from attnkit.integrations.hf import from_hf
 
-    cfg = transformers.LlamaConfig(
-        vocab_size=32,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="eager").eval()
+    hf = tiny_llama(vocab_size=32, max_position_embeddings=64)
     student = lm(d=16, layers=1, seed=1, positions="rope")
     report = distill(
         hf, student, recall, steps=3, progress=False, weights={"logits": 1.0, "attention": 1.0, "hidden": 1.0}
@@ -313,7 +302,7 @@ def test_hf_teacher_directly_and_through_from_hf():
     assert report.steps == 3 and all(math.isfinite(v) for v in report.total_losses)
     with pytest.raises(ValueError, match="from_hf"):
         distill(hf, student, recall, steps=1, weights={"relations": 1.0}, progress=False)
-    sdpa = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa").eval()
+    sdpa = tiny_llama("sdpa", seed=2, vocab_size=32, max_position_embeddings=64)
     converted = from_hf(sdpa)
     report = distill(
         converted, student, recall, steps=2, progress=False, weights={"logits": 1.0, "attention": 1.0, "relations": 1.0}

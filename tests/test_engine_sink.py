@@ -8,7 +8,7 @@ import torch
 
 import attnkit
 from attnkit.cache import PagedSinkCache, SinkCache
-from attnkit.nn import DecoderConfig, DecoderLM
+from _models import tiny_decoder
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -17,20 +17,9 @@ N_SINK, WINDOW = 4, 9  # capacity 13: the prompts and generations below run far 
 
 
 def _model(positions="rope", dtype=torch.float64, **kw):
-    torch.manual_seed(0)
     # init_std=0.3: attention that depends on which keys are kept (the default's small weights give near-constant
     # greedy tokens that a wrong window would not change)
-    cfg = dict(
-        vocab_size=64,
-        d_model=32,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        max_seq_len=64,
-        positions=positions,
-        init_std=0.3,
-    )
-    return DecoderLM(DecoderConfig(**{**cfg, **kw})).to(dtype).eval()
+    return tiny_decoder(dtype=dtype, positions=positions, init_std=0.3, **kw)
 
 
 def _alone(model, prompt, n, sampling=None):
@@ -54,6 +43,11 @@ def _alone(model, prompt, n, sampling=None):
             logits = model(torch.tensor([[out[-1]]]), cache=cache)[0, -1]
 
 
+def _engine(model, cache_blocks, **kw):
+    """An Engine of 4-token blocks keeping the N_SINK + WINDOW positions of SinkCache."""
+    return attnkit.Engine(model, cache_blocks=cache_blocks, block_size=4, n_sink=N_SINK, window=WINDOW, **kw)
+
+
 def _requests(n, seed, long_prompts=True):
     rng = random.Random(seed)
     top = 30 if long_prompts else N_SINK + WINDOW
@@ -75,15 +69,7 @@ def _requests(n, seed, long_prompts=True):
 def test_engine_equals_sink_cache_alone(positions, dtype, kw, max_batched_tokens):
     model = _model(positions, dtype, **kw)
     reqs = _requests(6, seed=1)
-    engine = attnkit.Engine(
-        model,
-        cache_blocks=64,
-        block_size=4,
-        max_batch=4,
-        n_sink=N_SINK,
-        window=WINDOW,
-        max_batched_tokens=max_batched_tokens,
-    )
+    engine = _engine(model, 64, max_batch=4, max_batched_tokens=max_batched_tokens)
     rids = [engine.add(p, n) for p, n in reqs]
     done = engine.run()
     assert any(len(p) > N_SINK + WINDOW for p, _ in reqs)  # prompts past the window are streamed
@@ -96,16 +82,7 @@ def test_preemption_and_prefix_caching_give_the_same_tokens(max_batched_tokens, 
     model = _model()
     shared = [3, 1, 4, 1, 5, 9, 2, 6]  # two full blocks of 4, within n_sink + window
     reqs = _requests(5, seed=2, long_prompts=False) + [(shared + [5], 30), (shared + [8, 8], 25)]
-    engine = attnkit.Engine(
-        model,
-        cache_blocks=12,
-        block_size=4,
-        max_batch=4,
-        n_sink=N_SINK,
-        window=WINDOW,
-        max_batched_tokens=max_batched_tokens,
-        chunk_sizing=chunk_sizing,
-    )
+    engine = _engine(model, 12, max_batch=4, max_batched_tokens=max_batched_tokens, chunk_sizing=chunk_sizing)
     rids = [engine.add(p, n) for p, n in reqs]
     done = engine.run()
     assert engine.stats["preemptions"] > 0  # recomputed past the window, one token per step
@@ -115,7 +92,7 @@ def test_preemption_and_prefix_caching_give_the_same_tokens(max_batched_tokens, 
 
 def test_prefix_caching_shares_only_blocks_computed_before_any_eviction():
     model = _model()
-    engine = attnkit.Engine(model, cache_blocks=64, block_size=4, max_batch=1, n_sink=N_SINK, window=WINDOW)
+    engine = _engine(model, 64, max_batch=1)
     first = [3, 1, 4, 1, 5, 9, 2, 6, 5]
     out = engine.generate([first], 20)[0]
     again = first + out[:10]  # 19 tokens: its first 4 full blocks were all computed by the first request
@@ -127,7 +104,7 @@ def test_sampling_controls_are_unchanged():
     model = _model()
     prompt = [7, 3, 9, 1, 1]
     sampling = dict(temperature=0.9, top_k=20, top_p=0.95, seed=5, repetition_penalty=1.2)
-    engine = attnkit.Engine(model, cache_blocks=32, block_size=4, max_batch=2, n_sink=N_SINK, window=WINDOW)
+    engine = _engine(model, 32, max_batch=2)
     a = engine.add(prompt, 40, **sampling)
     b = engine.add([2, 2], 30, eos_id=63)
     done = engine.run()
@@ -137,9 +114,7 @@ def test_sampling_controls_are_unchanged():
 
 def test_blocks_per_sequence_stay_bounded_and_go_back():
     model = _model()
-    engine = attnkit.Engine(
-        model, cache_blocks=40, block_size=4, max_batch=3, n_sink=N_SINK, window=WINDOW, preempt=False
-    )  # 3 x 150 tokens at full attention would need 114 blocks
+    engine = _engine(model, 40, max_batch=3, preempt=False)  # 3 x 150 tokens at full attention would need 114 blocks
     pool = engine.cache
     bound = pool.max_blocks_per_sequence
     assert bound == 1 + 2 + 1  # the sink block, and the 9 newest positions straddle at most 3 blocks
@@ -152,7 +127,7 @@ def test_blocks_per_sequence_stay_bounded_and_go_back():
     assert max(held) == bound  # reached, never passed: blocks that left the window went back to the pool
     assert engine.stats["peak_blocks"] <= 3 * bound and pool.num_free_blocks == 40
     # one request needing more blocks than the pool has at full attention runs in a pool of `bound` blocks
-    small = attnkit.Engine(model, cache_blocks=bound, block_size=4, n_sink=N_SINK, window=WINDOW, preempt=False)
+    small = _engine(model, bound, preempt=False)
     assert small.generate([[5, 6]], 120) == [_alone(model, [5, 6], 120)]
 
 

@@ -43,19 +43,9 @@ def test_mla_model_decodes_with_a_sliding_cache():
 
 import transformers  # noqa: E402  (the transformers half of this file starts here)
 from attnkit.integrations.hf import from_hf, to_hf  # noqa: E402
+from _models import hf_kwargs  # noqa: E402
 
-_COMMON = dict(
-    vocab_size=V,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-    max_position_embeddings=64,
-)
+_COMMON = hf_kwargs(intermediate_size=96, num_hidden_layers=3, max_position_embeddings=64)
 
 
 def _random(model):

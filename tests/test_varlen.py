@@ -307,46 +307,59 @@ BATCHED_MASKS = [
     "window-or-global",
     "not-causal",
 ]
+# batches of 1 to 4 sequences: (query length, key length, whether the keys are as many as the queries instead)
+EDGE_SEQS = st.lists(
+    st.tuples(st.sampled_from(EDGE_LENGTHS), st.sampled_from(EDGE_LENGTHS), st.booleans()), min_size=1, max_size=4
+)
+HEADS = st.sampled_from([(2, 1), (4, 2), (2, 2)])  # (query heads, key/value heads)
+SOFTCAPS = st.sampled_from([None, None, 4.0])
+
+
+def _edge_batch(seqs, heads, seed):
+    """The packed q, k, v, cu_q, cu_k (8 wide) of a batch drawn from EDGE_SEQS with ``heads`` from HEADS."""
+    lengths_q = [lq for lq, _, _ in seqs]
+    lengths_k = [lq if same else lk for lq, lk, same in seqs]
+    return _packed(lengths_q, lengths_k, *heads, d=8, seed=seed)
+
+
+def _fused_slack(q, k, cu_q, cu_k, group: int, softcap) -> float:
+    """The gradient slack allowed to PyTorch's fused kernel (no softcap): it meets the rule's gradient bound within
+    the factors the README documents by the largest scaled score (rows with one key keep a residue of about 1e-6
+    where the exact gradient is 0)."""
+    if softcap is not None:
+        return 1.0
+    top = max(
+        [
+            float(
+                (q[a:b].transpose(0, 1) @ k[c:d].transpose(0, 1).repeat_interleave(group, 0).transpose(1, 2))
+                .abs()
+                .max()
+            )
+            / q.shape[-1] ** 0.5
+            for a, b, c, d in zip(cu_q.tolist(), cu_q[1:].tolist(), cu_k.tolist(), cu_k[1:].tolist())
+            if b > a and d > c
+        ]
+        or [0.0]
+    )
+    return 2.0 if top < 4 else 3.0 if top < 16 else 8.0
 
 
 @settings(max_examples=25, deadline=None)
 @given(
-    seqs=st.lists(
-        st.tuples(st.sampled_from(EDGE_LENGTHS), st.sampled_from(EDGE_LENGTHS), st.booleans()), min_size=1, max_size=4
-    ),
-    heads=st.sampled_from([(2, 1), (4, 2), (2, 2)]),
+    seqs=EDGE_SEQS,
+    heads=HEADS,
     mask_name=st.sampled_from(BATCHED_MASKS),
-    softcap=st.sampled_from([None, None, 4.0]),
+    softcap=SOFTCAPS,
     seed=st.integers(0, 2**16),
 )
 def test_batched_call_matches_per_sequence_attention(seqs, heads, mask_name, softcap, seed):
     """backend='flash' runs one batched call (own tiles from each sequence's start, short runs shared): output
     and gradients against per-sequence calls in float64, with lengths 1, tile multiples and not, Lq != Lk,
     empty sequences (repeated cu_seqlens entries) and rows that see nothing."""
-    lengths_q = [lq for lq, _, _ in seqs]
-    lengths_k = [lq if same else lk for lq, lk, same in seqs]
-    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, *heads, d=8, seed=seed)
+    q, k, v, cu_q, cu_k = _edge_batch(seqs, heads, seed)
     said = attnkit.backends.explain(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, backend="flash", softcap=softcap)
     assert ("one batched flash call" in said) == (q.shape[0] > 0), said
-    # PyTorch's fused kernel (no softcap) meets the rule's gradient bound within the factors the README documents
-    # by the largest scaled score (rows with one key keep a residue of about 1e-6 where the exact gradient is 0)
-    top = max(
-        [
-            float(
-                (
-                    q[a:b].transpose(0, 1)
-                    @ k[c:d].transpose(0, 1).repeat_interleave(heads[0] // heads[1], 0).transpose(1, 2)
-                )
-                .abs()
-                .max()
-            )
-            / 8**0.5
-            for a, b, c, d in zip(cu_q.tolist(), cu_q[1:].tolist(), cu_k.tolist(), cu_k[1:].tolist())
-            if b > a and d > c
-        ]
-        or [0.0]
-    )
-    slack = 1.0 if softcap is not None else (2.0 if top < 4 else 3.0 if top < 16 else 8.0)
+    slack = _fused_slack(q, k, cu_q, cu_k, heads[0] // heads[1], softcap)
     _check_rule(q, k, v, cu_q, cu_k, mask_name, "flash", softcap=softcap, grad_slack=slack)
 
 
@@ -511,34 +524,12 @@ def _check_sinks_rule(
         )
 
 
-def _fused_slack(q, k, cu_q, cu_k, group: int, softcap) -> float:
-    """The gradient slack test_batched_call_matches_per_sequence_attention allows PyTorch's fused kernel."""
-    if softcap is not None:
-        return 1.0
-    top = max(
-        [
-            float(
-                (q[a:b].transpose(0, 1) @ k[c:d].transpose(0, 1).repeat_interleave(group, 0).transpose(1, 2))
-                .abs()
-                .max()
-            )
-            / q.shape[-1] ** 0.5
-            for a, b, c, d in zip(cu_q.tolist(), cu_q[1:].tolist(), cu_k.tolist(), cu_k[1:].tolist())
-            if b > a and d > c
-        ]
-        or [0.0]
-    )
-    return 2.0 if top < 4 else 3.0 if top < 16 else 8.0
-
-
 @settings(max_examples=25, deadline=None)
 @given(
-    seqs=st.lists(
-        st.tuples(st.sampled_from(EDGE_LENGTHS), st.sampled_from(EDGE_LENGTHS), st.booleans()), min_size=1, max_size=4
-    ),
-    heads=st.sampled_from([(2, 1), (4, 2), (2, 2)]),
+    seqs=EDGE_SEQS,
+    heads=HEADS,
     mask_name=st.sampled_from(SINK_MASKS),
-    softcap=st.sampled_from([None, None, 4.0]),
+    softcap=SOFTCAPS,
     backend=st.sampled_from(["flash", "auto"]),
     lse_loss=st.booleans(),
     seed=st.integers(0, 2**16),
@@ -547,9 +538,7 @@ def test_sinks_match_per_sequence_attention_and_the_oracle(seqs, heads, mask_nam
     """sinks= on the batched call (backend='flash') and on auto's choice: output, lse and gradients of q, k, v
     and the sinks against per-sequence attention(..., sinks=) in float64, with lengths 0, 1 and around the tile
     sizes, Lq != Lk, GQA, softcap, a loss on the lse or not (the fused backward or the explicit one)."""
-    lengths_q = [lq for lq, _, _ in seqs]
-    lengths_k = [lq if same else lk for lq, lk, same in seqs]
-    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, *heads, d=8, seed=seed)
+    q, k, v, cu_q, cu_k = _edge_batch(seqs, heads, seed)
     sinks = _sinks(heads[0], seed)
     said = attnkit.backends.explain(
         q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, backend=backend, softcap=softcap, sinks=sinks

@@ -411,27 +411,28 @@ def _():
     check_against_oracle(_triton, q, k, v, mask=masks.key_padding([9]))
 
 
+def _backward_is_refused(out, match: str, changed: str) -> None:
+    """The backward of ``out`` raises a RuntimeError saying ``match``: ``changed`` was changed in place after the
+    forward."""
+    try:
+        out.sum().backward()
+    except RuntimeError as e:
+        assert match in str(e)
+    else:
+        raise AssertionError(f"the backward ran on a changed {changed}")
+
+
 @case("in-place-change-between-forward-and-backward-is-an-error")
 def _():
     q, k, v = _qkv(B=2, Hq=1, Lq=20, Lk=20, D=16)
     lengths = torch.tensor([20, 12])
     out = _triton(q, k, v, mask=masks.key_padding(lengths))
     lengths[0] = 5
-    try:
-        out.sum().backward()
-    except RuntimeError as e:
-        assert "modified in place between the forward and the backward" in str(e)
-    else:
-        raise AssertionError("the backward ran on a changed mask")
+    _backward_is_refused(out, "modified in place between the forward and the backward", "mask")
     bias = torch.randn(1, 1, 20, 20)
     out = _triton(q, k, v, bias=bias)
     bias.mul_(5.0)
-    try:
-        out.sum().backward()
-    except RuntimeError as e:
-        assert "modified in place" in str(e)
-    else:
-        raise AssertionError("the backward ran on a changed bias")
+    _backward_is_refused(out, "modified in place", "bias")
 
 
 def _garbage_case(mask_fn, fill, softcap=None):

@@ -5,16 +5,11 @@ import torch
 
 import attnkit
 from attnkit.cache import SinkCache
-from attnkit.nn import DecoderConfig, DecoderLM
+from _models import tiny_decoder
 
 
 def _model(positions="rope", **kw):
-    torch.manual_seed(0)
-    return DecoderLM(
-        DecoderConfig(
-            vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=256, positions=positions, **kw
-        )
-    ).eval()
+    return tiny_decoder(positions=positions, max_seq_len=256, **kw)
 
 
 @pytest.mark.parametrize("positions", ["rope", "alibi"])
@@ -46,10 +41,7 @@ def test_past_the_window_generation_stays_finite_and_keeps_the_sinks():
 def test_each_step_equals_a_fresh_forward_over_the_kept_tokens_for_one_layer():
     # one layer: a token's key and value depend only on the token itself, so the cached step must equal a
     # forward over exactly the kept tokens (positions 0..n-1: positions within the cache)
-    torch.manual_seed(0)
-    model = DecoderLM(
-        DecoderConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=256)
-    ).eval()
+    model = tiny_decoder(n_layers=1, max_seq_len=256)
     n_sink, window = 3, 8
     cache = SinkCache.for_model(model, n_sink, window)
     seq = [4, 8, 15, 16, 23]

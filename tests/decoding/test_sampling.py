@@ -3,13 +3,13 @@ generate under the same controls, stop rules, logprobs, the Engine per request, 
 
 import pytest
 import torch
-import transformers
 from transformers.generation import logits_process as lp
 
 import attnkit
 from attnkit.decoding import sampling as _sampling
 from attnkit.decoding import GenerationResult, SamplingParams, TokenLogprob
 from attnkit.nn import DecoderConfig, DecoderLM
+from _models import tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -87,20 +87,7 @@ def test_order_and_warpers_equal_transformers_pipeline():
 def _hf_pair():
     from attnkit.integrations.hf import from_hf
 
-    cfg = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").double().eval()
+    hf = tiny_llama(max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2).double()
     return hf, from_hf(hf)
 
 

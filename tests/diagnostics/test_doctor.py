@@ -14,6 +14,7 @@ from attnkit.diagnostics._doctor import _diagnose
 from attnkit.diagnostics.examples import EXAMPLES, example
 from attnkit import masks
 from attnkit.nn import MultiHeadAttention
+from _models import tiny_llama
 
 
 CASES = [(name, seed) for name in EXAMPLES for seed in (0, 1) if not (name == "vanishing_gradient" and seed)]
@@ -496,26 +497,11 @@ def test_probe_ignores_attention_calls_outside_the_model():
         doctor(_NoAttention(), torch.zeros(1))
 
 
-def _tiny_llama():
-    import transformers
-
-    cfg = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).eval()
-
-
 @pytest.mark.hf
 def test_doctor_diagnoses_a_hugging_face_model_running_attnkit_attention():
     from attnkit.integrations import hf
 
-    model = _tiny_llama()
+    model = tiny_llama(attn_implementation=None)
     ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(0))
     hf.register()
     model.set_attn_implementation("attnkit")
@@ -533,7 +519,7 @@ def test_doctor_diagnoses_a_hugging_face_model_running_attnkit_attention():
 
 @pytest.mark.hf
 def test_doctor_on_a_hugging_face_model_without_attnkit_attention_names_from_hf():
-    model = _tiny_llama()
+    model = tiny_llama(attn_implementation=None)
     model.set_attn_implementation("eager")
     with pytest.raises(ValueError, match=r"attnkit\.integrations\.hf\.from_hf\(model\)"):
         doctor(model, torch.randint(0, 64, (1, 6)), loss_fn=lambda out, ids: out.logits.sum())

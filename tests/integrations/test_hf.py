@@ -13,30 +13,15 @@ import transformers
 from transformers import masking_utils as mu
 
 from attnkit.integrations import hf
+from _models import V, hf_kwargs, hf_llama_family, left_padded
 
-V = 96  # vocabulary
 TOL = 1e-4  # float32 parity with eager
-_COMMON = dict(
-    vocab_size=V,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-    attention_dropout=0.0,
-)
+_COMMON = hf_kwargs(intermediate_size=128, attention_dropout=0.0)
 
 
 def _config(name: str):
-    if name == "llama":
-        return transformers.LlamaConfig(**_COMMON)
-    if name == "mistral":
-        return transformers.MistralConfig(**_COMMON, sliding_window=4)
-    if name == "qwen2":
-        return transformers.Qwen2Config(**_COMMON)
+    if name in ("llama", "mistral", "qwen2"):
+        return hf_llama_family(name, **_COMMON)
     if name == "gemma2":
         return transformers.Gemma2Config(
             **_COMMON,
@@ -76,12 +61,7 @@ def _model(name: str, impl: str = "eager"):
 
 def _batch(length: int = 9):
     """Three sequences, the first two left-padded (pad id 0)."""
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, V, (3, length), generator=g)
-    am = torch.ones_like(ids)
-    am[0, :3] = 0
-    am[1, :1] = 0
-    return ids.masked_fill(am == 0, 0), am
+    return left_padded([3, 1, 0], length)
 
 
 CAUSAL_LMS = ["llama", "mistral", "qwen2", "gemma2", "gpt2"]
@@ -90,6 +70,16 @@ CAUSAL_LMS = ["llama", "mistral", "qwen2", "gemma2", "gpt2"]
 @pytest.fixture(scope="module", autouse=True)
 def _registered():
     assert hf.register() == "attnkit"
+
+
+def _matches_eager(model, run, name: str = "attnkit") -> None:
+    """``run(model)`` (a tensor) under the attention implementation ``name`` is what it is under the model's own
+    (eager) attention, to TOL; the model is left on ``name``."""
+    with torch.no_grad():
+        ref = run(model)
+        model.set_attn_implementation(name)
+        out = run(model)
+    assert (out - ref).abs().max().item() <= TOL
 
 
 class _Spy:
@@ -227,12 +217,8 @@ def test_bert_logits_and_gradients_match_eager():
     model = _bert()
     ids, am = _batch()
     am[2, -2:] = 0  # right padding as well
-    with torch.no_grad():
-        ref = model(ids, attention_mask=am).logits
-        model.set_attn_implementation("attnkit")
-        out = model(ids, attention_mask=am).logits
     # bidirectional: every query row sees the real keys, so padded rows agree too
-    assert (out - ref).abs().max() <= TOL
+    _matches_eager(model, lambda m: m(ids, attention_mask=am).logits)
     model.train()
     ours = _grads(model, ids, am)
     model.set_attn_implementation("eager")
@@ -555,10 +541,7 @@ def test_sparse_indexer_models_keep_their_top_k_selection():
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
     ids = torch.randint(3, 64, (1, 10), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref = model(ids).logits
-        model.set_attn_implementation(name)
-        assert (model(ids).logits - ref).abs().max() <= TOL
+    _matches_eager(model, lambda m: m(ids).logits, name)
     q = k = v = torch.randn(1, 2, 4, 8)
     picked = torch.tensor([[[0, -1], [1, 0], [2, 2], [3, 1]]])  # -1 selects nothing
     allowed = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 1, 0, 1]], dtype=torch.bool)
@@ -576,19 +559,25 @@ def test_register_refuses_names_transformers_routes_by_substring(bad):
         hf.register(bad)
 
 
+# one encoder and one decoder layer, 32 wide, four heads
+_ENCODER_DECODER = dict(
+    d_model=32,
+    encoder_layers=1,
+    decoder_layers=1,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    encoder_ffn_dim=64,
+    decoder_ffn_dim=64,
+)
+
+
 def test_seq2seq_models_that_call_the_interface_get_structured_masks(monkeypatch):
     """BART sets _supports_attention_backend = False yet calls the attention interface: its masks reach
     attnkit structured (key padding, causal), not as dense float biases, and its logits stay eager's."""
     name = hf.register()
     cfg = dict(
+        **_ENCODER_DECODER,
         vocab_size=64,
-        d_model=32,
-        encoder_layers=1,
-        decoder_layers=1,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
         max_position_embeddings=32,
         pad_token_id=0,
         bos_token_id=1,
@@ -636,34 +625,22 @@ def test_siglip2_pooling_head_gets_a_plain_tensor_mask():
     pam = torch.ones(2, 16, dtype=torch.long)
     pam[0, 10:] = 0
     kw = dict(pixel_values=pv, pixel_attention_mask=pam, spatial_shapes=torch.tensor([[4, 4], [4, 4]]))
-    with torch.no_grad():
-        ref = model(**kw).pooler_output
-        model.set_attn_implementation("attnkit")
-        out = model(**kw).pooler_output  # (the head's mask.repeat(...) failed on the structured mask)
-    assert (out - ref).abs().max().item() <= TOL
+    _matches_eager(
+        model, lambda m: m(**kw).pooler_output
+    )  # (the head's mask.repeat(...) failed on the structured mask)
 
 
 def test_bigbird_pegasus_encoder_adding_the_mask_to_its_scores_matches_eager():
     cfg = transformers.BigBirdPegasusConfig(
+        **_ENCODER_DECODER,
         vocab_size=V,
-        d_model=32,
-        encoder_layers=1,
-        decoder_layers=1,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
         max_position_embeddings=64,
         attention_type="original_full",
     )
     torch.manual_seed(0)
     model = transformers.BigBirdPegasusForConditionalGeneration(cfg).eval()
     ids, am = _batch()
-    with torch.no_grad():
-        ref = model(input_ids=ids, attention_mask=am, decoder_input_ids=ids).logits
-        model.set_attn_implementation("attnkit")
-        out = model(input_ids=ids, attention_mask=am, decoder_input_ids=ids).logits
-    assert (out - ref).abs().max().item() <= TOL
+    _matches_eager(model, lambda m: m(input_ids=ids, attention_mask=am, decoder_input_ids=ids).logits)
 
 
 def test_a_padding_mask_built_for_one_query_row_serves_every_row():

@@ -12,21 +12,10 @@ import transformers
 from attnkit.integrations.hf import from_hf, to_hf
 from attnkit.cache import SlidingWindowCache, StaticCache
 from attnkit.nn import DecoderConfig, DecoderLM
+from _models import V, hf_kwargs, left_padded
 
-V = 96
 TOL = 1e-4
-_COMMON = dict(
-    vocab_size=V,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-    max_position_embeddings=64,
-)
+_COMMON = hf_kwargs(intermediate_size=96, max_position_embeddings=64)
 
 HF_CONFIGS = {
     "llama": lambda: transformers.LlamaConfig(**_COMMON),
@@ -122,13 +111,9 @@ def _hf(name: str):
 
 
 def _left_padded(length: int = 12):
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, V, (3, length), generator=g)
-    am = torch.ones_like(ids)
-    am[0, :4] = 0
-    am[1, :1] = 0
+    ids, am = left_padded([4, 1, 0], length)
     pos = (am.cumsum(-1) - 1).clamp(min=0)  # HF's generate positions: count real tokens only
-    return ids.masked_fill(am == 0, 0), am, pos
+    return ids, am, pos
 
 
 @pytest.mark.parametrize("name", sorted(HF_CONFIGS))

@@ -12,21 +12,13 @@ import transformers
 from attnkit.integrations import hf
 from attnkit.integrations.hf import from_hf, to_hf
 from attnkit.nn import DeepSeekSparseAttention
+from _models import MLA, V, deepseek_yarn, hf_kwargs
 
-V = 96
 TOL = 1e-4
-_DSA = dict(
-    vocab_size=V,
-    hidden_size=64,
+_DSA = hf_kwargs(
+    **MLA,
     intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    kv_lora_rank=16,
     q_lora_rank=24,
-    qk_rope_head_dim=8,
-    qk_nope_head_dim=12,
-    v_head_dim=10,
     index_topk=5,
     index_n_heads=8,
     index_head_dim=16,
@@ -38,9 +30,6 @@ _DSA = dict(
     n_group=1,
     topk_group=1,
     max_position_embeddings=64,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
 )
 
 
@@ -99,17 +88,7 @@ def test_attnkit_attention_decodes_as_eager_through_transformers_generate():
     assert torch.equal(model.generate(prompt, max_new_tokens=6, do_sample=False), want)
 
 
-_YARN = dict(
-    rope_parameters={
-        "rope_type": "yarn",
-        "rope_theta": 1e4,
-        "factor": 4.0,
-        "original_max_position_embeddings": 8,
-        "mscale": 0.7,
-        "mscale_all_dim": 0.9,
-    },
-    attention_bias=True,
-)
+_YARN = dict(rope_parameters=deepseek_yarn(), attention_bias=True)
 
 
 @pytest.mark.parametrize("extra", [{}, _YARN], ids=["default-rope", "yarn-biases"])

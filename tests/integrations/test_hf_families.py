@@ -10,30 +10,12 @@ from attnkit import masks
 import transformers
 from attnkit.integrations.hf import from_hf, to_hf
 from attnkit.nn import DecoderLM
+from _models import MLA, V, deepseek_yarn, hf_kwargs
 
-V = 96
 TOL = 1e-4
-_COMMON = dict(
-    vocab_size=V,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-    max_position_embeddings=64,
-)
+_COMMON = hf_kwargs(intermediate_size=96, num_hidden_layers=3, max_position_embeddings=64)
 _PAIRS = 8  # rotated pairs of a 16-wide head
-_MLA = dict(
-    num_key_value_heads=4,
-    kv_lora_rank=16,
-    qk_rope_head_dim=8,
-    qk_nope_head_dim=12,
-    v_head_dim=10,
-    first_k_dense_replace=3,
-)
+_MLA = {**MLA, "first_k_dense_replace": 3}
 
 FAMILIES = {
     "qwen3": lambda: transformers.Qwen3Config(**_COMMON),
@@ -74,14 +56,7 @@ FAMILIES = {
         q_lora_rank=None,
         rope_interleave=False,
         attention_bias=True,
-        rope_parameters={
-            "rope_type": "yarn",
-            "rope_theta": 1e4,
-            "factor": 4.0,
-            "original_max_position_embeddings": 8,
-            "mscale": 0.7,
-            "mscale_all_dim": 0.9,
-        },
+        rope_parameters=deepseek_yarn(),
     ),
     "granite": lambda: transformers.GraniteConfig(
         **_COMMON,

@@ -10,21 +10,10 @@ import transformers
 from transformers import masking_utils as mu
 
 from attnkit.integrations import hf
+from _models import V, hf_kwargs, hf_llama_family, hf_sink_model
 
-V = 96
 TOL = 1e-4
-_COMMON = dict(
-    vocab_size=V,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-    attention_dropout=0.0,
-)
+_COMMON = hf_kwargs(intermediate_size=128, attention_dropout=0.0)
 LENGTHS = [5, 11, 1, 8]  # a one-token sequence too
 
 
@@ -35,11 +24,9 @@ def _registered():
 
 def _model(name: str, impl: str):
     torch.manual_seed(0)
-    cfg = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "mistral": transformers.MistralConfig}[
-        name
-    ]
-    extra = {"sliding_window": 4} if name == "mistral" else {}
-    return transformers.AutoModelForCausalLM.from_config(cfg(**_COMMON, **extra), attn_implementation=impl).train()
+    return transformers.AutoModelForCausalLM.from_config(
+        hf_llama_family(name, **_COMMON), attn_implementation=impl
+    ).train()
 
 
 def _sequences():
@@ -120,35 +107,32 @@ def test_cu_seq_lens_without_position_ids_keep_sequences_apart():
     torch.testing.assert_close(logits[0, 5:16], alone[0], atol=TOL, rtol=0)
 
 
+def _packed_masks(fn, pos):
+    """attnkit's build_mask and transformers' sdpa_mask of the pattern ``fn`` within the packed documents that
+    the position ids ``pos`` (B, L) restart."""
+    ids = mu.find_packed_sequence_indices(pos)
+    packed = mu.and_masks(mu.remap_positions_for_packed_sequence(fn, pos), mu.packed_sequence_mask_function(ids))
+    b, n = pos.shape
+    got = hf.build_mask(b, n, n, mask_function=packed, allow_is_causal_skip=False)
+    want = mu.sdpa_mask(
+        batch_size=b,
+        q_length=n,
+        kv_length=n,
+        mask_function=packed,
+        allow_is_causal_skip=False,
+        allow_is_bidirectional_skip=False,
+    )
+    return got, want
+
+
 def test_build_mask_turns_the_packed_sequence_mask_into_varlen():
     pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
-    ids = mu.find_packed_sequence_indices(pos)
     for fn, inner in ((mu.causal_mask_function, "causal"), (mu.sliding_window_causal_mask_function(2), "window")):
-        packed = mu.and_masks(mu.remap_positions_for_packed_sequence(fn, pos), mu.packed_sequence_mask_function(ids))
-        got = hf.build_mask(1, 9, 9, mask_function=packed, allow_is_causal_skip=False)
+        got, want = _packed_masks(fn, pos)
         assert isinstance(got.mask.form(9, 9), masks.Varlen) and got.mask.cu_q.tolist() == [0, 3, 5, 9], inner
-        want = mu.sdpa_mask(
-            batch_size=1,
-            q_length=9,
-            kv_length=9,
-            mask_function=packed,
-            allow_is_causal_skip=False,
-            allow_is_bidirectional_skip=False,
-        )
         assert torch.equal(got.to_dense(), want)
         # two rows: a document mask with the pattern, equal to transformers' own too
-        pos2 = torch.cat([pos, torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3]])])
-        ids2 = mu.find_packed_sequence_indices(pos2)
-        packed2 = mu.and_masks(mu.remap_positions_for_packed_sequence(fn, pos2), mu.packed_sequence_mask_function(ids2))
-        got2 = hf.build_mask(2, 9, 9, mask_function=packed2, allow_is_causal_skip=False)
-        want2 = mu.sdpa_mask(
-            batch_size=2,
-            q_length=9,
-            kv_length=9,
-            mask_function=packed2,
-            allow_is_causal_skip=False,
-            allow_is_bidirectional_skip=False,
-        )
+        got2, want2 = _packed_masks(fn, torch.cat([pos, torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3]])]))
         assert torch.equal(got2.to_dense(), want2)
 
 
@@ -160,38 +144,14 @@ def test_cu_seq_lens_for_several_rows_are_refused():
         hf.attention_forward(torch.nn.Module(), q, k, v, None, is_causal=True, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
 
 
-def _gpt_oss(impl: str):
-    """A tiny GPT-OSS (alternating sliding-window and full layers, each with learned sinks), its sinks made
-    to matter."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-    if "gpt_oss" not in CONFIG_MAPPING_NAMES:
-        pytest.skip(f"transformers {transformers.__version__} has no gpt_oss")
-    cfg = transformers.GptOssConfig(
-        **{**_COMMON, "intermediate_size": 64},
-        head_dim=16,
-        num_local_experts=2,
-        num_experts_per_tok=1,
-        sliding_window=4,
-        max_position_embeddings=128,
-    )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=impl).train()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(".sinks"):
-                p.copy_(torch.randn_like(p) * 2)
-    return model
-
-
 @pytest.mark.parametrize("flash_kwargs", [False, True], ids=["position-ids", "cu-seq-lens"])
 def test_packed_sink_model_gives_the_padded_loss_and_gradients(flash_kwargs, monkeypatch):
     """GPT-OSS's s_aux reaches attnkit on the packed batch too (every layer gets its sinks with the packed-sequence
     mask), and the loss and gradients (the sinks' included) equal the padded batch's under eager attention."""
     seqs = _sequences()
-    want = _loss_and_grads(_gpt_oss("eager"), _padded(seqs))
+    want = _loss_and_grads(hf_sink_model("gpt_oss").train(), _padded(seqs))
     assert any(n.endswith(".sinks") for n in want[1])
-    model = _gpt_oss("attnkit")
+    model = hf_sink_model("gpt_oss", "attnkit").train()
     collate = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)
     packed = collate([{"input_ids": s} for s in seqs])
     seen = []

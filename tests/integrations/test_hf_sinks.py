@@ -4,60 +4,20 @@ on tiny random configs (nothing is downloaded)."""
 import pytest
 import torch
 
-import transformers
-
 from attnkit.integrations import hf
+from _models import hf_sink_model, left_padded
 
-V = 96
 TOL = 1e-4  # float32 parity with eager
-_SMALL = dict(
-    vocab_size=V,
-    hidden_size=64,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-    attention_dropout=0.0,
-    num_local_experts=2,
-    num_experts=2,
-    num_experts_per_tok=1,
-    moe_intermediate_size=32,
-    sliding_window=4,
-    max_position_embeddings=128,
-)
 CAUSAL = ["gpt_oss", "deepseek_v4", "flint", "granite_swa", "granitemoe_swa", "hy_v4", "mimo_v2_flash"]
 ALL = CAUSAL + ["openai_privacy_filter"]
 
 
 def _model(model_type: str):
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-    if model_type not in CONFIG_MAPPING_NAMES:
-        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
-    cfg = transformers.AutoConfig.for_model(model_type, **_SMALL)
-    auto = transformers.AutoModelForCausalLM if model_type in CAUSAL else transformers.AutoModelForTokenClassification
-    torch.manual_seed(0)
-    model = auto.from_config(cfg, attn_implementation="eager").eval()
-    n = 0
-    with torch.no_grad():  # the sinks start at zero or small: make them matter
-        for name, p in model.named_parameters():
-            if name.split(".")[-1] == "sinks":
-                p.copy_(torch.randn_like(p) * 2)
-                n += 1
-    assert n >= 1, f"{model_type}: no sink parameter found"
-    return model
+    return hf_sink_model(model_type, token_classification=model_type not in CAUSAL)
 
 
 def _batch(length=9):
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, V, (2, length), generator=g)
-    am = torch.ones_like(ids)
-    am[0, :2] = 0  # left padding
-    return ids.masked_fill(am == 0, 0), am
+    return left_padded([2, 0], length)
 
 
 @pytest.fixture(scope="module", autouse=True)

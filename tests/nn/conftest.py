@@ -67,3 +67,26 @@ def lm_losses():
         return out
 
     return losses
+
+
+@pytest.fixture
+def check_cached_decoding():
+    """``check(layer, x, prefill, chunks)``: a self-attention layer decoding through a StaticCache gives its full
+    forward over ``x`` (B, L, D) in float64 (to 1e-12), fed ``prefill`` tokens and then one token a step, and fed
+    the chunks ``[(start, end), ...]`` of a prefill in pieces (queries behind a longer key range).  Returns the
+    full forward."""
+    from attnkit.cache import StaticCache
+
+    def check(m, x, prefill: int, chunks) -> torch.Tensor:
+        L = x.shape[1]
+        full = m(x)
+        cache = StaticCache(1, max_len=24)
+        steps = [m(x[:, :prefill], cache=cache.layers[0])]
+        steps += [m(x[:, i : i + 1], cache=cache.layers[0]) for i in range(prefill, L)]
+        assert torch.allclose(torch.cat(steps, 1), full, atol=1e-12)
+        chunked = StaticCache(1, max_len=24)
+        parts = [m(x[:, a:b], cache=chunked.layers[0]) for a, b in chunks]
+        assert torch.allclose(torch.cat(parts, 1), full, atol=1e-12)
+        return full
+
+    return check

@@ -16,7 +16,6 @@ from attnkit import masks
 from attnkit.cache import StaticCache
 from attnkit.nn import (
     DecoderConfig,
-    DecoderLM,
     DeepSeekSparseAttention,
     IndexerConfig,
     LatentAttention,
@@ -25,28 +24,14 @@ from attnkit.nn import (
     selected_attention,
     top_k_keys,
 )
+from _models import LATENT_DIMS, greedy_by_full_forward, latent_decoder, latent_layer
 
 D64 = torch.float64
-DIMS = dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10)
 
 
 def _dsa(top_k=4, q_lora_rank=24, interleaved=False, **kw):
-    torch.manual_seed(0)
-    m = DeepSeekSparseAttention(
-        32,
-        4,
-        **DIMS,
-        q_lora_rank=q_lora_rank,
-        positions=RotaryEmbedding(8, interleaved=True),
-        mask=masks.causal(),
-        indexer=IndexerConfig(top_k, 8, 16, rope_interleaved=interleaved),
-        **kw,
-    )
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.3)
-    return m.eval()
+    indexer = IndexerConfig(top_k, 8, 16, rope_interleaved=interleaved)
+    return latent_layer(DeepSeekSparseAttention, q_lora_rank, indexer=indexer, **kw)
 
 
 # ------------------------------------------------------------------- the paper, one query at a time, float64
@@ -160,7 +145,7 @@ def test_gradients_and_the_indexer_loss_match_the_paper():
 def test_dense_warmup_attends_densely_and_its_target_is_the_dense_distribution():
     m = _dsa(top_k=2).train()
     mla = LatentAttention(
-        32, 4, **DIMS, q_lora_rank=24, positions=RotaryEmbedding(8, interleaved=True), mask=masks.causal()
+        32, 4, **LATENT_DIMS, q_lora_rank=24, positions=RotaryEmbedding(8, interleaved=True), mask=masks.causal()
     )
     mla.load_state_dict({k: v for k, v in m.state_dict().items() if not k.startswith("indexer.")})
     x = torch.randn(2, 8, 32)
@@ -219,29 +204,8 @@ def test_decoding_reads_only_the_selected_keys_and_equals_a_full_forward():
     torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-5, atol=1e-5)
 
 
-def _model(**kw):
-    torch.manual_seed(0)
-    cfg = DecoderConfig.preset(
-        "tiny",
-        n_layers=2,
-        d_head=12,
-        kv_lora_rank=16,
-        q_lora_rank=24,
-        qk_rope_head_dim=8,
-        v_head_dim=10,
-        max_seq_len=64,
-        indexer=IndexerConfig(top_k=4, n_heads=4, head_dim=16),
-        **kw,
-    )
-    return DecoderLM(cfg)
-
-
-def _greedy_full(model, prompt, n):
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt) :]
+def _model():
+    return latent_decoder(indexer=IndexerConfig(top_k=4, n_heads=4, head_dim=16))
 
 
 def test_a_dsa_decoder_trains_and_generates_as_recomputing_every_position():
@@ -266,7 +230,7 @@ def test_a_dsa_decoder_trains_and_generates_as_recomputing_every_position():
             if p.dim() == 2:
                 p.normal_(0, 0.2)
     prompts = [[5, 9, 14, 3, 22, 7, 40], [11, 12, 13]]
-    want = [_greedy_full(model, p, 6) for p in prompts]
+    want = [greedy_by_full_forward(model, p, 6) for p in prompts]
     assert attnkit.generate(model, prompts, 6) == want
     assert StaticCache.for_model(model, 1, 8).layers[0] is not None
     with pytest.raises(ValueError, match="use a StaticCache"):
@@ -302,7 +266,7 @@ def test_bad_configurations_and_masks_are_refused():
     with pytest.raises(ValueError, match="top_k"):
         IndexerConfig(top_k=0)
     with pytest.raises(ValueError, match="must hold the qk_rope_head_dim=8"):
-        DeepSeekSparseAttention(32, 4, **DIMS, indexer=IndexerConfig(4, 2, 4))
+        DeepSeekSparseAttention(32, 4, **LATENT_DIMS, indexer=IndexerConfig(4, 2, 4))
     m = _dsa()
     per_head = torch.ones(1, 4, 5, 5, dtype=torch.bool)
     per_head[:, 1, :, 0] = False

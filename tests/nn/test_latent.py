@@ -12,27 +12,13 @@ import attnkit
 from attnkit import masks
 from attnkit.cache import PagedCache, StaticCache
 from attnkit.nn import DecoderConfig, DecoderLM, LatentAttention, RotaryEmbedding
+from _models import LATENT_DIMS, greedy_by_full_forward, latent_decoder, latent_layer
 
 D64 = torch.float64
-DIMS = dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10)
 
 
 def _mla(q_lora_rank=24, **kw):
-    torch.manual_seed(0)
-    m = LatentAttention(
-        32,
-        4,
-        **DIMS,
-        q_lora_rank=q_lora_rank,
-        positions=RotaryEmbedding(8, interleaved=True),
-        mask=masks.causal(),
-        **kw,
-    )
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.3)
-    return m.eval()
+    return latent_layer(LatentAttention, q_lora_rank, **kw)
 
 
 def _textbook(m: LatentAttention, x: torch.Tensor) -> torch.Tensor:
@@ -88,20 +74,7 @@ def test_decoding_from_the_latent_cache_equals_a_full_forward_and_builds_no_per_
 
 
 def _mla_model(q_lora_rank=24, v_head_dim=10, **kw):
-    torch.manual_seed(0)
-    cfg = DecoderConfig.preset(
-        "tiny",
-        n_layers=2,
-        d_head=12,
-        kv_lora_rank=16,
-        q_lora_rank=q_lora_rank,
-        qk_rope_head_dim=8,
-        v_head_dim=v_head_dim,
-        max_seq_len=64,
-        rope_interleaved=True,
-        **kw,
-    )
-    model = DecoderLM(cfg).eval()
+    model = latent_decoder(q_lora_rank, v_head_dim, rope_interleaved=True, **kw).eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
@@ -109,19 +82,11 @@ def _mla_model(q_lora_rank=24, v_head_dim=10, **kw):
     return model
 
 
-def _greedy_full(model, prompt, n):
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):  # every step a full forward over the whole sequence, no cache
-            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt) :]
-
-
 def test_an_mla_decoder_generates_through_static_paged_caches_and_the_engine_as_a_full_forward():
     model = _mla_model()
     assert all(isinstance(layer.attn, LatentAttention) for layer in model.layers)
     prompts = [[5, 9, 14, 3, 22, 7, 40], [11, 12, 13]]
-    want = [_greedy_full(model, p, 8) for p in prompts]
+    want = [greedy_by_full_forward(model, p, 8) for p in prompts]
     for cache in ("static", "paged"):
         assert attnkit.generate(model, prompts, 8, cache=cache) == want, cache
     engine = attnkit.Engine(model, cache_blocks=16, block_size=4, max_batch=2)
@@ -131,7 +96,7 @@ def test_an_mla_decoder_generates_through_static_paged_caches_and_the_engine_as_
 def test_a_quantized_mla_model_decodes_from_its_latent_cache_as_its_full_forward():
     model = attnkit.quantize(_mla_model(), "bfloat16")
     prompts = [[5, 9, 14, 3, 22, 7, 40], [11, 12, 13]]
-    assert attnkit.generate(model, prompts, 6, cache="paged") == [_greedy_full(model, p, 6) for p in prompts]
+    assert attnkit.generate(model, prompts, 6, cache="paged") == [greedy_by_full_forward(model, p, 6) for p in prompts]
     # (widths that are multiples of 16: torch's int8 product crashes on 24 or 40 input features)
     model = attnkit.quantize(_mla_model(q_lora_rank=32, v_head_dim=16), "int8")
     x = torch.randint(0, 256, (1, 9))
@@ -172,11 +137,11 @@ def test_latent_attention_errors_name_the_field():
         (dict(positions=RotaryEmbedding(4)), r"must rotate qk_rope_head_dim=8 dims"),
         (dict(kv_lora_rank=0), "kv_lora_rank=0"),
     ]:
-        args = {**DIMS, **kw}
+        args = {**LATENT_DIMS, **kw}
         with pytest.raises(ValueError, match=match):
             LatentAttention(32, 4, **args)
     with pytest.raises(TypeError, match="takes a RotaryEmbedding"):
-        LatentAttention(32, 4, **DIMS, positions=attnkit.nn.ALiBi(4))
+        LatentAttention(32, 4, **LATENT_DIMS, positions=attnkit.nn.ALiBi(4))
     for kw, match in [
         (dict(kv_lora_rank=16), "needs qk_rope_head_dim"),
         (dict(q_lora_rank=8), "q_lora_rank=8 is a field of multi-head latent attention"),

@@ -95,16 +95,10 @@ def test_training_step_flows_through_the_flash_backend(routed):
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
 
 
-def test_decoding_equals_the_full_forward_and_reads_only_chosen_blocks():
+def test_decoding_equals_the_full_forward_and_reads_only_chosen_blocks(check_cached_decoding):
     m = _module(block=4, top_k=2)
     x = torch.randn(2, 21, 32, dtype=torch.float64)
-    full = m(x)
-    cache = StaticCache(1, max_len=24)
-    steps = [m(x[:, :6], cache=cache.layers[0])] + [m(x[:, i : i + 1], cache=cache.layers[0]) for i in range(6, 21)]
-    assert torch.allclose(torch.cat(steps, 1), full, atol=1e-12)
-    chunked = StaticCache(1, max_len=24)  # a prefill in chunks: queries behind a longer key range
-    parts = [m(x[:, a:b], cache=chunked.layers[0]) for a, b in ((0, 6), (6, 13), (13, 21))]
-    assert torch.allclose(torch.cat(parts, 1), full, atol=1e-12)
+    full = check_cached_decoding(m, x, prefill=6, chunks=((0, 6), (6, 13), (13, 21)))
     # the gathered step reads only the chosen blocks: garbage elsewhere changes nothing
     q, k, v, _ = m._self_qkv(x, None, None)
     choice = moba_selection(q[:, :, -1:], k, 4, 2)

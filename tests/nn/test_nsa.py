@@ -134,16 +134,10 @@ def test_compression_and_gates_are_trained():
         assert p.grad is not None and float(p.grad.abs().sum()) > 0
 
 
-def test_decoding_equals_the_full_forward():
+def test_decoding_equals_the_full_forward(check_cached_decoding):
     m = _module()
     x = torch.randn(2, 23, 32, dtype=torch.float64)
-    full = m(x)
-    cache = StaticCache(1, max_len=24)
-    steps = [m(x[:, :5], cache=cache.layers[0])] + [m(x[:, i : i + 1], cache=cache.layers[0]) for i in range(5, 23)]
-    assert torch.allclose(torch.cat(steps, 1), full, atol=1e-12)
-    chunked = StaticCache(1, max_len=24)  # a prefill in chunks: queries behind a longer key range
-    parts = [m(x[:, a:b], cache=chunked.layers[0]) for a, b in ((0, 6), (6, 13), (13, 23))]
-    assert torch.allclose(torch.cat(parts, 1), full, atol=1e-12)
+    check_cached_decoding(m, x, prefill=5, chunks=((0, 6), (6, 13), (13, 23)))
 
 
 def test_a_decode_step_reads_the_kept_compression_the_chosen_blocks_and_the_window_only():

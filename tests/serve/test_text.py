@@ -15,9 +15,15 @@ def _ids(tok, text):
 
 
 def _stream(tok, text, stops):
+    return _feed(tok, _ids(tok, text), stops)
+
+
+def _feed(tok, ids, stops):
+    """Feeds ``ids`` one at a time (then a final empty feed unless a stop string was hit): the pieces sent, whether
+    a stop string was hit, and the whole text."""
     t = _Text(tok, stops)
     pieces, hit = [], False
-    for i in _ids(tok, text):
+    for i in ids:
         piece, hit = t.feed([i], final=False)
         pieces.append(piece)
         if hit:
@@ -98,17 +104,9 @@ def test_streamed_text_equals_decoding_it_whole_with_split_characters(byte_tok, 
     assert "\ufffd" not in whole and any(
         len(byte_tok.decode([i])) == 1 and "\ufffd" in byte_tok.decode([i]) for i in ids
     )
-    t = _Text(byte_tok, stops)
-    pieces, hit = [], False
-    for i in ids:
-        piece, hit = t.feed([i], final=False)
-        pieces.append(piece)
-        if hit:
-            break
-    if not hit:
-        pieces.append(t.feed([], final=True)[0])
+    pieces, hit, streamed = _feed(byte_tok, ids, stops)
     cut = min([whole.find(s) for s in stops if s in whole], default=len(whole))
-    assert "".join(pieces) == t.text == whole[:cut]
+    assert "".join(pieces) == streamed == whole[:cut]
     assert hit == (cut < len(whole))
     assert not any("\ufffd" in p for p in pieces)  # a character's bytes wait for each other
 
