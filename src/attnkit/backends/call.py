@@ -241,17 +241,8 @@ def check_bias(bias: object, q: Tensor, shape: tuple[int, int, int, int]) -> Ten
     raise TypeError(f"bias must be None, a float tensor or an attnkit.bias modifier, got {type(bias).__name__}")
 
 
-def check_number(
-    name: str,
-    value: object,
-    *,
-    low: float | None = None,
-    high: float | None = None,
-    low_open: bool = False,
-    high_open: bool = False,
-    fix: str = "",
-) -> float:
-    return number(name, value, low=low, high=high, low_open=low_open, high_open=high_open, fix=fix)
+# the scalar check of ``scale``, ``softcap`` and ``dropout_p``, for the layers above that check them as a call does
+check_number = number
 
 
 def check_scale(scale: float, q: Tensor, bias: Tensor | ScoreMod | None) -> None:

@@ -224,6 +224,20 @@ def op_arguments(call: Call) -> tuple[str, list[Tensor], Tensor | None, str, lis
     return intern(mask_desc), mask_tensors, bias_t, intern(mod_desc), mod_tensors
 
 
+# the inputs every attention operator takes first, in order (what op_inputs gives and op_call reads back)
+OP_INPUTS = ("q", "k", "v", "mask_key", "mask_tensors", "bias", "mod_key", "mod_tensors", "sinks", "scale", "softcap")
+
+
+def op_inputs(
+    call: Call,
+) -> tuple[Tensor, Tensor, Tensor, str, list[Tensor], Tensor | None, str, list[Tensor], Tensor | None, float, float]:
+    """A validated call as the inputs ``OP_INPUTS`` names: ``q``, ``k``, ``v``, the mask's and bias's arguments
+    (:func:`op_arguments`), the sinks, the scale and the softcap (0 for none)."""
+    mask_key, mask_tensors, bias_t, mod_key, mod_tensors = op_arguments(call)
+    scale, softcap = float(call.scale), float(call.softcap or 0.0)
+    return call.q, call.k, call.v, mask_key, mask_tensors, bias_t, mod_key, mod_tensors, call.sinks, scale, softcap
+
+
 def op_call(
     q: Tensor,
     k: Tensor,

@@ -102,6 +102,28 @@ def model_dims(model: Any) -> dict[str, Any]:
     }
 
 
+def max_len_of(dims: dict[str, Any], max_len: int | None) -> int:
+    """``max_len`` as given, else the model's ``max_seq_len`` (``dims``: :func:`model_dims`; a ValueError when its
+    config has none)."""
+    if max_len is None:
+        max_len = dims["max_seq_len"]
+        if max_len is None:
+            raise ValueError("max_len is required: the model's config has no max_seq_len")
+    return max_len
+
+
+def layout_of(dims: dict[str, Any], dtype: torch.dtype | None, device: Any) -> dict[str, Any]:
+    """A cache constructor's layout keywords for a model (``dims``: :func:`model_dims`): its key/value heads and
+    head sizes, and ``dtype`` / ``device`` as given, else the model's."""
+    return {
+        "n_kv_heads": dims["n_kv_heads"],
+        "d_head": dims["d_head"],
+        "d_value": dims["d_value"],
+        "dtype": dtype or dims["dtype"],
+        "device": device or dims["device"],
+    }
+
+
 def _padding_counts(pad: object) -> Tensor:
     """``pad`` as a ``(B,)`` long tensor of counts >= 0: integers only (a float or bool would be truncated)."""
     fix = "give a (B,) list or integer tensor of counts >= 0, one per row"
@@ -298,33 +320,6 @@ class LayoutCache(ModelCache):
 
     layers: Sequence[Any]
 
-    def _set_layout(
-        self,
-        batch_size: int | None,
-        n_kv_heads: int | None,
-        d_head: int | None,
-        d_value: int | None,
-        dtype: torch.dtype | None,
-        device: Any,
-        *,
-        latent: bool,
-    ) -> None:
-        """Check and keep the layout of a cache whose layers store ``(B, Hkv, L, D)`` tensors; what is None
-        is taken from the first update (``d_value`` defaults to ``d_head``; ``latent`` allows ``d_value=0``)."""
-        for name, val in (
-            ("batch_size", batch_size),
-            ("n_kv_heads", n_kv_heads),
-            ("d_head", d_head),
-            ("d_value", d_value),
-        ):
-            if val is not None:
-                integer(name, val, minimum=0 if latent and name == "d_value" else 1)
-        self.batch_size, self.n_kv_heads, self.d_head = batch_size, n_kv_heads, d_head
-        self.d_value = d_value if d_value is not None else d_head
-        self.dtype = check_dtype("dtype", dtype) if dtype is not None else None
-        self.device = torch.device(device) if device is not None else None
-        self.layout = KVLayout(self.batch_size, self.n_kv_heads, self.d_head, self.d_value, self.dtype, self.device)
-
     def _build_layers(
         self,
         layer_type: Any,
@@ -336,9 +331,24 @@ class LayoutCache(ModelCache):
         dtype: torch.dtype | None,
         device: Any,
     ) -> None:
-        """Keep the layout, make ``n_layers`` layers of ``layer_type`` and allocate them when the layout is known;
-        ``d_value=0`` is a latent cache (:class:`attnkit.nn.LatentAttention`), its values inside the keys."""
-        self._set_layout(batch_size, n_kv_heads, d_head, d_value, dtype, device, latent=True)
+        """Check and keep the layout of a cache whose layers store ``(B, Hkv, L, D)`` tensors, make ``n_layers``
+        layers of ``layer_type`` and allocate them when the layout is known.  What is None is taken from the first
+        update (``d_value`` defaults to ``d_head``); ``d_value=0`` is a latent cache
+        (:class:`attnkit.nn.LatentAttention`), its values inside the keys."""
+        integer("n_layers", n_layers, minimum=1)
+        for name, val in (
+            ("batch_size", batch_size),
+            ("n_kv_heads", n_kv_heads),
+            ("d_head", d_head),
+            ("d_value", d_value),
+        ):
+            if val is not None:
+                integer(name, val, minimum=0 if name == "d_value" else 1)
+        self.batch_size, self.n_kv_heads, self.d_head = batch_size, n_kv_heads, d_head
+        self.d_value = d_value if d_value is not None else d_head
+        self.dtype = check_dtype("dtype", dtype) if dtype is not None else None
+        self.device = torch.device(device) if device is not None else None
+        self.layout = KVLayout(self.batch_size, self.n_kv_heads, self.d_head, self.d_value, self.dtype, self.device)
         self.layers = tuple(layer_type(self, i) for i in range(n_layers))
         self._allocate_known()
 

@@ -30,7 +30,7 @@ from ..backends import paged as _kernel
 from ..backends.paged import PoolLayout, block_runs, seq_view
 from ..backends.call import check_number, check_sinks
 from ._block_pool import BlockPool, PoolExhausted, SequenceBlocks
-from ._common import check_dtype, check_new_kv, model_dims
+from ._common import check_dtype, check_new_kv, layout_of, model_dims
 from ._pool_view import PoolLayer, PoolView
 from ._protocol import CacheAttention, CacheRead
 
@@ -282,11 +282,7 @@ class PagedCache:
             d["n_layers"],
             num_blocks,
             block_size,
-            n_kv_heads=d["n_kv_heads"],
-            d_head=d["d_head"],
-            d_value=d["d_value"],
-            dtype=dtype or d["dtype"],
-            device=device or d["device"],
+            **layout_of(d, dtype, device),
             prefix_caching=prefix_caching,
         )
 

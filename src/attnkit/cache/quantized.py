@@ -27,7 +27,7 @@ import torch
 from .._checks import integer
 from ..bias import BiasLike
 from ..masks import Mask
-from ._common import ModelCache, check_dtype, check_new_kv, model_dims
+from ._common import ModelCache, check_dtype, check_new_kv, layout_of, max_len_of, model_dims
 from ._protocol import CacheAttention, CacheRead
 
 Tensor = torch.Tensor
@@ -586,21 +586,14 @@ class QuantizedCache(ModelCache):
                 "kv_lora_rank: its values live inside the keys): use a StaticCache or a PagedCache "
                 "(cache='static' or 'paged')"
             )
-        max_len = max_len if max_len is not None else d["max_seq_len"]
-        if max_len is None:
-            raise ValueError("max_len is required: the model's config has no max_seq_len")
         return cls(
             d["n_layers"],
-            max_len,
+            max_len_of(d, max_len),
             bits=bits,
             group_size=group_size,
             residual=residual,
             batch_size=batch_size,
-            n_kv_heads=d["n_kv_heads"],
-            d_head=d["d_head"],
-            d_value=d["d_value"],
-            dtype=dtype or d["dtype"],
-            device=device or d["device"],
+            **layout_of(d, dtype, device),
         )
 
     @torch.inference_mode(False)  # ordinary tensors: the cache may be written outside inference_mode later

@@ -24,7 +24,7 @@ import torch
 from .._checks import integer
 from ..bias import BiasLike
 from ..masks import Mask
-from ._common import ModelCache, check_new_kv, model_dims
+from ._common import ModelCache, check_new_kv, layout_of, model_dims
 from ._pool_view import PoolLayer, PoolView
 from ._protocol import CacheAttention, CacheRead
 from ._block_pool import SequenceBlocks
@@ -295,11 +295,7 @@ class PagedSinkCache(PagedCache):
             n_sink=n_sink,
             window=window,
             rope=rope,
-            n_kv_heads=d["n_kv_heads"],
-            d_head=d["d_head"],
-            d_value=d["d_value"],
-            dtype=dtype or d["dtype"],
-            device=device or d["device"],
+            **layout_of(d, dtype, device),
             prefix_caching=prefix_caching,
         )
 

@@ -8,7 +8,7 @@ import torch
 
 from ..masks import Band, Mask
 from .._checks import integer
-from ._common import LayoutCache, model_dims, stored_for
+from ._common import LayoutCache, layout_of, model_dims, stored_for
 from ._protocol import CacheRead
 
 Tensor = torch.Tensor
@@ -156,7 +156,6 @@ class SlidingWindowCache(LayoutCache):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        integer("n_layers", n_layers, minimum=1)
         self.window = integer("window", window, minimum=1)
         self._build_layers(SlidingWindowLayerCache, n_layers, batch_size, n_kv_heads, d_head, d_value, dtype, device)
 
@@ -193,11 +192,7 @@ class SlidingWindowCache(LayoutCache):
             d["n_layers"],
             window,
             batch_size=batch_size,
-            n_kv_heads=d["n_kv_heads"],
-            d_head=d["d_head"],
-            d_value=d["d_value"],
-            dtype=dtype or d["dtype"],
-            device=device or d["device"],
+            **layout_of(d, dtype, device),
         )
 
     def __repr__(self) -> str:

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from .._checks import integer
-from ._common import LayoutCache, model_dims, stored_for
+from ._common import LayoutCache, layout_of, max_len_of, model_dims, stored_for
 from ._protocol import CacheRead
 
 Tensor = torch.Tensor
@@ -131,7 +131,6 @@ class StaticCache(LayoutCache):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        integer("n_layers", n_layers, minimum=1)
         self.max_len = integer("max_len", max_len, minimum=1)
         self._build_layers(StaticLayerCache, n_layers, batch_size, n_kv_heads, d_head, d_value, dtype, device)
 
@@ -148,18 +147,11 @@ class StaticCache(LayoutCache):
         """A cache laid out for ``model`` (read from ``model.config``); ``max_len`` defaults to its
         ``max_seq_len``, ``dtype``/``device`` to its parameters'."""
         d = model_dims(model)
-        max_len = max_len if max_len is not None else d["max_seq_len"]
-        if max_len is None:
-            raise ValueError("max_len is required: the model's config has no max_seq_len")
         return cls(
             d["n_layers"],
-            max_len,
+            max_len_of(d, max_len),
             batch_size=batch_size,
-            n_kv_heads=d["n_kv_heads"],
-            d_head=d["d_head"],
-            d_value=d["d_value"],
-            dtype=dtype or d["dtype"],
-            device=device or d["device"],
+            **layout_of(d, dtype, device),
         )
 
     def truncate(self, length: int) -> None:

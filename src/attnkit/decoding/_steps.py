@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from numbers import Integral
 
 import torch
 
@@ -46,6 +47,20 @@ def _is_transformers_model(model) -> bool:
     tr = sys.modules.get("transformers")
     base = getattr(tr, "PreTrainedModel", None) if tr is not None else None
     return isinstance(base, type) and isinstance(model, base)
+
+
+def token_ids(name: str, prompt: object) -> list[int]:
+    """One prompt, a non-empty list (or tuple, or 1-D tensor) of int token ids, as a list of ints; a ValueError
+    naming ``name`` for anything else."""
+    if isinstance(prompt, Tensor):
+        prompt = prompt.tolist()
+    if (
+        not isinstance(prompt, (list, tuple))
+        or not prompt
+        or not all(isinstance(t, Integral) and not isinstance(t, bool) for t in prompt)
+    ):
+        raise ValueError(f"{name} must be a non-empty list of int token ids, got {prompt!r:.80}")
+    return [int(t) for t in prompt]
 
 
 def check_tokens(prompts: list[list[int]], vocab: int | None, name: str | None = None) -> None:

@@ -46,6 +46,7 @@ from ._steps import (
     last_logits,
     reading,
     timed,
+    token_ids,
     weights_key,
 )
 from .generation import GenerationResult
@@ -335,17 +336,9 @@ class Engine:
         (None: greedy), or, as in :func:`attnkit.decoding.generate`, its arguments as keywords (never both).  A
         request ends after an eos id or a stop sequence, both included in its tokens; with ``logprobs`` its
         :class:`~attnkit.decoding.TokenLogprob` s are kept in ``engine.logprobs[rid]`` next to ``results``."""
-        if isinstance(prompt, Tensor):
-            prompt = prompt.tolist()
-        if (
-            not isinstance(prompt, (list, tuple))
-            or not prompt
-            or not all(isinstance(t, Integral) and not isinstance(t, bool) for t in prompt)
-        ):
-            raise ValueError(f"prompt must be a non-empty list of int token ids, got {prompt!r:.80}")
+        prompt = token_ids("prompt", prompt)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, Integral) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 0")
-        prompt = [int(t) for t in prompt]
         check_tokens([prompt], getattr(getattr(self.model, "config", None), "vocab_size", None), "prompt")
         if self.sink is None:  # (with sinks positions stay below n_sink + window, checked when built)
             check_positions(self.model, len(prompt), max_new_tokens)

@@ -35,6 +35,7 @@ from ._steps import (
     last_logits,
     reading,
     timed,
+    token_ids,
     weights_key,
 )
 from .sampling import SamplingParams, TokenLogprob, check_vocab, resolve_sampling, sample
@@ -70,18 +71,7 @@ def _prompts(prompts) -> list[list[int]]:
         )
     if all(isinstance(t, Integral) for t in prompts):
         raise TypeError("prompts must be a list of prompts (lists of token ids): wrap a single prompt as [prompt]")
-    out = []
-    for i, p in enumerate(prompts):
-        if isinstance(p, Tensor):
-            p = p.tolist()
-        if (
-            not isinstance(p, (list, tuple))
-            or not p
-            or not all(isinstance(t, Integral) and not isinstance(t, bool) for t in p)
-        ):
-            raise ValueError(f"prompts[{i}] must be a non-empty list of int token ids, got {p!r:.80}")
-        out.append([int(t) for t in p])
-    return out
+    return [token_ids(f"prompts[{i}]", p) for i, p in enumerate(prompts)]
 
 
 def _make_cache(model, cache, batch: int, max_len: int):

@@ -226,10 +226,11 @@ class Probe:
             for c in layer.calls:
                 c._inputs = None
 
-    def _record(self, name: str, module: nn.Module, q, k, v, *, mask, bias, scale, softcap, out) -> None:
+    def _record(self, name: str, module: nn.Module, seen: AttentionCall, out: Tensor) -> None:
         """Keep the statistics of one attention call (and its score gradient once a backward pass runs)."""
         with torch.no_grad():
-            call = make_call(q.detach(), k.detach(), v.detach(), mask=mask, bias=bias, scale=scale, softcap=softcap)
+            q, k, v = seen.q.detach(), seen.k.detach(), seen.v.detach()
+            call = make_call(q, k, v, mask=seen.mask, bias=seen.bias, scale=seen.scale, softcap=seen.softcap)
             if call.q_len == 0 or call.kv_len == 0:
                 return
             keep = call.batch * call.heads * call.q_len * call.kv_len <= self.max_elements
@@ -261,18 +262,7 @@ class Probe:
                 out = compute(call)
             finally:
                 self._in_hook -= 1
-            self._record(
-                name,
-                module,
-                call.q,
-                call.k,
-                call.v,
-                mask=call.mask,
-                bias=call.bias,
-                scale=call.scale,
-                softcap=call.softcap,
-                out=out,
-            )
+            self._record(name, module, call, out)
             return out
 
         return hook
@@ -282,7 +272,7 @@ class Probe:
         if self._in_hook or not self._running or threading.get_ident() != self._thread:
             return
         name, module = self._running[-1]
-        self._record(name, module, q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, out=out)
+        self._record(name, module, AttentionCall(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap), out)
 
     def _track(self, model: nn.Module) -> list:
         """Forward hooks on every module of ``model`` that keep :attr:`_running` (the handles, to remove)."""

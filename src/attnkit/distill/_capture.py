@@ -103,16 +103,7 @@ def _recorder(cap: Capture, i: int):
 
     def hook(module: nn.Module, call: AttentionCall, compute) -> Tensor:
         out = compute(call)
-        cap.attention[i] = AttentionRecord(
-            call.q,
-            call.k,
-            call.v,
-            mask=call.mask,
-            bias=call.bias,
-            scale=call.scale,
-            softcap=call.softcap,
-            sinks=call.sinks,
-        )
+        cap.attention[i] = AttentionRecord(call.q, call.k, call.v, **call.weight_kwargs())
         return out
 
     return hook

@@ -777,18 +777,7 @@ def _ring_hook(layout: str, group, name: str):
                 f"{call.dropout_p}, which ring attention does not have: build it with dropout=0.0 or "
                 f"call model.eval()"
             )
-        return ring_attention(
-            call.q,
-            call.k,
-            call.v,
-            mask=call.mask,
-            bias=call.bias,
-            scale=call.scale,
-            softcap=call.softcap,
-            group=group,
-            layout=layout,
-            sinks=call.sinks,
-        )
+        return ring_attention(call.q, call.k, call.v, group=group, layout=layout, **call.weight_kwargs())
 
     return hook
 

@@ -243,31 +243,41 @@ def decoder_config(hf_config, *, backend: str = "auto"):
         raise ValueError(f"decoder_config converts configs of {FAMILIES}, got model_type={family!r}")
     if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
         raise ValueError(f"hidden_act={cfg.hidden_act!r}: attnkit's SwiGLU uses silu")
-    theta, scaling, max_len = _rope(cfg)
     heads = cfg.num_attention_heads
     biased = family not in ("mistral", "qwen2", "phi3") and bool(getattr(cfg, "attention_bias", False))
     return DecoderConfig(
         **_family_options(cfg, family),
-        vocab_size=cfg.vocab_size,
-        d_model=cfg.hidden_size,
-        n_layers=cfg.num_hidden_layers,
-        n_heads=heads,
-        n_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-        d_head=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-        d_ff=cfg.intermediate_size,
-        max_seq_len=max_len,
-        positions="rope",
-        rope_theta=theta,
-        rope_scaling=scaling,
+        **_shared_fields(cfg, getattr(cfg, "head_dim", None) or cfg.hidden_size // heads, _rope(cfg), backend),
         **_layer_masks(_windows(cfg, family)),
-        norm="rms",
-        norm_eps=cfg.rms_norm_eps,
-        norm_first=True,
         ffn="swiglu",
         qkv_bias=biased or family == "qwen2",
         out_bias=biased,
         ffn_bias=bool(getattr(cfg, "mlp_bias", False)),
         tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+    )
+
+
+def _shared_fields(cfg, d_head: int, rope: tuple, backend: str) -> dict:
+    """The :class:`attnkit.nn.DecoderConfig` fields every family reads alike from its ``transformers`` config:
+    the sizes (``d_head`` given), the rope (``rope``: what ``_rope`` returns, ``(theta, scaling, max_len)``),
+    the RMS norms before each sublayer, dropout (none but the attention's) and the initialisation."""
+    theta, scaling, max_len = rope
+    heads = cfg.num_attention_heads
+    return dict(
+        vocab_size=cfg.vocab_size,
+        d_model=cfg.hidden_size,
+        n_layers=cfg.num_hidden_layers,
+        n_heads=heads,
+        n_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+        d_head=d_head,
+        d_ff=cfg.intermediate_size,
+        max_seq_len=max_len,
+        positions="rope",
+        rope_theta=theta,
+        rope_scaling=scaling,
+        norm="rms",
+        norm_eps=cfg.rms_norm_eps,
+        norm_first=True,
         dropout=0.0,
         attention_dropout=float(getattr(cfg, "attention_dropout", 0.0) or 0.0),
         init_std=getattr(cfg, "initializer_range", 0.02),
@@ -305,40 +315,25 @@ def _deepseek_config(cfg, backend: str):
             f"num_key_value_heads={cfg.num_key_value_heads} != num_attention_heads={heads}: latent "
             f"attention gives every head its own key and value"
         )
-    theta, scaling, max_len = _rope(cfg)
+    rope = _rope(cfg)
+    scaling = rope[1]
     params = dict(cfg.rope_parameters or {})
     if scaling is not None:  # the factor _rope filled in
         params["factor"] = scaling.get("factor", params.get("factor"))
     scale = _deepseek_scale(params, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
     biased = bool(getattr(cfg, "attention_bias", False))
     return DecoderConfig(
-        vocab_size=cfg.vocab_size,
-        d_model=cfg.hidden_size,
-        n_layers=cfg.num_hidden_layers,
-        n_heads=heads,
-        d_head=cfg.qk_nope_head_dim,
-        d_ff=cfg.intermediate_size,
+        **_shared_fields(cfg, cfg.qk_nope_head_dim, rope, backend),
         kv_lora_rank=cfg.kv_lora_rank,
         q_lora_rank=cfg.q_lora_rank,
         qk_rope_head_dim=cfg.qk_rope_head_dim,
         v_head_dim=cfg.v_head_dim,
-        max_seq_len=max_len,
-        positions="rope",
-        rope_theta=theta,
-        rope_scaling=scaling,
         rope_interleaved=bool(getattr(cfg, "rope_interleave", True)),
         attn_scale=None if scale == (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5 else scale,
-        norm="rms",
-        norm_eps=cfg.rms_norm_eps,
-        norm_first=True,
         ffn="swiglu",
         qkv_bias=biased,
         out_bias=biased,
         tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-        dropout=0.0,
-        attention_dropout=float(getattr(cfg, "attention_dropout", 0.0) or 0.0),
-        init_std=getattr(cfg, "initializer_range", 0.02),
-        backend=backend,
         indexer=indexer,
     )
 
@@ -361,7 +356,7 @@ def _gemma_config(cfg, backend: str):
                 f"Gemma 3 rope_parameters={params!r}: from_hf reads one entry per layer type "
                 f"('full_attention' and 'sliding_attention'), as transformers >= 5 stores them"
             )
-        theta, scaling, max_len = _rope(cfg, params["full_attention"])
+        rope = _rope(cfg, params["full_attention"])
         local_theta, local_scaling, _ = _rope(cfg, params["sliding_attention"])
         if local_scaling is not None:
             raise ValueError(
@@ -373,28 +368,15 @@ def _gemma_config(cfg, backend: str):
             qk_norm=True, rope_local_theta=local_theta if sliding else None, **_layer_masks(windows, per_layer=sliding)
         )
     else:
-        theta, scaling, max_len = _rope(cfg)
+        rope = _rope(cfg)
         extra = _layer_masks(windows)
     heads, biased = cfg.num_attention_heads, bool(getattr(cfg, "attention_bias", False))
     d_head = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     scalar = cfg.query_pre_attn_scalar
     return DecoderConfig(
-        vocab_size=cfg.vocab_size,
-        d_model=cfg.hidden_size,
-        n_layers=cfg.num_hidden_layers,
-        n_heads=heads,
-        n_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-        d_head=d_head,
-        d_ff=cfg.intermediate_size,
-        max_seq_len=max_len,
-        positions="rope",
-        rope_theta=theta,
-        rope_scaling=scaling,
+        **_shared_fields(cfg, d_head, rope, backend),
         **extra,
-        norm="rms",
-        norm_eps=cfg.rms_norm_eps,
         norm_offset=1.0,
-        norm_first=True,
         post_norms=True,
         ffn="geglu",
         qkv_bias=biased,
@@ -406,10 +388,6 @@ def _gemma_config(cfg, backend: str):
         attn_scale=None if scalar == d_head else float(scalar) ** -0.5,
         embed_scale=cfg.hidden_size**0.5,
         tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", True)),
-        dropout=0.0,
-        attention_dropout=float(getattr(cfg, "attention_dropout", 0.0) or 0.0),
-        init_std=getattr(cfg, "initializer_range", 0.02),
-        backend=backend,
     )
 
 

@@ -26,32 +26,45 @@ def positive_int(name: str, value, *, allow_none: bool = False) -> int | None:
     return integer(name, value, minimum=1, allow_none=allow_none)
 
 
+def config_or_fields(
+    kind: type[_Config], config, fields: tuple, options: dict, *, owner: str, positional: tuple[str, ...], what: str
+) -> tuple[_Config | None, tuple]:
+    """``(config, ())`` when a constructor was given a ``kind`` config (and nothing beside it), else ``(None,
+    fields)``: the ``what`` (fields, options) given by position, ``config`` the first of them, at most as many as
+    ``positional`` names.  A TypeError for a config beside fields, a config that is neither, or too many."""
+    name = kind.__name__
+    if isinstance(config, kind):
+        if fields or options:
+            given = ", ".join([f"{len(fields)} positional"] * bool(fields) + list(options))
+            raise TypeError(
+                f"{owner} got {'an' if name[0] in 'AEIOU' else 'a'} {name} and the {what} {given}: pass "
+                f"one or the other (config.replace(...) makes a config with some fields changed)"
+            )
+        return config, ()
+    if config is not None and (isinstance(config, bool) or not isinstance(config, int)):
+        raise TypeError(
+            f"{owner} takes an attnkit.nn.{name}, or its {what} ({owner}({', '.join(positional[:2])}, "
+            f"...)), got {type(config).__name__} {config!r:.60}"
+        )
+    fields = fields if config is None else (config, *fields)
+    if len(fields) > len(positional):
+        raise TypeError(
+            f"{owner} takes at most {len(positional)} {what} by position ({', '.join(positional)}), "
+            f"got {len(fields)}: pass the others by keyword"
+        )
+    return None, fields
+
+
 def config_of(
     kind: type[_Config], config, fields: tuple, options: dict, *, owner: str, positional: tuple[str, ...], beside: str
 ) -> _Config:
     """The ``kind`` config (a dataclass) a module constructor was given: ``config`` itself, or, as a convenience,
     the one its fields make (``fields`` by position: at most ``positional``, in the dataclass's order; ``options``
     by keyword).  ``beside`` names the constructor's other keywords, for the message of an unknown one."""
+    given, fields = config_or_fields(kind, config, fields, options, owner=owner, positional=positional, what="fields")
+    if given is not None:
+        return given
     name = kind.__name__
-    if isinstance(config, kind):
-        if fields or options:
-            given = ", ".join([f"{len(fields)} positional"] * bool(fields) + list(options))
-            raise TypeError(
-                f"{owner} got {'an' if name[0] in 'AEIOU' else 'a'} {name} and the fields {given}: pass "
-                f"one or the other (config.replace(...) makes a config with some fields changed)"
-            )
-        return config
-    if config is not None and (isinstance(config, bool) or not isinstance(config, int)):
-        raise TypeError(
-            f"{owner} takes an attnkit.nn.{name}, or its fields ({owner}({', '.join(positional[:2])}, "
-            f"...)), got {type(config).__name__} {config!r:.60}"
-        )
-    fields = fields if config is None else (config, *fields)
-    if len(fields) > len(positional):
-        raise TypeError(
-            f"{owner} takes at most {len(positional)} fields by position ({', '.join(positional)}), "
-            f"got {len(fields)}: pass the others by keyword"
-        )
     try:
         return kind(*fields, **options)
     except TypeError as e:  # a missing or unknown field

@@ -43,6 +43,24 @@ class AttentionCall:
         """A copy with some fields changed."""
         return dataclasses.replace(self, **changes)
 
+    def weight_kwargs(self) -> dict[str, Any]:
+        """``mask``, ``bias``, ``scale``, ``softcap`` and ``sinks``, the fields that fix the attention weights, as
+        keyword arguments of :func:`attnkit.attention` (or a function taking its keywords); ``dropout_p`` is left
+        to the caller, as not every computation takes it.
+
+        Example::
+
+            >>> import torch
+            >>> from attnkit.nn import AttentionCall
+            >>> q = torch.randn(1, 2, 3, 4)
+            >>> sorted(AttentionCall(q, q, q, scale=0.5).weight_kwargs().items())
+            [('bias', None), ('mask', None), ('scale', 0.5), ('sinks', None), ('softcap', None)]
+        """
+        return {name: getattr(self, name) for name in _WEIGHT_FIELDS}
+
+
+_WEIGHT_FIELDS = ("mask", "bias", "scale", "softcap", "sinks")
+
 
 # hook(module, call, compute) -> out: compute(call) runs the hooks registered before this one and then the module's
 # own attention; a hook may call it (observe, or change the call) or not (replace the computation).

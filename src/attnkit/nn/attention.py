@@ -105,18 +105,7 @@ class _Attends(nn.Module):
 
     def _compute(self, c: AttentionCall) -> Tensor:
         """The module's own attention of one call (under its hooks)."""
-        return attention(
-            c.q,
-            c.k,
-            c.v,
-            mask=c.mask,
-            bias=c.bias,
-            scale=c.scale,
-            softcap=c.softcap,
-            dropout_p=c.dropout_p,
-            backend=self.backend,
-            sinks=c.sinks,
-        )
+        return attention(c.q, c.k, c.v, dropout_p=c.dropout_p, backend=self.backend, **c.weight_kwargs())
 
     def _check_dtype(self, x: Tensor) -> None:
         """``x`` has the dtype of the module's weights (read off ``out_proj``), unless autocast converts it."""

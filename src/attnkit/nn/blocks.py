@@ -109,25 +109,11 @@ def block_config(config, fields: tuple, options: dict, *, owner: str) -> BlockCo
     options make (see :class:`TransformerBlock`): ``bias`` is the default of ``qkv_bias`` (the attention's
     ``bias``), ``out_bias`` and ``ffn_bias``; ``attention_dropout`` (default ``dropout``) the attention's
     ``dropout``; ``norm_eps`` and ``norm_offset`` are also the q/k norms'."""
-    if isinstance(config, BlockConfig):
-        if fields or options:
-            given = [f"{len(fields)} positional" if fields else "", *options]
-            raise TypeError(
-                f"{owner} got a BlockConfig and the options {', '.join(g for g in given if g)}: pass "
-                f"one or the other (config.replace(...) makes a config with some fields changed)"
-            )
-        return config
-    if config is not None and (isinstance(config, bool) or not isinstance(config, int)):
-        raise TypeError(
-            f"{owner} takes an attnkit.nn.BlockConfig, or its options ({owner}(d_model, n_heads, "
-            f"...)), got {type(config).__name__} {config!r:.60}"
-        )
-    fields = fields if config is None else (config, *fields)
-    if len(fields) > len(_BLOCK_POSITIONAL):
-        raise TypeError(
-            f"{owner} takes at most {len(_BLOCK_POSITIONAL)} options by position "
-            f"({', '.join(_BLOCK_POSITIONAL)}), got {len(fields)}: pass the others by keyword"
-        )
+    given, fields = _checks.config_or_fields(
+        BlockConfig, config, fields, options, owner=owner, positional=_BLOCK_POSITIONAL, what="options"
+    )
+    if given is not None:
+        return given
     for name in _BLOCK_POSITIONAL[: len(fields)]:
         if name in options:
             raise TypeError(f"{owner} got {name} by position and by keyword: pass it once")
@@ -351,10 +337,29 @@ def _cache_positions(cache, batch: int, length: int, device, positions) -> Tenso
 
 
 class _Stack(nn.Module):
-    def _build(self, config: BlockConfig, n_layers: int, *, causal: bool, positions, mask, attn) -> None:
-        """``n_layers`` blocks built from ``config`` (``mask`` AND-ed with causal when ``causal``)."""
+    """What :class:`Encoder` and :class:`Decoder` share: ``n_layers`` blocks built from one :class:`BlockConfig`
+    (``mask`` AND-ed with causal in a decoder), a final norm when Pre-LN, and the rotary positions computed once."""
+
+    _name: str  # the class's name in messages
+    _causal: bool
+
+    def __init__(
+        self,
+        config: BlockConfig | int,
+        n_layers: int,
+        n_heads: int | None = None,
+        *,
+        positions=None,
+        mask=None,
+        attn: nn.Module | None = None,
+        **block_options,
+    ):
+        super().__init__()
+        if not self._causal and ("cross_attention" in block_options or getattr(config, "cross_attention", False)):
+            raise ValueError("Encoder layers have no cross attention; use Decoder(cross_attention=True)")
+        config = block_config(config, () if n_heads is None else (n_heads,), block_options, owner=self._name)
         _checks.positive_int("n_layers", n_layers)
-        mask = self._mask(causal, mask)
+        mask = self._mask(self._causal, mask)
         self.layers = nn.ModuleList(
             TransformerBlock(config, positions=positions, mask=mask, attn=attn) for _ in range(n_layers)
         )
@@ -419,22 +424,7 @@ class Encoder(_Stack):
         torch.Size([2, 7, 32])
     """
 
-    def __init__(
-        self,
-        config: BlockConfig | int,
-        n_layers: int,
-        n_heads: int | None = None,
-        *,
-        positions=None,
-        mask=None,
-        attn: nn.Module | None = None,
-        **block_options,
-    ):
-        super().__init__()
-        if "cross_attention" in block_options or getattr(config, "cross_attention", False):
-            raise ValueError("Encoder layers have no cross attention; use Decoder(cross_attention=True)")
-        config = block_config(config, () if n_heads is None else (n_heads,), block_options, owner="Encoder")
-        self._build(config, n_layers, causal=False, positions=positions, mask=mask, attn=attn)
+    _name, _causal = "Encoder", False
 
     def forward(self, x: Tensor, *, mask=None, positions=None) -> Tensor:
         _checks.features("x", x, self.d_model, what=f"(B, L, d_model={self.d_model})")
@@ -466,20 +456,7 @@ class Decoder(_Stack):
         torch.Size([2, 5, 32])
     """
 
-    def __init__(
-        self,
-        config: BlockConfig | int,
-        n_layers: int,
-        n_heads: int | None = None,
-        *,
-        positions=None,
-        mask=None,
-        attn: nn.Module | None = None,
-        **block_options,
-    ):
-        super().__init__()
-        config = block_config(config, () if n_heads is None else (n_heads,), block_options, owner="Decoder")
-        self._build(config, n_layers, causal=True, positions=positions, mask=mask, attn=attn)
+    _name, _causal = "Decoder", True
 
     def forward(self, x: Tensor, context=None, *, mask=None, context_mask=None, cache=None, positions=None) -> Tensor:
         _checks.features("x", x, self.d_model, what=f"(B, L, d_model={self.d_model})")

@@ -28,12 +28,13 @@ import torch
 from ...bias import ScoreMod
 from ..call import Call
 from ..operators import (
+    OP_INPUTS,
     describe,
     fake_input_grads,
     fake_out_lse,
     lse_dtype,
-    op_arguments,
     op_call,
+    op_inputs,
     rebuild,
     refuse_double_backward,
 )
@@ -245,21 +246,7 @@ def _(
 refuse_double_backward(flash_backward, "flash")
 
 
-_FORWARD_INPUTS = (
-    "q",
-    "k",
-    "v",
-    "mask_key",
-    "mask_tensors",
-    "bias",
-    "mod_key",
-    "mod_tensors",
-    "sinks",
-    "scale",
-    "softcap",
-    "dropout_p",
-    "seed",
-)
+_FORWARD_INPUTS = (*OP_INPUTS, "dropout_p", "seed")
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tensor]) -> None:
@@ -345,25 +332,10 @@ flash_forward.register_autograd(_backward, setup_context=_setup_context)
 
 def run(call: Call) -> Tensor | tuple[Tensor, Tensor]:
     """Compute a validated call through the operators (``out``, or ``(out, lse)`` with ``return_lse``)."""
-    mask_key, mask_tensors, bias_t, mod_key, mod_tensors = op_arguments(call)
     seed = None
     if call.dropout_p > 0:
         seed = torch.randint(0, 2**31 - 1, (1,), device=call.q.device)
-    out, lse, _ = flash_forward(
-        call.q,
-        call.k,
-        call.v,
-        mask_key,
-        mask_tensors,
-        bias_t,
-        mod_key,
-        mod_tensors,
-        call.sinks,
-        float(call.scale),
-        float(call.softcap or 0.0),
-        float(call.dropout_p),
-        seed,
-    )
+    out, lse, _ = flash_forward(*op_inputs(call), float(call.dropout_p), seed)
     return (out, lse) if call.return_lse else out
 
 

@@ -248,41 +248,29 @@ def _chunks(work: Work, job: Job, per_item: int) -> Iterator[Chunk]:
             continue
         N = i1 - i0
         qrows = rows.view(-1, 1) * bq + ar_r
-        if job.tiles is None:
-            kstart = (job.k0 + i0 * job.kstep) * bk
-            kcols = kstart + torch.arange(N).view(-1, 1) * (job.kstep * bk) + ar_w
-            yield Chunk(
-                job,
-                N,
-                bq,
-                qrows,
-                job.consecutive,
-                int(rows[0]) * bq,
-                kcols,
-                True,
-                kstart,
-                job.kstep * bk,
-                job.kinds[i0:i1],
-                job.first,
-            )
-        else:
-            kcols = (job.tiles[i0:i1, :, None] * bk + torch.arange(bk)).reshape(N, W)
-            yield Chunk(
-                job,
-                N,
-                bq,
-                qrows,
-                job.consecutive,
-                int(rows[0]) * bq,
-                kcols,
-                False,
-                0,
-                0,
-                job.kinds[i0:i1],
-                job.first,
-                job.tiles[i0:i1],
-                bk,
-            )
+        tiles = None if job.tiles is None else job.tiles[i0:i1]
+        if tiles is None:  # a band: each item's window a fixed step after the last one's
+            kstart, kstep, block_k = (job.k0 + i0 * job.kstep) * bk, job.kstep * bk, 0
+            kcols = kstart + torch.arange(N).view(-1, 1) * kstep + ar_w
+        else:  # gathered key tiles
+            kstart, kstep, block_k = 0, 0, bk
+            kcols = (tiles[:, :, None] * bk + torch.arange(bk)).reshape(N, W)
+        yield Chunk(
+            job,
+            N,
+            bq,
+            qrows,
+            job.consecutive,
+            int(rows[0]) * bq,
+            kcols,
+            tiles is None,
+            kstart,
+            kstep,
+            job.kinds[i0:i1],
+            job.first,
+            tiles,
+            block_k,
+        )
 
 
 # ------------------------------------------------------------------- views and scatters

@@ -34,7 +34,7 @@ import torch
 
 from ..call import Call
 from ..scores import sink_grad
-from ..operators import fake_input_grads, fake_out_lse, op_arguments, op_call, refuse_double_backward
+from ..operators import OP_INPUTS, fake_input_grads, fake_out_lse, op_call, op_inputs, refuse_double_backward
 from .autograd import _with_sinks
 from .ops import _backward as _launch_backward
 from .ops import _forward as _launch_forward
@@ -136,23 +136,8 @@ def _(
 refuse_double_backward(triton_backward, "triton")
 
 
-_FORWARD_INPUTS = (
-    "q",
-    "k",
-    "v",
-    "mask_key",
-    "mask_tensors",
-    "bias",
-    "mod_key",
-    "mod_tensors",
-    "sinks",
-    "scale",
-    "softcap",
-)
-
-
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    args = dict(zip(_FORWARD_INPUTS, inputs))
+    args = dict(zip(OP_INPUTS, inputs))
     out, lse = output
     # the mask's and modifier's tensors are saved too: autograd then refuses a backward after they were
     # modified in place (the backward reads them again), as the eager backend does
@@ -215,18 +200,5 @@ triton_forward.register_autograd(_backward, setup_context=_setup_context)
 
 def run(call: Call) -> Tensor | tuple[Tensor, Tensor]:
     """Compute a validated call through the operators (``out``, or ``(out, lse)`` with ``return_lse``)."""
-    mask_key, mask_tensors, bias_t, mod_key, mod_tensors = op_arguments(call)
-    out, lse = triton_forward(
-        call.q,
-        call.k,
-        call.v,
-        mask_key,
-        mask_tensors,
-        bias_t,
-        mod_key,
-        mod_tensors,
-        call.sinks,
-        float(call.scale),
-        float(call.softcap or 0.0),
-    )
+    out, lse = triton_forward(*op_inputs(call))
     return (out, lse) if call.return_lse else out

@@ -185,6 +185,32 @@ def _seen(ok, row_ok):
     return tl.max((ok & row_ok[:, None]).to(tl.int32), 0) > 0
 
 
+def _tile_list(Count, Index, TileId, b, h, r, stride_cb, stride_ch, stride_cr, stride_ib, stride_ih, stride_ir):
+    """Row tile ``r``'s tile list (module docstring): ``(n_partial, n_total, index, tile_ids)``, pointers last."""
+    count = Count + b * stride_cb + h * stride_ch + r * stride_cr
+    entries = b * stride_ib + h * stride_ih + r * stride_ir  # (Index and TileId share their strides)
+    return tl.load(count), tl.load(count + 1), Index + entries, TileId + entries
+
+
+def _softmax_step(s, v, m_i, l_i, acc, v_dtype, EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr):
+    """Base-2 scores ``s (rows, keys)`` and values ``v (keys, DV)`` into the online softmax's ``(m_i, l_i, acc)``."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at 0
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(_round(p, v_dtype, EMULATE_BF16), v, EMULATE_BF16, PRECISION)
+    return m_new, l_i, acc
+
+
+def _softmax_result(m_i, l_i, acc):
+    """``(out, lse)`` of the online softmax (lse in natural log); a row that saw nothing gives 0 and -inf."""
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)  # ln 2
+    return out, lse
+
+
 # ----------------------------------------------------------------------------------------------- forward
 
 
@@ -281,11 +307,9 @@ def _attn_fwd(
     PLAIN: tl.constexpr = not (HAS_SOFTCAP or HAS_ALIBI or HAS_BIAS)
     qk_scale = scale * 1.44269504 if PLAIN else scale  # 1/ln(2)
 
-    count = Count + b * stride_cb + h * stride_ch + pid_m * stride_cr
-    n_partial = tl.load(count)
-    n_total = tl.load(count + 1)
-    index = Index + b * stride_ib + h * stride_ih + pid_m * stride_ir
-    tile_ids = TileId + b * stride_ib + h * stride_ih + pid_m * stride_ir
+    n_partial, n_total, index, tile_ids = _tile_list(
+        Count, Index, TileId, b, h, pid_m, stride_cb, stride_ch, stride_cr, stride_ib, stride_ih, stride_ir
+    )
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max, base 2
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2(s2 - m_i)
@@ -364,17 +388,8 @@ def _attn_fwd(
             s = tl.where(ok, s, float("-inf"))
             # values no row of the tile may see weigh 0, but 0 * NaN is NaN: zero them (padding garbage)
             v = tl.where(_seen(ok, rows < q_len)[:, None], v, 0.0)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at 0
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(_round(p, V.dtype.element_ty, EMULATE_BF16), v, EMULATE_BF16, PRECISION)
-        m_i = m_new
-
-    empty = l_i == 0.0  # nothing visible: output 0 and lse -inf
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)  # ln 2
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, V.dtype.element_ty, EMULATE_BF16, PRECISION)
+    out, lse = _softmax_result(m_i, l_i, acc)
     tl.store(
         Out + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + offs_dv[None, :],
         _round(out, Out.dtype.element_ty, EMULATE_BF16),
@@ -488,11 +503,9 @@ def _attn_bwd_dq(
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
 
-    count = Count + b * stride_cb + h * stride_ch + pid_m * stride_cr
-    n_partial = tl.load(count)
-    n_total = tl.load(count + 1)
-    index = Index + b * stride_ib + h * stride_ih + pid_m * stride_ir
-    tile_ids = TileId + b * stride_ib + h * stride_ih + pid_m * stride_ir
+    n_partial, n_total, index, tile_ids = _tile_list(
+        Count, Index, TileId, b, h, pid_m, stride_cb, stride_ch, stride_cr, stride_ib, stride_ih, stride_ir
+    )
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for j in range(0, n_total):
@@ -685,11 +698,9 @@ def _attn_bwd_dkdv(
     dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     for g in range(0, GROUP):
         h = hk * GROUP + g
-        count = Count + b * stride_cb + h * stride_ch + pid_n * stride_cr
-        n_partial = tl.load(count)
-        n_total = tl.load(count + 1)
-        index = Index + b * stride_ib + h * stride_ih + pid_n * stride_ir
-        tile_ids = TileId + b * stride_ib + h * stride_ih + pid_n * stride_ir
+        n_partial, n_total, index, tile_ids = _tile_list(
+            Count, Index, TileId, b, h, pid_n, stride_cb, stride_ch, stride_cr, stride_ib, stride_ih, stride_ir
+        )
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DO + b * stride_dob + h * stride_doh
         for j in range(0, n_total):
@@ -885,17 +896,9 @@ def _paged_decode(
                 other=0.0,
             ).to(tl.float32)
         s = tl.where(key_ok[None, :], s * 1.44269504, float("-inf"))  # 1/ln(2)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(_round(p, VPool.dtype.element_ty, EMULATE_BF16), v, EMULATE_BF16, PRECISION)
-        m_i = m_new
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, VPool.dtype.element_ty, EMULATE_BF16, PRECISION)
+    out, lse = _softmax_result(m_i, l_i, acc)
     if SPLIT:
-        lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
         part = (b * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split  # (B, Hq, S) flattened
         tl.store(PartOut + part[:, None] * DV + offs_dv[None, :], out, mask=g_ok[:, None] & (offs_dv[None, :] < DV))
         tl.store(PartLse + part, lse, mask=g_ok)
@@ -955,6 +958,9 @@ _FUNCTIONS = (
     "_score_mods",
     "_allowed",
     "_seen",
+    "_tile_list",
+    "_softmax_step",
+    "_softmax_result",
     "_attn_fwd",
     "_attn_bwd_dq",
     "_attn_bwd_dkdv",
