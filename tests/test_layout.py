@@ -449,7 +449,6 @@ TESTS_WAITING = {
     ("cache/test_paged.py", "attnkit.backends.paged._attend_pool"): "checks that paged_attention took the pool path",
     ("cache/test_paged.py", "attnkit.backends.paged._position_only"): "the pool path's mask rule",
     ("test_engine.py", "attnkit.backends.paged._attend_pool"): "counts the Engine's pool decode steps",
-    ("test_functional.py", "attnkit.backends._REGISTRY"): "asks each backend's check() for its refusal reason",
     ("test_generate.py", "attnkit.nn.layers._onednn_packed_works"): "which decode copy layout this machine gets",
     ("test_sinks.py", "attnkit.backends.sdpa._with_sink_key"): "the sink key's float32 split of the logit",
     ("test_content_sparse_masks.py", "attnkit.backends.flash.autograd._plan"): "the tiles a selection plan visits",
