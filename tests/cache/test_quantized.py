@@ -146,6 +146,20 @@ def test_quantized_errors():
         big.layers[0].update(torch.full((1, 1, 6, 4), 1e6), torch.zeros(1, 1, 6, 4))
 
 
+def test_a_bad_scale_of_a_plain_decode_step_gets_attentions_error():
+    """A decode step with no mask, bias or softcap took scale= unchecked: NaN rows for scale=nan, float()'s
+    message for a string."""
+    cache = QuantizedCache(1, max_len=16, group_size=4)
+    q, k = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 9, 8)
+    read = cache.layers[0].update(k, k)
+    for scale, match in ((float("nan"), "scale=nan must be a finite number"), ("x", "scale='x' must be a finite")):
+        with pytest.raises(ValueError, match=match) as quantized:
+            attend(read, q, scale=scale)
+        with pytest.raises(ValueError, match=match) as plain:
+            attnkit.attention(q, k, k, scale=scale)
+        assert str(quantized.value) == str(plain.value)
+
+
 @pytest.mark.parametrize("bits,chunk", [(8, 24), (4, 24), (8, 512)])
 @pytest.mark.parametrize(
     "mask,bias,softcap,hq",

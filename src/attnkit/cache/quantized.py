@@ -19,7 +19,6 @@ copy is one chunk (plus the residual) of one layer, whatever the length.
 
 from __future__ import annotations
 
-import math
 from typing import Any, cast
 
 import torch
@@ -358,7 +357,7 @@ class _QuantizedDecode(CacheAttention):
         softcap: float | None = None,
         sinks: Tensor | None = None,
     ) -> Tensor:
-        from ..backends.call import accumulation_dtype, make_call
+        from ..backends.call import accumulation_dtype, check_modifiers, make_call
         from ..backends.scores import grouped_bias, grouped_index, modify_scores
         from ..masks import from_dense
         from ..softmax import stable_softmax
@@ -379,7 +378,7 @@ class _QuantizedDecode(CacheAttention):
         if isinstance(mask, Mask) and mask.is_causal("bottom_right") and Lq == 1:
             mask = None  # the newest query sees every stored key
         if mask is None and bias is None and softcap is None and self.pad_mask is None and _plain_query(q, layer):
-            return self._plain(q, 1.0 / math.sqrt(D) if scale is None else float(scale))
+            return self._plain(q, check_modifiers(q, scale, None, None)[0])  # (scale: as make_call checks it)
         # the call's keys and values are shape-only stand-ins (nothing reads them): the contract's checks
         # and the score modifiers see the real (B, Hkv, L, D) layout
         k_shape = q.new_empty(1, 1, 1, 1).expand(B, H, L, D)
