@@ -129,7 +129,7 @@ def test_quantized_errors():
     for kw, err, match in (
         (dict(x=[1.0, 2.0]), TypeError, "x must be a float tensor, got list"),
         (dict(x=torch.ones(2, 4, dtype=torch.long)), TypeError, "got torch.int64"),
-        (dict(bits=9), ValueError, "bits=9 must be an int in 1..8"),
+        (dict(bits=9), ValueError, r"quantize_groups: bits=9 must be an int in \[1, 9\) \(the codes are uint8\)"),
         (dict(bits=4.0), ValueError, "bits=4.0"),
         (dict(dim=2), ValueError, r"dim=2 must be an int in \[-2, 2\)"),
     ):

@@ -23,7 +23,7 @@ from typing import Any, cast
 
 import torch
 
-from .._checks import integer
+from .._checks import int_in_range, integer
 from ..bias import BiasLike
 from ..masks import Mask
 from ._common import ModelCache, check_dtype, check_new_kv, model_dims
@@ -62,12 +62,8 @@ def quantize_groups(
         raise TypeError(
             f"quantize_groups: x must be a float tensor, got {x.dtype if isinstance(x, Tensor) else type(x).__name__}"
         )
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
-        raise ValueError(f"quantize_groups: bits={bits!r} must be an int in 1..8 (the codes are uint8)")
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
-        raise ValueError(
-            f"quantize_groups: dim={dim!r} must be an int in [{-x.dim()}, {x.dim()}) for x of shape {tuple(x.shape)}"
-        )
+    bits = int_in_range("quantize_groups: bits", bits, 1, 9, fix=" (the codes are uint8)")
+    dim = int_in_range("quantize_groups: dim", dim, -x.dim(), x.dim(), fix=f" for x of shape {tuple(x.shape)}")
     levels = (1 << bits) - 1
     xf = x.float()
     bad = ~torch.isfinite(xf)

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .._checks import flag, integer
+from .._checks import flag, int_in_range, integer
 from .._threads import DecodeThreads
 from ..cache import PagedCache, PagedSinkCache, PoolExhausted
 from ..cache import model_dims
@@ -341,8 +341,7 @@ class Engine:
             or not all(isinstance(t, Integral) and not isinstance(t, bool) for t in prompt)
         ):
             raise ValueError(f"prompt must be a non-empty list of int token ids, got {prompt!r:.80}")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, Integral) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 0")
+        max_new_tokens = int_in_range("max_new_tokens", max_new_tokens, 0)
         prompt = [int(t) for t in prompt]
         check_tokens([prompt], getattr(getattr(self.model, "config", None), "vocab_size", None), "prompt")
         if self.sink is None:  # (with sinks positions stay below n_sink + window, checked when built)
