@@ -101,7 +101,7 @@ def register(backend: Backend) -> Registration:
 
 def get(name: str) -> Backend:
     """The backend registered as ``name`` (available on this machine or not): its ``check(call)`` says why it
-    refuses a call (:func:`attnkit.backends.call.make_call` builds one), its ``cost(call)`` what it estimates.
+    refuses a call (``attnkit.backends.call.make_call`` builds one), its ``cost(call)`` what it estimates.
 
     Example::
 
