@@ -88,7 +88,7 @@ def paged_attention(
     pool (:class:`PagedCache`'s storage) takes one matrix product per run of consecutive block ids, and
     a head-major pool (``(Hkv, num_blocks, ...)`` storage) reads a run as one ``(Hkv, L, D)`` view, with
     PyTorch's fused kernel when nothing modifies the scores (a head-major decode step takes whichever
-    of the two reads fewer bytes).
+    of the two reads fewer bytes).  :func:`explain_paged_attention` says which of these paths a call takes.
 
     Example::
 
