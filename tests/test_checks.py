@@ -109,3 +109,40 @@ def test_a_refused_flag_changes_nothing(tiny):
         attnkit.generate(tiny, [[1], [2], [3], [4]], 2, stream="yes")
     assert tiny.training and [p.stride() for p in tiny.parameters()] == strides
     tiny.eval()
+
+
+def test_scalar_arguments_are_checked_by_the_shared_checks_with_name_value_and_fix():
+    """Inline checks of scalar arguments moved to attnkit._checks: each message names the argument, the value
+    and what to pass, and integral numbers (numpy's too) are taken as ints."""
+    from attnkit.backends.flash import flash_attention
+    from attnkit.cache import quantize_groups
+    from attnkit.decoding import SamplingParams, Speculation
+    from attnkit.diagnostics import Thresholds, probe
+
+    q = torch.randn(1, 1, 4, 8)
+    cases = [
+        (lambda: SamplingParams(temperature=-1), r"temperature=-1 must be >= 0.0 \(0 is greedy\)"),
+        (lambda: SamplingParams(temperature=float("nan")), r"temperature=nan must be a finite number \(0 is greedy\)"),
+        (lambda: SamplingParams(top_k=0), r"top_k=0 must be an int >= 1 or None"),
+        (lambda: SamplingParams(top_p=0), r"top_p=0 must be > 0.0 \(a probability mass\) or None"),
+        (lambda: SamplingParams(top_p=1.5), r"top_p=1.5 must be <= 1.0 \(a probability mass\) or None"),
+        (lambda: SamplingParams(eos_id=-1), r"eos_id=-1 must be an int >= 0 \(a token id\), a list of them, or None"),
+        (lambda: SamplingParams(logprobs=-1), r"logprobs=-1 must be an int >= 0 \(the number of most likely"),
+        (lambda: Speculation(prompt_lookup=True, num_tokens=0), r"num_tokens=0 must be an int >= 1 \(tokens proposed"),
+        (lambda: flash_attention(q, q, q, block_q=0), r"block_q=0 must be an int >= 1 \(or None for the default 128\)"),
+        (lambda: flash_attention(q, q, q, block_k=2.0), r"block_k=2.0 must be an int >= 1 \(or None for the default"),
+        (
+            lambda: quantize_groups(q, dim=4, bits=8),
+            r"quantize_groups: dim=4 must be an int in \[-4, 4\) for x of shape",
+        ),
+        (lambda: Thresholds(sharp_heads=0), r"sharp_heads=0 must be > 0.0 \(a fraction in \(0, 1\]\)"),
+        (lambda: Thresholds(vanishing_ratio=1.0), r"vanishing_ratio=1.0 must be < 1.0"),
+        (lambda: probe(torch.nn.Linear(2, 2), max_elements=-1).__enter__(), r"max_elements=-1 must be an int >= 0 \(w"),
+    ]
+    for call, match in cases:
+        with pytest.raises(ValueError, match=match):
+            call()
+    params = SamplingParams(top_k=np.int64(3), eos_id=np.int32(2), logprobs=np.int64(1))
+    assert (params.top_k, params.eos_id, params.logprobs) == (3, 2, 1)
+    assert all(type(x) is int for x in (params.top_k, params.logprobs))
+    assert Speculation(prompt_lookup=True, num_tokens=np.int64(2)).num_tokens == 2

@@ -11,9 +11,7 @@ from hypothesis import strategies as st
 import attnkit
 from attnkit import backends
 from attnkit import masks as M
-from attnkit.backends.flash import autograd as flash_impl
 from attnkit.backends.flash import flash_attention
-from attnkit.backends.call import make_call
 from attnkit.testing import check_against_oracle
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -140,25 +138,6 @@ def test_every_backend_agrees_with_the_dense_mask():
     want = attnkit.attention(q, k, v, mask=dense, backend="math")
     for name in ("math", "sdpa", "flash"):
         assert torch.allclose(attnkit.attention(q, k, v, mask=m, backend=name), want, atol=1e-12), name
-
-
-def test_flash_visits_exactly_the_selected_tiles():
-    """With tiles of the selection's block size, the plan (forward and backward) visits the selected tiles
-    that the causal mask leaves non-empty, and nothing else."""
-    g = torch.Generator().manual_seed(1)
-    L, blk, top = 512, 32, 3
-    n = L // blk
-    idx = _random_indices(g, 1, 2, n, n, top)
-    m = M.selected_blocks(idx, block=blk) & M.causal()
-    q = k = v = torch.randn(1, 2, L, 16)
-    call = make_call(q, k, v, mask=m)
-    table = m.block_structure(L, L, blk, batch=1, heads=2).kinds() > 0
-    expect = _dense_selection(idx, blk, blk, L, L)[:, :, ::blk, ::blk] & torch.ones(n, n, dtype=torch.bool).tril()
-    assert torch.equal(table, expect)
-    for plan in (flash_impl._plan(call, blk, blk), flash_impl._backward_plan(call, blk, blk)):
-        assert plan.visited_pairs == int(expect.sum())
-        per_row = sum(job.heads.count * job.pairs for job in plan.jobs)  # tiles the jobs compute
-        assert per_row == int(expect.sum())
 
 
 def test_indices_changed_in_place_are_seen():

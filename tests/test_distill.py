@@ -342,9 +342,11 @@ def test_dense_to_sparse_student():
 
 def test_bad_layer_maps_get_clear_errors():
     teacher, student = lm(seed=0), lm(d=16, seed=1)
-    with pytest.raises(ValueError, match=r"teacher layer 5 must be an int in \[0, 2\)"):
+    with pytest.raises(
+        ValueError, match=r"layer_map\[0\]=5 must be an int in \[0, 2\) \(a teacher layer: the teacher has 2 layers\)"
+    ):
         distill(teacher, student, recall, steps=1, layer_map={0: 5}, progress=False)
-    with pytest.raises(ValueError, match=r"student layer 3"):
+    with pytest.raises(ValueError, match=r"layer_map key=3 must be an int in \[0, 2\) \(a student layer"):
         distill(teacher, student, recall, steps=1, layer_map={3: 0}, progress=False)
     with pytest.raises(ValueError, match="3 entries but the student has 2 layers"):
         distill(teacher, student, recall, steps=1, layer_map=[0, 1, 1], progress=False)

@@ -40,7 +40,7 @@ def run_or_refuse(backend, q, k, v, refuses=None, **kw):
     """Check the backend against the oracle; where ``refuses`` names a refusal (see :func:`refusal`), check
     that the backend refuses the call with a ValueError giving exactly that reason."""
     call = attnkit.backends.call.make_call(q, k, v, **kw)
-    reason = backends._REGISTRY[backend].check(call)
+    reason = backends.get(backend).check(call)
     if refuses is None:
         assert reason is None, f"backend={backend!r} refused a call it takes: {reason}"
         return check_against_oracle(attnkit.attention, q, k, v, backend=backend, **kw)

@@ -444,34 +444,10 @@ def _foreign_private_uses(path: Path, tree: ast.AST) -> list[str]:
     return out
 
 
-# tests that still spy on another package's private step, each with its reason
-TESTS_WAITING = {
-    ("cache/test_paged.py", "attnkit.backends.paged._attend_pool"): "checks that paged_attention took the pool path",
-    ("cache/test_paged.py", "attnkit.backends.paged._position_only"): "the pool path's mask rule",
-    ("test_engine.py", "attnkit.backends.paged._attend_pool"): "counts the Engine's pool decode steps",
-    ("test_functional.py", "attnkit.backends._REGISTRY"): "asks each backend's check() for its refusal reason",
-    ("test_generate.py", "attnkit.nn.layers._onednn_packed_works"): "which decode copy layout this machine gets",
-    ("test_sinks.py", "attnkit.backends.sdpa._with_sink_key"): "the sink key's float32 split of the logit",
-    ("test_content_sparse_masks.py", "attnkit.backends.flash.autograd._plan"): "the tiles a selection plan visits",
-    ("test_content_sparse_masks.py", "attnkit.backends.flash.autograd._backward_plan"): "the backward plan's tiles",
-}
-
-
-def _waiting(use: str) -> bool:
-    where, dotted = use.split(":", 1)[0].removeprefix("tests/"), use.split(" uses ", 1)[1].split(",", 1)[0]
-    return (where, dotted) in TESTS_WAITING
-
-
 def test_tests_use_only_their_own_packages_private_names():
-    uses = [
+    bad = [
         use for path in sorted(TESTS.rglob("*.py")) for use in _foreign_private_uses(path, ast.parse(path.read_text()))
     ]
-    assert {
-        (u.split(":", 1)[0].removeprefix("tests/"), u.split(" uses ", 1)[1].split(",", 1)[0])
-        for u in uses
-        if _waiting(u)
-    } == set(TESTS_WAITING), "a waiting use is gone: drop it from TESTS_WAITING"
-    bad = [use for use in uses if not _waiting(use)]
     assert not bad, (
         "tests use private names of a package they do not test (use the public seam, or move the "
         "test into the folder of the package it tests):\n" + "\n".join(bad)

@@ -6,7 +6,7 @@ module may import it."""
 from __future__ import annotations
 
 import math
-from numbers import Real
+from numbers import Integral, Real
 from typing import Literal, overload
 
 import torch
@@ -150,8 +150,8 @@ def choice(name: str, value, options: tuple, *, fix: str = ""):
 
 
 def int_in_range(name: str, value, low: int, high: int | None = None, *, fix: str = "") -> int:
-    """``value``, an int (not a bool) with ``low <= value`` and, when ``high`` is given, ``value < high`` (an
-    index); anything else raises ValueError, as the float checks do (:func:`integer` raises TypeError for a
+    """``value``, an int (not a bool; a numpy int too, returned as an int) with ``low <= value`` and, when ``high``
+    is given, ``value < high`` (an index); anything else raises ValueError, as the float checks do (:func:`integer` raises TypeError for a
     non-int).  ``fix`` ends the message (e.g. what the value counts, or what else may be passed).
 
     Example::
@@ -164,10 +164,11 @@ def int_in_range(name: str, value, low: int, high: int | None = None, *, fix: st
         ...
         ValueError: row=4 must be an int in [0, 4) (rows are 0-based)
     """
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value >= high):
+    n = int(value) if isinstance(value, Integral) and not isinstance(value, bool) else None
+    if n is None or n < low or (high is not None and n >= high):
         bound = f">= {low}" if high is None else f"in [{low}, {high})"
         raise ValueError(f"{name}={value!r} must be an int {bound}{fix}")
-    return value
+    return n
 
 
 def holds(ok: torch.Tensor, message: str) -> bool:

@@ -571,3 +571,22 @@ def test_fused_op_signature():
     o, lse = fwd(q, k, v, 0.0, False, attn_mask=None, scale=0.5)
     ref, ref_lse = reference(q, k, v, scale=0.5)
     assert torch.allclose(o, ref) and torch.allclose(lse, ref_lse)
+
+
+def test_flash_visits_exactly_the_selected_tiles():
+    """With tiles of a content-sparse selection's block size, the plan (forward and backward) visits the selected
+    tiles that the causal mask leaves non-empty, and nothing else."""
+    g = torch.Generator().manual_seed(1)
+    L, blk, top = 512, 32, 3
+    n = L // blk
+    idx = torch.randint(-1, n, (1, 2, n, top), generator=g)  # -1: no block
+    m = M.selected_blocks(idx, block=blk) & M.causal()
+    q = k = v = torch.randn(1, 2, L, 16)
+    call = make_call(q, k, v, mask=m)
+    selected = torch.zeros(1, 2, n, n + 1, dtype=torch.bool).scatter_(-1, idx % (n + 1), True)[..., :n]
+    expect = selected & torch.ones(n, n, dtype=torch.bool).tril()  # (tile row, tile column) pairs to visit
+    assert torch.equal(m.block_structure(L, L, blk, batch=1, heads=2).kinds() > 0, expect)
+    for plan in (_flash_impl._plan(call, blk, blk), _flash_impl._backward_plan(call, blk, blk)):
+        assert plan.visited_pairs == int(expect.sum())
+        per_row = sum(job.heads.count * job.pairs for job in plan.jobs)  # tiles the jobs compute
+        assert per_row == int(expect.sum())

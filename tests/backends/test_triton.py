@@ -686,7 +686,7 @@ def test_paged_decode_rejects_malformed_inputs():
     tb.check_paged_decode(q, pool, pool, torch.tensor([[0, -1, -1], [1, -1, -1]], dtype=torch.int32), lens)  # unread
     with pytest.raises(ValueError, match="the bias covers 3 keys but seq_lens holds 4"):
         tb.check_paged_decode(q, pool, pool, table, lens, bias=torch.randn(1, 1, 1, 3))
-    with pytest.raises(ValueError, match="softcap=0.0 must be a finite number > 0"):
+    with pytest.raises(ValueError, match=r"softcap=0.0 must be > 0.0 \(or None for no softcap\)"):
         tb.check_paged_decode(q, pool, pool, table, lens, softcap=0.0)
     with pytest.raises(ValueError, match="scale=nan must be a finite number"):
         tb.check_paged_decode(q, pool, pool, table, lens, scale=float("nan"))

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 import attnkit
 from attnkit import bias as B_
 from attnkit import masks
-from attnkit.cache import PagedCache, PoolExhausted, StaticCache, attend, paged_attention
+from attnkit.cache import PagedCache, PoolExhausted, StaticCache, attend, explain_paged_attention, paged_attention
 
 F64 = torch.float64
 
@@ -195,21 +195,16 @@ def test_pool_decode_equals_the_gathered_oracle(data, layout, hkv, group, softca
 
 
 @pytest.mark.parametrize("mods", _POSITION_MODS[1:])
-def test_pool_decode_takes_position_only_modifiers(monkeypatch, mods):
+def test_pool_decode_takes_position_only_modifiers(mods):
     """Every built-in mask and bias that reads only positions runs on the pool path (scattered blocks, a
     shared prefix block, grouped heads) and equals the gathered oracle."""
-    from attnkit.backends import paged as P
-
-    calls = []
-    real = P._attend_pool
-    monkeypatch.setattr(P, "_attend_pool", lambda *a, **k: calls.append(1) or real(*a, **k))
     mask, bias = _position_mods(mods, 4)
     k_pool, v_pool = _pool(nb=40, hkv=2)
     table = torch.tensor([[31, 2, 17, 9], [31, 5, 0, 0], [22, 23, 24, 38]], dtype=torch.int32)
     lens = torch.tensor([15, 6, 16], dtype=torch.int32)
     q = torch.randn(3, 4, 1, 8, dtype=F64)
     got = paged_attention(q, k_pool, v_pool, table, lens, mask=mask, bias=bias)
-    assert calls
+    assert explain_paged_attention(q, k_pool, v_pool, table, lens, mask=mask, bias=bias).startswith("pool: ")
     for r in range(3):
         n = int(lens[r])
         want = attnkit.attention(
@@ -219,23 +214,20 @@ def test_pool_decode_takes_position_only_modifiers(monkeypatch, mods):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_pool_decode_numerical_rule_in_low_precision(monkeypatch, dtype):
+def test_pool_decode_numerical_rule_in_low_precision(dtype):
     """In float32 and half types the pool decode's error against the float64 oracle is at most twice the naive
     formula's in the same dtype (scores and softmax run in float32)."""
-    from attnkit.backends import paged as P
     from attnkit.testing import max_err, reference
 
-    calls = []
-    real = P._attend_pool
-    monkeypatch.setattr(P, "_attend_pool", lambda *a, **k: calls.append(1) or real(*a, **k))
     g = torch.Generator().manual_seed(3)
     nb, hkv, bs, d = 40, 2, 16, 64
     k_pool, v_pool = torch.randn(nb, hkv, bs, d, generator=g), torch.randn(nb, hkv, bs, d, generator=g)
     table = torch.randperm(nb, generator=g)[:36].view(4, 9).to(torch.int32)
     lens = torch.tensor([144, 97, 1, 130], dtype=torch.int32)
     q = torch.randn(4, 4, 1, d, generator=g) * 2
-    got = paged_attention(q.to(dtype), k_pool.to(dtype), v_pool.to(dtype), table, lens)
-    assert calls, "the decode did not take the pool path"
+    args = (q.to(dtype), k_pool.to(dtype), v_pool.to(dtype), table, lens)
+    got = paged_attention(*args)
+    assert explain_paged_attention(*args).startswith("pool: "), "the decode did not take the pool path"
     for r in range(4):
         n = int(lens[r])
         k, v = _gathered(k_pool, table[r], n), _gathered(v_pool, table[r], n)
@@ -451,15 +443,21 @@ def test_bad_arguments_of_paged_attention_are_clear_errors():
         (dict(softcap=0), ValueError, "softcap=0 must be > 0.0"),
         (dict(scale="x"), ValueError, "scale='x' must be a finite number"),
         (dict(scale=float("nan")), ValueError, "scale=nan must be a finite number"),
-        (dict(bias="alibi"), TypeError, "bias must be None, an attnkit.bias modifier or a float tensor, got str"),
+        (dict(scale=1e200), ValueError, "scale=1e[+]?200 scales the scores by 1e[+]?200, beyond"),
+        (dict(bias="alibi"), TypeError, "bias must be None, a float tensor or an attnkit.bias modifier, got str"),
         (dict(bias=lambda s, b, h, i, j: s), TypeError, "bias.from_fn"),
-        (dict(bias=torch.zeros(1, 1, 1, 8, dtype=torch.long)), TypeError, "a tensor bias must be a float"),
-        (dict(mask="causal"), TypeError, "mask must be None, an attnkit.masks.Mask or a bool tensor, got str"),
+        (dict(bias=torch.zeros(1, 1, 1, 8, dtype=torch.long)), TypeError, "bias must be a float tensor of additive"),
+        (dict(mask="causal"), TypeError, "mask must be None, an attnkit.masks.Mask, a bool tensor or a FlexAtt"),
         (dict(mask=lambda b, h, i, j: i >= j), TypeError, "masks.from_fn"),
-        (dict(mask=torch.ones(1, 1, 1, 8)), TypeError, "a tensor mask must be bool"),
+        (dict(mask=torch.ones(1, 1, 1, 8)), TypeError, "mask must be a bool tensor .True = may attend., got dtype"),
+        (dict(sinks=torch.tensor([1.0, float("inf")], dtype=F64)), ValueError, "sinks holds a non-finite value"),
     ):
-        with pytest.raises(err, match=match):
+        with pytest.raises(err, match=match) as paged:
             paged_attention(q, kp, vp, table, lens, **kw)
+        # the checks attention makes, with the same messages
+        with pytest.raises(err, match=match) as plain:
+            attnkit.attention(q, kp[:2], vp[:2], **kw)
+        assert str(paged.value) == f"paged_attention: {plain.value}"
     for name, bad in (
         ("block_table", (table > 0, lens)),
         ("block_table", (table.double(), lens)),
@@ -588,9 +586,20 @@ def test_garbage_in_unfilled_and_hidden_slots_reaches_no_row(fill, mask, lq, lay
 
 
 def test_combined_positional_masks_take_the_pool_path():
-    from attnkit.backends.paged import _position_only
+    k_pool, v_pool = _pool(nb=12)
+    table = torch.tensor([[3, 5, 9], [1, 0, 0]], dtype=torch.int32)
+    lens = torch.tensor([9, 3], dtype=torch.int32)
+    q = torch.randn(2, 4, 1, 8, dtype=F64)
 
-    assert _position_only(masks.causal() & masks.sliding_window(4), None)
-    assert _position_only(~masks.block_local(4) | masks.prefix_lm(2), None)
-    assert not _position_only(masks.causal() & masks.key_padding(torch.tensor([3])), None)
-    assert not _position_only(masks.causal(align="top_left") & masks.sliding_window(4), None)
+    def path(mask):
+        return explain_paged_attention(q, k_pool, v_pool, table, lens, mask=mask)
+
+    assert path(masks.causal() & masks.sliding_window(4)).startswith("pool: ")
+    assert path(~masks.block_local(4) | masks.prefix_lm(2)).startswith("pool: ")
+    reads_more = "per sequence: one attention per sequence over its runs of blocks (the mask or bias reads more"
+    assert path(masks.causal() & masks.key_padding(torch.tensor([3, 3]))).startswith(reads_more)
+    assert path(masks.causal(align="top_left") & masks.sliding_window(4)).startswith(reads_more)
+    many = explain_paged_attention(q.expand(2, 4, 2, 8), k_pool, v_pool, table, lens)
+    assert many.endswith("(2 queries per sequence; the pool path takes decode steps)")
+    sinks = torch.zeros(4, dtype=F64)
+    assert explain_paged_attention(q, k_pool, v_pool, table, lens, sinks=sinks).endswith("(sinks)")

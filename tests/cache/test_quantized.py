@@ -129,7 +129,7 @@ def test_quantized_errors():
     for kw, err, match in (
         (dict(x=[1.0, 2.0]), TypeError, "x must be a float tensor, got list"),
         (dict(x=torch.ones(2, 4, dtype=torch.long)), TypeError, "got torch.int64"),
-        (dict(bits=9), ValueError, "bits=9 must be an int in 1..8"),
+        (dict(bits=9), ValueError, r"quantize_groups: bits=9 must be an int in \[1, 9\) \(the codes are uint8\)"),
         (dict(bits=4.0), ValueError, "bits=4.0"),
         (dict(dim=2), ValueError, r"dim=2 must be an int in \[-2, 2\)"),
     ):
@@ -144,6 +144,20 @@ def test_quantized_errors():
     big = QuantizedCache(1, max_len=8, group_size=4, residual=4)
     with pytest.raises(ValueError, match="float16 range"):
         big.layers[0].update(torch.full((1, 1, 6, 4), 1e6), torch.zeros(1, 1, 6, 4))
+
+
+def test_a_bad_scale_of_a_plain_decode_step_gets_attentions_error():
+    """A decode step with no mask, bias or softcap took scale= unchecked: NaN rows for scale=nan, float()'s
+    message for a string."""
+    cache = QuantizedCache(1, max_len=16, group_size=4)
+    q, k = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 9, 8)
+    read = cache.layers[0].update(k, k)
+    for scale, match in ((float("nan"), "scale=nan must be a finite number"), ("x", "scale='x' must be a finite")):
+        with pytest.raises(ValueError, match=match) as quantized:
+            attend(read, q, scale=scale)
+        with pytest.raises(ValueError, match=match) as plain:
+            attnkit.attention(q, k, k, scale=scale)
+        assert str(quantized.value) == str(plain.value)
 
 
 @pytest.mark.parametrize("bits,chunk", [(8, 24), (4, 24), (8, 512)])

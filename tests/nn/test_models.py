@@ -207,7 +207,7 @@ def test_layer_masks_config_validation():
         base.replace(layer_masks=[None, "sliding"])
     with pytest.raises(ValueError, match=r"attention_dropout=1.5 must be a number in \[0, 1\)"):
         base.replace(attention_dropout=1.5)
-    with pytest.raises(ValueError, match=r"layer index i=2 must be an int in \[0, n_layers=2\)"):
+    with pytest.raises(ValueError, match=r"i=2 must be an int in \[0, 2\) \(a layer index: the model has 2 layers\)"):
         base.layer_mask(2)
     with pytest.raises(ValueError, match="layer_masks is not supported by EncoderDecoder"):
         EncoderDecoder(base.replace(layer_masks=(None, None)))

@@ -44,7 +44,7 @@ from .operators import constant_result, op_arguments, rebuild, traced_rules
 
 Tensor = torch.Tensor
 
-__all__ = ["available", "explain", "Backend", "register"]
+__all__ = ["available", "explain", "Backend", "Registration", "get", "register"]
 
 
 @dataclass(frozen=True)
@@ -66,9 +66,56 @@ _REGISTRY: dict[str, Backend] = {}
 _OPERATORS = {"flash": "attnkit::flash_forward/backward", "triton": "attnkit::triton_forward/backward"}
 
 
-def register(backend: Backend) -> None:
-    """Add a backend (replacing one of the same name)."""
+class Registration:
+    """The handle :func:`register` returns: :meth:`remove` takes the backend out again and puts back the one
+    it replaced, if any (a ``with`` block removes it on exit)."""
+
+    def __init__(self, backend: Backend, replaced: Backend | None) -> None:
+        self.backend, self.replaced = backend, replaced
+
+    def remove(self) -> None:
+        """Unregister the backend (nothing happens when it was removed already, or replaced since by another
+        backend of its name: that one stays)."""
+        if _REGISTRY.get(self.backend.name) is not self.backend:
+            return
+        if self.replaced is None:
+            del _REGISTRY[self.backend.name]
+        else:
+            _REGISTRY[self.backend.name] = self.replaced
+
+    def __enter__(self) -> "Registration":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def register(backend: Backend) -> Registration:
+    """Add a backend, replacing one of the same name; returns the :class:`Registration` that removes it."""
+    if not isinstance(backend, Backend):
+        raise TypeError(f"register: backend must be an attnkit.backends.Backend, got {type(backend).__name__}")
+    replaced = _REGISTRY.get(backend.name)
     _REGISTRY[backend.name] = backend
+    return Registration(backend, replaced)
+
+
+def get(name: str) -> Backend:
+    """The backend registered as ``name`` (available on this machine or not): its ``check(call)`` says why it
+    refuses a call (``attnkit.backends.call.make_call`` builds one), its ``cost(call)`` what it estimates.
+
+    Example::
+
+        >>> import torch
+        >>> from attnkit import backends
+        >>> from attnkit.backends.call import make_call
+        >>> q = k = v = torch.randn(1, 2, 16, 8)
+        >>> backends.get("sdpa").check(make_call(q, k, v, softcap=30.0))
+        'SDPA has no softcap'
+    """
+    b = _REGISTRY.get(name) if isinstance(name, str) else None
+    if b is None:
+        raise ValueError(f"backends.get: no backend is registered as {name!r}: choose one of {list(_REGISTRY)}")
+    return b
 
 
 register(

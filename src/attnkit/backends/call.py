@@ -177,30 +177,23 @@ def _is_block_mask(mask: object) -> TypeGuard[BlockMask]:
     return flex is not None and isinstance(mask, flex.BlockMask)
 
 
-def check_mask(mask: object, q: Tensor, shape: tuple[int, int, int, int]) -> Mask | None:
-    if mask is None:
-        return None
-    if _is_block_mask(mask):
-        mask = from_flex(mask)
-    if isinstance(mask, Mask):
-        mask.validate(*shape)
+def check_mask_kind(mask: object, q: Tensor) -> Mask | Tensor | None:
+    """``mask`` checked for what it is, not for its shape: None, a Mask (a FlexAttention ``BlockMask`` becomes
+    one) or a bool tensor on ``q``'s device (returned as it is); else the TypeError/ValueError every entry
+    point gives."""
+    if mask is None or isinstance(mask, Mask):
         return mask
+    if _is_block_mask(mask):
+        return from_flex(mask)
     if isinstance(mask, torch.Tensor):
         if mask.dtype != torch.bool:
             raise TypeError(
                 f"mask must be a bool tensor (True = may attend), got dtype {mask.dtype}: use "
                 f"mask.bool() for a 0/1 mask, or pass additive float scores as bias="
             )
-        if not _broadcasts(mask.shape, shape):
-            raise ValueError(
-                f"mask of shape {tuple(mask.shape)} does not broadcast to (B, H, Lq, Lk)={shape}"
-                f"{_shape_hint(mask, shape, 'mask')}"
-            )
         if mask.device != q.device:
             raise ValueError(f"mask is on {mask.device} but q is on {q.device}: move it with mask.to(q.device)")
-        while mask.dim() < 2:  # (Lk,) or (): broadcast like a bias of that shape
-            mask = mask.unsqueeze(0)
-        return from_dense(mask)
+        return mask
     if callable(mask):
         raise TypeError(
             "mask must be None, an attnkit.masks.Mask, a bool tensor or a FlexAttention BlockMask; wrap "
@@ -213,22 +206,33 @@ def check_mask(mask: object, q: Tensor, shape: tuple[int, int, int, int]) -> Mas
     )
 
 
-def check_bias(bias: object, q: Tensor, shape: tuple[int, int, int, int]) -> Tensor | ScoreMod | None:
-    if bias is None:
-        return None
-    if isinstance(bias, ScoreMod):
-        bias.validate(*shape)
+def check_mask(mask: object, q: Tensor, shape: tuple[int, int, int, int]) -> Mask | None:
+    """``mask`` (:func:`check_mask_kind`) checked against the call's ``(B, H, Lq, Lk)``, as a Mask."""
+    mask = check_mask_kind(mask, q)
+    if mask is None or isinstance(mask, Mask):
+        if mask is not None:
+            mask.validate(*shape)
+        return mask
+    if not _broadcasts(mask.shape, shape):
+        raise ValueError(
+            f"mask of shape {tuple(mask.shape)} does not broadcast to (B, H, Lq, Lk)={shape}"
+            f"{_shape_hint(mask, shape, 'mask')}"
+        )
+    while mask.dim() < 2:  # (Lk,) or (): broadcast like a bias of that shape
+        mask = mask.unsqueeze(0)
+    return from_dense(mask)
+
+
+def check_bias_kind(bias: object, q: Tensor) -> Tensor | ScoreMod | None:
+    """``bias`` checked for what it is, not for its shape: None, an attnkit.bias modifier or a float tensor on
+    ``q``'s device; else the TypeError/ValueError every entry point gives."""
+    if bias is None or isinstance(bias, ScoreMod):
         return bias
     if isinstance(bias, torch.Tensor):
         if not bias.is_floating_point():
             raise TypeError(
                 f"bias must be a float tensor of additive scores, got dtype {bias.dtype} "
                 f"(a bool tensor belongs in mask=)"
-            )
-        if not _broadcasts(bias.shape, shape):
-            raise ValueError(
-                f"bias of shape {tuple(bias.shape)} does not broadcast to (B, H, Lq, Lk)={shape}"
-                f"{_shape_hint(bias, shape, 'bias')}"
             )
         if bias.device != q.device:
             raise ValueError(f"bias is on {bias.device} but q is on {q.device}: move it with bias.to(q.device)")
@@ -241,8 +245,48 @@ def check_bias(bias: object, q: Tensor, shape: tuple[int, int, int, int]) -> Ten
     raise TypeError(f"bias must be None, a float tensor or an attnkit.bias modifier, got {type(bias).__name__}")
 
 
+def check_bias(bias: object, q: Tensor, shape: tuple[int, int, int, int]) -> Tensor | ScoreMod | None:
+    """``bias`` (:func:`check_bias_kind`) checked against the call's ``(B, H, Lq, Lk)``."""
+    bias = check_bias_kind(bias, q)
+    if isinstance(bias, ScoreMod):
+        bias.validate(*shape)
+    elif bias is not None and not _broadcasts(bias.shape, shape):
+        raise ValueError(
+            f"bias of shape {tuple(bias.shape)} does not broadcast to (B, H, Lq, Lk)={shape}"
+            f"{_shape_hint(bias, shape, 'bias')}"
+        )
+    return bias
+
+
+def check_modifiers(
+    q: Tensor, scale: float | None, softcap: float | None, bias: ScoreMod | Tensor | None
+) -> tuple[float, float | None]:
+    """``(scale, softcap)`` checked as :func:`make_call` checks them: ``scale`` a number (``1/sqrt(D)`` when
+    None) that does not overflow the scores (:func:`check_scale`, with ``bias``, already checked), ``softcap``
+    None or a positive number."""
+    if scale is None:
+        D = q.shape[-1]
+        if D == 0:
+            raise ValueError(
+                f"q has head dimension D=0 (shape {tuple(q.shape)}): the default scale 1/sqrt(D) is "
+                f"undefined; give heads of size >= 1 (or an explicit scale)"
+            )
+        # (operator.index: the head size is fixed in a compiled graph even under dynamic=True, so the default
+        # scale is a number, not a symbolic float)
+        scale = 1.0 / math.sqrt(operator.index(D))
+    else:
+        scale = check_number("scale", scale)
+    check_scale(scale, q, bias)
+    if softcap is not None:
+        softcap = check_number("softcap", softcap, low=0.0, low_open=True, fix=" (or None for no softcap)")
+    return scale, softcap
+
+
 # the scalar check of ``scale``, ``softcap`` and ``dropout_p``, for the layers above that check them as a call does
 check_number = number
+
+
+_SCALE_LIMITS: dict[torch.dtype, float] = {}  # by q's dtype: the square root of its accumulation dtype's largest
 
 
 def check_scale(scale: float, q: Tensor, bias: Tensor | ScoreMod | None) -> None:
@@ -250,9 +294,11 @@ def check_scale(scale: float, q: Tensor, bias: Tensor | ScoreMod | None) -> None
     the scores are computed in, a score ``q.k * scale`` is inf for any ``|q.k|`` above that same bound
     and the softmax's rows become NaN (at such a scale the result would be the argmax's hard limit anyway)."""
     factor = bias.scale_factor if isinstance(bias, ScoreMod) and bias.scale_factor is not None else 1.0
-    acc = accumulation_dtype(q.dtype)
-    limit = math.sqrt(torch.finfo(acc).max)
+    limit = _SCALE_LIMITS.get(q.dtype)
+    if limit is None:
+        limit = _SCALE_LIMITS[q.dtype] = math.sqrt(torch.finfo(accumulation_dtype(q.dtype)).max)
     if abs(scale * factor) > limit:
+        acc = accumulation_dtype(q.dtype)
         what = f"scale={scale!r}" + (f" with {bias!r}" if factor != 1.0 else "")
         raise ValueError(
             f"{what} scales the scores by {scale * factor:.3g}, beyond {limit:.3g} (the square root "
@@ -362,17 +408,7 @@ def make_call(
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     mask = check_mask(mask, q, shape)
     bias = check_bias(bias, q, shape)
-    if q.shape[-1] == 0 and scale is None:
-        raise ValueError(
-            f"q has head dimension D=0 (shape {tuple(q.shape)}): the default scale 1/sqrt(D) is "
-            f"undefined; give heads of size >= 1 (or an explicit scale)"
-        )
-    # (operator.index: the head size is fixed in a compiled graph even under dynamic=True, so the default scale
-    # is a number, not a symbolic float)
-    scale = 1.0 / math.sqrt(operator.index(q.shape[-1])) if scale is None else check_number("scale", scale)
-    check_scale(scale, q, bias)
-    if softcap is not None:
-        softcap = check_number("softcap", softcap, low=0.0, low_open=True, fix=" (or None for no softcap)")
+    scale, softcap = check_modifiers(q, scale, softcap, bias)
     dropout_p = check_number("dropout_p", dropout_p, low=0.0, high=1.0, high_open=True)
     sinks = check_sinks(sinks, q)
     return Call(q, k, v, mask, bias, scale, softcap, dropout_p, flag("return_lse", return_lse), sinks)

@@ -9,7 +9,7 @@ from typing import Any, Callable, Protocol, cast
 import torch
 
 from .. import masks as _masks
-from .._checks import holds
+from .._checks import holds, integer
 from ..bias import ScoreMod
 from . import flash as _flash
 from . import sdpa as _sdpa
@@ -86,8 +86,7 @@ def _check_cu(name: str, cu: object, total: int, what: str, device: torch.device
 def _check_max(name: str, value: int | None, cu: Tensor, cu_name: str) -> None:
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int or None, got {value!r}")
+    integer(name, value, allow_none=True)
     if cu.numel() > 1 and not holds(
         (cu.diff() <= value).all(), f"{name}={value} is smaller than the longest sequence in {cu_name}"
     ):

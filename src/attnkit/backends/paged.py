@@ -103,16 +103,85 @@ def attend_table(
     positive float or None, ``bias``/``mask`` of the kinds it takes (a bottom-right causal mask of a decode
     step already dropped), ``sinks`` ``(B, Hq)`` or None.  The Triton kernel takes a CUDA decode step with no
     mask and no sinks when its ``check_paged_decode`` passes; otherwise :func:`attend_blocks` reads the pool."""
-    B, Hq, Lq, D = q.shape
-    NB, Hkv, bs, _ = k_pool.shape
-    Dv = v_pool.shape[3]
-    if q.is_cuda and Lq == 1 and mask is None and sinks is None:
-        tb = _triton_backend()
-        kw = dict(scale=scale, softcap=softcap, bias=bias)
-        if tb is not None and tb.check_paged_decode(q, k_pool, v_pool, block_table, seq_lens, **kw) is None:
-            return cast(Tensor, tb.paged_decode(q, k_pool, v_pool, block_table, seq_lens, **kw))
+    kw = dict(scale=scale, softcap=softcap, bias=bias)
+    tb = _triton_taker(q, k_pool, v_pool, block_table, seq_lens, mask=mask, sinks=sinks, **kw)
+    if tb is not None:
+        return cast(Tensor, tb.paged_decode(q, k_pool, v_pool, block_table, seq_lens, **kw))
+    B, Hq, Lq, _ = q.shape
     if B == 0:
-        return q.new_zeros(B, Hq, Lq, Dv)
+        return q.new_zeros(B, Hq, Lq, v_pool.shape[3])
+    lens, runs, layouts = _table_runs(q, k_pool, block_table, seq_lens)
+    return attend_blocks(
+        q, k_pool, v_pool, lens, runs, layouts, scale=scale, softcap=softcap, bias=bias, mask=mask, sinks=sinks
+    )
+
+
+def explain_table(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    *,
+    scale: float,
+    softcap: float | None = None,
+    bias: Tensor | ScoreMod | None = None,
+    mask: Mask | Tensor | None = None,
+    sinks: Tensor | None = None,
+) -> str:
+    """How :func:`attend_table` computes a call (arguments as it takes them), as one line: the path it takes
+    (the same decision, made by the same functions) and why."""
+    kw = dict(scale=scale, softcap=softcap, bias=bias)
+    if _triton_taker(q, k_pool, v_pool, block_table, seq_lens, mask=mask, sinks=sinks, **kw) is not None:
+        return "triton: the Triton paged decode kernel (a CUDA decode step without mask or sinks)"
+    if q.shape[0] == 0:
+        return "empty: no sequences"
+    lens, runs, layouts = _table_runs(q, k_pool, block_table, seq_lens)
+    path, layout = _route(q, k_pool, v_pool, lens, runs, layouts, bias, mask, sinks)
+    if path == "splitkv":
+        return "splitkv: one long sequence in one run of blocks, its keys split in chunks merged by log-sum-exp"
+    if layout is not None:
+        return (
+            f"pool: one pass over {len(layout.spans)} span(s) of the pool for the whole batch (a decode step whose "
+            f"mask and bias read only positions and heads)"
+        )
+    if q.shape[2] != 1:
+        why = f"{q.shape[2]} queries per sequence; the pool path takes decode steps"
+    elif sinks is not None:
+        why = "sinks"
+    elif not _position_only(mask, bias):
+        why = "the mask or bias reads more than positions and heads"
+    else:
+        why = "cheaper than reading spans of the pool"
+    return f"per sequence: one attention per sequence over its runs of blocks ({why})"
+
+
+def _triton_taker(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    *,
+    mask: Mask | Tensor | None,
+    sinks: Tensor | None,
+    **kw: object,
+) -> ModuleType | None:
+    """``attnkit.backends.triton`` when its paged decode kernel takes the call (a CUDA decode step without mask
+    or sinks; ``kw``: its scale, softcap and bias), else None."""
+    if not (q.is_cuda and q.shape[2] == 1 and mask is None and sinks is None):
+        return None
+    tb = _triton_backend()
+    if tb is not None and tb.check_paged_decode(q, k_pool, v_pool, block_table, seq_lens, **kw) is None:
+        return tb
+    return None
+
+
+def _table_runs(
+    q: Tensor, k_pool: Tensor, block_table: Tensor, seq_lens: Tensor
+) -> tuple[list[int], list[list[tuple[int, int]]], Callable[[bool], PoolLayout]]:
+    """``(lens, runs, layouts)`` of a block table, as :func:`attend_blocks` takes them."""
+    NB, _, bs, _ = k_pool.shape
     lens = [int(n) for n in seq_lens.tolist()]
     rows = block_table.tolist()
     runs: list[list[tuple[int, int]]] = []
@@ -125,9 +194,7 @@ def attend_table(
             )
         runs.append(block_runs(used))
     layouts = functools.cache(lambda whole: PoolLayout(rows, lens, bs, q.device, NB if whole else None))
-    return attend_blocks(
-        q, k_pool, v_pool, lens, runs, layouts, scale=scale, softcap=softcap, bias=bias, mask=mask, sinks=sinks
-    )
+    return lens, runs, layouts
 
 
 def attend_blocks(
@@ -151,7 +218,8 @@ def attend_blocks(
     one pass for the whole batch (``layouts(whole)`` builds its :class:`PoolLayout`, ``whole``: one span
     over the whole pool); otherwise each sequence is attended alone over views of its runs.  Returns
     ``(B, Hq, Lq, Dv)`` in ``q``'s dtype."""
-    if _splitkv.takes_paged(q, k_pool, runs, lens, mask, bias):  # a long sequence in one run: split-KV, in place
+    path, layout = _route(q, k_pool, v_pool, lens, runs, layouts, bias, mask, sinks)
+    if path == "splitkv":  # a long sequence in one run: split-KV, in place
         return _splitkv.paged_decode(
             q,
             k_pool,
@@ -164,12 +232,30 @@ def attend_blocks(
             mask=cast("Mask | None", mask),
             sinks=sinks,
         )
-    layout = None if sinks is not None else _pool_layout(q, k_pool, v_pool, bias, mask, layouts)
     if layout is not None:
         return _attend_pool(  # (_pool_layout takes only masks and modifiers that read positions)
             q, k_pool, v_pool, layout, scale=scale, softcap=softcap, mask=cast("Mask | None", mask), bias=bias
         )
     return _attend_runs(q, k_pool, v_pool, lens, runs, scale=scale, softcap=softcap, bias=bias, mask=mask, sinks=sinks)
+
+
+def _route(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    lens: list[int],
+    runs: list[list[tuple[int, int]]],
+    layouts: Callable[[bool], PoolLayout],
+    bias: Tensor | ScoreMod | None,
+    mask: Mask | Tensor | None,
+    sinks: Tensor | None,
+) -> tuple[str, PoolLayout | None]:
+    """The path :func:`attend_blocks` takes: ``("splitkv", None)``, ``("pool", layout)`` or
+    ``("per sequence", None)``."""
+    if _splitkv.takes_paged(q, k_pool, runs, lens, mask, bias):
+        return "splitkv", None
+    layout = None if sinks is not None else _pool_layout(q, k_pool, v_pool, bias, mask, layouts)
+    return ("per sequence", None) if layout is None else ("pool", layout)
 
 
 def _softmax(sc: Tensor, sinks: Tensor | None, b: int, masked: bool) -> Tensor:

@@ -39,7 +39,7 @@ from ._common import ModelCache, attend, model_dims
 from ._summaries import BlockSummaries, summaries_of
 from ._protocol import CacheAttention, CacheRead, CacheResult, LayerCache
 from .encoder_decoder import EncoderDecoderCache
-from .paged import PagedBatch, PagedCache, PagedPacked, PoolExhausted, paged_attention
+from .paged import PagedBatch, PagedCache, PagedPacked, PoolExhausted, explain_paged_attention, paged_attention
 from .quantized import QuantizedCache, dequantize_groups, quantize_groups
 from .sink import PagedSinkCache, SinkCache
 from .sliding import SlidingWindowCache, window_of
@@ -61,6 +61,7 @@ __all__ = [
     "EncoderDecoderCache",
     "PoolExhausted",
     "paged_attention",
+    "explain_paged_attention",
     "window_of",
     "quantize_groups",
     "dequantize_groups",

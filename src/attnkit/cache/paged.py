@@ -23,12 +23,12 @@ from typing import Any, Iterable, cast
 
 import torch
 
-from ..bias import BiasLike, ScoreMod
+from ..bias import BiasLike
 from ..masks import Mask
 from .._checks import flag, integer
 from ..backends import paged as _kernel
 from ..backends.paged import PoolLayout, block_runs, seq_view
-from ..backends.call import check_number, check_sinks
+from ..backends.call import check_bias_kind, check_mask_kind, check_modifiers, check_sinks
 from ._block_pool import BlockPool, PoolExhausted, SequenceBlocks
 from ._common import check_dtype, check_new_kv, layout_of, model_dims
 from ._pool_view import PoolLayer, PoolView
@@ -36,39 +36,10 @@ from ._protocol import CacheAttention, CacheRead
 
 Tensor = torch.Tensor
 
-__all__ = ["PagedCache", "PagedBatch", "PagedPacked", "PoolExhausted", "paged_attention"]
+__all__ = ["PagedCache", "PagedBatch", "PagedPacked", "PoolExhausted", "paged_attention", "explain_paged_attention"]
 
 
 # ----------------------------------------------------------------------------- the decode
-
-
-def _check_modifiers(
-    scale: float | None, softcap: float | None, bias: object, mask: object
-) -> tuple[float | None, float | None]:
-    """``scale`` and ``softcap`` as :func:`attnkit.attention` takes them; ``bias`` and ``mask`` of a kind the
-    decode reads."""
-    if bias is not None and not isinstance(bias, (ScoreMod, Tensor)):
-        raise TypeError(
-            f"paged_attention: bias must be None, an attnkit.bias modifier or a float tensor, got "
-            f"{type(bias).__name__}" + ("; wrap a function with attnkit.bias.from_fn(fn)" if callable(bias) else "")
-        )
-    if isinstance(bias, Tensor) and not bias.is_floating_point():
-        raise TypeError(
-            f"paged_attention: a tensor bias must be a float tensor of additive scores, got dtype "
-            f"{bias.dtype} (a bool tensor belongs in mask=)"
-        )
-    if mask is not None and not isinstance(mask, (Mask, Tensor)):
-        raise TypeError(
-            f"paged_attention: mask must be None, an attnkit.masks.Mask or a bool tensor, got "
-            f"{type(mask).__name__}" + ("; wrap a predicate with attnkit.masks.from_fn(fn)" if callable(mask) else "")
-        )
-    if isinstance(mask, Tensor) and mask.dtype != torch.bool:
-        raise TypeError(f"paged_attention: a tensor mask must be bool (True = may attend), got {mask.dtype}")
-    if scale is not None:
-        scale = check_number("scale", scale)
-    if softcap is not None:
-        softcap = check_number("softcap", softcap, low=0.0, low_open=True, fix=" (or None for no softcap)")
-    return scale, softcap
 
 
 def paged_attention(
@@ -117,7 +88,7 @@ def paged_attention(
     pool (:class:`PagedCache`'s storage) takes one matrix product per run of consecutive block ids, and
     a head-major pool (``(Hkv, num_blocks, ...)`` storage) reads a run as one ``(Hkv, L, D)`` view, with
     PyTorch's fused kernel when nothing modifies the scores (a head-major decode step takes whichever
-    of the two reads fewer bytes).
+    of the two reads fewer bytes).  :func:`explain_paged_attention` says which of these paths a call takes.
 
     Example::
 
@@ -136,6 +107,43 @@ def paged_attention(
     )
 
 
+def explain_paged_attention(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+    bias: BiasLike | None = None,
+    mask: Mask | Tensor | None = None,
+    sinks: Tensor | None = None,
+) -> str:
+    """How :func:`paged_attention` computes this call, as one line: the path (``triton``, ``splitkv``,
+    ``pool``: one pass over the pool for the whole batch, or ``per sequence``) and why.  Arguments and errors
+    as for :func:`paged_attention`; nothing is computed.
+
+    Example::
+
+        >>> import torch
+        >>> from attnkit import masks
+        >>> from attnkit.cache import explain_paged_attention
+        >>> k_pool = v_pool = torch.randn(8, 2, 4, 16)
+        >>> table = torch.tensor([[3, 5, 0], [1, 0, 0]], dtype=torch.int32)
+        >>> lens = torch.tensor([7, 2], dtype=torch.int32)
+        >>> explain_paged_attention(torch.randn(2, 4, 1, 16), k_pool, v_pool, table, lens).split(":")[0]
+        'pool'
+        >>> print(explain_paged_attention(torch.randn(2, 4, 3, 16), k_pool, v_pool, table, lens))
+        per sequence: one attention per sequence over its runs of blocks (3 queries per sequence; the pool path takes decode steps)
+    """
+    _kernel.check_paged_args(q, k_pool, v_pool, block_table, seq_lens)
+    scale, softcap, mask, sinks = _prepare(q, scale, softcap, bias, mask, sinks)
+    return _kernel.explain_table(
+        q, k_pool, v_pool, block_table, seq_lens, scale=scale, softcap=softcap, bias=bias, mask=mask, sinks=sinks
+    )
+
+
 def _prepare(
     q: Tensor,
     scale: float | None,
@@ -144,12 +152,21 @@ def _prepare(
     mask: Mask | Tensor | None,
     sinks: Tensor | None = None,
 ) -> tuple[float, float | None, Mask | Tensor | None, Tensor | None]:
-    """``(scale, softcap, mask, sinks)`` checked for the kernel: ``scale`` a float (``1/sqrt(D)`` by default),
-    ``sinks`` ``(B, Hq)`` or None, and a decode step's bottom-right causal mask dropped."""
-    scale, softcap = _check_modifiers(scale, softcap, bias, mask)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    if sinks is not None:
+    """``(scale, softcap, mask, sinks)`` checked for the kernel as :func:`attnkit.attention` checks them (the
+    shared checks of ``attnkit.backends.call``; the lengths differ per sequence, so a tensor mask or bias is
+    checked against each one's when it is read): ``scale`` a float (``1/sqrt(D)`` by default), ``sinks``
+    ``(B, Hq)`` or None, and a decode step's bottom-right causal mask dropped."""
+    try:
+        checked = check_mask_kind(mask, q)
+        scale, softcap = check_modifiers(q, scale, softcap, check_bias_kind(bias, q))
         sinks = check_sinks(sinks, q)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"paged_attention: {e}") from None
+    if checked is not mask:
+        raise TypeError(
+            "paged_attention: mask takes no FlexAttention BlockMask (its blocks are laid out for one key length, "
+            "and each sequence has its own): pass an attnkit.masks.Mask"
+        )
     if isinstance(mask, Mask) and mask.is_causal("bottom_right") and q.shape[2] == 1:
         mask = None  # the newest query sees every stored key
     return scale, softcap, mask, sinks

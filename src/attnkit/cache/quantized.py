@@ -19,12 +19,11 @@ copy is one chunk (plus the residual) of one layer, whatever the length.
 
 from __future__ import annotations
 
-import math
 from typing import Any, cast
 
 import torch
 
-from .._checks import integer
+from .._checks import int_in_range, integer
 from ..bias import BiasLike
 from ..masks import Mask
 from ._common import ModelCache, check_dtype, check_new_kv, layout_of, max_len_of, model_dims
@@ -63,12 +62,8 @@ def quantize_groups(
         raise TypeError(
             f"quantize_groups: x must be a float tensor, got {x.dtype if isinstance(x, Tensor) else type(x).__name__}"
         )
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
-        raise ValueError(f"quantize_groups: bits={bits!r} must be an int in 1..8 (the codes are uint8)")
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
-        raise ValueError(
-            f"quantize_groups: dim={dim!r} must be an int in [{-x.dim()}, {x.dim()}) for x of shape {tuple(x.shape)}"
-        )
+    bits = int_in_range("quantize_groups: bits", bits, 1, 9, fix=" (the codes are uint8)")
+    dim = int_in_range("quantize_groups: dim", dim, -x.dim(), x.dim(), fix=f" for x of shape {tuple(x.shape)}")
     levels = (1 << bits) - 1
     xf = x.float()
     bad = ~torch.isfinite(xf)
@@ -358,7 +353,7 @@ class _QuantizedDecode(CacheAttention):
         softcap: float | None = None,
         sinks: Tensor | None = None,
     ) -> Tensor:
-        from ..backends.call import accumulation_dtype, make_call
+        from ..backends.call import accumulation_dtype, check_modifiers, make_call
         from ..backends.scores import grouped_bias, grouped_index, modify_scores
         from ..masks import from_dense
         from ..softmax import stable_softmax
@@ -379,7 +374,7 @@ class _QuantizedDecode(CacheAttention):
         if isinstance(mask, Mask) and mask.is_causal("bottom_right") and Lq == 1:
             mask = None  # the newest query sees every stored key
         if mask is None and bias is None and softcap is None and self.pad_mask is None and _plain_query(q, layer):
-            return self._plain(q, 1.0 / math.sqrt(D) if scale is None else float(scale))
+            return self._plain(q, check_modifiers(q, scale, None, None)[0])  # (scale: as make_call checks it)
         # the call's keys and values are shape-only stand-ins (nothing reads them): the contract's checks
         # and the score modifiers see the real (B, Hkv, L, D) layout
         k_shape = q.new_empty(1, 1, 1, 1).expand(B, H, L, D)

@@ -25,12 +25,11 @@ import contextlib
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from numbers import Integral
 from typing import Any, Sequence
 
 import torch
 
-from .._checks import flag, integer
+from .._checks import flag, int_in_range, integer
 from .._threads import DecodeThreads, step_shape
 from ..cache import PagedCache, PagedSinkCache, PoolExhausted
 from ..cache import model_dims
@@ -337,8 +336,7 @@ class Engine:
         request ends after an eos id or a stop sequence, both included in its tokens; with ``logprobs`` its
         :class:`~attnkit.decoding.TokenLogprob` s are kept in ``engine.logprobs[rid]`` next to ``results``."""
         prompt = token_ids("prompt", prompt)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, Integral) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 0")
+        max_new_tokens = int_in_range("max_new_tokens", max_new_tokens, 0)
         check_tokens([prompt], getattr(getattr(self.model, "config", None), "vocab_size", None), "prompt")
         if self.sink is None:  # (with sinks positions stay below n_sink + window, checked when built)
             check_positions(self.model, len(prompt), max_new_tokens)

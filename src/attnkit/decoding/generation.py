@@ -16,11 +16,11 @@ import threading
 import types
 import weakref
 from numbers import Integral
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Generator, Iterator, Sequence
 
 import torch
 
-from .._checks import flag
+from .._checks import flag, int_in_range
 from .._threads import DecodeThreads, step_shape
 from ..cache import PagedCache, QuantizedCache, SlidingWindowCache, StaticCache
 from ..cache import model_dims
@@ -267,7 +267,7 @@ def _stream(
     compiled: bool = False,
     copies: DecodeCopies | None = None,
     threads: DecodeThreads | None = None,
-) -> Iterator[tuple[int, int, TokenLogprob | None]]:
+) -> Generator[tuple[int, int, TokenLogprob | None], None, None]:
     """Yields ``(prompt index, token, its log-probabilities or None)`` as each step produces them.  Each
     forward runs in eval mode and without gradients, and only then (a caller reading the stream keeps its
     model's modes and its grad mode); the one-token decode steps, and the prefill of 4 or more prompts, read
@@ -416,9 +416,7 @@ def generate(
     """
     check_decoder_only(model, "generate")
     prompts = _prompts(prompts)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, Integral) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 0")
-    max_new_tokens = int(max_new_tokens)
+    max_new_tokens = int_in_range("max_new_tokens", max_new_tokens, 0)
     params = resolve_sampling(sampling, sampling_keywords, "generate")
     if cache is not None and not callable(cache) and cache not in CACHES:
         raise ValueError(f"cache={cache!r} is not one of {CACHES + (None,)} or a callable (model, batch, max_len)")

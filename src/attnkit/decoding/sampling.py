@@ -25,7 +25,7 @@ from typing import Sequence
 
 import torch
 
-from .._checks import number
+from .._checks import int_in_range, number
 
 Tensor = torch.Tensor
 
@@ -121,17 +121,11 @@ class SamplingParams:
         stop: Sequence[Sequence[int]] | None = None,
         logprobs: int | None = None,
     ):
-        if (
-            isinstance(temperature, bool)
-            or not isinstance(temperature, Real)
-            or not math.isfinite(temperature)
-            or temperature < 0
-        ):
-            raise ValueError(f"temperature={temperature!r} must be a finite number >= 0 (0 is greedy)")
-        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, Integral) or top_k < 1):
-            raise ValueError(f"top_k={top_k!r} must be an int >= 1 or None")
-        if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, Real) or not 0 < top_p <= 1):
-            raise ValueError(f"top_p={top_p!r} must be a number in (0, 1] or None")
+        temperature = number("temperature", temperature, low=0.0, fix=" (0 is greedy)")
+        if top_k is not None:
+            top_k = int_in_range("top_k", top_k, 1, fix=" or None")
+        if top_p is not None:
+            top_p = number("top_p", top_p, low=0.0, high=1.0, low_open=True, fix=" (a probability mass) or None")
         eos_ids = _eos_ids(eos_id)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, Integral)):
             raise ValueError(f"seed={seed!r} must be an int or None")
@@ -261,9 +255,7 @@ def _eos_ids(eos_id) -> tuple[int, ...]:
         if not eos_id:
             raise ValueError("eos_id=[] names no token: pass None for no end-of-sequence id")
         return tuple(_token(f"eos_id={list(eos_id)!r}", t) for t in eos_id)
-    if isinstance(eos_id, bool) or not isinstance(eos_id, Integral) or eos_id < 0:
-        raise ValueError(f"eos_id={eos_id!r} must be a token id (int >= 0), a list of them, or None")
-    return (int(eos_id),)
+    return (int_in_range("eos_id", eos_id, 0, fix=" (a token id), a list of them, or None"),)
 
 
 def check_stop(stop) -> tuple[tuple[int, ...], ...]:
@@ -301,12 +293,9 @@ def check_logit_bias(bias) -> dict[int, float]:
 def check_logprobs(n) -> int | None:
     if n is None:
         return None
-    if isinstance(n, bool) or not isinstance(n, Integral) or n < 0:
-        raise ValueError(
-            f"logprobs={n!r} must be an int >= 0 (the number of most likely tokens to report besides "
-            f"the chosen one) or None"
-        )
-    return int(n)
+    return int_in_range(
+        "logprobs", n, 0, fix=" (the number of most likely tokens to report besides the chosen one) or None"
+    )
 
 
 def check_in_vocab(name: str, ids, vocab: int | None) -> None:

@@ -8,12 +8,11 @@ tokens), ``num_tokens`` proposed per step, and a :class:`~attnkit.decoding.Specu
 from __future__ import annotations
 
 import contextlib
-from numbers import Integral
-from typing import Iterator
+from typing import Generator, Iterator
 
 import torch
 
-from .._checks import flag
+from .._checks import flag, int_in_range
 from ..cache import PagedCache, StaticCache
 from ..cache import model_dims
 from . import sampling
@@ -81,8 +80,7 @@ class Speculation:
             )
         if draft_model is not None and prompt_lookup:
             raise ValueError("draft_model and prompt_lookup=True both draft the proposals: pass one of them")
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, Integral) or num_tokens < 1:
-            raise ValueError(f"num_tokens={num_tokens!r} must be an int >= 1 (tokens proposed per step)")
+        num_tokens = int_in_range("num_tokens", num_tokens, 1, fix=" (tokens proposed per step)")
         if stats is not None and not isinstance(stats, SpeculativeStats):
             raise TypeError(f"stats must be a SpeculativeStats or None, got {type(stats).__name__}")
         if draft_model is not None:
@@ -260,7 +258,7 @@ class _Sequence:
 
 def stream_speculative(
     model, prompts: list[list[int]], max_new_tokens: int, cache, params: SamplingParams, spec: Speculation
-) -> Iterator[tuple[int, int, TokenLogprob | None]]:
+) -> Generator[tuple[int, int, TokenLogprob | None], None, None]:
     """:func:`_stream_speculative` as ``spec`` asks, with the model and the draft in eval mode while it runs;
     every module's own mode comes back when the stream ends or is closed."""
     draft = spec.draft_model

@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .._checks import number
 from ._probe import SATURATION, LayerRecord, attention_modules, probe
 
 Tensor = torch.Tensor
@@ -149,11 +150,8 @@ class Thresholds:
             "sharp_heads",
             "saturated_heads",
         ):
-            x = getattr(self, name)
-            if not (isinstance(x, (int, float)) and 0.0 < x <= 1.0):
-                raise ValueError(f"{name}={x!r} must be in (0, 1]")
-        if not (isinstance(self.vanishing_ratio, (int, float)) and 0.0 < self.vanishing_ratio < 1.0):
-            raise ValueError(f"vanishing_ratio={self.vanishing_ratio!r} must be in (0, 1)")
+            number(name, getattr(self, name), low=0.0, high=1.0, low_open=True, fix=" (a fraction in (0, 1])")
+        number("vanishing_ratio", self.vanishing_ratio, low=0.0, high=1.0, low_open=True, high_open=True)
 
 
 @dataclass

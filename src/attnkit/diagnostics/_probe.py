@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from .._checks import int_in_range
 from ..backends.call import Call, accumulation_dtype, make_call
 from ..backends.scores import grouped_bias, grouped_index, modify_scores
 from ..functional import observe_attention
@@ -339,10 +340,9 @@ def probe(model: nn.Module, *, max_elements: int = 1 << 22):
         >>> sorted(p.layers), p.layers["0"].calls[0].shape
         (['0'], (1, 2, 4, 4))
     """
-    if isinstance(max_elements, bool) or not isinstance(max_elements, int) or max_elements < 0:
-        raise ValueError(
-            f"max_elements={max_elements!r} must be an int >= 0 (weights larger than this are summarised, not kept)"
-        )
+    max_elements = int_in_range(
+        "max_elements", max_elements, 0, fix=" (weights larger than this are summarised, not kept)"
+    )
     modules = attention_modules(model)
     p = Probe(model, max_elements)
     handles: list = []

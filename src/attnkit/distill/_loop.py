@@ -201,12 +201,11 @@ def _layer_map(layer_map, student: _Side, teacher: _Side) -> dict[int, int]:
         )
     out = {}
     for s, t in pairs:
-        for who, i, n in (("student", s, student.n_layers), ("teacher", t, teacher.n_layers)):
-            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
-                raise ValueError(
-                    f"layer_map entry {s!r}: {t!r}: the {who} layer {i!r} must be an int in [0, {n}) "
-                    f"(the {who} has {n} layers)"
-                )
+        for who, name, i, n in (
+            ("student", "layer_map key", s, student.n_layers),
+            ("teacher", f"layer_map[{s!r}]", t, teacher.n_layers),
+        ):
+            _checks.int_in_range(name, i, 0, n, fix=f" (a {who} layer: the {who} has {n} layers)")
         out[s] = t
     if not out:
         raise ValueError("layer_map pairs no layers: give at least one {student layer: teacher layer}")

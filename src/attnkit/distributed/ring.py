@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .._checks import flag
+from .._checks import flag, int_in_range
 from ..backends.call import check_qkv, check_sinks, make_call
 from ..backends.scores import zero_unseen
 from ..bias import ScoreMod
@@ -730,8 +730,7 @@ class RingContext:
     def positions(self, local_len: int, device=None) -> Tensor:
         """The global positions ``(local_len,)`` of this rank's ``local_len`` tokens: what RoPE (``positions=``)
         needs, since a shard's tokens are not at ``0 .. local_len - 1`` of the whole sequence."""
-        if isinstance(local_len, bool) or not isinstance(local_len, int) or local_len < 0:
-            raise ValueError(f"local_len must be an int >= 0 (this rank's tokens), got {local_len!r}")
+        local_len = int_in_range("local_len", local_len, 0, fix=" (this rank's tokens)")
         from ._layout import shard
 
         _, world = group_info(self.group)

@@ -44,7 +44,7 @@ from .blocks import BlockConfig, Decoder, Encoder, TransformerBlock, default_d_f
 from .dsa import DeepSeekSparseAttention, IndexerConfig, LightningIndexer, indexer_loss, selected_attention, top_k_keys
 from .latent import LatentAttention, LatentConfig
 from ._products import DecodeProducts, clear_decode_choices, decode_products
-from .layers import FeedForward, Linear, RMSNorm, linear, to_decode_layout
+from .layers import FeedForward, Linear, RMSNorm, decode_layout, linear, to_decode_layout
 from .moba import MoBAAttention
 from .nsa import NSAAttention
 from .models import DecoderConfig, DecoderLM, EncoderDecoder
@@ -102,6 +102,7 @@ __all__ = [
     "RMSNorm",
     "FeedForward",
     "to_decode_layout",
+    "decode_layout",
     "DecodeProducts",
     "decode_products",
     "clear_decode_choices",

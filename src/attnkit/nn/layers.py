@@ -49,7 +49,7 @@ from . import _checks, _products
 
 Tensor = torch.Tensor
 
-__all__ = ["Linear", "RMSNorm", "FeedForward", "to_decode_layout", "linear"]
+__all__ = ["Linear", "RMSNorm", "FeedForward", "to_decode_layout", "decode_layout", "linear"]
 
 _ONEDNN: bool | None = None  # whether torch.ops.mkldnn._linear_pointwise works here (probed on first use)
 
@@ -178,6 +178,26 @@ def _decode_layout(w: Tensor, rows: int) -> str | None:
     if w.dtype is torch.bfloat16 and rows > _MKL_ROWS:  # (1-3 rows: whole steps measured equal either way)
         return "column"
     return None
+
+
+def decode_layout(weight: Tensor, rows: int) -> str | None:
+    """The layout a decode-sized product of ``rows`` rows reads ``weight (out, in)`` fastest in on this machine,
+    the one :func:`attnkit.generate`'s and the Engine's decode copies take: ``"row"`` (row-major),
+    ``"column"`` (column-major) or ``"packed"`` (oneDNN's blocked layout, where this machine's oneDNN has it:
+    float32 from 4 rows), or None where the layout does not matter or the product is not decode-sized (over
+    64 rows, not a 2-D CPU weight).
+
+    Example::
+
+        >>> import torch
+        >>> from attnkit.nn import decode_layout
+        >>> w = torch.randn(16, 8)
+        >>> decode_layout(w, 1), decode_layout(w.bfloat16(), 8), decode_layout(w, 1000)
+        ('row', 'column', None)
+    """
+    if not isinstance(weight, Tensor):
+        raise TypeError(f"decode_layout: weight must be a torch.Tensor, got {type(weight).__name__}")
+    return _decode_layout(weight, _checks.positive_int("rows", rows))
 
 
 _DECODE_COPIES: contextvars.ContextVar["DecodeCopies | None"] = contextvars.ContextVar(

@@ -367,8 +367,9 @@ class DecoderConfig:
                     [1, 1, 1, 1, 0],
                     [0, 1, 1, 1, 1]], dtype=torch.int32)
         """
-        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.n_layers:
-            raise ValueError(f"layer index i={i!r} must be an int in [0, n_layers={self.n_layers})")
+        i = _checks.int_in_range(
+            "i", i, 0, self.n_layers, fix=f" (a layer index: the model has {self.n_layers} layers)"
+        )
         own = None if self.layer_masks is None else self.layer_masks[i]
         return _checks.combine(_checks.as_mask("mask", self.mask), own)
 

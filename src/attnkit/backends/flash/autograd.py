@@ -12,6 +12,7 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
+from ..._checks import int_in_range
 from ...bias import ScoreMod
 from ...masks import Mask
 from . import backward as bwd
@@ -51,12 +52,8 @@ EXPLICIT_FACTOR = 3.5  # explicit matmuls + elementwise softmax passes (measured
 def _check_block(name: str, value: object) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"{name}={value!r} must be a positive int (or None for the default "
-            f"{planning.BLOCK_Q if name == 'block_q' else planning.BLOCK_K})"
-        )
-    return value
+    default = planning.BLOCK_Q if name == "block_q" else planning.BLOCK_K
+    return int_in_range(name, value, 1, fix=f" (or None for the default {default})")
 
 
 PLANS_PER_MASK = 8  # plans kept per mask object (one per shape and tiling)

@@ -46,7 +46,7 @@ from typing import Any, cast
 import torch
 
 from ...bias import BiasLike, ScoreMod
-from ..call import Call
+from ..call import Call, check_bias_kind, check_modifiers
 from ..scores import check_paged_values
 from . import custom_ops
 from .autograd import _run
@@ -191,13 +191,10 @@ def _validate_paged(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tens
 
 
 def _validate_paged_bias(q: Tensor, bias: object) -> None:
-    if bias is None:
-        return
+    """``bias`` checked as every entry point checks one (``check_bias_kind``), and against the decode's
+    ``(B, Hq, 1, Lk)``."""
+    bias = check_bias_kind(bias, q)
     if isinstance(bias, Tensor):
-        if not bias.is_floating_point():
-            raise TypeError(f"bias must be a float tensor of additive scores, got dtype {bias.dtype}")
-        if bias.device != q.device:
-            raise ValueError(f"bias is on {bias.device} but q is on {q.device}: move it with bias.to(q.device)")
         shape = (1,) * (4 - bias.dim()) + tuple(bias.shape)
         if bias.dim() > 4 or shape[0] not in (1, q.shape[0]) or shape[1] not in (1, q.shape[1]) or shape[2] != 1:
             raise ValueError(
@@ -206,8 +203,6 @@ def _validate_paged_bias(q: Tensor, bias: object) -> None:
             )
     elif isinstance(bias, ScoreMod):
         bias.validate(q.shape[0], q.shape[1], 1, 1)  # per-head parameters must match Hq
-    else:
-        raise TypeError(f"bias must be None, a float tensor or an attnkit.bias modifier, got {type(bias).__name__}")
 
 
 def check_paged_decode(
@@ -238,14 +233,7 @@ def check_paged_decode(
     """
     _validate_paged(q, k_pool, v_pool, block_table, seq_lens)
     _validate_paged_bias(q, bias)
-    for name, x, positive in (("scale", scale, False), ("softcap", softcap, True)):
-        if x is not None and (
-            isinstance(x, (bool, Tensor))
-            or not isinstance(x, (int, float))
-            or not math.isfinite(x)
-            or (positive and x <= 0)
-        ):
-            raise ValueError(f"{name}={x!r} must be a finite number{' > 0' if positive else ''} (or None)")
+    check_modifiers(q, scale, softcap, bias)  # (the checks every entry point makes; the values are kept)
     check_paged_values(
         "paged_decode",
         block_table,
