@@ -38,7 +38,7 @@ test: $(DEV_STAMP)
 
 # the core, while working: no slow, distributed, Triton-interpreter or transformers tests
 test-fast: $(DEV_STAMP)
-	$(BIN)/python -m pytest -n 2 --dist loadfile -rs -m "$(FAST)" src tests
+	$(BIN)/python -m pytest -n 2 --dist loadfile -rs -m "$(FAST)" --hypothesis-profile attnkit-fast src tests
 
 check: lint format-check typecheck docs
 

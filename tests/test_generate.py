@@ -20,6 +20,10 @@ VARIANTS = {
     "window": dict(positions="rope", mask=masks.sliding_window(5), n_kv_heads=2),
     "window_alibi": dict(positions="alibi", mask=masks.sliding_window(4)),
     "qwen_like": dict(positions="rope", qkv_bias=True, n_kv_heads=2, tie_embeddings=False),
+    # one layer for the torch.compile tests: what they check does not depend on depth, and each compile of a
+    # decode step costs seconds a layer
+    "gqa_1": dict(positions="rope", n_kv_heads=1, n_layers=1),
+    "rope_1": dict(positions="rope", n_layers=1),
 }
 _MODELS: dict = {}
 
@@ -192,32 +196,33 @@ def test_clear_errors():
 
 def test_compiled_decode_steps_give_the_eager_tokens():
     """generate(compile=True): the torch.compile'd one-token steps (ragged rows, then an even batch that
-    recompiles for its batch size) produce exactly the eager tokens, and positions are still checked."""
-    model = _model("gqa")
+    recompiles for its batch size) produce exactly the eager tokens, and positions are still checked.  (At the
+    caller's thread count: torch.compile guards on it, so decode_threads="auto" would compile each count it tries.)"""
+    model = _model("gqa_1")
     prompts = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]]
-    assert generate(model, prompts, 6, compile=True) == generate(model, prompts, 6)
-    assert generate(model, [[3, 1, 4]], 5, compile=True) == generate(model, [[3, 1, 4]], 5)
+    assert generate(model, prompts, 6, compile=True, decode_threads=None) == generate(model, prompts, 6)
+    assert generate(model, [[3, 1, 4]], 5, compile=True, decode_threads=None) == generate(model, [[3, 1, 4]], 5)
     with pytest.raises(ValueError, match="beyond the model's max_seq_len=512"):
-        generate(model, [[1] * 500], 20, compile=True)
+        generate(model, [[1] * 500], 20, compile=True, decode_threads=None)
 
 
 def test_compiled_weights_are_frozen_per_model_and_refreshed_after_in_place_changes():
     """The compiled steps freeze the weights into the code: a second model of the same shape gets its own
     tokens, and weights changed in place after compiling are noticed by the next generate."""
-    a, b = copy.deepcopy(_model("rope")), copy.deepcopy(_model("rope"))  # changed below: not the shared one
+    a, b = copy.deepcopy(_model("rope_1")), copy.deepcopy(_model("rope_1"))  # changed below: not the shared one
     with torch.no_grad():
         for p in b.parameters():
             p.add_(torch.randn_like(p) * 0.5)
     prompt = [[3, 1, 4, 1, 5]]
     ea, eb = generate(a, prompt, 8), generate(b, prompt, 8)
     assert ea != eb  # the two models disagree, so a shared frozen copy would show
-    assert generate(a, prompt, 8, compile=True) == ea
-    assert generate(b, prompt, 8, compile=True) == eb
+    assert generate(a, prompt, 8, compile=True, decode_threads=None) == ea
+    assert generate(b, prompt, 8, compile=True, decode_threads=None) == eb
     with torch.no_grad():
         a.embed.weight.mul_(-1.0)  # in place: same tensor, new values
     ea2 = generate(a, prompt, 8)
     assert ea2 != ea
-    assert generate(a, prompt, 8, compile=True) == ea2
+    assert generate(a, prompt, 8, compile=True, decode_threads=None) == ea2
     generate(a, prompt * 4, 2)  # eager, 4 sequences: a compiled model keeps its layout (and frozen code)
     assert a.layers[0].attn.qkv_proj.weight.is_contiguous()
 
