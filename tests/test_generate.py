@@ -273,7 +273,11 @@ def test_generate_decodes_through_copies_laid_out_for_its_batch():
     generate(b16, prompts[:1], 2)
     assert _copies(b16) == {}  # bfloat16 at 1 sequence: as it is
     generate(b16, prompts, 2)
-    assert _copies(b16)[(b16.layers[0].attn.qkv_proj.weight, "column")].dtype is torch.bfloat16
+    w16 = b16.layers[0].attn.qkv_proj.weight
+    if decode_layout(w16, len(prompts)) == "column":  # a CPU with native bfloat16 products
+        assert _copies(b16)[(w16, "column")].dtype is torch.bfloat16
+    else:  # (AVX2: read as they are, 3x faster there than column-major copies)
+        assert _copies(b16) == {}
 
 
 def test_threads_generating_on_one_model_get_their_own_tokens():

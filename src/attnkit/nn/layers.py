@@ -175,25 +175,41 @@ def _decode_layout(w: Tensor, rows: int) -> str | None:
         if rows <= _MKL_ROWS:
             return "row"
         return "packed" if _onednn_packed_works() else "column"
-    if w.dtype is torch.bfloat16 and rows > _MKL_ROWS:  # (1-3 rows: whole steps measured equal either way)
+    if w.dtype is torch.bfloat16 and rows > _MKL_ROWS and _native_bfloat16():  # (1-3 rows: equal either way)
         return "column"
     return None
+
+
+def _native_bfloat16() -> bool:
+    """Whether this CPU's oneDNN multiplies bfloat16 with AVX-512 or AMX.  Only there do column-major copies
+    speed up the bfloat16 products of 4-64 rows; on an AVX2 CPU (AMD Zen 3, measured: batch-8 steps of a 58M
+    model 690 ms with column-major copies, 201 ms with the row-major weights) they are read as they are."""
+    global _BF16
+    if _BF16 is None:
+        try:
+            _BF16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except (AttributeError, RuntimeError):
+            _BF16 = False
+    return _BF16
+
+
+_BF16: bool | None = None
 
 
 def decode_layout(weight: Tensor, rows: int) -> str | None:
     """The layout a decode-sized product of ``rows`` rows reads ``weight (out, in)`` fastest in on this machine,
     the one :func:`attnkit.generate`'s and the Engine's decode copies take: ``"row"`` (row-major),
-    ``"column"`` (column-major) or ``"packed"`` (oneDNN's blocked layout, where this machine's oneDNN has it:
-    float32 from 4 rows), or None where the layout does not matter or the product is not decode-sized (over
-    64 rows, not a 2-D CPU weight).
+    ``"column"`` (column-major: bfloat16 from 4 rows, on CPUs with native bfloat16 products) or ``"packed"``
+    (oneDNN's blocked layout, where this machine's oneDNN has it: float32 from 4 rows), or None where the
+    layout does not matter or the product is not decode-sized (over 64 rows, not a 2-D CPU weight).
 
     Example::
 
         >>> import torch
         >>> from attnkit.nn import decode_layout
         >>> w = torch.randn(16, 8)
-        >>> decode_layout(w, 1), decode_layout(w.bfloat16(), 8), decode_layout(w, 1000)
-        ('row', 'column', None)
+        >>> decode_layout(w, 1), decode_layout(w.bfloat16(), 2), decode_layout(w, 1000)
+        ('row', None, None)
     """
     if not isinstance(weight, Tensor):
         raise TypeError(f"decode_layout: weight must be a torch.Tensor, got {type(weight).__name__}")
@@ -213,7 +229,7 @@ class DecodeCopies:
 
     While :meth:`active`, :func:`linear` reads the copy of a weight whose layout is not the one its product
     wants (float32: row-major for 1-3 rows, oneDNN's blocked layout for 4-64; bfloat16: column-major for
-    4-64), made on first use.  A copy is made again when its weight changed: it is another tensor (``.data`` assigned,
+    4-64 where the CPU multiplies bfloat16 natively), made on first use.  A copy is made again when its weight changed: it is another tensor (``.data`` assigned,
     ``.to()``), was written in place (PyTorch's version counter: optimizer steps, ``load_state_dict``,
     ``copy_``, in-place ops under ``no_grad``), or, checked by :meth:`refresh`, holds other values at a few
     sampled places (a whole-tensor write through ``.data``, which the version counter does not see).
