@@ -34,7 +34,7 @@ demo: $(DEMO_STAMP)
 
 # the whole suite on two workers (one test file per worker), with the reason of every skip
 test: $(DEV_STAMP)
-	$(BIN)/python -m pytest -n 2 --dist loadfile -rs src tests
+	$(BIN)/python -m pytest -n 2 --dist worksteal -rs src tests
 
 # the core, while working: no slow, distributed, Triton-interpreter or transformers tests
 test-fast: $(DEV_STAMP)
