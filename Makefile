@@ -32,7 +32,8 @@ $(DEV_STAMP): $(TORCH_STAMP) pyproject.toml
 demo: $(DEMO_STAMP)
 	$(BIN)/attnkit demo
 
-# the whole suite on two workers (one test file per worker), with the reason of every skip
+# the whole suite on two workers (tests handed out one by one, an idle worker takes over queued ones), with
+# the reason of every skip
 test: $(DEV_STAMP)
 	$(BIN)/python -m pytest -n 2 --dist worksteal -rs src tests
 
