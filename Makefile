@@ -32,14 +32,18 @@ $(DEV_STAMP): $(TORCH_STAMP) pyproject.toml
 demo: $(DEMO_STAMP)
 	$(BIN)/attnkit demo
 
+# pytest keeps its rewritten test modules, and Python the bytecode of attnkit's modules, between runs and for the
+# child processes of a run, even where the environment turns bytecode writing off (~6 s of each worker's start)
+KEEP_BYTECODE := PYTHONDONTWRITEBYTECODE=
+
 # the whole suite on two workers (tests handed out one by one, an idle worker takes over queued ones), with
 # the reason of every skip
 test: $(DEV_STAMP)
-	$(BIN)/python -m pytest -n 2 --dist worksteal -rs src tests
+	$(KEEP_BYTECODE) $(BIN)/python -m pytest -n 2 --dist worksteal -rs src tests
 
 # the core, while working: no slow, distributed, Triton-interpreter or transformers tests
 test-fast: $(DEV_STAMP)
-	$(BIN)/python -m pytest -n 2 --dist loadfile -rs -m "$(FAST)" --hypothesis-profile attnkit-fast src tests
+	$(KEEP_BYTECODE) $(BIN)/python -m pytest -n 2 --dist loadfile -rs -m "$(FAST)" --hypothesis-profile attnkit-fast src tests
 
 check: lint format-check typecheck docs
 

@@ -238,6 +238,7 @@ def test_distill_between_sink_models():
 # ----------------------------------------------------------------------------- item: transformers models
 
 
+@pytest.mark.hf
 @pytest.mark.parametrize("who", ["generate", "Engine"])
 def test_a_transformers_model_is_refused_with_the_conversion_to_use(who):
     from attnkit.integrations.hf import from_hf

@@ -56,6 +56,7 @@ def _random(model):
     return model.eval()
 
 
+@pytest.mark.hf
 def test_gemma3_attn_logit_softcapping_is_not_applied_either_way():
     """transformers' Gemma 3 keeps attn_logit_softcapping in its config but never caps the scores: from_hf
     matches its logits with the field set (small cap, so a cap would show), to_hf round-trips, and a score
@@ -88,6 +89,7 @@ def test_gemma3_attn_logit_softcapping_is_not_applied_either_way():
         to_hf(DecoderLM(model.config.replace(softcap=20.0)), family="gemma3_text")
 
 
+@pytest.mark.hf
 def test_to_hf_mistral_without_a_window():
     """family='mistral' with no window: transformers' MistralConfig(sliding_window=None), logits equal."""
     torch.manual_seed(0)

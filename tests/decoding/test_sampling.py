@@ -24,6 +24,7 @@ def _ids(n=4, length=9, v=50, seed=1):
     return torch.randint(0, v, (n, length), generator=g)
 
 
+@pytest.mark.hf
 @pytest.mark.parametrize("penalty", [0.5, 1.3, 2.0])
 def test_repetition_penalty_equals_transformers(penalty):
     x, ids = _logits(), _ids()
@@ -32,6 +33,7 @@ def test_repetition_penalty_equals_transformers(penalty):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.mark.hf
 @pytest.mark.parametrize("min_p", [0.0, 0.05, 0.3, 1.0])
 def test_min_p_equals_transformers(min_p):
     x = _logits()
@@ -39,6 +41,7 @@ def test_min_p_equals_transformers(min_p):
     torch.testing.assert_close(_sampling.apply_min_p(x, min_p), want, rtol=0, atol=0)
 
 
+@pytest.mark.hf
 def test_logit_bias_equals_sequence_bias_and_bad_words():
     x = _logits()
     bias = {3: 2.5, 7: -1.25, 49: 4.0}
@@ -60,6 +63,7 @@ def test_presence_and_frequency_penalties_follow_their_definition():
     torch.testing.assert_close(got, want)
 
 
+@pytest.mark.hf
 def test_order_and_warpers_equal_transformers_pipeline():
     """bias, repetition penalty, then temperature, top-k, top-p, min-p: the same kept set and probabilities."""
     x, ids = _logits(3, 40), _ids(3, 6, 40)
@@ -100,6 +104,7 @@ def _hf_pair():
         dict(eos_id=[30, 31, 40]),
     ],
 )
+@pytest.mark.hf
 def test_greedy_generate_matches_hf_generate_under_controls(controls):
     hf, model = _hf_pair()
     prompts = [[1, 5, 9, 12, 5, 3], [1, 7, 7, 20]]
