@@ -63,6 +63,30 @@ def test_flash_with_a_temperature_and_return_lse_compiles_forward_and_backward(c
     assert counter.frame_count == 1
 
 
+_FIRST_COMPILED = """
+import torch, torch._dynamo.testing, attnkit
+counter = torch._dynamo.testing.CompileCounterWithBackend("eager")
+fn = torch.compile(lambda q, k, v: attnkit.attention(q, k, v, backend="flash"), fullgraph=True, backend=counter)
+for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+    q = torch.randn(1, 2, 5, 8, dtype=dtype)
+    fn(q, q, q)
+    attnkit.attention(q, q, q, backend="flash")  # the first eager call of this dtype in the process
+    fn(q, q, q)
+print(counter.frame_count)
+"""
+
+
+def test_a_function_compiled_before_any_eager_call_does_not_recompile_after_one():
+    """In a fresh process: compiled first, then eager, then compiled again, for each dtype: one graph per dtype.
+    (A table of scale limits filled on first use made the compiled function recompile after the eager call.)"""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", _FIRST_COMPILED], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split()[-1] == "4"
+
+
 # ------------------------------------------------- 6: masks that read tensor values, attention_varlen
 
 

@@ -286,7 +286,13 @@ def check_modifiers(
 check_number = number
 
 
-_SCALE_LIMITS: dict[torch.dtype, float] = {}  # by q's dtype: the square root of its accumulation dtype's largest
+# by q's dtype: the square root of its accumulation dtype's largest.  Filled here once for every floating dtype:
+# a dict that filled up on first use made a function compiled before an eager call recompile after it (torch.compile
+# guards on the dict's keys)
+_SCALE_LIMITS: dict[torch.dtype, float] = {
+    dt: math.sqrt(torch.finfo(accumulation_dtype(dt)).max)
+    for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+}
 
 
 def check_scale(scale: float, q: Tensor, bias: Tensor | ScoreMod | None) -> None:
