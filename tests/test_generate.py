@@ -196,12 +196,23 @@ def test_clear_errors():
 
 def test_compiled_decode_steps_give_the_eager_tokens():
     """generate(compile=True): the torch.compile'd one-token steps (ragged rows, then an even batch that
-    recompiles for its batch size) produce exactly the eager tokens, and positions are still checked.  (At the
-    caller's thread count: torch.compile guards on it, so decode_threads="auto" would compile each count it tries.)"""
+    recompiles for its batch size) produce exactly the eager tokens, and positions are still checked.  With the
+    default decode_threads="auto" the steps keep the caller's thread count (torch.compile guards on it): two
+    graphs per batch size (the first step's cache length, then a dynamic one), none for another thread count."""
+    from torch._dynamo.utils import counters
+
     model = _model("gqa_1")
     prompts = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]]
-    assert generate(model, prompts, 6, compile=True, decode_threads=None) == generate(model, prompts, 6)
-    assert generate(model, [[3, 1, 4]], 5, compile=True, decode_threads=None) == generate(model, [[3, 1, 4]], 5)
+    counters.clear()
+    caller = torch.get_num_threads()
+    torch.set_num_threads(2)  # ("auto" would try 2 and 1)
+    try:
+        assert generate(model, prompts, 6, compile=True) == generate(model, prompts, 6)
+        assert counters["stats"]["unique_graphs"] == 2
+        assert generate(model, [[3, 1, 4]], 5, compile=True) == generate(model, [[3, 1, 4]], 5)
+        assert counters["stats"]["unique_graphs"] <= 4
+    finally:
+        torch.set_num_threads(caller)
     with pytest.raises(ValueError, match="beyond the model's max_seq_len=512"):
         generate(model, [[1] * 500], 20, compile=True, decode_threads=None)
 

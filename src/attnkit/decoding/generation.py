@@ -377,7 +377,9 @@ def generate(
             steps at the caller's count, one fewer and one, keeps the fastest and re-checks as decoding goes
             (a core busy with another process makes fewer threads faster; see ``attnkit._threads``; what was
             measured is kept with the model for its later generations of the same batch size); an int uses
-            that many; None leaves it alone.  The caller's count is set back after every step.
+            that many; None leaves it alone.  The caller's count is set back after every step.  With
+            ``compile=True``, ``"auto"`` keeps the caller's count: compiled code is specialised to the thread
+            count, so trying others would compile the step again for each.
         speculative: a :class:`~attnkit.decoding.Speculation`: speculative decoding with a draft model or
             prompt lookup (``cache="static"`` or ``"paged"``, without ``compile``); None decodes one token
             per step.
@@ -458,7 +460,11 @@ def generate(
                 params,
                 compile,
                 copies,
-                cpu_threads(model, _threads_for(model, decode_threads, len(prompts))),
+                # (compiled: one thread count, as each count would compile the step again)
+                cpu_threads(
+                    model,
+                    _threads_for(model, None if compile and decode_threads == "auto" else decode_threads, len(prompts)),
+                ),
             )
         try:
             for i, tok, lp in events:
