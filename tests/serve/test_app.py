@@ -334,3 +334,31 @@ def test_the_server_packs_prompts_into_steps_by_default(start, served):
     assert _auto_batched_tokens(torch.nn.Sequential(LengthDependentRope()), 16) is None
     with pytest.raises(ValueError, match="max_batched_tokens='many' must be an int"):
         start(max_batched_tokens="many")
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_n_streamed_choices_interleave_and_each_equals_its_unstreamed_text(start, chat):
+    """n=3 streamed: the choices generate together, so their chunks come interleaved (not choice after choice),
+    in order within each choice, each choice ending once with its finish reason; every choice's text is the
+    unstreamed reply's (same seed), and the usage counts all three."""
+    server = start()
+    client = _client(server)
+    kw = dict(model="tiny", max_tokens=10, temperature=1.0, seed=7, n=3, logit_bias={"2": -100})
+    if chat:
+        kw["messages"] = [{"role": "user", "content": "ba be"}]
+        whole = client.chat.completions.create(**kw)
+        chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    else:
+        kw["prompt"] = PROMPT
+        whole = client.completions.create(**kw)
+        chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    order = [c.choices[0].index for c in chunks if c.choices]
+    assert sorted(set(order)) == [0, 1, 2]
+    assert order.index(1) < len(order) - 1 - order[::-1].index(0)  # choice 1 starts before choice 0 ends
+    for i, choice in enumerate(whole.choices):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        text = "".join((m.delta.content or "") if chat else m.text for m in mine)
+        assert text == (choice.message.content if chat else choice.text)
+        assert [m.finish_reason for m in mine if m.finish_reason] == ["length"]
+        assert mine[-1].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 30

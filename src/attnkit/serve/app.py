@@ -324,48 +324,74 @@ class _Handler:
         }
 
     async def _chunks(self, req: GenerationRequest, streams: list[RequestStream]):
-        """The streamed chunks (dicts), then ``[DONE]``; choices one after another."""
+        """The streamed chunks (dicts), then ``[DONE]``.  The ``n`` choices of a request generate together in
+        the engine, and each choice's chunks are sent as its tokens come: chunks of different choices
+        interleave (each names its ``index``), in order within a choice."""
         head = {
             "id": _new_id(req),
             "object": "chat.completion.chunk" if req.chat else "text_completion",
             "created": int(time.time()),
             "model": self.ctx.name,
         }
-        for i, stream in enumerate(streams):
-            text = _Text(self.ctx.tokenizer, req.stop)
-            if req.chat:
-                yield dict(
-                    head,
-                    choices=[
-                        {
-                            "index": i,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ],
-                )
-            offset = 0
-            try:
-                async for piece, lps, reason in self._choice(stream, text):
-                    if not piece and not lps and reason is None:
-                        continue
-                    if req.chat:
-                        delta = {"content": piece} if piece or reason is None else {}
-                        lp = _chat_logprobs(self.ctx, lps) if req.logprobs is not None and lps else None
-                        choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
-                    else:
-                        lp = _completion_logprobs(self.ctx, lps, offset) if req.logprobs is not None and lps else None
-                        choice = {"index": i, "text": piece, "logprobs": lp, "finish_reason": reason}
-                    offset += len(piece)
-                    yield dict(head, choices=[choice])
-            except RuntimeError as e:
-                log.error("request failed: %s", e)
-                yield error_body(f"generation failed: {e}", "server_error")
-                break
+        merged = _interleave([self._choice_chunks(req, head, i, s) for i, s in enumerate(streams)])
+        try:
+            async for chunk in merged:
+                yield chunk
+        except RuntimeError as e:
+            log.error("request failed: %s", e)
+            yield error_body(f"generation failed: {e}", "server_error")
+        finally:
+            await merged.aclose()
         if req.include_usage:
             yield dict(head, choices=[], usage=self._usage(req, streams))
         yield "[DONE]"
+
+    async def _choice_chunks(self, req: GenerationRequest, head: dict, i: int, stream: RequestStream):
+        """The chunks of choice ``i``: for chat the assistant's role first, then a chunk per decoded piece."""
+        text = _Text(self.ctx.tokenizer, req.stop)
+        if req.chat:
+            yield dict(
+                head,
+                choices=[
+                    {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                ],
+            )
+        offset = 0
+        async for piece, lps, reason in self._choice(stream, text):
+            if not piece and not lps and reason is None:
+                continue
+            if req.chat:
+                delta = {"content": piece} if piece or reason is None else {}
+                lp = _chat_logprobs(self.ctx, lps) if req.logprobs is not None and lps else None
+                choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
+            else:
+                lp = _completion_logprobs(self.ctx, lps, offset) if req.logprobs is not None and lps else None
+                choice = {"index": i, "text": piece, "logprobs": lp, "finish_reason": reason}
+            offset += len(piece)
+            yield dict(head, choices=[choice])
+
+
+async def _interleave(gens: list):
+    """The items of several async generators as each comes (items ready together in the generators' order);
+    an exception of one ends the whole (the others are closed); closing this closes them all."""
+    pending = {asyncio.ensure_future(anext(g)): i for i, g in enumerate(gens)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.__getitem__):
+                i = pending.pop(task)
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    continue
+                yield item
+                pending[asyncio.ensure_future(anext(gens[i]))] = i
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for g in gens:
+            await g.aclose()
 
 
 def _new_id(req: GenerationRequest) -> str:
