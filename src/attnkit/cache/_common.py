@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from numbers import Integral
-from typing import Any, Iterable, Sequence, cast
+from typing import Any, Callable, Iterable, Sequence, cast
 
 import torch
 
@@ -377,6 +377,7 @@ def attend(
     softcap: float | None = None,
     backend: str = "auto",
     sinks: Tensor | None = None,
+    compute: Compute | None = None,
 ) -> Tensor:
     """Attention of ``q (B, Hq, L_new, D)`` over what a layer cache's ``update`` returned.
 
@@ -384,6 +385,11 @@ def attend(
     ``mask``) or a :class:`CacheAttention` (``attend(q, *, mask, bias, scale, softcap)``).  ``mask``/``bias``
     are the layer's own, in the bottom-right alignment of the contract; ``sinks`` as in :func:`attnkit.attention` (passed to ``attend`` only when
     given).  Returns ``(B, Hq, L_new, Dv)``.
+
+    ``compute``: the attention to run in place of :func:`attnkit.attention` (``compute(q, k, v, *, mask, bias,
+    scale, softcap, sinks)``, e.g. a module's attention through its hooks).  A :class:`CacheAttention` given one
+    reads its keys and values in position order and calls it on them (once per piece it would attend
+    separately) instead of its own kernel, so that the computation is visible to the caller.
 
     Example::
 
@@ -398,7 +404,10 @@ def attend(
     from ..masks import from_dense
 
     if isinstance(kv, CacheAttention):
-        extra_kw = {} if sinks is None else {"sinks": sinks}
+        extra_kw: dict[str, Any] = {} if sinks is None else {"sinks": sinks}
+        if compute is not None:
+            check_takes_compute(kv)
+            extra_kw["compute"] = compute
         return kv.attend(q, mask=mask, bias=bias, scale=scale, softcap=softcap, **extra_kw)
     if not isinstance(kv, tuple) or len(kv) not in (2, 3):
         raise TypeError(
@@ -413,5 +422,26 @@ def attend(
         else:
             m = mask if isinstance(mask, Mask) else from_dense(mask)
             mask = m & (extra if isinstance(extra, Mask) else from_dense(extra))
+    if compute is not None:
+        return compute(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, sinks=sinks)
     out: Tensor = attention(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, backend=backend, sinks=sinks)
     return out
+
+
+# the attention a caller runs in place of attnkit.attention: compute(q, k, v, *, mask, bias, scale, softcap, sinks)
+# -> (B, Hq, L, Dv) for (B, Hq, L, D) queries over (B, Hkv, Lk, D) keys and (B, Hkv, Lk, Dv) values
+Compute = Callable[..., Tensor]
+
+
+def check_takes_compute(kv: CacheAttention) -> None:
+    """Refuse a :class:`CacheAttention` whose ``attend`` takes no ``compute`` (a cache written before it existed):
+    the caller's attention (its hooks) could not run."""
+    import inspect
+
+    params = inspect.signature(kv.attend).parameters
+    if "compute" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        raise TypeError(
+            f"{type(kv).__name__}.attend takes no compute= argument, so the layer's attention hooks cannot see "
+            f"the attention this cache computes: add compute=None to its attend (call it on the keys and values "
+            f"in position order when given), or remove the hooks"
+        )

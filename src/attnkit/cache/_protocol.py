@@ -61,7 +61,7 @@ class CacheRead(tuple[Any, ...]):
 class CacheAttention(ABC):
     """What a layer cache's ``update`` returns when the cache computes the attention itself (the paged cache's
     decode step reads the pool through the block table; the quantized cache reads its store a chunk at a
-    time): ``attend(q, *, mask, bias, scale, softcap, sinks) -> (B, Hq, L_new, Dv)`` for ``q (B, Hq, L_new,
+    time): ``attend(q, *, mask, bias, scale, softcap, sinks, compute) -> (B, Hq, L_new, Dv)`` for ``q (B, Hq, L_new,
     D)``, with the layer's masks and score modifiers as :func:`attnkit.attention` takes them.
 
     The built-in caches' results subclass it; any other object with an ``attend`` method counts as one too
@@ -80,8 +80,13 @@ class CacheAttention(ABC):
         scale: float | None = None,
         softcap: float | None = None,
         sinks: Tensor | None = None,
+        compute: Any = None,
     ) -> Tensor:
-        """Attention of ``q (B, Hq, L_new, D)`` over what the cache holds: ``(B, Hq, L_new, Dv)``."""
+        """Attention of ``q (B, Hq, L_new, D)`` over what the cache holds: ``(B, Hq, L_new, Dv)``.
+
+        ``compute``: None, or the attention to run instead of the cache's own kernel (``compute(q, k, v, *, mask,
+        bias, scale, softcap, sinks)``, the layer's attention through its hooks): the cache then reads its keys
+        and values in position order (for each piece it attends separately) and calls ``compute`` on them."""
 
     @classmethod
     def __subclasshook__(cls, other: type) -> Any:

@@ -13,7 +13,8 @@ new sequence whose prompt starts with a run of full blocks already computed (ide
 tokens chained with the hash of everything before them) reuses those blocks instead of recomputing them.
 
 This module holds the cache objects; the free list, reference counts and prefix table are the block pool's
-(``_block_pool``), and attention over the blocks is a backend's (``attnkit.backends.paged``).
+(``_block_pool``), the checked ``paged_attention`` function is ``_paged_decode``'s, and attention over the blocks
+is a backend's (``attnkit.backends.paged``).
 """
 
 from __future__ import annotations
@@ -28,148 +29,16 @@ from ..masks import Mask
 from .._checks import flag, integer
 from ..backends import paged as _kernel
 from ..backends.paged import PoolLayout, block_runs, seq_view
-from ..backends.call import check_bias_kind, check_mask_kind, check_modifiers, check_sinks
+from ..backends.call import check_sinks
 from ._block_pool import BlockPool, PoolExhausted, SequenceBlocks
-from ._common import check_dtype, check_new_kv, layout_of, model_dims
+from ._common import Compute, attend, check_dtype, check_new_kv, layout_of, model_dims
+from ._paged_decode import _prepare, explain_paged_attention, paged_attention
 from ._pool_view import PoolLayer, PoolView
 from ._protocol import CacheAttention, CacheRead
 
 Tensor = torch.Tensor
 
 __all__ = ["PagedCache", "PagedBatch", "PagedPacked", "PoolExhausted", "paged_attention", "explain_paged_attention"]
-
-
-# ----------------------------------------------------------------------------- the decode
-
-
-def paged_attention(
-    q: Tensor,
-    k_pool: Tensor,
-    v_pool: Tensor,
-    block_table: Tensor,
-    seq_lens: Tensor,
-    *,
-    scale: float | None = None,
-    softcap: float | None = None,
-    bias: BiasLike | None = None,
-    mask: Mask | Tensor | None = None,
-    sinks: Tensor | None = None,
-) -> Tensor:
-    """Attention of each sequence's newest queries over its keys, read through its block table.
-
-    Args:
-        q: ``(B, Hq, Lq, D)``; query row ``i`` of sequence ``b`` sits at position ``seq_lens[b] - Lq + i``
-            (``Lq = 1`` when decoding).
-        k_pool: ``(num_blocks, Hkv, block_size, D)``; ``Hq`` a multiple of ``Hkv`` (grouped-query heads
-            share their key/value head: nothing is repeated).
-        v_pool: ``(num_blocks, Hkv, block_size, Dv)``.
-        block_table: ``(B, max_blocks)`` int32; position ``p`` of sequence ``b`` is in block
-            ``block_table[b, p // block_size]``.  Entries past a sequence's blocks are ignored.
-        seq_lens: ``(B,)`` int32 keys stored per sequence (the new ones included).
-        scale, softcap: as in :func:`attnkit.attention`.
-        bias: None, an :mod:`attnkit.bias` modifier (ALiBi, T5 buckets, ...) evaluated per sequence with
-            its own length, or a float tensor broadcastable to ``(B, Hq, Lq, Lk)`` indexed by key position.
-        mask: None, an :class:`attnkit.masks.Mask` evaluated per sequence (bottom-right: the last query of
-            sequence ``b`` at position ``seq_lens[b] - 1``), or a bool tensor like ``bias``.
-        sinks: as in :func:`attnkit.attention`, ``(Hq,)`` or broadcastable to ``(B, Hq)``: one logit per
-            query head in each row's denominator (such calls are attended per sequence, on every device).
-
-    Returns:
-        ``(B, Hq, Lq, Dv)`` in ``q``'s dtype.  A sequence with ``seq_lens[b] = 0`` gets zeros.
-
-    On CUDA tensors, with no mask beyond causal, the Triton kernel ``attnkit.backends.triton.paged_decode``
-    runs when it takes the call (its ``check_paged_decode``).  Elsewhere the pool is read where it lies
-    (grouped-query heads are not repeated; the softmax runs in float32 for half inputs).  A decode step
-    (``Lq = 1``) whose mask and bias read only positions and heads (causal, sliding window, prefix-LM and
-    block-local masks; ALiBi, T5 buckets, temperature; softcap) reads the used spans of the pool in one
-    pass for the whole batch: each block is scored with the query of the sequence that owns it, in one
-    batched product per span however the blocks are scattered, modified at its own positions, and a
-    softmax over each sequence's blocks follows.  Otherwise each sequence is attended alone: a contiguous ``(num_blocks, Hkv, block_size, D)``
-    pool (:class:`PagedCache`'s storage) takes one matrix product per run of consecutive block ids, and
-    a head-major pool (``(Hkv, num_blocks, ...)`` storage) reads a run as one ``(Hkv, L, D)`` view, with
-    PyTorch's fused kernel when nothing modifies the scores (a head-major decode step takes whichever
-    of the two reads fewer bytes).  :func:`explain_paged_attention` says which of these paths a call takes.
-
-    Example::
-
-        >>> import torch
-        >>> from attnkit.cache import paged_attention
-        >>> k_pool = v_pool = torch.randn(8, 2, 4, 16)             # 8 blocks of 4 positions, 2 kv heads
-        >>> table = torch.tensor([[3, 5, 0], [1, 0, 0]], dtype=torch.int32)
-        >>> lens = torch.tensor([7, 2], dtype=torch.int32)
-        >>> paged_attention(torch.randn(2, 4, 1, 16), k_pool, v_pool, table, lens).shape
-        torch.Size([2, 4, 1, 16])
-    """
-    _kernel.check_paged_args(q, k_pool, v_pool, block_table, seq_lens)
-    scale, softcap, mask, sinks = _prepare(q, scale, softcap, bias, mask, sinks)
-    return _kernel.attend_table(
-        q, k_pool, v_pool, block_table, seq_lens, scale=scale, softcap=softcap, bias=bias, mask=mask, sinks=sinks
-    )
-
-
-def explain_paged_attention(
-    q: Tensor,
-    k_pool: Tensor,
-    v_pool: Tensor,
-    block_table: Tensor,
-    seq_lens: Tensor,
-    *,
-    scale: float | None = None,
-    softcap: float | None = None,
-    bias: BiasLike | None = None,
-    mask: Mask | Tensor | None = None,
-    sinks: Tensor | None = None,
-) -> str:
-    """How :func:`paged_attention` computes this call, as one line: the path (``triton``, ``splitkv``,
-    ``pool``: one pass over the pool for the whole batch, or ``per sequence``) and why.  Arguments and errors
-    as for :func:`paged_attention`; nothing is computed.
-
-    Example::
-
-        >>> import torch
-        >>> from attnkit import masks
-        >>> from attnkit.cache import explain_paged_attention
-        >>> k_pool = v_pool = torch.randn(8, 2, 4, 16)
-        >>> table = torch.tensor([[3, 5, 0], [1, 0, 0]], dtype=torch.int32)
-        >>> lens = torch.tensor([7, 2], dtype=torch.int32)
-        >>> explain_paged_attention(torch.randn(2, 4, 1, 16), k_pool, v_pool, table, lens).split(":")[0]
-        'pool'
-        >>> print(explain_paged_attention(torch.randn(2, 4, 3, 16), k_pool, v_pool, table, lens))
-        per sequence: one attention per sequence over its runs of blocks (3 queries per sequence; the pool path takes decode steps)
-    """
-    _kernel.check_paged_args(q, k_pool, v_pool, block_table, seq_lens)
-    scale, softcap, mask, sinks = _prepare(q, scale, softcap, bias, mask, sinks)
-    return _kernel.explain_table(
-        q, k_pool, v_pool, block_table, seq_lens, scale=scale, softcap=softcap, bias=bias, mask=mask, sinks=sinks
-    )
-
-
-def _prepare(
-    q: Tensor,
-    scale: float | None,
-    softcap: float | None,
-    bias: BiasLike | None,
-    mask: Mask | Tensor | None,
-    sinks: Tensor | None = None,
-) -> tuple[float, float | None, Mask | Tensor | None, Tensor | None]:
-    """``(scale, softcap, mask, sinks)`` checked for the kernel as :func:`attnkit.attention` checks them (the
-    shared checks of ``attnkit.backends.call``; the lengths differ per sequence, so a tensor mask or bias is
-    checked against each one's when it is read): ``scale`` a float (``1/sqrt(D)`` by default), ``sinks``
-    ``(B, Hq)`` or None, and a decode step's bottom-right causal mask dropped."""
-    try:
-        checked = check_mask_kind(mask, q)
-        scale, softcap = check_modifiers(q, scale, softcap, check_bias_kind(bias, q))
-        sinks = check_sinks(sinks, q)
-    except (TypeError, ValueError) as e:
-        raise type(e)(f"paged_attention: {e}") from None
-    if checked is not mask:
-        raise TypeError(
-            "paged_attention: mask takes no FlexAttention BlockMask (its blocks are laid out for one key length, "
-            "and each sequence has its own): pass an attnkit.masks.Mask"
-        )
-    if isinstance(mask, Mask) and mask.is_causal("bottom_right") and q.shape[2] == 1:
-        mask = None  # the newest query sees every stored key
-    return scale, softcap, mask, sinks
 
 
 # ----------------------------------------------------------------------------- the cache
@@ -642,10 +511,25 @@ class _PagedDecode(CacheAttention):
         softcap: float | None = None,
         sinks: Tensor | None = None,
         value_dims: int | None = None,
+        compute: Compute | None = None,
     ) -> Tensor:
         """``value_dims``: the values are the first ``value_dims`` channels of the stored keys (a latent cache,
-        :class:`attnkit.nn.LatentAttention`, stores no values of its own)."""
+        :class:`attnkit.nn.LatentAttention`, stores no values of its own); ``compute``: see
+        :meth:`CacheAttention.attend` (the sequences' keys gathered right-aligned, with their padding mask)."""
         v_pool = self.v_pool if value_dims is None else self.k_pool[..., :value_dims]
+        if compute is not None:
+            k, pad = self.plan.gather(self.k_pool)
+            v = k[..., :value_dims] if value_dims is not None else self.plan.gather(v_pool)[0]
+            return attend(
+                CacheRead(k, v, pad),
+                q,
+                mask=mask,
+                bias=bias,
+                scale=scale,
+                softcap=softcap,
+                sinks=sinks,
+                compute=compute,
+            )
         if q.is_cuda or sinks is not None:  # the Triton kernel when it takes the call (sinks: per sequence)
             table, lens = self.plan.tables()
             return paged_attention(
@@ -791,9 +675,11 @@ class _PackedAttend(CacheAttention):
         softcap: float | None = None,
         sinks: Tensor | None = None,
         value_dims: int | None = None,
+        compute: Compute | None = None,
     ) -> Tensor:
         """``sinks``: as in :func:`attnkit.attention` (a logit per query head); ``value_dims``: the values are
-        the first ``value_dims`` channels of the stored keys (a latent cache, :class:`attnkit.nn.LatentAttention`)."""
+        the first ``value_dims`` channels of the stored keys (a latent cache, :class:`attnkit.nn.LatentAttention`);
+        ``compute``: see :meth:`CacheAttention.attend` (called for the decode rows together, then for each chunk)."""
         from ..functional import attention
 
         pk = self.packed
@@ -805,7 +691,14 @@ class _PackedAttend(CacheAttention):
             rows = torch.tensor([pk.offsets[i] for i in dec], device=q.device)
             qd = q[0, :, rows].transpose(0, 1).unsqueeze(2)  # (Bd, Hq, 1, D)
             od = _PagedDecode(self.k_pool, self.v_pool, pk._decode_plan()).attend(
-                qd, mask=mask, bias=bias, scale=scale, softcap=softcap, sinks=sinks, value_dims=value_dims
+                qd,
+                mask=mask,
+                bias=bias,
+                scale=scale,
+                softcap=softcap,
+                sinks=sinks,
+                value_dims=value_dims,
+                compute=compute,
             )  # (Bd, Hq, 1, Dv)
             out[0, :, rows] = od[:, :, 0].transpose(0, 1)
         for i in pk._chunk_rows:
@@ -813,7 +706,11 @@ class _PackedAttend(CacheAttention):
             k, v = pk._keys(self.k_pool, self.v_pool, i, value_dims is None)  # (1, Hkv, L, D), (1, Hkv, L, Dv)
             v = k[..., :value_dims] if value_dims is not None else cast(Tensor, v)  # (values read unless latent)
             qi = q[:, :, a : a + n]  # (1, Hq, n, D)
-            if _kernel.takes_chunk(qi, k, v, mask=mask, bias=bias, softcap=softcap):
+            if compute is not None:
+                out[:, :, a : a + n] = compute(
+                    qi, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, sinks=sinks
+                )
+            elif _kernel.takes_chunk(qi, k, v, mask=mask, bias=bias, softcap=softcap):
                 out[:, :, a : a + n] = _kernel.attend_chunk(
                     qi,
                     k,

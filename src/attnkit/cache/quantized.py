@@ -26,7 +26,7 @@ import torch
 from .._checks import int_in_range, integer
 from ..bias import BiasLike
 from ..masks import Mask
-from ._common import ModelCache, check_dtype, check_new_kv, layout_of, max_len_of, model_dims
+from ._common import Compute, ModelCache, attend, check_dtype, check_new_kv, layout_of, max_len_of, model_dims
 from ._protocol import CacheAttention, CacheRead
 
 Tensor = torch.Tensor
@@ -352,7 +352,9 @@ class _QuantizedDecode(CacheAttention):
         scale: float | None = None,
         softcap: float | None = None,
         sinks: Tensor | None = None,
+        compute: Compute | None = None,
     ) -> Tensor:
+        """``compute``: see :meth:`CacheAttention.attend` (the store dequantized in full, with the padding mask)."""
         from ..backends.call import accumulation_dtype, check_modifiers, make_call
         from ..backends.scores import grouped_bias, grouped_index, modify_scores
         from ..masks import from_dense
@@ -367,6 +369,18 @@ class _QuantizedDecode(CacheAttention):
             from ..backends.call import graph_zero
 
             return q.new_zeros(B, Hq, Lq, Dv) + graph_zero(q)
+        if compute is not None:
+            k_all, v_all = layer._read(layer.rk.dtype)
+            return attend(
+                CacheRead(k_all, v_all, self.pad_mask),
+                q,
+                mask=mask,
+                bias=bias,
+                scale=scale,
+                softcap=softcap,
+                sinks=sinks,
+                compute=compute,
+            )
         if sinks is not None or (
             torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in (q, layer.rk, layer.rv))
         ):

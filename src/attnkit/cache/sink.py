@@ -24,7 +24,7 @@ import torch
 from .._checks import integer
 from ..bias import BiasLike
 from ..masks import Mask
-from ._common import ModelCache, check_new_kv, layout_of, model_dims
+from ._common import Compute, ModelCache, check_new_kv, layout_of, model_dims
 from ._pool_view import PoolLayer, PoolView
 from ._protocol import CacheAttention, CacheRead
 from ._block_pool import SequenceBlocks
@@ -549,7 +549,9 @@ class _SinkPackedAttend(CacheAttention):
         scale: float | None = None,
         softcap: float | None = None,
         sinks: Tensor | None = None,
+        compute: Compute | None = None,
     ) -> Tensor:
+        """``compute``: see :meth:`CacheAttention.attend` (called for each sequence's queries and kept keys)."""
         from ._common import attend
 
         _, Hq, T, _ = q.shape
@@ -557,7 +559,7 @@ class _SinkPackedAttend(CacheAttention):
         for i, (a, n) in enumerate(zip(self.view.offsets, self.view.n_new)):
             kv = CacheRead(self.plan.keys(self.k_pool, i, True), self.plan.keys(self.v_pool, i, False))
             out[:, :, a : a + n] = attend(
-                kv, q[:, :, a : a + n], mask=mask, bias=bias, scale=scale, softcap=softcap, sinks=sinks
+                kv, q[:, :, a : a + n], mask=mask, bias=bias, scale=scale, softcap=softcap, sinks=sinks, compute=compute
             )
         return out
 

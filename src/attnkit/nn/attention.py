@@ -43,7 +43,9 @@ class _Attends(nn.Module):
         call.replace(mask=...))``) or replaces the computation (return its own ``(B, Hq, Lq, Dv)`` without
         calling ``compute``).  The hook registered last runs outermost.  The handle is also a context manager
         that removes the hook on exit.  A paged or quantized cache's decode step computes attention itself
-        (its ``update`` returns a :class:`attnkit.cache.CacheAttention`) and runs no hook.
+        (its ``update`` returns a :class:`attnkit.cache.CacheAttention`): with hooks, it reads its keys and
+        values in position order and the hooks see that attention (one call per piece it attends separately:
+        the decode rows of a step together, each prompt chunk alone), at the cost of its fused kernel.
 
         Example::
 
@@ -102,6 +104,18 @@ class _Attends(nn.Module):
             backend=self.backend,
             sinks=sinks,
         )
+
+    def _hooked_compute(self):
+        """None without hooks; with them, the attention a cache that computes attention itself (paged,
+        quantized) calls on its keys and values in place of its own kernel, so that the hooks see it."""
+        if not self._attention_hooks:
+            return None
+
+        def compute(q, k, v, *, mask=None, bias=None, scale=None, softcap=None, sinks=None):
+            # (no dropout: the caches' own kernels apply none either)
+            return self._attend(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, dropout_p=0.0, sinks=sinks)
+
+        return compute
 
     def _compute(self, c: AttentionCall) -> Tensor:
         """The module's own attention of one call (under its hooks)."""
@@ -562,6 +576,7 @@ class MultiHeadAttention(_Attends):
                     scale=self._scale(),
                     softcap=self.softcap,
                     sinks=self.sinks,
+                    compute=self._hooked_compute(),
                 )
                 return self._output(out)
             k, v, extra = _checks.cache_kv(kv)  # everything stored, in position order

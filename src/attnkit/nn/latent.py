@@ -293,6 +293,7 @@ class LatentAttention(_Attends):
                 scale=self.scale,
                 softcap=None,  # type: ignore[call-arg]
                 value_dims=r,
+                compute=self._hooked_compute(),
             )  # (an option of the paged caches' decode steps)
         else:
             out = self._attend(
