@@ -288,8 +288,9 @@ class MultiHeadAttention(_Attends):
     (keys already rotated at their absolute positions) go to ``kv = cache.update(k, v)``, which returns
     ``(k_all, v_all)``, ``(k_all, v_all, extra_mask)`` (``extra_mask``: None, a Mask or a bool tensor
     broadcastable to ``(B, Hq, L, Lk)``, AND-ed with the masks) or an object with
-    ``attend(q, *, mask, bias, scale, softcap) -> (B, Hq, L, d_head)`` that computes attention itself
-    (paged/quantized caches; this runs no attention hook and cannot return weights).  A cache with
+    ``attend(q, *, mask, bias, scale, softcap, compute) -> (B, Hq, L, d_head)`` that computes attention itself
+    (paged/quantized caches; with attention hooks the module passes ``compute``, its attention through the
+    hooks, which the cache calls on its keys and values; it cannot return weights).  A cache with
     ``peek(n_new) -> (Lk or None, attends)`` (the built-in ones) lets the module check the call mask and
     ``need_weights`` before the update, so a rejected call leaves the cache unchanged.
 
