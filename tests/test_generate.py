@@ -285,10 +285,14 @@ def test_generate_decodes_through_copies_laid_out_for_its_batch():
     assert _copies(b16) == {}  # bfloat16 at 1 sequence: as it is
     generate(b16, prompts, 2)
     w16 = b16.layers[0].attn.qkv_proj.weight
-    if decode_layout(w16, len(prompts)) == "column":  # a CPU with native bfloat16 products
+    layout = decode_layout(w16, len(prompts))
+    if layout == "column":  # a CPU with native bfloat16 products
         assert _copies(b16)[(w16, "column")].dtype is torch.bfloat16
-    else:  # (AVX2: read as they are, 3x faster there than column-major copies)
-        assert _copies(b16) == {}
+    else:  # (AVX2: float32 copies, multiplied in float32 and rounded to bfloat16)
+        assert layout in ("float32-packed", "float32-row")
+        copy32 = _copies(b16)[(w16, layout)]
+        assert copy32.dtype is torch.float32 and torch.equal(copy32.to_dense(), w16.float())
+        assert w16.dtype is torch.bfloat16  # the model's own weights untouched
 
 
 def test_threads_generating_on_one_model_get_their_own_tokens():

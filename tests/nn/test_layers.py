@@ -179,3 +179,31 @@ def test_decode_kernel_choice_prefers_f_linear_and_ignores_a_slow_call(monkeypat
     assert c.kernel == "columns" and c.seconds["columns"] == 0.5 and c.gbps("columns") == 4 * 64 / 0.5 / 1e9
     assert choice({"linear": 1.0, "columns": 0.95, "onednn": 0.93}).kernel == "linear"  # within MARGIN
     assert "no other kernel was 10% faster" in str(choice({"linear": 1.0, "columns": 0.95}))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 64, 256])
+def test_bfloat16_products_meet_the_numerical_rule_with_and_without_copies(rows):
+    """With decode copies (generate, the Engine) a bfloat16 product of 4-64 rows reads a copy: column-major
+    bfloat16 where the CPU multiplies bfloat16 natively, float32 elsewhere (computed in float32, rounded
+    once to bfloat16); without copies, from 8 rows, such a CPU computes in float32 too (prefill).  Either way
+    the result is bfloat16 and within twice bfloat16's own error of the float64 product; the weight is
+    untouched."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 80, generator=g).bfloat16()
+    b = torch.randn(96, generator=g).bfloat16()
+    x = torch.randn(rows, 80, generator=g).bfloat16()
+    exact = F.linear(x.double(), w.double(), b.double())
+    naive = (F.linear(x, w, b).double() - exact).abs().max().item()
+    copies = layers.DecodeCopies()
+    with torch.no_grad(), copies.active():
+        got = linear(x, w, b)
+    with torch.no_grad():
+        plain = linear(x, w, b)
+    for out in (got, plain):
+        assert out.dtype is torch.bfloat16 and out.shape == (rows, 96)
+        assert (out.double() - exact).abs().max().item() <= 2 * naive
+    assert w.dtype is torch.bfloat16 and w.is_contiguous()
+    layout = layers.decode_layout(w, rows)
+    assert (copies.nbytes() > 0) == (layout is not None)
+    if layout is not None and layout.startswith("float32-"):
+        assert copies.nbytes() >= 2 * w.nbytes  # the float32 copy: twice the weight's memory

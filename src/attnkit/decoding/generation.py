@@ -364,8 +364,9 @@ def generate(
         relayout: with a cache and without ``compile``, the products of the one-token decode steps
             (those of attnkit's layers, :func:`attnkit.nn.linear`) read copies of the weights laid out for
             the batch (on CPU: float32 weights row-major for 1-3 sequences, in oneDNN's blocked layout for
-            4-64; bfloat16 column-major for 4-64), which attnkit makes on first use and keeps with the model for later
-            calls.  They take as much memory again as the weights copied; none are made where the weights
+            4-64; bfloat16 for 4-64 column-major, or as float32 copies where the CPU has no native bfloat16
+            products), which attnkit makes on first use and keeps with the model for later calls.  They take as
+            much memory again as the weights copied (twice as much for float32 copies of bfloat16 weights); none are made where the weights
             have the layout already (row-major float32 weights at 1-3 sequences).  The model's own weights
             are never moved.  A copy is made again when its weight changed since: replaced (``.to()``,
             ``.data`` assigned) or written in place (an optimizer step, ``load_state_dict``, ``copy_``);

@@ -24,7 +24,8 @@ picks the kernel from the layout and the row count, for float32 CPU products tha
 
 The model's weights are never moved to get the layout: :func:`attnkit.generate` and :class:`attnkit.decoding.Engine`
 decode through copies they own (``DecodeCopies``: float32 weights in oneDNN's blocked layout for 4-64
-rows, row-major for 1-3, bfloat16 column-major for 4-64; made again when a weight changes), and
+rows, row-major for 1-3; bfloat16 weights for 4-64 rows column-major where the CPU multiplies bfloat16
+natively, else as float32 copies multiplied in float32; made again when a weight changes), and
 :func:`to_decode_layout` changes a module's own weights in place (column-major: parameters stay ordinary
 tensors), for those who want the layout without the copies.
 
@@ -100,8 +101,11 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)``: ``x (..., in)``, ``weight (out, in)``, ``bias (out,)`` -> ``(..., out)``.
 
     Float32 CPU products that autograd does not track take the fastest kernel for the weight's layout and
-    the number of rows (see the module doc); everything else (gradients, other dtypes and devices,
-    ``torch.compile`` graphs) is ``F.linear``.  Results agree with ``F.linear`` to float32 rounding.
+    the number of rows (see the module doc); bfloat16 ones of 8 rows or more on a CPU without native bfloat16
+    products (AVX2) are computed in float32 and rounded to bfloat16 once (1.3x faster at 8 rows, 8x at 256:
+    prefill); everything else (gradients, other dtypes and devices, ``torch.compile`` graphs) is
+    ``F.linear``.  Results agree with ``F.linear`` to float32 rounding (bfloat16: at least as close to the
+    exact product).
 
     Example::
 
@@ -128,25 +132,46 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         copies = _DECODE_COPIES.get()
         if copies is not None and x.dtype is weight.dtype:  # a decode step of generate or an Engine
             weight = copies.weight_for(weight, rows)
+            if weight.dtype is not x.dtype:  # a float32 copy of a bfloat16 weight (no native bfloat16 products)
+                out = _float32_product(x.float(), weight, None if bias is None else bias.float(), rows)
+                return F.linear(x.float(), weight, bias) if out is None else out.to(x.dtype)
+        if x.dtype is torch.float32 and weight.dtype is torch.float32:
+            out = _float32_product(x, weight, bias, rows)
+            if out is not None:
+                return out
         if (
-            x.dtype is torch.float32
-            and weight.dtype is torch.float32
-            and (bias is None or (bias.dtype is torch.float32 and bias.is_cpu))
-        ):
-            if weight.is_mkldnn:  # a blocked copy (DecodeCopies, 4-64 rows)
-                return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-            if 1 <= rows <= _MKL_ROWS and weight.dim() == 2 and weight.stride(1) == 1 and weight.stride(0) == k:
-                # the kernel this machine streams a row-major weight fastest with, measured once (_products)
-                kernel = _products.choose(rows, weight.shape[0], k, _onednn_linear_works())
-                y = _products.run(kernel, x.reshape(rows, k), weight, bias)  # (rows, out)
-                return y.view(*x.shape[:-1], weight.shape[0])
-            if (rows > 1 or torch.get_num_threads() > 1) and rows <= _ONEDNN_ROWS and _onednn_linear_works():
-                return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+            x.dtype is torch.bfloat16
+            and weight.dtype is torch.bfloat16
+            and rows >= _WIDEN_ROWS
+            and weight.dim() == 2
+            and not _native_bfloat16()
+        ):  # (no native bfloat16 products: float32 is 1.3x faster at 8 rows, 8x at 256; the weight widened for the call)
+            wide = None if bias is None else bias.float()
+            return F.linear(x.float(), weight.float(), wide).to(x.dtype)
     return F.linear(x, weight, bias)
+
+
+def _float32_product(x: Tensor, weight: Tensor, bias: Tensor | None, rows: int) -> Tensor | None:
+    """The fastest kernel for a float32 CPU product of ``rows`` rows and this weight's layout (module doc), or
+    None where ``F.linear`` is it."""
+    k = x.shape[-1]
+    if bias is not None and (bias.dtype is not torch.float32 or not bias.is_cpu):
+        return None
+    if weight.is_mkldnn:  # a blocked copy (DecodeCopies, 4-64 rows)
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if 1 <= rows <= _MKL_ROWS and weight.dim() == 2 and weight.stride(1) == 1 and weight.stride(0) == k:
+        # the kernel this machine streams a row-major weight fastest with, measured once (_products)
+        kernel = _products.choose(rows, weight.shape[0], k, _onednn_linear_works())
+        y = _products.run(kernel, x.reshape(rows, k), weight, bias)  # (rows, out)
+        return y.view(*x.shape[:-1], weight.shape[0])
+    if (rows > 1 or torch.get_num_threads() > 1) and rows <= _ONEDNN_ROWS and _onednn_linear_works():
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return None
 
 
 _MKL_ROWS = 3  # up to this many rows a row-major weight goes through MKL's few-column product (module doc)
 _ONEDNN_ROWS = 64  # up to this many rows oneDNN (its per-shape memory stays bounded); beyond, F.linear
+_WIDEN_ROWS = 8  # from this many rows a bfloat16 product on a CPU without native bfloat16 runs in float32
 
 
 def _column_major(w: Tensor) -> Tensor:
@@ -175,15 +200,20 @@ def _decode_layout(w: Tensor, rows: int) -> str | None:
         if rows <= _MKL_ROWS:
             return "row"
         return "packed" if _onednn_packed_works() else "column"
-    if w.dtype is torch.bfloat16 and rows > _MKL_ROWS and _native_bfloat16():  # (1-3 rows: equal either way)
-        return "column"
+    if w.dtype is torch.bfloat16 and rows > _MKL_ROWS:  # (1-3 rows: equal either way, or see below)
+        if _native_bfloat16():
+            return "column"
+        # no native bfloat16 products (AVX2): from 4 rows float32 copies, multiplied as float32 weights are
+        # (1-3 rows stream the weights, and bfloat16 streams half the bytes: faster as it is)
+        return "float32-packed" if _onednn_packed_works() else "float32-row"
     return None
 
 
 def _native_bfloat16() -> bool:
     """Whether this CPU's oneDNN multiplies bfloat16 with AVX-512 or AMX.  Only there do column-major copies
     speed up the bfloat16 products of 4-64 rows; on an AVX2 CPU (AMD Zen 3, measured: batch-8 steps of a 58M
-    model 690 ms with column-major copies, 201 ms with the row-major weights) they are read as they are."""
+    model 690 ms with column-major copies, 201 ms with the row-major weights) bfloat16 products are 1.5x (one
+    row) to 2.5x (eight rows) slower than float32 ones, so the decode copies there are float32."""
     global _BF16
     if _BF16 is None:
         try:
@@ -200,7 +230,10 @@ def decode_layout(weight: Tensor, rows: int) -> str | None:
     """The layout a decode-sized product of ``rows`` rows reads ``weight (out, in)`` fastest in on this machine,
     the one :func:`attnkit.generate`'s and the Engine's decode copies take: ``"row"`` (row-major),
     ``"column"`` (column-major: bfloat16 from 4 rows, on CPUs with native bfloat16 products) or ``"packed"``
-    (oneDNN's blocked layout, where this machine's oneDNN has it: float32 from 4 rows), or None where the
+    (oneDNN's blocked layout, where this machine's oneDNN has it: float32 from 4 rows); for bfloat16 weights
+    on CPUs without native bfloat16 products (AVX2), from 4 rows, ``"float32-packed"`` (``"float32-row"``
+    without oneDNN's blocked layout): a float32 copy in that layout, the product computed in float32 and
+    rounded to bfloat16 (twice the weight's memory; batch-8 decode steps 1.7-2.3x faster).  None where the
     layout does not matter or the product is not decode-sized (over 64 rows, not a 2-D CPU weight).
 
     Example::
@@ -208,8 +241,10 @@ def decode_layout(weight: Tensor, rows: int) -> str | None:
         >>> import torch
         >>> from attnkit.nn import decode_layout
         >>> w = torch.randn(16, 8)
-        >>> decode_layout(w, 1), decode_layout(w.bfloat16(), 2), decode_layout(w, 1000)
-        ('row', None, None)
+        >>> decode_layout(w, 1), decode_layout(w, 1000)
+        ('row', None)
+        >>> decode_layout(w.bfloat16(), 2), decode_layout(w.bfloat16(), 8) in ("column", "float32-packed", "float32-row")
+        (None, True)
     """
     if not isinstance(weight, Tensor):
         raise TypeError(f"decode_layout: weight must be a torch.Tensor, got {type(weight).__name__}")
@@ -228,8 +263,9 @@ class DecodeCopies:
     model's parameters never change their memory.
 
     While :meth:`active`, :func:`linear` reads the copy of a weight whose layout is not the one its product
-    wants (float32: row-major for 1-3 rows, oneDNN's blocked layout for 4-64; bfloat16: column-major for
-    4-64 where the CPU multiplies bfloat16 natively), made on first use.  A copy is made again when its weight changed: it is another tensor (``.data`` assigned,
+    wants (float32: row-major for 1-3 rows, oneDNN's blocked layout for 4-64; bfloat16 for 4-64 rows:
+    column-major where the CPU multiplies bfloat16 natively, else a float32 copy, twice the weight's memory,
+    multiplied in float32 and rounded to bfloat16), made on first use.  A copy is made again when its weight changed: it is another tensor (``.data`` assigned,
     ``.to()``), was written in place (PyTorch's version counter: optimizer steps, ``load_state_dict``,
     ``copy_``, in-place ops under ``no_grad``), or, checked by :meth:`refresh`, holds other values at a few
     sampled places (a whole-tensor write through ``.data``, which the version counter does not see).
@@ -246,7 +282,8 @@ class DecodeCopies:
         layout = _decode_layout(w, rows)
         if (
             layout is None
-            or (w.is_contiguous() if layout == "row" else _is_column_major(w))
+            or (layout == "row" and w.is_contiguous())
+            or (layout == "column" and _is_column_major(w))
             or w._is_view()
             or w.is_inference()
         ):
@@ -258,12 +295,13 @@ class DecodeCopies:
             return entry.copy
         # ordinary tensors even under inference_mode (where generate may run), like the weights themselves
         with torch.inference_mode(False), torch.no_grad():
+            source = w.detach().float() if layout.startswith("float32-") else w.detach()
             copy = (
-                _column_major(w.detach())
+                _column_major(source)
                 if layout == "column"
-                else _pack(w)
-                if layout == "packed"
-                else w.detach().contiguous()
+                else _pack(source)
+                if layout.endswith("packed")
+                else source.contiguous()
             )
             live = _sampled(w)
             entry = _Copy(weakref.ref(w), key, live, None if live is None else live.clone(), copy)
