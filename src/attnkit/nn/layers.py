@@ -101,9 +101,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)``: ``x (..., in)``, ``weight (out, in)``, ``bias (out,)`` -> ``(..., out)``.
 
     Float32 CPU products that autograd does not track take the fastest kernel for the weight's layout and
-    the number of rows (see the module doc); bfloat16 ones of 8 rows or more on a CPU without native bfloat16
-    products (AVX2) are computed in float32 and rounded to bfloat16 once (1.3x faster at 8 rows, 8x at 256:
-    prefill); everything else (gradients, other dtypes and devices, ``torch.compile`` graphs) is
+    the number of rows (see the module doc); bfloat16 ones of 32 rows or more (prefill) on a CPU without native
+    bfloat16 products (AVX2) are computed in float32, the weight widened for the call, and rounded to bfloat16
+    once (1.8x faster at 64 rows, 2.9x at 128; below 32 rows widening costs more than it saves); everything else (gradients, other dtypes and devices, ``torch.compile`` graphs) is
     ``F.linear``.  Results agree with ``F.linear`` to float32 rounding (bfloat16: at least as close to the
     exact product).
 
@@ -145,7 +145,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
             and rows >= _WIDEN_ROWS
             and weight.dim() == 2
             and not _native_bfloat16()
-        ):  # (no native bfloat16 products: float32 is 1.3x faster at 8 rows, 8x at 256; the weight widened for the call)
+        ):  # (no native bfloat16 products: see the docstring)
             wide = None if bias is None else bias.float()
             return F.linear(x.float(), weight.float(), wide).to(x.dtype)
     return F.linear(x, weight, bias)
@@ -171,7 +171,7 @@ def _float32_product(x: Tensor, weight: Tensor, bias: Tensor | None, rows: int) 
 
 _MKL_ROWS = 3  # up to this many rows a row-major weight goes through MKL's few-column product (module doc)
 _ONEDNN_ROWS = 64  # up to this many rows oneDNN (its per-shape memory stays bounded); beyond, F.linear
-_WIDEN_ROWS = 8  # from this many rows a bfloat16 product on a CPU without native bfloat16 runs in float32
+_WIDEN_ROWS = 32  # from this many rows a bfloat16 product on a CPU without native bfloat16 runs in float32
 
 
 def _column_major(w: Tensor) -> Tensor:
