@@ -190,6 +190,13 @@ def _hooked(model, seen):
 def _decoder(variant):
     if variant == "latent":
         return latent_decoder().eval()
+    if variant == "sinks":
+        model = tiny_decoder(attention_sinks=True)
+        with torch.no_grad():
+            for m in model.modules():
+                if getattr(m, "sinks", None) is not None:
+                    m.sinks.normal_(0.0, 2.0)  # (learned sinks that matter)
+        return model
     return tiny_decoder(positions=variant)
 
 
@@ -201,7 +208,16 @@ def _logprobs(model, prompts, cache):
 
 # (the quantized cache stores no latent keys: LatentAttention refuses it)
 @pytest.mark.parametrize(
-    "variant, cache", [("rope", "paged"), ("alibi", "paged"), ("latent", "paged"), ("rope", "int8"), ("alibi", "int8")]
+    "variant, cache",
+    [
+        ("rope", "paged"),
+        ("alibi", "paged"),
+        ("latent", "paged"),
+        ("sinks", "paged"),
+        ("rope", "int8"),
+        ("alibi", "int8"),
+        ("sinks", "int8"),
+    ],
 )
 def test_decode_steps_of_caches_that_attend_themselves_run_the_hooks(variant, cache):
     """The paged and quantized caches' decode steps compute attention themselves; with hooks they hand it to
@@ -238,7 +254,7 @@ def _engine_logprobs(model, prompts):
 ENGINE_PROMPTS = [[5, 3, 9, 1, 7, 4, 4, 2, 6], [2, 8], [1, 2, 3, 4, 5, 6, 7]]
 
 
-@pytest.mark.parametrize("variant", ["rope", "alibi"])
+@pytest.mark.parametrize("variant", ["rope", "alibi", "sinks"])
 def test_the_engines_packed_steps_run_the_hooks(variant):
     """The Engine packs prompt chunks and decode tokens of several requests into one forward (a paged cache
     that computes attention itself, per piece): with hooks, each piece goes through them, and every request's
