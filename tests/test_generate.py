@@ -8,7 +8,7 @@ import torch
 
 from attnkit import masks
 from attnkit.cache import EncoderDecoderCache, PagedCache, QuantizedCache, SlidingWindowCache, StaticCache
-from attnkit.decoding import SamplingParams, generate, sample
+from attnkit.decoding import SamplingParams, free_decode_copies, generate, sample
 from attnkit.nn import DecoderConfig, DecoderLM, EncoderDecoder
 
 VARIANTS = {
@@ -329,3 +329,17 @@ def test_causal_models_refuse_row_predicates_and_odd_rotary_heads():
     with pytest.raises(ValueError, match="head size d_head=15 must be even"):
         DecoderConfig.preset("tiny", d_model=45, n_heads=3)
     DecoderConfig.preset("tiny", d_model=45, n_heads=3, positions="alibi")  # not rotary: fine
+
+
+def test_free_decode_copies_drops_what_generate_keeps_and_generate_makes_them_again():
+    model = copy.deepcopy(_model("rope"))
+    prompts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]]
+    want = generate(model, prompts, 4)
+    held = sum(c.nbytes for c in _copies(model).values() if not c.is_mkldnn) or None
+    freed = free_decode_copies(model)
+    assert freed > 0 and (held is None or freed >= held)
+    assert _copies(model) == {} and free_decode_copies(model) == 0
+    assert generate(model, prompts, 4) == want  # made again
+    assert _copies(model) != {}
+    with pytest.raises(TypeError, match="free_decode_copies: model must be a torch.nn.Module, got list"):
+        free_decode_copies([model])

@@ -2,7 +2,7 @@
 
 - :func:`generate` (:mod:`attnkit.decoding.generation`): batched incremental decoding of ragged prompts
   through every KV cache; :func:`resolve_cache` says which cache a call takes; with ``logprobs`` it
-  returns a :class:`GenerationResult`.
+  returns a :class:`GenerationResult`; :func:`free_decode_copies` drops the weight copies it keeps for a model.
 - :class:`Engine` (:mod:`attnkit.decoding.engine`): continuous batching over a paged KV cache.
 - :class:`SamplingParams` and :func:`sample` (:mod:`attnkit.decoding.sampling`): how the next token is
   chosen, passed to both as one object (``sampling=SamplingParams(...)``); :class:`TokenLogprob` is a
@@ -25,13 +25,14 @@ Example::
 """
 
 from .engine import Engine
-from .generation import GenerationResult, generate, resolve_cache
+from .generation import GenerationResult, free_decode_copies, generate, resolve_cache
 from .sampling import SamplingParams, TokenLogprob, resolve_sampling, sample
 from .speculative import Speculation, SpeculativeStats
 
 __all__ = [
     "generate",
     "resolve_cache",
+    "free_decode_copies",
     "GenerationResult",
     "Engine",
     "SamplingParams",

@@ -43,7 +43,7 @@ from .speculative import Speculation, stream_speculative
 
 Tensor = torch.Tensor
 
-__all__ = ["generate", "resolve_cache", "GenerationResult"]
+__all__ = ["generate", "resolve_cache", "GenerationResult", "free_decode_copies"]
 
 CACHES = ("auto", "static", "sliding", "paged", "int8", "int4")
 
@@ -120,6 +120,30 @@ def _decode_copies(model) -> DecodeCopies | None:
             copies = _COPIES[model] = DecodeCopies()
     copies.refresh()
     return copies
+
+
+def free_decode_copies(model: torch.nn.Module) -> int:
+    """Drop the copies of ``model``'s weights that :func:`generate` keeps for its decode steps (``relayout=True``,
+    the default: the weights laid out for each batch size, float32 copies of bfloat16 weights on CPUs without
+    native bfloat16 products) and return the bytes they held.  They are kept while the model lives so that
+    later generations reuse them; a later generation makes again those it needs.  An :class:`Engine` keeps copies
+    of its own, freed with it.
+
+    Example::
+
+        >>> import attnkit
+        >>> from attnkit.decoding import free_decode_copies
+        >>> from attnkit.nn import DecoderLM, DecoderConfig
+        >>> model = DecoderLM(DecoderConfig.preset("tiny"))
+        >>> _ = attnkit.generate(model, [[1, 2], [3, 4], [5, 6], [7, 8]], 2)  # 4 sequences: copies laid out for 4 rows
+        >>> free_decode_copies(model) > 0, free_decode_copies(model)
+        (True, 0)
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"free_decode_copies: model must be a torch.nn.Module, got {type(model).__name__}")
+    with _COPIES_LOCK:
+        copies = _COPIES.pop(model, None)
+    return 0 if copies is None else copies.nbytes()
 
 
 _THREADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {batch: its "auto" policy}
@@ -368,7 +392,8 @@ def generate(
             products), which attnkit makes on first use and keeps with the model for later calls.  They take as
             much memory again as the weights copied (twice as much for float32 copies of bfloat16 weights); none are made where the weights
             have the layout already (row-major float32 weights at 1-3 sequences).  The model's own weights
-            are never moved.  A copy is made again when its weight changed since: replaced (``.to()``,
+            are never moved; :func:`~attnkit.decoding.free_decode_copies` drops them.  A copy is made again when
+            its weight changed since: replaced (``.to()``,
             ``.data`` assigned) or written in place (an optimizer step, ``load_state_dict``, ``copy_``);
             writes through ``.data`` bypass PyTorch's version counter and are seen only when they change
             one of the few values sampled from each weight (a whole-tensor update is, one edited row may
