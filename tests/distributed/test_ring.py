@@ -245,7 +245,10 @@ def _error_case(name: str, rank: int, world: int) -> dict:
         return _expect_error(lambda: ring_attention(x, x, x, scale=1e30), ValueError, "would overflow")
     if name == "plain_function_bias":  # the same TypeError as attention's, not "differs across ranks"
         return _expect_error(
-            lambda: ring_attention(x, x, x, bias=lambda s, b, h, i, j: s), TypeError, "wrap a function", "from_fn"
+            lambda: ring_attention(x, x, x, bias=lambda s, b, h, i, j: s),
+            TypeError,
+            "got the callable <lambda>",
+            "from_fn",
         )
     if name == "local_document_ids":  # ids for this rank's 8 tokens instead of all 8W
         return _expect_error(

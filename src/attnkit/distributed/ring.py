@@ -507,8 +507,8 @@ def _agree(group, rank: int, world: int, q, k, v, check=None, **settings):
         b = settings.get("bias")
         if callable(b) and not isinstance(b, (ScoreMod, torch.Tensor)):
             raise TypeError(
-                "bias must be None or an attnkit.bias modifier; wrap a function "
-                "fn(score, b, h, q_idx, kv_idx) with attnkit.bias.from_fn(fn)"
+                f"bias must be None or an attnkit.bias modifier, got the callable {getattr(b, '__name__', type(b).__name__)}: "
+                "wrap a function fn(score, b, h, q_idx, kv_idx) with attnkit.bias.from_fn(fn)"
             )
         if check is not None:
             result = check()
